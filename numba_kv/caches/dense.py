@@ -1,0 +1,74 @@
+"""``DenseCache``: the exact, uncompressed reference cache under the same protocol."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from .. import _backend
+from ._layer import BufferSpec, LayeredCache, LayerState
+
+
+class DenseCache(LayeredCache):
+    """Uncompressed K/V storage (exact reference for every compressed cache).
+
+    Parameters
+    ----------
+    num_layers, num_kv_heads, head_dim : int
+        Model geometry; ``head_dim`` a multiple of 32.
+    dtype : {None, float16, float32, float64}
+        Storage dtype; ``None`` (default) keeps float32.  ``memory_usage()`` counts it.
+
+    Notes
+    -----
+    ``decode`` returns :class:`~numba_kv.caches.protocol.Dequantized` holding the exact
+    history.  Storage is ``[batch·num_kv_heads, capacity, head_dim]`` per layer for K and V.
+    """
+
+    name = "dense"
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: Optional[Any] = None) -> None:
+        super().__init__(num_layers, num_kv_heads, head_dim)
+        dt = np.dtype(np.float32 if dtype is None else dtype)
+        if dt not in (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)):
+            raise ValueError(f"dtype: expected None, float16, float32 or float64, got {dt}")
+        self.dtype = dt
+
+    @property
+    def bits_per_value(self) -> float:
+        """Stored bits per K or V value."""
+        return 8.0 * self.dtype.itemsize
+
+    def _buffer_spec(self) -> BufferSpec:
+        return {"k": (self.head_dim, self.dtype), "v": (self.head_dim, self.dtype)}
+
+    def _flat(self, name: str, a: Any) -> Any:
+        xp = _backend.xp_of(a)
+        if xp is None:  # Numba device array: must already be in the storage dtype
+            if np.dtype(a.dtype) != self.dtype or not a.is_c_contiguous():
+                raise TypeError(f"{name}: Numba device arrays must be C-contiguous {self.dtype}, got {a.dtype}")
+            return a.reshape(a.shape[0] * a.shape[1], a.shape[2], a.shape[3])
+        a = xp.ascontiguousarray(a, dtype=self.dtype)
+        return a.reshape(a.shape[0] * a.shape[1], a.shape[2], a.shape[3])
+
+    def _store(self, st: LayerState, k: Any, v: Any) -> None:
+        t0, s = st.seq_len, int(k.shape[2])
+        for name, a in (("k", k), ("v", v)):
+            src = self._flat(name, a)
+            dst = st.buffers[name]
+            if _backend.xp_of(dst) is not None:
+                dst[:, t0:t0 + s] = src
+            else:  # Numba device arrays: per-row contiguous copies
+                for r in range(src.shape[0]):
+                    dst[r, t0:t0 + s].copy_to_device(src[r])
+
+    def _history(self, st: LayerState, dtype: Any) -> Tuple[Any, Any]:
+        out = []
+        for name in ("k", "v"):
+            buf = st.buffers[name]
+            xp = _backend.xp_of(buf)
+            live = buf[:, : st.seq_len]
+            flat = xp.ascontiguousarray(live) if xp is not None else live.copy_to_host()
+            out.append(self._reshape_out(flat, st.batch, dtype))
+        return out[0], out[1]

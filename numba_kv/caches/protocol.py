@@ -1,0 +1,177 @@
+"""The ``CompressedKVCache`` protocol: the contract between an inference engine and a
+compression method.
+
+This is the Python rendering of the ``CompressedKVCache`` trait of the Rust crate
+mistralrs-kv-cache 0.3 (see ``shared/seeds/000``–``002`` and ``algorithms.md`` §1).
+
+Layout
+------
+All key/value arrays are ``[batch, num_kv_heads, seq_len, head_dim]`` ("HND" plus a
+batch axis).  Queries are ``[batch, num_heads, q_len, head_dim]`` where ``num_heads`` is
+the number of attention (query) heads.  Rows of the batch are independent sequences of
+equal length.
+
+GQA uses contiguous grouping: attention head ``h`` reads KV head ``h // n_kv_groups``.
+
+``logit_bias`` units
+--------------------
+A ``logit_bias`` returned in :class:`DequantResult` is expressed **in the units of the
+logits that enter softmax**, i.e. it is added *after* the scores have been multiplied by
+``softmax_scale``::
+
+    p = softmax(softmax_scale * q @ k.T + logit_bias)
+
+(The Rust anchor returned an un-scaled correction, too large by ``1/softmax_scale``;
+see ``algorithms.md`` §1.7.)  Its shape is ``[batch, num_heads, q_len, kv_len]``.
+
+Thread safety
+-------------
+Every method may be called concurrently for *different* layers from different Python
+threads: implementations keep one lock per layer and run their jitted kernels with
+``nogil=True``.  Concurrent ``parallel=True`` Numba calls require the ``omp`` or ``tbb``
+threading layer; Numba's ``workqueue`` layer aborts the process when two threads enter
+a parallel region at once.  ``python -m numba_kv.info`` prints the active layer, and
+:func:`numba_kv.check_threading_layer` raises if it is ``workqueue``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol, Union, runtime_checkable
+
+__all__ = [
+    "AttendConfig",
+    "CompressedKVCache",
+    "DecodeOutput",
+    "Dequantized",
+    "DequantResult",
+    "Fused",
+]
+
+
+@dataclass(frozen=True)
+class DequantResult:
+    """Decompressed keys and values of one layer, plus an optional logit bias.
+
+    Attributes
+    ----------
+    k, v : array, shape ``(batch, num_kv_heads, total_seq_len, head_dim)``
+        Keys and values in the dtype of the call's input.
+    logit_bias : array or None, shape ``(batch, num_heads, q_len, total_seq_len)``
+        Added to the *scaled* logits before softmax (units of ``softmax_scale·q·k``).
+        ``None`` for methods without a correction.
+    """
+
+    k: Any
+    v: Any
+    logit_bias: Optional[Any] = None
+
+
+@dataclass(frozen=True)
+class Fused:
+    """Decode output when the cache computed attention itself.
+
+    Attributes
+    ----------
+    out : array, shape ``(batch, num_heads, q_len, head_dim)``
+        Attention output for every query head and position.
+    """
+
+    out: Any
+
+
+@dataclass(frozen=True)
+class Dequantized:
+    """Decode output when the caller runs attention (SDPA) itself.
+
+    Attributes
+    ----------
+    result : DequantResult
+        Full decompressed history of the layer, including the tokens just stored.
+    """
+
+    result: DequantResult
+
+
+DecodeOutput = Union[Fused, Dequantized]
+
+
+@dataclass(frozen=True)
+class AttendConfig:
+    """Attention parameters passed to :meth:`CompressedKVCache.decode`.
+
+    Frozen; new fields are added with defaults so existing callers keep working.
+
+    Attributes
+    ----------
+    softmax_scale : float
+        Multiplier of ``q·k`` before softmax, typically ``1/sqrt(head_dim)``.
+    n_kv_groups : int
+        GQA group size ``num_heads // num_kv_heads`` (1 for MHA).  Validated against the
+        shapes of ``q`` and ``k`` by every cache.
+    """
+
+    softmax_scale: float
+    n_kv_groups: int = 1
+
+    def __post_init__(self) -> None:
+        import math
+
+        s = float(self.softmax_scale)
+        if not math.isfinite(s) or s <= 0.0:
+            raise ValueError(
+                f"softmax_scale: expected a finite positive float, got {self.softmax_scale!r}"
+            )
+        if isinstance(self.n_kv_groups, bool) or int(self.n_kv_groups) != self.n_kv_groups or self.n_kv_groups < 1:
+            raise ValueError(
+                f"n_kv_groups: expected an integer >= 1, got {self.n_kv_groups!r}"
+            )
+
+    @classmethod
+    def for_shapes(cls, head_dim: int, num_heads: int, num_kv_heads: int) -> "AttendConfig":
+        """Standard config: ``softmax_scale = 1/sqrt(head_dim)``, groups from head counts."""
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads: expected a multiple of num_kv_heads={num_kv_heads}, got {num_heads}"
+            )
+        return cls(softmax_scale=head_dim ** -0.5, n_kv_groups=num_heads // num_kv_heads)
+
+
+@runtime_checkable
+class CompressedKVCache(Protocol):
+    """Contract between an inference engine and a KV-cache compression method.
+
+    Semantics (``algorithms.md`` §1.4):
+
+    * ``prefill`` stores all new tokens.  If the layer was empty it returns the
+      *original* ``k``/``v`` (prompt attention is lossless); otherwise it returns the full
+      dequantized history of the layer (chunked prefill).
+    * ``decode`` stores the new token(s) first, then attends over everything stored and
+      returns :class:`Fused` or :class:`Dequantized`.
+    * ``seq_len(layer)`` is the number of stored tokens (0 for an unknown layer).
+    * ``reset()`` drops every layer; ``memory_usage()`` is then 0.
+    * ``memory_usage()`` is the exact number of bytes of live (compressed) data.
+
+    Bad input raises ``ValueError``/``TypeError``/``IndexError`` naming the argument and
+    leaves the cache exactly as it was.
+    """
+
+    def prefill(self, layer: int, k: Any, v: Any, q: Any = None) -> DequantResult:
+        """Store ``k``/``v`` ``[batch, num_kv_heads, new_tokens, head_dim]``; return K/V."""
+        ...
+
+    def decode(self, layer: int, k: Any, v: Any, q: Any, config: AttendConfig) -> DecodeOutput:
+        """Store the new token(s) and attend with ``q`` ``[batch, num_heads, q_len, head_dim]``."""
+        ...
+
+    def seq_len(self, layer: int) -> int:
+        """Tokens currently stored for ``layer``."""
+        ...
+
+    def reset(self) -> None:
+        """Drop all stored tokens of every layer."""
+        ...
+
+    def memory_usage(self) -> int:
+        """Bytes of live stored data, summed over layers."""
+        ...

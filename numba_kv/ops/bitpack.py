@@ -1,0 +1,231 @@
+"""Bit packing of small unsigned indices (1–8 bits), LSB first.
+
+Layout (``algorithms.md`` §2.7): indices are packed in groups of 8; a group of 8
+``b``-bit values forms the ``8·b``-bit little-endian integer ``w = Σ v_k << (b·k)``,
+emitted as ``b`` bytes, least significant byte first.  This single rule gives
+
+* 2-bit: 4 values per byte, element ``4i+k`` in bits ``[2k, 2k+1]``;
+* 3-bit: byte-identical to llama.cpp ``tq3_0`` (``[0..7] -> 88 c6 fa``);
+* 4-bit: element ``2i`` in the low nibble, ``2i+1`` in the high nibble;
+* 1-bit: QJL sign bits, dimension ``j`` in byte ``j // 8``, bit ``j % 8``.
+
+Rows must hold a multiple of 8 indices (head_dim is a multiple of 32 everywhere).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+from numba import cuda, int64, prange, uint8
+
+from .. import _backend
+from .._jit import cpu_kernel, cuda_kernel, twin
+from ._registry import register
+
+SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
+
+
+# --- single-source cores -------------------------------------------------------------
+def _pack_group8(idx, i0, bits, out, o0):
+    """Pack ``idx[i0:i0+8]`` (``bits`` wide) into ``out[o0:o0+bits]``."""
+    w = int64(0)
+    for k in range(8):
+        w |= int64(idx[i0 + k]) << (bits * k)
+    for j in range(bits):
+        out[o0 + j] = uint8((w >> (8 * j)) & 0xFF)
+
+
+def _unpack_group8(packed, p0, bits, out, i0):
+    """Unpack ``bits`` bytes at ``packed[p0:]`` into 8 indices ``out[i0:i0+8]``."""
+    w = int64(0)
+    for j in range(bits):
+        w |= int64(packed[p0 + j]) << (8 * j)
+    mask = (int64(1) << bits) - 1
+    for k in range(8):
+        out[i0 + k] = uint8((w >> (bits * k)) & mask)
+
+
+pack_group8_cpu, pack_group8_dev = twin(_pack_group8)
+unpack_group8_cpu, unpack_group8_dev = twin(_unpack_group8)
+
+
+# --- CPU twins -------------------------------------------------------------------------
+@cpu_kernel
+def _pack_bits_cpu(idx, bits, out):
+    n, length = idx.shape
+    groups = length // 8
+    for r in prange(n):
+        for g in range(groups):
+            pack_group8_cpu(idx[r], g * 8, bits, out[r], g * bits)
+
+
+@cpu_kernel
+def _unpack_bits_cpu(packed, bits, out):
+    n, length = out.shape
+    groups = length // 8
+    for r in prange(n):
+        for g in range(groups):
+            unpack_group8_cpu(packed[r], g * bits, bits, out[r], g * 8)
+
+
+# --- CUDA kernels (one thread per group of 8 indices, grid-stride) ---------------------
+@cuda_kernel
+def _pack_bits_cuda(idx, bits, out):
+    n, length = idx.shape
+    groups = length // 8
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for t in range(start, n * groups, stride):
+        r = t // groups
+        g = t - r * groups
+        pack_group8_dev(idx[r], g * 8, bits, out[r], g * bits)
+
+
+@cuda_kernel
+def _unpack_bits_cuda(packed, bits, out):
+    n, length = out.shape
+    groups = length // 8
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for t in range(start, n * groups, stride):
+        r = t // groups
+        g = t - r * groups
+        unpack_group8_dev(packed[r], g * bits, bits, out[r], g * 8)
+
+
+register("pack_bits", _pack_bits_cpu, _pack_bits_cuda,
+         ["void(uint8[:, ::1], int64, uint8[:, ::1])"], float32_only=True)
+register("unpack_bits", _unpack_bits_cpu, _unpack_bits_cuda,
+         ["void(uint8[:, ::1], int64, uint8[:, ::1])"], float32_only=True)
+
+
+# --- public API ------------------------------------------------------------------------
+def _check_bits(bits: Any) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or int(bits) not in SUPPORTED_BITS:
+        raise ValueError(f"bits: expected an int in 1..8, got {bits!r}")
+    return int(bits)
+
+
+def _rows(a: Any):
+    shape = tuple(a.shape)
+    n = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+    return a.reshape(n, shape[-1]), shape[:-1]
+
+
+def pack_bits(idx: Any, bits: int, *, backend: str = "auto") -> Any:
+    """Pack ``bits``-wide indices, 8 per ``bits`` bytes, LSB first.
+
+    Parameters
+    ----------
+    idx : uint8 array, shape ``(..., length)``
+        Indices ``< 2**bits``; ``length`` a multiple of 8.  NumPy → CPU twin, CUDA
+        array → CUDA kernel.
+    bits : int
+        Index width, 1..8.
+    backend : {"auto", "cpu", "cuda"}
+        Check that the data lives where expected (never moves it).
+
+    Returns
+    -------
+    packed : uint8 array, shape ``(..., length * bits // 8)``, on the device of ``idx``.
+
+    Raises
+    ------
+    ValueError
+        ``bits`` outside 1..8, ``length`` not a multiple of 8, or an index ``>= 2**bits``.
+    TypeError
+        ``idx`` not uint8 or not an array.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> pack_bits(np.arange(8, dtype=np.uint8), 3).tobytes().hex()
+    '88c6fa'
+    """
+    bits = _check_bits(bits)
+    dev = _backend.resolve_device(backend, idx=idx)
+    if np.dtype(idx.dtype) != np.uint8:
+        raise TypeError(f"idx: expected dtype uint8, got {idx.dtype}")
+    if len(idx.shape) < 1 or idx.shape[-1] % 8:
+        raise ValueError(f"idx: expected a last axis that is a multiple of 8, got shape {tuple(idx.shape)}")
+    xp = _backend.xp_of(idx)
+    if xp is not None and idx.size and int(idx.max()) >= (1 << bits):
+        raise ValueError(f"idx: expected values < 2**bits = {1 << bits}, got max {int(idx.max())}")
+    if xp is not None:
+        idx = xp.ascontiguousarray(idx)
+    rows, lead = _rows(idx)
+    out = _backend.empty(idx, (rows.shape[0], rows.shape[1] * bits // 8), np.uint8)
+    if rows.shape[0] and rows.shape[1]:
+        if dev == _backend.CPU:
+            _pack_bits_cpu(rows, bits, out)
+        else:
+            blocks, threads = _backend.cuda_grid(rows.shape[0] * rows.shape[1] // 8)
+            _pack_bits_cuda[blocks, threads](rows, bits, out)
+    return out.reshape(tuple(lead) + (out.shape[1],))
+
+
+def unpack_bits(packed: Any, bits: int, *, backend: str = "auto") -> Any:
+    """Inverse of :func:`pack_bits`.
+
+    Parameters
+    ----------
+    packed : uint8 array, shape ``(..., nbytes)``
+        ``nbytes`` a multiple of ``bits``.
+    bits : int
+        Index width, 1..8.
+
+    Returns
+    -------
+    idx : uint8 array, shape ``(..., nbytes * 8 // bits)``.
+    """
+    bits = _check_bits(bits)
+    dev = _backend.resolve_device(backend, packed=packed)
+    if np.dtype(packed.dtype) != np.uint8:
+        raise TypeError(f"packed: expected dtype uint8, got {packed.dtype}")
+    if len(packed.shape) < 1 or packed.shape[-1] % bits:
+        raise ValueError(f"packed: expected a last axis that is a multiple of bits={bits}, "
+                         f"got shape {tuple(packed.shape)}")
+    xp = _backend.xp_of(packed)
+    if xp is not None:
+        packed = xp.ascontiguousarray(packed)
+    rows, lead = _rows(packed)
+    length = rows.shape[1] * 8 // bits
+    out = _backend.empty(packed, (rows.shape[0], length), np.uint8)
+    if rows.shape[0] and length:
+        if dev == _backend.CPU:
+            _unpack_bits_cpu(rows, bits, out)
+        else:
+            blocks, threads = _backend.cuda_grid(rows.shape[0] * length // 8)
+            _unpack_bits_cuda[blocks, threads](rows, bits, out)
+    return out.reshape(tuple(lead) + (length,))
+
+
+def pack_2bit(idx: Any) -> Any:
+    """:func:`pack_bits` with ``bits=2`` (4 indices per byte)."""
+    return pack_bits(idx, 2)
+
+
+def pack_3bit(idx: Any) -> Any:
+    """:func:`pack_bits` with ``bits=3`` (llama.cpp ``tq3_0`` layout, 8 indices in 3 bytes)."""
+    return pack_bits(idx, 3)
+
+
+def pack_4bit(idx: Any) -> Any:
+    """:func:`pack_bits` with ``bits=4`` (low nibble first)."""
+    return pack_bits(idx, 4)
+
+
+def unpack_2bit(packed: Any) -> Any:
+    """:func:`unpack_bits` with ``bits=2``."""
+    return unpack_bits(packed, 2)
+
+
+def unpack_3bit(packed: Any) -> Any:
+    """:func:`unpack_bits` with ``bits=3``."""
+    return unpack_bits(packed, 3)
+
+
+def unpack_4bit(packed: Any) -> Any:
+    """:func:`unpack_bits` with ``bits=4``."""
+    return unpack_bits(packed, 4)

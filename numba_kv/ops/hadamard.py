@@ -1,0 +1,156 @@
+"""The 32-block rotation: normalized Walsh–Hadamard transform with a fixed sign pattern.
+
+Each head vector is split into 32-value blocks, each rotated independently
+(``algorithms.md`` §2.2):
+
+* forward:  ``y = D_s · H · x``  (Hadamard first, then signs);
+* inverse:  ``x = H · D_s · y``  (signs first, then Hadamard);
+
+where ``H`` is the 32×32 Sylvester Hadamard matrix scaled by ``1/√32`` (symmetric,
+``H·H = I``) and ``s`` the llama.cpp sign pattern (bit ``j`` of ``0xB1A6D4B2`` set ⇔
+``s_j = −1``).  ``H`` is applied as a 5-stage butterfly, never as a matmul.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import cuda, float32, prange
+
+from .. import _backend
+from .._jit import cpu_kernel, cuda_kernel, twin
+from ._registry import register
+
+BLOCK = 32
+SIGN_MASK = 0xB1A6D4B2
+#: the fixed sign vector ``s`` (float32, length 32)
+SIGNS32 = np.array([-1.0 if (SIGN_MASK >> j) & 1 else 1.0 for j in range(BLOCK)], dtype=np.float32)
+SIGNS32.flags.writeable = False
+INV_SQRT32 = np.float32(1.0 / np.sqrt(32.0))
+
+
+# --- single-source cores -------------------------------------------------------------
+def _wht32(buf):
+    """In-place normalized 32-point Walsh–Hadamard butterfly on ``buf[0:32]`` (float32)."""
+    h = 1
+    while h < 32:
+        for i in range(0, 32, 2 * h):
+            for j in range(i, i + h):
+                a = buf[j]
+                b = buf[j + h]
+                buf[j] = a + b
+                buf[j + h] = a - b
+        h *= 2
+    for j in range(32):
+        buf[j] = buf[j] * float32(0.17677669529663687)
+
+
+def _rotate32_forward(buf, signs):
+    """``buf <- D_s H buf`` (forward block rotation, in place)."""
+    _wht32(buf)
+    for j in range(32):
+        buf[j] = buf[j] * signs[j]
+
+
+def _rotate32_inverse(buf, signs):
+    """``buf <- H D_s buf`` (inverse block rotation, in place)."""
+    for j in range(32):
+        buf[j] = buf[j] * signs[j]
+    _wht32(buf)
+
+
+wht32_cpu, wht32_dev = twin(_wht32)
+rotate32_forward_cpu, rotate32_forward_dev = twin(_rotate32_forward)
+rotate32_inverse_cpu, rotate32_inverse_dev = twin(_rotate32_inverse)
+
+
+def _load_rotate_store(x, r, b, signs, inverse, buf, out):
+    """Rotate block ``b`` of row ``x[r]`` into ``out[r]`` using scratch ``buf``."""
+    o = b * 32
+    for j in range(32):
+        buf[j] = x[r, o + j]
+    if inverse:
+        _rotate32_inverse(buf, signs)
+    else:
+        _rotate32_forward(buf, signs)
+    for j in range(32):
+        out[r, o + j] = buf[j]
+
+
+load_rotate_store_cpu, load_rotate_store_dev = twin(_load_rotate_store)
+
+
+# --- CPU twin ---------------------------------------------------------------------------
+@cpu_kernel
+def _rotate32_cpu(x, signs, inverse, out):
+    n, d = x.shape
+    nb = d // 32
+    for r in prange(n):
+        buf = np.empty(32, dtype=np.float32)
+        for b in range(nb):
+            load_rotate_store_cpu(x, r, b, signs, inverse, buf, out)
+
+
+# --- CUDA kernel: one thread per 32-block, grid-stride ---------------------------------
+@cuda_kernel
+def _rotate32_cuda(x, signs, inverse, out):
+    n, d = x.shape
+    nb = d // 32
+    buf = cuda.local.array(32, dtype=float32)
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for t in range(start, n * nb, stride):
+        r = t // nb
+        b = t - r * nb
+        load_rotate_store_dev(x, r, b, signs, inverse, buf, out)
+
+
+register("rotate32", _rotate32_cpu, _rotate32_cuda,
+         ["void(float32[:, ::1], float32[::1], boolean, float32[:, ::1])"])
+
+
+def rotate32(x: Any, inverse: bool = False, *, signs: Any = None, backend: str = "auto") -> Any:
+    """Rotate every 32-value block of ``x`` (forward ``D_s H`` or inverse ``H D_s``).
+
+    Parameters
+    ----------
+    x : float array, shape ``(..., d)``
+        ``d`` a multiple of 32.  Computed in float32.
+    inverse : bool
+        Apply the inverse rotation.
+    signs : float32 array, shape ``(32,)``, optional
+        Sign vector; defaults to :data:`SIGNS32`.  Must be on the device of ``x``.
+
+    Returns
+    -------
+    y : float32 array, shape of ``x``, on the device of ``x``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> x = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
+    >>> bool(np.allclose(rotate32(rotate32(x), inverse=True), x, atol=1e-6))
+    True
+    """
+    if signs is None:
+        signs = SIGNS32 if _backend.device_of("x", x) == _backend.CPU else None
+        if signs is None:
+            from numba import cuda as _cuda  # noqa: PLC0415
+
+            signs = _cuda.to_device(SIGNS32) if _backend.xp_of(x) is None else _backend.xp_of(x).asarray(SIGNS32)
+    dev = _backend.resolve_device(backend, x=x, signs=signs)
+    if len(x.shape) < 1 or x.shape[-1] % 32 or x.shape[-1] == 0:
+        raise ValueError(f"x: expected a last axis that is a positive multiple of 32, got shape {tuple(x.shape)}")
+    if tuple(signs.shape) != (32,):
+        raise ValueError(f"signs: expected shape (32,), got {tuple(signs.shape)}")
+    shape = tuple(x.shape)
+    x2 = _backend.ascontiguous_f32("x", x).reshape(-1, shape[-1])
+    out = _backend.empty(x, x2.shape, np.float32)
+    if x2.shape[0]:
+        if dev == _backend.CPU:
+            _rotate32_cpu(x2, np.ascontiguousarray(signs, dtype=np.float32), bool(inverse), out)
+        else:
+            blocks, threads = _backend.cuda_grid(x2.shape[0] * (shape[-1] // 32))
+            _rotate32_cuda[blocks, threads](x2, signs, bool(inverse), out)
+    return out.reshape(shape)

@@ -1,0 +1,12 @@
+"""Pure-NumPy oracles written straight from the spec (``algorithms.md``).
+
+They import NumPy only — never ``numba_kv.ops`` or ``numba_kv.caches`` — so an oracle
+cannot inherit the bug it is meant to catch (a meta-test checks the imports).  Slow,
+simple, float64 where it helps.
+"""
+
+from .polarquant import (SIGN_MASK, attention, dequantize, hadamard32, pack_bits, quantize, rotate_forward,
+                         rotate_inverse, sign_vector, unpack_bits)
+
+__all__ = ["SIGN_MASK", "attention", "dequantize", "hadamard32", "pack_bits", "quantize", "rotate_forward",
+           "rotate_inverse", "sign_vector", "unpack_bits"]

@@ -1,0 +1,59 @@
+"""Test configuration: markers, skip rules, seeds.
+
+* ``cuda`` tests run CUDA kernels: on a GPU or under ``NUMBA_ENABLE_CUDASIM=1``
+  (``make test-sim``); skipped otherwise.
+* ``ptx`` tests compile kernels with ``compile_ptx``; skipped under the simulator, where
+  ``compile_ptx`` is a stub (hence two pytest invocations).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+SIM = os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+
+
+def _cuda_available() -> bool:
+    try:
+        from numba import cuda
+
+        return bool(cuda.is_available())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+CUDA_OK = _cuda_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_cuda = pytest.mark.skip(reason="no CUDA device and simulator off (run `make test-sim`)")
+    skip_ptx = pytest.mark.skip(reason="compile_ptx is unavailable under the CUDA simulator")
+    skip_gpu = pytest.mark.skip(reason="needs a real GPU")
+    for item in items:
+        if "cuda" in item.keywords and not CUDA_OK:
+            item.add_marker(skip_cuda)
+        if "ptx" in item.keywords and SIM:
+            item.add_marker(skip_ptx)
+        if "gpu_only" in item.keywords and (SIM or not CUDA_OK):
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(1234)
+
+
+def to_device(a):
+    """Host array -> CUDA device array (simulator or GPU)."""
+    from numba import cuda
+
+    return cuda.to_device(np.ascontiguousarray(a))
+
+
+def to_host(a):
+    from numba_kv._backend import to_host as th
+
+    return th(a)
