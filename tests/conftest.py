@@ -33,11 +33,12 @@ def pytest_collection_modifyitems(config, items):
     skip_ptx = pytest.mark.skip(reason="compile_ptx is unavailable under the CUDA simulator")
     skip_gpu = pytest.mark.skip(reason="needs a real GPU")
     for item in items:
-        if "cuda" in item.keywords and not CUDA_OK:
+        # get_closest_marker, not item.keywords: the folder tests/cuda is a keyword too
+        if item.get_closest_marker("cuda") and not CUDA_OK:
             item.add_marker(skip_cuda)
-        if "ptx" in item.keywords and SIM:
+        if item.get_closest_marker("ptx") and SIM:
             item.add_marker(skip_ptx)
-        if "gpu_only" in item.keywords and (SIM or not CUDA_OK):
+        if item.get_closest_marker("gpu_only") and (SIM or not CUDA_OK):
             item.add_marker(skip_gpu)
 
 

@@ -147,7 +147,7 @@ def pack_bits(idx: Any, bits: int, *, backend: str = "auto") -> Any:
     dev = _backend.resolve_device(backend, idx=idx)
     if np.dtype(idx.dtype) != np.uint8:
         raise TypeError(f"idx: expected dtype uint8, got {idx.dtype}")
-    if len(idx.shape) < 1 or idx.shape[-1] % 8:
+    if len(idx.shape) < 1 or tuple(idx.shape)[-1] % 8:
         raise ValueError(f"idx: expected a last axis that is a multiple of 8, got shape {tuple(idx.shape)}")
     xp = _backend.xp_of(idx)
     if xp is not None and idx.size and int(idx.max()) >= (1 << bits):
@@ -183,7 +183,7 @@ def unpack_bits(packed: Any, bits: int, *, backend: str = "auto") -> Any:
     dev = _backend.resolve_device(backend, packed=packed)
     if np.dtype(packed.dtype) != np.uint8:
         raise TypeError(f"packed: expected dtype uint8, got {packed.dtype}")
-    if len(packed.shape) < 1 or packed.shape[-1] % bits:
+    if len(packed.shape) < 1 or tuple(packed.shape)[-1] % bits:
         raise ValueError(f"packed: expected a last axis that is a multiple of bits={bits}, "
                          f"got shape {tuple(packed.shape)}")
     xp = _backend.xp_of(packed)

@@ -1,0 +1,114 @@
+"""CUDA kernels vs their CPU twins, on small shapes.
+
+Runs under ``NUMBA_ENABLE_CUDASIM=1`` (``make test-sim``) or on a GPU.  Every twin in the
+registry must have a runner here (``test_every_twin_has_a_runner`` runs in the normal
+suite, so a new kernel without a simulator test fails CI).
+"""
+
+import numpy as np
+import pytest
+
+from numba_kv._backend import to_host
+from numba_kv.ops import TWINS
+from numba_kv.ops.bitpack import pack_bits, unpack_bits
+from numba_kv.ops.blockquant import dequantize_blocks, quantize_blocks
+from numba_kv.ops.hadamard import rotate32
+from numba_kv.ops.memory import copy_prefix
+
+from ..conftest import to_device
+
+
+def _pack(rng):
+    for bits in (1, 2, 3, 4, 8):
+        idx = rng.integers(0, 1 << bits, size=(5, 24), dtype=np.uint16).astype(np.uint8)
+        dev = pack_bits(to_device(idx), bits)
+        assert np.array_equal(to_host(dev), pack_bits(idx, bits))
+
+
+def _unpack(rng):
+    for bits in (2, 3, 4):
+        packed = rng.integers(0, 256, size=(3, 3 * bits), dtype=np.uint16).astype(np.uint8)
+        assert np.array_equal(to_host(unpack_bits(to_device(packed), bits)), unpack_bits(packed, bits))
+
+
+def _rotate(rng):
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    for inverse in (False, True):
+        np.testing.assert_allclose(to_host(rotate32(to_device(x), inverse)), rotate32(x, inverse), atol=1e-6)
+
+
+def _quantize(rng):
+    x = rng.standard_normal((2, 3, 64)).astype(np.float32) * 2
+    x[0, 0, 5] = 40.0  # outlier channel
+    for bits in (2, 3, 4):
+        for mode in ("maxnorm", "l2"):
+            c, s = quantize_blocks(x, bits, mode)
+            cd, sd = quantize_blocks(to_device(x), bits, mode)
+            assert np.array_equal(to_host(sd), s)
+            assert np.array_equal(to_host(cd), c)  # simulator arithmetic is float32 like the twin
+
+
+def _dequantize(rng):
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    for bits in (2, 3, 4):
+        c, s = quantize_blocks(x, bits)
+        ref = dequantize_blocks(c, s, bits)
+        out = to_host(dequantize_blocks(to_device(c), to_device(s), bits))
+        np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-7)
+
+
+def _copy(rng):
+    for dt in (np.uint8, np.uint16, np.float32):
+        src = (rng.standard_normal((2, 5, 3)) * 100).astype(dt)
+        dst = np.zeros((2, 9, 3), dt)
+        ddst = to_device(dst)
+        copy_prefix(to_device(src), 4, ddst)
+        copy_prefix(src, 4, dst)
+        assert np.array_equal(to_host(ddst), dst)
+
+
+RUNNERS = {
+    "pack_bits": _pack,
+    "unpack_bits": _unpack,
+    "rotate32": _rotate,
+    "quantize_blocks": _quantize,
+    "dequantize_blocks": _dequantize,
+    "copy_prefix": _copy,
+}
+
+
+def test_every_twin_has_a_runner():
+    missing = set(TWINS) - set(RUNNERS)
+    assert not missing, f"registered twins without a simulator/GPU test: {sorted(missing)}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", sorted(RUNNERS))
+def test_cuda_kernel_matches_cpu_twin(name):
+    RUNNERS[name](np.random.default_rng(3))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["pqo3", "pq3", "pqo4-l2", "dense"])
+def test_cache_on_device_matches_cpu(name):
+    """A cache fed device arrays stores on the device and agrees with the CPU cache."""
+    from numba_kv import AttendConfig, make_cache
+
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((2, 2, 5, 64)).astype(np.float32)
+    v = rng.standard_normal((2, 2, 5, 64)).astype(np.float32)
+    k1, v1 = k[:, :, :1] * 0.5, v[:, :, :1] * 0.5
+    q = rng.standard_normal((2, 4, 1, 64)).astype(np.float32)
+    cfg = AttendConfig(0.125, 2)
+    cpu = make_cache(name, num_layers=1, num_kv_heads=2, head_dim=64)
+    dev = make_cache(name, num_layers=1, num_kv_heads=2, head_dim=64)
+    cpu.prefill(0, k, v)
+    dev.prefill(0, to_device(k), to_device(v))
+    rc = cpu.decode(0, k1, v1, q, cfg).result
+    rd = dev.decode(0, to_device(np.ascontiguousarray(k1)), to_device(np.ascontiguousarray(v1)), to_device(q),
+                    cfg).result
+    np.testing.assert_allclose(to_host(rd.k), rc.k, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(to_host(rd.v), rc.v, rtol=1e-6, atol=1e-6)
+    assert dev.memory_usage() == cpu.memory_usage()
+    with pytest.raises(ValueError, match="on cuda"):
+        dev.prefill(0, k, v)  # mixing devices is an error, never a silent copy

@@ -1,0 +1,185 @@
+"""Block quantizer: golden vectors (bit-exact), reference NMSE tables, error bounds."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from numba_kv import reference
+from numba_kv.ops.blockquant import dequantize_blocks, quantize_blocks
+from numba_kv.ops.codebook import get_codebook
+from numba_kv.ops.bitpack import unpack_bits
+
+GOLD_IDX3 = [4, 2, 3, 5, 3, 5, 5, 3, 3, 5, 5, 3, 2, 4, 4, 0, 4, 5, 2, 4, 2, 4, 4, 7, 2, 4, 3, 7, 3, 7, 7, 2]
+GOLD_IDX4 = [8, 5, 7, 10, 7, 10, 10, 7, 7, 10, 10, 7, 5, 8, 8, 1, 8, 9, 5, 8, 5, 8, 8, 15, 5, 8, 7, 14, 7, 15,
+             15, 5]
+
+
+def golden_block():
+    j = np.arange(32)
+    return (np.sin(2.1 * j + 0.6) + 0.1 * np.cos(3.1 * j)).astype(np.float32)[None]
+
+
+def nmse(x, xh):
+    """Normalized MSE as in algorithms.md §6.5: mean over vectors of ‖x − x̂‖² / ‖x‖²."""
+    x = np.atleast_2d(np.asarray(x, np.float64))
+    err = ((np.atleast_2d(xh).astype(np.float64) - x) ** 2).sum(1)
+    return float((err / (x ** 2).sum(1)).mean())
+
+
+# --- algorithms.md §2.10 golden vector, bit-exact ---------------------------------------
+def test_golden_pqo3_maxnorm():
+    codes, scales = quantize_blocks(golden_block(), 3, "maxnorm")
+    assert codes.tobytes().hex() == "d4ba766b2712ac28f2e2be5f"
+    assert unpack_bits(codes, 3)[0].tolist() == GOLD_IDX3
+    assert int(scales[0, 0]) == 0xBA3A
+    x = golden_block()
+    assert nmse(x, dequantize_blocks(codes, scales, 3, "maxnorm")) ** 0.5 == pytest.approx(0.1357, abs=2e-4)
+
+
+def test_golden_pqo3_l2():
+    codes, scales = quantize_blocks(golden_block(), 3, "l2")
+    assert codes.tobytes().hex() == "d4ba766b2712ac28f2e2be5f"
+    assert int(scales[0, 0]) == 0xC3E8
+    x = golden_block()
+    assert nmse(x, dequantize_blocks(codes, scales, 3, "l2")) ** 0.5 == pytest.approx(0.1137, abs=2e-4)
+
+
+def test_golden_pqo4_maxnorm():
+    codes, scales = quantize_blocks(golden_block(), 4, "maxnorm")
+    assert unpack_bits(codes, 4)[0].tolist() == GOLD_IDX4
+    assert codes.tobytes().hex() == "58a7a77aa77a8518988585f885e7f75f"
+    assert int(scales[0, 0]) == 0xBA3A  # same scale as PQO3: amax / 2.1573
+
+
+def test_golden_pqo4_l2():
+    """§2.10 lists no PQO4-L2 indices: the norm is the PQO3-L2 one and the codes equal the
+    NumPy oracle bit for bit (every coordinate is >= 0.0058 from a boundary)."""
+    cb = get_codebook(4, "l2")
+    codes, scales = quantize_blocks(golden_block(), 4, "l2")
+    rc, rs = reference.quantize(golden_block(), cb.centroids, cb.boundaries, 4, "l2", cb.ref, True)
+    assert codes.tobytes() == rc.tobytes()
+    assert int(scales[0, 0]) == 0xC3E8
+
+
+def test_pq_flag_is_positive_scale():
+    _, s_pqo = quantize_blocks(golden_block(), 2, "maxnorm", outlier=True)
+    _, s_pq = quantize_blocks(golden_block(), 2, "maxnorm", outlier=False)
+    assert s_pqo.view(np.float16)[0, 0] < 0 < s_pq.view(np.float16)[0, 0]
+    assert s_pqo.view(np.float16)[0, 0] == -s_pq.view(np.float16)[0, 0]
+
+
+# --- algorithms.md §6.5: NMSE on 20 000 vectors, d=128, ±5 % ---------------------------
+def _gauss(outliers):
+    x = np.random.default_rng(42).standard_normal((20_000, 128)).astype(np.float32)
+    if outliers:
+        x[:, [3, 17, 64, 100]] *= 20
+    return x
+
+
+@pytest.mark.parametrize("outliers, bits, mode, expected", [
+    (False, 3, "maxnorm", 0.0316), (False, 4, "maxnorm", 0.0082),
+    (False, 3, "l2", 0.0322), (False, 4, "l2", 0.0088), (False, 2, "l2", 0.112),
+    (True, 3, "maxnorm", 0.0233), (True, 4, "maxnorm", 0.0039),
+    (True, 3, "l2", 0.0282), (True, 4, "l2", 0.0075), (True, 2, "l2", 0.109),
+])
+def test_nmse_table(outliers, bits, mode, expected):
+    x = _gauss(outliers)
+    c, s = quantize_blocks(x, bits, mode)
+    assert nmse(x, dequantize_blocks(c, s, bits, mode)) == pytest.approx(expected, rel=0.05)
+
+
+@pytest.mark.parametrize("mode", ["maxnorm", "l2"])
+def test_2bit_does_not_copy_the_maxnorm_defect(mode):
+    """Our 2-bit tables reach NMSE <= 0.12 on Gaussian data (the anchor's MaxNorm 2-bit: 0.32)."""
+    x = _gauss(False)
+    c, s = quantize_blocks(x, 2, mode)
+    assert nmse(x, dequantize_blocks(c, s, 2, mode)) <= 0.12
+
+
+# --- algorithms.md §6.2: unit-vector MSE per 32-block at the Lloyd–Max values (L2 mode) -
+@pytest.mark.parametrize("bits, expected", [(2, 0.1116), (3, 0.0323), (4, 0.00877)])
+def test_unit_vector_mse_l2(bits, expected):
+    x = np.random.default_rng(7).standard_normal((20_000, 32))
+    x = (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+    c, s = quantize_blocks(x, bits, "l2")
+    mse = float(((dequantize_blocks(c, s, bits, "l2") - x) ** 2).sum(1).mean())
+    assert mse == pytest.approx(expected, rel=0.05)
+
+
+# --- reference parity -------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("mode", ["maxnorm", "l2"])
+@pytest.mark.parametrize("outlier", [True, False])
+def test_matches_numpy_reference(bits, mode, outlier):
+    cb = get_codebook(bits, mode)
+    x = np.random.default_rng(bits).standard_normal((500, 96)).astype(np.float32) * 3
+    c, s = quantize_blocks(x, bits, mode, outlier)
+    rc, rs = reference.quantize(x, cb.centroids, cb.boundaries, bits, mode, cb.ref, outlier)
+    idx, ridx = unpack_bits(c, bits), reference.unpack_bits(rc, bits)
+    # codes come from float arithmetic: allow a few near-tie flips by one level, never more
+    diff = np.abs(idx.astype(int) - ridx.astype(int))
+    assert diff.max() <= 1 and (diff > 0).mean() < 1e-3
+    assert np.all(np.abs(s.view(np.float16).astype(np.float64) - rs.view(np.float16)) <=
+                  2.0 ** -10 * np.abs(rs.view(np.float16).astype(np.float64)))
+    np.testing.assert_allclose(dequantize_blocks(c, s, bits, mode),
+                               reference.dequantize(c, s, cb.centroids, bits), rtol=1e-5, atol=1e-5)
+
+
+def test_zero_block_reconstructs_to_zero():
+    x = np.zeros((2, 64), np.float32)
+    x[1, 32:] = 1.0
+    for mode in ("maxnorm", "l2"):
+        c, s = quantize_blocks(x, 3, mode)
+        xh = dequantize_blocks(c, s, 3, mode)
+        assert np.all(xh[0] == 0) and np.all(xh[1, :32] == 0)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_accepts_float_dtypes(dtype):
+    x = np.random.default_rng(0).standard_normal((3, 64)).astype(dtype)
+    c, s = quantize_blocks(x, 3)
+    c32, s32 = quantize_blocks(x.astype(np.float32), 3)
+    assert np.array_equal(c, c32) and np.array_equal(s, s32)
+
+
+# --- hypothesis: per-block error bound ---------------------------------------------------
+@settings(max_examples=40, deadline=None)
+@given(bits=st.integers(2, 4), mode=st.sampled_from(["maxnorm", "l2"]), nb=st.integers(1, 4),
+       n=st.integers(1, 20), log_scale=st.floats(-3, 3), seed=st.integers(0, 2**31))
+def test_error_bound_per_block(bits, mode, nb, n, log_scale, seed):
+    """|r_j − r̂_j| <= scale·(half the widest bin + outer slack) + f16 rounding, per coordinate."""
+    cb = get_codebook(bits, mode)
+    x = (np.random.default_rng(seed).standard_normal((n, nb * 32)) * 10.0 ** log_scale).astype(np.float32)
+    c, s = quantize_blocks(x, bits, mode)
+    xh = dequantize_blocks(c, s, bits, mode)
+    r = reference.rotate_forward(x).reshape(n, nb, 32)
+    rh = reference.rotate_forward(xh).reshape(n, nb, 32)
+    cents = cb.centroids.astype(np.float64)
+    lo = -cb.ref if mode == "maxnorm" else -1.0
+    half_gap = max(np.diff(cents).max() / 2, cents[0] - lo)
+    scale = np.abs(s.view(np.float16).astype(np.float64))
+    bound = scale * (half_gap * (1 + 2.0 ** -10) + np.abs(cents).max() * 2.0 ** -10) + 1e-5 * scale + 1e-6
+    assert np.all(np.abs(r - rh) <= bound[..., None])
+
+
+# --- bad input ---------------------------------------------------------------------------
+@pytest.mark.parametrize("x, kwargs, exc, word", [
+    (np.zeros((2, 40), np.float32), {}, ValueError, "x"),
+    (np.full((1, 32), np.nan, np.float32), {}, ValueError, "x"),
+    (np.full((1, 32), np.inf, np.float32), {}, ValueError, "x"),
+    (np.zeros((1, 32), np.int32), {}, TypeError, "x"),
+    (np.zeros((1, 32), np.float32), {"bits": 5}, ValueError, "bits"),
+    (np.zeros((1, 32), np.float32), {"norm_mode": "max"}, ValueError, "norm_mode"),
+])
+def test_bad_input(x, kwargs, exc, word):
+    with pytest.raises(exc, match=word):
+        quantize_blocks(x, **kwargs)
+
+
+def test_dequantize_bad_input():
+    c, s = quantize_blocks(np.ones((2, 64), np.float32), 3)
+    with pytest.raises(ValueError, match="codes"):
+        dequantize_blocks(c[:, :10], s, 3)
+    with pytest.raises(TypeError, match="scales"):
+        dequantize_blocks(c, s.astype(np.int32), 3)
