@@ -1,0 +1,87 @@
+"""Quantize / dequantize throughput: numba_kv vs the NumPy oracle vs FAISS ``HR,SQtqmse``.
+
+d = 128, 2^20 vectors, NumPy float32 in -> packed codes out, on the threads Numba has
+(``make bench`` sets NUMBA_NUM_THREADS=2).  Ours, the NumPy reference and FAISS sit in
+the same group of the same run, so ratios are measured, not assembled.
+"""
+
+import numpy as np
+import pytest
+
+from numba_kv import reference
+from numba_kv.ops.blockquant import dequantize_blocks, quantize_blocks
+from numba_kv.ops.codebook import get_codebook
+
+from ._util import env_info, rate
+
+BITS = [2, 3, 4]
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_quantize_numba_kv(benchmark, vectors_1m, bits):
+    benchmark.group = f"quantize-d128-b{bits}"
+    quantize_blocks(vectors_1m[:256], bits)  # compile outside the timed region
+    env_info(benchmark, len(vectors_1m))
+    codes, scales = benchmark.pedantic(quantize_blocks, args=(vectors_1m, bits), rounds=5, warmup_rounds=1)
+    assert codes.shape == (len(vectors_1m), 16 * bits)
+    rate(benchmark, len(vectors_1m))
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_dequantize_numba_kv(benchmark, vectors_1m, bits):
+    benchmark.group = f"dequantize-d128-b{bits}"
+    codes, scales = quantize_blocks(vectors_1m, bits)
+    env_info(benchmark, len(vectors_1m))
+    out = benchmark.pedantic(dequantize_blocks, args=(codes, scales, bits), rounds=5, warmup_rounds=1)
+    assert out.shape == vectors_1m.shape
+    rate(benchmark, len(vectors_1m))
+
+
+@pytest.mark.parametrize("bits", [3])
+def test_quantize_numpy_reference(benchmark, vectors_1m, bits):
+    benchmark.group = f"quantize-d128-b{bits}"
+    cb = get_codebook(bits, "maxnorm")
+    x = vectors_1m[: 1 << 17]  # the oracle is slow: 131 072 vectors, rate per vector
+    env_info(benchmark, len(x), "numpy")
+    benchmark.pedantic(reference.quantize, args=(x, cb.centroids, cb.boundaries, bits, "maxnorm", cb.ref, True),
+                       rounds=1, iterations=1)
+    rate(benchmark, len(x))
+
+
+@pytest.mark.parametrize("bits", [3])
+def test_dequantize_numpy_reference(benchmark, vectors_1m, bits):
+    benchmark.group = f"dequantize-d128-b{bits}"
+    cb = get_codebook(bits, "maxnorm")
+    x = vectors_1m[: 1 << 17]
+    codes, scales = quantize_blocks(x, bits)
+    env_info(benchmark, len(x), "numpy")
+    benchmark.pedantic(reference.dequantize, args=(codes, scales, cb.centroids, bits), rounds=1, iterations=1)
+    rate(benchmark, len(x))
+
+
+def _faiss_index(bits, x):
+    faiss = pytest.importorskip("faiss")
+    idx = faiss.index_factory(x.shape[1], f"HR,SQtqmse{bits}")
+    idx.train(x[:16384])
+    return faiss, idx
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_quantize_faiss_hr_sqtqmse(benchmark, vectors_1m, bits):
+    """C++ anchor: FAISS Hadamard rotation + TurboQuant-MSE scalar quantizer (OpenMP)."""
+    benchmark.group = f"quantize-d128-b{bits}"
+    faiss, idx = _faiss_index(bits, vectors_1m)
+    env_info(benchmark, len(vectors_1m), "faiss")
+    benchmark.extra_info["faiss_threads"] = faiss.omp_get_max_threads()
+    benchmark.pedantic(idx.sa_encode, args=(vectors_1m,), rounds=3, warmup_rounds=0)
+    rate(benchmark, len(vectors_1m))
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_dequantize_faiss_hr_sqtqmse(benchmark, vectors_1m, bits):
+    benchmark.group = f"dequantize-d128-b{bits}"
+    faiss, idx = _faiss_index(bits, vectors_1m)
+    codes = idx.sa_encode(vectors_1m)
+    env_info(benchmark, len(vectors_1m), "faiss")
+    benchmark.pedantic(idx.sa_decode, args=(codes,), rounds=3, warmup_rounds=0)
+    rate(benchmark, len(vectors_1m))
