@@ -20,7 +20,8 @@ from .._validate import check_head_dim, check_int, check_kv, check_layer, check_
 from ..ops.memory import copy_prefix
 from .protocol import AttendConfig, DecodeOutput, Dequantized, DequantResult
 
-BufferSpec = Dict[str, Tuple[int, Any]]  # name -> (width, dtype)
+# name -> (width, dtype, fixed_capacity); fixed_capacity None = grows with the sequence
+BufferSpec = Dict[str, Tuple[int, Any, Optional[int]]]
 
 
 @dataclass
@@ -33,16 +34,24 @@ class LayerState:
     device: Optional[str] = None
     capacity: int = 0
     buffers: Dict[str, Any] = field(default_factory=dict)
+    # live tokens per buffer when it differs from seq_len (e.g. compressed vs window)
+    live: Dict[str, int] = field(default_factory=dict)
+    # cache-specific counters (compressed tokens, sinks, window), reset with the layer
+    meta: Dict[str, int] = field(default_factory=dict)
+
+    def live_count(self, name: str) -> int:
+        """Live tokens of buffer ``name``."""
+        return self.live.get(name, self.seq_len)
 
     def live_arrays(self) -> List[Any]:
-        """Views ``buf[:, :seq_len]`` of every buffer (what ``memory_usage`` counts)."""
-        return [b[:, : self.seq_len] for b in self.buffers.values()]
+        """Views ``buf[:, :live]`` of every buffer (what ``memory_usage`` counts)."""
+        return [b[:, : self.live_count(n)] for n, b in self.buffers.items()]
 
     def live_bytes(self) -> int:
-        """Exact bytes of live data (rows × seq_len × width × itemsize, summed)."""
+        """Exact bytes of live data (rows × live tokens × width × itemsize, summed)."""
         total = 0
-        for b in self.buffers.values():
-            total += int(b.shape[0]) * self.seq_len * int(b.shape[2]) * np.dtype(b.dtype).itemsize
+        for n, b in self.buffers.items():
+            total += int(b.shape[0]) * self.live_count(n) * int(b.shape[2]) * np.dtype(b.dtype).itemsize
         return total
 
     def allocated_bytes(self) -> int:
@@ -98,16 +107,23 @@ class LayeredCache:
                     None if config is None else config.n_kv_groups, q_len=k.shape[2], device=dev)
         return layer, dev
 
+    def _growing_needed(self, st: LayerState, new_tokens: int) -> int:
+        """Capacity the growing buffers need after storing ``new_tokens`` more."""
+        return st.seq_len + new_tokens
+
     def _ensure_capacity(self, st: LayerState, like: Any, batch: int, needed: int) -> None:
         if needed <= st.capacity and st.buffers:
             return
         cap = grown_capacity(needed)
         rows = batch * self.num_kv_heads
-        new = {name: _backend.zeros(like, (rows, cap, width), dtype)
-               for name, (width, dtype) in self._buffer_spec().items()}
-        if st.seq_len:
-            for name, buf in st.buffers.items():
-                copy_prefix(buf, st.seq_len, new[name])
+        new = {}
+        for name, (width, dtype, fixed) in self._buffer_spec().items():
+            if fixed is not None and name in st.buffers:
+                new[name] = st.buffers[name]  # fixed-size buffers never move
+                continue
+            new[name] = _backend.zeros(like, (rows, fixed if fixed is not None else cap, width), dtype)
+            if name in st.buffers and st.live_count(name):
+                copy_prefix(st.buffers[name], st.live_count(name), new[name])
         st.buffers = new
         st.capacity = cap
 
@@ -117,7 +133,7 @@ class LayeredCache:
         batch = int(k.shape[0])
         if old == 0 and st.buffers and (st.batch != batch or st.device != dev):
             st.buffers, st.capacity = {}, 0  # batch or device changed after reset
-        self._ensure_capacity(st, k, batch, old + int(k.shape[2]))
+        self._ensure_capacity(st, k, batch, self._growing_needed(st, int(k.shape[2])))
         self._store(st, k, v)
         st.batch, st.device = batch, dev
         st.seq_len = old + int(k.shape[2])
@@ -142,10 +158,12 @@ class LayeredCache:
             return DequantResult(hk, hv)
 
     def decode(self, layer: int, k: Any, v: Any, q: Any, config: AttendConfig) -> DecodeOutput:
-        """Store the new token(s), then return the full history for the caller's SDPA.
+        """Store the new token(s), then attend (``Fused``) or return the full history
+        (``Dequantized``) for the caller's SDPA, depending on the cache.
 
         ``q`` is ``[batch, num_heads, new_tokens, head_dim]``; ``config.n_kv_groups`` must
-        equal ``num_heads // num_kv_heads``.
+        equal ``num_heads // num_kv_heads``.  New query ``i`` sees the stored tokens and
+        the new tokens ``0..i`` (causal).
         """
         if not isinstance(config, AttendConfig):
             raise TypeError(f"config: expected an AttendConfig, got {type(config).__name__}")
@@ -153,8 +171,12 @@ class LayeredCache:
         st = self._layers[layer]
         with st.lock:
             self._append(st, dev, k, v)
-            hk, hv = self._history(st, k.dtype)
-            return Dequantized(DequantResult(hk, hv))
+            return self._decode_output(st, q, config, k.dtype)
+
+    def _decode_output(self, st: LayerState, q: Any, config: AttendConfig, dtype: Any) -> DecodeOutput:
+        """What ``decode`` returns once the tokens are stored (default: the full history)."""
+        hk, hv = self._history(st, dtype)
+        return Dequantized(DequantResult(hk, hv))
 
     def seq_len(self, layer: int) -> int:
         """Tokens stored for ``layer`` (``IndexError`` if out of range)."""
@@ -166,6 +188,7 @@ class LayeredCache:
         for st in self._layers:
             with st.lock:
                 st.buffers, st.capacity, st.seq_len, st.batch, st.device = {}, 0, 0, None, None
+                st.live, st.meta = {}, {}
 
     def memory_usage(self) -> int:
         """Exact bytes of live stored data, summed over layers."""

@@ -41,7 +41,7 @@ class DenseCache(LayeredCache):
         return 8.0 * self.dtype.itemsize
 
     def _buffer_spec(self) -> BufferSpec:
-        return {"k": (self.head_dim, self.dtype), "v": (self.head_dim, self.dtype)}
+        return {"k": (self.head_dim, self.dtype, None), "v": (self.head_dim, self.dtype, None)}
 
     def _flat(self, name: str, a: Any) -> Any:
         xp = _backend.xp_of(a)

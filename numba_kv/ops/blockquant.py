@@ -266,10 +266,10 @@ def quantize_blocks(x: Any, bits: int = 3, norm_mode: str = "maxnorm", outlier: 
     cb = _codebook_arg(bits, norm_mode, codebook)
     dev = _backend.resolve_device(backend, x=x)
     check_float_array("x", x)
-    if len(x.shape) < 1 or x.shape[-1] % 32 or x.shape[-1] == 0:
-        raise ValueError(f"x: expected a last axis that is a positive multiple of 32, got shape {tuple(x.shape)}")
+    shape = tuple(x.shape)  # a tuple: the simulator's shapes reject negative indices
+    if len(shape) < 1 or shape[-1] % 32 or shape[-1] == 0:
+        raise ValueError(f"x: expected a last axis that is a positive multiple of 32, got shape {shape}")
     check_finite("x", x)
-    shape = tuple(x.shape)
     d = shape[-1]
     x3 = _backend.ascontiguous_f32("x", x).reshape(1, -1, d)
     n = x3.shape[1]
@@ -277,7 +277,7 @@ def quantize_blocks(x: Any, bits: int = 3, norm_mode: str = "maxnorm", outlier: 
     scales = _backend.empty(x, (1, n, d // 32), np.uint16)
     quantize_into(x3, codes, scales, 0, cb, bool(outlier))
     del dev
-    return codes.reshape(shape[:-1] + (codes.shape[-1],)), scales.reshape(shape[:-1] + (d // 32,))
+    return codes.reshape(shape[:-1] + (packed_dim(d, cb.bits),)), scales.reshape(shape[:-1] + (d // 32,))
 
 
 def dequantize_blocks(codes: Any, scales: Any, bits: int = 3, norm_mode: str = "maxnorm", *,
@@ -301,17 +301,18 @@ def dequantize_blocks(codes: Any, scales: Any, bits: int = 3, norm_mode: str = "
         raise TypeError(f"codes: expected dtype uint8, got {codes.dtype}")
     if np.dtype(scales.dtype) != np.uint16:
         raise TypeError(f"scales: expected dtype uint16 (binary16 bits), got {scales.dtype}")
-    nb = scales.shape[-1] if len(scales.shape) else 0
+    cshape, sshape = tuple(codes.shape), tuple(scales.shape)  # tuples: simulator shapes
+    nb = sshape[-1] if len(sshape) else 0
     d = nb * 32
-    if nb == 0 or tuple(codes.shape[:-1]) != tuple(scales.shape[:-1]) or codes.shape[-1] != packed_dim(d, cb.bits):
-        raise ValueError(f"codes: expected shape {tuple(scales.shape[:-1]) + (packed_dim(d, cb.bits),)} to match "
-                         f"scales {tuple(scales.shape)} at bits={cb.bits}, got {tuple(codes.shape)}")
-    lead = tuple(scales.shape[:-1])
+    if nb == 0 or cshape[:-1] != sshape[:-1] or cshape[-1] != packed_dim(d, cb.bits):
+        raise ValueError(f"codes: expected shape {sshape[:-1] + (packed_dim(d, cb.bits),)} to match "
+                         f"scales {sshape} at bits={cb.bits}, got {cshape}")
+    lead = sshape[:-1]
     xp = _backend.xp_of(codes)
     if xp is not None:
         codes = xp.ascontiguousarray(codes)
         scales = xp.ascontiguousarray(scales)
-    c3 = codes.reshape(1, -1, codes.shape[-1])
+    c3 = codes.reshape(1, -1, cshape[-1])
     s3 = scales.reshape(1, -1, nb)
     out = _backend.empty(codes, (1, c3.shape[1], d), np.float32)
     dequantize_into(c3, s3, 0, cb, out)

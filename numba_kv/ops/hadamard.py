@@ -140,11 +140,11 @@ def rotate32(x: Any, inverse: bool = False, *, signs: Any = None, backend: str =
 
             signs = _cuda.to_device(SIGNS32) if _backend.xp_of(x) is None else _backend.xp_of(x).asarray(SIGNS32)
     dev = _backend.resolve_device(backend, x=x, signs=signs)
-    if len(x.shape) < 1 or x.shape[-1] % 32 or x.shape[-1] == 0:
-        raise ValueError(f"x: expected a last axis that is a positive multiple of 32, got shape {tuple(x.shape)}")
+    shape = tuple(x.shape)  # a tuple: the simulator's shapes reject negative indices
+    if len(shape) < 1 or shape[-1] % 32 or shape[-1] == 0:
+        raise ValueError(f"x: expected a last axis that is a positive multiple of 32, got shape {shape}")
     if tuple(signs.shape) != (32,):
         raise ValueError(f"signs: expected shape (32,), got {tuple(signs.shape)}")
-    shape = tuple(x.shape)
     x2 = _backend.ascontiguous_f32("x", x).reshape(-1, shape[-1])
     out = _backend.empty(x, x2.shape, np.float32)
     if x2.shape[0]:

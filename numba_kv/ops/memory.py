@@ -1,8 +1,8 @@
-"""Device-agnostic buffer copies used when per-layer storage grows.
+"""Device-agnostic token copies between per-layer buffers.
 
-NumPy and CuPy can copy a slice with ``dst[:, :n] = src[:, :n]``, but Numba device
-arrays (and the simulator's) cannot assign strided slices, so growth goes through this
-small twin on every device.
+NumPy and CuPy can copy a slice with ``dst[:, a:b] = src[:, c:d]``, but Numba device
+arrays (and the simulator's) cannot assign strided slices, so storage growth, the
+full-precision window and history assembly go through this small twin on every device.
 """
 
 from __future__ import annotations
@@ -17,17 +17,17 @@ from ._registry import register
 
 
 @cpu_kernel
-def _copy_prefix_cpu(src, n, dst):
+def _copy_tokens_cpu(src, s0, n, dst, d0):
     rows = src.shape[0]
     width = src.shape[2]
     for r in prange(rows):
         for t in range(n):
             for w in range(width):
-                dst[r, t, w] = src[r, t, w]
+                dst[r, d0 + t, w] = src[r, s0 + t, w]
 
 
 @cuda_kernel
-def _copy_prefix_cuda(src, n, dst):
+def _copy_tokens_cuda(src, s0, n, dst, d0):
     rows = src.shape[0]
     width = src.shape[2]
     start = cuda.grid(1)
@@ -37,33 +37,42 @@ def _copy_prefix_cuda(src, n, dst):
         rem = i - r * n * width
         t = rem // width
         w = rem - t * width
-        dst[r, t, w] = src[r, t, w]
+        dst[r, d0 + t, w] = src[r, s0 + t, w]
 
 
-register("copy_prefix", _copy_prefix_cpu, _copy_prefix_cuda,
-         ["void(uint8[:, :, ::1], int64, uint8[:, :, ::1])",
-          "void(uint16[:, :, ::1], int64, uint16[:, :, ::1])",
-          "void(float32[:, :, ::1], int64, float32[:, :, ::1])"])
+register("copy_tokens", _copy_tokens_cpu, _copy_tokens_cuda,
+         ["void(uint8[:, :, ::1], int64, int64, uint8[:, :, ::1], int64)",
+          "void(uint16[:, :, ::1], int64, int64, uint16[:, :, ::1], int64)",
+          "void(float32[:, :, ::1], int64, int64, float32[:, :, ::1], int64)"])
 
 
-def copy_prefix(src: Any, n: int, dst: Any) -> None:
-    """Copy ``src[:, :n, :]`` into ``dst[:, :n, :]`` (3-D, same dtype, same device).
+def copy_tokens(src: Any, s0: int, n: int, dst: Any, d0: int = 0) -> None:
+    """``dst[:, d0:d0+n, :] = src[:, s0:s0+n, :]`` for 3-D token buffers.
 
     Parameters
     ----------
     src, dst : array, shape ``(rows, capacity, width)``
-        C-contiguous; ``dst`` capacity ``>= n``.
-    n : int
-        Number of leading tokens to copy.
+        C-contiguous, same dtype, same rows and width, same device; must not be the same
+        buffer when the ranges overlap.
+    s0, n, d0 : int
+        Source start, token count, destination start.
     """
     dev = _backend.resolve_device("auto", src=src, dst=dst)
     if src.dtype != dst.dtype or src.shape[0] != dst.shape[0] or src.shape[2] != dst.shape[2]:
-        raise ValueError(f"dst: expected dtype {src.dtype} and shape ({src.shape[0]}, >= {n}, {src.shape[2]}), "
+        raise ValueError(f"dst: expected dtype {src.dtype} and shape ({src.shape[0]}, ·, {src.shape[2]}), "
                          f"got {dst.dtype} {tuple(dst.shape)}")
+    if s0 < 0 or d0 < 0 or s0 + n > src.shape[1] or d0 + n > dst.shape[1]:
+        raise ValueError(f"n: token range out of bounds (src {s0}+{n} of {src.shape[1]}, "
+                         f"dst {d0}+{n} of {dst.shape[1]})")
     if n <= 0 or src.shape[0] == 0:
         return
     if dev == _backend.CPU:
-        _copy_prefix_cpu(src, int(n), dst)
+        _copy_tokens_cpu(src, int(s0), int(n), dst, int(d0))
     else:
         blocks, threads = _backend.cuda_grid(src.shape[0] * n * src.shape[2])
-        _copy_prefix_cuda[blocks, threads](src, int(n), dst)
+        _copy_tokens_cuda[blocks, threads](src, int(s0), int(n), dst, int(d0))
+
+
+def copy_prefix(src: Any, n: int, dst: Any) -> None:
+    """``dst[:, :n] = src[:, :n]`` (storage growth)."""
+    copy_tokens(src, 0, n, dst, 0)

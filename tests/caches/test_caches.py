@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from numba_kv import (CACHE_NAMES, AttendConfig, CompressedKVCache, DenseCache, Dequantized, DequantResult,
-                      PolarQuantCache, make_cache)
+                      Fused, PolarQuantCache, make_cache)
 from numba_kv.caches._layer import grown_capacity
 
 L, H, D = 3, 2, 64
@@ -52,12 +52,18 @@ def test_semantics(cache, rng):
     r2 = cache.prefill(0, k2, v2, q_of(rng, b=2, s=3))
     assert r2.k.shape == (2, H, 10, D) and r2.v.shape == (2, H, 10, D) and r2.k.dtype == np.float32
     k3, v3 = kv(rng, b=2, s=1)
-    out = cache.decode(0, k3, v3, q_of(rng, b=2), CFG)
-    assert isinstance(out, Dequantized) and out.result.k.shape == (2, H, 11, D)
+    q = q_of(rng, b=2)
+    out = cache.decode(0, k3, v3, q, CFG)
     assert cache.seq_len(0) == 11 and cache.seq_len(1) == 0
+    if isinstance(out, Fused):  # compressed caches attend from the packed codes
+        assert out.out.shape == (2, 2 * H, 1, D) and out.out.dtype == np.float32
+        hist = cache.prefill(0, *kv(rng, b=2, s=1)).k[:, :, :11]
+    else:
+        assert isinstance(out, Dequantized) and out.result.k.shape == (2, H, 11, D)
+        hist = out.result.k
     # the history is the stored tokens in order (exact for dense, close for the others)
     full_k = np.concatenate([k, k2, k3], axis=2)
-    cos = (out.result.k * full_k).sum(-1) / np.linalg.norm(out.result.k, axis=-1) / np.linalg.norm(full_k, axis=-1)
+    cos = (hist * full_k).sum(-1) / np.linalg.norm(hist, axis=-1) / np.linalg.norm(full_k, axis=-1)
     assert cos.min() > (0.9999 if cache.name == "dense" else 0.6)
     cache.reset()
     assert cache.seq_len(0) == 0 and cache.memory_usage() == 0 and cache.allocated_bytes() == 0
@@ -122,7 +128,8 @@ def test_anchor_cosine_thresholds(name, norm_mode, min_cos):
     i = np.arange(8 * s * 128).reshape(1, 8, s, 128)
     k = (2 * np.sin(0.0137 * (i + 3))).astype(np.float32)
     v = (1.5 * np.cos(0.0213 * (i + 3 + 1000))).astype(np.float32)
-    c = make_cache(name, num_layers=1, num_kv_heads=8, head_dim=128, norm_mode=norm_mode)
+    c = make_cache(name, num_layers=1, num_kv_heads=8, head_dim=128, norm_mode=norm_mode,
+                   decode_output="dequantized")
     first = c.prefill(0, k, v)
     assert first.k is k
     k1 = (2 * np.sin(0.0137 * (np.arange(8 * 128).reshape(1, 8, 1, 128) + 7))).astype(np.float32)

@@ -13,7 +13,7 @@ from numba_kv.ops import TWINS
 from numba_kv.ops.bitpack import pack_bits, unpack_bits
 from numba_kv.ops.blockquant import dequantize_blocks, quantize_blocks
 from numba_kv.ops.hadamard import rotate32
-from numba_kv.ops.memory import copy_prefix
+from numba_kv.ops.memory import copy_prefix, copy_tokens
 
 from ..conftest import to_device
 
@@ -65,15 +65,44 @@ def _copy(rng):
         copy_prefix(to_device(src), 4, ddst)
         copy_prefix(src, 4, dst)
         assert np.array_equal(to_host(ddst), dst)
+        copy_tokens(to_device(src), 1, 3, ddst, 5)
+        copy_tokens(src, 1, 3, dst, 5)
+        assert np.array_equal(to_host(ddst), dst)
+
+
+def _attention(rng):
+    from numba_kv import reference
+    from numba_kv.ops.attention import decode_attention
+
+    b, hkv, T, d = 1, 2, 37, 64
+    k = rng.standard_normal((b, hkv, T, d)).astype(np.float32)
+    v = rng.standard_normal((b, hkv, T, d)).astype(np.float32)
+    kc, ks = quantize_blocks(k, 3)
+    vc, vs = quantize_blocks(v, 2)
+    kx = rng.standard_normal((b, hkv, 3, d)).astype(np.float32)
+    vx = rng.standard_normal((b, hkv, 3, d)).astype(np.float32)
+    q = rng.standard_normal((b, 4, 2, d)).astype(np.float32)
+    bias = rng.standard_normal((b, 4, 2, T + 3)).astype(np.float32)
+    kw = dict(k_bits=3, v_bits=2, partition_size=16)
+    cpu = decode_attention(q, kc, ks, vc, vs, logit_bias=bias, k_exact=kx, v_exact=vx, **kw)
+    dev = decode_attention(*(to_device(a) for a in (q, kc, ks, vc, vs)), logit_bias=to_device(bias),
+                           k_exact=to_device(kx), v_exact=to_device(vx), **kw)
+    np.testing.assert_allclose(to_host(dev), cpu, rtol=2e-5, atol=2e-6)
+    kh, vh = dequantize_blocks(kc, ks, 3), dequantize_blocks(vc, vs, 2)
+    ref = reference.attention(q, np.concatenate([kh, kx], 2), np.concatenate([vh, vx], 2), d ** -0.5, bias,
+                              causal_offset=T + 1)
+    np.testing.assert_allclose(to_host(dev), ref, rtol=2e-5, atol=2e-5)
 
 
 RUNNERS = {
+    "decode_attention": _attention,
+    "merge_partitions": _attention,
     "pack_bits": _pack,
     "unpack_bits": _unpack,
     "rotate32": _rotate,
     "quantize_blocks": _quantize,
     "dequantize_blocks": _dequantize,
-    "copy_prefix": _copy,
+    "copy_tokens": _copy,
 }
 
 
@@ -97,6 +126,27 @@ def test_cuda_kernel_matches_cpu_twin(name):
 
 
 @pytest.mark.cuda
+def test_windowed_fused_cache_on_device_matches_cpu():
+    from numba_kv import AttendConfig, PolarQuantCache
+
+    rng = np.random.default_rng(1)
+    caches = [PolarQuantCache(1, 2, 64, bits=3, residual_length=4, sink_tokens=2, window_dtype="float32")
+              for _ in range(2)]  # Numba device arrays keep float32 windows
+    cfg = AttendConfig(0.125, 2)
+    for n, decode in ((6, False), (1, True), (2, True)):
+        k = rng.standard_normal((1, 2, n, 64)).astype(np.float32)
+        v = rng.standard_normal((1, 2, n, 64)).astype(np.float32)
+        q = rng.standard_normal((1, 4, n, 64)).astype(np.float32)
+        if not decode:
+            caches[0].prefill(0, k, v)
+            caches[1].prefill(0, to_device(k), to_device(v))
+            continue
+        a = caches[0].decode(0, k, v, q, cfg).out
+        bdev = caches[1].decode(0, to_device(k), to_device(v), to_device(q), cfg).out
+        np.testing.assert_allclose(to_host(bdev), a, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("name", ["pqo3", "pq3", "pqo4-l2", "dense"])
 def test_cache_on_device_matches_cpu(name):
     """A cache fed device arrays stores on the device and agrees with the CPU cache."""
@@ -108,8 +158,9 @@ def test_cache_on_device_matches_cpu(name):
     k1, v1 = k[:, :, :1] * 0.5, v[:, :, :1] * 0.5
     q = rng.standard_normal((2, 4, 1, 64)).astype(np.float32)
     cfg = AttendConfig(0.125, 2)
-    cpu = make_cache(name, num_layers=1, num_kv_heads=2, head_dim=64)
-    dev = make_cache(name, num_layers=1, num_kv_heads=2, head_dim=64)
+    opts = {} if name == "dense" else {"decode_output": "dequantized"}
+    cpu = make_cache(name, num_layers=1, num_kv_heads=2, head_dim=64, **opts)
+    dev = make_cache(name, num_layers=1, num_kv_heads=2, head_dim=64, **opts)
     cpu.prefill(0, k, v)
     dev.prefill(0, to_device(k), to_device(v))
     rc = cpu.decode(0, k1, v1, q, cfg).result

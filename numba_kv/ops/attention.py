@@ -1,0 +1,499 @@
+"""Decode attention computed straight from packed codes (no dequantized K/V in memory).
+
+Math (``algorithms.md`` §4.3).  With the forward block rotation ``F = D_s H`` and a
+stored token ``k̂_b = |a_b| Fᵀ c[idx_b]`` per 32-block ``b``:
+
+* ``⟨q_b, k̂_b⟩ = |a_b| ⟨F q_b, c[idx_b]⟩`` — rotate each query block **once** and score
+  tokens against codebook values, never inverse-rotating a key;
+* ``Σ_t p_t v̂_{t,b} = Fᵀ Σ_t p_t |a^v_{t,b}| c[idx^v_{t,b}]`` — accumulate weighted
+  centroids in the rotated domain and inverse-rotate once per block at the end.
+
+Work decomposition (flash-decoding): for every KV row ``g`` (= batch × KV head) the
+tokens are cut into partitions; each work item runs an online softmax for all
+``G·q_len`` query rows of that KV head over one partition (GQA: a token's codes are
+unpacked once and reused by the whole group) and writes ``(m, l, acc)``.  A merge step
+combines partitions by log-sum-exp, inverse-rotates the compressed part, adds the exact
+part (full-precision window/sink tokens, accumulated unrotated) and normalizes.
+
+Every token carries an absolute position: compressed tokens are ``comp_pos0 + t``, exact
+tokens read theirs from ``exact_pos``.  Query row ``r`` sits at position
+``q_pos0 + r % q_len``; with ``causal`` it sees tokens at positions ``<=`` its own.
+``logit_bias[g, r, pos]`` is added to the scaled logit (``softmax_scale · q·k``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import numpy as np
+from numba import cuda, float32, int64, prange
+
+from .. import _backend
+from .._jit import cpu_kernel, cuda_kernel, twin
+from ._registry import register
+from .bitpack import _unpack_group8
+from .half import _f16_bits_abs_to_f32
+from .hadamard import SIGNS32, _rotate32_inverse
+
+TILE = 32  # tokens per CPU tile: one max update and one rescale of acc per tile and row
+MAX_HEAD_DIM = 512  # CUDA per-thread accumulator size
+NEG_INF = np.float32(-np.inf)
+
+
+# --- single-source cores -------------------------------------------------------------
+def _load_token(crow, srow, cent, bits, nb, ibuf, dst, off, stride):
+    """Write the rotated-domain values ``|a_b| · c[idx_j]`` of one token (``32·nb`` floats)
+    to ``dst[off + j·stride]``."""
+    for b in range(nb):
+        sa = _f16_bits_abs_to_f32(srow[b])
+        for g in range(4):
+            _unpack_group8(crow, b * 4 * bits + g * bits, bits, ibuf, 0)
+            base = b * 32 + g * 8
+            for k in range(8):
+                dst[off + (base + k) * stride] = cent[ibuf[k]] * sa
+
+
+def _visible(pos, q_pos0, r, q_len, causal):
+    return (not causal) or pos <= q_pos0 + (r % q_len)
+
+
+def _merge_row(part_m, part_l, part_acc, g, r, n_comp_parts, n_parts, signs, buf, out):
+    """Combine the partitions of query row ``(g, r)`` into ``out[g, r]``."""
+    d = out.shape[2]
+    m_star = NEG_INF
+    for p in range(n_parts):
+        m_star = max(m_star, part_m[g, p, r])
+    denom = float32(0.0)
+    for j in range(d):
+        out[g, r, j] = float32(0.0)
+    if m_star == NEG_INF:  # no visible token (cannot happen with causal decode)
+        return
+    # compressed partitions: rescale, sum in the rotated domain, inverse-rotate per block
+    for b in range(d // 32):
+        for jj in range(32):
+            buf[jj] = float32(0.0)
+        for p in range(n_comp_parts):
+            w = part_m[g, p, r]
+            if w != NEG_INF:
+                f = math.exp(w - m_star)
+                for jj in range(32):
+                    buf[jj] += f * part_acc[g, p, r, b * 32 + jj]
+        _rotate32_inverse(buf, signs)
+        for jj in range(32):
+            out[g, r, b * 32 + jj] = buf[jj]
+    # exact partitions: already in the original domain
+    for p in range(n_comp_parts, n_parts):
+        w = part_m[g, p, r]
+        if w != NEG_INF:
+            f = math.exp(w - m_star)
+            for j in range(d):
+                out[g, r, j] += f * part_acc[g, p, r, j]
+    for p in range(n_parts):
+        w = part_m[g, p, r]
+        if w != NEG_INF:
+            denom += math.exp(w - m_star) * part_l[g, p, r]
+    inv = float32(1.0) / denom
+    for j in range(d):
+        out[g, r, j] = out[g, r, j] * inv
+
+
+load_token_cpu, load_token_dev = twin(_load_token)
+visible_cpu, visible_dev = twin(_visible)
+merge_row_cpu, merge_row_dev = twin(_merge_row)
+
+
+# --- CPU twin: partitions in parallel, tiles of TILE tokens, transposed K tile ----------
+@cpu_kernel
+def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kcent, vcent,
+                          kbits, vbits, softmax_scale, bias, has_bias, q_pos0, q_len, causal, part_size,
+                          n_comp_parts, part_m, part_l, part_acc):
+    n_g, rows, d = qr.shape
+    nb = d // 32
+    n_parts = part_m.shape[1]
+    for item in prange(n_g * n_parts):
+        g = item // n_parts
+        p = item - g * n_parts
+        compressed = p < n_comp_parts
+        if compressed:
+            t_lo = p * part_size
+            t_hi = min(n_comp, t_lo + part_size)
+        else:
+            t_lo = (p - n_comp_parts) * part_size
+            t_hi = min(n_exact, t_lo + part_size)
+        kt = np.empty(d * TILE, dtype=np.float32)  # K tile, transposed: kt[j*TILE + tt]
+        vt = np.empty(TILE * d, dtype=np.float32)  # V tile: vt[tt*d + j]
+        sc = np.empty((rows, TILE), dtype=np.float32)
+        acc = np.zeros((rows, d), dtype=np.float32)
+        m = np.full(rows, NEG_INF, dtype=np.float32)
+        l = np.zeros(rows, dtype=np.float32)
+        ibuf = np.empty(8, dtype=np.uint8)
+        qsrc = qr[g] if compressed else q[g]
+        for t0 in range(t_lo, t_hi, TILE):
+            nt = min(TILE, t_hi - t0)
+            if compressed:
+                for tt in range(nt):
+                    load_token_cpu(kc[g, t0 + tt], ks[g, t0 + tt], kcent, kbits, nb, ibuf, kt, tt, TILE)
+                    load_token_cpu(vc[g, t0 + tt], vs[g, t0 + tt], vcent, vbits, nb, ibuf, vt, tt * d, 1)
+            else:
+                for tt in range(nt):
+                    for j in range(d):
+                        kt[j * TILE + tt] = ke[g, t0 + tt, j]
+                        vt[tt * d + j] = ve[g, t0 + tt, j]
+            for r in range(rows):
+                for tt in range(TILE):
+                    sc[r, tt] = float32(0.0)
+                for j in range(d):  # axpy over the tile: vectorizes, no float reduction
+                    qj = qsrc[r, j]
+                    for tt in range(TILE):
+                        sc[r, tt] += qj * kt[j * TILE + tt]
+                tile_max = NEG_INF
+                for tt in range(nt):
+                    pos = comp_pos0 + t0 + tt if compressed else exact_pos[t0 + tt]
+                    s = sc[r, tt] * softmax_scale
+                    if has_bias:
+                        s += bias[g, r, pos]
+                    if not visible_cpu(pos, q_pos0, r, q_len, causal):
+                        s = NEG_INF
+                    sc[r, tt] = s
+                    tile_max = max(tile_max, s)
+                if tile_max == NEG_INF:
+                    continue
+                m_new = max(m[r], tile_max)
+                alpha = math.exp(m[r] - m_new) if m[r] != NEG_INF else float32(0.0)
+                lsum = float32(0.0)
+                for j in range(d):
+                    acc[r, j] *= alpha
+                for tt in range(nt):
+                    s = sc[r, tt]
+                    if s != NEG_INF:
+                        w = math.exp(s - m_new)
+                        lsum += w
+                        for j in range(d):
+                            acc[r, j] += w * vt[tt * d + j]
+                l[r] = l[r] * alpha + lsum
+                m[r] = m_new
+        for r in range(rows):
+            part_m[g, p, r] = m[r]
+            part_l[g, p, r] = l[r]
+            for j in range(d):
+                part_acc[g, p, r, j] = acc[r, j]
+
+
+@cpu_kernel
+def _merge_partitions_cpu(part_m, part_l, part_acc, n_comp_parts, signs, out):
+    n_g, n_parts, rows = part_m.shape
+    for item in prange(n_g * rows):
+        g = item // rows
+        r = item - g * rows
+        buf = np.empty(32, dtype=np.float32)
+        merge_row_cpu(part_m, part_l, part_acc, g, r, n_comp_parts, n_parts, signs, buf, out)
+
+
+# --- CUDA kernels ------------------------------------------------------------------------
+@cuda_kernel
+def _decode_attention_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kcent, vcent,
+                           kbits, vbits, softmax_scale, bias, has_bias, q_pos0, q_len, causal, part_size,
+                           n_comp_parts, part_m, part_l, part_acc):
+    """One thread per (KV row g, partition p, query row r): grid-stride over all of them.
+
+    Threads of one block share g and p for consecutive r, so their code reads coincide
+    (broadcast through L1).  Per-thread accumulators live in local memory (d <= 512).
+    """
+    n_g, rows, d = qr.shape
+    nb = d // 32
+    n_parts = part_m.shape[1]
+    kbuf = cuda.local.array(MAX_HEAD_DIM, dtype=float32)
+    vbuf = cuda.local.array(MAX_HEAD_DIM, dtype=float32)
+    acc = cuda.local.array(MAX_HEAD_DIM, dtype=float32)
+    ibuf = cuda.local.array(8, dtype=np.uint8)
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for item in range(start, n_g * n_parts * rows, stride):
+        r = item % rows
+        gp = item // rows
+        g = gp // n_parts
+        p = gp - g * n_parts
+        compressed = p < n_comp_parts
+        if compressed:
+            t_lo = p * part_size
+            t_hi = min(n_comp, t_lo + part_size)
+        else:
+            t_lo = (p - n_comp_parts) * part_size
+            t_hi = min(n_exact, t_lo + part_size)
+        for j in range(d):
+            acc[j] = float32(0.0)
+        m = NEG_INF
+        lsum = float32(0.0)
+        for t in range(t_lo, t_hi):
+            if compressed:
+                pos = comp_pos0 + t
+            else:
+                pos = int64(exact_pos[t])
+            if not visible_dev(pos, q_pos0, r, q_len, causal):
+                continue
+            s = float32(0.0)
+            if compressed:
+                load_token_dev(kc[g, t], ks[g, t], kcent, kbits, nb, ibuf, kbuf, 0, 1)
+                for j in range(d):
+                    s += qr[g, r, j] * kbuf[j]
+            else:
+                for j in range(d):
+                    s += q[g, r, j] * ke[g, t, j]
+            s = s * softmax_scale
+            if has_bias:
+                s += bias[g, r, pos]
+            m_new = max(m, s)
+            alpha = math.exp(m - m_new) if m != NEG_INF else float32(0.0)
+            w = math.exp(s - m_new)
+            lsum = lsum * alpha + w
+            if compressed:
+                load_token_dev(vc[g, t], vs[g, t], vcent, vbits, nb, ibuf, vbuf, 0, 1)
+                for j in range(d):
+                    acc[j] = acc[j] * alpha + w * vbuf[j]
+            else:
+                for j in range(d):
+                    acc[j] = acc[j] * alpha + w * ve[g, t, j]
+            m = m_new
+        part_m[g, p, r] = m
+        part_l[g, p, r] = lsum
+        for j in range(d):
+            part_acc[g, p, r, j] = acc[j]
+
+
+@cuda_kernel
+def _merge_partitions_cuda(part_m, part_l, part_acc, n_comp_parts, signs, out):
+    """One thread per (KV row, query row)."""
+    n_g, n_parts, rows = part_m.shape
+    buf = cuda.local.array(32, dtype=float32)
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for item in range(start, n_g * rows, stride):
+        g = item // rows
+        r = item - g * rows
+        merge_row_dev(part_m, part_l, part_acc, g, r, n_comp_parts, n_parts, signs, buf, out)
+
+
+_ASIG = ("void(float32[:, :, ::1], float32[:, :, ::1], uint8[:, :, ::1], uint16[:, :, ::1], uint8[:, :, ::1], "
+         "uint16[:, :, ::1], int64, int64, float32[:, :, ::1], float32[:, :, ::1], int64, int32[::1], float32[::1], "
+         "float32[::1], int64, int64, float32, float32[:, :, ::1], boolean, int64, int64, boolean, int64, int64, "
+         "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1])")
+_MSIG = "void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1], int64, float32[::1], float32[:, :, ::1])"
+register("decode_attention", _decode_attention_cpu, _decode_attention_cuda, [_ASIG])
+register("merge_partitions", _merge_partitions_cpu, _merge_partitions_cuda, [_MSIG])
+
+
+# --- dispatch ------------------------------------------------------------------------------
+def default_partition_size(n_tokens: int, n_rows_kv: int, device: str) -> int:
+    """Tokens per partition: enough partitions to occupy the machine, at least one tile."""
+    if device == _backend.CPU:
+        import numba  # noqa: PLC0415
+
+        want = 4 * numba.get_num_threads()
+        per = -(-n_tokens // max(1, -(-want // max(n_rows_kv, 1))))
+        return int(max(4 * TILE, -(-per // TILE) * TILE))
+    return 64 if _backend.simulator_enabled() else 256
+
+
+def fused_attention_rows(qr: Any, q: Any, kc: Any, ks: Any, vc: Any, vs: Any, n_comp: int, comp_pos0: int,
+                         ke: Any, ve: Any, n_exact: int, exact_pos: Any, kcent: Any, vcent: Any, kbits: int, vbits: int,
+                         softmax_scale: float, bias: Any, q_pos0: int, q_len: int, causal: bool = True,
+                         part_size: Optional[int] = None) -> Any:
+    """Fused decode attention over compressed + exact tokens, in the ``[g, rows, d]`` layout.
+
+    No validation (callers validate): ``qr``/``q`` ``[n_g, rows, d]`` float32 (rotated and
+    raw queries), codes/scales ``[n_g, capacity, ·]`` with ``n_comp`` live tokens, exact
+    ``ke``/``ve`` ``[n_g, >= n_exact, d]`` float32 (first ``n_exact`` live) with int32
+    positions ``exact_pos``, codebook
+    centroids ``kcent``/``vcent`` float32, ``bias`` ``[n_g, rows, total_positions]`` or
+    ``None``.  Returns ``out`` ``[n_g, rows, d]`` float32 on the device of ``qr``.
+    """
+    n_g, rows, d = qr.shape
+    dev = _backend.device_of("q", qr)
+    n_exact = int(n_exact)
+    if part_size is None:
+        part_size = default_partition_size(max(n_comp, n_exact, 1), n_g, dev)
+    n_cp = -(-n_comp // part_size)
+    n_ep = -(-n_exact // part_size)
+    n_parts = max(n_cp + n_ep, 1)
+    part_m = _backend.empty(qr, (n_g, n_parts, rows), np.float32)
+    part_l = _backend.empty(qr, (n_g, n_parts, rows), np.float32)
+    part_acc = _backend.empty(qr, (n_g, n_parts, rows, d), np.float32)
+    out = _backend.empty(qr, (n_g, rows, d), np.float32)
+    has_bias = bias is not None
+    if bias is None:
+        bias = _backend.empty(qr, (1, 1, 1), np.float32)
+    signs = _backend.constant(qr, SIGNS32)
+    args = (qr, q, kc, ks, vc, vs, int(n_comp), int(comp_pos0), ke, ve, n_exact, exact_pos, kcent, vcent, int(kbits),
+            int(vbits), np.float32(softmax_scale), bias, has_bias, int(q_pos0), int(q_len), bool(causal),
+            int(part_size), int(n_cp), part_m, part_l, part_acc)
+    if n_cp + n_ep == 0:
+        raise ValueError("k: expected at least one stored token to attend over, got none")
+    if dev == _backend.CPU:
+        _decode_attention_cpu(*args)
+        _merge_partitions_cpu(part_m, part_l, part_acc, int(n_cp), signs, out)
+    else:
+        if d > MAX_HEAD_DIM:
+            raise ValueError(f"head_dim: the CUDA decode kernel supports head_dim <= {MAX_HEAD_DIM}, got {d}")
+        blocks, threads = _backend.cuda_grid(n_g * n_parts * rows, threads=max(32, min(rows, 128)))
+        _decode_attention_cuda[blocks, threads](*args)
+        blocks, threads = _backend.cuda_grid(n_g * rows)
+        _merge_partitions_cuda[blocks, threads](part_m, part_l, part_acc, int(n_cp), signs, out)
+    return out
+
+
+def _codebook_for(name: str, bits: Any, norm_mode: str, codebook: Any):
+    from .codebook import Codebook, get_codebook  # noqa: PLC0415
+
+    if codebook is not None:
+        if not isinstance(codebook, Codebook):
+            raise TypeError(f"{name}_codebook: expected a Codebook, got {type(codebook).__name__}")
+        return codebook
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 1 <= int(bits) <= 4:
+        raise ValueError(f"{name}_bits: expected an int in 1..4, got {bits!r}")
+    return get_codebook(int(bits), norm_mode)
+
+
+def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales: Any, *, bits: int = 3,
+                     norm_mode: str = "maxnorm", k_bits: Optional[int] = None, v_bits: Optional[int] = None,
+                     k_codebook: Any = None, v_codebook: Any = None, softmax_scale: Optional[float] = None,
+                     logit_bias: Any = None, causal: bool = True, k_exact: Any = None, v_exact: Any = None,
+                     exact_positions: Any = None, partition_size: Optional[int] = None,
+                     backend: str = "auto") -> Any:
+    """Softmax attention computed directly from block-quantized K/V codes.
+
+    Parameters
+    ----------
+    q : float array, shape ``(batch, num_heads, q_len, head_dim)``
+        Queries; ``num_heads`` a multiple of ``num_kv_heads`` (contiguous GQA groups).
+    k_codes, v_codes : uint8 array, shape ``(batch, num_kv_heads, T, head_dim·bits/8)``
+    k_scales, v_scales : uint16 array, shape ``(batch, num_kv_heads, T, head_dim/32)``
+        As returned by :func:`numba_kv.quantize_blocks` on ``[batch, num_kv_heads, T, d]``.
+        Compressed token ``t`` sits at position ``t`` (after any exact tokens, see below).
+    bits, norm_mode, k_bits, v_bits, k_codebook, v_codebook
+        Codebooks of K and V (``k_bits``/``v_bits`` default to ``bits``).
+    softmax_scale : float, optional
+        Defaults to ``1/sqrt(head_dim)``.
+    logit_bias : float array, shape ``(batch, num_heads, q_len, total_tokens)``, optional
+        Added to the scaled logits (units of ``softmax_scale·q·k``), indexed by position.
+    causal : bool
+        Query ``i`` sits at position ``total_tokens − q_len + i`` and sees positions ``<=``
+        its own (speculative-decoding verification); ``False`` = every query sees all.
+    k_exact, v_exact : float array, shape ``(batch, num_kv_heads, E, head_dim)``, optional
+        Extra full-precision tokens (a recent window, sinks) joined in the same softmax.
+    exact_positions : int array, shape ``(E,)``, optional
+        Positions of the exact tokens; default ``T, T+1, …`` (a window after the codes).
+    partition_size : int, optional
+        Tokens per split-K partition (default: enough partitions for every thread).
+
+    Returns
+    -------
+    out : float32 array, shape ``(batch, num_heads, q_len, head_dim)``, on the device of
+        ``q``.
+
+    Raises
+    ------
+    ValueError, TypeError
+        Mismatched shapes, group counts, dtypes or devices; the message names the argument.
+
+    Examples
+    --------
+    >>> import numpy as np, numba_kv as nk
+    >>> rng = np.random.default_rng(0)
+    >>> k, v = rng.standard_normal((2, 1, 2, 100, 64)).astype(np.float32)
+    >>> kc, ks = nk.quantize_blocks(k, 3); vc, vs = nk.quantize_blocks(v, 3)
+    >>> q = rng.standard_normal((1, 4, 1, 64)).astype(np.float32)
+    >>> decode_attention(q, kc, ks, vc, vs).shape
+    (1, 4, 1, 64)
+    """
+    from .._validate import check_finite, check_float_array, check_shape  # noqa: PLC0415
+
+    dev = _backend.resolve_device(backend, q=q, k_codes=k_codes, k_scales=k_scales, v_codes=v_codes,
+                                  v_scales=v_scales, logit_bias=logit_bias, k_exact=k_exact, v_exact=v_exact,
+                                  exact_positions=exact_positions)
+    check_float_array("q", q, 4)
+    b, hq, ql, d = (int(s) for s in q.shape)
+    if d % 32 or d == 0:
+        raise ValueError(f"q: expected head_dim a positive multiple of 32, got shape {(b, hq, ql, d)}")
+    kcb = _codebook_for("k", bits if k_bits is None else k_bits, norm_mode, k_codebook)
+    vcb = _codebook_for("v", bits if v_bits is None else v_bits, norm_mode, v_codebook)
+    if len(k_codes.shape) != 4:
+        raise ValueError(f"k_codes: expected 4-D [batch, num_kv_heads, T, packed], got shape {tuple(k_codes.shape)}")
+    hkv, T = int(k_codes.shape[1]), int(k_codes.shape[2])
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"q: expected num_heads to be a multiple of num_kv_heads={hkv}, got shape {(b, hq, ql, d)}")
+    for name, a, width, dt in (("k_codes", k_codes, d * kcb.bits // 8, np.uint8),
+                               ("k_scales", k_scales, d // 32, np.uint16),
+                               ("v_codes", v_codes, d * vcb.bits // 8, np.uint8),
+                               ("v_scales", v_scales, d // 32, np.uint16)):
+        if np.dtype(a.dtype) != dt:
+            raise TypeError(f"{name}: expected dtype {np.dtype(dt)}, got {a.dtype}")
+        check_shape(name, a, (b, hkv, T, width), ("batch", "num_kv_heads", "T", "width"))
+    n_exact = 0
+    if (k_exact is None) != (v_exact is None):
+        raise ValueError("k_exact: k_exact and v_exact must be given together")
+    if k_exact is not None:
+        for name, a in (("k_exact", k_exact), ("v_exact", v_exact)):
+            check_float_array(name, a, 4)
+            check_shape(name, a, (b, hkv, None, d), ("batch", "num_kv_heads", "E", "head_dim"))
+            check_finite(name, a)
+        n_exact = int(k_exact.shape[2])
+        if int(v_exact.shape[2]) != n_exact:
+            raise ValueError(f"v_exact: expected E={n_exact} tokens like k_exact, got shape {tuple(v_exact.shape)}")
+    total = T + n_exact
+    if total == 0:
+        raise ValueError("k_codes: expected at least one token (T + E >= 1), got 0")
+    if ql > total and causal:
+        raise ValueError(f"q: expected q_len <= total tokens {total} with causal=True, got {ql}")
+    if exact_positions is None:
+        pos = np.arange(T, T + n_exact, dtype=np.int32)
+        xp = _backend.xp_of(q)
+        if dev == _backend.CPU:
+            exact_positions = pos
+        elif xp is not None:
+            exact_positions = xp.asarray(pos)
+        else:
+            from numba import cuda as _cuda  # noqa: PLC0415
+
+            exact_positions = _cuda.to_device(pos if pos.size else np.zeros(1, np.int32))
+    elif tuple(exact_positions.shape) != (n_exact,) or np.dtype(exact_positions.dtype).kind not in "iu":
+        raise ValueError(f"exact_positions: expected an int array of shape ({n_exact},), got "
+                         f"{exact_positions.dtype} {tuple(exact_positions.shape)}")
+    if softmax_scale is None:
+        softmax_scale = d ** -0.5
+    check_finite("q", q)
+    g = b * hkv
+    rows = (hq // hkv) * ql
+    q3 = _backend.ascontiguous_f32("q", q).reshape(g, rows, d)
+    bias3 = None
+    if logit_bias is not None:
+        check_float_array("logit_bias", logit_bias, 4)
+        check_shape("logit_bias", logit_bias, (b, hq, ql, total), ("batch", "num_heads", "q_len", "total_tokens"))
+        check_finite("logit_bias", logit_bias)
+        bias3 = _backend.ascontiguous_f32("logit_bias", logit_bias).reshape(g, rows, total)
+    xp = _backend.xp_of(q)
+
+    def flat(a, w):
+        a = xp.ascontiguousarray(a) if xp is not None else a
+        return a.reshape(g, int(a.shape[2]), w)
+
+    if n_exact:
+        ke = flat(_backend.ascontiguous_f32("k_exact", k_exact), d)
+        ve = flat(_backend.ascontiguous_f32("v_exact", v_exact), d)
+        epos = exact_positions.astype(np.int32) if xp is not None else exact_positions
+    else:
+        ke = ve = _backend.empty(q3, (g, 0, d), np.float32)
+        epos = exact_positions
+    qr = rotate32_rows(q3)
+    out = fused_attention_rows(qr, q3, flat(k_codes, int(k_codes.shape[3])), flat(k_scales, d // 32),
+                               flat(v_codes, int(v_codes.shape[3])), flat(v_scales, d // 32), T, 0, ke, ve, n_exact,
+                               epos, _backend.constant(q3, kcb.centroids), _backend.constant(q3, vcb.centroids),
+                               kcb.bits, vcb.bits, softmax_scale, bias3, total - ql, ql, causal, partition_size)
+    return out.reshape(b, hq, ql, d)
+
+
+def rotate32_rows(q3: Any) -> Any:
+    """Forward-rotate every 32-block of the query rows (once per decode step)."""
+    from .hadamard import rotate32  # noqa: PLC0415
+
+    return rotate32(q3)

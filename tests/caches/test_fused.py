@@ -1,0 +1,112 @@
+"""Fused decode of the PolarQuant caches, the full-precision window and attention sinks."""
+
+import numpy as np
+import pytest
+
+from numba_kv import AttendConfig, Dequantized, Fused, PolarQuantCache, make_cache, reference
+
+
+def rel_err(out, ref):
+    return float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30))
+
+
+WINDOWS = [(0, 0), (8, 0), (0, 4), (16, 4), (1, 1)]
+
+
+@pytest.mark.parametrize("R, S", WINDOWS)
+@pytest.mark.parametrize("name", ["pqo3", "pq3", "pqo4", "pqo2-l2"])
+def test_fused_equals_reference_over_the_history(name, R, S):
+    """Stream prefill chunks + decode steps; every Fused output equals float64 attention over
+    the history the same cache returns (exact window/sinks + dequantized rest)."""
+    rng = np.random.default_rng(hash((name, R, S)) % 2**32)
+    b, hkv, groups, d = 2, 2, 3, 64
+    opts = dict(num_layers=1, num_kv_heads=hkv, head_dim=d, residual_length=R, sink_tokens=S)
+    fused = make_cache(name, **opts)
+    deq = make_cache(name, decode_output="dequantized", **opts)
+    cfg = AttendConfig(d ** -0.5, groups)
+    for step, n in enumerate([7, 3, 1, 1, 4, 1, 20, 1]):
+        k = rng.standard_normal((b, hkv, n, d)).astype(np.float32)
+        v = rng.standard_normal((b, hkv, n, d)).astype(np.float32)
+        if step < 2:
+            for c in (fused, deq):
+                c.prefill(0, k, v)
+            continue
+        q = rng.standard_normal((b, hkv * groups, n, d)).astype(np.float32)
+        out = fused.decode(0, k, v, q, cfg)
+        hist = deq.decode(0, k, v, q, cfg)
+        assert isinstance(out, Fused) and isinstance(hist, Dequantized)
+        T = fused.seq_len(0)
+        ref = reference.attention(q, hist.result.k, hist.result.v, cfg.softmax_scale, causal_offset=T - n)
+        assert out.out.shape == (b, hkv * groups, n, d)
+        assert rel_err(out.out, ref) < 1e-5
+    assert fused.memory_usage() == deq.memory_usage()
+
+
+@pytest.mark.parametrize("R, S", [(8, 0), (0, 3), (5, 2), (100, 0)])
+def test_window_keeps_tokens_exact_and_in_order(R, S):
+    rng = np.random.default_rng(0)
+    c = PolarQuantCache(1, 2, 64, bits=3, residual_length=R, sink_tokens=S, window_dtype="float32")
+    chunks = [rng.standard_normal((1, 2, n, 64)).astype(np.float32) for n in (4, 9, 1, 1, 30, 1)]
+    for x in chunks:
+        res = c.prefill(0, x, x)
+    full = np.concatenate(chunks, 2)
+    T = full.shape[2]
+    hist = res.k
+    assert hist.shape == (1, 2, T, 64)
+    exact = np.zeros(T, bool)
+    exact[:min(S, T)] = True
+    exact[max(S, T - R):] = True
+    np.testing.assert_array_equal(hist[:, :, exact], full[:, :, exact])  # window + sinks bit-exact
+    if (~exact).any():
+        err = np.abs(hist[:, :, ~exact] - full[:, :, ~exact]).max()
+        assert 0 < err < 2.0  # compressed, in the right order (a misplaced token would be way off)
+        cos = (hist[:, :, ~exact] * full[:, :, ~exact]).sum(-1) / np.linalg.norm(full[:, :, ~exact], axis=-1) / \
+            np.linalg.norm(hist[:, :, ~exact], axis=-1)
+        assert cos.min() > 0.9
+
+
+def test_window_memory_is_counted_exactly():
+    rng = np.random.default_rng(0)
+    d, hkv, R, S = 64, 2, 16, 4
+    for dt, item in (("float16", 2), ("float32", 4)):
+        c = PolarQuantCache(1, hkv, d, bits=3, residual_length=R, sink_tokens=S, window_dtype=dt)
+        for n in (3, 10, 50):
+            c.prefill(0, *rng.standard_normal((2, 1, hkv, n, d)).astype(np.float32))
+        T = 63
+        n_exact = S + R
+        n_comp = T - n_exact
+        per_comp = 2 * (d * 3 // 8 + 2 * d // 32)
+        assert c.memory_usage() == hkv * (n_comp * per_comp + 2 * n_exact * d * item)
+        assert c.memory_usage() == sum(a.nbytes for a in c.live_arrays(0))
+
+
+def test_float16_window_is_close_to_exact():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 2, 10, 64)).astype(np.float32)
+    c = PolarQuantCache(1, 2, 64, residual_length=16)
+    c.prefill(0, x, x)
+    h = c.prefill(0, x[:, :, :1], x[:, :, :1]).k
+    np.testing.assert_allclose(h[:, :, :10], x, rtol=2.0 ** -10, atol=1e-7)
+
+
+def test_fused_keeps_query_dtype_and_validates_groups():
+    rng = np.random.default_rng(0)
+    c = make_cache("pqo3", num_layers=1, num_kv_heads=2, head_dim=64)
+    k = rng.standard_normal((1, 2, 5, 64))
+    c.prefill(0, k, k)
+    q = rng.standard_normal((1, 6, 1, 64))
+    out = c.decode(0, k[:, :, :1], k[:, :, :1], q, AttendConfig(0.125, 3))
+    assert out.out.dtype == np.float64
+    before = c.memory_usage()
+    with pytest.raises(ValueError, match="n_kv_groups"):
+        c.decode(0, k[:, :, :1], k[:, :, :1], q, AttendConfig(0.125, 2))
+    assert c.memory_usage() == before and c.seq_len(0) == 6
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    (dict(residual_length=-1), "residual_length"), (dict(sink_tokens=1.5), "sink_tokens"),
+    (dict(window_dtype="int8"), "window_dtype"), (dict(decode_output="both"), "decode_output"),
+])
+def test_bad_window_options(kwargs, word):
+    with pytest.raises((ValueError, TypeError), match=word):
+        PolarQuantCache(1, 1, 64, **kwargs)
