@@ -4,6 +4,8 @@ VENV      := .venv
 BIN       := $(VENV)/bin
 STAMP     := $(VENV)/.installed-0.1
 export NUMBA_CACHE_DIR := $(CURDIR)/.numba_cache
+# BLAS threads fighting Numba's threads on 2 cores make timings and test time swing wildly
+export OPENBLAS_NUM_THREADS ?= 1
 PYTEST    := $(BIN)/python -m pytest
 
 .PHONY: venv test test-cpu test-sim test-gpu bench demo info clean-cache clean

@@ -1,4 +1,4 @@
-"""``numba-kv`` command line: ``demo`` (synthetic KV stream), ``info``."""
+"""``numba-kv`` command line: ``demo`` (synthetic KV stream), ``bench attention``, ``info``."""
 
 from __future__ import annotations
 
@@ -26,6 +26,24 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import render_attention, rows_as_dicts, run_attention_bench  # noqa: PLC0415
+    from .info import collect  # noqa: PLC0415
+
+    env = collect()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    bits = [int(b) for b in args.bits.split(",")]
+    rows = run_attention_bench(tokens, bits, args.repeat, progress=not args.no_progress)
+    if args.json:
+        json.dump({"config": vars(args) | {"func": None}, "env": env, "rows": rows_as_dicts(rows)}, sys.stdout,
+                  indent=2, default=str)
+        sys.stdout.write("\n")
+    else:
+        render_attention(rows, f"decode attention, batch 1, 8 KV heads, 32 query heads, d=128 "
+                               f"({env['threads']} threads, layer {env['threading_layer']})")
+    return 0
+
+
 def _info(args: argparse.Namespace) -> int:
     from .info import main as info_main  # noqa: PLC0415
 
@@ -49,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="print JSON instead of a table")
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=_demo)
+    b = sub.add_parser("bench", help="benchmarks: `bench attention` (fused vs dense vs dequantize+attend)")
+    b.add_argument("what", choices=["attention"])
+    b.add_argument("--tokens", default="1024,4096,16384,32768")
+    b.add_argument("--bits", default="3,4")
+    b.add_argument("--repeat", type=int, default=5)
+    b.add_argument("--json", action="store_true")
+    b.add_argument("--no-progress", action="store_true")
+    b.set_defaults(func=_bench)
     i = sub.add_parser("info", help="versions, threading layer, CUDA/simulator/NVVM status")
     i.set_defaults(func=_info)
     return p

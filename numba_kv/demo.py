@@ -121,7 +121,7 @@ def render_table(rows: Sequence[DemoRow], title: str) -> None:
     for r in rows:
         table.add_row(r.cache, f"{r.bits_per_value:.3f}", f"{r.bytes:,}", f"{r.ratio_vs_fp16:.2f}x",
                       f"{r.nmse_k:.5f}", f"{r.nmse_v:.5f}", f"{r.store_vectors_per_s / 1e6:.2f}")
-    Console().print(table)
+    Console(width=140).print(table)
 
 
 def rows_as_dicts(rows: Sequence[DemoRow]) -> List[Dict]:

@@ -32,26 +32,54 @@ from numba import cuda, float32, int64, prange
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
 from ._registry import register
-from .bitpack import _unpack_group8
 from .half import _f16_bits_abs_to_f32
 from .hadamard import SIGNS32, _rotate32_inverse
 
-TILE = 32  # tokens per CPU tile: one max update and one rescale of acc per tile and row
+TILE = 128  # tokens per CPU tile: two small GEMMs, one max update and one rescale per tile and row
 MAX_HEAD_DIM = 512  # CUDA per-thread accumulator size
 NEG_INF = np.float32(-np.inf)
+#: |binary16| -> float32 for every bit pattern (exact; 256 KiB, stays in L2): scale decoding
+F16_ABS_TABLE = np.abs(np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32))
+F16_ABS_TABLE[~np.isfinite(F16_ABS_TABLE)] = 0.0
+F16_ABS_TABLE.flags.writeable = False
 
 
 # --- single-source cores -------------------------------------------------------------
-def _load_token(crow, srow, cent, bits, nb, ibuf, dst, off, stride):
-    """Write the rotated-domain values ``|a_b| · c[idx_j]`` of one token (``32·nb`` floats)
-    to ``dst[off + j·stride]``."""
+def _load_token_fast(crow, srow, cent, bits, nb, scale_table, dst):
+    """``dst[0:32·nb] = |a_b| · c[idx_j]`` for one token; byte-wise unpacking for 2/3/4
+    bits, scales decoded through the exact binary16 table ``scale_table``."""
     for b in range(nb):
-        sa = _f16_bits_abs_to_f32(srow[b])
-        for g in range(4):
-            _unpack_group8(crow, b * 4 * bits + g * bits, bits, ibuf, 0)
-            base = b * 32 + g * 8
-            for k in range(8):
-                dst[off + (base + k) * stride] = cent[ibuf[k]] * sa
+        sa = scale_table[srow[b]]
+        o = b * 32
+        if bits == 3:
+            p = b * 12
+            for g in range(4):
+                w = int64(crow[p]) | (int64(crow[p + 1]) << 8) | (int64(crow[p + 2]) << 16)
+                for k in range(8):
+                    dst[o + g * 8 + k] = cent[(w >> (3 * k)) & 7] * sa
+                p += 3
+        elif bits == 4:
+            p = b * 16
+            for i in range(16):
+                byte = int64(crow[p + i])
+                dst[o + 2 * i] = cent[byte & 15] * sa
+                dst[o + 2 * i + 1] = cent[byte >> 4] * sa
+        elif bits == 2:
+            p = b * 8
+            for i in range(8):
+                byte = int64(crow[p + i])
+                dst[o + 4 * i] = cent[byte & 3] * sa
+                dst[o + 4 * i + 1] = cent[(byte >> 2) & 3] * sa
+                dst[o + 4 * i + 2] = cent[(byte >> 4) & 3] * sa
+                dst[o + 4 * i + 3] = cent[byte >> 6] * sa
+        else:  # any other width: generic group-of-8 unpacking, bit by bit
+            for g in range(4):
+                w = int64(0)
+                for j in range(bits):
+                    w |= int64(crow[b * 4 * bits + g * bits + j]) << (8 * j)
+                mask = (int64(1) << bits) - 1
+                for k in range(8):
+                    dst[o + g * 8 + k] = cent[(w >> (bits * k)) & mask] * sa
 
 
 def _visible(pos, q_pos0, r, q_len, causal):
@@ -98,16 +126,16 @@ def _merge_row(part_m, part_l, part_acc, g, r, n_comp_parts, n_parts, signs, buf
         out[g, r, j] = out[g, r, j] * inv
 
 
-load_token_cpu, load_token_dev = twin(_load_token)
+load_token_fast_cpu, load_token_fast_dev = twin(_load_token_fast)
 visible_cpu, visible_dev = twin(_visible)
 merge_row_cpu, merge_row_dev = twin(_merge_row)
 
 
-# --- CPU twin: partitions in parallel, tiles of TILE tokens, transposed K tile ----------
+# --- CPU twin: partitions in parallel; per tile two small GEMMs (BLAS) on the rotated tile -
 @cpu_kernel
 def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kcent, vcent,
-                          kbits, vbits, softmax_scale, bias, has_bias, q_pos0, q_len, causal, part_size,
-                          n_comp_parts, part_m, part_l, part_acc):
+                          kbits, vbits, scale_table, softmax_scale, bias, has_bias, q_pos0, q_len, causal,
+                          part_size, n_comp_parts, part_m, part_l, part_acc):
     n_g, rows, d = qr.shape
     nb = d // 32
     n_parts = part_m.shape[1]
@@ -121,58 +149,55 @@ def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
         else:
             t_lo = (p - n_comp_parts) * part_size
             t_hi = min(n_exact, t_lo + part_size)
-        kt = np.empty(d * TILE, dtype=np.float32)  # K tile, transposed: kt[j*TILE + tt]
-        vt = np.empty(TILE * d, dtype=np.float32)  # V tile: vt[tt*d + j]
-        sc = np.empty((rows, TILE), dtype=np.float32)
+        kt = np.empty((TILE, d), dtype=np.float32)
+        vt = np.empty((TILE, d), dtype=np.float32)
         acc = np.zeros((rows, d), dtype=np.float32)
         m = np.full(rows, NEG_INF, dtype=np.float32)
         l = np.zeros(rows, dtype=np.float32)
-        ibuf = np.empty(8, dtype=np.uint8)
         qsrc = qr[g] if compressed else q[g]
         for t0 in range(t_lo, t_hi, TILE):
             nt = min(TILE, t_hi - t0)
             if compressed:
                 for tt in range(nt):
-                    load_token_cpu(kc[g, t0 + tt], ks[g, t0 + tt], kcent, kbits, nb, ibuf, kt, tt, TILE)
-                    load_token_cpu(vc[g, t0 + tt], vs[g, t0 + tt], vcent, vbits, nb, ibuf, vt, tt * d, 1)
+                    load_token_fast_cpu(kc[g, t0 + tt], ks[g, t0 + tt], kcent, kbits, nb, scale_table, kt[tt])
+                    load_token_fast_cpu(vc[g, t0 + tt], vs[g, t0 + tt], vcent, vbits, nb, scale_table, vt[tt])
+                ktile = kt[:nt]
+                vtile = vt[:nt]
             else:
-                for tt in range(nt):
-                    for j in range(d):
-                        kt[j * TILE + tt] = ke[g, t0 + tt, j]
-                        vt[tt * d + j] = ve[g, t0 + tt, j]
+                ktile = ke[g, t0:t0 + nt]
+                vtile = ve[g, t0:t0 + nt]
+            sc = np.dot(qsrc, ktile.T)  # [rows, nt] scores in one GEMM
+            last_pos = comp_pos0 + t0 + nt - 1 if compressed else -1
             for r in range(rows):
-                for tt in range(TILE):
-                    sc[r, tt] = float32(0.0)
-                for j in range(d):  # axpy over the tile: vectorizes, no float reduction
-                    qj = qsrc[r, j]
-                    for tt in range(TILE):
-                        sc[r, tt] += qj * kt[j * TILE + tt]
                 tile_max = NEG_INF
                 for tt in range(nt):
-                    pos = comp_pos0 + t0 + tt if compressed else exact_pos[t0 + tt]
                     s = sc[r, tt] * softmax_scale
-                    if has_bias:
-                        s += bias[g, r, pos]
-                    if not visible_cpu(pos, q_pos0, r, q_len, causal):
-                        s = NEG_INF
+                    if has_bias or causal:
+                        pos = comp_pos0 + t0 + tt if compressed else exact_pos[t0 + tt]
+                        if has_bias:
+                            s += bias[g, r, pos]
+                        if causal and (not compressed or last_pos > q_pos0) and \
+                                not visible_cpu(pos, q_pos0, r, q_len, causal):
+                            s = NEG_INF
                     sc[r, tt] = s
                     tile_max = max(tile_max, s)
                 if tile_max == NEG_INF:
+                    for tt in range(nt):
+                        sc[r, tt] = float32(0.0)
                     continue
                 m_new = max(m[r], tile_max)
                 alpha = math.exp(m[r] - m_new) if m[r] != NEG_INF else float32(0.0)
                 lsum = float32(0.0)
-                for j in range(d):
-                    acc[r, j] *= alpha
                 for tt in range(nt):
                     s = sc[r, tt]
-                    if s != NEG_INF:
-                        w = math.exp(s - m_new)
-                        lsum += w
-                        for j in range(d):
-                            acc[r, j] += w * vt[tt * d + j]
+                    w = math.exp(s - m_new) if s != NEG_INF else float32(0.0)
+                    sc[r, tt] = w
+                    lsum += w
+                for j in range(d):
+                    acc[r, j] *= alpha
                 l[r] = l[r] * alpha + lsum
                 m[r] = m_new
+            acc += np.dot(sc, vtile)  # [rows, d] weighted values in one GEMM
         for r in range(rows):
             part_m[g, p, r] = m[r]
             part_l[g, p, r] = l[r]
@@ -193,8 +218,8 @@ def _merge_partitions_cpu(part_m, part_l, part_acc, n_comp_parts, signs, out):
 # --- CUDA kernels ------------------------------------------------------------------------
 @cuda_kernel
 def _decode_attention_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kcent, vcent,
-                           kbits, vbits, softmax_scale, bias, has_bias, q_pos0, q_len, causal, part_size,
-                           n_comp_parts, part_m, part_l, part_acc):
+                           kbits, vbits, scale_table, softmax_scale, bias, has_bias, q_pos0, q_len, causal,
+                           part_size, n_comp_parts, part_m, part_l, part_acc):
     """One thread per (KV row g, partition p, query row r): grid-stride over all of them.
 
     Threads of one block share g and p for consecutive r, so their code reads coincide
@@ -206,7 +231,6 @@ def _decode_attention_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_e
     kbuf = cuda.local.array(MAX_HEAD_DIM, dtype=float32)
     vbuf = cuda.local.array(MAX_HEAD_DIM, dtype=float32)
     acc = cuda.local.array(MAX_HEAD_DIM, dtype=float32)
-    ibuf = cuda.local.array(8, dtype=np.uint8)
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
     for item in range(start, n_g * n_parts * rows, stride):
@@ -234,7 +258,7 @@ def _decode_attention_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_e
                 continue
             s = float32(0.0)
             if compressed:
-                load_token_dev(kc[g, t], ks[g, t], kcent, kbits, nb, ibuf, kbuf, 0, 1)
+                load_token_fast_dev(kc[g, t], ks[g, t], kcent, kbits, nb, scale_table, kbuf)
                 for j in range(d):
                     s += qr[g, r, j] * kbuf[j]
             else:
@@ -248,7 +272,7 @@ def _decode_attention_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_e
             w = math.exp(s - m_new)
             lsum = lsum * alpha + w
             if compressed:
-                load_token_dev(vc[g, t], vs[g, t], vcent, vbits, nb, ibuf, vbuf, 0, 1)
+                load_token_fast_dev(vc[g, t], vs[g, t], vcent, vbits, nb, scale_table, vbuf)
                 for j in range(d):
                     acc[j] = acc[j] * alpha + w * vbuf[j]
             else:
@@ -276,7 +300,8 @@ def _merge_partitions_cuda(part_m, part_l, part_acc, n_comp_parts, signs, out):
 
 _ASIG = ("void(float32[:, :, ::1], float32[:, :, ::1], uint8[:, :, ::1], uint16[:, :, ::1], uint8[:, :, ::1], "
          "uint16[:, :, ::1], int64, int64, float32[:, :, ::1], float32[:, :, ::1], int64, int32[::1], float32[::1], "
-         "float32[::1], int64, int64, float32, float32[:, :, ::1], boolean, int64, int64, boolean, int64, int64, "
+         "float32[::1], int64, int64, float32[::1], float32, float32[:, :, ::1], boolean, int64, int64, boolean, int64, "
+         "int64, "
          "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1])")
 _MSIG = "void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1], int64, float32[::1], float32[:, :, ::1])"
 register("decode_attention", _decode_attention_cpu, _decode_attention_cuda, [_ASIG])
@@ -325,7 +350,7 @@ def fused_attention_rows(qr: Any, q: Any, kc: Any, ks: Any, vc: Any, vs: Any, n_
         bias = _backend.empty(qr, (1, 1, 1), np.float32)
     signs = _backend.constant(qr, SIGNS32)
     args = (qr, q, kc, ks, vc, vs, int(n_comp), int(comp_pos0), ke, ve, n_exact, exact_pos, kcent, vcent, int(kbits),
-            int(vbits), np.float32(softmax_scale), bias, has_bias, int(q_pos0), int(q_len), bool(causal),
+            int(vbits), _backend.constant(qr, F16_ABS_TABLE), np.float32(softmax_scale), bias, has_bias, int(q_pos0), int(q_len), bool(causal),
             int(part_size), int(n_cp), part_m, part_l, part_acc)
     if n_cp + n_ep == 0:
         raise ValueError("k: expected at least one stored token to attend over, got none")

@@ -6,13 +6,13 @@ from numba import njit
 from numba_kv.ops.half import f16_bits_to_f32_cpu, f32_to_f16_bits_cpu
 
 
-@njit(cache=True)
+@njit(cache=False)
 def _to_bits(a, out):
     for i in range(a.size):
         out[i] = f32_to_f16_bits_cpu(a[i])
 
 
-@njit(cache=True)
+@njit(cache=False)
 def _from_bits(h, out):
     for i in range(h.size):
         out[i] = f16_bits_to_f32_cpu(h[i])

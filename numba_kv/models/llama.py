@@ -1,0 +1,643 @@
+"""NumPy forward pass of a Llama-family model whose attention goes through any
+:class:`~numba_kv.caches.protocol.CompressedKVCache`.
+
+Per block: ``x += W_o · attn(rope(W_q·n), rope(W_k·n), W_v·n)`` with ``n = rmsnorm(x)``,
+then ``x += W_down · (silu(W_gate·m) ⊙ W_up·m)`` with ``m = rmsnorm(x)``; finally
+``logits = W_out · rmsnorm(x)`` (``W_out`` = token embedding when ``output.weight`` is
+absent, i.e. tied embeddings).  Everything is float32, batch 1, matmuls through NumPy's
+BLAS.
+
+Attention and the cache
+-----------------------
+* Prompt tokens go through :meth:`LlamaModel.forward` in chunks of ``chunk_size``; for
+  each chunk and layer the model calls ``cache.prefill(layer, k, v, q)`` and attends
+  over the returned K/V (the chunk itself for an empty layer, the full history
+  otherwise).
+* Generated tokens go through ``cache.decode(layer, k, v, q, AttendConfig(1/sqrt(d),
+  n_kv_groups))``.  A :class:`~numba_kv.caches.protocol.Fused` result is used as is; for
+  :class:`~numba_kv.caches.protocol.Dequantized` the model runs softmax attention
+  itself, adding ``logit_bias`` to the scaled logits.
+* Causal mask: with ``S`` returned keys and ``T`` new queries, query ``i`` sees keys
+  ``0 .. S - T + i``.  It is relative to the returned history, so a cache that evicts
+  tokens still gets a correct mask; the RoPE position is ``start_pos + i``, tracked by
+  the caller.
+
+RoPE layout
+-----------
+llama.cpp's ``convert_hf_to_gguf.py`` permutes the rows of ``attn_q``/``attn_k`` of the
+``llama`` architecture so that the rotation acts on *adjacent* pairs ``(2i, 2i+1)``
+(``LLAMA_ROPE_TYPE_NORM`` in ``llama-model.cpp``), not on split halves (NEOX/HF
+``rotate_half``).  Keys are therefore stored in the cache in that permuted layout; this
+is an orthogonal per-head permutation of HF's layout, so ``q·k`` is unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Sequence, Union
+
+import numpy as np
+
+from .._backend import to_host
+from ..caches.protocol import AttendConfig, Dequantized, DequantResult, Fused
+from .gguf_loader import LlamaConfig, LoadedGGUF, load_gguf
+
+__all__ = [
+    "Generation",
+    "LlamaModel",
+    "apply_rope",
+    "attention",
+    "generate",
+    "rms_norm",
+    "rope_tables",
+    "sequence_logits",
+]
+
+#: Default prompt chunk for :meth:`LlamaModel.forward` (tokens per ``cache.prefill`` call).
+DEFAULT_CHUNK_SIZE = 256
+
+CacheFactory = Callable[..., Any]
+
+
+def _host(a: Any) -> np.ndarray:
+    """NumPy view/copy of a cache result (CuPy / Numba device arrays are copied back)."""
+    return a if isinstance(a, np.ndarray) else to_host(a)
+
+
+# --------------------------------------------------------------------------------------
+# building blocks
+# --------------------------------------------------------------------------------------
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm ``x / sqrt(mean(x²) + eps) * weight`` over the last axis.
+
+    Parameters
+    ----------
+    x : ndarray, shape ``(..., dim)``, float32
+    weight : ndarray, shape ``(dim,)``, float32
+    eps : float
+
+    Returns
+    -------
+    ndarray, shape ``(..., dim)``, float32
+    """
+    ms = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
+    return x * (1.0 / np.sqrt(ms + np.float32(eps))) * weight
+
+
+def rope_tables(positions: np.ndarray, rope_dim: int, theta: float,
+                freq_factors: Optional[np.ndarray] = None) -> tuple:
+    """Cosine/sine tables of RoPE for absolute ``positions``.
+
+    Parameters
+    ----------
+    positions : ndarray of int, shape ``(seq,)``
+    rope_dim : int
+        Rotated dimensions per head (even).
+    theta : float
+        Frequency base; pair ``i`` rotates by ``pos · theta^(-2i/rope_dim)``.
+    freq_factors : ndarray, shape ``(rope_dim // 2,)``, optional
+        llama.cpp ``rope_freqs.weight``: the frequency of pair ``i`` is divided by it.
+
+    Returns
+    -------
+    cos, sin : ndarray, shape ``(seq, rope_dim // 2)``, float32
+    """
+    inv = theta ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+    if freq_factors is not None:
+        inv = inv / np.asarray(freq_factors, dtype=np.float64)
+    ang = np.asarray(positions, dtype=np.float64)[:, None] * inv[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate adjacent pairs ``(2i, 2i+1)`` of the first ``2·cos.shape[1]`` dims.
+
+    Parameters
+    ----------
+    x : ndarray, shape ``(batch, heads, seq, head_dim)``, float32
+    cos, sin : ndarray, shape ``(seq, rope_dim // 2)``, float32
+        From :func:`rope_tables`.
+
+    Returns
+    -------
+    ndarray, same shape as ``x``, float32 (new array)
+
+    Notes
+    -----
+    ``out[2i] = x[2i]·cos − x[2i+1]·sin``, ``out[2i+1] = x[2i]·sin + x[2i+1]·cos``
+    (llama.cpp ``ggml_rope`` with ``LLAMA_ROPE_TYPE_NORM``; RoFormer, Su et al. 2021,
+    eq. 34).
+    """
+    half = cos.shape[1]
+    out = x.copy()
+    x0 = x[..., 0:2 * half:2]
+    x1 = x[..., 1:2 * half:2]
+    out[..., 0:2 * half:2] = x0 * cos - x1 * sin
+    out[..., 1:2 * half:2] = x0 * sin + x1 * cos
+    return out
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, softmax_scale: float, n_kv_groups: int,
+              logit_bias: Optional[np.ndarray] = None) -> np.ndarray:
+    """Causal softmax attention of new queries over a K/V history, with GQA.
+
+    Parameters
+    ----------
+    q : ndarray, shape ``(batch, num_heads, q_len, head_dim)``, float32
+        Queries of the ``q_len`` newest positions.
+    k, v : ndarray, shape ``(batch, num_kv_heads, kv_len, head_dim)``
+        History whose last ``q_len`` entries are the new tokens.
+    softmax_scale : float
+        Multiplier of ``q·k``.
+    n_kv_groups : int
+        ``num_heads // num_kv_heads``; head ``h`` reads KV head ``h // n_kv_groups``.
+    logit_bias : ndarray, shape ``(batch, num_heads, q_len, kv_len)``, optional
+        Added to the scaled logits before softmax.
+
+    Returns
+    -------
+    ndarray, shape ``(batch, num_heads, q_len, head_dim)``, float32
+
+    Raises
+    ------
+    ValueError
+        Inconsistent shapes (``kv_len < q_len``, head counts, bias shape).
+
+    Notes
+    -----
+    Query ``i`` sees keys ``0 .. kv_len − q_len + i``.
+    """
+    b, h, t, d = q.shape
+    kb, kvh, s, kd = k.shape
+    if kvh * n_kv_groups != h or kd != d or kb != b:
+        raise ValueError(f"k: shape {k.shape} does not match q {q.shape} with n_kv_groups={n_kv_groups}")
+    if s < t:
+        raise ValueError(f"k: kv_len={s} is shorter than q_len={t}")
+    k = np.asarray(k, dtype=np.float32)
+    v = np.asarray(v, dtype=np.float32)
+    # heads of one group are contiguous: [b, kvh, g*t, d] @ [b, kvh, d, s]
+    qg = np.ascontiguousarray(q, dtype=np.float32).reshape(b, kvh, n_kv_groups * t, d)
+    scores = np.matmul(qg, k.transpose(0, 1, 3, 2)).reshape(b, h, t, s)
+    scores *= np.float32(softmax_scale)
+    if logit_bias is not None:
+        lb = np.asarray(logit_bias, dtype=np.float32)
+        if lb.shape != scores.shape:
+            raise ValueError(f"logit_bias: expected shape {scores.shape}, got {lb.shape}")
+        scores += lb
+    if t > 1:
+        off = s - t
+        mask = np.arange(s)[None, :] > (off + np.arange(t))[:, None]
+        scores[..., mask] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = np.matmul(scores.reshape(b, kvh, n_kv_groups * t, s), v)
+    return out.reshape(b, h, t, d)
+
+
+# --------------------------------------------------------------------------------------
+# model
+# --------------------------------------------------------------------------------------
+@dataclass
+class _Layer:
+    attn_norm: np.ndarray
+    wq: np.ndarray
+    wk: np.ndarray
+    wv: np.ndarray
+    wo: np.ndarray
+    ffn_norm: np.ndarray
+    w_gate: np.ndarray
+    w_up: np.ndarray
+    w_down: np.ndarray
+
+
+class LlamaModel:
+    """Llama-family decoder in NumPy; attention through a ``CompressedKVCache``.
+
+    Parameters
+    ----------
+    config : LlamaConfig
+        Hyper-parameters.
+    tensors : mapping of str to ndarray
+        Float32 weights by GGUF name (``token_embd.weight``, ``blk.{i}.attn_q.weight``,
+        ..., ``output_norm.weight``, optional ``output.weight`` and ``rope_freqs.weight``),
+        matrices ``(out_features, in_features)``.
+
+    Attributes
+    ----------
+    config : LlamaConfig
+    softmax_scale : float
+        ``1/sqrt(head_dim)``.
+    attend_config : AttendConfig
+        Passed to every ``cache.decode`` call.
+
+    Raises
+    ------
+    KeyError
+        A required tensor is missing.
+    ValueError
+        A tensor has the wrong shape.
+
+    See Also
+    --------
+    load_gguf : reads and caches the weights.
+    sequence_logits, generate : drivers built on :meth:`forward`.
+
+    Examples
+    --------
+    >>> from numba_kv.models import LlamaModel                       # doctest: +SKIP
+    >>> model = LlamaModel.from_gguf()                               # SmolLM2-135M
+    >>> cache = model.new_cache()                                    # DenseCache
+    >>> logits = model.forward([504, 3575, 282, 4649, 314], cache)   # (1, 49152)
+    """
+
+    def __init__(self, config: LlamaConfig, tensors: Any) -> None:
+        self.config = c = config
+        self.attend_config = AttendConfig.for_shapes(c.head_dim, c.n_heads, c.n_kv_heads)
+        self.softmax_scale = float(self.attend_config.softmax_scale)
+
+        def get(name: str, shape: tuple) -> np.ndarray:
+            if name not in tensors:
+                raise KeyError(f"tensors: missing {name!r}")
+            a = np.asarray(tensors[name])
+            if a.dtype != np.float32:
+                a = a.astype(np.float32)
+            if tuple(a.shape) != shape:
+                raise ValueError(f"tensors[{name!r}]: expected shape {shape}, got {tuple(a.shape)}")
+            return a
+
+        d, hd = c.dim, c.head_dim
+        self.tok_embd = get("token_embd.weight", (c.vocab_size, d))
+        self.output_norm = get("output_norm.weight", (d,))
+        self.output = (get("output.weight", (c.vocab_size, d)) if "output.weight" in tensors
+                       else self.tok_embd)
+        self.tied_embeddings = "output.weight" not in tensors
+        self.freq_factors = (get("rope_freqs.weight", (c.rope_dim // 2,)) if "rope_freqs.weight" in tensors
+                             else None)
+        self.layers: List[_Layer] = []
+        for i in range(c.n_layers):
+            p = f"blk.{i}."
+            self.layers.append(_Layer(
+                attn_norm=get(p + "attn_norm.weight", (d,)),
+                wq=get(p + "attn_q.weight", (c.n_heads * hd, d)),
+                wk=get(p + "attn_k.weight", (c.n_kv_heads * hd, d)),
+                wv=get(p + "attn_v.weight", (c.n_kv_heads * hd, d)),
+                wo=get(p + "attn_output.weight", (d, c.n_heads * hd)),
+                ffn_norm=get(p + "ffn_norm.weight", (d,)),
+                w_gate=get(p + "ffn_gate.weight", (c.ffn_dim, d)),
+                w_up=get(p + "ffn_up.weight", (c.ffn_dim, d)),
+                w_down=get(p + "ffn_down.weight", (d, c.ffn_dim)),
+            ))
+
+    # -- construction ---------------------------------------------------------------------
+    @classmethod
+    def from_gguf(cls, path: Any = None, cache_dir: Any = None) -> "LlamaModel":
+        """Model from a GGUF file (default: SmolLM2-135M-Instruct), see :func:`load_gguf`."""
+        return cls.from_loaded(load_gguf(path, cache_dir))
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedGGUF) -> "LlamaModel":
+        """Model from an already loaded :class:`~numba_kv.models.gguf_loader.LoadedGGUF`."""
+        return cls(loaded.config, loaded.tensors)
+
+    def new_cache(self, cache_factory: Optional[Union[str, CacheFactory]] = None, **options: Any) -> Any:
+        """A fresh KV cache with this model's geometry.
+
+        Parameters
+        ----------
+        cache_factory : str or callable, optional
+            ``None`` -> :class:`~numba_kv.caches.dense.DenseCache`; a str -> 
+            :func:`numba_kv.make_cache` name; a callable is called as
+            ``cache_factory(num_layers=, num_kv_heads=, head_dim=, **options)``.
+        **options
+            Forwarded to the factory.
+        """
+        c = self.config
+        geom = dict(num_layers=c.n_layers, num_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
+        if cache_factory is None:
+            from ..caches.dense import DenseCache
+
+            return DenseCache(**geom, **options)
+        if isinstance(cache_factory, str):
+            from ..caches.factory import make_cache
+
+            return make_cache(cache_factory, **geom, **options)
+        if not callable(cache_factory):
+            raise TypeError("cache_factory: expected None, a str or a callable, "
+                            f"got {type(cache_factory).__name__}")
+        return cache_factory(**geom, **options)
+
+    # -- forward --------------------------------------------------------------------------
+    def _check_tokens(self, tokens: Any) -> np.ndarray:
+        ids = np.asarray(tokens)
+        if ids.ndim == 0:
+            ids = ids.reshape(1)
+        if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"tokens: expected a non-empty 1-D sequence of ints, got shape {ids.shape} "
+                             f"dtype {ids.dtype}")
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise ValueError(f"tokens: ids must be in [0, {self.config.vocab_size}), got "
+                             f"[{int(ids.min())}, {int(ids.max())}]")
+        return ids.astype(np.int64)
+
+    def step(self, tokens: Any, cache: Any, start_pos: int, use_decode: bool,
+             logits: str = "last") -> Optional[np.ndarray]:
+        """One pass of ``T`` new tokens through all layers (one cache call per layer).
+
+        Parameters
+        ----------
+        tokens : sequence of int, length ``T``
+        cache : CompressedKVCache
+        start_pos : int
+            Absolute position of ``tokens[0]`` (RoPE).
+        use_decode : bool
+            ``True``: ``cache.decode``; ``False``: ``cache.prefill``.
+        logits : {"last", "all", "none"}
+            Which rows of logits to compute.
+
+        Returns
+        -------
+        ndarray, shape ``(1, vocab)`` / ``(T, vocab)``, float32, or None
+        """
+        c = self.config
+        ids = self._check_tokens(tokens)
+        if logits not in ("last", "all", "none"):
+            raise ValueError(f"logits: expected 'last', 'all' or 'none', got {logits!r}")
+        t = ids.size
+        hd, nh, nkv = c.head_dim, c.n_heads, c.n_kv_heads
+        cos, sin = rope_tables(np.arange(start_pos, start_pos + t), c.rope_dim, c.rope_theta,
+                               self.freq_factors)
+        x = self.tok_embd[ids]  # [T, dim]; fancy indexing copies, so x is writable
+        for li, L in enumerate(self.layers):
+            h = rms_norm(x, L.attn_norm, c.rms_eps)
+            # [T, H*hd] -> [1, H, T, hd]
+            q = (h @ L.wq.T).reshape(t, nh, hd).transpose(1, 0, 2)[None]
+            k = (h @ L.wk.T).reshape(t, nkv, hd).transpose(1, 0, 2)[None]
+            v = np.ascontiguousarray((h @ L.wv.T).reshape(t, nkv, hd).transpose(1, 0, 2)[None])
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            if use_decode:
+                res = cache.decode(li, k, v, q, self.attend_config)
+                if isinstance(res, Fused):
+                    o = np.asarray(_host(res.out), dtype=np.float32)
+                elif isinstance(res, Dequantized):
+                    o = self._attend(q, res.result)
+                else:
+                    raise TypeError(f"cache.decode returned {type(res).__name__}, "
+                                    "expected Fused or Dequantized")
+            else:
+                res = cache.prefill(li, k, v, q)
+                if not isinstance(res, DequantResult):
+                    raise TypeError(f"cache.prefill returned {type(res).__name__}, expected DequantResult")
+                o = self._attend(q, res)
+            if o.shape != (1, nh, t, hd):
+                raise ValueError(f"cache layer {li}: attention output has shape {o.shape}, "
+                                 f"expected {(1, nh, t, hd)}")
+            x += o[0].transpose(1, 0, 2).reshape(t, nh * hd) @ L.wo.T
+            h = rms_norm(x, L.ffn_norm, c.rms_eps)
+            g = h @ L.w_gate.T
+            u = h @ L.w_up.T
+            # silu(g)·u with sigmoid(g) = (1 + tanh(g/2)) / 2: no exp overflow warnings
+            s = np.tanh(g * np.float32(0.5))
+            s += 1.0
+            s *= np.float32(0.5)
+            g *= s
+            g *= u
+            x += g @ L.w_down.T
+        return self._logits(x, logits)
+
+    def _attend(self, q: np.ndarray, r: DequantResult) -> np.ndarray:
+        bias = None if r.logit_bias is None else _host(r.logit_bias)
+        return attention(q, _host(r.k), _host(r.v), self.softmax_scale, self.config.n_kv_groups, bias)
+
+    def _logits(self, x: np.ndarray, which: str) -> Optional[np.ndarray]:
+        if which == "none":
+            return None
+        if which == "last":
+            x = x[-1:]
+        h = rms_norm(x, self.output_norm, self.config.rms_eps)
+        return h @ self.output.T
+
+    def forward(self, tokens: Any, cache: Any, start_pos: Optional[int] = None, *, mode: str = "prefill",
+                chunk_size: Optional[int] = DEFAULT_CHUNK_SIZE, logits: str = "last") -> Optional[np.ndarray]:
+        """Feed ``tokens`` through the model, storing their K/V in ``cache``.
+
+        Parameters
+        ----------
+        tokens : sequence of int, length ``N``
+        cache : CompressedKVCache
+            Any cache with this model's geometry (see :meth:`new_cache`).
+        start_pos : int, optional
+            Absolute position of ``tokens[0]``; default ``cache.seq_len(0)``.  Pass it
+            explicitly for caches that evict tokens.
+        mode : {"prefill", "decode"}
+            ``"prefill"``: chunks of ``chunk_size`` tokens through ``cache.prefill``;
+            ``"decode"``: one token at a time through ``cache.decode``.
+        chunk_size : int or None
+            Prefill chunk; ``None`` = all tokens in one chunk.
+        logits : {"last", "all", "none"}
+            Logits of the last position, of every position, or none.
+
+        Returns
+        -------
+        ndarray, shape ``(1, vocab)`` or ``(N, vocab)``, float32, or None
+            Row ``j`` holds the next-token logits after ``tokens[: j + 1]``.
+
+        Raises
+        ------
+        ValueError
+            Bad ``tokens``, ``mode``, ``chunk_size`` or ``logits``.
+        """
+        ids = self._check_tokens(tokens)
+        if mode not in ("prefill", "decode"):
+            raise ValueError(f"mode: expected 'prefill' or 'decode', got {mode!r}")
+        if logits not in ("last", "all", "none"):
+            raise ValueError(f"logits: expected 'last', 'all' or 'none', got {logits!r}")
+        pos = int(cache.seq_len(0)) if start_pos is None else int(start_pos)
+        if mode == "decode":
+            step = 1
+        else:
+            step = ids.size if chunk_size is None else int(chunk_size)
+            if step < 1:
+                raise ValueError(f"chunk_size: expected None or an int >= 1, got {chunk_size!r}")
+        rows = []
+        for a in range(0, ids.size, step):
+            chunk = ids[a:a + step]
+            last = a + step >= ids.size
+            want = logits if logits == "all" else ("last" if (last and logits == "last") else "none")
+            out = self.step(chunk, cache, pos + a, use_decode=(mode == "decode"), logits=want)
+            if out is not None:
+                rows.append(out)
+        if logits == "none":
+            return None
+        return rows[0] if len(rows) == 1 else np.concatenate(rows, axis=0)
+
+
+# --------------------------------------------------------------------------------------
+# drivers
+# --------------------------------------------------------------------------------------
+def sequence_logits(model: LlamaModel, tokens: Sequence[int], cache: Any, n_prefill: int, *,
+                    chunk_size: Optional[int] = DEFAULT_CHUNK_SIZE, include_prefill: bool = True,
+                    progress: Optional[Callable[[int, int], None]] = None) -> np.ndarray:
+    """Next-token logits of every position of ``tokens``: ``n_prefill`` tokens prefilled,
+    the rest fed one at a time through ``cache.decode`` (teacher forcing).
+
+    This is the measurement behind perplexity / KL / top-1 agreement of a compressed
+    cache against :class:`~numba_kv.caches.dense.DenseCache`: run it once per cache on
+    the same tokens and compare the rows.
+
+    Parameters
+    ----------
+    model : LlamaModel
+    tokens : sequence of int, length ``N``
+    cache : CompressedKVCache
+        Should be empty (positions start at ``cache.seq_len(0)``).
+    n_prefill : int
+        Prompt tokens, ``1 <= n_prefill <= N``, stored through ``cache.prefill`` in chunks
+        of ``chunk_size``.
+    chunk_size : int or None
+        Prefill chunk (``None``: one chunk).
+    include_prefill : bool
+        Return rows for the prefilled positions too.
+    progress : callable, optional
+        ``progress(done, total)`` after every decoded token.
+
+    Returns
+    -------
+    ndarray, float32
+        ``include_prefill=True``: shape ``(N, vocab)``, row ``i`` = logits of the token at
+        position ``i + 1`` given ``tokens[: i + 1]``.  ``include_prefill=False``: shape
+        ``(N - n_prefill + 1, vocab)``, rows for positions ``n_prefill - 1 .. N - 1`` (the
+        first row comes from the last prefill position, i.e. an uncompressed history;
+        every later row attends over what the cache stored).  The last row predicts a
+        token beyond the sequence; for perplexity use ``rows[:-1]`` against
+        ``tokens[start + 1:]``.
+
+    Raises
+    ------
+    ValueError
+        ``n_prefill`` out of range.
+
+    Examples
+    --------
+    >>> dense = sequence_logits(model, ids, model.new_cache(), 64)           # doctest: +SKIP
+    >>> pq = sequence_logits(model, ids, model.new_cache("pqo3"), 64)        # doctest: +SKIP
+    >>> top1 = (dense[64:].argmax(-1) == pq[64:].argmax(-1)).mean()          # doctest: +SKIP
+    """
+    ids = model._check_tokens(tokens)
+    n = ids.size
+    if isinstance(n_prefill, bool) or int(n_prefill) != n_prefill or not 1 <= n_prefill <= n:
+        raise ValueError(f"n_prefill: expected an int in [1, {n}], got {n_prefill!r}")
+    n_prefill = int(n_prefill)
+    start = int(cache.seq_len(0))
+    vocab = model.config.vocab_size
+    first = 0 if include_prefill else n_prefill - 1
+    out = np.empty((n - first, vocab), dtype=np.float32)
+    pre = model.forward(ids[:n_prefill], cache, start, mode="prefill", chunk_size=chunk_size,
+                        logits="all" if include_prefill else "last")
+    out[: pre.shape[0]] = pre
+    row = pre.shape[0]
+    for j in range(n_prefill, n):
+        out[row] = model.step(ids[j:j + 1], cache, start + j, use_decode=True, logits="last")[0]
+        row += 1
+        if progress is not None:
+            progress(j - n_prefill + 1, n - n_prefill)
+    return out
+
+
+@dataclass
+class Generation:
+    """Result of :func:`generate`.
+
+    Attributes
+    ----------
+    text : str
+        Decoded new tokens (without the prompt; special tokens skipped).
+    prompt_ids, new_ids : list of int
+        Prompt tokens and generated tokens (a final EOS included when it was produced).
+    prefill_s, decode_s : float
+        Wall time of the prompt pass and of the token-by-token loop.
+    cache : CompressedKVCache
+        The cache after generation (for ``memory_usage()`` etc.).
+    """
+
+    text: str
+    prompt_ids: List[int]
+    new_ids: List[int]
+    prefill_s: float
+    decode_s: float
+    cache: Any = field(repr=False, default=None)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Generated tokens per second of the decode loop (first token excluded)."""
+        n = max(len(self.new_ids) - 1, 0)
+        return n / self.decode_s if self.decode_s > 0 else float("nan")
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def generate(model: LlamaModel, tokenizer: Any, prompt: Union[str, Sequence[int]], max_new_tokens: int = 32,
+             cache_factory: Optional[Union[str, CacheFactory]] = None, *, chat: bool = False,
+             stop_at_eos: bool = True, chunk_size: Optional[int] = DEFAULT_CHUNK_SIZE,
+             cache: Any = None) -> Generation:
+    """Greedy generation: prefill the prompt, then decode one token at a time.
+
+    Parameters
+    ----------
+    model : LlamaModel
+    tokenizer : GGUFTokenizer
+    prompt : str or sequence of int
+        Text (encoded with ``tokenizer``) or token ids.
+    max_new_tokens : int
+        Upper bound on generated tokens (``>= 1``).
+    cache_factory : str or callable, optional
+        Cache to use, see :meth:`LlamaModel.new_cache` (default: ``DenseCache``).
+    chat : bool
+        Wrap a text prompt in the model's chat template as one user message.
+    stop_at_eos : bool
+        Stop after the tokenizer's EOS token.
+    chunk_size : int or None
+        Prefill chunk.
+    cache : CompressedKVCache, optional
+        Use this (empty) cache instead of creating one.
+
+    Returns
+    -------
+    Generation
+
+    Examples
+    --------
+    >>> g = generate(model, tok, "The capital of France is", 8)   # doctest: +SKIP
+    >>> "Paris" in g.text                                         # doctest: +SKIP
+    True
+    """
+    if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
+    if isinstance(prompt, str):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+        ids = tokenizer.encode(text)
+    else:
+        ids = [int(i) for i in prompt]
+    if cache is None:
+        cache = model.new_cache(cache_factory)
+    pos = int(cache.seq_len(0))
+    eos = getattr(tokenizer, "eos_id", None)
+    t0 = time.perf_counter()
+    logits = model.forward(ids, cache, pos, mode="prefill", chunk_size=chunk_size, logits="last")
+    t1 = time.perf_counter()
+    pos += len(ids)
+    new: List[int] = []
+    while True:
+        nxt = int(np.argmax(logits[-1]))
+        new.append(nxt)
+        if len(new) >= max_new_tokens or (stop_at_eos and eos is not None and nxt == eos):
+            break
+        logits = model.step([nxt], cache, pos, use_decode=True, logits="last")
+        pos += 1
+    t2 = time.perf_counter()
+    text = tokenizer.decode(new, skip_special_tokens=True)
+    return Generation(text=text, prompt_ids=list(ids), new_ids=new, prefill_s=t1 - t0, decode_s=t2 - t1,
+                      cache=cache)
