@@ -11,6 +11,7 @@ from .polarquant import PolarQuantCache
 
 CACHE_NAMES = ("dense", "pq2", "pq3", "pq4", "pqo2", "pqo3", "pqo4")
 _PQ = re.compile(r"^(pqo|pq)([234])(-l2|-maxnorm)?$")
+_PQ_KV = re.compile(r"^(pqo|pq)-k([234])v([234])(-l2|-maxnorm)?$")
 
 
 def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int, **options: Any) -> LayeredCache:
@@ -19,8 +20,9 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int, 
     Parameters
     ----------
     name : str
-        ``"dense"``, ``"pq2"``–``"pq4"``, ``"pqo2"``–``"pqo4"``; a ``"-l2"`` suffix selects
-        the L2 norm mode (same as ``norm_mode="l2"``).
+        ``"dense"``, ``"pq2"``–``"pq4"``, ``"pqo2"``–``"pqo4"``, asymmetric
+        ``"pqo-k4v3"`` (keys 4 bits, values 3 bits; any of 2–4 each); a ``"-l2"`` suffix
+        selects the L2 norm mode (same as ``norm_mode="l2"``).
     num_layers, num_kv_heads, head_dim : int
         Model geometry.
     **options
@@ -48,11 +50,21 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int, 
     if key == "dense":
         return DenseCache(**geom, **options)
     m = _PQ.match(key)
-    if m:
-        mode, bits, suffix = m.group(1), int(m.group(2)), m.group(3)
+    mkv = _PQ_KV.match(key)
+    if m or mkv:
+        if m:
+            mode, bits, suffix = m.group(1), int(m.group(2)), m.group(3)
+            kv = {}
+        else:
+            mode, kb, vb, suffix = mkv.group(1), int(mkv.group(2)), int(mkv.group(3)), mkv.group(4)
+            bits, kv = max(kb, vb), {"k_bits": kb, "v_bits": vb}
+            for opt in kv:
+                if opt in options and options[opt] != kv[opt]:
+                    raise ValueError(f"{opt}: {options[opt]!r} conflicts with the name {name!r}")
         if suffix:
             if "norm_mode" in options and options["norm_mode"] != suffix[1:]:
                 raise ValueError(f"norm_mode: {options['norm_mode']!r} conflicts with the name suffix {suffix!r}")
             options = dict(options, norm_mode=suffix[1:])
-        return PolarQuantCache(**geom, bits=bits, mode=mode, **options)
-    raise ValueError(f"name: expected one of {list(CACHE_NAMES)} (optionally with '-l2'), got {name!r}")
+        return PolarQuantCache(**geom, bits=bits, mode=mode, **{**options, **kv})
+    raise ValueError(f"name: expected one of {list(CACHE_NAMES)}, or 'pqo-k<2-4>v<2-4>' (optionally with "
+                     f"'-l2'), got {name!r}")

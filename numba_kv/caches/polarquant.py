@@ -23,7 +23,7 @@ combines exact and compressed tokens in one softmax.
 
 from __future__ import annotations
 
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 import numpy as np
 
@@ -60,7 +60,10 @@ class PolarQuantCache(LayeredCache):
     num_layers, num_kv_heads, head_dim : int
         Model geometry; ``head_dim`` a positive multiple of 32.
     bits : {2, 3, 4}
-        User-facing bit setting.
+        User-facing bit setting (of both K and V unless ``k_bits``/``v_bits`` say otherwise).
+    k_bits, v_bits : {2, 3, 4}, optional
+        Separate settings for keys and values (keys are usually the sensitive side:
+        ``k_bits=4, v_bits=3`` is 4.0 bits/value on average).
     mode : {"pqo", "pq"}
         ``"pqo"`` quantizes with ``bits``-wide codebooks, ``"pq"`` with ``bits − 1``.
     norm_mode : {"maxnorm", "l2"}
@@ -96,9 +99,12 @@ class PolarQuantCache(LayeredCache):
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, bits: int = 3,
                  mode: str = "pqo", norm_mode: str = "maxnorm", residual_length: int = 0, sink_tokens: int = 0,
-                 window_dtype: str = "float16", decode_output: str = "fused") -> None:
+                 window_dtype: str = "float16", decode_output: str = "fused", k_bits: Optional[int] = None,
+                 v_bits: Optional[int] = None) -> None:
         super().__init__(num_layers, num_kv_heads, head_dim)
         self.bits = check_int("bits", bits, allowed=(2, 3, 4))
+        self.k_bits = self.bits if k_bits is None else check_int("k_bits", k_bits, allowed=(2, 3, 4))
+        self.v_bits = self.bits if v_bits is None else check_int("v_bits", v_bits, allowed=(2, 3, 4))
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {list(MODES)}, got {mode!r}")
         if norm_mode not in NORM_MODES:
@@ -113,12 +119,17 @@ class PolarQuantCache(LayeredCache):
         self.mode = mode
         self.norm_mode = norm_mode
         self.decode_output = decode_output
-        self.slot_bits = self.bits if mode == "pqo" else self.bits - 1
-        self.codebook = get_codebook(self.slot_bits, norm_mode)
+        drop = 0 if mode == "pqo" else 1
+        self.slot_bits = {"k": self.k_bits - drop, "v": self.v_bits - drop}
+        self.codebooks = {n: get_codebook(b, norm_mode) for n, b in self.slot_bits.items()}
         self.outlier = mode == "pqo"
-        self.packed_dim = packed_dim(self.head_dim, self.slot_bits)
+        self.packed_dims = {n: packed_dim(self.head_dim, b) for n, b in self.slot_bits.items()}
         self.num_blocks = self.head_dim // 32
-        self.name = f"{mode}{self.bits}" + ("" if norm_mode == "maxnorm" else "-l2")
+        if self.k_bits == self.v_bits:
+            self.name = f"{mode}{self.k_bits}"
+        else:
+            self.name = f"{mode}-k{self.k_bits}v{self.v_bits}"
+        self.name += "" if norm_mode == "maxnorm" else "-l2"
         if self.residual_length or self.sink_tokens:
             self.name += f"-r{self.residual_length}-s{self.sink_tokens}"
 
@@ -128,15 +139,27 @@ class PolarQuantCache(LayeredCache):
         return bool(self.residual_length or self.sink_tokens)
 
     @property
+    def packed_dim(self) -> int:
+        """Packed bytes per key vector (values: ``packed_dims["v"]``)."""
+        return self.packed_dims["k"]
+
+    @property
+    def codebook(self):
+        """Codebook of the keys (values: ``codebooks["v"]``)."""
+        return self.codebooks["k"]
+
+    @property
     def bits_per_value(self) -> float:
-        """Stored bits per compressed K or V value (indices + one binary16 scale per 32)."""
-        return (8.0 * self.packed_dim + 16.0 * self.num_blocks) / self.head_dim
+        """Stored bits per compressed value, averaged over K and V (indices + one binary16
+        scale per 32 values)."""
+        total = sum(8.0 * p + 16.0 * self.num_blocks for p in self.packed_dims.values())
+        return total / (2 * self.head_dim)
 
     # -- storage ----------------------------------------------------------------------------
     def _buffer_spec(self) -> BufferSpec:
         spec: BufferSpec = {
-            "k_codes": (self.packed_dim, np.uint8, None),
-            "v_codes": (self.packed_dim, np.uint8, None),
+            "k_codes": (self.packed_dims["k"], np.uint8, None),
+            "v_codes": (self.packed_dims["v"], np.uint8, None),
             "k_scales": (self.num_blocks, np.uint16, None),
             "v_scales": (self.num_blocks, np.uint16, None),
         }
@@ -171,7 +194,7 @@ class PolarQuantCache(LayeredCache):
             x3 = x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3])
             codes, scales = st.buffers[name + "_codes"], st.buffers[name + "_scales"]
             if not self.windowed:
-                quantize_into(x3, codes, scales, n_comp, self.codebook, self.outlier)
+                quantize_into(x3, codes, scales, n_comp, self.codebooks[name], self.outlier)
                 continue
             ex = st.buffers[name + "_exact"]
             _assign(x3, 0, a, ex, st.seq_len)
@@ -179,7 +202,7 @@ class PolarQuantCache(LayeredCache):
                 ev = _backend.empty(x3, (x3.shape[0], e, self.head_dim), np.float32)
                 _assign(ex, S, e_old, ev, 0)
                 _assign(x3, a, e_new, ev, e_old)
-                quantize_into(ev, codes, scales, n_comp, self.codebook, self.outlier)
+                quantize_into(ev, codes, scales, n_comp, self.codebooks[name], self.outlier)
             if e_old and keep_old:  # slide the surviving window tokens to the front
                 tmp = _backend.empty(ex, (ex.shape[0], keep_old, self.head_dim), ex.dtype)
                 _assign(ex, S + e_old, keep_old, tmp, 0)
@@ -224,7 +247,7 @@ class PolarQuantCache(LayeredCache):
         n_comp, n_sink, n_win = st.meta.get("n_comp", 0), st.meta.get("n_sink", 0), st.meta.get("n_win", 0)
         for name in ("k", "v"):
             comp = _backend.empty(like, (rows, n_comp, self.head_dim), np.float32)
-            dequantize_into(st.buffers[name + "_codes"], st.buffers[name + "_scales"], 0, self.codebook, comp)
+            dequantize_into(st.buffers[name + "_codes"], st.buffers[name + "_scales"], 0, self.codebooks[name], comp)
             if self.windowed:
                 flat = _backend.empty(like, (rows, st.seq_len, self.head_dim), np.float32)
                 ex, _ = self._exact_f32(st, name)
@@ -244,11 +267,12 @@ class PolarQuantCache(LayeredCache):
         qr = rotate32(q3)
         ke, n_exact = self._exact_f32(st, "k")
         ve, _ = self._exact_f32(st, "v")
-        cents = _backend.constant(q3, self.codebook.centroids)
+        kcent = _backend.constant(q3, self.codebooks["k"].centroids)
+        vcent = _backend.constant(q3, self.codebooks["v"].centroids)
         out = fused_attention_rows(
             qr, q3, st.buffers["k_codes"], st.buffers["k_scales"], st.buffers["v_codes"], st.buffers["v_scales"],
-            st.meta.get("n_comp", 0), self.sink_tokens, ke, ve, n_exact, self._exact_positions(st, q3), cents, cents,
-            self.slot_bits, self.slot_bits, config.softmax_scale, None, st.seq_len - ql, ql, True)
+            st.meta.get("n_comp", 0), self.sink_tokens, ke, ve, n_exact, self._exact_positions(st, q3), kcent, vcent,
+            self.slot_bits["k"], self.slot_bits["v"], config.softmax_scale, None, st.seq_len - ql, ql, True)
         return Fused(self._reshape_q(out, b, hq, ql, dtype))
 
     def _reshape_q(self, out: Any, b: int, hq: int, ql: int, dtype: Any) -> Any:

@@ -148,7 +148,8 @@ class CompressedKVCache(Protocol):
       dequantized history of the layer (chunked prefill).
     * ``decode`` stores the new token(s) first, then attends over everything stored and
       returns :class:`Fused` or :class:`Dequantized`.
-    * ``seq_len(layer)`` is the number of stored tokens (0 for an unknown layer).
+    * ``seq_len(layer)`` is the number of stored tokens (``IndexError`` for a layer out of
+      range, like every other method — the Rust anchor silently returned 0).
     * ``reset()`` drops every layer; ``memory_usage()`` is then 0.
     * ``memory_usage()`` is the exact number of bytes of live (compressed) data.
 

@@ -110,3 +110,28 @@ def test_fused_keeps_query_dtype_and_validates_groups():
 def test_bad_window_options(kwargs, word):
     with pytest.raises((ValueError, TypeError), match=word):
         PolarQuantCache(1, 1, 64, **kwargs)
+
+
+@pytest.mark.parametrize("name, kb, vb, bpv", [("pqo-k4v3", 4, 3, 4.0), ("pqo-k3v2", 3, 2, 3.0),
+                                               ("pq-k4v3", 4, 3, 3.0), ("pqo-k2v4-l2", 2, 4, 3.5)])
+def test_asymmetric_bits(name, kb, vb, bpv):
+    rng = np.random.default_rng(0)
+    c = make_cache(name, num_layers=1, num_kv_heads=2, head_dim=64)
+    deq = make_cache(name, num_layers=1, num_kv_heads=2, head_dim=64, decode_output="dequantized")
+    assert (c.k_bits, c.v_bits, c.bits_per_value) == (kb, vb, bpv)
+    k, v = rng.standard_normal((2, 1, 2, 30, 64)).astype(np.float32)
+    for x in (c, deq):
+        x.prefill(0, k, v)
+    k1, v1 = rng.standard_normal((2, 1, 2, 1, 64)).astype(np.float32)
+    q = rng.standard_normal((1, 4, 1, 64)).astype(np.float32)
+    cfg = AttendConfig(0.125, 2)
+    out = c.decode(0, k1, v1, q, cfg).out
+    hist = deq.decode(0, k1, v1, q, cfg).result
+    assert rel_err(out, reference.attention(q, hist.k, hist.v, 0.125)) < 1e-5
+    kc, vc = c.live_arrays(0)[0], c.live_arrays(0)[1]
+    assert kc.shape[-1] == 64 * c.slot_bits["k"] // 8 and vc.shape[-1] == 64 * c.slot_bits["v"] // 8
+    assert c.memory_usage() == 2 * 31 * (kc.shape[-1] + vc.shape[-1] + 2 * 2 * 2)
+    with pytest.raises(ValueError, match="k_bits"):
+        make_cache("pqo-k4v3", num_layers=1, num_kv_heads=2, head_dim=64, k_bits=3)
+    with pytest.raises(ValueError, match="k_bits"):
+        PolarQuantCache(1, 2, 64, k_bits=5)

@@ -1,0 +1,480 @@
+"""Multi-head latent attention (MLA) caches stored in a :class:`~numba_kv.caches.paged.PagedKVCache`.
+
+:class:`MLACache` — DeepSeek-V2/V3 MLA
+    Per token, one joint latent ``c_kv`` (``kv_lora_rank``, 512 in DeepSeek) shared by all
+    heads plus one shared, already-rotated RoPE key ``k_pe`` (``qk_rope_head_dim``, 64).
+    Per layer, up-projections ``W_UK[h]`` ``(kv_lora_rank, qk_nope_head_dim)`` and
+    ``W_UV[h]`` ``(kv_lora_rank, v_head_dim)`` reconstruct, for head ``h``::
+
+        k_h = [c_kv · W_UK[h],  k_pe]          (qk_nope_head_dim + qk_rope_head_dim)
+        v_h =  c_kv · W_UV[h]                  (v_head_dim)
+
+    The latent ``[c_kv | k_pe]`` is stored as one key-only paged vector per token
+    (``num_kv_heads=1``, ``head_dim = kv_lora_rank + qk_rope_head_dim``, like the
+    576-wide DeepSeek cache; FlashInfer's ``ckv``/``kpe`` caches are its two column
+    ranges).  Absorbed attention (DeepSeek-V2 §2.1.2, "absorb ``W_UK`` into the query")
+    scores queries against the latent directly::
+
+        q̃_h = q_nope,h · W_UK[h]ᵀ             (kv_lora_rank)
+        s_h = softmax_scale · (q̃_h · c_kvᵀ + q_pe,h · k_peᵀ)
+        o_h = (softmax(s_h) · c_kv) · W_UV[h]
+
+    so no per-head K/V is ever materialized.
+
+:class:`SimpleMLACache` — the seed's simplified form (``algorithms.md`` §5.6)
+    One ``down_proj`` ``(D, L)``, ``up_proj`` ``(L, D)`` and ``rope_key`` ``(L, D)`` shared by
+    K and V and all heads: ``k_lat = k·down``, ``v_lat = v·down`` (per head and token, stored
+    in the paged cache with ``head_dim = L``); ``k = k_lat·(up + rope_key)``,
+    ``v = v_lat·up``.  Kept so the seed's API (and ``KVCacheCompressor.compress_mla_cache``)
+    works; it is not DeepSeek's MLA.
+
+Both up-project through :func:`numba_kv.ops.lowrank.reconstruct_into` (CPU twin / CUDA
+kernel, the latent broadcast over heads), and the simplified form down-projects through
+:func:`numba_kv.ops.lowrank.project_into`.  The least-squares path from full K/V back to a
+DeepSeek latent (:meth:`MLACache.append`) and the two attention helpers use array
+operations of the input's namespace (NumPy or CuPy): they are reference paths, not kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .. import _backend
+from .._validate import check_finite, check_float_array, check_int, check_layer
+from ..ops.lowrank import project_into, reconstruct_into
+from ..ops.vq import to_like
+from .paged import DEFAULT_PAGE_SIZE, PagedKVCache, PageTable
+
+__all__ = ["MLACache", "SimpleMLACache"]
+
+
+def _per_layer(name: str, w: Any, num_layers: int, tail: Tuple[int, ...], labels: str) -> np.ndarray:
+    """Host float64 copy of a projection, shape ``(num_layers,) + tail`` (a shared array is
+    broadcast to every layer)."""
+    a = np.asarray(_backend.to_host(w) if not isinstance(w, np.ndarray) else w)
+    if a.dtype.kind != "f":
+        raise TypeError(f"{name}: expected a float array, got dtype {a.dtype}")
+    if a.shape == tail:
+        a = np.broadcast_to(a, (num_layers,) + tail)
+    if a.shape != (num_layers,) + tail:
+        raise ValueError(f"{name}: expected shape {tail} ({labels}) or {(num_layers,) + tail} "
+                         f"([num_layers, {labels}]), got {a.shape}")
+    if not np.isfinite(a).all():
+        raise ValueError(f"{name}: expected finite values, got NaN or Inf")
+    return np.array(a, np.float64)
+
+
+class _LatentBase:
+    """Sequence bookkeeping delegated to the wrapped :class:`PagedKVCache`."""
+
+    paged: PagedKVCache
+
+    def allocate_sequence(self) -> int:
+        """Create an empty sequence in every layer; return its id."""
+        return self.paged.allocate_sequence()
+
+    def free_sequence(self, seq_id: int) -> None:
+        """Release the sequence's pages in every layer (``KeyError`` if unknown)."""
+        self.paged.free_sequence(seq_id)
+
+    def seq_len(self, layer: int, seq_id: int) -> int:
+        """Tokens stored for ``seq_id`` in ``layer``."""
+        return self.paged.seq_len(layer, seq_id)
+
+    @property
+    def num_layers(self) -> int:
+        """Layers of the model."""
+        return self.paged.num_layers
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in the pool."""
+        return self.paged.num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages not in use."""
+        return self.paged.num_free_pages
+
+    def page_table(self, layer: int, seq_ids: Optional[Sequence[int]] = None) -> PageTable:
+        """FlashInfer CSR page table (see :meth:`PagedKVCache.page_table`)."""
+        return self.paged.page_table(layer, seq_ids)
+
+    def memory_usage(self) -> int:
+        """Bytes of the latent pages in use."""
+        return self.paged.memory_usage()
+
+    def _const(self, like: Any, key: Tuple, host: np.ndarray) -> Any:
+        """Per-device copy of a projection constant (made once per device kind)."""
+        kind = _backend.device_of("like", like)
+        if kind == _backend.CPU:
+            return host
+        cache: Dict = self.__dict__.setdefault("_dev_consts", {})
+        ck = key + (type(like).__module__.split(".")[0],)
+        if ck not in cache:
+            cache[ck] = to_like(like, host)
+        return cache[ck]
+
+
+class MLACache(_LatentBase):
+    """DeepSeek MLA latent cache: one ``[c_kv | k_pe]`` vector per token, shared by heads.
+
+    Parameters
+    ----------
+    num_pages, num_layers : int
+        Pool size and model depth.
+    num_heads : int
+        Attention heads that read the latent.
+    kv_lora_rank : int
+        Width of ``c_kv``.
+    qk_rope_head_dim : int
+        Width of the shared RoPE key ``k_pe``.
+    qk_nope_head_dim, v_head_dim : int
+        Per-head widths of the non-RoPE key part and of V.
+    w_uk : float array, shape ``(num_layers, num_heads, kv_lora_rank, qk_nope_head_dim)``
+        Key up-projection (a 3-D array is shared by every layer).
+    w_uv : float array, shape ``(num_layers, num_heads, kv_lora_rank, v_head_dim)``
+        Value up-projection.
+    page_size : int
+        Tokens per page.
+    storage : {"float32", "pqo2", "pqo3", "pqo4"}
+        Page format of the latent (PQO needs ``kv_lora_rank + qk_rope_head_dim`` to be a
+        multiple of 32).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> w_uk = rng.standard_normal((2, 4, 32, 16)).astype(np.float32)
+    >>> w_uv = rng.standard_normal((2, 4, 32, 16)).astype(np.float32)
+    >>> cache = MLACache(8, 2, 4, 32, 32, 16, 16, w_uk, w_uv)
+    >>> s = cache.allocate_sequence()
+    >>> cache.append_latent(0, s, np.ones((5, 32), np.float32), np.zeros((5, 32), np.float32))
+    >>> [a.shape for a in cache.get_kv(0, s)]
+    [(4, 5, 48), (4, 5, 16)]
+    """
+
+    def __init__(self, num_pages: int, num_layers: int, num_heads: int, kv_lora_rank: int,
+                 qk_rope_head_dim: int, qk_nope_head_dim: int, v_head_dim: int, w_uk: Any, w_uv: Any,
+                 page_size: int = DEFAULT_PAGE_SIZE, storage: str = "float32") -> None:
+        self.num_heads = check_int("num_heads", num_heads, minimum=1)
+        self.kv_lora_rank = check_int("kv_lora_rank", kv_lora_rank, minimum=1)
+        self.qk_rope_head_dim = check_int("qk_rope_head_dim", qk_rope_head_dim, minimum=0)
+        self.qk_nope_head_dim = check_int("qk_nope_head_dim", qk_nope_head_dim, minimum=1)
+        self.v_head_dim = check_int("v_head_dim", v_head_dim, minimum=1)
+        nl = check_int("num_layers", num_layers, minimum=1)
+        h, r, rope, nope, dv = (self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim,
+                                self.qk_nope_head_dim, self.v_head_dim)
+        self.w_uk = _per_layer("w_uk", w_uk, nl, (h, r, nope),
+                               "num_heads, kv_lora_rank, qk_nope_head_dim").astype(np.float32)
+        self.w_uv = _per_layer("w_uv", w_uv, nl, (h, r, dv), "num_heads, kv_lora_rank, v_head_dim").astype(np.float32)
+        self.latent_dim = r + rope
+        self.paged = PagedKVCache(num_pages, nl, 1, self.latent_dim, page_size, v_head_dim=0, storage=storage)
+        # augmented bases: the stored latent [c_kv | k_pe] times comp_k[h] gives [k_nope | k_pe]
+        ck = np.zeros((nl, h, r + rope, nope + rope), np.float32)
+        ck[:, :, :r, :nope] = self.w_uk
+        ck[:, :, r:, nope:] = np.eye(rope, dtype=np.float32)
+        cv = np.zeros((nl, h, r + rope, dv), np.float32)
+        cv[:, :, :r, :] = self.w_uv
+        self._comp_k, self._comp_v = ck, cv
+        self._zero_k = np.zeros((1, nope + rope), np.float32)
+        self._zero_v = np.zeros((1, dv), np.float32)
+        # least squares latent of full K/V: c = [k_nope_h…, v_h…] · pinv([W_UK[h] …, W_UV[h] …])
+        self._pinv = []
+        for layer in range(nl):
+            a = np.concatenate([np.concatenate([self.w_uk[layer, i], self.w_uv[layer, i]], axis=1)
+                                for i in range(h)], axis=1).astype(np.float64)  # [r, h·(nope+dv)]
+            self._pinv.append(np.linalg.pinv(a))  # [h·(nope+dv), r]
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head key width ``qk_nope_head_dim + qk_rope_head_dim``."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    # -- latent I/O -------------------------------------------------------------------------
+    def append_latent(self, layer: int, seq_id: int, c_kv: Any, k_pe: Any = None) -> None:
+        """Append latents of ``new_tokens`` tokens.
+
+        Parameters
+        ----------
+        c_kv : float array, shape ``(new_tokens, kv_lora_rank)``
+            Or the concatenated ``(new_tokens, kv_lora_rank + qk_rope_head_dim)`` latent
+            when ``k_pe`` is ``None`` (the only form accepted for Numba device arrays, which
+            cannot be concatenated on the device).
+        k_pe : float array, shape ``(new_tokens, qk_rope_head_dim)``, optional
+            RoPE-rotated shared key.
+
+        Raises
+        ------
+        ValueError, TypeError, KeyError, OutOfPagesError
+            As :meth:`PagedKVCache.append`; nothing is appended.
+        """
+        check_float_array("c_kv", c_kv, 2)
+        if k_pe is None:
+            if c_kv.shape[1] != self.latent_dim:
+                raise ValueError(f"c_kv: expected [new_tokens, {self.latent_dim}] (kv_lora_rank + "
+                                 f"qk_rope_head_dim, k_pe=None), got shape {tuple(c_kv.shape)}")
+            lat = c_kv
+        else:
+            check_float_array("k_pe", k_pe, 2)
+            if c_kv.shape[1] != self.kv_lora_rank:
+                raise ValueError(f"c_kv: expected [new_tokens, kv_lora_rank={self.kv_lora_rank}], "
+                                 f"got shape {tuple(c_kv.shape)}")
+            if tuple(k_pe.shape) != (c_kv.shape[0], self.qk_rope_head_dim):
+                raise ValueError(f"k_pe: expected shape {(c_kv.shape[0], self.qk_rope_head_dim)}, "
+                                 f"got {tuple(k_pe.shape)}")
+            _backend.resolve_device("auto", c_kv=c_kv, k_pe=k_pe)
+            xp = _backend.xp_of(c_kv)
+            if xp is None:
+                raise TypeError("c_kv: Numba device arrays cannot be concatenated on the device; pass the "
+                                "concatenated [new_tokens, kv_lora_rank + qk_rope_head_dim] latent with k_pe=None")
+            lat = xp.concatenate([xp.asarray(c_kv, dtype=xp.float32), xp.asarray(k_pe, dtype=xp.float32)], axis=1)
+        self.paged.append(layer, seq_id, lat.reshape(1, lat.shape[0], lat.shape[1]))
+
+    def get_latent(self, layer: int, seq_id: int) -> Tuple[Any, Any]:
+        """Stored latents (dequantized for PQO pages).
+
+        Returns
+        -------
+        c_kv : float32 view, shape ``(seq_len, kv_lora_rank)``
+        k_pe : float32 view, shape ``(seq_len, qk_rope_head_dim)``
+        """
+        lat = self.get_compressed_kv(layer, seq_id)
+        return lat[:, : self.kv_lora_rank], lat[:, self.kv_lora_rank:]
+
+    def get_compressed_kv(self, layer: int, seq_id: int) -> Any:
+        """Concatenated latent ``[c_kv | k_pe]``, float32 ``(seq_len, kv_lora_rank + qk_rope_head_dim)``."""
+        k, _ = self.paged.get_kv(layer, seq_id)
+        return k.reshape(k.shape[1], k.shape[2])
+
+    # -- per-head K/V -----------------------------------------------------------------------
+    def get_kv(self, layer: int, seq_id: int) -> Tuple[Any, Any]:
+        """Up-projected per-head keys and values (on the device of the pages).
+
+        Returns
+        -------
+        k : float32 array, shape ``(num_heads, seq_len, qk_nope_head_dim + qk_rope_head_dim)``
+        v : float32 array, shape ``(num_heads, seq_len, v_head_dim)``
+        """
+        layer = check_layer(layer, self.num_layers)
+        lat, _ = self.paged.get_kv(layer, seq_id)  # [1, S, r + rope]
+        n = lat.shape[1]
+        k = _backend.empty(lat, (self.num_heads, n, self.qk_head_dim), np.float32)
+        v = _backend.empty(lat, (self.num_heads, n, self.v_head_dim), np.float32)
+        reconstruct_into(lat, self._const(lat, ("zk",), self._zero_k),
+                         self._const(lat, ("ck", layer), self._comp_k[layer]), k)
+        reconstruct_into(lat, self._const(lat, ("zv",), self._zero_v),
+                         self._const(lat, ("cv", layer), self._comp_v[layer]), v)
+        return k, v
+
+    def append(self, layer: int, seq_id: int, k: Any, v: Any) -> None:
+        """Append full per-head K/V by projecting them back to the latent (least squares).
+
+        ``c_kv = argmin Σ_h ‖c·W_UK[h] − k_nope,h‖² + ‖c·W_UV[h] − v_h‖²`` (via the
+        pseudo-inverse) and ``k_pe`` = the mean over heads of the RoPE parts; exact for K/V
+        that came from :meth:`get_kv`.  NumPy or CuPy arrays only (reference path).
+
+        Parameters
+        ----------
+        k : float array, shape ``(num_heads, new_tokens, qk_nope_head_dim + qk_rope_head_dim)``
+            Or ``(1, …)``.
+        v : float array, shape ``(num_heads, new_tokens, v_head_dim)``
+        """
+        layer = check_layer(layer, self.num_layers)
+        self.paged._check_seq(seq_id)
+        k3, v3 = self._check_kv_full(k, v)
+        xp = _backend.xp_of(k3)
+        h, n, _ = k3.shape
+        nope = self.qk_nope_head_dim
+        y = xp.concatenate([k3[:, :, :nope], v3], axis=2)  # [h, n, nope + dv]
+        y = xp.transpose(y, (1, 0, 2)).reshape(n, -1).astype(xp.float64)
+        pinv = xp.asarray(self._pinv[layer])
+        c = (y @ pinv).astype(xp.float32)
+        k_pe = k3[:, :, nope:].astype(xp.float64).mean(axis=0).astype(xp.float32)
+        self.append_latent(layer, seq_id, xp.ascontiguousarray(c), xp.ascontiguousarray(k_pe))
+
+    def _check_kv_full(self, k: Any, v: Any) -> Tuple[Any, Any]:
+        _backend.resolve_device("auto", k=k, v=v)
+        out = []
+        for name, a, dim in (("k", k, self.qk_head_dim), ("v", v, self.v_head_dim)):
+            check_float_array(name, a)
+            shape = tuple(a.shape)
+            if len(shape) == 4 and shape[0] == 1:
+                shape = shape[1:]
+            if len(shape) != 3 or shape[0] != self.num_heads or shape[2] != dim or shape[1] < 1:
+                raise ValueError(f"{name}: expected [num_heads={self.num_heads}, new_tokens >= 1, {dim}], "
+                                 f"got shape {tuple(a.shape)}")
+            if _backend.xp_of(a) is None:
+                raise TypeError(f"{name}: MLACache.append projects with NumPy/CuPy array operations; Numba "
+                                "device arrays must go through append_latent")
+            check_finite(name, a)
+            out.append(a.reshape(shape))
+        if out[0].shape[1] != out[1].shape[1]:
+            raise ValueError(f"v: expected {out[0].shape[1]} new tokens (those of k), got shape {tuple(v.shape)}")
+        return out[0], out[1]
+
+    # -- attention (reference paths, NumPy/CuPy) ---------------------------------------------
+    def _check_q(self, name: str, q: Any, dim: int, q_len: Optional[int]) -> Any:
+        check_float_array(name, q, 3)
+        if q.shape[0] != self.num_heads or q.shape[2] != dim or (q_len is not None and q.shape[1] != q_len):
+            want = q_len if q_len is not None else "q_len"
+            raise ValueError(f"{name}: expected [num_heads={self.num_heads}, {want}, {dim}], got shape {tuple(q.shape)}")
+        if _backend.xp_of(q) is None:
+            raise TypeError(f"{name}: MLA attention helpers use NumPy/CuPy array operations, got a Numba device array")
+        return q
+
+    @staticmethod
+    def _softmax_av(xp: Any, s: Any, causal: bool, n: int) -> Any:
+        if causal:
+            q_len = s.shape[1]
+            pos_q = n - q_len + xp.arange(q_len)
+            mask = xp.arange(n)[None, :] > pos_q[:, None]
+            s = xp.where(mask[None], -xp.inf, s)
+        s = s - s.max(axis=-1, keepdims=True)
+        p = xp.exp(s)
+        return p / p.sum(axis=-1, keepdims=True)
+
+    def attend_absorbed(self, layer: int, seq_id: int, q_nope: Any, q_pe: Any, softmax_scale: float,
+                        causal: bool = False) -> Any:
+        """Attention of every head over the cached latent, without up-projecting K or V.
+
+        Parameters
+        ----------
+        q_nope : float array, shape ``(num_heads, q_len, qk_nope_head_dim)``
+        q_pe : float array, shape ``(num_heads, q_len, qk_rope_head_dim)``
+            RoPE-rotated.
+        softmax_scale : float
+            Multiplies the logits (usually ``1/sqrt(qk_nope_head_dim + qk_rope_head_dim)``).
+        causal : bool
+            Query row ``i`` sits at position ``seq_len − q_len + i`` and sees tokens up to it.
+
+        Returns
+        -------
+        out : float32 array, shape ``(num_heads, q_len, v_head_dim)``
+        """
+        layer = check_layer(layer, self.num_layers)
+        self._check_q("q_nope", q_nope, self.qk_nope_head_dim, None)
+        self._check_q("q_pe", q_pe, self.qk_rope_head_dim, q_nope.shape[1])
+        xp = _backend.xp_of(q_nope)
+        lat = self.get_compressed_kv(layer, seq_id)
+        c_kv = lat[:, : self.kv_lora_rank].astype(xp.float64)
+        k_pe = lat[:, self.kv_lora_rank:].astype(xp.float64)
+        w_uk = xp.asarray(self.w_uk[layer], dtype=xp.float64)  # [h, r, nope]
+        w_uv = xp.asarray(self.w_uv[layer], dtype=xp.float64)
+        q_lat = xp.einsum("hqn,hrn->hqr", q_nope.astype(xp.float64), w_uk)  # absorbed W_UK
+        s = (q_lat @ c_kv.T + q_pe.astype(xp.float64) @ k_pe.T) * float(softmax_scale)
+        p = self._softmax_av(xp, s, causal, lat.shape[0])
+        o_lat = p @ c_kv  # [h, q, r]
+        return xp.einsum("hqr,hrv->hqv", o_lat, w_uv).astype(xp.float32)
+
+    def attend(self, layer: int, seq_id: int, q: Any, softmax_scale: float, causal: bool = False) -> Any:
+        """Reference attention over the up-projected K/V (equals :meth:`attend_absorbed`).
+
+        Parameters
+        ----------
+        q : float array, shape ``(num_heads, q_len, qk_nope_head_dim + qk_rope_head_dim)``
+
+        Returns
+        -------
+        out : float32 array, shape ``(num_heads, q_len, v_head_dim)``
+        """
+        self._check_q("q", q, self.qk_head_dim, None)
+        xp = _backend.xp_of(q)
+        k, v = self.get_kv(layer, seq_id)
+        s = xp.einsum("hqd,hkd->hqk", q.astype(xp.float64), k.astype(xp.float64)) * float(softmax_scale)
+        p = self._softmax_av(xp, s, causal, k.shape[1])
+        return (p @ v.astype(xp.float64)).astype(xp.float32)
+
+
+class SimpleMLACache(_LatentBase):
+    """The seed's simplified latent cache: per-head latents from one shared projection.
+
+    Parameters
+    ----------
+    num_pages, num_layers, num_heads : int
+    head_dim : int
+        ``D``, width of the K/V the model produces.
+    latent_dim : int
+        ``L``, width of the stored latent.
+    down_proj : float array, shape ``(D, L)`` or ``(num_layers, D, L)``
+    up_proj : float array, shape ``(L, D)`` or ``(num_layers, L, D)``
+    rope_key : float array, shape ``(L, D)`` or ``(num_layers, L, D)``
+        The seed's "decoupled RoPE" map (a second linear map; no rotation is applied).
+    page_size : int
+    storage : {"float32", "pqo2", "pqo3", "pqo4"}
+        PQO needs ``latent_dim`` to be a multiple of 32.
+    """
+
+    def __init__(self, num_pages: int, num_layers: int, num_heads: int, head_dim: int, latent_dim: int,
+                 down_proj: Any, up_proj: Any, rope_key: Any, page_size: int = DEFAULT_PAGE_SIZE,
+                 storage: str = "float32") -> None:
+        nl = check_int("num_layers", num_layers, minimum=1)
+        self.num_heads = check_int("num_heads", num_heads, minimum=1)
+        self.head_dim = check_int("head_dim", head_dim, minimum=1)
+        self.latent_dim = check_int("latent_dim", latent_dim, minimum=1)
+        d, lat = self.head_dim, self.latent_dim
+        down = _per_layer("down_proj", down_proj, nl, (d, lat), "head_dim, latent_dim")
+        up = _per_layer("up_proj", up_proj, nl, (lat, d), "latent_dim, head_dim")
+        rk = _per_layer("rope_key", rope_key, nl, (lat, d), "latent_dim, head_dim")
+        self.down_proj, self.up_proj, self.rope_key = (a.astype(np.float32) for a in (down, up, rk))
+        self.paged = PagedKVCache(num_pages, nl, self.num_heads, lat, page_size, storage=storage)
+        # components in the [rank, d] layout of the projection op
+        self._comp_down = [np.ascontiguousarray(self.down_proj[i].T)[None] for i in range(nl)]  # [1, L, D]
+        self._comp_k = [np.ascontiguousarray(self.up_proj[i] + self.rope_key[i])[None] for i in range(nl)]
+        self._comp_v = [np.ascontiguousarray(self.up_proj[i])[None] for i in range(nl)]
+        self._zero_d = np.zeros((1, d), np.float32)
+
+    def _check_kv(self, k: Any, v: Any, dim: int) -> Tuple[Any, Any]:
+        _backend.resolve_device("auto", k=k, v=v)
+        out = []
+        for name, a in (("k", k), ("v", v)):
+            check_float_array(name, a)
+            shape = tuple(a.shape)
+            if len(shape) == 4 and shape[0] == 1:
+                shape = shape[1:]
+            if len(shape) != 3 or shape[0] != self.num_heads or shape[2] != dim or shape[1] < 1:
+                raise ValueError(f"{name}: expected [num_heads={self.num_heads}, new_tokens >= 1, {dim}], "
+                                 f"got shape {tuple(a.shape)}")
+            check_finite(name, a)
+            out.append(_backend.ascontiguous_f32(name, a.reshape(shape)))
+        if out[0].shape != out[1].shape:
+            raise ValueError(f"v: expected the shape of k {tuple(out[0].shape)}, got {tuple(out[1].shape)}")
+        return out[0], out[1]
+
+    def append(self, layer: int, seq_id: int, k: Any, v: Any) -> None:
+        """Project ``k``/``v`` ``[num_heads, new_tokens, head_dim]`` to latents and append them."""
+        layer = check_layer(layer, self.num_layers)
+        self.paged._check_seq(seq_id)
+        k3, v3 = self._check_kv(k, v, self.head_dim)
+        h, n, _ = k3.shape
+        comp = self._const(k3, ("down", layer), self._comp_down[layer])
+        zero = self._const(k3, ("zd",), self._zero_d)
+        lats = []
+        for x in (k3, v3):
+            out = _backend.empty(x, (h, n, self.latent_dim), np.float32)
+            project_into(x, zero, comp, out)
+            lats.append(out)
+        self.paged.append(layer, seq_id, lats[0], lats[1])
+
+    def append_compressed(self, layer: int, seq_id: int, k_lat: Any, v_lat: Any) -> None:
+        """Append latents ``[num_heads, new_tokens, latent_dim]`` as given."""
+        k3, v3 = self._check_kv(k_lat, v_lat, self.latent_dim)
+        self.paged.append(layer, seq_id, k3, v3)
+
+    def get_compressed_kv(self, layer: int, seq_id: int) -> Tuple[Any, Any]:
+        """Stored latents, float32 ``[num_heads, seq_len, latent_dim]`` each."""
+        return self.paged.get_kv(layer, seq_id)
+
+    def get_kv(self, layer: int, seq_id: int) -> Tuple[Any, Any]:
+        """Up-projected K and V, float32 ``[num_heads, seq_len, head_dim]`` each."""
+        layer = check_layer(layer, self.num_layers)
+        k_lat, v_lat = self.paged.get_kv(layer, seq_id)
+        h, n, _ = k_lat.shape
+        zero = self._const(k_lat, ("zd",), self._zero_d)
+        k = _backend.empty(k_lat, (h, n, self.head_dim), np.float32)
+        v = _backend.empty(k_lat, (h, n, self.head_dim), np.float32)
+        reconstruct_into(k_lat, zero, self._const(k_lat, ("ck", layer), self._comp_k[layer]), k)
+        reconstruct_into(v_lat, zero, self._const(k_lat, ("cv", layer), self._comp_v[layer]), v)
+        return k, v

@@ -1,0 +1,458 @@
+"""``PagedKVCache``: a page pool shared by all layers and sequences, with per-layer block
+tables (vLLM / FlashInfer paging; the seed's ``PagedKVCache``, ``algorithms.md`` §5.5).
+
+Storage (allocated on the device of the first appended array; layout ``HND`` per page)
+-----------------------------------------------------------------------------------
+* ``storage="float32"`` (exact): ``k_pages`` ``[num_pages, num_kv_heads, page_size, head_dim]``
+  and ``v_pages`` ``[num_pages, num_kv_heads, page_size, v_head_dim]`` float32.
+* ``storage="pqo2" | "pqo3" | "pqo4"``: PolarQuant-outlier block codes, byte-identical to
+  :func:`numba_kv.quantize_blocks` (MaxNorm codebook, negative scales = outlier flag):
+  ``k_codes`` uint8 ``[num_pages, num_kv_heads, page_size, packed_dim]`` and ``k_scales``
+  uint16 (binary16 bits) ``[num_pages, num_kv_heads, page_size, head_dim // 32]``, the
+  same for V.  PQO3 costs 3.5 bits per value.
+
+A page holds ``page_size`` tokens of K *and* V for every KV head.  Page ``p`` is owned by
+at most one (layer, sequence); the free list is a stack (the highest free id is handed
+out first, like the seed's ``BlockManager``).  Logical token ``i`` of a sequence lives in
+page ``table[i // page_size]``, slot ``i % page_size``.
+
+Kernels address the pool through FlashInfer's CSR page table (:meth:`page_table`):
+``kv_indptr`` ``[num_seqs + 1]``, ``kv_indices`` ``[kv_indptr[-1]]`` (page ids, in
+order) and ``kv_last_page_len`` ``[num_seqs]`` (``1..page_size``, 0 for an empty
+sequence), all int32.  A fused paged decode kernel reads ``k_codes[kv_indices[j], h, s]``
+directly; no gather is needed.
+
+``v_head_dim=0`` makes a key-only cache (the MLA latent cache stores one vector per
+token, see :mod:`numba_kv.caches.mla`).
+
+Every argument is validated before anything changes: an append that does not fit raises
+:class:`OutOfPagesError` and leaves the cache as it was.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+
+from .. import _backend
+from .._validate import check_finite, check_float_array, check_int, check_layer
+from ..ops.blockquant import dequantize_into, packed_dim, quantize_into
+from ..ops.codebook import get_codebook
+from ..ops.gather import gather_rows, scatter_rows
+from ..ops.vq import to_like
+
+__all__ = ["PagedKVCache", "PageTable", "OutOfPagesError", "STORAGES", "DEFAULT_PAGE_SIZE"]
+
+DEFAULT_PAGE_SIZE = 16
+STORAGES = ("float32", "pqo2", "pqo3", "pqo4")
+
+
+class OutOfPagesError(RuntimeError):
+    """Raised when an append needs more free pages than the pool has (nothing is appended)."""
+
+
+class PageTable(NamedTuple):
+    """FlashInfer-style CSR page table of a batch of sequences (int32 host arrays).
+
+    Attributes
+    ----------
+    kv_indptr : int32, shape ``(num_seqs + 1,)``
+        Sequence ``i`` owns ``kv_indices[kv_indptr[i]:kv_indptr[i + 1]]``.
+    kv_indices : int32, shape ``(kv_indptr[-1],)``
+        Page ids in logical order.
+    kv_last_page_len : int32, shape ``(num_seqs,)``
+        Valid tokens in each sequence's last page (``1..page_size``; 0 when empty).
+    """
+
+    kv_indptr: np.ndarray
+    kv_indices: np.ndarray
+    kv_last_page_len: np.ndarray
+
+
+class PagedKVCache:
+    """Paged K/V storage shared by layers and sequences (float32 or PQO-compressed pages).
+
+    Parameters
+    ----------
+    num_pages : int
+        Pages in the pool (shared by every layer and sequence).
+    num_layers, num_kv_heads, head_dim : int
+        Model geometry.  PQO storage needs ``head_dim`` (and ``v_head_dim``) to be a
+        multiple of 32.
+    page_size : int
+        Tokens per page (default 16).
+    v_head_dim : int, optional
+        Width of V (default ``head_dim``); 0 stores keys only.
+    storage : {"float32", "pqo2", "pqo3", "pqo4"}
+        Page format (see module docstring).
+
+    Raises
+    ------
+    ValueError
+        A geometry argument out of range (the message names it).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> cache = PagedKVCache(num_pages=8, num_layers=2, num_kv_heads=2, head_dim=64)
+    >>> s = cache.allocate_sequence()
+    >>> k = np.ones((2, 20, 64), np.float32)
+    >>> cache.append(0, s, k, k)
+    >>> cache.seq_len(0, s), cache.num_free_pages, cache.page_table(0, [s]).kv_last_page_len.tolist()
+    (20, 6, [4])
+    """
+
+    def __init__(self, num_pages: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 page_size: int = DEFAULT_PAGE_SIZE, *, v_head_dim: Optional[int] = None,
+                 storage: str = "float32") -> None:
+        self.num_pages = check_int("num_pages", num_pages, minimum=1)
+        self.num_layers = check_int("num_layers", num_layers, minimum=1)
+        self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)
+        self.head_dim = check_int("head_dim", head_dim, minimum=1)
+        self.page_size = check_int("page_size", page_size, minimum=1)
+        self.v_head_dim = self.head_dim if v_head_dim is None else check_int("v_head_dim", v_head_dim, minimum=0)
+        if storage not in STORAGES:
+            raise ValueError(f"storage: expected one of {list(STORAGES)}, got {storage!r}")
+        self.storage = storage
+        self.bits = 0 if storage == "float32" else int(storage[-1])
+        if self.bits:
+            for name, dim in (("head_dim", self.head_dim), ("v_head_dim", self.v_head_dim)):
+                if dim % 32:
+                    raise ValueError(f"{name}: expected a multiple of 32 for storage={storage!r} "
+                                     f"(32-value quantization blocks), got {dim}")
+            self.codebook = get_codebook(self.bits, "maxnorm")
+        else:
+            self.codebook = None
+        self._lock = threading.RLock()
+        self._pools: Dict[str, Any] = {}
+        self._device: Optional[str] = None
+        self._free: List[int] = list(range(self.num_pages))  # stack: pop() → highest id
+        self._tables: List[Dict[int, List[int]]] = [dict() for _ in range(self.num_layers)]
+        self._lens: List[Dict[int, int]] = [dict() for _ in range(self.num_layers)]
+        self._next_seq = 0
+
+    # -- geometry -------------------------------------------------------------------------
+    @property
+    def has_values(self) -> bool:
+        """False for a key-only cache (``v_head_dim=0``)."""
+        return self.v_head_dim > 0
+
+    def _pool_spec(self) -> Dict[str, Tuple[Tuple[int, ...], Any]]:
+        spec = {}
+        parts = [("k", self.head_dim)] + ([("v", self.v_head_dim)] if self.has_values else [])
+        for name, dim in parts:
+            lead = (self.num_pages, self.num_kv_heads, self.page_size)
+            if self.bits:
+                spec[name + "_codes"] = (lead + (packed_dim(dim, self.bits),), np.uint8)
+                spec[name + "_scales"] = (lead + (dim // 32,), np.uint16)
+            else:
+                spec[name + "_pages"] = (lead + (dim,), np.float32)
+        return spec
+
+    @property
+    def bytes_per_page(self) -> int:
+        """Bytes of one page (K and V, every KV head, ``page_size`` tokens)."""
+        return sum(int(np.prod(shape[1:])) * np.dtype(dt).itemsize for shape, dt in self._pool_spec().values())
+
+    @property
+    def pools(self) -> Dict[str, Any]:
+        """The page pool arrays by name (empty until the first append), for kernels.
+
+        Float storage: ``k_pages``/``v_pages``; PQO: ``k_codes``/``k_scales``/
+        ``v_codes``/``v_scales`` (shapes in the module docstring).
+        """
+        return dict(self._pools)
+
+    @property
+    def device(self) -> Optional[str]:
+        """``"cpu"``/``"cuda"`` once the pools exist, else ``None``."""
+        return self._device
+
+    @property
+    def num_free_pages(self) -> int:
+        """Pages not owned by any (layer, sequence)."""
+        with self._lock:
+            return len(self._free)
+
+    @property
+    def num_used_pages(self) -> int:
+        """Pages owned by some (layer, sequence)."""
+        return self.num_pages - self.num_free_pages
+
+    @property
+    def sequences(self) -> List[int]:
+        """Live sequence ids (ascending)."""
+        with self._lock:
+            return sorted(self._tables[0])
+
+    # -- validation -----------------------------------------------------------------------
+    def _check_seq(self, seq_id: Any) -> int:
+        if isinstance(seq_id, bool) or not isinstance(seq_id, (int, np.integer)):
+            raise TypeError(f"seq_id: expected an int, got {type(seq_id).__name__} {seq_id!r}")
+        if int(seq_id) not in self._tables[0]:
+            raise KeyError(f"seq_id: unknown sequence {seq_id!r}; live sequences: {sorted(self._tables[0])}")
+        return int(seq_id)
+
+    def _check_part(self, name: str, a: Any, dim: int, n: Optional[int]) -> Tuple[Any, str]:
+        dev = check_float_array(name, a)
+        shape = tuple(a.shape)
+        if len(shape) == 4:
+            if shape[0] != 1:
+                raise ValueError(f"{name}: expected batch 1 for a 4-D [1, num_kv_heads, new_tokens, head_dim] "
+                                 f"array (one sequence per call), got shape {shape}")
+            shape = shape[1:]
+        if len(shape) != 3:
+            raise ValueError(f"{name}: expected [num_kv_heads, new_tokens, head_dim] (3-D) or [1, ...] (4-D), "
+                             f"got shape {tuple(a.shape)}")
+        if shape[0] != self.num_kv_heads or shape[2] != dim:
+            raise ValueError(f"{name}: expected [num_kv_heads={self.num_kv_heads}, new_tokens, {dim}], "
+                             f"got shape {tuple(a.shape)}")
+        if shape[1] < 1:
+            raise ValueError(f"{name}: expected new_tokens >= 1, got shape {tuple(a.shape)}")
+        if n is not None and shape[1] != n:
+            raise ValueError(f"{name}: expected {n} new tokens (those of k), got shape {tuple(a.shape)}")
+        return a.reshape(shape), dev
+
+    # -- sequences ------------------------------------------------------------------------
+    def allocate_sequence(self) -> int:
+        """Create an empty sequence in every layer and return its id (0, 1, 2, …)."""
+        with self._lock:
+            sid = self._next_seq
+            self._next_seq += 1
+            for layer in range(self.num_layers):
+                self._tables[layer][sid] = []
+                self._lens[layer][sid] = 0
+            return sid
+
+    def free_sequence(self, seq_id: int) -> None:
+        """Release the sequence's pages in every layer and forget it.
+
+        Raises
+        ------
+        KeyError
+            ``seq_id`` unknown (nothing changes).
+        """
+        with self._lock:
+            sid = self._check_seq(seq_id)
+            for layer in range(self.num_layers):
+                pages = self._tables[layer].pop(sid)
+                del self._lens[layer][sid]
+                self._free.extend(reversed(pages))
+
+    def reset(self) -> None:
+        """Free every sequence (the pools stay allocated)."""
+        with self._lock:
+            for sid in list(self._tables[0]):
+                self.free_sequence(sid)
+            self._free = list(range(self.num_pages))
+
+    def seq_len(self, layer: int, seq_id: int) -> int:
+        """Tokens stored for ``seq_id`` in ``layer``."""
+        with self._lock:
+            layer = check_layer(layer, self.num_layers)
+            return self._lens[layer][self._check_seq(seq_id)]
+
+    def num_seq_pages(self, layer: int, seq_id: int) -> int:
+        """Pages owned by ``seq_id`` in ``layer``."""
+        return len(self.block_table(layer, seq_id))
+
+    def block_table(self, layer: int, seq_id: int) -> List[int]:
+        """Page ids of ``seq_id`` in ``layer``, in logical order (a copy)."""
+        with self._lock:
+            layer = check_layer(layer, self.num_layers)
+            return list(self._tables[layer][self._check_seq(seq_id)])
+
+    def page_table(self, layer: int, seq_ids: Optional[Sequence[int]] = None) -> PageTable:
+        """FlashInfer CSR page table of ``seq_ids`` (default: every live sequence) in ``layer``.
+
+        Returns
+        -------
+        PageTable
+            ``kv_indptr``, ``kv_indices``, ``kv_last_page_len`` (int32 host arrays).
+        """
+        with self._lock:
+            layer = check_layer(layer, self.num_layers)
+            ids = sorted(self._tables[0]) if seq_ids is None else [self._check_seq(s) for s in seq_ids]
+            indptr = np.zeros(len(ids) + 1, np.int32)
+            last = np.zeros(len(ids), np.int32)
+            chunks = []
+            for i, sid in enumerate(ids):
+                pages = self._tables[layer][sid]
+                chunks.append(pages)
+                indptr[i + 1] = indptr[i] + len(pages)
+                n = self._lens[layer][sid]
+                last[i] = (n - 1) % self.page_size + 1 if n else 0
+            indices = np.array([p for c in chunks for p in c], np.int32)
+            return PageTable(indptr, indices, last)
+
+    # -- data -----------------------------------------------------------------------------
+    def _rows(self, pages: Sequence[int], t0: int, n: int) -> np.ndarray:
+        """Pool rows (``[num_pages·H·page_size]`` view) of tokens ``t0 : t0+n``, head-major."""
+        pos = t0 + np.arange(n, dtype=np.int64)
+        page = np.asarray(pages, np.int64)[pos // self.page_size]
+        slot = pos % self.page_size
+        h = np.arange(self.num_kv_heads, dtype=np.int64)[:, None]
+        return ((page[None, :] * self.num_kv_heads + h) * self.page_size + slot[None, :]).reshape(-1).astype(np.int32)
+
+    def _ensure_pools(self, like: Any, dev: str) -> None:
+        if self._pools:
+            return
+        self._pools = {name: _backend.zeros(like, shape, dt) for name, (shape, dt) in self._pool_spec().items()}
+        self._device = dev
+
+    def _write(self, part: str, x3: Any, rows: np.ndarray) -> None:
+        h, n, d = x3.shape
+        idx = to_like(x3, rows)
+        if self.bits:
+            pd = packed_dim(d, self.bits)
+            codes = _backend.empty(x3, (h, n, pd), np.uint8)
+            scales = _backend.empty(x3, (h, n, d // 32), np.uint16)
+            quantize_into(x3, codes, scales, 0, self.codebook, True)
+            scatter_rows(codes.reshape(h * n, pd), idx, self._pools[part + "_codes"].reshape(-1, pd))
+            scatter_rows(scales.reshape(h * n, d // 32), idx, self._pools[part + "_scales"].reshape(-1, d // 32))
+        else:
+            scatter_rows(x3.reshape(h * n, d), idx, self._pools[part + "_pages"].reshape(-1, d))
+
+    def _read(self, part: str, rows: np.ndarray, n: int) -> Any:
+        h = self.num_kv_heads
+        d = self.head_dim if part == "k" else self.v_head_dim
+        like = next(iter(self._pools.values()))
+        idx = to_like(like, rows)
+        out = _backend.empty(like, (h, n, d), np.float32)
+        if self.bits:
+            pd = packed_dim(d, self.bits)
+            codes = _backend.empty(like, (h * n, pd), np.uint8)
+            scales = _backend.empty(like, (h * n, d // 32), np.uint16)
+            gather_rows(self._pools[part + "_codes"].reshape(-1, pd), idx, codes)
+            gather_rows(self._pools[part + "_scales"].reshape(-1, d // 32), idx, scales)
+            dequantize_into(codes.reshape(h, n, pd), scales.reshape(h, n, d // 32), 0, self.codebook, out)
+        else:
+            gather_rows(self._pools[part + "_pages"].reshape(-1, d), idx, out.reshape(h * n, d))
+        return out
+
+    def append(self, layer: int, seq_id: int, k: Any, v: Any = None) -> None:
+        """Append ``new_tokens`` tokens of K (and V) to ``seq_id`` in ``layer``.
+
+        Parameters
+        ----------
+        layer : int
+        seq_id : int
+            From :meth:`allocate_sequence`.
+        k : float array, shape ``(num_kv_heads, new_tokens, head_dim)`` or ``(1, …)``
+            float16/32/64 (stored as float32 or PQO codes); finite.
+        v : float array, shape ``(num_kv_heads, new_tokens, v_head_dim)`` or ``(1, …)``
+            ``None`` for a key-only cache.
+
+        Raises
+        ------
+        OutOfPagesError
+            Not enough free pages; nothing is appended.
+        KeyError
+            Unknown ``seq_id``.
+        ValueError, TypeError, IndexError
+            Bad shape, dtype, device, non-finite values or layer (the message names the
+            argument); nothing is appended.
+        """
+        with self._lock:
+            layer = check_layer(layer, self.num_layers)
+            sid = self._check_seq(seq_id)
+            k3, dev = self._check_part("k", k, self.head_dim, None)
+            n = int(k3.shape[1])
+            if self.has_values:
+                if v is None:
+                    raise ValueError(f"v: expected [num_kv_heads, new_tokens, {self.v_head_dim}], got None")
+                v3, dv = self._check_part("v", v, self.v_head_dim, n)
+                if dv != dev:
+                    raise ValueError(f"k is on {dev} but v is on {dv}: both must live on the same device")
+            elif v is not None:
+                raise ValueError("v: expected None for a key-only cache (v_head_dim=0), got an array")
+            if self._device is not None and dev != self._device:
+                raise ValueError(f"k is on {dev} but the page pool lives on {self._device}")
+            check_finite("k", k3)
+            if self.has_values:
+                check_finite("v", v3)
+            cur = self._lens[layer][sid]
+            table = self._tables[layer][sid]
+            need = -(-(cur + n) // self.page_size) - len(table)
+            if need > len(self._free):
+                raise OutOfPagesError(
+                    f"append: seq_id {sid} in layer {layer} needs {need} free pages for {n} new tokens "
+                    f"(page_size={self.page_size}), only {len(self._free)} of {self.num_pages} are free; "
+                    "nothing was appended")
+            self._ensure_pools(k3, dev)
+            xk = _backend.ascontiguous_f32("k", k3)
+            xv = _backend.ascontiguous_f32("v", v3) if self.has_values else None
+            new_pages = [self._free.pop() for _ in range(max(need, 0))]
+            pages = table + new_pages
+            rows = self._rows(pages, cur, n)
+            try:
+                self._write("k", xk, rows)
+                if xv is not None:
+                    self._write("v", xv, rows)
+            except Exception:
+                self._free.extend(reversed(new_pages))
+                raise
+            table.extend(new_pages)
+            self._lens[layer][sid] = cur + n
+
+    def get_kv(self, layer: int, seq_id: int) -> Tuple[Any, Any]:
+        """All tokens of ``seq_id`` in ``layer`` (dequantized for PQO storage).
+
+        Returns
+        -------
+        k : float32 array, shape ``(num_kv_heads, seq_len, head_dim)``
+        v : float32 array, shape ``(num_kv_heads, seq_len, v_head_dim)``, or ``None``
+            for a key-only cache.
+
+        Raises
+        ------
+        ValueError
+            The sequence holds no tokens in ``layer`` (as the seed).
+        """
+        with self._lock:
+            layer = check_layer(layer, self.num_layers)
+            sid = self._check_seq(seq_id)
+            n = self._lens[layer][sid]
+            if n == 0:
+                raise ValueError(f"seq_id: sequence {sid} holds no tokens in layer {layer}")
+            rows = self._rows(self._tables[layer][sid], 0, n)
+            k = self._read("k", rows, n)
+            v = self._read("v", rows, n) if self.has_values else None
+            return k, v
+
+    def iter_pages(self, layer: int, seq_id: int) -> Iterator[Tuple[int, int, Any, Any]]:
+        """Yield ``(page_id, num_tokens, k, v)`` for each page of ``seq_id`` in order.
+
+        ``k``/``v`` are float32 ``[num_kv_heads, num_tokens, dim]`` (dequantized for PQO;
+        ``v`` is ``None`` for a key-only cache).  The page list is read once, at the start.
+        """
+        with self._lock:
+            layer = check_layer(layer, self.num_layers)
+            sid = self._check_seq(seq_id)
+            pages = list(self._tables[layer][sid])
+            n_total = self._lens[layer][sid]
+        for i, p in enumerate(pages):
+            t0 = i * self.page_size
+            nt = min(self.page_size, n_total - t0)
+            with self._lock:
+                rows = self._rows([p], 0, nt)
+                k = self._read("k", rows, nt)
+                v = self._read("v", rows, nt) if self.has_values else None
+            yield p, nt, k, v
+
+    # -- accounting -----------------------------------------------------------------------
+    def memory_usage(self) -> int:
+        """Bytes of the pages in use (whole pages, K and V)."""
+        return self.num_used_pages * self.bytes_per_page
+
+    def allocated_bytes(self) -> int:
+        """Bytes of the whole pool (0 before the first append)."""
+        return self.num_pages * self.bytes_per_page if self._pools else 0
+
+    @property
+    def bits_per_value(self) -> float:
+        """Stored bits per K or V value of a full page."""
+        vals = self.num_kv_heads * self.page_size * (self.head_dim + self.v_head_dim)
+        return 8.0 * self.bytes_per_page / vals

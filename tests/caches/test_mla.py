@@ -1,0 +1,144 @@
+"""MLA latent caches: DeepSeek-style joint latent + shared RoPE key (up-projection,
+absorbed attention, least-squares append) and the seed's simplified form."""
+
+import numpy as np
+import pytest
+
+from numba_kv.caches.mla import MLACache, SimpleMLACache
+from numba_kv.caches.paged import OutOfPagesError
+from numba_kv.compressor import KVCacheCompressor, LowRank
+
+H, R, ROPE, NOPE, DV, L = 4, 32, 16, 24, 20, 2
+
+
+@pytest.fixture
+def mla(rng):
+    w_uk = (rng.standard_normal((L, H, R, NOPE)) / np.sqrt(R)).astype(np.float32)
+    w_uv = (rng.standard_normal((L, H, R, DV)) / np.sqrt(R)).astype(np.float32)
+    return MLACache(num_pages=16, num_layers=L, num_heads=H, kv_lora_rank=R, qk_rope_head_dim=ROPE,
+                    qk_nope_head_dim=NOPE, v_head_dim=DV, w_uk=w_uk, w_uv=w_uv, page_size=4)
+
+
+def _latent(rng, n):
+    return rng.standard_normal((n, R)).astype(np.float32), rng.standard_normal((n, ROPE)).astype(np.float32)
+
+
+def test_latent_storage_and_up_projection(mla, rng):
+    s = mla.allocate_sequence()
+    c, pe = _latent(rng, 7)
+    mla.append_latent(1, s, c[:3], pe[:3])
+    mla.append_latent(1, s, np.concatenate([c[3:], pe[3:]], axis=1))  # concatenated form
+    assert mla.seq_len(1, s) == 7 and mla.seq_len(0, s) == 0
+    cc, pp = mla.get_latent(1, s)
+    assert np.array_equal(cc, c) and np.array_equal(pp, pe)
+    # one paged vector per token, shared by every head
+    assert mla.paged.num_kv_heads == 1 and mla.paged.head_dim == R + ROPE and not mla.paged.has_values
+    k, v = mla.get_kv(1, s)
+    assert k.shape == (H, 7, NOPE + ROPE) and v.shape == (H, 7, DV)
+    w_uk, w_uv = mla.w_uk[1], mla.w_uv[1]
+    np.testing.assert_allclose(k[:, :, :NOPE], np.einsum("tr,hrn->htn", c, w_uk), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(k[:, :, NOPE:], np.broadcast_to(pe, (H, 7, ROPE)))
+    np.testing.assert_allclose(v, np.einsum("tr,hrv->htv", c, w_uv), rtol=1e-5, atol=1e-5)
+    assert mla.memory_usage() == 2 * 4 * (R + ROPE) * 4  # 2 pages of 4 tokens, float32 latent
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_absorbed_attention_equals_up_projected_attention(mla, rng, causal):
+    s = mla.allocate_sequence()
+    c, pe = _latent(rng, 11)
+    mla.append_latent(0, s, c, pe)
+    q = rng.standard_normal((H, 3, NOPE + ROPE)).astype(np.float32)
+    scale = 1.0 / np.sqrt(NOPE + ROPE)
+    ref = mla.attend(0, s, q, scale, causal=causal)
+    out = mla.attend_absorbed(0, s, np.ascontiguousarray(q[:, :, :NOPE]), np.ascontiguousarray(q[:, :, NOPE:]),
+                              scale, causal=causal)
+    assert out.shape == (H, 3, DV)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_full_kv_append_recovers_the_latent(mla, rng):
+    s, t = mla.allocate_sequence(), mla.allocate_sequence()
+    c, pe = _latent(rng, 6)
+    mla.append_latent(0, s, c, pe)
+    k, v = mla.get_kv(0, s)
+    mla.append(0, t, k, v)  # least squares back to the latent: exact (full row rank)
+    cc, pp = mla.get_latent(0, t)
+    np.testing.assert_allclose(cc, c, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(pp, pe, rtol=1e-6, atol=1e-6)
+
+
+def test_pqo_latent_pages(rng):
+    w = (rng.standard_normal((H, R, NOPE)) / 6).astype(np.float32)  # 3-D: shared by layers
+    mla = MLACache(4, 1, H, R, 32, NOPE, NOPE, w, w, storage="pqo3")
+    s = mla.allocate_sequence()
+    c, _ = _latent(rng, 5)
+    pe = rng.standard_normal((5, 32)).astype(np.float32)
+    mla.append_latent(0, s, c, pe)
+    cc, pp = mla.get_latent(0, s)
+    err = ((cc - c) ** 2).sum() / (c ** 2).sum()
+    assert 0 < err < 0.05
+    assert mla.paged.pools["k_codes"].shape == (4, 1, 16, (R + 32) * 3 // 8)
+
+
+def test_mla_bad_input(mla, rng):
+    s = mla.allocate_sequence()
+    c, pe = _latent(rng, 2)
+    with pytest.raises(ValueError, match=r"c_kv: expected \[new_tokens, kv_lora_rank=32\]"):
+        mla.append_latent(0, s, c[:, :5], pe)
+    with pytest.raises(ValueError, match=r"k_pe: expected shape \(2, 16\)"):
+        mla.append_latent(0, s, c, pe[:1])
+    with pytest.raises(ValueError, match=r"c_kv: expected \[new_tokens, 48\]"):
+        mla.append_latent(0, s, c)
+    with pytest.raises(KeyError, match="seq_id"):
+        mla.append_latent(0, 9, c, pe)
+    with pytest.raises(ValueError, match=r"w_uk: expected shape \(4, 32, 24\)"):
+        MLACache(4, 2, H, R, ROPE, NOPE, DV, np.zeros((H, R, NOPE + 1)), np.zeros((H, R, DV)))
+    with pytest.raises(ValueError, match=r"q_pe: expected \[num_heads=4, 1, 16\]"):
+        mla.attend_absorbed(0, s, np.zeros((H, 1, NOPE)), np.zeros((H, 2, ROPE)), 1.0)
+    assert mla.seq_len(0, s) == 0 and mla.num_free_pages == 16
+    small = MLACache(1, 1, H, R, ROPE, NOPE, DV, mla.w_uk[0], mla.w_uv[0], page_size=4)
+    t = small.allocate_sequence()
+    c, pe = _latent(rng, 5)
+    with pytest.raises(OutOfPagesError):
+        small.append_latent(0, t, c, pe)
+    assert small.seq_len(0, t) == 0
+
+
+def test_compressor_on_mla_cache(mla, rng):
+    s, t = mla.allocate_sequence(), mla.allocate_sequence()
+    c, pe = _latent(rng, 8)
+    mla.append_latent(1, s, c, pe)
+    comp = KVCacheCompressor(LowRank(64, energy=None, dtype="float32"))
+    cz = comp.compress_mla_cache(mla, 1, s)  # K and V widths differ (48 vs 20)
+    assert cz.k.shape == (H, 8, NOPE + ROPE) and cz.v.shape == (H, 8, DV)
+    comp.decompress_to_mla_cache(cz, mla, 1, t)
+    np.testing.assert_allclose(mla.get_latent(1, t)[0], c, rtol=1e-3, atol=1e-3)
+
+
+# --- the seed's simplified form ------------------------------------------------------------------
+def test_simple_mla_matches_the_seed_formulas(rng):
+    d, lat = 16, 8
+    down = rng.standard_normal((d, lat)).astype(np.float32)
+    up = rng.standard_normal((lat, d)).astype(np.float32)
+    rk = rng.standard_normal((lat, d)).astype(np.float32)
+    cache = SimpleMLACache(8, 2, 3, d, lat, down, up, rk, page_size=4)
+    s = cache.allocate_sequence()
+    k = rng.standard_normal((3, 5, d)).astype(np.float32)
+    v = rng.standard_normal((3, 5, d)).astype(np.float32)
+    cache.append(0, s, k, v)
+    kl, vl = cache.get_compressed_kv(0, s)
+    np.testing.assert_allclose(kl, k @ down, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(vl, v @ down, rtol=1e-5, atol=1e-5)
+    kk, vv = cache.get_kv(0, s)
+    np.testing.assert_allclose(kk, kl @ up + kl @ rk, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(vv, vl @ up, rtol=1e-4, atol=1e-4)
+    cache.append_compressed(0, s, kl[:, :1], vl[:, :1])
+    assert cache.seq_len(0, s) == 6
+    comp = KVCacheCompressor(LowRank(16, energy=None, dtype="float32"))
+    t = cache.allocate_sequence()
+    comp.decompress_to_mla_cache(comp.compress_mla_cache(cache, 0, s), cache, 0, t)
+    assert cache.seq_len(0, t) == 6
+    with pytest.raises(ValueError, match=r"k: expected \[num_heads=3, new_tokens >= 1, 16\]"):
+        cache.append(0, s, k[:2], v[:2])
+    with pytest.raises(ValueError, match=r"up_proj: expected shape \(8, 16\)"):
+        SimpleMLACache(8, 2, 3, d, lat, down, up.T, rk)
