@@ -13,17 +13,23 @@ __version__ = "0.1.0"
 
 from .caches.dense import DenseCache
 from .caches.factory import CACHE_NAMES, make_cache
+from .caches.mla import MLACache, SimpleMLACache
+from .caches.paged import OutOfPagesError, PagedKVCache, PageTable
 from .caches.polarquant import PolarQuantCache
 from .caches.protocol import (AttendConfig, CompressedKVCache, DecodeOutput, Dequantized, DequantResult,
                               Fused)
+from .compressor import CompressedKV, CompressionMethod, KVCacheCompressor
 from .info import check_threading_layer
+from .ops.attention import decode_attention
 from .ops.bitpack import pack_bits, unpack_bits
 from .ops.blockquant import dequantize_blocks, quantize_blocks
 from .ops.codebook import get_codebook
 from .ops.hadamard import rotate32
 
 __all__ = [
-    "AttendConfig", "CACHE_NAMES", "CompressedKVCache", "DecodeOutput", "DenseCache", "Dequantized",
-    "DequantResult", "Fused", "PolarQuantCache", "check_threading_layer", "dequantize_blocks",
-    "get_codebook", "make_cache", "pack_bits", "quantize_blocks", "rotate32", "unpack_bits",
+    "AttendConfig", "CACHE_NAMES", "CompressedKV", "CompressedKVCache", "CompressionMethod", "DecodeOutput",
+    "DenseCache", "Dequantized", "DequantResult", "Fused", "KVCacheCompressor", "MLACache", "OutOfPagesError",
+    "PageTable", "PagedKVCache", "PolarQuantCache", "SimpleMLACache", "check_threading_layer",
+    "decode_attention", "dequantize_blocks", "get_codebook", "make_cache", "pack_bits", "quantize_blocks",
+    "rotate32", "unpack_bits",
 ]

@@ -43,8 +43,8 @@ import numpy as np
 
 from .. import _backend
 from .._validate import check_finite, check_float_array, check_int, check_layer
+from ..ops.gather import to_like
 from ..ops.lowrank import project_into, reconstruct_into
-from ..ops.vq import to_like
 from .paged import DEFAULT_PAGE_SIZE, PagedKVCache, PageTable
 
 __all__ = ["MLACache", "SimpleMLACache"]
@@ -98,9 +98,10 @@ class _LatentBase:
         """Pages not in use."""
         return self.paged.num_free_pages
 
-    def page_table(self, layer: int, seq_ids: Optional[Sequence[int]] = None) -> PageTable:
+    def page_table(self, layer: int, seq_ids: Optional[Sequence[int]] = None,
+                   on_device: bool = False) -> PageTable:
         """FlashInfer CSR page table (see :meth:`PagedKVCache.page_table`)."""
-        return self.paged.page_table(layer, seq_ids)
+        return self.paged.page_table(layer, seq_ids, on_device)
 
     def memory_usage(self) -> int:
         """Bytes of the latent pages in use."""
@@ -169,7 +170,8 @@ class MLACache(_LatentBase):
                                 self.qk_nope_head_dim, self.v_head_dim)
         self.w_uk = _per_layer("w_uk", w_uk, nl, (h, r, nope),
                                "num_heads, kv_lora_rank, qk_nope_head_dim").astype(np.float32)
-        self.w_uv = _per_layer("w_uv", w_uv, nl, (h, r, dv), "num_heads, kv_lora_rank, v_head_dim").astype(np.float32)
+        self.w_uv = _per_layer("w_uv", w_uv, nl, (h, r, dv),
+                               "num_heads, kv_lora_rank, v_head_dim").astype(np.float32)
         self.latent_dim = r + rope
         self.paged = PagedKVCache(num_pages, nl, 1, self.latent_dim, page_size, v_head_dim=0, storage=storage)
         # augmented bases: the stored latent [c_kv | k_pe] times comp_k[h] gives [k_nope | k_pe]
@@ -229,8 +231,10 @@ class MLACache(_LatentBase):
             xp = _backend.xp_of(c_kv)
             if xp is None:
                 raise TypeError("c_kv: Numba device arrays cannot be concatenated on the device; pass the "
-                                "concatenated [new_tokens, kv_lora_rank + qk_rope_head_dim] latent with k_pe=None")
-            lat = xp.concatenate([xp.asarray(c_kv, dtype=xp.float32), xp.asarray(k_pe, dtype=xp.float32)], axis=1)
+                                "concatenated [new_tokens, kv_lora_rank + qk_rope_head_dim] latent with "
+                                "k_pe=None")
+            lat = xp.concatenate([xp.asarray(c_kv, dtype=xp.float32), xp.asarray(k_pe, dtype=xp.float32)],
+                                 axis=1)
         self.paged.append(layer, seq_id, lat.reshape(1, lat.shape[0], lat.shape[1]))
 
     def get_latent(self, layer: int, seq_id: int) -> Tuple[Any, Any]:
@@ -312,7 +316,8 @@ class MLACache(_LatentBase):
             check_finite(name, a)
             out.append(a.reshape(shape))
         if out[0].shape[1] != out[1].shape[1]:
-            raise ValueError(f"v: expected {out[0].shape[1]} new tokens (those of k), got shape {tuple(v.shape)}")
+            raise ValueError(f"v: expected {out[0].shape[1]} new tokens (those of k), "
+                             f"got shape {tuple(v.shape)}")
         return out[0], out[1]
 
     # -- attention (reference paths, NumPy/CuPy) ---------------------------------------------
@@ -320,9 +325,11 @@ class MLACache(_LatentBase):
         check_float_array(name, q, 3)
         if q.shape[0] != self.num_heads or q.shape[2] != dim or (q_len is not None and q.shape[1] != q_len):
             want = q_len if q_len is not None else "q_len"
-            raise ValueError(f"{name}: expected [num_heads={self.num_heads}, {want}, {dim}], got shape {tuple(q.shape)}")
+            raise ValueError(f"{name}: expected [num_heads={self.num_heads}, {want}, {dim}], "
+                             f"got shape {tuple(q.shape)}")
         if _backend.xp_of(q) is None:
-            raise TypeError(f"{name}: MLA attention helpers use NumPy/CuPy array operations, got a Numba device array")
+            raise TypeError(f"{name}: MLA attention helpers use NumPy/CuPy array operations, "
+                            "got a Numba device array")
         return q
 
     @staticmethod

@@ -26,7 +26,8 @@ directly; no gather is needed.
 token, see :mod:`numba_kv.caches.mla`).
 
 Every argument is validated before anything changes: an append that does not fit raises
-:class:`OutOfPagesError` and leaves the cache as it was.
+:class:`OutOfPagesError` and leaves the cache as it was.  One lock guards the whole cache
+(the free list is shared by every layer), so concurrent calls are safe but serialized.
 """
 
 from __future__ import annotations
@@ -40,8 +41,7 @@ from .. import _backend
 from .._validate import check_finite, check_float_array, check_int, check_layer
 from ..ops.blockquant import dequantize_into, packed_dim, quantize_into
 from ..ops.codebook import get_codebook
-from ..ops.gather import gather_rows, scatter_rows
-from ..ops.vq import to_like
+from ..ops.gather import gather_rows, scatter_rows, to_like
 
 __all__ = ["PagedKVCache", "PageTable", "OutOfPagesError", "STORAGES", "DEFAULT_PAGE_SIZE"]
 
@@ -112,7 +112,8 @@ class PagedKVCache:
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)
         self.head_dim = check_int("head_dim", head_dim, minimum=1)
         self.page_size = check_int("page_size", page_size, minimum=1)
-        self.v_head_dim = self.head_dim if v_head_dim is None else check_int("v_head_dim", v_head_dim, minimum=0)
+        self.v_head_dim = (self.head_dim if v_head_dim is None
+                           else check_int("v_head_dim", v_head_dim, minimum=0))
         if storage not in STORAGES:
             raise ValueError(f"storage: expected one of {list(STORAGES)}, got {storage!r}")
         self.storage = storage
@@ -154,7 +155,8 @@ class PagedKVCache:
     @property
     def bytes_per_page(self) -> int:
         """Bytes of one page (K and V, every KV head, ``page_size`` tokens)."""
-        return sum(int(np.prod(shape[1:])) * np.dtype(dt).itemsize for shape, dt in self._pool_spec().values())
+        return sum(int(np.prod(shape[1:])) * np.dtype(dt).itemsize
+                   for shape, dt in self._pool_spec().values())
 
     @property
     def pools(self) -> Dict[str, Any]:
@@ -200,12 +202,12 @@ class PagedKVCache:
         shape = tuple(a.shape)
         if len(shape) == 4:
             if shape[0] != 1:
-                raise ValueError(f"{name}: expected batch 1 for a 4-D [1, num_kv_heads, new_tokens, head_dim] "
-                                 f"array (one sequence per call), got shape {shape}")
+                raise ValueError(f"{name}: expected batch 1 for a 4-D [1, num_kv_heads, new_tokens, "
+                                 f"head_dim] array (one sequence per call), got shape {shape}")
             shape = shape[1:]
         if len(shape) != 3:
-            raise ValueError(f"{name}: expected [num_kv_heads, new_tokens, head_dim] (3-D) or [1, ...] (4-D), "
-                             f"got shape {tuple(a.shape)}")
+            raise ValueError(f"{name}: expected [num_kv_heads, new_tokens, head_dim] (3-D) or [1, ...] "
+                             f"(4-D), got shape {tuple(a.shape)}")
         if shape[0] != self.num_kv_heads or shape[2] != dim:
             raise ValueError(f"{name}: expected [num_kv_heads={self.num_kv_heads}, new_tokens, {dim}], "
                              f"got shape {tuple(a.shape)}")
@@ -264,13 +266,23 @@ class PagedKVCache:
             layer = check_layer(layer, self.num_layers)
             return list(self._tables[layer][self._check_seq(seq_id)])
 
-    def page_table(self, layer: int, seq_ids: Optional[Sequence[int]] = None) -> PageTable:
+    def page_table(self, layer: int, seq_ids: Optional[Sequence[int]] = None,
+                   on_device: bool = False) -> PageTable:
         """FlashInfer CSR page table of ``seq_ids`` (default: every live sequence) in ``layer``.
+
+        Parameters
+        ----------
+        layer : int
+        seq_ids : sequence of int, optional
+            Sequences in batch order (default: every live sequence, ascending).
+        on_device : bool
+            Copy the three arrays to the device of the page pool (explicit copy, for a
+            kernel launch); host arrays otherwise.
 
         Returns
         -------
         PageTable
-            ``kv_indptr``, ``kv_indices``, ``kv_last_page_len`` (int32 host arrays).
+            ``kv_indptr``, ``kv_indices``, ``kv_last_page_len`` (int32).
         """
         with self._lock:
             layer = check_layer(layer, self.num_layers)
@@ -285,7 +297,11 @@ class PagedKVCache:
                 n = self._lens[layer][sid]
                 last[i] = (n - 1) % self.page_size + 1 if n else 0
             indices = np.array([p for c in chunks for p in c], np.int32)
-            return PageTable(indptr, indices, last)
+            table = PageTable(indptr, indices, last)
+            if on_device and self._pools:
+                like = next(iter(self._pools.values()))
+                table = PageTable(*(to_like(like, a) for a in table))
+            return table
 
     # -- data -----------------------------------------------------------------------------
     def _rows(self, pages: Sequence[int], t0: int, n: int) -> np.ndarray:
@@ -294,12 +310,14 @@ class PagedKVCache:
         page = np.asarray(pages, np.int64)[pos // self.page_size]
         slot = pos % self.page_size
         h = np.arange(self.num_kv_heads, dtype=np.int64)[:, None]
-        return ((page[None, :] * self.num_kv_heads + h) * self.page_size + slot[None, :]).reshape(-1).astype(np.int32)
+        rows = (page[None, :] * self.num_kv_heads + h) * self.page_size + slot[None, :]
+        return rows.reshape(-1).astype(np.int32)
 
     def _ensure_pools(self, like: Any, dev: str) -> None:
         if self._pools:
             return
-        self._pools = {name: _backend.zeros(like, shape, dt) for name, (shape, dt) in self._pool_spec().items()}
+        self._pools = {name: _backend.zeros(like, shape, dt)
+                       for name, (shape, dt) in self._pool_spec().items()}
         self._device = dev
 
     def _write(self, part: str, x3: Any, rows: np.ndarray) -> None:
@@ -311,7 +329,8 @@ class PagedKVCache:
             scales = _backend.empty(x3, (h, n, d // 32), np.uint16)
             quantize_into(x3, codes, scales, 0, self.codebook, True)
             scatter_rows(codes.reshape(h * n, pd), idx, self._pools[part + "_codes"].reshape(-1, pd))
-            scatter_rows(scales.reshape(h * n, d // 32), idx, self._pools[part + "_scales"].reshape(-1, d // 32))
+            nb = d // 32
+            scatter_rows(scales.reshape(h * n, nb), idx, self._pools[part + "_scales"].reshape(-1, nb))
         else:
             scatter_rows(x3.reshape(h * n, d), idx, self._pools[part + "_pages"].reshape(-1, d))
 

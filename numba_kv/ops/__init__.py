@@ -3,7 +3,8 @@
 Importing this package imports every op module so :data:`TWINS` is complete.
 """
 
-from . import bitpack, blockquant, hadamard, memory  # noqa: F401  (registers the twins)
+from . import (attention, bitpack, blockquant, gather, hadamard, intquant, lowrank, memory,  # noqa: F401
+               vq)  # importing registers the twins
 from ._registry import TWINS, Twin
 
 __all__ = ["TWINS", "Twin"]

@@ -21,7 +21,7 @@ from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel
 from ._registry import register
 
-__all__ = ["gather_rows", "scatter_rows"]
+__all__ = ["gather_rows", "scatter_rows", "to_like"]
 
 
 # --- CPU twins ---------------------------------------------------------------------------
@@ -72,10 +72,23 @@ register("scatter_rows", _scatter_rows_cpu, _scatter_rows_cuda, _SIGS)
 
 
 # --- public API ------------------------------------------------------------------------
+def to_like(like: Any, host: np.ndarray) -> Any:
+    """Copy host array ``host`` to the device (and namespace) of ``like``: an explicit copy
+    for small index tables and fitted parameters (NumPy ``like`` → ``host`` itself)."""
+    host = np.ascontiguousarray(host)
+    if isinstance(like, np.ndarray):
+        return host
+    xp = _backend.xp_of(like)
+    if xp is not None:
+        return xp.asarray(host)
+    return cuda.to_device(host)
+
+
 def _check(src: Any, idx: Any, out: Any, n_idx_rows: int, what: str) -> str:
     dev = _backend.resolve_device("auto", src=src, idx=idx, out=out)
     if np.dtype(idx.dtype) != np.int32 or len(idx.shape) != 1:
-        raise TypeError(f"idx: expected a 1-D int32 array, got {np.dtype(idx.dtype)} shape {tuple(idx.shape)}")
+        raise TypeError(f"idx: expected a 1-D int32 array, got {np.dtype(idx.dtype)} "
+                        f"shape {tuple(idx.shape)}")
     if len(src.shape) != 2 or len(out.shape) != 2:
         raise ValueError(f"src/out: expected 2-D arrays, got {tuple(src.shape)} and {tuple(out.shape)}")
     if np.dtype(src.dtype) != np.dtype(out.dtype) or src.shape[1] != out.shape[1]:

@@ -50,8 +50,8 @@ def test_absorbed_attention_equals_up_projected_attention(mla, rng, causal):
     q = rng.standard_normal((H, 3, NOPE + ROPE)).astype(np.float32)
     scale = 1.0 / np.sqrt(NOPE + ROPE)
     ref = mla.attend(0, s, q, scale, causal=causal)
-    out = mla.attend_absorbed(0, s, np.ascontiguousarray(q[:, :, :NOPE]), np.ascontiguousarray(q[:, :, NOPE:]),
-                              scale, causal=causal)
+    q_nope, q_pe = np.ascontiguousarray(q[:, :, :NOPE]), np.ascontiguousarray(q[:, :, NOPE:])
+    out = mla.attend_absorbed(0, s, q_nope, q_pe, scale, causal=causal)
     assert out.shape == (H, 3, DV)
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-5)
 

@@ -86,12 +86,14 @@ def test_bad_input_names_the_argument_and_changes_nothing(rng):
     cases = [
         (KeyError, "seq_id: unknown sequence 7", lambda: cache.append(0, 7, k, v)),
         (IndexError, "layer: expected an int in", lambda: cache.append(2, s, k, v)),
-        (ValueError, r"k: expected \[num_kv_heads=2, new_tokens, 32\]", lambda: cache.append(0, s, k[:1], v[:1])),
+        (ValueError, r"k: expected \[num_kv_heads=2, new_tokens, 32\]",
+         lambda: cache.append(0, s, k[:1], v[:1])),
         (ValueError, r"v: expected 3 new tokens", lambda: cache.append(0, s, k, v[:, :2])),
         (ValueError, "v: expected .* got None", lambda: cache.append(0, s, k)),
         (ValueError, "k: expected batch 1", lambda: cache.append(0, s, np.stack([k, k]), np.stack([v, v]))),
         (ValueError, "k: expected finite values", lambda: cache.append(0, s, nan, v)),
-        (TypeError, "k: expected dtype float16, float32 or float64", lambda: cache.append(0, s, k.astype(int), v)),
+        (TypeError, "k: expected dtype float16, float32 or float64",
+         lambda: cache.append(0, s, k.astype(int), v)),
         (KeyError, "seq_id: unknown sequence 3", lambda: cache.free_sequence(3)),
         (KeyError, "seq_id: unknown sequence 3", lambda: cache.get_kv(0, 3)),
         (ValueError, "seq_id: sequence 0 holds no tokens in layer 1", lambda: cache.get_kv(1, s)),
@@ -215,7 +217,8 @@ TestPagedChurn.settings = settings(max_examples=25, stateful_step_count=15, dead
 
 @pytest.mark.parametrize("storage", ["float32", "pqo4"])
 def test_compressor_roundtrip_through_pages(rng, storage):
-    cache = PagedKVCache(num_pages=20, num_layers=2, num_kv_heads=2, head_dim=64, page_size=16, storage=storage)
+    cache = PagedKVCache(num_pages=20, num_layers=2, num_kv_heads=2, head_dim=64, page_size=16,
+                         storage=storage)
     src, dst = cache.allocate_sequence(), cache.allocate_sequence()
     k, v = _kv(rng, 2, 40, 64)
     cache.append(1, src, k, v)

@@ -1,0 +1,512 @@
+"""Symmetric INT4 / INT8 quantization with per-channel (or per-channel-and-token-group)
+scales and exact sparse outliers.
+
+Data ``x`` is ``[R, n, C]``: ``R`` rows (e.g. heads), ``n`` tokens, ``C`` channels (e.g.
+low-rank coefficients, whose variance falls by orders of magnitude from the first to the
+last channel — why one scale per tensor, as in the seed, wastes most of the levels).
+
+Per channel ``(r, c)`` (``algorithms.md`` §5.4, applied per channel instead of per tensor):
+
+1. ``a_t = |x_rtc|``; ``median`` = element ``⌊n/2⌋`` of sorted ``a`` (upper median);
+   ``MAD`` = element ``⌊n/2⌋`` of sorted ``|a_t − median|``; threshold
+   ``τ = median + 6·MAD`` if ``MAD > 0`` else ``mean(a) + 3·std(a)`` (population std).
+   Both order statistics are found exactly by bisection on the value (count ``a <= mid``)
+   followed by one pass for the smallest value above the bracket — no sort, no scratch
+   memory, identical on both twins.
+2. Values with ``|x| > τ`` are outliers: stored exactly (float32 value + int32 flat index
+   into ``[R, n, C]``) and clipped to ``±τ`` for the scale.
+3. Per token group ``[g·group, (g+1)·group)`` of the channel (``group = n``: one scale per
+   channel): ``scale = max|clip(x)| / L`` (``1`` if that is 0), ``L = 7`` (INT4) or ``127``
+   (INT8), float32, at least the smallest normal float; ``q = clamp(round(x / scale), −L, L)``
+   rounding half away from zero (Rust ``f32::round``, the seed's rule).
+4. Storage is channel-major ``packed[r, c, :]`` along tokens: INT8 as two's-complement
+   bytes; INT4 as ``q + 8`` nibbles, token ``2i`` in the low nibble of byte ``i``, a
+   missing odd tail nibble 0.  ``group`` is even, so no two groups share a byte.
+
+Dequantization ``q · scale``, then the exact outliers are scattered back.
+
+Ops (CPU twin + CUDA kernel each, one work item per channel or per (channel, group)):
+``int_threshold``, ``int_quantize`` (also counts outliers per group), ``int_outliers``
+(gathers them at host-computed offsets), ``int_dequantize``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+from numba import cuda, float32, int64, prange, uint8
+
+from .. import _backend
+from .._jit import cpu_kernel, cuda_kernel, twin
+from ._registry import register
+from .gather import scatter_rows, to_like
+
+__all__ = ["IntQuantized", "int_quantize", "int_dequantize", "mad_threshold", "OUTLIER_MAD_FACTOR",
+           "OUTLIER_STD_FACTOR", "SUPPORTED_BITS"]
+
+SUPPORTED_BITS = (4, 8)
+OUTLIER_MAD_FACTOR = 6.0
+OUTLIER_STD_FACTOR = 3.0
+_FLT_MIN = np.float32(np.finfo(np.float32).tiny)  # smallest normal float32
+_MAX_BISECT = 200  # float32 bisection converges well before (width halves per step)
+
+
+# --- single-source cores -------------------------------------------------------------
+def _kth_dev_abs(x, r, ch, k, center):
+    """Element ``k`` (0-based) of sorted ``| |x[r, :, ch]| − center |``."""
+    n = x.shape[1]
+    hi = float32(0.0)
+    nz = 0
+    for t in range(n):
+        a = abs(abs(x[r, t, ch]) - center)
+        hi = max(hi, a)
+        if a <= float32(0.0):
+            nz += 1
+    if nz >= k + 1:
+        return float32(0.0)
+    # invariant: count(a <= lo) <= k < count(a <= hi), so the answer is in (lo, hi]
+    lo = float32(0.0)
+    for _ in range(_MAX_BISECT):
+        mid = (lo + hi) * float32(0.5)
+        if not (mid > lo and mid < hi):
+            break
+        cnt = 0
+        for t in range(n):
+            if abs(abs(x[r, t, ch]) - center) <= mid:
+                cnt += 1
+        if cnt >= k + 1:
+            hi = mid
+        else:
+            lo = mid
+    best = hi
+    for t in range(n):
+        a = abs(abs(x[r, t, ch]) - center)
+        if a > lo and a < best:
+            best = a
+    return best
+
+
+def _channel_threshold(x, r, ch):
+    """Seed's outlier threshold ``median + 6·MAD`` (else ``mean + 3·std``) of ``|x[r, :, ch]|``."""
+    n = x.shape[1]
+    k = n // 2
+    med = _kth_dev_abs(x, r, ch, k, float32(0.0))
+    mad = _kth_dev_abs(x, r, ch, k, med)
+    if mad > float32(0.0):
+        return med + float32(6.0) * mad
+    # mean + 3·std of a, computed on a / max(a): squares of tiny values would underflow
+    amax = float32(0.0)
+    for t in range(n):
+        amax = max(amax, abs(x[r, t, ch]))
+    if amax == float32(0.0):
+        return float32(0.0)
+    s = float32(0.0)
+    for t in range(n):
+        s += abs(x[r, t, ch]) / amax
+    mean = s / float32(n)
+    v = float32(0.0)
+    for t in range(n):
+        dv = abs(x[r, t, ch]) / amax - mean
+        v += dv * dv
+    return amax * (mean + float32(3.0) * float32(math.sqrt(v / float32(n))))
+
+
+def _quant_level(v, th, scale, lim):
+    """Clip to ±th, divide by scale, round half away from zero, clamp to ±lim."""
+    c = min(max(v, -th), th)
+    y = c / scale
+    q = min(int64(abs(y) + float32(0.5)), int64(lim))  # truncation of a value >= 0 is floor
+    if y < float32(0.0):
+        q = -q
+    return q
+
+
+def _quantize_group(x, thr, bits, group, r, ch, gi, scales, packed, counts):
+    """Scale, codes and outlier count of tokens ``[gi·group, …)`` of channel ``(r, ch)``."""
+    n = x.shape[1]
+    t0 = gi * group
+    t1 = min(n, t0 + group)
+    th = thr[r, ch]
+    lim = 7 if bits == 4 else 127
+    amax = float32(0.0)
+    cnt = 0
+    for t in range(t0, t1):
+        a = abs(x[r, t, ch])
+        if a > th:
+            cnt += 1
+            a = th
+        amax = max(amax, a)
+    # a scale below the smallest normal float would divide by ~0: subnormal data rounds to 0
+    scale = max(amax / float32(lim), _FLT_MIN) if amax > float32(0.0) else float32(1.0)
+    scales[r, ch, gi] = scale
+    counts[r, ch, gi] = cnt
+    if bits == 8:
+        for t in range(t0, t1):
+            packed[r, ch, t] = uint8(_quant_level(x[r, t, ch], th, scale, lim) & 0xFF)
+    else:
+        for t in range(t0, t1, 2):
+            lo = _quant_level(x[r, t, ch], th, scale, lim) + 8
+            hi = int64(0)
+            if t + 1 < t1:
+                hi = _quant_level(x[r, t + 1, ch], th, scale, lim) + 8
+            packed[r, ch, t // 2] = uint8(lo | (hi << 4))
+
+
+def _dequantize_group(packed, scales, bits, group, r, ch, gi, out):
+    n = out.shape[1]
+    t0 = gi * group
+    t1 = min(n, t0 + group)
+    s = scales[r, ch, gi]
+    for t in range(t0, t1):
+        b = int64(packed[r, ch, t]) if bits == 8 else int64(packed[r, ch, t // 2])
+        if bits == 8:
+            q = b - 256 if b >= 128 else b
+        else:
+            q = ((b >> 4) & 15) - 8 if (t & 1) == 1 else (b & 15) - 8
+        out[r, t, ch] = float32(q) * s
+
+
+def _outliers_group(x, thr, group, offsets, r, ch, gi, idx, vals):
+    n = x.shape[1]
+    nch = x.shape[2]
+    t0 = gi * group
+    t1 = min(n, t0 + group)
+    th = thr[r, ch]
+    o = offsets[r, ch, gi]
+    for t in range(t0, t1):
+        v = x[r, t, ch]
+        if abs(v) > th:
+            idx[o] = (r * n + t) * nch + ch
+            vals[o] = v
+            o += 1
+
+
+kth_dev_abs_cpu, kth_dev_abs_dev = twin(_kth_dev_abs)
+channel_threshold_cpu, channel_threshold_dev = twin(_channel_threshold)
+quant_level_cpu, quant_level_dev = twin(_quant_level)
+quantize_group_cpu, quantize_group_dev = twin(_quantize_group)
+dequantize_group_cpu, dequantize_group_dev = twin(_dequantize_group)
+outliers_group_cpu, outliers_group_dev = twin(_outliers_group)
+
+
+# --- CPU twins -------------------------------------------------------------------------
+@cpu_kernel
+def _int_threshold_cpu(x, out):
+    rows, n, nch = x.shape
+    for e in prange(rows * nch):
+        r = e // nch
+        ch = e - r * nch
+        out[r, ch] = channel_threshold_cpu(x, r, ch)
+
+
+@cpu_kernel
+def _int_quantize_cpu(x, thr, bits, group, scales, packed, counts):
+    rows, n, nch = x.shape
+    ng = scales.shape[2]
+    for e in prange(rows * nch * ng):
+        r = e // (nch * ng)
+        rem = e - r * nch * ng
+        ch = rem // ng
+        gi = rem - ch * ng
+        quantize_group_cpu(x, thr, bits, group, r, ch, gi, scales, packed, counts)
+
+
+@cpu_kernel
+def _int_outliers_cpu(x, thr, group, offsets, idx, vals):
+    rows, n, nch = x.shape
+    ng = offsets.shape[2]
+    for e in prange(rows * nch * ng):
+        r = e // (nch * ng)
+        rem = e - r * nch * ng
+        ch = rem // ng
+        gi = rem - ch * ng
+        outliers_group_cpu(x, thr, group, offsets, r, ch, gi, idx, vals)
+
+
+@cpu_kernel
+def _int_dequantize_cpu(packed, scales, bits, group, out):
+    rows, n, nch = out.shape
+    ng = scales.shape[2]
+    for e in prange(rows * nch * ng):
+        r = e // (nch * ng)
+        rem = e - r * nch * ng
+        ch = rem // ng
+        gi = rem - ch * ng
+        dequantize_group_cpu(packed, scales, bits, group, r, ch, gi, out)
+
+
+# --- CUDA kernels: one thread per channel / (channel, group), grid-stride ----------------
+@cuda_kernel
+def _int_threshold_cuda(x, out):
+    rows, n, nch = x.shape
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for e in range(start, rows * nch, stride):
+        r = e // nch
+        ch = e - r * nch
+        out[r, ch] = channel_threshold_dev(x, r, ch)
+
+
+@cuda_kernel
+def _int_quantize_cuda(x, thr, bits, group, scales, packed, counts):
+    rows, n, nch = x.shape
+    ng = scales.shape[2]
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for e in range(start, rows * nch * ng, stride):
+        r = e // (nch * ng)
+        rem = e - r * nch * ng
+        ch = rem // ng
+        gi = rem - ch * ng
+        quantize_group_dev(x, thr, bits, group, r, ch, gi, scales, packed, counts)
+
+
+@cuda_kernel
+def _int_outliers_cuda(x, thr, group, offsets, idx, vals):
+    rows, n, nch = x.shape
+    ng = offsets.shape[2]
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for e in range(start, rows * nch * ng, stride):
+        r = e // (nch * ng)
+        rem = e - r * nch * ng
+        ch = rem // ng
+        gi = rem - ch * ng
+        outliers_group_dev(x, thr, group, offsets, r, ch, gi, idx, vals)
+
+
+@cuda_kernel
+def _int_dequantize_cuda(packed, scales, bits, group, out):
+    rows, n, nch = out.shape
+    ng = scales.shape[2]
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for e in range(start, rows * nch * ng, stride):
+        r = e // (nch * ng)
+        rem = e - r * nch * ng
+        ch = rem // ng
+        gi = rem - ch * ng
+        dequantize_group_dev(packed, scales, bits, group, r, ch, gi, out)
+
+
+_F3 = "float32[:, :, ::1]"
+_F2 = "float32[:, ::1]"
+_U3 = "uint8[:, :, ::1]"
+register("int_threshold", _int_threshold_cpu, _int_threshold_cuda, [f"void({_F3}, {_F2})"])
+register("int_quantize", _int_quantize_cpu, _int_quantize_cuda,
+         [f"void({_F3}, {_F2}, int64, int64, {_F3}, {_U3}, int32[:, :, ::1])"])
+register("int_outliers", _int_outliers_cpu, _int_outliers_cuda,
+         [f"void({_F3}, {_F2}, int64, int64[:, :, ::1], int32[::1], float32[::1])"])
+register("int_dequantize", _int_dequantize_cpu, _int_dequantize_cuda,
+         [f"void({_U3}, {_F3}, int64, int64, {_F3})"])
+
+
+# --- result container ---------------------------------------------------------------------
+@dataclass
+class IntQuantized:
+    """INT4/INT8 codes of a ``[R, n, C]`` float tensor, channel-major, with exact outliers.
+
+    Attributes
+    ----------
+    packed : uint8 array, shape ``(R, C, ceil(n/2))`` (INT4) or ``(R, C, n)`` (INT8)
+    scales : float32 array, shape ``(R, C, ceil(n / group))``
+    outlier_idx : int32 array, shape ``(m,)``
+        Flat indices into ``[R, n, C]``, ordered by (row, channel, token).
+    outlier_vals : float32 array, shape ``(m,)``
+        Exact values at those indices.
+    bits : int
+        4 or 8.
+    group : int
+        Tokens per scale (even).
+    shape : tuple of int
+        ``(R, n, C)``.
+    """
+
+    packed: Any
+    scales: Any
+    outlier_idx: Any
+    outlier_vals: Any
+    bits: int
+    group: int
+    shape: tuple
+
+    @property
+    def nbytes(self) -> int:
+        """Exact stored bytes (codes + scales + outlier indices and values)."""
+        return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+                   for a in (self.packed, self.scales, self.outlier_idx, self.outlier_vals))
+
+    @property
+    def num_outliers(self) -> int:
+        """Number of values stored exactly."""
+        return int(self.outlier_idx.shape[0])
+
+
+# --- internal entry points (callers validated) ------------------------------------------
+def thresholds_into(x3: Any, out: Any) -> None:
+    """Per-channel outlier thresholds ``out[r, c]`` of ``x3`` ``[R, n, C]``."""
+    rows, n, nch = x3.shape
+    if rows * nch == 0 or n == 0:
+        return
+    if isinstance(x3, np.ndarray):
+        _int_threshold_cpu(x3, out)
+    else:
+        blocks, threads = _backend.cuda_grid(rows * nch)
+        _int_threshold_cuda[blocks, threads](x3, out)
+
+
+def quantize_int(x3: Any, bits: int, group: int) -> IntQuantized:
+    """Quantize ``x3`` (float32 ``[R, n, C]``, C-contiguous) on its device."""
+    rows, n, nch = x3.shape
+    ng = max(1, -(-n // group))
+    nbytes_t = n if bits == 8 else (n + 1) // 2
+    thr = _backend.empty(x3, (rows, nch), np.float32)
+    scales = _backend.empty(x3, (rows, nch, ng), np.float32)
+    packed = _backend.zeros(x3, (rows, nch, nbytes_t), np.uint8)
+    counts = _backend.empty(x3, (rows, nch, ng), np.int32)
+    work = rows * nch * ng
+    if work and n:
+        thresholds_into(x3, thr)
+        if isinstance(x3, np.ndarray):
+            _int_quantize_cpu(x3, thr, bits, group, scales, packed, counts)
+        else:
+            blocks, threads = _backend.cuda_grid(work)
+            _int_quantize_cuda[blocks, threads](x3, thr, bits, group, scales, packed, counts)
+        h_counts = _backend.to_host(counts).astype(np.int64)
+    else:
+        h_counts = np.zeros((rows, nch, ng), np.int64)
+    m = int(h_counts.sum())
+    offsets = np.zeros(h_counts.size, np.int64)
+    np.cumsum(h_counts.reshape(-1)[:-1], out=offsets[1:])
+    idx = _backend.empty(x3, (m,), np.int32)
+    vals = _backend.empty(x3, (m,), np.float32)
+    if m:
+        d_off = to_like(x3, offsets.reshape(rows, nch, ng))
+        if isinstance(x3, np.ndarray):
+            _int_outliers_cpu(x3, thr, group, d_off, idx, vals)
+        else:
+            blocks, threads = _backend.cuda_grid(work)
+            _int_outliers_cuda[blocks, threads](x3, thr, group, d_off, idx, vals)
+    return IntQuantized(packed, scales, idx, vals, int(bits), int(group), (rows, n, nch))
+
+
+def dequantize_int(q: IntQuantized) -> Any:
+    """float32 ``[R, n, C]`` reconstruction of ``q`` on the device of its arrays."""
+    rows, n, nch = q.shape
+    out = _backend.empty(q.packed, (rows, n, nch), np.float32)
+    ng = q.scales.shape[2]
+    work = rows * nch * ng
+    if work and n:
+        if isinstance(out, np.ndarray):
+            _int_dequantize_cpu(q.packed, q.scales, q.bits, q.group, out)
+        else:
+            blocks, threads = _backend.cuda_grid(work)
+            _int_dequantize_cuda[blocks, threads](q.packed, q.scales, q.bits, q.group, out)
+    m = q.outlier_idx.shape[0]
+    if m:
+        scatter_rows(q.outlier_vals.reshape(m, 1), q.outlier_idx, out.reshape(rows * n * nch, 1))
+    return out
+
+
+# --- public API ------------------------------------------------------------------------
+def _check_bits(bits: Any) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or int(bits) not in SUPPORTED_BITS:
+        raise ValueError(f"bits: expected 4 or 8 (INT4/INT8), got {bits!r}")
+    return int(bits)
+
+
+def check_group(group_size: Any, n: int) -> int:
+    """Tokens per scale: ``None`` → one scale per channel (``n`` rounded up to even)."""
+    if group_size is None:
+        g = max(n, 1)
+    else:
+        if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) \
+                or int(group_size) < 2 or int(group_size) % 2:
+            raise ValueError(f"group_size: expected None or an even int >= 2, got {group_size!r}")
+        g = int(group_size)
+    return g + (g & 1)
+
+
+def int_quantize(x: Any, bits: int = 4, group_size: Optional[int] = None) -> IntQuantized:
+    """Quantize ``x`` to INT4/INT8 with per-channel (or per-group) scales and exact outliers.
+
+    Parameters
+    ----------
+    x : float array, shape ``(R, n, C)``
+        NumPy → CPU twins; CUDA array → CUDA kernels.  Finite values.
+    bits : {4, 8}
+        Integer width.
+    group_size : int, optional
+        Tokens per scale within a channel (even); ``None``: one scale per channel.
+
+    Returns
+    -------
+    IntQuantized
+
+    Raises
+    ------
+    ValueError
+        ``bits`` not 4/8, bad ``group_size``, ``x`` not 3-D or not finite.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> x = np.array([0.1, 0.2, 0.15, 10.0], np.float32).reshape(1, 4, 1)
+    >>> q = int_quantize(x, 4)
+    >>> float(int_dequantize(q)[0, 3, 0]), q.num_outliers
+    (10.0, 1)
+    """
+    from .._validate import check_finite, check_float_array  # noqa: PLC0415
+
+    bits = _check_bits(bits)
+    _backend.resolve_device("auto", x=x)
+    check_float_array("x", x, 3)
+    check_finite("x", x)
+    group = check_group(group_size, int(x.shape[1]))
+    return quantize_int(_backend.ascontiguous_f32("x", x), bits, group)
+
+
+def int_dequantize(q: IntQuantized) -> Any:
+    """Reconstruct ``[R, n, C]`` float32 from :func:`int_quantize` output.
+
+    Parameters
+    ----------
+    q : IntQuantized
+
+    Returns
+    -------
+    x_hat : float32 array, shape ``q.shape``, on the device of ``q.packed``.
+    """
+    if not isinstance(q, IntQuantized):
+        raise TypeError(f"q: expected an IntQuantized, got {type(q).__name__}")
+    return dequantize_int(q)
+
+
+def mad_threshold(x: Any) -> Any:
+    """Per-channel outlier threshold ``median(|x|) + 6·MAD`` (else ``mean + 3·std``).
+
+    Parameters
+    ----------
+    x : float array, shape ``(R, n, C)``
+
+    Returns
+    -------
+    thr : float32 array, shape ``(R, C)``, on the device of ``x``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> float(mad_threshold(np.array([0.1, 0.2, 0.15, 10.0], np.float32).reshape(1, 4, 1))[0, 0])
+    0.800000011920929
+    """
+    from .._validate import check_float_array  # noqa: PLC0415
+
+    _backend.resolve_device("auto", x=x)
+    check_float_array("x", x, 3)
+    x3 = _backend.ascontiguous_f32("x", x)
+    out = _backend.empty(x3, (x3.shape[0], x3.shape[2]), np.float32)
+    thresholds_into(x3, out)
+    return out

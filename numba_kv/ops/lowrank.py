@@ -1,0 +1,475 @@
+"""Low-rank projection ops: per-row channel statistics, projection onto a basis, and
+reconstruction — plus binary16 storage conversion for coefficients and bases.
+
+A *row* is one independent matrix of tokens, e.g. one (batch, KV head) pair:
+``x[r]`` is ``(n, d)``.  Low-rank compression fits, per row, the channel mean ``μ_r`` and
+the principal axes of the centred tokens (PCA = SVD of ``x_r − μ_r``; the axes are the
+eigenvectors of the centred Gram matrix ``G_r = Σ_t (x_rt − μ_r)(x_rt − μ_r)ᵀ``), keeps
+the top ``rank`` of them as the rows of ``components[r]`` (``(rank, d)``, orthonormal)
+and stores ``coef_rt = components[r] · (x_rt − μ_r)``.  By Eckart–Young this is the best
+rank-``rank`` affine approximation in the Frobenius norm; it subsumes the seed's
+"keep the highest-energy channels" (a basis of unit vectors), which can only be worse.
+
+Ops (CPU twin + CUDA kernel each):
+
+* ``lowrank_stats``: ``mean[r] = Σ_t x_rt / n``; ``gram[r] = Σ_t (x_rt − μ_r)(x_rt − μ_r)ᵀ``
+  (two passes: centring first avoids the cancellation of ``E[x²] − E[x]²`` on channels
+  with a large mean — exactly the outlier channels of real keys);
+* ``lowrank_project``: ``out[r, t, c] = Σ_j (x[r, t, j] − mean[r, j]) · components[r, c, j]``;
+* ``lowrank_reconstruct``: ``out[r, t, j] = mean[r, j] + Σ_c coef[r, t, c] · components[r, c, j]``;
+* ``f16_encode`` / ``f16_decode``: float32 ↔ binary16 bit patterns (uint16), round to
+  nearest even, saturating at ±65504 (Numba's CPU target has no float16 type).
+
+``mean``, ``components`` and ``coef`` broadcast over rows when their leading axis is 1
+(one shared basis — the MLA up-projections use this).  The eigen-decomposition of the
+small ``d × d`` Gram matrices runs on the host (:func:`fit_components`): only ``R·d²``
+floats cross from the device.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import numpy as np
+from numba import cuda, float32, prange
+
+from .. import _backend
+from .._jit import cpu_kernel, cuda_kernel
+from ._registry import register
+from .half import F16_MAX, f16_bits_to_f32_cpu, f16_bits_to_f32_dev, f32_to_f16_bits_cpu, f32_to_f16_bits_dev
+
+__all__ = ["channel_stats", "fit_components", "project", "reconstruct", "f16_encode", "f16_decode",
+           "ENERGY_FRACTION"]
+
+ENERGY_FRACTION = 0.9
+"""Seed rule for the automatic rank: smallest rank explaining >= 90 % (see :func:`fit_components`)."""
+
+_F16_MAX32 = np.float32(F16_MAX)
+
+
+# --- CPU twins -------------------------------------------------------------------------
+@cpu_kernel
+def _lowrank_stats_cpu(x, mean, gram):
+    rows, n, d = x.shape
+    inv_n = float32(1.0) / float32(max(n, 1))
+    for e in prange(rows * d):
+        r = e // d
+        i = e - r * d
+        s = float32(0.0)
+        for t in range(n):
+            s += x[r, t, i]
+        mean[r, i] = s * inv_n
+    for e in prange(rows * d):
+        r = e // d
+        i = e - r * d
+        mi = mean[r, i]
+        for j in range(d):
+            gram[r, i, j] = float32(0.0)
+        for t in range(n):
+            xi = x[r, t, i] - mi
+            for j in range(d):
+                gram[r, i, j] += xi * (x[r, t, j] - mean[r, j])
+
+
+@cpu_kernel
+def _lowrank_project_cpu(x, mean, components, out):
+    rows, n, d = x.shape
+    rank = out.shape[2]
+    for e in prange(rows * n):
+        r = e // n
+        t = e - r * n
+        rm = r if mean.shape[0] > 1 else 0
+        rb = r if components.shape[0] > 1 else 0
+        for c in range(rank):
+            s = float32(0.0)
+            for j in range(d):
+                s += (x[r, t, j] - mean[rm, j]) * components[rb, c, j]
+            out[r, t, c] = s
+
+
+@cpu_kernel
+def _lowrank_reconstruct_cpu(coef, mean, components, out):
+    rows, n, d = out.shape
+    rank = components.shape[1]
+    for e in prange(rows * n):
+        r = e // n
+        t = e - r * n
+        rm = r if mean.shape[0] > 1 else 0
+        rb = r if components.shape[0] > 1 else 0
+        rc = r if coef.shape[0] > 1 else 0
+        for j in range(d):
+            out[r, t, j] = mean[rm, j]
+        for c in range(rank):
+            a = coef[rc, t, c]
+            for j in range(d):
+                out[r, t, j] += a * components[rb, c, j]
+
+
+@cpu_kernel
+def _f16_encode_cpu(x, out):
+    for i in prange(x.shape[0]):
+        v = min(max(x[i], -_F16_MAX32), _F16_MAX32)
+        out[i] = f32_to_f16_bits_cpu(v)
+
+
+@cpu_kernel
+def _f16_decode_cpu(h, out):
+    for i in prange(h.shape[0]):
+        out[i] = f16_bits_to_f32_cpu(h[i])
+
+
+# --- CUDA kernels (grid-stride) ----------------------------------------------------------
+@cuda_kernel
+def _lowrank_stats_cuda(x, mean, gram):
+    # one thread per Gram entry (r, i, j); each recomputes the two channel means it needs
+    # (summed in the same order as the CPU twin) instead of a second launch
+    rows, n, d = x.shape
+    inv_n = float32(1.0) / float32(max(n, 1))
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for e in range(start, rows * d * d, stride):
+        r = e // (d * d)
+        rem = e - r * d * d
+        i = rem // d
+        j = rem - i * d
+        si = float32(0.0)
+        sj = float32(0.0)
+        for t in range(n):
+            si += x[r, t, i]
+            sj += x[r, t, j]
+        mi = si * inv_n
+        mj = sj * inv_n
+        if j == 0:
+            mean[r, i] = mi
+        g = float32(0.0)
+        for t in range(n):
+            g += (x[r, t, i] - mi) * (x[r, t, j] - mj)
+        gram[r, i, j] = g
+
+
+@cuda_kernel
+def _lowrank_project_cuda(x, mean, components, out):
+    rows, n, d = x.shape
+    rank = out.shape[2]
+    rm_on = mean.shape[0] > 1
+    rb_on = components.shape[0] > 1
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for e in range(start, rows * n * rank, stride):
+        r = e // (n * rank)
+        rem = e - r * n * rank
+        t = rem // rank
+        c = rem - t * rank
+        rm = r if rm_on else 0
+        rb = r if rb_on else 0
+        s = float32(0.0)
+        for j in range(d):
+            s += (x[r, t, j] - mean[rm, j]) * components[rb, c, j]
+        out[r, t, c] = s
+
+
+@cuda_kernel
+def _lowrank_reconstruct_cuda(coef, mean, components, out):
+    rows, n, d = out.shape
+    rank = components.shape[1]
+    rm_on = mean.shape[0] > 1
+    rb_on = components.shape[0] > 1
+    rc_on = coef.shape[0] > 1
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for e in range(start, rows * n * d, stride):
+        r = e // (n * d)
+        rem = e - r * n * d
+        t = rem // d
+        j = rem - t * d
+        rm = r if rm_on else 0
+        rb = r if rb_on else 0
+        rc = r if rc_on else 0
+        s = mean[rm, j]
+        for c in range(rank):
+            s += coef[rc, t, c] * components[rb, c, j]
+        out[r, t, j] = s
+
+
+@cuda_kernel
+def _f16_encode_cuda(x, out):
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for i in range(start, x.shape[0], stride):
+        v = min(max(x[i], -_F16_MAX32), _F16_MAX32)
+        out[i] = f32_to_f16_bits_dev(v)
+
+
+@cuda_kernel
+def _f16_decode_cuda(h, out):
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for i in range(start, h.shape[0], stride):
+        out[i] = f16_bits_to_f32_dev(h[i])
+
+
+_F3 = "float32[:, :, ::1]"
+_F2 = "float32[:, ::1]"
+register("lowrank_stats", _lowrank_stats_cpu, _lowrank_stats_cuda, [f"void({_F3}, {_F2}, {_F3})"])
+register("lowrank_project", _lowrank_project_cpu, _lowrank_project_cuda,
+         [f"void({_F3}, {_F2}, {_F3}, {_F3})"])
+register("lowrank_reconstruct", _lowrank_reconstruct_cpu, _lowrank_reconstruct_cuda,
+         [f"void({_F3}, {_F2}, {_F3}, {_F3})"])
+register("f16_encode", _f16_encode_cpu, _f16_encode_cuda, ["void(float32[::1], uint16[::1])"])
+register("f16_decode", _f16_decode_cpu, _f16_decode_cuda, ["void(uint16[::1], float32[::1])"])
+
+
+# --- internal entry points (callers validated; arrays float32 C-contiguous, one device) ----
+def stats_into(x3: Any, mean: Any, gram: Any) -> None:
+    """``mean`` ``[R, d]`` and centred ``gram`` ``[R, d, d]`` of ``x3`` ``[R, n, d]``."""
+    rows, n, d = x3.shape
+    if rows == 0 or d == 0:
+        return
+    if isinstance(x3, np.ndarray):
+        _lowrank_stats_cpu(x3, mean, gram)
+    else:
+        blocks, threads = _backend.cuda_grid(rows * d * d)
+        _lowrank_stats_cuda[blocks, threads](x3, mean, gram)
+
+
+def project_into(x3: Any, mean: Any, components: Any, out: Any) -> None:
+    """``out[r, t] = components[r] · (x3[r, t] − mean[r])`` (``[R, n, rank]``)."""
+    rows, n, rank = out.shape
+    if rows == 0 or n == 0 or rank == 0:
+        return
+    if isinstance(x3, np.ndarray):
+        _lowrank_project_cpu(x3, mean, components, out)
+    else:
+        blocks, threads = _backend.cuda_grid(rows * n * rank)
+        _lowrank_project_cuda[blocks, threads](x3, mean, components, out)
+
+
+def reconstruct_into(coef: Any, mean: Any, components: Any, out: Any) -> None:
+    """``out[r, t] = mean[r] + coef[r, t] · components[r]`` (``[R, n, d]``)."""
+    rows, n, d = out.shape
+    if rows == 0 or n == 0 or d == 0:
+        return
+    if isinstance(out, np.ndarray):
+        _lowrank_reconstruct_cpu(coef, mean, components, out)
+    else:
+        blocks, threads = _backend.cuda_grid(rows * n * d)
+        _lowrank_reconstruct_cuda[blocks, threads](coef, mean, components, out)
+
+
+def f16_encode(x: Any) -> Any:
+    """float32 array → binary16 bit patterns (uint16, same shape, same device).
+
+    Round to nearest even; values beyond ±65504 saturate.  ``out.view(numpy.float16)``
+    reads the result on the host.
+
+    Parameters
+    ----------
+    x : float32 array, any shape, C-contiguous.
+
+    Returns
+    -------
+    uint16 array, shape of ``x``.
+    """
+    _backend.resolve_device("auto", x=x)
+    if np.dtype(x.dtype) != np.float32:
+        raise TypeError(f"x: expected dtype float32, got {np.dtype(x.dtype)}")
+    shape = tuple(x.shape)
+    flat = x.reshape(-1)
+    out = _backend.empty(x, (flat.shape[0],), np.uint16)
+    if flat.shape[0]:
+        if isinstance(flat, np.ndarray):
+            _f16_encode_cpu(np.ascontiguousarray(flat), out)
+        else:
+            blocks, threads = _backend.cuda_grid(flat.shape[0])
+            _f16_encode_cuda[blocks, threads](flat, out)
+    return out.reshape(shape)
+
+
+def f16_decode(h: Any) -> Any:
+    """binary16 bit patterns (uint16) → float32 (same shape, same device).
+
+    Parameters
+    ----------
+    h : uint16 array, any shape, C-contiguous (finite patterns).
+
+    Returns
+    -------
+    float32 array, shape of ``h``.
+    """
+    _backend.resolve_device("auto", h=h)
+    if np.dtype(h.dtype) != np.uint16:
+        raise TypeError(f"h: expected dtype uint16 (binary16 bits), got {np.dtype(h.dtype)}")
+    shape = tuple(h.shape)
+    flat = h.reshape(-1)
+    out = _backend.empty(h, (flat.shape[0],), np.float32)
+    if flat.shape[0]:
+        if isinstance(flat, np.ndarray):
+            _f16_decode_cpu(np.ascontiguousarray(flat), out)
+        else:
+            blocks, threads = _backend.cuda_grid(flat.shape[0])
+            _f16_decode_cuda[blocks, threads](flat, out)
+    return out.reshape(shape)
+
+
+# --- host-side fitting -------------------------------------------------------------------
+def fit_components(mean: np.ndarray, gram: np.ndarray, n: int, rank: int,
+                   energy: Optional[float] = ENERGY_FRACTION) -> Tuple[np.ndarray, int]:
+    """Principal axes of every row from its statistics (host, float64 eigen-decomposition).
+
+    Parameters
+    ----------
+    mean : float array, shape ``(R, d)``
+        Channel means (from :func:`channel_stats`).
+    gram : float array, shape ``(R, d, d)``
+        Centred Gram matrices.
+    n : int
+        Tokens per row the statistics were taken over (kept for callers; the rule
+        uses eigenvalue ratios only).
+    rank : int
+        Upper bound on the rank (``>= 1``).
+    energy : float or None
+        Automatic rank (the seed's 0.9 rule, ``algorithms.md`` §5.2, applied to what the
+        basis has to explain — the variance around the stored mean, which is kept
+        exactly): per row, the smallest ``k`` with ``Σ_{i<k} λ_i >= energy · Σ_i λ_i``
+        (explained-variance ratio); the common rank is the largest over rows, clamped to
+        ``[1, min(rank, d)]``.  The seed measures uncentred energy, where a large channel
+        mean alone can pass 90 % and leave a rank-1 model.  ``None`` keeps
+        ``min(rank, d)``.
+
+    Returns
+    -------
+    components : float32 array, shape ``(R, r_eff, d)``
+        Orthonormal rows, by decreasing eigenvalue; sign fixed so that each axis' largest
+        entry is positive (deterministic across platforms).
+    r_eff : int
+    """
+    mean = np.asarray(mean, np.float64)
+    g = np.asarray(gram, np.float64)
+    rows, d = mean.shape
+    max_rank = min(int(rank), d)
+    g = 0.5 * (g + np.swapaxes(g, 1, 2))  # float32 sums are not exactly symmetric
+    # one call per row: NumPy's stacked eigh was ~30x slower than the loop here (OpenBLAS)
+    lam = np.empty((rows, d))
+    vec = np.empty((rows, d, d))
+    for r in range(rows):
+        lam[r], vec[r] = np.linalg.eigh(g[r])  # ascending
+    lam = np.clip(lam[:, ::-1], 0.0, None)
+    vec = vec[:, :, ::-1]
+    if energy is None:
+        r_eff = max_rank
+    else:
+        total = lam.sum(1)
+        captured = np.cumsum(lam, axis=1)  # [R, d]
+        ks = []
+        for r in range(rows):
+            if total[r] <= 0:  # constant row: the mean is exact, any rank >= 1 will do
+                ks.append(1)
+                continue
+            hit = np.nonzero(captured[r] >= energy * total[r] * (1 - 1e-12))[0]
+            ks.append(int(hit[0]) + 1 if hit.size else d)
+        r_eff = int(min(max(max(ks), 1), max_rank))
+    comp = np.ascontiguousarray(np.swapaxes(vec[:, :, :r_eff], 1, 2))  # [R, r_eff, d]
+    idx = np.abs(comp).argmax(axis=2)
+    sign = np.sign(np.take_along_axis(comp, idx[..., None], axis=2))
+    sign[sign == 0] = 1.0
+    comp *= sign
+    return comp.astype(np.float32), r_eff
+
+
+# --- public API ------------------------------------------------------------------------
+def _f32_3d(name: str, a: Any) -> Any:
+    if len(a.shape) != 3:
+        raise ValueError(f"{name}: expected a 3-D array, got shape {tuple(a.shape)}")
+    return _backend.ascontiguous_f32(name, a)
+
+
+def _broadcast_ok(name: str, a: Any, rows: int) -> None:
+    if a.shape[0] not in (1, rows):
+        raise ValueError(f"{name}: expected a leading axis of 1 or {rows} (rows), got shape {tuple(a.shape)}")
+
+
+def channel_stats(x: Any) -> Tuple[Any, Any]:
+    """Channel means and centred Gram matrices of every row.
+
+    Parameters
+    ----------
+    x : float array, shape ``(R, n, d)``
+        NumPy → CPU twin; CUDA array → CUDA kernel.
+
+    Returns
+    -------
+    mean : float32, shape ``(R, d)``
+    gram : float32, shape ``(R, d, d)``
+    """
+    _backend.resolve_device("auto", x=x)
+    x3 = _f32_3d("x", x)
+    rows, _, d = x3.shape
+    mean = _backend.empty(x3, (rows, d), np.float32)
+    gram = _backend.empty(x3, (rows, d, d), np.float32)
+    stats_into(x3, mean, gram)
+    return mean, gram
+
+
+def project(x: Any, mean: Any, components: Any) -> Any:
+    """Coefficients ``components[r] · (x[r, t] − mean[r])``.
+
+    Parameters
+    ----------
+    x : float array, shape ``(R, n, d)``
+    mean : float32 array, shape ``(R, d)`` or ``(1, d)``
+    components : float32 array, shape ``(R, rank, d)`` or ``(1, rank, d)``
+
+    Returns
+    -------
+    coef : float32 array, shape ``(R, n, rank)``, on the device of ``x``.
+
+    Raises
+    ------
+    ValueError
+        Shapes that do not line up (the message names the argument).
+    """
+    _backend.resolve_device("auto", x=x, mean=mean, components=components)
+    x3 = _f32_3d("x", x)
+    rows, n, d = x3.shape
+    comp = _f32_3d("components", components)
+    mean = _backend.ascontiguous_f32("mean", mean)
+    _broadcast_ok("components", comp, rows)
+    if len(mean.shape) != 2 or mean.shape[1] != d or comp.shape[2] != d:
+        raise ValueError(f"mean/components: expected last axis d={d}, got {tuple(mean.shape)} and "
+                         f"{tuple(comp.shape)}")
+    _broadcast_ok("mean", mean, rows)
+    out = _backend.empty(x3, (rows, n, comp.shape[1]), np.float32)
+    project_into(x3, mean, comp, out)
+    return out
+
+
+def reconstruct(coef: Any, mean: Any, components: Any, rows: Optional[int] = None) -> Any:
+    """``mean[r] + coef[r, t] · components[r]`` — the inverse of :func:`project`.
+
+    Parameters
+    ----------
+    coef : float array, shape ``(R, n, rank)`` or ``(1, n, rank)``
+    mean : float32 array, shape ``(R, d)`` or ``(1, d)``
+    components : float32 array, shape ``(R, rank, d)`` or ``(1, rank, d)``
+    rows : int, optional
+        ``R`` when every input broadcasts (default: the largest leading axis).
+
+    Returns
+    -------
+    x_hat : float32 array, shape ``(R, n, d)``.
+    """
+    _backend.resolve_device("auto", coef=coef, mean=mean, components=components)
+    c3 = _f32_3d("coef", coef)
+    comp = _f32_3d("components", components)
+    mean = _backend.ascontiguous_f32("mean", mean)
+    if rows is None:
+        rows = max(c3.shape[0], comp.shape[0], mean.shape[0])
+    for name, a in (("coef", c3), ("components", comp), ("mean", mean)):
+        _broadcast_ok(name, a, rows)
+    d = comp.shape[2]
+    if c3.shape[2] != comp.shape[1] or len(mean.shape) != 2 or mean.shape[1] != d:
+        raise ValueError(f"coef: expected rank {comp.shape[1]} and mean width {d}, got coef "
+                         f"{tuple(c3.shape)}, mean {tuple(mean.shape)}")
+    out = _backend.empty(c3, (rows, c3.shape[1], d), np.float32)
+    reconstruct_into(c3, mean, comp, out)
+    return out

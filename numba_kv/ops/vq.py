@@ -1,0 +1,458 @@
+"""Vector quantization: nearest-codeword assignment, centroid accumulation, k-means++
+seeding and decoding — the ops of a k-means (product) vector quantizer.
+
+Data ``x`` is ``[R, n, d]`` (``R`` rows of ``n`` tokens).  Every token is cut into
+``M = d / ds`` sub-vectors of ``ds`` channels (``M = 1``: whole-vector VQ as in the seed,
+``algorithms.md`` §5.3; ``M > 1``: product quantization).  Sub-space ``m`` of row ``r``
+uses codebook ``g = r·M + m`` when ``codebooks`` holds ``R·M`` tables (one per row), or
+``g = m`` when it holds ``M`` (shared by all rows).  Codes are uint8 (``K <= 256``).
+
+Ops (CPU twin + CUDA kernel each):
+
+* ``vq_assign``: ``codes[r, t, m] = argmin_k ‖x_rtm − C_g[k]‖²`` (ties → lowest ``k``,
+  as in the seed) and ``dist[r, t, m]`` = that squared distance;
+* ``vq_accumulate``: per-codeword sums and counts of the assigned sub-vectors (the
+  M-step numerator/denominator).  CPU: one work item per (codebook, channel), race-free;
+  CUDA: one thread per element with ``atomic.add`` (float sums: order-dependent rounding);
+* ``kmeanspp_update``: ``min_d2 = min(min_d2, ‖x − c_new‖²)`` (k-means++ D² weights);
+* ``vq_decode``: ``out[r, t, m·ds:(m+1)·ds] = C_g[codes[r, t, m]]``.
+
+:func:`kmeans` drives them: k-means++ seeding (Arthur & Vassilvitskii 2007: each new
+centre drawn with probability ∝ D²), then Lloyd iterations until the relative decrease of
+the inertia falls below ``tol`` or the assignment stops changing, at most ``max_iter``;
+empty clusters are re-seeded at the points farthest from their centre.  Sampling and the
+``K × ds`` centroid division run on the host; the ``O(n·K·d)`` work runs on the data's
+device (only codes, distances and the small sum tables cross).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import numpy as np
+from numba import cuda, float32, int32, int64, prange, uint8
+
+from .. import _backend
+from .._jit import cpu_kernel, cuda_kernel
+from ._registry import register
+from .gather import gather_rows, to_like
+
+__all__ = ["kmeans", "assign", "decode", "KMEANS_MAX_ITER", "KMEANS_TOL"]
+
+KMEANS_MAX_ITER = 100
+KMEANS_TOL = 1e-4
+_INF32 = np.float32(np.inf)
+
+
+# --- CPU twins -------------------------------------------------------------------------
+@cpu_kernel
+def _vq_assign_cpu(x, codebooks, codes, dist):
+    rows, n, d = x.shape
+    ng, k_size, ds = codebooks.shape
+    m_sub = d // ds
+    per_row = ng > m_sub
+    for e in prange(rows * n):
+        r = e // n
+        t = e - r * n
+        for m in range(m_sub):
+            g = r * m_sub + m if per_row else m
+            o = m * ds
+            best = _INF32
+            bk = 0
+            for k in range(k_size):
+                s = float32(0.0)
+                for j in range(ds):
+                    diff = x[r, t, o + j] - codebooks[g, k, j]
+                    s += diff * diff
+                if s < best:
+                    best = s
+                    bk = k
+            codes[r, t, m] = uint8(bk)
+            dist[r, t, m] = best
+
+
+@cpu_kernel
+def _vq_accumulate_cpu(x, codes, sums, counts):
+    rows, n, d = x.shape
+    ng, k_size, ds = sums.shape
+    m_sub = d // ds
+    per_row = ng > m_sub
+    # work item = (codebook g, channel j): it owns sums[g, :, j] (and counts[g] when j == 0)
+    for e in prange(ng * ds):
+        g = e // ds
+        j = e - g * ds
+        m = g % m_sub if per_row else g
+        r0 = g // m_sub if per_row else 0
+        r1 = r0 + 1 if per_row else rows
+        for r in range(r0, r1):
+            for t in range(n):
+                c = codes[r, t, m]
+                sums[g, c, j] += x[r, t, m * ds + j]
+                if j == 0:
+                    counts[g, c] += 1
+
+
+@cpu_kernel
+def _kmeanspp_update_cpu(x, centers, min_d2):
+    rows, n, d = x.shape
+    ng, ds = centers.shape
+    m_sub = d // ds
+    per_row = ng > m_sub
+    for e in prange(rows * n):
+        r = e // n
+        t = e - r * n
+        for m in range(m_sub):
+            g = r * m_sub + m if per_row else m
+            s = float32(0.0)
+            for j in range(ds):
+                diff = x[r, t, m * ds + j] - centers[g, j]
+                s += diff * diff
+            if s < min_d2[r, t, m]:
+                min_d2[r, t, m] = s
+
+
+@cpu_kernel
+def _vq_decode_cpu(codes, codebooks, out):
+    rows, n, d = out.shape
+    ng, k_size, ds = codebooks.shape
+    m_sub = d // ds
+    per_row = ng > m_sub
+    for e in prange(rows * n):
+        r = e // n
+        t = e - r * n
+        for m in range(m_sub):
+            g = r * m_sub + m if per_row else m
+            c = codes[r, t, m]
+            for j in range(ds):
+                out[r, t, m * ds + j] = codebooks[g, c, j]
+
+
+# --- CUDA kernels (grid-stride) ----------------------------------------------------------
+@cuda_kernel
+def _vq_assign_cuda(x, codebooks, codes, dist):
+    # one thread per (row, token, sub-space): K·ds work, no cross-thread traffic
+    rows, n, d = x.shape
+    ng, k_size, ds = codebooks.shape
+    m_sub = d // ds
+    per_row = ng > m_sub
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for e in range(start, rows * n * m_sub, stride):
+        r = e // (n * m_sub)
+        rem = e - r * n * m_sub
+        t = rem // m_sub
+        m = rem - t * m_sub
+        g = r * m_sub + m if per_row else m
+        o = m * ds
+        best = _INF32
+        bk = 0
+        for k in range(k_size):
+            s = float32(0.0)
+            for j in range(ds):
+                diff = x[r, t, o + j] - codebooks[g, k, j]
+                s += diff * diff
+            if s < best:
+                best = s
+                bk = k
+        codes[r, t, m] = uint8(bk)
+        dist[r, t, m] = best
+
+
+@cuda_kernel
+def _vq_accumulate_cuda(x, codes, sums, counts):
+    # one thread per element of x; atomics merge the per-codeword sums
+    rows, n, d = x.shape
+    ng, k_size, ds = sums.shape
+    m_sub = d // ds
+    per_row = ng > m_sub
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for e in range(start, rows * n * d, stride):
+        r = e // (n * d)
+        rem = e - r * n * d
+        t = rem // d
+        ch = rem - t * d
+        m = ch // ds
+        j = ch - m * ds
+        g = r * m_sub + m if per_row else m
+        c = int64(codes[r, t, m])
+        cuda.atomic.add(sums, (g, c, j), x[r, t, ch])
+        if j == 0:
+            cuda.atomic.add(counts, (g, c), int32(1))
+
+
+@cuda_kernel
+def _kmeanspp_update_cuda(x, centers, min_d2):
+    rows, n, d = x.shape
+    ng, ds = centers.shape
+    m_sub = d // ds
+    per_row = ng > m_sub
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for e in range(start, rows * n * m_sub, stride):
+        r = e // (n * m_sub)
+        rem = e - r * n * m_sub
+        t = rem // m_sub
+        m = rem - t * m_sub
+        g = r * m_sub + m if per_row else m
+        s = float32(0.0)
+        for j in range(ds):
+            diff = x[r, t, m * ds + j] - centers[g, j]
+            s += diff * diff
+        if s < min_d2[r, t, m]:
+            min_d2[r, t, m] = s
+
+
+@cuda_kernel
+def _vq_decode_cuda(codes, codebooks, out):
+    rows, n, d = out.shape
+    ng, k_size, ds = codebooks.shape
+    m_sub = d // ds
+    per_row = ng > m_sub
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for e in range(start, rows * n * d, stride):
+        r = e // (n * d)
+        rem = e - r * n * d
+        t = rem // d
+        ch = rem - t * d
+        m = ch // ds
+        j = ch - m * ds
+        g = r * m_sub + m if per_row else m
+        out[r, t, ch] = codebooks[g, codes[r, t, m], j]
+
+
+_F3 = "float32[:, :, ::1]"
+_U3 = "uint8[:, :, ::1]"
+register("vq_assign", _vq_assign_cpu, _vq_assign_cuda, [f"void({_F3}, {_F3}, {_U3}, {_F3})"])
+register("vq_accumulate", _vq_accumulate_cpu, _vq_accumulate_cuda,
+         [f"void({_F3}, {_U3}, {_F3}, int32[:, ::1])"])
+register("kmeanspp_update", _kmeanspp_update_cpu, _kmeanspp_update_cuda,
+         [f"void({_F3}, float32[:, ::1], {_F3})"])
+register("vq_decode", _vq_decode_cpu, _vq_decode_cuda, [f"void({_U3}, {_F3}, {_F3})"])
+
+
+# --- internal entry points (callers validated: float32 C-contiguous, one device) ------------
+def assign_into(x3: Any, codebooks: Any, codes: Any, dist: Any) -> None:
+    """Nearest codeword of every sub-vector (see module docstring)."""
+    rows, n, d = x3.shape
+    m_sub = d // codebooks.shape[2]
+    if rows * n * m_sub == 0:
+        return
+    if isinstance(x3, np.ndarray):
+        _vq_assign_cpu(x3, codebooks, codes, dist)
+    else:
+        blocks, threads = _backend.cuda_grid(rows * n * m_sub)
+        _vq_assign_cuda[blocks, threads](x3, codebooks, codes, dist)
+
+
+def accumulate_into(x3: Any, codes: Any, sums: Any, counts: Any) -> None:
+    """Add every sub-vector to ``sums[g, code]`` and count it (outputs zeroed by caller)."""
+    rows, n, d = x3.shape
+    if rows * n * d == 0:
+        return
+    if isinstance(x3, np.ndarray):
+        _vq_accumulate_cpu(x3, codes, sums, counts)
+    else:
+        blocks, threads = _backend.cuda_grid(rows * n * d)
+        _vq_accumulate_cuda[blocks, threads](x3, codes, sums, counts)
+
+
+def kmeanspp_update_into(x3: Any, centers: Any, min_d2: Any) -> None:
+    """``min_d2 = min(min_d2, ‖x − centers[g]‖²)`` for every sub-vector."""
+    rows, n, d = x3.shape
+    m_sub = d // centers.shape[1]
+    if rows * n * m_sub == 0:
+        return
+    if isinstance(x3, np.ndarray):
+        _kmeanspp_update_cpu(x3, centers, min_d2)
+    else:
+        blocks, threads = _backend.cuda_grid(rows * n * m_sub)
+        _kmeanspp_update_cuda[blocks, threads](x3, centers, min_d2)
+
+
+def decode_into(codes: Any, codebooks: Any, out: Any) -> None:
+    """``out`` ``[R, n, d]`` ← codewords of ``codes`` ``[R, n, M]``."""
+    rows, n, d = out.shape
+    if rows * n * d == 0:
+        return
+    if isinstance(out, np.ndarray):
+        _vq_decode_cpu(codes, codebooks, out)
+    else:
+        blocks, threads = _backend.cuda_grid(rows * n * d)
+        _vq_decode_cuda[blocks, threads](codes, codebooks, out)
+
+
+def _gather_subvectors(x3: Any, flat_rows: np.ndarray, ds: int) -> Any:
+    """Sub-vectors ``x3`` viewed as ``[R·n·M, ds]`` rows, gathered at ``flat_rows``."""
+    rows, n, d = x3.shape
+    src = x3.reshape(rows * n * (d // ds), ds)
+    if isinstance(src, np.ndarray):  # host data: plain indexing, no parallel region per draw
+        return src[flat_rows]
+    idx = to_like(x3, flat_rows.astype(np.int32))
+    out = _backend.empty(x3, (flat_rows.shape[0], ds), np.float32)
+    gather_rows(src, idx, out)
+    return _backend.to_host(out)
+
+
+def _group_members(rows: int, n: int, m_sub: int, g: int, per_row: bool) -> np.ndarray:
+    """Flat sub-vector row indices ``(r·n + t)·M + m`` belonging to codebook ``g``."""
+    if per_row:
+        r, m = divmod(g, m_sub)
+        return (r * n + np.arange(n)) * m_sub + m
+    return np.arange(rows * n) * m_sub + g
+
+
+def kmeans(x3: Any, codebook_size: int, ds: int, per_row: bool, *, max_iter: int = KMEANS_MAX_ITER,
+           tol: float = KMEANS_TOL, seed: int = 0) -> Tuple[np.ndarray, int]:
+    """Fit (product) k-means codebooks on the device of ``x3``.
+
+    Parameters
+    ----------
+    x3 : float32 array, shape ``(R, n, d)``, C-contiguous
+        NumPy → CPU twins; CUDA array → CUDA kernels.
+    codebook_size : int
+        ``K`` in ``1..256``.
+    ds : int
+        Sub-vector width; ``d % ds == 0``.
+    per_row : bool
+        One codebook set per row (``R·M`` tables) or one shared by all rows (``M``).
+    max_iter, tol : int, float
+        Lloyd stops after ``max_iter`` iterations, when the assignment no longer changes,
+        or when the inertia decreases by less than ``tol`` (relative).
+    seed : int
+        Seed of the k-means++ draws (deterministic).
+
+    Returns
+    -------
+    codebooks : float32 host array, shape ``(G, K, ds)``
+    iterations : int
+        Lloyd iterations run.
+    """
+    rows, n, d = x3.shape
+    m_sub = d // ds
+    ng = rows * m_sub if per_row else m_sub
+    k_size = int(codebook_size)
+    rng = np.random.default_rng(seed)
+    members = [_group_members(rows, n, m_sub, g, per_row) for g in range(ng)]
+
+    # --- k-means++ seeding: all codebooks advance together, one centre per step -----------
+    cb = np.zeros((ng, k_size, ds), np.float32)
+    first = np.array([mem[rng.integers(mem.shape[0])] for mem in members])
+    cb[:, 0] = _gather_subvectors(x3, first, ds)
+    min_d2 = to_like(x3, np.full((rows, n, m_sub), np.inf, np.float32))
+    for k in range(1, k_size):
+        kmeanspp_update_into(x3, to_like(x3, cb[:, k - 1]), min_d2)
+        w_all = _backend.to_host(min_d2).reshape(-1).astype(np.float64)
+        pick = np.empty(ng, np.int64)
+        for g, mem in enumerate(members):
+            w = w_all[mem]
+            tot = w.sum()
+            # all points already covered (fewer distinct points than K): any point will do
+            j = rng.integers(mem.shape[0]) if not tot > 0 else \
+                int(np.searchsorted(np.cumsum(w), rng.random() * tot, side="right"))
+            pick[g] = mem[min(j, mem.shape[0] - 1)]
+        cb[:, k] = _gather_subvectors(x3, pick, ds)
+
+    # --- Lloyd ------------------------------------------------------------------------
+    codes = _backend.empty(x3, (rows, n, m_sub), np.uint8)
+    dist = _backend.empty(x3, (rows, n, m_sub), np.float32)
+    prev_codes: Optional[np.ndarray] = None
+    prev_inertia = np.inf
+    it = 0
+    for it in range(1, max_iter + 1):
+        assign_into(x3, to_like(x3, cb), codes, dist)
+        h_codes = _backend.to_host(codes).copy()
+        h_dist = _backend.to_host(dist).astype(np.float64)
+        inertia = float(h_dist.sum())
+        if prev_codes is not None and (np.array_equal(h_codes, prev_codes)
+                                       or prev_inertia - inertia <= tol * max(prev_inertia, 1e-30)):
+            break
+        prev_codes, prev_inertia = h_codes, inertia
+        sums = _backend.zeros(x3, (ng, k_size, ds), np.float32)
+        counts = _backend.zeros(x3, (ng, k_size), np.int32)
+        accumulate_into(x3, codes, sums, counts)
+        h_sums = _backend.to_host(sums).astype(np.float64)
+        h_counts = _backend.to_host(counts)
+        filled = h_counts > 0
+        new = cb.copy()
+        new[filled] = (h_sums[filled] / h_counts[filled][:, None]).astype(np.float32)
+        # empty clusters: move to the points worst served by their current centre
+        flat_dist = h_dist.reshape(-1)
+        for g in np.nonzero((~filled).any(axis=1))[0]:
+            empty = np.nonzero(~filled[g])[0]
+            mem = members[g]
+            far = mem[np.argsort(-flat_dist[mem], kind="stable")[: empty.shape[0]]]
+            if far.shape[0]:
+                new[g, empty[: far.shape[0]]] = _gather_subvectors(x3, far, ds)
+        cb = new
+    return cb, it
+
+
+# --- public API ------------------------------------------------------------------------
+def _check_codebooks(x3: Any, codebooks: Any) -> Tuple[int, int]:
+    rows, n, d = x3.shape
+    if len(codebooks.shape) != 3:
+        raise ValueError(f"codebooks: expected 3-D (G, K, ds), got shape {tuple(codebooks.shape)}")
+    ng, k_size, ds = codebooks.shape
+    if ds < 1 or d % ds:
+        raise ValueError(f"codebooks: expected a sub-vector width ds dividing d={d}, got ds={ds}")
+    m_sub = d // ds
+    if ng not in (m_sub, rows * m_sub):
+        raise ValueError(f"codebooks: expected G = M = {m_sub} (shared) or R·M = {rows * m_sub} (per row), "
+                         f"got G={ng}")
+    if not 1 <= k_size <= 256:
+        raise ValueError(f"codebooks: expected 1..256 codewords, got K={k_size}")
+    return m_sub, k_size
+
+
+def assign(x: Any, codebooks: Any) -> Tuple[Any, Any]:
+    """Nearest codeword of every sub-vector.
+
+    Parameters
+    ----------
+    x : float array, shape ``(R, n, d)``
+    codebooks : float32 array, shape ``(G, K, ds)``
+        ``G = M`` (shared) or ``R·M`` (per row), ``M = d / ds``, ``K <= 256``.
+
+    Returns
+    -------
+    codes : uint8 array, shape ``(R, n, M)``
+    dist : float32 array, shape ``(R, n, M)``
+        Squared Euclidean distance to the chosen codeword.
+    """
+    _backend.resolve_device("auto", x=x, codebooks=codebooks)
+    if len(x.shape) != 3:
+        raise ValueError(f"x: expected a 3-D array (R, n, d), got shape {tuple(x.shape)}")
+    x3 = _backend.ascontiguous_f32("x", x)
+    cbs = _backend.ascontiguous_f32("codebooks", codebooks)
+    m_sub, _ = _check_codebooks(x3, cbs)
+    rows, n, _ = x3.shape
+    codes = _backend.empty(x3, (rows, n, m_sub), np.uint8)
+    dist = _backend.empty(x3, (rows, n, m_sub), np.float32)
+    assign_into(x3, cbs, codes, dist)
+    return codes, dist
+
+
+def decode(codes: Any, codebooks: Any) -> Any:
+    """Codewords of ``codes``: the inverse of :func:`assign`.
+
+    Parameters
+    ----------
+    codes : uint8 array, shape ``(R, n, M)``
+    codebooks : float32 array, shape ``(G, K, ds)``
+
+    Returns
+    -------
+    x_hat : float32 array, shape ``(R, n, M·ds)``.
+    """
+    _backend.resolve_device("auto", codes=codes, codebooks=codebooks)
+    if np.dtype(codes.dtype) != np.uint8 or len(codes.shape) != 3:
+        raise TypeError(f"codes: expected a 3-D uint8 array, got {np.dtype(codes.dtype)} "
+                        f"{tuple(codes.shape)}")
+    cbs = _backend.ascontiguous_f32("codebooks", codebooks)
+    rows, n, m_sub = codes.shape
+    d = m_sub * cbs.shape[2]
+    out = _backend.empty(codes, (rows, n, d), np.float32)
+    decode_into(codes, cbs, out)
+    return out
