@@ -462,6 +462,17 @@ class PagedKVCache:
             yield p, nt, k, v
 
     # -- accounting -----------------------------------------------------------------------
+    def decode_attention(self, layer: int, q: Any, seq_ids: Optional[Sequence[int]] = None, *,
+                         softmax_scale: Optional[float] = None, causal: bool = True) -> Any:
+        """Fused attention of ``q`` ``[n_seq, num_heads, q_len, head_dim]`` over the pages of
+        ``seq_ids`` (default: every live sequence) — compressed pages are read through the
+        page table without dequantizing.  See
+        :func:`numba_kv.ops.paged_attention.paged_decode_attention`.
+        """
+        from ..ops.paged_attention import paged_decode_attention  # noqa: PLC0415
+
+        return paged_decode_attention(q, self, layer, seq_ids, softmax_scale=softmax_scale, causal=causal)
+
     def memory_usage(self) -> int:
         """Bytes of the pages in use (whole pages, K and V)."""
         return self.num_used_pages * self.bytes_per_page

@@ -4,7 +4,7 @@ Importing this package imports every op module so :data:`TWINS` is complete.
 """
 
 from . import (attention, bitpack, blockquant, gather, hadamard, intquant, lowrank, memory,  # noqa: F401
-               vq)  # importing registers the twins
+               paged_attention, vq)  # importing registers the twins
 from ._registry import TWINS, Twin
 
 __all__ = ["TWINS", "Twin"]

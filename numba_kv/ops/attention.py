@@ -30,7 +30,7 @@ import numpy as np
 from numba import cuda, float32, int64, prange
 
 from .. import _backend
-from .._jit import cpu_kernel, cuda_kernel, twin
+from .._jit import cpu_kernel, cpu_serial, cuda_kernel, twin
 from ._registry import register
 from .half import _f16_bits_abs_to_f32
 from .hadamard import SIGNS32, _rotate32_inverse
@@ -131,6 +131,49 @@ visible_cpu, visible_dev = twin(_visible)
 merge_row_cpu, merge_row_dev = twin(_merge_row)
 
 
+def _softmax_tile(sc, nt, softmax_scale, g, has_bias, bias, need_mask, q_pos0, q_len, pos_base, exact_pos,
+                  use_exact_pos, t0, m, l, acc):
+    """Online-softmax step of one tile (CPU): scale, bias and mask the scores ``sc``
+    ``[rows, nt]`` in place, turn them into weights ``exp(s − m_new)``, rescale ``acc`` and
+    update the running max ``m`` and sum ``l``.  The caller then adds ``sc @ V_tile``.
+
+    Token ``tt`` of the tile sits at ``exact_pos[t0 + tt]`` if ``use_exact_pos`` else at
+    ``pos_base + tt``.
+    """
+    rows = sc.shape[0]
+    for r in range(rows):
+        tile_max = NEG_INF
+        for tt in range(nt):
+            s = sc[r, tt] * softmax_scale
+            if has_bias or need_mask:
+                pos = int64(exact_pos[t0 + tt]) if use_exact_pos else pos_base + tt
+                if has_bias:
+                    s += bias[g, r, pos]
+                if need_mask and pos > q_pos0 + (r % q_len):
+                    s = NEG_INF
+            sc[r, tt] = s
+            tile_max = max(tile_max, s)
+        if tile_max == NEG_INF:
+            for tt in range(nt):
+                sc[r, tt] = float32(0.0)
+            continue
+        m_new = max(m[r], tile_max)
+        alpha = math.exp(m[r] - m_new) if m[r] != NEG_INF else float32(0.0)
+        lsum = float32(0.0)
+        for tt in range(nt):
+            s = sc[r, tt]
+            w = math.exp(s - m_new) if s != NEG_INF else float32(0.0)
+            sc[r, tt] = w
+            lsum += w
+        for j in range(acc.shape[1]):
+            acc[r, j] *= alpha
+        l[r] = l[r] * alpha + lsum
+        m[r] = m_new
+
+
+softmax_tile_cpu = cpu_serial(_softmax_tile)
+
+
 # --- CPU twin: partitions in parallel; per tile two small GEMMs (BLAS) on the rotated tile -
 @cpu_kernel
 def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kcent, vcent,
@@ -168,35 +211,9 @@ def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
                 vtile = ve[g, t0:t0 + nt]
             sc = np.dot(qsrc, ktile.T)  # [rows, nt] scores in one GEMM
             last_pos = comp_pos0 + t0 + nt - 1 if compressed else -1
-            for r in range(rows):
-                tile_max = NEG_INF
-                for tt in range(nt):
-                    s = sc[r, tt] * softmax_scale
-                    if has_bias or causal:
-                        pos = comp_pos0 + t0 + tt if compressed else exact_pos[t0 + tt]
-                        if has_bias:
-                            s += bias[g, r, pos]
-                        if causal and (not compressed or last_pos > q_pos0) and \
-                                not visible_cpu(pos, q_pos0, r, q_len, causal):
-                            s = NEG_INF
-                    sc[r, tt] = s
-                    tile_max = max(tile_max, s)
-                if tile_max == NEG_INF:
-                    for tt in range(nt):
-                        sc[r, tt] = float32(0.0)
-                    continue
-                m_new = max(m[r], tile_max)
-                alpha = math.exp(m[r] - m_new) if m[r] != NEG_INF else float32(0.0)
-                lsum = float32(0.0)
-                for tt in range(nt):
-                    s = sc[r, tt]
-                    w = math.exp(s - m_new) if s != NEG_INF else float32(0.0)
-                    sc[r, tt] = w
-                    lsum += w
-                for j in range(d):
-                    acc[r, j] *= alpha
-                l[r] = l[r] * alpha + lsum
-                m[r] = m_new
+            need_mask = causal and (not compressed or last_pos > q_pos0)
+            softmax_tile_cpu(sc, nt, softmax_scale, g, has_bias, bias, need_mask, q_pos0, q_len,
+                             comp_pos0 + t0 if compressed else 0, exact_pos, not compressed, t0, m, l, acc)
             acc += np.dot(sc, vtile)  # [rows, d] weighted values in one GEMM
         for r in range(rows):
             part_m[g, p, r] = m[r]
