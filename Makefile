@@ -39,8 +39,13 @@ bench: venv
 	NUMBA_NUM_THREADS=$${NUMBA_NUM_THREADS:-2} $(PYTEST) benchmarks --benchmark-only \
 		--benchmark-json=benchmarks/results/bench.json --benchmark-columns=min,median,mean,rounds -q
 
+# real-model eval (SmolLM2-135M, GPL-3 text, N=512/P=128; ~3-5 min on 2 cores); the
+# synthetic KV-stream demo is `numba-kv demo --synthetic`.  One Numba thread: the decode
+# kernels are tiny and parallel regions cost more than they gain on a shared 2-core box.
 demo: venv
-	$(BIN)/numba-kv demo
+	mkdir -p benchmarks/results
+	$(BIN)/numba-kv eval --cache dense,pqo3,pqo4,pqo3-r32-s4,pqo4-r32-s4 --tokens 512 --prefill 128 \
+		--threads 1 --json benchmarks/results/eval.json --plot benchmarks/results/eval.png
 
 info: venv
 	$(BIN)/python -m numba_kv.info

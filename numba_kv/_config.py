@@ -17,6 +17,9 @@ DEFAULTS: Dict[str, Any] = {
     # growth rule of per-layer storage: capacity = needed + max(needed*num//den, min_extra)
     "growth_min_extra": 128,
     "growth_fraction": 0.25,
+    # below this many scalar operations a CPU twin runs serially (no parallel region):
+    # one decode step of a small model must not pay thread wake-ups
+    "cpu_parallel_min_work": 1 << 18,
 }
 
 _overrides: Dict[str, Any] = {}

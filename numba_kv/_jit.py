@@ -19,15 +19,37 @@ from typing import Callable, Dict, Tuple
 
 from numba import cuda, njit
 
-__all__ = ["cpu_kernel", "cpu_serial", "cuda_kernel", "twin", "CORES"]
+__all__ = ["cpu_call", "cpu_kernel", "cpu_serial", "cuda_kernel", "twin", "CORES"]
 
 # plain function -> (cpu variant, device variant)
 CORES: Dict[Callable, Tuple[Callable, Callable]] = {}
 
 
 def cpu_kernel(fn: Callable) -> Callable:
-    """CPU twin of a kernel: parallel, GIL-free, cached."""
-    return njit(parallel=True, nogil=True, cache=True, fastmath=False)(fn)
+    """CPU twin of a kernel: parallel, GIL-free, cached.
+
+    The returned dispatcher carries a serial compilation of the same body as ``.serial``
+    (``prange`` runs as ``range``): for small inputs (one decode step) opening a parallel
+    region costs more than the work, and on a busy machine far more.  :func:`cpu_call`
+    picks between the two by work size.
+    """
+    par = njit(parallel=True, nogil=True, cache=True, fastmath=False)(fn)
+    # a distinct qualname keeps the two compilations apart in Numba's on-disk cache
+    ser = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    ser.__qualname__ = fn.__qualname__ + "__serial"
+    ser.__module__ = fn.__module__
+    par.serial = njit(parallel=False, nogil=True, cache=True, fastmath=False)(ser)
+    return par
+
+
+def cpu_call(kernel: Callable, work: int, *args):
+    """Run CPU twin ``kernel`` in parallel, or its serial compilation when ``work`` (scalar
+    operations, roughly) is below the ``cpu_parallel_min_work`` knob of :mod:`numba_kv._config`."""
+    from . import _config  # noqa: PLC0415
+
+    if work < _config.get("cpu_parallel_min_work"):
+        return kernel.serial(*args)
+    return kernel(*args)
 
 
 def cpu_serial(fn: Callable) -> Callable:

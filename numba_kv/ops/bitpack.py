@@ -20,7 +20,7 @@ import numpy as np
 from numba import cuda, int64, prange, uint8
 
 from .. import _backend
-from .._jit import cpu_kernel, cuda_kernel, twin
+from .._jit import cpu_call, cpu_kernel, cuda_kernel, twin
 from ._registry import register
 
 SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -158,7 +158,7 @@ def pack_bits(idx: Any, bits: int, *, backend: str = "auto") -> Any:
     out = _backend.empty(idx, (rows.shape[0], rows.shape[1] * bits // 8), np.uint8)
     if rows.shape[0] and rows.shape[1]:
         if dev == _backend.CPU:
-            _pack_bits_cpu(rows, bits, out)
+            cpu_call(_pack_bits_cpu, rows.size, rows, bits, out)
         else:
             blocks, threads = _backend.cuda_grid(rows.shape[0] * rows.shape[1] // 8)
             _pack_bits_cuda[blocks, threads](rows, bits, out)
@@ -194,7 +194,7 @@ def unpack_bits(packed: Any, bits: int, *, backend: str = "auto") -> Any:
     out = _backend.empty(packed, (rows.shape[0], length), np.uint8)
     if rows.shape[0] and length:
         if dev == _backend.CPU:
-            _unpack_bits_cpu(rows, bits, out)
+            cpu_call(_unpack_bits_cpu, out.size, rows, bits, out)
         else:
             blocks, threads = _backend.cuda_grid(rows.shape[0] * length // 8)
             _unpack_bits_cuda[blocks, threads](rows, bits, out)

@@ -12,7 +12,7 @@ from typing import Any
 from numba import cuda, prange
 
 from .. import _backend
-from .._jit import cpu_kernel, cuda_kernel
+from .._jit import cpu_call, cpu_kernel, cuda_kernel
 from ._registry import register
 
 
@@ -67,7 +67,7 @@ def copy_tokens(src: Any, s0: int, n: int, dst: Any, d0: int = 0) -> None:
     if n <= 0 or src.shape[0] == 0:
         return
     if dev == _backend.CPU:
-        _copy_tokens_cpu(src, int(s0), int(n), dst, int(d0))
+        cpu_call(_copy_tokens_cpu, src.shape[0] * n * src.shape[2], src, int(s0), int(n), dst, int(d0))
     else:
         blocks, threads = _backend.cuda_grid(src.shape[0] * n * src.shape[2])
         _copy_tokens_cuda[blocks, threads](src, int(s0), int(n), dst, int(d0))

@@ -20,7 +20,7 @@ import numpy as np
 from numba import cuda, float32, int64, prange
 
 from .. import _backend
-from .._jit import cpu_kernel, cuda_kernel
+from .._jit import cpu_call, cpu_kernel, cuda_kernel
 from ._registry import register
 from .attention import (F16_ABS_TABLE, MAX_HEAD_DIM, NEG_INF, TILE, _merge_partitions_cpu, _merge_partitions_cuda,
                         load_token_fast_cpu, load_token_fast_dev, softmax_tile_cpu, visible_dev)
@@ -230,8 +230,8 @@ def paged_decode_attention(q: Any, cache: Any, layer: int, seq_ids: Optional[Seq
     signs = _backend.constant(q3, SIGNS32)
     n_comp_parts = n_parts if compressed else 0
     if dev == _backend.CPU:
-        _paged_decode_attention_cpu(*args)
-        _merge_partitions_cpu(part_m, part_l, part_acc, n_comp_parts, signs, out)
+        cpu_call(_paged_decode_attention_cpu, g * rows * d * sum(lens) // max(n_seq, 1), *args)
+        cpu_call(_merge_partitions_cpu, g * rows * d * n_parts, part_m, part_l, part_acc, n_comp_parts, signs, out)
     else:
         if d > MAX_HEAD_DIM:
             raise ValueError(f"q: the CUDA kernel supports head_dim <= {MAX_HEAD_DIM}, got {d}")

