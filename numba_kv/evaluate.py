@@ -86,7 +86,8 @@ DEFAULT_PROMPTS: Tuple[str, ...] = (
 _PARIS_PROMPT = "capital of France"
 
 _ALIASES = {"r": "residual_length", "residual": "residual_length", "s": "sink_tokens", "sinks": "sink_tokens"}
-_COMPACT = re.compile(r"^(?P<base>dense|pqo?[234](?:-l2|-maxnorm)?)(?:-r(?P<r>\d+))?(?:-s(?P<s>\d+))?$")
+_COMPACT = re.compile(r"^(?P<base>dense|pqo?(?:[234]|-k[234]v[234])(?:-l2|-maxnorm)?)"
+                      r"(?:-r(?P<r>\d+))?(?:-s(?P<s>\d+))?$")
 _KEY = re.compile(r"^[a-z_][a-z0-9_]*$")
 
 
@@ -117,10 +118,17 @@ class CacheSpec:
 
     @property
     def label(self) -> str:
-        """Canonical compact label, e.g. ``"pqo3-r32-s4"`` or ``"pqo4:window_dtype=float32"``."""
+        """Canonical compact label with the effective window, e.g. ``"pqo3-r32-s4"`` (the
+        defaults of :class:`~numba_kv.PolarQuantCache`) or ``"pqo4-r0-s0:window_dtype=float32"``."""
+        import inspect  # noqa: PLC0415
+
+        from .caches.polarquant import PolarQuantCache  # noqa: PLC0415
+
         opts = dict(self.options)
-        r, s = opts.pop("residual_length", 0), opts.pop("sink_tokens", 0)
-        out = self.name + (f"-r{r}" if r else "") + (f"-s{s}" if s else "")
+        defaults = inspect.signature(PolarQuantCache.__init__).parameters
+        r = opts.pop("residual_length", defaults["residual_length"].default)
+        s = opts.pop("sink_tokens", defaults["sink_tokens"].default)
+        out = self.name if self.is_dense else f"{self.name}-r{r}-s{s}"
         if opts:
             out += ":" + ",".join(f"{k}={v}" for k, v in sorted(opts.items()))
         return out

@@ -69,9 +69,16 @@ class PolarQuantCache(LayeredCache):
     norm_mode : {"maxnorm", "l2"}
         Block normalization.
     residual_length : int
-        Newest tokens kept uncompressed (0 = none).
+        Newest tokens kept uncompressed (default 32; 0 = none, the anchor's behaviour).
     sink_tokens : int
-        First tokens kept uncompressed (0 = none).
+        First tokens kept uncompressed (default 4; 0 = none).
+
+        The defaults come from measurements on SmolLM2-135M (512 tokens of GPL-3, 128
+        prefilled, PQO3): mean KL to the dense next-token distribution 0.395 without a
+        window, 0.360 with 4 sinks only, 0.082 / 0.049 / 0.035 / 0.021 with 4 sinks and a
+        window of 16 / 32 / 64 / 128 tokens.  R=32, S=4 removes ~88 % of the KL for
+        36 float16 tokens per head (+0.44 bits/value at 1K tokens, +0.03 at 16K);
+        doubling R again halves the rest but costs twice the window bytes.
     window_dtype : {"float16", "float32"}
         Storage of window/sink tokens.  float16 (default) is exact for fp16 models and
         within 2^-11 relative otherwise, at half the bytes.  Numba device arrays always
@@ -98,7 +105,7 @@ class PolarQuantCache(LayeredCache):
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, bits: int = 3,
-                 mode: str = "pqo", norm_mode: str = "maxnorm", residual_length: int = 0, sink_tokens: int = 0,
+                 mode: str = "pqo", norm_mode: str = "maxnorm", residual_length: int = 32, sink_tokens: int = 4,
                  window_dtype: str = "float16", decode_output: str = "fused", k_bits: Optional[int] = None,
                  v_bits: Optional[int] = None) -> None:
         super().__init__(num_layers, num_kv_heads, head_dim)

@@ -23,9 +23,12 @@ def q_of(rng, b=1, groups=2, s=1, d=D, dtype=np.float32):
 CFG = AttendConfig(softmax_scale=D ** -0.5, n_kv_groups=2)
 
 
-@pytest.fixture(params=CACHE_NAMES)
+@pytest.fixture(params=CACHE_NAMES + ("pqo3-window",))
 def cache(request):
-    return make_cache(request.param, num_layers=L, num_kv_heads=H, head_dim=D)
+    if request.param == "pqo3-window":  # the default window and sinks
+        return make_cache("pqo3", num_layers=L, num_kv_heads=H, head_dim=D)
+    opts = {} if request.param == "dense" else {"residual_length": 0, "sink_tokens": 0}
+    return make_cache(request.param, num_layers=L, num_kv_heads=H, head_dim=D, **opts)
 
 
 def snapshot(c):
@@ -75,7 +78,7 @@ def test_memory_usage_is_live_nbytes(cache, rng):
     live = sum(a.nbytes for i in range(L) for a in cache.live_arrays(i))
     assert cache.memory_usage() == live
     assert cache.allocated_bytes() >= live
-    if isinstance(cache, PolarQuantCache):
+    if isinstance(cache, PolarQuantCache) and not cache.windowed:
         per_token = 2 * (cache.packed_dim + 2 * cache.num_blocks)  # K + V: codes + f16 scales
         assert cache.memory_usage() == 2 * H * (205 + 3) * per_token
         assert cache.bits_per_value == (8 * cache.packed_dim + 16 * cache.num_blocks) / D
@@ -89,7 +92,7 @@ def test_pqo3_is_3_5_bits_and_pq3_is_2_5_bits():
 
 def test_growth_rule():
     assert grown_capacity(16) == 144 and grown_capacity(1000) == 1250
-    c = make_cache("pqo3", num_layers=1, num_kv_heads=H, head_dim=D)
+    c = make_cache("pqo3", num_layers=1, num_kv_heads=H, head_dim=D, residual_length=0, sink_tokens=0)
     rng = np.random.default_rng(0)
     c.prefill(0, *kv(rng, s=16))
     assert c._layers[0].capacity == 144
@@ -98,7 +101,7 @@ def test_growth_rule():
 
 
 def test_growth_preserves_codes(rng):
-    c = make_cache("pqo3", num_layers=1, num_kv_heads=H, head_dim=D)
+    c = make_cache("pqo3", num_layers=1, num_kv_heads=H, head_dim=D, residual_length=0, sink_tokens=0)
     k, v = kv(rng, s=100)
     c.prefill(0, k, v)
     before = [np.array(a) for a in c.live_arrays(0)]
@@ -129,7 +132,7 @@ def test_anchor_cosine_thresholds(name, norm_mode, min_cos):
     k = (2 * np.sin(0.0137 * (i + 3))).astype(np.float32)
     v = (1.5 * np.cos(0.0213 * (i + 3 + 1000))).astype(np.float32)
     c = make_cache(name, num_layers=1, num_kv_heads=8, head_dim=128, norm_mode=norm_mode,
-                   decode_output="dequantized")
+                   decode_output="dequantized", residual_length=0, sink_tokens=0)
     first = c.prefill(0, k, v)
     assert first.k is k
     k1 = (2 * np.sin(0.0137 * (np.arange(8 * 128).reshape(1, 8, 1, 128) + 7))).astype(np.float32)

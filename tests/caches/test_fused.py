@@ -116,8 +116,9 @@ def test_bad_window_options(kwargs, word):
                                                ("pq-k4v3", 4, 3, 3.0), ("pqo-k2v4-l2", 2, 4, 3.5)])
 def test_asymmetric_bits(name, kb, vb, bpv):
     rng = np.random.default_rng(0)
-    c = make_cache(name, num_layers=1, num_kv_heads=2, head_dim=64)
-    deq = make_cache(name, num_layers=1, num_kv_heads=2, head_dim=64, decode_output="dequantized")
+    opts = dict(num_layers=1, num_kv_heads=2, head_dim=64, residual_length=0, sink_tokens=0)
+    c = make_cache(name, **opts)
+    deq = make_cache(name, decode_output="dequantized", **opts)
     assert (c.k_bits, c.v_bits, c.bits_per_value) == (kb, vb, bpv)
     k, v = rng.standard_normal((2, 1, 2, 30, 64)).astype(np.float32)
     for x in (c, deq):

@@ -158,7 +158,7 @@ def test_cache_on_device_matches_cpu(name):
     k1, v1 = k[:, :, :1] * 0.5, v[:, :, :1] * 0.5
     q = rng.standard_normal((2, 4, 1, 64)).astype(np.float32)
     cfg = AttendConfig(0.125, 2)
-    opts = {} if name == "dense" else {"decode_output": "dequantized"}
+    opts = {} if name == "dense" else {"decode_output": "dequantized", "window_dtype": "float32"}
     cpu = make_cache(name, num_layers=1, num_kv_heads=2, head_dim=64, **opts)
     dev = make_cache(name, num_layers=1, num_kv_heads=2, head_dim=64, **opts)
     cpu.prefill(0, k, v)

@@ -50,13 +50,13 @@ def test_parse_options_compact_and_aliases_agree():
     c = parse_cache_specs("pqo3:r=32,s=4,pqo4")
     assert a == b == c
     assert dict(a[0].options) == {"residual_length": 32, "sink_tokens": 4}
-    assert [s.label for s in a] == ["pqo3-r32-s4", "pqo4"]
+    assert [s.label for s in a] == ["pqo3-r32-s4", "pqo4-r32-s4"]  # labels show the effective window
 
 
 def test_parse_value_types():
     (s,) = parse_cache_specs("pqo4:window_dtype=float32,decode_output=dequantized,r=8")
     assert s.options == {"window_dtype": "float32", "decode_output": "dequantized", "residual_length": 8}
-    assert s.label == "pqo4-r8:decode_output=dequantized,window_dtype=float32"
+    assert s.label == "pqo4-r8-s4:decode_output=dequantized,window_dtype=float32"
     (d,) = parse_cache_specs("dense:dtype=float16")
     assert d.options == {"dtype": "float16"}
 
@@ -68,8 +68,15 @@ def test_parse_global_window_applies_to_compressed_only():
 
 
 def test_with_reference_puts_plain_dense_first():
-    assert [s.label for s in ev._with_reference(parse_cache_specs("pqo3,dense,pqo4"))] == ["dense", "pqo3", "pqo4"]
-    assert [s.label for s in ev._with_reference(parse_cache_specs("pqo3"))] == ["dense", "pqo3"]
+    assert [s.label for s in ev._with_reference(parse_cache_specs("pqo3,dense,pqo4"))] == \
+        ["dense", "pqo3-r32-s4", "pqo4-r32-s4"]
+    assert [s.label for s in ev._with_reference(parse_cache_specs("pqo3"))] == ["dense", "pqo3-r32-s4"]
+
+
+def test_labels_show_the_effective_window_and_asymmetric_names():
+    assert labels("pqo3-r0-s0,pqo3,pqo-k4v3") == ["pqo3-r0-s0", "pqo3-r32-s4", "pqo-k4v3-r32-s4"]
+    with pytest.raises(EvalConfigError, match="listed twice"):
+        parse_cache_specs("pqo3,pqo3-r32-s4")  # the same cache: defaults are R=32, S=4
 
 
 def test_spec_builds_the_cache():
@@ -197,7 +204,7 @@ def result(smollm2, tmp_path_factory):
     model, tok = smollm2
     f = tmp_path_factory.mktemp("eval_text") / "prose.txt"
     f.write_text(PROSE)
-    specs = parse_cache_specs("pqo3")
+    specs = parse_cache_specs("pqo3-r0-s0")  # no window: bits/value is exactly 3.5
     return ev.run_eval(specs, model=model, tokenizer=tok, text_path=f, tokens=48, prefill=16,
                        prompts=PROMPTS, gen_tokens=4, threads=1, progress=False)
 
@@ -218,7 +225,7 @@ CONFIG_TYPES = {
 @pytest.mark.slow
 def test_eval_smoke_values(result):
     dense, pq = result.rows
-    assert [r.cache for r in result.rows] == ["dense", "pqo3"]
+    assert [r.cache for r in result.rows] == ["dense", "pqo3-r0-s0"]
     assert dense.ppl_change_pct == 0.0 and dense.kl_mean == 0.0 and dense.top1_agreement == 1.0
     assert dense.gen_match == 1.0 and dense.paris is True
     assert dense.kv_tokens == pq.kv_tokens == 48
@@ -243,7 +250,7 @@ def test_eval_json_schema(result):
     assert set(doc["config"]) == set(CONFIG_TYPES)
     for key, typ in CONFIG_TYPES.items():
         assert isinstance(doc["config"][key], typ), key
-    assert doc["config"]["caches"] == ["dense", "pqo3"]
+    assert doc["config"]["caches"] == ["dense", "pqo3-r0-s0"]
     assert all(isinstance(k, str) and isinstance(v, str) for k, v in doc["env"].items())
     assert {"numba_kv", "numba", "threads", "threading_layer"} <= set(doc["env"])
     assert doc["env"]["threads"] == "1"
@@ -286,13 +293,13 @@ def test_cli_eval_outputs(result, monkeypatch, capsys, tmp_path):
     out = capsys.readouterr().out
     assert json.loads(out)["schema"] == ev.SCHEMA
     assert png.read_bytes()[:8] == PNG_MAGIC
-    assert seen["specs"] == ["pqo3-r8"] and seen["tokens"] == 48 and seen["prefill"] == 16
+    assert seen["specs"] == ["pqo3-r8-s4"] and seen["tokens"] == 48 and seen["prefill"] == 16
     assert seen["threads"] == 1 and seen["progress"] is False
     js = tmp_path / "r.json"
     assert cli.main(["eval", "--json", str(js), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "pqo3" in out and "KL mean" in out                 # the rich table
-    assert json.loads(js.read_text())["rows"][1]["cache"] == "pqo3"
+    assert json.loads(js.read_text())["rows"][1]["cache"] == "pqo3-r0-s0"  # the fixture result is returned whatever the args
 
 
 @pytest.mark.slow
@@ -301,4 +308,4 @@ def test_cli_generate(smollm2, capsys):
                      "The capital of France is"]) == 0
     cap = capsys.readouterr()
     assert "Paris" in cap.out
-    assert "tokens/s" in cap.err and "[pqo4-r8]" in cap.err
+    assert "tokens/s" in cap.err and "[pqo4-r8-s4]" in cap.err
