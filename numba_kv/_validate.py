@@ -11,7 +11,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ._backend import CPU, device_of, xp_of
+from ._backend import CPU, device_of
+from .ops.finite import all_finite
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
@@ -38,14 +39,7 @@ def check_float_array(name: str, a: Any, ndim: Optional[int] = None) -> str:
 
 def check_finite(name: str, a: Any) -> None:
     """``ValueError`` if ``a`` holds NaN or Inf."""
-    xp = xp_of(a)
-    if xp is None:  # Numba device array: check on the host (small in practice: tests)
-        from ._backend import to_host  # noqa: PLC0415
-
-        ok = bool(np.isfinite(to_host(a)).all())
-    else:
-        ok = bool(xp.isfinite(a).all())
-    if not ok:
+    if not all_finite(a):
         raise ValueError(f"{name}: expected finite values, got NaN or Inf")
 
 

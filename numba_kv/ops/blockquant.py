@@ -25,144 +25,204 @@ import numpy as np
 from numba import cuda, float32, int64, prange, uint8
 
 from .. import _backend
-from .._jit import cpu_kernel, cuda_kernel, twin
+from .._jit import cpu_call, cpu_kernel, cuda_kernel, twin
 from ._registry import register
-from .bitpack import _pack_group8, _unpack_group8
 from .codebook import Codebook, get_codebook
 from .half import F16_MAX, _f16_bits_abs_to_f32, _f32_to_f16_bits
-from .hadamard import SIGNS32, _rotate32_forward, _rotate32_inverse
+from .hadamard import SIGNS32, _rotate32_forward_lanes, _rotate32_inverse_lanes
 
 NORM_MODES = ("maxnorm", "l2")
 
 
 # --- single-source cores -------------------------------------------------------------
-def _quantize_block(xrow, b, signs, bounds, l2, ref, flag, bits, buf, ibuf, crow, srow):
-    """Quantize block ``b`` of vector ``xrow`` into packed ``crow`` and f16 ``srow[b]``."""
-    o = b * 32
+# The cores work on ``L`` blocks side by side (the lane layout of :mod:`.hadamard`: value
+# ``j`` of lane ``l`` at ``t[j*L + l]``).  The CPU twins run tiles of ``_LANES`` blocks so
+# every inner loop is a contiguous, vectorizable loop over lanes; the CUDA kernels run one
+# block per thread with ``L = 1`` (all scratch then lives in registers).  Per value, both
+# do the same float32 operations in the same order as the one-block formulation
+# (``algorithms.md`` §2.3–§2.7), so the twins agree bit for bit.  Scratch per tile:
+# ``t`` float32[33*L] (row 32 holds the lane scales: one array, so LLVM can prove scale
+# reads never alias value writes), ``ib`` uint8[32*L] (indices; quantizer only), ``w``
+# int64[4*L] (the ``8*bits``-bit packed word of each group of 8 indices).  Blocks are
+# read and written through per-block views indexed from 0 (no negative-index wraparound
+# code in the loops).
+def _next_block(r, s, b, seq, nb):
+    """(row, token, block) after ``(r, s, b)`` in flattened order."""
+    b += 1
+    if b == nb:
+        b = 0
+        s += 1
+        if s == seq:
+            s = 0
+            r += 1
+    return r, s, b
+
+
+next_block_cpu, next_block_dev = twin(_next_block)
+
+
+def _quantize_lanes(x, q0, nl, signs, bounds, l2, ref, flag, bits, t0, codes, scales, L, t, ib, w):
+    """Quantize flattened blocks ``q0 .. q0+nl-1`` of ``x`` (``nl <= L``) into ``codes``/``scales``."""
+    seq = x.shape[1]
+    nb = x.shape[2] // 32
+    S = 32 * L
+    v0 = q0 // nb
+    r0 = v0 // seq
+    s0 = v0 - r0 * seq
+    b0 = q0 - v0 * nb
+    r, s, b = r0, s0, b0
+    for l in range(nl):
+        xb = x[r, s, b * 32:b * 32 + 32]
+        for j in range(32):
+            t[j * L + l] = xb[j]
+        r, s, b = _next_block(r, s, b, seq, nb)
+    # np.divide: IEEE division without the ZeroDivisionError branch of ``/`` (which stops
+    # vectorization); divisors are >= 1e-10 here.
     if l2:
-        ss = float32(0.0)
+        for l in range(L):
+            t[S + l] = float32(0.0)
         for j in range(32):
-            v = float32(xrow[o + j])
-            buf[j] = v
-            ss += v * v
-        scale = max(float32(math.sqrt(ss)), float32(1e-10))
+            for l in range(L):
+                v = t[j * L + l]
+                t[S + l] += v * v
+        for l in range(L):
+            t[S + l] = max(float32(math.sqrt(t[S + l])), float32(1e-10))
         for j in range(32):
-            buf[j] = buf[j] / scale
-        _rotate32_forward(buf, signs)
+            for l in range(L):
+                t[j * L + l] = np.divide(t[j * L + l], t[S + l])
+        _rotate32_forward_lanes(t, L, signs)
     else:
+        _rotate32_forward_lanes(t, L, signs)
+        for l in range(L):
+            t[S + l] = float32(0.0)
         for j in range(32):
-            buf[j] = float32(xrow[o + j])
-        _rotate32_forward(buf, signs)
-        amax = float32(0.0)
+            for l in range(L):
+                t[S + l] = max(t[S + l], abs(t[j * L + l]))
+        for l in range(L):
+            t[S + l] = max(np.divide(t[S + l], ref), float32(1e-10))
         for j in range(32):
-            amax = max(amax, abs(buf[j]))
-        scale = max(amax / ref, float32(1e-10))
-        for j in range(32):
-            buf[j] = buf[j] / scale
-    nbound = bounds.shape[0]
-    for j in range(32):
-        y = buf[j]
-        c = 0
-        for i in range(nbound):
-            if y > bounds[i]:
-                c += 1
-        ibuf[j] = uint8(c)
+            for l in range(L):
+                t[j * L + l] = np.divide(t[j * L + l], t[S + l])
+    # idx = #{i : y > t_i}, counted boundary by boundary over the whole tile
+    for m in range(S):
+        ib[m] = 0
+    for i in range(bounds.shape[0]):
+        bi = bounds[i]
+        for m in range(S):
+            if t[m] > bi:
+                ib[m] += 1
+    # group g of 8 indices -> the ``8*bits``-bit word w[g*L + l] (bitpack layout)
     for g in range(4):
-        _pack_group8(ibuf, g * 8, bits, crow, b * 4 * bits + g * bits)
-    srow[b] = _f32_to_f16_bits(flag * min(scale, float32(65504.0)))
+        for l in range(L):
+            wl = int64(0)
+            for k in range(8):
+                wl |= int64(ib[(g * 8 + k) * L + l]) << (bits * k)
+            w[g * L + l] = wl
+    r, s, b = r0, s0, b0
+    for l in range(nl):
+        cb = codes[r, t0 + s, b * 4 * bits:(b + 1) * 4 * bits]
+        for g in range(4):
+            wl = w[g * L + l]
+            for jb in range(bits):
+                cb[g * bits + jb] = uint8((wl >> (8 * jb)) & 0xFF)
+        scales[r, t0 + s, b] = _f32_to_f16_bits(flag * min(t[S + l], float32(65504.0)))
+        r, s, b = _next_block(r, s, b, seq, nb)
 
 
-def _dequantize_block(crow, srow, b, signs, centroids, bits, buf, ibuf, orow):
-    """Reconstruct block ``b`` of one vector into ``orow[32b:32b+32]`` (float32)."""
+def _dequantize_lanes(codes, scales, q0, nl, signs, centroids, bits, t0, out, L, t, w):
+    """Reconstruct flattened blocks ``q0 .. q0+nl-1`` of ``out`` (``nl <= L``)."""
+    seq = out.shape[1]
+    nb = out.shape[2] // 32
+    S = 32 * L
+    v0 = q0 // nb
+    r0 = v0 // seq
+    s0 = v0 - r0 * seq
+    b0 = q0 - v0 * nb
+    r, s, b = r0, s0, b0
+    for l in range(nl):
+        cb = codes[r, t0 + s, b * 4 * bits:(b + 1) * 4 * bits]
+        for g in range(4):
+            wl = int64(0)
+            for jb in range(bits):
+                wl |= int64(cb[g * bits + jb]) << (8 * jb)
+            w[g * L + l] = wl
+        t[S + l] = _f16_bits_abs_to_f32(scales[r, t0 + s, b])
+        r, s, b = _next_block(r, s, b, seq, nb)
+    mask = (int64(1) << bits) - 1
     for g in range(4):
-        _unpack_group8(crow, b * 4 * bits + g * bits, bits, ibuf, g * 8)
-    for j in range(32):
-        buf[j] = centroids[ibuf[j]]
-    _rotate32_inverse(buf, signs)
-    s = _f16_bits_abs_to_f32(srow[b])
-    o = b * 32
-    for j in range(32):
-        orow[o + j] = buf[j] * s
+        for l in range(L):
+            wl = w[g * L + l]
+            for k in range(8):
+                t[(g * 8 + k) * L + l] = centroids[(wl >> (bits * k)) & mask]
+    _rotate32_inverse_lanes(t, L, signs)
+    r, s, b = r0, s0, b0
+    for l in range(nl):
+        ob = out[r, s, b * 32:b * 32 + 32]
+        sc = t[S + l]
+        for j in range(32):
+            ob[j] = t[j * L + l] * sc
+        r, s, b = _next_block(r, s, b, seq, nb)
 
 
-quantize_block_cpu, quantize_block_dev = twin(_quantize_block)
-dequantize_block_cpu, dequantize_block_dev = twin(_dequantize_block)
+quantize_lanes_cpu, quantize_lanes_dev = twin(_quantize_lanes)
+dequantize_lanes_cpu, dequantize_lanes_dev = twin(_dequantize_lanes)
 
-_CHUNK = 64  # vectors per CPU work item (scratch buffers are allocated once per item)
+_LANES = 64  # blocks per CPU tile (inner loops of 64 float32 = four 512-bit vectors)
+_TILES = 4  # tiles per CPU work item (scratch buffers are allocated once per item)
 
 
 # --- CPU twins --------------------------------------------------------------------------
 @cpu_kernel
 def _quantize_cpu(x, signs, bounds, l2, ref, flag, bits, t0, codes, scales):
     rows, seq, d = x.shape
-    nb = d // 32
-    total = rows * seq
-    nchunks = (total + _CHUNK - 1) // _CHUNK
-    for c in prange(nchunks):
-        buf = np.empty(32, dtype=np.float32)
-        ibuf = np.empty(32, dtype=np.uint8)
-        for t in range(c * _CHUNK, min(total, (c + 1) * _CHUNK)):
-            r = t // seq
-            s = t - r * seq
-            xrow = x[r, s]
-            crow = codes[r, t0 + s]
-            srow = scales[r, t0 + s]
-            for b in range(nb):
-                quantize_block_cpu(xrow, b, signs, bounds, l2, ref, flag, bits, buf, ibuf, crow, srow)
+    nq = rows * seq * (d // 32)
+    ntiles = (nq + _LANES - 1) // _LANES
+    for c in prange((ntiles + _TILES - 1) // _TILES):
+        t = np.zeros(33 * _LANES, dtype=np.float32)
+        ib = np.zeros(32 * _LANES, dtype=np.uint8)
+        w = np.zeros(4 * _LANES, dtype=np.int64)
+        for tile in range(c * _TILES, min(ntiles, (c + 1) * _TILES)):
+            q0 = tile * _LANES
+            quantize_lanes_cpu(x, q0, min(_LANES, nq - q0), signs, bounds, l2, ref, flag, bits, t0, codes,
+                               scales, _LANES, t, ib, w)
 
 
 @cpu_kernel
 def _dequantize_cpu(codes, scales, signs, centroids, bits, t0, out):
     rows, seq, d = out.shape
-    nb = d // 32
-    total = rows * seq
-    nchunks = (total + _CHUNK - 1) // _CHUNK
-    for c in prange(nchunks):
-        buf = np.empty(32, dtype=np.float32)
-        ibuf = np.empty(32, dtype=np.uint8)
-        for t in range(c * _CHUNK, min(total, (c + 1) * _CHUNK)):
-            r = t // seq
-            s = t - r * seq
-            crow = codes[r, t0 + s]
-            srow = scales[r, t0 + s]
-            orow = out[r, s]
-            for b in range(nb):
-                dequantize_block_cpu(crow, srow, b, signs, centroids, bits, buf, ibuf, orow)
+    nq = rows * seq * (d // 32)
+    ntiles = (nq + _LANES - 1) // _LANES
+    for c in prange((ntiles + _TILES - 1) // _TILES):
+        t = np.zeros(33 * _LANES, dtype=np.float32)
+        w = np.zeros(4 * _LANES, dtype=np.int64)
+        for tile in range(c * _TILES, min(ntiles, (c + 1) * _TILES)):
+            q0 = tile * _LANES
+            dequantize_lanes_cpu(codes, scales, q0, min(_LANES, nq - q0), signs, centroids, bits, t0, out,
+                                 _LANES, t, w)
 
 
 # --- CUDA kernels: one thread per (vector, 32-block), grid-stride -----------------------
 @cuda_kernel
 def _quantize_cuda(x, signs, bounds, l2, ref, flag, bits, t0, codes, scales):
     rows, seq, d = x.shape
-    nb = d // 32
-    buf = cuda.local.array(32, dtype=float32)
-    ibuf = cuda.local.array(32, dtype=uint8)
+    t = cuda.local.array(33, dtype=float32)
+    ib = cuda.local.array(32, dtype=uint8)
+    w = cuda.local.array(4, dtype=int64)
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
-    for t in range(start, rows * seq * nb, stride):
-        v = t // nb
-        b = t - v * nb
-        r = v // seq
-        s = v - r * seq
-        quantize_block_dev(x[r, s], b, signs, bounds, l2, ref, flag, bits, buf, ibuf,
-                           codes[r, t0 + s], scales[r, t0 + s])
+    for q in range(start, rows * seq * (d // 32), stride):
+        quantize_lanes_dev(x, q, 1, signs, bounds, l2, ref, flag, bits, t0, codes, scales, 1, t, ib, w)
 
 
 @cuda_kernel
 def _dequantize_cuda(codes, scales, signs, centroids, bits, t0, out):
     rows, seq, d = out.shape
-    nb = d // 32
-    buf = cuda.local.array(32, dtype=float32)
-    ibuf = cuda.local.array(32, dtype=uint8)
+    t = cuda.local.array(33, dtype=float32)
+    w = cuda.local.array(4, dtype=int64)
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
-    for t in range(start, rows * seq * nb, stride):
-        v = t // nb
-        b = t - v * nb
-        r = v // seq
-        s = v - r * seq
-        dequantize_block_dev(codes[r, t0 + s], scales[r, t0 + s], b, signs, centroids, bits, buf, ibuf,
-                             out[r, s])
+    for q in range(start, rows * seq * (d // 32), stride):
+        dequantize_lanes_dev(codes, scales, q, 1, signs, centroids, bits, t0, out, 1, t, w)
 
 
 _QSIG = ("void(float32[:, :, ::1], float32[::1], float32[::1], boolean, float32, float32, int64, int64, "
@@ -186,7 +246,7 @@ def quantize_into(x3: Any, codes: Any, scales: Any, t0: int, cb: Codebook, outli
     ref = np.float32(cb.ref)
     flag = np.float32(-1.0 if outlier else 1.0)
     if isinstance(x3, np.ndarray):
-        _quantize_cpu(x3, signs, bounds, l2, ref, flag, cb.bits, int(t0), codes, scales)
+        cpu_call(_quantize_cpu, rows * seq * d, x3, signs, bounds, l2, ref, flag, cb.bits, int(t0), codes, scales)
     else:
         blocks, threads = _backend.cuda_grid(rows * seq * (d // 32))
         _quantize_cuda[blocks, threads](x3, signs, bounds, l2, ref, flag, cb.bits, int(t0), codes, scales)
@@ -201,7 +261,7 @@ def dequantize_into(codes: Any, scales: Any, t0: int, cb: Codebook, out: Any) ->
     signs = _backend.constant(out, SIGNS32)
     cents = _backend.constant(out, cb.centroids)
     if isinstance(out, np.ndarray):
-        _dequantize_cpu(codes, scales, signs, cents, cb.bits, int(t0), out)
+        cpu_call(_dequantize_cpu, rows * seq * d, codes, scales, signs, cents, cb.bits, int(t0), out)
     else:
         blocks, threads = _backend.cuda_grid(rows * seq * (d // 32))
         _dequantize_cuda[blocks, threads](codes, scales, signs, cents, cb.bits, int(t0), out)

@@ -19,7 +19,7 @@ import numpy as np
 from numba import cuda, float32, prange
 
 from .. import _backend
-from .._jit import cpu_kernel, cuda_kernel, twin
+from .._jit import cpu_call, cpu_kernel, cuda_kernel, twin
 from ._registry import register
 
 BLOCK = 32
@@ -31,33 +31,76 @@ INV_SQRT32 = np.float32(1.0 / np.sqrt(32.0))
 
 
 # --- single-source cores -------------------------------------------------------------
+# Lane layout: ``L`` blocks side by side, value ``j`` of block (lane) ``l`` at
+# ``t[j*L + l]``.  The CPU twins pass a constant ``L`` of 64 so every inner loop runs over
+# 64 contiguous lanes and vectorizes; the CUDA kernels pass ``L = 1`` (one block per
+# thread), which is the plain 32-value buffer.  The arithmetic per value is the same.
+def _butterfly32(t, L, h):
+    """One radix-2 stage (stride ``h``) of the 32-point butterfly, on ``L`` lanes."""
+    for i in range(0, 32, 2 * h):
+        for j in range(i, i + h):
+            p = j * L
+            q = p + h * L
+            for l in range(L):
+                a = t[p + l]
+                b = t[q + l]
+                t[p + l] = a + b
+                t[q + l] = a - b
+
+
+butterfly32_cpu, butterfly32_dev = twin(_butterfly32)
+
+
+def _wht32_lanes(t, L):
+    """In-place normalized 32-point Walsh–Hadamard transform of ``L`` interleaved blocks."""
+    # stage order h = 1, 2, 4, 8, 16 is part of the float32 result: keep it
+    _butterfly32(t, L, 1)
+    _butterfly32(t, L, 2)
+    _butterfly32(t, L, 4)
+    _butterfly32(t, L, 8)
+    _butterfly32(t, L, 16)
+    for m in range(32 * L):
+        t[m] = t[m] * float32(0.17677669529663687)
+
+
+wht32_lanes_cpu, wht32_lanes_dev = twin(_wht32_lanes)
+
+
+def _rotate32_forward_lanes(t, L, signs):
+    """``D_s H`` on ``L`` interleaved blocks (in place)."""
+    _wht32_lanes(t, L)
+    for j in range(32):
+        sj = signs[j]
+        for l in range(L):
+            t[j * L + l] = t[j * L + l] * sj
+
+
+def _rotate32_inverse_lanes(t, L, signs):
+    """``H D_s`` on ``L`` interleaved blocks (in place)."""
+    for j in range(32):
+        sj = signs[j]
+        for l in range(L):
+            t[j * L + l] = t[j * L + l] * sj
+    _wht32_lanes(t, L)
+
+
+rotate32_forward_lanes_cpu, rotate32_forward_lanes_dev = twin(_rotate32_forward_lanes)
+rotate32_inverse_lanes_cpu, rotate32_inverse_lanes_dev = twin(_rotate32_inverse_lanes)
+
+
 def _wht32(buf):
     """In-place normalized 32-point Walsh–Hadamard butterfly on ``buf[0:32]`` (float32)."""
-    h = 1
-    while h < 32:
-        for i in range(0, 32, 2 * h):
-            for j in range(i, i + h):
-                a = buf[j]
-                b = buf[j + h]
-                buf[j] = a + b
-                buf[j + h] = a - b
-        h *= 2
-    for j in range(32):
-        buf[j] = buf[j] * float32(0.17677669529663687)
+    _wht32_lanes(buf, 1)
 
 
 def _rotate32_forward(buf, signs):
     """``buf <- D_s H buf`` (forward block rotation, in place)."""
-    _wht32(buf)
-    for j in range(32):
-        buf[j] = buf[j] * signs[j]
+    _rotate32_forward_lanes(buf, 1, signs)
 
 
 def _rotate32_inverse(buf, signs):
     """``buf <- H D_s buf`` (inverse block rotation, in place)."""
-    for j in range(32):
-        buf[j] = buf[j] * signs[j]
-    _wht32(buf)
+    _rotate32_inverse_lanes(buf, 1, signs)
 
 
 wht32_cpu, wht32_dev = twin(_wht32)
@@ -149,7 +192,7 @@ def rotate32(x: Any, inverse: bool = False, *, signs: Any = None, backend: str =
     out = _backend.empty(x, x2.shape, np.float32)
     if x2.shape[0]:
         if dev == _backend.CPU:
-            _rotate32_cpu(x2, np.ascontiguousarray(signs, dtype=np.float32), bool(inverse), out)
+            cpu_call(_rotate32_cpu, x2.size, x2, np.ascontiguousarray(signs, dtype=np.float32), bool(inverse), out)
         else:
             blocks, threads = _backend.cuda_grid(x2.shape[0] * (shape[-1] // 32))
             _rotate32_cuda[blocks, threads](x2, signs, bool(inverse), out)

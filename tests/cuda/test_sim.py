@@ -94,7 +94,20 @@ def _attention(rng):
     np.testing.assert_allclose(to_host(dev), ref, rtol=2e-5, atol=2e-5)
 
 
+def _finite(rng):
+    from numba_kv.ops.finite import all_finite
+
+    for dt in (np.float32, np.float64):
+        x = rng.standard_normal((3, 5, 64)).astype(dt)
+        assert all_finite(to_device(x)) and all_finite(x)
+        for bad in (np.nan, np.inf, -np.inf):
+            y = x.copy()
+            y[2, 4, 63] = bad
+            assert not all_finite(to_device(y)) and not all_finite(y)
+
+
 RUNNERS = {
+    "count_nonfinite": _finite,
     "decode_attention": _attention,
     "merge_partitions": _attention,
     "pack_bits": _pack,
