@@ -40,6 +40,7 @@ from .protocol import AttendConfig, DecodeOutput, Fused
 MODES = ("pq", "pqo")
 DECODE_OUTPUTS = ("fused", "dequantized")
 WINDOW_DTYPES = ("float16", "float32")
+KEY_SCALES = ("none", "channel")
 
 
 def _assign(src: Any, s0: int, n: int, dst: Any, d0: int) -> None:
@@ -83,6 +84,13 @@ class PolarQuantCache(LayeredCache):
         Storage of window/sink tokens.  float16 (default) is exact for fp16 models and
         within 2^-11 relative otherwise, at half the bytes.  Numba device arrays always
         use float32.
+    key_scale : {"none", "channel"}
+        ``"channel"``: keys are divided by a per-channel RMS (per batch row and KV head)
+        measured on the layer's first stored chunk and frozen afterwards; queries are
+        multiplied by it (``q·k = (q⊙s)·(k/s)``), the history multiplied back.  It takes
+        outlier channels (large RoPE'd key dimensions) out of the 32-blocks' shared scale;
+        costs ``head_dim`` float32 per row and layer (counted by ``memory_usage``).
+        NumPy/CuPy arrays only.
     decode_output : {"fused", "dequantized"}
         ``decode`` returns :class:`~numba_kv.caches.protocol.Fused` attention computed
         from the packed codes (default) or the full dequantized history.
@@ -107,7 +115,7 @@ class PolarQuantCache(LayeredCache):
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, bits: int = 3,
                  mode: str = "pqo", norm_mode: str = "maxnorm", residual_length: int = 32, sink_tokens: int = 4,
                  window_dtype: str = "float16", decode_output: str = "fused", k_bits: Optional[int] = None,
-                 v_bits: Optional[int] = None) -> None:
+                 v_bits: Optional[int] = None, key_scale: str = "none") -> None:
         super().__init__(num_layers, num_kv_heads, head_dim)
         self.bits = check_int("bits", bits, allowed=(2, 3, 4))
         self.k_bits = self.bits if k_bits is None else check_int("k_bits", k_bits, allowed=(2, 3, 4))
@@ -123,6 +131,9 @@ class PolarQuantCache(LayeredCache):
         self.residual_length = check_int("residual_length", residual_length, minimum=0)
         self.sink_tokens = check_int("sink_tokens", sink_tokens, minimum=0)
         self.window_dtype = np.dtype(str(window_dtype))
+        if key_scale not in KEY_SCALES:
+            raise ValueError(f"key_scale: expected one of {list(KEY_SCALES)}, got {key_scale!r}")
+        self.key_scale = key_scale
         self.mode = mode
         self.norm_mode = norm_mode
         self.decode_output = decode_output
@@ -174,6 +185,8 @@ class PolarQuantCache(LayeredCache):
             cap = self.sink_tokens + self.residual_length
             spec["k_exact"] = (self.head_dim, self._exact_dtype, cap)
             spec["v_exact"] = (self.head_dim, self._exact_dtype, cap)
+        if self.key_scale == "channel":
+            spec["k_chscale"] = (self.head_dim, np.float32, 1)
         return spec
 
     def _growing_needed(self, st: LayerState, new_tokens: int) -> int:
@@ -199,6 +212,8 @@ class PolarQuantCache(LayeredCache):
         for name, arr in (("k", k), ("v", v)):
             x = _backend.ascontiguous_f32(name, arr)
             x3 = x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3])
+            if name == "k" and self.key_scale == "channel":
+                x3 = self._scale_keys(st, x3)
             codes, scales = st.buffers[name + "_codes"], st.buffers[name + "_scales"]
             if not self.windowed:
                 quantize_into(x3, codes, scales, n_comp, self.codebooks[name], self.outlier)
@@ -221,6 +236,21 @@ class PolarQuantCache(LayeredCache):
         st.live = {"k_codes": n_comp + e, "v_codes": n_comp + e, "k_scales": n_comp + e, "v_scales": n_comp + e}
         if self.windowed:
             st.live["k_exact"] = st.live["v_exact"] = st.meta["n_sink"] + st.meta["n_win"]
+        if self.key_scale == "channel":
+            st.live["k_chscale"] = 1
+
+    def _scale_keys(self, st: LayerState, x3: Any) -> Any:
+        """``x3 / s`` with the frozen per-channel key scale ``s`` (set on the first chunk)."""
+        xp = _backend.xp_of(x3)
+        if xp is None:
+            raise TypeError("k: key_scale='channel' needs NumPy or CuPy arrays, got a Numba device array")
+        sbuf = st.buffers["k_chscale"]
+        if not st.meta.get("kscale_set", 0):
+            rms = xp.sqrt((x3.astype(xp.float64) ** 2).mean(axis=1))  # [rows, d]
+            floor = xp.maximum(rms.max(axis=1, keepdims=True) * 1e-3, 1e-12)
+            sbuf[:, 0, :] = xp.maximum(rms, floor).astype(xp.float32)
+            st.meta["kscale_set"] = 1
+        return xp.ascontiguousarray(x3 / sbuf, dtype=xp.float32)
 
     # -- reading ----------------------------------------------------------------------------
     def _exact_f32(self, st: LayerState, name: str) -> Tuple[Any, int]:
@@ -263,6 +293,8 @@ class PolarQuantCache(LayeredCache):
                 _assign(ex, n_sink, n_win, flat, n_sink + n_comp)
             else:
                 flat = comp
+            if name == "k" and self.key_scale == "channel":
+                flat = flat * st.buffers["k_chscale"]  # [rows, 1, d] broadcasts over tokens
             out.append(self._reshape_out(flat, st.batch, dtype))
         return out[0], out[1]
 
@@ -271,6 +303,8 @@ class PolarQuantCache(LayeredCache):
             return super()._decode_output(st, q, config, dtype)
         b, hq, ql, d = (int(s) for s in q.shape)
         q3 = _backend.ascontiguous_f32("q", q).reshape(b * self.num_kv_heads, (hq // self.num_kv_heads) * ql, d)
+        if self.key_scale == "channel":
+            q3 = q3 * st.buffers["k_chscale"]  # (q⊙s)·(k/s) = q·k
         qr = rotate32(q3)
         ke, n_exact = self._exact_f32(st, "k")
         ve, _ = self._exact_f32(st, "v")
