@@ -90,7 +90,10 @@ class PolarQuantCache(LayeredCache):
         multiplied by it (``q·k = (q⊙s)·(k/s)``), the history multiplied back.  It takes
         outlier channels (large RoPE'd key dimensions) out of the 32-blocks' shared scale;
         costs ``head_dim`` float32 per row and layer (counted by ``memory_usage``).
-        NumPy/CuPy arrays only.
+        NumPy/CuPy arrays only.  Measured on SmolLM2-135M it *hurts* (PQO3 + window: KL
+        0.049 → 0.115): the block rotation already spreads outlier channels, and
+        equalizing them moves error onto the channels the queries weight most.  Kept as
+        an experiment knob; off by default.
     decode_output : {"fused", "dequantized"}
         ``decode`` returns :class:`~numba_kv.caches.protocol.Fused` attention computed
         from the packed codes (default) or the full dequantized history.
