@@ -44,7 +44,7 @@ bench: venv
 # kernels are tiny and parallel regions cost more than they gain on a shared 2-core box.
 demo: venv
 	mkdir -p benchmarks/results
-	$(BIN)/numba-kv eval --cache dense,pqo3-r0-s0,pqo4-r0-s0,pqo3,pqo4,pqo-k4v3 --tokens 512 --prefill 128 \
+	$(BIN)/numba-kv eval --cache dense,pqo3-r0-s0,pqo3,pqo-k4v3 --tokens 512 --prefill 128 \
 		--threads 1 --json benchmarks/results/eval.json --plot benchmarks/results/eval.png
 
 info: venv
