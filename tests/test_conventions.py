@@ -71,12 +71,16 @@ def test_reference_imports_numpy_only():
 
 
 def test_no_print_in_package():
+    """Library code reports through return values/logging; only command-line entry points
+    (``cli.py`` and functions named ``main``) write to the terminal."""
     for path in sorted(PKG.rglob("*.py")):
         if path.name in ("cli.py",) or "models" in path.parts:
             continue
         tree = ast.parse(path.read_text())
+        mains = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name in ("main", "_main")]
+        allowed = {id(c) for m in mains for c in ast.walk(m)}
         for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print":
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print" and id(node) not in allowed:
                 raise AssertionError(f"print() in {path.relative_to(PKG)}:{node.lineno}")
 
 
