@@ -94,6 +94,13 @@ class PolarQuantCache(LayeredCache):
         0.049 → 0.115): the block rotation already spreads outlier channels, and
         equalizing them moves error onto the channels the queries weight most.  Kept as
         an experiment knob; off by default.
+    key_center : bool
+        Subtract a per-channel key mean (per batch row and KV head, measured on the
+        layer's first stored chunk, frozen) before quantizing and add it back in the
+        history.  Exact for attention: ``q·m`` is the same for every token of a query, and
+        softmax ignores it, so fused attention simply drops it.  Large RoPE'd key channels
+        are mostly such an offset; removing it stops it from inflating every 32-block's
+        scale.  Costs ``head_dim`` float32 per row and layer.  NumPy/CuPy arrays only.
     decode_output : {"fused", "dequantized"}
         ``decode`` returns :class:`~numba_kv.caches.protocol.Fused` attention computed
         from the packed codes (default) or the full dequantized history.
@@ -118,7 +125,7 @@ class PolarQuantCache(LayeredCache):
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, bits: int = 3,
                  mode: str = "pqo", norm_mode: str = "maxnorm", residual_length: int = 32, sink_tokens: int = 4,
                  window_dtype: str = "float16", decode_output: str = "fused", k_bits: Optional[int] = None,
-                 v_bits: Optional[int] = None, key_scale: str = "none") -> None:
+                 v_bits: Optional[int] = None, key_scale: str = "none", key_center: bool = False) -> None:
         super().__init__(num_layers, num_kv_heads, head_dim)
         self.bits = check_int("bits", bits, allowed=(2, 3, 4))
         self.k_bits = self.bits if k_bits is None else check_int("k_bits", k_bits, allowed=(2, 3, 4))
@@ -137,6 +144,9 @@ class PolarQuantCache(LayeredCache):
         if key_scale not in KEY_SCALES:
             raise ValueError(f"key_scale: expected one of {list(KEY_SCALES)}, got {key_scale!r}")
         self.key_scale = key_scale
+        if not isinstance(key_center, (bool, np.bool_)):
+            raise TypeError(f"key_center: expected a bool, got {type(key_center).__name__} {key_center!r}")
+        self.key_center = bool(key_center)
         self.mode = mode
         self.norm_mode = norm_mode
         self.decode_output = decode_output
@@ -188,6 +198,8 @@ class PolarQuantCache(LayeredCache):
             cap = self.sink_tokens + self.residual_length
             spec["k_exact"] = (self.head_dim, self._exact_dtype, cap)
             spec["v_exact"] = (self.head_dim, self._exact_dtype, cap)
+        if self.key_center:
+            spec["k_chmean"] = (self.head_dim, np.float32, 1)
         if self.key_scale == "channel":
             spec["k_chscale"] = (self.head_dim, np.float32, 1)
         return spec
@@ -215,7 +227,7 @@ class PolarQuantCache(LayeredCache):
         for name, arr in (("k", k), ("v", v)):
             x = _backend.ascontiguous_f32(name, arr)
             x3 = x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3])
-            if name == "k" and self.key_scale == "channel":
+            if name == "k" and (self.key_scale == "channel" or self.key_center):
                 x3 = self._scale_keys(st, x3)
             codes, scales = st.buffers[name + "_codes"], st.buffers[name + "_scales"]
             if not self.windowed:
@@ -241,12 +253,24 @@ class PolarQuantCache(LayeredCache):
             st.live["k_exact"] = st.live["v_exact"] = st.meta["n_sink"] + st.meta["n_win"]
         if self.key_scale == "channel":
             st.live["k_chscale"] = 1
+        if self.key_center:
+            st.live["k_chmean"] = 1
 
     def _scale_keys(self, st: LayerState, x3: Any) -> Any:
-        """``x3 / s`` with the frozen per-channel key scale ``s`` (set on the first chunk)."""
+        """``(x3 − m) / s`` with the frozen per-channel key mean ``m`` and scale ``s`` (each
+        only if enabled; both set on the layer's first chunk)."""
         xp = _backend.xp_of(x3)
         if xp is None:
-            raise TypeError("k: key_scale='channel' needs NumPy or CuPy arrays, got a Numba device array")
+            raise TypeError("k: key_scale='channel' and key_center need NumPy or CuPy arrays, got a Numba "
+                            "device array")
+        if self.key_center:
+            mbuf = st.buffers["k_chmean"]
+            if not st.meta.get("kmean_set", 0):
+                mbuf[:, 0, :] = x3.astype(xp.float64).mean(axis=1).astype(xp.float32)
+                st.meta["kmean_set"] = 1
+            x3 = x3 - mbuf
+        if self.key_scale != "channel":
+            return xp.ascontiguousarray(x3, dtype=xp.float32)
         sbuf = st.buffers["k_chscale"]
         if not st.meta.get("kscale_set", 0):
             rms = xp.sqrt((x3.astype(xp.float64) ** 2).mean(axis=1))  # [rows, d]
@@ -298,6 +322,8 @@ class PolarQuantCache(LayeredCache):
                 flat = comp
             if name == "k" and self.key_scale == "channel":
                 flat = flat * st.buffers["k_chscale"]  # [rows, 1, d] broadcasts over tokens
+            if name == "k" and self.key_center:
+                flat = flat + st.buffers["k_chmean"]
             out.append(self._reshape_out(flat, st.batch, dtype))
         return out[0], out[1]
 

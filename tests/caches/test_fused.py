@@ -171,3 +171,35 @@ def test_key_channel_scale(R, S):
     assert c.memory_usage() - plain.memory_usage() == 2 * 64 * 4  # the frozen scales: d float32 per row
     with pytest.raises(ValueError, match="key_scale"):
         PolarQuantCache(1, 2, 64, key_scale="token")
+
+
+@pytest.mark.parametrize("R, S, scale", [(0, 0, "none"), (8, 2, "none"), (8, 2, "channel")])
+def test_key_centering_is_exact_for_attention(R, S, scale):
+    """key_center: fused attention (which drops the constant q·m) equals attention over the
+    history (centered codes + m), and centering removes a large key offset's damage."""
+    rng = np.random.default_rng(11)
+    opts = dict(residual_length=R, sink_tokens=S, key_center=True, key_scale=scale, window_dtype="float32")
+    c = PolarQuantCache(1, 2, 64, **opts)
+    d = PolarQuantCache(1, 2, 64, decode_output="dequantized", **opts)
+    plain = PolarQuantCache(1, 2, 64, residual_length=R, sink_tokens=S, window_dtype="float32",
+                            decode_output="dequantized")
+    k = rng.standard_normal((1, 2, 40, 64)).astype(np.float32)
+    k[..., 44:50] += 20.0  # a large constant offset on a few channels (like slow RoPE pairs)
+    v = rng.standard_normal((1, 2, 40, 64)).astype(np.float32)
+    for x in (c, d, plain):
+        x.prefill(0, k, v)
+    cfg = AttendConfig(0.125, 2)
+    k1 = rng.standard_normal((1, 2, 1, 64)).astype(np.float32)
+    k1[..., 44:50] += 20.0
+    v1 = rng.standard_normal((1, 2, 1, 64)).astype(np.float32)
+    q = rng.standard_normal((1, 4, 1, 64)).astype(np.float32)
+    out = c.decode(0, k1, v1, q, cfg).out
+    hist = d.decode(0, k1, v1, q, cfg).result
+    assert rel_err(out, reference.attention(q, hist.k, hist.v, 0.125)) < 1e-5
+    full = np.concatenate([k, k1], 2)
+    err_c = np.abs(hist.k - full)[:, :, :40 - R].mean()
+    err_p = np.abs(plain.decode(0, k1, v1, q, cfg).result.k - full)[:, :, :40 - R].mean()
+    assert err_c < 0.5 * err_p  # the offset no longer inflates the block scales
+    assert c.memory_usage() == sum(a.nbytes for a in c.live_arrays(0))
+    with pytest.raises(TypeError, match="key_center"):
+        PolarQuantCache(1, 2, 64, key_center="yes")
