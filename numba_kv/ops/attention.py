@@ -33,7 +33,7 @@ from .. import _backend
 from .._jit import cpu_call, cpu_kernel, cpu_serial, cuda_kernel, twin
 from ._registry import register
 from .half import _f16_bits_abs_to_f32
-from .hadamard import SIGNS32, _rotate32_inverse
+from .hadamard import SIGNS32, _rotate32_inverse, rotate32
 
 TILE = 128  # tokens per CPU tile: two small GEMMs, one max update and one rescale per tile and row
 MAX_HEAD_DIM = 512  # CUDA per-thread accumulator size
@@ -528,16 +528,10 @@ def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales
     else:
         ke = ve = _backend.empty(q3, (g, 0, d), np.float32)
         epos = exact_positions
-    qr = rotate32_rows(q3)
+    qr = rotate32(q3)  # forward-rotate every 32-block of the queries, once per step
     out = fused_attention_rows(qr, q3, flat(k_codes, int(k_codes.shape[3])), flat(k_scales, d // 32),
                                flat(v_codes, int(v_codes.shape[3])), flat(v_scales, d // 32), T, 0, ke, ve, n_exact,
                                epos, _backend.constant(q3, kcb.centroids), _backend.constant(q3, vcb.centroids),
                                kcb.bits, vcb.bits, softmax_scale, bias3, total - ql, ql, causal, partition_size)
     return out.reshape(b, hq, ql, d)
 
-
-def rotate32_rows(q3: Any) -> Any:
-    """Forward-rotate every 32-block of the query rows (once per decode step)."""
-    from .hadamard import rotate32  # noqa: PLC0415
-
-    return rotate32(q3)

@@ -202,30 +202,90 @@ def unpack_bits(packed: Any, bits: int, *, backend: str = "auto") -> Any:
 
 
 def pack_2bit(idx: Any) -> Any:
-    """:func:`pack_bits` with ``bits=2`` (4 indices per byte)."""
+    """:func:`pack_bits` with ``bits=2`` (4 indices per byte).
+
+    Parameters
+    ----------
+    idx : uint8 array, shape ``(..., length)``
+        Indices ``< 4``; ``length`` a multiple of 8.
+
+    Returns
+    -------
+    packed : uint8 array, shape ``(..., length * 2 // 8)``, on the device of ``idx``.
+    """
     return pack_bits(idx, 2)
 
 
 def pack_3bit(idx: Any) -> Any:
-    """:func:`pack_bits` with ``bits=3`` (llama.cpp ``tq3_0`` layout, 8 indices in 3 bytes)."""
+    """:func:`pack_bits` with ``bits=3`` (llama.cpp ``tq3_0`` layout, 8 indices in 3 bytes).
+
+    Parameters
+    ----------
+    idx : uint8 array, shape ``(..., length)``
+        Indices ``< 8``; ``length`` a multiple of 8.
+
+    Returns
+    -------
+    packed : uint8 array, shape ``(..., length * 3 // 8)``, on the device of ``idx``.
+    """
     return pack_bits(idx, 3)
 
 
 def pack_4bit(idx: Any) -> Any:
-    """:func:`pack_bits` with ``bits=4`` (low nibble first)."""
+    """:func:`pack_bits` with ``bits=4`` (low nibble first).
+
+    Parameters
+    ----------
+    idx : uint8 array, shape ``(..., length)``
+        Indices ``< 16``; ``length`` a multiple of 8.
+
+    Returns
+    -------
+    packed : uint8 array, shape ``(..., length * 4 // 8)``, on the device of ``idx``.
+    """
     return pack_bits(idx, 4)
 
 
 def unpack_2bit(packed: Any) -> Any:
-    """:func:`unpack_bits` with ``bits=2``."""
+    """:func:`unpack_bits` with ``bits=2``.
+
+    Parameters
+    ----------
+    packed : uint8 array, shape ``(..., nbytes)``
+        ``nbytes`` a multiple of 2.
+
+    Returns
+    -------
+    idx : uint8 array, shape ``(..., nbytes * 8 // 2)``, on the device of ``packed``.
+    """
     return unpack_bits(packed, 2)
 
 
 def unpack_3bit(packed: Any) -> Any:
-    """:func:`unpack_bits` with ``bits=3``."""
+    """:func:`unpack_bits` with ``bits=3``.
+
+    Parameters
+    ----------
+    packed : uint8 array, shape ``(..., nbytes)``
+        ``nbytes`` a multiple of 3.
+
+    Returns
+    -------
+    idx : uint8 array, shape ``(..., nbytes * 8 // 3)``, on the device of ``packed``.
+    """
     return unpack_bits(packed, 3)
 
 
 def unpack_4bit(packed: Any) -> Any:
-    """:func:`unpack_bits` with ``bits=4``."""
+    """:func:`unpack_bits` with ``bits=4``.
+
+    Parameters
+    ----------
+    packed : uint8 array, shape ``(..., nbytes)``
+        ``nbytes`` a multiple of 4.
+
+    Returns
+    -------
+    idx : uint8 array, shape ``(..., nbytes * 8 // 4)``, on the device of ``packed``.
+    """
     return unpack_bits(packed, 4)
