@@ -13,7 +13,17 @@ Per 32-value block of a head vector (``algorithms.md`` §2.3–§2.7):
 Indices are computed from the float32 scale before its binary16 rounding.  Scales are
 clamped to the binary16 range (``≤ 65504``): blocks beyond that saturate.
 
-Dequantization: ``x̂ = |scale| · H D_s c[idx]``.
+**Unbiased rescale** (``unbiased=True``, EDEN-style as in FAISS 1.15): with the chosen
+centroids ``c = c[idx]`` each block stores ``α = scale · ‖y‖² / ⟨y, c⟩`` instead of
+``scale`` (same bytes, same indices).  Then ``⟨x̂_b, x_b⟩ = ‖x_b‖²`` per block (up to the
+binary16 rounding of ``α``), the error is orthogonal to ``x_b``, and the inner product
+with an independent query is unbiased (regression slope 1).  On random unit vectors
+(d = 128) the MSE grows by about 10 % at 2 bits and drops by 2-6 % at 3-4 bits.  The
+same formula covers both norm modes; a block with ``⟨y, c⟩ <= 1e-30`` (e.g. all zeros)
+keeps the plain scale.  ``⟨y, c⟩`` and ``‖y‖²`` are float32 sums over ``j = 0 .. 31`` in
+order on both twins.
+
+Dequantization: ``x̂ = |scale| · H D_s c[idx]`` (unchanged by ``unbiased``).
 """
 
 from __future__ import annotations
@@ -41,11 +51,14 @@ NORM_MODES = ("maxnorm", "l2")
 # block per thread with ``L = 1`` (all scratch then lives in registers).  Per value, both
 # do the same float32 operations in the same order as the one-block formulation
 # (``algorithms.md`` §2.3–§2.7), so the twins agree bit for bit.  Scratch per tile:
-# ``t`` float32[33*L] (row 32 holds the lane scales: one array, so LLVM can prove scale
-# reads never alias value writes), ``ib`` uint8[32*L] (indices; quantizer only), ``w``
-# int64[4*L] (the ``8*bits``-bit packed word of each group of 8 indices).  Blocks are
-# read and written through per-block views indexed from 0 (no negative-index wraparound
-# code in the loops).
+# ``t`` float32[35*L] (row 32 holds the lane scales, rows 33/34 the unbiased mode's
+# ``⟨y, c⟩`` / ``‖y‖²``: one array, so LLVM can prove scale reads never alias value
+# writes; the dequantizer uses rows 0..32 only), ``ib`` uint8[32*L] (indices; quantizer
+# only), ``w`` int64[4*L] (the ``8*bits``-bit packed word of each group of 8 indices),
+# ``cv`` float32[32*L] (unbiased quantizer only: the chosen centroid values, selected
+# while bucketizing; a gather ``centroids[ib]`` made the unbiased pass ~1.6x as costly on
+# the CPU).  Blocks are read and written through per-block views indexed from 0 (no
+# negative-index wraparound code in the loops).
 def _next_block(r, s, b, seq, nb):
     """(row, token, block) after ``(r, s, b)`` in flattened order."""
     b += 1
@@ -61,8 +74,13 @@ def _next_block(r, s, b, seq, nb):
 next_block_cpu, next_block_dev = twin(_next_block)
 
 
-def _quantize_lanes(x, q0, nl, signs, bounds, l2, ref, flag, bits, t0, codes, scales, L, t, ib, w):
-    """Quantize flattened blocks ``q0 .. q0+nl-1`` of ``x`` (``nl <= L``) into ``codes``/``scales``."""
+def _quantize_lanes(x, q0, nl, signs, bounds, centroids, l2, unbiased, ref, flag, bits, t0, codes, scales,
+                    L, t, ib, w, cv):
+    """Quantize flattened blocks ``q0 .. q0+nl-1`` of ``x`` (``nl <= L``) into ``codes``/``scales``.
+
+    ``unbiased``: store ``scale · ‖y‖² / ⟨y, c[idx]⟩`` (module docstring); ``centroids``
+    and ``cv`` are only used then.
+    """
     seq = x.shape[1]
     nb = x.shape[2] // 32
     S = 32 * L
@@ -103,14 +121,44 @@ def _quantize_lanes(x, q0, nl, signs, bounds, l2, ref, flag, bits, t0, codes, sc
         for j in range(32):
             for l in range(L):
                 t[j * L + l] = np.divide(t[j * L + l], t[S + l])
-    # idx = #{i : y > t_i}, counted boundary by boundary over the whole tile
-    for m in range(S):
-        ib[m] = 0
-    for i in range(bounds.shape[0]):
-        bi = bounds[i]
+    # idx = #{i : y > t_i}, counted boundary by boundary over the whole tile (unbiased:
+    # cv = centroids[idx] alongside, by selection — ascending boundaries, so the last hit wins)
+    if unbiased:
+        c0 = centroids[0]
         for m in range(S):
-            if t[m] > bi:
-                ib[m] += 1
+            ib[m] = 0
+            cv[m] = c0
+        for i in range(bounds.shape[0]):
+            bi = bounds[i]
+            ci = centroids[i + 1]
+            for m in range(S):
+                if t[m] > bi:
+                    ib[m] += 1
+                    cv[m] = ci
+    else:
+        for m in range(S):
+            ib[m] = 0
+        for i in range(bounds.shape[0]):
+            bi = bounds[i]
+            for m in range(S):
+                if t[m] > bi:
+                    ib[m] += 1
+    if unbiased:
+        # EDEN rescale: scale *= ‖y‖² / ⟨y, c⟩, float32 sums over j = 0..31 in order
+        D = S + L
+        N = S + 2 * L
+        for l in range(L):
+            t[D + l] = float32(0.0)
+            t[N + l] = float32(0.0)
+        for j in range(32):
+            for l in range(L):
+                y = t[j * L + l]
+                t[D + l] += y * cv[j * L + l]
+                t[N + l] += y * y
+        for l in range(L):
+            dot = t[D + l]
+            sc = t[S + l]
+            t[S + l] = sc * np.divide(t[N + l], dot) if dot > float32(1e-30) else sc
     # group g of 8 indices -> the ``8*bits``-bit word w[g*L + l] (bitpack layout)
     for g in range(4):
         for l in range(L):
@@ -173,18 +221,19 @@ _TILES = 4  # tiles per CPU work item (scratch buffers are allocated once per it
 
 # --- CPU twins --------------------------------------------------------------------------
 @cpu_kernel
-def _quantize_cpu(x, signs, bounds, l2, ref, flag, bits, t0, codes, scales):
+def _quantize_cpu(x, signs, bounds, centroids, l2, unbiased, ref, flag, bits, t0, codes, scales):
     rows, seq, d = x.shape
     nq = rows * seq * (d // 32)
     ntiles = (nq + _LANES - 1) // _LANES
     for c in prange((ntiles + _TILES - 1) // _TILES):
-        t = np.zeros(33 * _LANES, dtype=np.float32)
+        t = np.zeros(35 * _LANES, dtype=np.float32)
         ib = np.zeros(32 * _LANES, dtype=np.uint8)
         w = np.zeros(4 * _LANES, dtype=np.int64)
+        cv = np.zeros(32 * _LANES if unbiased else 0, dtype=np.float32)
         for tile in range(c * _TILES, min(ntiles, (c + 1) * _TILES)):
             q0 = tile * _LANES
-            quantize_lanes_cpu(x, q0, min(_LANES, nq - q0), signs, bounds, l2, ref, flag, bits, t0, codes,
-                               scales, _LANES, t, ib, w)
+            quantize_lanes_cpu(x, q0, min(_LANES, nq - q0), signs, bounds, centroids, l2, unbiased, ref, flag,
+                               bits, t0, codes, scales, _LANES, t, ib, w, cv)
 
 
 @cpu_kernel
@@ -203,15 +252,17 @@ def _dequantize_cpu(codes, scales, signs, centroids, bits, t0, out):
 
 # --- CUDA kernels: one thread per (vector, 32-block), grid-stride -----------------------
 @cuda_kernel
-def _quantize_cuda(x, signs, bounds, l2, ref, flag, bits, t0, codes, scales):
+def _quantize_cuda(x, signs, bounds, centroids, l2, unbiased, ref, flag, bits, t0, codes, scales):
     rows, seq, d = x.shape
-    t = cuda.local.array(33, dtype=float32)
+    t = cuda.local.array(35, dtype=float32)
     ib = cuda.local.array(32, dtype=uint8)
     w = cuda.local.array(4, dtype=int64)
+    cv = cuda.local.array(32, dtype=float32)
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
     for q in range(start, rows * seq * (d // 32), stride):
-        quantize_lanes_dev(x, q, 1, signs, bounds, l2, ref, flag, bits, t0, codes, scales, 1, t, ib, w)
+        quantize_lanes_dev(x, q, 1, signs, bounds, centroids, l2, unbiased, ref, flag, bits, t0, codes,
+                           scales, 1, t, ib, w, cv)
 
 
 @cuda_kernel
@@ -225,8 +276,8 @@ def _dequantize_cuda(codes, scales, signs, centroids, bits, t0, out):
         dequantize_lanes_dev(codes, scales, q, 1, signs, centroids, bits, t0, out, 1, t, w)
 
 
-_QSIG = ("void(float32[:, :, ::1], float32[::1], float32[::1], boolean, float32, float32, int64, int64, "
-         "uint8[:, :, ::1], uint16[:, :, ::1])")
+_QSIG = ("void(float32[:, :, ::1], float32[::1], float32[::1], float32[::1], boolean, boolean, float32, "
+         "float32, int64, int64, uint8[:, :, ::1], uint16[:, :, ::1])")
 _DSIG = ("void(uint8[:, :, ::1], uint16[:, :, ::1], float32[::1], float32[::1], int64, int64, "
          "float32[:, :, ::1])")
 register("quantize_blocks", _quantize_cpu, _quantize_cuda, [_QSIG])
@@ -234,22 +285,27 @@ register("dequantize_blocks", _dequantize_cpu, _dequantize_cuda, [_DSIG])
 
 
 # --- internal entry points used by caches (no validation: callers validated) -----------
-def quantize_into(x3: Any, codes: Any, scales: Any, t0: int, cb: Codebook, outlier: bool) -> None:
+def quantize_into(x3: Any, codes: Any, scales: Any, t0: int, cb: Codebook, outlier: bool,
+                  unbiased: bool = False) -> None:
     """Quantize ``x3`` ``[rows, seq, d]`` (float32, C-contiguous, on one device) into
-    ``codes[:, t0:t0+seq]`` and ``scales[:, t0:t0+seq]``."""
+    ``codes[:, t0:t0+seq]`` and ``scales[:, t0:t0+seq]``; ``unbiased`` selects the EDEN
+    rescale of the stored scales (module docstring)."""
     rows, seq, d = x3.shape
     if rows == 0 or seq == 0:
         return
     signs = _backend.constant(x3, SIGNS32)
     bounds = _backend.constant(x3, cb.boundaries)
+    cents = _backend.constant(x3, cb.centroids)
     l2 = cb.norm_mode == "l2"
+    unbiased = bool(unbiased)
     ref = np.float32(cb.ref)
     flag = np.float32(-1.0 if outlier else 1.0)
+    args = (x3, signs, bounds, cents, l2, unbiased, ref, flag, cb.bits, int(t0), codes, scales)
     if isinstance(x3, np.ndarray):
-        cpu_call(_quantize_cpu, rows * seq * d, x3, signs, bounds, l2, ref, flag, cb.bits, int(t0), codes, scales)
+        cpu_call(_quantize_cpu, rows * seq * d, *args)
     else:
         blocks, threads = _backend.cuda_grid(rows * seq * (d // 32))
-        _quantize_cuda[blocks, threads](x3, signs, bounds, l2, ref, flag, cb.bits, int(t0), codes, scales)
+        _quantize_cuda[blocks, threads](*args)
 
 
 def dequantize_into(codes: Any, scales: Any, t0: int, cb: Codebook, out: Any) -> None:
@@ -286,7 +342,8 @@ def _codebook_arg(bits: Any, norm_mode: Any, codebook: Optional[Codebook]) -> Co
 
 
 def quantize_blocks(x: Any, bits: int = 3, norm_mode: str = "maxnorm", outlier: bool = True, *,
-                    codebook: Optional[Codebook] = None, backend: str = "auto") -> Tuple[Any, Any]:
+                    codebook: Optional[Codebook] = None, backend: str = "auto",
+                    unbiased: bool = False) -> Tuple[Any, Any]:
     """Quantize vectors block-wise (normalize → rotate → bucketize → pack).
 
     Parameters
@@ -302,12 +359,23 @@ def quantize_blocks(x: Any, bits: int = 3, norm_mode: str = "maxnorm", outlier: 
         Store scales negative (the PQO outlier-block flag); ``False`` for PQ blocks.
     codebook : Codebook, optional
         Explicit codebook (from :func:`numba_kv.ops.codebook.get_codebook`).
+    backend : {"auto", "cpu", "cuda"}
+        Device check (the device follows ``x``).
+    unbiased : bool
+        EDEN-style rescale: store ``scale · ‖y‖² / ⟨y, c[idx]⟩`` per block instead of
+        ``scale`` (``y`` the rotated normalized block, ``c`` the codebook centroids).
+        Same codes and bytes; ``⟨x̂_b, x_b⟩ = ‖x_b‖²`` per block up to the binary16
+        rounding of the scale, so inner products with independent queries are unbiased
+        (slope 1).  MSE on random unit vectors: about +10 % at 2 bits, about 2-6 % lower
+        at 3-4 bits.  Blocks with ``⟨y, c⟩ <= 1e-30`` keep the plain scale.
+        :func:`dequantize_blocks` is unchanged.
 
     Returns
     -------
     codes : uint8 array, shape ``(..., d * bits // 8)``
     scales : uint16 array, shape ``(..., d // 32)``
-        binary16 bit patterns of ``±scale``; ``scales.view(numpy.float16)`` on the host.
+        binary16 bit patterns of ``±scale`` (``±α`` when ``unbiased``);
+        ``scales.view(numpy.float16)`` on the host.
 
     Raises
     ------
@@ -335,7 +403,7 @@ def quantize_blocks(x: Any, bits: int = 3, norm_mode: str = "maxnorm", outlier: 
     n = x3.shape[1]
     codes = _backend.empty(x, (1, n, packed_dim(d, cb.bits)), np.uint8)
     scales = _backend.empty(x, (1, n, d // 32), np.uint16)
-    quantize_into(x3, codes, scales, 0, cb, bool(outlier))
+    quantize_into(x3, codes, scales, 0, cb, bool(outlier), bool(unbiased))
     del dev
     return codes.reshape(shape[:-1] + (packed_dim(d, cb.bits),)), scales.reshape(shape[:-1] + (d // 32,))
 

@@ -40,12 +40,14 @@ def _rotate(rng):
 def _quantize(rng):
     x = rng.standard_normal((2, 3, 64)).astype(np.float32) * 2
     x[0, 0, 5] = 40.0  # outlier channel
+    x[1, 2, 32:] = 0.0  # all-zero block: the unbiased rescale keeps the plain scale
     for bits in (2, 3, 4):
         for mode in ("maxnorm", "l2"):
-            c, s = quantize_blocks(x, bits, mode)
-            cd, sd = quantize_blocks(to_device(x), bits, mode)
-            assert np.array_equal(to_host(sd), s)
-            assert np.array_equal(to_host(cd), c)  # simulator arithmetic is float32 like the twin
+            for unbiased in (False, True):
+                c, s = quantize_blocks(x, bits, mode, unbiased=unbiased)
+                cd, sd = quantize_blocks(to_device(x), bits, mode, unbiased=unbiased)
+                assert np.array_equal(to_host(sd), s)
+                assert np.array_equal(to_host(cd), c)  # simulator arithmetic is float32 like the twin
 
 
 def _dequantize(rng):

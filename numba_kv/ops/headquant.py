@@ -1,0 +1,650 @@
+"""Whole-head rotation quantizer: one ``d``-point rotation and one binary16 norm per vector.
+
+This is TurboQuant-MSE over the whole head vector, the way FAISS ``HR,SQtqmse{b}``
+stores it (``algorithms.md`` §2.4.1 with ``m = d``; the block quantizer of
+:mod:`numba_kv.ops.blockquant` is the same algorithm on 32-value blocks).  Per vector
+``x`` of ``d`` values (``d`` a power of two, ``32 <= d <= 512``), in float32:
+
+* ``n = max(‖x‖₂, 1e-10)``; ``y = H_d D_s (x / n)`` (a unit vector in ``d`` dimensions);
+* ``idx_j = #{i : y_j > t_i}`` against the boundaries of ``get_codebook(bits, "l2",
+  block=d)`` — the Lloyd–Max table for one coordinate of a uniform unit vector in ``d``
+  dimensions;
+* the indices of the whole vector are packed LSB-first in groups of 8 with the layout of
+  :mod:`numba_kv.ops.bitpack` (``d * bits / 8`` bytes; the 32 coordinates ``32q ..
+  32q+31`` at bytes ``[q·4·bits, (q+1)·4·bits)``, as in the block quantizer);
+* one binary16 scalar is stored per vector (bits in a ``uint16``): ``n`` (clamped to
+  65504), or, with ``unbiased=True``, the EDEN-style rescaled norm
+  ``α = n · ‖y‖² / ⟨y, c[idx]⟩``, which makes ``⟨x̂, x⟩ = ‖x‖²`` and the inner-product
+  estimate ``⟨q, x̂⟩`` unbiased (slope 1) at almost the same MSE.  The indices are the same
+  in both modes.
+
+Dequantization: ``x̂ = |s| · D_s H_d c[idx]``.  Storage is ``bits + 16/d`` bits per value
+(3.125 at ``d = 128``, 3 bits) against ``bits + 0.5`` for the block quantizer.
+
+Rotation: ``H_d`` is the normalized ``d × d`` Sylvester Hadamard matrix
+(``H[i, j] = (−1)^popcount(i & j) / √d``, symmetric, ``H·H = I``), applied in place by a
+``log2(d)``-stage radix-2 butterfly (strides ``1, 2, 4, …, d/2``, then one multiply by
+``1/√d``); forward ``y = H_d D_s x`` (signs first, then Hadamard: the randomized Hadamard
+transform), inverse ``x = D_s H_d y``.  The sign vector ``s = head_signs(d)`` is fixed
+(see :func:`head_signs`).
+
+Why signs first (unlike the 32-block rotation, whose Hadamard-first order is fixed by
+bit compatibility with llama.cpp ``tq3_0``): with the Hadamard first, an input component
+along a Hadamard row — above all an offset common to every channel, which ``H_d`` maps
+onto ``y_0`` alone — is not spread by the signs and saturates the outer centroid
+(Gaussian vectors plus a constant offset of 1.0, d = 128, 3 bits: NMSE 0.30).  Signs
+first turn that offset into a ±1 pattern that ``H_d`` spreads over all coordinates
+(NMSE 0.033, as without the offset).
+
+Twins: the CPU twins work on tiles of ``_LANES`` vectors interleaved lane by lane (value
+``j`` of lane ``l`` at ``t[j*L + l]``) so every inner loop is a contiguous loop over lanes;
+the CUDA kernels run one vector per thread with ``L = 1``.  Per value both do the same
+float32 operations in the same order, so their codes and norms agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Tuple
+
+import numpy as np
+from numba import cuda, float32, int64, prange, uint8
+
+from .. import _backend
+from .._jit import cpu_call, cpu_kernel, cuda_kernel, twin
+from ._registry import register
+from .codebook import Codebook, get_codebook
+from .half import _f16_bits_abs_to_f32, _f32_to_f16_bits
+from .hadamard import SIGNS32
+
+__all__ = ["HEAD_DIMS", "SIGN_SEED", "head_signs", "rotate_head", "quantize_head", "dequantize_head",
+           "quantize_head_into", "dequantize_head_into", "head_codebook", "packed_dim", "bits_per_value"]
+
+#: supported head dimensions (powers of two; 512 is the size of the CUDA scratch buffer)
+HEAD_DIMS = (32, 64, 128, 256, 512)
+#: SplitMix64 seed of the sign vectors for ``d >= 64`` ([TQR]'s default rotation seed)
+SIGN_SEED = 42
+_M64 = (1 << 64) - 1
+
+
+def _check_head_dim(name: str, d: Any) -> int:
+    if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)) or int(d) not in HEAD_DIMS:
+        raise ValueError(f"{name}: expected a power of two in 32..512 ({', '.join(map(str, HEAD_DIMS))}), "
+                         f"got {d!r}")
+    return int(d)
+
+
+def _check_bits(bits: Any) -> int:
+    if (isinstance(bits, (bool, np.bool_)) or not isinstance(bits, (int, np.integer))
+            or not 1 <= int(bits) <= 4):
+        raise ValueError(f"bits: expected an int in 1..4, got {bits!r}")
+    return int(bits)
+
+
+def _splitmix64_signs(d: int, seed: int) -> np.ndarray:
+    """``s_j = −1`` iff the top bit of the ``j``-th SplitMix64 output (state ``seed``) is set."""
+    out = np.empty(d, dtype=np.float32)
+    state = seed & _M64
+    for j in range(d):
+        state = (state + 0x9E3779B97F4A7C15) & _M64
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+        z ^= z >> 31
+        out[j] = -1.0 if z >> 63 else 1.0
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def head_signs(d: int) -> np.ndarray:
+    """The fixed ±1 sign vector ``s`` of the ``d``-point head rotation.
+
+    * ``d = 32``: :data:`numba_kv.ops.hadamard.SIGNS32` (llama.cpp mask ``0xB1A6D4B2``),
+      the block rotation's signs (applied first here, last there);
+    * ``d >= 64``: ``s_j = −1`` iff bit 63 of the ``j``-th output of SplitMix64 seeded with
+      :data:`SIGN_SEED` (= 42) is set (``state += 0x9E3779B97F4A7C15``; ``z = state``;
+      ``z = (z ^ z>>30)·0xBF58476D1CE4E5B9``; ``z = (z ^ z>>27)·0x94D049BB133111EB``;
+      ``z ^= z>>31``, all mod 2⁶⁴) — a real PRNG, never the alternating "golden-ratio hash"
+      of ``algorithms.md`` §2.2.1.
+
+    Parameters
+    ----------
+    d : int
+        Head dimension, a power of two in 32..512.
+
+    Returns
+    -------
+    numpy.ndarray
+        float32, shape ``(d,)``, values ±1, read-only, cached (the same object per ``d``).
+    """
+    d = _check_head_dim("d", d)
+    s = SIGNS32.copy() if d == 32 else _splitmix64_signs(d, SIGN_SEED)
+    s.flags.writeable = False
+    return s
+
+
+def head_codebook(bits: int, d: int) -> Codebook:
+    """The L2-mode Lloyd–Max codebook for coordinates of a unit vector in ``d`` dimensions,
+    ``get_codebook(bits, "l2", block=d)`` (cached)."""
+    return get_codebook(_check_bits(bits), "l2", block=_check_head_dim("d", d))
+
+
+def packed_dim(d: int, bits: int) -> int:
+    """Bytes of packed indices per vector: ``d * bits // 8``."""
+    return d * bits // 8
+
+
+def bits_per_value(d: int, bits: int) -> float:
+    """Storage per value: ``bits + 16 / d`` (packed indices plus one binary16 norm)."""
+    return bits + 16.0 / d
+
+
+# --- single-source cores -------------------------------------------------------------
+def _head_scale(d):
+    """``1/√d`` in float32 for a power of two ``d`` (a power of two times float32(1/√2): exact)."""
+    sc = float32(1.0)
+    m = d
+    while m >= 4:
+        sc = sc * float32(0.5)
+        m = m >> 2
+    if m == 2:
+        sc = sc * float32(0.7071067811865476)
+    return sc
+
+
+def _butterflies_head_lanes(t, d, L):
+    """The ``log2(d)`` unnormalized radix-2 stages (strides ``1, 2, …, d/2``) on ``L``
+    interleaved vectors, in place.  Stage ``h`` pairs the contiguous runs
+    ``[2ih·L, (2i+1)h·L)`` and ``[(2i+1)h·L, (2i+2)h·L)`` value by value: ``(a, b) → (a+b, a−b)``."""
+    # stage order h = 1, 2, 4, ..., d/2 is part of the float32 result: keep it
+    h = 1
+    while h < d:
+        hl = h * L
+        for i in range(d // (2 * h)):
+            o = 2 * i * hl
+            ta = t[o:o + hl]  # views indexed from 0: no wraparound checks, the loop vectorizes
+            tb = t[o + hl:o + 2 * hl]
+            for m in range(hl):
+                a = ta[m]
+                b = tb[m]
+                ta[m] = a + b
+                tb[m] = a - b
+        h = h * 2
+
+
+def _wht_head_lanes(t, d, L):
+    """In-place normalized ``d``-point Walsh–Hadamard transform of ``L`` interleaved vectors."""
+    _butterflies_head_lanes(t, d, L)
+    sc = _head_scale(d)
+    for m in range(d * L):
+        t[m] = t[m] * sc
+
+
+head_scale_cpu, head_scale_dev = twin(_head_scale)
+butterflies_head_lanes_cpu, butterflies_head_lanes_dev = twin(_butterflies_head_lanes)
+wht_head_lanes_cpu, wht_head_lanes_dev = twin(_wht_head_lanes)
+
+
+def _rotate_head_forward_lanes(t, d, L, signs):
+    """``H_d D_s`` on ``L`` interleaved vectors (in place): signs first, then the Hadamard."""
+    for j in range(d):
+        sj = signs[j]
+        tj = t[j * L:(j + 1) * L]
+        for l in range(L):
+            tj[l] = tj[l] * sj
+    _wht_head_lanes(t, d, L)
+
+
+def _rotate_head_inverse_lanes(t, d, L, signs):
+    """``D_s H_d`` on ``L`` interleaved vectors (in place): the Hadamard, then the signs."""
+    _butterflies_head_lanes(t, d, L)
+    sc = _head_scale(d)
+    for j in range(d):
+        f = sc * signs[j]  # (v·sc)·s_j == v·(sc·s_j) exactly: s_j = ±1
+        tj = t[j * L:(j + 1) * L]
+        for l in range(L):
+            tj[l] = tj[l] * f
+
+
+rotate_head_forward_lanes_cpu, rotate_head_forward_lanes_dev = twin(_rotate_head_forward_lanes)
+rotate_head_inverse_lanes_cpu, rotate_head_inverse_lanes_dev = twin(_rotate_head_inverse_lanes)
+
+
+def _rotate_head_forward(buf, d, signs):
+    """``buf[0:d] <- H_d D_s buf[0:d]`` (forward head rotation, in place, float32 ``buf``)."""
+    _rotate_head_forward_lanes(buf, d, 1, signs)
+
+
+def _rotate_head_inverse(buf, d, signs):
+    """``buf[0:d] <- D_s H_d buf[0:d]`` (inverse head rotation, in place, float32 ``buf``)."""
+    _rotate_head_inverse_lanes(buf, d, 1, signs)
+
+
+rotate_head_forward_cpu, rotate_head_forward_dev = twin(_rotate_head_forward)
+rotate_head_inverse_cpu, rotate_head_inverse_dev = twin(_rotate_head_inverse)
+
+
+def _quantize_head_lanes(x, v0, nl, d, signs, bounds, centroids, unbiased, bits, t0, codes, norms,
+                         L, t, ib, w):
+    """Quantize flattened vectors ``v0 .. v0+nl-1`` of ``x`` (``nl <= L``, ``d = x.shape[2]``)
+    into ``codes``/``norms``.
+
+    Scratch: ``t`` float32[(d+3)*L] (rows ``d``, ``d+1``, ``d+2`` hold the lane norms,
+    ``‖y‖²`` and ``⟨y, c[idx]⟩``), ``ib`` uint8[d*L], ``w`` int64[(d//8)*L].  Rows of ``t``
+    are read and written through per-row views indexed from 0 (no wraparound checks).
+    """
+    seq = x.shape[1]
+    S = d * L
+    for l in range(nl):
+        v = v0 + l
+        r = v // seq
+        xr = x[r, v - r * seq]
+        for j in range(d):
+            t[j * L + l] = xr[j]
+    tn = t[S:S + L]
+    for l in range(L):
+        tn[l] = float32(0.0)
+    for j in range(d):
+        tj = t[j * L:(j + 1) * L]
+        for l in range(L):
+            u = tj[l]
+            tn[l] += u * u
+    for l in range(L):
+        tn[l] = max(float32(math.sqrt(tn[l])), float32(1e-10))
+    # np.divide: IEEE division without the ZeroDivisionError branch of ``/``
+    for j in range(d):
+        tj = t[j * L:(j + 1) * L]
+        for l in range(L):
+            tj[l] = np.divide(tj[l], tn[l])
+    _rotate_head_forward_lanes(t, d, L, signs)
+    for m in range(S):
+        ib[m] = 0
+    for i in range(bounds.shape[0]):
+        bi = bounds[i]
+        for m in range(S):
+            if t[m] > bi:
+                ib[m] += 1
+    if unbiased:
+        tyy = t[S + L:S + 2 * L]
+        tyc = t[S + 2 * L:S + 3 * L]
+        for l in range(L):
+            tyy[l] = float32(0.0)
+            tyc[l] = float32(0.0)
+        for j in range(d):
+            tj = t[j * L:(j + 1) * L]
+            ibj = ib[j * L:(j + 1) * L]
+            for l in range(L):
+                y = tj[l]
+                tyy[l] += y * y
+                tyc[l] += y * centroids[ibj[l]]
+        for l in range(L):
+            if tyc[l] > float32(0.0):  # else y = 0 (x = 0): keep n, which stores as 0
+                tn[l] = np.divide(tn[l] * tyy[l], tyc[l])
+    G = d // 8
+    for g in range(G):
+        wg = w[g * L:(g + 1) * L]
+        for l in range(L):
+            wg[l] = int64(0)
+        for k in range(8):
+            ibk = ib[(g * 8 + k) * L:(g * 8 + k + 1) * L]
+            sh = bits * k
+            for l in range(L):
+                wg[l] |= int64(ibk[l]) << sh
+    for l in range(nl):
+        v = v0 + l
+        r = v // seq
+        s = v - r * seq
+        cb = codes[r, t0 + s]
+        for g in range(G):
+            wl = w[g * L + l]
+            for jb in range(bits):
+                cb[g * bits + jb] = uint8((wl >> (8 * jb)) & 0xFF)
+        a = tn[l]
+        if not a < float32(65504.0):  # also maps inf / NaN to the largest finite binary16
+            a = float32(65504.0)
+        norms[r, t0 + s, 0] = _f32_to_f16_bits(a)
+
+
+def _dequantize_head_lanes(codes, norms, v0, nl, d, signs, centroids, bits, t0, out, L, t, w):
+    """Reconstruct flattened vectors ``v0 .. v0+nl-1`` of ``out`` (``nl <= L``, ``d = out.shape[2]``).
+
+    Scratch: ``t`` float32[(d+1)*L] (row ``d`` holds the lane norms), ``w`` int64[(d//8)*L].
+    """
+    seq = out.shape[1]
+    S = d * L
+    G = d // 8
+    for l in range(nl):
+        v = v0 + l
+        r = v // seq
+        s = v - r * seq
+        cb = codes[r, t0 + s]
+        for g in range(G):
+            wl = int64(0)
+            for jb in range(bits):
+                wl |= int64(cb[g * bits + jb]) << (8 * jb)
+            w[g * L + l] = wl
+        t[S + l] = _f16_bits_abs_to_f32(norms[r, t0 + s, 0])
+    mask = (int64(1) << bits) - 1
+    for g in range(G):
+        wg = w[g * L:(g + 1) * L]
+        for k in range(8):
+            tk = t[(g * 8 + k) * L:(g * 8 + k + 1) * L]
+            sh = bits * k
+            for l in range(L):
+                tk[l] = centroids[(wg[l] >> sh) & mask]
+    _rotate_head_inverse_lanes(t, d, L, signs)
+    for l in range(nl):
+        v = v0 + l
+        r = v // seq
+        orow = out[r, v - r * seq]
+        sc = t[S + l]
+        for j in range(d):
+            orow[j] = t[j * L + l] * sc
+
+
+quantize_head_lanes_cpu, quantize_head_lanes_dev = twin(_quantize_head_lanes)
+dequantize_head_lanes_cpu, dequantize_head_lanes_dev = twin(_dequantize_head_lanes)
+
+_LANES = 64  # vectors per CPU tile (inner loops of 64 float32 = four 512-bit vectors)
+_TILES = 2  # tiles per CPU work item (scratch buffers are allocated once per item)
+
+
+# --- CPU twins --------------------------------------------------------------------------
+@cpu_kernel
+def _rotate_head_cpu(x, signs, inverse, out):
+    n, d = x.shape
+    for r in prange(n):
+        buf = np.empty(d, dtype=np.float32)
+        for j in range(d):
+            buf[j] = x[r, j]
+        if inverse:
+            rotate_head_inverse_cpu(buf, d, signs)
+        else:
+            rotate_head_forward_cpu(buf, d, signs)
+        for j in range(d):
+            out[r, j] = buf[j]
+
+
+@cpu_kernel
+def _quantize_head_cpu(x, signs, bounds, centroids, unbiased, bits, t0, codes, norms):
+    rows, seq, d = x.shape
+    nv = rows * seq
+    ntiles = (nv + _LANES - 1) // _LANES
+    for c in prange((ntiles + _TILES - 1) // _TILES):
+        t = np.zeros((d + 3) * _LANES, dtype=np.float32)
+        ib = np.zeros(d * _LANES, dtype=np.uint8)
+        w = np.zeros((d // 8) * _LANES, dtype=np.int64)
+        for tile in range(c * _TILES, min(ntiles, (c + 1) * _TILES)):
+            v0 = tile * _LANES
+            quantize_head_lanes_cpu(x, v0, min(_LANES, nv - v0), d, signs, bounds, centroids, unbiased, bits,
+                                    t0, codes, norms, _LANES, t, ib, w)
+
+
+@cpu_kernel
+def _dequantize_head_cpu(codes, norms, signs, centroids, bits, t0, out):
+    rows, seq, d = out.shape
+    nv = rows * seq
+    ntiles = (nv + _LANES - 1) // _LANES
+    for c in prange((ntiles + _TILES - 1) // _TILES):
+        t = np.zeros((d + 1) * _LANES, dtype=np.float32)
+        w = np.zeros((d // 8) * _LANES, dtype=np.int64)
+        for tile in range(c * _TILES, min(ntiles, (c + 1) * _TILES)):
+            v0 = tile * _LANES
+            dequantize_head_lanes_cpu(codes, norms, v0, min(_LANES, nv - v0), d, signs, centroids, bits, t0,
+                                      out, _LANES, t, w)
+
+
+# --- CUDA kernels: one thread per vector, grid-stride -----------------------------------
+@cuda_kernel
+def _rotate_head_cuda(x, signs, inverse, out):
+    n, d = x.shape
+    buf = cuda.local.array(512, dtype=float32)
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for r in range(start, n, stride):
+        for j in range(d):
+            buf[j] = x[r, j]
+        if inverse:
+            rotate_head_inverse_dev(buf, d, signs)
+        else:
+            rotate_head_forward_dev(buf, d, signs)
+        for j in range(d):
+            out[r, j] = buf[j]
+
+
+@cuda_kernel
+def _quantize_head_cuda(x, signs, bounds, centroids, unbiased, bits, t0, codes, norms):
+    rows, seq, d = x.shape
+    t = cuda.local.array(515, dtype=float32)  # d values + norm, ‖y‖², ⟨y, c⟩
+    ib = cuda.local.array(512, dtype=uint8)
+    w = cuda.local.array(64, dtype=int64)
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for v in range(start, rows * seq, stride):
+        quantize_head_lanes_dev(x, v, 1, d, signs, bounds, centroids, unbiased, bits, t0, codes, norms,
+                                1, t, ib, w)
+
+
+@cuda_kernel
+def _dequantize_head_cuda(codes, norms, signs, centroids, bits, t0, out):
+    rows, seq, d = out.shape
+    t = cuda.local.array(513, dtype=float32)
+    w = cuda.local.array(64, dtype=int64)
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for v in range(start, rows * seq, stride):
+        dequantize_head_lanes_dev(codes, norms, v, 1, d, signs, centroids, bits, t0, out, 1, t, w)
+
+
+_RSIG = "void(float32[:, ::1], float32[::1], boolean, float32[:, ::1])"
+_QSIG = ("void(float32[:, :, ::1], float32[::1], float32[::1], float32[::1], boolean, int64, int64, "
+         "uint8[:, :, ::1], uint16[:, :, ::1])")
+_DSIG = ("void(uint8[:, :, ::1], uint16[:, :, ::1], float32[::1], float32[::1], int64, int64, "
+         "float32[:, :, ::1])")
+register("rotate_head", _rotate_head_cpu, _rotate_head_cuda, [_RSIG])
+register("quantize_head", _quantize_head_cpu, _quantize_head_cuda, [_QSIG])
+register("dequantize_head", _dequantize_head_cpu, _dequantize_head_cuda, [_DSIG])
+
+
+# --- internal entry points (no validation: callers validated) ---------------------------
+def quantize_head_into(x3: Any, codes: Any, norms: Any, t0: int, cb: Codebook, unbiased: bool) -> None:
+    """Quantize ``x3`` ``[rows, seq, d]`` (float32, C-contiguous) into ``codes[:, t0:t0+seq]``
+    (uint8 ``[rows, capacity, d*bits/8]``) and ``norms[:, t0:t0+seq]`` (uint16
+    ``[rows, capacity, 1]``), all on one device; ``cb`` is ``head_codebook(bits, d)``."""
+    rows, seq, d = x3.shape
+    if rows == 0 or seq == 0:
+        return
+    signs = _backend.constant(x3, head_signs(d))
+    bounds = _backend.constant(x3, cb.boundaries)
+    cents = _backend.constant(x3, cb.centroids)
+    if isinstance(x3, np.ndarray):
+        cpu_call(_quantize_head_cpu, rows * seq * d, x3, signs, bounds, cents, bool(unbiased), cb.bits,
+                 int(t0), codes, norms)
+    else:
+        blocks, threads = _backend.cuda_grid(rows * seq)
+        _quantize_head_cuda[blocks, threads](x3, signs, bounds, cents, bool(unbiased), cb.bits, int(t0),
+                                             codes, norms)
+
+
+def dequantize_head_into(codes: Any, norms: Any, t0: int, cb: Codebook, out: Any) -> None:
+    """Reconstruct tokens ``t0 : t0 + out.shape[1]`` of ``codes``/``norms`` into ``out``
+    ``[rows, seq, d]`` float32 (same device)."""
+    rows, seq, d = out.shape
+    if rows == 0 or seq == 0:
+        return
+    signs = _backend.constant(out, head_signs(d))
+    cents = _backend.constant(out, cb.centroids)
+    if isinstance(out, np.ndarray):
+        cpu_call(_dequantize_head_cpu, rows * seq * d, codes, norms, signs, cents, cb.bits, int(t0), out)
+    else:
+        blocks, threads = _backend.cuda_grid(rows * seq)
+        _dequantize_head_cuda[blocks, threads](codes, norms, signs, cents, cb.bits, int(t0), out)
+
+
+# --- public API ------------------------------------------------------------------------
+def _last_axis_head_dim(name: str, shape: Tuple[int, ...]) -> int:
+    if len(shape) < 1 or shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"{name}: expected a last axis that is a power of two in 32..512, got shape {shape}")
+    return shape[-1]
+
+
+def rotate_head(x: Any, inverse: bool = False, *, backend: str = "auto") -> Any:
+    """Rotate whole head vectors: forward ``y = D_s H_d x`` or inverse ``x = H_d D_s y``.
+
+    Parameters
+    ----------
+    x : float16/32/64 array, shape ``(..., d)``
+        ``d`` a power of two in 32..512.  Computed in float32 (NaN/Inf propagate).
+        NumPy → CPU twin; CUDA array → CUDA kernel.
+    inverse : bool
+        Apply the inverse rotation.
+    backend : {"auto", "cpu", "cuda"}
+        Check that the data lives where expected (never moves it).
+
+    Returns
+    -------
+    y : float32 array, shape of ``x``, on the device of ``x``.
+
+    Raises
+    ------
+    TypeError
+        ``x`` not a float array.
+    ValueError
+        Last axis not a power of two in 32..512.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> x = np.random.default_rng(0).standard_normal((4, 128)).astype(np.float32)
+    >>> bool(np.allclose(rotate_head(rotate_head(x), inverse=True), x, atol=1e-6))
+    True
+    """
+    from .._validate import check_float_array  # noqa: PLC0415
+
+    dev = _backend.resolve_device(backend, x=x)
+    check_float_array("x", x)
+    shape = tuple(x.shape)  # a tuple: the simulator's shapes reject negative indices
+    d = _last_axis_head_dim("x", shape)
+    x2 = _backend.ascontiguous_f32("x", x).reshape(-1, d)
+    out = _backend.empty(x, x2.shape, np.float32)
+    if x2.shape[0]:
+        signs = _backend.constant(x, head_signs(d))
+        if dev == _backend.CPU:
+            cpu_call(_rotate_head_cpu, x2.size, x2, signs, bool(inverse), out)
+        else:
+            blocks, threads = _backend.cuda_grid(x2.shape[0])
+            _rotate_head_cuda[blocks, threads](x2, signs, bool(inverse), out)
+    return out.reshape(shape)
+
+
+def quantize_head(x: Any, bits: int = 3, unbiased: bool = False, *, backend: str = "auto") -> Tuple[Any, Any]:
+    """Quantize whole head vectors: normalize → ``d``-point rotation → bucketize → pack.
+
+    Parameters
+    ----------
+    x : float16/32/64 array, shape ``(..., d)``
+        ``d`` a power of two in 32..512; finite values.  NumPy → CPU twin; CUDA array →
+        CUDA kernel.
+    bits : int
+        Index width 1..4 (codebook ``get_codebook(bits, "l2", block=d)``).
+    unbiased : bool
+        Store the EDEN-style rescaled norm ``‖x‖·‖y‖²/⟨y, c[idx]⟩`` instead of ``‖x‖``, so
+        ``⟨x̂, x⟩ = ‖x‖²`` and inner products with ``x̂`` are unbiased (slope 1).
+    backend : {"auto", "cpu", "cuda"}
+        Check that the data lives where expected (never moves it).
+
+    Returns
+    -------
+    codes : uint8 array, shape ``(..., d * bits // 8)``
+        Packed indices (:mod:`numba_kv.ops.bitpack` layout over the whole vector).
+    norms : uint16 array, shape ``(..., 1)``
+        binary16 bit patterns of the stored scale (``norms.view(numpy.float16)`` on the
+        host), clamped to 65504.
+
+    Raises
+    ------
+    TypeError
+        ``x`` not a float array, ``unbiased`` not a bool.
+    ValueError
+        Bad ``bits``, last axis not a power of two in 32..512, NaN/Inf in ``x``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> codes, norms = quantize_head(np.ones((2, 128), np.float32), bits=3)
+    >>> codes.shape, norms.shape, float(norms.view(np.float16)[0, 0])
+    ((2, 48), (2, 1), 11.3125)
+    """
+    from .._validate import check_finite, check_float_array  # noqa: PLC0415
+
+    bits = _check_bits(bits)
+    if not isinstance(unbiased, (bool, np.bool_)):
+        raise TypeError(f"unbiased: expected a bool, got {type(unbiased).__name__} {unbiased!r}")
+    _backend.resolve_device(backend, x=x)
+    check_float_array("x", x)
+    shape = tuple(x.shape)
+    d = _last_axis_head_dim("x", shape)
+    check_finite("x", x)
+    cb = head_codebook(bits, d)
+    x3 = _backend.ascontiguous_f32("x", x).reshape(1, -1, d)
+    n = x3.shape[1]
+    codes = _backend.empty(x, (1, n, packed_dim(d, bits)), np.uint8)
+    norms = _backend.empty(x, (1, n, 1), np.uint16)
+    quantize_head_into(x3, codes, norms, 0, cb, bool(unbiased))
+    return codes.reshape(shape[:-1] + (packed_dim(d, bits),)), norms.reshape(shape[:-1] + (1,))
+
+
+def dequantize_head(codes: Any, norms: Any, bits: int = 3, *, backend: str = "auto") -> Any:
+    """Reconstruct vectors from :func:`quantize_head` output: ``x̂ = |s| · H_d D_s c[idx]``.
+
+    Parameters
+    ----------
+    codes : uint8 array, shape ``(..., d * bits // 8)``
+        ``d`` (inferred) a power of two in 32..512.
+    norms : uint16 array, shape ``(..., 1)``
+        binary16 bit patterns (finite; the sign is ignored).
+    bits : int
+        As given to :func:`quantize_head` (either mode decodes the same way).
+    backend : {"auto", "cpu", "cuda"}
+        Check that the data lives where expected (never moves it).
+
+    Returns
+    -------
+    x_hat : float32 array, shape ``(..., d)``, on the device of ``codes``.
+
+    Raises
+    ------
+    TypeError
+        ``codes`` not uint8, ``norms`` not uint16.
+    ValueError
+        Bad ``bits``, mismatching shapes, a ``d`` outside 32..512, Inf/NaN norm patterns
+        (checked for host and CuPy arrays).
+    """
+    bits = _check_bits(bits)
+    _backend.resolve_device(backend, codes=codes, norms=norms)
+    if np.dtype(codes.dtype) != np.uint8:
+        raise TypeError(f"codes: expected dtype uint8, got {codes.dtype}")
+    if np.dtype(norms.dtype) != np.uint16:
+        raise TypeError(f"norms: expected dtype uint16 (binary16 bits), got {norms.dtype}")
+    cshape, nshape = tuple(codes.shape), tuple(norms.shape)
+    if len(nshape) < 1 or nshape[-1] != 1:
+        raise ValueError(f"norms: expected a last axis of length 1, got shape {nshape}")
+    if len(cshape) < 1 or (cshape[-1] * 8) % bits or (cshape[-1] * 8 // bits) not in HEAD_DIMS:
+        raise ValueError(f"codes: expected a last axis of d*bits/8 bytes with d a power of two in 32..512 "
+                         f"at bits={bits}, got shape {cshape}")
+    if cshape[:-1] != nshape[:-1]:
+        raise ValueError(f"norms: expected shape {cshape[:-1] + (1,)} to match codes {cshape}, got {nshape}")
+    d = cshape[-1] * 8 // bits
+    xp = _backend.xp_of(codes)
+    if xp is not None:
+        codes = xp.ascontiguousarray(codes)
+        norms = xp.ascontiguousarray(norms)
+        if norms.size and bool(((norms & 0x7C00) == 0x7C00).any()):
+            raise ValueError("norms: expected finite binary16 patterns, got Inf or NaN")
+    lead = nshape[:-1]
+    c3 = codes.reshape(1, -1, cshape[-1])
+    n3 = norms.reshape(1, -1, 1)
+    out = _backend.empty(codes, (1, c3.shape[1], d), np.float32)
+    dequantize_head_into(c3, n3, 0, head_codebook(bits, d), out)
+    return out.reshape(lead + (d,))
