@@ -16,6 +16,7 @@ from .caches.factory import CACHE_NAMES, make_cache
 from .caches.mla import MLACache, SimpleMLACache
 from .caches.paged import OutOfPagesError, PagedKVCache, PageTable
 from .caches.polarquant import PolarQuantCache
+from .caches.turboquant import TurboQuantCache
 from .caches.protocol import (AttendConfig, CompressedKVCache, DecodeOutput, Dequantized, DequantResult,
                               Fused)
 from .compressor import CompressedKV, CompressionMethod, KVCacheCompressor
@@ -25,11 +26,14 @@ from .ops.bitpack import pack_bits, unpack_bits
 from .ops.blockquant import dequantize_blocks, quantize_blocks
 from .ops.codebook import get_codebook
 from .ops.hadamard import rotate32
+from .ops.headquant import dequantize_head, quantize_head, rotate_head
+from .ops.qjl import make_sketch, qjl_inner_product, qjl_quantize
 
 __all__ = [
     "AttendConfig", "CACHE_NAMES", "CompressedKV", "CompressedKVCache", "CompressionMethod", "DecodeOutput",
     "DenseCache", "Dequantized", "DequantResult", "Fused", "KVCacheCompressor", "MLACache", "OutOfPagesError",
     "PageTable", "PagedKVCache", "PolarQuantCache", "SimpleMLACache", "check_threading_layer",
-    "decode_attention", "dequantize_blocks", "get_codebook", "make_cache", "pack_bits", "quantize_blocks",
-    "rotate32", "unpack_bits",
+    "TurboQuantCache", "decode_attention", "dequantize_blocks", "dequantize_head", "get_codebook", "make_cache",
+    "make_sketch", "pack_bits", "qjl_inner_product", "qjl_quantize", "quantize_blocks", "quantize_head", "rotate32",
+    "rotate_head", "unpack_bits",
 ]

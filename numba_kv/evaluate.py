@@ -86,7 +86,7 @@ DEFAULT_PROMPTS: Tuple[str, ...] = (
 _PARIS_PROMPT = "capital of France"
 
 _ALIASES = {"r": "residual_length", "residual": "residual_length", "s": "sink_tokens", "sinks": "sink_tokens"}
-_COMPACT = re.compile(r"^(?P<base>dense|pqo?(?:[234]|-k[234]v[234])(?:-l2|-maxnorm)?)"
+_COMPACT = re.compile(r"^(?P<base>dense|(?:pqo?|tq)(?:[234](?:\.5)?|-k[234]v[234])(?:-l2|-maxnorm|-head|-eden)*)"
                       r"(?:-r(?P<r>\d+))?(?:-s(?P<s>\d+))?$")
 _KEY = re.compile(r"^[a-z_][a-z0-9_]*$")
 
@@ -203,9 +203,9 @@ def parse_cache_specs(text: str, *, residual_length: Optional[int] = None, sink_
     Examples
     --------
     >>> [s.label for s in parse_cache_specs("dense,pqo3-r32-s4,pqo4:r=16")]
-    ['dense', 'pqo3-r32-s4', 'pqo4-r16']
+    ['dense', 'pqo3-r32-s4', 'pqo4-r16-s4']
     >>> [s.label for s in parse_cache_specs("dense,pqo3", residual_length=32)]
-    ['dense', 'pqo3-r32']
+    ['dense', 'pqo3-r32-s4']
     """
     if not isinstance(text, str) or not text.strip():
         raise EvalConfigError(f"{arg}: expected a comma-separated list of caches, got {text!r}")
@@ -259,7 +259,7 @@ def parse_cache_specs(text: str, *, residual_length: Optional[int] = None, sink_
                 opts.setdefault("sink_tokens", sink_tokens)
         spec = CacheSpec(name, opts)
         try:  # validate name and options now, on a tiny geometry
-            spec.make(num_layers=1, num_kv_heads=1, head_dim=32)
+            spec.make(num_layers=1, num_kv_heads=1, head_dim=64)
         except (ValueError, TypeError) as exc:
             raise EvalConfigError(f"{arg}: invalid cache {head!r} with options {opts}: {exc}") from None
         if spec.label in seen:

@@ -154,8 +154,12 @@ class LayeredCache:
             old = self._append(st, dev, k, v)
             if old == 0:
                 return DequantResult(k, v)
-            hk, hv = self._history(st, k.dtype)
-            return DequantResult(hk, hv)
+            return self._prefill_result(st, q, k.dtype)
+
+    def _prefill_result(self, st: LayerState, q: Any, dtype: Any) -> DequantResult:
+        """What a prefill into a non-empty layer returns (default: the full history)."""
+        hk, hv = self._history(st, dtype)
+        return DequantResult(hk, hv)
 
     def decode(self, layer: int, k: Any, v: Any, q: Any, config: AttendConfig) -> DecodeOutput:
         """Store the new token(s), then attend (``Fused``) or return the full history

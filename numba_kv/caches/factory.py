@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Dict
 
 from ._layer import LayeredCache
 from .dense import DenseCache
 from .polarquant import PolarQuantCache
+from .turboquant import TurboQuantCache
 
-CACHE_NAMES = ("dense", "pq2", "pq3", "pq4", "pqo2", "pqo3", "pqo4")
-_PQ = re.compile(r"^(pqo|pq)([234])(-l2|-maxnorm)?$")
-_PQ_KV = re.compile(r"^(pqo|pq)-k([234])v([234])(-l2|-maxnorm)?$")
+CACHE_NAMES = ("dense", "pq2", "pq3", "pq4", "pqo2", "pqo3", "pqo4", "pqo2.5", "pqo3.5", "tq2", "tq3", "tq4")
+_NAME = re.compile(r"^(pqo|pq|tq)(?:(?P<bits>[234])(?P<half>\.5)?|-k(?P<kb>[234])v(?P<vb>[234]))"
+                   r"(?P<suffix>(?:-l2|-maxnorm|-head|-eden)*)$")
+_SUFFIX_OPTIONS: Dict[str, Dict[str, Any]] = {
+    "-l2": {"norm_mode": "l2"},
+    "-maxnorm": {"norm_mode": "maxnorm"},
+    "-head": {"rotation": "head"},
+    "-eden": {"unbiased": True},
+}
 
 
 def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int, **options: Any) -> LayeredCache:
@@ -20,13 +27,17 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int, 
     Parameters
     ----------
     name : str
-        ``"dense"``, ``"pq2"``–``"pq4"``, ``"pqo2"``–``"pqo4"``, asymmetric
-        ``"pqo-k4v3"`` (keys 4 bits, values 3 bits; any of 2–4 each); a ``"-l2"`` suffix
-        selects the L2 norm mode (same as ``norm_mode="l2"``).
+        ``"dense"``; PolarQuant ``"pq2"``–``"pq4"``, ``"pqo2"``–``"pqo4"``; TurboQuant
+        (QJL) ``"tq2"``–``"tq4"``; asymmetric ``"pqo-k4v3"`` / ``"tq-k4v3"`` (keys 4 bits,
+        values 3; any of 2–4 each); channel splits ``"pqo2.5"`` / ``"pqo3.5"`` (half of
+        every head's channels — the outlier half, chosen per layer and KV head on the first
+        prefill — one bit wider: 2.5 / 3.5 index bits per value).  Suffixes, combinable:
+        ``"-l2"`` (L2 norm mode), ``"-head"`` (one rotation over the whole head and one
+        norm per vector instead of per-32-block scales), ``"-eden"`` (unbiased rescale).
     num_layers, num_kv_heads, head_dim : int
         Model geometry.
     **options
-        Forwarded to the cache class (``norm_mode=``, ``dtype=`` for dense, ...).
+        Forwarded to the cache class (``residual_length=``, ``dtype=`` for dense, ...).
 
     Returns
     -------
@@ -35,13 +46,16 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int, 
     Raises
     ------
     ValueError
-        Unknown name (the message lists the valid ones).
+        Unknown name (the message lists the valid ones), or an option that contradicts
+        the name.
 
     Examples
     --------
     >>> cache = make_cache("pqo3", num_layers=2, num_kv_heads=2, head_dim=64)
     >>> cache.bits_per_value
     3.5
+    >>> make_cache("pqo3-head", num_layers=1, num_kv_heads=1, head_dim=128).bits_per_value
+    3.125
     """
     if not isinstance(name, str):
         raise TypeError(f"name: expected a str, got {type(name).__name__}")
@@ -49,22 +63,31 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int, 
     geom = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
     if key == "dense":
         return DenseCache(**geom, **options)
-    m = _PQ.match(key)
-    mkv = _PQ_KV.match(key)
-    if m or mkv:
-        if m:
-            mode, bits, suffix = m.group(1), int(m.group(2)), m.group(3)
-            kv = {}
-        else:
-            mode, kb, vb, suffix = mkv.group(1), int(mkv.group(2)), int(mkv.group(3)), mkv.group(4)
-            bits, kv = max(kb, vb), {"k_bits": kb, "v_bits": vb}
-            for opt in kv:
-                if opt in options and options[opt] != kv[opt]:
-                    raise ValueError(f"{opt}: {options[opt]!r} conflicts with the name {name!r}")
-        if suffix:
-            if "norm_mode" in options and options["norm_mode"] != suffix[1:]:
-                raise ValueError(f"norm_mode: {options['norm_mode']!r} conflicts with the name suffix {suffix!r}")
-            options = dict(options, norm_mode=suffix[1:])
-        return PolarQuantCache(**geom, bits=bits, mode=mode, **{**options, **kv})
-    raise ValueError(f"name: expected one of {list(CACHE_NAMES)}, or 'pqo-k<2-4>v<2-4>' (optionally with "
-                     f"'-l2'), got {name!r}")
+    m = _NAME.match(key)
+    if not m:
+        raise ValueError(f"name: expected one of {list(CACHE_NAMES)}, or 'pqo-k<2-4>v<2-4>' / 'tq-k<2-4>v<2-4>', "
+                         f"optionally with '-l2', '-head', '-eden' suffixes, got {name!r}")
+    family = m.group(1)
+    implied: Dict[str, Any] = {}
+    if m.group("bits"):
+        bits = int(m.group("bits"))
+        if m.group("half"):
+            if family != "pqo" or bits == 4:
+                raise ValueError(f"name: channel splits exist as 'pqo2.5' and 'pqo3.5', got {name!r}")
+            if not isinstance(head_dim, int) or head_dim % 64:
+                raise ValueError(f"head_dim: {name!r} splits every head in two halves of whole 32-blocks, "
+                                 f"expected a multiple of 64, got {head_dim!r}")
+            implied.update(outlier_channels=head_dim // 2, outlier_bits=bits + 1)
+    else:
+        kb, vb = int(m.group("kb")), int(m.group("vb"))
+        bits = max(kb, vb)
+        implied.update(k_bits=kb, v_bits=vb)
+    for suf in re.findall(r"-[a-z0-9]+", m.group("suffix")):
+        implied.update(_SUFFIX_OPTIONS[suf])
+    for opt, val in implied.items():
+        if opt in options and options[opt] != val:
+            raise ValueError(f"{opt}: {options[opt]!r} conflicts with the name {name!r}")
+    options = {**options, **implied}
+    if family == "tq":
+        return TurboQuantCache(**geom, bits=bits, **options)
+    return PolarQuantCache(**geom, bits=bits, mode=family, **options)

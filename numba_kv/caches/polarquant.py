@@ -23,24 +23,26 @@ combines exact and compressed tokens in one softmax.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
 from .. import _backend
 from .._validate import check_int
-from ..ops.attention import fused_attention_rows
-from ..ops.blockquant import NORM_MODES, dequantize_into, packed_dim, quantize_into
+from ..ops.attention import CodeLayout, fused_attention_rows
+from ..ops.blockquant import NORM_MODES, dequantize_into, quantize_into
 from ..ops.codebook import get_codebook
 from ..ops.hadamard import rotate32
+from ..ops.headquant import dequantize_head_into, head_signs, quantize_head_into, rotate_head
 from ..ops.memory import copy_tokens
 from ._layer import BufferSpec, LayeredCache, LayerState
 from .protocol import AttendConfig, DecodeOutput, Fused
 
 MODES = ("pq", "pqo")
 DECODE_OUTPUTS = ("fused", "dequantized")
-WINDOW_DTYPES = ("float16", "float32")
+WINDOW_DTYPES = ("float16", "float32", "int8")
 KEY_SCALES = ("none", "channel")
+ROTATIONS = ("block", "head")
 
 
 def _assign(src: Any, s0: int, n: int, dst: Any, d0: int) -> None:
@@ -80,10 +82,12 @@ class PolarQuantCache(LayeredCache):
         window of 16 / 32 / 64 / 128 tokens.  R=32, S=4 removes ~88 % of the KL for
         36 float16 tokens per head (+0.44 bits/value at 1K tokens, +0.03 at 16K);
         doubling R again halves the rest but costs twice the window bytes.
-    window_dtype : {"float16", "float32"}
+    window_dtype : {"float16", "float32", "int8"}
         Storage of window/sink tokens.  float16 (default) is exact for fp16 models and
-        within 2^-11 relative otherwise, at half the bytes.  Numba device arrays always
-        use float32.
+        within 2^-11 relative otherwise, at half the bytes.  ``"int8"``: symmetric absmax
+        int8 per vector with one binary16 scale (8 + 16/head_dim bits per value, error
+        ≤ half a step of ``max|x|/127``), halving the window's bytes again.  Numba device
+        arrays always use float32.
     key_scale : {"none", "channel"}
         ``"channel"``: keys are divided by a per-channel RMS (per batch row and KV head)
         measured on the layer's first stored chunk and frozen afterwards; queries are
@@ -104,6 +108,28 @@ class PolarQuantCache(LayeredCache):
     decode_output : {"fused", "dequantized"}
         ``decode`` returns :class:`~numba_kv.caches.protocol.Fused` attention computed
         from the packed codes (default) or the full dequantized history.
+    rotation : {"block", "head"}
+        ``"block"`` (default): a signed 32-point Hadamard per 32-value block and one
+        binary16 scale per block (+0.5 bit/value).  ``"head"``: one signed Hadamard over
+        the whole head (``head_dim`` a power of two ≤ 512), L2 normalization and one
+        binary16 norm per vector (+16/head_dim bit/value: PQO3 = 3.125 at d = 128, the
+        layout of FAISS ``HR,SQtqmse``), with the Lloyd–Max codebook for ``head_dim``
+        dimensions.  ``norm_mode`` defaults to ``"l2"`` there (the only choice).
+    unbiased : bool
+        EDEN-style rescale: store ``α = s·‖y‖²/⟨y, c⟩`` instead of the scale ``s`` of each
+        block (or vector), so ``⟨x̂, x⟩ = ‖x‖²`` and inner products with independent queries
+        are unbiased (slope 1) at almost the MSE-optimal error, for the same bytes.
+    outlier_channels : int
+        Channel split (TurboQuant §4.3): this many channels per (layer, batch row, KV
+        head) — a multiple of 32 — are quantized with ``outlier_bits``-wide codebooks and
+        the rest with the normal ones.  Rule: the channels with the largest RMS over the
+        layer's **first stored chunk** (after key centering), per row; the choice is then
+        frozen (stored as an int16 permutation per row, counted by ``memory_usage``).  Both
+        K and V are permuted so the outlier channels form the leading 32-blocks; queries
+        are permuted the same way and outputs permuted back, so attention is unchanged.
+        ``pqo2.5`` / ``pqo3.5`` use half of the channels at one bit more.  NumPy/CuPy only.
+    outlier_bits : int, optional
+        Codebook width of the outlier channels (default: one more than the rest, ≤ 4).
 
     Notes
     -----
@@ -119,21 +145,33 @@ class PolarQuantCache(LayeredCache):
     >>> k = np.random.default_rng(0).standard_normal((1, 4, 10, 64)).astype(np.float32)
     >>> _ = cache.prefill(0, k, k)
     >>> cache.seq_len(0), cache.memory_usage()
-    (10, 2240)
+    (10, 10240)
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, bits: int = 3,
-                 mode: str = "pqo", norm_mode: str = "maxnorm", residual_length: int = 32, sink_tokens: int = 4,
+                 mode: str = "pqo", norm_mode: Optional[str] = None, residual_length: int = 32, sink_tokens: int = 4,
                  window_dtype: str = "float16", decode_output: str = "fused", k_bits: Optional[int] = None,
-                 v_bits: Optional[int] = None, key_scale: str = "none", key_center: bool = False) -> None:
+                 v_bits: Optional[int] = None, key_scale: str = "none", key_center: bool = False,
+                 rotation: str = "block", unbiased: bool = False, outlier_channels: int = 0,
+                 outlier_bits: Optional[int] = None) -> None:
         super().__init__(num_layers, num_kv_heads, head_dim)
         self.bits = check_int("bits", bits, allowed=(2, 3, 4))
         self.k_bits = self.bits if k_bits is None else check_int("k_bits", k_bits, allowed=(2, 3, 4))
         self.v_bits = self.bits if v_bits is None else check_int("v_bits", v_bits, allowed=(2, 3, 4))
-        if mode not in MODES:
-            raise ValueError(f"mode: expected one of {list(MODES)}, got {mode!r}")
+        if mode not in self._modes():
+            raise ValueError(f"mode: expected one of {list(self._modes())}, got {mode!r}")
+        if rotation not in ROTATIONS:
+            raise ValueError(f"rotation: expected one of {list(ROTATIONS)}, got {rotation!r}")
+        if norm_mode is None:
+            norm_mode = "l2" if rotation == "head" else "maxnorm"
         if norm_mode not in NORM_MODES:
             raise ValueError(f"norm_mode: expected one of {list(NORM_MODES)}, got {norm_mode!r}")
+        if rotation == "head":
+            if norm_mode != "l2":
+                raise ValueError(f"norm_mode: rotation='head' stores one L2 norm per vector, expected 'l2', "
+                                 f"got {norm_mode!r}")
+            if head_dim & (head_dim - 1) or head_dim > 512:
+                raise ValueError(f"head_dim: rotation='head' needs a power of two <= 512, got {head_dim}")
         if decode_output not in DECODE_OUTPUTS:
             raise ValueError(f"decode_output: expected one of {list(DECODE_OUTPUTS)}, got {decode_output!r}")
         if str(window_dtype) not in WINDOW_DTYPES:
@@ -144,25 +182,76 @@ class PolarQuantCache(LayeredCache):
         if key_scale not in KEY_SCALES:
             raise ValueError(f"key_scale: expected one of {list(KEY_SCALES)}, got {key_scale!r}")
         self.key_scale = key_scale
-        if not isinstance(key_center, (bool, np.bool_)):
-            raise TypeError(f"key_center: expected a bool, got {type(key_center).__name__} {key_center!r}")
+        for nm, val in (("key_center", key_center), ("unbiased", unbiased)):
+            if not isinstance(val, (bool, np.bool_)):
+                raise TypeError(f"{nm}: expected a bool, got {type(val).__name__} {val!r}")
         self.key_center = bool(key_center)
+        self.unbiased = bool(unbiased)
         self.mode = mode
         self.norm_mode = norm_mode
+        self.rotation = rotation
         self.decode_output = decode_output
-        drop = 0 if mode == "pqo" else 1
-        self.slot_bits = {"k": self.k_bits - drop, "v": self.v_bits - drop}
-        self.codebooks = {n: get_codebook(b, norm_mode) for n, b in self.slot_bits.items()}
-        self.outlier = mode == "pqo"
-        self.packed_dims = {n: packed_dim(self.head_dim, b) for n, b in self.slot_bits.items()}
         self.num_blocks = self.head_dim // 32
-        if self.k_bits == self.v_bits:
-            self.name = f"{mode}{self.k_bits}"
+        self.slot_bits = self._slot_bits()
+        self.outlier_channels = check_int("outlier_channels", outlier_channels, minimum=0)
+        self.outlier_bits: Dict[str, int] = {}
+        if self.outlier_channels:
+            if self.outlier_channels % 32 or self.outlier_channels >= self.head_dim:
+                raise ValueError(f"outlier_channels: expected a multiple of 32 below head_dim={self.head_dim} "
+                                 f"(whole rotation blocks, some left for the rest), got {self.outlier_channels}")
+            if rotation != "block":
+                raise ValueError("outlier_channels: channel splits need rotation='block', got rotation='head'")
+            for n, lo in self.slot_bits.items():
+                hi = lo + 1 if outlier_bits is None else check_int("outlier_bits", outlier_bits, allowed=(2, 3, 4))
+                if not lo < hi <= 4:
+                    raise ValueError(f"outlier_bits: expected more bits than the {n} channels' {lo} and at most 4, "
+                                     f"got {hi}")
+                self.outlier_bits[n] = hi
+        elif outlier_bits is not None:
+            raise ValueError("outlier_bits: only meaningful with outlier_channels > 0")
+        self.codebooks = {n: self._codebook(b) for n, b in self.slot_bits.items()}
+        self.layouts: Dict[str, CodeLayout] = {}
+        for n, cb in self.codebooks.items():
+            if rotation == "head":
+                self.layouts[n] = CodeLayout.uniform(cb, self.head_dim, scale_group=self.num_blocks)
+            elif self.outlier_channels:
+                n_hi = self.outlier_channels // 32
+                hi = self._codebook(self.outlier_bits[n])
+                self.layouts[n] = CodeLayout.from_blocks([hi] * n_hi + [cb] * (self.num_blocks - n_hi))
+            else:
+                self.layouts[n] = CodeLayout.uniform(cb, self.head_dim)
+        self.outlier = mode != "pq"
+        self.packed_dims = {n: lay.width for n, lay in self.layouts.items()}
+        self._head_signs = head_signs(self.head_dim) if rotation == "head" else None
+        self.name = self._make_name()
+
+    # -- configuration hooks (TurboQuantCache overrides them) ---------------------------------
+    @staticmethod
+    def _modes() -> Tuple[str, ...]:
+        return MODES
+
+    def _slot_bits(self) -> Dict[str, int]:
+        drop = 0 if self.mode == "pqo" else 1
+        return {"k": self.k_bits - drop, "v": self.v_bits - drop}
+
+    def _codebook(self, bits: int):
+        return get_codebook(bits, self.norm_mode, block=self.head_dim if self.rotation == "head" else 32)
+
+    def _make_name(self) -> str:
+        if self.outlier_channels:
+            avg = {n: (self.outlier_channels * self.outlier_bits[n] + (self.head_dim - self.outlier_channels)
+                       * self.slot_bits[n]) / self.head_dim + (0 if self.mode == "pqo" else 1)
+                   for n in ("k", "v")}
+            kb, vb = (f"{x:g}" for x in (avg["k"], avg["v"]))
         else:
-            self.name = f"{mode}-k{self.k_bits}v{self.v_bits}"
-        self.name += "" if norm_mode == "maxnorm" else "-l2"
+            kb, vb = str(self.k_bits), str(self.v_bits)
+        name = f"{self.mode}{kb}" if kb == vb else f"{self.mode}-k{kb}v{vb}"
+        name += "" if self.norm_mode == "maxnorm" or self.rotation == "head" else "-l2"
+        name += "-head" if self.rotation == "head" else ""
+        name += "-eden" if self.unbiased else ""
         if self.residual_length or self.sink_tokens:
-            self.name += f"-r{self.residual_length}-s{self.sink_tokens}"
+            name += f"-r{self.residual_length}-s{self.sink_tokens}"
+        return name
 
     @property
     def windowed(self) -> bool:
@@ -179,29 +268,47 @@ class PolarQuantCache(LayeredCache):
         """Codebook of the keys (values: ``codebooks["v"]``)."""
         return self.codebooks["k"]
 
+    def _side_bits(self, name: str) -> float:
+        """Stored bits of one compressed vector of side ``name`` (indices + scales)."""
+        lay = self.layouts[name]
+        return 8.0 * lay.width + 16.0 * lay.num_scales
+
+    @property
+    def k_bits_per_value(self) -> float:
+        """Stored bits per compressed key value."""
+        return self._side_bits("k") / self.head_dim
+
+    @property
+    def v_bits_per_value(self) -> float:
+        """Stored bits per compressed value-vector value."""
+        return self._side_bits("v") / self.head_dim
+
     @property
     def bits_per_value(self) -> float:
-        """Stored bits per compressed value, averaged over K and V (indices + one binary16
-        scale per 32 values)."""
-        total = sum(8.0 * p + 16.0 * self.num_blocks for p in self.packed_dims.values())
-        return total / (2 * self.head_dim)
+        """Stored bits per compressed value, averaged over K and V (indices, binary16
+        scales and any per-vector side information; window tokens and per-layer constants
+        such as channel permutations are not included — ``memory_usage`` counts them)."""
+        return (self.k_bits_per_value + self.v_bits_per_value) / 2
 
     # -- storage ----------------------------------------------------------------------------
     def _buffer_spec(self) -> BufferSpec:
-        spec: BufferSpec = {
-            "k_codes": (self.packed_dims["k"], np.uint8, None),
-            "v_codes": (self.packed_dims["v"], np.uint8, None),
-            "k_scales": (self.num_blocks, np.uint16, None),
-            "v_scales": (self.num_blocks, np.uint16, None),
-        }
+        spec: BufferSpec = {n + "_codes": (lay.width, np.uint8, None) for n, lay in self.layouts.items()}
+        for n, lay in self.layouts.items():
+            spec[n + "_scales"] = (lay.num_scales, np.uint16, None)
         if self.windowed:
             cap = self.sink_tokens + self.residual_length
             spec["k_exact"] = (self.head_dim, self._exact_dtype, cap)
             spec["v_exact"] = (self.head_dim, self._exact_dtype, cap)
+            if self._exact_dtype == np.int8:
+                spec["k_exact_scale"] = (1, np.uint16, cap)
+                spec["v_exact_scale"] = (1, np.uint16, cap)
         if self.key_center:
             spec["k_chmean"] = (self.head_dim, np.float32, 1)
         if self.key_scale == "channel":
             spec["k_chscale"] = (self.head_dim, np.float32, 1)
+        if self.outlier_channels:
+            spec["k_perm"] = (self.head_dim, np.int16, 1)
+            spec["v_perm"] = (self.head_dim, np.int16, 1)
         return spec
 
     def _growing_needed(self, st: LayerState, new_tokens: int) -> int:
@@ -210,7 +317,56 @@ class PolarQuantCache(LayeredCache):
     def _append(self, st: LayerState, dev: str, k: Any, v: Any) -> int:
         # Numba device arrays cannot hold float16 windows (no device-side cast)
         self._exact_dtype = (np.dtype(np.float32) if _backend.xp_of(k) is None else self.window_dtype)
+        if _backend.xp_of(k) is None and (self.key_scale == "channel" or self.key_center or self.outlier_channels):
+            raise TypeError("k: key_scale='channel', key_center and outlier_channels need NumPy or CuPy arrays, "
+                            "got a Numba device array")
         return super()._append(st, dev, k, v)
+
+    def _split_parts(self, name: str) -> Tuple[Tuple[int, int, int, int, int], ...]:
+        """Channel split of side ``name``: ``(first channel, end channel, first code byte,
+        end code byte, bits)`` of the outlier part and of the rest."""
+        lay = self.layouts[name]
+        c_hi = self.outlier_channels
+        w_hi = int(lay.offsets[c_hi // 32])
+        return ((0, c_hi, 0, w_hi, self.outlier_bits[name]),
+                (c_hi, self.head_dim, w_hi, lay.width, self.slot_bits[name]))
+
+    def _compress(self, st: LayerState, name: str, x3: Any, t0: int) -> None:
+        """Quantize ``x3`` ``[rows, n, d]`` (transformed domain) into tokens ``t0 : t0+n``."""
+        codes, scales = st.buffers[name + "_codes"], st.buffers[name + "_scales"]
+        if self.rotation == "head":
+            quantize_head_into(x3, codes, scales, t0, self.codebooks[name], self.unbiased)
+            return
+        if not self.outlier_channels:
+            quantize_into(x3, codes, scales, t0, self.codebooks[name], self.outlier, unbiased=self.unbiased)
+            return
+        xp = _backend.xp_of(x3)
+        rows, n, _ = x3.shape
+        for lo_c, hi_c, lo_w, hi_w, bits in self._split_parts(name):
+            part = xp.ascontiguousarray(x3[:, :, lo_c:hi_c])
+            tc = xp.empty((rows, n, hi_w - lo_w), dtype=np.uint8)
+            ts = xp.empty((rows, n, (hi_c - lo_c) // 32), dtype=np.uint16)
+            quantize_into(part, tc, ts, 0, self._codebook(bits), self.outlier, unbiased=self.unbiased)
+            codes[:, t0:t0 + n, lo_w:hi_w] = tc
+            scales[:, t0:t0 + n, lo_c // 32:hi_c // 32] = ts
+
+    def _decompress(self, st: LayerState, name: str, t0: int, out: Any) -> None:
+        """Reconstruct tokens ``t0 : t0 + out.shape[1]`` into ``out`` (transformed domain)."""
+        codes, scales = st.buffers[name + "_codes"], st.buffers[name + "_scales"]
+        if self.rotation == "head":
+            dequantize_head_into(codes, scales, t0, self.codebooks[name], out)
+            return
+        if not self.outlier_channels:
+            dequantize_into(codes, scales, t0, self.codebooks[name], out)
+            return
+        xp = _backend.xp_of(out)
+        rows, n, _ = out.shape
+        for lo_c, hi_c, lo_w, hi_w, bits in self._split_parts(name):
+            tc = xp.ascontiguousarray(codes[:, t0:t0 + n, lo_w:hi_w])
+            ts = xp.ascontiguousarray(scales[:, t0:t0 + n, lo_c // 32:hi_c // 32])
+            part = xp.empty((rows, n, hi_c - lo_c), dtype=np.float32)
+            dequantize_into(tc, ts, 0, self._codebook(bits), part)
+            out[:, :, lo_c:hi_c] = part
 
     def _store(self, st: LayerState, k: Any, v: Any) -> None:
         n = int(k.shape[2])
@@ -226,43 +382,79 @@ class PolarQuantCache(LayeredCache):
         keep_old, keep_new = n_win - e_old, m - e_new
         for name, arr in (("k", k), ("v", v)):
             x = _backend.ascontiguous_f32(name, arr)
-            x3 = x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3])
-            if name == "k" and (self.key_scale == "channel" or self.key_center):
-                x3 = self._scale_keys(st, x3)
-            codes, scales = st.buffers[name + "_codes"], st.buffers[name + "_scales"]
+            x3 = self._transform_in(st, name, x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3]))
             if not self.windowed:
-                quantize_into(x3, codes, scales, n_comp, self.codebooks[name], self.outlier)
+                self._compress(st, name, x3, n_comp)
                 continue
-            ex = st.buffers[name + "_exact"]
-            _assign(x3, 0, a, ex, st.seq_len)
+            self._win_write(st, name, x3, 0, a, st.seq_len)
             if e:
                 ev = _backend.empty(x3, (x3.shape[0], e, self.head_dim), np.float32)
-                _assign(ex, S, e_old, ev, 0)
+                self._win_read(st, name, S, e_old, ev, 0)
                 _assign(x3, a, e_new, ev, e_old)
-                quantize_into(ev, codes, scales, n_comp, self.codebooks[name], self.outlier)
+                self._compress(st, name, ev, n_comp)
             if e_old and keep_old:  # slide the surviving window tokens to the front
-                tmp = _backend.empty(ex, (ex.shape[0], keep_old, self.head_dim), ex.dtype)
-                _assign(ex, S + e_old, keep_old, tmp, 0)
-                _assign(tmp, 0, keep_old, ex, S)
-            _assign(x3, a + e_new, keep_new, ex, S + keep_old)
+                self._win_move(st, name, S + e_old, keep_old, S)
+            self._win_write(st, name, x3, a + e_new, keep_new, S + keep_old)
         if not self.windowed:
             e = n
         st.meta.update(n_comp=n_comp + e, n_sink=n_sink + a, n_win=keep_old + keep_new if self.windowed else 0)
-        st.live = {"k_codes": n_comp + e, "v_codes": n_comp + e, "k_scales": n_comp + e, "v_scales": n_comp + e}
-        if self.windowed:
-            st.live["k_exact"] = st.live["v_exact"] = st.meta["n_sink"] + st.meta["n_win"]
+        for bname in self._buffer_spec():
+            if bname.endswith(("_exact", "_exact_scale")):
+                st.live[bname] = st.meta["n_sink"] + st.meta["n_win"]
+            elif bname in ("k_chmean", "k_chscale", "k_perm", "v_perm"):
+                st.live[bname] = 1
+            else:
+                st.live[bname] = n_comp + e
+
+    def _transform_in(self, st: LayerState, name: str, x3: Any) -> Any:
+        """The stored domain: keys ``(x − m) / s`` with the frozen per-channel key mean ``m``
+        and scale ``s`` (each only if enabled), then both sides permuted so the outlier
+        channels come first (only with ``outlier_channels``).  All three are measured on the
+        layer's first chunk and frozen."""
+        if name == "k" and (self.key_center or self.key_scale == "channel"):
+            x3 = self._scale_keys(st, x3)
+        if not self.outlier_channels:
+            return x3
+        xp = _backend.xp_of(x3)
+        pbuf = st.buffers[name + "_perm"]
+        if not st.meta.get(name + "perm_set", 0):
+            # outlier channels: the ``outlier_channels`` largest by RMS over the first chunk
+            rms = xp.sqrt((x3.astype(xp.float64) ** 2).mean(axis=1))  # [rows, d]
+            # stable order (ties by channel index); CuPy's argsort is always stable and takes no kind
+            order = xp.argsort(-rms, axis=1, kind="stable") if xp is np else xp.argsort(-rms, axis=1)
+            hi = xp.sort(order[:, :self.outlier_channels], axis=1)
+            lo = xp.sort(order[:, self.outlier_channels:], axis=1)
+            pbuf[:, 0, :] = xp.concatenate([hi, lo], axis=1).astype(np.int16)
+            st.meta[name + "perm_set"] = 1
+        perm = pbuf.astype(np.int64)  # [rows, 1, d]
+        return xp.ascontiguousarray(xp.take_along_axis(x3, perm, axis=2), dtype=xp.float32)
+
+    def _transform_out(self, st: LayerState, name: str, flat: Any) -> Any:
+        """Inverse of :meth:`_transform_in` on ``[rows, n, d]`` float32."""
+        if self.outlier_channels:
+            xp = _backend.xp_of(flat)
+            inv = xp.argsort(st.buffers[name + "_perm"].astype(np.int64), axis=2)
+            flat = xp.take_along_axis(flat, inv, axis=2)
+        if name == "k" and self.key_scale == "channel":
+            flat = flat * st.buffers["k_chscale"]  # [rows, 1, d] broadcasts over tokens
+        if name == "k" and self.key_center:
+            flat = flat + st.buffers["k_chmean"]
+        return flat
+
+    def _query_in(self, st: LayerState, q3: Any) -> Any:
+        """Queries ``[rows, G·q_len, d]`` in the keys' stored domain: ``q·k`` is unchanged up
+        to a per-query constant (the key mean, which softmax ignores)."""
         if self.key_scale == "channel":
-            st.live["k_chscale"] = 1
-        if self.key_center:
-            st.live["k_chmean"] = 1
+            q3 = q3 * st.buffers["k_chscale"]  # (q⊙s)·(k/s) = q·k
+        if self.outlier_channels:
+            xp = _backend.xp_of(q3)
+            q3 = xp.take_along_axis(q3, st.buffers["k_perm"].astype(np.int64), axis=2)
+        return _backend.ascontiguous_f32("q", q3)
 
     def _scale_keys(self, st: LayerState, x3: Any) -> Any:
         """``(x3 − m) / s`` with the frozen per-channel key mean ``m`` and scale ``s`` (each
         only if enabled; both set on the layer's first chunk)."""
         xp = _backend.xp_of(x3)
-        if xp is None:
-            raise TypeError("k: key_scale='channel' and key_center need NumPy or CuPy arrays, got a Numba "
-                            "device array")
         if self.key_center:
             mbuf = st.buffers["k_chmean"]
             if not st.meta.get("kmean_set", 0):
@@ -288,9 +480,50 @@ class PolarQuantCache(LayeredCache):
             return _backend.empty(like, (like.shape[0], 0, self.head_dim), np.float32), 0
         ex = st.buffers[name + "_exact"]
         xp = _backend.xp_of(ex)
+        if ex.dtype == np.int8:
+            out = xp.empty((ex.shape[0], n_exact, self.head_dim), dtype=np.float32)
+            self._win_read(st, name, 0, n_exact, out, 0)
+            return out, n_exact
         if xp is not None:
             return xp.ascontiguousarray(ex[:, :n_exact], dtype=xp.float32), n_exact
         return ex, n_exact
+
+    # window storage: float32/float16 copies, or int8 with one binary16 absmax scale per vector
+    def _win_write(self, st: LayerState, name: str, src: Any, s0: int, n: int, d0: int) -> None:
+        """Window tokens ``d0 : d0+n`` ← float32 ``src[:, s0 : s0+n]``."""
+        ex = st.buffers[name + "_exact"]
+        if n <= 0:
+            return
+        if ex.dtype != np.int8:
+            _assign(src, s0, n, ex, d0)
+            return
+        xp = _backend.xp_of(ex)
+        x = src[:, s0:s0 + n]
+        s16 = (xp.abs(x).max(axis=2, keepdims=True) / np.float32(127.0)).astype(np.float16)
+        s16[s16 == 0] = 1.0  # all-zero vector (or below the f16 range): any scale is exact
+        ex[:, d0:d0 + n] = xp.clip(xp.rint(x / s16.astype(np.float32)), -127, 127).astype(np.int8)
+        st.buffers[name + "_exact_scale"][:, d0:d0 + n] = s16.view(np.uint16)
+
+    def _win_read(self, st: LayerState, name: str, s0: int, n: int, dst: Any, d0: int) -> None:
+        """float32 ``dst[:, d0 : d0+n]`` ← window tokens ``s0 : s0+n``."""
+        ex = st.buffers[name + "_exact"]
+        if n <= 0:
+            return
+        if ex.dtype != np.int8:
+            _assign(ex, s0, n, dst, d0)
+            return
+        sc = st.buffers[name + "_exact_scale"][:, s0:s0 + n].view(np.float16).astype(np.float32)
+        dst[:, d0:d0 + n] = ex[:, s0:s0 + n].astype(np.float32) * sc
+
+    def _win_move(self, st: LayerState, name: str, s0: int, n: int, d0: int) -> None:
+        """Window tokens ``d0 : d0+n`` ← tokens ``s0 : s0+n`` (the ranges may overlap)."""
+        for key in (name + "_exact", name + "_exact_scale"):
+            if key not in st.buffers:
+                continue
+            ex = st.buffers[key]
+            tmp = _backend.empty(ex, (ex.shape[0], n, ex.shape[2]), ex.dtype)
+            _assign(ex, s0, n, tmp, 0)
+            _assign(tmp, 0, n, ex, d0)
 
     def _exact_positions(self, st: LayerState, like: Any) -> Any:
         n_sink, n_win, n_comp = st.meta.get("n_sink", 0), st.meta.get("n_win", 0), st.meta.get("n_comp", 0)
@@ -311,7 +544,8 @@ class PolarQuantCache(LayeredCache):
         n_comp, n_sink, n_win = st.meta.get("n_comp", 0), st.meta.get("n_sink", 0), st.meta.get("n_win", 0)
         for name in ("k", "v"):
             comp = _backend.empty(like, (rows, n_comp, self.head_dim), np.float32)
-            dequantize_into(st.buffers[name + "_codes"], st.buffers[name + "_scales"], 0, self.codebooks[name], comp)
+            if n_comp:
+                self._decompress(st, name, 0, comp)
             if self.windowed:
                 flat = _backend.empty(like, (rows, st.seq_len, self.head_dim), np.float32)
                 ex, _ = self._exact_f32(st, name)
@@ -320,29 +554,33 @@ class PolarQuantCache(LayeredCache):
                 _assign(ex, n_sink, n_win, flat, n_sink + n_comp)
             else:
                 flat = comp
-            if name == "k" and self.key_scale == "channel":
-                flat = flat * st.buffers["k_chscale"]  # [rows, 1, d] broadcasts over tokens
-            if name == "k" and self.key_center:
-                flat = flat + st.buffers["k_chmean"]
-            out.append(self._reshape_out(flat, st.batch, dtype))
+            out.append(self._reshape_out(self._transform_out(st, name, flat), st.batch, dtype))
         return out[0], out[1]
+
+    def _rotate_queries(self, q3: Any) -> Any:
+        return rotate_head(q3) if self.rotation == "head" else rotate32(q3)
+
+    def _qjl_args(self, st: LayerState, q3: Any) -> Any:
+        """``(sq, signs, norms, const)`` for the fused kernel's QJL correction (TurboQuant)."""
+        return None
 
     def _decode_output(self, st: LayerState, q: Any, config: AttendConfig, dtype: Any) -> DecodeOutput:
         if self.decode_output == "dequantized":
             return super()._decode_output(st, q, config, dtype)
         b, hq, ql, d = (int(s) for s in q.shape)
         q3 = _backend.ascontiguous_f32("q", q).reshape(b * self.num_kv_heads, (hq // self.num_kv_heads) * ql, d)
-        if self.key_scale == "channel":
-            q3 = q3 * st.buffers["k_chscale"]  # (q⊙s)·(k/s) = q·k
-        qr = rotate32(q3)
+        q3 = self._query_in(st, q3)
         ke, n_exact = self._exact_f32(st, "k")
         ve, _ = self._exact_f32(st, "v")
-        kcent = _backend.constant(q3, self.codebooks["k"].centroids)
-        vcent = _backend.constant(q3, self.codebooks["v"].centroids)
+        hs = None if self._head_signs is None else _backend.constant(q3, self._head_signs)
         out = fused_attention_rows(
-            qr, q3, st.buffers["k_codes"], st.buffers["k_scales"], st.buffers["v_codes"], st.buffers["v_scales"],
-            st.meta.get("n_comp", 0), self.sink_tokens, ke, ve, n_exact, self._exact_positions(st, q3), kcent, vcent,
-            self.slot_bits["k"], self.slot_bits["v"], config.softmax_scale, None, st.seq_len - ql, ql, True)
+            self._rotate_queries(q3), q3, st.buffers["k_codes"], st.buffers["k_scales"], st.buffers["v_codes"],
+            st.buffers["v_scales"], st.meta.get("n_comp", 0), self.sink_tokens, ke, ve, n_exact,
+            self._exact_positions(st, q3), self.layouts["k"], self.layouts["v"], config.softmax_scale, None,
+            st.seq_len - ql, ql, True, head_signs=hs, qjl=self._qjl_args(st, q3))
+        if self.outlier_channels:
+            xp = _backend.xp_of(out)
+            out = xp.take_along_axis(out, xp.argsort(st.buffers["v_perm"].astype(np.int64), axis=2), axis=2)
         return Fused(self._reshape_q(out, b, hq, ql, dtype))
 
     def _reshape_q(self, out: Any, b: int, hq: int, ql: int, dtype: Any) -> Any:

@@ -23,8 +23,10 @@ tokens read theirs from ``exact_pos``.  Query row ``r`` sits at position
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 import numpy as np
 from numba import cuda, float32, int64, prange
@@ -34,6 +36,7 @@ from .._jit import cpu_call, cpu_kernel, cpu_serial, cuda_kernel, twin
 from ._registry import register
 from .half import _f16_bits_abs_to_f32
 from .hadamard import SIGNS32, _rotate32_inverse, rotate32
+from .headquant import _rotate_head_inverse
 
 TILE = 128  # tokens per CPU tile: two small GEMMs, one max update and one rescale per tile and row
 MAX_HEAD_DIM = 512  # CUDA per-thread accumulator size
@@ -82,12 +85,66 @@ def _load_token_fast(crow, srow, cent, bits, nb, scale_table, dst):
                     dst[o + g * 8 + k] = cent[(w >> (bits * k)) & mask] * sa
 
 
+def _load_token(crow, srow, cent2, bits_b, off_b, sgroup, nb, scale_table, dst):
+    """``dst[0:32·nb] = |a| · c_b[idx_j]`` for one token of a :class:`CodeLayout`: block
+    ``b`` has its own width ``bits_b[b]``, byte offset ``off_b[b]`` and codebook row
+    ``cent2[b]``; ``sgroup`` consecutive blocks share one stored scale (1 = one scale per
+    32-block, ``nb`` = one per vector)."""
+    for b in range(nb):
+        sa = scale_table[srow[b // sgroup]]
+        o = b * 32
+        bits = bits_b[b]
+        p = off_b[b]
+        if bits == 3:
+            for g in range(4):
+                w = int64(crow[p]) | (int64(crow[p + 1]) << 8) | (int64(crow[p + 2]) << 16)
+                for k in range(8):
+                    dst[o + g * 8 + k] = cent2[b, (w >> (3 * k)) & 7] * sa
+                p += 3
+        elif bits == 4:
+            for i in range(16):
+                byte = int64(crow[p + i])
+                dst[o + 2 * i] = cent2[b, byte & 15] * sa
+                dst[o + 2 * i + 1] = cent2[b, byte >> 4] * sa
+        elif bits == 2:
+            for i in range(8):
+                byte = int64(crow[p + i])
+                dst[o + 4 * i] = cent2[b, byte & 3] * sa
+                dst[o + 4 * i + 1] = cent2[b, (byte >> 2) & 3] * sa
+                dst[o + 4 * i + 2] = cent2[b, (byte >> 4) & 3] * sa
+                dst[o + 4 * i + 3] = cent2[b, byte >> 6] * sa
+        else:
+            mask = (int64(1) << bits) - 1
+            for g in range(4):
+                w = int64(0)
+                for j in range(bits):
+                    w |= int64(crow[p + g * bits + j]) << (8 * j)
+                for k in range(8):
+                    dst[o + g * 8 + k] = cent2[b, (w >> (bits * k)) & mask] * sa
+
+
+def _qjl_dot(sqrow, sigrow, m):
+    """``Σ_j sqrow[j] · σ_j`` with the packed signs ``σ`` (bit set = +1, LSB first)."""
+    s = float32(0.0)
+    for j in range(m):
+        if (sigrow[j >> 3] >> (j & 7)) & 1:
+            s += sqrow[j]
+        else:
+            s -= sqrow[j]
+    return s
+
+
 def _visible(pos, q_pos0, r, q_len, causal):
     return (not causal) or pos <= q_pos0 + (r % q_len)
 
 
-def _merge_row(part_m, part_l, part_acc, g, r, n_comp_parts, n_parts, signs, buf, out):
-    """Combine the partitions of query row ``(g, r)`` into ``out[g, r]``."""
+def _merge_row(part_m, part_l, part_acc, g, r, n_comp_parts, n_parts, signs, head_rot, hsigns, buf, out):
+    """Combine the partitions of query row ``(g, r)`` into ``out[g, r]``.
+
+    The compressed partitions accumulated in the rotated domain: their sum is
+    inverse-rotated per 32-block (``head_rot`` false) or over the whole head with the
+    signs ``hsigns`` (``head_rot`` true).  ``buf`` holds at least ``d`` floats.
+    """
     d = out.shape[2]
     m_star = NEG_INF
     for p in range(n_parts):
@@ -97,19 +154,23 @@ def _merge_row(part_m, part_l, part_acc, g, r, n_comp_parts, n_parts, signs, buf
         out[g, r, j] = float32(0.0)
     if m_star == NEG_INF:  # no visible token (cannot happen with causal decode)
         return
-    # compressed partitions: rescale, sum in the rotated domain, inverse-rotate per block
-    for b in range(d // 32):
-        for jj in range(32):
-            buf[jj] = float32(0.0)
+    # compressed partitions: rescale and sum in the rotated domain, then inverse-rotate
+    if n_comp_parts > 0:
+        for j in range(d):
+            buf[j] = float32(0.0)
         for p in range(n_comp_parts):
             w = part_m[g, p, r]
             if w != NEG_INF:
                 f = math.exp(w - m_star)
-                for jj in range(32):
-                    buf[jj] += f * part_acc[g, p, r, b * 32 + jj]
-        _rotate32_inverse(buf, signs)
-        for jj in range(32):
-            out[g, r, b * 32 + jj] = buf[jj]
+                for j in range(d):
+                    buf[j] += f * part_acc[g, p, r, j]
+        if head_rot:
+            _rotate_head_inverse(buf, d, hsigns)
+        else:
+            for b in range(d // 32):
+                _rotate32_inverse(buf[b * 32:b * 32 + 32], signs)
+        for j in range(d):
+            out[g, r, j] = buf[j]
     # exact partitions: already in the original domain
     for p in range(n_comp_parts, n_parts):
         w = part_m[g, p, r]
@@ -127,6 +188,8 @@ def _merge_row(part_m, part_l, part_acc, g, r, n_comp_parts, n_parts, signs, buf
 
 
 load_token_fast_cpu, load_token_fast_dev = twin(_load_token_fast)
+load_token_cpu, load_token_dev = twin(_load_token)
+qjl_dot_cpu, qjl_dot_dev = twin(_qjl_dot)
 visible_cpu, visible_dev = twin(_visible)
 merge_row_cpu, merge_row_dev = twin(_merge_row)
 
@@ -177,10 +240,12 @@ softmax_tile_cpu = cpu_serial(_softmax_tile)
 # --- CPU twin: partitions in parallel; per tile two small GEMMs (BLAS) on the rotated tile -
 @cpu_kernel
 def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kcent, vcent,
-                          kbits, vbits, scale_table, softmax_scale, bias, has_bias, q_pos0, q_len, causal,
-                          part_size, n_comp_parts, part_m, part_l, part_acc):
+                          kbits, koff, vbits, voff, sgroup, scale_table, softmax_scale, bias, has_bias, has_qjl, sq,
+                          qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size, n_comp_parts, part_m, part_l,
+                          part_acc):
     n_g, rows, d = qr.shape
     nb = d // 32
+    m_qjl = sq.shape[2]
     n_parts = part_m.shape[1]
     for item in prange(n_g * n_parts):
         g = item // n_parts
@@ -194,6 +259,7 @@ def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
             t_hi = min(n_exact, t_lo + part_size)
         kt = np.empty((TILE, d), dtype=np.float32)
         vt = np.empty((TILE, d), dtype=np.float32)
+        st = np.empty((TILE if has_qjl else 1, m_qjl), dtype=np.float32)
         acc = np.zeros((rows, d), dtype=np.float32)
         m = np.full(rows, NEG_INF, dtype=np.float32)
         l = np.zeros(rows, dtype=np.float32)
@@ -202,14 +268,25 @@ def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
             nt = min(TILE, t_hi - t0)
             if compressed:
                 for tt in range(nt):
-                    load_token_fast_cpu(kc[g, t0 + tt], ks[g, t0 + tt], kcent, kbits, nb, scale_table, kt[tt])
-                    load_token_fast_cpu(vc[g, t0 + tt], vs[g, t0 + tt], vcent, vbits, nb, scale_table, vt[tt])
+                    load_token_cpu(kc[g, t0 + tt], ks[g, t0 + tt], kcent, kbits, koff, sgroup, nb, scale_table, kt[tt])
+                    load_token_cpu(vc[g, t0 + tt], vs[g, t0 + tt], vcent, vbits, voff, sgroup, nb, scale_table, vt[tt])
                 ktile = kt[:nt]
                 vtile = vt[:nt]
             else:
                 ktile = ke[g, t0:t0 + nt]
                 vtile = ve[g, t0:t0 + nt]
             sc = np.dot(qsrc, ktile.T)  # [rows, nt] scores in one GEMM
+            if compressed and has_qjl:
+                # QJL correction c_t·<S q, σ_t>, in q·k units: signs unpacked to ±1, one GEMM
+                for tt in range(nt):
+                    sig = qsig[g, t0 + tt]
+                    for j in range(m_qjl):
+                        st[tt, j] = float32(1.0) if (sig[j >> 3] >> (j & 7)) & 1 else float32(-1.0)
+                corr = np.dot(sq[g], st[:nt].T)
+                for tt in range(nt):
+                    c = qjl_const * scale_table[qnorm[g, t0 + tt]]
+                    for r in range(rows):
+                        sc[r, tt] += c * corr[r, tt]
             last_pos = comp_pos0 + t0 + nt - 1 if compressed else -1
             need_mask = causal and (not compressed or last_pos > q_pos0)
             softmax_tile_cpu(sc, nt, softmax_scale, g, has_bias, bias, need_mask, q_pos0, q_len,
@@ -223,20 +300,22 @@ def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
 
 
 @cpu_kernel
-def _merge_partitions_cpu(part_m, part_l, part_acc, n_comp_parts, signs, out):
+def _merge_partitions_cpu(part_m, part_l, part_acc, n_comp_parts, signs, head_rot, hsigns, out):
     n_g, n_parts, rows = part_m.shape
+    d = out.shape[2]
     for item in prange(n_g * rows):
         g = item // rows
         r = item - g * rows
-        buf = np.empty(32, dtype=np.float32)
-        merge_row_cpu(part_m, part_l, part_acc, g, r, n_comp_parts, n_parts, signs, buf, out)
+        buf = np.empty(d, dtype=np.float32)
+        merge_row_cpu(part_m, part_l, part_acc, g, r, n_comp_parts, n_parts, signs, head_rot, hsigns, buf, out)
 
 
 # --- CUDA kernels ------------------------------------------------------------------------
 @cuda_kernel
 def _decode_attention_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kcent, vcent,
-                           kbits, vbits, scale_table, softmax_scale, bias, has_bias, q_pos0, q_len, causal,
-                           part_size, n_comp_parts, part_m, part_l, part_acc):
+                           kbits, koff, vbits, voff, sgroup, scale_table, softmax_scale, bias, has_bias, has_qjl, sq,
+                           qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size, n_comp_parts, part_m, part_l,
+                           part_acc):
     """One thread per (KV row g, partition p, query row r): grid-stride over all of them.
 
     Threads of one block share g and p for consecutive r, so their code reads coincide
@@ -244,6 +323,7 @@ def _decode_attention_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_e
     """
     n_g, rows, d = qr.shape
     nb = d // 32
+    m_qjl = sq.shape[2]
     n_parts = part_m.shape[1]
     kbuf = cuda.local.array(MAX_HEAD_DIM, dtype=float32)
     vbuf = cuda.local.array(MAX_HEAD_DIM, dtype=float32)
@@ -275,9 +355,11 @@ def _decode_attention_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_e
                 continue
             s = float32(0.0)
             if compressed:
-                load_token_fast_dev(kc[g, t], ks[g, t], kcent, kbits, nb, scale_table, kbuf)
+                load_token_dev(kc[g, t], ks[g, t], kcent, kbits, koff, sgroup, nb, scale_table, kbuf)
                 for j in range(d):
                     s += qr[g, r, j] * kbuf[j]
+                if has_qjl:
+                    s += qjl_const * scale_table[qnorm[g, t]] * qjl_dot_dev(sq[g, r], qsig[g, t], m_qjl)
             else:
                 for j in range(d):
                     s += q[g, r, j] * ke[g, t, j]
@@ -289,7 +371,7 @@ def _decode_attention_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_e
             w = math.exp(s - m_new)
             lsum = lsum * alpha + w
             if compressed:
-                load_token_fast_dev(vc[g, t], vs[g, t], vcent, vbits, nb, scale_table, vbuf)
+                load_token_dev(vc[g, t], vs[g, t], vcent, vbits, voff, sgroup, nb, scale_table, vbuf)
                 for j in range(d):
                     acc[j] = acc[j] * alpha + w * vbuf[j]
             else:
@@ -303,24 +385,27 @@ def _decode_attention_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_e
 
 
 @cuda_kernel
-def _merge_partitions_cuda(part_m, part_l, part_acc, n_comp_parts, signs, out):
+def _merge_partitions_cuda(part_m, part_l, part_acc, n_comp_parts, signs, head_rot, hsigns, out):
     """One thread per (KV row, query row)."""
     n_g, n_parts, rows = part_m.shape
-    buf = cuda.local.array(32, dtype=float32)
+    buf = cuda.local.array(MAX_HEAD_DIM, dtype=float32)
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
     for item in range(start, n_g * rows, stride):
         g = item // rows
         r = item - g * rows
-        merge_row_dev(part_m, part_l, part_acc, g, r, n_comp_parts, n_parts, signs, buf, out)
+        merge_row_dev(part_m, part_l, part_acc, g, r, n_comp_parts, n_parts, signs, head_rot, hsigns, buf, out)
 
 
 _ASIG = ("void(float32[:, :, ::1], float32[:, :, ::1], uint8[:, :, ::1], uint16[:, :, ::1], uint8[:, :, ::1], "
-         "uint16[:, :, ::1], int64, int64, float32[:, :, ::1], float32[:, :, ::1], int64, int32[::1], float32[::1], "
-         "float32[::1], int64, int64, float32[::1], float32, float32[:, :, ::1], boolean, int64, int64, boolean, int64, "
-         "int64, "
+         "uint16[:, :, ::1], int64, int64, float32[:, :, ::1], float32[:, :, ::1], int64, int32[::1], "
+         "float32[:, ::1], float32[:, ::1], int64[::1], int64[::1], int64[::1], int64[::1], int64, "
+         "float32[::1], float32, float32[:, :, ::1], boolean, "
+         "boolean, float32[:, :, ::1], uint8[:, :, ::1], uint16[:, ::1], float32, "
+         "int64, int64, boolean, int64, int64, "
          "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1])")
-_MSIG = "void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1], int64, float32[::1], float32[:, :, ::1])"
+_MSIG = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1], int64, float32[::1], boolean, "
+         "float32[::1], float32[:, :, ::1])")
 register("decode_attention", _decode_attention_cpu, _decode_attention_cuda, [_ASIG])
 register("merge_partitions", _merge_partitions_cpu, _merge_partitions_cuda, [_MSIG])
 
@@ -337,18 +422,82 @@ def default_partition_size(n_tokens: int, n_rows_kv: int, device: str) -> int:
     return 64 if _backend.simulator_enabled() else 256
 
 
+@dataclass(frozen=True, eq=False)
+class CodeLayout:
+    """Byte layout of one compressed vector, as the fused kernels read it.
+
+    Block ``b`` (32 rotated coordinates) holds ``bits[b]``-bit indices at bytes
+    ``offsets[b] .. offsets[b] + 4·bits[b]`` and decodes through ``centroids[b]``;
+    ``scale_group`` consecutive blocks share one stored binary16 scale (1 for the
+    32-block rotation, ``head_dim / 32`` for the whole-head rotation).
+
+    Attributes
+    ----------
+    bits, offsets : int64 arrays, shape ``(head_dim / 32,)``
+    centroids : float32 array, shape ``(head_dim / 32, 16)`` (row ``b`` padded with zeros)
+    scale_group : int
+    """
+
+    bits: np.ndarray
+    offsets: np.ndarray
+    centroids: np.ndarray
+    scale_group: int = 1
+
+    @property
+    def width(self) -> int:
+        """Packed bytes per vector."""
+        return int(4 * self.bits.sum())
+
+    @property
+    def num_scales(self) -> int:
+        """Stored scales per vector."""
+        return len(self.bits) // self.scale_group
+
+    @classmethod
+    def from_blocks(cls, codebooks: Sequence[Any], scale_group: int = 1) -> "CodeLayout":
+        """Layout with one codebook per 32-block (``codebooks[b]``), blocks packed back to back."""
+        nb = len(codebooks)
+        bits = np.array([cb.bits for cb in codebooks], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(4 * bits)[:-1]]).astype(np.int64)
+        cents = np.zeros((nb, 16), dtype=np.float32)
+        for i, cb in enumerate(codebooks):
+            cents[i, :cb.centroids.shape[0]] = cb.centroids
+        for a in (bits, offsets, cents):
+            a.flags.writeable = False
+        return cls(bits, offsets, cents, int(scale_group))
+
+    @classmethod
+    def uniform(cls, codebook: Any, head_dim: int, scale_group: int = 1) -> "CodeLayout":
+        """Every block with the same codebook (cached per codebook and geometry)."""
+        return _uniform_layout(codebook, int(head_dim), int(scale_group))
+
+
+@functools.lru_cache(maxsize=None)
+def _uniform_layout(codebook: Any, head_dim: int, scale_group: int) -> CodeLayout:
+    return CodeLayout.from_blocks([codebook] * (head_dim // 32), scale_group)
+
+
+def _no_qjl(like: Any) -> tuple:
+    return (_backend.empty(like, (1, 1, 8), np.float32), _backend.empty(like, (1, 1, 1), np.uint8),
+            _backend.empty(like, (1, 1), np.uint16), np.float32(0.0))
+
+
 def fused_attention_rows(qr: Any, q: Any, kc: Any, ks: Any, vc: Any, vs: Any, n_comp: int, comp_pos0: int,
-                         ke: Any, ve: Any, n_exact: int, exact_pos: Any, kcent: Any, vcent: Any, kbits: int, vbits: int,
+                         ke: Any, ve: Any, n_exact: int, exact_pos: Any, klayout: CodeLayout, vlayout: CodeLayout,
                          softmax_scale: float, bias: Any, q_pos0: int, q_len: int, causal: bool = True,
-                         part_size: Optional[int] = None) -> Any:
+                         part_size: Optional[int] = None, head_signs: Any = None, qjl: Any = None) -> Any:
     """Fused decode attention over compressed + exact tokens, in the ``[g, rows, d]`` layout.
 
     No validation (callers validate): ``qr``/``q`` ``[n_g, rows, d]`` float32 (rotated and
-    raw queries), codes/scales ``[n_g, capacity, ·]`` with ``n_comp`` live tokens, exact
-    ``ke``/``ve`` ``[n_g, >= n_exact, d]`` float32 (first ``n_exact`` live) with int32
-    positions ``exact_pos``, codebook
-    centroids ``kcent``/``vcent`` float32, ``bias`` ``[n_g, rows, total_positions]`` or
-    ``None``.  Returns ``out`` ``[n_g, rows, d]`` float32 on the device of ``qr``.
+    raw queries), codes/scales ``[n_g, capacity, ·]`` with ``n_comp`` live tokens laid out
+    as ``klayout``/``vlayout``, exact ``ke``/``ve`` ``[n_g, >= n_exact, d]`` float32 (first
+    ``n_exact`` live) with int32 positions ``exact_pos``, ``bias`` ``[n_g, rows,
+    total_positions]`` or ``None``.  ``head_signs`` (float32 ``[d]``): the compressed
+    tokens use the whole-head rotation with these signs (``None``: 32-block rotation).
+    ``qjl`` = ``(sq, signs, norms, const)``: add the QJL correction ``const·‖r_t‖·⟨sq,
+    σ_t⟩`` (``sq`` ``[n_g, rows, m]`` = ``S q``, ``signs`` uint8 ``[n_g, capacity, m/8]``,
+    ``norms`` uint16 ``[n_g, capacity]``) to every compressed token's ``q·k``.  Returns
+    ``out`` ``[n_g, rows, d]`` float32 on the device of ``qr``.
     """
     n_g, rows, d = qr.shape
     dev = _backend.device_of("q", qr)
@@ -358,6 +507,8 @@ def fused_attention_rows(qr: Any, q: Any, kc: Any, ks: Any, vc: Any, vs: Any, n_
     n_cp = -(-n_comp // part_size)
     n_ep = -(-n_exact // part_size)
     n_parts = max(n_cp + n_ep, 1)
+    if n_cp + n_ep == 0:
+        raise ValueError("k: expected at least one stored token to attend over, got none")
     part_m = _backend.empty(qr, (n_g, n_parts, rows), np.float32)
     part_l = _backend.empty(qr, (n_g, n_parts, rows), np.float32)
     part_acc = _backend.empty(qr, (n_g, n_parts, rows, d), np.float32)
@@ -365,24 +516,28 @@ def fused_attention_rows(qr: Any, q: Any, kc: Any, ks: Any, vc: Any, vs: Any, n_
     has_bias = bias is not None
     if bias is None:
         bias = _backend.empty(qr, (1, 1, 1), np.float32)
-    signs = _backend.constant(qr, SIGNS32)
-    args = (qr, q, kc, ks, vc, vs, int(n_comp), int(comp_pos0), ke, ve, n_exact, exact_pos, kcent, vcent, int(kbits),
-            int(vbits), _backend.constant(qr, F16_ABS_TABLE), np.float32(softmax_scale), bias, has_bias, int(q_pos0), int(q_len), bool(causal),
-            int(part_size), int(n_cp), part_m, part_l, part_acc)
-    if n_cp + n_ep == 0:
-        raise ValueError("k: expected at least one stored token to attend over, got none")
+    has_qjl = qjl is not None
+    sq, qsig, qnorm, qconst = qjl if has_qjl else _no_qjl(qr)
+    c = functools.partial(_backend.constant, qr)
+    args = (qr, q, kc, ks, vc, vs, int(n_comp), int(comp_pos0), ke, ve, n_exact, exact_pos,
+            c(klayout.centroids), c(vlayout.centroids), c(klayout.bits), c(klayout.offsets), c(vlayout.bits),
+            c(vlayout.offsets), int(klayout.scale_group), c(F16_ABS_TABLE), np.float32(softmax_scale), bias, has_bias,
+            has_qjl, sq, qsig, qnorm, np.float32(qconst), int(q_pos0), int(q_len), bool(causal), int(part_size),
+            int(n_cp), part_m, part_l, part_acc)
+    head_rot = head_signs is not None
+    margs = (part_m, part_l, part_acc, int(n_cp), c(SIGNS32), head_rot,
+             head_signs if head_rot else c(SIGNS32))
     if dev == _backend.CPU:
         work = n_g * rows * d * (n_comp + n_exact)
         cpu_call(_decode_attention_cpu, work, *args)
-        cpu_call(_merge_partitions_cpu, work // max(n_comp + n_exact, 1) * n_parts, part_m, part_l, part_acc,
-                 int(n_cp), signs, out)
+        cpu_call(_merge_partitions_cpu, work // max(n_comp + n_exact, 1) * n_parts, *margs, out)
     else:
         if d > MAX_HEAD_DIM:
             raise ValueError(f"head_dim: the CUDA decode kernel supports head_dim <= {MAX_HEAD_DIM}, got {d}")
         blocks, threads = _backend.cuda_grid(n_g * n_parts * rows, threads=max(32, min(rows, 128)))
         _decode_attention_cuda[blocks, threads](*args)
         blocks, threads = _backend.cuda_grid(n_g * rows)
-        _merge_partitions_cuda[blocks, threads](part_m, part_l, part_acc, int(n_cp), signs, out)
+        _merge_partitions_cuda[blocks, threads](*margs, out)
     return out
 
 
@@ -531,7 +686,7 @@ def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales
     qr = rotate32(q3)  # forward-rotate every 32-block of the queries, once per step
     out = fused_attention_rows(qr, q3, flat(k_codes, int(k_codes.shape[3])), flat(k_scales, d // 32),
                                flat(v_codes, int(v_codes.shape[3])), flat(v_scales, d // 32), T, 0, ke, ve, n_exact,
-                               epos, _backend.constant(q3, kcb.centroids), _backend.constant(q3, vcb.centroids),
-                               kcb.bits, vcb.bits, softmax_scale, bias3, total - ql, ql, causal, partition_size)
+                               epos, CodeLayout.uniform(kcb, d), CodeLayout.uniform(vcb, d), softmax_scale, bias3,
+                               total - ql, ql, causal, partition_size)
     return out.reshape(b, hq, ql, d)
 

@@ -231,12 +231,13 @@ def paged_decode_attention(q: Any, cache: Any, layer: int, seq_ids: Optional[Seq
     n_comp_parts = n_parts if compressed else 0
     if dev == _backend.CPU:
         cpu_call(_paged_decode_attention_cpu, g * rows * d * sum(lens) // max(n_seq, 1), *args)
-        cpu_call(_merge_partitions_cpu, g * rows * d * n_parts, part_m, part_l, part_acc, n_comp_parts, signs, out)
+        cpu_call(_merge_partitions_cpu, g * rows * d * n_parts, part_m, part_l, part_acc, n_comp_parts, signs, False,
+                 signs, out)
     else:
         if d > MAX_HEAD_DIM:
             raise ValueError(f"q: the CUDA kernel supports head_dim <= {MAX_HEAD_DIM}, got {d}")
         blocks, threads = _backend.cuda_grid(g * n_parts * rows, threads=max(32, min(rows, 128)))
         _paged_decode_attention_cuda[blocks, threads](*args)
         blocks, threads = _backend.cuda_grid(g * rows)
-        _merge_partitions_cuda[blocks, threads](part_m, part_l, part_acc, n_comp_parts, signs, out)
+        _merge_partitions_cuda[blocks, threads](part_m, part_l, part_acc, n_comp_parts, signs, False, signs, out)
     return out.reshape(n_seq, hq, ql, d)

@@ -23,10 +23,12 @@ def q_of(rng, b=1, groups=2, s=1, d=D, dtype=np.float32):
 CFG = AttendConfig(softmax_scale=D ** -0.5, n_kv_groups=2)
 
 
-@pytest.fixture(params=CACHE_NAMES + ("pqo3-window",))
+@pytest.fixture(params=CACHE_NAMES + ("pqo3-window", "tq3-window", "pqo3-head-eden", "tq3-l2-head", "pqo-k3v2-eden", "pqo3-int8window"))
 def cache(request):
-    if request.param == "pqo3-window":  # the default window and sinks
-        return make_cache("pqo3", num_layers=L, num_kv_heads=H, head_dim=D)
+    if request.param.endswith("-window"):  # the default window and sinks
+        return make_cache(request.param[:-7], num_layers=L, num_kv_heads=H, head_dim=D)
+    if request.param.endswith("-int8window"):
+        return make_cache(request.param[:-11], num_layers=L, num_kv_heads=H, head_dim=D, window_dtype="int8")
     opts = {} if request.param == "dense" else {"residual_length": 0, "sink_tokens": 0}
     return make_cache(request.param, num_layers=L, num_kv_heads=H, head_dim=D, **opts)
 
@@ -79,9 +81,15 @@ def test_memory_usage_is_live_nbytes(cache, rng):
     assert cache.memory_usage() == live
     assert cache.allocated_bytes() >= live
     if isinstance(cache, PolarQuantCache) and not cache.windowed:
-        per_token = 2 * (cache.packed_dim + 2 * cache.num_blocks)  # K + V: codes + f16 scales
-        assert cache.memory_usage() == 2 * H * (205 + 3) * per_token
-        assert cache.bits_per_value == (8 * cache.packed_dim + 16 * cache.num_blocks) / D
+        # K + V bytes per token, counted by hand: codes + f16 scales (+ QJL signs and norm)
+        per_token = sum(cache.packed_dims.values()) + 2 * sum(lay.num_scales for lay in cache.layouts.values())
+        if cache.mode == "tq":
+            per_token += cache.qjl_dim // 8 + 2
+        # per used layer and row: int16 channel permutations of K and V (channel splits only)
+        per_row = 2 * D * 2 if cache.outlier_channels else 0
+        rows = 2 * H
+        assert cache.memory_usage() == rows * (205 + 3) * per_token + 2 * rows * per_row
+        assert cache.bits_per_value == 8 * per_token / (2 * D)
 
 
 def test_pqo3_is_3_5_bits_and_pq3_is_2_5_bits():

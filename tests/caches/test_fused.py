@@ -105,7 +105,7 @@ def test_fused_keeps_query_dtype_and_validates_groups():
 
 @pytest.mark.parametrize("kwargs, word", [
     (dict(residual_length=-1), "residual_length"), (dict(sink_tokens=1.5), "sink_tokens"),
-    (dict(window_dtype="int8"), "window_dtype"), (dict(decode_output="both"), "decode_output"),
+    (dict(window_dtype="int4"), "window_dtype"), (dict(decode_output="both"), "decode_output"),
 ])
 def test_bad_window_options(kwargs, word):
     with pytest.raises((ValueError, TypeError), match=word):

@@ -98,7 +98,7 @@ def test_spec_builds_the_cache():
     ("pqo3-r32:r=16", "given twice"),
     ("pqo3:foo=1", "invalid cache 'pqo3'"),
     ("pqo3:residual_length=-1", "residual_length"),
-    ("pqo3:window_dtype=int8", "window_dtype"),
+    ("pqo3:window_dtype=int4", "window_dtype"),
     ("dense:residual_length=4", "invalid cache 'dense'"),
     ("pqo3,pqo3", "listed twice"),
     ("pqo3-r8,pqo3:r=8", "listed twice"),

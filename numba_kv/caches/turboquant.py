@@ -1,0 +1,169 @@
+"""``TurboQuantCache``: TurboQuant_prod (PolarQuant + a 1-bit QJL sketch of the key
+residual), implemented as the paper defines it — not as the anchor ships it.
+
+Per compressed key (``algorithms.md`` §3.1–§3.3), at ``k_bits = b``:
+
+* the block quantizer (:class:`~numba_kv.caches.polarquant.PolarQuantCache`, any norm
+  mode) with the ``b − 1``-bit codebook, stored in ``b − 1``-bit slots (the anchor wastes
+  a bit per index by storing them in ``b``-bit slots);
+* the residual ``r = k − k̂`` sketched as ``σ = sign(S r)`` (``m = head_dim`` bits,
+  packed) plus ``‖r‖`` as binary16.  ``S`` is an ``m × d`` matrix of i.i.d. ``N(0, 1)``
+  entries from NumPy's PCG64 with its own seed (``qjl_seed``), independent of the fixed
+  block rotation — the anchor's ``±1`` hash alternates and some forks reused the rotation
+  seed, which correlates the sketch with the quantization error;
+* the estimator ``q·k ≈ q·k̂ + ‖r‖·√(π/2)/m·⟨S q, σ⟩`` (unbiased for Gaussian ``S``).
+
+Values get **no** QJL and all ``v_bits`` go to the MSE quantizer (PQO, ``v_bits``-bit
+codebook): attention outputs are softmax-weighted averages of values, whose error is set
+by the values' MSE — an unbiased inner product buys nothing there.  (The anchor gives
+values only the ``b − 1``-bit codebook, so its TQ3 has worse values than PQO3 and costs
+more.)  TQ3 at ``head_dim = 128`` therefore stores keys at ``2 + 0.5 + 1 + 16/128 =
+3.625`` bits/value and values at ``3.5``: 3.5625 on average.
+
+The correction is a logit term.  With ``decode_output="fused"`` (default) the kernels add
+it inside the attention loop (CPU twin: one extra small GEMM per tile on the unpacked
+signs; CUDA: one signed sum per token).  With ``decode_output="dequantized"`` the cache
+returns ``k̂`` and ``logit_bias = softmax_scale · ‖r_t‖·√(π/2)/m·⟨S q, σ_t⟩`` for the
+compressed tokens (0 for window/sink tokens), in the units of the scaled logits (see
+:mod:`numba_kv.caches.protocol`).  The first prefill returns the original K/V and no bias
+(nothing was lost yet); a later prefill returns the bias only if ``q`` is passed.
+
+Why it is not the default: QJL turns a small, uniform shrinkage of the logits into ~π/2
+times more *random* logit error, which softmax amplifies (§3.4, §3.5).  At equal bytes
+PQO / the unbiased rescale (``unbiased=True``) are better; the README's recommendation
+table has the numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+
+from .. import _backend
+from ..ops.qjl import SKETCH_SEED, make_sketch, qjl_constant, qjl_scores_into, qjl_signs_into
+from ._layer import BufferSpec, LayerState
+from .polarquant import PolarQuantCache
+from .protocol import AttendConfig, DecodeOutput, Dequantized, DequantResult
+
+
+class TurboQuantCache(PolarQuantCache):
+    """TurboQuant_prod KV cache: ``(b−1)``-bit keys + 1-bit QJL residual sketch, ``b``-bit
+    MSE values, fused decode attention with the QJL correction inside the kernel.
+
+    Parameters
+    ----------
+    num_layers, num_kv_heads, head_dim : int
+        Model geometry; ``head_dim`` a positive multiple of 32.
+    bits : {2, 3, 4}
+        Budget ``b``: keys use the ``b − 1``-bit codebook + 1 QJL bit, values ``b`` bits.
+    k_bits, v_bits : {2, 3, 4}, optional
+        Separate budgets for keys and values.
+    qjl_seed : int
+        Seed of the Gaussian sketch (default :data:`numba_kv.ops.qjl.SKETCH_SEED`).
+    qjl_dim : int, optional
+        Sketch rows ``m`` (bits per key residual; default ``head_dim``; multiple of 8).
+    **options
+        Everything else of :class:`~numba_kv.caches.polarquant.PolarQuantCache`
+        (``norm_mode``, ``rotation``, ``unbiased``, ``residual_length``, ``sink_tokens``,
+        ``key_center``, ``decode_output``, ...), except ``mode`` and ``outlier_channels``.
+
+    Notes
+    -----
+    Extra storage per layer: ``k_qjl`` uint8 ``[rows, capacity, m/8]`` and ``k_rnorm``
+    uint16 (binary16 bits) ``[rows, capacity, 1]``, counted by ``memory_usage``.  NumPy and
+    CuPy arrays only (the residual is formed with array arithmetic).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> cache = TurboQuantCache(num_layers=1, num_kv_heads=2, head_dim=128, bits=3)
+    >>> cache.k_bits_per_value, cache.v_bits_per_value
+    (3.625, 3.5)
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, bits: int = 3, *,
+                 qjl_seed: int = SKETCH_SEED, qjl_dim: Optional[int] = None, **options: Any) -> None:
+        if "mode" in options and options["mode"] != "tq":
+            raise ValueError(f"mode: TurboQuantCache is mode 'tq', got {options['mode']!r}")
+        if options.get("outlier_channels"):
+            raise ValueError("outlier_channels: channel splits are not supported by TurboQuantCache")
+        options["mode"] = "tq"
+        super().__init__(num_layers, num_kv_heads, head_dim, bits, **options)
+        self.sketch = make_sketch(self.head_dim, qjl_dim, qjl_seed)
+        self.qjl_dim = int(self.sketch.shape[0])
+        self.qjl_seed = int(qjl_seed)
+
+    @staticmethod
+    def _modes() -> Tuple[str, ...]:
+        return ("tq",)
+
+    def _slot_bits(self) -> Dict[str, int]:
+        return {"k": self.k_bits - 1, "v": self.v_bits}
+
+    def _side_bits(self, name: str) -> float:
+        extra = self.qjl_dim + 16.0 if name == "k" else 0.0
+        return super()._side_bits(name) + extra
+
+    def _buffer_spec(self) -> BufferSpec:
+        spec = super()._buffer_spec()
+        spec["k_qjl"] = (self.qjl_dim // 8, np.uint8, None)
+        spec["k_rnorm"] = (1, np.uint16, None)
+        return spec
+
+    def _append(self, st: LayerState, dev: str, k: Any, v: Any) -> int:
+        if _backend.xp_of(k) is None:
+            raise TypeError("k: TurboQuantCache needs NumPy or CuPy arrays, got a Numba device array")
+        return super()._append(st, dev, k, v)
+
+    def _norms2d(self, st: LayerState) -> Any:
+        nb = st.buffers["k_rnorm"]
+        return nb.reshape(nb.shape[0], nb.shape[1])
+
+    def _compress(self, st: LayerState, name: str, x3: Any, t0: int) -> None:
+        super()._compress(st, name, x3, t0)
+        if name != "k":
+            return
+        xp = _backend.xp_of(x3)
+        xhat = xp.empty(x3.shape, dtype=np.float32)
+        self._decompress(st, "k", t0, xhat)
+        r = xp.ascontiguousarray(x3 - xhat, dtype=np.float32)
+        qjl_signs_into(r, _backend.constant(r, self.sketch), st.buffers["k_qjl"], self._norms2d(st), t0)
+
+    def _projected_queries(self, st: LayerState, q3: Any) -> Any:
+        """``S q`` ``[rows, G·q_len, m]`` for queries already in the keys' stored domain."""
+        xp = _backend.xp_of(q3)
+        return xp.ascontiguousarray(q3 @ _backend.constant(q3, self.sketch).T, dtype=np.float32)
+
+    def _qjl_args(self, st: LayerState, q3: Any) -> Any:
+        return (self._projected_queries(st, q3), st.buffers["k_qjl"], self._norms2d(st),
+                np.float32(qjl_constant(self.qjl_dim)))
+
+    def logit_bias(self, st: LayerState, q: Any, softmax_scale: float) -> Any:
+        """QJL logit bias ``[batch, num_heads, q_len, seq_len]`` (float32, scaled-logit
+        units) of query ``q`` against the layer's stored tokens."""
+        b, hq, ql, d = (int(s) for s in q.shape)
+        rows = (hq // self.num_kv_heads) * ql
+        g = b * self.num_kv_heads
+        q3 = self._query_in(st, _backend.ascontiguous_f32("q", q).reshape(g, rows, d))
+        xp = _backend.xp_of(q3)
+        n_comp, n_sink = st.meta.get("n_comp", 0), st.meta.get("n_sink", 0)
+        bias = xp.zeros((g, rows, st.seq_len), dtype=np.float32)
+        if n_comp:
+            corr = xp.empty((g, rows, n_comp), dtype=np.float32)
+            qjl_scores_into(self._projected_queries(st, q3), st.buffers["k_qjl"], self._norms2d(st), n_comp,
+                            self.qjl_dim, corr)
+            bias[:, :, n_sink:n_sink + n_comp] = corr * np.float32(softmax_scale)
+        return bias.reshape(b, hq, ql, st.seq_len)
+
+    def _prefill_result(self, st: LayerState, q: Any, dtype: Any) -> DequantResult:
+        hk, hv = self._history(st, dtype)
+        if q is None:
+            return DequantResult(hk, hv)
+        return DequantResult(hk, hv, self.logit_bias(st, q, self.head_dim ** -0.5).astype(dtype))
+
+    def _decode_output(self, st: LayerState, q: Any, config: AttendConfig, dtype: Any) -> DecodeOutput:
+        if self.decode_output != "dequantized":
+            return super()._decode_output(st, q, config, dtype)
+        hk, hv = self._history(st, dtype)
+        return Dequantized(DequantResult(hk, hv, self.logit_bias(st, q, config.softmax_scale).astype(dtype)))

@@ -1,0 +1,51 @@
+"""Fused attention kernels with the QJL correction, the whole-head rotation and mixed
+per-block widths (channel splits): CUDA (simulator or GPU) vs the CPU twin.
+
+These caches need NumPy/CuPy arrays, so the codes are built on the host and the kernel
+entry point :func:`fused_attention_rows` is called on host and on device copies."""
+
+import numpy as np
+import pytest
+
+from numba_kv._backend import to_host
+from numba_kv.caches.factory import make_cache
+from numba_kv.ops.attention import fused_attention_rows
+
+from ..conftest import to_device
+
+
+def _fused_modes(rng):
+    for name in ("tq3", "pqo2.5", "pqo3-head", "tq2-head-eden"):
+        c = make_cache(name, num_layers=1, num_kv_heads=2, head_dim=64, residual_length=3, sink_tokens=1)
+        k = rng.standard_normal((1, 2, 21, 64)).astype(np.float32)
+        v = rng.standard_normal((1, 2, 21, 64)).astype(np.float32)
+        c.prefill(0, k, v)
+        st = c._layers[0]
+        q3 = rng.standard_normal((2, 4, 64)).astype(np.float32)
+        qr = c._rotate_queries(q3)
+        ke, n_exact = c._exact_f32(st, "k")
+        ve, _ = c._exact_f32(st, "v")
+        pos = c._exact_positions(st, q3)
+        qjl = c._qjl_args(st, q3)
+        hs = c._head_signs
+        bufs = [st.buffers[n] for n in ("k_codes", "k_scales", "v_codes", "v_scales")]
+        n_comp = st.meta["n_comp"]
+        bias = rng.standard_normal((2, 4, st.seq_len)).astype(np.float32)
+
+        def run(f, qjl_dev):
+            return fused_attention_rows(f(qr), f(q3), *(f(b) for b in bufs), n_comp, 1, f(ke), f(ve), n_exact, f(pos),
+                                        c.layouts["k"], c.layouts["v"], 0.125, f(bias), st.seq_len - 2, 2, True,
+                                        part_size=8, head_signs=None if hs is None else f(hs), qjl=qjl_dev)
+
+        cpu = run(lambda a: a, qjl)
+        dev = run(to_device, None if qjl is None else tuple(to_device(a) for a in qjl[:3]) + (qjl[3],))
+        np.testing.assert_allclose(to_host(dev), cpu, rtol=2e-5, atol=2e-6, err_msg=name)
+
+
+RUNNERS = {"decode_attention": _fused_modes, "merge_partitions": _fused_modes}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", sorted(RUNNERS))
+def test_cuda_kernel_matches_cpu_twin(name):
+    RUNNERS[name](np.random.default_rng(11))
