@@ -1,5 +1,5 @@
 """``numba-kv`` command line: ``eval`` (caches on a real model), ``generate``, ``demo --synthetic``
-(synthetic KV stream), ``bench attention``, ``info``.
+(synthetic KV stream), ``bench attention``, ``bench modes``, ``info``.
 
 User errors of ``eval`` / ``generate`` (missing model package, bad ``--cache``, missing
 ``--text``, ...) print ``numba-kv <command>: error: <message>`` on stderr and exit with
@@ -32,12 +32,45 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_modes(args: argparse.Namespace) -> int:
+    from .info import collect  # noqa: PLC0415
+    from .recommend import DEFAULT_FAISS, DEFAULT_MODES, render, run, to_json, to_markdown  # noqa: PLC0415
+
+    tokens = int(args.tokens or 2048)
+    modes = DEFAULT_MODES if not args.modes else [m.strip() for m in args.modes.split(",") if m.strip()]
+    faiss_specs = DEFAULT_FAISS if args.faiss is None else [f.strip() for f in args.faiss.split("/")
+                                                            if f.strip()]
+    rows = run(modes, tokens, faiss_specs=faiss_specs, progress=not args.no_progress)
+    config = {"command": "bench modes", "tokens": tokens, "head_dim": 128, "num_kv_heads": 8,
+              "queries_per_head": 256, "sigmas": [1.0, 3.0], "seed": 0, "n_outliers": 4, "modes": list(modes),
+              "faiss": list(faiss_specs)}
+    doc = to_json(rows, config) | {"env": collect()}
+    if args.json == "-":
+        json.dump(doc, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        render(rows, f"compression modes: T={tokens}, d=128, 8 KV heads x 256 queries, synthetic K/V with "
+                     f"outlier channels")
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(doc, f, indent=2)
+                f.write("\n")
+            sys.stderr.write(f"wrote {args.json}\n")
+    if args.markdown:
+        with open(args.markdown, "w", encoding="utf-8") as f:
+            f.write(to_markdown(rows))
+        sys.stderr.write(f"wrote {args.markdown}\n")
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
+    if args.what == "modes":
+        return _bench_modes(args)
     from .bench import render_attention, rows_as_dicts, run_attention_bench  # noqa: PLC0415
     from .info import collect  # noqa: PLC0415
 
     env = collect()
-    tokens = [int(t) for t in args.tokens.split(",")]
+    tokens = [int(t) for t in (args.tokens or "1024,4096,16384,32768").split(",")]
     bits = [int(b) for b in args.bits.split(",")]
     rows = run_attention_bench(tokens, bits, args.repeat, progress=not args.no_progress)
     if args.json:
@@ -200,12 +233,20 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="print JSON instead of a table")
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=_demo)
-    b = sub.add_parser("bench", help="benchmarks: `bench attention` (fused vs dense vs dequantize+attend)")
-    b.add_argument("what", choices=["attention"])
-    b.add_argument("--tokens", default="1024,4096,16384,32768")
+    b = sub.add_parser("bench", help="benchmarks: `bench attention` (fused vs dense vs dequantize+attend), "
+                                     "`bench modes` (quality of every compression mode)")
+    b.add_argument("what", choices=["attention", "modes"])
+    b.add_argument("--tokens", default=None,
+                   help="attention: comma-separated (default 1024,4096,16384,32768); modes: N (default 2048)")
     b.add_argument("--bits", default="3,4")
     b.add_argument("--repeat", type=int, default=5)
-    b.add_argument("--json", action="store_true")
+    b.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                   help="attention: print JSON instead of the table; modes: write JSON to FILE ('-' or no "
+                        "FILE: print it instead of the table)")
+    b.add_argument("--markdown", default=None, metavar="FILE", help="modes: write the markdown table to FILE")
+    b.add_argument("--modes", default=None, help="modes: comma-separated cache modes (default: all)")
+    b.add_argument("--faiss", default=None,
+                   help="modes: '/'-separated faiss.index_factory strings ('' for none; default: the anchors)")
     b.add_argument("--no-progress", action="store_true")
     b.set_defaults(func=_bench)
     i = sub.add_parser("info", help="versions, threading layer, CUDA/simulator/NVVM status")
