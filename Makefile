@@ -42,9 +42,11 @@ bench: venv
 # real-model eval (SmolLM2-135M, GPL-3 text, N=512/P=128; ~3-5 min on 2 cores); the
 # synthetic KV-stream demo is `numba-kv demo --synthetic`.  One Numba thread: the decode
 # kernels are tiny and parallel regions cost more than they gain on a shared 2-core box.
+# the best configuration at <= 4 bits/value measured on SmolLM2 (README, "Evaluating on a real model")
+DEMO_BEST = pqo-k4v3-head-eden:key_center=true,window_dtype=int8
 demo: venv
 	mkdir -p benchmarks/results
-	$(BIN)/numba-kv eval --cache dense,pqo3-r0-s0,pqo3,pqo-k4v3 --tokens 512 --prefill 128 \
+	$(BIN)/numba-kv eval --cache "dense,pqo3-r0-s0,pqo3,tq3,$(DEMO_BEST)" --tokens 512 --prefill 128 \
 		--threads 1 --json benchmarks/results/eval.json --plot benchmarks/results/eval.png
 
 info: venv

@@ -48,11 +48,13 @@ F16_ABS_TABLE.flags.writeable = False
 
 
 # --- single-source cores -------------------------------------------------------------
-def _load_token_fast(crow, srow, cent, bits, nb, scale_table, dst):
-    """``dst[0:32·nb] = |a_b| · c[idx_j]`` for one token; byte-wise unpacking for 2/3/4
-    bits, scales decoded through the exact binary16 table ``scale_table``."""
+def _load_token_fast(crow, srow, cent, bits, nb, sshift, scale_table, dst):
+    """``dst[0:32·nb] = |a| · c[idx_j]`` for one token whose blocks all have width ``bits``
+    and codebook ``cent``; byte-wise unpacking for 2/3/4 bits, scales (one per
+    ``2**sshift`` blocks: a shift, a 64-bit division per block costs ~25 % of the kernel)
+    decoded through the exact binary16 table ``scale_table``."""
     for b in range(nb):
-        sa = scale_table[srow[b]]
+        sa = scale_table[srow[b >> sshift]]
         o = b * 32
         if bits == 3:
             p = b * 12
@@ -85,13 +87,13 @@ def _load_token_fast(crow, srow, cent, bits, nb, scale_table, dst):
                     dst[o + g * 8 + k] = cent[(w >> (bits * k)) & mask] * sa
 
 
-def _load_token(crow, srow, cent2, bits_b, off_b, sgroup, nb, scale_table, dst):
+def _load_token(crow, srow, cent2, bits_b, off_b, sshift, nb, scale_table, dst):
     """``dst[0:32·nb] = |a| · c_b[idx_j]`` for one token of a :class:`CodeLayout`: block
     ``b`` has its own width ``bits_b[b]``, byte offset ``off_b[b]`` and codebook row
-    ``cent2[b]``; ``sgroup`` consecutive blocks share one stored scale (1 = one scale per
-    32-block, ``nb`` = one per vector)."""
+    ``cent2[b]``; ``2**sshift`` consecutive blocks share one stored scale (0 = one scale
+    per 32-block, ``log2(nb)`` = one per vector)."""
     for b in range(nb):
-        sa = scale_table[srow[b // sgroup]]
+        sa = scale_table[srow[b >> sshift]]
         o = b * 32
         bits = bits_b[b]
         p = off_b[b]
@@ -121,6 +123,14 @@ def _load_token(crow, srow, cent2, bits_b, off_b, sgroup, nb, scale_table, dst):
                     w |= int64(crow[p + g * bits + j]) << (8 * j)
                 for k in range(8):
                     dst[o + g * 8 + k] = cent2[b, (w >> (bits * k)) & mask] * sa
+
+
+def _is_uniform(bits_b):
+    """True when every block has the same width."""
+    for b in range(1, bits_b.shape[0]):
+        if bits_b[b] != bits_b[0]:
+            return False
+    return True
 
 
 def _qjl_dot(sqrow, sigrow, m):
@@ -190,6 +200,7 @@ def _merge_row(part_m, part_l, part_acc, g, r, n_comp_parts, n_parts, signs, hea
 load_token_fast_cpu, load_token_fast_dev = twin(_load_token_fast)
 load_token_cpu, load_token_dev = twin(_load_token)
 qjl_dot_cpu, qjl_dot_dev = twin(_qjl_dot)
+is_uniform_cpu, is_uniform_dev = twin(_is_uniform)
 visible_cpu, visible_dev = twin(_visible)
 merge_row_cpu, merge_row_dev = twin(_merge_row)
 
@@ -240,13 +251,20 @@ softmax_tile_cpu = cpu_serial(_softmax_tile)
 # --- CPU twin: partitions in parallel; per tile two small GEMMs (BLAS) on the rotated tile -
 @cpu_kernel
 def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kcent, vcent,
-                          kbits, koff, vbits, voff, sgroup, scale_table, softmax_scale, bias, has_bias, has_qjl, sq,
+                          kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias, has_bias, has_qjl, sq,
                           qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size, n_comp_parts, part_m, part_l,
                           part_acc):
     n_g, rows, d = qr.shape
     nb = d // 32
     m_qjl = sq.shape[2]
     n_parts = part_m.shape[1]
+    # one width for every block (the common case): the specialized loader, ~1.5x faster
+    k_uniform = is_uniform_cpu(kbits)
+    v_uniform = is_uniform_cpu(vbits)
+    kb0 = kbits[0]
+    vb0 = vbits[0]
+    kcent0 = kcent[0]
+    vcent0 = vcent[0]
     for item in prange(n_g * n_parts):
         g = item // n_parts
         p = item - g * n_parts
@@ -268,8 +286,18 @@ def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
             nt = min(TILE, t_hi - t0)
             if compressed:
                 for tt in range(nt):
-                    load_token_cpu(kc[g, t0 + tt], ks[g, t0 + tt], kcent, kbits, koff, sgroup, nb, scale_table, kt[tt])
-                    load_token_cpu(vc[g, t0 + tt], vs[g, t0 + tt], vcent, vbits, voff, sgroup, nb, scale_table, vt[tt])
+                    if k_uniform:
+                        load_token_fast_cpu(kc[g, t0 + tt], ks[g, t0 + tt], kcent0, kb0, nb, sshift, scale_table,
+                                            kt[tt])
+                    else:
+                        load_token_cpu(kc[g, t0 + tt], ks[g, t0 + tt], kcent, kbits, koff, sshift, nb, scale_table,
+                                       kt[tt])
+                    if v_uniform:
+                        load_token_fast_cpu(vc[g, t0 + tt], vs[g, t0 + tt], vcent0, vb0, nb, sshift, scale_table,
+                                            vt[tt])
+                    else:
+                        load_token_cpu(vc[g, t0 + tt], vs[g, t0 + tt], vcent, vbits, voff, sshift, nb, scale_table,
+                                       vt[tt])
                 ktile = kt[:nt]
                 vtile = vt[:nt]
             else:
@@ -313,7 +341,7 @@ def _merge_partitions_cpu(part_m, part_l, part_acc, n_comp_parts, signs, head_ro
 # --- CUDA kernels ------------------------------------------------------------------------
 @cuda_kernel
 def _decode_attention_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kcent, vcent,
-                           kbits, koff, vbits, voff, sgroup, scale_table, softmax_scale, bias, has_bias, has_qjl, sq,
+                           kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias, has_bias, has_qjl, sq,
                            qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size, n_comp_parts, part_m, part_l,
                            part_acc):
     """One thread per (KV row g, partition p, query row r): grid-stride over all of them.
@@ -325,6 +353,12 @@ def _decode_attention_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_e
     nb = d // 32
     m_qjl = sq.shape[2]
     n_parts = part_m.shape[1]
+    k_uniform = is_uniform_dev(kbits)
+    v_uniform = is_uniform_dev(vbits)
+    kb0 = kbits[0]
+    vb0 = vbits[0]
+    kcent0 = kcent[0]
+    vcent0 = vcent[0]
     kbuf = cuda.local.array(MAX_HEAD_DIM, dtype=float32)
     vbuf = cuda.local.array(MAX_HEAD_DIM, dtype=float32)
     acc = cuda.local.array(MAX_HEAD_DIM, dtype=float32)
@@ -355,7 +389,10 @@ def _decode_attention_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_e
                 continue
             s = float32(0.0)
             if compressed:
-                load_token_dev(kc[g, t], ks[g, t], kcent, kbits, koff, sgroup, nb, scale_table, kbuf)
+                if k_uniform:
+                    load_token_fast_dev(kc[g, t], ks[g, t], kcent0, kb0, nb, sshift, scale_table, kbuf)
+                else:
+                    load_token_dev(kc[g, t], ks[g, t], kcent, kbits, koff, sshift, nb, scale_table, kbuf)
                 for j in range(d):
                     s += qr[g, r, j] * kbuf[j]
                 if has_qjl:
@@ -371,7 +408,10 @@ def _decode_attention_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_e
             w = math.exp(s - m_new)
             lsum = lsum * alpha + w
             if compressed:
-                load_token_dev(vc[g, t], vs[g, t], vcent, vbits, voff, sgroup, nb, scale_table, vbuf)
+                if v_uniform:
+                    load_token_fast_dev(vc[g, t], vs[g, t], vcent0, vb0, nb, sshift, scale_table, vbuf)
+                else:
+                    load_token_dev(vc[g, t], vs[g, t], vcent, vbits, voff, sshift, nb, scale_table, vbuf)
                 for j in range(d):
                     acc[j] = acc[j] * alpha + w * vbuf[j]
             else:
@@ -449,6 +489,11 @@ class CodeLayout:
         return int(4 * self.bits.sum())
 
     @property
+    def scale_shift(self) -> int:
+        """``log2(scale_group)`` (the kernels shift instead of dividing)."""
+        return int(self.scale_group).bit_length() - 1
+
+    @property
     def num_scales(self) -> int:
         """Stored scales per vector."""
         return len(self.bits) // self.scale_group
@@ -464,6 +509,8 @@ class CodeLayout:
             cents[i, :cb.centroids.shape[0]] = cb.centroids
         for a in (bits, offsets, cents):
             a.flags.writeable = False
+        if scale_group < 1 or scale_group & (scale_group - 1) or nb % scale_group:
+            raise ValueError(f"scale_group: expected a power of two dividing the {nb} blocks, got {scale_group}")
         return cls(bits, offsets, cents, int(scale_group))
 
     @classmethod
@@ -521,7 +568,7 @@ def fused_attention_rows(qr: Any, q: Any, kc: Any, ks: Any, vc: Any, vs: Any, n_
     c = functools.partial(_backend.constant, qr)
     args = (qr, q, kc, ks, vc, vs, int(n_comp), int(comp_pos0), ke, ve, n_exact, exact_pos,
             c(klayout.centroids), c(vlayout.centroids), c(klayout.bits), c(klayout.offsets), c(vlayout.bits),
-            c(vlayout.offsets), int(klayout.scale_group), c(F16_ABS_TABLE), np.float32(softmax_scale), bias, has_bias,
+            c(vlayout.offsets), klayout.scale_shift, c(F16_ABS_TABLE), np.float32(softmax_scale), bias, has_bias,
             has_qjl, sq, qsig, qnorm, np.float32(qconst), int(q_pos0), int(q_len), bool(causal), int(part_size),
             int(n_cp), part_m, part_l, part_acc)
     head_rot = head_signs is not None

@@ -60,8 +60,8 @@ def _paged_decode_attention_cpu(qr, q, kc, ks, vc, vs, kp, vp, compressed, kv_in
                 page = kv_indices[first + t // page_size]
                 slot = t % page_size
                 if compressed:
-                    load_token_fast_cpu(kc[page, h, slot], ks[page, h, slot], kcent, kbits, nb, scale_table, kt[tt])
-                    load_token_fast_cpu(vc[page, h, slot], vs[page, h, slot], vcent, vbits, nb, scale_table, vt[tt])
+                    load_token_fast_cpu(kc[page, h, slot], ks[page, h, slot], kcent, kbits, nb, 0, scale_table, kt[tt])
+                    load_token_fast_cpu(vc[page, h, slot], vs[page, h, slot], vcent, vbits, nb, 0, scale_table, vt[tt])
                 else:
                     for j in range(d):
                         kt[tt, j] = kp[page, h, slot, j]
@@ -116,8 +116,8 @@ def _paged_decode_attention_cuda(qr, q, kc, ks, vc, vs, kp, vp, compressed, kv_i
             slot = t % page_size
             s = float32(0.0)
             if compressed:
-                load_token_fast_dev(kc[page, h, slot], ks[page, h, slot], kcent, kbits, nb, scale_table, kbuf)
-                load_token_fast_dev(vc[page, h, slot], vs[page, h, slot], vcent, vbits, nb, scale_table, vbuf)
+                load_token_fast_dev(kc[page, h, slot], ks[page, h, slot], kcent, kbits, nb, 0, scale_table, kbuf)
+                load_token_fast_dev(vc[page, h, slot], vs[page, h, slot], vcent, vbits, nb, 0, scale_table, vbuf)
                 for j in range(d):
                     s += qr[g, r, j] * kbuf[j]
             else:
