@@ -39,7 +39,7 @@ bench: venv
 	NUMBA_NUM_THREADS=$${NUMBA_NUM_THREADS:-2} $(PYTEST) benchmarks --benchmark-only \
 		--benchmark-json=benchmarks/results/bench.json --benchmark-columns=min,median,mean,rounds -q
 
-# real-model eval (SmolLM2-135M, GPL-3 text, N=512/P=128; ~3-5 min on 2 cores); the
+# real-model eval (SmolLM2-135M, GPL-3 text, N=512/P=128; ~2.5 min on 2 quiet cores); the
 # synthetic KV-stream demo is `numba-kv demo --synthetic`.  One Numba thread: the decode
 # kernels are tiny and parallel regions cost more than they gain on a shared 2-core box.
 # the best configuration at <= 4 bits/value measured on SmolLM2 (README, "Evaluating on a real model")
