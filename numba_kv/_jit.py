@@ -14,6 +14,9 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import pathlib
 import types
 from typing import Callable, Dict, Tuple
 
@@ -25,6 +28,32 @@ __all__ = ["cpu_call", "cpu_kernel", "cpu_serial", "cuda_kernel", "twin", "CORES
 CORES: Dict[Callable, Tuple[Callable, Callable]] = {}
 
 
+@functools.lru_cache(maxsize=1)
+def kernel_sources_digest() -> str:
+    """SHA-256 of every source a kernel can compile in: ``ops/*.py`` and this file."""
+    root = pathlib.Path(__file__).parent
+    h = hashlib.sha256()
+    for path in sorted([root / "_jit.py", *root.joinpath("ops").glob("*.py")]):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _restamp(dispatcher: Callable) -> Callable:
+    """Key ``dispatcher``'s on-disk cache on all kernel sources, not only its own file.
+
+    Numba revalidates a cached kernel against the source file that defines it; our kernels
+    inline cores from other modules (``_rotate_head_inverse`` into the attention merge, the
+    binary16 helpers into every quantizer), so editing a core would otherwise leave other
+    modules' cached kernels stale and silently wrong.  Uses Numba's cache-file stamp (a
+    private attribute, present in numba 0.6x and numba-cuda); without it nothing changes.
+    """
+    cache_file = getattr(getattr(dispatcher, "_cache", None), "_cache_file", None)
+    if cache_file is not None and hasattr(cache_file, "_source_stamp"):
+        cache_file._source_stamp = (cache_file._source_stamp, kernel_sources_digest())
+    return dispatcher
+
+
 def cpu_kernel(fn: Callable) -> Callable:
     """CPU twin of a kernel: parallel, GIL-free, cached.
 
@@ -33,12 +62,12 @@ def cpu_kernel(fn: Callable) -> Callable:
     region costs more than the work, and on a busy machine far more.  :func:`cpu_call`
     picks between the two by work size.
     """
-    par = njit(parallel=True, nogil=True, cache=True, fastmath=False)(fn)
+    par = _restamp(njit(parallel=True, nogil=True, cache=True, fastmath=False)(fn))
     # a distinct qualname keeps the two compilations apart in Numba's on-disk cache
     ser = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     ser.__qualname__ = fn.__qualname__ + "__serial"
     ser.__module__ = fn.__module__
-    par.serial = njit(parallel=False, nogil=True, cache=True, fastmath=False)(ser)
+    par.serial = _restamp(njit(parallel=False, nogil=True, cache=True, fastmath=False)(ser))
     return par
 
 
@@ -54,12 +83,12 @@ def cpu_call(kernel: Callable, work: int, *args):
 
 def cpu_serial(fn: Callable) -> Callable:
     """Serial jitted CPU helper (host-side glue that must not open a parallel region)."""
-    return njit(parallel=False, nogil=True, cache=True, fastmath=False)(fn)
+    return _restamp(njit(parallel=False, nogil=True, cache=True, fastmath=False)(fn))
 
 
 def cuda_kernel(fn: Callable) -> Callable:
     """CUDA kernel, compiled lazily on first launch (or by ``compile_ptx``)."""
-    return cuda.jit(fn, cache=True)
+    return _restamp(cuda.jit(fn, cache=True))
 
 
 def _rebind(fn: Callable, which: int) -> Callable:
@@ -86,7 +115,7 @@ def twin(fn: Callable) -> Tuple[Callable, Callable]:
     (cpu, dev) : tuple of dispatchers
         ``cpu`` is callable from ``njit`` code (and from Python), ``dev`` from CUDA kernels.
     """
-    cpu = njit(nogil=True, cache=True, fastmath=False)(_rebind(fn, 0))
+    cpu = _restamp(njit(nogil=True, cache=True, fastmath=False)(_rebind(fn, 0)))
     dev = cuda.jit(device=True, inline="always")(_rebind(fn, 1))
     CORES[fn] = (cpu, dev)
     return cpu, dev

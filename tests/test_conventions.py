@@ -89,3 +89,17 @@ def test_public_api_has_docstrings():
         obj = getattr(numba_kv, name)
         if inspect.isfunction(obj) or inspect.isclass(obj):
             assert inspect.getdoc(obj), f"numba_kv.{name} has no docstring"
+
+
+def test_kernel_caches_are_keyed_on_all_kernel_sources():
+    """Editing a core in one module must invalidate cached kernels of every module that
+    inlines it: each cached dispatcher's stamp carries the digest of all kernel sources."""
+    from numba_kv._jit import kernel_sources_digest
+    from numba_kv.ops import TWINS
+
+    digest = kernel_sources_digest()
+    assert len(digest) == 64
+    for twin in TWINS.values():
+        for disp in (twin.cpu, twin.cpu.serial, twin.cuda):
+            stamp = disp._cache._cache_file._source_stamp
+            assert isinstance(stamp, tuple) and stamp[1] == digest, twin.name
