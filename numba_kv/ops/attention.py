@@ -588,7 +588,7 @@ def fused_attention_rows(qr: Any, q: Any, kc: Any, ks: Any, vc: Any, vs: Any, n_
     return out
 
 
-def _codebook_for(name: str, bits: Any, norm_mode: str, codebook: Any):
+def _codebook_for(name: str, bits: Any, norm_mode: str, codebook: Any, block: int = 32):
     from .codebook import Codebook, get_codebook  # noqa: PLC0415
 
     if codebook is not None:
@@ -597,7 +597,7 @@ def _codebook_for(name: str, bits: Any, norm_mode: str, codebook: Any):
         return codebook
     if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 1 <= int(bits) <= 4:
         raise ValueError(f"{name}_bits: expected an int in 1..4, got {bits!r}")
-    return get_codebook(int(bits), norm_mode)
+    return get_codebook(int(bits), norm_mode, block=block)
 
 
 def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales: Any, *, bits: int = 3,
@@ -605,7 +605,7 @@ def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales
                      k_codebook: Any = None, v_codebook: Any = None, softmax_scale: Optional[float] = None,
                      logit_bias: Any = None, causal: bool = True, k_exact: Any = None, v_exact: Any = None,
                      exact_positions: Any = None, partition_size: Optional[int] = None,
-                     backend: str = "auto") -> Any:
+                     rotation: str = "block", k_qjl: Optional[tuple] = None, backend: str = "auto") -> Any:
     """Softmax attention computed directly from block-quantized K/V codes.
 
     Parameters
@@ -614,7 +614,8 @@ def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales
         Queries; ``num_heads`` a multiple of ``num_kv_heads`` (contiguous GQA groups).
     k_codes, v_codes : uint8 array, shape ``(batch, num_kv_heads, T, head_dim·bits/8)``
     k_scales, v_scales : uint16 array, shape ``(batch, num_kv_heads, T, head_dim/32)``
-        As returned by :func:`numba_kv.quantize_blocks` on ``[batch, num_kv_heads, T, d]``.
+        As returned by :func:`numba_kv.quantize_blocks` on ``[batch, num_kv_heads, T, d]``
+        (with ``rotation="head"``: ``(…, T, 1)`` from :func:`numba_kv.quantize_head`).
         Compressed token ``t`` sits at position ``t`` (after any exact tokens, see below).
     bits, norm_mode, k_bits, v_bits, k_codebook, v_codebook
         Codebooks of K and V (``k_bits``/``v_bits`` default to ``bits``).
@@ -631,6 +632,16 @@ def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales
         Positions of the exact tokens; default ``T, T+1, …`` (a window after the codes).
     partition_size : int, optional
         Tokens per split-K partition (default: enough partitions for every thread).
+    rotation : {"block", "head"}
+        How the codes were made: :func:`numba_kv.quantize_blocks` (32-block rotation, one
+        scale per block) or :func:`numba_kv.quantize_head` (whole-head rotation, one norm
+        per vector, L2 codebooks for ``head_dim`` dimensions; ``norm_mode`` is ignored).
+    k_qjl : tuple ``(signs, norms, sketch)``, optional
+        TurboQuant's QJL correction of the keys, added to every compressed token's ``q·k``
+        inside the kernel: ``signs`` uint8 ``(batch, num_kv_heads, T, m/8)`` and ``norms``
+        uint16 ``(batch, num_kv_heads, T)`` from :func:`numba_kv.qjl_quantize` of the key
+        residuals ``k − k̂``, and the ``sketch`` float32 ``(m, head_dim)`` they were made
+        with (``None``: :func:`numba_kv.make_sketch`).
 
     Returns
     -------
@@ -661,17 +672,24 @@ def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales
     b, hq, ql, d = (int(s) for s in q.shape)
     if d % 32 or d == 0:
         raise ValueError(f"q: expected head_dim a positive multiple of 32, got shape {(b, hq, ql, d)}")
-    kcb = _codebook_for("k", bits if k_bits is None else k_bits, norm_mode, k_codebook)
-    vcb = _codebook_for("v", bits if v_bits is None else v_bits, norm_mode, v_codebook)
+    if rotation not in ("block", "head"):
+        raise ValueError(f"rotation: expected 'block' or 'head', got {rotation!r}")
+    head = rotation == "head"
+    if head and (d & (d - 1) or d > MAX_HEAD_DIM):
+        raise ValueError(f"q: rotation='head' needs a power-of-two head_dim <= {MAX_HEAD_DIM}, got {d}")
+    cb_mode, cb_block = ("l2", d) if head else (norm_mode, 32)
+    kcb = _codebook_for("k", bits if k_bits is None else k_bits, cb_mode, k_codebook, cb_block)
+    vcb = _codebook_for("v", bits if v_bits is None else v_bits, cb_mode, v_codebook, cb_block)
+    n_scales = 1 if head else d // 32
     if len(k_codes.shape) != 4:
         raise ValueError(f"k_codes: expected 4-D [batch, num_kv_heads, T, packed], got shape {tuple(k_codes.shape)}")
     hkv, T = int(k_codes.shape[1]), int(k_codes.shape[2])
     if hkv < 1 or hq % hkv:
         raise ValueError(f"q: expected num_heads to be a multiple of num_kv_heads={hkv}, got shape {(b, hq, ql, d)}")
     for name, a, width, dt in (("k_codes", k_codes, d * kcb.bits // 8, np.uint8),
-                               ("k_scales", k_scales, d // 32, np.uint16),
+                               ("k_scales", k_scales, n_scales, np.uint16),
                                ("v_codes", v_codes, d * vcb.bits // 8, np.uint8),
-                               ("v_scales", v_scales, d // 32, np.uint16)):
+                               ("v_scales", v_scales, n_scales, np.uint16)):
         if np.dtype(a.dtype) != dt:
             raise TypeError(f"{name}: expected dtype {np.dtype(dt)}, got {a.dtype}")
         check_shape(name, a, (b, hkv, T, width), ("batch", "num_kv_heads", "T", "width"))
@@ -730,10 +748,52 @@ def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales
     else:
         ke = ve = _backend.empty(q3, (g, 0, d), np.float32)
         epos = exact_positions
-    qr = rotate32(q3)  # forward-rotate every 32-block of the queries, once per step
-    out = fused_attention_rows(qr, q3, flat(k_codes, int(k_codes.shape[3])), flat(k_scales, d // 32),
-                               flat(v_codes, int(v_codes.shape[3])), flat(v_scales, d // 32), T, 0, ke, ve, n_exact,
-                               epos, CodeLayout.uniform(kcb, d), CodeLayout.uniform(vcb, d), softmax_scale, bias3,
-                               total - ql, ql, causal, partition_size)
+    qjl = None
+    if k_qjl is not None:
+        qjl = _qjl_args(k_qjl, q3, b, hkv, T, d)
+    sgroup = d // 32 if head else 1
+    if head:
+        from .headquant import head_signs, rotate_head  # noqa: PLC0415
+
+        qr = rotate_head(q3)  # the whole-head rotation of the queries, once per step
+        hs = _backend.constant(q3, head_signs(d))
+    else:
+        qr = rotate32(q3)  # forward-rotate every 32-block of the queries, once per step
+        hs = None
+    out = fused_attention_rows(qr, q3, flat(k_codes, int(k_codes.shape[3])), flat(k_scales, n_scales),
+                               flat(v_codes, int(v_codes.shape[3])), flat(v_scales, n_scales), T, 0, ke, ve, n_exact,
+                               epos, CodeLayout.uniform(kcb, d, sgroup), CodeLayout.uniform(vcb, d, sgroup),
+                               softmax_scale, bias3, total - ql, ql, causal, partition_size, head_signs=hs, qjl=qjl)
     return out.reshape(b, hq, ql, d)
+
+
+def _qjl_args(k_qjl: Any, q3: Any, b: int, hkv: int, T: int, d: int) -> tuple:
+    """Validate ``k_qjl = (signs, norms, sketch)`` and project the queries: the ``qjl``
+    argument of :func:`fused_attention_rows`."""
+    from .._validate import check_shape  # noqa: PLC0415
+    from .lowrank import project_into  # noqa: PLC0415
+    from .qjl import _sketch_arg, qjl_constant  # noqa: PLC0415
+
+    if not isinstance(k_qjl, tuple) or len(k_qjl) != 3:
+        raise TypeError("k_qjl: expected a tuple (signs, norms, sketch), got "
+                        f"{type(k_qjl).__name__}")
+    signs, norms, sketch = k_qjl
+    _backend.resolve_device("auto", q=q3, k_qjl_signs=signs, k_qjl_norms=norms, k_qjl_sketch=sketch)
+    if np.dtype(signs.dtype) != np.uint8:
+        raise TypeError(f"k_qjl: expected signs of dtype uint8, got {signs.dtype}")
+    if np.dtype(norms.dtype) != np.uint16:
+        raise TypeError(f"k_qjl: expected norms of dtype uint16 (binary16 bits), got {norms.dtype}")
+    if len(signs.shape) != 4 or int(signs.shape[3]) < 1:
+        raise ValueError(f"k_qjl: expected signs of shape (batch, num_kv_heads, T, m/8), got {tuple(signs.shape)}")
+    mb = int(signs.shape[3])
+    check_shape("k_qjl signs", signs, (b, hkv, T, mb), ("batch", "num_kv_heads", "T", "m/8"))
+    check_shape("k_qjl norms", norms, (b, hkv, T), ("batch", "num_kv_heads", "T"))
+    m = 8 * mb
+    sk = _sketch_arg(sketch, d, m, q3)
+    g, rows, _ = q3.shape
+    xp = _backend.xp_of(q3)
+    contig = (lambda a: xp.ascontiguousarray(a)) if xp is not None else (lambda a: a)
+    sq = _backend.empty(q3, (g, rows, m), np.float32)
+    project_into(q3, _backend.zeros(q3, (1, d), np.float32), sk.reshape(1, m, d), sq)
+    return sq, contig(signs).reshape(g, T, mb), contig(norms).reshape(g, T), np.float32(qjl_constant(m))
 

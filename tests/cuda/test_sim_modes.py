@@ -42,7 +42,30 @@ def _fused_modes(rng):
         np.testing.assert_allclose(to_host(dev), cpu, rtol=2e-5, atol=2e-6, err_msg=name)
 
 
-RUNNERS = {"decode_attention": _fused_modes, "merge_partitions": _fused_modes}
+def _public_modes(rng):
+    """The public op with the whole-head rotation and the QJL correction, on device arrays."""
+    from numba_kv import decode_attention, qjl_quantize, quantize_head
+    from numba_kv.ops.headquant import dequantize_head
+
+    k = rng.standard_normal((1, 2, 19, 64)).astype(np.float32)
+    v = rng.standard_normal((1, 2, 19, 64)).astype(np.float32)
+    q = rng.standard_normal((1, 4, 1, 64)).astype(np.float32)
+    kc, kn = quantize_head(k, 2)
+    vc, vn = quantize_head(v, 3)
+    signs, norms = qjl_quantize(k - dequantize_head(kc, kn, 2))
+    kw = dict(k_bits=2, v_bits=3, rotation="head", partition_size=8)
+    cpu = decode_attention(q, kc, kn, vc, vn, k_qjl=(signs, norms, None), **kw)
+    dev = decode_attention(*(to_device(a) for a in (q, kc, kn, vc, vn)),
+                           k_qjl=(to_device(signs), to_device(norms), None), **kw)
+    np.testing.assert_allclose(to_host(dev), cpu, rtol=2e-5, atol=2e-6)
+
+
+def _all_modes(rng):
+    _fused_modes(rng)
+    _public_modes(rng)
+
+
+RUNNERS = {"decode_attention": _all_modes, "merge_partitions": _all_modes}
 
 
 @pytest.mark.cuda

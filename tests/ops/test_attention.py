@@ -8,6 +8,7 @@ import pytest
 from numba_kv import reference
 from numba_kv.ops.attention import decode_attention
 from numba_kv.ops.blockquant import dequantize_blocks, quantize_blocks
+from numba_kv.ops.codebook import get_codebook
 
 GRID = list(itertools.product([1, 31, 32, 33, 1000], [32, 64, 128, 256], [1, 3, 4, 8]))
 
@@ -112,3 +113,73 @@ def test_bad_input(mutate, exc, word):
     mutate(args)
     with pytest.raises(exc, match=word):
         decode_attention(**args)
+
+
+# --- whole-head rotation and the QJL correction through the public op ------------------------
+def _qjl_case(rng, d=64, T=90):
+    from numba_kv import qjl_quantize
+
+    k = rng.standard_normal((1, 2, T, d)).astype(np.float32)
+    v = rng.standard_normal((1, 2, T, d)).astype(np.float32)
+    q = rng.standard_normal((1, 4, 1, d)).astype(np.float32)
+    kc, ks = quantize_blocks(k, 2, "l2")
+    vc, vs = quantize_blocks(v, 3)
+    khat = dequantize_blocks(kc, ks, 2, "l2")
+    signs, norms = qjl_quantize(k - khat)
+    return q, k, v, kc, ks, vc, vs, khat, signs, norms
+
+
+def test_decode_attention_with_qjl_equals_dequantized_plus_bias(rng):
+    from numba_kv import make_sketch, qjl_inner_product
+
+    q, k, v, kc, ks, vc, vs, khat, signs, norms = _qjl_case(rng)
+    d = q.shape[-1]
+    out = decode_attention(q, kc, ks, vc, vs, k_bits=2, v_bits=3, norm_mode="l2", causal=False,
+                           k_qjl=(signs, norms, None), v_codebook=get_codebook(3, "maxnorm"))
+    # bias in scaled-logit units: softmax_scale · ‖r‖·√(π/2)/m·⟨S q, σ⟩, per query head's KV head
+    qg = q[0, :, 0].reshape(2, 2, d)  # [hkv, group, d]
+    corr = qjl_inner_product(qg, signs[0], norms[0], make_sketch(d))  # [hkv, group, T]
+    bias = (d ** -0.5 * corr).reshape(1, 4, 1, -1)
+    ref = reference.attention(q, khat, dequantize_blocks(vc, vs, 3), d ** -0.5, bias)
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-6)
+    plain = decode_attention(q, kc, ks, vc, vs, k_bits=2, v_bits=3, norm_mode="l2", causal=False,
+                             v_codebook=get_codebook(3, "maxnorm"))
+    assert np.abs(out - plain).max() > 1e-3  # the correction is really applied
+
+
+def test_decode_attention_head_rotation(rng):
+    from numba_kv import dequantize_head, quantize_head
+
+    d, T = 128, 70
+    k = rng.standard_normal((1, 2, T, d)).astype(np.float32)
+    v = rng.standard_normal((1, 2, T, d)).astype(np.float32)
+    q = rng.standard_normal((1, 6, 2, d)).astype(np.float32)
+    kc, kn = quantize_head(k, 4, unbiased=True)
+    vc, vn = quantize_head(v, 3)
+    out = decode_attention(q, kc, kn, vc, vn, k_bits=4, v_bits=3, rotation="head", partition_size=16)
+    ref = reference.attention(q, dequantize_head(kc, kn, 4), dequantize_head(vc, vn, 3), d ** -0.5,
+                              causal_offset=T - 2)
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("kw, word", [
+    (dict(rotation="full"), "rotation"),
+    (dict(k_qjl=[1, 2, 3]), "k_qjl"),
+    (dict(k_qjl="signs"), "k_qjl"),
+])
+def test_decode_attention_bad_modes(rng, kw, word):
+    q, k, v, kc, ks, vc, vs, khat, signs, norms = _qjl_case(rng)
+    with pytest.raises((ValueError, TypeError), match=word):
+        decode_attention(q, kc, ks, vc, vs, k_bits=2, **kw)
+
+
+def test_decode_attention_bad_qjl_shapes(rng):
+    q, k, v, kc, ks, vc, vs, khat, signs, norms = _qjl_case(rng)
+    with pytest.raises(ValueError, match="k_qjl signs"):
+        decode_attention(q, kc, ks, vc, vs, k_bits=2, k_qjl=(signs[:, :, :5], norms, None))
+    with pytest.raises(ValueError, match="k_qjl norms"):
+        decode_attention(q, kc, ks, vc, vs, k_bits=2, k_qjl=(signs, norms[:, :1], None))
+    with pytest.raises(TypeError, match="k_qjl"):
+        decode_attention(q, kc, ks, vc, vs, k_bits=2, k_qjl=(signs.astype(np.int8), norms, None))
+    with pytest.raises(ValueError, match="sketch"):
+        decode_attention(q, kc, ks, vc, vs, k_bits=2, k_qjl=(signs, norms, np.zeros((8, 64), np.float32)))
