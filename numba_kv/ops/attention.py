@@ -125,6 +125,18 @@ def _load_token(crow, srow, cent2, bits_b, off_b, sshift, nb, scale_table, dst):
                     dst[o + g * 8 + k] = cent2[b, (w >> (bits * k)) & mask] * sa
 
 
+def _online_update(s, m, lsum, acc, vrow, d):
+    """One token of an online softmax (CUDA kernels, one query row per thread): fold the
+    scaled logit ``s`` and value row ``vrow`` into the running max ``m``, sum ``lsum`` and
+    accumulator ``acc``; returns the new ``(m, lsum)``."""
+    m_new = max(m, s)
+    alpha = math.exp(m - m_new) if m != NEG_INF else float32(0.0)
+    w = math.exp(s - m_new)
+    for j in range(d):
+        acc[j] = acc[j] * alpha + w * vrow[j]
+    return m_new, lsum * alpha + w
+
+
 def _is_uniform(bits_b):
     """True when every block has the same width."""
     for b in range(1, bits_b.shape[0]):
@@ -201,6 +213,7 @@ load_token_fast_cpu, load_token_fast_dev = twin(_load_token_fast)
 load_token_cpu, load_token_dev = twin(_load_token)
 qjl_dot_cpu, qjl_dot_dev = twin(_qjl_dot)
 is_uniform_cpu, is_uniform_dev = twin(_is_uniform)
+online_update_cpu, online_update_dev = twin(_online_update)
 visible_cpu, visible_dev = twin(_visible)
 merge_row_cpu, merge_row_dev = twin(_merge_row)
 
@@ -403,21 +416,14 @@ def _decode_attention_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_e
             s = s * softmax_scale
             if has_bias:
                 s += bias[g, r, pos]
-            m_new = max(m, s)
-            alpha = math.exp(m - m_new) if m != NEG_INF else float32(0.0)
-            w = math.exp(s - m_new)
-            lsum = lsum * alpha + w
             if compressed:
                 if v_uniform:
                     load_token_fast_dev(vc[g, t], vs[g, t], vcent0, vb0, nb, sshift, scale_table, vbuf)
                 else:
                     load_token_dev(vc[g, t], vs[g, t], vcent, vbits, voff, sshift, nb, scale_table, vbuf)
-                for j in range(d):
-                    acc[j] = acc[j] * alpha + w * vbuf[j]
+                m, lsum = online_update_dev(s, m, lsum, acc, vbuf, d)
             else:
-                for j in range(d):
-                    acc[j] = acc[j] * alpha + w * ve[g, t, j]
-            m = m_new
+                m, lsum = online_update_dev(s, m, lsum, acc, ve[g, t], d)
         part_m[g, p, r] = m
         part_l[g, p, r] = lsum
         for j in range(d):

@@ -225,6 +225,21 @@ rotate_head_forward_cpu, rotate_head_forward_dev = twin(_rotate_head_forward)
 rotate_head_inverse_cpu, rotate_head_inverse_dev = twin(_rotate_head_inverse)
 
 
+def _rotate_head_row(x, r, d, signs, inverse, buf, out):
+    """``out[r] = rotation of x[r]`` (forward or inverse) through the scratch ``buf``."""
+    for j in range(d):
+        buf[j] = x[r, j]
+    if inverse:
+        _rotate_head_inverse(buf, d, signs)
+    else:
+        _rotate_head_forward(buf, d, signs)
+    for j in range(d):
+        out[r, j] = buf[j]
+
+
+rotate_head_row_cpu, rotate_head_row_dev = twin(_rotate_head_row)
+
+
 def _quantize_head_lanes(x, v0, nl, d, signs, bounds, centroids, unbiased, bits, t0, codes, norms,
                          L, t, ib, w):
     """Quantize flattened vectors ``v0 .. v0+nl-1`` of ``x`` (``nl <= L``, ``d = x.shape[2]``)
@@ -356,14 +371,7 @@ def _rotate_head_cpu(x, signs, inverse, out):
     n, d = x.shape
     for r in prange(n):
         buf = np.empty(d, dtype=np.float32)
-        for j in range(d):
-            buf[j] = x[r, j]
-        if inverse:
-            rotate_head_inverse_cpu(buf, d, signs)
-        else:
-            rotate_head_forward_cpu(buf, d, signs)
-        for j in range(d):
-            out[r, j] = buf[j]
+        rotate_head_row_cpu(x, r, d, signs, inverse, buf, out)
 
 
 @cpu_kernel
@@ -403,14 +411,7 @@ def _rotate_head_cuda(x, signs, inverse, out):
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
     for r in range(start, n, stride):
-        for j in range(d):
-            buf[j] = x[r, j]
-        if inverse:
-            rotate_head_inverse_dev(buf, d, signs)
-        else:
-            rotate_head_forward_dev(buf, d, signs)
-        for j in range(d):
-            out[r, j] = buf[j]
+        rotate_head_row_dev(x, r, d, signs, inverse, buf, out)
 
 
 @cuda_kernel

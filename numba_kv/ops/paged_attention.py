@@ -13,7 +13,6 @@ its ``q_len`` new queries sit at its last ``q_len`` positions (causal).
 
 from __future__ import annotations
 
-import math
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -23,7 +22,7 @@ from .. import _backend
 from .._jit import cpu_call, cpu_kernel, cuda_kernel
 from ._registry import register
 from .attention import (F16_ABS_TABLE, MAX_HEAD_DIM, NEG_INF, TILE, _merge_partitions_cpu, _merge_partitions_cuda,
-                        load_token_fast_cpu, load_token_fast_dev, softmax_tile_cpu, visible_dev)
+                        load_token_fast_cpu, load_token_fast_dev, online_update_dev, softmax_tile_cpu, visible_dev)
 from .hadamard import SIGNS32, rotate32
 
 
@@ -120,18 +119,11 @@ def _paged_decode_attention_cuda(qr, q, kc, ks, vc, vs, kp, vp, compressed, kv_i
                 load_token_fast_dev(vc[page, h, slot], vs[page, h, slot], vcent, vbits, nb, 0, scale_table, vbuf)
                 for j in range(d):
                     s += qr[g, r, j] * kbuf[j]
+                m, lsum = online_update_dev(s * softmax_scale, m, lsum, acc, vbuf, d)
             else:
                 for j in range(d):
                     s += q[g, r, j] * kp[page, h, slot, j]
-                    vbuf[j] = vp[page, h, slot, j]
-            s = s * softmax_scale
-            m_new = max(m, s)
-            alpha = math.exp(m - m_new) if m != NEG_INF else float32(0.0)
-            w = math.exp(s - m_new)
-            lsum = lsum * alpha + w
-            for j in range(d):
-                acc[j] = acc[j] * alpha + w * vbuf[j]
-            m = m_new
+                m, lsum = online_update_dev(s * softmax_scale, m, lsum, acc, vp[page, h, slot], d)
         part_m[g, p, r] = m
         part_l[g, p, r] = lsum
         for j in range(d):
