@@ -26,7 +26,8 @@ signs; CUDA: one signed sum per token).  With ``decode_output="dequantized"`` th
 returns ``k̂`` and ``logit_bias = softmax_scale · ‖r_t‖·√(π/2)/m·⟨S q, σ_t⟩`` for the
 compressed tokens (0 for window/sink tokens), in the units of the scaled logits (see
 :mod:`numba_kv.caches.protocol`).  The first prefill returns the original K/V and no bias
-(nothing was lost yet); a later prefill returns the bias only if ``q`` is passed.
+(nothing was lost yet); a later prefill returns the bias only if ``q`` is passed (with
+the softmax scale ``1/√head_dim``: prefill has no :class:`AttendConfig`).
 
 Why it is not the default: QJL turns a small, uniform shrinkage of the logits into ~π/2
 times more *random* logit error, which softmax amplifies (§3.4, §3.5).  At equal bytes
