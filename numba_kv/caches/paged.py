@@ -32,6 +32,7 @@ Every argument is validated before anything changes: an append that does not fit
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -47,6 +48,7 @@ __all__ = ["PagedKVCache", "PageTable", "OutOfPagesError", "STORAGES", "DEFAULT_
 
 DEFAULT_PAGE_SIZE = 16
 STORAGES = ("float32", "pqo2", "pqo3", "pqo4")
+_ASYM = re.compile(r"^pqo-k([234])v([234])$")
 
 
 class OutOfPagesError(RuntimeError):
@@ -85,8 +87,9 @@ class PagedKVCache:
         Tokens per page (default 16).
     v_head_dim : int, optional
         Width of V (default ``head_dim``); 0 stores keys only.
-    storage : {"float32", "pqo2", "pqo3", "pqo4"}
-        Page format (see module docstring).
+    storage : {"float32", "pqo2", "pqo3", "pqo4"} or ``"pqo-k<b>v<b>"``
+        Page format (see module docstring); ``"pqo-k4v3"`` stores keys with the 4-bit and
+        values with the 3-bit codebook (``k_bits`` / ``v_bits``; 2–4 each).
 
     Raises
     ------
@@ -114,17 +117,25 @@ class PagedKVCache:
         self.page_size = check_int("page_size", page_size, minimum=1)
         self.v_head_dim = (self.head_dim if v_head_dim is None
                            else check_int("v_head_dim", v_head_dim, minimum=0))
-        if storage not in STORAGES:
-            raise ValueError(f"storage: expected one of {list(STORAGES)}, got {storage!r}")
+        asym = _ASYM.match(storage) if isinstance(storage, str) else None
+        if storage not in STORAGES and not asym:
+            raise ValueError(f"storage: expected one of {list(STORAGES)} or 'pqo-k<2-4>v<2-4>', got {storage!r}")
         self.storage = storage
-        self.bits = 0 if storage == "float32" else int(storage[-1])
+        if asym:
+            self.k_bits, self.v_bits = int(asym.group(1)), int(asym.group(2))
+        else:
+            self.k_bits = self.v_bits = 0 if storage == "float32" else int(storage[-1])
+        self.bits = self.k_bits  # 0 = float32 pages
+        self.part_bits = {"k": self.k_bits, "v": self.v_bits}
         if self.bits:
             for name, dim in (("head_dim", self.head_dim), ("v_head_dim", self.v_head_dim)):
                 if dim % 32:
                     raise ValueError(f"{name}: expected a multiple of 32 for storage={storage!r} "
                                      f"(32-value quantization blocks), got {dim}")
-            self.codebook = get_codebook(self.bits, "maxnorm")
+            self.codebooks = {n: get_codebook(b, "maxnorm") for n, b in self.part_bits.items()}
+            self.codebook = self.codebooks["k"]
         else:
+            self.codebooks = {}
             self.codebook = None
         self._lock = threading.RLock()
         self._pools: Dict[str, Any] = {}
@@ -146,7 +157,7 @@ class PagedKVCache:
         for name, dim in parts:
             lead = (self.num_pages, self.num_kv_heads, self.page_size)
             if self.bits:
-                spec[name + "_codes"] = (lead + (packed_dim(dim, self.bits),), np.uint8)
+                spec[name + "_codes"] = (lead + (packed_dim(dim, self.part_bits[name]),), np.uint8)
                 spec[name + "_scales"] = (lead + (dim // 32,), np.uint16)
             else:
                 spec[name + "_pages"] = (lead + (dim,), np.float32)
@@ -324,10 +335,10 @@ class PagedKVCache:
         h, n, d = x3.shape
         idx = to_like(x3, rows)
         if self.bits:
-            pd = packed_dim(d, self.bits)
+            pd = packed_dim(d, self.part_bits[part])
             codes = _backend.empty(x3, (h, n, pd), np.uint8)
             scales = _backend.empty(x3, (h, n, d // 32), np.uint16)
-            quantize_into(x3, codes, scales, 0, self.codebook, True)
+            quantize_into(x3, codes, scales, 0, self.codebooks[part], True)
             scatter_rows(codes.reshape(h * n, pd), idx, self._pools[part + "_codes"].reshape(-1, pd))
             nb = d // 32
             scatter_rows(scales.reshape(h * n, nb), idx, self._pools[part + "_scales"].reshape(-1, nb))
@@ -341,12 +352,12 @@ class PagedKVCache:
         idx = to_like(like, rows)
         out = _backend.empty(like, (h, n, d), np.float32)
         if self.bits:
-            pd = packed_dim(d, self.bits)
+            pd = packed_dim(d, self.part_bits[part])
             codes = _backend.empty(like, (h * n, pd), np.uint8)
             scales = _backend.empty(like, (h * n, d // 32), np.uint16)
             gather_rows(self._pools[part + "_codes"].reshape(-1, pd), idx, codes)
             gather_rows(self._pools[part + "_scales"].reshape(-1, d // 32), idx, scales)
-            dequantize_into(codes.reshape(h, n, pd), scales.reshape(h, n, d // 32), 0, self.codebook, out)
+            dequantize_into(codes.reshape(h, n, pd), scales.reshape(h, n, d // 32), 0, self.codebooks[part], out)
         else:
             gather_rows(self._pools[part + "_pages"].reshape(-1, d), idx, out.reshape(h * n, d))
         return out

@@ -206,18 +206,19 @@ def paged_decode_attention(q: Any, cache: Any, layer: int, seq_ids: Optional[Seq
         kc, ks, vc, vs = pools["k_codes"], pools["k_scales"], pools["v_codes"], pools["v_scales"]
         kp = vp = _backend.empty(q3, (1, 1, 1, 1), np.float32)
         page_size = int(kc.shape[2])
-        cent = _backend.constant(q3, cache.codebook.centroids)
-        bits = cache.bits
+        kcent = _backend.constant(q3, cache.codebooks["k"].centroids)
+        vcent = _backend.constant(q3, cache.codebooks["v"].centroids)
+        kbits, vbits = cache.k_bits, cache.v_bits
     else:
         kp, vp = pools["k_pages"], pools["v_pages"]
         kc = vc = _backend.empty(q3, (1, 1, 1, 1), np.uint8)
         ks = vs = _backend.empty(q3, (1, 1, 1, 1), np.uint16)
         page_size = int(kp.shape[2])
-        cent = _backend.constant(q3, np.zeros(2, np.float32))
-        bits = 1
+        kcent = vcent = _backend.constant(q3, np.zeros(2, np.float32))
+        kbits = vbits = 1
     scale = np.float32(d ** -0.5 if softmax_scale is None else softmax_scale)
-    args = (qr, q3, kc, ks, vc, vs, kp, vp, compressed, tab[0], tab[1], tab[2], page_size, hkv, cent, cent, bits,
-            bits, _backend.constant(q3, F16_ABS_TABLE), scale, ql, bool(causal), int(partition_size), part_m, part_l,
+    args = (qr, q3, kc, ks, vc, vs, kp, vp, compressed, tab[0], tab[1], tab[2], page_size, hkv, kcent, vcent,
+            kbits, vbits, _backend.constant(q3, F16_ABS_TABLE), scale, ql, bool(causal), int(partition_size), part_m, part_l,
             part_acc)
     signs = _backend.constant(q3, SIGNS32)
     n_comp_parts = n_parts if compressed else 0

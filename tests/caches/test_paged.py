@@ -239,3 +239,19 @@ def test_compressor_roundtrip_through_pages(rng, storage):
     with pytest.raises(TypeError, match="cache: expected a PagedKVCache"):
         comp.compress_paged_cache(object(), 1, src)
     _same(cache, snap)
+
+
+def test_asymmetric_bits_storage(rng):
+    cache = PagedKVCache(num_pages=6, num_layers=1, num_kv_heads=2, head_dim=64, page_size=8, storage="pqo-k4v3")
+    assert (cache.k_bits, cache.v_bits) == (4, 3) and cache.bits_per_value == (4.5 + 3.5) / 2
+    s = cache.allocate_sequence()
+    k, v = _kv(rng, 2, 11, 64)
+    cache.append(0, s, k, v)
+    assert cache.pools["k_codes"].shape[-1] == 64 * 4 // 8 and cache.pools["v_codes"].shape[-1] == 64 * 3 // 8
+    kk, vv = cache.get_kv(0, s)
+    kc, ks = numba_kv.quantize_blocks(k, 4)
+    vc, vs = numba_kv.quantize_blocks(v, 3)
+    assert np.array_equal(kk, numba_kv.dequantize_blocks(kc, ks, 4))
+    assert np.array_equal(vv, numba_kv.dequantize_blocks(vc, vs, 3))
+    with pytest.raises(ValueError, match="storage"):
+        PagedKVCache(4, 1, 1, 32, storage="pqo-k5v3")

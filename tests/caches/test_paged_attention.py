@@ -11,7 +11,7 @@ def rel_err(out, ref):
     return float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30))
 
 
-@pytest.mark.parametrize("storage", ["float32", "pqo2", "pqo3", "pqo4"])
+@pytest.mark.parametrize("storage", ["float32", "pqo2", "pqo3", "pqo4", "pqo-k4v3", "pqo-k3v2"])
 @pytest.mark.parametrize("groups, q_len", [(1, 1), (3, 1), (4, 3)])
 def test_matches_reference_over_get_kv(storage, groups, q_len):
     rng = np.random.default_rng(groups * 10 + q_len)

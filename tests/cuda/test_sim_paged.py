@@ -10,7 +10,7 @@ from ..conftest import to_device
 
 
 def _paged(rng):
-    for storage in ("pqo3", "float32"):
+    for storage in ("pqo3", "pqo-k4v2", "float32"):
         caches = [PagedKVCache(num_pages=12, num_layers=1, num_kv_heads=2, head_dim=64, page_size=8,
                                storage=storage) for _ in range(2)]
         for n in (9, 20):
