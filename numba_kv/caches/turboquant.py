@@ -140,7 +140,7 @@ class TurboQuantCache(PolarQuantCache):
         return (self._projected_queries(st, q3), st.buffers["k_qjl"], self._norms2d(st),
                 np.float32(qjl_constant(self.qjl_dim)))
 
-    def logit_bias(self, st: LayerState, q: Any, softmax_scale: float) -> Any:
+    def _logit_bias(self, st: LayerState, q: Any, softmax_scale: float) -> Any:
         """QJL logit bias ``[batch, num_heads, q_len, seq_len]`` (float32, scaled-logit
         units) of query ``q`` against the layer's stored tokens."""
         b, hq, ql, d = (int(s) for s in q.shape)
@@ -161,10 +161,10 @@ class TurboQuantCache(PolarQuantCache):
         hk, hv = self._history(st, dtype)
         if q is None:
             return DequantResult(hk, hv)
-        return DequantResult(hk, hv, self.logit_bias(st, q, self.head_dim ** -0.5).astype(dtype))
+        return DequantResult(hk, hv, self._logit_bias(st, q, self.head_dim ** -0.5).astype(dtype))
 
     def _decode_output(self, st: LayerState, q: Any, config: AttendConfig, dtype: Any) -> DecodeOutput:
         if self.decode_output != "dequantized":
             return super()._decode_output(st, q, config, dtype)
         hk, hv = self._history(st, dtype)
-        return Dequantized(DequantResult(hk, hv, self.logit_bias(st, q, config.softmax_scale).astype(dtype)))
+        return Dequantized(DequantResult(hk, hv, self._logit_bias(st, q, config.softmax_scale).astype(dtype)))
