@@ -11,3 +11,11 @@ def vectors_1m():
     return np.random.default_rng(0).standard_normal((1 << 20, 128)).astype(np.float32)
 
 
+
+
+def pytest_benchmark_update_machine_info(config, machine_info):
+    """Record CPU model, LLVM host CPU, code-generation target, AVX-512 use, threads and
+    versions (:func:`numba_kv.info.provenance`) in every benchmark JSON."""
+    from numba_kv.info import provenance
+
+    machine_info["numba_kv_provenance"] = provenance()

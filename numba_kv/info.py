@@ -1,14 +1,33 @@
 """Environment report: ``python -m numba_kv.info``.
 
-Prints versions, the Numba threading layer, and the CUDA / simulator / NVVM status.
+Prints versions, the Numba threading layer, the CPU and the code Numba generates for it
+(LLVM host CPU, code-generation target, the SIMD features that matter), and the CUDA /
+simulator / NVVM status.  :func:`provenance` is what every benchmark records next to its
+numbers.
+
+AVX2 code generation on any x86-64 host: ``NUMBA_CPU_NAME=haswell`` alone is not enough,
+because Numba takes the *features* from the host unless ``NUMBA_CPU_FEATURES`` is set (on
+an AVX-512 host the "haswell" code would still use AVX-512).  ``python -m numba_kv.info
+--avx2-env`` prints the two variables that give true AVX2 code (:data:`AVX2_FEATURES`).
 """
 
 from __future__ import annotations
 
 import os
 import platform
+import re
 import sys
+import time
 from typing import Dict
+
+import numpy as np
+
+# The feature set of Intel Haswell (AVX2 + FMA + BMI2, no AVX-512): what most laptops and
+# many cloud machines run.  Used with NUMBA_CPU_NAME=haswell.
+AVX2_FEATURES = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+cx8,+f16c,+fma,+fsgsbase,+fxsr,"
+                 "+invpcid,+lzcnt,+mmx,+movbe,+pclmul,+popcnt,+rdrnd,+sahf,+sse,+sse2,+sse3,"
+                 "+sse4.1,+sse4.2,+ssse3,+xsave,+xsaveopt")
+_FEATURES = ("avx2", "fma", "bmi2", "avx512f", "avx512bw", "avx512vl")
 
 
 def _version(mod: str) -> str:
@@ -49,6 +68,120 @@ def check_threading_layer() -> str:
     return layer
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux, ``platform.processor()`` elsewhere)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _probe(t, b, out):  # a conditional byte store: vectorizes only with AVX-512BW masks
+    for m in range(out.size):
+        if t[m] > b:
+            out[m] += np.uint8(1)
+
+
+def codegen() -> Dict[str, str]:
+    """What Numba generates code for in this process.
+
+    Returns
+    -------
+    dict of str
+        ``llvm_host_cpu`` (what LLVM detects), ``codegen_target`` (``NUMBA_CPU_NAME`` or
+        ``host``), ``codegen_features`` (``NUMBA_CPU_FEATURES`` or ``host``), the host's
+        ``avx2 / fma / bmi2 / avx512f / avx512bw / avx512vl`` flags as ``yes``/``no``, and
+        ``avx512_in_codegen``: whether a probe function compiled here (with Numba's current
+        target) contains AVX-512 registers — the ground truth, independent of the names.
+    """
+    import llvmlite.binding as ll  # noqa: PLC0415 - heavy, only when asked
+    from numba import njit  # noqa: PLC0415
+
+    feats = ll.get_host_cpu_features()
+    out = {
+        "cpu_model": cpu_model(),
+        "llvm_host_cpu": ll.get_host_cpu_name(),
+        "codegen_target": os.environ.get("NUMBA_CPU_NAME", "host"),
+        "codegen_features": "avx2 (AVX2_FEATURES)" if os.environ.get("NUMBA_CPU_FEATURES") == AVX2_FEATURES
+        else os.environ.get("NUMBA_CPU_FEATURES", "host"),
+    }
+    for f in _FEATURES:
+        out[f"host_{f}"] = "yes" if feats.get(f, False) else "no"
+    try:
+        fn = njit(cache=False)(_probe)
+        fn(np.zeros(64, np.float32), np.float32(0), np.zeros(64, np.uint8))
+        asm = "".join(fn.inspect_asm().values())
+        out["avx512_in_codegen"] = "yes" if re.search(r"%zmm|\{%k[1-7]\}", asm) else "no"
+    except Exception as e:  # noqa: BLE001 - report, never fail
+        out["avx512_in_codegen"] = f"unknown ({type(e).__name__})"
+    return out
+
+
+def blas_threads() -> str:
+    """BLAS thread count as the environment sets it (``OPENBLAS_NUM_THREADS`` / ``OMP_NUM_THREADS``)."""
+    for var in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS"):
+        if var in os.environ:
+            return f"{os.environ[var]} ({var})"
+    return "default"
+
+
+def stream_copy_gbs(n_bytes: int = 1 << 28, repeats: int = 5) -> float:
+    """Memory bandwidth of this machine, STREAM-copy style, in GB/s (best of ``repeats``).
+
+    Copies a ``n_bytes`` float32 array (256 MiB by default, far beyond the caches) with
+    :func:`numpy.copyto` and counts read + write bytes (``2 * n_bytes`` per copy), as
+    STREAM's "Copy" does.  Single-threaded NumPy: this is what one core streams, which is
+    the relevant bound for a decode step on a 2-core machine too (the memory controller
+    is shared).
+    """
+    a = np.ones(n_bytes // 4, np.float32)
+    b = np.empty_like(a)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(b, a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n_bytes / best / 1e9
+
+
+def provenance() -> Dict[str, str]:
+    """Everything a benchmark number must be labelled with.
+
+    CPU model, LLVM host CPU, code-generation target and features, whether AVX-512 is in
+    the generated code, Numba threads and threading layer, BLAS threads, and the versions
+    of Python, NumPy, Numba and llvmlite.  Every benchmark JSON and every ``numba-kv
+    bench`` table records it.
+    """
+    import numba  # noqa: PLC0415
+
+    from . import __version__  # noqa: PLC0415
+
+    info = codegen()
+    info.update({
+        "numba_threads": str(numba.get_num_threads()),
+        "threading_layer": threading_layer(),
+        "blas_threads": blas_threads(),
+        "numba_kv": __version__,
+        "python": sys.version.split()[0],
+        "numpy": np.__version__,
+        "numba": numba.__version__,
+        "llvmlite": _version("llvmlite"),
+    })
+    return info
+
+
+def provenance_line(info: Dict[str, str] | None = None) -> str:
+    """One-line label for a table: CPU, LLVM host, codegen target, AVX-512 use, threads."""
+    p = info or provenance()
+    return (f"{p['cpu_model']} (LLVM host {p['llvm_host_cpu']}), codegen {p['codegen_target']}"
+            f" [AVX-512 in code: {p['avx512_in_codegen']}], Numba threads {p['numba_threads']}"
+            f" ({p['threading_layer']}), BLAS threads {p['blas_threads']}, numba {p['numba']}")
+
+
 def collect() -> Dict[str, str]:
     """Environment facts as a dict of strings."""
     import numba  # noqa: PLC0415
@@ -60,6 +193,7 @@ def collect() -> Dict[str, str]:
         "numba_kv": __version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
+        **codegen(),
         "numpy": _version("numpy"),
         "numba": numba.__version__,
         "llvmlite": _version("llvmlite"),
@@ -93,8 +227,16 @@ def collect() -> Dict[str, str]:
     return info
 
 
-def main() -> None:
-    """Print :func:`collect` as aligned ``key: value`` lines."""
+def main(argv=None) -> None:
+    """Print :func:`collect` as aligned ``key: value`` lines.
+
+    ``--avx2-env`` prints instead the environment assignments for AVX2 code generation
+    (``NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=...``), for ``env $(...) command``.
+    """
+    args = sys.argv[1:] if argv is None else argv
+    if "--avx2-env" in args:
+        sys.stdout.write(f"NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES={AVX2_FEATURES}\n")
+        return
     info = collect()
     width = max(map(len, info))
     for k, v in info.items():
