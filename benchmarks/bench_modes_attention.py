@@ -1,16 +1,19 @@
 """Fused decode step of every cache family at T = 32K (batch 1, 8 KV heads, 32 query heads,
 d = 128, no window): what the QJL correction, the whole-head rotation and mixed block
-widths cost inside the kernel, against PQO3 and dense NumPy attention, in one group."""
+widths cost inside the kernel, against PQO3 and dense NumPy attention, in one group; plus
+``cache.decode`` of the best <= 4-bit configuration (:data:`numba_kv.bench.BEST_LE4_SPEC`)."""
 
 import numpy as np
 import pytest
 
-from numba_kv import AttendConfig, make_cache
+from numba_kv import AttendConfig
+from numba_kv.bench import BEST_LE4_SPEC
+from numba_kv.evaluate import parse_cache_specs
 
 from ._util import env_info
 
 T, HKV, HQ, D = 32768, 8, 32, 128
-MODES = ["dense", "pqo3", "pqo3-head", "pqo3-eden", "pqo2.5", "pqo3.5", "tq3", "pqo-k4v3"]
+MODES = ["dense", "pqo3", "pqo3-head", "pqo3-eden", "pqo2.5", "pqo3.5", "tq3", "pqo-k4v3", BEST_LE4_SPEC]
 _DATA = {}
 
 
@@ -28,8 +31,8 @@ def data():
 @pytest.mark.parametrize("mode", MODES)
 def test_decode_step(benchmark, mode):
     d = data()
-    opts = {} if mode == "dense" else dict(residual_length=0, sink_tokens=0)
-    cache = make_cache(mode, num_layers=1, num_kv_heads=HKV, head_dim=D, **opts)
+    spec = mode if mode == "dense" else f"{mode}{',' if ':' in mode else ':'}residual_length=0,sink_tokens=0"
+    cache = parse_cache_specs(spec, arg="mode")[0].make(num_layers=1, num_kv_heads=HKV, head_dim=D)
     cache.prefill(0, d["k"], d["v"])
     cfg = AttendConfig(D ** -0.5, HQ // HKV)
 

@@ -1,16 +1,26 @@
 """Decode-attention benchmark shared by ``numba-kv bench attention`` and ``benchmarks/``.
 
-One decode step, batch 1: fused attention from packed codes vs (a) NumPy dense float32
-attention over the uncompressed K/V (``q @ K.T``, softmax, ``@ V`` per KV-head group) and
-(b) dequantize-then-attend.  All three run in one process on the same data, so the ratios
-are measured, not assembled.
+One decode step, batch 1, 8 KV heads x 4 query heads each, d = 128: fused attention from
+packed codes vs (a) NumPy dense float32 attention over the uncompressed K/V (``q @ K.T``,
+softmax, ``@ V`` per KV-head group) with one BLAS thread, (b) the same with two BLAS
+threads ("best vs best": the fused kernel uses the Numba threads), (c) dequantize-then-
+attend.  All of them run in one process on the same data, interleaved round by round, so
+the ratios are measured, not assembled; the packed bytes the fused kernel reads per second
+are reported next to a STREAM-style copy bandwidth measured in the same run
+(:func:`numba_kv.info.stream_copy_gbs`), and every table and JSON carries
+:func:`numba_kv.info.provenance`.
+
+The BLAS thread count is switched with ``threadpoolctl`` (the ``bench`` extra).  Without it
+both dense columns run with whatever ``OPENBLAS_NUM_THREADS`` says; run a second invocation
+with ``OPENBLAS_NUM_THREADS=2`` for the best-vs-best column.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -90,37 +100,87 @@ def make_case(tokens: int, bits: int, num_kv_heads: int = 8, num_heads: int = 32
     return AttentionCase(tokens, bits, q, k, v, kc, ks, vc, vs)
 
 
+def blas_threads_limited(n: Optional[int]) -> contextlib.AbstractContextManager:
+    """Context manager: BLAS limited to ``n`` threads (``threadpoolctl``); a no-op when ``n``
+    is ``None`` or threadpoolctl is not installed (then :func:`blas_control` is False)."""
+    if n is None or not blas_control():
+        return contextlib.nullcontext()
+    from threadpoolctl import threadpool_limits  # noqa: PLC0415
+
+    return threadpool_limits(limits=int(n), user_api="blas")
+
+
+def blas_control() -> bool:
+    """True when the BLAS thread count can be switched inside the process (threadpoolctl)."""
+    try:
+        import threadpoolctl  # noqa: F401, PLC0415
+    except ImportError:
+        return False
+    return True
+
+
 @dataclass
 class AttentionRow:
-    """Timings (best of ``repeat``, milliseconds) of one case."""
+    """Timings (best of ``repeat``, milliseconds) of one case.
+
+    ``dense_ms`` is dense float32 attention with one BLAS thread, ``dense_best_ms`` with
+    ``dense_best_threads`` BLAS threads (``None`` when threadpoolctl is missing: then both
+    run with the environment's BLAS threads).
+    """
 
     tokens: int
     bits: int
     fused_ms: float
     dense_ms: float
+    dense_best_ms: float
     dequant_attend_ms: float
     speedup_vs_dense: float
+    speedup_vs_dense_best: float
     speedup_vs_dequant: float
     fused_gb_per_s: float
+    stream_copy_gb_per_s: float
     compressed_mb: float
     dense_mb: float
     max_rel_err_vs_dequant: float
+    dense_best_threads: Optional[int] = None
 
 
-def _best(fn: Callable[[], object], repeat: int) -> float:
-    fn()
-    best = float("inf")
+def _interleaved_best(fns: Sequence[Callable[[], object]], repeat: int) -> List[float]:
+    """Best wall time of each function, measured round-robin (one call of each per round), so
+    that load changes on a shared machine hit every contender alike."""
+    for fn in fns:
+        fn()  # compile / warm up
+    best = [float("inf")] * len(fns)
     for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t)
     return best
 
 
-def run_attention_bench(tokens: Sequence[int] = (1024, 4096, 16384, 32768), bits: Sequence[int] = (3, 4),
-                        repeat: int = 5, progress: bool = True) -> List[AttentionRow]:
-    """Time fused vs dense vs dequantize-then-attend for every (tokens, bits)."""
+def _best(fn: Callable[[], object], repeat: int) -> float:
+    return _interleaved_best([fn], repeat)[0]
+
+
+def run_attention_bench(tokens: Sequence[int] = (4096, 32768, 131072), bits: Sequence[int] = (3, 4),
+                        repeat: int = 5, progress: bool = True, best_threads: int = 2,
+                        stream_gbs: Optional[float] = None) -> List[AttentionRow]:
+    """Time fused vs dense (1 and ``best_threads`` BLAS threads) vs dequantize-then-attend for
+    every (tokens, bits); ``stream_gbs`` (default: measured now) is the copy bandwidth."""
     from tqdm.auto import tqdm  # noqa: PLC0415
+
+    from .info import stream_copy_gbs  # noqa: PLC0415
+
+    if stream_gbs is None:
+        stream_gbs = stream_copy_gbs()
+    ctl = blas_control()
+
+    def with_blas(fn: Callable[[], object], n: Optional[int]) -> Callable[[], object]:
+        def run() -> object:
+            with blas_threads_limited(n):
+                return fn()
+        return run
 
     rows = []
     for t, b in tqdm([(t, b) for t in tokens for b in bits], desc="attention", disable=not progress, leave=False):
@@ -128,10 +188,73 @@ def run_attention_bench(tokens: Sequence[int] = (1024, 4096, 16384, 32768), bits
         fused = c.fused()
         ref = c.dequant_then_attend()
         err = float(np.abs(fused - ref).max() / np.abs(ref).max())
-        tf, td, tq = _best(c.fused, repeat), _best(c.dense, repeat), _best(c.dequant_then_attend, repeat)
-        rows.append(AttentionRow(t, b, tf * 1e3, td * 1e3, tq * 1e3, td / tf, tq / tf,
-                                 c.compressed_bytes / tf / 1e9, c.compressed_bytes / 1e6, c.dense_bytes / 1e6, err))
+        tf, td, tb, tq = _interleaved_best([c.fused, with_blas(c.dense, 1), with_blas(c.dense, best_threads),
+                                            with_blas(c.dequant_then_attend, 1)], repeat)
+        rows.append(AttentionRow(t, b, tf * 1e3, td * 1e3, tb * 1e3, tq * 1e3, td / tf, tb / tf, tq / tf,
+                                 c.compressed_bytes / tf / 1e9, stream_gbs, c.compressed_bytes / 1e6,
+                                 c.dense_bytes / 1e6, err, best_threads if ctl else None))
+        del c
     return rows
+
+
+#: the best configuration at <= 4 bits/value measured on SmolLM2 (README, "Evaluating on a real model")
+BEST_LE4_SPEC = "pqo-k4v3-head-eden:key_center=true,window_dtype=int8"
+DECODE_SPECS = ("pqo3", "tq3", BEST_LE4_SPEC)
+
+
+@dataclass
+class DecodeRow:
+    """``cache.decode`` of one token after a ``tokens``-token prefill (best of ``repeat``)."""
+
+    cache: str
+    tokens: int
+    decode_ms: float
+    dense_ms: float
+    speedup_vs_dense: float
+    kv_mb: float
+
+
+def run_decode_bench(specs: Sequence[str] = DECODE_SPECS, tokens: int = 32768, repeat: int = 5,
+                     num_kv_heads: int = 8, num_heads: int = 32, head_dim: int = 128,
+                     progress: bool = True) -> List[DecodeRow]:
+    """Time ``cache.decode`` of one token (append + fused attention) for each cache spec
+    (:func:`numba_kv.evaluate.parse_cache_specs` grammar, the caches' default windows), next to
+    NumPy dense float32 attention (one BLAS thread) over the same history, interleaved."""
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    from .caches.protocol import AttendConfig  # noqa: PLC0415
+    from .evaluate import parse_cache_specs  # noqa: PLC0415
+
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((1, num_kv_heads, tokens, head_dim)).astype(np.float32)
+    k[..., [3, 17, 64 % head_dim]] *= 6.0
+    v = rng.standard_normal((1, num_kv_heads, tokens, head_dim)).astype(np.float32)
+    q = rng.standard_normal((1, num_heads, 1, head_dim)).astype(np.float32)
+    k1 = rng.standard_normal((1, num_kv_heads, 1, head_dim)).astype(np.float32)
+    cfg = AttendConfig(head_dim ** -0.5, num_heads // num_kv_heads)
+    kd = np.concatenate([k, k1], 2)
+    vd = np.concatenate([v, k1], 2)
+    rows = []
+    for spec in tqdm(specs, desc="cache.decode", disable=not progress, leave=False):
+        cs = parse_cache_specs(spec, arg="specs")[0]
+        cache = cs.make(num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        cache.prefill(0, k, v)
+        # decode appends: time it on a cache that is one token longer each call (as in generation)
+        def step(cache: Any = cache) -> object:
+            return cache.decode(0, k1, k1, q, cfg)
+
+        dense = with_one_blas(lambda: dense_attention(q, kd, vd, cfg.softmax_scale))
+        td, tdn = _interleaved_best([step, dense], repeat)
+        rows.append(DecodeRow(cs.label, tokens, td * 1e3, tdn * 1e3, tdn / td, cache.memory_usage() / 1e6))
+    return rows
+
+
+def with_one_blas(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` run with one BLAS thread (when threadpoolctl is installed)."""
+    def run() -> object:
+        with blas_threads_limited(1):
+            return fn()
+    return run
 
 
 def render_attention(rows: Sequence[AttentionRow], title: str) -> None:
@@ -140,15 +263,57 @@ def render_attention(rows: Sequence[AttentionRow], title: str) -> None:
     from rich.table import Table  # noqa: PLC0415
 
     table = Table(title=title)
-    for col in ("T", "bits", "fused ms", "dense f32 ms", "deq+attend ms", "vs dense", "vs deq", "fused GB/s",
-                "KV MB (packed/f32)", "rel err"):
+    for col in ("T", "bits", "fused ms", "dense f32 ms (1 BLAS)", "dense ms (best)", "deq+attend ms", "vs dense",
+                "vs best", "vs deq", "fused GB/s", "copy GB/s", "KV MB (packed/f32)", "rel err"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(str(r.tokens), str(r.bits), f"{r.fused_ms:.2f}", f"{r.dense_ms:.2f}",
-                      f"{r.dequant_attend_ms:.2f}", f"{r.speedup_vs_dense:.2f}x", f"{r.speedup_vs_dequant:.2f}x",
-                      f"{r.fused_gb_per_s:.2f}", f"{r.compressed_mb:.1f}/{r.dense_mb:.1f}",
-                      f"{r.max_rel_err_vs_dequant:.1e}")
-    Console(width=160).print(table)
+        best = f"{r.dense_best_ms:.2f}" + (f" ({r.dense_best_threads} BLAS)" if r.dense_best_threads else " (env)")
+        table.add_row(str(r.tokens), str(r.bits), f"{r.fused_ms:.2f}", f"{r.dense_ms:.2f}", best,
+                      f"{r.dequant_attend_ms:.2f}", f"{r.speedup_vs_dense:.2f}x", f"{r.speedup_vs_dense_best:.2f}x",
+                      f"{r.speedup_vs_dequant:.2f}x", f"{r.fused_gb_per_s:.2f}", f"{r.stream_copy_gb_per_s:.1f}",
+                      f"{r.compressed_mb:.1f}/{r.dense_mb:.1f}", f"{r.max_rel_err_vs_dequant:.1e}")
+    Console(width=200).print(table)
+
+
+def render_decode(rows: Sequence[DecodeRow], title: str) -> None:
+    """Print ``cache.decode`` rows as a rich table."""
+    from rich.console import Console  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    table = Table(title=title)
+    for col in ("cache", "T", "decode ms", "dense f32 ms (1 BLAS)", "vs dense", "KV MB"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(r.cache, str(r.tokens), f"{r.decode_ms:.2f}", f"{r.dense_ms:.2f}", f"{r.speedup_vs_dense:.2f}x",
+                      f"{r.kv_mb:.1f}")
+    Console(width=200).print(table)
+
+
+def attention_report(tokens: Sequence[int], bits: Sequence[int], repeat: int, progress: bool = True,
+                     decode_tokens: Optional[int] = 32768, decode_specs: Sequence[str] = DECODE_SPECS
+                     ) -> Dict[str, Any]:
+    """Everything ``numba-kv bench attention`` prints, as one JSON-able dict: ``provenance``
+    (:func:`numba_kv.info.provenance`), ``provenance_line``, ``stream_copy_gb_per_s``,
+    ``blas_control`` (threadpoolctl present), ``rows`` (fused vs dense vs dequantize) and
+    ``decode`` (``cache.decode`` rows; empty when ``decode_tokens`` is ``None``)."""
+    from .info import provenance, provenance_line, stream_copy_gbs  # noqa: PLC0415
+
+    prov = provenance()
+    gbs = stream_copy_gbs()
+    rows = run_attention_bench(tokens, bits, repeat, progress=progress, stream_gbs=gbs)
+    dec = [] if decode_tokens is None else run_decode_bench(decode_specs, decode_tokens, repeat, progress=progress)
+    return {"provenance": prov, "provenance_line": provenance_line(prov), "stream_copy_gb_per_s": gbs,
+            "blas_control": blas_control(), "rows": rows_as_dicts(rows), "decode": rows_as_dicts(dec),
+            "_rows": rows, "_decode": dec}
+
+
+def print_attention_report(rep: Dict[str, Any]) -> None:
+    """Render :func:`attention_report` as tables labelled with the provenance line."""
+    label = rep["provenance_line"]
+    note = "" if rep["blas_control"] else " [threadpoolctl missing: 'best' = environment's BLAS threads]"
+    render_attention(rep["_rows"], f"fused decode attention, batch 1, 8 KV heads x 4 query heads, d=128{note}\n{label}")
+    if rep["_decode"]:
+        render_decode(rep["_decode"], f"cache.decode of one token, 8 KV heads x 4 query heads, d=128\n{label}")
 
 
 def rows_as_dicts(rows: Sequence[object]) -> List[Dict]:

@@ -66,20 +66,23 @@ def _bench_modes(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     if args.what == "modes":
         return _bench_modes(args)
-    from .bench import render_attention, rows_as_dicts, run_attention_bench  # noqa: PLC0415
-    from .info import collect  # noqa: PLC0415
+    from .bench import attention_report, print_attention_report  # noqa: PLC0415
 
-    env = collect()
-    tokens = [int(t) for t in (args.tokens or "1024,4096,16384,32768").split(",")]
+    tokens = [int(t) for t in (args.tokens or "4096,32768,131072").split(",")]
     bits = [int(b) for b in args.bits.split(",")]
-    rows = run_attention_bench(tokens, bits, args.repeat, progress=not args.no_progress)
+    rep = attention_report(tokens, bits, args.repeat, progress=not args.no_progress,
+                           decode_tokens=None if args.no_decode else 32768)
     if args.json:
-        json.dump({"config": vars(args) | {"func": None}, "env": env, "rows": rows_as_dicts(rows)}, sys.stdout,
-                  indent=2, default=str)
-        sys.stdout.write("\n")
+        out = {"config": vars(args) | {"func": None}} | {k: v for k, v in rep.items() if not k.startswith("_")}
+        if args.json == "-":
+            json.dump(out, sys.stdout, indent=2, default=str)
+            sys.stdout.write("\n")
+        else:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(out, f, indent=2, default=str)
+            sys.stderr.write(f"wrote {args.json}\n")
     else:
-        render_attention(rows, f"decode attention, batch 1, 8 KV heads, 32 query heads, d=128 "
-                               f"({env['threads']} threads, layer {env['threading_layer']})")
+        print_attention_report(rep)
     return 0
 
 
@@ -237,16 +240,17 @@ def build_parser() -> argparse.ArgumentParser:
                                      "`bench modes` (quality of every compression mode)")
     b.add_argument("what", choices=["attention", "modes"])
     b.add_argument("--tokens", default=None,
-                   help="attention: comma-separated (default 1024,4096,16384,32768); modes: N (default 2048)")
+                   help="attention: comma-separated (default 4096,32768,131072); modes: N (default 2048)")
     b.add_argument("--bits", default="3,4")
     b.add_argument("--repeat", type=int, default=5)
     b.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
-                   help="attention: print JSON instead of the table; modes: write JSON to FILE ('-' or no "
-                        "FILE: print it instead of the table)")
+                   help="write JSON to FILE ('-' or no FILE: print it instead of the tables)")
     b.add_argument("--markdown", default=None, metavar="FILE", help="modes: write the markdown table to FILE")
     b.add_argument("--modes", default=None, help="modes: comma-separated cache modes (default: all)")
     b.add_argument("--faiss", default=None,
                    help="modes: '/'-separated faiss.index_factory strings ('' for none; default: the anchors)")
+    b.add_argument("--no-decode", action="store_true",
+                   help="attention: skip the cache.decode table (pqo3, tq3, the best <= 4-bit cache at T=32K)")
     b.add_argument("--no-progress", action="store_true")
     b.set_defaults(func=_bench)
     i = sub.add_parser("info", help="versions, threading layer, CUDA/simulator/NVVM status")

@@ -183,3 +183,68 @@ def test_decode_attention_bad_qjl_shapes(rng):
         decode_attention(q, kc, ks, vc, vs, k_bits=2, k_qjl=(signs.astype(np.int8), norms, None))
     with pytest.raises(ValueError, match="sketch"):
         decode_attention(q, kc, ks, vc, vs, k_bits=2, k_qjl=(signs, norms, np.zeros((8, 64), np.float32)))
+
+
+# --- every code width and layout the CPU token-lane tiles decode ---------------------------------
+@pytest.mark.parametrize("kbits, vbits", [(1, 1), (2, 2), (3, 3), (4, 4), (1, 4), (4, 2)])
+@pytest.mark.parametrize("T, part", [(5, None), (45, 32), (77, 64), (300, None)])
+def test_every_width_and_short_tiles(kbits, vbits, T, part):
+    """1–4 bit keys and values, tokens not a multiple of the tile, several partitions; GQA
+    group of 4 and of 3 (a row remainder) in one call: vs float64 attention over the dequantized K/V."""
+    rng = np.random.default_rng(100 * kbits + 10 * vbits + T)
+    kc, ks, vc, vs, kh, vh = make(rng, 1, 2, T, 64, bits=vbits, kbits=kbits)
+    for groups in (4, 3):
+        q = rng.standard_normal((1, 2 * groups, 1, 64)).astype(np.float32) * 2
+        out = decode_attention(q, kc, ks, vc, vs, k_bits=kbits, v_bits=vbits, partition_size=part)
+        ref = reference.attention(q, kh, vh, 64 ** -0.5, causal_offset=T - 1)
+        assert rel_err(out, ref) < 1e-5, (groups, rel_err(out, ref))
+
+
+def test_mixed_block_widths_and_shared_scale():
+    """A CodeLayout with a different width and codebook per 32-block (channel splits) and one
+    scale per two blocks, through fused_attention_rows, vs a NumPy decode of the same bytes."""
+    from numba_kv.ops.attention import CodeLayout, fused_attention_rows
+    from numba_kv.ops.bitpack import pack_bits
+    from numba_kv.ops.hadamard import rotate32
+
+    rng = np.random.default_rng(7)
+    g, rows, d, T = 3, 5, 128, 83
+    cbs = [get_codebook(b, "maxnorm") for b in (4, 2, 3, 1)]
+    lay = CodeLayout.from_blocks(cbs, scale_group=2)
+    idx = [rng.integers(0, 1 << cb.bits, (g, T, 32)).astype(np.uint8) for cb in cbs]
+    codes = np.concatenate([pack_bits(ix.reshape(-1, 32), cb.bits).reshape(g, T, -1) for ix, cb in zip(idx, cbs)], 2)
+    scales = rng.uniform(0.5, 2.0, (g, T, 2)).astype(np.float16)
+    vals = np.concatenate([cb.centroids[ix] * scales[..., [b // 2]].astype(np.float32)
+                           for b, (ix, cb) in enumerate(zip(idx, cbs))], 2)  # rotated-domain K/V
+    sbits = scales.view(np.uint16)
+    q = rng.standard_normal((g, rows, d)).astype(np.float32)
+    qr = rotate32(q)
+    empty = np.zeros((g, 0, d), np.float32)
+    out = fused_attention_rows(qr, q, codes, sbits, codes, sbits, T, 0, empty, empty, 0, np.zeros(0, np.int32),
+                               lay, lay, d ** -0.5, None, T - 1, 1, False, part_size=32)
+    # reference in the rotated domain: softmax(qr·k̂) @ v̂, then inverse-rotate every 32-block
+    s = np.einsum("grd,gtd->grt", qr.astype(np.float64), vals) * d ** -0.5
+    p = np.exp(s - s.max(-1, keepdims=True))
+    acc = np.einsum("grt,gtd->grd", p / p.sum(-1, keepdims=True), vals).astype(np.float32)
+    ref = rotate32(acc, inverse=True)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_qjl_sketch_width_not_a_multiple_of_32(rng):
+    """m = 40 sign bits per token (a partial last word) through the fused correction."""
+    from numba_kv import make_sketch, qjl_inner_product, qjl_quantize
+
+    d, T = 64, 50
+    k = rng.standard_normal((1, 2, T, d)).astype(np.float32)
+    v = rng.standard_normal((1, 2, T, d)).astype(np.float32)
+    q = rng.standard_normal((1, 4, 1, d)).astype(np.float32)
+    kc, ks = quantize_blocks(k, 3)
+    vc, vs = quantize_blocks(v, 3)
+    khat = dequantize_blocks(kc, ks, 3)
+    sk = make_sketch(d, 40)
+    signs, norms = qjl_quantize(k - khat, sk)
+    out = decode_attention(q, kc, ks, vc, vs, causal=False, k_qjl=(signs, norms, sk), partition_size=32)
+    corr = qjl_inner_product(q[0, :, 0].reshape(2, 2, d), signs[0], norms[0], sk)
+    bias = (d ** -0.5 * corr).reshape(1, 4, 1, -1)
+    ref = reference.attention(q, khat, dequantize_blocks(vc, vs, 3), d ** -0.5, bias)
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-6)
