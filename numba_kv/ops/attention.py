@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import numpy as np
-from numba import cuda, float32, int64, prange, uint32
+from numba import cuda, float32, int64, prange
 
 from .. import _backend
 from .._jit import cpu_call, cpu_kernel, cpu_serial, cuda_kernel, twin
@@ -252,9 +252,8 @@ def _softmax_tile(sc, nt, softmax_scale, g, has_bias, bias, need_mask, q_pos0, q
             w = math.exp(s - m_new) if s != NEG_INF else float32(0.0)
             sc[r, tt] = w
             lsum += w
-        if m_new != m[r]:  # the max moved (rare after the first tiles): rescale; alpha == 1 otherwise
-            for j in range(acc.shape[1]):
-                acc[r, j] *= alpha
+        for j in range(acc.shape[1]):
+            acc[r, j] *= alpha
         l[r] = l[r] * alpha + lsum
         m[r] = m_new
 
@@ -262,248 +261,7 @@ def _softmax_tile(sc, nt, softmax_scale, g, has_bias, bias, need_mask, q_pos0, q
 softmax_tile_cpu = cpu_serial(_softmax_tile)
 
 
-# --- CPU tile helpers: token lanes ---------------------------------------------------------
-# The CPU twin works on tiles of CPU_TILE tokens and vectorizes every inner loop across the
-# tokens of a tile (SIMD lane = token): no gather, no byte scatter, no data-dependent branch,
-# no horizontal float reduction (fastmath stays off, so sums are never reassociated), hence
-# the same code shape with AVX2 as with AVX-512:
-#
-# * the packed rows of the tile are transposed into 32-bit words ``ut[w·L + lane]`` (a block
-#   of ``bits`` bits/coordinate is ``bits`` whole words, code ``i`` at bit ``bits·i``);
-# * coordinate ``i`` of a block is decoded for all lanes at once: each code bit is one AND and
-#   compare on a word (32-bit lanes: the uint32 casts keep Numba from widening to 64 bits),
-#   the codebook value is picked by a select tree over those bits (1/3/7/15 blends for
-#   1/2/3/4 bits; codebooks have at most 16 entries) and scaled by the token's block scale —
-#   no table lookup, which would need a gather;
-# * scores ``S[r, lane] += q[r, j] · k[j, lane]`` for four query rows per pass (the GQA group
-#   shares each decoded key), P·V into ``PV_LANES`` partial sums per (row, coordinate) that
-#   are folded once per partition.  Every buffer stays in L1; nothing goes through BLAS.
-#
-# Inner loops run to a *runtime* lane count: with a compile-time count LLVM fully unrolls
-# them before its loop vectorizer runs and the SLP vectorizer then leaves them scalar.
-CPU_TILE = 32  # tokens per CPU tile
-PV_LANES = 16  # partial sums per (row, coordinate) of the P·V accumulator (CPU_TILE / 2)
-
-
-def _gather_words(row, nbytes, ut, lane):
-    """``ut[w, lane]`` = little-endian 32-bit word ``w`` of the bytes ``row[:nbytes]`` (a short
-    last word is zero-padded)."""
-    nfull = nbytes >> 2
-    for w in range(nfull):
-        o = 4 * w
-        ut[w, lane] = uint32(uint32(row[o]) | (uint32(row[o + 1]) << uint32(8))
-                             | (uint32(row[o + 2]) << uint32(16)) | (uint32(row[o + 3]) << uint32(24)))
-    if nbytes & 3:
-        x = uint32(0)
-        for k in range(nbytes & 3):
-            x = uint32(x | (uint32(row[4 * nfull + k]) << uint32(8 * k)))
-        ut[nfull, lane] = x
-
-
-def _decode_block(ub, bits, cent, co, sab, xb):
-    """``xb[i·L + lane] = sab[lane] · cent[co + code_i(lane)]`` for the 32 codes ``i`` of one
-    block and every lane (``L = sab.shape[0]``); the block's words are ``ub[w·L + lane]``.
-    Bit ``k`` of a code is tested in place and the value chosen by a select tree.
-
-    Indices are loop counters times array lengths only (no argument offsets): then LLVM proves
-    every access contiguous and emits plain vector loads and stores, not gathers/scatters."""
-    lanes = sab.shape[0]
-    c0 = cent[co]
-    c1 = cent[co + 1]
-    if bits == 1:
-        for i in range(32):
-            o0 = (i >> 5) * lanes
-            m0 = uint32(uint32(1) << uint32(i & 31))
-            ox = i * lanes
-            for t in range(lanes):
-                xb[ox + t] = (c1 if uint32(ub[o0 + t] & m0) != uint32(0) else c0) * sab[t]
-        return
-    c2 = cent[co + 2]
-    c3 = cent[co + 3]
-    if bits == 2:
-        for i in range(32):
-            p = 2 * i  # 2-bit codes never straddle a word
-            o0 = (p >> 5) * lanes
-            m0 = uint32(uint32(1) << uint32(p & 31))
-            m1 = uint32(uint32(2) << uint32(p & 31))
-            ox = i * lanes
-            for t in range(lanes):
-                u = ub[o0 + t]
-                b0 = uint32(u & m0) != uint32(0)
-                x0 = c1 if b0 else c0
-                x1 = c3 if b0 else c2
-                xb[ox + t] = (x1 if uint32(u & m1) != uint32(0) else x0) * sab[t]
-        return
-    c4 = cent[co + 4]
-    c5 = cent[co + 5]
-    c6 = cent[co + 6]
-    c7 = cent[co + 7]
-    if bits == 3:
-        for i in range(32):
-            p = 3 * i  # codes 10 and 21 straddle two words: each bit reads its own word
-            o0 = (p >> 5) * lanes
-            o1 = ((p + 1) >> 5) * lanes
-            o2 = ((p + 2) >> 5) * lanes
-            m0 = uint32(uint32(1) << uint32(p & 31))
-            m1 = uint32(uint32(1) << uint32((p + 1) & 31))
-            m2 = uint32(uint32(1) << uint32((p + 2) & 31))
-            ox = i * lanes
-            for t in range(lanes):
-                b0 = uint32(ub[o0 + t] & m0) != uint32(0)
-                b1 = uint32(ub[o1 + t] & m1) != uint32(0)
-                x0 = c1 if b0 else c0
-                x1 = c3 if b0 else c2
-                x2 = c5 if b0 else c4
-                x3 = c7 if b0 else c6
-                y0 = x1 if b1 else x0
-                y1 = x3 if b1 else x2
-                xb[ox + t] = (y1 if uint32(ub[o2 + t] & m2) != uint32(0) else y0) * sab[t]
-        return
-    c8 = cent[co + 8]
-    c9 = cent[co + 9]
-    c10 = cent[co + 10]
-    c11 = cent[co + 11]
-    c12 = cent[co + 12]
-    c13 = cent[co + 13]
-    c14 = cent[co + 14]
-    c15 = cent[co + 15]
-    for i in range(32):  # bits == 4: never straddles
-        p = 4 * i
-        o0 = (p >> 5) * lanes
-        m0 = uint32(uint32(1) << uint32(p & 31))
-        m1 = uint32(uint32(2) << uint32(p & 31))
-        m2 = uint32(uint32(4) << uint32(p & 31))
-        m3 = uint32(uint32(8) << uint32(p & 31))
-        ox = i * lanes
-        for t in range(lanes):
-            u = ub[o0 + t]
-            b0 = uint32(u & m0) != uint32(0)
-            b1 = uint32(u & m1) != uint32(0)
-            b2 = uint32(u & m2) != uint32(0)
-            x0 = c1 if b0 else c0
-            x1 = c3 if b0 else c2
-            x2 = c5 if b0 else c4
-            x3 = c7 if b0 else c6
-            x4 = c9 if b0 else c8
-            x5 = c11 if b0 else c10
-            x6 = c13 if b0 else c12
-            x7 = c15 if b0 else c14
-            y0 = x1 if b1 else x0
-            y1 = x3 if b1 else x2
-            y2 = x5 if b1 else x4
-            y3 = x7 if b1 else x6
-            z0 = y1 if b2 else y0
-            z1 = y3 if b2 else y2
-            xb[ox + t] = (z1 if uint32(u & m3) != uint32(0) else z0) * sab[t]
-
-
-def _decode_tile(ut, cent, bits_b, woff_b, sa, xt):
-    """Decode every coordinate of a tile of ``L = xt.shape[1]`` lanes: ``xt[j, lane]`` for
-    ``j < 32·nb``; block ``b`` has width ``bits_b[b]``, words from row ``woff_b[b]`` of ``ut``
-    (``[words, L]``), codebook ``cent[16·b:16·b + 16]`` and scales ``sa[b]``."""
-    nb = bits_b.shape[0]
-    for b in range(nb):
-        bits = bits_b[b]
-        decode_block_cpu(ut[woff_b[b]:woff_b[b] + bits].reshape(-1), bits, cent, 16 * b, sa[b],
-                         xt[32 * b:32 * b + 32].reshape(-1))
-
-
-def _scores_tile(xt, qrow, nj, sc):
-    """``sc[r, lane] += Σ_{j < nj} qrow[r, j] · xt[j·L + lane]`` (``L = sc.shape[1]``) for every
-    query row ``r``, four rows per pass (each tile value is loaded once per four rows)."""
-    rows, lanes = sc.shape
-    r = 0
-    while r + 4 <= rows:
-        s0 = sc[r]
-        s1 = sc[r + 1]
-        s2 = sc[r + 2]
-        s3 = sc[r + 3]
-        for j in range(nj):
-            q0 = qrow[r, j]
-            q1 = qrow[r + 1, j]
-            q2 = qrow[r + 2, j]
-            q3 = qrow[r + 3, j]
-            o = j * lanes
-            for t in range(lanes):
-                x = xt[o + t]
-                s0[t] += q0 * x
-                s1[t] += q1 * x
-                s2[t] += q2 * x
-                s3[t] += q3 * x
-        r += 4
-    while r < rows:
-        s0 = sc[r]
-        for j in range(nj):
-            q0 = qrow[r, j]
-            o = j * lanes
-            for t in range(lanes):
-                s0[t] += q0 * xt[o + t]
-        r += 1
-
-
-def _pv_tile(pw, xt, lacc, d):
-    """``lacc[r, j·L + lane] += pw[r, lane] · xt[j·L + lane]`` for ``j < d`` (``L =
-    pw.shape[1]`` lanes): P·V with one partial sum per lane, folded once per partition."""
-    rows, lanes = pw.shape
-    for r in range(rows):
-        pr = pw[r]
-        ar = lacc[r]
-        for j in range(d):
-            o = j * lanes
-            for t in range(lanes):
-                ar[o + t] += pr[t] * xt[o + t]
-
-
-def _attend_lane_tile(ukt, uvt, sak, sav, kcf, vcf, kbits, kwoff, vbits, vwoff, qg, xt, sc, lacc, nt,
-                      has_qjl, sqg, st, softmax_scale, g, has_bias, bias, need_mask, q_pos0, q_len, pos_base,
-                      exact_pos, t0, m, l):
-    """One compressed tile (token lanes, see above) after its words and scales are gathered:
-    decode the keys, score them (plus the QJL term ``st`` when ``has_qjl``), online softmax,
-    decode the values and accumulate P·V into ``lacc``.  Lanes ``>= nt`` get weight 0."""
-    rows, lanes = sc.shape
-    d = xt.shape[0]
-    for r in range(rows):
-        for tt in range(lanes):
-            sc[r, tt] = float32(0.0)
-    xtf = xt.reshape(-1)
-    decode_tile_cpu(ukt, kcf, kbits, kwoff, sak, xt)
-    scores_tile_cpu(xtf, qg, d, sc)
-    if has_qjl:
-        scores_tile_cpu(st.reshape(-1), sqg, st.shape[0], sc)
-    softmax_tile_cpu(sc, nt, softmax_scale, g, has_bias, bias, need_mask, q_pos0, q_len, pos_base, exact_pos,
-                     False, t0, m, l, lacc)
-    for r in range(rows):
-        for tt in range(nt, lanes):
-            sc[r, tt] = float32(0.0)
-    decode_tile_cpu(uvt, vcf, vbits, vwoff, sav, xt)
-    pv_tile_cpu(sc, xtf, lacc, d)
-
-
-def _fold_lanes(lacc, m, l, g, p, part_m, part_l, part_acc):
-    """Write one partition's ``(m, l, acc)``; ``acc[r, j]`` = sum of the lane partial sums."""
-    rows = lacc.shape[0]
-    d = part_acc.shape[3]
-    lanes = lacc.shape[1] // d
-    for r in range(rows):
-        part_m[g, p, r] = m[r]
-        part_l[g, p, r] = l[r]
-        for j in range(d):
-            s = float32(0.0)
-            for ln in range(lanes):
-                s += lacc[r, j * lanes + ln]
-            part_acc[g, p, r, j] = s
-
-
-gather_words_cpu = cpu_serial(_gather_words)
-decode_block_cpu = cpu_serial(_decode_block)
-decode_tile_cpu = cpu_serial(_decode_tile)
-scores_tile_cpu = cpu_serial(_scores_tile)
-pv_tile_cpu = cpu_serial(_pv_tile)
-attend_lane_tile_cpu = cpu_serial(_attend_lane_tile)
-fold_lanes_cpu = cpu_serial(_fold_lanes)
-
-
-# --- CPU twin: partitions in parallel; compressed tiles in token lanes, exact tiles by BLAS ---
+# --- CPU twin: partitions in parallel; per tile two small GEMMs (BLAS) on the rotated tile -
 @cpu_kernel
 def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kcent, vcent,
                           kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias, has_bias, has_qjl, sq,
@@ -513,12 +271,13 @@ def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
     nb = d // 32
     m_qjl = sq.shape[2]
     n_parts = part_m.shape[1]
-    kbytes = kc.shape[2]
-    vbytes = vc.shape[2]
-    kcf = kcent.reshape(-1)  # codebook of block b at [16·b, 16·b + 16)
-    vcf = vcent.reshape(-1)
-    kwoff = koff >> 2  # block offsets in 32-bit words (a block is 4·bits bytes)
-    vwoff = voff >> 2
+    # one width for every block (the common case): the specialized loader, ~1.5x faster
+    k_uniform = is_uniform_cpu(kbits)
+    v_uniform = is_uniform_cpu(vbits)
+    kb0 = kbits[0]
+    vb0 = vbits[0]
+    kcent0 = kcent[0]
+    vcent0 = vcent[0]
     for item in prange(n_g * n_parts):
         g = item // n_parts
         p = item - g * n_parts
@@ -529,60 +288,56 @@ def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
         else:
             t_lo = (p - n_comp_parts) * part_size
             t_hi = min(n_exact, t_lo + part_size)
+        kt = np.empty((TILE, d), dtype=np.float32)
+        vt = np.empty((TILE, d), dtype=np.float32)
+        st = np.empty((TILE if has_qjl else 1, m_qjl), dtype=np.float32)
+        acc = np.zeros((rows, d), dtype=np.float32)
         m = np.full(rows, NEG_INF, dtype=np.float32)
         l = np.zeros(rows, dtype=np.float32)
-        if compressed:
-            lanes = CPU_TILE
-            ukt = np.zeros(((kbytes + 3) >> 2, lanes), dtype=np.uint32)  # transposed code words
-            uvt = np.zeros(((vbytes + 3) >> 2, lanes), dtype=np.uint32)
-            sak = np.zeros((nb, lanes), dtype=np.float32)  # per-block scales per lane
-            sav = np.zeros((nb, lanes), dtype=np.float32)
-            xt = np.zeros((d, lanes), dtype=np.float32)  # decoded keys, then values: [coordinate, lane]
-            st = np.zeros((m_qjl if has_qjl else 1, lanes), dtype=np.float32)  # QJL signs as ±c_t
-            sc = np.zeros((rows, lanes), dtype=np.float32)
-            lacc = np.zeros((rows, d * lanes), dtype=np.float32)  # P·V partial sums [row, coordinate·lane]
-            qg = qr[g]
-            for t0 in range(t_lo, t_hi, lanes):
-                nt = min(lanes, t_hi - t0)
+        qsrc = qr[g] if compressed else q[g]
+        for t0 in range(t_lo, t_hi, TILE):
+            nt = min(TILE, t_hi - t0)
+            if compressed:
                 for tt in range(nt):
-                    t = t0 + tt
-                    gather_words_cpu(kc[g, t], kbytes, ukt, tt)
-                    gather_words_cpu(vc[g, t], vbytes, uvt, tt)
-                    for b in range(nb):
-                        sak[b, tt] = scale_table[ks[g, t, b >> sshift]]
-                        sav[b, tt] = scale_table[vs[g, t, b >> sshift]]
-                    if has_qjl:
-                        # QJL correction c_t·<S q, σ_t> in q·k units: the signs as ±c_t, scored like keys
-                        c = qjl_const * scale_table[qnorm[g, t]]
-                        for j in range(m_qjl):
-                            st[j, tt] = c if (qsig[g, t, j >> 3] >> (j & 7)) & 1 else -c
-                for tt in range(nt, lanes):  # idle lanes of a short last tile: value 0 (weight 0 below)
-                    for b in range(nb):
-                        sak[b, tt] = float32(0.0)
-                        sav[b, tt] = float32(0.0)
-                    if has_qjl:
-                        for j in range(m_qjl):
-                            st[j, tt] = float32(0.0)
-                last_pos = comp_pos0 + t0 + nt - 1
-                attend_lane_tile_cpu(ukt, uvt, sak, sav, kcf, vcf, kbits, kwoff, vbits, vwoff, qg, xt, sc, lacc, nt,
-                                     has_qjl, sq[g], st, softmax_scale, g, has_bias, bias,
-                                     causal and last_pos > q_pos0, q_pos0, q_len, comp_pos0 + t0, exact_pos, t0, m, l)
-            fold_lanes_cpu(lacc, m, l, g, p, part_m, part_l, part_acc)
-        else:
-            # full-precision window/sink tokens (few): two small GEMMs per tile
-            acc = np.zeros((rows, d), dtype=np.float32)
-            qsrc = q[g]
-            for t0 in range(t_lo, t_hi, TILE):
-                nt = min(TILE, t_hi - t0)
-                sce = np.dot(qsrc, ke[g, t0:t0 + nt].T)  # [rows, nt] scores in one GEMM
-                softmax_tile_cpu(sce, nt, softmax_scale, g, has_bias, bias, causal, q_pos0, q_len, 0, exact_pos,
-                                 True, t0, m, l, acc)
-                acc += np.dot(sce, ve[g, t0:t0 + nt])  # [rows, d] weighted values in one GEMM
-            for r in range(rows):
-                part_m[g, p, r] = m[r]
-                part_l[g, p, r] = l[r]
-                for j in range(d):
-                    part_acc[g, p, r, j] = acc[r, j]
+                    if k_uniform:
+                        load_token_fast_cpu(kc[g, t0 + tt], ks[g, t0 + tt], kcent0, kb0, nb, sshift, scale_table,
+                                            kt[tt])
+                    else:
+                        load_token_cpu(kc[g, t0 + tt], ks[g, t0 + tt], kcent, kbits, koff, sshift, nb, scale_table,
+                                       kt[tt])
+                    if v_uniform:
+                        load_token_fast_cpu(vc[g, t0 + tt], vs[g, t0 + tt], vcent0, vb0, nb, sshift, scale_table,
+                                            vt[tt])
+                    else:
+                        load_token_cpu(vc[g, t0 + tt], vs[g, t0 + tt], vcent, vbits, voff, sshift, nb, scale_table,
+                                       vt[tt])
+                ktile = kt[:nt]
+                vtile = vt[:nt]
+            else:
+                ktile = ke[g, t0:t0 + nt]
+                vtile = ve[g, t0:t0 + nt]
+            sc = np.dot(qsrc, ktile.T)  # [rows, nt] scores in one GEMM
+            if compressed and has_qjl:
+                # QJL correction c_t·<S q, σ_t>, in q·k units: signs unpacked to ±1, one GEMM
+                for tt in range(nt):
+                    sig = qsig[g, t0 + tt]
+                    for j in range(m_qjl):
+                        st[tt, j] = float32(1.0) if (sig[j >> 3] >> (j & 7)) & 1 else float32(-1.0)
+                corr = np.dot(sq[g], st[:nt].T)
+                for tt in range(nt):
+                    c = qjl_const * scale_table[qnorm[g, t0 + tt]]
+                    for r in range(rows):
+                        sc[r, tt] += c * corr[r, tt]
+            last_pos = comp_pos0 + t0 + nt - 1 if compressed else -1
+            need_mask = causal and (not compressed or last_pos > q_pos0)
+            softmax_tile_cpu(sc, nt, softmax_scale, g, has_bias, bias, need_mask, q_pos0, q_len,
+                             comp_pos0 + t0 if compressed else 0, exact_pos, not compressed, t0, m, l, acc)
+            acc += np.dot(sc, vtile)  # [rows, d] weighted values in one GEMM
+        for r in range(rows):
+            part_m[g, p, r] = m[r]
+            part_l[g, p, r] = l[r]
+            for j in range(d):
+                part_acc[g, p, r, j] = acc[r, j]
 
 
 @cpu_kernel

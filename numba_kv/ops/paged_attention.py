@@ -21,9 +21,8 @@ from numba import cuda, float32, int64, prange
 from .. import _backend
 from .._jit import cpu_call, cpu_kernel, cuda_kernel
 from ._registry import register
-from .attention import (CPU_TILE, F16_ABS_TABLE, MAX_HEAD_DIM, NEG_INF, TILE, _merge_partitions_cpu,
-                        _merge_partitions_cuda, attend_lane_tile_cpu, fold_lanes_cpu, gather_words_cpu,
-                        load_token_fast_dev, online_update_dev, softmax_tile_cpu, visible_dev)
+from .attention import (F16_ABS_TABLE, MAX_HEAD_DIM, NEG_INF, TILE, _merge_partitions_cpu, _merge_partitions_cuda,
+                        load_token_fast_cpu, load_token_fast_dev, online_update_dev, softmax_tile_cpu, visible_dev)
 from .hadamard import SIGNS32, rotate32
 
 
@@ -34,20 +33,6 @@ def _paged_decode_attention_cpu(qr, q, kc, ks, vc, vs, kp, vp, compressed, kv_in
     n_g, rows, d = qr.shape
     nb = d // 32
     n_parts = part_m.shape[1]
-    # the uniform page layout as the per-block arrays of the token-lane tile (see ops.attention)
-    kbits_b = np.full(nb, kbits, dtype=np.int64)
-    vbits_b = np.full(nb, vbits, dtype=np.int64)
-    kwoff = np.arange(nb) * kbits  # a block of b bits/coordinate is b 32-bit words
-    vwoff = np.arange(nb) * vbits
-    kcf = np.zeros(16 * nb, dtype=np.float32)
-    vcf = np.zeros(16 * nb, dtype=np.float32)
-    for b in range(nb):
-        for i in range(kcent.shape[0]):
-            kcf[16 * b + i] = kcent[i]
-        for i in range(vcent.shape[0]):
-            vcf[16 * b + i] = vcent[i]
-    kbytes = kc.shape[3]
-    vbytes = vc.shape[3]
     for item in prange(n_g * n_parts):
         g = item // n_parts
         p = item - g * n_parts
@@ -59,64 +44,36 @@ def _paged_decode_attention_cpu(qr, q, kc, ks, vc, vs, kp, vp, compressed, kv_in
         t_lo = p * part_size
         t_hi = min(T, t_lo + part_size)
         q_pos0 = T - q_len
+        kt = np.empty((TILE, d), dtype=np.float32)
+        vt = np.empty((TILE, d), dtype=np.float32)
+        acc = np.zeros((rows, d), dtype=np.float32)
         m = np.full(rows, NEG_INF, dtype=np.float32)
         l = np.zeros(rows, dtype=np.float32)
         no_bias = np.zeros((1, 1, 1), dtype=np.float32)
         no_pos = np.zeros(1, dtype=np.int32)
-        if compressed:
-            lanes = CPU_TILE
-            ukt = np.zeros(((kbytes + 3) >> 2, lanes), dtype=np.uint32)
-            uvt = np.zeros(((vbytes + 3) >> 2, lanes), dtype=np.uint32)
-            sak = np.zeros((nb, lanes), dtype=np.float32)
-            sav = np.zeros((nb, lanes), dtype=np.float32)
-            xt = np.zeros((d, lanes), dtype=np.float32)
-            st = np.zeros((1, lanes), dtype=np.float32)
-            sc = np.zeros((rows, lanes), dtype=np.float32)
-            lacc = np.zeros((rows, d * lanes), dtype=np.float32)
-            no_sq = np.zeros((rows, 1), dtype=np.float32)
-            qg = qr[g]
-            for t0 in range(t_lo, t_hi, lanes):
-                nt = min(lanes, t_hi - t0)
-                for tt in range(nt):
-                    t = t0 + tt
-                    page = kv_indices[first + t // page_size]
-                    slot = t % page_size
-                    gather_words_cpu(kc[page, h, slot], kbytes, ukt, tt)
-                    gather_words_cpu(vc[page, h, slot], vbytes, uvt, tt)
-                    for b in range(nb):
-                        sak[b, tt] = scale_table[ks[page, h, slot, b]]
-                        sav[b, tt] = scale_table[vs[page, h, slot, b]]
-                for tt in range(nt, lanes):  # idle lanes of a short last tile: value 0, weight 0
-                    for b in range(nb):
-                        sak[b, tt] = float32(0.0)
-                        sav[b, tt] = float32(0.0)
-                attend_lane_tile_cpu(ukt, uvt, sak, sav, kcf, vcf, kbits_b, kwoff, vbits_b, vwoff, qg, xt, sc, lacc,
-                                     nt, False, no_sq, st, softmax_scale, g, False, no_bias,
-                                     causal and t0 + nt - 1 > q_pos0, q_pos0, q_len, t0, no_pos, t0, m, l)
-            fold_lanes_cpu(lacc, m, l, g, p, part_m, part_l, part_acc)
-        else:
-            kt = np.empty((TILE, d), dtype=np.float32)
-            vt = np.empty((TILE, d), dtype=np.float32)
-            acc = np.zeros((rows, d), dtype=np.float32)
-            qsrc = q[g]
-            for t0 in range(t_lo, t_hi, TILE):
-                nt = min(TILE, t_hi - t0)
-                for tt in range(nt):
-                    t = t0 + tt
-                    page = kv_indices[first + t // page_size]
-                    slot = t % page_size
+        qsrc = qr[g] if compressed else q[g]
+        for t0 in range(t_lo, t_hi, TILE):
+            nt = min(TILE, t_hi - t0)
+            for tt in range(nt):
+                t = t0 + tt
+                page = kv_indices[first + t // page_size]
+                slot = t % page_size
+                if compressed:
+                    load_token_fast_cpu(kc[page, h, slot], ks[page, h, slot], kcent, kbits, nb, 0, scale_table, kt[tt])
+                    load_token_fast_cpu(vc[page, h, slot], vs[page, h, slot], vcent, vbits, nb, 0, scale_table, vt[tt])
+                else:
                     for j in range(d):
                         kt[tt, j] = kp[page, h, slot, j]
                         vt[tt, j] = vp[page, h, slot, j]
-                sce = np.dot(qsrc, kt[:nt].T)
-                softmax_tile_cpu(sce, nt, softmax_scale, g, False, no_bias, causal and t0 + nt - 1 > q_pos0, q_pos0,
-                                 q_len, t0, no_pos, False, 0, m, l, acc)
-                acc += np.dot(sce, vt[:nt])
-            for r in range(rows):
-                part_m[g, p, r] = m[r]
-                part_l[g, p, r] = l[r]
-                for j in range(d):
-                    part_acc[g, p, r, j] = acc[r, j]
+            sc = np.dot(qsrc, kt[:nt].T)
+            softmax_tile_cpu(sc, nt, softmax_scale, g, False, no_bias, causal and t0 + nt - 1 > q_pos0, q_pos0,
+                             q_len, t0, no_pos, False, 0, m, l, acc)
+            acc += np.dot(sc, vt[:nt])
+        for r in range(rows):
+            part_m[g, p, r] = m[r]
+            part_l[g, p, r] = l[r]
+            for j in range(d):
+                part_acc[g, p, r, j] = acc[r, j]
 
 
 @cuda_kernel
