@@ -22,6 +22,7 @@ def test_cli_json_has_provenance_and_rows(tmp_path, capsys):
     assert (row["tokens"], row["bits"]) == (64, 3)
     assert row["max_rel_err_vs_dequant"] < 1e-5
     assert row["speedup_vs_dense"] == row["dense_ms"] / row["fused_ms"]
+    assert row["dense_best_ms"] == min(row["dense_ms"], row["dense_blas2_ms"])
     assert rep["decode"] == []
 
 
