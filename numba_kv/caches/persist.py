@@ -91,7 +91,8 @@ def _layered_state(cache: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
                 continue
             layers.append({"seq_len": st.seq_len, "batch": st.batch, "meta": dict(st.meta), "live": dict(st.live)})
             for n, b in st.buffers.items():
-                tensors[f"layers.{i}.{n}"] = _to_host(b[:, :st.live_count(n)])
+                # whole buffer to the host first: device slices are not contiguous
+                tensors[f"layers.{i}.{n}"] = np.ascontiguousarray(_to_host(b)[:, :st.live_count(n)])
     return {"layers": layers}, tensors
 
 

@@ -282,3 +282,42 @@ def test_paged_crop_fork_select(storage):
     assert c.sequences == sorted(ids)
     for name in c.pools:
         assert not np.shares_memory(c.pools[name], d.pools[name])
+
+
+# -- Numba device arrays (simulator or GPU) --------------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.parametrize("name,opts", [("dense", {}), ("pqo3", {"residual_length": 4, "sink_tokens": 2,
+                                                              "window_dtype": "float32"}),
+                                       ("pq3", {"window_dtype": "float32"})])
+def test_lifecycle_on_device_matches_cpu(tmp_path, name, opts):
+    """crop / fork / select_batch / save on a cache stored in Numba device arrays agree with
+    the same operations on the host cache."""
+    from numba_kv import load_cache
+    from numba_kv._backend import to_host
+
+    from ..conftest import to_device
+
+    rng = np.random.default_rng(8)
+    B = 2
+    host, dev = _make(name, opts, layers=1), _make(name, opts, layers=1)
+    k, v = _rand(rng, B, H, 12, D), _rand(rng, B, H, 12, D)
+    host.prefill(0, k, v)
+    dev.prefill(0, to_device(k), to_device(v))
+    for c in (host, dev):
+        c.crop(9)
+    dev2 = dev.fork()
+    for c in (host, dev2):
+        c.select_batch([1, 0, 1])
+    dev.reset()  # the fork must not notice
+    q, k1 = _rand(rng, 3, H * G, 1, D), _rand(rng, 3, H, 1, D)
+    a = _outputs(host.decode(0, k1, k1, q, CFG))
+    b = _outputs(dev2.decode(0, to_device(k1), to_device(k1), to_device(q), CFG))
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_allclose(to_host(y), x, rtol=1e-4, atol=1e-5)
+    dev2.save(tmp_path / "d.safetensors")
+    host.save(tmp_path / "h.safetensors")
+    la, lb = load_cache(tmp_path / "h.safetensors"), load_cache(tmp_path / "d.safetensors")
+    assert la.memory_usage() == lb.memory_usage() == host.memory_usage()
+    q = _rand(rng, 3, H * G, 1, D)
+    for x, y in zip(_outputs(la.decode(0, k1, k1, q, CFG)), _outputs(lb.decode(0, k1, k1, q, CFG)), strict=True):
+        np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-5)

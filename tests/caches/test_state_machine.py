@@ -19,14 +19,11 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,  # noqa: E402
-                                 rule)
-
-from numba_kv import AttendConfig, DequantResult, Fused, get_codebook, make_cache, reference  # noqa: E402
+from numba_kv import AttendConfig, DequantResult, Fused, get_codebook, make_cache, reference
 
 H, D, G, LAYERS = 2, 32, 2, 2
 SCALE = 0.2
