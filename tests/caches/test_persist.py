@@ -66,6 +66,9 @@ def test_round_trip_decodes_bit_identically(tmp_path, name, opts):
     a.save(path)
     b = load_cache(path, expect=a)
     assert type(b) is type(a) and b.name == a.name
+    # the payload is exactly the live bytes
+    data = path.read_bytes()
+    assert len(data) == 8 + _header(data)[0] + a.memory_usage()
     assert b.memory_usage() == a.memory_usage()
     assert [b.seq_len(i) for i in range(3)] == [45, 3, 0]
     for la, lb in zip(a._layers, b._layers):
