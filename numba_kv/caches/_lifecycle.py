@@ -131,9 +131,11 @@ class LifecycleMixin:
         cls = type(self)
         new = cls.__new__(cls)
         memo[id(self)] = new
+        # configuration (codebooks, layouts, sketch, signs) is read-only after __init__ and
+        # shared: the device constant cache keys on the host arrays' identity
         for key, val in self.__dict__.items():
             if key != "_layers":
-                setattr(new, key, copy.deepcopy(val, memo))
+                setattr(new, key, copy.copy(val) if isinstance(val, (dict, list)) else val)
         layers = []
         with self._all_locks():
             for st in self._layers:
@@ -145,10 +147,11 @@ class LifecycleMixin:
         return new
 
     def fork(self) -> Any:
-        """An independent deep copy (same as ``copy.deepcopy(cache)``).
+        """An independent copy (same as ``copy.deepcopy(cache)``).
 
         Every buffer is copied (O(allocated bytes), on the buffers' device); the copy has
-        its own locks.  Changing one cache never changes the other.
+        its own locks.  The read-only configuration (codebooks, layouts, QJL sketch) is
+        shared.  Changing one cache never changes the other.
         """
         return copy.deepcopy(self)
 

@@ -625,8 +625,10 @@ class PagedKVCache:
                     new._lock = threading.RLock()
                 elif key == "_pools":
                     new._pools = {n: copy_array(a) for n, a in val.items()}
-                else:
+                elif key in ("_tables", "_lens", "_free"):
                     setattr(new, key, copy.deepcopy(val, memo))
+                else:  # configuration, read-only after __init__ (codebooks shared)
+                    setattr(new, key, copy.copy(val) if isinstance(val, (dict, list)) else val)
         return new
 
     def fork(self) -> PagedKVCache:
