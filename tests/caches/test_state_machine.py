@@ -7,7 +7,8 @@ chunk sizes, window and sink settings, against a model built from independent pa
 * which tokens are exact (sinks: the first ``S`` positions; window: the newest ``R`` other
   tokens since they entered — a token is compressed once it leaves the window and never
   comes back) — tracked by the model's own rule, not read from the cache;
-* the expected stored value of each token: binary16 / float32 rounding for exact tokens,
+* the expected stored value of each token: binary16 / float32 / absmax-int8 rounding for
+  exact tokens,
   the :mod:`numba_kv.reference` quantizer round trip for compressed ones (TQ3: plus the
   QJL correction ``‖r‖·√(π/2)/m·⟨S q, sign(S r)⟩`` computed here in NumPy);
 * ``memory_usage`` by formula from the model's token counts and the format's byte sizes;
@@ -34,9 +35,20 @@ def _f16(x):
     return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
 
 
+def _int8_window(x):
+    """Symmetric absmax int8 per vector with a binary16 scale ``max|x|/127`` (1 if that is 0)."""
+    s16 = (np.abs(x).max(-1, keepdims=True) / np.float32(127)).astype(np.float16)
+    s16[s16 == 0] = 1
+    s = s16.astype(np.float32)
+    return np.clip(np.rint(x / s), -127, 127).astype(np.int8).astype(np.float32) * s
+
+
+_WINDOW = {"float16": _f16, "float32": lambda x: x, "int8": _int8_window}
+
+
 class WindowedCacheMachine(RuleBasedStateMachine):
     @initialize(kind=st.sampled_from(["pqo3", "pqo2", "pqo4", "tq3"]), R=st.sampled_from([0, 1, 3, 8]),
-                S=st.sampled_from([0, 1, 2, 5]), window=st.sampled_from(["float16", "float32"]),
+                S=st.sampled_from([0, 1, 2, 5]), window=st.sampled_from(["float16", "float32", "int8"]),
                 batch=st.integers(1, 3), seed=st.integers(0, 2**16))
     def setup(self, kind, R, S, window, batch, seed):
         self.kind, self.R, self.S, self.window, self.B = kind, R, S, window, batch
@@ -56,7 +68,7 @@ class WindowedCacheMachine(RuleBasedStateMachine):
     # -- model ------------------------------------------------------------------------------
     @staticmethod
     def _empty():
-        return {"x": None, "exact": []}  # x: name -> dict of [B, H, T, D] arrays
+        return {"x": None, "exact": [], "via_window": []}  # x: name -> [B, H, T, ...] arrays
 
     def _compress_ref(self, name, x):
         """Reference round trip of ``x`` plus what is needed to judge near-ties: the reference
@@ -74,12 +86,16 @@ class WindowedCacheMachine(RuleBasedStateMachine):
                 "s16": np.abs(scales.view(np.float16).astype(np.float64)), "near": near.reshape(x.shape)}
 
     def _model_append(self, lay, k, v):
-        """Append tokens with every representation the model may need (computed once)."""
+        """Append tokens with every representation the model may need (computed once): the
+        window's rounding, and the reference round trip of both the input (for a token that
+        skips the window) and of its window copy (a token leaving the window is compressed
+        from what the window held — the float32 original is gone by then)."""
         new = {"k": k, "v": v}
         for n, x in (("k", k), ("v", v)):
-            new[n + "_ex"] = _f16(x) if self.window == "float16" else x
-            for key, a in self._compress_ref(n, x).items():
-                new[f"{n}_{key}"] = a
+            new[n + "_ex"] = _WINDOW[self.window](x)
+            for src, y in (("x", x), ("w", new[n + "_ex"])):
+                for key, a in self._compress_ref(n, y).items():
+                    new[f"{n}_{src}{key}"] = a
         if lay["x"] is None:
             lay["x"] = new
         else:
@@ -87,9 +103,18 @@ class WindowedCacheMachine(RuleBasedStateMachine):
         # sinks: the first S positions; others enter the window and the oldest leave it
         T0 = len(lay["exact"])
         lay["exact"] += [True] * k.shape[2]
+        lay["via_window"] += [False] * k.shape[2]
         win = [i for i in range(self.S, T0 + k.shape[2]) if lay["exact"][i]]
         for i in win[:max(0, len(win) - self.R)]:
             lay["exact"][i] = False
+            lay["via_window"][i] = i < T0  # stored before this call: it sat in the window
+
+    def _comp(self, lay, key):
+        """Per-token compressed-side array ``key`` (``"k_c"``, ``"v_idx"``, ...) of the source
+        each token was compressed from."""
+        n, rest = key.split("_", 1)
+        via = np.array(lay["via_window"])[None, None, :, None]
+        return np.where(via, lay["x"][f"{n}_w{rest}"], lay["x"][f"{n}_x{rest}"])
 
     def _resolve(self, lay, name, got):
         """The model's history of side ``name``, checked against the cache's ``got``:
@@ -99,7 +124,7 @@ class WindowedCacheMachine(RuleBasedStateMachine):
         tokens and the cache's reconstruction of the compressed ones, once checked."""
         x = lay["x"]
         exact = np.array(lay["exact"])
-        want = np.where(exact[None, None, :, None], x[name + "_ex"], x[name + "_c"])
+        want = np.where(exact[None, None, :, None], x[name + "_ex"], self._comp(lay, name + "_c"))
         assert got.shape == want.shape
         np.testing.assert_array_equal(got[:, :, exact], want[:, :, exact])
         tol = 1e-5 + 2.0 ** -9 * np.abs(want).max(axis=-1, keepdims=True)
@@ -108,11 +133,11 @@ class WindowedCacheMachine(RuleBasedStateMachine):
         if bad.any():
             cb = self.cb[name]
             g = got[bad].astype(np.float64)  # [n, D]
-            rot = reference.rotate_forward(g).reshape(len(g), -1, 32) / x[name + "_s16"][bad][..., None]
+            rot = reference.rotate_forward(g).reshape(len(g), -1, 32) / self._comp(lay, name + "_s16")[bad][..., None]
             cent = np.asarray(cb.centroids, np.float64)
             idx = np.abs(rot[..., None] - cent).argmin(-1).reshape(len(g), -1)
             assert np.abs(rot.reshape(len(g), -1) - cent[idx]).max() < 1e-3, "not a codebook reconstruction"
-            ref_idx, near = x[name + "_idx"][bad].astype(int), x[name + "_near"][bad]
+            ref_idx, near = self._comp(lay, name + "_idx")[bad].astype(int), self._comp(lay, name + "_near")[bad]
             flip = idx != ref_idx
             assert np.all(np.abs(idx - ref_idx) <= 1) and np.all(near[flip]), "a code differs outside a near-tie"
             self.flips += int(flip.sum())
@@ -123,7 +148,8 @@ class WindowedCacheMachine(RuleBasedStateMachine):
     def _bias(self, lay, q, k_hat):
         """QJL logit bias [B, H·G, q_len, T] in scaled-logit units (0 on exact tokens), from
         the residual ``r = k − k̂`` of each compressed key (binary16 norm, signs of ``S r``)."""
-        r = (lay["x"]["k"] - k_hat).astype(np.float64)
+        via = np.array(lay["via_window"])[None, None, :, None]
+        r = (np.where(via, lay["x"]["k_ex"], lay["x"]["k"]) - k_hat).astype(np.float64)
         rn = _f16(np.sqrt((r ** 2).sum(-1)))  # [B, H, T]
         sg = np.where(r @ self.sketch.T >= 0, 1.0, -1.0)  # [B, H, T, m]
         sq = np.asarray(q, np.float64) @ self.sketch.T  # [B, HG, ql, m]
@@ -139,7 +165,7 @@ class WindowedCacheMachine(RuleBasedStateMachine):
         comp = {n: D * self.bits[n] // 8 + 2 * nb for n in ("k", "v")}
         if self.tq:
             comp["k"] += self.m // 8 + 2  # sign bits + binary16 residual norm
-        exact = 2 * D * np.dtype(self.window).itemsize
+        exact = 2 * (D + 2 if self.window == "int8" else D * np.dtype(self.window).itemsize)  # int8: + f16 scale
         total = 0
         for lay in self.layers:
             n_exact = sum(lay["exact"])
@@ -210,6 +236,7 @@ class WindowedCacheMachine(RuleBasedStateMachine):
                 self.layers[i] = self._empty()
             else:
                 lay["exact"] = lay["exact"][:length]
+                lay["via_window"] = lay["via_window"][:length]
                 lay["x"] = {n: a[:, :, :length] for n, a in lay["x"].items()}
 
     @rule(junk=st.integers(1, 4))
