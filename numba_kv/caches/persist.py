@@ -151,6 +151,26 @@ def _check_int(where: str, v: Any, lo: int = 0) -> int:
     return v
 
 
+def _check_counters(cache: Any, i: int, seq_len: int, meta: dict[str, Any], live: dict[str, Any]) -> None:
+    """The layer's counters must describe a state the cache can reach (kernels trust them)."""
+    if not hasattr(cache, "_set_live"):  # dense: every buffer holds seq_len tokens
+        if meta or live:
+            raise CacheFileError(f"state: layer {i} of a {type(cache).__name__} has counters {meta} / {live}")
+        return
+    n_sink, n_comp, n_win = (meta.get(k, 0) for k in ("n_sink", "n_comp", "n_win"))
+    S, R = cache.sink_tokens, cache.residual_length
+    ok = n_sink + n_comp + n_win == seq_len and n_sink <= S and n_win <= R and (n_sink == S or n_comp + n_win == 0)
+    if not cache.windowed:
+        ok = ok and n_comp == seq_len
+    from ._layer import LayerState
+
+    probe = LayerState(seq_len=seq_len, meta=dict(meta))
+    cache._set_live(probe)
+    if not ok or probe.live != live:
+        raise CacheFileError(f"state: layer {i} counters {meta} / live {live} are inconsistent with seq_len "
+                             f"{seq_len} and the configuration (sinks {S}, window {R})")
+
+
 def _build_layered(cls: type, cfg: dict[str, Any], state: dict[str, Any], tensors: dict[str, np.ndarray]) -> Any:
     from ._layer import grown_capacity
 
@@ -199,6 +219,7 @@ def _build_layered(cls: type, cfg: dict[str, Any], state: dict[str, Any], tensor
             bufs[n] = (t, nl, width, dtype, fixed)
             if fixed is None:
                 grow_needed = max(grow_needed, nl)
+        _check_counters(cache, i, seq_len, meta, live)
         built.append((seq_len, batch, dict(meta), {n: int(v) for n, v in live.items()}, bufs, grow_needed))
     extra = set(tensors) - used
     if extra:

@@ -232,3 +232,30 @@ def test_consistent_but_wrong_tensors_are_rejected(saved, tmp_path):
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_cache(tmp_path / "nope.safetensors")
+
+
+@pytest.mark.parametrize("edit", ["n_win", "n_sink", "live"])
+def test_consistent_but_impossible_counters_are_rejected(saved, tmp_path, edit):
+    """Counters the kernels would trust (re-hashed, so only a deliberate edit gets here) must
+    describe a reachable state: otherwise no cache."""
+    import safetensors.numpy
+
+    from numba_kv.caches import persist
+
+    cache, _ = saved
+    state_obj, tensors = persist._layered_state(cache)
+    lay = state_obj["layers"][0]
+    if edit == "live":
+        lay["live"]["k_exact"] -= 1
+        tensors["layers.0.k_exact"] = np.ascontiguousarray(tensors["layers.0.k_exact"][:, :-1])
+    else:
+        lay["meta"][edit] -= 1
+        lay["seq_len"] -= 1
+    config = json.dumps(cache._lifecycle_config(), sort_keys=True)
+    state = json.dumps(state_obj, sort_keys=True)
+    path = tmp_path / "w.safetensors"
+    safetensors.numpy.save_file(tensors, str(path), metadata={
+        "format": persist.FORMAT_NAME, "format_version": "1", "cache_class": "PolarQuantCache", "config": config,
+        "state": state, "sha256": persist._digest(config, state, tensors)})
+    with pytest.raises(CacheFileError, match="inconsistent"):
+        load_cache(path)
