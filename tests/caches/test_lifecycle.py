@@ -323,3 +323,48 @@ def test_lifecycle_on_device_matches_cpu(tmp_path, name, opts):
     q = _rand(rng, 3, H * G, 1, D)
     for x, y in zip(_outputs(la.decode(0, k1, k1, q, CFG)), _outputs(lb.decode(0, k1, k1, q, CFG)), strict=True):
         np.testing.assert_allclose(y, x, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name,opts", [("dense", {}), ("pqo3", {"residual_length": 0, "sink_tokens": 0})])
+def test_fork_while_other_threads_decode(name, opts):
+    """Forks taken while 4 threads decode 4 layers are consistent per layer: each forked layer
+    is a prefix of that layer's final history (tokens never change once stored here) and
+    forks keep working on their own."""
+    rng = np.random.default_rng(9)
+    layers, steps = 4, 25
+    cache = _make(name, opts, layers=layers)
+    ks = _rand(rng, layers, steps + 4, 1, H, 1, D)
+    q = _rand(rng, 1, H * G, 1, D)
+    for layer in range(layers):
+        cache.prefill(layer, ks[layer, 0], ks[layer, 0])
+    barrier = threading.Barrier(layers + 1)
+    errors = []
+
+    def work(layer):
+        try:
+            barrier.wait()
+            for t in range(1, steps + 1):
+                cache.decode(layer, ks[layer, t], ks[layer, t], q, CFG)
+        except Exception as exc:  # noqa: BLE001 - re-raised by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(layers)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    forks = [cache.fork() for _ in range(20)]
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    final = [_history(cache, layer, 1, rng) for layer in range(layers)]
+    for f in forks:
+        for layer in range(layers):
+            n = f.seq_len(layer)
+            assert 1 <= n <= steps + 1
+            hk, hv = _history(f, layer, 1, rng)
+            np.testing.assert_array_equal(hk, final[layer][0][:, :, :n])
+            np.testing.assert_array_equal(hv, final[layer][1][:, :, :n])
+    f = forks[0]
+    f.decode(0, ks[0, steps + 1], ks[0, steps + 1], q, CFG)
+    assert cache.seq_len(0) == steps + 1
