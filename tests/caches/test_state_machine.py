@@ -1,4 +1,5 @@
-"""Stateful property tests of the windowed caches (PolarQuant with window / sinks, TQ3).
+"""Stateful property tests of the windowed caches (PolarQuant with window / sinks, TQ3),
+and of the paged cache's per-sequence lifecycle (at the end of the file).
 
 Random sequences of prefill / decode / crop / fork / select_batch / reset, with random
 chunk sizes, window and sink settings, against a model built from independent parts:
@@ -289,3 +290,161 @@ WindowedCacheMachine.TestCase.settings = settings(
     max_examples=100, stateful_step_count=25, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 TestWindowedCaches = WindowedCacheMachine.TestCase
+
+
+# -- paged cache: per-sequence lifecycle -------------------------------------------------------
+class PagedCacheMachine(RuleBasedStateMachine):
+    """Sequences of allocate / append / crop / fork_sequence / select_batch / free on a small
+    page pool.  The model: every sequence's tokens per layer (float32 storage: the inputs
+    themselves; PQO3: the reconstruction first returned for that token, which no later
+    lifecycle operation may change), page accounting by ``ceil(len / page_size)`` and the
+    free-page count, and fused paged attention against ``reference.attention``."""
+
+    @initialize(storage=st.sampled_from(["float32", "pqo3"]), ps=st.sampled_from([1, 3, 4]),
+                pages=st.integers(4, 24), seed=st.integers(0, 2**16))
+    def setup(self, storage, ps, pages, seed):
+        from numba_kv import PagedKVCache
+
+        self.storage, self.ps, self.pages = storage, ps, pages
+        self.rng = np.random.default_rng(seed)
+        self.cache = PagedKVCache(num_pages=pages, num_layers=LAYERS, num_kv_heads=H, head_dim=D, page_size=ps,
+                                  storage=storage)
+        per_vec = 4 * D if storage == "float32" else D * 3 // 8 + 2 * (D // 32)
+        self.page_bytes = H * ps * 2 * per_vec
+        self.seqs = {}  # id -> [layer] -> (k [H, T, D], v [H, T, D])
+        self.next_id = 0
+
+    def _pages_needed(self):
+        return sum(-(-k.shape[1] // self.ps) for lay in self.seqs.values() for k, _ in lay)
+
+    def _new_seq(self):
+        empty = np.zeros((H, 0, D), np.float32)
+        sid = self.next_id
+        self.next_id += 1
+        self.seqs[sid] = [(empty, empty) for _ in range(LAYERS)]
+        return sid
+
+    @precondition(lambda self: len(self.seqs) < 4)
+    @rule()
+    def allocate(self):
+        assert self.cache.allocate_sequence() == self._new_seq()
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), layer=st.integers(0, LAYERS - 1), n=st.integers(1, 6))
+    def append(self, data, layer, n):
+        sid = data.draw(st.sampled_from(sorted(self.seqs)), label="seq")
+        k = self.rng.standard_normal((H, n, D)).astype(np.float32)
+        v = self.rng.standard_normal((H, n, D)).astype(np.float32)
+        mk, mv = self.seqs[sid][layer]
+        need = -(-(mk.shape[1] + n) // self.ps) - (-(-mk.shape[1] // self.ps))
+        if need > self.pages - self._pages_needed():
+            from numba_kv import OutOfPagesError
+
+            with pytest.raises(OutOfPagesError):
+                self.cache.append(layer, sid, k, v)
+            return
+        self.cache.append(layer, sid, k, v)
+        if self.storage == "float32":
+            nk, nv = k, v
+        else:  # the stored reconstruction, checked against the reference quantizer
+            gk, gv = self.cache.get_kv(layer, sid)
+            nk, nv = gk[:, mk.shape[1]:], gv[:, mk.shape[1]:]
+            cb = get_codebook(3, "maxnorm")
+            for x, y in ((k, nk), (v, nv)):
+                ref = reference.dequantize(*reference.quantize(x, cb.centroids, cb.boundaries, 3, "maxnorm",
+                                                               cb.ref, True), cb.centroids, 3)
+                err = np.abs(y - ref).max(-1) / np.abs(ref).max(-1)
+                assert (err <= 2.0 ** -9).mean() >= 0.9  # a few near-tie blocks may differ by one level
+        self.seqs[sid][layer] = (np.concatenate([mk, nk], 1), np.concatenate([mv, nv], 1))
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def crop(self, data):
+        sid = data.draw(st.sampled_from(sorted(self.seqs)), label="seq")
+        limit = min(k.shape[1] for k, _ in self.seqs[sid])
+        length = data.draw(st.integers(0, limit), label="length")
+        with pytest.raises(ValueError, match="length"):
+            self.cache.crop(sid, limit + 1)
+        self.cache.crop(sid, length)
+        self.seqs[sid] = [(k[:, :length], v[:, :length]) for k, v in self.seqs[sid]]
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def fork_sequence(self, data):
+        from numba_kv import OutOfPagesError
+
+        sid = data.draw(st.sampled_from(sorted(self.seqs)), label="seq")
+        own = sum(-(-k.shape[1] // self.ps) for k, _ in self.seqs[sid])
+        if own > self.pages - self._pages_needed():
+            with pytest.raises(OutOfPagesError):
+                self.cache.fork_sequence(sid)
+            return
+        new = self.cache.fork_sequence(sid)
+        assert new == self._new_seq()
+        self.seqs[new] = list(self.seqs[sid])
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def select_batch(self, data):
+        from numba_kv import OutOfPagesError
+
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.seqs)), min_size=1, max_size=4), label="seq_ids")
+        kept = {s: self.seqs[s] for s in set(ids)}
+        copies = [s for i, s in enumerate(ids) if s in ids[:i]]
+        need = sum(-(-k.shape[1] // self.ps) for s in copies for k, _ in self.seqs[s])
+        free_after = self.pages - sum(-(-k.shape[1] // self.ps) for lay in kept.values() for k, _ in lay)
+        if need > free_after:
+            with pytest.raises(OutOfPagesError):
+                self.cache.select_batch(ids)
+            return
+        out = self.cache.select_batch(ids)
+        self.seqs = kept
+        expect = []
+        for i, s in enumerate(ids):
+            if s in ids[:i]:
+                s = self._new_seq()
+                self.seqs[s] = list(kept[ids[i]])
+            expect.append(s)
+        assert out == expect
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def free(self, data):
+        sid = data.draw(st.sampled_from(sorted(self.seqs)), label="seq")
+        self.cache.free_sequence(sid)
+        del self.seqs[sid]
+
+    @invariant()
+    def accounting(self):
+        assert self.cache.sequences == sorted(self.seqs)
+        used = self._pages_needed()
+        assert self.cache.num_free_pages == self.pages - used
+        assert self.cache.memory_usage() == used * self.page_bytes
+        for sid, lay in self.seqs.items():
+            for layer, (k, _) in enumerate(lay):
+                assert self.cache.seq_len(layer, sid) == k.shape[1]
+                assert self.cache.num_seq_pages(layer, sid) == -(-k.shape[1] // self.ps)
+
+    @invariant()
+    def contents(self):
+        for sid, lay in self.seqs.items():
+            for layer, (k, v) in enumerate(lay):
+                if k.shape[1]:
+                    gk, gv = self.cache.get_kv(layer, sid)
+                    np.testing.assert_array_equal(gk, k)
+                    np.testing.assert_array_equal(gv, v)
+        # fused paged attention over the non-empty sequences of layer 0
+        ids = [s for s in sorted(self.seqs) if self.seqs[s][0][0].shape[1]]
+        if ids:
+            q = self.rng.standard_normal((len(ids), H * G, 1, D)).astype(np.float32)
+            out = self.cache.decode_attention(0, q, ids, softmax_scale=SCALE)
+            for i, s in enumerate(ids):
+                k, v = self.seqs[s][0]
+                ref = reference.attention(q[i:i + 1], k[None], v[None], SCALE)
+                np.testing.assert_allclose(out[i:i + 1], ref, rtol=0, atol=1e-4 * max(1.0, np.abs(v).max()))
+
+
+PagedCacheMachine.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=20, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+TestPagedCache = PagedCacheMachine.TestCase
