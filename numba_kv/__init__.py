@@ -17,6 +17,7 @@ from .caches.mla import MLACache, SimpleMLACache
 from .caches.paged import OutOfPagesError, PagedKVCache, PageTable
 from .caches.polarquant import PolarQuantCache
 from .caches.turboquant import TurboQuantCache
+from .caches.persist import CacheFileError, load_cache
 from .caches.protocol import (AttendConfig, CompressedKVCache, DecodeOutput, Dequantized, DequantResult,
                               Fused)
 from .compressor import CompressedKV, CompressionMethod, KVCacheCompressor
@@ -37,3 +38,4 @@ __all__ = [
     "make_sketch", "pack_bits", "qjl_inner_product", "qjl_quantize", "quantize_blocks", "quantize_head", "rotate32",
     "rotate_head", "unpack_bits",
 ]
+__all__ += ["CacheFileError", "load_cache"]

@@ -18,6 +18,7 @@ import numpy as np
 from .. import _backend, _config
 from .._validate import check_head_dim, check_int, check_kv, check_layer, check_q
 from ..ops.memory import copy_prefix
+from ._lifecycle import LifecycleMixin
 from .protocol import AttendConfig, DecodeOutput, Dequantized, DequantResult
 
 # name -> (width, dtype, fixed_capacity); fixed_capacity None = grows with the sequence
@@ -65,7 +66,7 @@ def grown_capacity(needed: int) -> int:
     return needed + extra
 
 
-class LayeredCache:
+class LayeredCache(LifecycleMixin):
     """Base of all caches: validation, per-layer locks, growth, protocol bookkeeping.
 
     Subclasses define :meth:`_buffer_spec`, :meth:`_store` and :meth:`_history`.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
@@ -72,3 +72,8 @@ class DenseCache(LayeredCache):
             flat = xp.ascontiguousarray(live) if xp is not None else live.copy_to_host()
             out.append(self._reshape_out(flat, st.batch, dtype))
         return out[0], out[1]
+
+    def _lifecycle_config(self) -> Dict[str, Any]:
+        """Constructor arguments (JSON types) that rebuild this cache's configuration."""
+        return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+                "dtype": self.dtype.name}

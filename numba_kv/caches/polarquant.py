@@ -588,3 +588,45 @@ class PolarQuantCache(LayeredCache):
         if np.dtype(dtype) != np.dtype(res.dtype):
             res = res.astype(dtype)
         return res
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def _lifecycle_config(self) -> Dict[str, Any]:
+        """Constructor arguments (JSON types) that rebuild this cache's configuration."""
+        ob = None
+        if self.outlier_channels:
+            ob = self.outlier_bits["k"]
+        return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+                "bits": self.bits, "k_bits": self.k_bits, "v_bits": self.v_bits, "mode": self.mode,
+                "norm_mode": self.norm_mode, "residual_length": self.residual_length,
+                "sink_tokens": self.sink_tokens, "window_dtype": self.window_dtype.name,
+                "decode_output": self.decode_output, "key_scale": self.key_scale, "key_center": self.key_center,
+                "rotation": self.rotation, "unbiased": self.unbiased, "outlier_channels": self.outlier_channels,
+                "outlier_bits": ob}
+
+    def _set_live(self, st: LayerState) -> None:
+        """Live token counts of every buffer from the layer's counters."""
+        n_exact = st.meta.get("n_sink", 0) + st.meta.get("n_win", 0)
+        for bname in self._buffer_spec():
+            if bname.endswith(("_exact", "_exact_scale")):
+                st.live[bname] = n_exact
+            elif bname in ("k_chmean", "k_chscale", "k_perm", "v_perm"):
+                st.live[bname] = 1
+            else:
+                st.live[bname] = st.meta.get("n_comp", 0)
+
+    def _crop_layer(self, st: LayerState, length: int) -> None:
+        # stored order: sinks [0, n_sink), compressed [n_sink, n_sink + n_comp), window after;
+        # a cut inside the compressed part drops the whole window (tokens are never re-expanded)
+        n_sink, n_comp = st.meta.get("n_sink", 0), st.meta.get("n_comp", 0)
+        if not self.windowed:
+            n_comp = length
+            n_win = 0
+        elif length <= n_sink:
+            n_sink, n_comp, n_win = length, 0, 0
+        elif length <= n_sink + n_comp:
+            n_comp, n_win = length - n_sink, 0
+        else:
+            n_win = length - n_sink - n_comp
+        st.meta.update(n_sink=n_sink, n_comp=n_comp, n_win=n_win)
+        st.seq_len = length
+        self._set_live(st)

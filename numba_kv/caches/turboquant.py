@@ -168,3 +168,11 @@ class TurboQuantCache(PolarQuantCache):
             return super()._decode_output(st, q, config, dtype)
         hk, hv = self._history(st, dtype)
         return Dequantized(DequantResult(hk, hv, self._logit_bias(st, q, config.softmax_scale).astype(dtype)))
+
+    def _lifecycle_config(self) -> Dict[str, Any]:
+        """Constructor arguments (JSON types) that rebuild this cache's configuration."""
+        cfg = super()._lifecycle_config()
+        for key in ("mode", "outlier_channels", "outlier_bits"):
+            del cfg[key]
+        cfg.update(qjl_seed=self.qjl_seed, qjl_dim=self.qjl_dim)
+        return cfg

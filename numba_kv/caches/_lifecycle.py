@@ -1,0 +1,201 @@
+"""Cache lifecycle shared by every layered cache: ``crop``, ``fork`` (``copy.deepcopy``),
+``select_batch`` and ``save`` (the file format lives in :mod:`numba_kv.caches.persist`).
+
+These are the operations inference engines build on: rollback after speculative decoding
+(``crop``), one prompt's cache copied to several continuations (``fork``), batch rows
+reordered for beam search (``select_batch``), and prompt caches written to disk (``save``).
+
+Every operation validates its arguments first and takes the locks of all layers (in
+layer order, so it cannot deadlock against per-layer ``prefill``/``decode`` calls from
+other threads); a call that raises leaves the cache exactly as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from .. import _backend
+from .._validate import check_int
+
+
+def copy_array(a: Any) -> Any:
+    """An independent copy of ``a`` on its own device (NumPy, CuPy or Numba device array)."""
+    if _backend.xp_of(a) is not None:
+        return a.copy()
+    out = _backend.empty(a, tuple(a.shape), a.dtype)
+    out.copy_to_device(a)
+    return out
+
+
+def take_rows(a: Any, rows: np.ndarray) -> Any:
+    """``a[rows]`` (first axis, repeats allowed) as a new array on the device of ``a``.
+
+    Numba device arrays go through the host (no device-side fancy indexing for every
+    dtype the caches store); NumPy and CuPy index on their own device.
+    """
+    xp = _backend.xp_of(a)
+    if xp is np:
+        return np.ascontiguousarray(a[rows])
+    if xp is not None:
+        return xp.ascontiguousarray(a[xp.asarray(rows)])
+    from numba import cuda
+
+    return cuda.to_device(np.ascontiguousarray(a.copy_to_host()[rows]))
+
+
+def check_indices(indices: Any, batch: int) -> np.ndarray:
+    """Validate ``indices`` (1-D, ≥ 1 integer in ``[0, batch)``, repeats allowed) → int64."""
+    try:
+        idx = np.asarray(indices)
+    except Exception as exc:  # pragma: no cover - exotic inputs
+        raise TypeError(f"indices: expected a 1-D sequence of ints, got {type(indices).__name__}") from exc
+    if idx.ndim != 1 or idx.size == 0:
+        raise ValueError(f"indices: expected a non-empty 1-D sequence of batch rows, got shape {idx.shape}")
+    if idx.dtype == np.bool_ or not np.issubdtype(idx.dtype, np.integer):
+        raise TypeError(f"indices: expected a 1-D sequence of ints, got dtype {idx.dtype}")
+    if idx.min() < 0 or idx.max() >= batch:
+        raise ValueError(f"indices: expected batch rows in [0, {batch}), got {idx.tolist()}")
+    return idx.astype(np.int64)
+
+
+class LifecycleMixin:
+    """``crop`` / ``fork`` / ``select_batch`` / ``save`` for caches made of ``LayerState`` s.
+
+    Hooks: ``_crop_layer(st, length)`` (default: the layer keeps its first ``length``
+    tokens by lowering ``seq_len``; windowed caches override it) and ``_lifecycle_config()``
+    (constructor arguments, used by ``save``).
+    """
+
+    _layers: list[Any]
+    num_kv_heads: int
+
+    @contextlib.contextmanager
+    def _all_locks(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for st in self._layers:
+                stack.enter_context(st.lock)
+            yield
+
+    @staticmethod
+    def _clear_layer(st: Any) -> None:
+        st.buffers, st.capacity, st.seq_len, st.batch, st.device = {}, 0, 0, None, None
+        st.live, st.meta = {}, {}
+
+    def _crop_layer(self, st: Any, length: int) -> None:
+        st.seq_len = length
+
+    # -- crop -----------------------------------------------------------------------------
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` tokens of every layer, exactly as they were stored.
+
+        Rollback after speculative decoding.  Compressed tokens stay compressed, window
+        and sink tokens stay exact; per-layer constants measured on the first chunk (key
+        mean, channel scale, outlier-channel permutation) are kept, since the kept tokens
+        were stored with them.  ``crop(0)`` empties every layer (like :meth:`reset`).
+        Buffers are not shrunk: the call costs O(1) per layer and copies nothing;
+        ``memory_usage()`` counts only the kept tokens.  Empty layers stay empty.
+
+        Parameters
+        ----------
+        length : int
+            ``0 <= length <= seq_len(layer)`` for every non-empty layer.
+
+        Raises
+        ------
+        TypeError, ValueError
+            ``length`` not an int or out of range (the cache is unchanged).
+        """
+        length = check_int("length", length, minimum=0)
+        with self._all_locks():
+            lens = [st.seq_len for st in self._layers if st.seq_len]
+            limit = min(lens) if lens else 0
+            if length > limit:
+                raise ValueError(f"length: expected an int in [0, {limit}] (the shortest non-empty layer "
+                                 f"holds {limit} tokens), got {length}")
+            for st in self._layers:
+                if not st.seq_len or st.seq_len == length:
+                    continue
+                if length == 0:
+                    self._clear_layer(st)
+                else:
+                    self._crop_layer(st, length)
+
+    # -- fork -----------------------------------------------------------------------------
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        cls = type(self)
+        new = cls.__new__(cls)
+        memo[id(self)] = new
+        # configuration (codebooks, layouts, sketch, signs) is read-only after __init__ and
+        # shared: the device constant cache keys on the host arrays' identity
+        for key, val in self.__dict__.items():
+            if key != "_layers":
+                setattr(new, key, copy.copy(val) if isinstance(val, (dict, list)) else val)
+        layers = []
+        with self._all_locks():
+            for st in self._layers:
+                layers.append(type(st)(lock=threading.Lock(), seq_len=st.seq_len, batch=st.batch, device=st.device,
+                                       capacity=st.capacity,
+                                       buffers={n: copy_array(b) for n, b in st.buffers.items()},
+                                       live=dict(st.live), meta=dict(st.meta)))
+        new._layers = layers
+        return new
+
+    def fork(self) -> Any:
+        """An independent copy (same as ``copy.deepcopy(cache)``).
+
+        Every buffer is copied (O(allocated bytes), on the buffers' device); the copy has
+        its own locks.  The read-only configuration (codebooks, layouts, QJL sketch) is
+        shared.  Changing one cache never changes the other.
+        """
+        return copy.deepcopy(self)
+
+    # -- select_batch ---------------------------------------------------------------------
+    def select_batch(self, indices: Sequence[int]) -> Any:
+        """Keep and reorder batch rows, in place: row ``i`` of the result is row
+        ``indices[i]`` of the cache (repeats allowed — beam search).
+
+        The result equals a cache built from those rows: per-row state (codes, scales,
+        window, key mean/scale, channel permutations) moves with its row.  Costs one copy
+        of the selected rows of every buffer (O(bytes)).  Returns ``self``.
+
+        Parameters
+        ----------
+        indices : sequence of int, shape ``(new_batch,)``
+            Rows in ``[0, batch)``; ``new_batch >= 1``.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Bad ``indices`` (the cache is unchanged).
+        """
+        with self._all_locks():
+            checked = [(st, check_indices(indices, st.batch)) for st in self._layers if st.seq_len]
+            if not checked:
+                check_indices(indices, 1 << 62)  # shape and type errors even on an empty cache
+            hk = np.arange(self.num_kv_heads, dtype=np.int64)
+            for st, idx in checked:
+                rows = (idx[:, None] * self.num_kv_heads + hk[None, :]).reshape(-1)
+                st.buffers = {n: take_rows(b, rows) for n, b in st.buffers.items()}
+                st.batch = int(idx.size)
+        return self
+
+    # -- persistence ----------------------------------------------------------------------
+    def _lifecycle_config(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def save(self, path: Any) -> None:
+        """Write the cache to ``path`` (safetensors; see :func:`numba_kv.load_cache`).
+
+        Copies every live buffer to the host once (O(live bytes)); the file holds the
+        configuration, each layer's counters and live buffers, and a SHA-256 of both.
+        Needs the ``safetensors`` package (``pip install numba_kv[io]``).
+        """
+        from .persist import save_cache
+
+        save_cache(self, path)

@@ -1,0 +1,261 @@
+"""save / load_cache: bit-identical round trips, and every damaged or mismatched file
+raises CacheFileError without returning a cache."""
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from numba_kv import (
+    AttendConfig,
+    CacheFileError,
+    DenseCache,
+    Dequantized,
+    Fused,
+    PagedKVCache,
+    PolarQuantCache,
+    TurboQuantCache,
+    load_cache,
+    make_cache,
+)
+
+pytest.importorskip("safetensors")
+
+H, D, G = 2, 64, 2
+CFG = AttendConfig(0.125, G)
+CASES = [
+    ("dense", {}),
+    ("dense", {"dtype": np.float16}),
+    ("pqo3", {}),
+    ("pqo3", {"residual_length": 8, "sink_tokens": 3, "window_dtype": "int8", "key_center": True}),
+    ("pqo3.5", {"residual_length": 6, "sink_tokens": 1}),
+    ("pqo-k4v3-head-eden", {"residual_length": 7, "sink_tokens": 2}),
+    ("pq3", {"residual_length": 0, "sink_tokens": 0, "key_scale": "channel", "window_dtype": "float32"}),
+    ("tq3", {"residual_length": 6, "sink_tokens": 2}),
+    ("tq3", {"decode_output": "dequantized", "qjl_dim": 32, "qjl_seed": 7}),
+]
+IDS = [f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items())}" for n, o in CASES]
+
+
+def _rand(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def _outputs(res):
+    if isinstance(res, Fused):
+        return [res.out]
+    r = res.result if isinstance(res, Dequantized) else res
+    return [a for a in (r.k, r.v, r.logit_bias) if a is not None]
+
+
+def _filled(name, opts, rng, layers=3):
+    cache = make_cache(name, num_layers=layers, num_kv_heads=H, head_dim=D, **opts)
+    k, v = _rand(rng, 2, H, 45, D), _rand(rng, 2, H, 45, D)
+    cache.prefill(0, k[:, :, :20], v[:, :, :20])
+    cache.prefill(0, k[:, :, 20:], v[:, :, 20:])
+    cache.prefill(1, k[:, :, :3], v[:, :, :3])  # layer 2 stays empty
+    return cache
+
+
+@pytest.mark.parametrize("name,opts", CASES, ids=IDS)
+def test_round_trip_decodes_bit_identically(tmp_path, name, opts):
+    rng = np.random.default_rng(0)
+    a = _filled(name, opts, rng)
+    path = tmp_path / "c.safetensors"
+    a.save(path)
+    b = load_cache(path, expect=a)
+    assert type(b) is type(a) and b.name == a.name
+    # the payload is exactly the live bytes
+    data = path.read_bytes()
+    assert len(data) == 8 + _header(data)[0] + a.memory_usage()
+    assert b.memory_usage() == a.memory_usage()
+    assert [b.seq_len(i) for i in range(3)] == [45, 3, 0]
+    for la, lb in zip(a._layers, b._layers):
+        for n in la.buffers:
+            nl = la.live_count(n)
+            np.testing.assert_array_equal(la.buffers[n][:, :nl], lb.buffers[n][:, :nl])
+    for step in range(2):  # continue both: window sliding, compression, a new layer
+        q, k1 = _rand(rng, 2, H * G, 2, D), _rand(rng, 2, H, 2, D)
+        for layer in range(3):
+            if layer == 2 and step == 0:
+                for x, y in zip(_outputs(a.prefill(2, k1, k1)), _outputs(b.prefill(2, k1, k1))):
+                    np.testing.assert_array_equal(x, y)
+                continue
+            for x, y in zip(_outputs(a.decode(layer, k1, k1, q, CFG)), _outputs(b.decode(layer, k1, k1, q, CFG)),
+                            strict=True):
+                np.testing.assert_array_equal(x, y)
+    if name != "dense":  # the dequantized view too (fused caches: a history via a forced dequantized decode)
+        ha = a._history(a._layers[0], np.float32)
+        hb = b._history(b._layers[0], np.float32)
+        for x, y in zip(ha, hb):
+            np.testing.assert_array_equal(x, y)
+    assert b.memory_usage() == a.memory_usage()
+
+
+def test_empty_cache_round_trip(tmp_path):
+    a = PolarQuantCache(2, H, D)
+    a.save(tmp_path / "e.safetensors")
+    b = load_cache(tmp_path / "e.safetensors", expect=PolarQuantCache)
+    assert b.memory_usage() == 0 and b.seq_len(1) == 0
+
+
+@pytest.mark.parametrize("storage", ["float32", "pqo3", "pqo-k4v3"])
+def test_paged_round_trip(tmp_path, storage):
+    rng = np.random.default_rng(1)
+    a = PagedKVCache(num_pages=20, num_layers=2, num_kv_heads=H, head_dim=D, page_size=4, storage=storage)
+    s0, s1, s2 = a.allocate_sequence(), a.allocate_sequence(), a.allocate_sequence()
+    for layer in range(2):
+        a.append(layer, s0, _rand(rng, H, 9, D), _rand(rng, H, 9, D))
+        a.append(layer, s2, _rand(rng, H, 5, D), _rand(rng, H, 5, D))
+    a.free_sequence(s1)
+    a.save(tmp_path / "p.safetensors")
+    b = load_cache(tmp_path / "p.safetensors", expect=a)
+    assert b.sequences == a.sequences and b.num_free_pages == a.num_free_pages
+    assert b.memory_usage() == a.memory_usage()
+    for layer in range(2):
+        for s in (s0, s2):
+            assert b.block_table(layer, s) == a.block_table(layer, s)
+            for x, y in zip(a.get_kv(layer, s), b.get_kv(layer, s)):
+                np.testing.assert_array_equal(x, y)
+    q = _rand(rng, 2, H * G, 1, D)
+    np.testing.assert_array_equal(a.decode_attention(1, q), b.decode_attention(1, q))
+    # both keep allocating the same pages and ids
+    k = _rand(rng, H, 6, D)
+    for c in (a, b):
+        c.append(0, s2, k, k)
+        assert c.allocate_sequence() == 3
+    assert a.block_table(0, s2) == b.block_table(0, s2)
+
+
+# -- damaged and mismatched files ---------------------------------------------------------------
+@pytest.fixture
+def saved(tmp_path):
+    cache = _filled("pqo3", {"residual_length": 4, "sink_tokens": 2}, np.random.default_rng(2))
+    path = tmp_path / "c.safetensors"
+    cache.save(path)
+    return cache, path
+
+
+def _header(data):
+    n = struct.unpack("<Q", data[:8])[0]
+    return n, json.loads(data[8:8 + n])
+
+
+def _rewrite(path, mutate):
+    data = path.read_bytes()
+    n, hdr = _header(data)
+    mutate(hdr)
+    raw = json.dumps(hdr).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+
+
+@pytest.mark.parametrize("cut", [1, 7, 100, 0.5, -1])
+def test_truncated_file(saved, cut):
+    _, path = saved
+    data = path.read_bytes()
+    n = int(len(data) * cut) if isinstance(cut, float) else (len(data) + cut if cut < 0 else cut)
+    path.write_bytes(data[:n])
+    with pytest.raises(CacheFileError):
+        load_cache(path)
+
+
+def test_every_flipped_payload_byte_is_caught(saved):
+    """A flipped bit anywhere in the tensor payload (sampled) or the header fails the load."""
+    _, path = saved
+    data = path.read_bytes()
+    n, _ = _header(data)
+    rng = np.random.default_rng(3)
+    positions = list(rng.integers(8 + n, len(data), 40)) + list(rng.integers(8, 8 + n, 40)) + [len(data) - 1]
+    for pos in positions:
+        bad = bytearray(data)
+        bad[pos] ^= 1 << int(rng.integers(0, 8))
+        path.write_bytes(bytes(bad))
+        with pytest.raises(CacheFileError):
+            load_cache(path)
+
+
+def test_unknown_version_and_format(saved):
+    _, path = saved
+    _rewrite(path, lambda h: h["__metadata__"].update(format_version="2"))
+    with pytest.raises(CacheFileError, match="version"):
+        load_cache(path)
+    _rewrite(path, lambda h: h["__metadata__"].update(format="other", format_version="1"))
+    with pytest.raises(CacheFileError, match="not a numba_kv cache"):
+        load_cache(path)
+
+
+def test_edited_config_fails_checksum(saved):
+    _, path = saved
+
+    def edit(h):
+        cfg = json.loads(h["__metadata__"]["config"])
+        cfg["residual_length"] = 5
+        h["__metadata__"]["config"] = json.dumps(cfg, sort_keys=True)
+    _rewrite(path, edit)
+    with pytest.raises(CacheFileError, match="SHA-256"):
+        load_cache(path)
+
+
+def test_mismatched_expectation(saved, tmp_path):
+    _, path = saved
+    with pytest.raises(CacheFileError, match="TurboQuantCache"):
+        load_cache(path, expect=TurboQuantCache)
+    with pytest.raises(CacheFileError, match="DenseCache"):
+        load_cache(path, expect=DenseCache(3, H, D))
+    other = PolarQuantCache(3, H, D, residual_length=8, sink_tokens=2)
+    with pytest.raises(CacheFileError, match="residual_length"):
+        load_cache(path, expect=other)
+    assert load_cache(path, expect=PolarQuantCache(3, H, D, residual_length=4, sink_tokens=2)).seq_len(0) == 45
+
+
+def test_consistent_but_wrong_tensors_are_rejected(saved, tmp_path):
+    """A file whose (re-hashed) tensors do not match its configuration: no cache."""
+    from numba_kv.caches import persist
+
+    cache, _ = saved
+    meta_state, tensors = persist._layered_state(cache)
+    tensors["layers.0.k_codes"] = np.ascontiguousarray(tensors["layers.0.k_codes"][:, :-1])
+    config = json.dumps(cache._lifecycle_config(), sort_keys=True)
+    state = json.dumps(meta_state, sort_keys=True)
+    import safetensors.numpy
+
+    path = tmp_path / "w.safetensors"
+    safetensors.numpy.save_file(tensors, str(path), metadata={
+        "format": persist.FORMAT_NAME, "format_version": "1", "cache_class": "PolarQuantCache", "config": config,
+        "state": state, "sha256": persist._digest(config, state, tensors)})
+    with pytest.raises(CacheFileError, match="k_codes"):
+        load_cache(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        load_cache(tmp_path / "nope.safetensors")
+
+
+@pytest.mark.parametrize("edit", ["n_win", "n_sink", "live"])
+def test_consistent_but_impossible_counters_are_rejected(saved, tmp_path, edit):
+    """Counters the kernels would trust (re-hashed, so only a deliberate edit gets here) must
+    describe a reachable state: otherwise no cache."""
+    import safetensors.numpy
+
+    from numba_kv.caches import persist
+
+    cache, _ = saved
+    state_obj, tensors = persist._layered_state(cache)
+    lay = state_obj["layers"][0]
+    if edit == "live":
+        lay["live"]["k_exact"] -= 1
+        tensors["layers.0.k_exact"] = np.ascontiguousarray(tensors["layers.0.k_exact"][:, :-1])
+    else:
+        lay["meta"][edit] -= 1
+        lay["seq_len"] -= 1
+    config = json.dumps(cache._lifecycle_config(), sort_keys=True)
+    state = json.dumps(state_obj, sort_keys=True)
+    path = tmp_path / "w.safetensors"
+    safetensors.numpy.save_file(tensors, str(path), metadata={
+        "format": persist.FORMAT_NAME, "format_version": "1", "cache_class": "PolarQuantCache", "config": config,
+        "state": state, "sha256": persist._digest(config, state, tensors)})
+    with pytest.raises(CacheFileError, match="inconsistent"):
+        load_cache(path)
