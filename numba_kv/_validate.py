@@ -7,14 +7,16 @@ cache exactly as it was.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ._backend import CPU, device_of
-from .ops.finite import all_finite
+from ._backend import CPU, device_of, to_host
+from .ops.finite import RangeStats, all_finite, range_stats
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+F16_MAX = 65504.0  # largest finite binary16
+F32_MAX = float(np.finfo(np.float32).max)
 
 
 def check_layer(layer: Any, num_layers: int) -> int:
@@ -43,6 +45,32 @@ def check_finite(name: str, a: Any) -> None:
         raise ValueError(f"{name}: expected finite values, got NaN or Inf")
 
 
+def check_finite_stats(name: str, a: Any, d: Optional[int] = None) -> RangeStats:
+    """:func:`check_finite` that also returns the range numbers it measured in the same pass."""
+    st = range_stats(a, d)
+    if st.nonfinite:
+        raise ValueError(f"{name}: expected finite values, got NaN or Inf")
+    return st
+
+
+def check_magnitude(name: str, amax: float, limit: float, what: str) -> None:
+    """``ValueError`` if ``amax`` (the largest ``|value|`` of argument ``name``) exceeds
+    ``limit``; ``what`` says which storage sets the limit."""
+    if not amax <= limit:
+        raise ValueError(f"{name}: max |{name}| = {amax:.6g} exceeds {limit:.6g}, the largest value {what} can "
+                         f"hold; nothing was stored")
+
+
+def check_stored_f16(name: str, stored: Any, amax: float, max_norm: float) -> None:
+    """``ValueError`` if any binary16 number (uint16 bit pattern) in ``stored`` reached the
+    binary16 limit: a block scale or vector norm derived from argument ``name`` saturated."""
+    host = to_host(stored)
+    if host.size and int((host & 0x7FFF).max()) >= 0x7BFF:  # 65504, inf or NaN
+        raise ValueError(f"{name}: a block scale or vector norm derived from {name} (max |{name}| = {amax:.6g}, "
+                         f"largest vector L2 norm {max_norm:.6g}) does not fit binary16 (limit {F16_MAX:g}); "
+                         "nothing was stored")
+
+
 def check_shape(name: str, a: Any, expected: Sequence[Optional[int]], labels: Sequence[str]) -> None:
     """Compare ``a.shape`` with ``expected`` (``None`` = any), naming the mismatching axis."""
     shape = tuple(a.shape)
@@ -57,6 +85,13 @@ def check_shape(name: str, a: Any, expected: Sequence[Optional[int]], labels: Se
 def check_kv(k: Any, v: Any, num_kv_heads: int, head_dim: int,
              batch: Optional[int] = None) -> str:
     """Validate a K/V pair ``[batch, num_kv_heads, new_tokens, head_dim]``; return device."""
+    return check_kv_stats(k, v, num_kv_heads, head_dim, batch)[0]
+
+
+def check_kv_stats(k: Any, v: Any, num_kv_heads: int, head_dim: int,
+                   batch: Optional[int] = None) -> Tuple[str, RangeStats, RangeStats]:
+    """:func:`check_kv`, also returning the :func:`~numba_kv.ops.finite.range_stats` of
+    ``k`` and ``v`` (one read of each: the finiteness check and the range numbers)."""
     labels = ("batch", "num_kv_heads", "new_tokens", "head_dim")
     dk = check_float_array("k", k, 4)
     dv = check_float_array("v", v, 4)
@@ -69,9 +104,7 @@ def check_kv(k: Any, v: Any, num_kv_heads: int, head_dim: int,
         raise ValueError(f"k: expected batch >= 1, got shape {tuple(k.shape)}")
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
-    check_finite("k", k)
-    check_finite("v", v)
-    return dk
+    return dk, check_finite_stats("k", k), check_finite_stats("v", v)
 
 
 def check_q(q: Any, batch: int, num_kv_heads: int, head_dim: int, n_kv_groups: Optional[int] = None,

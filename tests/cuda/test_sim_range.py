@@ -1,0 +1,31 @@
+"""Range statistics kernel (finite count, max |x|, max vector norm): CUDA (simulator or GPU) vs CPU twin."""
+
+import numpy as np
+import pytest
+
+from numba_kv.ops.finite import range_stats
+
+from ..conftest import to_device
+
+
+def _range(rng):
+    for dt in (np.float32, np.float64):
+        x = (rng.standard_normal((3, 5, 64)) * 10.0).astype(dt)
+        x[1, 2, 7] = -7e4  # the largest |x| and the largest norm
+        want_norm = float(np.sqrt((x.astype(np.float64) ** 2).sum(-1).max()))
+        for got in (range_stats(x), range_stats(to_device(x))):
+            assert got.nonfinite == 0 and got.amax == 7e4
+            assert got.max_norm == pytest.approx(want_norm, rel=1e-12)
+        y = x.copy()
+        y[0, 0, 0], y[2, 4, 63] = np.nan, -np.inf
+        cpu, dev = range_stats(y), range_stats(to_device(y))
+        assert cpu.nonfinite == dev.nonfinite == 2 and cpu.amax == dev.amax == 7e4
+
+
+RUNNERS = {"range_stats": _range}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", sorted(RUNNERS))
+def test_cuda_kernel_matches_cpu_twin(name):
+    RUNNERS[name](np.random.default_rng(5))
