@@ -17,6 +17,7 @@ from .ops.finite import RangeStats, all_finite, range_stats
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 F16_MAX = 65504.0  # largest finite binary16
 F32_MAX = float(np.finfo(np.float32).max)
+Q_MAX = 2.0 ** 64  # largest accepted |query| value
 
 
 def check_layer(layer: Any, num_layers: int) -> int:
@@ -123,7 +124,10 @@ def check_q(q: Any, batch: int, num_kv_heads: int, head_dim: int, n_kv_groups: O
     if n_kv_groups is not None and n_kv_groups != groups:
         raise ValueError(f"config.n_kv_groups: expected {groups} (= num_heads {hq} / num_kv_heads "
                          f"{num_kv_heads}), got {n_kv_groups}")
-    check_finite("q", q)
+    # logits q·k must stay finite in float32: stored keys are at most 2**21 per value (larger
+    # ones are rejected by the compressed caches), head_dim <= 512, so |q| <= 2**64 keeps
+    # |q·k| <= 2**96, far below float32's 2**128
+    check_magnitude("q", check_finite_stats("q", q).amax, Q_MAX, "a query (logits must stay finite in float32)")
     return groups
 
 

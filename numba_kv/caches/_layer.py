@@ -131,7 +131,10 @@ class LayeredCache:
                 continue
             new[name] = _backend.zeros(like, (rows, fixed if fixed is not None else cap, width), dtype)
             if name in st.buffers and st.live_count(name):
-                copy_prefix(st.buffers[name], st.live_count(name), new[name])
+                if np.dtype(dtype) == np.float16:  # no float16 in Numba's CPU kernels (NumPy/CuPy only)
+                    new[name][:, : st.live_count(name)] = st.buffers[name][:, : st.live_count(name)]
+                else:
+                    copy_prefix(st.buffers[name], st.live_count(name), new[name])
         st.buffers = new
         st.capacity = cap
 
