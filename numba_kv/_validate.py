@@ -72,6 +72,27 @@ def check_stored_f16(name: str, stored: Any, amax: float, max_norm: float) -> No
                          "nothing was stored")
 
 
+def check_f16_result(name: str, *f16_bits: Any) -> None:
+    """For stateless quantizers, after quantizing argument ``name``: ``ValueError`` if a
+    binary16 number they produced (uint16 bit patterns: block scales, norms) reached 65504,
+    i.e. saturated instead of holding the true value."""
+    for bits in f16_bits:
+        host = to_host(bits)
+        if host.size and int((host & 0x7FFF).max()) >= 0x7BFF:
+            raise ValueError(f"{name}: a binary16 scale or norm derived from {name} reaches {F16_MAX:g}, the "
+                             f"largest binary16 value: {name} is out of range for this op")
+
+
+def check_rotation_input(name: str, x: Any, block: int) -> None:
+    """``ValueError`` if a ``block``-value rotation of ``x`` (last axis) could leave float32:
+    a rotated value is at most its block's L2 norm, so blocks with norm above the float32
+    maximum are rejected (one pass, :func:`~numba_kv.ops.finite.range_stats`)."""
+    st = check_finite_stats(name, x, block)
+    if not st.max_norm <= F32_MAX:
+        raise ValueError(f"{name}: a {block}-value block has L2 norm {st.max_norm:.6g}, above {F32_MAX:.6g} (the "
+                         f"largest float32): its rotation cannot be represented")
+
+
 def check_shape(name: str, a: Any, expected: Sequence[Optional[int]], labels: Sequence[str]) -> None:
     """Compare ``a.shape`` with ``expected`` (``None`` = any), naming the mismatching axis."""
     shape = tuple(a.shape)
