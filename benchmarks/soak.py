@@ -141,17 +141,19 @@ def main(argv=None) -> int:
         th.join()
     growth = ends[-1] - ends[0]
     calls = args.steps * args.layers
-    print(f"soak: {args.threads} threads x {args.layers} layers x {args.steps} decode steps x {args.cycles} cycles, "
-          f"cache {args.cache} (batch {b}, {h} KV heads, {h * g} query heads, head_dim {d})")
+    print(f"soak: {args.threads} threads x {args.layers} layers x {args.steps} decode steps x {args.cycles} "
+          f"cycles, cache {args.cache} (batch {b}, {h} KV heads, {h * g} query heads, head_dim {d})")
     print(f"  {provenance_line()}; threading layer {layer_kind}")
     for c, w in enumerate(walls):
         print(f"  cycle {c + 1}: wall {w:.1f} s, {calls / w:,.0f} decode calls/s "
               f"({1e6 * w / calls:.0f} us/call, all threads together); RSS at end {ends[c] / 2**20:.1f} MiB")
-    print(f"  memory_usage {total_mem:,} B == formula {want_total:,} B: {total_mem == want_total}; seq_len and live "
-          f"bytes checked every {args.check_every} steps per layer; outputs checked for NaN/Inf at every step")
-    print(f"  RSS before {rss0 / 2**20:.1f} MiB; cache allocated {cache.allocated_bytes() / 2**20:.2f} MiB; RSS growth "
-          f"from the end of cycle 1 to the end of cycle {args.cycles}: {growth / 2**20:+.2f} MiB "
-          f"({growth / max(calls * (args.cycles - 1), 1):+.1f} B per decode call; allowed {args.rss_slack:g} MiB)")
+    print(f"  memory_usage {total_mem:,} B == formula {want_total:,} B: {total_mem == want_total}; "
+          f"seq_len and live bytes checked every {args.check_every} steps per layer; "
+          "outputs checked for NaN/Inf at every step")
+    print(f"  RSS before {rss0 / 2**20:.1f} MiB; cache allocated {cache.allocated_bytes() / 2**20:.2f} MiB; "
+          f"RSS growth from the end of cycle 1 to the end of cycle {args.cycles}: {growth / 2**20:+.2f} MiB "
+          f"({growth / max(calls * (args.cycles - 1), 1):+.1f} B per decode call; "
+          f"allowed {args.rss_slack:g} MiB)")
     ok = not failures and growth <= args.rss_slack * 2**20
     for f in failures[:10]:
         print("  FAIL:", f)

@@ -58,8 +58,8 @@ def check_magnitude(name: str, amax: float, limit: float, what: str) -> None:
     """``ValueError`` if ``amax`` (the largest ``|value|`` of argument ``name``) exceeds
     ``limit``; ``what`` says which storage sets the limit."""
     if not amax <= limit:
-        raise ValueError(f"{name}: max |{name}| = {amax:.6g} exceeds {limit:.6g}, the largest value {what} can "
-                         f"hold; nothing was stored")
+        raise ValueError(f"{name}: max |{name}| = {amax:.6g} exceeds {limit:.6g}, the largest value {what} "
+                         f"can hold; nothing was stored")
 
 
 def check_stored_f16(name: str, stored: Any, amax: float, max_norm: float) -> None:
@@ -67,9 +67,9 @@ def check_stored_f16(name: str, stored: Any, amax: float, max_norm: float) -> No
     binary16 limit: a block scale or vector norm derived from argument ``name`` saturated."""
     host = to_host(stored)
     if host.size and int((host & 0x7FFF).max()) >= 0x7BFF:  # 65504, inf or NaN
-        raise ValueError(f"{name}: a block scale or vector norm derived from {name} (max |{name}| = {amax:.6g}, "
-                         f"largest vector L2 norm {max_norm:.6g}) does not fit binary16 (limit {F16_MAX:g}); "
-                         "nothing was stored")
+        raise ValueError(f"{name}: a block scale or vector norm derived from {name} (max |{name}| = "
+                         f"{amax:.6g}, largest vector L2 norm {max_norm:.6g}) does not fit binary16 "
+                         f"(limit {F16_MAX:g}); nothing was stored")
 
 
 def check_f16_result(name: str, *f16_bits: Any) -> None:
@@ -89,8 +89,8 @@ def check_rotation_input(name: str, x: Any, block: int) -> None:
     maximum are rejected (one pass, :func:`~numba_kv.ops.finite.range_stats`)."""
     st = check_finite_stats(name, x, block)
     if not st.max_norm <= F32_MAX:
-        raise ValueError(f"{name}: a {block}-value block has L2 norm {st.max_norm:.6g}, above {F32_MAX:.6g} (the "
-                         f"largest float32): its rotation cannot be represented")
+        raise ValueError(f"{name}: a {block}-value block has L2 norm {st.max_norm:.6g}, above {F32_MAX:.6g} "
+                         f"(the largest float32): its rotation cannot be represented")
 
 
 def check_shape(name: str, a: Any, expected: Sequence[Optional[int]], labels: Sequence[str]) -> None:
@@ -148,7 +148,8 @@ def check_q(q: Any, batch: int, num_kv_heads: int, head_dim: int, n_kv_groups: O
     # logits q·k must stay finite in float32: stored keys are at most 2**21 per value (larger
     # ones are rejected by the compressed caches), head_dim <= 512, so |q| <= 2**64 keeps
     # |q·k| <= 2**96, far below float32's 2**128
-    check_magnitude("q", check_finite_stats("q", q).amax, Q_MAX, "a query (logits must stay finite in float32)")
+    check_magnitude("q", check_finite_stats("q", q).amax, Q_MAX,
+                    "a query (logits must stay finite in float32)")
     return groups
 
 

@@ -16,7 +16,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from .. import _backend, _config
-from .._validate import F32_MAX, check_head_dim, check_magnitude, check_int, check_kv_stats, check_layer, check_q
+from .._validate import (F32_MAX, check_head_dim, check_int, check_kv_stats, check_layer, check_magnitude,
+                         check_q)
 from ..ops.finite import RangeStats
 from ..ops.memory import copy_prefix
 from .protocol import AttendConfig, DecodeOutput, Dequantized, DequantResult

@@ -235,7 +235,15 @@ class MLACache(_LatentBase):
                                 "k_pe=None")
             lat = xp.concatenate([xp.asarray(c_kv, dtype=xp.float32), xp.asarray(k_pe, dtype=xp.float32)],
                                  axis=1)
-        self.paged.append(layer, seq_id, lat.reshape(1, lat.shape[0], lat.shape[1]))
+        try:
+            self.paged.append(layer, seq_id, lat.reshape(1, lat.shape[0], lat.shape[1]))
+        except ValueError as e:  # the pages call the latent "k": name the caller's arguments
+            msg = str(e)
+            if not msg.startswith("k: "):
+                raise
+            arg = "c_kv" if k_pe is None else "c_kv/k_pe"
+            msg = msg[3:].replace("|k|", f"|{arg}|").replace("from k", f"from {arg}")
+            raise ValueError(f"{arg}: {msg}") from None
 
     def get_latent(self, layer: int, seq_id: int) -> Tuple[Any, Any]:
         """Stored latents (dequantized for PQO pages).

@@ -44,7 +44,8 @@ DECODE_OUTPUTS = ("fused", "dequantized")
 WINDOW_DTYPES = ("float16", "float32", "int8")
 KEY_SCALES = ("none", "channel")
 ROTATIONS = ("block", "head")
-MAX_INPUT = float(2 ** 21)  # larger inputs are rejected outright: float32 sums in the quantizers stay far from overflow
+# larger inputs are rejected outright: float32 sums inside the quantizers stay far from overflow
+MAX_INPUT = float(2 ** 21)
 
 
 def _assign(src: Any, s0: int, n: int, dst: Any, d0: int) -> None:
@@ -338,8 +339,13 @@ class PolarQuantCache(LayeredCache):
         reconstruction has norm at most ``√m · c_max`` times that bound, which bounds the
         residual norm ``‖x − x̂‖``.
         """
+        cached = self.__dict__.setdefault("_f16_factors", {})
+        if name in cached:
+            return cached[name]
         m = self.head_dim if self.rotation == "head" else 32
-        cbs = [self.codebooks[name]] + ([self._codebook(self.outlier_bits[name])] if self.outlier_channels else [])
+        cbs = [self.codebooks[name]]
+        if self.outlier_channels:
+            cbs.append(self._codebook(self.outlier_bits[name]))
         f = 0.0
         for cb in cbs:
             c = np.abs(np.asarray(cb.centroids, np.float64))
@@ -350,6 +356,7 @@ class PolarQuantCache(LayeredCache):
             if name == "k" and getattr(self, "qjl_dim", 0):  # TurboQuant stores the residual norm
                 a = max(a, 1.0 + math.sqrt(m) * float(c.max()) * a)
             f = max(f, a)
+        cached[name] = f
         return f
 
     def _check_range(self, st: LayerState, k: Any, v: Any, stats: Any) -> None:

@@ -326,6 +326,7 @@ def test_mla_latent_out_of_range(val):
     try:
         c.append_latent(0, s, bad)
     except ValueError as e:
+        assert str(e).startswith("c_kv: ") and "|c_kv|" in str(e), str(e)
         assert re.search(r"\d", str(e)) and ("exceeds" in str(e) or "does not fit" in str(e))
         _assert_paged_equal(_paged_snapshot(c.paged), before)
     else:

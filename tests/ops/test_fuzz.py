@@ -42,9 +42,7 @@ def arrays(draw, last_axes, dtypes=FLOATS + (np.int32, np.bool_, np.complex64)):
         ((2 * shape[0],) + shape[1:]) if layout == "lead-strided" and lead else shape)
     with np.errstate(all="ignore"):  # float16 casts of huge values give inf: wanted, as invalid input
         base = (rng.standard_normal(big) * mag)
-        if dtype.kind == "f":
-            base = base.astype(dtype)
-        elif dtype.kind == "c":
+        if dtype.kind in "fc":
             base = base.astype(dtype)
         else:
             base = np.round(base).astype(dtype) if dtype.kind != "b" else base > 0
@@ -100,7 +98,8 @@ def _rotation_case(op, x, inverse, block_ok, oracle, names=("x",)):
         y = op(x, inverse)
     except (TypeError, ValueError) as e:
         _clear_error(e, names)
-        assert not _float_ok(x) or not _finite(x) or (x.size and np.abs(x.astype(np.float64)).max() > 3.4e38 / 64)
+        big = bool(x.size) and np.abs(x.astype(np.float64)).max() > 3.4e38 / 64
+        assert not _float_ok(x) or not _finite(x) or big
         return
     assert y.shape == x.shape and y.dtype == np.float32
     if x.size == 0 or not _finite(x):
@@ -148,8 +147,9 @@ def test_quantize_blocks_fuzz(x, bits, mode, outlier):
         return
     cb = get_codebook(bits, mode)
     x32 = x.astype(np.float32)
-    rc, rs = reference.quantize(x32, cb.centroids, cb.boundaries, bits, mode, cb.ref, outlier) if x.size else (
-        None, None)
+    rc, rs = None, None
+    if x.size:
+        rc, rs = reference.quantize(x32, cb.centroids, cb.boundaries, bits, mode, cb.ref, outlier)
     # the oracle's scale before binary16 clamping
     raw = np.zeros(0)
     if x.size:
@@ -264,8 +264,8 @@ def test_qjl_quantize_fuzz(r, m):
 
 
 @pytest.mark.xfail(strict=True, reason="the op must reject blocks whose rotation overflows float32 "
-                                       "(numba_kv._validate.check_rotation_input; ops files are owned by the ops "
-                                       "engineers)")
+                                       "(numba_kv._validate.check_rotation_input; ops files are owned by "
+                                       "the ops engineers)")
 @pytest.mark.parametrize("op", [rotate32, rotate_head])
 def test_rotations_reject_unrepresentable_output(op):
     """All 32 values 1e38: the rotated block holds sqrt(32)·1e38 > float32 max: must raise, not return inf."""
