@@ -162,7 +162,8 @@ def range_stats(a: Any, d: Optional[int] = None) -> RangeStats:
     C-contiguous float32/float64 NumPy and Numba device arrays run on the twins; float16
     and strided views are measured with NumPy (float64) in the array's namespace.
     """
-    d = int(a.shape[-1]) if d is None else int(d)
+    # tuple(): the simulator's shapes reject negative indices
+    d = int(tuple(a.shape)[-1]) if d is None else int(d)
     if a.size == 0 or d == 0:
         return RangeStats(0, 0.0, 0.0)
     dt = np.dtype(a.dtype)
