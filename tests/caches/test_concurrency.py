@@ -21,13 +21,13 @@ from numba_kv import AttendConfig, MLACache, PagedKVCache, _config, check_thread
 
 NL = 4  # layers = threads
 B, H, D, G = 2, 4, 64, 2  # batch, KV heads, head_dim, query groups
-S = 2048  # prompt tokens per layer
+S = 4096  # prompt tokens per layer (prefilled in two chunks)
 STEPS = 3  # decode steps per layer
 CFG = AttendConfig(D ** -0.5, n_kv_groups=G)
 
 
 def _work_prefill() -> int:
-    return B * H * S * D  # quantize / copy: rows · tokens · head_dim
+    return B * H * (S // 2) * D  # quantize / copy of one chunk: rows · tokens · head_dim
 
 
 def _work_decode() -> int:
@@ -36,7 +36,8 @@ def _work_decode() -> int:
 
 def test_sizes_are_far_above_the_serial_threshold():
     thr = _config.get("cpu_parallel_min_work")
-    assert _work_prefill() >= 4 * thr and _work_decode() >= 8 * thr
+    assert _work_prefill() >= 4 * thr and _work_decode() >= 16 * thr
+    assert H * S * D >= 4 * thr  # one paged append (one sequence's K or V)
 
 
 def _run(scripts, concurrent: bool):
@@ -166,15 +167,17 @@ def test_paged_concurrent_equals_sequential(storage):
 
 
 def test_mla_concurrent_equals_sequential():
-    heads, rank, rope, nope, dv, n = 8, 128, 32, 64, 64, 1024
+    heads, rank, rope, nope, dv, n = 4, 128, 32, 64, 64, 8192
     rng = np.random.default_rng(7)
     w_uk = rng.standard_normal((NL, heads, rank, nope)).astype(np.float32) / np.sqrt(rank)
     w_uv = rng.standard_normal((NL, heads, rank, dv)).astype(np.float32) / np.sqrt(rank)
     lat = [rng.standard_normal((n, rank + rope)).astype(np.float32) for _ in range(NL)]
     qs = [(rng.standard_normal((heads, 1, nope)).astype(np.float32),
            rng.standard_normal((heads, 1, rope)).astype(np.float32)) for _ in range(NL)]
-    # reconstructing K and V: heads · tokens · rank · width far above the threshold
-    assert heads * n * rank * nope >= 8 * _config.get("cpu_parallel_min_work")
+    # quantizing the latent pages (tokens · latent width) and reconstructing K and V
+    # (heads · tokens · rank · width) are far above the threshold
+    thr = _config.get("cpu_parallel_min_work")
+    assert n * (rank + rope) >= 4 * thr and heads * n * rank * nope >= 16 * thr
 
     def build():
         c = MLACache(num_pages=NL * n // 16 + 8, num_layers=NL, num_heads=heads, kv_lora_rank=rank,
