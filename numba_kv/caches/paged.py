@@ -32,6 +32,7 @@ Every argument is validated before anything changes: an append that does not fit
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
@@ -239,7 +240,8 @@ class PagedKVCache:
             return
         check_magnitude(name, rs.amax, float(2 ** 21), f"storage={self.storage!r} pages")
         cb = self.codebooks[name]
-        if rs.max_norm / float(cb.ref) <= F16_MAX * (1 - 2.0 ** -10):
+        limit = F16_MAX * (1 - 2.0 ** -10)
+        if math.sqrt(x3.shape[-1]) * rs.amax / float(cb.ref) <= limit or rs.max_norm / float(cb.ref) <= limit:
             return
         x = _backend.ascontiguous_f32(name, x3)
         h, n, d = x.shape

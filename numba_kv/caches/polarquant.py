@@ -371,30 +371,42 @@ class PolarQuantCache(LayeredCache):
         # the window dtype as _append will choose it (Numba device arrays: float32)
         self._exact_dtype = np.dtype(np.float32) if _backend.xp_of(k) is None else self.window_dtype
         f16_window = self.windowed and self._exact_dtype == np.float16
+        limit = F16_MAX * (1 - 2.0 ** -10)
         for name, arr, rs in (("k", k, stats[0]), ("v", v, stats[1])):
             check_magnitude(name, rs.amax, MAX_INPUT, f"a {self.name} cache")
-            amax, norm = rs.amax, rs.max_norm
-            exact = True  # the stored domain equals the input (up to a channel permutation)
-            if name == "k" and self.key_center:
-                exact = False
-                if st.meta.get("kmean_set", 0):
-                    mb = _backend.to_host(st.buffers["k_chmean"]).astype(np.float64)
-                    amax += float(np.abs(mb).max())
-                    norm += float(np.sqrt((mb ** 2).sum(axis=-1)).max())
-                else:  # the mean of this chunk: no larger than its largest value / norm
-                    amax, norm = 2 * amax, 2 * norm
-            if name == "k" and self.key_scale == "channel":
-                exact = False
-                if st.meta.get("kscale_set", 0):
-                    smin = float(_backend.to_host(st.buffers["k_chscale"]).min())
-                    amax, norm = amax / smin, norm / smin
-                else:
-                    amax = norm = math.inf
+            # first with the free bound ‖x‖ <= √d·max|x|, then (if needed) the measured norm
+            free = math.sqrt(self.head_dim) * rs.amax
+            amax, norm, exact = self._stored_domain_bounds(st, name, rs.amax, free)
             if f16_window and exact:
                 check_magnitude(name, amax, F16_MAX, "a float16 window (window_dtype='float16')")
-            safe = norm * self._f16_factor(name) <= F16_MAX * (1 - 2.0 ** -10)
+            safe = norm * self._f16_factor(name) <= limit
+            if not safe:
+                amax, norm, exact = self._stored_domain_bounds(st, name, rs.amax, rs.max_norm)
+                safe = norm * self._f16_factor(name) <= limit
             if not safe or (f16_window and amax > F16_MAX):
                 self._dry_run(st, name, arr, rs, f16_window)
+
+    def _stored_domain_bounds(self, st: LayerState, name: str, amax: float,
+                              norm: float) -> Tuple[float, float, bool]:
+        """Bounds of ``max|x|`` and ``max ‖x‖`` after :meth:`_transform_in` (key centering and
+        scaling; permutations change neither), and whether the domain is the input's own."""
+        exact = True
+        if name == "k" and self.key_center:
+            exact = False
+            if st.meta.get("kmean_set", 0):
+                mb = _backend.to_host(st.buffers["k_chmean"]).astype(np.float64)
+                amax += float(np.abs(mb).max())
+                norm += float(np.sqrt((mb ** 2).sum(axis=-1)).max())
+            else:  # the mean of this chunk: no larger than its largest value / norm
+                amax, norm = 2 * amax, 2 * norm
+        if name == "k" and self.key_scale == "channel":
+            exact = False
+            if st.meta.get("kscale_set", 0):
+                smin = float(_backend.to_host(st.buffers["k_chscale"]).min())
+                amax, norm = amax / smin, norm / smin
+            else:
+                amax = norm = math.inf
+        return amax, norm, exact
 
     def _dry_run(self, st: LayerState, name: str, arr: Any, rs: Any, f16_window: bool) -> None:
         """Quantize ``arr`` into scratch buffers (the layer is not touched) and raise if a

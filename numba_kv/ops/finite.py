@@ -11,10 +11,10 @@ in place instead of copying them to the host.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import numpy as np
-from numba import cuda, float32, float64, int64, prange
+from numba import cuda, float32, int64, prange, uint64
 
 from .. import _backend
 from .._jit import cpu_call, cpu_kernel, cuda_kernel
@@ -22,7 +22,6 @@ from ._registry import register
 
 _CHUNK = 1 << 14  # elements per CPU work item
 _INF = float32(np.inf)  # float32: no float64 compare in float32 kernels (exact for float64 ones)
-_INF64 = float64(np.inf)
 
 
 # --- CPU twin ---------------------------------------------------------------------------
@@ -88,104 +87,117 @@ def all_finite(a: Any) -> bool:
     return bool(xp.isfinite(a).all())  # NumPy fallback, CuPy
 
 
-# --- range statistics: finiteness, max |x| and the largest vector L2 norm, in one pass --
+# --- range statistics: finiteness and max |x| in one integer pass; vector norms on demand --
 # Caches store binary16 numbers (float16 windows, block scales, vector norms): before they
-# store anything they need to know whether the input's magnitude fits.  One read of the
-# input gives all three numbers; squares are summed in float64 so no float32 value (up to
-# 3.4e38) overflows the norm, and float64 input that does overflow shows as an infinite norm.
+# store anything they need to know whether the input's magnitude fits.  For IEEE floats
+# without the sign bit, the bit pattern read as an unsigned integer grows with |x|, and
+# every pattern at or above the exponent mask is Inf or NaN.  So one *integer* max over
+# ``bits & ~sign`` gives both answers: exact (no rounding), vectorized like the count above
+# (an integer max reduction needs no reassociation of float sums), and it works for
+# float16 too.  The largest vector L2 norm is needed only when ``√d · max|x|`` does not
+# already prove a bound; :attr:`RangeStats.max_norm` computes it on first use.
 @cpu_kernel
-def _range_stats_cpu(x, d, out):
-    nv = x.shape[0] // d
+def _absbits_max_cpu(u, mask, out):
+    n = u.shape[0]
     nch = out.shape[0]
-    per = (nv + nch - 1) // nch
+    per = (n + nch - 1) // nch
     for c in prange(nch):
-        bad = 0.0
-        amax = 0.0
-        nmax = 0.0
-        for r in range(c * per, min(nv, (c + 1) * per)):
-            xr = x[r * d:(r + 1) * d]
-            s = 0.0
-            for j in range(d):
-                v = float64(xr[j])
-                a = abs(v)
-                if not a < _INF64:
-                    bad += 1.0
-                else:
-                    amax = max(amax, a)
-                    s += v * v
-            nmax = max(nmax, s)
-        out[c, 0] = bad
-        out[c, 1] = amax
-        out[c, 2] = nmax
+        uc = u[c * per:min(n, (c + 1) * per)]
+        m = mask ^ mask  # zero of the mask's type (``mask & 0`` mixes in int64: float64 in Numba)
+        for i in range(uc.shape[0]):
+            m = max(m, uc[i] & mask)
+        out[c] = m
 
 
 @cuda_kernel
-def _range_stats_cuda(x, d, out):
-    nv = x.shape[0] // d
-    bad = float64(0.0)
-    amax = float64(0.0)
-    nmax = float64(0.0)
-    for r in range(cuda.grid(1), nv, cuda.gridsize(1)):
-        s = float64(0.0)
-        for j in range(d):
-            v = float64(x[r * d + j])
-            a = abs(v)
-            if not a < _INF64:
-                bad += 1.0
-            else:
-                amax = max(amax, a)
-                s += v * v
-        nmax = max(nmax, s)
-    if bad > 0.0:
-        cuda.atomic.add(out, (0, 0), bad)
-    cuda.atomic.max(out, (0, 1), amax)
-    cuda.atomic.max(out, (0, 2), nmax)
+def _absbits_max_cuda(u, mask, out):
+    m = mask ^ mask  # zero of the mask's type (``mask & 0`` mixes in int64: float64 in Numba)
+    for i in range(cuda.grid(1), u.shape[0], cuda.gridsize(1)):
+        m = max(m, u[i] & mask)
+    cuda.atomic.max(out, 0, uint64(m))
 
 
-register("range_stats", _range_stats_cpu, _range_stats_cuda,
-         ["void(float32[::1], int64, float64[:, ::1])", "void(float64[::1], int64, float64[:, ::1])"],
-         float32_only=False)
+register("range_stats", _absbits_max_cpu, _absbits_max_cuda,
+         ["void(uint16[::1], uint16, uint64[::1])", "void(uint32[::1], uint32, uint64[::1])",
+          "void(uint64[::1], uint64, uint64[::1])"])
+
+# (unsigned view dtype, |x| mask, first non-finite pattern) per float dtype
+_BITS = {np.dtype(np.float16): (np.uint16, 0x7FFF, 0x7C00),
+         np.dtype(np.float32): (np.uint32, 0x7FFFFFFF, 0x7F800000),
+         np.dtype(np.float64): (np.uint64, 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000)}
 
 
-class RangeStats(NamedTuple):
-    """What :func:`range_stats` measures (``amax`` and ``max_norm`` over finite values)."""
+class RangeStats:
+    """What :func:`range_stats` measured: ``nonfinite`` (1 if ``a`` holds NaN or Inf, else
+    0), ``amax`` (largest ``|x|`` of the finite values; exact), and ``max_norm`` (largest L2
+    norm of the length-``d`` vectors), computed on first access."""
 
-    nonfinite: int
-    amax: float
-    max_norm: float
+    __slots__ = ("nonfinite", "amax", "_a", "_d", "_norm")
+
+    def __init__(self, nonfinite: int, amax: float, a: Any = None, d: int = 1) -> None:
+        self.nonfinite, self.amax, self._a, self._d, self._norm = int(nonfinite), float(amax), a, int(d), None
+
+    @property
+    def max_norm(self) -> float:
+        """Largest vector L2 norm (float64-safe; ``inf`` when ``a`` is not finite)."""
+        if self._norm is None:
+            self._norm = _max_vector_norm(self._a, self._d, self.amax) if self._a is not None else 0.0
+            self._a = None
+        return self._norm
+
+    def __repr__(self) -> str:
+        return f"RangeStats(nonfinite={self.nonfinite}, amax={self.amax!r})"
+
+
+def _max_vector_norm(a: Any, d: int, amax: float) -> float:
+    if a.size == 0:
+        return 0.0
+    if not math.isfinite(amax):
+        return math.inf
+    xp = _backend.xp_of(a)
+    if xp is None:  # Numba device array
+        a, xp = _backend.to_host(a), np
+    # float32 squares of 2**-60 .. 2**59 summed over <= 2**9 values stay normal and finite
+    dt = xp.float32 if 2.0 ** -60 <= amax <= 2.0 ** 59 and d <= 512 else xp.float64
+    x = xp.asarray(a, dtype=dt).reshape(-1, d)
+    return math.sqrt(float(xp.einsum("ij,ij->i", x, x).max()))
 
 
 def range_stats(a: Any, d: Optional[int] = None) -> RangeStats:
-    """NaN/Inf count, largest ``|x|`` and largest L2 norm of the length-``d`` vectors of
-    ``a`` (the last axis by default), in one read of ``a``.
+    """Non-finite flag and largest ``|x|`` of ``a`` in one read; the largest L2 norm of its
+    length-``d`` vectors (the last axis by default) on demand (:class:`RangeStats`).
 
-    C-contiguous float32/float64 NumPy and Numba device arrays run on the twins; float16
-    and strided views are measured with NumPy (float64) in the array's namespace.
+    C-contiguous float16/32/64 NumPy and Numba device arrays run on the twins (an integer
+    max over the bit patterns, see above); strided views and CuPy arrays use their own
+    namespace's reductions.
     """
-    # tuple(): the simulator's shapes reject negative indices
-    d = int(tuple(a.shape)[-1]) if d is None else int(d)
+    d = int(tuple(a.shape)[-1]) if d is None else int(d)  # tuple: simulator shapes reject a[-1]
     if a.size == 0 or d == 0:
-        return RangeStats(0, 0.0, 0.0)
+        return RangeStats(0, 0.0)
     dt = np.dtype(a.dtype)
-    fast = dt in (np.dtype(np.float32), np.dtype(np.float64))
     xp = _backend.xp_of(a)
-    if isinstance(a, np.ndarray) and fast and a.flags.c_contiguous:
-        nch = max(1, min(64, a.size // _CHUNK))
-        out = np.zeros((nch, 3), np.float64)
-        cpu_call(_range_stats_cpu, a.size, a.reshape(-1), d, out)
-        return RangeStats(int(out[:, 0].sum()), float(out[:, 1].max()), math.sqrt(float(out[:, 2].max())))
-    if xp is None and fast and getattr(a, "is_c_contiguous", lambda: False)():  # Numba device array
-        out = _backend.zeros(a, (1, 3), np.float64)
-        blocks, threads = _backend.cuda_grid(max(1, (a.size // d + 7) // 8))  # ~8 vectors per thread
-        _range_stats_cuda[blocks, threads](a.reshape(a.size), d, out)
-        h = _backend.to_host(out)
-        return RangeStats(int(h[0, 0]), float(h[0, 1]), math.sqrt(float(h[0, 2])))
+    if dt in _BITS:
+        udt, mask, inf_bits = _BITS[dt]
+        bits = None
+        if isinstance(a, np.ndarray) and a.flags.c_contiguous:
+            u = a.reshape(-1).view(udt)
+            nch = max(1, min(64, a.size // _CHUNK))
+            out = np.zeros(nch, np.uint64)
+            cpu_call(_absbits_max_cpu, a.size, u, udt(mask), out)
+            bits = int(out.max())
+        elif xp is None and getattr(a, "is_c_contiguous", lambda: False)():  # Numba device array
+            out = _backend.zeros(a, (1,), np.uint64)
+            blocks, threads = _backend.cuda_grid((a.size + 255) // 256)  # ~256 elements per thread
+            _absbits_max_cuda[blocks, threads](a.reshape(a.size).view(udt), udt(mask), out)
+            bits = int(_backend.to_host(out)[0])
+        if bits is not None:
+            if bits >= inf_bits:
+                return RangeStats(1, math.inf)
+            amax = float(np.array([bits], udt).view(dt)[0])
+            return RangeStats(0, amax, a, d)
     if xp is None:
         a, xp = _backend.to_host(a), np
-    x = xp.asarray(a, dtype=xp.float64).reshape(-1, d)
-    fin = xp.isfinite(x)
-    bad = int((~fin).sum())
-    x = xp.where(fin, x, 0.0)
-    with np.errstate(over="ignore"):
-        norm2 = (x * x).sum(axis=1)
-    return RangeStats(bad, float(xp.abs(x).max()), math.sqrt(float(norm2.max())))
+    m = float(xp.abs(a).max())  # NaN or Inf propagate into the max
+    if not math.isfinite(m):
+        return RangeStats(1, math.inf)
+    return RangeStats(0, m, a, d)

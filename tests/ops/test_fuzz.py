@@ -83,6 +83,27 @@ def _block_norms(x, block):
     return np.sqrt((x64.reshape(*x64.shape[:-1], -1, block) ** 2).sum(-1)) if x64.size else np.zeros(0)
 
 
+# --- the range check itself ------------------------------------------------------------------
+@SETTINGS
+@given(x=arrays([0, 1, 32, 64], dtypes=FLOATS), special=st.sampled_from([None, np.nan, np.inf, -np.inf]))
+def test_range_stats_fuzz(x, special):
+    """Non-finite flag, exact max |x| and the largest vector norm against NumPy (float64)."""
+    from numba_kv.ops.finite import range_stats
+
+    if special is not None and x.size:
+        x = x.copy()
+        x.reshape(-1)[x.size // 2] = special
+    x64 = x.astype(np.float64)
+    got = range_stats(x)
+    bad = bool(x.size) and not np.isfinite(x64).all()
+    assert got.nonfinite == int(bad)
+    if bad or x.size == 0:
+        return
+    assert got.amax == np.abs(x64).max()  # exact: an integer max over the bit patterns
+    want = np.sqrt((x64 ** 2).sum(-1).max()) if x.shape[-1] else 0.0
+    assert got.max_norm == pytest.approx(want, rel=1e-6, abs=1e-300)
+
+
 # --- rotations ----------------------------------------------------------------------------
 def _rotation_case(op, x, inverse, block_ok, oracle, names=("x",)):
     """Shared rules of the two rotations.  Real non-float dtypes may be accepted (computed in
