@@ -135,9 +135,9 @@ def ascontiguous_f32(name: str, a: Any) -> Any:
             from .ops.finite import all_finite  # noqa: PLC0415
 
             if not all_finite(out) and bool(xp.isfinite(a).all()):  # float64 beyond the float32 range
-                big = float(xp.abs(a).max())
-                raise ValueError(f"{name}: max |{name}| = {big:.6g} exceeds {float(np.finfo(np.float32).max):.6g}, "
-                                 "the largest float32 (computations here run in float32)")
+                big, f32max = float(xp.abs(a).max()), float(np.finfo(np.float32).max)
+                raise ValueError(f"{name}: max |{name}| = {big:.6g} exceeds {f32max:.6g}, the largest float32 "
+                                 "(computations here run in float32)")
         return out
     if np.dtype(a.dtype) != np.float32 or not a.is_c_contiguous():
         raise TypeError(f"{name}: Numba device arrays must be C-contiguous float32, got {a.dtype}")

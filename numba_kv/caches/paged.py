@@ -241,7 +241,8 @@ class PagedKVCache:
         check_magnitude(name, rs.amax, float(2 ** 21), f"storage={self.storage!r} pages")
         cb = self.codebooks[name]
         limit = F16_MAX * (1 - 2.0 ** -10)
-        if math.sqrt(tuple(x3.shape)[2]) * rs.amax / float(cb.ref) <= limit or rs.max_norm / float(cb.ref) <= limit:
+        ref = float(cb.ref)
+        if math.sqrt(tuple(x3.shape)[2]) * rs.amax / ref <= limit or rs.max_norm / ref <= limit:
             return
         x = _backend.ascontiguous_f32(name, x3)
         h, n, d = x.shape

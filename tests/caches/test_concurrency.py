@@ -201,8 +201,8 @@ def test_mla_concurrent_equals_sequential():
 
 
 def _fresh_python(code, **env):
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=False,
-                          env={**os.environ, **env})
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          check=False, env={**os.environ, **env})
 
 
 def test_threading_layer_initialized_in_a_fresh_process():
