@@ -471,7 +471,18 @@ class SimpleMLACache(_LatentBase):
             out = _backend.empty(x, (h, n, self.latent_dim), np.float32)
             project_into(x, zero, comp, out)
             lats.append(out)
-        self.paged.append(layer, seq_id, lats[0], lats[1])
+        try:
+            self.paged.append(layer, seq_id, lats[0], lats[1])
+        except ValueError as e:  # the pages validate the latents: name the caller's k / v
+            msg = str(e)
+            name, arr = ("k", k3) if msg.startswith("k:") else ("v", v3)
+            lat = f"{name}·down_proj"
+            if "expected finite values" not in msg:  # a range error about the stored latent
+                raise ValueError(msg.replace(f"|{name}|", f"|{lat}|").replace(f"from {name} ", f"from {lat} ")) from None
+            xp = _backend.xp_of(arr) or np
+            amax = float(xp.abs(_backend.to_host(arr) if xp is np else arr).max())
+            raise ValueError(f"{name}: its float32 latent {lat} overflows (max |{name}| = {amax:.6g}); "
+                             "nothing was stored") from None
 
     def append_compressed(self, layer: int, seq_id: int, k_lat: Any, v_lat: Any) -> None:
         """Append latents ``[num_heads, new_tokens, latent_dim]`` as given."""

@@ -335,3 +335,33 @@ def test_mla_latent_out_of_range(val):
     q = rng.standard_normal((heads, 1, nope)).astype(np.float32)
     qp = rng.standard_normal((heads, 1, rope)).astype(np.float32)
     assert np.isfinite(c.attend_absorbed(0, s, q, qp, 0.1)).all()
+
+
+@pytest.mark.parametrize("val", [1e5, 1e30, 3e38])
+@pytest.mark.parametrize("storage", ["float32", "pqo3"])
+def test_simple_mla_out_of_range(storage, val):
+    """The simplified latent cache: stored latents equal ``k·down_proj`` (float32 pages: to
+    float32 rounding), or a ValueError naming ``k`` with nothing stored."""
+    from numba_kv import SimpleMLACache
+
+    rng = np.random.default_rng(11)
+    heads, d, lat = 2, 64, 32
+    down = (rng.standard_normal((d, lat)) / 8).astype(np.float32)
+    up = (rng.standard_normal((lat, d)) / 8).astype(np.float32)
+    c = SimpleMLACache(8, 1, heads, d, lat, down, up, np.zeros_like(up), storage=storage)
+    s = c.allocate_sequence()
+    c.append(0, s, *(rng.standard_normal((heads, 4, d)).astype(np.float32) for _ in range(2)))
+    k, v = (rng.standard_normal((heads, 3, d)).astype(np.float32) for _ in range(2))
+    k[1, 1, 2] = val
+    before = _paged_snapshot(c.paged)
+    try:
+        c.append(0, s, k, v)
+    except ValueError as e:
+        assert str(e).startswith("k: ") and re.search(r"\d", str(e)), str(e)
+        _assert_paged_equal(_paged_snapshot(c.paged), before)
+        return
+    got = c.get_compressed_kv(0, s)[0][1, 5]
+    want = k[1, 1].astype(np.float64) @ down.astype(np.float64)
+    assert np.isfinite(got).all()
+    tol = 1e-5 if storage == "float32" else 0.3
+    assert np.abs(got - want).max() <= tol * np.abs(want).max()
