@@ -478,7 +478,8 @@ class SimpleMLACache(_LatentBase):
             name, arr = ("k", k3) if msg.startswith("k:") else ("v", v3)
             lat = f"{name}·down_proj"
             if "expected finite values" not in msg:  # a range error about the stored latent
-                raise ValueError(msg.replace(f"|{name}|", f"|{lat}|").replace(f"from {name} ", f"from {lat} ")) from None
+                msg = msg.replace(f"|{name}|", f"|{lat}|").replace(f"from {name} ", f"from {lat} ")
+                raise ValueError(msg) from None
             xp = _backend.xp_of(arr) or np
             amax = float(xp.abs(_backend.to_host(arr) if xp is np else arr).max())
             raise ValueError(f"{name}: its float32 latent {lat} overflows (max |{name}| = {amax:.6g}); "
