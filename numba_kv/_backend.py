@@ -127,7 +127,18 @@ def ascontiguous_f32(name: str, a: Any) -> Any:
     """
     xp = xp_of(a)
     if xp is not None:
-        return xp.ascontiguousarray(a, dtype=xp.float32)
+        dt = np.dtype(a.dtype)
+        if dt.kind not in "fiub":  # complex would lose its imaginary part, objects fail later
+            raise TypeError(f"{name}: expected a real (float or integer) array, got dtype {dt}")
+        out = xp.ascontiguousarray(a, dtype=xp.float32)
+        if dt.itemsize > 4 and dt.kind == "f" and out.size:
+            from .ops.finite import all_finite  # noqa: PLC0415
+
+            if not all_finite(out) and bool(xp.isfinite(a).all()):  # float64 beyond the float32 range
+                big, f32max = float(xp.abs(a).max()), float(np.finfo(np.float32).max)
+                raise ValueError(f"{name}: max |{name}| = {big:.6g} exceeds {f32max:.6g}, the largest float32 "
+                                 "(computations here run in float32)")
+        return out
     if np.dtype(a.dtype) != np.float32 or not a.is_c_contiguous():
         raise TypeError(f"{name}: Numba device arrays must be C-contiguous float32, got {a.dtype}")
     return a

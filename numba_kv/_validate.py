@@ -7,14 +7,17 @@ cache exactly as it was.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ._backend import CPU, device_of
-from .ops.finite import all_finite
+from ._backend import CPU, device_of, to_host
+from .ops.finite import RangeStats, all_finite, range_stats
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+F16_MAX = 65504.0  # largest finite binary16
+F32_MAX = float(np.finfo(np.float32).max)
+Q_MAX = 2.0 ** 64  # largest accepted |query| value
 
 
 def check_layer(layer: Any, num_layers: int) -> int:
@@ -43,6 +46,53 @@ def check_finite(name: str, a: Any) -> None:
         raise ValueError(f"{name}: expected finite values, got NaN or Inf")
 
 
+def check_finite_stats(name: str, a: Any, d: Optional[int] = None) -> RangeStats:
+    """:func:`check_finite` that also returns the range numbers it measured in the same pass."""
+    st = range_stats(a, d)
+    if st.nonfinite:
+        raise ValueError(f"{name}: expected finite values, got NaN or Inf")
+    return st
+
+
+def check_magnitude(name: str, amax: float, limit: float, what: str) -> None:
+    """``ValueError`` if ``amax`` (the largest ``|value|`` of argument ``name``) exceeds
+    ``limit``; ``what`` says which storage sets the limit."""
+    if not amax <= limit:
+        raise ValueError(f"{name}: max |{name}| = {amax:.6g} exceeds {limit:.6g}, the largest value {what} "
+                         f"can hold; nothing was stored")
+
+
+def check_stored_f16(name: str, stored: Any, amax: float, max_norm: float) -> None:
+    """``ValueError`` if any binary16 number (uint16 bit pattern) in ``stored`` reached the
+    binary16 limit: a block scale or vector norm derived from argument ``name`` saturated."""
+    host = to_host(stored)
+    if host.size and int((host & 0x7FFF).max()) >= 0x7BFF:  # 65504, inf or NaN
+        raise ValueError(f"{name}: a block scale or vector norm derived from {name} (max |{name}| = "
+                         f"{amax:.6g}, largest vector L2 norm {max_norm:.6g}) does not fit binary16 "
+                         f"(limit {F16_MAX:g}); nothing was stored")
+
+
+def check_f16_result(name: str, *f16_bits: Any) -> None:
+    """For stateless quantizers, after quantizing argument ``name``: ``ValueError`` if a
+    binary16 number they produced (uint16 bit patterns: block scales, norms) reached 65504,
+    i.e. saturated instead of holding the true value."""
+    for bits in f16_bits:
+        host = to_host(bits)
+        if host.size and int((host & 0x7FFF).max()) >= 0x7BFF:
+            raise ValueError(f"{name}: a binary16 scale or norm derived from {name} reaches {F16_MAX:g}, the "
+                             f"largest binary16 value: {name} is out of range for this op")
+
+
+def check_rotation_input(name: str, x: Any, block: int) -> None:
+    """``ValueError`` if a ``block``-value rotation of ``x`` (last axis) could leave float32:
+    a rotated value is at most its block's L2 norm, so blocks with norm above the float32
+    maximum are rejected (one pass, :func:`~numba_kv.ops.finite.range_stats`)."""
+    st = check_finite_stats(name, x, block)
+    if not st.max_norm <= F32_MAX:
+        raise ValueError(f"{name}: a {block}-value block has L2 norm {st.max_norm:.6g}, above {F32_MAX:.6g} "
+                         f"(the largest float32): its rotation cannot be represented")
+
+
 def check_shape(name: str, a: Any, expected: Sequence[Optional[int]], labels: Sequence[str]) -> None:
     """Compare ``a.shape`` with ``expected`` (``None`` = any), naming the mismatching axis."""
     shape = tuple(a.shape)
@@ -57,6 +107,13 @@ def check_shape(name: str, a: Any, expected: Sequence[Optional[int]], labels: Se
 def check_kv(k: Any, v: Any, num_kv_heads: int, head_dim: int,
              batch: Optional[int] = None) -> str:
     """Validate a K/V pair ``[batch, num_kv_heads, new_tokens, head_dim]``; return device."""
+    return check_kv_stats(k, v, num_kv_heads, head_dim, batch)[0]
+
+
+def check_kv_stats(k: Any, v: Any, num_kv_heads: int, head_dim: int,
+                   batch: Optional[int] = None) -> Tuple[str, RangeStats, RangeStats]:
+    """:func:`check_kv`, also returning the :func:`~numba_kv.ops.finite.range_stats` of
+    ``k`` and ``v`` (one read of each: the finiteness check and the range numbers)."""
     labels = ("batch", "num_kv_heads", "new_tokens", "head_dim")
     dk = check_float_array("k", k, 4)
     dv = check_float_array("v", v, 4)
@@ -69,9 +126,7 @@ def check_kv(k: Any, v: Any, num_kv_heads: int, head_dim: int,
         raise ValueError(f"k: expected batch >= 1, got shape {tuple(k.shape)}")
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
-    check_finite("k", k)
-    check_finite("v", v)
-    return dk
+    return dk, check_finite_stats("k", k), check_finite_stats("v", v)
 
 
 def check_q(q: Any, batch: int, num_kv_heads: int, head_dim: int, n_kv_groups: Optional[int] = None,
@@ -90,7 +145,11 @@ def check_q(q: Any, batch: int, num_kv_heads: int, head_dim: int, n_kv_groups: O
     if n_kv_groups is not None and n_kv_groups != groups:
         raise ValueError(f"config.n_kv_groups: expected {groups} (= num_heads {hq} / num_kv_heads "
                          f"{num_kv_heads}), got {n_kv_groups}")
-    check_finite("q", q)
+    # logits q·k must stay finite in float32: stored keys are at most 2**21 per value (larger
+    # ones are rejected by the compressed caches), head_dim <= 512, so |q| <= 2**64 keeps
+    # |q·k| <= 2**96, far below float32's 2**128
+    check_magnitude("q", check_finite_stats("q", q).amax, Q_MAX,
+                    "a query (logits must stay finite in float32)")
     return groups
 
 

@@ -44,9 +44,11 @@ def threading_layer() -> str:
     import numba  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 
-    from .ops.bitpack import pack_bits  # noqa: PLC0415
+    from .ops.finite import _absbits_max_cpu  # noqa: PLC0415
 
-    pack_bits(np.zeros((2, 8), np.uint8), 3)  # initializes the parallel runtime
+    # call the parallel compilation directly: ``cpu_call`` would pick the serial one for
+    # this tiny input, and only a parallel region initializes the threading layer
+    _absbits_max_cpu(np.zeros(2, np.uint32), np.uint32(1), np.zeros(2, np.uint64))
     try:
         return numba.threading_layer()
     except ValueError:

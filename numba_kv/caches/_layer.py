@@ -16,7 +16,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 
 from .. import _backend, _config
-from .._validate import check_head_dim, check_int, check_kv, check_layer, check_q
+from .._validate import (F32_MAX, check_head_dim, check_int, check_kv_stats, check_layer, check_magnitude,
+                         check_q)
+from ..ops.finite import RangeStats
 from ..ops.memory import copy_prefix
 from ._lifecycle import LifecycleMixin
 from .protocol import AttendConfig, DecodeOutput, Dequantized, DequantResult
@@ -92,11 +94,11 @@ class LayeredCache(LifecycleMixin):
 
     # -- helpers --------------------------------------------------------------------------
     def _validate(self, layer: Any, k: Any, v: Any, q: Any, config: Optional[AttendConfig],
-                  need_q: bool) -> Tuple[int, str]:
+                  need_q: bool) -> Tuple[int, str, Tuple[RangeStats, RangeStats]]:
         layer = check_layer(layer, self.num_layers)
         st = self._layers[layer]
         batch = st.batch if st.seq_len > 0 else None
-        dev = check_kv(k, v, self.num_kv_heads, self.head_dim, batch=batch)
+        dev, sk, sv = check_kv_stats(k, v, self.num_kv_heads, self.head_dim, batch=batch)
         if st.seq_len > 0 and st.device != dev:
             raise ValueError(f"k is on {dev} but layer {layer} stores its tokens on {st.device}")
         if config is not None and not isinstance(config, AttendConfig):
@@ -106,7 +108,14 @@ class LayeredCache(LifecycleMixin):
                 raise ValueError("q: expected an array [batch, num_heads, q_len, head_dim], got None")
             check_q(q, k.shape[0], self.num_kv_heads, self.head_dim,
                     None if config is None else config.n_kv_groups, q_len=k.shape[2], device=dev)
-        return layer, dev
+        return layer, dev, (sk, sv)
+
+    def _check_range(self, st: LayerState, k: Any, v: Any, stats: Tuple[RangeStats, RangeStats]) -> None:
+        """``ValueError`` (naming ``k`` or ``v`` and the limit) if the cache cannot store the
+        values faithfully.  Runs under the layer's lock, before anything is stored.  The base
+        class stores float32 (``F32_MAX`` bounds float64 input)."""
+        for name, rs in zip(("k", "v"), stats):
+            check_magnitude(name, rs.amax, F32_MAX, "float32 storage")
 
     def _growing_needed(self, st: LayerState, new_tokens: int) -> int:
         """Capacity the growing buffers need after storing ``new_tokens`` more."""
@@ -124,7 +133,10 @@ class LayeredCache(LifecycleMixin):
                 continue
             new[name] = _backend.zeros(like, (rows, fixed if fixed is not None else cap, width), dtype)
             if name in st.buffers and st.live_count(name):
-                copy_prefix(st.buffers[name], st.live_count(name), new[name])
+                if np.dtype(dtype) == np.float16:  # no float16 in Numba's CPU kernels (NumPy/CuPy only)
+                    new[name][:, : st.live_count(name)] = st.buffers[name][:, : st.live_count(name)]
+                else:
+                    copy_prefix(st.buffers[name], st.live_count(name), new[name])
         st.buffers = new
         st.capacity = cap
 
@@ -149,9 +161,10 @@ class LayeredCache(LifecycleMixin):
         old + new_tokens, head_dim]`` in the dtype of ``k``.  ``q`` (optional,
         ``[batch, num_heads, new_tokens, head_dim]``) is validated but not needed here.
         """
-        layer, dev = self._validate(layer, k, v, q, None, need_q=False)
+        layer, dev, stats = self._validate(layer, k, v, q, None, need_q=False)
         st = self._layers[layer]
         with st.lock:
+            self._check_range(st, k, v, stats)
             old = self._append(st, dev, k, v)
             if old == 0:
                 return DequantResult(k, v)
@@ -172,9 +185,10 @@ class LayeredCache(LifecycleMixin):
         """
         if not isinstance(config, AttendConfig):
             raise TypeError(f"config: expected an AttendConfig, got {type(config).__name__}")
-        layer, dev = self._validate(layer, k, v, q, config, need_q=True)
+        layer, dev, stats = self._validate(layer, k, v, q, config, need_q=True)
         st = self._layers[layer]
         with st.lock:
+            self._check_range(st, k, v, stats)
             self._append(st, dev, k, v)
             return self._decode_output(st, q, config, k.dtype)
 

@@ -7,6 +7,7 @@ from typing import Any, Dict, Optional, Tuple
 import numpy as np
 
 from .. import _backend
+from .._validate import F16_MAX, F32_MAX, check_magnitude
 from ._layer import BufferSpec, LayeredCache, LayerState
 
 
@@ -42,6 +43,12 @@ class DenseCache(LayeredCache):
 
     def _buffer_spec(self) -> BufferSpec:
         return {"k": (self.head_dim, self.dtype, None), "v": (self.head_dim, self.dtype, None)}
+
+    def _check_range(self, st: LayerState, k: Any, v: Any, stats: Any) -> None:
+        if self.dtype.itemsize < 8:  # float16 / float32 storage: larger finite inputs would become inf
+            limit = F16_MAX if self.dtype.itemsize == 2 else F32_MAX
+            for name, rs in zip(("k", "v"), stats):
+                check_magnitude(name, rs.amax, limit, f"dtype={self.dtype.name} storage")
 
     def _flat(self, name: str, a: Any) -> Any:
         xp = _backend.xp_of(a)

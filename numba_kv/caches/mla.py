@@ -235,7 +235,15 @@ class MLACache(_LatentBase):
                                 "k_pe=None")
             lat = xp.concatenate([xp.asarray(c_kv, dtype=xp.float32), xp.asarray(k_pe, dtype=xp.float32)],
                                  axis=1)
-        self.paged.append(layer, seq_id, lat.reshape(1, lat.shape[0], lat.shape[1]))
+        try:
+            self.paged.append(layer, seq_id, lat.reshape(1, lat.shape[0], lat.shape[1]))
+        except ValueError as e:  # the pages call the latent "k": name the caller's arguments
+            msg = str(e)
+            if not msg.startswith("k: "):
+                raise
+            arg = "c_kv" if k_pe is None else "c_kv/k_pe"
+            msg = msg[3:].replace("|k|", f"|{arg}|").replace("from k", f"from {arg}")
+            raise ValueError(f"{arg}: {msg}") from None
 
     def get_latent(self, layer: int, seq_id: int) -> Tuple[Any, Any]:
         """Stored latents (dequantized for PQO pages).
@@ -463,7 +471,19 @@ class SimpleMLACache(_LatentBase):
             out = _backend.empty(x, (h, n, self.latent_dim), np.float32)
             project_into(x, zero, comp, out)
             lats.append(out)
-        self.paged.append(layer, seq_id, lats[0], lats[1])
+        try:
+            self.paged.append(layer, seq_id, lats[0], lats[1])
+        except ValueError as e:  # the pages validate the latents: name the caller's k / v
+            msg = str(e)
+            name, arr = ("k", k3) if msg.startswith("k:") else ("v", v3)
+            lat = f"{name}·down_proj"
+            if "expected finite values" not in msg:  # a range error about the stored latent
+                msg = msg.replace(f"|{name}|", f"|{lat}|").replace(f"from {name} ", f"from {lat} ")
+                raise ValueError(msg) from None
+            xp = _backend.xp_of(arr) or np
+            amax = float(xp.abs(_backend.to_host(arr) if xp is np else arr).max())
+            raise ValueError(f"{name}: its float32 latent {lat} overflows (max |{name}| = {amax:.6g}); "
+                             "nothing was stored") from None
 
     def append_compressed(self, layer: int, seq_id: int, k_lat: Any, v_lat: Any) -> None:
         """Append latents ``[num_heads, new_tokens, latent_dim]`` as given."""

@@ -32,6 +32,7 @@ Every argument is validated before anything changes: an append that does not fit
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
@@ -39,7 +40,8 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tu
 import numpy as np
 
 from .. import _backend
-from .._validate import check_finite, check_float_array, check_int, check_layer
+from .._validate import (F16_MAX, F32_MAX, check_finite_stats, check_float_array, check_int, check_layer,
+                         check_magnitude, check_stored_f16)
 from ..ops.blockquant import dequantize_into, packed_dim, quantize_into
 from ..ops.codebook import get_codebook
 from ..ops.gather import gather_rows, scatter_rows, to_like
@@ -228,6 +230,27 @@ class PagedKVCache:
             raise ValueError(f"{name}: expected {n} new tokens (those of k), got shape {tuple(a.shape)}")
         return a.reshape(shape), dev
 
+    def _check_range(self, name: str, x3: Any) -> None:
+        """Finite, and storable faithfully: float32 pages hold any float32 magnitude; PQO pages
+        reject ``|x| > 2**21`` and any block whose binary16 scale (``<= ‖x‖ / ref``, or
+        checked by quantizing into scratch when that bound is not below 65504) would saturate."""
+        rs = check_finite_stats(name, x3)
+        if not self.bits:
+            check_magnitude(name, rs.amax, F32_MAX, "float32 pages")
+            return
+        check_magnitude(name, rs.amax, float(2 ** 21), f"storage={self.storage!r} pages")
+        cb = self.codebooks[name]
+        limit = F16_MAX * (1 - 2.0 ** -10)
+        ref = float(cb.ref)
+        if math.sqrt(tuple(x3.shape)[2]) * rs.amax / ref <= limit or rs.max_norm / ref <= limit:
+            return
+        x = _backend.ascontiguous_f32(name, x3)
+        h, n, d = x.shape
+        codes = _backend.empty(x, (h, n, packed_dim(d, self.part_bits[name])), np.uint8)
+        scales = _backend.empty(x, (h, n, d // 32), np.uint16)
+        quantize_into(x, codes, scales, 0, cb, True)
+        check_stored_f16(name, scales, rs.amax, rs.max_norm)
+
     # -- sequences ------------------------------------------------------------------------
     def allocate_sequence(self) -> int:
         """Create an empty sequence in every layer and return its id (0, 1, 2, …)."""
@@ -400,9 +423,9 @@ class PagedKVCache:
                 raise ValueError("v: expected None for a key-only cache (v_head_dim=0), got an array")
             if self._device is not None and dev != self._device:
                 raise ValueError(f"k is on {dev} but the page pool lives on {self._device}")
-            check_finite("k", k3)
+            self._check_range("k", k3)
             if self.has_values:
-                check_finite("v", v3)
+                self._check_range("v", v3)
             cur = self._lens[layer][sid]
             table = self._tables[layer][sid]
             need = -(-(cur + n) // self.page_size) - len(table)

@@ -23,12 +23,13 @@ combines exact and compressed tokens in one softmax.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
 
 from .. import _backend
-from .._validate import check_int
+from .._validate import F16_MAX, check_finite_stats, check_int, check_magnitude, check_stored_f16
 from ..ops.attention import CodeLayout, fused_attention_rows
 from ..ops.blockquant import NORM_MODES, dequantize_into, quantize_into
 from ..ops.codebook import get_codebook
@@ -43,6 +44,8 @@ DECODE_OUTPUTS = ("fused", "dequantized")
 WINDOW_DTYPES = ("float16", "float32", "int8")
 KEY_SCALES = ("none", "channel")
 ROTATIONS = ("block", "head")
+# larger inputs are rejected outright: float32 sums inside the quantizers stay far from overflow
+MAX_INPUT = float(2 ** 21)
 
 
 def _assign(src: Any, s0: int, n: int, dst: Any, d0: int) -> None:
@@ -321,6 +324,113 @@ class PolarQuantCache(LayeredCache):
             raise TypeError("k: key_scale='channel', key_center and outlier_channels need NumPy or CuPy arrays, "
                             "got a Numba device array")
         return super()._append(st, dev, k, v)
+
+    # -- range validation (before anything is stored) ---------------------------------------
+    def _f16_factor(self, name: str) -> float:
+        """Upper bound of every binary16 number stored for one compressed vector of side
+        ``name`` (block scales, vector norms, TurboQuant's residual norm) per unit of the
+        vector's L2 norm ``‖x‖`` in the stored domain.
+
+        Rotations keep L2 norms, so a rotated block's largest value and its norm are at most
+        ``‖x‖``; MaxNorm divides by the outer centroid ``ref``; the EDEN rescale multiplies
+        by ``‖y‖²/⟨y, c⟩``: every term of ``⟨y, c⟩`` is ``>= 0`` (0 is a decision boundary),
+        so it is at most ``32`` for MaxNorm blocks (``‖y‖² <= 32·ref²``, the extreme term is
+        ``ref²``) and at most ``√m / c_min`` for a unit vector of ``m`` values.  A
+        reconstruction has norm at most ``√m · c_max`` times that bound, which bounds the
+        residual norm ``‖x − x̂‖``.
+        """
+        cached = self.__dict__.setdefault("_f16_factors", {})
+        if name in cached:
+            return cached[name]
+        m = self.head_dim if self.rotation == "head" else 32
+        cbs = [self.codebooks[name]]
+        if self.outlier_channels:
+            cbs.append(self._codebook(self.outlier_bits[name]))
+        f = 0.0
+        for cb in cbs:
+            c = np.abs(np.asarray(cb.centroids, np.float64))
+            if cb.norm_mode == "l2":
+                a = math.sqrt(m) / float(c[c > 0].min()) if self.unbiased else 1.0
+            else:
+                a = (32.0 if self.unbiased else 1.0) / float(cb.ref)
+            if name == "k" and getattr(self, "qjl_dim", 0):  # TurboQuant stores the residual norm
+                a = max(a, 1.0 + math.sqrt(m) * float(c.max()) * a)
+            f = max(f, a)
+        cached[name] = f
+        return f
+
+    def _check_range(self, st: LayerState, k: Any, v: Any, stats: Any) -> None:
+        """Reject (``ValueError``, nothing stored) what would not be stored faithfully.
+
+        * ``|x| > 2**21`` (:data:`MAX_INPUT`): always;
+        * ``|x| > 65504`` with ``window_dtype="float16"`` (such a token cannot sit in the window);
+        * any derived binary16 block scale / vector norm ``>= 65504``.  A cheap bound
+          (:meth:`_f16_factor` times the largest vector norm) proves most inputs safe; the
+          rest are quantized once into scratch buffers and the scales inspected.
+        """
+        # the window dtype as _append will choose it (Numba device arrays: float32)
+        self._exact_dtype = np.dtype(np.float32) if _backend.xp_of(k) is None else self.window_dtype
+        f16_window = self.windowed and self._exact_dtype == np.float16
+        limit = F16_MAX * (1 - 2.0 ** -10)
+        for name, arr, rs in (("k", k, stats[0]), ("v", v, stats[1])):
+            check_magnitude(name, rs.amax, MAX_INPUT, f"a {self.name} cache")
+            # first with the free bound ‖x‖ <= √d·max|x|, then (if needed) the measured norm
+            free = math.sqrt(self.head_dim) * rs.amax
+            amax, norm, exact = self._stored_domain_bounds(st, name, rs.amax, free)
+            if f16_window and exact:
+                check_magnitude(name, amax, F16_MAX, "a float16 window (window_dtype='float16')")
+            safe = norm * self._f16_factor(name) <= limit
+            if not safe:
+                amax, norm, exact = self._stored_domain_bounds(st, name, rs.amax, rs.max_norm)
+                safe = norm * self._f16_factor(name) <= limit
+            if not safe or (f16_window and amax > F16_MAX):
+                self._dry_run(st, name, arr, rs, f16_window)
+
+    def _stored_domain_bounds(self, st: LayerState, name: str, amax: float,
+                              norm: float) -> Tuple[float, float, bool]:
+        """Bounds of ``max|x|`` and ``max ‖x‖`` after :meth:`_transform_in` (key centering and
+        scaling; permutations change neither), and whether the domain is the input's own."""
+        exact = True
+        if name == "k" and self.key_center:
+            exact = False
+            if st.meta.get("kmean_set", 0):
+                mb = _backend.to_host(st.buffers["k_chmean"]).astype(np.float64)
+                amax += float(np.abs(mb).max())
+                norm += float(np.sqrt((mb ** 2).sum(axis=-1)).max())
+            else:  # the mean of this chunk: no larger than its largest value / norm
+                amax, norm = 2 * amax, 2 * norm
+        if name == "k" and self.key_scale == "channel":
+            exact = False
+            if st.meta.get("kscale_set", 0):
+                smin = float(_backend.to_host(st.buffers["k_chscale"]).min())
+                amax, norm = amax / smin, norm / smin
+            else:
+                amax = norm = math.inf
+        return amax, norm, exact
+
+    def _dry_run(self, st: LayerState, name: str, arr: Any, rs: Any, f16_window: bool) -> None:
+        """Quantize ``arr`` into scratch buffers (the layer is not touched) and raise if a
+        binary16 number saturates (or, with a float16 window, a stored-domain value exceeds 65504)."""
+        rows, n = int(arr.shape[0]) * self.num_kv_heads, int(arr.shape[2])
+        tmp = LayerState(meta=dict(st.meta))
+        scratch = []
+        for b, (w, dt, fixed) in self._buffer_spec().items():
+            if fixed is None:
+                tmp.buffers[b] = _backend.zeros(arr, (rows, n, w), dt)
+                scratch.append(b)
+            elif st.seq_len and b in st.buffers:
+                tmp.buffers[b] = st.buffers[b]  # frozen per-layer constants: only read
+            else:
+                tmp.buffers[b] = _backend.zeros(arr, (rows, fixed, w), dt)
+        x = _backend.ascontiguous_f32(name, arr)
+        x3 = self._transform_in(tmp, name, x.reshape(rows, n, self.head_dim))
+        if f16_window:
+            check_magnitude(name, check_finite_stats(name, x3).amax, F16_MAX,
+                            "a float16 window (window_dtype='float16'; after key centering / scaling)")
+        self._compress(tmp, name, x3, 0)
+        for b in scratch:
+            if b.startswith(name + "_") and np.dtype(tmp.buffers[b].dtype) == np.uint16:
+                check_stored_f16(name, tmp.buffers[b], rs.amax, rs.max_norm)
 
     def _split_parts(self, name: str) -> Tuple[Tuple[int, int, int, int, int], ...]:
         """Channel split of side ``name``: ``(first channel, end channel, first code byte,

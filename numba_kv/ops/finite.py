@@ -10,10 +10,11 @@ in place instead of copying them to the host.
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Optional
 
 import numpy as np
-from numba import cuda, float32, int64, prange
+from numba import cuda, float32, int64, prange, uint64
 
 from .. import _backend
 from .._jit import cpu_call, cpu_kernel, cuda_kernel
@@ -84,3 +85,119 @@ def all_finite(a: Any) -> bool:
     if xp is None:  # other Numba device arrays: on the host
         return bool(np.isfinite(_backend.to_host(a)).all())
     return bool(xp.isfinite(a).all())  # NumPy fallback, CuPy
+
+
+# --- range statistics: finiteness and max |x| in one integer pass; vector norms on demand --
+# Caches store binary16 numbers (float16 windows, block scales, vector norms): before they
+# store anything they need to know whether the input's magnitude fits.  For IEEE floats
+# without the sign bit, the bit pattern read as an unsigned integer grows with |x|, and
+# every pattern at or above the exponent mask is Inf or NaN.  So one *integer* max over
+# ``bits & ~sign`` gives both answers: exact (no rounding), vectorized like the count above
+# (an integer max reduction needs no reassociation of float sums), and it works for
+# float16 too.  The largest vector L2 norm is needed only when ``√d · max|x|`` does not
+# already prove a bound; :attr:`RangeStats.max_norm` computes it on first use.
+@cpu_kernel
+def _absbits_max_cpu(u, mask, out):
+    n = u.shape[0]
+    nch = out.shape[0]
+    per = (n + nch - 1) // nch
+    for c in prange(nch):
+        uc = u[c * per:min(n, (c + 1) * per)]
+        m = mask ^ mask  # zero of the mask's type (``mask & 0`` mixes in int64: float64 in Numba)
+        for i in range(uc.shape[0]):
+            m = max(m, uc[i] & mask)
+        out[c] = m
+
+
+@cuda_kernel
+def _absbits_max_cuda(u, mask, out):
+    m = mask ^ mask  # zero of the mask's type (``mask & 0`` mixes in int64: float64 in Numba)
+    for i in range(cuda.grid(1), u.shape[0], cuda.gridsize(1)):
+        m = max(m, u[i] & mask)
+    cuda.atomic.max(out, 0, uint64(m))
+
+
+register("range_stats", _absbits_max_cpu, _absbits_max_cuda,
+         ["void(uint16[::1], uint16, uint64[::1])", "void(uint32[::1], uint32, uint64[::1])",
+          "void(uint64[::1], uint64, uint64[::1])"])
+
+# (unsigned view dtype, |x| mask, first non-finite pattern) per float dtype
+_BITS = {np.dtype(np.float16): (np.uint16, 0x7FFF, 0x7C00),
+         np.dtype(np.float32): (np.uint32, 0x7FFFFFFF, 0x7F800000),
+         np.dtype(np.float64): (np.uint64, 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000)}
+
+
+class RangeStats:
+    """What :func:`range_stats` measured: ``nonfinite`` (1 if ``a`` holds NaN or Inf, else
+    0), ``amax`` (largest ``|x|`` of the finite values; exact), and ``max_norm`` (largest L2
+    norm of the length-``d`` vectors), computed on first access."""
+
+    __slots__ = ("nonfinite", "amax", "_a", "_d", "_norm")
+
+    def __init__(self, nonfinite: int, amax: float, a: Any = None, d: int = 1) -> None:
+        self.nonfinite, self.amax, self._a, self._d, self._norm = int(nonfinite), float(amax), a, int(d), None
+
+    @property
+    def max_norm(self) -> float:
+        """Largest vector L2 norm (float64-safe; ``inf`` when ``a`` is not finite)."""
+        if self._norm is None:
+            self._norm = _max_vector_norm(self._a, self._d, self.amax) if self._a is not None else 0.0
+            self._a = None
+        return self._norm
+
+    def __repr__(self) -> str:
+        return f"RangeStats(nonfinite={self.nonfinite}, amax={self.amax!r})"
+
+
+def _max_vector_norm(a: Any, d: int, amax: float) -> float:
+    if a.size == 0:
+        return 0.0
+    if not math.isfinite(amax):
+        return math.inf
+    xp = _backend.xp_of(a)
+    if xp is None:  # Numba device array
+        a, xp = _backend.to_host(a), np
+    # float32 squares of 2**-60 .. 2**59 summed over <= 2**9 values stay normal and finite
+    dt = xp.float32 if 2.0 ** -60 <= amax <= 2.0 ** 59 and d <= 512 else xp.float64
+    x = xp.asarray(a, dtype=dt).reshape(-1, d)
+    return math.sqrt(float(xp.einsum("ij,ij->i", x, x).max()))
+
+
+def range_stats(a: Any, d: Optional[int] = None) -> RangeStats:
+    """Non-finite flag and largest ``|x|`` of ``a`` in one read; the largest L2 norm of its
+    length-``d`` vectors (the last axis by default) on demand (:class:`RangeStats`).
+
+    C-contiguous float16/32/64 NumPy and Numba device arrays run on the twins (an integer
+    max over the bit patterns, see above); strided views and CuPy arrays use their own
+    namespace's reductions.
+    """
+    d = int(tuple(a.shape)[-1]) if d is None else int(d)  # tuple: simulator shapes reject a[-1]
+    if a.size == 0 or d == 0:
+        return RangeStats(0, 0.0)
+    dt = np.dtype(a.dtype)
+    xp = _backend.xp_of(a)
+    if dt in _BITS:
+        udt, mask, inf_bits = _BITS[dt]
+        bits = None
+        if isinstance(a, np.ndarray) and a.flags.c_contiguous:
+            u = a.reshape(-1).view(udt)
+            nch = max(1, min(64, a.size // _CHUNK))
+            out = np.zeros(nch, np.uint64)
+            cpu_call(_absbits_max_cpu, a.size, u, udt(mask), out)
+            bits = int(out.max())
+        elif xp is None and getattr(a, "is_c_contiguous", lambda: False)():  # Numba device array
+            out = _backend.zeros(a, (1,), np.uint64)
+            blocks, threads = _backend.cuda_grid((a.size + 255) // 256)  # ~256 elements per thread
+            _absbits_max_cuda[blocks, threads](a.reshape(a.size).view(udt), udt(mask), out)
+            bits = int(_backend.to_host(out)[0])
+        if bits is not None:
+            if bits >= inf_bits:
+                return RangeStats(1, math.inf)
+            amax = float(np.array([bits], udt).view(dt)[0])
+            return RangeStats(0, amax, a, d)
+    if xp is None:
+        a, xp = _backend.to_host(a), np
+    m = float(xp.abs(a).max())  # NaN or Inf propagate into the max
+    if not math.isfinite(m):
+        return RangeStats(1, math.inf)
+    return RangeStats(0, m, a, d)

@@ -1,7 +1,5 @@
 """Protocol conformance and semantics of every cache name; bad input leaves caches unchanged."""
 
-import threading
-
 import numpy as np
 import pytest
 
@@ -241,35 +239,3 @@ def test_attend_config_validation():
     with pytest.raises(Exception):
         CFG.softmax_scale = 2.0  # frozen
 
-
-# --- threads: different layers concurrently -----------------------------------------------
-@pytest.mark.parametrize("name", ["pqo3", "dense"])
-def test_concurrent_layers_match_sequential(name):
-    from numba_kv import check_threading_layer
-
-    check_threading_layer()
-    nl = 6
-    data = [kv(np.random.default_rng(i), b=2, s=300) for i in range(nl)]
-    seq = make_cache(name, num_layers=nl, num_kv_heads=H, head_dim=D)
-    par = make_cache(name, num_layers=nl, num_kv_heads=H, head_dim=D)
-    for i in range(nl):
-        for c in range(3):
-            seq.prefill(i, data[i][0][:, :, c * 100:(c + 1) * 100], data[i][1][:, :, c * 100:(c + 1) * 100])
-    errors = []
-
-    def work(i):
-        try:
-            for c in range(3):
-                par.prefill(i, data[i][0][:, :, c * 100:(c + 1) * 100], data[i][1][:, :, c * 100:(c + 1) * 100])
-        except Exception as e:  # noqa: BLE001
-            errors.append(e)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(nl)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
-    assert par.memory_usage() == seq.memory_usage()
-    for i in range(nl):
-        assert all(np.array_equal(a, b) for a, b in zip(par.live_arrays(i), seq.live_arrays(i)))

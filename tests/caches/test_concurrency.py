@@ -1,0 +1,217 @@
+"""Concurrency for real: >= 4 Python threads, one cache layer each, released together by a
+``threading.Barrier`` before every call so the calls overlap; every call's work is far above
+``cpu_parallel_min_work``, so each one runs the *parallel* compilation of its kernels
+(:func:`numba_kv._jit.cpu_call` picks the serial one only below that knob) and several
+parallel regions are open at once.  Every result and the final state must equal, bit for
+bit, the same calls made one after another.
+
+``check_threading_layer`` guards this: the ``workqueue`` layer aborts the process when two
+threads enter parallel regions at once, so it must raise there (tested in a subprocess).
+"""
+
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from numba_kv import AttendConfig, MLACache, PagedKVCache, _config, check_threading_layer, make_cache
+
+NL = 4  # layers = threads
+B, H, D, G = 2, 4, 64, 2  # batch, KV heads, head_dim, query groups
+S = 4096  # prompt tokens per layer (prefilled in two chunks)
+STEPS = 3  # decode steps per layer
+CFG = AttendConfig(D ** -0.5, n_kv_groups=G)
+
+
+def _work_prefill() -> int:
+    return B * H * (S // 2) * D  # quantize / copy of one chunk: rows · tokens · head_dim
+
+
+def _work_decode() -> int:
+    return G * B * H * D * S  # fused attention: groups · rows · head_dim · tokens
+
+
+def test_sizes_are_far_above_the_serial_threshold():
+    thr = _config.get("cpu_parallel_min_work")
+    assert _work_prefill() >= 4 * thr and _work_decode() >= 16 * thr
+    assert H * S * D >= 4 * thr  # one paged append (one sequence's K or V)
+
+
+def _run(scripts, concurrent: bool):
+    """Run per-layer scripts (lists of zero-argument calls); return their results."""
+    out = [[] for _ in scripts]
+    if not concurrent:
+        for i, steps in enumerate(scripts):
+            for step in steps:
+                out[i].append(step())
+        return out
+    barrier = threading.Barrier(len(scripts))
+    errors = []
+
+    def work(i):
+        try:
+            for step in scripts[i]:
+                barrier.wait(timeout=300)  # everyone enters the call at the same time
+                out[i].append(step())
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(scripts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    errs = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+    assert not errs, errs
+    assert not errors, errors
+    return out
+
+
+def _arrays(x):
+    """Flatten results (arrays, tuples, protocol outputs) into a list of NumPy arrays."""
+    if x is None:
+        return []
+    if isinstance(x, np.ndarray):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [a for y in x for a in _arrays(y)]
+    if hasattr(x, "__dataclass_fields__"):
+        return [a for f in x.__dataclass_fields__ for a in _arrays(getattr(x, f))]
+    return [np.asarray(x)]
+
+
+def _assert_same(a, b):
+    fa, fb = _arrays(a), _arrays(b)
+    assert len(fa) == len(fb)
+    for x, y in zip(fa, fb):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert np.array_equal(x, y), "concurrent result differs from the sequential one"
+
+
+def _data(seed):
+    rng = np.random.default_rng(seed)
+    k = rng.standard_normal((B, H, S, D)).astype(np.float32)
+    v = rng.standard_normal((B, H, S, D)).astype(np.float32)
+    steps = [(rng.standard_normal((B, H, 1, D)).astype(np.float32),
+              rng.standard_normal((B, H, 1, D)).astype(np.float32),
+              rng.standard_normal((B, H * G, 1, D)).astype(np.float32)) for _ in range(STEPS)]
+    return k, v, steps
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threading_layer_is_safe():
+    check_threading_layer()
+
+
+@pytest.mark.parametrize("name", ["dense", "pqo3", "pqo-k4v3-head-eden", "tq3"])
+def test_layered_caches_concurrent_equals_sequential(name):
+    data = [_data(100 + i) for i in range(NL)]
+
+    def scripts(cache):
+        sc = []
+        for i in range(NL):
+            k, v, steps = data[i]
+            s = [lambda c=cache, i=i, k=k, v=v: c.prefill(i, k[:, :, : S // 2], v[:, :, : S // 2]),
+                 lambda c=cache, i=i, k=k, v=v: c.prefill(i, k[:, :, S // 2:], v[:, :, S // 2:])]
+            s += [lambda c=cache, i=i, st=st: c.decode(i, st[0], st[1], st[2], CFG) for st in steps]
+            sc.append(s)
+        return sc
+
+    seq = make_cache(name, num_layers=NL, num_kv_heads=H, head_dim=D)
+    par = make_cache(name, num_layers=NL, num_kv_heads=H, head_dim=D)
+    want = _run(scripts(seq), concurrent=False)
+    got = _run(scripts(par), concurrent=True)
+    for i in range(NL):
+        for a, b in zip(got[i], want[i]):
+            _assert_same(a, b)
+        _assert_same(par.live_arrays(i), seq.live_arrays(i))
+        assert par.seq_len(i) == seq.seq_len(i) == S + STEPS
+    assert par.memory_usage() == seq.memory_usage()
+
+
+@pytest.mark.parametrize("storage", ["float32", "pqo3"])
+def test_paged_concurrent_equals_sequential(storage):
+    data = [_data(200 + i) for i in range(NL)]
+
+    def build():
+        c = PagedKVCache(num_pages=NL * B * (S + STEPS) // 16 + 4 * NL * B, num_layers=NL, num_kv_heads=H,
+                         head_dim=D, storage=storage)
+        return c, [c.allocate_sequence() for _ in range(B)]
+
+    def scripts(c, sids):
+        sc = []
+        for i in range(NL):
+            k, v, steps = data[i]
+            s = [lambda c=c, i=i, k=k, v=v, b=b: c.append(i, sids[b], k[b], v[b]) for b in range(B)]
+            for st in steps:
+                s += [lambda c=c, i=i, st=st, b=b: c.append(i, sids[b], st[0][b], st[1][b]) for b in range(B)]
+                s.append(lambda c=c, i=i, st=st: c.decode_attention(i, st[2], sids, softmax_scale=D ** -0.5))
+            s.append(lambda c=c, i=i: [c.get_kv(i, sid) for sid in sids])
+            sc.append(s)
+        return sc
+
+    seq, s_ids = build()
+    par, p_ids = build()
+    want = _run(scripts(seq, s_ids), concurrent=False)
+    got = _run(scripts(par, p_ids), concurrent=True)
+    for i in range(NL):
+        for a, b in zip(got[i][-1], want[i][-1]):  # the stored history, page order aside
+            _assert_same(a, b)
+        for j in range(len(got[i]) - 1):
+            _assert_same(got[i][j], want[i][j])
+    assert par.memory_usage() == seq.memory_usage()
+
+
+def test_mla_concurrent_equals_sequential():
+    heads, rank, rope, nope, dv, n = 4, 128, 32, 64, 64, 8192
+    rng = np.random.default_rng(7)
+    w_uk = rng.standard_normal((NL, heads, rank, nope)).astype(np.float32) / np.sqrt(rank)
+    w_uv = rng.standard_normal((NL, heads, rank, dv)).astype(np.float32) / np.sqrt(rank)
+    lat = [rng.standard_normal((n, rank + rope)).astype(np.float32) for _ in range(NL)]
+    qs = [(rng.standard_normal((heads, 1, nope)).astype(np.float32),
+           rng.standard_normal((heads, 1, rope)).astype(np.float32)) for _ in range(NL)]
+    # quantizing the latent pages (tokens · latent width) and reconstructing K and V
+    # (heads · tokens · rank · width) are far above the threshold
+    thr = _config.get("cpu_parallel_min_work")
+    assert n * (rank + rope) >= 4 * thr and heads * n * rank * nope >= 16 * thr
+
+    def build():
+        c = MLACache(num_pages=NL * n // 16 + 8, num_layers=NL, num_heads=heads, kv_lora_rank=rank,
+                     qk_rope_head_dim=rope, qk_nope_head_dim=nope, v_head_dim=dv, w_uk=w_uk, w_uv=w_uv,
+                     storage="pqo3")
+        return c, c.allocate_sequence()
+
+    def scripts(c, sid):
+        return [[lambda c=c, i=i: c.append_latent(i, sid, lat[i]),
+                 lambda c=c, i=i: c.get_kv(i, sid),
+                 lambda c=c, i=i: c.attend_absorbed(i, sid, qs[i][0], qs[i][1], 0.1)] for i in range(NL)]
+
+    seq, s0 = build()
+    par, p0 = build()
+    want = _run(scripts(seq, s0), concurrent=False)
+    got = _run(scripts(par, p0), concurrent=True)
+    for i in range(NL):
+        for a, b in zip(got[i], want[i]):
+            _assert_same(a, b)
+    assert par.memory_usage() == seq.memory_usage()
+
+
+def _fresh_python(code, **env):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                          check=False, env={**os.environ, **env})
+
+
+def test_threading_layer_initialized_in_a_fresh_process():
+    r = _fresh_python("from numba_kv.info import threading_layer; print(threading_layer())")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() in ("omp", "tbb", "workqueue")  # never "uninitialized"
+
+
+def test_check_threading_layer_raises_under_workqueue():
+    r = _fresh_python("import numba_kv; numba_kv.check_threading_layer()", NUMBA_THREADING_LAYER="workqueue")
+    assert r.returncode != 0
+    assert "RuntimeError" in r.stderr and "workqueue" in r.stderr
