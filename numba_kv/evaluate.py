@@ -808,7 +808,7 @@ def render_table(result: EvalResult, console: Any = None) -> None:
     cols = ("cache", "bits/value", "KV B/token", "vs fp16", "PPL", "ΔPPL ± SE", "top-1 agree", "top-5 ovl",
             "KL mean", "KL median", "KL p99", "KL max", "gen match", "Paris", "decode tok/s")
     for col in cols:
-        table.add_column(col, justify="left" if col == "cache" else "right")
+        table.add_column(col, justify="left" if col == "cache" else "right", overflow="fold")
 
     def opt(x: Any, fmt: str) -> str:
         return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)

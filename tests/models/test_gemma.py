@@ -350,3 +350,19 @@ def test_gemma3_eval_and_generate_cli(gemma3, monkeypatch, capsys, tmp_path):
     assert cli.main(["generate", "--model", "gemma3-270m", "--max-new-tokens", "3", "--threads", "1",
                      "Question: What is the capital of France?\nAnswer:"]) == 0
     assert "Paris" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_gemma3_decode_past_the_window_matches_one_shot(gemma3):
+    """Decode steps that take local layers past their 512-token window (prefill path +
+    sliding mask) give the logits of a one-shot pass with the sliding mask in one chunk."""
+    model, tok = gemma3
+    ids = np.asarray(tok.encode(GPL3.read_text(encoding="utf-8"))[:530])
+    ref = model.forward(ids, model.new_cache(), logits="all", chunk_size=None)[500:]
+    got = sequence_logits(model, ids, model.new_cache(), 501, include_prefill=False)
+    assert_close(got, ref)
+    # the window matters at these positions: the same model with an unbounded window differs
+    glob = LlamaModel(dataclasses.replace(model.config, sliding_window=10**6),
+                      _tensors_with_norm_offset(model, 0.0))
+    other = glob.forward(ids, glob.new_cache(), logits="all", chunk_size=None)[-1]
+    assert np.abs(other - ref[-1]).max() > 1e-3 * np.abs(ref[-1]).max()
