@@ -431,7 +431,9 @@ class LlamaModel:
         start_pos : int
             Absolute position of ``tokens[0]`` (RoPE).
         use_decode : bool
-            ``True``: ``cache.decode``; ``False``: ``cache.prefill``.
+            ``True``: ``cache.decode``; ``False``: ``cache.prefill``.  A sliding-window
+            layer whose history would exceed its window uses ``cache.prefill`` (the
+            dequantized history) and the sliding mask in either case.
         logits : {"last", "all", "none"}
             Which rows of logits to compute.
 
