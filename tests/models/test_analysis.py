@@ -227,7 +227,10 @@ def test_scorer_is_compare_logits():
     tg = rng.integers(0, 50, 300)
     score = _Scorer(ref, tg)
     for other in (ref, ref + 0.3 * rng.standard_normal(ref.shape).astype(np.float32)):
-        assert score(other) == compare_logits(ref, other, tg)
+        got, want = score(other), compare_logits(ref, other, tg)
+        # the scorer returns the ppl / top-1 / KL mean, p95, max subset of compare_logits, bit-identical
+        assert set(got) == {"ppl", "ppl_ref", "top1_agreement", "kl_mean", "kl_p95", "kl_max"}
+        assert got == {k: want[k] for k in got}
     assert score(ref)["kl_mean"] == 0.0
     with pytest.raises(ValueError):
         score(ref[:10])

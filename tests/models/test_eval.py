@@ -137,6 +137,62 @@ def test_compare_logits_identical_and_known_values():
         compare_logits(ref, cur[:2], np.array([0, 1, 2]))
 
 
+def _direct_stats(ref, cur, tgt, k=5):
+    """The llama.cpp --kl-divergence statistics, computed row by row in plain NumPy."""
+    n = ref.shape[0]
+    kl, d, ovl, same = [], [], [], []
+    for i in range(n):
+        pr = np.exp(ref[i] - ref[i].max())
+        pr /= pr.sum()
+        pc = np.exp(cur[i] - cur[i].max())
+        pc /= pc.sum()
+        kl.append(float(np.sum(pr * np.log(pr / pc))))
+        d.append(float(np.log(pr[tgt[i]]) - np.log(pc[tgt[i]])))   # nll_cache - nll_ref
+        top_r = sorted(range(ref.shape[1]), key=lambda j: (-ref[i, j], j))[:k]
+        top_c = sorted(range(cur.shape[1]), key=lambda j: (-cur[i, j], j))[:k]
+        ovl.append(len(set(top_r) & set(top_c)) / k)
+        same.append(top_r[0] == top_c[0])
+    kl, d = np.array(kl), np.array(d)
+    ratio = math.exp(d.mean())
+    return {
+        "kl_mean": kl.mean(), "kl_median": np.median(kl), "kl_p99": np.percentile(kl, 99), "kl_max": kl.max(),
+        "kl_mean_se": kl.std(ddof=1) / math.sqrt(n), "top1_agreement": np.mean(same),
+        "top1_se": math.sqrt(np.mean(same) * (1 - np.mean(same)) / n), "top5_overlap": np.mean(ovl),
+        "ppl_change_pct": 100 * (ratio - 1), "ppl_change_pct_se": 100 * ratio * d.std(ddof=1) / math.sqrt(n),
+    }
+
+
+def test_compare_logits_kl_statistics_match_direct_computation():
+    """Mean / median / p99 / max KL, top-1 and top-5 agreement and the ppl change with its
+    standard error on small fixed logits, against a row-by-row NumPy computation."""
+    rng = np.random.default_rng(7)
+    ref = rng.standard_normal((37, 11)) * 2.0
+    cur = ref + rng.standard_normal((37, 11)) * np.linspace(0.05, 1.5, 37)[:, None]
+    cur[3] = ref[3]                       # identical row: KL 0, full overlap
+    cur[5, :] = ref[5, ::-1]              # reversed row: low overlap
+    ref[9, :6] = 4.0                      # tie at the top: broken by token id in both
+    cur[9, :6] = 4.0
+    tgt = rng.integers(0, 11, 37)
+    ref, cur = ref.astype(np.float32), cur.astype(np.float32)
+    got = compare_logits(ref, cur, tgt, chunk=5)
+    want = _direct_stats(ref.astype(np.float64), cur.astype(np.float64), tgt)
+    for key, val in want.items():
+        assert got[key] == pytest.approx(val, rel=1e-6, abs=1e-9), key
+    assert got["kl_median"] <= got["kl_p99"] <= got["kl_max"] and 0.0 < got["top5_overlap"] < 1.0
+    # a hand-checkable case: two rows, cache = reference + a shift of the target logit
+    ref = np.zeros((2, 4))
+    cur = np.zeros((2, 4))
+    cur[0, 0] = math.log(2.0)            # p_cache(target 0) = 2/5 vs 1/4: d_0 = log(1/4) - log(2/5)
+    m = compare_logits(ref, cur, np.array([0, 1]))
+    d = np.array([math.log(0.25) - math.log(0.4), 0.0])
+    assert m["ppl_change_pct"] == pytest.approx(100 * (math.exp(d.mean()) - 1))
+    se_d = abs(d[0]) / math.sqrt(2) / math.sqrt(2)  # std(ddof=1) of {d0, 0} is |d0|/sqrt(2); / sqrt(n)
+    assert m["ppl_change_pct_se"] == pytest.approx(100 * math.exp(d.mean()) * se_d)
+    assert m["top1_agreement"] == 1.0 and m["top5_overlap"] == pytest.approx(1.0)  # k clipped to vocab 4
+    one = compare_logits(ref[:1], cur[:1], np.array([0]))
+    assert math.isnan(one["ppl_change_pct_se"]) and math.isnan(one["kl_mean_se"])
+
+
 def test_numba_threads_restores():
     import numba
 
@@ -213,7 +269,8 @@ ROW_TYPES = {
     "cache": str, "name": str, "options": dict, "ppl": float, "ppl_change_pct": float, "top1_agreement": float,
     "kl_mean": float, "kl_p95": float, "kl_max": float, "gen_match": float, "paris": bool, "kv_tokens": int,
     "kv_bytes": int, "kv_bytes_per_token": float, "bits_per_value": float, "ratio_vs_fp16": float,
-    "decode_tokens_per_s": float, "wall_s": float, "generations": list,
+    "decode_tokens_per_s": float, "wall_s": float, "generations": list, "ppl_change_se": float,
+    "kl_median": float, "kl_p99": float, "kl_mean_se": float, "top1_se": float, "top5_overlap": float,
 }
 CONFIG_TYPES = {
     "model": str, "model_name": str, "text": str, "text_sha256": str, "text_tokens": int, "tokens": int,
@@ -239,6 +296,8 @@ def test_eval_smoke_values(result):
     assert all(len(g["new_ids"]) == 4 for g in pq.generations)
     assert pq.decode_tokens_per_s > 0
     assert result.config["scored_positions"] == 48 - 16 - 1
+    assert dense.ppl_change_se == 0.0 and dense.kl_p99 == 0.0 and dense.top5_overlap == 1.0
+    assert pq.ppl_change_se > 0.0 and pq.kl_median <= pq.kl_p99 <= pq.kl_max and 0.0 < pq.top5_overlap <= 1.0
 
 
 @pytest.mark.slow

@@ -50,7 +50,7 @@ def test_bos_eos_flags(tiny):
 
 
 def test_unsupported_metadata():
-    meta = {"ggml.model": "llama", "ggml.tokens": ["a"], "ggml.merges": []}
+    meta = {"ggml.model": "bert", "ggml.tokens": ["a"], "ggml.merges": []}  # ("llama" = SentencePiece)
     with pytest.raises(ValueError, match="ggml.model"):
         GGUFTokenizer(meta)
     meta = {"ggml.model": "gpt2", "ggml.tokens": ["a"], "ggml.merges": [], "ggml.pre": "klingon"}
