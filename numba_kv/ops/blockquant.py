@@ -37,7 +37,7 @@ from numba import cuda, float32, int64, prange, uint8
 from .. import _backend
 from .._jit import cpu_call, cpu_kernel, cuda_kernel, twin
 from ._registry import register
-from .codebook import Codebook, get_codebook
+from .codebook import Codebook, _bucketize, _bucketize_select, get_codebook
 from .half import F16_MAX, _f16_bits_abs_to_f32, _f32_to_f16_bits
 from .hadamard import SIGNS32, _rotate32_forward_lanes, _rotate32_inverse_lanes
 
@@ -124,25 +124,9 @@ def _quantize_lanes(x, q0, nl, signs, bounds, centroids, l2, unbiased, ref, flag
     # idx = #{i : y > t_i}, counted boundary by boundary over the whole tile (unbiased:
     # cv = centroids[idx] alongside, by selection — ascending boundaries, so the last hit wins)
     if unbiased:
-        c0 = centroids[0]
-        for m in range(S):
-            ib[m] = 0
-            cv[m] = c0
-        for i in range(bounds.shape[0]):
-            bi = bounds[i]
-            ci = centroids[i + 1]
-            for m in range(S):
-                if t[m] > bi:
-                    ib[m] += 1
-                    cv[m] = ci
+        _bucketize_select(t, S, bounds, centroids, ib, cv)
     else:
-        for m in range(S):
-            ib[m] = 0
-        for i in range(bounds.shape[0]):
-            bi = bounds[i]
-            for m in range(S):
-                if t[m] > bi:
-                    ib[m] += 1
+        _bucketize(t, S, bounds, ib)
     if unbiased:
         # EDEN rescale: scale *= ‖y‖² / ⟨y, c⟩, float32 sums over j = 0..31 in order
         D = S + L

@@ -54,7 +54,7 @@ from numba import cuda, float32, int64, prange, uint8
 from .. import _backend
 from .._jit import cpu_call, cpu_kernel, cuda_kernel, twin
 from ._registry import register
-from .codebook import Codebook, get_codebook
+from .codebook import Codebook, _bucketize, get_codebook
 from .half import _f16_bits_abs_to_f32, _f32_to_f16_bits
 from .hadamard import SIGNS32
 
@@ -273,13 +273,7 @@ def _quantize_head_lanes(x, v0, nl, d, signs, bounds, centroids, unbiased, bits,
         for l in range(L):
             tj[l] = np.divide(tj[l], tn[l])
     _rotate_head_forward_lanes(t, d, L, signs)
-    for m in range(S):
-        ib[m] = 0
-    for i in range(bounds.shape[0]):
-        bi = bounds[i]
-        for m in range(S):
-            if t[m] > bi:
-                ib[m] += 1
+    _bucketize(t, S, bounds, ib)
     if unbiased:
         tyy = t[S + L:S + 2 * L]
         tyc = t[S + 2 * L:S + 3 * L]
