@@ -1,8 +1,12 @@
 """Quantize / dequantize throughput: numba_kv vs the NumPy oracle vs FAISS ``HR,SQtqmse``.
 
 d = 128, 2^20 vectors, NumPy float32 in -> packed codes out, on the threads Numba has
-(``make bench`` sets NUMBA_NUM_THREADS=2).  Ours, the NumPy reference and FAISS sit in
-the same group of the same run, so ratios are measured, not assembled.
+(``make bench`` sets NUMBA_NUM_THREADS=2, and runs the suite twice: native code generation
+and AVX2-only code generation).  Ours — the block quantizer (``quantize_blocks``) and the
+whole-head quantizer (``quantize_head``) —, the NumPy reference and FAISS sit in the same
+group of the same run, so ratios are measured, not assembled.  Every test records
+``M_vectors_per_s`` in ``extra_info``; the machine and code-generation target are in the
+JSON's ``machine_info`` (``numba_kv_provenance``).
 """
 
 import numpy as np
@@ -11,6 +15,7 @@ import pytest
 from numba_kv import reference
 from numba_kv.ops.blockquant import dequantize_blocks, quantize_blocks
 from numba_kv.ops.codebook import get_codebook
+from numba_kv.ops.headquant import dequantize_head, quantize_head
 
 from ._util import env_info, rate
 
@@ -33,6 +38,27 @@ def test_dequantize_numba_kv(benchmark, vectors_1m, bits):
     codes, scales = quantize_blocks(vectors_1m, bits)
     env_info(benchmark, len(vectors_1m))
     out = benchmark.pedantic(dequantize_blocks, args=(codes, scales, bits), rounds=5, warmup_rounds=1)
+    assert out.shape == vectors_1m.shape
+    rate(benchmark, len(vectors_1m))
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_quantize_head_numba_kv(benchmark, vectors_1m, bits):
+    """Whole-head rotation quantizer (one 128-point rotation and one norm per vector)."""
+    benchmark.group = f"quantize-d128-b{bits}"
+    quantize_head(vectors_1m[:256], bits)
+    env_info(benchmark, len(vectors_1m))
+    codes, _ = benchmark.pedantic(quantize_head, args=(vectors_1m, bits), rounds=5, warmup_rounds=1)
+    assert codes.shape == (len(vectors_1m), 16 * bits)
+    rate(benchmark, len(vectors_1m))
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_dequantize_head_numba_kv(benchmark, vectors_1m, bits):
+    benchmark.group = f"dequantize-d128-b{bits}"
+    codes, norms = quantize_head(vectors_1m, bits)
+    env_info(benchmark, len(vectors_1m))
+    out = benchmark.pedantic(dequantize_head, args=(codes, norms, bits), rounds=5, warmup_rounds=1)
     assert out.shape == vectors_1m.shape
     rate(benchmark, len(vectors_1m))
 

@@ -32,14 +32,14 @@ import math
 from typing import Any, Optional, Tuple
 
 import numpy as np
-from numba import cuda, float32, int64, prange, uint8
+from numba import cuda, float32, int64, prange, uint8, uint16
 
 from .. import _backend
 from .._jit import cpu_call, cpu_kernel, cuda_kernel, twin
 from ._registry import register
-from .codebook import Codebook, get_codebook
-from .half import F16_MAX, _f16_bits_abs_to_f32, _f32_to_f16_bits
+from .codebook import Codebook, _bucketize, _bucketize_select, get_codebook
 from .hadamard import SIGNS32, _rotate32_forward_lanes, _rotate32_inverse_lanes
+from .half import _f16_bits_abs_to_f32, _f32_to_f16_bits
 
 NORM_MODES = ("maxnorm", "l2")
 
@@ -54,7 +54,8 @@ NORM_MODES = ("maxnorm", "l2")
 # ``t`` float32[35*L] (row 32 holds the lane scales, rows 33/34 the unbiased mode's
 # ``⟨y, c⟩`` / ``‖y‖²``: one array, so LLVM can prove scale reads never alias value
 # writes; the dequantizer uses rows 0..32 only), ``ib`` uint8[32*L] (indices; quantizer
-# only), ``w`` int64[4*L] (the ``8*bits``-bit packed word of each group of 8 indices),
+# only), ``w`` int64[5*L] (the ``8*bits``-bit packed word of each group of 8 indices, and a
+# fifth row for the binary16 scale bits, converted for all lanes in one branch-free loop),
 # ``cv`` float32[32*L] (unbiased quantizer only: the chosen centroid values, selected
 # while bucketizing; a gather ``centroids[ib]`` made the unbiased pass ~1.6x as costly on
 # the CPU).  Blocks are read and written through per-block views indexed from 0 (no
@@ -124,25 +125,9 @@ def _quantize_lanes(x, q0, nl, signs, bounds, centroids, l2, unbiased, ref, flag
     # idx = #{i : y > t_i}, counted boundary by boundary over the whole tile (unbiased:
     # cv = centroids[idx] alongside, by selection — ascending boundaries, so the last hit wins)
     if unbiased:
-        c0 = centroids[0]
-        for m in range(S):
-            ib[m] = 0
-            cv[m] = c0
-        for i in range(bounds.shape[0]):
-            bi = bounds[i]
-            ci = centroids[i + 1]
-            for m in range(S):
-                if t[m] > bi:
-                    ib[m] += 1
-                    cv[m] = ci
+        _bucketize_select(t, S, bounds, centroids, ib, cv)
     else:
-        for m in range(S):
-            ib[m] = 0
-        for i in range(bounds.shape[0]):
-            bi = bounds[i]
-            for m in range(S):
-                if t[m] > bi:
-                    ib[m] += 1
+        _bucketize(t, S, bounds, ib)
     if unbiased:
         # EDEN rescale: scale *= ‖y‖² / ⟨y, c⟩, float32 sums over j = 0..31 in order
         D = S + L
@@ -166,6 +151,9 @@ def _quantize_lanes(x, q0, nl, signs, bounds, centroids, l2, unbiased, ref, flag
             for k in range(8):
                 wl |= int64(ib[(g * 8 + k) * L + l]) << (bits * k)
             w[g * L + l] = wl
+    # binary16 scale bits of every lane in one branch-free (vectorizable) loop: w[4L + l]
+    for l in range(L):
+        w[4 * L + l] = int64(_f32_to_f16_bits(flag * min(t[S + l], float32(65504.0))))
     r, s, b = r0, s0, b0
     for l in range(nl):
         cb = codes[r, t0 + s, b * 4 * bits:(b + 1) * 4 * bits]
@@ -173,7 +161,7 @@ def _quantize_lanes(x, q0, nl, signs, bounds, centroids, l2, unbiased, ref, flag
             wl = w[g * L + l]
             for jb in range(bits):
                 cb[g * bits + jb] = uint8((wl >> (8 * jb)) & 0xFF)
-        scales[r, t0 + s, b] = _f32_to_f16_bits(flag * min(t[S + l], float32(65504.0)))
+        scales[r, t0 + s, b] = uint16(w[4 * L + l])
         r, s, b = _next_block(r, s, b, seq, nb)
 
 
@@ -194,8 +182,11 @@ def _dequantize_lanes(codes, scales, q0, nl, signs, centroids, bits, t0, out, L,
             for jb in range(bits):
                 wl |= int64(cb[g * bits + jb]) << (8 * jb)
             w[g * L + l] = wl
-        t[S + l] = _f16_bits_abs_to_f32(scales[r, t0 + s, b])
+        w[4 * L + l] = int64(scales[r, t0 + s, b])
         r, s, b = _next_block(r, s, b, seq, nb)
+    # the scales of every lane in one branch-free (vectorizable) loop (lanes >= nl: junk, unused)
+    for l in range(L):
+        t[S + l] = _f16_bits_abs_to_f32(w[4 * L + l])
     mask = (int64(1) << bits) - 1
     for g in range(4):
         for l in range(L):
@@ -228,7 +219,7 @@ def _quantize_cpu(x, signs, bounds, centroids, l2, unbiased, ref, flag, bits, t0
     for c in prange((ntiles + _TILES - 1) // _TILES):
         t = np.zeros(35 * _LANES, dtype=np.float32)
         ib = np.zeros(32 * _LANES, dtype=np.uint8)
-        w = np.zeros(4 * _LANES, dtype=np.int64)
+        w = np.zeros(5 * _LANES, dtype=np.int64)
         cv = np.zeros(32 * _LANES if unbiased else 0, dtype=np.float32)
         for tile in range(c * _TILES, min(ntiles, (c + 1) * _TILES)):
             q0 = tile * _LANES
@@ -243,7 +234,7 @@ def _dequantize_cpu(codes, scales, signs, centroids, bits, t0, out):
     ntiles = (nq + _LANES - 1) // _LANES
     for c in prange((ntiles + _TILES - 1) // _TILES):
         t = np.zeros(33 * _LANES, dtype=np.float32)
-        w = np.zeros(4 * _LANES, dtype=np.int64)
+        w = np.zeros(5 * _LANES, dtype=np.int64)
         for tile in range(c * _TILES, min(ntiles, (c + 1) * _TILES)):
             q0 = tile * _LANES
             dequantize_lanes_cpu(codes, scales, q0, min(_LANES, nq - q0), signs, centroids, bits, t0, out,
@@ -256,7 +247,7 @@ def _quantize_cuda(x, signs, bounds, centroids, l2, unbiased, ref, flag, bits, t
     rows, seq, d = x.shape
     t = cuda.local.array(35, dtype=float32)
     ib = cuda.local.array(32, dtype=uint8)
-    w = cuda.local.array(4, dtype=int64)
+    w = cuda.local.array(5, dtype=int64)
     cv = cuda.local.array(32, dtype=float32)
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
@@ -269,7 +260,7 @@ def _quantize_cuda(x, signs, bounds, centroids, l2, unbiased, ref, flag, bits, t
 def _dequantize_cuda(codes, scales, signs, centroids, bits, t0, out):
     rows, seq, d = out.shape
     t = cuda.local.array(33, dtype=float32)
-    w = cuda.local.array(4, dtype=int64)
+    w = cuda.local.array(5, dtype=int64)
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
     for q in range(start, rows * seq * (d // 32), stride):

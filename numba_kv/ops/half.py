@@ -9,7 +9,8 @@ exact float32 operations — no ``frexp``/``ldexp``/``floor`` library calls — 
 cheap inside the quantizer's per-block loops:
 
 * the binade ``2**e <= a < 2**(e+1)`` is found by a 5-step binary search over powers
-  of two (products of powers of two are exact);
+  of two (products of powers of two are exact), written with selects, not branches, so
+  per-lane loops that convert many values stay vectorizable on AVX2 and AVX-512 alike;
 * ``(a + K) - K`` with ``K = 2**(e+13)`` rounds ``a`` to a multiple of ``2**(e-10)``
   (binary16 spacing in that binade) with the hardware's round-to-nearest-even, because
   ``a + K`` lies in ``[2**(e+13), 2**(e+14))`` whose float32 spacing is ``2**(e-10)``;
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import math
 
-from numba import float32, int64, uint16
+from numba import float32, int32, uint16
 
 from .._jit import twin
 
@@ -28,70 +29,74 @@ F16_MAX = 65504.0  # largest finite binary16
 
 
 def _f32_to_f16_bits(v):
-    """binary16 bit pattern (uint16) of float32 ``v``; |v| must be <= F16_MAX."""
-    sign = int64(0)
+    """binary16 bit pattern (uint16) of float32 ``v``; |v| must be <= F16_MAX.
+
+    Branch-free (selects only, int32 conversions): the CPU twins call it in per-lane loops,
+    where a data-dependent branch per value would be mispredicted and would keep the loop
+    scalar on targets without AVX-512 masking; ``float -> int64`` has no AVX2 instruction,
+    ``float -> int32`` has.
+    """
     a = float32(v)
-    if math.copysign(float32(1.0), a) < float32(0.0):  # also catches -0.0
-        sign = int64(0x8000)
-        a = -a
-    if a < float32(6.103515625e-05):  # below 2**-14: subnormal (or zero), spacing 2**-24
-        r = (a + float32(0.5)) - float32(0.5)
-        # r / 2**-24 in 0..1024; 1024 is the smallest normal 0x0400, as it should be
-        return uint16(sign | int64(r * float32(16777216.0)))
-    p = float32(6.103515625e-05)  # becomes 2**e, the largest power of two <= a
-    e = int64(-14)
-    if a >= p * float32(65536.0):
-        p = p * float32(65536.0)
-        e += 16
-    if a >= p * float32(256.0):
-        p = p * float32(256.0)
-        e += 8
-    if a >= p * float32(16.0):
-        p = p * float32(16.0)
-        e += 4
-    if a >= p * float32(4.0):
-        p = p * float32(4.0)
-        e += 2
-    if a >= p * float32(2.0):
-        p = p * float32(2.0)
-        e += 1
+    neg = math.copysign(float32(1.0), a) < float32(0.0)  # also catches -0.0
+    a = abs(a)
+    # p = 2**e, the largest power of two <= a, but at least 2**-14 (q = 1/p, also exact)
+    p = float32(6.103515625e-05)
+    q = float32(16384.0)
+    e = int32(-14)
+    c = a >= p * float32(65536.0)
+    p = p * float32(65536.0) if c else p
+    q = q * float32(1.52587890625e-05) if c else q
+    e += int32(c) * int32(16)
+    c = a >= p * float32(256.0)
+    p = p * float32(256.0) if c else p
+    q = q * float32(0.00390625) if c else q
+    e += int32(c) * int32(8)
+    c = a >= p * float32(16.0)
+    p = p * float32(16.0) if c else p
+    q = q * float32(0.0625) if c else q
+    e += int32(c) * int32(4)
+    c = a >= p * float32(4.0)
+    p = p * float32(4.0) if c else p
+    q = q * float32(0.25) if c else q
+    e += int32(c) * int32(2)
+    c = a >= p * float32(2.0)
+    p = p * float32(2.0) if c else p
+    q = q * float32(0.5) if c else q
+    e += int32(c)
     k = p * float32(8192.0)
-    r = (a + k) - k  # RNE to 11 significant bits; r / p in [1, 2]
-    m = int64((r / p) * float32(1024.0)) - 1024  # 0..1024
-    # a carry out of the mantissa (m == 1024) correctly bumps the exponent
-    return uint16(sign | (((e + 15) << 10) + m))
+    r = (a + k) - k  # RNE to 11 significant bits (below 2**-14: to a multiple of 2**-24)
+    # r·q = r / p in [1, 2] for normal a (m in 0..1024); below 2**-14, e = -14, k = 0.5 and
+    # r·q·1024 = r / 2**-24 in 0..1024, so ((e + 15) << 10) + m = r / 2**-24: the subnormal
+    # pattern (1024, the smallest normal 0x0400, included) from the same formula.  A carry
+    # out of the mantissa (m == 1024) correctly bumps the exponent.
+    m = int32((r * q) * float32(1024.0)) - int32(1024)
+    h = ((e + int32(15)) << int32(10)) + m
+    return uint16(h | (int32(0x8000) if neg else int32(0)))
 
 
 def _f16_bits_to_f32(h):
-    """float32 value of binary16 bit pattern ``h`` (finite patterns only)."""
-    hi = int64(h)
+    """float32 value of binary16 bit pattern ``h`` (finite patterns only); branch-free."""
+    hi = int32(h)
     ex = (hi >> 10) & 31
     mant = hi & 1023
-    if ex == 0:
-        val = float32(mant) * float32(5.9604644775390625e-08)  # mant * 2**-24
-    else:
-        # (mant + 1024) * 2**(ex - 25), the power built from the bits of ex - 1 (exact)
-        e1 = ex - 1
-        p = float32(5.9604644775390625e-08)
-        if e1 & 16:
-            p = p * float32(65536.0)
-        if e1 & 8:
-            p = p * float32(256.0)
-        if e1 & 4:
-            p = p * float32(16.0)
-        if e1 & 2:
-            p = p * float32(4.0)
-        if e1 & 1:
-            p = p * float32(2.0)
-        val = float32(mant + 1024) * p
-    if hi & 0x8000:
-        return -val
-    return val
+    # (mant + 1024) * 2**(ex - 25) for ex >= 1, mant * 2**-24 for ex == 0: both are
+    # (mant + 1024·[ex > 0]) * 2**(max(ex, 1) - 25), the power built from the bits of
+    # max(ex, 1) - 1 (products of powers of two: exact)
+    nrm = ex > 0
+    e1 = (ex if nrm else int32(1)) - int32(1)
+    p = float32(5.9604644775390625e-08)
+    p = p * float32(65536.0) if e1 & 16 else p
+    p = p * float32(256.0) if e1 & 8 else p
+    p = p * float32(16.0) if e1 & 4 else p
+    p = p * float32(4.0) if e1 & 2 else p
+    p = p * float32(2.0) if e1 & 1 else p
+    val = float32(mant + (int32(1024) if nrm else int32(0))) * p
+    return -val if hi & 0x8000 else val
 
 
 def _f16_bits_abs_to_f32(h):
     """float32 value of ``|binary16(h)|`` (the sign is the outlier flag, not the scale)."""
-    return _f16_bits_to_f32(int64(h) & 0x7FFF)
+    return _f16_bits_to_f32(int32(h) & 0x7FFF)
 
 
 f32_to_f16_bits_cpu, f32_to_f16_bits_dev = twin(_f32_to_f16_bits)

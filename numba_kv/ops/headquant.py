@@ -49,14 +49,14 @@ import math
 from typing import Any, Tuple
 
 import numpy as np
-from numba import cuda, float32, int64, prange, uint8
+from numba import cuda, float32, int64, prange, uint8, uint16
 
 from .. import _backend
 from .._jit import cpu_call, cpu_kernel, cuda_kernel, twin
 from ._registry import register
-from .codebook import Codebook, get_codebook
-from .half import _f16_bits_abs_to_f32, _f32_to_f16_bits
+from .codebook import Codebook, _bucketize, get_codebook
 from .hadamard import SIGNS32
+from .half import _f16_bits_abs_to_f32, _f32_to_f16_bits
 
 __all__ = ["HEAD_DIMS", "SIGN_SEED", "head_signs", "rotate_head", "quantize_head", "dequantize_head",
            "quantize_head_into", "dequantize_head_into", "head_codebook", "packed_dim", "bits_per_value"]
@@ -246,7 +246,8 @@ def _quantize_head_lanes(x, v0, nl, d, signs, bounds, centroids, unbiased, bits,
     into ``codes``/``norms``.
 
     Scratch: ``t`` float32[(d+3)*L] (rows ``d``, ``d+1``, ``d+2`` hold the lane norms,
-    ``‖y‖²`` and ``⟨y, c[idx]⟩``), ``ib`` uint8[d*L], ``w`` int64[(d//8)*L].  Rows of ``t``
+    ``‖y‖²`` and ``⟨y, c[idx]⟩``), ``ib`` uint8[d*L], ``w`` int64[(d//8+1)*L] (packed
+    words, then the binary16 norm bits).  Rows of ``t``
     are read and written through per-row views indexed from 0 (no wraparound checks).
     """
     seq = x.shape[1]
@@ -273,13 +274,7 @@ def _quantize_head_lanes(x, v0, nl, d, signs, bounds, centroids, unbiased, bits,
         for l in range(L):
             tj[l] = np.divide(tj[l], tn[l])
     _rotate_head_forward_lanes(t, d, L, signs)
-    for m in range(S):
-        ib[m] = 0
-    for i in range(bounds.shape[0]):
-        bi = bounds[i]
-        for m in range(S):
-            if t[m] > bi:
-                ib[m] += 1
+    _bucketize(t, S, bounds, ib)
     if unbiased:
         tyy = t[S + L:S + 2 * L]
         tyc = t[S + 2 * L:S + 3 * L]
@@ -306,6 +301,12 @@ def _quantize_head_lanes(x, v0, nl, d, signs, bounds, centroids, unbiased, bits,
             sh = bits * k
             for l in range(L):
                 wg[l] |= int64(ibk[l]) << sh
+    # binary16 norm bits of every lane in one branch-free (vectorizable) loop: w[G*L + l]
+    wn = w[G * L:(G + 1) * L]
+    for l in range(L):
+        a = tn[l]
+        a = a if a < float32(65504.0) else float32(65504.0)  # noqa: FURB136 - NaN -> 65504 too
+        wn[l] = int64(_f32_to_f16_bits(a))
     for l in range(nl):
         v = v0 + l
         r = v // seq
@@ -315,16 +316,14 @@ def _quantize_head_lanes(x, v0, nl, d, signs, bounds, centroids, unbiased, bits,
             wl = w[g * L + l]
             for jb in range(bits):
                 cb[g * bits + jb] = uint8((wl >> (8 * jb)) & 0xFF)
-        a = tn[l]
-        if not a < float32(65504.0):  # also maps inf / NaN to the largest finite binary16
-            a = float32(65504.0)
-        norms[r, t0 + s, 0] = _f32_to_f16_bits(a)
+        norms[r, t0 + s, 0] = uint16(wn[l])
 
 
 def _dequantize_head_lanes(codes, norms, v0, nl, d, signs, centroids, bits, t0, out, L, t, w):
     """Reconstruct flattened vectors ``v0 .. v0+nl-1`` of ``out`` (``nl <= L``, ``d = out.shape[2]``).
 
-    Scratch: ``t`` float32[(d+1)*L] (row ``d`` holds the lane norms), ``w`` int64[(d//8)*L].
+    Scratch: ``t`` float32[(d+1)*L] (row ``d`` holds the lane norms), ``w`` int64[(d//8+1)*L]
+    (packed words, then the binary16 norm bits).
     """
     seq = out.shape[1]
     S = d * L
@@ -339,7 +338,11 @@ def _dequantize_head_lanes(codes, norms, v0, nl, d, signs, centroids, bits, t0, 
             for jb in range(bits):
                 wl |= int64(cb[g * bits + jb]) << (8 * jb)
             w[g * L + l] = wl
-        t[S + l] = _f16_bits_abs_to_f32(norms[r, t0 + s, 0])
+        w[G * L + l] = int64(norms[r, t0 + s, 0])
+    # the norms of every lane in one branch-free (vectorizable) loop (lanes >= nl: junk, unused)
+    wn = w[G * L:(G + 1) * L]
+    for l in range(L):
+        t[S + l] = _f16_bits_abs_to_f32(wn[l])
     mask = (int64(1) << bits) - 1
     for g in range(G):
         wg = w[g * L:(g + 1) * L]
@@ -382,7 +385,7 @@ def _quantize_head_cpu(x, signs, bounds, centroids, unbiased, bits, t0, codes, n
     for c in prange((ntiles + _TILES - 1) // _TILES):
         t = np.zeros((d + 3) * _LANES, dtype=np.float32)
         ib = np.zeros(d * _LANES, dtype=np.uint8)
-        w = np.zeros((d // 8) * _LANES, dtype=np.int64)
+        w = np.zeros((d // 8 + 1) * _LANES, dtype=np.int64)
         for tile in range(c * _TILES, min(ntiles, (c + 1) * _TILES)):
             v0 = tile * _LANES
             quantize_head_lanes_cpu(x, v0, min(_LANES, nv - v0), d, signs, bounds, centroids, unbiased, bits,
@@ -396,7 +399,7 @@ def _dequantize_head_cpu(codes, norms, signs, centroids, bits, t0, out):
     ntiles = (nv + _LANES - 1) // _LANES
     for c in prange((ntiles + _TILES - 1) // _TILES):
         t = np.zeros((d + 1) * _LANES, dtype=np.float32)
-        w = np.zeros((d // 8) * _LANES, dtype=np.int64)
+        w = np.zeros((d // 8 + 1) * _LANES, dtype=np.int64)
         for tile in range(c * _TILES, min(ntiles, (c + 1) * _TILES)):
             v0 = tile * _LANES
             dequantize_head_lanes_cpu(codes, norms, v0, min(_LANES, nv - v0), d, signs, centroids, bits, t0,
@@ -419,7 +422,7 @@ def _quantize_head_cuda(x, signs, bounds, centroids, unbiased, bits, t0, codes, 
     rows, seq, d = x.shape
     t = cuda.local.array(515, dtype=float32)  # d values + norm, ‖y‖², ⟨y, c⟩
     ib = cuda.local.array(512, dtype=uint8)
-    w = cuda.local.array(64, dtype=int64)
+    w = cuda.local.array(65, dtype=int64)  # 64 packed words (d = 512) + the norm bits
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
     for v in range(start, rows * seq, stride):
@@ -431,7 +434,7 @@ def _quantize_head_cuda(x, signs, bounds, centroids, unbiased, bits, t0, codes, 
 def _dequantize_head_cuda(codes, norms, signs, centroids, bits, t0, out):
     rows, seq, d = out.shape
     t = cuda.local.array(513, dtype=float32)
-    w = cuda.local.array(64, dtype=int64)
+    w = cuda.local.array(65, dtype=int64)  # 64 packed words (d = 512) + the norm bits
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
     for v in range(start, rows * seq, stride):

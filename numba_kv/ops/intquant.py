@@ -63,8 +63,7 @@ def _kth_dev_abs(x, r, ch, k, center):
     for t in range(n):
         a = abs(abs(x[r, t, ch]) - center)
         hi = max(hi, a)
-        if a <= float32(0.0):
-            nz += 1
+        nz += int64(a <= float32(0.0))
     if nz >= k + 1:
         return float32(0.0)
     # invariant: count(a <= lo) <= k < count(a <= hi), so the answer is in (lo, hi]
@@ -75,8 +74,9 @@ def _kth_dev_abs(x, r, ch, k, center):
             break
         cnt = 0
         for t in range(n):
-            if abs(abs(x[r, t, ch]) - center) <= mid:
-                cnt += 1
+            # counted as an integer: near the answer the compare is a coin flip, a branch
+            # mispredicts about every other value
+            cnt += int64(abs(abs(x[r, t, ch]) - center) <= mid)
         if cnt >= k + 1:
             hi = mid
         else:
@@ -84,8 +84,7 @@ def _kth_dev_abs(x, r, ch, k, center):
     best = hi
     for t in range(n):
         a = abs(abs(x[r, t, ch]) - center)
-        if a > lo and a < best:
-            best = a
+        best = a if (a > lo) & (a < best) else best
     return best
 
 
@@ -119,9 +118,7 @@ def _quant_level(v, th, scale, lim):
     c = min(max(v, -th), th)
     y = c / scale
     q = min(int64(abs(y) + float32(0.5)), int64(lim))  # truncation of a value >= 0 is floor
-    if y < float32(0.0):
-        q = -q
-    return q
+    return -q if y < float32(0.0) else q
 
 
 def _quantize_group(x, thr, bits, group, r, ch, gi, scales, packed, counts):
@@ -135,10 +132,9 @@ def _quantize_group(x, thr, bits, group, r, ch, gi, scales, packed, counts):
     cnt = 0
     for t in range(t0, t1):
         a = abs(x[r, t, ch])
-        if a > th:
-            cnt += 1
-            a = th
-        amax = max(amax, a)
+        is_out = a > th
+        cnt += int64(is_out)
+        amax = max(amax, th if is_out else a)
     # a scale below the smallest normal float would divide by ~0: subnormal data rounds to 0
     scale = max(amax / float32(lim), _FLT_MIN) if amax > float32(0.0) else float32(1.0)
     scales[r, ch, gi] = scale
@@ -163,9 +159,9 @@ def _dequantize_group(packed, scales, bits, group, r, ch, gi, out):
     for t in range(t0, t1):
         b = int64(packed[r, ch, t]) if bits == 8 else int64(packed[r, ch, t // 2])
         if bits == 8:
-            q = b - 256 if b >= 128 else b
+            q = b - ((b >> 7) << 8)  # two's complement byte, branch-free
         else:
-            q = ((b >> 4) & 15) - 8 if (t & 1) == 1 else (b & 15) - 8
+            q = ((b >> ((t & 1) << 2)) & 15) - 8  # low nibble for even t, high for odd
         out[r, t, ch] = float32(q) * s
 
 

@@ -144,8 +144,7 @@ def _pack8(p, o):
     """Byte whose bit ``k`` is set iff ``p[o + k] >= 0`` (LSB-first)."""
     v = int64(0)
     for k in range(8):
-        if p[o + k] >= float32(0.0):
-            v |= int64(1) << k
+        v |= int64(p[o + k] >= float32(0.0)) << k  # the compare as a bit: no branch per sign
     return uint8(v)
 
 
@@ -160,9 +159,8 @@ def _norm_f16_bits(x):
 
 def _sign_pm(sb, j):
     """``+1`` if bit ``j`` of the packed sign row ``sb`` is set, else ``−1`` (float32)."""
-    if (int64(sb[j >> 3]) >> (j & 7)) & 1:
-        return float32(1.0)
-    return float32(-1.0)
+    # 2·bit − 1, branch-free (a branch per sign bit is a coin flip for the predictor)
+    return float32(((int64(sb[j >> 3]) >> (j & 7)) & 1) * 2 - 1)
 
 
 def _token_scale(cst, h):

@@ -64,9 +64,10 @@ def _vq_assign_cpu(x, codebooks, codes, dist):
                 for j in range(ds):
                     diff = x[r, t, o + j] - codebooks[g, k, j]
                     s += diff * diff
-                if s < best:
-                    best = s
-                    bk = k
+                # selects, not a branch: which codeword wins is data-dependent
+                lt = s < best
+                bk = k if lt else bk
+                best = s if lt else best
             codes[r, t, m] = uint8(bk)
             dist[r, t, m] = best
 
@@ -107,8 +108,8 @@ def _kmeanspp_update_cpu(x, centers, min_d2):
             for j in range(ds):
                 diff = x[r, t, m * ds + j] - centers[g, j]
                 s += diff * diff
-            if s < min_d2[r, t, m]:
-                min_d2[r, t, m] = s
+            cur = min_d2[r, t, m]
+            min_d2[r, t, m] = s if s < cur else cur  # a select and a plain store, no branch
 
 
 @cpu_kernel
