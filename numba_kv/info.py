@@ -8,7 +8,8 @@ numbers.
 AVX2 code generation on any x86-64 host: ``NUMBA_CPU_NAME=haswell`` alone is not enough,
 because Numba takes the *features* from the host unless ``NUMBA_CPU_FEATURES`` is set (on
 an AVX-512 host the "haswell" code would still use AVX-512).  ``python -m numba_kv.info
---avx2-env`` prints the two variables that give true AVX2 code (:data:`AVX2_FEATURES`).
+--avx2-env`` prints the variables that give true AVX2 code (:data:`AVX2_FEATURES`), plus
+``OPENBLAS_CORETYPE=Haswell`` so NumPy's BLAS runs its AVX2 kernels too.
 """
 
 from __future__ import annotations
@@ -232,12 +233,15 @@ def collect() -> Dict[str, str]:
 def main(argv=None) -> None:
     """Print :func:`collect` as aligned ``key: value`` lines.
 
-    ``--avx2-env`` prints instead the environment assignments for AVX2 code generation
-    (``NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=...``), for ``env $(...) command``.
+    ``--avx2-env`` prints instead the environment assignments that make this process behave
+    like an AVX2 machine (``OPENBLAS_CORETYPE=Haswell NUMBA_CPU_NAME=haswell
+    NUMBA_CPU_FEATURES=...``), for ``env $(...) command``.
     """
     args = sys.argv[1:] if argv is None else argv
     if "--avx2-env" in args:
-        sys.stdout.write(f"NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES={AVX2_FEATURES}\n")
+        # OpenBLAS picks its kernels at run time from the host: without OPENBLAS_CORETYPE the
+        # NumPy baselines (and any np.dot inside a kernel) would still run AVX-512 code
+        sys.stdout.write(f"OPENBLAS_CORETYPE=Haswell NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES={AVX2_FEATURES}\n")
         return
     info = collect()
     width = max(map(len, info))
