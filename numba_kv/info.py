@@ -168,6 +168,7 @@ def provenance() -> Dict[str, str]:
         "numba_threads": str(numba.get_num_threads()),
         "threading_layer": threading_layer(),
         "blas_threads": blas_threads(),
+        "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE", "host"),
         "numba_kv": __version__,
         "python": sys.version.split()[0],
         "numpy": np.__version__,
@@ -182,7 +183,8 @@ def provenance_line(info: Dict[str, str] | None = None) -> str:
     p = info or provenance()
     return (f"{p['cpu_model']} (LLVM host {p['llvm_host_cpu']}), codegen {p['codegen_target']}"
             f" [AVX-512 in code: {p['avx512_in_codegen']}], Numba threads {p['numba_threads']}"
-            f" ({p['threading_layer']}), BLAS threads {p['blas_threads']}, numba {p['numba']}")
+            f" ({p['threading_layer']}), BLAS threads {p['blas_threads']} (OpenBLAS core"
+            f" {p.get('openblas_coretype', 'host')}), numba {p['numba']}")
 
 
 def collect() -> Dict[str, str]:
