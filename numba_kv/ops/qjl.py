@@ -46,7 +46,7 @@ import math
 from typing import Any, Optional, Tuple
 
 import numpy as np
-from numba import cuda, float32, int64, prange, uint8
+from numba import cuda, float32, int32, int64, prange, uint8
 
 from .. import _backend
 from .._jit import cpu_call, cpu_kernel, cuda_kernel, twin
@@ -159,8 +159,10 @@ def _norm_f16_bits(x):
 
 def _sign_pm(sb, j):
     """``+1`` if bit ``j`` of the packed sign row ``sb`` is set, else ``−1`` (float32)."""
-    # 2·bit − 1, branch-free (a branch per sign bit is a coin flip for the predictor)
-    return float32(((int64(sb[j >> 3]) >> (j & 7)) & 1) * 2 - 1)
+    # 2·bit − 1 in float32, branch-free (a branch per sign bit is a coin flip for the
+    # predictor); the bit goes through int32, whose conversion to float AVX2 has
+    bit = int32((int64(sb[j >> 3]) >> (j & 7)) & 1)
+    return float32(bit) * float32(2.0) - float32(1.0)
 
 
 def _token_scale(cst, h):

@@ -64,10 +64,9 @@ def _vq_assign_cpu(x, codebooks, codes, dist):
                 for j in range(ds):
                     diff = x[r, t, o + j] - codebooks[g, k, j]
                     s += diff * diff
-                # selects, not a branch: which codeword wins is data-dependent
-                lt = s < best
-                bk = k if lt else bk
-                best = s if lt else best
+                if s < best:
+                    best = s
+                    bk = k
             codes[r, t, m] = uint8(bk)
             dist[r, t, m] = best
 
@@ -108,8 +107,8 @@ def _kmeanspp_update_cpu(x, centers, min_d2):
             for j in range(ds):
                 diff = x[r, t, m * ds + j] - centers[g, j]
                 s += diff * diff
-            cur = min_d2[r, t, m]
-            min_d2[r, t, m] = s if s < cur else cur  # a select and a plain store, no branch
+            if s < min_d2[r, t, m]:
+                min_d2[r, t, m] = s
 
 
 @cpu_kernel
