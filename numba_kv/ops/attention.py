@@ -669,7 +669,7 @@ def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales
     >>> decode_attention(q, kc, ks, vc, vs).shape
     (1, 4, 1, 64)
     """
-    from .._validate import check_finite, check_float_array, check_shape  # noqa: PLC0415
+    from .._validate import check_finite, check_float_array, check_rotation_input, check_shape  # noqa: PLC0415
 
     dev = _backend.resolve_device(backend, q=q, k_codes=k_codes, k_scales=k_scales, v_codes=v_codes,
                                   v_scales=v_scales, logit_bias=logit_bias, k_exact=k_exact, v_exact=v_exact,
@@ -731,7 +731,7 @@ def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales
                          f"{exact_positions.dtype} {tuple(exact_positions.shape)}")
     if softmax_scale is None:
         softmax_scale = d ** -0.5
-    check_finite("q", q)
+    check_rotation_input("q", q, d if head else 32)  # finite, and its rotation fits float32
     g = b * hkv
     rows = (hq // hkv) * ql
     q3 = _backend.ascontiguous_f32("q", q).reshape(g, rows, d)

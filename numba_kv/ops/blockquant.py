@@ -380,7 +380,7 @@ def quantize_blocks(x: Any, bits: int = 3, norm_mode: str = "maxnorm", outlier: 
     >>> codes.shape, scales.shape
     ((2, 24), (2, 2))
     """
-    from .._validate import check_finite, check_float_array  # noqa: PLC0415
+    from .._validate import check_f16_result, check_finite, check_float_array  # noqa: PLC0415
 
     cb = _codebook_arg(bits, norm_mode, codebook)
     dev = _backend.resolve_device(backend, x=x)
@@ -395,6 +395,8 @@ def quantize_blocks(x: Any, bits: int = 3, norm_mode: str = "maxnorm", outlier: 
     codes = _backend.empty(x, (1, n, packed_dim(d, cb.bits)), np.uint8)
     scales = _backend.empty(x, (1, n, d // 32), np.uint16)
     quantize_into(x3, codes, scales, 0, cb, bool(outlier), bool(unbiased))
+    # a binary16 scale that reached 65504 saturated: x is out of range for this format
+    check_f16_result("x", scales)
     del dev
     return codes.reshape(shape[:-1] + (packed_dim(d, cb.bits),)), scales.reshape(shape[:-1] + (d // 32,))
 

@@ -188,6 +188,9 @@ def rotate32(x: Any, inverse: bool = False, *, signs: Any = None, backend: str =
         raise ValueError(f"x: expected a last axis that is a positive multiple of 32, got shape {shape}")
     if tuple(signs.shape) != (32,):
         raise ValueError(f"signs: expected shape (32,), got {tuple(signs.shape)}")
+    from .._validate import check_rotation_input  # noqa: PLC0415 - _validate imports ops.finite
+
+    check_rotation_input("x", x, 32)  # finite, and no rotated value beyond float32
     x2 = _backend.ascontiguous_f32("x", x).reshape(-1, shape[-1])
     out = _backend.empty(x, x2.shape, np.float32)
     if x2.shape[0]:

@@ -524,12 +524,13 @@ def rotate_head(x: Any, inverse: bool = False, *, backend: str = "auto") -> Any:
     >>> bool(np.allclose(rotate_head(rotate_head(x), inverse=True), x, atol=1e-6))
     True
     """
-    from .._validate import check_float_array  # noqa: PLC0415
+    from .._validate import check_float_array, check_rotation_input  # noqa: PLC0415
 
     dev = _backend.resolve_device(backend, x=x)
     check_float_array("x", x)
     shape = tuple(x.shape)  # a tuple: the simulator's shapes reject negative indices
     d = _last_axis_head_dim("x", shape)
+    check_rotation_input("x", x, d)  # finite, and no rotated value beyond float32
     x2 = _backend.ascontiguous_f32("x", x).reshape(-1, d)
     out = _backend.empty(x, x2.shape, np.float32)
     if x2.shape[0]:
@@ -580,7 +581,7 @@ def quantize_head(x: Any, bits: int = 3, unbiased: bool = False, *, backend: str
     >>> codes.shape, norms.shape, float(norms.view(np.float16)[0, 0])
     ((2, 48), (2, 1), 11.3125)
     """
-    from .._validate import check_finite, check_float_array  # noqa: PLC0415
+    from .._validate import check_f16_result, check_finite, check_float_array  # noqa: PLC0415
 
     bits = _check_bits(bits)
     if not isinstance(unbiased, (bool, np.bool_)):
@@ -596,6 +597,7 @@ def quantize_head(x: Any, bits: int = 3, unbiased: bool = False, *, backend: str
     codes = _backend.empty(x, (1, n, packed_dim(d, bits)), np.uint8)
     norms = _backend.empty(x, (1, n, 1), np.uint16)
     quantize_head_into(x3, codes, norms, 0, cb, bool(unbiased))
+    check_f16_result("x", norms)  # a saturated binary16 norm: x is out of range for this format
     return codes.reshape(shape[:-1] + (packed_dim(d, bits),)), norms.reshape(shape[:-1] + (1,))
 
 

@@ -387,7 +387,7 @@ def qjl_quantize(r: Any, sketch: Any = None, *, backend: str = "auto") -> Tuple[
     >>> signs.shape, signs.dtype, norms.shape, float(norms.view(np.float16)[0])
     ((3, 8), dtype('uint8'), (3,), 8.0)
     """
-    from .._validate import check_finite, check_float_array  # noqa: PLC0415
+    from .._validate import check_f16_result, check_finite, check_float_array  # noqa: PLC0415
 
     _backend.resolve_device(backend, r=r, sketch=sketch)
     check_float_array("r", r)
@@ -403,6 +403,7 @@ def qjl_quantize(r: Any, sketch: Any = None, *, backend: str = "auto") -> Tuple[
     signs = _backend.empty(r, (1, count, m // 8), np.uint8)
     norms = _backend.empty(r, (1, count), np.uint16)
     qjl_signs_into(r3, sk, signs, norms, 0)
+    check_f16_result("r", norms)  # a saturated binary16 norm: r is out of range for this format
     return signs.reshape(shape[:-1] + (m // 8,)), norms.reshape(shape[:-1])
 
 

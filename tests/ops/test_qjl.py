@@ -95,13 +95,15 @@ def test_signs_and_norms_match_numpy(d, m):
     np.testing.assert_allclose(norms.view(np.float16).astype(np.float64).ravel(), nrm, rtol=2 ** -11)
 
 
-def test_norms_clamp_and_zero_vector():
+def test_norms_out_of_range_raise_and_zero_vector():
     r = np.zeros((3, 16), np.float32)
-    r[1, 0] = 1e5  # ‖r‖ beyond binary16: saturates at 65504
     r[2, 5] = -2.5
     signs, norms = qjl_quantize(r, make_sketch(16))
-    assert norms.view(np.float16).tolist() == [0.0, 65504.0, 2.5]
+    assert norms.view(np.float16).tolist() == [0.0, 0.0, 2.5]
     assert signs[0].tolist() == [0xFF, 0xFF]  # S·0 = 0 >= 0
+    r[1, 0] = 1e5  # ‖r‖ beyond binary16: rejected, not saturated at 65504
+    with pytest.raises(ValueError, match=r"^r: .*65504"):
+        qjl_quantize(r, make_sketch(16))
 
 
 def test_signs_into_writes_only_its_token_window():
