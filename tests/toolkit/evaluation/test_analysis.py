@@ -1,4 +1,4 @@
-"""``numba_kv.analysis``: the K-only / V-only split cache, the recording cache, the one-pass
+"""``numba_kv.toolkit.evaluation.analysis``: the K-only / V-only split cache, the recording cache, the one-pass
 engine against the protocol path, and a smoke run of :func:`analyze_kv` on SmolLM2.
 
 The split-cache tests use random arrays (no model).  The engine test uses the tiny random
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from numba_kv import AttendConfig, CompressedKVCache, DenseCache, Dequantized, PolarQuantCache
-from numba_kv.analysis import (SCHEMA, KVSplitCache, RecordingCache, analyze_kv, polarquant_bits_per_value,
+from numba_kv.toolkit.evaluation.analysis import (SCHEMA, KVSplitCache, RecordingCache, analyze_kv, polarquant_bits_per_value,
                                render_tables, simulate_logits)
-from numba_kv.evaluate import compare_logits
+from numba_kv.toolkit.evaluation.evaluate import compare_logits
 
 L, H, D, G = 2, 3, 64, 3   # layers, KV heads, head_dim, GQA group
 
@@ -139,7 +139,7 @@ def test_recording_cache_records_every_call():
 
 # -- one-pass engine vs protocol (tiny random model, no download) ------------------------------
 def _protocol(model, ids, cache, p, cs):
-    from numba_kv.models import sequence_logits
+    from numba_kv.toolkit.models import sequence_logits
 
     return sequence_logits(model, ids, cache, p, chunk_size=cs, include_prefill=False)
 
@@ -220,7 +220,7 @@ def test_analyze_kv_smoke(smollm2, tmp_path):
 
 
 def test_scorer_is_compare_logits():
-    from numba_kv.analysis import _Scorer
+    from numba_kv.toolkit.evaluation.analysis import _Scorer
 
     rng = np.random.default_rng(5)
     ref = rng.standard_normal((300, 50)).astype(np.float32) * 3

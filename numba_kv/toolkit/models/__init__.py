@@ -10,7 +10,7 @@ Needs the ``models`` extra (``gguf``, ``tokenizers``) and the model files::
 
 Quick start::
 
-    from numba_kv.models import load_smollm2, generate
+    from numba_kv.toolkit.models import load_smollm2, generate
     model, tok = load_smollm2()
     print(generate(model, tok, "The capital of France is", 8).text)
     print(generate(model, tok, "The capital of France is", 8, cache_factory="pqo3").text)
