@@ -8,7 +8,7 @@ import pytest
 
 from numba_kv import AttendConfig
 from numba_kv.toolkit.bench import BEST_LE4_SPEC
-from numba_kv.toolkit.evaluation.evaluate import parse_cache_specs
+from numba_kv.toolkit.specs import parse_cache_specs
 
 from ._util import env_info
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import inspect
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any
 
 from .polarquant import PolarQuantCache
 
@@ -32,7 +33,7 @@ __all__ = ["CACHE_NAMES", "OPTION_ALIASES", "SUFFIX_OPTIONS", "CacheSpec", "name
            "parse_value"]
 
 CACHE_NAMES = ("dense", "pq2", "pq3", "pq4", "pqo2", "pqo3", "pqo4", "pqo2.5", "pqo3.5", "tq2", "tq3", "tq4")
-SUFFIX_OPTIONS: Dict[str, Dict[str, Any]] = {
+SUFFIX_OPTIONS: dict[str, dict[str, Any]] = {
     "-l2": {"norm_mode": "l2"},
     "-maxnorm": {"norm_mode": "maxnorm"},
     "-head": {"rotation": "head"},
@@ -51,7 +52,7 @@ _EXPECTED = (f"expected one of {list(CACHE_NAMES)}, or 'pqo-k<2-4>v<2-4>' / 'tq-
              f"with '-l2', '-maxnorm', '-head', '-eden' suffixes")
 
 
-def name_options(name: str, head_dim: Any) -> Tuple[str, int, Dict[str, Any]]:
+def name_options(name: str, head_dim: Any) -> tuple[str, int, dict[str, Any]]:
     """The cache class family, index width and implied options of a compressed cache name.
 
     Parameters
@@ -72,18 +73,19 @@ def name_options(name: str, head_dim: Any) -> Tuple[str, int, Dict[str, Any]]:
     Raises
     ------
     ValueError
-        Not a compressed cache name, or a channel split that does not fit ``head_dim``.
+        Not a compressed cache name (message ``"name: ..."``), or a channel split that does
+        not fit ``head_dim`` (``"head_dim: ..."``).
     """
     m = _NAME.match(name)
     if not m:
-        raise ValueError(f"{_EXPECTED}, got {name!r}")
+        raise ValueError(f"name: {_EXPECTED}, got {name!r}")
     family = m.group("family")
-    implied: Dict[str, Any] = {}
+    implied: dict[str, Any] = {}
     if m.group("bits"):
         bits = int(m.group("bits"))
         if m.group("half"):
             if family != "pqo" or bits == 4:
-                raise ValueError(f"channel splits exist as 'pqo2.5' and 'pqo3.5', got {name!r}")
+                raise ValueError(f"name: channel splits exist as 'pqo2.5' and 'pqo3.5', got {name!r}")
             if not isinstance(head_dim, int) or head_dim % 64:
                 raise ValueError(f"head_dim: {name!r} splits every head in two halves of whole 32-blocks, "
                                  f"expected a multiple of 64, got {head_dim!r}")
@@ -155,13 +157,13 @@ class CacheSpec:
         -------
         CompressedKVCache
         """
-        from .factory import make_cache  # noqa: PLC0415 - cycle: factory parses names with this module
+        from .factory import make_cache  # cycle: factory imports this module
 
         return make_cache(self.name, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                           **dict(self.options))
 
 
-def _add_option(opts: Dict[str, Any], item: str, text: str) -> None:
+def _add_option(opts: dict[str, Any], item: str, text: str) -> None:
     key, sep, value = item.partition("=")
     key, value = OPTION_ALIASES.get(key.strip().lower(), key.strip().lower()), value.strip()
     if not sep or not _KEY.match(key) or not value:
@@ -171,7 +173,7 @@ def _add_option(opts: Dict[str, Any], item: str, text: str) -> None:
     opts[key] = parse_value(value)
 
 
-def parse_cache_spec(text: str, defaults: Optional[Mapping[str, Any]] = None) -> CacheSpec:
+def parse_cache_spec(text: str, defaults: Mapping[str, Any] | None = None) -> CacheSpec:
     """Parse one cache, ``NAME[-rR][-sS][:KEY=VALUE[,KEY=VALUE...]]`` (module docstring).
 
     Parameters
@@ -201,7 +203,7 @@ def parse_cache_spec(text: str, defaults: Optional[Mapping[str, Any]] = None) ->
     if not isinstance(text, str):
         raise TypeError(f"cache: expected a str, got {type(text).__name__}")
     head, _, rest = text.strip().partition(":")
-    opts: Dict[str, Any] = {}
+    opts: dict[str, Any] = {}
     for item in rest.split(",") if rest.strip() else ():
         _add_option(opts, item.strip(), text)
     m = _COMPACT.match(head.strip().lower())

@@ -221,12 +221,12 @@ def run_decode_bench(specs: Sequence[str] = DECODE_SPECS, tokens: int = 32768, r
                      num_kv_heads: int = 8, num_heads: int = 32, head_dim: int = 128,
                      progress: bool = True) -> List[DecodeRow]:
     """Time ``cache.decode`` of one token (append + fused attention) for each cache spec
-    (:func:`numba_kv.toolkit.evaluation.evaluate.parse_cache_specs` grammar, the caches' default windows), next to
+    (:func:`numba_kv.toolkit.specs.parse_cache_specs` grammar, the caches' default windows), next to
     NumPy dense float32 attention (one BLAS thread) over the same history, interleaved."""
     from tqdm.auto import tqdm  # noqa: PLC0415
 
     from numba_kv.caches.protocol import AttendConfig  # noqa: PLC0415
-    from .evaluation.evaluate import parse_cache_specs  # noqa: PLC0415
+    from .specs import parse_cache_specs  # noqa: PLC0415
 
     rng = np.random.default_rng(0)
     k = rng.standard_normal((1, num_kv_heads, tokens, head_dim)).astype(np.float32)

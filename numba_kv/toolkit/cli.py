@@ -36,9 +36,13 @@ def _demo(args: argparse.Namespace) -> int:
 def _bench_modes(args: argparse.Namespace) -> int:
     from numba_kv.info import collect  # noqa: PLC0415
     from .recommend import DEFAULT_FAISS, DEFAULT_MODES, render, run, to_json, to_markdown  # noqa: PLC0415
+    from .specs import EvalConfigError, split_cache_list  # noqa: PLC0415
 
     tokens = int(args.tokens or 2048)
-    modes = DEFAULT_MODES if not args.modes else [m.strip() for m in args.modes.split(",") if m.strip()]
+    try:
+        modes = DEFAULT_MODES if not args.modes else split_cache_list(args.modes, "--modes")
+    except EvalConfigError as exc:
+        return _user_error("bench modes", exc)
     faiss_specs = DEFAULT_FAISS if args.faiss is None else [f.strip() for f in args.faiss.split("/")
                                                             if f.strip()]
     rows = run(modes, tokens, faiss_specs=faiss_specs, progress=not args.no_progress)
@@ -101,7 +105,8 @@ def _missing_extra(exc: ModuleNotFoundError) -> Optional[str]:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .evaluation.evaluate import EvalConfigError, parse_cache_specs, plot_results, render_table, run_eval  # noqa: PLC0415
+    from .evaluation.evaluate import plot_results, render_table, run_eval  # noqa: PLC0415
+    from .specs import EvalConfigError, parse_cache_specs  # noqa: PLC0415
     from .models.gguf_loader import ModelNotFoundError  # noqa: PLC0415
 
     try:
@@ -140,7 +145,8 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .evaluation.evaluate import EvalConfigError, numba_threads, parse_cache_specs  # noqa: PLC0415
+    from .evaluation.evaluate import numba_threads  # noqa: PLC0415
+    from .specs import EvalConfigError, parse_cache_specs  # noqa: PLC0415
     from .models.gguf_loader import ModelNotFoundError  # noqa: PLC0415
 
     try:
@@ -175,7 +181,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _analyze(args: argparse.Namespace) -> int:
     from .evaluation.analysis import analyze_kv, render_tables  # noqa: PLC0415
-    from .evaluation.evaluate import EvalConfigError  # noqa: PLC0415
+    from .specs import EvalConfigError  # noqa: PLC0415
     from .models import ModelNotFoundError, load_model  # noqa: PLC0415
 
     try:
@@ -287,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="write JSON to FILE ('-' or no FILE: print it instead of the tables)")
     b.add_argument("--markdown", default=None, metavar="FILE", help="modes: write the markdown table to FILE")
-    b.add_argument("--modes", default=None, help="modes: comma-separated cache modes (default: all)")
+    b.add_argument("--modes", default=None, help="modes: comma-separated caches, as `eval --cache` (default: all)")
     b.add_argument("--faiss", default=None,
                    help="modes: '/'-separated faiss.index_factory strings ('' for none; default: the anchors)")
     b.add_argument("--no-decode", action="store_true",

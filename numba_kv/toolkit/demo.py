@@ -17,6 +17,7 @@ import numpy as np
 
 from numba_kv.caches.factory import make_cache
 from numba_kv.caches.protocol import AttendConfig, Dequantized
+from numba_kv.metrics import nmse
 
 
 @dataclass
@@ -51,12 +52,6 @@ def synthetic_layer(rng: np.random.Generator, num_kv_heads: int, tokens: int, he
     k = (rng.standard_normal((h, t, d)) + coef @ basis + drift) * chan
     v = rng.standard_normal((h, t, d)) * np.exp(rng.normal(0.0, 0.25, size=(h, 1, d)))
     return k[None].astype(np.float32), v[None].astype(np.float32)
-
-
-def _nmse(x: np.ndarray, xh: np.ndarray) -> float:
-    x = x.reshape(-1, x.shape[-1]).astype(np.float64)
-    xh = np.asarray(xh).reshape(-1, x.shape[-1]).astype(np.float64)
-    return float((((xh - x) ** 2).sum(1) / np.maximum((x ** 2).sum(1), 1e-30)).mean())
 
 
 def _make(name: str, num_kv_heads: int, head_dim: int, num_layers: int = 1):
@@ -107,8 +102,8 @@ def run_demo(caches: Sequence[str] = ("dense", "pq3", "pqo3", "pqo4"), num_layer
             out = cache.decode(li, k[:, :, -1:], v[:, :, -1:], q, cfg)
             res = out.result if isinstance(out, Dequantized) else None
             if res is not None:
-                err_k.append(_nmse(k, res.k))
-                err_v.append(_nmse(v, res.v))
+                err_k.append(nmse(k, res.k))
+                err_v.append(nmse(v, res.v))
             bar.update(1)
         vectors = 2 * num_layers * num_kv_heads * (tokens - 1)
         mem, fp16 = cache.memory_usage(), cache.fp16_bytes()

@@ -57,7 +57,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["DEFAULT_FAISS", "DEFAULT_MODES", "SIGMAS", "SyntheticKV", "parse_mode", "render", "run",
+from numba_kv.caches.factory import make_cache
+from numba_kv.caches.protocol import AttendConfig, Dequantized
+from numba_kv.caches.spec import parse_cache_spec
+from numba_kv.metrics import kl_rows, log_softmax, nmse
+
+__all__ = ["DEFAULT_FAISS", "DEFAULT_MODES", "SIGMAS", "SyntheticKV", "render", "run",
            "synthetic_kv", "to_json", "to_markdown"]
 
 DEFAULT_MODES: Tuple[str, ...] = (
@@ -153,41 +158,13 @@ class _Recon:
     extra: Dict[str, Any]
 
 
-def parse_mode(mode: str) -> Tuple[str, Dict[str, Any]]:
-    """``"NAME[:KEY=VALUE[;KEY=VALUE...]]"`` → ``(name, options)``; values read as bool/int/float/str.
-
-    >>> parse_mode("pqo3:key_center=true")
-    ('pqo3', {'key_center': True})
-    """
-    name, _, rest = mode.partition(":")
-    opts: Dict[str, Any] = {}
-    for item in filter(None, (s.strip() for s in rest.split(";"))):
-        key, sep, val = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"mode: malformed option {item!r} in {mode!r} (expected KEY=VALUE)")
-        low = val.strip().lower()
-        if low in ("true", "false"):
-            opts[key.strip()] = low == "true"
-        else:
-            for cast in (int, float, str):
-                try:
-                    opts[key.strip()] = cast(val.strip())
-                    break
-                except ValueError:
-                    continue
-    return name.strip(), opts
-
-
 def _cache_recon(mode: str, data: SyntheticKV) -> _Recon:
-    from numba_kv.caches.factory import make_cache  # noqa: PLC0415
-    from numba_kv.caches.protocol import AttendConfig, Dequantized  # noqa: PLC0415
-
-    name, options = parse_mode(mode)
+    spec = parse_cache_spec(mode)
     H, T, d = data.k.shape
     G = data.q.shape[1]
     opts = dict(residual_length=0, sink_tokens=0, decode_output="dequantized")
-    opts.update(options)
-    c = make_cache(name, num_layers=1, num_kv_heads=H, head_dim=d, **opts)
+    opts.update(spec.options)
+    c = make_cache(spec.name, num_layers=1, num_kv_heads=H, head_dim=d, **opts)
     c.prefill(0, data.k[None], data.v[None])
     out = c.decode(0, data.extra_k[None], data.extra_v[None], data.q.reshape(1, H * G, 1, d),
                    AttendConfig(data.softmax_scale, G))
@@ -259,25 +236,13 @@ class _Reference:
         self.top = self.logits.argmax(axis=2)
         self.per_sigma = {}
         for s in self.sigmas:
-            logp = _log_softmax(s * self.logits)
+            logp = log_softmax(s * self.logits)
             p = np.exp(logp)
             o = np.einsum("hgt,htd->hgd", p, self.v)
             self.per_sigma[s] = (logp, p, o)
 
     def _logits(self, k: np.ndarray) -> np.ndarray:
         return np.einsum("hgd,htd->hgt", self.q, k.astype(np.float64)) * self.data.softmax_scale
-
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    m = x.max(axis=-1, keepdims=True)
-    z = x - m
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
-
-
-def _nmse(x: np.ndarray, y: np.ndarray) -> float:
-    x = x.astype(np.float64)
-    err = ((x - y.astype(np.float64)) ** 2).sum(axis=-1)
-    return float((err / np.maximum((x ** 2).sum(axis=-1), 1e-300)).mean())
 
 
 def _metrics(ref: _Reference, rec: _Recon) -> Dict[str, float]:
@@ -288,8 +253,8 @@ def _metrics(ref: _Reference, rec: _Recon) -> Dict[str, float]:
     err = est - ref.logits
     err_c = err - err.mean(axis=2, keepdims=True)
     row: Dict[str, float] = {
-        "nmse_k": _nmse(ref.data.k, rec.k_hat),
-        "nmse_v": _nmse(ref.data.v, rec.v_hat),
+        "nmse_k": nmse(ref.data.k, rec.k_hat, eps=1e-300),
+        "nmse_v": nmse(ref.data.v, rec.v_hat, eps=1e-300),
         "slope": float((est_c * ref.centered).sum() / (ref.centered ** 2).sum()),
         "slope_raw": float((est * ref.logits).sum() / (ref.logits ** 2).sum()),
     }
@@ -299,11 +264,11 @@ def _metrics(ref: _Reference, rec: _Recon) -> Dict[str, float]:
     v_hat = rec.v_hat.astype(np.float64)
     for s in ref.sigmas:
         logp, p, o = ref.per_sigma[s]
-        logq = _log_softmax(s * est)
+        logq = log_softmax(s * est)
         o_hat = np.einsum("hgt,htd->hgd", np.exp(logq), v_hat)
         tag = f"s{s:g}"
         row[f"logit_err_std_{tag}"] = s * err_std
-        row[f"kl_{tag}"] = float((p * (logp - logq)).sum(axis=2).mean())
+        row[f"kl_{tag}"] = float(kl_rows(logp, logq).mean())
         row[f"out_err_{tag}"] = float(np.sqrt(((o - o_hat) ** 2).sum() / (o ** 2).sum()))
     return row
 
@@ -315,8 +280,8 @@ def run(modes: Sequence[str] = DEFAULT_MODES, T: int = 2048, *,
         seed: int = 0, n_outliers: int = 4, progress: bool = False) -> List[Dict[str, Any]]:
     """Measure every mode (and FAISS spec) on one synthetic problem; one dict per row.
 
-    A mode is a :func:`numba_kv.make_cache` name, optionally ``NAME:KEY=VALUE[;KEY=VALUE]``
-    with extra cache options.  ``faiss_specs`` are ``faiss.index_factory`` strings
+    A mode is one cache in the grammar of :func:`numba_kv.caches.spec.parse_cache_spec`
+    (``NAME[-rR][-sS][:KEY=VALUE[,KEY=VALUE...]]``); the window defaults to none here.  ``faiss_specs`` are ``faiss.index_factory`` strings
     (``None`` or empty: no FAISS rows; skipped with a row ``error`` if FAISS is missing).
     A mode that raises gives a row with ``error`` set and no metrics; a row whose metrics
     are not finite gets ``error`` too.

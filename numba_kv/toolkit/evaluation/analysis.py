@@ -60,6 +60,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from numba_kv.caches.protocol import AttendConfig, DecodeOutput, Dequantized, DequantResult
+from numba_kv.metrics import LogitScorer, compare_logits, kl_rows, log_softmax, nmse
 
 __all__ = [
     "SCHEMA",
@@ -563,19 +564,6 @@ def simulate_logits(model: Any, tokens: Sequence[int], n_prefill: int, *, k_quan
 # --------------------------------------------------------------------------------------
 # per-layer statistics
 # --------------------------------------------------------------------------------------
-def _nmse(x: np.ndarray, xh: np.ndarray) -> np.ndarray:
-    """Mean over tokens of ``‖x − x̂‖² / ‖x‖²`` per head; ``x`` ``[heads, T, d]``."""
-    num = np.sum((x.astype(np.float64) - xh) ** 2, axis=-1)
-    den = np.maximum(np.sum(x.astype(np.float64) ** 2, axis=-1), 1e-30)
-    return (num / den).mean(axis=-1)
-
-
-def _log_softmax_rows(s: np.ndarray) -> np.ndarray:
-    mx = s.max(axis=-1, keepdims=True)
-    z = s - mx
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
-
-
 def _attention_errors(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_hat: np.ndarray, v_hat: np.ndarray,
                       quant: np.ndarray, causal: np.ndarray, scale: float,
                       groups: int) -> Dict[str, np.ndarray]:
@@ -601,10 +589,9 @@ def _attention_errors(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_hat: np.nda
         res["logit_std"][hh] = float(s[causal].std())
         s[neg] = -np.inf
         sh[neg] = -np.inf
-        lp, lph = _log_softmax_rows(s), _log_softmax_rows(sh)
+        lp, lph = log_softmax(s), log_softmax(sh)
         p, ph = np.exp(lp), np.exp(lph)
-        diff = np.where(causal, lp, 0.0) - np.where(causal, lph, 0.0)   # masked: -inf - -inf avoided
-        res["kl"][hh] = float(np.maximum((p * diff).sum(-1), 0.0).mean())
+        res["kl"][hh] = float(np.maximum(kl_rows(lp, lph, causal), 0.0).mean())
         vv, vh = v[g].astype(np.float64), v_hat[g].astype(np.float64)
         o = p @ vv
         on = np.maximum(np.linalg.norm(o, axis=-1), 1e-30)
@@ -641,8 +628,8 @@ def _layer_stats(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_prefill: int, bi
         kh = _roundtrip(k[None], b)[0]
         vh = _roundtrip(v[None], b)[0]
         key = f"pqo{b}"
-        out.setdefault("k_nmse", {})[key] = _nmse(k, kh).tolist()
-        out.setdefault("v_nmse", {})[key] = _nmse(v, vh).tolist()
+        out.setdefault("k_nmse", {})[key] = nmse(k, kh, axis=-1).tolist()
+        out.setdefault("v_nmse", {})[key] = nmse(v, vh, axis=-1).tolist()
         for (r, s) in windows:
             j = np.arange(t)[None, :]
             causal = j <= rows[:, None]
@@ -819,7 +806,7 @@ def analyze_kv(model: Any, tokenizer: Any, text_path: Optional[Union[str, Path]]
         rec = RecordingCache(DenseCache(*geom))
         ref_all = run_protocol(rec, "dense (recording)")
         ref = ref_all[1:-1]
-        score = _Scorer(ref, targets)
+        score = LogitScorer(ref, targets)
         ref_ppl = score(ref)["ppl"]
         add_row("dense", "none", None, None, 0, 0, "protocol", ref_all, 32.0, 32.0, time.perf_counter() - t0)
         timings["dense"] = time.perf_counter() - t0
@@ -910,50 +897,8 @@ def analyze_kv(model: Any, tokenizer: Any, text_path: Optional[Union[str, Path]]
                        "wall_s": time.perf_counter() - t_start})
 
 
-class _Scorer:
-    """:func:`numba_kv.toolkit.evaluation.evaluate.compare_logits` against one fixed reference, many times.
-
-    The reference's log-softmax is computed once; every call then performs exactly the
-    operations of ``compare_logits`` (same chunks, same float64 formulas), so the results
-    are identical to it, at about half the cost.
-    """
-
-    def __init__(self, ref: np.ndarray, targets: np.ndarray, chunk: int = 128) -> None:
-        from .evaluate import _log_softmax  # noqa: PLC0415
-
-        self._ls = _log_softmax
-        self.ref, self.targets, self.chunk = ref, np.asarray(targets), chunk
-        if ref.ndim != 2 or ref.shape[0] == 0 or self.targets.shape != (ref.shape[0],):
-            raise ValueError(f"ref: expected (n, vocab) with targets (n,), got {ref.shape}, "
-                             f"{self.targets.shape}")
-        self.spans = [(a, min(a + chunk, ref.shape[0])) for a in range(0, ref.shape[0], chunk)]
-        self.lp_ref = [_log_softmax(ref[a:b]) for a, b in self.spans]
-        rows = np.arange(ref.shape[0])
-        self.nll_ref = np.concatenate([-lp[rows[: b - a], self.targets[a:b]]
-                                       for lp, (a, b) in zip(self.lp_ref, self.spans)])
-        self.argmax_ref = ref.argmax(-1)
-
-    def __call__(self, logits: np.ndarray) -> Dict[str, float]:
-        logits = np.asarray(logits)
-        if logits.shape != self.ref.shape:
-            raise ValueError(f"logits: expected shape {self.ref.shape}, got {logits.shape}")
-        n = logits.shape[0]
-        nll, kl = np.empty(n), np.empty(n)
-        rows = np.arange(n)
-        for lp_r, (a, b) in zip(self.lp_ref, self.spans):
-            lp_c = self._ls(logits[a:b])
-            nll[a:b] = -lp_c[rows[: b - a], self.targets[a:b]]
-            kl[a:b] = np.maximum((np.exp(lp_r) * (lp_r - lp_c)).sum(axis=-1), 0.0)
-        return {"ppl": float(np.exp(nll.mean())), "ppl_ref": float(np.exp(self.nll_ref.mean())),
-                "top1_agreement": float(np.mean(self.argmax_ref == logits.argmax(-1))),
-                "kl_mean": float(kl.mean()), "kl_p95": float(np.percentile(kl, 95)),
-                "kl_max": float(kl.max())}
-
-
-def _agreement(score: _Scorer, a: np.ndarray, b: np.ndarray, targets: np.ndarray) -> Dict[str, float]:
+def _agreement(score: LogitScorer, a: np.ndarray, b: np.ndarray, targets: np.ndarray) -> Dict[str, float]:
     """Protocol logits ``a`` vs one-pass logits ``b`` (rows as ``sequence_logits``), and both vs dense."""
-    from .evaluate import compare_logits  # noqa: PLC0415
-
     ma = compare_logits(a[1:-1], b[1:-1], targets)
     return {"kl_between": ma["kl_mean"], "top1_between": ma["top1_agreement"],
             "max_abs_logit_diff": float(np.max(np.abs(a.astype(np.float64) - b))),

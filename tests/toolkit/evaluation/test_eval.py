@@ -17,7 +17,8 @@ import pytest
 
 from numba_kv.toolkit import cli
 from numba_kv.toolkit.evaluation import evaluate as ev
-from numba_kv.toolkit.evaluation.evaluate import CacheSpec, EvalConfigError, compare_logits, parse_cache_specs
+from numba_kv.metrics import compare_logits
+from numba_kv.toolkit.specs import CacheSpec, EvalConfigError, parse_cache_specs
 
 # Original prose written for this test (no copied text); ~60 tokens are needed.
 PROSE = (
@@ -68,9 +69,9 @@ def test_parse_global_window_applies_to_compressed_only():
 
 
 def test_with_reference_puts_plain_dense_first():
-    assert [s.label for s in ev._with_reference(parse_cache_specs("pqo3,dense,pqo4"))] == \
+    assert [s.label for s in ev.with_dense_reference(parse_cache_specs("pqo3,dense,pqo4"))] == \
         ["dense", "pqo3-r32-s4", "pqo4-r32-s4"]
-    assert [s.label for s in ev._with_reference(parse_cache_specs("pqo3"))] == ["dense", "pqo3-r32-s4"]
+    assert [s.label for s in ev.with_dense_reference(parse_cache_specs("pqo3"))] == ["dense", "pqo3-r32-s4"]
 
 
 def test_labels_show_the_effective_window_and_asymmetric_names():
