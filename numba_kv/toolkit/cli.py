@@ -180,7 +180,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _analyze(args: argparse.Namespace) -> int:
-    from .evaluation.analysis import analyze_kv, render_tables  # noqa: PLC0415
+    from .evaluation.analysis import analyze_kv  # noqa: PLC0415
+    from .evaluation.analysis_report import render_tables  # noqa: PLC0415
     from .specs import EvalConfigError  # noqa: PLC0415
     from .models import ModelNotFoundError, load_model  # noqa: PLC0415
 

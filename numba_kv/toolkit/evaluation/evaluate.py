@@ -54,7 +54,7 @@ import numpy as np
 
 from numba_kv.metrics import compare_logits
 
-from ..specs import CacheSpec, EvalConfigError, parse_cache_specs
+from ..specs import CacheSpec, EvalConfigError
 
 __all__ = [
     "DEFAULT_CACHES",
@@ -394,6 +394,7 @@ def run_eval(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any = 
     from tqdm.auto import tqdm  # noqa: PLC0415
 
     from numba_kv.info import collect  # noqa: PLC0415
+
     from ..models import load_model, sequence_logits  # noqa: PLC0415
 
     t_start = time.perf_counter()

@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 
 from numba_kv import AttendConfig, CompressedKVCache, DenseCache, Dequantized, PolarQuantCache
-from numba_kv.toolkit.evaluation.analysis import (SCHEMA, KVSplitCache, RecordingCache, analyze_kv, polarquant_bits_per_value,
-                               render_tables, simulate_logits)
 from numba_kv.metrics import compare_logits
+from numba_kv.toolkit.evaluation.analysis import SCHEMA, analyze_kv
+from numba_kv.toolkit.evaluation.analysis_report import render_tables
+from numba_kv.toolkit.evaluation.kv_split import KVSplitCache, RecordingCache
+from numba_kv.toolkit.evaluation.simulate import polarquant_bits_per_value, simulate_logits
 
 L, H, D, G = 2, 3, 64, 3   # layers, KV heads, head_dim, GQA group
 

@@ -15,9 +15,9 @@ import math
 import numpy as np
 import pytest
 
+from numba_kv.metrics import compare_logits
 from numba_kv.toolkit import cli
 from numba_kv.toolkit.evaluation import evaluate as ev
-from numba_kv.metrics import compare_logits
 from numba_kv.toolkit.specs import CacheSpec, EvalConfigError, parse_cache_specs
 
 # Original prose written for this test (no copied text); ~60 tokens are needed.
