@@ -23,9 +23,16 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
+from rich.console import Console
+from rich.table import Table
+from tqdm.auto import tqdm
 
+from numba_kv.caches.protocol import AttendConfig
+from numba_kv.info import provenance, provenance_line, stream_copy_gbs
 from numba_kv.ops.attention import decode_attention
 from numba_kv.ops.blockquant import dequantize_blocks, quantize_blocks
+
+from .specs import parse_cache_specs
 
 
 def dense_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, softmax_scale: float) -> np.ndarray:
@@ -105,6 +112,7 @@ def blas_threads_limited(n: Optional[int]) -> contextlib.AbstractContextManager:
     is ``None`` or threadpoolctl is not installed (then :func:`blas_control` is False)."""
     if n is None or not blas_control():
         return contextlib.nullcontext()
+    # threadpoolctl: optional (the bench extra)
     from threadpoolctl import threadpool_limits  # noqa: PLC0415
 
     return threadpool_limits(limits=int(n), user_api="blas")
@@ -170,9 +178,7 @@ def run_attention_bench(tokens: Sequence[int] = (4096, 32768, 131072), bits: Seq
                         stream_gbs: Optional[float] = None) -> List[AttentionRow]:
     """Time fused vs dense (1 and ``best_threads`` BLAS threads) vs dequantize-then-attend for
     every (tokens, bits); ``stream_gbs`` (default: measured now) is the copy bandwidth."""
-    from tqdm.auto import tqdm  # noqa: PLC0415
 
-    from numba_kv.info import stream_copy_gbs  # noqa: PLC0415
 
     if stream_gbs is None:
         stream_gbs = stream_copy_gbs()
@@ -223,10 +229,7 @@ def run_decode_bench(specs: Sequence[str] = DECODE_SPECS, tokens: int = 32768, r
     """Time ``cache.decode`` of one token (append + fused attention) for each cache spec
     (:func:`numba_kv.toolkit.specs.parse_cache_specs` grammar, the caches' default windows), next to
     NumPy dense float32 attention (one BLAS thread) over the same history, interleaved."""
-    from tqdm.auto import tqdm  # noqa: PLC0415
 
-    from numba_kv.caches.protocol import AttendConfig  # noqa: PLC0415
-    from .specs import parse_cache_specs  # noqa: PLC0415
 
     rng = np.random.default_rng(0)
     k = rng.standard_normal((1, num_kv_heads, tokens, head_dim)).astype(np.float32)
@@ -262,8 +265,6 @@ def with_one_blas(fn: Callable[[], object]) -> Callable[[], object]:
 
 def render_attention(rows: Sequence[AttentionRow], title: str) -> None:
     """Print attention rows as a rich table."""
-    from rich.console import Console  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
 
     table = Table(title=title)
     for col in ("T", "bits", "fused ms", "dense f32 ms (1 BLAS)", "dense ms (2 BLAS)", "deq+attend ms", "vs dense",
@@ -280,8 +281,6 @@ def render_attention(rows: Sequence[AttentionRow], title: str) -> None:
 
 def render_decode(rows: Sequence[DecodeRow], title: str) -> None:
     """Print ``cache.decode`` rows as a rich table."""
-    from rich.console import Console  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
 
     table = Table(title=title)
     for col in ("cache", "T", "decode ms", "dense f32 ms (1 BLAS)", "vs dense", "KV MB"):
@@ -299,7 +298,6 @@ def attention_report(tokens: Sequence[int], bits: Sequence[int], repeat: int, pr
     (:func:`numba_kv.info.provenance`), ``provenance_line``, ``stream_copy_gb_per_s``,
     ``blas_control`` (threadpoolctl present), ``rows`` (fused vs dense vs dequantize) and
     ``decode`` (``cache.decode`` rows; empty when ``decode_tokens`` is ``None``)."""
-    from numba_kv.info import provenance, provenance_line, stream_copy_gbs  # noqa: PLC0415
 
     prov = provenance()
     gbs = stream_copy_gbs()

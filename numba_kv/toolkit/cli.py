@@ -14,10 +14,16 @@ import json
 import sys
 from typing import List, Optional, Union
 
+# Every handler imports its subcommand's modules itself (the function-level imports below):
+# a missing package of the tools extra then becomes ``numba-kv CMD: error: ...`` instead of a
+# traceback at start-up, ``--help`` and ``info`` stay fast, and tests can substitute
+# ``evaluate.run_eval`` / ``models.load_model`` on the modules.
+
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import iter_names, render_table, rows_as_dicts, run_demo  # noqa: PLC0415
     from numba_kv.info import collect  # noqa: PLC0415
+
+    from .demo import iter_names, render_table, rows_as_dicts, run_demo  # noqa: PLC0415
 
     env = collect()
     rows = run_demo(list(iter_names(args.caches)), args.layers, args.kv_heads, args.head_dim, args.tokens,
@@ -35,6 +41,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _bench_modes(args: argparse.Namespace) -> int:
     from numba_kv.info import collect  # noqa: PLC0415
+
     from .recommend import DEFAULT_FAISS, DEFAULT_MODES, render, run, to_json, to_markdown  # noqa: PLC0415
     from .specs import EvalConfigError, split_cache_list  # noqa: PLC0415
 
@@ -106,8 +113,8 @@ def _missing_extra(exc: ModuleNotFoundError) -> Optional[str]:
 
 def _eval(args: argparse.Namespace) -> int:
     from .evaluation.evaluate import plot_results, render_table, run_eval  # noqa: PLC0415
-    from .specs import EvalConfigError, parse_cache_specs  # noqa: PLC0415
     from .models.gguf_loader import ModelNotFoundError  # noqa: PLC0415
+    from .specs import EvalConfigError, parse_cache_specs  # noqa: PLC0415
 
     try:
         specs = parse_cache_specs(args.cache, residual_length=args.residual_length, sink_tokens=args.sink_tokens)
@@ -146,8 +153,8 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from .evaluation.evaluate import numba_threads  # noqa: PLC0415
-    from .specs import EvalConfigError, parse_cache_specs  # noqa: PLC0415
     from .models.gguf_loader import ModelNotFoundError  # noqa: PLC0415
+    from .specs import EvalConfigError, parse_cache_specs  # noqa: PLC0415
 
     try:
         specs = parse_cache_specs(args.cache, residual_length=args.residual_length, sink_tokens=args.sink_tokens)
@@ -182,8 +189,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _analyze(args: argparse.Namespace) -> int:
     from .evaluation.analysis import analyze_kv  # noqa: PLC0415
     from .evaluation.analysis_report import render_tables  # noqa: PLC0415
-    from .specs import EvalConfigError  # noqa: PLC0415
     from .models import ModelNotFoundError, load_model  # noqa: PLC0415
+    from .specs import EvalConfigError  # noqa: PLC0415
 
     try:
         bits = tuple(int(x) for x in args.bits.split(",") if x.strip())

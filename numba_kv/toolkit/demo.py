@@ -14,6 +14,9 @@ from dataclasses import asdict, dataclass
 from typing import Dict, Iterator, List, Sequence, Tuple
 
 import numpy as np
+from rich.console import Console
+from rich.table import Table
+from tqdm.auto import tqdm
 
 from numba_kv.caches.factory import make_cache
 from numba_kv.caches.protocol import AttendConfig, Dequantized
@@ -75,7 +78,6 @@ def run_demo(caches: Sequence[str] = ("dense", "pq3", "pqo3", "pqo4"), num_layer
     chunk : int
         Prefill chunk length (chunked prefill exercises history reconstruction too).
     """
-    from tqdm.auto import tqdm  # noqa: PLC0415
 
     layers = [synthetic_layer(np.random.default_rng(seed + i), num_kv_heads, tokens, head_dim)
               for i in range(num_layers)]
@@ -116,8 +118,6 @@ def run_demo(caches: Sequence[str] = ("dense", "pq3", "pqo3", "pqo4"), num_layer
 
 def render_table(rows: Sequence[DemoRow], title: str) -> None:
     """Print the demo rows as a rich table."""
-    from rich.console import Console  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
 
     table = Table(title=title)
     for col in ("cache", "bits/value", "KV bytes", "ratio vs fp16", "NMSE K", "NMSE V", "prefill M vec/s"):

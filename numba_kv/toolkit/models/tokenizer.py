@@ -37,7 +37,10 @@ special added tokens, so ``"<|im_start|>"`` in a chat prompt is one token.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Iterable, List, Mapping, Optional, Sequence
+
+from .gguf_loader import load_gguf
 
 __all__ = ["GGUFTokenizer", "PRE_TOKENIZERS"]
 
@@ -223,8 +226,6 @@ class GGUFTokenizer:
     def from_gguf(cls, path: Optional[Any] = None, cache_dir: Optional[Any] = None,
                   pre: Optional[str] = None) -> "GGUFTokenizer":
         """Tokenizer of a GGUF file (default: SmolLM2), via :func:`load_gguf`'s cache."""
-        from .gguf_loader import load_gguf
-
         return cls(load_gguf(path, cache_dir).tokenizer_metadata, pre=pre)
 
     @property
@@ -320,8 +321,6 @@ class GGUFTokenizer:
 
 def _default_system_prompt(template: str) -> Optional[str]:
     """The literal system prompt a ChatML template inserts, if any."""
-    import re
-
     # the newline may be literal or escaped ("\\n") depending on how the template was stored
     m = re.search(r"<\|im_start\|>system(?:\n|\\n)(.*?)<\|im_end\|>", template, flags=re.S)
     return m.group(1) if m else None

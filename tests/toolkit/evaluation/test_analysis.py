@@ -236,3 +236,12 @@ def test_scorer_is_compare_logits():
     assert score(ref)["kl_mean"] == 0.0
     with pytest.raises(ValueError):
         score(ref[:10])
+
+
+def test_analyze_is_a_subcommand_of_the_one_cli(capsys):
+    """``numba-kv analyze`` replaced ``python -m numba_kv.analysis``; bad input is a user error."""
+    from numba_kv.toolkit import cli
+
+    assert "analyze" in cli.build_parser().format_help()
+    assert cli.main(["analyze", "--bits", "3,x"]) == 2
+    assert "numba-kv analyze: error: --bits" in capsys.readouterr().err
