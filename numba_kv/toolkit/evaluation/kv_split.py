@@ -4,7 +4,7 @@ records every layer's ``q`` / ``k`` / ``v`` (:class:`RecordingCache`)."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import numpy as np
 
@@ -145,7 +145,7 @@ class KVSplitCache:
         other = "v" if self.quantize == "k" else "k"
         return _side_bytes(self.quantized, self.quantize) + _side_bytes(self.exact, other)
 
-    def side_bytes(self) -> Tuple[int, int]:
+    def side_bytes(self) -> tuple[int, int]:
         """``(key bytes, value bytes)`` actually stored by this split."""
         other = "v" if self.quantize == "k" else "k"
         q, o = _side_bytes(self.quantized, self.quantize), _side_bytes(self.exact, other)
@@ -173,7 +173,7 @@ class RecordingCache:
         self.num_kv_heads = inner.num_kv_heads
         self.head_dim = inner.head_dim
         self.name = f"{getattr(inner, 'name', type(inner).__name__)}+recording"
-        self._rec: List[Dict[str, List[np.ndarray]]] = [{"q": [], "k": [], "v": []}
+        self._rec: list[dict[str, list[np.ndarray]]] = [{"q": [], "k": [], "v": []}
                                                         for _ in range(self.num_layers)]
 
     def _keep(self, layer: int, q: Any, k: Any, v: Any) -> None:
@@ -207,7 +207,7 @@ class RecordingCache:
         """``inner.memory_usage()`` (recordings are not counted)."""
         return int(self.inner.memory_usage())
 
-    def recorded(self, layer: int) -> Tuple[Optional[np.ndarray], np.ndarray, np.ndarray]:
+    def recorded(self, layer: int) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
         """``(q, k, v)`` of ``layer``, float32 ``[batch, heads, seq, head_dim]``.
 
         ``q`` is ``None`` when no call passed queries; it covers every position only if

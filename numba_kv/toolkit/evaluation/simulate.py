@@ -4,7 +4,8 @@ of running a cache (:func:`simulate_logits`), and the bits/value of such a confi
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -15,7 +16,7 @@ from ..models.llama import apply_rope, rms_norm, rope_tables
 __all__ = ["QuantSpec", "polarquant_bits_per_value", "pqo_roundtrip", "simulate_logits"]
 
 #: Quantizer of one side: None (exact), a PQO bit width, or a function ``x -> x_hat``.
-QuantSpec = Union[None, int, Callable[[np.ndarray], np.ndarray]]
+QuantSpec = int | Callable[[np.ndarray], np.ndarray] | None
 
 
 def pqo_roundtrip(x: np.ndarray, bits: int, norm_mode: str = "maxnorm") -> np.ndarray:
@@ -24,7 +25,7 @@ def pqo_roundtrip(x: np.ndarray, bits: int, norm_mode: str = "maxnorm") -> np.nd
     return np.asarray(dequantize_blocks(codes, scales, bits, norm_mode), dtype=np.float32)
 
 
-def _apply_quant(spec: QuantSpec, x: np.ndarray, norm_mode: str) -> Optional[np.ndarray]:
+def _apply_quant(spec: QuantSpec, x: np.ndarray, norm_mode: str) -> np.ndarray | None:
     if spec is None:
         return None
     if callable(spec):
@@ -35,9 +36,9 @@ def _apply_quant(spec: QuantSpec, x: np.ndarray, norm_mode: str) -> Optional[np.
     return pqo_roundtrip(x, int(spec), norm_mode)
 
 
-def polarquant_bits_per_value(tokens: int, head_dim: int, k_bits: Optional[int], v_bits: Optional[int],
+def polarquant_bits_per_value(tokens: int, head_dim: int, k_bits: int | None, v_bits: int | None,
                               residual_length: int = 0, sink_tokens: int = 0, window_itemsize: int = 2,
-                              exact_itemsize: int = 4) -> Dict[str, float]:
+                              exact_itemsize: int = 4) -> dict[str, float]:
     """Stored bits per value of a PQO cache at ``tokens`` tokens (window at its real size).
 
     Parameters
@@ -57,7 +58,7 @@ def polarquant_bits_per_value(tokens: int, head_dim: int, k_bits: Optional[int],
     """
     n_exact = min(tokens, sink_tokens + residual_length)
     n_comp = tokens - n_exact
-    out: Dict[str, float] = {}
+    out: dict[str, float] = {}
     for side, b in (("k", k_bits), ("v", v_bits)):
         if b is None:
             out[side] = 8.0 * exact_itemsize
@@ -71,7 +72,7 @@ def polarquant_bits_per_value(tokens: int, head_dim: int, k_bits: Optional[int],
 # --------------------------------------------------------------------------------------
 # the one-pass ("masked") engine
 # --------------------------------------------------------------------------------------
-def _per_layer(spec: Any, n_layers: int, arg: str) -> List[QuantSpec]:
+def _per_layer(spec: Any, n_layers: int, arg: str) -> list[QuantSpec]:
     if spec is None or callable(spec) or isinstance(spec, (int, np.integer)):
         if isinstance(spec, bool):
             raise TypeError(f"{arg}: expected None, an int, a callable or a per-layer sequence, got {spec!r}")
@@ -82,8 +83,8 @@ def _per_layer(spec: Any, n_layers: int, arg: str) -> List[QuantSpec]:
     return out
 
 
-def _masks(n: int, n_prefill: int, chunk_size: Optional[int], residual_length: int,
-           sink_tokens: int) -> Dict[str, np.ndarray]:
+def _masks(n: int, n_prefill: int, chunk_size: int | None, residual_length: int,
+           sink_tokens: int) -> dict[str, np.ndarray]:
     """Which key ``j`` a query ``i`` sees exactly, quantized or from the window.
 
     ``first``: rows of the first prefill chunk (the cache returns the originals);
@@ -109,7 +110,7 @@ def _masks(n: int, n_prefill: int, chunk_size: Optional[int], residual_length: i
             "orig": causal & first[:, None]}
 
 
-def _via_window(n: int, n_prefill: int, chunk_size: Optional[int], residual_length: int,
+def _via_window(n: int, n_prefill: int, chunk_size: int | None, residual_length: int,
                 sink_tokens: int) -> np.ndarray:
     """Tokens that are compressed only after passing through the window (so from their
     window-dtype copy), replaying the bookkeeping of ``PolarQuantCache._store`` over the
@@ -132,8 +133,8 @@ def _via_window(n: int, n_prefill: int, chunk_size: Optional[int], residual_leng
     return via
 
 
-def _masked_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_hat: Optional[np.ndarray],
-                      v_hat: Optional[np.ndarray], m: Dict[str, np.ndarray], scale: float, groups: int,
+def _masked_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_hat: np.ndarray | None,
+                      v_hat: np.ndarray | None, m: dict[str, np.ndarray], scale: float, groups: int,
                       fp16_window: bool) -> np.ndarray:
     """Attention ``[heads, n, d]`` where pair ``(i, j)`` uses K/V as the cache would return them."""
     h, n, d = q.shape
@@ -168,7 +169,7 @@ def _masked_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_hat: Option
 def simulate_logits(model: Any, tokens: Sequence[int], n_prefill: int, *, k_quant: Any = None,
                     v_quant: Any = None, residual_length: int = 0, sink_tokens: int = 0,
                     window_dtype: str = "float16", norm_mode: str = "maxnorm",
-                    chunk_size: Optional[int] = 256, dense_states: Optional[List[np.ndarray]] = None,
+                    chunk_size: int | None = 256, dense_states: list[np.ndarray] | None = None,
                     return_states: bool = False) -> Any:
     """Logits of a teacher-forced decode through a PQO cache, computed in one causal pass.
 
@@ -251,7 +252,7 @@ def simulate_logits(model: Any, tokens: Sequence[int], n_prefill: int, *, k_quan
         x = np.array(dense_states[start], dtype=np.float32)
     else:
         x = model.tok_embd[ids]
-    states: List[np.ndarray] = []
+    states: list[np.ndarray] = []
     for li in range(start, c.n_layers):
         L = model.layers[li]
         if return_states:

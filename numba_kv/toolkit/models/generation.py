@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence, Union
+from typing import Any
 
 import numpy as np
 
@@ -15,8 +16,8 @@ __all__ = ["Generation", "generate", "sequence_logits"]
 
 
 def sequence_logits(model: LlamaModel, tokens: Sequence[int], cache: Any, n_prefill: int, *,
-                    chunk_size: Optional[int] = DEFAULT_CHUNK_SIZE, include_prefill: bool = True,
-                    progress: Optional[Callable[[int, int], None]] = None) -> np.ndarray:
+                    chunk_size: int | None = DEFAULT_CHUNK_SIZE, include_prefill: bool = True,
+                    progress: Callable[[int, int], None] | None = None) -> np.ndarray:
     """Next-token logits of every position of ``tokens``: ``n_prefill`` tokens prefilled,
     the rest fed one at a time through ``cache.decode`` (teacher forcing).
 
@@ -100,8 +101,8 @@ class Generation:
     """
 
     text: str
-    prompt_ids: List[int]
-    new_ids: List[int]
+    prompt_ids: list[int]
+    new_ids: list[int]
     prefill_s: float
     decode_s: float
     cache: Any = field(repr=False, default=None)
@@ -116,9 +117,9 @@ class Generation:
         return self.text
 
 
-def generate(model: LlamaModel, tokenizer: Any, prompt: Union[str, Sequence[int]], max_new_tokens: int = 32,
-             cache_factory: Optional[Union[str, CacheFactory]] = None, *, chat: bool = False,
-             stop_at_eos: bool = True, chunk_size: Optional[int] = DEFAULT_CHUNK_SIZE,
+def generate(model: LlamaModel, tokenizer: Any, prompt: str | Sequence[int], max_new_tokens: int = 32,
+             cache_factory: str | CacheFactory | None = None, *, chat: bool = False,
+             stop_at_eos: bool = True, chunk_size: int | None = DEFAULT_CHUNK_SIZE,
              cache: Any = None) -> Generation:
     """Greedy generation: prefill the prompt, then decode one token at a time.
 
@@ -166,7 +167,7 @@ def generate(model: LlamaModel, tokenizer: Any, prompt: Union[str, Sequence[int]
     logits = model.forward(ids, cache, pos, mode="prefill", chunk_size=chunk_size, logits="last")
     t1 = time.perf_counter()
     pos += len(ids)
-    new: List[int] = []
+    new: list[int] = []
     while True:
         nxt = int(np.argmax(logits[-1]))
         new.append(nxt)

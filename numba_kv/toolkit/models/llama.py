@@ -58,8 +58,9 @@ Gemma-3 technical report (arXiv:2503.19786), as llama.cpp runs it (``gemma3.cpp`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Union
+from typing import Any
 
 import numpy as np
 
@@ -130,7 +131,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 
 def rope_tables(positions: np.ndarray, rope_dim: int, theta: float,
-                freq_factors: Optional[np.ndarray] = None) -> tuple:
+                freq_factors: np.ndarray | None = None) -> tuple:
     """Cosine/sine tables of RoPE for absolute ``positions``.
 
     Parameters
@@ -190,7 +191,7 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool = Fal
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, softmax_scale: float, n_kv_groups: int,
-              logit_bias: Optional[np.ndarray] = None, window: Optional[int] = None) -> np.ndarray:
+              logit_bias: np.ndarray | None = None, window: int | None = None) -> np.ndarray:
     """Causal softmax attention of new queries over a K/V history, with GQA.
 
     Parameters
@@ -270,10 +271,10 @@ class _Layer:
     w_gate: np.ndarray
     w_up: np.ndarray
     w_down: np.ndarray
-    q_norm: Optional[np.ndarray] = None
-    k_norm: Optional[np.ndarray] = None
-    post_attn_norm: Optional[np.ndarray] = None
-    post_ffn_norm: Optional[np.ndarray] = None
+    q_norm: np.ndarray | None = None
+    k_norm: np.ndarray | None = None
+    post_attn_norm: np.ndarray | None = None
+    post_ffn_norm: np.ndarray | None = None
 
 
 class LlamaModel:
@@ -327,7 +328,7 @@ class LlamaModel:
         self.attend_config = AttendConfig(softmax_scale=c.softmax_scale,
                                           n_kv_groups=c.n_heads // c.n_kv_heads)
         self.softmax_scale = float(self.attend_config.softmax_scale)
-        self.layer_windows: List[Optional[int]] = [c.layer_window(i) for i in range(c.n_layers)]
+        self.layer_windows: list[int | None] = [c.layer_window(i) for i in range(c.n_layers)]
         # Gemma scales the embedding by sqrt(dim) in float32 (llama.cpp: sqrtf(n_embd))
         self.embed_scale = np.float32(np.sqrt(np.float32(c.dim))) if self.gemma else None
 
@@ -349,7 +350,7 @@ class LlamaModel:
         self.tied_embeddings = "output.weight" not in tensors
         self.freq_factors = (get("rope_freqs.weight", (c.rope_dim // 2,)) if "rope_freqs.weight" in tensors
                              else None)
-        self.layers: List[_Layer] = []
+        self.layers: list[_Layer] = []
         for i in range(c.n_layers):
             p = f"blk.{i}."
             self.layers.append(_Layer(
@@ -362,24 +363,24 @@ class LlamaModel:
                 w_gate=get(p + "ffn_gate.weight", (c.ffn_dim, d)),
                 w_up=get(p + "ffn_up.weight", (c.ffn_dim, d)),
                 w_down=get(p + "ffn_down.weight", (d, c.ffn_dim)),
-                **(dict(q_norm=get(p + "attn_q_norm.weight", (hd,)),
-                        k_norm=get(p + "attn_k_norm.weight", (hd,)),
-                        post_attn_norm=get(p + "post_attention_norm.weight", (d,)),
-                        post_ffn_norm=get(p + "post_ffw_norm.weight", (d,))) if self.gemma else {}),
+                **({"q_norm": get(p + "attn_q_norm.weight", (hd,)),
+                        "k_norm": get(p + "attn_k_norm.weight", (hd,)),
+                        "post_attn_norm": get(p + "post_attention_norm.weight", (d,)),
+                        "post_ffn_norm": get(p + "post_ffw_norm.weight", (d,))} if self.gemma else {}),
             ))
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
-    def from_gguf(cls, path: Any = None, cache_dir: Any = None) -> "LlamaModel":
+    def from_gguf(cls, path: Any = None, cache_dir: Any = None) -> LlamaModel:
         """Model from a GGUF file (default: SmolLM2-135M-Instruct), see :func:`load_gguf`."""
         return cls.from_loaded(load_gguf(path, cache_dir))
 
     @classmethod
-    def from_loaded(cls, loaded: LoadedGGUF) -> "LlamaModel":
+    def from_loaded(cls, loaded: LoadedGGUF) -> LlamaModel:
         """Model from an already loaded :class:`~numba_kv.toolkit.models.gguf_loader.LoadedGGUF`."""
         return cls(loaded.config, loaded.tensors)
 
-    def new_cache(self, cache_factory: Optional[Union[str, CacheFactory]] = None, **options: Any) -> Any:
+    def new_cache(self, cache_factory: str | CacheFactory | None = None, **options: Any) -> Any:
         """A fresh KV cache with this model's geometry.
 
         Parameters
@@ -392,7 +393,7 @@ class LlamaModel:
             Forwarded to the factory.
         """
         c = self.config
-        geom = dict(num_layers=c.n_layers, num_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
+        geom = {"num_layers": c.n_layers, "num_kv_heads": c.n_kv_heads, "head_dim": c.head_dim}
         if cache_factory is None:
             return DenseCache(**geom, **options)
         if isinstance(cache_factory, str):
@@ -417,7 +418,7 @@ class LlamaModel:
         return ids.astype(np.int64)
 
     def step(self, tokens: Any, cache: Any, start_pos: int, use_decode: bool,
-             logits: str = "last") -> Optional[np.ndarray]:
+             logits: str = "last") -> np.ndarray | None:
         """One pass of ``T`` new tokens through all layers (one cache call per layer).
 
         Parameters
@@ -506,11 +507,11 @@ class LlamaModel:
             x += f
         return self.output_logits(x, logits)
 
-    def _attend(self, q: np.ndarray, r: DequantResult, window: Optional[int] = None) -> np.ndarray:
+    def _attend(self, q: np.ndarray, r: DequantResult, window: int | None = None) -> np.ndarray:
         bias = None if r.logit_bias is None else _host(r.logit_bias)
         return attention(q, _host(r.k), _host(r.v), self.softmax_scale, self.config.n_kv_groups, bias, window)
 
-    def output_logits(self, x: np.ndarray, which: str) -> Optional[np.ndarray]:
+    def output_logits(self, x: np.ndarray, which: str) -> np.ndarray | None:
         """Logits of hidden states ``x`` ``[n, dim]`` (final norm, output matrix, soft-cap):
         ``which`` = ``"all"`` (``[n, vocab]``), ``"last"`` (``[1, vocab]``) or ``"none"``."""
         if which == "none":
@@ -524,8 +525,8 @@ class LlamaModel:
             out = np.float32(cap) * np.tanh(out / np.float32(cap))
         return out
 
-    def forward(self, tokens: Any, cache: Any, start_pos: Optional[int] = None, *, mode: str = "prefill",
-                chunk_size: Optional[int] = DEFAULT_CHUNK_SIZE, logits: str = "last") -> Optional[np.ndarray]:
+    def forward(self, tokens: Any, cache: Any, start_pos: int | None = None, *, mode: str = "prefill",
+                chunk_size: int | None = DEFAULT_CHUNK_SIZE, logits: str = "last") -> np.ndarray | None:
         """Feed ``tokens`` through the model, storing their K/V in ``cache``.
 
         Parameters

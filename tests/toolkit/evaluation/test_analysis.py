@@ -157,13 +157,13 @@ def test_simulate_logits_matches_protocol(tiny, cs):
     sim, states = simulate_logits(model, ids, p, chunk_size=cs, return_states=True)
     assert sim.shape == dense.shape and len(states) == c.n_layers + 1
     np.testing.assert_allclose(sim, dense, atol=1e-3)
-    cases = [(dict(k_quant=3),
+    cases = [({"k_quant": 3},
               KVSplitCache(PolarQuantCache(*geom, bits=3, residual_length=0, sink_tokens=0,
                                            decode_output="dequantized"), DenseCache(*geom), "k")),
-             (dict(v_quant=4, residual_length=6, sink_tokens=2),
+             ({"v_quant": 4, "residual_length": 6, "sink_tokens": 2},
               KVSplitCache(PolarQuantCache(*geom, bits=4, residual_length=6, sink_tokens=2,
                                            decode_output="dequantized"), DenseCache(*geom), "v")),
-             (dict(k_quant=4, v_quant=3, residual_length=6, sink_tokens=2),
+             ({"k_quant": 4, "v_quant": 3, "residual_length": 6, "sink_tokens": 2},
               PolarQuantCache(*geom, k_bits=4, v_bits=3, bits=4, residual_length=6, sink_tokens=2))]
     for kw, cache in cases:
         a = _protocol(model, ids, cache, p, cs)

@@ -201,9 +201,8 @@ def test_numba_threads_restores():
     with ev.numba_threads(1) as n:
         assert n == 1 and numba.get_num_threads() == 1
     assert numba.get_num_threads() == before
-    with pytest.raises(EvalConfigError, match="^--threads"):
-        with ev.numba_threads(0):
-            pass
+    with pytest.raises(EvalConfigError, match="^--threads"), ev.numba_threads(0):
+        pass
     assert numba.get_num_threads() == before
 
 

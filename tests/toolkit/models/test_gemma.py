@@ -14,13 +14,27 @@ import numpy as np
 import pytest
 
 from numba_kv.caches.dense import DenseCache
-from numba_kv.toolkit.models import (GGUFTokenizer, LlamaModel, ModelNotFoundError, attention, gelu_tanh, generate,
-                             load_gguf, load_model, sequence_logits)
+from numba_kv.toolkit.models import (
+    GGUFTokenizer,
+    LlamaModel,
+    ModelNotFoundError,
+    attention,
+    gelu_tanh,
+    generate,
+    load_gguf,
+    load_model,
+    sequence_logits,
+)
 
 from ..conftest import need_model_packages
 from .test_llama import FusedDense, RowBiasDense, _Wrapper, assert_close, naive_attention
-from .tiny_gemma import (SPACE, gemma_reference_logits, spm_reference_encode, tiny_spm_vocab,
-                         write_tiny_gemma_gguf)
+from .tiny_gemma import (
+    SPACE,
+    gemma_reference_logits,
+    spm_reference_encode,
+    tiny_spm_vocab,
+    write_tiny_gemma_gguf,
+)
 
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
 
@@ -136,7 +150,7 @@ def test_tiny_gemma_compressed_cache_attends_its_own_history(tiny_gemma):
     assert np.isfinite(sequence_logits(model, ids, cache, 2)).all()
     assert any(n == 10 for layer, n, *_ in seen) and all(layer != 5 for layer, n, *_ in seen if n > 2)
     # the history a windowed step got back is the cache's lossy one, not the exact keys
-    _, n, hk, hv, q = next(e for e in seen if e[0] == 0 and e[1] == 10)
+    _, _n, hk, _hv, _q = next(e for e in seen if e[0] == 0 and e[1] == 10)
     exact = sequence_logits(model, ids, Spy(model.new_cache()), 2)  # noqa: F841 - fills `seen` with dense
     _, _, dk, _, _ = next(e for e in reversed(seen) if e[0] == 0 and e[1] == 10)
     assert np.abs(hk - dk).max() > 1e-3

@@ -13,7 +13,7 @@ import pytest
 from numba_kv import reference
 from numba_kv.caches.dense import DenseCache
 from numba_kv.caches.protocol import AttendConfig, Dequantized, DequantResult, Fused
-from numba_kv.toolkit.models import LlamaModel, attention, generate, sequence_logits
+from numba_kv.toolkit.models import attention, generate, sequence_logits
 
 from .tiny_llama import hf_reference_logits
 
@@ -255,7 +255,7 @@ def smol_ref(smollm2, smol_ids):
 
 @pytest.mark.slow
 def test_smollm2_config(smollm2):
-    model, tok = smollm2
+    model, _tok = smollm2
     c = model.config
     assert (c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.dim, c.ffn_dim) == (30, 9, 3, 64, 576, 1536)
     assert c.vocab_size == 49152 and c.rope_theta == 100000.0 and model.tied_embeddings
