@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 # Every handler imports its subcommand's modules itself (the function-level imports below):
 # a missing package of the tools extra then becomes ``numba-kv CMD: error: ...`` instead of a
@@ -228,10 +229,8 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``numba-kv``."""
-    p = argparse.ArgumentParser(prog="numba-kv", description="numba_kv: compressed KV caches on CPU and CUDA")
-    sub = p.add_subparsers(dest="command", required=True)
+def _add_eval(sub: Any) -> None:
+    """The ``eval`` subcommand."""
     from .evaluation.evaluate import DEFAULT_CACHES, DEFAULT_TEXT
 
     e = sub.add_parser(
@@ -266,6 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--plot", default=None, metavar="FILE.png", help="save quality vs bits/value as a PNG")
     e.add_argument("--no-progress", action="store_true")
     e.set_defaults(func=_eval)
+
+
+def _add_generate(sub: Any) -> None:
+    """The ``generate`` subcommand."""
     g = sub.add_parser("generate", help="greedy generation with one cache, printing the text and tokens/s")
     g.add_argument("prompt")
     g.add_argument("--cache", default="dense", help="one cache spec, as in `eval --cache` (default: %(default)s)")
@@ -277,6 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="smollm2 (default), gemma3-270m or a GGUF file")
     g.add_argument("--threads", type=int, default=None)
     g.set_defaults(func=_generate)
+
+
+def _add_demo(sub: Any) -> None:
+    """The ``demo`` subcommand."""
     d = sub.add_parser("demo", help="push a synthetic KV stream through several caches and print a table")
     d.add_argument("--synthetic", action="store_true",
                    help="the synthetic KV stream (the only mode of `demo`; the real-model demo is `eval`)")
@@ -290,6 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="print JSON instead of a table")
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=_demo)
+
+
+def _add_bench(sub: Any) -> None:
+    """The ``bench`` subcommand."""
     b = sub.add_parser("bench", help="benchmarks: `bench attention` (fused vs dense vs dequantize+attend), "
                                      "`bench modes` (quality of every compression mode)")
     b.add_argument("what", choices=["attention", "modes"])
@@ -307,6 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention: skip the cache.decode table (pqo3, tq3, the best <= 4-bit cache at T=32K)")
     b.add_argument("--no-progress", action="store_true")
     b.set_defaults(func=_bench)
+
+
+def _add_analyze(sub: Any) -> None:
+    """The ``analyze`` subcommand."""
     a = sub.add_parser("analyze", help="K vs V, per-layer and per-head analysis of PQO quantization on a model",
                        description="Where the loss of PQO quantization comes from: keys only vs values only, "
                                    "per layer, per head, and one layer at a time (analyze_kv).")
@@ -325,6 +340,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the result as JSON to FILE ('-' prints it instead of the tables)")
     a.add_argument("--quiet", action="store_true", help="no progress bars")
     a.set_defaults(func=_analyze)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``numba-kv``."""
+    p = argparse.ArgumentParser(prog="numba-kv", description="numba_kv: compressed KV caches on CPU and CUDA")
+    sub = p.add_subparsers(dest="command", required=True)
+    for add in (_add_eval, _add_generate, _add_demo, _add_bench, _add_analyze):
+        add(sub)
     i = sub.add_parser("info", help="versions, threading layer, CUDA/simulator/NVVM status")
     i.set_defaults(func=_info)
     return p
