@@ -7,7 +7,7 @@ GB/s it reads next to the machine's STREAM-style copy bandwidth measured in the 
 
 import pytest
 
-from numba_kv.bench import blas_control, blas_threads_limited, make_case
+from numba_kv.toolkit.bench import blas_control, blas_threads_limited, make_case
 
 from ._util import env_info
 

@@ -1,14 +1,14 @@
 """Fused decode step of every cache family at T = 32K (batch 1, 8 KV heads, 32 query heads,
 d = 128, no window): what the QJL correction, the whole-head rotation and mixed block
 widths cost inside the kernel, against PQO3 and dense NumPy attention, in one group; plus
-``cache.decode`` of the best <= 4-bit configuration (:data:`numba_kv.bench.BEST_LE4_SPEC`)."""
+``cache.decode`` of the best <= 4-bit configuration (:data:`numba_kv.toolkit.bench.BEST_LE4_SPEC`)."""
 
 import numpy as np
 import pytest
 
 from numba_kv import AttendConfig
-from numba_kv.bench import BEST_LE4_SPEC
-from numba_kv.evaluate import parse_cache_specs
+from numba_kv.toolkit.bench import BEST_LE4_SPEC
+from numba_kv.toolkit.specs import parse_cache_specs
 
 from ._util import env_info
 

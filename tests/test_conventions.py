@@ -1,4 +1,5 @@
-"""Meta-tests: the twin conventions of architecture.md §5.2 hold for every op module."""
+"""Meta-tests: the twin conventions hold for every op module, and the two rooms of
+``ARCHITECTURE.md`` (library, toolkit) keep their import rules."""
 
 import ast
 import inspect
@@ -42,7 +43,7 @@ def test_twins_have_identical_signatures_and_names():
 def test_no_hand_written_numba_decorators():
     """All jit decorators come from numba_kv._jit, so cache/nogil/fastmath are uniform."""
     for path in sorted(PKG.rglob("*.py")):
-        if path.name == "_jit.py" or "models" in path.parts:
+        if path.name == "_jit.py" or "models" in path.parts:  # the NumPy LLM compiles nothing
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef):
@@ -53,26 +54,141 @@ def test_no_hand_written_numba_decorators():
                         f"{path.relative_to(PKG)}:{node.name} uses a raw numba decorator; use numba_kv._jit"
 
 
-def test_reference_imports_numpy_only():
-    for path in sorted((PKG / "reference").glob("*.py")):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                mods = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                mods = [node.module or ""] if node.level == 0 else [f".{node.module or ''}"]
-                if node.level and node.module and node.module.split(".")[0] not in ("polarquant",):
-                    mods = ["numba_kv." + node.module]
+# -- the two rooms (ARCHITECTURE.md) ------------------------------------------------------------
+TOOLKIT = "numba_kv.toolkit"
+#: third-party packages only the toolkit may use (the ``tools`` extra and friends)
+TOOL_DEPS = ("tqdm", "rich", "matplotlib", "gguf", "tokenizers", "scipy", "faiss", "threadpoolctl")
+#: ... and none of these is loaded by ``import numba_kv`` (safetensors: the library's own optional
+#: ``io`` extra, imported by ``caches.persist`` only when a cache is saved or loaded)
+NOT_AT_IMPORT = TOOL_DEPS + ("safetensors",)
+#: NumPy-only leaves of the library: they import nothing of numba_kv outside themselves
+NUMPY_ONLY = ("numba_kv.reference", "numba_kv.metrics")
+STDLIB_OK = ("numpy", "__future__", "typing", "math", "dataclasses")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+    return ".".join(parts)
+
+
+def _package_modules():
+    """``(module name, path)`` of every module of the package, at any depth."""
+    return [(_module_name(p), p) for p in sorted(PKG.rglob("*.py"))]
+
+
+def imported_modules(path: pathlib.Path, module: str):
+    """Absolute names of everything ``path`` imports, anywhere in the file (function-level
+    imports included): ``import a.b``, ``from a import b`` (-> ``a``, ``a.b``), and relative
+    forms (``from .. import ops`` -> ``numba_kv``, ``numba_kv.ops``)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base_parts = package.split(".")
+                if node.level > 1:
+                    base_parts = base_parts[: len(base_parts) - (node.level - 1)]
+                base = ".".join(base_parts + ([node.module] if node.module else []))
             else:
-                continue
-            for m in mods:
-                assert m.split(".")[0] in ("numpy", "__future__", "typing", "math", "") or m.startswith(".polar"), \
-                    f"reference/{path.name} imports {m}"
+                base = node.module or ""
+            out.append((node.lineno, base))
+            out += [(node.lineno, f"{base}.{a.name}") for a in node.names if a.name != "*"]
+    return out
+
+
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def test_import_parser_resolves_relative_imports(tmp_path):
+    """The loophole of the old check: ``from .. import ops`` must resolve to ``numba_kv.ops``."""
+    f = tmp_path / "mod.py"
+    f.write_text("from .. import toolkit\nfrom ..toolkit.cli import main\nimport numba_kv.toolkit.models\n"
+                 "def f():\n    from . import x\n")
+    names = {n for _, n in imported_modules(f, "numba_kv.caches.mod")}
+    assert {"numba_kv.toolkit", "numba_kv.toolkit.cli", "numba_kv.toolkit.models", "numba_kv.caches.x"} <= names
+
+
+def test_modules_are_found_at_every_depth():
+    names = {m for m, _ in _package_modules()}
+    assert {"numba_kv", "numba_kv.ops.attention", "numba_kv.toolkit.models.llama",
+            "numba_kv.toolkit.evaluation.evaluate"} <= names
+
+
+def test_library_never_imports_the_toolkit():
+    """The library (everything outside ``numba_kv.toolkit``) imports no toolkit module and none
+    of the toolkit's third-party packages, not even inside a function."""
+    bad = []
+    for module, path in _package_modules():
+        if _within(module, TOOLKIT):
+            continue
+        for line, name in imported_modules(path, module):
+            if _within(name, TOOLKIT) or name.split(".")[0] in TOOL_DEPS:
+                bad.append(f"{path.relative_to(PKG.parent)}:{line} imports {name}")
+    assert not bad, "library modules import application code:\n" + "\n".join(bad)
+
+
+def test_numpy_only_modules_import_numpy_only():
+    """The oracles (``numba_kv.reference``) and the metrics import NumPy and the standard library
+    only, never ``numba_kv.ops`` or ``numba_kv.caches``: an oracle cannot inherit the bug it is
+    meant to catch."""
+    for module, path in _package_modules():
+        leaf = next((p for p in NUMPY_ONLY if _within(module, p)), None)
+        if leaf is None:
+            continue
+        for line, name in imported_modules(path, module):
+            assert name.split(".")[0] in STDLIB_OK or _within(name, leaf), \
+                f"{path.relative_to(PKG.parent)}:{line} imports {name}"
+
+
+_IMPORT_PROBE = """
+import importlib.abc, os, sys, traceback
+PKG = os.path.join(sys.argv[1], "")  # the numba_kv directory
+BLOCKED = set(sys.argv[2].split(","))
+offenders = []
+
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            # the innermost real frame is the module that asked (importlib frames are "<frozen ...>")
+            caller = [f for f in traceback.extract_stack()[:-1] if not f.filename.startswith("<")][-1]
+            if caller.filename.startswith(PKG):
+                offenders.append(f"{name} from {caller.filename}:{caller.lineno}")
+            raise ModuleNotFoundError(f"blocked: {name}", name=name)
+        return None
+
+sys.meta_path.insert(0, Block())
+import numba_kv
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+print(repr((offenders, loaded)))
+"""
+
+
+def test_import_numba_kv_loads_no_tool_dependency():
+    """``import numba_kv`` works without the tools' packages and asks for none of them.
+
+    Run in a fresh interpreter in which every tool package is unimportable: Numba itself
+    probes for SciPy (optional for it), so the check is on who asks, not on ``sys.modules``
+    alone."""
+    import ast as _ast
+    import subprocess
+    import sys
+
+    init = pathlib.Path(numba_kv.__file__)
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_PROBE, str(init.parent), ",".join(NOT_AT_IMPORT)],
+                          check=False, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    offenders, loaded = _ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert not offenders, f"import numba_kv asks for tool packages: {offenders}"
+    assert not loaded, f"import numba_kv loaded {loaded}"
 
 
 def test_no_print_in_package():
-    """Library code reports through return values/logging; only command-line entry points
-    (``cli.py`` and functions named ``main``) write to the terminal."""
+    """Library and toolkit code report through return values/logging; only command-line entry
+    points (``toolkit/cli.py`` and functions named ``main``) write to the terminal."""
     for path in sorted(PKG.rglob("*.py")):
         if path.name in ("cli.py",) or "models" in path.parts:
             continue

@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import re
-from typing import Any, Dict
+from typing import Any
 
 from ._layer import LayeredCache
 from .dense import DenseCache
 from .polarquant import PolarQuantCache
+from .spec import CACHE_NAMES, name_options, parse_cache_spec
 from .turboquant import TurboQuantCache
 
-CACHE_NAMES = ("dense", "pq2", "pq3", "pq4", "pqo2", "pqo3", "pqo4", "pqo2.5", "pqo3.5", "tq2", "tq3", "tq4")
-_NAME = re.compile(r"^(pqo|pq|tq)(?:(?P<bits>[234])(?P<half>\.5)?|-k(?P<kb>[234])v(?P<vb>[234]))"
-                   r"(?P<suffix>(?:-l2|-maxnorm|-head|-eden)*)$")
-_SUFFIX_OPTIONS: Dict[str, Dict[str, Any]] = {
-    "-l2": {"norm_mode": "l2"},
-    "-maxnorm": {"norm_mode": "maxnorm"},
-    "-head": {"rotation": "head"},
-    "-eden": {"unbiased": True},
-}
-
+__all__ = ["CACHE_NAMES", "make_cache"]
 
 def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int, **options: Any) -> LayeredCache:
     """Create a cache by name.
@@ -34,6 +25,8 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int, 
         prefill — one bit wider: 2.5 / 3.5 index bits per value).  Suffixes, combinable:
         ``"-l2"`` (L2 norm mode), ``"-head"`` (one rotation over the whole head and one
         norm per vector instead of per-32-block scales), ``"-eden"`` (unbiased rescale).
+        The full grammar of :mod:`numba_kv.caches.spec` is accepted: a window suffix
+        ``"-rR-sS"`` and options ``":key=value,..."`` (``"pqo3-r0-s0:key_center=true"``).
     num_layers, num_kv_heads, head_dim : int
         Model geometry.
     **options
@@ -59,35 +52,22 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int, 
     """
     if not isinstance(name, str):
         raise TypeError(f"name: expected a str, got {type(name).__name__}")
-    key = name.strip().lower()
-    geom = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
-    if key == "dense":
-        return DenseCache(**geom, **options)
-    m = _NAME.match(key)
-    if not m:
-        raise ValueError(f"name: expected one of {list(CACHE_NAMES)}, or 'pqo-k<2-4>v<2-4>' / 'tq-k<2-4>v<2-4>', "
-                         f"optionally with '-l2', '-head', '-eden' suffixes, got {name!r}")
-    family = m.group(1)
-    implied: Dict[str, Any] = {}
-    if m.group("bits"):
-        bits = int(m.group("bits"))
-        if m.group("half"):
-            if family != "pqo" or bits == 4:
-                raise ValueError(f"name: channel splits exist as 'pqo2.5' and 'pqo3.5', got {name!r}")
-            if not isinstance(head_dim, int) or head_dim % 64:
-                raise ValueError(f"head_dim: {name!r} splits every head in two halves of whole 32-blocks, "
-                                 f"expected a multiple of 64, got {head_dim!r}")
-            implied.update(outlier_channels=head_dim // 2, outlier_bits=bits + 1)
+    try:
+        spec = parse_cache_spec(name)
+    except ValueError as exc:
+        raise ValueError(f"name: {exc}") from None
+    if spec.is_dense:
+        family, bits, implied = "dense", 0, dict(spec.options)
     else:
-        kb, vb = int(m.group("kb")), int(m.group("vb"))
-        bits = max(kb, vb)
-        implied.update(k_bits=kb, v_bits=vb)
-    for suf in re.findall(r"-[a-z0-9]+", m.group("suffix")):
-        implied.update(_SUFFIX_OPTIONS[suf])
+        family, bits, implied = name_options(spec.name, head_dim)
+        implied = {**spec.options, **implied}
+    geom = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
     for opt, val in implied.items():
         if opt in options and options[opt] != val:
             raise ValueError(f"{opt}: {options[opt]!r} conflicts with the name {name!r}")
     options = {**options, **implied}
+    if family == "dense":
+        return DenseCache(**geom, **options)
     if family == "tq":
         return TurboQuantCache(**geom, bits=bits, **options)
     return PolarQuantCache(**geom, bits=bits, mode=family, **options)

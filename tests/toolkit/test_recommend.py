@@ -1,4 +1,4 @@
-"""The measured recommendation table (`numba_kv.recommend`, `numba-kv bench modes`): a tiny run."""
+"""The measured recommendation table (`numba_kv.toolkit.recommend`, `numba-kv bench modes`): a tiny run."""
 
 import json
 import math
@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from numba_kv import recommend
-from numba_kv.cli import main
+from numba_kv.toolkit import recommend
+from numba_kv.toolkit.cli import main
 
 MODES = ["pqo3", "pqo2", "tq3", "pqo3-eden"]
 

@@ -14,13 +14,27 @@ import numpy as np
 import pytest
 
 from numba_kv.caches.dense import DenseCache
-from numba_kv.models import (GGUFTokenizer, LlamaModel, ModelNotFoundError, attention, gelu_tanh, generate,
-                             load_gguf, load_model, sequence_logits)
+from numba_kv.toolkit.models import (
+    GGUFTokenizer,
+    LlamaModel,
+    ModelNotFoundError,
+    attention,
+    gelu_tanh,
+    generate,
+    load_gguf,
+    load_model,
+    sequence_logits,
+)
 
-from .conftest import need_model_packages
+from ..conftest import need_model_packages
 from .test_llama import FusedDense, RowBiasDense, _Wrapper, assert_close, naive_attention
-from .tiny_gemma import (SPACE, gemma_reference_logits, spm_reference_encode, tiny_spm_vocab,
-                         write_tiny_gemma_gguf)
+from .tiny_gemma import (
+    SPACE,
+    gemma_reference_logits,
+    spm_reference_encode,
+    tiny_spm_vocab,
+    write_tiny_gemma_gguf,
+)
 
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
 
@@ -136,7 +150,7 @@ def test_tiny_gemma_compressed_cache_attends_its_own_history(tiny_gemma):
     assert np.isfinite(sequence_logits(model, ids, cache, 2)).all()
     assert any(n == 10 for layer, n, *_ in seen) and all(layer != 5 for layer, n, *_ in seen if n > 2)
     # the history a windowed step got back is the cache's lossy one, not the exact keys
-    _, n, hk, hv, q = next(e for e in seen if e[0] == 0 and e[1] == 10)
+    _, _n, hk, _hv, _q = next(e for e in seen if e[0] == 0 and e[1] == 10)
     exact = sequence_logits(model, ids, Spy(model.new_cache()), 2)  # noqa: F841 - fills `seen` with dense
     _, _, dk, _, _ = next(e for e in reversed(seen) if e[0] == 0 and e[1] == 10)
     assert np.abs(hk - dk).max() > 1e-3
@@ -183,7 +197,7 @@ def test_tiny_gemma_softcap_and_metadata_overrides(tiny_gemma):
 def test_gemma_metadata_pattern_and_rope_keys(tmp_path):
     """``sliding_window_pattern`` (int or per-layer flags), ``rope.freq_base_swa`` and
     ``attention.scale`` are read when present."""
-    from numba_kv.models.gguf_loader import _config_from_metadata
+    from numba_kv.toolkit.models.gguf_loader import _config_from_metadata
 
     meta = {"general.architecture": "gemma3", "gemma3.block_count": 4, "gemma3.embedding_length": 64,
             "gemma3.feed_forward_length": 96, "gemma3.attention.head_count": 4,
@@ -315,7 +329,7 @@ def test_gemma3_decode_matches_one_shot(gemma3):
 def test_model_path_names(monkeypatch, tmp_path):
     import sys
 
-    from numba_kv.models import gguf_loader
+    from numba_kv.toolkit.models import gguf_loader
 
     assert gguf_loader.model_path(tmp_path / "x.gguf") == tmp_path / "x.gguf"
     monkeypatch.setattr(gguf_loader, "smollm2_path", lambda: Path("/smol.gguf"))
@@ -330,10 +344,10 @@ def test_gemma3_eval_and_generate_cli(gemma3, monkeypatch, capsys, tmp_path):
     """``numba-kv eval --model gemma3-270m`` (tiny N) and ``generate --model gemma3-270m``."""
     import json
 
-    from numba_kv import cli
-    from numba_kv import evaluate as ev
+    from numba_kv.toolkit import cli
+    from numba_kv.toolkit.evaluation import evaluate as ev
 
-    monkeypatch.setattr("numba_kv.models.load_model", lambda path=None, cache_dir=None: gemma3)
+    monkeypatch.setattr("numba_kv.toolkit.models.load_model", lambda path=None, cache_dir=None: gemma3)
     f = tmp_path / "t.txt"
     f.write_text(GPL3.read_text(encoding="utf-8")[:2000])
     out = tmp_path / "r.json"

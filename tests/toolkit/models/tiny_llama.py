@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+
 def bytes_to_unicode():
     """GPT-2's byte -> printable unicode map (byte-level BPE alphabet)."""
     bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
@@ -19,7 +20,7 @@ def bytes_to_unicode():
     return dict(zip(bs, map(chr, cs)))
 
 
-TINY = dict(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32, dim=128, ffn_dim=192, theta=10000.0, eps=1e-5)
+TINY = {"n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 32, "dim": 128, "ffn_dim": 192, "theta": 10000.0, "eps": 1e-5}
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "a t", "e r", "Ġ s"]
 
@@ -55,12 +56,12 @@ def write_tiny_gguf(path, seed: int = 0, tied: bool = True, quant: bool = False)
     if not tied:
         hf["lm_head"] = mat(vocab, d)
     for _ in range(c["n_layers"]):
-        hf["layers"].append(dict(
-            in_norm=(1 + 0.1 * rng.standard_normal(d)).astype(np.float32),
-            q=mat(nh * hd, d), k=mat(nkv * hd, d), v=mat(nkv * hd, d), o=mat(d, nh * hd),
-            post_norm=(1 + 0.1 * rng.standard_normal(d)).astype(np.float32),
-            gate=mat(f, d), up=mat(f, d), down=mat(d, f),
-        ))
+        hf["layers"].append({
+            "in_norm": (1 + 0.1 * rng.standard_normal(d)).astype(np.float32),
+            "q": mat(nh * hd, d), "k": mat(nkv * hd, d), "v": mat(nkv * hd, d), "o": mat(d, nh * hd),
+            "post_norm": (1 + 0.1 * rng.standard_normal(d)).astype(np.float32),
+            "gate": mat(f, d), "up": mat(f, d), "down": mat(d, f),
+        })
 
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("tiny-test-llama")

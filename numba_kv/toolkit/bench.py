@@ -19,13 +19,21 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any
 
 import numpy as np
+from rich.console import Console
+from rich.table import Table
+from tqdm.auto import tqdm
 
-from .ops.attention import decode_attention
-from .ops.blockquant import dequantize_blocks, quantize_blocks
+from numba_kv.caches.protocol import AttendConfig
+from numba_kv.info import provenance, provenance_line, stream_copy_gbs
+from numba_kv.ops.attention import decode_attention
+from numba_kv.ops.blockquant import dequantize_blocks, quantize_blocks
+
+from .specs import parse_cache_specs
 
 
 def dense_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, softmax_scale: float) -> np.ndarray:
@@ -100,12 +108,13 @@ def make_case(tokens: int, bits: int, num_kv_heads: int = 8, num_heads: int = 32
     return AttentionCase(tokens, bits, q, k, v, kc, ks, vc, vs)
 
 
-def blas_threads_limited(n: Optional[int]) -> contextlib.AbstractContextManager:
+def blas_threads_limited(n: int | None) -> contextlib.AbstractContextManager:
     """Context manager: BLAS limited to ``n`` threads (``threadpoolctl``); a no-op when ``n``
     is ``None`` or threadpoolctl is not installed (then :func:`blas_control` is False)."""
     if n is None or not blas_control():
         return contextlib.nullcontext()
-    from threadpoolctl import threadpool_limits  # noqa: PLC0415
+    # threadpoolctl: optional (the bench extra)
+    from threadpoolctl import threadpool_limits
 
     return threadpool_limits(limits=int(n), user_api="blas")
 
@@ -113,7 +122,7 @@ def blas_threads_limited(n: Optional[int]) -> contextlib.AbstractContextManager:
 def blas_control() -> bool:
     """True when the BLAS thread count can be switched inside the process (threadpoolctl)."""
     try:
-        import threadpoolctl  # noqa: F401, PLC0415
+        import threadpoolctl  # noqa: F401
     except ImportError:
         return False
     return True
@@ -144,10 +153,10 @@ class AttentionRow:
     compressed_mb: float
     dense_mb: float
     max_rel_err_vs_dequant: float
-    dense_best_threads: Optional[int] = None
+    dense_best_threads: int | None = None
 
 
-def _interleaved_best(fns: Sequence[Callable[[], object]], repeat: int) -> List[float]:
+def _interleaved_best(fns: Sequence[Callable[[], object]], repeat: int) -> list[float]:
     """Best wall time of each function, measured round-robin (one call of each per round), so
     that load changes on a shared machine hit every contender alike."""
     for fn in fns:
@@ -167,18 +176,16 @@ def _best(fn: Callable[[], object], repeat: int) -> float:
 
 def run_attention_bench(tokens: Sequence[int] = (4096, 32768, 131072), bits: Sequence[int] = (3, 4),
                         repeat: int = 5, progress: bool = True, best_threads: int = 2,
-                        stream_gbs: Optional[float] = None) -> List[AttentionRow]:
+                        stream_gbs: float | None = None) -> list[AttentionRow]:
     """Time fused vs dense (1 and ``best_threads`` BLAS threads) vs dequantize-then-attend for
     every (tokens, bits); ``stream_gbs`` (default: measured now) is the copy bandwidth."""
-    from tqdm.auto import tqdm  # noqa: PLC0415
 
-    from .info import stream_copy_gbs  # noqa: PLC0415
 
     if stream_gbs is None:
         stream_gbs = stream_copy_gbs()
     ctl = blas_control()
 
-    def with_blas(fn: Callable[[], object], n: Optional[int]) -> Callable[[], object]:
+    def with_blas(fn: Callable[[], object], n: int | None) -> Callable[[], object]:
         def run() -> object:
             with blas_threads_limited(n):
                 return fn()
@@ -219,14 +226,11 @@ class DecodeRow:
 
 def run_decode_bench(specs: Sequence[str] = DECODE_SPECS, tokens: int = 32768, repeat: int = 5,
                      num_kv_heads: int = 8, num_heads: int = 32, head_dim: int = 128,
-                     progress: bool = True) -> List[DecodeRow]:
+                     progress: bool = True) -> list[DecodeRow]:
     """Time ``cache.decode`` of one token (append + fused attention) for each cache spec
-    (:func:`numba_kv.evaluate.parse_cache_specs` grammar, the caches' default windows), next to
+    (:func:`numba_kv.toolkit.specs.parse_cache_specs` grammar, the caches' default windows), next to
     NumPy dense float32 attention (one BLAS thread) over the same history, interleaved."""
-    from tqdm.auto import tqdm  # noqa: PLC0415
 
-    from .caches.protocol import AttendConfig  # noqa: PLC0415
-    from .evaluate import parse_cache_specs  # noqa: PLC0415
 
     rng = np.random.default_rng(0)
     k = rng.standard_normal((1, num_kv_heads, tokens, head_dim)).astype(np.float32)
@@ -262,8 +266,6 @@ def with_one_blas(fn: Callable[[], object]) -> Callable[[], object]:
 
 def render_attention(rows: Sequence[AttentionRow], title: str) -> None:
     """Print attention rows as a rich table."""
-    from rich.console import Console  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
 
     table = Table(title=title)
     for col in ("T", "bits", "fused ms", "dense f32 ms (1 BLAS)", "dense ms (2 BLAS)", "deq+attend ms", "vs dense",
@@ -280,8 +282,6 @@ def render_attention(rows: Sequence[AttentionRow], title: str) -> None:
 
 def render_decode(rows: Sequence[DecodeRow], title: str) -> None:
     """Print ``cache.decode`` rows as a rich table."""
-    from rich.console import Console  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
 
     table = Table(title=title)
     for col in ("cache", "T", "decode ms", "dense f32 ms (1 BLAS)", "vs dense", "KV MB"):
@@ -293,13 +293,12 @@ def render_decode(rows: Sequence[DecodeRow], title: str) -> None:
 
 
 def attention_report(tokens: Sequence[int], bits: Sequence[int], repeat: int, progress: bool = True,
-                     decode_tokens: Optional[int] = 32768, decode_specs: Sequence[str] = DECODE_SPECS
-                     ) -> Dict[str, Any]:
+                     decode_tokens: int | None = 32768, decode_specs: Sequence[str] = DECODE_SPECS
+                     ) -> dict[str, Any]:
     """Everything ``numba-kv bench attention`` prints, as one JSON-able dict: ``provenance``
     (:func:`numba_kv.info.provenance`), ``provenance_line``, ``stream_copy_gb_per_s``,
     ``blas_control`` (threadpoolctl present), ``rows`` (fused vs dense vs dequantize) and
     ``decode`` (``cache.decode`` rows; empty when ``decode_tokens`` is ``None``)."""
-    from .info import provenance, provenance_line, stream_copy_gbs  # noqa: PLC0415
 
     prov = provenance()
     gbs = stream_copy_gbs()
@@ -310,7 +309,7 @@ def attention_report(tokens: Sequence[int], bits: Sequence[int], repeat: int, pr
             "_rows": rows, "_decode": dec}
 
 
-def print_attention_report(rep: Dict[str, Any]) -> None:
+def print_attention_report(rep: dict[str, Any]) -> None:
     """Render :func:`attention_report` as tables labelled with the provenance line."""
     label = rep["provenance_line"]
     note = "" if rep["blas_control"] else " [threadpoolctl missing: 'best' = environment's BLAS threads]"
@@ -319,6 +318,6 @@ def print_attention_report(rep: Dict[str, Any]) -> None:
         render_decode(rep["_decode"], f"cache.decode of one token, 8 KV heads x 4 query heads, d=128\n{label}")
 
 
-def rows_as_dicts(rows: Sequence[object]) -> List[Dict]:
+def rows_as_dicts(rows: Sequence[object]) -> list[dict]:
     """Dataclass rows as plain dicts (for ``--json``)."""
     return [asdict(r) for r in rows]

@@ -5,8 +5,8 @@ import json
 
 import numpy as np
 
-from numba_kv.bench import blas_threads_limited, make_case, run_decode_bench
-from numba_kv.cli import main
+from numba_kv.toolkit.bench import blas_threads_limited, make_case, run_decode_bench
+from numba_kv.toolkit.cli import main
 
 
 def test_cli_json_has_provenance_and_rows(tmp_path, capsys):

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from numba_kv.models import GGUFTokenizer
+from numba_kv.toolkit.models import GGUFTokenizer
 
 pytest.importorskip("tokenizers", reason="needs the 'tokenizers' package (pip install tokenizers)")
 
-from .tiny_llama import MERGES, SPECIALS  # tests/models/tiny_llama.py
+from .tiny_llama import MERGES, SPECIALS
 
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
 

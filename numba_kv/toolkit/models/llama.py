@@ -58,26 +58,26 @@ Gemma-3 technical report (arXiv:2503.19786), as llama.cpp runs it (``gemma3.cpp`
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Sequence, Union
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from .._backend import to_host
-from ..caches.protocol import AttendConfig, Dequantized, DequantResult, Fused
+from numba_kv._backend import to_host
+from numba_kv.caches.dense import DenseCache
+from numba_kv.caches.factory import make_cache
+from numba_kv.caches.protocol import AttendConfig, Dequantized, DequantResult, Fused
+
 from .gguf_loader import LlamaConfig, LoadedGGUF, load_gguf
 
 __all__ = [
-    "Generation",
     "LlamaModel",
     "apply_rope",
     "attention",
     "gelu_tanh",
-    "generate",
     "rms_norm",
     "rope_tables",
-    "sequence_logits",
 ]
 
 #: Default prompt chunk for :meth:`LlamaModel.forward` (tokens per ``cache.prefill`` call).
@@ -131,7 +131,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 
 def rope_tables(positions: np.ndarray, rope_dim: int, theta: float,
-                freq_factors: Optional[np.ndarray] = None) -> tuple:
+                freq_factors: np.ndarray | None = None) -> tuple:
     """Cosine/sine tables of RoPE for absolute ``positions``.
 
     Parameters
@@ -191,7 +191,7 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool = Fal
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, softmax_scale: float, n_kv_groups: int,
-              logit_bias: Optional[np.ndarray] = None, window: Optional[int] = None) -> np.ndarray:
+              logit_bias: np.ndarray | None = None, window: int | None = None) -> np.ndarray:
     """Causal softmax attention of new queries over a K/V history, with GQA.
 
     Parameters
@@ -271,10 +271,10 @@ class _Layer:
     w_gate: np.ndarray
     w_up: np.ndarray
     w_down: np.ndarray
-    q_norm: Optional[np.ndarray] = None
-    k_norm: Optional[np.ndarray] = None
-    post_attn_norm: Optional[np.ndarray] = None
-    post_ffn_norm: Optional[np.ndarray] = None
+    q_norm: np.ndarray | None = None
+    k_norm: np.ndarray | None = None
+    post_attn_norm: np.ndarray | None = None
+    post_ffn_norm: np.ndarray | None = None
 
 
 class LlamaModel:
@@ -314,7 +314,7 @@ class LlamaModel:
 
     Examples
     --------
-    >>> from numba_kv.models import LlamaModel                       # doctest: +SKIP
+    >>> from numba_kv.toolkit.models import LlamaModel                       # doctest: +SKIP
     >>> model = LlamaModel.from_gguf()                               # SmolLM2-135M
     >>> cache = model.new_cache()                                    # DenseCache
     >>> logits = model.forward([504, 3575, 282, 4649, 314], cache)   # (1, 49152)
@@ -328,7 +328,7 @@ class LlamaModel:
         self.attend_config = AttendConfig(softmax_scale=c.softmax_scale,
                                           n_kv_groups=c.n_heads // c.n_kv_heads)
         self.softmax_scale = float(self.attend_config.softmax_scale)
-        self.layer_windows: List[Optional[int]] = [c.layer_window(i) for i in range(c.n_layers)]
+        self.layer_windows: list[int | None] = [c.layer_window(i) for i in range(c.n_layers)]
         # Gemma scales the embedding by sqrt(dim) in float32 (llama.cpp: sqrtf(n_embd))
         self.embed_scale = np.float32(np.sqrt(np.float32(c.dim))) if self.gemma else None
 
@@ -350,7 +350,7 @@ class LlamaModel:
         self.tied_embeddings = "output.weight" not in tensors
         self.freq_factors = (get("rope_freqs.weight", (c.rope_dim // 2,)) if "rope_freqs.weight" in tensors
                              else None)
-        self.layers: List[_Layer] = []
+        self.layers: list[_Layer] = []
         for i in range(c.n_layers):
             p = f"blk.{i}."
             self.layers.append(_Layer(
@@ -363,24 +363,24 @@ class LlamaModel:
                 w_gate=get(p + "ffn_gate.weight", (c.ffn_dim, d)),
                 w_up=get(p + "ffn_up.weight", (c.ffn_dim, d)),
                 w_down=get(p + "ffn_down.weight", (d, c.ffn_dim)),
-                **(dict(q_norm=get(p + "attn_q_norm.weight", (hd,)),
-                        k_norm=get(p + "attn_k_norm.weight", (hd,)),
-                        post_attn_norm=get(p + "post_attention_norm.weight", (d,)),
-                        post_ffn_norm=get(p + "post_ffw_norm.weight", (d,))) if self.gemma else {}),
+                **({"q_norm": get(p + "attn_q_norm.weight", (hd,)),
+                        "k_norm": get(p + "attn_k_norm.weight", (hd,)),
+                        "post_attn_norm": get(p + "post_attention_norm.weight", (d,)),
+                        "post_ffn_norm": get(p + "post_ffw_norm.weight", (d,))} if self.gemma else {}),
             ))
 
     # -- construction ---------------------------------------------------------------------
     @classmethod
-    def from_gguf(cls, path: Any = None, cache_dir: Any = None) -> "LlamaModel":
+    def from_gguf(cls, path: Any = None, cache_dir: Any = None) -> LlamaModel:
         """Model from a GGUF file (default: SmolLM2-135M-Instruct), see :func:`load_gguf`."""
         return cls.from_loaded(load_gguf(path, cache_dir))
 
     @classmethod
-    def from_loaded(cls, loaded: LoadedGGUF) -> "LlamaModel":
-        """Model from an already loaded :class:`~numba_kv.models.gguf_loader.LoadedGGUF`."""
+    def from_loaded(cls, loaded: LoadedGGUF) -> LlamaModel:
+        """Model from an already loaded :class:`~numba_kv.toolkit.models.gguf_loader.LoadedGGUF`."""
         return cls(loaded.config, loaded.tensors)
 
-    def new_cache(self, cache_factory: Optional[Union[str, CacheFactory]] = None, **options: Any) -> Any:
+    def new_cache(self, cache_factory: str | CacheFactory | None = None, **options: Any) -> Any:
         """A fresh KV cache with this model's geometry.
 
         Parameters
@@ -393,14 +393,10 @@ class LlamaModel:
             Forwarded to the factory.
         """
         c = self.config
-        geom = dict(num_layers=c.n_layers, num_kv_heads=c.n_kv_heads, head_dim=c.head_dim)
+        geom = {"num_layers": c.n_layers, "num_kv_heads": c.n_kv_heads, "head_dim": c.head_dim}
         if cache_factory is None:
-            from ..caches.dense import DenseCache
-
             return DenseCache(**geom, **options)
         if isinstance(cache_factory, str):
-            from ..caches.factory import make_cache
-
             return make_cache(cache_factory, **geom, **options)
         if not callable(cache_factory):
             raise TypeError("cache_factory: expected None, a str or a callable, "
@@ -408,7 +404,8 @@ class LlamaModel:
         return cache_factory(**geom, **options)
 
     # -- forward --------------------------------------------------------------------------
-    def _check_tokens(self, tokens: Any) -> np.ndarray:
+    def check_tokens(self, tokens: Any) -> np.ndarray:
+        """``tokens`` as a 1-D int64 array of valid ids; ``ValueError`` naming ``tokens`` otherwise."""
         ids = np.asarray(tokens)
         if ids.ndim == 0:
             ids = ids.reshape(1)
@@ -421,7 +418,7 @@ class LlamaModel:
         return ids.astype(np.int64)
 
     def step(self, tokens: Any, cache: Any, start_pos: int, use_decode: bool,
-             logits: str = "last") -> Optional[np.ndarray]:
+             logits: str = "last") -> np.ndarray | None:
         """One pass of ``T`` new tokens through all layers (one cache call per layer).
 
         Parameters
@@ -442,7 +439,7 @@ class LlamaModel:
         ndarray, shape ``(1, vocab)`` / ``(T, vocab)``, float32, or None
         """
         c = self.config
-        ids = self._check_tokens(tokens)
+        ids = self.check_tokens(tokens)
         if logits not in ("last", "all", "none"):
             raise ValueError(f"logits: expected 'last', 'all' or 'none', got {logits!r}")
         t = ids.size
@@ -508,13 +505,15 @@ class LlamaModel:
             if L.post_ffn_norm is not None:
                 f = rms_norm(f, L.post_ffn_norm, c.rms_eps)
             x += f
-        return self._logits(x, logits)
+        return self.output_logits(x, logits)
 
-    def _attend(self, q: np.ndarray, r: DequantResult, window: Optional[int] = None) -> np.ndarray:
+    def _attend(self, q: np.ndarray, r: DequantResult, window: int | None = None) -> np.ndarray:
         bias = None if r.logit_bias is None else _host(r.logit_bias)
         return attention(q, _host(r.k), _host(r.v), self.softmax_scale, self.config.n_kv_groups, bias, window)
 
-    def _logits(self, x: np.ndarray, which: str) -> Optional[np.ndarray]:
+    def output_logits(self, x: np.ndarray, which: str) -> np.ndarray | None:
+        """Logits of hidden states ``x`` ``[n, dim]`` (final norm, output matrix, soft-cap):
+        ``which`` = ``"all"`` (``[n, vocab]``), ``"last"`` (``[1, vocab]``) or ``"none"``."""
         if which == "none":
             return None
         if which == "last":
@@ -526,8 +525,8 @@ class LlamaModel:
             out = np.float32(cap) * np.tanh(out / np.float32(cap))
         return out
 
-    def forward(self, tokens: Any, cache: Any, start_pos: Optional[int] = None, *, mode: str = "prefill",
-                chunk_size: Optional[int] = DEFAULT_CHUNK_SIZE, logits: str = "last") -> Optional[np.ndarray]:
+    def forward(self, tokens: Any, cache: Any, start_pos: int | None = None, *, mode: str = "prefill",
+                chunk_size: int | None = DEFAULT_CHUNK_SIZE, logits: str = "last") -> np.ndarray | None:
         """Feed ``tokens`` through the model, storing their K/V in ``cache``.
 
         Parameters
@@ -556,7 +555,7 @@ class LlamaModel:
         ValueError
             Bad ``tokens``, ``mode``, ``chunk_size`` or ``logits``.
         """
-        ids = self._check_tokens(tokens)
+        ids = self.check_tokens(tokens)
         if mode not in ("prefill", "decode"):
             raise ValueError(f"mode: expected 'prefill' or 'decode', got {mode!r}")
         if logits not in ("last", "all", "none"):
@@ -579,172 +578,3 @@ class LlamaModel:
         if logits == "none":
             return None
         return rows[0] if len(rows) == 1 else np.concatenate(rows, axis=0)
-
-
-# --------------------------------------------------------------------------------------
-# drivers
-# --------------------------------------------------------------------------------------
-def sequence_logits(model: LlamaModel, tokens: Sequence[int], cache: Any, n_prefill: int, *,
-                    chunk_size: Optional[int] = DEFAULT_CHUNK_SIZE, include_prefill: bool = True,
-                    progress: Optional[Callable[[int, int], None]] = None) -> np.ndarray:
-    """Next-token logits of every position of ``tokens``: ``n_prefill`` tokens prefilled,
-    the rest fed one at a time through ``cache.decode`` (teacher forcing).
-
-    This is the measurement behind perplexity / KL / top-1 agreement of a compressed
-    cache against :class:`~numba_kv.caches.dense.DenseCache`: run it once per cache on
-    the same tokens and compare the rows.
-
-    Parameters
-    ----------
-    model : LlamaModel
-    tokens : sequence of int, length ``N``
-    cache : CompressedKVCache
-        Should be empty (positions start at ``cache.seq_len(0)``).
-    n_prefill : int
-        Prompt tokens, ``1 <= n_prefill <= N``, stored through ``cache.prefill`` in chunks
-        of ``chunk_size``.
-    chunk_size : int or None
-        Prefill chunk (``None``: one chunk).
-    include_prefill : bool
-        Return rows for the prefilled positions too.
-    progress : callable, optional
-        ``progress(done, total)`` after every decoded token.
-
-    Returns
-    -------
-    ndarray, float32
-        ``include_prefill=True``: shape ``(N, vocab)``, row ``i`` = logits of the token at
-        position ``i + 1`` given ``tokens[: i + 1]``.  ``include_prefill=False``: shape
-        ``(N - n_prefill + 1, vocab)``, rows for positions ``n_prefill - 1 .. N - 1`` (the
-        first row comes from the last prefill position, i.e. an uncompressed history;
-        every later row attends over what the cache stored).  The last row predicts a
-        token beyond the sequence; for perplexity use ``rows[:-1]`` against
-        ``tokens[start + 1:]``.
-
-    Raises
-    ------
-    ValueError
-        ``n_prefill`` out of range.
-
-    Examples
-    --------
-    >>> dense = sequence_logits(model, ids, model.new_cache(), 64)           # doctest: +SKIP
-    >>> pq = sequence_logits(model, ids, model.new_cache("pqo3"), 64)        # doctest: +SKIP
-    >>> top1 = (dense[64:].argmax(-1) == pq[64:].argmax(-1)).mean()          # doctest: +SKIP
-    """
-    ids = model._check_tokens(tokens)
-    n = ids.size
-    if isinstance(n_prefill, bool) or int(n_prefill) != n_prefill or not 1 <= n_prefill <= n:
-        raise ValueError(f"n_prefill: expected an int in [1, {n}], got {n_prefill!r}")
-    n_prefill = int(n_prefill)
-    start = int(cache.seq_len(0))
-    vocab = model.config.vocab_size
-    first = 0 if include_prefill else n_prefill - 1
-    out = np.empty((n - first, vocab), dtype=np.float32)
-    pre = model.forward(ids[:n_prefill], cache, start, mode="prefill", chunk_size=chunk_size,
-                        logits="all" if include_prefill else "last")
-    out[: pre.shape[0]] = pre
-    row = pre.shape[0]
-    for j in range(n_prefill, n):
-        out[row] = model.step(ids[j:j + 1], cache, start + j, use_decode=True, logits="last")[0]
-        row += 1
-        if progress is not None:
-            progress(j - n_prefill + 1, n - n_prefill)
-    return out
-
-
-@dataclass
-class Generation:
-    """Result of :func:`generate`.
-
-    Attributes
-    ----------
-    text : str
-        Decoded new tokens (without the prompt; special tokens skipped).
-    prompt_ids, new_ids : list of int
-        Prompt tokens and generated tokens (a final EOS included when it was produced).
-    prefill_s, decode_s : float
-        Wall time of the prompt pass and of the token-by-token loop.
-    cache : CompressedKVCache
-        The cache after generation (for ``memory_usage()`` etc.).
-    """
-
-    text: str
-    prompt_ids: List[int]
-    new_ids: List[int]
-    prefill_s: float
-    decode_s: float
-    cache: Any = field(repr=False, default=None)
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        """Generated tokens per second of the decode loop (first token excluded)."""
-        n = max(len(self.new_ids) - 1, 0)
-        return n / self.decode_s if self.decode_s > 0 else float("nan")
-
-    def __str__(self) -> str:
-        return self.text
-
-
-def generate(model: LlamaModel, tokenizer: Any, prompt: Union[str, Sequence[int]], max_new_tokens: int = 32,
-             cache_factory: Optional[Union[str, CacheFactory]] = None, *, chat: bool = False,
-             stop_at_eos: bool = True, chunk_size: Optional[int] = DEFAULT_CHUNK_SIZE,
-             cache: Any = None) -> Generation:
-    """Greedy generation: prefill the prompt, then decode one token at a time.
-
-    Parameters
-    ----------
-    model : LlamaModel
-    tokenizer : GGUFTokenizer
-    prompt : str or sequence of int
-        Text (encoded with ``tokenizer``) or token ids.
-    max_new_tokens : int
-        Upper bound on generated tokens (``>= 1``).
-    cache_factory : str or callable, optional
-        Cache to use, see :meth:`LlamaModel.new_cache` (default: ``DenseCache``).
-    chat : bool
-        Wrap a text prompt in the model's chat template as one user message.
-    stop_at_eos : bool
-        Stop after the tokenizer's EOS token.
-    chunk_size : int or None
-        Prefill chunk.
-    cache : CompressedKVCache, optional
-        Use this (empty) cache instead of creating one.
-
-    Returns
-    -------
-    Generation
-
-    Examples
-    --------
-    >>> g = generate(model, tok, "The capital of France is", 8)   # doctest: +SKIP
-    >>> "Paris" in g.text                                         # doctest: +SKIP
-    True
-    """
-    if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
-    if isinstance(prompt, str):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
-        ids = tokenizer.encode(text)
-    else:
-        ids = [int(i) for i in prompt]
-    if cache is None:
-        cache = model.new_cache(cache_factory)
-    pos = int(cache.seq_len(0))
-    eos = getattr(tokenizer, "eos_id", None)
-    t0 = time.perf_counter()
-    logits = model.forward(ids, cache, pos, mode="prefill", chunk_size=chunk_size, logits="last")
-    t1 = time.perf_counter()
-    pos += len(ids)
-    new: List[int] = []
-    while True:
-        nxt = int(np.argmax(logits[-1]))
-        new.append(nxt)
-        if len(new) >= max_new_tokens or (stop_at_eos and eos is not None and nxt == eos):
-            break
-        logits = model.step([nxt], cache, pos, use_decode=True, logits="last")
-        pos += 1
-    t2 = time.perf_counter()
-    text = tokenizer.decode(new, skip_special_tokens=True)
-    return Generation(text=text, prompt_ids=list(ids), new_ids=new, prefill_s=t1 - t0, decode_s=t2 - t1,
-                      cache=cache)

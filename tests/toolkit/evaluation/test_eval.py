@@ -15,9 +15,10 @@ import math
 import numpy as np
 import pytest
 
-from numba_kv import cli
-from numba_kv import evaluate as ev
-from numba_kv.evaluate import CacheSpec, EvalConfigError, compare_logits, parse_cache_specs
+from numba_kv.metrics import compare_logits
+from numba_kv.toolkit import cli
+from numba_kv.toolkit.evaluation import evaluate as ev
+from numba_kv.toolkit.specs import CacheSpec, EvalConfigError, parse_cache_specs
 
 # Original prose written for this test (no copied text); ~60 tokens are needed.
 PROSE = (
@@ -68,9 +69,9 @@ def test_parse_global_window_applies_to_compressed_only():
 
 
 def test_with_reference_puts_plain_dense_first():
-    assert [s.label for s in ev._with_reference(parse_cache_specs("pqo3,dense,pqo4"))] == \
+    assert [s.label for s in ev.with_dense_reference(parse_cache_specs("pqo3,dense,pqo4"))] == \
         ["dense", "pqo3-r32-s4", "pqo4-r32-s4"]
-    assert [s.label for s in ev._with_reference(parse_cache_specs("pqo3"))] == ["dense", "pqo3-r32-s4"]
+    assert [s.label for s in ev.with_dense_reference(parse_cache_specs("pqo3"))] == ["dense", "pqo3-r32-s4"]
 
 
 def test_labels_show_the_effective_window_and_asymmetric_names():
@@ -200,9 +201,8 @@ def test_numba_threads_restores():
     with ev.numba_threads(1) as n:
         assert n == 1 and numba.get_num_threads() == 1
     assert numba.get_num_threads() == before
-    with pytest.raises(EvalConfigError, match="^--threads"):
-        with ev.numba_threads(0):
-            pass
+    with pytest.raises(EvalConfigError, match="^--threads"), ev.numba_threads(0):
+        pass
     assert numba.get_num_threads() == before
 
 

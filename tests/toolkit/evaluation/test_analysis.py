@@ -1,4 +1,4 @@
-"""``numba_kv.analysis``: the K-only / V-only split cache, the recording cache, the one-pass
+"""``numba_kv.toolkit.evaluation.analysis``: the K-only / V-only split cache, the recording cache, the one-pass
 engine against the protocol path, and a smoke run of :func:`analyze_kv` on SmolLM2.
 
 The split-cache tests use random arrays (no model).  The engine test uses the tiny random
@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 
 from numba_kv import AttendConfig, CompressedKVCache, DenseCache, Dequantized, PolarQuantCache
-from numba_kv.analysis import (SCHEMA, KVSplitCache, RecordingCache, analyze_kv, polarquant_bits_per_value,
-                               render_tables, simulate_logits)
-from numba_kv.evaluate import compare_logits
+from numba_kv.metrics import compare_logits
+from numba_kv.toolkit.evaluation.analysis import SCHEMA, analyze_kv
+from numba_kv.toolkit.evaluation.analysis_report import render_tables
+from numba_kv.toolkit.evaluation.kv_split import KVSplitCache, RecordingCache
+from numba_kv.toolkit.evaluation.simulate import polarquant_bits_per_value, simulate_logits
 
 L, H, D, G = 2, 3, 64, 3   # layers, KV heads, head_dim, GQA group
 
@@ -139,7 +141,7 @@ def test_recording_cache_records_every_call():
 
 # -- one-pass engine vs protocol (tiny random model, no download) ------------------------------
 def _protocol(model, ids, cache, p, cs):
-    from numba_kv.models import sequence_logits
+    from numba_kv.toolkit.models import sequence_logits
 
     return sequence_logits(model, ids, cache, p, chunk_size=cs, include_prefill=False)
 
@@ -155,13 +157,13 @@ def test_simulate_logits_matches_protocol(tiny, cs):
     sim, states = simulate_logits(model, ids, p, chunk_size=cs, return_states=True)
     assert sim.shape == dense.shape and len(states) == c.n_layers + 1
     np.testing.assert_allclose(sim, dense, atol=1e-3)
-    cases = [(dict(k_quant=3),
+    cases = [({"k_quant": 3},
               KVSplitCache(PolarQuantCache(*geom, bits=3, residual_length=0, sink_tokens=0,
                                            decode_output="dequantized"), DenseCache(*geom), "k")),
-             (dict(v_quant=4, residual_length=6, sink_tokens=2),
+             ({"v_quant": 4, "residual_length": 6, "sink_tokens": 2},
               KVSplitCache(PolarQuantCache(*geom, bits=4, residual_length=6, sink_tokens=2,
                                            decode_output="dequantized"), DenseCache(*geom), "v")),
-             (dict(k_quant=4, v_quant=3, residual_length=6, sink_tokens=2),
+             ({"k_quant": 4, "v_quant": 3, "residual_length": 6, "sink_tokens": 2},
               PolarQuantCache(*geom, k_bits=4, v_bits=3, bits=4, residual_length=6, sink_tokens=2))]
     for kw, cache in cases:
         a = _protocol(model, ids, cache, p, cs)
@@ -220,12 +222,12 @@ def test_analyze_kv_smoke(smollm2, tmp_path):
 
 
 def test_scorer_is_compare_logits():
-    from numba_kv.analysis import _Scorer
+    from numba_kv.metrics import LogitScorer
 
     rng = np.random.default_rng(5)
     ref = rng.standard_normal((300, 50)).astype(np.float32) * 3
     tg = rng.integers(0, 50, 300)
-    score = _Scorer(ref, tg)
+    score = LogitScorer(ref, tg)
     for other in (ref, ref + 0.3 * rng.standard_normal(ref.shape).astype(np.float32)):
         got, want = score(other), compare_logits(ref, other, tg)
         # the scorer returns the ppl / top-1 / KL mean, p95, max subset of compare_logits, bit-identical
@@ -234,3 +236,12 @@ def test_scorer_is_compare_logits():
     assert score(ref)["kl_mean"] == 0.0
     with pytest.raises(ValueError):
         score(ref[:10])
+
+
+def test_analyze_is_a_subcommand_of_the_one_cli(capsys):
+    """``numba-kv analyze`` replaced ``python -m numba_kv.analysis``; bad input is a user error."""
+    from numba_kv.toolkit import cli
+
+    assert "analyze" in cli.build_parser().format_help()
+    assert cli.main(["analyze", "--bits", "3,x"]) == 2
+    assert "numba-kv analyze: error: --bits" in capsys.readouterr().err

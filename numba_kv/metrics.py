@@ -1,0 +1,251 @@
+"""Quality metrics of a compressed cache against the exact computation: one module for the
+tools and the tests.
+
+NumPy only, float64 throughout; imports nothing of ``numba_kv`` (like the oracles in
+:mod:`numba_kv.reference`), so a metric cannot inherit a bug of what it measures.
+
+* :func:`log_softmax`, :func:`kl_rows`: row-wise log-probabilities and ``KL(p ‖ q)``.
+* :func:`nmse`: normalized squared reconstruction error of vectors.
+* :func:`top_k_indices`, :func:`top1_agreement`.
+* :func:`compare_logits` and :class:`LogitScorer`: the statistics llama.cpp's
+  ``llama-perplexity --kl-divergence`` prints (KL mean / median / percentiles / max, "same
+  top p", perplexity change with its standard error).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = ["LogitScorer", "compare_logits", "kl_rows", "log_softmax", "nmse", "top1_agreement",
+           "top_k_indices"]
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """Log-softmax over the last axis, in float64.
+
+    Parameters
+    ----------
+    x : array_like, shape ``(..., n)``
+        Logits; ``-inf`` entries (masked) get ``-inf``, if at least one entry of the row is finite.
+
+    Returns
+    -------
+    ndarray of float64, shape ``(..., n)``
+
+    Examples
+    --------
+    >>> np.exp(log_softmax([0.0, np.log(3.0)])).round(3).tolist()
+    [0.25, 0.75]
+    """
+    x = np.asarray(x, dtype=np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    z = x - m
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def kl_rows(logp: np.ndarray, logq: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+    """``KL(p ‖ q) = Σ p·(log p − log q)`` over the last axis, in nats, not clamped.
+
+    Parameters
+    ----------
+    logp, logq : ndarray, shape ``(..., n)``
+        Log-probabilities (:func:`log_softmax`) of the reference ``p`` and the estimate ``q``.
+    mask : ndarray of bool, broadcastable to ``(..., n)``, optional
+        Entries that take part; the others (masked, ``-inf`` in both) contribute 0.
+
+    Returns
+    -------
+    ndarray of float64, shape ``(...)``
+        Tiny negative values are possible from rounding; callers that report a KL clamp at 0.
+    """
+    if mask is None:
+        diff = logp - logq
+    else:  # -inf - -inf is NaN: zero the masked entries on both sides first
+        diff = np.where(mask, logp, 0.0) - np.where(mask, logq, 0.0)
+    return (np.exp(logp) * diff).sum(axis=-1)
+
+
+def nmse(x: np.ndarray, x_hat: np.ndarray, axis: int | None = None, eps: float = 1e-30):
+    """Mean over vectors (the last axis) of ``‖x − x̂‖² / ‖x‖²``.
+
+    Parameters
+    ----------
+    x, x_hat : array_like, shape ``(..., d)``
+        Exact and reconstructed vectors.
+    axis : int, optional
+        Axis of the per-vector ratios (shape ``(...)``) to average; ``None`` averages all of
+        them and returns a float.
+    eps : float
+        Floor of ``‖x‖²`` (an all-zero vector counts its absolute error).
+
+    Returns
+    -------
+    float or ndarray of float64
+
+    Examples
+    --------
+    >>> nmse(np.array([[1.0, 0.0], [0.0, 2.0]]), np.array([[1.0, 0.5], [0.0, 2.0]]))
+    0.125
+    """
+    x = np.asarray(x, dtype=np.float64)
+    x_hat = np.asarray(x_hat, dtype=np.float64)
+    num = np.sum((x - x_hat) ** 2, axis=-1)
+    ratio = num / np.maximum(np.sum(x ** 2, axis=-1), eps)
+    return float(ratio.mean()) if axis is None else ratio.mean(axis=axis)
+
+
+def top_k_indices(x: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the ``k`` largest entries of each row (ties: smaller index first).
+
+    Parameters
+    ----------
+    x : ndarray, shape ``(n, vocab)``
+    k : int
+        ``1 <= k <= vocab``.
+
+    Returns
+    -------
+    ndarray of int64, shape ``(n, k)``
+        By decreasing value.
+    """
+    x = np.asarray(x)
+    # a stable sort of -x puts equal values in id order; argpartition first keeps it O(vocab)
+    part = np.argpartition(-x, k - 1, axis=-1)[:, :k]
+    kth = np.take_along_axis(x, part, axis=-1).min(axis=-1, keepdims=True)
+    out = np.empty((x.shape[0], k), dtype=np.int64)
+    for i in range(x.shape[0]):
+        cand = np.flatnonzero(x[i] >= kth[i])  # every entry >= the k-th value, id order
+        out[i] = cand[np.argsort(-x[i, cand], kind="stable")[:k]]
+    return out
+
+
+def top1_agreement(ref: np.ndarray, est: np.ndarray, axis: int = -1) -> float:
+    """Fraction of rows whose argmax along ``axis`` is the same in ``ref`` and ``est``."""
+    return float(np.mean(np.asarray(ref).argmax(axis) == np.asarray(est).argmax(axis)))
+
+
+def compare_logits(ref: np.ndarray, logits: np.ndarray, targets: np.ndarray,
+                   chunk: int = 128, top_k: int = 5) -> dict[str, float]:
+    """Quality of ``logits`` against the reference ``ref`` on the same positions.
+
+    The statistics are those llama.cpp's ``llama-perplexity --kl-divergence`` prints
+    (``tools/perplexity``): KL divergence mean / median / 99th percentile / max, "same top
+    p" (top-1 agreement), and the perplexity change with its standard error.
+
+    Parameters
+    ----------
+    ref, logits : ndarray, shape ``(n, vocab)``
+        Next-token logits of the reference (dense) and of the evaluated cache.
+    targets : ndarray of int, shape ``(n,)``
+        The actual next tokens.
+    chunk : int
+        Rows per float64 block (bounds the temporary memory).
+    top_k : int
+        ``k`` of the top-k overlap.
+
+    Returns
+    -------
+    dict
+        ``ppl`` and ``ppl_ref`` (``exp`` of the mean negative log-likelihood of
+        ``targets``); ``ppl_change_pct`` = ``100·(ppl/ppl_ref − 1)`` and
+        ``ppl_change_pct_se``, its standard error (below); ``top1_agreement`` (fraction of
+        rows with the same argmax) and ``top1_se`` = ``sqrt(p(1−p)/n)``; ``top5_overlap``
+        (mean over rows of ``|top-k(ref) ∩ top-k(logits)| / k``; ties at the k-th logit
+        are broken by token id); ``kl_mean``, ``kl_mean_se``, ``kl_median``, ``kl_p95``,
+        ``kl_p99``, ``kl_max`` (per-row ``KL(softmax(ref) ‖ softmax(logits))`` in nats;
+        percentiles linearly interpolated, NumPy's default).
+
+    Raises
+    ------
+    ValueError
+        Shapes do not match or ``n == 0``.
+
+    Notes
+    -----
+    Standard error of the perplexity change: with per-token log-likelihood differences
+    ``d_i = nll_i − nll_ref,i``, ``ppl/ppl_ref = exp(mean d)``; ``se(mean d) = std(d, ddof=1)/sqrt(n)``
+    and, by the delta method, ``se(ppl_change_pct) = 100·exp(mean d)·se(mean d)`` (llama.cpp
+    reports ``Mean ln(PPL(Q)/PPL(base))`` with the same error).  Pairing the two runs token
+    by token removes the (large) variance of the text itself; neighbouring tokens are
+    correlated, so the error is a lower bound on the true uncertainty.  ``kl_mean_se`` is
+    ``std(KL, ddof=1)/sqrt(n)``.  With ``n == 1`` the standard errors are NaN.
+    """
+    ref, logits, targets = np.asarray(ref), np.asarray(logits), np.asarray(targets)
+    if ref.shape != logits.shape or ref.ndim != 2 or targets.shape != (ref.shape[0],) or ref.shape[0] == 0:
+        raise ValueError(f"logits: expected ref, logits (n, vocab) and targets (n,) with n >= 1, got "
+                         f"{ref.shape}, {logits.shape}, {targets.shape}")
+    n, vocab = ref.shape
+    k = max(1, min(int(top_k), vocab))
+    nll, nll_ref, kl, overlap = np.empty(n), np.empty(n), np.empty(n), np.empty(n)
+    rows = np.arange(n)
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
+        lp_r, lp_c = log_softmax(ref[a:b]), log_softmax(logits[a:b])
+        t = targets[a:b]
+        nll_ref[a:b] = -lp_r[rows[: b - a], t]
+        nll[a:b] = -lp_c[rows[: b - a], t]
+        kl[a:b] = np.maximum(kl_rows(lp_r, lp_c), 0.0)
+        overlap[a:b] = [len(set(x) & set(y)) / k
+                        for x, y in zip(top_k_indices(ref[a:b], k), top_k_indices(logits[a:b], k))]
+    top1 = top1_agreement(ref, logits)
+    d = nll - nll_ref
+    ratio = float(np.exp(d.mean()))
+    d_se = float(d.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
+    kl_se = float(kl.std(ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
+    return {"ppl": float(np.exp(nll.mean())), "ppl_ref": float(np.exp(nll_ref.mean())),
+            "ppl_change_pct": 100.0 * (ratio - 1.0), "ppl_change_pct_se": 100.0 * ratio * d_se,
+            "top1_agreement": top1, "top1_se": math.sqrt(top1 * (1.0 - top1) / n),
+            "top5_overlap": float(overlap.mean()),
+            "kl_mean": float(kl.mean()), "kl_mean_se": kl_se, "kl_median": float(np.median(kl)),
+            "kl_p95": float(np.percentile(kl, 95)), "kl_p99": float(np.percentile(kl, 99)),
+            "kl_max": float(kl.max())}
+
+
+class LogitScorer:
+    """:func:`compare_logits` against one fixed reference, many times.
+
+    The reference's log-softmax is computed once; every call then performs exactly the
+    operations of ``compare_logits`` (same chunks, same float64 formulas), so the results
+    are identical to it, at about half the cost.
+
+    Parameters
+    ----------
+    ref : ndarray, shape ``(n, vocab)``
+        Reference logits.
+    targets : ndarray of int, shape ``(n,)``
+        The actual next tokens.
+    chunk : int
+        Rows per float64 block, as in :func:`compare_logits`.
+    """
+
+    def __init__(self, ref: np.ndarray, targets: np.ndarray, chunk: int = 128) -> None:
+        self.ref, self.targets, self.chunk = ref, np.asarray(targets), chunk
+        if ref.ndim != 2 or ref.shape[0] == 0 or self.targets.shape != (ref.shape[0],):
+            raise ValueError(f"ref: expected (n, vocab) with targets (n,), got {ref.shape}, "
+                             f"{self.targets.shape}")
+        self.spans = [(a, min(a + chunk, ref.shape[0])) for a in range(0, ref.shape[0], chunk)]
+        self.lp_ref = [log_softmax(ref[a:b]) for a, b in self.spans]
+        rows = np.arange(ref.shape[0])
+        self.nll_ref = np.concatenate([-lp[rows[: b - a], self.targets[a:b]]
+                                       for lp, (a, b) in zip(self.lp_ref, self.spans)])
+        self.argmax_ref = ref.argmax(-1)
+
+    def __call__(self, logits: np.ndarray) -> dict[str, float]:
+        """``ppl``, ``ppl_ref``, ``top1_agreement``, ``kl_mean``, ``kl_p95``, ``kl_max`` of
+        ``logits`` (shape of the reference), as :func:`compare_logits` computes them."""
+        logits = np.asarray(logits)
+        if logits.shape != self.ref.shape:
+            raise ValueError(f"logits: expected shape {self.ref.shape}, got {logits.shape}")
+        n = logits.shape[0]
+        nll, kl = np.empty(n), np.empty(n)
+        rows = np.arange(n)
+        for lp_r, (a, b) in zip(self.lp_ref, self.spans):
+            lp_c = log_softmax(logits[a:b])
+            nll[a:b] = -lp_c[rows[: b - a], self.targets[a:b]]
+            kl[a:b] = np.maximum(kl_rows(lp_r, lp_c), 0.0)
+        return {"ppl": float(np.exp(nll.mean())), "ppl_ref": float(np.exp(self.nll_ref.mean())),
+                "top1_agreement": float(np.mean(self.argmax_ref == logits.argmax(-1))),
+                "kl_mean": float(kl.mean()), "kl_p95": float(np.percentile(kl, 95)),
+                "kl_max": float(kl.max())}
