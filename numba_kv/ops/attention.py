@@ -121,17 +121,17 @@ _decode8_3bit = intrinsic(_decode8_typer(3))
 _decode8_4bit = intrinsic(_decode8_typer(4))
 
 
-def _decode_tile_simd(codes, scales, t0, nt, cent, bits, nb, sshift, scale_table, dst):
-    """``dst[tt] = `` token ``t0 + tt`` of ``codes``/``scales`` (``[tokens, ·]``), ``tt < nt``,
+def _decode_tile_simd(codes, scales, t0, nt, cent, bits, nb, sshift, scale_table, dst, d0):
+    """``dst[d0 + tt] = `` token ``t0 + tt`` of ``codes``/``scales`` (``[tokens, ·]``), ``tt < nt``,
     decoded like :func:`_load_token_fast` (same values; CPU only): 3- and 4-bit codes eight
-    at a time by :func:`_decode8_3bit`/:func:`_decode8_4bit` (``cent`` must hold 16 floats:
-    a padded :class:`CodeLayout` row), other widths by the scalar loader.  One call per tile
+    at a time by :func:`_decode8_3bit`/:func:`_decode8_4bit` (``cent`` C-contiguous float32
+    with ``2**bits`` or more entries), other widths by the scalar loader.  One call per tile
     keeps the per-token call overhead out of the hot loop."""
     if bits == 3:
         for tt in range(nt):
             crow = codes[t0 + tt]
             srow = scales[t0 + tt]
-            drow = dst[tt]
+            drow = dst[d0 + tt]
             for b in range(nb):
                 sa = scale_table[srow[b >> sshift]]
                 p = b * 12
@@ -143,7 +143,7 @@ def _decode_tile_simd(codes, scales, t0, nt, cent, bits, nb, sshift, scale_table
         for tt in range(nt):
             crow = codes[t0 + tt]
             srow = scales[t0 + tt]
-            drow = dst[tt]
+            drow = dst[d0 + tt]
             for b in range(nb):
                 sa = scale_table[srow[b >> sshift]]
                 p = b * 16
@@ -154,7 +154,7 @@ def _decode_tile_simd(codes, scales, t0, nt, cent, bits, nb, sshift, scale_table
                     p += 4
     else:
         for tt in range(nt):
-            load_token_fast_cpu(codes[t0 + tt], scales[t0 + tt], cent, bits, nb, sshift, scale_table, dst[tt])
+            load_token_fast_cpu(codes[t0 + tt], scales[t0 + tt], cent, bits, nb, sshift, scale_table, dst[d0 + tt])
 
 
 def _load_token_fast(crow, srow, cent, bits, nb, sshift, scale_table, dst):
@@ -518,7 +518,7 @@ def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
             nt = min(CPU_TILE, t_hi - t0)
             if compressed:
                 if k_uniform:
-                    decode_tile_simd_cpu(kc[g], ks[g], t0, nt, kcent0, kb0, nb, sshift, scale_table, kt)
+                    decode_tile_simd_cpu(kc[g], ks[g], t0, nt, kcent0, kb0, nb, sshift, scale_table, kt, 0)
                 else:
                     for tt in range(nt):
                         load_token_cpu(kc[g, t0 + tt], ks[g, t0 + tt], kcent, kbits, koff, sshift, nb, scale_table,
@@ -544,7 +544,7 @@ def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
             if compressed:
                 # the value tile reuses the key tile's buffer: one L1-sized buffer per thread
                 if v_uniform:
-                    decode_tile_simd_cpu(vc[g], vs[g], t0, nt, vcent0, vb0, nb, sshift, scale_table, kt)
+                    decode_tile_simd_cpu(vc[g], vs[g], t0, nt, vcent0, vb0, nb, sshift, scale_table, kt, 0)
                 else:
                     for tt in range(nt):
                         load_token_cpu(vc[g, t0 + tt], vs[g, t0 + tt], vcent, vbits, voff, sshift, nb, scale_table,

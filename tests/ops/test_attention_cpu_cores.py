@@ -54,7 +54,7 @@ def test_decode_tile_matches_dequantize(bits, t0, nt):
     cb = get_codebook(bits, "maxnorm").centroids
     cent[:len(cb)] = cb
     dst = np.full((32, d), np.nan, np.float32)
-    decode_tile_simd_cpu(codes, scales, t0, nt, cent, bits, d // 32, 0, F16_ABS_TABLE, dst)
+    decode_tile_simd_cpu(codes, scales, t0, nt, cent, bits, d // 32, 0, F16_ABS_TABLE, dst, 0)
     want = rotate32(dequantize_blocks(codes, scales, bits)[t0:t0 + nt])
     np.testing.assert_allclose(dst[:nt], want, rtol=2e-6, atol=2e-6 * float(np.abs(want).max()))
     assert np.all(np.isnan(dst[nt:]))  # rows past nt untouched
