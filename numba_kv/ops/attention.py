@@ -437,11 +437,32 @@ softmax_tile_cpu = cpu_serial(_softmax_tile, fastmath=FASTMATH_REDUCE)
 
 def _tile_scores(qsrc, kt, nt, sc):
     """``sc[r, tt] = qsrc[r] · kt[tt]`` for ``tt < nt`` (CPU, fast-math: the dot products
-    vectorize as reductions; L1-resident tile, no BLAS call)."""
+    vectorize as reductions; L1-resident tile, no BLAS call).  Four query rows per pass
+    over a key row: each key vector is loaded once for four FMAs."""
     rows, d = qsrc.shape
+    r4 = rows - rows % 4
     for tt in range(nt):
         krow = kt[tt]
-        for r in range(rows):
+        for r in range(0, r4, 4):
+            q0 = qsrc[r]
+            q1 = qsrc[r + 1]
+            q2 = qsrc[r + 2]
+            q3 = qsrc[r + 3]
+            s0 = float32(0.0)
+            s1 = float32(0.0)
+            s2 = float32(0.0)
+            s3 = float32(0.0)
+            for j in range(d):
+                k = krow[j]
+                s0 += q0[j] * k
+                s1 += q1[j] * k
+                s2 += q2[j] * k
+                s3 += q3[j] * k
+            sc[r, tt] = s0
+            sc[r + 1, tt] = s1
+            sc[r + 2, tt] = s2
+            sc[r + 3, tt] = s3
+        for r in range(r4, rows):
             qrow = qsrc[r]
             s = float32(0.0)
             for j in range(d):
