@@ -395,9 +395,10 @@ def _softmax_tile(sc, nt, softmax_scale, g, has_bias, bias, need_mask, q_pos0, q
     vectorize; masked scores are ``-inf`` and their weights exactly 0.
     """
     rows = sc.shape[0]
+    n4 = nt - nt % 4
     for r in range(rows):
         srow = sc[r]
-        tile_max = NEG_INF
+        # scale, bias, mask: a vertical loop (selects, no branches)
         if has_bias or need_mask:
             lim = q_pos0 + (r % q_len)
             for tt in range(nt):
@@ -405,14 +406,24 @@ def _softmax_tile(sc, nt, softmax_scale, g, has_bias, bias, need_mask, q_pos0, q
                 s = srow[tt] * softmax_scale
                 if has_bias:
                     s += bias[g, r, pos]
-                s = NEG_INF if need_mask and pos > lim else s
-                srow[tt] = s
-                tile_max = max(tile_max, s)
+                srow[tt] = NEG_INF if need_mask and pos > lim else s
         else:
             for tt in range(nt):
-                s = srow[tt] * softmax_scale
-                srow[tt] = s
-                tile_max = max(tile_max, s)
+                srow[tt] = srow[tt] * softmax_scale
+        # tile max: four independent chains (a float max reduction does not vectorize
+        # without no-NaN semantics; one chain would be latency-bound)
+        m0 = NEG_INF
+        m1 = NEG_INF
+        m2 = NEG_INF
+        m3 = NEG_INF
+        for tt in range(0, n4, 4):
+            m0 = srow[tt] if srow[tt] > m0 else m0
+            m1 = srow[tt + 1] if srow[tt + 1] > m1 else m1
+            m2 = srow[tt + 2] if srow[tt + 2] > m2 else m2
+            m3 = srow[tt + 3] if srow[tt + 3] > m3 else m3
+        for tt in range(n4, nt):
+            m0 = srow[tt] if srow[tt] > m0 else m0
+        tile_max = max(max(m0, m1), max(m2, m3))
         if tile_max == NEG_INF:
             for tt in range(nt):
                 srow[tt] = float32(0.0)
@@ -420,11 +431,11 @@ def _softmax_tile(sc, nt, softmax_scale, g, has_bias, bias, need_mask, q_pos0, q
         m_old = m[r]
         m_new = max(m_old, tile_max)
         alpha = exp_f32_cpu(m_old - m_new)  # exactly 0 while m_old is -inf
+        for tt in range(nt):  # vectorized exp; masked (-inf) scores give exactly 0
+            srow[tt] = exp_f32_cpu(srow[tt] - m_new)
         lsum = float32(0.0)
         for tt in range(nt):
-            w = exp_f32_cpu(srow[tt] - m_new)
-            srow[tt] = w
-            lsum += w
+            lsum += srow[tt]
         arow = acc[r]
         for j in range(arow.shape[0]):
             arow[j] *= alpha
