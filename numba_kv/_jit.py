@@ -3,8 +3,9 @@
 * :func:`cpu_kernel` — CPU twins: ``njit(parallel=True, nogil=True, cache=True)``.
   ``nogil`` lets calls for different cache layers really run in parallel.
 * :func:`cuda_kernel` — lazy ``cuda.jit`` kernels (no signature strings: an eager
-  signature needs a driver at import).  ``fastmath`` stays off on both twins so they
-  compute the same thing.
+  signature needs a driver at import).  ``fastmath`` stays off by default on both twins
+  so they compute the same thing; a CPU twin compared only within round-off may opt into
+  :data:`FASTMATH_REDUCE`.
 * :func:`twin` — compiles one plain-Python scalar/row *core* twice: as a CPU function
   (``njit``) and as a CUDA device function (``cuda.jit(device=True, inline="always")``;
   ``inline="always"`` is what lets ``compile_ptx`` work without a driver).  Cores call
@@ -22,7 +23,7 @@ from typing import Callable, Dict, Tuple
 
 from numba import cuda, njit
 
-__all__ = ["cpu_call", "cpu_kernel", "cpu_serial", "cuda_kernel", "twin", "CORES"]
+__all__ = ["CORES", "FASTMATH_REDUCE", "cpu_call", "cpu_kernel", "cpu_serial", "cuda_kernel", "twin"]
 
 # plain function -> (cpu variant, device variant)
 CORES: Dict[Callable, Tuple[Callable, Callable]] = {}
@@ -54,20 +55,33 @@ def _restamp(dispatcher: Callable) -> Callable:
     return dispatcher
 
 
-def cpu_kernel(fn: Callable) -> Callable:
+#: LLVM fast-math flags a CPU twin may opt into: reassociation and contraction let float
+#: reductions (dot products) vectorize and fuse into FMAs.  Never ``nnan``/``ninf``: kernels
+#: mask with ``-inf`` and must keep IEEE semantics for it.
+FASTMATH_REDUCE = frozenset({"reassoc", "contract", "nsz", "arcp"})
+
+
+def cpu_kernel(fn: Callable | None = None, *, fastmath: bool | set | frozenset = False) -> Callable:
     """CPU twin of a kernel: parallel, GIL-free, cached.
 
     The returned dispatcher carries a serial compilation of the same body as ``.serial``
     (``prange`` runs as ``range``): for small inputs (one decode step) opening a parallel
     region costs more than the work, and on a busy machine far more.  :func:`cpu_call`
     picks between the two by work size.
+
+    Use as ``@cpu_kernel`` or ``@cpu_kernel(fastmath=FASTMATH_REDUCE)``: ``fastmath`` (a
+    bool or a set of LLVM flags, default off) applies to the CPU twin only, for kernels
+    whose results are compared within float round-off (never for bit-exact quantizers).
     """
-    par = _restamp(njit(parallel=True, nogil=True, cache=True, fastmath=False)(fn))
+    if fn is None:
+        return functools.partial(cpu_kernel, fastmath=fastmath)
+    fm = set(fastmath) if not isinstance(fastmath, bool) else fastmath
+    par = _restamp(njit(parallel=True, nogil=True, cache=True, fastmath=fm)(fn))
     # a distinct qualname keeps the two compilations apart in Numba's on-disk cache
     ser = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     ser.__qualname__ = fn.__qualname__ + "__serial"
     ser.__module__ = fn.__module__
-    par.serial = _restamp(njit(parallel=False, nogil=True, cache=True, fastmath=False)(ser))
+    par.serial = _restamp(njit(parallel=False, nogil=True, cache=True, fastmath=fm)(ser))
     return par
 
 
@@ -81,9 +95,13 @@ def cpu_call(kernel: Callable, work: int, *args):
     return kernel(*args)
 
 
-def cpu_serial(fn: Callable) -> Callable:
-    """Serial jitted CPU helper (host-side glue that must not open a parallel region)."""
-    return _restamp(njit(parallel=False, nogil=True, cache=True, fastmath=False)(fn))
+def cpu_serial(fn: Callable | None = None, *, fastmath: bool | set | frozenset = False) -> Callable:
+    """Serial jitted CPU helper (host-side glue that must not open a parallel region);
+    ``fastmath`` as for :func:`cpu_kernel`."""
+    if fn is None:
+        return functools.partial(cpu_serial, fastmath=fastmath)
+    fm = set(fastmath) if not isinstance(fastmath, bool) else fastmath
+    return _restamp(njit(parallel=False, nogil=True, cache=True, fastmath=fm)(fn))
 
 
 def cuda_kernel(fn: Callable) -> Callable:

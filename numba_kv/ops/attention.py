@@ -29,16 +29,21 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import numpy as np
-from numba import cuda, float32, int64, prange
+from llvmlite import ir
+from numba import cuda, float32, int64, prange, types
+from numba.core.extending import intrinsic
 
 from .. import _backend
-from .._jit import cpu_call, cpu_kernel, cpu_serial, cuda_kernel, twin
+from .._jit import FASTMATH_REDUCE, cpu_call, cpu_kernel, cpu_serial, cuda_kernel, twin
 from ._registry import register
 from .half import _f16_bits_abs_to_f32
 from .hadamard import SIGNS32, _rotate32_inverse, rotate32
 from .headquant import _rotate_head_inverse
 
-TILE = 128  # tokens per CPU tile: two small GEMMs, one max update and one rescale per tile and row
+TILE = 128  # tokens per partition granule (partition sizes are multiples of it)
+#: tokens per CPU tile: a decoded 32-token × d=128 float tile is 16 KiB, stays in L1 while
+#: the score and P·V loops sweep it
+CPU_TILE = 32
 MAX_HEAD_DIM = 512  # CUDA per-thread accumulator size
 NEG_INF = np.float32(-np.inf)
 #: |binary16| -> float32 for every bit pattern (exact; 256 KiB, stays in L2): scale decoding
@@ -48,6 +53,110 @@ F16_ABS_TABLE.flags.writeable = False
 
 
 # --- single-source cores -------------------------------------------------------------
+# --- CPU-only vector decoding ---------------------------------------------------------------
+_F32 = ir.FloatType()
+_I32 = ir.IntType(32)
+_V8F = ir.VectorType(_F32, 8)
+_V8I = ir.VectorType(_I32, 8)
+
+
+def _splat(builder, value, vty):
+    v = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(_V8I, [0] * 8))
+
+
+def _decode8_codegen(nbits):
+    def codegen(context, builder, signature, args):
+        w, cent, sa, dst, off = args
+        centarr = context.make_array(signature.args[1])(context, builder, cent)
+        dstarr = context.make_array(signature.args[3])(context, builder, dst)
+        cptr = builder.bitcast(centarr.data, _V8F.as_pointer())
+        clo = builder.load(cptr, align=4, typ=_V8F)
+        chi = None
+        if nbits == 4:
+            chi = builder.load(builder.gep(cptr, [ir.Constant(_I32, 1)], source_etype=_V8F), align=4, typ=_V8F)
+        idx = builder.lshr(_splat(builder, builder.trunc(w, _I32), _V8I),
+                           ir.Constant(_V8I, [nbits * k for k in range(8)]))
+        idx = builder.and_(idx, ir.Constant(_V8I, [7] * 8))
+        vec = ir.Constant(_V8F, ir.Undefined)
+        for k in range(8):
+            i = builder.extract_element(idx, ir.Constant(_I32, k))
+            e = builder.extract_element(clo, i)
+            vec = builder.insert_element(vec, e, ir.Constant(_I32, k))
+        if nbits == 4:
+            # 16 centroids: look up both halves with the low 3 bits, pick by bit 3
+            hib = builder.lshr(_splat(builder, builder.trunc(w, _I32), _V8I),
+                               ir.Constant(_V8I, [4 * k + 3 for k in range(8)]))
+            hib = builder.icmp_unsigned("!=", builder.and_(hib, ir.Constant(_V8I, [1] * 8)),
+                                        ir.Constant(_V8I, [0] * 8))
+            vhi = ir.Constant(_V8F, ir.Undefined)
+            for k in range(8):
+                i = builder.extract_element(idx, ir.Constant(_I32, k))
+                vhi = builder.insert_element(vhi, builder.extract_element(chi, i), ir.Constant(_I32, k))
+            vec = builder.select(hib, vhi, vec)
+        vec = builder.fmul(vec, _splat(builder, sa, _V8F))
+        dptr = builder.gep(dstarr.data, [off], source_etype=_F32)
+        builder.store(vec, builder.bitcast(dptr, _V8F.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return codegen
+
+
+def _decode8_typer(nbits):
+    def typer(typingctx, w, cent, sa, dst, off):
+        ok = (isinstance(w, types.Integer) and isinstance(off, types.Integer) and sa == types.float32
+              and all(isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 1 and a.layout == "C"
+                      for a in (cent, dst)))
+        if not ok:
+            return None
+        return types.void(types.int64, cent, types.float32, dst, types.int64), _decode8_codegen(nbits)
+    return typer
+
+
+# ``dst[off:off+8] = sa · cent[(w >> (b·k)) & (2**b − 1)]``, k = 0..7, in one 8-lane vector: the
+# lookup is a build-vector of variable extracts, which x86 code generation lowers to a
+# variable permute (``vpermps``: the <= 16-entry codebook lives in one or two registers) —
+# no gather, no per-code table load.  ``cent`` needs 8 (3 bits) or 16 (4 bits) readable
+# floats; C-contiguous float32 arrays only (typing fails otherwise).
+_decode8_3bit = intrinsic(_decode8_typer(3))
+_decode8_4bit = intrinsic(_decode8_typer(4))
+
+
+def _decode_tile_simd(codes, scales, t0, nt, cent, bits, nb, sshift, scale_table, dst, d0):
+    """``dst[d0 + tt] = `` token ``t0 + tt`` of ``codes``/``scales`` (``[tokens, ·]``), ``tt < nt``,
+    decoded like :func:`_load_token_fast` (same values; CPU only): 3- and 4-bit codes eight
+    at a time by :func:`_decode8_3bit`/:func:`_decode8_4bit` (``cent`` C-contiguous float32
+    with ``2**bits`` or more entries), other widths by the scalar loader.  One call per tile
+    keeps the per-token call overhead out of the hot loop."""
+    if bits == 3:
+        for tt in range(nt):
+            crow = codes[t0 + tt]
+            srow = scales[t0 + tt]
+            drow = dst[d0 + tt]
+            for b in range(nb):
+                sa = scale_table[srow[b >> sshift]]
+                p = b * 12
+                for g in range(4):
+                    w = int64(crow[p]) | (int64(crow[p + 1]) << 8) | (int64(crow[p + 2]) << 16)
+                    _decode8_3bit(w, cent, sa, drow, b * 32 + g * 8)
+                    p += 3
+    elif bits == 4:
+        for tt in range(nt):
+            crow = codes[t0 + tt]
+            srow = scales[t0 + tt]
+            drow = dst[d0 + tt]
+            for b in range(nb):
+                sa = scale_table[srow[b >> sshift]]
+                p = b * 16
+                for g in range(4):
+                    w = (int64(crow[p]) | (int64(crow[p + 1]) << 8) | (int64(crow[p + 2]) << 16)
+                         | (int64(crow[p + 3]) << 24))
+                    _decode8_4bit(w, cent, sa, drow, b * 32 + g * 8)
+                    p += 4
+    else:
+        for tt in range(nt):
+            load_token_fast_cpu(codes[t0 + tt], scales[t0 + tt], cent, bits, nb, sshift, scale_table, dst[d0 + tt])
+
+
 def _load_token_fast(crow, srow, cent, bits, nb, sshift, scale_table, dst):
     """``dst[0:32·nb] = |a| · c[idx_j]`` for one token whose blocks all have width ``bits``
     and codebook ``cent``; byte-wise unpacking for 2/3/4 bits, scales (one per
@@ -210,12 +319,69 @@ def _merge_row(part_m, part_l, part_acc, g, r, n_comp_parts, n_parts, signs, hea
 
 
 load_token_fast_cpu, load_token_fast_dev = twin(_load_token_fast)
+decode_tile_simd_cpu = cpu_serial(_decode_tile_simd)
 load_token_cpu, load_token_dev = twin(_load_token)
 qjl_dot_cpu, qjl_dot_dev = twin(_qjl_dot)
 is_uniform_cpu, is_uniform_dev = twin(_is_uniform)
 online_update_cpu, online_update_dev = twin(_online_update)
 visible_cpu, visible_dev = twin(_visible)
 merge_row_cpu, merge_row_dev = twin(_merge_row)
+
+
+@intrinsic
+def _f32_from_bits(typingctx, i):
+    """Reinterpret the bits of an ``int32`` as a ``float32`` (an LLVM ``bitcast``: one
+    register move, vectorizable; there is no scalar bit-cast in Numba otherwise)."""
+    if not isinstance(i, types.Integer) or i.bitwidth != 32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(i), codegen
+
+
+# Cephes ``expf`` constants: log2(e), ln 2 split in two (Cody–Waite: C1 has few mantissa
+# bits, so n·C1 is exact for |n| <= 128) and the minimax polynomial of e^r on |r| <= ln2/2.
+_LOG2E = np.float32(1.44269504088896341)
+_EXP_C1 = np.float32(0.693359375)
+_EXP_C2 = np.float32(-2.12194440e-4)
+_EXP_HI = np.float32(88.72283)  # above: +inf
+_EXP_LO = np.float32(-87.33654)  # below: 0 (also -inf)
+
+
+def _exp_f32(x):
+    """``e**x`` in float32 without branches or libm (vectorizes inside a loop).
+
+    Cephes ``expf``: ``n = round(x·log2 e)``, ``r = x − n·ln 2`` in two steps, a degree-5
+    polynomial for ``e**r`` and the scale ``2**n`` built from exponent bits (in two halves,
+    so that no half over- or underflows).  Max relative error ~2 ulp on
+    ``[-87.3, 88.7]``; exactly 0 below (``-inf`` included), ``+inf`` above, NaN stays NaN.
+    Compiled without fast-math so the range reduction keeps its order when inlined into
+    fast-math kernels.
+    """
+    xc = min(max(x, _EXP_LO), _EXP_HI)
+    # round to nearest by truncating a positive number (t + 128.5 > 0 on the clamped range)
+    n = np.int32(xc * _LOG2E + np.float32(128.5)) - np.int32(128)
+    fn = np.float32(n)
+    r = xc - fn * _EXP_C1
+    r = r - fn * _EXP_C2
+    z = r * r
+    y = np.float32(1.9875691500e-4) * r + np.float32(1.3981999507e-3)
+    y = y * r + np.float32(8.3334519073e-3)
+    y = y * r + np.float32(4.1665795894e-2)
+    y = y * r + np.float32(1.6666665459e-1)
+    y = y * r + np.float32(5.0000001201e-1)
+    y = y * z + r + np.float32(1.0)
+    n1 = np.int32(n >> 1)
+    n2 = np.int32(n - n1)
+    y = y * _f32_from_bits(np.int32((n1 + 127) << 23)) * _f32_from_bits(np.int32((n2 + 127) << 23))
+    y = np.float32(0.0) if x < _EXP_LO else y
+    y = np.float32(np.inf) if x > _EXP_HI else y
+    return x if math.isnan(x) else y
+
+
+exp_f32_cpu = cpu_serial(_exp_f32)
 
 
 def _softmax_tile(sc, nt, softmax_scale, g, has_bias, bias, need_mask, q_pos0, q_len, pos_base, exact_pos,
@@ -225,44 +391,128 @@ def _softmax_tile(sc, nt, softmax_scale, g, has_bias, bias, need_mask, q_pos0, q
     update the running max ``m`` and sum ``l``.  The caller then adds ``sc @ V_tile``.
 
     Token ``tt`` of the tile sits at ``exact_pos[t0 + tt]`` if ``use_exact_pos`` else at
-    ``pos_base + tt``.
+    ``pos_base + tt``.  Branch-free inner loops (selects, :func:`_exp_f32`) so they
+    vectorize; masked scores are ``-inf`` and their weights exactly 0.
     """
     rows = sc.shape[0]
+    n4 = nt - nt % 4
     for r in range(rows):
-        tile_max = NEG_INF
-        for tt in range(nt):
-            s = sc[r, tt] * softmax_scale
-            if has_bias or need_mask:
+        srow = sc[r]
+        # scale, bias, mask: a vertical loop (selects, no branches)
+        if has_bias or need_mask:
+            lim = q_pos0 + (r % q_len)
+            for tt in range(nt):
                 pos = int64(exact_pos[t0 + tt]) if use_exact_pos else pos_base + tt
+                s = srow[tt] * softmax_scale
                 if has_bias:
                     s += bias[g, r, pos]
-                if need_mask and pos > q_pos0 + (r % q_len):
-                    s = NEG_INF
-            sc[r, tt] = s
-            tile_max = max(tile_max, s)
+                srow[tt] = NEG_INF if need_mask and pos > lim else s
+        else:
+            for tt in range(nt):
+                srow[tt] = srow[tt] * softmax_scale
+        # tile max: four independent chains (a float max reduction does not vectorize
+        # without no-NaN semantics; one chain would be latency-bound)
+        m0 = NEG_INF
+        m1 = NEG_INF
+        m2 = NEG_INF
+        m3 = NEG_INF
+        for tt in range(0, n4, 4):
+            m0 = srow[tt] if srow[tt] > m0 else m0
+            m1 = srow[tt + 1] if srow[tt + 1] > m1 else m1
+            m2 = srow[tt + 2] if srow[tt + 2] > m2 else m2
+            m3 = srow[tt + 3] if srow[tt + 3] > m3 else m3
+        for tt in range(n4, nt):
+            m0 = srow[tt] if srow[tt] > m0 else m0
+        tile_max = max(max(m0, m1), max(m2, m3))
         if tile_max == NEG_INF:
             for tt in range(nt):
-                sc[r, tt] = float32(0.0)
+                srow[tt] = float32(0.0)
             continue
-        m_new = max(m[r], tile_max)
-        alpha = math.exp(m[r] - m_new) if m[r] != NEG_INF else float32(0.0)
+        m_old = m[r]
+        m_new = max(m_old, tile_max)
+        alpha = exp_f32_cpu(m_old - m_new)  # exactly 0 while m_old is -inf
+        for tt in range(nt):  # vectorized exp; masked (-inf) scores give exactly 0
+            srow[tt] = exp_f32_cpu(srow[tt] - m_new)
         lsum = float32(0.0)
         for tt in range(nt):
-            s = sc[r, tt]
-            w = math.exp(s - m_new) if s != NEG_INF else float32(0.0)
-            sc[r, tt] = w
-            lsum += w
-        for j in range(acc.shape[1]):
-            acc[r, j] *= alpha
+            lsum += srow[tt]
+        arow = acc[r]
+        for j in range(arow.shape[0]):
+            arow[j] *= alpha
         l[r] = l[r] * alpha + lsum
         m[r] = m_new
 
 
-softmax_tile_cpu = cpu_serial(_softmax_tile)
+softmax_tile_cpu = cpu_serial(_softmax_tile, fastmath=FASTMATH_REDUCE)
 
 
-# --- CPU twin: partitions in parallel; per tile two small GEMMs (BLAS) on the rotated tile -
-@cpu_kernel
+def _tile_scores(qsrc, kt, nt, sc):
+    """``sc[r, tt] = qsrc[r] · kt[tt]`` for ``tt < nt`` (CPU, fast-math: the dot products
+    vectorize as reductions; L1-resident tile, no BLAS call).  Four query rows per pass
+    over a key row: each key vector is loaded once for four FMAs."""
+    rows, d = qsrc.shape
+    r4 = rows - rows % 4
+    for tt in range(nt):
+        krow = kt[tt]
+        for r in range(0, r4, 4):
+            q0 = qsrc[r]
+            q1 = qsrc[r + 1]
+            q2 = qsrc[r + 2]
+            q3 = qsrc[r + 3]
+            s0 = float32(0.0)
+            s1 = float32(0.0)
+            s2 = float32(0.0)
+            s3 = float32(0.0)
+            for j in range(d):
+                k = krow[j]
+                s0 += q0[j] * k
+                s1 += q1[j] * k
+                s2 += q2[j] * k
+                s3 += q3[j] * k
+            sc[r, tt] = s0
+            sc[r + 1, tt] = s1
+            sc[r + 2, tt] = s2
+            sc[r + 3, tt] = s3
+        for r in range(r4, rows):
+            qrow = qsrc[r]
+            s = float32(0.0)
+            for j in range(d):
+                s += qrow[j] * krow[j]
+            sc[r, tt] = s
+
+
+def _tile_pv(sc, vt, nt, acc):
+    """``acc[r] += Σ_tt sc[r, tt] · vt[tt]`` (CPU): four tokens per pass, so each
+    accumulator vector is loaded and stored once per four value rows."""
+    rows, d = acc.shape
+    n4 = nt - nt % 4
+    for r in range(rows):
+        arow = acc[r]
+        srow = sc[r]
+        for tt in range(0, n4, 4):
+            w0 = srow[tt]
+            w1 = srow[tt + 1]
+            w2 = srow[tt + 2]
+            w3 = srow[tt + 3]
+            v0 = vt[tt]
+            v1 = vt[tt + 1]
+            v2 = vt[tt + 2]
+            v3 = vt[tt + 3]
+            for j in range(d):
+                arow[j] += (w0 * v0[j] + w1 * v1[j]) + (w2 * v2[j] + w3 * v3[j])
+        for tt in range(n4, nt):
+            w = srow[tt]
+            v = vt[tt]
+            for j in range(d):
+                arow[j] += w * v[j]
+
+
+tile_scores_cpu = cpu_serial(_tile_scores, fastmath=FASTMATH_REDUCE)
+tile_pv_cpu = cpu_serial(_tile_pv, fastmath=FASTMATH_REDUCE)
+
+
+# --- CPU twin: partitions in parallel; per tile, register-blocked score and P·V loops -----
+@cpu_kernel(fastmath=FASTMATH_REDUCE)
 def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kcent, vcent,
                           kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias, has_bias, has_qjl, sq,
                           qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size, n_comp_parts, part_m, part_l,
@@ -288,42 +538,33 @@ def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
         else:
             t_lo = (p - n_comp_parts) * part_size
             t_hi = min(n_exact, t_lo + part_size)
-        kt = np.empty((TILE, d), dtype=np.float32)
-        vt = np.empty((TILE, d), dtype=np.float32)
-        st = np.empty((TILE if has_qjl else 1, m_qjl), dtype=np.float32)
+        kt = np.empty((CPU_TILE, d), dtype=np.float32)
+        sc = np.empty((rows, CPU_TILE), dtype=np.float32)
+        stq = np.empty((CPU_TILE if has_qjl else 1, m_qjl), dtype=np.float32)
+        corr = np.empty((rows, CPU_TILE if has_qjl else 1), dtype=np.float32)
         acc = np.zeros((rows, d), dtype=np.float32)
         m = np.full(rows, NEG_INF, dtype=np.float32)
         l = np.zeros(rows, dtype=np.float32)
         qsrc = qr[g] if compressed else q[g]
-        for t0 in range(t_lo, t_hi, TILE):
-            nt = min(TILE, t_hi - t0)
+        for t0 in range(t_lo, t_hi, CPU_TILE):
+            nt = min(CPU_TILE, t_hi - t0)
             if compressed:
-                for tt in range(nt):
-                    if k_uniform:
-                        load_token_fast_cpu(kc[g, t0 + tt], ks[g, t0 + tt], kcent0, kb0, nb, sshift, scale_table,
-                                            kt[tt])
-                    else:
+                if k_uniform:
+                    decode_tile_simd_cpu(kc[g], ks[g], t0, nt, kcent0, kb0, nb, sshift, scale_table, kt, 0)
+                else:
+                    for tt in range(nt):
                         load_token_cpu(kc[g, t0 + tt], ks[g, t0 + tt], kcent, kbits, koff, sshift, nb, scale_table,
                                        kt[tt])
-                    if v_uniform:
-                        load_token_fast_cpu(vc[g, t0 + tt], vs[g, t0 + tt], vcent0, vb0, nb, sshift, scale_table,
-                                            vt[tt])
-                    else:
-                        load_token_cpu(vc[g, t0 + tt], vs[g, t0 + tt], vcent, vbits, voff, sshift, nb, scale_table,
-                                       vt[tt])
-                ktile = kt[:nt]
-                vtile = vt[:nt]
+                tile_scores_cpu(qsrc, kt, nt, sc)
             else:
-                ktile = ke[g, t0:t0 + nt]
-                vtile = ve[g, t0:t0 + nt]
-            sc = np.dot(qsrc, ktile.T)  # [rows, nt] scores in one GEMM
+                tile_scores_cpu(qsrc, ke[g, t0:t0 + nt], nt, sc)
             if compressed and has_qjl:
-                # QJL correction c_t·<S q, σ_t>, in q·k units: signs unpacked to ±1, one GEMM
+                # QJL correction c_t·<S q, σ_t>, in q·k units: signs unpacked to ±1
                 for tt in range(nt):
                     sig = qsig[g, t0 + tt]
                     for j in range(m_qjl):
-                        st[tt, j] = float32(1.0) if (sig[j >> 3] >> (j & 7)) & 1 else float32(-1.0)
-                corr = np.dot(sq[g], st[:nt].T)
+                        stq[tt, j] = float32(1.0) if (sig[j >> 3] >> (j & 7)) & 1 else float32(-1.0)
+                tile_scores_cpu(sq[g], stq, nt, corr)
                 for tt in range(nt):
                     c = qjl_const * scale_table[qnorm[g, t0 + tt]]
                     for r in range(rows):
@@ -332,7 +573,17 @@ def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
             need_mask = causal and (not compressed or last_pos > q_pos0)
             softmax_tile_cpu(sc, nt, softmax_scale, g, has_bias, bias, need_mask, q_pos0, q_len,
                              comp_pos0 + t0 if compressed else 0, exact_pos, not compressed, t0, m, l, acc)
-            acc += np.dot(sc, vtile)  # [rows, d] weighted values in one GEMM
+            if compressed:
+                # the value tile reuses the key tile's buffer: one L1-sized buffer per thread
+                if v_uniform:
+                    decode_tile_simd_cpu(vc[g], vs[g], t0, nt, vcent0, vb0, nb, sshift, scale_table, kt, 0)
+                else:
+                    for tt in range(nt):
+                        load_token_cpu(vc[g, t0 + tt], vs[g, t0 + tt], vcent, vbits, voff, sshift, nb, scale_table,
+                                       kt[tt])
+                tile_pv_cpu(sc, kt, nt, acc)
+            else:
+                tile_pv_cpu(sc, ve[g, t0:t0 + nt], nt, acc)
         for r in range(rows):
             part_m[g, p, r] = m[r]
             part_l[g, p, r] = l[r]

@@ -19,14 +19,15 @@ import numpy as np
 from numba import cuda, float32, int64, prange
 
 from .. import _backend
-from .._jit import cpu_call, cpu_kernel, cuda_kernel
+from .._jit import FASTMATH_REDUCE, cpu_call, cpu_kernel, cuda_kernel
 from ._registry import register
-from .attention import (F16_ABS_TABLE, MAX_HEAD_DIM, NEG_INF, TILE, _merge_partitions_cpu, _merge_partitions_cuda,
-                        load_token_fast_cpu, load_token_fast_dev, online_update_dev, softmax_tile_cpu, visible_dev)
+from .attention import (CPU_TILE, F16_ABS_TABLE, MAX_HEAD_DIM, NEG_INF, _merge_partitions_cpu, _merge_partitions_cuda,
+                        decode_tile_simd_cpu, load_token_fast_dev, online_update_dev, softmax_tile_cpu, tile_pv_cpu,
+                        tile_scores_cpu, visible_dev)
 from .hadamard import SIGNS32, rotate32
 
 
-@cpu_kernel
+@cpu_kernel(fastmath=FASTMATH_REDUCE)
 def _paged_decode_attention_cpu(qr, q, kc, ks, vc, vs, kp, vp, compressed, kv_indptr, kv_indices,
                                 kv_last_page_len, page_size, n_kv_heads, kcent, vcent, kbits, vbits, scale_table,
                                 softmax_scale, q_len, causal, part_size, part_m, part_l, part_acc):
@@ -44,31 +45,48 @@ def _paged_decode_attention_cpu(qr, q, kc, ks, vc, vs, kp, vp, compressed, kv_in
         t_lo = p * part_size
         t_hi = min(T, t_lo + part_size)
         q_pos0 = T - q_len
-        kt = np.empty((TILE, d), dtype=np.float32)
-        vt = np.empty((TILE, d), dtype=np.float32)
+        buf = np.empty((CPU_TILE, d), dtype=np.float32)
+        sc = np.empty((rows, CPU_TILE), dtype=np.float32)
         acc = np.zeros((rows, d), dtype=np.float32)
         m = np.full(rows, NEG_INF, dtype=np.float32)
         l = np.zeros(rows, dtype=np.float32)
         no_bias = np.zeros((1, 1, 1), dtype=np.float32)
         no_pos = np.zeros(1, dtype=np.int32)
         qsrc = qr[g] if compressed else q[g]
-        for t0 in range(t_lo, t_hi, TILE):
-            nt = min(TILE, t_hi - t0)
-            for tt in range(nt):
-                t = t0 + tt
-                page = kv_indices[first + t // page_size]
-                slot = t % page_size
+        for t0 in range(t_lo, t_hi, CPU_TILE):
+            nt = min(CPU_TILE, t_hi - t0)
+            # keys of the tile, decoded (or copied) into the L1 buffer one run of page slots at a time
+            tt = 0
+            while tt < nt:
+                page = kv_indices[first + (t0 + tt) // page_size]
+                slot = (t0 + tt) % page_size
+                run = min(nt - tt, page_size - slot)
                 if compressed:
-                    load_token_fast_cpu(kc[page, h, slot], ks[page, h, slot], kcent, kbits, nb, 0, scale_table, kt[tt])
-                    load_token_fast_cpu(vc[page, h, slot], vs[page, h, slot], vcent, vbits, nb, 0, scale_table, vt[tt])
+                    decode_tile_simd_cpu(kc[page, h], ks[page, h], slot, run, kcent, kbits, nb, 0, scale_table, buf,
+                                         tt)
                 else:
-                    for j in range(d):
-                        kt[tt, j] = kp[page, h, slot, j]
-                        vt[tt, j] = vp[page, h, slot, j]
-            sc = np.dot(qsrc, kt[:nt].T)
+                    for i in range(run):
+                        for j in range(d):
+                            buf[tt + i, j] = kp[page, h, slot + i, j]
+                tt += run
+            tile_scores_cpu(qsrc, buf, nt, sc)
             softmax_tile_cpu(sc, nt, softmax_scale, g, False, no_bias, causal and t0 + nt - 1 > q_pos0, q_pos0,
                              q_len, t0, no_pos, False, 0, m, l, acc)
-            acc += np.dot(sc, vt[:nt])
+            # values of the tile into the same buffer
+            tt = 0
+            while tt < nt:
+                page = kv_indices[first + (t0 + tt) // page_size]
+                slot = (t0 + tt) % page_size
+                run = min(nt - tt, page_size - slot)
+                if compressed:
+                    decode_tile_simd_cpu(vc[page, h], vs[page, h], slot, run, vcent, vbits, nb, 0, scale_table, buf,
+                                         tt)
+                else:
+                    for i in range(run):
+                        for j in range(d):
+                            buf[tt + i, j] = vp[page, h, slot + i, j]
+                tt += run
+            tile_pv_cpu(sc, buf, nt, acc)
         for r in range(rows):
             part_m[g, p, r] = m[r]
             part_l[g, p, r] = l[r]

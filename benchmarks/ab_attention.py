@@ -1,0 +1,87 @@
+"""A/B timing of the fused CPU decode attention: the kernel of an older git revision vs the
+working tree, in ONE process, calls alternated round by round (load changes hit both alike),
+plus dense NumPy float32 attention with one BLAS thread.  Batch 1, 8 KV heads x 4 query
+heads, d = 128 (:func:`numba_kv.bench.make_case`).
+
+    .venv/bin/python benchmarks/ab_attention.py [--rev 544a7c9] [--tokens 32768] [--bits 3] [--rounds 10]
+
+AVX2 code generation: prefix ``env $(.venv/bin/python -m numba_kv.info --avx2-env)
+NUMBA_CACHE_DIR=$PWD/.numba_cache_avx2``.  The old kernel is ``git show REV:numba_kv/ops/
+attention.py`` loaded as a stand-alone module (relative imports rewritten, kernels not
+registered), compiled into a temporary directory: the library keeps one kernel.
+"""
+
+import argparse
+import importlib.util
+import pathlib
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numba
+import numpy as np
+
+from numba_kv.bench import blas_threads_limited, make_case
+from numba_kv.info import provenance_line
+from numba_kv.ops import attention as new
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_old(rev: str, tmp: pathlib.Path):
+    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:numba_kv/ops/attention.py"], check=True,
+                         capture_output=True, text=True).stdout
+    src = re.sub(r"^(\s*)from \.\. import", r"\1from numba_kv import", src, flags=re.MULTILINE)
+    src = re.sub(r"^(\s*)from \.\.(\w+) import", r"\1from numba_kv.\2 import", src, flags=re.MULTILINE)
+    src = re.sub(r"^(\s*)from \.(\w+) import", r"\1from numba_kv.ops.\2 import", src, flags=re.MULTILINE)
+    src = re.sub(r"^register\(", "# register(", src, flags=re.MULTILINE)
+    path = tmp / f"old_attention_{rev}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rev", default="544a7c9", help="git revision of the old kernel (default: before the rewrite)")
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--bits", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=10)
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        old = load_old(a.rev, pathlib.Path(tmp))
+        c = make_case(a.tokens, a.bits)
+        args = (c.q, c.kc, c.ks, c.vc, c.vs)
+
+        def dense():
+            with blas_threads_limited(1):
+                return c.dense()
+
+        fns = {"old": lambda: old.decode_attention(*args, bits=a.bits),
+               "new": lambda: new.decode_attention(*args, bits=a.bits), "dense1": dense}
+        o, n = fns["old"](), fns["new"]()  # compile outside the timed rounds
+        print(provenance_line())
+        print(f"T={a.tokens} bits={a.bits} Numba threads={numba.get_num_threads()} max |old - new| = "
+              f"{float(np.abs(o - n).max()):.2e}")
+        ts = {k: [] for k in fns}
+        for _ in range(a.rounds):
+            for k, f in fns.items():
+                t = time.perf_counter()
+                f()
+                ts[k].append(time.perf_counter() - t)
+        med = {k: statistics.median(v) * 1e3 for k, v in ts.items()}
+        best = {k: min(v) * 1e3 for k, v in ts.items()}
+        print("median ms " + "  ".join(f"{k} {v:.2f}" for k, v in med.items()))
+        print("best ms   " + "  ".join(f"{k} {v:.2f}" for k, v in best.items()))
+        print(f"new vs old {med['old'] / med['new']:.2f}x   new vs dense(1 BLAS thread) {med['dense1'] / med['new']:.2f}x"
+              f"   old vs dense {med['dense1'] / med['old']:.2f}x   (medians of {a.rounds} rounds)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""CPU-only cores of the fused decode attention: the branch-free float32 exp and the
+vector (8-codes-at-a-time) tile decoder, against independent NumPy computations."""
+
+import numpy as np
+import pytest
+from numba import njit
+
+from numba_kv.ops.attention import F16_ABS_TABLE, decode_tile_simd_cpu, exp_f32_cpu, load_token_fast_cpu
+from numba_kv.ops.blockquant import dequantize_blocks, quantize_blocks
+from numba_kv.ops.codebook import get_codebook
+from numba_kv.ops.hadamard import rotate32
+
+
+@njit
+def _exp_all(x, out):
+    for i in range(x.shape[0]):  # a loop: the vectorized form of the core
+        out[i] = exp_f32_cpu(x[i])
+
+
+def test_exp_f32_accuracy_over_whole_range():
+    """Max relative error vs float64 ``np.exp`` a few ulp wherever the float32 result is normal."""
+    x = np.linspace(-87.3, 88.7, 3_000_001, dtype=np.float32)
+    x = np.concatenate([x, np.float32([-1e-30, 1e-30, -1e-7, 1e-7, np.float32(0.5) * np.float32(np.log(2.0))])])
+    out = np.empty_like(x)
+    _exp_all(x, out)
+    ref = np.exp(x.astype(np.float64))
+    normal = (ref >= np.finfo(np.float32).tiny) & (ref <= np.finfo(np.float32).max)
+    rel = np.abs(out[normal].astype(np.float64) - ref[normal]) / ref[normal]
+    assert normal.sum() > 3_000_000
+    assert rel.max() <= 3 * 2.0 ** -24  # <= 3 ulp (half-ulp units of 2**-24 relative)
+
+
+def test_exp_f32_special_values():
+    x = np.float32([0.0, -0.0, -np.inf, -88.0, -100.0, -1e30, 89.0, np.inf, np.nan, 1.0])
+    out = np.empty_like(x)
+    _exp_all(x, out)
+    assert out[0] == 1.0 and out[1] == 1.0
+    assert np.all(out[2:6] == 0.0)  # masked scores (-inf) and underflow give exactly 0
+    assert np.isposinf(out[6]) and np.isposinf(out[7])
+    assert np.isnan(out[8])
+    assert abs(out[9] - np.e) <= 2 * np.spacing(np.float32(np.e))
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("t0, nt", [(0, 32), (5, 17), (40, 1)])
+def test_decode_tile_matches_dequantize(bits, t0, nt):
+    """Token rows decoded by the vector decoder are the rotated-domain values of
+    :func:`dequantize_blocks` (which inverse-rotates): rotating those forward gives them back."""
+    rng = np.random.default_rng(bits * 100 + t0)
+    d, T = 128, 48
+    x = rng.standard_normal((T, d)).astype(np.float32) * rng.uniform(0.1, 10, (T, 1)).astype(np.float32)
+    codes, scales = quantize_blocks(x, bits)
+    cent = np.zeros(16, np.float32)
+    cb = get_codebook(bits, "maxnorm").centroids
+    cent[:len(cb)] = cb
+    dst = np.full((32, d), np.nan, np.float32)
+    decode_tile_simd_cpu(codes, scales, t0, nt, cent, bits, d // 32, 0, F16_ABS_TABLE, dst, 0)
+    want = rotate32(dequantize_blocks(codes, scales, bits)[t0:t0 + nt])
+    np.testing.assert_allclose(dst[:nt], want, rtol=2e-6, atol=2e-6 * float(np.abs(want).max()))
+    assert np.all(np.isnan(dst[nt:]))  # rows past nt untouched
+    scalar = np.empty((nt, d), np.float32)
+    for tt in range(nt):  # the scalar loader the CUDA kernels use: bit-identical values
+        load_token_fast_cpu(codes[t0 + tt], scales[t0 + tt], cent, bits, d // 32, 0, F16_ABS_TABLE, scalar[tt])
+    assert np.array_equal(dst[:nt], scalar)
