@@ -30,7 +30,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 from llvmlite import ir
-from numba import cuda, float32, int64, prange, types
+from numba import cuda, float32, int32, int64, prange, types
 from numba.core.extending import intrinsic
 
 from .. import _backend
@@ -559,11 +559,15 @@ def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
             else:
                 tile_scores_cpu(qsrc, ke[g, t0:t0 + nt], nt, sc)
             if compressed and has_qjl:
-                # QJL correction c_t·<S q, σ_t>, in q·k units: signs unpacked to ±1
+                # QJL correction c_t·<S q, σ_t>, in q·k units: signs unpacked to ±1 byte by
+                # byte as 2·bit − 1 through int32 (a select on a bit picked by j >> 3 / j & 7
+                # vectorizes only with AVX-512; this form is a broadcast + shift per 8 lanes)
                 for tt in range(nt):
                     sig = qsig[g, t0 + tt]
-                    for j in range(m_qjl):
-                        stq[tt, j] = float32(1.0) if (sig[j >> 3] >> (j & 7)) & 1 else float32(-1.0)
+                    for jb in range(m_qjl >> 3):
+                        byte = int32(sig[jb])
+                        for k in range(8):
+                            stq[tt, (jb << 3) + k] = float32((byte >> k) & 1) * float32(2.0) - float32(1.0)
                 tile_scores_cpu(sq[g], stq, nt, corr)
                 for tt in range(nt):
                     c = qjl_const * scale_table[qnorm[g, t0 + tt]]
