@@ -37,7 +37,7 @@ __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "CacheFileError", "load_cache", "sav
 
 FORMAT_NAME = "numba_kv.cache"
 FORMAT_VERSION = 1
-_META_INTS = ("n_comp", "n_sink", "n_win", "kmean_set", "kscale_set", "kperm_set", "vperm_set")
+_META_INTS = ("n_comp", "n_sink", "n_win", "n_evicted", "kmean_set", "kscale_set", "kperm_set", "vperm_set")
 
 
 class CacheFileError(ValueError):
@@ -153,12 +153,16 @@ def _check_int(where: str, v: Any, lo: int = 0) -> int:
 
 def _check_counters(cache: Any, i: int, seq_len: int, meta: dict[str, Any], live: dict[str, Any]) -> None:
     """The layer's counters must describe a state the cache can reach (kernels trust them)."""
+    window = cache.layer_windows[i]
+    if meta.get("n_evicted", 0) and window is None:
+        raise CacheFileError(f"state: layer {i} has evicted tokens but is not a sliding-window layer")
+    meta = {k: v for k, v in meta.items() if k != "n_evicted"}
     if not hasattr(cache, "_set_live"):  # dense: every buffer holds seq_len tokens
         if meta or live:
             raise CacheFileError(f"state: layer {i} of a {type(cache).__name__} has counters {meta} / {live}")
         return
     n_sink, n_comp, n_win = (meta.get(k, 0) for k in ("n_sink", "n_comp", "n_win"))
-    S, R = cache.sink_tokens, cache.residual_length
+    S, R = (0 if window is not None else cache.sink_tokens), cache.residual_length
     ok = n_sink + n_comp + n_win == seq_len and n_sink <= S and n_win <= R and (n_sink == S or n_comp + n_win == 0)
     if not cache.windowed:
         ok = ok and n_comp == seq_len
