@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from ._layer import LayeredCache
 from .dense import DenseCache
+from .mixed import build_cache
 from .polarquant import PolarQuantCache
 from .turboquant import TurboQuantCache
 
@@ -21,7 +22,8 @@ _SUFFIX_OPTIONS: Dict[str, Dict[str, Any]] = {
 }
 
 
-def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int, **options: Any) -> LayeredCache:
+def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
+               layer_overrides: Optional[Dict[int, Dict[str, Any]]] = None, **options: Any) -> LayeredCache:
     """Create a cache by name.
 
     Parameters
@@ -36,8 +38,18 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int, 
         norm per vector instead of per-32-block scales), ``"-eden"`` (unbiased rescale).
     num_layers, num_kv_heads, head_dim : int
         Model geometry.
+    layer_overrides : dict {int: dict}, optional
+        Options of single layers, e.g. ``{0: {"bits": 4}, -1: {"bits": 4}}`` (negative
+        layers count from the end): any constructor option of the cache class (``bits``
+        — which also replaces the name's ``k_bits``/``v_bits`` —, ``k_bits``,
+        ``v_bits``, ``rotation``, ``residual_length``, ``sink_tokens``, ``window_dtype``,
+        ``sliding_window``, ...).  Unknown options and layers raise ``ValueError``.  The
+        result is then a :class:`~numba_kv.caches.mixed.MixedCache` (one cache per
+        distinct configuration).
     **options
-        Forwarded to the cache class (``residual_length=``, ``dtype=`` for dense, ...).
+        Forwarded to the cache class (``residual_length=``, ``dtype=`` for dense,
+        ``sliding_window=`` — an int, a per-layer list of int/None or ``{layer: window}``
+        — ...).
 
     Returns
     -------
@@ -62,7 +74,7 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int, 
     key = name.strip().lower()
     geom = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
     if key == "dense":
-        return DenseCache(**geom, **options)
+        return build_cache(DenseCache, geom, options, layer_overrides)
     m = _NAME.match(key)
     if not m:
         raise ValueError(f"name: expected one of {list(CACHE_NAMES)}, or 'pqo-k<2-4>v<2-4>' / 'tq-k<2-4>v<2-4>', "
@@ -88,6 +100,9 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int, 
         if opt in options and options[opt] != val:
             raise ValueError(f"{opt}: {options[opt]!r} conflicts with the name {name!r}")
     options = {**options, **implied}
+    for opt in ("bits", "mode"):
+        if opt in options:  # as before: the name sets them
+            raise TypeError(f"make_cache() got multiple values for keyword argument {opt!r}")
     if family == "tq":
-        return TurboQuantCache(**geom, bits=bits, **options)
-    return PolarQuantCache(**geom, bits=bits, mode=family, **options)
+        return build_cache(TurboQuantCache, geom, {"bits": bits, **options}, layer_overrides)
+    return build_cache(PolarQuantCache, geom, {"bits": bits, "mode": family, **options}, layer_overrides)

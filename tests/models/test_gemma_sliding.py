@@ -73,3 +73,14 @@ def test_compressed_sliding_cache_matches_the_masking_fallback(tiny_gemma, name)
     b = sequence_logits(model, ids, full, 4)
     np.testing.assert_allclose(a, b, rtol=0, atol=2e-4 * np.abs(b).max())
     assert slide.memory_usage() < full.memory_usage()
+
+
+def test_per_layer_overrides_through_the_model(tiny_gemma):
+    """A mixed cache (per-layer options) keeps the model's windows and its exactness."""
+    model, hf = tiny_gemma
+    ids = np.random.default_rng(9).integers(0, model.config.vocab_size, 13)
+    cache = model.new_cache("dense", layer_overrides={0: {"dtype": "float64"}, -1: {"dtype": "float64"}})
+    assert type(cache).__name__ == "MixedCache" and cache.layer_windows == model.layer_windows
+    assert_close(sequence_logits(model, ids, cache, 2), gemma_reference_logits(hf, ids))
+    w = model.config.sliding_window
+    assert cache.stored_len(0) == w and cache.stored_len(model.config.n_layers - 1) == ids.size
