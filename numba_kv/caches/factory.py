@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 from ._layer import LayeredCache
 from .dense import DenseCache
-from .mixed import build_cache
+from .mixed import MixedCache, build_cache
 from .polarquant import PolarQuantCache
 from .turboquant import TurboQuantCache
 
@@ -23,7 +23,8 @@ _SUFFIX_OPTIONS: Dict[str, Dict[str, Any]] = {
 
 
 def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
-               layer_overrides: Optional[Dict[int, Dict[str, Any]]] = None, **options: Any) -> LayeredCache:
+               layer_overrides: Optional[Dict[int, Dict[str, Any]]] = None,
+               **options: Any) -> Union[LayeredCache, MixedCache]:
     """Create a cache by name.
 
     Parameters
@@ -68,6 +69,10 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
     3.5
     >>> make_cache("pqo3-head", num_layers=1, num_kv_heads=1, head_dim=128).bits_per_value
     3.125
+    >>> mixed = make_cache("pqo3", num_layers=4, num_kv_heads=1, head_dim=64,
+    ...                    layer_overrides={0: {"bits": 4}, -1: {"bits": 4}})
+    >>> [mixed.layer_cache(i).bits for i in range(4)]
+    [4, 3, 3, 4]
     """
     if not isinstance(name, str):
         raise TypeError(f"name: expected a str, got {type(name).__name__}")
