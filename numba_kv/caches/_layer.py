@@ -325,7 +325,8 @@ class LayeredCache(LifecycleMixin):
 
         ``q`` is ``[batch, num_heads, new_tokens, head_dim]``; ``config.n_kv_groups`` must
         equal ``num_heads // num_kv_heads``.  New query ``i`` sees the stored tokens and
-        the new tokens ``0..i`` (causal).
+        the new tokens ``0..i`` (causal); on a sliding-window layer only the last
+        ``window`` of those (the cache masks, or returns the mask as ``logit_bias``).
         """
         if not isinstance(config, AttendConfig):
             raise TypeError(f"config: expected an AttendConfig, got {type(config).__name__}")
