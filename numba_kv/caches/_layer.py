@@ -19,7 +19,7 @@ from .. import _backend, _config
 from .._validate import (F32_MAX, check_head_dim, check_int, check_kv_stats, check_layer, check_magnitude,
                          check_q)
 from ..ops.finite import RangeStats
-from ..ops.memory import copy_prefix
+from ..ops.memory import copy_prefix, copy_tokens
 from ._lifecycle import LifecycleMixin
 from .protocol import AttendConfig, DecodeOutput, Dequantized, DequantResult
 
@@ -39,8 +39,21 @@ class LayerState:
     buffers: Dict[str, Any] = field(default_factory=dict)
     # live tokens per buffer when it differs from seq_len (e.g. compressed vs window)
     live: Dict[str, int] = field(default_factory=dict)
-    # cache-specific counters (compressed tokens, sinks, window), reset with the layer
+    # cache-specific counters (compressed tokens, sinks, window, evicted), reset with the layer
     meta: Dict[str, int] = field(default_factory=dict)
+    # sliding window of the layer (None: global attention); configuration, not state
+    window: Optional[int] = None
+
+    @property
+    def evicted(self) -> int:
+        """Tokens dropped from the front of a sliding layer (absolute position of the first
+        stored token)."""
+        return self.meta.get("n_evicted", 0)
+
+    @property
+    def total_len(self) -> int:
+        """Tokens the layer has seen: stored plus evicted."""
+        return self.seq_len + self.evicted if self.seq_len else 0
 
     def live_count(self, name: str) -> int:
         """Live tokens of buffer ``name``."""
@@ -62,6 +75,76 @@ class LayerState:
         return sum(int(b.size) * np.dtype(b.dtype).itemsize for b in self.buffers.values())
 
 
+#: Logit bias that hides a token from a query (finite: the fused op rejects non-finite
+#: biases; exp(-1e30 - m) is exactly 0 in float32 for any finite logit m).
+MASKED_LOGIT = -1.0e30
+
+
+def check_sliding_window(sliding_window: Any, num_layers: int) -> List[Optional[int]]:
+    """Per-layer sliding windows from the user's ``sliding_window`` argument.
+
+    ``None`` (every layer global), an int (every layer slides), a sequence of ``num_layers``
+    entries (int or None, e.g. a model's ``layer_windows`` / HF ``layer_types`` resolved),
+    or a dict ``{layer: window}`` (negative layers count from the end; layers not named are
+    global).  Windows are ints >= 2.
+    """
+    def one(where: str, w: Any) -> Optional[int]:
+        if w is None:
+            return None
+        return check_int(where, w, minimum=2)
+
+    if sliding_window is None:
+        return [None] * num_layers
+    if isinstance(sliding_window, dict):
+        out: List[Optional[int]] = [None] * num_layers
+        for key, w in sliding_window.items():
+            idx = resolve_layer("sliding_window", key, num_layers)
+            out[idx] = one(f"sliding_window[{key!r}]", w)
+        return out
+    if isinstance(sliding_window, (list, tuple)):
+        if len(sliding_window) != num_layers:
+            raise ValueError(f"sliding_window: expected {num_layers} per-layer entries (int or None), "
+                             f"got {len(sliding_window)}")
+        return [one(f"sliding_window[{i}]", w) for i, w in enumerate(sliding_window)]
+    w = one("sliding_window", sliding_window)
+    return [w] * num_layers
+
+
+def masked_astype(bias: Any, dtype: Any) -> Any:
+    """``bias.astype(dtype)`` keeping ``MASKED_LOGIT`` finite in narrow float dtypes."""
+    dt = np.dtype(dtype)
+    if dt.kind == "f" and dt.itemsize < 4:
+        xp = _backend.xp_of(bias)
+        bias = xp.maximum(bias, np.float32(np.finfo(dt).min))
+    return bias.astype(dt)
+
+
+def resolve_layer(where: str, key: Any, num_layers: int) -> int:
+    """A layer index of a per-layer mapping (``-1`` = last layer) -> ``0 .. num_layers-1``."""
+    if isinstance(key, (bool, np.bool_)) or not isinstance(key, (int, np.integer)):
+        raise TypeError(f"{where}: layer keys must be ints, got {type(key).__name__} {key!r}")
+    idx = int(key) + num_layers if key < 0 else int(key)
+    if not 0 <= idx < num_layers:
+        raise ValueError(f"{where}: layer {key} is out of range for {num_layers} layers "
+                         f"(expected {-num_layers} .. {num_layers - 1})")
+    return idx
+
+
+def shift_front(buf: Any, e: int, n: int) -> None:
+    """``buf[:, :n-e] = buf[:, e:n]`` through a temporary (the ranges overlap; CuPy and Numba
+    device arrays do not promise overlapping copies)."""
+    m = n - e
+    if e <= 0 or m <= 0:
+        return
+    xp = _backend.xp_of(buf)
+    if xp is not None:
+        buf[:, :m] = buf[:, e:n].copy()
+        return
+    tmp = _backend.empty(buf, (buf.shape[0], m, buf.shape[2]), buf.dtype)
+    copy_tokens(buf, e, m, tmp, 0)
+    copy_tokens(tmp, 0, m, buf, 0)
+
+
 def grown_capacity(needed: int) -> int:
     """Capacity after growth: ``needed + max(needed·growth_fraction, growth_min_extra)``."""
     extra = max(int(needed * _config.get("growth_fraction")), int(_config.get("growth_min_extra")))
@@ -71,14 +154,26 @@ def grown_capacity(needed: int) -> int:
 class LayeredCache(LifecycleMixin):
     """Base of all caches: validation, per-layer locks, growth, protocol bookkeeping.
 
-    Subclasses define :meth:`_buffer_spec`, :meth:`_store` and :meth:`_history`.
+    Subclasses define :meth:`_buffer_spec`, :meth:`_store`, :meth:`_history` and
+    :meth:`_evict`.
+
+    Sliding-window layers (``sliding_window``, see :func:`check_sliding_window`): a layer
+    with window ``W`` lets the query at position ``p`` see the keys ``p − W < j <= p`` (the
+    Gemma / Mistral / HF convention: ``W`` keys, itself included).  Before new tokens are
+    stored, the layer evicts from the front everything but its ``W − 1`` newest tokens (what
+    the first new query can still see), so it holds at most ``W − 1 + T`` tokens after a
+    call with ``T`` new tokens (``W`` after a one-token decode: exactly the visible ones)
+    and ``memory_usage`` counts only those.  Eviction shifts the stored rows down (one read
+    and write of the ``W − 1`` kept tokens' compressed bytes per call).  ``seq_len(layer)``
+    stays the number of tokens the layer has *seen* (positions), not stored.
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, sliding_window: Any = None) -> None:
         self.num_layers = check_int("num_layers", num_layers, minimum=1)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)
         self.head_dim = check_head_dim(head_dim)
-        self._layers = [LayerState() for _ in range(self.num_layers)]
+        self.layer_windows: List[Optional[int]] = check_sliding_window(sliding_window, self.num_layers)
+        self._layers = [LayerState(window=w) for w in self.layer_windows]
 
     # -- subclass hooks -------------------------------------------------------------------
     def _buffer_spec(self) -> BufferSpec:
@@ -89,8 +184,53 @@ class LayeredCache(LifecycleMixin):
         raise NotImplementedError
 
     def _history(self, st: LayerState, dtype: Any) -> Tuple[Any, Any]:
-        """Full K/V history ``[batch, num_kv_heads, seq_len, head_dim]`` in ``dtype``."""
+        """Stored K/V history ``[batch, num_kv_heads, seq_len, head_dim]`` in ``dtype``
+        (never a view of the buffers: eviction shifts them in place)."""
         raise NotImplementedError
+
+    def _evict(self, st: LayerState, e: int) -> None:
+        """Drop the ``e`` oldest stored tokens (``0 < e < st.seq_len``): shift the rest to the
+        front and lower ``st.seq_len``.  Called under the layer's lock."""
+        raise NotImplementedError
+
+    def _window_config(self) -> Dict[str, Any]:
+        """``{"sliding_window": [...]}`` for ``_lifecycle_config`` if any layer slides."""
+        if any(w is not None for w in self.layer_windows):
+            return {"sliding_window": list(self.layer_windows)}
+        return {}
+
+    def _slide(self, st: LayerState) -> None:
+        """Evict all but the ``window − 1`` newest tokens of a sliding layer."""
+        if st.window is None or not st.seq_len:
+            return
+        e = st.seq_len - (st.window - 1)
+        if e > 0:
+            self._evict(st, e)
+            st.meta["n_evicted"] = st.meta.get("n_evicted", 0) + e
+
+    def _window_bias(self, st: LayerState, q: Any) -> Any:
+        """Sliding mask of the queries of the tokens just stored, as a finite logit bias
+        ``[batch·num_kv_heads, G·q_len, seq_len]`` float32 (``MASKED_LOGIT`` on keys older
+        than each query's window), or ``None`` when no stored key is out of any window."""
+        b, hq, ql, _ = (int(s) for s in q.shape)
+        s = st.seq_len
+        if st.window is None or s - 1 - st.window < 0:  # the last query sees every stored key
+            return None
+        qpos = np.arange(s - ql, s)
+        mask = np.arange(s)[None, :] <= qpos[:, None] - st.window  # [ql, s]
+        row = np.where(mask, np.float32(MASKED_LOGIT), np.float32(0.0)).astype(np.float32)
+        g = hq // self.num_kv_heads
+        bias = np.broadcast_to(row[None, None], (b * self.num_kv_heads, g, ql, s)).reshape(
+            b * self.num_kv_heads, g * ql, s)
+        bias = np.ascontiguousarray(bias)
+        xp = _backend.xp_of(q)
+        if xp is np:
+            return bias
+        if xp is not None:
+            return xp.asarray(bias)
+        from numba import cuda  # noqa: PLC0415
+
+        return cuda.to_device(bias)
 
     # -- helpers --------------------------------------------------------------------------
     def _validate(self, layer: Any, k: Any, v: Any, q: Any, config: Optional[AttendConfig],
@@ -142,6 +282,7 @@ class LayeredCache(LifecycleMixin):
 
     def _append(self, st: LayerState, dev: str, k: Any, v: Any) -> int:
         """Grow if needed, store, advance ``seq_len``; return the old length."""
+        self._slide(st)
         old = st.seq_len
         batch = int(k.shape[0])
         if old == 0 and st.buffers and (st.batch != batch or st.device != dev):
@@ -158,7 +299,10 @@ class LayeredCache(LifecycleMixin):
 
         Returns the original ``k``/``v`` if the layer was empty (lossless prompt
         attention), otherwise the full dequantized history ``[batch, num_kv_heads,
-        old + new_tokens, head_dim]`` in the dtype of ``k``.  ``q`` (optional,
+        old + new_tokens, head_dim]`` in the dtype of ``k``.  On a sliding-window layer the
+        history is what the layer still stores (at most ``window − 1`` old tokens plus the
+        new ones) and the caller applies the window mask (positions are relative: the
+        last ``new_tokens`` keys are the new tokens).  ``q`` (optional,
         ``[batch, num_heads, new_tokens, head_dim]``) is validated but not needed here.
         """
         layer, dev, stats = self._validate(layer, k, v, q, None, need_q=False)
@@ -181,7 +325,8 @@ class LayeredCache(LifecycleMixin):
 
         ``q`` is ``[batch, num_heads, new_tokens, head_dim]``; ``config.n_kv_groups`` must
         equal ``num_heads // num_kv_heads``.  New query ``i`` sees the stored tokens and
-        the new tokens ``0..i`` (causal).
+        the new tokens ``0..i`` (causal); on a sliding-window layer only the last
+        ``window`` of those (the cache masks, or returns the mask as ``logit_bias``).
         """
         if not isinstance(config, AttendConfig):
             raise TypeError(f"config: expected an AttendConfig, got {type(config).__name__}")
@@ -193,12 +338,29 @@ class LayeredCache(LifecycleMixin):
             return self._decode_output(st, q, config, k.dtype)
 
     def _decode_output(self, st: LayerState, q: Any, config: AttendConfig, dtype: Any) -> DecodeOutput:
-        """What ``decode`` returns once the tokens are stored (default: the full history)."""
+        """What ``decode`` returns once the tokens are stored (default: the stored history,
+        with the sliding mask as ``logit_bias`` where a query's window excludes stored keys)."""
         hk, hv = self._history(st, dtype)
-        return Dequantized(DequantResult(hk, hv))
+        return Dequantized(DequantResult(hk, hv, self._window_bias4(st, q, dtype)))
+
+    def _window_bias4(self, st: LayerState, q: Any, dtype: Any) -> Any:
+        """:meth:`_window_bias` in the protocol's ``[batch, num_heads, q_len, seq_len]`` layout."""
+        bias = self._window_bias(st, q)
+        if bias is None:
+            return None
+        b, hq, ql, _ = (int(s) for s in q.shape)
+        return masked_astype(bias.reshape(b, hq, ql, st.seq_len), dtype)
 
     def seq_len(self, layer: int) -> int:
-        """Tokens stored for ``layer`` (``IndexError`` if out of range)."""
+        """Tokens ``layer`` has seen (``IndexError`` if out of range).
+
+        Equal to the stored tokens, except on sliding-window layers, which evict what no
+        future query can see (:meth:`stored_len`)."""
+        layer = check_layer(layer, self.num_layers)
+        return self._layers[layer].total_len
+
+    def stored_len(self, layer: int) -> int:
+        """Tokens ``layer`` currently stores (``seq_len`` minus evicted tokens)."""
         layer = check_layer(layer, self.num_layers)
         return self._layers[layer].seq_len
 

@@ -90,11 +90,24 @@ class LifecycleMixin:
     def _crop_layer(self, st: Any, length: int) -> None:
         st.seq_len = length
 
+    @staticmethod
+    def _crop_floor(st: Any) -> int:
+        """Shortest length a non-empty layer can be cropped to (besides 0): a sliding layer
+        that evicted ``e`` tokens can return to position ``L`` only if it still stores every
+        token the query at ``L`` sees, ``L − window + 1 >= e``."""
+        e = st.meta.get("n_evicted", 0)
+        return e + st.window - 1 if e else 0
+
     # -- crop -----------------------------------------------------------------------------
     def crop(self, length: int) -> None:
         """Keep the first ``length`` tokens of every layer, exactly as they were stored.
 
-        Rollback after speculative decoding.  Compressed tokens stay compressed, window
+        Rollback after speculative decoding.  Lengths count the tokens each layer has seen
+        (``seq_len``).  A sliding-window layer that has evicted tokens keeps its ``window −
+        1`` newest tokens before each call plus that call's new tokens, so it can always be
+        cropped back over the tokens of its last call (a rejected draft), but not further:
+        a length whose window reaches evicted tokens raises ``ValueError`` (they cannot be
+        restored), except ``crop(0)``.  Compressed tokens stay compressed, window
         and sink tokens stay exact; per-layer constants measured on the first chunk (key
         mean, channel scale, outlier-channel permutation) are kept, since the kept tokens
         were stored with them.  ``crop(0)`` empties every layer (like :meth:`reset`).
@@ -104,7 +117,8 @@ class LifecycleMixin:
         Parameters
         ----------
         length : int
-            ``0 <= length <= seq_len(layer)`` for every non-empty layer.
+            ``0 <= length <= seq_len(layer)`` for every non-empty layer (and not inside
+            the evicted horizon of a sliding layer, see above).
 
         Raises
         ------
@@ -113,18 +127,22 @@ class LifecycleMixin:
         """
         length = check_int("length", length, minimum=0)
         with self._all_locks():
-            lens = [st.seq_len for st in self._layers if st.seq_len]
+            lens = [st.total_len for st in self._layers if st.seq_len]
             limit = min(lens) if lens else 0
             if length > limit:
                 raise ValueError(f"length: expected an int in [0, {limit}] (the shortest non-empty layer "
                                  f"holds {limit} tokens), got {length}")
+            floor = max([self._crop_floor(st) for st in self._layers if st.seq_len] + [0])
+            if 0 < length < floor:
+                raise ValueError(f"length: a sliding-window layer has evicted tokens that position {length} would "
+                                 f"see again; expected 0 or an int in [{floor}, {limit}], got {length}")
             for st in self._layers:
-                if not st.seq_len or st.seq_len == length:
+                if not st.seq_len or st.total_len == length:
                     continue
                 if length == 0:
                     self._clear_layer(st)
                 else:
-                    self._crop_layer(st, length)
+                    self._crop_layer(st, length - st.meta.get("n_evicted", 0))
 
     # -- fork -----------------------------------------------------------------------------
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
@@ -142,7 +160,7 @@ class LifecycleMixin:
                 layers.append(type(st)(lock=threading.Lock(), seq_len=st.seq_len, batch=st.batch, device=st.device,
                                        capacity=st.capacity,
                                        buffers={n: copy_array(b) for n, b in st.buffers.items()},
-                                       live=dict(st.live), meta=dict(st.meta)))
+                                       live=dict(st.live), meta=dict(st.meta), window=st.window))
         new._layers = layers
         return new
 

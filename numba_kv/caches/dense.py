@@ -8,7 +8,7 @@ import numpy as np
 
 from .. import _backend
 from .._validate import F16_MAX, F32_MAX, check_magnitude
-from ._layer import BufferSpec, LayeredCache, LayerState
+from ._layer import BufferSpec, LayeredCache, LayerState, shift_front
 
 
 class DenseCache(LayeredCache):
@@ -20,6 +20,11 @@ class DenseCache(LayeredCache):
         Model geometry; ``head_dim`` a multiple of 32.
     dtype : {None, float16, float32, float64}
         Storage dtype; ``None`` (default) keeps float32.  ``memory_usage()`` counts it.
+    sliding_window : None, int, sequence or dict, optional
+        Per-layer sliding windows (``None``: every layer global; an int: every layer; a
+        list of ``num_layers`` ints/None; ``{layer: window}``, negative layers from the
+        end).  A sliding layer stores only what its queries can still see (see
+        :class:`~numba_kv.caches._layer.LayeredCache`).
 
     Notes
     -----
@@ -29,8 +34,9 @@ class DenseCache(LayeredCache):
 
     name = "dense"
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: Optional[Any] = None) -> None:
-        super().__init__(num_layers, num_kv_heads, head_dim)
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: Optional[Any] = None,
+                 sliding_window: Any = None) -> None:
+        super().__init__(num_layers, num_kv_heads, head_dim, sliding_window)
         dt = np.dtype(np.float32 if dtype is None else dtype)
         if dt not in (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)):
             raise ValueError(f"dtype: expected None, float16, float32 or float64, got {dt}")
@@ -76,11 +82,17 @@ class DenseCache(LayeredCache):
             buf = st.buffers[name]
             xp = _backend.xp_of(buf)
             live = buf[:, : st.seq_len]
-            flat = xp.ascontiguousarray(live) if xp is not None else live.copy_to_host()
+            # a copy, never a view: sliding layers shift their buffers in place
+            flat = live.copy() if xp is not None else live.copy_to_host()
             out.append(self._reshape_out(flat, st.batch, dtype))
         return out[0], out[1]
+
+    def _evict(self, st: LayerState, e: int) -> None:
+        for name in ("k", "v"):
+            shift_front(st.buffers[name], e, st.seq_len)
+        st.seq_len -= e
 
     def _lifecycle_config(self) -> Dict[str, Any]:
         """Constructor arguments (JSON types) that rebuild this cache's configuration."""
         return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-                "dtype": self.dtype.name}
+                "dtype": self.dtype.name, **self._window_config()}

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Dict, Optional, Union
 
 from ._layer import LayeredCache
 from .dense import DenseCache
+from .mixed import MixedCache, build_cache
 from .polarquant import PolarQuantCache
 from .spec import CACHE_NAMES, name_options, parse_cache_spec
 from .turboquant import TurboQuantCache
 
 __all__ = ["CACHE_NAMES", "make_cache"]
 
-def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int, **options: Any) -> LayeredCache:
+
+def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
+               layer_overrides: Optional[Dict[int, Dict[str, Any]]] = None,
+               **options: Any) -> Union[LayeredCache, MixedCache]:
     """Create a cache by name.
 
     Parameters
@@ -29,8 +33,18 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int, 
         ``"-rR-sS"`` and options ``":key=value,..."`` (``"pqo3-r0-s0:key_center=true"``).
     num_layers, num_kv_heads, head_dim : int
         Model geometry.
+    layer_overrides : dict {int: dict}, optional
+        Options of single layers, e.g. ``{0: {"bits": 4}, -1: {"bits": 4}}`` (negative
+        layers count from the end): any constructor option of the cache class (``bits``
+        — which also replaces the name's ``k_bits``/``v_bits`` —, ``k_bits``,
+        ``v_bits``, ``rotation``, ``residual_length``, ``sink_tokens``, ``window_dtype``,
+        ``sliding_window``, ...).  Unknown options and layers raise ``ValueError``.  The
+        result is then a :class:`~numba_kv.caches.mixed.MixedCache` (one cache per
+        distinct configuration).
     **options
-        Forwarded to the cache class (``residual_length=``, ``dtype=`` for dense, ...).
+        Forwarded to the cache class (``residual_length=``, ``dtype=`` for dense,
+        ``sliding_window=`` — an int, a per-layer list of int/None or ``{layer: window}``
+        — ...).
 
     Returns
     -------
@@ -49,6 +63,10 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int, 
     3.5
     >>> make_cache("pqo3-head", num_layers=1, num_kv_heads=1, head_dim=128).bits_per_value
     3.125
+    >>> mixed = make_cache("pqo3", num_layers=4, num_kv_heads=1, head_dim=64,
+    ...                    layer_overrides={0: {"bits": 4}, -1: {"bits": 4}})
+    >>> [mixed.layer_cache(i).bits for i in range(4)]
+    [4, 3, 3, 4]
     """
     if not isinstance(name, str):
         raise TypeError(f"name: expected a str, got {type(name).__name__}")
@@ -67,7 +85,10 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int, 
             raise ValueError(f"{opt}: {options[opt]!r} conflicts with the name {name!r}")
     options = {**options, **implied}
     if family == "dense":
-        return DenseCache(**geom, **options)
+        return build_cache(DenseCache, geom, options, layer_overrides)
+    for opt in ("bits", "mode"):
+        if opt in options:  # as before: the name sets them
+            raise TypeError(f"make_cache() got multiple values for keyword argument {opt!r}")
     if family == "tq":
-        return TurboQuantCache(**geom, bits=bits, **options)
-    return PolarQuantCache(**geom, bits=bits, mode=family, **options)
+        return build_cache(TurboQuantCache, geom, {"bits": bits, **options}, layer_overrides)
+    return build_cache(PolarQuantCache, geom, {"bits": bits, "mode": family, **options}, layer_overrides)

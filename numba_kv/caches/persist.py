@@ -5,8 +5,10 @@ File layout (safetensors: an 8-byte header length, a JSON header, then the raw t
 * ``__metadata__`` (string → string):
 
   - ``format``: ``"numba_kv.cache"``; ``format_version``: ``"1"``;
-  - ``cache_class``: ``"DenseCache"``, ``"PolarQuantCache"``, ``"TurboQuantCache"`` or
-    ``"PagedKVCache"``;
+  - ``cache_class``: ``"DenseCache"``, ``"PolarQuantCache"``, ``"TurboQuantCache"``,
+    ``"PagedKVCache"`` or ``"MixedCache"`` (per-layer configurations: ``config`` holds
+    every part's class and configuration plus the layer map, ``state`` every part's
+    state, tensors are named ``parts.<p>.layers.<i>.<buffer>``);
   - ``config``: JSON of the constructor arguments;
   - ``state``: JSON of the bookkeeping (per layer: ``seq_len``, ``batch``, counters and live
     token counts of every buffer; for the paged cache: page tables, lengths, free list);
@@ -37,7 +39,7 @@ __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "CacheFileError", "load_cache", "sav
 
 FORMAT_NAME = "numba_kv.cache"
 FORMAT_VERSION = 1
-_META_INTS = ("n_comp", "n_sink", "n_win", "kmean_set", "kscale_set", "kperm_set", "vperm_set")
+_META_INTS = ("n_comp", "n_sink", "n_win", "n_evicted", "kmean_set", "kscale_set", "kperm_set", "vperm_set")
 
 
 class CacheFileError(ValueError):
@@ -56,11 +58,44 @@ def _safetensors() -> Any:
 
 def _classes() -> dict[str, type]:
     from .dense import DenseCache
+    from .mixed import MixedCache
     from .paged import PagedKVCache
     from .polarquant import PolarQuantCache
     from .turboquant import TurboQuantCache
 
-    return {c.__name__: c for c in (DenseCache, PolarQuantCache, TurboQuantCache, PagedKVCache)}
+    return {c.__name__: c for c in (DenseCache, PolarQuantCache, TurboQuantCache, PagedKVCache, MixedCache)}
+
+
+_PART_CLASSES = ("DenseCache", "PolarQuantCache", "TurboQuantCache")
+
+
+def _mixed_state(cache: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    states, tensors = [], {}
+    for p, part in enumerate(cache.parts):
+        st, ts = _layered_state(part)
+        states.append(st)
+        tensors.update({f"parts.{p}.{n}": t for n, t in ts.items()})
+    return {"parts": states}, tensors
+
+
+def _build_mixed(cfg: dict[str, Any], state: dict[str, Any], tensors: dict[str, np.ndarray]) -> Any:
+    from .mixed import MixedCache
+
+    classes = _classes()
+    parts_cfg, states = cfg.get("parts"), state.get("parts")
+    if not isinstance(parts_cfg, list) or not isinstance(states, list) or len(parts_cfg) != len(states):
+        raise CacheFileError("config: a MixedCache needs matching lists of parts and part states")
+    parts = []
+    for p, (pc, ps) in enumerate(zip(parts_cfg, states)):
+        if not isinstance(pc, dict) or pc.get("cache_class") not in _PART_CLASSES:
+            raise CacheFileError(f"config: part {p} has an unknown cache class")
+        prefix = f"parts.{p}."
+        own = {n[len(prefix):]: t for n, t in tensors.items() if n.startswith(prefix)}
+        parts.append(_build_layered(classes[pc["cache_class"]], pc.get("config"), ps, own))
+    used = sum(1 for p in range(len(parts)) for n in tensors if n.startswith(f"parts.{p}."))
+    if used != len(tensors):
+        raise CacheFileError("tensors: unexpected tensors outside the parts")
+    return MixedCache(parts, [tuple(m) for m in cfg.get("layer_map", [])])
 
 
 def _to_host(a: Any) -> np.ndarray:
@@ -116,7 +151,10 @@ def save_cache(cache: Any, path: Any) -> None:
     if name not in _classes() or type(cache) is not _classes()[name]:
         raise TypeError(f"cache: saving supports {sorted(_classes())}, got {type(cache).__name__}")
     config = json.dumps(cache._lifecycle_config(), sort_keys=True)
-    state_obj, tensors = _paged_state(cache) if name == "PagedKVCache" else _layered_state(cache)
+    if name == "MixedCache":
+        state_obj, tensors = _mixed_state(cache)
+    else:
+        state_obj, tensors = _paged_state(cache) if name == "PagedKVCache" else _layered_state(cache)
     state = json.dumps(state_obj, sort_keys=True)
     meta = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "cache_class": name,
             "config": config, "state": state, "sha256": _digest(config, state, tensors)}
@@ -153,12 +191,16 @@ def _check_int(where: str, v: Any, lo: int = 0) -> int:
 
 def _check_counters(cache: Any, i: int, seq_len: int, meta: dict[str, Any], live: dict[str, Any]) -> None:
     """The layer's counters must describe a state the cache can reach (kernels trust them)."""
+    window = cache.layer_windows[i]
+    if meta.get("n_evicted", 0) and window is None:
+        raise CacheFileError(f"state: layer {i} has evicted tokens but is not a sliding-window layer")
+    meta = {k: v for k, v in meta.items() if k != "n_evicted"}
     if not hasattr(cache, "_set_live"):  # dense: every buffer holds seq_len tokens
         if meta or live:
             raise CacheFileError(f"state: layer {i} of a {type(cache).__name__} has counters {meta} / {live}")
         return
     n_sink, n_comp, n_win = (meta.get(k, 0) for k in ("n_sink", "n_comp", "n_win"))
-    S, R = cache.sink_tokens, cache.residual_length
+    S, R = (0 if window is not None else cache.sink_tokens), cache.residual_length
     ok = n_sink + n_comp + n_win == seq_len and n_sink <= S and n_win <= R and (n_sink == S or n_comp + n_win == 0)
     if not cache.windowed:
         ok = ok and n_comp == seq_len
@@ -295,7 +337,7 @@ def load_cache(path: Any, expect: Any | None = None) -> Any:
 
     Returns
     -------
-    DenseCache, PolarQuantCache, TurboQuantCache or PagedKVCache
+    DenseCache, PolarQuantCache, TurboQuantCache, PagedKVCache or MixedCache
         On the host (NumPy buffers); decodes bit-identically to the saved cache.
 
     Raises
@@ -340,6 +382,8 @@ def load_cache(path: Any, expect: Any | None = None) -> Any:
     try:
         if name == "PagedKVCache":
             return _build_paged(cls, cfg, st, tensors)
+        if name == "MixedCache":
+            return _build_mixed(cfg, st, tensors)
         return _build_layered(cls, cfg, st, tensors)
     except CacheFileError:
         raise

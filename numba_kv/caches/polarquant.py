@@ -36,7 +36,7 @@ from ..ops.codebook import get_codebook
 from ..ops.hadamard import rotate32
 from ..ops.headquant import dequantize_head_into, head_signs, quantize_head_into, rotate_head
 from ..ops.memory import copy_tokens
-from ._layer import BufferSpec, LayeredCache, LayerState
+from ._layer import BufferSpec, LayeredCache, LayerState, shift_front
 from .protocol import AttendConfig, DecodeOutput, Fused
 
 MODES = ("pq", "pqo")
@@ -133,6 +133,15 @@ class PolarQuantCache(LayeredCache):
         ``pqo2.5`` / ``pqo3.5`` use half of the channels at one bit more.  NumPy/CuPy only.
     outlier_bits : int, optional
         Codebook width of the outlier channels (default: one more than the rest, ≤ 4).
+    sliding_window : None, int, sequence or dict, optional
+        Per-layer sliding windows (``None``: all global; an int: every layer; a list of
+        ``num_layers`` ints/None; ``{layer: window}``, negative layers from the end).  A
+        sliding layer stores only the tokens its queries can still see (at most
+        ``window − 1`` plus the current call's), keeps **no sinks** (``sink_tokens`` applies
+        to global layers only: a sink older than the window is invisible anyway), keeps its
+        newest ``residual_length`` tokens exact as usual, and masks per query row inside
+        the fused kernel (a finite logit bias) when a chunk of queries spans more than the
+        window.
 
     Notes
     -----
@@ -156,8 +165,8 @@ class PolarQuantCache(LayeredCache):
                  window_dtype: str = "float16", decode_output: str = "fused", k_bits: Optional[int] = None,
                  v_bits: Optional[int] = None, key_scale: str = "none", key_center: bool = False,
                  rotation: str = "block", unbiased: bool = False, outlier_channels: int = 0,
-                 outlier_bits: Optional[int] = None) -> None:
-        super().__init__(num_layers, num_kv_heads, head_dim)
+                 outlier_bits: Optional[int] = None, sliding_window: Any = None) -> None:
+        super().__init__(num_layers, num_kv_heads, head_dim, sliding_window)
         self.bits = check_int("bits", bits, allowed=(2, 3, 4))
         self.k_bits = self.bits if k_bits is None else check_int("k_bits", k_bits, allowed=(2, 3, 4))
         self.v_bits = self.bits if v_bits is None else check_int("v_bits", v_bits, allowed=(2, 3, 4))
@@ -255,6 +264,11 @@ class PolarQuantCache(LayeredCache):
         if self.residual_length or self.sink_tokens:
             name += f"-r{self.residual_length}-s{self.sink_tokens}"
         return name
+
+    def _sinks(self, st: LayerState) -> int:
+        """Sink tokens of the layer: none on sliding-window layers (a sink older than the
+        window is invisible to every later query, so it is evicted like any other token)."""
+        return 0 if st.window is not None else self.sink_tokens
 
     @property
     def windowed(self) -> bool:
@@ -483,7 +497,7 @@ class PolarQuantCache(LayeredCache):
         n_comp = st.meta.get("n_comp", 0)
         n_sink = st.meta.get("n_sink", 0)
         n_win = st.meta.get("n_win", 0)
-        S, R = self.sink_tokens, self.residual_length
+        S, R = self._sinks(st), self.residual_length
         a = min(n, max(0, S - st.seq_len))  # new tokens that become sinks
         m = n - a
         e = max(0, n_win + m - R)  # tokens that leave (or skip) the window: compressed
@@ -637,7 +651,7 @@ class PolarQuantCache(LayeredCache):
 
     def _exact_positions(self, st: LayerState, like: Any) -> Any:
         n_sink, n_win, n_comp = st.meta.get("n_sink", 0), st.meta.get("n_win", 0), st.meta.get("n_comp", 0)
-        pos = np.concatenate([np.arange(n_sink), self.sink_tokens + n_comp + np.arange(n_win)]).astype(np.int32)
+        pos = np.concatenate([np.arange(n_sink), self._sinks(st) + n_comp + np.arange(n_win)]).astype(np.int32)
         if isinstance(like, np.ndarray):
             return pos
         xp = _backend.xp_of(like)
@@ -685,8 +699,9 @@ class PolarQuantCache(LayeredCache):
         hs = None if self._head_signs is None else _backend.constant(q3, self._head_signs)
         out = fused_attention_rows(
             self._rotate_queries(q3), q3, st.buffers["k_codes"], st.buffers["k_scales"], st.buffers["v_codes"],
-            st.buffers["v_scales"], st.meta.get("n_comp", 0), self.sink_tokens, ke, ve, n_exact,
-            self._exact_positions(st, q3), self.layouts["k"], self.layouts["v"], config.softmax_scale, None,
+            st.buffers["v_scales"], st.meta.get("n_comp", 0), self._sinks(st), ke, ve, n_exact,
+            self._exact_positions(st, q3), self.layouts["k"], self.layouts["v"], config.softmax_scale,
+            self._window_bias(st, q),
             st.seq_len - ql, ql, True, head_signs=hs, qjl=self._qjl_args(st, q3))
         if self.outlier_channels:
             xp = _backend.xp_of(out)
@@ -711,7 +726,7 @@ class PolarQuantCache(LayeredCache):
                 "sink_tokens": self.sink_tokens, "window_dtype": self.window_dtype.name,
                 "decode_output": self.decode_output, "key_scale": self.key_scale, "key_center": self.key_center,
                 "rotation": self.rotation, "unbiased": self.unbiased, "outlier_channels": self.outlier_channels,
-                "outlier_bits": ob}
+                "outlier_bits": ob, **self._window_config()}
 
     def _set_live(self, st: LayerState) -> None:
         """Live token counts of every buffer from the layer's counters."""
@@ -723,6 +738,22 @@ class PolarQuantCache(LayeredCache):
                 st.live[bname] = 1
             else:
                 st.live[bname] = st.meta.get("n_comp", 0)
+
+    def _evict(self, st: LayerState, e: int) -> None:
+        # sliding layers keep no sinks: stored order is compressed [0, n_comp), window after
+        n_comp, n_win = st.meta.get("n_comp", 0), st.meta.get("n_win", 0)
+        ec = min(e, n_comp)
+        ew = e - ec
+        if ec:
+            for bname, (_, _, fixed) in self._buffer_spec().items():
+                if fixed is None:
+                    shift_front(st.buffers[bname], ec, n_comp)
+        if ew:
+            for name in ("k", "v"):
+                self._win_move(st, name, ew, n_win - ew, 0)
+        st.meta.update(n_comp=n_comp - ec, n_win=n_win - ew)
+        st.seq_len -= e
+        self._set_live(st)
 
     def _crop_layer(self, st: LayerState, length: int) -> None:
         # stored order: sinks [0, n_sink), compressed [n_sink, n_sink + n_comp), window after;

@@ -148,8 +148,10 @@ class CompressedKVCache(Protocol):
       dequantized history of the layer (chunked prefill).
     * ``decode`` stores the new token(s) first, then attends over everything stored and
       returns :class:`Fused` or :class:`Dequantized`.
-    * ``seq_len(layer)`` is the number of stored tokens (``IndexError`` for a layer out of
-      range, like every other method — the Rust anchor silently returned 0).
+    * ``seq_len(layer)`` is the number of tokens the layer has seen (``IndexError`` for a
+      layer out of range, like every other method — the Rust anchor silently returned 0).
+      That is the number of stored tokens, except on sliding-window layers, which drop
+      tokens no later query can see (``stored_len(layer)`` of the library's caches).
     * ``reset()`` drops every layer; ``memory_usage()`` is then 0.
     * ``memory_usage()`` is the exact number of bytes of live (compressed) data.
 
@@ -166,7 +168,7 @@ class CompressedKVCache(Protocol):
         ...
 
     def seq_len(self, layer: int) -> int:
-        """Tokens currently stored for ``layer``."""
+        """Tokens ``layer`` has seen (stored, plus any a sliding-window layer evicted)."""
         ...
 
     def reset(self) -> None:

@@ -43,7 +43,7 @@ import numpy as np
 
 from .. import _backend
 from ..ops.qjl import SKETCH_SEED, make_sketch, qjl_constant, qjl_scores_into, qjl_signs_into
-from ._layer import BufferSpec, LayerState
+from ._layer import BufferSpec, LayerState, masked_astype
 from .polarquant import PolarQuantCache
 from .protocol import AttendConfig, DecodeOutput, Dequantized, DequantResult
 
@@ -167,7 +167,11 @@ class TurboQuantCache(PolarQuantCache):
         if self.decode_output != "dequantized":
             return super()._decode_output(st, q, config, dtype)
         hk, hv = self._history(st, dtype)
-        return Dequantized(DequantResult(hk, hv, self._logit_bias(st, q, config.softmax_scale).astype(dtype)))
+        bias = self._logit_bias(st, q, config.softmax_scale)
+        win = self._window_bias(st, q)
+        if win is not None:  # sliding mask of a multi-token decode on a sliding layer
+            bias = bias + win.reshape(bias.shape)
+        return Dequantized(DequantResult(hk, hv, masked_astype(bias, dtype)))
 
     def _lifecycle_config(self) -> Dict[str, Any]:
         """Constructor arguments (JSON types) that rebuild this cache's configuration."""

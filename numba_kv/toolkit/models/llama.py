@@ -49,11 +49,13 @@ Gemma-3 technical report (arXiv:2503.19786), as llama.cpp runs it (``gemma3.cpp`
 * RoPE rotates split halves (NEOX, Gemma's converter does not permute Q/K); local layers
   use base ``rope_theta_local`` (10 000), global layers ``rope_theta`` (10⁶).
 * Local layers see the last ``sliding_window`` positions, themselves included (query at
-  ``p`` sees keys ``p − window < j ≤ p``).  The caches do not know about windows: while a
-  layer's history fits the window, decode goes through ``cache.decode`` (fused or not);
-  beyond it, the step stores the token with ``cache.prefill``, which returns the full
-  dequantized history, and the model attends with the sliding mask.  Results are correct
-  for any cache; memory is not reduced to the window.
+  ``p`` sees keys ``p − window < j ≤ p``).  :meth:`LlamaModel.new_cache` builds caches
+  that know the windows (``sliding_window=layer_windows``): they store only what a local
+  layer can still see and mask inside their (fused) decode, so local layers use
+  ``cache.decode`` at any length.  With a cache that does not slide the layer, once its
+  history outgrows the window the step stores the token with ``cache.prefill``, which
+  returns the full dequantized history, and the model attends with the sliding mask
+  (correct for any cache; memory not reduced to the window).
 """
 
 from __future__ import annotations
@@ -94,6 +96,12 @@ def _host(a: Any) -> np.ndarray:
 # --------------------------------------------------------------------------------------
 # building blocks
 # --------------------------------------------------------------------------------------
+def _cache_window(cache: Any, layer: int) -> Optional[int]:
+    """Sliding window the cache applies to ``layer`` itself (``None``: it does not slide)."""
+    windows = getattr(cache, "layer_windows", None)
+    return None if windows is None else windows[layer]
+
+
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
     """GELU, tanh approximation ``x/2 · (1 + tanh(sqrt(2/π)(x + 0.044715 x³)))`` (float32, new array).
 
@@ -387,13 +395,18 @@ class LlamaModel:
         ----------
         cache_factory : str or callable, optional
             ``None`` -> :class:`~numba_kv.caches.dense.DenseCache`; a str -> 
-            :func:`numba_kv.make_cache` name; a callable is called as
+            :func:`numba_kv.make_cache` name (both get ``sliding_window=layer_windows``
+            for models with local layers, unless given); a callable is called as
             ``cache_factory(num_layers=, num_kv_heads=, head_dim=, **options)``.
         **options
             Forwarded to the factory.
         """
         c = self.config
         geom = {"num_layers": c.n_layers, "num_kv_heads": c.n_kv_heads, "head_dim": c.head_dim}
+        # library caches slide local layers themselves (bounded memory, fused decode)
+        if (cache_factory is None or isinstance(cache_factory, str)) and any(
+                w is not None for w in self.layer_windows):
+            options.setdefault("sliding_window", list(self.layer_windows))
         if cache_factory is None:
             return DenseCache(**geom, **options)
         if isinstance(cache_factory, str):
@@ -430,7 +443,8 @@ class LlamaModel:
         use_decode : bool
             ``True``: ``cache.decode``; ``False``: ``cache.prefill``.  A sliding-window
             layer whose history would exceed its window uses ``cache.prefill`` (the
-            dequantized history) and the sliding mask in either case.
+            dequantized history) and the sliding mask in either case, unless the cache
+            slides that layer itself (``cache.layer_windows``).
         logits : {"last", "all", "none"}
             Which rows of logits to compute.
 
@@ -467,7 +481,8 @@ class LlamaModel:
             # a local layer whose history outgrows its window cannot use the cache's own
             # (full-history) attention: store through prefill, which returns the whole
             # dequantized history, and apply the sliding mask here
-            windowed = window is not None and int(cache.seq_len(li)) + t > window
+            windowed = (window is not None and int(cache.seq_len(li)) + t > window
+                        and _cache_window(cache, li) != window)
             if use_decode and not windowed:
                 res = cache.decode(li, k, v, q, self.attend_config)
                 if isinstance(res, Fused):

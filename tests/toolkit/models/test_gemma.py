@@ -146,12 +146,13 @@ def test_tiny_gemma_compressed_cache_attends_its_own_history(tiny_gemma):
         def decode(self, layer, k, v, q, config):
             return self.inner.decode(layer, k, v, q, config)
 
-    cache = Spy(model.new_cache("pqo4", residual_length=0, sink_tokens=0))
+    # a cache that does not slide the local layers itself: the model's fallback path
+    cache = Spy(model.new_cache("pqo4", residual_length=0, sink_tokens=0, sliding_window=None))
     assert np.isfinite(sequence_logits(model, ids, cache, 2)).all()
     assert any(n == 10 for layer, n, *_ in seen) and all(layer != 5 for layer, n, *_ in seen if n > 2)
     # the history a windowed step got back is the cache's lossy one, not the exact keys
     _, _n, hk, _hv, _q = next(e for e in seen if e[0] == 0 and e[1] == 10)
-    exact = sequence_logits(model, ids, Spy(model.new_cache()), 2)  # noqa: F841 - fills `seen` with dense
+    exact = sequence_logits(model, ids, Spy(model.new_cache(sliding_window=None)), 2)  # noqa: F841 - fills `seen`
     _, _, dk, _, _ = next(e for e in reversed(seen) if e[0] == 0 and e[1] == 10)
     assert np.abs(hk - dk).max() > 1e-3
 

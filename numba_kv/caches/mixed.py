@@ -1,0 +1,270 @@
+"""Per-layer cache configuration: ``make_cache(..., layer_overrides={layer: {...}})``.
+
+Layers whose resolved options are equal share one cache object (a *part*); a
+:class:`MixedCache` routes every per-layer call to its part and sums the rest
+(``memory_usage``, ``reset``, lifecycle).  With no effective override ``make_cache``
+returns the plain cache, so nothing changes for callers that do not use overrides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import json
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from .._validate import check_int, check_layer
+from ._layer import LayeredCache, check_sliding_window, resolve_layer
+from ._lifecycle import check_indices
+from .protocol import AttendConfig, DecodeOutput, DequantResult
+
+__all__ = ["MixedCache", "build_cache"]
+
+_GEOMETRY = ("num_layers", "num_kv_heads", "head_dim")
+
+
+def _override_keys(cls: type) -> list[str]:
+    """Constructor options of ``cls`` a layer may override (everything but the geometry)."""
+    keys = []
+    for klass in cls.__mro__:  # TurboQuantCache forwards **options to PolarQuantCache
+        if "__init__" not in vars(klass):
+            continue
+        for p in inspect.signature(klass.__init__).parameters.values():
+            if p.name != "self" and p.name not in _GEOMETRY and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+                keys.append(p.name)
+    keys = sorted(set(keys) - {"mode"})
+    return keys
+
+
+def _layer_options(cls: type, base: dict[str, Any], override: Any, where: str) -> dict[str, Any]:
+    """``base`` updated by one layer's ``override`` dict (``bits`` resets ``k_bits``/``v_bits``)."""
+    if not isinstance(override, dict):
+        raise TypeError(f"{where}: expected a dict of options, got {type(override).__name__} {override!r}")
+    allowed = _override_keys(cls)
+    for key in override:
+        if key not in allowed:
+            raise ValueError(f"{where}: unknown option {key!r} for {cls.__name__}; expected one of {allowed}")
+    opts = dict(base)
+    if "bits" in override:  # a layer's bit width replaces the base's per-side widths
+        for side in ("k_bits", "v_bits"):
+            if side not in override:
+                opts.pop(side, None)
+        if opts.get("outlier_channels") and "outlier_bits" not in override:
+            opts.pop("outlier_bits", None)
+    opts.update(override)
+    return opts
+
+
+def build_cache(cls: type, geom: dict[str, Any], options: dict[str, Any],
+                layer_overrides: dict[int, dict[str, Any]] | None) -> Any:
+    """``cls(**geom, **options)``, or a :class:`MixedCache` when ``layer_overrides`` changes
+    some layers' options.
+
+    Parameters
+    ----------
+    cls : type
+        Cache class (``DenseCache``, ``PolarQuantCache``, ``TurboQuantCache``).
+    geom : dict
+        ``num_layers``, ``num_kv_heads``, ``head_dim``.
+    options : dict
+        Constructor options shared by every layer (``sliding_window`` may be per layer).
+    layer_overrides : dict {int: dict}, optional
+        Options of single layers (negative layers count from the end); keys are the
+        constructor options of ``cls`` (``bits``, ``k_bits``, ``v_bits``, ``rotation``,
+        ``residual_length``, ``sink_tokens``, ``window_dtype``, ``sliding_window``, ...).
+        ``bits`` also replaces the base's ``k_bits``/``v_bits``.
+    """
+    if not layer_overrides:
+        if layer_overrides is not None and not isinstance(layer_overrides, dict):
+            raise TypeError(f"layer_overrides: expected a dict {{layer: {{option: value}}}}, got "
+                            f"{type(layer_overrides).__name__}")
+        return cls(**geom, **options)
+    if not isinstance(layer_overrides, dict):
+        raise TypeError(f"layer_overrides: expected a dict {{layer: {{option: value}}}}, got "
+                        f"{type(layer_overrides).__name__}")
+    n = check_int("num_layers", geom["num_layers"], minimum=1)
+    windows = check_sliding_window(options.get("sliding_window"), n)
+    base = {k: v for k, v in options.items() if k != "sliding_window"}
+    per_layer: list[dict[str, Any]] = [dict(base) for _ in range(n)]
+    seen: dict[int, Any] = {}
+    for key, override in layer_overrides.items():
+        idx = resolve_layer("layer_overrides", key, n)
+        if idx in seen:
+            raise ValueError(f"layer_overrides: layer {idx} is given twice ({seen[idx]!r} and {key!r})")
+        seen[idx] = key
+        opts = _layer_options(cls, base, override, f"layer_overrides[{key!r}]")
+        if "sliding_window" in opts:
+            windows[idx] = check_sliding_window([opts.pop("sliding_window")], 1)[0]
+        per_layer[idx] = opts
+    groups: dict[str, list[int]] = {}
+    for i, opts in enumerate(per_layer):
+        groups.setdefault(json.dumps(opts, sort_keys=True, default=str), []).append(i)
+    if len(groups) == 1:
+        return cls(**geom, **base, sliding_window=windows)
+    parts, layer_map = [], [(0, 0)] * n
+    for p, layers in enumerate(groups.values()):
+        opts = per_layer[layers[0]]
+        try:
+            parts.append(cls(num_layers=len(layers), num_kv_heads=geom["num_kv_heads"], head_dim=geom["head_dim"],
+                             **opts, sliding_window=[windows[i] for i in layers]))
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"layer_overrides: layers {layers}: {exc}") from exc
+        for j, i in enumerate(layers):
+            layer_map[i] = (p, j)
+    return MixedCache(parts, layer_map)
+
+
+class MixedCache:
+    """Layers with different configurations (bits, rotation, window, sliding window) in one
+    cache: every layer call goes to the layer's *part*, a cache holding the layers that
+    share its configuration.  Built by ``make_cache(..., layer_overrides=...)``.
+
+    Implements the protocol (``prefill``, ``decode``, ``seq_len``, ``reset``,
+    ``memory_usage``) and the lifecycle (``crop``, ``fork``, ``select_batch``, ``save``;
+    ``load_cache`` reads it back).  ``memory_usage`` is the sum over parts, so per-layer bit
+    widths show up exactly.
+
+    Parameters
+    ----------
+    parts : list of LayeredCache
+        The caches of each configuration (same ``num_kv_heads`` and ``head_dim``).
+    layer_map : list of (int, int)
+        For every model layer: ``(part index, layer inside the part)``; each part layer is
+        used exactly once.
+    """
+
+    def __init__(self, parts: Sequence[LayeredCache], layer_map: Sequence[tuple[int, int]]) -> None:
+        parts = list(parts)
+        if not parts or not all(isinstance(p, LayeredCache) for p in parts):
+            raise TypeError("parts: expected a non-empty list of layered caches")
+        geo = {(p.num_kv_heads, p.head_dim) for p in parts}
+        if len(geo) != 1:
+            raise ValueError(f"parts: expected one (num_kv_heads, head_dim), got {sorted(geo)}")
+        lm = [(int(a), int(b)) for a, b in layer_map]
+        if sorted(lm) != sorted((p, j) for p, c in enumerate(parts) for j in range(c.num_layers)):
+            raise ValueError("layer_map: expected every layer of every part exactly once")
+        self.parts = parts
+        self.layer_map = lm
+        self.num_layers = len(lm)
+        self.num_kv_heads, self.head_dim = geo.pop()
+
+    # -- routing ----------------------------------------------------------------------------
+    def _part(self, layer: Any) -> tuple[LayeredCache, int]:
+        p, j = self.layer_map[check_layer(layer, self.num_layers)]
+        return self.parts[p], j
+
+    def layer_cache(self, layer: int) -> LayeredCache:
+        """The part that stores ``layer``."""
+        return self._part(layer)[0]
+
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Sliding window of every layer (``None``: global)."""
+        return [self.parts[p].layer_windows[j] for p, j in self.layer_map]
+
+    @property
+    def name(self) -> str:
+        """``mixed[...]``: the parts' names by layer."""
+        return "mixed[" + ",".join(getattr(self.parts[p], "name", type(self.parts[p]).__name__)
+                                   for p, _ in self.layer_map) + "]"
+
+    def prefill(self, layer: int, k: Any, v: Any, q: Any = None) -> DequantResult:
+        """See :meth:`LayeredCache.prefill`."""
+        part, j = self._part(layer)
+        return part.prefill(j, k, v, q)
+
+    def decode(self, layer: int, k: Any, v: Any, q: Any, config: AttendConfig) -> DecodeOutput:
+        """See :meth:`LayeredCache.decode`."""
+        part, j = self._part(layer)
+        return part.decode(j, k, v, q, config)
+
+    def seq_len(self, layer: int) -> int:
+        """Tokens ``layer`` has seen."""
+        part, j = self._part(layer)
+        return part.seq_len(j)
+
+    def stored_len(self, layer: int) -> int:
+        """Tokens ``layer`` stores (less than ``seq_len`` on sliding layers)."""
+        part, j = self._part(layer)
+        return part.stored_len(j)
+
+    def live_arrays(self, layer: int) -> list[Any]:
+        """Views of the live part of every buffer of ``layer``."""
+        part, j = self._part(layer)
+        return part.live_arrays(j)
+
+    def reset(self) -> None:
+        """Drop every layer's tokens."""
+        for p in self.parts:
+            p.reset()
+
+    def memory_usage(self) -> int:
+        """Exact bytes of live stored data, summed over layers."""
+        return sum(p.memory_usage() for p in self.parts)
+
+    def allocated_bytes(self) -> int:
+        """Bytes of all allocated buffers."""
+        return sum(p.allocated_bytes() for p in self.parts)
+
+    def fp16_bytes(self) -> int:
+        """Bytes the live tokens would take as an uncompressed float16 cache."""
+        return sum(p.fp16_bytes() for p in self.parts)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _all_locks(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for p in self.parts:
+                stack.enter_context(p._all_locks())
+            yield
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` tokens of every layer (see :meth:`LayeredCache.crop`);
+        the range is checked on every part before any part changes."""
+        length = check_int("length", length, minimum=0)
+        with self._all_locks():
+            states = [st for p in self.parts for st in p._layers if st.seq_len]
+            limit = min((st.total_len for st in states), default=0)
+            floor = max([LayeredCache._crop_floor(st) for st in states] + [0])
+            if length > limit:
+                raise ValueError(f"length: expected an int in [0, {limit}] (the shortest non-empty layer "
+                                 f"holds {limit} tokens), got {length}")
+            if 0 < length < floor:
+                raise ValueError(f"length: a sliding-window layer has evicted tokens that position {length} would "
+                                 f"see again; expected 0 or an int in [{floor}, {limit}], got {length}")
+        for p in self.parts:
+            p.crop(length)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> MixedCache:
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(self.__dict__)
+        new.parts = [copy.deepcopy(p, memo) for p in self.parts]
+        new.layer_map = list(self.layer_map)
+        return new
+
+    def fork(self) -> MixedCache:
+        """An independent copy (same as ``copy.deepcopy(cache)``)."""
+        return copy.deepcopy(self)
+
+    def select_batch(self, indices: Sequence[int]) -> MixedCache:
+        """Keep and reorder batch rows of every layer (see :meth:`LayeredCache.select_batch`)."""
+        with self._all_locks():
+            batches = {st.batch for p in self.parts for st in p._layers if st.seq_len}
+            check_indices(indices, min(batches) if batches else 1 << 62)
+        for p in self.parts:
+            p.select_batch(indices)
+        return self
+
+    def _lifecycle_config(self) -> dict[str, Any]:
+        """Parts (class and constructor arguments) and the layer map, as JSON types."""
+        return {"parts": [{"cache_class": type(p).__name__, "config": p._lifecycle_config()} for p in self.parts],
+                "layer_map": [list(m) for m in self.layer_map]}
+
+    def save(self, path: Any) -> None:
+        """Write the cache to ``path`` (safetensors; see :func:`numba_kv.load_cache`)."""
+        from .persist import save_cache
+
+        save_cache(self, path)

@@ -1,0 +1,86 @@
+"""Gemma-3's local layers through caches that slide them (``sliding_window``): the tiny
+random Gemma against the independent float64 reference at lengths far beyond its window,
+local layers on the (fused) decode path at any length, memory bounded by the window."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from numba_kv.toolkit.models import load_model, sequence_logits
+
+from ..conftest import need_model_packages
+from .test_llama import _Wrapper, assert_close
+from .tiny_gemma import gemma_reference_logits, write_tiny_gemma_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma(tmp_path_factory):
+    need_model_packages()
+    d = tmp_path_factory.mktemp("tiny_gemma_sliding")
+    hf = write_tiny_gemma_gguf(d / "tiny-gemma3.gguf")
+    model, _ = load_model(d / "tiny-gemma3.gguf", cache_dir=d / "cache")
+    return model, hf
+
+
+class Counting(_Wrapper):
+    """Counts calls per layer and exposes the inner cache's windows."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.layer_windows = inner.layer_windows
+        self.prefill_layers = []
+
+    def prefill(self, layer, k, v, q=None):
+        self.prefill_layers.append(layer)
+        return super().prefill(layer, k, v, q)
+
+    def decode(self, layer, k, v, q, config):
+        self.decode_calls += 1
+        return self.inner.decode(layer, k, v, q, config)
+
+
+def test_new_cache_slides_local_layers_and_matches_reference(tiny_gemma):
+    model, hf = tiny_gemma
+    w = model.config.sliding_window
+    ids = np.random.default_rng(7).integers(0, model.config.vocab_size, 4 * w)
+    ref = gemma_reference_logits(hf, ids)
+    cache = Counting(model.new_cache())
+    assert cache.layer_windows == model.layer_windows
+    assert_close(sequence_logits(model, ids, cache, 3), ref)
+    # after the prompt every layer decodes, local ones too (no prefill fallback past the window)
+    assert cache.prefill_layers == list(range(model.config.n_layers))
+    assert cache.decode_calls == (ids.size - 3) * model.config.n_layers
+    inner = cache.inner
+    assert inner.seq_len(0) == ids.size and inner.stored_len(0) == w and inner.stored_len(5) == ids.size
+    # chunked prefill and several tokens per decode call, beyond the window
+    assert_close(model.forward(ids, model.new_cache(), logits="all", chunk_size=3), ref)
+    c2 = model.new_cache()
+    model.forward(ids[:9], c2)
+    assert_close(model.step(ids[9:16], c2, 9, use_decode=True, logits="all"), ref[9:16])
+
+
+@pytest.mark.parametrize("name", ["pqo4", "tq4"])
+def test_compressed_sliding_cache_matches_the_masking_fallback(tiny_gemma, name):
+    """The fused sliding path attends over the same compressed tokens as the model's own
+    masking of a non-sliding cache's full history."""
+    model, _ = tiny_gemma
+    ids = np.random.default_rng(8).integers(0, model.config.vocab_size, 20)
+    opts = {"residual_length": 2, "sink_tokens": 0}
+    slide = model.new_cache(name, **opts)
+    full = model.new_cache(name, sliding_window=None, **opts)
+    a = sequence_logits(model, ids, slide, 4)
+    b = sequence_logits(model, ids, full, 4)
+    np.testing.assert_allclose(a, b, rtol=0, atol=2e-4 * np.abs(b).max())
+    assert slide.memory_usage() < full.memory_usage()
+
+
+def test_per_layer_overrides_through_the_model(tiny_gemma):
+    """A mixed cache (per-layer options) keeps the model's windows and its exactness."""
+    model, hf = tiny_gemma
+    ids = np.random.default_rng(9).integers(0, model.config.vocab_size, 13)
+    cache = model.new_cache("dense", layer_overrides={0: {"dtype": "float64"}, -1: {"dtype": "float64"}})
+    assert type(cache).__name__ == "MixedCache" and cache.layer_windows == model.layer_windows
+    assert_close(sequence_logits(model, ids, cache, 2), gemma_reference_logits(hf, ids))
+    w = model.config.sliding_window
+    assert cache.stored_len(0) == w and cache.stored_len(model.config.n_layers - 1) == ids.size
