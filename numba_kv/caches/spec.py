@@ -145,13 +145,16 @@ class CacheSpec:
         """True for the uncompressed dense cache."""
         return self.name == "dense"
 
-    def make(self, num_layers: int, num_kv_heads: int, head_dim: int) -> Any:
+    def make(self, num_layers: int, num_kv_heads: int, head_dim: int, **extra: Any) -> Any:
         """Build the cache for a model geometry.
 
         Parameters
         ----------
         num_layers, num_kv_heads, head_dim : int
             Model geometry.
+        **extra
+            Further :func:`~numba_kv.caches.factory.make_cache` options that belong to the
+            model rather than to the spec (``sliding_window=`` of a model with local layers).
 
         Returns
         -------
@@ -160,7 +163,7 @@ class CacheSpec:
         from .factory import make_cache  # cycle: factory imports this module
 
         return make_cache(self.name, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                          **dict(self.options))
+                          **dict(self.options), **extra)
 
 
 def _add_option(opts: dict[str, Any], item: str, text: str) -> None:

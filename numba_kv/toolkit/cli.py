@@ -162,13 +162,14 @@ def _generate(args: argparse.Namespace) -> int:
             raise EvalConfigError(f"--cache: expected one cache, got {len(specs)}: {[s.label for s in specs]}")
         if args.max_new_tokens < 1:
             raise EvalConfigError(f"--max-new-tokens: expected an int >= 1, got {args.max_new_tokens}")
+        from .evaluation.evaluate import model_cache_options
         from .models import generate, load_model
 
         model, tok = load_model(args.model)
         spec, c = specs[0], model.config
         with numba_threads(args.threads):
-            g = generate(model, tok, args.prompt, args.max_new_tokens,
-                         cache=spec.make(c.n_layers, c.n_kv_heads, c.head_dim), chat=args.chat)
+            cache = spec.make(c.n_layers, c.n_kv_heads, c.head_dim, **model_cache_options(model))
+            g = generate(model, tok, args.prompt, args.max_new_tokens, cache=cache, chat=args.chat)
     except (EvalConfigError, ModelNotFoundError) as exc:
         return _user_error("generate", exc)
     except ModuleNotFoundError as exc:

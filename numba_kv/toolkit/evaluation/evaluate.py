@@ -339,12 +339,19 @@ def _json_safe(x: Any) -> Any:
     return x
 
 
+def model_cache_options(model: Any) -> dict:
+    """Cache options a model imposes: its per-layer sliding windows (Gemma-3's local layers),
+    so a library cache stores and attends only what each local layer can see."""
+    windows = list(getattr(model, "layer_windows", []) or [])
+    return {"sliding_window": windows} if any(w is not None for w in windows) else {}
+
+
 def _greedy(model: Any, tokenizer: Any, spec: CacheSpec, prompts: Sequence[str], gen_tokens: int,
             chunk_size: int | None) -> list[list[int]]:
     c = model.config
     out = []
     for p in prompts:
-        cache = spec.make(c.n_layers, c.n_kv_heads, c.head_dim)
+        cache = spec.make(c.n_layers, c.n_kv_heads, c.head_dim, **model_cache_options(model))
         out.append(generate(model, tokenizer, p, gen_tokens, cache=cache, stop_at_eos=False,
                             chunk_size=chunk_size).new_ids)
     return out
@@ -421,7 +428,7 @@ def run_eval(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any = 
         targets = ids[prefill + 1:]
         for spec in specs:
             t0 = time.perf_counter()
-            cache = spec.make(c.n_layers, c.n_kv_heads, c.head_dim)
+            cache = spec.make(c.n_layers, c.n_kv_heads, c.head_dim, **model_cache_options(model))
             scored, tps = _decode_logits(model, ids, cache, prefill, chunk_size, spec.label, progress)
             if ref_logits is None:
                 ref_logits = scored
@@ -472,7 +479,7 @@ def _warm_up(model: Any, ids: np.ndarray, specs: Sequence[CacheSpec], chunk_size
             small["residual_length"] = min(int(small["residual_length"]), 2)
         if small.get("sink_tokens"):
             small["sink_tokens"] = min(int(small["sink_tokens"]), 1)
-        cache = CacheSpec(spec.name, small).make(c.n_layers, c.n_kv_heads, c.head_dim)
+        cache = CacheSpec(spec.name, small).make(c.n_layers, c.n_kv_heads, c.head_dim, **model_cache_options(model))
         sequence_logits(model, ids[:warm], cache, 2, chunk_size=chunk_size, include_prefill=False)
 
 

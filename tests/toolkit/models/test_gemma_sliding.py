@@ -92,3 +92,21 @@ def test_per_layer_overrides_through_the_model(tiny_gemma):
     assert_close(sequence_logits(model, ids, cache, 2), gemma_reference_logits(hf, ids))
     w = model.config.sliding_window
     assert cache.stored_len(0) == w and cache.stored_len(model.config.n_layers - 1) == ids.size
+
+
+@pytest.mark.parametrize("name", ["dense", "pqo3"])
+def test_eval_caches_slide_like_the_model(tiny_gemma, name):
+    """``numba-kv eval`` / ``generate`` build their caches with the model's local-layer
+    windows: a local layer stores only its window, a global layer every token."""
+    from numba_kv.caches.spec import parse_cache_spec
+    from numba_kv.toolkit.evaluation.evaluate import model_cache_options
+
+    model, _ = tiny_gemma
+    c = model.config
+    opts = model_cache_options(model)
+    assert opts == {"sliding_window": list(model.layer_windows)}
+    cache = parse_cache_spec(name).make(c.n_layers, c.n_kv_heads, c.head_dim, **opts)
+    ids = np.random.default_rng(10).integers(0, c.vocab_size, 13)
+    sequence_logits(model, ids, cache, 2)
+    w = c.sliding_window
+    assert w == 5 and cache.stored_len(0) == w and cache.stored_len(c.n_layers - 1) == ids.size
