@@ -1,5 +1,5 @@
 """``KVCacheCompressor``: whole-tensor K/V codecs with the API of gllm-kernels
-(``shared/seeds/004``, ``algorithms.md`` §5), with real methods behind it.
+(the Rust crate's ``KVCacheCompressor``), with real methods behind it.
 
 Methods (:class:`CompressionMethod`)
 ------------------------------------
@@ -7,22 +7,22 @@ Methods (:class:`CompressionMethod`)
     Per row (one (batch, head) pair) a PCA basis fitted on the data: channel mean ``μ``
     plus the top principal axes of the centred tokens (eigenvectors of the centred Gram
     matrix, :mod:`numba_kv.ops.lowrank`), coefficients ``(x − μ)·Bᵀ`` stored in float16
-    (default) or float32.  The rank is the seed's automatic rule — the smallest rank that
+    (default) or float32.  The rank is gllm-kernels' automatic rule — the smallest rank that
     captures ``energy`` (0.9) of the energy — capped by ``rank``; ``energy=None`` keeps
-    ``rank``.  The seed instead keeps the highest-energy *channels* in float32.
+    ``rank``.  gllm-kernels instead keeps the highest-energy *channels* in float32.
 ``VectorQuantization(codebook_size)``
     k-means with k-means++ seeding run to convergence (relative inertia decrease below
     ``tol`` or an unchanged assignment, at most ``max_iter`` Lloyd steps;
     :mod:`numba_kv.ops.vq`), codebooks stored in float16, codes packed in ``quant_bits``
     (4 or 8) bits, tokens whose squared distance exceeds ``mean + 3·std`` stored exactly.
-    Whole-vector VQ over the whole tensor by default (the seed's layout);
+    Whole-vector VQ over the whole tensor by default (gllm-kernels' layout);
     ``subvector_dim`` turns it into product quantization and ``per_head`` fits one
-    codebook set per row.  The seed runs 2 Lloyd steps from the first ``K`` tokens.
+    codebook set per row.  gllm-kernels runs 2 Lloyd steps from the first ``K`` tokens.
 ``Hybrid(rank, quant_bits)``
     The LowRank projection, then INT4/INT8 of the coefficients with one scale per
     coefficient channel (or per channel and ``group_size`` tokens), values beyond the
     channel's ``median + 6·MAD`` kept exactly as sparse outliers
-    (:mod:`numba_kv.ops.intquant`).  The seed uses one scale for the whole tensor.
+    (:mod:`numba_kv.ops.intquant`).  gllm-kernels uses one scale for the whole tensor.
 
 Every heavy step (statistics, projection, reconstruction, distance/assignment, centroid
 accumulation, INT quantize + pack, decode) is a CPU twin / CUDA kernel pair dispatched by
@@ -30,7 +30,7 @@ the device of the input: NumPy in, NumPy payload; CUDA arrays in, payload on the
 Fitting reads back only small statistics (``R·d²`` Gram entries, ``K·d`` centroid sums,
 per-token distances); the eigen-decomposition and the k-means++ draws run on the host.
 
-Layouts (``algorithms.md`` §5.1): :meth:`KVCacheCompressor.compress_kv` takes
+Layouts: :meth:`KVCacheCompressor.compress_kv` takes
 ``[batch, num_heads, seq_len, head_dim]``, :meth:`~KVCacheCompressor.compress_kv_3d`
 ``[num_heads, seq_len, head_dim]``; the layout is remembered and checked on the way back.
 K and V are compressed independently; they must agree on ``batch``, ``num_heads`` and
@@ -89,7 +89,7 @@ class LowRank:
     rank : int
         Upper bound on the kept rank (``>= 1``).
     energy : float or None
-        Automatic-rank energy fraction (seed: 0.9); ``None`` keeps ``min(rank, head_dim)``.
+        Automatic-rank energy fraction (gllm-kernels: 0.9); ``None`` keeps ``min(rank, head_dim)``.
     dtype : {"float16", "float32"}
         Storage of coefficients and basis (the mean is float32).  float16 saturates at
         ±65504 (coefficients of data beyond that range need ``"float32"``).
@@ -152,12 +152,12 @@ class Hybrid:
     rank : int
         Upper bound on the kept rank (``>= 1``).
     quant_bits : {0, 4, 8}
-        Integer width; 0 uses the compressor's ``quant_bits`` (as the seed).
+        Integer width; 0 uses the compressor's ``quant_bits`` (as in gllm-kernels).
     group_size : int, optional
         Tokens per scale within a coefficient channel (even); ``None``: one scale per
         channel.
     energy : float or None
-        Automatic-rank energy fraction (seed: 0.9); ``None`` keeps ``min(rank, head_dim)``.
+        Automatic-rank energy fraction (gllm-kernels: 0.9); ``None`` keeps ``min(rank, head_dim)``.
     basis_dtype : {"float16", "float32"}
         Storage of the basis.
     """
@@ -179,7 +179,7 @@ class Hybrid:
 
 
 class CompressionMethod:
-    """Namespace mirroring the seed's ``CompressionMethod`` enum.
+    """Namespace mirroring the ``CompressionMethod`` enum of gllm-kernels.
 
     ``CompressionMethod.LowRank(rank=16)``, ``CompressionMethod.VectorQuantization(
     codebook_size=256)``, ``CompressionMethod.Hybrid(rank=32, quant_bits=4)``.

@@ -12,8 +12,8 @@
     The latent ``[c_kv | k_pe]`` is stored as one key-only paged vector per token
     (``num_kv_heads=1``, ``head_dim = kv_lora_rank + qk_rope_head_dim``, like the
     576-wide DeepSeek cache; FlashInfer's ``ckv``/``kpe`` caches are its two column
-    ranges).  Absorbed attention (DeepSeek-V2 §2.1.2, "absorb ``W_UK`` into the query")
-    scores queries against the latent directly::
+    ranges).  Absorbed attention (DeepSeek-V2, arXiv:2405.04434, §2.1.2, "absorb ``W_UK``
+    into the query") scores queries against the latent directly::
 
         q̃_h = q_nope,h · W_UK[h]ᵀ             (kv_lora_rank)
         s_h = softmax_scale · (q̃_h · c_kvᵀ + q_pe,h · k_peᵀ)
@@ -21,11 +21,11 @@
 
     so no per-head K/V is ever materialized.
 
-:class:`SimpleMLACache` — the seed's simplified form (``algorithms.md`` §5.6)
+:class:`SimpleMLACache` — the simplified form of the gllm-kernels Rust crate
     One ``down_proj`` ``(D, L)``, ``up_proj`` ``(L, D)`` and ``rope_key`` ``(L, D)`` shared by
     K and V and all heads: ``k_lat = k·down``, ``v_lat = v·down`` (per head and token, stored
     in the paged cache with ``head_dim = L``); ``k = k_lat·(up + rope_key)``,
-    ``v = v_lat·up``.  Kept so the seed's API (and ``KVCacheCompressor.compress_mla_cache``)
+    ``v = v_lat·up``.  Kept so gllm-kernels' API (and ``KVCacheCompressor.compress_mla_cache``)
     works; it is not DeepSeek's MLA.
 
 Both up-project through :func:`numba_kv.ops.lowrank.reconstruct_into` (CPU twin / CUDA
@@ -404,7 +404,7 @@ class MLACache(_LatentBase):
 
 
 class SimpleMLACache(_LatentBase):
-    """The seed's simplified latent cache: per-head latents from one shared projection.
+    """gllm-kernels' simplified latent cache: per-head latents from one shared projection.
 
     Parameters
     ----------
@@ -416,7 +416,7 @@ class SimpleMLACache(_LatentBase):
     down_proj : float array, shape ``(D, L)`` or ``(num_layers, D, L)``
     up_proj : float array, shape ``(L, D)`` or ``(num_layers, L, D)``
     rope_key : float array, shape ``(L, D)`` or ``(num_layers, L, D)``
-        The seed's "decoupled RoPE" map (a second linear map; no rotation is applied).
+        gllm-kernels' "decoupled RoPE" map (a second linear map; no rotation is applied).
     page_size : int
     storage : {"float32", "pqo2", "pqo3", "pqo4"}
         PQO needs ``latent_dim`` to be a multiple of 32.

@@ -1,5 +1,5 @@
 """``PagedKVCache``: a page pool shared by all layers and sequences, with per-layer block
-tables (vLLM / FlashInfer paging; the seed's ``PagedKVCache``, ``algorithms.md`` §5.5).
+tables (vLLM / FlashInfer paging; same role as ``PagedKVCache`` of the gllm-kernels Rust crate).
 
 Storage (allocated on the device of the first appended array; layout ``HND`` per page)
 -----------------------------------------------------------------------------------
@@ -13,7 +13,7 @@ Storage (allocated on the device of the first appended array; layout ``HND`` per
 
 A page holds ``page_size`` tokens of K *and* V for every KV head.  Page ``p`` is owned by
 at most one (layer, sequence); the free list is a stack (the highest free id is handed
-out first, like the seed's ``BlockManager``).  Logical token ``i`` of a sequence lives in
+out first, like gllm-kernels' ``BlockManager``).  Logical token ``i`` of a sequence lives in
 page ``table[i // page_size]``, slot ``i % page_size``.
 
 Kernels address the pool through FlashInfer's CSR page table (:meth:`page_table`):
@@ -462,7 +462,7 @@ class PagedKVCache:
         Raises
         ------
         ValueError
-            The sequence holds no tokens in ``layer`` (as the seed).
+            The sequence holds no tokens in ``layer`` (as in gllm-kernels).
         """
         with self._lock:
             layer = check_layer(layer, self.num_layers)

@@ -1,22 +1,22 @@
 """``PolarQuantCache``: the turboquant-rs PQ / PQO block-quantized KV cache, with fused
 decode attention and an optional full-precision recent window and attention sinks.
 
-Modes (``algorithms.md`` §2.5):
+Modes:
 
 * ``"pqo"`` (recommended): every 32-block uses the ``bits``-wide codebook; scales are
   stored negative (the outlier-block flag).  PQO3 = 3 bits of index + one f16 scale per
   32 values = 3.5 bits/value.
-* ``"pq"``: the ``bits − 1``-wide codebook.  Unlike the anchor, which stores the
+* ``"pq"``: the ``bits − 1``-wide codebook.  Unlike turboquant-rs, which stores the
   ``(b−1)``-bit indices in ``b``-bit slots, we pack them in ``(b−1)``-bit slots, so PQ3
   costs 2.5 bits/value.
 
 Norm modes ``"maxnorm"`` (default) and ``"l2"`` (see :mod:`numba_kv.ops.blockquant`).
 The 2-bit (and 1-bit) MaxNorm codebooks are Lloyd–Max tables fitted to the MaxNorm
-scaled distribution, not the anchor's defective 2-bit table (see
+scaled distribution, not turboquant-rs's defective 2-bit table (see
 :mod:`numba_kv.ops.codebook`).
 
-Window and sinks (the KIVI / HF ``QuantizedCache`` idea): with ``sink_tokens=S`` the
-first ``S`` tokens and with ``residual_length=R`` the newest ``R`` tokens stay
+Window and sinks (the idea of KIVI, arXiv:2402.02750, and of HF ``QuantizedCache``): with
+``sink_tokens=S`` the first ``S`` tokens and with ``residual_length=R`` the newest ``R`` tokens stay
 uncompressed; a token is compressed when it leaves the window.  Fused attention
 combines exact and compressed tokens in one softmax.
 """
@@ -75,7 +75,7 @@ class PolarQuantCache(LayeredCache):
     norm_mode : {"maxnorm", "l2"}
         Block normalization.
     residual_length : int
-        Newest tokens kept uncompressed (default 32; 0 = none, the anchor's behaviour).
+        Newest tokens kept uncompressed (default 32; 0 = none, turboquant-rs's behaviour).
     sink_tokens : int
         First tokens kept uncompressed (default 4; 0 = none).
 

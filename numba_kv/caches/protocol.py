@@ -2,7 +2,7 @@
 compression method.
 
 This is the Python rendering of the ``CompressedKVCache`` trait of the Rust crate
-mistralrs-kv-cache 0.3 (see ``shared/seeds/000``–``002`` and ``algorithms.md`` §1).
+mistralrs-kv-cache 0.3, as implemented by turboquant-rs 0.3.
 
 Layout
 ------
@@ -21,8 +21,9 @@ logits that enter softmax**, i.e. it is added *after* the scores have been multi
 
     p = softmax(softmax_scale * q @ k.T + logit_bias)
 
-(The Rust anchor returned an un-scaled correction, too large by ``1/softmax_scale``;
-see ``algorithms.md`` §1.7.)  Its shape is ``[batch, num_heads, q_len, kv_len]``.
+(turboquant-rs 0.3, the Rust implementation whose block format this package follows,
+returned an un-scaled correction, too large by ``1/softmax_scale``.)  Its shape is
+``[batch, num_heads, q_len, kv_len]``.
 
 Thread safety
 -------------
@@ -141,7 +142,7 @@ class AttendConfig:
 class CompressedKVCache(Protocol):
     """Contract between an inference engine and a KV-cache compression method.
 
-    Semantics (``algorithms.md`` §1.4):
+    Semantics:
 
     * ``prefill`` stores all new tokens.  If the layer was empty it returns the
       *original* ``k``/``v`` (prompt attention is lossless); otherwise it returns the full

@@ -1,21 +1,23 @@
 """``TurboQuantCache``: TurboQuant_prod (PolarQuant + a 1-bit QJL sketch of the key
-residual), implemented as the paper defines it — not as the anchor ships it.
+residual), implemented as the paper defines it (Zandieh et al., arXiv:2504.19874) — not as
+turboquant-rs (the Rust implementation whose tq3_0 block format this package follows) ships it.
 
-Per compressed key (``algorithms.md`` §3.1–§3.3), at ``k_bits = b``:
+Per compressed key, at ``k_bits = b``:
 
 * the block quantizer (:class:`~numba_kv.caches.polarquant.PolarQuantCache`, any norm
-  mode) with the ``b − 1``-bit codebook, stored in ``b − 1``-bit slots (the anchor wastes
+  mode) with the ``b − 1``-bit codebook, stored in ``b − 1``-bit slots (turboquant-rs wastes
   a bit per index by storing them in ``b``-bit slots);
 * the residual ``r = k − k̂`` sketched as ``σ = sign(S r)`` (``m = head_dim`` bits,
   packed) plus ``‖r‖`` as binary16.  ``S`` is an ``m × d`` matrix of i.i.d. ``N(0, 1)``
   entries from NumPy's PCG64 with its own seed (``qjl_seed``), independent of the fixed
-  block rotation — the anchor's ``±1`` hash alternates and some forks reused the rotation
+  block rotation — turboquant-rs's ``±1`` hash alternates and some forks reused the rotation
   seed, which correlates the sketch with the quantization error;
-* the estimator ``q·k ≈ q·k̂ + ‖r‖·√(π/2)/m·⟨S q, σ⟩`` (unbiased for Gaussian ``S``).
+* the estimator ``q·k ≈ q·k̂ + ‖r‖·√(π/2)/m·⟨S q, σ⟩`` (unbiased for Gaussian ``S``;
+  QJL, Zandieh, Daliri, Han, arXiv:2406.03482).
 
 Values get **no** QJL and all ``v_bits`` go to the MSE quantizer (PQO, ``v_bits``-bit
 codebook): attention outputs are softmax-weighted averages of values, whose error is set
-by the values' MSE — an unbiased inner product buys nothing there.  (The anchor gives
+by the values' MSE — an unbiased inner product buys nothing there.  (turboquant-rs gives
 values only the ``b − 1``-bit codebook, so its TQ3 has worse values than PQO3 and costs
 more.)  TQ3 at ``head_dim = 128`` therefore stores keys at ``2 + 0.5 + 1 + 16/128 =
 3.625`` bits/value and values at ``3.5``: 3.5625 on average.

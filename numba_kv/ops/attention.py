@@ -1,6 +1,6 @@
 """Decode attention computed straight from packed codes (no dequantized K/V in memory).
 
-Math (``algorithms.md`` §4.3).  With the forward block rotation ``F = D_s H`` and a
+Math.  With the forward block rotation ``F = D_s H`` and a
 stored token ``k̂_b = |a_b| Fᵀ c[idx_b]`` per 32-block ``b``:
 
 * ``⟨q_b, k̂_b⟩ = |a_b| ⟨F q_b, c[idx_b]⟩`` — rotate each query block **once** and score

@@ -1,6 +1,6 @@
 """Bit packing of small unsigned indices (1–8 bits), LSB first.
 
-Layout (``algorithms.md`` §2.7): indices are packed in groups of 8; a group of 8
+Layout (the one turboquant-rs uses): indices are packed in groups of 8; a group of 8
 ``b``-bit values forms the ``8·b``-bit little-endian integer ``w = Σ v_k << (b·k)``,
 emitted as ``b`` bytes, least significant byte first.  This single rule gives
 

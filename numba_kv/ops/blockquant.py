@@ -1,6 +1,6 @@
 """Block quantizer ("PolarQuant" of turboquant-rs): normalize → rotate → bucketize → pack.
 
-Per 32-value block of a head vector (``algorithms.md`` §2.3–§2.7):
+Per 32-value block of a head vector (the tq3_0 block format of turboquant-rs):
 
 * **MaxNorm** (default): ``r = D_s H x``; ``scale = max(max|r| / ref, 1e-10)``;
   ``y = r / scale`` so the block's extreme lands on the outer centroid ``±ref``.
@@ -50,7 +50,7 @@ NORM_MODES = ("maxnorm", "l2")
 # every inner loop is a contiguous, vectorizable loop over lanes; the CUDA kernels run one
 # block per thread with ``L = 1`` (all scratch then lives in registers).  Per value, both
 # do the same float32 operations in the same order as the one-block formulation
-# (``algorithms.md`` §2.3–§2.7), so the twins agree bit for bit.  Scratch per tile:
+# described in the module docstring, so the twins agree bit for bit.  Scratch per tile:
 # ``t`` float32[35*L] (row 32 holds the lane scales, rows 33/34 the unbiased mode's
 # ``⟨y, c⟩`` / ``‖y‖²``: one array, so LLVM can prove scale reads never alias value
 # writes; the dequantizer uses rows 0..32 only), ``ib`` uint8[32*L] (indices; quantizer

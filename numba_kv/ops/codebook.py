@@ -2,7 +2,7 @@
 
 A block quantizer rotates each 32-value block with a signed Hadamard matrix, divides it
 by a per-block scale and replaces every coordinate by the nearest centroid of a scalar
-codebook (``design/algorithms.md`` §2.3–§2.4).  This module owns those codebooks:
+codebook (Lloyd 1982 / Max 1960 scalar quantization).  This module owns those codebooks:
 
 * **L2 mode** (``scale = ‖x‖₂``, coordinates of a unit vector in ``m = 32`` dimensions):
   Lloyd–Max tables for the exact sphere-coordinate density ``f_m`` (§2.4.1), computed
@@ -259,7 +259,7 @@ def _bin_edges(boundaries: np.ndarray) -> np.ndarray:
 def lloyd_max_sphere(bits: int, m: int) -> Codebook:
     """L2-mode Lloyd–Max codebook for the sphere-coordinate density ``f_m``.
 
-    The iteration of ``algorithms.md`` §2.4.1 (identical to turboquant-rs): start from
+    The Lloyd–Max iteration (identical to turboquant-rs): start from
     ``c_i = −1 + 2(i + ½)/K``; up to 200 times set boundaries to midpoints, move each
     centroid to the conditional mean ``∫x f / ∫f`` of its bin ``[t_{i−1}, t_i]`` (bin
     midpoint if ``|∫f| < 1e−30``), compute ``D = Σ ∫_bin (x − c_i)² f`` with the new

@@ -1,7 +1,7 @@
 """The 32-block rotation: normalized Walsh–Hadamard transform with a fixed sign pattern.
 
 Each head vector is split into 32-value blocks, each rotated independently
-(``algorithms.md`` §2.2):
+(the tq3_0 block rotation of turboquant-rs):
 
 * forward:  ``y = D_s · H · x``  (Hadamard first, then signs);
 * inverse:  ``x = H · D_s · y``  (signs first, then Hadamard);

@@ -1,7 +1,8 @@
 """Whole-head rotation quantizer: one ``d``-point rotation and one binary16 norm per vector.
 
 This is TurboQuant-MSE over the whole head vector, the way FAISS ``HR,SQtqmse{b}``
-stores it (``algorithms.md`` §2.4.1 with ``m = d``; the block quantizer of
+stores it (Zandieh et al., arXiv:2504.19874; Lloyd–Max codebook for ``m = d``; the block
+quantizer of
 :mod:`numba_kv.ops.blockquant` is the same algorithm on 32-value blocks).  Per vector
 ``x`` of ``d`` values (``d`` a power of two, ``32 <= d <= 512``), in float32:
 
@@ -106,7 +107,7 @@ def head_signs(d: int) -> np.ndarray:
       :data:`SIGN_SEED` (= 42) is set (``state += 0x9E3779B97F4A7C15``; ``z = state``;
       ``z = (z ^ z>>30)·0xBF58476D1CE4E5B9``; ``z = (z ^ z>>27)·0x94D049BB133111EB``;
       ``z ^= z>>31``, all mod 2⁶⁴) — a real PRNG, never the alternating "golden-ratio hash"
-      of ``algorithms.md`` §2.2.1.
+      that turboquant-rs uses.
 
     Parameters
     ----------

@@ -3,9 +3,9 @@ scales and exact sparse outliers.
 
 Data ``x`` is ``[R, n, C]``: ``R`` rows (e.g. heads), ``n`` tokens, ``C`` channels (e.g.
 low-rank coefficients, whose variance falls by orders of magnitude from the first to the
-last channel — why one scale per tensor, as in the seed, wastes most of the levels).
+last channel — why one scale per tensor, as in gllm-kernels, wastes most of the levels).
 
-Per channel ``(r, c)`` (``algorithms.md`` §5.4, applied per channel instead of per tensor):
+Per channel ``(r, c)`` (gllm-kernels' INT quantizer, applied per channel instead of per tensor):
 
 1. ``a_t = |x_rtc|``; ``median`` = element ``⌊n/2⌋`` of sorted ``a`` (upper median);
    ``MAD`` = element ``⌊n/2⌋`` of sorted ``|a_t − median|``; threshold
@@ -18,7 +18,7 @@ Per channel ``(r, c)`` (``algorithms.md`` §5.4, applied per channel instead of 
 3. Per token group ``[g·group, (g+1)·group)`` of the channel (``group = n``: one scale per
    channel): ``scale = max|clip(x)| / L`` (``1`` if that is 0), ``L = 7`` (INT4) or ``127``
    (INT8), float32, at least the smallest normal float; ``q = clamp(round(x / scale), −L, L)``
-   rounding half away from zero (Rust ``f32::round``, the seed's rule).
+   rounding half away from zero (Rust ``f32::round``, gllm-kernels' rule).
 4. Storage is channel-major ``packed[r, c, :]`` along tokens: INT8 as two's-complement
    bytes; INT4 as ``q + 8`` nibbles, token ``2i`` in the low nibble of byte ``i``, a
    missing odd tail nibble 0.  ``group`` is even, so no two groups share a byte.

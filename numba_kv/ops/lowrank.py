@@ -7,7 +7,7 @@ the principal axes of the centred tokens (PCA = SVD of ``x_r − μ_r``; the axe
 eigenvectors of the centred Gram matrix ``G_r = Σ_t (x_rt − μ_r)(x_rt − μ_r)ᵀ``), keeps
 the top ``rank`` of them as the rows of ``components[r]`` (``(rank, d)``, orthonormal)
 and stores ``coef_rt = components[r] · (x_rt − μ_r)``.  By Eckart–Young this is the best
-rank-``rank`` affine approximation in the Frobenius norm; it subsumes the seed's
+rank-``rank`` affine approximation in the Frobenius norm; it subsumes gllm-kernels'
 "keep the highest-energy channels" (a basis of unit vectors), which can only be worse.
 
 Ops (CPU twin + CUDA kernel each):
@@ -328,11 +328,11 @@ def fit_components(mean: np.ndarray, gram: np.ndarray, n: int, rank: int,
     rank : int
         Upper bound on the rank (``>= 1``).
     energy : float or None
-        Automatic rank (the seed's 0.9 rule, ``algorithms.md`` §5.2, applied to what the
+        Automatic rank (gllm-kernels' 0.9 rule, applied to what the
         basis has to explain — the variance around the stored mean, which is kept
         exactly): per row, the smallest ``k`` with ``Σ_{i<k} λ_i >= energy · Σ_i λ_i``
         (explained-variance ratio); the common rank is the largest over rows, clamped to
-        ``[1, min(rank, d)]``.  The seed measures uncentred energy, where a large channel
+        ``[1, min(rank, d)]``.  gllm-kernels measures uncentred energy, where a large channel
         mean alone can pass 90 % and leave a rank-1 model.  ``None`` keeps
         ``min(rank, d)``.
 

@@ -1,6 +1,7 @@
 """QJL: the 1-bit quantized Johnson–Lindenstrauss residual sketch of TurboQuant_prod.
 
-TurboQuant_prod (``algorithms.md`` §3.1–§3.2) stores, next to the block-quantized key
+TurboQuant_prod (Zandieh et al., arXiv:2504.19874; the sketch is QJL, Zandieh, Daliri, Han,
+arXiv:2406.03482) stores, next to the block-quantized key
 ``x̂``, the signs of ``m`` Gaussian projections of the residual ``r = x − x̂`` and the
 residual norm ``‖r‖₂``:
 
@@ -60,7 +61,7 @@ SKETCH_SEED = 20250917
 """Default seed of :func:`make_sketch`.  An arbitrary constant of its own: the block
 rotation (:mod:`numba_kv.ops.hadamard`) is a fixed sign pattern, not drawn from any
 generator, so the sketch is independent of it (forks that derived both from one seed saw
-correlated errors, ``algorithms.md`` §3.5)."""
+correlated errors)."""
 
 
 # --- sketch ------------------------------------------------------------------------------

@@ -2,15 +2,15 @@
 seeding and decoding — the ops of a k-means (product) vector quantizer.
 
 Data ``x`` is ``[R, n, d]`` (``R`` rows of ``n`` tokens).  Every token is cut into
-``M = d / ds`` sub-vectors of ``ds`` channels (``M = 1``: whole-vector VQ as in the seed,
-``algorithms.md`` §5.3; ``M > 1``: product quantization).  Sub-space ``m`` of row ``r``
+``M = d / ds`` sub-vectors of ``ds`` channels (``M = 1``: whole-vector VQ as in gllm-kernels;
+``M > 1``: product quantization).  Sub-space ``m`` of row ``r``
 uses codebook ``g = r·M + m`` when ``codebooks`` holds ``R·M`` tables (one per row), or
 ``g = m`` when it holds ``M`` (shared by all rows).  Codes are uint8 (``K <= 256``).
 
 Ops (CPU twin + CUDA kernel each):
 
 * ``vq_assign``: ``codes[r, t, m] = argmin_k ‖x_rtm − C_g[k]‖²`` (ties → lowest ``k``,
-  as in the seed) and ``dist[r, t, m]`` = that squared distance;
+  as in gllm-kernels) and ``dist[r, t, m]`` = that squared distance;
 * ``vq_accumulate``: per-codeword sums and counts of the assigned sub-vectors (the
   M-step numerator/denominator).  CPU: one work item per (codebook, channel), race-free;
   CUDA: one thread per element with ``atomic.add`` (float sums: order-dependent rounding);

@@ -1,4 +1,4 @@
-"""Pure-NumPy oracles written straight from the spec (``algorithms.md``).
+"""Pure-NumPy oracles written straight from the math in the module docstrings.
 
 They import NumPy only — never ``numba_kv.ops`` or ``numba_kv.caches`` — so an oracle
 cannot inherit the bug it is meant to catch (a meta-test checks the imports).  Slow,

@@ -13,8 +13,8 @@ synthetic keys/values with realistic outlier channels, this reports
   per-query constant; ``slope_raw`` in the JSON is the uncentred one).  ``est`` includes
   TurboQuant's QJL logit bias.  1 = unbiased; < 1 = shrunk logits (a slightly higher
   softmax temperature);
-* at two query temperatures σ (exact scaled logits with std σ over the tokens, as in
-  ``algorithms.md`` §3.4): the logit-error std (per-query-centred, RMS over queries),
+* at two query temperatures σ (exact scaled logits with std σ over the tokens): the
+  logit-error std (per-query-centred, RMS over queries),
   mean ``KL(p‖p̂)`` of the attention distribution over the T tokens (``p̂`` from ``k̂``
   plus the QJL bias; only keys matter) and the relative attention-output error
   ``‖p V − p̂ V̂‖ / ‖p V‖`` (keys *and* values quantized);
@@ -42,8 +42,8 @@ returns ``k̂``, ``v̂`` and the logit bias over all tokens; the decoded extra t
 dropped.  FAISS indexes are trained per KV head on the vectors they encode (EDEN trains a
 mean, i.e. it centres the keys; compare with ``pqo3:key_center=true``).
 
-Calibration: with ``n_outliers=0`` the harness reproduces the i.i.d. table of
-``algorithms.md`` §3.4 (σ = 1 logit-error std / KL: PQO3 0.177 / 0.016, PQO4 0.090 /
+Calibration: with ``n_outliers=0`` the harness reproduces the project's reference
+values for i.i.d. Gaussian data (σ = 1 logit-error std / KL: PQO3 0.177 / 0.016, PQO4 0.090 /
 0.004, PQO3 L2 0.179 / 0.016, TQ3 L2 0.416 / 0.087; 2-bit MSE-only slope 0.895).
 """
 

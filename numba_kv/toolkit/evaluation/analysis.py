@@ -1,4 +1,4 @@
-"""Where does PolarQuant's quality loss come from?  K vs V, per layer, per head (issue #6).
+"""Where does PolarQuant's quality loss come from?  K vs V, per layer, per head.
 
 :func:`analyze_kv` runs a Llama GGUF model (SmolLM2-135M by default) over the same text
 as ``numba-kv eval`` (:data:`numba_kv.toolkit.evaluation.evaluate.DEFAULT_TEXT`) and measures:
