@@ -314,7 +314,7 @@ def lloyd_max_sphere(bits: int, m: int) -> Codebook:
         boundaries=((c[:-1] + c[1:]) * 0.5).astype(np.float32),
         ref=1.0,
         source=f"Lloyd-Max on the sphere-coordinate density f_{m} "
-               f"(lloyd_max_sphere({bits}, {m}); algorithms.md 2.4.1, = turboquant-rs tables)",
+               f"(lloyd_max_sphere({bits}, {m}); equal to the turboquant-rs tables)",
     )
 
 
@@ -434,10 +434,10 @@ def maxnorm_table(bits: int) -> Codebook:
     elif bits == 3:
         pos = np.array(_MAXNORM_3BIT_POS)
         c = np.concatenate((-pos[::-1], pos))
-        source = "llama.cpp tq3_centroids (turboquant-rs MaxNorm 3-bit; algorithms.md 2.4.2)"
+        source = "llama.cpp tq3_centroids (turboquant-rs MaxNorm 3-bit)"
     else:
         c = -MAXNORM_REF + np.arange(16) * (2.0 * MAXNORM_REF / 15.0)
-        source = "uniform 16-point grid on [-2.1573, 2.1573] (turboquant-rs MaxNorm 4-bit; algorithms.md 2.4.2)"
+        source = "uniform 16-point grid on [-2.1573, 2.1573] (turboquant-rs MaxNorm 4-bit)"
     c32 = c.astype(np.float32)
     return Codebook(bits=bits, norm_mode="maxnorm", centroids=c32, boundaries=_midpoints_f32(c32),
                     ref=MAXNORM_REF, source=source)

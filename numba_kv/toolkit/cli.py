@@ -314,7 +314,8 @@ def _add_bench(sub: Any) -> None:
     b.add_argument("--markdown", default=None, metavar="FILE", help="modes: write the markdown table to FILE")
     b.add_argument("--modes", default=None, help="modes: comma-separated caches, as `eval --cache` (default: all)")
     b.add_argument("--faiss", default=None,
-                   help="modes: '/'-separated faiss.index_factory strings ('' for none; default: the anchors)")
+                   help="modes: '/'-separated faiss.index_factory strings ('' for none; default: "
+                        "HR,SQtqmse3 / HR,EDEN3 / HR,SQtq3 / HR,EDEN2 / HR,EDEN4)")
     b.add_argument("--no-decode", action="store_true",
                    help="attention: skip the cache.decode table (pqo3, tq3, the best <= 4-bit cache at T=32K)")
     b.add_argument("--no-progress", action="store_true")
