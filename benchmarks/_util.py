@@ -1,5 +1,6 @@
 import numba
 
+
 def env_info(benchmark, n_vectors, backend="cpu"):
     benchmark.extra_info.update({
         "backend": backend,

@@ -23,8 +23,8 @@ import time
 
 import numba
 import numpy as np
-
 from numba_kv.bench import blas_threads_limited, make_case
+
 from numba_kv.info import provenance_line
 from numba_kv.ops import attention as new
 

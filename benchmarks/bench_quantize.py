@@ -9,7 +9,6 @@ group of the same run, so ratios are measured, not assembled.  Every test record
 JSON's ``machine_info`` (``numba_kv_provenance``).
 """
 
-import numpy as np
 import pytest
 
 from numba_kv import reference

@@ -1,6 +1,5 @@
 """Shared fixtures of the benchmark suites (pytest-benchmark)."""
 
-import numba
 import numpy as np
 import pytest
 

@@ -16,11 +16,10 @@ from .caches.factory import CACHE_NAMES, make_cache
 from .caches.mixed import MixedCache
 from .caches.mla import MLACache, SimpleMLACache
 from .caches.paged import OutOfPagesError, PagedKVCache, PageTable
-from .caches.polarquant import PolarQuantCache
-from .caches.turboquant import TurboQuantCache
 from .caches.persist import CacheFileError, load_cache
-from .caches.protocol import (AttendConfig, CompressedKVCache, DecodeOutput, Dequantized, DequantResult,
-                              Fused)
+from .caches.polarquant import PolarQuantCache
+from .caches.protocol import AttendConfig, CompressedKVCache, DecodeOutput, Dequantized, DequantResult, Fused
+from .caches.turboquant import TurboQuantCache
 from .compressor import CompressedKV, CompressionMethod, KVCacheCompressor
 from .info import check_threading_layer
 from .ops.attention import decode_attention

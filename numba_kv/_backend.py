@@ -11,7 +11,7 @@ device behind the caller's back.
 from __future__ import annotations
 
 import os
-from typing import Any, Tuple
+from typing import Any
 
 import numpy as np
 
@@ -90,7 +90,7 @@ def xp_of(a: Any):
     return None
 
 
-def empty(like: Any, shape: Tuple[int, ...], dtype) -> Any:
+def empty(like: Any, shape: tuple[int, ...], dtype) -> Any:
     """Uninitialized array of ``shape``/``dtype`` on the device (and namespace) of ``like``."""
     xp = xp_of(like)
     if xp is not None:
@@ -100,7 +100,7 @@ def empty(like: Any, shape: Tuple[int, ...], dtype) -> Any:
     return cuda.device_array(shape, dtype=dtype)
 
 
-def zeros(like: Any, shape: Tuple[int, ...], dtype) -> Any:
+def zeros(like: Any, shape: tuple[int, ...], dtype) -> Any:
     """Zero-filled array of ``shape``/``dtype`` on the device of ``like``."""
     xp = xp_of(like)
     if xp is not None:
@@ -144,7 +144,7 @@ def ascontiguous_f32(name: str, a: Any) -> Any:
     return a
 
 
-def cuda_grid(n: int, threads: int | None = None) -> Tuple[int, int]:
+def cuda_grid(n: int, threads: int | None = None) -> tuple[int, int]:
     """Launch geometry ``(blocks, threads)`` covering ``n`` independent work items.
 
     Under the simulator the block is kept small (every simulated thread is an OS thread).

@@ -7,9 +7,9 @@ Values come from ``NUMBA_KV_<NAME>`` environment variables when set, else from
 from __future__ import annotations
 
 import os
-from typing import Any, Dict
+from typing import Any
 
-DEFAULTS: Dict[str, Any] = {
+DEFAULTS: dict[str, Any] = {
     # threads per CUDA block for element-wise (one thread per 32-block) kernels
     "cuda_threads": 128,
     # the same under the simulator, where each thread is an OS thread
@@ -22,7 +22,7 @@ DEFAULTS: Dict[str, Any] = {
     "cpu_parallel_min_work": 1 << 18,
 }
 
-_overrides: Dict[str, Any] = {}
+_overrides: dict[str, Any] = {}
 
 
 def get(name: str) -> Any:

@@ -19,14 +19,14 @@ import functools
 import hashlib
 import pathlib
 import types
-from typing import Callable, Dict, Tuple
+from collections.abc import Callable
 
 from numba import cuda, njit
 
 __all__ = ["CORES", "FASTMATH_REDUCE", "cpu_call", "cpu_kernel", "cpu_serial", "cuda_kernel", "twin"]
 
 # plain function -> (cpu variant, device variant)
-CORES: Dict[Callable, Tuple[Callable, Callable]] = {}
+CORES: dict[Callable, tuple[Callable, Callable]] = {}
 
 
 @functools.lru_cache(maxsize=1)
@@ -125,7 +125,7 @@ def _rebind(fn: Callable, which: int) -> Callable:
     return new
 
 
-def twin(fn: Callable) -> Tuple[Callable, Callable]:
+def twin(fn: Callable) -> tuple[Callable, Callable]:
     """Compile core ``fn`` for the CPU and as a CUDA device function.
 
     Returns

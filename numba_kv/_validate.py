@@ -7,7 +7,8 @@ cache exactly as it was.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -29,7 +30,7 @@ def check_layer(layer: Any, num_layers: int) -> int:
     return int(layer)
 
 
-def check_float_array(name: str, a: Any, ndim: Optional[int] = None) -> str:
+def check_float_array(name: str, a: Any, ndim: int | None = None) -> str:
     """Check dtype (float16/32/64) and ndim; return the device."""
     dev = device_of(name, a)
     dt = np.dtype(a.dtype)
@@ -46,7 +47,7 @@ def check_finite(name: str, a: Any) -> None:
         raise ValueError(f"{name}: expected finite values, got NaN or Inf")
 
 
-def check_finite_stats(name: str, a: Any, d: Optional[int] = None) -> RangeStats:
+def check_finite_stats(name: str, a: Any, d: int | None = None) -> RangeStats:
     """:func:`check_finite` that also returns the range numbers it measured in the same pass."""
     st = range_stats(a, d)
     if st.nonfinite:
@@ -93,7 +94,7 @@ def check_rotation_input(name: str, x: Any, block: int) -> None:
                          f"(the largest float32): its rotation cannot be represented")
 
 
-def check_shape(name: str, a: Any, expected: Sequence[Optional[int]], labels: Sequence[str]) -> None:
+def check_shape(name: str, a: Any, expected: Sequence[int | None], labels: Sequence[str]) -> None:
     """Compare ``a.shape`` with ``expected`` (``None`` = any), naming the mismatching axis."""
     shape = tuple(a.shape)
     if len(shape) != len(expected):
@@ -105,13 +106,13 @@ def check_shape(name: str, a: Any, expected: Sequence[Optional[int]], labels: Se
 
 
 def check_kv(k: Any, v: Any, num_kv_heads: int, head_dim: int,
-             batch: Optional[int] = None) -> str:
+             batch: int | None = None) -> str:
     """Validate a K/V pair ``[batch, num_kv_heads, new_tokens, head_dim]``; return device."""
     return check_kv_stats(k, v, num_kv_heads, head_dim, batch)[0]
 
 
 def check_kv_stats(k: Any, v: Any, num_kv_heads: int, head_dim: int,
-                   batch: Optional[int] = None) -> Tuple[str, RangeStats, RangeStats]:
+                   batch: int | None = None) -> tuple[str, RangeStats, RangeStats]:
     """:func:`check_kv`, also returning the :func:`~numba_kv.ops.finite.range_stats` of
     ``k`` and ``v`` (one read of each: the finiteness check and the range numbers)."""
     labels = ("batch", "num_kv_heads", "new_tokens", "head_dim")
@@ -129,8 +130,8 @@ def check_kv_stats(k: Any, v: Any, num_kv_heads: int, head_dim: int,
     return dk, check_finite_stats("k", k), check_finite_stats("v", v)
 
 
-def check_q(q: Any, batch: int, num_kv_heads: int, head_dim: int, n_kv_groups: Optional[int] = None,
-            q_len: Optional[int] = None, device: str = CPU) -> int:
+def check_q(q: Any, batch: int, num_kv_heads: int, head_dim: int, n_kv_groups: int | None = None,
+            q_len: int | None = None, device: str = CPU) -> int:
     """Validate a query ``[batch, num_heads, q_len, head_dim]``; return the group size."""
     dq = check_float_array("q", q, 4)
     if dq != device:
@@ -153,7 +154,7 @@ def check_q(q: Any, batch: int, num_kv_heads: int, head_dim: int, n_kv_groups: O
     return groups
 
 
-def check_int(name: str, value: Any, allowed: Optional[Sequence[int]] = None, minimum: Optional[int] = None) -> int:
+def check_int(name: str, value: Any, allowed: Sequence[int] | None = None, minimum: int | None = None) -> int:
     """Integer argument check with allowed set or minimum."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")

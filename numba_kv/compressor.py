@@ -40,7 +40,7 @@ K and V are compressed independently; they must agree on ``batch``, ``num_heads`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Union
 
 import numpy as np
 
@@ -59,7 +59,7 @@ OUTLIER_STD_FACTOR = 3.0
 _DTYPES = ("float16", "float32")
 
 
-def _int_arg(name: str, value: Any, minimum: int, maximum: Optional[int] = None) -> int:
+def _int_arg(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
     if value < minimum or (maximum is not None and value > maximum):
@@ -96,7 +96,7 @@ class LowRank:
     """
 
     rank: int
-    energy: Optional[float] = lowrank.ENERGY_FRACTION
+    energy: float | None = lowrank.ENERGY_FRACTION
     dtype: str = "float16"
 
     def __post_init__(self) -> None:
@@ -127,7 +127,7 @@ class VectorQuantization:
     """
 
     codebook_size: int
-    subvector_dim: Optional[int] = None
+    subvector_dim: int | None = None
     per_head: bool = False
     max_iter: int = vq.KMEANS_MAX_ITER
     tol: float = vq.KMEANS_TOL
@@ -164,8 +164,8 @@ class Hybrid:
 
     rank: int
     quant_bits: int = 0
-    group_size: Optional[int] = None
-    energy: Optional[float] = lowrank.ENERGY_FRACTION
+    group_size: int | None = None
+    energy: float | None = lowrank.ENERGY_FRACTION
     basis_dtype: str = "float16"
 
     def __post_init__(self) -> None:
@@ -215,9 +215,9 @@ class CompressedTensor:
     """
 
     method: str
-    shape: Tuple[int, int, int]
-    arrays: Dict[str, Any]
-    meta: Dict[str, Any] = field(default_factory=dict)
+    shape: tuple[int, int, int]
+    arrays: dict[str, Any]
+    meta: dict[str, Any] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -251,7 +251,7 @@ class CompressedKV:
 
     k: CompressedTensor
     v: CompressedTensor
-    layout: Tuple
+    layout: tuple
     original_nbytes: int
 
     @property
@@ -331,7 +331,7 @@ class KVCacheCompressor:
         return f"KVCacheCompressor(method={self._method!r}, quant_bits={self._quant_bits})"
 
     # -- validation -------------------------------------------------------------------------
-    def _check_pair(self, k: Any, v: Any, ndim: int) -> Tuple[Any, Any]:
+    def _check_pair(self, k: Any, v: Any, ndim: int) -> tuple[Any, Any]:
         labels = ("batch", "num_heads", "seq_len", "head_dim")[4 - ndim:]
         _backend.resolve_device("auto", k=k, v=v)
         for name, a in (("k", k), ("v", v)):
@@ -392,7 +392,7 @@ class KVCacheCompressor:
         h, s = (int(x) for x in tuple(k.shape)[:2])
         return self._compress_pair(k, v, ("unbatched", h, s))
 
-    def decompress_kv(self, compressed: CompressedKV) -> Tuple[Any, Any]:
+    def decompress_kv(self, compressed: CompressedKV) -> tuple[Any, Any]:
         """Reconstruct batched K/V, float32 ``[batch, num_heads, seq_len, head_dim]``.
 
         Raises
@@ -406,7 +406,7 @@ class KVCacheCompressor:
         v = self._decompress(compressed.v)
         return k.reshape(b, h, s, k.shape[2]), v.reshape(b, h, s, v.shape[2])
 
-    def decompress_kv_3d(self, compressed: CompressedKV) -> Tuple[Any, Any]:
+    def decompress_kv_3d(self, compressed: CompressedKV) -> tuple[Any, Any]:
         """Reconstruct unbatched K/V, float32 ``[num_heads, seq_len, head_dim]``.
 
         Raises
@@ -450,7 +450,7 @@ class KVCacheCompressor:
         k, v = self.decompress_kv_3d(compressed)
         cache.append(layer, seq_id, k, v)
 
-    def compress_mla_cache(self, cache: Union[MLACache, SimpleMLACache], layer: int,
+    def compress_mla_cache(self, cache: MLACache | SimpleMLACache, layer: int,
                            seq_id: int) -> CompressedKV:
         """Compress one sequence of an MLA cache from its up-projected K/V (seed semantics)."""
         if not isinstance(cache, (MLACache, SimpleMLACache)):
@@ -458,7 +458,7 @@ class KVCacheCompressor:
         k, v = cache.get_kv(layer, seq_id)
         return self.compress_kv_3d(k, v)
 
-    def decompress_to_mla_cache(self, compressed: CompressedKV, cache: Union[MLACache, SimpleMLACache],
+    def decompress_to_mla_cache(self, compressed: CompressedKV, cache: MLACache | SimpleMLACache,
                                 layer: int, seq_id: int) -> None:
         """Decompress and append to an MLA cache (which re-projects K/V to its latent)."""
         if not isinstance(cache, (MLACache, SimpleMLACache)):
@@ -489,7 +489,7 @@ class KVCacheCompressor:
             raise ValueError(f"compressed: expected num_heads={heads}, k head_dim={kd}, v head_dim={vd} "
                              f"(those of the cache), got {got}")
 
-    def _compress_pair(self, k: Any, v: Any, layout: Tuple) -> CompressedKV:
+    def _compress_pair(self, k: Any, v: Any, layout: tuple) -> CompressedKV:
         orig = sum(_nbytes(a) for a in (k, v))
         ck = self._compress(k, "k")
         cv = self._compress(v, "v")
@@ -516,7 +516,7 @@ class KVCacheCompressor:
 
 
 # --- method implementations ---------------------------------------------------------------------
-def _fit_basis(x3: Any, rank: int, energy: Optional[float], dtype: str) -> Tuple[Any, Any, Any]:
+def _fit_basis(x3: Any, rank: int, energy: float | None, dtype: str) -> tuple[Any, Any, Any]:
     """Mean (device, float32), basis as stored (f16 bits or f32) and as used (float32)."""
     rows, n, d = x3.shape
     mean = _backend.empty(x3, (rows, d), np.float32)

@@ -19,7 +19,6 @@ import platform
 import re
 import sys
 import time
-from typing import Dict
 
 import numpy as np
 
@@ -89,7 +88,7 @@ def _probe(t, b, out):  # a conditional byte store: vectorizes only with AVX-512
             out[m] += np.uint8(1)
 
 
-def codegen() -> Dict[str, str]:
+def codegen() -> dict[str, str]:
     """What Numba generates code for in this process.
 
     Returns
@@ -151,7 +150,7 @@ def stream_copy_gbs(n_bytes: int = 1 << 28, repeats: int = 5) -> float:
     return 2 * n_bytes / best / 1e9
 
 
-def provenance() -> Dict[str, str]:
+def provenance() -> dict[str, str]:
     """Everything a benchmark number must be labelled with.
 
     CPU model, LLVM host CPU, code-generation target and features, whether AVX-512 is in
@@ -178,7 +177,7 @@ def provenance() -> Dict[str, str]:
     return info
 
 
-def provenance_line(info: Dict[str, str] | None = None) -> str:
+def provenance_line(info: dict[str, str] | None = None) -> str:
     """One-line label for a table: CPU, LLVM host, codegen target, AVX-512 use, threads."""
     p = info or provenance()
     return (f"{p['cpu_model']} (LLVM host {p['llvm_host_cpu']}), codegen {p['codegen_target']}"
@@ -187,7 +186,7 @@ def provenance_line(info: Dict[str, str] | None = None) -> str:
             f" {p.get('openblas_coretype', 'host')}), numba {p['numba']}")
 
 
-def collect() -> Dict[str, str]:
+def collect() -> dict[str, str]:
     """Environment facts as a dict of strings."""
     import numba  # noqa: PLC0415
 

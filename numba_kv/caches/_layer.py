@@ -11,20 +11,19 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import numpy as np
 
 from .. import _backend, _config
-from .._validate import (F32_MAX, check_head_dim, check_int, check_kv_stats, check_layer, check_magnitude,
-                         check_q)
+from .._validate import F32_MAX, check_head_dim, check_int, check_kv_stats, check_layer, check_magnitude, check_q
 from ..ops.finite import RangeStats
 from ..ops.memory import copy_prefix, copy_tokens
 from ._lifecycle import LifecycleMixin
 from .protocol import AttendConfig, DecodeOutput, Dequantized, DequantResult
 
 # name -> (width, dtype, fixed_capacity); fixed_capacity None = grows with the sequence
-BufferSpec = Dict[str, Tuple[int, Any, Optional[int]]]
+BufferSpec = dict[str, tuple[int, Any, int | None]]
 
 
 @dataclass
@@ -33,16 +32,16 @@ class LayerState:
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     seq_len: int = 0
-    batch: Optional[int] = None
-    device: Optional[str] = None
+    batch: int | None = None
+    device: str | None = None
     capacity: int = 0
-    buffers: Dict[str, Any] = field(default_factory=dict)
+    buffers: dict[str, Any] = field(default_factory=dict)
     # live tokens per buffer when it differs from seq_len (e.g. compressed vs window)
-    live: Dict[str, int] = field(default_factory=dict)
+    live: dict[str, int] = field(default_factory=dict)
     # cache-specific counters (compressed tokens, sinks, window, evicted), reset with the layer
-    meta: Dict[str, int] = field(default_factory=dict)
+    meta: dict[str, int] = field(default_factory=dict)
     # sliding window of the layer (None: global attention); configuration, not state
-    window: Optional[int] = None
+    window: int | None = None
 
     @property
     def evicted(self) -> int:
@@ -59,7 +58,7 @@ class LayerState:
         """Live tokens of buffer ``name``."""
         return self.live.get(name, self.seq_len)
 
-    def live_arrays(self) -> List[Any]:
+    def live_arrays(self) -> list[Any]:
         """Views ``buf[:, :live]`` of every buffer (what ``memory_usage`` counts)."""
         return [b[:, : self.live_count(n)] for n, b in self.buffers.items()]
 
@@ -80,7 +79,7 @@ class LayerState:
 MASKED_LOGIT = -1.0e30
 
 
-def check_sliding_window(sliding_window: Any, num_layers: int) -> List[Optional[int]]:
+def check_sliding_window(sliding_window: Any, num_layers: int) -> list[int | None]:
     """Per-layer sliding windows from the user's ``sliding_window`` argument.
 
     ``None`` (every layer global), an int (every layer slides), a sequence of ``num_layers``
@@ -88,7 +87,7 @@ def check_sliding_window(sliding_window: Any, num_layers: int) -> List[Optional[
     or a dict ``{layer: window}`` (negative layers count from the end; layers not named are
     global).  Windows are ints >= 2.
     """
-    def one(where: str, w: Any) -> Optional[int]:
+    def one(where: str, w: Any) -> int | None:
         if w is None:
             return None
         return check_int(where, w, minimum=2)
@@ -96,7 +95,7 @@ def check_sliding_window(sliding_window: Any, num_layers: int) -> List[Optional[
     if sliding_window is None:
         return [None] * num_layers
     if isinstance(sliding_window, dict):
-        out: List[Optional[int]] = [None] * num_layers
+        out: list[int | None] = [None] * num_layers
         for key, w in sliding_window.items():
             idx = resolve_layer("sliding_window", key, num_layers)
             out[idx] = one(f"sliding_window[{key!r}]", w)
@@ -172,7 +171,7 @@ class LayeredCache(LifecycleMixin):
         self.num_layers = check_int("num_layers", num_layers, minimum=1)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)
         self.head_dim = check_head_dim(head_dim)
-        self.layer_windows: List[Optional[int]] = check_sliding_window(sliding_window, self.num_layers)
+        self.layer_windows: list[int | None] = check_sliding_window(sliding_window, self.num_layers)
         self._layers = [LayerState(window=w) for w in self.layer_windows]
 
     # -- subclass hooks -------------------------------------------------------------------
@@ -183,7 +182,7 @@ class LayeredCache(LifecycleMixin):
         """Write the new tokens at ``[:, st.seq_len : st.seq_len + S]`` (capacity ensured)."""
         raise NotImplementedError
 
-    def _history(self, st: LayerState, dtype: Any) -> Tuple[Any, Any]:
+    def _history(self, st: LayerState, dtype: Any) -> tuple[Any, Any]:
         """Stored K/V history ``[batch, num_kv_heads, seq_len, head_dim]`` in ``dtype``
         (never a view of the buffers: eviction shifts them in place)."""
         raise NotImplementedError
@@ -193,7 +192,7 @@ class LayeredCache(LifecycleMixin):
         front and lower ``st.seq_len``.  Called under the layer's lock."""
         raise NotImplementedError
 
-    def _window_config(self) -> Dict[str, Any]:
+    def _window_config(self) -> dict[str, Any]:
         """``{"sliding_window": [...]}`` for ``_lifecycle_config`` if any layer slides."""
         if any(w is not None for w in self.layer_windows):
             return {"sliding_window": list(self.layer_windows)}
@@ -233,8 +232,8 @@ class LayeredCache(LifecycleMixin):
         return cuda.to_device(bias)
 
     # -- helpers --------------------------------------------------------------------------
-    def _validate(self, layer: Any, k: Any, v: Any, q: Any, config: Optional[AttendConfig],
-                  need_q: bool) -> Tuple[int, str, Tuple[RangeStats, RangeStats]]:
+    def _validate(self, layer: Any, k: Any, v: Any, q: Any, config: AttendConfig | None,
+                  need_q: bool) -> tuple[int, str, tuple[RangeStats, RangeStats]]:
         layer = check_layer(layer, self.num_layers)
         st = self._layers[layer]
         batch = st.batch if st.seq_len > 0 else None
@@ -250,7 +249,7 @@ class LayeredCache(LifecycleMixin):
                     None if config is None else config.n_kv_groups, q_len=k.shape[2], device=dev)
         return layer, dev, (sk, sv)
 
-    def _check_range(self, st: LayerState, k: Any, v: Any, stats: Tuple[RangeStats, RangeStats]) -> None:
+    def _check_range(self, st: LayerState, k: Any, v: Any, stats: tuple[RangeStats, RangeStats]) -> None:
         """``ValueError`` (naming ``k`` or ``v`` and the limit) if the cache cannot store the
         values faithfully.  Runs under the layer's lock, before anything is stored.  The base
         class stores float32 (``F32_MAX`` bounds float64 input)."""
@@ -387,7 +386,7 @@ class LayeredCache(LifecycleMixin):
                 total += st.allocated_bytes()
         return total
 
-    def live_arrays(self, layer: int) -> List[Any]:
+    def live_arrays(self, layer: int) -> list[Any]:
         """Views of the live part of every buffer of ``layer`` (for inspection and tests)."""
         layer = check_layer(layer, self.num_layers)
         st = self._layers[layer]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 import numpy as np
 
@@ -34,7 +34,7 @@ class DenseCache(LayeredCache):
 
     name = "dense"
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: Optional[Any] = None,
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: Any | None = None,
                  sliding_window: Any = None) -> None:
         super().__init__(num_layers, num_kv_heads, head_dim, sliding_window)
         dt = np.dtype(np.float32 if dtype is None else dtype)
@@ -76,7 +76,7 @@ class DenseCache(LayeredCache):
                 for r in range(src.shape[0]):
                     dst[r, t0:t0 + s].copy_to_device(src[r])
 
-    def _history(self, st: LayerState, dtype: Any) -> Tuple[Any, Any]:
+    def _history(self, st: LayerState, dtype: Any) -> tuple[Any, Any]:
         out = []
         for name in ("k", "v"):
             buf = st.buffers[name]
@@ -92,7 +92,7 @@ class DenseCache(LayeredCache):
             shift_front(st.buffers[name], e, st.seq_len)
         st.seq_len -= e
 
-    def _lifecycle_config(self) -> Dict[str, Any]:
+    def _lifecycle_config(self) -> dict[str, Any]:
         """Constructor arguments (JSON types) that rebuild this cache's configuration."""
         return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
                 "dtype": self.dtype.name, **self._window_config()}

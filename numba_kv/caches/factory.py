@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Union
+from typing import Any
 
 from ._layer import LayeredCache
 from .dense import DenseCache
@@ -15,8 +15,8 @@ __all__ = ["CACHE_NAMES", "make_cache"]
 
 
 def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
-               layer_overrides: Optional[Dict[int, Dict[str, Any]]] = None,
-               **options: Any) -> Union[LayeredCache, MixedCache]:
+               layer_overrides: dict[int, dict[str, Any]] | None = None,
+               **options: Any) -> LayeredCache | MixedCache:
     """Create a cache by name.
 
     Parameters

@@ -37,7 +37,8 @@ operations of the input's namespace (NumPy or CuPy): they are reference paths, n
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -50,7 +51,7 @@ from .paged import DEFAULT_PAGE_SIZE, PagedKVCache, PageTable
 __all__ = ["MLACache", "SimpleMLACache"]
 
 
-def _per_layer(name: str, w: Any, num_layers: int, tail: Tuple[int, ...], labels: str) -> np.ndarray:
+def _per_layer(name: str, w: Any, num_layers: int, tail: tuple[int, ...], labels: str) -> np.ndarray:
     """Host float64 copy of a projection, shape ``(num_layers,) + tail`` (a shared array is
     broadcast to every layer)."""
     a = np.asarray(_backend.to_host(w) if not isinstance(w, np.ndarray) else w)
@@ -98,7 +99,7 @@ class _LatentBase:
         """Pages not in use."""
         return self.paged.num_free_pages
 
-    def page_table(self, layer: int, seq_ids: Optional[Sequence[int]] = None,
+    def page_table(self, layer: int, seq_ids: Sequence[int] | None = None,
                    on_device: bool = False) -> PageTable:
         """FlashInfer CSR page table (see :meth:`PagedKVCache.page_table`)."""
         return self.paged.page_table(layer, seq_ids, on_device)
@@ -107,12 +108,12 @@ class _LatentBase:
         """Bytes of the latent pages in use."""
         return self.paged.memory_usage()
 
-    def _const(self, like: Any, key: Tuple, host: np.ndarray) -> Any:
+    def _const(self, like: Any, key: tuple, host: np.ndarray) -> Any:
         """Per-device copy of a projection constant (made once per device kind)."""
         kind = _backend.device_of("like", like)
         if kind == _backend.CPU:
             return host
-        cache: Dict = self.__dict__.setdefault("_dev_consts", {})
+        cache: dict = self.__dict__.setdefault("_dev_consts", {})
         ck = key + (type(like).__module__.split(".")[0],)
         if ck not in cache:
             cache[ck] = to_like(like, host)
@@ -245,7 +246,7 @@ class MLACache(_LatentBase):
             msg = msg[3:].replace("|k|", f"|{arg}|").replace("from k", f"from {arg}")
             raise ValueError(f"{arg}: {msg}") from None
 
-    def get_latent(self, layer: int, seq_id: int) -> Tuple[Any, Any]:
+    def get_latent(self, layer: int, seq_id: int) -> tuple[Any, Any]:
         """Stored latents (dequantized for PQO pages).
 
         Returns
@@ -262,7 +263,7 @@ class MLACache(_LatentBase):
         return k.reshape(k.shape[1], k.shape[2])
 
     # -- per-head K/V -----------------------------------------------------------------------
-    def get_kv(self, layer: int, seq_id: int) -> Tuple[Any, Any]:
+    def get_kv(self, layer: int, seq_id: int) -> tuple[Any, Any]:
         """Up-projected per-head keys and values (on the device of the pages).
 
         Returns
@@ -307,7 +308,7 @@ class MLACache(_LatentBase):
         k_pe = k3[:, :, nope:].astype(xp.float64).mean(axis=0).astype(xp.float32)
         self.append_latent(layer, seq_id, xp.ascontiguousarray(c), xp.ascontiguousarray(k_pe))
 
-    def _check_kv_full(self, k: Any, v: Any) -> Tuple[Any, Any]:
+    def _check_kv_full(self, k: Any, v: Any) -> tuple[Any, Any]:
         _backend.resolve_device("auto", k=k, v=v)
         out = []
         for name, a, dim in (("k", k, self.qk_head_dim), ("v", v, self.v_head_dim)):
@@ -329,7 +330,7 @@ class MLACache(_LatentBase):
         return out[0], out[1]
 
     # -- attention (reference paths, NumPy/CuPy) ---------------------------------------------
-    def _check_q(self, name: str, q: Any, dim: int, q_len: Optional[int]) -> Any:
+    def _check_q(self, name: str, q: Any, dim: int, q_len: int | None) -> Any:
         check_float_array(name, q, 3)
         if q.shape[0] != self.num_heads or q.shape[2] != dim or (q_len is not None and q.shape[1] != q_len):
             want = q_len if q_len is not None else "q_len"
@@ -441,7 +442,7 @@ class SimpleMLACache(_LatentBase):
         self._comp_v = [np.ascontiguousarray(self.up_proj[i])[None] for i in range(nl)]
         self._zero_d = np.zeros((1, d), np.float32)
 
-    def _check_kv(self, k: Any, v: Any, dim: int) -> Tuple[Any, Any]:
+    def _check_kv(self, k: Any, v: Any, dim: int) -> tuple[Any, Any]:
         _backend.resolve_device("auto", k=k, v=v)
         out = []
         for name, a in (("k", k), ("v", v)):
@@ -490,11 +491,11 @@ class SimpleMLACache(_LatentBase):
         k3, v3 = self._check_kv(k_lat, v_lat, self.latent_dim)
         self.paged.append(layer, seq_id, k3, v3)
 
-    def get_compressed_kv(self, layer: int, seq_id: int) -> Tuple[Any, Any]:
+    def get_compressed_kv(self, layer: int, seq_id: int) -> tuple[Any, Any]:
         """Stored latents, float32 ``[num_heads, seq_len, latent_dim]`` each."""
         return self.paged.get_kv(layer, seq_id)
 
-    def get_kv(self, layer: int, seq_id: int) -> Tuple[Any, Any]:
+    def get_kv(self, layer: int, seq_id: int) -> tuple[Any, Any]:
         """Up-projected K and V, float32 ``[num_heads, seq_len, head_dim]`` each."""
         layer = check_layer(layer, self.num_layers)
         k_lat, v_lat = self.paged.get_kv(layer, seq_id)

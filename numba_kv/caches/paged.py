@@ -35,13 +35,22 @@ from __future__ import annotations
 import math
 import re
 import threading
-from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from .. import _backend
-from .._validate import (F16_MAX, F32_MAX, check_finite_stats, check_float_array, check_int, check_layer,
-                         check_magnitude, check_stored_f16)
+from .._validate import (
+    F16_MAX,
+    F32_MAX,
+    check_finite_stats,
+    check_float_array,
+    check_int,
+    check_layer,
+    check_magnitude,
+    check_stored_f16,
+)
 from ..ops.blockquant import dequantize_into, packed_dim, quantize_into
 from ..ops.codebook import get_codebook
 from ..ops.gather import gather_rows, scatter_rows, to_like
@@ -110,7 +119,7 @@ class PagedKVCache:
     """
 
     def __init__(self, num_pages: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 page_size: int = DEFAULT_PAGE_SIZE, *, v_head_dim: Optional[int] = None,
+                 page_size: int = DEFAULT_PAGE_SIZE, *, v_head_dim: int | None = None,
                  storage: str = "float32") -> None:
         self.num_pages = check_int("num_pages", num_pages, minimum=1)
         self.num_layers = check_int("num_layers", num_layers, minimum=1)
@@ -140,11 +149,11 @@ class PagedKVCache:
             self.codebooks = {}
             self.codebook = None
         self._lock = threading.RLock()
-        self._pools: Dict[str, Any] = {}
-        self._device: Optional[str] = None
-        self._free: List[int] = list(range(self.num_pages))  # stack: pop() → highest id
-        self._tables: List[Dict[int, List[int]]] = [dict() for _ in range(self.num_layers)]
-        self._lens: List[Dict[int, int]] = [dict() for _ in range(self.num_layers)]
+        self._pools: dict[str, Any] = {}
+        self._device: str | None = None
+        self._free: list[int] = list(range(self.num_pages))  # stack: pop() → highest id
+        self._tables: list[dict[int, list[int]]] = [dict() for _ in range(self.num_layers)]
+        self._lens: list[dict[int, int]] = [dict() for _ in range(self.num_layers)]
         self._next_seq = 0
 
     # -- geometry -------------------------------------------------------------------------
@@ -153,7 +162,7 @@ class PagedKVCache:
         """False for a key-only cache (``v_head_dim=0``)."""
         return self.v_head_dim > 0
 
-    def _pool_spec(self) -> Dict[str, Tuple[Tuple[int, ...], Any]]:
+    def _pool_spec(self) -> dict[str, tuple[tuple[int, ...], Any]]:
         spec = {}
         parts = [("k", self.head_dim)] + ([("v", self.v_head_dim)] if self.has_values else [])
         for name, dim in parts:
@@ -172,7 +181,7 @@ class PagedKVCache:
                    for shape, dt in self._pool_spec().values())
 
     @property
-    def pools(self) -> Dict[str, Any]:
+    def pools(self) -> dict[str, Any]:
         """The page pool arrays by name (empty until the first append), for kernels.
 
         Float storage: ``k_pages``/``v_pages``; PQO: ``k_codes``/``k_scales``/
@@ -181,7 +190,7 @@ class PagedKVCache:
         return dict(self._pools)
 
     @property
-    def device(self) -> Optional[str]:
+    def device(self) -> str | None:
         """``"cpu"``/``"cuda"`` once the pools exist, else ``None``."""
         return self._device
 
@@ -197,7 +206,7 @@ class PagedKVCache:
         return self.num_pages - self.num_free_pages
 
     @property
-    def sequences(self) -> List[int]:
+    def sequences(self) -> list[int]:
         """Live sequence ids (ascending)."""
         with self._lock:
             return sorted(self._tables[0])
@@ -210,7 +219,7 @@ class PagedKVCache:
             raise KeyError(f"seq_id: unknown sequence {seq_id!r}; live sequences: {sorted(self._tables[0])}")
         return int(seq_id)
 
-    def _check_part(self, name: str, a: Any, dim: int, n: Optional[int]) -> Tuple[Any, str]:
+    def _check_part(self, name: str, a: Any, dim: int, n: int | None) -> tuple[Any, str]:
         dev = check_float_array(name, a)
         shape = tuple(a.shape)
         if len(shape) == 4:
@@ -294,13 +303,13 @@ class PagedKVCache:
         """Pages owned by ``seq_id`` in ``layer``."""
         return len(self.block_table(layer, seq_id))
 
-    def block_table(self, layer: int, seq_id: int) -> List[int]:
+    def block_table(self, layer: int, seq_id: int) -> list[int]:
         """Page ids of ``seq_id`` in ``layer``, in logical order (a copy)."""
         with self._lock:
             layer = check_layer(layer, self.num_layers)
             return list(self._tables[layer][self._check_seq(seq_id)])
 
-    def page_table(self, layer: int, seq_ids: Optional[Sequence[int]] = None,
+    def page_table(self, layer: int, seq_ids: Sequence[int] | None = None,
                    on_device: bool = False) -> PageTable:
         """FlashInfer CSR page table of ``seq_ids`` (default: every live sequence) in ``layer``.
 
@@ -450,7 +459,7 @@ class PagedKVCache:
             table.extend(new_pages)
             self._lens[layer][sid] = cur + n
 
-    def get_kv(self, layer: int, seq_id: int) -> Tuple[Any, Any]:
+    def get_kv(self, layer: int, seq_id: int) -> tuple[Any, Any]:
         """All tokens of ``seq_id`` in ``layer`` (dequantized for PQO storage).
 
         Returns
@@ -475,7 +484,7 @@ class PagedKVCache:
             v = self._read("v", rows, n) if self.has_values else None
             return k, v
 
-    def iter_pages(self, layer: int, seq_id: int) -> Iterator[Tuple[int, int, Any, Any]]:
+    def iter_pages(self, layer: int, seq_id: int) -> Iterator[tuple[int, int, Any, Any]]:
         """Yield ``(page_id, num_tokens, k, v)`` for each page of ``seq_id`` in order.
 
         ``k``/``v`` are float32 ``[num_kv_heads, num_tokens, dim]`` (dequantized for PQO;
@@ -496,8 +505,8 @@ class PagedKVCache:
             yield p, nt, k, v
 
     # -- accounting -----------------------------------------------------------------------
-    def decode_attention(self, layer: int, q: Any, seq_ids: Optional[Sequence[int]] = None, *,
-                         softmax_scale: Optional[float] = None, causal: bool = True) -> Any:
+    def decode_attention(self, layer: int, q: Any, seq_ids: Sequence[int] | None = None, *,
+                         softmax_scale: float | None = None, causal: bool = True) -> Any:
         """Fused attention of ``q`` ``[n_seq, num_heads, q_len, head_dim]`` over the pages of
         ``seq_ids`` (default: every live sequence) — compressed pages are read through the
         page table without dequantizing.  See
@@ -522,7 +531,7 @@ class PagedKVCache:
         return 8.0 * self.bytes_per_page / vals
 
     # -- lifecycle ------------------------------------------------------------------------
-    def _lifecycle_config(self) -> Dict[str, Any]:
+    def _lifecycle_config(self) -> dict[str, Any]:
         """Constructor arguments (JSON types) that rebuild this cache's configuration."""
         return {"num_pages": self.num_pages, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
                 "head_dim": self.head_dim, "page_size": self.page_size, "v_head_dim": self.v_head_dim,
@@ -584,7 +593,7 @@ class PagedKVCache:
                 self._lens[layer][new] = self._lens[layer][sid]
             return new
 
-    def _copy_pages(self, src: List[int], dst: List[int]) -> None:
+    def _copy_pages(self, src: list[int], dst: list[int]) -> None:
         from ._lifecycle import take_rows
 
         s = np.asarray(src, np.int64)
@@ -597,7 +606,7 @@ class PagedKVCache:
                 for i, p in enumerate(dst):
                     pool[p].copy_to_device(pages[i])
 
-    def select_batch(self, seq_ids: Sequence[int]) -> List[int]:
+    def select_batch(self, seq_ids: Sequence[int]) -> list[int]:
         """Keep the sequences ``seq_ids`` in this order (beam search) and free the others.
 
         The first occurrence of an id keeps it; a repeat becomes a copy
@@ -634,7 +643,7 @@ class PagedKVCache:
                 seen.add(s)
             return out
 
-    def __deepcopy__(self, memo: Dict[int, Any]) -> PagedKVCache:
+    def __deepcopy__(self, memo: dict[int, Any]) -> PagedKVCache:
         import copy
 
         from ._lifecycle import copy_array

@@ -24,7 +24,7 @@ combines exact and compressed tokens in one softmax.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 import numpy as np
 
@@ -161,11 +161,11 @@ class PolarQuantCache(LayeredCache):
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, bits: int = 3,
-                 mode: str = "pqo", norm_mode: Optional[str] = None, residual_length: int = 32, sink_tokens: int = 4,
-                 window_dtype: str = "float16", decode_output: str = "fused", k_bits: Optional[int] = None,
-                 v_bits: Optional[int] = None, key_scale: str = "none", key_center: bool = False,
+                 mode: str = "pqo", norm_mode: str | None = None, residual_length: int = 32, sink_tokens: int = 4,
+                 window_dtype: str = "float16", decode_output: str = "fused", k_bits: int | None = None,
+                 v_bits: int | None = None, key_scale: str = "none", key_center: bool = False,
                  rotation: str = "block", unbiased: bool = False, outlier_channels: int = 0,
-                 outlier_bits: Optional[int] = None, sliding_window: Any = None) -> None:
+                 outlier_bits: int | None = None, sliding_window: Any = None) -> None:
         super().__init__(num_layers, num_kv_heads, head_dim, sliding_window)
         self.bits = check_int("bits", bits, allowed=(2, 3, 4))
         self.k_bits = self.bits if k_bits is None else check_int("k_bits", k_bits, allowed=(2, 3, 4))
@@ -206,7 +206,7 @@ class PolarQuantCache(LayeredCache):
         self.num_blocks = self.head_dim // 32
         self.slot_bits = self._slot_bits()
         self.outlier_channels = check_int("outlier_channels", outlier_channels, minimum=0)
-        self.outlier_bits: Dict[str, int] = {}
+        self.outlier_bits: dict[str, int] = {}
         if self.outlier_channels:
             if self.outlier_channels % 32 or self.outlier_channels >= self.head_dim:
                 raise ValueError(f"outlier_channels: expected a multiple of 32 below head_dim={self.head_dim} "
@@ -222,7 +222,7 @@ class PolarQuantCache(LayeredCache):
         elif outlier_bits is not None:
             raise ValueError("outlier_bits: only meaningful with outlier_channels > 0")
         self.codebooks = {n: self._codebook(b) for n, b in self.slot_bits.items()}
-        self.layouts: Dict[str, CodeLayout] = {}
+        self.layouts: dict[str, CodeLayout] = {}
         for n, cb in self.codebooks.items():
             if rotation == "head":
                 self.layouts[n] = CodeLayout.uniform(cb, self.head_dim, scale_group=self.num_blocks)
@@ -239,10 +239,10 @@ class PolarQuantCache(LayeredCache):
 
     # -- configuration hooks (TurboQuantCache overrides them) ---------------------------------
     @staticmethod
-    def _modes() -> Tuple[str, ...]:
+    def _modes() -> tuple[str, ...]:
         return MODES
 
-    def _slot_bits(self) -> Dict[str, int]:
+    def _slot_bits(self) -> dict[str, int]:
         drop = 0 if self.mode == "pqo" else 1
         return {"k": self.k_bits - drop, "v": self.v_bits - drop}
 
@@ -401,7 +401,7 @@ class PolarQuantCache(LayeredCache):
                 self._dry_run(st, name, arr, rs, f16_window)
 
     def _stored_domain_bounds(self, st: LayerState, name: str, amax: float,
-                              norm: float) -> Tuple[float, float, bool]:
+                              norm: float) -> tuple[float, float, bool]:
         """Bounds of ``max|x|`` and ``max ‖x‖`` after :meth:`_transform_in` (key centering and
         scaling; permutations change neither), and whether the domain is the input's own."""
         exact = True
@@ -446,7 +446,7 @@ class PolarQuantCache(LayeredCache):
             if b.startswith(name + "_") and np.dtype(tmp.buffers[b].dtype) == np.uint16:
                 check_stored_f16(name, tmp.buffers[b], rs.amax, rs.max_norm)
 
-    def _split_parts(self, name: str) -> Tuple[Tuple[int, int, int, int, int], ...]:
+    def _split_parts(self, name: str) -> tuple[tuple[int, int, int, int, int], ...]:
         """Channel split of side ``name``: ``(first channel, end channel, first code byte,
         end code byte, bits)`` of the outlier part and of the rest."""
         lay = self.layouts[name]
@@ -596,7 +596,7 @@ class PolarQuantCache(LayeredCache):
         return xp.ascontiguousarray(x3 / sbuf, dtype=xp.float32)
 
     # -- reading ----------------------------------------------------------------------------
-    def _exact_f32(self, st: LayerState, name: str) -> Tuple[Any, int]:
+    def _exact_f32(self, st: LayerState, name: str) -> tuple[Any, int]:
         """Window/sink tokens as float32 ``[rows, >= n_exact, d]`` and their count."""
         n_exact = st.meta.get("n_sink", 0) + st.meta.get("n_win", 0)
         if not self.windowed:
@@ -661,7 +661,7 @@ class PolarQuantCache(LayeredCache):
 
         return cuda.to_device(pos if pos.size else np.zeros(1, np.int32))
 
-    def _history(self, st: LayerState, dtype: Any) -> Tuple[Any, Any]:
+    def _history(self, st: LayerState, dtype: Any) -> tuple[Any, Any]:
         out = []
         like = st.buffers["k_codes"]
         rows = like.shape[0]
@@ -715,7 +715,7 @@ class PolarQuantCache(LayeredCache):
         return res
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def _lifecycle_config(self) -> Dict[str, Any]:
+    def _lifecycle_config(self) -> dict[str, Any]:
         """Constructor arguments (JSON types) that rebuild this cache's configuration."""
         ob = None
         if self.outlier_channels:

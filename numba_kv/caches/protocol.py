@@ -38,7 +38,7 @@ a parallel region at once.  ``python -m numba_kv.info`` prints the active layer,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol, Union, runtime_checkable
+from typing import Any, Protocol, Union, runtime_checkable
 
 __all__ = [
     "AttendConfig",
@@ -65,7 +65,7 @@ class DequantResult:
 
     k: Any
     v: Any
-    logit_bias: Optional[Any] = None
+    logit_bias: Any | None = None
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ class AttendConfig:
             )
 
     @classmethod
-    def for_shapes(cls, head_dim: int, num_heads: int, num_kv_heads: int) -> "AttendConfig":
+    def for_shapes(cls, head_dim: int, num_heads: int, num_kv_heads: int) -> AttendConfig:
         """Standard config: ``softmax_scale = 1/sqrt(head_dim)``, groups from head counts."""
         if num_heads % num_kv_heads:
             raise ValueError(

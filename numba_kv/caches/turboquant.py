@@ -39,7 +39,7 @@ table has the numbers.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 import numpy as np
 
@@ -86,7 +86,7 @@ class TurboQuantCache(PolarQuantCache):
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, bits: int = 3, *,
-                 qjl_seed: int = SKETCH_SEED, qjl_dim: Optional[int] = None, **options: Any) -> None:
+                 qjl_seed: int = SKETCH_SEED, qjl_dim: int | None = None, **options: Any) -> None:
         if "mode" in options and options["mode"] != "tq":
             raise ValueError(f"mode: TurboQuantCache is mode 'tq', got {options['mode']!r}")
         if options.get("outlier_channels"):
@@ -98,10 +98,10 @@ class TurboQuantCache(PolarQuantCache):
         self.qjl_seed = int(qjl_seed)
 
     @staticmethod
-    def _modes() -> Tuple[str, ...]:
+    def _modes() -> tuple[str, ...]:
         return ("tq",)
 
-    def _slot_bits(self) -> Dict[str, int]:
+    def _slot_bits(self) -> dict[str, int]:
         return {"k": self.k_bits - 1, "v": self.v_bits}
 
     def _side_bits(self, name: str) -> float:
@@ -175,7 +175,7 @@ class TurboQuantCache(PolarQuantCache):
             bias = bias + win.reshape(bias.shape)
         return Dequantized(DequantResult(hk, hv, masked_astype(bias, dtype)))
 
-    def _lifecycle_config(self) -> Dict[str, Any]:
+    def _lifecycle_config(self) -> dict[str, Any]:
         """Constructor arguments (JSON types) that rebuild this cache's configuration."""
         cfg = super()._lifecycle_config()
         for key in ("mode", "outlier_channels", "outlier_bits"):

@@ -3,8 +3,20 @@
 Importing this package imports every op module so :data:`TWINS` is complete.
 """
 
-from . import (attention, bitpack, blockquant, gather, hadamard, headquant, intquant, lowrank, memory,  # noqa: F401
-               paged_attention, qjl, vq)  # importing registers the twins
+from . import (  # noqa: F401
+               attention,
+               bitpack,
+               blockquant,
+               gather,
+               hadamard,
+               headquant,
+               intquant,
+               lowrank,
+               memory,
+               paged_attention,  # importing registers the twins
+               qjl,
+               vq,
+)
 from ._registry import TWINS, Twin
 
 __all__ = ["TWINS", "Twin"]

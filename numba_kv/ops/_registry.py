@@ -9,8 +9,12 @@ every registered twin has one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Tuple
+from typing import Any
+
+from .. import _backend
+from .._jit import cpu_call
 
 __all__ = ["Twin", "TWINS", "register"]
 
@@ -36,12 +40,42 @@ class Twin:
     name: str
     cpu: Callable
     cuda: Callable
-    signatures: Tuple[str, ...]
+    signatures: tuple[str, ...]
     float32_only: bool = True
     module: str = field(default="")
 
+    def launch(self, device: str, n_items: int, *args: Any, work: int | None = None,
+               threads: int | None = None, grid: tuple[Any, Any] | None = None) -> None:
+        """Run the twin on ``device``: the one dispatch point of the package.
 
-TWINS: Dict[str, Twin] = {}
+        Parameters
+        ----------
+        device : {"cpu", "cuda"}
+            From :func:`numba_kv._backend.resolve_device` over the call's arrays.
+        n_items : int
+            Independent work items of the launch contract (CUDA: threads in the 1-D grid,
+            one item each; ignored when ``grid`` is given).
+        *args
+            The kernel arguments, identical for both twins.
+        work : int, optional
+            Scalar operations, roughly (CPU): below the ``cpu_parallel_min_work`` knob the
+            serial compilation runs (no parallel region).  Default ``n_items``.
+        threads : int, optional
+            CUDA threads per block for the 1-D grid (default: the ``cuda_threads`` knob).
+        grid : (blocks, threads), optional
+            Explicit CUDA launch geometry for cooperative kernels (tuples allowed).
+        """
+        if device == _backend.CPU:
+            cpu_call(self.cpu, n_items if work is None else work, *args)
+            return
+        if grid is None:
+            if n_items <= 0:
+                return
+            grid = _backend.cuda_grid(n_items, threads)
+        self.cuda[grid[0], grid[1]](*args)
+
+
+TWINS: dict[str, Twin] = {}
 
 
 def register(name: str, cpu: Callable, cuda: Callable, signatures, float32_only: bool = True) -> Twin:

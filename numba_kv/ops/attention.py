@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import numpy as np
 from llvmlite import ir
@@ -36,7 +37,6 @@ from numba.core.extending import intrinsic
 from .. import _backend
 from .._jit import FASTMATH_REDUCE, cpu_call, cpu_kernel, cpu_serial, cuda_kernel, twin
 from ._registry import register
-from .half import _f16_bits_abs_to_f32
 from .hadamard import SIGNS32, _rotate32_inverse, rotate32
 from .headquant import _rotate_head_inverse
 
@@ -760,7 +760,7 @@ class CodeLayout:
         return len(self.bits) // self.scale_group
 
     @classmethod
-    def from_blocks(cls, codebooks: Sequence[Any], scale_group: int = 1) -> "CodeLayout":
+    def from_blocks(cls, codebooks: Sequence[Any], scale_group: int = 1) -> CodeLayout:
         """Layout with one codebook per 32-block (``codebooks[b]``), blocks packed back to back."""
         nb = len(codebooks)
         bits = np.array([cb.bits for cb in codebooks], dtype=np.int64)
@@ -775,12 +775,12 @@ class CodeLayout:
         return cls(bits, offsets, cents, int(scale_group))
 
     @classmethod
-    def uniform(cls, codebook: Any, head_dim: int, scale_group: int = 1) -> "CodeLayout":
+    def uniform(cls, codebook: Any, head_dim: int, scale_group: int = 1) -> CodeLayout:
         """Every block with the same codebook (cached per codebook and geometry)."""
         return _uniform_layout(codebook, int(head_dim), int(scale_group))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _uniform_layout(codebook: Any, head_dim: int, scale_group: int) -> CodeLayout:
     return CodeLayout.from_blocks([codebook] * (head_dim // 32), scale_group)
 
@@ -793,7 +793,7 @@ def _no_qjl(like: Any) -> tuple:
 def fused_attention_rows(qr: Any, q: Any, kc: Any, ks: Any, vc: Any, vs: Any, n_comp: int, comp_pos0: int,
                          ke: Any, ve: Any, n_exact: int, exact_pos: Any, klayout: CodeLayout, vlayout: CodeLayout,
                          softmax_scale: float, bias: Any, q_pos0: int, q_len: int, causal: bool = True,
-                         part_size: Optional[int] = None, head_signs: Any = None, qjl: Any = None) -> Any:
+                         part_size: int | None = None, head_signs: Any = None, qjl: Any = None) -> Any:
     """Fused decode attention over compressed + exact tokens, in the ``[g, rows, d]`` layout.
 
     No validation (callers validate): ``qr``/``q`` ``[n_g, rows, d]`` float32 (rotated and
@@ -862,11 +862,11 @@ def _codebook_for(name: str, bits: Any, norm_mode: str, codebook: Any, block: in
 
 
 def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales: Any, *, bits: int = 3,
-                     norm_mode: str = "maxnorm", k_bits: Optional[int] = None, v_bits: Optional[int] = None,
-                     k_codebook: Any = None, v_codebook: Any = None, softmax_scale: Optional[float] = None,
+                     norm_mode: str = "maxnorm", k_bits: int | None = None, v_bits: int | None = None,
+                     k_codebook: Any = None, v_codebook: Any = None, softmax_scale: float | None = None,
                      logit_bias: Any = None, causal: bool = True, k_exact: Any = None, v_exact: Any = None,
-                     exact_positions: Any = None, partition_size: Optional[int] = None,
-                     rotation: str = "block", k_qjl: Optional[tuple] = None, backend: str = "auto") -> Any:
+                     exact_positions: Any = None, partition_size: int | None = None,
+                     rotation: str = "block", k_qjl: tuple | None = None, backend: str = "auto") -> Any:
     """Softmax attention computed directly from block-quantized K/V codes.
 
     Parameters

@@ -14,7 +14,7 @@ Rows must hold a multiple of 8 indices (head_dim is a multiple of 32 everywhere)
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 from numba import cuda, int64, prange, uint8

@@ -29,7 +29,7 @@ Dequantization: ``x̂ = |scale| · H D_s c[idx]`` (unchanged by ``unbiased``).
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Tuple
+from typing import Any
 
 import numpy as np
 from numba import cuda, float32, int64, prange, uint8, uint16
@@ -320,7 +320,7 @@ def packed_dim(head_dim: int, bits: int) -> int:
 
 
 # --- public API ------------------------------------------------------------------------
-def _codebook_arg(bits: Any, norm_mode: Any, codebook: Optional[Codebook]) -> Codebook:
+def _codebook_arg(bits: Any, norm_mode: Any, codebook: Codebook | None) -> Codebook:
     if codebook is not None:
         if not isinstance(codebook, Codebook):
             raise TypeError(f"codebook: expected a numba_kv.ops.codebook.Codebook, got {type(codebook).__name__}")
@@ -333,8 +333,8 @@ def _codebook_arg(bits: Any, norm_mode: Any, codebook: Optional[Codebook]) -> Co
 
 
 def quantize_blocks(x: Any, bits: int = 3, norm_mode: str = "maxnorm", outlier: bool = True, *,
-                    codebook: Optional[Codebook] = None, backend: str = "auto",
-                    unbiased: bool = False) -> Tuple[Any, Any]:
+                    codebook: Codebook | None = None, backend: str = "auto",
+                    unbiased: bool = False) -> tuple[Any, Any]:
     """Quantize vectors block-wise (normalize → rotate → bucketize → pack).
 
     Parameters
@@ -402,7 +402,7 @@ def quantize_blocks(x: Any, bits: int = 3, norm_mode: str = "maxnorm", outlier: 
 
 
 def dequantize_blocks(codes: Any, scales: Any, bits: int = 3, norm_mode: str = "maxnorm", *,
-                      codebook: Optional[Codebook] = None, backend: str = "auto") -> Any:
+                      codebook: Codebook | None = None, backend: str = "auto") -> Any:
     """Reconstruct vectors from :func:`quantize_blocks` output.
 
     Parameters

@@ -11,7 +11,7 @@ in place instead of copying them to the host.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 from numba import cuda, float32, int64, prange, uint64
@@ -163,7 +163,7 @@ def _max_vector_norm(a: Any, d: int, amax: float) -> float:
     return math.sqrt(float(xp.einsum("ij,ij->i", x, x).max()))
 
 
-def range_stats(a: Any, d: Optional[int] = None) -> RangeStats:
+def range_stats(a: Any, d: int | None = None) -> RangeStats:
     """Non-finite flag and largest ``|x|`` of ``a`` in one read; the largest L2 norm of its
     length-``d`` vectors (the last axis by default) on demand (:class:`RangeStats`).
 

@@ -19,7 +19,7 @@ import numpy as np
 from numba import cuda, float32, prange
 
 from .. import _backend
-from .._jit import cpu_call, cpu_kernel, cuda_kernel, twin
+from .._jit import cpu_kernel, cuda_kernel, twin
 from ._registry import register
 
 BLOCK = 32
@@ -149,7 +149,7 @@ def _rotate32_cuda(x, signs, inverse, out):
         load_rotate_store_dev(x, r, b, signs, inverse, buf, out)
 
 
-register("rotate32", _rotate32_cpu, _rotate32_cuda,
+_ROTATE32 = register("rotate32", _rotate32_cpu, _rotate32_cuda,
          ["void(float32[:, ::1], float32[::1], boolean, float32[:, ::1])"])
 
 
@@ -195,8 +195,6 @@ def rotate32(x: Any, inverse: bool = False, *, signs: Any = None, backend: str =
     out = _backend.empty(x, x2.shape, np.float32)
     if x2.shape[0]:
         if dev == _backend.CPU:
-            cpu_call(_rotate32_cpu, x2.size, x2, np.ascontiguousarray(signs, dtype=np.float32), bool(inverse), out)
-        else:
-            blocks, threads = _backend.cuda_grid(x2.shape[0] * (shape[-1] // 32))
-            _rotate32_cuda[blocks, threads](x2, signs, bool(inverse), out)
+            signs = np.ascontiguousarray(signs, dtype=np.float32)
+        _ROTATE32.launch(dev, x2.shape[0] * (shape[-1] // 32), x2, signs, bool(inverse), out, work=x2.size)
     return out.reshape(shape)

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Tuple
+from typing import Any
 
 import numpy as np
 from numba import cuda, float32, int64, prange, uint8, uint16
@@ -97,7 +97,7 @@ def _splitmix64_signs(d: int, seed: int) -> np.ndarray:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def head_signs(d: int) -> np.ndarray:
     """The fixed ±1 sign vector ``s`` of the ``d``-point head rotation.
 
@@ -488,7 +488,7 @@ def dequantize_head_into(codes: Any, norms: Any, t0: int, cb: Codebook, out: Any
 
 
 # --- public API ------------------------------------------------------------------------
-def _last_axis_head_dim(name: str, shape: Tuple[int, ...]) -> int:
+def _last_axis_head_dim(name: str, shape: tuple[int, ...]) -> int:
     if len(shape) < 1 or shape[-1] not in HEAD_DIMS:
         raise ValueError(f"{name}: expected a last axis that is a power of two in 32..512, got shape {shape}")
     return shape[-1]
@@ -544,7 +544,7 @@ def rotate_head(x: Any, inverse: bool = False, *, backend: str = "auto") -> Any:
     return out.reshape(shape)
 
 
-def quantize_head(x: Any, bits: int = 3, unbiased: bool = False, *, backend: str = "auto") -> Tuple[Any, Any]:
+def quantize_head(x: Any, bits: int = 3, unbiased: bool = False, *, backend: str = "auto") -> tuple[Any, Any]:
     """Quantize whole head vectors: normalize → ``d``-point rotation → bucketize → pack.
 
     Parameters

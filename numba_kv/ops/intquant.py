@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 from numba import cuda, float32, int64, prange, uint8
@@ -426,7 +426,7 @@ def check_group(group_size: Any, n: int) -> int:
     return g + (g & 1)
 
 
-def int_quantize(x: Any, bits: int = 4, group_size: Optional[int] = None) -> IntQuantized:
+def int_quantize(x: Any, bits: int = 4, group_size: int | None = None) -> IntQuantized:
     """Quantize ``x`` to INT4/INT8 with per-channel (or per-group) scales and exact outliers.
 
     Parameters

@@ -28,7 +28,7 @@ floats cross from the device.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any
 
 import numpy as np
 from numba import cuda, float32, prange
@@ -313,7 +313,7 @@ def f16_decode(h: Any) -> Any:
 
 # --- host-side fitting -------------------------------------------------------------------
 def fit_components(mean: np.ndarray, gram: np.ndarray, n: int, rank: int,
-                   energy: Optional[float] = ENERGY_FRACTION) -> Tuple[np.ndarray, int]:
+                   energy: float | None = ENERGY_FRACTION) -> tuple[np.ndarray, int]:
     """Principal axes of every row from its statistics (host, float64 eigen-decomposition).
 
     Parameters
@@ -388,7 +388,7 @@ def _broadcast_ok(name: str, a: Any, rows: int) -> None:
         raise ValueError(f"{name}: expected a leading axis of 1 or {rows} (rows), got shape {tuple(a.shape)}")
 
 
-def channel_stats(x: Any) -> Tuple[Any, Any]:
+def channel_stats(x: Any) -> tuple[Any, Any]:
     """Channel means and centred Gram matrices of every row.
 
     Parameters
@@ -443,7 +443,7 @@ def project(x: Any, mean: Any, components: Any) -> Any:
     return out
 
 
-def reconstruct(coef: Any, mean: Any, components: Any, rows: Optional[int] = None) -> Any:
+def reconstruct(coef: Any, mean: Any, components: Any, rows: int | None = None) -> Any:
     """``mean[r] + coef[r, t] · components[r]`` — the inverse of :func:`project`.
 
     Parameters

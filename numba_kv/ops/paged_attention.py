@@ -13,7 +13,8 @@ its ``q_len`` new queries sit at its last ``q_len`` positions (causal).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from numba import cuda, float32, int64, prange
@@ -21,9 +22,21 @@ from numba import cuda, float32, int64, prange
 from .. import _backend
 from .._jit import FASTMATH_REDUCE, cpu_call, cpu_kernel, cuda_kernel
 from ._registry import register
-from .attention import (CPU_TILE, F16_ABS_TABLE, MAX_HEAD_DIM, NEG_INF, _merge_partitions_cpu, _merge_partitions_cuda,
-                        decode_tile_simd_cpu, load_token_fast_dev, online_update_dev, softmax_tile_cpu, tile_pv_cpu,
-                        tile_scores_cpu, visible_dev)
+from .attention import (
+    CPU_TILE,
+    F16_ABS_TABLE,
+    MAX_HEAD_DIM,
+    NEG_INF,
+    _merge_partitions_cpu,
+    _merge_partitions_cuda,
+    decode_tile_simd_cpu,
+    load_token_fast_dev,
+    online_update_dev,
+    softmax_tile_cpu,
+    tile_pv_cpu,
+    tile_scores_cpu,
+    visible_dev,
+)
 from .hadamard import SIGNS32, rotate32
 
 
@@ -155,9 +168,9 @@ _PSIG = ("void(float32[:, :, ::1], float32[:, :, ::1], uint8[:, :, :, ::1], uint
 register("paged_decode_attention", _paged_decode_attention_cpu, _paged_decode_attention_cuda, [_PSIG])
 
 
-def paged_decode_attention(q: Any, cache: Any, layer: int, seq_ids: Optional[Sequence[int]] = None, *,
-                           softmax_scale: Optional[float] = None, causal: bool = True,
-                           partition_size: Optional[int] = None) -> Any:
+def paged_decode_attention(q: Any, cache: Any, layer: int, seq_ids: Sequence[int] | None = None, *,
+                           softmax_scale: float | None = None, causal: bool = True,
+                           partition_size: int | None = None) -> Any:
     """Attention of new queries over the tokens of ``seq_ids`` in a :class:`PagedKVCache`.
 
     Parameters

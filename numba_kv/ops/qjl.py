@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Optional, Tuple
+from typing import Any
 
 import numpy as np
 from numba import cuda, float32, int32, int64, prange, uint8
@@ -78,7 +78,7 @@ def _sketch_cached(d: int, m: int, seed: int) -> np.ndarray:
     return s
 
 
-def make_sketch(d: int, m: Optional[int] = None, seed: int = SKETCH_SEED) -> np.ndarray:
+def make_sketch(d: int, m: int | None = None, seed: int = SKETCH_SEED) -> np.ndarray:
     """Gaussian QJL sketch ``S`` with i.i.d. ``N(0, 1)`` entries (unscaled).
 
     Parameters
@@ -326,7 +326,7 @@ def qjl_scores_into(sq: Any, signs: Any, norms: Any, n: int, m: int, out: Any) -
 
 
 # --- public API ------------------------------------------------------------------------
-def _sketch_arg(sketch: Any, d: int, m: Optional[int], like: Any) -> Any:
+def _sketch_arg(sketch: Any, d: int, m: int | None, like: Any) -> Any:
     """Validated float32 C-contiguous sketch ``[m, d]`` on the device of ``like``."""
     from .._validate import check_finite, check_float_array  # noqa: PLC0415
 
@@ -353,7 +353,7 @@ def _contig(a: Any) -> Any:
     return xp.ascontiguousarray(a) if xp is not None else a
 
 
-def qjl_quantize(r: Any, sketch: Any = None, *, backend: str = "auto") -> Tuple[Any, Any]:
+def qjl_quantize(r: Any, sketch: Any = None, *, backend: str = "auto") -> tuple[Any, Any]:
     """1-bit QJL sketch of vectors: packed ``sign(S r)`` and binary16 ``‖r‖₂``.
 
     Parameters

@@ -27,7 +27,7 @@ device (only codes, distances and the small sum tables cross).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any
 
 import numpy as np
 from numba import cuda, float32, int32, int64, prange, uint8
@@ -304,7 +304,7 @@ def _group_members(rows: int, n: int, m_sub: int, g: int, per_row: bool) -> np.n
 
 
 def kmeans(x3: Any, codebook_size: int, ds: int, per_row: bool, *, max_iter: int = KMEANS_MAX_ITER,
-           tol: float = KMEANS_TOL, seed: int = 0) -> Tuple[np.ndarray, int]:
+           tol: float = KMEANS_TOL, seed: int = 0) -> tuple[np.ndarray, int]:
     """Fit (product) k-means codebooks on the device of ``x3``.
 
     Parameters
@@ -357,7 +357,7 @@ def kmeans(x3: Any, codebook_size: int, ds: int, per_row: bool, *, max_iter: int
     # --- Lloyd ------------------------------------------------------------------------
     codes = _backend.empty(x3, (rows, n, m_sub), np.uint8)
     dist = _backend.empty(x3, (rows, n, m_sub), np.float32)
-    prev_codes: Optional[np.ndarray] = None
+    prev_codes: np.ndarray | None = None
     prev_inertia = np.inf
     it = 0
     for it in range(1, max_iter + 1):
@@ -390,7 +390,7 @@ def kmeans(x3: Any, codebook_size: int, ds: int, per_row: bool, *, max_iter: int
 
 
 # --- public API ------------------------------------------------------------------------
-def _check_codebooks(x3: Any, codebooks: Any) -> Tuple[int, int]:
+def _check_codebooks(x3: Any, codebooks: Any) -> tuple[int, int]:
     rows, n, d = x3.shape
     if len(codebooks.shape) != 3:
         raise ValueError(f"codebooks: expected 3-D (G, K, ds), got shape {tuple(codebooks.shape)}")
@@ -406,7 +406,7 @@ def _check_codebooks(x3: Any, codebooks: Any) -> Tuple[int, int]:
     return m_sub, k_size
 
 
-def assign(x: Any, codebooks: Any) -> Tuple[Any, Any]:
+def assign(x: Any, codebooks: Any) -> tuple[Any, Any]:
     """Nearest codeword of every sub-vector.
 
     Parameters

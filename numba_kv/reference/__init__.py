@@ -5,8 +5,18 @@ cannot inherit the bug it is meant to catch (a meta-test checks the imports).  S
 simple, float64 where it helps.
 """
 
-from .polarquant import (SIGN_MASK, attention, dequantize, hadamard32, pack_bits, quantize, rotate_forward,
-                         rotate_inverse, sign_vector, unpack_bits)
+from .polarquant import (
+                         SIGN_MASK,
+                         attention,
+                         dequantize,
+                         hadamard32,
+                         pack_bits,
+                         quantize,
+                         rotate_forward,
+                         rotate_inverse,
+                         sign_vector,
+                         unpack_bits,
+)
 
 __all__ = ["SIGN_MASK", "attention", "dequantize", "hadamard32", "pack_bits", "quantize", "rotate_forward",
            "rotate_inverse", "sign_vector", "unpack_bits"]

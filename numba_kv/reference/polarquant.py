@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import numpy as np
 
 SIGN_MASK = 0xB1A6D4B2
@@ -52,7 +50,7 @@ def unpack_bits(packed: np.ndarray, bits: int) -> np.ndarray:
 
 
 def quantize(x: np.ndarray, centroids: np.ndarray, boundaries: np.ndarray, bits: int, norm_mode: str,
-             ref: float, outlier: bool) -> Tuple[np.ndarray, np.ndarray]:
+             ref: float, outlier: bool) -> tuple[np.ndarray, np.ndarray]:
     """Reference block quantizer (float32 arithmetic as the spec prescribes).
 
     Returns packed codes ``(..., d·bits/8)`` uint8 and binary16 scale bits ``(..., d/32)``.
@@ -84,7 +82,7 @@ def dequantize(codes: np.ndarray, scales: np.ndarray, centroids: np.ndarray, bit
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, softmax_scale: float,
-              logit_bias: Optional[np.ndarray] = None, causal_offset: Optional[int] = None) -> np.ndarray:
+              logit_bias: np.ndarray | None = None, causal_offset: int | None = None) -> np.ndarray:
     """Softmax attention in float64 with contiguous GQA grouping.
 
     Parameters

@@ -3,8 +3,17 @@
 import numpy as np
 import pytest
 
-from numba_kv import (CACHE_NAMES, AttendConfig, CompressedKVCache, DenseCache, Dequantized, DequantResult,
-                      Fused, PolarQuantCache, make_cache)
+from numba_kv import (
+    CACHE_NAMES,
+    AttendConfig,
+    CompressedKVCache,
+    DenseCache,
+    Dequantized,
+    DequantResult,
+    Fused,
+    PolarQuantCache,
+    make_cache,
+)
 from numba_kv.caches._layer import grown_capacity
 
 L, H, D = 3, 2, 64

@@ -4,8 +4,7 @@ the seed's own cases, bad input."""
 import numpy as np
 import pytest
 
-from numba_kv.compressor import (CompressedKV, CompressionMethod, Hybrid, KVCacheCompressor, LowRank,
-                                 VectorQuantization)
+from numba_kv.compressor import CompressedKV, CompressionMethod, Hybrid, KVCacheCompressor, LowRank, VectorQuantization
 from numba_kv.ops import intquant, lowrank, vq
 
 from .synth import nmse, synth_kv

@@ -8,8 +8,15 @@ import numpy as np
 import pytest
 
 from numba_kv._backend import to_host
-from numba_kv.ops.headquant import (dequantize_head, dequantize_head_into, head_codebook, packed_dim,
-                                    quantize_head, quantize_head_into, rotate_head)
+from numba_kv.ops.headquant import (
+    dequantize_head,
+    dequantize_head_into,
+    head_codebook,
+    packed_dim,
+    quantize_head,
+    quantize_head_into,
+    rotate_head,
+)
 
 from ..conftest import to_device
 

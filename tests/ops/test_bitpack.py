@@ -6,8 +6,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from numba_kv import reference
-from numba_kv.ops.bitpack import (pack_2bit, pack_3bit, pack_4bit, pack_bits, unpack_2bit, unpack_3bit,
-                                  unpack_4bit, unpack_bits)
+from numba_kv.ops.bitpack import (
+    pack_2bit,
+    pack_3bit,
+    pack_4bit,
+    pack_bits,
+    unpack_2bit,
+    unpack_3bit,
+    unpack_4bit,
+    unpack_bits,
+)
 
 
 @pytest.mark.parametrize("vals, hexstr", [

@@ -6,9 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from numba_kv import reference
+from numba_kv.ops.bitpack import unpack_bits
 from numba_kv.ops.blockquant import dequantize_blocks, quantize_blocks
 from numba_kv.ops.codebook import get_codebook
-from numba_kv.ops.bitpack import unpack_bits
 
 GOLD_IDX3 = [4, 2, 3, 5, 3, 5, 5, 3, 3, 5, 5, 3, 2, 4, 4, 0, 4, 5, 2, 4, 2, 4, 4, 7, 2, 4, 3, 7, 3, 7, 7, 2]
 GOLD_IDX4 = [8, 5, 7, 10, 7, 10, 10, 7, 7, 10, 10, 7, 5, 8, 8, 1, 8, 9, 5, 8, 5, 8, 8, 15, 5, 8, 7, 14, 7, 15,

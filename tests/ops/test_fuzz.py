@@ -18,8 +18,20 @@ import scipy.linalg
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from numba_kv import (dequantize_blocks, dequantize_head, get_codebook, make_sketch, pack_bits, qjl_quantize,
-                      quantize_blocks, quantize_head, reference, rotate32, rotate_head, unpack_bits)
+from numba_kv import (
+    dequantize_blocks,
+    dequantize_head,
+    get_codebook,
+    make_sketch,
+    pack_bits,
+    qjl_quantize,
+    quantize_blocks,
+    quantize_head,
+    reference,
+    rotate32,
+    rotate_head,
+    unpack_bits,
+)
 from numba_kv.ops import headquant as hq
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -9,8 +9,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from numba_kv.ops.blockquant import dequantize_blocks, quantize_blocks
-from numba_kv.ops.qjl import (SKETCH_SEED, make_sketch, qjl_constant, qjl_inner_product, qjl_quantize,
-                              qjl_scores_into, qjl_signs_into)
+from numba_kv.ops.qjl import (
+    SKETCH_SEED,
+    make_sketch,
+    qjl_constant,
+    qjl_inner_product,
+    qjl_quantize,
+    qjl_scores_into,
+    qjl_signs_into,
+)
 
 
 def unit(rng, n, d):
