@@ -19,8 +19,18 @@ import platform
 import re
 import sys
 import time
+from importlib.metadata import version
 
+import llvmlite.binding as ll
+import numba
 import numpy as np
+from numba import cuda, njit
+from numba.cuda.cudadrv import nvvm
+
+from . import __version__
+from ._backend import simulator_enabled
+from .ops import finite as _finite  # noqa: F401 - registers the "range_stats" twin that threading_layer runs
+from .ops._registry import TWINS
 
 # The feature set of Intel Haswell (AVX2 + FMA + BMI2, no AVX-512): what most laptops and
 # many cloud machines run.  Used with NUMBA_CPU_NAME=haswell.
@@ -32,8 +42,6 @@ _FEATURES = ("avx2", "fma", "bmi2", "avx512f", "avx512bw", "avx512vl")
 
 def _version(mod: str) -> str:
     try:
-        from importlib.metadata import version  # noqa: PLC0415
-
         return version(mod)
     except Exception:  # noqa: BLE001 - report, never fail
         return "not installed"
@@ -41,14 +49,9 @@ def _version(mod: str) -> str:
 
 def threading_layer() -> str:
     """Name of Numba's threading layer (runs a tiny parallel function to initialize it)."""
-    import numba  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
-
-    from .ops.finite import _absbits_max_cpu  # noqa: PLC0415
-
-    # call the parallel compilation directly: ``cpu_call`` would pick the serial one for
+    # call the parallel compilation directly: ``Twin.launch`` would pick the serial one for
     # this tiny input, and only a parallel region initializes the threading layer
-    _absbits_max_cpu(np.zeros(2, np.uint32), np.uint32(1), np.zeros(2, np.uint64))
+    TWINS["range_stats"].cpu(np.zeros(2, np.uint32), np.uint32(1), np.zeros(2, np.uint64))
     try:
         return numba.threading_layer()
     except ValueError:
@@ -100,9 +103,6 @@ def codegen() -> dict[str, str]:
         ``avx512_in_codegen``: whether a probe function compiled here (with Numba's current
         target) contains AVX-512 registers — the ground truth, independent of the names.
     """
-    import llvmlite.binding as ll  # noqa: PLC0415 - heavy, only when asked
-    from numba import njit  # noqa: PLC0415
-
     feats = ll.get_host_cpu_features()
     out = {
         "cpu_model": cpu_model(),
@@ -158,10 +158,6 @@ def provenance() -> dict[str, str]:
     of Python, NumPy, Numba and llvmlite.  Every benchmark JSON and every ``numba-kv
     bench`` table records it.
     """
-    import numba  # noqa: PLC0415
-
-    from . import __version__  # noqa: PLC0415
-
     info = codegen()
     info.update({
         "numba_threads": str(numba.get_num_threads()),
@@ -188,11 +184,6 @@ def provenance_line(info: dict[str, str] | None = None) -> str:
 
 def collect() -> dict[str, str]:
     """Environment facts as a dict of strings."""
-    import numba  # noqa: PLC0415
-
-    from . import __version__  # noqa: PLC0415
-    from ._backend import simulator_enabled  # noqa: PLC0415
-
     info = {
         "numba_kv": __version__,
         "python": sys.version.split()[0],
@@ -208,18 +199,15 @@ def collect() -> dict[str, str]:
         "cuda_simulator": "enabled" if simulator_enabled() else "disabled",
     }
     try:
-        from numba import cuda  # noqa: PLC0415
-
         info["cuda_implementation"] = str(getattr(cuda, "implementation", "unknown"))
         avail = bool(cuda.is_available())
         info["cuda_available"] = str(avail)
         if avail and not simulator_enabled():
             dev = cuda.get_current_device()
-            info["cuda_device"] = f"{dev.name.decode() if isinstance(dev.name, bytes) else dev.name} cc={dev.compute_capability}"
+            name = dev.name.decode() if isinstance(dev.name, bytes) else dev.name
+            info["cuda_device"] = f"{name} cc={dev.compute_capability}"
         if not simulator_enabled():
             try:
-                from numba.cuda.cudadrv import nvvm  # noqa: PLC0415
-
                 info["nvvm"] = "available" if nvvm.is_available() else "missing"
                 if nvvm.is_available():
                     info["nvvm_version"] = ".".join(map(str, nvvm.NVVM().get_version()))

@@ -22,6 +22,8 @@ import numpy as np
 
 from .. import _backend
 from .._validate import check_int
+from ..ops.gather import to_like
+from ._format import save_cache
 
 
 def copy_array(a: Any) -> Any:
@@ -44,9 +46,7 @@ def take_rows(a: Any, rows: np.ndarray) -> Any:
         return np.ascontiguousarray(a[rows])
     if xp is not None:
         return xp.ascontiguousarray(a[xp.asarray(rows)])
-    from numba import cuda
-
-    return cuda.to_device(np.ascontiguousarray(a.copy_to_host()[rows]))
+    return to_like(a, a.copy_to_host()[rows])
 
 
 def check_indices(indices: Any, batch: int) -> np.ndarray:
@@ -214,6 +214,4 @@ class LifecycleMixin:
         configuration, each layer's counters and live buffers, and a SHA-256 of both.
         Needs the ``safetensors`` package (``pip install numba_kv[io]``).
         """
-        from .persist import save_cache
-
         save_cache(self, path)

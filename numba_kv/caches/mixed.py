@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .._validate import check_int, check_layer
+from ._format import save_cache
 from ._layer import LayeredCache, check_sliding_window, resolve_layer
 from ._lifecycle import check_indices
 from .protocol import AttendConfig, DecodeOutput, DequantResult
@@ -26,16 +28,15 @@ _GEOMETRY = ("num_layers", "num_kv_heads", "head_dim")
 
 
 def _override_keys(cls: type) -> list[str]:
-    """Constructor options of ``cls`` a layer may override (everything but the geometry)."""
-    keys = []
-    for klass in cls.__mro__:  # TurboQuantCache forwards **options to PolarQuantCache
-        if "__init__" not in vars(klass):
-            continue
-        for p in inspect.signature(klass.__init__).parameters.values():
-            if p.name != "self" and p.name not in _GEOMETRY and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
-                keys.append(p.name)
-    keys = sorted(set(keys) - {"mode"})
-    return keys
+    """Constructor options of ``cls`` a layer may override (everything but the geometry):
+    the fields of its configuration class, or its ``__init__`` keywords."""
+    config_class = getattr(cls, "_config_class", None)
+    if config_class is not None:
+        keys = [f.name for f in dataclasses.fields(config_class)]
+    else:
+        keys = [p.name for p in inspect.signature(cls.__init__).parameters.values()
+                if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    return sorted(set(keys) - {"self", "mode", *_GEOMETRY})
 
 
 def _layer_options(cls: type, base: dict[str, Any], override: Any, where: str) -> dict[str, Any]:
@@ -265,6 +266,4 @@ class MixedCache:
 
     def save(self, path: Any) -> None:
         """Write the cache to ``path`` (safetensors; see :func:`numba_kv.load_cache`)."""
-        from .persist import save_cache
-
         save_cache(self, path)

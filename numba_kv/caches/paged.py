@@ -32,6 +32,7 @@ Every argument is validated before anything changes: an append that does not fit
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 import threading
@@ -54,6 +55,8 @@ from .._validate import (
 from ..ops.blockquant import dequantize_into, packed_dim, quantize_into
 from ..ops.codebook import get_codebook
 from ..ops.gather import gather_rows, scatter_rows, to_like
+from ._format import save_cache
+from ._lifecycle import copy_array, take_rows
 
 __all__ = ["PagedKVCache", "PageTable", "OutOfPagesError", "STORAGES", "DEFAULT_PAGE_SIZE"]
 
@@ -594,8 +597,6 @@ class PagedKVCache:
             return new
 
     def _copy_pages(self, src: list[int], dst: list[int]) -> None:
-        from ._lifecycle import take_rows
-
         s = np.asarray(src, np.int64)
         for pool in self._pools.values():
             pages = take_rows(pool, s)
@@ -644,10 +645,6 @@ class PagedKVCache:
             return out
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PagedKVCache:
-        import copy
-
-        from ._lifecycle import copy_array
-
         cls = type(self)
         new = cls.__new__(cls)
         memo[id(self)] = new
@@ -666,13 +663,9 @@ class PagedKVCache:
     def fork(self) -> PagedKVCache:
         """An independent deep copy of the whole cache (pool, page tables, sequences); same
         as ``copy.deepcopy``.  Copies the whole pool (O(pool bytes)); new lock."""
-        import copy
-
         return copy.deepcopy(self)
 
     def save(self, path: Any) -> None:
         """Write the cache (whole page pool, page tables, lengths, free list) to ``path``
         (safetensors; see :func:`numba_kv.load_cache`).  O(pool bytes)."""
-        from .persist import save_cache
-
         save_cache(self, path)

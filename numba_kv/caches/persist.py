@@ -27,18 +27,22 @@ file never yields a half-loaded cache.  Loaded caches live on the host (NumPy ar
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import threading
 from typing import Any
 
 import numpy as np
 
+from ._format import FORMAT_NAME, FORMAT_VERSION, digest, safetensors_module, save_cache
+from ._layer import LayerState, grown_capacity
+from .dense import DenseCache
+from .mixed import MixedCache
+from .paged import PagedKVCache
+from .polarquant import PolarQuantCache
+from .turboquant import TurboQuantCache
+
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "CacheFileError", "load_cache", "save_cache"]
 
-FORMAT_NAME = "numba_kv.cache"
-FORMAT_VERSION = 1
 _META_INTS = ("n_comp", "n_sink", "n_win", "n_evicted", "kmean_set", "kscale_set", "kperm_set", "vperm_set")
 
 
@@ -47,40 +51,14 @@ class CacheFileError(ValueError):
     unknown format version, or not matching the expected class / configuration."""
 
 
-def _safetensors() -> Any:
-    try:
-        import safetensors.numpy
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("saving and loading caches needs the 'safetensors' package: "
-                          "pip install 'numba_kv[io]' (or pip install safetensors)") from exc
-    return safetensors
-
-
 def _classes() -> dict[str, type]:
-    from .dense import DenseCache
-    from .mixed import MixedCache
-    from .paged import PagedKVCache
-    from .polarquant import PolarQuantCache
-    from .turboquant import TurboQuantCache
-
     return {c.__name__: c for c in (DenseCache, PolarQuantCache, TurboQuantCache, PagedKVCache, MixedCache)}
 
 
 _PART_CLASSES = ("DenseCache", "PolarQuantCache", "TurboQuantCache")
 
 
-def _mixed_state(cache: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    states, tensors = [], {}
-    for p, part in enumerate(cache.parts):
-        st, ts = _layered_state(part)
-        states.append(st)
-        tensors.update({f"parts.{p}.{n}": t for n, t in ts.items()})
-    return {"parts": states}, tensors
-
-
 def _build_mixed(cfg: dict[str, Any], state: dict[str, Any], tensors: dict[str, np.ndarray]) -> Any:
-    from .mixed import MixedCache
-
     classes = _classes()
     parts_cfg, states = cfg.get("parts"), state.get("parts")
     if not isinstance(parts_cfg, list) or not isinstance(states, list) or len(parts_cfg) != len(states):
@@ -98,79 +76,9 @@ def _build_mixed(cfg: dict[str, Any], state: dict[str, Any], tensors: dict[str, 
     return MixedCache(parts, [tuple(m) for m in cfg.get("layer_map", [])])
 
 
-def _to_host(a: Any) -> np.ndarray:
-    from .. import _backend
-
-    return np.ascontiguousarray(_backend.to_host(a))
-
-
-def _digest(config: str, state: str, tensors: dict[str, np.ndarray]) -> str:
-    h = hashlib.sha256()
-    for part in (FORMAT_NAME, str(FORMAT_VERSION), config, state):
-        h.update(part.encode())
-        h.update(b"\0")
-    for name in sorted(tensors):
-        t = np.ascontiguousarray(tensors[name])
-        h.update(f"{name}\0{t.dtype.str}\0{t.shape}\0".encode())
-        h.update(t.tobytes())
-    return h.hexdigest()
-
-
-# -- collecting state -----------------------------------------------------------------------
-def _layered_state(cache: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    layers, tensors = [], {}
-    with cache._all_locks():
-        for i, st in enumerate(cache._layers):
-            if not st.seq_len:
-                layers.append(None)
-                continue
-            layers.append({"seq_len": st.seq_len, "batch": st.batch, "meta": dict(st.meta), "live": dict(st.live)})
-            for n, b in st.buffers.items():
-                # whole buffer to the host first: device slices are not contiguous
-                tensors[f"layers.{i}.{n}"] = np.ascontiguousarray(_to_host(b)[:, :st.live_count(n)])
-    return {"layers": layers}, tensors
-
-
-def _paged_state(cache: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    with cache._lock:
-        state = {"tables": [{str(s): list(p) for s, p in t.items()} for t in cache._tables],
-                 "lens": [{str(s): int(n) for s, n in d.items()} for d in cache._lens],
-                 "free": list(cache._free), "next_seq": cache._next_seq}
-        tensors = {f"pool.{n}": _to_host(a) for n, a in cache._pools.items()}
-    return state, tensors
-
-
-def save_cache(cache: Any, path: Any) -> None:
-    """Write ``cache`` to ``path`` (see the module docstring for the format).
-
-    The file is written next to ``path`` and renamed over it, so an interrupted save never
-    leaves a partial file under ``path``.
-    """
-    st = _safetensors()
-    name = type(cache).__name__
-    if name not in _classes() or type(cache) is not _classes()[name]:
-        raise TypeError(f"cache: saving supports {sorted(_classes())}, got {type(cache).__name__}")
-    config = json.dumps(cache._lifecycle_config(), sort_keys=True)
-    if name == "MixedCache":
-        state_obj, tensors = _mixed_state(cache)
-    else:
-        state_obj, tensors = _paged_state(cache) if name == "PagedKVCache" else _layered_state(cache)
-    state = json.dumps(state_obj, sort_keys=True)
-    meta = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "cache_class": name,
-            "config": config, "state": state, "sha256": _digest(config, state, tensors)}
-    path = os.fspath(path)
-    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
-    try:
-        st.numpy.save_file(tensors, tmp, metadata=meta)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 # -- loading --------------------------------------------------------------------------------
 def _read(path: str) -> tuple[dict[str, str], dict[str, np.ndarray]]:
-    st = _safetensors()
+    st = safetensors_module()
     try:
         with st.safe_open(path, framework="np") as f:
             meta = f.metadata() or {}
@@ -204,8 +112,6 @@ def _check_counters(cache: Any, i: int, seq_len: int, meta: dict[str, Any], live
     ok = n_sink + n_comp + n_win == seq_len and n_sink <= S and n_win <= R and (n_sink == S or n_comp + n_win == 0)
     if not cache.windowed:
         ok = ok and n_comp == seq_len
-    from ._layer import LayerState
-
     probe = LayerState(seq_len=seq_len, meta=dict(meta))
     cache._set_live(probe)
     if not ok or probe.live != live:
@@ -214,8 +120,6 @@ def _check_counters(cache: Any, i: int, seq_len: int, meta: dict[str, Any], live
 
 
 def _build_layered(cls: type, cfg: dict[str, Any], state: dict[str, Any], tensors: dict[str, np.ndarray]) -> Any:
-    from ._layer import grown_capacity
-
     cache = cls(**cfg)
     layers = state.get("layers")
     if not isinstance(layers, list) or len(layers) != cache.num_layers:
@@ -358,7 +262,7 @@ def load_cache(path: Any, expect: Any | None = None) -> Any:
         raise CacheFileError(f"path: {path!r} has format version {meta.get('format_version')!r}; this numba_kv "
                              f"reads version {FORMAT_VERSION}")
     config, state = meta.get("config", ""), meta.get("state", "")
-    if meta.get("sha256") != _digest(config, state, tensors):
+    if meta.get("sha256") != digest(config, state, tensors):
         raise CacheFileError(f"path: {path!r} fails its SHA-256 check (corrupted file)")
     classes = _classes()
     name = meta.get("cache_class")

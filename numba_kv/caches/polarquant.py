@@ -29,33 +29,27 @@ from typing import Any
 import numpy as np
 
 from .. import _backend
-from .._validate import F16_MAX, check_finite_stats, check_int, check_magnitude, check_stored_f16
+from .._validate import F16_MAX, check_finite_stats, check_magnitude, check_stored_f16
 from ..ops.attention import CodeLayout, fused_attention_rows
-from ..ops.blockquant import NORM_MODES, dequantize_into, quantize_into
+from ..ops.blockquant import dequantize_into, quantize_into
 from ..ops.codebook import get_codebook
 from ..ops.hadamard import rotate32
 from ..ops.headquant import dequantize_head_into, head_signs, quantize_head_into, rotate_head
-from ..ops.memory import copy_tokens
 from ._layer import BufferSpec, LayeredCache, LayerState, shift_front
+from ._window import ExactWindow, crop_counts, evict_counts, layer_counts, plan_store
+from .config import PolarQuantConfig
 from .protocol import AttendConfig, DecodeOutput, Fused
 
-MODES = ("pq", "pqo")
-DECODE_OUTPUTS = ("fused", "dequantized")
-WINDOW_DTYPES = ("float16", "float32", "int8")
-KEY_SCALES = ("none", "channel")
-ROTATIONS = ("block", "head")
+__all__ = ["MAX_INPUT", "PolarQuantCache", "PolarQuantConfig"]
+
 # larger inputs are rejected outright: float32 sums inside the quantizers stay far from overflow
 MAX_INPUT = float(2 ** 21)
 
 
-def _assign(src: Any, s0: int, n: int, dst: Any, d0: int) -> None:
-    """``dst[:, d0:d0+n] = src[:, s0:s0+n]`` (casting), on any device."""
-    if n <= 0:
-        return
-    if _backend.xp_of(dst) is not None:
-        dst[:, d0:d0 + n] = src[:, s0:s0 + n]
-    else:
-        copy_tokens(src, s0, n, dst, d0)
+def _config_attr(name: str) -> property:
+    """Read-only cache attribute mirroring field ``name`` of ``cache.config``."""
+    return property(lambda self: getattr(self.config, name),
+                    doc=f"``config.{name}`` (see :class:`~numba_kv.caches.config.PolarQuantConfig`).")
 
 
 class PolarQuantCache(LayeredCache):
@@ -67,6 +61,8 @@ class PolarQuantCache(LayeredCache):
         Model geometry; ``head_dim`` a positive multiple of 32.
     bits : {2, 3, 4}
         User-facing bit setting (of both K and V unless ``k_bits``/``v_bits`` say otherwise).
+        The parameters below are keyword-only; together they form a
+        :class:`~numba_kv.caches.config.PolarQuantConfig`, which validates them.
     k_bits, v_bits : {2, 3, 4}, optional
         Separate settings for keys and values (keys are usually the sensitive side:
         ``k_bits=4, v_bits=3`` is 4.0 bits/value on average).
@@ -143,6 +139,14 @@ class PolarQuantCache(LayeredCache):
         the fused kernel (a finite logit bias) when a chunk of queries spans more than the
         window.
 
+    Attributes
+    ----------
+    config : PolarQuantConfig
+        The frozen, validated configuration (every parameter above, resolved: ``k_bits``,
+        ``norm_mode``, ...).  Its fields are also readable as cache attributes
+        (``cache.bits``, ``cache.rotation``, ...; ``window_dtype`` as a NumPy dtype).
+        ``PolarQuantCache.from_config(config)`` builds a cache from one.
+
     Notes
     -----
     Storage per layer, on the device of the first input: ``k_codes``/``v_codes`` uint8
@@ -160,91 +164,70 @@ class PolarQuantCache(LayeredCache):
     (10, 10240)
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, bits: int = 3,
-                 mode: str = "pqo", norm_mode: str | None = None, residual_length: int = 32, sink_tokens: int = 4,
-                 window_dtype: str = "float16", decode_output: str = "fused", k_bits: int | None = None,
-                 v_bits: int | None = None, key_scale: str = "none", key_center: bool = False,
-                 rotation: str = "block", unbiased: bool = False, outlier_channels: int = 0,
-                 outlier_bits: int | None = None, sliding_window: Any = None) -> None:
-        super().__init__(num_layers, num_kv_heads, head_dim, sliding_window)
-        self.bits = check_int("bits", bits, allowed=(2, 3, 4))
-        self.k_bits = self.bits if k_bits is None else check_int("k_bits", k_bits, allowed=(2, 3, 4))
-        self.v_bits = self.bits if v_bits is None else check_int("v_bits", v_bits, allowed=(2, 3, 4))
-        if mode not in self._modes():
-            raise ValueError(f"mode: expected one of {list(self._modes())}, got {mode!r}")
-        if rotation not in ROTATIONS:
-            raise ValueError(f"rotation: expected one of {list(ROTATIONS)}, got {rotation!r}")
-        if norm_mode is None:
-            norm_mode = "l2" if rotation == "head" else "maxnorm"
-        if norm_mode not in NORM_MODES:
-            raise ValueError(f"norm_mode: expected one of {list(NORM_MODES)}, got {norm_mode!r}")
-        if rotation == "head":
-            if norm_mode != "l2":
-                raise ValueError(f"norm_mode: rotation='head' stores one L2 norm per vector, expected 'l2', "
-                                 f"got {norm_mode!r}")
-            if head_dim & (head_dim - 1) or head_dim > 512:
-                raise ValueError(f"head_dim: rotation='head' needs a power of two <= 512, got {head_dim}")
-        if decode_output not in DECODE_OUTPUTS:
-            raise ValueError(f"decode_output: expected one of {list(DECODE_OUTPUTS)}, got {decode_output!r}")
-        if str(window_dtype) not in WINDOW_DTYPES:
-            raise ValueError(f"window_dtype: expected one of {list(WINDOW_DTYPES)}, got {window_dtype!r}")
-        self.residual_length = check_int("residual_length", residual_length, minimum=0)
-        self.sink_tokens = check_int("sink_tokens", sink_tokens, minimum=0)
-        self.window_dtype = np.dtype(str(window_dtype))
-        if key_scale not in KEY_SCALES:
-            raise ValueError(f"key_scale: expected one of {list(KEY_SCALES)}, got {key_scale!r}")
-        self.key_scale = key_scale
-        for nm, val in (("key_center", key_center), ("unbiased", unbiased)):
-            if not isinstance(val, (bool, np.bool_)):
-                raise TypeError(f"{nm}: expected a bool, got {type(val).__name__} {val!r}")
-        self.key_center = bool(key_center)
-        self.unbiased = bool(unbiased)
-        self.mode = mode
-        self.norm_mode = norm_mode
-        self.rotation = rotation
-        self.decode_output = decode_output
+    _config_class: type[PolarQuantConfig] = PolarQuantConfig
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, bits: int = 3, **options: Any) -> None:
+        self._setup(self._config_class(num_layers, num_kv_heads, head_dim, bits, **options))
+
+    @classmethod
+    def from_config(cls, config: PolarQuantConfig) -> PolarQuantCache:
+        """The cache of a configuration (``cls(**fields)`` without validating twice).
+
+        Parameters
+        ----------
+        config : PolarQuantConfig
+            Of exactly the class's configuration type (:class:`PolarQuantConfig`, or
+            :class:`~numba_kv.caches.config.TurboQuantConfig` for ``TurboQuantCache``).
+        """
+        if type(config) is not cls._config_class:
+            raise TypeError(f"config: expected a {cls._config_class.__name__}, got {type(config).__name__}")
+        cache = cls.__new__(cls)
+        cache._setup(config)
+        return cache
+
+    def _setup(self, cfg: PolarQuantConfig) -> None:
+        """Derived read-only state (codebooks, code layouts, rotation signs) of ``cfg``."""
+        super().__init__(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window)
+        self.config = cfg
         self.num_blocks = self.head_dim // 32
-        self.slot_bits = self._slot_bits()
-        self.outlier_channels = check_int("outlier_channels", outlier_channels, minimum=0)
-        self.outlier_bits: dict[str, int] = {}
-        if self.outlier_channels:
-            if self.outlier_channels % 32 or self.outlier_channels >= self.head_dim:
-                raise ValueError(f"outlier_channels: expected a multiple of 32 below head_dim={self.head_dim} "
-                                 f"(whole rotation blocks, some left for the rest), got {self.outlier_channels}")
-            if rotation != "block":
-                raise ValueError("outlier_channels: channel splits need rotation='block', got rotation='head'")
-            for n, lo in self.slot_bits.items():
-                hi = lo + 1 if outlier_bits is None else check_int("outlier_bits", outlier_bits, allowed=(2, 3, 4))
-                if not lo < hi <= 4:
-                    raise ValueError(f"outlier_bits: expected more bits than the {n} channels' {lo} and at most 4, "
-                                     f"got {hi}")
-                self.outlier_bits[n] = hi
-        elif outlier_bits is not None:
-            raise ValueError("outlier_bits: only meaningful with outlier_channels > 0")
+        self.slot_bits = cfg.slot_bits
+        self.outlier_bits: dict[str, int] = cfg.outlier_widths
         self.codebooks = {n: self._codebook(b) for n, b in self.slot_bits.items()}
         self.layouts: dict[str, CodeLayout] = {}
         for n, cb in self.codebooks.items():
-            if rotation == "head":
+            if cfg.rotation == "head":
                 self.layouts[n] = CodeLayout.uniform(cb, self.head_dim, scale_group=self.num_blocks)
-            elif self.outlier_channels:
-                n_hi = self.outlier_channels // 32
+            elif cfg.outlier_channels:
+                n_hi = cfg.outlier_channels // 32
                 hi = self._codebook(self.outlier_bits[n])
                 self.layouts[n] = CodeLayout.from_blocks([hi] * n_hi + [cb] * (self.num_blocks - n_hi))
             else:
                 self.layouts[n] = CodeLayout.uniform(cb, self.head_dim)
-        self.outlier = mode != "pq"
+        self.outlier = cfg.mode != "pq"
         self.packed_dims = {n: lay.width for n, lay in self.layouts.items()}
-        self._head_signs = head_signs(self.head_dim) if rotation == "head" else None
+        self._head_signs = head_signs(self.head_dim) if cfg.rotation == "head" else None
+        self._window = ExactWindow(self.head_dim, cfg.sink_tokens, cfg.residual_length)
         self.name = self._make_name()
 
-    # -- configuration hooks (TurboQuantCache overrides them) ---------------------------------
-    @staticmethod
-    def _modes() -> tuple[str, ...]:
-        return MODES
+    # the configuration, field by field (read-only)
+    bits = _config_attr("bits")
+    k_bits = _config_attr("k_bits")
+    v_bits = _config_attr("v_bits")
+    mode = _config_attr("mode")
+    norm_mode = _config_attr("norm_mode")
+    residual_length = _config_attr("residual_length")
+    sink_tokens = _config_attr("sink_tokens")
+    decode_output = _config_attr("decode_output")
+    key_scale = _config_attr("key_scale")
+    key_center = _config_attr("key_center")
+    rotation = _config_attr("rotation")
+    unbiased = _config_attr("unbiased")
+    outlier_channels = _config_attr("outlier_channels")
 
-    def _slot_bits(self) -> dict[str, int]:
-        drop = 0 if self.mode == "pqo" else 1
-        return {"k": self.k_bits - drop, "v": self.v_bits - drop}
+    @property
+    def window_dtype(self) -> np.dtype:
+        """Configured storage of window/sink tokens (Numba device arrays use float32)."""
+        return np.dtype(self.config.window_dtype)
 
     def _codebook(self, bits: int):
         return get_codebook(bits, self.norm_mode, block=self.head_dim if self.rotation == "head" else 32)
@@ -273,7 +256,7 @@ class PolarQuantCache(LayeredCache):
     @property
     def windowed(self) -> bool:
         """True when some tokens stay uncompressed."""
-        return bool(self.residual_length or self.sink_tokens)
+        return self.config.windowed
 
     @property
     def packed_dim(self) -> int:
@@ -313,12 +296,7 @@ class PolarQuantCache(LayeredCache):
         for n, lay in self.layouts.items():
             spec[n + "_scales"] = (lay.num_scales, np.uint16, None)
         if self.windowed:
-            cap = self.sink_tokens + self.residual_length
-            spec["k_exact"] = (self.head_dim, self._exact_dtype, cap)
-            spec["v_exact"] = (self.head_dim, self._exact_dtype, cap)
-            if self._exact_dtype == np.int8:
-                spec["k_exact_scale"] = (1, np.uint16, cap)
-                spec["v_exact_scale"] = (1, np.uint16, cap)
+            spec.update(self._window.buffer_spec(self._exact_dtype))
         if self.key_center:
             spec["k_chmean"] = (self.head_dim, np.float32, 1)
         if self.key_scale == "channel":
@@ -494,41 +472,23 @@ class PolarQuantCache(LayeredCache):
 
     def _store(self, st: LayerState, k: Any, v: Any) -> None:
         n = int(k.shape[2])
-        n_comp = st.meta.get("n_comp", 0)
-        n_sink = st.meta.get("n_sink", 0)
-        n_win = st.meta.get("n_win", 0)
-        S, R = self._sinks(st), self.residual_length
-        a = min(n, max(0, S - st.seq_len))  # new tokens that become sinks
-        m = n - a
-        e = max(0, n_win + m - R)  # tokens that leave (or skip) the window: compressed
-        e_old = min(e, n_win)
-        e_new = e - e_old
-        keep_old, keep_new = n_win - e_old, m - e_new
+        n_sink, n_comp, n_win = layer_counts(st)
+        S = self._sinks(st)
+        # without a window every token is compressed
+        plan = plan_store(n, st.seq_len, n_win, S, self.residual_length) if self.windowed else None
         for name, arr in (("k", k), ("v", v)):
             x = _backend.ascontiguous_f32(name, arr)
             x3 = self._transform_in(st, name, x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3]))
-            if not self.windowed:
+            if plan is None:
                 self._compress(st, name, x3, n_comp)
-                continue
-            self._win_write(st, name, x3, 0, a, st.seq_len)
-            if e:
-                ev = _backend.empty(x3, (x3.shape[0], e, self.head_dim), np.float32)
-                self._win_read(st, name, S, e_old, ev, 0)
-                _assign(x3, a, e_new, ev, e_old)
-                self._compress(st, name, ev, n_comp)
-            if e_old and keep_old:  # slide the surviving window tokens to the front
-                self._win_move(st, name, S + e_old, keep_old, S)
-            self._win_write(st, name, x3, a + e_new, keep_new, S + keep_old)
-        if not self.windowed:
-            e = n
-        st.meta.update(n_comp=n_comp + e, n_sink=n_sink + a, n_win=keep_old + keep_new if self.windowed else 0)
-        for bname in self._buffer_spec():
-            if bname.endswith(("_exact", "_exact_scale")):
-                st.live[bname] = st.meta["n_sink"] + st.meta["n_win"]
-            elif bname in ("k_chmean", "k_chscale", "k_perm", "v_perm"):
-                st.live[bname] = 1
             else:
-                st.live[bname] = n_comp + e
+                self._window.store(st, name, x3, plan, S, lambda ev, nm=name: self._compress(st, nm, ev, n_comp))
+        if plan is None:
+            st.meta.update(n_comp=n_comp + n, n_sink=n_sink, n_win=0)
+        else:
+            st.meta.update(n_comp=n_comp + plan.compressed, n_sink=n_sink + plan.sinks,
+                           n_win=plan.keep_old + plan.keep_new)
+        self._set_live(st)
 
     def _transform_in(self, st: LayerState, name: str, x3: Any) -> Any:
         """The stored domain: keys ``(x − m) / s`` with the frozen per-channel key mean ``m``
@@ -598,84 +558,27 @@ class PolarQuantCache(LayeredCache):
     # -- reading ----------------------------------------------------------------------------
     def _exact_f32(self, st: LayerState, name: str) -> tuple[Any, int]:
         """Window/sink tokens as float32 ``[rows, >= n_exact, d]`` and their count."""
-        n_exact = st.meta.get("n_sink", 0) + st.meta.get("n_win", 0)
         if not self.windowed:
             like = st.buffers["k_codes"]
             return _backend.empty(like, (like.shape[0], 0, self.head_dim), np.float32), 0
-        ex = st.buffers[name + "_exact"]
-        xp = _backend.xp_of(ex)
-        if ex.dtype == np.int8:
-            out = xp.empty((ex.shape[0], n_exact, self.head_dim), dtype=np.float32)
-            self._win_read(st, name, 0, n_exact, out, 0)
-            return out, n_exact
-        if xp is not None:
-            return xp.ascontiguousarray(ex[:, :n_exact], dtype=xp.float32), n_exact
-        return ex, n_exact
-
-    # window storage: float32/float16 copies, or int8 with one binary16 absmax scale per vector
-    def _win_write(self, st: LayerState, name: str, src: Any, s0: int, n: int, d0: int) -> None:
-        """Window tokens ``d0 : d0+n`` ← float32 ``src[:, s0 : s0+n]``."""
-        ex = st.buffers[name + "_exact"]
-        if n <= 0:
-            return
-        if ex.dtype != np.int8:
-            _assign(src, s0, n, ex, d0)
-            return
-        xp = _backend.xp_of(ex)
-        x = src[:, s0:s0 + n]
-        s16 = (xp.abs(x).max(axis=2, keepdims=True) / np.float32(127.0)).astype(np.float16)
-        s16[s16 == 0] = 1.0  # all-zero vector (or below the f16 range): any scale is exact
-        ex[:, d0:d0 + n] = xp.clip(xp.rint(x / s16.astype(np.float32)), -127, 127).astype(np.int8)
-        st.buffers[name + "_exact_scale"][:, d0:d0 + n] = s16.view(np.uint16)
-
-    def _win_read(self, st: LayerState, name: str, s0: int, n: int, dst: Any, d0: int) -> None:
-        """float32 ``dst[:, d0 : d0+n]`` ← window tokens ``s0 : s0+n``."""
-        ex = st.buffers[name + "_exact"]
-        if n <= 0:
-            return
-        if ex.dtype != np.int8:
-            _assign(ex, s0, n, dst, d0)
-            return
-        sc = st.buffers[name + "_exact_scale"][:, s0:s0 + n].view(np.float16).astype(np.float32)
-        dst[:, d0:d0 + n] = ex[:, s0:s0 + n].astype(np.float32) * sc
-
-    def _win_move(self, st: LayerState, name: str, s0: int, n: int, d0: int) -> None:
-        """Window tokens ``d0 : d0+n`` ← tokens ``s0 : s0+n`` (the ranges may overlap)."""
-        for key in (name + "_exact", name + "_exact_scale"):
-            if key not in st.buffers:
-                continue
-            ex = st.buffers[key]
-            tmp = _backend.empty(ex, (ex.shape[0], n, ex.shape[2]), ex.dtype)
-            _assign(ex, s0, n, tmp, 0)
-            _assign(tmp, 0, n, ex, d0)
+        return self._window.exact_f32(st, name)
 
     def _exact_positions(self, st: LayerState, like: Any) -> Any:
-        n_sink, n_win, n_comp = st.meta.get("n_sink", 0), st.meta.get("n_win", 0), st.meta.get("n_comp", 0)
-        pos = np.concatenate([np.arange(n_sink), self._sinks(st) + n_comp + np.arange(n_win)]).astype(np.int32)
-        if isinstance(like, np.ndarray):
-            return pos
-        xp = _backend.xp_of(like)
-        if xp is not None:
-            return xp.asarray(pos)
-        from numba import cuda  # noqa: PLC0415
-
-        return cuda.to_device(pos if pos.size else np.zeros(1, np.int32))
+        """Stored positions (int32) of the window/sink tokens, on the device of ``like``."""
+        return self._window.positions(st, like, self._sinks(st))
 
     def _history(self, st: LayerState, dtype: Any) -> tuple[Any, Any]:
         out = []
         like = st.buffers["k_codes"]
         rows = like.shape[0]
-        n_comp, n_sink, n_win = st.meta.get("n_comp", 0), st.meta.get("n_sink", 0), st.meta.get("n_win", 0)
+        n_comp = st.meta.get("n_comp", 0)
         for name in ("k", "v"):
             comp = _backend.empty(like, (rows, n_comp, self.head_dim), np.float32)
             if n_comp:
                 self._decompress(st, name, 0, comp)
             if self.windowed:
                 flat = _backend.empty(like, (rows, st.seq_len, self.head_dim), np.float32)
-                ex, _ = self._exact_f32(st, name)
-                _assign(ex, 0, n_sink, flat, 0)
-                _assign(comp, 0, n_comp, flat, n_sink)
-                _assign(ex, n_sink, n_win, flat, n_sink + n_comp)
+                self._window.merge(st, name, comp, flat)
             else:
                 flat = comp
             out.append(self._reshape_out(self._transform_out(st, name, flat), st.batch, dtype))
@@ -717,16 +620,10 @@ class PolarQuantCache(LayeredCache):
     # -- lifecycle ----------------------------------------------------------------------------
     def _lifecycle_config(self) -> dict[str, Any]:
         """Constructor arguments (JSON types) that rebuild this cache's configuration."""
-        ob = None
-        if self.outlier_channels:
-            ob = self.outlier_bits["k"]
+        cfg = self.config
+        opts = {k: v for k, v in cfg.options().items() if k != "sliding_window"}
         return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-                "bits": self.bits, "k_bits": self.k_bits, "v_bits": self.v_bits, "mode": self.mode,
-                "norm_mode": self.norm_mode, "residual_length": self.residual_length,
-                "sink_tokens": self.sink_tokens, "window_dtype": self.window_dtype.name,
-                "decode_output": self.decode_output, "key_scale": self.key_scale, "key_center": self.key_center,
-                "rotation": self.rotation, "unbiased": self.unbiased, "outlier_channels": self.outlier_channels,
-                "outlier_bits": ob, **self._window_config()}
+                **opts, **self._window_config()}
 
     def _set_live(self, st: LayerState) -> None:
         """Live token counts of every buffer from the layer's counters."""
@@ -741,33 +638,22 @@ class PolarQuantCache(LayeredCache):
 
     def _evict(self, st: LayerState, e: int) -> None:
         # sliding layers keep no sinks: stored order is compressed [0, n_comp), window after
-        n_comp, n_win = st.meta.get("n_comp", 0), st.meta.get("n_win", 0)
-        ec = min(e, n_comp)
-        ew = e - ec
+        _, n_comp, n_win = layer_counts(st)
+        ec, ew = evict_counts(n_comp, e)
         if ec:
             for bname, (_, _, fixed) in self._buffer_spec().items():
                 if fixed is None:
                     shift_front(st.buffers[bname], ec, n_comp)
         if ew:
             for name in ("k", "v"):
-                self._win_move(st, name, ew, n_win - ew, 0)
+                self._window.move(st, name, ew, n_win - ew, 0)
         st.meta.update(n_comp=n_comp - ec, n_win=n_win - ew)
         st.seq_len -= e
         self._set_live(st)
 
     def _crop_layer(self, st: LayerState, length: int) -> None:
-        # stored order: sinks [0, n_sink), compressed [n_sink, n_sink + n_comp), window after;
-        # a cut inside the compressed part drops the whole window (tokens are never re-expanded)
-        n_sink, n_comp = st.meta.get("n_sink", 0), st.meta.get("n_comp", 0)
-        if not self.windowed:
-            n_comp = length
-            n_win = 0
-        elif length <= n_sink:
-            n_sink, n_comp, n_win = length, 0, 0
-        elif length <= n_sink + n_comp:
-            n_comp, n_win = length - n_sink, 0
-        else:
-            n_win = length - n_sink - n_comp
+        n_sink, n_comp, n_win = crop_counts(st.meta.get("n_sink", 0), st.meta.get("n_comp", 0), length,
+                                            self.windowed)
         st.meta.update(n_sink=n_sink, n_comp=n_comp, n_win=n_win)
         st.seq_len = length
         self._set_live(st)

@@ -37,8 +37,9 @@ a parallel region at once.  ``python -m numba_kv.info`` prints the active layer,
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any, Protocol, Union, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
     "AttendConfig",
@@ -94,7 +95,7 @@ class Dequantized:
     result: DequantResult
 
 
-DecodeOutput = Union[Fused, Dequantized]
+DecodeOutput = Fused | Dequantized
 
 
 @dataclass(frozen=True)
@@ -116,8 +117,6 @@ class AttendConfig:
     n_kv_groups: int = 1
 
     def __post_init__(self) -> None:
-        import math
-
         s = float(self.softmax_scale)
         if not math.isfinite(s) or s <= 0.0:
             raise ValueError(

@@ -21,16 +21,20 @@ hands each cache's text to :func:`parse_cache_spec` (``numba_kv.toolkit.specs``)
 
 from __future__ import annotations
 
-import inspect
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._layer import LayeredCache
+from .config import PolarQuantConfig, TurboQuantConfig
+from .dense import DenseCache
+from .mixed import MixedCache, build_cache
 from .polarquant import PolarQuantCache
+from .turboquant import TurboQuantCache
 
-__all__ = ["CACHE_NAMES", "OPTION_ALIASES", "SUFFIX_OPTIONS", "CacheSpec", "name_options", "parse_cache_spec",
-           "parse_value"]
+__all__ = ["CACHE_NAMES", "OPTION_ALIASES", "SUFFIX_OPTIONS", "CacheSpec", "make_cache", "name_options",
+           "parse_cache_spec", "parse_value"]
 
 CACHE_NAMES = ("dense", "pq2", "pq3", "pq4", "pqo2", "pqo3", "pqo4", "pqo2.5", "pqo3.5", "tq2", "tq3", "tq4")
 SUFFIX_OPTIONS: dict[str, dict[str, Any]] = {
@@ -132,13 +136,40 @@ class CacheSpec:
         """Canonical compact label with the effective window, e.g. ``"pqo3-r32-s4"`` (the
         defaults of :class:`~numba_kv.PolarQuantCache`) or ``"pqo4-r0-s0:window_dtype=float32"``."""
         opts = dict(self.options)
-        defaults = inspect.signature(PolarQuantCache.__init__).parameters
-        r = opts.pop("residual_length", defaults["residual_length"].default)
-        s = opts.pop("sink_tokens", defaults["sink_tokens"].default)
+        r = opts.pop("residual_length", PolarQuantConfig.residual_length)
+        s = opts.pop("sink_tokens", PolarQuantConfig.sink_tokens)
         out = self.name if self.is_dense else f"{self.name}-r{r}-s{s}"
         if opts:
             out += ":" + ",".join(f"{k}={v}" for k, v in sorted(opts.items()))
         return out
+
+    def config(self, num_layers: int, num_kv_heads: int, head_dim: int,
+               **extra: Any) -> PolarQuantConfig | TurboQuantConfig:
+        """The validated configuration :meth:`make` would build (compressed caches only).
+
+        Parameters
+        ----------
+        num_layers, num_kv_heads, head_dim : int
+            Model geometry.
+        **extra
+            Further options, as for :meth:`make` (no ``layer_overrides``).
+
+        Raises
+        ------
+        ValueError
+            The dense cache (it has no such configuration), or a bad option.
+
+        Examples
+        --------
+        >>> parse_cache_spec("pqo3-r8:key_center=true").config(2, 4, 64).residual_length
+        8
+        """
+        if self.is_dense:
+            raise ValueError("name: the dense cache has no PolarQuant configuration")
+        for key in set(self.options) & set(extra):
+            raise TypeError(f"config() got multiple values for keyword argument {key!r}")
+        cls, opts = _resolve(self.name, head_dim, {**dict(self.options), **extra})
+        return cls._config_class(num_layers, num_kv_heads, head_dim, **opts)
 
     @property
     def is_dense(self) -> bool:
@@ -160,8 +191,6 @@ class CacheSpec:
         -------
         CompressedKVCache
         """
-        from .factory import make_cache  # cycle: factory imports this module
-
         return make_cache(self.name, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                           **dict(self.options), **extra)
 
@@ -223,3 +252,91 @@ def parse_cache_spec(text: str, defaults: Mapping[str, Any] | None = None) -> Ca
         for key, value in (defaults or {}).items():
             opts.setdefault(key, value)
     return CacheSpec(name, opts)
+
+
+# -- building (here, beside the grammar, so that CacheSpec.make needs no import cycle) --------
+
+def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
+               layer_overrides: dict[int, dict[str, Any]] | None = None,
+               **options: Any) -> LayeredCache | MixedCache:
+    """Create a cache by name.
+
+    Parameters
+    ----------
+    name : str
+        ``"dense"``; PolarQuant ``"pq2"``–``"pq4"``, ``"pqo2"``–``"pqo4"``; TurboQuant
+        (QJL) ``"tq2"``–``"tq4"``; asymmetric ``"pqo-k4v3"`` / ``"tq-k4v3"`` (keys 4 bits,
+        values 3; any of 2–4 each); channel splits ``"pqo2.5"`` / ``"pqo3.5"`` (half of
+        every head's channels — the outlier half, chosen per layer and KV head on the first
+        prefill — one bit wider: 2.5 / 3.5 index bits per value).  Suffixes, combinable:
+        ``"-l2"`` (L2 norm mode), ``"-head"`` (one rotation over the whole head and one
+        norm per vector instead of per-32-block scales), ``"-eden"`` (unbiased rescale).
+        The full grammar of :mod:`numba_kv.caches.spec` is accepted: a window suffix
+        ``"-rR-sS"`` and options ``":key=value,..."`` (``"pqo3-r0-s0:key_center=true"``).
+    num_layers, num_kv_heads, head_dim : int
+        Model geometry.
+    layer_overrides : dict {int: dict}, optional
+        Options of single layers, e.g. ``{0: {"bits": 4}, -1: {"bits": 4}}`` (negative
+        layers count from the end): any constructor option of the cache class (``bits``
+        — which also replaces the name's ``k_bits``/``v_bits`` —, ``k_bits``,
+        ``v_bits``, ``rotation``, ``residual_length``, ``sink_tokens``, ``window_dtype``,
+        ``sliding_window``, ...).  Unknown options and layers raise ``ValueError``.  The
+        result is then a :class:`~numba_kv.caches.mixed.MixedCache` (one cache per
+        distinct configuration).
+    **options
+        Forwarded to the cache class (``residual_length=``, ``dtype=`` for dense,
+        ``sliding_window=`` — an int, a per-layer list of int/None or ``{layer: window}``
+        — ...).
+
+    Returns
+    -------
+    cache : CompressedKVCache
+
+    Raises
+    ------
+    ValueError
+        Unknown name (the message lists the valid ones), or an option that contradicts
+        the name.
+
+    Examples
+    --------
+    >>> cache = make_cache("pqo3", num_layers=2, num_kv_heads=2, head_dim=64)
+    >>> cache.bits_per_value
+    3.5
+    >>> make_cache("pqo3-head", num_layers=1, num_kv_heads=1, head_dim=128).bits_per_value
+    3.125
+    >>> mixed = make_cache("pqo3", num_layers=4, num_kv_heads=1, head_dim=64,
+    ...                    layer_overrides={0: {"bits": 4}, -1: {"bits": 4}})
+    >>> [mixed.layer_cache(i).bits for i in range(4)]
+    [4, 3, 3, 4]
+    """
+    cls, options = _resolve(name, head_dim, options)
+    geom = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+    return build_cache(cls, geom, options, layer_overrides)
+
+
+def _resolve(name: str, head_dim: Any, options: dict[str, Any]) -> tuple[type, dict[str, Any]]:
+    """The cache class of ``name`` and its constructor options (the name's and ``options``)."""
+    if not isinstance(name, str):
+        raise TypeError(f"name: expected a str, got {type(name).__name__}")
+    try:
+        spec = parse_cache_spec(name)
+    except ValueError as exc:
+        raise ValueError(f"name: {exc}") from None
+    if spec.is_dense:
+        family, bits, implied = "dense", 0, dict(spec.options)
+    else:
+        family, bits, implied = name_options(spec.name, head_dim)
+        implied = {**spec.options, **implied}
+    for opt, val in implied.items():
+        if opt in options and options[opt] != val:
+            raise ValueError(f"{opt}: {options[opt]!r} conflicts with the name {name!r}")
+    options = {**options, **implied}
+    if family == "dense":
+        return DenseCache, options
+    for opt in ("bits", "mode"):
+        if opt in options:  # as before: the name sets them
+            raise TypeError(f"make_cache() got multiple values for keyword argument {opt!r}")
+    if family == "tq":
+        return TurboQuantCache, {"bits": bits, **options}
+    return PolarQuantCache, {"bits": bits, "mode": family, **options}

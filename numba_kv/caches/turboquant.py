@@ -44,8 +44,9 @@ from typing import Any
 import numpy as np
 
 from .. import _backend
-from ..ops.qjl import SKETCH_SEED, make_sketch, qjl_constant, qjl_scores_into, qjl_signs_into
+from ..ops.qjl import make_sketch, qjl_constant, qjl_scores_into, qjl_signs_into
 from ._layer import BufferSpec, LayerState, masked_astype
+from .config import PolarQuantConfig, TurboQuantConfig
 from .polarquant import PolarQuantCache
 from .protocol import AttendConfig, DecodeOutput, Dequantized, DequantResult
 
@@ -62,14 +63,14 @@ class TurboQuantCache(PolarQuantCache):
         Budget ``b``: keys use the ``b − 1``-bit codebook + 1 QJL bit, values ``b`` bits.
     k_bits, v_bits : {2, 3, 4}, optional
         Separate budgets for keys and values.
-    qjl_seed : int
-        Seed of the Gaussian sketch (default :data:`numba_kv.ops.qjl.SKETCH_SEED`).
-    qjl_dim : int, optional
-        Sketch rows ``m`` (bits per key residual; default ``head_dim``; multiple of 8).
     **options
-        Everything else of :class:`~numba_kv.caches.polarquant.PolarQuantCache`
+        The fields of :class:`~numba_kv.caches.config.TurboQuantConfig`: ``qjl_seed``
+        (seed of the Gaussian sketch, default :data:`numba_kv.ops.qjl.SKETCH_SEED`),
+        ``qjl_dim`` (sketch rows ``m``: bits per key residual; default ``head_dim``; a
+        multiple of 8), and everything of :class:`~numba_kv.caches.polarquant.PolarQuantCache`
         (``norm_mode``, ``rotation``, ``unbiased``, ``residual_length``, ``sink_tokens``,
-        ``key_center``, ``decode_output``, ...), except ``mode`` and ``outlier_channels``.
+        ``key_center``, ``decode_output``, ...) except ``mode`` and ``outlier_channels``.
+        The validated configuration is ``cache.config``.
 
     Notes
     -----
@@ -85,24 +86,25 @@ class TurboQuantCache(PolarQuantCache):
     (3.625, 3.5)
     """
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, bits: int = 3, *,
-                 qjl_seed: int = SKETCH_SEED, qjl_dim: int | None = None, **options: Any) -> None:
-        if "mode" in options and options["mode"] != "tq":
-            raise ValueError(f"mode: TurboQuantCache is mode 'tq', got {options['mode']!r}")
-        if options.get("outlier_channels"):
-            raise ValueError("outlier_channels: channel splits are not supported by TurboQuantCache")
-        options["mode"] = "tq"
+    _config_class = TurboQuantConfig
+    config: TurboQuantConfig
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, bits: int = 3, **options: Any) -> None:
         super().__init__(num_layers, num_kv_heads, head_dim, bits, **options)
-        self.sketch = make_sketch(self.head_dim, qjl_dim, qjl_seed)
-        self.qjl_dim = int(self.sketch.shape[0])
-        self.qjl_seed = int(qjl_seed)
 
-    @staticmethod
-    def _modes() -> tuple[str, ...]:
-        return ("tq",)
+    def _setup(self, cfg: PolarQuantConfig) -> None:
+        super()._setup(cfg)
+        self.sketch = make_sketch(self.head_dim, self.qjl_dim, self.qjl_seed)
 
-    def _slot_bits(self) -> dict[str, int]:
-        return {"k": self.k_bits - 1, "v": self.v_bits}
+    @property
+    def qjl_seed(self) -> int:
+        """Seed of the Gaussian QJL sketch (``config.qjl_seed``)."""
+        return self.config.qjl_seed
+
+    @property
+    def qjl_dim(self) -> int:
+        """Sketch rows ``m``: QJL bits per key residual (``config.qjl_dim``)."""
+        return self.config.qjl_dim
 
     def _side_bits(self, name: str) -> float:
         extra = self.qjl_dim + 16.0 if name == "k" else 0.0
@@ -180,5 +182,4 @@ class TurboQuantCache(PolarQuantCache):
         cfg = super()._lifecycle_config()
         for key in ("mode", "outlier_channels", "outlier_bits"):
             del cfg[key]
-        cfg.update(qjl_seed=self.qjl_seed, qjl_dim=self.qjl_dim)
         return cfg

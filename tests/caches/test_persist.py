@@ -212,10 +212,10 @@ def test_mismatched_expectation(saved, tmp_path):
 
 def test_consistent_but_wrong_tensors_are_rejected(saved, tmp_path):
     """A file whose (re-hashed) tensors do not match its configuration: no cache."""
-    from numba_kv.caches import persist
+    from numba_kv.caches import _format
 
     cache, _ = saved
-    meta_state, tensors = persist._layered_state(cache)
+    meta_state, tensors = _format.layered_state(cache)
     tensors["layers.0.k_codes"] = np.ascontiguousarray(tensors["layers.0.k_codes"][:, :-1])
     config = json.dumps(cache._lifecycle_config(), sort_keys=True)
     state = json.dumps(meta_state, sort_keys=True)
@@ -223,8 +223,8 @@ def test_consistent_but_wrong_tensors_are_rejected(saved, tmp_path):
 
     path = tmp_path / "w.safetensors"
     safetensors.numpy.save_file(tensors, str(path), metadata={
-        "format": persist.FORMAT_NAME, "format_version": "1", "cache_class": "PolarQuantCache", "config": config,
-        "state": state, "sha256": persist._digest(config, state, tensors)})
+        "format": _format.FORMAT_NAME, "format_version": "1", "cache_class": "PolarQuantCache", "config": config,
+        "state": state, "sha256": _format.digest(config, state, tensors)})
     with pytest.raises(CacheFileError, match="k_codes"):
         load_cache(path)
 
@@ -240,10 +240,10 @@ def test_consistent_but_impossible_counters_are_rejected(saved, tmp_path, edit):
     describe a reachable state: otherwise no cache."""
     import safetensors.numpy
 
-    from numba_kv.caches import persist
+    from numba_kv.caches import _format
 
     cache, _ = saved
-    state_obj, tensors = persist._layered_state(cache)
+    state_obj, tensors = _format.layered_state(cache)
     lay = state_obj["layers"][0]
     if edit == "live":
         lay["live"]["k_exact"] -= 1
@@ -255,7 +255,7 @@ def test_consistent_but_impossible_counters_are_rejected(saved, tmp_path, edit):
     state = json.dumps(state_obj, sort_keys=True)
     path = tmp_path / "w.safetensors"
     safetensors.numpy.save_file(tensors, str(path), metadata={
-        "format": persist.FORMAT_NAME, "format_version": "1", "cache_class": "PolarQuantCache", "config": config,
-        "state": state, "sha256": persist._digest(config, state, tensors)})
+        "format": _format.FORMAT_NAME, "format_version": "1", "cache_class": "PolarQuantCache", "config": config,
+        "state": state, "sha256": _format.digest(config, state, tensors)})
     with pytest.raises(CacheFileError, match="inconsistent"):
         load_cache(path)

@@ -1,0 +1,268 @@
+"""Exact-token storage of :class:`~numba_kv.caches.polarquant.PolarQuantCache`: attention
+sinks, the recent window and its eviction into the compressed store.
+
+Per layer the cache stores, in token order, ``n_sink`` sink tokens (the first ``S`` tokens
+of a global layer, kept exact for good), ``n_comp`` compressed tokens and ``n_win`` window
+tokens (the newest, at most ``R``, kept exact until they leave the window).  The exact
+tokens live in fixed-size buffers ``<side>_exact`` ``[rows, S + R, head_dim]`` (sinks at
+``[0, n_sink)``, the window at ``[S, S + n_win)``), as float32, float16, or int8 with one
+binary16 absmax scale per vector in ``<side>_exact_scale`` ``[rows, S + R, 1]``.  The
+counters live in the layer's ``meta`` (``n_sink``, ``n_comp``, ``n_win``).
+
+The arithmetic of a store / crop / eviction is in pure functions (:func:`plan_store`,
+:func:`crop_counts`, :func:`evict_counts`) so it can be tested without buffers.
+(Keeping the first and the newest tokens exact is the scheme of KIVI, arXiv:2402.02750,
+and of StreamingLLM's attention sinks, arXiv:2309.17453.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .. import _backend
+from ..ops.gather import to_like
+from ..ops.memory import copy_tokens
+from ._layer import BufferSpec, LayerState
+
+__all__ = ["ExactWindow", "StorePlan", "assign_tokens", "crop_counts", "evict_counts", "plan_store"]
+
+
+def assign_tokens(src: Any, s0: int, n: int, dst: Any, d0: int) -> None:
+    """``dst[:, d0:d0+n] = src[:, s0:s0+n]`` (casting between float dtypes), on any device.
+
+    NumPy/CuPy use array assignment (which casts); Numba device arrays go through the
+    :func:`~numba_kv.ops.memory.copy_tokens` kernel (same dtype on both sides).
+    """
+    if n <= 0:
+        return
+    if _backend.xp_of(dst) is not None:
+        dst[:, d0:d0 + n] = src[:, s0:s0 + n]
+    else:
+        copy_tokens(src, s0, n, dst, d0)
+
+
+class StorePlan(NamedTuple):
+    """Where the ``n`` new tokens of one store go (all counts in tokens).
+
+    Attributes
+    ----------
+    sinks : int
+        New tokens that become sinks (the first of the new tokens).
+    evict_old : int
+        Window tokens pushed out of the window: compressed, oldest first.
+    evict_new : int
+        New tokens that skip the window (more new tokens than it holds): compressed after them.
+    keep_old : int
+        Window tokens that stay (slid to the window's front).
+    keep_new : int
+        New tokens that enter the window (after the kept ones).
+    """
+
+    sinks: int
+    evict_old: int
+    evict_new: int
+    keep_old: int
+    keep_new: int
+
+    @property
+    def compressed(self) -> int:
+        """Tokens compressed by this store."""
+        return self.evict_old + self.evict_new
+
+
+def plan_store(n: int, stored: int, n_win: int, sinks: int, residual: int) -> StorePlan:
+    """Plan a store of ``n`` new tokens into a layer with a window.
+
+    Parameters
+    ----------
+    n : int
+        New tokens.
+    stored : int
+        Tokens the layer stores now (sinks + compressed + window).
+    n_win : int
+        Tokens in the window now (``<= residual``).
+    sinks, residual : int
+        Sink tokens of the layer (0 on sliding layers) and window length ``R``.
+
+    Returns
+    -------
+    StorePlan
+        Afterwards the window holds ``keep_old + keep_new <= residual`` tokens.
+
+    Examples
+    --------
+    >>> plan_store(10, 0, 0, 4, 3)
+    StorePlan(sinks=4, evict_old=0, evict_new=3, keep_old=0, keep_new=3)
+    >>> plan_store(2, 7, 3, 4, 3)
+    StorePlan(sinks=0, evict_old=2, evict_new=0, keep_old=1, keep_new=2)
+    """
+    a = min(n, max(0, sinks - stored))
+    m = n - a
+    e = max(0, n_win + m - residual)
+    e_old = min(e, n_win)
+    e_new = e - e_old
+    return StorePlan(a, e_old, e_new, n_win - e_old, m - e_new)
+
+
+def crop_counts(n_sink: int, n_comp: int, length: int, windowed: bool) -> tuple[int, int, int]:
+    """``(n_sink, n_comp, n_win)`` after keeping the first ``length`` stored tokens.
+
+    Stored order is sinks, compressed, window; a cut inside the compressed part drops the
+    whole window (compressed tokens are never re-expanded).
+
+    Examples
+    --------
+    >>> crop_counts(4, 10, 16, True), crop_counts(4, 10, 9, True), crop_counts(4, 10, 2, True)
+    ((4, 10, 2), (4, 5, 0), (2, 0, 0))
+    """
+    if not windowed:
+        return n_sink, length, 0
+    if length <= n_sink:
+        return length, 0, 0
+    if length <= n_sink + n_comp:
+        return n_sink, length - n_sink, 0
+    return n_sink, n_comp, length - n_sink - n_comp
+
+
+def evict_counts(n_comp: int, e: int) -> tuple[int, int]:
+    """Split the eviction of the ``e`` oldest tokens of a sliding layer (which keeps no
+    sinks: compressed tokens first, then the window) into ``(compressed, window)`` counts.
+
+    Examples
+    --------
+    >>> evict_counts(5, 3), evict_counts(5, 7)
+    ((3, 0), (5, 2))
+    """
+    ec = min(e, n_comp)
+    return ec, e - ec
+
+
+def layer_counts(st: LayerState) -> tuple[int, int, int]:
+    """``(n_sink, n_comp, n_win)`` of a layer."""
+    return st.meta.get("n_sink", 0), st.meta.get("n_comp", 0), st.meta.get("n_win", 0)
+
+
+class ExactWindow:
+    """The sinks-and-window buffers of one cache configuration (stateless: the state lives
+    in each :class:`~numba_kv.caches._layer.LayerState`).
+
+    Parameters
+    ----------
+    head_dim : int
+        Vector width.
+    sink_tokens, residual_length : int
+        ``S`` and ``R``; the exact buffers hold ``S + R`` tokens.
+    """
+
+    def __init__(self, head_dim: int, sink_tokens: int, residual_length: int) -> None:
+        self.head_dim = head_dim
+        self.sink_tokens = sink_tokens
+        self.residual_length = residual_length
+
+    @property
+    def capacity(self) -> int:
+        """Tokens of the fixed-size exact buffers (``S + R``)."""
+        return self.sink_tokens + self.residual_length
+
+    def buffer_spec(self, dtype: Any) -> BufferSpec:
+        """``k_exact``/``v_exact`` (and with int8 storage their binary16 scales)."""
+        dt = np.dtype(dtype)
+        spec: BufferSpec = {"k_exact": (self.head_dim, dt, self.capacity),
+                            "v_exact": (self.head_dim, dt, self.capacity)}
+        if dt == np.int8:
+            spec["k_exact_scale"] = (1, np.uint16, self.capacity)
+            spec["v_exact_scale"] = (1, np.uint16, self.capacity)
+        return spec
+
+    # -- element access: float32/float16 copies, or int8 with one binary16 absmax scale ------
+    def write(self, st: LayerState, name: str, src: Any, s0: int, n: int, d0: int) -> None:
+        """Exact tokens ``d0 : d0+n`` of side ``name`` ← float32 ``src[:, s0 : s0+n]``."""
+        ex = st.buffers[name + "_exact"]
+        if n <= 0:
+            return
+        if ex.dtype != np.int8:
+            assign_tokens(src, s0, n, ex, d0)
+            return
+        xp = _backend.xp_of(ex)
+        x = src[:, s0:s0 + n]
+        s16 = (xp.abs(x).max(axis=2, keepdims=True) / np.float32(127.0)).astype(np.float16)
+        s16[s16 == 0] = 1.0  # all-zero vector (or below the f16 range): any scale is exact
+        ex[:, d0:d0 + n] = xp.clip(xp.rint(x / s16.astype(np.float32)), -127, 127).astype(np.int8)
+        st.buffers[name + "_exact_scale"][:, d0:d0 + n] = s16.view(np.uint16)
+
+    def read(self, st: LayerState, name: str, s0: int, n: int, dst: Any, d0: int) -> None:
+        """float32 ``dst[:, d0 : d0+n]`` ← exact tokens ``s0 : s0+n`` of side ``name``."""
+        ex = st.buffers[name + "_exact"]
+        if n <= 0:
+            return
+        if ex.dtype != np.int8:
+            assign_tokens(ex, s0, n, dst, d0)
+            return
+        sc = st.buffers[name + "_exact_scale"][:, s0:s0 + n].view(np.float16).astype(np.float32)
+        dst[:, d0:d0 + n] = ex[:, s0:s0 + n].astype(np.float32) * sc
+
+    def move(self, st: LayerState, name: str, s0: int, n: int, d0: int) -> None:
+        """Exact tokens ``d0 : d0+n`` ← tokens ``s0 : s0+n`` (the ranges may overlap)."""
+        for key in (name + "_exact", name + "_exact_scale"):
+            if key not in st.buffers:
+                continue
+            ex = st.buffers[key]
+            tmp = _backend.empty(ex, (ex.shape[0], n, ex.shape[2]), ex.dtype)
+            assign_tokens(ex, s0, n, tmp, 0)
+            assign_tokens(tmp, 0, n, ex, d0)
+
+    def exact_f32(self, st: LayerState, name: str) -> tuple[Any, int]:
+        """Sink and window tokens of side ``name`` as float32 ``[rows, >= n_exact, d]`` (the
+        buffer itself when it is float32) and their count ``n_exact = n_sink + n_win``."""
+        n_sink, _, n_win = layer_counts(st)
+        n_exact = n_sink + n_win
+        ex = st.buffers[name + "_exact"]
+        xp = _backend.xp_of(ex)
+        if ex.dtype == np.int8:
+            out = xp.empty((ex.shape[0], n_exact, self.head_dim), dtype=np.float32)
+            self.read(st, name, 0, n_exact, out, 0)
+            return out, n_exact
+        if xp is not None:
+            return xp.ascontiguousarray(ex[:, :n_exact], dtype=xp.float32), n_exact
+        return ex, n_exact
+
+    def positions(self, st: LayerState, like: Any, sinks: int) -> Any:
+        """Stored positions (int32) of the exact tokens, sinks then window, on the device of
+        ``like`` (a Numba device array is never empty: one unused entry when there are none)."""
+        n_sink, n_comp, n_win = layer_counts(st)
+        pos = np.concatenate([np.arange(n_sink), sinks + n_comp + np.arange(n_win)]).astype(np.int32)
+        if not pos.size and _backend.xp_of(like) is None:
+            pos = np.zeros(1, np.int32)
+        return to_like(like, pos)
+
+    # -- whole operations --------------------------------------------------------------------
+    def store(self, st: LayerState, name: str, x3: Any, plan: StorePlan, sinks: int,
+              compress: Callable[[Any], None]) -> None:
+        """Store the new tokens ``x3`` ``[rows, n, d]`` (float32, stored domain) of side
+        ``name`` by ``plan``: sinks first, then the tokens leaving the window (old window
+        tokens, then new tokens that skip it) go to ``compress`` as one ``[rows, e, d]``
+        array, the survivors slide to the window's front and the rest of the new tokens
+        follow them.  The counters are not touched (the caller updates them once per call).
+        """
+        a, e_old, e_new, keep_old, keep_new = plan
+        self.write(st, name, x3, 0, a, st.seq_len)
+        if plan.compressed:
+            ev = _backend.empty(x3, (x3.shape[0], plan.compressed, self.head_dim), np.float32)
+            self.read(st, name, sinks, e_old, ev, 0)
+            assign_tokens(x3, a, e_new, ev, e_old)
+            compress(ev)
+        if e_old and keep_old:  # slide the surviving window tokens to the front
+            self.move(st, name, sinks + e_old, keep_old, sinks)
+        self.write(st, name, x3, a + e_new, keep_new, sinks + keep_old)
+
+    def merge(self, st: LayerState, name: str, comp: Any, flat: Any) -> None:
+        """Token-ordered float32 history ``flat`` ``[rows, stored, d]``: sinks, the
+        decompressed tokens ``comp`` ``[rows, n_comp, d]``, then the window."""
+        n_sink, n_comp, n_win = layer_counts(st)
+        ex, _ = self.exact_f32(st, name)
+        assign_tokens(ex, 0, n_sink, flat, 0)
+        assign_tokens(comp, 0, n_comp, flat, n_sink)
+        assign_tokens(ex, n_sink, n_win, flat, n_sink + n_comp)

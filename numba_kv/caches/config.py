@@ -1,0 +1,269 @@
+"""Frozen, validated configurations of the PolarQuant and TurboQuant caches.
+
+A :class:`PolarQuantConfig` holds everything that defines a
+:class:`~numba_kv.caches.polarquant.PolarQuantCache` (geometry, bit widths, modes, window,
+sliding layers) in one immutable object: validation happens once, in ``__post_init__``,
+and every bad value raises naming the argument and what was expected.  Optional values
+are resolved there (``k_bits``/``v_bits`` default to ``bits``, ``norm_mode`` to the
+rotation's norm, ``window_dtype`` becomes its name, ``sliding_window`` its per-layer
+tuple), so two configurations describing the same cache compare equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+
+from .._validate import check_head_dim, check_int
+from ..ops.blockquant import NORM_MODES
+from ..ops.qjl import SKETCH_SEED
+from ._layer import check_sliding_window
+
+__all__ = ["DECODE_OUTPUTS", "KEY_SCALES", "ROTATIONS", "WINDOW_DTYPES", "PolarQuantConfig", "TurboQuantConfig"]
+
+DECODE_OUTPUTS = ("fused", "dequantized")
+WINDOW_DTYPES = ("float16", "float32", "int8")
+KEY_SCALES = ("none", "channel")
+ROTATIONS = ("block", "head")
+_BITS = (2, 3, 4)
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}: expected one of {list(allowed)}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PolarQuantConfig:
+    """Configuration of a :class:`~numba_kv.caches.polarquant.PolarQuantCache`.
+
+    Every field is a constructor keyword of the cache, with the same meaning and default
+    (the cache's docstring describes them); ``PolarQuantCache(L, H, D, bits=3, **options)``
+    builds ``PolarQuantConfig(L, H, D, bits=3, **options)`` and keeps it as ``cache.config``.
+
+    Parameters
+    ----------
+    num_layers, num_kv_heads : int
+        Model geometry (``>= 1``).
+    head_dim : int
+        A positive multiple of 32 (with ``rotation="head"``: a power of two ``<= 512``).
+    bits : {2, 3, 4}
+        Bit setting of keys and values unless ``k_bits``/``v_bits`` say otherwise.
+    mode : {"pqo", "pq"}
+        ``"pqo"``: ``bits``-wide codebooks; ``"pq"``: ``bits − 1``-wide.
+    norm_mode : {"maxnorm", "l2"}, optional
+        Block normalization; resolved to ``"l2"`` for ``rotation="head"`` (the only
+        choice there), else ``"maxnorm"``.
+    residual_length, sink_tokens : int
+        Newest / first tokens kept uncompressed (``>= 0``).
+    window_dtype : {"float16", "float32", "int8"}
+        Storage of window and sink tokens (stored as the name).
+    decode_output : {"fused", "dequantized"}
+        What ``decode`` returns.
+    k_bits, v_bits : {2, 3, 4}, optional
+        Per-side settings; resolved to ``bits`` when not given.
+    key_scale : {"none", "channel"}
+        Per-channel key scaling (experiment knob).
+    key_center, unbiased : bool
+        Per-channel key mean removal; EDEN-style unbiased rescale.
+    rotation : {"block", "head"}
+        32-point block rotation or one rotation over the whole head.
+    outlier_channels : int
+        Channels per row quantized with wider codebooks: a multiple of 32 below
+        ``head_dim`` (``rotation="block"`` only), 0 for none.
+    outlier_bits : {2, 3, 4}, optional
+        Codebook width of the outlier channels (default: one more than the rest's, per
+        side).  Resolved to that width when it is the same for keys and values.
+    sliding_window : None, int, sequence or dict
+        Per-layer sliding windows (see :func:`~numba_kv.caches._layer.check_sliding_window`);
+        resolved to a tuple of ``num_layers`` entries (int or None), or None when no layer
+        slides.
+
+    Raises
+    ------
+    TypeError
+        A value of the wrong type (``"bits: expected an int, got str '3'"``).
+    ValueError
+        A value out of range or contradicting another one; the message starts with the
+        argument's name and says what was expected.
+
+    Examples
+    --------
+    >>> cfg = PolarQuantConfig(2, 4, 64, bits=3, rotation="block")
+    >>> cfg.k_bits, cfg.norm_mode, cfg.slot_bits
+    (3, 'maxnorm', {'k': 3, 'v': 3})
+    >>> PolarQuantConfig(2, 4, 64, bits=5)
+    Traceback (most recent call last):
+    ...
+    ValueError: bits: expected one of [2, 3, 4], got 5
+    """
+
+    MODES: ClassVar[tuple[str, ...]] = ("pq", "pqo")
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    bits: int = 3
+    mode: str = "pqo"
+    norm_mode: str | None = None
+    residual_length: int = 32
+    sink_tokens: int = 4
+    window_dtype: Any = "float16"
+    decode_output: str = "fused"
+    k_bits: int | None = None
+    v_bits: int | None = None
+    key_scale: str = "none"
+    key_center: bool = False
+    rotation: str = "block"
+    unbiased: bool = False
+    outlier_channels: int = 0
+    outlier_bits: int | None = None
+    sliding_window: Any = None
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)  # frozen: resolution happens once, here
+
+    def __post_init__(self) -> None:
+        # the order of the checks is the order users saw before the config existed
+        self._set("num_layers", check_int("num_layers", self.num_layers, minimum=1))
+        self._set("num_kv_heads", check_int("num_kv_heads", self.num_kv_heads, minimum=1))
+        self._set("head_dim", check_head_dim(self.head_dim))
+        windows = check_sliding_window(self.sliding_window, self.num_layers)
+        self._set("sliding_window", tuple(windows) if any(w is not None for w in windows) else None)
+        self._set("bits", check_int("bits", self.bits, allowed=_BITS))
+        for side in ("k_bits", "v_bits"):
+            val = getattr(self, side)
+            self._set(side, self.bits if val is None else check_int(side, val, allowed=_BITS))
+        _choice("mode", self.mode, self.MODES)
+        _choice("rotation", self.rotation, ROTATIONS)
+        if self.norm_mode is None:
+            self._set("norm_mode", "l2" if self.rotation == "head" else "maxnorm")
+        _choice("norm_mode", self.norm_mode, NORM_MODES)
+        if self.rotation == "head":
+            if self.norm_mode != "l2":
+                raise ValueError(f"norm_mode: rotation='head' stores one L2 norm per vector, expected 'l2', "
+                                 f"got {self.norm_mode!r}")
+            if self.head_dim & (self.head_dim - 1) or self.head_dim > 512:
+                raise ValueError(f"head_dim: rotation='head' needs a power of two <= 512, got {self.head_dim}")
+        _choice("decode_output", self.decode_output, DECODE_OUTPUTS)
+        _choice("window_dtype", str(self.window_dtype), WINDOW_DTYPES)
+        self._set("window_dtype", str(self.window_dtype))
+        self._set("residual_length", check_int("residual_length", self.residual_length, minimum=0))
+        self._set("sink_tokens", check_int("sink_tokens", self.sink_tokens, minimum=0))
+        _choice("key_scale", self.key_scale, KEY_SCALES)
+        for name in ("key_center", "unbiased"):
+            val = getattr(self, name)
+            if not isinstance(val, (bool, np.bool_)):
+                raise TypeError(f"{name}: expected a bool, got {type(val).__name__} {val!r}")
+            self._set(name, bool(val))
+        self._check_outliers()
+
+    def _check_outliers(self) -> None:
+        oc = check_int("outlier_channels", self.outlier_channels, minimum=0)
+        self._set("outlier_channels", oc)
+        if not oc:
+            if self.outlier_bits is not None:
+                raise ValueError("outlier_bits: only meaningful with outlier_channels > 0")
+            return
+        if oc % 32 or oc >= self.head_dim:
+            raise ValueError(f"outlier_channels: expected a multiple of 32 below head_dim={self.head_dim} "
+                             f"(whole rotation blocks, some left for the rest), got {oc}")
+        if self.rotation != "block":
+            raise ValueError("outlier_channels: channel splits need rotation='block', got rotation='head'")
+        widths = self.outlier_widths
+        if len(set(widths.values())) == 1:
+            self._set("outlier_bits", widths["k"])
+
+    # -- derived values ---------------------------------------------------------------------
+    @property
+    def slot_bits(self) -> dict[str, int]:
+        """Codebook width (bits per stored index) of the keys ``"k"`` and values ``"v"``."""
+        drop = 0 if self.mode == "pqo" else 1
+        return {"k": self.k_bits - drop, "v": self.v_bits - drop}
+
+    @property
+    def outlier_widths(self) -> dict[str, int]:
+        """Codebook width of the outlier channels per side (empty without ``outlier_channels``).
+
+        Raises
+        ------
+        ValueError
+            ``outlier_bits`` not wider than a side's normal width, or wider than 4.
+        """
+        out: dict[str, int] = {}
+        if not self.outlier_channels:
+            return out
+        for n, lo in self.slot_bits.items():
+            hi = lo + 1 if self.outlier_bits is None else check_int("outlier_bits", self.outlier_bits,
+                                                                     allowed=_BITS)
+            if not lo < hi <= 4:
+                raise ValueError(f"outlier_bits: expected more bits than the {n} channels' {lo} and at most 4, "
+                                 f"got {hi}")
+            out[n] = hi
+        return out
+
+    @property
+    def windowed(self) -> bool:
+        """True when some tokens stay uncompressed (``residual_length`` or ``sink_tokens``)."""
+        return bool(self.residual_length or self.sink_tokens)
+
+    def options(self) -> dict[str, Any]:
+        """Every field but the geometry, as constructor keywords (``sliding_window`` as a list)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for key in ("num_layers", "num_kv_heads", "head_dim"):
+            del out[key]
+        if out["sliding_window"] is not None:
+            out["sliding_window"] = list(out["sliding_window"])
+        return out
+
+
+@dataclass(frozen=True)
+class TurboQuantConfig(PolarQuantConfig):
+    """Configuration of a :class:`~numba_kv.caches.turboquant.TurboQuantCache`.
+
+    The fields of :class:`PolarQuantConfig` with ``mode="tq"`` (the only mode) and no
+    channel splits, plus the QJL sketch's seed and size.
+
+    Parameters
+    ----------
+    qjl_seed : int
+        Seed of the Gaussian sketch (``>= 0``; default :data:`numba_kv.ops.qjl.SKETCH_SEED`).
+    qjl_dim : int, optional
+        Sketch rows ``m`` (a positive multiple of 8); resolved to ``head_dim``.
+
+    Examples
+    --------
+    >>> TurboQuantConfig(1, 2, 128, bits=3).slot_bits
+    {'k': 2, 'v': 3}
+    """
+
+    MODES: ClassVar[tuple[str, ...]] = ("tq",)
+
+    mode: str = "tq"
+    qjl_seed: int = SKETCH_SEED
+    qjl_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode != "tq":
+            raise ValueError(f"mode: TurboQuantCache is mode 'tq', got {self.mode!r}")
+        if self.outlier_channels:
+            raise ValueError("outlier_channels: channel splits are not supported by TurboQuantCache")
+        super().__post_init__()
+        seed = self.qjl_seed
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or int(seed) < 0:
+            raise ValueError(f"qjl_seed: expected a non-negative int, got {seed!r}")
+        self._set("qjl_seed", int(seed))
+        m = self.head_dim if self.qjl_dim is None else self.qjl_dim
+        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or int(m) < 1 or int(m) % 8:
+            raise ValueError(f"qjl_dim: expected a positive multiple of 8 (sketch rows m, packed 8 signs per "
+                             f"byte), got {m!r}")
+        self._set("qjl_dim", int(m))
+
+    @property
+    def slot_bits(self) -> dict[str, int]:
+        """Keys: the ``k_bits − 1``-bit codebook (the QJL bit completes the budget);
+        values: ``v_bits``."""
+        return {"k": self.k_bits - 1, "v": self.v_bits}

@@ -1,0 +1,150 @@
+"""PolarQuantConfig / TurboQuantConfig: one message per validation rule, resolution,
+immutability, and the caches built from them."""
+
+import copy
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+
+from numba_kv import PolarQuantCache, TurboQuantCache, make_cache
+from numba_kv.caches.config import PolarQuantConfig, TurboQuantConfig
+
+GEOM = (2, 2, 128)
+
+# (overrides of PolarQuantConfig(2, 2, 128), exception, full message)
+PQ_RULES = [
+    (dict(num_layers=0), ValueError, "num_layers: expected an int >= 1, got 0"),
+    (dict(num_layers="2"), TypeError, "num_layers: expected an int, got str '2'"),
+    (dict(num_kv_heads=0), ValueError, "num_kv_heads: expected an int >= 1, got 0"),
+    (dict(head_dim=0), ValueError, "head_dim: expected an int >= 1, got 0"),
+    (dict(head_dim=48), ValueError, "head_dim: expected a positive multiple of 32 (the rotation block), got 48"),
+    (dict(sliding_window=1), ValueError, "sliding_window: expected an int >= 2, got 1"),
+    (dict(sliding_window=[8]), ValueError,
+     "sliding_window: expected 2 per-layer entries (int or None), got 1"),
+    (dict(sliding_window={5: 8}), ValueError,
+     "sliding_window: layer 5 is out of range for 2 layers (expected -2 .. 1)"),
+    (dict(bits=5), ValueError, "bits: expected one of [2, 3, 4], got 5"),
+    (dict(bits=3.0), TypeError, "bits: expected an int, got float 3.0"),
+    (dict(k_bits=1), ValueError, "k_bits: expected one of [2, 3, 4], got 1"),
+    (dict(v_bits=5), ValueError, "v_bits: expected one of [2, 3, 4], got 5"),
+    (dict(mode="tq"), ValueError, "mode: expected one of ['pq', 'pqo'], got 'tq'"),
+    (dict(rotation="full"), ValueError, "rotation: expected one of ['block', 'head'], got 'full'"),
+    (dict(norm_mode="abs"), ValueError, "norm_mode: expected one of ['maxnorm', 'l2'], got 'abs'"),
+    (dict(rotation="head", norm_mode="maxnorm"), ValueError,
+     "norm_mode: rotation='head' stores one L2 norm per vector, expected 'l2', got 'maxnorm'"),
+    (dict(head_dim=96, rotation="head"), ValueError,
+     "head_dim: rotation='head' needs a power of two <= 512, got 96"),
+    (dict(head_dim=1024, rotation="head"), ValueError,
+     "head_dim: rotation='head' needs a power of two <= 512, got 1024"),
+    (dict(decode_output="sdpa"), ValueError, "decode_output: expected one of ['fused', 'dequantized'], got 'sdpa'"),
+    (dict(window_dtype="bfloat16"), ValueError,
+     "window_dtype: expected one of ['float16', 'float32', 'int8'], got 'bfloat16'"),
+    (dict(residual_length=-1), ValueError, "residual_length: expected an int >= 0, got -1"),
+    (dict(sink_tokens=-2), ValueError, "sink_tokens: expected an int >= 0, got -2"),
+    (dict(key_scale="row"), ValueError, "key_scale: expected one of ['none', 'channel'], got 'row'"),
+    (dict(key_center=1), TypeError, "key_center: expected a bool, got int 1"),
+    (dict(unbiased="yes"), TypeError, "unbiased: expected a bool, got str 'yes'"),
+    (dict(outlier_channels=-32), ValueError, "outlier_channels: expected an int >= 0, got -32"),
+    (dict(outlier_channels=48), ValueError,
+     "outlier_channels: expected a multiple of 32 below head_dim=128 (whole rotation blocks, some left for the "
+     "rest), got 48"),
+    (dict(outlier_channels=128), ValueError,
+     "outlier_channels: expected a multiple of 32 below head_dim=128 (whole rotation blocks, some left for the "
+     "rest), got 128"),
+    (dict(outlier_channels=32, rotation="head"), ValueError,
+     "outlier_channels: channel splits need rotation='block', got rotation='head'"),
+    (dict(outlier_bits=4), ValueError, "outlier_bits: only meaningful with outlier_channels > 0"),
+    (dict(outlier_channels=32, outlier_bits=3), ValueError,
+     "outlier_bits: expected more bits than the k channels' 3 and at most 4, got 3"),
+    (dict(outlier_channels=32, k_bits=4), ValueError,
+     "outlier_bits: expected more bits than the k channels' 4 and at most 4, got 5"),
+    (dict(outlier_channels=32, outlier_bits=5), ValueError, "outlier_bits: expected one of [2, 3, 4], got 5"),
+]
+
+TQ_RULES = [
+    (dict(mode="pqo"), ValueError, "mode: TurboQuantCache is mode 'tq', got 'pqo'"),
+    (dict(outlier_channels=32), ValueError, "outlier_channels: channel splits are not supported by TurboQuantCache"),
+    (dict(qjl_seed=-1), ValueError, "qjl_seed: expected a non-negative int, got -1"),
+    (dict(qjl_seed=True), ValueError, "qjl_seed: expected a non-negative int, got True"),
+    (dict(qjl_dim=12), ValueError,
+     "qjl_dim: expected a positive multiple of 8 (sketch rows m, packed 8 signs per byte), got 12"),
+    (dict(qjl_dim=0), ValueError,
+     "qjl_dim: expected a positive multiple of 8 (sketch rows m, packed 8 signs per byte), got 0"),
+    (dict(bits=1), ValueError, "bits: expected one of [2, 3, 4], got 1"),
+]
+
+
+def _build(cls, overrides):
+    geom = dict(zip(("num_layers", "num_kv_heads", "head_dim"), GEOM))
+    geom.update(overrides)
+    return cls(**geom)
+
+
+@pytest.mark.parametrize("overrides, exc, message", PQ_RULES)
+def test_every_polarquant_rule_names_its_argument(overrides, exc, message):
+    with pytest.raises(exc, match="^" + re.escape(message) + "$"):
+        _build(PolarQuantConfig, overrides)
+    with pytest.raises(exc, match="^" + re.escape(message) + "$"):  # the cache says the same
+        _build(PolarQuantCache, overrides)
+
+
+@pytest.mark.parametrize("overrides, exc, message", TQ_RULES)
+def test_every_turboquant_rule_names_its_argument(overrides, exc, message):
+    with pytest.raises(exc, match="^" + re.escape(message) + "$"):
+        _build(TurboQuantConfig, overrides)
+    with pytest.raises(exc, match="^" + re.escape(message) + "$"):
+        _build(TurboQuantCache, overrides)
+
+
+def test_optional_values_are_resolved_so_equal_caches_have_equal_configs():
+    a = PolarQuantConfig(*GEOM, bits=3)
+    b = PolarQuantConfig(*GEOM, bits=3, k_bits=3, v_bits=3, norm_mode="maxnorm", window_dtype=np.dtype("float16"))
+    assert a == b and hash(a) == hash(b)
+    assert (a.k_bits, a.v_bits, a.norm_mode, a.window_dtype, a.sliding_window) == (3, 3, "maxnorm", "float16", None)
+    assert PolarQuantConfig(*GEOM, rotation="head").norm_mode == "l2"
+    assert PolarQuantConfig(*GEOM, sliding_window={-1: 8}).sliding_window == (None, 8)
+    assert PolarQuantConfig(*GEOM, sliding_window=[None, None]).sliding_window is None
+    split = PolarQuantConfig(*GEOM, bits=2, outlier_channels=64)
+    assert split.outlier_bits == 3 and split.outlier_widths == {"k": 3, "v": 3}
+    # per-side widths that differ stay unresolved (one int cannot hold both)
+    asym = PolarQuantConfig(*GEOM, k_bits=3, v_bits=2, outlier_channels=64)
+    assert asym.outlier_bits is None and asym.outlier_widths == {"k": 4, "v": 3}
+    tq = TurboQuantConfig(*GEOM)
+    assert (tq.mode, tq.qjl_dim, tq.slot_bits) == ("tq", 128, {"k": 2, "v": 3})
+
+
+def test_config_is_frozen():
+    cfg = PolarQuantConfig(*GEOM)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.bits = 4  # type: ignore[misc]
+
+
+def test_cache_exposes_and_rebuilds_from_its_config():
+    c = PolarQuantCache(*GEOM, bits=4, residual_length=8, window_dtype="int8", unbiased=True)
+    assert isinstance(c.config, PolarQuantConfig)
+    assert (c.bits, c.residual_length, c.unbiased, c.window_dtype) == (4, 8, True, np.dtype(np.int8))
+    d = PolarQuantCache.from_config(c.config)
+    assert d.config is c.config and d.name == c.name and d.bits_per_value == c.bits_per_value
+    t = TurboQuantCache.from_config(TurboQuantConfig(*GEOM, qjl_dim=64))
+    assert t.qjl_dim == 64 and t.sketch.shape == (64, 128)
+    with pytest.raises(TypeError, match="config: expected a PolarQuantConfig, got TurboQuantConfig"):
+        PolarQuantCache.from_config(TurboQuantConfig(*GEOM))
+    with pytest.raises(TypeError, match="config: expected a TurboQuantConfig, got PolarQuantConfig"):
+        TurboQuantCache.from_config(PolarQuantConfig(*GEOM))
+    with pytest.raises(AttributeError):
+        c.bits = 3  # the configuration is read-only through the cache too
+
+
+def test_fork_and_factory_share_the_config():
+    c = make_cache("pqo3-r8-s2", num_layers=2, num_kv_heads=2, head_dim=64, key_center=True)
+    assert c.config == PolarQuantConfig(2, 2, 64, bits=3, residual_length=8, sink_tokens=2, key_center=True)
+    assert copy.deepcopy(c).config is c.config and c.fork().config is c.config
+
+
+def test_lifecycle_config_rebuilds_the_same_config():
+    for c in (PolarQuantCache(*GEOM, k_bits=3, v_bits=2, outlier_channels=64, sliding_window={0: 16}),
+              TurboQuantCache(*GEOM, bits=4, qjl_seed=7, norm_mode="l2")):
+        cfg = c._lifecycle_config()
+        assert type(c)(**cfg).config == c.config

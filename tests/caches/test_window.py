@@ -1,0 +1,100 @@
+"""The sinks-and-window state of PolarQuantCache (numba_kv.caches._window) on its own:
+the store / crop / eviction arithmetic against a token-list model, and the buffers."""
+
+import numpy as np
+import pytest
+
+from numba_kv.caches._layer import LayerState
+from numba_kv.caches._window import ExactWindow, crop_counts, evict_counts, layer_counts, plan_store
+
+
+def _model_store(tokens, sinks, residual, n_new, start):
+    """Token-list model: sink list, compressed list, window list after storing ``n_new``."""
+    s, c, w = (list(t) for t in tokens)
+    new = list(range(start, start + n_new))
+    while new and len(s) < sinks and not c and not w:
+        s.append(new.pop(0))
+    w = w + new
+    evicted = w[:max(0, len(w) - residual)]
+    return (s, c + evicted, w[len(evicted):]), evicted
+
+
+@pytest.mark.parametrize("sinks, residual", [(0, 0), (4, 0), (0, 3), (4, 3), (1, 8)])
+def test_plan_store_follows_the_token_model(sinks, residual, rng):
+    tokens, pos = ([], [], []), 0
+    for _ in range(30):
+        n = int(rng.integers(1, 9))
+        s, c, w = tokens
+        if not residual and not sinks:
+            break
+        plan = plan_store(n, len(s) + len(c) + len(w), len(w), sinks, residual)
+        tokens, evicted = _model_store(tokens, sinks, residual, n, pos)
+        pos += n
+        assert plan.sinks == len(tokens[0]) - len(s)
+        assert plan.compressed == len(evicted)
+        assert plan.evict_old == len([t for t in evicted if t in w])
+        assert plan.keep_old + plan.keep_new == len(tokens[2]) <= residual
+        assert plan.keep_old == len([t for t in tokens[2] if t in w])
+
+
+def test_crop_and_evict_counts():
+    assert crop_counts(4, 10, 20, True) == (4, 10, 6)
+    assert crop_counts(4, 10, 14, True) == (4, 10, 0)
+    assert crop_counts(4, 10, 5, True) == (4, 1, 0)
+    assert crop_counts(4, 10, 4, True) == (4, 0, 0)
+    assert crop_counts(4, 10, 3, True) == (3, 0, 0)
+    assert crop_counts(0, 10, 7, False) == (0, 7, 0)
+    assert evict_counts(0, 3) == (0, 3) and evict_counts(9, 3) == (3, 0) and evict_counts(2, 3) == (2, 1)
+
+
+def _state(win, dtype, rows=3):
+    st = LayerState()
+    for n, (w, dt, cap) in win.buffer_spec(dtype).items():
+        st.buffers[n] = np.zeros((rows, cap, w), dt)
+    return st
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
+def test_write_read_move_round_trip(dtype, rng):
+    win = ExactWindow(32, 2, 5)
+    assert win.capacity == 7
+    assert sorted(win.buffer_spec(dtype)) == (["k_exact", "k_exact_scale", "v_exact", "v_exact_scale"]
+                                              if dtype == "int8" else ["k_exact", "v_exact"])
+    st = _state(win, dtype)
+    x = rng.standard_normal((3, 7, 32)).astype(np.float32)
+    win.write(st, "k", x, 0, 7, 0)
+    got = np.empty_like(x)
+    win.read(st, "k", 0, 7, got, 0)
+    # float16: 2^-11 relative; int8: half a step of max|x|/127 per vector
+    tol = {"float32": 0, "float16": 2.0 ** -11 * np.abs(x), "int8": 0.5 * np.abs(x).max(2, keepdims=True) / 127}
+    assert np.all(np.abs(got - x) <= tol[dtype] * 1.0001)
+    win.move(st, "k", 1, 5, 0)  # overlapping ranges
+    moved = np.empty((3, 5, 32), np.float32)
+    win.read(st, "k", 0, 5, moved, 0)
+    assert np.array_equal(moved, got[:, 1:6])
+
+
+def test_store_compresses_what_leaves_the_window(rng):
+    win = ExactWindow(32, 2, 3)
+    st = _state(win, "float32", rows=1)
+    comp = []
+    x = rng.standard_normal((1, 9, 32)).astype(np.float32)
+    seen = 0
+    for n in (1, 3, 1, 4):
+        chunk = x[:, seen:seen + n]
+        n_sink, n_comp, n_win = layer_counts(st)
+        plan = plan_store(n, st.seq_len, n_win, 2, 3)
+        win.store(st, "k", chunk, plan, 2, lambda ev: comp.append(ev.copy()))
+        st.meta.update(n_sink=n_sink + plan.sinks, n_comp=n_comp + plan.compressed,
+                       n_win=plan.keep_old + plan.keep_new)
+        st.seq_len += n
+        seen += n
+    n_sink, n_comp, n_win = layer_counts(st)
+    assert (n_sink, n_comp, n_win) == (2, 4, 3)
+    assert np.array_equal(np.concatenate(comp, axis=1), x[:, 2:6])  # compressed in token order
+    ex, n_exact = win.exact_f32(st, "k")
+    assert n_exact == 5 and np.array_equal(ex[:, :2], x[:, :2]) and np.array_equal(ex[:, 2:5], x[:, 6:9])
+    assert win.positions(st, x, 2).tolist() == [0, 1, 6, 7, 8]
+    flat = np.empty((1, 9, 32), np.float32)
+    win.merge(st, "k", x[:, 2:6], flat)
+    assert np.array_equal(flat, x)
