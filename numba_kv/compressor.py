@@ -40,7 +40,7 @@ K and V are compressed independently; they must agree on ``batch``, ``num_heads`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
@@ -115,7 +115,7 @@ class VectorQuantization:
         Codewords per codebook, ``1..256`` (``<= 2**quant_bits`` of the compressor).
     subvector_dim : int, optional
         Sub-vector width for product quantization (must divide ``head_dim``); ``None``:
-        whole vectors (seed).
+        whole vectors.
     per_head : bool
         One codebook set per (batch, head) row instead of one for the whole tensor.
     max_iter : int
@@ -190,7 +190,7 @@ class CompressionMethod:
     Hybrid = Hybrid
 
 
-Method = Union[LowRank, VectorQuantization, Hybrid]
+Method = LowRank | VectorQuantization | Hybrid
 
 
 # --- compressed containers ------------------------------------------------------------------
@@ -452,7 +452,8 @@ class KVCacheCompressor:
 
     def compress_mla_cache(self, cache: MLACache | SimpleMLACache, layer: int,
                            seq_id: int) -> CompressedKV:
-        """Compress one sequence of an MLA cache from its up-projected K/V (seed semantics)."""
+        """Compress one sequence of an MLA cache from its up-projected K/V (the same
+        compression as :meth:`compress` applied to the sequence's K and V)."""
         if not isinstance(cache, (MLACache, SimpleMLACache)):
             raise TypeError(f"cache: expected an MLACache or SimpleMLACache, got {type(cache).__name__}")
         k, v = cache.get_kv(layer, seq_id)
@@ -595,7 +596,7 @@ def _compress_vq(x3: Any, m: VectorQuantization, bits: int) -> CompressedTensor:
     codes = buf[:total].reshape(rows, n, m_sub)
     dist = _backend.empty(x3, (rows, n, m_sub), np.float32)
     vq.assign_into(x3, cb_used, codes, dist)
-    # outlier tokens (seed rule on the squared distance): stored exactly
+    # outlier tokens (squared distance to their codewords above mean + OUTLIER_STD_FACTOR·std): stored exactly
     tok = _backend.to_host(dist).astype(np.float64).sum(axis=2).reshape(-1)
     thr = tok.mean() + OUTLIER_STD_FACTOR * tok.std()
     out_idx = np.nonzero(tok > thr)[0].astype(np.int32)

@@ -18,6 +18,7 @@ import numpy as np
 from .. import _backend, _config
 from .._validate import F32_MAX, check_head_dim, check_int, check_kv_stats, check_layer, check_magnitude, check_q
 from ..ops.finite import RangeStats
+from ..ops.gather import to_like
 from ..ops.memory import copy_prefix, copy_tokens
 from ._lifecycle import LifecycleMixin
 from .protocol import AttendConfig, DecodeOutput, Dequantized, DequantResult
@@ -221,15 +222,7 @@ class LayeredCache(LifecycleMixin):
         g = hq // self.num_kv_heads
         bias = np.broadcast_to(row[None, None], (b * self.num_kv_heads, g, ql, s)).reshape(
             b * self.num_kv_heads, g * ql, s)
-        bias = np.ascontiguousarray(bias)
-        xp = _backend.xp_of(q)
-        if xp is np:
-            return bias
-        if xp is not None:
-            return xp.asarray(bias)
-        from numba import cuda  # noqa: PLC0415
-
-        return cuda.to_device(bias)
+        return to_like(q, bias)
 
     # -- helpers --------------------------------------------------------------------------
     def _validate(self, layer: Any, k: Any, v: Any, q: Any, config: AttendConfig | None,

@@ -28,6 +28,11 @@ from rich.console import Console
 from rich.table import Table
 from tqdm.auto import tqdm
 
+try:  # optional (the bench extra): without it the environment's BLAS thread count is used
+    from threadpoolctl import threadpool_limits
+except ImportError:  # pragma: no cover - depends on the environment
+    threadpool_limits = None
+
 from numba_kv.caches.protocol import AttendConfig
 from numba_kv.info import provenance, provenance_line, stream_copy_gbs
 from numba_kv.ops.attention import decode_attention
@@ -113,19 +118,12 @@ def blas_threads_limited(n: int | None) -> contextlib.AbstractContextManager:
     is ``None`` or threadpoolctl is not installed (then :func:`blas_control` is False)."""
     if n is None or not blas_control():
         return contextlib.nullcontext()
-    # threadpoolctl: optional (the bench extra)
-    from threadpoolctl import threadpool_limits
-
     return threadpool_limits(limits=int(n), user_api="blas")
 
 
 def blas_control() -> bool:
     """True when the BLAS thread count can be switched inside the process (threadpoolctl)."""
-    try:
-        import threadpoolctl  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return threadpool_limits is not None
 
 
 @dataclass

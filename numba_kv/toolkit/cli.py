@@ -14,54 +14,56 @@ import json
 import sys
 from typing import Any
 
-# Every handler imports its subcommand's modules itself (the function-level imports below):
-# a missing package of the tools extra then becomes ``numba-kv CMD: error: ...`` instead of a
-# traceback at start-up, ``--help`` and ``info`` stay fast, and tests can substitute
-# ``evaluate.run_eval`` / ``models.load_model`` on the modules.
+from numba_kv import info as env_info
+
+from . import bench, demo, models, recommend
+from .evaluation import analysis, analysis_report, evaluate
+from .models.gguf_loader import ModelNotFoundError
+from .specs import EvalConfigError, parse_cache_specs, split_cache_list
+
+# Handlers call through the modules (``evaluate.run_eval``, ``models.load_model``), so tests
+# can substitute them.  Packages that only some runs need (gguf: first conversion of a model;
+# tokenizers; faiss) are imported where they are used: a missing one becomes
+# ``numba-kv CMD: error: ...`` (see _missing_extra), not a traceback.
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from numba_kv.info import collect
 
-    from .demo import iter_names, render_table, rows_as_dicts, run_demo
 
-    env = collect()
-    rows = run_demo(list(iter_names(args.caches)), args.layers, args.kv_heads, args.head_dim, args.tokens,
+    env = env_info.collect()
+    rows = demo.run_demo(list(demo.iter_names(args.caches)), args.layers, args.kv_heads, args.head_dim, args.tokens,
                     args.chunk, args.seed, progress=not args.no_progress)
     title = (f"synthetic KV stream: {args.layers} layers x {args.kv_heads} KV heads x {args.tokens} tokens, "
              f"d={args.head_dim} ({env['threads']} threads, layer {env['threading_layer']})")
     if args.json:
-        json.dump({"config": vars(args) | {"command": "demo"}, "env": env, "rows": rows_as_dicts(rows)},
+        json.dump({"config": vars(args) | {"command": "demo"}, "env": env, "rows": demo.rows_as_dicts(rows)},
                   sys.stdout, indent=2, default=str)
         sys.stdout.write("\n")
     else:
-        render_table(rows, title)
+        demo.render_table(rows, title)
     return 0
 
 
 def _bench_modes(args: argparse.Namespace) -> int:
-    from numba_kv.info import collect
 
-    from .recommend import DEFAULT_FAISS, DEFAULT_MODES, render, run, to_json, to_markdown
-    from .specs import EvalConfigError, split_cache_list
 
     tokens = int(args.tokens or 2048)
     try:
-        modes = DEFAULT_MODES if not args.modes else split_cache_list(args.modes, "--modes")
+        modes = recommend.DEFAULT_MODES if not args.modes else split_cache_list(args.modes, "--modes")
     except EvalConfigError as exc:
         return _user_error("bench modes", exc)
-    faiss_specs = DEFAULT_FAISS if args.faiss is None else [f.strip() for f in args.faiss.split("/")
+    faiss_specs = recommend.DEFAULT_FAISS if args.faiss is None else [f.strip() for f in args.faiss.split("/")
                                                             if f.strip()]
-    rows = run(modes, tokens, faiss_specs=faiss_specs, progress=not args.no_progress)
+    rows = recommend.run(modes, tokens, faiss_specs=faiss_specs, progress=not args.no_progress)
     config = {"command": "bench modes", "tokens": tokens, "head_dim": 128, "num_kv_heads": 8,
               "queries_per_head": 256, "sigmas": [1.0, 3.0], "seed": 0, "n_outliers": 4, "modes": list(modes),
               "faiss": list(faiss_specs)}
-    doc = to_json(rows, config) | {"env": collect()}
+    doc = recommend.to_json(rows, config) | {"env": env_info.collect()}
     if args.json == "-":
         json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        render(rows, f"compression modes: T={tokens}, d=128, 8 KV heads x 256 queries, synthetic K/V with "
+        recommend.render(rows, f"compression modes: T={tokens}, d=128, 8 KV heads x 256 queries, synthetic K/V with "
                      f"outlier channels")
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
@@ -70,7 +72,7 @@ def _bench_modes(args: argparse.Namespace) -> int:
             sys.stderr.write(f"wrote {args.json}\n")
     if args.markdown:
         with open(args.markdown, "w", encoding="utf-8") as f:
-            f.write(to_markdown(rows))
+            f.write(recommend.to_markdown(rows))
         sys.stderr.write(f"wrote {args.markdown}\n")
     return 0
 
@@ -78,11 +80,10 @@ def _bench_modes(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     if args.what == "modes":
         return _bench_modes(args)
-    from .bench import attention_report, print_attention_report
 
     tokens = [int(t) for t in (args.tokens or "4096,32768,131072").split(",")]
     bits = [int(b) for b in args.bits.split(",")]
-    rep = attention_report(tokens, bits, args.repeat, progress=not args.no_progress,
+    rep = bench.attention_report(tokens, bits, args.repeat, progress=not args.no_progress,
                            decode_tokens=None if args.no_decode else 32768)
     if args.json:
         out = {"config": vars(args) | {"func": None}} | {k: v for k, v in rep.items() if not k.startswith("_")}
@@ -94,7 +95,7 @@ def _bench(args: argparse.Namespace) -> int:
                 json.dump(out, f, indent=2, default=str)
             sys.stderr.write(f"wrote {args.json}\n")
     else:
-        print_attention_report(rep)
+        bench.print_attention_report(rep)
     return 0
 
 
@@ -112,13 +113,10 @@ def _missing_extra(exc: ModuleNotFoundError) -> str | None:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .evaluation.evaluate import plot_results, render_table, run_eval
-    from .models.gguf_loader import ModelNotFoundError
-    from .specs import EvalConfigError, parse_cache_specs
 
     try:
         specs = parse_cache_specs(args.cache, residual_length=args.residual_length, sink_tokens=args.sink_tokens)
-        result = run_eval(specs, model_path=args.model, text_path=args.text, tokens=args.tokens,
+        result = evaluate.run_eval(specs, model_path=args.model, text_path=args.text, tokens=args.tokens,
                           prefill=args.prefill, gen_tokens=args.gen_tokens, chunk_size=args.chunk,
                           threads=args.threads, progress=not args.no_progress)
     except (EvalConfigError, ModelNotFoundError) as exc:
@@ -133,7 +131,7 @@ def _eval(args: argparse.Namespace) -> int:
         json.dump(doc, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
-        render_table(result)
+        evaluate.render_table(result)
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump(doc, f, indent=2)
@@ -141,7 +139,7 @@ def _eval(args: argparse.Namespace) -> int:
             sys.stderr.write(f"wrote {args.json}\n")
     if args.plot:
         try:
-            plot_results(result, args.plot)
+            evaluate.plot_results(result, args.plot)
         except ModuleNotFoundError as exc:
             msg = _missing_extra(exc)
             if msg is None:
@@ -152,9 +150,6 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .evaluation.evaluate import numba_threads
-    from .models.gguf_loader import ModelNotFoundError
-    from .specs import EvalConfigError, parse_cache_specs
 
     try:
         specs = parse_cache_specs(args.cache, residual_length=args.residual_length, sink_tokens=args.sink_tokens)
@@ -162,14 +157,11 @@ def _generate(args: argparse.Namespace) -> int:
             raise EvalConfigError(f"--cache: expected one cache, got {len(specs)}: {[s.label for s in specs]}")
         if args.max_new_tokens < 1:
             raise EvalConfigError(f"--max-new-tokens: expected an int >= 1, got {args.max_new_tokens}")
-        from .evaluation.evaluate import model_cache_options
-        from .models import generate, load_model
-
-        model, tok = load_model(args.model)
+        model, tok = models.load_model(args.model)
         spec, c = specs[0], model.config
-        with numba_threads(args.threads):
-            cache = spec.make(c.n_layers, c.n_kv_heads, c.head_dim, **model_cache_options(model))
-            g = generate(model, tok, args.prompt, args.max_new_tokens, cache=cache, chat=args.chat)
+        with evaluate.numba_threads(args.threads):
+            cache = spec.make(c.n_layers, c.n_kv_heads, c.head_dim, **evaluate.model_cache_options(model))
+            g = models.generate(model, tok, args.prompt, args.max_new_tokens, cache=cache, chat=args.chat)
     except (EvalConfigError, ModelNotFoundError) as exc:
         return _user_error("generate", exc)
     except ModuleNotFoundError as exc:
@@ -188,10 +180,6 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _analyze(args: argparse.Namespace) -> int:
-    from .evaluation.analysis import analyze_kv
-    from .evaluation.analysis_report import render_tables
-    from .models import ModelNotFoundError, load_model
-    from .specs import EvalConfigError
 
     try:
         bits = tuple(int(x) for x in args.bits.split(",") if x.strip())
@@ -200,8 +188,8 @@ def _analyze(args: argparse.Namespace) -> int:
     sides = () if args.layer_sensitivity.strip().lower() == "none" else tuple(
         s.strip().lower() for s in args.layer_sensitivity.split(",") if s.strip())
     try:
-        model, tok = load_model(args.model)
-        res = analyze_kv(model, tok, args.text, tokens=args.tokens, prefill=args.prefill, bits=bits,
+        model, tok = models.load_model(args.model)
+        res = analysis.analyze_kv(model, tok, args.text, tokens=args.tokens, prefill=args.prefill, bits=bits,
                          residual_length=args.residual_length, sink_tokens=args.sink_tokens,
                          progress=not args.quiet, layer_sensitivity=sides, threads=args.threads)
     except (EvalConfigError, ModelNotFoundError, ValueError) as exc:
@@ -215,7 +203,7 @@ def _analyze(args: argparse.Namespace) -> int:
         json.dump(res, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
-        render_tables(res)
+        analysis_report.render_tables(res)
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump(res, f, indent=1)
@@ -224,15 +212,13 @@ def _analyze(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from numba_kv.info import main as info_main
 
-    info_main()
+    env_info.main()
     return 0
 
 
 def _add_eval(sub: Any) -> None:
     """The ``eval`` subcommand."""
-    from .evaluation.evaluate import DEFAULT_CACHES, DEFAULT_TEXT
 
     e = sub.add_parser(
         "eval", help="evaluate caches on a real model and English text against the dense cache",
@@ -242,7 +228,7 @@ def _add_eval(sub: Any) -> None:
                     "report perplexity change with its standard error, top-1 agreement, top-5 overlap and KL "
                     "statistics vs dense (mean, median, p99, max, as llama.cpp's --kl-divergence), "
                     "greedy-generation match, KV bytes/token, bits/value and decode tokens/s.")
-    e.add_argument("--cache", default=DEFAULT_CACHES,
+    e.add_argument("--cache", default=evaluate.DEFAULT_CACHES,
                    help="comma-separated caches; an entry is NAME, NAME-rR-sS (residual_length=R, sink_tokens=S) "
                         "or NAME:KEY=VALUE[,KEY=VALUE...] (e.g. 'dense,pqo3,pqo3:residual_length=32,sink_tokens=4'); "
                         "dense is always run as the reference (default: %(default)s)")
@@ -251,7 +237,7 @@ def _add_eval(sub: Any) -> None:
     e.add_argument("--sink-tokens", type=int, default=None,
                    help="sink_tokens for every compressed cache that does not set its own")
     e.add_argument("--text", default=None, metavar="FILE",
-                   help=f"English text file (default: {DEFAULT_TEXT}, read at run time)")
+                   help=f"English text file (default: {evaluate.DEFAULT_TEXT}, read at run time)")
     e.add_argument("--tokens", type=int, default=1024, help="N, tokens of the text (default: %(default)s)")
     e.add_argument("--prefill", type=int, default=128, help="P, prefilled tokens (default: %(default)s)")
     e.add_argument("--gen-tokens", type=int, default=16,

@@ -58,6 +58,12 @@ from typing import Any
 
 import numpy as np
 
+try:  # rich is optional here: without it the table is printed as markdown
+    from rich.console import Console
+    from rich.table import Table
+except ModuleNotFoundError:  # pragma: no cover - depends on the environment
+    Console = Table = None
+
 from numba_kv.caches.factory import make_cache
 from numba_kv.caches.protocol import AttendConfig, Dequantized
 from numba_kv.caches.spec import parse_cache_spec
@@ -197,8 +203,7 @@ def _faiss_keeps_norm(faiss: Any, spec: str, d: int) -> bool:
 
 
 def _faiss_recon(spec: str, data: SyntheticKV) -> _Recon:
-    # faiss: optional (the bench extra); the caller reports its absence in the rows
-    import faiss
+    import faiss  # noqa: PLC0415 - optional dependency (the bench extra): the caller reports its absence in the rows
 
     H, _T, d = data.k.shape
     keeps_norm = _faiss_keeps_norm(faiss, spec, d)
@@ -284,7 +289,8 @@ def run(modes: Sequence[str] = DEFAULT_MODES, T: int = 2048, *,
 
     A mode is one cache in the grammar of :func:`numba_kv.caches.spec.parse_cache_spec`
     (``NAME[-rR][-sS][:KEY=VALUE[,KEY=VALUE...]]``); the window defaults to none here.
-    ``faiss_specs`` are ``faiss.index_factory`` strings (``None`` or empty: no FAISS rows; skipped with a row ``error`` if FAISS is missing).
+    ``faiss_specs`` are ``faiss.index_factory`` strings (``None`` or empty: no FAISS rows;
+    skipped with a row ``error`` if FAISS is missing).
     A mode that raises gives a row with ``error`` set and no metrics; a row whose metrics
     are not finite gets ``error`` too.
 
@@ -363,10 +369,7 @@ def to_markdown(rows: Sequence[dict[str, Any]]) -> str:
 
 def render(rows: Sequence[dict[str, Any]], title: str) -> None:
     """Print the table with rich (plain markdown if rich is unavailable)."""
-    try:  # rich is optional here: without it the table is printed as markdown
-        from rich.console import Console
-        from rich.table import Table
-    except ModuleNotFoundError:
+    if Console is None:
         sys.stdout.write(title + "\n" + to_markdown(rows))
         return
     md = to_markdown(rows).splitlines()

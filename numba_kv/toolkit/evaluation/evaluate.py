@@ -581,7 +581,7 @@ def render_table(result: EvalResult, console: Any = None) -> None:
 def plot_results(result: EvalResult, path: str | Path) -> Path:
     """Save a PNG: perplexity change (%) and mean KL vs bits/value, one labelled point per cache.
 
-    Uses matplotlib's Agg canvas directly (no pyplot, no global backend change).
+    Uses matplotlib's object API (no pyplot, no global backend change; ``savefig`` renders PNG with Agg).
 
     Parameters
     ----------
@@ -594,14 +594,10 @@ def plot_results(result: EvalResult, path: str | Path) -> Path:
     Path
         ``path``.
     """
-    # matplotlib: optional and slow to import; only --plot needs it (a missing package is
-    # reported by the command line as a user error)
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+    # a missing matplotlib is reported by the command line as a user error
+    from matplotlib import figure, ticker  # noqa: PLC0415 - slow to import (~0.3 s), only --plot needs it
 
-    fig = Figure(figsize=(11, 4.5), dpi=110)
-    FigureCanvasAgg(fig)
+    fig = figure.Figure(figsize=(11, 4.5), dpi=110)
     axes = fig.subplots(1, 2)
     bits = [r.bits_per_value for r in result.rows]
     order = {id(r): i for i, r in enumerate(sorted(result.rows, key=lambda r: r.bits_per_value))}
@@ -617,8 +613,8 @@ def plot_results(result: EvalResult, path: str | Path) -> Path:
         ax.set_xscale("log", base=2)
         lo, hi = min(bits), max(bits)
         ax.set_xticks([t for t in (1.5, 2, 2.5, 3, 3.5, 4, 4.5, 6, 8, 12, 16, 24, 32) if lo / 1.1 <= t <= hi * 1.1])
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
-        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _pos: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
         ax.set_xlabel("KV bits/value (log2 scale; window tokens included)")
         ax.set_ylabel(ylabel + f"\nsymlog scale, linear below {lin:g}")
         ax.axhline(0.0, color="grey", lw=0.6)

@@ -331,7 +331,7 @@ def default_cache_dir(gguf_path: PathLike) -> Path:
 # --------------------------------------------------------------------------------------
 def _import_gguf():
     try:
-        import gguf
+        import gguf  # noqa: PLC0415 - optional dependency: only the first conversion of a GGUF file needs it
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError("converting a GGUF file needs the 'gguf' package: "
                           "`pip install gguf` (or `pip install numba-kv[tools]`)") from exc

@@ -96,7 +96,7 @@ def _host(a: Any) -> np.ndarray:
 # --------------------------------------------------------------------------------------
 # building blocks
 # --------------------------------------------------------------------------------------
-def _cache_window(cache: Any, layer: int) -> Optional[int]:
+def _cache_window(cache: Any, layer: int) -> int | None:
     """Sliding window the cache applies to ``layer`` itself (``None``: it does not slide)."""
     windows = getattr(cache, "layer_windows", None)
     return None if windows is None else windows[layer]
@@ -394,7 +394,7 @@ class LlamaModel:
         Parameters
         ----------
         cache_factory : str or callable, optional
-            ``None`` -> :class:`~numba_kv.caches.dense.DenseCache`; a str -> 
+            ``None`` -> :class:`~numba_kv.caches.dense.DenseCache`; a str ->
             :func:`numba_kv.make_cache` name (both get ``sliding_window=layer_windows``
             for models with local layers, unless given); a callable is called as
             ``cache_factory(num_layers=, num_kv_heads=, head_dim=, **options)``.

@@ -65,7 +65,7 @@ _SPM_SPACE = "\u2581"
 
 def _import_tokenizers():
     try:
-        import tokenizers
+        import tokenizers  # noqa: PLC0415 - optional dependency (tools extra): only a loaded model's tokenizer needs it
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError("the GGUF tokenizer needs the 'tokenizers' package: "
                           "`pip install tokenizers` (or `pip install numba-kv[tools]`)") from exc
