@@ -119,7 +119,7 @@ class PolarQuantCache(LayeredCache):
         block (or vector), so ``⟨x̂, x⟩ = ‖x‖²`` and inner products with independent queries
         are unbiased (slope 1) at almost the MSE-optimal error, for the same bytes.
     outlier_channels : int
-        Channel split (TurboQuant §4.3): this many channels per (layer, batch row, KV
+        Channel split (TurboQuant, arXiv:2504.19874, §4.3): this many channels per (layer, batch row, KV
         head) — a multiple of 32 — are quantized with ``outlier_bits``-wide codebooks and
         the rest with the normal ones.  Rule: the channels with the largest RMS over the
         layer's **first stored chunk** (after key centering), per row; the choice is then

@@ -149,7 +149,7 @@ class CompressedKVCache(Protocol):
     * ``decode`` stores the new token(s) first, then attends over everything stored and
       returns :class:`Fused` or :class:`Dequantized`.
     * ``seq_len(layer)`` is the number of tokens the layer has seen (``IndexError`` for a
-      layer out of range, like every other method — the Rust anchor silently returned 0).
+      layer out of range, like every other method; turboquant-rs silently returns 0).
       That is the number of stored tokens, except on sliding-window layers, which drop
       tokens no later query can see (``stored_len(layer)`` of the library's caches).
     * ``reset()`` drops every layer; ``memory_usage()`` is then 0.
