@@ -148,3 +148,34 @@ def test_lifecycle_config_rebuilds_the_same_config():
               TurboQuantCache(*GEOM, bits=4, qjl_seed=7, norm_mode="l2")):
         cfg = c._lifecycle_config()
         assert type(c)(**cfg).config == c.config
+
+
+def test_spec_config_is_what_make_builds():
+    from numba_kv.caches.factory import make_cache as factory_make_cache
+    from numba_kv.caches.spec import parse_cache_spec
+
+    assert factory_make_cache is make_cache
+    for text in ("pqo3-r16:key_center=true", "tq-k4v3-l2", "pqo2.5-s0", "pq4-head-eden"):
+        spec = parse_cache_spec(text)
+        assert spec.config(2, 2, 128) == spec.make(2, 2, 128).config
+    assert isinstance(parse_cache_spec("tq3").config(1, 1, 64), TurboQuantConfig)
+    with pytest.raises(ValueError, match="^name: the dense cache"):
+        parse_cache_spec("dense").config(1, 1, 64)
+    with pytest.raises(TypeError, match="residual_length"):
+        parse_cache_spec("pqo3-r8").config(1, 1, 64, residual_length=4)
+
+
+def test_split_with_different_side_widths_saves_and_loads(tmp_path, rng):
+    """K and V outlier widths differ (k 3 -> 4, v 2 -> 3): the file must rebuild the same
+    layouts (it used to store the K width for both sides)."""
+    pytest.importorskip("safetensors")
+    from numba_kv import load_cache
+
+    c = PolarQuantCache(1, 1, 128, k_bits=3, v_bits=2, outlier_channels=64, residual_length=0, sink_tokens=0)
+    k = rng.standard_normal((1, 1, 5, 128)).astype(np.float32)
+    c.prefill(0, k, k)
+    c.save(tmp_path / "s.safetensors")
+    d = load_cache(tmp_path / "s.safetensors", expect=c)
+    assert d.config == c.config and d.outlier_bits == {"k": 4, "v": 3}
+    for a, b in zip(c.live_arrays(0), d.live_arrays(0)):
+        assert np.array_equal(a, b)
