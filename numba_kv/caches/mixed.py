@@ -30,7 +30,7 @@ _GEOMETRY = ("num_layers", "num_kv_heads", "head_dim")
 def _override_keys(cls: type) -> list[str]:
     """Constructor options of ``cls`` a layer may override (everything but the geometry):
     the fields of its configuration class, or its ``__init__`` keywords."""
-    config_class = getattr(cls, "_config_class", None)
+    config_class = getattr(cls, "config_class", None)
     if config_class is not None:
         keys = [f.name for f in dataclasses.fields(config_class)]
     else:

@@ -24,7 +24,7 @@ combines exact and compressed tokens in one softmax.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -119,8 +119,8 @@ class PolarQuantCache(LayeredCache):
         block (or vector), so ``⟨x̂, x⟩ = ‖x‖²`` and inner products with independent queries
         are unbiased (slope 1) at almost the MSE-optimal error, for the same bytes.
     outlier_channels : int
-        Channel split (TurboQuant, arXiv:2504.19874, §4.3): this many channels per (layer, batch row, KV
-        head) — a multiple of 32 — are quantized with ``outlier_bits``-wide codebooks and
+        Channel split (TurboQuant, arXiv:2504.19874, §4.3): this many channels per (layer,
+        batch row, KV head) — a multiple of 32 — are quantized with ``outlier_bits``-wide codebooks and
         the rest with the normal ones.  Rule: the channels with the largest RMS over the
         layer's **first stored chunk** (after key centering), per row; the choice is then
         frozen (stored as an int16 permutation per row, counted by ``memory_usage``).  Both
@@ -164,10 +164,11 @@ class PolarQuantCache(LayeredCache):
     (10, 10240)
     """
 
-    _config_class: type[PolarQuantConfig] = PolarQuantConfig
+    #: the configuration type the constructor builds (``TurboQuantConfig`` for TurboQuant)
+    config_class: ClassVar[type[PolarQuantConfig]] = PolarQuantConfig
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, bits: int = 3, **options: Any) -> None:
-        self._setup(self._config_class(num_layers, num_kv_heads, head_dim, bits, **options))
+        self._setup(self.config_class(num_layers, num_kv_heads, head_dim, bits, **options))
 
     @classmethod
     def from_config(cls, config: PolarQuantConfig) -> PolarQuantCache:
@@ -178,9 +179,19 @@ class PolarQuantCache(LayeredCache):
         config : PolarQuantConfig
             Of exactly the class's configuration type (:class:`PolarQuantConfig`, or
             :class:`~numba_kv.caches.config.TurboQuantConfig` for ``TurboQuantCache``).
+
+        Returns
+        -------
+        PolarQuantCache
+            An empty cache with ``cache.config is config``.
+
+        Raises
+        ------
+        TypeError
+            ``config`` of another type.
         """
-        if type(config) is not cls._config_class:
-            raise TypeError(f"config: expected a {cls._config_class.__name__}, got {type(config).__name__}")
+        if type(config) is not cls.config_class:
+            raise TypeError(f"config: expected a {cls.config_class.__name__}, got {type(config).__name__}")
         cache = cls.__new__(cls)
         cache._setup(config)
         return cache

@@ -169,7 +169,7 @@ class CacheSpec:
         for key in set(self.options) & set(extra):
             raise TypeError(f"config() got multiple values for keyword argument {key!r}")
         cls, opts = _resolve(self.name, head_dim, {**dict(self.options), **extra})
-        return cls._config_class(num_layers, num_kv_heads, head_dim, **opts)
+        return cls.config_class(num_layers, num_kv_heads, head_dim, **opts)
 
     @property
     def is_dense(self) -> bool:

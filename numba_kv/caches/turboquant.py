@@ -89,7 +89,7 @@ class TurboQuantCache(PolarQuantCache):
     (3.625, 3.5)
     """
 
-    _config_class = TurboQuantConfig
+    config_class = TurboQuantConfig
     config: TurboQuantConfig
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, bits: int = 3, **options: Any) -> None:
