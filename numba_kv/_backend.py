@@ -14,6 +14,9 @@ import os
 from typing import Any
 
 import numpy as np
+from numba import cuda
+
+from . import _config
 
 CPU = "cpu"
 CUDA = "cuda"
@@ -84,7 +87,7 @@ def xp_of(a: Any):
     if isinstance(a, np.ndarray):
         return np
     if _is_cupy(a):
-        import cupy  # noqa: PLC0415 - optional dependency
+        import cupy  # noqa: PLC0415 - optional dependency (extra "cuda"): imported once a CuPy array is seen
 
         return cupy
     return None
@@ -95,8 +98,6 @@ def empty(like: Any, shape: tuple[int, ...], dtype) -> Any:
     xp = xp_of(like)
     if xp is not None:
         return xp.empty(shape, dtype=dtype)
-    from numba import cuda  # noqa: PLC0415
-
     return cuda.device_array(shape, dtype=dtype)
 
 
@@ -105,8 +106,6 @@ def zeros(like: Any, shape: tuple[int, ...], dtype) -> Any:
     xp = xp_of(like)
     if xp is not None:
         return xp.zeros(shape, dtype=dtype)
-    from numba import cuda  # noqa: PLC0415
-
     return cuda.to_device(np.zeros(shape, dtype=dtype))
 
 
@@ -132,7 +131,7 @@ def ascontiguous_f32(name: str, a: Any) -> Any:
             raise TypeError(f"{name}: expected a real (float or integer) array, got dtype {dt}")
         out = xp.ascontiguousarray(a, dtype=xp.float32)
         if dt.itemsize > 4 and dt.kind == "f" and out.size:
-            from .ops.finite import all_finite  # noqa: PLC0415
+            from .ops.finite import all_finite  # noqa: PLC0415 - import cycle: ops.finite imports this module
 
             if not all_finite(out) and bool(xp.isfinite(a).all()):  # float64 beyond the float32 range
                 big, f32max = float(xp.abs(a).max()), float(np.finfo(np.float32).max)
@@ -149,8 +148,6 @@ def cuda_grid(n: int, threads: int | None = None) -> tuple[int, int]:
 
     Under the simulator the block is kept small (every simulated thread is an OS thread).
     """
-    from . import _config  # noqa: PLC0415
-
     if threads is None:
         threads = _config.get("cuda_threads_sim" if simulator_enabled() else "cuda_threads")
     n = max(int(n), 1)
@@ -172,12 +169,8 @@ def constant(like: Any, host: np.ndarray) -> Any:
     if hit is not None and hit[0] is host:
         return hit[1]
     if kind == "cupy":
-        import cupy  # noqa: PLC0415
-
-        dev = cupy.asarray(host)
+        dev = xp_of(like).asarray(host)
     else:
-        from numba import cuda  # noqa: PLC0415
-
         dev = cuda.to_device(np.ascontiguousarray(host))
     _CONST_CACHE[key] = (host, dev)
     return dev
