@@ -27,7 +27,7 @@ from ..ops.gather import to_like
 from ..ops.memory import copy_tokens
 from ._layer import BufferSpec, LayerState
 
-__all__ = ["ExactWindow", "StorePlan", "assign_tokens", "crop_counts", "evict_counts", "plan_store"]
+__all__ = ["ExactWindow", "StorePlan", "assign_tokens", "crop_counts", "evict_counts", "layer_counts", "plan_store"]
 
 
 def assign_tokens(src: Any, s0: int, n: int, dst: Any, d0: int) -> None:

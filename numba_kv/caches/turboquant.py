@@ -53,6 +53,8 @@ from .config import PolarQuantConfig, TurboQuantConfig
 from .polarquant import PolarQuantCache
 from .protocol import AttendConfig, DecodeOutput, Dequantized, DequantResult
 
+__all__ = ["TurboQuantCache"]
+
 
 class TurboQuantCache(PolarQuantCache):
     """TurboQuant_prod KV cache: ``(b−1)``-bit keys + 1-bit QJL residual sketch, ``b``-bit
