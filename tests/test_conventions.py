@@ -59,7 +59,7 @@ TOOLKIT = "numba_kv.toolkit"
 #: third-party packages only the toolkit may use (the ``tools`` extra and friends)
 TOOL_DEPS = ("tqdm", "rich", "matplotlib", "gguf", "tokenizers", "scipy", "faiss", "threadpoolctl")
 #: ... and none of these is loaded by ``import numba_kv`` (safetensors: the library's own optional
-#: ``io`` extra, imported by ``caches.persist`` only when a cache is saved or loaded)
+#: ``io`` extra, imported by ``caches._format`` only when a cache is saved or loaded)
 NOT_AT_IMPORT = TOOL_DEPS + ("safetensors",)
 #: NumPy-only leaves of the library: they import nothing of numba_kv outside themselves
 NUMPY_ONLY = ("numba_kv.reference", "numba_kv.metrics")
