@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._layer import LayeredCache
+from ._layer import LayeredCache, resolve_layer
 from .dense import DenseCache
 from .mixed import MixedCache, build_cache
 from .polarquant import PolarQuantCache
+from .presets import resolve_preset
 from .spec import CACHE_NAMES, name_options, parse_cache_spec
 from .turboquant import TurboQuantCache
 
@@ -22,15 +23,17 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
     Parameters
     ----------
     name : str
-        ``"dense"``; PolarQuant ``"pq2"``–``"pq4"``, ``"pqo2"``–``"pqo4"``; TurboQuant
-        (QJL) ``"tq2"``–``"tq4"``; asymmetric ``"pqo-k4v3"`` / ``"tq-k4v3"`` (keys 4 bits,
-        values 3; any of 2–4 each); channel splits ``"pqo2.5"`` / ``"pqo3.5"`` (half of
-        every head's channels — the outlier half, chosen per layer and KV head on the first
-        prefill — one bit wider: 2.5 / 3.5 index bits per value).  Suffixes, combinable:
-        ``"-l2"`` (L2 norm mode), ``"-head"`` (one rotation over the whole head and one
-        norm per vector instead of per-32-block scales), ``"-eden"`` (unbiased rescale).
-        The full grammar of :mod:`numba_kv.caches.spec` is accepted: a window suffix
-        ``"-rR-sS"`` and options ``":key=value,..."`` (``"pqo3-r0-s0:key_center=true"``).
+        A named preset, ``"kv4"`` (≤ 4.0 bits/value) or ``"kv5"`` (≤ 5.0), counted at 1,024 tokens
+        on this geometry (:mod:`numba_kv.caches.presets`; ``options`` and ``layer_overrides``
+        replace the preset's own); ``"dense"``; PolarQuant ``"pq2"``–``"pq4"``,
+        ``"pqo2"``–``"pqo4"``; TurboQuant (QJL) ``"tq2"``–``"tq4"``; asymmetric ``"pqo-k4v3"`` /
+        ``"tq-k4v3"`` (keys 4 bits, values 3; any of 2–4 each); channel splits ``"pqo2.5"`` /
+        ``"pqo3.5"`` (half of every head's channels — the outlier half, chosen per layer and KV head
+        on the first prefill — one bit wider: 2.5 / 3.5 index bits per value).  Suffixes,
+        combinable: ``"-l2"`` (L2 norm mode), ``"-head"`` (one rotation over the whole head and one
+        norm per vector instead of per-32-block scales), ``"-eden"`` (unbiased rescale). The full
+        grammar of :mod:`numba_kv.caches.spec` is accepted: a window suffix ``"-rR-sS"`` and options
+        ``":key=value,..."`` (``"pqo3-r0-s0:key_center=true"``).
     num_layers, num_kv_heads, head_dim : int
         Model geometry.
     layer_overrides : dict {int: dict}, optional
@@ -74,6 +77,14 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
         spec = parse_cache_spec(name)
     except ValueError as exc:
         raise ValueError(f"name: {exc}") from None
+    if spec.is_preset:
+        base, preset_opts, preset_layers = resolve_preset(spec.name, num_layers=num_layers,
+                                                          num_kv_heads=num_kv_heads, head_dim=head_dim)
+        for key, over in (layer_overrides or {}).items():
+            idx = resolve_layer("layer_overrides", key, num_layers)
+            preset_layers[idx] = {**preset_layers.get(idx, {}), **over}
+        return make_cache(base, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                          layer_overrides=preset_layers or None, **{**preset_opts, **spec.options, **options})
     if spec.is_dense:
         family, bits, implied = "dense", 0, dict(spec.options)
     else:
