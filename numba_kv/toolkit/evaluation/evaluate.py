@@ -475,6 +475,8 @@ def _warm_up(model: Any, ids: np.ndarray, specs: Sequence[CacheSpec], chunk_size
     warm = min(8, len(ids))
     for spec in specs:
         small = dict(spec.options)
+        if spec.is_preset:  # a preset sizes its window itself: shrink it the same way
+            small.update(residual_length=2, sink_tokens=1)
         if small.get("residual_length"):
             small["residual_length"] = min(int(small["residual_length"]), 2)
         if small.get("sink_tokens"):
@@ -596,9 +598,9 @@ def plot_results(result: EvalResult, path: str | Path) -> Path:
     """
     # matplotlib: optional and slow to import; only --plot needs it (a missing package is
     # reported by the command line as a user error)
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
+    from matplotlib.figure import Figure  # noqa: PLC0415
+    from matplotlib.ticker import FuncFormatter, NullFormatter  # noqa: PLC0415
 
     fig = Figure(figsize=(11, 4.5), dpi=110)
     FigureCanvasAgg(fig)
