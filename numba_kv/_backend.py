@@ -15,11 +15,13 @@ from typing import Any
 
 import numpy as np
 
+from . import _config
+
 CPU = "cpu"
 CUDA = "cuda"
 
 __all__ = ["CPU", "CUDA", "device_of", "resolve_device", "xp_of", "empty", "zeros",
-           "to_host", "cuda_grid", "simulator_enabled", "ascontiguous_f32"]
+           "to_host", "cuda_grid", "coop_grid", "simulator_enabled", "ascontiguous_f32", "constant"]
 
 
 def simulator_enabled() -> bool:
@@ -131,13 +133,12 @@ def ascontiguous_f32(name: str, a: Any) -> Any:
         if dt.kind not in "fiub":  # complex would lose its imaginary part, objects fail later
             raise TypeError(f"{name}: expected a real (float or integer) array, got dtype {dt}")
         out = xp.ascontiguousarray(a, dtype=xp.float32)
-        if dt.itemsize > 4 and dt.kind == "f" and out.size:
-            from .ops.finite import all_finite  # noqa: PLC0415
-
-            if not all_finite(out) and bool(xp.isfinite(a).all()):  # float64 beyond the float32 range
-                big, f32max = float(xp.abs(a).max()), float(np.finfo(np.float32).max)
-                raise ValueError(f"{name}: max |{name}| = {big:.6g} exceeds {f32max:.6g}, the largest float32 "
-                                 "(computations here run in float32)")
+        # float64 beyond the float32 range (a rare input: the check reads the converted copy once)
+        if (dt.itemsize > 4 and dt.kind == "f" and out.size and not bool(xp.isfinite(out).all())
+                and bool(xp.isfinite(a).all())):
+            big, f32max = float(xp.abs(a).max()), float(np.finfo(np.float32).max)
+            raise ValueError(f"{name}: max |{name}| = {big:.6g} exceeds {f32max:.6g}, the largest float32 "
+                             "(computations here run in float32)")
         return out
     if np.dtype(a.dtype) != np.float32 or not a.is_c_contiguous():
         raise TypeError(f"{name}: Numba device arrays must be C-contiguous float32, got {a.dtype}")
@@ -149,13 +150,19 @@ def cuda_grid(n: int, threads: int | None = None) -> tuple[int, int]:
 
     Under the simulator the block is kept small (every simulated thread is an OS thread).
     """
-    from . import _config  # noqa: PLC0415
-
     if threads is None:
         threads = _config.get("cuda_threads_sim" if simulator_enabled() else "cuda_threads")
     n = max(int(n), 1)
     threads = max(1, min(int(threads), n if simulator_enabled() else threads))
     return (n + threads - 1) // threads, threads
+
+
+def coop_grid(n_rows: int, width: int) -> tuple[int, int]:
+    """Launch geometry ``(blocks, threads)`` of a block-cooperative kernel: one block per row
+    (grid-stride beyond ``2**16`` rows), at most ``width`` threads per block (the work items
+    of one row), capped by the ``cuda_threads`` knob (``cuda_threads_sim`` under the simulator)."""
+    cap = _config.get("cuda_threads_sim" if simulator_enabled() else "cuda_threads")
+    return max(1, min(int(n_rows), 1 << 16)), max(1, min(int(width), int(cap)))
 
 
 _CONST_CACHE: dict = {}

@@ -50,6 +50,10 @@ class DenseCache(LayeredCache):
     def _buffer_spec(self) -> BufferSpec:
         return {"k": (self.head_dim, self.dtype, None), "v": (self.head_dim, self.dtype, None)}
 
+    def _input_limit(self) -> tuple[float, str]:
+        limit = {2: F16_MAX, 4: F32_MAX}.get(self.dtype.itemsize, float("inf"))  # float64: any finite value
+        return limit, f"dtype={self.dtype.name} storage"
+
     def _check_range(self, st: LayerState, k: Any, v: Any, stats: Any) -> None:
         if self.dtype.itemsize < 8:  # float16 / float32 storage: larger finite inputs would become inf
             limit = F16_MAX if self.dtype.itemsize == 2 else F32_MAX

@@ -373,6 +373,9 @@ class PolarQuantCache(LayeredCache):
         cached[name] = f
         return f
 
+    def _input_limit(self) -> tuple[float, str]:
+        return MAX_INPUT, f"a {self.name} cache"
+
     def _check_range(self, st: LayerState, k: Any, v: Any, stats: Any) -> None:
         """Reject (``ValueError``, nothing stored) what would not be stored faithfully.
 

@@ -21,6 +21,7 @@ from numba import cuda, float32, prange
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
 from ._registry import register
+from .finite import check_rotation_input
 
 BLOCK = 32
 SIGN_MASK = 0xB1A6D4B2
@@ -176,20 +177,14 @@ def rotate32(x: Any, inverse: bool = False, *, signs: Any = None, backend: str =
     >>> bool(np.allclose(rotate32(rotate32(x), inverse=True), x, atol=1e-6))
     True
     """
-    if signs is None:
-        signs = SIGNS32 if _backend.device_of("x", x) == _backend.CPU else None
-        if signs is None:
-            from numba import cuda as _cuda  # noqa: PLC0415
-
-            signs = _cuda.to_device(SIGNS32) if _backend.xp_of(x) is None else _backend.xp_of(x).asarray(SIGNS32)
+    if signs is None:  # the device copy is made once per device (_backend.constant), not per call
+        signs = _backend.constant(x, SIGNS32) if _backend.device_of("x", x) == _backend.CUDA else SIGNS32
     dev = _backend.resolve_device(backend, x=x, signs=signs)
     shape = tuple(x.shape)  # a tuple: the simulator's shapes reject negative indices
     if len(shape) < 1 or shape[-1] % 32 or shape[-1] == 0:
         raise ValueError(f"x: expected a last axis that is a positive multiple of 32, got shape {shape}")
     if tuple(signs.shape) != (32,):
         raise ValueError(f"signs: expected shape (32,), got {tuple(signs.shape)}")
-    from .._validate import check_rotation_input  # noqa: PLC0415 - _validate imports ops.finite
-
     check_rotation_input("x", x, 32)  # finite, and no rotated value beyond float32
     x2 = _backend.ascontiguous_f32("x", x).reshape(-1, shape[-1])
     out = _backend.empty(x, x2.shape, np.float32)
