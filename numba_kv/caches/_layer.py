@@ -51,6 +51,8 @@ class LayerState:
     meta: dict[str, int] = field(default_factory=dict)
     # sliding window of the layer (None: global attention); configuration, not state
     window: int | None = None
+    # reusable device scratch (e.g. exact-token positions), never counted as stored data
+    scratch: dict[str, Any] = field(default_factory=dict)
 
     @property
     def evicted(self) -> int:
@@ -390,7 +392,7 @@ class LayeredCache(LifecycleMixin):
         old = st.seq_len
         batch = int(k.shape[0])
         if old == 0 and st.buffers and (st.batch != batch or st.device != dev):
-            st.buffers, st.capacity = {}, 0  # batch or device changed after reset
+            st.buffers, st.capacity, st.scratch = {}, 0, {}  # batch or device changed after reset
         self._ensure_capacity(st, k, batch, self._growing_needed(st, int(k.shape[2])))
         self._store(st, k, v)
         st.batch, st.device = batch, dev
@@ -475,7 +477,7 @@ class LayeredCache(LifecycleMixin):
         for st in self._layers:
             with st.lock:
                 st.buffers, st.capacity, st.seq_len, st.batch, st.device = {}, 0, 0, None, None
-                st.live, st.meta = {}, {}
+                st.live, st.meta, st.scratch = {}, {}, {}
 
     def memory_usage(self) -> int:
         """Exact bytes of live stored data, summed over layers."""

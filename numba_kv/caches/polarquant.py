@@ -33,10 +33,11 @@ from .._validate import F16_MAX, check_finite_stats, check_int, check_magnitude,
 from ..ops.attention import CodeLayout, fused_attention_rows
 from ..ops.blockquant import NORM_MODES, dequantize_into, quantize_into
 from ..ops.codebook import get_codebook
-from ..ops.hadamard import rotate32
-from ..ops.headquant import dequantize_head_into, head_signs, quantize_head_into, rotate_head
+from ..ops.hadamard import rotate32_rows
+from ..ops.headquant import dequantize_head_into, head_signs, quantize_head_into, rotate_head_rows
 from ..ops.memory import copy_tokens
-from ._layer import BufferSpec, LayeredCache, LayerState, shift_front
+from ..ops.positions import exact_positions_into
+from ._layer import BufferSpec, LayeredCache, LayerState, grown_capacity, shift_front
 from .protocol import AttendConfig, DecodeOutput, Fused
 
 MODES = ("pq", "pqo")
@@ -654,15 +655,13 @@ class PolarQuantCache(LayeredCache):
 
     def _exact_positions(self, st: LayerState, like: Any) -> Any:
         n_sink, n_win, n_comp = st.meta.get("n_sink", 0), st.meta.get("n_win", 0), st.meta.get("n_comp", 0)
-        pos = np.concatenate([np.arange(n_sink), self._sinks(st) + n_comp + np.arange(n_win)]).astype(np.int32)
         if isinstance(like, np.ndarray):
-            return pos
-        xp = _backend.xp_of(like)
-        if xp is not None:
-            return xp.asarray(pos)
-        from numba import cuda  # noqa: PLC0415
-
-        return cuda.to_device(pos if pos.size else np.zeros(1, np.int32))
+            return np.concatenate([np.arange(n_sink), self._sinks(st) + n_comp + np.arange(n_win)]).astype(np.int32)
+        # on the device: written in place into a reused buffer (no upload per decode step)
+        buf = st.scratch.get("exact_pos")
+        if buf is None or int(buf.shape[0]) < max(n_sink + n_win, 1):
+            buf = st.scratch["exact_pos"] = _backend.empty(like, (grown_capacity(n_sink + n_win + 1),), np.int32)
+        return exact_positions_into(buf, n_sink, self._sinks(st) + n_comp, n_win)
 
     def _history(self, st: LayerState, dtype: Any) -> tuple[Any, Any]:
         out = []
@@ -685,7 +684,11 @@ class PolarQuantCache(LayeredCache):
         return out[0], out[1]
 
     def _rotate_queries(self, q3: Any) -> Any:
-        return rotate_head(q3) if self.rotation == "head" else rotate32(q3)
+        # q was validated by decode (finite, |q| <= 2**64): its rotation fits float32, so the
+        # internal entries (no second validation, no host round trip) suffice
+        q2 = q3.reshape(-1, self.head_dim)
+        out = rotate_head_rows(q2) if self.rotation == "head" else rotate32_rows(q2)
+        return out.reshape(tuple(q3.shape))
 
     def _qjl_args(self, st: LayerState, q3: Any) -> Any:
         """``(sq, signs, norms, const)`` for the fused kernel's QJL correction (TurboQuant)."""

@@ -64,7 +64,8 @@ from .hadamard import SIGNS32
 from .half import _f16_bits_abs_to_f32, _f32_to_f16_bits, f16_bits_abs_to_f32_dev, f32_to_f16_bits_dev
 
 __all__ = ["HEAD_DIMS", "SIGN_SEED", "head_signs", "rotate_head", "quantize_head", "dequantize_head",
-           "quantize_head_into", "dequantize_head_into", "head_codebook", "packed_dim", "bits_per_value"]
+           "quantize_head_into", "dequantize_head_into", "rotate_head_rows", "head_codebook", "packed_dim",
+           "bits_per_value"]
 
 #: supported head dimensions (powers of two; 512 is the size of the CUDA kernels' shared row)
 HEAD_DIMS = (32, 64, 128, 256, 512)
@@ -574,6 +575,18 @@ def quantize_head_into(x3: Any, codes: Any, norms: Any, t0: int, cb: Codebook, u
                      int(t0), codes, norms, work=rows * seq * d, grid=_backend.coop_grid(rows * seq, d // 2))
 
 
+def rotate_head_rows(x2: Any, inverse: bool = False) -> Any:
+    """Rotate the rows of ``x2`` ``[n, d]`` (float32, C-contiguous, ``d`` in :data:`HEAD_DIMS`,
+    finite with row norms within float32) into a new array on its device; no validation and
+    no host round trip (the fused decode path validated its query already)."""
+    n, d = (int(s) for s in x2.shape)
+    out = _backend.empty(x2, (n, d), np.float32)
+    if n:
+        _ROTATE.launch(_backend.device_of("x", x2), n, x2, _backend.constant(x2, head_signs(d)), bool(inverse), out,
+                       work=n * d, grid=_backend.coop_grid(n, d // 2))
+    return out
+
+
 def dequantize_head_into(codes: Any, norms: Any, t0: int, cb: Codebook, out: Any) -> None:
     """Reconstruct tokens ``t0 : t0 + out.shape[1]`` of ``codes``/``norms`` into ``out``
     ``[rows, seq, d]`` float32 (same device)."""
@@ -624,17 +637,12 @@ def rotate_head(x: Any, inverse: bool = False, *, backend: str = "auto") -> Any:
     >>> bool(np.allclose(rotate_head(rotate_head(x), inverse=True), x, atol=1e-6))
     True
     """
-    dev = _backend.resolve_device(backend, x=x)
+    _backend.resolve_device(backend, x=x)
     check_float_array("x", x)
     shape = tuple(x.shape)  # a tuple: the simulator's shapes reject negative indices
     d = _last_axis_head_dim("x", shape)
     check_rotation_input("x", x, d)  # finite, and no rotated value beyond float32
-    x2 = _backend.ascontiguous_f32("x", x).reshape(-1, d)
-    out = _backend.empty(x, x2.shape, np.float32)
-    if x2.shape[0]:
-        signs = _backend.constant(x, head_signs(d))
-        _ROTATE.launch(dev, x2.shape[0], x2, signs, bool(inverse), out, work=x2.size,
-                       grid=_backend.coop_grid(x2.shape[0], d // 2))
+    out = rotate_head_rows(_backend.ascontiguous_f32("x", x).reshape(-1, d), inverse)
     return out.reshape(shape)
 
 
