@@ -128,3 +128,25 @@ def test_sync_validation_reads_back_and_deferred_reports_later():
     assert cache.seq_len(0) == n
     with pytest.raises(ValueError, match="validate: expected one of"):
         cache.validate = "later"
+
+
+def _positions(rng):
+    from numba_kv.ops.positions import exact_positions_into
+
+    for n_sink, base, n_win in ((0, 0, 0), (2, 7, 3), (0, 12, 4), (3, 3, 0)):
+        n = max(n_sink + n_win, 1)
+        cpu = exact_positions_into(np.full(n + 2, -1, np.int32), n_sink, base, n_win)
+        dev = exact_positions_into(to_device(np.full(n + 2, -1, np.int32)), n_sink, base, n_win)
+        assert np.array_equal(to_host(dev), cpu)
+        if n_sink + n_win:
+            expect = np.concatenate([np.arange(n_sink), base + np.arange(n_win)]).astype(np.int32)
+            assert np.array_equal(cpu, expect)
+
+
+RUNNERS = {"exact_positions": _positions}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", sorted(RUNNERS))
+def test_cuda_kernel_matches_cpu_twin(name):
+    RUNNERS[name](np.random.default_rng(5))
