@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 import numpy as np
+from numba import cuda
 
 from . import _config
 
@@ -97,7 +98,6 @@ def empty(like: Any, shape: tuple[int, ...], dtype) -> Any:
     xp = xp_of(like)
     if xp is not None:
         return xp.empty(shape, dtype=dtype)
-    from numba import cuda  # noqa: PLC0415
 
     return cuda.device_array(shape, dtype=dtype)
 
@@ -107,7 +107,6 @@ def zeros(like: Any, shape: tuple[int, ...], dtype) -> Any:
     xp = xp_of(like)
     if xp is not None:
         return xp.zeros(shape, dtype=dtype)
-    from numba import cuda  # noqa: PLC0415
 
     return cuda.to_device(np.zeros(shape, dtype=dtype))
 
@@ -168,22 +167,31 @@ def coop_grid(n_rows: int, width: int) -> tuple[int, int]:
 _CONST_CACHE: dict = {}
 
 
+def _device_id(like: Any, kind: str) -> int:
+    """Ordinal of the GPU that holds ``like`` (CuPy) or of the current context (Numba)."""
+    if kind == "cupy":
+        return int(like.device.id)
+
+    return int(getattr(cuda.get_current_device(), "id", 0) or 0)  # the simulator's device has no id
+
+
 def constant(like: Any, host: np.ndarray) -> Any:
     """``host`` (a long-lived read-only NumPy constant: signs, codebooks) on the device of
-    ``like``; device copies are made once per namespace and reused."""
+    ``like``.  Device copies are made once per array namespace and GPU and reused, so a
+    steady-state call uploads nothing."""
     if isinstance(like, np.ndarray):
         return host
     kind = "cupy" if _is_cupy(like) else "numba"
-    key = (kind, id(host))
+    key = (kind, _device_id(like, kind), id(host))
     hit = _CONST_CACHE.get(key)
     if hit is not None and hit[0] is host:
         return hit[1]
     if kind == "cupy":
-        import cupy  # noqa: PLC0415
+        import cupy  # noqa: PLC0415 - optional dependency
 
-        dev = cupy.asarray(host)
+        with like.device:
+            dev = cupy.asarray(host)
     else:
-        from numba import cuda  # noqa: PLC0415
 
         dev = cuda.to_device(np.ascontiguousarray(host))
     _CONST_CACHE[key] = (host, dev)
