@@ -56,7 +56,7 @@ from numba import cuda, float32, int64, prange, uint8, uint16
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
 from .._validate import check_f16_result, check_float_array
-from ._coop import coop_butterflies
+from ._coop import coop_butterflies, mul_rn
 from ._registry import register
 from .codebook import Codebook, _bucketize, get_codebook
 from .finite import check_finite, check_rotation_input
@@ -479,7 +479,7 @@ def _quantize_head_cuda(x, signs, bounds, centroids, unbiased, bits, t0, codes, 
             acc = float32(0.0)
             for j in range(d):
                 u = t[j]
-                acc += u * u
+                acc += mul_rn(u, u)  # no FMA: the CPU twin rounds the product first
             red[0] = max(float32(math.sqrt(acc)), float32(1e-10))
         cuda.syncthreads()
         nrm = red[0]
@@ -499,8 +499,8 @@ def _quantize_head_cuda(x, signs, bounds, centroids, unbiased, bits, t0, codes, 
             tyc = float32(0.0)
             for j in range(d):
                 y = t[j]
-                tyy += y * y
-                tyc += y * centroids[ib[j]]
+                tyy += mul_rn(y, y)
+                tyc += mul_rn(y, centroids[ib[j]])
             if tyc > float32(0.0):  # else y = 0 (x = 0): keep n, which stores as 0
                 red[0] = np.divide(nrm * tyy, tyc)
         cb = codes[r, t0 + s]
