@@ -85,6 +85,8 @@ class LayerState:
         return sum(int(b.size) * np.dtype(b.dtype).itemsize for b in self.buffers.values())
 
 
+_DEFER_LOCK = threading.Lock()
+
 #: values of :attr:`LayeredCache.validate`
 VALIDATE_MODES = ("auto", "sync", "deferred", "off")
 
@@ -264,7 +266,6 @@ class LayeredCache(LifecycleMixin):
 
         return cuda.to_device(bias)
 
-    # -- helpers --------------------------------------------------------------------------
     # -- validation of the values (the shapes are always checked) ----------------------------
     @property
     def validate(self) -> str:
@@ -324,9 +325,11 @@ class LayeredCache(LifecycleMixin):
     def _defer(self, slot: str, a: Any) -> bool:
         rec = self.__dict__.get("_deferred")
         if rec is None:
-            rec = self.__dict__["_deferred"] = DeferredRange()
+            with _DEFER_LOCK:  # layers of one cache may be called from several threads
+                rec = self.__dict__.setdefault("_deferred", DeferredRange())
         return rec.record(slot, a)
 
+    # -- helpers --------------------------------------------------------------------------
     def _validate(self, layer: Any, k: Any, v: Any, q: Any, config: AttendConfig | None,
                   need_q: bool) -> tuple[int, str, tuple[RangeStats, RangeStats] | None]:
         """Check the arguments; return the layer, the device and the range statistics of
@@ -473,7 +476,8 @@ class LayeredCache(LifecycleMixin):
         return self._layers[layer].seq_len
 
     def reset(self) -> None:
-        """Drop every layer's tokens and buffers."""
+        """Drop every layer's tokens and buffers (and what ``validate="deferred"`` recorded)."""
+        self.__dict__.pop("_deferred", None)
         for st in self._layers:
             with st.lock:
                 st.buffers, st.capacity, st.seq_len, st.batch, st.device = {}, 0, 0, None, None

@@ -11,6 +11,7 @@ in place instead of copying them to the host.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -239,11 +240,13 @@ class DeferredRange:
     accumulator (an ``atomic.max``, no read-back); :meth:`read` copies the accumulators to
     the host once and resets them.  So a caller can validate many steps' inputs with one
     synchronization when it chooses to, instead of one per call.  Accumulators are per
-    ``(slot, dtype)`` (bit patterns of different float widths do not compare).
+    ``(slot, dtype)`` (bit patterns of different float widths do not compare).  Thread-safe
+    (cache layers are called from several threads).
     """
 
     def __init__(self) -> None:
         self._acc: dict[tuple[str, np.dtype], Any] = {}
+        self._lock = threading.Lock()
 
     def record(self, slot: str, a: Any) -> bool:
         """Fold ``|a|`` (a CUDA float16/32/64 array) into accumulator ``slot``; ``False`` when
@@ -258,20 +261,22 @@ class DeferredRange:
             a = xp.ascontiguousarray(a)  # a device-side copy at most
         udt, mask, _ = _BITS[dt]
         key = (slot, dt)
-        acc = self._acc.get(key)
-        if acc is None:
-            acc = self._acc[key] = _backend.zeros(a, (1,), np.uint64)
         u = a.reshape(a.size).view(udt)
-        _RANGE.launch(_backend.CUDA, 0, u, udt(mask), acc, grid=_backend.cuda_grid((a.size + 255) // 256))
+        with self._lock:  # the launch too: read() must not drop an accumulator being written
+            acc = self._acc.get(key)
+            if acc is None:
+                acc = self._acc[key] = _backend.zeros(a, (1,), np.uint64)
+            _RANGE.launch(_backend.CUDA, 0, u, udt(mask), acc, grid=_backend.cuda_grid((a.size + 255) // 256))
         return True
 
     def read(self) -> dict[str, RangeStats]:
         """Per slot, what was recorded since the last :meth:`read` (``nonfinite``, ``amax``);
         one device-to-host copy per accumulator, which resets it."""
         out: dict[str, RangeStats] = {}
-        for (slot, dt), acc in list(self._acc.items()):
+        with self._lock:
+            taken, self._acc = self._acc, {}
+        for (slot, dt), acc in taken.items():
             bits = int(_backend.to_host(acc)[0])
-            del self._acc[(slot, dt)]
             udt, _, inf_bits = _BITS[dt]
             if bits >= inf_bits:
                 st = RangeStats(1, math.inf)
