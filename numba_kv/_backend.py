@@ -22,7 +22,7 @@ CPU = "cpu"
 CUDA = "cuda"
 
 __all__ = ["CPU", "CUDA", "device_of", "resolve_device", "xp_of", "empty", "zeros",
-           "to_host", "cuda_grid", "simulator_enabled", "ascontiguous_f32"]
+           "to_host", "cuda_grid", "coop_grid", "simulator_enabled", "ascontiguous_f32", "constant"]
 
 
 def simulator_enabled() -> bool:
@@ -130,13 +130,12 @@ def ascontiguous_f32(name: str, a: Any) -> Any:
         if dt.kind not in "fiub":  # complex would lose its imaginary part, objects fail later
             raise TypeError(f"{name}: expected a real (float or integer) array, got dtype {dt}")
         out = xp.ascontiguousarray(a, dtype=xp.float32)
-        if dt.itemsize > 4 and dt.kind == "f" and out.size:
-            from .ops.finite import all_finite  # noqa: PLC0415 - import cycle: ops.finite imports this module
-
-            if not all_finite(out) and bool(xp.isfinite(a).all()):  # float64 beyond the float32 range
-                big, f32max = float(xp.abs(a).max()), float(np.finfo(np.float32).max)
-                raise ValueError(f"{name}: max |{name}| = {big:.6g} exceeds {f32max:.6g}, the largest float32 "
-                                 "(computations here run in float32)")
+        # float64 beyond the float32 range (a rare input: the check reads the converted copy once)
+        if (dt.itemsize > 4 and dt.kind == "f" and out.size and not bool(xp.isfinite(out).all())
+                and bool(xp.isfinite(a).all())):
+            big, f32max = float(xp.abs(a).max()), float(np.finfo(np.float32).max)
+            raise ValueError(f"{name}: max |{name}| = {big:.6g} exceeds {f32max:.6g}, the largest float32 "
+                             "(computations here run in float32)")
         return out
     if np.dtype(a.dtype) != np.float32 or not a.is_c_contiguous():
         raise TypeError(f"{name}: Numba device arrays must be C-contiguous float32, got {a.dtype}")
@@ -155,21 +154,39 @@ def cuda_grid(n: int, threads: int | None = None) -> tuple[int, int]:
     return (n + threads - 1) // threads, threads
 
 
+def coop_grid(n_rows: int, width: int) -> tuple[int, int]:
+    """Launch geometry ``(blocks, threads)`` of a block-cooperative kernel: one block per row
+    (grid-stride beyond ``2**16`` rows), at most ``width`` threads per block (the work items
+    of one row), capped by the ``cuda_threads`` knob (``cuda_threads_sim`` under the simulator)."""
+    cap = _config.get("cuda_threads_sim" if simulator_enabled() else "cuda_threads")
+    return max(1, min(int(n_rows), 1 << 16)), max(1, min(int(width), int(cap)))
+
+
 _CONST_CACHE: dict = {}
+
+
+def _device_id(like: Any, kind: str) -> int:
+    """Ordinal of the GPU that holds ``like`` (CuPy) or of the current context (Numba)."""
+    if kind == "cupy":
+        return int(like.device.id)
+
+    return int(getattr(cuda.get_current_device(), "id", 0) or 0)  # the simulator's device has no id
 
 
 def constant(like: Any, host: np.ndarray) -> Any:
     """``host`` (a long-lived read-only NumPy constant: signs, codebooks) on the device of
-    ``like``; device copies are made once per namespace and reused."""
+    ``like``.  Device copies are made once per array namespace and GPU and reused, so a
+    steady-state call uploads nothing."""
     if isinstance(like, np.ndarray):
         return host
     kind = "cupy" if _is_cupy(like) else "numba"
-    key = (kind, id(host))
+    key = (kind, _device_id(like, kind), id(host))
     hit = _CONST_CACHE.get(key)
     if hit is not None and hit[0] is host:
         return hit[1]
     if kind == "cupy":
-        dev = xp_of(like).asarray(host)
+        with like.device:  # the constant lives on the GPU of ``like``
+            dev = xp_of(like).asarray(host)
     else:
         dev = cuda.to_device(np.ascontiguousarray(host))
     _CONST_CACHE[key] = (host, dev)

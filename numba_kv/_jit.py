@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from numba import cuda, njit
 
-__all__ = ["CORES", "FASTMATH_REDUCE", "cpu_call", "cpu_kernel", "cpu_serial", "cuda_kernel", "twin"]
+__all__ = ["CORES", "FASTMATH_REDUCE", "cpu_call", "cpu_kernel", "cpu_serial", "cuda_device", "cuda_kernel", "twin"]
 
 # plain function -> (cpu variant, device variant)
 CORES: dict[Callable, tuple[Callable, Callable]] = {}
@@ -107,6 +107,12 @@ def cpu_serial(fn: Callable | None = None, *, fastmath: bool | set | frozenset =
 def cuda_kernel(fn: Callable) -> Callable:
     """CUDA kernel, compiled lazily on first launch (or by ``compile_ptx``)."""
     return _restamp(cuda.jit(fn, cache=True))
+
+
+def cuda_device(fn: Callable) -> Callable:
+    """CUDA-only device function (block-cooperative helpers that call ``cuda.syncthreads``
+    and have no CPU meaning), inlined into its callers like the device side of :func:`twin`."""
+    return cuda.jit(device=True, inline="always")(fn)
 
 
 def _rebind(fn: Callable, which: int) -> Callable:

@@ -1,8 +1,15 @@
-"""Argument validation shared by caches and ops.
+"""Argument validation shared by caches and ops: types, shapes, dtypes, magnitudes.
 
 Every check raises an exception whose message names the argument, what was expected and
 what was received.  Checks run *before* any storage is touched, so a failed call leaves a
 cache exactly as it was.
+
+Layering: this module sits below :mod:`numba_kv.ops` (ops import it at module level) and
+imports nothing of ``ops``.  The checks that need a kernel to read the values (NaN/Inf,
+range statistics: :func:`~numba_kv.ops.finite.check_finite`,
+:func:`~numba_kv.ops.finite.check_finite_stats`,
+:func:`~numba_kv.ops.finite.check_rotation_input`) live next to their kernels in
+:mod:`numba_kv.ops.finite`; the old names here still resolve, lazily.
 """
 
 from __future__ import annotations
@@ -13,7 +20,6 @@ from typing import Any
 import numpy as np
 
 from ._backend import CPU, device_of, to_host
-from .ops.finite import RangeStats, all_finite, range_stats
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 F16_MAX = 65504.0  # largest finite binary16
@@ -39,20 +45,6 @@ def check_float_array(name: str, a: Any, ndim: int | None = None) -> str:
     if ndim is not None and len(a.shape) != ndim:
         raise ValueError(f"{name}: expected a {ndim}-D array, got shape {tuple(a.shape)} ({len(a.shape)}-D)")
     return dev
-
-
-def check_finite(name: str, a: Any) -> None:
-    """``ValueError`` if ``a`` holds NaN or Inf."""
-    if not all_finite(a):
-        raise ValueError(f"{name}: expected finite values, got NaN or Inf")
-
-
-def check_finite_stats(name: str, a: Any, d: int | None = None) -> RangeStats:
-    """:func:`check_finite` that also returns the range numbers it measured in the same pass."""
-    st = range_stats(a, d)
-    if st.nonfinite:
-        raise ValueError(f"{name}: expected finite values, got NaN or Inf")
-    return st
 
 
 def check_magnitude(name: str, amax: float, limit: float, what: str) -> None:
@@ -84,16 +76,6 @@ def check_f16_result(name: str, *f16_bits: Any) -> None:
                              f"largest binary16 value: {name} is out of range for this op")
 
 
-def check_rotation_input(name: str, x: Any, block: int) -> None:
-    """``ValueError`` if a ``block``-value rotation of ``x`` (last axis) could leave float32:
-    a rotated value is at most its block's L2 norm, so blocks with norm above the float32
-    maximum are rejected (one pass, :func:`~numba_kv.ops.finite.range_stats`)."""
-    st = check_finite_stats(name, x, block)
-    if not st.max_norm <= F32_MAX:
-        raise ValueError(f"{name}: a {block}-value block has L2 norm {st.max_norm:.6g}, above {F32_MAX:.6g} "
-                         f"(the largest float32): its rotation cannot be represented")
-
-
 def check_shape(name: str, a: Any, expected: Sequence[int | None], labels: Sequence[str]) -> None:
     """Compare ``a.shape`` with ``expected`` (``None`` = any), naming the mismatching axis."""
     shape = tuple(a.shape)
@@ -105,16 +87,9 @@ def check_shape(name: str, a: Any, expected: Sequence[int | None], labels: Seque
                              f"[{', '.join(labels)}], got shape {shape}")
 
 
-def check_kv(k: Any, v: Any, num_kv_heads: int, head_dim: int,
-             batch: int | None = None) -> str:
-    """Validate a K/V pair ``[batch, num_kv_heads, new_tokens, head_dim]``; return device."""
-    return check_kv_stats(k, v, num_kv_heads, head_dim, batch)[0]
-
-
-def check_kv_stats(k: Any, v: Any, num_kv_heads: int, head_dim: int,
-                   batch: int | None = None) -> tuple[str, RangeStats, RangeStats]:
-    """:func:`check_kv`, also returning the :func:`~numba_kv.ops.finite.range_stats` of
-    ``k`` and ``v`` (one read of each: the finiteness check and the range numbers)."""
+def check_kv_shapes(k: Any, v: Any, num_kv_heads: int, head_dim: int, batch: int | None = None) -> str:
+    """Dtype, device and shape checks of a K/V pair ``[batch, num_kv_heads, new_tokens,
+    head_dim]`` (values are not read); return the device."""
     labels = ("batch", "num_kv_heads", "new_tokens", "head_dim")
     dk = check_float_array("k", k, 4)
     dv = check_float_array("v", v, 4)
@@ -127,12 +102,13 @@ def check_kv_stats(k: Any, v: Any, num_kv_heads: int, head_dim: int,
         raise ValueError(f"k: expected batch >= 1, got shape {tuple(k.shape)}")
     if tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"v: expected the shape of k {tuple(k.shape)}, got {tuple(v.shape)}")
-    return dk, check_finite_stats("k", k), check_finite_stats("v", v)
+    return dk
 
 
-def check_q(q: Any, batch: int, num_kv_heads: int, head_dim: int, n_kv_groups: int | None = None,
-            q_len: int | None = None, device: str = CPU) -> int:
-    """Validate a query ``[batch, num_heads, q_len, head_dim]``; return the group size."""
+def check_q_shape(q: Any, batch: int, num_kv_heads: int, head_dim: int, n_kv_groups: int | None = None,
+                  q_len: int | None = None, device: str = CPU) -> int:
+    """Dtype, device and shape checks of a query ``[batch, num_heads, q_len, head_dim]``
+    (values are not read); return the group size ``num_heads // num_kv_heads``."""
     dq = check_float_array("q", q, 4)
     if dq != device:
         raise ValueError(f"q is on {dq} but k is on {device}: all arrays must live on the same device")
@@ -146,11 +122,6 @@ def check_q(q: Any, batch: int, num_kv_heads: int, head_dim: int, n_kv_groups: i
     if n_kv_groups is not None and n_kv_groups != groups:
         raise ValueError(f"config.n_kv_groups: expected {groups} (= num_heads {hq} / num_kv_heads "
                          f"{num_kv_heads}), got {n_kv_groups}")
-    # logits q·k must stay finite in float32: stored keys are at most 2**21 per value (larger
-    # ones are rejected by the compressed caches), head_dim <= 512, so |q| <= 2**64 keeps
-    # |q·k| <= 2**96, far below float32's 2**128
-    check_magnitude("q", check_finite_stats("q", q).amax, Q_MAX,
-                    "a query (logits must stay finite in float32)")
     return groups
 
 
@@ -172,3 +143,19 @@ def check_head_dim(head_dim: Any) -> int:
     if hd % 32:
         raise ValueError(f"head_dim: expected a positive multiple of 32 (the rotation block), got {hd}")
     return hd
+
+
+#: names that moved next to their kernels in :mod:`numba_kv.ops.finite`
+_MOVED = frozenset({"check_finite", "check_finite_stats", "check_rotation_input", "RangeStats", "range_stats",
+                    "all_finite"})
+
+
+def __getattr__(name: str) -> Any:
+    """Resolve the value checks that moved to :mod:`numba_kv.ops.finite` (old import paths)."""
+    if name in _MOVED:
+        # the one deferred import here: ops.finite imports this module, so importing it at
+        # module level would be a cycle through the ops package
+        from .ops import finite  # noqa: PLC0415
+
+        return getattr(finite, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

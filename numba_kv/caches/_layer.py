@@ -16,8 +16,17 @@ from typing import Any
 import numpy as np
 
 from .. import _backend, _config
-from .._validate import F32_MAX, check_head_dim, check_int, check_kv_stats, check_layer, check_magnitude, check_q
-from ..ops.finite import RangeStats
+from .._validate import (
+    F32_MAX,
+    Q_MAX,
+    check_head_dim,
+    check_int,
+    check_kv_shapes,
+    check_layer,
+    check_magnitude,
+    check_q_shape,
+)
+from ..ops.finite import DeferredRange, RangeStats, check_finite_stats
 from ..ops.gather import to_like
 from ..ops.memory import copy_prefix, copy_tokens
 from ._lifecycle import LifecycleMixin
@@ -43,6 +52,8 @@ class LayerState:
     meta: dict[str, int] = field(default_factory=dict)
     # sliding window of the layer (None: global attention); configuration, not state
     window: int | None = None
+    # reusable device scratch (e.g. exact-token positions), never counted as stored data
+    scratch: dict[str, Any] = field(default_factory=dict)
 
     @property
     def evicted(self) -> int:
@@ -73,6 +84,30 @@ class LayerState:
     def allocated_bytes(self) -> int:
         """Bytes of all allocated buffers (capacity, not just live tokens)."""
         return sum(int(b.size) * np.dtype(b.dtype).itemsize for b in self.buffers.values())
+
+
+_DEFER_LOCK = threading.Lock()
+
+#: values of :attr:`LayeredCache.validate`
+VALIDATE_MODES = ("auto", "sync", "deferred", "off")
+
+
+def check_kv_stats(k: Any, v: Any, num_kv_heads: int, head_dim: int,
+                   batch: int | None = None) -> tuple[str, RangeStats, RangeStats]:
+    """Validate a K/V pair ``[batch, num_kv_heads, new_tokens, head_dim]`` (shapes, then
+    values); return the device and the :func:`~numba_kv.ops.finite.range_stats` of ``k``
+    and ``v`` (one read of each: the finiteness check and the range numbers)."""
+    dev = check_kv_shapes(k, v, num_kv_heads, head_dim, batch)
+    return dev, check_finite_stats("k", k), check_finite_stats("v", v)
+
+
+def check_q_values(q: Any) -> None:
+    """``ValueError`` unless query ``q`` is finite and ``|q| <= 2**64``."""
+    # logits q·k must stay finite in float32: stored keys are at most 2**21 per value (larger
+    # ones are rejected by the compressed caches), head_dim <= 512, so |q| <= 2**64 keeps
+    # |q·k| <= 2**96, far below float32's 2**128
+    check_magnitude("q", check_finite_stats("q", q).amax, Q_MAX,
+                    "a query (logits must stay finite in float32)")
 
 
 #: Logit bias that hides a token from a query (finite: the fused op rejects non-finite
@@ -224,13 +259,86 @@ class LayeredCache(LifecycleMixin):
             b * self.num_kv_heads, g * ql, s)
         return to_like(q, bias)
 
+    # -- validation of the values (the shapes are always checked) ----------------------------
+    @property
+    def validate(self) -> str:
+        """How the *values* of ``k``/``v``/``q`` are checked (shapes and dtypes always are).
+
+        * ``"sync"``: every call reads its inputs (NaN/Inf, magnitude limits of the storage,
+          binary16 scale saturation) and raises ``ValueError`` before anything is stored —
+          the cache stays untouched.  On a GPU each check reads a result back to the host:
+          one synchronization per argument and call.
+        * ``"deferred"`` (CUDA arrays; host arrays are checked as with ``"sync"``): each call
+          only folds ``max |x|`` and a NaN/Inf flag into a device-side accumulator (no host
+          round trip); :meth:`check_inputs` reads it when the caller asks and raises if a
+          value since the last check was non-finite or beyond the storage's limit.  Such a
+          value *was* stored: the affected tokens are garbage and the caller should
+          :meth:`reset` or crop.  Binary16 scale saturation is not detected.
+        * ``"off"``: values are not checked (garbage in, garbage out).
+        * ``"auto"`` (default): ``"sync"`` for host arrays, ``"deferred"`` for CUDA arrays.
+        """
+        return self.__dict__.get("_validate_mode", "auto")
+
+    @validate.setter
+    def validate(self, mode: str) -> None:
+        if mode not in VALIDATE_MODES:
+            raise ValueError(f"validate: expected one of {list(VALIDATE_MODES)}, got {mode!r}")
+        self.__dict__["_validate_mode"] = mode
+
+    def _value_mode(self, dev: str) -> str:
+        mode = self.validate
+        if mode == "auto" or (mode == "deferred" and dev == _backend.CPU):
+            return "sync" if dev == _backend.CPU else "deferred"
+        return mode
+
+    def _input_limit(self) -> tuple[float, str]:
+        """Largest ``|k|``, ``|v|`` this cache stores faithfully, and what sets it (for
+        :meth:`check_inputs`; the synchronous checks are :meth:`_check_range`)."""
+        return F32_MAX, "float32 storage"
+
+    def check_inputs(self) -> None:
+        """Raise ``ValueError`` if an input recorded by ``validate="deferred"`` since the last
+        call was NaN/Inf or out of range (one device-to-host read per accumulator; a no-op
+        when nothing was deferred)."""
+        rec = self.__dict__.get("_deferred")
+        if rec is None:
+            return
+        limit, what = self._input_limit()
+        for slot, rs in sorted(rec.read().items()):
+            names = "k or v" if slot == "kv" else slot
+            if rs.nonfinite:
+                raise ValueError(f"{names}: expected finite values, got NaN or Inf in a call since the last "
+                                 "check_inputs() (validate='deferred': those tokens were stored)")
+            lim, lim_what = (Q_MAX, "a query") if slot == "q" else (limit, what)
+            if not rs.amax <= lim:
+                raise ValueError(f"{names}: max |{names}| = {rs.amax:.6g} exceeds {lim:.6g}, the largest value "
+                                 f"{lim_what} can hold, in a call since the last check_inputs() "
+                                 "(validate='deferred': those tokens were stored)")
+
+    def _defer(self, slot: str, a: Any) -> bool:
+        rec = self.__dict__.get("_deferred")
+        if rec is None:
+            with _DEFER_LOCK:  # layers of one cache may be called from several threads
+                rec = self.__dict__.setdefault("_deferred", DeferredRange())
+        return rec.record(slot, a)
+
     # -- helpers --------------------------------------------------------------------------
     def _validate(self, layer: Any, k: Any, v: Any, q: Any, config: AttendConfig | None,
-                  need_q: bool) -> tuple[int, str, tuple[RangeStats, RangeStats]]:
+                  need_q: bool) -> tuple[int, str, tuple[RangeStats, RangeStats] | None]:
+        """Check the arguments; return the layer, the device and the range statistics of
+        ``k``/``v`` (``None`` when values are not checked synchronously)."""
         layer = check_layer(layer, self.num_layers)
         st = self._layers[layer]
         batch = st.batch if st.seq_len > 0 else None
-        dev, sk, sv = check_kv_stats(k, v, self.num_kv_heads, self.head_dim, batch=batch)
+        dev = check_kv_shapes(k, v, self.num_kv_heads, self.head_dim, batch=batch)
+        mode = self._value_mode(dev)
+        stats = None
+        if mode == "sync":
+            stats = (check_finite_stats("k", k), check_finite_stats("v", v))
+        elif mode == "deferred":
+            deferred = [self._defer("kv", a) for a in (k, v)]
+            if not all(deferred):  # a strided Numba device array: read synchronously instead
+                stats = (check_finite_stats("k", k), check_finite_stats("v", v))
         if st.seq_len > 0 and st.device != dev:
             raise ValueError(f"k is on {dev} but layer {layer} stores its tokens on {st.device}")
         if config is not None and not isinstance(config, AttendConfig):
@@ -238,9 +346,11 @@ class LayeredCache(LifecycleMixin):
         if q is not None or need_q:
             if q is None:
                 raise ValueError("q: expected an array [batch, num_heads, q_len, head_dim], got None")
-            check_q(q, k.shape[0], self.num_kv_heads, self.head_dim,
-                    None if config is None else config.n_kv_groups, q_len=k.shape[2], device=dev)
-        return layer, dev, (sk, sv)
+            check_q_shape(q, k.shape[0], self.num_kv_heads, self.head_dim,
+                          None if config is None else config.n_kv_groups, q_len=k.shape[2], device=dev)
+            if mode == "sync" or (mode == "deferred" and not self._defer("q", q)):
+                check_q_values(q)
+        return layer, dev, stats
 
     def _check_range(self, st: LayerState, k: Any, v: Any, stats: tuple[RangeStats, RangeStats]) -> None:
         """``ValueError`` (naming ``k`` or ``v`` and the limit) if the cache cannot store the
@@ -278,7 +388,7 @@ class LayeredCache(LifecycleMixin):
         old = st.seq_len
         batch = int(k.shape[0])
         if old == 0 and st.buffers and (st.batch != batch or st.device != dev):
-            st.buffers, st.capacity = {}, 0  # batch or device changed after reset
+            st.buffers, st.capacity, st.scratch = {}, 0, {}  # batch or device changed after reset
         self._ensure_capacity(st, k, batch, self._growing_needed(st, int(k.shape[2])))
         self._store(st, k, v)
         st.batch, st.device = batch, dev
@@ -300,7 +410,8 @@ class LayeredCache(LifecycleMixin):
         layer, dev, stats = self._validate(layer, k, v, q, None, need_q=False)
         st = self._layers[layer]
         with st.lock:
-            self._check_range(st, k, v, stats)
+            if stats is not None:
+                self._check_range(st, k, v, stats)
             old = self._append(st, dev, k, v)
             if old == 0:
                 return DequantResult(k, v)
@@ -325,7 +436,8 @@ class LayeredCache(LifecycleMixin):
         layer, dev, stats = self._validate(layer, k, v, q, config, need_q=True)
         st = self._layers[layer]
         with st.lock:
-            self._check_range(st, k, v, stats)
+            if stats is not None:
+                self._check_range(st, k, v, stats)
             self._append(st, dev, k, v)
             return self._decode_output(st, q, config, k.dtype)
 
@@ -357,11 +469,12 @@ class LayeredCache(LifecycleMixin):
         return self._layers[layer].seq_len
 
     def reset(self) -> None:
-        """Drop every layer's tokens and buffers."""
+        """Drop every layer's tokens and buffers (and what ``validate="deferred"`` recorded)."""
+        self.__dict__.pop("_deferred", None)
         for st in self._layers:
             with st.lock:
                 st.buffers, st.capacity, st.seq_len, st.batch, st.device = {}, 0, 0, None, None
-                st.live, st.meta = {}, {}
+                st.live, st.meta, st.scratch = {}, {}, {}
 
     def memory_usage(self) -> int:
         """Exact bytes of live stored data, summed over layers."""

@@ -23,9 +23,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import _backend
-from ..ops.gather import to_like
 from ..ops.memory import copy_tokens
-from ._layer import BufferSpec, LayerState
+from ..ops.positions import exact_positions_into
+from ._layer import BufferSpec, LayerState, grown_capacity
 
 __all__ = ["ExactWindow", "StorePlan", "assign_tokens", "crop_counts", "evict_counts", "layer_counts", "plan_store"]
 
@@ -233,10 +233,13 @@ class ExactWindow:
         """Stored positions (int32) of the exact tokens, sinks then window, on the device of
         ``like`` (a Numba device array is never empty: one unused entry when there are none)."""
         n_sink, n_comp, n_win = layer_counts(st)
-        pos = np.concatenate([np.arange(n_sink), sinks + n_comp + np.arange(n_win)]).astype(np.int32)
-        if not pos.size and _backend.xp_of(like) is None:
-            pos = np.zeros(1, np.int32)
-        return to_like(like, pos)
+        if isinstance(like, np.ndarray):
+            return np.concatenate([np.arange(n_sink), sinks + n_comp + np.arange(n_win)]).astype(np.int32)
+        # on the device: written in place into a reused buffer (no upload per decode step)
+        buf = st.scratch.get("exact_pos")
+        if buf is None or int(buf.shape[0]) < max(n_sink + n_win, 1):
+            buf = st.scratch["exact_pos"] = _backend.empty(like, (grown_capacity(n_sink + n_win + 1),), np.int32)
+        return exact_positions_into(buf, n_sink, sinks + n_comp, n_win)
 
     # -- whole operations --------------------------------------------------------------------
     def store(self, st: LayerState, name: str, x3: Any, plan: StorePlan, sinks: int,

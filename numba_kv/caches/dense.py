@@ -8,6 +8,7 @@ import numpy as np
 
 from .. import _backend
 from .._validate import F16_MAX, F32_MAX, check_magnitude
+from ..ops.memory import copy_tokens
 from ._layer import BufferSpec, LayeredCache, LayerState, shift_front
 
 
@@ -50,6 +51,10 @@ class DenseCache(LayeredCache):
     def _buffer_spec(self) -> BufferSpec:
         return {"k": (self.head_dim, self.dtype, None), "v": (self.head_dim, self.dtype, None)}
 
+    def _input_limit(self) -> tuple[float, str]:
+        limit = {2: F16_MAX, 4: F32_MAX}.get(self.dtype.itemsize, float("inf"))  # float64: any finite value
+        return limit, f"dtype={self.dtype.name} storage"
+
     def _check_range(self, st: LayerState, k: Any, v: Any, stats: Any) -> None:
         if self.dtype.itemsize < 8:  # float16 / float32 storage: larger finite inputs would become inf
             limit = F16_MAX if self.dtype.itemsize == 2 else F32_MAX
@@ -83,7 +88,13 @@ class DenseCache(LayeredCache):
             xp = _backend.xp_of(buf)
             live = buf[:, : st.seq_len]
             # a copy, never a view: sliding layers shift their buffers in place
-            flat = live.copy() if xp is not None else live.copy_to_host()
+            if xp is not None:
+                flat = live.copy()
+            elif np.dtype(buf.dtype) == np.float32:  # Numba device array: copied on the device
+                flat = _backend.empty(buf, (int(buf.shape[0]), st.seq_len, int(buf.shape[2])), np.float32)
+                copy_tokens(buf, 0, st.seq_len, flat, 0)
+            else:  # no float16/float64 device copy kernel: through the host
+                flat = live.copy_to_host()
             out.append(self._reshape_out(flat, st.batch, dtype))
         return out[0], out[1]
 

@@ -171,6 +171,21 @@ class MixedCache:
         return "mixed[" + ",".join(getattr(self.parts[p], "name", type(self.parts[p]).__name__)
                                    for p, _ in self.layer_map) + "]"
 
+    @property
+    def validate(self) -> str:
+        """See :attr:`LayeredCache.validate` (set on every part)."""
+        return self.parts[0].validate
+
+    @validate.setter
+    def validate(self, mode: str) -> None:
+        for part in self.parts:
+            part.validate = mode
+
+    def check_inputs(self) -> None:
+        """See :meth:`LayeredCache.check_inputs` (every part)."""
+        for part in self.parts:
+            part.check_inputs()
+
     def prefill(self, layer: int, k: Any, v: Any, q: Any = None) -> DequantResult:
         """See :meth:`LayeredCache.prefill`."""
         part, j = self._part(layer)

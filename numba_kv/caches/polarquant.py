@@ -33,8 +33,8 @@ from .._validate import F16_MAX, check_finite_stats, check_magnitude, check_stor
 from ..ops.attention import CodeLayout, fused_attention_rows
 from ..ops.blockquant import dequantize_into, quantize_into
 from ..ops.codebook import get_codebook
-from ..ops.hadamard import rotate32
-from ..ops.headquant import dequantize_head_into, head_signs, quantize_head_into, rotate_head
+from ..ops.hadamard import rotate32_rows
+from ..ops.headquant import dequantize_head_into, head_signs, quantize_head_into, rotate_head_rows
 from ._layer import BufferSpec, LayeredCache, LayerState, shift_front
 from ._window import ExactWindow, crop_counts, evict_counts, layer_counts, plan_store
 from .config import PolarQuantConfig
@@ -362,6 +362,9 @@ class PolarQuantCache(LayeredCache):
         cached[name] = f
         return f
 
+    def _input_limit(self) -> tuple[float, str]:
+        return MAX_INPUT, f"a {self.name} cache"
+
     def _check_range(self, st: LayerState, k: Any, v: Any, stats: Any) -> None:
         """Reject (``ValueError``, nothing stored) what would not be stored faithfully.
 
@@ -596,7 +599,11 @@ class PolarQuantCache(LayeredCache):
         return out[0], out[1]
 
     def _rotate_queries(self, q3: Any) -> Any:
-        return rotate_head(q3) if self.rotation == "head" else rotate32(q3)
+        # q was validated by decode (finite, |q| <= 2**64): its rotation fits float32, so the
+        # internal entries (no second validation, no host round trip) suffice
+        q2 = q3.reshape(-1, self.head_dim)
+        out = rotate_head_rows(q2) if self.rotation == "head" else rotate32_rows(q2)
+        return out.reshape(tuple(q3.shape))
 
     def _qjl_args(self, st: LayerState, q3: Any) -> Any:
         """``(sq, signs, norms, const)`` for the fused kernel's QJL correction (TurboQuant)."""

@@ -14,6 +14,7 @@ from . import (  # noqa: F401
                lowrank,
                memory,
                paged_attention,  # importing registers the twins
+               positions,
                qjl,
                vq,
 )

@@ -11,6 +11,7 @@ in place instead of copying them to the host.
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import numpy as np
@@ -18,7 +19,11 @@ from numba import cuda, float32, int64, prange, uint64
 
 from .. import _backend
 from .._jit import cpu_call, cpu_kernel, cuda_kernel
+from .._validate import F32_MAX
 from ._registry import register
+
+__all__ = ["DeferredRange", "RangeStats", "all_finite", "check_finite", "check_finite_stats", "check_rotation_input",
+           "range_stats"]
 
 _CHUNK = 1 << 14  # elements per CPU work item
 _INF = float32(np.inf)  # float32: no float64 compare in float32 kernels (exact for float64 ones)
@@ -117,7 +122,7 @@ def _absbits_max_cuda(u, mask, out):
     cuda.atomic.max(out, 0, uint64(m))
 
 
-register("range_stats", _absbits_max_cpu, _absbits_max_cuda,
+_RANGE = register("range_stats", _absbits_max_cpu, _absbits_max_cuda,
          ["void(uint16[::1], uint16, uint64[::1])", "void(uint32[::1], uint32, uint64[::1])",
           "void(uint64[::1], uint64, uint64[::1])"])
 
@@ -201,3 +206,83 @@ def range_stats(a: Any, d: int | None = None) -> RangeStats:
     if not math.isfinite(m):
         return RangeStats(1, math.inf)
     return RangeStats(0, m, a, d)
+
+
+# --- value checks (they read the data through the kernels above) -------------------------
+def check_finite(name: str, a: Any) -> None:
+    """``ValueError`` if ``a`` holds NaN or Inf."""
+    if not all_finite(a):
+        raise ValueError(f"{name}: expected finite values, got NaN or Inf")
+
+
+def check_finite_stats(name: str, a: Any, d: int | None = None) -> RangeStats:
+    """:func:`check_finite` that also returns the range numbers it measured in the same pass."""
+    st = range_stats(a, d)
+    if st.nonfinite:
+        raise ValueError(f"{name}: expected finite values, got NaN or Inf")
+    return st
+
+
+def check_rotation_input(name: str, x: Any, block: int) -> None:
+    """``ValueError`` if a ``block``-value rotation of ``x`` (last axis) could leave float32:
+    a rotated value is at most its block's L2 norm, so blocks with norm above the float32
+    maximum are rejected (one pass, :func:`range_stats`)."""
+    st = check_finite_stats(name, x, block)
+    if not st.max_norm <= F32_MAX:
+        raise ValueError(f"{name}: a {block}-value block has L2 norm {st.max_norm:.6g}, above {F32_MAX:.6g} "
+                         f"(the largest float32): its rotation cannot be represented")
+
+
+class DeferredRange:
+    """Range checks of device arrays without a host synchronization per call.
+
+    :meth:`record` launches the bit-pattern max of :func:`range_stats` into a small device
+    accumulator (an ``atomic.max``, no read-back); :meth:`read` copies the accumulators to
+    the host once and resets them.  So a caller can validate many steps' inputs with one
+    synchronization when it chooses to, instead of one per call.  Accumulators are per
+    ``(slot, dtype)`` (bit patterns of different float widths do not compare).  Thread-safe
+    (cache layers are called from several threads).
+    """
+
+    def __init__(self) -> None:
+        self._acc: dict[tuple[str, np.dtype], Any] = {}
+        self._lock = threading.Lock()
+
+    def record(self, slot: str, a: Any) -> bool:
+        """Fold ``|a|`` (a CUDA float16/32/64 array) into accumulator ``slot``; ``False`` when
+        ``a`` cannot be read in place (a strided Numba device array: check it synchronously)."""
+        dt = np.dtype(a.dtype)
+        if dt not in _BITS or a.size == 0:
+            return dt in _BITS
+        xp = _backend.xp_of(a)
+        if xp is None and not getattr(a, "is_c_contiguous", lambda: False)():
+            return False
+        if xp is not None:
+            a = xp.ascontiguousarray(a)  # a device-side copy at most
+        udt, mask, _ = _BITS[dt]
+        key = (slot, dt)
+        u = a.reshape(a.size).view(udt)
+        with self._lock:  # the launch too: read() must not drop an accumulator being written
+            acc = self._acc.get(key)
+            if acc is None:
+                acc = self._acc[key] = _backend.zeros(a, (1,), np.uint64)
+            _RANGE.launch(_backend.CUDA, 0, u, udt(mask), acc, grid=_backend.cuda_grid((a.size + 255) // 256))
+        return True
+
+    def read(self) -> dict[str, RangeStats]:
+        """Per slot, what was recorded since the last :meth:`read` (``nonfinite``, ``amax``);
+        one device-to-host copy per accumulator, which resets it."""
+        out: dict[str, RangeStats] = {}
+        with self._lock:
+            taken, self._acc = self._acc, {}
+        for (slot, dt), acc in taken.items():
+            bits = int(_backend.to_host(acc)[0])
+            udt, _, inf_bits = _BITS[dt]
+            if bits >= inf_bits:
+                st = RangeStats(1, math.inf)
+            else:
+                st = RangeStats(0, float(np.array([bits], udt).view(dt)[0]))
+            old = out.get(slot)
+            if old is None or st.nonfinite > old.nonfinite or (st.nonfinite == old.nonfinite and st.amax > old.amax):
+                out[slot] = st
+        return out

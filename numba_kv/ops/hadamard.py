@@ -21,6 +21,7 @@ from numba import cuda, float32, prange
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
 from ._registry import register
+from .finite import check_rotation_input
 
 BLOCK = 32
 SIGN_MASK = 0xB1A6D4B2
@@ -153,6 +154,23 @@ _ROTATE32 = register("rotate32", _rotate32_cpu, _rotate32_cuda,
          ["void(float32[:, ::1], float32[::1], boolean, float32[:, ::1])"])
 
 
+def rotate32_rows(x2: Any, inverse: bool = False, signs: Any = None) -> Any:
+    """Rotate every 32-block of ``x2`` ``[n, d]`` (float32, C-contiguous, ``d`` a multiple of
+    32, finite with block norms within float32) into a new array on its device; no
+    validation and no host round trip.  ``signs`` defaults to :data:`SIGNS32` (its device
+    copy is cached per device)."""
+    n, d = (int(s) for s in x2.shape)
+    dev = _backend.device_of("x", x2)
+    if signs is None:
+        signs = _backend.constant(x2, SIGNS32)
+    elif dev == _backend.CPU:
+        signs = np.ascontiguousarray(signs, dtype=np.float32)
+    out = _backend.empty(x2, (n, d), np.float32)
+    if n:
+        _ROTATE32.launch(dev, n * (d // 32), x2, signs, bool(inverse), out, work=n * d)
+    return out
+
+
 def rotate32(x: Any, inverse: bool = False, *, signs: Any = None, backend: str = "auto") -> Any:
     """Rotate every 32-value block of ``x`` (forward ``D_s H`` or inverse ``H D_s``).
 
@@ -176,25 +194,14 @@ def rotate32(x: Any, inverse: bool = False, *, signs: Any = None, backend: str =
     >>> bool(np.allclose(rotate32(rotate32(x), inverse=True), x, atol=1e-6))
     True
     """
-    if signs is None:
-        signs = SIGNS32 if _backend.device_of("x", x) == _backend.CPU else None
-        if signs is None:
-            from numba import cuda as _cuda  # noqa: PLC0415
-
-            signs = _cuda.to_device(SIGNS32) if _backend.xp_of(x) is None else _backend.xp_of(x).asarray(SIGNS32)
-    dev = _backend.resolve_device(backend, x=x, signs=signs)
+    if signs is None:  # the device copy is made once per device (_backend.constant), not per call
+        signs = _backend.constant(x, SIGNS32) if _backend.device_of("x", x) == _backend.CUDA else SIGNS32
+    _backend.resolve_device(backend, x=x, signs=signs)
     shape = tuple(x.shape)  # a tuple: the simulator's shapes reject negative indices
     if len(shape) < 1 or shape[-1] % 32 or shape[-1] == 0:
         raise ValueError(f"x: expected a last axis that is a positive multiple of 32, got shape {shape}")
     if tuple(signs.shape) != (32,):
         raise ValueError(f"signs: expected shape (32,), got {tuple(signs.shape)}")
-    from .._validate import check_rotation_input  # noqa: PLC0415 - _validate imports ops.finite
-
     check_rotation_input("x", x, 32)  # finite, and no rotated value beyond float32
-    x2 = _backend.ascontiguous_f32("x", x).reshape(-1, shape[-1])
-    out = _backend.empty(x, x2.shape, np.float32)
-    if x2.shape[0]:
-        if dev == _backend.CPU:
-            signs = np.ascontiguousarray(signs, dtype=np.float32)
-        _ROTATE32.launch(dev, x2.shape[0] * (shape[-1] // 32), x2, signs, bool(inverse), out, work=x2.size)
+    out = rotate32_rows(_backend.ascontiguous_f32("x", x).reshape(-1, shape[-1]), inverse, signs)
     return out.reshape(shape)

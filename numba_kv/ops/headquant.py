@@ -39,8 +39,9 @@ first turn that offset into a ±1 pattern that ``H_d`` spreads over all coordina
 
 Twins: the CPU twins work on tiles of ``_LANES`` vectors interleaved lane by lane (value
 ``j`` of lane ``l`` at ``t[j*L + l]``) so every inner loop is a contiguous loop over lanes;
-the CUDA kernels run one vector per thread with ``L = 1``.  Per value both do the same
-float32 operations in the same order, so their codes and norms agree bit for bit.
+the CUDA kernels run one vector per thread block, the vector in shared memory and the
+butterfly stages shared by the block's threads (:mod:`numba_kv.ops._coop`).  Per value both
+do the same float32 operations in the same order, so their codes and norms agree bit for bit.
 """
 
 from __future__ import annotations
@@ -53,16 +54,20 @@ import numpy as np
 from numba import cuda, float32, int64, prange, uint8, uint16
 
 from .. import _backend
-from .._jit import cpu_call, cpu_kernel, cuda_kernel, twin
+from .._jit import cpu_kernel, cuda_kernel, twin
+from .._validate import check_f16_result, check_float_array
+from ._coop import coop_butterflies, mul_rn
 from ._registry import register
 from .codebook import Codebook, _bucketize, get_codebook
+from .finite import check_finite, check_rotation_input
 from .hadamard import SIGNS32
-from .half import _f16_bits_abs_to_f32, _f32_to_f16_bits
+from .half import _f16_bits_abs_to_f32, _f32_to_f16_bits, f16_bits_abs_to_f32_dev, f32_to_f16_bits_dev
 
 __all__ = ["HEAD_DIMS", "SIGN_SEED", "head_signs", "rotate_head", "quantize_head", "dequantize_head",
-           "quantize_head_into", "dequantize_head_into", "head_codebook", "packed_dim", "bits_per_value"]
+           "quantize_head_into", "dequantize_head_into", "rotate_head_rows", "head_codebook", "packed_dim",
+           "bits_per_value"]
 
-#: supported head dimensions (powers of two; 512 is the size of the CUDA scratch buffer)
+#: supported head dimensions (powers of two; 512 is the size of the CUDA kernels' shared row)
 HEAD_DIMS = (32, 64, 128, 256, 512)
 #: SplitMix64 seed of the sign vectors for ``d >= 64`` ([TQR]'s default rotation seed)
 SIGN_SEED = 42
@@ -407,39 +412,142 @@ def _dequantize_head_cpu(codes, norms, signs, centroids, bits, t0, out):
                                       out, _LANES, t, w)
 
 
-# --- CUDA kernels: one thread per vector, grid-stride -----------------------------------
+# --- CUDA kernels: one block per vector, the vector in shared memory ----------------------
+# A thread per vector needs d floats of scratch per thread, which live in local memory
+# (2-3 KB per thread at d = 512).  Here one block holds its vector once in shared memory and
+# its threads share the element-wise steps and every butterfly stage (ops._coop).  Sums
+# whose float32 rounding the CPU twin fixes by its order (the norm, ‖y‖², ⟨y, c⟩) are done
+# by thread 0 in that order, so codes and norms stay bit-identical to the CPU twin.
 @cuda_kernel
 def _rotate_head_cuda(x, signs, inverse, out):
+    """Rotate rows ``x[r]`` (``d`` values, a power of two <= 512) into ``out[r]``.
+
+    Launch: ``(blocks, threads)`` from :func:`numba_kv._backend.coop_grid`: block ``b``
+    rotates rows ``b, b + blocks, …`` (grid-stride); its threads share the row in shared
+    memory, thread ``tid`` loading/scaling/storing values ``tid, tid + threads, …`` and
+    taking its share of the pairs of every butterfly stage.
+    """
     n, d = x.shape
-    buf = cuda.local.array(512, dtype=float32)
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for r in range(start, n, stride):
-        rotate_head_row_dev(x, r, d, signs, inverse, buf, out)
+    t = cuda.shared.array(512, dtype=float32)
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    sc = head_scale_dev(d)
+    for r in range(cuda.blockIdx.x, n, cuda.gridDim.x):
+        xr = x[r]
+        if inverse:
+            for j in range(tid, d, nt):
+                t[j] = xr[j]
+            coop_butterflies(t, d, tid, nt)
+            orow = out[r]
+            for j in range(tid, d, nt):
+                orow[j] = t[j] * (sc * signs[j])  # as _rotate_head_inverse_lanes: v·(sc·s_j)
+        else:
+            for j in range(tid, d, nt):
+                t[j] = xr[j] * signs[j]
+            coop_butterflies(t, d, tid, nt)
+            orow = out[r]
+            for j in range(tid, d, nt):
+                orow[j] = t[j] * sc
+        cuda.syncthreads()  # the next row overwrites t
 
 
 @cuda_kernel
 def _quantize_head_cuda(x, signs, bounds, centroids, unbiased, bits, t0, codes, norms):
+    """Quantize vectors ``x[r, s]`` into ``codes[r, t0 + s]`` / ``norms[r, t0 + s, 0]``.
+
+    Launch: ``(blocks, threads)`` from :func:`numba_kv._backend.coop_grid`: block ``b``
+    quantizes flattened vectors ``v = b, b + blocks, …`` (``v = r·seq + s``); thread ``tid``
+    handles values ``tid, tid + threads, …``, its share of every butterfly stage and the
+    packed groups of 8 values ``tid, tid + threads, …``; thread 0 computes the sums and
+    the binary16 norm.
+    """
     rows, seq, d = x.shape
-    t = cuda.local.array(515, dtype=float32)  # d values + norm, ‖y‖², ⟨y, c⟩
-    ib = cuda.local.array(512, dtype=uint8)
-    w = cuda.local.array(65, dtype=int64)  # 64 packed words (d = 512) + the norm bits
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for v in range(start, rows * seq, stride):
-        quantize_head_lanes_dev(x, v, 1, d, signs, bounds, centroids, unbiased, bits, t0, codes, norms,
-                                1, t, ib, w)
+    t = cuda.shared.array(512, dtype=float32)
+    ib = cuda.shared.array(512, dtype=uint8)
+    red = cuda.shared.array(1, dtype=float32)
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    sc = head_scale_dev(d)
+    for v in range(cuda.blockIdx.x, rows * seq, cuda.gridDim.x):
+        r = v // seq
+        s = v - r * seq
+        xr = x[r, s]
+        for j in range(tid, d, nt):
+            t[j] = xr[j]
+        cuda.syncthreads()
+        if tid == 0:
+            acc = float32(0.0)
+            for j in range(d):
+                u = t[j]
+                acc += mul_rn(u, u)  # no FMA: the CPU twin rounds the product first
+            red[0] = max(float32(math.sqrt(acc)), float32(1e-10))
+        cuda.syncthreads()
+        nrm = red[0]
+        for j in range(tid, d, nt):
+            t[j] = np.divide(t[j], nrm) * signs[j]
+        coop_butterflies(t, d, tid, nt)
+        for j in range(tid, d, nt):
+            y = t[j] * sc
+            t[j] = y
+            k = uint8(0)
+            for i in range(bounds.shape[0]):  # #{i : y > t_i}, as _bucketize
+                k += uint8(y > bounds[i])
+            ib[j] = k
+        cuda.syncthreads()
+        if unbiased and tid == 0:
+            tyy = float32(0.0)
+            tyc = float32(0.0)
+            for j in range(d):
+                y = t[j]
+                tyy += mul_rn(y, y)
+                tyc += mul_rn(y, centroids[ib[j]])
+            if tyc > float32(0.0):  # else y = 0 (x = 0): keep n, which stores as 0
+                red[0] = np.divide(nrm * tyy, tyc)
+        cb = codes[r, t0 + s]
+        for g in range(tid, d // 8, nt):
+            w = int64(0)
+            for k8 in range(8):
+                w |= int64(ib[g * 8 + k8]) << (bits * k8)
+            for jb in range(bits):
+                cb[g * bits + jb] = uint8((w >> (8 * jb)) & 0xFF)
+        if tid == 0:
+            a = red[0]
+            a = a if a < float32(65504.0) else float32(65504.0)  # noqa: FURB136 - NaN -> 65504 too
+            norms[r, t0 + s, 0] = uint16(f32_to_f16_bits_dev(a))
+        cuda.syncthreads()  # the next vector overwrites t, ib and red
 
 
 @cuda_kernel
 def _dequantize_head_cuda(codes, norms, signs, centroids, bits, t0, out):
+    """Reconstruct vectors ``out[r, s]`` from ``codes[r, t0 + s]`` / ``norms[r, t0 + s, 0]``.
+
+    Launch: ``(blocks, threads)`` from :func:`numba_kv._backend.coop_grid`: block ``b``
+    decodes flattened vectors ``v = b, b + blocks, …``; thread ``tid`` unpacks the groups of
+    8 values ``tid, tid + threads, …`` into shared memory, takes its share of every
+    butterfly stage and scales/stores values ``tid, tid + threads, …``.
+    """
     rows, seq, d = out.shape
-    t = cuda.local.array(513, dtype=float32)
-    w = cuda.local.array(65, dtype=int64)  # 64 packed words (d = 512) + the norm bits
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for v in range(start, rows * seq, stride):
-        dequantize_head_lanes_dev(codes, norms, v, 1, d, signs, centroids, bits, t0, out, 1, t, w)
+    t = cuda.shared.array(512, dtype=float32)
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    sc = head_scale_dev(d)
+    mask = (int64(1) << bits) - 1
+    for v in range(cuda.blockIdx.x, rows * seq, cuda.gridDim.x):
+        r = v // seq
+        s = v - r * seq
+        cb = codes[r, t0 + s]
+        for g in range(tid, d // 8, nt):
+            w = int64(0)
+            for jb in range(bits):
+                w |= int64(cb[g * bits + jb]) << (8 * jb)
+            for k8 in range(8):
+                t[g * 8 + k8] = centroids[(w >> (bits * k8)) & mask]
+        nv = f16_bits_abs_to_f32_dev(int64(norms[r, t0 + s, 0]))
+        coop_butterflies(t, d, tid, nt)
+        orow = out[r, s]
+        for j in range(tid, d, nt):
+            orow[j] = (t[j] * (sc * signs[j])) * nv  # as _dequantize_head_lanes
+        cuda.syncthreads()  # the next vector overwrites t
 
 
 _RSIG = "void(float32[:, ::1], float32[::1], boolean, float32[:, ::1])"
@@ -447,9 +555,9 @@ _QSIG = ("void(float32[:, :, ::1], float32[::1], float32[::1], float32[::1], boo
          "uint8[:, :, ::1], uint16[:, :, ::1])")
 _DSIG = ("void(uint8[:, :, ::1], uint16[:, :, ::1], float32[::1], float32[::1], int64, int64, "
          "float32[:, :, ::1])")
-register("rotate_head", _rotate_head_cpu, _rotate_head_cuda, [_RSIG])
-register("quantize_head", _quantize_head_cpu, _quantize_head_cuda, [_QSIG])
-register("dequantize_head", _dequantize_head_cpu, _dequantize_head_cuda, [_DSIG])
+_ROTATE = register("rotate_head", _rotate_head_cpu, _rotate_head_cuda, [_RSIG])
+_QUANTIZE = register("quantize_head", _quantize_head_cpu, _quantize_head_cuda, [_QSIG])
+_DEQUANTIZE = register("dequantize_head", _dequantize_head_cpu, _dequantize_head_cuda, [_DSIG])
 
 
 # --- internal entry points (no validation: callers validated) ---------------------------
@@ -463,13 +571,20 @@ def quantize_head_into(x3: Any, codes: Any, norms: Any, t0: int, cb: Codebook, u
     signs = _backend.constant(x3, head_signs(d))
     bounds = _backend.constant(x3, cb.boundaries)
     cents = _backend.constant(x3, cb.centroids)
-    if isinstance(x3, np.ndarray):
-        cpu_call(_quantize_head_cpu, rows * seq * d, x3, signs, bounds, cents, bool(unbiased), cb.bits,
-                 int(t0), codes, norms)
-    else:
-        blocks, threads = _backend.cuda_grid(rows * seq)
-        _quantize_head_cuda[blocks, threads](x3, signs, bounds, cents, bool(unbiased), cb.bits, int(t0),
-                                             codes, norms)
+    _QUANTIZE.launch(_backend.device_of("x3", x3), rows * seq, x3, signs, bounds, cents, bool(unbiased), cb.bits,
+                     int(t0), codes, norms, work=rows * seq * d, grid=_backend.coop_grid(rows * seq, d // 2))
+
+
+def rotate_head_rows(x2: Any, inverse: bool = False) -> Any:
+    """Rotate the rows of ``x2`` ``[n, d]`` (float32, C-contiguous, ``d`` in :data:`HEAD_DIMS`,
+    finite with row norms within float32) into a new array on its device; no validation and
+    no host round trip (the fused decode path validated its query already)."""
+    n, d = (int(s) for s in x2.shape)
+    out = _backend.empty(x2, (n, d), np.float32)
+    if n:
+        _ROTATE.launch(_backend.device_of("x", x2), n, x2, _backend.constant(x2, head_signs(d)), bool(inverse), out,
+                       work=n * d, grid=_backend.coop_grid(n, d // 2))
+    return out
 
 
 def dequantize_head_into(codes: Any, norms: Any, t0: int, cb: Codebook, out: Any) -> None:
@@ -480,11 +595,8 @@ def dequantize_head_into(codes: Any, norms: Any, t0: int, cb: Codebook, out: Any
         return
     signs = _backend.constant(out, head_signs(d))
     cents = _backend.constant(out, cb.centroids)
-    if isinstance(out, np.ndarray):
-        cpu_call(_dequantize_head_cpu, rows * seq * d, codes, norms, signs, cents, cb.bits, int(t0), out)
-    else:
-        blocks, threads = _backend.cuda_grid(rows * seq)
-        _dequantize_head_cuda[blocks, threads](codes, norms, signs, cents, cb.bits, int(t0), out)
+    _DEQUANTIZE.launch(_backend.device_of("out", out), rows * seq, codes, norms, signs, cents, cb.bits, int(t0), out,
+                       work=rows * seq * d, grid=_backend.coop_grid(rows * seq, d // 2))
 
 
 # --- public API ------------------------------------------------------------------------
@@ -525,22 +637,12 @@ def rotate_head(x: Any, inverse: bool = False, *, backend: str = "auto") -> Any:
     >>> bool(np.allclose(rotate_head(rotate_head(x), inverse=True), x, atol=1e-6))
     True
     """
-    from .._validate import check_float_array, check_rotation_input  # noqa: PLC0415
-
-    dev = _backend.resolve_device(backend, x=x)
+    _backend.resolve_device(backend, x=x)
     check_float_array("x", x)
     shape = tuple(x.shape)  # a tuple: the simulator's shapes reject negative indices
     d = _last_axis_head_dim("x", shape)
     check_rotation_input("x", x, d)  # finite, and no rotated value beyond float32
-    x2 = _backend.ascontiguous_f32("x", x).reshape(-1, d)
-    out = _backend.empty(x, x2.shape, np.float32)
-    if x2.shape[0]:
-        signs = _backend.constant(x, head_signs(d))
-        if dev == _backend.CPU:
-            cpu_call(_rotate_head_cpu, x2.size, x2, signs, bool(inverse), out)
-        else:
-            blocks, threads = _backend.cuda_grid(x2.shape[0])
-            _rotate_head_cuda[blocks, threads](x2, signs, bool(inverse), out)
+    out = rotate_head_rows(_backend.ascontiguous_f32("x", x).reshape(-1, d), inverse)
     return out.reshape(shape)
 
 
@@ -582,8 +684,6 @@ def quantize_head(x: Any, bits: int = 3, unbiased: bool = False, *, backend: str
     >>> codes.shape, norms.shape, float(norms.view(np.float16)[0, 0])
     ((2, 48), (2, 1), 11.3125)
     """
-    from .._validate import check_f16_result, check_finite, check_float_array  # noqa: PLC0415
-
     bits = _check_bits(bits)
     if not isinstance(unbiased, (bool, np.bool_)):
         raise TypeError(f"unbiased: expected a bool, got {type(unbiased).__name__} {unbiased!r}")

@@ -2,6 +2,15 @@
 
 Catches the typing errors the simulator cannot see.  Float32 kernels must not contain
 ``.f64`` instructions (a stray Python float literal would promote).
+
+Static performance checks on the sm_90 PTX (no GPU needed):
+
+* local memory: at most :data:`LOCAL_BYTES_MAX` bytes per thread (``__local_depot``
+  declarations).  A per-thread scratch array that does not fit registers lands in local
+  memory, which is off-chip: a thread-per-row kernel with a ``d``-float row (2 KB at
+  ``d = 512``) runs at a fraction of the bandwidth a block-cooperative one reaches;
+* cooperation: the kernels in :data:`COOPERATIVE` share work inside a block or warp
+  (``.shared`` memory or ``shfl.sync``).
 """
 
 import re
@@ -12,6 +21,53 @@ from numba_kv.ops import TWINS
 
 CCS = [(8, 0), (9, 0)]
 CASES = [(name, sig, cc) for name, t in sorted(TWINS.items()) for sig in t.signatures for cc in CCS]
+
+#: largest local memory (bytes per thread) a kernel may use
+LOCAL_BYTES_MAX = 256
+#: kernels allowed above LOCAL_BYTES_MAX, with the reason
+LOCAL_EXCEPTIONS = {
+    "decode_attention": "rewritten in the attention branch (three 512-float arrays per thread today)",
+    "paged_decode_attention": "rewritten in the attention branch (three 512-float arrays per thread today)",
+    "merge_partitions": "rewritten in the attention branch (a 512-float array per thread today)",
+}
+#: kernels that must work block- or warp-cooperatively
+COOPERATIVE = ("rotate_head", "quantize_head", "dequantize_head", "decode_attention", "paged_decode_attention")
+#: cooperative kernels not there yet, with the reason
+COOPERATIVE_EXCEPTIONS = {
+    "decode_attention": "rewritten in the attention branch",
+    "paged_decode_attention": "rewritten in the attention branch",
+}
+
+_LOCAL_DECL = re.compile(r"\.local\s+(?:\.align\s+\d+\s+)?\.b8\s+(\w+)\[(\d+)\]")
+
+
+def local_bytes(ptx: str) -> int:
+    """Local memory per thread declared in ``ptx`` (sum of ``.local .b8 name[N]`` arrays,
+    the ``__local_depot`` frames of the kernel and its non-inlined callees)."""
+    return sum(int(m.group(2)) for m in _LOCAL_DECL.finditer(ptx))
+
+
+def assert_cooperative(name: str, ptx: str) -> None:
+    """Fail unless kernel ``name``'s PTX uses shared memory or warp shuffles."""
+    uses_shared = re.search(r"\.shared\b", ptx) is not None
+    uses_shfl = "shfl.sync" in ptx
+    assert uses_shared or uses_shfl, f"{name}: neither .shared memory nor shfl.sync in its PTX"
+
+
+def test_local_bytes_parser():
+    ptx = (".local .align 16 .b8 \t__local_depot0[2048];\n.reg .b64 %SP;\n"
+           ".local .align 4 .b8 __local_depot1[12];\n")
+    assert local_bytes(ptx) == 2060
+    assert local_bytes(".reg .b32 %r<5>;\nld.local.f32 %f1, [%rd1];") == 0
+    assert_cooperative("k", ".shared .align 4 .b8 _cudapy_smem_1[2048];")
+    assert_cooperative("k", "shfl.sync.bfly.b32 %r2, %r1, 1, 31, -1;")
+    with pytest.raises(AssertionError, match="neither"):
+        assert_cooperative("k", "ld.global.f32 %f1, [%rd1];")
+
+
+def test_exception_lists_name_registered_kernels():
+    for name in (*LOCAL_EXCEPTIONS, *COOPERATIVE, *COOPERATIVE_EXCEPTIONS):
+        assert name in TWINS, f"{name}: listed in tests/cuda/test_ptx.py but not registered"
 
 
 @pytest.mark.ptx
@@ -33,3 +89,15 @@ def test_compiles_to_ptx(name, sig, cc):
     if twin.float32_only:
         f64 = [line for line in ptx.splitlines() if re.search(r"\.f64\b", line)]
         assert not f64, f"{name}: float64 instructions in a float32 kernel: {f64[:3]}"
+    if cc != (9, 0):
+        return
+    # the static performance checks on the sm_90 compilation (the one compile serves all checks)
+    nbytes = local_bytes(ptx)
+    if name in LOCAL_EXCEPTIONS:
+        if nbytes <= LOCAL_BYTES_MAX:
+            pytest.fail(f"{name}: uses {nbytes} B of local memory now: remove it from LOCAL_EXCEPTIONS")
+    else:
+        assert nbytes <= LOCAL_BYTES_MAX, (f"{name}: {nbytes} B of local memory per thread "
+                                           f"(limit {LOCAL_BYTES_MAX}); keep rows in shared memory/registers")
+    if name in COOPERATIVE and name not in COOPERATIVE_EXCEPTIONS:
+        assert_cooperative(name, ptx)

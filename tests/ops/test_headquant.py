@@ -267,7 +267,15 @@ def test_bad_inputs():
 def test_roundtrip_shapes_and_finite(lead, d, bits, unbiased, log_scale, dtype, seed):
     shape = tuple(lead) + (d,)
     x = (np.random.default_rng(seed).standard_normal(shape) * 10.0 ** log_scale).astype(dtype)
-    codes, norms = hq.quantize_head(x, bits, unbiased=unbiased)
+    try:
+        codes, norms = hq.quantize_head(x, bits, unbiased=unbiased)
+    except ValueError as exc:
+        # documented: a stored norm that would reach binary16's 65504 is rejected, never
+        # saturated; only inputs near the limit get there (the unbiased rescale grows the
+        # norm by a small factor: 1.4 for this 1-bit d=32 example, 46k -> 65k)
+        assert "reaches 65504" in str(exc)
+        assert np.linalg.norm(x.astype(np.float64), axis=-1).max() > 65504 / 4
+        return
     assert codes.shape == tuple(lead) + (d * bits // 8,) and codes.dtype == np.uint8
     assert norms.shape == tuple(lead) + (1,) and norms.dtype == np.uint16
     out = hq.dequantize_head(codes, norms, bits)

@@ -1,0 +1,63 @@
+"""Block-cooperative CUDA device helpers: one thread block works on one row in shared memory.
+
+A thread-per-row kernel that needs the whole row at once (the ``d``-point Walsh–Hadamard
+butterfly of :mod:`numba_kv.ops.headquant`) must keep ``d`` floats per thread, which the
+compiler places in local memory (off-chip, 2 KB per thread at ``d = 512``).  Here the row
+lives once in shared memory and the ``nt`` threads of the block share every stage:
+
+* element-wise steps: thread ``tid`` owns values ``tid, tid + nt, tid + 2·nt, …``;
+* butterfly stage ``h``: the ``d/2`` pairs ``(j, j + h)`` (``j`` with bit ``h`` clear) are
+  dealt out the same way, one ``cuda.syncthreads()`` between stages.
+
+Only barriers and shared memory are used (no warp shuffles), so the kernels run under
+Numba's CUDA simulator too.  Every value goes through the same float32 operations in the
+same order as in the CPU twin's butterfly, so results are bit-identical to it.
+
+These helpers are CUDA-only (they call ``cuda.syncthreads``); every thread of the block
+must call them (the barrier is block-wide).
+"""
+
+from __future__ import annotations
+
+from numba import cuda
+
+from .. import _backend
+from .._jit import cuda_device
+
+__all__ = ["coop_butterflies", "mul_rn"]
+
+
+def _mul_plain(a, b):
+    return a * b
+
+
+#: ``a·b`` rounded on its own, never fused into a following add: the GPU compiler contracts
+#: ``s + a*b`` into one FMA (one rounding instead of two), which the CPU twin (no fast-math)
+#: does not, so a sum the CPU twin computes as ``s += a*b`` would differ in the last bit.
+#: ``__nv_fmul_rn`` is exempt from contraction; the simulator (plain Python floats in
+#: NumPy float32) has no FMA and no libdevice, so it multiplies plainly.
+mul_rn = cuda_device(_mul_plain) if _backend.simulator_enabled() else cuda.libdevice.fmul_rn
+
+
+def _coop_butterflies(t, d, tid, nt):
+    """The ``log2(d)`` unnormalized radix-2 stages (strides ``1, 2, …, d/2``) on ``t[0:d]``
+    (shared float32), shared by the ``nt`` threads of the block; ``tid`` is this thread.
+
+    Synchronizes before the first stage (the caller's writes to ``t`` become visible) and
+    after the last one (every value is final when it returns).
+    """
+    # stage order h = 1, 2, 4, ..., d/2 is part of the float32 result (as on the CPU): keep it
+    h = 1
+    while h < d:
+        cuda.syncthreads()
+        for p in range(tid, d // 2, nt):
+            j = (p // h) * 2 * h + (p - (p // h) * h)  # the p-th index with bit h clear
+            a = t[j]
+            b = t[j + h]
+            t[j] = a + b
+            t[j + h] = a - b
+        h = h * 2
+    cuda.syncthreads()
+
+
+coop_butterflies = cuda_device(_coop_butterflies)

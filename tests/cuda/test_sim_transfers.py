@@ -1,0 +1,152 @@
+"""No host round trip in a steady-state CUDA decode step.
+
+Host↔device traffic is counted by wrapping the simulator's transfer entry points
+(``cuda.to_device``, ``DeviceNDArray.copy_to_host`` / ``copy_to_device``); allocations
+(``cuda.device_array``) are counted apart — they are no transfer, but a steady state
+should not need many either.  A PolarQuant cache (block and whole-head rotation, sinks +
+window, fused decode) is prefilled, warmed up by a few decode steps (device constants,
+accumulators and scratch are created once there), then ``N`` more steps must move nothing
+between host and device.  ``validate="sync"`` is the documented exception: it reads one
+result back per checked argument.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+from numba_kv import AttendConfig, PolarQuantCache
+from numba_kv._backend import simulator_enabled, to_host
+
+from ..conftest import to_device
+
+N_STEPS = 3
+
+
+@contextlib.contextmanager
+def count_transfers():
+    """Count host↔device transfers and device allocations made through ``numba.cuda``."""
+    from numba import cuda
+
+    counts = {"h2d": 0, "d2h": 0, "alloc": 0}
+    arr_type = type(cuda.device_array(1))
+    orig = {"to_device": cuda.to_device, "device_array": cuda.device_array,
+            "copy_to_host": arr_type.copy_to_host, "copy_to_device": arr_type.copy_to_device}
+
+    def counted(name, key):
+        fn = orig[name]
+
+        def wrapper(*args, **kwargs):
+            counts[key] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    cuda.to_device = counted("to_device", "h2d")
+    cuda.device_array = counted("device_array", "alloc")
+    arr_type.copy_to_host = counted("copy_to_host", "d2h")
+    arr_type.copy_to_device = counted("copy_to_device", "h2d")
+    try:
+        yield counts
+    finally:
+        cuda.to_device, cuda.device_array = orig["to_device"], orig["device_array"]
+        arr_type.copy_to_host, arr_type.copy_to_device = orig["copy_to_host"], orig["copy_to_device"]
+
+
+def _steps(rng, cache, n, h=2, g=2, d=64, twin=None):
+    """``n`` decode steps on device arrays (counted); the same inputs on ``twin`` (a CPU
+    cache) when given.  Returns the counts and the (device, CPU) outputs."""
+    cfg = AttendConfig(d ** -0.5, n_kv_groups=g)
+    host = [tuple(rng.standard_normal(s).astype(np.float32) for s in ((1, h, 1, d), (1, h, 1, d), (1, h * g, 1, d)))
+            for _ in range(n)]
+    inputs = [tuple(to_device(a) for a in step) for step in host]
+    outs = []
+    with count_transfers() as counts:
+        for k, v, q in inputs:
+            outs.append(cache.decode(0, k, v, q, cfg).out)
+    ref = [twin.decode(0, k, v, q, cfg).out for k, v, q in host] if twin is not None else []
+    return counts, list(zip(outs, ref))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rotation", ["block", "head"])
+def test_steady_state_decode_moves_nothing_between_host_and_device(rotation):
+    if not simulator_enabled():
+        pytest.skip("counts the simulator's transfer functions")
+    rng = np.random.default_rng(3)
+    h, d = 2, 64
+    cache, twin = (PolarQuantCache(1, h, d, bits=3, residual_length=4, sink_tokens=2, rotation=rotation,
+                                   window_dtype="float32")  # Numba device arrays hold no float16
+                   for _ in range(2))
+    k = rng.standard_normal((1, h, 9, d)).astype(np.float32)
+    cache.prefill(0, to_device(k), to_device(k))
+    twin.prefill(0, k, k)
+    _steps(rng, cache, 2, twin=twin)  # warm-up: device constants, accumulators, position scratch
+    counts, outs = _steps(rng, cache, N_STEPS, twin=twin)
+    assert counts["h2d"] == 0 and counts["d2h"] == 0, counts
+    # allocations (outputs, partition scratch of the fused kernel) are no transfer: not bounded here
+    cache.check_inputs()  # the deferred check: one read, nothing to report
+    for dev_out, cpu_out in outs:  # the window positions written on the device are right
+        np.testing.assert_allclose(to_host(dev_out), cpu_out, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cuda
+def test_sync_validation_reads_back_and_deferred_reports_later():
+    if not simulator_enabled():
+        pytest.skip("counts the simulator's transfer functions")
+    rng = np.random.default_rng(4)
+    h, d = 2, 64
+    cache = PolarQuantCache(1, h, d, bits=3, residual_length=4, sink_tokens=2)
+    k = to_device(rng.standard_normal((1, h, 9, d)).astype(np.float32))
+    cache.prefill(0, k, k)
+    _steps(rng, cache, 2)
+    cache.validate = "sync"
+    counts, _ = _steps(rng, cache, 1)
+    assert counts["d2h"] == 3, counts  # k, v, q: one range read each
+    # deferred: a NaN key is stored without a sync, and reported by check_inputs
+    cache.validate = "deferred"
+    cfg = AttendConfig(d ** -0.5, n_kv_groups=2)
+    bad = rng.standard_normal((1, h, 1, d)).astype(np.float32)
+    bad[0, 1, 0, 5] = np.nan
+    one = to_device(rng.standard_normal((1, h, 1, d)).astype(np.float32))
+    q = to_device(rng.standard_normal((1, h * 2, 1, d)).astype(np.float32))
+    cache.decode(0, to_device(bad), one, q, cfg)
+    with pytest.raises(ValueError, match="k or v: expected finite values"):
+        cache.check_inputs()
+    cache.check_inputs()  # reading reset the record
+    big = np.full((1, h, 1, d), 3e6, np.float32)  # above the 2**21 a PolarQuant cache accepts
+    cache.decode(0, to_device(big), one, q, cfg)
+    with pytest.raises(ValueError, match="exceeds"):
+        cache.check_inputs()
+    # sync mode raises at once and leaves the cache untouched
+    cache.validate = "sync"
+    n = cache.seq_len(0)
+    with pytest.raises(ValueError, match="k: expected finite values"):
+        cache.decode(0, to_device(bad), one, q, cfg)
+    assert cache.seq_len(0) == n
+    with pytest.raises(ValueError, match="validate: expected one of"):
+        cache.validate = "later"
+
+
+def _positions(rng):
+    from numba_kv.ops.positions import exact_positions_into
+
+    for n_sink, base, n_win in ((0, 0, 0), (2, 7, 3), (0, 12, 4), (3, 3, 0)):
+        n = max(n_sink + n_win, 1)
+        cpu = exact_positions_into(np.full(n + 2, -1, np.int32), n_sink, base, n_win)
+        dev = exact_positions_into(to_device(np.full(n + 2, -1, np.int32)), n_sink, base, n_win)
+        assert np.array_equal(to_host(dev), cpu)
+        if n_sink + n_win:
+            expect = np.concatenate([np.arange(n_sink), base + np.arange(n_win)]).astype(np.int32)
+            assert np.array_equal(cpu, expect)
+
+
+RUNNERS = {"exact_positions": _positions}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", sorted(RUNNERS))
+def test_cuda_kernel_matches_cpu_twin(name):
+    RUNNERS[name](np.random.default_rng(5))
