@@ -20,7 +20,7 @@ import numpy as np
 from numba import cuda, int64, prange, uint8
 
 from .. import _backend
-from .._jit import cpu_call, cpu_kernel, cuda_kernel, twin
+from .._jit import cpu_kernel, cuda_kernel, twin
 from ._registry import register
 
 SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -94,9 +94,9 @@ def _unpack_bits_cuda(packed, bits, out):
         unpack_group8_dev(packed[r], g * bits, bits, out[r], g * 8)
 
 
-register("pack_bits", _pack_bits_cpu, _pack_bits_cuda,
+_PACK_BITS = register("pack_bits", _pack_bits_cpu, _pack_bits_cuda,
          ["void(uint8[:, ::1], int64, uint8[:, ::1])"], float32_only=True)
-register("unpack_bits", _unpack_bits_cpu, _unpack_bits_cuda,
+_UNPACK_BITS = register("unpack_bits", _unpack_bits_cpu, _unpack_bits_cuda,
          ["void(uint8[:, ::1], int64, uint8[:, ::1])"], float32_only=True)
 
 
@@ -157,11 +157,7 @@ def pack_bits(idx: Any, bits: int, *, backend: str = "auto") -> Any:
     rows, lead = _rows(idx)
     out = _backend.empty(idx, (rows.shape[0], rows.shape[1] * bits // 8), np.uint8)
     if rows.shape[0] and rows.shape[1]:
-        if dev == _backend.CPU:
-            cpu_call(_pack_bits_cpu, rows.size, rows, bits, out)
-        else:
-            blocks, threads = _backend.cuda_grid(rows.shape[0] * rows.shape[1] // 8)
-            _pack_bits_cuda[blocks, threads](rows, bits, out)
+        _PACK_BITS.launch(dev, rows.shape[0] * rows.shape[1] // 8, rows, bits, out, work=rows.size)
     return out.reshape(tuple(lead) + (out.shape[1],))
 
 
@@ -193,11 +189,7 @@ def unpack_bits(packed: Any, bits: int, *, backend: str = "auto") -> Any:
     length = rows.shape[1] * 8 // bits
     out = _backend.empty(packed, (rows.shape[0], length), np.uint8)
     if rows.shape[0] and length:
-        if dev == _backend.CPU:
-            cpu_call(_unpack_bits_cpu, out.size, rows, bits, out)
-        else:
-            blocks, threads = _backend.cuda_grid(rows.shape[0] * length // 8)
-            _unpack_bits_cuda[blocks, threads](rows, bits, out)
+        _UNPACK_BITS.launch(dev, rows.shape[0] * length // 8, rows, bits, out, work=out.size)
     return out.reshape(tuple(lead) + (length,))
 
 

@@ -35,7 +35,7 @@ import numpy as np
 from numba import cuda, float32, int64, prange, uint8, uint16
 
 from .. import _backend
-from .._jit import cpu_call, cpu_kernel, cuda_kernel, twin
+from .._jit import cpu_kernel, cuda_kernel, twin
 from ._registry import register
 from .codebook import Codebook, _bucketize, _bucketize_select, get_codebook
 from .hadamard import SIGNS32, _rotate32_forward_lanes, _rotate32_inverse_lanes
@@ -271,8 +271,8 @@ _QSIG = ("void(float32[:, :, ::1], float32[::1], float32[::1], float32[::1], boo
          "float32, int64, int64, uint8[:, :, ::1], uint16[:, :, ::1])")
 _DSIG = ("void(uint8[:, :, ::1], uint16[:, :, ::1], float32[::1], float32[::1], int64, int64, "
          "float32[:, :, ::1])")
-register("quantize_blocks", _quantize_cpu, _quantize_cuda, [_QSIG])
-register("dequantize_blocks", _dequantize_cpu, _dequantize_cuda, [_DSIG])
+_QUANTIZE_BLOCKS = register("quantize_blocks", _quantize_cpu, _quantize_cuda, [_QSIG])
+_DEQUANTIZE_BLOCKS = register("dequantize_blocks", _dequantize_cpu, _dequantize_cuda, [_DSIG])
 
 
 # --- internal entry points used by caches (no validation: callers validated) -----------
@@ -292,11 +292,7 @@ def quantize_into(x3: Any, codes: Any, scales: Any, t0: int, cb: Codebook, outli
     ref = np.float32(cb.ref)
     flag = np.float32(-1.0 if outlier else 1.0)
     args = (x3, signs, bounds, cents, l2, unbiased, ref, flag, cb.bits, int(t0), codes, scales)
-    if isinstance(x3, np.ndarray):
-        cpu_call(_quantize_cpu, rows * seq * d, *args)
-    else:
-        blocks, threads = _backend.cuda_grid(rows * seq * (d // 32))
-        _quantize_cuda[blocks, threads](*args)
+    _QUANTIZE_BLOCKS.launch(_backend.device_of("x3", x3), rows * seq * (d // 32), *args, work=rows * seq * d)
 
 
 def dequantize_into(codes: Any, scales: Any, t0: int, cb: Codebook, out: Any) -> None:
@@ -307,11 +303,8 @@ def dequantize_into(codes: Any, scales: Any, t0: int, cb: Codebook, out: Any) ->
         return
     signs = _backend.constant(out, SIGNS32)
     cents = _backend.constant(out, cb.centroids)
-    if isinstance(out, np.ndarray):
-        cpu_call(_dequantize_cpu, rows * seq * d, codes, scales, signs, cents, cb.bits, int(t0), out)
-    else:
-        blocks, threads = _backend.cuda_grid(rows * seq * (d // 32))
-        _dequantize_cuda[blocks, threads](codes, scales, signs, cents, cb.bits, int(t0), out)
+    _DEQUANTIZE_BLOCKS.launch(_backend.device_of("out", out), rows * seq * (d // 32), codes, scales, signs, cents,
+                              cb.bits, int(t0), out, work=rows * seq * d)
 
 
 def packed_dim(head_dim: int, bits: int) -> int:

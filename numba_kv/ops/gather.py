@@ -67,8 +67,8 @@ def _scatter_rows_cuda(src, idx, out):
 
 
 _SIGS = [f"void({t}[:, ::1], int32[::1], {t}[:, ::1])" for t in ("uint8", "uint16", "float32")]
-register("gather_rows", _gather_rows_cpu, _gather_rows_cuda, _SIGS)
-register("scatter_rows", _scatter_rows_cpu, _scatter_rows_cuda, _SIGS)
+_GATHER_ROWS = register("gather_rows", _gather_rows_cpu, _gather_rows_cuda, _SIGS)
+_SCATTER_ROWS = register("scatter_rows", _scatter_rows_cpu, _scatter_rows_cuda, _SIGS)
 
 
 # --- public API ------------------------------------------------------------------------
@@ -118,11 +118,7 @@ def gather_rows(src: Any, idx: Any, out: Any) -> Any:
     dev = _check(src, idx, out, out.shape[0], "out")
     m, w = out.shape
     if m and w:
-        if dev == _backend.CPU:
-            _gather_rows_cpu(src, idx, out)
-        else:
-            blocks, threads = _backend.cuda_grid(m * w)
-            _gather_rows_cuda[blocks, threads](src, idx, out)
+        _GATHER_ROWS.launch(dev, m * w, src, idx, out)
     return out
 
 
@@ -145,9 +141,5 @@ def scatter_rows(src: Any, idx: Any, out: Any) -> Any:
     dev = _check(src, idx, out, src.shape[0], "src")
     m, w = src.shape
     if m and w:
-        if dev == _backend.CPU:
-            _scatter_rows_cpu(src, idx, out)
-        else:
-            blocks, threads = _backend.cuda_grid(m * w)
-            _scatter_rows_cuda[blocks, threads](src, idx, out)
+        _SCATTER_ROWS.launch(dev, m * w, src, idx, out)
     return out

@@ -291,12 +291,12 @@ def _int_dequantize_cuda(packed, scales, bits, group, out):
 _F3 = "float32[:, :, ::1]"
 _F2 = "float32[:, ::1]"
 _U3 = "uint8[:, :, ::1]"
-register("int_threshold", _int_threshold_cpu, _int_threshold_cuda, [f"void({_F3}, {_F2})"])
-register("int_quantize", _int_quantize_cpu, _int_quantize_cuda,
+_INT_THRESHOLD = register("int_threshold", _int_threshold_cpu, _int_threshold_cuda, [f"void({_F3}, {_F2})"])
+_INT_QUANTIZE = register("int_quantize", _int_quantize_cpu, _int_quantize_cuda,
          [f"void({_F3}, {_F2}, int64, int64, {_F3}, {_U3}, int32[:, :, ::1])"])
-register("int_outliers", _int_outliers_cpu, _int_outliers_cuda,
+_INT_OUTLIERS = register("int_outliers", _int_outliers_cpu, _int_outliers_cuda,
          [f"void({_F3}, {_F2}, int64, int64[:, :, ::1], int32[::1], float32[::1])"])
-register("int_dequantize", _int_dequantize_cpu, _int_dequantize_cuda,
+_INT_DEQUANTIZE = register("int_dequantize", _int_dequantize_cpu, _int_dequantize_cuda,
          [f"void({_U3}, {_F3}, int64, int64, {_F3})"])
 
 
@@ -347,11 +347,8 @@ def thresholds_into(x3: Any, out: Any) -> None:
     rows, n, nch = x3.shape
     if rows * nch == 0 or n == 0:
         return
-    if isinstance(x3, np.ndarray):
-        _int_threshold_cpu(x3, out)
-    else:
-        blocks, threads = _backend.cuda_grid(rows * nch)
-        _int_threshold_cuda[blocks, threads](x3, out)
+    _INT_THRESHOLD.launch(_backend.device_of("x3", x3), rows * nch, x3, out,
+                          work=rows * nch * n * 32)  # tens of bisection passes over a channel
 
 
 def quantize_int(x3: Any, bits: int, group: int) -> IntQuantized:
@@ -363,14 +360,11 @@ def quantize_int(x3: Any, bits: int, group: int) -> IntQuantized:
     scales = _backend.empty(x3, (rows, nch, ng), np.float32)
     packed = _backend.zeros(x3, (rows, nch, nbytes_t), np.uint8)
     counts = _backend.empty(x3, (rows, nch, ng), np.int32)
-    work = rows * nch * ng
-    if work and n:
+    dev = _backend.device_of("x3", x3)
+    items = rows * nch * ng  # one (row, channel, token group) each
+    if items and n:
         thresholds_into(x3, thr)
-        if isinstance(x3, np.ndarray):
-            _int_quantize_cpu(x3, thr, bits, group, scales, packed, counts)
-        else:
-            blocks, threads = _backend.cuda_grid(work)
-            _int_quantize_cuda[blocks, threads](x3, thr, bits, group, scales, packed, counts)
+        _INT_QUANTIZE.launch(dev, items, x3, thr, bits, group, scales, packed, counts, work=rows * nch * n)
         h_counts = _backend.to_host(counts).astype(np.int64)
     else:
         h_counts = np.zeros((rows, nch, ng), np.int64)
@@ -381,11 +375,7 @@ def quantize_int(x3: Any, bits: int, group: int) -> IntQuantized:
     vals = _backend.empty(x3, (m,), np.float32)
     if m:
         d_off = to_like(x3, offsets.reshape(rows, nch, ng))
-        if isinstance(x3, np.ndarray):
-            _int_outliers_cpu(x3, thr, group, d_off, idx, vals)
-        else:
-            blocks, threads = _backend.cuda_grid(work)
-            _int_outliers_cuda[blocks, threads](x3, thr, group, d_off, idx, vals)
+        _INT_OUTLIERS.launch(dev, items, x3, thr, group, d_off, idx, vals, work=rows * nch * n)
     return IntQuantized(packed, scales, idx, vals, int(bits), int(group), (rows, n, nch))
 
 
@@ -394,13 +384,9 @@ def dequantize_int(q: IntQuantized) -> Any:
     rows, n, nch = q.shape
     out = _backend.empty(q.packed, (rows, n, nch), np.float32)
     ng = q.scales.shape[2]
-    work = rows * nch * ng
-    if work and n:
-        if isinstance(out, np.ndarray):
-            _int_dequantize_cpu(q.packed, q.scales, q.bits, q.group, out)
-        else:
-            blocks, threads = _backend.cuda_grid(work)
-            _int_dequantize_cuda[blocks, threads](q.packed, q.scales, q.bits, q.group, out)
+    if rows * nch * ng and n:
+        _INT_DEQUANTIZE.launch(_backend.device_of("q.packed", q.packed), rows * nch * ng, q.packed, q.scales, q.bits,
+                               q.group, out, work=rows * nch * n)
     m = q.outlier_idx.shape[0]
     if m:
         scatter_rows(q.outlier_vals.reshape(m, 1), q.outlier_idx, out.reshape(rows * n * nch, 1))

@@ -210,26 +210,28 @@ def _f16_decode_cuda(h, out):
 
 _F3 = "float32[:, :, ::1]"
 _F2 = "float32[:, ::1]"
-register("lowrank_stats", _lowrank_stats_cpu, _lowrank_stats_cuda, [f"void({_F3}, {_F2}, {_F3})"])
-register("lowrank_project", _lowrank_project_cpu, _lowrank_project_cuda,
+_LOWRANK_STATS = register("lowrank_stats", _lowrank_stats_cpu, _lowrank_stats_cuda, [f"void({_F3}, {_F2}, {_F3})"])
+_LOWRANK_PROJECT = register("lowrank_project", _lowrank_project_cpu, _lowrank_project_cuda,
          [f"void({_F3}, {_F2}, {_F3}, {_F3})"])
-register("lowrank_reconstruct", _lowrank_reconstruct_cpu, _lowrank_reconstruct_cuda,
+_LOWRANK_RECONSTRUCT = register("lowrank_reconstruct", _lowrank_reconstruct_cpu, _lowrank_reconstruct_cuda,
          [f"void({_F3}, {_F2}, {_F3}, {_F3})"])
-register("f16_encode", _f16_encode_cpu, _f16_encode_cuda, ["void(float32[::1], uint16[::1])"])
-register("f16_decode", _f16_decode_cpu, _f16_decode_cuda, ["void(uint16[::1], float32[::1])"])
+_F16_ENCODE = register("f16_encode", _f16_encode_cpu, _f16_encode_cuda, ["void(float32[::1], uint16[::1])"])
+_F16_DECODE = register("f16_decode", _f16_decode_cpu, _f16_decode_cuda, ["void(uint16[::1], float32[::1])"])
 
 
 # --- internal entry points (callers validated; arrays float32 C-contiguous, one device) ----
+def _contiguous(a: Any) -> Any:
+    """``a`` C-contiguous on its own device (Numba device arrays must already be)."""
+    xp = _backend.xp_of(a)
+    return a if xp is None else xp.ascontiguousarray(a)
+
+
 def stats_into(x3: Any, mean: Any, gram: Any) -> None:
     """``mean`` ``[R, d]`` and centred ``gram`` ``[R, d, d]`` of ``x3`` ``[R, n, d]``."""
     rows, n, d = x3.shape
     if rows == 0 or d == 0:
         return
-    if isinstance(x3, np.ndarray):
-        _lowrank_stats_cpu(x3, mean, gram)
-    else:
-        blocks, threads = _backend.cuda_grid(rows * d * d)
-        _lowrank_stats_cuda[blocks, threads](x3, mean, gram)
+    _LOWRANK_STATS.launch(_backend.device_of("x3", x3), rows * d * d, x3, mean, gram, work=rows * n * d * d)
 
 
 def project_into(x3: Any, mean: Any, components: Any, out: Any) -> None:
@@ -237,11 +239,8 @@ def project_into(x3: Any, mean: Any, components: Any, out: Any) -> None:
     rows, n, rank = out.shape
     if rows == 0 or n == 0 or rank == 0:
         return
-    if isinstance(x3, np.ndarray):
-        _lowrank_project_cpu(x3, mean, components, out)
-    else:
-        blocks, threads = _backend.cuda_grid(rows * n * rank)
-        _lowrank_project_cuda[blocks, threads](x3, mean, components, out)
+    _LOWRANK_PROJECT.launch(_backend.device_of("x3", x3), rows * n * rank, x3, mean, components, out,
+                            work=rows * n * rank * x3.shape[2])
 
 
 def reconstruct_into(coef: Any, mean: Any, components: Any, out: Any) -> None:
@@ -249,11 +248,8 @@ def reconstruct_into(coef: Any, mean: Any, components: Any, out: Any) -> None:
     rows, n, d = out.shape
     if rows == 0 or n == 0 or d == 0:
         return
-    if isinstance(out, np.ndarray):
-        _lowrank_reconstruct_cpu(coef, mean, components, out)
-    else:
-        blocks, threads = _backend.cuda_grid(rows * n * d)
-        _lowrank_reconstruct_cuda[blocks, threads](coef, mean, components, out)
+    _LOWRANK_RECONSTRUCT.launch(_backend.device_of("out", out), rows * n * d, coef, mean, components, out,
+                                work=rows * n * d * components.shape[1])
 
 
 def f16_encode(x: Any) -> Any:
@@ -270,18 +266,14 @@ def f16_encode(x: Any) -> Any:
     -------
     uint16 array, shape of ``x``.
     """
-    _backend.resolve_device("auto", x=x)
+    dev = _backend.resolve_device("auto", x=x)
     if np.dtype(x.dtype) != np.float32:
         raise TypeError(f"x: expected dtype float32, got {np.dtype(x.dtype)}")
     shape = tuple(x.shape)
     flat = x.reshape(-1)
     out = _backend.empty(x, (flat.shape[0],), np.uint16)
     if flat.shape[0]:
-        if isinstance(flat, np.ndarray):
-            _f16_encode_cpu(np.ascontiguousarray(flat), out)
-        else:
-            blocks, threads = _backend.cuda_grid(flat.shape[0])
-            _f16_encode_cuda[blocks, threads](flat, out)
+        _F16_ENCODE.launch(dev, flat.shape[0], _contiguous(flat), out)
     return out.reshape(shape)
 
 
@@ -296,18 +288,14 @@ def f16_decode(h: Any) -> Any:
     -------
     float32 array, shape of ``h``.
     """
-    _backend.resolve_device("auto", h=h)
+    dev = _backend.resolve_device("auto", h=h)
     if np.dtype(h.dtype) != np.uint16:
         raise TypeError(f"h: expected dtype uint16 (binary16 bits), got {np.dtype(h.dtype)}")
     shape = tuple(h.shape)
     flat = h.reshape(-1)
     out = _backend.empty(h, (flat.shape[0],), np.float32)
     if flat.shape[0]:
-        if isinstance(flat, np.ndarray):
-            _f16_decode_cpu(np.ascontiguousarray(flat), out)
-        else:
-            blocks, threads = _backend.cuda_grid(flat.shape[0])
-            _f16_decode_cuda[blocks, threads](flat, out)
+        _F16_DECODE.launch(dev, flat.shape[0], _contiguous(flat), out)
     return out.reshape(shape)
 
 

@@ -50,7 +50,7 @@ import numpy as np
 from numba import cuda, float32, int32, int64, prange, uint8
 
 from .. import _backend
-from .._jit import cpu_call, cpu_kernel, cuda_kernel, twin
+from .._jit import cpu_kernel, cuda_kernel, twin
 from ._registry import register
 from .half import _f16_bits_to_f32, _f32_to_f16_bits
 
@@ -285,9 +285,9 @@ def _qjl_scores_cuda(sq, signs, norms, n, cst, out):
         out[gi, rr, t] = token_scale_dev(cst, norms[gi, t]) * acc
 
 
-register("qjl_signs", _qjl_signs_cpu, _qjl_signs_cuda,
+_QJL_SIGNS = register("qjl_signs", _qjl_signs_cpu, _qjl_signs_cuda,
          ["void(float32[:, :, ::1], float32[:, ::1], int64, uint8[:, :, ::1], uint16[:, ::1])"])
-register("qjl_scores", _qjl_scores_cpu, _qjl_scores_cuda,
+_QJL_SCORES = register("qjl_scores", _qjl_scores_cpu, _qjl_scores_cuda,
          ["void(float32[:, :, ::1], uint8[:, :, ::1], uint16[:, ::1], int64, float32, float32[:, :, ::1])"])
 
 
@@ -300,11 +300,8 @@ def qjl_signs_into(r3: Any, sketch: Any, signs: Any, norms: Any, t0: int) -> Non
     if rows == 0 or n == 0:
         return
     m = sketch.shape[0]
-    if isinstance(r3, np.ndarray):
-        cpu_call(_qjl_signs_cpu, rows * n * d * m, r3, sketch, int(t0), signs, norms)
-    else:
-        blocks, threads = _backend.cuda_grid(rows * n)
-        _qjl_signs_cuda[blocks, threads](r3, sketch, int(t0), signs, norms)
+    _QJL_SIGNS.launch(_backend.device_of("r3", r3), rows * n, r3, sketch, int(t0), signs, norms,
+                      work=rows * n * d * m)
 
 
 def qjl_scores_into(sq: Any, signs: Any, norms: Any, n: int, m: int, out: Any) -> None:
@@ -318,11 +315,8 @@ def qjl_scores_into(sq: Any, signs: Any, norms: Any, n: int, m: int, out: Any) -
     if g == 0 or rows == 0 or n == 0:
         return
     cst = np.float32(qjl_constant(m))
-    if isinstance(sq, np.ndarray):
-        cpu_call(_qjl_scores_cpu, g * rows * n * m, sq, signs, norms, n, cst, out)
-    else:
-        blocks, threads = _backend.cuda_grid(g * rows * n)
-        _qjl_scores_cuda[blocks, threads](sq, signs, norms, n, cst, out)
+    _QJL_SCORES.launch(_backend.device_of("sq", sq), g * rows * n, sq, signs, norms, n, cst, out,
+                       work=g * rows * n * m)
 
 
 # --- public API ------------------------------------------------------------------------

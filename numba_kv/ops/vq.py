@@ -224,12 +224,12 @@ def _vq_decode_cuda(codes, codebooks, out):
 
 _F3 = "float32[:, :, ::1]"
 _U3 = "uint8[:, :, ::1]"
-register("vq_assign", _vq_assign_cpu, _vq_assign_cuda, [f"void({_F3}, {_F3}, {_U3}, {_F3})"])
-register("vq_accumulate", _vq_accumulate_cpu, _vq_accumulate_cuda,
+_VQ_ASSIGN = register("vq_assign", _vq_assign_cpu, _vq_assign_cuda, [f"void({_F3}, {_F3}, {_U3}, {_F3})"])
+_VQ_ACCUMULATE = register("vq_accumulate", _vq_accumulate_cpu, _vq_accumulate_cuda,
          [f"void({_F3}, {_U3}, {_F3}, int32[:, ::1])"])
-register("kmeanspp_update", _kmeanspp_update_cpu, _kmeanspp_update_cuda,
+_KMEANSPP_UPDATE = register("kmeanspp_update", _kmeanspp_update_cpu, _kmeanspp_update_cuda,
          [f"void({_F3}, float32[:, ::1], {_F3})"])
-register("vq_decode", _vq_decode_cpu, _vq_decode_cuda, [f"void({_U3}, {_F3}, {_F3})"])
+_VQ_DECODE = register("vq_decode", _vq_decode_cpu, _vq_decode_cuda, [f"void({_U3}, {_F3}, {_F3})"])
 
 
 # --- internal entry points (callers validated: float32 C-contiguous, one device) ------------
@@ -239,11 +239,8 @@ def assign_into(x3: Any, codebooks: Any, codes: Any, dist: Any) -> None:
     m_sub = d // codebooks.shape[2]
     if rows * n * m_sub == 0:
         return
-    if isinstance(x3, np.ndarray):
-        _vq_assign_cpu(x3, codebooks, codes, dist)
-    else:
-        blocks, threads = _backend.cuda_grid(rows * n * m_sub)
-        _vq_assign_cuda[blocks, threads](x3, codebooks, codes, dist)
+    _VQ_ASSIGN.launch(_backend.device_of("x3", x3), rows * n * m_sub, x3, codebooks, codes, dist,
+                      work=rows * n * d * codebooks.shape[1])
 
 
 def accumulate_into(x3: Any, codes: Any, sums: Any, counts: Any) -> None:
@@ -251,11 +248,7 @@ def accumulate_into(x3: Any, codes: Any, sums: Any, counts: Any) -> None:
     rows, n, d = x3.shape
     if rows * n * d == 0:
         return
-    if isinstance(x3, np.ndarray):
-        _vq_accumulate_cpu(x3, codes, sums, counts)
-    else:
-        blocks, threads = _backend.cuda_grid(rows * n * d)
-        _vq_accumulate_cuda[blocks, threads](x3, codes, sums, counts)
+    _VQ_ACCUMULATE.launch(_backend.device_of("x3", x3), rows * n * d, x3, codes, sums, counts)
 
 
 def kmeanspp_update_into(x3: Any, centers: Any, min_d2: Any) -> None:
@@ -264,11 +257,7 @@ def kmeanspp_update_into(x3: Any, centers: Any, min_d2: Any) -> None:
     m_sub = d // centers.shape[1]
     if rows * n * m_sub == 0:
         return
-    if isinstance(x3, np.ndarray):
-        _kmeanspp_update_cpu(x3, centers, min_d2)
-    else:
-        blocks, threads = _backend.cuda_grid(rows * n * m_sub)
-        _kmeanspp_update_cuda[blocks, threads](x3, centers, min_d2)
+    _KMEANSPP_UPDATE.launch(_backend.device_of("x3", x3), rows * n * m_sub, x3, centers, min_d2, work=rows * n * d)
 
 
 def decode_into(codes: Any, codebooks: Any, out: Any) -> None:
@@ -276,11 +265,7 @@ def decode_into(codes: Any, codebooks: Any, out: Any) -> None:
     rows, n, d = out.shape
     if rows * n * d == 0:
         return
-    if isinstance(out, np.ndarray):
-        _vq_decode_cpu(codes, codebooks, out)
-    else:
-        blocks, threads = _backend.cuda_grid(rows * n * d)
-        _vq_decode_cuda[blocks, threads](codes, codebooks, out)
+    _VQ_DECODE.launch(_backend.device_of("out", out), rows * n * d, codes, codebooks, out)
 
 
 def _gather_subvectors(x3: Any, flat_rows: np.ndarray, ds: int) -> Any:
