@@ -7,13 +7,13 @@ Data ``x`` is ``[R, n, d]`` (``R`` rows of ``n`` tokens).  Every token is cut in
 uses codebook ``g = r·M + m`` when ``codebooks`` holds ``R·M`` tables (one per row), or
 ``g = m`` when it holds ``M`` (shared by all rows).  Codes are uint8 (``K <= 256``).
 
-Ops (CPU twin + CUDA kernel each):
+Ops (CPU twin + CUDA kernel each, from the single-source per-item cores below):
 
 * ``vq_assign``: ``codes[r, t, m] = argmin_k ‖x_rtm − C_g[k]‖²`` (ties → lowest ``k``,
   as in gllm-kernels) and ``dist[r, t, m]`` = that squared distance;
 * ``vq_accumulate``: per-codeword sums and counts of the assigned sub-vectors (the
-  M-step numerator/denominator).  CPU: one work item per (codebook, channel), race-free;
-  CUDA: one thread per element with ``atomic.add`` (float sums: order-dependent rounding);
+  M-step numerator/denominator); one work item per (codebook, channel), the only writer of
+  its outputs, summing in token order: race-free and deterministic on both devices;
 * ``kmeanspp_update``: ``min_d2 = min(min_d2, ‖x − c_new‖²)`` (k-means++ D² weights);
 * ``vq_decode``: ``out[r, t, m·ds:(m+1)·ds] = C_g[codes[r, t, m]]``.
 
@@ -33,7 +33,7 @@ import numpy as np
 from numba import cuda, float32, int32, int64, prange, uint8
 
 from .. import _backend
-from .._jit import cpu_kernel, cuda_kernel
+from .._jit import cpu_kernel, cuda_kernel, twin
 from ._registry import register
 from .gather import gather_rows, to_like
 
@@ -44,191 +44,170 @@ KMEANS_TOL = 1e-4
 _INF32 = np.float32(np.inf)
 
 
-# --- CPU twins -------------------------------------------------------------------------
-@cpu_kernel
-def _vq_assign_cpu(x, codebooks, codes, dist):
-    rows, n, d = x.shape
+# --- single-source cores --------------------------------------------------------------
+# Work items: ``e`` enumerates (row r, token t, sub-space m) in C order for assign,
+# k-means++ and decode, and (codebook g, channel j) for accumulate.  Each core does one
+# item; the CPU twin is a ``prange`` over the items, the CUDA kernel a grid-stride loop over
+# them (one thread per item), so both twins compute every output with the same operations
+# in the same order.
+def _codebook_of(r, m, m_sub, per_row):
+    """Codebook ``g`` of sub-space ``m`` of row ``r`` (per-row or shared tables)."""
+    return r * m_sub + m if per_row else m
+
+
+def _sq_dist(x, r, t, o, tab, k):
+    """``‖x[r, t, o:o+ds] − tab[k]‖²`` (float32, summed over the channels in order)."""
+    s = float32(0.0)
+    for j in range(tab.shape[1]):
+        diff = x[r, t, o + j] - tab[k, j]
+        s += diff * diff
+    return s
+
+
+def _assign_item(x, codebooks, e, codes, dist):
+    """Nearest codeword (ties: lowest ``k``) of sub-vector item ``e`` = (r, t, m)."""
+    n = x.shape[1]
     ng, k_size, ds = codebooks.shape
+    m_sub = x.shape[2] // ds
+    r = e // (n * m_sub)
+    rem = e - r * n * m_sub
+    t = rem // m_sub
+    m = rem - t * m_sub
+    tab = codebooks[_codebook_of(r, m, m_sub, ng > m_sub)]
+    best = _INF32
+    bk = 0
+    for k in range(k_size):
+        s = _sq_dist(x, r, t, m * ds, tab, k)
+        if s < best:
+            best = s
+            bk = k
+    codes[r, t, m] = uint8(bk)
+    dist[r, t, m] = best
+
+
+def _accumulate_item(x, codes, e, sums, counts):
+    """Sums (and, for channel 0, counts) of codebook ``g``, channel ``j`` (item ``e``) over
+    its member sub-vectors, in token order: one writer per output, no atomics."""
+    rows, n, d = x.shape
+    ng, k_size, ds = sums.shape
     m_sub = d // ds
     per_row = ng > m_sub
-    for e in prange(rows * n):
-        r = e // n
-        t = e - r * n
-        for m in range(m_sub):
-            g = r * m_sub + m if per_row else m
-            o = m * ds
-            best = _INF32
-            bk = 0
-            for k in range(k_size):
-                s = float32(0.0)
-                for j in range(ds):
-                    diff = x[r, t, o + j] - codebooks[g, k, j]
-                    s += diff * diff
-                if s < best:
-                    best = s
-                    bk = k
-            codes[r, t, m] = uint8(bk)
-            dist[r, t, m] = best
+    g = e // ds
+    j = e - g * ds
+    m = g % m_sub if per_row else g
+    r0 = g // m_sub if per_row else 0
+    r1 = r0 + 1 if per_row else rows
+    for r in range(r0, r1):
+        for t in range(n):
+            c = int64(codes[r, t, m])
+            sums[g, c, j] += x[r, t, m * ds + j]
+            if j == 0:
+                counts[g, c] += int32(1)
+
+
+def _kmeanspp_item(x, centers, e, min_d2):
+    """``min_d2 = min(min_d2, ‖x − centers[g]‖²)`` for sub-vector item ``e`` = (r, t, m)."""
+    n = x.shape[1]
+    ng, ds = centers.shape
+    m_sub = x.shape[2] // ds
+    r = e // (n * m_sub)
+    rem = e - r * n * m_sub
+    t = rem // m_sub
+    m = rem - t * m_sub
+    s = _sq_dist(x, r, t, m * ds, centers, _codebook_of(r, m, m_sub, ng > m_sub))
+    if s < min_d2[r, t, m]:
+        min_d2[r, t, m] = s
+
+
+def _decode_item(codes, codebooks, e, out):
+    """``out[r, t, m·ds:(m+1)·ds] = C_g[codes[r, t, m]]`` for item ``e`` = (r, t, m)."""
+    n = out.shape[1]
+    ng, k_size, ds = codebooks.shape
+    m_sub = out.shape[2] // ds
+    r = e // (n * m_sub)
+    rem = e - r * n * m_sub
+    t = rem // m_sub
+    m = rem - t * m_sub
+    g = _codebook_of(r, m, m_sub, ng > m_sub)
+    c = codes[r, t, m]
+    for j in range(ds):
+        out[r, t, m * ds + j] = codebooks[g, c, j]
+
+
+codebook_of_cpu, codebook_of_dev = twin(_codebook_of)
+sq_dist_cpu, sq_dist_dev = twin(_sq_dist)
+assign_item_cpu, assign_item_dev = twin(_assign_item)
+accumulate_item_cpu, accumulate_item_dev = twin(_accumulate_item)
+kmeanspp_item_cpu, kmeanspp_item_dev = twin(_kmeanspp_item)
+decode_item_cpu, decode_item_dev = twin(_decode_item)
+
+
+# --- CPU twins: prange over the items -------------------------------------------------------
+@cpu_kernel
+def _vq_assign_cpu(x, codebooks, codes, dist):
+    """CPU twin of :func:`_vq_assign_cuda`: ``prange`` over the ``R·n·M`` sub-vectors."""
+    for e in prange(codes.shape[0] * codes.shape[1] * codes.shape[2]):
+        assign_item_cpu(x, codebooks, e, codes, dist)
 
 
 @cpu_kernel
 def _vq_accumulate_cpu(x, codes, sums, counts):
-    rows, n, d = x.shape
-    ng, k_size, ds = sums.shape
-    m_sub = d // ds
-    per_row = ng > m_sub
-    # work item = (codebook g, channel j): it owns sums[g, :, j] (and counts[g] when j == 0)
-    for e in prange(ng * ds):
-        g = e // ds
-        j = e - g * ds
-        m = g % m_sub if per_row else g
-        r0 = g // m_sub if per_row else 0
-        r1 = r0 + 1 if per_row else rows
-        for r in range(r0, r1):
-            for t in range(n):
-                c = codes[r, t, m]
-                sums[g, c, j] += x[r, t, m * ds + j]
-                if j == 0:
-                    counts[g, c] += 1
+    """CPU twin of :func:`_vq_accumulate_cuda`: ``prange`` over the ``G·ds`` (codebook, channel) pairs."""
+    for e in prange(sums.shape[0] * sums.shape[2]):
+        accumulate_item_cpu(x, codes, e, sums, counts)
 
 
 @cpu_kernel
 def _kmeanspp_update_cpu(x, centers, min_d2):
-    rows, n, d = x.shape
-    ng, ds = centers.shape
-    m_sub = d // ds
-    per_row = ng > m_sub
-    for e in prange(rows * n):
-        r = e // n
-        t = e - r * n
-        for m in range(m_sub):
-            g = r * m_sub + m if per_row else m
-            s = float32(0.0)
-            for j in range(ds):
-                diff = x[r, t, m * ds + j] - centers[g, j]
-                s += diff * diff
-            if s < min_d2[r, t, m]:
-                min_d2[r, t, m] = s
+    """CPU twin of :func:`_kmeanspp_update_cuda`: ``prange`` over the ``R·n·M`` sub-vectors."""
+    for e in prange(min_d2.shape[0] * min_d2.shape[1] * min_d2.shape[2]):
+        kmeanspp_item_cpu(x, centers, e, min_d2)
 
 
 @cpu_kernel
 def _vq_decode_cpu(codes, codebooks, out):
-    rows, n, d = out.shape
-    ng, k_size, ds = codebooks.shape
-    m_sub = d // ds
-    per_row = ng > m_sub
-    for e in prange(rows * n):
-        r = e // n
-        t = e - r * n
-        for m in range(m_sub):
-            g = r * m_sub + m if per_row else m
-            c = codes[r, t, m]
-            for j in range(ds):
-                out[r, t, m * ds + j] = codebooks[g, c, j]
+    """CPU twin of :func:`_vq_decode_cuda`: ``prange`` over the ``R·n·M`` sub-vectors."""
+    for e in prange(codes.shape[0] * codes.shape[1] * codes.shape[2]):
+        decode_item_cpu(codes, codebooks, e, out)
 
 
-# --- CUDA kernels (grid-stride) ----------------------------------------------------------
+# --- CUDA kernels: grid-stride over the same items ------------------------------------------
 @cuda_kernel
 def _vq_assign_cuda(x, codebooks, codes, dist):
-    # one thread per (row, token, sub-space): K·ds work, no cross-thread traffic
-    rows, n, d = x.shape
-    ng, k_size, ds = codebooks.shape
-    m_sub = d // ds
-    per_row = ng > m_sub
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for e in range(start, rows * n * m_sub, stride):
-        r = e // (n * m_sub)
-        rem = e - r * n * m_sub
-        t = rem // m_sub
-        m = rem - t * m_sub
-        g = r * m_sub + m if per_row else m
-        o = m * ds
-        best = _INF32
-        bk = 0
-        for k in range(k_size):
-            s = float32(0.0)
-            for j in range(ds):
-                diff = x[r, t, o + j] - codebooks[g, k, j]
-                s += diff * diff
-            if s < best:
-                best = s
-                bk = k
-        codes[r, t, m] = uint8(bk)
-        dist[r, t, m] = best
+    """1-D grid over ``R·n·M`` sub-vectors; one thread scans the ``K`` codewords of one."""
+    for e in range(cuda.grid(1), codes.shape[0] * codes.shape[1] * codes.shape[2], cuda.gridsize(1)):
+        assign_item_dev(x, codebooks, e, codes, dist)
 
 
 @cuda_kernel
 def _vq_accumulate_cuda(x, codes, sums, counts):
-    # one thread per element of x; atomics merge the per-codeword sums
-    rows, n, d = x.shape
-    ng, k_size, ds = sums.shape
-    m_sub = d // ds
-    per_row = ng > m_sub
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for e in range(start, rows * n * d, stride):
-        r = e // (n * d)
-        rem = e - r * n * d
-        t = rem // d
-        ch = rem - t * d
-        m = ch // ds
-        j = ch - m * ds
-        g = r * m_sub + m if per_row else m
-        c = int64(codes[r, t, m])
-        cuda.atomic.add(sums, (g, c, j), x[r, t, ch])
-        if j == 0:
-            cuda.atomic.add(counts, (g, c), int32(1))
+    """1-D grid over ``G·ds`` (codebook, channel) pairs; one thread sums one channel of one
+    codebook over its member tokens (the only writer of ``sums[g, :, j]``; deterministic)."""
+    for e in range(cuda.grid(1), sums.shape[0] * sums.shape[2], cuda.gridsize(1)):
+        accumulate_item_dev(x, codes, e, sums, counts)
 
 
 @cuda_kernel
 def _kmeanspp_update_cuda(x, centers, min_d2):
-    rows, n, d = x.shape
-    ng, ds = centers.shape
-    m_sub = d // ds
-    per_row = ng > m_sub
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for e in range(start, rows * n * m_sub, stride):
-        r = e // (n * m_sub)
-        rem = e - r * n * m_sub
-        t = rem // m_sub
-        m = rem - t * m_sub
-        g = r * m_sub + m if per_row else m
-        s = float32(0.0)
-        for j in range(ds):
-            diff = x[r, t, m * ds + j] - centers[g, j]
-            s += diff * diff
-        if s < min_d2[r, t, m]:
-            min_d2[r, t, m] = s
+    """1-D grid over ``R·n·M`` sub-vectors; one thread updates the D² weight of one."""
+    for e in range(cuda.grid(1), min_d2.shape[0] * min_d2.shape[1] * min_d2.shape[2], cuda.gridsize(1)):
+        kmeanspp_item_dev(x, centers, e, min_d2)
 
 
 @cuda_kernel
 def _vq_decode_cuda(codes, codebooks, out):
-    rows, n, d = out.shape
-    ng, k_size, ds = codebooks.shape
-    m_sub = d // ds
-    per_row = ng > m_sub
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for e in range(start, rows * n * d, stride):
-        r = e // (n * d)
-        rem = e - r * n * d
-        t = rem // d
-        ch = rem - t * d
-        m = ch // ds
-        j = ch - m * ds
-        g = r * m_sub + m if per_row else m
-        out[r, t, ch] = codebooks[g, codes[r, t, m], j]
+    """1-D grid over ``R·n·M`` sub-vectors; one thread copies the codeword of one."""
+    for e in range(cuda.grid(1), codes.shape[0] * codes.shape[1] * codes.shape[2], cuda.gridsize(1)):
+        decode_item_dev(codes, codebooks, e, out)
 
 
 _F3 = "float32[:, :, ::1]"
 _U3 = "uint8[:, :, ::1]"
 _VQ_ASSIGN = register("vq_assign", _vq_assign_cpu, _vq_assign_cuda, [f"void({_F3}, {_F3}, {_U3}, {_F3})"])
 _VQ_ACCUMULATE = register("vq_accumulate", _vq_accumulate_cpu, _vq_accumulate_cuda,
-         [f"void({_F3}, {_U3}, {_F3}, int32[:, ::1])"])
+                          [f"void({_F3}, {_U3}, {_F3}, int32[:, ::1])"])
 _KMEANSPP_UPDATE = register("kmeanspp_update", _kmeanspp_update_cpu, _kmeanspp_update_cuda,
-         [f"void({_F3}, float32[:, ::1], {_F3})"])
+                            [f"void({_F3}, float32[:, ::1], {_F3})"])
 _VQ_DECODE = register("vq_decode", _vq_decode_cpu, _vq_decode_cuda, [f"void({_U3}, {_F3}, {_F3})"])
 
 
@@ -248,7 +227,8 @@ def accumulate_into(x3: Any, codes: Any, sums: Any, counts: Any) -> None:
     rows, n, d = x3.shape
     if rows * n * d == 0:
         return
-    _VQ_ACCUMULATE.launch(_backend.device_of("x3", x3), rows * n * d, x3, codes, sums, counts)
+    _VQ_ACCUMULATE.launch(_backend.device_of("x3", x3), sums.shape[0] * sums.shape[2], x3, codes, sums, counts,
+                          work=rows * n * d)
 
 
 def kmeanspp_update_into(x3: Any, centers: Any, min_d2: Any) -> None:
@@ -344,8 +324,9 @@ def kmeans(x3: Any, codebook_size: int, ds: int, per_row: bool, *, max_iter: int
     dist = _backend.empty(x3, (rows, n, m_sub), np.float32)
     prev_codes: np.ndarray | None = None
     prev_inertia = np.inf
-    it = 0
+    iterations = 0
     for it in range(1, max_iter + 1):
+        iterations = it
         assign_into(x3, to_like(x3, cb), codes, dist)
         h_codes = _backend.to_host(codes).copy()
         h_dist = _backend.to_host(dist).astype(np.float64)
@@ -371,7 +352,7 @@ def kmeans(x3: Any, codebook_size: int, ds: int, per_row: bool, *, max_iter: int
             if far.shape[0]:
                 new[g, empty[: far.shape[0]]] = _gather_subvectors(x3, far, ds)
         cb = new
-    return cb, it
+    return cb, iterations
 
 
 # --- public API ------------------------------------------------------------------------
