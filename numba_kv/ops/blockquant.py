@@ -37,9 +37,10 @@ from numba import cuda, float32, int64, prange, uint8, uint16
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
 from ._registry import register
+from .bitpack import _group8_word, _load_word, _store_word, _word_index
 from .codebook import Codebook, _bucketize, _bucketize_select, get_codebook
 from .hadamard import SIGNS32, _rotate32_forward_lanes, _rotate32_inverse_lanes
-from .half import _f16_bits_abs_to_f32, _f32_to_f16_bits
+from .half import _f16_bits_abs_to_f32, _f32_to_f16_bits_sat
 
 NORM_MODES = ("maxnorm", "l2")
 
@@ -147,20 +148,15 @@ def _quantize_lanes(x, q0, nl, signs, bounds, centroids, l2, unbiased, ref, flag
     # group g of 8 indices -> the ``8*bits``-bit word w[g*L + l] (bitpack layout)
     for g in range(4):
         for l in range(L):
-            wl = int64(0)
-            for k in range(8):
-                wl |= int64(ib[(g * 8 + k) * L + l]) << (bits * k)
-            w[g * L + l] = wl
+            w[g * L + l] = _group8_word(ib, g * 8 * L + l, L, bits)
     # binary16 scale bits of every lane in one branch-free (vectorizable) loop: w[4L + l]
     for l in range(L):
-        w[4 * L + l] = int64(_f32_to_f16_bits(flag * min(t[S + l], float32(65504.0))))
+        w[4 * L + l] = int64(_f32_to_f16_bits_sat(flag * t[S + l]))
     r, s, b = r0, s0, b0
     for l in range(nl):
         cb = codes[r, t0 + s, b * 4 * bits:(b + 1) * 4 * bits]
         for g in range(4):
-            wl = w[g * L + l]
-            for jb in range(bits):
-                cb[g * bits + jb] = uint8((wl >> (8 * jb)) & 0xFF)
+            _store_word(w[g * L + l], bits, cb, g * bits)
         scales[r, t0 + s, b] = uint16(w[4 * L + l])
         r, s, b = _next_block(r, s, b, seq, nb)
 
@@ -178,21 +174,17 @@ def _dequantize_lanes(codes, scales, q0, nl, signs, centroids, bits, t0, out, L,
     for l in range(nl):
         cb = codes[r, t0 + s, b * 4 * bits:(b + 1) * 4 * bits]
         for g in range(4):
-            wl = int64(0)
-            for jb in range(bits):
-                wl |= int64(cb[g * bits + jb]) << (8 * jb)
-            w[g * L + l] = wl
+            w[g * L + l] = _load_word(cb, g * bits, bits)
         w[4 * L + l] = int64(scales[r, t0 + s, b])
         r, s, b = _next_block(r, s, b, seq, nb)
     # the scales of every lane in one branch-free (vectorizable) loop (lanes >= nl: junk, unused)
     for l in range(L):
         t[S + l] = _f16_bits_abs_to_f32(w[4 * L + l])
-    mask = (int64(1) << bits) - 1
     for g in range(4):
         for l in range(L):
             wl = w[g * L + l]
             for k in range(8):
-                t[(g * 8 + k) * L + l] = centroids[(wl >> (bits * k)) & mask]
+                t[(g * 8 + k) * L + l] = centroids[_word_index(wl, bits, k)]
     _rotate32_inverse_lanes(t, L, signs)
     r, s, b = r0, s0, b0
     for l in range(nl):

@@ -54,57 +54,67 @@ ENERGY_FRACTION = 0.9
 # float32 sum in the same order either way.
 def _channel_mean(x, r, i):
     """``Σ_t x[r, t, i] / n`` (float32, tokens in order; 0 when ``n == 0``)."""
-    n = x.shape[1]
+    xc = x[r, :, i]
+    n = xc.shape[0]
     s = float32(0.0)
     for t in range(n):
-        s += x[r, t, i]
+        s += xc[t]
     return s * (float32(1.0) / float32(max(n, 1)))
 
 
 def _gram_span(x, mean, r, i, j0, j1, gram):
     """``gram[r, i, j] = Σ_t (x_rti − μ_ri)(x_rtj − μ_rj)`` for ``j`` in ``[j0, j1)``."""
+    # views indexed from 0 (no wraparound code in the inner loop); a C-contiguous row slice
+    # per token keeps the inner loop contiguous for the vectorizer
+    xi_col = x[r, :, i]
     mi = mean[r, i]
-    for j in range(j0, j1):
-        gram[r, i, j] = float32(0.0)
-    for t in range(x.shape[1]):
-        xi = x[r, t, i] - mi
-        for j in range(j0, j1):
-            gram[r, i, j] += xi * (x[r, t, j] - mean[r, j])
+    ms = mean[r, j0:j1]
+    gs = gram[r, i, j0:j1]
+    w = gs.shape[0]
+    for j in range(w):
+        gs[j] = float32(0.0)
+    for t in range(xi_col.shape[0]):
+        xi = xi_col[t] - mi
+        xt = x[r, t, j0:j1]
+        for j in range(w):
+            gs[j] += xi * (xt[j] - ms[j])
 
 
-def _project_item(x, mean, components, e, out):
-    """``out[r, t, c] = Σ_j (x[r, t, j] − mean[r, j]) · components[r, c, j]`` for item
-    ``e`` = (r, t, c); ``mean``/``components`` broadcast when their leading axis is 1."""
-    n, rank = out.shape[1], out.shape[2]
-    r = e // (n * rank)
-    rem = e - r * n * rank
-    t = rem // rank
-    c = rem - t * rank
-    rm = r if mean.shape[0] > 1 else 0
-    rb = r if components.shape[0] > 1 else 0
-    s = float32(0.0)
-    for j in range(x.shape[2]):
-        s += (x[r, t, j] - mean[rm, j]) * components[rb, c, j]
-    out[r, t, c] = s
+def _project_span(x, mean, components, r, t, c0, c1, out):
+    """``out[r, t, c] = Σ_j (x[r, t, j] − mean[r, j]) · components[r, c, j]`` for ``c`` in
+    ``[c0, c1)``; ``mean``/``components`` broadcast when their leading axis is 1."""
+    xr = x[r, t]
+    mr = mean[r if mean.shape[0] > 1 else 0]
+    br = components[r if components.shape[0] > 1 else 0]
+    orow = out[r, t]
+    for c in range(c0, c1):
+        bc = br[c]
+        s = float32(0.0)
+        for j in range(xr.shape[0]):
+            s += (xr[j] - mr[j]) * bc[j]
+        orow[c] = s
 
 
 def _reconstruct_span(coef, mean, components, r, t, j0, j1, out):
     """``out[r, t, j] = mean[r, j] + Σ_c coef[r, t, c] · components[r, c, j]`` for ``j`` in
     ``[j0, j1)`` (``c`` in order; inputs broadcast when their leading axis is 1)."""
-    rm = r if mean.shape[0] > 1 else 0
     rb = r if components.shape[0] > 1 else 0
-    rc = r if coef.shape[0] > 1 else 0
-    for j in range(j0, j1):
-        out[r, t, j] = mean[rm, j]
-    for c in range(components.shape[1]):
-        a = coef[rc, t, c]
-        for j in range(j0, j1):
-            out[r, t, j] += a * components[rb, c, j]
+    ms = mean[r if mean.shape[0] > 1 else 0, j0:j1]
+    cr = coef[r if coef.shape[0] > 1 else 0, t]
+    os = out[r, t, j0:j1]
+    w = os.shape[0]
+    for j in range(w):
+        os[j] = ms[j]
+    for c in range(cr.shape[0]):
+        a = cr[c]
+        bc = components[rb, c, j0:j1]
+        for j in range(w):
+            os[j] += a * bc[j]
 
 
 channel_mean_cpu, channel_mean_dev = twin(_channel_mean)
 gram_span_cpu, gram_span_dev = twin(_gram_span)
-project_item_cpu, project_item_dev = twin(_project_item)
+project_span_cpu, project_span_dev = twin(_project_span)
 reconstruct_span_cpu, reconstruct_span_dev = twin(_reconstruct_span)
 
 
@@ -129,9 +139,11 @@ def _lowrank_gram_cpu(x, mean, gram):
 
 @cpu_kernel
 def _lowrank_project_cpu(x, mean, components, out):
-    """CPU twin of :func:`_lowrank_project_cuda`: ``prange`` over the ``R·n·rank`` coefficients."""
-    for e in prange(out.shape[0] * out.shape[1] * out.shape[2]):
-        project_item_cpu(x, mean, components, e, out)
+    """CPU twin of :func:`_lowrank_project_cuda`: ``prange`` over the ``R·n`` tokens."""
+    n, rank = out.shape[1], out.shape[2]
+    for e in prange(out.shape[0] * n):
+        r = e // n
+        project_span_cpu(x, mean, components, r, e - r * n, 0, rank, out)
 
 
 @cpu_kernel
@@ -183,8 +195,13 @@ def _lowrank_gram_cuda(x, mean, gram):
 @cuda_kernel
 def _lowrank_project_cuda(x, mean, components, out):
     """1-D grid over the ``R·n·rank`` coefficients; one thread computes one dot product."""
-    for e in range(cuda.grid(1), out.shape[0] * out.shape[1] * out.shape[2], cuda.gridsize(1)):
-        project_item_dev(x, mean, components, e, out)
+    n, rank = out.shape[1], out.shape[2]
+    for e in range(cuda.grid(1), out.shape[0] * n * rank, cuda.gridsize(1)):
+        r = e // (n * rank)
+        rem = e - r * n * rank
+        t = rem // rank
+        c = rem - t * rank
+        project_span_dev(x, mean, components, r, t, c, c + 1, out)
 
 
 @cuda_kernel

@@ -52,7 +52,7 @@ from numba import cuda, float32, int32, int64, prange, uint8
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
 from ._registry import register
-from .half import _f16_bits_to_f32, _f32_to_f16_bits
+from .half import _f16_bits_to_f32, _f32_to_f16_bits_sat
 
 __all__ = ["SKETCH_SEED", "make_sketch", "qjl_constant", "qjl_quantize", "qjl_inner_product",
            "qjl_signs_into", "qjl_scores_into"]
@@ -155,7 +155,7 @@ def _norm_f16_bits(x):
     for i in range(x.shape[0]):
         v = x[i]
         s += v * v
-    return _f32_to_f16_bits(min(float32(math.sqrt(s)), float32(65504.0)))
+    return _f32_to_f16_bits_sat(float32(math.sqrt(s)))
 
 
 def _sign_pm(sb, j):

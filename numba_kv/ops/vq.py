@@ -45,44 +45,66 @@ _INF32 = np.float32(np.inf)
 
 
 # --- single-source cores --------------------------------------------------------------
-# Work items: ``e`` enumerates (row r, token t, sub-space m) in C order for assign,
-# k-means++ and decode, and (codebook g, channel j) for accumulate.  Each core does one
-# item; the CPU twin is a ``prange`` over the items, the CUDA kernel a grid-stride loop over
-# them (one thread per item), so both twins compute every output with the same operations
-# in the same order.
-def _codebook_of(r, m, m_sub, per_row):
-    """Codebook ``g`` of sub-space ``m`` of row ``r`` (per-row or shared tables)."""
-    return r * m_sub + m if per_row else m
-
-
-def _sq_dist(x, r, t, o, tab, k):
-    """``‖x[r, t, o:o+ds] − tab[k]‖²`` (float32, summed over the channels in order)."""
-    s = float32(0.0)
-    for j in range(tab.shape[1]):
-        diff = x[r, t, o + j] - tab[k, j]
-        s += diff * diff
-    return s
-
-
-def _assign_item(x, codebooks, e, codes, dist):
-    """Nearest codeword (ties: lowest ``k``) of sub-vector item ``e`` = (r, t, m)."""
-    n = x.shape[1]
+# One token ``(r, t)`` holds ``M`` sub-vectors; the token cores handle the sub-spaces
+# ``[m0, m1)`` of one token.  The CPU twins ``prange`` over tokens with the whole span (a
+# call per token, not per sub-vector: the call and its index set-up cost as much as a
+# short sub-vector's work), the CUDA kernels grid-stride over (token, sub-space) items with
+# a span of one.  Accumulation items are (codebook g, channel j) on both.  Every output is
+# computed with the same float32 operations in the same order on both twins.  Rows are read
+# through views indexed from 0 (no negative-index wraparound code in the inner loops).
+def _assign_span(x, codebooks, r, t, m0, m1, codes, dist):
+    """Nearest codeword (ties: lowest ``k``) and its squared distance, sub-spaces ``[m0, m1)``
+    of token ``(r, t)``."""
     ng, k_size, ds = codebooks.shape
     m_sub = x.shape[2] // ds
-    r = e // (n * m_sub)
-    rem = e - r * n * m_sub
-    t = rem // m_sub
-    m = rem - t * m_sub
-    tab = codebooks[_codebook_of(r, m, m_sub, ng > m_sub)]
-    best = _INF32
-    bk = 0
-    for k in range(k_size):
-        s = _sq_dist(x, r, t, m * ds, tab, k)
-        if s < best:
-            best = s
-            bk = k
-    codes[r, t, m] = uint8(bk)
-    dist[r, t, m] = best
+    xr = x[r, t]
+    cr = codes[r, t]
+    dr = dist[r, t]
+    for m in range(m0, m1):
+        tab = codebooks[r * m_sub + m if ng > m_sub else m]
+        xs = xr[m * ds:m * ds + ds]
+        best = _INF32
+        bk = 0
+        for k in range(k_size):
+            s = float32(0.0)
+            for j in range(ds):
+                diff = xs[j] - tab[k, j]
+                s += diff * diff
+            if s < best:
+                best = s
+                bk = k
+        cr[m] = uint8(bk)
+        dr[m] = best
+
+
+def _kmeanspp_span(x, centers, r, t, m0, m1, min_d2):
+    """``min_d2 = min(min_d2, ‖x − centers[g]‖²)``, sub-spaces ``[m0, m1)`` of token ``(r, t)``."""
+    ng, ds = centers.shape
+    m_sub = x.shape[2] // ds
+    xr = x[r, t]
+    mr = min_d2[r, t]
+    for m in range(m0, m1):
+        c = centers[r * m_sub + m if ng > m_sub else m]
+        xs = xr[m * ds:m * ds + ds]
+        s = float32(0.0)
+        for j in range(ds):
+            diff = xs[j] - c[j]
+            s += diff * diff
+        if s < mr[m]:
+            mr[m] = s
+
+
+def _decode_span(codes, codebooks, r, t, m0, m1, out):
+    """``out[r, t, m·ds:(m+1)·ds] = C_g[codes[r, t, m]]`` for sub-spaces ``[m0, m1)``."""
+    ng, k_size, ds = codebooks.shape
+    m_sub = out.shape[2] // ds
+    cr = codes[r, t]
+    orow = out[r, t]
+    for m in range(m0, m1):
+        cw = codebooks[r * m_sub + m if ng > m_sub else m, cr[m]]
+        os = orow[m * ds:m * ds + ds]
+        for j in range(ds):
+            os[j] = cw[j]
 
 
 def _accumulate_item(x, codes, e, sums, counts):
@@ -97,57 +119,41 @@ def _accumulate_item(x, codes, e, sums, counts):
     m = g % m_sub if per_row else g
     r0 = g // m_sub if per_row else 0
     r1 = r0 + 1 if per_row else rows
+    sg = sums[g]
+    cg = counts[g]
     for r in range(r0, r1):
+        xr = x[r]
+        cr = codes[r]
         for t in range(n):
-            c = int64(codes[r, t, m])
-            sums[g, c, j] += x[r, t, m * ds + j]
+            c = int64(cr[t, m])
+            sg[c, j] += xr[t, m * ds + j]
             if j == 0:
-                counts[g, c] += int32(1)
+                cg[c] += int32(1)
 
 
-def _kmeanspp_item(x, centers, e, min_d2):
-    """``min_d2 = min(min_d2, ‖x − centers[g]‖²)`` for sub-vector item ``e`` = (r, t, m)."""
-    n = x.shape[1]
-    ng, ds = centers.shape
-    m_sub = x.shape[2] // ds
+def _token_subspace(e, n, m_sub):
+    """(row, token, sub-space) of sub-vector item ``e`` (C order over ``[R, n, M]``)."""
     r = e // (n * m_sub)
     rem = e - r * n * m_sub
     t = rem // m_sub
-    m = rem - t * m_sub
-    s = _sq_dist(x, r, t, m * ds, centers, _codebook_of(r, m, m_sub, ng > m_sub))
-    if s < min_d2[r, t, m]:
-        min_d2[r, t, m] = s
+    return r, t, rem - t * m_sub
 
 
-def _decode_item(codes, codebooks, e, out):
-    """``out[r, t, m·ds:(m+1)·ds] = C_g[codes[r, t, m]]`` for item ``e`` = (r, t, m)."""
-    n = out.shape[1]
-    ng, k_size, ds = codebooks.shape
-    m_sub = out.shape[2] // ds
-    r = e // (n * m_sub)
-    rem = e - r * n * m_sub
-    t = rem // m_sub
-    m = rem - t * m_sub
-    g = _codebook_of(r, m, m_sub, ng > m_sub)
-    c = codes[r, t, m]
-    for j in range(ds):
-        out[r, t, m * ds + j] = codebooks[g, c, j]
-
-
-codebook_of_cpu, codebook_of_dev = twin(_codebook_of)
-sq_dist_cpu, sq_dist_dev = twin(_sq_dist)
-assign_item_cpu, assign_item_dev = twin(_assign_item)
+token_subspace_cpu, token_subspace_dev = twin(_token_subspace)
+assign_span_cpu, assign_span_dev = twin(_assign_span)
+kmeanspp_span_cpu, kmeanspp_span_dev = twin(_kmeanspp_span)
+decode_span_cpu, decode_span_dev = twin(_decode_span, inline=True)  # a few copies per call
 accumulate_item_cpu, accumulate_item_dev = twin(_accumulate_item)
-kmeanspp_item_cpu, kmeanspp_item_dev = twin(_kmeanspp_item)
-decode_item_cpu, decode_item_dev = twin(_decode_item)
 
 
-# --- CPU twins: prange over the items -------------------------------------------------------
+# --- CPU twins: prange over tokens (sub-vector spans) / (codebook, channel) items ------------
 @cpu_kernel
 def _vq_assign_cpu(x, codebooks, codes, dist):
-    """CPU twin of :func:`_vq_assign_cuda`: ``prange`` over the ``R·n·M`` sub-vectors."""
-    for e in prange(codes.shape[0] * codes.shape[1] * codes.shape[2]):
-        assign_item_cpu(x, codebooks, e, codes, dist)
+    """CPU twin of :func:`_vq_assign_cuda`: ``prange`` over the ``R·n`` tokens."""
+    n, m_sub = codes.shape[1], codes.shape[2]
+    for e in prange(codes.shape[0] * n):
+        r = e // n
+        assign_span_cpu(x, codebooks, r, e - r * n, 0, m_sub, codes, dist)
 
 
 @cpu_kernel
@@ -159,46 +165,56 @@ def _vq_accumulate_cpu(x, codes, sums, counts):
 
 @cpu_kernel
 def _kmeanspp_update_cpu(x, centers, min_d2):
-    """CPU twin of :func:`_kmeanspp_update_cuda`: ``prange`` over the ``R·n·M`` sub-vectors."""
-    for e in prange(min_d2.shape[0] * min_d2.shape[1] * min_d2.shape[2]):
-        kmeanspp_item_cpu(x, centers, e, min_d2)
+    """CPU twin of :func:`_kmeanspp_update_cuda`: ``prange`` over the ``R·n`` tokens."""
+    n, m_sub = min_d2.shape[1], min_d2.shape[2]
+    for e in prange(min_d2.shape[0] * n):
+        r = e // n
+        kmeanspp_span_cpu(x, centers, r, e - r * n, 0, m_sub, min_d2)
 
 
 @cpu_kernel
 def _vq_decode_cpu(codes, codebooks, out):
-    """CPU twin of :func:`_vq_decode_cuda`: ``prange`` over the ``R·n·M`` sub-vectors."""
-    for e in prange(codes.shape[0] * codes.shape[1] * codes.shape[2]):
-        decode_item_cpu(codes, codebooks, e, out)
+    """CPU twin of :func:`_vq_decode_cuda`: ``prange`` over the ``R·n`` tokens."""
+    n, m_sub = codes.shape[1], codes.shape[2]
+    for e in prange(codes.shape[0] * n):
+        r = e // n
+        decode_span_cpu(codes, codebooks, r, e - r * n, 0, m_sub, out)
 
 
-# --- CUDA kernels: grid-stride over the same items ------------------------------------------
+# --- CUDA kernels: grid-stride over (token, sub-space) / (codebook, channel) items ---------
 @cuda_kernel
 def _vq_assign_cuda(x, codebooks, codes, dist):
-    """1-D grid over ``R·n·M`` sub-vectors; one thread scans the ``K`` codewords of one."""
-    for e in range(cuda.grid(1), codes.shape[0] * codes.shape[1] * codes.shape[2], cuda.gridsize(1)):
-        assign_item_dev(x, codebooks, e, codes, dist)
+    """1-D grid over the ``R·n·M`` sub-vectors; one thread scans the ``K`` codewords of one."""
+    n, m_sub = codes.shape[1], codes.shape[2]
+    for e in range(cuda.grid(1), codes.shape[0] * n * m_sub, cuda.gridsize(1)):
+        r, t, m = token_subspace_dev(e, n, m_sub)
+        assign_span_dev(x, codebooks, r, t, m, m + 1, codes, dist)
 
 
 @cuda_kernel
 def _vq_accumulate_cuda(x, codes, sums, counts):
-    """1-D grid over ``G·ds`` (codebook, channel) pairs; one thread sums one channel of one
-    codebook over its member tokens (the only writer of ``sums[g, :, j]``; deterministic)."""
+    """1-D grid over the ``G·ds`` (codebook, channel) pairs; one thread sums one channel of
+    one codebook over its member tokens (the only writer of ``sums[g, :, j]``; deterministic)."""
     for e in range(cuda.grid(1), sums.shape[0] * sums.shape[2], cuda.gridsize(1)):
         accumulate_item_dev(x, codes, e, sums, counts)
 
 
 @cuda_kernel
 def _kmeanspp_update_cuda(x, centers, min_d2):
-    """1-D grid over ``R·n·M`` sub-vectors; one thread updates the D² weight of one."""
-    for e in range(cuda.grid(1), min_d2.shape[0] * min_d2.shape[1] * min_d2.shape[2], cuda.gridsize(1)):
-        kmeanspp_item_dev(x, centers, e, min_d2)
+    """1-D grid over the ``R·n·M`` sub-vectors; one thread updates the D² weight of one."""
+    n, m_sub = min_d2.shape[1], min_d2.shape[2]
+    for e in range(cuda.grid(1), min_d2.shape[0] * n * m_sub, cuda.gridsize(1)):
+        r, t, m = token_subspace_dev(e, n, m_sub)
+        kmeanspp_span_dev(x, centers, r, t, m, m + 1, min_d2)
 
 
 @cuda_kernel
 def _vq_decode_cuda(codes, codebooks, out):
-    """1-D grid over ``R·n·M`` sub-vectors; one thread copies the codeword of one."""
-    for e in range(cuda.grid(1), codes.shape[0] * codes.shape[1] * codes.shape[2], cuda.gridsize(1)):
-        decode_item_dev(codes, codebooks, e, out)
+    """1-D grid over the ``R·n·M`` sub-vectors; one thread copies the codeword of one."""
+    n, m_sub = codes.shape[1], codes.shape[2]
+    for e in range(cuda.grid(1), codes.shape[0] * n * m_sub, cuda.gridsize(1)):
+        r, t, m = token_subspace_dev(e, n, m_sub)
+        decode_span_dev(codes, codebooks, r, t, m, m + 1, out)
 
 
 _F3 = "float32[:, :, ::1]"
@@ -245,7 +261,8 @@ def decode_into(codes: Any, codebooks: Any, out: Any) -> None:
     rows, n, d = out.shape
     if rows * n * d == 0:
         return
-    _VQ_DECODE.launch(_backend.device_of("out", out), rows * n * d, codes, codebooks, out)
+    _VQ_DECODE.launch(_backend.device_of("out", out), rows * n * codes.shape[2], codes, codebooks, out,
+                      work=rows * n * d)
 
 
 def _gather_subvectors(x3: Any, flat_rows: np.ndarray, ds: int) -> Any:
