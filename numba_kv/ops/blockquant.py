@@ -73,7 +73,7 @@ def _next_block(r, s, b, seq, nb):
     return r, s, b
 
 
-next_block_cpu, next_block_dev = twin(_next_block)
+twin(_next_block)
 
 
 def _quantize_lanes(x, q0, nl, signs, bounds, centroids, l2, unbiased, ref, flag, bits, t0, codes, scales,
@@ -205,6 +205,7 @@ _TILES = 4  # tiles per CPU work item (scratch buffers are allocated once per it
 # --- CPU twins --------------------------------------------------------------------------
 @cpu_kernel
 def _quantize_cpu(x, signs, bounds, centroids, l2, unbiased, ref, flag, bits, t0, codes, scales):
+    """CPU twin of :func:`_quantize_cuda`: ``prange`` over runs of ``_TILES`` tiles of ``_LANES`` blocks."""
     rows, seq, d = x.shape
     nq = rows * seq * (d // 32)
     ntiles = (nq + _LANES - 1) // _LANES
@@ -221,6 +222,7 @@ def _quantize_cpu(x, signs, bounds, centroids, l2, unbiased, ref, flag, bits, t0
 
 @cpu_kernel
 def _dequantize_cpu(codes, scales, signs, centroids, bits, t0, out):
+    """CPU twin of :func:`_dequantize_cuda`: ``prange`` over runs of ``_TILES`` tiles of ``_LANES`` blocks."""
     rows, seq, d = out.shape
     nq = rows * seq * (d // 32)
     ntiles = (nq + _LANES - 1) // _LANES
@@ -236,6 +238,7 @@ def _dequantize_cpu(codes, scales, signs, centroids, bits, t0, out):
 # --- CUDA kernels: one thread per (vector, 32-block), grid-stride -----------------------
 @cuda_kernel
 def _quantize_cuda(x, signs, bounds, centroids, l2, unbiased, ref, flag, bits, t0, codes, scales):
+    """1-D grid over the ``rows·seq·d/32`` blocks; one thread quantizes one 32-value block."""
     rows, seq, d = x.shape
     t = cuda.local.array(35, dtype=float32)
     ib = cuda.local.array(32, dtype=uint8)
@@ -250,6 +253,7 @@ def _quantize_cuda(x, signs, bounds, centroids, l2, unbiased, ref, flag, bits, t
 
 @cuda_kernel
 def _dequantize_cuda(codes, scales, signs, centroids, bits, t0, out):
+    """1-D grid over the ``rows·seq·d/32`` blocks; one thread reconstructs one 32-value block."""
     rows, seq, d = out.shape
     t = cuda.local.array(33, dtype=float32)
     w = cuda.local.array(5, dtype=int64)

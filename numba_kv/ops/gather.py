@@ -27,6 +27,7 @@ __all__ = ["gather_rows", "scatter_rows", "to_like"]
 # --- CPU twins ---------------------------------------------------------------------------
 @cpu_kernel
 def _gather_rows_cpu(src, idx, out):
+    """CPU twin of :func:`_gather_rows_cuda`: ``prange`` over the ``m`` output rows."""
     m, w = out.shape
     for i in prange(m):
         s = idx[i]
@@ -36,6 +37,7 @@ def _gather_rows_cpu(src, idx, out):
 
 @cpu_kernel
 def _scatter_rows_cpu(src, idx, out):
+    """CPU twin of :func:`_scatter_rows_cuda`: ``prange`` over the ``m`` source rows."""
     m, w = src.shape
     for i in prange(m):  # distinct idx: no two iterations write one row
         d = idx[i]
@@ -46,6 +48,7 @@ def _scatter_rows_cpu(src, idx, out):
 # --- CUDA kernels: one thread per element, grid-stride ---------------------------------
 @cuda_kernel
 def _gather_rows_cuda(src, idx, out):
+    """1-D grid over the ``m·width`` outputs; one thread copies one element."""
     m, w = out.shape
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
@@ -57,6 +60,7 @@ def _gather_rows_cuda(src, idx, out):
 
 @cuda_kernel
 def _scatter_rows_cuda(src, idx, out):
+    """1-D grid over the ``m·width`` source elements; one thread copies one element."""
     m, w = src.shape
     start = cuda.grid(1)
     stride = cuda.gridsize(1)

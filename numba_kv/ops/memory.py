@@ -18,6 +18,7 @@ from ._registry import register
 
 @cpu_kernel
 def _copy_tokens_cpu(src, s0, n, dst, d0):
+    """CPU twin of :func:`_copy_tokens_cuda`: ``prange`` over the rows."""
     rows = src.shape[0]
     width = src.shape[2]
     for r in prange(rows):
@@ -28,6 +29,7 @@ def _copy_tokens_cpu(src, s0, n, dst, d0):
 
 @cuda_kernel
 def _copy_tokens_cuda(src, s0, n, dst, d0):
+    """1-D grid over the ``rows·n·width`` copied elements; one thread copies one."""
     rows = src.shape[0]
     width = src.shape[2]
     start = cuda.grid(1)

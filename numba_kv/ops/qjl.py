@@ -183,6 +183,7 @@ _LANES = 64  # tokens per CPU work item of qjl_scores (inner loops over 64 lanes
 # --- CPU twins ---------------------------------------------------------------------------
 @cpu_kernel
 def _qjl_signs_cpu(r, sketch, t0, signs, norms):
+    """CPU twin of :func:`_qjl_signs_cuda`: ``prange`` over chunks of tokens (sketch transposed once)."""
     rows, n, d = r.shape
     m = sketch.shape[0]
     # transposed sketch: the inner loop then runs over m contiguous accumulators (it
@@ -213,6 +214,7 @@ def _qjl_signs_cpu(r, sketch, t0, signs, norms):
 
 @cpu_kernel
 def _qjl_scores_cpu(sq, signs, norms, n, cst, out):
+    """CPU twin of :func:`_qjl_scores_cuda`: ``prange`` over (group, 64-token tile) items."""
     g, rows, m = sq.shape
     nch = (n + _LANES - 1) // _LANES
     for c in prange(g * nch):
@@ -244,7 +246,8 @@ def _qjl_scores_cpu(sq, signs, norms, n, cst, out):
 # --- CUDA kernels (grid-stride) --------------------------------------------------------------
 @cuda_kernel
 def _qjl_signs_cuda(r, sketch, t0, signs, norms):
-    # one thread per (row, token); projections summed in order i = 0..d-1 like the CPU twin
+    """1-D grid over the ``rows·n`` tokens; one thread writes one token's ``m/8`` sign bytes
+    and its binary16 norm (projections summed in order ``i = 0..d-1`` like the CPU twin)."""
     rows, n, d = r.shape
     m = sketch.shape[0]
     acc = cuda.local.array(8, dtype=float32)
@@ -268,7 +271,8 @@ def _qjl_signs_cuda(r, sketch, t0, signs, norms):
 
 @cuda_kernel
 def _qjl_scores_cuda(sq, signs, norms, n, cst, out):
-    # one thread per (g, r, t), t fastest (coalesced stores)
+    """1-D grid over the ``g·rows·n`` scores, ``t`` fastest (coalesced stores); one thread
+    computes one score."""
     g, rows, m = sq.shape
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
