@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 DEFAULTS: dict[str, Any] = {
-    # threads per CUDA block for element-wise (one thread per 32-block) kernels
+    # threads per CUDA block of the 1-D grids Twin.launch computes (one work item per thread)
     "cuda_threads": 128,
     # the same under the simulator, where each thread is an OS thread
     "cuda_threads_sim": 32,

@@ -131,15 +131,28 @@ def _rebind(fn: Callable, which: int) -> Callable:
     return new
 
 
-def twin(fn: Callable) -> tuple[Callable, Callable]:
+def twin(fn: Callable, *, inline: bool = False) -> tuple[Callable, Callable]:
     """Compile core ``fn`` for the CPU and as a CUDA device function.
+
+    Parameters
+    ----------
+    fn : plain Python function
+        The core.
+    inline : bool
+        Inline the CPU variant into its callers at the Numba IR level
+        (``njit(inline="always")``).  A call from one ``njit`` function to another stays a
+        real call (LLVM does not inline across Numba's compiled libraries), which costs as
+        much as the work of a small core (a group of 8 indices, one binary16 conversion)
+        and keeps the caller's loop from vectorizing; use it for small cores called per
+        value or per item.  The device variant is always inlined.
 
     Returns
     -------
     (cpu, dev) : tuple of dispatchers
         ``cpu`` is callable from ``njit`` code (and from Python), ``dev`` from CUDA kernels.
     """
-    cpu = _restamp(njit(nogil=True, cache=True, fastmath=False)(_rebind(fn, 0)))
+    opts = {"inline": "always"} if inline else {}
+    cpu = _restamp(njit(nogil=True, cache=True, fastmath=False, **opts)(_rebind(fn, 0)))
     dev = cuda.jit(device=True, inline="always")(_rebind(fn, 1))
     CORES[fn] = (cpu, dev)
     return cpu, dev

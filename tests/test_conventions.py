@@ -54,6 +54,88 @@ def test_no_hand_written_numba_decorators():
                         f"{path.relative_to(PKG)}:{node.name} uses a raw numba decorator; use numba_kv._jit"
 
 
+# -- one dispatch point ------------------------------------------------------------------------
+#: modules that may compute launch geometry, launch a CUDA kernel or pick a CPU compilation
+DISPATCH_MODULES = ("ops/_registry.py", "_backend.py")
+#: modules still launching by hand, with the reason; an entry whose module is clean fails the test
+DISPATCH_ALLOWED = {
+    "ops/attention.py": "converted in a parallel branch",
+    "ops/paged_attention.py": "converted in a parallel branch",
+    "ops/headquant.py": "converted in a parallel branch",
+    "ops/finite.py": "converted in a parallel branch",
+}
+
+
+def _hand_dispatch(tree: ast.AST):
+    """``(line, what)`` of every launch that bypasses ``Twin.launch``: a call of ``cuda_grid``
+    or ``cpu_call`` (by name or attribute), or a call of a subscripted callable
+    (``kernel[blocks, threads](...)``, a CUDA launch configuration)."""
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        name = getattr(f, "id", None) or getattr(f, "attr", None)
+        if name in ("cuda_grid", "cpu_call"):
+            out.append((node.lineno, f"calls {name}"))
+        elif isinstance(f, ast.Subscript):
+            out.append((node.lineno, "launches kernel[blocks, threads](...)"))
+    return out
+
+
+def test_hand_dispatch_detector():
+    tree = ast.parse("k[b, t](x)\n_backend.cuda_grid(n)\ncpu_call(k, 1)\nT.launch('cpu', 1, x)\nf(x)[0]\n")
+    assert [line for line, _ in _hand_dispatch(tree)] == [1, 2, 3]
+
+
+def test_every_launch_goes_through_twin_launch():
+    """``Twin.launch`` (``ops/_registry.py``) is the one dispatch point: no other module
+    computes a CUDA grid, launches a kernel with a launch configuration or picks the
+    serial/parallel CPU compilation itself."""
+    bad, clean_but_allowed = [], []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG).as_posix()
+        if rel in DISPATCH_MODULES:
+            continue
+        hits = _hand_dispatch(ast.parse(path.read_text()))
+        if rel in DISPATCH_ALLOWED:
+            if not hits:
+                clean_but_allowed.append(rel)
+            continue
+        bad += [f"{rel}:{line} {what}" for line, what in hits]
+    assert not bad, "launch outside Twin.launch (use TWIN.launch(dev, n_items, *args)):\n" + "\n".join(bad)
+    assert not clean_but_allowed, f"remove from DISPATCH_ALLOWED (now dispatched by Twin.launch): {clean_but_allowed}"
+
+
+#: kernels still without a launch-contract docstring, by module (the entries may go once clean)
+DOCSTRING_ALLOWED = {
+    "attention.py": "converted in a parallel branch",
+    "paged_attention.py": "converted in a parallel branch",
+    "headquant.py": "converted in a parallel branch",
+    "finite.py": "converted in a parallel branch",
+    "hadamard.py": "converted in a parallel branch",
+}
+
+
+def test_every_kernel_states_its_launch_contract():
+    """Every CUDA kernel's docstring states its grid (what one thread does); every CPU twin
+    has a docstring (what one ``prange`` iteration does)."""
+    bad = []
+    for path in sorted((PKG / "ops").glob("*.py")):
+        if path.name in DOCSTRING_ALLOWED:
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            decos = {getattr(d, "id", None) or getattr(getattr(d, "func", None), "id", None)
+                     for d in node.decorator_list}
+            doc = ast.get_docstring(node) or ""
+            if "cuda_kernel" in decos and "grid" not in doc:
+                bad.append(f"{path.name}:{node.name} (CUDA kernel: docstring must state its grid)")
+            elif "cpu_kernel" in decos and not doc:
+                bad.append(f"{path.name}:{node.name} (CPU twin without docstring)")
+    assert not bad, "kernels without a launch contract:\n" + "\n".join(bad)
+
 # -- the two rooms (ARCHITECTURE.md) ------------------------------------------------------------
 TOOLKIT = "numba_kv.toolkit"
 #: third-party packages only the toolkit may use (the ``tools`` extra and friends)

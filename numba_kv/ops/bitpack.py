@@ -20,39 +20,64 @@ import numpy as np
 from numba import cuda, int64, prange, uint8
 
 from .. import _backend
-from .._jit import cpu_call, cpu_kernel, cuda_kernel, twin
+from .._jit import cpu_kernel, cuda_kernel, twin
 from ._registry import register
 
 SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
-# --- single-source cores -------------------------------------------------------------
-def _pack_group8(idx, i0, bits, out, o0):
-    """Pack ``idx[i0:i0+8]`` (``bits`` wide) into ``out[o0:o0+bits]``."""
+# --- single-source cores: the group-of-8 layout, used by every packer of the package -----
+def _group8_word(idx, i0, stride, bits):
+    """The ``8·bits``-bit word ``Σ_k idx[i0 + k·stride] << (bits·k)`` of one group of 8
+    indices (``stride`` > 1: indices of interleaved lanes)."""
     w = int64(0)
     for k in range(8):
-        w |= int64(idx[i0 + k]) << (bits * k)
+        w |= int64(idx[i0 + k * stride]) << (bits * k)
+    return w
+
+
+def _store_word(w, bits, out, o0):
+    """Emit word ``w`` as the ``bits`` bytes ``out[o0:o0+bits]``, least significant first."""
     for j in range(bits):
         out[o0 + j] = uint8((w >> (8 * j)) & 0xFF)
 
 
-def _unpack_group8(packed, p0, bits, out, i0):
-    """Unpack ``bits`` bytes at ``packed[p0:]`` into 8 indices ``out[i0:i0+8]``."""
+def _load_word(packed, p0, bits):
+    """The word stored in the ``bits`` bytes ``packed[p0:p0+bits]`` (inverse of :func:`_store_word`)."""
     w = int64(0)
     for j in range(bits):
         w |= int64(packed[p0 + j]) << (8 * j)
-    mask = (int64(1) << bits) - 1
+    return w
+
+
+def _word_index(w, bits, k):
+    """Index ``k`` (0..7) of group word ``w``."""
+    return (w >> (bits * k)) & ((int64(1) << bits) - 1)
+
+
+def _pack_group8(idx, i0, bits, out, o0):
+    """Pack ``idx[i0:i0+8]`` (``bits`` wide) into ``out[o0:o0+bits]``."""
+    _store_word(_group8_word(idx, i0, 1, bits), bits, out, o0)
+
+
+def _unpack_group8(packed, p0, bits, out, i0):
+    """Unpack ``bits`` bytes at ``packed[p0:]`` into 8 indices ``out[i0:i0+8]``."""
+    w = _load_word(packed, p0, bits)
     for k in range(8):
-        out[i0 + k] = uint8((w >> (bits * k)) & mask)
+        out[i0 + k] = uint8(_word_index(w, bits, k))
 
 
-pack_group8_cpu, pack_group8_dev = twin(_pack_group8)
-unpack_group8_cpu, unpack_group8_dev = twin(_unpack_group8)
+# inlined on the CPU: per-group calls would cost more than the packing (about 5x here)
+for _core in (_group8_word, _store_word, _load_word, _word_index):
+    twin(_core, inline=True)
+pack_group8_cpu, pack_group8_dev = twin(_pack_group8, inline=True)
+unpack_group8_cpu, unpack_group8_dev = twin(_unpack_group8, inline=True)
 
 
 # --- CPU twins -------------------------------------------------------------------------
 @cpu_kernel
 def _pack_bits_cpu(idx, bits, out):
+    """CPU twin of :func:`_pack_bits_cuda`: ``prange`` over the rows, groups in order."""
     n, length = idx.shape
     groups = length // 8
     for r in prange(n):
@@ -62,6 +87,7 @@ def _pack_bits_cpu(idx, bits, out):
 
 @cpu_kernel
 def _unpack_bits_cpu(packed, bits, out):
+    """CPU twin of :func:`_unpack_bits_cuda`: ``prange`` over the rows, groups in order."""
     n, length = out.shape
     groups = length // 8
     for r in prange(n):
@@ -72,6 +98,7 @@ def _unpack_bits_cpu(packed, bits, out):
 # --- CUDA kernels (one thread per group of 8 indices, grid-stride) ---------------------
 @cuda_kernel
 def _pack_bits_cuda(idx, bits, out):
+    """1-D grid over the ``rows·length/8`` groups; one thread packs 8 indices into ``bits`` bytes."""
     n, length = idx.shape
     groups = length // 8
     start = cuda.grid(1)
@@ -84,6 +111,7 @@ def _pack_bits_cuda(idx, bits, out):
 
 @cuda_kernel
 def _unpack_bits_cuda(packed, bits, out):
+    """1-D grid over the ``rows·length/8`` groups; one thread unpacks ``bits`` bytes into 8 indices."""
     n, length = out.shape
     groups = length // 8
     start = cuda.grid(1)
@@ -94,9 +122,9 @@ def _unpack_bits_cuda(packed, bits, out):
         unpack_group8_dev(packed[r], g * bits, bits, out[r], g * 8)
 
 
-register("pack_bits", _pack_bits_cpu, _pack_bits_cuda,
+_PACK_BITS = register("pack_bits", _pack_bits_cpu, _pack_bits_cuda,
          ["void(uint8[:, ::1], int64, uint8[:, ::1])"], float32_only=True)
-register("unpack_bits", _unpack_bits_cpu, _unpack_bits_cuda,
+_UNPACK_BITS = register("unpack_bits", _unpack_bits_cpu, _unpack_bits_cuda,
          ["void(uint8[:, ::1], int64, uint8[:, ::1])"], float32_only=True)
 
 
@@ -157,11 +185,7 @@ def pack_bits(idx: Any, bits: int, *, backend: str = "auto") -> Any:
     rows, lead = _rows(idx)
     out = _backend.empty(idx, (rows.shape[0], rows.shape[1] * bits // 8), np.uint8)
     if rows.shape[0] and rows.shape[1]:
-        if dev == _backend.CPU:
-            cpu_call(_pack_bits_cpu, rows.size, rows, bits, out)
-        else:
-            blocks, threads = _backend.cuda_grid(rows.shape[0] * rows.shape[1] // 8)
-            _pack_bits_cuda[blocks, threads](rows, bits, out)
+        _PACK_BITS.launch(dev, rows.shape[0] * rows.shape[1] // 8, rows, bits, out, work=rows.size)
     return out.reshape(tuple(lead) + (out.shape[1],))
 
 
@@ -193,99 +217,6 @@ def unpack_bits(packed: Any, bits: int, *, backend: str = "auto") -> Any:
     length = rows.shape[1] * 8 // bits
     out = _backend.empty(packed, (rows.shape[0], length), np.uint8)
     if rows.shape[0] and length:
-        if dev == _backend.CPU:
-            cpu_call(_unpack_bits_cpu, out.size, rows, bits, out)
-        else:
-            blocks, threads = _backend.cuda_grid(rows.shape[0] * length // 8)
-            _unpack_bits_cuda[blocks, threads](rows, bits, out)
+        _UNPACK_BITS.launch(dev, rows.shape[0] * length // 8, rows, bits, out, work=out.size)
     return out.reshape(tuple(lead) + (length,))
 
-
-def pack_2bit(idx: Any) -> Any:
-    """:func:`pack_bits` with ``bits=2`` (4 indices per byte).
-
-    Parameters
-    ----------
-    idx : uint8 array, shape ``(..., length)``
-        Indices ``< 4``; ``length`` a multiple of 8.
-
-    Returns
-    -------
-    packed : uint8 array, shape ``(..., length * 2 // 8)``, on the device of ``idx``.
-    """
-    return pack_bits(idx, 2)
-
-
-def pack_3bit(idx: Any) -> Any:
-    """:func:`pack_bits` with ``bits=3`` (llama.cpp ``tq3_0`` layout, 8 indices in 3 bytes).
-
-    Parameters
-    ----------
-    idx : uint8 array, shape ``(..., length)``
-        Indices ``< 8``; ``length`` a multiple of 8.
-
-    Returns
-    -------
-    packed : uint8 array, shape ``(..., length * 3 // 8)``, on the device of ``idx``.
-    """
-    return pack_bits(idx, 3)
-
-
-def pack_4bit(idx: Any) -> Any:
-    """:func:`pack_bits` with ``bits=4`` (low nibble first).
-
-    Parameters
-    ----------
-    idx : uint8 array, shape ``(..., length)``
-        Indices ``< 16``; ``length`` a multiple of 8.
-
-    Returns
-    -------
-    packed : uint8 array, shape ``(..., length * 4 // 8)``, on the device of ``idx``.
-    """
-    return pack_bits(idx, 4)
-
-
-def unpack_2bit(packed: Any) -> Any:
-    """:func:`unpack_bits` with ``bits=2``.
-
-    Parameters
-    ----------
-    packed : uint8 array, shape ``(..., nbytes)``
-        ``nbytes`` a multiple of 2.
-
-    Returns
-    -------
-    idx : uint8 array, shape ``(..., nbytes * 8 // 2)``, on the device of ``packed``.
-    """
-    return unpack_bits(packed, 2)
-
-
-def unpack_3bit(packed: Any) -> Any:
-    """:func:`unpack_bits` with ``bits=3``.
-
-    Parameters
-    ----------
-    packed : uint8 array, shape ``(..., nbytes)``
-        ``nbytes`` a multiple of 3.
-
-    Returns
-    -------
-    idx : uint8 array, shape ``(..., nbytes * 8 // 3)``, on the device of ``packed``.
-    """
-    return unpack_bits(packed, 3)
-
-
-def unpack_4bit(packed: Any) -> Any:
-    """:func:`unpack_bits` with ``bits=4``.
-
-    Parameters
-    ----------
-    packed : uint8 array, shape ``(..., nbytes)``
-        ``nbytes`` a multiple of 4.
-
-    Returns
-    -------
-    idx : uint8 array, shape ``(..., nbytes * 8 // 4)``, on the device of ``packed``.
-    """
-    return unpack_bits(packed, 4)

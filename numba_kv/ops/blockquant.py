@@ -35,11 +35,12 @@ import numpy as np
 from numba import cuda, float32, int64, prange, uint8, uint16
 
 from .. import _backend
-from .._jit import cpu_call, cpu_kernel, cuda_kernel, twin
+from .._jit import cpu_kernel, cuda_kernel, twin
 from ._registry import register
+from .bitpack import _group8_word, _load_word, _store_word, _word_index
 from .codebook import Codebook, _bucketize, _bucketize_select, get_codebook
 from .hadamard import SIGNS32, _rotate32_forward_lanes, _rotate32_inverse_lanes
-from .half import _f16_bits_abs_to_f32, _f32_to_f16_bits
+from .half import _f16_bits_abs_to_f32, _f32_to_f16_bits_sat
 
 NORM_MODES = ("maxnorm", "l2")
 
@@ -72,7 +73,7 @@ def _next_block(r, s, b, seq, nb):
     return r, s, b
 
 
-next_block_cpu, next_block_dev = twin(_next_block)
+twin(_next_block)
 
 
 def _quantize_lanes(x, q0, nl, signs, bounds, centroids, l2, unbiased, ref, flag, bits, t0, codes, scales,
@@ -147,20 +148,15 @@ def _quantize_lanes(x, q0, nl, signs, bounds, centroids, l2, unbiased, ref, flag
     # group g of 8 indices -> the ``8*bits``-bit word w[g*L + l] (bitpack layout)
     for g in range(4):
         for l in range(L):
-            wl = int64(0)
-            for k in range(8):
-                wl |= int64(ib[(g * 8 + k) * L + l]) << (bits * k)
-            w[g * L + l] = wl
+            w[g * L + l] = _group8_word(ib, g * 8 * L + l, L, bits)
     # binary16 scale bits of every lane in one branch-free (vectorizable) loop: w[4L + l]
     for l in range(L):
-        w[4 * L + l] = int64(_f32_to_f16_bits(flag * min(t[S + l], float32(65504.0))))
+        w[4 * L + l] = int64(_f32_to_f16_bits_sat(flag * t[S + l]))
     r, s, b = r0, s0, b0
     for l in range(nl):
         cb = codes[r, t0 + s, b * 4 * bits:(b + 1) * 4 * bits]
         for g in range(4):
-            wl = w[g * L + l]
-            for jb in range(bits):
-                cb[g * bits + jb] = uint8((wl >> (8 * jb)) & 0xFF)
+            _store_word(w[g * L + l], bits, cb, g * bits)
         scales[r, t0 + s, b] = uint16(w[4 * L + l])
         r, s, b = _next_block(r, s, b, seq, nb)
 
@@ -178,21 +174,17 @@ def _dequantize_lanes(codes, scales, q0, nl, signs, centroids, bits, t0, out, L,
     for l in range(nl):
         cb = codes[r, t0 + s, b * 4 * bits:(b + 1) * 4 * bits]
         for g in range(4):
-            wl = int64(0)
-            for jb in range(bits):
-                wl |= int64(cb[g * bits + jb]) << (8 * jb)
-            w[g * L + l] = wl
+            w[g * L + l] = _load_word(cb, g * bits, bits)
         w[4 * L + l] = int64(scales[r, t0 + s, b])
         r, s, b = _next_block(r, s, b, seq, nb)
     # the scales of every lane in one branch-free (vectorizable) loop (lanes >= nl: junk, unused)
     for l in range(L):
         t[S + l] = _f16_bits_abs_to_f32(w[4 * L + l])
-    mask = (int64(1) << bits) - 1
     for g in range(4):
         for l in range(L):
             wl = w[g * L + l]
             for k in range(8):
-                t[(g * 8 + k) * L + l] = centroids[(wl >> (bits * k)) & mask]
+                t[(g * 8 + k) * L + l] = centroids[_word_index(wl, bits, k)]
     _rotate32_inverse_lanes(t, L, signs)
     r, s, b = r0, s0, b0
     for l in range(nl):
@@ -213,6 +205,7 @@ _TILES = 4  # tiles per CPU work item (scratch buffers are allocated once per it
 # --- CPU twins --------------------------------------------------------------------------
 @cpu_kernel
 def _quantize_cpu(x, signs, bounds, centroids, l2, unbiased, ref, flag, bits, t0, codes, scales):
+    """CPU twin of :func:`_quantize_cuda`: ``prange`` over runs of ``_TILES`` tiles of ``_LANES`` blocks."""
     rows, seq, d = x.shape
     nq = rows * seq * (d // 32)
     ntiles = (nq + _LANES - 1) // _LANES
@@ -229,6 +222,7 @@ def _quantize_cpu(x, signs, bounds, centroids, l2, unbiased, ref, flag, bits, t0
 
 @cpu_kernel
 def _dequantize_cpu(codes, scales, signs, centroids, bits, t0, out):
+    """CPU twin of :func:`_dequantize_cuda`: ``prange`` over runs of ``_TILES`` tiles of ``_LANES`` blocks."""
     rows, seq, d = out.shape
     nq = rows * seq * (d // 32)
     ntiles = (nq + _LANES - 1) // _LANES
@@ -244,6 +238,7 @@ def _dequantize_cpu(codes, scales, signs, centroids, bits, t0, out):
 # --- CUDA kernels: one thread per (vector, 32-block), grid-stride -----------------------
 @cuda_kernel
 def _quantize_cuda(x, signs, bounds, centroids, l2, unbiased, ref, flag, bits, t0, codes, scales):
+    """1-D grid over the ``rows·seq·d/32`` blocks; one thread quantizes one 32-value block."""
     rows, seq, d = x.shape
     t = cuda.local.array(35, dtype=float32)
     ib = cuda.local.array(32, dtype=uint8)
@@ -258,6 +253,7 @@ def _quantize_cuda(x, signs, bounds, centroids, l2, unbiased, ref, flag, bits, t
 
 @cuda_kernel
 def _dequantize_cuda(codes, scales, signs, centroids, bits, t0, out):
+    """1-D grid over the ``rows·seq·d/32`` blocks; one thread reconstructs one 32-value block."""
     rows, seq, d = out.shape
     t = cuda.local.array(33, dtype=float32)
     w = cuda.local.array(5, dtype=int64)
@@ -271,8 +267,8 @@ _QSIG = ("void(float32[:, :, ::1], float32[::1], float32[::1], float32[::1], boo
          "float32, int64, int64, uint8[:, :, ::1], uint16[:, :, ::1])")
 _DSIG = ("void(uint8[:, :, ::1], uint16[:, :, ::1], float32[::1], float32[::1], int64, int64, "
          "float32[:, :, ::1])")
-register("quantize_blocks", _quantize_cpu, _quantize_cuda, [_QSIG])
-register("dequantize_blocks", _dequantize_cpu, _dequantize_cuda, [_DSIG])
+_QUANTIZE_BLOCKS = register("quantize_blocks", _quantize_cpu, _quantize_cuda, [_QSIG])
+_DEQUANTIZE_BLOCKS = register("dequantize_blocks", _dequantize_cpu, _dequantize_cuda, [_DSIG])
 
 
 # --- internal entry points used by caches (no validation: callers validated) -----------
@@ -292,11 +288,7 @@ def quantize_into(x3: Any, codes: Any, scales: Any, t0: int, cb: Codebook, outli
     ref = np.float32(cb.ref)
     flag = np.float32(-1.0 if outlier else 1.0)
     args = (x3, signs, bounds, cents, l2, unbiased, ref, flag, cb.bits, int(t0), codes, scales)
-    if isinstance(x3, np.ndarray):
-        cpu_call(_quantize_cpu, rows * seq * d, *args)
-    else:
-        blocks, threads = _backend.cuda_grid(rows * seq * (d // 32))
-        _quantize_cuda[blocks, threads](*args)
+    _QUANTIZE_BLOCKS.launch(_backend.device_of("x3", x3), rows * seq * (d // 32), *args, work=rows * seq * d)
 
 
 def dequantize_into(codes: Any, scales: Any, t0: int, cb: Codebook, out: Any) -> None:
@@ -307,11 +299,8 @@ def dequantize_into(codes: Any, scales: Any, t0: int, cb: Codebook, out: Any) ->
         return
     signs = _backend.constant(out, SIGNS32)
     cents = _backend.constant(out, cb.centroids)
-    if isinstance(out, np.ndarray):
-        cpu_call(_dequantize_cpu, rows * seq * d, codes, scales, signs, cents, cb.bits, int(t0), out)
-    else:
-        blocks, threads = _backend.cuda_grid(rows * seq * (d // 32))
-        _dequantize_cuda[blocks, threads](codes, scales, signs, cents, cb.bits, int(t0), out)
+    _DEQUANTIZE_BLOCKS.launch(_backend.device_of("out", out), rows * seq * (d // 32), codes, scales, signs, cents,
+                              cb.bits, int(t0), out, work=rows * seq * d)
 
 
 def packed_dim(head_dim: int, bits: int) -> int:

@@ -27,6 +27,7 @@ __all__ = ["gather_rows", "scatter_rows", "to_like"]
 # --- CPU twins ---------------------------------------------------------------------------
 @cpu_kernel
 def _gather_rows_cpu(src, idx, out):
+    """CPU twin of :func:`_gather_rows_cuda`: ``prange`` over the ``m`` output rows."""
     m, w = out.shape
     for i in prange(m):
         s = idx[i]
@@ -36,6 +37,7 @@ def _gather_rows_cpu(src, idx, out):
 
 @cpu_kernel
 def _scatter_rows_cpu(src, idx, out):
+    """CPU twin of :func:`_scatter_rows_cuda`: ``prange`` over the ``m`` source rows."""
     m, w = src.shape
     for i in prange(m):  # distinct idx: no two iterations write one row
         d = idx[i]
@@ -46,6 +48,7 @@ def _scatter_rows_cpu(src, idx, out):
 # --- CUDA kernels: one thread per element, grid-stride ---------------------------------
 @cuda_kernel
 def _gather_rows_cuda(src, idx, out):
+    """1-D grid over the ``m·width`` outputs; one thread copies one element."""
     m, w = out.shape
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
@@ -57,6 +60,7 @@ def _gather_rows_cuda(src, idx, out):
 
 @cuda_kernel
 def _scatter_rows_cuda(src, idx, out):
+    """1-D grid over the ``m·width`` source elements; one thread copies one element."""
     m, w = src.shape
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
@@ -67,8 +71,8 @@ def _scatter_rows_cuda(src, idx, out):
 
 
 _SIGS = [f"void({t}[:, ::1], int32[::1], {t}[:, ::1])" for t in ("uint8", "uint16", "float32")]
-register("gather_rows", _gather_rows_cpu, _gather_rows_cuda, _SIGS)
-register("scatter_rows", _scatter_rows_cpu, _scatter_rows_cuda, _SIGS)
+_GATHER_ROWS = register("gather_rows", _gather_rows_cpu, _gather_rows_cuda, _SIGS)
+_SCATTER_ROWS = register("scatter_rows", _scatter_rows_cpu, _scatter_rows_cuda, _SIGS)
 
 
 # --- public API ------------------------------------------------------------------------
@@ -118,11 +122,7 @@ def gather_rows(src: Any, idx: Any, out: Any) -> Any:
     dev = _check(src, idx, out, out.shape[0], "out")
     m, w = out.shape
     if m and w:
-        if dev == _backend.CPU:
-            _gather_rows_cpu(src, idx, out)
-        else:
-            blocks, threads = _backend.cuda_grid(m * w)
-            _gather_rows_cuda[blocks, threads](src, idx, out)
+        _GATHER_ROWS.launch(dev, m * w, src, idx, out)
     return out
 
 
@@ -145,9 +145,5 @@ def scatter_rows(src: Any, idx: Any, out: Any) -> Any:
     dev = _check(src, idx, out, src.shape[0], "src")
     m, w = src.shape
     if m and w:
-        if dev == _backend.CPU:
-            _scatter_rows_cpu(src, idx, out)
-        else:
-            blocks, threads = _backend.cuda_grid(m * w)
-            _scatter_rows_cuda[blocks, threads](src, idx, out)
+        _SCATTER_ROWS.launch(dev, m * w, src, idx, out)
     return out

@@ -74,6 +74,21 @@ def _f32_to_f16_bits(v):
     return uint16(h | (int32(0x8000) if neg else int32(0)))
 
 
+def _f32_to_f16_bits_sat(v):
+    """binary16 bit pattern of float32 ``v`` saturated to ``±F16_MAX`` (NaN → ``+F16_MAX``).
+
+    The one saturating conversion of the package (scales, norms, coefficients): values
+    beyond the binary16 range store as ±65504 instead of ±inf, and the saturated pattern
+    ``0x7BFF`` is what the range checks of :mod:`numba_kv._validate` look for.  Selects
+    only (``v < M`` is false for NaN), so per-lane loops stay vectorizable.
+    """
+    m = float32(F16_MAX)
+    a = float32(v)
+    a = a if a < m else m
+    a = a if a > -m else -m
+    return _f32_to_f16_bits(a)
+
+
 def _f16_bits_to_f32(h):
     """float32 value of binary16 bit pattern ``h`` (finite patterns only); branch-free."""
     hi = int32(h)
@@ -100,5 +115,6 @@ def _f16_bits_abs_to_f32(h):
 
 
 f32_to_f16_bits_cpu, f32_to_f16_bits_dev = twin(_f32_to_f16_bits)
+f32_to_f16_bits_sat_cpu, f32_to_f16_bits_sat_dev = twin(_f32_to_f16_bits_sat, inline=True)  # per-value calls
 f16_bits_to_f32_cpu, f16_bits_to_f32_dev = twin(_f16_bits_to_f32)
-f16_bits_abs_to_f32_cpu, f16_bits_abs_to_f32_dev = twin(_f16_bits_abs_to_f32)
+twin(_f16_bits_abs_to_f32)

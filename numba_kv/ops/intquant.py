@@ -89,13 +89,14 @@ def _kth_dev_abs(x, r, ch, k, center):
 
 
 def _channel_threshold(x, r, ch):
-    """Seed's outlier threshold ``median + 6·MAD`` (else ``mean + 3·std``) of ``|x[r, :, ch]|``."""
+    """Outlier threshold ``median + 6·MAD`` (else ``mean + 3·std``) of ``|x[r, :, ch]|``
+    (factors :data:`OUTLIER_MAD_FACTOR`, :data:`OUTLIER_STD_FACTOR`)."""
     n = x.shape[1]
     k = n // 2
     med = _kth_dev_abs(x, r, ch, k, float32(0.0))
     mad = _kth_dev_abs(x, r, ch, k, med)
     if mad > float32(0.0):
-        return med + float32(6.0) * mad
+        return med + float32(OUTLIER_MAD_FACTOR) * mad
     # mean + 3·std of a, computed on a / max(a): squares of tiny values would underflow
     amax = float32(0.0)
     for t in range(n):
@@ -110,7 +111,7 @@ def _channel_threshold(x, r, ch):
     for t in range(n):
         dv = abs(x[r, t, ch]) / amax - mean
         v += dv * dv
-    return amax * (mean + float32(3.0) * float32(math.sqrt(v / float32(n))))
+    return amax * (mean + float32(OUTLIER_STD_FACTOR) * float32(math.sqrt(v / float32(n))))
 
 
 def _quant_level(v, th, scale, lim):
@@ -180,124 +181,115 @@ def _outliers_group(x, thr, group, offsets, r, ch, gi, idx, vals):
             o += 1
 
 
-kth_dev_abs_cpu, kth_dev_abs_dev = twin(_kth_dev_abs)
-channel_threshold_cpu, channel_threshold_dev = twin(_channel_threshold)
-quant_level_cpu, quant_level_dev = twin(_quant_level)
-quantize_group_cpu, quantize_group_dev = twin(_quantize_group)
-dequantize_group_cpu, dequantize_group_dev = twin(_dequantize_group)
-outliers_group_cpu, outliers_group_dev = twin(_outliers_group)
+def _group_of(e, nch, ng):
+    """(row, channel, token group) of work item ``e`` (C order over ``[R, C, G]``)."""
+    r = e // (nch * ng)
+    rem = e - r * nch * ng
+    ch = rem // ng
+    return r, ch, rem - ch * ng
 
 
-# --- CPU twins -------------------------------------------------------------------------
+def _threshold_item(x, e, out):
+    """``out[r, ch]`` = outlier threshold of channel item ``e`` = (r, ch)."""
+    nch = x.shape[2]
+    r = e // nch
+    out[r, e - r * nch] = _channel_threshold(x, r, e - r * nch)
+
+
+def _quantize_item(x, thr, bits, group, e, scales, packed, counts):
+    r, ch, gi = _group_of(e, x.shape[2], scales.shape[2])
+    _quantize_group(x, thr, bits, group, r, ch, gi, scales, packed, counts)
+
+
+def _outliers_item(x, thr, group, offsets, e, idx, vals):
+    r, ch, gi = _group_of(e, x.shape[2], offsets.shape[2])
+    _outliers_group(x, thr, group, offsets, r, ch, gi, idx, vals)
+
+
+def _dequantize_item(packed, scales, bits, group, e, out):
+    r, ch, gi = _group_of(e, out.shape[2], scales.shape[2])
+    _dequantize_group(packed, scales, bits, group, r, ch, gi, out)
+
+
+for _core in (_kth_dev_abs, _channel_threshold, _quant_level, _quantize_group, _dequantize_group, _outliers_group,
+              _group_of):
+    twin(_core)
+threshold_item_cpu, threshold_item_dev = twin(_threshold_item)
+quantize_item_cpu, quantize_item_dev = twin(_quantize_item)
+outliers_item_cpu, outliers_item_dev = twin(_outliers_item)
+dequantize_item_cpu, dequantize_item_dev = twin(_dequantize_item)
+
+
+# --- CPU twins: prange over the items ----------------------------------------------------
 @cpu_kernel
 def _int_threshold_cpu(x, out):
-    rows, n, nch = x.shape
-    for e in prange(rows * nch):
-        r = e // nch
-        ch = e - r * nch
-        out[r, ch] = channel_threshold_cpu(x, r, ch)
+    """CPU twin of :func:`_int_threshold_cuda`: ``prange`` over the ``R·C`` channels."""
+    for e in prange(x.shape[0] * x.shape[2]):
+        threshold_item_cpu(x, e, out)
 
 
 @cpu_kernel
 def _int_quantize_cpu(x, thr, bits, group, scales, packed, counts):
-    rows, n, nch = x.shape
-    ng = scales.shape[2]
-    for e in prange(rows * nch * ng):
-        r = e // (nch * ng)
-        rem = e - r * nch * ng
-        ch = rem // ng
-        gi = rem - ch * ng
-        quantize_group_cpu(x, thr, bits, group, r, ch, gi, scales, packed, counts)
+    """CPU twin of :func:`_int_quantize_cuda`: ``prange`` over the ``R·C·G`` token groups."""
+    for e in prange(scales.shape[0] * scales.shape[1] * scales.shape[2]):
+        quantize_item_cpu(x, thr, bits, group, e, scales, packed, counts)
 
 
 @cpu_kernel
 def _int_outliers_cpu(x, thr, group, offsets, idx, vals):
-    rows, n, nch = x.shape
-    ng = offsets.shape[2]
-    for e in prange(rows * nch * ng):
-        r = e // (nch * ng)
-        rem = e - r * nch * ng
-        ch = rem // ng
-        gi = rem - ch * ng
-        outliers_group_cpu(x, thr, group, offsets, r, ch, gi, idx, vals)
+    """CPU twin of :func:`_int_outliers_cuda`: ``prange`` over the ``R·C·G`` token groups."""
+    for e in prange(offsets.shape[0] * offsets.shape[1] * offsets.shape[2]):
+        outliers_item_cpu(x, thr, group, offsets, e, idx, vals)
 
 
 @cpu_kernel
 def _int_dequantize_cpu(packed, scales, bits, group, out):
-    rows, n, nch = out.shape
-    ng = scales.shape[2]
-    for e in prange(rows * nch * ng):
-        r = e // (nch * ng)
-        rem = e - r * nch * ng
-        ch = rem // ng
-        gi = rem - ch * ng
-        dequantize_group_cpu(packed, scales, bits, group, r, ch, gi, out)
+    """CPU twin of :func:`_int_dequantize_cuda`: ``prange`` over the ``R·C·G`` token groups."""
+    for e in prange(scales.shape[0] * scales.shape[1] * scales.shape[2]):
+        dequantize_item_cpu(packed, scales, bits, group, e, out)
 
 
-# --- CUDA kernels: one thread per channel / (channel, group), grid-stride ----------------
+# --- CUDA kernels: grid-stride over the same items ------------------------------------------
 @cuda_kernel
 def _int_threshold_cuda(x, out):
-    rows, n, nch = x.shape
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for e in range(start, rows * nch, stride):
-        r = e // nch
-        ch = e - r * nch
-        out[r, ch] = channel_threshold_dev(x, r, ch)
+    """1-D grid over the ``R·C`` channels; one thread finds one channel's threshold."""
+    for e in range(cuda.grid(1), x.shape[0] * x.shape[2], cuda.gridsize(1)):
+        threshold_item_dev(x, e, out)
 
 
 @cuda_kernel
 def _int_quantize_cuda(x, thr, bits, group, scales, packed, counts):
-    rows, n, nch = x.shape
-    ng = scales.shape[2]
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for e in range(start, rows * nch * ng, stride):
-        r = e // (nch * ng)
-        rem = e - r * nch * ng
-        ch = rem // ng
-        gi = rem - ch * ng
-        quantize_group_dev(x, thr, bits, group, r, ch, gi, scales, packed, counts)
+    """1-D grid over the ``R·C·G`` token groups; one thread writes one group's scale, codes
+    and outlier count."""
+    for e in range(cuda.grid(1), scales.shape[0] * scales.shape[1] * scales.shape[2], cuda.gridsize(1)):
+        quantize_item_dev(x, thr, bits, group, e, scales, packed, counts)
 
 
 @cuda_kernel
 def _int_outliers_cuda(x, thr, group, offsets, idx, vals):
-    rows, n, nch = x.shape
-    ng = offsets.shape[2]
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for e in range(start, rows * nch * ng, stride):
-        r = e // (nch * ng)
-        rem = e - r * nch * ng
-        ch = rem // ng
-        gi = rem - ch * ng
-        outliers_group_dev(x, thr, group, offsets, r, ch, gi, idx, vals)
+    """1-D grid over the ``R·C·G`` token groups; one thread gathers one group's outliers at
+    its offset."""
+    for e in range(cuda.grid(1), offsets.shape[0] * offsets.shape[1] * offsets.shape[2], cuda.gridsize(1)):
+        outliers_item_dev(x, thr, group, offsets, e, idx, vals)
 
 
 @cuda_kernel
 def _int_dequantize_cuda(packed, scales, bits, group, out):
-    rows, n, nch = out.shape
-    ng = scales.shape[2]
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for e in range(start, rows * nch * ng, stride):
-        r = e // (nch * ng)
-        rem = e - r * nch * ng
-        ch = rem // ng
-        gi = rem - ch * ng
-        dequantize_group_dev(packed, scales, bits, group, r, ch, gi, out)
+    """1-D grid over the ``R·C·G`` token groups; one thread dequantizes one group."""
+    for e in range(cuda.grid(1), scales.shape[0] * scales.shape[1] * scales.shape[2], cuda.gridsize(1)):
+        dequantize_item_dev(packed, scales, bits, group, e, out)
 
 
 _F3 = "float32[:, :, ::1]"
 _F2 = "float32[:, ::1]"
 _U3 = "uint8[:, :, ::1]"
-register("int_threshold", _int_threshold_cpu, _int_threshold_cuda, [f"void({_F3}, {_F2})"])
-register("int_quantize", _int_quantize_cpu, _int_quantize_cuda,
-         [f"void({_F3}, {_F2}, int64, int64, {_F3}, {_U3}, int32[:, :, ::1])"])
-register("int_outliers", _int_outliers_cpu, _int_outliers_cuda,
-         [f"void({_F3}, {_F2}, int64, int64[:, :, ::1], int32[::1], float32[::1])"])
-register("int_dequantize", _int_dequantize_cpu, _int_dequantize_cuda,
-         [f"void({_U3}, {_F3}, int64, int64, {_F3})"])
+_INT_THRESHOLD = register("int_threshold", _int_threshold_cpu, _int_threshold_cuda, [f"void({_F3}, {_F2})"])
+_INT_QUANTIZE = register("int_quantize", _int_quantize_cpu, _int_quantize_cuda,
+                         [f"void({_F3}, {_F2}, int64, int64, {_F3}, {_U3}, int32[:, :, ::1])"])
+_INT_OUTLIERS = register("int_outliers", _int_outliers_cpu, _int_outliers_cuda,
+                         [f"void({_F3}, {_F2}, int64, int64[:, :, ::1], int32[::1], float32[::1])"])
+_INT_DEQUANTIZE = register("int_dequantize", _int_dequantize_cpu, _int_dequantize_cuda,
+                           [f"void({_U3}, {_F3}, int64, int64, {_F3})"])
 
 
 # --- result container ---------------------------------------------------------------------
@@ -347,11 +339,8 @@ def thresholds_into(x3: Any, out: Any) -> None:
     rows, n, nch = x3.shape
     if rows * nch == 0 or n == 0:
         return
-    if isinstance(x3, np.ndarray):
-        _int_threshold_cpu(x3, out)
-    else:
-        blocks, threads = _backend.cuda_grid(rows * nch)
-        _int_threshold_cuda[blocks, threads](x3, out)
+    _INT_THRESHOLD.launch(_backend.device_of("x3", x3), rows * nch, x3, out,
+                          work=rows * nch * n * 32)  # tens of bisection passes over a channel
 
 
 def quantize_int(x3: Any, bits: int, group: int) -> IntQuantized:
@@ -363,14 +352,11 @@ def quantize_int(x3: Any, bits: int, group: int) -> IntQuantized:
     scales = _backend.empty(x3, (rows, nch, ng), np.float32)
     packed = _backend.zeros(x3, (rows, nch, nbytes_t), np.uint8)
     counts = _backend.empty(x3, (rows, nch, ng), np.int32)
-    work = rows * nch * ng
-    if work and n:
+    dev = _backend.device_of("x3", x3)
+    items = rows * nch * ng  # one (row, channel, token group) each
+    if items and n:
         thresholds_into(x3, thr)
-        if isinstance(x3, np.ndarray):
-            _int_quantize_cpu(x3, thr, bits, group, scales, packed, counts)
-        else:
-            blocks, threads = _backend.cuda_grid(work)
-            _int_quantize_cuda[blocks, threads](x3, thr, bits, group, scales, packed, counts)
+        _INT_QUANTIZE.launch(dev, items, x3, thr, bits, group, scales, packed, counts, work=rows * nch * n)
         h_counts = _backend.to_host(counts).astype(np.int64)
     else:
         h_counts = np.zeros((rows, nch, ng), np.int64)
@@ -381,11 +367,7 @@ def quantize_int(x3: Any, bits: int, group: int) -> IntQuantized:
     vals = _backend.empty(x3, (m,), np.float32)
     if m:
         d_off = to_like(x3, offsets.reshape(rows, nch, ng))
-        if isinstance(x3, np.ndarray):
-            _int_outliers_cpu(x3, thr, group, d_off, idx, vals)
-        else:
-            blocks, threads = _backend.cuda_grid(work)
-            _int_outliers_cuda[blocks, threads](x3, thr, group, d_off, idx, vals)
+        _INT_OUTLIERS.launch(dev, items, x3, thr, group, d_off, idx, vals, work=rows * nch * n)
     return IntQuantized(packed, scales, idx, vals, int(bits), int(group), (rows, n, nch))
 
 
@@ -394,13 +376,9 @@ def dequantize_int(q: IntQuantized) -> Any:
     rows, n, nch = q.shape
     out = _backend.empty(q.packed, (rows, n, nch), np.float32)
     ng = q.scales.shape[2]
-    work = rows * nch * ng
-    if work and n:
-        if isinstance(out, np.ndarray):
-            _int_dequantize_cpu(q.packed, q.scales, q.bits, q.group, out)
-        else:
-            blocks, threads = _backend.cuda_grid(work)
-            _int_dequantize_cuda[blocks, threads](q.packed, q.scales, q.bits, q.group, out)
+    if rows * nch * ng and n:
+        _INT_DEQUANTIZE.launch(_backend.device_of("q.packed", q.packed), rows * nch * ng, q.packed, q.scales, q.bits,
+                               q.group, out, work=rows * nch * n)
     m = q.outlier_idx.shape[0]
     if m:
         scatter_rows(q.outlier_vals.reshape(m, 1), q.outlier_idx, out.reshape(rows * n * nch, 1))

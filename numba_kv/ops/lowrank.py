@@ -10,11 +10,12 @@ and stores ``coef_rt = components[r] · (x_rt − μ_r)``.  By Eckart–Young th
 rank-``rank`` affine approximation in the Frobenius norm; it subsumes gllm-kernels'
 "keep the highest-energy channels" (a basis of unit vectors), which can only be worse.
 
-Ops (CPU twin + CUDA kernel each):
+Ops (CPU twin + CUDA kernel each, from the single-source cores below):
 
-* ``lowrank_stats``: ``mean[r] = Σ_t x_rt / n``; ``gram[r] = Σ_t (x_rt − μ_r)(x_rt − μ_r)ᵀ``
-  (two passes: centring first avoids the cancellation of ``E[x²] − E[x]²`` on channels
-  with a large mean — exactly the outlier channels of real keys);
+* ``lowrank_mean``, then ``lowrank_gram``: ``mean[r] = Σ_t x_rt / n``;
+  ``gram[r] = Σ_t (x_rt − μ_r)(x_rt − μ_r)ᵀ`` (two passes: centring first avoids the
+  cancellation of ``E[x²] − E[x]²`` on channels with a large mean — exactly the outlier
+  channels of real keys);
 * ``lowrank_project``: ``out[r, t, c] = Σ_j (x[r, t, j] − mean[r, j]) · components[r, c, j]``;
 * ``lowrank_reconstruct``: ``out[r, t, j] = mean[r, j] + Σ_c coef[r, t, c] · components[r, c, j]``;
 * ``f16_encode`` / ``f16_decode``: float32 ↔ binary16 bit patterns (uint16), round to
@@ -34,9 +35,9 @@ import numpy as np
 from numba import cuda, float32, prange
 
 from .. import _backend
-from .._jit import cpu_kernel, cuda_kernel
+from .._jit import cpu_kernel, cuda_kernel, twin
 from ._registry import register
-from .half import F16_MAX, f16_bits_to_f32_cpu, f16_bits_to_f32_dev, f32_to_f16_bits_cpu, f32_to_f16_bits_dev
+from .half import f16_bits_to_f32_cpu, f16_bits_to_f32_dev, f32_to_f16_bits_sat_cpu, f32_to_f16_bits_sat_dev
 
 __all__ = ["channel_stats", "fit_components", "project", "reconstruct", "f16_encode", "f16_decode",
            "ENERGY_FRACTION"]
@@ -44,192 +45,218 @@ __all__ = ["channel_stats", "fit_components", "project", "reconstruct", "f16_enc
 ENERGY_FRACTION = 0.9
 """Seed rule for the automatic rank: smallest rank explaining >= 90 % (see :func:`fit_components`)."""
 
-_F16_MAX32 = np.float32(F16_MAX)
+# --- single-source cores --------------------------------------------------------------
+# Each core computes one work item; the CPU twins ``prange`` over the items and the CUDA
+# kernels grid-stride over them.  The Gram and reconstruction cores cover a span
+# ``[j0, j1)`` of output channels with the tokens (components) in the outer loop: the CPU
+# twins pass the whole row (a contiguous, vectorizable inner loop), the CUDA kernels one
+# channel per thread (``d``-fold more threads, coalesced stores).  Every output is the same
+# float32 sum in the same order either way.
+def _channel_mean(x, r, i):
+    """``Σ_t x[r, t, i] / n`` (float32, tokens in order; 0 when ``n == 0``)."""
+    xc = x[r, :, i]
+    n = xc.shape[0]
+    s = float32(0.0)
+    for t in range(n):
+        s += xc[t]
+    return s * (float32(1.0) / float32(max(n, 1)))
 
 
-# --- CPU twins -------------------------------------------------------------------------
-@cpu_kernel
-def _lowrank_stats_cpu(x, mean, gram):
-    rows, n, d = x.shape
-    inv_n = float32(1.0) / float32(max(n, 1))
-    for e in prange(rows * d):
-        r = e // d
-        i = e - r * d
+def _gram_span(x, mean, r, i, j0, j1, gram):
+    """``gram[r, i, j] = Σ_t (x_rti − μ_ri)(x_rtj − μ_rj)`` for ``j`` in ``[j0, j1)``."""
+    # views indexed from 0 (no wraparound code in the inner loop); a C-contiguous row slice
+    # per token keeps the inner loop contiguous for the vectorizer
+    xi_col = x[r, :, i]
+    mi = mean[r, i]
+    ms = mean[r, j0:j1]
+    gs = gram[r, i, j0:j1]
+    w = gs.shape[0]
+    for j in range(w):
+        gs[j] = float32(0.0)
+    for t in range(xi_col.shape[0]):
+        xi = xi_col[t] - mi
+        xt = x[r, t, j0:j1]
+        for j in range(w):
+            gs[j] += xi * (xt[j] - ms[j])
+
+
+def _project_span(x, mean, components, r, t, c0, c1, out):
+    """``out[r, t, c] = Σ_j (x[r, t, j] − mean[r, j]) · components[r, c, j]`` for ``c`` in
+    ``[c0, c1)``; ``mean``/``components`` broadcast when their leading axis is 1."""
+    xr = x[r, t]
+    mr = mean[r if mean.shape[0] > 1 else 0]
+    br = components[r if components.shape[0] > 1 else 0]
+    orow = out[r, t]
+    for c in range(c0, c1):
+        bc = br[c]
         s = float32(0.0)
-        for t in range(n):
-            s += x[r, t, i]
-        mean[r, i] = s * inv_n
-    for e in prange(rows * d):
+        for j in range(xr.shape[0]):
+            s += (xr[j] - mr[j]) * bc[j]
+        orow[c] = s
+
+
+def _reconstruct_span(coef, mean, components, r, t, j0, j1, out):
+    """``out[r, t, j] = mean[r, j] + Σ_c coef[r, t, c] · components[r, c, j]`` for ``j`` in
+    ``[j0, j1)`` (``c`` in order; inputs broadcast when their leading axis is 1)."""
+    rb = r if components.shape[0] > 1 else 0
+    ms = mean[r if mean.shape[0] > 1 else 0, j0:j1]
+    cr = coef[r if coef.shape[0] > 1 else 0, t]
+    os = out[r, t, j0:j1]
+    w = os.shape[0]
+    for j in range(w):
+        os[j] = ms[j]
+    for c in range(cr.shape[0]):
+        a = cr[c]
+        bc = components[rb, c, j0:j1]
+        for j in range(w):
+            os[j] += a * bc[j]
+
+
+channel_mean_cpu, channel_mean_dev = twin(_channel_mean)
+gram_span_cpu, gram_span_dev = twin(_gram_span)
+project_span_cpu, project_span_dev = twin(_project_span)
+reconstruct_span_cpu, reconstruct_span_dev = twin(_reconstruct_span)
+
+
+# --- CPU twins: prange over the items --------------------------------------------------------
+@cpu_kernel
+def _lowrank_mean_cpu(x, mean):
+    """CPU twin of :func:`_lowrank_mean_cuda`: ``prange`` over the ``R·d`` channels."""
+    d = x.shape[2]
+    for e in prange(x.shape[0] * d):
         r = e // d
-        i = e - r * d
-        mi = mean[r, i]
-        for j in range(d):
-            gram[r, i, j] = float32(0.0)
-        for t in range(n):
-            xi = x[r, t, i] - mi
-            for j in range(d):
-                gram[r, i, j] += xi * (x[r, t, j] - mean[r, j])
+        mean[r, e - r * d] = channel_mean_cpu(x, r, e - r * d)
+
+
+@cpu_kernel
+def _lowrank_gram_cpu(x, mean, gram):
+    """CPU twin of :func:`_lowrank_gram_cuda`: ``prange`` over the ``R·d`` Gram rows."""
+    d = x.shape[2]
+    for e in prange(x.shape[0] * d):
+        r = e // d
+        gram_span_cpu(x, mean, r, e - r * d, 0, d, gram)
 
 
 @cpu_kernel
 def _lowrank_project_cpu(x, mean, components, out):
-    rows, n, d = x.shape
-    rank = out.shape[2]
-    for e in prange(rows * n):
+    """CPU twin of :func:`_lowrank_project_cuda`: ``prange`` over the ``R·n`` tokens."""
+    n, rank = out.shape[1], out.shape[2]
+    for e in prange(out.shape[0] * n):
         r = e // n
-        t = e - r * n
-        rm = r if mean.shape[0] > 1 else 0
-        rb = r if components.shape[0] > 1 else 0
-        for c in range(rank):
-            s = float32(0.0)
-            for j in range(d):
-                s += (x[r, t, j] - mean[rm, j]) * components[rb, c, j]
-            out[r, t, c] = s
+        project_span_cpu(x, mean, components, r, e - r * n, 0, rank, out)
 
 
 @cpu_kernel
 def _lowrank_reconstruct_cpu(coef, mean, components, out):
-    rows, n, d = out.shape
-    rank = components.shape[1]
-    for e in prange(rows * n):
+    """CPU twin of :func:`_lowrank_reconstruct_cuda`: ``prange`` over the ``R·n`` tokens."""
+    n, d = out.shape[1], out.shape[2]
+    for e in prange(out.shape[0] * n):
         r = e // n
-        t = e - r * n
-        rm = r if mean.shape[0] > 1 else 0
-        rb = r if components.shape[0] > 1 else 0
-        rc = r if coef.shape[0] > 1 else 0
-        for j in range(d):
-            out[r, t, j] = mean[rm, j]
-        for c in range(rank):
-            a = coef[rc, t, c]
-            for j in range(d):
-                out[r, t, j] += a * components[rb, c, j]
+        reconstruct_span_cpu(coef, mean, components, r, e - r * n, 0, d, out)
 
 
 @cpu_kernel
 def _f16_encode_cpu(x, out):
+    """CPU twin of :func:`_f16_encode_cuda`: ``prange`` over the values."""
     for i in prange(x.shape[0]):
-        v = min(max(x[i], -_F16_MAX32), _F16_MAX32)
-        out[i] = f32_to_f16_bits_cpu(v)
+        out[i] = f32_to_f16_bits_sat_cpu(x[i])
 
 
 @cpu_kernel
 def _f16_decode_cpu(h, out):
+    """CPU twin of :func:`_f16_decode_cuda`: ``prange`` over the values."""
     for i in prange(h.shape[0]):
         out[i] = f16_bits_to_f32_cpu(h[i])
 
 
-# --- CUDA kernels (grid-stride) ----------------------------------------------------------
+# --- CUDA kernels: grid-stride over the items ---------------------------------------------------
 @cuda_kernel
-def _lowrank_stats_cuda(x, mean, gram):
-    # one thread per Gram entry (r, i, j); each recomputes the two channel means it needs
-    # (summed in the same order as the CPU twin) instead of a second launch
-    rows, n, d = x.shape
-    inv_n = float32(1.0) / float32(max(n, 1))
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for e in range(start, rows * d * d, stride):
+def _lowrank_mean_cuda(x, mean):
+    """1-D grid over the ``R·d`` channels; one thread averages one channel over the tokens."""
+    d = x.shape[2]
+    for e in range(cuda.grid(1), x.shape[0] * d, cuda.gridsize(1)):
+        r = e // d
+        mean[r, e - r * d] = channel_mean_dev(x, r, e - r * d)
+
+
+@cuda_kernel
+def _lowrank_gram_cuda(x, mean, gram):
+    """1-D grid over the ``R·d·d`` Gram entries; one thread sums one entry over the tokens
+    (``mean`` from :func:`_lowrank_mean_cuda`, launched first)."""
+    d = x.shape[2]
+    for e in range(cuda.grid(1), x.shape[0] * d * d, cuda.gridsize(1)):
         r = e // (d * d)
         rem = e - r * d * d
         i = rem // d
         j = rem - i * d
-        si = float32(0.0)
-        sj = float32(0.0)
-        for t in range(n):
-            si += x[r, t, i]
-            sj += x[r, t, j]
-        mi = si * inv_n
-        mj = sj * inv_n
-        if j == 0:
-            mean[r, i] = mi
-        g = float32(0.0)
-        for t in range(n):
-            g += (x[r, t, i] - mi) * (x[r, t, j] - mj)
-        gram[r, i, j] = g
+        gram_span_dev(x, mean, r, i, j, j + 1, gram)
 
 
 @cuda_kernel
 def _lowrank_project_cuda(x, mean, components, out):
-    rows, n, d = x.shape
-    rank = out.shape[2]
-    rm_on = mean.shape[0] > 1
-    rb_on = components.shape[0] > 1
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for e in range(start, rows * n * rank, stride):
+    """1-D grid over the ``R·n·rank`` coefficients; one thread computes one dot product."""
+    n, rank = out.shape[1], out.shape[2]
+    for e in range(cuda.grid(1), out.shape[0] * n * rank, cuda.gridsize(1)):
         r = e // (n * rank)
         rem = e - r * n * rank
         t = rem // rank
         c = rem - t * rank
-        rm = r if rm_on else 0
-        rb = r if rb_on else 0
-        s = float32(0.0)
-        for j in range(d):
-            s += (x[r, t, j] - mean[rm, j]) * components[rb, c, j]
-        out[r, t, c] = s
+        project_span_dev(x, mean, components, r, t, c, c + 1, out)
 
 
 @cuda_kernel
 def _lowrank_reconstruct_cuda(coef, mean, components, out):
-    rows, n, d = out.shape
-    rank = components.shape[1]
-    rm_on = mean.shape[0] > 1
-    rb_on = components.shape[0] > 1
-    rc_on = coef.shape[0] > 1
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for e in range(start, rows * n * d, stride):
+    """1-D grid over the ``R·n·d`` outputs; one thread reconstructs one value."""
+    n, d = out.shape[1], out.shape[2]
+    for e in range(cuda.grid(1), out.shape[0] * n * d, cuda.gridsize(1)):
         r = e // (n * d)
         rem = e - r * n * d
         t = rem // d
         j = rem - t * d
-        rm = r if rm_on else 0
-        rb = r if rb_on else 0
-        rc = r if rc_on else 0
-        s = mean[rm, j]
-        for c in range(rank):
-            s += coef[rc, t, c] * components[rb, c, j]
-        out[r, t, j] = s
+        reconstruct_span_dev(coef, mean, components, r, t, j, j + 1, out)
 
 
 @cuda_kernel
 def _f16_encode_cuda(x, out):
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for i in range(start, x.shape[0], stride):
-        v = min(max(x[i], -_F16_MAX32), _F16_MAX32)
-        out[i] = f32_to_f16_bits_dev(v)
+    """1-D grid over the values; one thread converts one (saturating at ±65504)."""
+    for i in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
+        out[i] = f32_to_f16_bits_sat_dev(x[i])
 
 
 @cuda_kernel
 def _f16_decode_cuda(h, out):
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for i in range(start, h.shape[0], stride):
+    """1-D grid over the values; one thread converts one binary16 pattern."""
+    for i in range(cuda.grid(1), h.shape[0], cuda.gridsize(1)):
         out[i] = f16_bits_to_f32_dev(h[i])
 
 
 _F3 = "float32[:, :, ::1]"
 _F2 = "float32[:, ::1]"
-register("lowrank_stats", _lowrank_stats_cpu, _lowrank_stats_cuda, [f"void({_F3}, {_F2}, {_F3})"])
-register("lowrank_project", _lowrank_project_cpu, _lowrank_project_cuda,
-         [f"void({_F3}, {_F2}, {_F3}, {_F3})"])
-register("lowrank_reconstruct", _lowrank_reconstruct_cpu, _lowrank_reconstruct_cuda,
-         [f"void({_F3}, {_F2}, {_F3}, {_F3})"])
-register("f16_encode", _f16_encode_cpu, _f16_encode_cuda, ["void(float32[::1], uint16[::1])"])
-register("f16_decode", _f16_decode_cpu, _f16_decode_cuda, ["void(uint16[::1], float32[::1])"])
+_LOWRANK_MEAN = register("lowrank_mean", _lowrank_mean_cpu, _lowrank_mean_cuda, [f"void({_F3}, {_F2})"])
+_LOWRANK_GRAM = register("lowrank_gram", _lowrank_gram_cpu, _lowrank_gram_cuda, [f"void({_F3}, {_F2}, {_F3})"])
+_LOWRANK_PROJECT = register("lowrank_project", _lowrank_project_cpu, _lowrank_project_cuda,
+                            [f"void({_F3}, {_F2}, {_F3}, {_F3})"])
+_LOWRANK_RECONSTRUCT = register("lowrank_reconstruct", _lowrank_reconstruct_cpu, _lowrank_reconstruct_cuda,
+                                [f"void({_F3}, {_F2}, {_F3}, {_F3})"])
+_F16_ENCODE = register("f16_encode", _f16_encode_cpu, _f16_encode_cuda, ["void(float32[::1], uint16[::1])"])
+_F16_DECODE = register("f16_decode", _f16_decode_cpu, _f16_decode_cuda, ["void(uint16[::1], float32[::1])"])
 
 
 # --- internal entry points (callers validated; arrays float32 C-contiguous, one device) ----
+def _contiguous(a: Any) -> Any:
+    """``a`` C-contiguous on its own device (Numba device arrays must already be)."""
+    xp = _backend.xp_of(a)
+    return a if xp is None else xp.ascontiguousarray(a)
+
+
 def stats_into(x3: Any, mean: Any, gram: Any) -> None:
     """``mean`` ``[R, d]`` and centred ``gram`` ``[R, d, d]`` of ``x3`` ``[R, n, d]``."""
     rows, n, d = x3.shape
     if rows == 0 or d == 0:
         return
-    if isinstance(x3, np.ndarray):
-        _lowrank_stats_cpu(x3, mean, gram)
-    else:
-        blocks, threads = _backend.cuda_grid(rows * d * d)
-        _lowrank_stats_cuda[blocks, threads](x3, mean, gram)
+    dev = _backend.device_of("x3", x3)
+    _LOWRANK_MEAN.launch(dev, rows * d, x3, mean, work=rows * n * d)
+    _LOWRANK_GRAM.launch(dev, rows * d * d, x3, mean, gram, work=rows * n * d * d)
 
 
 def project_into(x3: Any, mean: Any, components: Any, out: Any) -> None:
@@ -237,11 +264,8 @@ def project_into(x3: Any, mean: Any, components: Any, out: Any) -> None:
     rows, n, rank = out.shape
     if rows == 0 or n == 0 or rank == 0:
         return
-    if isinstance(x3, np.ndarray):
-        _lowrank_project_cpu(x3, mean, components, out)
-    else:
-        blocks, threads = _backend.cuda_grid(rows * n * rank)
-        _lowrank_project_cuda[blocks, threads](x3, mean, components, out)
+    _LOWRANK_PROJECT.launch(_backend.device_of("x3", x3), rows * n * rank, x3, mean, components, out,
+                            work=rows * n * rank * x3.shape[2])
 
 
 def reconstruct_into(coef: Any, mean: Any, components: Any, out: Any) -> None:
@@ -249,11 +273,8 @@ def reconstruct_into(coef: Any, mean: Any, components: Any, out: Any) -> None:
     rows, n, d = out.shape
     if rows == 0 or n == 0 or d == 0:
         return
-    if isinstance(out, np.ndarray):
-        _lowrank_reconstruct_cpu(coef, mean, components, out)
-    else:
-        blocks, threads = _backend.cuda_grid(rows * n * d)
-        _lowrank_reconstruct_cuda[blocks, threads](coef, mean, components, out)
+    _LOWRANK_RECONSTRUCT.launch(_backend.device_of("out", out), rows * n * d, coef, mean, components, out,
+                                work=rows * n * d * components.shape[1])
 
 
 def f16_encode(x: Any) -> Any:
@@ -270,18 +291,14 @@ def f16_encode(x: Any) -> Any:
     -------
     uint16 array, shape of ``x``.
     """
-    _backend.resolve_device("auto", x=x)
+    dev = _backend.resolve_device("auto", x=x)
     if np.dtype(x.dtype) != np.float32:
         raise TypeError(f"x: expected dtype float32, got {np.dtype(x.dtype)}")
     shape = tuple(x.shape)
     flat = x.reshape(-1)
     out = _backend.empty(x, (flat.shape[0],), np.uint16)
     if flat.shape[0]:
-        if isinstance(flat, np.ndarray):
-            _f16_encode_cpu(np.ascontiguousarray(flat), out)
-        else:
-            blocks, threads = _backend.cuda_grid(flat.shape[0])
-            _f16_encode_cuda[blocks, threads](flat, out)
+        _F16_ENCODE.launch(dev, flat.shape[0], _contiguous(flat), out)
     return out.reshape(shape)
 
 
@@ -296,18 +313,14 @@ def f16_decode(h: Any) -> Any:
     -------
     float32 array, shape of ``h``.
     """
-    _backend.resolve_device("auto", h=h)
+    dev = _backend.resolve_device("auto", h=h)
     if np.dtype(h.dtype) != np.uint16:
         raise TypeError(f"h: expected dtype uint16 (binary16 bits), got {np.dtype(h.dtype)}")
     shape = tuple(h.shape)
     flat = h.reshape(-1)
     out = _backend.empty(h, (flat.shape[0],), np.float32)
     if flat.shape[0]:
-        if isinstance(flat, np.ndarray):
-            _f16_decode_cpu(np.ascontiguousarray(flat), out)
-        else:
-            blocks, threads = _backend.cuda_grid(flat.shape[0])
-            _f16_decode_cuda[blocks, threads](flat, out)
+        _F16_DECODE.launch(dev, flat.shape[0], _contiguous(flat), out)
     return out.reshape(shape)
 
 

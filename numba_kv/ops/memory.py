@@ -12,12 +12,13 @@ from typing import Any
 from numba import cuda, prange
 
 from .. import _backend
-from .._jit import cpu_call, cpu_kernel, cuda_kernel
+from .._jit import cpu_kernel, cuda_kernel
 from ._registry import register
 
 
 @cpu_kernel
 def _copy_tokens_cpu(src, s0, n, dst, d0):
+    """CPU twin of :func:`_copy_tokens_cuda`: ``prange`` over the rows."""
     rows = src.shape[0]
     width = src.shape[2]
     for r in prange(rows):
@@ -28,6 +29,7 @@ def _copy_tokens_cpu(src, s0, n, dst, d0):
 
 @cuda_kernel
 def _copy_tokens_cuda(src, s0, n, dst, d0):
+    """1-D grid over the ``rows·n·width`` copied elements; one thread copies one."""
     rows = src.shape[0]
     width = src.shape[2]
     start = cuda.grid(1)
@@ -40,7 +42,7 @@ def _copy_tokens_cuda(src, s0, n, dst, d0):
         dst[r, d0 + t, w] = src[r, s0 + t, w]
 
 
-register("copy_tokens", _copy_tokens_cpu, _copy_tokens_cuda,
+_COPY_TOKENS = register("copy_tokens", _copy_tokens_cpu, _copy_tokens_cuda,
          ["void(uint8[:, :, ::1], int64, int64, uint8[:, :, ::1], int64)",
           "void(uint16[:, :, ::1], int64, int64, uint16[:, :, ::1], int64)",
           "void(float32[:, :, ::1], int64, int64, float32[:, :, ::1], int64)"])
@@ -66,11 +68,7 @@ def copy_tokens(src: Any, s0: int, n: int, dst: Any, d0: int = 0) -> None:
                          f"dst {d0}+{n} of {dst.shape[1]})")
     if n <= 0 or src.shape[0] == 0:
         return
-    if dev == _backend.CPU:
-        cpu_call(_copy_tokens_cpu, src.shape[0] * n * src.shape[2], src, int(s0), int(n), dst, int(d0))
-    else:
-        blocks, threads = _backend.cuda_grid(src.shape[0] * n * src.shape[2])
-        _copy_tokens_cuda[blocks, threads](src, int(s0), int(n), dst, int(d0))
+    _COPY_TOKENS.launch(dev, src.shape[0] * n * src.shape[2], src, int(s0), int(n), dst, int(d0))
 
 
 def copy_prefix(src: Any, n: int, dst: Any) -> None:

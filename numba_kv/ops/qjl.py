@@ -50,9 +50,9 @@ import numpy as np
 from numba import cuda, float32, int32, int64, prange, uint8
 
 from .. import _backend
-from .._jit import cpu_call, cpu_kernel, cuda_kernel, twin
+from .._jit import cpu_kernel, cuda_kernel, twin
 from ._registry import register
-from .half import _f16_bits_to_f32, _f32_to_f16_bits
+from .half import _f16_bits_to_f32, _f32_to_f16_bits_sat
 
 __all__ = ["SKETCH_SEED", "make_sketch", "qjl_constant", "qjl_quantize", "qjl_inner_product",
            "qjl_signs_into", "qjl_scores_into"]
@@ -155,7 +155,7 @@ def _norm_f16_bits(x):
     for i in range(x.shape[0]):
         v = x[i]
         s += v * v
-    return _f32_to_f16_bits(min(float32(math.sqrt(s)), float32(65504.0)))
+    return _f32_to_f16_bits_sat(float32(math.sqrt(s)))
 
 
 def _sign_pm(sb, j):
@@ -183,6 +183,7 @@ _LANES = 64  # tokens per CPU work item of qjl_scores (inner loops over 64 lanes
 # --- CPU twins ---------------------------------------------------------------------------
 @cpu_kernel
 def _qjl_signs_cpu(r, sketch, t0, signs, norms):
+    """CPU twin of :func:`_qjl_signs_cuda`: ``prange`` over chunks of tokens (sketch transposed once)."""
     rows, n, d = r.shape
     m = sketch.shape[0]
     # transposed sketch: the inner loop then runs over m contiguous accumulators (it
@@ -213,6 +214,7 @@ def _qjl_signs_cpu(r, sketch, t0, signs, norms):
 
 @cpu_kernel
 def _qjl_scores_cpu(sq, signs, norms, n, cst, out):
+    """CPU twin of :func:`_qjl_scores_cuda`: ``prange`` over (group, 64-token tile) items."""
     g, rows, m = sq.shape
     nch = (n + _LANES - 1) // _LANES
     for c in prange(g * nch):
@@ -244,7 +246,8 @@ def _qjl_scores_cpu(sq, signs, norms, n, cst, out):
 # --- CUDA kernels (grid-stride) --------------------------------------------------------------
 @cuda_kernel
 def _qjl_signs_cuda(r, sketch, t0, signs, norms):
-    # one thread per (row, token); projections summed in order i = 0..d-1 like the CPU twin
+    """1-D grid over the ``rows·n`` tokens; one thread writes one token's ``m/8`` sign bytes
+    and its binary16 norm (projections summed in order ``i = 0..d-1`` like the CPU twin)."""
     rows, n, d = r.shape
     m = sketch.shape[0]
     acc = cuda.local.array(8, dtype=float32)
@@ -268,7 +271,8 @@ def _qjl_signs_cuda(r, sketch, t0, signs, norms):
 
 @cuda_kernel
 def _qjl_scores_cuda(sq, signs, norms, n, cst, out):
-    # one thread per (g, r, t), t fastest (coalesced stores)
+    """1-D grid over the ``g·rows·n`` scores, ``t`` fastest (coalesced stores); one thread
+    computes one score."""
     g, rows, m = sq.shape
     start = cuda.grid(1)
     stride = cuda.gridsize(1)
@@ -285,9 +289,9 @@ def _qjl_scores_cuda(sq, signs, norms, n, cst, out):
         out[gi, rr, t] = token_scale_dev(cst, norms[gi, t]) * acc
 
 
-register("qjl_signs", _qjl_signs_cpu, _qjl_signs_cuda,
+_QJL_SIGNS = register("qjl_signs", _qjl_signs_cpu, _qjl_signs_cuda,
          ["void(float32[:, :, ::1], float32[:, ::1], int64, uint8[:, :, ::1], uint16[:, ::1])"])
-register("qjl_scores", _qjl_scores_cpu, _qjl_scores_cuda,
+_QJL_SCORES = register("qjl_scores", _qjl_scores_cpu, _qjl_scores_cuda,
          ["void(float32[:, :, ::1], uint8[:, :, ::1], uint16[:, ::1], int64, float32, float32[:, :, ::1])"])
 
 
@@ -300,11 +304,8 @@ def qjl_signs_into(r3: Any, sketch: Any, signs: Any, norms: Any, t0: int) -> Non
     if rows == 0 or n == 0:
         return
     m = sketch.shape[0]
-    if isinstance(r3, np.ndarray):
-        cpu_call(_qjl_signs_cpu, rows * n * d * m, r3, sketch, int(t0), signs, norms)
-    else:
-        blocks, threads = _backend.cuda_grid(rows * n)
-        _qjl_signs_cuda[blocks, threads](r3, sketch, int(t0), signs, norms)
+    _QJL_SIGNS.launch(_backend.device_of("r3", r3), rows * n, r3, sketch, int(t0), signs, norms,
+                      work=rows * n * d * m)
 
 
 def qjl_scores_into(sq: Any, signs: Any, norms: Any, n: int, m: int, out: Any) -> None:
@@ -318,11 +319,8 @@ def qjl_scores_into(sq: Any, signs: Any, norms: Any, n: int, m: int, out: Any) -
     if g == 0 or rows == 0 or n == 0:
         return
     cst = np.float32(qjl_constant(m))
-    if isinstance(sq, np.ndarray):
-        cpu_call(_qjl_scores_cpu, g * rows * n * m, sq, signs, norms, n, cst, out)
-    else:
-        blocks, threads = _backend.cuda_grid(g * rows * n)
-        _qjl_scores_cuda[blocks, threads](sq, signs, norms, n, cst, out)
+    _QJL_SCORES.launch(_backend.device_of("sq", sq), g * rows * n, sq, signs, norms, n, cst, out,
+                       work=g * rows * n * m)
 
 
 # --- public API ------------------------------------------------------------------------

@@ -7,13 +7,13 @@ Data ``x`` is ``[R, n, d]`` (``R`` rows of ``n`` tokens).  Every token is cut in
 uses codebook ``g = r·M + m`` when ``codebooks`` holds ``R·M`` tables (one per row), or
 ``g = m`` when it holds ``M`` (shared by all rows).  Codes are uint8 (``K <= 256``).
 
-Ops (CPU twin + CUDA kernel each):
+Ops (CPU twin + CUDA kernel each, from the single-source per-item cores below):
 
 * ``vq_assign``: ``codes[r, t, m] = argmin_k ‖x_rtm − C_g[k]‖²`` (ties → lowest ``k``,
   as in gllm-kernels) and ``dist[r, t, m]`` = that squared distance;
 * ``vq_accumulate``: per-codeword sums and counts of the assigned sub-vectors (the
-  M-step numerator/denominator).  CPU: one work item per (codebook, channel), race-free;
-  CUDA: one thread per element with ``atomic.add`` (float sums: order-dependent rounding);
+  M-step numerator/denominator); one work item per (codebook, channel), the only writer of
+  its outputs, summing in token order: race-free and deterministic on both devices;
 * ``kmeanspp_update``: ``min_d2 = min(min_d2, ‖x − c_new‖²)`` (k-means++ D² weights);
 * ``vq_decode``: ``out[r, t, m·ds:(m+1)·ds] = C_g[codes[r, t, m]]``.
 
@@ -33,7 +33,7 @@ import numpy as np
 from numba import cuda, float32, int32, int64, prange, uint8
 
 from .. import _backend
-from .._jit import cpu_kernel, cuda_kernel
+from .._jit import cpu_kernel, cuda_kernel, twin
 from ._registry import register
 from .gather import gather_rows, to_like
 
@@ -44,192 +44,187 @@ KMEANS_TOL = 1e-4
 _INF32 = np.float32(np.inf)
 
 
-# --- CPU twins -------------------------------------------------------------------------
-@cpu_kernel
-def _vq_assign_cpu(x, codebooks, codes, dist):
-    rows, n, d = x.shape
+# --- single-source cores --------------------------------------------------------------
+# One token ``(r, t)`` holds ``M`` sub-vectors; the token cores handle the sub-spaces
+# ``[m0, m1)`` of one token.  The CPU twins ``prange`` over tokens with the whole span (a
+# call per token, not per sub-vector: the call and its index set-up cost as much as a
+# short sub-vector's work), the CUDA kernels grid-stride over (token, sub-space) items with
+# a span of one.  Accumulation items are (codebook g, channel j) on both.  Every output is
+# computed with the same float32 operations in the same order on both twins.  Rows are read
+# through views indexed from 0 (no negative-index wraparound code in the inner loops).
+def _assign_span(x, codebooks, r, t, m0, m1, codes, dist):
+    """Nearest codeword (ties: lowest ``k``) and its squared distance, sub-spaces ``[m0, m1)``
+    of token ``(r, t)``."""
     ng, k_size, ds = codebooks.shape
-    m_sub = d // ds
-    per_row = ng > m_sub
-    for e in prange(rows * n):
-        r = e // n
-        t = e - r * n
-        for m in range(m_sub):
-            g = r * m_sub + m if per_row else m
-            o = m * ds
-            best = _INF32
-            bk = 0
-            for k in range(k_size):
-                s = float32(0.0)
-                for j in range(ds):
-                    diff = x[r, t, o + j] - codebooks[g, k, j]
-                    s += diff * diff
-                if s < best:
-                    best = s
-                    bk = k
-            codes[r, t, m] = uint8(bk)
-            dist[r, t, m] = best
-
-
-@cpu_kernel
-def _vq_accumulate_cpu(x, codes, sums, counts):
-    rows, n, d = x.shape
-    ng, k_size, ds = sums.shape
-    m_sub = d // ds
-    per_row = ng > m_sub
-    # work item = (codebook g, channel j): it owns sums[g, :, j] (and counts[g] when j == 0)
-    for e in prange(ng * ds):
-        g = e // ds
-        j = e - g * ds
-        m = g % m_sub if per_row else g
-        r0 = g // m_sub if per_row else 0
-        r1 = r0 + 1 if per_row else rows
-        for r in range(r0, r1):
-            for t in range(n):
-                c = codes[r, t, m]
-                sums[g, c, j] += x[r, t, m * ds + j]
-                if j == 0:
-                    counts[g, c] += 1
-
-
-@cpu_kernel
-def _kmeanspp_update_cpu(x, centers, min_d2):
-    rows, n, d = x.shape
-    ng, ds = centers.shape
-    m_sub = d // ds
-    per_row = ng > m_sub
-    for e in prange(rows * n):
-        r = e // n
-        t = e - r * n
-        for m in range(m_sub):
-            g = r * m_sub + m if per_row else m
-            s = float32(0.0)
-            for j in range(ds):
-                diff = x[r, t, m * ds + j] - centers[g, j]
-                s += diff * diff
-            if s < min_d2[r, t, m]:
-                min_d2[r, t, m] = s
-
-
-@cpu_kernel
-def _vq_decode_cpu(codes, codebooks, out):
-    rows, n, d = out.shape
-    ng, k_size, ds = codebooks.shape
-    m_sub = d // ds
-    per_row = ng > m_sub
-    for e in prange(rows * n):
-        r = e // n
-        t = e - r * n
-        for m in range(m_sub):
-            g = r * m_sub + m if per_row else m
-            c = codes[r, t, m]
-            for j in range(ds):
-                out[r, t, m * ds + j] = codebooks[g, c, j]
-
-
-# --- CUDA kernels (grid-stride) ----------------------------------------------------------
-@cuda_kernel
-def _vq_assign_cuda(x, codebooks, codes, dist):
-    # one thread per (row, token, sub-space): K·ds work, no cross-thread traffic
-    rows, n, d = x.shape
-    ng, k_size, ds = codebooks.shape
-    m_sub = d // ds
-    per_row = ng > m_sub
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for e in range(start, rows * n * m_sub, stride):
-        r = e // (n * m_sub)
-        rem = e - r * n * m_sub
-        t = rem // m_sub
-        m = rem - t * m_sub
-        g = r * m_sub + m if per_row else m
-        o = m * ds
+    m_sub = x.shape[2] // ds
+    xr = x[r, t]
+    cr = codes[r, t]
+    dr = dist[r, t]
+    for m in range(m0, m1):
+        tab = codebooks[r * m_sub + m if ng > m_sub else m]
+        xs = xr[m * ds:m * ds + ds]
         best = _INF32
         bk = 0
         for k in range(k_size):
             s = float32(0.0)
             for j in range(ds):
-                diff = x[r, t, o + j] - codebooks[g, k, j]
+                diff = xs[j] - tab[k, j]
                 s += diff * diff
             if s < best:
                 best = s
                 bk = k
-        codes[r, t, m] = uint8(bk)
-        dist[r, t, m] = best
+        cr[m] = uint8(bk)
+        dr[m] = best
 
 
-@cuda_kernel
-def _vq_accumulate_cuda(x, codes, sums, counts):
-    # one thread per element of x; atomics merge the per-codeword sums
+def _kmeanspp_span(x, centers, r, t, m0, m1, min_d2):
+    """``min_d2 = min(min_d2, ‖x − centers[g]‖²)``, sub-spaces ``[m0, m1)`` of token ``(r, t)``."""
+    ng, ds = centers.shape
+    m_sub = x.shape[2] // ds
+    xr = x[r, t]
+    mr = min_d2[r, t]
+    for m in range(m0, m1):
+        c = centers[r * m_sub + m if ng > m_sub else m]
+        xs = xr[m * ds:m * ds + ds]
+        s = float32(0.0)
+        for j in range(ds):
+            diff = xs[j] - c[j]
+            s += diff * diff
+        if s < mr[m]:
+            mr[m] = s
+
+
+def _decode_span(codes, codebooks, r, t, m0, m1, out):
+    """``out[r, t, m·ds:(m+1)·ds] = C_g[codes[r, t, m]]`` for sub-spaces ``[m0, m1)``."""
+    ng, k_size, ds = codebooks.shape
+    m_sub = out.shape[2] // ds
+    cr = codes[r, t]
+    orow = out[r, t]
+    for m in range(m0, m1):
+        cw = codebooks[r * m_sub + m if ng > m_sub else m, cr[m]]
+        os = orow[m * ds:m * ds + ds]
+        for j in range(ds):
+            os[j] = cw[j]
+
+
+def _accumulate_item(x, codes, e, sums, counts):
+    """Sums (and, for channel 0, counts) of codebook ``g``, channel ``j`` (item ``e``) over
+    its member sub-vectors, in token order: one writer per output, no atomics."""
     rows, n, d = x.shape
     ng, k_size, ds = sums.shape
     m_sub = d // ds
     per_row = ng > m_sub
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for e in range(start, rows * n * d, stride):
-        r = e // (n * d)
-        rem = e - r * n * d
-        t = rem // d
-        ch = rem - t * d
-        m = ch // ds
-        j = ch - m * ds
-        g = r * m_sub + m if per_row else m
-        c = int64(codes[r, t, m])
-        cuda.atomic.add(sums, (g, c, j), x[r, t, ch])
-        if j == 0:
-            cuda.atomic.add(counts, (g, c), int32(1))
+    g = e // ds
+    j = e - g * ds
+    m = g % m_sub if per_row else g
+    r0 = g // m_sub if per_row else 0
+    r1 = r0 + 1 if per_row else rows
+    sg = sums[g]
+    cg = counts[g]
+    for r in range(r0, r1):
+        xr = x[r]
+        cr = codes[r]
+        for t in range(n):
+            c = int64(cr[t, m])
+            sg[c, j] += xr[t, m * ds + j]
+            if j == 0:
+                cg[c] += int32(1)
+
+
+def _token_subspace(e, n, m_sub):
+    """(row, token, sub-space) of sub-vector item ``e`` (C order over ``[R, n, M]``)."""
+    r = e // (n * m_sub)
+    rem = e - r * n * m_sub
+    t = rem // m_sub
+    return r, t, rem - t * m_sub
+
+
+token_subspace_cpu, token_subspace_dev = twin(_token_subspace)
+assign_span_cpu, assign_span_dev = twin(_assign_span)
+kmeanspp_span_cpu, kmeanspp_span_dev = twin(_kmeanspp_span)
+decode_span_cpu, decode_span_dev = twin(_decode_span, inline=True)  # a few copies per call
+accumulate_item_cpu, accumulate_item_dev = twin(_accumulate_item)
+
+
+# --- CPU twins: prange over tokens (sub-vector spans) / (codebook, channel) items ------------
+@cpu_kernel
+def _vq_assign_cpu(x, codebooks, codes, dist):
+    """CPU twin of :func:`_vq_assign_cuda`: ``prange`` over the ``R·n`` tokens."""
+    n, m_sub = codes.shape[1], codes.shape[2]
+    for e in prange(codes.shape[0] * n):
+        r = e // n
+        assign_span_cpu(x, codebooks, r, e - r * n, 0, m_sub, codes, dist)
+
+
+@cpu_kernel
+def _vq_accumulate_cpu(x, codes, sums, counts):
+    """CPU twin of :func:`_vq_accumulate_cuda`: ``prange`` over the ``G·ds`` (codebook, channel) pairs."""
+    for e in prange(sums.shape[0] * sums.shape[2]):
+        accumulate_item_cpu(x, codes, e, sums, counts)
+
+
+@cpu_kernel
+def _kmeanspp_update_cpu(x, centers, min_d2):
+    """CPU twin of :func:`_kmeanspp_update_cuda`: ``prange`` over the ``R·n`` tokens."""
+    n, m_sub = min_d2.shape[1], min_d2.shape[2]
+    for e in prange(min_d2.shape[0] * n):
+        r = e // n
+        kmeanspp_span_cpu(x, centers, r, e - r * n, 0, m_sub, min_d2)
+
+
+@cpu_kernel
+def _vq_decode_cpu(codes, codebooks, out):
+    """CPU twin of :func:`_vq_decode_cuda`: ``prange`` over the ``R·n`` tokens."""
+    n, m_sub = codes.shape[1], codes.shape[2]
+    for e in prange(codes.shape[0] * n):
+        r = e // n
+        decode_span_cpu(codes, codebooks, r, e - r * n, 0, m_sub, out)
+
+
+# --- CUDA kernels: grid-stride over (token, sub-space) / (codebook, channel) items ---------
+@cuda_kernel
+def _vq_assign_cuda(x, codebooks, codes, dist):
+    """1-D grid over the ``R·n·M`` sub-vectors; one thread scans the ``K`` codewords of one."""
+    n, m_sub = codes.shape[1], codes.shape[2]
+    for e in range(cuda.grid(1), codes.shape[0] * n * m_sub, cuda.gridsize(1)):
+        r, t, m = token_subspace_dev(e, n, m_sub)
+        assign_span_dev(x, codebooks, r, t, m, m + 1, codes, dist)
+
+
+@cuda_kernel
+def _vq_accumulate_cuda(x, codes, sums, counts):
+    """1-D grid over the ``G·ds`` (codebook, channel) pairs; one thread sums one channel of
+    one codebook over its member tokens (the only writer of ``sums[g, :, j]``; deterministic)."""
+    for e in range(cuda.grid(1), sums.shape[0] * sums.shape[2], cuda.gridsize(1)):
+        accumulate_item_dev(x, codes, e, sums, counts)
 
 
 @cuda_kernel
 def _kmeanspp_update_cuda(x, centers, min_d2):
-    rows, n, d = x.shape
-    ng, ds = centers.shape
-    m_sub = d // ds
-    per_row = ng > m_sub
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for e in range(start, rows * n * m_sub, stride):
-        r = e // (n * m_sub)
-        rem = e - r * n * m_sub
-        t = rem // m_sub
-        m = rem - t * m_sub
-        g = r * m_sub + m if per_row else m
-        s = float32(0.0)
-        for j in range(ds):
-            diff = x[r, t, m * ds + j] - centers[g, j]
-            s += diff * diff
-        if s < min_d2[r, t, m]:
-            min_d2[r, t, m] = s
+    """1-D grid over the ``R·n·M`` sub-vectors; one thread updates the D² weight of one."""
+    n, m_sub = min_d2.shape[1], min_d2.shape[2]
+    for e in range(cuda.grid(1), min_d2.shape[0] * n * m_sub, cuda.gridsize(1)):
+        r, t, m = token_subspace_dev(e, n, m_sub)
+        kmeanspp_span_dev(x, centers, r, t, m, m + 1, min_d2)
 
 
 @cuda_kernel
 def _vq_decode_cuda(codes, codebooks, out):
-    rows, n, d = out.shape
-    ng, k_size, ds = codebooks.shape
-    m_sub = d // ds
-    per_row = ng > m_sub
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for e in range(start, rows * n * d, stride):
-        r = e // (n * d)
-        rem = e - r * n * d
-        t = rem // d
-        ch = rem - t * d
-        m = ch // ds
-        j = ch - m * ds
-        g = r * m_sub + m if per_row else m
-        out[r, t, ch] = codebooks[g, codes[r, t, m], j]
+    """1-D grid over the ``R·n·M`` sub-vectors; one thread copies the codeword of one."""
+    n, m_sub = codes.shape[1], codes.shape[2]
+    for e in range(cuda.grid(1), codes.shape[0] * n * m_sub, cuda.gridsize(1)):
+        r, t, m = token_subspace_dev(e, n, m_sub)
+        decode_span_dev(codes, codebooks, r, t, m, m + 1, out)
 
 
 _F3 = "float32[:, :, ::1]"
 _U3 = "uint8[:, :, ::1]"
-register("vq_assign", _vq_assign_cpu, _vq_assign_cuda, [f"void({_F3}, {_F3}, {_U3}, {_F3})"])
-register("vq_accumulate", _vq_accumulate_cpu, _vq_accumulate_cuda,
-         [f"void({_F3}, {_U3}, {_F3}, int32[:, ::1])"])
-register("kmeanspp_update", _kmeanspp_update_cpu, _kmeanspp_update_cuda,
-         [f"void({_F3}, float32[:, ::1], {_F3})"])
-register("vq_decode", _vq_decode_cpu, _vq_decode_cuda, [f"void({_U3}, {_F3}, {_F3})"])
+_VQ_ASSIGN = register("vq_assign", _vq_assign_cpu, _vq_assign_cuda, [f"void({_F3}, {_F3}, {_U3}, {_F3})"])
+_VQ_ACCUMULATE = register("vq_accumulate", _vq_accumulate_cpu, _vq_accumulate_cuda,
+                          [f"void({_F3}, {_U3}, {_F3}, int32[:, ::1])"])
+_KMEANSPP_UPDATE = register("kmeanspp_update", _kmeanspp_update_cpu, _kmeanspp_update_cuda,
+                            [f"void({_F3}, float32[:, ::1], {_F3})"])
+_VQ_DECODE = register("vq_decode", _vq_decode_cpu, _vq_decode_cuda, [f"void({_U3}, {_F3}, {_F3})"])
 
 
 # --- internal entry points (callers validated: float32 C-contiguous, one device) ------------
@@ -239,11 +234,8 @@ def assign_into(x3: Any, codebooks: Any, codes: Any, dist: Any) -> None:
     m_sub = d // codebooks.shape[2]
     if rows * n * m_sub == 0:
         return
-    if isinstance(x3, np.ndarray):
-        _vq_assign_cpu(x3, codebooks, codes, dist)
-    else:
-        blocks, threads = _backend.cuda_grid(rows * n * m_sub)
-        _vq_assign_cuda[blocks, threads](x3, codebooks, codes, dist)
+    _VQ_ASSIGN.launch(_backend.device_of("x3", x3), rows * n * m_sub, x3, codebooks, codes, dist,
+                      work=rows * n * d * codebooks.shape[1])
 
 
 def accumulate_into(x3: Any, codes: Any, sums: Any, counts: Any) -> None:
@@ -251,11 +243,8 @@ def accumulate_into(x3: Any, codes: Any, sums: Any, counts: Any) -> None:
     rows, n, d = x3.shape
     if rows * n * d == 0:
         return
-    if isinstance(x3, np.ndarray):
-        _vq_accumulate_cpu(x3, codes, sums, counts)
-    else:
-        blocks, threads = _backend.cuda_grid(rows * n * d)
-        _vq_accumulate_cuda[blocks, threads](x3, codes, sums, counts)
+    _VQ_ACCUMULATE.launch(_backend.device_of("x3", x3), sums.shape[0] * sums.shape[2], x3, codes, sums, counts,
+                          work=rows * n * d)
 
 
 def kmeanspp_update_into(x3: Any, centers: Any, min_d2: Any) -> None:
@@ -264,11 +253,7 @@ def kmeanspp_update_into(x3: Any, centers: Any, min_d2: Any) -> None:
     m_sub = d // centers.shape[1]
     if rows * n * m_sub == 0:
         return
-    if isinstance(x3, np.ndarray):
-        _kmeanspp_update_cpu(x3, centers, min_d2)
-    else:
-        blocks, threads = _backend.cuda_grid(rows * n * m_sub)
-        _kmeanspp_update_cuda[blocks, threads](x3, centers, min_d2)
+    _KMEANSPP_UPDATE.launch(_backend.device_of("x3", x3), rows * n * m_sub, x3, centers, min_d2, work=rows * n * d)
 
 
 def decode_into(codes: Any, codebooks: Any, out: Any) -> None:
@@ -276,11 +261,8 @@ def decode_into(codes: Any, codebooks: Any, out: Any) -> None:
     rows, n, d = out.shape
     if rows * n * d == 0:
         return
-    if isinstance(out, np.ndarray):
-        _vq_decode_cpu(codes, codebooks, out)
-    else:
-        blocks, threads = _backend.cuda_grid(rows * n * d)
-        _vq_decode_cuda[blocks, threads](codes, codebooks, out)
+    _VQ_DECODE.launch(_backend.device_of("out", out), rows * n * codes.shape[2], codes, codebooks, out,
+                      work=rows * n * d)
 
 
 def _gather_subvectors(x3: Any, flat_rows: np.ndarray, ds: int) -> Any:
@@ -359,8 +341,9 @@ def kmeans(x3: Any, codebook_size: int, ds: int, per_row: bool, *, max_iter: int
     dist = _backend.empty(x3, (rows, n, m_sub), np.float32)
     prev_codes: np.ndarray | None = None
     prev_inertia = np.inf
-    it = 0
+    iterations = 0
     for it in range(1, max_iter + 1):
+        iterations = it
         assign_into(x3, to_like(x3, cb), codes, dist)
         h_codes = _backend.to_host(codes).copy()
         h_dist = _backend.to_host(dist).astype(np.float64)
@@ -386,7 +369,7 @@ def kmeans(x3: Any, codebook_size: int, ds: int, per_row: bool, *, max_iter: int
             if far.shape[0]:
                 new[g, empty[: far.shape[0]]] = _gather_subvectors(x3, far, ds)
         cb = new
-    return cb, it
+    return cb, iterations
 
 
 # --- public API ------------------------------------------------------------------------

@@ -6,16 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from numba_kv import reference
-from numba_kv.ops.bitpack import (
-    pack_2bit,
-    pack_3bit,
-    pack_4bit,
-    pack_bits,
-    unpack_2bit,
-    unpack_3bit,
-    unpack_4bit,
-    unpack_bits,
-)
+from numba_kv.ops.bitpack import pack_bits, unpack_bits
 
 
 @pytest.mark.parametrize("vals, hexstr", [
@@ -25,17 +16,16 @@ from numba_kv.ops.bitpack import (
     ([0, 0, 5, 0, 0, 0, 0, 0], "400100"),
 ])
 def test_3bit_matches_llama_cpp_tq3_0(vals, hexstr):
-    assert pack_3bit(np.array(vals, np.uint8)).tobytes().hex() == hexstr
+    assert pack_bits(np.array(vals, np.uint8), 3).tobytes().hex() == hexstr
 
 
 def test_2bit_and_4bit_layouts():
     # 2-bit: element 4i+k in bits [2k, 2k+1]; 4-bit: low nibble first
-    assert pack_2bit(np.array([1, 2, 3, 0, 0, 0, 0, 3], np.uint8)).tobytes() == bytes([0b00111001, 0b11000000])
-    assert pack_4bit(np.array([1, 2, 3, 4, 5, 6, 7, 15], np.uint8)).tobytes() == bytes([0x21, 0x43, 0x65, 0xF7])
+    assert pack_bits(np.array([1, 2, 3, 0, 0, 0, 0, 3], np.uint8), 2).tobytes() == bytes([0b00111001, 0b11000000])
+    assert pack_bits(np.array([1, 2, 3, 4, 5, 6, 7, 15], np.uint8), 4).tobytes() == bytes([0x21, 0x43, 0x65, 0xF7])
     x = np.arange(16, dtype=np.uint8) % 4
-    assert np.array_equal(unpack_2bit(pack_2bit(x)), x)
-    assert np.array_equal(unpack_3bit(pack_3bit(x)), x)
-    assert np.array_equal(unpack_4bit(pack_4bit(x)), x)
+    for bits in (2, 3, 4):
+        assert np.array_equal(unpack_bits(pack_bits(x, bits), bits), x)
 
 
 def test_1bit_is_lsb_first_sign_layout():
