@@ -117,4 +117,4 @@ def _f16_bits_abs_to_f32(h):
 f32_to_f16_bits_cpu, f32_to_f16_bits_dev = twin(_f32_to_f16_bits)
 f32_to_f16_bits_sat_cpu, f32_to_f16_bits_sat_dev = twin(_f32_to_f16_bits_sat, inline=True)  # per-value calls
 f16_bits_to_f32_cpu, f16_bits_to_f32_dev = twin(_f16_bits_to_f32)
-twin(_f16_bits_abs_to_f32)
+f16_bits_abs_to_f32_cpu, f16_bits_abs_to_f32_dev = twin(_f16_bits_abs_to_f32)
