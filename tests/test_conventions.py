@@ -61,8 +61,6 @@ DISPATCH_MODULES = ("ops/_registry.py", "_backend.py")
 DISPATCH_ALLOWED = {
     "ops/attention.py": "converted in a parallel branch",
     "ops/paged_attention.py": "converted in a parallel branch",
-    "ops/headquant.py": "converted in a parallel branch",
-    "ops/finite.py": "converted in a parallel branch",
 }
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from numba import cuda, float32, int64, prange, uint64
 
 from .. import _backend
-from .._jit import cpu_call, cpu_kernel, cuda_kernel
+from .._jit import cpu_kernel, cuda_kernel
 from .._validate import F32_MAX
 from ._registry import register
 
@@ -61,7 +61,7 @@ def _count_nonfinite_cuda(x, out):
         cuda.atomic.add(out, 0, k)
 
 
-register("count_nonfinite", _count_nonfinite_cpu, _count_nonfinite_cuda,
+_COUNT = register("count_nonfinite", _count_nonfinite_cpu, _count_nonfinite_cuda,
          ["void(float32[::1], int64[::1])", "void(float64[::1], int64[::1])"], float32_only=False)
 
 
@@ -80,12 +80,11 @@ def all_finite(a: Any) -> bool:
     if isinstance(a, np.ndarray):
         if fast and a.flags.c_contiguous:
             out = np.zeros(1, np.int64)
-            cpu_call(_count_nonfinite_cpu, a.size, a.reshape(-1), out)
+            _COUNT.launch(_backend.CPU, a.size, a.reshape(-1), out)
             return int(out[0]) == 0
     elif xp is None and fast and getattr(a, "is_c_contiguous", lambda: False)():  # Numba device array
         out = _backend.zeros(a, (1,), np.int64)
-        blocks, threads = _backend.cuda_grid((a.size + 255) // 256)  # ~256 elements per thread
-        _count_nonfinite_cuda[blocks, threads](a.reshape(a.size), out)
+        _COUNT.launch(_backend.CUDA, (a.size + 255) // 256, a.reshape(a.size), out)  # ~256 elements per thread
         return int(_backend.to_host(out)[0]) == 0
     if xp is None:  # other Numba device arrays: on the host
         return bool(np.isfinite(_backend.to_host(a)).all())
@@ -188,12 +187,11 @@ def range_stats(a: Any, d: int | None = None) -> RangeStats:
             u = a.reshape(-1).view(udt)
             nch = max(1, min(64, a.size // _CHUNK))
             out = np.zeros(nch, np.uint64)
-            cpu_call(_absbits_max_cpu, a.size, u, udt(mask), out)
+            _RANGE.launch(_backend.CPU, a.size, u, udt(mask), out)
             bits = int(out.max())
         elif xp is None and getattr(a, "is_c_contiguous", lambda: False)():  # Numba device array
             out = _backend.zeros(a, (1,), np.uint64)
-            blocks, threads = _backend.cuda_grid((a.size + 255) // 256)  # ~256 elements per thread
-            _absbits_max_cuda[blocks, threads](a.reshape(a.size).view(udt), udt(mask), out)
+            _RANGE.launch(_backend.CUDA, (a.size + 255) // 256, a.reshape(a.size).view(udt), udt(mask), out)
             bits = int(_backend.to_host(out)[0])
         if bits is not None:
             if bits >= inf_bits:
@@ -266,7 +264,7 @@ class DeferredRange:
             acc = self._acc.get(key)
             if acc is None:
                 acc = self._acc[key] = _backend.zeros(a, (1,), np.uint64)
-            _RANGE.launch(_backend.CUDA, 0, u, udt(mask), acc, grid=_backend.cuda_grid((a.size + 255) // 256))
+            _RANGE.launch(_backend.CUDA, (a.size + 255) // 256, u, udt(mask), acc)
         return True
 
     def read(self) -> dict[str, RangeStats]:

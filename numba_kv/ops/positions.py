@@ -23,6 +23,7 @@ __all__ = ["exact_positions_into"]
 
 @cpu_kernel
 def _exact_positions_cpu(out, n, n_sink, base):
+    """CPU twin of :func:`_exact_positions_cuda` (``prange`` over the ``n`` positions)."""
     for i in prange(n):
         out[i] = int32(i if i < n_sink else base + (i - n_sink))
 
