@@ -8,7 +8,7 @@ Shared by the flat (:mod:`numba_kv.ops.attention`) and the paged
   :func:`_load_token_fast` (every block of one width);
 * the partition bounds of the flat (:func:`_partition_bounds`) and the paged
   (:func:`_paged_bounds`) token spaces, the causal visibility rule (:func:`_visible`),
-  the QJL sign decoding (:func:`_qjl_dot`) and the online-softmax rescale factor
+  the QJL sign decoding (:func:`_sign_pm1`, :func:`_qjl_dot`) and the online-softmax rescale factor
   (:func:`_rescale`);
 * the merge of the split-K partitions (log-sum-exp, flash-decoding): one column
   (:func:`_merge_column`) or one butterfly stage of the inverse rotation
@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import float32, int64
+from numba import float32, int32, int64
 
 from .._jit import twin
 from .headquant import _head_scale
@@ -90,15 +90,18 @@ def _is_uniform(bits_b):
 
 
 # --- scores, visibility, softmax ---------------------------------------------------------
+def _sign_pm1(byte, k):
+    """QJL sign decoding: bit ``k`` of a packed sign byte as ``±1.0`` (bit set = +1, LSB
+    first), computed as ``2·bit − 1`` (a shift per lane: vectorizes on the CPU)."""
+    return float32((int32(byte) >> k) & 1) * float32(2.0) - float32(1.0)
+
+
 def _qjl_dot(sqrow, sigrow, m):
-    """``Σ_j sqrow[j] · σ_j`` with the packed signs ``σ`` (bit set = +1, LSB first): the QJL
+    """``Σ_j sqrow[j] · σ_j`` with the packed signs ``σ`` of :func:`_sign_pm1`: the QJL
     estimate of ``⟨q, r⟩`` up to its constant (Zandieh et al., arXiv:2406.03482)."""
     s = float32(0.0)
     for j in range(m):
-        if (sigrow[j >> 3] >> (j & 7)) & 1:
-            s += sqrow[j]
-        else:
-            s -= sqrow[j]
+        s += sqrow[j] * _sign_pm1(sigrow[j >> 3], j & 7)
     return s
 
 
@@ -333,6 +336,7 @@ decode8_cpu, decode8_dev = twin(_decode8)
 load_token_fast_cpu, load_token_fast_dev = twin(_load_token_fast)
 load_token_cpu, load_token_dev = twin(_load_token)
 is_uniform_cpu, is_uniform_dev = twin(_is_uniform)
+sign_pm1_cpu, sign_pm1_dev = twin(_sign_pm1)
 qjl_dot_cpu, qjl_dot_dev = twin(_qjl_dot)
 visible_cpu, visible_dev = twin(_visible)
 rescale_cpu, rescale_dev = twin(_rescale)

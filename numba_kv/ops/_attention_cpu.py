@@ -15,7 +15,7 @@ from numba import float32, int64, types
 from numba.core.extending import intrinsic
 
 from .._jit import FASTMATH_REDUCE, cpu_serial
-from ._attention_cores import NEG_INF, load_token_fast_cpu
+from ._attention_cores import NEG_INF, load_token_fast_cpu, visible_cpu
 
 __all__ = ["decode_tile_simd_cpu", "exp_f32_cpu", "softmax_tile_cpu", "tile_pv_cpu", "tile_scores_cpu"]
 
@@ -198,13 +198,12 @@ def _softmax_tile(sc, nt, softmax_scale, g, has_bias, bias, need_mask, q_pos0, q
         srow = sc[r]
         # scale, bias, mask: a vertical loop (selects, no branches)
         if has_bias or need_mask:
-            lim = q_pos0 + (r % q_len)
             for tt in range(nt):
                 pos = int64(exact_pos[t0 + tt]) if use_exact_pos else pos_base + tt
                 s = srow[tt] * softmax_scale
                 if has_bias:
                     s += bias[g, r, pos]
-                srow[tt] = NEG_INF if need_mask and pos > lim else s
+                srow[tt] = s if visible_cpu(pos, q_pos0, r, q_len, need_mask) else NEG_INF
         else:
             for tt in range(nt):
                 srow[tt] = srow[tt] * softmax_scale

@@ -41,6 +41,7 @@ from ._attention_cores import (
     partition_bounds_cpu,
     partition_bounds_dev,
     qjl_dot_dev,
+    sign_pm1_cpu,
     visible_dev,
 )
 from ._attention_cpu import decode_tile_simd_cpu, softmax_tile_cpu, tile_pv_cpu, tile_scores_cpu
@@ -128,14 +129,14 @@ def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
                 tile_scores_cpu(qsrc, ke[g, t0:t0 + nt], nt, sc)
             if compressed and has_qjl:
                 # QJL correction c_t·<S q, σ_t>, in q·k units: signs unpacked to ±1 byte by
-                # byte as 2·bit − 1 through int32 (a select on a bit picked by j >> 3 / j & 7
-                # vectorizes only with AVX-512; this form is a broadcast + shift per 8 lanes)
+                # byte (a select on a bit picked by j >> 3 / j & 7 vectorizes only with
+                # AVX-512; 2·bit − 1 is a broadcast + shift per 8 lanes)
                 for tt in range(nt):
                     sig = qsig[g, t0 + tt]
                     for jb in range(m_qjl >> 3):
                         byte = int32(sig[jb])
                         for k in range(8):
-                            stq[tt, (jb << 3) + k] = float32((byte >> k) & 1) * float32(2.0) - float32(1.0)
+                            stq[tt, (jb << 3) + k] = sign_pm1_cpu(byte, k)
                 tile_scores_cpu(sq[g], stq, nt, corr)
                 for tt in range(nt):
                     c = qjl_const * scale_table[qnorm[g, t0 + tt]]

@@ -43,6 +43,7 @@ from ._attention_kernels import (
     MERGE_PARTITIONS,
     rows_per_block,
 )
+from .gather import to_like
 from .hadamard import SIGNS32, rotate32
 
 __all__ = ["CodeLayout", "F16_ABS_TABLE", "decode_attention", "default_partition_size", "fused_attention_rows"]
@@ -396,12 +397,7 @@ def _exact_positions(exact_positions: Any, q: Any, T: int, n_exact: int) -> Any:
     """The exact tokens' positions as an int array on the device of ``q`` (default ``T, T+1, …``)."""
     if exact_positions is None:
         pos = np.arange(T, T + n_exact, dtype=np.int32)
-        xp = _backend.xp_of(q)
-        if xp is not None:
-            return pos if xp is np else xp.asarray(pos)
-        from numba import cuda  # noqa: PLC0415 - Numba device arrays only
-
-        return cuda.to_device(pos if pos.size else np.zeros(1, np.int32))
+        return to_like(q, pos if pos.size else np.zeros(1, np.int32))  # never read when E = 0
     if tuple(exact_positions.shape) != (n_exact,) or np.dtype(exact_positions.dtype).kind not in "iu":
         raise ValueError(f"exact_positions: expected an int array of shape ({n_exact},), got "
                          f"{exact_positions.dtype} {tuple(exact_positions.shape)}")
