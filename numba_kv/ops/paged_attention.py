@@ -193,15 +193,20 @@ PAGED_DECODE_ATTENTION = register("paged_decode_attention", _paged_decode_attent
                                   _paged_decode_attention_cuda, [_PSIG])
 
 
-def _pools(q3: Any, d: int, k_pages: Any, v_pages: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales: Any,
-           k_codebook: Any, v_codebook: Any) -> tuple:
-    """``(compressed, page_size, (kc, ks, vc, vs, kp, vp), klayout, vlayout)`` with placeholders
-    for the pool kind not given; validates that exactly one kind is."""
+def _check_kind(k_pages: Any, v_pages: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales: Any) -> None:
+    """``ValueError`` unless exactly one kind of pool (float32 pages or PQO codes) is complete."""
     codes = (k_codes, k_scales, v_codes, v_scales)
     if (k_pages is None) == (k_codes is None) or (k_pages is None) != (v_pages is None) or \
             any((a is None) != (k_codes is None) for a in codes):
         raise ValueError("k_pages: expected either k_pages and v_pages (float32 pools) or k_codes, k_scales, "
                          "v_codes and v_scales (PQO pools) with k_codebook and v_codebook")
+
+
+def _pools(q3: Any, d: int, k_pages: Any, v_pages: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales: Any,
+           k_codebook: Any, v_codebook: Any) -> tuple:
+    """``(compressed, page_size, (kc, ks, vc, vs, kp, vp), klayout, vlayout)`` with placeholders
+    for the pool kind not given; validates that exactly one kind is."""
+    _check_kind(k_pages, v_pages, k_codes, k_scales, v_codes, v_scales)
     if k_pages is not None:
         for name, a in (("k_pages", k_pages), ("v_pages", v_pages)):
             if len(a.shape) != 4 or int(a.shape[3]) != d or np.dtype(a.dtype) != np.float32:
@@ -282,6 +287,7 @@ def paged_decode_attention(q: Any, page_table: Sequence[Any], *, k_pages: Any = 
                                   k_pages=k_pages, v_pages=v_pages, k_codes=k_codes, k_scales=k_scales,
                                   v_codes=v_codes, v_scales=v_scales)
     check_float_array("q", q, 4)
+    _check_kind(k_pages, v_pages, k_codes, k_scales, v_codes, v_scales)
     n_seq, hq, ql, d = (int(x) for x in q.shape)
     pool = k_pages if k_pages is not None else k_scales
     hkv, pool_d = 0, 0
