@@ -221,8 +221,8 @@ def _decode_attention_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_e
                            part_acc):
     """Cooperative flash-decoding partition kernel.
 
-    Launch contract: grid ``(n_parts, n_g, n_chunks)``, any block size (128 on a GPU).
-    Block ``(p, g, c)`` runs the online softmax of query rows ``c·rb … c·rb + rb − 1``
+    Launch contract: grid ``(n_g, n_parts, n_chunks)``, any block size (128 on a GPU).
+    Block ``(g, p, c)`` runs the online softmax of query rows ``c·rb … c·rb + rb − 1``
     (``rb = ceil(rows / n_chunks)`` <= :func:`rows_per_block`) of KV row ``g`` over the
     tokens of partition ``p`` and writes their ``(m, l, acc)``.  Per tile of
     :func:`_tile_tokens` tokens the block decodes the K codes once into shared memory (one
@@ -242,8 +242,8 @@ def _decode_attention_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_e
     d = qr.shape[2]
     nb = d // 32
     m_qjl = sq.shape[2]
-    p = cuda.blockIdx.x
-    g = cuda.blockIdx.y
+    g = cuda.blockIdx.x
+    p = cuda.blockIdx.y
     tid = cuda.threadIdx.x
     nth = cuda.blockDim.x
     rb = (rows + cuda.gridDim.z - 1) // cuda.gridDim.z
@@ -291,7 +291,7 @@ def _decode_attention_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_e
 def _merge_partitions_cuda(part_m, part_l, part_acc, n_comp_parts, signs, head_rot, hsigns, out):
     """Cooperative merge of the partitions (log-sum-exp).
 
-    Launch contract: grid ``(rows, n_g)``, any block size.  Block ``(r, g)`` merges query
+    Launch contract: grid ``(n_g, rows)``, any block size.  Block ``(g, r)`` merges query
     row ``(g, r)``: each thread owns the columns ``j = tid, tid + blockDim, …`` of the
     shared row buffer; the partition weights are computed :data:`MERGE_CHUNK` at a time
     into shared memory, the inverse rotation of the compressed sum runs as butterfly stages
@@ -302,8 +302,8 @@ def _merge_partitions_cuda(part_m, part_l, part_acc, n_comp_parts, signs, head_r
     wbuf = cuda.shared.array(MERGE_CHUNK, dtype=float32)
     n_parts = part_m.shape[1]
     d = out.shape[2]
-    r = cuda.blockIdx.x
-    g = cuda.blockIdx.y
+    g = cuda.blockIdx.x
+    r = cuda.blockIdx.y
     tid = cuda.threadIdx.x
     nth = cuda.blockDim.x
     m_star = merge_max_dev(part_m, g, r, n_parts)

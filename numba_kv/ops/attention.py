@@ -71,16 +71,17 @@ def check_cuda_head_dim(d: int) -> None:
 def launch_attention(dev: str, twin: Any, args: tuple, n_g: int, n_parts: int, rows: int, d: int,
                      work: int) -> None:
     """Run a partition kernel (flat or paged) on ``dev``: CPU ``work`` scalar operations, or
-    the cooperative CUDA grid ``(n_parts, n_g, row chunks)``."""
+    the cooperative CUDA grid ``(n_g, n_parts, row chunks)`` (KV rows on x, which allows
+    2**31 − 1 blocks; y and z allow 65535)."""
     if dev == _backend.CUDA:
         check_cuda_head_dim(d)
     chunks = -(-rows // rows_per_block(min(d, MAX_HEAD_DIM)))
-    twin.launch(dev, n_g * n_parts, *args, work=work, grid=((n_parts, n_g, chunks), cuda_block_threads()))
+    twin.launch(dev, n_g * n_parts, *args, work=work, grid=((n_g, n_parts, chunks), cuda_block_threads()))
 
 
 def launch_merge(dev: str, margs: tuple, n_g: int, rows: int, d: int, work: int) -> None:
-    """Run the partition merge on ``dev``: grid ``(rows, n_g)`` on CUDA."""
-    MERGE_PARTITIONS.launch(dev, n_g * rows, *margs, work=work, grid=((rows, n_g), cuda_block_threads()))
+    """Run the partition merge on ``dev``: grid ``(n_g, rows)`` on CUDA."""
+    MERGE_PARTITIONS.launch(dev, n_g * rows, *margs, work=work, grid=((n_g, rows), cuda_block_threads()))
 
 
 def default_partition_size(n_tokens: int, n_rows_kv: int, device: str) -> int:

@@ -127,8 +127,8 @@ def _paged_decode_attention_cuda(qr, q, kc, ks, vc, vs, kp, vp, compressed, kv_i
                                  scale_table, softmax_scale, q_len, causal, part_size, part_m, part_l, part_acc):
     """Cooperative paged partition kernel (the flat kernel's tile loop, page addressing).
 
-    Launch contract: grid ``(n_parts, n_seq·num_kv_heads, n_chunks)``, any block size (128
-    on a GPU).  Block ``(p, g, c)`` runs query rows ``c·rb … c·rb + rb − 1`` of sequence·KV
+    Launch contract: grid ``(n_seq·num_kv_heads, n_parts, n_chunks)``, any block size (128
+    on a GPU).  Block ``(g, p, c)`` runs query rows ``c·rb … c·rb + rb − 1`` of sequence·KV
     head ``g`` over the tokens of partition ``p`` of that sequence (none when the sequence
     is shorter): per tile the K then the V tokens are decoded (or copied) once into shared
     memory, one group of eight values per thread, and shared by every query row of the
@@ -145,8 +145,8 @@ def _paged_decode_attention_cuda(qr, q, kc, ks, vc, vs, kp, vp, compressed, kv_i
     rows = qr.shape[1]
     d = qr.shape[2]
     nb = d // 32
-    p = cuda.blockIdx.x
-    g = cuda.blockIdx.y
+    g = cuda.blockIdx.x
+    p = cuda.blockIdx.y
     tid = cuda.threadIdx.x
     nth = cuda.blockDim.x
     rb = (rows + cuda.gridDim.z - 1) // cuda.gridDim.z

@@ -170,3 +170,15 @@ RUNNERS = {"decode_attention": _decode_cases, "merge_partitions": _decode_cases,
                          ids=lambda f: f.__name__.strip("_"))
 def test_cooperative_attention_matches_cpu_twin(case):
     case(np.random.default_rng(17))
+
+
+@pytest.mark.cuda
+def test_head_dim_beyond_shared_memory_is_a_clear_error():
+    """The CUDA kernels hold head_dim <= 512 in static shared memory; beyond it the error
+    names the limit (the CPU twin has none)."""
+    rng = np.random.default_rng(2)
+    codes, _, _ = _codes(rng, 1, 1, 3, 544, 3, 3)
+    q = rng.standard_normal((1, 1, 1, 544)).astype(np.float32)
+    assert decode_attention(q, *codes).shape == q.shape
+    with pytest.raises(ValueError, match="head_dim <= 512"):
+        decode_attention(*(to_device(a) for a in (q, *codes)))
