@@ -8,8 +8,9 @@ Shared by the flat (:mod:`numba_kv.ops.attention`) and the paged
   :func:`_load_token_fast` (every block of one width);
 * the partition bounds of the flat (:func:`_partition_bounds`) and the paged
   (:func:`_paged_bounds`) token spaces, the causal visibility rule (:func:`_visible`),
-  the QJL sign decoding (:func:`_sign_pm1`, :func:`_qjl_dot`) and the online-softmax rescale factor
-  (:func:`_rescale`);
+  the QJL sign decoding (:func:`_sign_pm1`, :func:`_qjl_dot`) and the online-softmax state
+  update (:func:`_rescale`, :func:`_online_update`; the CPU twins compute ``alpha`` with
+  their vectorized ``exp`` instead of :func:`_rescale`);
 * the merge of the split-K partitions (log-sum-exp, flash-decoding): one column
   (:func:`_merge_column`) or one butterfly stage of the inverse rotation
   (:func:`_butterfly_pairs`) per call, so that a CUDA block spreads a row over its threads
@@ -116,6 +117,15 @@ def _rescale(m_old, m_new):
     the running max moves from ``m_old`` to ``m_new``; exactly 0 while ``m_old`` is ``-inf``
     (nothing accumulated yet; avoids ``exp(-inf + inf)``)."""
     return math.exp(m_old - m_new) if m_old != NEG_INF else float32(0.0)
+
+
+def _online_update(m, l, r, m_new, alpha, tile_sum):
+    """Fold one tile into query row ``r``'s online-softmax state (Milakov & Gimelshein,
+    arXiv:1805.02867): ``l[r] = alpha·l[r] + tile_sum``, ``m[r] = m_new``, where ``alpha =
+    exp(m[r] − m_new)`` (see :func:`_rescale`) also rescales the row's accumulator and
+    ``tile_sum = Σ exp(s − m_new)`` over the tile."""
+    l[r] = l[r] * alpha + tile_sum
+    m[r] = m_new
 
 
 def _partition_bounds(p, n_comp_parts, part_size, n_comp, n_exact):
@@ -260,8 +270,7 @@ def _coop_softmax_rows(sc, nt, rb, m, l, alpha, tid, nth):
             w = math.exp(sc[o + tt] - m_new)  # masked (-inf) logits give exactly 0
             sc[o + tt] = w
             lsum += w
-        l[r] = l[r] * a + lsum
-        m[r] = m_new
+        _online_update(m, l, r, m_new, a, lsum)
         alpha[r] = a
 
 
@@ -340,6 +349,7 @@ sign_pm1_cpu, sign_pm1_dev = twin(_sign_pm1)
 qjl_dot_cpu, qjl_dot_dev = twin(_qjl_dot)
 visible_cpu, visible_dev = twin(_visible)
 rescale_cpu, rescale_dev = twin(_rescale)
+online_update_cpu, online_update_dev = twin(_online_update)
 partition_bounds_cpu, partition_bounds_dev = twin(_partition_bounds)
 paged_bounds_cpu, paged_bounds_dev = twin(_paged_bounds)
 merge_max_cpu, merge_max_dev = twin(_merge_max)

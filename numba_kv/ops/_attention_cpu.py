@@ -15,7 +15,7 @@ from numba import float32, int64, types
 from numba.core.extending import intrinsic
 
 from .._jit import FASTMATH_REDUCE, cpu_serial
-from ._attention_cores import NEG_INF, load_token_fast_cpu, visible_cpu
+from ._attention_cores import NEG_INF, load_token_fast_cpu, online_update_cpu, visible_cpu
 
 __all__ = ["decode_tile_simd_cpu", "exp_f32_cpu", "softmax_tile_cpu", "tile_pv_cpu", "tile_scores_cpu"]
 
@@ -236,8 +236,7 @@ def _softmax_tile(sc, nt, softmax_scale, g, has_bias, bias, need_mask, q_pos0, q
         arow = acc[r]
         for j in range(arow.shape[0]):
             arow[j] *= alpha
-        l[r] = l[r] * alpha + lsum
-        m[r] = m_new
+        online_update_cpu(m, l, r, m_new, alpha, lsum)
 
 
 softmax_tile_cpu = cpu_serial(_softmax_tile, fastmath=FASTMATH_REDUCE)
