@@ -509,7 +509,8 @@ class PagedKVCache:
 
     # -- accounting -----------------------------------------------------------------------
     def decode_attention(self, layer: int, q: Any, seq_ids: Sequence[int] | None = None, *,
-                         softmax_scale: float | None = None, causal: bool = True) -> Any:
+                         softmax_scale: float | None = None, causal: bool = True,
+                         partition_size: int | None = None) -> Any:
         """Fused attention of ``q`` ``[n_seq, num_heads, q_len, head_dim]`` over the pages of
         ``seq_ids`` (default: every live sequence) — compressed pages are read through the
         page table without dequantizing.  See
@@ -517,7 +518,24 @@ class PagedKVCache:
         """
         from ..ops.paged_attention import paged_decode_attention  # noqa: PLC0415
 
-        return paged_decode_attention(q, self, layer, seq_ids, softmax_scale=softmax_scale, causal=causal)
+        table = self.page_table(layer, seq_ids, on_device=True)
+        pools = self._attention_pools()
+        lens = [self.seq_len(layer, s) for s in (seq_ids if seq_ids is not None else self.sequences)]
+        return paged_decode_attention(q, table, **pools, seq_lens=lens, softmax_scale=softmax_scale, causal=causal,
+                                      partition_size=partition_size)
+
+    def _attention_pools(self) -> dict[str, Any]:
+        """The pools (and codebooks) as keyword arguments of ``paged_decode_attention``."""
+        pools = self.pools
+        if not pools:
+            raise ValueError("cache: expected a paged cache with stored tokens, got an empty pool")
+        if not self.has_values or self.v_head_dim != self.head_dim:
+            raise ValueError(f"cache: paged attention needs v_head_dim == head_dim ({self.head_dim}), "
+                             f"got {self.v_head_dim}")
+        if not self.bits:
+            return {"k_pages": pools["k_pages"], "v_pages": pools["v_pages"]}
+        return {**{n: pools[n] for n in ("k_codes", "k_scales", "v_codes", "v_scales")},
+                "k_codebook": self.codebooks["k"], "v_codebook": self.codebooks["v"]}
 
     def memory_usage(self) -> int:
         """Bytes of the pages in use (whole pages, K and V)."""

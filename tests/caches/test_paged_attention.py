@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 
 from numba_kv import PagedKVCache, reference
-from numba_kv.ops.paged_attention import paged_decode_attention
 
 
 def rel_err(out, ref):
@@ -40,8 +39,8 @@ def test_partition_size_and_default_order():
     for n in (100, 60):
         c.append(0, c.allocate_sequence(), *rng.standard_normal((2, 1, n, 32)).astype(np.float32))
     q = rng.standard_normal((2, 2, 1, 32)).astype(np.float32)
-    a = paged_decode_attention(q, c, 0, partition_size=16)
-    b = paged_decode_attention(q, c, 0, partition_size=1024)
+    a = c.decode_attention(0, q, partition_size=16)
+    b = c.decode_attention(0, q, partition_size=1024)
     assert rel_err(a, b) < 1e-5
 
 

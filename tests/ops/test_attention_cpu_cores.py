@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 from numba import njit
 
-from numba_kv.ops.attention import F16_ABS_TABLE, decode_tile_simd_cpu, exp_f32_cpu, load_token_fast_cpu
+from numba_kv.ops._attention_cores import load_token_fast_cpu
+from numba_kv.ops._attention_cpu import decode_tile_simd_cpu, exp_f32_cpu
+from numba_kv.ops.attention import F16_ABS_TABLE
 from numba_kv.ops.blockquant import dequantize_blocks, quantize_blocks
 from numba_kv.ops.codebook import get_codebook
 from numba_kv.ops.hadamard import rotate32

@@ -1,0 +1,307 @@
+"""CPU-only helpers of the fused decode attention: SIMD token decoding, a branch-free
+``expf`` and the register-blocked tile loops of the CPU twins (flat and paged).
+
+Compiled for the CPU only (LLVM intrinsics, fast-math reductions); the CUDA kernels use the
+single-source cores of :mod:`numba_kv.ops._attention_cores` and ``math.exp`` instead.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import float32, int64, types
+from numba.core.extending import intrinsic
+
+from .._jit import FASTMATH_REDUCE, cpu_serial
+from ._attention_cores import NEG_INF, load_token_fast_cpu, online_update_cpu, visible_cpu
+
+__all__ = ["decode_tile_simd_cpu", "exp_f32_cpu", "softmax_tile_cpu", "tile_pv_cpu", "tile_scores_cpu"]
+
+_F32 = ir.FloatType()
+_I32 = ir.IntType(32)
+_V8F = ir.VectorType(_F32, 8)
+_V8I = ir.VectorType(_I32, 8)
+
+
+def _splat(builder, value, vty):
+    v = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vty, ir.Undefined), ir.Constant(_V8I, [0] * 8))
+
+
+def _decode8_codegen(nbits):
+    def codegen(context, builder, signature, args):
+        w, cent, sa, dst, off = args
+        centarr = context.make_array(signature.args[1])(context, builder, cent)
+        dstarr = context.make_array(signature.args[3])(context, builder, dst)
+        cptr = builder.bitcast(centarr.data, _V8F.as_pointer())
+        clo = builder.load(cptr, align=4, typ=_V8F)
+        chi = None
+        if nbits == 4:
+            chi = builder.load(builder.gep(cptr, [ir.Constant(_I32, 1)], source_etype=_V8F), align=4, typ=_V8F)
+        idx = builder.lshr(_splat(builder, builder.trunc(w, _I32), _V8I),
+                           ir.Constant(_V8I, [nbits * k for k in range(8)]))
+        idx = builder.and_(idx, ir.Constant(_V8I, [7] * 8))
+        vec = ir.Constant(_V8F, ir.Undefined)
+        for k in range(8):
+            i = builder.extract_element(idx, ir.Constant(_I32, k))
+            e = builder.extract_element(clo, i)
+            vec = builder.insert_element(vec, e, ir.Constant(_I32, k))
+        if nbits == 4:
+            # 16 centroids: look up both halves with the low 3 bits, pick by bit 3
+            hib = builder.lshr(_splat(builder, builder.trunc(w, _I32), _V8I),
+                               ir.Constant(_V8I, [4 * k + 3 for k in range(8)]))
+            hib = builder.icmp_unsigned("!=", builder.and_(hib, ir.Constant(_V8I, [1] * 8)),
+                                        ir.Constant(_V8I, [0] * 8))
+            vhi = ir.Constant(_V8F, ir.Undefined)
+            for k in range(8):
+                i = builder.extract_element(idx, ir.Constant(_I32, k))
+                vhi = builder.insert_element(vhi, builder.extract_element(chi, i), ir.Constant(_I32, k))
+            vec = builder.select(hib, vhi, vec)
+        vec = builder.fmul(vec, _splat(builder, sa, _V8F))
+        dptr = builder.gep(dstarr.data, [off], source_etype=_F32)
+        builder.store(vec, builder.bitcast(dptr, _V8F.as_pointer()), align=4)
+        return context.get_dummy_value()
+    return codegen
+
+
+def _decode8_typer(nbits):
+    def typer(typingctx, w, cent, sa, dst, off):
+        ok = (isinstance(w, types.Integer) and isinstance(off, types.Integer) and sa == types.float32
+              and all(isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 1 and a.layout == "C"
+                      for a in (cent, dst)))
+        if not ok:
+            return None
+        return types.void(types.int64, cent, types.float32, dst, types.int64), _decode8_codegen(nbits)
+    return typer
+
+
+# ``dst[off:off+8] = sa · cent[(w >> (b·k)) & (2**b − 1)]``, k = 0..7, in one 8-lane vector: the
+# lookup is a build-vector of variable extracts, which x86 code generation lowers to a
+# variable permute (``vpermps``: the <= 16-entry codebook lives in one or two registers) —
+# no gather, no per-code table load.  ``cent`` needs 8 (3 bits) or 16 (4 bits) readable
+# floats; C-contiguous float32 arrays only (typing fails otherwise).
+_decode8_3bit = intrinsic(_decode8_typer(3))
+_decode8_4bit = intrinsic(_decode8_typer(4))
+
+
+def _decode_tile_simd(codes, scales, t0, nt, cent, bits, nb, sshift, scale_table, dst, d0):
+    """``dst[d0 + tt] = `` token ``t0 + tt`` of ``codes``/``scales`` (``[tokens, ·]``), ``tt < nt``,
+    decoded like :func:`_load_token_fast` (same values; CPU only): 3- and 4-bit codes eight
+    at a time by :func:`_decode8_3bit`/:func:`_decode8_4bit` (``cent`` C-contiguous float32
+    with ``2**bits`` or more entries), other widths by the scalar loader.  One call per tile
+    keeps the per-token call overhead out of the hot loop."""
+    if bits == 3:
+        for tt in range(nt):
+            crow = codes[t0 + tt]
+            srow = scales[t0 + tt]
+            drow = dst[d0 + tt]
+            for b in range(nb):
+                sa = scale_table[srow[b >> sshift]]
+                p = b * 12
+                for g in range(4):
+                    w = int64(crow[p]) | (int64(crow[p + 1]) << 8) | (int64(crow[p + 2]) << 16)
+                    _decode8_3bit(w, cent, sa, drow, b * 32 + g * 8)
+                    p += 3
+    elif bits == 4:
+        for tt in range(nt):
+            crow = codes[t0 + tt]
+            srow = scales[t0 + tt]
+            drow = dst[d0 + tt]
+            for b in range(nb):
+                sa = scale_table[srow[b >> sshift]]
+                p = b * 16
+                for g in range(4):
+                    w = (int64(crow[p]) | (int64(crow[p + 1]) << 8) | (int64(crow[p + 2]) << 16)
+                         | (int64(crow[p + 3]) << 24))
+                    _decode8_4bit(w, cent, sa, drow, b * 32 + g * 8)
+                    p += 4
+    else:
+        for tt in range(nt):
+            load_token_fast_cpu(codes[t0 + tt], scales[t0 + tt], cent, bits, nb, sshift, scale_table, dst[d0 + tt])
+
+
+
+decode_tile_simd_cpu = cpu_serial(_decode_tile_simd)
+
+
+@intrinsic
+def _f32_from_bits(typingctx, i):
+    """Reinterpret the bits of an ``int32`` as a ``float32`` (an LLVM ``bitcast``: one
+    register move, vectorizable; there is no scalar bit-cast in Numba otherwise)."""
+    if not isinstance(i, types.Integer) or i.bitwidth != 32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(i), codegen
+
+
+# Cephes ``expf`` constants: log2(e), ln 2 split in two (Cody–Waite: C1 has few mantissa
+# bits, so n·C1 is exact for |n| <= 128) and the minimax polynomial of e^r on |r| <= ln2/2.
+_LOG2E = np.float32(1.44269504088896341)
+_EXP_C1 = np.float32(0.693359375)
+_EXP_C2 = np.float32(-2.12194440e-4)
+_EXP_HI = np.float32(88.72283)  # above: +inf
+_EXP_LO = np.float32(-87.33654)  # below: 0 (also -inf)
+
+
+def _exp_f32(x):
+    """``e**x`` in float32 without branches or libm (vectorizes inside a loop).
+
+    Cephes ``expf``: ``n = round(x·log2 e)``, ``r = x − n·ln 2`` in two steps, a degree-5
+    polynomial for ``e**r`` and the scale ``2**n`` built from exponent bits (in two halves,
+    so that no half over- or underflows).  Max relative error ~2 ulp on
+    ``[-87.3, 88.7]``; exactly 0 below (``-inf`` included), ``+inf`` above, NaN stays NaN.
+    Compiled without fast-math so the range reduction keeps its order when inlined into
+    fast-math kernels.
+    """
+    xc = min(max(x, _EXP_LO), _EXP_HI)
+    # round to nearest by truncating a positive number (t + 128.5 > 0 on the clamped range)
+    n = np.int32(xc * _LOG2E + np.float32(128.5)) - np.int32(128)
+    fn = np.float32(n)
+    r = xc - fn * _EXP_C1
+    r = r - fn * _EXP_C2
+    z = r * r
+    y = np.float32(1.9875691500e-4) * r + np.float32(1.3981999507e-3)
+    y = y * r + np.float32(8.3334519073e-3)
+    y = y * r + np.float32(4.1665795894e-2)
+    y = y * r + np.float32(1.6666665459e-1)
+    y = y * r + np.float32(5.0000001201e-1)
+    y = y * z + r + np.float32(1.0)
+    n1 = np.int32(n >> 1)
+    n2 = np.int32(n - n1)
+    y = y * _f32_from_bits(np.int32((n1 + 127) << 23)) * _f32_from_bits(np.int32((n2 + 127) << 23))
+    y = np.float32(0.0) if x < _EXP_LO else y
+    y = np.float32(np.inf) if x > _EXP_HI else y
+    return x if math.isnan(x) else y
+
+
+exp_f32_cpu = cpu_serial(_exp_f32)
+
+
+def _softmax_tile(sc, nt, softmax_scale, g, has_bias, bias, need_mask, q_pos0, q_len, pos_base, exact_pos,
+                  use_exact_pos, t0, m, l, acc):
+    """Online-softmax step of one tile (CPU): scale, bias and mask the scores ``sc``
+    ``[rows, nt]`` in place, turn them into weights ``exp(s − m_new)``, rescale ``acc`` and
+    update the running max ``m`` and sum ``l``.  The caller then adds ``sc @ V_tile``.
+
+    Token ``tt`` of the tile sits at ``exact_pos[t0 + tt]`` if ``use_exact_pos`` else at
+    ``pos_base + tt``.  Branch-free inner loops (selects, :func:`_exp_f32`) so they
+    vectorize; masked scores are ``-inf`` and their weights exactly 0.
+    """
+    rows = sc.shape[0]
+    n4 = nt - nt % 4
+    for r in range(rows):
+        srow = sc[r]
+        # scale, bias, mask: a vertical loop (selects, no branches)
+        if has_bias or need_mask:
+            for tt in range(nt):
+                pos = int64(exact_pos[t0 + tt]) if use_exact_pos else pos_base + tt
+                s = srow[tt] * softmax_scale
+                if has_bias:
+                    s += bias[g, r, pos]
+                srow[tt] = s if visible_cpu(pos, q_pos0, r, q_len, need_mask) else NEG_INF
+        else:
+            for tt in range(nt):
+                srow[tt] = srow[tt] * softmax_scale
+        # tile max: four independent chains (a float max reduction does not vectorize
+        # without no-NaN semantics; one chain would be latency-bound)
+        m0 = NEG_INF
+        m1 = NEG_INF
+        m2 = NEG_INF
+        m3 = NEG_INF
+        for tt in range(0, n4, 4):
+            m0 = srow[tt] if srow[tt] > m0 else m0
+            m1 = srow[tt + 1] if srow[tt + 1] > m1 else m1
+            m2 = srow[tt + 2] if srow[tt + 2] > m2 else m2
+            m3 = srow[tt + 3] if srow[tt + 3] > m3 else m3
+        for tt in range(n4, nt):
+            m0 = srow[tt] if srow[tt] > m0 else m0
+        tile_max = max(max(m0, m1), max(m2, m3))
+        if tile_max == NEG_INF:
+            for tt in range(nt):
+                srow[tt] = float32(0.0)
+            continue
+        m_old = m[r]
+        m_new = max(m_old, tile_max)
+        alpha = exp_f32_cpu(m_old - m_new)  # exactly 0 while m_old is -inf
+        for tt in range(nt):  # vectorized exp; masked (-inf) scores give exactly 0
+            srow[tt] = exp_f32_cpu(srow[tt] - m_new)
+        lsum = float32(0.0)
+        for tt in range(nt):
+            lsum += srow[tt]
+        arow = acc[r]
+        for j in range(arow.shape[0]):
+            arow[j] *= alpha
+        online_update_cpu(m, l, r, m_new, alpha, lsum)
+
+
+softmax_tile_cpu = cpu_serial(_softmax_tile, fastmath=FASTMATH_REDUCE)
+
+
+def _tile_scores(qsrc, kt, nt, sc):
+    """``sc[r, tt] = qsrc[r] · kt[tt]`` for ``tt < nt`` (CPU, fast-math: the dot products
+    vectorize as reductions; L1-resident tile, no BLAS call).  Four query rows per pass
+    over a key row: each key vector is loaded once for four FMAs."""
+    rows, d = qsrc.shape
+    r4 = rows - rows % 4
+    for tt in range(nt):
+        krow = kt[tt]
+        for r in range(0, r4, 4):
+            q0 = qsrc[r]
+            q1 = qsrc[r + 1]
+            q2 = qsrc[r + 2]
+            q3 = qsrc[r + 3]
+            s0 = float32(0.0)
+            s1 = float32(0.0)
+            s2 = float32(0.0)
+            s3 = float32(0.0)
+            for j in range(d):
+                k = krow[j]
+                s0 += q0[j] * k
+                s1 += q1[j] * k
+                s2 += q2[j] * k
+                s3 += q3[j] * k
+            sc[r, tt] = s0
+            sc[r + 1, tt] = s1
+            sc[r + 2, tt] = s2
+            sc[r + 3, tt] = s3
+        for r in range(r4, rows):
+            qrow = qsrc[r]
+            s = float32(0.0)
+            for j in range(d):
+                s += qrow[j] * krow[j]
+            sc[r, tt] = s
+
+
+def _tile_pv(sc, vt, nt, acc):
+    """``acc[r] += Σ_tt sc[r, tt] · vt[tt]`` (CPU): four tokens per pass, so each
+    accumulator vector is loaded and stored once per four value rows."""
+    rows, d = acc.shape
+    n4 = nt - nt % 4
+    for r in range(rows):
+        arow = acc[r]
+        srow = sc[r]
+        for tt in range(0, n4, 4):
+            w0 = srow[tt]
+            w1 = srow[tt + 1]
+            w2 = srow[tt + 2]
+            w3 = srow[tt + 3]
+            v0 = vt[tt]
+            v1 = vt[tt + 1]
+            v2 = vt[tt + 2]
+            v3 = vt[tt + 3]
+            for j in range(d):
+                arow[j] += (w0 * v0[j] + w1 * v1[j]) + (w2 * v2[j] + w3 * v3[j])
+        for tt in range(n4, nt):
+            w = srow[tt]
+            v = vt[tt]
+            for j in range(d):
+                arow[j] += w * v[j]
+
+
+tile_scores_cpu = cpu_serial(_tile_scores, fastmath=FASTMATH_REDUCE)
+tile_pv_cpu = cpu_serial(_tile_pv, fastmath=FASTMATH_REDUCE)

@@ -1,0 +1,358 @@
+"""Kernels of the flat fused decode attention and of the partition merge (both twins).
+
+The CPU twins are tile loops tuned for caches and SIMD (:mod:`numba_kv.ops._attention_cpu`);
+the CUDA kernels are cooperative: one thread block per (KV row, partition[, row chunk]) with
+the decoded tile, the query rows, the scores and the accumulators in shared memory (no
+per-thread array of head_dim size).  Both run the single-source cores of
+:mod:`numba_kv.ops._attention_cores` for everything they share.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, float32, int32, int64, prange
+
+from .._jit import FASTMATH_REDUCE, cpu_kernel, cuda_kernel, twin
+from ._attention_cores import (
+    NEG_INF,
+    block_signs_cpu,
+    block_signs_dev,
+    butterfly_pairs_cpu,
+    butterfly_pairs_dev,
+    coop_init_rows_dev,
+    coop_load_rows_dev,
+    coop_pv_dev,
+    coop_softmax_rows_dev,
+    coop_store_rows_dev,
+    coop_tile_flat_dev,
+    dot_shared_dev,
+    inverse_scale_cpu,
+    inverse_scale_dev,
+    is_uniform_cpu,
+    load_token_cpu,
+    merge_column_cpu,
+    merge_column_dev,
+    merge_denom_cpu,
+    merge_denom_dev,
+    merge_max_cpu,
+    merge_max_dev,
+    merge_weights_cpu,
+    merge_weights_dev,
+    partition_bounds_cpu,
+    partition_bounds_dev,
+    qjl_dot_dev,
+    sign_pm1_cpu,
+    visible_dev,
+)
+from ._attention_cpu import decode_tile_simd_cpu, softmax_tile_cpu, tile_pv_cpu, tile_scores_cpu
+from ._registry import register
+
+#: tokens per CPU tile: a decoded 32-token × d=128 float tile is 16 KiB, stays in L1 while
+#: the score and P·V loops sweep it
+CPU_TILE = 32
+MAX_HEAD_DIM = 512
+# Static shared memory of the cooperative CUDA kernels (float32 elements), 45 KiB in all,
+# under the 48 KiB a block may declare statically:
+#: query rows and accumulators of a block: ``rows_per_block · head_dim`` each
+SMEM_ROWS = 4096
+#: one decoded K or V tile: ``tile_tokens · (head_dim + 1)`` (16 tokens at d = 128)
+SMEM_TILE = 2112
+#: scores / weights: ``rows_per_block · tile_tokens``
+SMEM_SCORES = 1024
+#: most query rows per block (running max, sum and rescale factor of each)
+MAX_BLOCK_ROWS = 64
+#: most tokens per CUDA tile
+MAX_TILE_TOKENS = 32
+#: partitions whose merge weights one merge block holds at a time
+MERGE_CHUNK = 256
+
+
+def _tile_tokens(d):
+    """Tokens per CUDA tile at head_dim ``d``: as many as fit :data:`SMEM_TILE` with the
+    padded row stride ``d + 1`` (at most :data:`MAX_TILE_TOKENS`)."""
+    return min(MAX_TILE_TOKENS, SMEM_TILE // (d + 1))
+
+
+tile_tokens_cpu, tile_tokens_dev = twin(_tile_tokens)
+
+
+def rows_per_block(d: int) -> int:
+    """Most query rows one CUDA block of the decode kernels handles at head_dim ``d`` (more
+    rows are split over ``ceil(rows / rows_per_block)`` blocks along the grid's z axis)."""
+    return min(MAX_BLOCK_ROWS, SMEM_ROWS // d, SMEM_SCORES // _tile_tokens(d))
+
+
+# --- CPU twin: partitions in parallel; per tile, register-blocked score and P·V loops -----
+@cpu_kernel(fastmath=FASTMATH_REDUCE)
+def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kcent, vcent,
+                          kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias, has_bias, has_qjl, sq,
+                          qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size, n_comp_parts, part_m, part_l,
+                          part_acc):
+    """CPU twin: one work item per (KV row ``g``, partition ``p``) (``prange``); per tile of
+    :data:`CPU_TILE` tokens the keys are decoded into an L1-resident buffer (SIMD decoders),
+    scored for every query row of the GQA group, then the values decoded into the same
+    buffer and accumulated (register-blocked loops, fast-math reductions)."""
+    n_g, rows, d = qr.shape
+    nb = d // 32
+    m_qjl = sq.shape[2]
+    n_parts = part_m.shape[1]
+    # one width for every block (the common case): the specialized loader, ~1.5x faster
+    k_uniform = is_uniform_cpu(kbits)
+    v_uniform = is_uniform_cpu(vbits)
+    kb0 = kbits[0]
+    vb0 = vbits[0]
+    kcent0 = kcent[0]
+    vcent0 = vcent[0]
+    for item in prange(n_g * n_parts):
+        g = item // n_parts
+        p = item - g * n_parts
+        compressed, t_lo, t_hi = partition_bounds_cpu(p, n_comp_parts, part_size, n_comp, n_exact)
+        kt = np.empty((CPU_TILE, d), dtype=np.float32)
+        sc = np.empty((rows, CPU_TILE), dtype=np.float32)
+        stq = np.empty((CPU_TILE if has_qjl else 1, m_qjl), dtype=np.float32)
+        corr = np.empty((rows, CPU_TILE if has_qjl else 1), dtype=np.float32)
+        acc = np.zeros((rows, d), dtype=np.float32)
+        m = np.full(rows, NEG_INF, dtype=np.float32)
+        l = np.zeros(rows, dtype=np.float32)
+        qsrc = qr[g] if compressed else q[g]
+        for t0 in range(t_lo, t_hi, CPU_TILE):
+            nt = min(CPU_TILE, t_hi - t0)
+            if compressed:
+                if k_uniform:
+                    decode_tile_simd_cpu(kc[g], ks[g], t0, nt, kcent0, kb0, nb, sshift, scale_table, kt, 0)
+                else:
+                    for tt in range(nt):
+                        load_token_cpu(kc[g, t0 + tt], ks[g, t0 + tt], kcent, kbits, koff, sshift, nb, scale_table,
+                                       kt[tt])
+                tile_scores_cpu(qsrc, kt, nt, sc)
+            else:
+                tile_scores_cpu(qsrc, ke[g, t0:t0 + nt], nt, sc)
+            if compressed and has_qjl:
+                # QJL correction c_t·<S q, σ_t>, in q·k units: signs unpacked to ±1 byte by
+                # byte (a select on a bit picked by j >> 3 / j & 7 vectorizes only with
+                # AVX-512; 2·bit − 1 is a broadcast + shift per 8 lanes)
+                for tt in range(nt):
+                    sig = qsig[g, t0 + tt]
+                    for jb in range(m_qjl >> 3):
+                        byte = int32(sig[jb])
+                        for k in range(8):
+                            stq[tt, (jb << 3) + k] = sign_pm1_cpu(byte, k)
+                tile_scores_cpu(sq[g], stq, nt, corr)
+                for tt in range(nt):
+                    c = qjl_const * scale_table[qnorm[g, t0 + tt]]
+                    for r in range(rows):
+                        sc[r, tt] += c * corr[r, tt]
+            last_pos = comp_pos0 + t0 + nt - 1 if compressed else -1
+            need_mask = causal and (not compressed or last_pos > q_pos0)
+            softmax_tile_cpu(sc, nt, softmax_scale, g, has_bias, bias, need_mask, q_pos0, q_len,
+                             comp_pos0 + t0 if compressed else 0, exact_pos, not compressed, t0, m, l, acc)
+            if compressed:
+                # the value tile reuses the key tile's buffer: one L1-sized buffer per thread
+                if v_uniform:
+                    decode_tile_simd_cpu(vc[g], vs[g], t0, nt, vcent0, vb0, nb, sshift, scale_table, kt, 0)
+                else:
+                    for tt in range(nt):
+                        load_token_cpu(vc[g, t0 + tt], vs[g, t0 + tt], vcent, vbits, voff, sshift, nb, scale_table,
+                                       kt[tt])
+                tile_pv_cpu(sc, kt, nt, acc)
+            else:
+                tile_pv_cpu(sc, ve[g, t0:t0 + nt], nt, acc)
+        for r in range(rows):
+            part_m[g, p, r] = m[r]
+            part_l[g, p, r] = l[r]
+            for j in range(d):
+                part_acc[g, p, r, j] = acc[r, j]
+
+
+
+def _merge_row(part_m, part_l, part_acc, g, r, n_comp_parts, signs, head_rot, hsigns, wbuf, buf, out):
+    """Combine the partitions of query row ``(g, r)`` into ``out[g, r]`` (CPU twin; the CUDA
+    kernel runs the same cores with a block of threads).
+
+    The compressed partitions accumulated in the rotated domain: their sum is
+    inverse-rotated per 32-block (``head_rot`` false, signs ``signs``) or over the whole
+    head (signs ``hsigns``); the exact partitions are added after it, then the row is
+    normalized.  ``wbuf`` holds ``n_parts`` floats, ``buf`` ``d``.
+    """
+    n_parts = part_m.shape[1]
+    d = out.shape[2]
+    m_star = merge_max_cpu(part_m, g, r, n_parts)
+    if m_star == NEG_INF:  # no visible token (cannot happen with causal decode)
+        for j in range(d):
+            out[g, r, j] = float32(0.0)
+        return
+    merge_weights_cpu(part_m, g, r, 0, n_parts, 1, m_star, wbuf, 0)
+    for j in range(d):
+        buf[j] = merge_column_cpu(wbuf, part_m, part_acc, g, r, j, 0, n_comp_parts, 0, float32(0.0))
+    if n_comp_parts > 0:
+        if not head_rot:
+            block_signs_cpu(buf, d, 0, 1, signs)
+        h = 1
+        while h < (d if head_rot else 32):
+            butterfly_pairs_cpu(buf, h, d, 0, 1)
+            h *= 2
+        inverse_scale_cpu(buf, d, 0, 1, head_rot, hsigns)
+    inv = float32(1.0) / merge_denom_cpu(part_m, part_l, g, r, n_parts, m_star)
+    for j in range(d):
+        out[g, r, j] = merge_column_cpu(wbuf, part_m, part_acc, g, r, j, n_comp_parts, n_parts, 0, buf[j]) * inv
+
+
+merge_row_cpu = twin(_merge_row)[0]
+
+
+@cpu_kernel
+def _merge_partitions_cpu(part_m, part_l, part_acc, n_comp_parts, signs, head_rot, hsigns, out):
+    """CPU twin of the merge: one work item per (KV row, query row) (``prange``)."""
+    n_g, n_parts, rows = part_m.shape
+    d = out.shape[2]
+    for item in prange(n_g * rows):
+        g = item // rows
+        r = item - g * rows
+        wbuf = np.empty(n_parts, dtype=np.float32)
+        buf = np.empty(d, dtype=np.float32)
+        merge_row_cpu(part_m, part_l, part_acc, g, r, n_comp_parts, signs, head_rot, hsigns, wbuf, buf, out)
+
+
+# --- CUDA kernels ------------------------------------------------------------------------
+@cuda_kernel
+def _decode_attention_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kcent, vcent,
+                           kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias, has_bias, has_qjl, sq,
+                           qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size, n_comp_parts, part_m, part_l,
+                           part_acc):
+    """Cooperative flash-decoding partition kernel.
+
+    Launch contract: grid ``(n_g, n_parts, n_chunks)``, any block size (128 on a GPU).
+    Block ``(g, p, c)`` runs the online softmax of query rows ``c·rb … c·rb + rb − 1``
+    (``rb = ceil(rows / n_chunks)`` <= :func:`rows_per_block`) of KV row ``g`` over the
+    tokens of partition ``p`` and writes their ``(m, l, acc)``.  Per tile of
+    :func:`_tile_tokens` tokens the block decodes the K codes once into shared memory (one
+    group of eight values per thread), scores every (row, token) pair from shared memory
+    (one pair per thread), runs the per-row softmax step (one row per thread), decodes the
+    V tile into the same buffer and accumulates ``P·V`` into the shared accumulators (one
+    ``(row, column)`` per thread).  Reductions stay inside one thread: no warp shuffles.
+    """
+    qs = cuda.shared.array(SMEM_ROWS, dtype=float32)
+    acc = cuda.shared.array(SMEM_ROWS, dtype=float32)
+    kv = cuda.shared.array(SMEM_TILE, dtype=float32)
+    sc = cuda.shared.array(SMEM_SCORES, dtype=float32)
+    m = cuda.shared.array(MAX_BLOCK_ROWS, dtype=float32)
+    lsum = cuda.shared.array(MAX_BLOCK_ROWS, dtype=float32)
+    alpha = cuda.shared.array(MAX_BLOCK_ROWS, dtype=float32)
+    rows = qr.shape[1]
+    d = qr.shape[2]
+    nb = d // 32
+    m_qjl = sq.shape[2]
+    g = cuda.blockIdx.x
+    p = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    nth = cuda.blockDim.x
+    rb = (rows + cuda.gridDim.z - 1) // cuda.gridDim.z
+    r0 = cuda.blockIdx.z * rb
+    rb = min(rb, rows - r0)
+    if rb <= 0:
+        return
+    stride = d + 1
+    nt_max = tile_tokens_dev(d)
+    compressed, t_lo, t_hi = partition_bounds_dev(p, n_comp_parts, part_size, n_comp, n_exact)
+    coop_load_rows_dev(qs, qr if compressed else q, g, r0, rb, d, tid, nth)
+    coop_init_rows_dev(acc, m, lsum, rb, d, tid, nth)
+    cuda.syncthreads()
+    for t0 in range(t_lo, t_hi, nt_max):
+        nt = min(nt_max, t_hi - t0)
+        coop_tile_flat_dev(kc, ks, ke, g, t0, nt, nb, compressed, kcent, kbits, koff, sshift, scale_table, kv,
+                           stride, tid, nth)
+        cuda.syncthreads()
+        for u in range(tid, rb * nt, nth):
+            r = u // nt
+            t = t0 + (u - r * nt)
+            s = dot_shared_dev(qs, r * d, kv, (u - r * nt) * stride, d)
+            if compressed:
+                pos = comp_pos0 + t
+                if has_qjl:
+                    s += qjl_const * scale_table[qnorm[g, t]] * qjl_dot_dev(sq[g, r0 + r], qsig[g, t], m_qjl)
+            else:
+                pos = int64(exact_pos[t])
+            s = s * softmax_scale
+            if has_bias:
+                s += bias[g, r0 + r, pos]
+            sc[u] = s if visible_dev(pos, q_pos0, r0 + r, q_len, causal) else NEG_INF
+        cuda.syncthreads()
+        coop_softmax_rows_dev(sc, nt, rb, m, lsum, alpha, tid, nth)
+        cuda.syncthreads()
+        coop_tile_flat_dev(vc, vs, ve, g, t0, nt, nb, compressed, vcent, vbits, voff, sshift, scale_table, kv,
+                           stride, tid, nth)
+        cuda.syncthreads()
+        coop_pv_dev(sc, kv, stride, nt, rb, d, alpha, acc, tid, nth)
+        cuda.syncthreads()
+    coop_store_rows_dev(acc, m, lsum, rb, d, g, p, r0, part_m, part_l, part_acc, tid, nth)
+
+
+@cuda_kernel
+def _merge_partitions_cuda(part_m, part_l, part_acc, n_comp_parts, signs, head_rot, hsigns, out):
+    """Cooperative merge of the partitions (log-sum-exp).
+
+    Launch contract: grid ``(n_g, rows)``, any block size.  Block ``(g, r)`` merges query
+    row ``(g, r)``: each thread owns the columns ``j = tid, tid + blockDim, …`` of the
+    shared row buffer; the partition weights are computed :data:`MERGE_CHUNK` at a time
+    into shared memory, the inverse rotation of the compressed sum runs as butterfly stages
+    over the shared buffer (one pair per thread and step, ``syncthreads`` between stages).
+    Same cores and arithmetic as the CPU twin's :func:`_merge_row`.
+    """
+    buf = cuda.shared.array(MAX_HEAD_DIM, dtype=float32)
+    wbuf = cuda.shared.array(MERGE_CHUNK, dtype=float32)
+    n_parts = part_m.shape[1]
+    d = out.shape[2]
+    g = cuda.blockIdx.x
+    r = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    nth = cuda.blockDim.x
+    m_star = merge_max_dev(part_m, g, r, n_parts)
+    if m_star == NEG_INF:  # the whole block agrees: every thread read the same maxima
+        for j in range(tid, d, nth):
+            out[g, r, j] = float32(0.0)
+        return
+    for j in range(tid, d, nth):
+        buf[j] = float32(0.0)
+    for c0 in range(0, n_comp_parts, MERGE_CHUNK):
+        c1 = min(n_comp_parts, c0 + MERGE_CHUNK)
+        cuda.syncthreads()
+        merge_weights_dev(part_m, g, r, c0 + tid, c1, nth, m_star, wbuf, c0)
+        cuda.syncthreads()
+        for j in range(tid, d, nth):
+            buf[j] = merge_column_dev(wbuf, part_m, part_acc, g, r, j, c0, c1, c0, buf[j])
+    if n_comp_parts > 0:
+        cuda.syncthreads()
+        if not head_rot:
+            block_signs_dev(buf, d, tid, nth, signs)
+            cuda.syncthreads()
+        h = 1
+        h_end = d if head_rot else 32
+        while h < h_end:
+            butterfly_pairs_dev(buf, h, d, tid, nth)
+            cuda.syncthreads()
+            h *= 2
+        inverse_scale_dev(buf, d, tid, nth, head_rot, hsigns)
+    for c0 in range(n_comp_parts, n_parts, MERGE_CHUNK):
+        c1 = min(n_parts, c0 + MERGE_CHUNK)
+        cuda.syncthreads()
+        merge_weights_dev(part_m, g, r, c0 + tid, c1, nth, m_star, wbuf, c0)
+        cuda.syncthreads()
+        for j in range(tid, d, nth):
+            buf[j] = merge_column_dev(wbuf, part_m, part_acc, g, r, j, c0, c1, c0, buf[j])
+    inv = float32(1.0) / merge_denom_dev(part_m, part_l, g, r, n_parts, m_star)
+    for j in range(tid, d, nth):
+        out[g, r, j] = buf[j] * inv
+
+
+_ASIG = ("void(float32[:, :, ::1], float32[:, :, ::1], uint8[:, :, ::1], uint16[:, :, ::1], uint8[:, :, ::1], "
+         "uint16[:, :, ::1], int64, int64, float32[:, :, ::1], float32[:, :, ::1], int64, int32[::1], "
+         "float32[:, ::1], float32[:, ::1], int64[::1], int64[::1], int64[::1], int64[::1], int64, "
+         "float32[::1], float32, float32[:, :, ::1], boolean, "
+         "boolean, float32[:, :, ::1], uint8[:, :, ::1], uint16[:, ::1], float32, "
+         "int64, int64, boolean, int64, int64, "
+         "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1])")
+_MSIG = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1], int64, float32[::1], boolean, "
+         "float32[::1], float32[:, :, ::1])")
+
+DECODE_ATTENTION = register("decode_attention", _decode_attention_cpu, _decode_attention_cuda, [_ASIG])
+MERGE_PARTITIONS = register("merge_partitions", _merge_partitions_cpu, _merge_partitions_cuda, [_MSIG])

@@ -1,0 +1,39 @@
+"""The decode attention kernels are built for the GPU: their sm_90 PTX stages data in shared
+memory and keeps per-thread local memory (spills, local arrays) under 256 bytes.
+
+No GPU needed (``cuda.compile_ptx``)."""
+
+import re
+
+import pytest
+
+from numba_kv.ops import TWINS
+
+KERNELS = ["decode_attention", "paged_decode_attention", "merge_partitions"]
+LOCAL_LIMIT = 256
+
+
+def local_bytes(ptx: str) -> int:
+    """Bytes of ``.local`` memory the PTX declares per thread (the ``__local_depot`` arrays
+    and any other ``.local`` variable)."""
+    return sum(int(n) for n in re.findall(r"^\s*(?:\.\w+\s+)*\.local\s[^\[;]*\[(\d+)\]", ptx, flags=re.MULTILINE))
+
+
+def test_local_bytes_parser():
+    ptx = (".local .align 16 .b8 \t__local_depot0[6144];\n\t.visible .local .align 4 .b8 x[8];\n"
+           "\tld.local.f32 %f1, [%rd1];\n.visible .shared .b8 s[4];")
+    assert local_bytes(ptx) == 6152
+
+
+@pytest.mark.ptx
+@pytest.mark.parametrize("name", KERNELS)
+def test_attention_kernels_use_shared_memory_not_local(name):
+    from numba import cuda
+
+    twin = TWINS[name]
+    ptx, _ = cuda.compile_ptx(twin.cuda.py_func, twin.signatures[0], cc=(9, 0))
+    assert re.search(r"^\s*(?:\.\w+\s+)*\.shared\s", ptx, flags=re.MULTILINE), f"{name}: no shared memory declared"
+    assert re.search(r"\b(?:ld|st)\.shared\.", ptx), f"{name}: no shared-memory access"
+    assert re.search(r"\bbar\.sync\b|\bbarrier\.sync\b", ptx), f"{name}: no block barrier (cooperative kernel)"
+    n = local_bytes(ptx)
+    assert n <= LOCAL_LIMIT, f"{name}: {n} bytes of local memory per thread (limit {LOCAL_LIMIT})"
