@@ -1,7 +1,7 @@
 """A/B timing of the fused CPU decode attention: the kernel of an older git revision vs the
 working tree, in ONE process, calls alternated round by round (load changes hit both alike),
 plus dense NumPy float32 attention with one BLAS thread.  Batch 1, 8 KV heads x 4 query
-heads, d = 128 (:func:`numba_kv.bench.make_case`).
+heads, d = 128 (:func:`numba_kv.toolkit.bench.make_case`).
 
     .venv/bin/python benchmarks/ab_attention.py [--rev 544a7c9] [--tokens 32768] [--bits 3] [--rounds 10]
 
@@ -23,10 +23,15 @@ import time
 
 import numba
 import numpy as np
-from numba_kv.bench import blas_threads_limited, make_case
 
 from numba_kv.info import provenance_line
 from numba_kv.ops import attention as new
+from numba_kv.toolkit.bench import blas_threads_limited, make_case
+
+#: cores shared across ops modules, private in older revisions
+_RENAMED = ("group8_word", "load_word", "store_word", "word_index", "bucketize", "bucketize_select",
+            "rotate32_forward_lanes", "rotate32_inverse_lanes", "f16_bits_abs_to_f32", "f16_bits_to_f32",
+            "f32_to_f16_bits", "f32_to_f16_bits_sat", "head_scale", "sketch_arg")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -37,6 +42,9 @@ def load_old(rev: str, tmp: pathlib.Path):
     src = re.sub(r"^(\s*)from \.\. import", r"\1from numba_kv import", src, flags=re.MULTILINE)
     src = re.sub(r"^(\s*)from \.\.(\w+) import", r"\1from numba_kv.\2 import", src, flags=re.MULTILINE)
     src = re.sub(r"^(\s*)from \.(\w+) import", r"\1from numba_kv.ops.\2 import", src, flags=re.MULTILINE)
+    # shared cores that became public after that revision (same code, new names)
+    for name in _RENAMED:
+        src = re.sub(rf"\b_{name}\b", name, src)
     src = re.sub(r"^register\(", "# register(", src, flags=re.MULTILINE)
     path = tmp / f"old_attention_{rev}.py"
     path.write_text(src)
@@ -79,7 +87,8 @@ def main() -> None:
         best = {k: min(v) * 1e3 for k, v in ts.items()}
         print("median ms " + "  ".join(f"{k} {v:.2f}" for k, v in med.items()))
         print("best ms   " + "  ".join(f"{k} {v:.2f}" for k, v in best.items()))
-        print(f"new vs old {med['old'] / med['new']:.2f}x   new vs dense(1 BLAS thread) {med['dense1'] / med['new']:.2f}x"
+        print(f"new vs old {med['old'] / med['new']:.2f}x   "
+              f"new vs dense(1 BLAS thread) {med['dense1'] / med['new']:.2f}x"
               f"   old vs dense {med['dense1'] / med['old']:.2f}x   (medians of {a.rounds} rounds)")
 
 

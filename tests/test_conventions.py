@@ -58,10 +58,7 @@ def test_no_hand_written_numba_decorators():
 #: modules that may compute launch geometry, launch a CUDA kernel or pick a CPU compilation
 DISPATCH_MODULES = ("ops/_registry.py", "_backend.py")
 #: modules still launching by hand, with the reason; an entry whose module is clean fails the test
-DISPATCH_ALLOWED = {
-    "ops/attention.py": "converted in a parallel branch",
-    "ops/paged_attention.py": "converted in a parallel branch",
-}
+DISPATCH_ALLOWED: dict[str, str] = {}
 
 
 def _hand_dispatch(tree: ast.AST):
@@ -302,26 +299,6 @@ def test_kernel_caches_are_keyed_on_all_kernel_sources():
 
 
 # -- no private name crosses a module boundary ----------------------------------------------------
-#: private names the ops modules still share (their owners make them public or move them);
-#: nothing may be added here
-_OPS_PRIVATE_PENDING = {
-    ("numba_kv.ops.attention", "numba_kv.ops.hadamard._rotate32_inverse"),
-    ("numba_kv.ops.attention", "numba_kv.ops.headquant._rotate_head_inverse"),
-    ("numba_kv.ops.attention", "numba_kv.ops.qjl._sketch_arg"),
-    ("numba_kv.ops.blockquant", "numba_kv.ops.codebook._bucketize"),
-    ("numba_kv.ops.blockquant", "numba_kv.ops.codebook._bucketize_select"),
-    ("numba_kv.ops.blockquant", "numba_kv.ops.hadamard._rotate32_forward_lanes"),
-    ("numba_kv.ops.blockquant", "numba_kv.ops.hadamard._rotate32_inverse_lanes"),
-    ("numba_kv.ops.blockquant", "numba_kv.ops.half._f16_bits_abs_to_f32"),
-    ("numba_kv.ops.blockquant", "numba_kv.ops.half._f32_to_f16_bits"),
-    ("numba_kv.ops.headquant", "numba_kv.ops.codebook._bucketize"),
-    ("numba_kv.ops.headquant", "numba_kv.ops.half._f16_bits_abs_to_f32"),
-    ("numba_kv.ops.headquant", "numba_kv.ops.half._f32_to_f16_bits"),
-    ("numba_kv.ops.paged_attention", "numba_kv.ops.attention._merge_partitions_cpu"),
-    ("numba_kv.ops.paged_attention", "numba_kv.ops.attention._merge_partitions_cuda"),
-    ("numba_kv.ops.qjl", "numba_kv.ops.half._f16_bits_to_f32"),
-    ("numba_kv.ops.qjl", "numba_kv.ops.half._f32_to_f16_bits"),
-}
 
 
 def cross_module_private_names(path: pathlib.Path, module: str, modules: set[str]):
@@ -365,15 +342,15 @@ def cross_module_private_names(path: pathlib.Path, module: str, modules: set[str
 
 def test_private_name_scan_finds_every_form(tmp_path):
     f = tmp_path / "mod.py"
-    f.write_text("from .qjl import _sketch_arg, SKETCH_SEED\nfrom .. import _backend\nfrom . import half\n"
+    f.write_text("from .qjl import sketch_arg, SKETCH_SEED\nfrom .. import _backend\nfrom . import half\n"
                  "import numba_kv.ops.hadamard as hd\nfrom .attention import __all__\n"
-                 "def g():\n    from .attention import _merge_partitions_cpu\n    return half._f32_to_f16_bits, "
+                 "def g():\n    from .attention import _merge_partitions_cpu\n    return half.f32_to_f16_bits, "
                  "hd._rotate32_inverse, _backend.xp_of, half.__name__\n")
     mods = {"numba_kv._backend", "numba_kv.ops.qjl", "numba_kv.ops.half", "numba_kv.ops.hadamard",
             "numba_kv.ops.attention", "numba_kv.ops.mod"}
     found = sorted(n for _, n in cross_module_private_names(f, "numba_kv.ops.mod", mods))
     assert found == ["numba_kv.ops.attention._merge_partitions_cpu", "numba_kv.ops.hadamard._rotate32_inverse",
-                     "numba_kv.ops.half._f32_to_f16_bits", "numba_kv.ops.qjl._sketch_arg"]
+                     "numba_kv.ops.half.f32_to_f16_bits", "numba_kv.ops.qjl.sketch_arg"]
 
 
 def test_no_private_name_crosses_modules():
@@ -383,6 +360,5 @@ def test_no_private_name_crosses_modules():
     bad = []
     for module, path in _package_modules():
         for line, name in cross_module_private_names(path, module, modules):
-            if (module, name) not in _OPS_PRIVATE_PENDING:
-                bad.append(f"{path.relative_to(PKG.parent)}:{line} uses {name}")
+            bad.append(f"{path.relative_to(PKG.parent)}:{line} uses {name}")
     assert not bad, "private names used across modules:\n" + "\n".join(bad)

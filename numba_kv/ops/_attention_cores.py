@@ -27,7 +27,7 @@ import numpy as np
 from numba import float32, int32, int64
 
 from .._jit import twin
-from .headquant import _head_scale
+from .headquant import head_scale
 
 NEG_INF = np.float32(-np.inf)
 
@@ -204,7 +204,7 @@ def _inverse_scale(buf, d, j0, jstep, head_rot, hsigns):
     """Last step of the inverse rotation after the butterflies: ``buf[j] ·= 1/√d · s_j``
     (whole head) or ``buf[j] ·= 1/√32`` (32-blocks, signs applied before), ``j = j0, j0 + jstep, …``."""
     if head_rot:
-        sc = _head_scale(d)
+        sc = head_scale(d)
         for j in range(j0, d, jstep):
             buf[j] = buf[j] * (sc * hsigns[j])
     else:

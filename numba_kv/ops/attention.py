@@ -411,7 +411,7 @@ def _qjl_args(k_qjl: Any, q3: Any, b: int, hkv: int, T: int, d: int) -> tuple:
     argument of :func:`fused_attention_rows`."""
     from .._validate import check_shape  # noqa: PLC0415
     from .lowrank import project_into  # noqa: PLC0415
-    from .qjl import _sketch_arg, qjl_constant  # noqa: PLC0415
+    from .qjl import qjl_constant, sketch_arg  # noqa: PLC0415
 
     if not isinstance(k_qjl, tuple) or len(k_qjl) != 3:
         raise TypeError("k_qjl: expected a tuple (signs, norms, sketch), got "
@@ -428,7 +428,7 @@ def _qjl_args(k_qjl: Any, q3: Any, b: int, hkv: int, T: int, d: int) -> tuple:
     check_shape("k_qjl signs", signs, (b, hkv, T, mb), ("batch", "num_kv_heads", "T", "m/8"))
     check_shape("k_qjl norms", norms, (b, hkv, T), ("batch", "num_kv_heads", "T"))
     m = 8 * mb
-    sk = _sketch_arg(sketch, d, m, q3)
+    sk = sketch_arg(sketch, d, m, q3)
     g, rows, _ = q3.shape
     xp = _backend.xp_of(q3)
     contig = (lambda a: xp.ascontiguousarray(a)) if xp is not None else (lambda a: a)

@@ -27,7 +27,7 @@ SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
 # --- single-source cores: the group-of-8 layout, used by every packer of the package -----
-def _group8_word(idx, i0, stride, bits):
+def group8_word(idx, i0, stride, bits):
     """The ``8·bits``-bit word ``Σ_k idx[i0 + k·stride] << (bits·k)`` of one group of 8
     indices (``stride`` > 1: indices of interleaved lanes)."""
     w = int64(0)
@@ -36,39 +36,39 @@ def _group8_word(idx, i0, stride, bits):
     return w
 
 
-def _store_word(w, bits, out, o0):
+def store_word(w, bits, out, o0):
     """Emit word ``w`` as the ``bits`` bytes ``out[o0:o0+bits]``, least significant first."""
     for j in range(bits):
         out[o0 + j] = uint8((w >> (8 * j)) & 0xFF)
 
 
-def _load_word(packed, p0, bits):
-    """The word stored in the ``bits`` bytes ``packed[p0:p0+bits]`` (inverse of :func:`_store_word`)."""
+def load_word(packed, p0, bits):
+    """The word stored in the ``bits`` bytes ``packed[p0:p0+bits]`` (inverse of :func:`store_word`)."""
     w = int64(0)
     for j in range(bits):
         w |= int64(packed[p0 + j]) << (8 * j)
     return w
 
 
-def _word_index(w, bits, k):
+def word_index(w, bits, k):
     """Index ``k`` (0..7) of group word ``w``."""
     return (w >> (bits * k)) & ((int64(1) << bits) - 1)
 
 
 def _pack_group8(idx, i0, bits, out, o0):
     """Pack ``idx[i0:i0+8]`` (``bits`` wide) into ``out[o0:o0+bits]``."""
-    _store_word(_group8_word(idx, i0, 1, bits), bits, out, o0)
+    store_word(group8_word(idx, i0, 1, bits), bits, out, o0)
 
 
 def _unpack_group8(packed, p0, bits, out, i0):
     """Unpack ``bits`` bytes at ``packed[p0:]`` into 8 indices ``out[i0:i0+8]``."""
-    w = _load_word(packed, p0, bits)
+    w = load_word(packed, p0, bits)
     for k in range(8):
-        out[i0 + k] = uint8(_word_index(w, bits, k))
+        out[i0 + k] = uint8(word_index(w, bits, k))
 
 
 # inlined on the CPU: per-group calls would cost more than the packing (about 5x here)
-for _core in (_group8_word, _store_word, _load_word, _word_index):
+for _core in (group8_word, store_word, load_word, word_index):
     twin(_core, inline=True)
 pack_group8_cpu, pack_group8_dev = twin(_pack_group8, inline=True)
 unpack_group8_cpu, unpack_group8_dev = twin(_unpack_group8, inline=True)

@@ -37,10 +37,10 @@ from numba import cuda, float32, int64, prange, uint8, uint16
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
 from ._registry import register
-from .bitpack import _group8_word, _load_word, _store_word, _word_index
-from .codebook import Codebook, _bucketize, _bucketize_select, get_codebook
-from .hadamard import SIGNS32, _rotate32_forward_lanes, _rotate32_inverse_lanes
-from .half import _f16_bits_abs_to_f32, _f32_to_f16_bits_sat
+from .bitpack import group8_word, load_word, store_word, word_index
+from .codebook import Codebook, bucketize, bucketize_select, get_codebook
+from .hadamard import SIGNS32, rotate32_forward_lanes, rotate32_inverse_lanes
+from .half import f16_bits_abs_to_f32, f32_to_f16_bits_sat
 
 NORM_MODES = ("maxnorm", "l2")
 
@@ -110,9 +110,9 @@ def _quantize_lanes(x, q0, nl, signs, bounds, centroids, l2, unbiased, ref, flag
         for j in range(32):
             for l in range(L):
                 t[j * L + l] = np.divide(t[j * L + l], t[S + l])
-        _rotate32_forward_lanes(t, L, signs)
+        rotate32_forward_lanes(t, L, signs)
     else:
-        _rotate32_forward_lanes(t, L, signs)
+        rotate32_forward_lanes(t, L, signs)
         for l in range(L):
             t[S + l] = float32(0.0)
         for j in range(32):
@@ -126,9 +126,9 @@ def _quantize_lanes(x, q0, nl, signs, bounds, centroids, l2, unbiased, ref, flag
     # idx = #{i : y > t_i}, counted boundary by boundary over the whole tile (unbiased:
     # cv = centroids[idx] alongside, by selection — ascending boundaries, so the last hit wins)
     if unbiased:
-        _bucketize_select(t, S, bounds, centroids, ib, cv)
+        bucketize_select(t, S, bounds, centroids, ib, cv)
     else:
-        _bucketize(t, S, bounds, ib)
+        bucketize(t, S, bounds, ib)
     if unbiased:
         # EDEN rescale: scale *= ‖y‖² / ⟨y, c⟩, float32 sums over j = 0..31 in order
         D = S + L
@@ -148,15 +148,15 @@ def _quantize_lanes(x, q0, nl, signs, bounds, centroids, l2, unbiased, ref, flag
     # group g of 8 indices -> the ``8*bits``-bit word w[g*L + l] (bitpack layout)
     for g in range(4):
         for l in range(L):
-            w[g * L + l] = _group8_word(ib, g * 8 * L + l, L, bits)
+            w[g * L + l] = group8_word(ib, g * 8 * L + l, L, bits)
     # binary16 scale bits of every lane in one branch-free (vectorizable) loop: w[4L + l]
     for l in range(L):
-        w[4 * L + l] = int64(_f32_to_f16_bits_sat(flag * t[S + l]))
+        w[4 * L + l] = int64(f32_to_f16_bits_sat(flag * t[S + l]))
     r, s, b = r0, s0, b0
     for l in range(nl):
         cb = codes[r, t0 + s, b * 4 * bits:(b + 1) * 4 * bits]
         for g in range(4):
-            _store_word(w[g * L + l], bits, cb, g * bits)
+            store_word(w[g * L + l], bits, cb, g * bits)
         scales[r, t0 + s, b] = uint16(w[4 * L + l])
         r, s, b = _next_block(r, s, b, seq, nb)
 
@@ -174,18 +174,18 @@ def _dequantize_lanes(codes, scales, q0, nl, signs, centroids, bits, t0, out, L,
     for l in range(nl):
         cb = codes[r, t0 + s, b * 4 * bits:(b + 1) * 4 * bits]
         for g in range(4):
-            w[g * L + l] = _load_word(cb, g * bits, bits)
+            w[g * L + l] = load_word(cb, g * bits, bits)
         w[4 * L + l] = int64(scales[r, t0 + s, b])
         r, s, b = _next_block(r, s, b, seq, nb)
     # the scales of every lane in one branch-free (vectorizable) loop (lanes >= nl: junk, unused)
     for l in range(L):
-        t[S + l] = _f16_bits_abs_to_f32(w[4 * L + l])
+        t[S + l] = f16_bits_abs_to_f32(w[4 * L + l])
     for g in range(4):
         for l in range(L):
             wl = w[g * L + l]
             for k in range(8):
-                t[(g * 8 + k) * L + l] = centroids[_word_index(wl, bits, k)]
-    _rotate32_inverse_lanes(t, L, signs)
+                t[(g * 8 + k) * L + l] = centroids[word_index(wl, bits, k)]
+    rotate32_inverse_lanes(t, L, signs)
     r, s, b = r0, s0, b0
     for l in range(nl):
         ob = out[r, s, b * 32:b * 32 + 32]

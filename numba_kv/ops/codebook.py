@@ -514,7 +514,7 @@ def assign(y: np.ndarray, cb: Codebook) -> np.ndarray:
 # unpredictable branch per value (rate halving with every extra bit, about 11x slower at
 # 3 bits).  The branch-free form vectorizes to compare + subtract on every x86-64 target
 # and is a plain add on the GPU.
-def _bucketize(t, n, bounds, ib):
+def bucketize(t, n, bounds, ib):
     """``ib[m] = #{i : t[m] > bounds[i]}`` for ``m < n`` (``bounds`` ascending; ties go low).
 
     ``t`` float32[>= n], ``bounds`` float32[k], ``ib`` uint8[>= n] (written).
@@ -527,8 +527,8 @@ def _bucketize(t, n, bounds, ib):
             ib[m] += uint8(t[m] > bi)
 
 
-def _bucketize_select(t, n, bounds, centroids, ib, cv):
-    """:func:`_bucketize`, plus ``cv[m] = centroids[ib[m]]`` picked by selects while counting
+def bucketize_select(t, n, bounds, centroids, ib, cv):
+    """:func:`bucketize`, plus ``cv[m] = centroids[ib[m]]`` picked by selects while counting
     (ascending boundaries: the last boundary passed wins) — no gather, so it vectorizes
     without AVX2/AVX-512 gathers.  ``cv`` float32[>= n] (written)."""
     c0 = centroids[0]
@@ -544,5 +544,5 @@ def _bucketize_select(t, n, bounds, centroids, ib, cv):
             cv[m] = ci if gt else cv[m]
 
 
-bucketize_cpu, bucketize_dev = twin(_bucketize)
-bucketize_select_cpu, bucketize_select_dev = twin(_bucketize_select)
+bucketize_cpu, bucketize_dev = twin(bucketize)
+bucketize_select_cpu, bucketize_select_dev = twin(bucketize_select)

@@ -67,7 +67,7 @@ def _wht32_lanes(t, L):
 wht32_lanes_cpu, wht32_lanes_dev = twin(_wht32_lanes)
 
 
-def _rotate32_forward_lanes(t, L, signs):
+def rotate32_forward_lanes(t, L, signs):
     """``D_s H`` on ``L`` interleaved blocks (in place)."""
     _wht32_lanes(t, L)
     for j in range(32):
@@ -76,7 +76,7 @@ def _rotate32_forward_lanes(t, L, signs):
             t[j * L + l] = t[j * L + l] * sj
 
 
-def _rotate32_inverse_lanes(t, L, signs):
+def rotate32_inverse_lanes(t, L, signs):
     """``H D_s`` on ``L`` interleaved blocks (in place)."""
     for j in range(32):
         sj = signs[j]
@@ -85,8 +85,8 @@ def _rotate32_inverse_lanes(t, L, signs):
     _wht32_lanes(t, L)
 
 
-rotate32_forward_lanes_cpu, rotate32_forward_lanes_dev = twin(_rotate32_forward_lanes)
-rotate32_inverse_lanes_cpu, rotate32_inverse_lanes_dev = twin(_rotate32_inverse_lanes)
+rotate32_forward_lanes_cpu, rotate32_forward_lanes_dev = twin(rotate32_forward_lanes)
+rotate32_inverse_lanes_cpu, rotate32_inverse_lanes_dev = twin(rotate32_inverse_lanes)
 
 
 def _wht32(buf):
@@ -96,12 +96,12 @@ def _wht32(buf):
 
 def _rotate32_forward(buf, signs):
     """``buf <- D_s H buf`` (forward block rotation, in place)."""
-    _rotate32_forward_lanes(buf, 1, signs)
+    rotate32_forward_lanes(buf, 1, signs)
 
 
 def _rotate32_inverse(buf, signs):
     """``buf <- H D_s buf`` (inverse block rotation, in place)."""
-    _rotate32_inverse_lanes(buf, 1, signs)
+    rotate32_inverse_lanes(buf, 1, signs)
 
 
 wht32_cpu, wht32_dev = twin(_wht32)

@@ -28,7 +28,7 @@ from .._jit import twin
 F16_MAX = 65504.0  # largest finite binary16
 
 
-def _f32_to_f16_bits(v):
+def f32_to_f16_bits(v):
     """binary16 bit pattern (uint16) of float32 ``v``; |v| must be <= F16_MAX.
 
     Branch-free (selects only, int32 conversions): the CPU twins call it in per-lane loops,
@@ -74,7 +74,7 @@ def _f32_to_f16_bits(v):
     return uint16(h | (int32(0x8000) if neg else int32(0)))
 
 
-def _f32_to_f16_bits_sat(v):
+def f32_to_f16_bits_sat(v):
     """binary16 bit pattern of float32 ``v`` saturated to ``±F16_MAX`` (NaN → ``+F16_MAX``).
 
     The one saturating conversion of the package (scales, norms, coefficients): values
@@ -86,10 +86,10 @@ def _f32_to_f16_bits_sat(v):
     a = float32(v)
     a = a if a < m else m
     a = a if a > -m else -m
-    return _f32_to_f16_bits(a)
+    return f32_to_f16_bits(a)
 
 
-def _f16_bits_to_f32(h):
+def f16_bits_to_f32(h):
     """float32 value of binary16 bit pattern ``h`` (finite patterns only); branch-free."""
     hi = int32(h)
     ex = (hi >> 10) & 31
@@ -109,12 +109,12 @@ def _f16_bits_to_f32(h):
     return -val if hi & 0x8000 else val
 
 
-def _f16_bits_abs_to_f32(h):
+def f16_bits_abs_to_f32(h):
     """float32 value of ``|binary16(h)|`` (the sign is the outlier flag, not the scale)."""
-    return _f16_bits_to_f32(int32(h) & 0x7FFF)
+    return f16_bits_to_f32(int32(h) & 0x7FFF)
 
 
-f32_to_f16_bits_cpu, f32_to_f16_bits_dev = twin(_f32_to_f16_bits)
-f32_to_f16_bits_sat_cpu, f32_to_f16_bits_sat_dev = twin(_f32_to_f16_bits_sat, inline=True)  # per-value calls
-f16_bits_to_f32_cpu, f16_bits_to_f32_dev = twin(_f16_bits_to_f32)
-f16_bits_abs_to_f32_cpu, f16_bits_abs_to_f32_dev = twin(_f16_bits_abs_to_f32)
+f32_to_f16_bits_cpu, f32_to_f16_bits_dev = twin(f32_to_f16_bits)
+f32_to_f16_bits_sat_cpu, f32_to_f16_bits_sat_dev = twin(f32_to_f16_bits_sat, inline=True)  # per-value calls
+f16_bits_to_f32_cpu, f16_bits_to_f32_dev = twin(f16_bits_to_f32)
+f16_bits_abs_to_f32_cpu, f16_bits_abs_to_f32_dev = twin(f16_bits_abs_to_f32)

@@ -58,10 +58,10 @@ from .._jit import cpu_kernel, cuda_kernel, twin
 from .._validate import check_f16_result, check_float_array
 from ._coop import coop_butterflies, mul_rn
 from ._registry import register
-from .codebook import Codebook, _bucketize, get_codebook
+from .codebook import Codebook, bucketize, get_codebook
 from .finite import check_finite, check_rotation_input
 from .hadamard import SIGNS32
-from .half import _f16_bits_abs_to_f32, _f32_to_f16_bits, f16_bits_abs_to_f32_dev, f32_to_f16_bits_dev
+from .half import f16_bits_abs_to_f32, f16_bits_abs_to_f32_dev, f32_to_f16_bits, f32_to_f16_bits_dev
 
 __all__ = ["HEAD_DIMS", "SIGN_SEED", "head_signs", "rotate_head", "quantize_head", "dequantize_head",
            "quantize_head_into", "dequantize_head_into", "rotate_head_rows", "head_codebook", "packed_dim",
@@ -147,7 +147,7 @@ def bits_per_value(d: int, bits: int) -> float:
 
 
 # --- single-source cores -------------------------------------------------------------
-def _head_scale(d):
+def head_scale(d):
     """``1/√d`` in float32 for a power of two ``d`` (a power of two times float32(1/√2): exact)."""
     sc = float32(1.0)
     m = d
@@ -182,12 +182,12 @@ def _butterflies_head_lanes(t, d, L):
 def _wht_head_lanes(t, d, L):
     """In-place normalized ``d``-point Walsh–Hadamard transform of ``L`` interleaved vectors."""
     _butterflies_head_lanes(t, d, L)
-    sc = _head_scale(d)
+    sc = head_scale(d)
     for m in range(d * L):
         t[m] = t[m] * sc
 
 
-head_scale_cpu, head_scale_dev = twin(_head_scale)
+head_scale_cpu, head_scale_dev = twin(head_scale)
 butterflies_head_lanes_cpu, butterflies_head_lanes_dev = twin(_butterflies_head_lanes)
 wht_head_lanes_cpu, wht_head_lanes_dev = twin(_wht_head_lanes)
 
@@ -205,7 +205,7 @@ def _rotate_head_forward_lanes(t, d, L, signs):
 def _rotate_head_inverse_lanes(t, d, L, signs):
     """``D_s H_d`` on ``L`` interleaved vectors (in place): the Hadamard, then the signs."""
     _butterflies_head_lanes(t, d, L)
-    sc = _head_scale(d)
+    sc = head_scale(d)
     for j in range(d):
         f = sc * signs[j]  # (v·sc)·s_j == v·(sc·s_j) exactly: s_j = ±1
         tj = t[j * L:(j + 1) * L]
@@ -280,7 +280,7 @@ def _quantize_head_lanes(x, v0, nl, d, signs, bounds, centroids, unbiased, bits,
         for l in range(L):
             tj[l] = np.divide(tj[l], tn[l])
     _rotate_head_forward_lanes(t, d, L, signs)
-    _bucketize(t, S, bounds, ib)
+    bucketize(t, S, bounds, ib)
     if unbiased:
         tyy = t[S + L:S + 2 * L]
         tyc = t[S + 2 * L:S + 3 * L]
@@ -312,7 +312,7 @@ def _quantize_head_lanes(x, v0, nl, d, signs, bounds, centroids, unbiased, bits,
     for l in range(L):
         a = tn[l]
         a = a if a < float32(65504.0) else float32(65504.0)  # noqa: FURB136 - NaN -> 65504 too
-        wn[l] = int64(_f32_to_f16_bits(a))
+        wn[l] = int64(f32_to_f16_bits(a))
     for l in range(nl):
         v = v0 + l
         r = v // seq
@@ -348,7 +348,7 @@ def _dequantize_head_lanes(codes, norms, v0, nl, d, signs, centroids, bits, t0, 
     # the norms of every lane in one branch-free (vectorizable) loop (lanes >= nl: junk, unused)
     wn = w[G * L:(G + 1) * L]
     for l in range(L):
-        t[S + l] = _f16_bits_abs_to_f32(wn[l])
+        t[S + l] = f16_bits_abs_to_f32(wn[l])
     mask = (int64(1) << bits) - 1
     for g in range(G):
         wg = w[g * L:(g + 1) * L]
@@ -490,7 +490,7 @@ def _quantize_head_cuda(x, signs, bounds, centroids, unbiased, bits, t0, codes, 
             y = t[j] * sc
             t[j] = y
             k = uint8(0)
-            for i in range(bounds.shape[0]):  # #{i : y > t_i}, as _bucketize
+            for i in range(bounds.shape[0]):  # #{i : y > t_i}, as bucketize
                 k += uint8(y > bounds[i])
             ib[j] = k
         cuda.syncthreads()

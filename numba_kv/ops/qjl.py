@@ -52,7 +52,7 @@ from numba import cuda, float32, int32, int64, prange, uint8
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
 from ._registry import register
-from .half import _f16_bits_to_f32, _f32_to_f16_bits_sat
+from .half import f16_bits_to_f32, f32_to_f16_bits_sat
 
 __all__ = ["SKETCH_SEED", "make_sketch", "qjl_constant", "qjl_quantize", "qjl_inner_product",
            "qjl_signs_into", "qjl_scores_into"]
@@ -155,7 +155,7 @@ def _norm_f16_bits(x):
     for i in range(x.shape[0]):
         v = x[i]
         s += v * v
-    return _f32_to_f16_bits_sat(float32(math.sqrt(s)))
+    return f32_to_f16_bits_sat(float32(math.sqrt(s)))
 
 
 def _sign_pm(sb, j):
@@ -168,7 +168,7 @@ def _sign_pm(sb, j):
 
 def _token_scale(cst, h):
     """``cst · γ`` for the binary16 norm bits ``h`` (first factor of every score)."""
-    return cst * _f16_bits_to_f32(h)
+    return cst * f16_bits_to_f32(h)
 
 
 pack8_cpu, pack8_dev = twin(_pack8)
@@ -324,7 +324,7 @@ def qjl_scores_into(sq: Any, signs: Any, norms: Any, n: int, m: int, out: Any) -
 
 
 # --- public API ------------------------------------------------------------------------
-def _sketch_arg(sketch: Any, d: int, m: int | None, like: Any) -> Any:
+def sketch_arg(sketch: Any, d: int, m: int | None, like: Any) -> Any:
     """Validated float32 C-contiguous sketch ``[m, d]`` on the device of ``like``."""
     from .._validate import check_finite, check_float_array  # noqa: PLC0415
 
@@ -394,7 +394,7 @@ def qjl_quantize(r: Any, sketch: Any = None, *, backend: str = "auto") -> tuple[
     if len(shape) < 1 or shape[-1] == 0:
         raise ValueError(f"r: expected shape (..., d) with d >= 1, got {shape}")
     d = shape[-1]
-    sk = _sketch_arg(sketch, d, None, r)
+    sk = sketch_arg(sketch, d, None, r)
     m = sk.shape[0]
     check_finite("r", r)
     r3 = _backend.ascontiguous_f32("r", r).reshape(1, -1, d)
@@ -482,7 +482,7 @@ def qjl_inner_product(y: Any, signs: Any, norms: Any, sketch: Any = None, *,
     single = len(yshape) == len(lead) + 1
     Q = 1 if single else yshape[-2]
     m = 8 * mb
-    sk = _sketch_arg(sketch, d, m, y)
+    sk = sketch_arg(sketch, d, m, y)
     check_finite("y", y)
     if isinstance(norms, np.ndarray) and np.any((norms & 0x7C00) == 0x7C00):
         raise ValueError("norms: expected finite binary16 patterns, got NaN or Inf")

@@ -1,5 +1,7 @@
 """Protocol conformance and semantics of every cache name; bad input leaves caches unchanged."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -30,7 +32,8 @@ def q_of(rng, b=1, groups=2, s=1, d=D, dtype=np.float32):
 CFG = AttendConfig(softmax_scale=D ** -0.5, n_kv_groups=2)
 
 
-@pytest.fixture(params=CACHE_NAMES + ("pqo3-window", "tq3-window", "pqo3-head-eden", "tq3-l2-head", "pqo-k3v2-eden", "pqo3-int8window"))
+@pytest.fixture(params=CACHE_NAMES + ("pqo3-window", "tq3-window", "pqo3-head-eden", "tq3-l2-head", "pqo-k3v2-eden",
+                                      "pqo3-int8window"))
 def cache(request):
     if request.param.endswith("-window"):  # the default window and sinks
         return make_cache(request.param[:-7], num_layers=L, num_kv_heads=H, head_dim=D)
@@ -245,6 +248,6 @@ def test_attend_config_validation():
         AttendConfig(float("nan"))
     with pytest.raises(ValueError, match="n_kv_groups"):
         AttendConfig(0.1, 0)
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         CFG.softmax_scale = 2.0  # frozen
 

@@ -223,7 +223,7 @@ def test_select_batch_equals_cache_built_from_rows(name, opts):
         _chunks(b, layer, k[idx], v[idx], sizes)
     assert a.select_batch(np.array(idx)) is a
     assert a.memory_usage() == b.memory_usage()
-    for step in range(3):
+    for _step in range(3):
         q, k1 = _rand(rng, len(idx), H * G, 2, D), _rand(rng, len(idx), H, 2, D)
         for layer in range(2):
             _assert_same(a.decode(layer, k1, k1, q, CFG), b.decode(layer, k1, k1, q, CFG))

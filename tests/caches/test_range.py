@@ -56,7 +56,7 @@ def _cache(cid, layers=1):
 def _snapshot(cache):
     """Everything a call could change, copied."""
     layers = []
-    for i, st in enumerate(cache._layers):
+    for st in cache._layers:
         layers.append((st.seq_len, st.batch, st.capacity, dict(st.meta), dict(st.live),
                        {n: b.copy() for n, b in st.buffers.items()}))
     return layers, cache.memory_usage(), cache.allocated_bytes()

@@ -82,8 +82,10 @@ def main(heads=8, seq=2048, head_dim=128):
             {n: ours(Hybrid(fits[n], bits, energy=None)) for n in data})
     budget = {n: pqo3(x)[1] for n, x in data.items()}
     for bits, g in ((4, None), (4, 64), (8, None)):
-        fits = {n: fit_rank(lambda q: Hybrid(q, bits, group_size=g, energy=None), x, budget[n], head_dim)
-                for n, x in data.items()}
+        def make(q, bits=bits, g=g):
+            return Hybrid(q, bits, group_size=g, energy=None)
+
+        fits = {n: fit_rank(make, x, budget[n], head_dim) for n, x in data.items()}
         add(f"**ours** Hybrid(r, INT{bits}, group_size={g}) at ≤ 3.5 bits/value (K: r={fits['K']}, "
             f"V: r={fits['V']})", {n: ours(Hybrid(fits[n], bits, group_size=g, energy=None)) for n in data})
 

@@ -25,18 +25,12 @@ CASES = [(name, sig, cc) for name, t in sorted(TWINS.items()) for sig in t.signa
 #: largest local memory (bytes per thread) a kernel may use
 LOCAL_BYTES_MAX = 256
 #: kernels allowed above LOCAL_BYTES_MAX, with the reason
-LOCAL_EXCEPTIONS = {
-    "decode_attention": "rewritten in the attention branch (three 512-float arrays per thread today)",
-    "paged_decode_attention": "rewritten in the attention branch (three 512-float arrays per thread today)",
-    "merge_partitions": "rewritten in the attention branch (a 512-float array per thread today)",
-}
+LOCAL_EXCEPTIONS: dict[str, str] = {}
 #: kernels that must work block- or warp-cooperatively
-COOPERATIVE = ("rotate_head", "quantize_head", "dequantize_head", "decode_attention", "paged_decode_attention")
+COOPERATIVE = ("rotate_head", "quantize_head", "dequantize_head", "decode_attention", "paged_decode_attention",
+               "merge_partitions")
 #: cooperative kernels not there yet, with the reason
-COOPERATIVE_EXCEPTIONS = {
-    "decode_attention": "rewritten in the attention branch",
-    "paged_decode_attention": "rewritten in the attention branch",
-}
+COOPERATIVE_EXCEPTIONS: dict[str, str] = {}
 
 _LOCAL_DECL = re.compile(r"\.local\s+(?:\.align\s+\d+\s+)?\.b8\s+(\w+)\[(\d+)\]")
 

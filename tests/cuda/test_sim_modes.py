@@ -32,10 +32,11 @@ def _fused_modes(rng):
         n_comp = st.meta["n_comp"]
         bias = rng.standard_normal((2, 4, st.seq_len)).astype(np.float32)
 
-        def run(f, qjl_dev):
-            return fused_attention_rows(f(qr), f(q3), *(f(b) for b in bufs), n_comp, 1, f(ke), f(ve), n_exact, f(pos),
-                                        c.layouts["k"], c.layouts["v"], 0.125, f(bias), st.seq_len - 2, 2, True,
-                                        part_size=8, head_signs=None if hs is None else f(hs), qjl=qjl_dev)
+        def run(f, qjl_dev):  # called within this iteration: the loop variables are current
+            return fused_attention_rows(f(qr), f(q3), *(f(b) for b in bufs), n_comp, 1, f(ke), f(ve),  # noqa: B023
+                                        n_exact, f(pos), c.layouts["k"], c.layouts["v"], 0.125,  # noqa: B023
+                                        f(bias), st.seq_len - 2, 2, True, part_size=8,  # noqa: B023
+                                        head_signs=None if hs is None else f(hs), qjl=qjl_dev)  # noqa: B023
 
         cpu = run(lambda a: a, qjl)
         dev = run(to_device, None if qjl is None else tuple(to_device(a) for a in qjl[:3]) + (qjl[3],))

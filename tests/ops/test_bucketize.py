@@ -30,14 +30,14 @@ CODEBOOKS = [(b, "maxnorm", 32) for b in (1, 2, 3, 4)] + [(b, "l2", 32) for b in
 
 
 @njit(cache=False)
-def _bucketize(y, bounds):
+def bucketize(y, bounds):
     ib = np.full(y.size, 77, np.uint8)  # garbage in: the core must overwrite it
     bucketize_cpu(y, y.size, bounds, ib)
     return ib
 
 
 @njit(cache=False)
-def _bucketize_select(y, bounds, centroids):
+def bucketize_select(y, bounds, centroids):
     ib = np.full(y.size, 77, np.uint8)
     cv = np.full(y.size, np.float32(123.0))
     bucketize_select_cpu(y, y.size, bounds, centroids, ib, cv)
@@ -67,13 +67,13 @@ def test_ties_ulps_zeros_and_extremes(bits, mode, block):
     rng = np.random.default_rng(bits)
     for n in (1, 7, 31, 33, y.size, 2053):  # vector remainders of every width
         yy = np.resize(rng.permutation(y), n)
-        ib = _bucketize(yy, cb.boundaries)
+        ib = bucketize(yy, cb.boundaries)
         assert np.array_equal(ib, _oracle(yy, cb.boundaries))
-        ib2, cv = _bucketize_select(yy, cb.boundaries, cb.centroids)
+        ib2, cv = bucketize_select(yy, cb.boundaries, cb.centroids)
         assert np.array_equal(ib2, ib)
         assert np.array_equal(cv.view(np.uint32), cb.centroids[ib].view(np.uint32))
     # a tie goes to the lower bin: y == t_i is not counted
-    assert np.array_equal(_bucketize(cb.boundaries.copy(), cb.boundaries), np.arange(cb.boundaries.size))
+    assert np.array_equal(bucketize(cb.boundaries.copy(), cb.boundaries), np.arange(cb.boundaries.size))
 
 
 @pytest.mark.parametrize("bits, mode, block", CODEBOOKS)
@@ -81,7 +81,7 @@ def test_all_zero_and_constant_rows(bits, mode, block):
     cb = _codebook(bits, mode, block)
     for v in (0.0, -0.0, float(cb.boundaries[0]), float(cb.boundaries[-1]), 1e30, -1e30):
         y = np.full(2048, v, np.float32)
-        assert np.array_equal(_bucketize(y, cb.boundaries), _oracle(y, cb.boundaries))
+        assert np.array_equal(bucketize(y, cb.boundaries), _oracle(y, cb.boundaries))
 
 
 @settings(max_examples=60, deadline=None)
@@ -93,16 +93,17 @@ def test_random_values_with_boundary_draws(data, which):
     n = data.draw(st.integers(1, 300))
     floats = st.one_of(st.floats(-4.0, 4.0, width=32), st.sampled_from(pool.tolist()))
     y = data.draw(hnp.arrays(np.float32, n, elements=floats))
-    ib, cv = _bucketize_select(y, cb.boundaries, cb.centroids)
+    ib, cv = bucketize_select(y, cb.boundaries, cb.centroids)
     assert np.array_equal(ib, _oracle(y, cb.boundaries))
-    assert np.array_equal(_bucketize(y, cb.boundaries), ib)
+    assert np.array_equal(bucketize(y, cb.boundaries), ib)
     assert np.array_equal(cv.view(np.uint32), cb.centroids[ib].view(np.uint32))
 
 
 # --- through the vectorized quantizer kernels -------------------------------------------
 def _structured_rows(d: int) -> np.ndarray:
     """Rows whose rotated, normalized values are exactly predictable: zero rows, one-hot
-    spikes of either sign and size (up to the binary16 range; larger values are rejected), and their mixtures per block."""
+    spikes of either sign and size (up to the binary16 range; larger values are rejected),
+    and their mixtures per block."""
     rows = [np.zeros(d, np.float32)]
     for j, v in [(0, 1.0), (5, -3.0), (d - 1, 30000.0), (d // 2, -1e-3), (17, -2e4)]:
         r = np.zeros(d, np.float32)
