@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import sys
 import time
 from pathlib import Path
@@ -77,11 +78,19 @@ def main(argv: list[str] | None = None) -> int:
     paths = args.notebooks or notebook_paths()
     t_all = time.perf_counter()
     for p in paths:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _children_cpu_s()
         execute_notebook(p, save=args.save)
-        print(f"{p.name}: {time.perf_counter() - t0:.0f} s{' (saved)' if args.save else ''}", flush=True)
-    print(f"{len(paths)} notebooks, {time.perf_counter() - t_all:.0f} s", flush=True)
+        # CPU seconds of the (finished) kernel: on a shared machine wall time says little
+        print(f"{p.name}: {time.perf_counter() - t0:.0f} s wall, {_children_cpu_s() - cpu0:.0f} s CPU"
+              f"{' (saved)' if args.save else ''}", flush=True)
+    print(f"{len(paths)} notebooks, {time.perf_counter() - t_all:.0f} s wall", flush=True)
     return 0
+
+
+def _children_cpu_s() -> float:
+    """User + system CPU seconds of this process's terminated children (the kernels)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
 if __name__ == "__main__":

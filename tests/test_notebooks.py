@@ -33,8 +33,8 @@ def _code(nb) -> str:
     return "\n".join(c.source for c in nb.cells if c.cell_type == "code")
 
 
-def test_numbered_notebooks():
-    assert NOTEBOOKS, "no notebooks/NN_*.ipynb"
+def test_six_numbered_notebooks():
+    assert len(NOTEBOOKS) >= 6, [p.name for p in NOTEBOOKS]
     assert [p.name[:2] for p in NOTEBOOKS] == [f"{i:02d}" for i in range(1, len(NOTEBOOKS) + 1)]
 
 
