@@ -46,12 +46,12 @@ ENERGY_FRACTION = 0.9
 """Seed rule for the automatic rank: smallest rank explaining >= 90 % (see :func:`fit_components`)."""
 
 # --- single-source cores --------------------------------------------------------------
-# Each core computes one work item; the CPU twins ``prange`` over the items and the CUDA
-# kernels grid-stride over them.  The Gram and reconstruction cores cover a span
-# ``[j0, j1)`` of output channels with the tokens (components) in the outer loop: the CPU
-# twins pass the whole row (a contiguous, vectorizable inner loop), the CUDA kernels one
-# channel per thread (``d``-fold more threads, coalesced stores).  Every output is the same
-# float32 sum in the same order either way.
+# The CPU twins ``prange`` over the items and the CUDA kernels grid-stride over them.  The
+# Gram, projection and reconstruction cores cover a span of outputs (``[j0, j1)``,
+# ``[c0, c1)``): the CPU twins pass a whole row per call (a call per output would cost as
+# much as the output; the inner loops stay contiguous), the CUDA kernels one output per
+# thread (coalesced stores).  Every output is the same float32 sum in the same order
+# either way.
 def _channel_mean(x, r, i):
     """``Σ_t x[r, t, i] / n`` (float32, tokens in order; 0 when ``n == 0``)."""
     xc = x[r, :, i]
@@ -98,24 +98,21 @@ def _project_span(x, mean, components, r, t, c0, c1, out):
 def _reconstruct_span(coef, mean, components, r, t, j0, j1, out):
     """``out[r, t, j] = mean[r, j] + Σ_c coef[r, t, c] · components[r, c, j]`` for ``j`` in
     ``[j0, j1)`` (``c`` in order; inputs broadcast when their leading axis is 1)."""
+    rm = r if mean.shape[0] > 1 else 0
     rb = r if components.shape[0] > 1 else 0
-    ms = mean[r if mean.shape[0] > 1 else 0, j0:j1]
-    cr = coef[r if coef.shape[0] > 1 else 0, t]
-    os = out[r, t, j0:j1]
-    w = os.shape[0]
-    for j in range(w):
-        os[j] = ms[j]
-    for c in range(cr.shape[0]):
-        a = cr[c]
-        bc = components[rb, c, j0:j1]
-        for j in range(w):
-            os[j] += a * bc[j]
+    rc = r if coef.shape[0] > 1 else 0
+    for j in range(j0, j1):
+        out[r, t, j] = mean[rm, j]
+    for c in range(components.shape[1]):
+        a = coef[rc, t, c]
+        for j in range(j0, j1):
+            out[r, t, j] += a * components[rb, c, j]
 
 
 channel_mean_cpu, channel_mean_dev = twin(_channel_mean)
 gram_span_cpu, gram_span_dev = twin(_gram_span)
-project_span_cpu, project_span_dev = twin(_project_span)
-reconstruct_span_cpu, reconstruct_span_dev = twin(_reconstruct_span)
+project_span_cpu, project_span_dev = twin(_project_span, inline=True)
+reconstruct_span_cpu, reconstruct_span_dev = twin(_reconstruct_span, inline=True)
 
 
 # --- CPU twins: prange over the items --------------------------------------------------------
