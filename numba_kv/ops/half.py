@@ -75,18 +75,17 @@ def f32_to_f16_bits(v):
 
 
 def f32_to_f16_bits_sat(v):
-    """binary16 bit pattern of float32 ``v`` saturated to ``±F16_MAX`` (NaN → ``+F16_MAX``).
+    """binary16 bit pattern of float32 ``v`` saturated to ``±F16_MAX``; ``v`` not NaN.
 
     The one saturating conversion of the package (scales, norms, coefficients): values
-    beyond the binary16 range store as ±65504 instead of ±inf, and the saturated pattern
-    ``0x7BFF`` is what the range checks of :mod:`numba_kv._validate` look for.  Selects
-    only (``v < M`` is false for NaN), so per-lane loops stay vectorizable.
+    beyond the binary16 range (±inf included) store as ±65504 instead of ±inf, and the
+    saturated pattern ``0x7BFF`` is what the range checks of :mod:`numba_kv._validate` look
+    for.  ``min``/``max`` (one instruction each; a NaN would pass through, and inputs are
+    validated finite): the select form that maps NaN to 65504 made ``f16_encode`` ~15 %
+    slower.
     """
     m = float32(F16_MAX)
-    a = float32(v)
-    a = a if a < m else m
-    a = a if a > -m else -m
-    return f32_to_f16_bits(a)
+    return f32_to_f16_bits(min(max(float32(v), -m), m))
 
 
 def f16_bits_to_f32(h):
@@ -114,7 +113,8 @@ def f16_bits_abs_to_f32(h):
     return f16_bits_to_f32(int32(h) & 0x7FFF)
 
 
-f32_to_f16_bits_cpu, f32_to_f16_bits_dev = twin(f32_to_f16_bits)
-f32_to_f16_bits_sat_cpu, f32_to_f16_bits_sat_dev = twin(f32_to_f16_bits_sat, inline=True)  # per-value calls
-f16_bits_to_f32_cpu, f16_bits_to_f32_dev = twin(f16_bits_to_f32)
-f16_bits_abs_to_f32_cpu, f16_bits_abs_to_f32_dev = twin(f16_bits_abs_to_f32)
+# inlined on the CPU: called per value, often in per-lane loops
+f32_to_f16_bits_cpu, f32_to_f16_bits_dev = twin(f32_to_f16_bits, inline=True)
+f32_to_f16_bits_sat_cpu, f32_to_f16_bits_sat_dev = twin(f32_to_f16_bits_sat, inline=True)
+f16_bits_to_f32_cpu, f16_bits_to_f32_dev = twin(f16_bits_to_f32, inline=True)
+f16_bits_abs_to_f32_cpu, f16_bits_abs_to_f32_dev = twin(f16_bits_abs_to_f32, inline=True)

@@ -211,13 +211,14 @@ def _dequantize_item(packed, scales, bits, group, e, out):
     _dequantize_group(packed, scales, bits, group, r, ch, gi, out)
 
 
-for _core in (_kth_dev_abs, _channel_threshold, _quant_level, _quantize_group, _dequantize_group, _outliers_group,
-              _group_of):
+for _core in (_kth_dev_abs, _channel_threshold, _quant_level, _quantize_group, _dequantize_group, _outliers_group):
     twin(_core)
-threshold_item_cpu, threshold_item_dev = twin(_threshold_item)
-quantize_item_cpu, quantize_item_dev = twin(_quantize_item)
-outliers_item_cpu, outliers_item_dev = twin(_outliers_item)
-dequantize_item_cpu, dequantize_item_dev = twin(_dequantize_item)
+# the item cores only locate the item: inlined, so a kernel makes one call per item, as before
+twin(_group_of, inline=True)
+threshold_item_cpu, threshold_item_dev = twin(_threshold_item, inline=True)
+quantize_item_cpu, quantize_item_dev = twin(_quantize_item, inline=True)
+outliers_item_cpu, outliers_item_dev = twin(_outliers_item, inline=True)
+dequantize_item_cpu, dequantize_item_dev = twin(_dequantize_item, inline=True)
 
 
 # --- CPU twins: prange over the items ----------------------------------------------------

@@ -46,38 +46,30 @@ ENERGY_FRACTION = 0.9
 """Seed rule for the automatic rank: smallest rank explaining >= 90 % (see :func:`fit_components`)."""
 
 # --- single-source cores --------------------------------------------------------------
-# Each core computes one work item; the CPU twins ``prange`` over the items and the CUDA
-# kernels grid-stride over them.  The Gram and reconstruction cores cover a span
-# ``[j0, j1)`` of output channels with the tokens (components) in the outer loop: the CPU
-# twins pass the whole row (a contiguous, vectorizable inner loop), the CUDA kernels one
-# channel per thread (``d``-fold more threads, coalesced stores).  Every output is the same
-# float32 sum in the same order either way.
+# The CPU twins ``prange`` over the items and the CUDA kernels grid-stride over them.  The
+# Gram, projection and reconstruction cores cover a span of outputs (``[j0, j1)``,
+# ``[c0, c1)``): the CPU twins pass a whole row per call (a call per output would cost as
+# much as the output; the inner loops stay contiguous), the CUDA kernels one output per
+# thread (coalesced stores).  Every output is the same float32 sum in the same order
+# either way.
 def _channel_mean(x, r, i):
     """``Σ_t x[r, t, i] / n`` (float32, tokens in order; 0 when ``n == 0``)."""
-    xc = x[r, :, i]
-    n = xc.shape[0]
+    n = x.shape[1]
     s = float32(0.0)
     for t in range(n):
-        s += xc[t]
+        s += x[r, t, i]
     return s * (float32(1.0) / float32(max(n, 1)))
 
 
 def _gram_span(x, mean, r, i, j0, j1, gram):
     """``gram[r, i, j] = Σ_t (x_rti − μ_ri)(x_rtj − μ_rj)`` for ``j`` in ``[j0, j1)``."""
-    # views indexed from 0 (no wraparound code in the inner loop); a C-contiguous row slice
-    # per token keeps the inner loop contiguous for the vectorizer
-    xi_col = x[r, :, i]
     mi = mean[r, i]
-    ms = mean[r, j0:j1]
-    gs = gram[r, i, j0:j1]
-    w = gs.shape[0]
-    for j in range(w):
-        gs[j] = float32(0.0)
-    for t in range(xi_col.shape[0]):
-        xi = xi_col[t] - mi
-        xt = x[r, t, j0:j1]
-        for j in range(w):
-            gs[j] += xi * (xt[j] - ms[j])
+    for j in range(j0, j1):
+        gram[r, i, j] = float32(0.0)
+    for t in range(x.shape[1]):
+        xi = x[r, t, i] - mi
+        for j in range(j0, j1):
+            gram[r, i, j] += xi * (x[r, t, j] - mean[r, j])
 
 
 def _project_span(x, mean, components, r, t, c0, c1, out):
@@ -98,24 +90,21 @@ def _project_span(x, mean, components, r, t, c0, c1, out):
 def _reconstruct_span(coef, mean, components, r, t, j0, j1, out):
     """``out[r, t, j] = mean[r, j] + Σ_c coef[r, t, c] · components[r, c, j]`` for ``j`` in
     ``[j0, j1)`` (``c`` in order; inputs broadcast when their leading axis is 1)."""
+    rm = r if mean.shape[0] > 1 else 0
     rb = r if components.shape[0] > 1 else 0
-    ms = mean[r if mean.shape[0] > 1 else 0, j0:j1]
-    cr = coef[r if coef.shape[0] > 1 else 0, t]
-    os = out[r, t, j0:j1]
-    w = os.shape[0]
-    for j in range(w):
-        os[j] = ms[j]
-    for c in range(cr.shape[0]):
-        a = cr[c]
-        bc = components[rb, c, j0:j1]
-        for j in range(w):
-            os[j] += a * bc[j]
+    rc = r if coef.shape[0] > 1 else 0
+    for j in range(j0, j1):
+        out[r, t, j] = mean[rm, j]
+    for c in range(components.shape[1]):
+        a = coef[rc, t, c]
+        for j in range(j0, j1):
+            out[r, t, j] += a * components[rb, c, j]
 
 
-channel_mean_cpu, channel_mean_dev = twin(_channel_mean)
-gram_span_cpu, gram_span_dev = twin(_gram_span)
-project_span_cpu, project_span_dev = twin(_project_span)
-reconstruct_span_cpu, reconstruct_span_dev = twin(_reconstruct_span)
+channel_mean_cpu, channel_mean_dev = twin(_channel_mean, inline=True)
+gram_span_cpu, gram_span_dev = twin(_gram_span, inline=True)
+project_span_cpu, project_span_dev = twin(_project_span, inline=True)
+reconstruct_span_cpu, reconstruct_span_dev = twin(_reconstruct_span, inline=True)
 
 
 # --- CPU twins: prange over the items --------------------------------------------------------

@@ -98,13 +98,11 @@ def _decode_span(codes, codebooks, r, t, m0, m1, out):
     """``out[r, t, m·ds:(m+1)·ds] = C_g[codes[r, t, m]]`` for sub-spaces ``[m0, m1)``."""
     ng, k_size, ds = codebooks.shape
     m_sub = out.shape[2] // ds
-    cr = codes[r, t]
-    orow = out[r, t]
     for m in range(m0, m1):
-        cw = codebooks[r * m_sub + m if ng > m_sub else m, cr[m]]
-        os = orow[m * ds:m * ds + ds]
+        g = r * m_sub + m if ng > m_sub else m
+        c = codes[r, t, m]
         for j in range(ds):
-            os[j] = cw[j]
+            out[r, t, m * ds + j] = codebooks[g, c, j]
 
 
 def _accumulate_item(x, codes, e, sums, counts):
@@ -140,8 +138,8 @@ def _token_subspace(e, n, m_sub):
 
 
 token_subspace_cpu, token_subspace_dev = twin(_token_subspace)
-assign_span_cpu, assign_span_dev = twin(_assign_span)
-kmeanspp_span_cpu, kmeanspp_span_dev = twin(_kmeanspp_span)
+assign_span_cpu, assign_span_dev = twin(_assign_span, inline=True)
+kmeanspp_span_cpu, kmeanspp_span_dev = twin(_kmeanspp_span, inline=True)
 decode_span_cpu, decode_span_dev = twin(_decode_span, inline=True)  # a few copies per call
 accumulate_item_cpu, accumulate_item_dev = twin(_accumulate_item)
 
