@@ -358,7 +358,8 @@ def test_cli_eval_outputs(result, monkeypatch, capsys, tmp_path):
     assert cli.main(["eval", "--json", str(js), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "pqo3" in out and "KL mean" in out                 # the rich table
-    assert json.loads(js.read_text())["rows"][1]["cache"] == "pqo3-r0-s0"  # the fixture result is returned whatever the args
+    # the fixture result is returned whatever the args
+    assert json.loads(js.read_text())["rows"][1]["cache"] == "pqo3-r0-s0"
 
 
 @pytest.mark.slow

@@ -20,7 +20,8 @@ def bytes_to_unicode():
     return dict(zip(bs, map(chr, cs)))
 
 
-TINY = {"n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 32, "dim": 128, "ffn_dim": 192, "theta": 10000.0, "eps": 1e-5}
+TINY = {"n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim": 32, "dim": 128, "ffn_dim": 192,
+        "theta": 10000.0, "eps": 1e-5}
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "a t", "e r", "Ġ s"]
 
