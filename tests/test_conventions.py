@@ -362,3 +362,62 @@ def test_no_private_name_crosses_modules():
         for line, name in cross_module_private_names(path, module, modules):
             bad.append(f"{path.relative_to(PKG.parent)}:{line} uses {name}")
     assert not bad, "private names used across modules:\n" + "\n".join(bad)
+
+
+# -- sizes: modules a reader takes in whole, functions that fit on a screen ----------------------
+MAX_MODULE_LINES = 700
+MAX_FUNCTION_LINES = 90  # ``end_lineno - lineno``: signature, docstring and body
+
+# current offenders, each with its reason; the toolkit has none and may not gain any
+_LONG_MODULES = {
+    "ops/attention.py": "being refactored in a parallel branch",
+}
+_LONG_FUNCTIONS = {
+    "ops/attention.py::decode_attention": "being refactored in a parallel branch",
+    "ops/paged_attention.py::paged_decode_attention": "being refactored in a parallel branch",
+}
+
+
+def _long_functions(path: pathlib.Path, limit: int) -> list[tuple[str, int]]:
+    """``(qualified name, lines)`` of every function in ``path`` (methods and nested
+    functions included) spanning more than ``limit`` lines."""
+    out = []
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{child.name}"
+                if not isinstance(child, ast.ClassDef) and child.end_lineno - child.lineno > limit:
+                    out.append((name, child.end_lineno - child.lineno))
+                visit(child, name + ".")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")), "")
+    return out
+
+
+def test_long_function_scan_finds_methods_and_nested_functions(tmp_path):
+    f = tmp_path / "mod.py"
+    f.write_text("def a():\n    x = 1\n    y = 2\n    return x + y\n\n"
+                 "def b():\n    return 1\n\n"
+                 "class C:\n    def m(self):\n        x = 1\n        y = 2\n        return x + y\n\n"
+                 "    def n(self):\n        def inner():\n            x = 1\n            y = 2\n"
+                 "            return x + y\n        return inner\n")
+    assert sorted(_long_functions(f, 2)) == [("C.m", 3), ("C.n", 5), ("C.n.inner", 3), ("a", 3)]
+
+
+def test_module_and_function_sizes():
+    """No module over 700 lines, no function over 90 (allow-listed offenders aside); none at
+    all in the toolkit."""
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG).as_posix()
+        in_toolkit = rel.startswith("toolkit/")
+        n = len(path.read_text(encoding="utf-8").splitlines())
+        if n > MAX_MODULE_LINES and (in_toolkit or rel not in _LONG_MODULES):
+            bad.append(f"{rel}: {n} lines (max {MAX_MODULE_LINES})")
+        for name, lines in _long_functions(path, MAX_FUNCTION_LINES):
+            if in_toolkit or f"{rel}::{name}" not in _LONG_FUNCTIONS:
+                bad.append(f"{rel}::{name}: {lines} lines (max {MAX_FUNCTION_LINES}): split it into named helpers")
+    assert not bad, "too long:\n" + "\n".join(bad)

@@ -42,7 +42,43 @@ K-only PQO3 KL vs dense 0.340 protocol / 0.345 one-pass; at N=1024 the one-pass
 ``pqo3-r32-s4`` / ``pqo4-r32-s4`` reproduce the README's ``numba-kv eval`` table
 within its noise).
 
-JSON schema (``numba_kv.analysis/1``): see :func:`analyze_kv`.
+JSON schema (``numba_kv.analysis/1``)
+-------------------------------------
+The dictionary :func:`analyze_kv` returns (and ``--json`` writes):
+
+``schema`` (:data:`SCHEMA`); ``config`` (``model_name``, ``text``,
+``text_sha256``, ``tokens``, ``prefill``, ``scored_positions``, ``bits``,
+``residual_length``, ``sink_tokens``, ``chunk_size``, ``n_layers``, ``n_heads``,
+``n_kv_heads``, ``head_dim``, ``threads``);
+
+``kv_sensitivity``: list of rows, dense first — ``label`` (e.g. ``"dense"``,
+``"k-only pqo3-r0-s0"``, ``"v-only pqo4-r32-s4"``, ``"pqo-k4v3-r32-s4"``),
+``quantized`` (``"none"``, ``"k"``, ``"v"`` or ``"kv"``), ``k_bits``, ``v_bits``
+(int or null = exact), ``residual_length``, ``sink_tokens``, ``engine``
+(``"protocol"`` or ``"simulated"``), ``ppl``, ``ppl_change_pct``,
+``top1_agreement``, ``kl_mean``, ``kl_p95``, ``kl_max``, ``k_bits_per_value``,
+``v_bits_per_value`` (an exact side: float32 = 32), ``bits_per_value`` (their
+mean), ``wall_s``;
+
+``per_layer``: list (one per layer) of ``layer``, ``k_channel_ratio``,
+``v_channel_ratio`` (per KV head: max / median of the per-channel RMS over all
+tokens), ``k_top_channels``, ``k_top_channel_ratios``, ``v_top_channels``,
+``k_token_norm_ratio`` / ``k_token_norm_argmax`` (max / median key norm over
+tokens and where), ``k_nmse`` / ``v_nmse`` (``{"pqo3": [per KV head]}``),
+``attn`` (``{"pqo3-r0-s0": {"kl", "logit_err_std", "logit_std", "k_out_err",
+"v_out_err"}}``, each a list per *query* head over the decode rows; see
+:func:`_attention_errors`);
+
+``layer_sensitivity``: ``{"bits", "residual_length": 0, "sink_tokens": 0,
+"engine": "simulated", "k": [rows], "v": [rows]}``, a row per layer with
+``layer``, ``ppl_change_pct``, ``top1_agreement``, ``kl_mean``;
+
+``engine_check``: the one-pass engine against the protocol rows of the same
+configuration (``label``, ``kl_between``, ``top1_between``,
+``max_abs_logit_diff``, ``ppl_protocol``, ``ppl_simulated``,
+``kl_dense_protocol``, ``kl_dense_simulated``);
+
+``wall_s`` and ``timings`` (seconds per phase).
 
 Command line::
 
@@ -66,7 +102,7 @@ from numba_kv.metrics import LogitScorer, compare_logits, kl_rows, log_softmax, 
 
 from ..models import sequence_logits
 from ..specs import EvalConfigError
-from .evaluate import json_safe, numba_threads, resolve_text
+from .evaluate import TextTokens, json_safe, numba_threads, resolve_text, tokenize_text
 from .kv_split import KVSplitCache, RecordingCache
 from .simulate import polarquant_bits_per_value, pqo_roundtrip, simulate_logits
 
@@ -74,7 +110,6 @@ __all__ = ["SCHEMA", "analyze_kv"]
 
 #: Version tag of the dictionary returned by :func:`analyze_kv` (and of its JSON file).
 SCHEMA = "numba_kv.analysis/1"
-
 
 
 # --------------------------------------------------------------------------------------
@@ -210,39 +245,8 @@ def analyze_kv(model: Any, tokenizer: Any, text_path: str | Path | None = None, 
     Returns
     -------
     dict
-        ``schema`` (:data:`SCHEMA`); ``config`` (``model_name``, ``text``,
-        ``text_sha256``, ``tokens``, ``prefill``, ``scored_positions``, ``bits``,
-        ``residual_length``, ``sink_tokens``, ``chunk_size``, ``n_layers``, ``n_heads``,
-        ``n_kv_heads``, ``head_dim``, ``threads``);
-
-        ``kv_sensitivity``: list of rows, dense first — ``label`` (e.g. ``"dense"``,
-        ``"k-only pqo3-r0-s0"``, ``"v-only pqo4-r32-s4"``, ``"pqo-k4v3-r32-s4"``),
-        ``quantized`` (``"none"``, ``"k"``, ``"v"`` or ``"kv"``), ``k_bits``, ``v_bits``
-        (int or null = exact), ``residual_length``, ``sink_tokens``, ``engine``
-        (``"protocol"`` or ``"simulated"``), ``ppl``, ``ppl_change_pct``,
-        ``top1_agreement``, ``kl_mean``, ``kl_p95``, ``kl_max``, ``k_bits_per_value``,
-        ``v_bits_per_value`` (an exact side: float32 = 32), ``bits_per_value`` (their
-        mean), ``wall_s``;
-
-        ``per_layer``: list (one per layer) of ``layer``, ``k_channel_ratio``,
-        ``v_channel_ratio`` (per KV head: max / median of the per-channel RMS over all
-        tokens), ``k_top_channels``, ``k_top_channel_ratios``, ``v_top_channels``,
-        ``k_token_norm_ratio`` / ``k_token_norm_argmax`` (max / median key norm over
-        tokens and where), ``k_nmse`` / ``v_nmse`` (``{"pqo3": [per KV head]}``),
-        ``attn`` (``{"pqo3-r0-s0": {"kl", "logit_err_std", "logit_std", "k_out_err",
-        "v_out_err"}}``, each a list per *query* head over the decode rows; see
-        :func:`_attention_errors`);
-
-        ``layer_sensitivity``: ``{"bits", "residual_length": 0, "sink_tokens": 0,
-        "engine": "simulated", "k": [rows], "v": [rows]}``, a row per layer with
-        ``layer``, ``ppl_change_pct``, ``top1_agreement``, ``kl_mean``;
-
-        ``engine_check``: the one-pass engine against the protocol rows of the same
-        configuration (``label``, ``kl_between``, ``top1_between``,
-        ``max_abs_logit_diff``, ``ppl_protocol``, ``ppl_simulated``,
-        ``kl_dense_protocol``, ``kl_dense_simulated``);
-
-        ``wall_s`` and ``timings`` (seconds per phase).
+        The ``numba_kv.analysis/1`` document (keys and units: *JSON schema* in the module
+        docstring), JSON-ready (:func:`~.evaluate.json_safe`).
 
     Raises
     ------
@@ -251,23 +255,14 @@ def analyze_kv(model: Any, tokenizer: Any, text_path: str | Path | None = None, 
     ValueError
         Bad ``bits`` or ``layer_sensitivity``.
     """
-
-
     t_start = time.perf_counter()
     bits = _bits_arg(bits)
     sides = _check_args(tokens, prefill, residual_length, sink_tokens, layer_sensitivity)
-    text_file = resolve_text(text_path)
-    raw = text_file.read_bytes()
-    ids_all = tokenizer.encode(raw.decode("utf-8", errors="replace"))
-    if len(ids_all) < tokens:
-        raise EvalConfigError(f"--text: {str(text_file)!r} has {len(ids_all)} tokens, "
-                              f"fewer than --tokens={tokens}")
-    ids = np.asarray(ids_all[:tokens], dtype=np.int64)
-    c = model.config
+    text = tokenize_text(resolve_text(text_path), tokenizer, tokens)
     windows = [(0, 0)]
     if residual_length or sink_tokens:
         windows.append((int(residual_length), int(sink_tokens)))
-    run = _AnalysisRun(model, ids, prefill, chunk_size, progress)
+    run = _AnalysisRun(model, text.ids, prefill, chunk_size, progress)
     with numba_threads(threads) as n_threads:
         run.warmup(bits)
         rec, ref_all = run.dense_reference()
@@ -277,17 +272,25 @@ def analyze_kv(model: Any, tokenizer: Any, text_path: str | Path | None = None, 
         sens = run.layer_sensitivity(bits, sides, states)
         per_layer = run.per_layer_stats(rec, bits, windows)
 
-    config = {
-        "model_name": getattr(c, "name", ""), "text": str(text_file),
-        "text_sha256": hashlib.sha256(raw).hexdigest(),
+    config = _analysis_config(model.config, text, tokens, prefill, bits, residual_length, sink_tokens, chunk_size,
+                              n_threads)
+    return json_safe({"schema": SCHEMA, "config": config, "kv_sensitivity": run.rows, "per_layer": per_layer,
+                       "layer_sensitivity": sens, "engine_check": checks, "timings": run.timings,
+                       "wall_s": time.perf_counter() - t_start})
+
+
+def _analysis_config(c: Any, text: TextTokens, tokens: int, prefill: int, bits: Sequence[int],
+                     residual_length: int, sink_tokens: int, chunk_size: int | None,
+                     n_threads: int) -> dict[str, Any]:
+    """The ``config`` section of the document (``c``: the model's config)."""
+    return {
+        "model_name": getattr(c, "name", ""), "text": str(text.file),
+        "text_sha256": hashlib.sha256(text.raw).hexdigest(),
         "tokens": int(tokens), "prefill": int(prefill), "scored_positions": int(tokens - prefill - 1),
         "bits": list(bits), "residual_length": int(residual_length), "sink_tokens": int(sink_tokens),
         "chunk_size": chunk_size, "n_layers": c.n_layers, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
         "head_dim": c.head_dim, "threads": int(n_threads),
     }
-    return json_safe({"schema": SCHEMA, "config": config, "kv_sensitivity": run.rows, "per_layer": per_layer,
-                       "layer_sensitivity": sens, "engine_check": checks, "timings": run.timings,
-                       "wall_s": time.perf_counter() - t_start})
 
 
 def _check_args(tokens: int, prefill: int, residual_length: int, sink_tokens: int,

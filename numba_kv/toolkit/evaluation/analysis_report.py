@@ -24,12 +24,20 @@ def render_tables(result: dict[str, Any], console: Any = None, worst: int = 8) -
     worst : int
         Rows of the "worst layer/heads" table.
     """
-
     con = console or Console(width=170)
     cfg = result["config"]
     b0 = f"pqo{min(cfg['bits'])}"
-    win = f"r{cfg['residual_length']}-s{cfg['sink_tokens']}"
+    groups = cfg["n_heads"] // cfg["n_kv_heads"]
+    con.print(_kv_table(result))
+    con.print(_per_layer_table(result, b0, groups))
+    con.print(_worst_heads_table(result, b0, groups, worst))
+    con.print(_engine_table(result))
+    con.print("timings: " + ", ".join(f"{k} {v:.0f} s" for k, v in result["timings"].items()))
 
+
+def _kv_table(result: dict[str, Any]) -> Table:
+    """K vs V sensitivity: one row per ``kv_sensitivity`` entry."""
+    cfg = result["config"]
     t = Table(title=f"K vs V — {cfg['model_name']}, {Path(cfg['text']).name}: N={cfg['tokens']}, "
                     f"P={cfg['prefill']} ({cfg['scored_positions']} scored decode positions), "
                     f"{result['wall_s']:.0f} s")
@@ -39,10 +47,13 @@ def render_tables(result: dict[str, Any], console: Any = None, worst: int = 8) -
         t.add_row(r["label"], r["engine"], f"{r['k_bits_per_value']:.2f}", f"{r['v_bits_per_value']:.2f}",
                   f"{r['bits_per_value']:.2f}", f"{r['ppl']:.3f}", f"{r['ppl_change_pct']:+.2f}%",
                   f"{r['top1_agreement']:.3f}", f"{r['kl_mean']:.4f}", f"{r['kl_p95']:.4f}")
-    con.print(t)
+    return t
 
+
+def _per_layer_table(result: dict[str, Any], b0: str, groups: int) -> Table:
+    """Per layer at ``b0`` bits (e.g. ``"pqo3"``): NMSE, channel outliers, attention errors
+    (``groups`` query heads per KV head) and the layer-sensitivity sweep."""
     sens = result.get("layer_sensitivity", {})
-    groups = cfg["n_heads"] // cfg["n_kv_heads"]
     t = Table(title=f"Per layer ({b0}, mean over KV heads; attention errors over decode rows, no window; "
                     f"sensitivity = only this layer's K or V quantized, {b0}, no window)")
     cols = ["layer", "K NMSE", "V NMSE", "K ch max/med", "K top ch (worst head)", "V ch max/med", "attn KL",
@@ -67,9 +78,13 @@ def render_tables(result: dict[str, Any], console: Any = None, worst: int = 8) -
                   f"{np.mean(a['k_out_err']):.3f}", f"{np.mean(a['v_out_err']):.3f}",
                   sweep(ks, "ppl_change_pct", "+.2f"), sweep(ks, "kl_mean", ".4f"),
                   sweep(vs, "ppl_change_pct", "+.2f"), sweep(vs, "kl_mean", ".4f"))
-    con.print(t)
+    return t
 
-    # worst query heads by attention KL, no window and with the window
+
+def _worst_heads_table(result: dict[str, Any], b0: str, groups: int, worst: int) -> Table:
+    """The ``worst`` query heads by attention KL at ``b0`` bits, no window and with the window."""
+    cfg = result["config"]
+    win = f"r{cfg['residual_length']}-s{cfg['sink_tokens']}"
     keys = [f"{b0}-r0-s0"] + ([f"{b0}-{win}"] if f"{b0}-{win}" in result["per_layer"][0]["attn"] else [])
     items = []
     for L in result["per_layer"]:
@@ -90,8 +105,11 @@ def render_tables(result: dict[str, Any], console: Any = None, worst: int = 8) -
                   f"{a['logit_err_std'][h]:.3f}", f"{L['k_nmse'][b0][g]:.4f}",
                   f"{L['k_channel_ratio'][g]:.1f}",
                   top, f"{L['k_token_norm_ratio'][g]:.1f} ({L['k_token_norm_argmax'][g]})")
-    con.print(t)
+    return t
 
+
+def _engine_table(result: dict[str, Any]) -> Table:
+    """The one-pass engine against the protocol rows (``engine_check``)."""
     t = Table(title="One-pass engine vs protocol (same configuration; all-layer rows differ by "
                     "quantization-bucket flips that float rounding triggers: compare the KL-vs-dense "
                     "columns)")
@@ -103,5 +121,4 @@ def render_tables(result: dict[str, Any], console: Any = None, worst: int = 8) -
                   f"{ch['max_abs_logit_diff']:.2e}", f"{ch['ppl_protocol']:.4f}",
                   f"{ch['ppl_simulated']:.4f}", f"{ch['kl_dense_protocol']:.4f}",
                   f"{ch['kl_dense_simulated']:.4f}")
-    con.print(t)
-    con.print("timings: " + ", ".join(f"{k} {v:.0f} s" for k, v in result["timings"].items()))
+    return t

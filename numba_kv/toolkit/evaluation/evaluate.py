@@ -72,6 +72,7 @@ __all__ = [
     "SCHEMA",
     "EvalResult",
     "EvalRow",
+    "TextTokens",
     "default_prompts",
     "model_label",
     "numba_threads",
@@ -79,6 +80,7 @@ __all__ = [
     "render_table",
     "resolve_text",
     "run_eval",
+    "tokenize_text",
     "with_dense_reference",
 ]
 
@@ -407,57 +409,103 @@ def run_eval(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any = 
     t_start = time.perf_counter()
     _check_counts(tokens, prefill, gen_tokens)
     text_file = resolve_text(text_path)
-    raw = text_file.read_bytes()
     if model is None or tokenizer is None:
         model, tokenizer = models.load_model(model_path)  # looked up at call time: tests substitute it
+    text = tokenize_text(text_file, tokenizer, tokens)
+    if prompts is None:
+        prompts = default_prompts(model)
+    specs = with_dense_reference(specs)
+
+    with numba_threads(threads) as n_threads:
+        env = collect()
+        _warm_up(model, text.ids, specs, chunk_size)
+        ref = _Reference()
+        rows = [_eval_spec(spec, model, tokenizer, text.ids, prefill, chunk_size, prompts, gen_tokens, ref,
+                           progress) for spec in specs]
+
+    config = _run_config(model, model_path, text, tokens, prefill, chunk_size, specs, prompts, gen_tokens,
+                         n_threads)
+    return EvalResult(config=config, env=env, rows=rows, wall_s=time.perf_counter() - t_start)
+
+
+@dataclass
+class TextTokens:
+    """An evaluation text and its first tokens (:func:`tokenize_text`): ``file`` (Path),
+    ``raw`` (bytes; their SHA-256 goes into the JSON config), ``n_tokens`` (int, tokens of the
+    whole text), ``ids`` (``(tokens,)`` int64 ndarray: the first ``tokens`` token ids)."""
+
+    file: Path
+    raw: bytes
+    n_tokens: int
+    ids: np.ndarray
+
+
+def tokenize_text(text_file: Path, tokenizer: Any, tokens: int) -> TextTokens:
+    """Read ``text_file`` (a UTF-8 file from :func:`resolve_text`, undecodable bytes replaced) and
+    keep its first ``tokens`` tokens (``tokenizer.encode(str) -> list[int]``).
+
+    Raises
+    ------
+    EvalConfigError
+        The text has fewer than ``tokens`` tokens.
+    """
+    raw = text_file.read_bytes()
     ids_all = tokenizer.encode(raw.decode("utf-8", errors="replace"))
     if len(ids_all) < tokens:
         raise EvalConfigError(f"--text: {str(text_file)!r} has {len(ids_all)} tokens, "
                               f"fewer than --tokens={tokens}")
     ids = np.asarray(ids_all[:tokens], dtype=np.int64)
-    if prompts is None:
-        prompts = default_prompts(model)
-    specs = with_dense_reference(specs)
+    return TextTokens(file=text_file, raw=raw, n_tokens=len(ids_all), ids=ids)
+
+
+@dataclass
+class _Reference:
+    """What the dense reference (the first spec evaluated) leaves for the caches after it."""
+
+    logits: np.ndarray | None = None                        # (N - P - 1, vocab) scored logits
+    gen: list[list[int]] = field(default_factory=list)      # greedy continuation per prompt
+    ppl: float = float("nan")                               # its perplexity
+
+
+def _eval_spec(spec: CacheSpec, model: Any, tokenizer: Any, ids: np.ndarray, prefill: int,
+               chunk_size: int | None, prompts: Sequence[str], gen_tokens: int, ref: _Reference,
+               progress: bool) -> EvalRow:
+    """One row of the table: decode ``ids`` through a fresh ``spec`` cache, score its logits
+    against ``ref`` and compare its greedy generations; the first call fills ``ref``."""
     c = model.config
+    t0 = time.perf_counter()
+    targets = ids[prefill + 1:]
+    cache = spec.make(c.n_layers, c.n_kv_heads, c.head_dim, **model_cache_options(model))
+    scored, tps = _decode_logits(model, ids, cache, prefill, chunk_size, spec.label, progress)
+    if ref.logits is None:
+        ref.logits = scored
+        m = compare_logits(scored, scored, targets)
+        ref.ppl = m["ppl"]
+    else:
+        m = compare_logits(ref.logits, scored, targets)
+    gens: list[dict[str, Any]] = []
+    gen_match: float | None = None
+    paris: bool | None = None
+    if gen_tokens and prompts:
+        new = _greedy(model, tokenizer, spec, prompts, gen_tokens, chunk_size)
+        if not ref.gen:
+            ref.gen = new
+        gens, gen_match, paris = _compare_generations(tokenizer, prompts, new, ref.gen)
+    return _eval_row(spec, m, ref.ppl, cache, c, tps, gen_match, paris, gens, time.perf_counter() - t0)
 
-    with numba_threads(threads) as n_threads:
-        env = collect()
-        _warm_up(model, ids, specs, chunk_size)
-        rows: list[EvalRow] = []
-        ref_logits: np.ndarray | None = None
-        ref_gen: list[list[int]] = []
-        ref_ppl = float("nan")
-        targets = ids[prefill + 1:]
-        for spec in specs:
-            t0 = time.perf_counter()
-            cache = spec.make(c.n_layers, c.n_kv_heads, c.head_dim, **model_cache_options(model))
-            scored, tps = _decode_logits(model, ids, cache, prefill, chunk_size, spec.label, progress)
-            if ref_logits is None:
-                ref_logits = scored
-                m = compare_logits(scored, scored, targets)
-                ref_ppl = m["ppl"]
-            else:
-                m = compare_logits(ref_logits, scored, targets)
-            gens: list[dict[str, Any]] = []
-            gen_match: float | None = None
-            paris: bool | None = None
-            if gen_tokens and prompts:
-                new = _greedy(model, tokenizer, spec, prompts, gen_tokens, chunk_size)
-                if not ref_gen:
-                    ref_gen = new
-                gens, gen_match, paris = _compare_generations(tokenizer, prompts, new, ref_gen)
-            rows.append(_eval_row(spec, m, ref_ppl, cache, c, tps, gen_match, paris, gens,
-                                  time.perf_counter() - t0))
 
-    config = {
+def _run_config(model: Any, model_path: str | Path | None, text: TextTokens, tokens: int, prefill: int,
+                chunk_size: int | None, specs: Sequence[CacheSpec], prompts: Sequence[str], gen_tokens: int,
+                n_threads: int) -> dict[str, Any]:
+    """The ``config`` section of the JSON document (:meth:`EvalResult.to_json`)."""
+    return {
         "model": model_label(model_path),
-        "model_name": getattr(c, "name", ""),
-        "text": str(text_file), "text_sha256": hashlib.sha256(raw).hexdigest(), "text_tokens": len(ids_all),
+        "model_name": getattr(model.config, "name", ""),
+        "text": str(text.file), "text_sha256": hashlib.sha256(text.raw).hexdigest(), "text_tokens": text.n_tokens,
         "tokens": int(tokens), "prefill": int(prefill), "scored_positions": int(tokens - prefill - 1),
         "chunk_size": chunk_size, "caches": [s.label for s in specs],
         "prompts": list(prompts) if gen_tokens else [], "gen_tokens": int(gen_tokens), "threads": int(n_threads),
     }
-    return EvalResult(config=config, env=env, rows=rows, wall_s=time.perf_counter() - t_start)
 
 
 def _check_counts(tokens: int, prefill: int, gen_tokens: int) -> None:

@@ -232,52 +232,82 @@ def simulate_logits(model: Any, tokens: Sequence[int], n_prefill: int, *, k_quan
     vq = _per_layer(v_quant, c.n_layers, "v_quant")
     m = _masks(n, int(n_prefill), chunk_size, int(residual_length), int(sink_tokens))
     fp16 = str(window_dtype) == "float16" and bool(m["win"].any())
-    # tokens compressed when they leave a float16 window are quantized from their float16 copy
-    via = (_via_window(n, int(n_prefill), chunk_size, int(residual_length), int(sink_tokens))
-           if str(window_dtype) == "float16" else np.zeros(n, dtype=bool))
-    via4 = via[None, None, :, None] if via.any() else None
+    quant_input = _window_rounding(n, int(n_prefill), chunk_size, int(residual_length), int(sink_tokens),
+                                   str(window_dtype))
 
-    def quant_input(x: np.ndarray) -> np.ndarray:
-        return x if via4 is None else np.where(via4, x.astype(np.float16).astype(np.float32), x)
+    def quantizer(spec: QuantSpec) -> Callable[[np.ndarray], np.ndarray] | None:
+        return None if spec is None else (lambda x: _apply_quant(spec, quant_input(x), norm_mode))
 
-    hd, nh, nkv = c.head_dim, c.n_heads, c.n_kv_heads
     cos, sin = rope_tables(np.arange(n), c.rope_dim, c.rope_theta, model.freq_factors)
-    start = 0
-    if dense_states is not None:
-        if len(dense_states) != c.n_layers + 1:
-            raise ValueError(f"dense_states: expected {c.n_layers + 1} arrays (return_states=True), "
-                             f"got {len(dense_states)}")
-        touched = [i for i in range(c.n_layers) if kq[i] is not None or vq[i] is not None]
-        start = touched[0] if touched else c.n_layers
-        x = np.array(dense_states[start], dtype=np.float32)
-    else:
-        x = model.tok_embd[ids]
+    start, x = _first_layer_input(model, ids, kq, vq, dense_states)
     states: list[np.ndarray] = []
     for li in range(start, c.n_layers):
-        L = model.layers[li]
         if return_states:
             states.append(x.copy())
-        h = rms_norm(x, L.attn_norm, c.rms_eps)
-        q = apply_rope((h @ L.wq.T).reshape(n, nh, hd).transpose(1, 0, 2)[None], cos, sin)[0]
-        k = apply_rope((h @ L.wk.T).reshape(n, nkv, hd).transpose(1, 0, 2)[None], cos, sin)
-        v = np.ascontiguousarray((h @ L.wv.T).reshape(n, nkv, hd).transpose(1, 0, 2)[None])
-        k_hat = None if kq[li] is None else _apply_quant(kq[li], quant_input(k), norm_mode)
-        v_hat = None if vq[li] is None else _apply_quant(vq[li], quant_input(v), norm_mode)
-        o = _masked_attention(q, k[0], v[0], None if k_hat is None else k_hat[0],
-                              None if v_hat is None else v_hat[0], m, model.softmax_scale, c.n_kv_groups,
-                              fp16)
-        x += o.transpose(1, 0, 2).reshape(n, nh * hd) @ L.wo.T
-        h = rms_norm(x, L.ffn_norm, c.rms_eps)
-        g = h @ L.w_gate.T
-        u = h @ L.w_up.T
-        s = np.tanh(g * np.float32(0.5))
-        s += 1.0
-        s *= np.float32(0.5)
-        g *= s
-        g *= u
-        x += g @ L.w_down.T
+        _masked_block(model, li, x, cos, sin, quantizer(kq[li]), quantizer(vq[li]), m, fp16)
     logits = model.output_logits(x[int(n_prefill) - 1:], "all")
     if return_states:
         states.append(x.copy())
         return logits, states
     return logits
+
+
+def _window_rounding(n: int, n_prefill: int, chunk_size: int | None, residual_length: int, sink_tokens: int,
+                     window_dtype: str) -> Callable[[np.ndarray], np.ndarray]:
+    """The input of the quantizer for ``x`` ``[1, kv_heads, n, head_dim]``: tokens compressed when
+    they leave a float16 window are quantized from their float16 copy (as the cache does)."""
+    via = (_via_window(n, n_prefill, chunk_size, residual_length, sink_tokens)
+           if window_dtype == "float16" else np.zeros(n, dtype=bool))
+    via4 = via[None, None, :, None] if via.any() else None
+
+    def quant_input(x: np.ndarray) -> np.ndarray:
+        return x if via4 is None else np.where(via4, x.astype(np.float16).astype(np.float32), x)
+
+    return quant_input
+
+
+def _first_layer_input(model: Any, ids: np.ndarray, kq: list[Any], vq: list[Any],
+                       dense_states: list[np.ndarray] | None) -> tuple[int, np.ndarray]:
+    """Where the pass starts: layer 0 with the token embeddings, or, given the states of a
+    dense run, the first layer that quantizes anything with its (copied) input state."""
+    c = model.config
+    if dense_states is None:
+        return 0, model.tok_embd[ids]
+    if len(dense_states) != c.n_layers + 1:
+        raise ValueError(f"dense_states: expected {c.n_layers + 1} arrays (return_states=True), "
+                         f"got {len(dense_states)}")
+    touched = [i for i in range(c.n_layers) if kq[i] is not None or vq[i] is not None]
+    start = touched[0] if touched else c.n_layers
+    return start, np.array(dense_states[start], dtype=np.float32)
+
+
+def _masked_block(model: Any, li: int, x: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                  k_quant: Callable[[np.ndarray], np.ndarray] | None,
+                  v_quant: Callable[[np.ndarray], np.ndarray] | None, m: dict[str, np.ndarray],
+                  fp16: bool) -> None:
+    """Transformer block ``li`` over all ``n`` positions at once, adding into ``x`` ``(n, dim)``
+    in place: attention through :func:`_masked_attention` (``k_quant`` / ``v_quant`` map
+    ``[1, kv_heads, n, head_dim]`` to its reconstruction, ``None``: exact), then the SwiGLU FFN
+    (sigmoid as ``(1 + tanh(g/2)) / 2``)."""
+    c = model.config
+    L = model.layers[li]
+    n = x.shape[0]
+    hd, nh, nkv = c.head_dim, c.n_heads, c.n_kv_heads
+    h = rms_norm(x, L.attn_norm, c.rms_eps)
+    q = apply_rope((h @ L.wq.T).reshape(n, nh, hd).transpose(1, 0, 2)[None], cos, sin)[0]
+    k = apply_rope((h @ L.wk.T).reshape(n, nkv, hd).transpose(1, 0, 2)[None], cos, sin)
+    v = np.ascontiguousarray((h @ L.wv.T).reshape(n, nkv, hd).transpose(1, 0, 2)[None])
+    k_hat = None if k_quant is None else k_quant(k)
+    v_hat = None if v_quant is None else v_quant(v)
+    o = _masked_attention(q, k[0], v[0], None if k_hat is None else k_hat[0],
+                          None if v_hat is None else v_hat[0], m, model.softmax_scale, c.n_kv_groups, fp16)
+    x += o.transpose(1, 0, 2).reshape(n, nh * hd) @ L.wo.T
+    h = rms_norm(x, L.ffn_norm, c.rms_eps)
+    g = h @ L.w_gate.T
+    u = h @ L.w_up.T
+    s = np.tanh(g * np.float32(0.5))
+    s += 1.0
+    s *= np.float32(0.5)
+    g *= s
+    g *= u
+    x += g @ L.w_down.T

@@ -457,7 +457,7 @@ class LlamaModel:
         if logits not in ("last", "all", "none"):
             raise ValueError(f"logits: expected 'last', 'all' or 'none', got {logits!r}")
         t = ids.size
-        hd, nh, nkv = c.head_dim, c.n_heads, c.n_kv_heads
+        hd, nh = c.head_dim, c.n_heads
         positions = np.arange(start_pos, start_pos + t)
         tables = {}
         for theta in {c.layer_rope_theta(i) for i in range(c.n_layers)}:
@@ -467,60 +467,82 @@ class LlamaModel:
             x *= self.embed_scale
         for li, L in enumerate(self.layers):
             cos, sin = tables[c.layer_rope_theta(li)]
-            h = rms_norm(x, L.attn_norm, c.rms_eps)
-            # [T, H*hd] -> [1, H, T, hd]
-            q = (h @ L.wq.T).reshape(t, nh, hd).transpose(1, 0, 2)[None]
-            k = (h @ L.wk.T).reshape(t, nkv, hd).transpose(1, 0, 2)[None]
-            v = np.ascontiguousarray((h @ L.wv.T).reshape(t, nkv, hd).transpose(1, 0, 2)[None])
-            if L.q_norm is not None:  # QK-norm: RMSNorm over each head's vector, before RoPE
-                q = rms_norm(q, L.q_norm, c.rms_eps)
-                k = rms_norm(k, L.k_norm, c.rms_eps)
-            q = apply_rope(q, cos, sin, c.rope_neox)
-            k = apply_rope(k, cos, sin, c.rope_neox)
-            window = self.layer_windows[li]
-            # a local layer whose history outgrows its window cannot use the cache's own
-            # (full-history) attention: store through prefill, which returns the whole
-            # dequantized history, and apply the sliding mask here
-            windowed = (window is not None and int(cache.seq_len(li)) + t > window
-                        and _cache_window(cache, li) != window)
-            if use_decode and not windowed:
-                res = cache.decode(li, k, v, q, self.attend_config)
-                if isinstance(res, Fused):
-                    o = np.asarray(_host(res.out), dtype=np.float32)
-                elif isinstance(res, Dequantized):
-                    o = self._attend(q, res.result, window)
-                else:
-                    raise TypeError(f"cache.decode returned {type(res).__name__}, "
-                                    "expected Fused or Dequantized")
-            else:
-                res = cache.prefill(li, k, v, q)
-                if not isinstance(res, DequantResult):
-                    raise TypeError(f"cache.prefill returned {type(res).__name__}, expected DequantResult")
-                o = self._attend(q, res, window)
-            if o.shape != (1, nh, t, hd):
-                raise ValueError(f"cache layer {li}: attention output has shape {o.shape}, "
-                                 f"expected {(1, nh, t, hd)}")
+            q, k, v = self._qkv(L, rms_norm(x, L.attn_norm, c.rms_eps), cos, sin)
+            o = self._cache_attention(li, cache, q, k, v, use_decode)
             a = o[0].transpose(1, 0, 2).reshape(t, nh * hd) @ L.wo.T
             if L.post_attn_norm is not None:
                 a = rms_norm(a, L.post_attn_norm, c.rms_eps)
             x += a
-            h = rms_norm(x, L.ffn_norm, c.rms_eps)
-            g = h @ L.w_gate.T
-            u = h @ L.w_up.T
-            if self.gemma:
-                g = gelu_tanh(g)
-            else:
-                # silu(g)·u with sigmoid(g) = (1 + tanh(g/2)) / 2: no exp overflow warnings
-                s = np.tanh(g * np.float32(0.5))
-                s += 1.0
-                s *= np.float32(0.5)
-                g *= s
-            g *= u
-            f = g @ L.w_down.T
-            if L.post_ffn_norm is not None:
-                f = rms_norm(f, L.post_ffn_norm, c.rms_eps)
-            x += f
+            x += self._ffn(L, rms_norm(x, L.ffn_norm, c.rms_eps))
         return self.output_logits(x, logits)
+
+    def _qkv(self, L: _Layer, h: np.ndarray, cos: np.ndarray,
+             sin: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Queries ``[1, H, T, hd]`` and keys / values ``[1, KVH, T, hd]`` (float32) of layer ``L``
+        from the normed hidden states ``h`` ``[T, dim]``: projections, QK-norm, RoPE (``cos``/``sin``)."""
+        c = self.config
+        t, hd, nh, nkv = h.shape[0], c.head_dim, c.n_heads, c.n_kv_heads
+        # [T, H*hd] -> [1, H, T, hd]
+        q = (h @ L.wq.T).reshape(t, nh, hd).transpose(1, 0, 2)[None]
+        k = (h @ L.wk.T).reshape(t, nkv, hd).transpose(1, 0, 2)[None]
+        v = np.ascontiguousarray((h @ L.wv.T).reshape(t, nkv, hd).transpose(1, 0, 2)[None])
+        if L.q_norm is not None:  # QK-norm: RMSNorm over each head's vector, before RoPE
+            q = rms_norm(q, L.q_norm, c.rms_eps)
+            k = rms_norm(k, L.k_norm, c.rms_eps)
+        q = apply_rope(q, cos, sin, c.rope_neox)
+        k = apply_rope(k, cos, sin, c.rope_neox)
+        return q, k, v
+
+    def _cache_attention(self, li: int, cache: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                         use_decode: bool) -> np.ndarray:
+        """Store ``k``/``v`` of layer ``li`` in ``cache`` and attend with ``q`` (see :meth:`step`);
+        the attention output ``[1, H, T, hd]`` float32, its shape checked."""
+        t = q.shape[2]
+        window = self.layer_windows[li]
+        # a local layer whose history outgrows its window cannot use the cache's own
+        # (full-history) attention: store through prefill, which returns the whole
+        # dequantized history, and apply the sliding mask here
+        windowed = (window is not None and int(cache.seq_len(li)) + t > window
+                    and _cache_window(cache, li) != window)
+        if use_decode and not windowed:
+            res = cache.decode(li, k, v, q, self.attend_config)
+            if isinstance(res, Fused):
+                o = np.asarray(_host(res.out), dtype=np.float32)
+            elif isinstance(res, Dequantized):
+                o = self._attend(q, res.result, window)
+            else:
+                raise TypeError(f"cache.decode returned {type(res).__name__}, "
+                                "expected Fused or Dequantized")
+        else:
+            res = cache.prefill(li, k, v, q)
+            if not isinstance(res, DequantResult):
+                raise TypeError(f"cache.prefill returned {type(res).__name__}, expected DequantResult")
+            o = self._attend(q, res, window)
+        expected = (1, self.config.n_heads, t, self.config.head_dim)
+        if o.shape != expected:
+            raise ValueError(f"cache layer {li}: attention output has shape {o.shape}, "
+                             f"expected {expected}")
+        return o
+
+    def _ffn(self, L: _Layer, h: np.ndarray) -> np.ndarray:
+        """Feed-forward output ``[T, dim]`` of layer ``L`` from the normed hidden states ``h``:
+        SwiGLU (Llama) or GeGLU with tanh-GELU (Gemma), then the optional post-FFN norm."""
+        c = self.config
+        g = h @ L.w_gate.T
+        u = h @ L.w_up.T
+        if self.gemma:
+            g = gelu_tanh(g)
+        else:
+            # silu(g)·u with sigmoid(g) = (1 + tanh(g/2)) / 2: no exp overflow warnings
+            s = np.tanh(g * np.float32(0.5))
+            s += 1.0
+            s *= np.float32(0.5)
+            g *= s
+        g *= u
+        f = g @ L.w_down.T
+        if L.post_ffn_norm is not None:
+            f = rms_norm(f, L.post_ffn_norm, c.rms_eps)
+        return f
 
     def _attend(self, q: np.ndarray, r: DequantResult, window: int | None = None) -> np.ndarray:
         bias = None if r.logit_bias is None else _host(r.logit_bias)
