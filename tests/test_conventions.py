@@ -342,15 +342,15 @@ def cross_module_private_names(path: pathlib.Path, module: str, modules: set[str
 
 def test_private_name_scan_finds_every_form(tmp_path):
     f = tmp_path / "mod.py"
-    f.write_text("from .qjl import sketch_arg, SKETCH_SEED\nfrom .. import _backend\nfrom . import half\n"
+    f.write_text("from .qjl import _sketch_arg, SKETCH_SEED\nfrom .. import _backend\nfrom . import half\n"
                  "import numba_kv.ops.hadamard as hd\nfrom .attention import __all__\n"
-                 "def g():\n    from .attention import _merge_partitions_cpu\n    return half.f32_to_f16_bits, "
+                 "def g():\n    from .attention import _merge_partitions_cpu\n    return half._f32_to_f16_bits, "
                  "hd._rotate32_inverse, _backend.xp_of, half.__name__\n")
     mods = {"numba_kv._backend", "numba_kv.ops.qjl", "numba_kv.ops.half", "numba_kv.ops.hadamard",
             "numba_kv.ops.attention", "numba_kv.ops.mod"}
     found = sorted(n for _, n in cross_module_private_names(f, "numba_kv.ops.mod", mods))
     assert found == ["numba_kv.ops.attention._merge_partitions_cpu", "numba_kv.ops.hadamard._rotate32_inverse",
-                     "numba_kv.ops.half.f32_to_f16_bits", "numba_kv.ops.qjl.sketch_arg"]
+                     "numba_kv.ops.half._f32_to_f16_bits", "numba_kv.ops.qjl._sketch_arg"]
 
 
 def test_no_private_name_crosses_modules():
