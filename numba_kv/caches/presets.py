@@ -69,8 +69,9 @@ _BASE = "pqo-k4v3-head-eden"
 _BASE_OPTIONS = {"key_center": True, "window_dtype": "int8"}
 
 #: The presets.  Chosen by measurement on SmolLM2-135M (head_dim 64) and Gemma-3-270M
-#: (head_dim 256), N = 1024, P = 128 (README, "Presets").  PROVISIONAL until the table
-#: there is filled in: both spend the whole budget on the int8 window, no protected layers.
+#: (head_dim 256), N = 1024, P = 128 (README, "Named presets"): at equal bits, protecting
+#: the first and last layers (4-bit values or an all-int8 layer) bought no more than the
+#: window those bytes would buy, so both presets spend the whole budget on the int8 window.
 PRESETS: dict[str, Preset] = {
     "kv4": Preset("kv4", _BASE, _BASE_OPTIONS, 4.0,
                   summary="<= 4.0 bits/value at 1,024 tokens: 4-bit keys, 3-bit values, int8 window"),

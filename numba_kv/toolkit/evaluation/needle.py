@@ -81,17 +81,19 @@ def answer_found(text: str) -> tuple[bool, bool]:
         :data:`NEEDLE_ANSWER` occurs in ``text`` (case and whitespace ignored).
     exact : bool
         ``text`` starts with the needle's answer phrase (``"eat a sandwich and sit in
-        Dolores Park"``, case and whitespace ignored).
+        Dolores Park"``, optionally after ``"to "``; case and whitespace ignored).
 
     Examples
     --------
     >>> answer_found(" eat a sandwich and sit in Dolores Park on a sunny day.")
     (True, True)
+    >>> answer_found(" to eat a sandwich and sit in Dolores Park on a")
+    (True, True)
     >>> answer_found(" to visit the Golden Gate Bridge.")
     (False, False)
     """
     t = _norm(text)
-    return _norm(NEEDLE_ANSWER) in t, t.startswith(_norm(_EXACT_ANSWER))
+    return _norm(NEEDLE_ANSWER) in t, t.removeprefix("to ").startswith(_norm(_EXACT_ANSWER))
 
 
 def essays_text() -> str:

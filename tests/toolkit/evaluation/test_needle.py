@@ -20,6 +20,8 @@ def test_answer_found_known_strings():
     assert answer_found(" eat a sandwich and sit in Dolores Park on a sunny day.") == (True, True)
     assert answer_found("  EAT a sandwich and sit in\ndolores   park") == (True, True)
     assert answer_found(" to go to Dolores Park.") == (True, False)
+    assert answer_found(" To eat a sandwich and sit in Dolores Park") == (True, True)
+    assert answer_found(" to to eat a sandwich and sit in Dolores Park") == (True, False)
     assert answer_found(" to eat a sandwich in the park.") == (False, False)
     assert answer_found("") == (False, False)
 

@@ -1,0 +1,82 @@
+"""Measure preset candidates on a real model, one JSON line per cache (so a long run that is
+stopped keeps the rows it finished): the table that chose ``kv4`` / ``kv5``.
+
+Same measurement as ``numba-kv eval`` (teacher-forced decode, dense as the reference, the
+statistics of :func:`numba_kv.metrics.compare_logits`, bits/value from ``memory_usage()``),
+without the greedy check.  Usage::
+
+    NUMBA_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python benchmarks/preset_sweep.py \
+        --model smollm2 --out benchmarks/results/presets-smollm2.jsonl NAME=SPEC_JSON ...
+
+Each candidate is ``LABEL=JSON`` with JSON ``{"name": ..., "options": {...}}`` (options may
+hold ``layer_overrides``) or a cache spec string (a preset name, ``pqo3-r32-s4``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from numba_kv.caches.spec import CacheSpec, parse_cache_spec
+from numba_kv.metrics import compare_logits
+from numba_kv.toolkit import models
+from numba_kv.toolkit.evaluation import evaluate as ev
+
+
+def _spec(text: str) -> CacheSpec:
+    if text.lstrip().startswith("{"):
+        d = json.loads(text)
+        opts = dict(d.get("options", {}))
+        if "layer_overrides" in opts:
+            opts["layer_overrides"] = {int(k): v for k, v in opts["layer_overrides"].items()}
+        return CacheSpec(d["name"], opts)
+    return parse_cache_spec(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--prefill", type=int, default=128)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("candidates", nargs="+", help="LABEL=SPEC")
+    args = ap.parse_args(argv)
+    model, tok = models.load_model(args.model)
+    c = model.config
+    text = ev.resolve_text(None)
+    ids = np.asarray(tok.encode(text.read_text(encoding="utf-8", errors="replace"))[:args.tokens], dtype=np.int64)
+    targets = ids[args.prefill + 1:]
+    cands = [("dense", CacheSpec("dense", {}))] + [(lab, _spec(s)) for lab, s in
+                                                   (a.split("=", 1) for a in args.candidates)]
+    ref = None
+    ref_ppl = float("nan")
+    with open(args.out, "a", encoding="utf-8") as f:
+        for label, spec in cands:
+            t0 = time.perf_counter()
+            ev._warm_up(model, ids, [spec], 256)
+            cache = spec.make(c.n_layers, c.n_kv_heads, c.head_dim, **ev.model_cache_options(model))
+            scored, tps = ev._decode_logits(model, ids, cache, args.prefill, 256, label, False)
+            if ref is None:
+                ref = scored
+                m = compare_logits(scored, scored, targets)
+                ref_ppl = m["ppl"]
+            else:
+                m = compare_logits(ref, scored, targets)
+            row = ev._eval_row(spec, m, ref_ppl, cache, c, tps, None, None, [], time.perf_counter() - t0)
+            doc = ev._json_safe({"label": label, "model": args.model, "tokens": args.tokens,
+                                 "prefill": args.prefill, "cache_name": getattr(cache, "name", ""),
+                                 **{k: v for k, v in vars(row).items() if k != "generations"}})
+            f.write(json.dumps(doc) + "\n")
+            f.flush()
+            print(f"{label}: bits {row.bits_per_value:.3f} dPPL {row.ppl_change_pct:+.2f}% +- "
+                  f"{row.ppl_change_se:.2f} top1 {row.top1_agreement:.3f} KL {row.kl_mean:.4f} "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
