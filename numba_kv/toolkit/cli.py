@@ -16,7 +16,7 @@ from typing import Any
 
 from numba_kv import info as env_info
 
-from . import bench, demo, models, recommend
+from . import bench, bench_cuda, demo, models, recommend
 from .evaluation import analysis, analysis_report, evaluate, needle
 from .models.gguf_loader import ModelNotFoundError
 from .specs import EvalConfigError, parse_cache_specs, split_cache_list
@@ -80,6 +80,8 @@ def _bench_modes(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     if args.what == "modes":
         return _bench_modes(args)
+    if args.device == "cuda":
+        return _bench_attention_cuda(args)
 
     tokens = [int(t) for t in (args.tokens or "4096,32768,131072").split(",")]
     bits = [int(b) for b in args.bits.split(",")]
@@ -96,6 +98,28 @@ def _bench(args: argparse.Namespace) -> int:
             sys.stderr.write(f"wrote {args.json}\n")
     else:
         bench.print_attention_report(rep)
+    return 0
+
+
+def _bench_attention_cuda(args: argparse.Namespace) -> int:
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else bench_cuda.DEFAULT_TOKENS
+    batch = [int(b) for b in args.batch.split(",")] if args.batch else bench_cuda.DEFAULT_BATCH
+    try:
+        rows = bench_cuda.run_attention_bench_cuda(tokens, batch, [int(b) for b in args.bits.split(",")],
+                                                   repeat=args.repeat, progress=not args.no_progress)
+    except bench_cuda.CudaBenchUnavailable as exc:
+        return _user_error("bench attention", exc)
+    if args.json:
+        text = json.dumps({"config": vars(args) | {"func": None}, "rows": bench_cuda.rows_as_dicts(rows)},
+                          indent=2, default=str)
+        if args.json == "-":
+            sys.stdout.write(text + "\n")
+        else:
+            with open(args.json, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+            sys.stderr.write(f"wrote {args.json}\n")
+    else:
+        sys.stdout.write(bench_cuda.render(rows))
     return 0
 
 
@@ -346,6 +370,9 @@ def _add_bench(sub: Any) -> None:
     b.add_argument("--tokens", default=None,
                    help="attention: comma-separated (default 4096,32768,131072); modes: N (default 2048)")
     b.add_argument("--bits", default="3,4")
+    b.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="attention: cuda = GPU benchmark (CuPy; tokens default 4096..131072, batch 1,8,32)")
+    b.add_argument("--batch", default=None, help="attention --device cuda: comma-separated (default 1,8,32)")
     b.add_argument("--repeat", type=int, default=5)
     b.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="write JSON to FILE ('-' or no FILE: print it instead of the tables)")
