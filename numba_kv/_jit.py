@@ -23,6 +23,8 @@ from collections.abc import Callable
 
 from numba import cuda, njit
 
+from . import _config
+
 __all__ = ["CORES", "FASTMATH_REDUCE", "cpu_call", "cpu_kernel", "cpu_serial", "cuda_device", "cuda_kernel", "twin"]
 
 # plain function -> (cpu variant, device variant)
@@ -88,8 +90,6 @@ def cpu_kernel(fn: Callable | None = None, *, fastmath: bool | set | frozenset =
 def cpu_call(kernel: Callable, work: int, *args):
     """Run CPU twin ``kernel`` in parallel, or its serial compilation when ``work`` (scalar
     operations, roughly) is below the ``cpu_parallel_min_work`` knob of :mod:`numba_kv._config`."""
-    from . import _config  # noqa: PLC0415
-
     if work < _config.get("cpu_parallel_min_work"):
         return kernel.serial(*args)
     return kernel(*args)

@@ -9,7 +9,7 @@ imports nothing of ``ops``.  The checks that need a kernel to read the values (N
 range statistics: :func:`~numba_kv.ops.finite.check_finite`,
 :func:`~numba_kv.ops.finite.check_finite_stats`,
 :func:`~numba_kv.ops.finite.check_rotation_input`) live next to their kernels in
-:mod:`numba_kv.ops.finite`; the old names here still resolve, lazily.
+:mod:`numba_kv.ops.finite`; import them from there.
 """
 
 from __future__ import annotations
@@ -144,18 +144,3 @@ def check_head_dim(head_dim: Any) -> int:
         raise ValueError(f"head_dim: expected a positive multiple of 32 (the rotation block), got {hd}")
     return hd
 
-
-#: names that moved next to their kernels in :mod:`numba_kv.ops.finite`
-_MOVED = frozenset({"check_finite", "check_finite_stats", "check_rotation_input", "RangeStats", "range_stats",
-                    "all_finite"})
-
-
-def __getattr__(name: str) -> Any:
-    """Resolve the value checks that moved to :mod:`numba_kv.ops.finite` (old import paths)."""
-    if name in _MOVED:
-        # the one deferred import here: ops.finite imports this module, so importing it at
-        # module level would be a cycle through the ops package
-        from .ops import finite  # noqa: PLC0415
-
-        return getattr(finite, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -45,11 +45,12 @@ from typing import Any
 import numpy as np
 
 from . import _backend
-from ._validate import check_finite, check_float_array
+from ._validate import check_float_array
 from .caches.mla import MLACache, SimpleMLACache
 from .caches.paged import PagedKVCache
 from .ops import intquant, lowrank, vq
 from .ops.bitpack import pack_bits, unpack_bits
+from .ops.finite import check_finite
 from .ops.gather import gather_rows, scatter_rows, to_like
 
 __all__ = ["CompressionMethod", "LowRank", "VectorQuantization", "Hybrid", "CompressedTensor", "CompressedKV",

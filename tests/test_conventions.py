@@ -366,7 +366,7 @@ def test_no_private_name_crosses_modules():
 
 # -- sizes: modules a reader takes in whole, functions that fit on a screen ----------------------
 MAX_MODULE_LINES = 700
-MAX_FUNCTION_LINES = 90  # ``end_lineno - lineno``: signature, docstring and body
+MAX_FUNCTION_LINES = 90  # lines after the ``def`` line, the docstring not counted
 
 # current offenders, each with its reason; the toolkit has none and may not gain any
 _LONG_MODULES: dict[str, str] = {}
@@ -430,3 +430,57 @@ def test_module_and_function_sizes():
             if in_toolkit or f"{rel}::{name}" not in _LONG_FUNCTIONS:
                 bad.append(f"{rel}::{name}: {lines} lines (max {MAX_FUNCTION_LINES}): split it into named helpers")
     assert not bad, "too long:\n" + "\n".join(bad)
+
+
+#: the most imports a function body may hold, package-wide (each one needs a reason)
+MAX_FUNCTION_IMPORTS = 10
+
+
+def function_level_imports(path: pathlib.Path) -> list[tuple[int, str]]:
+    """``(line number, source line)`` of every import statement inside a function body of ``path``."""
+    source = path.read_text()
+    lines = source.splitlines()
+    out = []
+    for fn in ast.walk(ast.parse(source)):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    out.append((node.lineno, lines[node.lineno - 1]))
+    return sorted(set(out))
+
+
+def _import_reason(line: str) -> str:
+    """The reason after ``# noqa: PLC0415`` on ``line`` ('' without one)."""
+    _, sep, rest = line.partition("# noqa: PLC0415")
+    return rest.strip(" -:—") if sep else ""
+
+
+def test_function_import_scan_and_reason(tmp_path):
+    f = tmp_path / "mod.py"
+    f.write_text("import os\n\n\ndef g():\n    import json  # noqa: PLC0415 - optional dependency here\n"
+                 "    if os:\n        from . import x  # noqa: PLC0415\n    return json\n")
+    found = function_level_imports(f)
+    assert [n for n, _ in found] == [5, 7]
+    assert _import_reason(found[0][1]) == "optional dependency here" and _import_reason(found[1][1]) == ""
+
+
+def test_function_level_imports_are_few_and_justified():
+    """Imports inside functions hide a module's dependencies and cost a lookup per call: at most
+    :data:`MAX_FUNCTION_IMPORTS` in the package, each marked ``# noqa: PLC0415`` with its reason
+    (a named import cycle or an optional dependency) of a few words.  A run of adjacent imports
+    may share the reason written on its first line."""
+    found, bad = [], []
+    for _, path in _package_modules():
+        rel = path.relative_to(PKG.parent)
+        previous, reason = -2, ""
+        for n, line in function_level_imports(path):
+            found.append(f"{rel}:{n}")
+            if "# noqa: PLC0415" not in line:
+                bad.append(f"{rel}:{n} lacks '# noqa: PLC0415'")
+                continue
+            reason = _import_reason(line) or (reason if n == previous + 1 else "")
+            previous = n
+            if len(reason.split()) < 3:
+                bad.append(f"{rel}:{n} gives no reason (a few words after the noqa)")
+    assert len(found) <= MAX_FUNCTION_IMPORTS, f"{len(found)} function-level imports:\n" + "\n".join(found)
+    assert not bad, "\n".join(bad)

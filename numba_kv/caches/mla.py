@@ -43,7 +43,8 @@ from typing import Any
 import numpy as np
 
 from .. import _backend
-from .._validate import check_finite, check_float_array, check_int, check_layer
+from .._validate import check_float_array, check_int, check_layer
+from ..ops.finite import check_finite
 from ..ops.gather import to_like
 from ..ops.lowrank import project_into, reconstruct_into
 from .paged import DEFAULT_PAGE_SIZE, PagedKVCache, PageTable

@@ -45,7 +45,6 @@ from .. import _backend
 from .._validate import (
     F16_MAX,
     F32_MAX,
-    check_finite_stats,
     check_float_array,
     check_int,
     check_layer,
@@ -54,7 +53,9 @@ from .._validate import (
 )
 from ..ops.blockquant import dequantize_into, packed_dim, quantize_into
 from ..ops.codebook import get_codebook
+from ..ops.finite import check_finite_stats
 from ..ops.gather import gather_rows, scatter_rows, to_like
+from ..ops.paged_attention import paged_decode_attention
 from ._format import save_cache
 from ._lifecycle import copy_array, take_rows
 
@@ -516,8 +517,6 @@ class PagedKVCache:
         page table without dequantizing.  See
         :func:`numba_kv.ops.paged_attention.paged_decode_attention`.
         """
-        from ..ops.paged_attention import paged_decode_attention  # noqa: PLC0415
-
         table = self.page_table(layer, seq_ids, on_device=True)
         pools = self._attention_pools()
         lens = [self.seq_len(layer, s) for s in (seq_ids if seq_ids is not None else self.sequences)]

@@ -29,10 +29,11 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .. import _backend
-from .._validate import F16_MAX, check_finite_stats, check_magnitude, check_stored_f16
+from .._validate import F16_MAX, check_magnitude, check_stored_f16
 from ..ops.attention import CodeLayout, fused_attention_rows
 from ..ops.blockquant import dequantize_into, quantize_into
 from ..ops.codebook import get_codebook
+from ..ops.finite import check_finite_stats
 from ..ops.hadamard import rotate32_rows
 from ..ops.headquant import dequantize_head_into, head_signs, quantize_head_into, rotate_head_rows
 from ._layer import BufferSpec, LayeredCache, LayerState, shift_front

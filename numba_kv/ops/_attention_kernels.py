@@ -73,7 +73,7 @@ def _tile_tokens(d):
     return min(MAX_TILE_TOKENS, SMEM_TILE // (d + 1))
 
 
-tile_tokens_cpu, tile_tokens_dev = twin(_tile_tokens)
+_, tile_tokens_dev = twin(_tile_tokens)
 
 
 def rows_per_block(d: int) -> int:

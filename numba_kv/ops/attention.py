@@ -34,17 +34,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numba
 import numpy as np
 
 from .. import _backend, _config
+from .._validate import check_float_array, check_shape
 from ._attention_kernels import (
     DECODE_ATTENTION,
     MAX_HEAD_DIM,
     MERGE_PARTITIONS,
     rows_per_block,
 )
+from .codebook import Codebook, get_codebook
+from .finite import check_finite, check_rotation_input
 from .gather import to_like
 from .hadamard import SIGNS32, rotate32
+from .headquant import head_signs, rotate_head
+from .lowrank import project_into
+from .qjl import qjl_constant, sketch_arg
 
 __all__ = ["CodeLayout", "F16_ABS_TABLE", "decode_attention", "default_partition_size", "fused_attention_rows"]
 
@@ -87,8 +94,6 @@ def launch_merge(dev: str, margs: tuple, n_g: int, rows: int, d: int, work: int)
 def default_partition_size(n_tokens: int, n_rows_kv: int, device: str) -> int:
     """Tokens per partition: enough partitions to occupy the machine, at least one tile."""
     if device == _backend.CPU:
-        import numba  # noqa: PLC0415
-
         want = 4 * numba.get_num_threads()
         per = -(-n_tokens // max(1, -(-want // max(n_rows_kv, 1))))
         return int(max(4 * TILE, -(-per // TILE) * TILE))
@@ -214,8 +219,6 @@ def fused_attention_rows(qr: Any, q: Any, kc: Any, ks: Any, vc: Any, vs: Any, n_
 
 
 def _codebook_for(name: str, bits: Any, norm_mode: str, codebook: Any, block: int = 32):
-    from .codebook import Codebook, get_codebook  # noqa: PLC0415
-
     if codebook is not None:
         if not isinstance(codebook, Codebook):
             raise TypeError(f"{name}_codebook: expected a Codebook, got {type(codebook).__name__}")
@@ -288,8 +291,6 @@ def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales
     >>> decode_attention(q, kc, ks, vc, vs).shape
     (1, 4, 1, 64)
     """
-    from .._validate import check_finite, check_float_array, check_rotation_input, check_shape  # noqa: PLC0415
-
     _backend.resolve_device(backend, q=q, k_codes=k_codes, k_scales=k_scales, v_codes=v_codes,
                             v_scales=v_scales, logit_bias=logit_bias, k_exact=k_exact, v_exact=v_exact,
                             exact_positions=exact_positions)
@@ -333,8 +334,6 @@ def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales
         ke = ve = _backend.empty(q3, (g, 0, d), np.float32)
     qjl = None if k_qjl is None else _qjl_args(k_qjl, q3, b, hkv, T, d)
     if head:
-        from .headquant import head_signs, rotate_head  # noqa: PLC0415
-
         qr = rotate_head(q3)  # the whole-head rotation of the queries, once per step
         hs = _backend.constant(q3, head_signs(d))
     else:
@@ -358,8 +357,6 @@ def _flat(a: Any, g: int, w: int) -> Any:
 def _check_codes(qshape: tuple, k_codes: Any, k_scales: Any, v_codes: Any, v_scales: Any, kbits: int, vbits: int,
                  n_scales: int) -> tuple[int, int]:
     """Validate the packed K/V of :func:`decode_attention`; returns ``(num_kv_heads, T)``."""
-    from .._validate import check_shape  # noqa: PLC0415
-
     b, hq, _, d = qshape
     if len(k_codes.shape) != 4:
         raise ValueError(f"k_codes: expected 4-D [batch, num_kv_heads, T, packed], got shape {tuple(k_codes.shape)}")
@@ -378,8 +375,6 @@ def _check_codes(qshape: tuple, k_codes: Any, k_scales: Any, v_codes: Any, v_sca
 
 def _check_exact(k_exact: Any, v_exact: Any, b: int, hkv: int, d: int) -> int:
     """Validate the exact tokens of :func:`decode_attention`; returns their count ``E``."""
-    from .._validate import check_finite, check_float_array, check_shape  # noqa: PLC0415
-
     if (k_exact is None) != (v_exact is None):
         raise ValueError("k_exact: k_exact and v_exact must be given together")
     if k_exact is None:
@@ -409,10 +404,6 @@ def _exact_positions(exact_positions: Any, q: Any, T: int, n_exact: int) -> Any:
 def _qjl_args(k_qjl: Any, q3: Any, b: int, hkv: int, T: int, d: int) -> tuple:
     """Validate ``k_qjl = (signs, norms, sketch)`` and project the queries: the ``qjl``
     argument of :func:`fused_attention_rows`."""
-    from .._validate import check_shape  # noqa: PLC0415
-    from .lowrank import project_into  # noqa: PLC0415
-    from .qjl import qjl_constant, sketch_arg  # noqa: PLC0415
-
     if not isinstance(k_qjl, tuple) or len(k_qjl) != 3:
         raise TypeError("k_qjl: expected a tuple (signs, norms, sketch), got "
                         f"{type(k_qjl).__name__}")

@@ -36,9 +36,11 @@ from numba import cuda, float32, int64, prange, uint8, uint16
 
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
+from .._validate import check_f16_result, check_float_array
 from ._registry import register
 from .bitpack import group8_word, load_word, store_word, word_index
 from .codebook import Codebook, bucketize, bucketize_select, get_codebook
+from .finite import check_finite
 from .hadamard import SIGNS32, rotate32_forward_lanes, rotate32_inverse_lanes
 from .half import f16_bits_abs_to_f32, f32_to_f16_bits_sat
 
@@ -369,8 +371,6 @@ def quantize_blocks(x: Any, bits: int = 3, norm_mode: str = "maxnorm", outlier: 
     >>> codes.shape, scales.shape
     ((2, 24), (2, 2))
     """
-    from .._validate import check_f16_result, check_finite, check_float_array  # noqa: PLC0415
-
     cb = _codebook_arg(bits, norm_mode, codebook)
     dev = _backend.resolve_device(backend, x=x)
     check_float_array("x", x)

@@ -28,7 +28,6 @@ SIGN_MASK = 0xB1A6D4B2
 #: the fixed sign vector ``s`` (float32, length 32)
 SIGNS32 = np.array([-1.0 if (SIGN_MASK >> j) & 1 else 1.0 for j in range(BLOCK)], dtype=np.float32)
 SIGNS32.flags.writeable = False
-INV_SQRT32 = np.float32(1.0 / np.sqrt(32.0))
 
 
 # --- single-source cores -------------------------------------------------------------
@@ -49,7 +48,7 @@ def _butterfly32(t, L, h):
                 t[q + l] = a - b
 
 
-butterfly32_cpu, butterfly32_dev = twin(_butterfly32)
+twin(_butterfly32)
 
 
 def _wht32_lanes(t, L):
@@ -64,7 +63,7 @@ def _wht32_lanes(t, L):
         t[m] = t[m] * float32(0.17677669529663687)
 
 
-wht32_lanes_cpu, wht32_lanes_dev = twin(_wht32_lanes)
+twin(_wht32_lanes)
 
 
 def rotate32_forward_lanes(t, L, signs):
@@ -85,8 +84,8 @@ def rotate32_inverse_lanes(t, L, signs):
     _wht32_lanes(t, L)
 
 
-rotate32_forward_lanes_cpu, rotate32_forward_lanes_dev = twin(rotate32_forward_lanes)
-rotate32_inverse_lanes_cpu, rotate32_inverse_lanes_dev = twin(rotate32_inverse_lanes)
+twin(rotate32_forward_lanes)
+twin(rotate32_inverse_lanes)
 
 
 def _wht32(buf):
@@ -104,9 +103,9 @@ def _rotate32_inverse(buf, signs):
     rotate32_inverse_lanes(buf, 1, signs)
 
 
-wht32_cpu, wht32_dev = twin(_wht32)
-rotate32_forward_cpu, rotate32_forward_dev = twin(_rotate32_forward)
-rotate32_inverse_cpu, rotate32_inverse_dev = twin(_rotate32_inverse)
+twin(_wht32)
+twin(_rotate32_forward)
+twin(_rotate32_inverse)
 
 
 def _load_rotate_store(x, r, b, signs, inverse, buf, out):

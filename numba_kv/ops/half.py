@@ -117,4 +117,4 @@ def f16_bits_abs_to_f32(h):
 f32_to_f16_bits_cpu, f32_to_f16_bits_dev = twin(f32_to_f16_bits, inline=True)
 f32_to_f16_bits_sat_cpu, f32_to_f16_bits_sat_dev = twin(f32_to_f16_bits_sat, inline=True)
 f16_bits_to_f32_cpu, f16_bits_to_f32_dev = twin(f16_bits_to_f32, inline=True)
-f16_bits_abs_to_f32_cpu, f16_bits_abs_to_f32_dev = twin(f16_bits_abs_to_f32, inline=True)
+_, f16_bits_abs_to_f32_dev = twin(f16_bits_abs_to_f32, inline=True)

@@ -187,9 +187,9 @@ def _wht_head_lanes(t, d, L):
         t[m] = t[m] * sc
 
 
-head_scale_cpu, head_scale_dev = twin(head_scale)
-butterflies_head_lanes_cpu, butterflies_head_lanes_dev = twin(_butterflies_head_lanes)
-wht_head_lanes_cpu, wht_head_lanes_dev = twin(_wht_head_lanes)
+_, head_scale_dev = twin(head_scale)
+twin(_butterflies_head_lanes)
+twin(_wht_head_lanes)
 
 
 def _rotate_head_forward_lanes(t, d, L, signs):
@@ -213,8 +213,8 @@ def _rotate_head_inverse_lanes(t, d, L, signs):
             tj[l] = tj[l] * f
 
 
-rotate_head_forward_lanes_cpu, rotate_head_forward_lanes_dev = twin(_rotate_head_forward_lanes)
-rotate_head_inverse_lanes_cpu, rotate_head_inverse_lanes_dev = twin(_rotate_head_inverse_lanes)
+twin(_rotate_head_forward_lanes)
+twin(_rotate_head_inverse_lanes)
 
 
 def _rotate_head_forward(buf, d, signs):
@@ -243,7 +243,7 @@ def _rotate_head_row(x, r, d, signs, inverse, buf, out):
         out[r, j] = buf[j]
 
 
-rotate_head_row_cpu, rotate_head_row_dev = twin(_rotate_head_row)
+rotate_head_row_cpu, _ = twin(_rotate_head_row)
 
 
 def _quantize_head_lanes(x, v0, nl, d, signs, bounds, centroids, unbiased, bits, t0, codes, norms,
@@ -367,8 +367,8 @@ def _dequantize_head_lanes(codes, norms, v0, nl, d, signs, centroids, bits, t0, 
             orow[j] = t[j * L + l] * sc
 
 
-quantize_head_lanes_cpu, quantize_head_lanes_dev = twin(_quantize_head_lanes)
-dequantize_head_lanes_cpu, dequantize_head_lanes_dev = twin(_dequantize_head_lanes)
+quantize_head_lanes_cpu, _ = twin(_quantize_head_lanes)
+dequantize_head_lanes_cpu, _ = twin(_dequantize_head_lanes)
 
 _LANES = 64  # vectors per CPU tile (inner loops of 64 float32 = four 512-bit vectors)
 _TILES = 2  # tiles per CPU work item (scratch buffers are allocated once per item)

@@ -41,7 +41,9 @@ from numba import cuda, float32, int64, prange, uint8
 
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
+from .._validate import check_float_array
 from ._registry import register
+from .finite import check_finite
 from .gather import scatter_rows, to_like
 
 __all__ = ["IntQuantized", "int_quantize", "int_dequantize", "mad_threshold", "OUTLIER_MAD_FACTOR",
@@ -434,8 +436,6 @@ def int_quantize(x: Any, bits: int = 4, group_size: int | None = None) -> IntQua
     >>> float(int_dequantize(q)[0, 3, 0]), q.num_outliers
     (10.0, 1)
     """
-    from .._validate import check_finite, check_float_array  # noqa: PLC0415
-
     bits = _check_bits(bits)
     _backend.resolve_device("auto", x=x)
     check_float_array("x", x, 3)
@@ -477,8 +477,6 @@ def mad_threshold(x: Any) -> Any:
     >>> float(mad_threshold(np.array([0.1, 0.2, 0.15, 10.0], np.float32).reshape(1, 4, 1))[0, 0])
     0.800000011920929
     """
-    from .._validate import check_float_array  # noqa: PLC0415
-
     _backend.resolve_device("auto", x=x)
     check_float_array("x", x, 3)
     x3 = _backend.ascontiguous_f32("x", x)

@@ -23,6 +23,7 @@ from numba import cuda, float32, prange
 
 from .. import _backend
 from .._jit import FASTMATH_REDUCE, cpu_kernel, cpu_serial, cuda_kernel
+from .._validate import check_float_array
 from ._attention_cores import (
     NEG_INF,
     coop_init_rows_dev,
@@ -47,6 +48,7 @@ from ._attention_kernels import (
 )
 from ._registry import register
 from .attention import F16_ABS_TABLE, CodeLayout, default_partition_size, launch_attention, launch_merge
+from .finite import check_finite
 from .hadamard import SIGNS32, rotate32
 
 __all__ = ["paged_decode_attention"]
@@ -280,8 +282,6 @@ def paged_decode_attention(q: Any, page_table: Sequence[Any], *, k_pages: Any = 
     ValueError
         Empty sequence, shape/group mismatch, pools of both or neither kind, device mismatch.
     """
-    from .._validate import check_finite, check_float_array  # noqa: PLC0415
-
     indptr, indices, last = page_table
     dev = _backend.resolve_device("auto", q=q, kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last,
                                   k_pages=k_pages, v_pages=v_pages, k_codes=k_codes, k_scales=k_scales,

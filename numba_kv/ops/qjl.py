@@ -51,8 +51,11 @@ from numba import cuda, float32, int32, int64, prange, uint8
 
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
+from .._validate import check_f16_result, check_float_array
 from ._registry import register
+from .finite import check_finite
 from .half import f16_bits_to_f32, f32_to_f16_bits_sat
+from .lowrank import project_into
 
 __all__ = ["SKETCH_SEED", "make_sketch", "qjl_constant", "qjl_quantize", "qjl_inner_product",
            "qjl_signs_into", "qjl_scores_into"]
@@ -326,8 +329,6 @@ def qjl_scores_into(sq: Any, signs: Any, norms: Any, n: int, m: int, out: Any) -
 # --- public API ------------------------------------------------------------------------
 def sketch_arg(sketch: Any, d: int, m: int | None, like: Any) -> Any:
     """Validated float32 C-contiguous sketch ``[m, d]`` on the device of ``like``."""
-    from .._validate import check_finite, check_float_array  # noqa: PLC0415
-
     if sketch is None:
         if m is None and d % 8:
             raise ValueError(f"sketch: the default sketch has m = d projections, a multiple of 8; got d={d} "
@@ -386,8 +387,6 @@ def qjl_quantize(r: Any, sketch: Any = None, *, backend: str = "auto") -> tuple[
     >>> signs.shape, signs.dtype, norms.shape, float(norms.view(np.float16)[0])
     ((3, 8), dtype('uint8'), (3,), 8.0)
     """
-    from .._validate import check_f16_result, check_finite, check_float_array  # noqa: PLC0415
-
     _backend.resolve_device(backend, r=r, sketch=sketch)
     check_float_array("r", r)
     shape = tuple(r.shape)  # a tuple: the simulator's shapes reject negative indices
@@ -459,9 +458,6 @@ def qjl_inner_product(y: Any, signs: Any, norms: Any, sketch: Any = None, *,
     >>> qjl_inner_product(r[:2], signs, norms).shape
     (2, 5)
     """
-    from .._validate import check_finite, check_float_array  # noqa: PLC0415
-    from .lowrank import project_into  # noqa: PLC0415
-
     _backend.resolve_device(backend, y=y, signs=signs, norms=norms, sketch=sketch)
     check_float_array("y", y)
     if np.dtype(signs.dtype) != np.uint8:

@@ -137,7 +137,7 @@ def _token_subspace(e, n, m_sub):
     return r, t, rem - t * m_sub
 
 
-token_subspace_cpu, token_subspace_dev = twin(_token_subspace)
+_, token_subspace_dev = twin(_token_subspace)
 assign_span_cpu, assign_span_dev = twin(_assign_span, inline=True)
 kmeanspp_span_cpu, kmeanspp_span_dev = twin(_kmeanspp_span, inline=True)
 decode_span_cpu, decode_span_dev = twin(_decode_span, inline=True)  # a few copies per call

@@ -69,7 +69,6 @@ def test_decode_attention(dev):
 
 def test_paged_decode_attention(dev):
     from numba_kv.caches.paged import PagedKVCache
-    from numba_kv.ops.paged_attention import paged_decode_attention
 
     rng = np.random.default_rng(4)
     k = rng.standard_normal((2, 7, 32)).astype(np.float32)
@@ -81,7 +80,8 @@ def test_paged_decode_attention(dev):
         cache = PagedKVCache(num_pages=4, num_layers=1, num_kv_heads=2, head_dim=32, page_size=4, storage="pqo3")
         s = cache.allocate_sequence()
         cache.append(0, s, put(k), put(v))
-        outs.append(paged_decode_attention(put(q), cache, 0, [s], partition_size=4))
+        # the cache's glue hands pools + page table to ops.paged_attention.paged_decode_attention
+        outs.append(cache.decode_attention(0, put(q), [s], partition_size=4))
     np.testing.assert_allclose(dev.get(outs[1]), outs[0], **F32)
 
 

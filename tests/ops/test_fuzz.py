@@ -358,7 +358,16 @@ def test_decode_attention_fuzz(case):
     # huge logits make softmax one-hot: any float32 rounding may pick a different near-tie,
     # so the output is compared only while logits are moderate
     if mag <= 1e4:
-        np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+        # float32 logits carry a rounding error of about an ulp of |s| (the kernel sums q·k in
+        # another order than the float64 oracle); that error moves the softmax weights and so
+        # the output by up to ~|Δs|·max|v|.  Negligible for unit-scale queries (the fixed
+        # 1e-4 decides), it reaches ~1e-3 at mag = 1e4 where |s| ~ 1e4.
+        g = hq // hkv
+        logits = np.einsum("bhqd,bhtd->bhqt", q.astype(np.float64).reshape(b, hkv, g * q_len, 64),
+                           kh.astype(np.float64)) * 64 ** -0.5
+        s_max = float(np.abs(logits).max())
+        tol = 1e-4 + float(np.finfo(np.float32).eps) * s_max * float(np.abs(vh).max())
+        np.testing.assert_allclose(out, ref, rtol=1e-4, atol=tol)
 
 
 # --- out-of-range outputs of the stateless quantizers -----------------------------------------
