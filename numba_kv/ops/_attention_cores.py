@@ -27,7 +27,7 @@ import numpy as np
 from numba import float32, int32, int64
 
 from .._jit import twin
-from .headquant import head_scale
+from ._headquant_lanes import head_scale
 
 NEG_INF = np.float32(-np.inf)
 

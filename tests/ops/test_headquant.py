@@ -6,6 +6,7 @@ import scipy.linalg
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from numba_kv.ops import _headquant_lanes as lanes
 from numba_kv.ops import headquant as hq
 from numba_kv.ops.bitpack import pack_bits, unpack_bits
 from numba_kv.ops.codebook import assign, get_codebook, sphere_distortion
@@ -85,11 +86,11 @@ def test_exported_cores_rotate_in_place(rng):
     x = rng.standard_normal(d).astype(np.float32)
     buf = np.concatenate([x, np.full(7, 5.0, np.float32)])  # a buffer longer than d
     signs = hq.head_signs(d)
-    hq.rotate_head_forward_cpu(buf, d, signs)
+    lanes.rotate_head_forward_cpu(buf, d, signs)
     assert np.array_equal(buf[:d], hq.rotate_head(x[None])[0]) and np.all(buf[d:] == 5.0)
-    hq.rotate_head_inverse_cpu(buf, d, signs)
+    lanes.rotate_head_inverse_cpu(buf, d, signs)
     np.testing.assert_allclose(buf[:d], x, atol=1e-6)
-    assert callable(hq.rotate_head_forward_dev) and callable(hq.rotate_head_inverse_dev)
+    assert callable(lanes.rotate_head_forward_dev) and callable(lanes.rotate_head_inverse_dev)
 
 
 # --- distortion -----------------------------------------------------------------------

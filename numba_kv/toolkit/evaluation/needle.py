@@ -353,17 +353,14 @@ def plot_heatmap(result: NeedleResult, path: str | Path) -> Path:
     -------
     Path
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415 (matplotlib: optional, slow)
-    from matplotlib.colors import ListedColormap  # noqa: PLC0415
-    from matplotlib.figure import Figure  # noqa: PLC0415
+    from matplotlib import colors, figure  # noqa: PLC0415 - optional and slow to import, only --plot needs it
 
     cfg = result.config
     labels = list(dict.fromkeys(r.cache for r in result.rows))
     lengths, depths = cfg["lengths"], cfg["depths"]
-    fig = Figure(figsize=(1.2 + 1.1 * len(lengths) * len(labels), 1.2 + 0.5 * len(depths) + 1.0), dpi=110)
-    FigureCanvasAgg(fig)
+    fig = figure.Figure(figsize=(1.2 + 1.1 * len(lengths) * len(labels), 1.2 + 0.5 * len(depths) + 1.0), dpi=110)
     axes = fig.subplots(1, len(labels), squeeze=False)[0]
-    cmap = ListedColormap(["#d9534f", "#5cb85c"])
+    cmap = colors.ListedColormap(["#d9534f", "#5cb85c"])
     for ax, label in zip(axes, labels):
         grid = np.zeros((len(depths), len(lengths)))
         for r in result.rows:
