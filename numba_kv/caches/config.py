@@ -22,11 +22,10 @@ from ..ops.blockquant import NORM_MODES
 from ..ops.qjl import SKETCH_SEED
 from ._layer import check_sliding_window
 
-__all__ = ["DECODE_OUTPUTS", "KEY_SCALES", "ROTATIONS", "WINDOW_DTYPES", "PolarQuantConfig", "TurboQuantConfig"]
+__all__ = ["DECODE_OUTPUTS", "ROTATIONS", "WINDOW_DTYPES", "PolarQuantConfig", "TurboQuantConfig"]
 
 DECODE_OUTPUTS = ("fused", "dequantized")
 WINDOW_DTYPES = ("float16", "float32", "int8")
-KEY_SCALES = ("none", "channel")
 ROTATIONS = ("block", "head")
 _BITS = (2, 3, 4)
 
@@ -65,8 +64,6 @@ class PolarQuantConfig:
         What ``decode`` returns.
     k_bits, v_bits : {2, 3, 4}, optional
         Per-side settings; resolved to ``bits`` when not given.
-    key_scale : {"none", "channel"}
-        Per-channel key scaling (experiment knob).
     key_center, unbiased : bool
         Per-channel key mean removal; EDEN-style unbiased rescale.
     rotation : {"block", "head"}
@@ -115,7 +112,6 @@ class PolarQuantConfig:
     decode_output: str = "fused"
     k_bits: int | None = None
     v_bits: int | None = None
-    key_scale: str = "none"
     key_center: bool = False
     rotation: str = "block"
     unbiased: bool = False
@@ -153,7 +149,6 @@ class PolarQuantConfig:
         self._set("window_dtype", str(self.window_dtype))
         self._set("residual_length", check_int("residual_length", self.residual_length, minimum=0))
         self._set("sink_tokens", check_int("sink_tokens", self.sink_tokens, minimum=0))
-        _choice("key_scale", self.key_scale, KEY_SCALES)
         for name in ("key_center", "unbiased"):
             val = getattr(self, name)
             if not isinstance(val, (bool, np.bool_)):

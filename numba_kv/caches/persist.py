@@ -43,7 +43,7 @@ from .turboquant import TurboQuantCache
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "CacheFileError", "load_cache", "save_cache"]
 
-_META_INTS = ("n_comp", "n_sink", "n_win", "n_evicted", "kmean_set", "kscale_set", "kperm_set", "vperm_set")
+_META_INTS = ("n_comp", "n_sink", "n_win", "n_evicted", "kmean_set", "kperm_set", "vperm_set")
 
 
 class CacheFileError(ValueError):

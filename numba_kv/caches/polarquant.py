@@ -88,16 +88,6 @@ class PolarQuantCache(LayeredCache):
         int8 per vector with one binary16 scale (8 + 16/head_dim bits per value, error
         ≤ half a step of ``max|x|/127``), halving the window's bytes again.  Numba device
         arrays always use float32.
-    key_scale : {"none", "channel"}
-        ``"channel"``: keys are divided by a per-channel RMS (per batch row and KV head)
-        measured on the layer's first stored chunk and frozen afterwards; queries are
-        multiplied by it (``q·k = (q⊙s)·(k/s)``), the history multiplied back.  It takes
-        outlier channels (large RoPE'd key dimensions) out of the 32-blocks' shared scale;
-        costs ``head_dim`` float32 per row and layer (counted by ``memory_usage``).
-        NumPy/CuPy arrays only.  Measured on SmolLM2-135M it *hurts* (PQO3 + window: KL
-        0.049 → 0.115): the block rotation already spreads outlier channels, and
-        equalizing them moves error onto the channels the queries weight most.  Kept as
-        an experiment knob; off by default.
     key_center : bool
         Subtract a per-channel key mean (per batch row and KV head, measured on the
         layer's first stored chunk, frozen) before quantizing and add it back in the
@@ -230,7 +220,6 @@ class PolarQuantCache(LayeredCache):
     residual_length = _config_attr("residual_length")
     sink_tokens = _config_attr("sink_tokens")
     decode_output = _config_attr("decode_output")
-    key_scale = _config_attr("key_scale")
     key_center = _config_attr("key_center")
     rotation = _config_attr("rotation")
     unbiased = _config_attr("unbiased")
@@ -311,8 +300,6 @@ class PolarQuantCache(LayeredCache):
             spec.update(self._window.buffer_spec(self._exact_dtype))
         if self.key_center:
             spec["k_chmean"] = (self.head_dim, np.float32, 1)
-        if self.key_scale == "channel":
-            spec["k_chscale"] = (self.head_dim, np.float32, 1)
         if self.outlier_channels:
             spec["k_perm"] = (self.head_dim, np.int16, 1)
             spec["v_perm"] = (self.head_dim, np.int16, 1)
@@ -324,8 +311,8 @@ class PolarQuantCache(LayeredCache):
     def _append(self, st: LayerState, dev: str, k: Any, v: Any) -> int:
         # Numba device arrays cannot hold float16 windows (no device-side cast)
         self._exact_dtype = (np.dtype(np.float32) if _backend.xp_of(k) is None else self.window_dtype)
-        if _backend.xp_of(k) is None and (self.key_scale == "channel" or self.key_center or self.outlier_channels):
-            raise TypeError("k: key_scale='channel', key_center and outlier_channels need NumPy or CuPy arrays, "
+        if _backend.xp_of(k) is None and (self.key_center or self.outlier_channels):
+            raise TypeError("k: key_center and outlier_channels need NumPy or CuPy arrays, "
                             "got a Numba device array")
         return super()._append(st, dev, k, v)
 
@@ -406,13 +393,6 @@ class PolarQuantCache(LayeredCache):
                 norm += float(np.sqrt((mb ** 2).sum(axis=-1)).max())
             else:  # the mean of this chunk: no larger than its largest value / norm
                 amax, norm = 2 * amax, 2 * norm
-        if name == "k" and self.key_scale == "channel":
-            exact = False
-            if st.meta.get("kscale_set", 0):
-                smin = float(_backend.to_host(st.buffers["k_chscale"]).min())
-                amax, norm = amax / smin, norm / smin
-            else:
-                amax = norm = math.inf
         return amax, norm, exact
 
     def _dry_run(self, st: LayerState, name: str, arr: Any, rs: Any, f16_window: bool) -> None:
@@ -510,8 +490,8 @@ class PolarQuantCache(LayeredCache):
         and scale ``s`` (each only if enabled), then both sides permuted so the outlier
         channels come first (only with ``outlier_channels``).  All three are measured on the
         layer's first chunk and frozen."""
-        if name == "k" and (self.key_center or self.key_scale == "channel"):
-            x3 = self._scale_keys(st, x3)
+        if name == "k" and self.key_center:
+            x3 = self._center_keys(st, x3)
         if not self.outlier_channels:
             return x3
         xp = _backend.xp_of(x3)
@@ -534,8 +514,6 @@ class PolarQuantCache(LayeredCache):
             xp = _backend.xp_of(flat)
             inv = xp.argsort(st.buffers[name + "_perm"].astype(np.int64), axis=2)
             flat = xp.take_along_axis(flat, inv, axis=2)
-        if name == "k" and self.key_scale == "channel":
-            flat = flat * st.buffers["k_chscale"]  # [rows, 1, d] broadcasts over tokens
         if name == "k" and self.key_center:
             flat = flat + st.buffers["k_chmean"]
         return flat
@@ -543,32 +521,19 @@ class PolarQuantCache(LayeredCache):
     def _query_in(self, st: LayerState, q3: Any) -> Any:
         """Queries ``[rows, G·q_len, d]`` in the keys' stored domain: ``q·k`` is unchanged up
         to a per-query constant (the key mean, which softmax ignores)."""
-        if self.key_scale == "channel":
-            q3 = q3 * st.buffers["k_chscale"]  # (q⊙s)·(k/s) = q·k
         if self.outlier_channels:
             xp = _backend.xp_of(q3)
             q3 = xp.take_along_axis(q3, st.buffers["k_perm"].astype(np.int64), axis=2)
         return _backend.ascontiguous_f32("q", q3)
 
-    def _scale_keys(self, st: LayerState, x3: Any) -> Any:
-        """``(x3 − m) / s`` with the frozen per-channel key mean ``m`` and scale ``s`` (each
-        only if enabled; both set on the layer's first chunk)."""
+    def _center_keys(self, st: LayerState, x3: Any) -> Any:
+        """``x3 − m`` with the frozen per-channel key mean ``m`` (set on the layer's first chunk)."""
         xp = _backend.xp_of(x3)
-        if self.key_center:
-            mbuf = st.buffers["k_chmean"]
-            if not st.meta.get("kmean_set", 0):
-                mbuf[:, 0, :] = x3.astype(xp.float64).mean(axis=1).astype(xp.float32)
-                st.meta["kmean_set"] = 1
-            x3 = x3 - mbuf
-        if self.key_scale != "channel":
-            return xp.ascontiguousarray(x3, dtype=xp.float32)
-        sbuf = st.buffers["k_chscale"]
-        if not st.meta.get("kscale_set", 0):
-            rms = xp.sqrt((x3.astype(xp.float64) ** 2).mean(axis=1))  # [rows, d]
-            floor = xp.maximum(rms.max(axis=1, keepdims=True) * 1e-3, 1e-12)
-            sbuf[:, 0, :] = xp.maximum(rms, floor).astype(xp.float32)
-            st.meta["kscale_set"] = 1
-        return xp.ascontiguousarray(x3 / sbuf, dtype=xp.float32)
+        mbuf = st.buffers["k_chmean"]
+        if not st.meta.get("kmean_set", 0):
+            mbuf[:, 0, :] = x3.astype(xp.float64).mean(axis=1).astype(xp.float32)
+            st.meta["kmean_set"] = 1
+        return xp.ascontiguousarray(x3 - mbuf, dtype=xp.float32)
 
     # -- reading ----------------------------------------------------------------------------
     def _exact_f32(self, st: LayerState, name: str) -> tuple[Any, int]:

@@ -105,7 +105,7 @@ def _part_bytes(cache: PolarQuantCache, tokens: int, sinks: int, residual: int) 
     comp = sum(lay.width + 2 * lay.num_scales for lay in cache.layouts.values())
     item = np.dtype(cache.window_dtype).itemsize
     exact = 2 * (d * item + (2 if item == 1 else 0))
-    const = 4 * d * (int(cache.key_center) + int(cache.key_scale == "channel"))
+    const = 4 * d * int(cache.key_center)
     const += 2 * 2 * d if cache.outlier_channels else 0
     return (tokens - n_exact) * comp + n_exact * exact + const
 

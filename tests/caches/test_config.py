@@ -43,7 +43,6 @@ PQ_RULES = [
      "window_dtype: expected one of ['float16', 'float32', 'int8'], got 'bfloat16'"),
     (dict(residual_length=-1), ValueError, "residual_length: expected an int >= 0, got -1"),
     (dict(sink_tokens=-2), ValueError, "sink_tokens: expected an int >= 0, got -2"),
-    (dict(key_scale="row"), ValueError, "key_scale: expected one of ['none', 'channel'], got 'row'"),
     (dict(key_center=1), TypeError, "key_center: expected a bool, got int 1"),
     (dict(unbiased="yes"), TypeError, "unbiased: expected a bool, got str 'yes'"),
     (dict(outlier_channels=-32), ValueError, "outlier_channels: expected an int >= 0, got -32"),

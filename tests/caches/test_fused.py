@@ -138,47 +138,18 @@ def test_asymmetric_bits(name, kb, vb, bpv):
         PolarQuantCache(1, 2, 64, k_bits=5)
 
 
+def test_key_scale_was_removed():
+    """The per-channel key scaling experiment is gone: its keyword is an unknown option."""
+    with pytest.raises(TypeError, match="unexpected keyword argument 'key_scale'"):
+        PolarQuantCache(1, 2, 64, key_scale="channel")
+
+
 @pytest.mark.parametrize("R, S", [(0, 0), (8, 2)])
-def test_key_channel_scale(R, S):
-    """key_scale='channel': fused attention equals attention over the (re-scaled) history,
-    the scale is frozen after the first chunk and counted by memory_usage."""
-    rng = np.random.default_rng(7)
-    opts = dict(residual_length=R, sink_tokens=S, key_scale="channel", window_dtype="float32")
-    c = PolarQuantCache(1, 2, 64, **opts)
-    d = PolarQuantCache(1, 2, 64, decode_output="dequantized", **opts)
-    k = rng.standard_normal((1, 2, 30, 64)).astype(np.float32)
-    k[..., [3, 40]] *= 25.0  # outlier channels
-    v = rng.standard_normal((1, 2, 30, 64)).astype(np.float32)
-    for x in (c, d):
-        x.prefill(0, k, v)
-    s0 = np.array(c.live_arrays(0)[-1])
-    assert s0.shape == (2, 1, 64) and s0[0, 0, 3] > 10 * np.median(s0[0, 0])
-    cfg = AttendConfig(0.125, 2)
-    for _ in range(3):
-        k1 = rng.standard_normal((1, 2, 1, 64)).astype(np.float32) * 50
-        v1 = rng.standard_normal((1, 2, 1, 64)).astype(np.float32)
-        q = rng.standard_normal((1, 4, 1, 64)).astype(np.float32)
-        out = c.decode(0, k1, v1, q, cfg).out
-        hist = d.decode(0, k1, v1, q, cfg).result
-        assert rel_err(out, reference.attention(q, hist.k, hist.v, 0.125)) < 1e-5
-    np.testing.assert_array_equal(np.array(c.live_arrays(0)[-1]), s0)  # frozen
-    full = np.concatenate([k, hist.k[:, :, 30:]], 2)
-    if R:  # the window holds k / s exactly: multiplying back restores it to f32 rounding
-        np.testing.assert_allclose(hist.k[:, :, -R:], full[:, :, -R:], rtol=1e-6)
-    assert c.memory_usage() == sum(a.nbytes for a in c.live_arrays(0))
-    plain = PolarQuantCache(1, 2, 64, residual_length=R, sink_tokens=S, window_dtype="float32")
-    plain.prefill(0, full, full)
-    assert c.memory_usage() - plain.memory_usage() == 2 * 64 * 4  # the frozen scales: d float32 per row
-    with pytest.raises(ValueError, match="key_scale"):
-        PolarQuantCache(1, 2, 64, key_scale="token")
-
-
-@pytest.mark.parametrize("R, S, scale", [(0, 0, "none"), (8, 2, "none"), (8, 2, "channel")])
-def test_key_centering_is_exact_for_attention(R, S, scale):
+def test_key_centering_is_exact_for_attention(R, S):
     """key_center: fused attention (which drops the constant q·m) equals attention over the
     history (centered codes + m), and centering removes a large key offset's damage."""
     rng = np.random.default_rng(11)
-    opts = dict(residual_length=R, sink_tokens=S, key_center=True, key_scale=scale, window_dtype="float32")
+    opts = dict(residual_length=R, sink_tokens=S, key_center=True, window_dtype="float32")
     c = PolarQuantCache(1, 2, 64, **opts)
     d = PolarQuantCache(1, 2, 64, decode_output="dequantized", **opts)
     plain = PolarQuantCache(1, 2, 64, residual_length=R, sink_tokens=S, window_dtype="float32",

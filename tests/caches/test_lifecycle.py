@@ -22,7 +22,7 @@ CASES = [
     ("pqo3", {"residual_length": 5, "sink_tokens": 2, "key_center": True}),
     ("pqo3.5", {"residual_length": 6, "sink_tokens": 1}),
     ("pqo-k4v3-head-eden", {"residual_length": 7, "sink_tokens": 2}),
-    ("pq3", {"residual_length": 4, "sink_tokens": 0, "key_scale": "channel"}),
+    ("pq3", {"residual_length": 4, "sink_tokens": 0, "key_center": True}),
     ("tq3", {"residual_length": 6, "sink_tokens": 2}),
     ("tq3", {"residual_length": 0, "sink_tokens": 0, "decode_output": "dequantized"}),
 ]

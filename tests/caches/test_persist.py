@@ -31,7 +31,7 @@ CASES = [
     ("pqo3", {"residual_length": 8, "sink_tokens": 3, "window_dtype": "int8", "key_center": True}),
     ("pqo3.5", {"residual_length": 6, "sink_tokens": 1}),
     ("pqo-k4v3-head-eden", {"residual_length": 7, "sink_tokens": 2}),
-    ("pq3", {"residual_length": 0, "sink_tokens": 0, "key_scale": "channel", "window_dtype": "float32"}),
+    ("pq3", {"residual_length": 0, "sink_tokens": 0, "key_center": True, "window_dtype": "float32"}),
     ("tq3", {"residual_length": 6, "sink_tokens": 2}),
     ("tq3", {"decode_output": "dequantized", "qjl_dim": 32, "qjl_seed": 7}),
 ]
@@ -226,6 +226,26 @@ def test_consistent_but_wrong_tensors_are_rejected(saved, tmp_path):
         "format": _format.FORMAT_NAME, "format_version": "1", "cache_class": "PolarQuantCache", "config": config,
         "state": state, "sha256": _format.digest(config, state, tensors)})
     with pytest.raises(CacheFileError, match="k_codes"):
+        load_cache(path)
+
+
+@pytest.mark.parametrize("value", ["none", "channel"])
+def test_removed_option_is_rejected(saved, tmp_path, value):
+    """A file written by an older version with the removed ``key_scale`` option (re-hashed, so
+    only the option differs) does not load silently: the error names the option."""
+    import safetensors.numpy
+
+    from numba_kv.caches import _format
+
+    cache, _ = saved
+    state_obj, tensors = _format.layered_state(cache)
+    config = json.dumps({**cache._lifecycle_config(), "key_scale": value}, sort_keys=True)
+    state = json.dumps(state_obj, sort_keys=True)
+    path = tmp_path / "old.safetensors"
+    safetensors.numpy.save_file(tensors, str(path), metadata={
+        "format": _format.FORMAT_NAME, "format_version": "1", "cache_class": "PolarQuantCache", "config": config,
+        "state": state, "sha256": _format.digest(config, state, tensors)})
+    with pytest.raises(CacheFileError, match="key_scale"):
         load_cache(path)
 
 

@@ -34,7 +34,7 @@ def _hand_bytes(part, d: int, tokens: int) -> int:
     binary16 norm; a window vector ``d`` int8 bytes plus one binary16 scale; key centering one
     float32 mean per channel."""
     assert part.rotation == "head" and part.window_dtype == np.int8 and part.key_center
-    assert part.outlier_channels == 0 and part.key_scale == "none"
+    assert part.outlier_channels == 0
     exact = min(tokens, part.sink_tokens + part.residual_length)
     comp_k = part.k_bits * d // 8 + 2
     comp_v = part.v_bits * d // 8 + 2

@@ -39,7 +39,7 @@ CONFIGS = {
     "pq3-l2": ("pq3-l2", {"window_dtype": "float32"}),
     "pqo-k4v3-head-eden": ("pqo-k4v3-head-eden", {"key_center": True, "window_dtype": "int8"}),
     "pqo3-eden": ("pqo3-eden", {"residual_length": 0, "sink_tokens": 0}),
-    "pqo3-keyscale": ("pqo3", {"key_scale": "channel", "window_dtype": "float32"}),
+    "pqo3-center": ("pqo3", {"key_center": True, "window_dtype": "float32"}),
     "pqo3.5": ("pqo3.5", {}),
     "tq3": ("tq3", {}),
     "tq3-head-nowin": ("tq3-l2-head", {"residual_length": 0, "sink_tokens": 0}),
