@@ -544,5 +544,5 @@ def bucketize_select(t, n, bounds, centroids, ib, cv):
             cv[m] = ci if gt else cv[m]
 
 
-bucketize_cpu, _ = twin(bucketize)
+bucketize_cpu, bucketize_dev = twin(bucketize)
 bucketize_select_cpu, _ = twin(bucketize_select)

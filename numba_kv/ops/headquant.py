@@ -66,10 +66,10 @@ from ._headquant_lanes import (
     rotate_head_row_cpu,
 )
 from ._registry import register
-from .codebook import Codebook, get_codebook
+from .codebook import Codebook, bucketize_dev, get_codebook
 from .finite import check_finite, check_rotation_input
 from .hadamard import SIGNS32
-from .half import f16_bits_abs_to_f32_dev, f32_to_f16_bits_dev
+from .half import f16_bits_abs_to_f32_dev, f32_to_f16_bits_sat_dev
 
 __all__ = ["HEAD_DIMS", "SIGN_SEED", "head_signs", "rotate_head", "quantize_head", "dequantize_head",
            "quantize_head_into", "dequantize_head_into", "rotate_head_rows", "head_codebook", "packed_dim",
@@ -271,10 +271,7 @@ def _quantize_head_cuda(x, signs, bounds, centroids, unbiased, bits, t0, codes, 
         for j in range(tid, d, nt):
             y = t[j] * sc
             t[j] = y
-            k = uint8(0)
-            for i in range(bounds.shape[0]):  # #{i : y > t_i}, as bucketize
-                k += uint8(y > bounds[i])
-            ib[j] = k
+            bucketize_dev(t[j:], 1, bounds, ib[j:])  # this thread's one value: ib[j] = #{i : y > t_i}
         cuda.syncthreads()
         if unbiased and tid == 0:
             tyy = float32(0.0)
@@ -293,9 +290,9 @@ def _quantize_head_cuda(x, signs, bounds, centroids, unbiased, bits, t0, codes, 
             for jb in range(bits):
                 cb[g * bits + jb] = uint8((w >> (8 * jb)) & 0xFF)
         if tid == 0:
-            a = red[0]
-            a = a if a < float32(65504.0) else float32(65504.0)  # noqa: FURB136 - NaN -> 65504 too
-            norms[r, t0 + s, 0] = uint16(f32_to_f16_bits_dev(a))
+            # inputs are validated finite, so the norm is too: the saturating conversion's
+            # NaN behaviour does not matter here
+            norms[r, t0 + s, 0] = uint16(f32_to_f16_bits_sat_dev(red[0]))
         cuda.syncthreads()  # the next vector overwrites t, ib and red
 
 
