@@ -382,8 +382,8 @@ class PolarQuantCache(LayeredCache):
 
     def _stored_domain_bounds(self, st: LayerState, name: str, amax: float,
                               norm: float) -> tuple[float, float, bool]:
-        """Bounds of ``max|x|`` and ``max ‖x‖`` after :meth:`_transform_in` (key centering and
-        scaling; permutations change neither), and whether the domain is the input's own."""
+        """Bounds of ``max|x|`` and ``max ‖x‖`` after :meth:`_transform_in` (key centering;
+        permutations change neither), and whether the domain is the input's own."""
         exact = True
         if name == "k" and self.key_center:
             exact = False
@@ -413,7 +413,7 @@ class PolarQuantCache(LayeredCache):
         x3 = self._transform_in(tmp, name, x.reshape(rows, n, self.head_dim))
         if f16_window:
             check_magnitude(name, check_finite_stats(name, x3).amax, F16_MAX,
-                            "a float16 window (window_dtype='float16'; after key centering / scaling)")
+                            "a float16 window (window_dtype='float16'; after key centering)")
         self._compress(tmp, name, x3, 0)
         for b in scratch:
             if b.startswith(name + "_") and np.dtype(tmp.buffers[b].dtype) == np.uint16:
@@ -486,10 +486,10 @@ class PolarQuantCache(LayeredCache):
         self._set_live(st)
 
     def _transform_in(self, st: LayerState, name: str, x3: Any) -> Any:
-        """The stored domain: keys ``(x − m) / s`` with the frozen per-channel key mean ``m``
-        and scale ``s`` (each only if enabled), then both sides permuted so the outlier
-        channels come first (only with ``outlier_channels``).  All three are measured on the
-        layer's first chunk and frozen."""
+        """The stored domain: keys ``x − m`` with the frozen per-channel key mean ``m`` (only
+        with ``key_center``), then both sides permuted so the outlier channels come first
+        (only with ``outlier_channels``).  Both are measured on the layer's first chunk and
+        frozen."""
         if name == "k" and self.key_center:
             x3 = self._center_keys(st, x3)
         if not self.outlier_channels:
@@ -615,7 +615,7 @@ class PolarQuantCache(LayeredCache):
         for bname in self._buffer_spec():
             if bname.endswith(("_exact", "_exact_scale")):
                 st.live[bname] = n_exact
-            elif bname in ("k_chmean", "k_chscale", "k_perm", "v_perm"):
+            elif bname in ("k_chmean", "k_perm", "v_perm"):
                 st.live[bname] = 1
             else:
                 st.live[bname] = st.meta.get("n_comp", 0)
