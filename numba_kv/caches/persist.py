@@ -228,6 +228,31 @@ def _build_paged(cls: type, cfg: dict[str, Any], state: dict[str, Any], tensors:
     return cache
 
 
+#: options older versions stored that no longer exist: the value that meant "off" (dropped on
+#: load, so those files still load) and why any other value cannot be honoured
+_REMOVED_OPTIONS = {
+    "key_scale": ("none", "per-channel key scaling was removed (it raised perplexity by 9 %)"),
+}
+
+
+def _without_removed_options(cfg: Any) -> Any:
+    """``cfg`` with removed options that were off dropped (recursively: mixed caches nest the
+    configurations of their parts); a removed option that was on raises ``CacheFileError``."""
+    if isinstance(cfg, list):
+        return [_without_removed_options(c) for c in cfg]
+    if not isinstance(cfg, dict):
+        return cfg
+    out = {}
+    for key, val in cfg.items():
+        if key in _REMOVED_OPTIONS:
+            off, why = _REMOVED_OPTIONS[key]
+            if val != off:
+                raise CacheFileError(f"config: {key}={val!r} cannot be loaded: {why}")
+            continue
+        out[key] = _without_removed_options(val)
+    return out
+
+
 def load_cache(path: Any, expect: Any | None = None) -> Any:
     """Load a cache written by ``cache.save(path)``.
 
@@ -273,6 +298,7 @@ def load_cache(path: Any, expect: Any | None = None) -> Any:
         cfg, st = json.loads(config), json.loads(state)
     except ValueError as exc:
         raise CacheFileError(f"path: {path!r} has malformed metadata: {exc}") from exc
+    cfg = _without_removed_options(cfg)
     if expect is not None:
         want = expect if isinstance(expect, type) else type(expect)
         if cls is not want:

@@ -230,9 +230,10 @@ def test_consistent_but_wrong_tensors_are_rejected(saved, tmp_path):
 
 
 @pytest.mark.parametrize("value", ["none", "channel"])
-def test_removed_option_is_rejected(saved, tmp_path, value):
+def test_removed_option(saved, tmp_path, value):
     """A file written by an older version with the removed ``key_scale`` option (re-hashed, so
-    only the option differs) does not load silently: the error names the option."""
+    only the option differs): off (``"none"``, what every older file stores) loads as the same
+    cache; on (``"channel"``) does not load silently — the error names the option."""
     import safetensors.numpy
 
     from numba_kv.caches import _format
@@ -245,7 +246,11 @@ def test_removed_option_is_rejected(saved, tmp_path, value):
     safetensors.numpy.save_file(tensors, str(path), metadata={
         "format": _format.FORMAT_NAME, "format_version": "1", "cache_class": "PolarQuantCache", "config": config,
         "state": state, "sha256": _format.digest(config, state, tensors)})
-    with pytest.raises(CacheFileError, match="key_scale"):
+    if value == "none":
+        back = load_cache(path, expect=cache)
+        assert back.config == cache.config and back.memory_usage() == cache.memory_usage()
+        return
+    with pytest.raises(CacheFileError, match="key_scale='channel' cannot be loaded"):
         load_cache(path)
 
 
