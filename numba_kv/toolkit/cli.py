@@ -143,6 +143,32 @@ def _int_list(text: str, arg: str) -> list[int]:
         raise EvalConfigError(f"{arg}: expected comma-separated ints, got {text!r}") from None
 
 
+def _emit(command: str, args: argparse.Namespace, result: Any, render: Any, plot: Any) -> int:
+    """Output of ``eval`` (both modes): the table via ``render`` or the JSON on stdout with
+    ``--json -``, the JSON file of ``--json FILE``, the figure of ``--plot FILE`` via ``plot``."""
+    doc = result.to_json()
+    if args.json == "-":
+        json.dump(doc, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        render(result)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(doc, f, indent=2)
+                f.write("\n")
+            sys.stderr.write(f"wrote {args.json}\n")
+    if args.plot:
+        try:
+            plot(result, args.plot)
+        except ModuleNotFoundError as exc:
+            msg = _missing_extra(exc)
+            if msg is None:
+                raise
+            return _user_error(command, msg)
+        sys.stderr.write(f"wrote {args.plot}\n")
+    return 0
+
+
 def _eval(args: argparse.Namespace) -> int:
 
     if args.mode == "needle":
@@ -159,27 +185,7 @@ def _eval(args: argparse.Namespace) -> int:
         if msg is None:
             raise
         return _user_error("eval", msg)
-    doc = result.to_json()
-    if args.json == "-":
-        json.dump(doc, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        evaluate.render_table(result)
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(doc, f, indent=2)
-                f.write("\n")
-            sys.stderr.write(f"wrote {args.json}\n")
-    if args.plot:
-        try:
-            evaluate.plot_results(result, args.plot)
-        except ModuleNotFoundError as exc:
-            msg = _missing_extra(exc)
-            if msg is None:
-                raise
-            return _user_error("eval", msg)
-        sys.stderr.write(f"wrote {args.plot}\n")
-    return 0
+    return _emit("eval", args, result, evaluate.render_table, evaluate.plot_results)
 
 
 def _eval_needle(args: argparse.Namespace) -> int:
@@ -195,27 +201,7 @@ def _eval_needle(args: argparse.Namespace) -> int:
         if msg is None:
             raise
         return _user_error("eval", msg)
-    doc = result.to_json()
-    if args.json == "-":
-        json.dump(doc, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        needle.render_needle_table(result)
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(doc, f, indent=2)
-                f.write("\n")
-            sys.stderr.write(f"wrote {args.json}\n")
-    if args.plot:
-        try:
-            needle.plot_heatmap(result, args.plot)
-        except ModuleNotFoundError as exc:
-            msg = _missing_extra(exc)
-            if msg is None:
-                raise
-            return _user_error("eval", msg)
-        sys.stderr.write(f"wrote {args.plot}\n")
-    return 0
+    return _emit("eval", args, result, needle.render_needle_table, needle.plot_heatmap)
 
 
 def _generate(args: argparse.Namespace) -> int:
