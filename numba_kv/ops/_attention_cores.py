@@ -4,8 +4,8 @@ Shared by the flat (:mod:`numba_kv.ops.attention`) and the paged
 (:mod:`numba_kv.ops.paged_attention`) kernels of both targets:
 
 * token decoding: :func:`_decode8` (eight packed indices → scaled centroids), on top of it
-  :func:`_load_token` (one token of a :class:`~numba_kv.ops.attention.CodeLayout`) and
-  :func:`_load_token_fast` (every block of one width);
+  :func:`_load_token_fast` (every block of one width; the CPU twins decode with the vector
+  decoders of :mod:`numba_kv.ops._attention_cpu`, mixed widths included);
 * the partition bounds of the flat (:func:`_partition_bounds`) and the paged
   (:func:`_paged_bounds`) token spaces, the causal visibility rule (:func:`_visible`),
   the QJL sign decoding (:func:`_sign_pm1`, :func:`_qjl_dot`) and the online-softmax state
@@ -67,19 +67,6 @@ def _load_token_fast(crow, srow, cent, bits, nb, sshift, scale_table, dst):
         sa = scale_table[srow[b >> sshift]]
         for grp in range(4):
             _decode8(crow, (4 * b + grp) * bits, bits, cent, sa, dst, b * 32 + grp * 8)
-
-
-def _load_token(crow, srow, cent2, bits_b, off_b, sshift, nb, scale_table, dst):
-    """``dst[0:32·nb] = |a| · c_b[idx_j]`` for one token of a ``CodeLayout``: block ``b``
-    has its own width ``bits_b[b]``, byte offset ``off_b[b]`` and codebook row
-    ``cent2[b]``; ``2**sshift`` consecutive blocks share one stored scale (0 = one scale
-    per 32-block, ``log2(nb)`` = one per vector)."""
-    for b in range(nb):
-        sa = scale_table[srow[b >> sshift]]
-        bits = bits_b[b]
-        cent = cent2[b]
-        for grp in range(4):
-            _decode8(crow, off_b[b] + grp * bits, bits, cent, sa, dst, b * 32 + grp * 8)
 
 
 def _is_uniform(bits_b):
@@ -343,7 +330,6 @@ def _coop_tile_paged(codes, scales, pages, compressed, kv_indices, first, page_s
 
 twin(_decode8)
 load_token_fast_cpu, _ = twin(_load_token_fast)
-load_token_cpu, _ = twin(_load_token)
 is_uniform_cpu, _ = twin(_is_uniform)
 sign_pm1_cpu, _ = twin(_sign_pm1)
 _, qjl_dot_dev = twin(_qjl_dot)

@@ -17,7 +17,8 @@ from numba.core.extending import intrinsic
 from .._jit import FASTMATH_REDUCE, cpu_serial
 from ._attention_cores import NEG_INF, load_token_fast_cpu, online_update_cpu, visible_cpu
 
-__all__ = ["decode_tile_simd_cpu", "exp_f32_cpu", "softmax_tile_cpu", "tile_pv_cpu", "tile_scores_cpu"]
+__all__ = ["decode_tile_mixed_cpu", "decode_tile_simd_cpu", "exp_f32_cpu", "softmax_tile_cpu", "tile_pv_cpu",
+           "tile_scores_cpu"]
 
 _F32 = ir.FloatType()
 _I32 = ir.IntType(32)
@@ -36,13 +37,17 @@ def _decode8_codegen(nbits):
         centarr = context.make_array(signature.args[1])(context, builder, cent)
         dstarr = context.make_array(signature.args[3])(context, builder, dst)
         cptr = builder.bitcast(centarr.data, _V8F.as_pointer())
-        clo = builder.load(cptr, align=4, typ=_V8F)
+        if nbits < 3:  # a 2- or 4-entry codebook: load only the floats it has
+            vty = ir.VectorType(_F32, 1 << nbits)
+            clo = builder.load(builder.bitcast(centarr.data, vty.as_pointer()), align=4, typ=vty)
+        else:
+            clo = builder.load(cptr, align=4, typ=_V8F)
         chi = None
         if nbits == 4:
             chi = builder.load(builder.gep(cptr, [ir.Constant(_I32, 1)], source_etype=_V8F), align=4, typ=_V8F)
         idx = builder.lshr(_splat(builder, builder.trunc(w, _I32), _V8I),
                            ir.Constant(_V8I, [nbits * k for k in range(8)]))
-        idx = builder.and_(idx, ir.Constant(_V8I, [7] * 8))
+        idx = builder.and_(idx, ir.Constant(_V8I, [min(7, (1 << nbits) - 1)] * 8))
         vec = ir.Constant(_V8F, ir.Undefined)
         for k in range(8):
             i = builder.extract_element(idx, ir.Constant(_I32, k))
@@ -81,18 +86,42 @@ def _decode8_typer(nbits):
 # lookup is a build-vector of variable extracts, which x86 code generation lowers to a
 # variable permute (``vpermps``: the <= 16-entry codebook lives in one or two registers) —
 # no gather, no per-code table load.  ``cent`` needs 8 (3 bits) or 16 (4 bits) readable
-# floats; C-contiguous float32 arrays only (typing fails otherwise).
+# floats (2 or 4 for 1 or 2 bits); C-contiguous float32 arrays only (typing fails otherwise).
+_decode8_1bit = intrinsic(_decode8_typer(1))
+_decode8_2bit = intrinsic(_decode8_typer(2))
 _decode8_3bit = intrinsic(_decode8_typer(3))
 _decode8_4bit = intrinsic(_decode8_typer(4))
 
 
 def _decode_tile_simd(codes, scales, t0, nt, cent, bits, nb, sshift, scale_table, dst, d0):
     """``dst[d0 + tt] = `` token ``t0 + tt`` of ``codes``/``scales`` (``[tokens, ·]``), ``tt < nt``,
-    decoded like :func:`_load_token_fast` (same values; CPU only): 3- and 4-bit codes eight
-    at a time by :func:`_decode8_3bit`/:func:`_decode8_4bit` (``cent`` C-contiguous float32
-    with ``2**bits`` or more entries), other widths by the scalar loader.  One call per tile
+    decoded like :func:`_load_token_fast` (same values; CPU only): 1- to 4-bit codes eight
+    at a time by :func:`_decode8_1bit` ... :func:`_decode8_4bit`
+    (``cent`` C-contiguous float32 with ``2**bits`` or more entries), other widths by the
+    scalar loader.  One call per tile
     keeps the per-token call overhead out of the hot loop."""
-    if bits == 3:
+    if bits == 1:
+        for tt in range(nt):
+            crow = codes[t0 + tt]
+            srow = scales[t0 + tt]
+            drow = dst[d0 + tt]
+            for b in range(nb):
+                sa = scale_table[srow[b >> sshift]]
+                for g in range(4):
+                    _decode8_1bit(int64(crow[4 * b + g]), cent, sa, drow, b * 32 + g * 8)
+    elif bits == 2:
+        for tt in range(nt):
+            crow = codes[t0 + tt]
+            srow = scales[t0 + tt]
+            drow = dst[d0 + tt]
+            for b in range(nb):
+                sa = scale_table[srow[b >> sshift]]
+                p = b * 8
+                for g in range(4):
+                    w = int64(crow[p]) | (int64(crow[p + 1]) << 8)
+                    _decode8_2bit(w, cent, sa, drow, b * 32 + g * 8)
+                    p += 2
+    elif bits == 3:
         for tt in range(nt):
             crow = codes[t0 + tt]
             srow = scales[t0 + tt]
@@ -124,6 +153,45 @@ def _decode_tile_simd(codes, scales, t0, nt, cent, bits, nb, sshift, scale_table
 
 
 decode_tile_simd_cpu = cpu_serial(_decode_tile_simd)
+
+
+def _decode_tile_mixed(codes, scales, t0, nt, cent2, bits_b, off_b, sshift, scale_table, dst):
+    """``dst[tt] = `` token ``t0 + tt`` of a :class:`~numba_kv.ops.attention.CodeLayout` whose
+    blocks differ in width (``bits_b``, byte offsets ``off_b``, codebook rows ``cent2``
+    ``[nb, 16]`` C-contiguous), ``tt < nt``; ``2**sshift`` consecutive blocks share a scale.
+    Eight codes at a time by the vector decoders (CPU only): a scalar loader that calls the
+    single-source group-of-8 core per group is ~4× slower here."""
+    nb = bits_b.shape[0]
+    for tt in range(nt):
+        crow = codes[t0 + tt]
+        srow = scales[t0 + tt]
+        drow = dst[tt]
+        for b in range(nb):
+            sa = scale_table[srow[b >> sshift]]
+            bits = bits_b[b]
+            cent = cent2[b]
+            p = off_b[b]
+            for g in range(4):
+                w = int64(crow[p])
+                if bits >= 2:
+                    w |= int64(crow[p + 1]) << 8
+                if bits >= 3:
+                    w |= int64(crow[p + 2]) << 16
+                if bits == 4:
+                    w |= int64(crow[p + 3]) << 24
+                o = b * 32 + g * 8
+                if bits == 1:
+                    _decode8_1bit(w, cent, sa, drow, o)
+                elif bits == 2:
+                    _decode8_2bit(w, cent, sa, drow, o)
+                elif bits == 3:
+                    _decode8_3bit(w, cent, sa, drow, o)
+                else:
+                    _decode8_4bit(w, cent, sa, drow, o)
+                p += bits
+
+
+decode_tile_mixed_cpu = cpu_serial(_decode_tile_mixed)
 
 
 @intrinsic

@@ -29,7 +29,6 @@ from ._attention_cores import (
     inverse_scale_cpu,
     inverse_scale_dev,
     is_uniform_cpu,
-    load_token_cpu,
     merge_column_cpu,
     merge_column_dev,
     merge_denom_cpu,
@@ -44,7 +43,7 @@ from ._attention_cores import (
     sign_pm1_cpu,
     visible_dev,
 )
-from ._attention_cpu import decode_tile_simd_cpu, softmax_tile_cpu, tile_pv_cpu, tile_scores_cpu
+from ._attention_cpu import decode_tile_mixed_cpu, decode_tile_simd_cpu, softmax_tile_cpu, tile_pv_cpu, tile_scores_cpu
 from ._registry import register
 
 #: tokens per CPU tile: a decoded 32-token × d=128 float tile is 16 KiB, stays in L1 while
@@ -121,9 +120,7 @@ def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
                 if k_uniform:
                     decode_tile_simd_cpu(kc[g], ks[g], t0, nt, kcent0, kb0, nb, sshift, scale_table, kt, 0)
                 else:
-                    for tt in range(nt):
-                        load_token_cpu(kc[g, t0 + tt], ks[g, t0 + tt], kcent, kbits, koff, sshift, nb, scale_table,
-                                       kt[tt])
+                    decode_tile_mixed_cpu(kc[g], ks[g], t0, nt, kcent, kbits, koff, sshift, scale_table, kt)
                 tile_scores_cpu(qsrc, kt, nt, sc)
             else:
                 tile_scores_cpu(qsrc, ke[g, t0:t0 + nt], nt, sc)
@@ -151,9 +148,7 @@ def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
                 if v_uniform:
                     decode_tile_simd_cpu(vc[g], vs[g], t0, nt, vcent0, vb0, nb, sshift, scale_table, kt, 0)
                 else:
-                    for tt in range(nt):
-                        load_token_cpu(vc[g, t0 + tt], vs[g, t0 + tt], vcent, vbits, voff, sshift, nb, scale_table,
-                                       kt[tt])
+                    decode_tile_mixed_cpu(vc[g], vs[g], t0, nt, vcent, vbits, voff, sshift, scale_table, kt)
                 tile_pv_cpu(sc, kt, nt, acc)
             else:
                 tile_pv_cpu(sc, ve[g, t0:t0 + nt], nt, acc)

@@ -85,8 +85,15 @@ def _bench(args: argparse.Namespace) -> int:
 
     tokens = [int(t) for t in (args.tokens or "4096,32768,131072").split(",")]
     bits = [int(b) for b in args.bits.split(",")]
+    try:  # a clear error before any timing
+        decode_specs = (bench.DECODE_SPECS if args.decode_caches is None
+                        else split_cache_list(args.decode_caches, arg="--decode-caches"))
+        parse_cache_specs(",".join(decode_specs), arg="--decode-caches")
+    except EvalConfigError as exc:
+        return _user_error("bench attention", exc)
     rep = bench.attention_report(tokens, bits, args.repeat, progress=not args.no_progress,
-                           decode_tokens=None if args.no_decode else 32768)
+                                 decode_tokens=None if args.no_decode else args.decode_tokens,
+                                 decode_specs=decode_specs)
     if args.json:
         out = {"config": vars(args) | {"func": None}} | {k: v for k, v in rep.items() if not k.startswith("_")}
         if args.json == "-":
@@ -369,6 +376,11 @@ def _add_bench(sub: Any) -> None:
                         "HR,SQtqmse3 / HR,EDEN3 / HR,SQtq3 / HR,EDEN2 / HR,EDEN4)")
     b.add_argument("--no-decode", action="store_true",
                    help="attention: skip the cache.decode table (pqo3, tq3, the best <= 4-bit cache at T=32K)")
+    b.add_argument("--decode-caches", default=None, metavar="CACHES",
+                   help="attention: caches of the cache.decode table, as `eval --cache` "
+                        "(default: pqo3, tq3 and the best <= 4-bit cache)")
+    b.add_argument("--decode-tokens", type=int, default=32768, metavar="T",
+                   help="attention: history length of the cache.decode table (default 32768)")
     b.add_argument("--no-progress", action="store_true")
     b.set_defaults(func=_bench)
 

@@ -6,7 +6,7 @@ import pytest
 from numba import njit
 
 from numba_kv.ops._attention_cores import load_token_fast_cpu
-from numba_kv.ops._attention_cpu import decode_tile_simd_cpu, exp_f32_cpu
+from numba_kv.ops._attention_cpu import decode_tile_mixed_cpu, decode_tile_simd_cpu, exp_f32_cpu
 from numba_kv.ops.attention import F16_ABS_TABLE
 from numba_kv.ops.blockquant import dequantize_blocks, quantize_blocks
 from numba_kv.ops.codebook import get_codebook
@@ -64,3 +64,29 @@ def test_decode_tile_matches_dequantize(bits, t0, nt):
     for tt in range(nt):  # the scalar loader the CUDA kernels use: bit-identical values
         load_token_fast_cpu(codes[t0 + tt], scales[t0 + tt], cent, bits, d // 32, 0, F16_ABS_TABLE, scalar[tt])
     assert np.array_equal(dst[:nt], scalar)
+
+
+@pytest.mark.parametrize("widths", [(2, 3, 3, 2), (4, 1, 3, 2), (3, 4, 4, 3)])
+@pytest.mark.parametrize("t0, nt", [(0, 32), (7, 9)])
+def test_decode_tile_mixed_matches_dequantize(widths, t0, nt):
+    """Blocks of different widths (pqo2.5 / pqo3.5 style layouts): each block decodes to the
+    rotated-domain values of :func:`dequantize_blocks` of that block alone, at its byte offset."""
+    rng = np.random.default_rng(sum(widths) + t0)
+    T = 48
+    x = rng.standard_normal((T, 32 * len(widths))).astype(np.float32) * 3
+    codes, scales, want, cent2 = [], [], [], np.zeros((len(widths), 16), np.float32)
+    for b, bits in enumerate(widths):
+        c, s = quantize_blocks(x[:, 32 * b:32 * (b + 1)], bits)
+        codes.append(c)
+        scales.append(s)
+        want.append(rotate32(dequantize_blocks(c, s, bits)))
+        cb = get_codebook(bits, "maxnorm").centroids
+        cent2[b, :len(cb)] = cb
+    bits_b = np.asarray(widths, np.int64)
+    off_b = np.concatenate([[0], np.cumsum(4 * bits_b)[:-1]]).astype(np.int64)
+    dst = np.full((32, x.shape[1]), np.nan, np.float32)
+    codes, scales = (np.ascontiguousarray(np.concatenate(a, 1)) for a in (codes, scales))
+    decode_tile_mixed_cpu(codes, scales, t0, nt, cent2, bits_b, off_b, 0, F16_ABS_TABLE, dst)
+    want = np.concatenate(want, 1)[t0:t0 + nt]
+    np.testing.assert_allclose(dst[:nt], want, rtol=2e-6, atol=2e-6 * float(np.abs(want).max()))
+    assert np.all(np.isnan(dst[nt:]))

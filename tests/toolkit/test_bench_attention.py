@@ -49,3 +49,17 @@ def test_decode_rows():
                             head_dim=64, progress=False)
     assert [r.cache.split("-")[0] for r in rows] == ["pqo3", "tq3"]
     assert all(r.decode_ms > 0 and r.dense_ms > 0 and r.kv_mb > 0 for r in rows)
+
+
+def test_cli_decode_caches_and_tokens(tmp_path, capsys):
+    """``--decode-caches`` picks the cache.decode rows (mixed widths and 1-bit codes included),
+    ``--decode-tokens`` their history length; a bad cache is an error naming the option."""
+    js = tmp_path / "dec.json"
+    assert main(["bench", "attention", "--tokens", "32", "--bits", "3", "--repeat", "1", "--no-progress",
+                 "--decode-caches", "pq2,pqo2.5:r=8,s=2", "--decode-tokens", "96", "--json", str(js)]) == 0
+    rows = json.loads(js.read_text())["decode"]
+    assert [(r["cache"], r["tokens"]) for r in rows] == [("pq2-r32-s4", 96), ("pqo2.5-r8-s2", 96)]
+    assert all(r["decode_ms"] > 0 for r in rows)
+    assert main(["bench", "attention", "--tokens", "32", "--bits", "3", "--repeat", "1", "--no-progress",
+                 "--decode-caches", "pqo9"]) == 2
+    assert "--decode-caches: unknown cache 'pqo9'" in capsys.readouterr().err
