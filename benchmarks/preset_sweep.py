@@ -9,7 +9,13 @@ without the greedy check.  Usage::
         --model smollm2 --out benchmarks/results/presets-smollm2.jsonl NAME=SPEC_JSON ...
 
 Each candidate is ``LABEL=JSON`` with JSON ``{"name": ..., "options": {...}}`` (options may
-hold ``layer_overrides``) or a cache spec string (a preset name, ``pqo3-r32-s4``, ...).
+hold ``layer_overrides``) or a cache spec string (a preset name, ``pqo3-r32-s4``, ...).  A JSON
+candidate with ``"budget"`` is a preset under trial: ``{"name": BASE, "options": {...},
+"budget": 4.0, "sink_tokens": 4}`` is registered as a temporary preset ``LABEL`` and sized
+like ``kv4``/``kv5`` (its window fills the budget on the model's geometry).
+
+The dense reference logits are kept in ``--ref-dir`` (one ``.npy`` per model, length and
+prefill), so later runs skip the dense pass.
 """
 
 from __future__ import annotations
@@ -18,21 +24,28 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
+from numba_kv.caches import presets
 from numba_kv.caches.spec import CacheSpec, parse_cache_spec
 from numba_kv.metrics import compare_logits
 from numba_kv.toolkit import models
 from numba_kv.toolkit.evaluation import evaluate as ev
 
 
-def _spec(text: str) -> CacheSpec:
+def _spec(label: str, text: str) -> CacheSpec:
     if text.lstrip().startswith("{"):
         d = json.loads(text)
         opts = dict(d.get("options", {}))
         if "layer_overrides" in opts:
             opts["layer_overrides"] = {int(k): v for k, v in opts["layer_overrides"].items()}
+        if "budget" in d:  # a preset under trial: register it under the label
+            over = opts.pop("layer_overrides", {})
+            presets.PRESETS[label] = presets.Preset(label, d["name"], opts, float(d["budget"]),
+                                                    int(d.get("sink_tokens", 4)), over)
+            return CacheSpec(label, {})
         return CacheSpec(d["name"], opts)
     return parse_cache_spec(text)
 
@@ -43,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--prefill", type=int, default=128)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--ref-dir", default="/tmp/nkv_ref", help="where the dense logits are kept")
     ap.add_argument("candidates", nargs="+", help="LABEL=SPEC")
     args = ap.parse_args(argv)
     model, tok = models.load_model(args.model)
@@ -50,10 +64,15 @@ def main(argv: list[str] | None = None) -> int:
     text = ev.resolve_text(None)
     ids = np.asarray(tok.encode(text.read_text(encoding="utf-8", errors="replace"))[:args.tokens], dtype=np.int64)
     targets = ids[args.prefill + 1:]
-    cands = [("dense", CacheSpec("dense", {}))] + [(lab, _spec(s)) for lab, s in
-                                                   (a.split("=", 1) for a in args.candidates)]
+    cands = [(lab, _spec(lab, s)) for lab, s in (a.split("=", 1) for a in args.candidates)]
+    ref_file = Path(args.ref_dir) / f"{args.model}-{args.tokens}-{args.prefill}.npy"
     ref = None
     ref_ppl = float("nan")
+    if ref_file.exists():
+        ref = np.load(ref_file)
+        ref_ppl = compare_logits(ref, ref, targets)["ppl"]
+    else:
+        cands.insert(0, ("dense", CacheSpec("dense", {})))
     with open(args.out, "a", encoding="utf-8") as f:
         for label, spec in cands:
             t0 = time.perf_counter()
@@ -64,10 +83,12 @@ def main(argv: list[str] | None = None) -> int:
                 ref = scored
                 m = compare_logits(scored, scored, targets)
                 ref_ppl = m["ppl"]
+                ref_file.parent.mkdir(parents=True, exist_ok=True)
+                np.save(ref_file, scored)
             else:
                 m = compare_logits(ref, scored, targets)
             row = ev._eval_row(spec, m, ref_ppl, cache, c, tps, None, None, [], time.perf_counter() - t0)
-            doc = ev._json_safe({"label": label, "model": args.model, "tokens": args.tokens,
+            doc = ev.json_safe({"label": label, "model": args.model, "tokens": args.tokens,
                                  "prefill": args.prefill, "cache_name": getattr(cache, "name", ""),
                                  **{k: v for k, v in vars(row).items() if k != "generations"}})
             f.write(json.dumps(doc) + "\n")
