@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = np.asarray(tok.encode(text.read_text(encoding="utf-8", errors="replace"))[:args.tokens], dtype=np.int64)
     targets = ids[args.prefill + 1:]
     cands = [(lab, _spec(lab, s)) for lab, s in (a.split("=", 1) for a in args.candidates)]
-    ref_file = Path(args.ref_dir) / f"{args.model}-{args.tokens}-{args.prefill}.npy"
+    ref_file = Path(args.ref_dir) / f"{Path(args.model).stem}-{args.tokens}-{args.prefill}.npy"
     ref = None
     ref_ppl = float("nan")
     if ref_file.exists():
