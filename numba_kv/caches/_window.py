@@ -6,8 +6,10 @@ of a global layer, kept exact for good), ``n_comp`` compressed tokens and ``n_wi
 tokens (the newest, at most ``R``, kept exact until they leave the window).  The exact
 tokens live in fixed-size buffers ``<side>_exact`` ``[rows, S + R, head_dim]`` (sinks at
 ``[0, n_sink)``, the window at ``[S, S + n_win)``), as float32, float16, or int8 with one
-binary16 absmax scale per vector in ``<side>_exact_scale`` ``[rows, S + R, 1]``.  The
-counters live in the layer's ``meta`` (``n_sink``, ``n_comp``, ``n_win``).
+binary16 absmax scale per vector in ``<side>_exact_scale`` ``[rows, S + R, 1]``; int8
+vectors are stored rotated (randomized Hadamard over the whole head, or per 32-block when
+``head_dim`` is not a power of two ≤ 512) unless ``rotate=False``.  The counters live in
+the layer's ``meta`` (``n_sink``, ``n_comp``, ``n_win``).
 
 The arithmetic of a store / crop / eviction is in pure functions (:func:`plan_store`,
 :func:`crop_counts`, :func:`evict_counts`) so it can be tested without buffers.
@@ -23,6 +25,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import _backend
+from ..ops.hadamard import rotate32_rows
+from ..ops.headquant import HEAD_DIMS, rotate_head_rows
 from ..ops.memory import copy_tokens
 from ..ops.positions import exact_positions_into
 from ._layer import BufferSpec, LayerState, grown_capacity
@@ -155,12 +159,24 @@ class ExactWindow:
         Vector width.
     sink_tokens, residual_length : int
         ``S`` and ``R``; the exact buffers hold ``S + R`` tokens.
+    rotate : bool
+        Store int8 vectors rotated (no effect on float buffers).
     """
 
-    def __init__(self, head_dim: int, sink_tokens: int, residual_length: int) -> None:
+    def __init__(self, head_dim: int, sink_tokens: int, residual_length: int, rotate: bool = True) -> None:
         self.head_dim = head_dim
         self.sink_tokens = sink_tokens
         self.residual_length = residual_length
+        self.rotate = bool(rotate)
+
+    def _rotated(self, x3: Any, inverse: bool) -> Any:
+        """``x3`` ``[rows, n, d]`` float32 rotated (or rotated back) in a new array: int8's
+        absmax step is set by a vector's largest entry, and a randomized Hadamard transform
+        spreads a few large channels over all of them (QuaRot, arXiv:2404.00456)."""
+        rows, n, d = (int(s) for s in x3.shape)
+        x2 = _backend.ascontiguous_f32("x", x3).reshape(rows * n, d)
+        out = rotate_head_rows(x2, inverse) if d in HEAD_DIMS else rotate32_rows(x2, inverse)
+        return out.reshape(rows, n, d)
 
     @property
     def capacity(self) -> int:
@@ -188,6 +204,8 @@ class ExactWindow:
             return
         xp = _backend.xp_of(ex)
         x = src[:, s0:s0 + n]
+        if self.rotate:
+            x = self._rotated(x, False)
         s16 = (xp.abs(x).max(axis=2, keepdims=True) / np.float32(127.0)).astype(np.float16)
         s16[s16 == 0] = 1.0  # all-zero vector (or below the f16 range): any scale is exact
         ex[:, d0:d0 + n] = xp.clip(xp.rint(x / s16.astype(np.float32)), -127, 127).astype(np.int8)
@@ -202,7 +220,8 @@ class ExactWindow:
             assign_tokens(ex, s0, n, dst, d0)
             return
         sc = st.buffers[name + "_exact_scale"][:, s0:s0 + n].view(np.float16).astype(np.float32)
-        dst[:, d0:d0 + n] = ex[:, s0:s0 + n].astype(np.float32) * sc
+        x = ex[:, s0:s0 + n].astype(np.float32) * sc
+        dst[:, d0:d0 + n] = self._rotated(x, True) if self.rotate else x
 
     def move(self, st: LayerState, name: str, s0: int, n: int, d0: int) -> None:
         """Exact tokens ``d0 : d0+n`` ← tokens ``s0 : s0+n`` (the ranges may overlap)."""

@@ -60,6 +60,9 @@ class PolarQuantConfig:
         Newest / first tokens kept uncompressed (``>= 0``).
     window_dtype : {"float16", "float32", "int8"}
         Storage of window and sink tokens (stored as the name).
+    window_rotation : bool
+        int8 windows only: quantize each exact vector after a randomized Hadamard
+        rotation (undone on read).  No effect with float windows.
     decode_output : {"fused", "dequantized"}
         What ``decode`` returns.
     k_bits, v_bits : {2, 3, 4}, optional
@@ -109,6 +112,7 @@ class PolarQuantConfig:
     residual_length: int = 32
     sink_tokens: int = 4
     window_dtype: Any = "float16"
+    window_rotation: bool = True
     decode_output: str = "fused"
     k_bits: int | None = None
     v_bits: int | None = None
@@ -149,7 +153,7 @@ class PolarQuantConfig:
         self._set("window_dtype", str(self.window_dtype))
         self._set("residual_length", check_int("residual_length", self.residual_length, minimum=0))
         self._set("sink_tokens", check_int("sink_tokens", self.sink_tokens, minimum=0))
-        for name in ("key_center", "unbiased"):
+        for name in ("key_center", "unbiased", "window_rotation"):
             val = getattr(self, name)
             if not isinstance(val, (bool, np.bool_)):
                 raise TypeError(f"{name}: expected a bool, got {type(val).__name__} {val!r}")

@@ -235,14 +235,25 @@ _REMOVED_OPTIONS = {
 }
 
 
+#: options added later whose default changed what older files mean: the value an older file
+#: (which lacks the option) was written with, keyed by a field every such configuration has
+_ADDED_OPTIONS = {
+    "window_rotation": ("window_dtype", False),  # int8 windows were stored unrotated
+}
+
+
 def _without_removed_options(cfg: Any) -> Any:
     """``cfg`` with removed options that were off dropped (recursively: mixed caches nest the
-    configurations of their parts); a removed option that was on raises ``CacheFileError``."""
+    configurations of their parts); a removed option that was on raises ``CacheFileError``;
+    options added since then get the value older files were written with."""
     if isinstance(cfg, list):
         return [_without_removed_options(c) for c in cfg]
     if not isinstance(cfg, dict):
         return cfg
     out = {}
+    for key, (marker, old) in _ADDED_OPTIONS.items():
+        if marker in cfg and key not in cfg:
+            out[key] = old
     for key, val in cfg.items():
         if key in _REMOVED_OPTIONS:
             off, why = _REMOVED_OPTIONS[key]

@@ -86,8 +86,18 @@ class PolarQuantCache(LayeredCache):
         Storage of window/sink tokens.  float16 (default) is exact for fp16 models and
         within 2^-11 relative otherwise, at half the bytes.  ``"int8"``: symmetric absmax
         int8 per vector with one binary16 scale (8 + 16/head_dim bits per value, error
-        ≤ half a step of ``max|x|/127``), halving the window's bytes again.  Numba device
-        arrays always use float32.
+        ≤ half a step of ``max|x|/127`` in the stored domain, see ``window_rotation``),
+        halving the window's bytes again.  Numba device arrays always use float32.
+    window_rotation : bool
+        With ``window_dtype="int8"`` (default ``True``): each window/sink vector is rotated
+        by a randomized Hadamard transform before the absmax int8 quantization and rotated
+        back on read — the whole head when ``head_dim`` is a power of two ≤ 512, else per
+        32-block.  A few large channels (RoPE'd key channels, Gemma-3's QK-normed keys)
+        otherwise set every vector's step; spread over the head the step shrinks and the
+        int8 error falls 2–3× (the rotation-before-quantization of QuaRot, arXiv:2404.00456,
+        applied to the exact tokens).  Measured at N = 1024 with every token in an int8
+        window: Gemma-3-270M top-1 0.966 → 0.991 and mean KL 0.0073 → 0.0005,
+        SmolLM2-135M 0.981 → 0.997 / 0.0007 → 0.0002.  No effect with float windows.
     key_center : bool
         Subtract a per-channel key mean (per batch row and KV head, measured on the
         layer's first stored chunk, frozen) before quantizing and add it back in the
@@ -208,7 +218,7 @@ class PolarQuantCache(LayeredCache):
         self.outlier = cfg.mode != "pq"
         self.packed_dims = {n: lay.width for n, lay in self.layouts.items()}
         self._head_signs = head_signs(self.head_dim) if cfg.rotation == "head" else None
-        self._window = ExactWindow(self.head_dim, cfg.sink_tokens, cfg.residual_length)
+        self._window = ExactWindow(self.head_dim, cfg.sink_tokens, cfg.residual_length, cfg.window_rotation)
         self.name = self._make_name()
 
     # the configuration, field by field (read-only)
@@ -221,6 +231,7 @@ class PolarQuantCache(LayeredCache):
     sink_tokens = _config_attr("sink_tokens")
     decode_output = _config_attr("decode_output")
     key_center = _config_attr("key_center")
+    window_rotation = _config_attr("window_rotation")
     rotation = _config_attr("rotation")
     unbiased = _config_attr("unbiased")
     outlier_channels = _config_attr("outlier_channels")
@@ -361,6 +372,11 @@ class PolarQuantCache(LayeredCache):
         * any derived binary16 block scale / vector norm ``>= 65504``.  A cheap bound
           (:meth:`_f16_factor` times the largest vector norm) proves most inputs safe; the
           rest are quantized once into scratch buffers and the scales inspected.
+
+        An int8 window's binary16 scale needs no check of its own: it is ``max|x|/127``,
+        rotated at most ``‖x‖/127``, and every token is checked as if compressed, which
+        bounds each 32-block's norm by ``√32·65504`` (max-norm scales of the rotated block)
+        or 65504 (L2 norms), so ``‖x‖ ≤ √d·65504 ≤ 1.5e6``, well below ``127·65504``.
         """
         # the window dtype as _append will choose it (Numba device arrays: float32)
         self._exact_dtype = np.dtype(np.float32) if _backend.xp_of(k) is None else self.window_dtype

@@ -4,12 +4,12 @@ A preset is a cache name of the grammar (:mod:`numba_kv.caches.spec`) with fixed
 bit budget and optional per-layer overrides.  Its full-precision window is not a fixed
 number of tokens: it is the largest ``residual_length`` for which the cache stays within the
 budget **at** :data:`BUDGET_TOKENS` **tokens** on the given geometry (``head_dim``, layer
-count), every byte counted — compressed codes, per-vector norms, the int8 window with its
-scales, per-layer constants (key means) and the protected layers' extra bits.  A wider head
-pays less for its norms, so it gets a longer window for the same budget.  The count assumes
-every layer global (it stores all the tokens): a model with sliding-window layers stores
-fewer tokens, so its real bits/value at that length can only differ by the window's share
-on those layers.
+count, sliding windows), every byte counted — compressed codes, per-vector norms, the int8
+window with its scales, per-layer constants (key means) and the protected layers' extra
+bits.  A wider head pays less for its norms, so it gets a longer window for the same
+budget.  The global layers share one window; a sliding layer (Gemma-3's local layers)
+stores only its last ``sliding_window`` tokens, so it is sized on its own over those and
+its window is longer (at ``kv5`` on Gemma-3-270M, all 512 tokens it can see).
 
 One table, :data:`PRESETS`; :func:`resolve_preset` turns a name and a geometry into the
 arguments of :func:`~numba_kv.caches.factory.make_cache`.
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ._layer import resolve_layer
+from ._layer import check_sliding_window, resolve_layer
 from .mixed import MixedCache
 from .polarquant import PolarQuantCache
 
@@ -110,9 +110,59 @@ def _part_bytes(cache: PolarQuantCache, tokens: int, sinks: int, residual: int) 
     return (tokens - n_exact) * comp + n_exact * exact + const
 
 
-def preset_bytes(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int, residual_length: int,
-                 tokens: int = BUDGET_TOKENS) -> int:
-    """KV bytes of preset ``name`` with a given window at ``tokens`` tokens, every layer global.
+def _local(window: int | None, tokens: int) -> bool:
+    """A layer that stores fewer than ``tokens`` tokens (its sliding window is shorter)."""
+    return window is not None and window < tokens
+
+
+class _Geometry:
+    """One preset on one model: each layer's configuration (the preset's overrides applied),
+    sliding window and bytes by formula."""
+
+    def __init__(self, preset: Preset, num_layers: int, num_kv_heads: int, head_dim: int, sliding_window: Any):
+        from .spec import make_cache  # noqa: PLC0415 - cycle: make_cache resolves presets here
+
+        self.preset, self.num_kv_heads = preset, num_kv_heads
+        self.windows = check_sliding_window(sliding_window, num_layers)
+        self.own = _layer_options(preset, num_layers)
+        base = {**preset.options, "sink_tokens": preset.sink_tokens, "residual_length": 0}
+        parts: dict[str, PolarQuantCache] = {}
+        self.parts: list[PolarQuantCache] = []
+        for layer in range(num_layers):
+            own = self.own.get(layer, {})
+            key = repr(sorted(own.items()))
+            if key not in parts:
+                # a two-layer cache whose layer 0 carries the override: its part is that layer's cache
+                cache = make_cache(preset.base, num_layers=2, num_kv_heads=1, head_dim=head_dim, **base,
+                                   layer_overrides={0: dict(own)} if own else None)
+                parts[key] = cache.layer_cache(0) if isinstance(cache, MixedCache) else cache
+            self.parts.append(parts[key])
+
+    def layer_bytes(self, layer: int, residual: int, tokens: int) -> int:
+        """Bytes of ``layer`` (all KV heads) at ``tokens`` tokens with window ``residual`` (a
+        residual_length the preset's override of that layer fixes wins); a sliding layer
+        stores at most its window's tokens and keeps no sinks."""
+        part, window = self.parts[layer], self.windows[layer]
+        if "residual_length" in self.own.get(layer, {}):
+            residual = part.residual_length
+        stored, sinks = (min(tokens, window), 0) if window is not None else (tokens, part.sink_tokens)
+        return self.num_kv_heads * _part_bytes(part, stored, sinks, residual)
+
+
+def _largest(fits: Any, hi: int) -> int:
+    """The largest ``r`` in ``[0, hi]`` with ``fits(r)`` (``fits`` monotone, ``fits(0)`` true)."""
+    lo = 0
+    if fits(hi):
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def preset_bytes(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int, residual_length: Any,
+                 tokens: int = BUDGET_TOKENS, sliding_window: Any = None) -> int:
+    """KV bytes of preset ``name`` with given windows at ``tokens`` tokens, by formula.
 
     Parameters
     ----------
@@ -120,39 +170,38 @@ def preset_bytes(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int
         A key of :data:`PRESETS`.
     num_layers, num_kv_heads, head_dim : int
         Model geometry.
-    residual_length : int
-        Newest tokens kept in the window (layers that override it keep their own).
+    residual_length : int or sequence of int
+        Newest tokens kept in the window, for every layer or per layer (layers the preset
+        overrides with their own ``residual_length`` keep it).
     tokens : int
         Sequence length.
+    sliding_window : None, int, sequence or dict, optional
+        The model's sliding windows, as ``make_cache`` takes them: a sliding layer stores
+        at most its window's tokens and no sinks.
 
     Returns
     -------
     int
         Bytes of K and V of all layers and KV heads.
     """
-    preset = _check_name(name)
-    per_layer = _layer_options(preset, num_layers)
-    base = {**preset.options, "sink_tokens": preset.sink_tokens, "residual_length": residual_length}
-    total = 0
-    configs: dict[str, PolarQuantCache] = {}
-    for layer in range(num_layers):
-        own = per_layer.get(layer, {})
-        key = repr(sorted(own.items()))
-        if key not in configs:
-            from .spec import make_cache  # noqa: PLC0415 - cycle: make_cache resolves presets here
-
-            # a two-layer cache whose layer 0 carries the override: its part is that layer's cache
-            cache = make_cache(preset.base, num_layers=2, num_kv_heads=1, head_dim=head_dim, **base,
-                               layer_overrides={0: dict(own)} if own else None)
-            configs[key] = cache.layer_cache(0) if isinstance(cache, MixedCache) else cache
-        cache = configs[key]
-        total += num_kv_heads * _part_bytes(cache, tokens, cache.sink_tokens, cache.residual_length)
-    return total
+    geo = _Geometry(_check_name(name), num_layers, num_kv_heads, head_dim, sliding_window)
+    res = [residual_length] * num_layers if isinstance(residual_length, (int, np.integer)) else list(residual_length)
+    if len(res) != num_layers:
+        raise ValueError(f"residual_length: expected an int or {num_layers} ints, got {len(res)}")
+    return sum(geo.layer_bytes(i, int(res[i]), tokens) for i in range(num_layers))
 
 
-def resolve_preset(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int
+def resolve_preset(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int, sliding_window: Any = None
                    ) -> tuple[str, dict[str, Any], dict[int, dict[str, Any]]]:
     """The :func:`~numba_kv.make_cache` arguments of a preset on a geometry.
+
+    The budget holds for the global layers together and for every sliding layer on its
+    own, each counted at :data:`BUDGET_TOKENS` positions: the global layers share one
+    ``residual_length``, the largest within budget; a sliding layer whose window is shorter
+    stores only that many tokens, so its own window (``layer_overrides``) fills the budget
+    over those — at most the whole sliding window.  Every layer thus stays within the
+    budget at any length from :data:`BUDGET_TOKENS` on (its window is a fixed number of
+    tokens), and the compressed global layers set the bits/value of long contexts.
 
     Parameters
     ----------
@@ -160,45 +209,66 @@ def resolve_preset(name: str, *, num_layers: int, num_kv_heads: int, head_dim: i
         ``"kv4"`` or ``"kv5"`` (any key of :data:`PRESETS`, any case).
     num_layers, num_kv_heads, head_dim : int
         Model geometry.
+    sliding_window : None, int, sequence or dict, optional
+        The model's sliding windows, as :func:`~numba_kv.make_cache` takes them (``None``:
+        every layer global).
 
     Returns
     -------
     base : str
         Cache name (``"pqo-k4v3-head-eden"``).
     options : dict
-        Constructor options: the preset's fixed ones, ``sink_tokens`` and the
-        ``residual_length`` that fills the budget at :data:`BUDGET_TOKENS` tokens.
+        Constructor options: the preset's fixed ones, ``sink_tokens`` and the global
+        layers' ``residual_length``.
     layer_overrides : dict {int: dict}
-        Per-layer options at absolute indices (empty when the preset has none).
+        Per-layer options at absolute indices: the preset's own and the sliding layers'
+        ``residual_length`` (empty when there are none).
 
     Raises
     ------
     ValueError
-        Unknown preset (the message lists the presets), or a geometry on which even no
-        window exceeds the budget.
+        Unknown preset (the message lists the presets), a bad ``sliding_window``, or a
+        geometry on which even no window exceeds the budget.
 
     Examples
     --------
     >>> base, opts, over = resolve_preset("kv4", num_layers=30, num_kv_heads=3, head_dim=64)
     >>> base, opts["residual_length"], over
     ('pqo-k4v3-head-eden', 49, {})
+    >>> _, opts, over = resolve_preset("kv4", num_layers=6, num_kv_heads=1, head_dim=256,
+    ...                                sliding_window=[512] * 5 + [None])
+    >>> opts["residual_length"], over[0]
+    (92, {'residual_length': 501})
     """
     preset = _check_name(name)
-    values = 2 * num_layers * num_kv_heads * head_dim * BUDGET_TOKENS
-    limit = preset.budget * values / 8  # bytes
+    geo = _Geometry(preset, num_layers, num_kv_heads, head_dim, sliding_window)
+    n = BUDGET_TOKENS
+    per_layer = preset.budget * 2 * num_kv_heads * head_dim * n / 8  # bytes of one layer's budget
+    local = [i for i in range(num_layers) if _local(geo.windows[i], n)]
+    glob = [i for i in range(num_layers) if i not in local]
 
-    def fits(r: int) -> bool:
-        return preset_bytes(preset.name, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                            residual_length=r) <= limit
+    def too_big() -> ValueError:
+        return ValueError(f"preset {preset.name!r}: exceeds {preset.budget} bits/value on head_dim={head_dim}, "
+                          f"{num_layers} layers even without a window")
 
-    if not fits(0):
-        raise ValueError(f"preset {preset.name!r}: exceeds {preset.budget} bits/value on head_dim={head_dim}, "
-                         f"{num_layers} layers even without a window")
-    lo, hi = 0, BUDGET_TOKENS  # bytes grow with the window: bisect the largest that fits
-    if fits(hi):
-        lo = hi
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    options = {**preset.options, "sink_tokens": preset.sink_tokens, "residual_length": lo}
-    return preset.base, options, _layer_options(preset, num_layers)
+    r_glob = 0
+    if glob:
+        def fits(r: int) -> bool:
+            return sum(geo.layer_bytes(i, r, n) for i in glob) <= per_layer * len(glob)
+
+        if not fits(0):
+            raise too_big()
+        r_glob = _largest(fits, n)
+    options = {**preset.options, "sink_tokens": preset.sink_tokens, "residual_length": r_glob}
+    overrides = {i: dict(o) for i, o in geo.own.items()}
+    for i in local:
+        if "residual_length" in geo.own.get(i, {}):
+            continue
+
+        def fits_one(r: int, i: int = i) -> bool:
+            return geo.layer_bytes(i, r, n) <= per_layer
+
+        if not fits_one(0):
+            raise too_big()
+        overrides.setdefault(i, {})["residual_length"] = _largest(fits_one, int(geo.windows[i]))
+    return preset.base, options, overrides

@@ -386,7 +386,7 @@ def _last_axis_head_dim(name: str, shape: tuple[int, ...]) -> int:
 
 
 def rotate_head(x: Any, inverse: bool = False, *, backend: str = "auto") -> Any:
-    """Rotate whole head vectors: forward ``y = D_s H_d x`` or inverse ``x = H_d D_s y``.
+    """Rotate whole head vectors: forward ``y = H_d D_s x`` (signs first) or inverse ``x = D_s H_d y``.
 
     Parameters
     ----------

@@ -9,14 +9,16 @@ from .polarquant import (
                          SIGN_MASK,
                          attention,
                          dequantize,
+                         hadamard,
                          hadamard32,
                          pack_bits,
                          quantize,
                          rotate_forward,
+                         rotate_head_forward,
                          rotate_inverse,
                          sign_vector,
                          unpack_bits,
 )
 
-__all__ = ["SIGN_MASK", "attention", "dequantize", "hadamard32", "pack_bits", "quantize", "rotate_forward",
-           "rotate_inverse", "sign_vector", "unpack_bits"]
+__all__ = ["SIGN_MASK", "attention", "dequantize", "hadamard", "hadamard32", "pack_bits", "quantize",
+           "rotate_forward", "rotate_head_forward", "rotate_inverse", "sign_vector", "unpack_bits"]

@@ -19,6 +19,20 @@ def hadamard32() -> np.ndarray:
     return ((-1.0) ** pc / np.sqrt(32.0)).astype(np.float64)
 
 
+def hadamard(d: int) -> np.ndarray:
+    """Normalized ``d``×``d`` Sylvester Hadamard matrix (``d`` a power of two)."""
+    i = np.arange(d)
+    pc = np.vectorize(lambda z: bin(int(z)).count("1"))(i[:, None] & i[None, :])
+    return ((-1.0) ** pc / np.sqrt(float(d))).astype(np.float64)
+
+
+def rotate_head_forward(x: np.ndarray, signs: np.ndarray) -> np.ndarray:
+    """Whole-head rotation ``H_d D_s x`` of the last axis (signs first; float64), ``signs``
+    the ±1 diagonal."""
+    x = np.asarray(x, np.float64) * np.asarray(signs, np.float64)
+    return x @ hadamard(x.shape[-1]).T
+
+
 def rotate_forward(x: np.ndarray) -> np.ndarray:
     """``D_s H x`` on every 32-block of the last axis (float64 matmul)."""
     H, s = hadamard32(), sign_vector().astype(np.float64)

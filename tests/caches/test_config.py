@@ -45,6 +45,7 @@ PQ_RULES = [
     (dict(sink_tokens=-2), ValueError, "sink_tokens: expected an int >= 0, got -2"),
     (dict(key_center=1), TypeError, "key_center: expected a bool, got int 1"),
     (dict(unbiased="yes"), TypeError, "unbiased: expected a bool, got str 'yes'"),
+    (dict(window_rotation="no"), TypeError, "window_rotation: expected a bool, got str 'no'"),
     (dict(outlier_channels=-32), ValueError, "outlier_channels: expected an int >= 0, got -32"),
     (dict(outlier_channels=48), ValueError,
      "outlier_channels: expected a multiple of 32 below head_dim=128 (whole rotation blocks, some left for the "

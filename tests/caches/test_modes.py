@@ -127,12 +127,12 @@ def test_head_rotation_needs_a_power_of_two():
 
 def test_int8_window_is_within_half_a_step_and_counts_its_bytes(rng):
     c = make_cache("pqo3", num_layers=1, num_kv_heads=H, head_dim=D, residual_length=6, sink_tokens=2,
-                   window_dtype="int8", decode_output="dequantized")
+                   window_dtype="int8", window_rotation=False, decode_output="dequantized")
     k, v = kv(rng, 30)
     c.prefill(0, k, v)
     k1, v1 = kv(rng, 1)
     r = c.decode(0, k1, v1, rng.standard_normal((1, 2 * H, 1, D)).astype(np.float32), AttendConfig(0.1, 2)).result
-    kk = np.concatenate([k, k1], 2)
+    kk = np.concatenate([k, k1], 2)  # unrotated: half a step of the vector's own absmax
     exact = np.r_[0:2, 25:31]  # 2 sinks + the newest 6
     step = np.abs(kk[:, :, exact]).max(-1, keepdims=True) / 127
     assert np.all(np.abs(r.k[:, :, exact] - kk[:, :, exact]) <= 0.5 * step * (1 + 2 ** -10) + 1e-7)
@@ -142,9 +142,37 @@ def test_int8_window_is_within_half_a_step_and_counts_its_bytes(rng):
     assert c.memory_usage() == sum(a.nbytes for a in c.live_arrays(0))
 
 
-@pytest.mark.parametrize("name", ["pqo3", "tq3", "pqo2.5"])
-def test_int8_window_fused_equals_dequantized(name, rng):
-    opts = dict(residual_length=5, sink_tokens=2, window_dtype="int8")
+@pytest.mark.parametrize("name", ["pqo3", "pqo-k4v3-head-eden"])
+def test_rotated_int8_window_holds_the_largest_admitted_vectors(name, rng):
+    """The largest inputs a cache admits (doubled until refused) sit in a rotated int8 window
+    finite and within int8 accuracy: the rotated absmax scale (at most the vector norm over
+    127) stays far inside binary16 wherever the compressed store's own scales do."""
+    opts = dict(num_layers=1, num_kv_heads=H, head_dim=D, residual_length=8, sink_tokens=0, window_dtype="int8")
+    x = rng.standard_normal((1, H, 2, D)).astype(np.float32)
+    x[..., 7] += 30.0  # one large channel: the rotation moves it into every entry
+    x /= np.linalg.norm(x, axis=-1, keepdims=True).max()
+    scale, refused = 1.0, False
+    while not refused:
+        c = make_cache(name, decode_output="dequantized", **opts)
+        try:
+            c.prefill(0, x * np.float32(2 * scale), x * np.float32(2 * scale))
+            scale *= 2
+        except ValueError:
+            refused = True
+            assert c.seq_len(0) == 0
+    assert scale >= 2.0 ** 14  # admitted norms reach 16,384 and more
+    c = make_cache(name, decode_output="dequantized", **opts)
+    xs = x * np.float32(scale)
+    c.prefill(0, xs, xs)
+    got = c.prefill(0, xs[:, :, :1] * 0, xs[:, :, :1] * 0).k[:, :, :2]  # the two, read from the window
+    assert np.isfinite(got).all()
+    assert np.linalg.norm(got - xs) <= 0.01 * np.linalg.norm(xs)
+
+
+@pytest.mark.parametrize("rotate", [True, False])
+@pytest.mark.parametrize("name", ["pqo3", "tq3", "pqo2.5", "pqo-k4v3-head-eden"])
+def test_int8_window_fused_equals_dequantized(name, rotate, rng):
+    opts = dict(residual_length=5, sink_tokens=2, window_dtype="int8", window_rotation=rotate)
     fused = make_cache(name, num_layers=1, num_kv_heads=H, head_dim=D, **opts)
     deq = make_cache(name, num_layers=1, num_kv_heads=H, head_dim=D, decode_output="dequantized", **opts)
     k, v = kv(rng, 12)

@@ -254,6 +254,44 @@ def test_removed_option(saved, tmp_path, value):
         load_cache(path)
 
 
+def test_older_int8_window_files_load_unrotated(tmp_path, rng):
+    """Files written before ``window_rotation`` existed lack it and hold unrotated int8
+    windows: they load with ``window_rotation=False`` and decode exactly as saved (re-hashed
+    file whose config lacks the option)."""
+    import safetensors.numpy
+
+    from numba_kv.caches import _format
+
+    cache = make_cache("pqo3", num_layers=1, num_kv_heads=2, head_dim=64, residual_length=6, sink_tokens=2,
+                       window_dtype="int8", window_rotation=False, decode_output="dequantized")
+    k = rng.standard_normal((1, 2, 12, 64)).astype(np.float32)
+    cache.prefill(0, k, k)
+    state_obj, tensors = _format.layered_state(cache)
+    cfg = {key: val for key, val in cache._lifecycle_config().items() if key != "window_rotation"}
+    assert len(cfg) == len(cache._lifecycle_config()) - 1
+    state = json.dumps(state_obj, sort_keys=True)
+
+    def write(cfg_obj, name):
+        config = json.dumps(cfg_obj, sort_keys=True)
+        path = tmp_path / name
+        safetensors.numpy.save_file(tensors, str(path), metadata={
+            "format": _format.FORMAT_NAME, "format_version": "1", "cache_class": "PolarQuantCache",
+            "config": config, "state": state, "sha256": _format.digest(config, state, tensors)})
+        return path
+
+    back = load_cache(write(cfg, "old.safetensors"), expect=cache)
+    assert back.window_rotation is False and back.config == cache.config
+    k1 = rng.standard_normal((1, 2, 1, 64)).astype(np.float32)
+    q = rng.standard_normal((1, 4, 1, 64)).astype(np.float32)
+    a = cache.decode(0, k1, k1, q, AttendConfig(0.125, 2)).result
+    b = back.decode(0, k1, k1, q, AttendConfig(0.125, 2)).result
+    assert np.array_equal(a.k, b.k) and np.array_equal(a.v, b.v)
+    # the same bytes read as a rotated window decode to other vectors: the default matters
+    wrong = load_cache(write({**cfg, "window_rotation": True}, "wrong.safetensors"))
+    c = wrong.decode(0, k1, k1, q, AttendConfig(0.125, 2)).result
+    assert np.abs(c.k[:, :, :2] - a.k[:, :, :2]).max() > 0.1
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_cache(tmp_path / "nope.safetensors")

@@ -28,39 +28,89 @@ def _layers(cache):
     return [(cache, j) for j in range(cache.num_layers)]
 
 
-def _hand_bytes(part, d: int, tokens: int) -> int:
+def _part(cache, layer: int):
+    """The cache holding ``layer`` (the cache itself unless mixed)."""
+    return _layers(cache)[layer][0]
+
+
+def _hand_bytes(part, d: int, tokens: int, window: int | None = None) -> int:
     """Bytes of one layer and KV head of a ``pqo-k?v?-head`` cache with an int8 window and key
     centering, counted by hand: a compressed vector is ``bits * d / 8`` index bytes plus one
     binary16 norm; a window vector ``d`` int8 bytes plus one binary16 scale; key centering one
-    float32 mean per channel."""
+    float32 mean per channel.  A sliding layer holds its last ``window`` tokens, no sinks."""
     assert part.rotation == "head" and part.window_dtype == np.int8 and part.key_center
     assert part.outlier_channels == 0
-    exact = min(tokens, part.sink_tokens + part.residual_length)
+    if window is not None:
+        tokens = min(tokens, window)
+    exact = min(tokens, (part.sink_tokens if window is None else 0) + part.residual_length)
     comp_k = part.k_bits * d // 8 + 2
     comp_v = part.v_bits * d // 8 + 2
     return (tokens - exact) * (comp_k + comp_v) + exact * 2 * (d + 2) + 4 * d
 
 
-def _hand_bits(cache, heads: int, d: int, tokens: int = BUDGET_TOKENS) -> float:
-    total = sum(heads * _hand_bytes(part, d, tokens) for part, _ in _layers(cache))
-    return 8.0 * total / (2 * len(_layers(cache)) * heads * d * tokens)
+def _bits(nbytes: int, layers: int, heads: int, d: int, tokens: int = BUDGET_TOKENS) -> float:
+    return 8.0 * nbytes / (2 * layers * heads * d * tokens)
+
+
+def _hand_bits(cache, heads: int, d: int, tokens: int = BUDGET_TOKENS, layers=None) -> float:
+    """bits/value of ``layers`` (default: all) counted by hand at ``tokens`` tokens."""
+    parts = _layers(cache)
+    idx = range(len(parts)) if layers is None else layers
+    windows = cache.layer_windows
+    total = sum(heads * _hand_bytes(parts[i][0], d, tokens, windows[i]) for i in idx)
+    return _bits(total, len(idx), heads, d, tokens)
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 @pytest.mark.parametrize("model", MODELS, ids=[m[0] for m in MODELS])
 def test_preset_builds_within_budget(preset, model):
+    """The global layers together, and every sliding layer on its own, stay within the budget
+    at 1,024 tokens, and each window is the largest that does (one token more would not)."""
     _, layers, heads, d, windows = model
+    budget = BUDGETS[preset]
     cache = nk.make_cache(preset, num_layers=layers, num_kv_heads=heads, head_dim=d, sliding_window=windows)
     assert cache.num_layers == layers and cache.num_kv_heads == heads and cache.head_dim == d
-    assert cache.layer_windows == (windows or [None] * layers)
-    bits = _hand_bits(cache, heads, d)
-    assert bits <= BUDGETS[preset]
-    # the window is the largest that fits: one more token per layer would exceed the budget
-    wider = nk.make_cache(preset, num_layers=layers, num_kv_heads=heads, head_dim=d,
-                          residual_length=cache.layer_cache(0).residual_length + 1
-                          if isinstance(cache, MixedCache) else cache.residual_length + 1)
-    assert _hand_bits(wider, heads, d) > BUDGETS[preset]
-    assert bits > BUDGETS[preset] - 0.02
+    windows = windows or [None] * layers
+    assert cache.layer_windows == windows
+    assert _hand_bits(cache, heads, d) <= budget
+    glob = [i for i in range(layers) if windows[i] is None]
+    assert budget - 0.02 < _hand_bits(cache, heads, d, layers=glob) <= budget
+    r = _part(cache, glob[0]).residual_length
+    assert all(_part(cache, i).residual_length == r for i in glob)
+    # one more window token on every global layer exceeds the budget
+    wider = nk.make_cache(preset, num_layers=layers, num_kv_heads=heads, head_dim=d, residual_length=r + 1)
+    assert _hand_bits(wider, heads, d, layers=glob) > budget
+    for i in range(layers):
+        if windows[i] is None:
+            continue
+        part = _part(cache, i)
+        one = _bits(_hand_bytes(part, d, BUDGET_TOKENS, windows[i]), 1, 1, d)
+        more = _bits(_hand_bytes(part, d, BUDGET_TOKENS, windows[i]) + 2 * (d + 2) - (part.k_bits + part.v_bits)
+                     * d // 8 - 4, 1, 1, d)
+        assert one <= budget and (part.residual_length == windows[i] or more > budget)
+
+
+def test_sliding_layers_by_hand():
+    """Gemma-3-270M's geometry (d = 256, one KV head, sliding window 512): a local layer holds
+    512 tokens at 1,024 positions; with keys 4·256/8 + 2 = 130 bytes, values 3·256/8 + 2 = 98,
+    an int8 window vector 2·(256 + 2) = 516 and 1,024 bytes of key means, 4.0 bits/value over
+    1,024 positions (262,144 bytes) allow 501 window tokens, 5.0 bits (327,680) all 512; the
+    global layers keep the window of an all-global model."""
+    gemma = [512] * 5 + [None]
+    for preset, want in (("kv4", 501), ("kv5", 512)):
+        _, opts, over = resolve_preset(preset, num_layers=6, num_kv_heads=1, head_dim=256, sliding_window=gemma)
+        r = over[0]["residual_length"]
+        assert r == want and all(over[i] == {"residual_length": want} for i in range(5)) and 5 not in over
+        assert (512 - r) * 228 + r * 516 + 1024 <= BUDGETS[preset] * 2 * 256 * 1024 / 8
+        assert r == 512 or (511 - r) * 228 + (r + 1) * 516 + 1024 > BUDGETS[preset] * 2 * 256 * 1024 / 8
+        plain = resolve_preset(preset, num_layers=6, num_kv_heads=1, head_dim=256)[1]["residual_length"]
+        assert opts["residual_length"] == plain
+    # windows of 1,024 tokens or more: the layer stores every budget token, sized as global
+    assert resolve_preset("kv4", num_layers=2, num_kv_heads=1, head_dim=256, sliding_window=1024)[2] == {}
+    # a user's override of a sliding layer's window wins over the preset's
+    cache = nk.make_cache("kv4", num_layers=6, num_kv_heads=1, head_dim=256, sliding_window=gemma,
+                          layer_overrides={1: {"residual_length": 7}})
+    assert [_part(cache, i).residual_length for i in range(6)] == [501, 7, 501, 501, 501, 92]
 
 
 def test_kv4_numbers_by_hand():
@@ -74,15 +124,23 @@ def test_kv4_numbers_by_hand():
     assert (base, window, over) == ("pqo-k4v3-head-eden", 53, {})
 
 
-def test_formula_equals_memory_usage():
-    """The count the presets are sized by is what the cache stores at 1,024 tokens."""
+@pytest.mark.parametrize("windows", [None, [16, None]], ids=["global", "sliding"])
+def test_formula_equals_memory_usage(windows):
+    """The count the presets are sized by is what the cache stores at 1,024 tokens (a
+    sliding layer after the model's last step: its window's tokens); ``preset_bytes`` too."""
     rng = np.random.default_rng(0)
     for preset in sorted(PRESETS):
-        cache = nk.make_cache(preset, num_layers=2, num_kv_heads=1, head_dim=64)
+        cache = nk.make_cache(preset, num_layers=2, num_kv_heads=1, head_dim=64, sliding_window=windows)
         for layer in range(2):
             k = rng.standard_normal((1, 1, BUDGET_TOKENS, 64)).astype(np.float32)
-            cache.prefill(layer, k, 0.5 * k)
-        assert cache.memory_usage() == sum(_hand_bytes(p, 64, BUDGET_TOKENS) for p, _ in _layers(cache))
+            cache.prefill(layer, k[:, :, :-1], 0.5 * k[:, :, :-1])
+            cache.prefill(layer, k[:, :, -1:], 0.5 * k[:, :, -1:])
+        ws = windows or [None, None]
+        hand = sum(_hand_bytes(p, 64, BUDGET_TOKENS, ws[i]) for i, (p, _) in enumerate(_layers(cache)))
+        assert cache.memory_usage() == hand
+        res = [_part(cache, i).residual_length for i in range(2)]
+        assert presets.preset_bytes(preset, num_layers=2, num_kv_heads=1, head_dim=64, residual_length=res,
+                                    sliding_window=windows) == hand
 
 
 def test_relative_layer_overrides(monkeypatch):

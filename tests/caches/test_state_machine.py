@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from numba_kv import AttendConfig, DequantResult, Fused, get_codebook, make_cache, reference
+from numba_kv.ops.headquant import rotate_head
 
 H, D, G, LAYERS = 2, 32, 2, 2
 SCALE = 0.2
@@ -44,18 +45,28 @@ def _int8_window(x):
     return np.clip(np.rint(x / s), -127, 127).astype(np.int8).astype(np.float32) * s
 
 
-_WINDOW = {"float16": _f16, "float32": lambda x: x, "int8": _int8_window}
+def _int8_rotated_window(x):
+    """int8 of the whole-head-rotated vector, rotated back (the rotation is the library's own
+    float32 ``rotate_head``, checked against a NumPy Hadamard oracle in ``test_window.py`` and
+    the headquant tests, so the stored bytes can be compared bit for bit here)."""
+    shape = x.shape
+    y = rotate_head(np.asarray(x, np.float32).reshape(-1, shape[-1]))
+    return rotate_head(_int8_window(y), inverse=True).reshape(shape)
+
+
+_WINDOW = {"float16": _f16, "float32": lambda x: x, "int8": _int8_window, "int8-rot": _int8_rotated_window}
 
 
 class WindowedCacheMachine(RuleBasedStateMachine):
     @initialize(kind=st.sampled_from(["pqo3", "pqo2", "pqo4", "tq3"]), R=st.sampled_from([0, 1, 3, 8]),
-                S=st.sampled_from([0, 1, 2, 5]), window=st.sampled_from(["float16", "float32", "int8"]),
+                S=st.sampled_from([0, 1, 2, 5]), window=st.sampled_from(["float16", "float32", "int8", "int8-rot"]),
                 batch=st.integers(1, 3), seed=st.integers(0, 2**16))
     def setup(self, kind, R, S, window, batch, seed):
         self.kind, self.R, self.S, self.window, self.B = kind, R, S, window, batch
         self.rng = np.random.default_rng(seed)
         self.cache = make_cache(kind, num_layers=LAYERS, num_kv_heads=H, head_dim=D, residual_length=R,
-                                sink_tokens=S, window_dtype=window)
+                                sink_tokens=S, window_dtype=window[:4] if window.startswith("int8") else window,
+                                window_rotation=window == "int8-rot")
         self.tq = kind == "tq3"
         bits = int(kind[-1])
         self.bits = {"k": bits - 1 if self.tq else bits, "v": bits}
@@ -166,7 +177,7 @@ class WindowedCacheMachine(RuleBasedStateMachine):
         comp = {n: D * self.bits[n] // 8 + 2 * nb for n in ("k", "v")}
         if self.tq:
             comp["k"] += self.m // 8 + 2  # sign bits + binary16 residual norm
-        exact = 2 * (D + 2 if self.window == "int8" else D * np.dtype(self.window).itemsize)  # int8: + f16 scale
+        exact = 2 * (D + 2 if self.window.startswith("int8") else D * np.dtype(self.window).itemsize)  # int8: + scale
         total = 0
         for lay in self.layers:
             n_exact = sum(lay["exact"])
