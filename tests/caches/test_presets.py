@@ -107,6 +107,17 @@ def test_sliding_layers_by_hand():
         assert opts["residual_length"] == plain
     # windows of 1,024 tokens or more: the layer stores every budget token, sized as global
     assert resolve_preset("kv4", num_layers=2, num_kv_heads=1, head_dim=256, sliding_window=1024)[2] == {}
+    # a preset that fixes a sliding layer's window is held to the budget on that layer too
+    over_budget = Preset("t", "pqo-k4v3-head-eden", {"key_center": True, "window_dtype": "int8"}, 4.0,
+                         layer_overrides={0: {"residual_length": 512}})  # 512 int8 tokens: 4.05 bits
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(PRESETS, "t", over_budget)
+        with pytest.raises(ValueError, match="sliding layer 0 with its own options exceeds 4.0 bits/value"):
+            resolve_preset("t", num_layers=6, num_kv_heads=1, head_dim=256, sliding_window=gemma)
+        mp.setitem(PRESETS, "t", Preset("t", "pqo-k4v3-head-eden", {"key_center": True, "window_dtype": "int8"},
+                                        4.0, layer_overrides={0: {"residual_length": 400}}))
+        assert resolve_preset("t", num_layers=6, num_kv_heads=1, head_dim=256, sliding_window=gemma)[2][0] == {
+            "residual_length": 400}
     # a user's override of a sliding layer's window wins over the preset's
     cache = nk.make_cache("kv4", num_layers=6, num_kv_heads=1, head_dim=256, sliding_window=gemma,
                           layer_overrides={1: {"residual_length": 7}})
