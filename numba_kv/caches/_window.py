@@ -7,9 +7,10 @@ tokens (the newest, at most ``R``, kept exact until they leave the window).  The
 tokens live in fixed-size buffers ``<side>_exact`` ``[rows, S + R, head_dim]`` (sinks at
 ``[0, n_sink)``, the window at ``[S, S + n_win)``), as float32, float16, or int8 with one
 binary16 absmax scale per vector in ``<side>_exact_scale`` ``[rows, S + R, 1]``; int8
-vectors are stored rotated (randomized Hadamard over the whole head, or per 32-block when
-``head_dim`` is not a power of two ≤ 512) unless ``rotate=False``.  The counters live in
-the layer's ``meta`` (``n_sink``, ``n_comp``, ``n_win``).
+vectors are stored rotated by the cache's own randomized Hadamard rotation (whole head or
+per 32-block) unless ``rotation=None``, so fused attention can score and accumulate them
+in the rotated domain of the compressed tokens.  The counters live in the layer's ``meta``
+(``n_sink``, ``n_comp``, ``n_win``).
 
 The arithmetic of a store / crop / eviction is in pure functions (:func:`plan_store`,
 :func:`crop_counts`, :func:`evict_counts`) so it can be tested without buffers.
@@ -159,15 +160,18 @@ class ExactWindow:
         Vector width.
     sink_tokens, residual_length : int
         ``S`` and ``R``; the exact buffers hold ``S + R`` tokens.
-    rotate : bool
-        Store int8 vectors rotated (no effect on float buffers).
+    rotation : {None, "head", "block"}
+        Store int8 vectors rotated over the whole head (``head_dim`` a power of two ≤ 512)
+        or per 32-block, or unrotated (``None``); no effect on float buffers.
     """
 
-    def __init__(self, head_dim: int, sink_tokens: int, residual_length: int, rotate: bool = True) -> None:
+    def __init__(self, head_dim: int, sink_tokens: int, residual_length: int, rotation: str | None = None) -> None:
+        if rotation not in (None, "head", "block") or (rotation == "head" and head_dim not in HEAD_DIMS):
+            raise ValueError(f"rotation: expected None, 'block' or 'head' (head_dim in {HEAD_DIMS}), got {rotation!r}")
         self.head_dim = head_dim
         self.sink_tokens = sink_tokens
         self.residual_length = residual_length
-        self.rotate = bool(rotate)
+        self.rotation = rotation
 
     def _rotated(self, x3: Any, inverse: bool) -> Any:
         """``x3`` ``[rows, n, d]`` float32 rotated (or rotated back) in a new array: int8's
@@ -175,8 +179,12 @@ class ExactWindow:
         spreads a few large channels over all of them (QuaRot, arXiv:2404.00456)."""
         rows, n, d = (int(s) for s in x3.shape)
         x2 = _backend.ascontiguous_f32("x", x3).reshape(rows * n, d)
-        out = rotate_head_rows(x2, inverse) if d in HEAD_DIMS else rotate32_rows(x2, inverse)
+        out = rotate_head_rows(x2, inverse) if self.rotation == "head" else rotate32_rows(x2, inverse)
         return out.reshape(rows, n, d)
+
+    def stored_rotated(self, st: LayerState) -> bool:
+        """True when the layer's exact tokens are stored rotated (an int8 window with a rotation)."""
+        return self.rotation is not None and st.buffers["k_exact"].dtype == np.int8
 
     @property
     def capacity(self) -> int:
@@ -204,15 +212,16 @@ class ExactWindow:
             return
         xp = _backend.xp_of(ex)
         x = src[:, s0:s0 + n]
-        if self.rotate:
+        if self.rotation is not None:
             x = self._rotated(x, False)
         s16 = (xp.abs(x).max(axis=2, keepdims=True) / np.float32(127.0)).astype(np.float16)
         s16[s16 == 0] = 1.0  # all-zero vector (or below the f16 range): any scale is exact
         ex[:, d0:d0 + n] = xp.clip(xp.rint(x / s16.astype(np.float32)), -127, 127).astype(np.int8)
         st.buffers[name + "_exact_scale"][:, d0:d0 + n] = s16.view(np.uint16)
 
-    def read(self, st: LayerState, name: str, s0: int, n: int, dst: Any, d0: int) -> None:
-        """float32 ``dst[:, d0 : d0+n]`` ← exact tokens ``s0 : s0+n`` of side ``name``."""
+    def read(self, st: LayerState, name: str, s0: int, n: int, dst: Any, d0: int, rotated: bool = False) -> None:
+        """float32 ``dst[:, d0 : d0+n]`` ← exact tokens ``s0 : s0+n`` of side ``name`` (with
+        ``rotated``, int8 tokens stay in the rotated domain they are stored in)."""
         ex = st.buffers[name + "_exact"]
         if n <= 0:
             return
@@ -221,7 +230,7 @@ class ExactWindow:
             return
         sc = st.buffers[name + "_exact_scale"][:, s0:s0 + n].view(np.float16).astype(np.float32)
         x = ex[:, s0:s0 + n].astype(np.float32) * sc
-        dst[:, d0:d0 + n] = self._rotated(x, True) if self.rotate else x
+        dst[:, d0:d0 + n] = self._rotated(x, True) if self.rotation is not None and not rotated else x
 
     def move(self, st: LayerState, name: str, s0: int, n: int, d0: int) -> None:
         """Exact tokens ``d0 : d0+n`` ← tokens ``s0 : s0+n`` (the ranges may overlap)."""
@@ -233,16 +242,18 @@ class ExactWindow:
             assign_tokens(ex, s0, n, tmp, 0)
             assign_tokens(tmp, 0, n, ex, d0)
 
-    def exact_f32(self, st: LayerState, name: str) -> tuple[Any, int]:
+    def exact_f32(self, st: LayerState, name: str, rotated: bool = False) -> tuple[Any, int]:
         """Sink and window tokens of side ``name`` as float32 ``[rows, >= n_exact, d]`` (the
-        buffer itself when it is float32) and their count ``n_exact = n_sink + n_win``."""
+        buffer itself when it is float32) and their count ``n_exact = n_sink + n_win``.
+        ``rotated``: rotated int8 tokens are returned in their stored, rotated domain (the
+        caller attends there); see :meth:`stored_rotated`."""
         n_sink, _, n_win = layer_counts(st)
         n_exact = n_sink + n_win
         ex = st.buffers[name + "_exact"]
         xp = _backend.xp_of(ex)
         if ex.dtype == np.int8:
             out = xp.empty((ex.shape[0], n_exact, self.head_dim), dtype=np.float32)
-            self.read(st, name, 0, n_exact, out, 0)
+            self.read(st, name, 0, n_exact, out, 0, rotated)
             return out, n_exact
         if xp is not None:
             return xp.ascontiguousarray(ex[:, :n_exact], dtype=xp.float32), n_exact

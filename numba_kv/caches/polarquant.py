@@ -218,7 +218,8 @@ class PolarQuantCache(LayeredCache):
         self.outlier = cfg.mode != "pq"
         self.packed_dims = {n: lay.width for n, lay in self.layouts.items()}
         self._head_signs = head_signs(self.head_dim) if cfg.rotation == "head" else None
-        self._window = ExactWindow(self.head_dim, cfg.sink_tokens, cfg.residual_length, cfg.window_rotation)
+        self._window = ExactWindow(self.head_dim, cfg.sink_tokens, cfg.residual_length,
+                                   cfg.rotation if cfg.window_rotation else None)
         self.name = self._make_name()
 
     # the configuration, field by field (read-only)
@@ -552,12 +553,13 @@ class PolarQuantCache(LayeredCache):
         return xp.ascontiguousarray(x3 - mbuf, dtype=xp.float32)
 
     # -- reading ----------------------------------------------------------------------------
-    def _exact_f32(self, st: LayerState, name: str) -> tuple[Any, int]:
-        """Window/sink tokens as float32 ``[rows, >= n_exact, d]`` and their count."""
+    def _exact_f32(self, st: LayerState, name: str, rotated: bool = False) -> tuple[Any, int]:
+        """Window/sink tokens as float32 ``[rows, >= n_exact, d]`` and their count (``rotated``:
+        a rotated int8 window stays in the rotated domain)."""
         if not self.windowed:
             like = st.buffers["k_codes"]
             return _backend.empty(like, (like.shape[0], 0, self.head_dim), np.float32), 0
-        return self._window.exact_f32(st, name)
+        return self._window.exact_f32(st, name, rotated)
 
     def _exact_positions(self, st: LayerState, like: Any) -> Any:
         """Stored positions (int32) of the window/sink tokens, on the device of ``like``."""
@@ -597,15 +599,20 @@ class PolarQuantCache(LayeredCache):
         b, hq, ql, d = (int(s) for s in q.shape)
         q3 = _backend.ascontiguous_f32("q", q).reshape(b * self.num_kv_heads, (hq // self.num_kv_heads) * ql, d)
         q3 = self._query_in(st, q3)
-        ke, n_exact = self._exact_f32(st, "k")
-        ve, _ = self._exact_f32(st, "v")
+        # a rotated int8 window is attended in the rotated domain, like the compressed tokens:
+        # q·k = Rq·Rk and the merge rotates its values back once per query row, instead of
+        # rotating every window token back on every step
+        rot = self.windowed and self._window.stored_rotated(st)
+        ke, n_exact = self._exact_f32(st, "k", rot)
+        ve, _ = self._exact_f32(st, "v", rot)
         hs = None if self._head_signs is None else _backend.constant(q3, self._head_signs)
+        qr = self._rotate_queries(q3)
         out = fused_attention_rows(
-            self._rotate_queries(q3), q3, st.buffers["k_codes"], st.buffers["k_scales"], st.buffers["v_codes"],
+            qr, qr if rot else q3, st.buffers["k_codes"], st.buffers["k_scales"], st.buffers["v_codes"],
             st.buffers["v_scales"], st.meta.get("n_comp", 0), self._sinks(st), ke, ve, n_exact,
             self._exact_positions(st, q3), self.layouts["k"], self.layouts["v"], config.softmax_scale,
             self._window_bias(st, q),
-            st.seq_len - ql, ql, True, head_signs=hs, qjl=self._qjl_args(st, q3))
+            st.seq_len - ql, ql, True, head_signs=hs, qjl=self._qjl_args(st, q3), exact_rotated=rot)
         if self.outlier_channels:
             xp = _backend.xp_of(out)
             out = xp.take_along_axis(out, xp.argsort(st.buffers["v_perm"].astype(np.int64), axis=2), axis=2)

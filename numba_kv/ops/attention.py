@@ -170,7 +170,8 @@ def _no_qjl(like: Any) -> tuple:
 def fused_attention_rows(qr: Any, q: Any, kc: Any, ks: Any, vc: Any, vs: Any, n_comp: int, comp_pos0: int,
                          ke: Any, ve: Any, n_exact: int, exact_pos: Any, klayout: CodeLayout, vlayout: CodeLayout,
                          softmax_scale: float, bias: Any, q_pos0: int, q_len: int, causal: bool = True,
-                         part_size: int | None = None, head_signs: Any = None, qjl: Any = None) -> Any:
+                         part_size: int | None = None, head_signs: Any = None, qjl: Any = None,
+                         exact_rotated: bool = False) -> Any:
     """Fused decode attention over compressed + exact tokens, in the ``[g, rows, d]`` layout.
 
     No validation (callers validate): ``qr``/``q`` ``[n_g, rows, d]`` float32 (rotated and
@@ -181,8 +182,10 @@ def fused_attention_rows(qr: Any, q: Any, kc: Any, ks: Any, vc: Any, vs: Any, n_
     tokens use the whole-head rotation with these signs (``None``: 32-block rotation).
     ``qjl`` = ``(sq, signs, norms, const)``: add the QJL correction ``const·‖r_t‖·⟨sq,
     σ_t⟩`` (``sq`` ``[n_g, rows, m]`` = ``S q``, ``signs`` uint8 ``[n_g, capacity, m/8]``,
-    ``norms`` uint16 ``[n_g, capacity]``) to every compressed token's ``q·k``.  Returns
-    ``out`` ``[n_g, rows, d]`` float32 on the device of ``qr``.
+    ``norms`` uint16 ``[n_g, capacity]``) to every compressed token's ``q·k``.
+    ``exact_rotated``: ``ke``/``ve`` are in the compressed tokens' rotated domain (a rotated
+    int8 window) and ``q`` is ``qr``; the merge then rotates every partition's sum back, the
+    exact ones included.  Returns ``out`` ``[n_g, rows, d]`` float32 on the device of ``qr``.
     """
     n_g, rows, d = qr.shape
     dev = _backend.device_of("q", qr)
@@ -210,7 +213,10 @@ def fused_attention_rows(qr: Any, q: Any, kc: Any, ks: Any, vc: Any, vs: Any, n_
             has_qjl, sq, qsig, qnorm, np.float32(qconst), int(q_pos0), int(q_len), bool(causal), int(part_size),
             int(n_cp), part_m, part_l, part_acc)
     head_rot = head_signs is not None
-    margs = (part_m, part_l, part_acc, int(n_cp), c(SIGNS32), head_rot,
+    # the merge rotates partitions [0, n_rot) back: the compressed ones, and the exact ones too
+    # when they were attended in the rotated domain
+    n_rot = n_parts if exact_rotated else n_cp
+    margs = (part_m, part_l, part_acc, int(n_rot), c(SIGNS32), head_rot,
              head_signs if head_rot else c(SIGNS32))
     work = n_g * rows * d * (n_comp + n_exact)
     launch_attention(dev, DECODE_ATTENTION, args, n_g, n_parts, rows, d, work)

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from numba_kv import AttendConfig, DequantResult, Fused, get_codebook, make_cache, reference
-from numba_kv.ops.headquant import rotate_head
+from numba_kv.ops.hadamard import rotate32
 
 H, D, G, LAYERS = 2, 32, 2, 2
 SCALE = 0.2
@@ -46,12 +46,13 @@ def _int8_window(x):
 
 
 def _int8_rotated_window(x):
-    """int8 of the whole-head-rotated vector, rotated back (the rotation is the library's own
-    float32 ``rotate_head``, checked against a NumPy Hadamard oracle in ``test_window.py`` and
-    the headquant tests, so the stored bytes can be compared bit for bit here)."""
+    """int8 of the rotated vector, rotated back: the caches of this machine rotate per
+    32-block, and so does their int8 window (the library's own float32 ``rotate32``, checked
+    against the NumPy oracle in ``test_window.py`` and the rotation tests, so the stored bytes
+    can be compared bit for bit here)."""
     shape = x.shape
-    y = rotate_head(np.asarray(x, np.float32).reshape(-1, shape[-1]))
-    return rotate_head(_int8_window(y), inverse=True).reshape(shape)
+    y = rotate32(np.asarray(x, np.float32).reshape(-1, shape[-1]))
+    return rotate32(_int8_window(y), inverse=True).reshape(shape)
 
 
 _WINDOW = {"float16": _f16, "float32": lambda x: x, "int8": _int8_window, "int8-rot": _int8_rotated_window}

@@ -58,7 +58,7 @@ def _state(win, dtype, rows=3):
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "int8"])
 def test_write_read_move_round_trip(dtype, rng):
-    win = ExactWindow(32, 2, 5, rotate=False)
+    win = ExactWindow(32, 2, 5)
     assert win.capacity == 7
     assert sorted(win.buffer_spec(dtype)) == (["k_exact", "k_exact_scale", "v_exact", "v_exact_scale"]
                                               if dtype == "int8" else ["k_exact", "v_exact"])
@@ -76,29 +76,43 @@ def test_write_read_move_round_trip(dtype, rng):
     assert np.array_equal(moved, got[:, 1:6])
 
 
-@pytest.mark.parametrize("d", [64, 96])
-def test_rotated_int8_is_within_half_a_step_in_the_rotated_domain(d, rng):
+@pytest.mark.parametrize(("d", "rotation"), [(64, "head"), (64, "block"), (96, "block")])
+def test_rotated_int8_is_within_half_a_step_in_the_rotated_domain(d, rotation, rng):
     """int8 of the rotated vector: every rotated coordinate within half a step of its own
-    absmax / 127 (the rotation by the NumPy oracle: whole-head Hadamard for a power-of-two
-    head, per 32-block otherwise); on vectors with one large channel the error is several
-    times below the unrotated window's."""
+    absmax / 127 (the rotation by the NumPy oracle: whole-head Hadamard or per 32-block); read
+    with ``rotated=True`` the tokens stay in that domain; on vectors with one large channel the
+    error is several times below the unrotated window's."""
     x = rng.standard_normal((2, 9, d)).astype(np.float32)
     x[:, :, 5] *= 40.0  # an outlier channel, as RoPE'd keys have
     errs = {}
-    for rotate in (False, True):
-        win = ExactWindow(d, 0, 9, rotate=rotate)
+    for rot in (None, rotation):
+        win = ExactWindow(d, 0, 9, rotation=rot)
         st = _state(win, "int8", rows=2)
+        assert win.stored_rotated(st) == (rot is not None)
         win.write(st, "k", x, 0, 9, 0)
         got = np.empty_like(x)
         win.read(st, "k", 0, 9, got, 0)
-        errs[rotate] = float(np.linalg.norm(got - x) / np.linalg.norm(x))
-        if rotate:
-            rot = ((lambda a: reference.rotate_head_forward(a, head_signs(d))) if d == 64
-                   else reference.rotate_forward)
-            y, y_got = rot(x), rot(got)
-            step = np.abs(y).max(-1, keepdims=True) / 127
-            assert np.all(np.abs(y_got - y) <= 0.5 * step * (1 + 2 ** -10) + 1e-6)
-    assert errs[True] < errs[False] / 3
+        errs[rot] = float(np.linalg.norm(got - x) / np.linalg.norm(x))
+        if rot is None:
+            continue
+        oracle = ((lambda a: reference.rotate_head_forward(a, head_signs(d))) if rot == "head"
+                  else reference.rotate_forward)
+        y, y_got = oracle(x), oracle(got)
+        step = np.abs(y).max(-1, keepdims=True) / 127
+        assert np.all(np.abs(y_got - y) <= 0.5 * step * (1 + 2 ** -10) + 1e-6)
+        raw = np.empty_like(x)
+        win.read(st, "k", 0, 9, raw, 0, rotated=True)
+        np.testing.assert_allclose(raw, oracle(got), rtol=0, atol=1e-4 * np.abs(y).max())
+    assert errs[rotation] < errs[None] / 3
+
+
+def test_window_rotation_must_fit_the_head():
+    with pytest.raises(ValueError, match="rotation"):
+        ExactWindow(96, 0, 4, rotation="head")
+    with pytest.raises(ValueError, match="rotation"):
+        ExactWindow(64, 0, 4, rotation="yes")
+
+
 def test_store_compresses_what_leaves_the_window(rng):
     win = ExactWindow(32, 2, 3)
     st = _state(win, "float32", rows=1)
