@@ -69,11 +69,11 @@ soak: venv
 # real-model eval (SmolLM2-135M, GPL-3 text, N=512/P=128; ~2.5 min on 2 quiet cores); the
 # synthetic KV-stream demo is `numba-kv demo --synthetic`.  One Numba thread: the decode
 # kernels are tiny and parallel regions cost more than they gain on a shared 2-core box.
-# the best configuration at <= 4 bits/value measured on SmolLM2 (README, "Evaluating on a real model")
-DEMO_BEST = pqo-k4v3-head-eden:key_center=true,window_dtype=int8
+# the named presets (README, "Named presets"): <= 4.0 and <= 5.0 bits/value at 1,024 tokens
+DEMO_PRESETS = kv4,kv5
 demo: venv
 	mkdir -p benchmarks/results
-	$(BIN)/numba-kv eval --cache "dense,pqo3-r0-s0,pqo3,tq3,$(DEMO_BEST)" --tokens 512 --prefill 128 \
+	$(BIN)/numba-kv eval --cache "dense,pqo3-r0-s0,pqo3,tq3,$(DEMO_PRESETS)" --tokens 512 --prefill 128 \
 		--threads 1 --json benchmarks/results/eval.json --plot benchmarks/results/eval.png
 
 # re-execute every research notebook in a fresh kernel and save it with its outputs
