@@ -15,16 +15,21 @@ from ..conftest import to_device
 
 
 def _fused_modes(rng):
-    for name in ("tq3", "pqo2.5", "pqo3-head", "tq2-head-eden"):
-        c = make_cache(name, num_layers=1, num_kv_heads=2, head_dim=64, residual_length=3, sink_tokens=1)
+    int8 = {"window_dtype": "int8"}  # a rotated int8 window: attended in the rotated domain
+    for name, opts in (("tq3", {}), ("pqo2.5", {}), ("pqo3-head", {}), ("tq2-head-eden", {}), ("pqo3", int8),
+                       ("pqo-k4v3-head-eden", int8)):
+        c = make_cache(name, num_layers=1, num_kv_heads=2, head_dim=64, residual_length=3, sink_tokens=1, **opts)
         k = rng.standard_normal((1, 2, 21, 64)).astype(np.float32)
         v = rng.standard_normal((1, 2, 21, 64)).astype(np.float32)
         c.prefill(0, k, v)
         st = c._layers[0]
         q3 = rng.standard_normal((2, 4, 64)).astype(np.float32)
         qr = c._rotate_queries(q3)
-        ke, n_exact = c._exact_f32(st, "k")
-        ve, _ = c._exact_f32(st, "v")
+        rot = c._window.stored_rotated(st)
+        assert rot == bool(opts)
+        ke, n_exact = c._exact_f32(st, "k", rot)
+        ve, _ = c._exact_f32(st, "v", rot)
+        qx = qr if rot else q3
         pos = c._exact_positions(st, q3)
         qjl = c._qjl_args(st, q3)
         hs = c._head_signs
@@ -32,15 +37,21 @@ def _fused_modes(rng):
         n_comp = st.meta["n_comp"]
         bias = rng.standard_normal((2, 4, st.seq_len)).astype(np.float32)
 
-        def run(f, qjl_dev):  # called within this iteration: the loop variables are current
-            return fused_attention_rows(f(qr), f(q3), *(f(b) for b in bufs), n_comp, 1, f(ke), f(ve),  # noqa: B023
+        def run(f, qjl_dev, qx=qx, ke=ke, ve=ve, rot=rot):  # the loop variables of this iteration
+            return fused_attention_rows(f(qr), f(qx), *(f(b) for b in bufs), n_comp, 1, f(ke), f(ve),  # noqa: B023
                                         n_exact, f(pos), c.layouts["k"], c.layouts["v"], 0.125,  # noqa: B023
                                         f(bias), st.seq_len - 2, 2, True, part_size=8,  # noqa: B023
-                                        head_signs=None if hs is None else f(hs), qjl=qjl_dev)  # noqa: B023
+                                        head_signs=None if hs is None else f(hs), qjl=qjl_dev,  # noqa: B023
+                                        exact_rotated=rot)
 
         cpu = run(lambda a: a, qjl)
         dev = run(to_device, None if qjl is None else tuple(to_device(a) for a in qjl[:3]) + (qjl[3],))
         np.testing.assert_allclose(to_host(dev), cpu, rtol=2e-5, atol=2e-6, err_msg=name)
+        if rot:  # the same window rotated back and attended with the raw query: the same output
+            ke_u, _ = c._exact_f32(st, "k")
+            ve_u, _ = c._exact_f32(st, "v")
+            plain = run(lambda a: a, qjl, q3, ke_u, ve_u, False)
+            np.testing.assert_allclose(cpu, plain, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 def _public_modes(rng):
