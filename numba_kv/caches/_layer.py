@@ -26,10 +26,11 @@ from .._validate import (
     check_magnitude,
     check_q_shape,
 )
-from ..ops.finite import DeferredRange, RangeStats, check_finite_stats
+from ..ops.finite import RangeStats, check_finite_stats
 from ..ops.gather import to_like
 from ..ops.memory import copy_prefix, copy_tokens
 from ._lifecycle import LifecycleMixin
+from ._values import ValueChecks
 from .protocol import AttendConfig, DecodeOutput, Dequantized, DequantResult
 
 # name -> (width, dtype, fixed_capacity); fixed_capacity None = grows with the sequence
@@ -84,12 +85,6 @@ class LayerState:
     def allocated_bytes(self) -> int:
         """Bytes of all allocated buffers (capacity, not just live tokens)."""
         return sum(int(b.size) * np.dtype(b.dtype).itemsize for b in self.buffers.values())
-
-
-_DEFER_LOCK = threading.Lock()
-
-#: values of :attr:`LayeredCache.validate`
-VALIDATE_MODES = ("auto", "sync", "deferred", "off")
 
 
 def check_kv_stats(k: Any, v: Any, num_kv_heads: int, head_dim: int,
@@ -186,7 +181,7 @@ def grown_capacity(needed: int) -> int:
     return needed + extra
 
 
-class LayeredCache(LifecycleMixin):
+class LayeredCache(LifecycleMixin, ValueChecks):
     """Base of all caches: validation, per-layer locks, growth, protocol bookkeeping.
 
     Subclasses define :meth:`_buffer_spec`, :meth:`_store`, :meth:`_history` and
@@ -258,69 +253,6 @@ class LayeredCache(LifecycleMixin):
         bias = np.broadcast_to(row[None, None], (b * self.num_kv_heads, g, ql, s)).reshape(
             b * self.num_kv_heads, g * ql, s)
         return to_like(q, bias)
-
-    # -- validation of the values (the shapes are always checked) ----------------------------
-    @property
-    def validate(self) -> str:
-        """How the *values* of ``k``/``v``/``q`` are checked (shapes and dtypes always are).
-
-        * ``"sync"``: every call reads its inputs (NaN/Inf, magnitude limits of the storage,
-          binary16 scale saturation) and raises ``ValueError`` before anything is stored —
-          the cache stays untouched.  On a GPU each check reads a result back to the host:
-          one synchronization per argument and call.
-        * ``"deferred"`` (CUDA arrays; host arrays are checked as with ``"sync"``): each call
-          only folds ``max |x|`` and a NaN/Inf flag into a device-side accumulator (no host
-          round trip); :meth:`check_inputs` reads it when the caller asks and raises if a
-          value since the last check was non-finite or beyond the storage's limit.  Such a
-          value *was* stored: the affected tokens are garbage and the caller should
-          :meth:`reset` or crop.  Binary16 scale saturation is not detected.
-        * ``"off"``: values are not checked (garbage in, garbage out).
-        * ``"auto"`` (default): ``"sync"`` for host arrays, ``"deferred"`` for CUDA arrays.
-        """
-        return self.__dict__.get("_validate_mode", "auto")
-
-    @validate.setter
-    def validate(self, mode: str) -> None:
-        if mode not in VALIDATE_MODES:
-            raise ValueError(f"validate: expected one of {list(VALIDATE_MODES)}, got {mode!r}")
-        self.__dict__["_validate_mode"] = mode
-
-    def _value_mode(self, dev: str) -> str:
-        mode = self.validate
-        if mode == "auto" or (mode == "deferred" and dev == _backend.CPU):
-            return "sync" if dev == _backend.CPU else "deferred"
-        return mode
-
-    def _input_limit(self) -> tuple[float, str]:
-        """Largest ``|k|``, ``|v|`` this cache stores faithfully, and what sets it (for
-        :meth:`check_inputs`; the synchronous checks are :meth:`_check_range`)."""
-        return F32_MAX, "float32 storage"
-
-    def check_inputs(self) -> None:
-        """Raise ``ValueError`` if an input recorded by ``validate="deferred"`` since the last
-        call was NaN/Inf or out of range (one device-to-host read per accumulator; a no-op
-        when nothing was deferred)."""
-        rec = self.__dict__.get("_deferred")
-        if rec is None:
-            return
-        limit, what = self._input_limit()
-        for slot, rs in sorted(rec.read().items()):
-            names = "k or v" if slot == "kv" else slot
-            if rs.nonfinite:
-                raise ValueError(f"{names}: expected finite values, got NaN or Inf in a call since the last "
-                                 "check_inputs() (validate='deferred': those tokens were stored)")
-            lim, lim_what = (Q_MAX, "a query") if slot == "q" else (limit, what)
-            if not rs.amax <= lim:
-                raise ValueError(f"{names}: max |{names}| = {rs.amax:.6g} exceeds {lim:.6g}, the largest value "
-                                 f"{lim_what} can hold, in a call since the last check_inputs() "
-                                 "(validate='deferred': those tokens were stored)")
-
-    def _defer(self, slot: str, a: Any) -> bool:
-        rec = self.__dict__.get("_deferred")
-        if rec is None:
-            with _DEFER_LOCK:  # layers of one cache may be called from several threads
-                rec = self.__dict__.setdefault("_deferred", DeferredRange())
-        return rec.record(slot, a)
 
     # -- helpers --------------------------------------------------------------------------
     def _validate(self, layer: Any, k: Any, v: Any, q: Any, config: AttendConfig | None,

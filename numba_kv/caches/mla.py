@@ -109,6 +109,30 @@ class _LatentBase:
         """Bytes of the latent pages in use."""
         return self.paged.memory_usage()
 
+    @property
+    def validate(self) -> str:
+        """How input values are checked: the wrapped paged cache's mode (see
+        :attr:`PagedKVCache.validate <numba_kv.caches._values.ValueChecks.validate>`),
+        applied to the full ``k``/``v`` given to ``append`` and to the stored latents."""
+        return self.paged.validate
+
+    @validate.setter
+    def validate(self, mode: str) -> None:
+        self.paged.validate = mode
+
+    def check_inputs(self) -> None:
+        """Raise ``ValueError`` if a value recorded by ``validate="deferred"`` since the last
+        call was NaN/Inf or out of range (see :meth:`PagedKVCache.check_inputs`)."""
+        self.paged.check_inputs()
+
+    def _check_values(self, name: str, a: Any) -> None:
+        """Finite ``a`` (a caller's full ``k``/``v``), as :attr:`validate` says: read now
+        (``"sync"``), recorded for :meth:`check_inputs` (``"deferred"``) or not checked."""
+        p = self.paged
+        mode = p._value_mode(_backend.device_of(name, a))
+        if mode == "sync" or (mode == "deferred" and not p._defer(name, a)):
+            check_finite(name, a)
+
     def _const(self, like: Any, key: tuple, host: np.ndarray) -> Any:
         """Per-device copy of a projection constant (made once per device kind)."""
         kind = _backend.device_of("like", like)
@@ -323,7 +347,7 @@ class MLACache(_LatentBase):
             if _backend.xp_of(a) is None:
                 raise TypeError(f"{name}: MLACache.append projects with NumPy/CuPy array operations; Numba "
                                 "device arrays must go through append_latent")
-            check_finite(name, a)
+            self._check_values(name, a)
             out.append(a.reshape(shape))
         if out[0].shape[1] != out[1].shape[1]:
             raise ValueError(f"v: expected {out[0].shape[1]} new tokens (those of k), "
@@ -454,7 +478,7 @@ class SimpleMLACache(_LatentBase):
             if len(shape) != 3 or shape[0] != self.num_heads or shape[2] != dim or shape[1] < 1:
                 raise ValueError(f"{name}: expected [num_heads={self.num_heads}, new_tokens >= 1, {dim}], "
                                  f"got shape {tuple(a.shape)}")
-            check_finite(name, a)
+            self._check_values(name, a)
             out.append(_backend.ascontiguous_f32(name, a.reshape(shape)))
         if out[0].shape != out[1].shape:
             raise ValueError(f"v: expected the shape of k {tuple(out[0].shape)}, got {tuple(out[1].shape)}")

@@ -26,13 +26,22 @@ directly; no gather is needed.
 token, see :mod:`numba_kv.caches.mla`).
 
 Every argument is validated before anything changes: an append that does not fit raises
-:class:`OutOfPagesError` and leaves the cache as it was.  One lock guards the whole cache
-(the free list is shared by every layer), so concurrent calls are safe but serialized.
+:class:`OutOfPagesError` and leaves the cache as it was.  Values are checked as the
+``validate`` attribute says (:class:`~numba_kv.caches._values.ValueChecks`: ``"auto"``
+reads host arrays and defers the checks of CUDA arrays to :meth:`check_inputs`).  One lock
+guards the whole cache (the free list is shared by every layer), so concurrent calls are
+safe but serialized.
+
+On CUDA a steady-state step (append one token into a page with room, then
+:meth:`decode_attention` over the same sequences) moves nothing between host and device:
+the pool rows of a run within one page are written on the device
+(:func:`~numba_kv.ops.page_index.page_run_rows_into`), and the device copy of a layer's
+page table is kept and its last-page length grown in place (:func:`~numba_kv.ops.page_index.add_at`);
+it is uploaded again only when pages change hands (a new page, crop, fork, free).
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import re
 import threading
@@ -55,19 +64,17 @@ from ..ops.blockquant import dequantize_into, packed_dim, quantize_into
 from ..ops.codebook import get_codebook
 from ..ops.finite import check_finite_stats
 from ..ops.gather import gather_rows, scatter_rows, to_like
+from ..ops.page_index import add_at, page_run_rows_into
 from ..ops.paged_attention import paged_decode_attention
-from ._format import save_cache
-from ._lifecycle import copy_array, take_rows
+from ._layer import check_q_values
+from ._paged_lifecycle import OutOfPagesError, PagedLifecycleMixin
+from ._values import ValueChecks
 
 __all__ = ["PagedKVCache", "PageTable", "OutOfPagesError", "STORAGES", "DEFAULT_PAGE_SIZE"]
 
 DEFAULT_PAGE_SIZE = 16
 STORAGES = ("float32", "pqo2", "pqo3", "pqo4")
 _ASYM = re.compile(r"^pqo-k([234])v([234])$")
-
-
-class OutOfPagesError(RuntimeError):
-    """Raised when an append needs more free pages than the pool has (nothing is appended)."""
 
 
 class PageTable(NamedTuple):
@@ -88,7 +95,7 @@ class PageTable(NamedTuple):
     kv_last_page_len: np.ndarray
 
 
-class PagedKVCache:
+class PagedKVCache(PagedLifecycleMixin, ValueChecks):
     """Paged K/V storage shared by layers and sequences (float32 or PQO-compressed pages).
 
     Parameters
@@ -159,6 +166,9 @@ class PagedKVCache:
         self._tables: list[dict[int, list[int]]] = [dict() for _ in range(self.num_layers)]
         self._lens: list[dict[int, int]] = [dict() for _ in range(self.num_layers)]
         self._next_seq = 0
+        # per layer: (sequence ids, page table on the pool's device) of the last decode_attention
+        self._dev_tables: dict[int, tuple[tuple[int, ...], PageTable]] = {}
+        self._row_scratch: Any = None  # int32 pool rows of a one-page run, on the pool's device
 
     # -- geometry -------------------------------------------------------------------------
     @property
@@ -243,6 +253,22 @@ class PagedKVCache:
             raise ValueError(f"{name}: expected {n} new tokens (those of k), got shape {tuple(a.shape)}")
         return a.reshape(shape), dev
 
+    def _input_limit(self) -> tuple[float, str]:
+        if not self.bits:
+            return F32_MAX, "float32 pages"
+        return float(2 ** 21), f"storage={self.storage!r} pages"
+
+    def _check_values(self, dev: str, parts: list[tuple[str, Any]]) -> None:
+        """Value checks of the appended parts as :attr:`validate` says (see :class:`ValueChecks`)."""
+        mode = self._value_mode(dev)
+        if mode == "deferred":
+            deferred = [self._defer("kv", a) for _, a in parts]
+            if all(deferred):
+                return
+        if mode != "off":
+            for name, a in parts:
+                self._check_range(name, a)
+
     def _check_range(self, name: str, x3: Any) -> None:
         """Finite, and storable faithfully: float32 pages hold any float32 magnitude; PQO pages
         reject ``|x| > 2**21`` and any block whose binary16 scale (``<= ‖x‖ / ref``, or
@@ -285,17 +311,21 @@ class PagedKVCache:
         """
         with self._lock:
             sid = self._check_seq(seq_id)
+            self._dev_tables.clear()
             for layer in range(self.num_layers):
                 pages = self._tables[layer].pop(sid)
                 del self._lens[layer][sid]
                 self._free.extend(reversed(pages))
 
     def reset(self) -> None:
-        """Free every sequence (the pools stay allocated)."""
+        """Free every sequence (the pools stay allocated) and drop what ``validate="deferred"``
+        recorded."""
         with self._lock:
+            self.__dict__.pop("_deferred", None)
             for sid in list(self._tables[0]):
                 self.free_sequence(sid)
             self._free = list(range(self.num_pages))
+            self._dev_tables.clear()
 
     def seq_len(self, layer: int, seq_id: int) -> int:
         """Tokens stored for ``seq_id`` in ``layer``."""
@@ -360,6 +390,39 @@ class PagedKVCache:
         rows = (page[None, :] * self.num_kv_heads + h) * self.page_size + slot[None, :]
         return rows.reshape(-1).astype(np.int32)
 
+    def _append_rows(self, like: Any, pages: list[int], t0: int, n: int, dev: str) -> Any:
+        """Pool rows of tokens ``t0 : t0+n`` (as :meth:`_rows`) on the pool's device: written
+        there by a kernel when the run stays within one page (no host copy), else uploaded."""
+        p0, slot = divmod(t0, self.page_size)
+        if dev == _backend.CPU or slot + n > self.page_size:
+            return self._rows(pages, t0, n)
+        size = self.num_kv_heads * self.page_size
+        if self._row_scratch is None:
+            self._row_scratch = _backend.empty(like, (size,), np.int32)
+        return page_run_rows_into(self._row_scratch, pages[p0], slot, n, self.num_kv_heads, self.page_size)
+
+    def _note_append(self, layer: int, sid: int, n: int, new_pages: bool) -> None:
+        """Keep the cached device page table of ``layer`` in step with an append: grow the
+        sequence's last-page length in place, or drop the table when pages were added."""
+        cached = self._dev_tables.get(layer)
+        if cached is None or sid not in cached[0]:
+            return
+        if new_pages:
+            del self._dev_tables[layer]
+        else:
+            add_at(cached[1].kv_last_page_len, cached[0].index(sid), n)
+
+    def _device_table(self, layer: int, ids: tuple[int, ...]) -> PageTable:
+        """The page table of ``ids`` in ``layer`` on the pool's device, uploaded only when it
+        is not the one cached (see the module docstring)."""
+        cached = self._dev_tables.get(layer)
+        if cached is not None and cached[0] == ids:
+            return cached[1]
+        table = self.page_table(layer, list(ids), on_device=True)
+        if self._device is not None and self._device != _backend.CPU and len(set(ids)) == len(ids):
+            self._dev_tables[layer] = (ids, table)
+        return table
+
     def _ensure_pools(self, like: Any, dev: str) -> None:
         if self._pools:
             return
@@ -369,7 +432,7 @@ class PagedKVCache:
 
     def _write(self, part: str, x3: Any, rows: np.ndarray) -> None:
         h, n, d = x3.shape
-        idx = to_like(x3, rows)
+        idx = to_like(x3, rows) if isinstance(rows, np.ndarray) else rows
         if self.bits:
             pd = packed_dim(d, self.part_bits[part])
             codes = _backend.empty(x3, (h, n, pd), np.uint8)
@@ -436,9 +499,7 @@ class PagedKVCache:
                 raise ValueError("v: expected None for a key-only cache (v_head_dim=0), got an array")
             if self._device is not None and dev != self._device:
                 raise ValueError(f"k is on {dev} but the page pool lives on {self._device}")
-            self._check_range("k", k3)
-            if self.has_values:
-                self._check_range("v", v3)
+            self._check_values(dev, [("k", k3)] + ([("v", v3)] if self.has_values else []))
             cur = self._lens[layer][sid]
             table = self._tables[layer][sid]
             need = -(-(cur + n) // self.page_size) - len(table)
@@ -452,7 +513,7 @@ class PagedKVCache:
             xv = _backend.ascontiguous_f32("v", v3) if self.has_values else None
             new_pages = [self._free.pop() for _ in range(max(need, 0))]
             pages = table + new_pages
-            rows = self._rows(pages, cur, n)
+            rows = self._append_rows(xk, pages, cur, n, dev)
             try:
                 self._write("k", xk, rows)
                 if xv is not None:
@@ -462,6 +523,7 @@ class PagedKVCache:
                 raise
             table.extend(new_pages)
             self._lens[layer][sid] = cur + n
+            self._note_append(layer, sid, n, bool(new_pages))
 
     def get_kv(self, layer: int, seq_id: int) -> tuple[Any, Any]:
         """All tokens of ``seq_id`` in ``layer`` (dequantized for PQO storage).
@@ -515,13 +577,20 @@ class PagedKVCache:
         """Fused attention of ``q`` ``[n_seq, num_heads, q_len, head_dim]`` over the pages of
         ``seq_ids`` (default: every live sequence) — compressed pages are read through the
         page table without dequantizing.  See
-        :func:`numba_kv.ops.paged_attention.paged_decode_attention`.
+        :func:`numba_kv.ops.paged_attention.paged_decode_attention`.  ``q``'s values are
+        checked as :attr:`validate` says (finite, ``|q| <= 2**64``; the shapes by the op).
         """
-        table = self.page_table(layer, seq_ids, on_device=True)
-        pools = self._attention_pools()
-        lens = [self.seq_len(layer, s) for s in (seq_ids if seq_ids is not None else self.sequences)]
-        return paged_decode_attention(q, table, **pools, seq_lens=lens, softmax_scale=softmax_scale, causal=causal,
-                                      partition_size=partition_size)
+        with self._lock:  # the table, the lengths and the pools of one moment
+            layer = check_layer(layer, self.num_layers)
+            ids = tuple(sorted(self._tables[0]) if seq_ids is None else [self._check_seq(s) for s in seq_ids])
+            pools = self._attention_pools()
+            dev = check_float_array("q", q)
+            mode = self._value_mode(dev)
+            if mode == "sync" or (mode == "deferred" and not self._defer("q", q)):
+                check_q_values(q)  # else deferred to check_inputs() (or "off")
+            return paged_decode_attention(q, self._device_table(layer, ids), **pools,
+                                          seq_lens=[self._lens[layer][s] for s in ids], softmax_scale=softmax_scale,
+                                          causal=causal, partition_size=partition_size, check_values=False)
 
     def _attention_pools(self) -> dict[str, Any]:
         """The pools (and codebooks) as keyword arguments of ``paged_decode_attention``."""
@@ -549,140 +618,3 @@ class PagedKVCache:
         """Stored bits per K or V value of a full page."""
         vals = self.num_kv_heads * self.page_size * (self.head_dim + self.v_head_dim)
         return 8.0 * self.bytes_per_page / vals
-
-    # -- lifecycle ------------------------------------------------------------------------
-    def _lifecycle_config(self) -> dict[str, Any]:
-        """Constructor arguments (JSON types) that rebuild this cache's configuration."""
-        return {"num_pages": self.num_pages, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
-                "head_dim": self.head_dim, "page_size": self.page_size, "v_head_dim": self.v_head_dim,
-                "storage": self.storage}
-
-    def crop(self, seq_id: int, length: int) -> None:
-        """Keep the first ``length`` tokens of ``seq_id`` in every layer (rollback).
-
-        Pages past the kept tokens go back to the free list; kept tokens are not touched
-        (O(pages freed), no copy).  ``memory_usage()`` drops by the freed pages.
-
-        Raises
-        ------
-        KeyError
-            Unknown ``seq_id``.
-        TypeError, ValueError
-            ``length`` not an int in ``[0, seq_len(layer, seq_id)]`` for every layer
-            (nothing changes).
-        """
-        with self._lock:
-            sid = self._check_seq(seq_id)
-            length = check_int("length", length, minimum=0)
-            limit = min(self._lens[layer][sid] for layer in range(self.num_layers))
-            if length > limit:
-                raise ValueError(f"length: expected an int in [0, {limit}] (the fewest tokens seq_id {sid} "
-                                 f"holds in a layer), got {length}")
-            keep = -(-length // self.page_size)
-            for layer in range(self.num_layers):
-                table = self._tables[layer][sid]
-                self._free.extend(reversed(table[keep:]))
-                del table[keep:]
-                self._lens[layer][sid] = length
-
-    def fork_sequence(self, seq_id: int) -> int:
-        """A new sequence holding a copy of ``seq_id``'s tokens in every layer; returns its id.
-
-        Copies the sequence's pages (O(its bytes)); the two sequences are independent.
-
-        Raises
-        ------
-        KeyError
-            Unknown ``seq_id``.
-        OutOfPagesError
-            Fewer free pages than the sequence owns (nothing changes).
-        """
-        with self._lock:
-            sid = self._check_seq(seq_id)
-            need = sum(len(self._tables[layer][sid]) for layer in range(self.num_layers))
-            if need > len(self._free):
-                raise OutOfPagesError(f"fork_sequence: seq_id {sid} owns {need} pages, only {len(self._free)} "
-                                      f"of {self.num_pages} are free; nothing was copied")
-            new = self.allocate_sequence()
-            for layer in range(self.num_layers):
-                src = self._tables[layer][sid]
-                dst = [self._free.pop() for _ in src]
-                if src:
-                    self._copy_pages(src, dst)
-                self._tables[layer][new] = dst
-                self._lens[layer][new] = self._lens[layer][sid]
-            return new
-
-    def _copy_pages(self, src: list[int], dst: list[int]) -> None:
-        s = np.asarray(src, np.int64)
-        for pool in self._pools.values():
-            pages = take_rows(pool, s)
-            xp = _backend.xp_of(pool)
-            if xp is not None:
-                pool[xp.asarray(np.asarray(dst, np.int64))] = pages
-            else:  # Numba device arrays: one page at a time
-                for i, p in enumerate(dst):
-                    pool[p].copy_to_device(pages[i])
-
-    def select_batch(self, seq_ids: Sequence[int]) -> list[int]:
-        """Keep the sequences ``seq_ids`` in this order (beam search) and free the others.
-
-        The first occurrence of an id keeps it; a repeat becomes a copy
-        (:meth:`fork_sequence`).  Returns the resulting ids, one per entry of ``seq_ids``.
-
-        Raises
-        ------
-        KeyError, TypeError, ValueError
-            Unknown or malformed ids, an empty list (nothing changes).
-        OutOfPagesError
-            The copies do not fit in the pool (nothing changes).
-        """
-        with self._lock:
-            ids = [self._check_seq(s) for s in seq_ids]
-            if not ids:
-                raise ValueError("seq_ids: expected at least one sequence id, got none")
-            keep = set(ids)
-            freed = sum(len(self._tables[layer][s]) for layer in range(self.num_layers)
-                        for s in self._tables[0] if s not in keep)
-            seen, need = set(), 0
-            for s in ids:
-                if s in seen:
-                    need += sum(len(self._tables[layer][s]) for layer in range(self.num_layers))
-                seen.add(s)
-            if need > len(self._free) + freed:
-                raise OutOfPagesError(f"select_batch: the copies need {need} pages, only {len(self._free) + freed} "
-                                      f"would be free; nothing changed")
-            for s in list(self._tables[0]):
-                if s not in keep:
-                    self.free_sequence(s)
-            out, seen = [], set()
-            for s in ids:
-                out.append(self.fork_sequence(s) if s in seen else s)
-                seen.add(s)
-            return out
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> PagedKVCache:
-        cls = type(self)
-        new = cls.__new__(cls)
-        memo[id(self)] = new
-        with self._lock:
-            for key, val in self.__dict__.items():
-                if key == "_lock":
-                    new._lock = threading.RLock()
-                elif key == "_pools":
-                    new._pools = {n: copy_array(a) for n, a in val.items()}
-                elif key in ("_tables", "_lens", "_free"):
-                    setattr(new, key, copy.deepcopy(val, memo))
-                else:  # configuration, read-only after __init__ (codebooks shared)
-                    setattr(new, key, copy.copy(val) if isinstance(val, (dict, list)) else val)
-        return new
-
-    def fork(self) -> PagedKVCache:
-        """An independent deep copy of the whole cache (pool, page tables, sequences); same
-        as ``copy.deepcopy``.  Copies the whole pool (O(pool bytes)); new lock."""
-        return copy.deepcopy(self)
-
-    def save(self, path: Any) -> None:
-        """Write the cache (whole page pool, page tables, lengths, free list) to ``path``
-        (safetensors; see :func:`numba_kv.load_cache`).  O(pool bytes)."""
-        save_cache(self, path)

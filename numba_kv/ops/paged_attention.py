@@ -49,7 +49,7 @@ from ._attention_kernels import (
 from ._registry import register
 from .attention import F16_ABS_TABLE, CodeLayout, default_partition_size, launch_attention, launch_merge
 from .finite import check_finite
-from .hadamard import SIGNS32, rotate32
+from .hadamard import SIGNS32, rotate32, rotate32_rows
 
 __all__ = ["paged_decode_attention"]
 
@@ -245,7 +245,7 @@ def paged_decode_attention(q: Any, page_table: Sequence[Any], *, k_pages: Any = 
                            k_codes: Any = None, k_scales: Any = None, v_codes: Any = None, v_scales: Any = None,
                            k_codebook: Any = None, v_codebook: Any = None, seq_lens: Sequence[int] | None = None,
                            softmax_scale: float | None = None, causal: bool = True,
-                           partition_size: int | None = None) -> Any:
+                           partition_size: int | None = None, check_values: bool = True) -> Any:
     """Attention of new queries over paged K/V pools, read through a page table.
 
     Parameters
@@ -272,6 +272,9 @@ def paged_decode_attention(q: Any, page_table: Sequence[Any], *, k_pages: Any = 
         The ``q_len`` queries of a sequence sit at its last ``q_len`` positions.
     partition_size : int, optional
         Tokens per split-K partition.
+    check_values : bool
+        Reject a non-finite ``q`` (on a GPU: one device-to-host read).  ``False`` when the
+        caller checked or deferred that itself (:meth:`PagedKVCache.decode_attention`).
 
     Returns
     -------
@@ -299,7 +302,8 @@ def paged_decode_attention(q: Any, page_table: Sequence[Any], *, k_pages: Any = 
                          f"shape {(n_seq, hq, ql, d)}")
     if len(last.shape) != 1 or int(last.shape[0]) != n_seq or int(indptr.shape[0]) != n_seq + 1:
         raise ValueError(f"q: expected {int(last.shape[0])} rows (one per sequence of the page table), got {n_seq}")
-    check_finite("q", q)
+    if check_values:
+        check_finite("q", q)
     g, rows = n_seq * hkv, (hq // hkv) * ql
     q3 = _backend.ascontiguous_f32("q", q).reshape(g, rows, d)
     compressed, page_size, arrays, klay, vlay = _pools(q3, d, k_pages, v_pages, k_codes, k_scales, v_codes, v_scales,
@@ -307,7 +311,12 @@ def paged_decode_attention(q: Any, page_table: Sequence[Any], *, k_pages: Any = 
     lens = _seq_lens(page_table, page_size, seq_lens)
     if min(lens) < max(1, ql if causal else 1):
         raise ValueError(f"seq_ids: every sequence needs >= max(1, q_len={ql}) stored tokens, got lengths {lens}")
-    qr = rotate32(q3) if compressed else q3
+    if not compressed:
+        qr = q3
+    elif check_values:
+        qr = rotate32(q3)  # checks that the rotation stays finite (a host read on the device)
+    else:  # the caller vouched for q: no read back
+        qr = rotate32_rows(q3.reshape(g * rows, d)).reshape(g, rows, d)
     if partition_size is None:
         partition_size = default_partition_size(max(lens), g, dev)
     n_parts = max(1, -(-max(lens) // partition_size))

@@ -142,3 +142,34 @@ def test_simple_mla_matches_the_seed_formulas(rng):
         cache.append(0, s, k[:2], v[:2])
     with pytest.raises(ValueError, match=r"up_proj: expected shape \(8, 16\)"):
         SimpleMLACache(8, 2, 3, d, lat, down, up.T, rk)
+
+
+def test_mla_validate_is_the_pages_mode(mla, rng):
+    """``validate`` of an MLA cache is its paged cache's: full ``k``/``v`` and latents are read
+    under "sync"/"auto" (a rejected append stores nothing) and stored unchecked under "off"."""
+    s = mla.allocate_sequence()
+    k = rng.standard_normal((H, 2, NOPE + ROPE)).astype(np.float32)
+    v = rng.standard_normal((H, 2, DV)).astype(np.float32)
+    k[1, 0, 3] = np.inf
+    assert mla.validate == mla.paged.validate == "auto"
+    with pytest.raises(ValueError, match="k: expected finite values"):
+        mla.append(0, s, k, v)
+    c, pe = _latent(rng, 2)
+    c[0, 0] = np.nan
+    with pytest.raises(ValueError, match="c_kv/k_pe: expected finite values"):
+        mla.append_latent(0, s, c, pe)
+    assert mla.seq_len(0, s) == 0
+    mla.validate = "off"
+    assert mla.paged.validate == "off"
+    mla.append_latent(0, s, c, pe)
+    assert mla.seq_len(0, s) == 2
+    mla.check_inputs()
+    simple = SimpleMLACache(4, 1, 2, 8, 4, *(rng.standard_normal(sh).astype(np.float32)
+                                             for sh in ((8, 4), (4, 8), (4, 8))))
+    t = simple.allocate_sequence()
+    kk = rng.standard_normal((2, 1, 8)).astype(np.float32)
+    with pytest.raises(ValueError, match="v: expected finite values"):
+        simple.append(0, t, kk, np.full_like(kk, np.nan))
+    simple.validate = "off"
+    simple.append(0, t, kk, np.full_like(kk, np.nan))
+    assert simple.seq_len(0, t) == 1

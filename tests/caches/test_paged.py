@@ -255,3 +255,50 @@ def test_asymmetric_bits_storage(rng):
     assert np.array_equal(vv, numba_kv.dequantize_blocks(vc, vs, 3))
     with pytest.raises(ValueError, match="storage"):
         PagedKVCache(4, 1, 1, 32, storage="pqo-k5v3")
+
+
+def test_validate_modes_on_host_arrays(rng):
+    """``validate``: host arrays are read at once under "auto"/"sync"/"deferred" (a rejected
+    append or query changes nothing); "off" stores what it is given; the mode is checked."""
+    cache = PagedKVCache(num_pages=4, num_layers=1, num_kv_heads=2, head_dim=32, page_size=4, storage="pqo3")
+    s = cache.allocate_sequence()
+    k, v = _kv(rng, 2, 3, 32)
+    cache.append(0, s, k, v)
+    q = rng.standard_normal((1, 4, 1, 32)).astype(np.float32)
+    bad = v.copy()
+    bad[1, 2, 5] = np.nan
+    huge_q = np.full_like(q, 2.0 ** 70)
+    assert cache.validate == "auto"
+    for mode in ("auto", "sync", "deferred"):
+        cache.validate = mode
+        snap = _snapshot(cache)
+        with pytest.raises(ValueError, match="v: expected finite values"):
+            cache.append(0, s, k, bad)
+        with pytest.raises(ValueError, match=r"k: max \|k\| = 3e\+06 exceeds 2\.09715e\+06"):
+            cache.append(0, s, np.full_like(k, 3e6), v)
+        with pytest.raises(ValueError, match="q: expected finite values"):
+            cache.decode_attention(0, np.where(q > 1, np.inf, q).astype(np.float32), [s])
+        with pytest.raises(ValueError, match=r"q: max \|q\| = 1\.18059e\+21 exceeds"):
+            cache.decode_attention(0, huge_q, [s])
+        _same(cache, snap)
+        cache.check_inputs()  # host arrays: nothing was deferred
+    with pytest.raises(ValueError, match=r"validate: expected one of \['auto', 'sync', 'deferred', 'off'\]"):
+        cache.validate = "lazy"
+    assert cache.validate == "deferred"
+    cache.validate = "off"  # garbage in, garbage out: stored without a check
+    cache.append(0, s, k, bad)
+    assert cache.seq_len(0, s) == 6
+    cache.check_inputs()
+    exact = PagedKVCache(num_pages=2, num_layers=1, num_kv_heads=2, head_dim=32, page_size=4)
+    exact.validate = "off"
+    exact.append(0, exact.allocate_sequence(), k, bad)
+    assert np.isnan(exact.get_kv(0, 0)[1][1, 2, 5])
+
+
+def test_validate_survives_fork_and_reset(rng):
+    cache = PagedKVCache(num_pages=4, num_layers=1, num_kv_heads=1, head_dim=32, page_size=4)
+    cache.validate = "off"
+    copy = cache.fork()
+    assert copy.validate == "off"
+    cache.reset()
+    assert cache.validate == "off"

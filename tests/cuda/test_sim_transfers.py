@@ -143,10 +143,137 @@ def _positions(rng):
             assert np.array_equal(cpu, expect)
 
 
-RUNNERS = {"exact_positions": _positions}
+def _page_rows(rng):
+    from numba_kv.ops.page_index import page_run_rows_into
+
+    for page, slot, n, hkv, ps in ((0, 0, 1, 1, 16), (5, 3, 4, 2, 8), (9, 15, 1, 4, 16), (2, 0, 16, 3, 16)):
+        cpu = page_run_rows_into(np.full(hkv * n + 3, -1, np.int32), page, slot, n, hkv, ps)
+        dev = page_run_rows_into(to_device(np.full(hkv * n + 3, -1, np.int32)), page, slot, n, hkv, ps)
+        assert np.array_equal(to_host(dev), cpu)
+        # the formula, independently: rows of a [num_pages, hkv, ps] pool, head-major
+        pool = np.arange((page + 1) * hkv * ps).reshape(page + 1, hkv, ps)
+        assert np.array_equal(cpu, pool[page, :, slot:slot + n].reshape(-1))
+
+
+def _add_at(rng):
+    from numba_kv.ops.page_index import add_at
+
+    a = rng.integers(0, 9, 5).astype(np.int32)
+    cpu, dev = add_at(a.copy(), 3, 4), add_at(to_device(a), 3, 4)
+    assert np.array_equal(to_host(dev), cpu)
+    assert np.array_equal(cpu, a + np.array([0, 0, 0, 4, 0], np.int32))
+
+
+RUNNERS = {"exact_positions": _positions, "page_run_rows": _page_rows, "add_at": _add_at}
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", sorted(RUNNERS))
 def test_cuda_kernel_matches_cpu_twin(name):
     RUNNERS[name](np.random.default_rng(5))
+
+
+# -- the paged cache ------------------------------------------------------------------------
+def _paged_steps(rng, cache, twin, sids, n, h, g, d):
+    """``n`` steps (append one token to every sequence, then decode attention over all of
+    them) on device arrays, counted; the same on the CPU ``twin``."""
+    from numba_kv.caches.paged import PagedKVCache  # noqa: F401  (the cache under test)
+
+    host = [([(rng.standard_normal((h, 1, d)).astype(np.float32),) * 2 for _ in sids],
+             rng.standard_normal((len(sids), h * g, 1, d)).astype(np.float32)) for _ in range(n)]
+    inputs = [([tuple(to_device(a) for a in kv) for kv in kvs], to_device(q)) for kvs, q in host]
+    outs = []
+    with count_transfers() as counts:
+        for kvs, q in inputs:
+            for sid, (k, v) in zip(sids, kvs):
+                cache.append(0, sid, k, v)
+            outs.append(cache.decode_attention(0, q, sids))
+    ref = []
+    for kvs, q in host:
+        for sid, (k, v) in zip(sids, kvs):
+            twin.append(0, sid, k, v)
+        ref.append(twin.decode_attention(0, q, sids))
+    return counts, list(zip(outs, ref))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("storage", ["float32", "pqo3"])
+def test_paged_steady_state_moves_nothing_between_host_and_device(storage):
+    """Append + paged decode attention of two sequences: after a warm-up, steps within a
+    page move nothing; a step that opens a page uploads the page table (and the rows of
+    the new page's token) once; the outputs equal the CPU twin's at every step."""
+    if not simulator_enabled():
+        pytest.skip("counts the simulator's transfer functions")
+    from numba_kv.caches.paged import PagedKVCache
+
+    rng = np.random.default_rng(6)
+    h, g, d, ps = 2, 2, 64, 8
+    cache, twin = (PagedKVCache(16, 1, h, d, page_size=ps, storage=storage) for _ in range(2))
+    sids = [cache.allocate_sequence() for _ in range(2)]
+    assert [twin.allocate_sequence() for _ in range(2)] == sids
+    for i, sid in enumerate(sids):  # 3 and 5 tokens: both sequences have room in their page
+        k = rng.standard_normal((h, 3 + 2 * i, d)).astype(np.float32)
+        cache.append(0, sid, to_device(k), to_device(k))
+        twin.append(0, sid, k, k)
+    _paged_steps(rng, cache, twin, sids, 1, h, g, d)  # warm-up: table upload, scratch, constants
+    counts, outs = _paged_steps(rng, cache, twin, sids, 2, h, g, d)  # lengths 5/7 -> 6/8: one page each
+    assert counts["h2d"] == 0 and counts["d2h"] == 0, counts
+    counts, more = _paged_steps(rng, cache, twin, sids, 1, h, g, d)  # sequence 1 opens its second page
+    assert counts["d2h"] == 0 and 0 < counts["h2d"] <= 4, counts  # rows of the new page's token + the table
+    counts, last = _paged_steps(rng, cache, twin, sids, 1, h, g, d)
+    assert counts["h2d"] == 0 and counts["d2h"] == 0, counts
+    assert [cache.seq_len(0, s) for s in sids] == [8, 10]
+    for dev_out, cpu_out in outs + more + last:  # the device-side table kept its lengths right
+        np.testing.assert_allclose(to_host(dev_out), cpu_out, rtol=1e-5, atol=1e-6)
+    cache.check_inputs()
+    # crop and fork drop the cached table: the next step uploads it and still matches
+    for c in (cache, twin):
+        c.crop(sids[1], 6)
+    fork = cache.fork_sequence(sids[0])
+    assert twin.fork_sequence(sids[0]) == fork
+    counts, after = _paged_steps(rng, cache, twin, sids + [fork], 1, h, g, d)
+    assert counts["h2d"] > 0, counts
+    np.testing.assert_allclose(to_host(after[0][0]), after[0][1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the stored Inf
+def test_paged_deferred_validation_reports_later_and_sync_rejects():
+    if not simulator_enabled():
+        pytest.skip("counts the simulator's transfer functions")
+    from numba_kv.caches.paged import PagedKVCache
+
+    rng = np.random.default_rng(7)
+    h, d = 2, 64
+    cache = PagedKVCache(8, 1, h, d, page_size=8, storage="pqo3")
+    sid = cache.allocate_sequence()
+    k = to_device(rng.standard_normal((h, 2, d)).astype(np.float32))
+    cache.append(0, sid, k, k)
+    one = to_device(rng.standard_normal((h, 1, d)).astype(np.float32))
+    q = to_device(rng.standard_normal((1, h * 2, 1, d)).astype(np.float32))
+    cache.decode_attention(0, q, [sid])
+    cache.validate = "sync"
+    with count_transfers() as counts:
+        cache.append(0, sid, one, one)
+        cache.decode_attention(0, q, [sid])
+    assert counts["d2h"] == 3, counts  # k, v, q: one range read each
+    cache.validate = "auto"  # = deferred for device arrays
+    bad = rng.standard_normal((h, 1, d)).astype(np.float32)
+    bad[1, 0, 7] = np.inf
+    with count_transfers() as counts:
+        cache.append(0, sid, one, to_device(bad))
+    assert counts["d2h"] == 0, counts
+    with pytest.raises(ValueError, match="k or v: expected finite values"):
+        cache.check_inputs()
+    cache.check_inputs()  # reading reset the record
+    cache.decode_attention(0, to_device(np.full((1, h * 2, 1, d), 2.0 ** 70, np.float32)), [sid])
+    with pytest.raises(ValueError, match="exceeds"):
+        cache.check_inputs()
+    cache.append(0, sid, to_device(np.full((h, 1, d), 3e6, np.float32)), one)  # beyond 2**21
+    with pytest.raises(ValueError, match="exceeds 2.09715e"):
+        cache.check_inputs()
+    cache.validate = "sync"
+    n = cache.seq_len(0, sid)
+    with pytest.raises(ValueError, match="v: expected finite values"):
+        cache.append(0, sid, one, to_device(bad))
+    assert cache.seq_len(0, sid) == n

@@ -1,0 +1,104 @@
+"""How a cache checks the *values* of its inputs: the ``validate`` modes shared by every
+cache (layered, paged, MLA).
+
+Shapes and dtypes are always checked.  Reading values (NaN/Inf, magnitude limits) costs a
+device-to-host read per argument on a GPU, which stalls a decode step; ``"deferred"`` folds
+them into a device-side accumulator (:class:`~numba_kv.ops.finite.DeferredRange`) that
+:meth:`ValueChecks.check_inputs` reads when the caller asks.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from .. import _backend
+from .._validate import F32_MAX, Q_MAX
+from ..ops.finite import DeferredRange
+
+__all__ = ["VALIDATE_MODES", "ValueChecks"]
+
+_DEFER_LOCK = threading.Lock()
+
+#: values of :attr:`ValueChecks.validate`
+VALIDATE_MODES = ("auto", "sync", "deferred", "off")
+
+
+class ValueChecks:
+    """Mixin: the ``validate`` attribute, :meth:`check_inputs` and the deferred record.
+
+    A cache calls :meth:`_value_mode` with the device of a call's arrays and then checks
+    synchronously (``"sync"``), records with :meth:`_defer` (``"deferred"``; ``False`` back
+    means "read it synchronously instead") or skips (``"off"``).  :meth:`_input_limit` is
+    the largest ``|k|``/``|v|`` its storage holds (override it).  State lives in
+    ``__dict__`` (``_validate_mode``, ``_deferred``) so subclasses need no ``__init__``
+    call; ``reset`` should drop ``_deferred``.
+    """
+
+    @property
+    def validate(self) -> str:
+        """How the *values* of ``k``/``v``/``q`` are checked (shapes and dtypes always are).
+
+        * ``"sync"``: every call reads its inputs (NaN/Inf, magnitude limits of the storage,
+          binary16 scale saturation) and raises ``ValueError`` before anything is stored —
+          the cache stays untouched.  On a GPU each check reads a result back to the host:
+          one synchronization per argument and call.
+        * ``"deferred"`` (CUDA arrays; host arrays are checked as with ``"sync"``): each call
+          only folds ``max |x|`` and a NaN/Inf flag into a device-side accumulator (no host
+          round trip); :meth:`check_inputs` reads it when the caller asks and raises if a
+          value since the last check was non-finite or beyond the storage's limit.  Such a
+          value *was* stored: the affected tokens are garbage and the caller should
+          reset or crop.  Binary16 scale saturation is not detected.
+        * ``"off"``: values are not checked (garbage in, garbage out).
+        * ``"auto"`` (default): ``"sync"`` for host arrays, ``"deferred"`` for CUDA arrays.
+        """
+        return self.__dict__.get("_validate_mode", "auto")
+
+    @validate.setter
+    def validate(self, mode: str) -> None:
+        if mode not in VALIDATE_MODES:
+            raise ValueError(f"validate: expected one of {list(VALIDATE_MODES)}, got {mode!r}")
+        self.__dict__["_validate_mode"] = mode
+
+    def _value_mode(self, dev: str) -> str:
+        mode = self.validate
+        if mode == "auto" or (mode == "deferred" and dev == _backend.CPU):
+            return "sync" if dev == _backend.CPU else "deferred"
+        return mode
+
+    def _input_limit(self) -> tuple[float, str]:
+        """Largest ``|k|``, ``|v|`` this cache stores faithfully, and what sets it (for
+        :meth:`check_inputs`; the synchronous checks are :meth:`_check_range`)."""
+        return F32_MAX, "float32 storage"
+
+    def check_inputs(self) -> None:
+        """Raise ``ValueError`` if an input recorded by ``validate="deferred"`` since the last
+        call was NaN/Inf or out of range (one device-to-host read per accumulator; a no-op
+        when nothing was deferred)."""
+        rec = self.__dict__.get("_deferred")
+        if rec is None:
+            return
+        limit, what = self._input_limit()
+        for slot, rs in sorted(rec.read().items()):
+            names = "k or v" if slot == "kv" else slot
+            if rs.nonfinite:
+                raise ValueError(f"{names}: expected finite values, got NaN or Inf in a call since the last "
+                                 "check_inputs() (validate='deferred': those tokens were stored)")
+            if slot not in ("q", "kv"):
+                continue  # another argument (an MLA cache's full k/v): only finiteness is checked
+            lim, lim_what = (Q_MAX, "a query") if slot == "q" else (limit, what)
+            if not rs.amax <= lim:
+                raise ValueError(f"{names}: max |{names}| = {rs.amax:.6g} exceeds {lim:.6g}, the largest value "
+                                 f"{lim_what} can hold, in a call since the last check_inputs() "
+                                 "(validate='deferred': those tokens were stored)")
+
+    def _defer(self, slot: str, a: Any) -> bool:
+        """Record ``a`` (a CUDA array) under ``slot`` for :meth:`check_inputs`: ``"kv"`` is held
+        to :meth:`_input_limit`, ``"q"`` to ``|q| <= 2**64``, any other slot to finiteness
+        only.  ``False``: ``a`` cannot be read in place (check it synchronously)."""
+        rec = self.__dict__.get("_deferred")
+        if rec is None:
+            with _DEFER_LOCK:  # layers of one cache may be called from several threads
+                rec = self.__dict__.setdefault("_deferred", DeferredRange())
+        return rec.record(slot, a)
+
