@@ -152,7 +152,9 @@ class LifecycleMixin:
         # configuration (codebooks, layouts, sketch, signs) is read-only after __init__ and
         # shared: the device constant cache keys on the host arrays' identity
         for key, val in self.__dict__.items():
-            if key != "_layers":
+            if key == "_deferred":  # validate="deferred": the fork holds its own copy of the record
+                setattr(new, key, copy.deepcopy(val, memo))
+            elif key != "_layers":
                 setattr(new, key, copy.copy(val) if isinstance(val, (dict, list)) else val)
         layers = []
         with self._all_locks():

@@ -152,7 +152,7 @@ class PagedLifecycleMixin:
                     new._pools = {n: copy_array(a) for n, a in val.items()}
                 elif key in ("_dev_tables", "_row_scratch"):  # device bookkeeping of this cache
                     setattr(new, key, {} if key == "_dev_tables" else None)
-                elif key in ("_tables", "_lens", "_free"):
+                elif key in ("_tables", "_lens", "_free", "_deferred"):  # _deferred: the fork's own record
                     setattr(new, key, copy.deepcopy(val, memo))
                 else:  # configuration, read-only after __init__ (codebooks shared)
                     setattr(new, key, copy.copy(val) if isinstance(val, (dict, list)) else val)

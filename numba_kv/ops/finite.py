@@ -246,6 +246,22 @@ class DeferredRange:
         self._acc: dict[tuple[str, np.dtype], Any] = {}
         self._lock = threading.Lock()
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> DeferredRange:
+        """An independent record holding what this one holds: the accumulators are copied
+        device to device (no host read), so a forked cache reports the inputs its copied
+        tokens came from, and reading one record does not reset the other."""
+        new = DeferredRange()
+        memo[id(self)] = new
+        with self._lock:
+            for key, acc in self._acc.items():
+                xp = _backend.xp_of(acc)
+                if xp is not None:
+                    new._acc[key] = acc.copy()
+                else:  # a Numba device array
+                    new._acc[key] = _backend.empty(acc, tuple(acc.shape), acc.dtype)
+                    new._acc[key].copy_to_device(acc)
+        return new
+
     def record(self, slot: str, a: Any) -> bool:
         """Fold ``|a|`` (a CUDA float16/32/64 array) into accumulator ``slot``; ``False`` when
         ``a`` cannot be read in place (a strided Numba device array: check it synchronously)."""

@@ -277,3 +277,35 @@ def test_paged_deferred_validation_reports_later_and_sync_rejects():
     with pytest.raises(ValueError, match="v: expected finite values"):
         cache.append(0, sid, one, to_device(bad))
     assert cache.seq_len(0, sid) == n
+
+
+@pytest.mark.cuda
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the stored NaN
+@pytest.mark.parametrize("kind", ["polarquant", "paged"])
+def test_a_fork_keeps_its_own_deferred_record(kind):
+    """Forking a cache with a pending deferred NaN: both caches report it (they both hold the
+    tokens), and reading one record does not reset the other."""
+    if not simulator_enabled():
+        pytest.skip("device arrays")
+    from numba_kv.caches.paged import PagedKVCache
+
+    rng = np.random.default_rng(8)
+    h, d = 2, 64
+    bad = rng.standard_normal((1, h, 1, d)).astype(np.float32)
+    bad[0, 0, 0, 3] = np.nan
+    good = rng.standard_normal((1, h, 2, d)).astype(np.float32)
+    if kind == "paged":
+        cache = PagedKVCache(4, 1, h, d, page_size=4, storage="pqo3")
+        sid = cache.allocate_sequence()
+        cache.append(0, sid, to_device(good[0]), to_device(good[0]))
+        cache.append(0, sid, to_device(bad[0]), to_device(good[0, :, :1]))
+    else:
+        cache = PolarQuantCache(1, h, d, bits=3)
+        cache.prefill(0, to_device(good), to_device(good))
+        cache.prefill(0, to_device(bad), to_device(good[:, :, :1]))
+    assert cache.validate == "auto"  # deferred for device arrays: nothing raised yet
+    fork = cache.fork()
+    for c in (cache, fork):
+        with pytest.raises(ValueError, match="k or v: expected finite values"):
+            c.check_inputs()
+        c.check_inputs()  # each record was reset by its own read only
