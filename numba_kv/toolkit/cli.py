@@ -143,6 +143,21 @@ def _missing_extra(exc: ModuleNotFoundError) -> str | None:
     return None
 
 
+def _user_call(command: str, fn: Any, errors: tuple[type[BaseException], ...] = ()) -> tuple[Any, int | None]:
+    """``(fn(), None)``; or ``(None, 2)`` after reporting a user error on stderr: a bad
+    configuration, a missing model, a missing package of the ``tools`` extra, or one of
+    ``errors``.  Any other exception propagates."""
+    try:
+        return fn(), None
+    except (EvalConfigError, ModelNotFoundError, *errors) as exc:
+        return None, _user_error(command, exc)
+    except ModuleNotFoundError as exc:
+        msg = _missing_extra(exc)
+        if msg is None:
+            raise
+        return None, _user_error(command, msg)
+
+
 def _int_list(text: str, arg: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -165,13 +180,9 @@ def _emit(command: str, args: argparse.Namespace, result: Any, render: Any, plot
                 f.write("\n")
             sys.stderr.write(f"wrote {args.json}\n")
     if args.plot:
-        try:
-            plot(result, args.plot)
-        except ModuleNotFoundError as exc:
-            msg = _missing_extra(exc)
-            if msg is None:
-                raise
-            return _user_error(command, msg)
+        _, err = _user_call(command, lambda: plot(result, args.plot))
+        if err is not None:
+            return err
         sys.stderr.write(f"wrote {args.plot}\n")
     return 0
 
@@ -180,57 +191,48 @@ def _eval(args: argparse.Namespace) -> int:
 
     if args.mode == "needle":
         return _eval_needle(args)
-    try:
-        specs = parse_cache_specs(args.cache, residual_length=args.residual_length, sink_tokens=args.sink_tokens)
-        result = evaluate.run_eval(specs, model_path=args.model, text_path=args.text, tokens=args.tokens,
-                          prefill=args.prefill, gen_tokens=args.gen_tokens, chunk_size=args.chunk,
-                          threads=args.threads, progress=not args.no_progress)
-    except (EvalConfigError, ModelNotFoundError) as exc:
-        return _user_error("eval", exc)
-    except ModuleNotFoundError as exc:
-        msg = _missing_extra(exc)
-        if msg is None:
-            raise
-        return _user_error("eval", msg)
+    result, err = _user_call("eval", lambda: evaluate.run_eval(
+        _specs(args), model_path=args.model, text_path=args.text, tokens=args.tokens, prefill=args.prefill,
+        gen_tokens=args.gen_tokens, chunk_size=args.chunk, threads=args.threads, progress=not args.no_progress))
+    if err is not None:
+        return err
     return _emit("eval", args, result, evaluate.render_table, evaluate.plot_results)
 
 
+def _specs(args: argparse.Namespace) -> list[Any]:
+    """The ``--cache`` list with the command line's window options."""
+    return parse_cache_specs(args.cache, residual_length=args.residual_length, sink_tokens=args.sink_tokens)
+
+
 def _eval_needle(args: argparse.Namespace) -> int:
-    try:
-        specs = parse_cache_specs(args.cache, residual_length=args.residual_length, sink_tokens=args.sink_tokens)
-        result = needle.run_needle(specs, model_path=args.model, lengths=_int_list(args.lengths, "--lengths"),
-                            depths=_int_list(args.depths, "--depths"), gen_tokens=args.gen_tokens,
-                            chunk_size=args.chunk, threads=args.threads, progress=not args.no_progress)
-    except (EvalConfigError, ModelNotFoundError) as exc:
-        return _user_error("eval", exc)
-    except ModuleNotFoundError as exc:
-        msg = _missing_extra(exc)
-        if msg is None:
-            raise
-        return _user_error("eval", msg)
+    result, err = _user_call("eval", lambda: needle.run_needle(
+        _specs(args), model_path=args.model, lengths=_int_list(args.lengths, "--lengths"),
+        depths=_int_list(args.depths, "--depths"), gen_tokens=args.gen_tokens, chunk_size=args.chunk,
+        threads=args.threads, progress=not args.no_progress))
+    if err is not None:
+        return err
     return _emit("eval", args, result, needle.render_needle_table, needle.plot_heatmap)
 
 
 def _generate(args: argparse.Namespace) -> int:
 
-    try:
-        specs = parse_cache_specs(args.cache, residual_length=args.residual_length, sink_tokens=args.sink_tokens)
+    def run() -> tuple[Any, Any]:
+        specs = _specs(args)
         if len(specs) != 1:
             raise EvalConfigError(f"--cache: expected one cache, got {len(specs)}: {[s.label for s in specs]}")
         if args.max_new_tokens < 1:
             raise EvalConfigError(f"--max-new-tokens: expected an int >= 1, got {args.max_new_tokens}")
         model, tok = models.load_model(args.model)
-        spec, c = specs[0], model.config
+        c = model.config
         with evaluate.numba_threads(args.threads):
-            cache = spec.make(c.n_layers, c.n_kv_heads, c.head_dim, **evaluate.model_cache_options(model))
-            g = models.generate(model, tok, args.prompt, args.max_new_tokens, cache=cache, chat=args.chat)
-    except (EvalConfigError, ModelNotFoundError) as exc:
-        return _user_error("generate", exc)
-    except ModuleNotFoundError as exc:
-        msg = _missing_extra(exc)
-        if msg is None:
-            raise
-        return _user_error("generate", msg)
+            cache = specs[0].make(c.n_layers, c.n_kv_heads, c.head_dim, **evaluate.model_cache_options(model))
+            return specs[0], models.generate(model, tok, args.prompt, args.max_new_tokens, cache=cache,
+                                             chat=args.chat)
+
+    out, err = _user_call("generate", run)
+    if err is not None:
+        return err
+    spec, g = out
     sys.stdout.write(g.text + "\n")
     mem, n = g.cache.memory_usage(), g.cache.seq_len(0)
     fp16 = g.cache.fp16_bytes() if hasattr(g.cache, "fp16_bytes") else 0
@@ -249,18 +251,15 @@ def _analyze(args: argparse.Namespace) -> int:
         return _user_error("analyze", f"--bits: expected comma-separated ints, got {args.bits!r}")
     sides = () if args.layer_sensitivity.strip().lower() == "none" else tuple(
         s.strip().lower() for s in args.layer_sensitivity.split(",") if s.strip())
-    try:
+    def run() -> Any:
         model, tok = models.load_model(args.model)
-        res = analysis.analyze_kv(model, tok, args.text, tokens=args.tokens, prefill=args.prefill, bits=bits,
-                         residual_length=args.residual_length, sink_tokens=args.sink_tokens,
-                         progress=not args.quiet, layer_sensitivity=sides, threads=args.threads)
-    except (EvalConfigError, ModelNotFoundError, ValueError) as exc:
-        return _user_error("analyze", exc)
-    except ModuleNotFoundError as exc:
-        msg = _missing_extra(exc)
-        if msg is None:
-            raise
-        return _user_error("analyze", msg)
+        return analysis.analyze_kv(model, tok, args.text, tokens=args.tokens, prefill=args.prefill, bits=bits,
+                                   residual_length=args.residual_length, sink_tokens=args.sink_tokens,
+                                   progress=not args.quiet, layer_sensitivity=sides, threads=args.threads)
+
+    res, err = _user_call("analyze", run, (ValueError,))
+    if err is not None:
+        return err
     if args.json == "-":
         json.dump(res, sys.stdout, indent=1)
         sys.stdout.write("\n")
