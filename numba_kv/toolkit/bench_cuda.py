@@ -90,15 +90,37 @@ def packed_bytes(tokens: int, batch: int, bits: int, num_kv_heads: int = 8, grou
     return 2 * vectors * per_vector + batch * num_kv_heads * groups * head_dim * 4
 
 
-def peak_bandwidth_gbs(props: Mapping[str, Any]) -> float:
-    """Theoretical peak memory bandwidth in GB/s (10^9 bytes/s) from device properties.
+#: ``cudaDevAttrMemoryClockRate`` (kHz) and ``cudaDevAttrGlobalMemoryBusWidth`` (bits) of the
+#: CUDA runtime (``CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE`` = 36, ``..._GLOBAL_MEMORY_BUS_WIDTH`` = 37)
+ATTR_MEMORY_CLOCK_RATE, ATTR_MEMORY_BUS_WIDTH = 36, 37
 
-    ``memoryClockRate`` (kHz) x 2 (double data rate) x ``memoryBusWidth`` (bits) / 8, as in
-    :func:`cupy.cuda.runtime.getDeviceProperties`.  This is the theoretical peak; measured
-    copy bandwidth is lower (typically 85-95 % of it).
+
+def memory_properties(runtime: Any, device: int = 0) -> dict[str, Any]:
+    """``name``, ``memoryClockRate`` (kHz) and ``memoryBusWidth`` (bits) of ``device``.
+
+    CUDA 13 removed ``memoryClockRate`` from ``cudaDeviceProp`` (so CuPy's
+    :func:`getDeviceProperties` may lack it); it is then read with
+    ``cudaDeviceGetAttribute``, which every CUDA version has.
     """
-    clock_hz = float(props["memoryClockRate"]) * 1e3
-    return clock_hz * 2 * float(props["memoryBusWidth"]) / 8 / 1e9
+    props = dict(runtime.getDeviceProperties(device))
+    for key, attr in (("memoryClockRate", ATTR_MEMORY_CLOCK_RATE), ("memoryBusWidth", ATTR_MEMORY_BUS_WIDTH)):
+        if not props.get(key):
+            try:
+                props[key] = int(runtime.deviceGetAttribute(attr, device))
+            except Exception:  # noqa: BLE001 - no such attribute here: the peak stays unknown
+                props[key] = 0
+    return props
+
+
+def peak_bandwidth_gbs(props: Mapping[str, Any]) -> float:
+    """Theoretical peak memory bandwidth in GB/s (10^9 bytes/s) from device properties
+    (:func:`memory_properties`); 0.0 when the device does not report them.
+
+    ``memoryClockRate`` (kHz) x 2 (double data rate) x ``memoryBusWidth`` (bits) / 8.  This
+    is the theoretical peak; measured copy bandwidth is lower (typically 85-95 % of it).
+    """
+    clock_hz = float(props.get("memoryClockRate") or 0) * 1e3
+    return clock_hz * 2 * float(props.get("memoryBusWidth") or 0) / 8 / 1e9
 
 
 def dense_attention(xp: Any, q: Any, k: Any, v: Any, softmax_scale: float) -> Any:
@@ -257,7 +279,7 @@ def run_attention_bench_cuda(tokens: Sequence[int] = DEFAULT_TOKENS, batch: Sequ
         Without CuPy or a GPU.
     """
     cupy = require_cupy()
-    props = cupy.cuda.runtime.getDeviceProperties(0)
+    props = memory_properties(cupy.cuda.runtime, 0)
     peak, gpu = peak_bandwidth_gbs(props), gpu_name(props)
     prov = provenance() | {"gpu": gpu, "peak_hbm_gb_per_s": f"{peak:.1f}"}
     rng = cupy.random.default_rng(seed)
@@ -317,7 +339,8 @@ def render(rows: Sequence[CudaAttentionRow]) -> str:
     if not rows:
         return "no rows\n"
     p = rows[0].provenance
-    head = (f"GPU decode attention on {rows[0].gpu} (theoretical peak {rows[0].peak_gb_per_s:.0f} GB/s), "
+    peak = f"{rows[0].peak_gb_per_s:.0f} GB/s" if rows[0].peak_gb_per_s else "not reported"
+    head = (f"GPU decode attention on {rows[0].gpu} (theoretical peak {peak}), "
             f"{rows[0].num_kv_heads} KV heads x {rows[0].groups} groups, d={rows[0].head_dim}; numba "
             f"{p.get('numba', '?')}, host {p.get('cpu_model', '?')}\n")
     cols = ("T", "batch", "bits", "fused ms", "dense fp16 ms", "deq+attend ms", "x dense", "x deq",

@@ -34,6 +34,28 @@ def test_peak_bandwidth_from_fake_properties():
     props = {"memoryClockRate": 2_619_000, "memoryBusWidth": 5120, "name": b"Fake GPU"}
     assert math.isclose(bench_cuda.peak_bandwidth_gbs(props), 3352.32)
     assert bench_cuda.gpu_name(props) == "Fake GPU"
+    assert bench_cuda.peak_bandwidth_gbs({"name": b"x"}) == 0.0  # nothing reported: unknown, no KeyError
+
+
+def test_memory_properties_fall_back_to_device_attributes():
+    """CUDA 13's cudaDeviceProp has no memoryClockRate: read it as device attribute 36."""
+    asked = []
+
+    def attribute(attr, dev):
+        asked.append((attr, dev))
+        return {36: 2_619_000, 37: 5120}[attr]
+
+    cuda13 = types.SimpleNamespace(getDeviceProperties=lambda i: {"name": b"H", "memoryBusWidth": 5120},
+                                   deviceGetAttribute=attribute)
+    props = bench_cuda.memory_properties(cuda13, 0)
+    assert asked == [(36, 0)] and props["memoryClockRate"] == 2_619_000
+    assert math.isclose(bench_cuda.peak_bandwidth_gbs(props), 3352.32)
+
+    def missing(attr, dev):
+        raise RuntimeError("cudaErrorInvalidValue")
+
+    none = types.SimpleNamespace(getDeviceProperties=lambda i: {"name": b"H"}, deviceGetAttribute=missing)
+    assert bench_cuda.peak_bandwidth_gbs(bench_cuda.memory_properties(none)) == 0.0
 
 
 def test_row_arithmetic():
