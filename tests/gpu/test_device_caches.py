@@ -113,3 +113,37 @@ def test_mla_caches(dev):
         res.append(cache.get_kv(0, s))
     for a, b in zip(*res):
         np.testing.assert_allclose(dev.get(b), a, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("storage", ["float32", "pqo3"])
+def test_paged_decode_loop_with_kept_tables(dev, storage):
+    """Decode steps (one token per sequence, then attention over both) across page
+    boundaries, a crop and a fork: the device cache's kept page tables (grown in place)
+    give the CPU twin's outputs; the deferred checks of the device calls find nothing."""
+    from numba_kv.caches.paged import PagedKVCache
+
+    rng = np.random.default_rng(3)
+    h, g, d = H, 2, 32
+    cpu, gpu = (PagedKVCache(num_pages=16, num_layers=1, num_kv_heads=h, head_dim=d, page_size=4,
+                             storage=storage) for _ in range(2))
+    ids = [cpu.allocate_sequence(), cpu.allocate_sequence()]
+    assert [gpu.allocate_sequence() for _ in ids] == ids
+    for n, sid in zip((3, 6), ids):
+        k = rng.standard_normal((h, n, d)).astype(np.float32)
+        cpu.append(0, sid, k, k)
+        gpu.append(0, sid, dev.put(k), dev.put(k))
+    for step in range(7):
+        if step == 4:
+            cpu.crop(ids[1], 5)
+            gpu.crop(ids[1], 5)
+            assert cpu.fork_sequence(ids[0]) == gpu.fork_sequence(ids[0])
+            ids = cpu.sequences
+        for sid in ids:
+            k = rng.standard_normal((h, 1, d)).astype(np.float32)
+            cpu.append(0, sid, k, k)
+            gpu.append(0, sid, dev.put(k), dev.put(k))
+        q = rng.standard_normal((len(ids), h * g, 1, d)).astype(np.float32)
+        out = gpu.decode_attention(0, dev.put(q), ids)
+        dev.check(out)
+        np.testing.assert_allclose(dev.get(out), cpu.decode_attention(0, q, ids), **F32)
+    gpu.check_inputs()
