@@ -154,14 +154,24 @@ class AttentionRow:
     dense_best_threads: int | None = None
 
 
-def _interleaved_best(fns: Sequence[Callable[[], object]], repeat: int) -> list[float]:
+#: seconds of idle time before each timed call of :func:`run_attention_bench`: longer than
+#: OpenBLAS's worker spin timeout (2**28 cycles, ~0.1 s) and OpenMP's spin count, so that the
+#: threads the previous contender left spinning (2 BLAS threads of the "best dense" round,
+#: Numba's OpenMP workers after a fused call) are parked and do not steal the 2 cores
+ATTENTION_PAUSE_S = 0.15
+
+
+def _interleaved_best(fns: Sequence[Callable[[], object]], repeat: int, pause_s: float = 0.0) -> list[float]:
     """Best wall time of each function, measured round-robin (one call of each per round), so
-    that load changes on a shared machine hit every contender alike."""
+    that load changes on a shared machine hit every contender alike; ``pause_s`` of sleep
+    before each timed call (not timed)."""
     for fn in fns:
         fn()  # compile / warm up
     best = [float("inf")] * len(fns)
     for _ in range(repeat):
         for i, fn in enumerate(fns):
+            if pause_s:
+                time.sleep(pause_s)
             t = time.perf_counter()
             fn()
             best[i] = min(best[i], time.perf_counter() - t)
@@ -196,7 +206,7 @@ def run_attention_bench(tokens: Sequence[int] = (4096, 32768, 131072), bits: Seq
         ref = c.dequant_then_attend()
         err = float(np.abs(fused - ref).max() / np.abs(ref).max())
         tf, td, tb, tq = _interleaved_best([c.fused, with_blas(c.dense, 1), with_blas(c.dense, best_threads),
-                                            with_blas(c.dequant_then_attend, 1)], repeat)
+                                            with_blas(c.dequant_then_attend, 1)], repeat, ATTENTION_PAUSE_S)
         tbest = min(td, tb)
         rows.append(AttentionRow(t, b, tf * 1e3, td * 1e3, tb * 1e3, tbest * 1e3, tq * 1e3, td / tf, tbest / tf,
                                  tq / tf, c.compressed_bytes / tf / 1e9, stream_gbs, c.compressed_bytes / 1e6,

@@ -2,10 +2,11 @@
 the fused result agrees with dequantize-then-attend, the cache.decode rows come out."""
 
 import json
+import time
 
 import numpy as np
 
-from numba_kv.toolkit.bench import blas_threads_limited, make_case, run_decode_bench
+from numba_kv.toolkit.bench import _interleaved_best, blas_threads_limited, make_case, run_decode_bench
 from numba_kv.toolkit.cli import main
 
 
@@ -63,3 +64,14 @@ def test_cli_decode_caches_and_tokens(tmp_path, capsys):
     assert main(["bench", "attention", "--tokens", "32", "--bits", "3", "--repeat", "1", "--no-progress",
                  "--decode-caches", "pqo9"]) == 2
     assert "--decode-caches: unknown cache 'pqo9'" in capsys.readouterr().err
+
+
+def test_interleaved_pause_is_idle_and_untimed():
+    """``pause_s`` sleeps before every timed call (parking the threads the previous contender
+    left spinning) and is not part of any timing."""
+    calls = []
+    t0 = time.perf_counter()
+    best = _interleaved_best([lambda: calls.append("a"), lambda: calls.append("b")], 3, pause_s=0.05)
+    elapsed = time.perf_counter() - t0
+    assert calls == ["a", "b"] * 4  # one warm-up round, then three timed rounds
+    assert elapsed >= 6 * 0.05 and max(best) < 0.01
