@@ -102,7 +102,21 @@ def page_run_rows_into(out: Any, page: int, slot: int, n: int, num_kv_heads: int
 
 
 def add_at(a: Any, i: int, delta: int) -> Any:
-    """``a[i] += delta`` on the device of the int32 array ``a`` (no host copy); returns ``a``."""
+    """``a[i] += delta`` on the device of ``a`` (no host copy).
+
+    Parameters
+    ----------
+    a : int32 array, shape ``(n,)``
+        C-contiguous, NumPy or CUDA; written in place on its own device.
+    i : int
+        Index, ``0 <= i < n``.
+    delta : int
+        Added to ``a[i]`` (the result wraps as int32).
+
+    Returns
+    -------
+    a : the array passed in.
+    """
     i = int(i)
     if i < 0:
         raise ValueError(f"i: expected an index >= 0, got {i}")
