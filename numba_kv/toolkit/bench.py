@@ -162,9 +162,15 @@ ATTENTION_PAUSE_S = 0.15
 
 
 def _interleaved_best(fns: Sequence[Callable[[], object]], repeat: int, pause_s: float = 0.0) -> list[float]:
-    """Best wall time of each function, measured round-robin (one call of each per round), so
-    that load changes on a shared machine hit every contender alike; ``pause_s`` of sleep
-    before each timed call (not timed)."""
+    """Best wall time of each function, measured round-robin (one timed call of each per
+    round), so that load changes on a shared machine hit every contender alike.
+
+    With ``pause_s``, each timed call follows ``pause_s`` of sleep and then one untimed call
+    of the same function: the sleep parks the threads the previous contender left spinning,
+    the untimed call wakes this contender's own threads and warms its caches — the state of
+    a decode loop, where steps run back to back.  Without it the timed call would also pay
+    for waking idle threads (on a 2-vCPU VM ~0.5 ms and up to several ms, measured with
+    Numba's OpenMP workers after 0.05 s idle), which a loop never sees."""
     for fn in fns:
         fn()  # compile / warm up
     best = [float("inf")] * len(fns)
@@ -172,6 +178,7 @@ def _interleaved_best(fns: Sequence[Callable[[], object]], repeat: int, pause_s:
         for i, fn in enumerate(fns):
             if pause_s:
                 time.sleep(pause_s)
+                fn()
             t = time.perf_counter()
             fn()
             best[i] = min(best[i], time.perf_counter() - t)

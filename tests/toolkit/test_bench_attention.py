@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 
+import numba_kv.toolkit.bench as bench_module
 from numba_kv.toolkit.bench import _interleaved_best, blas_threads_limited, make_case, run_decode_bench
 from numba_kv.toolkit.cli import main
 
@@ -68,10 +69,32 @@ def test_cli_decode_caches_and_tokens(tmp_path, capsys):
 
 def test_interleaved_pause_is_idle_and_untimed():
     """``pause_s`` sleeps before every timed call (parking the threads the previous contender
-    left spinning) and is not part of any timing."""
+    left spinning), then calls the same contender once untimed (waking its own threads); the
+    sleep and that call are not part of any timing."""
     calls = []
     t0 = time.perf_counter()
     best = _interleaved_best([lambda: calls.append("a"), lambda: calls.append("b")], 3, pause_s=0.05)
     elapsed = time.perf_counter() - t0
-    assert calls == ["a", "b"] * 4  # one warm-up round, then three timed rounds
+    # one warm-up round, then three rounds of (untimed, timed) pairs
+    assert calls == ["a", "b"] + ["a", "a", "b", "b"] * 3
     assert elapsed >= 6 * 0.05 and max(best) < 0.01
+
+
+def test_interleaved_pause_times_only_the_call_after_the_untimed_one(monkeypatch):
+    """The untimed call after the pause absorbs a contender's first-call-after-idle cost: a
+    function that is slow only on its first call after a pause is timed at its fast speed."""
+    real_sleep = time.sleep
+    state = {"idle": False}
+
+    def marking_sleep(s):
+        state["idle"] = True
+        real_sleep(s)
+
+    def slow_after_idle():
+        if state["idle"]:
+            real_sleep(0.03)
+        state["idle"] = False
+
+    monkeypatch.setattr(bench_module.time, "sleep", marking_sleep)
+    best = _interleaved_best([slow_after_idle], 2, pause_s=0.01)
+    assert best[0] < 0.01
