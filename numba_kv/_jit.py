@@ -21,7 +21,9 @@ import pathlib
 import types
 from collections.abc import Callable
 
+from llvmlite import binding as llvm_binding
 from numba import cuda, njit
+from numba.core import config as numba_config
 
 from . import _config
 
@@ -55,6 +57,23 @@ def _restamp(dispatcher: Callable) -> Callable:
     if cache_file is not None and hasattr(cache_file, "_source_stamp"):
         cache_file._source_stamp = (cache_file._source_stamp, kernel_sources_digest())
     return dispatcher
+
+
+def codegen_has_avx512() -> bool:
+    """True when Numba's CPU code generation in this process targets AVX-512 (and with it
+    32 vector registers, against 16 with AVX2): ``NUMBA_CPU_FEATURES`` when it is set (the
+    ``+avx512f`` flag), else the host's features when ``NUMBA_CPU_NAME`` is unset or
+    ``host``; a CPU named without features counts as without AVX-512 (the choice that stays
+    fast on either register file).  Register-blocked CPU loops use it to pick their block
+    size at import; Numba's on-disk cache keys entries on the same target name and
+    features, so a cached kernel always holds the variant of its own target."""
+    features = numba_config.CPU_FEATURES
+    if features:
+        return "+avx512f" in features.replace(" ", "").split(",")
+    name = numba_config.CPU_NAME
+    if name and name != "host":
+        return False
+    return bool(llvm_binding.get_host_cpu_features().get("avx512f", False))
 
 
 #: LLVM fast-math flags a CPU twin may opt into: reassociation and contraction let float
@@ -95,13 +114,16 @@ def cpu_call(kernel: Callable, work: int, *args):
     return kernel(*args)
 
 
-def cpu_serial(fn: Callable | None = None, *, fastmath: bool | set | frozenset = False) -> Callable:
+def cpu_serial(fn: Callable | None = None, *, fastmath: bool | set | frozenset = False,
+               inline: bool = False) -> Callable:
     """Serial jitted CPU helper (host-side glue that must not open a parallel region);
-    ``fastmath`` as for :func:`cpu_kernel`."""
+    ``fastmath`` as for :func:`cpu_kernel`, ``inline`` as for :func:`twin` (for helpers
+    called per block or per value inside a hot loop)."""
     if fn is None:
-        return functools.partial(cpu_serial, fastmath=fastmath)
+        return functools.partial(cpu_serial, fastmath=fastmath, inline=inline)
     fm = set(fastmath) if not isinstance(fastmath, bool) else fastmath
-    return _restamp(njit(parallel=False, nogil=True, cache=True, fastmath=fm)(fn))
+    opts = {"inline": "always"} if inline else {}
+    return _restamp(njit(parallel=False, nogil=True, cache=True, fastmath=fm, **opts)(fn))
 
 
 def cuda_kernel(fn: Callable) -> Callable:

@@ -1,12 +1,23 @@
-"""CPU-only cores of the fused decode attention: the branch-free float32 exp and the
-vector (8-codes-at-a-time) tile decoder, against independent NumPy computations."""
+"""CPU-only cores of the fused decode attention: the branch-free float32 exp, the vector
+(8-codes-at-a-time) tile decoder and the register-blocked score and P·V loops, against
+independent NumPy computations."""
 
 import numpy as np
 import pytest
 from numba import njit
 
+import numba_kv._jit as jit_module
 from numba_kv.ops._attention_cores import load_token_fast_cpu
-from numba_kv.ops._attention_cpu import decode_tile_mixed_cpu, decode_tile_simd_cpu, exp_f32_cpu
+from numba_kv.ops._attention_cpu import (
+    PV_BLOCK_ROWS,
+    decode_tile_mixed_cpu,
+    decode_tile_simd_cpu,
+    exp_f32_cpu,
+    tile_pv_cpu,
+    tile_pv_rows2_cpu,
+    tile_pv_rows4_cpu,
+    tile_scores_cpu,
+)
 from numba_kv.ops.attention import F16_ABS_TABLE
 from numba_kv.ops.blockquant import dequantize_blocks, quantize_blocks
 from numba_kv.ops.codebook import get_codebook
@@ -43,15 +54,26 @@ def test_exp_f32_special_values():
     assert abs(out[9] - np.e) <= 2 * np.spacing(np.float32(np.e))
 
 
+def _strided(a: np.ndarray) -> np.ndarray:
+    """``a`` as a view whose rows have stride 2 (every other byte of a buffer twice as wide)."""
+    buf = np.zeros((a.shape[0], 2 * a.shape[1]), a.dtype)
+    buf[:, ::2] = a
+    return buf[:, ::2]
+
+
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
 @pytest.mark.parametrize("t0, nt", [(0, 32), (5, 17), (40, 1)])
-def test_decode_tile_matches_dequantize(bits, t0, nt):
+@pytest.mark.parametrize("strided", [False, True])
+def test_decode_tile_matches_dequantize(bits, t0, nt, strided):
     """Token rows decoded by the vector decoder are the rotated-domain values of
-    :func:`dequantize_blocks` (which inverse-rotates): rotating those forward gives them back."""
+    :func:`dequantize_blocks` (which inverse-rotates): rotating those forward gives them back.
+    Code rows that are not unit-stride (the scalar fallback) decode the same."""
     rng = np.random.default_rng(bits * 100 + t0)
     d, T = 128, 48
     x = rng.standard_normal((T, d)).astype(np.float32) * rng.uniform(0.1, 10, (T, 1)).astype(np.float32)
     codes, scales = quantize_blocks(x, bits)
+    if strided:
+        codes = _strided(codes)
     cent = np.zeros(16, np.float32)
     cb = get_codebook(bits, "maxnorm").centroids
     cent[:len(cb)] = cb
@@ -68,7 +90,8 @@ def test_decode_tile_matches_dequantize(bits, t0, nt):
 
 @pytest.mark.parametrize("widths", [(2, 3, 3, 2), (4, 1, 3, 2), (3, 4, 4, 3)])
 @pytest.mark.parametrize("t0, nt", [(0, 32), (7, 9)])
-def test_decode_tile_mixed_matches_dequantize(widths, t0, nt):
+@pytest.mark.parametrize("strided", [False, True])
+def test_decode_tile_mixed_matches_dequantize(widths, t0, nt, strided):
     """Blocks of different widths (pqo2.5 / pqo3.5 style layouts): each block decodes to the
     rotated-domain values of :func:`dequantize_blocks` of that block alone, at its byte offset."""
     rng = np.random.default_rng(sum(widths) + t0)
@@ -86,7 +109,67 @@ def test_decode_tile_mixed_matches_dequantize(widths, t0, nt):
     off_b = np.concatenate([[0], np.cumsum(4 * bits_b)[:-1]]).astype(np.int64)
     dst = np.full((32, x.shape[1]), np.nan, np.float32)
     codes, scales = (np.ascontiguousarray(np.concatenate(a, 1)) for a in (codes, scales))
+    if strided:
+        codes = _strided(codes)
     decode_tile_mixed_cpu(codes, scales, t0, nt, cent2, bits_b, off_b, 0, F16_ABS_TABLE, dst)
     want = np.concatenate(want, 1)[t0:t0 + nt]
     np.testing.assert_allclose(dst[:nt], want, rtol=2e-6, atol=2e-6 * float(np.abs(want).max()))
     assert np.all(np.isnan(dst[nt:]))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("nt", [32, 17, 3, 1])
+def test_tile_scores_match_numpy(rows, nt):
+    """Scores of every (query row, token) of a tile — the 4 × 2 blocks, the odd token and the
+    rows beyond a multiple of four — are the float64 dot products to float32 accuracy."""
+    rng = np.random.default_rng(rows * 100 + nt)
+    q = rng.standard_normal((rows, 128)).astype(np.float32)
+    kt = rng.standard_normal((32, 128)).astype(np.float32)
+    sc = np.full((rows, 32), np.nan, np.float32)
+    tile_scores_cpu(q, kt, nt, sc)
+    want = q.astype(np.float64) @ kt[:nt].astype(np.float64).T
+    np.testing.assert_allclose(sc[:, :nt], want, rtol=0, atol=1e-5 * np.abs(q).sum(1).max() * np.abs(kt).max())
+    assert np.all(np.isnan(sc[:, nt:]))  # columns past nt untouched
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("nt", [32, 17, 3, 1])
+def test_tile_pv_matches_numpy(rows, nt):
+    """``acc += w @ V`` over a tile: the selected P·V (blocks of ``PV_BLOCK_ROWS`` rows) and
+    both register blocks (four and two rows) on their own, against float64 NumPy."""
+    rng = np.random.default_rng(rows * 100 + nt + 7)
+    w = rng.uniform(0, 1, (rows, 32)).astype(np.float32)
+    vt = rng.standard_normal((32, 128)).astype(np.float32)
+    acc0 = rng.standard_normal((rows, 128)).astype(np.float32)
+    want = acc0.astype(np.float64) + w[:, :nt].astype(np.float64) @ vt[:nt].astype(np.float64)
+    tol = 1e-5 * (1 + nt)
+    acc = acc0.copy()
+    tile_pv_cpu(w, vt, nt, acc)
+    np.testing.assert_allclose(acc, want, rtol=0, atol=tol)
+    for block, fn in ((4, tile_pv_rows4_cpu), (2, tile_pv_rows2_cpu)):
+        acc = acc0.copy()
+        for r in range(0, rows - rows % block, block):
+            fn(w, vt, nt, acc, r)
+        done = rows - rows % block
+        np.testing.assert_allclose(acc[:done], want[:done], rtol=0, atol=tol)
+        assert np.array_equal(acc[done:], acc0[done:])  # rows outside the blocks untouched
+
+
+def test_pv_block_follows_the_code_generation_target():
+    """Four-row P·V blocks exactly when the code generation has AVX-512 (32 registers)."""
+    assert PV_BLOCK_ROWS == (4 if jit_module.codegen_has_avx512() else 2)
+
+
+@pytest.mark.parametrize("name, features, host_avx512, want", [
+    (None, None, True, True),                                   # host target: the host's flags
+    (None, None, False, False),
+    ("host", None, True, True),
+    ("haswell", "+64bit,+avx,+avx2,+fma,+bmi2", True, False),  # the AVX2 environment of numba_kv.info
+    ("skylake-avx512", "+avx2,+avx512f,+avx512vl", False, True),
+    ("skylake-avx512", None, True, False),                      # named without features: the safe block
+])
+def test_codegen_has_avx512_reads_numba_target(monkeypatch, name, features, host_avx512, want):
+    monkeypatch.setattr(jit_module.numba_config, "CPU_NAME", name)
+    monkeypatch.setattr(jit_module.numba_config, "CPU_FEATURES", features)
+    monkeypatch.setattr(jit_module.llvm_binding, "get_host_cpu_features", lambda: {"avx512f": host_avx512})
+    assert jit_module.codegen_has_avx512() is want
