@@ -35,12 +35,15 @@ def _splat(builder, value, vty):
 
 def _decode8_codegen(nbits):
     def codegen(context, builder, signature, args):
-        row, boff, pre, cent, sa, dst, off = args
-        rowarr = context.make_array(signature.args[0])(context, builder, row)
-        centarr = context.make_array(signature.args[3])(context, builder, cent)
-        dstarr = context.make_array(signature.args[5])(context, builder, dst)
-        # four code bytes, one unaligned little-endian load (broadcast straight from memory)
-        bptr = builder.gep(builder.bitcast(rowarr.data, _I8.as_pointer()), [boff], source_etype=_I8)
+        codes, t, boff, pre, cent, sa, dst, row, off = args
+        carr = context.make_array(signature.args[0])(context, builder, codes)
+        centarr = context.make_array(signature.args[4])(context, builder, cent)
+        darr = context.make_array(signature.args[6])(context, builder, dst)
+        i64 = ir.IntType(64)
+        # four code bytes at codes[t, boff:boff+4], one unaligned little-endian load (the
+        # broadcast reads it straight from memory); addresses from the strides, no views
+        cbyte = builder.add(builder.mul(t, builder.extract_value(carr.strides, 0)), boff)
+        bptr = builder.gep(builder.bitcast(carr.data, _I8.as_pointer()), [cbyte], source_etype=_I8)
         w = builder.load(builder.bitcast(bptr, _I32.as_pointer()), align=1, typ=_I32)
         if sys.byteorder == "big":
             w = builder.call(builder.module.declare_intrinsic("llvm.bswap", [_I32]), [w])
@@ -70,64 +73,70 @@ def _decode8_codegen(nbits):
                 vhi = builder.insert_element(vhi, builder.extract_element(chi, i), ir.Constant(_I32, k))
             vec = builder.select(hib, vhi, vec)
         vec = builder.fmul(vec, _splat(builder, sa, _V8F))
-        dptr = builder.gep(dstarr.data, [off], source_etype=_F32)
+        dbyte = builder.add(builder.mul(row, builder.extract_value(darr.strides, 0)),
+                            builder.mul(off, ir.Constant(i64, 4)))
+        dptr = builder.gep(builder.bitcast(darr.data, _I8.as_pointer()), [dbyte], source_etype=_I8)
         builder.store(vec, builder.bitcast(dptr, _V8F.as_pointer()), align=4)
         return context.get_dummy_value()
     return codegen
 
 
 def _decode8_typer(nbits):
-    def typer(typingctx, row, boff, pre, cent, sa, dst, off):
-        ok = (isinstance(row, types.Array) and row.dtype == types.uint8 and row.ndim == 1
-              and all(isinstance(a, types.Integer) for a in (boff, pre, off)) and sa == types.float32
-              and all(isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 1 and a.layout == "C"
-                      for a in (cent, dst)))
+    def typer(typingctx, codes, t, boff, pre, cent, sa, dst, row, off):
+        ok = (isinstance(codes, types.Array) and codes.dtype == types.uint8 and codes.ndim == 2
+              and all(isinstance(a, types.Integer) for a in (t, boff, pre, row, off)) and sa == types.float32
+              and isinstance(cent, types.Array) and cent.dtype == types.float32 and cent.ndim == 1
+              and cent.layout == "C" and isinstance(dst, types.Array) and dst.dtype == types.float32
+              and dst.ndim == 2 and dst.layout == "C")
         if not ok:
             return None
-        return (types.void(row, types.int64, types.int64, cent, types.float32, dst, types.int64),
-                _decode8_codegen(nbits))
+        i64 = types.int64
+        return types.void(codes, i64, i64, i64, cent, types.float32, dst, i64, i64), _decode8_codegen(nbits)
     return typer
 
 
-# ``dst[off:off+8] = sa · cent[(w >> (pre + b·k)) & (2**b − 1)]``, k = 0..7, with ``w`` the four
-# bytes ``row[boff:boff+4]`` read as one little-endian uint32, in one 8-lane vector.  The word
-# is broadcast straight from memory (assembling it from byte loads and moving it from a
-# general register to a vector one cost ~40 % more per 8 codes); the lookup is a
+# ``dst[row, off:off+8] = sa · cent[(w >> (pre + b·k)) & (2**b − 1)]``, k = 0..7, with ``w`` the four
+# bytes ``codes[t, boff:boff+4]`` read as one little-endian uint32, in one 8-lane vector.  The
+# word is broadcast straight from memory (assembling it from byte loads and moving it from a
+# general register to a vector one cost ~40 % more per 8 codes), and both addresses come
+# from the arrays' strides (row views per token cost another ~40 %); the lookup is a
 # build-vector of variable extracts, which x86 code generation lowers to a variable permute
 # (``vpermps``: the <= 16-entry codebook lives in one or two registers) — no gather, no
-# per-code table load.  The caller keeps ``boff + 4 <= len(row)`` and ``row`` of unit stride
-# (neither is checked); ``cent`` needs 8 (3 bits) or 16 (4 bits) readable floats (2 or 4
-# for 1 or 2 bits); ``cent``/``dst`` C-contiguous float32 (typing fails otherwise).
+# per-code table load.  The caller keeps ``boff + 4 <= codes.shape[1]``, ``codes`` rows of
+# unit stride and ``off + 8 <= dst.shape[1]`` (none is checked); ``cent`` needs 8 (3 bits)
+# or 16 (4 bits) readable floats (2 or 4 for 1 or 2 bits); ``cent`` and ``dst``
+# C-contiguous float32 (typing fails otherwise).
 _decode8_1bit = intrinsic(_decode8_typer(1))
 _decode8_2bit = intrinsic(_decode8_typer(2))
 _decode8_3bit = intrinsic(_decode8_typer(3))
 _decode8_4bit = intrinsic(_decode8_typer(4))
 
 
-def _decode_block(crow, p, bits, cent, sa, drow, o):
-    """The 32 codes of one block (``4·bits`` bytes at ``crow[p:]``) into ``drow[o:o+32]``,
-    eight per :func:`_decode8_1bit` ... :func:`_decode8_4bit` call, every 4-byte read inside
-    the block: a 3-bit block's last group (bytes 9..11) is read from byte 8, shifted by 8."""
+def _decode_block(codes, t, p, bits, cent, sa, dst, row, o):
+    """The 32 codes of one block of token ``t`` (``4·bits`` bytes at ``codes[t, p:]``) into
+    ``dst[row, o:o+32]``, eight per :func:`_decode8_1bit` ... :func:`_decode8_4bit` call,
+    every 4-byte read inside the block: a 3-bit block's last group (bytes 9..11) is read
+    from byte 8, shifted by 8."""
     if bits == 3:
-        _decode8_3bit(crow, p, 0, cent, sa, drow, o)
-        _decode8_3bit(crow, p + 3, 0, cent, sa, drow, o + 8)
-        _decode8_3bit(crow, p + 6, 0, cent, sa, drow, o + 16)
-        _decode8_3bit(crow, p + 8, 8, cent, sa, drow, o + 24)
+        _decode8_3bit(codes, t, p, 0, cent, sa, dst, row, o)
+        _decode8_3bit(codes, t, p + 3, 0, cent, sa, dst, row, o + 8)
+        _decode8_3bit(codes, t, p + 6, 0, cent, sa, dst, row, o + 16)
+        _decode8_3bit(codes, t, p + 8, 8, cent, sa, dst, row, o + 24)
     elif bits == 4:
-        _decode8_4bit(crow, p, 0, cent, sa, drow, o)
-        _decode8_4bit(crow, p + 4, 0, cent, sa, drow, o + 8)
-        _decode8_4bit(crow, p + 8, 0, cent, sa, drow, o + 16)
-        _decode8_4bit(crow, p + 12, 0, cent, sa, drow, o + 24)
+        _decode8_4bit(codes, t, p, 0, cent, sa, dst, row, o)
+        _decode8_4bit(codes, t, p + 4, 0, cent, sa, dst, row, o + 8)
+        _decode8_4bit(codes, t, p + 8, 0, cent, sa, dst, row, o + 16)
+        _decode8_4bit(codes, t, p + 12, 0, cent, sa, dst, row, o + 24)
     elif bits == 2:
-        _decode8_2bit(crow, p, 0, cent, sa, drow, o)
-        _decode8_2bit(crow, p, 16, cent, sa, drow, o + 8)
-        _decode8_2bit(crow, p + 4, 0, cent, sa, drow, o + 16)
-        _decode8_2bit(crow, p + 4, 16, cent, sa, drow, o + 24)
+        _decode8_2bit(codes, t, p, 0, cent, sa, dst, row, o)
+        _decode8_2bit(codes, t, p, 16, cent, sa, dst, row, o + 8)
+        _decode8_2bit(codes, t, p + 4, 0, cent, sa, dst, row, o + 16)
+        _decode8_2bit(codes, t, p + 4, 16, cent, sa, dst, row, o + 24)
     else:
-        _decode8_1bit(crow, p, 0, cent, sa, drow, o)
-        _decode8_1bit(crow, p, 8, cent, sa, drow, o + 8)
-        _decode8_1bit(crow, p, 16, cent, sa, drow, o + 16)
-        _decode8_1bit(crow, p, 24, cent, sa, drow, o + 24)
+        _decode8_1bit(codes, t, p, 0, cent, sa, dst, row, o)
+        _decode8_1bit(codes, t, p, 8, cent, sa, dst, row, o + 8)
+        _decode8_1bit(codes, t, p, 16, cent, sa, dst, row, o + 16)
+        _decode8_1bit(codes, t, p, 24, cent, sa, dst, row, o + 24)
 
 
 decode_block_cpu = cpu_serial(_decode_block, inline=True)
@@ -137,38 +146,31 @@ def _decode_tile_simd(codes, scales, t0, nt, cent, bits, nb, sshift, scale_table
     """``dst[d0 + tt] = `` token ``t0 + tt`` of ``codes``/``scales`` (``[tokens, ·]``), ``tt < nt``,
     decoded like :func:`_load_token_fast` (same values; CPU only): 1- to 4-bit codes a block
     at a time by :func:`_decode_block` (``cent`` C-contiguous float32 with ``2**bits`` or more
-    entries), other widths — or code rows that are not unit-stride — by the scalar loader.
-    One call per tile keeps the per-token call overhead out of the hot loop."""
+    entries, ``dst`` C-contiguous), other widths — or code rows that are not unit-stride —
+    by the scalar loader.  One call per tile keeps the per-token call overhead out of the
+    hot loop."""
     fast = codes.strides[1] == 1
     # one loop per width, so the width test stays out of the per-block code (~1.45x faster)
     if bits == 3 and fast:
         for tt in range(nt):
-            crow = codes[t0 + tt]
-            srow = scales[t0 + tt]
-            drow = dst[d0 + tt]
+            t = t0 + tt
             for b in range(nb):
-                decode_block_cpu(crow, b * 12, 3, cent, scale_table[srow[b >> sshift]], drow, b * 32)
+                decode_block_cpu(codes, t, b * 12, 3, cent, scale_table[scales[t, b >> sshift]], dst, d0 + tt, b * 32)
     elif bits == 4 and fast:
         for tt in range(nt):
-            crow = codes[t0 + tt]
-            srow = scales[t0 + tt]
-            drow = dst[d0 + tt]
+            t = t0 + tt
             for b in range(nb):
-                decode_block_cpu(crow, b * 16, 4, cent, scale_table[srow[b >> sshift]], drow, b * 32)
+                decode_block_cpu(codes, t, b * 16, 4, cent, scale_table[scales[t, b >> sshift]], dst, d0 + tt, b * 32)
     elif bits == 2 and fast:
         for tt in range(nt):
-            crow = codes[t0 + tt]
-            srow = scales[t0 + tt]
-            drow = dst[d0 + tt]
+            t = t0 + tt
             for b in range(nb):
-                decode_block_cpu(crow, b * 8, 2, cent, scale_table[srow[b >> sshift]], drow, b * 32)
+                decode_block_cpu(codes, t, b * 8, 2, cent, scale_table[scales[t, b >> sshift]], dst, d0 + tt, b * 32)
     elif bits == 1 and fast:
         for tt in range(nt):
-            crow = codes[t0 + tt]
-            srow = scales[t0 + tt]
-            drow = dst[d0 + tt]
+            t = t0 + tt
             for b in range(nb):
-                decode_block_cpu(crow, b * 4, 1, cent, scale_table[srow[b >> sshift]], drow, b * 32)
+                decode_block_cpu(codes, t, b * 4, 1, cent, scale_table[scales[t, b >> sshift]], dst, d0 + tt, b * 32)
     else:
         for tt in range(nt):
             load_token_fast_cpu(codes[t0 + tt], scales[t0 + tt], cent, bits, nb, sshift, scale_table, dst[d0 + tt])
@@ -186,16 +188,15 @@ def _decode_tile_mixed(codes, scales, t0, nt, cent2, bits_b, off_b, sshift, scal
     nb = bits_b.shape[0]
     fast = codes.strides[1] == 1
     for tt in range(nt):
-        crow = codes[t0 + tt]
-        srow = scales[t0 + tt]
-        drow = dst[tt]
+        t = t0 + tt
         for b in range(nb):
-            sa = scale_table[srow[b >> sshift]]
+            sa = scale_table[scales[t, b >> sshift]]
             if fast:
-                decode_block_cpu(crow, off_b[b], bits_b[b], cent2[b], sa, drow, b * 32)
+                decode_block_cpu(codes, t, off_b[b], bits_b[b], cent2[b], sa, dst, tt, b * 32)
             else:
                 for grp in range(4):
-                    decode8_cpu(crow, off_b[b] + grp * bits_b[b], bits_b[b], cent2[b], sa, drow, b * 32 + grp * 8)
+                    decode8_cpu(codes[t], off_b[b] + grp * bits_b[b], bits_b[b], cent2[b], sa, dst[tt],
+                                b * 32 + grp * 8)
 
 
 decode_tile_mixed_cpu = cpu_serial(_decode_tile_mixed)
@@ -514,8 +515,8 @@ def _tile_pv(sc, vt, nt, acc):
                 arow[j] += w * v[j]
 
 
-tile_pv_rows4_cpu = cpu_serial(_tile_pv_rows4, fastmath=FASTMATH_REDUCE)
-tile_pv_rows2_cpu = cpu_serial(_tile_pv_rows2, fastmath=FASTMATH_REDUCE)
+tile_pv_rows4_cpu = cpu_serial(_tile_pv_rows4, fastmath=FASTMATH_REDUCE, inline=True)
+tile_pv_rows2_cpu = cpu_serial(_tile_pv_rows2, fastmath=FASTMATH_REDUCE, inline=True)
 
 
 tile_scores_cpu = cpu_serial(_tile_scores, fastmath=FASTMATH_REDUCE)
