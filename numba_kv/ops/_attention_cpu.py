@@ -12,14 +12,14 @@ import sys
 
 import numpy as np
 from llvmlite import ir
-from numba import float32, int64, types
+from numba import float32, int32, int64, types
 from numba.core.extending import intrinsic
 
 from .._jit import FASTMATH_REDUCE, codegen_has_avx512, cpu_serial
-from ._attention_cores import NEG_INF, decode8_cpu, load_token_fast_cpu, online_update_cpu, visible_cpu
+from ._attention_cores import NEG_INF, decode8_cpu, load_token_fast_cpu, online_update_cpu, sign_pm1_cpu, visible_cpu
 
 __all__ = ["decode_tile_mixed_cpu", "decode_tile_simd_cpu", "exp_f32_cpu", "softmax_tile_cpu", "tile_pv_cpu",
-           "tile_scores_cpu"]
+           "tile_scores_cpu", "unpack_signs_tile_cpu"]
 
 _F32 = ir.FloatType()
 _I8 = ir.IntType(8)
@@ -200,6 +200,25 @@ def _decode_tile_mixed(codes, scales, t0, nt, cent2, bits_b, off_b, sshift, scal
 
 
 decode_tile_mixed_cpu = cpu_serial(_decode_tile_mixed)
+
+
+def _unpack_signs_tile(signs, t0, nt, m, pm1, dst):
+    """``dst[tt, j] = ±1.0`` for the ``m`` packed QJL signs of token ``t0 + tt`` (bit set =
+    +1, LSB first — :func:`~numba_kv.ops._attention_cores._sign_pm1`), ``tt < nt``: each 32
+    signs by the 1-bit block decoder with the codebook ``pm1 = [-1, +1]`` and scale 1 (exact),
+    the bytes past a multiple of 32 signs — or rows that are not unit-stride — one by one."""
+    m32 = m - m % 32 if signs.strides[1] == 1 else 0
+    for tt in range(nt):
+        t = t0 + tt
+        for blk in range(m32 >> 5):
+            decode_block_cpu(signs, t, blk * 4, 1, pm1, float32(1.0), dst, tt, blk * 32)
+        for jb in range(m32 >> 3, m >> 3):
+            byte = int32(signs[t, jb])
+            for k in range(8):
+                dst[tt, (jb << 3) + k] = sign_pm1_cpu(byte, k)
+
+
+unpack_signs_tile_cpu = cpu_serial(_unpack_signs_tile, inline=True)
 
 
 @intrinsic

@@ -10,7 +10,7 @@ per-thread array of head_dim size).  Both run the single-source cores of
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float32, int32, int64, prange
+from numba import cuda, float32, int64, prange
 
 from .._jit import FASTMATH_REDUCE, cpu_kernel, cuda_kernel, twin
 from ._attention_cores import (
@@ -40,10 +40,16 @@ from ._attention_cores import (
     partition_bounds_cpu,
     partition_bounds_dev,
     qjl_dot_dev,
-    sign_pm1_cpu,
     visible_dev,
 )
-from ._attention_cpu import decode_tile_mixed_cpu, decode_tile_simd_cpu, softmax_tile_cpu, tile_pv_cpu, tile_scores_cpu
+from ._attention_cpu import (
+    decode_tile_mixed_cpu,
+    decode_tile_simd_cpu,
+    softmax_tile_cpu,
+    tile_pv_cpu,
+    tile_scores_cpu,
+    unpack_signs_tile_cpu,
+)
 from ._registry import register
 
 #: tokens per CPU tile: a decoded 32-token × d=128 float tile is 16 KiB, stays in L1 while
@@ -101,6 +107,9 @@ def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
     kb0 = kbits[0]
     vb0 = vbits[0]
     kcent0 = kcent[0]
+    pm1 = np.empty(2, dtype=np.float32)  # the codebook of a QJL sign bit
+    pm1[0] = float32(-1.0)
+    pm1[1] = float32(1.0)
     vcent0 = vcent[0]
     for item in prange(n_g * n_parts):
         g = item // n_parts
@@ -125,15 +134,9 @@ def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
             else:
                 tile_scores_cpu(qsrc, ke[g, t0:t0 + nt], nt, sc)
             if compressed and has_qjl:
-                # QJL correction c_t·<S q, σ_t>, in q·k units: signs unpacked to ±1 byte by
-                # byte (a select on a bit picked by j >> 3 / j & 7 vectorizes only with
-                # AVX-512; 2·bit − 1 is a broadcast + shift per 8 lanes)
-                for tt in range(nt):
-                    sig = qsig[g, t0 + tt]
-                    for jb in range(m_qjl >> 3):
-                        byte = int32(sig[jb])
-                        for k in range(8):
-                            stq[tt, (jb << 3) + k] = sign_pm1_cpu(byte, k)
+                # QJL correction c_t·<S q, σ_t>, in q·k units: signs unpacked to ±1 by the
+                # 1-bit vector decoder, then scored like keys
+                unpack_signs_tile_cpu(qsig[g], t0, nt, m_qjl, pm1, stq)
                 tile_scores_cpu(sq[g], stq, nt, corr)
                 for tt in range(nt):
                     c = qjl_const * scale_table[qnorm[g, t0 + tt]]

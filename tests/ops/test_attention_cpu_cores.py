@@ -17,6 +17,7 @@ from numba_kv.ops._attention_cpu import (
     tile_pv_rows2_cpu,
     tile_pv_rows4_cpu,
     tile_scores_cpu,
+    unpack_signs_tile_cpu,
 )
 from numba_kv.ops.attention import F16_ABS_TABLE
 from numba_kv.ops.blockquant import dequantize_blocks, quantize_blocks
@@ -173,3 +174,21 @@ def test_codegen_has_avx512_reads_numba_target(monkeypatch, name, features, host
     monkeypatch.setattr(jit_module.numba_config, "CPU_FEATURES", features)
     monkeypatch.setattr(jit_module.llvm_binding, "get_host_cpu_features", lambda: {"avx512f": host_avx512})
     assert jit_module.codegen_has_avx512() is want
+
+
+@pytest.mark.parametrize("m", [8, 32, 40, 128, 136])
+@pytest.mark.parametrize("strided", [False, True])
+def test_unpack_signs_tile_matches_unpackbits(m, strided):
+    """Packed QJL signs (LSB first, bit set = +1) unpacked to ±1.0 — the 1-bit block decoder
+    for each 32 signs, bytes past a multiple of 32 and non-unit-stride rows one by one —
+    equal ``2·np.unpackbits(bitorder="little") − 1``."""
+    rng = np.random.default_rng(m)
+    signs = rng.integers(0, 256, (48, m // 8), dtype=np.uint8)
+    if strided:
+        signs = _strided(signs)
+    pm1 = np.array([-1.0, 1.0], np.float32)
+    dst = np.full((32, m), np.nan, np.float32)
+    unpack_signs_tile_cpu(signs, 5, 17, m, pm1, dst)
+    want = 2.0 * np.unpackbits(signs[5:22], axis=1, bitorder="little").astype(np.float32) - 1.0
+    assert np.array_equal(dst[:17], want)
+    assert np.all(np.isnan(dst[17:]))
