@@ -169,8 +169,8 @@ def _interleaved_best(fns: Sequence[Callable[[], object]], repeat: int, pause_s:
     of the same function: the sleep parks the threads the previous contender left spinning,
     the untimed call wakes this contender's own threads and warms its caches — the state of
     a decode loop, where steps run back to back.  Without it the timed call would also pay
-    for waking idle threads (on a 2-vCPU VM ~0.5 ms and up to several ms, measured with
-    Numba's OpenMP workers after 0.05 s idle), which a loop never sees."""
+    for waking idle threads, which a loop never sees (``benchmarks/idle_wake.py``: on a
+    2-vCPU VM the fused call at 4K tokens took ~1.5 ms after 0.05 s idle, ~0.75 ms warm)."""
     for fn in fns:
         fn()  # compile / warm up
     best = [float("inf")] * len(fns)
