@@ -464,9 +464,9 @@ def _tile_pv_rows4(sc, vt, nt, acc, r):
 def _tile_pv_rows2(sc, vt, nt, acc, r):
     """``acc[r:r+2] += sc[r:r+2, :nt] @ vt[:nt]``: two rows × four value rows per pass, the
     block of AVX2 targets: eight weights, two accumulators and four value vectors fit its
-    16 registers, where four × four spills the weights (one-thread P·V of 32K tokens ×
-    8 KV heads × 4 rows with AVX2 code generation on an AMD EPYC (znver5): 2.1 ms against
-    2.4–2.5 ms for four × four; natively, with AVX-512, four × four is 1.7–2.0 ms, this 2.3)."""
+    16 registers, where four × four spills the weights.  With AVX2 code generation it is
+    the faster block, with AVX-512 the slower (README, "Faster decoder, QJL signs and
+    softmax"); a deliberate copy of :func:`_tile_pv_rows4`'s loop at another width."""
     d = acc.shape[1]
     n4 = nt - nt % 4
     a0 = acc[r]
