@@ -161,21 +161,6 @@ def test_pv_block_follows_the_code_generation_target():
     assert PV_BLOCK_ROWS == (4 if jit_module.codegen_has_avx512() else 2)
 
 
-@pytest.mark.parametrize("name, features, host_avx512, want", [
-    (None, None, True, True),                                   # host target: the host's flags
-    (None, None, False, False),
-    ("host", None, True, True),
-    ("haswell", "+64bit,+avx,+avx2,+fma,+bmi2", True, False),  # the AVX2 environment of numba_kv.info
-    ("skylake-avx512", "+avx2,+avx512f,+avx512vl", False, True),
-    ("skylake-avx512", None, True, False),                      # named without features: the safe block
-])
-def test_codegen_has_avx512_reads_numba_target(monkeypatch, name, features, host_avx512, want):
-    monkeypatch.setattr(jit_module.numba_config, "CPU_NAME", name)
-    monkeypatch.setattr(jit_module.numba_config, "CPU_FEATURES", features)
-    monkeypatch.setattr(jit_module.llvm_binding, "get_host_cpu_features", lambda: {"avx512f": host_avx512})
-    assert jit_module.codegen_has_avx512() is want
-
-
 @pytest.mark.parametrize("m", [8, 32, 40, 128, 136])
 @pytest.mark.parametrize("strided", [False, True])
 def test_unpack_signs_tile_matches_unpackbits(m, strided):
