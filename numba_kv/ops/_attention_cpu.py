@@ -1,5 +1,6 @@
-"""CPU-only helpers of the fused decode attention: SIMD token decoding, a branch-free
-``expf`` and the register-blocked tile loops of the CPU twins (flat and paged).
+"""CPU-only helpers of the fused decode attention: SIMD token decoding (also of QJL sign
+bits), a branch-free ``expf`` and the register-blocked tile loops of the CPU twins (flat and
+paged).
 
 Compiled for the CPU only (LLVM intrinsics, fast-math reductions); the CUDA kernels use the
 single-source cores of :mod:`numba_kv.ops._attention_cores` and ``math.exp`` instead.
@@ -150,7 +151,7 @@ def _decode_tile_simd(codes, scales, t0, nt, cent, bits, nb, sshift, scale_table
     by the scalar loader.  One call per tile keeps the per-token call overhead out of the
     hot loop."""
     fast = codes.strides[1] == 1
-    # one loop per width, so the width test stays out of the per-block code (~1.45x faster)
+    # one loop per width, so the width test stays out of the per-block code
     if bits == 3 and fast:
         for tt in range(nt):
             t = t0 + tt

@@ -107,10 +107,10 @@ def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
     kb0 = kbits[0]
     vb0 = vbits[0]
     kcent0 = kcent[0]
+    vcent0 = vcent[0]
     pm1 = np.empty(2, dtype=np.float32)  # the codebook of a QJL sign bit
     pm1[0] = float32(-1.0)
     pm1[1] = float32(1.0)
-    vcent0 = vcent[0]
     for item in prange(n_g * n_parts):
         g = item // n_parts
         p = item - g * n_parts
