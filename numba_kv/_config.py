@@ -1,7 +1,9 @@
 """Every tunable knob in one place.
 
 Values come from ``NUMBA_KV_<NAME>`` environment variables when set, else from
-``DEFAULTS``.  Tests may override with :func:`set` and restore with :func:`reset`.
+``DEFAULTS``.  Tests may override with :func:`set` and restore with :func:`reset`.  Every
+value is checked (:data:`RANGES`): a bad one raises ``ValueError`` naming the knob (or the
+environment variable) and the allowed range, never a failed launch later.
 """
 
 from __future__ import annotations
@@ -22,7 +24,38 @@ DEFAULTS: dict[str, Any] = {
     "cpu_parallel_min_work": 1 << 18,
 }
 
+#: most threads per CUDA block the package launches.  Any kernel can launch with 256: a block
+#: of 8 warps at the 255-register ceiling needs 8 · 8192 = 65,536 registers, what an SM
+#: gives one block.  ``tests/cuda/test_resources.py`` checks every registered kernel
+#: against it on every architecture of :data:`numba_kv._cuda_resources.ARCHS`.
+MAX_CUDA_THREADS = 256
+
+#: allowed values: (type, smallest, largest, step)
+RANGES: dict[str, tuple[type, float, float, int]] = {
+    # whole warps: a partial warp leaves lanes idle in every cooperative loop
+    "cuda_threads": (int, 32, MAX_CUDA_THREADS, 32),
+    "cuda_threads_sim": (int, 1, MAX_CUDA_THREADS, 1),
+    "growth_min_extra": (int, 0, 1 << 40, 1),
+    "growth_fraction": (float, 0.0, 16.0, 0),
+    "cpu_parallel_min_work": (int, 0, 1 << 62, 1),
+}
+
 _overrides: dict[str, Any] = {}
+
+
+def _checked(name: str, value: Any, source: str) -> Any:
+    """``value`` as knob ``name``'s type, or ``ValueError`` naming ``source``."""
+    kind, lo, hi, step = RANGES[name]
+    try:
+        if kind is int and (isinstance(value, bool) or (isinstance(value, float) and not value.is_integer())):
+            raise ValueError
+        v = kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{source}: expected {kind.__name__}, got {value!r}") from None
+    if not lo <= v <= hi or (step > 1 and v % step):
+        every = f" in steps of {step}" if step > 1 else ""
+        raise ValueError(f"{source}: expected {lo} <= value <= {hi}{every}, got {value!r}")
+    return v
 
 
 def get(name: str) -> Any:
@@ -33,15 +66,15 @@ def get(name: str) -> Any:
         raise KeyError(f"name: unknown numba_kv config knob {name!r}; known: {sorted(DEFAULTS)}")
     env = os.environ.get("NUMBA_KV_" + name.upper())
     if env is not None:
-        return type(DEFAULTS[name])(env)
+        return _checked(name, env, "NUMBA_KV_" + name.upper())
     return DEFAULTS[name]
 
 
 def set(name: str, value: Any) -> None:  # noqa: A001 - deliberate, mirrors get()
-    """Override knob ``name`` for this process."""
+    """Override knob ``name`` for this process (``ValueError`` outside :data:`RANGES`)."""
     if name not in DEFAULTS:
         raise KeyError(f"name: unknown numba_kv config knob {name!r}; known: {sorted(DEFAULTS)}")
-    _overrides[name] = value
+    _overrides[name] = _checked(name, value, name)
 
 
 def reset() -> None:

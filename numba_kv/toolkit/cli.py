@@ -1,6 +1,6 @@
 """``numba-kv`` command line: ``eval`` (caches on a real model), ``analyze``
 (where the quantization loss comes from), ``generate``, ``demo --synthetic`` (synthetic KV stream),
-``bench attention``, ``bench modes``, ``info``.
+``bench attention``, ``bench modes``, ``kernels`` (CUDA kernel resources, no GPU), ``info``.
 
 User errors of ``eval`` / ``analyze`` / ``generate`` (missing model package, bad ``--cache``, missing
 ``--text``, ...) print ``numba-kv <command>: error: <message>`` on stderr and exit with
@@ -16,7 +16,7 @@ from typing import Any
 
 from numba_kv import info as env_info
 
-from . import bench, bench_cuda, demo, models, recommend
+from . import bench, bench_cuda, demo, kernels, models, recommend
 from .evaluation import analysis, analysis_report, evaluate, needle
 from .models.gguf_loader import ModelNotFoundError
 from .specs import EvalConfigError, parse_cache_specs, split_cache_list
@@ -272,6 +272,40 @@ def _analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kernels(args: argparse.Namespace) -> int:
+    try:
+        ccs = kernels.parse_cc(args.cc)
+        names = args.kernel.split(",") if args.kernel else None
+        rows = kernels.report(ccs, args.threads, names)
+    except ValueError as e:
+        sys.stderr.write(f"numba-kv kernels: error: {e}\n")
+        return 2
+    threads = rows[0]["threads"] if rows else args.threads
+    sys.stdout.write(f"CUDA kernels as ptxas builds them (nvJitLink, no GPU); occupancy at {threads} threads "
+                     "per block\n\n" + kernels.to_markdown(rows))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"command": "kernels", "rows": rows}, f, indent=1)
+        sys.stderr.write(f"wrote {args.json}\n")
+    return 0
+
+
+def _add_kernels(sub: Any) -> None:
+    """The ``kernels`` subcommand."""
+    k = sub.add_parser(
+        "kernels", help="registers, spills, shared memory and occupancy of every CUDA kernel (no GPU needed)",
+        description="Compile every registered CUDA kernel to machine code with nvJitLink (ptxas in process, no "
+                    "GPU or driver) and print its registers, spill and local-memory bytes, static shared "
+                    "memory, the largest block that launches, and the theoretical occupancy at --threads.")
+    k.add_argument("--cc", default="9.0", help="compute capabilities, comma-separated, of 8.0, 8.6, 8.9, 9.0 "
+                                                "(default: %(default)s)")
+    k.add_argument("--threads", type=int, default=None,
+                   help="threads per block for the occupancy columns (default: the cuda_threads knob, 128)")
+    k.add_argument("--kernel", default=None, help="comma-separated kernel names (default: all)")
+    k.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON to FILE")
+    k.set_defaults(func=_kernels)
+
+
 def _info(args: argparse.Namespace) -> int:
 
     env_info.main()
@@ -410,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``numba-kv``."""
     p = argparse.ArgumentParser(prog="numba-kv", description="numba_kv: compressed KV caches on CPU and CUDA")
     sub = p.add_subparsers(dest="command", required=True)
-    for add in (_add_eval, _add_generate, _add_demo, _add_bench, _add_analyze):
+    for add in (_add_eval, _add_generate, _add_demo, _add_bench, _add_analyze, _add_kernels):
         add(sub)
     i = sub.add_parser("info", help="versions, threading layer, CUDA/simulator/NVVM status")
     i.set_defaults(func=_info)

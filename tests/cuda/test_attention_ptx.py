@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from numba_kv.ops import TWINS
+from numba_kv._cuda_resources import kernel_ptx
 
 KERNELS = ["decode_attention", "paged_decode_attention", "merge_partitions"]
 LOCAL_LIMIT = 256
@@ -28,10 +28,7 @@ def test_local_bytes_parser():
 @pytest.mark.ptx
 @pytest.mark.parametrize("name", KERNELS)
 def test_attention_kernels_use_shared_memory_not_local(name):
-    from numba import cuda
-
-    twin = TWINS[name]
-    ptx, _ = cuda.compile_ptx(twin.cuda.py_func, twin.signatures[0], cc=(9, 0))
+    ptx = kernel_ptx(name, (9, 0))
     assert re.search(r"^\s*(?:\.\w+\s+)*\.shared\s", ptx, flags=re.MULTILINE), f"{name}: no shared memory declared"
     assert re.search(r"\b(?:ld|st)\.shared\.", ptx), f"{name}: no shared-memory access"
     assert re.search(r"\bbar\.sync\b|\bbarrier\.sync\b", ptx), f"{name}: no block barrier (cooperative kernel)"

@@ -1,0 +1,153 @@
+"""The CUDA kernels as ptxas builds them (nvJitLink, no GPU): no register spills, no local
+memory, and every kernel launches with the largest block the ``cuda_threads`` knob allows,
+on every architecture of ``ARCHS``.
+
+The occupancy arithmetic is checked against cases worked by hand from the CUDA occupancy
+calculator's rules.  Registers go to warps in units of 256, split over four sub-partitions
+of 16,384 registers.  Shared memory goes to blocks in units of 128 B, plus 1 KiB reserved
+per block.  On a real GPU (``gpu_only``) the driver's own figures for each kernel are
+compared with the static ones.
+"""
+
+import pytest
+
+from numba_kv import _config
+from numba_kv._cuda_resources import (
+    ARCHS,
+    KernelResources,
+    kernel_resources,
+    max_block_threads,
+    occupancy,
+    parse_link_log,
+)
+from numba_kv.ops import TWINS
+
+#: kernels that declare shared memory: their launch also depends on the SM's shared memory,
+#: which differs between architectures (100 KiB on 8.6/8.9), so they are checked on all four
+SHARED_MEMORY_KERNELS = ("decode_attention", "paged_decode_attention", "merge_partitions", "rotate_head",
+                         "quantize_head", "dequantize_head")
+#: kernels allowed local memory (spills, stack, local arrays), with the reason: none
+LOCAL_EXCEPTIONS: dict[str, str] = {}
+CASES = [(name, cc) for name in sorted(TWINS) for cc in ((8, 0), (9, 0))]
+CASES += [(name, cc) for name in SHARED_MEMORY_KERNELS for cc in ((8, 6), (8, 9))]
+
+LOG = """ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function '_Z6kernelPf' for 'sm_90'
+ptxas info    : Function properties for _Z6kernelPf
+ptxas         .     16 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads
+ptxas info    : Function properties for _Z6helperv
+ptxas         .     0 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 126 registers, used 1 barriers
+info    : 8 bytes gmem
+info    : Function properties for '_Z6kernelPf':
+info    : used 126 registers, used 1 barriers, 16 stack, 47104 bytes smem, 2424 bytes cmem[0], 24 bytes lmem
+"""
+
+
+def res(registers, shared=0):
+    return KernelResources(registers=registers, spill_stores=0, spill_loads=0, stack=0, local=0, shared=shared)
+
+
+def test_parse_link_log():
+    r = parse_link_log(LOG)
+    assert r == KernelResources(registers=126, spill_stores=12, spill_loads=16, stack=16, local=24, shared=47104)
+
+
+def test_parse_link_log_wants_one_kernel():
+    with pytest.raises(ValueError, match="exactly one kernel, found 0"):
+        parse_link_log("ptxas info    : Used 12 registers\n")
+    two = LOG + LOG.splitlines()[-2].replace("kernel", "other") + "\n" + LOG.splitlines()[-1] + "\n"
+    with pytest.raises(ValueError, match="found 2"):
+        parse_link_log(two)
+    with pytest.raises(ValueError, match="no 'used N registers"):
+        parse_link_log("info    : Function properties for 'k':\n")
+
+
+def test_occupancy_worked_examples():
+    # 126 registers -> 4,096 per warp (126·32 = 4,032 rounded to 256): 16,384 // 4,096 = 4 warps per
+    # sub-partition, 16 per SM, 4 blocks of 4 warps.  Shared: 47,104 + 1,024 = 48,128 B a block,
+    # 233,472 // 48,128 = 4 blocks.  Both limit: 16 of 64 warps.
+    o = occupancy(res(126, 47104), 128, (9, 0))
+    assert (o.blocks_per_sm, o.warps_per_sm, o.fraction, set(o.limiters)) == (4, 16, 0.25, {"registers", "shared"})
+    # 8.0 has 164 KiB: 167,936 // 48,128 = 3 blocks
+    assert occupancy(res(126, 47104), 128, (8, 0)).blocks_per_sm == 3
+    # 32 registers, 1,024 threads on 8.6: 1,024 registers a warp, 64 warps by registers, but the SM
+    # holds 48 warps: 1 block of 32 warps
+    o = occupancy(res(32), 1024, (8, 6))
+    assert (o.blocks_per_sm, o.warps_per_sm, o.limiters) == (1, 32, ("warps",))
+    assert o.fraction == pytest.approx(32 / 48)
+    # tiny blocks hit the blocks-per-SM cap (16 on 8.6, 24 on 8.9, 32 on 8.0/9.0)
+    assert [occupancy(res(16), 32, cc).blocks_per_sm for cc in ((8, 6), (8, 9), (8, 0))] == [16, 24, 32]
+
+
+def test_launch_limits():
+    # 130 registers -> 4,352 a warp (4,160 rounded up); 512 threads = 16 warps = 69,632 > 65,536
+    assert occupancy(res(130), 512, (8, 0)).blocks_per_sm == 0
+    assert occupancy(res(130), 384, (8, 0)).blocks_per_sm == 1
+    assert max_block_threads(res(130), (8, 0)) == 384
+    # the register ceiling: 255 registers -> 8,192 a warp; 8 warps use all 65,536
+    assert max_block_threads(res(255), (9, 0)) == 256
+    # 9 warps are checked as 12 (rounded to the 4 sub-partitions): 98,304 registers
+    assert occupancy(res(255), 288, (9, 0)).blocks_per_sm == 0
+    # 100 registers -> 3,328 a warp (3,200 rounded up), 4 per sub-partition: 16 warps (53,248
+    # registers) fit; 544 threads (17 warps) are checked as 20 warps: 66,560 registers
+    assert max_block_threads(res(100), (9, 0)) == 512
+    assert max_block_threads(res(16), (9, 0)) == 1024
+    # static shared memory over 48 KiB never launches
+    assert occupancy(res(16, 48 * 1024 + 4), 32, (9, 0)).blocks_per_sm == 0
+    assert occupancy(res(16, 48 * 1024), 32, (9, 0)).blocks_per_sm > 0
+    with pytest.raises(ValueError, match="cc: limits are known for"):
+        occupancy(res(16), 32, (7, 5))
+    with pytest.raises(ValueError, match="threads: expected a positive block size"):
+        occupancy(res(16), 0, (9, 0))
+
+
+def test_every_arch_launches_any_kernel_at_the_knob_maximum():
+    """The bound the knob relies on: 255 registers and 48 KiB of static shared memory (the
+    most ptxas gives a kernel) still launch with MAX_CUDA_THREADS everywhere."""
+    for cc in ARCHS:
+        assert occupancy(res(255, 48 * 1024), _config.MAX_CUDA_THREADS, cc).blocks_per_sm >= 1, cc
+
+
+def test_exception_list_names_registered_kernels():
+    for name in (*LOCAL_EXCEPTIONS, *SHARED_MEMORY_KERNELS):
+        assert name in TWINS, name
+
+
+@pytest.mark.ptx
+@pytest.mark.parametrize("name, cc", CASES, ids=[f"{n}-sm{c[0]}{c[1]}" for n, c in CASES])
+def test_kernel_builds_without_spills_and_launches(name, cc):
+    r = kernel_resources(name, cc)
+    if name not in LOCAL_EXCEPTIONS:
+        assert (r.spill_stores, r.spill_loads, r.local, r.stack) == (0, 0, 0, 0), (
+            f"{name} on sm_{cc[0]}{cc[1]}: {r} (register spills or local memory: off-chip traffic per thread)")
+    assert r.shared <= ARCHS[cc].static_smem_per_block
+    assert max_block_threads(r, cc) >= _config.MAX_CUDA_THREADS, f"{name} on sm_{cc[0]}{cc[1]}: {r}"
+    assert occupancy(r, _config.DEFAULTS["cuda_threads"], cc).blocks_per_sm >= 1
+    if name not in SHARED_MEMORY_KERNELS:
+        assert r.shared == 0, f"{name}: declares {r.shared} B of shared memory; add it to SHARED_MEMORY_KERNELS"
+
+
+@pytest.mark.ptx
+@pytest.mark.parametrize("name", ["decode_attention", "paged_decode_attention"])
+def test_attention_kernels_keep_four_blocks_per_h100_sm(name):
+    """At the default 128 threads the attention kernels hold 4 blocks (16 warps) per sm_90 SM,
+    bounded by registers and shared memory alike; a change that adds either loses a block."""
+    o = occupancy(kernel_resources(name, (9, 0)), _config.DEFAULTS["cuda_threads"], (9, 0))
+    assert o.blocks_per_sm >= 4, o
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("name", sorted(TWINS))
+def test_static_figures_match_the_driver(name):
+    from numba import cuda
+
+    cc = cuda.get_current_device().compute_capability
+    if tuple(cc) not in ARCHS:
+        pytest.skip(f"no limits table for compute capability {cc}")
+    kernel = TWINS[name].cuda.compile(TWINS[name].signatures[0])
+    r = kernel_resources(name, tuple(cc))
+    assert kernel.regs_per_thread == r.registers
+    assert kernel.shared_mem_per_block == r.shared
+    assert kernel.local_mem_per_thread == r.local
+    assert kernel.max_threads_per_block == max_block_threads(r, tuple(cc))

@@ -1,0 +1,62 @@
+"""Knobs (``numba_kv._config``): bad values raise at ``set`` or when the environment
+variable is read, naming the knob and the allowed range."""
+
+import pytest
+
+from numba_kv import _config
+
+
+@pytest.fixture(autouse=True)
+def _restore():
+    yield
+    _config.reset()
+
+
+def test_every_knob_has_a_range_and_its_default_is_in_it():
+    assert set(_config.RANGES) == set(_config.DEFAULTS)
+    for name, value in _config.DEFAULTS.items():
+        assert _config._checked(name, value, name) == value
+
+
+def test_set_and_get():
+    _config.set("cuda_threads", 64)
+    assert _config.get("cuda_threads") == 64
+    _config.set("cuda_threads", "256")
+    assert _config.get("cuda_threads") == 256
+    _config.reset()
+    assert _config.get("cuda_threads") == 128
+
+
+@pytest.mark.parametrize("value, message", [
+    (0, r"cuda_threads: expected 32 <= value <= 256 in steps of 32, got 0"),
+    (48, r"in steps of 32, got 48"),
+    (512, r"got 512"),
+    (64.5, r"cuda_threads: expected int, got 64.5"),
+    (True, r"expected int, got True"),
+    ("many", r"expected int, got 'many'"),
+])
+def test_cuda_threads_rejects(value, message):
+    with pytest.raises(ValueError, match=message):
+        _config.set("cuda_threads", value)
+    assert _config.get("cuda_threads") == 128
+
+
+def test_other_knobs_reject_out_of_range():
+    with pytest.raises(ValueError, match="growth_fraction: expected 0.0 <= value <= 16.0"):
+        _config.set("growth_fraction", -0.5)
+    with pytest.raises(ValueError, match="cuda_threads_sim: expected 1 <= value <= 256, got 0"):
+        _config.set("cuda_threads_sim", 0)
+    with pytest.raises(ValueError, match="cpu_parallel_min_work: expected int"):
+        _config.set("cpu_parallel_min_work", 1.5)
+    with pytest.raises(KeyError, match="unknown numba_kv config knob 'threads'"):
+        _config.set("threads", 1)
+
+
+def test_environment_variable_is_checked(monkeypatch):
+    monkeypatch.setenv("NUMBA_KV_CUDA_THREADS", "96")
+    assert _config.get("cuda_threads") == 96
+    monkeypatch.setenv("NUMBA_KV_CUDA_THREADS", "1000")
+    with pytest.raises(ValueError, match=r"NUMBA_KV_CUDA_THREADS: expected 32 <= value <= 256 in steps of 32"):
+        _config.get("cuda_threads")
+    monkeypatch.setenv("NUMBA_KV_GROWTH_FRACTION", "0.5")
+    assert _config.get("growth_fraction") == 0.5
