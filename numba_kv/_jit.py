@@ -153,7 +153,7 @@ def _rebind(fn: Callable, which: int) -> Callable:
     return new
 
 
-def twin(fn: Callable, *, inline: bool = False) -> tuple[Callable, Callable]:
+def twin(fn: Callable, *, inline: bool = False, device: Callable | None = None) -> tuple[Callable, Callable]:
     """Compile core ``fn`` for the CPU and as a CUDA device function.
 
     Parameters
@@ -167,6 +167,10 @@ def twin(fn: Callable, *, inline: bool = False) -> tuple[Callable, Callable]:
         much as the work of a small core (a group of 8 indices, one binary16 conversion)
         and keeps the caller's loop from vectorizing; use it for small cores called per
         value or per item.  The device variant is always inlined.
+    device : device function, optional
+        Use this as the device variant instead of compiling ``fn`` (a libdevice intrinsic
+        with the semantics of ``fn``, such as ``fmul_rn`` for a product that must not be
+        contracted into an FMA).
 
     Returns
     -------
@@ -175,6 +179,6 @@ def twin(fn: Callable, *, inline: bool = False) -> tuple[Callable, Callable]:
     """
     opts = {"inline": "always"} if inline else {}
     cpu = _restamp(njit(nogil=True, cache=True, fastmath=False, **opts)(_rebind(fn, 0)))
-    dev = cuda.jit(device=True, inline="always")(_rebind(fn, 1))
+    dev = cuda.jit(device=True, inline="always")(_rebind(fn, 1)) if device is None else device
     CORES[fn] = (cpu, dev)
     return cpu, dev

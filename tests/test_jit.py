@@ -32,3 +32,38 @@ def test_cpu_serial_inline_option():
     assert inlined.targetoptions.get("inline") == "always"
     assert called.targetoptions.get("inline", "never") == "never"
     assert inlined(41) == called(41) == 42
+
+
+def _product(a, b):
+    return a * b
+
+
+def test_twin_device_override():
+    """``twin(device=...)`` keeps the given device function (a libdevice intrinsic) as the
+    device variant, compiles the CPU variant from the core, and registers both for rebinding."""
+    from numba import cuda
+
+    dev = cuda.jit(device=True)(_product)
+    cpu, got = jit_module.twin(_product, inline=True, device=dev)
+    assert got is dev and jit_module.CORES[_product] == (cpu, dev)
+    assert cpu(3.0, 4.0) == 12.0
+
+
+def test_mul_rn_rounds_the_product_alone():
+    """The CPU variant of ``ops._exact.mul_rn`` is the float32 product rounded once: summed
+    afterwards it gives the twice-rounded result, not the FMA one."""
+    import numpy as np
+    from numba import njit
+
+    from numba_kv.ops._exact import mul_rn_cpu
+
+    @njit
+    def acc(a, b, c):
+        return c + mul_rn_cpu(a, b)
+
+    a = np.float32(1 + 2.0 ** -12)
+    c = np.float32(-(1 + 2.0 ** -11))
+    # a² = 1 + 2^-11 + 2^-24 rounds to 1 + 2^-11 in float32, so the sum is exactly 0;
+    # an FMA would keep the 2^-24 term
+    assert acc(a, a, c) == np.float32(0.0)
+    assert np.float64(a) * np.float64(a) + np.float64(c) == 2.0 ** -24

@@ -21,22 +21,9 @@ from __future__ import annotations
 
 from numba import cuda
 
-from .. import _backend
 from .._jit import cuda_device
 
-__all__ = ["coop_butterflies", "mul_rn"]
-
-
-def _mul_plain(a, b):
-    return a * b
-
-
-#: ``a·b`` rounded on its own, never fused into a following add: the GPU compiler contracts
-#: ``s + a*b`` into one FMA (one rounding instead of two), which the CPU twin (no fast-math)
-#: does not, so a sum the CPU twin computes as ``s += a*b`` would differ in the last bit.
-#: ``__nv_fmul_rn`` is exempt from contraction; the simulator (plain Python floats in
-#: NumPy float32) has no FMA and no libdevice, so it multiplies plainly.
-mul_rn = cuda_device(_mul_plain) if _backend.simulator_enabled() else cuda.libdevice.fmul_rn
+__all__ = ["coop_butterflies"]
 
 
 def _coop_butterflies(t, d, tid, nt):

@@ -37,6 +37,7 @@ from numba import cuda, float32, int64, prange, uint8, uint16
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
 from .._validate import check_f16_result, check_float_array
+from ._exact import mul_rn
 from ._registry import register
 from .bitpack import group8_word, load_word, store_word, word_index
 from .codebook import Codebook, bucketize, bucketize_select, get_codebook
@@ -106,7 +107,7 @@ def _quantize_lanes(x, q0, nl, signs, bounds, centroids, l2, unbiased, ref, flag
         for j in range(32):
             for l in range(L):
                 v = t[j * L + l]
-                t[S + l] += v * v
+                t[S + l] += mul_rn(v, v)  # never an FMA (ops/_exact.py)
         for l in range(L):
             t[S + l] = max(float32(math.sqrt(t[S + l])), float32(1e-10))
         for j in range(32):
@@ -141,8 +142,8 @@ def _quantize_lanes(x, q0, nl, signs, bounds, centroids, l2, unbiased, ref, flag
         for j in range(32):
             for l in range(L):
                 y = t[j * L + l]
-                t[D + l] += y * cv[j * L + l]
-                t[N + l] += y * y
+                t[D + l] += mul_rn(y, cv[j * L + l])
+                t[N + l] += mul_rn(y, y)
         for l in range(L):
             dot = t[D + l]
             sc = t[S + l]

@@ -56,7 +56,8 @@ from numba import cuda, float32, int64, prange, uint8, uint16
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel
 from .._validate import check_f16_result, check_float_array
-from ._coop import coop_butterflies, mul_rn
+from ._coop import coop_butterflies
+from ._exact import mul_rn_dev
 from ._headquant_lanes import (
     LANES,
     TILES,
@@ -261,7 +262,7 @@ def _quantize_head_cuda(x, signs, bounds, centroids, unbiased, bits, t0, codes, 
             acc = float32(0.0)
             for j in range(d):
                 u = t[j]
-                acc += mul_rn(u, u)  # no FMA: the CPU twin rounds the product first
+                acc += mul_rn_dev(u, u)  # no FMA: the CPU twin rounds the product first
             red[0] = max(float32(math.sqrt(acc)), float32(1e-10))
         cuda.syncthreads()
         nrm = red[0]
@@ -278,8 +279,8 @@ def _quantize_head_cuda(x, signs, bounds, centroids, unbiased, bits, t0, codes, 
             tyc = float32(0.0)
             for j in range(d):
                 y = t[j]
-                tyy += mul_rn(y, y)
-                tyc += mul_rn(y, centroids[ib[j]])
+                tyy += mul_rn_dev(y, y)
+                tyc += mul_rn_dev(y, centroids[ib[j]])
             if tyc > float32(0.0):  # else y = 0 (x = 0): keep n, which stores as 0
                 red[0] = np.divide(nrm * tyy, tyc)
         cb = codes[r, t0 + s]

@@ -42,6 +42,7 @@ from numba import cuda, float32, int64, prange, uint8
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
 from .._validate import check_float_array
+from ._exact import mul_rn
 from ._registry import register
 from .finite import check_finite
 from .gather import scatter_rows, to_like
@@ -98,7 +99,7 @@ def _channel_threshold(x, r, ch):
     med = _kth_dev_abs(x, r, ch, k, float32(0.0))
     mad = _kth_dev_abs(x, r, ch, k, med)
     if mad > float32(0.0):
-        return med + float32(OUTLIER_MAD_FACTOR) * mad
+        return med + mul_rn(float32(OUTLIER_MAD_FACTOR), mad)  # never an FMA (ops/_exact.py)
     # mean + 3·std of a, computed on a / max(a): squares of tiny values would underflow
     amax = float32(0.0)
     for t in range(n):
@@ -112,8 +113,8 @@ def _channel_threshold(x, r, ch):
     v = float32(0.0)
     for t in range(n):
         dv = abs(x[r, t, ch]) / amax - mean
-        v += dv * dv
-    return amax * (mean + float32(OUTLIER_STD_FACTOR) * float32(math.sqrt(v / float32(n))))
+        v += mul_rn(dv, dv)
+    return amax * (mean + mul_rn(float32(OUTLIER_STD_FACTOR), float32(math.sqrt(v / float32(n)))))
 
 
 def _quant_level(v, th, scale, lim):

@@ -34,10 +34,12 @@ Ops (CPU twin + CUDA kernel each, registered for PTX and simulator tests):
 
 Both twins accumulate every projection / dot product sequentially over its inner index
 in float32, in the same order, so they agree bit for bit (the CUDA simulator included).
-On a real GPU NVVM contracts ``acc + a·b`` into an FMA (its default ``-fma=1``), which
-can move a projection sum or ``‖r‖²`` by an ulp: a projection within rounding of 0 may
-get the other sign, a norm very rarely the neighbouring binary16.  Scores are immune:
-their products are by ``±1`` and exact, so FMA or not gives the same float32 sums.
+On a real GPU NVVM would contract ``acc + a·b`` into an FMA (its default ``-fma=1``), which
+could move a projection sum or ``‖r‖²`` by an ulp: a projection within rounding of 0 would
+get the other sign, a norm very rarely the neighbouring binary16.  The products therefore go
+through :func:`numba_kv.ops._exact.mul_rn` (never fused), so signs and norms are
+bit-identical on every device.  Scores need no such care: their products are by ``±1`` and
+exact, so FMA or not gives the same float32 sums.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from numba import cuda, float32, int32, int64, prange, uint8
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
 from .._validate import check_f16_result, check_float_array
+from ._exact import mul_rn, mul_rn_dev
 from ._registry import register
 from .finite import check_finite
 from .half import f16_bits_to_f32, f32_to_f16_bits_sat
@@ -157,7 +160,7 @@ def _norm_f16_bits(x):
     s = float32(0.0)
     for i in range(x.shape[0]):
         v = x[i]
-        s += v * v
+        s += mul_rn(v, v)  # never an FMA (ops/_exact.py)
     return f32_to_f16_bits_sat(float32(math.sqrt(s)))
 
 
@@ -266,7 +269,7 @@ def _qjl_signs_cuda(r, sketch, t0, signs, norms):
                 sj = sketch[b * 8 + k]
                 p = float32(0.0)
                 for i in range(d):
-                    p += sj[i] * x[i]
+                    p += mul_rn_dev(sj[i], x[i])
                 acc[k] = p
             sb[b] = pack8_dev(acc, 0)
         norms[row, t0 + tok] = norm_f16_bits_dev(x)

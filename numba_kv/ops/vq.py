@@ -34,6 +34,7 @@ from numba import cuda, float32, int32, int64, prange, uint8
 
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
+from ._exact import mul_rn
 from ._registry import register
 from .gather import gather_rows, to_like
 
@@ -69,7 +70,7 @@ def _assign_span(x, codebooks, r, t, m0, m1, codes, dist):
             s = float32(0.0)
             for j in range(ds):
                 diff = xs[j] - tab[k, j]
-                s += diff * diff
+                s += mul_rn(diff, diff)  # never an FMA (ops/_exact.py)
             if s < best:
                 best = s
                 bk = k
@@ -89,7 +90,7 @@ def _kmeanspp_span(x, centers, r, t, m0, m1, min_d2):
         s = float32(0.0)
         for j in range(ds):
             diff = xs[j] - c[j]
-            s += diff * diff
+            s += mul_rn(diff, diff)
         if s < mr[m]:
             mr[m] = s
 

@@ -3,6 +3,9 @@
 Catches the typing errors the simulator cannot see.  Float32 kernels must not contain
 ``.f64`` instructions (a stray Python float literal would promote).
 
+Bit-identical results: a kernel not listed in :data:`NOT_BIT_EXACT` holds no FMA, approximate
+or flush-to-zero instruction, so on a GPU it rounds every operation as its CPU twin does.
+
 Static performance checks on the sm_90 PTX (no GPU needed):
 
 * local memory: at most :data:`LOCAL_BYTES_MAX` bytes per thread (``__local_depot``
@@ -27,6 +30,27 @@ CASES = [(name, i, cc) for name, t in sorted(TWINS.items()) for i in range(len(t
 LOCAL_BYTES_MAX = 256
 #: kernels allowed above LOCAL_BYTES_MAX, with the reason
 LOCAL_EXCEPTIONS: dict[str, str] = {}
+#: kernels whose CUDA results may differ from the CPU twin's in the last bits, with the reason;
+#: every other kernel must give bit-identical results on a GPU, so its PTX may hold no FMA
+#: (``s + a·b`` rounded once: see ``ops/_exact.py``) and no approximate or flush-to-zero op
+NOT_BIT_EXACT: dict[str, str] = {
+    "decode_attention": "float output compared within tolerance; fast exp, reassociated sums on the CPU",
+    "paged_decode_attention": "as decode_attention",
+    "merge_partitions": "as decode_attention",
+    "lowrank_gram": "float statistics compared within tolerance",
+    "lowrank_project": "float coefficients compared within tolerance",
+    "lowrank_reconstruct": "float output compared within tolerance",
+    "qjl_scores": "products by ±1 are exact, so FMA or not gives the same sums",
+}
+_INEXACT_OP = re.compile(r"^\s*(?:@%p\d+\s+)?(fma\.\S+|\w+(?:\.\w+)*\.(?:approx|ftz)\b\S*)", re.MULTILINE)
+
+
+def inexact_ops(ptx: str) -> list[str]:
+    """Instructions of ``ptx`` that round differently from the CPU twin: fused multiply-adds,
+    approximate and flush-to-zero float ops."""
+    return [m.group(1) for m in _INEXACT_OP.finditer(ptx)]
+
+
 #: kernels that must work block- or warp-cooperatively
 COOPERATIVE = ("rotate_head", "quantize_head", "dequantize_head", "decode_attention", "paged_decode_attention",
                "merge_partitions")
@@ -60,8 +84,15 @@ def test_local_bytes_parser():
         assert_cooperative("k", "ld.global.f32 %f1, [%rd1];")
 
 
+def test_inexact_ops_parser():
+    ptx = ("\tfma.rn.f32 \t%f3, %f1, %f2, %f3;\n\tmul.rn.f32 %f4, %f1, %f2;\n\tadd.f32 %f5, %f4, %f3;\n"
+           "\tex2.approx.ftz.f32 %f6, %f5;\n\t@%p1 fma.rn.ftz.f32 %f7, %f1, %f2, %f3;\n"
+           "\tsqrt.rn.f32 %f8, %f7;\n\tdiv.rn.f32 %f9, %f8, %f1;\n\t// fma.rn.f32 in a comment\n")
+    assert inexact_ops(ptx) == ["fma.rn.f32", "ex2.approx.ftz.f32", "fma.rn.ftz.f32"]
+
+
 def test_exception_lists_name_registered_kernels():
-    for name in (*LOCAL_EXCEPTIONS, *COOPERATIVE, *COOPERATIVE_EXCEPTIONS):
+    for name in (*LOCAL_EXCEPTIONS, *COOPERATIVE, *COOPERATIVE_EXCEPTIONS, *NOT_BIT_EXACT):
         assert name in TWINS, f"{name}: listed in tests/cuda/test_ptx.py but not registered"
 
 
@@ -81,6 +112,13 @@ def test_compiles_to_ptx(name, sig, cc):
     if twin.float32_only:
         f64 = [line for line in ptx.splitlines() if re.search(r"\.f64\b", line)]
         assert not f64, f"{name}: float64 instructions in a float32 kernel: {f64[:3]}"
+    inexact = inexact_ops(ptx)
+    if name in NOT_BIT_EXACT:
+        if not inexact:
+            pytest.fail(f"{name}: no inexact instruction left: remove it from NOT_BIT_EXACT")
+    else:
+        assert not inexact, (f"{name}: {len(inexact)} instructions that round unlike the CPU twin, e.g. "
+                             f"{sorted(set(inexact))[:3]}; use ops/_exact.py's mul_rn for products that feed sums")
     if cc != (9, 0):
         return
     # the static performance checks on the sm_90 compilation (the one compile serves all checks)

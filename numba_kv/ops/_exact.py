@@ -1,0 +1,35 @@
+"""Float32 arithmetic that rounds the same way in both twins.
+
+The GPU compiler contracts ``s + a*b`` into one fused multiply-add, rounded once, by
+default (NVVM's ``-fma=1``).  The CPU twins are compiled without fast-math, so LLVM does
+not contract, and ``s += a*b`` is rounded twice.  A sum of products therefore can differ in
+its last bit between the twins.  That one ulp can move a value across a decision boundary:
+a codebook boundary, an outlier threshold, the sign of a QJL projection, or the nearest
+codeword.  Then the integer outputs differ, and the package promises those are
+bit-identical on every device.
+
+:func:`mul_rn` is ``a·b`` rounded on its own, never fused into a following add.  CPU
+cores call it as a plain, inlined product.  On the GPU it is libdevice's ``__nv_fmul_rn``,
+which is exempt from contraction.  Under the simulator (Python floats in NumPy float32, no
+FMA and no libdevice) it is a plain product too.  ``tests/cuda/test_ptx.py`` checks that the
+kernels registered ``exact=True`` contain no ``fma`` instruction.
+"""
+
+from __future__ import annotations
+
+from numba import cuda
+
+from .. import _backend
+from .._jit import twin
+
+__all__ = ["mul_rn", "mul_rn_cpu", "mul_rn_dev"]
+
+
+def mul_rn(a, b):
+    """``a·b`` rounded on its own (single-source cores call this; see the module docstring)."""
+    return a * b
+
+
+_libdevice = None if _backend.simulator_enabled() else cuda.libdevice.fmul_rn
+#: the CPU variant, and the device variant for CUDA-only kernels (which are not rebound)
+mul_rn_cpu, mul_rn_dev = twin(mul_rn, inline=True, device=_libdevice)
