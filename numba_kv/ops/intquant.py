@@ -72,7 +72,7 @@ def _kth_dev_abs(x, r, ch, k, center):
     # invariant: count(a <= lo) <= k < count(a <= hi), so the answer is in (lo, hi]
     lo = float32(0.0)
     for _ in range(_MAX_BISECT):
-        mid = (lo + hi) * float32(0.5)
+        mid = mul_rn(lo + hi, float32(0.5))  # exact but for subnormals; never fused into the next add
         if not (mid > lo and mid < hi):
             break
         cnt = 0

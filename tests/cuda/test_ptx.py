@@ -4,7 +4,8 @@ Catches the typing errors the simulator cannot see.  Float32 kernels must not co
 ``.f64`` instructions (a stray Python float literal would promote).
 
 Bit-identical results: a kernel not listed in :data:`NOT_BIT_EXACT` holds no FMA, approximate
-or flush-to-zero instruction, so on a GPU it rounds every operation as its CPU twin does.
+or flush-to-zero instruction, and no add of a plain product ptxas could still fuse (see
+:func:`inexact_ops`), so on a GPU it rounds every operation as its CPU twin does.
 
 Static performance checks on the sm_90 PTX (no GPU needed):
 
@@ -45,10 +46,35 @@ NOT_BIT_EXACT: dict[str, str] = {
 _INEXACT_OP = re.compile(r"^\s*(?:@%p\d+\s+)?(fma\.\S+|\w+(?:\.\w+)*\.(?:approx|ftz)\b\S*)", re.MULTILINE)
 
 
+_INSTR = re.compile(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.]*)\s+([^;]*);", re.MULTILINE)
+
+
+def _exact_factor(operand: str) -> bool:
+    """An immediate float32 power of two >= 1 (``0f46000000`` = 8192): a product by it is exact."""
+    if not re.fullmatch(r"0f[0-9A-Fa-f]{8}", operand):
+        return False
+    bits = int(operand[2:], 16)
+    return bits & 0x807FFFFF == 0 and 127 <= (bits >> 23) < 255
+
+
 def inexact_ops(ptx: str) -> list[str]:
-    """Instructions of ``ptx`` that round differently from the CPU twin: fused multiply-adds,
-    approximate and flush-to-zero float ops."""
-    return [m.group(1) for m in _INEXACT_OP.finditer(ptx)]
+    """Instructions of ``ptx`` that may round differently from the CPU twin: fused
+    multiply-adds, approximate and flush-to-zero float ops, and adds of a plain ``mul.f32``
+    (no rounding modifier) result, which ptxas may still contract into an FMA (PTX ISA,
+    ``add``: "mul/add sequences with no rounding modifiers may be optimized to use
+    fused-multiply-add").  A product by an immediate power of two >= 1 is exact and allowed;
+    ``mul.rn.f32`` (``ops/_exact.py``'s ``mul_rn``) is never contracted."""
+    found = [m.group(1) for m in _INEXACT_OP.finditer(ptx)]
+    products: dict[str, list[str]] = {}
+    for m in _INSTR.finditer(ptx):
+        op, args = m.group(1), [a.strip() for a in m.group(2).split(",")]
+        if op == "mul.f32":
+            products[args[0]] = args[1:]
+        elif op in ("add.f32", "sub.f32"):
+            for a in args[1:]:
+                if a in products and not any(_exact_factor(f) for f in products[a]):
+                    found.append(f"{op} of mul.f32 {a}")
+    return found
 
 
 #: kernels that must work block- or warp-cooperatively
@@ -89,6 +115,11 @@ def test_inexact_ops_parser():
            "\tex2.approx.ftz.f32 %f6, %f5;\n\t@%p1 fma.rn.ftz.f32 %f7, %f1, %f2, %f3;\n"
            "\tsqrt.rn.f32 %f8, %f7;\n\tdiv.rn.f32 %f9, %f8, %f1;\n\t// fma.rn.f32 in a comment\n")
     assert inexact_ops(ptx) == ["fma.rn.f32", "ex2.approx.ftz.f32", "fma.rn.ftz.f32"]
+    ptx = ("\tmul.f32 %f3, %f1, %f2;\n\tmul.f32 %f4, %f1, 0f46000000;\n\tmul.rn.f32 %f5, %f1, %f2;\n"
+           "\tmul.f32 %f6, %f1, 0f3F000000;\n\tadd.f32 %f7, %f4, %f5;\n\tsub.f32 %f8, %f9, %f3;\n"
+           "\t@%p2 add.f32 %f10, %f6, %f1;\n\tmul.f32 %f11, %f3, %f3;\n")
+    # 8192 is an exact factor, mul.rn is never fused, 0.5 can underflow, %f11 feeds no add
+    assert inexact_ops(ptx) == ["sub.f32 of mul.f32 %f3", "add.f32 of mul.f32 %f6"]
 
 
 def test_exception_lists_name_registered_kernels():
