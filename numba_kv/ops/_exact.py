@@ -11,7 +11,7 @@ bit-identical on every device.
 :func:`mul_rn` is ``a·b`` rounded on its own, never fused into a following add.  CPU
 cores call it as a plain, inlined product.  On the GPU it is libdevice's ``__nv_fmul_rn``,
 which is exempt from contraction.  Under the simulator (Python floats in NumPy float32, no
-FMA and no libdevice) it is a plain product too.  ``tests/cuda/test_ptx.py`` checks that the
+FMA and no libdevice) it is the plain Python function.  ``tests/cuda/test_ptx.py`` checks that the
 kernels registered ``exact=True`` contain no ``fma`` instruction.
 """
 
@@ -30,6 +30,8 @@ def mul_rn(a, b):
     return a * b
 
 
-_libdevice = None if _backend.simulator_enabled() else cuda.libdevice.fmul_rn
+# the simulator runs device code as Python: the plain function itself, without the
+# per-call cost of a simulated device function (a product in the innermost loops)
+_device = mul_rn if _backend.simulator_enabled() else cuda.libdevice.fmul_rn
 #: the CPU variant, and the device variant for CUDA-only kernels (which are not rebound)
-mul_rn_cpu, mul_rn_dev = twin(mul_rn, inline=True, device=_libdevice)
+mul_rn_cpu, mul_rn_dev = twin(mul_rn, inline=True, device=_device)
