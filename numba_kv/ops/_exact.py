@@ -11,8 +11,10 @@ bit-identical on every device.
 :func:`mul_rn` is ``a·b`` rounded on its own, never fused into a following add.  CPU
 cores call it as a plain, inlined product.  On the GPU it is libdevice's ``__nv_fmul_rn``,
 which is exempt from contraction.  Under the simulator (Python floats in NumPy float32, no
-FMA and no libdevice) it is the plain Python function.  ``tests/cuda/test_ptx.py`` checks that the
-kernels registered ``exact=True`` contain no ``fma`` instruction.
+FMA and no libdevice) it is the plain Python function.  ``tests/cuda/test_ptx.py`` checks the
+PTX of every kernel outside its ``NOT_BIT_EXACT`` list: no FMA, no approximate or
+flush-to-zero instruction, and no add of a plain ``mul.f32`` result (which ptxas may still
+fuse), unless the product is by a power-of-two immediate.
 """
 
 from __future__ import annotations
