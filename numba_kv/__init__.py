@@ -11,6 +11,7 @@ Quick start::
 
 __version__ = "0.1.0"
 
+from ._config import knobs
 from .caches.config import PolarQuantConfig, TurboQuantConfig
 from .caches.dense import DenseCache
 from .caches.factory import CACHE_NAMES, make_cache
@@ -39,4 +40,4 @@ __all__ = [
     "make_sketch", "pack_bits", "qjl_inner_product", "qjl_quantize", "quantize_blocks", "quantize_head", "rotate32",
     "rotate_head", "unpack_bits",
 ]
-__all__ += ["CacheFileError", "MixedCache", "PolarQuantConfig", "TurboQuantConfig", "load_cache"]
+__all__ += ["CacheFileError", "MixedCache", "PolarQuantConfig", "TurboQuantConfig", "knobs", "load_cache"]

@@ -8,7 +8,9 @@ environment variable) and the allowed range, never a failed launch later.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 DEFAULTS: dict[str, Any] = {
@@ -75,6 +77,31 @@ def set(name: str, value: Any) -> None:  # noqa: A001 - deliberate, mirrors get(
     if name not in DEFAULTS:
         raise KeyError(f"name: unknown numba_kv config knob {name!r}; known: {sorted(DEFAULTS)}")
     _overrides[name] = _checked(name, value, name)
+
+
+@contextlib.contextmanager
+def knobs(**values: Any) -> Iterator[None]:
+    """Override knobs inside a ``with`` block: ``with numba_kv.knobs(cuda_threads=64): ...``.
+
+    Every value is checked first (``KeyError`` for an unknown knob, ``ValueError`` outside
+    :data:`RANGES`; nothing changes then).  The previous overrides come back on exit, also
+    when the block raises.  The overrides are process-wide, not per thread.
+    """
+    checked = {}
+    for name, value in values.items():
+        if name not in DEFAULTS:
+            raise KeyError(f"name: unknown numba_kv config knob {name!r}; known: {sorted(DEFAULTS)}")
+        checked[name] = _checked(name, value, name)
+    saved = {name: _overrides[name] for name in checked if name in _overrides}
+    _overrides.update(checked)
+    try:
+        yield
+    finally:
+        for name in checked:
+            if name in saved:
+                _overrides[name] = saved[name]
+            else:
+                _overrides.pop(name, None)
 
 
 def reset() -> None:

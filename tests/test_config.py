@@ -3,6 +3,7 @@ variable is read, naming the knob and the allowed range."""
 
 import pytest
 
+import numba_kv
 from numba_kv import _config
 
 
@@ -60,3 +61,17 @@ def test_environment_variable_is_checked(monkeypatch):
         _config.get("cuda_threads")
     monkeypatch.setenv("NUMBA_KV_GROWTH_FRACTION", "0.5")
     assert _config.get("growth_fraction") == 0.5
+
+
+def test_knobs_context_manager():
+    with numba_kv.knobs(cuda_threads=64, growth_fraction=0.5):
+        assert (_config.get("cuda_threads"), _config.get("growth_fraction")) == (64, 0.5)
+        with pytest.raises(ValueError, match="cuda_threads: expected 32 <= value <= 256"):
+            with numba_kv.knobs(cuda_threads=1000):
+                pass
+        assert _config.get("cuda_threads") == 64  # a rejected override changes nothing
+    assert _config.get("cuda_threads") == 128
+    with pytest.raises(RuntimeError):
+        with numba_kv.knobs(cuda_threads=96):
+            raise RuntimeError
+    assert _config.get("cuda_threads") == 128  # restored after an error too

@@ -206,6 +206,25 @@ def test_numba_threads_restores():
     assert numba.get_num_threads() == before
 
 
+def test_warm_up_reaches_serial_and_parallel_compilations(monkeypatch):
+    """The warm-up runs each cache twice: with the default threshold (few tokens: the serial
+    compilations) and with every call parallel, so no compile lands in a timed decode."""
+    from types import SimpleNamespace
+
+    from numba_kv import _config
+
+    seen = []
+    monkeypatch.setattr(ev, "sequence_logits",
+                        lambda model, ids, cache, prefill, **kw: seen.append(
+                            (type(cache).__name__, _config.get("cpu_parallel_min_work"))))
+    model = SimpleNamespace(config=SimpleNamespace(n_layers=1, n_kv_heads=1, head_dim=32))
+    monkeypatch.setattr(ev, "model_cache_options", lambda model: {})
+    ev._warm_up(model, np.arange(20), parse_cache_specs("dense,pqo3"), None)
+    default = _config.DEFAULTS["cpu_parallel_min_work"]
+    assert seen == [("DenseCache", default), ("PolarQuantCache", default), ("DenseCache", 0), ("PolarQuantCache", 0)]
+    assert _config.get("cpu_parallel_min_work") == default  # restored
+
+
 def test_resolve_text_errors(tmp_path, monkeypatch):
     with pytest.raises(EvalConfigError, match="^--text: file .* not found"):
         ev.resolve_text(tmp_path / "missing.txt")
