@@ -214,7 +214,14 @@ def check_finite(name: str, a: Any) -> None:
 
 
 def check_finite_stats(name: str, a: Any, d: int | None = None) -> RangeStats:
-    """:func:`check_finite` that also returns the range numbers it measured in the same pass."""
+    """:func:`check_finite` that also returns the range numbers it measured in the same pass.
+
+    ``TypeError`` first for a complex (or object) array: its magnitudes would pass the range
+    check, and only the float32 conversion after it would refuse it (with a NumPy
+    ``ComplexWarning`` on the way)."""
+    dt = np.dtype(a.dtype)
+    if dt.kind not in "fiub":
+        raise TypeError(f"{name}: expected a real (float or integer) array, got dtype {dt}")
     st = range_stats(a, d)
     if st.nonfinite:
         raise ValueError(f"{name}: expected finite values, got NaN or Inf")

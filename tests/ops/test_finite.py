@@ -1,0 +1,30 @@
+"""``ops/finite.py``'s argument checks: a complex array is refused by its dtype before any
+value is read (no ``ComplexWarning``, no work on it)."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+from numba_kv import rotate32, rotate_head
+from numba_kv.ops.finite import check_finite_stats
+
+
+@pytest.mark.parametrize("op", [rotate32, rotate_head])
+@pytest.mark.parametrize("dtype", [np.complex64, np.complex128, object])
+def test_rotations_refuse_non_real_dtypes_before_reading_values(op, dtype):
+    x = (np.arange(64, dtype=np.float64).reshape(2, 32) + (1j if dtype is not object else 0)).astype(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a ComplexWarning would turn into an error here
+        with pytest.raises(TypeError, match=r"^x: expected .*(complex|object)"):
+            op(x)
+
+
+def test_check_finite_stats_names_the_argument_and_keeps_real_dtypes():
+    with pytest.raises(TypeError, match="q: expected a real"):
+        check_finite_stats("q", np.zeros((2, 32), np.complex64))
+    for dt in (np.float16, np.float32, np.float64, np.int32, np.bool_):
+        st = check_finite_stats("q", np.ones((2, 32), dt))
+        assert st.nonfinite == 0 and st.amax == 1.0
+    with pytest.raises(ValueError, match="q: expected finite values"):
+        check_finite_stats("q", np.array([[1.0, np.nan]], np.float32))
