@@ -129,7 +129,9 @@ def ascontiguous_f32(name: str, a: Any) -> Any:
         dt = np.dtype(a.dtype)
         if dt.kind not in "fiub":  # complex would lose its imaginary part, objects fail later
             raise TypeError(f"{name}: expected a real (float or integer) array, got dtype {dt}")
-        out = xp.ascontiguousarray(a, dtype=xp.float32)
+        # an overflow to inf is reported just below as a ValueError, not as NumPy's warning
+        with np.errstate(over="ignore"):
+            out = xp.ascontiguousarray(a, dtype=xp.float32)
         # float64 beyond the float32 range (a rare input: the check reads the converted copy once)
         if (dt.itemsize > 4 and dt.kind == "f" and out.size and not bool(xp.isfinite(out).all())
                 and bool(xp.isfinite(a).all())):

@@ -1,12 +1,13 @@
-"""``ops/finite.py``'s argument checks: a complex array is refused by its dtype before any
-value is read (no ``ComplexWarning``, no work on it)."""
+"""Argument checks before any work: a complex array is refused by its dtype before any value
+is read (``ops/finite.py``), and float64 beyond float32 is a ValueError without NumPy's
+overflow warning on the way (``_backend.ascontiguous_f32``)."""
 
 import warnings
 
 import numpy as np
 import pytest
 
-from numba_kv import rotate32, rotate_head
+from numba_kv import quantize_blocks, rotate32, rotate_head
 from numba_kv.ops.finite import check_finite_stats
 
 
@@ -28,3 +29,11 @@ def test_check_finite_stats_names_the_argument_and_keeps_real_dtypes():
         assert st.nonfinite == 0 and st.amax == 1.0
     with pytest.raises(ValueError, match="q: expected finite values"):
         check_finite_stats("q", np.array([[1.0, np.nan]], np.float32))
+
+
+def test_float64_beyond_float32_is_a_value_error_without_a_warning():
+    x = np.full((2, 32), 1e300)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # NumPy's "overflow encountered in cast" would fail here
+        with pytest.raises(ValueError, match=r"x: max \|x\| = 1e\+300 exceeds 3.40282e\+38"):
+            quantize_blocks(x, 3)
