@@ -23,6 +23,7 @@ spilling) and by ``numba-kv kernels``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from numba import cuda
 from .ops import TWINS
 
 __all__ = ["ARCHS", "ArchLimits", "KernelResources", "Occupancy", "kernel_ptx", "kernel_resources", "link_log",
-           "max_block_threads", "occupancy", "parse_link_log"]
+           "max_block_threads", "occupancy", "parse_link_log", "ptx_max_threads"]
 
 WARP = 32
 
@@ -102,6 +103,9 @@ class KernelResources:
         Local memory bytes (stack, spills and local arrays).
     shared : int
         Static shared memory per block, bytes.
+    max_threads : int
+        Largest block the kernel's launch bounds allow (its PTX ``.maxntid``; 1024, the
+        hardware's limit, when it has none).
     """
 
     registers: int
@@ -110,6 +114,7 @@ class KernelResources:
     stack: int
     local: int
     shared: int
+    max_threads: int = 1024
 
 
 @dataclass(frozen=True)
@@ -221,8 +226,24 @@ def kernel_ptx(name: str, cc: tuple[int, int] = (9, 0), signature: int = 0) -> s
     twin = TWINS[name]
     if not 0 <= signature < len(twin.signatures):
         raise IndexError(f"signature: {name!r} has {len(twin.signatures)} signatures, got index {signature}")
-    ptx, _ = cuda.compile_ptx(twin.cuda.py_func, twin.signatures[signature], cc=tuple(cc))
+    ptx, _ = cuda.compile_ptx(twin.cuda.py_func, twin.signatures[signature], cc=tuple(cc),
+                              launch_bounds=getattr(twin.cuda, "launch_bounds", None))
     return ptx
+
+
+_MAXNTID = re.compile(r"^\s*\.maxntid\s+(\d+)(?:\s*,\s*(\d+))?(?:\s*,\s*(\d+))?", re.MULTILINE)
+
+
+def ptx_max_threads(ptx: str) -> int:
+    """Largest block the ``.maxntid`` directive of ``ptx`` allows (the product of its
+    dimensions), or 1024 (the hardware's limit) without one."""
+    m = _MAXNTID.search(ptx)
+    if m is None:
+        return 1024
+    n = 1
+    for g in m.groups():
+        n *= int(g) if g else 1
+    return n
 
 
 @functools.cache
@@ -243,7 +264,8 @@ def kernel_resources(name: str, cc: tuple[int, int] = (9, 0), signature: int = 0
     KernelResources
         Cached per argument tuple (one PTX compile and one ptxas run: 0.1–6 s).
     """
-    return parse_link_log(link_log(kernel_ptx(name, tuple(cc), signature), tuple(cc)))
+    ptx = kernel_ptx(name, tuple(cc), signature)
+    return dataclasses.replace(parse_link_log(link_log(ptx, tuple(cc))), max_threads=ptx_max_threads(ptx))
 
 
 def _round_up(x: int, unit: int) -> int:
@@ -281,7 +303,7 @@ def occupancy(res: KernelResources, threads: int, cc: tuple[int, int] = (9, 0),
     warps = -(-threads // WARP)
     regs_per_warp = _round_up(res.registers * WARP, arch.reg_alloc_unit)
     smem = _round_up(res.shared + dynamic_shared + arch.reserved_smem_per_block, arch.smem_alloc_unit)
-    fits = (threads <= arch.max_threads_per_block
+    fits = (threads <= min(arch.max_threads_per_block, res.max_threads)
             and res.registers <= arch.max_regs_per_thread
             # the hardware checks a block's registers as if its warps filled every sub-partition
             and regs_per_warp * _round_up(warps, arch.sub_partitions) <= arch.regs_per_block

@@ -126,9 +126,25 @@ def cpu_serial(fn: Callable | None = None, *, fastmath: bool | set | frozenset =
     return _restamp(njit(parallel=False, nogil=True, cache=True, fastmath=fm, **opts)(fn))
 
 
-def cuda_kernel(fn: Callable) -> Callable:
-    """CUDA kernel, compiled lazily on first launch (or by ``compile_ptx``)."""
-    return _restamp(cuda.jit(fn, cache=True))
+def cuda_kernel(fn: Callable | None = None, *, launch_bounds: tuple[int, int] | None = None) -> Callable:
+    """CUDA kernel, compiled lazily on first launch (or by ``compile_ptx``).
+
+    Use as ``@cuda_kernel`` or ``@cuda_kernel(launch_bounds=(max_threads, min_blocks))``:
+    the PTX ``.maxntid``/``.minnctapersm`` directives, which let ptxas budget registers for
+    ``min_blocks`` resident blocks of ``max_threads`` (and make a larger block fail to
+    launch).  Kept on the dispatcher as ``.launch_bounds`` (``None`` when not given), so
+    the static resource checks compile the same PTX; the simulator ignores it.
+    """
+    if fn is None:
+        return functools.partial(cuda_kernel, launch_bounds=launch_bounds)
+    opts = {} if launch_bounds is None or _simulating() else {"launch_bounds": tuple(launch_bounds)}
+    kernel = _restamp(cuda.jit(fn, cache=True, **opts))
+    kernel.launch_bounds = None if launch_bounds is None else tuple(launch_bounds)
+    return kernel
+
+
+def _simulating() -> bool:
+    return bool(numba_config.ENABLE_CUDASIM)
 
 
 def cuda_device(fn: Callable) -> Callable:

@@ -238,6 +238,9 @@ class ExactWindow:
             if key not in st.buffers:
                 continue
             ex = st.buffers[key]
+            if isinstance(ex, np.ndarray):  # NumPy assignment handles overlapping ranges
+                ex[:, d0:d0 + n] = ex[:, s0:s0 + n]
+                continue
             tmp = _backend.empty(ex, (ex.shape[0], n, ex.shape[2]), ex.dtype)
             assign_tokens(ex, s0, n, tmp, 0)
             assign_tokens(tmp, 0, n, ex, d0)
@@ -255,9 +258,18 @@ class ExactWindow:
             out = xp.empty((ex.shape[0], n_exact, self.head_dim), dtype=np.float32)
             self.read(st, name, 0, n_exact, out, 0, rotated)
             return out, n_exact
-        if xp is not None:
+        if xp is not None and ex.dtype != np.float32:
             return xp.ascontiguousarray(ex[:, :n_exact], dtype=xp.float32), n_exact
         return ex, n_exact
+
+    def exact_stored(self, st: LayerState, name: str) -> tuple[Any, Any, int]:
+        """Sink and window tokens of side ``name`` as stored, for the fused kernel to read in
+        place: ``(tokens, scales, n_exact)`` with ``tokens`` ``[rows, >= n_exact, d]``
+        float32, float16 or int8 (rotated when :meth:`stored_rotated`) and ``scales`` the
+        int8 tokens' binary16 scales ``[rows, >= n_exact, 1]`` uint16 (else ``None``)."""
+        n_sink, _, n_win = layer_counts(st)
+        ex = st.buffers[name + "_exact"]
+        return ex, st.buffers.get(name + "_exact_scale") if ex.dtype == np.int8 else None, n_sink + n_win
 
     def positions(self, st: LayerState, like: Any, sinks: int) -> Any:
         """Stored positions (int32) of the exact tokens, sinks then window, on the device of

@@ -603,8 +603,14 @@ class PolarQuantCache(LayeredCache):
         # q·k = Rq·Rk and the merge rotates its values back once per query row, instead of
         # rotating every window token back on every step
         rot = self.windowed and self._window.stored_rotated(st)
-        ke, n_exact = self._exact_f32(st, "k", rot)
-        ve, _ = self._exact_f32(st, "v", rot)
+        exact_scales = None
+        if self.windowed:  # the kernel reads the window in its stored dtype: no float32 copy per step
+            ke, kes, n_exact = self._window.exact_stored(st, "k")
+            ve, ves, _ = self._window.exact_stored(st, "v")
+            exact_scales = None if kes is None else (kes, ves)
+        else:
+            ke, n_exact = self._exact_f32(st, "k")
+            ve, _ = self._exact_f32(st, "v")
         hs = None if self._head_signs is None else _backend.constant(q3, self._head_signs)
         qr = self._rotate_queries(q3)
         out = fused_attention_rows(
@@ -612,7 +618,8 @@ class PolarQuantCache(LayeredCache):
             st.buffers["v_scales"], st.meta.get("n_comp", 0), self._sinks(st), ke, ve, n_exact,
             self._exact_positions(st, q3), self.layouts["k"], self.layouts["v"], config.softmax_scale,
             self._window_bias(st, q),
-            st.seq_len - ql, ql, True, head_signs=hs, qjl=self._qjl_args(st, q3), exact_rotated=rot)
+            st.seq_len - ql, ql, True, head_signs=hs, qjl=self._qjl_args(st, q3), exact_rotated=rot,
+            exact_scales=exact_scales)
         if self.outlier_channels:
             xp = _backend.xp_of(out)
             out = xp.take_along_axis(out, xp.argsort(st.buffers["v_perm"].astype(np.int64), axis=2), axis=2)
@@ -635,7 +642,9 @@ class PolarQuantCache(LayeredCache):
     def _set_live(self, st: LayerState) -> None:
         """Live token counts of every buffer from the layer's counters."""
         n_exact = st.meta.get("n_sink", 0) + st.meta.get("n_win", 0)
-        for bname in self._buffer_spec():
+        # the allocated buffers are the spec's (rebuilding the spec each decode step cost more
+        # than the rest of this bookkeeping)
+        for bname in st.buffers or self._buffer_spec():
             if bname.endswith(("_exact", "_exact_scale")):
                 st.live[bname] = n_exact
             elif bname in ("k_chmean", "k_perm", "v_perm"):

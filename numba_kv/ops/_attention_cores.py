@@ -180,7 +180,9 @@ def _butterfly_pairs(buf, h, d, i0, istep):
     ``h = 1 … 16`` are the 32-block Walsh–Hadamard transform of every block, ``h = 1 … d/2``
     the whole-head one; stage order is part of the float32 result (as in the rotation ops)."""
     for i in range(i0, d >> 1, istep):
-        a = (i // h) * 2 * h + i % h
+        # (i // h)·2h + i % h without a division (h is a power of two): a Python-semantics
+        # integer division per pair made the CPU merge 1.5 µs per row of 64
+        a = i + (i & -h)
         x = buf[a]
         y = buf[a + h]
         buf[a] = x + y
@@ -203,6 +205,37 @@ def _block_signs(buf, d, j0, jstep, signs):
     """First step of the inverse 32-block rotation: ``buf[j] ·= s_{j mod 32}``."""
     for j in range(j0, d, jstep):
         buf[j] = buf[j] * signs[j & 31]
+
+
+# --- exact (sink and window) tokens, read in the dtype they are stored in ---------------
+#: ``exact_kind`` of the kernels: float32 exact tokens, binary16 bit patterns (uint16), or
+#: int8 with one binary16 scale per token (the caches' window dtypes); decoding them in
+#: the kernel spares the caller a float32 copy of the whole window per decode step
+EXACT_F32, EXACT_F16, EXACT_I8 = 0, 1, 2
+
+
+def _exact_value(x, kind, s, table):
+    """float32 value of one stored exact element ``x``: ``x`` (float32), the binary16
+    pattern ``x`` (``EXACT_F16``), or ``x·s`` for int8 ``x`` and its token's scale ``s``
+    (``EXACT_I8``; the caches' int8 window stores ``round(x / s)``).  ``table`` is the
+    kernels' ``|binary16| → float32`` table (``F16_ABS_TABLE``): one load instead of the
+    arithmetic decode, which cost the CUDA kernel 8 registers and an SM block."""
+    if kind == 1:
+        h = int32(x)
+        v = table[h & 0x7FFF]
+        return -v if h & 0x8000 else v
+    if kind == 2:
+        return float32(x) * s
+    return float32(x)
+
+
+def _exact_scale(scales, g, t, kind, table):
+    """Scale of int8 exact token ``t`` of row ``g``: binary16 pattern ``scales[g, t, 0]``
+    (``EXACT_I8``; positive); 1 for the other kinds, whose ``scales`` is a placeholder
+    never read."""
+    if kind == 2:
+        return table[scales[g, t, 0]]
+    return float32(1.0)
 
 
 # --- cooperative stages of the CUDA tile loop --------------------------------------------
@@ -284,11 +317,12 @@ def _coop_store_rows(acc, m, l, rb, d, g, p, r0, part_m, part_l, part_acc, tid, 
         part_l[g, p, r0 + r] = l[r]
 
 
-def _coop_tile_flat(codes, scales, exact, g, t0, nt, nb, compressed, cent2, bits_b, off_b, sshift, scale_table,
-                    kv, stride, tid, nth):
+def _coop_tile_flat(codes, scales, exact, exact_scales, exact_kind, g, t0, nt, nb, compressed, cent2, bits_b, off_b,
+                    sshift, scale_table, kv, stride, tid, nth):
     """Tokens ``t0 … t0 + nt − 1`` of KV row ``g`` into ``kv`` (row stride ``stride``): decoded
-    from ``codes``/``scales`` laid out as ``(cent2, bits_b, off_b, sshift)``, or copied from
-    the float32 ``exact``; one group of eight values per thread and step."""
+    from ``codes``/``scales`` laid out as ``(cent2, bits_b, off_b, sshift)``, or from the
+    exact tokens ``exact`` (``exact_kind``, :func:`_exact_value`); one group of eight values
+    per thread and step."""
     units = nb * 4
     for u in range(tid, nt * units, nth):
         tt = u // units
@@ -301,8 +335,9 @@ def _coop_tile_flat(codes, scales, exact, g, t0, nt, nb, compressed, cent2, bits
             _decode8(codes[g, t], off_b[b] + (grp & 3) * bits, bits, cent2[b],
                      scale_table[scales[g, t, b >> sshift]], kv, o)
         else:
+            es = _exact_scale(exact_scales, g, t, exact_kind, scale_table)
             for k in range(8):
-                kv[o + k] = exact[g, t, grp * 8 + k]
+                kv[o + k] = _exact_value(exact[g, t, grp * 8 + k], exact_kind, es, scale_table)
 
 
 def _coop_tile_paged(codes, scales, pages, compressed, kv_indices, first, page_size, h, t0, nt, nb, cent2, bits_b,
@@ -338,13 +373,15 @@ twin(_rescale)
 online_update_cpu, _ = twin(_online_update)
 partition_bounds_cpu, partition_bounds_dev = twin(_partition_bounds)
 paged_bounds_cpu, paged_bounds_dev = twin(_paged_bounds)
-merge_max_cpu, merge_max_dev = twin(_merge_max)
-merge_denom_cpu, merge_denom_dev = twin(_merge_denom)
-merge_weights_cpu, merge_weights_dev = twin(_merge_weights)
-merge_column_cpu, merge_column_dev = twin(_merge_column)
-butterfly_pairs_cpu, butterfly_pairs_dev = twin(_butterfly_pairs)
-inverse_scale_cpu, inverse_scale_dev = twin(_inverse_scale)
-block_signs_cpu, block_signs_dev = twin(_block_signs)
+exact_value_cpu, exact_value_dev = twin(_exact_value, inline=True)
+exact_scale_cpu, exact_scale_dev = twin(_exact_scale, inline=True)
+merge_max_cpu, merge_max_dev = twin(_merge_max, inline=True)
+merge_denom_cpu, merge_denom_dev = twin(_merge_denom, inline=True)
+merge_weights_cpu, merge_weights_dev = twin(_merge_weights, inline=True)
+merge_column_cpu, merge_column_dev = twin(_merge_column, inline=True)
+butterfly_pairs_cpu, butterfly_pairs_dev = twin(_butterfly_pairs, inline=True)
+inverse_scale_cpu, inverse_scale_dev = twin(_inverse_scale, inline=True)
+block_signs_cpu, block_signs_dev = twin(_block_signs, inline=True)
 _, coop_load_rows_dev = twin(_coop_load_rows)
 _, coop_init_rows_dev = twin(_coop_init_rows)
 _, dot_shared_dev = twin(_dot_shared)

@@ -17,10 +17,19 @@ from numba import float32, int32, int64, types
 from numba.core.extending import intrinsic
 
 from .._jit import FASTMATH_REDUCE, codegen_has_avx512, cpu_serial
-from ._attention_cores import NEG_INF, decode8_cpu, load_token_fast_cpu, online_update_cpu, sign_pm1_cpu, visible_cpu
+from ._attention_cores import (
+    NEG_INF,
+    decode8_cpu,
+    exact_scale_cpu,
+    exact_value_cpu,
+    load_token_fast_cpu,
+    online_update_cpu,
+    sign_pm1_cpu,
+    visible_cpu,
+)
 
-__all__ = ["decode_tile_mixed_cpu", "decode_tile_simd_cpu", "exp_f32_cpu", "softmax_tile_cpu", "tile_pv_cpu",
-           "tile_scores_cpu", "unpack_signs_tile_cpu"]
+__all__ = ["decode_tile_mixed_cpu", "decode_tile_simd_cpu", "exact_tile_cpu", "exp_f32_cpu", "softmax_tile_cpu",
+           "tile_pv_cpu", "tile_scores_cpu", "unpack_signs_tile_cpu"]
 
 _F32 = ir.FloatType()
 _I8 = ir.IntType(8)
@@ -201,6 +210,21 @@ def _decode_tile_mixed(codes, scales, t0, nt, cent2, bits_b, off_b, sshift, scal
 
 
 decode_tile_mixed_cpu = cpu_serial(_decode_tile_mixed)
+
+
+def _exact_tile(ex, exs, kind, g, t0, nt, table, dst):
+    """Exact tokens ``t0 … t0 + nt − 1`` of row ``g`` as float32 into ``dst[0:nt]``, from
+    the dtype they are stored in (``kind``, see :func:`~numba_kv.ops._attention_cores._exact_value`;
+    ``exs``: the int8 tokens' binary16 scales, ``table``: ``F16_ABS_TABLE``).  The kind is
+    loop-invariant: LLVM unswitches the loop."""
+    d = dst.shape[1]
+    for tt in range(nt):
+        s = exact_scale_cpu(exs, g, t0 + tt, kind, table)
+        for j in range(d):
+            dst[tt, j] = exact_value_cpu(ex[g, t0 + tt, j], kind, s, table)
+
+
+exact_tile_cpu = cpu_serial(_exact_tile, inline=True)
 
 
 def _unpack_signs_tile(signs, t0, nt, m, pm1, dst):

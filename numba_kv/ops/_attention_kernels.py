@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32, int64, prange
 
+from .._config import MAX_CUDA_THREADS
 from .._jit import FASTMATH_REDUCE, cpu_kernel, cuda_kernel, twin
 from ._attention_cores import (
     NEG_INF,
@@ -45,6 +46,7 @@ from ._attention_cores import (
 from ._attention_cpu import (
     decode_tile_mixed_cpu,
     decode_tile_simd_cpu,
+    exact_tile_cpu,
     softmax_tile_cpu,
     tile_pv_cpu,
     tile_scores_cpu,
@@ -89,10 +91,10 @@ def rows_per_block(d: int) -> int:
 
 # --- CPU twin: partitions in parallel; per tile, register-blocked score and P·V loops -----
 @cpu_kernel(fastmath=FASTMATH_REDUCE)
-def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kcent, vcent,
-                          kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias, has_bias, has_qjl, sq,
-                          qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size, n_comp_parts, part_m, part_l,
-                          part_acc):
+def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kes, ves,
+                          exact_kind, kcent, vcent, kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias,
+                          has_bias, has_qjl, sq, qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size,
+                          n_comp_parts, part_m, part_l, part_acc):
     """CPU twin: one work item per (KV row ``g``, partition ``p``) (``prange``); per tile of
     :data:`CPU_TILE` tokens the keys are decoded into an L1-resident buffer (SIMD decoders),
     scored for every query row of the GQA group, then the values decoded into the same
@@ -132,7 +134,8 @@ def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
                     decode_tile_mixed_cpu(kc[g], ks[g], t0, nt, kcent, kbits, koff, sshift, scale_table, kt)
                 tile_scores_cpu(qsrc, kt, nt, sc)
             else:
-                tile_scores_cpu(qsrc, ke[g, t0:t0 + nt], nt, sc)
+                exact_tile_cpu(ke, kes, exact_kind, g, t0, nt, scale_table, kt)
+                tile_scores_cpu(qsrc, kt, nt, sc)
             if compressed and has_qjl:
                 # QJL correction c_t·<S q, σ_t>, in q·k units: signs unpacked to ±1 by the
                 # 1-bit vector decoder, then scored like keys
@@ -154,7 +157,8 @@ def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
                     decode_tile_mixed_cpu(vc[g], vs[g], t0, nt, vcent, vbits, voff, sshift, scale_table, kt)
                 tile_pv_cpu(sc, kt, nt, acc)
             else:
-                tile_pv_cpu(sc, ve[g, t0:t0 + nt], nt, acc)
+                exact_tile_cpu(ve, ves, exact_kind, g, t0, nt, scale_table, kt)
+                tile_pv_cpu(sc, kt, nt, acc)
         for r in range(rows):
             part_m[g, p, r] = m[r]
             part_l[g, p, r] = l[r]
@@ -195,28 +199,34 @@ def _merge_row(part_m, part_l, part_acc, g, r, n_comp_parts, signs, head_rot, hs
         out[g, r, j] = merge_column_cpu(wbuf, part_m, part_acc, g, r, j, n_comp_parts, n_parts, 0, buf[j]) * inv
 
 
-merge_row_cpu = twin(_merge_row)[0]
+merge_row_cpu = twin(_merge_row, inline=True)[0]
 
 
 @cpu_kernel
 def _merge_partitions_cpu(part_m, part_l, part_acc, n_comp_parts, signs, head_rot, hsigns, out):
-    """CPU twin of the merge: one work item per (KV row, query row) (``prange``)."""
+    """CPU twin of the merge: one work item per KV row (``prange``), its query rows in turn
+    (one scratch allocation per KV row: at decode sizes an allocation per query row cost as
+    much as its merge)."""
     n_g, n_parts, rows = part_m.shape
     d = out.shape[2]
-    for item in prange(n_g * rows):
-        g = item // rows
-        r = item - g * rows
+    for g in prange(n_g):
         wbuf = np.empty(n_parts, dtype=np.float32)
         buf = np.empty(d, dtype=np.float32)
-        merge_row_cpu(part_m, part_l, part_acc, g, r, n_comp_parts, signs, head_rot, hsigns, wbuf, buf, out)
+        for r in range(rows):
+            merge_row_cpu(part_m, part_l, part_acc, g, r, n_comp_parts, signs, head_rot, hsigns, wbuf, buf, out)
 
 
 # --- CUDA kernels ------------------------------------------------------------------------
-@cuda_kernel
-def _decode_attention_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kcent, vcent,
-                           kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias, has_bias, has_qjl, sq,
-                           qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size, n_comp_parts, part_m, part_l,
-                           part_acc):
+# Launch bounds: blocks of at most MAX_CUDA_THREADS (256, the cuda_threads knob's ceiling),
+# at least 2 of them resident per SM, caps ptxas at 128 registers per thread, so 4 blocks of
+# the default 128 threads stay resident on an H100 SM (unbounded, ptxas took 132 once the
+# exact tokens were read in their stored dtypes, and the SM held 3); no spills at the cap
+# (tests/cuda/test_resources.py).
+@cuda_kernel(launch_bounds=(MAX_CUDA_THREADS, 2))
+def _decode_attention_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kes, ves,
+                           exact_kind, kcent, vcent, kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias,
+                           has_bias, has_qjl, sq, qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size,
+                           n_comp_parts, part_m, part_l, part_acc):
     """Cooperative flash-decoding partition kernel.
 
     Launch contract: grid ``(n_g, n_parts, n_chunks)``, any block size (128 on a GPU).
@@ -257,8 +267,8 @@ def _decode_attention_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_e
     cuda.syncthreads()
     for t0 in range(t_lo, t_hi, nt_max):
         nt = min(nt_max, t_hi - t0)
-        coop_tile_flat_dev(kc, ks, ke, g, t0, nt, nb, compressed, kcent, kbits, koff, sshift, scale_table, kv,
-                           stride, tid, nth)
+        coop_tile_flat_dev(kc, ks, ke, kes, exact_kind, g, t0, nt, nb, compressed, kcent, kbits, koff, sshift,
+                           scale_table, kv, stride, tid, nth)
         cuda.syncthreads()
         for u in range(tid, rb * nt, nth):
             r = u // nt
@@ -277,8 +287,8 @@ def _decode_attention_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_e
         cuda.syncthreads()
         coop_softmax_rows_dev(sc, nt, rb, m, lsum, alpha, tid, nth)
         cuda.syncthreads()
-        coop_tile_flat_dev(vc, vs, ve, g, t0, nt, nb, compressed, vcent, vbits, voff, sshift, scale_table, kv,
-                           stride, tid, nth)
+        coop_tile_flat_dev(vc, vs, ve, ves, exact_kind, g, t0, nt, nb, compressed, vcent, vbits, voff, sshift,
+                           scale_table, kv, stride, tid, nth)
         cuda.syncthreads()
         coop_pv_dev(sc, kv, stride, nt, rb, d, alpha, acc, tid, nth)
         cuda.syncthreads()
@@ -343,7 +353,8 @@ def _merge_partitions_cuda(part_m, part_l, part_acc, n_comp_parts, signs, head_r
 
 
 _ASIG = ("void(float32[:, :, ::1], float32[:, :, ::1], uint8[:, :, ::1], uint16[:, :, ::1], uint8[:, :, ::1], "
-         "uint16[:, :, ::1], int64, int64, float32[:, :, ::1], float32[:, :, ::1], int64, int32[::1], "
+         "uint16[:, :, ::1], int64, int64, {exact}[:, :, ::1], {exact}[:, :, ::1], int64, int32[::1], "
+         "uint16[:, :, ::1], uint16[:, :, ::1], int64, "
          "float32[:, ::1], float32[:, ::1], int64[::1], int64[::1], int64[::1], int64[::1], int64, "
          "float32[::1], float32, float32[:, :, ::1], boolean, "
          "boolean, float32[:, :, ::1], uint8[:, :, ::1], uint16[:, ::1], float32, "
@@ -352,5 +363,8 @@ _ASIG = ("void(float32[:, :, ::1], float32[:, :, ::1], uint8[:, :, ::1], uint16[
 _MSIG = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1], int64, float32[::1], boolean, "
          "float32[::1], float32[:, :, ::1])")
 
-DECODE_ATTENTION = register("decode_attention", _decode_attention_cpu, _decode_attention_cuda, [_ASIG])
+# exact tokens as float32 (the decode_attention op, float32 windows) and as int8 (the caches'
+# int8 windows; binary16 windows compile the same code for uint16)
+DECODE_ATTENTION = register("decode_attention", _decode_attention_cpu, _decode_attention_cuda,
+                            [_ASIG.format(exact="float32"), _ASIG.format(exact="int8")])
 MERGE_PARTITIONS = register("merge_partitions", _merge_partitions_cpu, _merge_partitions_cuda, [_MSIG])

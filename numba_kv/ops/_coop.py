@@ -38,7 +38,9 @@ def _coop_butterflies(t, d, tid, nt):
     while h < d:
         cuda.syncthreads()
         for p in range(tid, d // 2, nt):
-            j = (p // h) * 2 * h + (p - (p // h) * h)  # the p-th index with bit h clear
+            # the p-th index with bit h clear: p + (p & -h) = (p // h)·2h + p % h for a power
+            # of two h, without an integer division
+            j = p + (p & -h)
             a = t[j]
             b = t[j + h]
             t[j] = a + b

@@ -39,6 +39,7 @@ import numpy as np
 
 from .. import _backend, _config
 from .._validate import check_float_array, check_shape
+from ._attention_cores import EXACT_F16, EXACT_F32, EXACT_I8
 from ._attention_kernels import (
     DECODE_ATTENTION,
     MAX_HEAD_DIM,
@@ -80,15 +81,17 @@ def launch_attention(dev: str, twin: Any, args: tuple, n_g: int, n_parts: int, r
     """Run a partition kernel (flat or paged) on ``dev``: CPU ``work`` scalar operations, or
     the cooperative CUDA grid ``(n_g, n_parts, row chunks)`` (KV rows on x, which allows
     2**31 − 1 blocks; y and z allow 65535)."""
+    grid = None  # (the CPU twin needs no geometry: not computed per decode step)
     if dev == _backend.CUDA:
         check_cuda_head_dim(d)
-    chunks = -(-rows // rows_per_block(min(d, MAX_HEAD_DIM)))
-    twin.launch(dev, n_g * n_parts, *args, work=work, grid=((n_g, n_parts, chunks), cuda_block_threads()))
+        grid = ((n_g, n_parts, -(-rows // rows_per_block(min(d, MAX_HEAD_DIM)))), cuda_block_threads())
+    twin.launch(dev, n_g * n_parts, *args, work=work, grid=grid)
 
 
 def launch_merge(dev: str, margs: tuple, n_g: int, rows: int, d: int, work: int) -> None:
     """Run the partition merge on ``dev``: grid ``(n_g, rows)`` on CUDA."""
-    MERGE_PARTITIONS.launch(dev, n_g * rows, *margs, work=work, grid=((n_g, rows), cuda_block_threads()))
+    grid = ((n_g, rows), cuda_block_threads()) if dev == _backend.CUDA else None
+    MERGE_PARTITIONS.launch(dev, n_g * rows, *margs, work=work, grid=grid)
 
 
 def default_partition_size(n_tokens: int, n_rows_kv: int, device: str) -> int:
@@ -162,22 +165,53 @@ def _uniform_layout(codebook: Any, head_dim: int, scale_group: int) -> CodeLayou
     return CodeLayout.from_blocks([codebook] * (head_dim // 32), scale_group)
 
 
+# Placeholders for the kernel arguments of an absent QJL correction and logit bias (never
+# read: the kernels test ``has_qjl``/``has_bias``), made once and reused per device through
+# ``_backend.constant`` instead of allocated per decode step.  Left writable: the kernels
+# are compiled for the writable array types of the real arguments.
+_NO_QJL = (np.zeros((1, 1, 8), np.float32), np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1), np.uint16))
+_NO_BIAS = np.zeros((1, 1, 1), np.float32)
+_NO_SCALES = np.zeros((1, 1, 1), np.uint16)
+
+
 def _no_qjl(like: Any) -> tuple:
-    return (_backend.empty(like, (1, 1, 8), np.float32), _backend.empty(like, (1, 1, 1), np.uint8),
-            _backend.empty(like, (1, 1), np.uint16), np.float32(0.0))
+    return tuple(_backend.constant(like, a) for a in _NO_QJL) + (np.float32(0.0),)
+
+
+def _exact_args(like: Any, ke: Any, ve: Any, exact_scales: tuple | None) -> tuple:
+    """``(ke, ve, kes, ves, exact_kind)`` of the fused kernel for exact tokens stored as
+    float32, binary16 (``float16`` or its ``uint16`` bit patterns) or int8 (with
+    ``exact_scales`` = the per-token binary16 scales ``[n_g, >= n_exact, 1]`` uint16)."""
+    dt = np.dtype(ke.dtype)
+    if dt == np.int8:
+        if exact_scales is None:
+            raise ValueError("exact_scales: int8 exact tokens need their binary16 scales, got None")
+        return ke, ve, exact_scales[0], exact_scales[1], EXACT_I8
+    kes = ves = _backend.constant(like, _NO_SCALES)
+    if dt == np.float32:
+        return ke, ve, kes, ves, EXACT_F32
+    if dt == np.float16:
+        ke, ve = ke.view(np.uint16), ve.view(np.uint16)
+        dt = np.dtype(np.uint16)
+    if dt == np.uint16:
+        return ke, ve, kes, ves, EXACT_F16
+    raise TypeError(f"k_exact: expected float32, float16 (or its uint16 bits) or int8 tokens, got {dt}")
 
 
 def fused_attention_rows(qr: Any, q: Any, kc: Any, ks: Any, vc: Any, vs: Any, n_comp: int, comp_pos0: int,
                          ke: Any, ve: Any, n_exact: int, exact_pos: Any, klayout: CodeLayout, vlayout: CodeLayout,
                          softmax_scale: float, bias: Any, q_pos0: int, q_len: int, causal: bool = True,
                          part_size: int | None = None, head_signs: Any = None, qjl: Any = None,
-                         exact_rotated: bool = False) -> Any:
+                         exact_rotated: bool = False, exact_scales: tuple | None = None) -> Any:
     """Fused decode attention over compressed + exact tokens, in the ``[g, rows, d]`` layout.
 
     No validation (callers validate): ``qr``/``q`` ``[n_g, rows, d]`` float32 (rotated and
     raw queries), codes/scales ``[n_g, capacity, ·]`` with ``n_comp`` live tokens laid out
-    as ``klayout``/``vlayout``, exact ``ke``/``ve`` ``[n_g, >= n_exact, d]`` float32 (first
-    ``n_exact`` live) with int32 positions ``exact_pos``, ``bias`` ``[n_g, rows,
+    as ``klayout``/``vlayout``, exact ``ke``/``ve`` ``[n_g, >= n_exact, d]`` (first
+    ``n_exact`` live; float32, binary16 as ``float16`` or ``uint16`` bits, or int8 with
+    ``exact_scales`` = ``(k_scales, v_scales)``, uint16 binary16 ``[n_g, >= n_exact, 1]``,
+    value ``int8 · scale``; read in that form by the kernel, no float32 copy) with int32
+    positions ``exact_pos``, ``bias`` ``[n_g, rows,
     total_positions]`` or ``None``.  ``head_signs`` (float32 ``[d]``): the compressed
     tokens use the whole-head rotation with these signs (``None``: 32-block rotation).
     ``qjl`` = ``(sq, signs, norms, const)``: add the QJL correction ``const·‖r_t‖·⟨sq,
@@ -203,11 +237,12 @@ def fused_attention_rows(qr: Any, q: Any, kc: Any, ks: Any, vc: Any, vs: Any, n_
     out = _backend.empty(qr, (n_g, rows, d), np.float32)
     has_bias = bias is not None
     if bias is None:
-        bias = _backend.empty(qr, (1, 1, 1), np.float32)
+        bias = _backend.constant(qr, _NO_BIAS)
     has_qjl = qjl is not None
     sq, qsig, qnorm, qconst = qjl if has_qjl else _no_qjl(qr)
     c = functools.partial(_backend.constant, qr)
-    args = (qr, q, kc, ks, vc, vs, int(n_comp), int(comp_pos0), ke, ve, n_exact, exact_pos,
+    ke, ve, kes, ves, exact_kind = _exact_args(qr, ke, ve, exact_scales)
+    args = (qr, q, kc, ks, vc, vs, int(n_comp), int(comp_pos0), ke, ve, n_exact, exact_pos, kes, ves, exact_kind,
             c(klayout.centroids), c(vlayout.centroids), c(klayout.bits), c(klayout.offsets), c(vlayout.bits),
             c(vlayout.offsets), klayout.scale_shift, c(F16_ABS_TABLE), np.float32(softmax_scale), bias, has_bias,
             has_qjl, sq, qsig, qnorm, np.float32(qconst), int(q_pos0), int(q_len), bool(causal), int(part_size),

@@ -187,8 +187,11 @@ def range_stats(a: Any, d: int | None = None) -> RangeStats:
             u = a.reshape(-1).view(udt)
             nch = max(1, min(64, a.size // _CHUNK))
             out = np.zeros(nch, np.uint64)
-            _RANGE.launch(_backend.CPU, a.size, u, udt(mask), out)
-            bits = int(out.max())
+            if nch == 1:  # one decode step's K, V or q: the serial compilation, no dispatch knob
+                _RANGE.cpu.serial(u, udt(mask), out)
+            else:
+                _RANGE.launch(_backend.CPU, a.size, u, udt(mask), out)
+            bits = int(out[0]) if nch == 1 else int(out.max())
         elif xp is None and getattr(a, "is_c_contiguous", lambda: False)():  # Numba device array
             out = _backend.zeros(a, (1,), np.uint64)
             _RANGE.launch(_backend.CUDA, (a.size + 255) // 256, a.reshape(a.size).view(udt), udt(mask), out)
@@ -196,7 +199,7 @@ def range_stats(a: Any, d: int | None = None) -> RangeStats:
         if bits is not None:
             if bits >= inf_bits:
                 return RangeStats(1, math.inf)
-            amax = float(np.array([bits], udt).view(dt)[0])
+            amax = float(udt(bits).view(dt))
             return RangeStats(0, amax, a, d)
     if xp is None:
         a, xp = _backend.to_host(a), np

@@ -169,10 +169,12 @@ def test_rotated_int8_window_holds_the_largest_admitted_vectors(name, rng):
     assert np.linalg.norm(got - xs) <= 0.01 * np.linalg.norm(xs)
 
 
-@pytest.mark.parametrize("rotate", [True, False])
+@pytest.mark.parametrize("dtype, rotate", [("int8", True), ("int8", False), ("float16", True)])
 @pytest.mark.parametrize("name", ["pqo3", "tq3", "pqo2.5", "pqo-k4v3-head-eden"])
-def test_int8_window_fused_equals_dequantized(name, rotate, rng):
-    opts = dict(residual_length=5, sink_tokens=2, window_dtype="int8", window_rotation=rotate)
+def test_window_fused_equals_dequantized(name, dtype, rotate, rng):
+    """The fused kernel reads the int8 (rotated or not) and binary16 windows in place; the
+    dequantized path decodes them with NumPy: the same attention."""
+    opts = dict(residual_length=5, sink_tokens=2, window_dtype=dtype, window_rotation=rotate)
     fused = make_cache(name, num_layers=1, num_kv_heads=H, head_dim=D, **opts)
     deq = make_cache(name, num_layers=1, num_kv_heads=H, head_dim=D, decode_output="dequantized", **opts)
     k, v = kv(rng, 12)

@@ -19,6 +19,7 @@ from numba_kv._cuda_resources import (
     max_block_threads,
     occupancy,
     parse_link_log,
+    ptx_max_threads,
 )
 from numba_kv.ops import TWINS
 
@@ -100,6 +101,27 @@ def test_launch_limits():
         occupancy(res(16), 32, (7, 5))
     with pytest.raises(ValueError, match="threads: expected a positive block size"):
         occupancy(res(16), 0, (9, 0))
+
+
+def test_launch_bounds_cap_the_block():
+    """``.maxntid`` (a kernel's launch bounds) caps the block however few registers it uses."""
+    assert ptx_max_threads(".entry k(\n)\n.maxntid 256, 1, 1\n.minnctapersm 2\n{") == 256
+    assert ptx_max_threads(".maxntid 16, 4, 2") == 128
+    assert ptx_max_threads(".maxntid 96") == 96
+    assert ptx_max_threads(".entry k()\n{") == 1024
+    capped = KernelResources(16, 0, 0, 0, 0, 0, max_threads=256)
+    assert max_block_threads(capped, (9, 0)) == 256
+    assert occupancy(capped, 288, (9, 0)).blocks_per_sm == 0
+
+
+@pytest.mark.ptx
+def test_decode_attention_is_built_for_its_launch_bounds():
+    """The flat attention kernel is compiled with launch bounds (256 threads, 2 blocks per
+    SM): ptxas keeps it within 128 registers, and a block above 256 threads would not launch."""
+    r = kernel_resources("decode_attention", (9, 0))
+    assert r.max_threads == _config.MAX_CUDA_THREADS
+    assert r.registers <= 128
+    assert max_block_threads(r, (9, 0)) == _config.MAX_CUDA_THREADS
 
 
 def test_every_arch_launches_any_kernel_at_the_knob_maximum():

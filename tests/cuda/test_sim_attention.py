@@ -105,6 +105,28 @@ def _mixed_layout(rng):
     np.testing.assert_allclose(run(to_device), run(lambda a: a), **TOL)
 
 
+def _stored_window_dtypes(rng):
+    """Exact tokens read in their stored dtype: binary16 bits, and int8 with per-token
+    binary16 scales (the caches' windows), several exact partitions after the codes."""
+    g, rows, d, T, E = 2, 3, 64, 21, 19
+    codes, _, _ = _codes(rng, 1, g, T, d, 3, 3)
+    kc, ks, vc, vs = (a[0] for a in codes)
+    lay = CodeLayout.uniform(get_codebook(3, "maxnorm"), d)
+    q = rng.standard_normal((g, rows, d)).astype(np.float32)
+    pos = (T + np.arange(E)).astype(np.int32)
+    h16 = rng.standard_normal((2, g, E, d)).astype(np.float16).view(np.uint16)
+    i8 = rng.integers(-127, 128, (2, g, E, d)).astype(np.int8)
+    s8 = rng.uniform(0.01, 0.05, (2, g, E, 1)).astype(np.float16).view(np.uint16)
+    for ke, ve, scales in ((h16[0], h16[1], None), (i8[0], i8[1], (s8[0], s8[1]))):
+        def run(f, ke=ke, ve=ve, scales=scales):
+            sc = None if scales is None else tuple(f(a) for a in scales)
+            return to_host(fused_attention_rows(f(q), f(q), f(kc), f(ks), f(vc), f(vs), T, 0, f(ke), f(ve), E, f(pos),
+                                                lay, lay, d ** -0.5, None, T + E - 2, 2, True, part_size=8,
+                                                exact_scales=sc))
+
+        np.testing.assert_allclose(run(to_device), run(lambda a: a), **TOL)
+
+
 def _head_rotation_qjl(rng):
     """Whole-head rotation (d = 128) with the QJL correction, GQA 2 × q_len 2 causal."""
     from numba_kv import qjl_quantize, quantize_head
@@ -134,8 +156,8 @@ def _head_dim_256(rng):
 
 
 def _decode_cases(rng):
-    for case in (_gqa_causal_window, _row_chunks, _exact_positions_masked, _mixed_layout, _head_rotation_qjl,
-                 _head_dim_256):
+    for case in (_gqa_causal_window, _row_chunks, _exact_positions_masked, _mixed_layout, _stored_window_dtypes,
+                 _head_rotation_qjl, _head_dim_256):
         case(rng)
 
 
@@ -166,7 +188,7 @@ RUNNERS = {"decode_attention": _decode_cases, "merge_partitions": _decode_cases,
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", [_gqa_causal_window, _row_chunks, _exact_positions_masked, _mixed_layout,
-                                  _head_rotation_qjl, _head_dim_256, _paged_ragged],
+                                  _stored_window_dtypes, _head_rotation_qjl, _head_dim_256, _paged_ragged],
                          ids=lambda f: f.__name__.strip("_"))
 def test_cooperative_attention_matches_cpu_twin(case):
     case(np.random.default_rng(17))

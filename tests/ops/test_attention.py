@@ -248,3 +248,64 @@ def test_qjl_sketch_width_not_a_multiple_of_32(rng):
     bias = (d ** -0.5 * corr).reshape(1, 4, 1, -1)
     ref = reference.attention(q, khat, dequantize_blocks(vc, vs, 3), d ** -0.5, bias)
     np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-6)
+
+
+def _stored_window(rng, g, E, d):
+    """Exact tokens in the three stored forms with the same float32 values: float32,
+    binary16 (values rounded to it first) and int8 with per-token binary16 scales
+    (``q·s``, as the caches' int8 window stores them)."""
+    codes8 = rng.integers(-127, 128, (g, E, d)).astype(np.int8)
+    s16 = rng.uniform(0.01, 0.05, (g, E, 1)).astype(np.float16)
+    vals8 = codes8.astype(np.float32) * s16.astype(np.float32)  # exact in float32
+    h16 = rng.standard_normal((g, E, d)).astype(np.float16)
+    return codes8, s16.view(np.uint16), vals8, h16
+
+
+@pytest.mark.parametrize("E", [1, 7, 40])
+def test_exact_tokens_read_in_their_stored_dtype(rng, E):
+    """fused_attention_rows reads float16 (or its uint16 bits) and int8 + binary16-scale
+    exact tokens in place: bit-identical to passing their float32 values, and equal to the
+    float64 oracle over those values."""
+    from numba_kv.ops.attention import CodeLayout, fused_attention_rows
+    from numba_kv.ops.hadamard import rotate32
+
+    g, rows, d, T = 2, 3, 64, 20
+    kc, ks, vc, vs, kh, vh = make(rng, 1, g, T, d)
+    lay = CodeLayout.uniform(get_codebook(3, "maxnorm"), d)
+    q = rng.standard_normal((g, rows, d)).astype(np.float32)
+    pos = (T + np.arange(E)).astype(np.int32)
+    codes8, s8, vals8, h16 = _stored_window(rng, g, E, d)
+
+    def run(ke, ve, scales=None):
+        return fused_attention_rows(rotate32(q), q, kc[0], ks[0], vc[0], vs[0], T, 0, ke, ve, E, pos, lay, lay,
+                                    d ** -0.5, None, T + E - 1, 1, part_size=128, exact_scales=scales)
+
+    f16 = run(h16, h16[:, ::-1].copy())
+    np.testing.assert_array_equal(run(h16.view(np.uint16), h16[:, ::-1].copy().view(np.uint16)), f16)
+    np.testing.assert_array_equal(run(h16.astype(np.float32), h16[:, ::-1].astype(np.float32)), f16)
+    i8 = run(codes8, codes8[:, ::-1].copy(), (s8, s8[:, ::-1].copy()))
+    np.testing.assert_array_equal(run(vals8, vals8[:, ::-1].copy()), i8)
+    for out, ke in ((f16, h16.astype(np.float32)), (i8, vals8)):
+        ve = ke[:, ::-1]
+        ref = reference.attention(q[None], np.concatenate([kh[0], ke], 1)[None], np.concatenate([vh[0], ve], 1)[None],
+                                  d ** -0.5)[0]
+        assert rel_err(out, ref) < 1e-5
+
+
+def test_exact_tokens_of_unsupported_dtype_are_refused(rng):
+    from numba_kv.ops.attention import CodeLayout, fused_attention_rows
+
+    g, d, T = 1, 32, 4
+    kc, ks, vc, vs, _, _ = make(rng, 1, g, T, d)
+    lay = CodeLayout.uniform(get_codebook(3, "maxnorm"), d)
+    q = rng.standard_normal((g, 1, d)).astype(np.float32)
+    pos = np.array([T], np.int32)
+
+    def run(ke, scales=None):
+        return fused_attention_rows(q, q, kc[0], ks[0], vc[0], vs[0], T, 0, ke, ke, 1, pos, lay, lay, 1.0, None, T,
+                                    1, exact_scales=scales)
+
+    with pytest.raises(TypeError, match="k_exact: expected float32, float16"):
+        run(np.zeros((g, 1, d), np.float64))
+    with pytest.raises(ValueError, match="exact_scales: int8 exact tokens need"):
+        run(np.zeros((g, 1, d), np.int8))
