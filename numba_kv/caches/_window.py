@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import _backend
+from ..ops.absmax8 import absmax8_dequantize_into, absmax8_quantize_into
 from ..ops.hadamard import rotate32_rows
 from ..ops.headquant import HEAD_DIMS, rotate_head_rows
 from ..ops.memory import copy_tokens
@@ -210,17 +211,12 @@ class ExactWindow:
         if ex.dtype != np.int8:
             assign_tokens(src, s0, n, ex, d0)
             return
-        xp = _backend.xp_of(ex)
         x = src[:, s0:s0 + n]
-        if self.rotation is not None:
-            x = self._rotated(x, False)
-        s16 = (xp.abs(x).max(axis=2, keepdims=True) / np.float32(127.0)).astype(np.float16)
-        s16[s16 == 0] = 1.0  # all-zero vector (or below the f16 range): any scale is exact
-        ex[:, d0:d0 + n] = xp.clip(xp.rint(x / s16.astype(np.float32)), -127, 127).astype(np.int8)
-        st.buffers[name + "_exact_scale"][:, d0:d0 + n] = s16.view(np.uint16)
+        x = self._rotated(x, False) if self.rotation is not None else _backend.ascontiguous_f32("x", x)
+        absmax8_quantize_into(x, ex, st.buffers[name + "_exact_scale"], d0)
 
     def read(self, st: LayerState, name: str, s0: int, n: int, dst: Any, d0: int, rotated: bool = False) -> None:
-        """float32 ``dst[:, d0 : d0+n]`` ← exact tokens ``s0 : s0+n`` of side ``name`` (with
+        """float32 ``dst[:, d0 : d0+n]`` (C-contiguous) ← exact tokens ``s0 : s0+n`` of side ``name`` (with
         ``rotated``, int8 tokens stay in the rotated domain they are stored in)."""
         ex = st.buffers[name + "_exact"]
         if n <= 0:
@@ -228,9 +224,13 @@ class ExactWindow:
         if ex.dtype != np.int8:
             assign_tokens(ex, s0, n, dst, d0)
             return
-        sc = st.buffers[name + "_exact_scale"][:, s0:s0 + n].view(np.float16).astype(np.float32)
-        x = ex[:, s0:s0 + n].astype(np.float32) * sc
-        dst[:, d0:d0 + n] = self._rotated(x, True) if self.rotation is not None and not rotated else x
+        sc = st.buffers[name + "_exact_scale"]
+        if self.rotation is None or rotated:
+            absmax8_dequantize_into(ex, sc, s0, n, dst, d0)
+            return
+        x = _backend.empty(ex, (int(ex.shape[0]), n, self.head_dim), np.float32)
+        absmax8_dequantize_into(ex, sc, s0, n, x, 0)
+        assign_tokens(self._rotated(x, True), 0, n, dst, d0)
 
     def move(self, st: LayerState, name: str, s0: int, n: int, d0: int) -> None:
         """Exact tokens ``d0 : d0+n`` ← tokens ``s0 : s0+n`` (the ranges may overlap)."""

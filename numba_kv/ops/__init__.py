@@ -4,6 +4,7 @@ Importing this package imports every op module so :data:`TWINS` is complete.
 """
 
 from . import (  # noqa: F401
+               absmax8,
                attention,
                bitpack,
                blockquant,

@@ -108,7 +108,30 @@ def _finite(rng):
             assert not all_finite(to_device(y)) and not all_finite(y)
 
 
+def _absmax8(rng):
+    """The int8 window codec on the device: codes and scales bit-identical to the CPU twin,
+    decoding as well (ties, a zero vector and a subnormal scale included)."""
+    from numba_kv.ops.absmax8 import absmax8_dequantize_into, absmax8_quantize_into
+
+    x = rng.standard_normal((2, 3, 32)).astype(np.float32)
+    x[0, 0] = 0.0
+    x[0, 1] *= np.float32(3e-6)
+    x[1, 0] = (np.arange(32, dtype=np.float32) - 16) * np.float32(0.125)
+    x[1, 0, 0] = 31.75
+    outs = []
+    for f in (to_device, lambda a: a):
+        codes, scales = f(np.zeros((2, 5, 32), np.int8)), f(np.zeros((2, 5, 1), np.uint16))
+        absmax8_quantize_into(f(x), codes, scales, 1)
+        back = f(np.zeros((2, 4, 32), np.float32))
+        absmax8_dequantize_into(codes, scales, 1, 3, back, 1)
+        outs.append([to_host(a) for a in (codes, scales, back)])
+    for dev, cpu in zip(*outs):
+        np.testing.assert_array_equal(dev, cpu)
+
+
 RUNNERS = {
+    "absmax8_quantize": _absmax8,
+    "absmax8_dequantize": _absmax8,
     "count_nonfinite": _finite,
     "decode_attention": _attention,
     "merge_partitions": _attention,

@@ -1,0 +1,64 @@
+"""The int8 absmax window codec equals its NumPy formula bit for bit."""
+
+import numpy as np
+import pytest
+
+from numba_kv.ops.absmax8 import absmax8_dequantize_into, absmax8_quantize_into
+
+
+def numpy_absmax8(x):
+    """The formula (module docstring): binary16 scale of max|x|/127 (1 if it rounds to 0),
+    codes rint(x / s) clipped to ±127."""
+    s16 = (np.abs(x).max(axis=2, keepdims=True) / np.float32(127.0)).astype(np.float16)
+    s16[s16 == 0] = 1.0
+    q = np.clip(np.rint(x / s16.astype(np.float32)), -127, 127).astype(np.int8)
+    return q, s16.view(np.uint16)
+
+
+def vectors(rng):
+    x = rng.standard_normal((4, 9, 64)).astype(np.float32)
+    x[0, 0] = 0.0  # all zero: scale 1
+    x[0, 1] *= np.float32(1e-9)  # max/127 below binary16's subnormals: scale 1, codes round to 0
+    x[0, 2] *= np.float32(3e-6)  # subnormal binary16 scale
+    x[0, 3] *= np.float32(1e5)  # large scale
+    x[1, 0] = (np.arange(64, dtype=np.float32) - 32) * np.float32(0.125)  # x/s = k/2: ties ...
+    x[1, 0, 0] = 31.75  # ... with s = 31.75/127 = 0.25 exactly
+    x[2, 0, 5] = -np.abs(x[2, 0]).max() * 2  # negative extreme: code -127
+    return x
+
+
+def test_quantize_matches_numpy_formula(rng):
+    x = vectors(rng)
+    codes = np.zeros((4, 12, 64), np.int8)
+    scales = np.zeros((4, 12, 1), np.uint16)
+    absmax8_quantize_into(x, codes, scales, 2)
+    q, s = numpy_absmax8(x)
+    np.testing.assert_array_equal(codes[:, 2:11], q)
+    np.testing.assert_array_equal(scales[:, 2:11], s)
+    assert not codes[:, [0, 1, 11]].any() and not scales[:, [0, 1, 11]].any()  # nothing else written
+    assert scales[1, 2, 0] == np.float16(0.25).view(np.uint16)
+    assert (codes[1, 2, 1:] == np.rint((np.arange(1, 64) - 32) / 2)).all()  # ties to even: 1.5 -> 2, 2.5 -> 2
+    assert codes[1, 2, 35] == 2 and codes[1, 2, 37] == 2  # x/s = 1.5 and 2.5
+    assert codes[2, 2, 5] == -127
+
+
+def test_dequantize_is_codes_times_scale(rng):
+    codes = rng.integers(-127, 128, (3, 10, 32)).astype(np.int8)
+    scales = rng.uniform(1e-3, 10, (3, 10, 1)).astype(np.float16).view(np.uint16)
+    out = np.full((3, 6, 32), np.float32(7.0))
+    absmax8_dequantize_into(codes, scales, 4, 5, out, 1)
+    np.testing.assert_array_equal(out[:, 1:6], codes[:, 4:9].astype(np.float32) * scales[:, 4:9].view(np.float16))
+    assert (out[:, 0] == 7.0).all()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_round_trip_error_is_half_a_step(seed):
+    """|x − q·s| <= s/2 (+ the float32 rounding of x/s): the codec's accuracy bound."""
+    x = np.random.default_rng(seed).standard_normal((2, 50, 128)).astype(np.float32) * 3
+    codes = np.empty((2, 50, 128), np.int8)
+    scales = np.empty((2, 50, 1), np.uint16)
+    absmax8_quantize_into(x, codes, scales, 0)
+    back = np.empty_like(x)
+    absmax8_dequantize_into(codes, scales, 0, 50, back, 0)
+    s = scales.view(np.float16).astype(np.float32)
+    assert (np.abs(back - x) <= s * np.float32(0.5 + 1e-5)).all()
