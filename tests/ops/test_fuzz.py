@@ -179,10 +179,12 @@ def test_quantize_blocks_fuzz(x, bits, mode, outlier):
         _clear_error(ei.value, ["x", "bits", "norm_mode"])
         return
     cb = get_codebook(bits, mode)
-    x32 = x.astype(np.float32)
     rc, rs = None, None
-    if x.size:
-        rc, rs = reference.quantize(x32, cb.centroids, cb.boundaries, bits, mode, cb.ref, outlier)
+    # float64 beyond float32 is a case under test (refused below): no NumPy warning for it
+    with np.errstate(over="ignore", invalid="ignore"):
+        x32 = x.astype(np.float32)
+        if x.size:
+            rc, rs = reference.quantize(x32, cb.centroids, cb.boundaries, bits, mode, cb.ref, outlier)
     # the oracle's scale before binary16 clamping
     raw = np.zeros(0)
     if x.size:
