@@ -30,7 +30,6 @@ from ._attention_cores import (
     inverse_scale_cpu,
     inverse_scale_dev,
     is_uniform_cpu,
-    merge_column_cpu,
     merge_column_dev,
     merge_denom_cpu,
     merge_denom_dev,
@@ -184,8 +183,12 @@ def _merge_row(part_m, part_l, part_acc, g, r, n_comp_parts, signs, head_rot, hs
             out[g, r, j] = float32(0.0)
         return
     merge_weights_cpu(part_m, g, r, 0, n_parts, 1, m_star, wbuf, 0)
+    # merge_column's sums, partition by partition over the contiguous row of each (the same
+    # additions in the same order as column by column, which indexed part_acc four ways per
+    # term and did not vectorize: ~0.4 µs a row of 64 before)
     for j in range(d):
-        buf[j] = merge_column_cpu(wbuf, part_m, part_acc, g, r, j, 0, n_comp_parts, 0, float32(0.0))
+        buf[j] = float32(0.0)
+    _add_partitions(part_m, part_acc, g, r, 0, n_comp_parts, wbuf, buf)
     if n_comp_parts > 0:
         if not head_rot:
             block_signs_cpu(buf, d, 0, 1, signs)
@@ -195,10 +198,25 @@ def _merge_row(part_m, part_l, part_acc, g, r, n_comp_parts, signs, head_rot, hs
             h *= 2
         inverse_scale_cpu(buf, d, 0, 1, head_rot, hsigns)
     inv = float32(1.0) / merge_denom_cpu(part_m, part_l, g, r, n_parts, m_star)
+    _add_partitions(part_m, part_acc, g, r, n_comp_parts, n_parts, wbuf, buf)
+    orow = out[g, r]
     for j in range(d):
-        out[g, r, j] = merge_column_cpu(wbuf, part_m, part_acc, g, r, j, n_comp_parts, n_parts, 0, buf[j]) * inv
+        orow[j] = buf[j] * inv
 
 
+def _add_partitions(part_m, part_acc, g, r, p_lo, p_hi, wbuf, buf):
+    """``buf += Σ_{p_lo <= p < p_hi} wbuf[p] · acc_p`` for row ``(g, r)``, skipping empty
+    partitions: :func:`merge_column` for every column at once (CPU)."""
+    d = buf.shape[0]
+    for p in range(p_lo, p_hi):
+        if part_m[g, p, r] != NEG_INF:
+            w = wbuf[p]
+            src = part_acc[g, p, r]
+            for j in range(d):
+                buf[j] += w * src[j]
+
+
+add_partitions_cpu = twin(_add_partitions, inline=True)[0]
 merge_row_cpu = twin(_merge_row, inline=True)[0]
 
 
