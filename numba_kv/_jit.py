@@ -25,7 +25,7 @@ from llvmlite import binding as llvm_binding
 from numba import cuda, njit
 from numba.core import config as numba_config
 
-from . import _config
+from . import _backend, _config
 
 __all__ = ["CORES", "FASTMATH_REDUCE", "cpu_call", "cpu_kernel", "cpu_serial", "cuda_device", "cuda_kernel", "twin"]
 
@@ -137,14 +137,10 @@ def cuda_kernel(fn: Callable | None = None, *, launch_bounds: tuple[int, int] | 
     """
     if fn is None:
         return functools.partial(cuda_kernel, launch_bounds=launch_bounds)
-    opts = {} if launch_bounds is None or _simulating() else {"launch_bounds": tuple(launch_bounds)}
+    opts = {} if launch_bounds is None or _backend.simulator_enabled() else {"launch_bounds": tuple(launch_bounds)}
     kernel = _restamp(cuda.jit(fn, cache=True, **opts))
     kernel.launch_bounds = None if launch_bounds is None else tuple(launch_bounds)
     return kernel
-
-
-def _simulating() -> bool:
-    return bool(numba_config.ENABLE_CUDASIM)
 
 
 def cuda_device(fn: Callable) -> Callable:
