@@ -24,6 +24,9 @@ DEFAULTS: dict[str, Any] = {
     # below this many scalar operations a CPU twin runs serially (no parallel region):
     # one decode step of a small model must not pay thread wake-ups
     "cpu_parallel_min_work": 1 << 18,
+    # CUDA fused decode attention: 1 = one warp per partition where it applies (no logit
+    # bias or QJL correction, head_dim 32/64/128/256), 0 = always the block kernel
+    "cuda_warp_attention": 1,
 }
 
 #: most threads per CUDA block the package launches.  Any kernel can launch with 256: a block
@@ -40,6 +43,7 @@ RANGES: dict[str, tuple[type, float, float, int]] = {
     "growth_min_extra": (int, 0, 1 << 40, 1),
     "growth_fraction": (float, 0.0, 16.0, 0),
     "cpu_parallel_min_work": (int, 0, 1 << 62, 1),
+    "cuda_warp_attention": (int, 0, 1, 1),
 }
 
 _overrides: dict[str, Any] = {}

@@ -141,12 +141,25 @@ def check_sliding_window(sliding_window: Any, num_layers: int) -> list[int | Non
 
 
 def masked_astype(bias: Any, dtype: Any) -> Any:
-    """``bias.astype(dtype)`` keeping ``MASKED_LOGIT`` finite in narrow float dtypes."""
+    """``bias.astype(dtype)`` keeping ``MASKED_LOGIT`` finite in narrow float dtypes.
+
+    NumPy and CuPy arrays are converted in their namespace; a Numba device array (which has
+    no ``astype`` or ufuncs) through the host, and only when the dtype changes."""
     dt = np.dtype(dtype)
+    xp = _backend.xp_of(bias)
+    if xp is None:
+        return bias if np.dtype(bias.dtype) == dt else to_like(bias, masked_astype(_backend.to_host(bias), dt))
     if dt.kind == "f" and dt.itemsize < 4:
-        xp = _backend.xp_of(bias)
         bias = xp.maximum(bias, np.float32(np.finfo(dt).min))
     return bias.astype(dt)
+
+
+def add_bias(a: Any, b: Any) -> Any:
+    """``a + b`` of two logit biases of one shape on one device (for Numba device arrays,
+    which have no arithmetic, through the host)."""
+    if _backend.xp_of(a) is None:
+        return to_like(a, _backend.to_host(a) + _backend.to_host(b))
+    return a + b
 
 
 def resolve_layer(where: str, key: Any, num_layers: int) -> int:

@@ -363,7 +363,7 @@ def _coop_tile_paged(codes, scales, pages, compressed, kv_indices, first, page_s
                 kv[o + k] = pages[page, h, slot, grp * 8 + k]
 
 
-decode8_cpu, _ = twin(_decode8)
+decode8_cpu, decode8_dev = twin(_decode8)
 load_token_fast_cpu, _ = twin(_load_token_fast)
 is_uniform_cpu, _ = twin(_is_uniform)
 sign_pm1_cpu, _ = twin(_sign_pm1)

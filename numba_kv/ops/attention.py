@@ -42,10 +42,12 @@ from .._validate import check_float_array, check_shape
 from ._attention_cores import EXACT_F16, EXACT_F32, EXACT_I8
 from ._attention_kernels import (
     DECODE_ATTENTION,
+    DECODE_ATTENTION_WARP,
     MAX_HEAD_DIM,
     MERGE_PARTITIONS,
     rows_per_block,
 )
+from ._attention_warp import WARP_ROWS, warp_ok
 from .codebook import Codebook, get_codebook
 from .finite import check_finite, check_rotation_input
 from .gather import to_like
@@ -76,15 +78,27 @@ def check_cuda_head_dim(d: int) -> None:
                          f"(static shared memory), got {d}")
 
 
+def use_warp_kernel(dev: str, d: int, has_bias: bool, has_qjl: bool) -> bool:
+    """Whether the flat decode on ``dev`` runs the warp kernel (CUDA, the
+    ``cuda_warp_attention`` knob on, no logit bias, no QJL correction, a head_dim it takes)."""
+    return (dev == _backend.CUDA and not has_bias and not has_qjl and bool(_config.get("cuda_warp_attention"))
+            and warp_ok(d, cuda_block_threads()))
+
+
 def launch_attention(dev: str, twin: Any, args: tuple, n_g: int, n_parts: int, rows: int, d: int,
-                     work: int) -> None:
+                     work: int, warp: bool = False) -> None:
     """Run a partition kernel (flat or paged) on ``dev``: CPU ``work`` scalar operations, or
     the cooperative CUDA grid ``(n_g, n_parts, row chunks)`` (KV rows on x, which allows
-    2**31 − 1 blocks; y and z allow 65535)."""
+    2**31 − 1 blocks; y and z allow 65535); ``warp``: the warp kernel's grid ``(n_g,
+    ceil(n_parts / warps per block), ceil(rows / WARP_ROWS))``."""
     grid = None  # (the CPU twin needs no geometry: not computed per decode step)
     if dev == _backend.CUDA:
         check_cuda_head_dim(d)
-        grid = ((n_g, n_parts, -(-rows // rows_per_block(min(d, MAX_HEAD_DIM)))), cuda_block_threads())
+        threads = cuda_block_threads()
+        if warp:
+            grid = ((n_g, -(-n_parts // (threads // 32)), -(-rows // WARP_ROWS)), threads)
+        else:
+            grid = ((n_g, n_parts, -(-rows // rows_per_block(min(d, MAX_HEAD_DIM)))), threads)
     twin.launch(dev, n_g * n_parts, *args, work=work, grid=grid)
 
 
@@ -94,13 +108,23 @@ def launch_merge(dev: str, margs: tuple, n_g: int, rows: int, d: int, work: int)
     MERGE_PARTITIONS.launch(dev, n_g * rows, *margs, work=work, grid=grid)
 
 
-def default_partition_size(n_tokens: int, n_rows_kv: int, device: str) -> int:
-    """Tokens per partition: enough partitions to occupy the machine, at least one tile."""
+def default_partition_size(n_tokens: int, n_rows_kv: int, device: str, warp: bool = False) -> int:
+    """Tokens per partition: enough partitions to occupy the machine, at least one tile.
+
+    ``warp``: for the warp kernel (one warp per partition), about ``n_rows_kv · n_tokens /
+    16384`` tokens per warp (16K warps, ~120 per SM of an H100, enough to hide memory
+    latency) in multiples of 32 between 64 and 1024: longer partitions would leave SMs idle,
+    shorter ones make the merge read more partial sums than the kernel reads codes."""
     if device == _backend.CPU:
         want = 4 * numba.get_num_threads()
         per = -(-n_tokens // max(1, -(-want // max(n_rows_kv, 1))))
         return int(max(4 * TILE, -(-per // TILE) * TILE))
-    return 64 if _backend.simulator_enabled() else 256
+    if _backend.simulator_enabled():
+        return 64
+    if warp:
+        per = -(-max(n_rows_kv, 1) * n_tokens // 16384)
+        return int(min(1024, max(64, -(-per // 32) * 32)))
+    return 256
 
 
 @dataclass(frozen=True, eq=False)
@@ -224,8 +248,9 @@ def fused_attention_rows(qr: Any, q: Any, kc: Any, ks: Any, vc: Any, vs: Any, n_
     n_g, rows, d = qr.shape
     dev = _backend.device_of("q", qr)
     n_exact = int(n_exact)
+    warp = use_warp_kernel(dev, d, bias is not None, qjl is not None)
     if part_size is None:
-        part_size = default_partition_size(max(n_comp, n_exact, 1), n_g, dev)
+        part_size = default_partition_size(max(n_comp, n_exact, 1), n_g, dev, warp)
     n_cp = -(-n_comp // part_size)
     n_ep = -(-n_exact // part_size)
     n_parts = max(n_cp + n_ep, 1)
@@ -254,7 +279,8 @@ def fused_attention_rows(qr: Any, q: Any, kc: Any, ks: Any, vc: Any, vs: Any, n_
     margs = (part_m, part_l, part_acc, int(n_rot), c(SIGNS32), head_rot,
              head_signs if head_rot else c(SIGNS32))
     work = n_g * rows * d * (n_comp + n_exact)
-    launch_attention(dev, DECODE_ATTENTION, args, n_g, n_parts, rows, d, work)
+    launch_attention(dev, DECODE_ATTENTION_WARP if warp else DECODE_ATTENTION, args, n_g, n_parts, rows, d, work,
+                     warp)
     launch_merge(dev, margs + (out,), n_g, rows, d, work // max(n_comp + n_exact, 1) * n_parts)
     return out
 

@@ -11,7 +11,10 @@ with CUDA events (best of ``repeat`` after a warm-up):
 * **dequantize-then-attend** -- :func:`numba_kv.dequantize_blocks` of K and V, then the same
   dense attention in float32.
 
-Reported per row: the three times, the fused speedups over both baselines, and the *packed
+Reported per row: the three times, the fused speedups over both baselines, the largest
+absolute difference between the fused and the dequantize-then-attend outputs (both read the
+same codes, so it is float32 round-off; a large value flags a kernel fault at that shape), and
+the *packed
 GB/s* of the fused kernel -- the bytes it must read (codes and scales of K and V for every
 token, plus ``q``) per second -- as a percentage of the device's theoretical peak memory
 bandwidth (:func:`peak_bandwidth_gbs`).  Every row carries :func:`numba_kv.info.provenance`
@@ -226,20 +229,22 @@ class CudaAttentionRow:
     gpu: str
     provenance: dict = field(default_factory=dict)
     note: str = ""
+    max_abs_diff_vs_dequant: float | None = None
 
 
 def make_row(tokens: int, batch: int, bits: int, num_kv_heads: int, groups: int, head_dim: int,
              fused_ms: float | None, dense_ms: float | None, dequant_ms: float | None, peak_gbs: float,
-             gpu: str, prov: dict, note: str = "") -> CudaAttentionRow:
+             gpu: str, prov: dict, note: str = "", max_abs_diff: float | None = None) -> CudaAttentionRow:
     """Assemble a row: speedups are baseline time / fused time; packed GB/s is
-    :func:`packed_bytes` / fused time."""
+    :func:`packed_bytes` / fused time; ``max_abs_diff``: max |fused - dequantize-then-attend|."""
     nbytes = packed_bytes(tokens, batch, bits, num_kv_heads, groups, head_dim)
     gbs = nbytes / (fused_ms * 1e-3) / 1e9 if fused_ms else None
     return CudaAttentionRow(
         tokens, batch, bits, num_kv_heads, groups, head_dim, fused_ms, dense_ms, dequant_ms,
         dense_ms / fused_ms if fused_ms and dense_ms else None,
         dequant_ms / fused_ms if fused_ms and dequant_ms else None,
-        nbytes, gbs, peak_gbs, 100.0 * gbs / peak_gbs if gbs and peak_gbs else None, gpu, prov, note)
+        nbytes, gbs, peak_gbs, 100.0 * gbs / peak_gbs if gbs and peak_gbs else None, gpu, prov, note,
+        max_abs_diff)
 
 
 def gpu_name(props: Mapping[str, Any]) -> str:
@@ -318,14 +323,18 @@ def _bench_one(cupy: Any, rng: Any, t: int, b: int, bits: Sequence[int], hkv: in
     rows = []
     for nb in bits:
         kc, vc, ks, vs = codes[nb]
-        fused_ms = time_cuda_ms(cupy, make_fused(q, kc, ks, vc, vs, nb), repeat)
+        fused = make_fused(q, kc, ks, vc, vs, nb)
+        fused_ms = time_cuda_ms(cupy, fused, repeat)
+        diff = None
         try:
-            deq_ms = time_cuda_ms(cupy, make_dequant_then_attend(cupy, q, kc, ks, vc, vs, nb), repeat)
+            deq = make_dequant_then_attend(cupy, q, kc, ks, vc, vs, nb)
+            deq_ms = time_cuda_ms(cupy, deq, repeat)
+            diff = float(cupy.abs(cupy.asarray(fused()) - deq()).max())
             note = ""
         except cupy.cuda.memory.OutOfMemoryError:
             deq_ms, note = None, "dequantize-then-attend: out of device memory"
         cupy.get_default_memory_pool().free_all_blocks()
-        rows.append(make_row(t, b, nb, hkv, groups, d, fused_ms, dense_ms, deq_ms, peak, gpu, prov, note))
+        rows.append(make_row(t, b, nb, hkv, groups, d, fused_ms, dense_ms, deq_ms, peak, gpu, prov, note, diff))
     return rows
 
 
@@ -344,7 +353,7 @@ def render(rows: Sequence[CudaAttentionRow]) -> str:
             f"{rows[0].num_kv_heads} KV heads x {rows[0].groups} groups, d={rows[0].head_dim}; numba "
             f"{p.get('numba', '?')}, host {p.get('cpu_model', '?')}\n")
     cols = ("T", "batch", "bits", "fused ms", "dense fp16 ms", "deq+attend ms", "x dense", "x deq",
-            "packed GB/s", "% peak")
+            "packed GB/s", "% peak", "max |fused-deq|")
 
     def f(x: float | None, spec: str) -> str:
         return "-" if x is None else format(x, spec)
@@ -354,6 +363,7 @@ def render(rows: Sequence[CudaAttentionRow]) -> str:
         lines.append(" | ".join((str(r.tokens), str(r.batch), str(r.bits), f(r.fused_ms, ".3f"),
                                  f(r.dense_fp16_ms, ".3f"), f(r.dequant_ms, ".3f"),
                                  f(r.speedup_vs_dense_fp16, ".2f"), f(r.speedup_vs_dequant, ".2f"),
-                                 f(r.packed_gb_per_s, ".1f"), f(r.pct_of_peak, ".1f")))
+                                 f(r.packed_gb_per_s, ".1f"), f(r.pct_of_peak, ".1f"),
+                                 f(r.max_abs_diff_vs_dequant, ".1e")))
                      + (f"  ({r.note})" if r.note else ""))
     return "\n".join(lines) + "\n"

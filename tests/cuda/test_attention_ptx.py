@@ -34,3 +34,14 @@ def test_attention_kernels_use_shared_memory_not_local(name):
     assert re.search(r"\bbar\.sync\b|\bbarrier\.sync\b", ptx), f"{name}: no block barrier (cooperative kernel)"
     n = local_bytes(ptx)
     assert n <= LOCAL_LIMIT, f"{name}: {n} bytes of local memory per thread (limit {LOCAL_LIMIT})"
+
+
+@pytest.mark.ptx
+def test_warp_kernel_reduces_with_shuffles():
+    """The warp-per-partition kernel sums scores and merges its token slots with warp
+    shuffles (xor butterflies), holds its state in registers (no local memory) and has a
+    single block barrier, the one after the block's query rows are staged."""
+    ptx = kernel_ptx("decode_attention_warp", (9, 0))
+    assert len(re.findall(r"\bshfl\.sync\.bfly\.b32\b", ptx)) >= 8
+    assert local_bytes(ptx) == 0
+    assert len(re.findall(r"\bbar\.sync\b|\bbarrier\.sync\b", ptx)) == 1

@@ -25,8 +25,8 @@ from numba_kv.ops import TWINS
 
 #: kernels that declare shared memory: their launch also depends on the SM's shared memory,
 #: which differs between architectures (100 KiB on 8.6/8.9), so they are checked on all four
-SHARED_MEMORY_KERNELS = ("decode_attention", "paged_decode_attention", "merge_partitions", "rotate_head",
-                         "quantize_head", "dequantize_head")
+SHARED_MEMORY_KERNELS = ("decode_attention", "decode_attention_warp", "paged_decode_attention", "merge_partitions",
+                         "rotate_head", "quantize_head", "dequantize_head")
 #: kernels allowed local memory (spills, stack, local arrays), with the reason: none
 LOCAL_EXCEPTIONS: dict[str, str] = {}
 CASES = [(name, cc) for name in sorted(TWINS) for cc in ((8, 0), (9, 0))]
@@ -161,15 +161,22 @@ def test_attention_kernels_keep_four_blocks_per_h100_sm(name):
 
 @pytest.mark.gpu_only
 @pytest.mark.parametrize("name", sorted(TWINS))
-def test_static_figures_match_the_driver(name):
+def test_driver_build_keeps_the_static_guarantees(name):
+    """The kernel as the GPU's own toolchain builds it keeps what the static checks promise:
+    no local memory (unless listed), a MAX_CUDA_THREADS block launches, shared memory
+    within the static limit.  Register and shared-memory counts themselves are not
+    compared: the driver's JIT and nvJitLink are different ptxas versions (on an H200 with
+    driver 580 they differed by up to 40 registers and 1 KiB of shared memory per kernel)."""
     from numba import cuda
 
     cc = cuda.get_current_device().compute_capability
     if tuple(cc) not in ARCHS:
         pytest.skip(f"no limits table for compute capability {cc}")
     kernel = TWINS[name].cuda.compile(TWINS[name].signatures[0])
-    r = kernel_resources(name, tuple(cc))
-    assert kernel.regs_per_thread == r.registers
-    assert kernel.shared_mem_per_block == r.shared
-    assert kernel.local_mem_per_thread == r.local
-    assert kernel.max_threads_per_block == max_block_threads(r, tuple(cc))
+    static = kernel_resources(name, tuple(cc))
+    figures = (f"driver: {kernel.regs_per_thread} registers, {kernel.shared_mem_per_block} B shared, "
+               f"{kernel.local_mem_per_thread} B local; static: {static}")
+    if name not in LOCAL_EXCEPTIONS:
+        assert kernel.local_mem_per_thread == 0, figures
+    assert kernel.max_threads_per_block >= _config.MAX_CUDA_THREADS, figures
+    assert kernel.shared_mem_per_block <= ARCHS[tuple(cc)].static_smem_per_block, figures

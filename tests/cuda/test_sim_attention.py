@@ -11,7 +11,7 @@ every simulated thread is an OS thread.  Runs under ``NUMBA_ENABLE_CUDASIM=1`` o
 import numpy as np
 import pytest
 
-from numba_kv import PagedKVCache, reference
+from numba_kv import PagedKVCache, knobs, reference
 from numba_kv._backend import to_host
 from numba_kv.ops.attention import CodeLayout, decode_attention, fused_attention_rows, rows_per_block
 from numba_kv.ops.blockquant import dequantize_blocks, quantize_blocks
@@ -68,7 +68,7 @@ def _row_chunks(rng):
     np.testing.assert_allclose(dev, ref, rtol=2e-5, atol=2e-5)
 
 
-def _exact_positions_masked(rng):
+def _exact_positions_masked(rng, with_bias=True):
     """Exact tokens placed before, between and after the queries' positions: whole tiles
     of a partition are masked for some rows, one exact partition sees nothing at all."""
     b, hkv, T, d, ql = 1, 2, 10, 32, 3
@@ -78,9 +78,14 @@ def _exact_positions_masked(rng):
     codes, _, _ = _codes(rng, b, hkv, T, d, 3, 3)
     q = rng.standard_normal((b, 2 * hkv, ql, d)).astype(np.float32)
     bias = rng.standard_normal((b, 2 * hkv, ql, T + len(pos))).astype(np.float32)
-    kw = dict(partition_size=4, k_exact=kx, v_exact=vx, exact_positions=pos, logit_bias=bias)
+    kw = dict(partition_size=4, k_exact=kx, v_exact=vx, exact_positions=pos, logit_bias=bias if with_bias else None)
     cpu, dev = _both((q, *codes), kw)
     np.testing.assert_allclose(dev, cpu, **TOL)
+
+
+def _exact_positions_masked_no_bias(rng):
+    """:func:`_exact_positions_masked` without the logit bias (the warp kernel's case)."""
+    _exact_positions_masked(rng, with_bias=False)
 
 
 def _mixed_layout(rng):
@@ -183,15 +188,41 @@ def _paged_ragged(rng):
 
 
 RUNNERS = {"decode_attention": _decode_cases, "merge_partitions": _decode_cases,
-           "paged_decode_attention": _paged_ragged}
+           "paged_decode_attention": _paged_ragged, "decode_attention_warp": _stored_window_dtypes}
+
+
+_CASES = [_gqa_causal_window, _row_chunks, _exact_positions_masked, _mixed_layout, _stored_window_dtypes,
+          _head_rotation_qjl, _head_dim_256, _paged_ragged]
+# the cases without a logit bias or QJL correction, on the flat layout: what the warp kernel runs
+_WARP_CASES = [_row_chunks, _exact_positions_masked_no_bias, _mixed_layout, _stored_window_dtypes]
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", [_gqa_causal_window, _row_chunks, _exact_positions_masked, _mixed_layout,
-                                  _stored_window_dtypes, _head_rotation_qjl, _head_dim_256, _paged_ragged],
-                         ids=lambda f: f.__name__.strip("_"))
+@pytest.mark.parametrize("case", _CASES, ids=lambda f: f.__name__.strip("_"))
 def test_cooperative_attention_matches_cpu_twin(case):
+    """The block kernel (the warp kernel switched off) on every case."""
+    with knobs(cuda_warp_attention=0):
+        case(np.random.default_rng(17))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", _WARP_CASES, ids=lambda f: f.__name__.strip("_"))
+def test_warp_attention_matches_cpu_twin(case, monkeypatch):
+    """The warp kernel (the default where it applies) on the same cases; it must be the
+    kernel that ran."""
+    from numba_kv.ops import attention
+
+    launched = []
+    real = attention.DECODE_ATTENTION_WARP
+
+    class Spy:
+        def launch(self, *args, **kw):
+            launched.append(kw["grid"])
+            return real.launch(*args, **kw)
+
+    monkeypatch.setattr(attention, "DECODE_ATTENTION_WARP", Spy())
     case(np.random.default_rng(17))
+    assert launched, "the warp kernel did not run"
 
 
 @pytest.mark.cuda

@@ -309,3 +309,35 @@ def test_exact_tokens_of_unsupported_dtype_are_refused(rng):
         run(np.zeros((g, 1, d), np.float64))
     with pytest.raises(ValueError, match="exact_scales: int8 exact tokens need"):
         run(np.zeros((g, 1, d), np.int8))
+
+
+def test_warp_kernel_dispatch_rules():
+    """The warp kernel runs on CUDA without a logit bias or QJL correction at head_dim 32, 64
+    or 128 with whole warps per block; the knob switches it off; anything else runs the
+    block kernel."""
+    from numba_kv import knobs
+    from numba_kv.ops.attention import use_warp_kernel
+
+    assert use_warp_kernel("cuda", 128, False, False)
+    assert use_warp_kernel("cuda", 32, False, False)
+    assert not use_warp_kernel("cpu", 128, False, False)
+    assert not use_warp_kernel("cuda", 128, True, False)
+    assert not use_warp_kernel("cuda", 128, False, True)
+    assert not use_warp_kernel("cuda", 256, False, False)
+    assert not use_warp_kernel("cuda", 96, False, False)
+    with knobs(cuda_warp_attention=0):
+        assert not use_warp_kernel("cuda", 128, False, False)
+    with knobs(cuda_threads=96):
+        assert use_warp_kernel("cuda", 128, False, False)
+
+
+def test_warp_partition_size_formula():
+    """About n_rows·T/16384 tokens per warp, in multiples of 32 within 64..1024."""
+    from numba_kv.ops.attention import default_partition_size
+
+    assert default_partition_size(131072, 64, "cuda", warp=True) == 512      # 8·8 rows × 128K
+    assert default_partition_size(131072, 256, "cuda", warp=True) == 1024    # capped
+    assert default_partition_size(4096, 8, "cuda", warp=True) == 64          # floor
+    assert default_partition_size(100_000, 10, "cuda", warp=True) == 64      # ceil(61.03) -> 64
+    assert default_partition_size(300_000, 10, "cuda", warp=True) == 192     # ceil(183.1) -> 192
+    assert default_partition_size(4096, 8, "cuda") == 256                    # the block kernel

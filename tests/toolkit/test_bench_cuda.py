@@ -147,5 +147,7 @@ def test_whole_flow_with_numpy_dressed_as_cupy(monkeypatch):
         assert r.gpu == "Fake GPU" and r.peak_gb_per_s == 16.0 and r.provenance["gpu"] == "Fake GPU"
         assert "cpu_model" in r.provenance and r.note == ""
         assert r.fused_ms > 0 and r.dense_fp16_ms > 0 and r.dequant_ms > 0
+        # fused and dequantize-then-attend read the same codes: float32 round-off apart
+        assert 0 <= r.max_abs_diff_vs_dequant < 1e-5, r.max_abs_diff_vs_dequant
         assert r.packed_bytes == bench_cuda.packed_bytes(r.tokens, r.batch, r.bits, 2, 2, 32)
     assert "Fake GPU" in bench_cuda.render(rows)
