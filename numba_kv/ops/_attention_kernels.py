@@ -10,7 +10,7 @@ per-thread array of head_dim size).  Both run the single-source cores of
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float32, int64, prange
+from numba import cuda, float32, int64, prange, uint8
 
 from .._config import MAX_CUDA_THREADS
 from .._jit import FASTMATH_REDUCE, cpu_kernel, cuda_kernel, twin
@@ -54,18 +54,19 @@ from ._attention_cpu import (
 from ._attention_warp import (
     SIMULATED,
     VPL,
+    WARP_PW,
     WARP_QS,
     WARP_ROWS,
     WARP_STATE,
     WARP_VALUES,
+    WARP_VRAW,
+    WARP_VSC,
     XBUF,
-    compressed_loop,
-    exact_lane,
-    fold_token,
+    compressed_tiles,
+    exact_tiles,
     init_state,
     merge_slots,
     row_limits,
-    uniform_widths,
 )
 from ._registry import register
 
@@ -329,8 +330,8 @@ def _decode_attention_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_e
     coop_store_rows_dev(acc, m, lsum, rb, d, g, p, r0, part_m, part_l, part_acc, tid, nth)
 
 
-# Warp kernel: no launch bounds needed (no shared memory, ~100 registers: 4-5 blocks of 128
-# threads per SM); its registers are pinned in tests/cuda/test_resources.py.
+# Warp kernel: no launch bounds (ptxas keeps it spill-free on sm_80 and sm_90 unbounded); its
+# resources are checked with every kernel's in tests/cuda/test_resources.py.
 @cuda_kernel
 def _decode_attention_warp_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kes, ves,
                                 exact_kind, kcent, vcent, kbits, koff, vbits, voff, sshift, scale_table,
@@ -339,72 +340,62 @@ def _decode_attention_warp_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve
     """Warp-per-partition flash-decoding kernel (no logit bias, no QJL correction).
 
     Launch contract: grid ``(n_g, ceil(n_parts / warps per block), n_chunks)`` with whole
-    warps per block, ``head_dim`` in 32, 64, 128, 256 (:func:`warp_ok`) and at most
+    warps per block, ``head_dim`` in 32, 64, 128 (:func:`warp_ok`) and at most
     :data:`WARP_ROWS` query rows per chunk.  Warp ``w`` of block ``(g, y, c)`` runs
     partition ``p = y·warps + w`` of KV row ``g`` for query rows ``c·rb …`` and writes its
-    ``(m, l, acc)`` like the block kernel.  Lane ``ℓ`` holds coordinates ``8·(ℓ mod L) …``
-    (``L = head_dim / 8``) of token slot ``ℓ // L``: per step the warp decodes ``32 / L``
-    tokens (K and V loaded together), sums each score over its ``L`` lanes with xor
-    shuffles and folds it into the slot's online softmax in registers; at the end the slots
-    are merged with shuffles and lane group 0 stores the partition.  ``has_bias`` and
-    ``has_qjl`` must be false (the host launches the block kernel for those).
+    ``(m, l, acc)`` like the block kernel, 32 tokens at a time: lane ``ℓ`` scores token
+    ``t0 + ℓ`` against every row and stages its V bytes; the tile's softmax is two warp
+    butterflies; then each lane accumulates ``p·v`` for its 4 coordinates over the tile
+    (layouts in :mod:`numba_kv.ops._attention_warp`).  ``has_bias`` and ``has_qjl`` must be
+    false (the host launches the block kernel for those).
     """
     xbuf = cuda.shared.array(XBUF, dtype=float32)  # the simulator's exchanges only
     qs = cuda.shared.array(WARP_QS, dtype=float32)
+    vraw = cuda.shared.array(WARP_VRAW, dtype=uint8)
+    vsc = cuda.shared.array(WARP_VSC, dtype=float32)
+    pw = cuda.shared.array(WARP_PW, dtype=float32)
     rows = qr.shape[1]
     d = qr.shape[2]
     n_parts = part_m.shape[1]
     g = cuda.blockIdx.x
     tid = cuda.threadIdx.x
-    p = cuda.blockIdx.y * (cuda.blockDim.x >> 5) + (tid >> 5)
+    lane = tid & 31
+    wid = tid >> 5
+    p = cuda.blockIdx.y * (cuda.blockDim.x >> 5) + wid
     rb = (rows + cuda.gridDim.z - 1) // cuda.gridDim.z
     r0 = cuda.blockIdx.z * rb
     rb = min(rb, rows - r0)
     nl = d // VPL
-    slot = (tid & 31) // nl
-    sub = (tid & 31) - slot * nl
+    slot = lane // nl
+    sub = lane - slot * nl
     active = p < n_parts and rb > 0
     compressed, t_lo, t_hi = partition_bounds_dev(min(p, n_parts - 1), n_comp_parts, part_size, n_comp, n_exact)
     if not active:
         t_hi = t_lo
-    # the block's query rows, rotated (for compressed partitions) and raw (exact ones), shared
-    # by its warps: the registers go to the accumulators
+    # the block's query rows, rotated (for compressed partitions) and raw (exact ones)
     for u in range(tid, 2 * WARP_ROWS * d, cuda.blockDim.x):
         half = u // (WARP_ROWS * d)
         r = (u - half * WARP_ROWS * d) // d
         qs[u] = (q if half else qr)[g, min(r0 + r, rows - 1), u % d]
     cuda.syncthreads()
-    qo = (0 if compressed else WARP_ROWS * d) + sub * VPL
-    st = cuda.local.array(WARP_STATE, dtype=float32)  # per row: m, l, alpha, p
+    st = cuda.local.array(WARP_STATE, dtype=float32)  # per row: m, l, alpha
     acc = cuda.local.array(WARP_VALUES, dtype=float32)
-    kx = cuda.local.array(VPL, dtype=float32)
-    vx = cuda.local.array(VPL, dtype=float32)
+    sc = cuda.local.array(WARP_ROWS, dtype=float32)
+    tmp = cuda.local.array(WARP_ROWS, dtype=float32)
     lim = cuda.local.array(WARP_ROWS, dtype=int64)
-    init_state(st, acc, kx, vx)
+    init_state(st, acc, sc)
     row_limits(lim, rb, r0, q_pos0, q_len, causal)
-    # simulator: every warp of the block takes the same number of steps (block barriers)
+    # simulator: every warp of the block takes the same number of tiles (block barriers)
     span = part_size if SIMULATED else t_hi - t_lo
-    tpw = 32 // nl
-    if compressed:  # one loop per token kind: each keeps only its own addressing live
-        b = sub >> 3  # 8 lanes per 32-coordinate block, 2 per packing group
-        kb = kbits[b]
-        vb = vbits[b]
-        ko = koff[b] + ((sub >> 1) & 3) * kb
-        vo = voff[b] + ((sub >> 1) & 3) * vb
-        compressed_loop(uniform_widths(kbits, vbits), kb, vb, kc[g], ks[g], vc[g], vs[g], ko, vo, kcent[b], vcent[b],
-                        b >> sshift, scale_table, t_lo, t_hi, span, slot, comp_pos0, qs, qo, d, lim, softmax_scale,
-                        st, acc, nl, sub & 1, xbuf, tid)
+    # one loop per token kind: each keeps only its own arrays' addressing live
+    if compressed:
+        compressed_tiles(kc[g], ks[g], vc[g], vs[g], kbits, koff, vbits, voff, kcent, vcent, sshift, scale_table,
+                         t_lo, t_hi, span, comp_pos0, qs, d, lim, softmax_scale, st, acc, sc, tmp, vraw, vsc, pw,
+                         xbuf, tid)
     else:
-        for step in range(0, span, tpw):
-            t = t_lo + step + slot
-            valid = t < t_hi
-            pos = int64(0)
-            if valid:
-                exact_lane(ke, kes, exact_kind, g, t, sub, scale_table, kx)
-                exact_lane(ve, ves, exact_kind, g, t, sub, scale_table, vx)
-                pos = int64(exact_pos[t])
-            fold_token(kx, vx, valid, pos, qs, qo, t >> 62, d, lim, softmax_scale, st, acc, nl, xbuf, tid)
-    merge_slots(st, acc, nl, xbuf, tid)
+        exact_tiles(ke, ve, kes, ves, exact_kind, exact_pos, g, scale_table, t_lo, t_hi, span, qs, WARP_ROWS * d, d,
+                    lim, softmax_scale, st, acc, sc, tmp, pw, xbuf, tid)
+    merge_slots(acc, nl, xbuf, tid)
     if active and slot == 0:
         for r in range(WARP_ROWS):
             if r < rb:

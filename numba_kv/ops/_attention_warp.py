@@ -1,19 +1,25 @@
 """Warp-level device helpers of the warp-per-partition CUDA decode attention.
 
-The kernel (:func:`numba_kv.ops._attention_kernels` ``_decode_attention_warp_cuda``) gives
-each warp one partition of one KV row.  A token is spread over ``L = head_dim / 8`` lanes,
-each lane holding one group of eight coordinates (the unit of the code packing: ``bits``
-bytes), so a warp works on ``32 / L`` tokens per step; scores are summed over the ``L``
-lanes of a token by xor butterflies, and the query rows, running maxima, sums and
-accumulators stay in registers.  No shared memory, no block barrier: nothing but the warp
-synchronizes, and a warp streams its tokens with its K and V bytes loaded together.
+The kernel (``_decode_attention_warp_cuda`` in :mod:`numba_kv.ops._attention_kernels`) gives
+each warp one partition of one KV row and walks it in tiles of 32 tokens, in two layouts
+(the split of FlashDecoding-style GPU decode kernels):
 
-Numba's CUDA simulator has no warp shuffles.  Under it (``NUMBA_ENABLE_CUDASIM=1``, read
-once at import) :func:`lanes_reduce` exchanges through shared memory between two block
-barriers instead and sums in the butterfly's order, which gives the same values as long
-as every thread of the block calls it the same number of times (the kernel keeps its
-loops block-uniform there).  Everything else -- decoding, masking, the online softmax --
-is the same code in both builds.
+* **scores, one token per lane**: lane ``ℓ`` decodes the whole K vector of token ``t0 + ℓ``
+  (the packed bytes of its own row; mixed widths cost nothing extra, every lane is at the
+  same block) and forms the scores of all :data:`WARP_ROWS` query rows against the query
+  rows staged in shared memory (every lane reads the same address: a broadcast).  The
+  tile's softmax statistics are then two butterflies over the warp.  The lane also copies
+  its token's packed V bytes and decoded V scales to the warp's shared staging area;
+* **values, coordinates per lane**: lane ``ℓ`` owns coordinates ``4·(ℓ mod L) … + 3``
+  (``L = head_dim / 4`` lanes per token) of token slot ``ℓ // L`` and accumulates
+  ``p_u · v_u`` over the tile's tokens ``u ≡ slot (mod 32 / L)``, decoding its four V
+  values from the staged bytes; the slots are summed at the end of the partition.
+
+Per token, a lane does the work of one token, not a 1/32 share of every token's softmax,
+and the accumulators are 16 registers.  Numba's CUDA simulator has no warp shuffles or
+warp barrier: there (``NUMBA_ENABLE_CUDASIM=1``, read once at import) :func:`lanes_reduce`
+exchanges through shared memory between block barriers and :func:`warp_sync` is a block
+barrier, so the kernel keeps every such call block-uniform in that build.
 """
 
 from __future__ import annotations
@@ -26,41 +32,50 @@ from .. import _backend
 from .._jit import cuda_device
 from ._attention_cores import NEG_INF, exact_scale_dev, exact_value_dev
 
-__all__ = ["LOOP_ANY", "LOOP_K2V2", "LOOP_K3V3", "LOOP_K4V3", "LOOP_K4V4", "SIMULATED", "VPL", "WARP_QS", "WARP_ROWS",
-           "WARP_STATE", "WARP_VALUES", "XBUF", "compressed_loop", "exact_lane", "fold_token",
-           "init_state", "lanes_reduce", "merge_slots", "reduce_scores", "row_limits", "softmax_rows", "uniform_widths",
-           "warp_ok"]
+__all__ = ["SIMULATED", "TILE", "VPL", "VROW", "VSC", "WARP_PW", "WARP_QS", "WARP_ROWS", "WARP_STATE", "WARP_VALUES",
+           "WARP_VRAW", "WARP_VSC", "XBUF", "compressed_tiles", "exact_tiles", "init_state",
+           "lanes_reduce", "merge_slots", "pv_compressed", "pv_exact",
+           "row_limits", "scores_compressed", "scores_exact", "stage_values", "tile_softmax", "uniform_widths",
+           "warp_ok", "warp_sync"]
 
-#: the simulator build (shared-memory exchanges, block-uniform loops)
+#: the simulator build (shared-memory exchanges, block-uniform barriers)
 SIMULATED = _backend.simulator_enabled()
-#: coordinates per lane: half a packing group (a group of eight indices is ``bits`` bytes);
-#: four keep a lane's accumulators at 16 registers
+#: tokens per warp tile (one per lane in the score layout)
+TILE = 32
+#: coordinates per lane in the value layout
 VPL = 4
-#: query rows a warp keeps in registers (8 values each per lane; more rows run as more
-#: row chunks of the grid's z axis)
+#: query rows a warp works on (more rows run as more row chunks of the grid's z axis)
 WARP_ROWS = 4
-#: register values of a lane for all its rows (query or accumulator)
+#: a lane's accumulators (value layout) and online-softmax state (m, l, alpha, spare per row)
 WARP_VALUES = WARP_ROWS * VPL
-#: online-softmax state of a lane's rows: m, l and a scratch value per row
 WARP_STATE = WARP_ROWS * 4
-#: shared floats of a block's query rows: rotated and raw, head_dim <= 128
-WARP_QS = 2 * WARP_ROWS * 128
+#: largest head_dim (32 lanes × 4 coordinates)
+MAX_WARP_HEAD_DIM = 128
+#: staged packed V bytes per token (head_dim 128 at 4 bits) and decoded scales per token
+VROW = MAX_WARP_HEAD_DIM // 2
+VSC = MAX_WARP_HEAD_DIM // 32
+_MAX_WARPS = 8  # MAX_CUDA_THREADS / 32
+#: static shared memory of a block: query rows (rotated and raw), per-warp staged V bytes,
+#: V scales and the tile's weights
+WARP_QS = 2 * WARP_ROWS * MAX_WARP_HEAD_DIM
+WARP_VRAW = _MAX_WARPS * TILE * VROW
+WARP_VSC = _MAX_WARPS * TILE * VSC
+WARP_PW = _MAX_WARPS * WARP_ROWS * TILE
 _FULL = 0xFFFFFFFF
-
-
-def warp_ok(d: int, threads: int) -> bool:
-    """Whether the warp kernel handles head_dim ``d`` with ``threads`` per block: ``VPL``
-    coordinates per lane, a power-of-two number of lanes per token, at most a warp (``d``
-    in 32, 64, 128) and whole warps."""
-    return d in (32, 64, 128) and threads % 32 == 0
-
-
-#: per-thread float32 slots of the simulator's exchange buffer (the kernel declares
-#: ``XBUF`` floats of shared memory: one in the GPU build, where it is never touched)
+#: per-thread float32 slots of the simulator's exchange buffer (one float in the GPU build,
+#: where it is never touched)
 XBUF_SLOTS = 8
 XBUF = 1 if not SIMULATED else 256 * XBUF_SLOTS
 
 
+def warp_ok(d: int, threads: int) -> bool:
+    """Whether the warp kernel handles head_dim ``d`` with ``threads`` per block: a power of
+    two up to 32 lanes of :data:`VPL` coordinates per token (``d`` in 32, 64, 128), whole
+    warps."""
+    return d in (32, 64, 128) and threads % 32 == 0
+
+
+# --- warp primitives (shuffles on a GPU, shared memory in the simulator) -------------------
 def _reduce_shfl(vals, o, n, h0, h1, is_max, xbuf, tid):
     for j in range(n):
         x = vals[o + j]
@@ -73,16 +88,16 @@ def _reduce_shfl(vals, o, n, h0, h1, is_max, xbuf, tid):
 
 
 def _reduce_shared(vals, o, n, h0, h1, is_max, xbuf, tid):
-    # the same tree as the butterfly (pairs at lane distance h0, then 2·h0, ...; + and max
-    # are commutative, so every lane of the group gets the butterfly's value bit for bit),
-    # through shared memory between two barriers per call instead of per level
+    # the butterfly's tree (pairs at lane distance h0, then 2·h0, ...; + and max are
+    # commutative, so every lane gets the butterfly's value bit for bit) through shared
+    # memory, two barriers per call
     cuda.syncthreads()
     for j in range(n):
         xbuf[tid * XBUF_SLOTS + j] = vals[o + j]
     cuda.syncthreads()
     if h0 >= h1:
         return
-    base = tid - (tid & (h1 - h0))  # this lane with the reduced lane bits cleared
+    base = tid - (tid & (h1 - h0))
     n_m = h1 // h0
     tmp = cuda.local.array(32, dtype=float32)
     for j in range(n):
@@ -97,93 +112,31 @@ def _reduce_shared(vals, o, n, h0, h1, is_max, xbuf, tid):
 
 
 #: ``vals[o:o + n]``, each reduced (sum, or max with ``is_max``) over the lanes that differ
-#: from this one in the lane bits ``h0 … h1/2`` (powers of two; xor butterfly on a GPU:
-#: every lane of the group ends with the same value).  Every lane of the warp calls it;
-#: in the simulator build every thread of the block (see the module docstring).
+#: from this one in lane bits ``h0 … h1/2`` (powers of two; an xor butterfly on a GPU, after
+#: which every lane of the group holds the same value).  Every lane of the warp calls it.
 lanes_reduce = cuda_device(_reduce_shared if SIMULATED else _reduce_shfl)
 
 
+def _sync_warp():
+    cuda.syncwarp(_FULL)
+
+
+def _sync_block():
+    cuda.syncthreads()
+
+
+#: the warp's shared-memory writes become visible to its lanes (``__syncwarp``; a block
+#: barrier in the simulator build)
+warp_sync = cuda_device(_sync_block if SIMULATED else _sync_warp)
+
+
+# --- state --------------------------------------------------------------------------------
 @cuda_device
-def decode_lane(crow, p, bits, cent, sa, dst):
-    """``dst[k] = sa · cent[idx_k]``, ``k < 8``: one group of eight ``bits``-wide indices
-    packed LSB first in ``crow[p:p + bits]`` -- the generic branch of
-    :func:`numba_kv.ops._attention_cores._decode8` (the same values), one code path for
-    every width: the kernel decodes a block of any width per lane (mixed widths) without
-    the registers of four specialized decoders."""
-    w = int64(0)
-    for j in range(bits):
-        w |= int64(crow[p + j]) << (8 * j)
-    mask = (int64(1) << bits) - 1
-    for k in range(8):
-        dst[k] = cent[(w >> (bits * k)) & mask] * sa
-
-
-def _make_compressed_loop(nbk: int, nbv: int):
-    """The token loop of a compressed partition for K codes ``nbk`` and V codes ``nbv`` bits
-    wide in every block (constant shifts and masks), or of any layout (``0``: each lane's
-    block width ``kb``/``vb`` at run time; mixed widths, 1 bit).
-
-    A token's packed bytes and scales are loaded first (K and V together), then each value
-    is decoded as it is used: the score of every row as one K value at a time is formed, and
-    the accumulators as one V value at a time is formed -- no decoded token is held in
-    registers (same products and sums, in the same order, as the decoded-tile kernels)."""
-
-    def loop(kcg, ksg, vcg, vsg, ko, vo, kb, vb, kct, vct, sb, table, t_lo, t_hi, span, slot, comp_pos0, qs, qo, d,
-             lim, softmax_scale, st, acc, nl, half, xbuf, tid):
-        kbits = nbk if nbk else kb
-        vbits = nbv if nbv else vb
-        ksh = half * VPL * kbits  # this lane's half of the group
-        vsh = half * VPL * vbits
-        kmask = (int64(1) << kbits) - 1
-        vmask = (int64(1) << vbits) - 1
-        for step in range(0, span, 32 // nl):
-            t = t_lo + step + slot
-            valid = t < t_hi
-            kw = int64(0)
-            vw = int64(0)
-            ksa = float32(0.0)
-            vsa = float32(0.0)
-            if valid:  # K and V bytes of the token loaded together
-                for j in range(kbits):
-                    kw |= int64(kcg[t, ko + j]) << (8 * j)
-                for j in range(vbits):
-                    vw |= int64(vcg[t, vo + j]) << (8 * j)
-                ksa = table[ksg[t, sb]]
-                vsa = table[vsg[t, sb]]
-            salt = t >> 62  # 0; keeps the query loads per token (see fold_token)
-            for r in range(WARP_ROWS):
-                st[4 * r + 2] = float32(0.0)
-            for k in range(VPL):
-                x = kct[(kw >> (ksh + kbits * k)) & kmask] * ksa
-                for r in range(WARP_ROWS):
-                    st[4 * r + 2] += qs[qo + salt + r * d + k] * x
-            softmax_rows(valid, comp_pos0 + t, lim, softmax_scale, st, nl, xbuf, tid)
-            for k in range(VPL):
-                y = vct[(vw >> (vsh + vbits * k)) & vmask] * vsa
-                for r in range(WARP_ROWS):
-                    acc[r * VPL + k] = acc[r * VPL + k] * st[4 * r + 2] + st[4 * r + 3] * y
-
-    loop.__name__ = loop.__qualname__ = f"compressed_loop_k{nbk}v{nbv}"
-    return cuda_device(loop)
-
-
-@cuda_device
-def exact_lane(exact, exact_scales, exact_kind, g, t, sub, table, dst):
-    """``dst[0:VPL]`` = coordinates ``VPL·sub …`` of exact token ``t`` of KV row ``g``, read
-    in its stored dtype (:func:`numba_kv.ops._attention_cores._exact_value`)."""
-    es = exact_scale_dev(exact_scales, g, t, exact_kind, table)
-    for k in range(VPL):
-        dst[k] = exact_value_dev(exact[g, t, sub * VPL + k], exact_kind, es, table)
-
-
-@cuda_device
-def init_state(st, acc, kx, vx):
-    """Empty online-softmax state of every row: ``m = -inf``, ``l = 0``, ``acc = 0``; zero
-    token values (a masked step reads finite stale values, never uninitialized ones)."""
-    for k in range(VPL):
-        kx[k] = float32(0.0)
-        vx[k] = float32(0.0)
+def init_state(st, acc, sc):
+    """Empty online-softmax state of every row: ``m = -inf``, ``l = 0``, ``acc = 0`` (and
+    zero scores: a masked lane never reads an uninitialized value)."""
     for r in range(WARP_ROWS):
+        sc[r] = float32(0.0)
         st[4 * r] = NEG_INF
         st[4 * r + 1] = float32(0.0)
         for k in range(VPL):
@@ -191,51 +144,10 @@ def init_state(st, acc, kx, vx):
 
 
 @cuda_device
-def fold_token(kx, vx, valid, pos, qs, qo, salt, d, lim, softmax_scale, st, acc, nl, xbuf, tid):
-    """Fold this lane group's token (its K and V values ``kx``/``vx``, position ``pos``; none
-    unless ``valid``) into the online softmax of every row.  ``salt`` is 0, computed from
-    the token index: the compiler then reads the query values from shared memory per token
-    instead of hoisting all of them into registers (40 registers more, seen in ptxas)."""
-    for r in range(WARP_ROWS):
-        s = float32(0.0)
-        for k in range(VPL):
-            s += qs[qo + salt + r * d + k] * kx[k]
-        st[4 * r + 2] = s
-    softmax_rows(valid, pos, lim, softmax_scale, st, nl, xbuf, tid)
-    for r in range(WARP_ROWS):
-        for k in range(VPL):
-            acc[r * VPL + k] = acc[r * VPL + k] * st[4 * r + 2] + st[4 * r + 3] * (vx[k] if valid else float32(0.0))
-
-
-@cuda_device
-def softmax_rows(valid, pos, lim, softmax_scale, st, nl, xbuf, tid):
-    """Online-softmax step of one token for every row (Milakov & Gimelshein,
-    arXiv:1805.02867): the partial scores ``st[4·r + 2]`` are summed over the token's ``nl``
-    lanes, scaled, masked unless ``valid`` and ``pos <= lim[r]`` (:func:`row_limits`); the
-    running ``m``/``l`` (``st[4·r]``, ``st[4·r + 1]``) move on and ``st[4·r + 2]``,
-    ``st[4·r + 3]`` become the accumulator's rescale ``alpha = exp(m_old − m_new)`` and the
-    token's weight ``p = exp(s − m_new)`` (exact zeros for a masked token or an empty state,
-    never NaN)."""
-    reduce_scores(st, nl, xbuf, tid)
-    for r in range(WARP_ROWS):
-        s = st[4 * r + 2] * softmax_scale
-        if not (valid and pos <= lim[r]):
-            s = NEG_INF
-        m_old = st[4 * r]
-        m_new = max(m_old, s)
-        alpha = math.exp(m_old - m_new) if m_old != NEG_INF else float32(0.0)
-        w = math.exp(s - m_new) if s != NEG_INF else float32(0.0)
-        st[4 * r] = m_new
-        st[4 * r + 1] = st[4 * r + 1] * alpha + w
-        st[4 * r + 2] = alpha
-        st[4 * r + 3] = w
-
-
-@cuda_device
 def row_limits(lim, rb, r0, q_pos0, q_len, causal):
     """``lim[r]``: the last position query row ``r0 + r`` sees (the causal rule of
-    :func:`numba_kv.ops._attention_cores._visible`, its modulo hoisted out of the token
-    loop); ``-1`` for a row past ``rb`` (sees nothing)."""
+    ``_visible`` in :mod:`numba_kv.ops._attention_cores`, its modulo out of the token loop);
+    ``-1`` for a row past ``rb`` (sees nothing)."""
     for r in range(WARP_ROWS):
         if r >= rb:
             lim[r] = int64(-1)
@@ -245,76 +157,206 @@ def row_limits(lim, rb, r0, q_pos0, q_len, causal):
             lim[r] = int64(0x7FFFFFFFFFFFFFFF)
 
 
-@cuda_device
-def reduce_scores(st, nl, xbuf, tid):
-    """The rows' partial scores ``st[4·r + 2]`` summed over the token's ``nl`` lanes."""
-    sc = cuda.local.array(WARP_ROWS, dtype=float32)
-    for r in range(WARP_ROWS):
-        sc[r] = st[4 * r + 2]
-    lanes_reduce(sc, 0, WARP_ROWS, 1, nl, False, xbuf, tid)
-    for r in range(WARP_ROWS):
-        st[4 * r + 2] = sc[r]
+# --- score layout: one token per lane -------------------------------------------------------
+def _make_scores(nbits: int):
+    """Scores of one compressed token against every row: ``sc[r] = Σ_j q_r[j] · k[j]`` in
+    coordinate order, ``k`` decoded block by block (``nbits`` wide everywhere, or ``0``: each
+    block's own width).  Constant widths give constant shifts and masks."""
+
+    def scores(krow, ksrow, kbits, koff, kcent, sshift, table, qs, qo, d, sc):
+        for r in range(WARP_ROWS):
+            sc[r] = float32(0.0)
+        for b in range(d // 32):
+            bits = nbits if nbits else kbits[b]
+            mask = (int64(1) << bits) - 1
+            sa = table[ksrow[b >> sshift]]
+            o = koff[b]
+            # 4 groups, a count the compiler cannot see: unrolled, the loop would schedule
+            # all 128 query loads of a block up front (ptxas then took 168 registers)
+            for grp in range(4 + (b >> 62)):
+                w = int64(0)
+                for j in range(bits):
+                    w |= int64(krow[o + grp * bits + j]) << (8 * j)
+                for k in range(8):
+                    x = kcent[b, (w >> (bits * k)) & mask] * sa
+                    jj = qo + b * 32 + grp * 8 + k
+                    for r in range(WARP_ROWS):
+                        sc[r] += qs[jj + r * d] * x
+
+    scores.__name__ = scores.__qualname__ = f"scores_k{nbits}"
+    return cuda_device(scores)
+
+
+_SCORES_ANY, _SCORES_3, _SCORES_4 = (_make_scores(n) for n in (0, 3, 4))
 
 
 @cuda_device
-def merge_slots(st, acc, nl, xbuf, tid):
-    """Merge the online-softmax states of the warp's token slots (lane bits ``nl … 16``):
-    every lane ends with its partition's ``m``/``l`` in ``st[4·r]``/``st[4·r + 1]`` and its
-    eight accumulator columns in ``acc``."""
-    sc = cuda.local.array(WARP_ROWS, dtype=float32)
+def scores_compressed(uniform, krow, ksrow, kbits, koff, kcent, sshift, table, qs, qo, d, sc):
+    """:func:`_make_scores` with constant widths for uniform 3- and 4-bit K codes (the same
+    branch on every lane: all lanes read the same layout)."""
+    if uniform and kbits[0] == 3:
+        _SCORES_3(krow, ksrow, kbits, koff, kcent, sshift, table, qs, qo, d, sc)
+    elif uniform and kbits[0] == 4:
+        _SCORES_4(krow, ksrow, kbits, koff, kcent, sshift, table, qs, qo, d, sc)
+    else:
+        _SCORES_ANY(krow, ksrow, kbits, koff, kcent, sshift, table, qs, qo, d, sc)
+
+
+@cuda_device
+def uniform_widths(kbits):
+    """Whether every block of K has the same width."""
+    ok = True
+    for b in range(1, kbits.shape[0]):
+        ok = ok and kbits[b] == kbits[0]
+    return ok
+
+
+@cuda_device
+def scores_exact(ke, kes, exact_kind, g, t, table, qs, qo, d, sc):
+    """Scores of exact token ``t`` (read in its stored dtype) against every row."""
     for r in range(WARP_ROWS):
-        sc[r] = st[4 * r]
-    lanes_reduce(sc, 0, WARP_ROWS, nl, 32, True, xbuf, tid)
+        sc[r] = float32(0.0)
+    es = exact_scale_dev(kes, g, t, exact_kind, table)
+    for j in range(d):
+        x = exact_value_dev(ke[g, t, j], exact_kind, es, table)
+        for r in range(WARP_ROWS):
+            sc[r] += qs[qo + j + r * d] * x
+
+
+@cuda_device
+def stage_values(vrow, vsrow, nbytes, nb, sshift, table, vraw, vo, vsc, so):
+    """Copy this lane's token's packed V bytes (``nbytes``) to ``vraw[vo:]`` and its ``nb``
+    block scales, decoded, to ``vsc[so:]`` (one per 32-coordinate block)."""
+    for j in range(nbytes):
+        vraw[vo + j] = vrow[j]
+    for b in range(nb):
+        vsc[so + b] = table[vsrow[b >> sshift]]
+
+
+@cuda_device
+def tile_softmax(sc, valid, pos, lim, softmax_scale, st, tmp, xbuf, tid):
+    """Online-softmax step of a tile (Milakov & Gimelshein, arXiv:1805.02867): this lane's
+    logits ``sc[r]`` (scaled; ``-inf`` unless ``valid`` and ``pos <= lim[r]``) against the
+    warp's tile max; ``st[4·r]``/``st[4·r + 1]`` (``m``, ``l``, the same on every lane) move
+    on, ``st[4·r + 2]`` becomes the accumulators' rescale ``alpha = exp(m_old − m_new)`` and
+    ``sc[r]`` this lane's weight ``p = exp(s − m_new)`` (exact zeros for a masked token or
+    an empty state, never NaN)."""
     for r in range(WARP_ROWS):
-        f = math.exp(st[4 * r] - sc[r]) if st[4 * r] != NEG_INF else float32(0.0)
-        st[4 * r] = sc[r]
-        st[4 * r + 1] = st[4 * r + 1] * f
+        s = sc[r] * softmax_scale
+        sc[r] = s if valid and pos <= lim[r] else NEG_INF
+        tmp[r] = sc[r]
+    lanes_reduce(tmp, 0, WARP_ROWS, 1, 32, True, xbuf, tid)
+    for r in range(WARP_ROWS):
+        m_old = st[4 * r]
+        m_new = max(m_old, tmp[r])
+        st[4 * r] = m_new
+        st[4 * r + 2] = math.exp(m_old - m_new) if m_old != NEG_INF else float32(0.0)
+        sc[r] = math.exp(sc[r] - m_new) if sc[r] != NEG_INF else float32(0.0)
+        tmp[r] = sc[r]
+    lanes_reduce(tmp, 0, WARP_ROWS, 1, 32, False, xbuf, tid)
+    for r in range(WARP_ROWS):
+        st[4 * r + 1] = st[4 * r + 1] * st[4 * r + 2] + tmp[r]
+
+
+# --- value layout: coordinates per lane ---------------------------------------------------
+@cuda_device
+def pv_compressed(n_tok, slot, tpw, sub, vbits, voff, vcent, vraw, vbase, vsc, sbase, pw, pbase, st, acc):
+    """``acc[r] = alpha_r·acc[r] + Σ_u p_u,r · v_u`` over the tile's staged tokens ``u =
+    slot, slot + tpw, … < n_tok`` for this lane's coordinates ``4·sub … 4·sub + 3`` (half of
+    packing group ``(sub >> 1) & 3`` of block ``sub >> 3``)."""
+    b = sub >> 3
+    bits = vbits[b]
+    mask = (int64(1) << bits) - 1
+    o = voff[b] + ((sub >> 1) & 3) * bits
+    sh = (sub & 1) * VPL * bits
+    for r in range(WARP_ROWS):
         for k in range(VPL):
-            acc[r * VPL + k] = acc[r * VPL + k] * f
+            acc[r * VPL + k] = acc[r * VPL + k] * st[4 * r + 2]
+    for u in range(slot, n_tok, tpw):
+        w = int64(0)
+        for j in range(bits):
+            w |= int64(vraw[vbase + u * VROW + o + j]) << (8 * j)
+        sa = vsc[sbase + u * VSC + b]
+        for k in range(VPL):
+            y = vcent[b, (w >> (sh + bits * k)) & mask] * sa
+            for r in range(WARP_ROWS):
+                acc[r * VPL + k] += pw[pbase + r * TILE + u] * y
+
+
+@cuda_device
+def pv_exact(n_tok, slot, tpw, sub, ve, ves, exact_kind, g, t0, table, pw, pbase, st, acc):
+    """:func:`pv_compressed` for exact tokens ``t0 + u``, read from ``ve`` in their stored
+    dtype."""
     for r in range(WARP_ROWS):
-        sc[r] = st[4 * r + 1]
-    lanes_reduce(sc, 0, WARP_ROWS, nl, 32, False, xbuf, tid)
+        for k in range(VPL):
+            acc[r * VPL + k] = acc[r * VPL + k] * st[4 * r + 2]
+    for u in range(slot, n_tok, tpw):
+        es = exact_scale_dev(ves, g, t0 + u, exact_kind, table)
+        for k in range(VPL):
+            y = exact_value_dev(ve[g, t0 + u, sub * VPL + k], exact_kind, es, table)
+            for r in range(WARP_ROWS):
+                acc[r * VPL + k] += pw[pbase + r * TILE + u] * y
+
+
+@cuda_device
+def merge_slots(acc, nl, xbuf, tid):
+    """Sum the accumulators of the warp's token slots (lane bits ``nl … 16``): the slots
+    share ``m`` and ``l``, so their sums add up."""
     for r in range(WARP_ROWS):
-        st[4 * r + 1] = sc[r]
         lanes_reduce(acc, r * VPL, VPL, nl, 32, False, xbuf, tid)
 
 
-#: compressed-partition loops: K and V both 2, 3 or 4 bits in every block, K 4 / V 3 bits,
-#: and any layout (mixed widths per block, 1 bit)
-LOOP_K2V2 = _make_compressed_loop(2, 2)
-LOOP_K3V3 = _make_compressed_loop(3, 3)
-LOOP_K4V4 = _make_compressed_loop(4, 4)
-LOOP_K4V3 = _make_compressed_loop(4, 3)
-LOOP_ANY = _make_compressed_loop(0, 0)
+# --- the tile loops -----------------------------------------------------------------------
+@cuda_device
+def compressed_tiles(kcg, ksg, vcg, vsg, kbits, koff, vbits, voff, kcent, vcent, sshift, table, t_lo, t_hi, span,
+                     comp_pos0, qs, d, lim, softmax_scale, st, acc, sc, tmp, vraw, vsc, pw, xbuf, tid):
+    """The tiles of a compressed partition ``[t_lo, t_hi)`` of one KV row (``kcg``… are its
+    ``[capacity, ·]`` codes and scales): scores (token per lane), the tile softmax, the
+    staged V bytes, then ``p·v`` (coordinates per lane).  (At most 30 arguments per call:
+    CPython passes more as ``*args``, which Numba cannot inline.)"""
+    k_uniform = uniform_widths(kbits)
+    nl = d // VPL
+    lane = tid & 31
+    slot = lane // nl
+    sub = lane - slot * nl
+    wid = tid >> 5
+    vbase, sbase, pbase = wid * TILE * VROW, wid * TILE * VSC, wid * WARP_ROWS * TILE
+    for t0 in range(t_lo, t_lo + span, TILE):
+        t = t0 + lane
+        valid = t < t_hi
+        if valid:
+            scores_compressed(k_uniform, kcg[t], ksg[t], kbits, koff, kcent, sshift, table, qs, 0, d, sc)
+            stage_values(vcg[t], vsg[t], vcg.shape[1], d // 32, sshift, table, vraw, vbase + lane * VROW, vsc,
+                         sbase + lane * VSC)
+        tile_softmax(sc, valid, comp_pos0 + t, lim, softmax_scale, st, tmp, xbuf, tid)
+        for r in range(WARP_ROWS):
+            pw[pbase + r * TILE + lane] = sc[r]
+        warp_sync()
+        pv_compressed(min(TILE, t_hi - t0), slot, 32 // nl, sub, vbits, voff, vcent, vraw, vbase, vsc, sbase, pw,
+                      pbase, st, acc)
+        warp_sync()  # before the next tile overwrites the staging area
 
 
 @cuda_device
-def compressed_loop(uniform, kb, vb, kcg, ksg, vcg, vsg, ko, vo, kct, vct, sb, table, t_lo, t_hi, span, slot,
-                    comp_pos0, qs, qo, d, lim, softmax_scale, st, acc, nl, half, xbuf, tid):
-    """The token loop of a compressed partition, specialized by width when every block of K
-    has width ``kb`` and every block of V ``vb`` (``uniform``; the same branch for every
-    lane of the block, so the warp's shuffles stay converged)."""
-    if uniform and kb == 3 and vb == 3:
-        LOOP_K3V3(kcg, ksg, vcg, vsg, ko, vo, kb, vb, kct, vct, sb, table, t_lo, t_hi, span, slot, comp_pos0, qs, qo,
-                  d, lim, softmax_scale, st, acc, nl, half, xbuf, tid)
-    elif uniform and kb == 4 and vb == 4:
-        LOOP_K4V4(kcg, ksg, vcg, vsg, ko, vo, kb, vb, kct, vct, sb, table, t_lo, t_hi, span, slot, comp_pos0, qs, qo,
-                  d, lim, softmax_scale, st, acc, nl, half, xbuf, tid)
-    elif uniform and kb == 4 and vb == 3:
-        LOOP_K4V3(kcg, ksg, vcg, vsg, ko, vo, kb, vb, kct, vct, sb, table, t_lo, t_hi, span, slot, comp_pos0, qs, qo,
-                  d, lim, softmax_scale, st, acc, nl, half, xbuf, tid)
-    elif uniform and kb == 2 and vb == 2:
-        LOOP_K2V2(kcg, ksg, vcg, vsg, ko, vo, kb, vb, kct, vct, sb, table, t_lo, t_hi, span, slot, comp_pos0, qs, qo,
-                  d, lim, softmax_scale, st, acc, nl, half, xbuf, tid)
-    else:
-        LOOP_ANY(kcg, ksg, vcg, vsg, ko, vo, kb, vb, kct, vct, sb, table, t_lo, t_hi, span, slot, comp_pos0, qs, qo,
-                 d, lim, softmax_scale, st, acc, nl, half, xbuf, tid)
-
-
-@cuda_device
-def uniform_widths(kbits, vbits):
-    """Whether every block of K has one width and every block of V one width."""
-    ok = True
-    for b in range(1, kbits.shape[0]):
-        ok = ok and kbits[b] == kbits[0] and vbits[b] == vbits[0]
-    return ok
+def exact_tiles(ke, ve, kes, ves, exact_kind, exact_pos, g, table, t_lo, t_hi, span, qs, qo, d, lim, softmax_scale,
+                st, acc, sc, tmp, pw, xbuf, tid):
+    """:func:`compressed_tiles` for the exact tokens (sinks, window) in their stored dtype,
+    against the raw query rows at ``qs[qo:]``; the same barriers per tile."""
+    nl = d // VPL
+    lane = tid & 31
+    slot = lane // nl
+    sub = lane - slot * nl
+    pbase = (tid >> 5) * WARP_ROWS * TILE
+    for t0 in range(t_lo, t_lo + span, TILE):
+        t = t0 + lane
+        valid = t < t_hi
+        pos = int64(0)
+        if valid:
+            scores_exact(ke, kes, exact_kind, g, t, table, qs, qo, d, sc)
+            pos = int64(exact_pos[t])
+        tile_softmax(sc, valid, pos, lim, softmax_scale, st, tmp, xbuf, tid)
+        for r in range(WARP_ROWS):
+            pw[pbase + r * TILE + lane] = sc[r]
+        warp_sync()
+        pv_exact(min(TILE, t_hi - t0), slot, 32 // nl, sub, ve, ves, exact_kind, g, t0, table, pw, pbase, st, acc)
+        warp_sync()

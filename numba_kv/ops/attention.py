@@ -47,7 +47,7 @@ from ._attention_kernels import (
     MERGE_PARTITIONS,
     rows_per_block,
 )
-from ._attention_warp import WARP_ROWS, warp_ok
+from ._attention_warp import VROW, WARP_ROWS, warp_ok
 from .codebook import Codebook, get_codebook
 from .finite import check_finite, check_rotation_input
 from .gather import to_like
@@ -248,7 +248,8 @@ def fused_attention_rows(qr: Any, q: Any, kc: Any, ks: Any, vc: Any, vs: Any, n_
     n_g, rows, d = qr.shape
     dev = _backend.device_of("q", qr)
     n_exact = int(n_exact)
-    warp = use_warp_kernel(dev, d, bias is not None, qjl is not None)
+    # (the warp kernel stages each token's packed V bytes: at most VROW per token)
+    warp = use_warp_kernel(dev, d, bias is not None, qjl is not None) and int(vc.shape[2]) <= VROW
     if part_size is None:
         part_size = default_partition_size(max(n_comp, n_exact, 1), n_g, dev, warp)
     n_cp = -(-n_comp // part_size)
