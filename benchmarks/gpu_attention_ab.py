@@ -5,7 +5,7 @@ d = 128) with each CUDA kernel, alternating, best of ``--repeat`` CUDA-event tim
 round:
 
 * ``block``: the block-per-(KV row, partition) kernel (``cuda_warp_attention=0``), compiled
-  with its launch bounds (256, 2);
+  with its launch bounds (256, 2), and with ``--block-unbounded`` also without them;
 * ``warp``: the warp-per-partition kernel (the default), as shipped (no launch bounds) and
   compiled with launch bounds (256, 2) (128 registers: 4 blocks of 128 threads per SM).
 
@@ -37,14 +37,17 @@ def copy_gbs(cupy, nbytes: int = 4 << 30, repeat: int = 10) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
-def variants():
+def variants(block_unbounded: bool = False):
     """``name -> (twin name, kernel, cuda_warp_attention knob)``."""
     blk, wrp = TWINS["decode_attention"], TWINS["decode_attention_warp"]
-    return {
+    out = {
         "warp": ("decode_attention_warp", wrp.cuda, 1),
         "warp bounds(256,2)": ("decode_attention_warp", cuda.jit(wrp.cuda.py_func, launch_bounds=(256, 2)), 1),
         "block bounds(256,2)": ("decode_attention", blk.cuda, 0),
     }
+    if block_unbounded:
+        out["block no bounds"] = ("decode_attention", cuda.jit(blk.cuda.py_func), 0)
+    return out
 
 
 def main() -> None:
@@ -54,11 +57,12 @@ def main() -> None:
     ap.add_argument("--bits", default="3,4")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--block-unbounded", action="store_true")
     args = ap.parse_args()
     cupy = require_cupy()
     print(provenance_line())
     print(f"device-to-device copy: {copy_gbs(cupy):.0f} GB/s (read + written)", flush=True)
-    var = variants()
+    var = variants(args.block_unbounded)
     shipped = {n: TWINS[n].cuda for n in ("decode_attention", "decode_attention_warp")}
     hkv, groups, d = 8, 4, 128
     rng = cupy.random.default_rng(0)
