@@ -53,7 +53,6 @@ from ._attention_cpu import (
 )
 from ._attention_warp import (
     SIMULATED,
-    VPL,
     WARP_PW,
     WARP_QS,
     WARP_ROWS,
@@ -65,8 +64,8 @@ from ._attention_warp import (
     compressed_tiles,
     exact_tiles,
     init_state,
-    merge_slots,
     row_limits,
+    store_partition,
 )
 from ._registry import register
 
@@ -359,15 +358,10 @@ def _decode_attention_warp_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve
     n_parts = part_m.shape[1]
     g = cuda.blockIdx.x
     tid = cuda.threadIdx.x
-    lane = tid & 31
-    wid = tid >> 5
-    p = cuda.blockIdx.y * (cuda.blockDim.x >> 5) + wid
+    p = cuda.blockIdx.y * (cuda.blockDim.x >> 5) + (tid >> 5)
     rb = (rows + cuda.gridDim.z - 1) // cuda.gridDim.z
     r0 = cuda.blockIdx.z * rb
     rb = min(rb, rows - r0)
-    nl = d // VPL
-    slot = lane // nl
-    sub = lane - slot * nl
     active = p < n_parts and rb > 0
     compressed, t_lo, t_hi = partition_bounds_dev(min(p, n_parts - 1), n_comp_parts, part_size, n_comp, n_exact)
     if not active:
@@ -395,15 +389,7 @@ def _decode_attention_warp_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve
     else:
         exact_tiles(ke, ve, kes, ves, exact_kind, exact_pos, g, scale_table, t_lo, t_hi, span, qs, WARP_ROWS * d, d,
                     lim, softmax_scale, st, acc, sc, tmp, pw, xbuf, tid)
-    merge_slots(acc, nl, xbuf, tid)
-    if active and slot == 0:
-        for r in range(WARP_ROWS):
-            if r < rb:
-                for k in range(VPL):
-                    part_acc[g, p, r0 + r, sub * VPL + k] = acc[r * VPL + k]
-                if sub == 0:
-                    part_m[g, p, r0 + r] = st[4 * r]
-                    part_l[g, p, r0 + r] = st[4 * r + 1]
+    store_partition(st, acc, active, rb, g, p, r0, d, part_m, part_l, part_acc, xbuf, tid)
 
 
 @cuda_kernel

@@ -33,7 +33,8 @@ from .._jit import cuda_device
 from ._attention_cores import NEG_INF, exact_scale_dev, exact_value_dev
 
 __all__ = ["SIMULATED", "TILE", "VPL", "VROW", "VSC", "WARP_PW", "WARP_QS", "WARP_ROWS", "WARP_STATE", "WARP_VALUES",
-           "WARP_VRAW", "WARP_VSC", "XBUF", "compressed_tiles", "exact_tiles", "init_state",
+           "WARP_VRAW", "WARP_VSC", "XBUF", "compressed_tiles", "exact_tiles", "init_state", "page_slot",
+           "paged_compressed_tiles", "paged_float_tiles", "store_partition",
            "lanes_reduce", "merge_slots", "pv_compressed", "pv_exact",
            "row_limits", "scores_compressed", "scores_exact", "stage_values", "tile_softmax", "uniform_widths",
            "warp_ok", "warp_sync"]
@@ -360,3 +361,99 @@ def exact_tiles(ke, ve, kes, ves, exact_kind, exact_pos, g, table, t_lo, t_hi, s
         warp_sync()
         pv_exact(min(TILE, t_hi - t0), slot, 32 // nl, sub, ve, ves, exact_kind, g, t0, table, pw, pbase, st, acc)
         warp_sync()
+
+
+# --- paged pools --------------------------------------------------------------------------
+@cuda_device
+def page_slot(kv_indices, first, page_size, t):
+    """``(page, slot)`` of token ``t`` of a sequence whose page list starts at
+    ``kv_indices[first]``."""
+    i = t // page_size
+    return int64(kv_indices[first + i]), t - i * page_size
+
+
+@cuda_device
+def paged_compressed_tiles(kc, ks, vc, vs, h, kv_indices, first, page_size, kbits, koff, vbits, voff, kcent, vcent,
+                           table, t_lo, t_hi, span, qs, lim, softmax_scale, st, acc, sc, tmp, vraw, vsc, pw, xbuf, tid):
+    """:func:`compressed_tiles` for a paged pool of codes: token ``t`` of the sequence is
+    slot ``t % page_size`` of page ``kv_indices[first + t // page_size]``, KV head ``h``
+    (codes ``[page, h, slot, ·]``, one scale per 32-coordinate block); its position is ``t``.
+    (head_dim is ``32 · len(kbits)``: 30 arguments at most, see :func:`compressed_tiles`.)"""
+    d = kbits.shape[0] * 32
+    k_uniform = uniform_widths(kbits)
+    nl = d // VPL
+    lane = tid & 31
+    slot = lane // nl
+    sub = lane - slot * nl
+    wid = tid >> 5
+    vbase, sbase, pbase = wid * TILE * VROW, wid * TILE * VSC, wid * WARP_ROWS * TILE
+    for t0 in range(t_lo, t_lo + span, TILE):
+        t = t0 + lane
+        valid = t < t_hi
+        if valid:
+            page, ps = page_slot(kv_indices, first, page_size, t)
+            scores_compressed(k_uniform, kc[page, h, ps], ks[page, h, ps], kbits, koff, kcent, 0, table, qs, 0, d, sc)
+            stage_values(vc[page, h, ps], vs[page, h, ps], vc.shape[3], d // 32, 0, table, vraw, vbase + lane * VROW,
+                         vsc, sbase + lane * VSC)
+        tile_softmax(sc, valid, t, lim, softmax_scale, st, tmp, xbuf, tid)
+        for r in range(WARP_ROWS):
+            pw[pbase + r * TILE + lane] = sc[r]
+        warp_sync()
+        pv_compressed(min(TILE, t_hi - t0), slot, 32 // nl, sub, vbits, voff, vcent, vraw, vbase, vsc, sbase, pw,
+                      pbase, st, acc)
+        warp_sync()
+
+
+@cuda_device
+def paged_float_tiles(kp, vp, h, kv_indices, first, page_size, t_lo, t_hi, span, qs, qo, d, lim, softmax_scale, st,
+                      acc, sc, tmp, pw, xbuf, tid):
+    """:func:`paged_compressed_tiles` for a float32 pool (``[page, h, slot, d]``), against the
+    raw query rows at ``qs[qo:]``."""
+    nl = d // VPL
+    lane = tid & 31
+    slot = lane // nl
+    sub = lane - slot * nl
+    pbase = (tid >> 5) * WARP_ROWS * TILE
+    for t0 in range(t_lo, t_lo + span, TILE):
+        t = t0 + lane
+        valid = t < t_hi
+        if valid:
+            page, ps = page_slot(kv_indices, first, page_size, t)
+            for r in range(WARP_ROWS):
+                sc[r] = float32(0.0)
+            for j in range(d):
+                x = kp[page, h, ps, j]
+                for r in range(WARP_ROWS):
+                    sc[r] += qs[qo + j + r * d] * x
+        tile_softmax(sc, valid, t, lim, softmax_scale, st, tmp, xbuf, tid)
+        for r in range(WARP_ROWS):
+            pw[pbase + r * TILE + lane] = sc[r]
+        warp_sync()
+        for r in range(WARP_ROWS):
+            for k in range(VPL):
+                acc[r * VPL + k] = acc[r * VPL + k] * st[4 * r + 2]
+        for u in range(slot, min(TILE, t_hi - t0), 32 // nl):
+            page, ps = page_slot(kv_indices, first, page_size, t0 + u)
+            for k in range(VPL):
+                y = vp[page, h, ps, sub * VPL + k]
+                for r in range(WARP_ROWS):
+                    acc[r * VPL + k] += pw[pbase + r * TILE + u] * y
+        warp_sync()
+
+
+@cuda_device
+def store_partition(st, acc, active, rb, g, p, r0, d, part_m, part_l, part_acc, xbuf, tid):
+    """Sum the token slots' accumulators (:func:`merge_slots`), then lane group 0 writes
+    partition ``p``'s ``(m, l, acc)`` of rows ``r0 … r0 + rb − 1`` of KV row ``g``."""
+    nl = d // VPL
+    merge_slots(acc, nl, xbuf, tid)
+    lane = tid & 31
+    sub = lane % nl
+    if active and lane < nl:
+        for r in range(WARP_ROWS):
+            if r < rb:
+                for k in range(VPL):
+                    part_acc[g, p, r0 + r, sub * VPL + k] = acc[r * VPL + k]
+                if sub == 0:
+                    part_m[g, p, r0 + r] = st[4 * r]
+                    part_l[g, p, r0 + r] = st[4 * r + 1]

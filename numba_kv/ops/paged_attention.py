@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from numba import cuda, float32, prange
+from numba import cuda, float32, int64, prange, uint8
 
 from .. import _backend
 from .._jit import FASTMATH_REDUCE, cpu_kernel, cpu_serial, cuda_kernel
@@ -46,8 +46,32 @@ from ._attention_kernels import (
     SMEM_TILE,
     tile_tokens_dev,
 )
+from ._attention_warp import (
+    SIMULATED,
+    VROW,
+    WARP_PW,
+    WARP_QS,
+    WARP_ROWS,
+    WARP_STATE,
+    WARP_VALUES,
+    WARP_VRAW,
+    WARP_VSC,
+    XBUF,
+    init_state,
+    paged_compressed_tiles,
+    paged_float_tiles,
+    row_limits,
+    store_partition,
+)
 from ._registry import register
-from .attention import F16_ABS_TABLE, CodeLayout, default_partition_size, launch_attention, launch_merge
+from .attention import (
+    F16_ABS_TABLE,
+    CodeLayout,
+    default_partition_size,
+    launch_attention,
+    launch_merge,
+    use_warp_kernel,
+)
 from .finite import check_finite
 from .hadamard import SIGNS32, rotate32, rotate32_rows
 
@@ -186,6 +210,62 @@ def _paged_decode_attention_cuda(qr, q, kc, ks, vc, vs, kp, vp, compressed, kv_i
     coop_store_rows_dev(acc, m, lsum, rb, d, g, p, r0, part_m, part_l, part_acc, tid, nth)
 
 
+@cuda_kernel
+def _paged_decode_attention_warp_cuda(qr, q, kc, ks, vc, vs, kp, vp, compressed, kv_indptr, kv_indices,
+                                      kv_last_page_len, page_size, n_kv_heads, kcent, vcent, kbits, koff, vbits, voff,
+                                      scale_table, softmax_scale, q_len, causal, part_size, part_m, part_l, part_acc):
+    """Warp-per-partition paged kernel (the flat warp kernel's tiles, page addressing).
+
+    Launch contract: grid ``(n_seq·num_kv_heads, ceil(n_parts / warps per block),
+    n_chunks)`` with whole warps per block, ``head_dim`` in 32, 64, 128 and at most
+    :data:`WARP_ROWS` query rows per chunk.  Warp ``w`` of block ``(g, y, c)`` runs
+    partition ``y·warps + w`` of sequence·KV head ``g`` (empty past the sequence's end: it
+    stores ``m = -inf``) as the flat warp kernel does (:mod:`numba_kv.ops._attention_warp`).
+    """
+    xbuf = cuda.shared.array(XBUF, dtype=float32)  # the simulator's exchanges only
+    qs = cuda.shared.array(WARP_QS, dtype=float32)
+    vraw = cuda.shared.array(WARP_VRAW, dtype=uint8)
+    vsc = cuda.shared.array(WARP_VSC, dtype=float32)
+    pw = cuda.shared.array(WARP_PW, dtype=float32)
+    rows = qr.shape[1]
+    d = qr.shape[2]
+    n_parts = part_m.shape[1]
+    g = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    p = cuda.blockIdx.y * (cuda.blockDim.x >> 5) + (tid >> 5)
+    rb = (rows + cuda.gridDim.z - 1) // cuda.gridDim.z
+    r0 = cuda.blockIdx.z * rb
+    rb = min(rb, rows - r0)
+    active = p < n_parts and rb > 0
+    seq = g // n_kv_heads
+    h = g - seq * n_kv_heads
+    first, T, t_lo, t_hi = paged_bounds_dev(seq, min(p, n_parts - 1), part_size, kv_indptr, kv_last_page_len,
+                                            page_size)
+    if not active or t_hi < t_lo:
+        t_hi = t_lo
+    for u in range(tid, 2 * WARP_ROWS * d, cuda.blockDim.x):
+        half = u // (WARP_ROWS * d)
+        r = (u - half * WARP_ROWS * d) // d
+        qs[u] = (q if half else qr)[g, min(r0 + r, rows - 1), u % d]
+    cuda.syncthreads()
+    st = cuda.local.array(WARP_STATE, dtype=float32)
+    acc = cuda.local.array(WARP_VALUES, dtype=float32)
+    sc = cuda.local.array(WARP_ROWS, dtype=float32)
+    tmp = cuda.local.array(WARP_ROWS, dtype=float32)
+    lim = cuda.local.array(WARP_ROWS, dtype=int64)
+    init_state(st, acc, sc)
+    row_limits(lim, rb, r0, T - q_len, q_len, causal)
+    span = part_size if SIMULATED else t_hi - t_lo
+    if compressed:
+        paged_compressed_tiles(kc, ks, vc, vs, h, kv_indices, first, page_size, kbits, koff, vbits, voff, kcent, vcent,
+                               scale_table, t_lo, t_hi, span, qs, lim, softmax_scale, st, acc, sc, tmp, vraw, vsc, pw,
+                               xbuf, tid)
+    else:
+        paged_float_tiles(kp, vp, h, kv_indices, first, page_size, t_lo, t_hi, span, qs, WARP_ROWS * d, d, lim,
+                          softmax_scale, st, acc, sc, tmp, pw, xbuf, tid)
+    store_partition(st, acc, active, rb, g, p, r0, d, part_m, part_l, part_acc, xbuf, tid)
+
+
 _PSIG = ("void(float32[:, :, ::1], float32[:, :, ::1], uint8[:, :, :, ::1], uint16[:, :, :, ::1], "
          "uint8[:, :, :, ::1], uint16[:, :, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], boolean, "
          "int32[::1], int32[::1], int32[::1], int64, int64, float32[:, ::1], float32[:, ::1], int64[::1], "
@@ -193,6 +273,9 @@ _PSIG = ("void(float32[:, :, ::1], float32[:, :, ::1], uint8[:, :, :, ::1], uint
          "float32[:, :, ::1], float32[:, :, :, ::1])")
 PAGED_DECODE_ATTENTION = register("paged_decode_attention", _paged_decode_attention_cpu,
                                   _paged_decode_attention_cuda, [_PSIG])
+# the same op as one warp per partition (same arguments and partition results)
+PAGED_DECODE_ATTENTION_WARP = register("paged_decode_attention_warp", _paged_decode_attention_cpu,
+                                       _paged_decode_attention_warp_cuda, [_PSIG])
 
 
 def _check_kind(k_pages: Any, v_pages: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales: Any) -> None:
@@ -317,8 +400,10 @@ def paged_decode_attention(q: Any, page_table: Sequence[Any], *, k_pages: Any = 
         qr = rotate32(q3)  # checks that the rotation stays finite (a host read on the device)
     else:  # the caller vouched for q: no read back
         qr = rotate32_rows(q3.reshape(g * rows, d)).reshape(g, rows, d)
+    # the warp kernel stages each token's packed V bytes: at most VROW per token
+    warp = use_warp_kernel(dev, d, False, False) and (not compressed or int(arrays[2].shape[3]) <= VROW)
     if partition_size is None:
-        partition_size = default_partition_size(max(lens), g, dev)
+        partition_size = default_partition_size(max(lens), g, dev, warp)
     n_parts = max(1, -(-max(lens) // partition_size))
     part_m = _backend.empty(q3, (g, n_parts, rows), np.float32)
     part_l = _backend.empty(q3, (g, n_parts, rows), np.float32)
@@ -332,7 +417,8 @@ def paged_decode_attention(q: Any, page_table: Sequence[Any], *, k_pages: Any = 
     scale = np.float32(d ** -0.5 if softmax_scale is None else softmax_scale)
     args = (qr, q3, *arrays, compressed, indptr, indices, last, page_size, hkv, *lay, c(F16_ABS_TABLE), scale, ql,
             bool(causal), int(partition_size), part_m, part_l, part_acc)
-    launch_attention(dev, PAGED_DECODE_ATTENTION, args, g, n_parts, rows, d, g * rows * d * sum(lens) // n_seq)
+    launch_attention(dev, PAGED_DECODE_ATTENTION_WARP if warp else PAGED_DECODE_ATTENTION, args, g, n_parts, rows, d,
+                     g * rows * d * sum(lens) // n_seq, warp)
     signs = c(SIGNS32)
     launch_merge(dev, (part_m, part_l, part_acc, n_parts if compressed else 0, signs, False, signs, out), g, rows, d,
                  g * rows * d * n_parts)

@@ -37,11 +37,12 @@ def test_attention_kernels_use_shared_memory_not_local(name):
 
 
 @pytest.mark.ptx
-def test_warp_kernel_reduces_with_shuffles():
-    """The warp-per-partition kernel sums scores and merges its token slots with warp
-    shuffles (xor butterflies), holds its state in registers (no local memory) and has a
+@pytest.mark.parametrize("name", ["decode_attention_warp", "paged_decode_attention_warp"])
+def test_warp_kernel_reduces_with_shuffles(name):
+    """The warp-per-partition kernels sum scores and merge their token slots with warp
+    shuffles (xor butterflies), hold their state in registers (no local memory) and have a
     single block barrier, the one after the block's query rows are staged."""
-    ptx = kernel_ptx("decode_attention_warp", (9, 0))
+    ptx = kernel_ptx(name, (9, 0))
     assert len(re.findall(r"\bshfl\.sync\.bfly\.b32\b", ptx)) >= 8
     assert local_bytes(ptx) == 0
     assert len(re.findall(r"\bbar\.sync\b|\bbarrier\.sync\b", ptx)) == 1

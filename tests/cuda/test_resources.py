@@ -25,8 +25,9 @@ from numba_kv.ops import TWINS
 
 #: kernels that declare shared memory: their launch also depends on the SM's shared memory,
 #: which differs between architectures (100 KiB on 8.6/8.9), so they are checked on all four
-SHARED_MEMORY_KERNELS = ("decode_attention", "decode_attention_warp", "paged_decode_attention", "merge_partitions",
-                         "rotate_head", "quantize_head", "dequantize_head")
+SHARED_MEMORY_KERNELS = ("decode_attention", "decode_attention_warp", "paged_decode_attention",
+                         "paged_decode_attention_warp", "merge_partitions", "rotate_head", "quantize_head",
+                         "dequantize_head")
 #: kernels allowed local memory (spills, stack, local arrays), with the reason: none
 LOCAL_EXCEPTIONS: dict[str, str] = {}
 CASES = [(name, cc) for name in sorted(TWINS) for cc in ((8, 0), (9, 0))]

@@ -188,13 +188,14 @@ def _paged_ragged(rng):
 
 
 RUNNERS = {"decode_attention": _decode_cases, "merge_partitions": _decode_cases,
-           "paged_decode_attention": _paged_ragged, "decode_attention_warp": _stored_window_dtypes}
+           "paged_decode_attention": _paged_ragged, "decode_attention_warp": _stored_window_dtypes,
+           "paged_decode_attention_warp": _paged_ragged}
 
 
 _CASES = [_gqa_causal_window, _row_chunks, _exact_positions_masked, _mixed_layout, _stored_window_dtypes,
           _head_rotation_qjl, _head_dim_256, _paged_ragged]
-# the cases without a logit bias or QJL correction, on the flat layout: what the warp kernel runs
-_WARP_CASES = [_row_chunks, _exact_positions_masked_no_bias, _mixed_layout, _stored_window_dtypes]
+# the cases without a logit bias or QJL correction at head_dim <= 128: what the warp kernels run
+_WARP_CASES = [_row_chunks, _exact_positions_masked_no_bias, _mixed_layout, _stored_window_dtypes, _paged_ragged]
 
 
 @pytest.mark.cuda
@@ -210,17 +211,21 @@ def test_cooperative_attention_matches_cpu_twin(case):
 def test_warp_attention_matches_cpu_twin(case, monkeypatch):
     """The warp kernel (the default where it applies) on the same cases; it must be the
     kernel that ran."""
-    from numba_kv.ops import attention
+    from numba_kv.ops import attention, paged_attention
 
     launched = []
-    real = attention.DECODE_ATTENTION_WARP
 
     class Spy:
+        def __init__(self, real):
+            self.real = real
+
         def launch(self, *args, **kw):
             launched.append(kw["grid"])
-            return real.launch(*args, **kw)
+            return self.real.launch(*args, **kw)
 
-    monkeypatch.setattr(attention, "DECODE_ATTENTION_WARP", Spy())
+    monkeypatch.setattr(attention, "DECODE_ATTENTION_WARP", Spy(attention.DECODE_ATTENTION_WARP))
+    monkeypatch.setattr(paged_attention, "PAGED_DECODE_ATTENTION_WARP",
+                        Spy(paged_attention.PAGED_DECODE_ATTENTION_WARP))
     case(np.random.default_rng(17))
     assert launched, "the warp kernel did not run"
 
