@@ -172,9 +172,7 @@ def _make_scores(nbits: int):
             mask = (int64(1) << bits) - 1
             sa = table[ksrow[b >> sshift]]
             o = koff[b]
-            # 4 groups, a count the compiler cannot see: unrolled, the loop would schedule
-            # all 128 query loads of a block up front (ptxas then took 168 registers)
-            for grp in range(4 + (b >> 62)):
+            for grp in range(4):
                 w = int64(0)
                 for j in range(bits):
                     w |= int64(krow[o + grp * bits + j]) << (8 * j)
