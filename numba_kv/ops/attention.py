@@ -79,8 +79,21 @@ def check_cuda_head_dim(d: int) -> None:
 
 
 def use_warp_kernel(dev: str, d: int, has_bias: bool, has_qjl: bool) -> bool:
-    """Whether the flat decode on ``dev`` runs the warp kernel (CUDA, the
-    ``cuda_warp_attention`` knob on, no logit bias, no QJL correction, a head_dim it takes)."""
+    """Whether a decode on ``dev`` runs a warp kernel (flat or paged) instead of a block kernel.
+
+    Parameters
+    ----------
+    dev : {"cpu", "cuda"}
+    d : int
+        head_dim (the warp kernels take 32, 64 and 128).
+    has_bias, has_qjl : bool
+        A logit bias or the QJL correction (only the block kernels apply them).
+
+    Returns
+    -------
+    bool
+        CUDA, the ``cuda_warp_attention`` knob on, neither extra, a head_dim and a block size
+        (whole warps) the warp kernels take."""
     return (dev == _backend.CUDA and not has_bias and not has_qjl and bool(_config.get("cuda_warp_attention"))
             and warp_ok(d, cuda_block_threads()))
 
@@ -111,10 +124,11 @@ def launch_merge(dev: str, margs: tuple, n_g: int, rows: int, d: int, work: int)
 def default_partition_size(n_tokens: int, n_rows_kv: int, device: str, warp: bool = False) -> int:
     """Tokens per partition: enough partitions to occupy the machine, at least one tile.
 
-    ``warp``: for the warp kernel (one warp per partition), about ``n_rows_kv · n_tokens /
-    16384`` tokens per warp (16K warps, ~120 per SM of an H100, enough to hide memory
-    latency) in multiples of 32 between 64 and 1024: longer partitions would leave SMs idle,
-    shorter ones make the merge read more partial sums than the kernel reads codes."""
+    ``warp``: for the warp kernels (one warp per partition), about ``n_rows_kv · n_tokens /
+    16384`` tokens per warp (about 16K warps, some 120 queued per SM of an H100) in
+    multiples of 32 between 64 and 1024: much longer partitions would leave SMs idle at
+    small batch, shorter ones make the merge's partial sums a larger share of the bytes
+    read."""
     if device == _backend.CPU:
         want = 4 * numba.get_num_threads()
         per = -(-n_tokens // max(1, -(-want // max(n_rows_kv, 1))))
