@@ -65,7 +65,9 @@ from ._attention_warp import (
     exact_tiles,
     init_state,
     row_limits,
+    stage_queries,
     store_partition,
+    warp_geometry,
 )
 from ._registry import register
 
@@ -356,22 +358,11 @@ def _decode_attention_warp_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve
     rows = qr.shape[1]
     d = qr.shape[2]
     n_parts = part_m.shape[1]
-    g = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    p = cuda.blockIdx.y * (cuda.blockDim.x >> 5) + (tid >> 5)
-    rb = (rows + cuda.gridDim.z - 1) // cuda.gridDim.z
-    r0 = cuda.blockIdx.z * rb
-    rb = min(rb, rows - r0)
-    active = p < n_parts and rb > 0
+    g, tid, p, rb, r0, active = warp_geometry(rows, n_parts)
     compressed, t_lo, t_hi = partition_bounds_dev(min(p, n_parts - 1), n_comp_parts, part_size, n_comp, n_exact)
     if not active:
         t_hi = t_lo
-    # the block's query rows, rotated (for compressed partitions) and raw (exact ones)
-    for u in range(tid, 2 * WARP_ROWS * d, cuda.blockDim.x):
-        half = u // (WARP_ROWS * d)
-        r = (u - half * WARP_ROWS * d) // d
-        qs[u] = (q if half else qr)[g, min(r0 + r, rows - 1), u % d]
-    cuda.syncthreads()
+    stage_queries(qs, qr, q, g, r0, rows, d, tid)
     st = cuda.local.array(WARP_STATE, dtype=float32)  # per row: m, l, alpha
     acc = cuda.local.array(WARP_VALUES, dtype=float32)
     sc = cuda.local.array(WARP_ROWS, dtype=float32)

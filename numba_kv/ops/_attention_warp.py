@@ -33,11 +33,11 @@ from .._jit import cuda_device
 from ._attention_cores import NEG_INF, exact_scale_dev, exact_value_dev
 
 __all__ = ["SIMULATED", "TILE", "VPL", "VROW", "VSC", "WARP_PW", "WARP_QS", "WARP_ROWS", "WARP_STATE", "WARP_VALUES",
-           "WARP_VRAW", "WARP_VSC", "XBUF", "compressed_tiles", "exact_tiles", "init_state", "page_slot",
-           "paged_compressed_tiles", "paged_float_tiles", "store_partition",
-           "lanes_reduce", "merge_slots", "pv_compressed", "pv_exact",
-           "row_limits", "scores_compressed", "scores_exact", "stage_values", "tile_softmax", "uniform_widths",
-           "warp_ok", "warp_sync"]
+           "WARP_VRAW", "WARP_VSC", "XBUF", "compressed_tiles", "exact_tiles", "init_state", "lanes_reduce",
+           "merge_slots", "page_slot", "paged_compressed_tiles", "paged_float_tiles", "publish_weights",
+           "pv_compressed", "pv_exact", "row_limits", "scores_compressed", "scores_exact", "stage_queries",
+           "stage_values", "store_partition", "tile_softmax", "uniform_widths", "warp_geometry", "warp_ok",
+           "warp_sync"]
 
 #: the simulator build (shared-memory exchanges, block-uniform barriers)
 SIMULATED = _backend.simulator_enabled()
@@ -129,6 +129,34 @@ def _sync_block():
 #: the warp's shared-memory writes become visible to its lanes (``__syncwarp``; a block
 #: barrier in the simulator build)
 warp_sync = cuda_device(_sync_block if SIMULATED else _sync_warp)
+
+
+# --- kernel set-up --------------------------------------------------------------------------
+@cuda_device
+def warp_geometry(rows, n_parts):
+    """``(g, tid, p, rb, r0, active)`` of this thread under the warp kernels' launch contract:
+    KV row ``g`` (grid x), partition ``p`` (grid y · warps per block + warp), the ``rb`` query
+    rows from ``r0`` of this row chunk (grid z), and whether the warp has work."""
+    g = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    p = cuda.blockIdx.y * (cuda.blockDim.x >> 5) + (tid >> 5)
+    rb = (rows + cuda.gridDim.z - 1) // cuda.gridDim.z
+    r0 = cuda.blockIdx.z * rb
+    rb = min(rb, rows - r0)
+    return g, tid, p, rb, r0, p < n_parts and rb > 0
+
+
+@cuda_device
+def stage_queries(qs, qr, q, g, r0, rows, d, tid):
+    """The block's query rows ``r0 …`` of KV row ``g`` into shared memory: rotated
+    (``qs[0:WARP_ROWS·d]``, for compressed tokens) and raw (``qs[WARP_ROWS·d:]``, for
+    float tokens); rows past ``rows`` repeat the last one (their scores are masked).  Ends
+    with a block barrier."""
+    for u in range(tid, 2 * WARP_ROWS * d, cuda.blockDim.x):
+        half = u // (WARP_ROWS * d)
+        r = (u - half * WARP_ROWS * d) // d
+        qs[u] = (q if half else qr)[g, min(r0 + r, rows - 1), u % d]
+    cuda.syncthreads()
 
 
 # --- state --------------------------------------------------------------------------------
@@ -257,6 +285,16 @@ def tile_softmax(sc, valid, pos, lim, softmax_scale, st, tmp, xbuf, tid):
         st[4 * r + 1] = st[4 * r + 1] * st[4 * r + 2] + tmp[r]
 
 
+@cuda_device
+def publish_weights(sc, valid, pos, lim, softmax_scale, st, tmp, pw, pbase, xbuf, tid):
+    """:func:`tile_softmax`, then this lane's weights to the warp's ``pw[pbase + r·TILE +
+    lane]`` for the value layout (visible to the warp when it returns)."""
+    tile_softmax(sc, valid, pos, lim, softmax_scale, st, tmp, xbuf, tid)
+    for r in range(WARP_ROWS):
+        pw[pbase + r * TILE + (tid & 31)] = sc[r]
+    warp_sync()
+
+
 # --- value layout: coordinates per lane ---------------------------------------------------
 @cuda_device
 def pv_compressed(n_tok, slot, tpw, sub, vbits, voff, vcent, vraw, vbase, vsc, sbase, pw, pbase, st, acc):
@@ -327,10 +365,7 @@ def compressed_tiles(kcg, ksg, vcg, vsg, kbits, koff, vbits, voff, kcent, vcent,
             scores_compressed(k_uniform, kcg[t], ksg[t], kbits, koff, kcent, sshift, table, qs, 0, d, sc)
             stage_values(vcg[t], vsg[t], vcg.shape[1], d // 32, sshift, table, vraw, vbase + lane * VROW, vsc,
                          sbase + lane * VSC)
-        tile_softmax(sc, valid, comp_pos0 + t, lim, softmax_scale, st, tmp, xbuf, tid)
-        for r in range(WARP_ROWS):
-            pw[pbase + r * TILE + lane] = sc[r]
-        warp_sync()
+        publish_weights(sc, valid, comp_pos0 + t, lim, softmax_scale, st, tmp, pw, pbase, xbuf, tid)
         pv_compressed(min(TILE, t_hi - t0), slot, 32 // nl, sub, vbits, voff, vcent, vraw, vbase, vsc, sbase, pw,
                       pbase, st, acc)
         warp_sync()  # before the next tile overwrites the staging area
@@ -353,10 +388,7 @@ def exact_tiles(ke, ve, kes, ves, exact_kind, exact_pos, g, table, t_lo, t_hi, s
         if valid:
             scores_exact(ke, kes, exact_kind, g, t, table, qs, qo, d, sc)
             pos = int64(exact_pos[t])
-        tile_softmax(sc, valid, pos, lim, softmax_scale, st, tmp, xbuf, tid)
-        for r in range(WARP_ROWS):
-            pw[pbase + r * TILE + lane] = sc[r]
-        warp_sync()
+        publish_weights(sc, valid, pos, lim, softmax_scale, st, tmp, pw, pbase, xbuf, tid)
         pv_exact(min(TILE, t_hi - t0), slot, 32 // nl, sub, ve, ves, exact_kind, g, t0, table, pw, pbase, st, acc)
         warp_sync()
 
@@ -393,10 +425,7 @@ def paged_compressed_tiles(kc, ks, vc, vs, h, kv_indices, first, page_size, kbit
             scores_compressed(k_uniform, kc[page, h, ps], ks[page, h, ps], kbits, koff, kcent, 0, table, qs, 0, d, sc)
             stage_values(vc[page, h, ps], vs[page, h, ps], vc.shape[3], d // 32, 0, table, vraw, vbase + lane * VROW,
                          vsc, sbase + lane * VSC)
-        tile_softmax(sc, valid, t, lim, softmax_scale, st, tmp, xbuf, tid)
-        for r in range(WARP_ROWS):
-            pw[pbase + r * TILE + lane] = sc[r]
-        warp_sync()
+        publish_weights(sc, valid, t, lim, softmax_scale, st, tmp, pw, pbase, xbuf, tid)
         pv_compressed(min(TILE, t_hi - t0), slot, 32 // nl, sub, vbits, voff, vcent, vraw, vbase, vsc, sbase, pw,
                       pbase, st, acc)
         warp_sync()
@@ -423,10 +452,7 @@ def paged_float_tiles(kp, vp, h, kv_indices, first, page_size, t_lo, t_hi, span,
                 x = kp[page, h, ps, j]
                 for r in range(WARP_ROWS):
                     sc[r] += qs[qo + j + r * d] * x
-        tile_softmax(sc, valid, t, lim, softmax_scale, st, tmp, xbuf, tid)
-        for r in range(WARP_ROWS):
-            pw[pbase + r * TILE + lane] = sc[r]
-        warp_sync()
+        publish_weights(sc, valid, t, lim, softmax_scale, st, tmp, pw, pbase, xbuf, tid)
         for r in range(WARP_ROWS):
             for k in range(VPL):
                 acc[r * VPL + k] = acc[r * VPL + k] * st[4 * r + 2]

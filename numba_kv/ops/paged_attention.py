@@ -61,7 +61,9 @@ from ._attention_warp import (
     paged_compressed_tiles,
     paged_float_tiles,
     row_limits,
+    stage_queries,
     store_partition,
+    warp_geometry,
 )
 from ._registry import register
 from .attention import (
@@ -230,24 +232,14 @@ def _paged_decode_attention_warp_cuda(qr, q, kc, ks, vc, vs, kp, vp, compressed,
     rows = qr.shape[1]
     d = qr.shape[2]
     n_parts = part_m.shape[1]
-    g = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    p = cuda.blockIdx.y * (cuda.blockDim.x >> 5) + (tid >> 5)
-    rb = (rows + cuda.gridDim.z - 1) // cuda.gridDim.z
-    r0 = cuda.blockIdx.z * rb
-    rb = min(rb, rows - r0)
-    active = p < n_parts and rb > 0
+    g, tid, p, rb, r0, active = warp_geometry(rows, n_parts)
     seq = g // n_kv_heads
     h = g - seq * n_kv_heads
     first, T, t_lo, t_hi = paged_bounds_dev(seq, min(p, n_parts - 1), part_size, kv_indptr, kv_last_page_len,
                                             page_size)
     if not active or t_hi < t_lo:
         t_hi = t_lo
-    for u in range(tid, 2 * WARP_ROWS * d, cuda.blockDim.x):
-        half = u // (WARP_ROWS * d)
-        r = (u - half * WARP_ROWS * d) // d
-        qs[u] = (q if half else qr)[g, min(r0 + r, rows - 1), u % d]
-    cuda.syncthreads()
+    stage_queries(qs, qr, q, g, r0, rows, d, tid)
     st = cuda.local.array(WARP_STATE, dtype=float32)
     acc = cuda.local.array(WARP_VALUES, dtype=float32)
     sc = cuda.local.array(WARP_ROWS, dtype=float32)
