@@ -9,7 +9,8 @@ round:
 * ``warp``: the warp-per-partition kernel (the default), as shipped (no launch bounds) and
   compiled with launch bounds (256, 2) (128 registers: 4 blocks of 128 threads per SM).
 
-Variants are swapped into the op registry (the entries are frozen dataclasses).  Every
+The tensor-core kernel is switched off here (``cuda_mma_attention=0``; its own A/B against the
+warp kernel and torch is ``benchmarks/gpu_mma_check.py``).  Variants are swapped into the op registry (the entries are frozen dataclasses).  Every
 variant's output is compared with the shipped warp kernel's.  It also times a
 device-to-device copy with CuPy (bytes read + written per second): the bandwidth a
 memory-bound kernel can reach in practice, next to the theoretical peak that ``numba-kv
@@ -78,7 +79,7 @@ def main() -> None:
                 for _ in range(args.rounds):
                     for name, (twin, kern, knob) in var.items():
                         object.__setattr__(TWINS[twin], "cuda", kern)
-                        with knobs(cuda_warp_attention=knob):
+                        with knobs(cuda_warp_attention=knob, cuda_mma_attention=0):
                             fn = make_fused(q, kc, ks, vc, vs, nb)
                             best[name] = min(best.get(name, 1e30), time_cuda_ms(cupy, fn, args.repeat))
                             outs[name] = cupy.asarray(fn())

@@ -27,6 +27,10 @@ DEFAULTS: dict[str, Any] = {
     # CUDA fused decode attention: 1 = one warp per partition where it applies (no logit
     # bias or QJL correction, head_dim 32/64/128/256), 0 = always the block kernel
     "cuda_warp_attention": 1,
+    # CUDA fused decode attention on tensor cores (mma.sync) where it applies (head_dim 128,
+    # 2-4-bit codes of one width and codebook, no logit bias or QJL correction); 0 = the warp
+    # (or block) kernel
+    "cuda_mma_attention": 1,
 }
 
 #: most threads per CUDA block the package launches.  Any kernel can launch with 256: a block
@@ -44,6 +48,7 @@ RANGES: dict[str, tuple[type, float, float, int]] = {
     "growth_fraction": (float, 0.0, 16.0, 0),
     "cpu_parallel_min_work": (int, 0, 1 << 62, 1),
     "cuda_warp_attention": (int, 0, 1, 1),
+    "cuda_mma_attention": (int, 0, 1, 1),
 }
 
 _overrides: dict[str, Any] = {}

@@ -18,7 +18,8 @@ Compute Capability".  They are in :data:`ARCHS`.
 
 Used by ``tests/cuda/test_resources.py`` (every registered kernel launches at the largest
 block the ``cuda_threads`` knob allows, on every architecture in :data:`ARCHS`, without
-spilling) and by ``numba-kv kernels``.
+spilling) and by ``numba-kv kernels``; :mod:`numba_kv._sass` disassembles the cubin of the
+same nvJitLink run (:func:`link_cubin`).
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ from dataclasses import dataclass
 
 from numba import cuda
 
+from ._jit import device_functions_for
 from .ops import TWINS
 
-__all__ = ["ARCHS", "ArchLimits", "KernelResources", "Occupancy", "kernel_ptx", "kernel_resources", "link_log",
-           "max_block_threads", "occupancy", "parse_link_log", "ptx_max_threads"]
+__all__ = ["ARCHS", "ArchLimits", "KernelResources", "Occupancy", "kernel_ptx", "kernel_resources", "link_cubin",
+           "link_log", "max_block_threads", "occupancy", "parse_link_log", "ptx_max_threads"]
 
 WARP = 32
 
@@ -191,6 +193,15 @@ def link_log(ptx: str, cc: tuple[int, int]) -> str:
     ``cuda.bindings`` (``numba-cuda[cu13]``) is missing; ``RuntimeError`` carries nvJitLink's
     error log when ptxas rejects the PTX.
     """
+    return link_cubin(ptx, cc)[1]
+
+
+def link_cubin(ptx: str, cc: tuple[int, int]) -> tuple[bytes, str]:
+    """Compile ``ptx`` for ``sm_<cc>`` with nvJitLink: the cubin (the machine code that
+    ``nvdisasm`` reads) and the info log (:func:`parse_link_log`), from one ptxas run.
+
+    Errors as :func:`link_log`.
+    """
     try:
         from cuda.bindings import nvjitlink  # noqa: PLC0415 - optional dependency (the cuda extra)
     except ImportError as e:  # pragma: no cover - the test extra installs it
@@ -211,7 +222,9 @@ def link_log(ptx: str, cc: tuple[int, int]) -> str:
         size = nvjitlink.get_info_log_size(handle)
         buf = bytearray(size)
         nvjitlink.get_info_log(handle, buf)
-        return buf.decode(errors="replace")
+        cubin = bytearray(nvjitlink.get_linked_cubin_size(handle))
+        nvjitlink.get_linked_cubin(handle, cubin)
+        return bytes(cubin), buf.decode(errors="replace")
     finally:
         nvjitlink.destroy(handle)
 
@@ -226,8 +239,9 @@ def kernel_ptx(name: str, cc: tuple[int, int] = (9, 0), signature: int = 0) -> s
     twin = TWINS[name]
     if not 0 <= signature < len(twin.signatures):
         raise IndexError(f"signature: {name!r} has {len(twin.signatures)} signatures, got index {signature}")
-    ptx, _ = cuda.compile_ptx(twin.cuda.py_func, twin.signatures[signature], cc=tuple(cc),
-                              launch_bounds=getattr(twin.cuda, "launch_bounds", None))
+    with device_functions_for(tuple(cc)):
+        ptx, _ = cuda.compile_ptx(twin.cuda.py_func, twin.signatures[signature], cc=tuple(cc),
+                                  launch_bounds=getattr(twin.cuda, "launch_bounds", None))
     return ptx
 
 

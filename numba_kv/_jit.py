@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import pathlib
@@ -24,10 +25,12 @@ from collections.abc import Callable
 from llvmlite import binding as llvm_binding
 from numba import cuda, njit
 from numba.core import config as numba_config
+from numba.cuda import dispatcher as _cuda_dispatcher
 
 from . import _backend, _config
 
-__all__ = ["CORES", "FASTMATH_REDUCE", "cpu_call", "cpu_kernel", "cpu_serial", "cuda_device", "cuda_kernel", "twin"]
+__all__ = ["CORES", "FASTMATH_REDUCE", "cpu_call", "cpu_kernel", "cpu_serial", "cuda_device", "cuda_device_ll",
+           "cuda_kernel", "device_functions_for", "twin"]
 
 # plain function -> (cpu variant, device variant)
 CORES: dict[Callable, tuple[Callable, Callable]] = {}
@@ -147,6 +150,33 @@ def cuda_device(fn: Callable) -> Callable:
     """CUDA-only device function (block-cooperative helpers that call ``cuda.syncthreads``
     and have no CPU meaning), inlined into its callers like the device side of :func:`twin`."""
     return cuda.jit(device=True, inline="always")(fn)
+
+
+def cuda_device_ll(fn: Callable) -> Callable:
+    """CUDA-only device function inlined by NVVM (``forceinline``: LLVM's ``alwaysinline``)
+    rather than at the Numba IR level: for large helpers (the tensor-core tiles), whose IR
+    Numba would deep-copy once per call site and nesting level (a minute per kernel).  The
+    simulator's ``jit`` takes no ``forceinline``."""
+    if _backend.simulator_enabled():
+        return cuda.jit(device=True)(fn)
+    return cuda.jit(device=True, forceinline=True)(fn)
+
+
+@contextlib.contextmanager
+def device_functions_for(cc: tuple[int, int]):
+    """Compile the non-IR-inlined device functions (:func:`cuda_device_ll`) a kernel calls for
+    ``sm_<cc>`` while ``compile_ptx`` builds it without a GPU: numba-cuda compiles such a
+    function for the *current device*'s compute capability, which needs a driver.  Only the
+    PTX tooling uses it; launches on a GPU compile as usual."""
+    class _Device:
+        compute_capability = tuple(cc)
+
+    saved = _cuda_dispatcher.get_current_device
+    _cuda_dispatcher.get_current_device = _Device
+    try:
+        yield
+    finally:
+        _cuda_dispatcher.get_current_device = saved
 
 
 def _rebind(fn: Callable, which: int) -> Callable:

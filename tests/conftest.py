@@ -54,6 +54,28 @@ def to_device(a):
     return cuda.to_device(np.ascontiguousarray(a))
 
 
+def spy_launches(monkeypatch, *targets):
+    """Replace each ``(module, NAME)`` twin with a spy that records its launches' grids (and
+    forwards everything else to the real twin); returns the list the grids go to, so a test
+    can check which kernel ran."""
+    launched = []
+
+    class Spy:
+        def __init__(self, real):
+            self.real = real
+
+        def __getattr__(self, name):  # name, cuda, ... of the real twin
+            return getattr(self.real, name)
+
+        def launch(self, *args, **kw):
+            launched.append(kw["grid"])
+            return self.real.launch(*args, **kw)
+
+    for module, name in targets:
+        monkeypatch.setattr(module, name, Spy(getattr(module, name)))
+    return launched
+
+
 def to_host(a):
     from numba_kv._backend import to_host as th
 

@@ -435,8 +435,10 @@ def test_module_and_function_sizes():
     assert not bad, "too long:\n" + "\n".join(bad)
 
 
-#: the most imports a function body may hold, package-wide (each one needs a reason)
-MAX_FUNCTION_IMPORTS = 10
+#: the most imports a function body may hold, package-wide (each one needs a reason); 11 since
+#: the GPU benchmarks' optional torch baseline (``toolkit/bench_cuda.py``: torch must not load
+#: when the ``numba-kv`` command line starts)
+MAX_FUNCTION_IMPORTS = 11
 
 
 def function_level_imports(path: pathlib.Path) -> list[tuple[int, str]]:

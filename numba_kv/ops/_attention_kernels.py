@@ -10,7 +10,7 @@ per-thread array of head_dim size).  Both run the single-source cores of
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float32, int64, prange, uint8
+from numba import cuda, float32, int64, prange, uint8, uint32
 
 from .._config import MAX_CUDA_THREADS
 from .._jit import FASTMATH_REDUCE, cpu_kernel, cuda_kernel, twin
@@ -50,6 +50,13 @@ from ._attention_cpu import (
     tile_pv_cpu,
     tile_scores_cpu,
     unpack_signs_tile_cpu,
+)
+from ._attention_mma import (
+    MMA_BLOCKS_PER_SM,
+    MMA_TAB_WORDS,
+    MMA_THREADS,
+    build_tables,
+    mma_partition,
 )
 from ._attention_warp import (
     SIMULATED,
@@ -383,6 +390,55 @@ def _decode_attention_warp_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve
     store_partition(st, acc, active, rb, g, p, r0, d, part_m, part_l, part_acc, xbuf, tid)
 
 
+@cuda_kernel(launch_bounds=(MMA_THREADS, MMA_BLOCKS_PER_SM))
+def _decode_attention_mma_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kes, ves,
+                               exact_kind, kcent, vcent, kbits, koff, vbits, voff, sshift, scale_table,
+                               softmax_scale, bias, has_bias, has_qjl, sq, qsig, qnorm, qjl_const, q_pos0, q_len,
+                               causal, part_size, n_comp_parts, part_m, part_l, part_acc):
+    """Tensor-core flash-decoding kernel: the warp kernel's grid and partitions, its compressed
+    partitions on ``mma.sync`` (:mod:`numba_kv.ops._attention_mma`).
+
+    Launch contract: as :func:`_decode_attention_warp_cuda` with blocks of
+    :data:`~numba_kv.ops._attention_mma.MMA_THREADS` threads (its launch bounds), plus ``head_dim`` =
+    :data:`~numba_kv.ops._attention_mma.MMA_HEAD_DIM`, K and V codes each of one width in
+    :data:`~numba_kv.ops._attention_mma.MMA_BITS` with one codebook for every block (row 0
+    of ``kcent``/``vcent`` is read), and ``kc``/``vc`` the packed codes viewed as ``uint32``
+    words and ``ks``/``vs`` the scales, each viewed with a unit axis (``[n_g, 1, capacity,
+    ·]``: the paged kernel's addressing, :func:`~numba_kv.ops._attention_mma.token_address`).
+    Exact partitions (sinks, window) run the warp kernel's tiles.  The block builds the two
+    pair tables in shared memory once.
+    """
+    xbuf = cuda.shared.array(XBUF, dtype=float32)  # the simulator's exchanges only
+    qs = cuda.shared.array(WARP_QS, dtype=float32)
+    pw = cuda.shared.array(WARP_PW, dtype=float32)
+    tab = cuda.shared.array(MMA_TAB_WORDS, dtype=uint32)
+    rows = qr.shape[1]
+    d = qr.shape[2]
+    n_parts = part_m.shape[1]
+    g, tid, p, rb, r0, active = warp_geometry(rows, n_parts)
+    compressed, t_lo, t_hi = partition_bounds_dev(min(p, n_parts - 1), n_comp_parts, part_size, n_comp, n_exact)
+    if not active:
+        t_hi = t_lo
+    kb, vb, kf, vf = build_tables(tab, kcent, vcent, kbits, vbits, tid, cuda.blockDim.x)
+    stage_queries(qs, qr, q, g, r0, rows, d, tid)  # (ends with the block barrier)
+    if compressed:
+        # (codes and scales viewed as [n_g, 1, capacity, ·]: KV row g is "page" g, head 0)
+        mma_partition(kb, vb, kc, ks, vc, vs, g, 0, False, exact_pos, 0, 1, t_lo, t_hi, comp_pos0, q_pos0, q_len,
+                      causal, sshift, tab, kf, vf, qs, d, rb, r0, softmax_scale, active, p, part_m, part_l, part_acc,
+                      tid & 31)
+    else:
+        st = cuda.local.array(WARP_STATE, dtype=float32)
+        acc = cuda.local.array(WARP_VALUES, dtype=float32)
+        sc = cuda.local.array(WARP_ROWS, dtype=float32)
+        tmp = cuda.local.array(WARP_ROWS, dtype=float32)
+        lim4 = cuda.local.array(WARP_ROWS, dtype=int64)
+        init_state(st, acc, sc)
+        row_limits(lim4, rb, r0, q_pos0, q_len, causal)
+        exact_tiles(ke, ve, kes, ves, exact_kind, exact_pos, g, scale_table, t_lo, t_hi, t_hi - t_lo, qs,
+                    WARP_ROWS * d, d, lim4, softmax_scale, st, acc, sc, tmp, pw, xbuf, tid)
+        store_partition(st, acc, active, rb, g, p, r0, d, part_m, part_l, part_acc, xbuf, tid)
+
+
 @cuda_kernel
 def _merge_partitions_cuda(part_m, part_l, part_acc, n_comp_parts, signs, head_rot, hsigns, out):
     """Cooperative merge of the partitions (log-sum-exp).
@@ -459,4 +515,10 @@ DECODE_ATTENTION = register("decode_attention", _decode_attention_cpu, _decode_a
 # is the same tile loop)
 DECODE_ATTENTION_WARP = register("decode_attention_warp", _decode_attention_cpu, _decode_attention_warp_cuda,
                                  [_ASIG.format(exact="float32"), _ASIG.format(exact="int8")])
+# the same op on tensor cores: kc/vc are the packed codes viewed as uint32 words
+_ASIG_MMA = _ASIG.replace("uint8[:, :, ::1], uint16[:, :, ::1], uint8[:, :, ::1], uint16[:, :, ::1], int64, int64,",
+                          "uint32[:, :, :, ::1], uint16[:, :, :, ::1], uint32[:, :, :, ::1], uint16[:, :, :, ::1], "
+                          "int64, int64,", 1)
+DECODE_ATTENTION_MMA = register("decode_attention_mma", _decode_attention_cpu, _decode_attention_mma_cuda,
+                                [_ASIG_MMA.format(exact="float32"), _ASIG_MMA.format(exact="int8")])
 MERGE_PARTITIONS = register("merge_partitions", _merge_partitions_cpu, _merge_partitions_cuda, [_MSIG])

@@ -42,11 +42,13 @@ from .._validate import check_float_array, check_shape
 from ._attention_cores import EXACT_F16, EXACT_F32, EXACT_I8
 from ._attention_kernels import (
     DECODE_ATTENTION,
+    DECODE_ATTENTION_MMA,
     DECODE_ATTENTION_WARP,
     MAX_HEAD_DIM,
     MERGE_PARTITIONS,
     rows_per_block,
 )
+from ._attention_mma import MMA_BITS, MMA_HEAD_DIM, MMA_THREADS, mma_partition_size
 from ._attention_warp import VROW, WARP_ROWS, warp_ok
 from .codebook import Codebook, get_codebook
 from .finite import check_finite, check_rotation_input
@@ -56,7 +58,8 @@ from .headquant import head_signs, rotate_head
 from .lowrank import project_into
 from .qjl import qjl_constant, sketch_arg
 
-__all__ = ["CodeLayout", "F16_ABS_TABLE", "decode_attention", "default_partition_size", "fused_attention_rows"]
+__all__ = ["CodeLayout", "F16_ABS_TABLE", "code_words", "decode_attention", "default_partition_size",
+           "fused_attention_rows", "mma_layout_ok", "mma_operands", "unit_axis", "use_mma_kernel"]
 
 TILE = 128  # tokens per partition granule (partition sizes are multiples of it)
 #: |binary16| -> float32 for every bit pattern (exact; 256 KiB, stays in L2): scale decoding
@@ -98,6 +101,81 @@ def use_warp_kernel(dev: str, d: int, has_bias: bool, has_qjl: bool) -> bool:
             and warp_ok(d, cuda_block_threads()))
 
 
+def mma_layout_ok(layout: CodeLayout) -> bool:
+    """Whether the tensor-core kernel reads codes of ``layout``: every block of one width in
+    :data:`~numba_kv.ops._attention_mma.MMA_BITS` with one codebook (its pair table is built
+    from row 0 of the centroids)."""
+    return _mma_layout_ok(layout)
+
+
+@functools.lru_cache(maxsize=256)  # (layouts hash by identity and are immutable)
+def _mma_layout_ok(layout: CodeLayout) -> bool:
+    bits = layout.bits
+    return (len(bits) > 0 and int(bits[0]) in MMA_BITS and bool(np.all(bits == bits[0]))
+            and bool(np.all(layout.centroids == layout.centroids[0])))
+
+
+def code_words(codes: Any) -> Any:
+    """Packed codes ``[..., width]`` (uint8, rows of a whole number of 32-bit words) viewed as
+    ``uint32`` words ``[..., width / 4]`` on their device; ``None`` where the array cannot be
+    viewed so (not contiguous, width not a multiple of 4)."""
+    shape = tuple(int(x) for x in codes.shape)
+    if shape[-1] % 4:
+        return None
+    try:
+        w = codes.view(np.uint32)
+    except (ValueError, TypeError, AttributeError, NotImplementedError):
+        return None
+    return w if tuple(w.shape) == (*shape[:-1], shape[-1] // 4) else None
+
+
+def unit_axis(a: Any) -> Any:
+    """``[n, m, w]`` → ``[n, 1, m, w]`` as a view (``None`` where the array type cannot give one):
+    a flat cache's codes in the paged pools' ``[page, head, slot, ·]`` addressing, which the
+    tensor-core tiles use for both."""
+    try:
+        return a[:, None]  # NumPy, CuPy: a view whatever the strides
+    except (TypeError, IndexError, ValueError, NotImplementedError):
+        pass
+    try:  # Numba device arrays (contiguous ones)
+        return a.reshape(int(a.shape[0]), 1, int(a.shape[1]), int(a.shape[2]))
+    except (ValueError, TypeError, AttributeError, NotImplementedError):
+        return None
+
+
+def mma_operands(kc: Any, ks: Any, vc: Any, vs: Any, flat: bool) -> tuple | None:
+    """The codes and scales as the tensor-core kernels read them (codes as ``uint32`` words;
+    a flat cache's arrays with a unit head axis), or ``None`` where one cannot be viewed so."""
+    kw, vw = code_words(kc), code_words(vc)
+    out = (kw, ks, vw, vs)
+    if flat and kw is not None and vw is not None:
+        out = tuple(unit_axis(a) for a in out)
+    return None if any(a is None for a in out) else out
+
+
+def use_mma_kernel(dev: str, d: int, has_bias: bool, has_qjl: bool, klayout: CodeLayout,
+                   vlayout: CodeLayout) -> bool:
+    """Whether a flat decode on ``dev`` runs the tensor-core kernel (``decode_attention_mma``).
+
+    Parameters
+    ----------
+    dev : {"cpu", "cuda"}
+    d : int
+        head_dim (the kernel takes :data:`~numba_kv.ops._attention_mma.MMA_HEAD_DIM`).
+    has_bias, has_qjl : bool
+        A logit bias or the QJL correction (only the block kernels apply them).
+    klayout, vlayout : CodeLayout
+        The code layouts of K and V (:func:`mma_layout_ok`).
+
+    Returns
+    -------
+    bool
+        The warp kernel would run (:func:`use_warp_kernel`), the ``cuda_mma_attention`` knob
+        is on, ``d`` is 128 and both layouts are uniform with a pair table."""
+    return (d == MMA_HEAD_DIM and bool(_config.get("cuda_mma_attention"))
+            and use_warp_kernel(dev, d, has_bias, has_qjl) and mma_layout_ok(klayout) and mma_layout_ok(vlayout))
+
+
 def launch_attention(dev: str, twin: Any, args: tuple, n_g: int, n_parts: int, rows: int, d: int,
                      work: int, warp: bool = False) -> None:
     """Run a partition kernel (flat or paged) on ``dev``: CPU ``work`` scalar operations, or
@@ -109,6 +187,10 @@ def launch_attention(dev: str, twin: Any, args: tuple, n_g: int, n_parts: int, r
         check_cuda_head_dim(d)
         threads = cuda_block_threads()
         if warp:
+            if twin.name.endswith("_mma"):
+                # its launch bounds; in the simulator one warp per block (its simulated warp
+                # primitives need every lane of a block together)
+                threads = 32 if _backend.simulator_enabled() else MMA_THREADS
             grid = ((n_g, -(-n_parts // (threads // 32)), -(-rows // WARP_ROWS)), threads)
         else:
             grid = ((n_g, n_parts, -(-rows // rows_per_block(min(d, MAX_HEAD_DIM)))), threads)
@@ -264,8 +346,14 @@ def fused_attention_rows(qr: Any, q: Any, kc: Any, ks: Any, vc: Any, vs: Any, n_
     n_exact = int(n_exact)
     # (the warp kernel stages each token's packed V bytes: at most VROW per token)
     warp = use_warp_kernel(dev, d, bias is not None, qjl is not None) and int(vc.shape[2]) <= VROW
+    words = None  # codes and scales as the tensor-core kernel reads them, where it runs
+    if warp and use_mma_kernel(dev, d, bias is not None, qjl is not None, klayout, vlayout):
+        words = mma_operands(kc, ks, vc, vs, flat=True)
     if part_size is None:
-        part_size = default_partition_size(max(n_comp, n_exact, 1), n_g, dev, warp)
+        if words is not None and not _backend.simulator_enabled():
+            part_size = mma_partition_size(max(n_comp, n_exact, 1), n_g)
+        else:
+            part_size = default_partition_size(max(n_comp, n_exact, 1), n_g, dev, warp)
     n_cp = -(-n_comp // part_size)
     n_ep = -(-n_exact // part_size)
     n_parts = max(n_cp + n_ep, 1)
@@ -287,6 +375,10 @@ def fused_attention_rows(qr: Any, q: Any, kc: Any, ks: Any, vc: Any, vs: Any, n_
             c(vlayout.offsets), klayout.scale_shift, c(F16_ABS_TABLE), np.float32(softmax_scale), bias, has_bias,
             has_qjl, sq, qsig, qnorm, np.float32(qconst), int(q_pos0), int(q_len), bool(causal), int(part_size),
             int(n_cp), part_m, part_l, part_acc)
+    kernel = DECODE_ATTENTION_WARP if warp else DECODE_ATTENTION
+    if words is not None:
+        kernel = DECODE_ATTENTION_MMA
+        args = args[:2] + words + args[6:]
     head_rot = head_signs is not None
     # the merge rotates partitions [0, n_rot) back: the compressed ones, and the exact ones too
     # when they were attended in the rotated domain
@@ -294,8 +386,7 @@ def fused_attention_rows(qr: Any, q: Any, kc: Any, ks: Any, vc: Any, vs: Any, n_
     margs = (part_m, part_l, part_acc, int(n_rot), c(SIGNS32), head_rot,
              head_signs if head_rot else c(SIGNS32))
     work = n_g * rows * d * (n_comp + n_exact)
-    launch_attention(dev, DECODE_ATTENTION_WARP if warp else DECODE_ATTENTION, args, n_g, n_parts, rows, d, work,
-                     warp)
+    launch_attention(dev, kernel, args, n_g, n_parts, rows, d, work, warp)
     launch_merge(dev, margs + (out,), n_g, rows, d, work // max(n_comp + n_exact, 1) * n_parts)
     return out
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from numba import cuda, float32, int64, prange, uint8
+from numba import cuda, float32, int64, prange, uint8, uint32
 
 from .. import _backend
 from .._jit import FASTMATH_REDUCE, cpu_kernel, cpu_serial, cuda_kernel
@@ -45,6 +45,14 @@ from ._attention_kernels import (
     SMEM_SCORES,
     SMEM_TILE,
     tile_tokens_dev,
+)
+from ._attention_mma import (
+    MMA_BLOCKS_PER_SM,
+    MMA_TAB_WORDS,
+    MMA_THREADS,
+    build_tables,
+    mma_partition,
+    mma_partition_size,
 )
 from ._attention_warp import (
     SIMULATED,
@@ -72,6 +80,8 @@ from .attention import (
     default_partition_size,
     launch_attention,
     launch_merge,
+    mma_operands,
+    use_mma_kernel,
     use_warp_kernel,
 )
 from .finite import check_finite
@@ -258,6 +268,38 @@ def _paged_decode_attention_warp_cuda(qr, q, kc, ks, vc, vs, kp, vp, compressed,
     store_partition(st, acc, active, rb, g, p, r0, d, part_m, part_l, part_acc, xbuf, tid)
 
 
+@cuda_kernel(launch_bounds=(MMA_THREADS, MMA_BLOCKS_PER_SM))
+def _paged_decode_attention_mma_cuda(qr, q, kc, ks, vc, vs, kp, vp, compressed, kv_indptr, kv_indices,
+                                     kv_last_page_len, page_size, n_kv_heads, kcent, vcent, kbits, koff, vbits, voff,
+                                     scale_table, softmax_scale, q_len, causal, part_size, part_m, part_l, part_acc):
+    """Tensor-core paged kernel: the flat tensor-core kernel's tiles
+    (:func:`~numba_kv.ops._attention_mma.mma_partition`) with page addressing.
+
+    Launch contract: as :func:`_paged_decode_attention_warp_cuda` with blocks of
+    :data:`~numba_kv.ops._attention_mma.MMA_THREADS` threads, PQO codes (``compressed``)
+    of one width each in :data:`~numba_kv.ops._attention_mma.MMA_BITS` with one codebook,
+    ``head_dim`` = :data:`~numba_kv.ops._attention_mma.MMA_HEAD_DIM` and ``kc``/``vc`` viewed
+    as ``uint32`` words (``[pages, num_kv_heads, page_size, width / 4]``).
+    """
+    qs = cuda.shared.array(WARP_QS, dtype=float32)
+    tab = cuda.shared.array(MMA_TAB_WORDS, dtype=uint32)
+    rows = qr.shape[1]
+    d = qr.shape[2]
+    n_parts = part_m.shape[1]
+    g, tid, p, rb, r0, active = warp_geometry(rows, n_parts)
+    seq = g // n_kv_heads
+    h = g - seq * n_kv_heads
+    first, T, t_lo, t_hi = paged_bounds_dev(seq, min(p, n_parts - 1), part_size, kv_indptr, kv_last_page_len,
+                                            page_size)
+    if not active or t_hi < t_lo:
+        t_hi = t_lo
+    kb, vb, kf, vf = build_tables(tab, kcent, vcent, kbits, vbits, tid, cuda.blockDim.x)
+    stage_queries(qs, qr, q, g, r0, rows, d, tid)  # (ends with the block barrier)
+    # an empty partition past the sequence's end stores m = -inf like the other kernels
+    mma_partition(kb, vb, kc, ks, vc, vs, g, h, True, kv_indices, first, page_size, t_lo, t_hi, 0, T - q_len, q_len,
+                  causal, 0, tab, kf, vf, qs, d, rb, r0, softmax_scale, active, p, part_m, part_l, part_acc, tid & 31)
+
+
 _PSIG = ("void(float32[:, :, ::1], float32[:, :, ::1], uint8[:, :, :, ::1], uint16[:, :, :, ::1], "
          "uint8[:, :, :, ::1], uint16[:, :, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], boolean, "
          "int32[::1], int32[::1], int32[::1], int64, int64, float32[:, ::1], float32[:, ::1], int64[::1], "
@@ -268,6 +310,10 @@ PAGED_DECODE_ATTENTION = register("paged_decode_attention", _paged_decode_attent
 # the same op as one warp per partition (same arguments and partition results)
 PAGED_DECODE_ATTENTION_WARP = register("paged_decode_attention_warp", _paged_decode_attention_cpu,
                                        _paged_decode_attention_warp_cuda, [_PSIG])
+# on tensor cores, for PQO pools (kc/vc: the packed codes viewed as uint32 words)
+PAGED_DECODE_ATTENTION_MMA = register("paged_decode_attention_mma", _paged_decode_attention_cpu,
+                                      _paged_decode_attention_mma_cuda,
+                                      [_PSIG.replace("uint8[:, :, :, ::1]", "uint32[:, :, :, ::1]")])
 
 
 def _check_kind(k_pages: Any, v_pages: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales: Any) -> None:
@@ -394,8 +440,14 @@ def paged_decode_attention(q: Any, page_table: Sequence[Any], *, k_pages: Any = 
         qr = rotate32_rows(q3.reshape(g * rows, d)).reshape(g, rows, d)
     # the warp kernel stages each token's packed V bytes: at most VROW per token
     warp = use_warp_kernel(dev, d, False, False) and (not compressed or int(arrays[2].shape[3]) <= VROW)
+    mma = None  # the pools as the tensor-core kernel reads them, where it runs
+    if compressed and warp and use_mma_kernel(dev, d, False, False, klay, vlay):
+        mma = mma_operands(*arrays[:4], flat=False)
     if partition_size is None:
-        partition_size = default_partition_size(max(lens), g, dev, warp)
+        if mma is not None and not _backend.simulator_enabled():
+            partition_size = mma_partition_size(max(lens), g)
+        else:
+            partition_size = default_partition_size(max(lens), g, dev, warp)
     n_parts = max(1, -(-max(lens) // partition_size))
     part_m = _backend.empty(q3, (g, n_parts, rows), np.float32)
     part_l = _backend.empty(q3, (g, n_parts, rows), np.float32)
@@ -409,8 +461,11 @@ def paged_decode_attention(q: Any, page_table: Sequence[Any], *, k_pages: Any = 
     scale = np.float32(d ** -0.5 if softmax_scale is None else softmax_scale)
     args = (qr, q3, *arrays, compressed, indptr, indices, last, page_size, hkv, *lay, c(F16_ABS_TABLE), scale, ql,
             bool(causal), int(partition_size), part_m, part_l, part_acc)
-    launch_attention(dev, PAGED_DECODE_ATTENTION_WARP if warp else PAGED_DECODE_ATTENTION, args, g, n_parts, rows, d,
-                     g * rows * d * sum(lens) // n_seq, warp)
+    kernel = PAGED_DECODE_ATTENTION_WARP if warp else PAGED_DECODE_ATTENTION
+    if mma is not None:
+        kernel = PAGED_DECODE_ATTENTION_MMA
+        args = args[:2] + mma + args[6:]
+    launch_attention(dev, kernel, args, g, n_parts, rows, d, g * rows * d * sum(lens) // n_seq, warp)
     signs = c(SIGNS32)
     launch_merge(dev, (part_m, part_l, part_acc, n_parts if compressed else 0, signs, False, signs, out), g, rows, d,
                  g * rows * d * n_parts)

@@ -2,19 +2,26 @@
 
 One decode step per configuration (``T`` tokens, ``batch`` sequences, ``num_kv_heads`` KV heads
 x ``groups`` query heads each, ``head_dim``, 3/4-bit block codes): random K/V are quantized once
-on the device (:func:`numba_kv.quantize_blocks` on CuPy arrays), then three paths are timed
+on the device (:func:`numba_kv.quantize_blocks` on CuPy arrays), then four paths are timed
 with CUDA events (best of ``repeat`` after a warm-up):
 
 * **fused** -- :func:`numba_kv.decode_attention` straight from the packed codes;
-* **dense fp16** -- CuPy ``q @ K^T``, softmax, ``@ V`` per KV-head group over float16 K/V
+* **torch SDPA** (the honest dense baseline, when PyTorch with CUDA is importable) --
+  ``torch.nn.functional.scaled_dot_product_attention`` over the same float16 q/K/V (CuPy
+  arrays shared with torch through DLPack, no copy), GQA with ``enable_gqa=True`` (torch >= 2.5;
+  older versions get K/V expanded to the query heads), timed under
+  ``torch.nn.attention.sdpa_kernel`` with the cuDNN and with the flash backend; the faster one
+  is reported and named (a backend that refuses the shape is skipped);
+* **CuPy dense fp16** -- CuPy ``q @ K^T``, softmax, ``@ V`` per KV-head group over float16 K/V
   (float16 storage and GEMM operands, softmax in float32);
 * **dequantize-then-attend** -- :func:`numba_kv.dequantize_blocks` of K and V, then the same
   dense attention in float32.
 
-Reported per row: the three times, the fused speedups over both baselines, the largest
+Reported per row: the four times, the fused speedups over the three baselines, the largest
 absolute difference between the fused and the dequantize-then-attend outputs (both read the
-same codes, so it is float32 round-off; a large value flags a kernel fault at that shape), and
-the *packed
+same codes, so it is float32 round-off; a large value flags a kernel fault at that shape), the
+largest difference between the fused and the torch outputs (this one includes the 3/4-bit
+quantization error: a sanity check of the order of 0.1, not round-off), and the *packed
 GB/s* of the fused kernel -- the bytes it must read (codes and scales of K and V for every
 token, plus ``q``) per second -- as a percentage of the device's theoretical peak memory
 bandwidth (:func:`peak_bandwidth_gbs`).  Every row carries :func:`numba_kv.info.provenance`
@@ -23,15 +30,19 @@ and the GPU name.
 The timed callables are built by :func:`make_fused`, :func:`make_dense` and
 :func:`make_dequant_then_attend`, which take the array namespace as an argument, so the same
 code runs on CuPy arrays (the benchmark) and on Numba device arrays / NumPy (the tests, under
-``NUMBA_ENABLE_CUDASIM=1``).
+``NUMBA_ENABLE_CUDASIM=1``).  The torch helpers (:func:`import_torch`, :func:`make_sdpa`,
+:func:`fastest_sdpa`) are shared with :mod:`numba_kv.toolkit.bench_step`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+import re
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -41,6 +52,8 @@ from numba_kv.ops.attention import decode_attention
 from numba_kv.ops.blockquant import dequantize_blocks, quantize_blocks
 
 CUPY_MISSING = "needs CuPy and a GPU: pip install -e .[cuda]"
+#: torch SDPA backends of the dense baseline, tried in this order; the fastest is reported
+TORCH_BACKENDS = ("cudnn", "flash")
 
 DEFAULT_TOKENS = (4096, 16384, 32768, 65536, 131072)
 DEFAULT_BATCH = (1, 8, 32)
@@ -126,7 +139,7 @@ def peak_bandwidth_gbs(props: Mapping[str, Any]) -> float:
     return clock_hz * 2 * float(props.get("memoryBusWidth") or 0) / 8 / 1e9
 
 
-def dense_attention(xp: Any, q: Any, k: Any, v: Any, softmax_scale: float) -> Any:
+def dense_attention(xp: Any, q: Any, k: Any, v: Any, softmax_scale: float, logit_bias: Any | None = None) -> Any:
     """Dense decode attention in the namespace ``xp`` (``numpy`` or ``cupy``).
 
     GEMM operands keep the dtype of ``k``/``v`` (float16 for the fp16 baseline; CuPy's
@@ -136,6 +149,10 @@ def dense_attention(xp: Any, q: Any, k: Any, v: Any, softmax_scale: float) -> An
     ----------
     q : float array, shape ``(batch, num_kv_heads·groups, 1, d)``, same dtype as ``k``
     k, v : float array, shape ``(batch, num_kv_heads, T, d)``
+    softmax_scale : float
+    logit_bias : float array, shape ``(batch, num_kv_heads·groups, 1, T)``, optional
+        Added to the scaled logits (the ``logit_bias`` of a
+        :class:`~numba_kv.DequantResult`).
 
     Returns
     -------
@@ -145,6 +162,8 @@ def dense_attention(xp: Any, q: Any, k: Any, v: Any, softmax_scale: float) -> An
     hkv = int(k.shape[1])
     qg = q.reshape(b, hkv, hq // hkv, d)                     # one GEMM per (sequence, KV head)
     s = xp.matmul(qg, xp.swapaxes(k, -1, -2)).astype(xp.float32) * np.float32(softmax_scale)
+    if logit_bias is not None:
+        s += logit_bias.reshape(s.shape).astype(xp.float32)
     s -= s.max(axis=-1, keepdims=True)
     p = xp.exp(s)
     p /= p.sum(axis=-1, keepdims=True)
@@ -206,10 +225,168 @@ def time_cuda_ms(cupy: Any, fn: Callable[[], Any], repeat: int, warmup: int = 1)
     return best
 
 
+def time_torch_ms(torch: Any, fn: Callable[[], Any], repeat: int, warmup: int = 1) -> float:
+    """Best of ``repeat`` ``torch.cuda.Event`` timings of ``fn`` (ms) on torch's current stream
+    after ``warmup`` untimed calls (as :func:`time_cuda_ms`)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    best = math.inf
+    for _ in range(max(1, repeat)):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, float(start.elapsed_time(end)))
+    return best
+
+
+def import_torch() -> Any | None:
+    """PyTorch when it is importable and sees a CUDA device, else ``None``.
+
+    PyTorch is never a dependency of the project: without it the torch columns of the GPU
+    benchmarks stay empty and the rest runs.
+    """
+    try:
+        import torch  # noqa: PLC0415 - optional: the honest dense baseline when present
+    except ImportError:
+        return None
+    try:
+        usable = bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001 - a broken CUDA setup means "no torch baseline"
+        usable = False
+    return torch if usable else None
+
+
+def torch_version(torch: Any | None) -> str:
+    """``torch.__version__``, or a note why there is no torch baseline (for the provenance)."""
+    return str(torch.__version__) if torch is not None else "not importable or no CUDA device"
+
+
+def torch_supports_gqa(version: str) -> bool:
+    """True when torch ``version`` (``"2.11.0+cu130"``) accepts
+    ``scaled_dot_product_attention(..., enable_gqa=True)`` (added in 2.5)."""
+    m = re.match(r"(\d+)\.(\d+)", str(version))
+    return m is not None and (int(m[1]), int(m[2])) >= (2, 5)
+
+
+def make_sdpa(torch: Any, q: Any, k: Any, v: Any) -> Callable[[], Any]:
+    """Callable: one ``torch.nn.functional.scaled_dot_product_attention`` decode step.
+
+    The backend is chosen by the caller (:func:`sdpa_backend`).  GQA reads the KV heads
+    directly with ``enable_gqa=True`` where torch has it (:func:`torch_supports_gqa`); older
+    versions get K/V expanded to the query heads once, here (outside any timing; 4x the
+    memory at 4 groups).  The softmax scale is SDPA's default, ``1/sqrt(head_dim)``, as in the
+    other paths.
+
+    Parameters
+    ----------
+    torch : module
+    q : tensor, shape ``(batch, num_kv_heads·groups, 1, d)``
+    k, v : tensor, shape ``(batch, num_kv_heads, T, d)``, dtype of ``q``
+
+    Returns
+    -------
+    callable
+        Returns the output tensor, shape and dtype of ``q``.
+    """
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    hq, hkv = int(q.shape[1]), int(k.shape[1])
+    if hq == hkv:
+        return lambda: sdpa(q, k, v)
+    if torch_supports_gqa(torch.__version__):
+        return lambda: sdpa(q, k, v, enable_gqa=True)
+    ke, ve = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
+    return lambda: sdpa(q, ke, ve)
+
+
+@contextlib.contextmanager
+def sdpa_backend(torch: Any, name: str) -> Iterator[None]:
+    """Context: torch SDPA restricted to one backend of :data:`TORCH_BACKENDS` (``"cudnn"``,
+    ``"flash"``), with torch's warnings about why a backend refuses a shape silenced (the
+    call then raises ``RuntimeError``).  ``torch.nn.attention`` is loaded by ``import torch``."""
+    attention = torch.nn.attention
+    backend = {"cudnn": attention.SDPBackend.CUDNN_ATTENTION, "flash": attention.SDPBackend.FLASH_ATTENTION}[name]
+    with attention.sdpa_kernel(backend), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+T = TypeVar("T")
+
+
+def pick_fastest(names: Sequence[str], run_one: Callable[[str], tuple[T, Any]],
+                 key: Callable[[T], float] = float) -> tuple[str | None, T | None, Any, dict[str, str]]:
+    """Run ``run_one(name)`` for every name and keep the fastest.
+
+    Parameters
+    ----------
+    names : sequence of str
+        Candidates (torch SDPA backends).
+    run_one : callable
+        ``name -> (timing, output)``; a ``RuntimeError`` (the backend refuses the shape, or
+        runs out of memory) skips the candidate.
+    key : callable
+        ``timing -> float`` to minimize (the timing itself by default).
+
+    Returns
+    -------
+    name, timing, output
+        Of the fastest candidate; ``None`` for all three when every candidate raised.
+    errors : dict
+        ``{name: first line of the error}`` of the skipped candidates.
+    """
+    best: tuple[str, T, Any] | None = None
+    errors: dict[str, str] = {}
+    for name in names:
+        try:
+            timing, out = run_one(name)
+        except RuntimeError as exc:
+            errors[name] = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
+            continue
+        if best is None or key(timing) < key(best[1]):
+            best = (name, timing, out)
+    if best is None:
+        return None, None, None, errors
+    return best[0], best[1], best[2], errors
+
+
+def fastest_sdpa(torch: Any, fn: Callable[[], Any], timer: Callable[[Callable[[], Any]], T],
+                 key: Callable[[T], float] = float, backends: Sequence[str] | None = None
+                 ) -> tuple[str | None, T | None, Any, dict[str, str]]:
+    """Time the SDPA call ``fn`` (:func:`make_sdpa`) under each backend (default
+    :data:`TORCH_BACKENDS`) with ``timer`` and keep the fastest (:func:`pick_fastest`); the
+    first call under a backend is untimed and gives the output (a backend that cannot run the
+    shape raises there and is skipped)."""
+    def run_one(name: str) -> tuple[T, Any]:
+        with sdpa_backend(torch, name):
+            out = fn()
+            return timer(fn), out
+    return pick_fastest(TORCH_BACKENDS if backends is None else backends, run_one, key)
+
+
+def errors_note(prefix: str, errors: Mapping[str, str]) -> str:
+    """``"prefix: name: error; name: error"`` (empty without errors)."""
+    return f"{prefix}: " + "; ".join(f"{k}: {v}" for k, v in errors.items()) if errors else ""
+
+
+def speedup(baseline_ms: float | None, ms: float | None) -> float | None:
+    """``baseline_ms / ms`` (> 1: ``ms`` is faster), ``None`` when either is missing or 0."""
+    return baseline_ms / ms if baseline_ms and ms else None
+
+
 @dataclass
 class CudaAttentionRow:
     """One configuration of :func:`run_attention_bench_cuda` (times in ms; ``None``: did not
-    fit in device memory, see ``note``)."""
+    fit in device memory, or no torch, see ``note``).
+
+    ``torch_ms`` is the torch SDPA baseline (fastest of :data:`TORCH_BACKENDS`, named in
+    ``torch_backend``), ``dense_fp16_ms`` the CuPy one; ``speedup_vs_*`` are baseline time /
+    fused time.  ``max_abs_diff_vs_torch``: max |fused - torch| (includes the quantization
+    error); ``max_abs_diff_torch_vs_dense``: max |torch - CuPy dense| (both fp16: the two
+    baselines compute the same attention).
+    """
 
     tokens: int
     batch: int
@@ -230,21 +407,31 @@ class CudaAttentionRow:
     provenance: dict = field(default_factory=dict)
     note: str = ""
     max_abs_diff_vs_dequant: float | None = None
+    torch_ms: float | None = None
+    torch_backend: str | None = None
+    speedup_vs_torch: float | None = None
+    max_abs_diff_vs_torch: float | None = None
+    max_abs_diff_torch_vs_dense: float | None = None
 
 
 def make_row(tokens: int, batch: int, bits: int, num_kv_heads: int, groups: int, head_dim: int,
              fused_ms: float | None, dense_ms: float | None, dequant_ms: float | None, peak_gbs: float,
-             gpu: str, prov: dict, note: str = "", max_abs_diff: float | None = None) -> CudaAttentionRow:
-    """Assemble a row: speedups are baseline time / fused time; packed GB/s is
-    :func:`packed_bytes` / fused time; ``max_abs_diff``: max |fused - dequantize-then-attend|."""
+             gpu: str, prov: dict, note: str = "", max_abs_diff: float | None = None, *,
+             torch_ms: float | None = None, torch_backend: str | None = None,
+             max_abs_diff_torch: float | None = None,
+             max_abs_diff_torch_dense: float | None = None) -> CudaAttentionRow:
+    """Assemble a row: speedups are baseline time / fused time (:func:`speedup`); packed GB/s
+    is :func:`packed_bytes` / fused time; ``max_abs_diff``: max |fused - dequantize-then-attend|,
+    ``max_abs_diff_torch``: max |fused - torch SDPA|, ``max_abs_diff_torch_dense``:
+    max |torch SDPA - CuPy dense|."""
     nbytes = packed_bytes(tokens, batch, bits, num_kv_heads, groups, head_dim)
     gbs = nbytes / (fused_ms * 1e-3) / 1e9 if fused_ms else None
     return CudaAttentionRow(
         tokens, batch, bits, num_kv_heads, groups, head_dim, fused_ms, dense_ms, dequant_ms,
-        dense_ms / fused_ms if fused_ms and dense_ms else None,
-        dequant_ms / fused_ms if fused_ms and dequant_ms else None,
+        speedup(dense_ms, fused_ms), speedup(dequant_ms, fused_ms),
         nbytes, gbs, peak_gbs, 100.0 * gbs / peak_gbs if gbs and peak_gbs else None, gpu, prov, note,
-        max_abs_diff)
+        max_abs_diff, torch_ms, torch_backend if torch_ms is not None else None, speedup(torch_ms, fused_ms),
+        max_abs_diff_torch, max_abs_diff_torch_dense)
 
 
 def gpu_name(props: Mapping[str, Any]) -> str:
@@ -256,8 +443,9 @@ def gpu_name(props: Mapping[str, Any]) -> str:
 def run_attention_bench_cuda(tokens: Sequence[int] = DEFAULT_TOKENS, batch: Sequence[int] = DEFAULT_BATCH,
                              bits: Sequence[int] = DEFAULT_BITS, num_kv_heads: int = 8, groups: int = 4,
                              head_dim: int = 128, repeat: int = 10, seed: int = 0,
-                             progress: bool = False) -> list[CudaAttentionRow]:
-    """Time fused vs dense fp16 vs dequantize-then-attend decode attention on GPU 0.
+                             progress: bool = False, torch_baseline: bool = True) -> list[CudaAttentionRow]:
+    """Time fused vs torch SDPA vs CuPy dense fp16 vs dequantize-then-attend decode attention
+    on GPU 0.
 
     Parameters
     ----------
@@ -271,6 +459,9 @@ def run_attention_bench_cuda(tokens: Sequence[int] = DEFAULT_TOKENS, batch: Sequ
         Seed of CuPy's generator for K, V and q (standard normal).
     progress : bool
         A progress bar over the (T, batch) configurations.
+    torch_baseline : bool
+        Time torch SDPA when PyTorch with CUDA is importable (:func:`import_torch`); without
+        it (or with ``False``) the torch columns are ``None``.
 
     Returns
     -------
@@ -284,27 +475,37 @@ def run_attention_bench_cuda(tokens: Sequence[int] = DEFAULT_TOKENS, batch: Sequ
         Without CuPy or a GPU.
     """
     cupy = require_cupy()
+    torch = import_torch() if torch_baseline else None
     props = memory_properties(cupy.cuda.runtime, 0)
     peak, gpu = peak_bandwidth_gbs(props), gpu_name(props)
-    prov = provenance() | {"gpu": gpu, "peak_hbm_gb_per_s": f"{peak:.1f}"}
+    prov = provenance() | {"gpu": gpu, "peak_hbm_gb_per_s": f"{peak:.1f}",
+                           "torch": torch_version(torch) if torch_baseline else "not run (torch_baseline=False)"}
     rng = cupy.random.default_rng(seed)
     rows: list[CudaAttentionRow] = []
     configs = [(t, b) for t in tokens for b in batch]
     for t, b in tqdm(configs, desc="attention-cuda", disable=not progress, leave=False):
         try:
-            rows.extend(_bench_one(cupy, rng, int(t), int(b), bits, num_kv_heads, groups, head_dim, repeat,
+            rows.extend(_bench_one(cupy, torch, rng, int(t), int(b), bits, num_kv_heads, groups, head_dim, repeat,
                                    peak, gpu, prov))
         except cupy.cuda.memory.OutOfMemoryError as exc:
             rows.extend(make_row(int(t), int(b), int(nb), num_kv_heads, groups, head_dim, None, None, None,
                                  peak, gpu, prov, note=f"out of device memory: {exc}") for nb in bits)
-        cupy.get_default_memory_pool().free_all_blocks()
+        free_device_memory(cupy, torch)
     return rows
 
 
-def _bench_one(cupy: Any, rng: Any, t: int, b: int, bits: Sequence[int], hkv: int, groups: int, d: int,
-               repeat: int, peak: float, gpu: str, prov: dict) -> list[CudaAttentionRow]:
+def free_device_memory(cupy: Any, torch: Any | None) -> None:
+    """Return the cached blocks of CuPy's pool (and of torch's allocator) to the device."""
+    cupy.get_default_memory_pool().free_all_blocks()
+    if torch is not None:
+        torch.cuda.empty_cache()
+
+
+def _bench_one(cupy: Any, torch: Any | None, rng: Any, t: int, b: int, bits: Sequence[int], hkv: int,
+               groups: int, d: int, repeat: int, peak: float, gpu: str, prov: dict) -> list[CudaAttentionRow]:
     """All bit widths of one (T, batch): K/V made and quantized one sequence at a time (the
-    float32 source of one sequence is the only float32 copy alive)."""
+    float32 source of one sequence is the only float32 copy alive); torch reads the CuPy
+    float16 arrays through DLPack."""
     k16 = cupy.empty((b, hkv, t, d), cupy.float16)
     v16 = cupy.empty((b, hkv, t, d), cupy.float16)
     codes = {nb: [cupy.empty((b, hkv, t, d * nb // 8), cupy.uint8) for _ in range(2)]
@@ -319,22 +520,38 @@ def _bench_one(cupy: Any, rng: Any, t: int, b: int, bits: Sequence[int], hkv: in
                 codes[nb][2 + j][i] = s
             del x
     q = rng.standard_normal((b, hkv * groups, 1, d), dtype=cupy.float32)
-    dense_ms = time_cuda_ms(cupy, make_dense(cupy, q.astype(cupy.float16), k16, v16), repeat)
+    q16 = q.astype(cupy.float16)
+    dense = make_dense(cupy, q16, k16, v16)
+    dense_ms = time_cuda_ms(cupy, dense, repeat)
+    torch_ms, backend, torch_out, torch_note, torch_dense = None, None, None, "", None
+    if torch is not None:
+        tq, tk, tv = (torch.from_dlpack(a) for a in (q16, k16, v16))  # zero-copy views
+        backend, torch_ms, tout, errors = fastest_sdpa(torch, make_sdpa(torch, tq, tk, tv),
+                                                       lambda fn: time_torch_ms(torch, fn, repeat))
+        torch_note = errors_note("torch SDPA skipped", errors) if backend is None else ""
+        if tout is not None:
+            torch_out = cupy.from_dlpack(tout).astype(cupy.float32)
+            torch_dense = float(cupy.abs(torch_out - dense().astype(cupy.float32)).max())
     rows = []
     for nb in bits:
         kc, vc, ks, vs = codes[nb]
         fused = make_fused(q, kc, ks, vc, vs, nb)
         fused_ms = time_cuda_ms(cupy, fused, repeat)
+        fused_out = cupy.asarray(fused())
         diff = None
+        diff_torch = None if torch_out is None else float(cupy.abs(fused_out - torch_out).max())
         try:
             deq = make_dequant_then_attend(cupy, q, kc, ks, vc, vs, nb)
             deq_ms = time_cuda_ms(cupy, deq, repeat)
-            diff = float(cupy.abs(cupy.asarray(fused()) - deq()).max())
+            diff = float(cupy.abs(fused_out - deq()).max())
             note = ""
         except cupy.cuda.memory.OutOfMemoryError:
             deq_ms, note = None, "dequantize-then-attend: out of device memory"
         cupy.get_default_memory_pool().free_all_blocks()
-        rows.append(make_row(t, b, nb, hkv, groups, d, fused_ms, dense_ms, deq_ms, peak, gpu, prov, note, diff))
+        rows.append(make_row(t, b, nb, hkv, groups, d, fused_ms, dense_ms, deq_ms, peak, gpu, prov,
+                             "; ".join(n for n in (note, torch_note) if n), diff, torch_ms=torch_ms,
+                             torch_backend=backend, max_abs_diff_torch=diff_torch,
+                             max_abs_diff_torch_dense=torch_dense))
     return rows
 
 
@@ -343,27 +560,34 @@ def rows_as_dicts(rows: Sequence[CudaAttentionRow]) -> list[dict]:
     return [asdict(r) for r in rows]
 
 
+def fmt(x: float | None, spec: str) -> str:
+    """``format(x, spec)``, ``"-"`` for ``None``."""
+    return "-" if x is None else format(x, spec)
+
+
 def render(rows: Sequence[CudaAttentionRow]) -> str:
-    """Plain-text table of the rows, labelled with the GPU, peak bandwidth and provenance."""
+    """Plain-text table of the rows, labelled with the GPU, peak bandwidth and provenance.
+
+    The baselines come torch SDPA first, then CuPy dense fp16; without torch its columns
+    show ``-``."""
     if not rows:
         return "no rows\n"
     p = rows[0].provenance
     peak = f"{rows[0].peak_gb_per_s:.0f} GB/s" if rows[0].peak_gb_per_s else "not reported"
     head = (f"GPU decode attention on {rows[0].gpu} (theoretical peak {peak}), "
             f"{rows[0].num_kv_heads} KV heads x {rows[0].groups} groups, d={rows[0].head_dim}; numba "
-            f"{p.get('numba', '?')}, host {p.get('cpu_model', '?')}\n")
-    cols = ("T", "batch", "bits", "fused ms", "dense fp16 ms", "deq+attend ms", "x dense", "x deq",
-            "packed GB/s", "% peak", "max |fused-deq|")
-
-    def f(x: float | None, spec: str) -> str:
-        return "-" if x is None else format(x, spec)
-
+            f"{p.get('numba', '?')}, torch {p.get('torch', '?')}, host {p.get('cpu_model', '?')}\n"
+            "baselines: torch SDPA fp16 (GQA, fastest of the cuDNN and flash backends), "
+            "CuPy dense fp16, dequantize-then-attend (float32)\n")
+    cols = ("T", "batch", "bits", "fused ms", "torch sdpa ms", "torch backend", "x torch", "cupy fp16 ms",
+            "x cupy", "deq+attend ms", "x deq", "packed GB/s", "% peak", "max |fused-torch|", "max |fused-deq|")
     lines = [head, " | ".join(cols)]
     for r in rows:
-        lines.append(" | ".join((str(r.tokens), str(r.batch), str(r.bits), f(r.fused_ms, ".3f"),
-                                 f(r.dense_fp16_ms, ".3f"), f(r.dequant_ms, ".3f"),
-                                 f(r.speedup_vs_dense_fp16, ".2f"), f(r.speedup_vs_dequant, ".2f"),
-                                 f(r.packed_gb_per_s, ".1f"), f(r.pct_of_peak, ".1f"),
-                                 f(r.max_abs_diff_vs_dequant, ".1e")))
+        lines.append(" | ".join((str(r.tokens), str(r.batch), str(r.bits), fmt(r.fused_ms, ".3f"),
+                                 fmt(r.torch_ms, ".3f"), r.torch_backend or "-", fmt(r.speedup_vs_torch, ".2f"),
+                                 fmt(r.dense_fp16_ms, ".3f"), fmt(r.speedup_vs_dense_fp16, ".2f"),
+                                 fmt(r.dequant_ms, ".3f"), fmt(r.speedup_vs_dequant, ".2f"),
+                                 fmt(r.packed_gb_per_s, ".1f"), fmt(r.pct_of_peak, ".1f"),
+                                 fmt(r.max_abs_diff_vs_torch, ".1e"), fmt(r.max_abs_diff_vs_dequant, ".1e")))
                      + (f"  ({r.note})" if r.note else ""))
     return "\n".join(lines) + "\n"

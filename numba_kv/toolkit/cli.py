@@ -1,6 +1,7 @@
 """``numba-kv`` command line: ``eval`` (caches on a real model), ``analyze``
 (where the quantization loss comes from), ``generate``, ``demo --synthetic`` (synthetic KV stream),
-``bench attention``, ``bench modes``, ``kernels`` (CUDA kernel resources, no GPU), ``info``.
+``bench attention``, ``bench modes``, ``bench decode-step`` (GPU), ``kernels`` (CUDA kernel resources, no
+GPU), ``info``.
 
 User errors of ``eval`` / ``analyze`` / ``generate`` (missing model package, bad ``--cache``, missing
 ``--text``, ...) print ``numba-kv <command>: error: <message>`` on stderr and exit with
@@ -16,7 +17,7 @@ from typing import Any
 
 from numba_kv import info as env_info
 
-from . import bench, bench_cuda, demo, kernels, models, recommend
+from . import bench, bench_cuda, bench_step, demo, kernels, models, recommend
 from .evaluation import analysis, analysis_report, evaluate, needle
 from .models.gguf_loader import ModelNotFoundError
 from .specs import EvalConfigError, parse_cache_specs, split_cache_list
@@ -80,6 +81,8 @@ def _bench_modes(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     if args.what == "modes":
         return _bench_modes(args)
+    if args.what == "decode-step":
+        return _bench_decode_step(args)
     if args.device == "cuda":
         return _bench_attention_cuda(args)
 
@@ -108,26 +111,62 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write_json(text: str, dest: str) -> None:
+    """``text`` to stdout (``dest`` ``"-"``) or to the file ``dest``."""
+    if dest == "-":
+        sys.stdout.write(text + "\n")
+    else:
+        with open(dest, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+        sys.stderr.write(f"wrote {dest}\n")
+
+
 def _bench_attention_cuda(args: argparse.Namespace) -> int:
-    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else bench_cuda.DEFAULT_TOKENS
-    batch = [int(b) for b in args.batch.split(",")] if args.batch else bench_cuda.DEFAULT_BATCH
     try:
-        rows = bench_cuda.run_attention_bench_cuda(tokens, batch, [int(b) for b in args.bits.split(",")],
-                                                   repeat=args.repeat, progress=not args.no_progress)
-    except bench_cuda.CudaBenchUnavailable as exc:
+        tokens = _int_list(args.tokens, "--tokens") if args.tokens else bench_cuda.DEFAULT_TOKENS
+        batch = _int_list(args.batch, "--batch") if args.batch else bench_cuda.DEFAULT_BATCH
+        bits = _int_list(args.bits, "--bits")
+        rows = bench_cuda.run_attention_bench_cuda(tokens, batch, bits, num_kv_heads=args.kv_heads,
+                                                   groups=args.groups, head_dim=args.head_dim,
+                                                   repeat=args.repeat, progress=not args.no_progress,
+                                                   torch_baseline=not args.no_torch)
+    except (bench_cuda.CudaBenchUnavailable, EvalConfigError) as exc:
         return _user_error("bench attention", exc)
     if args.json:
-        text = json.dumps({"config": vars(args) | {"func": None}, "rows": bench_cuda.rows_as_dicts(rows)},
-                          indent=2, default=str)
-        if args.json == "-":
-            sys.stdout.write(text + "\n")
-        else:
-            with open(args.json, "w", encoding="utf-8") as f:
-                f.write(text + "\n")
-            sys.stderr.write(f"wrote {args.json}\n")
+        _write_json(json.dumps({"config": vars(args) | {"func": None}, "rows": bench_cuda.rows_as_dicts(rows)},
+                               indent=2, default=str), args.json)
     else:
         sys.stdout.write(bench_cuda.render(rows))
     return 0
+
+
+def _bench_decode_step(args: argparse.Namespace) -> int:
+    """``bench decode-step --device cuda``: exit status 1 when a mode raised (its row says why)."""
+    command = "bench decode-step"
+    if args.device != "cuda":
+        return _user_error(command, "only --device cuda is measured here (the CPU cache.decode step is the "
+                                    "second table of `numba-kv bench attention`)")
+    try:
+        modes = bench_step.DEFAULT_MODES if not args.modes else split_cache_list(args.modes, "--modes")
+        parse_cache_specs(",".join(modes), arg="--modes")  # a clear error before any GPU work
+        tokens = _int_list(args.tokens, "--tokens") if args.tokens else bench_step.DEFAULT_TOKENS
+        batch = _int_list(args.batch, "--batch") if args.batch else bench_step.DEFAULT_BATCH
+        if args.steps < 1 or args.warmup < 1:
+            raise EvalConfigError(f"--steps and --warmup: expected ints >= 1, got {args.steps} and {args.warmup}")
+        rows = bench_step.run_decode_step_bench(modes, tokens, batch, num_kv_heads=args.kv_heads, groups=args.groups,
+                                                head_dim=args.head_dim, steps=args.steps, warmup=args.warmup,
+                                                progress=not args.no_progress, torch_baseline=not args.no_torch)
+    except (bench_cuda.CudaBenchUnavailable, EvalConfigError) as exc:
+        return _user_error(command, exc)
+    if args.json:
+        _write_json(json.dumps({"config": vars(args) | {"func": None}, "rows": bench_step.rows_as_dicts(rows)},
+                               indent=2, default=str), args.json)
+    else:
+        sys.stdout.write(bench_step.render(rows))
+    bad = bench_step.failed(rows)
+    for r in bad:
+        sys.stderr.write(f"numba-kv {command}: {r.mode} at T={r.tokens}, batch {r.batch}: {r.note}\n")
+    return 1 if bad else 0
 
 
 def _user_error(command: str, exc: str | BaseException) -> int:
@@ -273,6 +312,8 @@ def _analyze(args: argparse.Namespace) -> int:
 
 
 def _kernels(args: argparse.Namespace) -> int:
+    if args.sass:
+        return _kernels_sass(args)
     try:
         ccs = kernels.parse_cc(args.cc)
         names = args.kernel.split(",") if args.kernel else None
@@ -290,6 +331,25 @@ def _kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kernels_sass(args: argparse.Namespace) -> int:
+    """``numba-kv kernels --sass``: the hot loop of each decode attention kernel in SASS."""
+    try:
+        ccs = kernels.parse_cc(args.cc)
+        names = args.kernel.split(",") if args.kernel else None
+        rows = kernels.sass_report(ccs, names)
+    except (ValueError, FileNotFoundError, ImportError, RuntimeError) as e:
+        sys.stderr.write(f"numba-kv kernels: error: {e}\n")
+        return 2
+    sys.stdout.write("SASS of the CUDA kernels as ptxas builds them (nvJitLink + nvdisasm, no GPU): the hot loop "
+                     "(the loop with the most instructions, nested loops counted once), static instructions per "
+                     "iteration and per token per KV head\n\n" + kernels.sass_markdown(rows))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"command": "kernels --sass", "rows": rows}, f, indent=1)
+        sys.stderr.write(f"wrote {args.json}\n")
+    return 1 if any(r["error"] for r in rows) else 0
+
+
 def _add_kernels(sub: Any) -> None:
     """The ``kernels`` subcommand."""
     k = sub.add_parser(
@@ -303,6 +363,10 @@ def _add_kernels(sub: Any) -> None:
                    help="threads per block for the occupancy columns (default: the cuda_threads knob, 128)")
     k.add_argument("--kernel", default=None, help="comma-separated kernel names (default: all)")
     k.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON to FILE")
+    k.add_argument("--sass", action="store_true",
+                   help="disassemble the decode attention kernels (nvdisasm, PyPI nvidia-cuda-nvdisasm) and count "
+                        "the SASS instructions of each one's hot loop per token per KV head, by class (--kernel "
+                        "picks other kernels; --threads does not apply)")
     k.set_defaults(func=_kernels)
 
 
@@ -391,19 +455,36 @@ def _add_demo(sub: Any) -> None:
 def _add_bench(sub: Any) -> None:
     """The ``bench`` subcommand."""
     b = sub.add_parser("bench", help="benchmarks: `bench attention` (fused vs dense vs dequantize+attend), "
-                                     "`bench modes` (quality of every compression mode)")
-    b.add_argument("what", choices=["attention", "modes"])
+                                     "`bench modes` (quality of every compression mode), `bench decode-step "
+                                     "--device cuda` (one cache.decode step on the GPU vs torch SDPA)")
+    b.add_argument("what", choices=["attention", "modes", "decode-step"])
     b.add_argument("--tokens", default=None,
-                   help="attention: comma-separated (default 4096,32768,131072); modes: N (default 2048)")
+                   help="attention: comma-separated (default 4096,32768,131072; --device cuda: "
+                        "4096,16384,32768,65536,131072); modes: N (default 2048); decode-step: comma-separated "
+                        "(default 4096,16384,65536,131072)")
     b.add_argument("--bits", default="3,4")
     b.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="attention: cuda = GPU benchmark (CuPy; tokens default 4096..131072, batch 1,8,32)")
-    b.add_argument("--batch", default=None, help="attention --device cuda: comma-separated (default 1,8,32)")
+                   help="attention: cuda = GPU benchmark (CuPy, torch SDPA baseline when torch is installed); "
+                        "decode-step: cuda only")
+    b.add_argument("--batch", default=None, help="--device cuda: comma-separated (default: attention 1,8,32; "
+                                                 "decode-step 1)")
+    b.add_argument("--kv-heads", type=int, default=8, help="--device cuda: KV heads (default: %(default)s)")
+    b.add_argument("--groups", type=int, default=4,
+                   help="--device cuda: query heads per KV head (default: %(default)s)")
+    b.add_argument("--head-dim", type=int, default=128, help="--device cuda: head dimension (default: %(default)s)")
+    b.add_argument("--steps", type=int, default=bench_step.DEFAULT_STEPS,
+                   help="decode-step: timed steps, median and min reported (default: %(default)s)")
+    b.add_argument("--warmup", type=int, default=bench_step.DEFAULT_WARMUP,
+                   help="decode-step: untimed steps first (default: %(default)s)")
+    b.add_argument("--no-torch", action="store_true",
+                   help="--device cuda: skip the torch SDPA baseline even when torch is installed")
     b.add_argument("--repeat", type=int, default=5)
     b.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                    help="write JSON to FILE ('-' or no FILE: print it instead of the tables)")
     b.add_argument("--markdown", default=None, metavar="FILE", help="modes: write the markdown table to FILE")
-    b.add_argument("--modes", default=None, help="modes: comma-separated caches, as `eval --cache` (default: all)")
+    b.add_argument("--modes", default=None,
+                   help="modes, decode-step: comma-separated caches, as `eval --cache` (default: modes: all; "
+                        "decode-step: dense,pqo3,kv4)")
     b.add_argument("--faiss", default=None,
                    help="modes: '/'-separated faiss.index_factory strings ('' for none; default: "
                         "HR,SQtqmse3 / HR,EDEN3 / HR,SQtq3 / HR,EDEN2 / HR,EDEN4)")

@@ -46,3 +46,17 @@ def test_warp_kernel_reduces_with_shuffles(name):
     assert len(re.findall(r"\bshfl\.sync\.bfly\.b32\b", ptx)) >= 8
     assert local_bytes(ptx) == 0
     assert len(re.findall(r"\bbar\.sync\b|\bbarrier\.sync\b", ptx)) == 1
+
+
+@pytest.mark.ptx
+def test_mma_kernel_runs_on_tensor_cores():
+    """The tensor-core kernel's PTX: ``mma.sync`` m16n8k16 with binary16 operands and float32
+    accumulators (16 per 16-token tile of keys, 16 of values, for each of the 3 code widths),
+    its binary16 pairs from ``cvt.rn.f16x2.f32`` and scaled with ``mul.rn.f16x2``, no local
+    memory (fragments, accumulators and prefetched words in registers), one block barrier."""
+    ptx = kernel_ptx("decode_attention_mma", (9, 0))
+    n_mma = len(re.findall(r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16\.f16\.f32\b", ptx))
+    assert n_mma == 3 * (2 * 8 + 16), n_mma
+    assert re.search(r"\bcvt\.rn\.f16x2\.f32\b", ptx) and re.search(r"\bmul\.rn\.f16x2\b", ptx)
+    assert local_bytes(ptx) == 0
+    assert len(re.findall(r"\bbar\.sync\b|\bbarrier\.sync\b", ptx)) == 1

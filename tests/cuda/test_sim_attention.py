@@ -17,7 +17,7 @@ from numba_kv.ops.attention import CodeLayout, decode_attention, fused_attention
 from numba_kv.ops.blockquant import dequantize_blocks, quantize_blocks
 from numba_kv.ops.codebook import get_codebook
 
-from ..conftest import to_device
+from ..conftest import spy_launches, to_device
 
 TOL = dict(rtol=2e-5, atol=2e-6)
 
@@ -213,19 +213,8 @@ def test_warp_attention_matches_cpu_twin(case, monkeypatch):
     kernel that ran."""
     from numba_kv.ops import attention, paged_attention
 
-    launched = []
-
-    class Spy:
-        def __init__(self, real):
-            self.real = real
-
-        def launch(self, *args, **kw):
-            launched.append(kw["grid"])
-            return self.real.launch(*args, **kw)
-
-    monkeypatch.setattr(attention, "DECODE_ATTENTION_WARP", Spy(attention.DECODE_ATTENTION_WARP))
-    monkeypatch.setattr(paged_attention, "PAGED_DECODE_ATTENTION_WARP",
-                        Spy(paged_attention.PAGED_DECODE_ATTENTION_WARP))
+    launched = spy_launches(monkeypatch, (attention, "DECODE_ATTENTION_WARP"),
+                            (paged_attention, "PAGED_DECODE_ATTENTION_WARP"))
     case(np.random.default_rng(17))
     assert launched, "the warp kernel did not run"
 

@@ -4,7 +4,6 @@ callables it builds agree with the CPU ``decode_attention``."""
 
 import math
 import sys
-import time
 import types
 
 import numpy as np
@@ -65,16 +64,48 @@ def test_row_arithmetic():
     assert math.isclose(r.packed_gb_per_s, r.packed_bytes / 0.5e-3 / 1e9)
     assert math.isclose(r.pct_of_peak, 100 * r.packed_gb_per_s / 1000.0)
     assert r.gpu == "Fake" and r.provenance == {"numba": "x"}
+    assert r.torch_ms is None and r.speedup_vs_torch is None and r.torch_backend is None
     empty = bench_cuda.make_row(64, 1, 4, 1, 4, 32, None, None, None, 1000.0, "Fake", {}, note="oom")
     assert empty.packed_gb_per_s is None and empty.speedup_vs_dense_fp16 is None
     assert "oom" in bench_cuda.render([r, empty])
+
+
+def test_row_with_torch_baseline():
+    r = bench_cuda.make_row(4096, 8, 3, 8, 4, 128, fused_ms=0.5, dense_ms=2.0, dequant_ms=4.0, peak_gbs=1000.0,
+                            gpu="Fake", prov={"torch": "2.11"}, torch_ms=0.25, torch_backend="cudnn",
+                            max_abs_diff_torch=0.1, max_abs_diff_torch_dense=1e-3)
+    assert r.speedup_vs_torch == 0.5 and r.torch_backend == "cudnn"
+    assert r.max_abs_diff_vs_torch == 0.1 and r.max_abs_diff_torch_vs_dense == 1e-3
+    # a backend name without a time is dropped
+    assert bench_cuda.make_row(64, 1, 3, 1, 4, 32, 0.5, 1.0, 1.0, 0.0, "F", {}, torch_backend="flash"
+                               ).torch_backend is None
+
+
+def test_render_puts_the_torch_baseline_first():
+    with_torch = bench_cuda.make_row(4096, 8, 3, 8, 4, 128, 0.5, 2.0, 4.0, 1000.0, "Fake", {"torch": "2.11"},
+                                     max_abs_diff=1e-7, torch_ms=1.0, torch_backend="flash",
+                                     max_abs_diff_torch=0.05)
+    without = bench_cuda.make_row(4096, 8, 4, 8, 4, 128, 0.5, 2.0, 4.0, 1000.0, "Fake", {})
+    lines = bench_cuda.render([with_torch, without]).splitlines()
+    assert lines[2] == ""
+    head = lines[3].split(" | ")
+    assert head.index("torch sdpa ms") < head.index("cupy fp16 ms") < head.index("deq+attend ms")
+    assert head[3:9] == ["fused ms", "torch sdpa ms", "torch backend", "x torch", "cupy fp16 ms", "x cupy"]
+    assert lines[4].split(" | ") == ["4096", "8", "3", "0.500", "1.000", "flash", "2.00", "2.000", "4.00",
+                                     "4.000", "8.00", f"{with_torch.packed_gb_per_s:.1f}",
+                                     f"{with_torch.pct_of_peak:.1f}", "5.0e-02", "1.0e-07"]
+    assert lines[5].split(" | ")[4:9] == ["-", "-", "-", "2.000", "4.00"]
+    assert "torch 2.11" in lines[0] and "torch SDPA fp16" in lines[1]
+    # a JSON row (gpu_check.sh re-renders them) rebuilds the dataclass
+    assert bench_cuda.CudaAttentionRow(**bench_cuda.rows_as_dicts([with_torch])[0]) == with_torch
 
 
 def test_cli_without_cupy_is_a_clear_error(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
     assert main(["bench", "attention", "--device", "cuda", "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert "numba-kv bench attention: error: needs CuPy and a GPU: pip install -e .[cuda]" in err
+    assert err.startswith("numba-kv bench attention: error: needs CuPy and a GPU: pip install -e .[cuda]")
+    assert err.count("\n") == 1  # one line, no traceback
     with pytest.raises(bench_cuda.CudaBenchUnavailable, match=r"needs CuPy and a GPU"):
         bench_cuda.run_attention_bench_cuda(tokens=(64,), batch=(1,))
 
@@ -113,32 +144,7 @@ def test_timed_callables_agree_with_cpu_decode_attention(bits):
     np.testing.assert_allclose(deq, cpu, rtol=1e-4, atol=1e-5)
 
 
-class _FakeEvent:
-    def record(self):
-        self.t = time.perf_counter()
-
-    def synchronize(self):
-        pass
-
-
-def _fake_cupy() -> types.ModuleType:
-    """NumPy dressed as CuPy (host arrays, so every op runs its CPU twin): enough of the CuPy
-    API for ``run_attention_bench_cuda`` to go through its whole flow without a GPU."""
-    fake = types.ModuleType("cupy")
-    fake.__getattr__ = lambda name: getattr(np, name)
-    runtime = types.SimpleNamespace(
-        getDeviceCount=lambda: 1, deviceSynchronize=lambda: None,
-        getDeviceProperties=lambda i: {"name": b"Fake GPU", "memoryClockRate": 1_000_000, "memoryBusWidth": 64})
-    fake.cuda = types.SimpleNamespace(
-        runtime=runtime, Event=_FakeEvent, get_elapsed_time=lambda a, b: (b.t - a.t) * 1e3,
-        memory=types.SimpleNamespace(OutOfMemoryError=MemoryError))
-    fake.random = types.SimpleNamespace(default_rng=np.random.default_rng)
-    fake.get_default_memory_pool = lambda: types.SimpleNamespace(free_all_blocks=lambda: None)
-    return fake
-
-
-def test_whole_flow_with_numpy_dressed_as_cupy(monkeypatch):
-    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
+def test_whole_flow_with_numpy_dressed_as_cupy(fake_cupy):
     rows = bench_cuda.run_attention_bench_cuda(tokens=(64, 96), batch=(1, 2), bits=(3, 4), num_kv_heads=2,
                                                groups=2, head_dim=32, repeat=1)
     assert [(r.tokens, r.batch, r.bits) for r in rows] == [(t, b, nb) for t in (64, 96) for b in (1, 2)
@@ -150,4 +156,77 @@ def test_whole_flow_with_numpy_dressed_as_cupy(monkeypatch):
         # fused and dequantize-then-attend read the same codes: float32 round-off apart
         assert 0 <= r.max_abs_diff_vs_dequant < 1e-5, r.max_abs_diff_vs_dequant
         assert r.packed_bytes == bench_cuda.packed_bytes(r.tokens, r.batch, r.bits, 2, 2, 32)
-    assert "Fake GPU" in bench_cuda.render(rows)
+        # no torch: its columns are empty, the rest ran
+        assert r.torch_ms is None and r.torch_backend is None and r.speedup_vs_torch is None
+        assert r.max_abs_diff_vs_torch is None and r.max_abs_diff_torch_vs_dense is None
+    assert r.provenance["torch"].startswith("not importable")
+    text = bench_cuda.render(rows)
+    assert "Fake GPU" in text and "torch not importable" in text
+
+
+def test_whole_flow_with_a_torch_baseline(fake_cupy, fake_torch):
+    """The torch column: cuDNN refuses the shape (skipped), flash runs and is named; the fused
+    output is compared with it (3-bit quantization error) and torch with CuPy dense (fp16)."""
+    rows = bench_cuda.run_attention_bench_cuda(tokens=(64,), batch=(1,), bits=(3,), num_kv_heads=2, groups=2,
+                                               head_dim=32, repeat=2)
+    (r,) = rows
+    assert r.torch_backend == "flash" and r.torch_ms > 0 and r.note == ""
+    assert r.speedup_vs_torch == r.torch_ms / r.fused_ms
+    assert fake_torch.state["calls"]["flash"] >= 1 + 1 + 2  # probe, warm-up, timed
+    assert r.max_abs_diff_torch_vs_dense < 1e-2  # the same fp16 attention twice
+    assert 1e-4 < r.max_abs_diff_vs_torch < 0.5  # 3-bit codes vs fp16 K/V
+    assert r.provenance["torch"] == "2.11.0+fake"
+    line = bench_cuda.render(rows).splitlines()[-1].split(" | ")
+    assert line[4:8] == [f"{r.torch_ms:.3f}", "flash", f"{r.speedup_vs_torch:.2f}", f"{r.dense_fp16_ms:.3f}"]
+
+
+def test_torch_baseline_when_every_backend_refuses(fake_cupy, fake_torch, monkeypatch):
+    monkeypatch.setattr(bench_cuda, "TORCH_BACKENDS", ("cudnn",))
+    (r,) = bench_cuda.run_attention_bench_cuda(tokens=(64,), batch=(1,), bits=(4,), num_kv_heads=1, groups=2,
+                                               head_dim=32, repeat=1)
+    assert r.torch_ms is None and r.torch_backend is None and r.fused_ms > 0
+    assert r.note == "torch SDPA skipped: cudnn: No available kernel. Aborting execution."
+
+
+def test_pick_fastest_skips_refusing_backends():
+    timings = {"a": 3.0, "b": 1.0, "c": RuntimeError("refused\nsecond line"), "d": 2.0}
+
+    def run_one(name):
+        t = timings[name]
+        if isinstance(t, Exception):
+            raise t
+        return t, f"out-{name}"
+
+    assert bench_cuda.pick_fastest("abcd", run_one) == ("b", 1.0, "out-b", {"c": "refused"})
+    assert bench_cuda.pick_fastest("c", run_one) == (None, None, None, {"c": "refused"})
+    # (median, min) timings, ranked by median
+    pairs = {"x": (2.0, 0.5), "y": (1.0, 0.9)}
+    assert bench_cuda.pick_fastest("xy", lambda n: (pairs[n], n), key=lambda t: t[0])[0] == "y"
+    with pytest.raises(ValueError):  # anything but RuntimeError is a bug, not a refusal
+        bench_cuda.pick_fastest("a", lambda n: (_ for _ in ()).throw(ValueError("bug")))
+
+
+@pytest.mark.parametrize("version, ok", [("2.11.0+cu130", True), ("2.5.0", True), ("2.4.1", False),
+                                         ("1.13.1", False), ("3.0.0a0", True), ("weird", False)])
+def test_torch_supports_gqa(version, ok):
+    assert bench_cuda.torch_supports_gqa(version) is ok
+
+
+def test_speedup_and_notes():
+    assert bench_cuda.speedup(3.0, 1.5) == 2.0
+    assert bench_cuda.speedup(None, 1.0) is None and bench_cuda.speedup(1.0, None) is None
+    assert bench_cuda.speedup(1.0, 0.0) is None
+    assert bench_cuda.errors_note("p", {}) == ""
+    assert bench_cuda.errors_note("p", {"a": "x", "b": "y"}) == "p: a: x; b: y"
+
+
+def test_make_sdpa_matches_dense_attention_on_cpu_torch():
+    """The real torch SDPA (CPU tensors, default backend) computes the attention of
+    :func:`dense_attention`: GQA, scale 1/sqrt(d)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((2, 8, 1, 32)).astype(np.float32)
+    k, v = rng.standard_normal((2, 2, 2, 48, 32)).astype(np.float32)
+    out = bench_cuda.make_sdpa(torch, *(torch.from_numpy(a) for a in (q, k, v)))().numpy()
+    ref = bench_cuda.dense_attention(np, q, k, v, 32 ** -0.5)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)

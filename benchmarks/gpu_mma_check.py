@@ -1,0 +1,183 @@
+"""GPU check of the tensor-core decode attention (``decode_attention_mma``): accuracy, then speed.
+
+1. **Accuracy** on fresh random K/V (and a window of exact tokens, causal rows): the fused
+   output of :func:`numba_kv.decode_attention` on CuPy arrays with the tensor-core kernel,
+   the warp kernel (``cuda_mma_attention=0``) and the CPU twin (NumPy, float32), as
+   ``‖out − ref‖ / ‖ref‖`` against the CPU twin, for every width pair.
+2. **Speed**, best of ``--repeat`` CUDA-event timings, 8 KV heads × 4 query heads, d = 128,
+   one query per sequence: the tensor-core kernel, the warp kernel and torch
+   ``scaled_dot_product_attention`` on float16 K/V (GQA; the best of the cuDNN and flash
+   backends), with the packed bytes per second of the fused kernels.
+
+    python3 benchmarks/gpu_mma_check.py --tokens 32768,131072 --batch 1,8,32
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import numpy as np
+from numba import cuda
+
+from numba_kv import knobs
+from numba_kv.info import provenance_line
+from numba_kv.ops import TWINS
+from numba_kv.ops.attention import CodeLayout, decode_attention, fused_attention_rows
+from numba_kv.ops.blockquant import quantize_blocks
+from numba_kv.ops.codebook import get_codebook
+from numba_kv.ops.hadamard import rotate32
+from numba_kv.toolkit.bench_cuda import packed_bytes, require_cupy, time_cuda_ms
+
+
+def rel(a, b) -> float:
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def accuracy(cupy) -> None:
+    rng = np.random.default_rng(int(time.time()))
+    print("accuracy vs the CPU twin (rel. L2 error)", flush=True)
+    for kb, vb in ((3, 3), (4, 4), (2, 2), (3, 2), (4, 3), (2, 4)):
+        for T, n_exact, ql in ((1, 0, 1), (37, 0, 1), (1000, 0, 1), (20000, 64, 1), (3000, 16, 2)):
+            b, hkv, G, d = 2, 3, 4, 128
+            k = (rng.standard_normal((b, hkv, T, d)) * rng.uniform(0.1, 20)).astype(np.float32)
+            v = rng.standard_normal((b, hkv, T, d)).astype(np.float32)
+            kc, ks = quantize_blocks(k, kb)
+            vc, vs = quantize_blocks(v, vb)
+            q = rng.standard_normal((b, hkv * G, ql, d)).astype(np.float32)
+            kw = {"k_bits": kb, "v_bits": vb}
+            if n_exact:
+                kw["k_exact"] = rng.standard_normal((b, hkv, n_exact, d)).astype(np.float32)
+                kw["v_exact"] = rng.standard_normal((b, hkv, n_exact, d)).astype(np.float32)
+            ref = decode_attention(q, kc, ks, vc, vs, **kw)
+            dev = [cupy.asarray(a) for a in (q, kc, ks, vc, vs)]
+            dkw = {n: (cupy.asarray(a) if isinstance(a, np.ndarray) else a) for n, a in kw.items()}
+            mma = cupy.asnumpy(decode_attention(*dev, **dkw))
+            with knobs(cuda_mma_attention=0):
+                warp = cupy.asnumpy(decode_attention(*dev, **dkw))
+            print(f"  K{kb}V{vb} T={T} exact={n_exact} q_len={ql}: mma {rel(mma, ref):.2e}  warp {rel(warp, ref):.2e}"
+                  f"  finite={bool(np.isfinite(mma).all())}", flush=True)
+
+
+def torch_sdpa(cupy, q, k16, v16, repeat):
+    """Best-backend torch SDPA over float16 K/V ``[b, hkv, T, d]`` (GQA): ``(ms, backend)``."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    tq = torch.from_dlpack(q.astype(cupy.float16))
+    tk = torch.from_dlpack(k16)
+    tv = torch.from_dlpack(v16)
+    best = None
+    for be in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        def fn(be=be):
+            with sdpa_kernel(be):
+                return sdpa(tq, tk, tv, enable_gqa=True)
+        try:
+            fn()
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - a backend that does not take the shape
+            print(f"    torch {be.name}: {type(exc).__name__}", flush=True)
+            continue
+        ms = time_cuda_ms(cupy, fn, repeat)
+        if best is None or ms < best[0]:
+            best = (ms, be.name)
+        del fn
+    return best
+
+
+def kernel_path(cupy, q, kc, ks, vc, vs, nb):
+    """The partition kernel and the merge alone (``fused_attention_rows`` on prepared
+    arguments: no validation, no host synchronization), as a model's decode step runs them."""
+    b, hq, _, d = q.shape
+    hkv, T = kc.shape[1], kc.shape[2]
+    g, rows = b * hkv, hq // hkv
+    q3 = q.reshape(g, rows, d)
+    qr = rotate32(q3)
+    lay = CodeLayout.uniform(get_codebook(nb, "maxnorm"), d)
+    kc3, vc3 = kc.reshape(g, T, -1), vc.reshape(g, T, -1)
+    ks3, vs3 = ks.reshape(g, T, -1), vs.reshape(g, T, -1)
+    empty = cupy.zeros((g, 0, d), cupy.float32)
+    epos = cupy.zeros(1, cupy.int32)
+    return lambda: fused_attention_rows(qr, q3, kc3, ks3, vc3, vs3, T, 0, empty, empty, 0, epos, lay, lay, d ** -0.5,
+                                        None, T - 1, 1, True)
+
+
+SHIPPED = TWINS["decode_attention_mma"].cuda
+#: the shipped kernel compiled with other launch bounds (A/B in the same process)
+VARIANTS = {"mma lb(128,3)": cuda.jit(SHIPPED.py_func, launch_bounds=(128, 3))}
+
+
+def speed(cupy, tokens, batches, bits, repeat) -> None:
+    hkv, groups, d = 8, 4, 128
+    rng = cupy.random.default_rng(0)
+    print("speed (ms, best of repeats; GB/s = packed bytes read; xN = torch ms / ms)", flush=True)
+    for t in tokens:
+        for b in batches:
+            q = rng.standard_normal((b, hkv * groups, 1, d), dtype=cupy.float32)
+            k = rng.standard_normal((b, hkv, t, d), dtype=cupy.float32)
+            v = rng.standard_normal((b, hkv, t, d), dtype=cupy.float32)
+            ref = None
+            try:
+                k16, v16 = k.astype(cupy.float16), v.astype(cupy.float16)
+                ref = torch_sdpa(cupy, q, k16, v16, repeat)
+                del k16, v16
+            except ImportError:
+                pass
+            tline = f"torch {ref[1]} {ref[0]:.3f} ms" if ref else "torch -"
+            for nb in bits:
+                kc, ks = quantize_blocks(k, nb)
+                vc, vs = quantize_blocks(v, nb)
+                gb = packed_bytes(t, b, nb, hkv, groups, d) / 1e9
+                cols = []
+                outs = {}
+                for name, knob, api in (("mma", 1, False), ("mma lb(128,3)", 1, False), ("warp", 0, False),
+                                        ("mma api", 1, True)):
+                    twin = TWINS["decode_attention_mma"]
+                    if name in VARIANTS:
+                        object.__setattr__(twin, "cuda", VARIANTS[name])
+                    with knobs(cuda_mma_attention=knob):
+                        if api:
+                            fn = functools.partial(decode_attention, q, kc, ks, vc, vs, bits=nb)
+                        else:
+                            fn = kernel_path(cupy, q, kc, ks, vc, vs, nb)
+                        outs[name] = fn().reshape(b, hkv * groups, 1, d)
+                        ms = time_cuda_ms(cupy, fn, repeat)
+                    object.__setattr__(twin, "cuda", SHIPPED)
+                    x = f" x{ref[0] / ms:.2f}" if ref else ""
+                    cols.append(f"{name} {ms:.3f} ms ({gb / (ms * 1e-3):.0f} GB/s{x})")
+                diff = float(cupy.abs(outs["mma"] - outs["warp"]).max())
+                print(f"  T={t} batch={b} bits={nb}: " + "  ".join(cols) + f"  {tline}  max|mma-warp|={diff:.1e}",
+                      flush=True)
+                del kc, ks, vc, vs, outs
+            del k, v, q
+            cupy.get_default_memory_pool().free_all_blocks()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="32768,131072")
+    ap.add_argument("--batch", default="1,8,32")
+    ap.add_argument("--bits", default="3,4")
+    ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--skip-accuracy", action="store_true")
+    args = ap.parse_args()
+    cupy = require_cupy()
+    print(provenance_line(), flush=True)
+    if not args.skip_accuracy:
+        accuracy(cupy)
+    speed(cupy, [int(x) for x in args.tokens.split(",")], [int(x) for x in args.batch.split(",")],
+          [int(x) for x in args.bits.split(",")], args.repeat)
+    for name, kern in (("decode_attention_mma", SHIPPED), ("mma lb(128,3)", VARIANTS["mma lb(128,3)"]),
+                       ("decode_attention_warp", TWINS["decode_attention_warp"].cuda)):
+        try:
+            print(name, "registers", list(kern.get_regs_per_thread().values()))
+        except Exception as exc:  # noqa: BLE001 - report, do not fail the run
+            print(name, "registers unavailable", exc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""The SASS of the CUDA kernels (nvJitLink → cubin → nvdisasm, no GPU): the loop finder on a
+hand-written listing, and a budget of static instructions per token per KV head for the hot
+loop of each decode attention kernel at sm_90.
+
+The budget tests compile (``ptx`` marker: skipped under the simulator, where
+``compile_ptx`` is a stub) and need ``nvdisasm`` (PyPI ``nvidia-cuda-nvdisasm``, in the
+``test`` and ``cuda`` extras); without it they skip and say so.
+"""
+
+import pytest
+
+from numba_kv import _sass
+from numba_kv._sass import (
+    CLASSES,
+    NVDISASM_PACKAGE,
+    TOKENS_PER_ITERATION,
+    class_counts,
+    classify,
+    entry_function,
+    find_loops,
+    kernel_sass,
+    nvdisasm_path,
+    parse_sass,
+    tile_loop,
+)
+from numba_kv.ops import TWINS
+
+#: Static SASS instructions of the hot loop per token per KV head at sm_90 (nvJitLink 13.5's
+#: ptxas, first signature), ~10 % above today's figures.  Measured: decode_attention 1389
+#: (5556 instructions a warp pass / 4 tokens), decode_attention_warp 93.41 (2989 / 32),
+#: decode_attention_mma 139.12 (2226 / 16: the decoders of all three code widths of K and of V
+#: are in the loop; a pass runs one of each, about a third of those instructions),
+#: paged_decode_attention_mma 184.19 (2947 / 16: plus a page-table lookup and an integer
+#: division per token address).
+SASS_BUDGET = {"decode_attention": 1530.0, "decode_attention_warp": 103.0, "decode_attention_mma": 153.0,
+               "paged_decode_attention_mma": 203.0}
+
+# A kernel with a loop nest, a second loop, a divergent-warp slow path that branches back into
+# the loop (not a loop), a called helper, and an unreachable self-branch after EXIT.
+LISTING = """\
+\t.target\tsm_90
+//--------------------- .text.helper --------------------------
+\t.section\t.text.helper,"ax",@progbits
+        .type           helper,@function
+helper:
+.text.helper:
+        /*0000*/                   IADD3 R4, R4, 0x1, RZ ;
+        /*0010*/                   RET.ABS.NODEC R20 0x0 ;
+.L_x_9:
+        /*0020*/                   BRA `(.L_x_9);
+//--------------------- .text.kern --------------------------
+\t.section\t.text.kern,"ax",@progbits
+        .global         kern
+        .type           kern,@function
+        .other          kern,@"STO_CUDA_ENTRY STV_DEFAULT"
+kern:
+.text.kern:
+        /*0000*/                   S2R R0, SR_TID.X ;
+        /*0010*/                   MOV R2, RZ ;
+.L_x_0:
+        /*0020*/                   LDG.E R3, desc[UR4][R4.64] ;
+        /*0030*/                   IMAD.MOV.U32 R6, RZ, RZ, RZ ;
+.L_x_1:
+        /*0040*/                   LDS R7, [R6] ;
+        /*0050*/                   FFMA R2, R3, R7, R2 ;
+        /*0060*/                   IADD3 R6, R6, 0x4, RZ ;
+        /*0070*/                   ISETP.GE.AND P0, PT, R6, 0x80, PT ;
+        /*0080*/              @!P0 BRA `(.L_x_1) ;
+        /*0090*/                   BRA.DIV UR4, `(.L_x_3) ;
+.L_x_4:
+        /*00a0*/                   SHFL.BFLY PT, R8, R2, 0x1, 0x1f ;
+        /*00b0*/                   FADD R2, R2, R8 ;
+        /*00c0*/                   I2F R9, R0 ;
+        /*00d0*/                   CALL.ABS.NOINC `(helper) ;
+        /*00e0*/               @P3 EXIT ;
+        /*00f0*/                   ISETP.GE.AND P1, PT, R4, 0x10, PT ;
+        /*0100*/              @!P1 BRA `(.L_x_0) ;
+.L_x_6:
+        /*0110*/                   STG.E desc[UR4][R10.64], R2 ;
+        /*0120*/                   IADD3 R10, R10, 0x4, RZ ;
+        /*0130*/                   ISETP.GE.AND P2, PT, R10, R11, PT ;
+        /*0140*/              @!P2 BRA `(.L_x_6) ;
+        /*0150*/                   EXIT ;
+.L_x_3:
+        /*0160*/                   WARPSYNC.ALL ;
+        /*0170*/                   SHFL.BFLY PT, R8, R2, 0x1, 0x1f ;
+        /*0180*/                   BRA `(.L_x_4) ;
+.L_x_5:
+        /*0190*/                   BRA `(.L_x_5);
+        /*01a0*/                   NOP;
+"""
+
+
+def test_parse_listing():
+    funcs = parse_sass(LISTING)
+    assert list(funcs) == ["helper", "kern"]
+    assert not funcs["helper"].entry and funcs["kern"].entry
+    kern = entry_function(funcs)
+    assert kern.name == "kern" and len(kern.instructions) == 27  # 0x000 … 0x1a0
+    assert kern.labels[".L_x_1"] == 0x40 and kern.labels[".L_x_3"] == 0x160
+    bra = kern.instructions[8]
+    assert (bra.address, bra.opcode, bra.guard, bra.target) == (0x80, "BRA", "@!P0", ".L_x_1")
+    assert (kern.instructions[10].opcode, kern.instructions[10].operands) == ("SHFL.BFLY", "PT, R8, R2, 0x1, 0x1f")
+
+
+def test_loops_of_the_listing():
+    loops = find_loops(entry_function(parse_sass(LISTING)))
+    # the slow path at 0x160 jumps back into the outer loop but is entered only by BRA.DIV;
+    # the self-branch at 0x190 follows EXIT: neither is a loop
+    assert [(lp.header, lp.size, lp.depth, lp.parent) for lp in loops] == [
+        (0x20, 15, 0, None),  # outer: 0x20 … 0x100, the inner loop included
+        (0x40, 5, 1, 0),      # inner: 0x40 … 0x80
+        (0x110, 4, 0, None),  # the store loop after it
+    ]
+    assert tile_loop(loops) == 0 and tile_loop([]) is None
+    # by hand: LDG | IMAD.MOV | LDS | FFMA, FADD | IADD3, ISETP, ISETP | BRA, BRA.DIV, CALL, @P3 EXIT,
+    # BRA | SHFL | I2F
+    expected = dict.fromkeys(CLASSES, 0) | {"load.global": 1, "move": 1, "load.shared": 1, "fp32": 2, "int": 3,
+                                            "branch": 5, "shfl": 1, "convert": 1}
+    assert loops[0].counts() == expected
+    assert loops[1].counts() == dict.fromkeys(CLASSES, 0) | {"load.shared": 1, "fp32": 1, "int": 2, "branch": 1}
+
+
+def test_entry_function_wants_one_kernel():
+    funcs = parse_sass(LISTING)
+    with pytest.raises(ValueError, match="exactly one kernel"):
+        entry_function({"helper": funcs["helper"]})
+
+
+def test_classify():
+    assert [classify(op) for op in ("LDG.E.64.CONSTANT", "LDS.128", "ULDC.64", "LDL", "STS", "FFMA.FTZ", "MUFU.EX2",
+                                    "HMMA.16816.F32", "HFMA2.MMA", "IMAD.WIDE.U32", "IMAD.MOV.U32", "UIADD3",
+                                    "R2UR", "SHFL.BFLY", "F2FP.F16.F32.PACK_AB", "BSYNC", "BAR.SYNC.DEFER_BLOCKING",
+                                    "NOP")] == [
+        "load.global", "load.shared", "load.const", "load.local", "store", "fp32", "mufu", "mma", "fp16", "int", "move",
+        "int", "move", "shfl", "convert", "branch", "sync", "other"]
+    assert sum(class_counts([]).values()) == 0 and tuple(class_counts([])) == CLASSES
+
+
+def test_missing_nvdisasm_names_the_package(monkeypatch):
+    def no_files(name):
+        raise _sass.importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(_sass.importlib.metadata, "files", no_files)
+    monkeypatch.setattr(_sass.shutil, "which", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=f"nvdisasm not found: pip install {NVDISASM_PACKAGE}"):
+        nvdisasm_path()
+    with pytest.raises(FileNotFoundError, match=NVDISASM_PACKAGE):
+        kernel_sass.__wrapped__("decode_attention_warp", (9, 0))
+
+
+def test_budgets_name_registered_kernels_with_stated_tokens():
+    for name in SASS_BUDGET:
+        assert name in TWINS and name in TOKENS_PER_ITERATION, name
+
+
+def need_nvdisasm():
+    try:
+        nvdisasm_path()
+    except FileNotFoundError as e:
+        pytest.skip(f"{e} (the SASS budget needs it)")
+
+
+@pytest.mark.ptx
+@pytest.mark.parametrize("name", sorted(SASS_BUDGET))
+def test_hot_loop_stays_within_its_sass_budget(name):
+    """The decode kernel's token-tile loop at sm_90: no spills, and at most its budget of
+    static SASS instructions per token per KV head (rules in ``numba_kv._sass``)."""
+    need_nvdisasm()
+    k = kernel_sass(name, (9, 0))
+    r = k.resources
+    assert (r.spill_stores, r.spill_loads, r.local) == (0, 0, 0), r
+    hot = k.loops[k.hot]
+    counts = hot.counts()
+    # the loop that walks the tokens: it loads, multiplies and adds
+    assert counts["fp32"] > 0 and counts["load.global"] > 0 and hot.depth == 0, counts
+    breakdown = ", ".join(f"{c} {n / k.tokens_per_iteration:.1f}" for c, n in counts.items() if n)
+    assert k.per_token <= SASS_BUDGET[name], (
+        f"{name}: {k.per_token:.1f} SASS instructions per token per KV head in its hot loop (budget "
+        f"{SASS_BUDGET[name]}; {hot.size} a pass / {k.tokens_per_iteration} tokens): {breakdown}")

@@ -1,0 +1,242 @@
+"""The warp-level PTX primitives (``ops/_mma.py``) and the tensor-core decode attention.
+
+Each primitive runs in a small kernel, on a GPU (its inline PTX) or under
+``NUMBA_ENABLE_CUDASIM=1`` (its Python twin), against NumPy: binary16 packing and products
+bit for bit, ``mma.sync`` against float64 products of the binary16-rounded operands, the xor
+shuffle against the lane permutation.  The tensor-core kernel is checked against the float32
+CPU twin (binary16 operands: relative L2 error under :data:`MMA_RTOL`, far below what a wrong
+fragment, pair order or scale gives) and must be the kernel that ran.
+"""
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from numba_kv import knobs
+from numba_kv._backend import to_host
+from numba_kv.ops import attention
+from numba_kv.ops._attention_mma import reference_pair_table
+from numba_kv.ops._mma import half2_bits, hmul2, mma_16816, pack_half2, shfl_xor_f32, shfl_xor_u32, unpack_half2
+from numba_kv.ops.attention import decode_attention
+from numba_kv.ops.blockquant import quantize_blocks
+from numba_kv.ops.codebook import get_codebook
+
+from ..conftest import spy_launches, to_device
+
+#: relative L2 error of the tensor-core kernel against the float32 CPU twin: binary16 keys
+#: (11-bit significands of code·scale and of the scaled queries) and weights give ~1e-3
+MMA_RTOL = 4e-3
+
+
+@cuda.jit
+def mma_kernel(A, B, C, out):
+    ln = cuda.threadIdx.x
+    gid = ln >> 2
+    tig = ln & 3
+    a0 = pack_half2(A[gid, 2 * tig], A[gid, 2 * tig + 1])
+    a1 = pack_half2(A[gid + 8, 2 * tig], A[gid + 8, 2 * tig + 1])
+    a2 = pack_half2(A[gid, 2 * tig + 8], A[gid, 2 * tig + 9])
+    a3 = pack_half2(A[gid + 8, 2 * tig + 8], A[gid + 8, 2 * tig + 9])
+    b0 = pack_half2(B[2 * tig, gid], B[2 * tig + 1, gid])
+    b1 = pack_half2(B[2 * tig + 8, gid], B[2 * tig + 9, gid])
+    d0, d1, d2, d3 = mma_16816(a0, a1, a2, a3, b0, b1, C[gid, 2 * tig], C[gid, 2 * tig + 1], C[gid + 8, 2 * tig],
+                               C[gid + 8, 2 * tig + 1])
+    out[gid, 2 * tig] = d0
+    out[gid, 2 * tig + 1] = d1
+    out[gid + 8, 2 * tig] = d2
+    out[gid + 8, 2 * tig + 1] = d3
+
+
+@cuda.jit
+def half_kernel(x, y, packed, prod):
+    i = cuda.threadIdx.x
+    p = pack_half2(x[i], y[i])
+    packed[i] = p
+    prod[i] = hmul2(p, pack_half2(y[i], x[i]))
+
+
+@cuda.jit
+def shfl_kernel(xf, xu, mask, outf, outu):
+    i = cuda.threadIdx.x
+    outf[i] = shfl_xor_f32(xf[i], mask)
+    outu[i] = shfl_xor_u32(xu[i], mask)
+
+
+@pytest.mark.cuda
+def test_mma_16816_matches_float64_of_binary16_operands():
+    rng = np.random.default_rng(0)
+    A = (rng.standard_normal((16, 16)) * 3).astype(np.float32)
+    B = rng.standard_normal((16, 8)).astype(np.float32)
+    C = rng.standard_normal((16, 8)).astype(np.float32)
+    out = to_device(np.full((16, 8), np.nan, np.float32))
+    mma_kernel[1, 32](to_device(A), to_device(B), to_device(C), out)
+    ref = A.astype(np.float16).astype(np.float64) @ B.astype(np.float16).astype(np.float64) + C
+    np.testing.assert_allclose(to_host(out), ref, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.cuda
+def test_pack_and_hmul2_are_binary16_round_to_nearest():
+    rng = np.random.default_rng(1)
+    # ordinary values, binary16 subnormals, ties (1 + 2**-11), beyond binary16 (inf) and zeros
+    x = np.concatenate([rng.standard_normal(24) * 100, [3e-6, -7e-8, 1 + 2 ** -11, 7e4, 0.0, -0.0, 1e-3, 2.0]])
+    y = np.concatenate([rng.standard_normal(24), [0.5, 3.0, 1.0, 1.0, 5.0, 2.0, 1e-3, 65504.0]])
+    x, y = x.astype(np.float32), y.astype(np.float32)
+    packed = to_device(np.zeros(32, np.uint32))
+    prod = to_device(np.zeros(32, np.uint32))
+    half_kernel[1, 32](to_device(x), to_device(y), packed, prod)
+    want = [half2_bits(a, b) for a, b in zip(x, y)]
+    assert [int(v) for v in to_host(packed)] == want
+    xh, yh = x.astype(np.float16).astype(np.float64), y.astype(np.float16).astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        lo = (xh * yh).astype(np.float16)  # an exact float64 product rounded once
+    got = np.array([unpack_half2(w) for w in to_host(prod)], dtype=np.float64)
+    np.testing.assert_array_equal(got[:, 0], lo.astype(np.float64))
+    np.testing.assert_array_equal(got[:, 1], lo.astype(np.float64))
+
+
+def test_half2_bits_layout():
+    assert half2_bits(1.0, -2.0) == 0x3C00 | (0xC000 << 16)  # element 0 in the low half
+    assert unpack_half2(0x3C00 | (0xC000 << 16)) == (1.0, -2.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mask", [1, 2, 5, 16])
+def test_shfl_xor(mask):
+    xf = np.arange(32, dtype=np.float32) * 1.5 - 7
+    xu = (np.arange(32, dtype=np.uint32) * 0x9E3779B1) & 0xFFFFFFFF
+    outf = to_device(np.zeros(32, np.float32))
+    outu = to_device(np.zeros(32, np.uint32))
+    shfl_kernel[1, 32](to_device(xf), to_device(xu.astype(np.uint32)), mask, outf, outu)
+    perm = np.arange(32) ^ mask
+    np.testing.assert_array_equal(to_host(outf), xf[perm])
+    np.testing.assert_array_equal(to_host(outu), xu[perm].astype(np.uint32))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_reference_pair_table(bits):
+    cent = get_codebook(bits, "maxnorm").centroids
+    tab, inv = reference_pair_table(cent, bits)
+    f = 1.0 / inv
+    assert f in (1.0, 0.5, 0.25) and float(np.abs(cent).max()) * f <= 1.0 < float(np.abs(cent).max()) * f * 2
+    for e in (0, 1, (1 << (2 * bits)) - 1, 5 % (1 << (2 * bits))):
+        lo, hi = unpack_half2(int(tab[e]))
+        assert lo == np.float32(np.float16(cent[e & ((1 << bits) - 1)] * f))
+        assert hi == np.float32(np.float16(cent[e >> bits] * f))
+
+
+def _spy(monkeypatch):
+    return spy_launches(monkeypatch, (attention, "DECODE_ATTENTION_MMA"))
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(np.asarray(b, np.float64)))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kbits, vbits, T, n_exact, q_len, q_scale", [
+    (3, 3, 45, 0, 1, 1.0),      # a ragged last tile in each of two partitions
+    (4, 2, 37, 9, 2, 1.0),      # GQA 4 × causal q_len 2, a window of exact tokens
+    (2, 4, 20, 0, 1, 3e5),      # queries far beyond binary16: the row scaling keeps them finite
+])
+def test_mma_attention_matches_cpu_twin(kbits, vbits, T, n_exact, q_len, q_scale, monkeypatch):
+    launched = _spy(monkeypatch)
+    rng = np.random.default_rng(kbits * 10 + vbits)
+    b, hkv, G, d = 1, 2, 4, 128
+    k = (rng.standard_normal((b, hkv, T, d)) * 4).astype(np.float32)
+    v = rng.standard_normal((b, hkv, T, d)).astype(np.float32)
+    kc, ks = quantize_blocks(k, kbits)
+    vc, vs = quantize_blocks(v, vbits)
+    # logits of a few units whatever q_scale (peaked enough that a wrong score shows)
+    q = (rng.standard_normal((b, hkv * G, q_len, d)) * q_scale).astype(np.float32)
+    kw = dict(k_bits=kbits, v_bits=vbits, partition_size=32, softmax_scale=d ** -0.5 / q_scale)
+    if n_exact:
+        kw["k_exact"] = rng.standard_normal((b, hkv, n_exact, d)).astype(np.float32)
+        kw["v_exact"] = rng.standard_normal((b, hkv, n_exact, d)).astype(np.float32)
+    cpu = decode_attention(q, kc, ks, vc, vs, **kw)
+    dkw = {n: (to_device(a) if isinstance(a, np.ndarray) else a) for n, a in kw.items()}
+    dev = to_host(decode_attention(*(to_device(a) for a in (q, kc, ks, vc, vs)), **dkw))
+    assert launched, "the tensor-core kernel did not run"
+    assert np.isfinite(dev).all()
+    assert _rel(dev, cpu) < MMA_RTOL
+    # and it is not the float32 kernel by accident: binary16 rounding shows
+    assert not np.array_equal(dev, cpu)
+
+
+@pytest.mark.cuda
+def test_paged_mma_attention_matches_cpu_twin(monkeypatch):
+    """PQO pools (K 3 bits, V 2 bits) of ragged sequences (5, 19, 40 tokens, page size 8, pages
+    handed out interleaved), GQA 4 × causal q_len 2, several partitions per sequence: the
+    paged tensor-core kernel against the CPU twin, and it is the kernel that ran."""
+    from numba_kv import PagedKVCache
+    from numba_kv.ops import paged_attention
+
+    launched = spy_launches(monkeypatch, (paged_attention, "PAGED_DECODE_ATTENTION_MMA"))
+    rng = np.random.default_rng(9)
+    caches = [PagedKVCache(num_pages=12, num_layers=1, num_kv_heads=1, head_dim=128, page_size=8,
+                           storage="pqo-k3v2") for _ in range(2)]
+    seqs = [[c.allocate_sequence() for _ in range(3)] for c in caches]
+    for chunk in range(5):  # interleaved appends: each sequence's pages are scattered in the pool
+        for i, n in enumerate((5, 19, 40)):
+            lo, hi = n * chunk // 5, n * (chunk + 1) // 5
+            if hi > lo:
+                k = (rng.standard_normal((1, hi - lo, 128)) * 3).astype(np.float32)
+                v = rng.standard_normal((1, hi - lo, 128)).astype(np.float32)
+                caches[0].append(0, seqs[0][i], k, v)
+                caches[1].append(0, seqs[1][i], to_device(k), to_device(v))
+    q = rng.standard_normal((3, 4, 2, 128)).astype(np.float32)
+    a = caches[0].decode_attention(0, q, partition_size=16)
+    b = to_host(caches[1].decode_attention(0, to_device(q), partition_size=16))
+    assert launched, "the paged tensor-core kernel did not run"
+    assert np.isfinite(b).all()
+    assert _rel(b, a) < MMA_RTOL
+    assert not np.array_equal(b, a)
+
+
+#: the tensor-core kernels' simulator/GPU runs (``tests/cuda/test_sim.py`` checks every registered
+#: twin has one): the parametrized tests above
+RUNNERS = {"decode_attention_mma": test_mma_attention_matches_cpu_twin,
+           "paged_decode_attention_mma": test_paged_mma_attention_matches_cpu_twin}
+
+
+@pytest.mark.cuda
+def test_mma_knob_off_runs_the_warp_kernel(monkeypatch):
+    launched = _spy(monkeypatch)
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((1, 1, 20, 128)).astype(np.float32)
+    kc, ks = quantize_blocks(k, 3)
+    q = rng.standard_normal((1, 4, 1, 128)).astype(np.float32)
+    with knobs(cuda_mma_attention=0):
+        out = to_host(decode_attention(*(to_device(a) for a in (q, kc, ks, kc, ks))))
+    assert not launched
+    np.testing.assert_allclose(out, decode_attention(q, kc, ks, kc, ks), rtol=2e-5, atol=2e-6)
+
+
+def test_mma_dispatch_rules():
+    cb3, cb1 = get_codebook(3, "maxnorm"), get_codebook(1, "maxnorm")
+    lay3 = attention.CodeLayout.uniform(cb3, 128)
+    mixed = attention.CodeLayout.from_blocks([cb3, cb3, cb1, cb3])
+    assert attention.mma_layout_ok(lay3)
+    assert not attention.mma_layout_ok(mixed)
+    assert not attention.mma_layout_ok(attention.CodeLayout.uniform(cb1, 128))
+    assert attention.use_mma_kernel("cuda", 128, False, False, lay3, lay3)
+    assert not attention.use_mma_kernel("cpu", 128, False, False, lay3, lay3)
+    assert not attention.use_mma_kernel("cuda", 64, False, False, lay3, lay3)
+    assert not attention.use_mma_kernel("cuda", 128, True, False, lay3, lay3)
+    assert not attention.use_mma_kernel("cuda", 128, False, True, lay3, lay3)
+    assert not attention.use_mma_kernel("cuda", 128, False, False, lay3, mixed)
+    with knobs(cuda_mma_attention=0):
+        assert not attention.use_mma_kernel("cuda", 128, False, False, lay3, lay3)
+    codes = np.arange(2 * 5 * 48, dtype=np.uint32).astype(np.uint8).reshape(2, 5, 48)
+    words = attention.code_words(codes)
+    assert words.shape == (2, 5, 12)
+    assert int(words[1, 2, 3]) == int.from_bytes(bytes(codes[1, 2, 12:16]), "little")  # little-endian words
+    assert attention.code_words(np.zeros((2, 5, 6), np.uint8)) is None
+    part = attention.code_words(codes[:, :, :44])  # rows apart (last axis contiguous): still a view
+    assert part.shape == (2, 5, 11) and np.shares_memory(part, codes)
+    scales = np.zeros((2, 5, 4), np.uint16)
+    kc4, ks4, vc4, vs4 = attention.mma_operands(codes, scales, codes, scales, flat=True)
+    assert kc4.shape == (2, 1, 5, 12) and ks4.shape == (2, 1, 5, 4) and np.shares_memory(kc4, codes)
+    pool = np.zeros((3, 2, 8, 48), np.uint8)
+    pool_scales = np.zeros((3, 2, 8, 4), np.uint16)
+    assert attention.mma_operands(pool, pool_scales, pool, pool_scales, flat=False)[0].shape == (3, 2, 8, 12)
+    assert attention.mma_operands(codes[:, :, :42], scales, codes, scales, flat=True) is None  # 42 % 4
