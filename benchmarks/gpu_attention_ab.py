@@ -10,11 +10,11 @@ round:
   compiled with launch bounds (256, 2) (128 registers: 4 blocks of 128 threads per SM).
 
 The tensor-core kernel is switched off here (``cuda_mma_attention=0``; its own A/B against the
-warp kernel and torch is ``benchmarks/gpu_mma_check.py``).  Variants are swapped into the op registry (the entries are frozen dataclasses).  Every
-variant's output is compared with the shipped warp kernel's.  It also times a
-device-to-device copy with CuPy (bytes read + written per second): the bandwidth a
-memory-bound kernel can reach in practice, next to the theoretical peak that ``numba-kv
-bench attention --device cuda`` reports.
+warp kernel and torch is ``benchmarks/gpu_mma_check.py``).  Variants are swapped into the op
+registry (the entries are frozen dataclasses).  Every variant's output is compared with the
+shipped warp kernel's.  It also times a device-to-device copy with CuPy (bytes read + written
+per second): the bandwidth a memory-bound kernel can reach in practice, next to the theoretical
+peak that ``numba-kv bench attention --device cuda`` reports.
 
     python3 benchmarks/gpu_attention_ab.py --tokens 131072 --batch 8,32
 """
