@@ -102,9 +102,19 @@ def use_warp_kernel(dev: str, d: int, has_bias: bool, has_qjl: bool) -> bool:
 
 
 def mma_layout_ok(layout: CodeLayout) -> bool:
-    """Whether the tensor-core kernel reads codes of ``layout``: every block of one width in
-    :data:`~numba_kv.ops._attention_mma.MMA_BITS` with one codebook (its pair table is built
-    from row 0 of the centroids)."""
+    """Whether the tensor-core kernels read codes of ``layout``.
+
+    Parameters
+    ----------
+    layout : CodeLayout
+        ``bits`` int64 ``(head_dim / 32,)``, ``centroids`` float32 ``(head_dim / 32, 16)``.
+
+    Returns
+    -------
+    bool
+        Every block of one width in :data:`~numba_kv.ops._attention_mma.MMA_BITS` with one
+        codebook (the kernels build their pair table from row 0 of the centroids).  Cached per
+        layout object."""
     return _mma_layout_ok(layout)
 
 
@@ -116,9 +126,18 @@ def _mma_layout_ok(layout: CodeLayout) -> bool:
 
 
 def code_words(codes: Any) -> Any:
-    """Packed codes ``[..., width]`` (uint8, rows of a whole number of 32-bit words) viewed as
-    ``uint32`` words ``[..., width / 4]`` on their device; ``None`` where the array cannot be
-    viewed so (not contiguous, width not a multiple of 4)."""
+    """Packed codes as little-endian 32-bit words, without a copy.
+
+    Parameters
+    ----------
+    codes : uint8 array, shape ``(..., width)``
+        NumPy, CuPy or Numba device array whose last axis is contiguous.
+
+    Returns
+    -------
+    uint32 array, shape ``(..., width / 4)``, or None
+        A view on the same device; ``None`` where the array cannot be viewed so (``width``
+        not a multiple of 4, or an array type that refuses the view)."""
     shape = tuple(int(x) for x in codes.shape)
     if shape[-1] % 4:
         return None
@@ -130,9 +149,18 @@ def code_words(codes: Any) -> Any:
 
 
 def unit_axis(a: Any) -> Any:
-    """``[n, m, w]`` → ``[n, 1, m, w]`` as a view (``None`` where the array type cannot give one):
-    a flat cache's codes in the paged pools' ``[page, head, slot, ·]`` addressing, which the
-    tensor-core tiles use for both."""
+    """A flat cache's array in the paged pools' ``[page, head, slot, ·]`` addressing, which the
+    tensor-core tiles use for both.
+
+    Parameters
+    ----------
+    a : array, shape ``(n, m, w)``
+        Any dtype; NumPy, CuPy or Numba device array.
+
+    Returns
+    -------
+    array, shape ``(n, 1, m, w)``, or None
+        A view of ``a`` (``None`` where the array type cannot give one)."""
     try:
         return a[:, None]  # NumPy, CuPy: a view whatever the strides
     except (TypeError, IndexError, ValueError, NotImplementedError):
@@ -144,8 +172,21 @@ def unit_axis(a: Any) -> Any:
 
 
 def mma_operands(kc: Any, ks: Any, vc: Any, vs: Any, flat: bool) -> tuple | None:
-    """The codes and scales as the tensor-core kernels read them (codes as ``uint32`` words;
-    a flat cache's arrays with a unit head axis), or ``None`` where one cannot be viewed so."""
+    """The codes and scales as the tensor-core kernels read them.
+
+    Parameters
+    ----------
+    kc, vc : uint8 array, shape ``(n_g, capacity, width)`` (flat) or ``(pages, num_kv_heads,
+        page_size, width)`` (paged)
+    ks, vs : uint16 array, the same leading shape, last axis the stored binary16 scales
+    flat : bool
+        Flat cache arrays (they get a unit head axis, :func:`unit_axis`).
+
+    Returns
+    -------
+    tuple ``(kc32, ks, vc32, vs)`` of 4-D views, or None
+        Codes as uint32 words (:func:`code_words`); ``None`` where one array cannot be viewed
+        so (the caller then runs the warp kernel)."""
     kw, vw = code_words(kc), code_words(vc)
     out = (kw, ks, vw, vs)
     if flat and kw is not None and vw is not None:
