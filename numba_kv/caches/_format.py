@@ -1,6 +1,6 @@
-"""The cache file format's writing side: format constants, the checksum, state collection
-and :func:`save_cache` (the format itself is described in :mod:`numba_kv.caches.persist`,
-which reads it).
+"""The cache file format's writing side: format constants, the checksum and
+:func:`save_cache`, which writes a cache's :meth:`state_dict` (the format itself is described
+in :mod:`numba_kv.caches.persist`, which reads it).
 
 Kept apart from the reader so that the caches' ``save`` methods can import it at module
 level: this module imports no cache class (it names the saveable classes by module path).
@@ -18,8 +18,7 @@ import numpy as np
 
 from .. import _backend
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "SAVEABLE", "digest", "layered_state", "mixed_state", "paged_state",
-           "safetensors_module", "save_cache"]
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "SAVEABLE", "digest", "host_copy", "safetensors_module", "save_cache"]
 
 FORMAT_NAME = "numba_kv.cache"
 FORMAT_VERSION = 1
@@ -39,17 +38,8 @@ def safetensors_module() -> Any:
     return safetensors
 
 
-def mixed_state(cache: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """State JSON and tensors (``parts.<p>.layers.<i>.<buffer>``) of a ``MixedCache``."""
-    states, tensors = [], {}
-    for p, part in enumerate(cache.parts):
-        st, ts = layered_state(part)
-        states.append(st)
-        tensors.update({f"parts.{p}.{n}": t for n, t in ts.items()})
-    return {"parts": states}, tensors
-
-
-def _to_host(a: Any) -> np.ndarray:
+def host_copy(a: Any) -> np.ndarray:
+    """``a`` (NumPy, CuPy or Numba device array) as a C-contiguous host array."""
     return np.ascontiguousarray(_backend.to_host(a))
 
 
@@ -67,33 +57,6 @@ def digest(config: str, state: str, tensors: dict[str, np.ndarray]) -> str:
     return h.hexdigest()
 
 
-# -- collecting state -----------------------------------------------------------------------
-def layered_state(cache: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """State JSON (per layer: ``seq_len``, ``batch``, counters, live counts) and the live
-    part of every buffer (``layers.<i>.<buffer>``, on the host) of a layered cache."""
-    layers, tensors = [], {}
-    with cache._all_locks():
-        for i, st in enumerate(cache._layers):
-            if not st.seq_len:
-                layers.append(None)
-                continue
-            layers.append({"seq_len": st.seq_len, "batch": st.batch, "meta": dict(st.meta), "live": dict(st.live)})
-            for n, b in st.buffers.items():
-                # whole buffer to the host first: device slices are not contiguous
-                tensors[f"layers.{i}.{n}"] = np.ascontiguousarray(_to_host(b)[:, :st.live_count(n)])
-    return {"layers": layers}, tensors
-
-
-def paged_state(cache: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """State JSON (page tables, lengths, free list) and the page pools of a ``PagedKVCache``."""
-    with cache._lock:
-        state = {"tables": [{str(s): list(p) for s, p in t.items()} for t in cache._tables],
-                 "lens": [{str(s): int(n) for s, n in d.items()} for d in cache._lens],
-                 "free": list(cache._free), "next_seq": cache._next_seq}
-        tensors = {f"pool.{n}": _to_host(a) for n, a in cache._pools.items()}
-    return state, tensors
-
-
 def save_cache(cache: Any, path: Any) -> None:
     """Write ``cache`` to ``path`` (see the module docstring for the format).
 
@@ -104,12 +67,10 @@ def save_cache(cache: Any, path: Any) -> None:
     name = type(cache).__name__
     if SAVEABLE.get(name) != type(cache).__module__:
         raise TypeError(f"cache: saving supports {sorted(SAVEABLE)}, got {type(cache).__name__}")
-    config = json.dumps(cache._lifecycle_config(), sort_keys=True)
-    if name == "MixedCache":
-        state_obj, tensors = mixed_state(cache)
-    else:
-        state_obj, tensors = paged_state(cache) if name == "PagedKVCache" else layered_state(cache)
-    state = json.dumps(state_obj, sort_keys=True)
+    sd = cache.state_dict()
+    config = json.dumps(sd.config, sort_keys=True)
+    state = json.dumps(sd.state, sort_keys=True)
+    tensors = sd.tensors
     meta = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "cache_class": name,
             "config": config, "state": state, "sha256": digest(config, state, tensors)}
     path = os.fspath(path)

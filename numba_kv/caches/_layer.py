@@ -29,12 +29,17 @@ from .._validate import (
 from ..ops.finite import RangeStats, check_finite_stats
 from ..ops.gather import to_like
 from ..ops.memory import copy_prefix, copy_tokens
+from ._format import host_copy
 from ._lifecycle import LifecycleMixin
 from ._values import ValueChecks
 from .protocol import AttendConfig, DecodeOutput, Dequantized, DequantResult
+from .state import CacheFileError, CacheState, expect_int
 
 # name -> (width, dtype, fixed_capacity); fixed_capacity None = grows with the sequence
 BufferSpec = dict[str, tuple[int, Any, int | None]]
+
+#: the per-layer counters a layered cache's state may hold (``LayerState.meta``)
+STATE_COUNTERS = ("n_comp", "n_sink", "n_win", "n_evicted", "kmean_set", "kperm_set", "vperm_set")
 
 
 @dataclass
@@ -237,7 +242,7 @@ class LayeredCache(LifecycleMixin, ValueChecks):
         raise NotImplementedError
 
     def _window_config(self) -> dict[str, Any]:
-        """``{"sliding_window": [...]}`` for ``_lifecycle_config`` if any layer slides."""
+        """``{"sliding_window": [...]}`` for ``config_dict`` if any layer slides."""
         if any(w is not None for w in self.layer_windows):
             return {"sliding_window": list(self.layer_windows)}
         return {}
@@ -421,21 +426,21 @@ class LayeredCache(LifecycleMixin, ValueChecks):
                 st.buffers, st.capacity, st.seq_len, st.batch, st.device = {}, 0, 0, None, None
                 st.live, st.meta, st.scratch = {}, {}, {}
 
-    def memory_usage(self) -> int:
-        """Exact bytes of live stored data, summed over layers."""
+    def _sum_layers(self, count: Any) -> int:
+        """``count(st)`` summed over layers, each read under its lock."""
         total = 0
         for st in self._layers:
             with st.lock:
-                total += st.live_bytes()
+                total += count(st)
         return total
+
+    def memory_usage(self) -> int:
+        """Exact bytes of live stored data, summed over layers."""
+        return self._sum_layers(LayerState.live_bytes)
 
     def allocated_bytes(self) -> int:
         """Bytes of all allocated buffers (capacity), summed over layers."""
-        total = 0
-        for st in self._layers:
-            with st.lock:
-                total += st.allocated_bytes()
-        return total
+        return self._sum_layers(LayerState.allocated_bytes)
 
     def live_arrays(self, layer: int) -> list[Any]:
         """Views of the live part of every buffer of ``layer`` (for inspection and tests)."""
@@ -457,3 +462,122 @@ class LayeredCache(LifecycleMixin, ValueChecks):
         if np.dtype(dtype) != np.dtype(out.dtype):
             out = out.astype(dtype)
         return out
+
+    # -- state (the cache file, see numba_kv.caches.persist) ---------------------------------
+    def state_dict(self) -> CacheState:
+        """The cache as plain data (:class:`~numba_kv.caches.state.CacheState`).
+
+        ``config``: :meth:`config_dict`; ``state``: per layer ``None`` (empty) or
+        ``{"seq_len", "batch", "meta", "live"}`` (tokens, batch size, counters, live token
+        counts of the buffers that differ from ``seq_len``); ``tensors``: the live part
+        ``layers.<i>.<buffer>`` of every buffer, copied to the host (O(live bytes)).
+        :meth:`from_state_dict` rebuilds an equal cache on the host.
+        """
+        layers, tensors = [], {}
+        with self._all_locks():
+            for i, st in enumerate(self._layers):
+                if not st.seq_len:
+                    layers.append(None)
+                    continue
+                layers.append({"seq_len": st.seq_len, "batch": st.batch, "meta": dict(st.meta),
+                               "live": dict(st.live)})
+                for n, b in st.buffers.items():
+                    # whole buffer to the host first: device slices are not contiguous
+                    tensors[f"layers.{i}.{n}"] = np.ascontiguousarray(host_copy(b)[:, :st.live_count(n)])
+        return CacheState(self.config_dict(), {"layers": layers}, tensors)
+
+    @classmethod
+    def from_state_dict(cls, state: CacheState) -> LayeredCache:
+        """The cache :meth:`state_dict` described, on the host (NumPy buffers).
+
+        Every layer's counters, live counts and tensors (names, dtypes, shapes, capacities)
+        are checked against the configuration before anything is built.
+
+        Parameters
+        ----------
+        state : CacheState
+            ``config`` (constructor arguments), ``state`` and ``tensors`` as
+            :meth:`state_dict` returns them.
+
+        Raises
+        ------
+        CacheFileError
+            A state or tensor this configuration cannot have produced.
+        TypeError, ValueError
+            A bad ``config`` (from the constructor).
+        """
+        cache = cls(**state.config)
+        layers, tensors = state.state.get("layers"), state.tensors
+        if not isinstance(layers, list) or len(layers) != cache.num_layers:
+            raise CacheFileError(f"state: expected {cache.num_layers} layers, got {layers!r:.80}")
+        spec = cache._buffer_spec()
+        used: set[str] = set()
+        built = []
+        for i, lay in enumerate(layers):
+            if lay is None:
+                built.append(None)
+                continue
+            item = cache._checked_layer(i, lay, spec, tensors)
+            used.update(f"layers.{i}.{n}" for n in spec)
+            built.append(item)
+        extra = set(tensors) - used
+        if extra:
+            raise CacheFileError(f"tensors: unexpected {sorted(extra)[:5]}")
+        for st, item in zip(cache._layers, built):
+            if item is not None:
+                cache._restore_layer(st, *item)
+        return cache
+
+    def _checked_layer(self, i: int, lay: Any, spec: BufferSpec, tensors: dict[str, np.ndarray]) -> tuple:
+        """Layer ``i`` of a state, validated: ``(seq_len, batch, meta, live, buffers)``."""
+        if not isinstance(lay, dict):
+            raise CacheFileError(f"state: layer {i} is not an object")
+        seq_len = expect_int(f"layer {i} seq_len", lay.get("seq_len"), 1)
+        batch = expect_int(f"layer {i} batch", lay.get("batch"), 1)
+        meta, live = lay.get("meta", {}), lay.get("live", {})
+        if not isinstance(meta, dict) or not isinstance(live, dict):
+            raise CacheFileError(f"state: layer {i} meta/live are not objects")
+        for k, v in meta.items():
+            if k not in STATE_COUNTERS:
+                raise CacheFileError(f"state: layer {i} has an unknown counter {k!r}")
+            expect_int(f"layer {i} {k}", v)
+        if not set(live) <= set(spec):
+            raise CacheFileError(f"state: layer {i} counts buffers {sorted(live)}, the configuration has "
+                                 f"{sorted(spec)}")
+        rows = batch * self.num_kv_heads
+        bufs = {}
+        for n, (width, dtype, fixed) in spec.items():
+            key = f"layers.{i}.{n}"
+            if key not in tensors:
+                raise CacheFileError(f"tensors: {key} is missing")
+            t = tensors[key]
+            nl = expect_int(f"layer {i} live {n}", live.get(n, seq_len))
+            if t.dtype != np.dtype(dtype) or t.shape != (rows, nl, width):
+                raise CacheFileError(f"tensors: {key} is {t.dtype} {t.shape}, the configuration expects "
+                                     f"{np.dtype(dtype)} {(rows, nl, width)}")
+            if fixed is not None and nl > fixed:
+                raise CacheFileError(f"tensors: {key} holds {nl} tokens, more than its capacity {fixed}")
+            bufs[n] = (t, nl, fixed)
+        if meta.get("n_evicted", 0) and self.layer_windows[i] is None:
+            raise CacheFileError(f"state: layer {i} has evicted tokens but is not a sliding-window layer")
+        self._check_counters(i, seq_len, {k: v for k, v in meta.items() if k != "n_evicted"}, live)
+        return seq_len, batch, dict(meta), {n: int(v) for n, v in live.items()}, bufs
+
+    def _check_counters(self, i: int, seq_len: int, meta: dict[str, int], live: dict[str, Any]) -> None:
+        """``CacheFileError`` unless a restored layer's counters (without ``n_evicted``) and
+        live counts describe a state the cache can reach (kernels trust them).  Here: every
+        buffer holds ``seq_len`` tokens, so there are none."""
+        if meta or live:
+            raise CacheFileError(f"state: layer {i} of a {type(self).__name__} has counters {meta} / {live}")
+
+    def _restore_layer(self, st: LayerState, seq_len: int, batch: int, meta: dict[str, int],
+                       live: dict[str, int], bufs: dict[str, tuple[np.ndarray, int, int | None]]) -> None:
+        """Fill an empty layer with validated host buffers (growing ones at the grown capacity)."""
+        cap = grown_capacity(max([nl for _, nl, fixed in bufs.values() if fixed is None], default=0))
+        st.buffers = {}
+        for n, (t, nl, fixed) in bufs.items():
+            buf = np.zeros((batch * self.num_kv_heads, fixed if fixed is not None else cap, t.shape[2]), t.dtype)
+            buf[:, :nl] = t
+            st.buffers[n] = buf
+        st.capacity, st.seq_len, st.batch, st.device = cap, seq_len, batch, "cpu"
+        st.meta, st.live = meta, live

@@ -49,6 +49,18 @@ def take_rows(a: Any, rows: np.ndarray) -> Any:
     return to_like(a, a.copy_to_host()[rows])
 
 
+def check_crop_length(length: int, floor: int, limit: int | None) -> None:
+    """``ValueError`` unless ``crop(length)`` is possible: ``length`` is 0 or in
+    ``[floor, limit]`` (``limit`` ``None``: every layer is empty, only 0 is)."""
+    top = 0 if limit is None else limit
+    if length > top:
+        raise ValueError(f"length: expected an int in [0, {top}] (the shortest non-empty layer "
+                         f"holds {top} tokens), got {length}")
+    if 0 < length < floor:
+        raise ValueError(f"length: a sliding-window layer has evicted tokens that position {length} would "
+                         f"see again; expected 0 or an int in [{floor}, {top}], got {length}")
+
+
 def check_indices(indices: Any, batch: int) -> np.ndarray:
     """Validate ``indices`` (1-D, ≥ 1 integer in ``[0, batch)``, repeats allowed) → int64."""
     try:
@@ -68,8 +80,8 @@ class LifecycleMixin:
     """``crop`` / ``fork`` / ``select_batch`` / ``save`` for caches made of ``LayerState`` s.
 
     Hooks: ``_crop_layer(st, length)`` (default: the layer keeps its first ``length``
-    tokens by lowering ``seq_len``; windowed caches override it) and ``_lifecycle_config()``
-    (constructor arguments, used by ``save``).
+    tokens by lowering ``seq_len``; windowed caches override it) and :meth:`config_dict`
+    (constructor arguments, part of what ``save`` writes).
     """
 
     _layers: list[Any]
@@ -99,6 +111,20 @@ class LifecycleMixin:
         return e + st.window - 1 if e else 0
 
     # -- crop -----------------------------------------------------------------------------
+    def _crop_bounds(self) -> tuple[int, int | None]:
+        """``(floor, limit)`` of :meth:`crop_range`; the caller holds every layer's lock."""
+        lens = [st.total_len for st in self._layers if st.seq_len]
+        floor = max([self._crop_floor(st) for st in self._layers if st.seq_len] + [0])
+        return floor, (min(lens) if lens else None)
+
+    def crop_range(self) -> tuple[int, int | None]:
+        """The lengths :meth:`crop` accepts besides 0: ``(floor, limit)``, every ``length``
+        with ``floor <= length <= limit``.  ``limit`` is the shortest non-empty layer's
+        ``seq_len`` (``None`` when every layer is empty); ``floor`` is 0 unless a sliding
+        layer has evicted tokens (see :meth:`crop`)."""
+        with self._all_locks():
+            return self._crop_bounds()
+
     def crop(self, length: int) -> None:
         """Keep the first ``length`` tokens of every layer, exactly as they were stored.
 
@@ -127,15 +153,8 @@ class LifecycleMixin:
         """
         length = check_int("length", length, minimum=0)
         with self._all_locks():
-            lens = [st.total_len for st in self._layers if st.seq_len]
-            limit = min(lens) if lens else 0
-            if length > limit:
-                raise ValueError(f"length: expected an int in [0, {limit}] (the shortest non-empty layer "
-                                 f"holds {limit} tokens), got {length}")
-            floor = max([self._crop_floor(st) for st in self._layers if st.seq_len] + [0])
-            if 0 < length < floor:
-                raise ValueError(f"length: a sliding-window layer has evicted tokens that position {length} would "
-                                 f"see again; expected 0 or an int in [{floor}, {limit}], got {length}")
+            floor, limit = self._crop_bounds()
+            check_crop_length(length, floor, limit)
             for st in self._layers:
                 if not st.seq_len or st.total_len == length:
                     continue
@@ -151,11 +170,12 @@ class LifecycleMixin:
         memo[id(self)] = new
         # configuration (codebooks, layouts, sketch, signs) is read-only after __init__ and
         # shared: the device constant cache keys on the host arrays' identity
+        fields = {}
         for key, val in self.__dict__.items():
             if key == "_deferred":  # validate="deferred": the fork holds its own copy of the record
-                setattr(new, key, copy.deepcopy(val, memo))
+                fields[key] = copy.deepcopy(val, memo)
             elif key != "_layers":
-                setattr(new, key, copy.copy(val) if isinstance(val, (dict, list)) else val)
+                fields[key] = copy.copy(val) if isinstance(val, (dict, list)) else val
         layers = []
         with self._all_locks():
             for st in self._layers:
@@ -163,7 +183,8 @@ class LifecycleMixin:
                                        capacity=st.capacity,
                                        buffers={n: copy_array(b) for n, b in st.buffers.items()},
                                        live=dict(st.live), meta=dict(st.meta), window=st.window))
-        new._layers = layers
+        fields["_layers"] = layers
+        new.__dict__.update(fields)
         return new
 
     def fork(self) -> Any:
@@ -176,6 +197,19 @@ class LifecycleMixin:
         return copy.deepcopy(self)
 
     # -- select_batch ---------------------------------------------------------------------
+    def _checked_indices(self, indices: Any) -> list[tuple[Any, np.ndarray]]:
+        """``(layer, int64 indices)`` of every non-empty layer; the caller holds the locks."""
+        checked = [(st, check_indices(indices, st.batch)) for st in self._layers if st.seq_len]
+        if not checked:
+            check_indices(indices, 1 << 62)  # shape and type errors even on an empty cache
+        return checked
+
+    def check_batch_indices(self, indices: Sequence[int]) -> None:
+        """Raise what :meth:`select_batch` would raise for ``indices`` (``TypeError`` /
+        ``ValueError``), changing nothing."""
+        with self._all_locks():
+            self._checked_indices(indices)
+
     def select_batch(self, indices: Sequence[int]) -> Any:
         """Keep and reorder batch rows, in place: row ``i`` of the result is row
         ``indices[i]`` of the cache (repeats allowed — beam search).
@@ -195,9 +229,7 @@ class LifecycleMixin:
             Bad ``indices`` (the cache is unchanged).
         """
         with self._all_locks():
-            checked = [(st, check_indices(indices, st.batch)) for st in self._layers if st.seq_len]
-            if not checked:
-                check_indices(indices, 1 << 62)  # shape and type errors even on an empty cache
+            checked = self._checked_indices(indices)
             hk = np.arange(self.num_kv_heads, dtype=np.int64)
             for st, idx in checked:
                 rows = (idx[:, None] * self.num_kv_heads + hk[None, :]).reshape(-1)
@@ -206,7 +238,9 @@ class LifecycleMixin:
         return self
 
     # -- persistence ----------------------------------------------------------------------
-    def _lifecycle_config(self) -> dict[str, Any]:
+    def config_dict(self) -> dict[str, Any]:
+        """Constructor arguments (JSON types) that rebuild this cache's configuration:
+        ``type(cache)(**cache.config_dict())`` is an empty cache configured the same way."""
         raise NotImplementedError
 
     def save(self, path: Any) -> None:

@@ -14,8 +14,9 @@ import numpy as np
 
 from .. import _backend
 from .._validate import check_int
-from ._format import save_cache
+from ._format import host_copy, save_cache
 from ._lifecycle import copy_array, take_rows
+from .state import CacheFileError, CacheState
 
 __all__ = ["OutOfPagesError", "PagedLifecycleMixin"]
 
@@ -28,7 +29,7 @@ class PagedLifecycleMixin:
     """``crop``, ``fork_sequence``, ``select_batch``, ``fork``/``deepcopy`` and ``save``."""
 
     # -- lifecycle ------------------------------------------------------------------------
-    def _lifecycle_config(self) -> dict[str, Any]:
+    def config_dict(self) -> dict[str, Any]:
         """Constructor arguments (JSON types) that rebuild this cache's configuration."""
         return {"num_pages": self.num_pages, "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
                 "head_dim": self.head_dim, "page_size": self.page_size, "v_head_dim": self.v_head_dim,
@@ -144,18 +145,20 @@ class PagedLifecycleMixin:
         cls = type(self)
         new = cls.__new__(cls)
         memo[id(self)] = new
+        fields: dict[str, Any] = {}
         with self._lock:
             for key, val in self.__dict__.items():
                 if key == "_lock":
-                    new._lock = threading.RLock()
+                    fields[key] = threading.RLock()
                 elif key == "_pools":
-                    new._pools = {n: copy_array(a) for n, a in val.items()}
+                    fields[key] = {n: copy_array(a) for n, a in val.items()}
                 elif key in ("_dev_tables", "_row_scratch"):  # device bookkeeping of this cache
-                    setattr(new, key, {} if key == "_dev_tables" else None)
+                    fields[key] = {} if key == "_dev_tables" else None
                 elif key in ("_tables", "_lens", "_free", "_deferred"):  # _deferred: the fork's own record
-                    setattr(new, key, copy.deepcopy(val, memo))
+                    fields[key] = copy.deepcopy(val, memo)
                 else:  # configuration, read-only after __init__ (codebooks shared)
-                    setattr(new, key, copy.copy(val) if isinstance(val, (dict, list)) else val)
+                    fields[key] = copy.copy(val) if isinstance(val, (dict, list)) else val
+        new.__dict__.update(fields)
         return new
 
     def fork(self) -> Any:
@@ -167,3 +170,77 @@ class PagedLifecycleMixin:
         """Write the cache (whole page pool, page tables, lengths, free list) to ``path``
         (safetensors; see :func:`numba_kv.load_cache`).  O(pool bytes)."""
         save_cache(self, path)
+
+    # -- state (the cache file, see numba_kv.caches.persist) ---------------------------------
+    def state_dict(self) -> CacheState:
+        """The cache as plain data (:class:`~numba_kv.caches.state.CacheState`).
+
+        ``config``: :meth:`config_dict`; ``state``: page tables and lengths per layer
+        (sequence ids as strings), the free list and the next sequence id; ``tensors``: the
+        whole page pool ``pool.<name>`` on the host (O(pool bytes); none before the first
+        append).  :meth:`from_state_dict` rebuilds an equal cache on the host.
+        """
+        with self._lock:
+            state = {"tables": [{str(s): list(p) for s, p in t.items()} for t in self._tables],
+                     "lens": [{str(s): int(n) for s, n in d.items()} for d in self._lens],
+                     "free": list(self._free), "next_seq": self._next_seq}
+            tensors = {f"pool.{n}": host_copy(a) for n, a in self._pools.items()}
+        return CacheState(self.config_dict(), state, tensors)
+
+    @classmethod
+    def from_state_dict(cls, state: CacheState) -> Any:
+        """The cache :meth:`state_dict` described, on the host.
+
+        The page tables, lengths and free list must partition the pool and the pool
+        tensors match the configuration; everything is checked before the cache is built.
+
+        Raises
+        ------
+        CacheFileError
+            Malformed or inconsistent bookkeeping, or pool tensors of the wrong names,
+            dtypes or shapes.
+        TypeError, ValueError
+            A bad ``config`` (from the constructor).
+        """
+        cache = cls(**state.config)
+        st, tensors = state.state, state.tensors
+        try:
+            tables = [{int(s): [int(p) for p in pages] for s, pages in t.items()} for t in st["tables"]]
+            lens = [{int(s): int(n) for s, n in d.items()} for d in st["lens"]]
+            free = [int(p) for p in st["free"]]
+            next_seq = int(st["next_seq"])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CacheFileError(f"state: malformed paged-cache state: {exc}") from exc
+        if len(tables) != cache.num_layers or len(lens) != cache.num_layers:
+            raise CacheFileError(f"state: expected {cache.num_layers} layers of page tables")
+        seqs = set(tables[0])
+        owned = list(free)
+        for layer, (t, ln) in enumerate(zip(tables, lens)):
+            if set(t) != seqs or set(ln) != seqs:
+                raise CacheFileError(f"state: layer {layer} has different sequences than layer 0")
+            for s, pages in t.items():
+                if not 0 <= ln[s] <= len(pages) * cache.page_size or len(pages) != -(-ln[s] // cache.page_size):
+                    raise CacheFileError(f"state: sequence {s} in layer {layer}: {ln[s]} tokens in {len(pages)} "
+                                         "pages")
+                owned.extend(pages)
+        if sorted(owned) != list(range(cache.num_pages)):
+            raise CacheFileError("state: page tables and free list do not partition the page pool")
+        if seqs and next_seq <= max(seqs):
+            raise CacheFileError(f"state: next_seq {next_seq} is not above the live sequence ids")
+        spec = cache._pool_spec()
+        pools = {}
+        if tensors:
+            if set(tensors) != {f"pool.{n}" for n in spec}:
+                raise CacheFileError(f"tensors: expected {sorted(spec)} pools, got {sorted(tensors)}")
+            for n, (shape, dt) in spec.items():
+                t = tensors[f"pool.{n}"]
+                if t.dtype != np.dtype(dt) or t.shape != shape:
+                    raise CacheFileError(f"tensors: pool.{n} is {t.dtype} {t.shape}, the configuration expects "
+                                         f"{np.dtype(dt)} {shape}")
+                pools[n] = np.array(t)  # writable copy
+        elif len(free) != cache.num_pages:
+            raise CacheFileError("tensors: pages are in use but the file holds no page pool")
+        cache._pools = pools
+        cache._device = "cpu" if pools else None
+        cache._tables, cache._lens, cache._free, cache._next_seq = tables, lens, free, next_seq
+        return cache

@@ -103,7 +103,7 @@ class DenseCache(LayeredCache):
             shift_front(st.buffers[name], e, st.seq_len)
         st.seq_len -= e
 
-    def _lifecycle_config(self) -> dict[str, Any]:
+    def config_dict(self) -> dict[str, Any]:
         """Constructor arguments (JSON types) that rebuild this cache's configuration."""
         return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
                 "dtype": self.dtype.name, **self._window_config()}

@@ -8,21 +8,27 @@ returns the plain cache, so nothing changes for callers that do not use override
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import inspect
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from .._validate import check_int, check_layer
 from ._format import save_cache
 from ._layer import LayeredCache, check_sliding_window, resolve_layer
-from ._lifecycle import check_indices
+from ._lifecycle import check_crop_length
+from .dense import DenseCache
+from .polarquant import PolarQuantCache
 from .protocol import AttendConfig, DecodeOutput, DequantResult
+from .state import CacheFileError, CacheState
+from .turboquant import TurboQuantCache
 
-__all__ = ["MixedCache", "build_cache"]
+__all__ = ["PART_CLASSES", "MixedCache", "build_cache"]
+
+#: the cache classes a mixed cache's parts may have, by name (the names its state stores)
+PART_CLASSES: dict[str, type[LayeredCache]] = {c.__name__: c for c in (DenseCache, PolarQuantCache, TurboQuantCache)}
 
 _GEOMETRY = ("num_layers", "num_kv_heads", "head_dim")
 
@@ -229,27 +235,22 @@ class MixedCache:
         return sum(p.fp16_bytes() for p in self.parts)
 
     # -- lifecycle --------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _all_locks(self) -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            for p in self.parts:
-                stack.enter_context(p._all_locks())
-            yield
+    def crop_range(self) -> tuple[int, int | None]:
+        """``(floor, limit)`` of the lengths :meth:`crop` accepts besides 0, over every part
+        (see :meth:`LayeredCache.crop_range`)."""
+        floor, limit = 0, None
+        for p in self.parts:
+            f, lim = p.crop_range()
+            floor = max(floor, f)
+            if lim is not None:
+                limit = lim if limit is None else min(limit, lim)
+        return floor, limit
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` tokens of every layer (see :meth:`LayeredCache.crop`);
         the range is checked on every part before any part changes."""
         length = check_int("length", length, minimum=0)
-        with self._all_locks():
-            states = [st for p in self.parts for st in p._layers if st.seq_len]
-            limit = min((st.total_len for st in states), default=0)
-            floor = max([LayeredCache._crop_floor(st) for st in states] + [0])
-            if length > limit:
-                raise ValueError(f"length: expected an int in [0, {limit}] (the shortest non-empty layer "
-                                 f"holds {limit} tokens), got {length}")
-            if 0 < length < floor:
-                raise ValueError(f"length: a sliding-window layer has evicted tokens that position {length} would "
-                                 f"see again; expected 0 or an int in [{floor}, {limit}], got {length}")
+        check_crop_length(length, *self.crop_range())
         for p in self.parts:
             p.crop(length)
 
@@ -266,18 +267,58 @@ class MixedCache:
         return copy.deepcopy(self)
 
     def select_batch(self, indices: Sequence[int]) -> MixedCache:
-        """Keep and reorder batch rows of every layer (see :meth:`LayeredCache.select_batch`)."""
-        with self._all_locks():
-            batches = {st.batch for p in self.parts for st in p._layers if st.seq_len}
-            check_indices(indices, min(batches) if batches else 1 << 62)
+        """Keep and reorder batch rows of every layer (see :meth:`LayeredCache.select_batch`);
+        the indices are checked on every part before any part changes."""
+        for p in self.parts:
+            p.check_batch_indices(indices)
         for p in self.parts:
             p.select_batch(indices)
         return self
 
-    def _lifecycle_config(self) -> dict[str, Any]:
+    def config_dict(self) -> dict[str, Any]:
         """Parts (class and constructor arguments) and the layer map, as JSON types."""
-        return {"parts": [{"cache_class": type(p).__name__, "config": p._lifecycle_config()} for p in self.parts],
+        return {"parts": [{"cache_class": type(p).__name__, "config": p.config_dict()} for p in self.parts],
                 "layer_map": [list(m) for m in self.layer_map]}
+
+    def state_dict(self) -> CacheState:
+        """The cache as plain data: :meth:`config_dict`, ``{"parts": [state of every part]}``
+        and every part's tensors prefixed ``parts.<p>.`` (see
+        :meth:`LayeredCache.state_dict`)."""
+        states, tensors = [], {}
+        for p, part in enumerate(self.parts):
+            sd = part.state_dict()
+            states.append(sd.state)
+            tensors.update({f"parts.{p}.{n}": t for n, t in sd.tensors.items()})
+        return CacheState(self.config_dict(), {"parts": states}, tensors)
+
+    @classmethod
+    def from_state_dict(cls, state: CacheState) -> MixedCache:
+        """The cache :meth:`state_dict` described, on the host; each part is rebuilt by its
+        class's ``from_state_dict`` (which validates it) before the mixed cache is built.
+
+        Raises
+        ------
+        CacheFileError
+            Parts and part states that do not match, an unknown part class, tensors outside
+            the parts, or a part's own error.
+        TypeError, ValueError
+            A bad ``config``.
+        """
+        parts_cfg, states = state.config.get("parts"), state.state.get("parts")
+        if not isinstance(parts_cfg, list) or not isinstance(states, list) or len(parts_cfg) != len(states):
+            raise CacheFileError("config: a MixedCache needs matching lists of parts and part states")
+        parts = []
+        used = 0
+        for p, (pc, ps) in enumerate(zip(parts_cfg, states)):
+            if not isinstance(pc, dict) or pc.get("cache_class") not in PART_CLASSES:
+                raise CacheFileError(f"config: part {p} has an unknown cache class")
+            prefix = f"parts.{p}."
+            own = {n[len(prefix):]: t for n, t in state.tensors.items() if n.startswith(prefix)}
+            used += len(own)
+            parts.append(PART_CLASSES[pc["cache_class"]].from_state_dict(CacheState(pc.get("config"), ps, own)))
+        if used != len(state.tensors):
+            raise CacheFileError("tensors: unexpected tensors outside the parts")
+        return cls(parts, [tuple(m) for m in state.config.get("layer_map", [])])
 
     def save(self, path: Any) -> None:
         """Write the cache to ``path`` (safetensors; see :func:`numba_kv.load_cache`)."""

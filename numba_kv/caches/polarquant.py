@@ -40,6 +40,7 @@ from ._layer import BufferSpec, LayeredCache, LayerState, shift_front
 from ._window import ExactWindow, crop_counts, evict_counts, layer_counts, plan_store
 from .config import PolarQuantConfig
 from .protocol import AttendConfig, DecodeOutput, Fused
+from .state import CacheFileError
 
 __all__ = ["MAX_INPUT", "PolarQuantCache", "PolarQuantConfig"]
 
@@ -220,6 +221,9 @@ class PolarQuantCache(LayeredCache):
         self._head_signs = head_signs(self.head_dim) if cfg.rotation == "head" else None
         self._window = ExactWindow(self.head_dim, cfg.sink_tokens, cfg.residual_length,
                                    cfg.rotation if cfg.window_rotation else None)
+        # storage of the window buffers: the configured dtype, float32 while the layer's
+        # arrays are Numba device arrays (set by _append, which sees the arrays)
+        self._exact_dtype = self.window_dtype
         self.name = self._make_name()
 
     # the configuration, field by field (read-only)
@@ -632,12 +636,25 @@ class PolarQuantCache(LayeredCache):
         return res
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def _lifecycle_config(self) -> dict[str, Any]:
+    def config_dict(self) -> dict[str, Any]:
         """Constructor arguments (JSON types) that rebuild this cache's configuration."""
         cfg = self.config
         opts = {k: v for k, v in cfg.options().items() if k != "sliding_window"}
         return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
                 **opts, **self._window_config()}
+
+    def _check_counters(self, i: int, seq_len: int, meta: dict[str, int], live: dict[str, Any]) -> None:
+        window = self.layer_windows[i]
+        n_sink, n_comp, n_win = (meta.get(k, 0) for k in ("n_sink", "n_comp", "n_win"))
+        S, R = (0 if window is not None else self.sink_tokens), self.residual_length
+        ok = n_sink + n_comp + n_win == seq_len and n_sink <= S and n_win <= R and (n_sink == S or n_comp + n_win == 0)
+        if not self.windowed:
+            ok = ok and n_comp == seq_len
+        probe = LayerState(seq_len=seq_len, meta=dict(meta))
+        self._set_live(probe)
+        if not ok or probe.live != live:
+            raise CacheFileError(f"state: layer {i} counters {meta} / live {live} are inconsistent with seq_len "
+                                 f"{seq_len} and the configuration (sinks {S}, window {R})")
 
     def _set_live(self, st: LayerState) -> None:
         """Live token counts of every buffer from the layer's counters."""

@@ -182,9 +182,9 @@ class TurboQuantCache(PolarQuantCache):
             bias = add_bias(bias, win.reshape(bias.shape))
         return Dequantized(DequantResult(hk, hv, masked_astype(bias, dtype)))
 
-    def _lifecycle_config(self) -> dict[str, Any]:
+    def config_dict(self) -> dict[str, Any]:
         """Constructor arguments (JSON types) that rebuild this cache's configuration."""
-        cfg = super()._lifecycle_config()
+        cfg = super().config_dict()
         for key in ("mode", "outlier_channels", "outlier_bits"):
             del cfg[key]
         return cfg

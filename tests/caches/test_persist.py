@@ -215,9 +215,10 @@ def test_consistent_but_wrong_tensors_are_rejected(saved, tmp_path):
     from numba_kv.caches import _format
 
     cache, _ = saved
-    meta_state, tensors = _format.layered_state(cache)
+    sd = cache.state_dict()
+    meta_state, tensors = sd.state, dict(sd.tensors)
     tensors["layers.0.k_codes"] = np.ascontiguousarray(tensors["layers.0.k_codes"][:, :-1])
-    config = json.dumps(cache._lifecycle_config(), sort_keys=True)
+    config = json.dumps(cache.config_dict(), sort_keys=True)
     state = json.dumps(meta_state, sort_keys=True)
     import safetensors.numpy
 
@@ -239,8 +240,9 @@ def test_removed_option(saved, tmp_path, value):
     from numba_kv.caches import _format
 
     cache, _ = saved
-    state_obj, tensors = _format.layered_state(cache)
-    config = json.dumps({**cache._lifecycle_config(), "key_scale": value}, sort_keys=True)
+    sd = cache.state_dict()
+    state_obj, tensors = sd.state, dict(sd.tensors)
+    config = json.dumps({**cache.config_dict(), "key_scale": value}, sort_keys=True)
     state = json.dumps(state_obj, sort_keys=True)
     path = tmp_path / "old.safetensors"
     safetensors.numpy.save_file(tensors, str(path), metadata={
@@ -266,9 +268,10 @@ def test_older_int8_window_files_load_unrotated(tmp_path, rng):
                        window_dtype="int8", window_rotation=False, decode_output="dequantized")
     k = rng.standard_normal((1, 2, 12, 64)).astype(np.float32)
     cache.prefill(0, k, k)
-    state_obj, tensors = _format.layered_state(cache)
-    cfg = {key: val for key, val in cache._lifecycle_config().items() if key != "window_rotation"}
-    assert len(cfg) == len(cache._lifecycle_config()) - 1
+    sd = cache.state_dict()
+    state_obj, tensors = sd.state, dict(sd.tensors)
+    cfg = {key: val for key, val in cache.config_dict().items() if key != "window_rotation"}
+    assert len(cfg) == len(cache.config_dict()) - 1
     state = json.dumps(state_obj, sort_keys=True)
 
     def write(cfg_obj, name):
@@ -306,7 +309,8 @@ def test_consistent_but_impossible_counters_are_rejected(saved, tmp_path, edit):
     from numba_kv.caches import _format
 
     cache, _ = saved
-    state_obj, tensors = _format.layered_state(cache)
+    sd = cache.state_dict()
+    state_obj, tensors = sd.state, dict(sd.tensors)
     lay = state_obj["layers"][0]
     if edit == "live":
         lay["live"]["k_exact"] -= 1
@@ -314,7 +318,7 @@ def test_consistent_but_impossible_counters_are_rejected(saved, tmp_path, edit):
     else:
         lay["meta"][edit] -= 1
         lay["seq_len"] -= 1
-    config = json.dumps(cache._lifecycle_config(), sort_keys=True)
+    config = json.dumps(cache.config_dict(), sort_keys=True)
     state = json.dumps(state_obj, sort_keys=True)
     path = tmp_path / "w.safetensors"
     safetensors.numpy.save_file(tensors, str(path), metadata={
