@@ -58,7 +58,8 @@ def _restamp(dispatcher: Callable) -> Callable:
     """
     cache_file = getattr(getattr(dispatcher, "_cache", None), "_cache_file", None)
     if cache_file is not None and hasattr(cache_file, "_source_stamp"):
-        cache_file._source_stamp = (cache_file._source_stamp, kernel_sources_digest())
+        cache_file._source_stamp = (cache_file._source_stamp,  # noqa: SLF001 - Numba's own (see above)
+                                    kernel_sources_digest())
     return dispatcher
 
 

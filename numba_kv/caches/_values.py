@@ -66,6 +66,15 @@ class ValueChecks:
             return "sync" if dev == _backend.CPU else "deferred"
         return mode
 
+    def reads_values_now(self, slot: str, a: Any) -> bool:
+        """Whether the caller must check ``a``'s values itself, now: :attr:`validate` resolves
+        to ``"sync"`` for ``a``'s device, or to ``"deferred"`` and ``a`` cannot be recorded
+        in place (a strided Numba device array).  ``False``: recorded under ``slot`` for
+        :meth:`check_inputs` (see :meth:`_defer` for the slots), or not checked (``"off"``).
+        """
+        mode = self._value_mode(_backend.device_of(slot, a))
+        return mode == "sync" or (mode == "deferred" and not self._defer(slot, a))
+
     def _input_limit(self) -> tuple[float, str]:
         """Largest ``|k|``, ``|v|`` this cache stores faithfully, and what sets it (for
         :meth:`check_inputs`; the synchronous checks are :meth:`_check_range`)."""

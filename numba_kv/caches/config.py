@@ -22,12 +22,24 @@ from ..ops.blockquant import NORM_MODES
 from ..ops.qjl import SKETCH_SEED
 from ._layer import check_sliding_window
 
-__all__ = ["DECODE_OUTPUTS", "ROTATIONS", "WINDOW_DTYPES", "PolarQuantConfig", "TurboQuantConfig"]
+__all__ = ["DECODE_OUTPUTS", "ROTATIONS", "WINDOW_DTYPES", "PolarQuantConfig", "TurboQuantConfig",
+           "mirror_config_fields"]
 
 DECODE_OUTPUTS = ("fused", "dequantized")
 WINDOW_DTYPES = ("float16", "float32", "int8")
 ROTATIONS = ("block", "head")
 _BITS = (2, 3, 4)
+
+
+def mirror_config_fields(*names: str) -> Any:
+    """Class decorator: read-only attributes ``cls.<name>`` mirroring ``self.config.<name>``
+    (a cache's configuration, field by field)."""
+    def decorate(cls: type) -> type:
+        for name in names:
+            setattr(cls, name, property(lambda self, n=name: getattr(self.config, n),
+                                        doc=f"``config.{name}`` (see :class:`PolarQuantConfig`)."))
+        return cls
+    return decorate
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:

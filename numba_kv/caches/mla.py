@@ -68,10 +68,16 @@ def _per_layer(name: str, w: Any, num_layers: int, tail: tuple[int, ...], labels
     return np.array(a, np.float64)
 
 
+def _paged_attr(name: str, doc: str) -> property:
+    """Read-only attribute ``name`` of the wrapped paged cache."""
+    return property(lambda self: getattr(self.paged, name), doc=doc)
+
+
 class _LatentBase:
     """Sequence bookkeeping delegated to the wrapped :class:`PagedKVCache`."""
 
     paged: PagedKVCache
+    num_heads: int
 
     def allocate_sequence(self) -> int:
         """Create an empty sequence in every layer; return its id."""
@@ -85,20 +91,9 @@ class _LatentBase:
         """Tokens stored for ``seq_id`` in ``layer``."""
         return self.paged.seq_len(layer, seq_id)
 
-    @property
-    def num_layers(self) -> int:
-        """Layers of the model."""
-        return self.paged.num_layers
-
-    @property
-    def num_pages(self) -> int:
-        """Pages in the pool."""
-        return self.paged.num_pages
-
-    @property
-    def num_free_pages(self) -> int:
-        """Pages not in use."""
-        return self.paged.num_free_pages
+    num_layers = _paged_attr("num_layers", "Layers of the model.")
+    num_pages = _paged_attr("num_pages", "Pages in the pool.")
+    num_free_pages = _paged_attr("num_free_pages", "Pages not in use.")
 
     def page_table(self, layer: int, seq_ids: Sequence[int] | None = None,
                    on_device: bool = False) -> PageTable:
@@ -128,10 +123,20 @@ class _LatentBase:
     def _check_values(self, name: str, a: Any) -> None:
         """Finite ``a`` (a caller's full ``k``/``v``), as :attr:`validate` says: read now
         (``"sync"``), recorded for :meth:`check_inputs` (``"deferred"``) or not checked."""
-        p = self.paged
-        mode = p._value_mode(_backend.device_of(name, a))
-        if mode == "sync" or (mode == "deferred" and not p._defer(name, a)):
+        if self.paged.reads_values_now(name, a):
             check_finite(name, a)
+
+    def _head_shape(self, name: str, a: Any, dim: int) -> tuple[int, int, int]:
+        """Shape ``(num_heads, new_tokens, dim)`` of a per-head float array given as
+        ``[num_heads, new_tokens >= 1, dim]`` or ``[1, num_heads, new_tokens, dim]``."""
+        check_float_array(name, a)
+        shape = tuple(a.shape)
+        if len(shape) == 4 and shape[0] == 1:
+            shape = shape[1:]
+        if len(shape) != 3 or shape[0] != self.num_heads or shape[2] != dim or shape[1] < 1:
+            raise ValueError(f"{name}: expected [num_heads={self.num_heads}, new_tokens >= 1, {dim}], "
+                             f"got shape {tuple(a.shape)}")
+        return shape
 
     def _const(self, like: Any, key: tuple, host: np.ndarray) -> Any:
         """Per-device copy of a projection constant (made once per device kind)."""
@@ -321,7 +326,7 @@ class MLACache(_LatentBase):
         v : float array, shape ``(num_heads, new_tokens, v_head_dim)``
         """
         layer = check_layer(layer, self.num_layers)
-        self.paged._check_seq(seq_id)
+        self.paged.check_sequence(seq_id)
         k3, v3 = self._check_kv_full(k, v)
         xp = _backend.xp_of(k3)
         h, n, _ = k3.shape
@@ -337,13 +342,7 @@ class MLACache(_LatentBase):
         _backend.resolve_device("auto", k=k, v=v)
         out = []
         for name, a, dim in (("k", k, self.qk_head_dim), ("v", v, self.v_head_dim)):
-            check_float_array(name, a)
-            shape = tuple(a.shape)
-            if len(shape) == 4 and shape[0] == 1:
-                shape = shape[1:]
-            if len(shape) != 3 or shape[0] != self.num_heads or shape[2] != dim or shape[1] < 1:
-                raise ValueError(f"{name}: expected [num_heads={self.num_heads}, new_tokens >= 1, {dim}], "
-                                 f"got shape {tuple(a.shape)}")
+            shape = self._head_shape(name, a, dim)
             if _backend.xp_of(a) is None:
                 raise TypeError(f"{name}: MLACache.append projects with NumPy/CuPy array operations; Numba "
                                 "device arrays must go through append_latent")
@@ -471,13 +470,7 @@ class SimpleMLACache(_LatentBase):
         _backend.resolve_device("auto", k=k, v=v)
         out = []
         for name, a in (("k", k), ("v", v)):
-            check_float_array(name, a)
-            shape = tuple(a.shape)
-            if len(shape) == 4 and shape[0] == 1:
-                shape = shape[1:]
-            if len(shape) != 3 or shape[0] != self.num_heads or shape[2] != dim or shape[1] < 1:
-                raise ValueError(f"{name}: expected [num_heads={self.num_heads}, new_tokens >= 1, {dim}], "
-                                 f"got shape {tuple(a.shape)}")
+            shape = self._head_shape(name, a, dim)
             self._check_values(name, a)
             out.append(_backend.ascontiguous_f32(name, a.reshape(shape)))
         if out[0].shape != out[1].shape:
@@ -487,7 +480,7 @@ class SimpleMLACache(_LatentBase):
     def append(self, layer: int, seq_id: int, k: Any, v: Any) -> None:
         """Project ``k``/``v`` ``[num_heads, new_tokens, head_dim]`` to latents and append them."""
         layer = check_layer(layer, self.num_layers)
-        self.paged._check_seq(seq_id)
+        self.paged.check_sequence(seq_id)
         k3, v3 = self._check_kv(k, v, self.head_dim)
         h, n, _ = k3.shape
         comp = self._const(k3, ("down", layer), self._comp_down[layer])

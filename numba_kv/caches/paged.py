@@ -233,6 +233,12 @@ class PagedKVCache(PagedLifecycleMixin, ValueChecks):
             raise KeyError(f"seq_id: unknown sequence {seq_id!r}; live sequences: {sorted(self._tables[0])}")
         return int(seq_id)
 
+    def check_sequence(self, seq_id: Any) -> int:
+        """``seq_id`` as an int if it is a live sequence (``TypeError`` for a non-int,
+        ``KeyError`` naming the live ones otherwise)."""
+        with self._lock:
+            return self._check_seq(seq_id)
+
     def _check_part(self, name: str, a: Any, dim: int, n: int | None) -> tuple[Any, str]:
         dev = check_float_array(name, a)
         shape = tuple(a.shape)

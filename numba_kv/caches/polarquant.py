@@ -38,7 +38,7 @@ from ..ops.hadamard import rotate32_rows
 from ..ops.headquant import dequantize_head_into, head_signs, quantize_head_into, rotate_head_rows
 from ._layer import BufferSpec, LayeredCache, LayerState, shift_front
 from ._window import ExactWindow, crop_counts, evict_counts, layer_counts, plan_store
-from .config import PolarQuantConfig
+from .config import PolarQuantConfig, mirror_config_fields
 from .protocol import AttendConfig, DecodeOutput, Fused
 from .state import CacheFileError
 
@@ -48,12 +48,8 @@ __all__ = ["MAX_INPUT", "PolarQuantCache", "PolarQuantConfig"]
 MAX_INPUT = float(2 ** 21)
 
 
-def _config_attr(name: str) -> property:
-    """Read-only cache attribute mirroring field ``name`` of ``cache.config``."""
-    return property(lambda self: getattr(self.config, name),
-                    doc=f"``config.{name}`` (see :class:`~numba_kv.caches.config.PolarQuantConfig`).")
-
-
+@mirror_config_fields("bits", "k_bits", "v_bits", "mode", "norm_mode", "residual_length", "sink_tokens",
+                      "decode_output", "key_center", "window_rotation", "rotation", "unbiased", "outlier_channels")
 class PolarQuantCache(LayeredCache):
     """PolarQuant (PQ / PQO) compressed KV cache, 2–4 bits, fused decode attention.
 
@@ -195,7 +191,7 @@ class PolarQuantCache(LayeredCache):
         if type(config) is not cls.config_class:
             raise TypeError(f"config: expected a {cls.config_class.__name__}, got {type(config).__name__}")
         cache = cls.__new__(cls)
-        cache._setup(config)
+        cls._setup(cache, config)  # what __init__ does after building the configuration
         return cache
 
     def _setup(self, cfg: PolarQuantConfig) -> None:
@@ -225,21 +221,6 @@ class PolarQuantCache(LayeredCache):
         # arrays are Numba device arrays (set by _append, which sees the arrays)
         self._exact_dtype = self.window_dtype
         self.name = self._make_name()
-
-    # the configuration, field by field (read-only)
-    bits = _config_attr("bits")
-    k_bits = _config_attr("k_bits")
-    v_bits = _config_attr("v_bits")
-    mode = _config_attr("mode")
-    norm_mode = _config_attr("norm_mode")
-    residual_length = _config_attr("residual_length")
-    sink_tokens = _config_attr("sink_tokens")
-    decode_output = _config_attr("decode_output")
-    key_center = _config_attr("key_center")
-    window_rotation = _config_attr("window_rotation")
-    rotation = _config_attr("rotation")
-    unbiased = _config_attr("unbiased")
-    outlier_channels = _config_attr("outlier_channels")
 
     @property
     def window_dtype(self) -> np.dtype:

@@ -49,13 +49,14 @@ import numpy as np
 from .. import _backend
 from ..ops.qjl import make_sketch, qjl_constant, qjl_scores_into, qjl_signs_into
 from ._layer import BufferSpec, LayerState, add_bias, masked_astype
-from .config import PolarQuantConfig, TurboQuantConfig
+from .config import PolarQuantConfig, TurboQuantConfig, mirror_config_fields
 from .polarquant import PolarQuantCache
 from .protocol import AttendConfig, DecodeOutput, Dequantized, DequantResult
 
 __all__ = ["TurboQuantCache"]
 
 
+@mirror_config_fields("qjl_seed", "qjl_dim")
 class TurboQuantCache(PolarQuantCache):
     """TurboQuant_prod KV cache: ``(b−1)``-bit keys + 1-bit QJL residual sketch, ``b``-bit
     MSE values, fused decode attention with the QJL correction inside the kernel.
@@ -100,16 +101,6 @@ class TurboQuantCache(PolarQuantCache):
     def _setup(self, cfg: PolarQuantConfig) -> None:
         super()._setup(cfg)
         self.sketch = make_sketch(self.head_dim, self.qjl_dim, self.qjl_seed)
-
-    @property
-    def qjl_seed(self) -> int:
-        """Seed of the Gaussian QJL sketch (``config.qjl_seed``)."""
-        return self.config.qjl_seed
-
-    @property
-    def qjl_dim(self) -> int:
-        """Sketch rows ``m``: QJL bits per key residual (``config.qjl_dim``)."""
-        return self.config.qjl_dim
 
     def _side_bits(self, name: str) -> float:
         extra = self.qjl_dim + 16.0 if name == "k" else 0.0

@@ -71,10 +71,11 @@ def _exchange(value):
     only overwrite a list again after the next exchange's barrier, which every lane reaches
     after reading it)."""
     me = threading.current_thread()
-    table = me._manager.__dict__.setdefault("_numba_kv_lanes", {})
+    # the simulator's block manager of this thread (a private attribute of Numba's simulator)
+    table = me._manager.__dict__.setdefault("_numba_kv_lanes", {})  # noqa: SLF001
     tid = me.thread_id
     k = getattr(me, "_numba_kv_exchanges", 0)
-    me._numba_kv_exchanges = k + 1
+    me._numba_kv_exchanges = k + 1  # noqa: SLF001 - our counter on the simulator's thread object
     slots = table.setdefault((tuple(me.blockIdx), tid >> 5, k & 1), [None] * 32)
     slots[tid & 31] = value
     me.syncthreads()  # (the simulator's block barrier of this thread)

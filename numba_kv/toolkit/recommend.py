@@ -238,7 +238,7 @@ class _Reference:
         self.sigmas = tuple(float(s) for s in sigmas)
         self.q = data.q.astype(np.float64)
         self.v = data.v.astype(np.float64)
-        self.logits = self._logits(data.k)  # [H, G, T], std 1 per query
+        self.logits = self.logits_of(data.k)  # [H, G, T], std 1 per query
         self.centered = self.logits - self.logits.mean(axis=2, keepdims=True)
         self.top = self.logits.argmax(axis=2)
         self.per_sigma = {}
@@ -248,12 +248,12 @@ class _Reference:
             o = np.einsum("hgt,htd->hgd", p, self.v)
             self.per_sigma[s] = (logp, p, o)
 
-    def _logits(self, k: np.ndarray) -> np.ndarray:
+    def logits_of(self, k: np.ndarray) -> np.ndarray:
         return np.einsum("hgd,htd->hgt", self.q, k.astype(np.float64)) * self.data.softmax_scale
 
 
 def _metrics(ref: _Reference, rec: _Recon) -> dict[str, float]:
-    est = ref._logits(rec.k_hat)
+    est = ref.logits_of(rec.k_hat)
     if rec.bias is not None:
         est = est + rec.bias
     est_c = est - est.mean(axis=2, keepdims=True)
