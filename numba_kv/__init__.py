@@ -14,13 +14,13 @@ __version__ = "0.1.0"
 from ._config import knobs
 from .caches.config import PolarQuantConfig, TurboQuantConfig
 from .caches.dense import DenseCache
-from .caches.factory import CACHE_NAMES, make_cache
 from .caches.mixed import MixedCache
 from .caches.mla import MLACache, SimpleMLACache
 from .caches.paged import OutOfPagesError, PagedKVCache, PageTable
 from .caches.persist import CacheFileError, load_cache
 from .caches.polarquant import PolarQuantCache
 from .caches.protocol import AttendConfig, CompressedKVCache, DecodeOutput, Dequantized, DequantResult, Fused
+from .caches.spec import CACHE_NAMES, make_cache
 from .caches.turboquant import TurboQuantCache
 from .compressor import CompressedKV, CompressionMethod, KVCacheCompressor
 from .info import check_threading_layer

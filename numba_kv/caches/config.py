@@ -221,6 +221,62 @@ class PolarQuantConfig:
         """True when some tokens stay uncompressed (``residual_length`` or ``sink_tokens``)."""
         return bool(self.residual_length or self.sink_tokens)
 
+    # -- bytes (the one formula: caches, presets and the evaluation simulator use it) ---------
+    def vector_bytes(self, side: str) -> int:
+        """Stored bytes of one compressed vector of ``side`` (``"k"`` or ``"v"``): packed
+        indices (``head_dim·slot_bits/8``; the outlier channels at their own width), one
+        binary16 scale per 32-block (one norm per vector with ``rotation="head"``) and, for
+        TurboQuant keys, the ``qjl_dim``-bit sketch and the binary16 residual norm."""
+        d = self.head_dim
+        hi = self.outlier_widths.get(side, 0)
+        code_bits = self.outlier_channels * hi + (d - self.outlier_channels) * self.slot_bits[side]
+        scales = 1 if self.rotation == "head" else d // 32
+        return code_bits // 8 + 2 * scales + self.sketch_bytes(side)
+
+    def sketch_bytes(self, side: str) -> int:
+        """Bytes of per-vector side information beyond indices and scales (none here;
+        TurboQuant keys: sketch and residual norm)."""
+        return 0
+
+    @property
+    def window_vector_bytes(self) -> int:
+        """Stored bytes of one window/sink vector: ``head_dim`` values of ``window_dtype``
+        (an int8 vector adds its binary16 scale)."""
+        item = np.dtype(self.window_dtype).itemsize
+        return self.head_dim * item + (2 if item == 1 else 0)
+
+    def row_constant_bytes(self, side: str) -> int:
+        """Per-layer constants of one row (batch row × KV head) of ``side``: the float32 key
+        mean (``key_center``) and the int16 channel permutation (``outlier_channels``)."""
+        d = self.head_dim
+        return (4 * d if side == "k" and self.key_center else 0) + (2 * d if self.outlier_channels else 0)
+
+    def stored_bytes(self, tokens: int, *, sinks: int | None = None, residual: int | None = None,
+                     sides: tuple[str, ...] = ("k", "v")) -> int:
+        """Bytes one row (one batch row × KV head) of a layer stores holding ``tokens`` tokens.
+
+        ``min(tokens, sinks + residual)`` tokens sit in the window
+        (:attr:`window_vector_bytes` each), the rest are compressed (:meth:`vector_bytes`),
+        plus the per-layer constants (:meth:`row_constant_bytes`) once the layer holds a token.
+
+        Parameters
+        ----------
+        tokens : int
+            Tokens the layer stores (a sliding layer: at most its window).
+        sinks, residual : int, optional
+            Window sizes (default: ``sink_tokens`` / ``residual_length``; a sliding layer keeps
+            no sinks, pass ``sinks=0``).
+        sides : tuple of str
+            ``("k", "v")`` (default), or one side.
+        """
+        if not tokens:
+            return 0
+        sinks = self.sink_tokens if sinks is None else sinks
+        residual = self.residual_length if residual is None else residual
+        n_exact = min(tokens, sinks + residual)
+        return sum((tokens - n_exact) * self.vector_bytes(side) + n_exact * self.window_vector_bytes
+                   + self.row_constant_bytes(side) for side in sides)
+
     def options(self) -> dict[str, Any]:
         """Every field but the geometry, as constructor keywords (``sliding_window`` as a list)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -278,3 +334,7 @@ class TurboQuantConfig(PolarQuantConfig):
         """Keys: the ``k_bits − 1``-bit codebook (the QJL bit completes the budget);
         values: ``v_bits``."""
         return {"k": self.k_bits - 1, "v": self.v_bits}
+
+    def sketch_bytes(self, side: str) -> int:
+        """Keys: the ``qjl_dim``-bit sketch and the binary16 residual norm; values: none."""
+        return self.qjl_dim // 8 + 2 if side == "k" else 0

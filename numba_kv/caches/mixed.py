@@ -25,7 +25,7 @@ from .protocol import AttendConfig, DecodeOutput, DequantResult
 from .state import CacheFileError, CacheState
 from .turboquant import TurboQuantCache
 
-__all__ = ["PART_CLASSES", "MixedCache", "build_cache"]
+__all__ = ["PART_CLASSES", "MixedCache", "build_cache", "layer_options"]
 
 #: the cache classes a mixed cache's parts may have, by name (the names its state stores)
 PART_CLASSES: dict[str, type[LayeredCache]] = {c.__name__: c for c in (DenseCache, PolarQuantCache, TurboQuantCache)}
@@ -45,7 +45,7 @@ def _override_keys(cls: type) -> list[str]:
     return sorted(set(keys) - {"self", "mode", *_GEOMETRY})
 
 
-def _layer_options(cls: type, base: dict[str, Any], override: Any, where: str) -> dict[str, Any]:
+def layer_options(cls: type, base: dict[str, Any], override: Any, where: str) -> dict[str, Any]:
     """``base`` updated by one layer's ``override`` dict (``bits`` resets ``k_bits``/``v_bits``)."""
     if not isinstance(override, dict):
         raise TypeError(f"{where}: expected a dict of options, got {type(override).__name__} {override!r}")
@@ -101,7 +101,7 @@ def build_cache(cls: type, geom: dict[str, Any], options: dict[str, Any],
         if idx in seen:
             raise ValueError(f"layer_overrides: layer {idx} is given twice ({seen[idx]!r} and {key!r})")
         seen[idx] = key
-        opts = _layer_options(cls, base, override, f"layer_overrides[{key!r}]")
+        opts = layer_options(cls, base, override, f"layer_overrides[{key!r}]")
         if "sliding_window" in opts:
             windows[idx] = check_sliding_window([opts.pop("sliding_window")], 1)[0]
         per_layer[idx] = opts

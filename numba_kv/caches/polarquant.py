@@ -267,9 +267,8 @@ class PolarQuantCache(LayeredCache):
         return self.codebooks["k"]
 
     def _side_bits(self, name: str) -> float:
-        """Stored bits of one compressed vector of side ``name`` (indices + scales)."""
-        lay = self.layouts[name]
-        return 8.0 * lay.width + 16.0 * lay.num_scales
+        """Stored bits of one compressed vector of side ``name`` (:meth:`PolarQuantConfig.vector_bytes`)."""
+        return 8.0 * self.config.vector_bytes(name)
 
     @property
     def k_bits_per_value(self) -> float:

@@ -12,7 +12,9 @@ stores only its last ``sliding_window`` tokens, so it is sized on its own over t
 its window is longer (at ``kv5`` on Gemma-3-270M, all 512 tokens it can see).
 
 One table, :data:`PRESETS`; :func:`resolve_preset` turns a name and a geometry into the
-arguments of :func:`~numba_kv.caches.factory.make_cache`.
+arguments of :func:`~numba_kv.make_cache`.  Bytes are counted by
+:meth:`PolarQuantConfig.stored_bytes <numba_kv.caches.config.PolarQuantConfig.stored_bytes>`, the
+formula the caches' own accounting uses.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ from typing import Any
 import numpy as np
 
 from ._layer import check_sliding_window, resolve_layer
-from .mixed import MixedCache
+from .config import PolarQuantConfig
+from .mixed import layer_options
+from .names import merge_name_options, name_options
 from .polarquant import PolarQuantCache
+from .turboquant import TurboQuantCache
 
 __all__ = ["BUDGET_TOKENS", "PRESETS", "Preset", "preset_bytes", "resolve_preset"]
 
@@ -42,7 +47,8 @@ class Preset:
     name : str
         The preset's name (``"kv4"``).
     base : str
-        Cache name of :func:`~numba_kv.make_cache` without window (``"pqo-k4v3-head-eden"``).
+        Compressed cache name of :func:`~numba_kv.make_cache` without window suffix or
+        options (``"pqo-k4v3-head-eden"``).
     options : dict
         Fixed constructor options (``key_center``, ``window_dtype``, ...).
     budget : float
@@ -99,20 +105,6 @@ def _layer_options(preset: Preset, num_layers: int) -> dict[int, dict[str, Any]]
     return out
 
 
-def _part_bytes(cache: PolarQuantCache, tokens: int, sinks: int, residual: int) -> int:
-    """Bytes of one layer and KV head of ``cache``'s configuration holding ``tokens`` tokens,
-    by formula: compressed tokens' codes and scales, window tokens at the window dtype (int8
-    with one binary16 scale per vector), per-row constants."""
-    d = cache.head_dim
-    n_exact = min(tokens, sinks + residual)
-    comp = sum(lay.width + 2 * lay.num_scales for lay in cache.layouts.values())
-    item = np.dtype(cache.window_dtype).itemsize
-    exact = 2 * (d * item + (2 if item == 1 else 0))
-    const = 4 * d * int(cache.key_center)
-    const += 2 * 2 * d if cache.outlier_channels else 0
-    return (tokens - n_exact) * comp + n_exact * exact + const
-
-
 def _local(window: int | None, tokens: int) -> bool:
     """A layer that stores fewer than ``tokens`` tokens (its sliding window is shorter)."""
     return window is not None and window < tokens
@@ -123,22 +115,21 @@ class _Geometry:
     sliding window and bytes by formula."""
 
     def __init__(self, preset: Preset, num_layers: int, num_kv_heads: int, head_dim: int, sliding_window: Any):
-        from .spec import make_cache  # noqa: PLC0415 - cycle: make_cache resolves presets here
-
         self.preset, self.num_kv_heads = preset, num_kv_heads
         self.windows = check_sliding_window(sliding_window, num_layers)
         self.own = _layer_options(preset, num_layers)
+        family, bits, implied = name_options(preset.base, head_dim)
+        cls = TurboQuantCache if family == "tq" else PolarQuantCache
         base = {**preset.options, "sink_tokens": preset.sink_tokens, "residual_length": 0}
-        parts: dict[str, PolarQuantCache] = {}
-        self.parts: list[PolarQuantCache] = []
+        base = merge_name_options(preset.base, family, bits, implied, base)
+        parts: dict[str, PolarQuantConfig] = {}
+        self.parts: list[PolarQuantConfig] = []
         for layer in range(num_layers):
             own = self.own.get(layer, {})
             key = repr(sorted(own.items()))
-            if key not in parts:
-                # a two-layer cache whose layer 0 carries the override: its part is that layer's cache
-                cache = make_cache(preset.base, num_layers=2, num_kv_heads=1, head_dim=head_dim, **base,
-                                   layer_overrides={0: dict(own)} if own else None)
-                parts[key] = cache.layer_cache(0) if isinstance(cache, MixedCache) else cache
+            if key not in parts:  # the configuration make_cache gives a layer with these overrides
+                opts = layer_options(cls, base, dict(own), f"preset {preset.name!r} layer {layer}") if own else base
+                parts[key] = cls.config_class(1, 1, head_dim, **opts)
             self.parts.append(parts[key])
 
     def layer_bytes(self, layer: int, residual: int, tokens: int) -> int:
@@ -149,7 +140,7 @@ class _Geometry:
         if "residual_length" in self.own.get(layer, {}):
             residual = part.residual_length
         stored, sinks = (min(tokens, window), 0) if window is not None else (tokens, part.sink_tokens)
-        return self.num_kv_heads * _part_bytes(part, stored, sinks, residual)
+        return self.num_kv_heads * part.stored_bytes(stored, sinks=sinks, residual=residual)
 
 
 def _largest(fits: Any, hi: int) -> int:

@@ -33,6 +33,7 @@ from ._layer import LayeredCache, resolve_layer
 from .config import PolarQuantConfig, TurboQuantConfig
 from .dense import DenseCache
 from .mixed import MixedCache, build_cache
+from .names import CACHE_NAMES, SUFFIX_OPTIONS, merge_name_options, name_options
 from .polarquant import PolarQuantCache
 from .presets import PRESETS, resolve_preset
 from .turboquant import TurboQuantCache
@@ -41,21 +42,11 @@ __all__ = ["CACHE_NAMES", "OPTION_ALIASES", "PRESET_NAMES", "SUFFIX_OPTIONS", "C
            "name_options",
            "parse_cache_spec", "parse_value"]
 
-CACHE_NAMES = ("dense", "pq2", "pq3", "pq4", "pqo2", "pqo3", "pqo4", "pqo2.5", "pqo3.5", "tq2", "tq3", "tq4")
 #: Named presets (:data:`numba_kv.caches.presets.PRESETS`).
 PRESET_NAMES = tuple(sorted(PRESETS))
-SUFFIX_OPTIONS: dict[str, dict[str, Any]] = {
-    "-l2": {"norm_mode": "l2"},
-    "-maxnorm": {"norm_mode": "maxnorm"},
-    "-head": {"rotation": "head"},
-    "-eden": {"unbiased": True},
-}
 OPTION_ALIASES = {"r": "residual_length", "residual": "residual_length", "s": "sink_tokens",
                   "sinks": "sink_tokens"}
 _SUFFIXES = "|".join(s[1:] for s in SUFFIX_OPTIONS)
-# NAME without the window suffix: family, width (uniform, half-bit split or asymmetric), suffixes
-_NAME = re.compile(r"^(?P<family>pqo|pq|tq)(?:(?P<bits>[234])(?P<half>\.5)?|-k(?P<kb>[234])v(?P<vb>[234]))"
-                   rf"(?P<suffix>(?:-(?:{_SUFFIXES}))*)$")
 _COMPACT = re.compile(rf"^(?P<base>dense|(?:pqo?|tq)(?:[234](?:\.5)?|-k[234]v[234])(?:-(?:{_SUFFIXES}))*)"
                       r"(?:-r(?P<r>\d+))?(?:-s(?P<s>\d+))?$")
 _KEY = re.compile(r"^[a-z_][a-z0-9_]*$")
@@ -63,53 +54,6 @@ _EXPECTED = (f"expected a preset {list(PRESET_NAMES)}, one of {list(CACHE_NAMES)
              f"'tq-k<2-4>v<2-4>', optionally with '-l2', '-maxnorm', '-head', '-eden' suffixes")
 # what a user means as a preset name ("kv3", "KV4-r32"): answered with the list of presets
 _PRESET_LIKE = re.compile(r"^kv\d")
-
-
-def name_options(name: str, head_dim: Any) -> tuple[str, int, dict[str, Any]]:
-    """The cache class family, index width and implied options of a compressed cache name.
-
-    Parameters
-    ----------
-    name : str
-        Lower-case name without window suffix or options, e.g. ``"pqo3-head"``, ``"tq-k4v3"``.
-    head_dim : int
-        Head dimension (channel splits need a multiple of 64).
-
-    Returns
-    -------
-    family : {"pq", "pqo", "tq"}
-    bits : int
-        Index bits (the wider of the two sides of an asymmetric name).
-    implied : dict
-        Options the name fixes (``k_bits``, ``outlier_channels``, ``norm_mode``, ...).
-
-    Raises
-    ------
-    ValueError
-        Not a compressed cache name (message ``"name: ..."``), or a channel split that does
-        not fit ``head_dim`` (``"head_dim: ..."``).
-    """
-    m = _NAME.match(name)
-    if not m:
-        raise ValueError(f"name: {_EXPECTED}, got {name!r}")
-    family = m.group("family")
-    implied: dict[str, Any] = {}
-    if m.group("bits"):
-        bits = int(m.group("bits"))
-        if m.group("half"):
-            if family != "pqo" or bits == 4:
-                raise ValueError(f"name: channel splits exist as 'pqo2.5' and 'pqo3.5', got {name!r}")
-            if not isinstance(head_dim, int) or head_dim % 64:
-                raise ValueError(f"head_dim: {name!r} splits every head in two halves of whole 32-blocks, "
-                                 f"expected a multiple of 64, got {head_dim!r}")
-            implied.update(outlier_channels=head_dim // 2, outlier_bits=bits + 1)
-    else:
-        kb, vb = int(m.group("kb")), int(m.group("vb"))
-        bits = max(kb, vb)
-        implied.update(k_bits=kb, v_bits=vb)
-    for suf in re.findall(r"-[a-z0-9]+", m.group("suffix")):
-        implied.update(SUFFIX_OPTIONS[suf])
-    return family, bits, implied
 
 
 def parse_value(text: str) -> Any:
@@ -200,7 +144,7 @@ class CacheSpec:
         num_layers, num_kv_heads, head_dim : int
             Model geometry.
         **extra
-            Further :func:`~numba_kv.caches.factory.make_cache` options that belong to the
+            Further :func:`make_cache` options that belong to the
             model rather than to the spec (``sliding_window=`` of a model with local layers).
 
         Returns
@@ -278,7 +222,7 @@ def parse_cache_spec(text: str, defaults: Mapping[str, Any] | None = None) -> Ca
     return CacheSpec(name, opts)
 
 
-# -- building (here, beside the grammar, so that CacheSpec.make needs no import cycle) --------
+# -- building -------------------------------------------------------------------------------
 
 def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
                layer_overrides: dict[int, dict[str, Any]] | None = None,
@@ -365,15 +309,7 @@ def _resolve(name: str, head_dim: Any, options: dict[str, Any]) -> tuple[type, d
     else:
         family, bits, implied = name_options(spec.name, head_dim)
         implied = {**spec.options, **implied}
-    for opt, val in implied.items():
-        if opt in options and options[opt] != val:
-            raise ValueError(f"{opt}: {options[opt]!r} conflicts with the name {name!r}")
-    options = {**options, **implied}
+    options = merge_name_options(name, family, bits, implied, options)
     if family == "dense":
         return DenseCache, options
-    for opt in ("bits", "mode"):
-        if opt in options:  # as before: the name sets them
-            raise TypeError(f"make_cache() got multiple values for keyword argument {opt!r}")
-    if family == "tq":
-        return TurboQuantCache, {"bits": bits, **options}
-    return PolarQuantCache, {"bits": bits, "mode": family, **options}
+    return (TurboQuantCache if family == "tq" else PolarQuantCache), options

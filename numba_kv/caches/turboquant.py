@@ -102,10 +102,6 @@ class TurboQuantCache(PolarQuantCache):
         super()._setup(cfg)
         self.sketch = make_sketch(self.head_dim, self.qjl_dim, self.qjl_seed)
 
-    def _side_bits(self, name: str) -> float:
-        extra = self.qjl_dim + 16.0 if name == "k" else 0.0
-        return super()._side_bits(name) + extra
-
     def _buffer_spec(self) -> BufferSpec:
         spec = super()._buffer_spec()
         spec["k_qjl"] = (self.qjl_dim // 8, np.uint8, None)

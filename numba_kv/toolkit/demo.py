@@ -18,8 +18,8 @@ from rich.console import Console
 from rich.table import Table
 from tqdm.auto import tqdm
 
-from numba_kv.caches.factory import make_cache
 from numba_kv.caches.protocol import AttendConfig, Dequantized
+from numba_kv.caches.spec import make_cache
 from numba_kv.metrics import nmse
 
 

@@ -64,9 +64,8 @@ try:  # rich is optional here: without it the table is printed as markdown
 except ModuleNotFoundError:  # pragma: no cover - depends on the environment
     Console = Table = None
 
-from numba_kv.caches.factory import make_cache
 from numba_kv.caches.protocol import AttendConfig, Dequantized
-from numba_kv.caches.spec import parse_cache_spec
+from numba_kv.caches.spec import make_cache, parse_cache_spec
 from numba_kv.metrics import kl_rows, log_softmax, nmse
 
 __all__ = ["DEFAULT_FAISS", "DEFAULT_MODES", "SIGMAS", "SyntheticKV", "render", "run",

@@ -151,10 +151,10 @@ def test_lifecycle_config_rebuilds_the_same_config():
 
 
 def test_spec_config_is_what_make_builds():
-    from numba_kv.caches.factory import make_cache as factory_make_cache
+    from numba_kv.caches.spec import make_cache as spec_make_cache
     from numba_kv.caches.spec import parse_cache_spec
 
-    assert factory_make_cache is make_cache
+    assert spec_make_cache is make_cache
     for text in ("pqo3-r16:key_center=true", "tq-k4v3-l2", "pqo2.5-s0", "pq4-head-eden"):
         spec = parse_cache_spec(text)
         assert spec.config(2, 2, 128) == spec.make(2, 2, 128).config

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from numba_kv._backend import to_host
-from numba_kv.caches.factory import make_cache
+from numba_kv.caches.spec import make_cache
 from numba_kv.ops.attention import fused_attention_rows
 
 from ..conftest import to_device

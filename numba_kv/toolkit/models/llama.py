@@ -68,8 +68,8 @@ import numpy as np
 
 from numba_kv._backend import to_host
 from numba_kv.caches.dense import DenseCache
-from numba_kv.caches.factory import make_cache
 from numba_kv.caches.protocol import AttendConfig, Dequantized, DequantResult, Fused
+from numba_kv.caches.spec import make_cache
 
 from .gguf_loader import LlamaConfig, LoadedGGUF, load_gguf
 

@@ -1,0 +1,108 @@
+"""Compressed cache names: what a ``NAME`` of the cache-name grammar
+(:mod:`numba_kv.caches.spec`) says about the cache — its family, index width and the options
+it implies — and the configuration it stands for.
+
+Kept below :mod:`~numba_kv.caches.presets` and :mod:`~numba_kv.caches.spec`: a preset is sized
+from the configuration of its base name, and the grammar accepts presets by name.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from .config import PolarQuantConfig, TurboQuantConfig
+
+__all__ = ["CACHE_NAMES", "SUFFIX_OPTIONS", "compressed_config", "merge_name_options", "name_options"]
+
+CACHE_NAMES = ("dense", "pq2", "pq3", "pq4", "pqo2", "pqo3", "pqo4", "pqo2.5", "pqo3.5", "tq2", "tq3", "tq4")
+SUFFIX_OPTIONS: dict[str, dict[str, Any]] = {
+    "-l2": {"norm_mode": "l2"},
+    "-maxnorm": {"norm_mode": "maxnorm"},
+    "-head": {"rotation": "head"},
+    "-eden": {"unbiased": True},
+}
+_SUFFIXES = "|".join(s[1:] for s in SUFFIX_OPTIONS)
+# NAME without the window suffix: family, width (uniform, half-bit split or asymmetric), suffixes
+_NAME = re.compile(r"^(?P<family>pqo|pq|tq)(?:(?P<bits>[234])(?P<half>\.5)?|-k(?P<kb>[234])v(?P<vb>[234]))"
+                   rf"(?P<suffix>(?:-(?:{_SUFFIXES}))*)$")
+_EXPECTED = (f"expected one of {list(CACHE_NAMES[1:])} or 'pqo-k<2-4>v<2-4>' / 'tq-k<2-4>v<2-4>', optionally "
+             f"with '-l2', '-maxnorm', '-head', '-eden' suffixes")
+
+
+def name_options(name: str, head_dim: Any) -> tuple[str, int, dict[str, Any]]:
+    """The cache class family, index width and implied options of a compressed cache name.
+
+    Parameters
+    ----------
+    name : str
+        Lower-case name without window suffix or options, e.g. ``"pqo3-head"``, ``"tq-k4v3"``.
+    head_dim : int
+        Head dimension (channel splits need a multiple of 64).
+
+    Returns
+    -------
+    family : {"pq", "pqo", "tq"}
+    bits : int
+        Index bits (the wider of the two sides of an asymmetric name).
+    implied : dict
+        Options the name fixes (``k_bits``, ``outlier_channels``, ``norm_mode``, ...).
+
+    Raises
+    ------
+    ValueError
+        Not a compressed cache name (message ``"name: ..."``), or a channel split that does
+        not fit ``head_dim`` (``"head_dim: ..."``).
+    """
+    m = _NAME.match(name)
+    if not m:
+        raise ValueError(f"name: {_EXPECTED}, got {name!r}")
+    family = m.group("family")
+    implied: dict[str, Any] = {}
+    if m.group("bits"):
+        bits = int(m.group("bits"))
+        if m.group("half"):
+            if family != "pqo" or bits == 4:
+                raise ValueError(f"name: channel splits exist as 'pqo2.5' and 'pqo3.5', got {name!r}")
+            if not isinstance(head_dim, int) or head_dim % 64:
+                raise ValueError(f"head_dim: {name!r} splits every head in two halves of whole 32-blocks, "
+                                 f"expected a multiple of 64, got {head_dim!r}")
+            implied.update(outlier_channels=head_dim // 2, outlier_bits=bits + 1)
+    else:
+        kb, vb = int(m.group("kb")), int(m.group("vb"))
+        bits = max(kb, vb)
+        implied.update(k_bits=kb, v_bits=vb)
+    for suf in re.findall(r"-[a-z0-9]+", m.group("suffix")):
+        implied.update(SUFFIX_OPTIONS[suf])
+    return family, bits, implied
+
+
+def merge_name_options(label: str, family: str, bits: int, implied: dict[str, Any],
+                       options: dict[str, Any]) -> dict[str, Any]:
+    """Constructor options of a cache named ``label``: ``options`` and what the name implies
+    (``implied``; an option that contradicts it raises ``ValueError``), plus ``bits`` and the
+    PolarQuant ``mode`` the name sets (given in ``options`` too: ``TypeError``).  ``family``
+    ``"dense"`` takes no bits."""
+    for opt, val in implied.items():
+        if opt in options and options[opt] != val:
+            raise ValueError(f"{opt}: {options[opt]!r} conflicts with the name {label!r}")
+    options = {**options, **implied}
+    if family == "dense":
+        return options
+    for opt in ("bits", "mode"):
+        if opt in options:  # the name sets them
+            raise TypeError(f"make_cache() got multiple values for keyword argument {opt!r}")
+    if family == "tq":
+        return {"bits": bits, **options}
+    return {"bits": bits, "mode": family, **options}
+
+
+def compressed_config(name: str, num_layers: int, num_kv_heads: int, head_dim: int,
+                      **options: Any) -> PolarQuantConfig:
+    """The validated configuration of compressed cache ``name`` (e.g. ``"pqo-k4v3-head"``)
+    with ``options``: a :class:`TurboQuantConfig` for ``tq`` names, else a
+    :class:`PolarQuantConfig`."""
+    family, bits, implied = name_options(name, head_dim)
+    opts = merge_name_options(name, family, bits, implied, options)
+    cls = TurboQuantConfig if family == "tq" else PolarQuantConfig
+    return cls(num_layers, num_kv_heads, head_dim, **opts)
