@@ -23,7 +23,6 @@ from .caches.protocol import AttendConfig, CompressedKVCache, DecodeOutput, Dequ
 from .caches.spec import CACHE_NAMES, make_cache
 from .caches.turboquant import TurboQuantCache
 from .compressor import CompressedKV, CompressionMethod, KVCacheCompressor
-from .info import check_threading_layer
 from .ops.attention import decode_attention
 from .ops.bitpack import pack_bits, unpack_bits
 from .ops.blockquant import dequantize_blocks, quantize_blocks
@@ -31,6 +30,7 @@ from .ops.codebook import get_codebook
 from .ops.hadamard import rotate32
 from .ops.headquant import dequantize_head, quantize_head, rotate_head
 from .ops.qjl import make_sketch, qjl_inner_product, qjl_quantize
+from .threads import check_threading_layer
 
 __all__ = [
     "AttendConfig", "CACHE_NAMES", "CompressedKV", "CompressedKVCache", "CompressionMethod", "DecodeOutput",

@@ -29,8 +29,7 @@ from numba.cuda.cudadrv import nvvm
 
 from . import __version__
 from ._backend import simulator_enabled
-from .ops import finite as _finite  # noqa: F401 - registers the "range_stats" twin that threading_layer runs
-from .ops._registry import TWINS
+from .threads import threading_layer
 
 # The feature set of Intel Haswell (AVX2 + FMA + BMI2, no AVX-512): what most laptops and
 # many cloud machines run.  Used with NUMBA_CPU_NAME=haswell.
@@ -45,32 +44,6 @@ def _version(mod: str) -> str:
         return version(mod)
     except Exception:  # noqa: BLE001 - report, never fail
         return "not installed"
-
-
-def threading_layer() -> str:
-    """Name of Numba's threading layer (runs a tiny parallel function to initialize it)."""
-    # call the parallel compilation directly: ``Twin.launch`` would pick the serial one for
-    # this tiny input, and only a parallel region initializes the threading layer
-    TWINS["range_stats"].cpu(np.zeros(2, np.uint32), np.uint32(1), np.zeros(2, np.uint64))
-    try:
-        return numba.threading_layer()
-    except ValueError:
-        return "uninitialized"
-
-
-def check_threading_layer() -> str:
-    """Return the threading layer; ``RuntimeError`` if it is ``workqueue``.
-
-    ``workqueue`` aborts the process when two Python threads enter a ``parallel=True``
-    region at once, which concurrent per-layer cache calls do.  Install ``tbb`` or use an
-    OpenMP build, or set ``NUMBA_THREADING_LAYER=omp``.
-    """
-    layer = threading_layer()
-    if layer == "workqueue":
-        raise RuntimeError("Numba threading layer is 'workqueue', which is not thread-safe: concurrent "
-                           "cache calls from several threads would abort. Set NUMBA_THREADING_LAYER=omp "
-                           "(or install tbb).")
-    return layer
 
 
 def cpu_model() -> str:

@@ -3,11 +3,11 @@
 Registers, spills, local and static shared memory as ptxas builds each registered kernel
 (through nvJitLink), the largest block that launches, and the theoretical occupancy at the
 block size the package launches with (the ``cuda_threads`` knob).  See
-:mod:`numba_kv._cuda_resources` for the rules.
+:mod:`numba_kv.resources` for the rules.
 
 ``numba-kv kernels --sass``: the same ptxas build disassembled (``nvdisasm``) and the hot
 loop of each decode attention kernel counted, per token per KV head and by instruction
-class (rules in :mod:`numba_kv._sass`).
+class (rules in :mod:`numba_kv.resources`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from numba_kv import _config
-from numba_kv._cuda_resources import ARCHS, kernel_resources, max_block_threads, occupancy
-from numba_kv._sass import Loop, kernel_sass
 from numba_kv.ops import TWINS
+from numba_kv.resources import ARCHS, Loop, cuda_threads, kernel_resources, kernel_sass, max_block_threads, occupancy
 
 __all__ = ["parse_cc", "report", "sass_kernels", "sass_markdown", "sass_report", "to_markdown"]
 
@@ -49,7 +47,7 @@ def report(ccs: Sequence[tuple[int, int]], threads: int | None = None,
     Parameters
     ----------
     ccs : sequence of (int, int)
-        Compute capabilities, keys of :data:`numba_kv._cuda_resources.ARCHS`.
+        Compute capabilities, keys of :data:`numba_kv.resources.ARCHS`.
     threads : int, optional
         Block size of the occupancy columns; default the ``cuda_threads`` knob (the most
         any launch of the package uses).
@@ -62,7 +60,7 @@ def report(ccs: Sequence[tuple[int, int]], threads: int | None = None,
         Keys ``kernel, cc, registers, spill_stores, spill_loads, local, shared,
         max_block_threads, threads, blocks_per_sm, warps_per_sm, occupancy, limiters``.
     """
-    threads = int(_config.get("cuda_threads") if threads is None else threads)
+    threads = int(cuda_threads() if threads is None else threads)
     if not 1 <= threads <= 1024:
         raise ValueError(f"--threads: expected 1 to 1024 threads per block, got {threads}")
     names = sorted(TWINS) if names is None else list(names)
@@ -94,7 +92,7 @@ def to_markdown(rows: Sequence[dict[str, Any]]) -> str:
 
 
 # --- numba-kv kernels --sass ---------------------------------------------------------------
-#: short column names of the instruction classes (``numba_kv._sass.CLASSES``)
+#: short column names of the instruction classes (``numba_kv.resources.CLASSES``)
 CLASS_COLUMNS = {"load.global": "ld.global", "load.shared": "ld.shared", "load.const": "ld.const",
                  "load.local": "ld.local", "store": "st", "fp32": "fp32", "mufu": "mufu", "mma": "mma",
                  "fp16": "fp16", "int": "int", "move": "mov", "shfl": "shfl", "convert": "cvt", "branch": "branch",

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from numba_kv._backend import to_host
+from numba_kv.backend import to_host
 from numba_kv.caches.protocol import AttendConfig, DecodeOutput, Dequantized, DequantResult
 
 __all__ = ["KVSplitCache", "RecordingCache"]

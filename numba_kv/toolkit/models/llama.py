@@ -66,7 +66,7 @@ from typing import Any
 
 import numpy as np
 
-from numba_kv._backend import to_host
+from numba_kv.backend import to_host
 from numba_kv.caches.dense import DenseCache
 from numba_kv.caches.protocol import AttendConfig, Dequantized, DequantResult, Fused
 from numba_kv.caches.spec import make_cache
