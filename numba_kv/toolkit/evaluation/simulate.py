@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from numba_kv.caches.config import PolarQuantConfig
 from numba_kv.ops.blockquant import dequantize_blocks, quantize_blocks
 
 from ..models.llama import apply_rope, rms_norm, rope_tables
@@ -39,7 +40,8 @@ def _apply_quant(spec: QuantSpec, x: np.ndarray, norm_mode: str) -> np.ndarray |
 def polarquant_bits_per_value(tokens: int, head_dim: int, k_bits: int | None, v_bits: int | None,
                               residual_length: int = 0, sink_tokens: int = 0, window_itemsize: int = 2,
                               exact_itemsize: int = 4) -> dict[str, float]:
-    """Stored bits per value of a PQO cache at ``tokens`` tokens (window at its real size).
+    """Stored bits per value of a PQO cache at ``tokens`` tokens (window at its real size), by
+    :meth:`~numba_kv.caches.config.PolarQuantConfig.stored_bytes` (the caches' own formula).
 
     Parameters
     ----------
@@ -56,15 +58,17 @@ def polarquant_bits_per_value(tokens: int, head_dim: int, k_bits: int | None, v_
     dict
         ``k``, ``v`` (bits/value of each side) and ``mean`` (their average).
     """
-    n_exact = min(tokens, sink_tokens + residual_length)
-    n_comp = tokens - n_exact
+    window_dtype = {2: "float16", 4: "float32"}.get(window_itemsize)
+    if window_dtype is None:
+        raise ValueError(f"window_itemsize: expected 2 (float16) or 4 (float32), got {window_itemsize!r}")
     out: dict[str, float] = {}
     for side, b in (("k", k_bits), ("v", v_bits)):
         if b is None:
             out[side] = 8.0 * exact_itemsize
-        else:
-            per_tok = head_dim * b / 8 + 2 * head_dim / 32
-            out[side] = 8.0 * (n_comp * per_tok + n_exact * window_itemsize * head_dim) / (tokens * head_dim)
+        else:  # the caches' own byte count of one row (one layer, batch row and KV head)
+            cfg = PolarQuantConfig(1, 1, head_dim, bits=b, residual_length=residual_length, sink_tokens=sink_tokens,
+                                   window_dtype=window_dtype)
+            out[side] = 8.0 * cfg.stored_bytes(tokens, sides=(side,)) / (tokens * head_dim)
     out["mean"] = 0.5 * (out["k"] + out["v"])
     return out
 
