@@ -217,10 +217,16 @@ class LayeredCache(LifecycleMixin, ValueChecks):
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, sliding_window: Any = None) -> None:
-        self.num_layers = check_int("num_layers", num_layers, minimum=1)
-        self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)
-        self.head_dim = check_head_dim(head_dim)
-        self.layer_windows: list[int | None] = check_sliding_window(sliding_window, self.num_layers)
+        n = check_int("num_layers", num_layers, minimum=1)
+        self._init_geometry(n, check_int("num_kv_heads", num_kv_heads, minimum=1), check_head_dim(head_dim),
+                            check_sliding_window(sliding_window, n))
+
+    def _init_geometry(self, num_layers: int, num_kv_heads: int, head_dim: int,
+                       layer_windows: list[int | None]) -> None:
+        """Geometry and empty layers from values validated already (by ``__init__`` or by a
+        configuration object, which validates them once)."""
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.layer_windows = list(layer_windows)
         self._layers = [LayerState(window=w) for w in self.layer_windows]
 
     # -- subclass hooks -------------------------------------------------------------------

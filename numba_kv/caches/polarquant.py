@@ -196,7 +196,9 @@ class PolarQuantCache(LayeredCache):
 
     def _setup(self, cfg: PolarQuantConfig) -> None:
         """Derived read-only state (codebooks, code layouts, rotation signs) of ``cfg``."""
-        super().__init__(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.sliding_window)
+        # the configuration validated the geometry: not checked again
+        self._init_geometry(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                            list(cfg.sliding_window or [None] * cfg.num_layers))
         self.config = cfg
         self.num_blocks = self.head_dim // 32
         self.slot_bits = cfg.slot_bits
