@@ -143,7 +143,7 @@ def test_fork_and_factory_share_the_config():
     assert copy.deepcopy(c).config is c.config and c.fork().config is c.config
 
 
-def test_lifecycle_config_rebuilds_the_same_config():
+def test_config_dict_rebuilds_the_same_config():
     for c in (PolarQuantCache(*GEOM, k_bits=3, v_bits=2, outlier_channels=64, sliding_window={0: 16}),
               TurboQuantCache(*GEOM, bits=4, qjl_seed=7, norm_mode="l2")):
         cfg = c.config_dict()
