@@ -326,3 +326,41 @@ def test_consistent_but_impossible_counters_are_rejected(saved, tmp_path, edit):
         "state": state, "sha256": _format.digest(config, state, tensors)})
     with pytest.raises(CacheFileError, match="inconsistent"):
         load_cache(path)
+
+
+@pytest.mark.parametrize(("name", "opts"), CASES, ids=IDS)
+def test_state_dict_round_trip_without_a_file(name, opts, rng):
+    """The public pair a file is made of: ``from_state_dict(state_dict())`` is an equal cache
+    (same configuration, counters and live bytes) that decodes exactly like the original,
+    and the state is plain data (JSON types, host arrays)."""
+    cache = _filled(name, opts, rng)
+    sd = cache.state_dict()
+    assert json.loads(json.dumps(sd.config)) == sd.config and json.loads(json.dumps(sd.state)) == sd.state
+    assert all(type(t) is np.ndarray for t in sd.tensors.values())
+    back = type(cache).from_state_dict(sd)
+    assert back.config_dict() == cache.config_dict() and back.memory_usage() == cache.memory_usage()
+    again = back.state_dict()
+    assert again.state == sd.state and sorted(again.tensors) == sorted(sd.tensors)
+    assert all(np.array_equal(again.tensors[n], t) for n, t in sd.tensors.items())
+    k1, q = _rand(rng, 2, H, 1, D), _rand(rng, 2, H * G, 1, D)
+    for a, b in zip(_outputs(cache.decode(0, k1, k1, q, CFG)), _outputs(back.decode(0, k1, k1, q, CFG))):
+        assert np.array_equal(a, b)
+
+
+def test_from_state_dict_rejects_and_builds_nothing(rng):
+    """A state the class cannot have written raises CacheFileError (naming what is wrong)."""
+    from numba_kv.caches.state import CacheState
+
+    cache = _filled("pqo3", {"residual_length": 4, "sink_tokens": 2}, rng)
+    sd = cache.state_dict()
+    bad = dict(sd.tensors)
+    bad["layers.0.k_codes"] = bad["layers.0.k_codes"][:, :-1]
+    with pytest.raises(CacheFileError, match="layers.0.k_codes"):
+        PolarQuantCache.from_state_dict(CacheState(sd.config, sd.state, bad))
+    with pytest.raises(CacheFileError, match="unexpected"):
+        extra = {**sd.tensors, "layers.9.x": bad["layers.0.k_codes"]}
+        PolarQuantCache.from_state_dict(CacheState(sd.config, sd.state, extra))
+    mixed = make_cache("pqo3", num_layers=2, num_kv_heads=H, head_dim=D, layer_overrides={0: {"bits": 4}})
+    msd = mixed.state_dict()
+    with pytest.raises(CacheFileError, match="outside the parts"):
+        type(mixed).from_state_dict(CacheState(msd.config, msd.state, {"x": np.zeros(1)}))
