@@ -98,8 +98,9 @@ def bare(tmp_path_factory) -> BareVenv:
     pip = v.run(sys.executable, "-m", "pip", "--python", v.python, "install", "--disable-pip-version-check",
                 "--no-compile", "--timeout", "60", "--retries", "2", "-q", src, timeout=900)
     assert pip.returncode == 0, (
-        "pip install of the checkout without extras into a fresh venv failed; this test needs the package index "
-        f"(PyPI) to fetch the core requirements of setup.cfg.\n--- pip stderr ---\n{pip.stderr[-6000:]}")
+        "pip install of the checkout without extras into a fresh venv failed: this test needs the package index "
+        "(PyPI) for the core requirements of setup.cfg, and pip >= 22.3 (--python) in the test environment."
+        f"\n--- pip stderr ---\n{pip.stderr[-6000:]}")
     return v
 
 
@@ -154,27 +155,52 @@ def test_import_and_quick_start(bare):
     assert out[-1] == "quick start ok"
 
 
-def test_version_and_module_entry_point(bare):
-    for argv in ([bare.bin / "numba-kv", "--version"], [bare.python, "-m", "numba_kv", "--version"]):
-        proc = bare.run(*argv)
-        assert (proc.returncode, proc.stdout, proc.stderr) == (0, f"numba-kv {numba_kv.__version__}\n", ""), argv
+@pytest.fixture(scope="module")
+def cli(bare) -> dict[str, subprocess.CompletedProcess[str]]:
+    """Every command-line run of the tests below, started at once (each is mostly the import of
+    numba_kv: together they take the time of the slowest on two cores), by label."""
+    runs = {"numba-kv --version": [bare.bin / "numba-kv", "--version"],
+            "python -m numba_kv --version": [bare.python, "-m", "numba_kv", "--version"],
+            "info": [bare.bin / "numba-kv", "info"],
+            # one kernel keeps the run short where the CUDA compilers are found
+            "kernels": [bare.bin / "numba-kv", "kernels", "--kernel", "pack_bits"]}
+    runs |= {command: [bare.bin / "numba-kv", *argv] for command, argv in TOOLS_COMMANDS.items()}
+    procs = {label: subprocess.Popen([str(a) for a in argv], cwd=bare.tmp, env=bare.env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True) for label, argv in runs.items()}
+    done = {}
+    try:
+        for label, proc in procs.items():
+            out, err = proc.communicate(timeout=600)
+            done[label] = subprocess.CompletedProcess(runs[label], proc.returncode, out, err)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return done
 
 
-def test_info_answers(bare):
-    proc = bare.run(bare.bin / "numba-kv", "info")
+@pytest.mark.parametrize("label", ["numba-kv --version", "python -m numba_kv --version"])
+def test_version_and_module_entry_point(cli, label):
+    proc = cli[label]
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, f"numba-kv {numba_kv.__version__}\n", "")
+
+
+def test_info_answers(cli):
+    proc = cli["info"]
     assert proc.returncode == 0, proc.stderr
     assert re.search(rf"^numba_kv\s+: {re.escape(numba_kv.__version__)}$", proc.stdout, re.M), proc.stdout
     assert re.search(r"^numba-cuda\s+: \d", proc.stdout, re.M), proc.stdout
     assert re.search(r"^cupy\s+: not installed$", proc.stdout, re.M), proc.stdout
 
 
-def test_kernels_answers(bare):
+def test_kernels_answers(cli):
     """``numba-kv kernels`` needs NVVM and nvJitLink (the cuda extra's wheels, or a CUDA
     toolkit on the system): with them it prints the table, without them one line naming the
-    cuda extra (exit status 2).  One kernel keeps the first case short."""
-    proc = bare.run(bare.bin / "numba-kv", "kernels", "--kernel", "merge_partitions")
+    cuda extra (exit status 2)."""
+    proc = cli["kernels"]
     if proc.returncode == 0:
-        assert "| `merge_partitions` | 9.0 |" in proc.stdout
+        assert "| `pack_bits` | 9.0 |" in proc.stdout
     else:
         assert proc.returncode == 2 and proc.stdout == "", proc.stderr
         assert re.fullmatch(r'numba-kv kernels: error: needs the CUDA compilers \((NVVM|nvJitLink|NVVM and nvJitLink) '
@@ -182,9 +208,9 @@ def test_kernels_answers(bare):
 
 
 @pytest.mark.parametrize("command", TOOLS_COMMANDS)
-def test_tools_commands_name_the_extra(bare, command):
+def test_tools_commands_name_the_extra(cli, command):
     """One line on stderr naming the extra, exit status 2, no traceback."""
-    proc = bare.run(bare.bin / "numba-kv", *TOOLS_COMMANDS[command])
+    proc = cli[command]
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
     assert re.fullmatch(rf"numba-kv {command}: error: needs the tools extra \(missing package '(rich|tqdm)'\): "
                         r'pip install "numba-kv\[tools\]"\n', proc.stderr), proc.stderr
