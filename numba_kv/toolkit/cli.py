@@ -148,10 +148,10 @@ def _bench_attention_cuda(args: argparse.Namespace) -> int:
 def _bench_decode_step(args: argparse.Namespace) -> int:
     """``bench decode-step --device cuda``: exit status 1 when a mode raised (its row says why)."""
     command = "bench decode-step"
-    bench_cuda, bench_step = _toolkit("bench_cuda"), _toolkit("bench_step")
     if args.device != "cuda":
         return _user_error(command, "only --device cuda is measured here (the CPU cache.decode step is the "
                                     "second table of `numba-kv bench attention`)")
+    bench_cuda, bench_step = _toolkit("bench_cuda"), _toolkit("bench_step")
     try:
         modes = bench_step.DEFAULT_MODES if not args.modes else split_cache_list(args.modes, "--modes")
         parse_cache_specs(",".join(modes), arg="--modes")  # a clear error before any GPU work
