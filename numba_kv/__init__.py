@@ -1,12 +1,14 @@
 """numba_kv — compressed KV caches for transformer LLMs, with CPU twins and CUDA kernels
 from one pure-Python (Numba) code base.
 
-Quick start::
+Quick start (needs only the core install: ``pip install numba-kv``)::
 
     import numpy as np, numba_kv
-    cache = numba_kv.make_cache("pqo3", num_layers=30, num_kv_heads=3, head_dim=64)
-    res = cache.prefill(0, k, v)            # k, v: [batch, num_kv_heads, seq, head_dim]
-    out = cache.decode(0, k1, v1, q1, numba_kv.AttendConfig(0.125, n_kv_groups=3))
+    cache = numba_kv.make_cache("kv4", num_layers=30, num_kv_heads=3, head_dim=64)
+    k, v = np.random.randn(2, 1, 3, 100, 64).astype(np.float32)  # [batch, num_kv_heads, seq, head_dim]
+    res = cache.prefill(0, k, v)
+    q1 = np.random.randn(1, 9, 1, 64).astype(np.float32)          # [batch, num_heads, 1, head_dim]
+    out = cache.decode(0, k[:, :, -1:], v[:, :, -1:], q1, numba_kv.AttendConfig(0.125, n_kv_groups=3))
 """
 
 __version__ = "0.1.0"

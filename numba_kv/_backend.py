@@ -10,6 +10,7 @@ device behind the caller's back.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any
 
@@ -17,6 +18,13 @@ import numpy as np
 from numba import cuda
 
 from . import _config
+
+# numba still ships its own numba.cuda (deprecated), which lacks what the kernels use
+# (cuda.libdevice, inline PTX): without numba-cuda, a core requirement, say so here rather
+# than fail on an attribute in some ops module
+if importlib.util.find_spec("numba_cuda") is None:
+    raise ImportError("numba_kv needs the numba-cuda package (numba's built-in numba.cuda is deprecated and lacks "
+                      "what the kernels use): pip install numba-cuda")
 
 CPU = "cpu"
 CUDA = "cuda"

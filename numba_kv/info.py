@@ -185,7 +185,9 @@ def collect() -> dict[str, str]:
                 if nvvm.is_available():
                     info["nvvm_version"] = ".".join(map(str, nvvm.NVVM().get_version()))
             except Exception as e:  # noqa: BLE001
-                info["nvvm"] = f"error: {e}"
+                # cuda.pathfinder's message lists the folders it searched: the first line says it
+                first = (str(e).strip().splitlines() or [""])[0]
+                info["nvvm"] = f'missing ({first}): pip install "numba-kv[cuda]"'
     except Exception as e:  # noqa: BLE001
         info["cuda"] = f"error: {e}"
     info["NUMBA_CACHE_DIR"] = os.environ.get("NUMBA_CACHE_DIR", "(default)")

@@ -67,12 +67,11 @@ from .bench_cuda import (
     speedup,
     torch_version,
 )
+from .specs import DEFAULT_STEPS, DEFAULT_WARMUP
 
 DEFAULT_MODES = ("dense", "pqo3", "kv4")
 DEFAULT_TOKENS = (4096, 16384, 65536, 131072)
 DEFAULT_BATCH = (1,)
-DEFAULT_STEPS = 20
-DEFAULT_WARMUP = 3
 
 #: ``attend(q, k, v, softmax_scale, logit_bias)`` -> output: the caller's attention over a
 #: :class:`~numba_kv.Dequantized` history

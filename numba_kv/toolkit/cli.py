@@ -1,36 +1,56 @@
-"""``numba-kv`` command line: ``eval`` (caches on a real model), ``analyze``
-(where the quantization loss comes from), ``generate``, ``demo --synthetic`` (synthetic KV stream),
-``bench attention``, ``bench modes``, ``bench decode-step`` (GPU), ``kernels`` (CUDA kernel resources, no
-GPU), ``info``.
+"""``numba-kv`` command line (also ``python -m numba_kv``): ``eval`` (caches on a real model),
+``analyze`` (where the quantization loss comes from), ``generate``, ``demo --synthetic`` (synthetic
+KV stream), ``bench attention``, ``bench modes``, ``bench decode-step`` (GPU), ``kernels`` (CUDA
+kernel resources, no GPU), ``info``; ``--version``.
 
 User errors of ``eval`` / ``analyze`` / ``generate`` (missing model package, bad ``--cache``, missing
 ``--text``, ...) print ``numba-kv <command>: error: <message>`` on stderr and exit with
-status 2, without a traceback.
+status 2, without a traceback.  So does a subcommand that needs a package of the ``tools``
+extra (rich, tqdm, gguf, tokenizers, matplotlib) in an install without it: the line names the
+extra to install.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
+from types import ModuleType
 from typing import Any
 
+from numba_kv import __version__
 from numba_kv import info as env_info
 
-from . import bench, bench_cuda, bench_step, demo, kernels, models, recommend
-from .evaluation import analysis, analysis_report, evaluate, needle
 from .models.gguf_loader import ModelNotFoundError
-from .specs import EvalConfigError, parse_cache_specs, split_cache_list
+from .specs import (
+    DEFAULT_CACHES,
+    DEFAULT_STEPS,
+    DEFAULT_TEXT,
+    DEFAULT_WARMUP,
+    EvalConfigError,
+    parse_cache_specs,
+    split_cache_list,
+)
 
-# Handlers call through the modules (``evaluate.run_eval``, ``models.load_model``), so tests
-# can substitute them.  Packages that only some runs need (gguf: first conversion of a model;
-# tokenizers; faiss) are imported where they are used: a missing one becomes
-# ``numba-kv CMD: error: ...`` (see _missing_extra), not a traceback.
+#: the packages of the ``tools`` extra (setup.cfg): a subcommand that misses one says so in one line
+TOOLS_EXTRA = ("tqdm", "rich", "gguf", "tokenizers", "matplotlib")
+
+
+def _toolkit(name: str) -> ModuleType:
+    """The toolkit module ``numba_kv.toolkit.<name>``, imported when a subcommand runs.
+
+    Most toolkit modules import packages of the ``tools`` extra (rich, tqdm) at their top, so
+    the command line loads only what the chosen subcommand needs: ``info``, ``kernels`` and
+    ``--version`` work in a bare install, and :func:`main` turns the missing package of any
+    other subcommand into one line naming the extra.  Handlers call through the module
+    (``_toolkit("evaluation.evaluate").run_eval``), so tests can substitute its functions.
+    """
+    return importlib.import_module(f"{__package__}.{name}")
 
 
 def _demo(args: argparse.Namespace) -> int:
-
-
+    demo = _toolkit("demo")
     env = env_info.collect()
     rows = demo.run_demo(list(demo.iter_names(args.caches)), args.layers, args.kv_heads, args.head_dim, args.tokens,
                     args.chunk, args.seed, progress=not args.no_progress)
@@ -46,8 +66,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench_modes(args: argparse.Namespace) -> int:
-
-
+    recommend = _toolkit("recommend")
     tokens = int(args.tokens or 2048)
     try:
         modes = recommend.DEFAULT_MODES if not args.modes else split_cache_list(args.modes, "--modes")
@@ -60,17 +79,8 @@ def _bench_modes(args: argparse.Namespace) -> int:
               "queries_per_head": 256, "sigmas": [1.0, 3.0], "seed": 0, "n_outliers": 4, "modes": list(modes),
               "faiss": list(faiss_specs)}
     doc = recommend.to_json(rows, config) | {"env": env_info.collect()}
-    if args.json == "-":
-        json.dump(doc, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        recommend.render(rows, f"compression modes: T={tokens}, d=128, 8 KV heads x 256 queries, synthetic K/V with "
-                     f"outlier channels")
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(doc, f, indent=2)
-                f.write("\n")
-            sys.stderr.write(f"wrote {args.json}\n")
+    _table_or_json(doc, args.json, lambda: recommend.render(
+        rows, f"compression modes: T={tokens}, d=128, 8 KV heads x 256 queries, synthetic K/V with outlier channels"))
     if args.markdown:
         with open(args.markdown, "w", encoding="utf-8") as f:
             f.write(recommend.to_markdown(rows))
@@ -85,7 +95,7 @@ def _bench(args: argparse.Namespace) -> int:
         return _bench_decode_step(args)
     if args.device == "cuda":
         return _bench_attention_cuda(args)
-
+    bench = _toolkit("bench")
     tokens = [int(t) for t in (args.tokens or "4096,32768,131072").split(",")]
     bits = [int(b) for b in args.bits.split(",")]
     try:  # a clear error before any timing
@@ -99,13 +109,7 @@ def _bench(args: argparse.Namespace) -> int:
                                  decode_specs=decode_specs)
     if args.json:
         out = {"config": vars(args) | {"func": None}} | {k: v for k, v in rep.items() if not k.startswith("_")}
-        if args.json == "-":
-            json.dump(out, sys.stdout, indent=2, default=str)
-            sys.stdout.write("\n")
-        else:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(out, f, indent=2, default=str)
-            sys.stderr.write(f"wrote {args.json}\n")
+        _write_json(json.dumps(out, indent=2, default=str), args.json)
     else:
         bench.print_attention_report(rep)
     return 0
@@ -122,6 +126,7 @@ def _write_json(text: str, dest: str) -> None:
 
 
 def _bench_attention_cuda(args: argparse.Namespace) -> int:
+    bench_cuda = _toolkit("bench_cuda")
     try:
         tokens = _int_list(args.tokens, "--tokens") if args.tokens else bench_cuda.DEFAULT_TOKENS
         batch = _int_list(args.batch, "--batch") if args.batch else bench_cuda.DEFAULT_BATCH
@@ -146,6 +151,7 @@ def _bench_decode_step(args: argparse.Namespace) -> int:
     if args.device != "cuda":
         return _user_error(command, "only --device cuda is measured here (the CPU cache.decode step is the "
                                     "second table of `numba-kv bench attention`)")
+    bench_cuda, bench_step = _toolkit("bench_cuda"), _toolkit("bench_step")
     try:
         modes = bench_step.DEFAULT_MODES if not args.modes else split_cache_list(args.modes, "--modes")
         parse_cache_specs(",".join(modes), arg="--modes")  # a clear error before any GPU work
@@ -176,25 +182,20 @@ def _user_error(command: str, exc: str | BaseException) -> int:
 
 def _missing_extra(exc: ModuleNotFoundError) -> str | None:
     """Message for a missing package of the ``tools`` extra, else None."""
-    if (exc.name or "").split(".")[0] in ("gguf", "tokenizers", "matplotlib", "tqdm", "rich"):
-        return (f"the package '{exc.name}' is missing: install the tools extra with "
-                "`pip install -e \".[tools]\"` (tqdm, rich, gguf, tokenizers, matplotlib)")
+    package = (exc.name or "").split(".")[0]
+    if package in TOOLS_EXTRA:
+        return f"needs the tools extra (missing package '{package}'): pip install \"numba-kv[tools]\""
     return None
 
 
 def _user_call(command: str, fn: Any, errors: tuple[type[BaseException], ...] = ()) -> tuple[Any, int | None]:
     """``(fn(), None)``; or ``(None, 2)`` after reporting a user error on stderr: a bad
-    configuration, a missing model, a missing package of the ``tools`` extra, or one of
-    ``errors``.  Any other exception propagates."""
+    configuration, a missing model, or one of ``errors`` (a missing package of the ``tools``
+    extra is reported by :func:`main`).  Any other exception propagates."""
     try:
         return fn(), None
     except (EvalConfigError, ModelNotFoundError, *errors) as exc:
         return None, _user_error(command, exc)
-    except ModuleNotFoundError as exc:
-        msg = _missing_extra(exc)
-        if msg is None:
-            raise
-        return None, _user_error(command, msg)
 
 
 def _int_list(text: str, arg: str) -> list[int]:
@@ -204,20 +205,21 @@ def _int_list(text: str, arg: str) -> list[int]:
         raise EvalConfigError(f"{arg}: expected comma-separated ints, got {text!r}") from None
 
 
+def _table_or_json(doc: Any, dest: str | None, render: Any, indent: int = 2) -> None:
+    """``doc`` as JSON on stdout instead of the table when ``dest`` is ``"-"``; else the table
+    (``render()``) and, when ``dest`` names a file, ``doc`` written there as JSON too."""
+    if dest == "-":
+        _write_json(json.dumps(doc, indent=indent), dest)
+        return
+    render()
+    if dest:
+        _write_json(json.dumps(doc, indent=indent), dest)
+
+
 def _emit(command: str, args: argparse.Namespace, result: Any, render: Any, plot: Any) -> int:
     """Output of ``eval`` (both modes): the table via ``render`` or the JSON on stdout with
     ``--json -``, the JSON file of ``--json FILE``, the figure of ``--plot FILE`` via ``plot``."""
-    doc = result.to_json()
-    if args.json == "-":
-        json.dump(doc, sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        render(result)
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(doc, f, indent=2)
-                f.write("\n")
-            sys.stderr.write(f"wrote {args.json}\n")
+    _table_or_json(result.to_json(), args.json, lambda: render(result))
     if args.plot:
         _, err = _user_call(command, lambda: plot(result, args.plot))
         if err is not None:
@@ -227,9 +229,9 @@ def _emit(command: str, args: argparse.Namespace, result: Any, render: Any, plot
 
 
 def _eval(args: argparse.Namespace) -> int:
-
     if args.mode == "needle":
         return _eval_needle(args)
+    evaluate = _toolkit("evaluation.evaluate")
     result, err = _user_call("eval", lambda: evaluate.run_eval(
         _specs(args), model_path=args.model, text_path=args.text, tokens=args.tokens, prefill=args.prefill,
         gen_tokens=args.gen_tokens, chunk_size=args.chunk, threads=args.threads, progress=not args.no_progress))
@@ -244,6 +246,7 @@ def _specs(args: argparse.Namespace) -> list[Any]:
 
 
 def _eval_needle(args: argparse.Namespace) -> int:
+    needle = _toolkit("evaluation.needle")
     result, err = _user_call("eval", lambda: needle.run_needle(
         _specs(args), model_path=args.model, lengths=_int_list(args.lengths, "--lengths"),
         depths=_int_list(args.depths, "--depths"), gen_tokens=args.gen_tokens, chunk_size=args.chunk,
@@ -254,6 +257,7 @@ def _eval_needle(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    models, evaluate = _toolkit("models"), _toolkit("evaluation.evaluate")
 
     def run() -> tuple[Any, Any]:
         specs = _specs(args)
@@ -283,7 +287,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _analyze(args: argparse.Namespace) -> int:
-
+    models, analysis = _toolkit("models"), _toolkit("evaluation.analysis")
+    analysis_report = _toolkit("evaluation.analysis_report")
     try:
         bits = tuple(int(x) for x in args.bits.split(",") if x.strip())
     except ValueError:
@@ -299,19 +304,15 @@ def _analyze(args: argparse.Namespace) -> int:
     res, err = _user_call("analyze", run, (ValueError,))
     if err is not None:
         return err
-    if args.json == "-":
-        json.dump(res, sys.stdout, indent=1)
-        sys.stdout.write("\n")
-    else:
-        analysis_report.render_tables(res)
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as f:
-                json.dump(res, f, indent=1)
-            sys.stderr.write(f"wrote {args.json}\n")
+    _table_or_json(res, args.json, lambda: analysis_report.render_tables(res), indent=1)
     return 0
 
 
 def _kernels(args: argparse.Namespace) -> int:
+    kernels = _toolkit("kernels")
+    missing = kernels.missing_compilers()
+    if missing:
+        return _user_error("kernels", missing)
     if args.sass:
         return _kernels_sass(args)
     try:
@@ -333,6 +334,7 @@ def _kernels(args: argparse.Namespace) -> int:
 
 def _kernels_sass(args: argparse.Namespace) -> int:
     """``numba-kv kernels --sass``: the hot loop of each decode attention kernel in SASS."""
+    kernels = _toolkit("kernels")
     try:
         ccs = kernels.parse_cc(args.cc)
         names = args.kernel.split(",") if args.kernel else None
@@ -371,8 +373,7 @@ def _add_kernels(sub: Any) -> None:
 
 
 def _info(args: argparse.Namespace) -> int:
-
-    env_info.main()
+    env_info.main([])
     return 0
 
 
@@ -394,7 +395,7 @@ def _add_eval(sub: Any) -> None:
     e.add_argument("--lengths", default="1024,2048,4096,8192",
                    help="needle: prompt lengths in tokens (default: %(default)s)")
     e.add_argument("--depths", default="10,50,90", help="needle: needle depths in percent (default: %(default)s)")
-    e.add_argument("--cache", default=evaluate.DEFAULT_CACHES,
+    e.add_argument("--cache", default=DEFAULT_CACHES,
                    help="comma-separated caches; an entry is NAME, NAME-rR-sS (residual_length=R, sink_tokens=S) "
                         "or NAME:KEY=VALUE[,KEY=VALUE...] (e.g. 'dense,pqo3,pqo3:residual_length=32,sink_tokens=4'); "
                         "dense is always run as the reference (default: %(default)s)")
@@ -403,7 +404,7 @@ def _add_eval(sub: Any) -> None:
     e.add_argument("--sink-tokens", type=int, default=None,
                    help="sink_tokens for every compressed cache that does not set its own")
     e.add_argument("--text", default=None, metavar="FILE",
-                   help=f"English text file (default: {evaluate.DEFAULT_TEXT}, read at run time)")
+                   help=f"English text file (default: {DEFAULT_TEXT}, read at run time)")
     e.add_argument("--tokens", type=int, default=1024, help="N, tokens of the text (default: %(default)s)")
     e.add_argument("--prefill", type=int, default=128, help="P, prefilled tokens (default: %(default)s)")
     e.add_argument("--gen-tokens", type=int, default=16,
@@ -472,9 +473,9 @@ def _add_bench(sub: Any) -> None:
     b.add_argument("--groups", type=int, default=4,
                    help="--device cuda: query heads per KV head (default: %(default)s)")
     b.add_argument("--head-dim", type=int, default=128, help="--device cuda: head dimension (default: %(default)s)")
-    b.add_argument("--steps", type=int, default=bench_step.DEFAULT_STEPS,
+    b.add_argument("--steps", type=int, default=DEFAULT_STEPS,
                    help="decode-step: timed steps, median and min reported (default: %(default)s)")
-    b.add_argument("--warmup", type=int, default=bench_step.DEFAULT_WARMUP,
+    b.add_argument("--warmup", type=int, default=DEFAULT_WARMUP,
                    help="decode-step: untimed steps first (default: %(default)s)")
     b.add_argument("--no-torch", action="store_true",
                    help="--device cuda: skip the torch SDPA baseline even when torch is installed")
@@ -524,6 +525,7 @@ def _add_analyze(sub: Any) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``numba-kv``."""
     p = argparse.ArgumentParser(prog="numba-kv", description="numba_kv: compressed KV caches on CPU and CUDA")
+    p.add_argument("--version", action="version", version=f"numba-kv {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     for add in (_add_eval, _add_generate, _add_demo, _add_bench, _add_analyze, _add_kernels):
         add(sub)
@@ -533,9 +535,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``numba-kv`` console script."""
+    """Entry point of the ``numba-kv`` console script and of ``python -m numba_kv``.
+
+    A package of the ``tools`` extra missing where a subcommand needs it (at the import of
+    its toolkit module, or later: gguf, tokenizers, matplotlib) ends the command with one line
+    naming the extra and exit status 2, not a traceback."""
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except ModuleNotFoundError as exc:
+        msg = _missing_extra(exc)
+        if msg is None:
+            raise
+        return _user_error(" ".join(filter(None, (args.command, getattr(args, "what", None)))), msg)
 
 
 if __name__ == "__main__":

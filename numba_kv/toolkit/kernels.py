@@ -15,13 +15,38 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from cuda.bindings import nvjitlink
+from numba.cuda.cudadrv import nvvm
+
 from numba_kv.ops import TWINS
 from numba_kv.resources import ARCHS, Loop, cuda_threads, kernel_resources, kernel_sass, max_block_threads, occupancy
 
-__all__ = ["parse_cc", "report", "sass_kernels", "sass_markdown", "sass_report", "to_markdown"]
+__all__ = ["missing_compilers", "parse_cc", "report", "sass_kernels", "sass_markdown", "sass_report", "to_markdown"]
 
 COLUMNS = ("kernel", "sm", "registers", "spill B (st/ld)", "local B", "shared B", "max block",
            "blocks/SM", "warps/SM", "occupancy", "limited by")
+
+
+def missing_compilers() -> str | None:
+    """Why ``numba-kv kernels`` cannot build machine code here (one line), or ``None``.
+
+    The table needs NVVM (``numba.cuda.compile_ptx``: Python to PTX) and nvJitLink (ptxas:
+    PTX to machine code), neither a GPU nor a driver.  They are the CUDA toolkit wheels of the
+    ``cuda`` extra (a CUDA 13 toolkit on the system serves too); the core install has only
+    the CUDA runtime library.  Checked before any compilation, so that their absence is one
+    line, not a traceback per kernel.
+    """
+    missing = []
+    for name, load in (("NVVM", nvvm.is_available), ("nvJitLink", nvjitlink.version)):
+        try:
+            if load() is False:
+                missing.append(name)
+        except (RuntimeError, OSError):  # cuda.pathfinder's DynamicLibNotFoundError is a RuntimeError
+            missing.append(name)
+    if not missing:
+        return None
+    return (f"needs the CUDA compilers ({' and '.join(missing)} not found; no GPU needed): "
+            'pip install "numba-kv[cuda]"')
 
 
 def parse_cc(text: str) -> list[tuple[int, int]]:

@@ -1,6 +1,10 @@
 """Lists of caches on the command line (``numba-kv eval --cache``, ``generate --cache``,
 ``bench modes --modes``): the list separator lives here; each cache's text is parsed by the
-library's one grammar, :func:`numba_kv.caches.spec.parse_cache_spec`."""
+library's one grammar, :func:`numba_kv.caches.spec.parse_cache_spec`.
+
+The defaults the command line shows in its help live here too: this module needs no package of
+the ``tools`` extra, so ``numba-kv --help`` works in a bare install (the modules that use
+them, ``evaluation.evaluate`` and ``bench_step``, import rich and tqdm)."""
 
 from __future__ import annotations
 
@@ -8,7 +12,18 @@ from typing import Any
 
 from numba_kv.caches.spec import CacheSpec, parse_cache_spec
 
-__all__ = ["CacheSpec", "EvalConfigError", "parse_cache_specs", "split_cache_list"]
+__all__ = ["DEFAULT_CACHES", "DEFAULT_STEPS", "DEFAULT_TEXT", "DEFAULT_WARMUP", "CacheSpec", "EvalConfigError",
+           "parse_cache_specs", "split_cache_list"]
+
+#: Real English prose every Debian system ships (base-files); read at run time, never copied.
+DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
+
+#: Default ``--cache`` list of ``numba-kv eval``.
+DEFAULT_CACHES = "dense,pqo3,pqo4"
+
+#: Timed and untimed steps of ``numba-kv bench decode-step``.
+DEFAULT_STEPS = 20
+DEFAULT_WARMUP = 3
 
 
 class EvalConfigError(ValueError):

@@ -63,7 +63,7 @@ from numba_kv.metrics import compare_logits
 
 from .. import models
 from ..models import generate, sequence_logits
-from ..specs import CacheSpec, EvalConfigError
+from ..specs import DEFAULT_CACHES, DEFAULT_TEXT, CacheSpec, EvalConfigError
 
 __all__ = [
     "DEFAULT_CACHES",
@@ -87,12 +87,6 @@ __all__ = [
 
 #: Version tag of the JSON document written by ``numba-kv eval --json``.
 SCHEMA = "numba_kv.eval/1"
-
-#: Real English prose every Debian system ships (base-files); read at run time, never copied.
-DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
-
-#: Default ``--cache`` list of ``numba-kv eval``.
-DEFAULT_CACHES = "dense,pqo3,pqo4"
 
 #: Fixed prompts of the greedy-generation check (the first one is the "Paris" check).
 DEFAULT_PROMPTS: tuple[str, ...] = (
