@@ -109,7 +109,8 @@ def _in_toolkit(name: str) -> bool:
 
 
 def _private(name: str) -> bool:
-    return any(part.startswith("_") and part != "__init__" for part in name.split("."))
+    """A leading underscore in any part, except dunders (``__init__``, ``__version__``)."""
+    return any(part.startswith("_") and not (part.endswith("__") and len(part) > 4) for part in name.split("."))
 
 
 def test_the_graph_is_read():
@@ -155,6 +156,6 @@ def test_toolkit_uses_public_library_names(name):
         if _in_toolkit(mod):
             continue
         target = f"{mod}.{item}" if item and f"{mod}.{item}" in MODULES else mod
-        if _private(mod) or item.startswith("_") or _private(target):
+        if _private(mod) or _private(item) or _private(target):
             bad.append(f"line {line}: {mod} {item}".strip())
     assert not bad, f"{name} imports private library names: {bad}"
