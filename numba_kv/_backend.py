@@ -28,6 +28,7 @@ if importlib.util.find_spec("numba_cuda") is None:
 
 CPU = "cpu"
 CUDA = "cuda"
+_F32 = np.dtype(np.float32)
 
 __all__ = ["CPU", "CUDA", "device_of", "resolve_device", "xp_of", "empty", "zeros",
            "to_host", "cuda_grid", "coop_grid", "simulator_enabled", "ascontiguous_f32", "constant"]
@@ -132,6 +133,8 @@ def ascontiguous_f32(name: str, a: Any) -> Any:
     Host arrays and CuPy arrays are converted; Numba device arrays must already be
     float32 and C-contiguous (Numba offers no device-side cast), else ``TypeError``.
     """
+    if type(a) is np.ndarray and a.dtype == _F32 and a.flags.c_contiguous:
+        return a  # the common case (every decode step's k, v and q): nothing to convert or check
     xp = xp_of(a)
     if xp is not None:
         dt = np.dtype(a.dtype)

@@ -4,6 +4,12 @@ Values come from ``NUMBA_KV_<NAME>`` environment variables when set, else from
 ``DEFAULTS``.  Tests may override with :func:`set` and restore with :func:`reset`.  Every
 value is checked (:data:`RANGES`): a bad one raises ``ValueError`` naming the knob (or the
 environment variable) and the allowed range, never a failed launch later.
+
+:func:`get` runs on every kernel launch (a decode step launches a dozen), so it is cheap:
+the environment is read live on every call (a variable set or changed at run time takes
+effect at once), but through the raw mapping behind ``os.environ`` with the key encoded
+once, and the checked value is cached per raw string.  ``os.environ.get`` encodes the key
+and decodes the value on every call, which cost more than the rest of a launch.
 """
 
 from __future__ import annotations
@@ -53,6 +59,33 @@ RANGES: dict[str, tuple[type, float, float, int]] = {
 
 _overrides: dict[str, Any] = {}
 
+#: knob -> environment variable name
+_ENV_NAMES: dict[str, str] = {name: "NUMBA_KV_" + name.upper() for name in DEFAULTS}
+# knob -> the key of the variable in ``os.environ``'s raw mapping (``os.environ._data``:
+# bytes on POSIX, upper-case str on Windows), encoded once by ``os.environ.encodekey``
+_RAW_KEYS: dict[str, Any] = {}
+try:
+    _RAW_KEYS = {name: os.environ.encodekey(env) for name, env in _ENV_NAMES.items()}
+except AttributeError:  # an os.environ without the CPython internals: plain os.environ.get
+    pass
+# knob -> (raw environment value, checked value) of the last read
+_parsed: dict[str, tuple[Any, Any]] = {}
+
+
+def _env_raw(name: str) -> Any:
+    """Raw value of knob ``name``'s environment variable (``None`` when unset), read live.
+
+    ``os.environ`` keeps its variables in a private dict ``_data`` (raw keys and values);
+    ``setenv``/``putenv`` through ``os.environ`` (and pytest's ``monkeypatch.setenv``)
+    update it.  Reading it directly skips the per-call key encoding; a replaced
+    ``os.environ`` (any other mapping) is read through its ``get``."""
+    env = os.environ
+    data = getattr(env, "_data", None)
+    key = _RAW_KEYS.get(name)
+    if data is None or key is None or not isinstance(data, dict):
+        return env.get(_ENV_NAMES[name])
+    return data.get(key)
+
 
 def _checked(name: str, value: Any, source: str) -> Any:
     """``value`` as knob ``name``'s type, or ``ValueError`` naming ``source``."""
@@ -75,10 +108,16 @@ def get(name: str) -> Any:
         return _overrides[name]
     if name not in DEFAULTS:
         raise KeyError(f"name: unknown numba_kv config knob {name!r}; known: {sorted(DEFAULTS)}")
-    env = os.environ.get("NUMBA_KV_" + name.upper())
-    if env is not None:
-        return _checked(name, env, "NUMBA_KV_" + name.upper())
-    return DEFAULTS[name]
+    raw = _env_raw(name)
+    if raw is None:
+        return DEFAULTS[name]
+    hit = _parsed.get(name)
+    if hit is not None and hit[0] == raw:
+        return hit[1]
+    env = raw if isinstance(raw, str) else os.environ.decodevalue(raw)
+    value = _checked(name, env, _ENV_NAMES[name])  # a bad value raises on every read: nothing cached
+    _parsed[name] = (raw, value)
+    return value
 
 
 def set(name: str, value: Any) -> None:  # noqa: A001 - deliberate, mirrors get()

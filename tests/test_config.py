@@ -75,3 +75,31 @@ def test_knobs_context_manager():
         with numba_kv.knobs(cuda_threads=96):
             raise RuntimeError
     assert _config.get("cuda_threads") == 128  # restored after an error too
+
+
+def test_environment_is_read_live_on_every_get(monkeypatch):
+    """``get`` caches the checked value per raw string, never the variable itself: a change
+    at run time, a removal and a bad value after a good one all show at once."""
+    monkeypatch.setenv("NUMBA_KV_CPU_PARALLEL_MIN_WORK", "1000")
+    assert _config.get("cpu_parallel_min_work") == 1000
+    assert _config.get("cpu_parallel_min_work") == 1000  # the cached parse
+    monkeypatch.setenv("NUMBA_KV_CPU_PARALLEL_MIN_WORK", "0")
+    assert _config.get("cpu_parallel_min_work") == 0
+    monkeypatch.setenv("NUMBA_KV_CPU_PARALLEL_MIN_WORK", "-1")
+    for _ in range(2):  # a bad value raises on every read
+        with pytest.raises(ValueError, match="NUMBA_KV_CPU_PARALLEL_MIN_WORK: expected 0 <= value"):
+            _config.get("cpu_parallel_min_work")
+    monkeypatch.delenv("NUMBA_KV_CPU_PARALLEL_MIN_WORK")
+    assert _config.get("cpu_parallel_min_work") == _config.DEFAULTS["cpu_parallel_min_work"]
+    _config.set("cpu_parallel_min_work", 7)  # an override wins over the environment
+    monkeypatch.setenv("NUMBA_KV_CPU_PARALLEL_MIN_WORK", "5")
+    assert _config.get("cpu_parallel_min_work") == 7
+
+
+def test_environment_read_through_a_replaced_mapping(monkeypatch):
+    """An ``os.environ`` replaced by a plain mapping (no raw dict behind it) is read through
+    its ``get``."""
+    import os
+
+    monkeypatch.setattr(os, "environ", {"NUMBA_KV_GROWTH_MIN_EXTRA": "64"})
+    assert _config.get("growth_min_extra") == 64

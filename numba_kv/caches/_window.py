@@ -27,10 +27,11 @@ import numpy as np
 
 from .. import _backend
 from ..ops.absmax8 import absmax8_dequantize_into, absmax8_quantize_into
-from ..ops.hadamard import rotate32_rows
-from ..ops.headquant import HEAD_DIMS, rotate_head_rows
+from ..ops.hadamard import SIGNS32, rotate32_rows
+from ..ops.headquant import HEAD_DIMS, head_signs, rotate_head_rows
 from ..ops.memory import copy_tokens
 from ..ops.positions import exact_positions_into
+from ..ops.window8 import ROT_BLOCK, ROT_HEAD, ROT_NONE, window8_store
 from ._layer import BufferSpec, LayerState, grown_capacity
 
 __all__ = ["ExactWindow", "StorePlan", "assign_tokens", "crop_counts", "evict_counts", "layer_counts", "plan_store"]
@@ -146,6 +147,19 @@ def evict_counts(n_comp: int, e: int) -> tuple[int, int]:
     return ec, e - ec
 
 
+_IOTA = np.arange(0, dtype=np.int32)
+
+
+def _iota(n: int) -> np.ndarray:
+    """Read-only int32 ``[0, 1, …]`` of length ``>= n`` (one array, grown on demand)."""
+    global _IOTA  # noqa: PLW0603 - a module-level constant, replaced only by a longer one
+    if _IOTA.shape[0] < n:
+        iota = np.arange(max(n, 2 * _IOTA.shape[0], 256), dtype=np.int32)
+        iota.flags.writeable = False
+        _IOTA = iota
+    return _IOTA
+
+
 def layer_counts(st: LayerState) -> tuple[int, int, int]:
     """``(n_sink, n_comp, n_win)`` of a layer."""
     return st.meta.get("n_sink", 0), st.meta.get("n_comp", 0), st.meta.get("n_win", 0)
@@ -173,15 +187,24 @@ class ExactWindow:
         self.sink_tokens = sink_tokens
         self.residual_length = residual_length
         self.rotation = rotation
+        # the rotation as :func:`~numba_kv.ops.window8.window8_store` takes it
+        self._rot_code = {None: ROT_NONE, "head": ROT_HEAD, "block": ROT_BLOCK}[rotation]
+        self._rot_signs = head_signs(head_dim) if rotation == "head" else SIGNS32
 
-    def _rotated(self, x3: Any, inverse: bool) -> Any:
-        """``x3`` ``[rows, n, d]`` float32 rotated (or rotated back) in a new array: int8's
-        absmax step is set by a vector's largest entry, and a randomized Hadamard transform
-        spreads a few large channels over all of them (QuaRot, arXiv:2404.00456)."""
-        rows, n, d = (int(s) for s in x3.shape)
+    def _rotated(self, x3: Any, inverse: bool, out: Any = None) -> Any:
+        """``x3`` ``[rows, n, d]`` float32 rotated (or rotated back) into ``out`` (C-contiguous
+        float32 of that shape; a new array when ``None``): int8's absmax step is set by a
+        vector's largest entry, and a randomized Hadamard transform spreads a few large
+        channels over all of them (QuaRot, arXiv:2404.00456)."""
+        rows, n, d = x3.shape
         x2 = _backend.ascontiguous_f32("x", x3).reshape(rows * n, d)
-        out = rotate_head_rows(x2, inverse) if self.rotation == "head" else rotate32_rows(x2, inverse)
-        return out.reshape(rows, n, d)
+        if self.rotation == "head":
+            return rotate_head_rows(x2, inverse, None if out is None else out.reshape(rows * n, d)).reshape(rows, n, d)
+        res = rotate32_rows(x2, inverse).reshape(rows, n, d)
+        if out is None:
+            return res
+        assign_tokens(res, 0, n, out, 0)
+        return out
 
     def stored_rotated(self, st: LayerState) -> bool:
         """True when the layer's exact tokens are stored rotated (an int8 window with a rotation)."""
@@ -203,13 +226,17 @@ class ExactWindow:
         return spec
 
     # -- element access: float32/float16 copies, or int8 with one binary16 absmax scale ------
+    def _int8(self, st: LayerState, name: str, n: int) -> Any:
+        """The int8 tokens of side ``name`` when ``n > 0`` tokens are to be converted, else
+        ``None`` (nothing to do, or float tokens, which a plain copy converts)."""
+        ex = st.buffers[name + "_exact"]
+        return ex if n > 0 and ex.dtype == np.int8 else None
+
     def write(self, st: LayerState, name: str, src: Any, s0: int, n: int, d0: int) -> None:
         """Exact tokens ``d0 : d0+n`` of side ``name`` ← float32 ``src[:, s0 : s0+n]``."""
-        ex = st.buffers[name + "_exact"]
-        if n <= 0:
-            return
-        if ex.dtype != np.int8:
-            assign_tokens(src, s0, n, ex, d0)
+        ex = self._int8(st, name, n)
+        if ex is None:
+            assign_tokens(src, s0, n, st.buffers[name + "_exact"], d0)
             return
         x = src[:, s0:s0 + n]
         x = self._rotated(x, False) if self.rotation is not None else _backend.ascontiguous_f32("x", x)
@@ -218,11 +245,9 @@ class ExactWindow:
     def read(self, st: LayerState, name: str, s0: int, n: int, dst: Any, d0: int, rotated: bool = False) -> None:
         """float32 ``dst[:, d0 : d0+n]`` (C-contiguous) ← exact tokens ``s0 : s0+n`` of side ``name`` (with
         ``rotated``, int8 tokens stay in the rotated domain they are stored in)."""
-        ex = st.buffers[name + "_exact"]
-        if n <= 0:
-            return
-        if ex.dtype != np.int8:
-            assign_tokens(ex, s0, n, dst, d0)
+        ex = self._int8(st, name, n)
+        if ex is None:
+            assign_tokens(st.buffers[name + "_exact"], s0, n, dst, d0)
             return
         sc = st.buffers[name + "_exact_scale"]
         if self.rotation is None or rotated:
@@ -230,7 +255,10 @@ class ExactWindow:
             return
         x = _backend.empty(ex, (int(ex.shape[0]), n, self.head_dim), np.float32)
         absmax8_dequantize_into(ex, sc, s0, n, x, 0)
-        assign_tokens(self._rotated(x, True), 0, n, dst, d0)
+        if d0 == 0 and int(dst.shape[1]) == n:  # the whole of dst (an eviction): rotate straight into it
+            self._rotated(x, True, dst)
+        else:
+            assign_tokens(self._rotated(x, True), 0, n, dst, d0)
 
     def move(self, st: LayerState, name: str, s0: int, n: int, d0: int) -> None:
         """Exact tokens ``d0 : d0+n`` ← tokens ``s0 : s0+n`` (the ranges may overlap)."""
@@ -275,12 +303,16 @@ class ExactWindow:
         """Stored positions (int32) of the exact tokens, sinks then window, on the device of
         ``like`` (a Numba device array is never empty: one unused entry when there are none)."""
         n_sink, n_comp, n_win = layer_counts(st)
-        if isinstance(like, np.ndarray):
-            return np.concatenate([np.arange(n_sink), sinks + n_comp + np.arange(n_win)]).astype(np.int32)
-        # on the device: written in place into a reused buffer (no upload per decode step)
+        n = n_sink + n_win
+        # written in place into a reused buffer (no allocation, and no upload, per decode step)
         buf = st.scratch.get("exact_pos")
-        if buf is None or int(buf.shape[0]) < max(n_sink + n_win, 1):
-            buf = st.scratch["exact_pos"] = _backend.empty(like, (grown_capacity(n_sink + n_win + 1),), np.int32)
+        if buf is None or int(buf.shape[0]) < max(n, 1):
+            buf = st.scratch["exact_pos"] = _backend.empty(like, (grown_capacity(n + 1),), np.int32)
+        if isinstance(buf, np.ndarray):
+            out = buf[:n]
+            out[:] = _iota(n)[:n]  # sinks at 0 .. n_sink-1, then the window from sinks + n_comp
+            out[n_sink:] += np.int32(sinks + n_comp - n_sink)
+            return out
         return exact_positions_into(buf, n_sink, sinks + n_comp, n_win)
 
     # -- whole operations --------------------------------------------------------------------
@@ -292,6 +324,14 @@ class ExactWindow:
         array, the survivors slide to the window's front and the rest of the new tokens
         follow them.  The counters are not touched (the caller updates them once per call).
         """
+        ex = st.buffers[name + "_exact"]
+        if isinstance(ex, np.ndarray) and ex.dtype == np.int8:
+            # the whole window part in one serial call (bit-identical to the steps below)
+            ev = window8_store(_backend.ascontiguous_f32("x", x3), ex, st.buffers[name + "_exact_scale"], plan,
+                               sinks, st.seq_len, self._rot_code, self._rot_signs)
+            if plan.compressed:
+                compress(ev)
+            return
         a, e_old, e_new, keep_old, keep_new = plan
         self.write(st, name, x3, 0, a, st.seq_len)
         if plan.compressed:

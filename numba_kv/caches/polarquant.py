@@ -391,12 +391,26 @@ class PolarQuantCache(LayeredCache):
         if name == "k" and self.key_center:
             exact = False
             if st.meta.get("kmean_set", 0):
-                mb = _backend.to_host(st.buffers["k_chmean"]).astype(np.float64)
-                amax += float(np.abs(mb).max())
-                norm += float(np.sqrt((mb ** 2).sum(axis=-1)).max())
+                m_amax, m_norm = self._mean_bounds(st)
+                amax += m_amax
+                norm += m_norm
             else:  # the mean of this chunk: no larger than its largest value / norm
                 amax, norm = 2 * amax, 2 * norm
         return amax, norm, exact
+
+    def _mean_bounds(self, st: LayerState) -> tuple[float, float]:
+        """``max|m|`` and the largest row norm ``‖m‖`` of the frozen key mean (float64), measured
+        once per layer: the mean never changes once set (:meth:`_center_keys`), so each decode
+        step reads two floats instead of the buffer.  Kept in ``st.scratch`` with the buffer it
+        was measured on (a reset, a load or a batch selection replaces the buffer object)."""
+        mbuf = st.buffers["k_chmean"]
+        hit = st.scratch.get("kmean_bounds")
+        if hit is not None and hit[0] is mbuf:
+            return hit[1], hit[2]
+        mb = _backend.to_host(mbuf).astype(np.float64)
+        bounds = float(np.abs(mb).max()), float(np.sqrt((mb ** 2).sum(axis=-1)).max())
+        st.scratch["kmean_bounds"] = (mbuf, *bounds)
+        return bounds
 
     def _dry_run(self, st: LayerState, name: str, arr: Any, rs: Any, f16_window: bool) -> None:
         """Quantize ``arr`` into scratch buffers (the layer is not touched) and raise if a

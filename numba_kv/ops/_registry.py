@@ -45,7 +45,8 @@ class Twin:
     module: str = field(default="")
 
     def launch(self, device: str, n_items: int, *args: Any, work: int | None = None,
-               threads: int | None = None, grid: tuple[Any, Any] | None = None) -> None:
+               threads: int | None = None, grid: tuple[Any, Any] | None = None,
+               coop: tuple[int, int] | None = None) -> None:
         """Run the twin on ``device``: the one dispatch point of the package.
 
         Parameters
@@ -64,10 +65,16 @@ class Twin:
             CUDA threads per block for the 1-D grid (default: the ``cuda_threads`` knob).
         grid : (blocks, threads), optional
             Explicit CUDA launch geometry for cooperative kernels (tuples allowed).
+        coop : (rows, width), optional
+            A block-cooperative kernel's geometry as :func:`numba_kv._backend.coop_grid`
+            computes it (one block per row, ``width`` work items per row); computed here,
+            only for CUDA launches (a CPU decode step pays nothing for it).
         """
         if device == _backend.CPU:
             cpu_call(self.cpu, n_items if work is None else work, *args)
             return
+        if grid is None and coop is not None:
+            grid = _backend.coop_grid(coop[0], coop[1])
         if grid is None:
             if n_items <= 0:
                 return

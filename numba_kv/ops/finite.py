@@ -129,6 +129,8 @@ _RANGE = register("range_stats", _absbits_max_cpu, _absbits_max_cuda,
 _BITS = {np.dtype(np.float16): (np.uint16, 0x7FFF, 0x7C00),
          np.dtype(np.float32): (np.uint32, 0x7FFFFFFF, 0x7F800000),
          np.dtype(np.float64): (np.uint64, 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000)}
+# the |x| masks as the kernels' unsigned scalars, made once
+_MASKS = {dt: udt(mask) for dt, (udt, mask, _) in _BITS.items()}
 
 
 class RangeStats:
@@ -178,16 +180,26 @@ def range_stats(a: Any, d: int | None = None) -> RangeStats:
     d = int(tuple(a.shape)[-1]) if d is None else int(d)  # tuple: simulator shapes reject a[-1]
     if a.size == 0 or d == 0:
         return RangeStats(0, 0.0)
-    dt = np.dtype(a.dtype)
+    dt = a.dtype if isinstance(a, np.ndarray) else np.dtype(a.dtype)
+    bits_of = _BITS.get(dt)
+    if bits_of is not None and isinstance(a, np.ndarray) and a.flags.c_contiguous and a.size <= _CHUNK:
+        # one decode step's K, V or q: the serial compilation straight away (no dispatch knob)
+        udt, mask, inf_bits = bits_of
+        out = np.zeros(1, np.uint64)
+        _RANGE.cpu.serial(a.reshape(-1).view(udt), _MASKS[dt], out)
+        bits = int(out[0])
+        if bits >= inf_bits:
+            return RangeStats(1, math.inf)
+        return RangeStats(0, float(udt(bits).view(dt)), a, d)
     xp = _backend.xp_of(a)
-    if dt in _BITS:
-        udt, mask, inf_bits = _BITS[dt]
+    if bits_of is not None:
+        udt, mask, inf_bits = bits_of
         bits = None
         if isinstance(a, np.ndarray) and a.flags.c_contiguous:
             u = a.reshape(-1).view(udt)
             nch = max(1, min(64, a.size // _CHUNK))
             out = np.zeros(nch, np.uint64)
-            if nch == 1:  # one decode step's K, V or q: the serial compilation, no dispatch knob
+            if nch == 1:  # the serial compilation, no dispatch knob
                 _RANGE.cpu.serial(u, udt(mask), out)
             else:
                 _RANGE.launch(_backend.CPU, a.size, u, udt(mask), out)

@@ -171,14 +171,18 @@ def _quantize_head_cpu(x, signs, bounds, centroids, unbiased, bits, t0, codes, n
     rows, seq, d = x.shape
     nv = rows * seq
     ntiles = (nv + LANES - 1) // LANES
+    # tiles as wide as the vectors when there are fewer than LANES (one decode step stores
+    # one token per KV row): lanes are independent, so a narrower tile changes no bit, and
+    # a full tile would spend 64/rows times the work on empty lanes
+    L = min(LANES, nv)
     for c in prange((ntiles + TILES - 1) // TILES):
-        t = np.zeros((d + 3) * LANES, dtype=np.float32)
-        ib = np.zeros(d * LANES, dtype=np.uint8)
-        w = np.zeros((d // 8 + 1) * LANES, dtype=np.int64)
+        t = np.zeros((d + 3) * L, dtype=np.float32)
+        ib = np.zeros(d * L, dtype=np.uint8)
+        w = np.zeros((d // 8 + 1) * L, dtype=np.int64)
         for tile in range(c * TILES, min(ntiles, (c + 1) * TILES)):
-            v0 = tile * LANES
-            quantize_head_lanes_cpu(x, v0, min(LANES, nv - v0), d, signs, bounds, centroids, unbiased, bits,
-                                    t0, codes, norms, LANES, t, ib, w)
+            v0 = tile * L
+            quantize_head_lanes_cpu(x, v0, min(L, nv - v0), d, signs, bounds, centroids, unbiased, bits,
+                                    t0, codes, norms, L, t, ib, w)
 
 
 @cpu_kernel
@@ -186,13 +190,14 @@ def _dequantize_head_cpu(codes, norms, signs, centroids, bits, t0, out):
     rows, seq, d = out.shape
     nv = rows * seq
     ntiles = (nv + LANES - 1) // LANES
+    L = min(LANES, nv)  # as in _quantize_head_cpu
     for c in prange((ntiles + TILES - 1) // TILES):
-        t = np.zeros((d + 1) * LANES, dtype=np.float32)
-        w = np.zeros((d // 8 + 1) * LANES, dtype=np.int64)
+        t = np.zeros((d + 1) * L, dtype=np.float32)
+        w = np.zeros((d // 8 + 1) * L, dtype=np.int64)
         for tile in range(c * TILES, min(ntiles, (c + 1) * TILES)):
-            v0 = tile * LANES
-            dequantize_head_lanes_cpu(codes, norms, v0, min(LANES, nv - v0), d, signs, centroids, bits, t0,
-                                      out, LANES, t, w)
+            v0 = tile * L
+            dequantize_head_lanes_cpu(codes, norms, v0, min(L, nv - v0), d, signs, centroids, bits, t0,
+                                      out, L, t, w)
 
 
 # --- CUDA kernels: one block per vector, the vector in shared memory ----------------------
@@ -352,18 +357,20 @@ def quantize_head_into(x3: Any, codes: Any, norms: Any, t0: int, cb: Codebook, u
     bounds = _backend.constant(x3, cb.boundaries)
     cents = _backend.constant(x3, cb.centroids)
     _QUANTIZE.launch(_backend.device_of("x3", x3), rows * seq, x3, signs, bounds, cents, bool(unbiased), cb.bits,
-                     int(t0), codes, norms, work=rows * seq * d, grid=_backend.coop_grid(rows * seq, d // 2))
+                     int(t0), codes, norms, work=rows * seq * d, coop=(rows * seq, d // 2))
 
 
-def rotate_head_rows(x2: Any, inverse: bool = False) -> Any:
+def rotate_head_rows(x2: Any, inverse: bool = False, out: Any = None) -> Any:
     """Rotate the rows of ``x2`` ``[n, d]`` (float32, C-contiguous, ``d`` in :data:`HEAD_DIMS`,
-    finite with row norms within float32) into a new array on its device; no validation and
-    no host round trip (the fused decode path validated its query already)."""
-    n, d = (int(s) for s in x2.shape)
-    out = _backend.empty(x2, (n, d), np.float32)
+    finite with row norms within float32) into ``out`` (float32 ``[n, d]``, C-contiguous, on
+    the device of ``x2``; a new array when ``None``) and return it; no validation and no host
+    round trip (the fused decode path validated its query already)."""
+    n, d = int(x2.shape[0]), int(x2.shape[1])
+    if out is None:
+        out = _backend.empty(x2, (n, d), np.float32)
     if n:
         _ROTATE.launch(_backend.device_of("x", x2), n, x2, _backend.constant(x2, head_signs(d)), bool(inverse), out,
-                       work=n * d, grid=_backend.coop_grid(n, d // 2))
+                       work=n * d, coop=(n, d // 2))
     return out
 
 
@@ -376,7 +383,7 @@ def dequantize_head_into(codes: Any, norms: Any, t0: int, cb: Codebook, out: Any
     signs = _backend.constant(out, head_signs(d))
     cents = _backend.constant(out, cb.centroids)
     _DEQUANTIZE.launch(_backend.device_of("out", out), rows * seq, codes, norms, signs, cents, cb.bits, int(t0), out,
-                       work=rows * seq * d, grid=_backend.coop_grid(rows * seq, d // 2))
+                       work=rows * seq * d, coop=(rows * seq, d // 2))
 
 
 # --- public API ------------------------------------------------------------------------

@@ -1,0 +1,136 @@
+"""One-call store into an int8 exact window on the CPU (the window of
+:class:`~numba_kv.caches._window.ExactWindow`).
+
+A decode step of a cache with an int8 window (the ``kv4``/``kv5`` presets) stores one token
+per KV row and evicts the oldest window token into the compressed store.  Done op by op that
+is four kernel launches per side (int8 read, inverse rotation, forward rotation, int8 write)
+plus NumPy moves, each paying a dispatch that costs more than its work.  :func:`window8_store`
+does the whole window part of a store in one serial call: the new sinks, the evicted tokens
+(read back and rotated back, for the caller to compress), the slide of the surviving window
+tokens and the new window tokens.
+
+It runs the very cores of the op-by-op path (:mod:`numba_kv.ops.absmax8`'s vector codec,
+the head rotation of :mod:`numba_kv.ops.headquant`, the 32-block rotation of
+:mod:`numba_kv.ops.hadamard`) on the same float32 values in the same order, so the stored
+codes, scales and evicted vectors are bit-identical to it.  CPU only (NumPy arrays): CUDA
+arrays keep the op-by-op path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._jit import cpu_serial
+from ._headquant_lanes import rotate_head_row_cpu
+from .absmax8 import dequantize_vector_cpu, quantize_vector_cpu
+from .hadamard import load_rotate_store_cpu
+
+__all__ = ["ROT_BLOCK", "ROT_HEAD", "ROT_NONE", "window8_store"]
+
+#: rotation of the stored int8 vectors: none, whole head, per 32-block
+ROT_NONE, ROT_HEAD, ROT_BLOCK = 0, 1, 2
+
+
+@cpu_serial
+def _rotate_rows(x2, rot, signs, inverse, buf, out):
+    """``out[r] = rotation of x2[r]`` for every row (``x2``, ``out`` float32 ``[rows, d]``)."""
+    rows, d = x2.shape
+    for r in range(rows):
+        if rot == ROT_HEAD:
+            rotate_head_row_cpu(x2, r, d, signs, inverse, buf, out)
+        elif rot == ROT_BLOCK:
+            for b in range(d // 32):
+                load_rotate_store_cpu(x2, r, b, signs, inverse, buf, out)
+        else:
+            for j in range(d):
+                out[r, j] = x2[r, j]
+
+
+@cpu_serial
+def _put_tokens(x3, s0, n, ex, exs, d0, rot, signs, src, buf, rot3):
+    """Exact tokens ``d0 : d0+n`` ← ``x3[:, s0 : s0+n]`` rotated, as int8 with binary16 scales."""
+    rows, _, d = x3.shape
+    rot2 = rot3[:, 0, :]
+    for t in range(n):
+        for r in range(rows):
+            for j in range(d):
+                src[r, j] = x3[r, s0 + t, j]
+        _rotate_rows(src, rot, signs, False, buf, rot2)
+        for r in range(rows):
+            quantize_vector_cpu(rot3, r, 0, ex, exs, d0 + t)
+
+
+@cpu_serial
+def _window8_store_cpu(x3, ex, exs, ev, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, rot, signs):
+    """Serial: the window part of one store (see :func:`window8_store`)."""
+    rows, _, d = x3.shape
+    src = np.empty((rows, d), dtype=np.float32)
+    out = np.empty((rows, d), dtype=np.float32)
+    rot3 = np.empty((rows, 1, d), dtype=np.float32)
+    buf = np.empty(d, dtype=np.float32)
+    # the first new tokens become sinks
+    _put_tokens(x3, 0, a, ex, exs, seq_len, rot, signs, src, buf, rot3)
+    # window tokens leaving the window, read back (and rotated back) into ev[:, :e_old]
+    for t in range(e_old):
+        for r in range(rows):
+            dequantize_vector_cpu(ex, exs, r, 0, sinks + t, rot3, 0)
+            for j in range(d):
+                src[r, j] = rot3[r, 0, j]
+        _rotate_rows(src, rot, signs, True, buf, out)
+        for r in range(rows):
+            for j in range(d):
+                ev[r, t, j] = out[r, j]
+    # new tokens that skip the window follow them
+    for t in range(e_new):
+        for r in range(rows):
+            for j in range(d):
+                ev[r, e_old + t, j] = x3[r, a + t, j]
+    # the surviving window tokens slide to the window's front (ascending: the target is lower)
+    if e_old:
+        for r in range(rows):
+            for t in range(keep_old):
+                for j in range(d):
+                    ex[r, sinks + t, j] = ex[r, sinks + e_old + t, j]
+                exs[r, sinks + t, 0] = exs[r, sinks + e_old + t, 0]
+    # the rest of the new tokens enter the window after them
+    _put_tokens(x3, a + e_new, keep_new, ex, exs, sinks + keep_old, rot, signs, src, buf, rot3)
+
+
+def window8_store(x3: np.ndarray, ex: np.ndarray, exs: np.ndarray, plan: Any, sinks: int, seq_len: int,
+                  rot: int, signs: np.ndarray) -> np.ndarray:
+    """Store new tokens into an int8 window by ``plan`` and return the evicted tokens.
+
+    Parameters
+    ----------
+    x3 : float32 array, shape ``(rows, n, d)``, C-contiguous
+        The new tokens (stored domain, finite: the caller validated them).
+    ex : int8 array, shape ``(rows, S + R, d)``
+    exs : uint16 array, shape ``(rows, S + R, 1)``
+        The window's codes and binary16 scales (sinks at ``[0, n_sink)``, the window from
+        ``sinks``), updated in place.
+    plan : StorePlan
+        ``(sinks, evict_old, evict_new, keep_old, keep_new)`` of
+        :func:`~numba_kv.caches._window.plan_store`.
+    sinks : int
+        Sink tokens of the layer (where the window starts).
+    seq_len : int
+        Tokens stored before this call (where new sinks go).
+    rot : {ROT_NONE, ROT_HEAD, ROT_BLOCK}
+        Rotation of the stored vectors.
+    signs : float32 array
+        ``head_signs(d)`` (``ROT_HEAD``) or ``SIGNS32`` (``ROT_BLOCK``; any float32 array
+        for ``ROT_NONE``).
+
+    Returns
+    -------
+    numpy.ndarray
+        float32 ``(rows, evict_old + evict_new, d)``: the tokens leaving the window, oldest
+        first, in the stored (unrotated) domain, for the caller to compress.
+    """
+    a, e_old, e_new, keep_old, keep_new = (int(c) for c in plan)
+    ev = np.empty((x3.shape[0], e_old + e_new, x3.shape[2]), dtype=np.float32)
+    _window8_store_cpu(x3, ex, exs, ev, a, e_old, e_new, keep_old, keep_new, int(sinks), int(seq_len), int(rot),
+                       signs)
+    return ev
