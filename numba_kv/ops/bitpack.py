@@ -21,7 +21,6 @@ from numba import cuda, int64, prange, uint8
 
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
-from ._index import unravel2_dev
 from ._registry import register
 
 SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -100,18 +99,26 @@ def _unpack_bits_cpu(packed, bits, out):
 @cuda_kernel
 def _pack_bits_cuda(idx, bits, out):
     """1-D grid over the ``rows·length/8`` groups; one thread packs 8 indices into ``bits`` bytes."""
-    groups = idx.shape[1] // 8
-    for t in range(cuda.grid(1), idx.shape[0] * groups, cuda.gridsize(1)):
-        r, g = unravel2_dev(t, groups)
+    n, length = idx.shape
+    groups = length // 8
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for t in range(start, n * groups, stride):
+        r = t // groups
+        g = t - r * groups
         pack_group8_dev(idx[r], g * 8, bits, out[r], g * bits)
 
 
 @cuda_kernel
 def _unpack_bits_cuda(packed, bits, out):
     """1-D grid over the ``rows·length/8`` groups; one thread unpacks ``bits`` bytes into 8 indices."""
-    groups = out.shape[1] // 8
-    for t in range(cuda.grid(1), out.shape[0] * groups, cuda.gridsize(1)):
-        r, g = unravel2_dev(t, groups)
+    n, length = out.shape
+    groups = length // 8
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    for t in range(start, n * groups, stride):
+        r = t // groups
+        g = t - r * groups
         unpack_group8_dev(packed[r], g * bits, bits, out[r], g * 8)
 
 

@@ -89,13 +89,14 @@ def _quantize_lanes(x, q0, nl, signs, bounds, centroids, l2, unbiased, ref, flag
     """
     seq = x.shape[1]
     nb = x.shape[2] // 32
-    S = 32 * L
-    r, s, b = unravel3(q0, seq, nb)
+    r0, s0, b0 = unravel3(q0, seq, nb)
+    r, s, b = r0, s0, b0
     for l in range(nl):
         xb = x[r, s, b * 32:b * 32 + 32]
         for j in range(32):
             t[j * L + l] = xb[j]
         r, s, b = _next_block(r, s, b, seq, nb)
+    S = 32 * L  # row S of t: the lane scales
     # np.divide: IEEE division without the ZeroDivisionError branch of ``/`` (which stops
     # vectorization); divisors are >= 1e-10 here.
     if l2:
@@ -152,7 +153,7 @@ def _quantize_lanes(x, q0, nl, signs, bounds, centroids, l2, unbiased, ref, flag
     # binary16 scale bits of every lane in one branch-free (vectorizable) loop: w[4L + l]
     for l in range(L):
         w[4 * L + l] = int64(f32_to_f16_bits_sat(flag * t[S + l]))
-    r, s, b = unravel3(q0, seq, nb)  # the same blocks again
+    r, s, b = r0, s0, b0
     for l in range(nl):
         cb = codes[r, t0 + s, b * 4 * bits:(b + 1) * 4 * bits]
         for g in range(4):
@@ -165,8 +166,8 @@ def _dequantize_lanes(codes, scales, q0, nl, signs, centroids, bits, t0, out, L,
     """Reconstruct flattened blocks ``q0 .. q0+nl-1`` of ``out`` (``nl <= L``)."""
     seq = out.shape[1]
     nb = out.shape[2] // 32
-    S = 32 * L
-    r, s, b = unravel3(q0, seq, nb)
+    r0, s0, b0 = unravel3(q0, seq, nb)
+    r, s, b = r0, s0, b0
     for l in range(nl):
         cb = codes[r, t0 + s, b * 4 * bits:(b + 1) * 4 * bits]
         for g in range(4):
@@ -174,6 +175,7 @@ def _dequantize_lanes(codes, scales, q0, nl, signs, centroids, bits, t0, out, L,
         w[4 * L + l] = int64(scales[r, t0 + s, b])
         r, s, b = _next_block(r, s, b, seq, nb)
     # the scales of every lane in one branch-free (vectorizable) loop (lanes >= nl: junk, unused)
+    S = 32 * L
     for l in range(L):
         t[S + l] = f16_bits_abs_to_f32(w[4 * L + l])
     for g in range(4):
@@ -182,7 +184,7 @@ def _dequantize_lanes(codes, scales, q0, nl, signs, centroids, bits, t0, out, L,
             for k in range(8):
                 t[(g * 8 + k) * L + l] = centroids[word_index(wl, bits, k)]
     rotate32_inverse_lanes(t, L, signs)
-    r, s, b = unravel3(q0, seq, nb)  # the same blocks again
+    r, s, b = r0, s0, b0
     for l in range(nl):
         ob = out[r, s, b * 32:b * 32 + 32]
         sc = t[S + l]

@@ -60,7 +60,7 @@ def _assign_span(x, codebooks, e, span, codes, dist):
     span)`` of token ``(r, t)``."""
     ng, k_size, ds = codebooks.shape
     m_sub = x.shape[2] // ds
-    r, t, m0 = unravel3(e * span, codes.shape[1], m_sub)
+    r, t, m0 = unravel3(e * span, codes.shape[1], codes.shape[2])
     xr = x[r, t]
     cr = codes[r, t]
     dr = dist[r, t]
@@ -86,7 +86,7 @@ def _kmeanspp_span(x, centers, e, span, min_d2):
     ``(r, t)``."""
     ng, ds = centers.shape
     m_sub = x.shape[2] // ds
-    r, t, m0 = unravel3(e * span, min_d2.shape[1], m_sub)
+    r, t, m0 = unravel3(e * span, min_d2.shape[1], min_d2.shape[2])
     xr = x[r, t]
     mr = min_d2[r, t]
     for m in range(m0, m0 + span):
@@ -104,7 +104,7 @@ def _decode_span(codes, codebooks, e, span, out):
     """``out[r, t, m·ds:(m+1)·ds] = C_g[codes[r, t, m]]`` for sub-spaces ``[m0, m0 + span)``."""
     ng, k_size, ds = codebooks.shape
     m_sub = out.shape[2] // ds
-    r, t, m0 = unravel3(e * span, codes.shape[1], m_sub)
+    r, t, m0 = unravel3(e * span, codes.shape[1], codes.shape[2])
     for m in range(m0, m0 + span):
         g = r * m_sub + m if ng > m_sub else m
         c = codes[r, t, m]
