@@ -44,6 +44,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -118,10 +119,8 @@ def classify(opcode: str) -> str:
 
 def class_counts(instructions: Iterable[Instruction]) -> dict[str, int]:
     """Instructions per class, every class of :data:`CLASSES` present (0 where none)."""
-    out = dict.fromkeys(CLASSES, 0)
-    for ins in instructions:
-        out[classify(ins.opcode)] += 1
-    return out
+    counts = Counter(classify(ins.opcode) for ins in instructions)
+    return {cls: counts[cls] for cls in CLASSES}
 
 
 @dataclass(frozen=True)

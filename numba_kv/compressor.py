@@ -151,14 +151,14 @@ class Hybrid:
     Parameters
     ----------
     rank : int
-        Upper bound on the kept rank (``>= 1``).
+        As for :class:`LowRank`: upper bound on the kept rank (``>= 1``).
     quant_bits : {0, 4, 8}
         Integer width; 0 uses the compressor's ``quant_bits`` (as in gllm-kernels).
     group_size : int, optional
         Tokens per scale within a coefficient channel (even); ``None``: one scale per
         channel.
     energy : float or None
-        Automatic-rank energy fraction (gllm-kernels: 0.9); ``None`` keeps ``min(rank, head_dim)``.
+        As for :class:`LowRank` (automatic rank).
     basis_dtype : {"float16", "float32"}
         Storage of the basis.
     """
@@ -372,26 +372,13 @@ class KVCacheCompressor:
         ValueError, TypeError
             Wrong rank, empty or mismatched shapes, non-finite values, mixed devices.
         """
-        self._check_pair(k, v, 4)
-        b, h, s = (int(x) for x in tuple(k.shape)[:3])
-        return self._compress_pair(k, v, ("batched", b, h, s))
+        return self._compress_pair(k, v, 4)
 
     def compress_kv_3d(self, k: Any, v: Any) -> CompressedKV:
-        """Compress unbatched K/V.
-
-        Parameters
-        ----------
-        k : float array, shape ``(num_heads, seq_len, head_dim)``
-        v : float array, shape ``(num_heads, seq_len, v_head_dim)``
-
-        Returns
-        -------
-        CompressedKV
-            Layout ``("unbatched", num_heads, seq_len)``.
-        """
-        self._check_pair(k, v, 3)
-        h, s = (int(x) for x in tuple(k.shape)[:2])
-        return self._compress_pair(k, v, ("unbatched", h, s))
+        """Compress unbatched K/V: :meth:`compress_kv` without the batch axis (``k``
+        ``(num_heads, seq_len, head_dim)``, ``v`` ``(num_heads, seq_len, v_head_dim)``); the
+        result has the layout ``("unbatched", num_heads, seq_len)``."""
+        return self._compress_pair(k, v, 3)
 
     def decompress_kv(self, compressed: CompressedKV) -> tuple[Any, Any]:
         """Reconstruct batched K/V, float32 ``[batch, num_heads, seq_len, head_dim]``.
@@ -401,22 +388,13 @@ class KVCacheCompressor:
         ValueError
             ``compressed`` came from :meth:`compress_kv_3d` ("expected batched layout").
         """
-        self._check_compressed(compressed, batched=True)
-        _, b, h, s = compressed.layout
-        k = self._decompress(compressed.k)
-        v = self._decompress(compressed.v)
-        return k.reshape(b, h, s, k.shape[2]), v.reshape(b, h, s, v.shape[2])
+        return self._decompress_pair(compressed, batched=True)
 
     def decompress_kv_3d(self, compressed: CompressedKV) -> tuple[Any, Any]:
-        """Reconstruct unbatched K/V, float32 ``[num_heads, seq_len, head_dim]``.
-
-        Raises
-        ------
-        ValueError
-            ``compressed`` came from :meth:`compress_kv` ("expected unbatched layout").
-        """
-        self._check_compressed(compressed, batched=False)
-        return self._decompress(compressed.k), self._decompress(compressed.v)
+        """Reconstruct unbatched K/V, float32 ``[num_heads, seq_len, head_dim]``: the
+        :meth:`decompress_kv` of :meth:`compress_kv_3d` results (``ValueError`` "expected
+        unbatched layout" for those of :meth:`compress_kv`)."""
+        return self._decompress_pair(compressed, batched=False)
 
     def compress_paged_cache(self, cache: PagedKVCache, layer: int, seq_id: int) -> CompressedKV:
         """Compress one sequence of a :class:`~numba_kv.caches.paged.PagedKVCache` layer.
@@ -491,7 +469,11 @@ class KVCacheCompressor:
             raise ValueError(f"compressed: expected num_heads={heads}, k head_dim={kd}, v head_dim={vd} "
                              f"(those of the cache), got {got}")
 
-    def _compress_pair(self, k: Any, v: Any, layout: tuple) -> CompressedKV:
+    def _compress_pair(self, k: Any, v: Any, ndim: int) -> CompressedKV:
+        """Check, then compress K/V with ``ndim`` axes (4: batched, 3: unbatched); the layout
+        keeps the leading axes."""
+        self._check_pair(k, v, ndim)
+        layout = ("batched" if ndim == 4 else "unbatched", *(int(x) for x in tuple(k.shape)[:ndim - 1]))
         orig = sum(_nbytes(a) for a in (k, v))
         ck = self._compress(k, "k")
         cv = self._compress(v, "v")
@@ -507,6 +489,16 @@ class KVCacheCompressor:
         if isinstance(m, VectorQuantization):
             return _compress_vq(x3, m, self._quant_bits)
         return _compress_hybrid(x3, m, m.quant_bits or self._quant_bits)
+
+    def _decompress_pair(self, compressed: Any, batched: bool) -> tuple[Any, Any]:
+        """Check the layout, then reconstruct K and V (batched: with the batch axis back)."""
+        self._check_compressed(compressed, batched=batched)
+        k = self._decompress(compressed.k)
+        v = self._decompress(compressed.v)
+        if not batched:
+            return k, v
+        _, b, h, s = compressed.layout
+        return k.reshape(b, h, s, k.shape[2]), v.reshape(b, h, s, v.shape[2])
 
     @staticmethod
     def _decompress(c: CompressedTensor) -> Any:

@@ -12,9 +12,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import float32, int64, uint8, uint16
+from numba import float32, int64, uint16
 
 from .._jit import twin
+from ._index import unravel2
+from .bitpack import load_word, store_word
 from .codebook import bucketize
 from .half import f16_bits_abs_to_f32, f32_to_f16_bits
 
@@ -132,9 +134,8 @@ def quantize_head_lanes(x, v0, nl, d, signs, bounds, centroids, unbiased, bits, 
     seq = x.shape[1]
     S = d * L
     for l in range(nl):
-        v = v0 + l
-        r = v // seq
-        xr = x[r, v - r * seq]
+        r, s = unravel2(v0 + l, seq)
+        xr = x[r, s]
         for j in range(d):
             t[j * L + l] = xr[j]
     tn = t[S:S + L]
@@ -187,14 +188,10 @@ def quantize_head_lanes(x, v0, nl, d, signs, bounds, centroids, unbiased, bits, 
         a = a if a < float32(65504.0) else float32(65504.0)  # noqa: FURB136 - NaN -> 65504 too
         wn[l] = int64(f32_to_f16_bits(a))
     for l in range(nl):
-        v = v0 + l
-        r = v // seq
-        s = v - r * seq
+        r, s = unravel2(v0 + l, seq)
         cb = codes[r, t0 + s]
         for g in range(G):
-            wl = w[g * L + l]
-            for jb in range(bits):
-                cb[g * bits + jb] = uint8((wl >> (8 * jb)) & 0xFF)
+            store_word(w[g * L + l], bits, cb, g * bits)
         norms[r, t0 + s, 0] = uint16(wn[l])
 
 
@@ -208,15 +205,10 @@ def dequantize_head_lanes(codes, norms, v0, nl, d, signs, centroids, bits, t0, o
     S = d * L
     G = d // 8
     for l in range(nl):
-        v = v0 + l
-        r = v // seq
-        s = v - r * seq
+        r, s = unravel2(v0 + l, seq)
         cb = codes[r, t0 + s]
         for g in range(G):
-            wl = int64(0)
-            for jb in range(bits):
-                wl |= int64(cb[g * bits + jb]) << (8 * jb)
-            w[g * L + l] = wl
+            w[g * L + l] = load_word(cb, g * bits, bits)
         w[G * L + l] = int64(norms[r, t0 + s, 0])
     # the norms of every lane in one branch-free (vectorizable) loop (lanes >= nl: junk, unused)
     wn = w[G * L:(G + 1) * L]
@@ -232,9 +224,8 @@ def dequantize_head_lanes(codes, norms, v0, nl, d, signs, centroids, bits, t0, o
                 tk[l] = centroids[(wg[l] >> sh) & mask]
     _rotate_head_inverse_lanes(t, d, L, signs)
     for l in range(nl):
-        v = v0 + l
-        r = v // seq
-        orow = out[r, v - r * seq]
+        r, s = unravel2(v0 + l, seq)
+        orow = out[r, s]
         sc = t[S + l]
         for j in range(d):
             orow[j] = t[j * L + l] * sc

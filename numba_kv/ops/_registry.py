@@ -16,7 +16,7 @@ from typing import Any
 from .. import _backend
 from .._jit import cpu_call
 
-__all__ = ["Twin", "TWINS", "register"]
+__all__ = ["F32_1D", "F32_2D", "F32_3D", "Twin", "TWINS", "U8_3D", "register"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,12 @@ class Twin:
 
 
 TWINS: dict[str, Twin] = {}
+
+# Numba array types of the registered signatures (C-contiguous), shared by the op modules.
+F32_1D = "float32[::1]"
+F32_2D = "float32[:, ::1]"
+F32_3D = "float32[:, :, ::1]"
+U8_3D = "uint8[:, :, ::1]"
 
 
 def register(name: str, cpu: Callable, cuda: Callable, signatures, float32_only: bool = True) -> Twin:

@@ -38,9 +38,10 @@ from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
 from .._validate import check_f16_result, check_float_array
 from ._exact import mul_rn
+from ._index import unravel3
 from ._registry import register
 from .bitpack import group8_word, load_word, store_word, word_index
-from .codebook import Codebook, bucketize, bucketize_select, get_codebook
+from .codebook import DEQUANTIZE_SIGNATURE, Codebook, bucketize, bucketize_select, get_codebook
 from .finite import check_finite
 from .hadamard import SIGNS32, rotate32_forward_lanes, rotate32_inverse_lanes
 from .half import f16_bits_abs_to_f32, f32_to_f16_bits_sat
@@ -88,17 +89,14 @@ def _quantize_lanes(x, q0, nl, signs, bounds, centroids, l2, unbiased, ref, flag
     """
     seq = x.shape[1]
     nb = x.shape[2] // 32
-    S = 32 * L
-    v0 = q0 // nb
-    r0 = v0 // seq
-    s0 = v0 - r0 * seq
-    b0 = q0 - v0 * nb
+    r0, s0, b0 = unravel3(q0, seq, nb)
     r, s, b = r0, s0, b0
     for l in range(nl):
         xb = x[r, s, b * 32:b * 32 + 32]
         for j in range(32):
             t[j * L + l] = xb[j]
         r, s, b = _next_block(r, s, b, seq, nb)
+    S = 32 * L  # row S of t: the lane scales
     # np.divide: IEEE division without the ZeroDivisionError branch of ``/`` (which stops
     # vectorization); divisors are >= 1e-10 here.
     if l2:
@@ -168,11 +166,7 @@ def _dequantize_lanes(codes, scales, q0, nl, signs, centroids, bits, t0, out, L,
     """Reconstruct flattened blocks ``q0 .. q0+nl-1`` of ``out`` (``nl <= L``)."""
     seq = out.shape[1]
     nb = out.shape[2] // 32
-    S = 32 * L
-    v0 = q0 // nb
-    r0 = v0 // seq
-    s0 = v0 - r0 * seq
-    b0 = q0 - v0 * nb
+    r0, s0, b0 = unravel3(q0, seq, nb)
     r, s, b = r0, s0, b0
     for l in range(nl):
         cb = codes[r, t0 + s, b * 4 * bits:(b + 1) * 4 * bits]
@@ -181,6 +175,7 @@ def _dequantize_lanes(codes, scales, q0, nl, signs, centroids, bits, t0, out, L,
         w[4 * L + l] = int64(scales[r, t0 + s, b])
         r, s, b = _next_block(r, s, b, seq, nb)
     # the scales of every lane in one branch-free (vectorizable) loop (lanes >= nl: junk, unused)
+    S = 32 * L
     for l in range(L):
         t[S + l] = f16_bits_abs_to_f32(w[4 * L + l])
     for g in range(4):
@@ -203,6 +198,7 @@ dequantize_lanes_cpu, dequantize_lanes_dev = twin(_dequantize_lanes)
 
 _LANES = 64  # blocks per CPU tile (inner loops of 64 float32 = four 512-bit vectors)
 _TILES = 4  # tiles per CPU work item (scratch buffers are allocated once per item)
+_CHUNK = _TILES * _LANES  # blocks per CPU work item
 
 
 # --- CPU twins --------------------------------------------------------------------------
@@ -211,14 +207,12 @@ def _quantize_cpu(x, signs, bounds, centroids, l2, unbiased, ref, flag, bits, t0
     """CPU twin of :func:`_quantize_cuda`: ``prange`` over runs of ``_TILES`` tiles of ``_LANES`` blocks."""
     rows, seq, d = x.shape
     nq = rows * seq * (d // 32)
-    ntiles = (nq + _LANES - 1) // _LANES
-    for c in prange((ntiles + _TILES - 1) // _TILES):
+    for c in prange((nq + _CHUNK - 1) // _CHUNK):
         t = np.zeros(35 * _LANES, dtype=np.float32)
         ib = np.zeros(32 * _LANES, dtype=np.uint8)
         w = np.zeros(5 * _LANES, dtype=np.int64)
         cv = np.zeros(32 * _LANES if unbiased else 0, dtype=np.float32)
-        for tile in range(c * _TILES, min(ntiles, (c + 1) * _TILES)):
-            q0 = tile * _LANES
+        for q0 in range(c * _CHUNK, min(nq, (c + 1) * _CHUNK), _LANES):  # the item's tiles
             quantize_lanes_cpu(x, q0, min(_LANES, nq - q0), signs, bounds, centroids, l2, unbiased, ref, flag,
                                bits, t0, codes, scales, _LANES, t, ib, w, cv)
 
@@ -228,12 +222,10 @@ def _dequantize_cpu(codes, scales, signs, centroids, bits, t0, out):
     """CPU twin of :func:`_dequantize_cuda`: ``prange`` over runs of ``_TILES`` tiles of ``_LANES`` blocks."""
     rows, seq, d = out.shape
     nq = rows * seq * (d // 32)
-    ntiles = (nq + _LANES - 1) // _LANES
-    for c in prange((ntiles + _TILES - 1) // _TILES):
+    for c in prange((nq + _CHUNK - 1) // _CHUNK):
         t = np.zeros(33 * _LANES, dtype=np.float32)
         w = np.zeros(5 * _LANES, dtype=np.int64)
-        for tile in range(c * _TILES, min(ntiles, (c + 1) * _TILES)):
-            q0 = tile * _LANES
+        for q0 in range(c * _CHUNK, min(nq, (c + 1) * _CHUNK), _LANES):  # the item's tiles
             dequantize_lanes_cpu(codes, scales, q0, min(_LANES, nq - q0), signs, centroids, bits, t0, out,
                                  _LANES, t, w)
 
@@ -247,9 +239,7 @@ def _quantize_cuda(x, signs, bounds, centroids, l2, unbiased, ref, flag, bits, t
     ib = cuda.local.array(32, dtype=uint8)
     w = cuda.local.array(5, dtype=int64)
     cv = cuda.local.array(32, dtype=float32)
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for q in range(start, rows * seq * (d // 32), stride):
+    for q in range(cuda.grid(1), rows * seq * (d // 32), cuda.gridsize(1)):
         quantize_lanes_dev(x, q, 1, signs, bounds, centroids, l2, unbiased, ref, flag, bits, t0, codes,
                            scales, 1, t, ib, w, cv)
 
@@ -260,18 +250,14 @@ def _dequantize_cuda(codes, scales, signs, centroids, bits, t0, out):
     rows, seq, d = out.shape
     t = cuda.local.array(33, dtype=float32)
     w = cuda.local.array(5, dtype=int64)
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for q in range(start, rows * seq * (d // 32), stride):
+    for q in range(cuda.grid(1), rows * seq * (d // 32), cuda.gridsize(1)):
         dequantize_lanes_dev(codes, scales, q, 1, signs, centroids, bits, t0, out, 1, t, w)
 
 
 _QSIG = ("void(float32[:, :, ::1], float32[::1], float32[::1], float32[::1], boolean, boolean, float32, "
          "float32, int64, int64, uint8[:, :, ::1], uint16[:, :, ::1])")
-_DSIG = ("void(uint8[:, :, ::1], uint16[:, :, ::1], float32[::1], float32[::1], int64, int64, "
-         "float32[:, :, ::1])")
 _QUANTIZE_BLOCKS = register("quantize_blocks", _quantize_cpu, _quantize_cuda, [_QSIG])
-_DEQUANTIZE_BLOCKS = register("dequantize_blocks", _dequantize_cpu, _dequantize_cuda, [_DSIG])
+_DEQUANTIZE_BLOCKS = register("dequantize_blocks", _dequantize_cpu, _dequantize_cuda, [DEQUANTIZE_SIGNATURE])
 
 
 # --- internal entry points used by caches (no validation: callers validated) -----------

@@ -47,6 +47,7 @@ from numba import uint8
 from .._jit import twin
 
 __all__ = [
+    "DEQUANTIZE_SIGNATURE",
     "MAXNORM_REF",
     "Codebook",
     "sphere_coordinate_pdf",
@@ -60,6 +61,11 @@ __all__ = [
 
 MAXNORM_REF: float = 2.1573
 """``c_outer``: MaxNorm scale reference, ``y = r / (amax / MAXNORM_REF)``."""
+
+#: Signature of the codebook dequantizer kernels (``dequantize_blocks``, ``dequantize_head``):
+#: ``(codes, scales, signs, centroids, bits, t0, out)``.
+DEQUANTIZE_SIGNATURE = ("void(uint8[:, :, ::1], uint16[:, :, ::1], float32[::1], float32[::1], int64, int64, "
+                        "float32[:, :, ::1])")
 
 _NORM_MODES = ("maxnorm", "l2")
 _MAX_BITS = {"maxnorm": 4, "l2": 8}

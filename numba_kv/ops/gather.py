@@ -2,7 +2,9 @@
 of sparse outlier side tables, on every device.
 
 * ``gather_rows``: ``out[i, :] = src[idx[i], :]``;
-* ``scatter_rows``: ``out[idx[i], :] = src[i, :]`` (indices must be distinct).
+* ``scatter_rows``: ``out[idx[i], :] = src[i, :]`` (indices must be distinct);
+
+both through the one twin ``move_rows`` (the direction is an argument).
 
 NumPy and CuPy could do both with fancy indexing, but Numba device arrays (and the
 simulator's) cannot, so paged caches and the compressor move rows through these twins on
@@ -18,61 +20,47 @@ import numpy as np
 from numba import cuda, prange
 
 from .. import _backend
-from .._jit import cpu_kernel, cuda_kernel
+from .._jit import cpu_kernel, cuda_kernel, twin
+from ._index import unravel2
 from ._registry import register
 
 __all__ = ["gather_rows", "scatter_rows", "to_like"]
 
 
-# --- CPU twins ---------------------------------------------------------------------------
+# --- single-source core: one row move, either direction ----------------------------------
+def _move_span(src, idx, e, span, out, scatter):
+    """Copy elements ``j0 .. j0 + span − 1`` of indexed row ``i`` (``(i, j0)`` the element
+    ``e·span`` of ``[m, width]``): ``out[i] = src[idx[i]]`` (gather) or ``out[idx[i]] = src[i]``
+    (``scatter``)."""
+    i, j0 = unravel2(e * span, src.shape[1])
+    k = idx[i]
+    s = i if scatter else k
+    d = k if scatter else i
+    for j in range(j0, j0 + span):
+        out[d, j] = src[s, j]
+
+
+move_span_cpu, move_span_dev = twin(_move_span, inline=True)
+
+
+# --- CPU twin: prange over the indexed rows; CUDA kernel: one thread per element ----------
 @cpu_kernel
-def _gather_rows_cpu(src, idx, out):
-    """CPU twin of :func:`_gather_rows_cuda`: ``prange`` over the ``m`` output rows."""
-    m, w = out.shape
-    for i in prange(m):
-        s = idx[i]
-        for j in range(w):
-            out[i, j] = src[s, j]
-
-
-@cpu_kernel
-def _scatter_rows_cpu(src, idx, out):
-    """CPU twin of :func:`_scatter_rows_cuda`: ``prange`` over the ``m`` source rows."""
-    m, w = src.shape
-    for i in prange(m):  # distinct idx: no two iterations write one row
-        d = idx[i]
-        for j in range(w):
-            out[d, j] = src[i, j]
-
-
-# --- CUDA kernels: one thread per element, grid-stride ---------------------------------
-@cuda_kernel
-def _gather_rows_cuda(src, idx, out):
-    """1-D grid over the ``m·width`` outputs; one thread copies one element."""
-    m, w = out.shape
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for e in range(start, m * w, stride):
-        i = e // w
-        j = e - i * w
-        out[i, j] = src[idx[i], j]
+def _move_rows_cpu(src, idx, out, scatter):
+    """CPU twin of :func:`_move_rows_cuda`: ``prange`` over the ``m`` indexed rows (distinct
+    indices when scattering: no two iterations write one row)."""
+    for i in prange(idx.shape[0]):
+        move_span_cpu(src, idx, i, src.shape[1], out, scatter)
 
 
 @cuda_kernel
-def _scatter_rows_cuda(src, idx, out):
-    """1-D grid over the ``m·width`` source elements; one thread copies one element."""
-    m, w = src.shape
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for e in range(start, m * w, stride):
-        i = e // w
-        j = e - i * w
-        out[idx[i], j] = src[i, j]
+def _move_rows_cuda(src, idx, out, scatter):
+    """1-D grid over the ``m·width`` moved elements, grid-stride; one thread copies one."""
+    for e in range(cuda.grid(1), idx.shape[0] * src.shape[1], cuda.gridsize(1)):
+        move_span_dev(src, idx, e, 1, out, scatter)
 
 
-_SIGS = [f"void({t}[:, ::1], int32[::1], {t}[:, ::1])" for t in ("uint8", "uint16", "float32")]
-_GATHER_ROWS = register("gather_rows", _gather_rows_cpu, _gather_rows_cuda, _SIGS)
-_SCATTER_ROWS = register("scatter_rows", _scatter_rows_cpu, _scatter_rows_cuda, _SIGS)
+_MOVE_ROWS = register("move_rows", _move_rows_cpu, _move_rows_cuda,
+                      [f"void({t}[:, ::1], int32[::1], {t}[:, ::1], boolean)" for t in ("uint8", "uint16", "float32")])
 
 
 # --- public API ------------------------------------------------------------------------
@@ -88,7 +76,9 @@ def to_like(like: Any, host: np.ndarray) -> Any:
     return cuda.to_device(host)
 
 
-def _check(src: Any, idx: Any, out: Any, n_idx_rows: int, what: str) -> str:
+def _move_rows(src: Any, idx: Any, out: Any, scatter: bool) -> Any:
+    """Validate, then move the ``m·width`` elements of :func:`gather_rows` /
+    :func:`scatter_rows`; returns ``out``."""
     dev = _backend.resolve_device("auto", src=src, idx=idx, out=out)
     if np.dtype(idx.dtype) != np.int32 or len(idx.shape) != 1:
         raise TypeError(f"idx: expected a 1-D int32 array, got {np.dtype(idx.dtype)} "
@@ -98,9 +88,13 @@ def _check(src: Any, idx: Any, out: Any, n_idx_rows: int, what: str) -> str:
     if np.dtype(src.dtype) != np.dtype(out.dtype) or src.shape[1] != out.shape[1]:
         raise ValueError(f"out: expected dtype {np.dtype(src.dtype)} and width {src.shape[1]}, "
                          f"got {np.dtype(out.dtype)} shape {tuple(out.shape)}")
-    if idx.shape[0] != n_idx_rows:
-        raise ValueError(f"idx: expected {n_idx_rows} entries (one per {what} row), got {idx.shape[0]}")
-    return dev
+    what, indexed = ("src", src) if scatter else ("out", out)  # the array with one row per index
+    if idx.shape[0] != indexed.shape[0]:
+        raise ValueError(f"idx: expected {indexed.shape[0]} entries (one per {what} row), got {idx.shape[0]}")
+    m, w = indexed.shape
+    if m and w:
+        _MOVE_ROWS.launch(dev, m * w, src, idx, out, bool(scatter))
+    return out
 
 
 def gather_rows(src: Any, idx: Any, out: Any) -> Any:
@@ -119,31 +113,12 @@ def gather_rows(src: Any, idx: Any, out: Any) -> Any:
     -------
     out : the array passed in.
     """
-    dev = _check(src, idx, out, out.shape[0], "out")
-    m, w = out.shape
-    if m and w:
-        _GATHER_ROWS.launch(dev, m * w, src, idx, out)
-    return out
+    return _move_rows(src, idx, out, False)
 
 
 def scatter_rows(src: Any, idx: Any, out: Any) -> Any:
-    """``out[idx[i]] = src[i]`` on the device of the arrays (indices distinct).
-
-    Parameters
-    ----------
-    src : array, shape ``(m, width)``
-        uint8, uint16 or float32, C-contiguous.
-    idx : int32 array, shape ``(m,)``
-        Distinct destination rows (``0 <= idx < n``; not checked on the device).
-    out : array, shape ``(n, width)``
-        Same dtype as ``src``; written in place and returned.
-
-    Returns
-    -------
-    out : the array passed in.
-    """
-    dev = _check(src, idx, out, src.shape[0], "src")
-    m, w = src.shape
-    if m and w:
-        _SCATTER_ROWS.launch(dev, m * w, src, idx, out)
-    return out
+    """``out[idx[i]] = src[i]`` on the device of the arrays: the inverse of
+    :func:`gather_rows`, with ``src`` ``(m, width)`` and ``out`` ``(n, width)`` (same dtype,
+    written in place and returned) and ``idx`` the ``m`` *distinct* destination rows
+    (``0 <= idx < n``; not checked on the device)."""
+    return _move_rows(src, idx, out, True)

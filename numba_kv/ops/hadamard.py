@@ -21,7 +21,8 @@ from numba import cuda, float32, prange
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
 from ._exact import mul_rn
-from ._registry import register
+from ._index import unravel2_dev
+from ._registry import F32_1D, F32_2D, register
 from .finite import check_rotation_input
 
 BLOCK = 32
@@ -145,16 +146,14 @@ def _rotate32_cuda(x, signs, inverse, out):
     n, d = x.shape
     nb = d // 32
     buf = cuda.local.array(32, dtype=float32)
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for t in range(start, n * nb, stride):
-        r = t // nb
-        b = t - r * nb
+    for t in range(cuda.grid(1), n * nb, cuda.gridsize(1)):
+        r, b = unravel2_dev(t, nb)
         load_rotate_store_dev(x, r, b, signs, inverse, buf, out)
 
 
-_ROTATE32 = register("rotate32", _rotate32_cpu, _rotate32_cuda,
-         ["void(float32[:, ::1], float32[::1], boolean, float32[:, ::1])"])
+#: Signature of the row rotation kernels (``rotate32``, ``rotate_head``): ``(x, signs, inverse, out)``.
+ROTATE_SIGNATURE = f"void({F32_2D}, {F32_1D}, boolean, {F32_2D})"
+_ROTATE32 = register("rotate32", _rotate32_cpu, _rotate32_cuda, [ROTATE_SIGNATURE])
 
 
 def rotate32_rows(x2: Any, inverse: bool = False, signs: Any = None) -> Any:
@@ -192,9 +191,16 @@ def rotate32(x: Any, inverse: bool = False, *, signs: Any = None, backend: str =
 
     Examples
     --------
+    An outlier spreads evenly over its block (every ``|y_j| = 2 / √32``), and the inverse
+    brings it back:
+
     >>> import numpy as np
-    >>> x = np.random.default_rng(0).standard_normal((4, 64)).astype(np.float32)
-    >>> bool(np.allclose(rotate32(rotate32(x), inverse=True), x, atol=1e-6))
+    >>> x = np.zeros((1, 64), np.float32)
+    >>> x[0, 3] = 2.0
+    >>> y = rotate32(x)
+    >>> bool(np.allclose(np.abs(y[0, :32]), 2 / 32 ** 0.5)), bool(np.all(y[0, 32:] == 0))
+    (True, True)
+    >>> bool(np.allclose(rotate32(y, inverse=True), x, atol=1e-6))
     True
     """
     if signs is None:  # the device copy is made once per device (_backend.constant), not per call

@@ -28,6 +28,18 @@ from .._jit import twin
 F16_MAX = 65504.0  # largest finite binary16
 
 
+def _binade_step(a, p, q, e, k):
+    """One step of the binary search for the binade of ``a``: ``(p, q, e) = (p·2**k,
+    q·2**-k, e + k)`` when ``a >= p·2**k``, else unchanged (``p = 2**e``, ``q = 1/p``;
+    products of powers of two are exact; a select, not a branch).  ``k`` is a literal at
+    every call, so the powers fold to constants."""
+    f = float32(1 << k)
+    c = a >= p * f
+    p = p * f if c else p
+    q = q * (float32(1.0) / f) if c else q
+    return p, q, e + int32(c) * int32(k)
+
+
 def f32_to_f16_bits(v):
     """binary16 bit pattern (uint16) of float32 ``v``; |v| must be <= F16_MAX.
 
@@ -43,26 +55,11 @@ def f32_to_f16_bits(v):
     p = float32(6.103515625e-05)
     q = float32(16384.0)
     e = int32(-14)
-    c = a >= p * float32(65536.0)
-    p = p * float32(65536.0) if c else p
-    q = q * float32(1.52587890625e-05) if c else q
-    e += int32(c) * int32(16)
-    c = a >= p * float32(256.0)
-    p = p * float32(256.0) if c else p
-    q = q * float32(0.00390625) if c else q
-    e += int32(c) * int32(8)
-    c = a >= p * float32(16.0)
-    p = p * float32(16.0) if c else p
-    q = q * float32(0.0625) if c else q
-    e += int32(c) * int32(4)
-    c = a >= p * float32(4.0)
-    p = p * float32(4.0) if c else p
-    q = q * float32(0.25) if c else q
-    e += int32(c) * int32(2)
-    c = a >= p * float32(2.0)
-    p = p * float32(2.0) if c else p
-    q = q * float32(0.5) if c else q
-    e += int32(c)
+    p, q, e = _binade_step(a, p, q, e, 16)
+    p, q, e = _binade_step(a, p, q, e, 8)
+    p, q, e = _binade_step(a, p, q, e, 4)
+    p, q, e = _binade_step(a, p, q, e, 2)
+    p, q, e = _binade_step(a, p, q, e, 1)
     k = p * float32(8192.0)
     r = (a + k) - k  # RNE to 11 significant bits (below 2**-14: to a multiple of 2**-24)
     # r·q = r / p in [1, 2] for normal a (m in 0..1024); below 2**-14, e = -14, k = 0.5 and
@@ -114,6 +111,7 @@ def f16_bits_abs_to_f32(h):
 
 
 # inlined on the CPU: called per value, often in per-lane loops
+twin(_binade_step, inline=True)
 f32_to_f16_bits_cpu, f32_to_f16_bits_dev = twin(f32_to_f16_bits, inline=True)
 f32_to_f16_bits_sat_cpu, f32_to_f16_bits_sat_dev = twin(f32_to_f16_bits_sat, inline=True)
 f16_bits_to_f32_cpu, f16_bits_to_f32_dev = twin(f16_bits_to_f32, inline=True)

@@ -67,9 +67,9 @@ from ._headquant_lanes import (
     rotate_head_row_cpu,
 )
 from ._registry import register
-from .codebook import Codebook, bucketize_dev, get_codebook
+from .codebook import DEQUANTIZE_SIGNATURE, Codebook, bucketize_dev, get_codebook
 from .finite import check_finite, check_rotation_input
-from .hadamard import SIGNS32
+from .hadamard import ROTATE_SIGNATURE, SIGNS32
 from .half import f16_bits_abs_to_f32_dev, f32_to_f16_bits_sat_dev
 
 __all__ = ["HEAD_DIMS", "SIGN_SEED", "head_signs", "rotate_head", "quantize_head", "dequantize_head",
@@ -335,14 +335,11 @@ def _dequantize_head_cuda(codes, norms, signs, centroids, bits, t0, out):
         cuda.syncthreads()  # the next vector overwrites t
 
 
-_RSIG = "void(float32[:, ::1], float32[::1], boolean, float32[:, ::1])"
 _QSIG = ("void(float32[:, :, ::1], float32[::1], float32[::1], float32[::1], boolean, int64, int64, "
          "uint8[:, :, ::1], uint16[:, :, ::1])")
-_DSIG = ("void(uint8[:, :, ::1], uint16[:, :, ::1], float32[::1], float32[::1], int64, int64, "
-         "float32[:, :, ::1])")
-_ROTATE = register("rotate_head", _rotate_head_cpu, _rotate_head_cuda, [_RSIG])
+_ROTATE = register("rotate_head", _rotate_head_cpu, _rotate_head_cuda, [ROTATE_SIGNATURE])
 _QUANTIZE = register("quantize_head", _quantize_head_cpu, _quantize_head_cuda, [_QSIG])
-_DEQUANTIZE = register("dequantize_head", _dequantize_head_cpu, _dequantize_head_cuda, [_DSIG])
+_DEQUANTIZE = register("dequantize_head", _dequantize_head_cpu, _dequantize_head_cuda, [DEQUANTIZE_SIGNATURE])
 
 
 # --- internal entry points (no validation: callers validated) ---------------------------

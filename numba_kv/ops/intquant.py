@@ -43,7 +43,8 @@ from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
 from .._validate import check_float_array
 from ._exact import mul_rn
-from ._registry import register
+from ._index import unravel2, unravel3
+from ._registry import F32_2D, F32_3D, U8_3D, register
 from .finite import check_finite
 from .gather import scatter_rows, to_like
 
@@ -184,40 +185,30 @@ def _outliers_group(x, thr, group, offsets, r, ch, gi, idx, vals):
             o += 1
 
 
-def _group_of(e, nch, ng):
-    """(row, channel, token group) of work item ``e`` (C order over ``[R, C, G]``)."""
-    r = e // (nch * ng)
-    rem = e - r * nch * ng
-    ch = rem // ng
-    return r, ch, rem - ch * ng
-
-
 def _threshold_item(x, e, out):
     """``out[r, ch]`` = outlier threshold of channel item ``e`` = (r, ch)."""
-    nch = x.shape[2]
-    r = e // nch
-    out[r, e - r * nch] = _channel_threshold(x, r, e - r * nch)
+    r, ch = unravel2(e, x.shape[2])
+    out[r, ch] = _channel_threshold(x, r, ch)
 
 
 def _quantize_item(x, thr, bits, group, e, scales, packed, counts):
-    r, ch, gi = _group_of(e, x.shape[2], scales.shape[2])
+    r, ch, gi = unravel3(e, x.shape[2], scales.shape[2])
     _quantize_group(x, thr, bits, group, r, ch, gi, scales, packed, counts)
 
 
 def _outliers_item(x, thr, group, offsets, e, idx, vals):
-    r, ch, gi = _group_of(e, x.shape[2], offsets.shape[2])
+    r, ch, gi = unravel3(e, x.shape[2], offsets.shape[2])
     _outliers_group(x, thr, group, offsets, r, ch, gi, idx, vals)
 
 
 def _dequantize_item(packed, scales, bits, group, e, out):
-    r, ch, gi = _group_of(e, out.shape[2], scales.shape[2])
+    r, ch, gi = unravel3(e, out.shape[2], scales.shape[2])
     _dequantize_group(packed, scales, bits, group, r, ch, gi, out)
 
 
 for _core in (_kth_dev_abs, _channel_threshold, _quant_level, _quantize_group, _dequantize_group, _outliers_group):
     twin(_core)
 # the item cores only locate the item: inlined, so a kernel makes one call per item, as before
-twin(_group_of, inline=True)
 threshold_item_cpu, threshold_item_dev = twin(_threshold_item, inline=True)
 quantize_item_cpu, quantize_item_dev = twin(_quantize_item, inline=True)
 outliers_item_cpu, outliers_item_dev = twin(_outliers_item, inline=True)
@@ -284,16 +275,13 @@ def _int_dequantize_cuda(packed, scales, bits, group, out):
         dequantize_item_dev(packed, scales, bits, group, e, out)
 
 
-_F3 = "float32[:, :, ::1]"
-_F2 = "float32[:, ::1]"
-_U3 = "uint8[:, :, ::1]"
-_INT_THRESHOLD = register("int_threshold", _int_threshold_cpu, _int_threshold_cuda, [f"void({_F3}, {_F2})"])
+_INT_THRESHOLD = register("int_threshold", _int_threshold_cpu, _int_threshold_cuda, [f"void({F32_3D}, {F32_2D})"])
 _INT_QUANTIZE = register("int_quantize", _int_quantize_cpu, _int_quantize_cuda,
-                         [f"void({_F3}, {_F2}, int64, int64, {_F3}, {_U3}, int32[:, :, ::1])"])
+                         [f"void({F32_3D}, {F32_2D}, int64, int64, {F32_3D}, {U8_3D}, int32[:, :, ::1])"])
 _INT_OUTLIERS = register("int_outliers", _int_outliers_cpu, _int_outliers_cuda,
-                         [f"void({_F3}, {_F2}, int64, int64[:, :, ::1], int32[::1], float32[::1])"])
+                         [f"void({F32_3D}, {F32_2D}, int64, int64[:, :, ::1], int32[::1], float32[::1])"])
 _INT_DEQUANTIZE = register("int_dequantize", _int_dequantize_cpu, _int_dequantize_cuda,
-                           [f"void({_U3}, {_F3}, int64, int64, {_F3})"])
+                           [f"void({U8_3D}, {F32_3D}, int64, int64, {F32_3D})"])
 
 
 # --- result container ---------------------------------------------------------------------

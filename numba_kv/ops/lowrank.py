@@ -36,7 +36,8 @@ from numba import cuda, float32, prange
 
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
-from ._registry import register
+from ._index import unravel2, unravel3
+from ._registry import F32_2D, F32_3D, Twin, register
 from .half import f16_bits_to_f32_cpu, f16_bits_to_f32_dev, f32_to_f16_bits_sat_cpu, f32_to_f16_bits_sat_dev
 
 __all__ = ["channel_stats", "fit_components", "project", "reconstruct", "f16_encode", "f16_decode",
@@ -47,22 +48,31 @@ ENERGY_FRACTION = 0.9
 
 # --- single-source cores --------------------------------------------------------------
 # The CPU twins ``prange`` over the items and the CUDA kernels grid-stride over them.  The
-# Gram, projection and reconstruction cores cover a span of outputs (``[j0, j1)``,
-# ``[c0, c1)``): the CPU twins pass a whole row per call (a call per output would cost as
-# much as the output; the inner loops stay contiguous), the CUDA kernels one output per
-# thread (coalesced stores).  Every output is the same float32 sum in the same order
+# Gram, projection and reconstruction cores cover ``span`` consecutive outputs starting at
+# flat output ``e·span`` (C order; ``span`` divides the last axis): the CPU twins pass a
+# whole row per call (``span`` = the last axis: a call per output would cost as much as the
+# output; the inner loops stay contiguous), the CUDA kernels one output per thread
+# (``span = 1``: coalesced stores).  Every output is the same float32 sum in the same order
 # either way.
-def _channel_mean(x, r, i):
-    """``Σ_t x[r, t, i] / n`` (float32, tokens in order; 0 when ``n == 0``)."""
+def _channel_mean(x, e, mean):
+    """``mean[r, i] = Σ_t x[r, t, i] / n`` of channel item ``e = (r, i)`` (float32, tokens
+    in order; 0 when ``n == 0``)."""
+    r, i = unravel2(e, x.shape[2])
     n = x.shape[1]
     s = float32(0.0)
     for t in range(n):
         s += x[r, t, i]
-    return s * (float32(1.0) / float32(max(n, 1)))
+    mean[r, i] = s * (float32(1.0) / float32(max(n, 1)))
 
 
-def _gram_span(x, mean, r, i, j0, j1, gram):
-    """``gram[r, i, j] = Σ_t (x_rti − μ_ri)(x_rtj − μ_rj)`` for ``j`` in ``[j0, j1)``."""
+channel_mean_cpu, channel_mean_dev = twin(_channel_mean, inline=True)
+
+
+def _gram_span(x, mean, e, span, gram):
+    """``gram[r, i, j] = Σ_t (x_rti − μ_ri)(x_rtj − μ_rj)`` for ``j`` in ``[j0, j0 + span)``,
+    ``(r, i, j0)`` the Gram entry ``e·span``."""
+    r, i, j0 = unravel3(e * span, gram.shape[1], gram.shape[2])
+    j1 = j0 + span
     mi = mean[r, i]
     for j in range(j0, j1):
         gram[r, i, j] = float32(0.0)
@@ -72,14 +82,19 @@ def _gram_span(x, mean, r, i, j0, j1, gram):
             gram[r, i, j] += xi * (x[r, t, j] - mean[r, j])
 
 
-def _project_span(x, mean, components, r, t, c0, c1, out):
+gram_span_cpu, gram_span_dev = twin(_gram_span, inline=True)
+
+
+def _project_span(x, mean, components, e, span, out):
     """``out[r, t, c] = Σ_j (x[r, t, j] − mean[r, j]) · components[r, c, j]`` for ``c`` in
-    ``[c0, c1)``; ``mean``/``components`` broadcast when their leading axis is 1."""
+    ``[c0, c0 + span)``, ``(r, t, c0)`` the coefficient ``e·span``; ``mean``/``components``
+    broadcast when their leading axis is 1."""
+    r, t, c0 = unravel3(e * span, out.shape[1], out.shape[2])
     xr = x[r, t]
     mr = mean[r if mean.shape[0] > 1 else 0]
     br = components[r if components.shape[0] > 1 else 0]
     orow = out[r, t]
-    for c in range(c0, c1):
+    for c in range(c0, c0 + span):
         bc = br[c]
         s = float32(0.0)
         for j in range(xr.shape[0]):
@@ -87,9 +102,15 @@ def _project_span(x, mean, components, r, t, c0, c1, out):
         orow[c] = s
 
 
-def _reconstruct_span(coef, mean, components, r, t, j0, j1, out):
+project_span_cpu, project_span_dev = twin(_project_span, inline=True)
+
+
+def _reconstruct_span(coef, mean, components, e, span, out):
     """``out[r, t, j] = mean[r, j] + Σ_c coef[r, t, c] · components[r, c, j]`` for ``j`` in
-    ``[j0, j1)`` (``c`` in order; inputs broadcast when their leading axis is 1)."""
+    ``[j0, j0 + span)``, ``(r, t, j0)`` the output ``e·span`` (``c`` in order; inputs
+    broadcast when their leading axis is 1)."""
+    r, t, j0 = unravel3(e * span, out.shape[1], out.shape[2])
+    j1 = j0 + span
     rm = r if mean.shape[0] > 1 else 0
     rb = r if components.shape[0] > 1 else 0
     rc = r if coef.shape[0] > 1 else 0
@@ -101,47 +122,36 @@ def _reconstruct_span(coef, mean, components, r, t, j0, j1, out):
             out[r, t, j] += a * components[rb, c, j]
 
 
-channel_mean_cpu, channel_mean_dev = twin(_channel_mean, inline=True)
-gram_span_cpu, gram_span_dev = twin(_gram_span, inline=True)
-project_span_cpu, project_span_dev = twin(_project_span, inline=True)
 reconstruct_span_cpu, reconstruct_span_dev = twin(_reconstruct_span, inline=True)
 
 
-# --- CPU twins: prange over the items --------------------------------------------------------
+# --- CPU twins: prange over the items (a whole row each) -------------------------------------
 @cpu_kernel
 def _lowrank_mean_cpu(x, mean):
     """CPU twin of :func:`_lowrank_mean_cuda`: ``prange`` over the ``R·d`` channels."""
-    d = x.shape[2]
-    for e in prange(x.shape[0] * d):
-        r = e // d
-        mean[r, e - r * d] = channel_mean_cpu(x, r, e - r * d)
+    for e in prange(x.shape[0] * x.shape[2]):
+        channel_mean_cpu(x, e, mean)
 
 
 @cpu_kernel
 def _lowrank_gram_cpu(x, mean, gram):
     """CPU twin of :func:`_lowrank_gram_cuda`: ``prange`` over the ``R·d`` Gram rows."""
-    d = x.shape[2]
-    for e in prange(x.shape[0] * d):
-        r = e // d
-        gram_span_cpu(x, mean, r, e - r * d, 0, d, gram)
+    for e in prange(gram.shape[0] * gram.shape[1]):
+        gram_span_cpu(x, mean, e, gram.shape[2], gram)
 
 
 @cpu_kernel
 def _lowrank_project_cpu(x, mean, components, out):
     """CPU twin of :func:`_lowrank_project_cuda`: ``prange`` over the ``R·n`` tokens."""
-    n, rank = out.shape[1], out.shape[2]
-    for e in prange(out.shape[0] * n):
-        r = e // n
-        project_span_cpu(x, mean, components, r, e - r * n, 0, rank, out)
+    for e in prange(out.shape[0] * out.shape[1]):
+        project_span_cpu(x, mean, components, e, out.shape[2], out)
 
 
 @cpu_kernel
 def _lowrank_reconstruct_cpu(coef, mean, components, out):
     """CPU twin of :func:`_lowrank_reconstruct_cuda`: ``prange`` over the ``R·n`` tokens."""
-    n, d = out.shape[1], out.shape[2]
-    for e in prange(out.shape[0] * n):
-        r = e // n
-        reconstruct_span_cpu(coef, mean, components, r, e - r * n, 0, d, out)
+    for e in prange(out.shape[0] * out.shape[1]):
+        reconstruct_span_cpu(coef, mean, components, e, out.shape[2], out)
 
 
 @cpu_kernel
@@ -158,51 +168,34 @@ def _f16_decode_cpu(h, out):
         out[i] = f16_bits_to_f32_cpu(h[i])
 
 
-# --- CUDA kernels: grid-stride over the items ---------------------------------------------------
+# --- CUDA kernels: grid-stride over the items (one output each) -----------------------------
 @cuda_kernel
 def _lowrank_mean_cuda(x, mean):
     """1-D grid over the ``R·d`` channels; one thread averages one channel over the tokens."""
-    d = x.shape[2]
-    for e in range(cuda.grid(1), x.shape[0] * d, cuda.gridsize(1)):
-        r = e // d
-        mean[r, e - r * d] = channel_mean_dev(x, r, e - r * d)
+    for e in range(cuda.grid(1), x.shape[0] * x.shape[2], cuda.gridsize(1)):
+        channel_mean_dev(x, e, mean)
 
 
 @cuda_kernel
 def _lowrank_gram_cuda(x, mean, gram):
     """1-D grid over the ``R·d·d`` Gram entries; one thread sums one entry over the tokens
     (``mean`` from :func:`_lowrank_mean_cuda`, launched first)."""
-    d = x.shape[2]
-    for e in range(cuda.grid(1), x.shape[0] * d * d, cuda.gridsize(1)):
-        r = e // (d * d)
-        rem = e - r * d * d
-        i = rem // d
-        j = rem - i * d
-        gram_span_dev(x, mean, r, i, j, j + 1, gram)
+    for e in range(cuda.grid(1), gram.shape[0] * gram.shape[1] * gram.shape[2], cuda.gridsize(1)):
+        gram_span_dev(x, mean, e, 1, gram)
 
 
 @cuda_kernel
 def _lowrank_project_cuda(x, mean, components, out):
     """1-D grid over the ``R·n·rank`` coefficients; one thread computes one dot product."""
-    n, rank = out.shape[1], out.shape[2]
-    for e in range(cuda.grid(1), out.shape[0] * n * rank, cuda.gridsize(1)):
-        r = e // (n * rank)
-        rem = e - r * n * rank
-        t = rem // rank
-        c = rem - t * rank
-        project_span_dev(x, mean, components, r, t, c, c + 1, out)
+    for e in range(cuda.grid(1), out.shape[0] * out.shape[1] * out.shape[2], cuda.gridsize(1)):
+        project_span_dev(x, mean, components, e, 1, out)
 
 
 @cuda_kernel
 def _lowrank_reconstruct_cuda(coef, mean, components, out):
     """1-D grid over the ``R·n·d`` outputs; one thread reconstructs one value."""
-    n, d = out.shape[1], out.shape[2]
-    for e in range(cuda.grid(1), out.shape[0] * n * d, cuda.gridsize(1)):
-        r = e // (n * d)
-        rem = e - r * n * d
-        t = rem // d
-        j = rem - t * d
-        reconstruct_span_dev(coef, mean, components, r, t, j, j + 1, out)
+    for e in range(cuda.grid(1), out.shape[0] * out.shape[1] * out.shape[2], cuda.gridsize(1)):
+        reconstruct_span_dev(coef, mean, components, e, 1, out)
 
 
 @cuda_kernel
@@ -219,14 +212,12 @@ def _f16_decode_cuda(h, out):
         out[i] = f16_bits_to_f32_dev(h[i])
 
 
-_F3 = "float32[:, :, ::1]"
-_F2 = "float32[:, ::1]"
-_LOWRANK_MEAN = register("lowrank_mean", _lowrank_mean_cpu, _lowrank_mean_cuda, [f"void({_F3}, {_F2})"])
-_LOWRANK_GRAM = register("lowrank_gram", _lowrank_gram_cpu, _lowrank_gram_cuda, [f"void({_F3}, {_F2}, {_F3})"])
+_LOWRANK_MEAN = register("lowrank_mean", _lowrank_mean_cpu, _lowrank_mean_cuda, [f"void({F32_3D}, {F32_2D})"])
+_LOWRANK_GRAM = register("lowrank_gram", _lowrank_gram_cpu, _lowrank_gram_cuda, [f"void({F32_3D}, {F32_2D}, {F32_3D})"])
 _LOWRANK_PROJECT = register("lowrank_project", _lowrank_project_cpu, _lowrank_project_cuda,
-                            [f"void({_F3}, {_F2}, {_F3}, {_F3})"])
+                            [f"void({F32_3D}, {F32_2D}, {F32_3D}, {F32_3D})"])
 _LOWRANK_RECONSTRUCT = register("lowrank_reconstruct", _lowrank_reconstruct_cpu, _lowrank_reconstruct_cuda,
-                                [f"void({_F3}, {_F2}, {_F3}, {_F3})"])
+                                [f"void({F32_3D}, {F32_2D}, {F32_3D}, {F32_3D})"])
 _F16_ENCODE = register("f16_encode", _f16_encode_cpu, _f16_encode_cuda, ["void(float32[::1], uint16[::1])"])
 _F16_DECODE = register("f16_decode", _f16_decode_cpu, _f16_decode_cuda, ["void(uint16[::1], float32[::1])"])
 
@@ -238,6 +229,14 @@ def _contiguous(a: Any) -> Any:
     return a if xp is None else xp.ascontiguousarray(a)
 
 
+def _launch_per_output(op: Twin, dev: str, out: Any, inner: int, *args: Any) -> None:
+    """Launch span op ``op`` with one CUDA item per element of ``out`` (3-D) and ``inner``
+    scalar operations per element (the CPU work estimate); nothing when ``out`` is empty."""
+    items = out.shape[0] * out.shape[1] * out.shape[2]
+    if items:
+        op.launch(dev, items, *args, work=items * inner)
+
+
 def stats_into(x3: Any, mean: Any, gram: Any) -> None:
     """``mean`` ``[R, d]`` and centred ``gram`` ``[R, d, d]`` of ``x3`` ``[R, n, d]``."""
     rows, n, d = x3.shape
@@ -245,25 +244,33 @@ def stats_into(x3: Any, mean: Any, gram: Any) -> None:
         return
     dev = _backend.device_of("x3", x3)
     _LOWRANK_MEAN.launch(dev, rows * d, x3, mean, work=rows * n * d)
-    _LOWRANK_GRAM.launch(dev, rows * d * d, x3, mean, gram, work=rows * n * d * d)
+    _launch_per_output(_LOWRANK_GRAM, dev, gram, n, x3, mean, gram)
 
 
 def project_into(x3: Any, mean: Any, components: Any, out: Any) -> None:
     """``out[r, t] = components[r] · (x3[r, t] − mean[r])`` (``[R, n, rank]``)."""
-    rows, n, rank = out.shape
-    if rows == 0 or n == 0 or rank == 0:
-        return
-    _LOWRANK_PROJECT.launch(_backend.device_of("x3", x3), rows * n * rank, x3, mean, components, out,
-                            work=rows * n * rank * x3.shape[2])
+    _launch_per_output(_LOWRANK_PROJECT, _backend.device_of("x3", x3), out, x3.shape[2], x3, mean, components, out)
 
 
 def reconstruct_into(coef: Any, mean: Any, components: Any, out: Any) -> None:
     """``out[r, t] = mean[r] + coef[r, t] · components[r]`` (``[R, n, d]``)."""
-    rows, n, d = out.shape
-    if rows == 0 or n == 0 or d == 0:
-        return
-    _LOWRANK_RECONSTRUCT.launch(_backend.device_of("out", out), rows * n * d, coef, mean, components, out,
-                                work=rows * n * d * components.shape[1])
+    _launch_per_output(_LOWRANK_RECONSTRUCT, _backend.device_of("out", out), out, components.shape[1], coef, mean,
+                       components, out)
+
+
+def _convert(op: Twin, name: str, a: Any, dtype: Any, expected: str, out_dtype: Any) -> Any:
+    """Run elementwise conversion ``op`` over ``a`` (any shape, dtype ``dtype``; argument
+    ``name``, described as ``expected`` in the error) into a new ``out_dtype`` array of the
+    same shape on the device of ``a``."""
+    dev = _backend.resolve_device("auto", **{name: a})
+    if np.dtype(a.dtype) != dtype:
+        raise TypeError(f"{name}: expected dtype {expected}, got {np.dtype(a.dtype)}")
+    shape = tuple(a.shape)
+    flat = a.reshape(-1)
+    out = _backend.empty(a, (flat.shape[0],), out_dtype)
+    if flat.shape[0]:
+        op.launch(dev, flat.shape[0], _contiguous(flat), out)
+    return out.reshape(shape)
 
 
 def f16_encode(x: Any) -> Any:
@@ -279,38 +286,20 @@ def f16_encode(x: Any) -> Any:
     Returns
     -------
     uint16 array, shape of ``x``.
+
+    Raises
+    ------
+    TypeError
+        ``x`` is not float32 (:func:`f16_decode` likewise for ``h`` not uint16).
     """
-    dev = _backend.resolve_device("auto", x=x)
-    if np.dtype(x.dtype) != np.float32:
-        raise TypeError(f"x: expected dtype float32, got {np.dtype(x.dtype)}")
-    shape = tuple(x.shape)
-    flat = x.reshape(-1)
-    out = _backend.empty(x, (flat.shape[0],), np.uint16)
-    if flat.shape[0]:
-        _F16_ENCODE.launch(dev, flat.shape[0], _contiguous(flat), out)
-    return out.reshape(shape)
+    return _convert(_F16_ENCODE, "x", x, np.float32, "float32", np.uint16)
 
 
 def f16_decode(h: Any) -> Any:
-    """binary16 bit patterns (uint16) → float32 (same shape, same device).
-
-    Parameters
-    ----------
-    h : uint16 array, any shape, C-contiguous (finite patterns).
-
-    Returns
-    -------
-    float32 array, shape of ``h``.
-    """
-    dev = _backend.resolve_device("auto", h=h)
-    if np.dtype(h.dtype) != np.uint16:
-        raise TypeError(f"h: expected dtype uint16 (binary16 bits), got {np.dtype(h.dtype)}")
-    shape = tuple(h.shape)
-    flat = h.reshape(-1)
-    out = _backend.empty(h, (flat.shape[0],), np.float32)
-    if flat.shape[0]:
-        _F16_DECODE.launch(dev, flat.shape[0], _contiguous(flat), out)
-    return out.reshape(shape)
+    """The inverse of :func:`f16_encode`: binary16 bit patterns ``h`` (uint16 array, any
+    shape, C-contiguous, finite patterns) → float32 array of the shape of ``h``, on its
+    device."""
+    return _convert(_F16_DECODE, "h", h, np.uint16, "uint16 (binary16 bits)", np.float32)
 
 
 # --- host-side fitting -------------------------------------------------------------------

@@ -13,6 +13,7 @@ from numba import cuda, prange
 
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel
+from ._index import unravel3_dev
 from ._registry import register
 
 
@@ -30,15 +31,9 @@ def _copy_tokens_cpu(src, s0, n, dst, d0):
 @cuda_kernel
 def _copy_tokens_cuda(src, s0, n, dst, d0):
     """1-D grid over the ``rows·n·width`` copied elements; one thread copies one."""
-    rows = src.shape[0]
     width = src.shape[2]
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for i in range(start, rows * n * width, stride):
-        r = i // (n * width)
-        rem = i - r * n * width
-        t = rem // width
-        w = rem - t * width
+    for i in range(cuda.grid(1), src.shape[0] * n * width, cuda.gridsize(1)):
+        r, t, w = unravel3_dev(i, n, width)
         dst[r, d0 + t, w] = src[r, s0 + t, w]
 
 

@@ -55,6 +55,7 @@ from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
 from .._validate import check_f16_result, check_float_array
 from ._exact import mul_rn, mul_rn_dev
+from ._index import unravel2_cpu, unravel2_dev, unravel3_dev
 from ._registry import register
 from .finite import check_finite
 from .half import f16_bits_to_f32, f32_to_f16_bits_sat
@@ -202,8 +203,7 @@ def _qjl_signs_cpu(r, sketch, t0, signs, norms):
     for c in prange((nt + _TOK_CHUNK - 1) // _TOK_CHUNK):
         acc = np.empty(m, dtype=np.float32)
         for e in range(c * _TOK_CHUNK, min(nt, (c + 1) * _TOK_CHUNK)):
-            row = e // n
-            tok = e - row * n
+            row, tok = unravel2_cpu(e, n)
             x = r[row, tok]
             for j in range(m):
                 acc[j] = float32(0.0)
@@ -257,11 +257,8 @@ def _qjl_signs_cuda(r, sketch, t0, signs, norms):
     rows, n, d = r.shape
     m = sketch.shape[0]
     acc = cuda.local.array(8, dtype=float32)
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for e in range(start, rows * n, stride):
-        row = e // n
-        tok = e - row * n
+    for e in range(cuda.grid(1), rows * n, cuda.gridsize(1)):
+        row, tok = unravel2_dev(e, n)
         x = r[row, tok]
         sb = signs[row, t0 + tok]
         for b in range(m // 8):
@@ -280,13 +277,8 @@ def _qjl_scores_cuda(sq, signs, norms, n, cst, out):
     """1-D grid over the ``g·rows·n`` scores, ``t`` fastest (coalesced stores); one thread
     computes one score."""
     g, rows, m = sq.shape
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for e in range(start, g * rows * n, stride):
-        gi = e // (rows * n)
-        rem = e - gi * rows * n
-        rr = rem // n
-        t = rem - rr * n
+    for e in range(cuda.grid(1), g * rows * n, cuda.gridsize(1)):
+        gi, rr, t = unravel3_dev(e, rows, n)
         q = sq[gi, rr]
         sb = signs[gi, t]
         acc = float32(0.0)

@@ -35,7 +35,8 @@ from numba import cuda, float32, int32, int64, prange, uint8
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
 from ._exact import mul_rn
-from ._registry import register
+from ._index import unravel3
+from ._registry import F32_3D, U8_3D, register
 from .gather import gather_rows, to_like
 
 __all__ = ["kmeans", "assign", "decode", "KMEANS_MAX_ITER", "KMEANS_TOL"]
@@ -46,22 +47,24 @@ _INF32 = np.float32(np.inf)
 
 
 # --- single-source cores --------------------------------------------------------------
-# One token ``(r, t)`` holds ``M`` sub-vectors; the token cores handle the sub-spaces
-# ``[m0, m1)`` of one token.  The CPU twins ``prange`` over tokens with the whole span (a
-# call per token, not per sub-vector: the call and its index set-up cost as much as a
-# short sub-vector's work), the CUDA kernels grid-stride over (token, sub-space) items with
-# a span of one.  Accumulation items are (codebook g, channel j) on both.  Every output is
+# One token ``(r, t)`` holds ``M`` sub-vectors; the token cores handle the ``span``
+# sub-vectors from flat sub-vector ``e·span`` on (C order over ``[R, n, M]``; ``span``
+# divides ``M``: ``[m0, m0 + span)`` of one token).  The CPU twins ``prange`` over tokens
+# with the whole span (a call per token, not per sub-vector: the call and its index set-up
+# cost as much as a short sub-vector's work), the CUDA kernels grid-stride over (token,
+# sub-space) items with a span of one.  Accumulation items are (codebook g, channel j) on both.  Every output is
 # computed with the same float32 operations in the same order on both twins.  Rows are read
 # through views indexed from 0 (no negative-index wraparound code in the inner loops).
-def _assign_span(x, codebooks, r, t, m0, m1, codes, dist):
-    """Nearest codeword (ties: lowest ``k``) and its squared distance, sub-spaces ``[m0, m1)``
-    of token ``(r, t)``."""
+def _assign_span(x, codebooks, e, span, codes, dist):
+    """Nearest codeword (ties: lowest ``k``) and its squared distance, sub-spaces ``[m0, m0 +
+    span)`` of token ``(r, t)``."""
     ng, k_size, ds = codebooks.shape
     m_sub = x.shape[2] // ds
+    r, t, m0 = unravel3(e * span, codes.shape[1], codes.shape[2])
     xr = x[r, t]
     cr = codes[r, t]
     dr = dist[r, t]
-    for m in range(m0, m1):
+    for m in range(m0, m0 + span):
         tab = codebooks[r * m_sub + m if ng > m_sub else m]
         xs = xr[m * ds:m * ds + ds]
         best = _INF32
@@ -78,13 +81,15 @@ def _assign_span(x, codebooks, r, t, m0, m1, codes, dist):
         dr[m] = best
 
 
-def _kmeanspp_span(x, centers, r, t, m0, m1, min_d2):
-    """``min_d2 = min(min_d2, ‖x − centers[g]‖²)``, sub-spaces ``[m0, m1)`` of token ``(r, t)``."""
+def _kmeanspp_span(x, centers, e, span, min_d2):
+    """``min_d2 = min(min_d2, ‖x − centers[g]‖²)``, sub-spaces ``[m0, m0 + span)`` of token
+    ``(r, t)``."""
     ng, ds = centers.shape
     m_sub = x.shape[2] // ds
+    r, t, m0 = unravel3(e * span, min_d2.shape[1], min_d2.shape[2])
     xr = x[r, t]
     mr = min_d2[r, t]
-    for m in range(m0, m1):
+    for m in range(m0, m0 + span):
         c = centers[r * m_sub + m if ng > m_sub else m]
         xs = xr[m * ds:m * ds + ds]
         s = float32(0.0)
@@ -95,11 +100,12 @@ def _kmeanspp_span(x, centers, r, t, m0, m1, min_d2):
             mr[m] = s
 
 
-def _decode_span(codes, codebooks, r, t, m0, m1, out):
-    """``out[r, t, m·ds:(m+1)·ds] = C_g[codes[r, t, m]]`` for sub-spaces ``[m0, m1)``."""
+def _decode_span(codes, codebooks, e, span, out):
+    """``out[r, t, m·ds:(m+1)·ds] = C_g[codes[r, t, m]]`` for sub-spaces ``[m0, m0 + span)``."""
     ng, k_size, ds = codebooks.shape
     m_sub = out.shape[2] // ds
-    for m in range(m0, m1):
+    r, t, m0 = unravel3(e * span, codes.shape[1], codes.shape[2])
+    for m in range(m0, m0 + span):
         g = r * m_sub + m if ng > m_sub else m
         c = codes[r, t, m]
         for j in range(ds):
@@ -130,15 +136,6 @@ def _accumulate_item(x, codes, e, sums, counts):
                 cg[c] += int32(1)
 
 
-def _token_subspace(e, n, m_sub):
-    """(row, token, sub-space) of sub-vector item ``e`` (C order over ``[R, n, M]``)."""
-    r = e // (n * m_sub)
-    rem = e - r * n * m_sub
-    t = rem // m_sub
-    return r, t, rem - t * m_sub
-
-
-_, token_subspace_dev = twin(_token_subspace)
 assign_span_cpu, assign_span_dev = twin(_assign_span, inline=True)
 kmeanspp_span_cpu, kmeanspp_span_dev = twin(_kmeanspp_span, inline=True)
 decode_span_cpu, decode_span_dev = twin(_decode_span, inline=True)  # a few copies per call
@@ -149,10 +146,8 @@ accumulate_item_cpu, accumulate_item_dev = twin(_accumulate_item)
 @cpu_kernel
 def _vq_assign_cpu(x, codebooks, codes, dist):
     """CPU twin of :func:`_vq_assign_cuda`: ``prange`` over the ``R·n`` tokens."""
-    n, m_sub = codes.shape[1], codes.shape[2]
-    for e in prange(codes.shape[0] * n):
-        r = e // n
-        assign_span_cpu(x, codebooks, r, e - r * n, 0, m_sub, codes, dist)
+    for e in prange(codes.shape[0] * codes.shape[1]):
+        assign_span_cpu(x, codebooks, e, codes.shape[2], codes, dist)
 
 
 @cpu_kernel
@@ -165,29 +160,23 @@ def _vq_accumulate_cpu(x, codes, sums, counts):
 @cpu_kernel
 def _kmeanspp_update_cpu(x, centers, min_d2):
     """CPU twin of :func:`_kmeanspp_update_cuda`: ``prange`` over the ``R·n`` tokens."""
-    n, m_sub = min_d2.shape[1], min_d2.shape[2]
-    for e in prange(min_d2.shape[0] * n):
-        r = e // n
-        kmeanspp_span_cpu(x, centers, r, e - r * n, 0, m_sub, min_d2)
+    for e in prange(min_d2.shape[0] * min_d2.shape[1]):
+        kmeanspp_span_cpu(x, centers, e, min_d2.shape[2], min_d2)
 
 
 @cpu_kernel
 def _vq_decode_cpu(codes, codebooks, out):
     """CPU twin of :func:`_vq_decode_cuda`: ``prange`` over the ``R·n`` tokens."""
-    n, m_sub = codes.shape[1], codes.shape[2]
-    for e in prange(codes.shape[0] * n):
-        r = e // n
-        decode_span_cpu(codes, codebooks, r, e - r * n, 0, m_sub, out)
+    for e in prange(codes.shape[0] * codes.shape[1]):
+        decode_span_cpu(codes, codebooks, e, codes.shape[2], out)
 
 
 # --- CUDA kernels: grid-stride over (token, sub-space) / (codebook, channel) items ---------
 @cuda_kernel
 def _vq_assign_cuda(x, codebooks, codes, dist):
     """1-D grid over the ``R·n·M`` sub-vectors; one thread scans the ``K`` codewords of one."""
-    n, m_sub = codes.shape[1], codes.shape[2]
-    for e in range(cuda.grid(1), codes.shape[0] * n * m_sub, cuda.gridsize(1)):
-        r, t, m = token_subspace_dev(e, n, m_sub)
-        assign_span_dev(x, codebooks, r, t, m, m + 1, codes, dist)
+    for e in range(cuda.grid(1), codes.shape[0] * codes.shape[1] * codes.shape[2], cuda.gridsize(1)):
+        assign_span_dev(x, codebooks, e, 1, codes, dist)
 
 
 @cuda_kernel
@@ -201,29 +190,23 @@ def _vq_accumulate_cuda(x, codes, sums, counts):
 @cuda_kernel
 def _kmeanspp_update_cuda(x, centers, min_d2):
     """1-D grid over the ``R·n·M`` sub-vectors; one thread updates the D² weight of one."""
-    n, m_sub = min_d2.shape[1], min_d2.shape[2]
-    for e in range(cuda.grid(1), min_d2.shape[0] * n * m_sub, cuda.gridsize(1)):
-        r, t, m = token_subspace_dev(e, n, m_sub)
-        kmeanspp_span_dev(x, centers, r, t, m, m + 1, min_d2)
+    for e in range(cuda.grid(1), min_d2.shape[0] * min_d2.shape[1] * min_d2.shape[2], cuda.gridsize(1)):
+        kmeanspp_span_dev(x, centers, e, 1, min_d2)
 
 
 @cuda_kernel
 def _vq_decode_cuda(codes, codebooks, out):
     """1-D grid over the ``R·n·M`` sub-vectors; one thread copies the codeword of one."""
-    n, m_sub = codes.shape[1], codes.shape[2]
-    for e in range(cuda.grid(1), codes.shape[0] * n * m_sub, cuda.gridsize(1)):
-        r, t, m = token_subspace_dev(e, n, m_sub)
-        decode_span_dev(codes, codebooks, r, t, m, m + 1, out)
+    for e in range(cuda.grid(1), codes.shape[0] * codes.shape[1] * codes.shape[2], cuda.gridsize(1)):
+        decode_span_dev(codes, codebooks, e, 1, out)
 
 
-_F3 = "float32[:, :, ::1]"
-_U3 = "uint8[:, :, ::1]"
-_VQ_ASSIGN = register("vq_assign", _vq_assign_cpu, _vq_assign_cuda, [f"void({_F3}, {_F3}, {_U3}, {_F3})"])
+_VQ_ASSIGN = register("vq_assign", _vq_assign_cpu, _vq_assign_cuda, [f"void({F32_3D}, {F32_3D}, {U8_3D}, {F32_3D})"])
 _VQ_ACCUMULATE = register("vq_accumulate", _vq_accumulate_cpu, _vq_accumulate_cuda,
-                          [f"void({_F3}, {_U3}, {_F3}, int32[:, ::1])"])
+                          [f"void({F32_3D}, {U8_3D}, {F32_3D}, int32[:, ::1])"])
 _KMEANSPP_UPDATE = register("kmeanspp_update", _kmeanspp_update_cpu, _kmeanspp_update_cuda,
-                            [f"void({_F3}, float32[:, ::1], {_F3})"])
-_VQ_DECODE = register("vq_decode", _vq_decode_cpu, _vq_decode_cuda, [f"void({_U3}, {_F3}, {_F3})"])
+                            [f"void({F32_3D}, float32[:, ::1], {F32_3D})"])
+_VQ_DECODE = register("vq_decode", _vq_decode_cpu, _vq_decode_cuda, [f"void({U8_3D}, {F32_3D}, {F32_3D})"])
 
 
 # --- internal entry points (callers validated: float32 C-contiguous, one device) ------------

