@@ -3,7 +3,7 @@ bits), a branch-free ``expf`` and the register-blocked tile loops of the CPU twi
 paged).
 
 Compiled for the CPU only (LLVM intrinsics, fast-math reductions); the CUDA kernels use the
-single-source cores of :mod:`numba_kv.ops._attention_cores` and ``math.exp`` instead.
+single-source cores of :mod:`numba_kv.ops.attention.cores` and ``math.exp`` instead.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from llvmlite import ir
 from numba import float32, int32, int64, types
 from numba.core.extending import intrinsic
 
-from .._jit import FASTMATH_REDUCE, codegen_has_avx512, cpu_serial
-from ._attention_cores import (
+from ..._jit import FASTMATH_REDUCE, codegen_has_avx512, cpu_serial
+from .cores import (
     NEG_INF,
     decode8_cpu,
     exact_scale_cpu,
@@ -214,7 +214,7 @@ decode_tile_mixed_cpu = cpu_serial(_decode_tile_mixed)
 
 def _exact_tile(ex, exs, kind, g, t0, nt, table, dst):
     """Exact tokens ``t0 … t0 + nt − 1`` of row ``g`` as float32 into ``dst[0:nt]``, from
-    the dtype they are stored in (``kind``, see :func:`~numba_kv.ops._attention_cores._exact_value`;
+    the dtype they are stored in (``kind``, see :func:`~numba_kv.ops.attention.cores._exact_value`;
     ``exs``: the int8 tokens' binary16 scales, ``table``: ``F16_ABS_TABLE``).  The kind is
     loop-invariant: LLVM unswitches the loop."""
     d = dst.shape[1]
@@ -229,7 +229,7 @@ exact_tile_cpu = cpu_serial(_exact_tile, inline=True)
 
 def _unpack_signs_tile(signs, t0, nt, m, pm1, dst):
     """``dst[tt, j] = ±1.0`` for the ``m`` packed QJL signs of token ``t0 + tt`` (bit set =
-    +1, LSB first — :func:`~numba_kv.ops._attention_cores._sign_pm1`), ``tt < nt``: each 32
+    +1, LSB first — :func:`~numba_kv.ops.attention.cores._sign_pm1`), ``tt < nt``: each 32
     signs by the 1-bit block decoder with the codebook ``pm1 = [-1, +1]`` and scale 1 (exact),
     the bytes past a multiple of 32 signs — or rows that are not unit-stride — one by one."""
     m32 = m - m % 32 if signs.strides[1] == 1 else 0

@@ -22,9 +22,9 @@ tokens read theirs from ``exact_pos``.  Query row ``r`` sits at position
 ``logit_bias[g, r, pos]`` is added to the scaled logit (``softmax_scale · q·k``).
 
 Modules: this one is the host API (validation, layouts, launch); the kernels live in
-:mod:`numba_kv.ops._attention_kernels` (flat decode and merge, both twins), their shared
-cores in :mod:`numba_kv.ops._attention_cores` and the CPU-only SIMD helpers in
-:mod:`numba_kv.ops._attention_cpu`.
+:mod:`numba_kv.ops.attention.kernels` (flat decode and merge, both twins), their shared
+cores in :mod:`numba_kv.ops.attention.cores` and the CPU-only SIMD helpers in
+:mod:`numba_kv.ops.attention.cpu`.
 """
 
 from __future__ import annotations
@@ -37,10 +37,17 @@ from typing import Any
 import numba
 import numpy as np
 
-from .. import _backend, _config
-from .._validate import check_float_array, check_shape
-from ._attention_cores import EXACT_F16, EXACT_F32, EXACT_I8
-from ._attention_kernels import (
+from ... import _backend, _config
+from ..._validate import check_float_array, check_shape
+from ..codebook import Codebook, get_codebook
+from ..finite import check_finite, check_rotation_input
+from ..gather import to_like
+from ..hadamard import SIGNS32, rotate32
+from ..headquant import head_signs, rotate_head
+from ..lowrank import project_into
+from ..qjl import qjl_constant, sketch_arg
+from .cores import EXACT_F16, EXACT_F32, EXACT_I8
+from .kernels import (
     DECODE_ATTENTION,
     DECODE_ATTENTION_MMA,
     DECODE_ATTENTION_WARP,
@@ -48,15 +55,8 @@ from ._attention_kernels import (
     MERGE_PARTITIONS,
     rows_per_block,
 )
-from ._attention_mma import MMA_BITS, MMA_HEAD_DIM, MMA_THREADS, mma_partition_size
-from ._attention_warp import VROW, WARP_ROWS, warp_ok
-from .codebook import Codebook, get_codebook
-from .finite import check_finite, check_rotation_input
-from .gather import to_like
-from .hadamard import SIGNS32, rotate32
-from .headquant import head_signs, rotate_head
-from .lowrank import project_into
-from .qjl import qjl_constant, sketch_arg
+from .mma import MMA_BITS, MMA_HEAD_DIM, MMA_THREADS, mma_partition_size
+from .warp import VROW, WARP_ROWS, warp_ok
 
 __all__ = ["CodeLayout", "F16_ABS_TABLE", "code_words", "decode_attention", "default_partition_size",
            "fused_attention_rows", "mma_layout_ok", "mma_operands", "unit_axis", "use_mma_kernel"]
@@ -112,7 +112,7 @@ def mma_layout_ok(layout: CodeLayout) -> bool:
     Returns
     -------
     bool
-        Every block of one width in :data:`~numba_kv.ops._attention_mma.MMA_BITS` with one
+        Every block of one width in :data:`~numba_kv.ops.attention.mma.MMA_BITS` with one
         codebook (the kernels build their pair table from row 0 of the centroids).  Cached per
         layout object."""
     return _mma_layout_ok(layout)
@@ -202,7 +202,7 @@ def use_mma_kernel(dev: str, d: int, has_bias: bool, has_qjl: bool, klayout: Cod
     ----------
     dev : {"cpu", "cuda"}
     d : int
-        head_dim (the kernel takes :data:`~numba_kv.ops._attention_mma.MMA_HEAD_DIM`).
+        head_dim (the kernel takes :data:`~numba_kv.ops.attention.mma.MMA_HEAD_DIM`).
     has_bias, has_qjl : bool
         A logit bias or the QJL correction (only the block kernels apply them).
     klayout, vlayout : CodeLayout

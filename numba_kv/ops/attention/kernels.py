@@ -1,10 +1,10 @@
 """Kernels of the flat fused decode attention and of the partition merge (both twins).
 
-The CPU twins are tile loops tuned for caches and SIMD (:mod:`numba_kv.ops._attention_cpu`);
+The CPU twins are tile loops tuned for caches and SIMD (:mod:`numba_kv.ops.attention.cpu`);
 the CUDA kernels are cooperative: one thread block per (KV row, partition[, row chunk]) with
 the decoded tile, the query rows, the scores and the accumulators in shared memory (no
 per-thread array of head_dim size).  Both run the single-source cores of
-:mod:`numba_kv.ops._attention_cores` for everything they share.
+:mod:`numba_kv.ops.attention.cores` for everything they share.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32, int64, prange, uint8, uint32
 
-from .._config import MAX_CUDA_THREADS
-from .._jit import FASTMATH_REDUCE, cpu_kernel, cuda_kernel, twin
-from ._attention_cores import (
+from ..._config import MAX_CUDA_THREADS
+from ..._jit import FASTMATH_REDUCE, cpu_kernel, cuda_kernel, twin
+from .._registry import register
+from .cores import (
     NEG_INF,
     block_signs_cpu,
     block_signs_dev,
@@ -42,7 +43,7 @@ from ._attention_cores import (
     qjl_dot_dev,
     visible_dev,
 )
-from ._attention_cpu import (
+from .cpu import (
     decode_tile_mixed_cpu,
     decode_tile_simd_cpu,
     exact_tile_cpu,
@@ -51,14 +52,14 @@ from ._attention_cpu import (
     tile_scores_cpu,
     unpack_signs_tile_cpu,
 )
-from ._attention_mma import (
+from .mma import (
     MMA_BLOCKS_PER_SM,
     MMA_TAB_WORDS,
     MMA_THREADS,
     build_tables,
     mma_partition,
 )
-from ._attention_warp import (
+from .warp import (
     SIMULATED,
     WARP_PW,
     WARP_QS,
@@ -76,7 +77,6 @@ from ._attention_warp import (
     store_partition,
     warp_geometry,
 )
-from ._registry import register
 
 #: tokens per CPU tile: a decoded 32-token × d=128 float tile is 16 KiB, stays in L1 while
 #: the score and P·V loops sweep it
@@ -354,7 +354,7 @@ def _decode_attention_warp_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve
     ``(m, l, acc)`` like the block kernel, 32 tokens at a time: lane ``ℓ`` scores token
     ``t0 + ℓ`` against every row and stages its V bytes; the tile's softmax is two warp
     butterflies; then each lane accumulates ``p·v`` for its 4 coordinates over the tile
-    (layouts in :mod:`numba_kv.ops._attention_warp`).  ``has_bias`` and ``has_qjl`` must be
+    (layouts in :mod:`numba_kv.ops.attention.warp`).  ``has_bias`` and ``has_qjl`` must be
     false (the host launches the block kernel for those).
     """
     xbuf = cuda.shared.array(XBUF, dtype=float32)  # the simulator's exchanges only
@@ -396,15 +396,15 @@ def _decode_attention_mma_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve,
                                softmax_scale, bias, has_bias, has_qjl, sq, qsig, qnorm, qjl_const, q_pos0, q_len,
                                causal, part_size, n_comp_parts, part_m, part_l, part_acc):
     """Tensor-core flash-decoding kernel: the warp kernel's grid and partitions, its compressed
-    partitions on ``mma.sync`` (:mod:`numba_kv.ops._attention_mma`).
+    partitions on ``mma.sync`` (:mod:`numba_kv.ops.attention.mma`).
 
     Launch contract: as :func:`_decode_attention_warp_cuda` with blocks of
-    :data:`~numba_kv.ops._attention_mma.MMA_THREADS` threads (its launch bounds), plus ``head_dim`` =
-    :data:`~numba_kv.ops._attention_mma.MMA_HEAD_DIM`, K and V codes each of one width in
-    :data:`~numba_kv.ops._attention_mma.MMA_BITS` with one codebook for every block (row 0
+    :data:`~numba_kv.ops.attention.mma.MMA_THREADS` threads (its launch bounds), plus ``head_dim`` =
+    :data:`~numba_kv.ops.attention.mma.MMA_HEAD_DIM`, K and V codes each of one width in
+    :data:`~numba_kv.ops.attention.mma.MMA_BITS` with one codebook for every block (row 0
     of ``kcent``/``vcent`` is read), and ``kc``/``vc`` the packed codes viewed as ``uint32``
     words and ``ks``/``vs`` the scales, each viewed with a unit axis (``[n_g, 1, capacity,
-    ·]``: the paged kernel's addressing, :func:`~numba_kv.ops._attention_mma.token_address`).
+    ·]``: the paged kernel's addressing, :func:`~numba_kv.ops.attention.mma.token_address`).
     Exact partitions (sinks, window) run the warp kernel's tiles.  The block builds the two
     pair tables in shared memory once.
     """

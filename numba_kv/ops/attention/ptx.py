@@ -31,7 +31,7 @@ from numba import cuda, int32, uint32
 from numba.cuda import types
 from numba.cuda.extending import intrinsic
 
-from .. import _backend
+from ... import _backend
 
 __all__ = ["SIMULATED", "half2_bits", "hmul2", "mma_16816", "pack_half2", "shfl_xor_f32", "shfl_xor_u32",
            "unpack_half2"]

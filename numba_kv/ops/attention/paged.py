@@ -21,10 +21,13 @@ from typing import Any
 import numpy as np
 from numba import cuda, float32, int64, prange, uint8, uint32
 
-from .. import _backend
-from .._jit import FASTMATH_REDUCE, cpu_kernel, cpu_serial, cuda_kernel
-from .._validate import check_float_array
-from ._attention_cores import (
+from ... import _backend
+from ..._jit import FASTMATH_REDUCE, cpu_kernel, cpu_serial, cuda_kernel
+from ..._validate import check_float_array
+from .._registry import register
+from ..finite import check_finite
+from ..hadamard import SIGNS32, rotate32, rotate32_rows
+from .cores import (
     NEG_INF,
     coop_init_rows_dev,
     coop_load_rows_dev,
@@ -37,8 +40,18 @@ from ._attention_cores import (
     paged_bounds_dev,
     visible_dev,
 )
-from ._attention_cpu import decode_tile_simd_cpu, softmax_tile_cpu, tile_pv_cpu, tile_scores_cpu
-from ._attention_kernels import (
+from .cpu import decode_tile_simd_cpu, softmax_tile_cpu, tile_pv_cpu, tile_scores_cpu
+from .flat import (
+    F16_ABS_TABLE,
+    CodeLayout,
+    default_partition_size,
+    launch_attention,
+    launch_merge,
+    mma_operands,
+    use_mma_kernel,
+    use_warp_kernel,
+)
+from .kernels import (
     CPU_TILE,
     MAX_BLOCK_ROWS,
     SMEM_ROWS,
@@ -46,7 +59,7 @@ from ._attention_kernels import (
     SMEM_TILE,
     tile_tokens_dev,
 )
-from ._attention_mma import (
+from .mma import (
     MMA_BLOCKS_PER_SM,
     MMA_TAB_WORDS,
     MMA_THREADS,
@@ -54,7 +67,7 @@ from ._attention_mma import (
     mma_partition,
     mma_partition_size,
 )
-from ._attention_warp import (
+from .warp import (
     SIMULATED,
     VROW,
     WARP_PW,
@@ -73,19 +86,6 @@ from ._attention_warp import (
     store_partition,
     warp_geometry,
 )
-from ._registry import register
-from .attention import (
-    F16_ABS_TABLE,
-    CodeLayout,
-    default_partition_size,
-    launch_attention,
-    launch_merge,
-    mma_operands,
-    use_mma_kernel,
-    use_warp_kernel,
-)
-from .finite import check_finite
-from .hadamard import SIGNS32, rotate32, rotate32_rows
 
 __all__ = ["paged_decode_attention"]
 
@@ -232,7 +232,7 @@ def _paged_decode_attention_warp_cuda(qr, q, kc, ks, vc, vs, kp, vp, compressed,
     n_chunks)`` with whole warps per block, ``head_dim`` in 32, 64, 128 and at most
     :data:`WARP_ROWS` query rows per chunk.  Warp ``w`` of block ``(g, y, c)`` runs
     partition ``y·warps + w`` of sequence·KV head ``g`` (empty past the sequence's end: it
-    stores ``m = -inf``) as the flat warp kernel does (:mod:`numba_kv.ops._attention_warp`).
+    stores ``m = -inf``) as the flat warp kernel does (:mod:`numba_kv.ops.attention.warp`).
     """
     xbuf = cuda.shared.array(XBUF, dtype=float32)  # the simulator's exchanges only
     qs = cuda.shared.array(WARP_QS, dtype=float32)
@@ -273,12 +273,12 @@ def _paged_decode_attention_mma_cuda(qr, q, kc, ks, vc, vs, kp, vp, compressed, 
                                      kv_last_page_len, page_size, n_kv_heads, kcent, vcent, kbits, koff, vbits, voff,
                                      scale_table, softmax_scale, q_len, causal, part_size, part_m, part_l, part_acc):
     """Tensor-core paged kernel: the flat tensor-core kernel's tiles
-    (:func:`~numba_kv.ops._attention_mma.mma_partition`) with page addressing.
+    (:func:`~numba_kv.ops.attention.mma.mma_partition`) with page addressing.
 
     Launch contract: as :func:`_paged_decode_attention_warp_cuda` with blocks of
-    :data:`~numba_kv.ops._attention_mma.MMA_THREADS` threads, PQO codes (``compressed``)
-    of one width each in :data:`~numba_kv.ops._attention_mma.MMA_BITS` with one codebook,
-    ``head_dim`` = :data:`~numba_kv.ops._attention_mma.MMA_HEAD_DIM` and ``kc``/``vc`` viewed
+    :data:`~numba_kv.ops.attention.mma.MMA_THREADS` threads, PQO codes (``compressed``)
+    of one width each in :data:`~numba_kv.ops.attention.mma.MMA_BITS` with one codebook,
+    ``head_dim`` = :data:`~numba_kv.ops.attention.mma.MMA_HEAD_DIM` and ``kc``/``vc`` viewed
     as ``uint32`` words (``[pages, num_kv_heads, page_size, width / 4]``).
     """
     qs = cuda.shared.array(WARP_QS, dtype=float32)

@@ -1,7 +1,7 @@
 """Tensor-core tiles of the compressed decode attention (kernel ``decode_attention_mma``).
 
 One warp walks one partition of one KV row, 16 tokens per tile, with ``mma.sync`` m16n8k16
-(binary16 operands, float32 accumulation; :mod:`numba_kv.ops._mma`) for both products, in the
+(binary16 operands, float32 accumulation; :mod:`numba_kv.ops.attention.ptx`) for both products, in the
 FlashAttention-2 register layout (Dao, arXiv:2307.08691, §3.1): the score accumulators of
 ``Q·Kᵀ`` are, packed to binary16 pairs, exactly the A fragments of ``P·V``, so scores never
 leave the registers.  Dequantization happens in registers straight into the B fragments
@@ -15,7 +15,7 @@ leave the registers.  Dequantization happens in registers straight into the B fr
   lane ``ℓ`` reads replica ``ℓ mod rep``: 32 replicas (3 bits and fewer) make every lane hit
   its own bank, so the random indices cost no bank conflicts.
 * **scores** ``S = Q·Kᵀ`` per 8 tokens: ``A`` = the query rows (row ``gid``; rows past
-  :data:`~numba_kv.ops._attention_warp.WARP_ROWS` are zero), ``B`` = 8 tokens' keys, one
+  :data:`~numba_kv.ops.attention.warp.WARP_ROWS` are zero), ``B`` = 8 tokens' keys, one
   token per lane quad (token ``gid``), lane ``tig`` holding the 32 coordinates of block
   ``tig`` (the reduction order inside a product is free, so the k-slots of the fragments are
   mapped to the coordinates that lie next to each other in the packed bytes: the query
@@ -41,7 +41,7 @@ Flat and paged: :func:`mma_partition` is the whole compressed partition for both
 place they differ (a flat cache's arrays are viewed as ``[rows, 1, capacity, ·]``, a pool's are
 ``[pages, heads, page_size, ·]``).
 
-Simulator: the primitives of :mod:`numba_kv.ops._mma` exchange lanes between block barriers,
+Simulator: the primitives of :mod:`numba_kv.ops.attention.ptx` exchange lanes between block barriers,
 so the kernel is launched there with one warp per block (every lane of a block reaches each
 exchange together).
 """
@@ -53,9 +53,9 @@ import math
 import numpy as np
 from numba import cuda, float32, int64, uint32, uint64
 
-from .._jit import cuda_device_ll as cuda_device
-from ._attention_cores import NEG_INF
-from ._mma import hmul2, mma_16816, pack_half2, shfl_xor_f32
+from ..._jit import cuda_device_ll as cuda_device
+from .cores import NEG_INF
+from .ptx import hmul2, mma_16816, pack_half2, shfl_xor_f32
 
 __all__ = ["LN2", "LOG2E", "MMA_BITS", "MMA_BLOCKS_PER_SM", "MMA_HEAD_DIM", "MMA_TAB_WORDS", "MMA_THREADS", "MMA_TILE",
            "TAB_SLOTS", "build_pair_table", "build_tables", "key_chunk", "load_key", "load_value", "mma_partition",

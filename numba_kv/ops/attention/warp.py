@@ -1,6 +1,6 @@
 """Warp-level device helpers of the warp-per-partition CUDA decode attention.
 
-The kernel (``_decode_attention_warp_cuda`` in :mod:`numba_kv.ops._attention_kernels`) gives
+The kernel (``_decode_attention_warp_cuda`` in :mod:`numba_kv.ops.attention.kernels`) gives
 each warp one partition of one KV row and walks it in tiles of 32 tokens, in two layouts
 (the split of FlashDecoding-style GPU decode kernels):
 
@@ -28,9 +28,9 @@ import math
 
 from numba import cuda, float32, int64
 
-from .. import _backend
-from .._jit import cuda_device
-from ._attention_cores import NEG_INF, exact_scale_dev, exact_value_dev
+from ... import _backend
+from ..._jit import cuda_device
+from .cores import NEG_INF, exact_scale_dev, exact_value_dev
 
 __all__ = ["SIMULATED", "TILE", "VPL", "VROW", "VSC", "WARP_PW", "WARP_QS", "WARP_ROWS", "WARP_STATE", "WARP_VALUES",
            "WARP_VRAW", "WARP_VSC", "XBUF", "compressed_tiles", "exact_tiles", "init_state", "lanes_reduce",
@@ -175,7 +175,7 @@ def init_state(st, acc, sc):
 @cuda_device
 def row_limits(lim, rb, r0, q_pos0, q_len, causal):
     """``lim[r]``: the last position query row ``r0 + r`` sees (the causal rule of
-    ``_visible`` in :mod:`numba_kv.ops._attention_cores`, its modulo out of the token loop);
+    ``_visible`` in :mod:`numba_kv.ops.attention.cores`, its modulo out of the token loop);
     ``-1`` for a row past ``rb`` (sees nothing)."""
     for r in range(WARP_ROWS):
         if r >= rb:

@@ -1,11 +1,11 @@
 """Single-source cores of the fused decode attention, compiled for the CPU and for CUDA.
 
 Shared by the flat (:mod:`numba_kv.ops.attention`) and the paged
-(:mod:`numba_kv.ops.paged_attention`) kernels of both targets:
+(:mod:`numba_kv.ops.attention.paged`) kernels of both targets:
 
 * token decoding: :func:`_decode8` (eight packed indices → scaled centroids), on top of it
   :func:`_load_token_fast` (every block of one width; the CPU twins decode with the vector
-  decoders of :mod:`numba_kv.ops._attention_cpu`, mixed widths included);
+  decoders of :mod:`numba_kv.ops.attention.cpu`, mixed widths included);
 * the partition bounds of the flat (:func:`_partition_bounds`) and the paged
   (:func:`_paged_bounds`) token spaces, the causal visibility rule (:func:`_visible`),
   the QJL sign decoding (:func:`_sign_pm1`, :func:`_qjl_dot`) and the online-softmax state
@@ -26,8 +26,8 @@ import math
 import numpy as np
 from numba import float32, int32, int64
 
-from .._jit import twin
-from ._headquant_lanes import head_scale
+from ..._jit import twin
+from .._headquant_lanes import head_scale
 
 NEG_INF = np.float32(-np.inf)
 
