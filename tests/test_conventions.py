@@ -107,8 +107,6 @@ def test_every_launch_goes_through_twin_launch():
 
 #: kernels still without a launch-contract docstring, by module (the entries may go once clean)
 DOCSTRING_ALLOWED = {
-    "flat.py": "converted in a parallel branch",
-    "paged.py": "converted in a parallel branch",
     "headquant.py": "converted in a parallel branch",
     "finite.py": "converted in a parallel branch",
     "hadamard.py": "converted in a parallel branch",

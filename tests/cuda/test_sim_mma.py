@@ -176,9 +176,9 @@ def test_paged_mma_attention_matches_cpu_twin(monkeypatch):
     handed out interleaved), GQA 4 × causal q_len 2, several partitions per sequence: the
     paged tensor-core kernel against the CPU twin, and it is the kernel that ran."""
     from numba_kv import PagedKVCache
-    from numba_kv.ops.attention import paged
+    from numba_kv.ops.attention import kernels
 
-    launched = spy_launches(monkeypatch, (paged, "PAGED_DECODE_ATTENTION_MMA"))
+    launched = spy_launches(monkeypatch, (kernels, "PAGED_DECODE_ATTENTION_MMA"))
     rng = np.random.default_rng(9)
     caches = [PagedKVCache(num_pages=12, num_layers=1, num_kv_heads=1, head_dim=128, page_size=8,
                            storage="pqo-k3v2") for _ in range(2)]

@@ -21,342 +21,31 @@ tokens read theirs from ``exact_pos``.  Query row ``r`` sits at position
 ``q_pos0 + r % q_len``; with ``causal`` it sees tokens at positions ``<=`` its own.
 ``logit_bias[g, r, pos]`` is added to the scaled logit (``softmax_scale · q·k``).
 
-Modules: this one is the host API (validation, layouts, launch); the kernels live in
-:mod:`numba_kv.ops.attention.kernels` (flat decode and merge, both twins), their shared
-cores in :mod:`numba_kv.ops.attention.cores` and the CPU-only SIMD helpers in
-:mod:`numba_kv.ops.attention.cpu`.
+This module is the flat front end: :func:`decode_attention` validates its arguments and
+:func:`fused_attention_rows` (the caches' entry, which validates nothing) runs the
+:class:`~numba_kv.ops.attention.plan.AttentionPlan` of its shapes.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import numba
 import numpy as np
 
-from ... import _backend, _config
+from ... import _backend
+from ..._config import MAX_HEAD_DIM
 from ..._validate import check_float_array, check_shape
 from ..codebook import Codebook, get_codebook
 from ..finite import check_finite, check_rotation_input
 from ..gather import to_like
-from ..hadamard import SIGNS32, rotate32
+from ..hadamard import rotate32
 from ..headquant import head_signs, rotate_head
 from ..lowrank import project_into
 from ..qjl import qjl_constant, sketch_arg
-from .cores import EXACT_F16, EXACT_F32, EXACT_I8
-from .kernels import (
-    DECODE_ATTENTION,
-    DECODE_ATTENTION_MMA,
-    DECODE_ATTENTION_WARP,
-    MAX_HEAD_DIM,
-    MERGE_PARTITIONS,
-    rows_per_block,
-)
-from .mma import MMA_BITS, MMA_HEAD_DIM, MMA_THREADS, mma_partition_size
-from .warp import VROW, WARP_ROWS, warp_ok
+from .layout import CodeLayout
+from .plan import attention_plan
 
-__all__ = ["CodeLayout", "F16_ABS_TABLE", "code_words", "decode_attention", "default_partition_size",
-           "fused_attention_rows", "mma_layout_ok", "mma_operands", "unit_axis", "use_mma_kernel"]
-
-TILE = 128  # tokens per partition granule (partition sizes are multiples of it)
-#: |binary16| -> float32 for every bit pattern (exact; 256 KiB, stays in L2): scale decoding
-F16_ABS_TABLE = np.abs(np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32))
-F16_ABS_TABLE[~np.isfinite(F16_ABS_TABLE)] = 0.0
-F16_ABS_TABLE.flags.writeable = False
-
-
-def cuda_block_threads() -> int:
-    """Threads per block of the cooperative attention kernels (the ``cuda_threads`` knob;
-    ``cuda_threads_sim`` under the simulator, where every thread is an OS thread)."""
-    return int(_config.get("cuda_threads_sim" if _backend.simulator_enabled() else "cuda_threads"))
-
-
-def check_cuda_head_dim(d: int) -> None:
-    """``ValueError`` unless the CUDA kernels' shared-memory buffers hold head_dim ``d``."""
-    if d > MAX_HEAD_DIM:
-        raise ValueError(f"q: the CUDA decode attention kernels support head_dim <= {MAX_HEAD_DIM} "
-                         f"(static shared memory), got {d}")
-
-
-def use_warp_kernel(dev: str, d: int, has_bias: bool, has_qjl: bool) -> bool:
-    """Whether a decode on ``dev`` runs a warp kernel (flat or paged) instead of a block kernel.
-
-    Parameters
-    ----------
-    dev : {"cpu", "cuda"}
-    d : int
-        head_dim (the warp kernels take 32, 64 and 128).
-    has_bias, has_qjl : bool
-        A logit bias or the QJL correction (only the block kernels apply them).
-
-    Returns
-    -------
-    bool
-        CUDA, the ``cuda_warp_attention`` knob on, neither extra, a head_dim and a block size
-        (whole warps) the warp kernels take."""
-    return (dev == _backend.CUDA and not has_bias and not has_qjl and bool(_config.get("cuda_warp_attention"))
-            and warp_ok(d, cuda_block_threads()))
-
-
-def mma_layout_ok(layout: CodeLayout) -> bool:
-    """Whether the tensor-core kernels read codes of ``layout``.
-
-    Parameters
-    ----------
-    layout : CodeLayout
-        ``bits`` int64 ``(head_dim / 32,)``, ``centroids`` float32 ``(head_dim / 32, 16)``.
-
-    Returns
-    -------
-    bool
-        Every block of one width in :data:`~numba_kv.ops.attention.mma.MMA_BITS` with one
-        codebook (the kernels build their pair table from row 0 of the centroids).  Cached per
-        layout object."""
-    return _mma_layout_ok(layout)
-
-
-@functools.lru_cache(maxsize=256)  # (layouts hash by identity and are immutable)
-def _mma_layout_ok(layout: CodeLayout) -> bool:
-    bits = layout.bits
-    return (len(bits) > 0 and int(bits[0]) in MMA_BITS and bool(np.all(bits == bits[0]))
-            and bool(np.all(layout.centroids == layout.centroids[0])))
-
-
-def code_words(codes: Any) -> Any:
-    """Packed codes as little-endian 32-bit words, without a copy.
-
-    Parameters
-    ----------
-    codes : uint8 array, shape ``(..., width)``
-        NumPy, CuPy or Numba device array whose last axis is contiguous.
-
-    Returns
-    -------
-    uint32 array, shape ``(..., width / 4)``, or None
-        A view on the same device; ``None`` where the array cannot be viewed so (``width``
-        not a multiple of 4, or an array type that refuses the view)."""
-    shape = tuple(int(x) for x in codes.shape)
-    if shape[-1] % 4:
-        return None
-    try:
-        w = codes.view(np.uint32)
-    except (ValueError, TypeError, AttributeError, NotImplementedError):
-        return None
-    return w if tuple(w.shape) == (*shape[:-1], shape[-1] // 4) else None
-
-
-def unit_axis(a: Any) -> Any:
-    """A flat cache's array in the paged pools' ``[page, head, slot, ·]`` addressing, which the
-    tensor-core tiles use for both.
-
-    Parameters
-    ----------
-    a : array, shape ``(n, m, w)``
-        Any dtype; NumPy, CuPy or Numba device array.
-
-    Returns
-    -------
-    array, shape ``(n, 1, m, w)``, or None
-        A view of ``a`` (``None`` where the array type cannot give one)."""
-    try:
-        return a[:, None]  # NumPy, CuPy: a view whatever the strides
-    except (TypeError, IndexError, ValueError, NotImplementedError):
-        pass
-    try:  # Numba device arrays (contiguous ones)
-        return a.reshape(int(a.shape[0]), 1, int(a.shape[1]), int(a.shape[2]))
-    except (ValueError, TypeError, AttributeError, NotImplementedError):
-        return None
-
-
-def mma_operands(kc: Any, ks: Any, vc: Any, vs: Any, flat: bool) -> tuple | None:
-    """The codes and scales as the tensor-core kernels read them.
-
-    Parameters
-    ----------
-    kc, vc : uint8 array, shape ``(n_g, capacity, width)`` (flat) or ``(pages, num_kv_heads,
-        page_size, width)`` (paged)
-    ks, vs : uint16 array, the same leading shape, last axis the stored binary16 scales
-    flat : bool
-        Flat cache arrays (they get a unit head axis, :func:`unit_axis`).
-
-    Returns
-    -------
-    tuple ``(kc32, ks, vc32, vs)`` of 4-D views, or None
-        Codes as uint32 words (:func:`code_words`); ``None`` where one array cannot be viewed
-        so (the caller then runs the warp kernel)."""
-    kw, vw = code_words(kc), code_words(vc)
-    out = (kw, ks, vw, vs)
-    if flat and kw is not None and vw is not None:
-        out = tuple(unit_axis(a) for a in out)
-    return None if any(a is None for a in out) else out
-
-
-def use_mma_kernel(dev: str, d: int, has_bias: bool, has_qjl: bool, klayout: CodeLayout,
-                   vlayout: CodeLayout) -> bool:
-    """Whether a flat decode on ``dev`` runs the tensor-core kernel (``decode_attention_mma``).
-
-    Parameters
-    ----------
-    dev : {"cpu", "cuda"}
-    d : int
-        head_dim (the kernel takes :data:`~numba_kv.ops.attention.mma.MMA_HEAD_DIM`).
-    has_bias, has_qjl : bool
-        A logit bias or the QJL correction (only the block kernels apply them).
-    klayout, vlayout : CodeLayout
-        The code layouts of K and V (:func:`mma_layout_ok`).
-
-    Returns
-    -------
-    bool
-        The warp kernel would run (:func:`use_warp_kernel`), the ``cuda_mma_attention`` knob
-        is on, ``d`` is 128 and both layouts are uniform with a pair table."""
-    return (d == MMA_HEAD_DIM and bool(_config.get("cuda_mma_attention"))
-            and use_warp_kernel(dev, d, has_bias, has_qjl) and mma_layout_ok(klayout) and mma_layout_ok(vlayout))
-
-
-def launch_attention(dev: str, twin: Any, args: tuple, n_g: int, n_parts: int, rows: int, d: int,
-                     work: int, warp: bool = False) -> None:
-    """Run a partition kernel (flat or paged) on ``dev``: CPU ``work`` scalar operations, or
-    the cooperative CUDA grid ``(n_g, n_parts, row chunks)`` (KV rows on x, which allows
-    2**31 − 1 blocks; y and z allow 65535); ``warp``: the warp kernel's grid ``(n_g,
-    ceil(n_parts / warps per block), ceil(rows / WARP_ROWS))``."""
-    grid = None  # (the CPU twin needs no geometry: not computed per decode step)
-    if dev == _backend.CUDA:
-        check_cuda_head_dim(d)
-        threads = cuda_block_threads()
-        if warp:
-            if twin.name.endswith("_mma"):
-                # its launch bounds; in the simulator one warp per block (its simulated warp
-                # primitives need every lane of a block together)
-                threads = 32 if _backend.simulator_enabled() else MMA_THREADS
-            grid = ((n_g, -(-n_parts // (threads // 32)), -(-rows // WARP_ROWS)), threads)
-        else:
-            grid = ((n_g, n_parts, -(-rows // rows_per_block(min(d, MAX_HEAD_DIM)))), threads)
-    twin.launch(dev, n_g * n_parts, *args, work=work, grid=grid)
-
-
-def launch_merge(dev: str, margs: tuple, n_g: int, rows: int, d: int, work: int) -> None:
-    """Run the partition merge on ``dev``: grid ``(n_g, rows)`` on CUDA."""
-    grid = ((n_g, rows), cuda_block_threads()) if dev == _backend.CUDA else None
-    MERGE_PARTITIONS.launch(dev, n_g * rows, *margs, work=work, grid=grid)
-
-
-def default_partition_size(n_tokens: int, n_rows_kv: int, device: str, warp: bool = False) -> int:
-    """Tokens per partition: enough partitions to occupy the machine, at least one tile.
-
-    ``warp``: for the warp kernels (one warp per partition), about ``n_rows_kv · n_tokens /
-    16384`` tokens per warp (about 16K warps, some 120 queued per SM of an H100) in
-    multiples of 32 between 64 and 1024: much longer partitions would leave SMs idle at
-    small batch, shorter ones make the merge's partial sums a larger share of the bytes
-    read."""
-    if device == _backend.CPU:
-        want = 4 * numba.get_num_threads()
-        per = -(-n_tokens // max(1, -(-want // max(n_rows_kv, 1))))
-        return int(max(4 * TILE, -(-per // TILE) * TILE))
-    if _backend.simulator_enabled():
-        return 64
-    if warp:
-        per = -(-max(n_rows_kv, 1) * n_tokens // 16384)
-        return int(min(1024, max(64, -(-per // 32) * 32)))
-    return 256
-
-
-@dataclass(frozen=True, eq=False)
-class CodeLayout:
-    """Byte layout of one compressed vector, as the fused kernels read it.
-
-    Block ``b`` (32 rotated coordinates) holds ``bits[b]``-bit indices at bytes
-    ``offsets[b] .. offsets[b] + 4·bits[b]`` and decodes through ``centroids[b]``;
-    ``scale_group`` consecutive blocks share one stored binary16 scale (1 for the
-    32-block rotation, ``head_dim / 32`` for the whole-head rotation).
-
-    Attributes
-    ----------
-    bits, offsets : int64 arrays, shape ``(head_dim / 32,)``
-    centroids : float32 array, shape ``(head_dim / 32, 16)`` (row ``b`` padded with zeros)
-    scale_group : int
-    """
-
-    bits: np.ndarray
-    offsets: np.ndarray
-    centroids: np.ndarray
-    scale_group: int = 1
-
-    @property
-    def width(self) -> int:
-        """Packed bytes per vector."""
-        return int(4 * self.bits.sum())
-
-    @property
-    def scale_shift(self) -> int:
-        """``log2(scale_group)`` (the kernels shift instead of dividing)."""
-        return int(self.scale_group).bit_length() - 1
-
-    @property
-    def num_scales(self) -> int:
-        """Stored scales per vector."""
-        return len(self.bits) // self.scale_group
-
-    @classmethod
-    def from_blocks(cls, codebooks: Sequence[Any], scale_group: int = 1) -> CodeLayout:
-        """Layout with one codebook per 32-block (``codebooks[b]``), blocks packed back to back."""
-        nb = len(codebooks)
-        bits = np.array([cb.bits for cb in codebooks], dtype=np.int64)
-        offsets = np.concatenate([[0], np.cumsum(4 * bits)[:-1]]).astype(np.int64)
-        cents = np.zeros((nb, 16), dtype=np.float32)
-        for i, cb in enumerate(codebooks):
-            cents[i, :cb.centroids.shape[0]] = cb.centroids
-        for a in (bits, offsets, cents):
-            a.flags.writeable = False
-        if scale_group < 1 or scale_group & (scale_group - 1) or nb % scale_group:
-            raise ValueError(f"scale_group: expected a power of two dividing the {nb} blocks, got {scale_group}")
-        return cls(bits, offsets, cents, int(scale_group))
-
-    @classmethod
-    def uniform(cls, codebook: Any, head_dim: int, scale_group: int = 1) -> CodeLayout:
-        """Every block with the same codebook (cached per codebook and geometry)."""
-        return _uniform_layout(codebook, int(head_dim), int(scale_group))
-
-
-@functools.cache
-def _uniform_layout(codebook: Any, head_dim: int, scale_group: int) -> CodeLayout:
-    return CodeLayout.from_blocks([codebook] * (head_dim // 32), scale_group)
-
-
-# Placeholders for the kernel arguments of an absent QJL correction and logit bias (never
-# read: the kernels test ``has_qjl``/``has_bias``), made once and reused per device through
-# ``_backend.constant`` instead of allocated per decode step.  Left writable: the kernels
-# are compiled for the writable array types of the real arguments.
-_NO_QJL = (np.zeros((1, 1, 8), np.float32), np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1), np.uint16))
-_NO_BIAS = np.zeros((1, 1, 1), np.float32)
-_NO_SCALES = np.zeros((1, 1, 1), np.uint16)
-
-
-def _no_qjl(like: Any) -> tuple:
-    return tuple(_backend.constant(like, a) for a in _NO_QJL) + (np.float32(0.0),)
-
-
-def _exact_args(like: Any, ke: Any, ve: Any, exact_scales: tuple | None) -> tuple:
-    """``(ke, ve, kes, ves, exact_kind)`` of the fused kernel for exact tokens stored as
-    float32, binary16 (``float16`` or its ``uint16`` bit patterns) or int8 (with
-    ``exact_scales`` = the per-token binary16 scales ``[n_g, >= n_exact, 1]`` uint16)."""
-    dt = np.dtype(ke.dtype)
-    if dt == np.int8:
-        if exact_scales is None:
-            raise ValueError("exact_scales: int8 exact tokens need their binary16 scales, got None")
-        return ke, ve, exact_scales[0], exact_scales[1], EXACT_I8
-    kes = ves = _backend.constant(like, _NO_SCALES)
-    if dt == np.float32:
-        return ke, ve, kes, ves, EXACT_F32
-    if dt == np.float16:
-        ke, ve = ke.view(np.uint16), ve.view(np.uint16)
-        dt = np.dtype(np.uint16)
-    if dt == np.uint16:
-        return ke, ve, kes, ves, EXACT_F16
-    raise TypeError(f"k_exact: expected float32, float16 (or its uint16 bits) or int8 tokens, got {dt}")
+__all__ = ["decode_attention", "fused_attention_rows"]
 
 
 def fused_attention_rows(qr: Any, q: Any, kc: Any, ks: Any, vc: Any, vs: Any, n_comp: int, comp_pos0: int,
@@ -382,54 +71,11 @@ def fused_attention_rows(qr: Any, q: Any, kc: Any, ks: Any, vc: Any, vs: Any, n_
     int8 window) and ``q`` is ``qr``; the merge then rotates every partition's sum back, the
     exact ones included.  Returns ``out`` ``[n_g, rows, d]`` float32 on the device of ``qr``.
     """
-    n_g, rows, d = qr.shape
-    dev = _backend.device_of("q", qr)
-    n_exact = int(n_exact)
-    # (the warp kernel stages each token's packed V bytes: at most VROW per token)
-    warp = use_warp_kernel(dev, d, bias is not None, qjl is not None) and int(vc.shape[2]) <= VROW
-    words = None  # codes and scales as the tensor-core kernel reads them, where it runs
-    if warp and use_mma_kernel(dev, d, bias is not None, qjl is not None, klayout, vlayout):
-        words = mma_operands(kc, ks, vc, vs, flat=True)
-    if part_size is None:
-        if words is not None and not _backend.simulator_enabled():
-            part_size = mma_partition_size(max(n_comp, n_exact, 1), n_g)
-        else:
-            part_size = default_partition_size(max(n_comp, n_exact, 1), n_g, dev, warp)
-    n_cp = -(-n_comp // part_size)
-    n_ep = -(-n_exact // part_size)
-    n_parts = max(n_cp + n_ep, 1)
-    if n_cp + n_ep == 0:
-        raise ValueError("k: expected at least one stored token to attend over, got none")
-    part_m = _backend.empty(qr, (n_g, n_parts, rows), np.float32)
-    part_l = _backend.empty(qr, (n_g, n_parts, rows), np.float32)
-    part_acc = _backend.empty(qr, (n_g, n_parts, rows, d), np.float32)
-    out = _backend.empty(qr, (n_g, rows, d), np.float32)
-    has_bias = bias is not None
-    if bias is None:
-        bias = _backend.constant(qr, _NO_BIAS)
-    has_qjl = qjl is not None
-    sq, qsig, qnorm, qconst = qjl if has_qjl else _no_qjl(qr)
-    c = functools.partial(_backend.constant, qr)
-    ke, ve, kes, ves, exact_kind = _exact_args(qr, ke, ve, exact_scales)
-    args = (qr, q, kc, ks, vc, vs, int(n_comp), int(comp_pos0), ke, ve, n_exact, exact_pos, kes, ves, exact_kind,
-            c(klayout.centroids), c(vlayout.centroids), c(klayout.bits), c(klayout.offsets), c(vlayout.bits),
-            c(vlayout.offsets), klayout.scale_shift, c(F16_ABS_TABLE), np.float32(softmax_scale), bias, has_bias,
-            has_qjl, sq, qsig, qnorm, np.float32(qconst), int(q_pos0), int(q_len), bool(causal), int(part_size),
-            int(n_cp), part_m, part_l, part_acc)
-    kernel = DECODE_ATTENTION_WARP if warp else DECODE_ATTENTION
-    if words is not None:
-        kernel = DECODE_ATTENTION_MMA
-        args = args[:2] + words + args[6:]
-    head_rot = head_signs is not None
-    # the merge rotates partitions [0, n_rot) back: the compressed ones, and the exact ones too
-    # when they were attended in the rotated domain
-    n_rot = n_parts if exact_rotated else n_cp
-    margs = (part_m, part_l, part_acc, int(n_rot), c(SIGNS32), head_rot,
-             head_signs if head_rot else c(SIGNS32))
-    work = n_g * rows * d * (n_comp + n_exact)
-    launch_attention(dev, kernel, args, n_g, n_parts, rows, d, work, warp)
-    launch_merge(dev, margs + (out,), n_g, rows, d, work // max(n_comp + n_exact, 1) * n_parts)
-    return out
+    n_g, rows, d = (int(x) for x in qr.shape)
+    plan = attention_plan(qr, paged=False, n_g=n_g, rows=rows, d=d, klayout=klayout, vlayout=vlayout,
+                          v_width=int(vc.shape[2]), has_bias=bias is not None, has_qjl=qjl is not None)
+    return plan.run_flat(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, softmax_scale, bias,
+                         q_pos0, q_len, causal, part_size, head_signs, qjl, exact_rotated, exact_scales)
 
 
 def _codebook_for(name: str, bits: Any, norm_mode: str, codebook: Any, block: int = 32):

@@ -1,10 +1,15 @@
-"""Kernels of the flat fused decode attention and of the partition merge (both twins).
+"""The partition kernels of the decode attention, flat and paged (every registered twin).
 
-The CPU twins are tile loops tuned for caches and SIMD (:mod:`numba_kv.ops.attention.cpu`);
-the CUDA kernels are cooperative: one thread block per (KV row, partition[, row chunk]) with
-the decoded tile, the query rows, the scores and the accumulators in shared memory (no
-per-thread array of head_dim size).  Both run the single-source cores of
-:mod:`numba_kv.ops.attention.cores` for everything they share.
+Flat caches (``decode_attention``, ``decode_attention_warp``, ``decode_attention_mma``) and
+paged pools (``paged_decode_attention*``): one CPU twin each (tile loops tuned for caches and
+SIMD, :mod:`numba_kv.ops.attention.cpu`) and three CUDA variants: the cooperative block kernel
+(one thread block per (KV row, partition[, row chunk]) with the decoded tile, the query rows,
+the scores and the accumulators in shared memory), the warp kernel (one warp per partition,
+:mod:`numba_kv.ops.attention.warp`) and the tensor-core kernel (:mod:`numba_kv.ops.attention.mma`,
+whose one source serves flat and paged through ``token_address``).  All run the single-source
+cores of :mod:`numba_kv.ops.attention.cores` for everything they share; the
+:class:`~numba_kv.ops.attention.plan.AttentionPlan` picks the variant and the grid.  The merge
+of the partitions is :mod:`numba_kv.ops.attention.merge`.
 """
 
 from __future__ import annotations
@@ -13,31 +18,21 @@ import numpy as np
 from numba import cuda, float32, int64, prange, uint8, uint32
 
 from ..._config import MAX_CUDA_THREADS
-from ..._jit import FASTMATH_REDUCE, cpu_kernel, cuda_kernel, twin
+from ..._jit import FASTMATH_REDUCE, cpu_kernel, cpu_serial, cuda_kernel, twin
 from .._registry import register
 from .cores import (
     NEG_INF,
-    block_signs_cpu,
-    block_signs_dev,
-    butterfly_pairs_cpu,
-    butterfly_pairs_dev,
     coop_init_rows_dev,
     coop_load_rows_dev,
     coop_pv_dev,
     coop_softmax_rows_dev,
     coop_store_rows_dev,
     coop_tile_flat_dev,
+    coop_tile_paged_dev,
     dot_shared_dev,
-    inverse_scale_cpu,
-    inverse_scale_dev,
     is_uniform_cpu,
-    merge_column_dev,
-    merge_denom_cpu,
-    merge_denom_dev,
-    merge_max_cpu,
-    merge_max_dev,
-    merge_weights_cpu,
-    merge_weights_dev,
+    paged_bounds_cpu,
+    paged_bounds_dev,
     partition_bounds_cpu,
     partition_bounds_dev,
     qjl_dot_dev,
@@ -72,6 +67,8 @@ from .warp import (
     compressed_tiles,
     exact_tiles,
     init_state,
+    paged_compressed_tiles,
+    paged_float_tiles,
     row_limits,
     stage_queries,
     store_partition,
@@ -81,7 +78,6 @@ from .warp import (
 #: tokens per CPU tile: a decoded 32-token × d=128 float tile is 16 KiB, stays in L1 while
 #: the score and P·V loops sweep it
 CPU_TILE = 32
-MAX_HEAD_DIM = 512
 # Static shared memory of the cooperative CUDA kernels (float32 elements), 45 KiB in all,
 # under the 48 KiB a block may declare statically:
 #: query rows and accumulators of a block: ``rows_per_block · head_dim`` each
@@ -94,8 +90,6 @@ SMEM_SCORES = 1024
 MAX_BLOCK_ROWS = 64
 #: most tokens per CUDA tile
 MAX_TILE_TOKENS = 32
-#: partitions whose merge weights one merge block holds at a time
-MERGE_CHUNK = 256
 
 
 def _tile_tokens(d):
@@ -189,74 +183,6 @@ def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
             for j in range(d):
                 part_acc[g, p, r, j] = acc[r, j]
 
-
-
-def _merge_row(part_m, part_l, part_acc, g, r, n_comp_parts, signs, head_rot, hsigns, wbuf, buf, out):
-    """Combine the partitions of query row ``(g, r)`` into ``out[g, r]`` (CPU twin; the CUDA
-    kernel runs the same cores with a block of threads).
-
-    The compressed partitions accumulated in the rotated domain: their sum is
-    inverse-rotated per 32-block (``head_rot`` false, signs ``signs``) or over the whole
-    head (signs ``hsigns``); the exact partitions are added after it, then the row is
-    normalized.  ``wbuf`` holds ``n_parts`` floats, ``buf`` ``d``.
-    """
-    n_parts = part_m.shape[1]
-    d = out.shape[2]
-    m_star = merge_max_cpu(part_m, g, r, n_parts)
-    if m_star == NEG_INF:  # no visible token (cannot happen with causal decode)
-        for j in range(d):
-            out[g, r, j] = float32(0.0)
-        return
-    merge_weights_cpu(part_m, g, r, 0, n_parts, 1, m_star, wbuf, 0)
-    # merge_column's sums, partition by partition over the contiguous row of each (the same
-    # additions in the same order as column by column, which indexed part_acc four ways per
-    # term and did not vectorize: ~0.4 µs a row of 64 before)
-    for j in range(d):
-        buf[j] = float32(0.0)
-    _add_partitions(part_m, part_acc, g, r, 0, n_comp_parts, wbuf, buf)
-    if n_comp_parts > 0:
-        if not head_rot:
-            block_signs_cpu(buf, d, 0, 1, signs)
-        h = 1
-        while h < (d if head_rot else 32):
-            butterfly_pairs_cpu(buf, h, d, 0, 1)
-            h *= 2
-        inverse_scale_cpu(buf, d, 0, 1, head_rot, hsigns)
-    inv = float32(1.0) / merge_denom_cpu(part_m, part_l, g, r, n_parts, m_star)
-    _add_partitions(part_m, part_acc, g, r, n_comp_parts, n_parts, wbuf, buf)
-    orow = out[g, r]
-    for j in range(d):
-        orow[j] = buf[j] * inv
-
-
-def _add_partitions(part_m, part_acc, g, r, p_lo, p_hi, wbuf, buf):
-    """``buf += Σ_{p_lo <= p < p_hi} wbuf[p] · acc_p`` for row ``(g, r)``, skipping empty
-    partitions: :func:`merge_column` for every column at once (CPU)."""
-    d = buf.shape[0]
-    for p in range(p_lo, p_hi):
-        if part_m[g, p, r] != NEG_INF:
-            w = wbuf[p]
-            src = part_acc[g, p, r]
-            for j in range(d):
-                buf[j] += w * src[j]
-
-
-add_partitions_cpu = twin(_add_partitions, inline=True)[0]
-merge_row_cpu = twin(_merge_row, inline=True)[0]
-
-
-@cpu_kernel
-def _merge_partitions_cpu(part_m, part_l, part_acc, n_comp_parts, signs, head_rot, hsigns, out):
-    """CPU twin of the merge: one work item per KV row (``prange``), its query rows in turn
-    (one scratch allocation per KV row: at decode sizes an allocation per query row cost as
-    much as its merge)."""
-    n_g, n_parts, rows = part_m.shape
-    d = out.shape[2]
-    for g in prange(n_g):
-        wbuf = np.empty(n_parts, dtype=np.float32)
-        buf = np.empty(d, dtype=np.float32)
-        for r in range(rows):
-            merge_row_cpu(part_m, part_l, part_acc, g, r, n_comp_parts, signs, head_rot, hsigns, wbuf, buf, out)
 
 
 # --- CUDA kernels ------------------------------------------------------------------------
@@ -439,63 +365,6 @@ def _decode_attention_mma_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve,
         store_partition(st, acc, active, rb, g, p, r0, d, part_m, part_l, part_acc, xbuf, tid)
 
 
-@cuda_kernel
-def _merge_partitions_cuda(part_m, part_l, part_acc, n_comp_parts, signs, head_rot, hsigns, out):
-    """Cooperative merge of the partitions (log-sum-exp).
-
-    Launch contract: grid ``(n_g, rows)``, any block size.  Block ``(g, r)`` merges query
-    row ``(g, r)``: each thread owns the columns ``j = tid, tid + blockDim, …`` of the
-    shared row buffer; the partition weights are computed :data:`MERGE_CHUNK` at a time
-    into shared memory, the inverse rotation of the compressed sum runs as butterfly stages
-    over the shared buffer (one pair per thread and step, ``syncthreads`` between stages).
-    Same cores and arithmetic as the CPU twin's :func:`_merge_row`.
-    """
-    buf = cuda.shared.array(MAX_HEAD_DIM, dtype=float32)
-    wbuf = cuda.shared.array(MERGE_CHUNK, dtype=float32)
-    n_parts = part_m.shape[1]
-    d = out.shape[2]
-    g = cuda.blockIdx.x
-    r = cuda.blockIdx.y
-    tid = cuda.threadIdx.x
-    nth = cuda.blockDim.x
-    m_star = merge_max_dev(part_m, g, r, n_parts)
-    if m_star == NEG_INF:  # the whole block agrees: every thread read the same maxima
-        for j in range(tid, d, nth):
-            out[g, r, j] = float32(0.0)
-        return
-    for j in range(tid, d, nth):
-        buf[j] = float32(0.0)
-    for c0 in range(0, n_comp_parts, MERGE_CHUNK):
-        c1 = min(n_comp_parts, c0 + MERGE_CHUNK)
-        cuda.syncthreads()
-        merge_weights_dev(part_m, g, r, c0 + tid, c1, nth, m_star, wbuf, c0)
-        cuda.syncthreads()
-        for j in range(tid, d, nth):
-            buf[j] = merge_column_dev(wbuf, part_m, part_acc, g, r, j, c0, c1, c0, buf[j])
-    if n_comp_parts > 0:
-        cuda.syncthreads()
-        if not head_rot:
-            block_signs_dev(buf, d, tid, nth, signs)
-            cuda.syncthreads()
-        h = 1
-        h_end = d if head_rot else 32
-        while h < h_end:
-            butterfly_pairs_dev(buf, h, d, tid, nth)
-            cuda.syncthreads()
-            h *= 2
-        inverse_scale_dev(buf, d, tid, nth, head_rot, hsigns)
-    for c0 in range(n_comp_parts, n_parts, MERGE_CHUNK):
-        c1 = min(n_parts, c0 + MERGE_CHUNK)
-        cuda.syncthreads()
-        merge_weights_dev(part_m, g, r, c0 + tid, c1, nth, m_star, wbuf, c0)
-        cuda.syncthreads()
-        for j in range(tid, d, nth):
-            buf[j] = merge_column_dev(wbuf, part_m, part_acc, g, r, j, c0, c1, c0, buf[j])
-    inv = float32(1.0) / merge_denom_dev(part_m, part_l, g, r, n_parts, m_star)
-    for j in range(tid, d, nth):
-        out[g, r, j] = buf[j] * inv
-
-
 _ASIG = ("void(float32[:, :, ::1], float32[:, :, ::1], uint8[:, :, ::1], uint16[:, :, ::1], uint8[:, :, ::1], "
          "uint16[:, :, ::1], int64, int64, {exact}[:, :, ::1], {exact}[:, :, ::1], int64, int32[::1], "
          "uint16[:, :, ::1], uint16[:, :, ::1], int64, "
@@ -504,8 +373,6 @@ _ASIG = ("void(float32[:, :, ::1], float32[:, :, ::1], uint8[:, :, ::1], uint16[
          "boolean, float32[:, :, ::1], uint8[:, :, ::1], uint16[:, ::1], float32, "
          "int64, int64, boolean, int64, int64, "
          "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1])")
-_MSIG = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1], int64, float32[::1], boolean, "
-         "float32[::1], float32[:, :, ::1])")
 
 # exact tokens as float32 (the decode_attention op, float32 windows) and as int8 (the caches'
 # int8 windows; binary16 windows compile the same code for uint16)
@@ -521,4 +388,231 @@ _ASIG_MMA = _ASIG.replace("uint8[:, :, ::1], uint16[:, :, ::1], uint8[:, :, ::1]
                           "int64, int64,", 1)
 DECODE_ATTENTION_MMA = register("decode_attention_mma", _decode_attention_cpu, _decode_attention_mma_cuda,
                                 [_ASIG_MMA.format(exact="float32"), _ASIG_MMA.format(exact="int8")])
-MERGE_PARTITIONS = register("merge_partitions", _merge_partitions_cpu, _merge_partitions_cuda, [_MSIG])
+
+
+# --- paged pools: the same tile loops, tokens found through a page table -----------------
+def _paged_tile(codes, scales, pages, compressed, kv_indices, first, page_size, h, t0, nt, cent, bits, nb,
+                    scale_table, buf):
+    """Tokens ``t0 … t0 + nt − 1`` into the rows of ``buf`` (CPU): decoded (or copied) one run
+    of consecutive page slots at a time."""
+    d = buf.shape[1]
+    tt = 0
+    while tt < nt:
+        page = kv_indices[first + (t0 + tt) // page_size]
+        slot = (t0 + tt) % page_size
+        run = min(nt - tt, page_size - slot)
+        if compressed:
+            decode_tile_simd_cpu(codes[page, h], scales[page, h], slot, run, cent, bits, nb, 0, scale_table, buf, tt)
+        else:
+            for i in range(run):
+                for j in range(d):
+                    buf[tt + i, j] = pages[page, h, slot + i, j]
+        tt += run
+
+
+paged_tile_cpu = cpu_serial(_paged_tile)
+
+
+@cpu_kernel(fastmath=FASTMATH_REDUCE)
+def _paged_decode_attention_cpu(qr, q, kc, ks, vc, vs, kp, vp, compressed, kv_indptr, kv_indices,
+                                kv_last_page_len, page_size, n_kv_heads, kcent, vcent, kbits, koff, vbits, voff,
+                                scale_table, softmax_scale, q_len, causal, part_size, part_m, part_l, part_acc):
+    """CPU twin: one work item per (sequence·KV head ``g``, partition ``p``) (``prange``),
+    the tile loop of the flat CPU twin with page-table addressing (uniform widths: the
+    SIMD decoders read ``kcent[0]``/``kbits[0]``)."""
+    n_g, rows, d = qr.shape
+    nb = d // 32
+    n_parts = part_m.shape[1]
+    kcent0 = kcent[0]
+    vcent0 = vcent[0]
+    kb0 = kbits[0]
+    vb0 = vbits[0]
+    for item in prange(n_g * n_parts):
+        g = item // n_parts
+        p = item - g * n_parts
+        seq = g // n_kv_heads
+        h = g - seq * n_kv_heads
+        first, T, t_lo, t_hi = paged_bounds_cpu(seq, p, part_size, kv_indptr, kv_last_page_len, page_size)
+        q_pos0 = T - q_len
+        buf = np.empty((CPU_TILE, d), dtype=np.float32)
+        sc = np.empty((rows, CPU_TILE), dtype=np.float32)
+        acc = np.zeros((rows, d), dtype=np.float32)
+        m = np.full(rows, NEG_INF, dtype=np.float32)
+        l = np.zeros(rows, dtype=np.float32)
+        no_bias = np.zeros((1, 1, 1), dtype=np.float32)
+        no_pos = np.zeros(1, dtype=np.int32)
+        qsrc = qr[g] if compressed else q[g]
+        for t0 in range(t_lo, t_hi, CPU_TILE):
+            nt = min(CPU_TILE, t_hi - t0)
+            paged_tile_cpu(kc, ks, kp, compressed, kv_indices, first, page_size, h, t0, nt, kcent0, kb0, nb,
+                           scale_table, buf)
+            tile_scores_cpu(qsrc, buf, nt, sc)
+            softmax_tile_cpu(sc, nt, softmax_scale, g, False, no_bias, causal and t0 + nt - 1 > q_pos0, q_pos0,
+                             q_len, t0, no_pos, False, 0, m, l, acc)
+            # values of the tile into the same buffer
+            paged_tile_cpu(vc, vs, vp, compressed, kv_indices, first, page_size, h, t0, nt, vcent0, vb0, nb,
+                           scale_table, buf)
+            tile_pv_cpu(sc, buf, nt, acc)
+        for r in range(rows):
+            part_m[g, p, r] = m[r]
+            part_l[g, p, r] = l[r]
+            for j in range(d):
+                part_acc[g, p, r, j] = acc[r, j]
+
+
+@cuda_kernel
+def _paged_decode_attention_cuda(qr, q, kc, ks, vc, vs, kp, vp, compressed, kv_indptr, kv_indices,
+                                 kv_last_page_len, page_size, n_kv_heads, kcent, vcent, kbits, koff, vbits, voff,
+                                 scale_table, softmax_scale, q_len, causal, part_size, part_m, part_l, part_acc):
+    """Cooperative paged partition kernel (the flat kernel's tile loop, page addressing).
+
+    Launch contract: grid ``(n_seq·num_kv_heads, n_parts, n_chunks)``, any block size (128
+    on a GPU).  Block ``(g, p, c)`` runs query rows ``c·rb … c·rb + rb − 1`` of sequence·KV
+    head ``g`` over the tokens of partition ``p`` of that sequence (none when the sequence
+    is shorter): per tile the K then the V tokens are decoded (or copied) once into shared
+    memory, one group of eight values per thread, and shared by every query row of the
+    GQA group; scores one (row, token) per thread, the softmax step one row per thread,
+    ``P·V`` one (row, column) per thread into shared accumulators.
+    """
+    qs = cuda.shared.array(SMEM_ROWS, dtype=float32)
+    acc = cuda.shared.array(SMEM_ROWS, dtype=float32)
+    kv = cuda.shared.array(SMEM_TILE, dtype=float32)
+    sc = cuda.shared.array(SMEM_SCORES, dtype=float32)
+    m = cuda.shared.array(MAX_BLOCK_ROWS, dtype=float32)
+    lsum = cuda.shared.array(MAX_BLOCK_ROWS, dtype=float32)
+    alpha = cuda.shared.array(MAX_BLOCK_ROWS, dtype=float32)
+    rows = qr.shape[1]
+    d = qr.shape[2]
+    nb = d // 32
+    g = cuda.blockIdx.x
+    p = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    nth = cuda.blockDim.x
+    rb = (rows + cuda.gridDim.z - 1) // cuda.gridDim.z
+    r0 = cuda.blockIdx.z * rb
+    rb = min(rb, rows - r0)
+    if rb <= 0:
+        return
+    seq = g // n_kv_heads
+    h = g - seq * n_kv_heads
+    first, T, t_lo, t_hi = paged_bounds_dev(seq, p, part_size, kv_indptr, kv_last_page_len, page_size)
+    q_pos0 = T - q_len
+    stride = d + 1
+    nt_max = tile_tokens_dev(d)
+    coop_load_rows_dev(qs, qr if compressed else q, g, r0, rb, d, tid, nth)
+    coop_init_rows_dev(acc, m, lsum, rb, d, tid, nth)
+    cuda.syncthreads()
+    for t0 in range(t_lo, t_hi, nt_max):
+        nt = min(nt_max, t_hi - t0)
+        coop_tile_paged_dev(kc, ks, kp, compressed, kv_indices, first, page_size, h, t0, nt, nb, kcent, kbits, koff,
+                            scale_table, kv, stride, tid, nth)
+        cuda.syncthreads()
+        for u in range(tid, rb * nt, nth):
+            r = u // nt
+            tt = u - r * nt
+            s = dot_shared_dev(qs, r * d, kv, tt * stride, d) * softmax_scale
+            sc[u] = s if visible_dev(t0 + tt, q_pos0, r0 + r, q_len, causal) else NEG_INF
+        cuda.syncthreads()
+        coop_softmax_rows_dev(sc, nt, rb, m, lsum, alpha, tid, nth)
+        cuda.syncthreads()
+        coop_tile_paged_dev(vc, vs, vp, compressed, kv_indices, first, page_size, h, t0, nt, nb, vcent, vbits, voff,
+                            scale_table, kv, stride, tid, nth)
+        cuda.syncthreads()
+        coop_pv_dev(sc, kv, stride, nt, rb, d, alpha, acc, tid, nth)
+        cuda.syncthreads()
+    coop_store_rows_dev(acc, m, lsum, rb, d, g, p, r0, part_m, part_l, part_acc, tid, nth)
+
+
+@cuda_kernel
+def _paged_decode_attention_warp_cuda(qr, q, kc, ks, vc, vs, kp, vp, compressed, kv_indptr, kv_indices,
+                                      kv_last_page_len, page_size, n_kv_heads, kcent, vcent, kbits, koff, vbits, voff,
+                                      scale_table, softmax_scale, q_len, causal, part_size, part_m, part_l, part_acc):
+    """Warp-per-partition paged kernel (the flat warp kernel's tiles, page addressing).
+
+    Launch contract: grid ``(n_seq·num_kv_heads, ceil(n_parts / warps per block),
+    n_chunks)`` with whole warps per block, ``head_dim`` in 32, 64, 128 and at most
+    :data:`WARP_ROWS` query rows per chunk.  Warp ``w`` of block ``(g, y, c)`` runs
+    partition ``y·warps + w`` of sequence·KV head ``g`` (empty past the sequence's end: it
+    stores ``m = -inf``) as the flat warp kernel does (:mod:`numba_kv.ops.attention.warp`).
+    """
+    xbuf = cuda.shared.array(XBUF, dtype=float32)  # the simulator's exchanges only
+    qs = cuda.shared.array(WARP_QS, dtype=float32)
+    vraw = cuda.shared.array(WARP_VRAW, dtype=uint8)
+    vsc = cuda.shared.array(WARP_VSC, dtype=float32)
+    pw = cuda.shared.array(WARP_PW, dtype=float32)
+    rows = qr.shape[1]
+    d = qr.shape[2]
+    n_parts = part_m.shape[1]
+    g, tid, p, rb, r0, active = warp_geometry(rows, n_parts)
+    seq = g // n_kv_heads
+    h = g - seq * n_kv_heads
+    first, T, t_lo, t_hi = paged_bounds_dev(seq, min(p, n_parts - 1), part_size, kv_indptr, kv_last_page_len,
+                                            page_size)
+    if not active or t_hi < t_lo:
+        t_hi = t_lo
+    stage_queries(qs, qr, q, g, r0, rows, d, tid)
+    st = cuda.local.array(WARP_STATE, dtype=float32)
+    acc = cuda.local.array(WARP_VALUES, dtype=float32)
+    sc = cuda.local.array(WARP_ROWS, dtype=float32)
+    tmp = cuda.local.array(WARP_ROWS, dtype=float32)
+    lim = cuda.local.array(WARP_ROWS, dtype=int64)
+    init_state(st, acc, sc)
+    row_limits(lim, rb, r0, T - q_len, q_len, causal)
+    span = part_size if SIMULATED else t_hi - t_lo
+    if compressed:
+        paged_compressed_tiles(kc, ks, vc, vs, h, kv_indices, first, page_size, kbits, koff, vbits, voff, kcent, vcent,
+                               scale_table, t_lo, t_hi, span, qs, lim, softmax_scale, st, acc, sc, tmp, vraw, vsc, pw,
+                               xbuf, tid)
+    else:
+        paged_float_tiles(kp, vp, h, kv_indices, first, page_size, t_lo, t_hi, span, qs, WARP_ROWS * d, d, lim,
+                          softmax_scale, st, acc, sc, tmp, pw, xbuf, tid)
+    store_partition(st, acc, active, rb, g, p, r0, d, part_m, part_l, part_acc, xbuf, tid)
+
+
+@cuda_kernel(launch_bounds=(MMA_THREADS, MMA_BLOCKS_PER_SM))
+def _paged_decode_attention_mma_cuda(qr, q, kc, ks, vc, vs, kp, vp, compressed, kv_indptr, kv_indices,
+                                     kv_last_page_len, page_size, n_kv_heads, kcent, vcent, kbits, koff, vbits, voff,
+                                     scale_table, softmax_scale, q_len, causal, part_size, part_m, part_l, part_acc):
+    """Tensor-core paged kernel: the flat tensor-core kernel's tiles
+    (:func:`~numba_kv.ops.attention.mma.mma_partition`) with page addressing.
+
+    Launch contract: the warp kernel's grid (``(n_seq·num_kv_heads, ceil(n_parts / warps per
+    block), n_chunks)``, :func:`_paged_decode_attention_warp_cuda`) with blocks of
+    :data:`~numba_kv.ops.attention.mma.MMA_THREADS` threads, PQO codes (``compressed``)
+    of one width each in :data:`~numba_kv.ops.attention.mma.MMA_BITS` with one codebook,
+    ``head_dim`` = :data:`~numba_kv.ops.attention.mma.MMA_HEAD_DIM` and ``kc``/``vc`` viewed
+    as ``uint32`` words (``[pages, num_kv_heads, page_size, width / 4]``).
+    """
+    qs = cuda.shared.array(WARP_QS, dtype=float32)
+    tab = cuda.shared.array(MMA_TAB_WORDS, dtype=uint32)
+    rows = qr.shape[1]
+    d = qr.shape[2]
+    n_parts = part_m.shape[1]
+    g, tid, p, rb, r0, active = warp_geometry(rows, n_parts)
+    seq = g // n_kv_heads
+    h = g - seq * n_kv_heads
+    first, T, t_lo, t_hi = paged_bounds_dev(seq, min(p, n_parts - 1), part_size, kv_indptr, kv_last_page_len,
+                                            page_size)
+    if not active or t_hi < t_lo:
+        t_hi = t_lo
+    kb, vb, kf, vf = build_tables(tab, kcent, vcent, kbits, vbits, tid, cuda.blockDim.x)
+    stage_queries(qs, qr, q, g, r0, rows, d, tid)  # (ends with the block barrier)
+    # an empty partition past the sequence's end stores m = -inf like the other kernels
+    mma_partition(kb, vb, kc, ks, vc, vs, g, h, True, kv_indices, first, page_size, t_lo, t_hi, 0, T - q_len, q_len,
+                  causal, 0, tab, kf, vf, qs, d, rb, r0, softmax_scale, active, p, part_m, part_l, part_acc, tid & 31)
+
+
+_PSIG = ("void(float32[:, :, ::1], float32[:, :, ::1], uint8[:, :, :, ::1], uint16[:, :, :, ::1], "
+         "uint8[:, :, :, ::1], uint16[:, :, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], boolean, "
+         "int32[::1], int32[::1], int32[::1], int64, int64, float32[:, ::1], float32[:, ::1], int64[::1], "
+         "int64[::1], int64[::1], int64[::1], float32[::1], float32, int64, boolean, int64, float32[:, :, ::1], "
+         "float32[:, :, ::1], float32[:, :, :, ::1])")
+PAGED_DECODE_ATTENTION = register("paged_decode_attention", _paged_decode_attention_cpu,
+                                  _paged_decode_attention_cuda, [_PSIG])
+# the same op as one warp per partition (same arguments and partition results)
+PAGED_DECODE_ATTENTION_WARP = register("paged_decode_attention_warp", _paged_decode_attention_cpu,
+                                       _paged_decode_attention_warp_cuda, [_PSIG])
+# on tensor cores, for PQO pools (kc/vc: the packed codes viewed as uint32 words)
+PAGED_DECODE_ATTENTION_MMA = register("paged_decode_attention_mma", _paged_decode_attention_cpu,
+                                      _paged_decode_attention_mma_cuda,
+                                      [_PSIG.replace("uint8[:, :, :, ::1]", "uint32[:, :, :, ::1]")])
