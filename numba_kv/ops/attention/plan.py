@@ -343,22 +343,22 @@ def attention_plan(like: Any, *, paged: bool, n_g: int, rows: int, d: int, klayo
     Returns
     -------
     AttentionPlan
-        Cached per arguments, device (GPU) and the CUDA knobs that choose the kernel; on the
-        CPU per Numba thread count (it sets the partitioning).
+        Cached per arguments and, on a GPU, per device and the CUDA knobs that choose the
+        kernel (the arguments are ints and bools as given: a NumPy integer keys like an int).
 
     Raises
     ------
     ValueError
         ``d`` not a positive multiple of 32, or beyond the CUDA kernels' shared memory.
     """
-    dev = _backend.device_of("q", like)
-    if dev == _backend.CUDA:
+    if isinstance(like, np.ndarray):
+        # (the CPU partition size follows the live Numba thread count at each step: no key)
+        env = None
+    else:
+        _backend.device_of("q", like)
         env = (id(_backend.constant(like, F16_ABS_TABLE)), _backend.simulator_enabled(), cuda_block_threads(),
                _config.get("cuda_warp_attention"), _config.get("cuda_mma_attention"))
-    else:
-        env = (numba.get_num_threads(),)
-    key = (dev, env, bool(paged), int(n_g), int(rows), int(d), klayout, vlayout, int(v_width), bool(has_bias),
-           bool(has_qjl))
+    key = (env, paged, n_g, rows, d, klayout, vlayout, v_width, has_bias, has_qjl)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) > 1024:  # shapes of long-gone models: start over
