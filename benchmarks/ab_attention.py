@@ -37,7 +37,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def load_old(rev: str, tmp: pathlib.Path):
-    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:numba_kv/ops/attention.py"], check=True,
+    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:numba_kv/ops/attention/flat.py"], check=True,
                          capture_output=True, text=True).stdout
     src = re.sub(r"^(\s*)from \.\. import", r"\1from numba_kv import", src, flags=re.MULTILINE)
     src = re.sub(r"^(\s*)from \.\.(\w+) import", r"\1from numba_kv.\2 import", src, flags=re.MULTILINE)

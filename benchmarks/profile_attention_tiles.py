@@ -17,9 +17,9 @@ import numpy as np
 from numba import float32, njit
 
 from numba_kv.info import provenance_line
-from numba_kv.ops._attention_cpu import decode_tile_simd_cpu, softmax_tile_cpu, tile_pv_cpu, tile_scores_cpu
-from numba_kv.ops._attention_kernels import CPU_TILE
 from numba_kv.ops.attention import F16_ABS_TABLE
+from numba_kv.ops.attention.cpu import decode_tile_simd_cpu, softmax_tile_cpu, tile_pv_cpu, tile_scores_cpu
+from numba_kv.ops.attention.kernels import CPU_TILE
 from numba_kv.ops.blockquant import quantize_blocks
 from numba_kv.ops.codebook import get_codebook
 

@@ -44,6 +44,9 @@ DEFAULTS: dict[str, Any] = {
 #: gives one block.  ``tests/cuda/test_resources.py`` checks every registered kernel
 #: against it on every architecture of :data:`numba_kv._cuda_resources.ARCHS`.
 MAX_CUDA_THREADS = 256
+#: largest head_dim of the CUDA kernels that hold a head vector in static shared memory (the
+#: decode attention's merge, the whole-head rotation): the one source of that limit
+MAX_HEAD_DIM = 512
 
 #: allowed values: (type, smallest, largest, step)
 RANGES: dict[str, tuple[type, float, float, int]] = {

@@ -55,24 +55,21 @@ def to_device(a):
 
 
 def spy_launches(monkeypatch, *targets):
-    """Replace each ``(module, NAME)`` twin with a spy that records its launches' grids (and
-    forwards everything else to the real twin); returns the list the grids go to, so a test
-    can check which kernel ran."""
+    """Record the launch grids of each ``(module, NAME)`` twin (``Twin.launch`` is wrapped, so
+    the spy sees the twin wherever it is looked up: a module global or a cached attention
+    plan); returns the list the grids go to, so a test can check which kernel ran."""
+    from numba_kv.ops._registry import Twin
+
     launched = []
+    watched = {getattr(module, name).name for module, name in targets}
+    real_launch = Twin.launch
 
-    class Spy:
-        def __init__(self, real):
-            self.real = real
-
-        def __getattr__(self, name):  # name, cuda, ... of the real twin
-            return getattr(self.real, name)
-
-        def launch(self, *args, **kw):
+    def launch(self, *args, **kw):
+        if self.name in watched:
             launched.append(kw["grid"])
-            return self.real.launch(*args, **kw)
+        return real_launch(self, *args, **kw)
 
-    for module, name in targets:
-        monkeypatch.setattr(module, name, Spy(getattr(module, name)))
+    monkeypatch.setattr(Twin, "launch", launch)
     return launched
 
 

@@ -60,12 +60,12 @@ from .._validate import (
     check_magnitude,
     check_stored_f16,
 )
+from ..ops.attention import paged_decode_attention
 from ..ops.blockquant import dequantize_into, packed_dim, quantize_into
 from ..ops.codebook import get_codebook
 from ..ops.finite import check_finite_stats
 from ..ops.gather import gather_rows, scatter_rows, to_like
 from ..ops.page_index import add_at, page_run_rows_into
-from ..ops.paged_attention import paged_decode_attention
 from ._layer import check_q_values
 from ._paged_lifecycle import OutOfPagesError, PagedLifecycleMixin
 from ._values import ValueChecks
@@ -583,7 +583,7 @@ class PagedKVCache(PagedLifecycleMixin, ValueChecks):
         """Fused attention of ``q`` ``[n_seq, num_heads, q_len, head_dim]`` over the pages of
         ``seq_ids`` (default: every live sequence) — compressed pages are read through the
         page table without dequantizing.  See
-        :func:`numba_kv.ops.paged_attention.paged_decode_attention`.  ``q``'s values are
+        :func:`numba_kv.ops.attention.paged.paged_decode_attention`.  ``q``'s values are
         checked as :attr:`validate` says (finite, ``|q| <= 2**64``; the shapes by the op).
         """
         with self._lock:  # the table, the lengths and the pools of one moment

@@ -30,7 +30,7 @@ import numpy as np
 
 from .. import _backend
 from .._validate import F16_MAX, check_magnitude, check_stored_f16
-from ..ops.attention import CodeLayout, fused_attention_rows
+from ..ops.attention import CodeLayout, attention_plan
 from ..ops.blockquant import dequantize_into, quantize_into
 from ..ops.codebook import get_codebook
 from ..ops.finite import check_finite_stats
@@ -613,13 +613,16 @@ class PolarQuantCache(LayeredCache):
             ve, _ = self._exact_f32(st, "v")
         hs = None if self._head_signs is None else _backend.constant(q3, self._head_signs)
         qr = self._rotate_queries(q3)
-        out = fused_attention_rows(
-            qr, qr if rot else q3, st.buffers["k_codes"], st.buffers["k_scales"], st.buffers["v_codes"],
-            st.buffers["v_scales"], st.meta.get("n_comp", 0), self._sinks(st), ke, ve, n_exact,
-            self._exact_positions(st, q3), self.layouts["k"], self.layouts["v"], config.softmax_scale,
-            self._window_bias(st, q),
-            st.seq_len - ql, ql, True, head_signs=hs, qjl=self._qjl_args(st, q3), exact_rotated=rot,
-            exact_scales=exact_scales)
+        kc, vc = st.buffers["k_codes"], st.buffers["v_codes"]
+        bias, qjl = self._window_bias(st, q), self._qjl_args(st, q3)
+        # the layer's plan for this shape (cached: built on the first step, replayed after)
+        plan = attention_plan(q3, paged=False, n_g=int(q3.shape[0]), rows=int(q3.shape[1]), d=d,
+                              klayout=self.layouts["k"], vlayout=self.layouts["v"], v_width=int(vc.shape[2]),
+                              has_bias=bias is not None, has_qjl=qjl is not None)
+        out = plan.run_flat(
+            qr, qr if rot else q3, kc, st.buffers["k_scales"], vc, st.buffers["v_scales"], st.meta.get("n_comp", 0),
+            self._sinks(st), ke, ve, n_exact, self._exact_positions(st, q3), config.softmax_scale, bias,
+            st.seq_len - ql, ql, True, head_signs=hs, qjl=qjl, exact_rotated=rot, exact_scales=exact_scales)
         if self.outlier_channels:
             xp = _backend.xp_of(out)
             out = xp.take_along_axis(out, xp.argsort(st.buffers["v_perm"].astype(np.int64), axis=2), axis=2)

@@ -5,7 +5,7 @@ Importing this package imports every op module so :data:`TWINS` is complete.
 
 from . import (  # noqa: F401
                absmax8,
-               attention,
+               attention,  # importing registers the twins
                bitpack,
                blockquant,
                gather,
@@ -14,7 +14,6 @@ from . import (  # noqa: F401
                intquant,
                lowrank,
                memory,
-               paged_attention,  # importing registers the twins
                positions,
                qjl,
                vq,

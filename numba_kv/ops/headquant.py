@@ -54,6 +54,7 @@ import numpy as np
 from numba import cuda, float32, int64, prange, uint8, uint16
 
 from .. import _backend
+from .._config import MAX_HEAD_DIM
 from .._jit import cpu_kernel, cuda_kernel
 from .._validate import check_f16_result, check_float_array
 from ._coop import coop_butterflies
@@ -77,7 +78,7 @@ __all__ = ["HEAD_DIMS", "SIGN_SEED", "head_signs", "rotate_head", "quantize_head
            "bits_per_value"]
 
 #: supported head dimensions (powers of two; 512 is the size of the CUDA kernels' shared row)
-HEAD_DIMS = (32, 64, 128, 256, 512)
+HEAD_DIMS = tuple(32 << i for i in range(MAX_HEAD_DIM.bit_length() - 5))  # 32 … MAX_HEAD_DIM
 #: SplitMix64 seed of the sign vectors for ``d >= 64`` ([TQR]'s default rotation seed)
 SIGN_SEED = 42
 _M64 = (1 << 64) - 1
@@ -216,7 +217,7 @@ def _rotate_head_cuda(x, signs, inverse, out):
     taking its share of the pairs of every butterfly stage.
     """
     n, d = x.shape
-    t = cuda.shared.array(512, dtype=float32)
+    t = cuda.shared.array(MAX_HEAD_DIM, dtype=float32)
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     sc = head_scale_dev(d)
@@ -250,8 +251,8 @@ def _quantize_head_cuda(x, signs, bounds, centroids, unbiased, bits, t0, codes, 
     the binary16 norm.
     """
     rows, seq, d = x.shape
-    t = cuda.shared.array(512, dtype=float32)
-    ib = cuda.shared.array(512, dtype=uint8)
+    t = cuda.shared.array(MAX_HEAD_DIM, dtype=float32)
+    ib = cuda.shared.array(MAX_HEAD_DIM, dtype=uint8)
     red = cuda.shared.array(1, dtype=float32)
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
@@ -312,7 +313,7 @@ def _dequantize_head_cuda(codes, norms, signs, centroids, bits, t0, out):
     butterfly stage and scales/stores values ``tid, tid + threads, …``.
     """
     rows, seq, d = out.shape
-    t = cuda.shared.array(512, dtype=float32)
+    t = cuda.shared.array(MAX_HEAD_DIM, dtype=float32)
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     sc = head_scale_dev(d)

@@ -211,10 +211,10 @@ def test_cooperative_attention_matches_cpu_twin(case):
 def test_warp_attention_matches_cpu_twin(case, monkeypatch):
     """The warp kernel (the default where it applies) on the same cases; it must be the
     kernel that ran."""
-    from numba_kv.ops import attention, paged_attention
+    from numba_kv.ops.attention import kernels
 
-    launched = spy_launches(monkeypatch, (attention, "DECODE_ATTENTION_WARP"),
-                            (paged_attention, "PAGED_DECODE_ATTENTION_WARP"))
+    launched = spy_launches(monkeypatch, (kernels, "DECODE_ATTENTION_WARP"),
+                            (kernels, "PAGED_DECODE_ATTENTION_WARP"))
     case(np.random.default_rng(17))
     assert launched, "the warp kernel did not run"
 

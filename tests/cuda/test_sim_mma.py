@@ -1,4 +1,4 @@
-"""The warp-level PTX primitives (``ops/_mma.py``) and the tensor-core decode attention.
+"""The warp-level PTX primitives (``ops/attention/ptx.py``) and the tensor-core decode attention.
 
 Each primitive runs in a small kernel, on a GPU (its inline PTX) or under
 ``NUMBA_ENABLE_CUDASIM=1`` (its Python twin), against NumPy: binary16 packing and products
@@ -15,9 +15,17 @@ from numba import cuda
 from numba_kv import knobs
 from numba_kv._backend import to_host
 from numba_kv.ops import attention
-from numba_kv.ops._attention_mma import reference_pair_table
-from numba_kv.ops._mma import half2_bits, hmul2, mma_16816, pack_half2, shfl_xor_f32, shfl_xor_u32, unpack_half2
-from numba_kv.ops.attention import decode_attention
+from numba_kv.ops.attention import decode_attention, kernels
+from numba_kv.ops.attention.mma import reference_pair_table
+from numba_kv.ops.attention.ptx import (
+    half2_bits,
+    hmul2,
+    mma_16816,
+    pack_half2,
+    shfl_xor_f32,
+    shfl_xor_u32,
+    unpack_half2,
+)
 from numba_kv.ops.blockquant import quantize_blocks
 from numba_kv.ops.codebook import get_codebook
 
@@ -125,7 +133,7 @@ def test_reference_pair_table(bits):
 
 
 def _spy(monkeypatch):
-    return spy_launches(monkeypatch, (attention, "DECODE_ATTENTION_MMA"))
+    return spy_launches(monkeypatch, (kernels, "DECODE_ATTENTION_MMA"))
 
 
 def _rel(a, b):
@@ -168,9 +176,9 @@ def test_paged_mma_attention_matches_cpu_twin(monkeypatch):
     handed out interleaved), GQA 4 × causal q_len 2, several partitions per sequence: the
     paged tensor-core kernel against the CPU twin, and it is the kernel that ran."""
     from numba_kv import PagedKVCache
-    from numba_kv.ops import paged_attention
+    from numba_kv.ops.attention import kernels
 
-    launched = spy_launches(monkeypatch, (paged_attention, "PAGED_DECODE_ATTENTION_MMA"))
+    launched = spy_launches(monkeypatch, (kernels, "PAGED_DECODE_ATTENTION_MMA"))
     rng = np.random.default_rng(9)
     caches = [PagedKVCache(num_pages=12, num_layers=1, num_kv_heads=1, head_dim=128, page_size=8,
                            storage="pqo-k3v2") for _ in range(2)]

@@ -80,7 +80,7 @@ def test_paged_decode_attention(dev):
         cache = PagedKVCache(num_pages=4, num_layers=1, num_kv_heads=2, head_dim=32, page_size=4, storage="pqo3")
         s = cache.allocate_sequence()
         cache.append(0, s, put(k), put(v))
-        # the cache's glue hands pools + page table to ops.paged_attention.paged_decode_attention
+        # the cache's glue hands pools + page table to ops.attention.paged_decode_attention
         outs.append(cache.decode_attention(0, put(q), [s], partition_size=4))
     np.testing.assert_allclose(dev.get(outs[1]), outs[0], **F32)
 

@@ -7,8 +7,9 @@ import pytest
 from numba import njit
 
 import numba_kv._jit as jit_module
-from numba_kv.ops._attention_cores import load_token_fast_cpu
-from numba_kv.ops._attention_cpu import (
+from numba_kv.ops.attention import F16_ABS_TABLE
+from numba_kv.ops.attention.cores import load_token_fast_cpu
+from numba_kv.ops.attention.cpu import (
     PV_BLOCK_ROWS,
     decode_tile_mixed_cpu,
     decode_tile_simd_cpu,
@@ -19,7 +20,6 @@ from numba_kv.ops._attention_cpu import (
     tile_scores_cpu,
     unpack_signs_tile_cpu,
 )
-from numba_kv.ops.attention import F16_ABS_TABLE
 from numba_kv.ops.blockquant import dequantize_blocks, quantize_blocks
 from numba_kv.ops.codebook import get_codebook
 from numba_kv.ops.hadamard import rotate32

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from numba_kv import PagedKVCache, reference
-from numba_kv.ops.paged_attention import paged_decode_attention
+from numba_kv.ops.attention.paged import paged_decode_attention
 
 
 def _cache(storage, lens, rng, d=64):

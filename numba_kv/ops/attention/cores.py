@@ -1,0 +1,392 @@
+"""Single-source cores of the fused decode attention, compiled for the CPU and for CUDA.
+
+Shared by the flat (:mod:`numba_kv.ops.attention`) and the paged
+(:mod:`numba_kv.ops.attention.paged`) kernels of both targets:
+
+* token decoding: :func:`_decode8` (eight packed indices → scaled centroids), on top of it
+  :func:`_load_token_fast` (every block of one width; the CPU twins decode with the vector
+  decoders of :mod:`numba_kv.ops.attention.cpu`, mixed widths included);
+* the partition bounds of the flat (:func:`_partition_bounds`) and the paged
+  (:func:`_paged_bounds`) token spaces, the causal visibility rule (:func:`_visible`),
+  the QJL sign decoding (:func:`_sign_pm1`, :func:`_qjl_dot`) and the online-softmax state
+  update (:func:`_rescale`, :func:`_online_update`; the CPU twins compute ``alpha`` with
+  their vectorized ``exp`` instead of :func:`_rescale`);
+* the merge of the split-K partitions (log-sum-exp, flash-decoding): one column
+  (:func:`_merge_column`) or one butterfly stage of the inverse rotation
+  (:func:`_butterfly_pairs`) per call, so that a CUDA block spreads a row over its threads
+  and the CPU twin runs the same arithmetic with one "thread";
+* the cooperative stages of the CUDA tile loop (``tid``/``nth``: the calling thread and the
+  number of threads sharing the work; the kernels put ``cuda.syncthreads()`` between stages).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import float32, int32, int64
+
+from ..._jit import twin
+from .._headquant_lanes import head_scale
+
+NEG_INF = np.float32(-np.inf)
+
+
+# --- token decoding ----------------------------------------------------------------------
+def _decode8(crow, p, bits, cent, sa, dst, o):
+    """``dst[o + k] = sa · cent[idx_k]``, ``k < 8``: the ``bits``-wide indices packed LSB
+    first in the ``bits`` bytes ``crow[p:p + bits]`` (one group of eight of the packing)."""
+    if bits == 3:
+        w = int64(crow[p]) | (int64(crow[p + 1]) << 8) | (int64(crow[p + 2]) << 16)
+        for k in range(8):
+            dst[o + k] = cent[(w >> (3 * k)) & 7] * sa
+    elif bits == 4:
+        w = (int64(crow[p]) | (int64(crow[p + 1]) << 8) | (int64(crow[p + 2]) << 16)
+             | (int64(crow[p + 3]) << 24))
+        for k in range(8):
+            dst[o + k] = cent[(w >> (4 * k)) & 15] * sa
+    elif bits == 2:
+        w = int64(crow[p]) | (int64(crow[p + 1]) << 8)
+        for k in range(8):
+            dst[o + k] = cent[(w >> (2 * k)) & 3] * sa
+    else:  # any other width: bit by bit
+        w = int64(0)
+        for j in range(bits):
+            w |= int64(crow[p + j]) << (8 * j)
+        mask = (int64(1) << bits) - 1
+        for k in range(8):
+            dst[o + k] = cent[(w >> (bits * k)) & mask] * sa
+
+
+def _load_token_fast(crow, srow, cent, bits, nb, sshift, scale_table, dst):
+    """``dst[0:32·nb] = |a| · c[idx_j]`` for one token whose blocks all have width ``bits``
+    and codebook ``cent``; scales (one per ``2**sshift`` blocks: a shift, a 64-bit division
+    per block costs ~25 % of the CPU kernel) decoded through the exact binary16 table
+    ``scale_table``."""
+    for b in range(nb):
+        sa = scale_table[srow[b >> sshift]]
+        for grp in range(4):
+            _decode8(crow, (4 * b + grp) * bits, bits, cent, sa, dst, b * 32 + grp * 8)
+
+
+def _is_uniform(bits_b):
+    """True when every block has the same width."""
+    for b in range(1, bits_b.shape[0]):
+        if bits_b[b] != bits_b[0]:
+            return False
+    return True
+
+
+# --- scores, visibility, softmax ---------------------------------------------------------
+def _sign_pm1(byte, k):
+    """QJL sign decoding: bit ``k`` of a packed sign byte as ``±1.0`` (bit set = +1, LSB
+    first), computed as ``2·bit − 1`` (a shift per lane: vectorizes on the CPU)."""
+    return float32((int32(byte) >> k) & 1) * float32(2.0) - float32(1.0)
+
+
+def _qjl_dot(sqrow, sigrow, m):
+    """``Σ_j sqrow[j] · σ_j`` with the packed signs ``σ`` of :func:`_sign_pm1`: the QJL
+    estimate of ``⟨q, r⟩`` up to its constant (Zandieh et al., arXiv:2406.03482)."""
+    s = float32(0.0)
+    for j in range(m):
+        s += sqrow[j] * _sign_pm1(sigrow[j >> 3], j & 7)
+    return s
+
+
+def _visible(pos, q_pos0, r, q_len, causal):
+    """Causal rule: query row ``r`` (position ``q_pos0 + r % q_len``) sees token position
+    ``pos`` iff ``pos`` is not after it (always, without ``causal``)."""
+    return (not causal) or pos <= q_pos0 + (r % q_len)
+
+
+def _rescale(m_old, m_new):
+    """Online-softmax factor ``exp(m_old − m_new)`` of the running sum and accumulator when
+    the running max moves from ``m_old`` to ``m_new``; exactly 0 while ``m_old`` is ``-inf``
+    (nothing accumulated yet; avoids ``exp(-inf + inf)``)."""
+    return math.exp(m_old - m_new) if m_old != NEG_INF else float32(0.0)
+
+
+def _online_update(m, l, r, m_new, alpha, tile_sum):
+    """Fold one tile into query row ``r``'s online-softmax state (Milakov & Gimelshein,
+    arXiv:1805.02867): ``l[r] = alpha·l[r] + tile_sum``, ``m[r] = m_new``, where ``alpha =
+    exp(m[r] − m_new)`` (see :func:`_rescale`) also rescales the row's accumulator and
+    ``tile_sum = Σ exp(s − m_new)`` over the tile."""
+    l[r] = l[r] * alpha + tile_sum
+    m[r] = m_new
+
+
+def _partition_bounds(p, n_comp_parts, part_size, n_comp, n_exact):
+    """``(compressed, t_lo, t_hi)`` of partition ``p`` of the flat token space: the first
+    ``n_comp_parts`` partitions cover the ``n_comp`` compressed tokens, the rest the
+    ``n_exact`` exact ones (each range indexes its own buffers)."""
+    if p < n_comp_parts:
+        t_lo = int64(p) * part_size
+        return True, t_lo, min(int64(n_comp), t_lo + part_size)
+    t_lo = int64(p - n_comp_parts) * part_size
+    return False, t_lo, min(int64(n_exact), t_lo + part_size)
+
+
+def _paged_bounds(seq, p, part_size, kv_indptr, kv_last_page_len, page_size):
+    """``(first, T, t_lo, t_hi)`` of partition ``p`` of sequence ``seq`` in a page table:
+    its first entry in ``kv_indices``, its length and the partition's token range."""
+    first = int64(kv_indptr[seq])
+    npages = int64(kv_indptr[seq + 1]) - first
+    T = int64(0)
+    if npages > 0:
+        T = (npages - 1) * page_size + int64(kv_last_page_len[seq])
+    t_lo = int64(p) * part_size
+    return first, T, t_lo, min(T, t_lo + part_size)
+
+
+# --- merge of the partitions ---------------------------------------------------------------
+def _merge_max(part_m, g, r, n_parts):
+    """Largest running max of query row ``(g, r)`` over its partitions."""
+    m_star = NEG_INF
+    for p in range(n_parts):
+        m_star = max(m_star, part_m[g, p, r])
+    return m_star
+
+
+def _merge_denom(part_m, part_l, g, r, n_parts, m_star):
+    """Softmax denominator of row ``(g, r)``: ``Σ_p exp(m_p − m*) · l_p``."""
+    denom = float32(0.0)
+    for p in range(n_parts):
+        w = part_m[g, p, r]
+        if w != NEG_INF:
+            denom += math.exp(w - m_star) * part_l[g, p, r]
+    return denom
+
+
+def _merge_weights(part_m, g, r, p0, p1, pstep, m_star, wbuf, base):
+    """``wbuf[p − base] = exp(m_p − m*)`` (0 for an empty partition) for ``p = p0, p0 + pstep, … < p1``."""
+    for p in range(p0, p1, pstep):
+        w = part_m[g, p, r]
+        wbuf[p - base] = math.exp(w - m_star) if w != NEG_INF else float32(0.0)
+
+
+def _merge_column(wbuf, part_m, part_acc, g, r, j, p_lo, p_hi, base, init):
+    """``init + Σ_{p_lo <= p < p_hi} wbuf[p − base] · acc_p[j]`` for row ``(g, r)``, skipping
+    empty partitions (weights from :func:`_merge_weights`)."""
+    s = init
+    for p in range(p_lo, p_hi):
+        if part_m[g, p, r] != NEG_INF:
+            s += wbuf[p - base] * part_acc[g, p, r, j]
+    return s
+
+
+def _butterfly_pairs(buf, h, d, i0, istep):
+    """Pairs ``i0, i0 + istep, … < d/2`` of the radix-2 stage of stride ``h``: pair ``i``
+    maps ``(buf[a], buf[a + h]) → (x + y, x − y)`` at ``a = (i // h)·2h + i % h``.  Stages
+    ``h = 1 … 16`` are the 32-block Walsh–Hadamard transform of every block, ``h = 1 … d/2``
+    the whole-head one; stage order is part of the float32 result (as in the rotation ops)."""
+    for i in range(i0, d >> 1, istep):
+        # (i // h)·2h + i % h without a division (h is a power of two): no floor-division
+        # fix-ups per pair
+        a = i + (i & -h)
+        x = buf[a]
+        y = buf[a + h]
+        buf[a] = x + y
+        buf[a + h] = x - y
+
+
+def _inverse_scale(buf, d, j0, jstep, head_rot, hsigns):
+    """Last step of the inverse rotation after the butterflies: ``buf[j] ·= 1/√d · s_j``
+    (whole head) or ``buf[j] ·= 1/√32`` (32-blocks, signs applied before), ``j = j0, j0 + jstep, …``."""
+    if head_rot:
+        sc = head_scale(d)
+        for j in range(j0, d, jstep):
+            buf[j] = buf[j] * (sc * hsigns[j])
+    else:
+        for j in range(j0, d, jstep):
+            buf[j] = buf[j] * float32(0.17677669529663687)
+
+
+def _block_signs(buf, d, j0, jstep, signs):
+    """First step of the inverse 32-block rotation: ``buf[j] ·= s_{j mod 32}``."""
+    for j in range(j0, d, jstep):
+        buf[j] = buf[j] * signs[j & 31]
+
+
+# --- exact (sink and window) tokens, read in the dtype they are stored in ---------------
+#: ``exact_kind`` of the kernels: float32 exact tokens, binary16 bit patterns (uint16), or
+#: int8 with one binary16 scale per token (the caches' window dtypes); decoding them in
+#: the kernel spares the caller a float32 copy of the whole window per decode step
+EXACT_F32, EXACT_F16, EXACT_I8 = 0, 1, 2
+
+
+def _exact_value(x, kind, s, table):
+    """float32 value of one stored exact element ``x``: ``x`` (float32), the binary16
+    pattern ``x`` (``EXACT_F16``), or ``x·s`` for int8 ``x`` and its token's scale ``s``
+    (``EXACT_I8``; the caches' int8 window stores ``round(x / s)``).  ``table`` is the
+    kernels' ``|binary16| → float32`` table (``F16_ABS_TABLE``): one load instead of the
+    select chain of the arithmetic decode (2 registers fewer in the CUDA kernel)."""
+    if kind == 1:
+        h = int32(x)
+        v = table[h & 0x7FFF]
+        return -v if h & 0x8000 else v
+    if kind == 2:
+        return float32(x) * s
+    return float32(x)
+
+
+def _exact_scale(scales, g, t, kind, table):
+    """Scale of int8 exact token ``t`` of row ``g``: binary16 pattern ``scales[g, t, 0]``
+    (``EXACT_I8``; positive); 1 for the other kinds, whose ``scales`` is a placeholder
+    never read."""
+    if kind == 2:
+        return table[scales[g, t, 0]]
+    return float32(1.0)
+
+
+# --- cooperative stages of the CUDA tile loop --------------------------------------------
+# Shared-memory layout of a block (``rb`` query rows, ``nt`` tokens, head_dim ``d``):
+# ``qs[r·d + j]`` (queries), ``kv[tt·stride + j]`` (the decoded K or V tile; ``stride = d + 1``
+# so that threads reading token rows ``tt, tt + 1, …`` at the same ``j`` hit distinct banks),
+# ``sc[r·nt + tt]`` (scores, then weights), ``acc[r·d + j]`` and ``m``/``l``/``alpha[r]``.
+def _coop_load_rows(dst, src, g, r0, rb, d, tid, nth):
+    """``dst[r·d + j] = src[g, r0 + r, j]`` for ``r < rb`` (the block's query rows)."""
+    for u in range(tid, rb * d, nth):
+        r = u // d
+        dst[u] = src[g, r0 + r, u - r * d]
+
+
+def _coop_init_rows(acc, m, l, rb, d, tid, nth):
+    """Empty online-softmax state of ``rb`` rows: ``acc = 0``, ``m = -inf``, ``l = 0``."""
+    for u in range(tid, rb * d, nth):
+        acc[u] = float32(0.0)
+    for r in range(tid, rb, nth):
+        m[r] = NEG_INF
+        l[r] = float32(0.0)
+
+
+def _dot_shared(qs, qo, kv, ko, d):
+    """``Σ_j qs[qo + j] · kv[ko + j]`` (one score from shared memory)."""
+    s = float32(0.0)
+    for j in range(d):
+        s += qs[qo + j] * kv[ko + j]
+    return s
+
+
+def _coop_softmax_rows(sc, nt, rb, m, l, alpha, tid, nth):
+    """Online-softmax step of one tile, one thread per query row: the logits
+    ``sc[r·nt : r·nt + nt]`` (``-inf`` = masked) become the weights ``exp(s − m_new)``, the
+    running max ``m[r]`` and sum ``l[r]`` move on and ``alpha[r]`` is the factor that
+    rescales the row's accumulator (1 for a fully masked tile: nothing changes)."""
+    for r in range(tid, rb, nth):
+        o = r * nt
+        tile_max = NEG_INF
+        for tt in range(nt):
+            tile_max = max(tile_max, sc[o + tt])
+        if tile_max == NEG_INF:
+            for tt in range(nt):
+                sc[o + tt] = float32(0.0)
+            alpha[r] = float32(1.0)
+            continue
+        m_old = m[r]
+        m_new = max(m_old, tile_max)
+        a = _rescale(m_old, m_new)
+        lsum = float32(0.0)
+        for tt in range(nt):
+            w = math.exp(sc[o + tt] - m_new)  # masked (-inf) logits give exactly 0
+            sc[o + tt] = w
+            lsum += w
+        _online_update(m, l, r, m_new, a, lsum)
+        alpha[r] = a
+
+
+def _coop_pv(sc, kv, stride, nt, rb, d, alpha, acc, tid, nth):
+    """``acc[r, j] = alpha[r]·acc[r, j] + Σ_tt sc[r, tt] · kv[tt, j]``, one ``(r, j)`` per
+    thread and step (consecutive threads read consecutive ``j``: no bank conflicts)."""
+    for u in range(tid, rb * d, nth):
+        r = u // d
+        j = u - r * d
+        a = acc[u] * alpha[r]
+        o = r * nt
+        for tt in range(nt):
+            a += sc[o + tt] * kv[tt * stride + j]
+        acc[u] = a
+
+
+def _coop_store_rows(acc, m, l, rb, d, g, p, r0, part_m, part_l, part_acc, tid, nth):
+    """The block's partial results ``(m, l, acc)`` of partition ``p`` to global memory."""
+    for u in range(tid, rb * d, nth):
+        r = u // d
+        part_acc[g, p, r0 + r, u - r * d] = acc[u]
+    for r in range(tid, rb, nth):
+        part_m[g, p, r0 + r] = m[r]
+        part_l[g, p, r0 + r] = l[r]
+
+
+def _coop_tile_flat(codes, scales, exact, exact_scales, exact_kind, g, t0, nt, nb, compressed, cent2, bits_b, off_b,
+                    sshift, scale_table, kv, stride, tid, nth):
+    """Tokens ``t0 … t0 + nt − 1`` of KV row ``g`` into ``kv`` (row stride ``stride``): decoded
+    from ``codes``/``scales`` laid out as ``(cent2, bits_b, off_b, sshift)``, or from the
+    exact tokens ``exact`` (``exact_kind``, :func:`_exact_value`); one group of eight values
+    per thread and step."""
+    units = nb * 4
+    for u in range(tid, nt * units, nth):
+        tt = u // units
+        grp = u - tt * units
+        o = tt * stride + grp * 8
+        t = t0 + tt
+        if compressed:
+            b = grp >> 2
+            bits = bits_b[b]
+            _decode8(codes[g, t], off_b[b] + (grp & 3) * bits, bits, cent2[b],
+                     scale_table[scales[g, t, b >> sshift]], kv, o)
+        else:
+            es = _exact_scale(exact_scales, g, t, exact_kind, scale_table)
+            for k in range(8):
+                kv[o + k] = _exact_value(exact[g, t, grp * 8 + k], exact_kind, es, scale_table)
+
+
+def _coop_tile_paged(codes, scales, pages, compressed, kv_indices, first, page_size, h, t0, nt, nb, cent2, bits_b,
+                     off_b, scale_table, kv, stride, tid, nth):
+    """:func:`_coop_tile_flat` for a paged pool: token ``t`` is slot ``t % page_size`` of page
+    ``kv_indices[first + t // page_size]``, KV head ``h`` (codes ``[page, h, slot, ·]`` or
+    float32 ``pages``); one scale per 32-block."""
+    units = nb * 4
+    for u in range(tid, nt * units, nth):
+        tt = u // units
+        grp = u - tt * units
+        o = tt * stride + grp * 8
+        t = t0 + tt
+        page = kv_indices[first + t // page_size]
+        slot = t % page_size
+        if compressed:
+            b = grp >> 2
+            bits = bits_b[b]
+            _decode8(codes[page, h, slot], off_b[b] + (grp & 3) * bits, bits, cent2[b],
+                     scale_table[scales[page, h, slot, b]], kv, o)
+        else:
+            for k in range(8):
+                kv[o + k] = pages[page, h, slot, grp * 8 + k]
+
+
+decode8_cpu, decode8_dev = twin(_decode8)
+load_token_fast_cpu, _ = twin(_load_token_fast)
+is_uniform_cpu, _ = twin(_is_uniform)
+sign_pm1_cpu, _ = twin(_sign_pm1)
+_, qjl_dot_dev = twin(_qjl_dot)
+visible_cpu, visible_dev = twin(_visible)
+twin(_rescale)
+online_update_cpu, _ = twin(_online_update)
+partition_bounds_cpu, partition_bounds_dev = twin(_partition_bounds)
+paged_bounds_cpu, paged_bounds_dev = twin(_paged_bounds)
+exact_value_cpu, exact_value_dev = twin(_exact_value, inline=True)
+exact_scale_cpu, exact_scale_dev = twin(_exact_scale, inline=True)
+merge_max_cpu, merge_max_dev = twin(_merge_max, inline=True)
+merge_denom_cpu, merge_denom_dev = twin(_merge_denom, inline=True)
+merge_weights_cpu, merge_weights_dev = twin(_merge_weights, inline=True)
+merge_column_cpu, merge_column_dev = twin(_merge_column, inline=True)
+butterfly_pairs_cpu, butterfly_pairs_dev = twin(_butterfly_pairs, inline=True)
+inverse_scale_cpu, inverse_scale_dev = twin(_inverse_scale, inline=True)
+block_signs_cpu, block_signs_dev = twin(_block_signs, inline=True)
+_, coop_load_rows_dev = twin(_coop_load_rows)
+_, coop_init_rows_dev = twin(_coop_init_rows)
+_, dot_shared_dev = twin(_dot_shared)
+_, coop_softmax_rows_dev = twin(_coop_softmax_rows)
+_, coop_pv_dev = twin(_coop_pv)
+_, coop_store_rows_dev = twin(_coop_store_rows)
+_, coop_tile_flat_dev = twin(_coop_tile_flat)
+_, coop_tile_paged_dev = twin(_coop_tile_paged)

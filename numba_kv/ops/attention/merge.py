@@ -1,0 +1,168 @@
+"""The partition merge (both twins): combine the split-K partitions of every query row.
+
+Partition ``p`` of query row ``(g, r)`` left ``(m, l, acc)`` (the decode kernels of
+:mod:`numba_kv.ops.attention.kernels`).  The merge takes their log-sum-exp, inverse-rotates the
+sum of the compressed partitions (they accumulated in the rotated domain: per 32-block or over
+the whole head), adds the exact partitions (window, sinks) and normalizes.  Both twins run the
+cores of :mod:`numba_kv.ops.attention.cores` in the same order, so they round alike.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, float32, prange
+
+from ..._config import MAX_HEAD_DIM
+from ..._jit import cpu_kernel, cuda_kernel, twin
+from .._registry import register
+from .cores import (
+    NEG_INF,
+    block_signs_cpu,
+    block_signs_dev,
+    butterfly_pairs_cpu,
+    butterfly_pairs_dev,
+    inverse_scale_cpu,
+    inverse_scale_dev,
+    merge_column_dev,
+    merge_denom_cpu,
+    merge_denom_dev,
+    merge_max_cpu,
+    merge_max_dev,
+    merge_weights_cpu,
+    merge_weights_dev,
+)
+
+__all__ = ["MERGE_CHUNK", "MERGE_PARTITIONS"]
+
+#: partitions whose merge weights one merge block holds at a time
+MERGE_CHUNK = 256
+
+
+def _merge_row(part_m, part_l, part_acc, g, r, n_comp_parts, signs, head_rot, hsigns, wbuf, buf, out):
+    """Combine the partitions of query row ``(g, r)`` into ``out[g, r]`` (CPU twin; the CUDA
+    kernel runs the same cores with a block of threads).
+
+    The compressed partitions accumulated in the rotated domain: their sum is
+    inverse-rotated per 32-block (``head_rot`` false, signs ``signs``) or over the whole
+    head (signs ``hsigns``); the exact partitions are added after it, then the row is
+    normalized.  ``wbuf`` holds ``n_parts`` floats, ``buf`` ``d``.
+    """
+    n_parts = part_m.shape[1]
+    d = out.shape[2]
+    m_star = merge_max_cpu(part_m, g, r, n_parts)
+    if m_star == NEG_INF:  # no visible token (cannot happen with causal decode)
+        for j in range(d):
+            out[g, r, j] = float32(0.0)
+        return
+    merge_weights_cpu(part_m, g, r, 0, n_parts, 1, m_star, wbuf, 0)
+    # merge_column's sums, partition by partition over the contiguous row of each (the same
+    # additions in the same order as column by column, which indexed part_acc four ways per
+    # term and did not vectorize: ~0.4 µs a row of 64 before)
+    for j in range(d):
+        buf[j] = float32(0.0)
+    _add_partitions(part_m, part_acc, g, r, 0, n_comp_parts, wbuf, buf)
+    if n_comp_parts > 0:
+        if not head_rot:
+            block_signs_cpu(buf, d, 0, 1, signs)
+        h = 1
+        while h < (d if head_rot else 32):
+            butterfly_pairs_cpu(buf, h, d, 0, 1)
+            h *= 2
+        inverse_scale_cpu(buf, d, 0, 1, head_rot, hsigns)
+    inv = float32(1.0) / merge_denom_cpu(part_m, part_l, g, r, n_parts, m_star)
+    _add_partitions(part_m, part_acc, g, r, n_comp_parts, n_parts, wbuf, buf)
+    orow = out[g, r]
+    for j in range(d):
+        orow[j] = buf[j] * inv
+
+
+def _add_partitions(part_m, part_acc, g, r, p_lo, p_hi, wbuf, buf):
+    """``buf += Σ_{p_lo <= p < p_hi} wbuf[p] · acc_p`` for row ``(g, r)``, skipping empty
+    partitions: :func:`merge_column` for every column at once (CPU)."""
+    d = buf.shape[0]
+    for p in range(p_lo, p_hi):
+        if part_m[g, p, r] != NEG_INF:
+            w = wbuf[p]
+            src = part_acc[g, p, r]
+            for j in range(d):
+                buf[j] += w * src[j]
+
+
+add_partitions_cpu = twin(_add_partitions, inline=True)[0]
+merge_row_cpu = twin(_merge_row, inline=True)[0]
+
+
+@cpu_kernel
+def _merge_partitions_cpu(part_m, part_l, part_acc, n_comp_parts, signs, head_rot, hsigns, out):
+    """CPU twin of the merge: one work item per KV row (``prange``), its query rows in turn
+    (one scratch allocation per KV row: at decode sizes an allocation per query row cost as
+    much as its merge)."""
+    n_g, n_parts, rows = part_m.shape
+    d = out.shape[2]
+    for g in prange(n_g):
+        wbuf = np.empty(n_parts, dtype=np.float32)
+        buf = np.empty(d, dtype=np.float32)
+        for r in range(rows):
+            merge_row_cpu(part_m, part_l, part_acc, g, r, n_comp_parts, signs, head_rot, hsigns, wbuf, buf, out)
+
+
+@cuda_kernel
+def _merge_partitions_cuda(part_m, part_l, part_acc, n_comp_parts, signs, head_rot, hsigns, out):
+    """Cooperative merge of the partitions (log-sum-exp).
+
+    Launch contract: grid ``(n_g, rows)``, any block size.  Block ``(g, r)`` merges query
+    row ``(g, r)``: each thread owns the columns ``j = tid, tid + blockDim, …`` of the
+    shared row buffer; the partition weights are computed :data:`MERGE_CHUNK` at a time
+    into shared memory, the inverse rotation of the compressed sum runs as butterfly stages
+    over the shared buffer (one pair per thread and step, ``syncthreads`` between stages).
+    Same cores and arithmetic as the CPU twin's :func:`_merge_row`.
+    """
+    buf = cuda.shared.array(MAX_HEAD_DIM, dtype=float32)
+    wbuf = cuda.shared.array(MERGE_CHUNK, dtype=float32)
+    n_parts = part_m.shape[1]
+    d = out.shape[2]
+    g = cuda.blockIdx.x
+    r = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    nth = cuda.blockDim.x
+    m_star = merge_max_dev(part_m, g, r, n_parts)
+    if m_star == NEG_INF:  # the whole block agrees: every thread read the same maxima
+        for j in range(tid, d, nth):
+            out[g, r, j] = float32(0.0)
+        return
+    for j in range(tid, d, nth):
+        buf[j] = float32(0.0)
+    for c0 in range(0, n_comp_parts, MERGE_CHUNK):
+        c1 = min(n_comp_parts, c0 + MERGE_CHUNK)
+        cuda.syncthreads()
+        merge_weights_dev(part_m, g, r, c0 + tid, c1, nth, m_star, wbuf, c0)
+        cuda.syncthreads()
+        for j in range(tid, d, nth):
+            buf[j] = merge_column_dev(wbuf, part_m, part_acc, g, r, j, c0, c1, c0, buf[j])
+    if n_comp_parts > 0:
+        cuda.syncthreads()
+        if not head_rot:
+            block_signs_dev(buf, d, tid, nth, signs)
+            cuda.syncthreads()
+        h = 1
+        h_end = d if head_rot else 32
+        while h < h_end:
+            butterfly_pairs_dev(buf, h, d, tid, nth)
+            cuda.syncthreads()
+            h *= 2
+        inverse_scale_dev(buf, d, tid, nth, head_rot, hsigns)
+    for c0 in range(n_comp_parts, n_parts, MERGE_CHUNK):
+        c1 = min(n_parts, c0 + MERGE_CHUNK)
+        cuda.syncthreads()
+        merge_weights_dev(part_m, g, r, c0 + tid, c1, nth, m_star, wbuf, c0)
+        cuda.syncthreads()
+        for j in range(tid, d, nth):
+            buf[j] = merge_column_dev(wbuf, part_m, part_acc, g, r, j, c0, c1, c0, buf[j])
+    inv = float32(1.0) / merge_denom_dev(part_m, part_l, g, r, n_parts, m_star)
+    for j in range(tid, d, nth):
+        out[g, r, j] = buf[j] * inv
+
+
+_MSIG = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1], int64, float32[::1], boolean, "
+         "float32[::1], float32[:, :, ::1])")
+MERGE_PARTITIONS = register("merge_partitions", _merge_partitions_cpu, _merge_partitions_cuda, [_MSIG])

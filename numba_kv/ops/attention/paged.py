@@ -1,0 +1,160 @@
+"""Fused decode attention over paged K/V pools, read through a FlashInfer-style page table.
+
+A page pool holds either PQO-compressed tokens (``k_codes``/``k_scales``/``v_codes``/
+``v_scales`` ``[num_pages, H, page_size, ·]``, one binary16 scale per 32-block) or float32
+tokens (``k_pages``/``v_pages`` ``[num_pages, H, page_size, d]``).  Token ``t`` of batch
+sequence ``i`` lives at page ``kv_indices[kv_indptr[i] + t // page_size]``, slot
+``t % page_size``; sequence ``i`` holds ``(n_pages_i − 1)·page_size + kv_last_page_len[i]``
+tokens.  The math is that of :mod:`numba_kv.ops.attention` (rotated queries against
+codebook values, rotated-domain value accumulation, split-K partitions merged by
+log-sum-exp) and so are the cores and the merge kernel; only the token addressing differs.
+Each sequence may have its own length; its ``q_len`` new queries sit at its last ``q_len``
+positions (causal).  :meth:`numba_kv.PagedKVCache.decode_attention` calls this with its
+own pools and page table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ... import _backend
+from ..._validate import check_float_array
+from ..finite import check_finite
+from ..hadamard import rotate32, rotate32_rows
+from .layout import CodeLayout
+from .plan import attention_plan
+
+__all__ = ["paged_decode_attention"]
+
+
+def _check_kind(k_pages: Any, v_pages: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales: Any) -> None:
+    """``ValueError`` unless exactly one kind of pool (float32 pages or PQO codes) is complete."""
+    codes = (k_codes, k_scales, v_codes, v_scales)
+    if (k_pages is None) == (k_codes is None) or (k_pages is None) != (v_pages is None) or \
+            any((a is None) != (k_codes is None) for a in codes):
+        raise ValueError("k_pages: expected either k_pages and v_pages (float32 pools) or k_codes, k_scales, "
+                         "v_codes and v_scales (PQO pools) with k_codebook and v_codebook")
+
+
+def _pools(q3: Any, d: int, k_pages: Any, v_pages: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales: Any,
+           k_codebook: Any, v_codebook: Any) -> tuple:
+    """``(compressed, page_size, (kc, ks, vc, vs, kp, vp), klayout, vlayout)`` with placeholders
+    for the pool kind not given; validates that exactly one kind is."""
+    _check_kind(k_pages, v_pages, k_codes, k_scales, v_codes, v_scales)
+    if k_pages is not None:
+        for name, a in (("k_pages", k_pages), ("v_pages", v_pages)):
+            if len(a.shape) != 4 or int(a.shape[3]) != d or np.dtype(a.dtype) != np.float32:
+                raise ValueError(f"{name}: expected float32 [num_pages, num_kv_heads, page_size, {d}], got "
+                                 f"{a.dtype} {tuple(a.shape)}")
+        kc = vc = _backend.empty(q3, (1, 1, 1, 1), np.uint8)
+        ks = vs = _backend.empty(q3, (1, 1, 1, 1), np.uint16)
+        return False, int(k_pages.shape[2]), (kc, ks, vc, vs, k_pages, v_pages), None, None
+    if k_codebook is None or v_codebook is None:
+        raise ValueError("k_codebook: PQO pools need k_codebook and v_codebook")
+    lay = [CodeLayout.uniform(cb, d) for cb in (k_codebook, v_codebook)]
+    for name, a, width, dt in (("k_codes", k_codes, lay[0].width, np.uint8),
+                               ("k_scales", k_scales, d // 32, np.uint16),
+                               ("v_codes", v_codes, lay[1].width, np.uint8),
+                               ("v_scales", v_scales, d // 32, np.uint16)):
+        if len(a.shape) != 4 or int(a.shape[3]) != width or np.dtype(a.dtype) != dt:
+            raise ValueError(f"{name}: expected {np.dtype(dt)} [num_pages, num_kv_heads, page_size, {width}], got "
+                             f"{a.dtype} {tuple(a.shape)}")
+    kp = vp = _backend.empty(q3, (1, 1, 1, 1), np.float32)
+    return True, int(k_codes.shape[2]), (k_codes, k_scales, v_codes, v_scales, kp, vp), lay[0], lay[1]
+
+
+def _seq_lens(page_table: Sequence[Any], page_size: int, seq_lens: Sequence[int] | None) -> list[int]:
+    """Tokens of every sequence: ``seq_lens`` when given, else read from the page table
+    (a device→host copy when the table lives on the device)."""
+    if seq_lens is not None:
+        return [int(n) for n in seq_lens]
+    indptr, _, last = (_backend.to_host(a) for a in page_table)
+    npages = np.diff(indptr.astype(np.int64))
+    return [int((n - 1) * page_size + x) if n > 0 else 0 for n, x in zip(npages, last)]
+
+
+def paged_decode_attention(q: Any, page_table: Sequence[Any], *, k_pages: Any = None, v_pages: Any = None,
+                           k_codes: Any = None, k_scales: Any = None, v_codes: Any = None, v_scales: Any = None,
+                           k_codebook: Any = None, v_codebook: Any = None, seq_lens: Sequence[int] | None = None,
+                           softmax_scale: float | None = None, causal: bool = True,
+                           partition_size: int | None = None, check_values: bool = True) -> Any:
+    """Attention of new queries over paged K/V pools, read through a page table.
+
+    Parameters
+    ----------
+    q : float array, shape ``(n_seq, num_heads, q_len, head_dim)``
+        One row per sequence of the page table; ``num_heads`` a multiple of the pools'
+        ``num_kv_heads`` (contiguous GQA groups).
+    page_table : ``(kv_indptr, kv_indices, kv_last_page_len)``
+        int32 arrays of shapes ``(n_seq + 1,)``, ``(kv_indptr[-1],)``, ``(n_seq,)`` on the
+        device of ``q`` (a :class:`numba_kv.caches.paged.PageTable` fits).
+    k_pages, v_pages : float32 array, shape ``(num_pages, num_kv_heads, page_size, head_dim)``
+        Float32 pools; or else
+    k_codes, v_codes : uint8 array, shape ``(num_pages, num_kv_heads, page_size, head_dim·bits/8)``
+    k_scales, v_scales : uint16 array, shape ``(num_pages, num_kv_heads, page_size, head_dim/32)``
+        PQO pools (32-block rotation, one binary16 scale per block) decoded with
+    k_codebook, v_codebook : Codebook
+        The codebooks of the K and V codes.
+    seq_lens : sequence of int, optional
+        Tokens of every sequence (host ints; default: read from the page table, a
+        device→host copy when it lives on the device).
+    softmax_scale : float, optional
+        Default ``1/sqrt(head_dim)``.
+    causal : bool
+        The ``q_len`` queries of a sequence sit at its last ``q_len`` positions.
+    partition_size : int, optional
+        Tokens per split-K partition.
+    check_values : bool
+        Reject a non-finite ``q`` (on a GPU: one device-to-host read).  ``False`` when the
+        caller checked or deferred that itself (:meth:`PagedKVCache.decode_attention`).
+
+    Returns
+    -------
+    out : float32 array, shape ``(n_seq, num_heads, q_len, head_dim)``, on the device of ``q``.
+
+    Raises
+    ------
+    ValueError
+        Empty sequence, shape/group mismatch, pools of both or neither kind, device mismatch.
+    """
+    indptr, indices, last = page_table
+    _backend.resolve_device("auto", q=q, kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last,
+                                  k_pages=k_pages, v_pages=v_pages, k_codes=k_codes, k_scales=k_scales,
+                                  v_codes=v_codes, v_scales=v_scales)
+    check_float_array("q", q, 4)
+    _check_kind(k_pages, v_pages, k_codes, k_scales, v_codes, v_scales)
+    n_seq, hq, ql, d = (int(x) for x in q.shape)
+    pool = k_pages if k_pages is not None else k_scales
+    hkv, pool_d = 0, 0
+    if pool is not None and len(pool.shape) == 4:
+        hkv = int(pool.shape[1])
+        pool_d = int(pool.shape[3]) * (1 if k_pages is not None else 32)
+    if d % 32 or d != pool_d or hkv < 1 or hq % hkv:
+        raise ValueError(f"q: expected [n_seq, k·{hkv}, q_len, {pool_d}] (the pools' KV heads and head_dim), got "
+                         f"shape {(n_seq, hq, ql, d)}")
+    if len(last.shape) != 1 or int(last.shape[0]) != n_seq or int(indptr.shape[0]) != n_seq + 1:
+        raise ValueError(f"q: expected {int(last.shape[0])} rows (one per sequence of the page table), got {n_seq}")
+    if check_values:
+        check_finite("q", q)
+    g, rows = n_seq * hkv, (hq // hkv) * ql
+    q3 = _backend.ascontiguous_f32("q", q).reshape(g, rows, d)
+    compressed, page_size, arrays, klay, vlay = _pools(q3, d, k_pages, v_pages, k_codes, k_scales, v_codes, v_scales,
+                                                       k_codebook, v_codebook)
+    lens = _seq_lens(page_table, page_size, seq_lens)
+    if min(lens) < max(1, ql if causal else 1):
+        raise ValueError(f"seq_ids: every sequence needs >= max(1, q_len={ql}) stored tokens, got lengths {lens}")
+    if not compressed:
+        qr = q3
+    elif check_values:
+        qr = rotate32(q3)  # checks that the rotation stays finite (a host read on the device)
+    else:  # the caller vouched for q: no read back
+        qr = rotate32_rows(q3.reshape(g * rows, d)).reshape(g, rows, d)
+    plan = attention_plan(q3, paged=True, n_g=g, rows=rows, d=d, klayout=klay, vlayout=vlay,
+                          v_width=int(arrays[2].shape[3]) if compressed else 0)
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    out = plan.run_paged(qr, q3, arrays, (indptr, indices, last), page_size, hkv, max(lens), sum(lens), n_seq, scale,
+                         ql, causal, partition_size)
+    return out.reshape(n_seq, hq, ql, d)

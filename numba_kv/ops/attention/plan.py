@@ -1,0 +1,368 @@
+"""The attention plan: every decision about a decode attention that does not change per step.
+
+An :class:`AttentionPlan` is built once per cache layer and query/cache shape (and device):
+it checks head_dim against the kernels' limits, holds the code layouts and their device
+copies, picks the kernel variant (``cpu``, CUDA ``block``, ``warp`` or ``mma``), the
+partitioning policy, the CUDA grid, and keeps the partial-result buffers of the split-K
+partitions (its workspace, per thread).  A decode step then only hands over the arrays of
+that step (:meth:`AttentionPlan.run_flat`, :meth:`AttentionPlan.run_paged`) — no re-checks,
+no dummy arrays, no knob reads.  It is the object a CUDA-graph replay of the decode step
+captures.
+
+Who decides what (ARCHITECTURE.md, "The decode path"): the *cache* owns its state (codes,
+window, positions) and hands the plan the live arrays; the *plan* owns legality, variant,
+partitioning, grid and workspace; the *kernels* own the arithmetic.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numba
+import numpy as np
+
+from ... import _backend, _config
+from ..._config import MAX_HEAD_DIM
+from ..hadamard import SIGNS32
+from .cores import EXACT_F16, EXACT_F32, EXACT_I8
+from .kernels import (
+    DECODE_ATTENTION,
+    DECODE_ATTENTION_MMA,
+    DECODE_ATTENTION_WARP,
+    PAGED_DECODE_ATTENTION,
+    PAGED_DECODE_ATTENTION_MMA,
+    PAGED_DECODE_ATTENTION_WARP,
+    rows_per_block,
+)
+from .layout import F16_ABS_TABLE, CodeLayout, mma_layout_ok, mma_operands
+from .merge import MERGE_PARTITIONS
+from .mma import MMA_HEAD_DIM, MMA_THREADS, mma_partition_size
+from .warp import VROW, WARP_ROWS, warp_ok
+
+__all__ = ["AttentionPlan", "TILE", "VARIANTS", "attention_plan", "check_cuda_head_dim", "cuda_block_threads",
+           "default_partition_size", "use_mma_kernel", "use_warp_kernel"]
+
+TILE = 128  # tokens per partition granule (partition sizes are multiples of it)
+#: the kernel variants, and the registered twins of each for flat caches and paged pools
+VARIANTS = ("cpu", "block", "warp", "mma")
+_KERNELS = {False: {"cpu": DECODE_ATTENTION, "block": DECODE_ATTENTION, "warp": DECODE_ATTENTION_WARP,
+                    "mma": DECODE_ATTENTION_MMA},
+            True: {"cpu": PAGED_DECODE_ATTENTION, "block": PAGED_DECODE_ATTENTION,
+                   "warp": PAGED_DECODE_ATTENTION_WARP, "mma": PAGED_DECODE_ATTENTION_MMA}}
+
+
+def cuda_block_threads() -> int:
+    """Threads per block of the cooperative attention kernels (the ``cuda_threads`` knob;
+    ``cuda_threads_sim`` under the simulator, where every thread is an OS thread)."""
+    return int(_config.get("cuda_threads_sim" if _backend.simulator_enabled() else "cuda_threads"))
+
+
+def check_cuda_head_dim(d: int) -> None:
+    """``ValueError`` unless the CUDA kernels' shared-memory buffers hold head_dim ``d``
+    (:data:`numba_kv._config.MAX_HEAD_DIM`, the one source of that limit)."""
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"q: the CUDA decode attention kernels support head_dim <= {MAX_HEAD_DIM} "
+                         f"(static shared memory), got {d}")
+
+
+def use_warp_kernel(dev: str, d: int, has_bias: bool, has_qjl: bool) -> bool:
+    """Whether a decode on ``dev`` runs a warp kernel (flat or paged) instead of a block kernel.
+
+    Parameters
+    ----------
+    dev : {"cpu", "cuda"}
+    d : int
+        head_dim (the warp kernels take 32, 64 and 128).
+    has_bias, has_qjl : bool
+        A logit bias or the QJL correction (only the block kernels apply them).
+
+    Returns
+    -------
+    bool
+        CUDA, the ``cuda_warp_attention`` knob on, neither extra, a head_dim and a block size
+        (whole warps) the warp kernels take."""
+    return (dev == _backend.CUDA and not has_bias and not has_qjl and bool(_config.get("cuda_warp_attention"))
+            and warp_ok(d, cuda_block_threads()))
+
+
+def use_mma_kernel(dev: str, d: int, has_bias: bool, has_qjl: bool, klayout: CodeLayout,
+                   vlayout: CodeLayout) -> bool:
+    """Whether a decode on ``dev`` runs a tensor-core kernel (``decode_attention_mma``, paged too).
+
+    Parameters
+    ----------
+    dev : {"cpu", "cuda"}
+    d : int
+        head_dim (the kernel takes :data:`~numba_kv.ops.attention.mma.MMA_HEAD_DIM`).
+    has_bias, has_qjl : bool
+        A logit bias or the QJL correction (only the block kernels apply them).
+    klayout, vlayout : CodeLayout
+        The code layouts of K and V (:func:`~numba_kv.ops.attention.layout.mma_layout_ok`).
+
+    Returns
+    -------
+    bool
+        The warp kernel would run (:func:`use_warp_kernel`), the ``cuda_mma_attention`` knob
+        is on, ``d`` is 128 and both layouts are uniform with a pair table."""
+    return (d == MMA_HEAD_DIM and bool(_config.get("cuda_mma_attention"))
+            and use_warp_kernel(dev, d, has_bias, has_qjl) and mma_layout_ok(klayout) and mma_layout_ok(vlayout))
+
+
+def default_partition_size(n_tokens: int, n_rows_kv: int, device: str, warp: bool = False) -> int:
+    """Tokens per partition: enough partitions to occupy the machine, at least one tile.
+
+    ``warp``: for the warp kernels (one warp per partition), about ``n_rows_kv · n_tokens /
+    16384`` tokens per warp (about 16K warps, some 120 queued per SM of an H100) in
+    multiples of 32 between 64 and 1024: much longer partitions would leave SMs idle at
+    small batch, shorter ones make the merge's partial sums a larger share of the bytes
+    read."""
+    if device == _backend.CPU:
+        want = 4 * numba.get_num_threads()
+        per = -(-n_tokens // max(1, -(-want // max(n_rows_kv, 1))))
+        return int(max(4 * TILE, -(-per // TILE) * TILE))
+    if _backend.simulator_enabled():
+        return 64
+    if warp:
+        per = -(-max(n_rows_kv, 1) * n_tokens // 16384)
+        return int(min(1024, max(64, -(-per // 32) * 32)))
+    return 256
+
+
+# Placeholders for the kernel arguments of an absent QJL correction, logit bias, exact-token
+# scales and (paged float32 pools) code layout: never read (the kernels test their flags),
+# put on the plan's device once.  Left writable: the kernels are compiled for the writable
+# array types of the real arguments.
+_NO_QJL = (np.zeros((1, 1, 8), np.float32), np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1), np.uint16))
+_NO_BIAS = np.zeros((1, 1, 1), np.float32)
+_NO_SCALES = np.zeros((1, 1, 1), np.uint16)
+_FLOAT_CENT = np.zeros((1, 16), np.float32)
+_FLOAT_BITS = np.ones(1, np.int64)
+for _a in (_FLOAT_CENT, _FLOAT_BITS):
+    _a.flags.writeable = False
+
+
+class AttentionPlan:
+    """One decode attention's fixed decisions: built by :func:`attention_plan`, run per step.
+
+    Attributes
+    ----------
+    device : {"cpu", "cuda"}
+    paged : bool
+        Paged pools read through a page table (else flat ``[n_g, capacity, ·]`` arrays).
+    n_g, rows, d : int
+        KV rows (batch·KV heads, or sequences·KV heads), query rows per KV row (GQA group ×
+        q_len) and head_dim.
+    variant : {"cpu", "block", "warp", "mma"}
+        The kernel that runs (``mma`` falls back to ``warp`` for a step whose arrays cannot
+        be viewed as 32-bit words).
+    threads : int
+        CUDA threads per block (0 on the CPU).
+    """
+
+    def __init__(self, like: Any, *, paged: bool, n_g: int, rows: int, d: int, klayout: CodeLayout | None,
+                 vlayout: CodeLayout | None, v_width: int, has_bias: bool = False, has_qjl: bool = False) -> None:
+        dev = _backend.device_of("q", like)
+        if d % 32 or d <= 0:
+            raise ValueError(f"q: expected head_dim a positive multiple of 32, got {d}")
+        if dev == _backend.CUDA:
+            check_cuda_head_dim(d)
+        compressed = klayout is not None
+        self.device, self.paged, self.compressed = dev, bool(paged), compressed
+        self.n_g, self.rows, self.d = int(n_g), int(rows), int(d)
+        self.has_bias, self.has_qjl = bool(has_bias), bool(has_qjl)
+        # the warp kernel stages each token's packed V bytes: at most VROW per token
+        warp = use_warp_kernel(dev, d, has_bias, has_qjl) and (not compressed or v_width <= VROW)
+        mma = compressed and warp and use_mma_kernel(dev, d, has_bias, has_qjl, klayout, vlayout)
+        self.variant = "mma" if mma else "warp" if warp else "block" if dev == _backend.CUDA else "cpu"
+        self.kernel = _KERNELS[self.paged][self.variant]
+        self._fallback = _KERNELS[self.paged]["warp"]  # an mma step whose arrays give no word views
+        self.threads = cuda_block_threads() if dev == _backend.CUDA else 0
+        c = self._const = lambda a: _backend.constant(like, a)  # noqa: E731
+        if compressed:
+            self.layout_args = (c(klayout.centroids), c(vlayout.centroids), c(klayout.bits), c(klayout.offsets),
+                                c(vlayout.bits), c(vlayout.offsets))
+            self.sshift = klayout.scale_shift
+        else:
+            self.layout_args = (c(_FLOAT_CENT), c(_FLOAT_CENT)) + (c(_FLOAT_BITS),) * 4
+            self.sshift = 0
+        self.table, self.signs = c(F16_ABS_TABLE), c(SIGNS32)
+        self.no_bias = c(_NO_BIAS)
+        self.no_qjl = tuple(c(a) for a in _NO_QJL) + (np.float32(0.0),)
+        self.no_scales = c(_NO_SCALES)
+        self._ws = threading.local()
+
+    # --- geometry ---------------------------------------------------------------------------
+    def partition_size(self, n_tokens: int, kernel: Any = None) -> int:
+        """Tokens per split-K partition for a KV row of ``n_tokens`` tokens (``kernel``: the
+        twin that runs, default the plan's)."""
+        if (kernel or self.kernel).name.endswith("_mma") and not _backend.simulator_enabled():
+            return mma_partition_size(max(n_tokens, 1), self.n_g)
+        return default_partition_size(max(n_tokens, 1), self.n_g, self.device, self.variant in ("warp", "mma"))
+
+    def grid(self, kernel: Any, n_parts: int) -> tuple | None:
+        """CUDA launch geometry of the partition kernel (``None`` on the CPU): the block
+        kernels' ``(n_g, n_parts, row chunks)`` (KV rows on x, which allows 2**31 − 1 blocks;
+        y and z allow 65535), the warp kernels' ``(n_g, ceil(n_parts / warps per block),
+        ceil(rows / WARP_ROWS))``."""
+        if self.device != _backend.CUDA:
+            return None
+        threads = self.threads
+        if kernel.name.endswith("_mma"):
+            # its launch bounds; in the simulator one warp per block (its simulated warp
+            # primitives need every lane of a block together)
+            threads = 32 if _backend.simulator_enabled() else MMA_THREADS
+        if self.variant in ("warp", "mma"):
+            return (self.n_g, -(-n_parts // (threads // 32)), -(-self.rows // WARP_ROWS)), threads
+        return (self.n_g, n_parts, -(-self.rows // rows_per_block(self.d))), threads
+
+    def workspace(self, like: Any, n_parts: int) -> tuple:
+        """``(part_m, part_l, part_acc)`` for ``n_parts`` partitions: reused from step to step
+        (per thread; every entry is written by the partition kernel before the merge reads it)."""
+        ws = getattr(self._ws, "bufs", None)
+        if ws is None or ws[0] != n_parts:
+            shape = (self.n_g, n_parts, self.rows)
+            ws = (n_parts, _backend.empty(like, shape, np.float32), _backend.empty(like, shape, np.float32),
+                  _backend.empty(like, (*shape, self.d), np.float32))
+            self._ws.bufs = ws
+        return ws[1:]
+
+    def _run(self, like: Any, kernel: Any, args: tuple, n_parts: int, n_rot: int, head_signs: Any, parts: tuple,
+             work: int) -> Any:
+        """Launch the partition kernel, then the merge; returns ``out`` ``[n_g, rows, d]``."""
+        kernel.launch(self.device, self.n_g * n_parts, *args, work=work, grid=self.grid(kernel, n_parts))
+        out = _backend.empty(like, (self.n_g, self.rows, self.d), np.float32)
+        head_rot = head_signs is not None
+        margs = (*parts, int(n_rot), self.signs, head_rot, head_signs if head_rot else self.signs, out)
+        mgrid = ((self.n_g, self.rows), self.threads) if self.device == _backend.CUDA else None
+        MERGE_PARTITIONS.launch(self.device, self.n_g * self.rows, *margs, work=self.n_g * self.rows * self.d * n_parts,
+                                grid=mgrid)
+        return out
+
+    # --- a step ------------------------------------------------------------------------------
+    def run_flat(self, qr: Any, q: Any, kc: Any, ks: Any, vc: Any, vs: Any, n_comp: int, comp_pos0: int, ke: Any,
+                 ve: Any, n_exact: int, exact_pos: Any, softmax_scale: float, bias: Any, q_pos0: int, q_len: int,
+                 causal: bool = True, part_size: int | None = None, head_signs: Any = None, qjl: Any = None,
+                 exact_rotated: bool = False, exact_scales: tuple | None = None) -> Any:
+        """One step over a flat cache's arrays (the arguments of
+        :func:`~numba_kv.ops.attention.flat.fused_attention_rows`, which validates nothing
+        either); returns ``out`` ``[n_g, rows, d]`` float32 on the device of ``qr``."""
+        n_comp, n_exact = int(n_comp), int(n_exact)
+        kernel = self.kernel
+        if self.variant == "mma":
+            words = mma_operands(kc, ks, vc, vs, flat=True)
+            if words is None:
+                kernel = self._fallback
+            else:
+                kc, ks, vc, vs = words
+        if part_size is None:
+            part_size = self.partition_size(max(n_comp, n_exact), kernel)
+        n_cp = -(-n_comp // part_size)
+        n_ep = -(-n_exact // part_size)
+        if n_cp + n_ep == 0:
+            raise ValueError("k: expected at least one stored token to attend over, got none")
+        n_parts = n_cp + n_ep
+        parts = self.workspace(qr, n_parts)
+        sq, qsig, qnorm, qconst = qjl if qjl is not None else self.no_qjl
+        ke, ve, kes, ves, exact_kind = self._exact_args(ke, ve, exact_scales)
+        args = (qr, q, kc, ks, vc, vs, n_comp, int(comp_pos0), ke, ve, n_exact, exact_pos, kes, ves, exact_kind,
+                *self.layout_args, self.sshift, self.table, np.float32(softmax_scale),
+                self.no_bias if bias is None else bias, bias is not None, qjl is not None, sq, qsig, qnorm,
+                np.float32(qconst), int(q_pos0), int(q_len), bool(causal), int(part_size), int(n_cp), *parts)
+        # the merge rotates partitions [0, n_rot) back: the compressed ones, and the exact ones
+        # too when they were attended in the rotated domain
+        n_rot = n_parts if exact_rotated else n_cp
+        work = self.n_g * self.rows * self.d * (n_comp + n_exact)
+        return self._run(qr, kernel, args, n_parts, n_rot, head_signs, parts, work)
+
+    def run_paged(self, qr: Any, q3: Any, pools: tuple, page_table: tuple, page_size: int, n_kv_heads: int,
+                  max_len: int, total_len: int, n_seq: int, softmax_scale: float, q_len: int, causal: bool,
+                  part_size: int | None = None) -> Any:
+        """One step over paged pools ``(kc, ks, vc, vs, kp, vp)`` (placeholders for the kind
+        not used) read through ``page_table`` ``(kv_indptr, kv_indices, kv_last_page_len)``;
+        ``max_len``/``total_len``: the longest sequence's and all sequences' tokens."""
+        kernel = self.kernel
+        if self.variant == "mma":
+            words = mma_operands(*pools[:4], flat=False)
+            if words is None:
+                kernel = self._fallback
+            else:
+                pools = (*words, *pools[4:])
+        if part_size is None:
+            part_size = self.partition_size(max_len, kernel)
+        n_parts = max(1, -(-max_len // part_size))
+        parts = self.workspace(q3, n_parts)
+        args = (qr, q3, *pools, self.compressed, *page_table, int(page_size), int(n_kv_heads), *self.layout_args,
+                self.table, np.float32(softmax_scale), int(q_len), bool(causal), int(part_size), *parts)
+        work = self.n_g * self.rows * self.d * total_len // max(n_seq, 1)
+        return self._run(q3, kernel, args, n_parts, n_parts if self.compressed else 0, None, parts, work)
+
+    def _exact_args(self, ke: Any, ve: Any, exact_scales: tuple | None) -> tuple:
+        """``(ke, ve, kes, ves, exact_kind)`` of the fused kernel for exact tokens stored as
+        float32, binary16 (``float16`` or its ``uint16`` bit patterns) or int8 (with
+        ``exact_scales`` = the per-token binary16 scales ``[n_g, >= n_exact, 1]`` uint16)."""
+        dt = np.dtype(ke.dtype)
+        if dt == np.int8:
+            if exact_scales is None:
+                raise ValueError("exact_scales: int8 exact tokens need their binary16 scales, got None")
+            return ke, ve, exact_scales[0], exact_scales[1], EXACT_I8
+        if dt == np.float32:
+            return ke, ve, self.no_scales, self.no_scales, EXACT_F32
+        if dt == np.float16:
+            ke, ve = ke.view(np.uint16), ve.view(np.uint16)
+            dt = np.dtype(np.uint16)
+        if dt == np.uint16:
+            return ke, ve, self.no_scales, self.no_scales, EXACT_F16
+        raise TypeError(f"k_exact: expected float32, float16 (or its uint16 bits) or int8 tokens, got {dt}")
+
+
+_PLANS: dict[tuple, AttentionPlan] = {}
+
+
+def attention_plan(like: Any, *, paged: bool, n_g: int, rows: int, d: int, klayout: CodeLayout | None,
+                   vlayout: CodeLayout | None, v_width: int, has_bias: bool = False,
+                   has_qjl: bool = False) -> AttentionPlan:
+    """The :class:`AttentionPlan` for these shapes on the device of ``like`` (cached).
+
+    Parameters
+    ----------
+    like : array
+        Any array on the plan's device (its device copies of the constants go there).
+    paged : bool
+        Paged pools (``True``) or flat ``[n_g, capacity, ·]`` arrays.
+    n_g, rows, d : int
+        KV rows, query rows per KV row and head_dim.
+    klayout, vlayout : CodeLayout or None
+        Layouts of the K and V codes; ``None`` for float32 paged pools.
+    v_width : int
+        Packed bytes per V vector (the warp kernels stage at most 64).
+    has_bias, has_qjl : bool
+        A logit bias or TurboQuant's QJL correction will be passed (only the block kernels
+        apply them).
+
+    Returns
+    -------
+    AttentionPlan
+        Cached per arguments and, on a GPU, per device and the CUDA knobs that choose the
+        kernel (the arguments are ints and bools as given: a NumPy integer keys like an int).
+
+    Raises
+    ------
+    ValueError
+        ``d`` not a positive multiple of 32, or beyond the CUDA kernels' shared memory.
+    """
+    if isinstance(like, np.ndarray):
+        # (the CPU partition size follows the live Numba thread count at each step: no key)
+        env = None
+    else:
+        _backend.device_of("q", like)
+        env = (id(_backend.constant(like, F16_ABS_TABLE)), _backend.simulator_enabled(), cuda_block_threads(),
+               _config.get("cuda_warp_attention"), _config.get("cuda_mma_attention"))
+    key = (env, paged, n_g, rows, d, klayout, vlayout, v_width, has_bias, has_qjl)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) > 1024:  # shapes of long-gone models: start over
+            _PLANS.clear()
+        plan = _PLANS[key] = AttentionPlan(like, paged=paged, n_g=n_g, rows=rows, d=d, klayout=klayout,
+                                           vlayout=vlayout, v_width=v_width, has_bias=has_bias, has_qjl=has_qjl)
+    return plan

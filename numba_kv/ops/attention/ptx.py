@@ -1,0 +1,181 @@
+"""Warp-level PTX that Numba does not expose, as ``@intrinsic``\\ s (GPU) with simulator twins.
+
+Each primitive exists twice, chosen once at import (``NUMBA_ENABLE_CUDASIM``):
+
+* on a GPU, a Numba ``@intrinsic`` whose code generation calls an llvmlite ``ir.InlineAsm`` of
+  one PTX instruction (``mma.sync``, ``cvt.rn.f16x2.f32``, ``mul.rn.f16x2``, ``shfl.sync``);
+* under Numba's CUDA simulator, a plain Python function with the same arguments and results
+  bit for bit (binary16 through NumPy; the warp-collective ones exchange their lanes'
+  operands through a per-block table between two block barriers, so in that build every
+  lane of the block must reach them together — the simulator launches the kernels that use
+  them with one warp per block).
+
+Binary16 pairs travel as ``uint32`` (``.f16x2``: element 0 in the low half, as PTX lays out
+the fragments of ``mma.sync``).  The fragment layouts of ``m16n8k16`` (PTX ISA, "Matrix
+Fragments for mma.m16n8k16"), for lane ``ℓ`` with ``gid = ℓ >> 2`` and ``tig = ℓ & 3``:
+
+* ``A`` (16×16, row-major): ``a0 = (A[gid, 2tig], A[gid, 2tig+1])``, ``a1`` the same at row
+  ``gid + 8``, ``a2``/``a3`` the same at columns ``+ 8``;
+* ``B`` (16×8, column-major): ``b0 = (B[2tig, gid], B[2tig+1, gid])``, ``b1`` at rows ``+ 8``;
+* ``C``/``D`` (16×8, float32): ``c0, c1 = C[gid, 2tig], C[gid, 2tig+1]``, ``c2, c3`` at row
+  ``gid + 8``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from llvmlite import ir
+from numba import cuda, int32, uint32
+from numba.cuda import types
+from numba.cuda.extending import intrinsic
+
+from ... import _backend
+
+__all__ = ["SIMULATED", "half2_bits", "hmul2", "mma_16816", "pack_half2", "shfl_xor_f32", "shfl_xor_u32",
+           "unpack_half2"]
+
+#: the simulator build (Python twins of every primitive)
+SIMULATED = _backend.simulator_enabled()
+_FULL = 0xFFFFFFFF
+
+
+# --- Python twins (the simulator build; also the tests' oracle of the bit layout) ----------
+def half2_bits(lo: float, hi: float) -> int:
+    """``(lo, hi)`` rounded to binary16 (round to nearest even) as one ``.f16x2`` word."""
+    pair = np.array([lo, hi], dtype=np.float32).astype(np.float16).view(np.uint16)
+    return int(pair[0]) | (int(pair[1]) << 16)
+
+
+def unpack_half2(w: int) -> tuple[float, float]:
+    """The two binary16 halves of ``w`` as float32 ``(low, high)``."""
+    h = np.array([int(w) & 0xFFFF, (int(w) >> 16) & 0xFFFF], dtype=np.uint16).view(np.float16)
+    return float(h[0]), float(h[1])
+
+
+def _sim_pack_half2(lo, hi):
+    return np.uint32(half2_bits(lo, hi))
+
+
+def _sim_hmul2(x, y):
+    xl, xh = unpack_half2(x)
+    yl, yh = unpack_half2(y)
+    # a binary16 product rounded once: exact in float64, then to binary16
+    return np.uint32(half2_bits(np.float64(xl) * yl, np.float64(xh) * yh))
+
+
+def _exchange(value):
+    """Every lane's ``value`` of this lane's warp (a list of 32), through a table of the
+    simulated block: two slot lists used in turn, one block barrier per exchange (a lane can
+    only overwrite a list again after the next exchange's barrier, which every lane reaches
+    after reading it)."""
+    me = threading.current_thread()
+    # the simulator's block manager of this thread (a private attribute of Numba's simulator)
+    table = me._manager.__dict__.setdefault("_numba_kv_lanes", {})  # noqa: SLF001
+    tid = me.thread_id
+    k = getattr(me, "_numba_kv_exchanges", 0)
+    me._numba_kv_exchanges = k + 1  # noqa: SLF001 - our counter on the simulator's thread object
+    slots = table.setdefault((tuple(me.blockIdx), tid >> 5, k & 1), [None] * 32)
+    slots[tid & 31] = value
+    me.syncthreads()  # (the simulator's block barrier of this thread)
+    return list(slots)
+
+
+def _sim_shfl_xor(x, mask):
+    lanes = _exchange(x)
+    return lanes[(threading.current_thread().thread_id & 31) ^ mask]
+
+
+# where each lane's fragment halves land: A[16, 16] (a0..a3 low/high) and B[16, 8] (b0, b1)
+_LANE = np.arange(32)
+_GID, _TIG = _LANE >> 2, _LANE & 3
+_A_ROW = np.stack([_GID, _GID, _GID + 8, _GID + 8, _GID, _GID, _GID + 8, _GID + 8], axis=1)
+_A_COL = np.stack([2 * _TIG, 2 * _TIG + 1] * 2 + [2 * _TIG + 8, 2 * _TIG + 9] * 2, axis=1)
+_B_ROW = np.stack([2 * _TIG, 2 * _TIG + 1, 2 * _TIG + 8, 2 * _TIG + 9], axis=1)
+_B_COL = np.stack([_GID] * 4, axis=1)
+
+
+def _sim_mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    regs = np.array(_exchange((a0, a1, a2, a3, b0, b1)), dtype=np.uint32)  # [32 lanes, 6]
+    halves = regs.view(np.float16).astype(np.float64).reshape(32, 12)  # low half first
+    A = np.zeros((16, 16))
+    B = np.zeros((16, 8))
+    A[_A_ROW, _A_COL] = halves[:, :8]
+    B[_B_ROW, _B_COL] = halves[:, 8:]
+    ln = threading.current_thread().thread_id & 31
+    gid, tig = ln >> 2, ln & 3
+    # binary16 products are exact in float64, and so are their sums over 16 terms to far
+    # below float32's rounding: the hardware's float32 accumulation agrees to round-off
+    d = A[[gid, gid + 8]] @ B[:, [2 * tig, 2 * tig + 1]]
+    return (np.float32(c0 + d[0, 0]), np.float32(c1 + d[0, 1]), np.float32(c2 + d[1, 0]), np.float32(c3 + d[1, 1]))
+
+
+# --- GPU intrinsics -------------------------------------------------------------------------
+def _gpu_primitives():
+    f32 = ir.FloatType()
+    i32 = ir.IntType(32)
+
+    @intrinsic
+    def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        sig = types.UniTuple(types.float32, 4)(types.uint32, types.uint32, types.uint32, types.uint32,
+                                               types.uint32, types.uint32, types.float32, types.float32,
+                                               types.float32, types.float32)
+
+        def codegen(context, builder, signature, args):
+            args = [context.cast(builder, v, t, s) for v, t, s in zip(args, signature.args, sig.args)]
+            fnty = ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
+            asm = ir.InlineAsm(
+                fnty,
+                "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, "
+                "{$8, $9}, {$10, $11, $12, $13};",
+                "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+            res = builder.call(asm, args)
+            return context.make_tuple(builder, signature.return_type,
+                                      [builder.extract_value(res, i) for i in range(4)])
+
+        return sig, codegen
+
+    @intrinsic
+    def pack(typingctx, lo, hi):
+        sig = types.uint32(types.float32, types.float32)
+
+        def codegen(context, builder, signature, args):
+            lo_v, hi_v = (context.cast(builder, v, t, types.float32) for v, t in zip(args, signature.args))
+            asm = ir.InlineAsm(ir.FunctionType(i32, [f32, f32]), "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f")
+            return builder.call(asm, [hi_v, lo_v])  # the first source goes to the upper half
+
+        return sig, codegen
+
+    @intrinsic
+    def mul2(typingctx, x, y):
+        sig = types.uint32(types.uint32, types.uint32)
+
+        def codegen(context, builder, signature, args):
+            xs = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, signature.args)]
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i32, i32]), "mul.rn.f16x2 $0, $1, $2;", "=r,r,r")
+            return builder.call(asm, xs)
+
+        return sig, codegen
+
+    def shfl_u32(x, mask):
+        # (shfl_xor_sync types signed 32-bit words only)
+        return uint32(cuda.shfl_xor_sync(_FULL, int32(x), mask))
+
+    def shfl_f32(x, mask):
+        return cuda.shfl_xor_sync(_FULL, x, mask)
+
+    dev = cuda.jit(device=True, inline="always")
+    return mma, pack, mul2, dev(shfl_u32), dev(shfl_f32)
+
+
+if SIMULATED:
+    mma_16816, pack_half2, hmul2 = _sim_mma, _sim_pack_half2, _sim_hmul2
+    shfl_xor_u32 = shfl_xor_f32 = _sim_shfl_xor
+else:
+    mma_16816, pack_half2, hmul2, shfl_xor_u32, shfl_xor_f32 = _gpu_primitives()
+
+mma_16816.__doc__ = """``D = A·B + C`` of one warp (``mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32``):
+``a0…a3`` and ``b0, b1`` this lane's ``.f16x2`` fragments of A and B, ``c0…c3`` its float32
+accumulators; returns its four float32 results (layouts in the module docstring).  Every lane
+of the warp calls it with the same control flow."""

@@ -1,0 +1,483 @@
+"""Warp-level device helpers of the warp-per-partition CUDA decode attention.
+
+The kernel (``_decode_attention_warp_cuda`` in :mod:`numba_kv.ops.attention.kernels`) gives
+each warp one partition of one KV row and walks it in tiles of 32 tokens, in two layouts
+(the split of FlashDecoding-style GPU decode kernels):
+
+* **scores, one token per lane**: lane ``ℓ`` decodes the whole K vector of token ``t0 + ℓ``
+  (the packed bytes of its own row; mixed widths cost nothing extra, every lane is at the
+  same block) and forms the scores of all :data:`WARP_ROWS` query rows against the query
+  rows staged in shared memory (every lane reads the same address: a broadcast).  The
+  tile's softmax statistics are then two butterflies over the warp.  The lane also copies
+  its token's packed V bytes and decoded V scales to the warp's shared staging area;
+* **values, coordinates per lane**: lane ``ℓ`` owns coordinates ``4·(ℓ mod L) … + 3``
+  (``L = head_dim / 4`` lanes per token) of token slot ``ℓ // L`` and accumulates
+  ``p_u · v_u`` over the tile's tokens ``u ≡ slot (mod 32 / L)``, decoding its four V
+  values from the staged bytes; the slots are summed at the end of the partition.
+
+Per token, a lane does the work of one token, not a 1/32 share of every token's softmax,
+and the accumulators are 16 registers.  Numba's CUDA simulator has no warp shuffles or
+warp barrier: there (``NUMBA_ENABLE_CUDASIM=1``, read once at import) :func:`lanes_reduce`
+exchanges through shared memory between block barriers and :func:`warp_sync` is a block
+barrier, so the kernel keeps every such call block-uniform in that build.
+"""
+
+from __future__ import annotations
+
+import math
+
+from numba import cuda, float32, int64
+
+from ... import _backend
+from ..._jit import cuda_device
+from .cores import NEG_INF, exact_scale_dev, exact_value_dev
+
+__all__ = ["SIMULATED", "TILE", "VPL", "VROW", "VSC", "WARP_PW", "WARP_QS", "WARP_ROWS", "WARP_STATE", "WARP_VALUES",
+           "WARP_VRAW", "WARP_VSC", "XBUF", "compressed_tiles", "exact_tiles", "init_state", "lanes_reduce",
+           "merge_slots", "page_slot", "paged_compressed_tiles", "paged_float_tiles", "publish_weights",
+           "pv_compressed", "pv_exact", "row_limits", "scores_compressed", "scores_exact", "stage_queries",
+           "stage_values", "store_partition", "tile_softmax", "uniform_widths", "warp_geometry", "warp_ok",
+           "warp_sync"]
+
+#: the simulator build (shared-memory exchanges, block-uniform barriers)
+SIMULATED = _backend.simulator_enabled()
+#: tokens per warp tile (one per lane in the score layout)
+TILE = 32
+#: coordinates per lane in the value layout
+VPL = 4
+#: query rows a warp works on (more rows run as more row chunks of the grid's z axis)
+WARP_ROWS = 4
+#: a lane's accumulators (value layout) and online-softmax state (m, l, alpha, spare per row)
+WARP_VALUES = WARP_ROWS * VPL
+WARP_STATE = WARP_ROWS * 4
+#: largest head_dim (32 lanes × 4 coordinates)
+MAX_WARP_HEAD_DIM = 128
+#: staged packed V bytes per token (head_dim 128 at 4 bits) and decoded scales per token
+VROW = MAX_WARP_HEAD_DIM // 2
+VSC = MAX_WARP_HEAD_DIM // 32
+_MAX_WARPS = 8  # MAX_CUDA_THREADS / 32
+#: static shared memory of a block: query rows (rotated and raw), per-warp staged V bytes,
+#: V scales and the tile's weights
+WARP_QS = 2 * WARP_ROWS * MAX_WARP_HEAD_DIM
+WARP_VRAW = _MAX_WARPS * TILE * VROW
+WARP_VSC = _MAX_WARPS * TILE * VSC
+WARP_PW = _MAX_WARPS * WARP_ROWS * TILE
+_FULL = 0xFFFFFFFF
+#: per-thread float32 slots of the simulator's exchange buffer (one float in the GPU build,
+#: where it is never touched)
+XBUF_SLOTS = 8
+XBUF = 1 if not SIMULATED else 256 * XBUF_SLOTS
+
+
+def warp_ok(d: int, threads: int) -> bool:
+    """Whether the warp kernel handles head_dim ``d`` with ``threads`` per block: a power of
+    two up to 32 lanes of :data:`VPL` coordinates per token (``d`` in 32, 64, 128), whole
+    warps."""
+    return d in (32, 64, 128) and threads % 32 == 0
+
+
+# --- warp primitives (shuffles on a GPU, shared memory in the simulator) -------------------
+def _reduce_shfl(vals, o, n, h0, h1, is_max, xbuf, tid):
+    for j in range(n):
+        x = vals[o + j]
+        h = h0
+        while h < h1:
+            y = cuda.shfl_xor_sync(_FULL, x, h)
+            x = max(x, y) if is_max else x + y
+            h *= 2
+        vals[o + j] = x
+
+
+def _reduce_shared(vals, o, n, h0, h1, is_max, xbuf, tid):
+    # the butterfly's tree (pairs at lane distance h0, then 2·h0, ...; + and max are
+    # commutative, so every lane gets the butterfly's value bit for bit) through shared
+    # memory, two barriers per call
+    cuda.syncthreads()
+    for j in range(n):
+        xbuf[tid * XBUF_SLOTS + j] = vals[o + j]
+    cuda.syncthreads()
+    if h0 >= h1:
+        return
+    base = tid - (tid & (h1 - h0))
+    n_m = h1 // h0
+    tmp = cuda.local.array(32, dtype=float32)
+    for j in range(n):
+        for i in range(n_m):
+            tmp[i] = xbuf[(base + i * h0) * XBUF_SLOTS + j]
+        step = 1
+        while step < n_m:
+            for i in range(0, n_m, 2 * step):
+                tmp[i] = max(tmp[i], tmp[i + step]) if is_max else tmp[i] + tmp[i + step]
+            step *= 2
+        vals[o + j] = tmp[0]
+
+
+#: ``vals[o:o + n]``, each reduced (sum, or max with ``is_max``) over the lanes that differ
+#: from this one in lane bits ``h0 … h1/2`` (powers of two; an xor butterfly on a GPU, after
+#: which every lane of the group holds the same value).  Every lane of the warp calls it.
+lanes_reduce = cuda_device(_reduce_shared if SIMULATED else _reduce_shfl)
+
+
+def _sync_warp():
+    cuda.syncwarp(_FULL)
+
+
+def _sync_block():
+    cuda.syncthreads()
+
+
+#: the warp's shared-memory writes become visible to its lanes (``__syncwarp``; a block
+#: barrier in the simulator build)
+warp_sync = cuda_device(_sync_block if SIMULATED else _sync_warp)
+
+
+# --- kernel set-up --------------------------------------------------------------------------
+@cuda_device
+def warp_geometry(rows, n_parts):
+    """``(g, tid, p, rb, r0, active)`` of this thread under the warp kernels' launch contract:
+    KV row ``g`` (grid x), partition ``p`` (grid y · warps per block + warp), the ``rb`` query
+    rows from ``r0`` of this row chunk (grid z), and whether the warp has work."""
+    g = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    p = cuda.blockIdx.y * (cuda.blockDim.x >> 5) + (tid >> 5)
+    rb = (rows + cuda.gridDim.z - 1) // cuda.gridDim.z
+    r0 = cuda.blockIdx.z * rb
+    rb = min(rb, rows - r0)
+    return g, tid, p, rb, r0, p < n_parts and rb > 0
+
+
+@cuda_device
+def stage_queries(qs, qr, q, g, r0, rows, d, tid):
+    """The block's query rows ``r0 …`` of KV row ``g`` into shared memory: rotated
+    (``qs[0:WARP_ROWS·d]``, for compressed tokens) and raw (``qs[WARP_ROWS·d:]``, for
+    float tokens); rows past ``rows`` repeat the last one (their scores are masked).  Ends
+    with a block barrier."""
+    for u in range(tid, 2 * WARP_ROWS * d, cuda.blockDim.x):
+        half = u // (WARP_ROWS * d)
+        r = (u - half * WARP_ROWS * d) // d
+        qs[u] = (q if half else qr)[g, min(r0 + r, rows - 1), u % d]
+    cuda.syncthreads()
+
+
+# --- state --------------------------------------------------------------------------------
+@cuda_device
+def init_state(st, acc, sc):
+    """Empty online-softmax state of every row: ``m = -inf``, ``l = 0``, ``acc = 0`` (and
+    zero scores: a masked lane never reads an uninitialized value)."""
+    for r in range(WARP_ROWS):
+        sc[r] = float32(0.0)
+        st[4 * r] = NEG_INF
+        st[4 * r + 1] = float32(0.0)
+        for k in range(VPL):
+            acc[r * VPL + k] = float32(0.0)
+
+
+@cuda_device
+def row_limits(lim, rb, r0, q_pos0, q_len, causal):
+    """``lim[r]``: the last position query row ``r0 + r`` sees (the causal rule of
+    ``_visible`` in :mod:`numba_kv.ops.attention.cores`, its modulo out of the token loop);
+    ``-1`` for a row past ``rb`` (sees nothing)."""
+    for r in range(WARP_ROWS):
+        if r >= rb:
+            lim[r] = int64(-1)
+        elif causal:
+            lim[r] = int64(q_pos0) + (r0 + r) % q_len
+        else:
+            lim[r] = int64(0x7FFFFFFFFFFFFFFF)
+
+
+# --- score layout: one token per lane -------------------------------------------------------
+def _make_scores(nbits: int):
+    """Scores of one compressed token against every row: ``sc[r] = Σ_j q_r[j] · k[j]`` in
+    coordinate order, ``k`` decoded block by block (``nbits`` wide everywhere, or ``0``: each
+    block's own width).  Constant widths give constant shifts and masks."""
+
+    def scores(krow, ksrow, kbits, koff, kcent, sshift, table, qs, qo, d, sc):
+        for r in range(WARP_ROWS):
+            sc[r] = float32(0.0)
+        for b in range(d // 32):
+            bits = nbits if nbits else kbits[b]
+            mask = (int64(1) << bits) - 1
+            sa = table[ksrow[b >> sshift]]
+            o = koff[b]
+            for grp in range(4):
+                w = int64(0)
+                for j in range(bits):
+                    w |= int64(krow[o + grp * bits + j]) << (8 * j)
+                for k in range(8):
+                    x = kcent[b, (w >> (bits * k)) & mask] * sa
+                    jj = qo + b * 32 + grp * 8 + k
+                    for r in range(WARP_ROWS):
+                        sc[r] += qs[jj + r * d] * x
+
+    scores.__name__ = scores.__qualname__ = f"scores_k{nbits}"
+    return cuda_device(scores)
+
+
+_SCORES_ANY, _SCORES_3, _SCORES_4 = (_make_scores(n) for n in (0, 3, 4))
+
+
+@cuda_device
+def scores_compressed(uniform, krow, ksrow, kbits, koff, kcent, sshift, table, qs, qo, d, sc):
+    """:func:`_make_scores` with constant widths for uniform 3- and 4-bit K codes (the same
+    branch on every lane: all lanes read the same layout)."""
+    if uniform and kbits[0] == 3:
+        _SCORES_3(krow, ksrow, kbits, koff, kcent, sshift, table, qs, qo, d, sc)
+    elif uniform and kbits[0] == 4:
+        _SCORES_4(krow, ksrow, kbits, koff, kcent, sshift, table, qs, qo, d, sc)
+    else:
+        _SCORES_ANY(krow, ksrow, kbits, koff, kcent, sshift, table, qs, qo, d, sc)
+
+
+@cuda_device
+def uniform_widths(kbits):
+    """Whether every block of K has the same width."""
+    ok = True
+    for b in range(1, kbits.shape[0]):
+        ok = ok and kbits[b] == kbits[0]
+    return ok
+
+
+@cuda_device
+def scores_exact(ke, kes, exact_kind, g, t, table, qs, qo, d, sc):
+    """Scores of exact token ``t`` (read in its stored dtype) against every row."""
+    for r in range(WARP_ROWS):
+        sc[r] = float32(0.0)
+    es = exact_scale_dev(kes, g, t, exact_kind, table)
+    for j in range(d):
+        x = exact_value_dev(ke[g, t, j], exact_kind, es, table)
+        for r in range(WARP_ROWS):
+            sc[r] += qs[qo + j + r * d] * x
+
+
+@cuda_device
+def stage_values(vrow, vsrow, nbytes, nb, sshift, table, vraw, vo, vsc, so):
+    """Copy this lane's token's packed V bytes (``nbytes``) to ``vraw[vo:]`` and its ``nb``
+    block scales, decoded, to ``vsc[so:]`` (one per 32-coordinate block)."""
+    for j in range(nbytes):
+        vraw[vo + j] = vrow[j]
+    for b in range(nb):
+        vsc[so + b] = table[vsrow[b >> sshift]]
+
+
+@cuda_device
+def tile_softmax(sc, valid, pos, lim, softmax_scale, st, tmp, xbuf, tid):
+    """Online-softmax step of a tile (Milakov & Gimelshein, arXiv:1805.02867): this lane's
+    logits ``sc[r]`` (scaled; ``-inf`` unless ``valid`` and ``pos <= lim[r]``) against the
+    warp's tile max; ``st[4·r]``/``st[4·r + 1]`` (``m``, ``l``, the same on every lane) move
+    on, ``st[4·r + 2]`` becomes the accumulators' rescale ``alpha = exp(m_old − m_new)`` and
+    ``sc[r]`` this lane's weight ``p = exp(s − m_new)`` (exact zeros for a masked token or
+    an empty state, never NaN)."""
+    for r in range(WARP_ROWS):
+        s = sc[r] * softmax_scale
+        sc[r] = s if valid and pos <= lim[r] else NEG_INF
+        tmp[r] = sc[r]
+    lanes_reduce(tmp, 0, WARP_ROWS, 1, 32, True, xbuf, tid)
+    for r in range(WARP_ROWS):
+        m_old = st[4 * r]
+        m_new = max(m_old, tmp[r])
+        st[4 * r] = m_new
+        st[4 * r + 2] = math.exp(m_old - m_new) if m_old != NEG_INF else float32(0.0)
+        sc[r] = math.exp(sc[r] - m_new) if sc[r] != NEG_INF else float32(0.0)
+        tmp[r] = sc[r]
+    lanes_reduce(tmp, 0, WARP_ROWS, 1, 32, False, xbuf, tid)
+    for r in range(WARP_ROWS):
+        st[4 * r + 1] = st[4 * r + 1] * st[4 * r + 2] + tmp[r]
+
+
+@cuda_device
+def publish_weights(sc, valid, pos, lim, softmax_scale, st, tmp, pw, pbase, xbuf, tid):
+    """:func:`tile_softmax`, then this lane's weights to the warp's ``pw[pbase + r·TILE +
+    lane]`` for the value layout (visible to the warp when it returns)."""
+    tile_softmax(sc, valid, pos, lim, softmax_scale, st, tmp, xbuf, tid)
+    for r in range(WARP_ROWS):
+        pw[pbase + r * TILE + (tid & 31)] = sc[r]
+    warp_sync()
+
+
+# --- value layout: coordinates per lane ---------------------------------------------------
+@cuda_device
+def pv_compressed(n_tok, slot, tpw, sub, vbits, voff, vcent, vraw, vbase, vsc, sbase, pw, pbase, st, acc):
+    """``acc[r] = alpha_r·acc[r] + Σ_u p_u,r · v_u`` over the tile's staged tokens ``u =
+    slot, slot + tpw, … < n_tok`` for this lane's coordinates ``4·sub … 4·sub + 3`` (half of
+    packing group ``(sub >> 1) & 3`` of block ``sub >> 3``)."""
+    b = sub >> 3
+    bits = vbits[b]
+    mask = (int64(1) << bits) - 1
+    o = voff[b] + ((sub >> 1) & 3) * bits
+    sh = (sub & 1) * VPL * bits
+    for r in range(WARP_ROWS):
+        for k in range(VPL):
+            acc[r * VPL + k] = acc[r * VPL + k] * st[4 * r + 2]
+    for u in range(slot, n_tok, tpw):
+        w = int64(0)
+        for j in range(bits):
+            w |= int64(vraw[vbase + u * VROW + o + j]) << (8 * j)
+        sa = vsc[sbase + u * VSC + b]
+        for k in range(VPL):
+            y = vcent[b, (w >> (sh + bits * k)) & mask] * sa
+            for r in range(WARP_ROWS):
+                acc[r * VPL + k] += pw[pbase + r * TILE + u] * y
+
+
+@cuda_device
+def pv_exact(n_tok, slot, tpw, sub, ve, ves, exact_kind, g, t0, table, pw, pbase, st, acc):
+    """:func:`pv_compressed` for exact tokens ``t0 + u``, read from ``ve`` in their stored
+    dtype."""
+    for r in range(WARP_ROWS):
+        for k in range(VPL):
+            acc[r * VPL + k] = acc[r * VPL + k] * st[4 * r + 2]
+    for u in range(slot, n_tok, tpw):
+        es = exact_scale_dev(ves, g, t0 + u, exact_kind, table)
+        for k in range(VPL):
+            y = exact_value_dev(ve[g, t0 + u, sub * VPL + k], exact_kind, es, table)
+            for r in range(WARP_ROWS):
+                acc[r * VPL + k] += pw[pbase + r * TILE + u] * y
+
+
+@cuda_device
+def merge_slots(acc, nl, xbuf, tid):
+    """Sum the accumulators of the warp's token slots (lane bits ``nl … 16``): the slots
+    share ``m`` and ``l``, so their sums add up."""
+    for r in range(WARP_ROWS):
+        lanes_reduce(acc, r * VPL, VPL, nl, 32, False, xbuf, tid)
+
+
+# --- the tile loops -----------------------------------------------------------------------
+@cuda_device
+def compressed_tiles(kcg, ksg, vcg, vsg, kbits, koff, vbits, voff, kcent, vcent, sshift, table, t_lo, t_hi, span,
+                     comp_pos0, qs, d, lim, softmax_scale, st, acc, sc, tmp, vraw, vsc, pw, xbuf, tid):
+    """The tiles of a compressed partition ``[t_lo, t_hi)`` of one KV row (``kcg``… are its
+    ``[capacity, ·]`` codes and scales): scores (token per lane), the tile softmax, the
+    staged V bytes, then ``p·v`` (coordinates per lane).  (At most 30 arguments per call:
+    CPython passes more as ``*args``, which Numba cannot inline.)"""
+    k_uniform = uniform_widths(kbits)
+    nl = d // VPL
+    lane = tid & 31
+    slot = lane // nl
+    sub = lane - slot * nl
+    wid = tid >> 5
+    vbase, sbase, pbase = wid * TILE * VROW, wid * TILE * VSC, wid * WARP_ROWS * TILE
+    for t0 in range(t_lo, t_lo + span, TILE):
+        t = t0 + lane
+        valid = t < t_hi
+        if valid:
+            scores_compressed(k_uniform, kcg[t], ksg[t], kbits, koff, kcent, sshift, table, qs, 0, d, sc)
+            stage_values(vcg[t], vsg[t], vcg.shape[1], d // 32, sshift, table, vraw, vbase + lane * VROW, vsc,
+                         sbase + lane * VSC)
+        publish_weights(sc, valid, comp_pos0 + t, lim, softmax_scale, st, tmp, pw, pbase, xbuf, tid)
+        pv_compressed(min(TILE, t_hi - t0), slot, 32 // nl, sub, vbits, voff, vcent, vraw, vbase, vsc, sbase, pw,
+                      pbase, st, acc)
+        warp_sync()  # before the next tile overwrites the staging area
+
+
+@cuda_device
+def exact_tiles(ke, ve, kes, ves, exact_kind, exact_pos, g, table, t_lo, t_hi, span, qs, qo, d, lim, softmax_scale,
+                st, acc, sc, tmp, pw, xbuf, tid):
+    """:func:`compressed_tiles` for the exact tokens (sinks, window) in their stored dtype,
+    against the raw query rows at ``qs[qo:]``; the same barriers per tile."""
+    nl = d // VPL
+    lane = tid & 31
+    slot = lane // nl
+    sub = lane - slot * nl
+    pbase = (tid >> 5) * WARP_ROWS * TILE
+    for t0 in range(t_lo, t_lo + span, TILE):
+        t = t0 + lane
+        valid = t < t_hi
+        pos = int64(0)
+        if valid:
+            scores_exact(ke, kes, exact_kind, g, t, table, qs, qo, d, sc)
+            pos = int64(exact_pos[t])
+        publish_weights(sc, valid, pos, lim, softmax_scale, st, tmp, pw, pbase, xbuf, tid)
+        pv_exact(min(TILE, t_hi - t0), slot, 32 // nl, sub, ve, ves, exact_kind, g, t0, table, pw, pbase, st, acc)
+        warp_sync()
+
+
+# --- paged pools --------------------------------------------------------------------------
+@cuda_device
+def page_slot(kv_indices, first, page_size, t):
+    """``(page, slot)`` of token ``t`` of a sequence whose page list starts at
+    ``kv_indices[first]``."""
+    i = t // page_size
+    return int64(kv_indices[first + i]), t - i * page_size
+
+
+@cuda_device
+def paged_compressed_tiles(kc, ks, vc, vs, h, kv_indices, first, page_size, kbits, koff, vbits, voff, kcent, vcent,
+                           table, t_lo, t_hi, span, qs, lim, softmax_scale, st, acc, sc, tmp, vraw, vsc, pw, xbuf, tid):
+    """:func:`compressed_tiles` for a paged pool of codes: token ``t`` of the sequence is
+    slot ``t % page_size`` of page ``kv_indices[first + t // page_size]``, KV head ``h``
+    (codes ``[page, h, slot, ·]``, one scale per 32-coordinate block); its position is ``t``.
+    (head_dim is ``32 · len(kbits)``: 30 arguments at most, see :func:`compressed_tiles`.)"""
+    d = kbits.shape[0] * 32
+    k_uniform = uniform_widths(kbits)
+    nl = d // VPL
+    lane = tid & 31
+    slot = lane // nl
+    sub = lane - slot * nl
+    wid = tid >> 5
+    vbase, sbase, pbase = wid * TILE * VROW, wid * TILE * VSC, wid * WARP_ROWS * TILE
+    for t0 in range(t_lo, t_lo + span, TILE):
+        t = t0 + lane
+        valid = t < t_hi
+        if valid:
+            page, ps = page_slot(kv_indices, first, page_size, t)
+            scores_compressed(k_uniform, kc[page, h, ps], ks[page, h, ps], kbits, koff, kcent, 0, table, qs, 0, d, sc)
+            stage_values(vc[page, h, ps], vs[page, h, ps], vc.shape[3], d // 32, 0, table, vraw, vbase + lane * VROW,
+                         vsc, sbase + lane * VSC)
+        publish_weights(sc, valid, t, lim, softmax_scale, st, tmp, pw, pbase, xbuf, tid)
+        pv_compressed(min(TILE, t_hi - t0), slot, 32 // nl, sub, vbits, voff, vcent, vraw, vbase, vsc, sbase, pw,
+                      pbase, st, acc)
+        warp_sync()
+
+
+@cuda_device
+def paged_float_tiles(kp, vp, h, kv_indices, first, page_size, t_lo, t_hi, span, qs, qo, d, lim, softmax_scale, st,
+                      acc, sc, tmp, pw, xbuf, tid):
+    """:func:`paged_compressed_tiles` for a float32 pool (``[page, h, slot, d]``), against the
+    raw query rows at ``qs[qo:]``."""
+    nl = d // VPL
+    lane = tid & 31
+    slot = lane // nl
+    sub = lane - slot * nl
+    pbase = (tid >> 5) * WARP_ROWS * TILE
+    for t0 in range(t_lo, t_lo + span, TILE):
+        t = t0 + lane
+        valid = t < t_hi
+        if valid:
+            page, ps = page_slot(kv_indices, first, page_size, t)
+            for r in range(WARP_ROWS):
+                sc[r] = float32(0.0)
+            for j in range(d):
+                x = kp[page, h, ps, j]
+                for r in range(WARP_ROWS):
+                    sc[r] += qs[qo + j + r * d] * x
+        publish_weights(sc, valid, t, lim, softmax_scale, st, tmp, pw, pbase, xbuf, tid)
+        for r in range(WARP_ROWS):
+            for k in range(VPL):
+                acc[r * VPL + k] = acc[r * VPL + k] * st[4 * r + 2]
+        for u in range(slot, min(TILE, t_hi - t0), 32 // nl):
+            page, ps = page_slot(kv_indices, first, page_size, t0 + u)
+            for k in range(VPL):
+                y = vp[page, h, ps, sub * VPL + k]
+                for r in range(WARP_ROWS):
+                    acc[r * VPL + k] += pw[pbase + r * TILE + u] * y
+        warp_sync()
+
+
+@cuda_device
+def store_partition(st, acc, active, rb, g, p, r0, d, part_m, part_l, part_acc, xbuf, tid):
+    """Sum the token slots' accumulators (:func:`merge_slots`), then lane group 0 writes
+    partition ``p``'s ``(m, l, acc)`` of rows ``r0 … r0 + rb − 1`` of KV row ``g``."""
+    nl = d // VPL
+    merge_slots(acc, nl, xbuf, tid)
+    lane = tid & 31
+    sub = lane % nl
+    if active and lane < nl:
+        for r in range(WARP_ROWS):
+            if r < rb:
+                for k in range(VPL):
+                    part_acc[g, p, r0 + r, sub * VPL + k] = acc[r * VPL + k]
+                if sub == 0:
+                    part_m[g, p, r0 + r] = st[4 * r]
+                    part_l[g, p, r0 + r] = st[4 * r + 1]
