@@ -55,6 +55,8 @@ __all__ = ["MLACache", "SimpleMLACache"]
 def _per_layer(name: str, w: Any, num_layers: int, tail: tuple[int, ...], labels: str) -> np.ndarray:
     """Host float64 copy of a projection, shape ``(num_layers,) + tail`` (a shared array is
     broadcast to every layer)."""
+    if not hasattr(w, "shape"):  # NumPy, CuPy or Numba device arrays; a size or None is a slip
+        raise TypeError(f"{name}: expected a float array ({labels}), got {type(w).__name__}")
     a = np.asarray(_backend.to_host(w) if not isinstance(w, np.ndarray) else w)
     if a.dtype.kind != "f":
         raise TypeError(f"{name}: expected a float array, got dtype {a.dtype}")

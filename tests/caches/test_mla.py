@@ -142,6 +142,8 @@ def test_simple_mla_matches_the_seed_formulas(rng):
         cache.append(0, s, k[:2], v[:2])
     with pytest.raises(ValueError, match=r"up_proj: expected shape \(8, 16\)"):
         SimpleMLACache(8, 2, 3, d, lat, down, up.T, rk)
+    with pytest.raises(TypeError, match=r"rope_key: expected a float array \(latent_dim, head_dim\), got int"):
+        SimpleMLACache(8, 2, 3, d, lat, down, up, 16)  # a size where the array goes
 
 
 def test_mla_validate_is_the_pages_mode(mla, rng):
