@@ -17,6 +17,7 @@ from numba import float32, int32, int64, types
 from numba.core.extending import intrinsic
 
 from ..._jit import FASTMATH_REDUCE, codegen_has_avx512, cpu_serial
+from ..half import f16_bits_to_f32_cpu
 from .cores import (
     NEG_INF,
     decode8_cpu,
@@ -216,8 +217,16 @@ def _exact_tile(ex, exs, kind, g, t0, nt, table, dst):
     """Exact tokens ``t0 … t0 + nt − 1`` of row ``g`` as float32 into ``dst[0:nt]``, from
     the dtype they are stored in (``kind``, see :func:`~numba_kv.ops.attention.cores._exact_value`;
     ``exs``: the int8 tokens' binary16 scales, ``table``: ``F16_ABS_TABLE``).  The kind is
-    loop-invariant: LLVM unswitches the loop."""
+    loop-invariant: LLVM unswitches the loop.  Binary16 tokens decode arithmetically
+    (branch-free, vectorizes) rather than through the table the CUDA kernels use: the same
+    exact values, about 16 % off a ``pqo3`` step's kernel at T = 100."""
     d = dst.shape[1]
+    if kind == 1:
+        for tt in range(nt):
+            row = ex[g, t0 + tt]
+            for j in range(d):
+                dst[tt, j] = f16_bits_to_f32_cpu(row[j])
+        return
     for tt in range(nt):
         s = exact_scale_cpu(exs, g, t0 + tt, kind, table)
         for j in range(d):
