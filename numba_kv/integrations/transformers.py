@@ -1,0 +1,383 @@
+"""A Hugging Face transformers 5.x ``Cache`` backed by numba_kv caches.
+
+Needs the ``hf`` extra (``pip install numba-kv[hf]``: torch and transformers 5.x); ``import
+numba_kv`` never imports this module.
+
+Usage::
+
+    from transformers import AutoModelForCausalLM
+    from numba_kv.integrations.transformers import NumbaKVCache
+
+    model = AutoModelForCausalLM.from_pretrained(...)
+    cache = NumbaKVCache.from_model(model, "kv4")          # any make_cache name or preset
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
+    cache.memory_usage()                                    # bytes of live (compressed) K/V
+
+The cache is a list of :class:`NumbaKVLayer` objects (transformers' ``CacheLayerMixin``), one per
+decoder layer, each holding a one-layer numba_kv cache configured exactly as the same layer of
+``numba_kv.make_cache(name, num_layers=..., ...)`` on the whole model (a preset such as ``"kv4"``
+is sized on the whole model's geometry first).  Sliding layers of ``config.layer_types``
+(Gemma-3's local layers) become sliding-window numba_kv layers that store only what their
+queries can still see.
+
+What ``update`` returns (the *dequantized path*, any ``attn_implementation``): the prompt's own
+K/V on the first call (prompt attention is lossless), afterwards the layer's full history
+decompressed, as torch tensors in the input's dtype and device.  The model's attention (sdpa,
+eager, ...) runs on them with its usual mask.  With ``"dense"`` this is exactly transformers'
+``DynamicCache``.  TurboQuant names (``"tq3"``, ...) lose their QJL logit correction on this path
+(it needs the query); the PolarQuant names and presets have none.
+
+Tensors: CPU tensors are shared with NumPy without copies (``Tensor.numpy()`` /
+``torch.from_numpy``); float32 and float16 pass as they are, bfloat16 (which NumPy lacks) is
+converted to float32 once on the way in and the returned history back to bfloat16.  CUDA tensors
+go through DLPack to CuPy and back; the cache waits for torch's current stream before reading
+them.  The CUDA path is written but **untested** (no GPU on the machine that wrote it).
+
+Batches: every row is an independent sequence of equal length.  A left-padded batch works on
+this path (the pad tokens are stored like any token and the model's attention mask hides them;
+they do use up a compressed cache's sink tokens); ragged batches without padding need
+:class:`numba_kv.PagedKVCache`, which is not wired into transformers yet.
+
+Beam search (``num_beams``), ``batch_select_indices``, ``batch_repeat_interleave`` and ``crop``
+(rollback of assisted decoding) act on the compressed codes: every per-row state moves with its
+row.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+try:
+    import torch
+    from transformers.cache_utils import Cache, CacheLayerMixin
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("numba_kv.integrations.transformers needs torch and transformers 5.x: "
+                      "pip install 'numba-kv[hf]'") from exc
+
+from ..caches.mixed import MixedCache
+from ..caches.spec import make_cache
+
+__all__ = ["NumbaKVCache", "NumbaKVLayer", "model_geometry"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: layer types of ``config.layer_types`` this cache serves
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+# -- torch <-> NumPy / CuPy ------------------------------------------------------------------------
+
+def _check_tensor(name: str, t: Any) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _DTYPES:
+        raise TypeError(f"{name}: expected float16, bfloat16 or float32, got {t.dtype}")
+    if t.dim() != 4:
+        raise ValueError(f"{name}: expected shape [batch, num_kv_heads, seq_len, head_dim], got {tuple(t.shape)}")
+
+
+def _wait_for_torch(t: torch.Tensor) -> None:
+    """numba_kv's CUDA kernels run on the default stream: wait for what torch's current stream
+    still has to write into ``t`` (a no-op when torch itself is on the legacy default stream)."""
+    stream = torch.cuda.current_stream(t.device)
+    if stream.cuda_stream != 0:
+        stream.synchronize()
+
+
+def to_array(t: torch.Tensor) -> Any:
+    """``t`` as a NumPy (CPU) or CuPy (CUDA) array sharing its memory; bfloat16 is converted to
+    float32 first (one copy: neither NumPy nor numba_kv has bfloat16)."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        t = t.float()
+    if t.device.type == "cpu":
+        return t.numpy()
+    if t.device.type == "cuda":  # pragma: no cover - needs a GPU
+        import cupy  # noqa: PLC0415 - optional (extra "cuda")
+        _wait_for_torch(t)
+        return cupy.from_dlpack(t)
+    raise TypeError(f"key_states: expected a CPU or CUDA tensor, got device {t.device}")
+
+
+def to_tensor(a: Any, dtype: torch.dtype) -> torch.Tensor:
+    """A NumPy or CuPy array as a torch tensor sharing its memory, converted to ``dtype`` when it
+    differs (bfloat16 inputs come back as float32 arrays)."""
+    out = torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.from_dlpack(a)
+    return out if out.dtype == dtype else out.to(dtype)
+
+
+# -- geometry ----------------------------------------------------------------------------------------
+
+def model_geometry(config: Any) -> dict[str, Any]:
+    """``num_layers``, ``num_kv_heads``, ``head_dim`` and per-layer ``sliding_window`` (None for
+    a global layer) of a transformers model config (the decoder's text config is used).
+
+    Raises
+    ------
+    ValueError
+        A layer type other than ``"full_attention"`` / ``"sliding_attention"`` (linear
+        attention, chunked attention, KV sharing are not served), or a sliding layer without
+        ``config.sliding_window``.
+    """
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    num_layers = int(config.num_hidden_layers)
+    num_heads = int(config.num_attention_heads)
+    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    types = list(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)
+    if len(types) != num_layers:
+        raise ValueError(f"config.layer_types: expected {num_layers} entries, got {len(types)}")
+    windows: list[int | None] = []
+    for i, kind in enumerate(types):
+        if kind not in _LAYER_TYPES:
+            raise ValueError(f"config.layer_types: layer {i} is {kind!r}; NumbaKVCache serves {list(_LAYER_TYPES)}")
+        if kind == "sliding_attention":
+            w = getattr(config, "sliding_window", None)
+            if not w:
+                raise ValueError(f"config.sliding_window: layer {i} is a sliding layer but the window is {w!r}")
+            windows.append(int(w))
+        else:
+            windows.append(None)
+    return {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": int(head_dim),
+            "sliding_window": windows}
+
+
+def _one_layer_caches(full: Any) -> list[Any]:
+    """One single-layer cache per layer of ``full``, each configured like that layer of
+    ``full`` (its part's constructor arguments and its own sliding window)."""
+    out = []
+    for i in range(full.num_layers):
+        part, j = (full.parts[full.layer_map[i][0]], full.layer_map[i][1]) if isinstance(full, MixedCache) \
+            else (full, i)
+        cfg = part.config_dict()
+        cfg["num_layers"] = 1
+        cfg["sliding_window"] = [part.layer_windows[j]]
+        out.append(type(part)(**cfg))
+    return out
+
+
+# -- the layer ---------------------------------------------------------------------------------------
+
+class NumbaKVLayer(CacheLayerMixin):
+    """One decoder layer's cache: a one-layer numba_kv cache behind transformers'
+    ``CacheLayerMixin`` (see the module docstring).
+
+    Parameters
+    ----------
+    cache : LayeredCache
+        An empty numba_kv cache with ``num_layers == 1`` (``DenseCache``, ``PolarQuantCache``,
+        ``TurboQuantCache``); its sliding window, if any, makes this a sliding layer.
+
+    Attributes
+    ----------
+    cache : LayeredCache
+        The numba_kv cache holding this layer's K/V (``keys``/``values`` stay ``None``: the
+        history exists only compressed).
+    """
+
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, cache: Any) -> None:
+        super().__init__()
+        if getattr(cache, "num_layers", None) != 1:
+            raise ValueError(f"cache: expected a one-layer numba_kv cache, got {cache!r}")
+        self.cache = cache
+        self.sliding_window: int | None = cache.layer_windows[0]
+        self.is_sliding = self.sliding_window is not None
+        self.dtype: torch.dtype | None = None
+        self.device: torch.device | None = None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({getattr(self.cache, 'name', type(self.cache).__name__)}" + \
+            (f", sliding_window={self.sliding_window})" if self.is_sliding else ")")
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Record the dtype and device of the first tensors (the history comes back in them)."""
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch_size = int(key_states.shape[0])
+        self.is_initialized = True
+
+    def _check_input(self, key_states: Any, value_states: Any) -> None:
+        _check_tensor("key_states", key_states)
+        _check_tensor("value_states", value_states)
+        if key_states.shape != value_states.shape:
+            raise ValueError(f"value_states: expected the shape of key_states {tuple(key_states.shape)}, "
+                             f"got {tuple(value_states.shape)}")
+        if value_states.dtype != key_states.dtype or value_states.device != key_states.device:
+            raise TypeError(f"value_states: expected {key_states.dtype} on {key_states.device} like key_states, "
+                            f"got {value_states.dtype} on {value_states.device}")
+        hk, d = int(key_states.shape[1]), int(key_states.shape[3])
+        if (hk, d) != (self.cache.num_kv_heads, self.cache.head_dim):
+            raise ValueError(f"key_states: expected {self.cache.num_kv_heads} KV heads of head_dim "
+                             f"{self.cache.head_dim}, got shape {tuple(key_states.shape)}")
+        if self.is_initialized and self.get_seq_length() and \
+                (key_states.dtype != self.dtype or key_states.device != self.device):
+            raise TypeError(f"key_states: this layer holds {self.dtype} on {self.device}, got "
+                            f"{key_states.dtype} on {key_states.device} (reset() the cache first)")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens ``[batch, num_kv_heads, new_tokens, head_dim]``; return the keys
+        and values attention must see: the inputs themselves on an empty layer, else the
+        stored history (a sliding layer: its last ``window − 1`` tokens) plus the new ones,
+        decompressed, in the input's dtype and device."""
+        self._check_input(key_states, value_states)
+        if not self.is_initialized or not self.get_seq_length():
+            self.lazy_initialization(key_states, value_states)
+        res = self.cache.prefill(0, to_array(key_states), to_array(value_states))
+        if self.cache.seq_len(0) == key_states.shape[2]:  # empty before: the prompt's own K/V
+            return key_states, value_states
+        return to_tensor(res.k, key_states.dtype), to_tensor(res.v, key_states.dtype)
+
+    def get_seq_length(self) -> int:
+        """Tokens this layer has seen (a sliding layer stores fewer)."""
+        return self.cache.seq_len(0)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of the keys the next :meth:`update` with ``query_length``
+        tokens returns (the convention of transformers' dynamic layers)."""
+        seen = self.get_seq_length()
+        if not self.is_sliding:
+            return seen + query_length, 0
+        w = int(self.sliding_window)
+        return min(seen, w - 1) + query_length, max(seen - w + 1, 0)
+
+    def get_max_length(self) -> int:
+        """``-1`` (no maximum) for a global layer, the window for a sliding layer."""
+        return int(self.sliding_window) if self.is_sliding else -1
+
+    def reset(self) -> None:
+        """Drop every stored token."""
+        self.cache.reset()
+        self.is_initialized = False
+        self.__dict__.pop("batch_size", None)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the newest ``-tokens_to_remove`` tokens (a negative int, transformers 5's
+        convention), or with a positive int keep the first ``tokens_to_remove`` tokens (the
+        legacy ``max_length`` meaning; a no-op when the layer holds no more).  ``0``: nothing.
+
+        Raises
+        ------
+        TypeError
+            Not an int.
+        ValueError
+            More tokens to remove than the layer holds, or a length a sliding layer can no
+            longer return to (it evicted the tokens that position would see again); the layer
+            is unchanged.
+        """
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, (int, np.integer)):
+            raise TypeError(f"tokens_to_remove: expected an int, got {type(tokens_to_remove).__name__}")
+        n, seen = int(tokens_to_remove), self.get_seq_length()
+        if n == 0 or not seen:
+            return
+        if n < 0:
+            if -n > seen:
+                raise ValueError(f"tokens_to_remove: the layer holds {seen} tokens, cannot remove {-n}")
+            self.cache.crop(seen + n)
+        elif n < seen:
+            self.cache.crop(n)
+
+    def _select(self, indices: np.ndarray) -> None:
+        if self.get_seq_length():
+            self.cache.select_batch(indices)  # validates (rows in range) before changing anything
+            self.batch_size = int(indices.size)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``i`` becomes row ``beam_idx[i]`` (codes and per-row state move)."""
+        self._select(_indices("beam_idx", beam_idx))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the batch rows ``indices`` (ints, or a boolean mask), in that order."""
+        self._select(_indices("indices", indices))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every batch row ``repeats`` times in place (``torch.repeat_interleave``)."""
+        if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)) or repeats < 1:
+            raise ValueError(f"repeats: expected an int >= 1, got {repeats!r}")
+        if self.get_seq_length():
+            self._select(np.repeat(np.arange(self.batch_size), int(repeats)))
+
+
+def _indices(name: str, idx: Any) -> np.ndarray:
+    """Batch indices as an int64 NumPy array (a boolean mask becomes its row numbers)."""
+    if isinstance(idx, torch.Tensor):
+        idx = idx.detach().cpu().numpy()
+    arr = np.asarray(idx)
+    if arr.dtype == np.bool_:
+        arr = np.flatnonzero(arr)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name}: expected a 1-D integer (or boolean) tensor of batch rows, got "
+                        f"dtype {arr.dtype} shape {arr.shape}")
+    return arr.astype(np.int64)
+
+
+# -- the cache -----------------------------------------------------------------------------------------
+
+class NumbaKVCache(Cache):
+    """A transformers ``Cache`` whose layers store K/V in numba_kv caches.
+
+    Build it with :meth:`from_model` (or :meth:`from_config`) and pass it to
+    ``model.generate(..., past_key_values=cache)`` or ``model(..., past_key_values=cache)``.
+
+    Parameters
+    ----------
+    layers : list of NumbaKVLayer
+        One per decoder layer.
+    """
+
+    def __init__(self, layers: list[NumbaKVLayer]) -> None:
+        if not layers or not all(isinstance(la, NumbaKVLayer) for la in layers):
+            raise TypeError("layers: expected a non-empty list of NumbaKVLayer")
+        super().__init__(layers=list(layers))
+
+    @classmethod
+    def from_config(cls, config: Any, cache: str = "kv4", **options: Any) -> NumbaKVCache:
+        """A cache for a model ``config``.
+
+        Parameters
+        ----------
+        config : transformers.PretrainedConfig
+            The model's config: ``num_hidden_layers``, ``num_key_value_heads``, ``head_dim``
+            (or ``hidden_size / num_attention_heads``), ``layer_types`` and ``sliding_window``.
+        cache : str
+            Any :func:`numba_kv.make_cache` name or preset (``"kv4"``, ``"kv5"``, ``"dense"``,
+            ``"pqo3-r32"``, ``"tq4"``, ...).
+        **options
+            Further :func:`~numba_kv.make_cache` options (``layer_overrides=``,
+            ``residual_length=`` ...); the sliding windows come from ``config``.
+
+        Raises
+        ------
+        ValueError
+            An unknown cache name or option, a head_dim numba_kv does not serve (a multiple of
+            32), or a layer type other than full / sliding attention.
+        """
+        geo = model_geometry(config)
+        if "sliding_window" in options:
+            raise TypeError("sliding_window: taken from config.layer_types / config.sliding_window")
+        windows = geo.pop("sliding_window")
+        full = make_cache(cache, **geo, sliding_window=windows if any(w is not None for w in windows) else None,
+                          **options)
+        return cls([NumbaKVLayer(c) for c in _one_layer_caches(full)])
+
+    @classmethod
+    def from_model(cls, model: Any, cache: str = "kv4", **options: Any) -> NumbaKVCache:
+        """:meth:`from_config` with ``model.config``."""
+        return cls.from_config(model.config, cache, **options)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store layer ``layer_idx``'s new K/V and return what its attention sees (see
+        :meth:`NumbaKVLayer.update`)."""
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, (int, np.integer)) \
+                or not 0 <= layer_idx < len(self.layers):
+            raise IndexError(f"layer_idx: expected an int in [0, {len(self.layers)}), got {layer_idx!r}")
+        return super().update(key_states, value_states, int(layer_idx), *args, **kwargs)
+
+    def memory_usage(self) -> int:
+        """Bytes of live stored K/V (compressed codes, norms, windows), all layers."""
+        return sum(la.cache.memory_usage() for la in self.layers)
