@@ -269,17 +269,25 @@ class NumbaKVLayer(CacheLayerMixin):
             longer return to (it evicted the tokens that position would see again); the layer
             is unchanged.
         """
+        target = self.crop_target(tokens_to_remove)
+        if target is not None:
+            self.cache.crop(target)
+
+    def crop_target(self, tokens_to_remove: int) -> int | None:
+        """The length :meth:`crop` would leave (``None``: nothing to do), or what it raises."""
         if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, (int, np.integer)):
             raise TypeError(f"tokens_to_remove: expected an int, got {type(tokens_to_remove).__name__}")
         n, seen = int(tokens_to_remove), self.get_seq_length()
-        if n == 0 or not seen:
-            return
-        if n < 0:
-            if -n > seen:
-                raise ValueError(f"tokens_to_remove: the layer holds {seen} tokens, cannot remove {-n}")
-            self.cache.crop(seen + n)
-        elif n < seen:
-            self.cache.crop(n)
+        if n == 0 or not seen or n >= seen:
+            return None
+        if -n > seen:
+            raise ValueError(f"tokens_to_remove: the layer holds {seen} tokens, cannot remove {-n}")
+        target = seen + n if n < 0 else n
+        floor, _ = self.cache.crop_range()
+        if 0 < target < floor:
+            raise ValueError(f"tokens_to_remove: length {target} is inside the evicted horizon of this "
+                             f"sliding layer (window {self.sliding_window}); expected 0 or a length >= {floor}")
+        return target
 
     def _select(self, indices: np.ndarray) -> None:
         if self.get_seq_length():
@@ -377,6 +385,14 @@ class NumbaKVCache(Cache):
                 or not 0 <= layer_idx < len(self.layers):
             raise IndexError(f"layer_idx: expected an int in [0, {len(self.layers)}), got {layer_idx!r}")
         return super().update(key_states, value_states, int(layer_idx), *args, **kwargs)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """:meth:`NumbaKVLayer.crop` on every layer, all or nothing: every layer's target is
+        checked before any layer changes."""
+        targets = [la.crop_target(tokens_to_remove) for la in self.layers]
+        for la, target in zip(self.layers, targets):
+            if target is not None:
+                la.cache.crop(target)
 
     def memory_usage(self) -> int:
         """Bytes of live stored K/V (compressed codes, norms, windows), all layers."""
