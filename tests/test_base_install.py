@@ -27,9 +27,9 @@ import numba_kv
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: packages that only extras bring (tools, test, cuda, io, bench): none may be importable in the bare venv
+#: packages that only extras bring (tools, test, cuda, io, bench, hf): none may be importable in the bare venv
 EXTRAS_ONLY = ("rich", "tqdm", "gguf", "tokenizers", "matplotlib", "scipy", "torch", "cupy", "safetensors",
-               "faiss", "pytest", "hypothesis")
+               "faiss", "pytest", "hypothesis", "transformers")
 
 #: subcommands that need the tools extra (as their error line names them), with arguments that
 #: would otherwise run them
