@@ -10,7 +10,7 @@ Usage::
 
     model = AutoModelForCausalLM.from_pretrained(...)
     cache = NumbaKVCache.from_model(model, "kv4")          # any make_cache name or preset
-    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=32)
+    out = model.generate(**inputs, cache=cache, max_new_tokens=32)  # past_key_values= before 5.24
     cache.memory_usage()                                    # bytes of live (compressed) K/V
 
 The cache is a list of :class:`NumbaKVLayer` objects (transformers' ``CacheLayerMixin``), one per

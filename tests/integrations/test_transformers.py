@@ -5,6 +5,7 @@ Skipped when torch or transformers (the ``hf`` extra) is missing.
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 
@@ -45,6 +46,9 @@ def _gemma3() -> Gemma3ForCausalLM:
 
 
 MODELS = {"llama": _llama, "gemma3": _gemma3}
+#: the cache keyword of forward/generate: ``cache`` since transformers 5.24 (``past_key_values``
+#: deprecated there), ``past_key_values`` before
+CACHE = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -60,10 +64,10 @@ def _ids(batch: int = 2, n: int = 20, seed: int = 0) -> torch.Tensor:
 def _run(model, cache, ids: torch.Tensor, steps: int = 6) -> list[torch.Tensor]:
     """Logits of the prompt's last position, then of ``steps`` one-token decode steps (the
     tokens are fixed, not sampled, so two caches see the same inputs)."""
-    out = [model(ids, cache=cache).logits[:, -1]]
+    out = [model(ids, **{CACHE: cache}).logits[:, -1]]
     nxt = _ids(ids.shape[0], steps, seed=99)
     for t in range(steps):
-        out.append(model(nxt[:, t:t + 1], cache=cache).logits[:, -1])
+        out.append(model(nxt[:, t:t + 1], **{CACHE: cache}).logits[:, -1])
     return out
 
 
@@ -88,10 +92,10 @@ def test_dense_generate_and_beam_search_match_dynamic_cache(model):
     ids = _ids(n=12)
     mask = torch.ones_like(ids)
     kw = {"max_new_tokens": 6, "do_sample": False, "attention_mask": mask, "pad_token_id": 0}
-    greedy = model.generate(ids, cache=NumbaKVCache.from_model(model, "dense"), **kw)
+    greedy = model.generate(ids, **{CACHE: NumbaKVCache.from_model(model, "dense")}, **kw)
     assert torch.equal(greedy, model.generate(ids, **kw))
     cache = NumbaKVCache.from_model(model, "dense")
-    beams = model.generate(ids, cache=cache, num_beams=2, **kw)
+    beams = model.generate(ids, **{CACHE: cache}, num_beams=2, **kw)
     assert torch.equal(beams, model.generate(ids, num_beams=2, **kw))
     assert cache.get_seq_length() == beams.shape[1] - 1  # the last token is not run through the model
 
@@ -105,8 +109,8 @@ def test_left_padding_works_on_the_dequantized_path(model):
     ids[0, :5] = 0
     kw = {"max_new_tokens": 4, "do_sample": False, "attention_mask": mask, "pad_token_id": 0}
     ref = model.generate(ids, **kw)
-    assert torch.equal(model.generate(ids, cache=NumbaKVCache.from_model(model, "dense"), **kw), ref)
-    out = model.generate(ids, cache=NumbaKVCache.from_model(model, "kv4"), **kw)
+    assert torch.equal(model.generate(ids, **{CACHE: NumbaKVCache.from_model(model, "dense")}, **kw), ref)
+    out = model.generate(ids, **{CACHE: NumbaKVCache.from_model(model, "kv4")}, **kw)
     assert out.shape == ref.shape
 
 
@@ -132,7 +136,7 @@ def test_a_broken_cache_fails_the_kl_bound(model):
     cache = NumbaKVCache.from_model(model, "kv4", residual_length=0)
     ids = _ids(n=48)
     with torch.no_grad():
-        model(ids, cache=cache)
+        model(ids, **{CACHE: cache})
     rng = np.random.default_rng(0)
     for layer in cache.layers:
         for st in layer.cache._layers:  # test-only access: scramble every code buffer
@@ -141,7 +145,7 @@ def test_a_broken_cache_fails_the_kl_bound(model):
                     buf[...] = rng.integers(0, 256, buf.shape, dtype=np.uint8)
     nxt = _ids(2, 3, seed=99)
     with torch.no_grad():
-        got = model(nxt[:, :1], cache=cache).logits[:, -1]
+        got = model(nxt[:, :1], **{CACHE: cache}).logits[:, -1]
     assert _kl(ref[1], got).max().item() > KL_BOUND
 
 
@@ -154,16 +158,16 @@ def test_crop_rolls_back_exactly(model, name):
     ids, nxt = _ids(n=20), _ids(2, 4, seed=5)
     cache = NumbaKVCache.from_model(model, name)
     with torch.no_grad():
-        model(ids, cache=cache)
-        model(nxt[:, :2], cache=cache)
-        want = model(nxt[:, 2:], cache=cache).logits
+        model(ids, **{CACHE: cache})
+        model(nxt[:, :2], **{CACHE: cache})
+        want = model(nxt[:, 2:], **{CACHE: cache}).logits
         cache.crop(-2)
         assert cache.get_seq_length() == 22
-        assert torch.equal(model(nxt[:, 2:], cache=cache).logits, want)
+        assert torch.equal(model(nxt[:, 2:], **{CACHE: cache}).logits, want)
         cache.crop(22)  # legacy: keep the first 22 tokens
         assert cache.get_seq_length() == 22
         cache.crop(40)  # legacy, longer than the cache: nothing happens
-        assert torch.equal(model(nxt[:, 2:], cache=cache).logits, want)
+        assert torch.equal(model(nxt[:, 2:], **{CACHE: cache}).logits, want)
     with pytest.raises(ValueError, match="tokens_to_remove"):
         cache.crop(-100)
     with pytest.raises(TypeError, match="tokens_to_remove"):
@@ -175,8 +179,8 @@ def test_crop_into_an_evicted_window_raises():
     model = _gemma3()
     cache = NumbaKVCache.from_model(model, "dense")
     with torch.no_grad():
-        model(_ids(n=20), cache=cache)
-        model(_ids(2, 1, seed=3), cache=cache)  # the sliding layer evicts down to WINDOW - 1 old tokens
+        model(_ids(n=20), **{CACHE: cache})
+        model(_ids(2, 1, seed=3), **{CACHE: cache})  # the sliding layer evicts down to WINDOW - 1 old tokens
     with pytest.raises(ValueError, match="length"):
         cache.crop(-10)
     assert [la.get_seq_length() for la in cache.layers] == [21, 21]
@@ -190,11 +194,11 @@ def test_reorder_select_and_repeat_move_rows(model, name):
     ref = NumbaKVCache.from_model(model, name)
     cache = NumbaKVCache.from_model(model, name)
     with torch.no_grad():
-        model(ids, cache=ref)
-        model(ids, cache=cache)
+        model(ids, **{CACHE: ref})
+        model(ids, **{CACHE: cache})
         cache.reorder_cache(torch.tensor([1, 0]))
-        want = model(nxt, cache=ref).logits
-        got = model(nxt.flip(0), cache=cache).logits
+        want = model(nxt, **{CACHE: ref}).logits
+        got = model(nxt.flip(0), **{CACHE: cache}).logits
         # fp32 round-off only: torch's CPU GEMMs may sum a row differently at another batch position
         assert torch.allclose(got, want.flip(0), rtol=0, atol=1e-5), (got - want.flip(0)).abs().max()
         assert not torch.allclose(got, want, rtol=0, atol=1e-2)  # the rows did move
@@ -202,7 +206,7 @@ def test_reorder_select_and_repeat_move_rows(model, name):
         assert cache.batch_size == 1
         cache.batch_repeat_interleave(3)
         assert cache.batch_size == 3
-        again = model(_ids(3, 1, seed=8)[:1].expand(3, 1), cache=cache).logits
+        again = model(_ids(3, 1, seed=8)[:1].expand(3, 1), **{CACHE: cache}).logits
         assert torch.allclose(again[0], again[1]) and torch.allclose(again[0], again[2])
     with pytest.raises(ValueError, match="indices"):
         cache.reorder_cache(torch.tensor([0, 5]))
@@ -216,8 +220,8 @@ def test_sliding_layers_follow_config_layer_types():
     assert cache.is_sliding == [True, False]
     assert [la.get_max_length() for la in cache.layers] == [WINDOW, -1]
     with torch.no_grad():
-        model(_ids(n=20), cache=cache)
-        model(_ids(2, 1, seed=3), cache=cache)
+        model(_ids(n=20), **{CACHE: cache})
+        model(_ids(2, 1, seed=3), **{CACHE: cache})
     sliding, glob = (la.cache for la in cache.layers)
     assert sliding.stored_len(0) == WINDOW and glob.stored_len(0) == 21
     assert cache.layers[0].get_mask_sizes(1) == (WINDOW, 21 - WINDOW + 1)
