@@ -52,14 +52,23 @@ import numpy as np
 try:
     import torch
     from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import AttentionInterface
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("numba_kv.integrations.transformers needs torch and transformers 5.x: "
                       "pip install 'numba-kv[hf]'") from exc
 
 from ..caches.mixed import MixedCache
+from ..caches.protocol import AttendConfig, Fused
 from ..caches.spec import make_cache
 
-__all__ = ["NumbaKVCache", "NumbaKVLayer", "model_geometry"]
+__all__ = ["ATTN_IMPLEMENTATION", "NumbaKVCache", "NumbaKVLayer", "model_geometry", "numba_kv_attention_forward"]
+
+#: ``attn_implementation`` of the fused decode path (registered when this module is imported)
+ATTN_IMPLEMENTATION = "numba_kv"
+#: attribute of a key tensor returned by a fused-mode ``update``: the layer whose decode is pending
+_PENDING = "_numba_kv_pending"
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: layer types of ``config.layer_types`` this cache serves
@@ -169,6 +178,9 @@ class NumbaKVLayer(CacheLayerMixin):
     cache : LayeredCache
         An empty numba_kv cache with ``num_layers == 1`` (``DenseCache``, ``PolarQuantCache``,
         ``TurboQuantCache``); its sliding window, if any, makes this a sliding layer.
+    config : transformers.PretrainedConfig, optional
+        The model's config: while its ``_attn_implementation`` is :data:`ATTN_IMPLEMENTATION`,
+        one-token decode steps take the fused path (see :meth:`update`).
 
     Attributes
     ----------
@@ -180,11 +192,12 @@ class NumbaKVLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, cache: Any) -> None:
+    def __init__(self, cache: Any, config: Any = None) -> None:
         super().__init__()
         if getattr(cache, "num_layers", None) != 1:
             raise ValueError(f"cache: expected a one-layer numba_kv cache, got {cache!r}")
         self.cache = cache
+        self.config = config
         self.sliding_window: int | None = cache.layer_windows[0]
         self.is_sliding = self.sliding_window is not None
         self.dtype: torch.dtype | None = None
@@ -223,14 +236,28 @@ class NumbaKVLayer(CacheLayerMixin):
         """Store the new tokens ``[batch, num_kv_heads, new_tokens, head_dim]``; return the keys
         and values attention must see: the inputs themselves on an empty layer, else the
         stored history (a sliding layer: its last ``window − 1`` tokens) plus the new ones,
-        decompressed, in the input's dtype and device."""
+        decompressed, in the input's dtype and device.
+
+        Fused path (the model's ``attn_implementation`` is ``"numba_kv"``): a one-token step on
+        a non-empty layer stores nothing here and returns the inputs marked; the attention
+        function :func:`numba_kv_attention_forward` then calls the cache's ``decode``, which
+        stores the token and attends from the packed codes (QJL correction included)."""
         self._check_input(key_states, value_states)
         if not self.is_initialized or not self.get_seq_length():
             self.lazy_initialization(key_states, value_states)
+        elif key_states.shape[2] == 1 and self.fused:
+            # fused decode: numba_kv_attention_forward stores the token and attends from the codes
+            setattr(key_states, _PENDING, self)
+            return key_states, value_states
         res = self.cache.prefill(0, to_array(key_states), to_array(value_states))
         if self.cache.seq_len(0) == key_states.shape[2]:  # empty before: the prompt's own K/V
             return key_states, value_states
         return to_tensor(res.k, key_states.dtype), to_tensor(res.v, key_states.dtype)
+
+    @property
+    def fused(self) -> bool:
+        """True while the model's ``attn_implementation`` is :data:`ATTN_IMPLEMENTATION`."""
+        return getattr(self.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
 
     def get_seq_length(self) -> int:
         """Tokens this layer has seen (a sliding layer stores fewer)."""
@@ -370,7 +397,7 @@ class NumbaKVCache(Cache):
         windows = geo.pop("sliding_window")
         full = make_cache(cache, **geo, sliding_window=windows if any(w is not None for w in windows) else None,
                           **options)
-        return cls([NumbaKVLayer(c) for c in _one_layer_caches(full)])
+        return cls([NumbaKVLayer(c, config) for c in _one_layer_caches(full)])
 
     @classmethod
     def from_model(cls, model: Any, cache: str = "kv4", **options: Any) -> NumbaKVCache:
@@ -397,3 +424,68 @@ class NumbaKVCache(Cache):
     def memory_usage(self) -> int:
         """Bytes of live stored K/V (compressed codes, norms, windows), all layers."""
         return sum(la.cache.memory_usage() for la in self.layers)
+
+
+# -- fused decode inside transformers ------------------------------------------------------------------
+
+def _all_visible(mask: Any) -> bool:
+    """True when an attention mask hides nothing (``None``, all-True bool, or an all-zero
+    additive float mask)."""
+    if mask is None:
+        return True
+    return bool(mask.all()) if mask.dtype == torch.bool else bool((mask == 0).all())
+
+
+def numba_kv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                               value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                               scaling: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention function ``"numba_kv"``: decode steps from the packed codes.
+
+    Registered with ``AttentionInterface`` (and ``sdpa``'s mask function under the same name)
+    when this module is imported; select it with ``attn_implementation="numba_kv"`` in
+    ``from_pretrained`` or ``model.set_attn_implementation("numba_kv")``.  A one-token step on
+    a non-empty :class:`NumbaKVLayer` runs ``cache.decode`` (fused attention from the codes for
+    the compressed caches, QJL correction included; the dense cache's exact history through
+    the same softmax formula); everything else — the prompt over its own exact K/V, several
+    tokens at once, other caches — goes to transformers' ``sdpa``.
+
+    Raises
+    ------
+    ValueError
+        A padded batch on a fused step (the mask hides keys: the cache attends every stored
+        token of every row; use ``attn_implementation="sdpa"``, where the mask applies, or
+        :class:`numba_kv.PagedKVCache` for ragged batches), logit soft-capping, attention sinks
+        or dropout, which the fused kernels do not apply.
+    """
+    layer = getattr(key, _PENDING, None)
+    if layer is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    delattr(key, _PENDING)
+    if not _all_visible(attention_mask):
+        raise ValueError("attention_mask: the fused numba_kv decode attends every stored token of every row and "
+                         "cannot mask padding; use attn_implementation='sdpa' (the dequantized path, which applies "
+                         "the mask) or numba_kv.PagedKVCache for ragged batches")
+    for name in ("softcap", "s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{name}: not supported by the fused numba_kv decode; use attn_implementation='sdpa'")
+    if dropout:
+        raise ValueError(f"dropout: the fused numba_kv decode is for inference, got {dropout}")
+    hq, hk = int(query.shape[1]), int(key.shape[1])
+    scale = float(scaling) if scaling is not None else float(query.shape[-1]) ** -0.5
+    cfg = AttendConfig(softmax_scale=scale, n_kv_groups=hq // hk)
+    out = layer.cache.decode(0, to_array(key), to_array(value), to_array(query), cfg)
+    if isinstance(out, Fused):
+        res = to_tensor(out.out, query.dtype)
+    else:  # the cache returned its history (dense, decode_output="dequantized"): attend here
+        r = out.result
+        k, v = (to_tensor(a, torch.float32).repeat_interleave(cfg.n_kv_groups, dim=1) for a in (r.k, r.v))
+        scores = torch.matmul(query.float(), k.transpose(2, 3)) * scale
+        if r.logit_bias is not None:
+            scores = scores + to_tensor(r.logit_bias, torch.float32)
+        res = torch.matmul(torch.softmax(scores, dim=-1), v).to(query.dtype)
+    return res.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, numba_kv_attention_forward)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)

@@ -318,3 +318,67 @@ def test_import_numba_kv_does_not_import_the_integration():
     code = "import sys, numba_kv; print('numba_kv.integrations' in sys.modules or 'transformers' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# -- fused decode: attn_implementation="numba_kv" -------------------------------------------------------
+
+@pytest.fixture()
+def fused(model):
+    model.set_attn_implementation("numba_kv")
+    yield model
+    model.set_attn_implementation("sdpa")
+
+
+@pytest.mark.parametrize("name", ["dense", "kv4"])
+def test_fused_decode_equals_the_dequantized_path(model, name):
+    """The fused kernels compute what sdpa computes on the decompressed history: equal to fp32
+    round-off (measured max 2.1e-7 on these logits; summation order differs), the prompt
+    bit for bit (it runs through sdpa on its own K/V in both)."""
+    opts = {"residual_length": 0} if name == "kv4" else {}
+    ref = _run(model, NumbaKVCache.from_model(model, name, **opts), _ids(n=48))
+    model.set_attn_implementation("numba_kv")
+    try:
+        cache = NumbaKVCache.from_model(model, name, **opts)
+        assert all(la.fused for la in cache.layers)
+        got = _run(model, cache, _ids(n=48))
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert torch.equal(ref[0], got[0])
+    for a, b in zip(ref[1:], got[1:]):
+        assert torch.allclose(a, b, rtol=0, atol=2e-6), (a - b).abs().max()
+    assert not any(la.fused for la in cache.layers)  # follows the model's implementation
+
+
+def test_fused_turboquant_applies_its_qjl_correction(fused):
+    """tq4's fused decode adds the QJL logit correction the dequantized path cannot (it needs
+    the query): the logits differ from that path's, and stay within the KL bound of dense."""
+    ids = _ids(n=48)
+    got = _run(fused, NumbaKVCache.from_model(fused, "tq4"), ids)
+    fused.set_attn_implementation("sdpa")
+    plain = _run(fused, NumbaKVCache.from_model(fused, "tq4"), ids)
+    dense = _run(fused, NumbaKVCache.from_model(fused, "dense"), ids)
+    assert all((a - b).abs().max() > 1e-4 for a, b in zip(got[1:], plain[1:]))
+    assert max(_kl(a, b).max().item() for a, b in zip(dense[1:], got[1:])) < KL_BOUND
+
+
+def test_fused_generate_and_beam_search(fused):
+    ids = _ids(n=12)
+    kw = {"max_new_tokens": 5, "do_sample": False, "attention_mask": torch.ones_like(ids), "pad_token_id": 0}
+    fused.set_attn_implementation("sdpa")
+    ref = fused.generate(ids, num_beams=2, **kw)
+    fused.set_attn_implementation("numba_kv")
+    assert torch.equal(fused.generate(ids, **{CACHE: NumbaKVCache.from_model(fused, "dense")}, num_beams=2, **kw), ref)
+    out = fused.generate(ids, **{CACHE: NumbaKVCache.from_model(fused, "kv4")}, num_beams=2, **kw)
+    assert out.shape == ref.shape
+
+
+def test_fused_decode_refuses_a_padded_batch(fused):
+    ids = _ids(n=12)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    cache = NumbaKVCache.from_model(fused, "kv4")
+    with torch.no_grad():
+        fused(ids, attention_mask=mask, **{CACHE: cache})
+        with pytest.raises(ValueError, match="PagedKVCache"):
+            fused(ids[:, :1], attention_mask=torch.cat([mask, mask[:, :1]], 1), **{CACHE: cache})
+    assert [la.get_seq_length() for la in cache.layers] == [12, 12]  # nothing stored
