@@ -20,7 +20,20 @@ is sized on the whole model's geometry first).  Sliding layers of ``config.layer
 (Gemma-3's local layers) become sliding-window numba_kv layers that store only what their
 queries can still see.
 
-What ``update`` returns (the *dequantized path*, any ``attn_implementation``): the prompt's own
+Fused decode: with ``attn_implementation="numba_kv"`` (registered with transformers'
+``AttentionInterface`` when this module is imported)::
+
+    model.set_attn_implementation("numba_kv")     # or from_pretrained(..., attn_implementation="numba_kv")
+    cache = NumbaKVCache.from_model(model, "kv4")
+    out = model.generate(**inputs, cache=cache, max_new_tokens=32)
+
+the prompt still attends over its own exact K/V (through ``sdpa``), and every one-token decode
+step runs ``cache.decode`` on the packed codes (:func:`numba_kv_attention_forward`): no
+decompressed history is built, and TurboQuant's QJL correction is applied.  A cache follows its
+model's current implementation (``from_model`` keeps the config), so switching back to
+``"sdpa"`` returns to the dequantized path on the same cache.
+
+What ``update`` returns (the *dequantized path*, any other ``attn_implementation``): the prompt's own
 K/V on the first call (prompt attention is lossless), afterwards the layer's full history
 decompressed, as torch tensors in the input's dtype and device.  The model's attention (sdpa,
 eager, ...) runs on them with its usual mask.  With ``"dense"`` this is exactly transformers'
@@ -34,9 +47,10 @@ go through DLPack to CuPy and back; the cache waits for torch's current stream b
 them.  The CUDA path is written but **untested** (no GPU on the machine that wrote it).
 
 Batches: every row is an independent sequence of equal length.  A left-padded batch works on
-this path (the pad tokens are stored like any token and the model's attention mask hides them;
-they do use up a compressed cache's sink tokens); ragged batches without padding need
-:class:`numba_kv.PagedKVCache`, which is not wired into transformers yet.
+the dequantized path (the pad tokens are stored like any token and the model's attention mask
+hides them; they do use up a compressed cache's sink tokens); the fused path refuses it with a
+``ValueError`` naming :class:`numba_kv.PagedKVCache` (ragged batches), which is not wired into
+transformers yet.
 
 Beam search (``num_beams``), ``batch_select_indices``, ``batch_repeat_interleave`` and ``crop``
 (rollback of assisted decoding) act on the compressed codes: every per-row state moves with its
