@@ -38,11 +38,12 @@ CORES: dict[Callable, tuple[Callable, Callable]] = {}
 
 @functools.lru_cache(maxsize=1)
 def kernel_sources_digest() -> str:
-    """SHA-256 of every source a kernel can compile in: ``ops/*.py`` and this file."""
+    """SHA-256 of every source a kernel can compile in: ``ops/**/*.py`` (subpackages such as
+    ``ops/attention/`` included) and this file."""
     root = pathlib.Path(__file__).parent
     h = hashlib.sha256()
-    for path in sorted([root / "_jit.py", *root.joinpath("ops").glob("*.py")]):
-        h.update(path.name.encode())
+    for path in sorted([root / "_jit.py", *root.joinpath("ops").rglob("*.py")]):
+        h.update(path.relative_to(root).as_posix().encode())
         h.update(path.read_bytes())
     return h.hexdigest()
 

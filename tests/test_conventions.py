@@ -4,6 +4,7 @@
 import ast
 import inspect
 import pathlib
+import re
 
 import numba_kv
 from numba_kv.ops import TWINS
@@ -299,6 +300,39 @@ def test_kernel_caches_are_keyed_on_all_kernel_sources():
         for disp in (twin.cpu, twin.cpu.serial, twin.cuda):
             stamp = disp._cache._cache_file._source_stamp
             assert isinstance(stamp, tuple) and stamp[1] == digest, twin.name
+
+
+def test_kernel_sources_digest_covers_every_kernel_module(tmp_path, monkeypatch):
+    """Every module that defines a kernel or a core (``ops/attention/cores.py`` included) feeds
+    the digest: a copy of the package with one byte changed in any such file gets another
+    digest.  (It once globbed ``ops/*.py`` only and missed the ``ops/attention`` package.)"""
+    import shutil
+
+    import numba_kv._jit as jit
+
+    src = pathlib.Path(jit.__file__).parent
+    kernel_modules = sorted(p.relative_to(src) for p in src.rglob("*.py")
+                            if re.search(r"@(cpu_kernel|cuda_kernel|cpu_serial)|\btwin\(", p.read_text()))
+    assert pathlib.Path("ops/attention/cores.py") in kernel_modules
+    copy = tmp_path / "numba_kv"
+    shutil.copytree(src, copy, ignore=shutil.ignore_patterns("__pycache__"))
+
+    def digest_of(root):
+        monkeypatch.setattr(jit, "__file__", str(root / "_jit.py"))
+        jit.kernel_sources_digest.cache_clear()
+        try:
+            return jit.kernel_sources_digest()
+        finally:
+            jit.kernel_sources_digest.cache_clear()
+
+    base = digest_of(copy)
+    for rel in kernel_modules:
+        path = copy / rel
+        text = path.read_text()
+        path.write_text(text + "\n# edited\n")
+        assert digest_of(copy) != base, f"editing {rel} leaves the kernel cache key unchanged"
+        path.write_text(text)
+    assert digest_of(copy) == base
 
 
 # -- no private name crosses a module boundary ----------------------------------------------------
