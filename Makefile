@@ -36,19 +36,19 @@ lint: venv
 # includes tests/test_notebooks.py: every notebooks/NN_*.ipynb executed in a fresh kernel
 # (not marked cuda, so the simulator stage does not run them again)
 test-cpu: venv
-	$(PYTEST) tests -q
+	$(PYTEST) tests -q --durations=20
 
 # the simulator and compile_ptx cannot share a process: separate invocation.  Exit status 5
 # (no tests collected) fails like any other: a stage that runs nothing must not pass.
 SIM_XML = .pytest_cache/sim-junit.xml
 test-sim: venv
-	NUMBA_ENABLE_CUDASIM=1 $(PYTEST) tests -q -m cuda --junitxml=$(SIM_XML)
+	NUMBA_ENABLE_CUDASIM=1 $(PYTEST) tests -q -m cuda --durations=20 --junitxml=$(SIM_XML)
 	$(BIN)/python -c "import sys, xml.etree.ElementTree as E; s = E.parse('$(SIM_XML)').getroot().find('testsuite'); \
 	ran = int(s.get('tests')) - int(s.get('skipped')); print(f'simulator stage: {ran} tests ran'); sys.exit(ran < 1)"
 
 # on a machine with a GPU
 test-gpu: venv
-	$(PYTEST) tests -q -m "cuda or gpu_only"
+	$(PYTEST) tests -q -m "cuda or gpu_only" --durations=20
 
 # native code generation and AVX2 code generation (haswell target + features, so an AVX-512
 # host does not leak AVX-512 into the "haswell" code; OpenBLAS on its Haswell kernels), each with

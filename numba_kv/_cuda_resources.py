@@ -229,11 +229,17 @@ def link_cubin(ptx: str, cc: tuple[int, int]) -> tuple[bytes, str]:
         nvjitlink.destroy(handle)
 
 
-@functools.cache
 def kernel_ptx(name: str, cc: tuple[int, int] = (9, 0), signature: int = 0) -> str:
     """PTX of registered kernel ``name`` for ``sm_<cc>`` and its ``signature``-th signature
     (``numba.cuda.compile_ptx``; cached, so the PTX checks and :func:`kernel_resources`
-    compile each case once per process)."""
+    compile each case once per process, however the arguments are spelled)."""
+    # normalized before the cache: ``kernel_ptx(n, (9, 0))`` and ``kernel_ptx(n, [9, 0], 0)``
+    # are one compile (a compile of an attention kernel costs 10-30 s)
+    return _kernel_ptx(name, (int(cc[0]), int(cc[1])), int(signature))
+
+
+@functools.cache
+def _kernel_ptx(name: str, cc: tuple[int, int], signature: int) -> str:
     if name not in TWINS:
         raise KeyError(f"name: no registered kernel {name!r}; known: {sorted(TWINS)}")
     twin = TWINS[name]
@@ -260,7 +266,6 @@ def ptx_max_threads(ptx: str) -> int:
     return n
 
 
-@functools.cache
 def kernel_resources(name: str, cc: tuple[int, int] = (9, 0), signature: int = 0) -> KernelResources:
     """Registers, spills and shared memory of registered kernel ``name`` on ``sm_<cc>``.
 
@@ -276,10 +281,16 @@ def kernel_resources(name: str, cc: tuple[int, int] = (9, 0), signature: int = 0
     Returns
     -------
     KernelResources
-        Cached per argument tuple (one PTX compile and one ptxas run: 0.1–6 s).
+        Cached per kernel, architecture and signature (one PTX compile and one ptxas run:
+        0.1–6 s).
     """
-    ptx = kernel_ptx(name, tuple(cc), signature)
-    return dataclasses.replace(parse_link_log(link_log(ptx, tuple(cc))), max_threads=ptx_max_threads(ptx))
+    return _kernel_resources(name, (int(cc[0]), int(cc[1])), int(signature))
+
+
+@functools.cache
+def _kernel_resources(name: str, cc: tuple[int, int], signature: int) -> KernelResources:
+    ptx = kernel_ptx(name, cc, signature)
+    return dataclasses.replace(parse_link_log(link_log(ptx, cc)), max_threads=ptx_max_threads(ptx))
 
 
 def _round_up(x: int, unit: int) -> int:

@@ -12,7 +12,8 @@ tuple), so two configurations describing the same cache compare equal.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
@@ -22,13 +23,16 @@ from ..ops.blockquant import NORM_MODES
 from ..ops.qjl import SKETCH_SEED
 from ._layer import check_sliding_window
 
-__all__ = ["DECODE_OUTPUTS", "ROTATIONS", "WINDOW_DTYPES", "PolarQuantConfig", "TurboQuantConfig",
-           "mirror_config_fields"]
+__all__ = ["DECODE_OUTPUTS", "DEFAULT_PAGE_SIZE", "PAGED_STORAGES", "ROTATIONS", "WINDOW_DTYPES", "PagedConfig",
+           "PolarQuantConfig", "TurboQuantConfig", "mirror_config_fields"]
 
 DECODE_OUTPUTS = ("fused", "dequantized")
 WINDOW_DTYPES = ("float16", "float32", "int8")
 ROTATIONS = ("block", "head")
 _BITS = (2, 3, 4)
+DEFAULT_PAGE_SIZE = 16
+PAGED_STORAGES = ("float32", "pqo2", "pqo3", "pqo4")
+_ASYM = re.compile(r"^pqo-k([234])v([234])$")
 
 
 def mirror_config_fields(*names: str) -> Any:
@@ -175,6 +179,7 @@ class PolarQuantConfig:
     def _check_outliers(self) -> None:
         oc = check_int("outlier_channels", self.outlier_channels, minimum=0)
         self._set("outlier_channels", oc)
+        self._set("_outlier_widths", {})
         if not oc:
             if self.outlier_bits is not None:
                 raise ValueError("outlier_bits: only meaningful with outlier_channels > 0")
@@ -184,7 +189,15 @@ class PolarQuantConfig:
                              f"(whole rotation blocks, some left for the rest), got {oc}")
         if self.rotation != "block":
             raise ValueError("outlier_channels: channel splits need rotation='block', got rotation='head'")
-        widths = self.outlier_widths
+        widths: dict[str, int] = {}
+        for n, lo in self.slot_bits.items():
+            hi = lo + 1 if self.outlier_bits is None else check_int("outlier_bits", self.outlier_bits,
+                                                                     allowed=_BITS)
+            if not lo < hi <= 4:
+                raise ValueError(f"outlier_bits: expected more bits than the {n} channels' {lo} and at most 4, "
+                                 f"got {hi}")
+            widths[n] = hi
+        self._set("_outlier_widths", widths)  # resolved once: the caches read it, never re-check it
         if len(set(widths.values())) == 1:
             self._set("outlier_bits", widths["k"])
 
@@ -197,24 +210,9 @@ class PolarQuantConfig:
 
     @property
     def outlier_widths(self) -> dict[str, int]:
-        """Codebook width of the outlier channels per side (empty without ``outlier_channels``).
-
-        Raises
-        ------
-        ValueError
-            ``outlier_bits`` not wider than a side's normal width, or wider than 4.
-        """
-        out: dict[str, int] = {}
-        if not self.outlier_channels:
-            return out
-        for n, lo in self.slot_bits.items():
-            hi = lo + 1 if self.outlier_bits is None else check_int("outlier_bits", self.outlier_bits,
-                                                                     allowed=_BITS)
-            if not lo < hi <= 4:
-                raise ValueError(f"outlier_bits: expected more bits than the {n} channels' {lo} and at most 4, "
-                                 f"got {hi}")
-            out[n] = hi
-        return out
+        """Codebook width of the outlier channels per side (empty without ``outlier_channels``),
+        resolved (and checked: wider than the side's normal width, at most 4) at construction."""
+        return dict(self._outlier_widths)
 
     @property
     def windowed(self) -> bool:
@@ -338,3 +336,81 @@ class TurboQuantConfig(PolarQuantConfig):
     def sketch_bytes(self, side: str) -> int:
         """Keys: the ``qjl_dim``-bit sketch and the binary16 residual norm; values: none."""
         return self.qjl_dim // 8 + 2 if side == "k" else 0
+
+
+@dataclass(frozen=True)
+class PagedConfig:
+    """Configuration of a :class:`~numba_kv.caches.paged.PagedKVCache` (and of the page pool
+    under the MLA caches): validated once, in ``__post_init__``; the cache and its attention
+    path trust it after that.
+
+    Parameters
+    ----------
+    num_pages, num_layers, num_kv_heads, head_dim, page_size : int
+        Pool and model geometry (``>= 1`` each).
+    v_head_dim : int, optional
+        Width of V (``>= 0``; 0 stores keys only); resolved to ``head_dim`` when not given.
+    storage : {"float32", "pqo2", "pqo3", "pqo4"} or ``"pqo-k<b>v<b>"``
+        Page format; PQO storage needs ``head_dim`` and ``v_head_dim`` to be multiples of 32.
+
+    Attributes
+    ----------
+    k_bits, v_bits : int
+        The storage's codebook widths of keys and values (0 for float32 pages): the one
+        place ``storage`` is parsed.
+
+    Raises
+    ------
+    TypeError, ValueError
+        A value of the wrong type or out of range; the message starts with the argument's
+        name and says what was expected.
+
+    Examples
+    --------
+    >>> cfg = PagedConfig(8, 2, 2, 64, storage="pqo-k4v3")
+    >>> cfg.k_bits, cfg.v_bits, cfg.v_head_dim
+    (4, 3, 64)
+    >>> PagedConfig(8, 2, 2, 48, storage="pqo3")
+    Traceback (most recent call last):
+    ...
+    ValueError: head_dim: expected a multiple of 32 for storage='pqo3' (32-value quantization blocks), got 48
+    """
+
+    num_pages: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int = DEFAULT_PAGE_SIZE
+    v_head_dim: int | None = None
+    storage: str = "float32"
+    k_bits: int = field(init=False, default=0)
+    v_bits: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        # the order of the checks is the order users saw before the config existed
+        for name in ("num_pages", "num_layers", "num_kv_heads", "head_dim", "page_size"):
+            set_(name, check_int(name, getattr(self, name), minimum=1))
+        set_("v_head_dim", self.head_dim if self.v_head_dim is None
+             else check_int("v_head_dim", self.v_head_dim, minimum=0))
+        storage = self.storage
+        asym = _ASYM.match(storage) if isinstance(storage, str) else None
+        if storage not in PAGED_STORAGES and not asym:
+            raise ValueError(f"storage: expected one of {list(PAGED_STORAGES)} or 'pqo-k<2-4>v<2-4>', "
+                             f"got {storage!r}")
+        if asym:
+            kb, vb = int(asym.group(1)), int(asym.group(2))
+        else:
+            kb = vb = 0 if storage == "float32" else int(storage[-1])
+        if kb:
+            for name in ("head_dim", "v_head_dim"):
+                if getattr(self, name) % 32:
+                    raise ValueError(f"{name}: expected a multiple of 32 for storage={storage!r} "
+                                     f"(32-value quantization blocks), got {getattr(self, name)}")
+        set_("k_bits", kb)
+        set_("v_bits", vb)
+
+    @property
+    def part_bits(self) -> dict[str, int]:
+        """Codebook width per side ``{"k": k_bits, "v": v_bits}`` (0: float32 pages)."""
+        return {"k": self.k_bits, "v": self.v_bits}

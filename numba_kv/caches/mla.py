@@ -47,6 +47,7 @@ from .._validate import check_float_array, check_int, check_layer
 from ..ops.finite import check_finite
 from ..ops.gather import to_like
 from ..ops.lowrank import project_into, reconstruct_into
+from .config import PagedConfig
 from .paged import DEFAULT_PAGE_SIZE, PagedKVCache, PageTable
 
 __all__ = ["MLACache", "SimpleMLACache"]
@@ -68,6 +69,19 @@ def _per_layer(name: str, w: Any, num_layers: int, tail: tuple[int, ...], labels
     if not np.isfinite(a).all():
         raise ValueError(f"{name}: expected finite values, got NaN or Inf")
     return np.array(a, np.float64)
+
+
+def _check_pool(num_pages: int, num_layers: int, latent: int, page_size: int, storage: Any, what: str) -> None:
+    """Validate the page pool's arguments once (:class:`~numba_kv.caches.config.PagedConfig`),
+    naming the latent width as the MLA cache's user knows it (``what``) where the pool would
+    say ``head_dim``."""
+    try:
+        PagedConfig(num_pages, num_layers, 1, latent, page_size, v_head_dim=0, storage=storage)
+    except ValueError as exc:
+        if not str(exc).startswith("head_dim:"):
+            raise
+        raise ValueError(f"{what}: expected a multiple of 32 for storage={storage!r} (32-value quantization "
+                         f"blocks), got {latent}") from None
 
 
 def _paged_attr(name: str, doc: str) -> property:
@@ -206,6 +220,7 @@ class MLACache(_LatentBase):
         self.w_uv = _per_layer("w_uv", w_uv, nl, (h, r, dv),
                                "num_heads, kv_lora_rank, v_head_dim").astype(np.float32)
         self.latent_dim = r + rope
+        _check_pool(num_pages, nl, self.latent_dim, page_size, storage, "kv_lora_rank + qk_rope_head_dim")
         self.paged = PagedKVCache(num_pages, nl, 1, self.latent_dim, page_size, v_head_dim=0, storage=storage)
         # augmented bases: the stored latent [c_kv | k_pe] times comp_k[h] gives [k_nope | k_pe]
         ck = np.zeros((nl, h, r + rope, nope + rope), np.float32)
@@ -461,6 +476,7 @@ class SimpleMLACache(_LatentBase):
         up = _per_layer("up_proj", up_proj, nl, (lat, d), "latent_dim, head_dim")
         rk = _per_layer("rope_key", rope_key, nl, (lat, d), "latent_dim, head_dim")
         self.down_proj, self.up_proj, self.rope_key = (a.astype(np.float32) for a in (down, up, rk))
+        _check_pool(num_pages, nl, lat, page_size, storage, "latent_dim")
         self.paged = PagedKVCache(num_pages, nl, self.num_heads, lat, page_size, storage=storage)
         # components in the [rank, d] layout of the projection op
         self._comp_down = [np.ascontiguousarray(self.down_proj[i].T)[None] for i in range(nl)]  # [1, L, D]

@@ -43,7 +43,6 @@ it is uploaded again only when pages change hands (a new page, crop, fork, free)
 from __future__ import annotations
 
 import math
-import re
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
@@ -55,12 +54,12 @@ from .._validate import (
     F16_MAX,
     F32_MAX,
     check_float_array,
-    check_int,
     check_layer,
     check_magnitude,
     check_stored_f16,
 )
-from ..ops.attention import paged_decode_attention
+from ..ops.attention import CodeLayout
+from ..ops.attention.paged import paged_attention_rows, pool_arrays
 from ..ops.blockquant import dequantize_into, packed_dim, quantize_into
 from ..ops.codebook import get_codebook
 from ..ops.finite import check_finite_stats
@@ -69,12 +68,10 @@ from ..ops.page_index import add_at, page_run_rows_into
 from ._layer import check_q_values
 from ._paged_lifecycle import OutOfPagesError, PagedLifecycleMixin
 from ._values import ValueChecks
+from .config import DEFAULT_PAGE_SIZE, PagedConfig
+from .config import PAGED_STORAGES as STORAGES
 
 __all__ = ["PagedKVCache", "PageTable", "OutOfPagesError", "STORAGES", "DEFAULT_PAGE_SIZE"]
-
-DEFAULT_PAGE_SIZE = 16
-STORAGES = ("float32", "pqo2", "pqo3", "pqo4")
-_ASYM = re.compile(r"^pqo-k([234])v([234])$")
 
 
 class PageTable(NamedTuple):
@@ -132,33 +129,25 @@ class PagedKVCache(PagedLifecycleMixin, ValueChecks):
     def __init__(self, num_pages: int, num_layers: int, num_kv_heads: int, head_dim: int,
                  page_size: int = DEFAULT_PAGE_SIZE, *, v_head_dim: int | None = None,
                  storage: str = "float32") -> None:
-        self.num_pages = check_int("num_pages", num_pages, minimum=1)
-        self.num_layers = check_int("num_layers", num_layers, minimum=1)
-        self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)
-        self.head_dim = check_int("head_dim", head_dim, minimum=1)
-        self.page_size = check_int("page_size", page_size, minimum=1)
-        self.v_head_dim = (self.head_dim if v_head_dim is None
-                           else check_int("v_head_dim", v_head_dim, minimum=0))
-        asym = _ASYM.match(storage) if isinstance(storage, str) else None
-        if storage not in STORAGES and not asym:
-            raise ValueError(f"storage: expected one of {list(STORAGES)} or 'pqo-k<2-4>v<2-4>', got {storage!r}")
-        self.storage = storage
-        if asym:
-            self.k_bits, self.v_bits = int(asym.group(1)), int(asym.group(2))
-        else:
-            self.k_bits = self.v_bits = 0 if storage == "float32" else int(storage[-1])
+        # every argument is validated (and storage parsed) once, by the configuration
+        cfg = self.config = PagedConfig(num_pages, num_layers, num_kv_heads, head_dim, page_size,
+                                        v_head_dim=v_head_dim, storage=storage)
+        self.num_pages, self.num_layers, self.num_kv_heads = cfg.num_pages, cfg.num_layers, cfg.num_kv_heads
+        self.head_dim, self.page_size, self.v_head_dim = cfg.head_dim, cfg.page_size, cfg.v_head_dim
+        self.storage, self.k_bits, self.v_bits = cfg.storage, cfg.k_bits, cfg.v_bits
         self.bits = self.k_bits  # 0 = float32 pages
-        self.part_bits = {"k": self.k_bits, "v": self.v_bits}
+        self.part_bits = cfg.part_bits
         if self.bits:
-            for name, dim in (("head_dim", self.head_dim), ("v_head_dim", self.v_head_dim)):
-                if dim % 32:
-                    raise ValueError(f"{name}: expected a multiple of 32 for storage={storage!r} "
-                                     f"(32-value quantization blocks), got {dim}")
             self.codebooks = {n: get_codebook(b, "maxnorm") for n, b in self.part_bits.items()}
             self.codebook = self.codebooks["k"]
         else:
             self.codebooks = {}
             self.codebook = None
+        # the code layouts the attention kernels read (decode_attention: K and V of one width)
+        self._layouts: tuple[CodeLayout, CodeLayout] | None = None
+        if self.bits and self.v_head_dim == self.head_dim:
+            self._layouts = (CodeLayout.uniform(self.codebooks["k"], self.head_dim),
+                             CodeLayout.uniform(self.codebooks["v"], self.head_dim))
         self._lock = threading.RLock()
         self._pools: dict[str, Any] = {}
         self._device: str | None = None
@@ -589,27 +578,49 @@ class PagedKVCache(PagedLifecycleMixin, ValueChecks):
         with self._lock:  # the table, the lengths and the pools of one moment
             layer = check_layer(layer, self.num_layers)
             ids = tuple(sorted(self._tables[0]) if seq_ids is None else [self._check_seq(s) for s in seq_ids])
-            pools = self._attention_pools()
-            dev = check_float_array("q", q)
+            arrays = self._attention_arrays(q)
+            dev = self._check_query(q, len(ids))
+            lens = [self._lens[layer][s] for s in ids]
+            ql = int(q.shape[2])
+            if min(lens) < max(1, ql if causal else 1):
+                raise ValueError(f"seq_ids: every sequence needs >= max(1, q_len={ql}) stored tokens, "
+                                 f"got lengths {lens}")
             mode = self._value_mode(dev)
             if mode == "sync" or (mode == "deferred" and not self._defer("q", q)):
                 check_q_values(q)  # else deferred to check_inputs() (or "off")
-            return paged_decode_attention(q, self._device_table(layer, ids), **pools,
-                                          seq_lens=[self._lens[layer][s] for s in ids], softmax_scale=softmax_scale,
-                                          causal=causal, partition_size=partition_size, check_values=False)
+            # the trusted entry: the configuration and the checks above vouch for every argument
+            klay, vlay = self._layouts if self.bits else (None, None)
+            return paged_attention_rows(q, self._device_table(layer, ids), arrays, klay, vlay,
+                                        n_kv_heads=self.num_kv_heads, page_size=self.page_size, seq_lens=lens,
+                                        softmax_scale=softmax_scale, causal=causal, partition_size=partition_size)
 
-    def _attention_pools(self) -> dict[str, Any]:
-        """The pools (and codebooks) as keyword arguments of ``paged_decode_attention``."""
-        pools = self.pools
+    def _check_query(self, q: Any, n_seq: int) -> str:
+        """Dtype, device and shape of a ``decode_attention`` query (values are not read);
+        returns its device."""
+        dev = check_float_array("q", q, 4)
+        if dev != self._device:
+            raise ValueError(f"q is on {dev} but the page pool lives on {self._device}")
+        n, hq, ql, d = (int(x) for x in q.shape)
+        hkv = self.num_kv_heads
+        if d % 32 or d != self.head_dim or hq % hkv:
+            raise ValueError(f"q: expected [n_seq, k·{hkv}, q_len, {self.head_dim}] (the pools' KV heads and "
+                             f"head_dim), got shape {(n, hq, ql, d)}")
+        if n != n_seq:
+            raise ValueError(f"q: expected {n_seq} rows (one per sequence of the page table), got {n}")
+        return dev
+
+    def _attention_arrays(self, like: Any) -> tuple:
+        """The pools as the paged kernels take them (:func:`~numba_kv.ops.attention.paged.pool_arrays`)."""
+        pools = self._pools
         if not pools:
             raise ValueError("cache: expected a paged cache with stored tokens, got an empty pool")
         if not self.has_values or self.v_head_dim != self.head_dim:
             raise ValueError(f"cache: paged attention needs v_head_dim == head_dim ({self.head_dim}), "
                              f"got {self.v_head_dim}")
         if not self.bits:
-            return {"k_pages": pools["k_pages"], "v_pages": pools["v_pages"]}
-        return {**{n: pools[n] for n in ("k_codes", "k_scales", "v_codes", "v_scales")},
-                "k_codebook": self.codebooks["k"], "v_codebook": self.codebooks["v"]}
+            return pool_arrays(like, pools["k_pages"], pools["v_pages"])
+        return pool_arrays(like, k_codes=pools["k_codes"], k_scales=pools["k_scales"], v_codes=pools["v_codes"],
+                           v_scales=pools["v_scales"])
 
     def memory_usage(self) -> int:
         """Bytes of the pages in use (whole pages, K and V)."""

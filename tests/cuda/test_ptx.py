@@ -167,3 +167,12 @@ def test_compiles_to_ptx(name, sig, cc):
                                            f"(limit {LOCAL_BYTES_MAX}); keep rows in shared memory/registers")
     if name in COOPERATIVE and name not in COOPERATIVE_EXCEPTIONS:
         assert_cooperative(name, ptx)
+
+
+@pytest.mark.ptx
+def test_kernel_ptx_compiles_each_case_once_however_spelled():
+    """``kernel_ptx(n, (9, 0))`` (the attention PTX tests) and ``kernel_ptx(n, (9, 0), 0)``
+    (the cases above, :func:`kernel_resources`) are one compile, not two (10-30 s each for
+    the attention kernels)."""
+    name = CASES[0][0]
+    assert kernel_ptx(name, (9, 0)) is kernel_ptx(name, [9, 0], 0) is kernel_ptx(name, cc=(9, 0), signature=0)

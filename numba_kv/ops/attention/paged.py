@@ -11,6 +11,12 @@ log-sum-exp) and so are the cores and the merge kernel; only the token addressin
 Each sequence may have its own length; its ``q_len`` new queries sit at its last ``q_len``
 positions (causal).  :meth:`numba_kv.PagedKVCache.decode_attention` calls this with its
 own pools and page table.
+
+Two entries: :func:`paged_decode_attention`, the public op, validates everything it is given
+(devices, dtypes, shapes, pool kind, sequence lengths, finite queries) once and then runs
+:func:`paged_attention_rows`, the trusted entry, which validates nothing (the paged cache
+calls it directly every step: its configuration and its own entry checks vouch for the
+arrays).
 """
 
 from __future__ import annotations
@@ -27,7 +33,27 @@ from ..hadamard import rotate32, rotate32_rows
 from .layout import CodeLayout
 from .plan import attention_plan
 
-__all__ = ["paged_decode_attention"]
+__all__ = ["paged_attention_rows", "paged_decode_attention", "pool_arrays"]
+
+# Kernel arguments of the pool kind not used (float32 pages or PQO codes): never read (the
+# kernels test ``compressed``), put on a device once.  Writable: the kernels are compiled for
+# the writable array types of the real pools.
+_NO_CODES = np.zeros((1, 1, 1, 1), np.uint8)
+_NO_SCALES = np.zeros((1, 1, 1, 1), np.uint16)
+_NO_PAGES = np.zeros((1, 1, 1, 1), np.float32)
+
+
+def pool_arrays(like: Any, k_pages: Any = None, v_pages: Any = None, k_codes: Any = None, k_scales: Any = None,
+                v_codes: Any = None, v_scales: Any = None) -> tuple:
+    """``(kc, ks, vc, vs, kp, vp)``, the pool arguments of the paged kernels, with
+    placeholders (on the device of ``like``, made once) for the kind not given; checks
+    nothing (float32 pools when ``k_pages`` is given, else PQO pools)."""
+    if k_pages is not None:
+        kc = _backend.constant(like, _NO_CODES)
+        ks = _backend.constant(like, _NO_SCALES)
+        return kc, ks, kc, ks, k_pages, v_pages
+    kp = _backend.constant(like, _NO_PAGES)
+    return k_codes, k_scales, v_codes, v_scales, kp, kp
 
 
 def _check_kind(k_pages: Any, v_pages: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales: Any) -> None:
@@ -39,7 +65,7 @@ def _check_kind(k_pages: Any, v_pages: Any, k_codes: Any, k_scales: Any, v_codes
                          "v_codes and v_scales (PQO pools) with k_codebook and v_codebook")
 
 
-def _pools(q3: Any, d: int, k_pages: Any, v_pages: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales: Any,
+def _pools(q: Any, d: int, k_pages: Any, v_pages: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales: Any,
            k_codebook: Any, v_codebook: Any) -> tuple:
     """``(compressed, page_size, (kc, ks, vc, vs, kp, vp), klayout, vlayout)`` with placeholders
     for the pool kind not given; validates that exactly one kind is."""
@@ -49,9 +75,7 @@ def _pools(q3: Any, d: int, k_pages: Any, v_pages: Any, k_codes: Any, k_scales: 
             if len(a.shape) != 4 or int(a.shape[3]) != d or np.dtype(a.dtype) != np.float32:
                 raise ValueError(f"{name}: expected float32 [num_pages, num_kv_heads, page_size, {d}], got "
                                  f"{a.dtype} {tuple(a.shape)}")
-        kc = vc = _backend.empty(q3, (1, 1, 1, 1), np.uint8)
-        ks = vs = _backend.empty(q3, (1, 1, 1, 1), np.uint16)
-        return False, int(k_pages.shape[2]), (kc, ks, vc, vs, k_pages, v_pages), None, None
+        return False, int(k_pages.shape[2]), pool_arrays(q, k_pages, v_pages), None, None
     if k_codebook is None or v_codebook is None:
         raise ValueError("k_codebook: PQO pools need k_codebook and v_codebook")
     lay = [CodeLayout.uniform(cb, d) for cb in (k_codebook, v_codebook)]
@@ -62,8 +86,8 @@ def _pools(q3: Any, d: int, k_pages: Any, v_pages: Any, k_codes: Any, k_scales: 
         if len(a.shape) != 4 or int(a.shape[3]) != width or np.dtype(a.dtype) != dt:
             raise ValueError(f"{name}: expected {np.dtype(dt)} [num_pages, num_kv_heads, page_size, {width}], got "
                              f"{a.dtype} {tuple(a.shape)}")
-    kp = vp = _backend.empty(q3, (1, 1, 1, 1), np.float32)
-    return True, int(k_codes.shape[2]), (k_codes, k_scales, v_codes, v_scales, kp, vp), lay[0], lay[1]
+    arrays = pool_arrays(q, k_codes=k_codes, k_scales=k_scales, v_codes=v_codes, v_scales=v_scales)
+    return True, int(k_codes.shape[2]), arrays, lay[0], lay[1]
 
 
 def _seq_lens(page_table: Sequence[Any], page_size: int, seq_lens: Sequence[int] | None) -> list[int]:
@@ -139,22 +163,64 @@ def paged_decode_attention(q: Any, page_table: Sequence[Any], *, k_pages: Any = 
         raise ValueError(f"q: expected {int(last.shape[0])} rows (one per sequence of the page table), got {n_seq}")
     if check_values:
         check_finite("q", q)
-    g, rows = n_seq * hkv, (hq // hkv) * ql
-    q3 = _backend.ascontiguous_f32("q", q).reshape(g, rows, d)
-    compressed, page_size, arrays, klay, vlay = _pools(q3, d, k_pages, v_pages, k_codes, k_scales, v_codes, v_scales,
+    compressed, page_size, arrays, klay, vlay = _pools(q, d, k_pages, v_pages, k_codes, k_scales, v_codes, v_scales,
                                                        k_codebook, v_codebook)
     lens = _seq_lens(page_table, page_size, seq_lens)
     if min(lens) < max(1, ql if causal else 1):
         raise ValueError(f"seq_ids: every sequence needs >= max(1, q_len={ql}) stored tokens, got lengths {lens}")
+    return paged_attention_rows(q, (indptr, indices, last), arrays, klay, vlay, n_kv_heads=hkv, page_size=page_size,
+                                seq_lens=lens, softmax_scale=softmax_scale, causal=causal,
+                                partition_size=partition_size, check_values=check_values)
+
+
+def paged_attention_rows(q: Any, page_table: Sequence[Any], arrays: tuple, klayout: CodeLayout | None,
+                         vlayout: CodeLayout | None, *, n_kv_heads: int, page_size: int, seq_lens: Sequence[int],
+                         softmax_scale: float | None = None, causal: bool = True, partition_size: int | None = None,
+                         check_values: bool = False) -> Any:
+    """The trusted entry of paged decode attention: validates nothing.
+
+    The caller vouches for every argument (:func:`paged_decode_attention` after its checks;
+    :meth:`numba_kv.PagedKVCache.decode_attention` after its configuration's and its entry's).
+
+    Parameters
+    ----------
+    q : float array, shape ``(n_seq, num_heads, q_len, head_dim)``
+        ``num_heads`` a multiple of ``n_kv_heads``; ``head_dim`` a multiple of 32; on the
+        device of the pools.
+    page_table : ``(kv_indptr, kv_indices, kv_last_page_len)``
+        int32, on that device.
+    arrays : tuple
+        ``(kc, ks, vc, vs, kp, vp)`` from :func:`pool_arrays`.
+    klayout, vlayout : CodeLayout or None
+        The layouts of the K/V codes (``CodeLayout.uniform(codebook, head_dim)``); ``None``
+        for float32 pools.
+    n_kv_heads, page_size : int
+        The pools' KV heads and tokens per page.
+    seq_lens : sequence of int
+        Tokens of every sequence (each ``>= max(1, q_len)`` when ``causal``).
+    softmax_scale, causal, partition_size
+        As for :func:`paged_decode_attention`.
+    check_values : bool
+        Let the query rotation check that it stays finite (a host read on a GPU).
+
+    Returns
+    -------
+    out : float32 array, shape ``(n_seq, num_heads, q_len, head_dim)``, on the device of ``q``.
+    """
+    n_seq, hq, ql, d = (int(x) for x in q.shape)
+    g, rows = n_seq * n_kv_heads, (hq // n_kv_heads) * ql
+    q3 = _backend.ascontiguous_f32("q", q).reshape(g, rows, d)
+    compressed = klayout is not None
     if not compressed:
         qr = q3
     elif check_values:
         qr = rotate32(q3)  # checks that the rotation stays finite (a host read on the device)
     else:  # the caller vouched for q: no read back
         qr = rotate32_rows(q3.reshape(g * rows, d)).reshape(g, rows, d)
-    plan = attention_plan(q3, paged=True, n_g=g, rows=rows, d=d, klayout=klay, vlayout=vlay,
+    plan = attention_plan(q3, paged=True, n_g=g, rows=rows, d=d, klayout=klayout, vlayout=vlayout,
                           v_width=int(arrays[2].shape[3]) if compressed else 0)
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
-    out = plan.run_paged(qr, q3, arrays, (indptr, indices, last), page_size, hkv, max(lens), sum(lens), n_seq, scale,
-                         ql, causal, partition_size)
+    lens = [int(n) for n in seq_lens]
+    out = plan.run_paged(qr, q3, arrays, tuple(page_table), page_size, n_kv_heads, max(lens), sum(lens), n_seq,
+                         scale, ql, causal, partition_size)
     return out.reshape(n_seq, hq, ql, d)
