@@ -182,5 +182,3 @@ class FusedDecodeMixin:
         if dtype is not _F32 and np.dtype(dtype) != np.dtype(res.dtype):
             res = res.astype(dtype)
         return res
-
-    # -- lifecycle ----------------------------------------------------------------------------

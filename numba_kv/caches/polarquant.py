@@ -602,6 +602,7 @@ class PolarQuantCache(FusedDecodeMixin, LayeredCache):
             out.append(self._reshape_out(self._transform_out(st, name, flat), st.batch, dtype))
         return out[0], out[1]
 
+    # -- lifecycle ----------------------------------------------------------------------------
     def config_dict(self) -> dict[str, Any]:
         """Constructor arguments (JSON types) that rebuild this cache's configuration."""
         cfg = self.config
