@@ -187,9 +187,9 @@ class ExactWindow:
         self.sink_tokens = sink_tokens
         self.residual_length = residual_length
         self.rotation = rotation
-        # the rotation as :func:`~numba_kv.ops.window8.window8_store` takes it
-        self._rot_code = {None: ROT_NONE, "head": ROT_HEAD, "block": ROT_BLOCK}[rotation]
-        self._rot_signs = head_signs(head_dim) if rotation == "head" else SIGNS32
+        #: the rotation as :func:`~numba_kv.ops.window8.window8_store` takes it, and its signs
+        self.rot_code = {None: ROT_NONE, "head": ROT_HEAD, "block": ROT_BLOCK}[rotation]
+        self.rot_signs = head_signs(head_dim) if rotation == "head" else SIGNS32
 
     def _rotated(self, x3: Any, inverse: bool, out: Any = None) -> Any:
         """``x3`` ``[rows, n, d]`` float32 rotated (or rotated back) into ``out`` (C-contiguous
@@ -301,19 +301,36 @@ class ExactWindow:
 
     def positions(self, st: LayerState, like: Any, sinks: int) -> Any:
         """Stored positions (int32) of the exact tokens, sinks then window, on the device of
-        ``like`` (a Numba device array is never empty: one unused entry when there are none)."""
-        n_sink, n_comp, n_win = layer_counts(st)
-        n = n_sink + n_win
-        # written in place into a reused buffer (no allocation, and no upload, per decode step)
+        ``like``: the layer's reused position buffer ``[>= max(n, 1)]`` with the ``n = n_sink
+        + n_win`` positions at its front (the kernels read those; one buffer object from step
+        to step, so a bound attention step stays bound).  Written only when the counters
+        changed since the last write (:meth:`position_buffer`)."""
+        meta = st.meta
+        n_sink, n_win = meta.get("n_sink", 0), meta.get("n_win", 0)
+        key = (n_sink, sinks + meta.get("n_comp", 0), n_win)
+        if st.scratch.get("exact_pos_of") == key:  # (set only for a buffer that holds them)
+            return st.scratch["exact_pos"]
+        n_comp = key[1] - sinks
+        buf = self.position_buffer(st, like, n_sink + n_win)
+        if isinstance(buf, np.ndarray):
+            iota = _iota(n_sink + n_win)
+            buf[:n_sink] = iota[:n_sink]  # sinks at 0 .. n_sink-1, then the window from sinks + n_comp
+            np.add(iota[:n_win], np.int32(sinks + n_comp), out=buf[n_sink:n_sink + n_win])
+        else:
+            exact_positions_into(buf, n_sink, sinks + n_comp, n_win)
+        st.scratch["exact_pos_of"] = key
+        return buf
+
+    def position_buffer(self, st: LayerState, like: Any, n: int) -> Any:
+        """The layer's int32 position buffer, at least ``max(n, 1)`` long (reused: no allocation
+        and no upload per decode step).  ``st.scratch["exact_pos_of"]`` names the counters
+        ``(n_sink, first window position, n_win)`` its front was written for; whoever writes
+        it sets that (a new buffer has none)."""
         buf = st.scratch.get("exact_pos")
         if buf is None or int(buf.shape[0]) < max(n, 1):
             buf = st.scratch["exact_pos"] = _backend.empty(like, (grown_capacity(n + 1),), np.int32)
-        if isinstance(buf, np.ndarray):
-            out = buf[:n]
-            out[:] = _iota(n)[:n]  # sinks at 0 .. n_sink-1, then the window from sinks + n_comp
-            out[n_sink:] += np.int32(sinks + n_comp - n_sink)
-            return out
-        return exact_positions_into(buf, n_sink, sinks + n_comp, n_win)
+            st.scratch.pop("exact_pos_of", None)
+        return buf
 
     # -- whole operations --------------------------------------------------------------------
     def store(self, st: LayerState, name: str, x3: Any, plan: StorePlan, sinks: int,
@@ -328,7 +345,7 @@ class ExactWindow:
         if isinstance(ex, np.ndarray) and ex.dtype == np.int8:
             # the whole window part in one serial call (bit-identical to the steps below)
             ev = window8_store(_backend.ascontiguous_f32("x", x3), ex, st.buffers[name + "_exact_scale"], plan,
-                               sinks, st.seq_len, self._rot_code, self._rot_signs)
+                               sinks, st.seq_len, self.rot_code, self.rot_signs)
             if plan.compressed:
                 compress(ev)
             return

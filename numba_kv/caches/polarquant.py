@@ -30,27 +30,27 @@ import numpy as np
 
 from .. import _backend
 from .._validate import F16_MAX, check_magnitude, check_stored_f16
-from ..ops.attention import CodeLayout, attention_plan
+from ..ops.attention import CodeLayout
 from ..ops.blockquant import dequantize_into, quantize_into
 from ..ops.codebook import get_codebook
 from ..ops.finite import check_finite_stats
-from ..ops.hadamard import rotate32_rows
-from ..ops.headquant import dequantize_head_into, head_signs, quantize_head_into, rotate_head_rows
+from ..ops.headquant import dequantize_head_into, head_signs, quantize_head_into
+from ._fused_step import FusedDecodeMixin
 from ._layer import BufferSpec, LayeredCache, LayerState, shift_front
 from ._window import ExactWindow, crop_counts, evict_counts, layer_counts, plan_store
 from .config import PolarQuantConfig, mirror_config_fields
-from .protocol import AttendConfig, DecodeOutput, Fused
 from .state import CacheFileError
 
 __all__ = ["MAX_INPUT", "PolarQuantCache", "PolarQuantConfig"]
 
 # larger inputs are rejected outright: float32 sums inside the quantizers stay far from overflow
 MAX_INPUT = float(2 ** 21)
+_F32 = np.dtype(np.float32)
 
 
 @mirror_config_fields("bits", "k_bits", "v_bits", "mode", "norm_mode", "residual_length", "sink_tokens",
                       "decode_output", "key_center", "window_rotation", "rotation", "unbiased", "outlier_channels")
-class PolarQuantCache(LayeredCache):
+class PolarQuantCache(FusedDecodeMixin, LayeredCache):
     """PolarQuant (PQ / PQO) compressed KV cache, 2–4 bits, fused decode attention.
 
     Parameters
@@ -217,6 +217,14 @@ class PolarQuantCache(LayeredCache):
         self.outlier = cfg.mode != "pq"
         self.packed_dims = {n: lay.width for n, lay in self.layouts.items()}
         self._head_signs = head_signs(self.head_dim) if cfg.rotation == "head" else None
+        # plain copies of the configuration flags every decode step reads (a mirrored field is a
+        # property call and a lookup on the configuration each time)
+        self._windowed, self._fused = cfg.windowed, cfg.decode_output == "fused"
+        self._window_np_dtype = np.dtype(cfg.window_dtype)
+        # a store into an int8 window with the whole-head quantizer can run as one serial call
+        # (_store_window8_head); whether the window is int8 is decided per layer (device)
+        self._window8_head = (cfg.rotation == "head" and cfg.window_dtype == "int8" and self._windowed
+                              and not cfg.outlier_channels and self._compress.__func__ is PolarQuantCache._compress)
         self._window = ExactWindow(self.head_dim, cfg.sink_tokens, cfg.residual_length,
                                    cfg.rotation if cfg.window_rotation else None)
         # storage of the window buffers: the configured dtype, float32 while the layer's
@@ -227,7 +235,7 @@ class PolarQuantCache(LayeredCache):
     @property
     def window_dtype(self) -> np.dtype:
         """Configured storage of window/sink tokens (Numba device arrays use float32)."""
-        return np.dtype(self.config.window_dtype)
+        return self._window_np_dtype
 
     def _codebook(self, bits: int):
         return get_codebook(bits, self.norm_mode, block=self.head_dim if self.rotation == "head" else 32)
@@ -251,12 +259,12 @@ class PolarQuantCache(LayeredCache):
     def _sinks(self, st: LayerState) -> int:
         """Sink tokens of the layer: none on sliding-window layers (a sink older than the
         window is invisible to every later query, so it is evicted like any other token)."""
-        return 0 if st.window is not None else self.sink_tokens
+        return 0 if st.window is not None else self.config.sink_tokens
 
     @property
     def windowed(self) -> bool:
         """True when some tokens stay uncompressed."""
-        return self.config.windowed
+        return self._windowed
 
     @property
     def packed_dim(self) -> int:
@@ -308,7 +316,7 @@ class PolarQuantCache(LayeredCache):
 
     def _append(self, st: LayerState, dev: str, k: Any, v: Any) -> int:
         # Numba device arrays cannot hold float16 windows (no device-side cast)
-        self._exact_dtype = (np.dtype(np.float32) if _backend.xp_of(k) is None else self.window_dtype)
+        self._exact_dtype = _F32 if _backend.xp_of(k) is None else self._window_np_dtype
         if _backend.xp_of(k) is None and (self.key_center or self.outlier_channels):
             raise TypeError("k: key_center and outlier_channels need NumPy or CuPy arrays, "
                             "got a Numba device array")
@@ -366,13 +374,15 @@ class PolarQuantCache(LayeredCache):
         or 65504 (L2 norms), so ``‖x‖ ≤ √d·65504 ≤ 1.5e6``, well below ``127·65504``.
         """
         # the window dtype as _append will choose it (Numba device arrays: float32)
-        self._exact_dtype = np.dtype(np.float32) if _backend.xp_of(k) is None else self.window_dtype
-        f16_window = self.windowed and self._exact_dtype == np.float16
+        self._exact_dtype = _F32 if _backend.xp_of(k) is None else self._window_np_dtype
+        f16_window = self._windowed and self._exact_dtype == np.float16
         limit = F16_MAX * (1 - 2.0 ** -10)
+        root_d = math.sqrt(self.head_dim)
         for name, arr, rs in (("k", k, stats[0]), ("v", v, stats[1])):
-            check_magnitude(name, rs.amax, MAX_INPUT, f"a {self.name} cache")
+            if not rs.amax <= MAX_INPUT:
+                check_magnitude(name, rs.amax, MAX_INPUT, f"a {self.name} cache")
             # first with the free bound ‖x‖ <= √d·max|x|, then (if needed) the measured norm
-            free = math.sqrt(self.head_dim) * rs.amax
+            free = root_d * rs.amax
             amax, norm, exact = self._stored_domain_bounds(st, name, rs.amax, free)
             if f16_window and exact:
                 check_magnitude(name, amax, F16_MAX, "a float16 window (window_dtype='float16')")
@@ -388,7 +398,7 @@ class PolarQuantCache(LayeredCache):
         """Bounds of ``max|x|`` and ``max ‖x‖`` after :meth:`_transform_in` (key centering;
         permutations change neither), and whether the domain is the input's own."""
         exact = True
-        if name == "k" and self.key_center:
+        if name == "k" and self.config.key_center:
             exact = False
             if st.meta.get("kmean_set", 0):
                 m_amax, m_norm = self._mean_bounds(st)
@@ -487,7 +497,12 @@ class PolarQuantCache(LayeredCache):
         n_sink, n_comp, n_win = layer_counts(st)
         S = self._sinks(st)
         # without a window every token is compressed
-        plan = plan_store(n, st.seq_len, n_win, S, self.residual_length) if self.windowed else None
+        plan = plan_store(n, st.seq_len, n_win, S, self.config.residual_length) if self._windowed else None
+        if plan is not None and self._store_window8_head(st, k, v, plan, S, n_sink, n_comp):
+            st.meta.update(n_comp=n_comp + plan.compressed, n_sink=n_sink + plan.sinks,
+                           n_win=plan.keep_old + plan.keep_new)
+            self._set_live(st)
+            return
         for name, arr in (("k", k), ("v", v)):
             x = _backend.ascontiguous_f32(name, arr)
             x3 = self._transform_in(st, name, x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3]))
@@ -558,11 +573,16 @@ class PolarQuantCache(LayeredCache):
         a rotated int8 window stays in the rotated domain)."""
         if not self.windowed:
             like = st.buffers["k_codes"]
-            return _backend.empty(like, (like.shape[0], 0, self.head_dim), np.float32), 0
+            # one empty array per layer and device (a bound attention step stays bound)
+            empty = st.scratch.get("no_exact")
+            if empty is None or int(empty.shape[0]) != int(like.shape[0]) or type(empty) is not type(like):
+                empty = st.scratch["no_exact"] = _backend.empty(like, (like.shape[0], 0, self.head_dim), np.float32)
+            return empty, 0
         return self._window.exact_f32(st, name, rotated)
 
     def _exact_positions(self, st: LayerState, like: Any) -> Any:
-        """Stored positions (int32) of the window/sink tokens, on the device of ``like``."""
+        """Stored positions (int32) of the window/sink tokens at the front of a reused buffer,
+        on the device of ``like`` (:meth:`ExactWindow.positions`)."""
         return self._window.positions(st, like, self._sinks(st))
 
     def _history(self, st: LayerState, dtype: Any) -> tuple[Any, Any]:
@@ -581,58 +601,6 @@ class PolarQuantCache(LayeredCache):
                 flat = comp
             out.append(self._reshape_out(self._transform_out(st, name, flat), st.batch, dtype))
         return out[0], out[1]
-
-    def _rotate_queries(self, q3: Any) -> Any:
-        # q was validated by decode (finite, |q| <= 2**64): its rotation fits float32, so the
-        # internal entries (no second validation, no host round trip) suffice
-        q2 = q3.reshape(-1, self.head_dim)
-        out = rotate_head_rows(q2) if self.rotation == "head" else rotate32_rows(q2)
-        return out.reshape(tuple(q3.shape))
-
-    def _qjl_args(self, st: LayerState, q3: Any) -> Any:
-        """``(sq, signs, norms, const)`` for the fused kernel's QJL correction (TurboQuant)."""
-        return None
-
-    def _decode_output(self, st: LayerState, q: Any, config: AttendConfig, dtype: Any) -> DecodeOutput:
-        if self.decode_output == "dequantized":
-            return super()._decode_output(st, q, config, dtype)
-        b, hq, ql, d = (int(s) for s in q.shape)
-        q3 = _backend.ascontiguous_f32("q", q).reshape(b * self.num_kv_heads, (hq // self.num_kv_heads) * ql, d)
-        q3 = self._query_in(st, q3)
-        # a rotated int8 window is attended in the rotated domain, like the compressed tokens:
-        # q·k = Rq·Rk and the merge rotates its values back once per query row, instead of
-        # rotating every window token back on every step
-        rot = self.windowed and self._window.stored_rotated(st)
-        exact_scales = None
-        if self.windowed:  # the kernel reads the window in its stored dtype: no float32 copy per step
-            ke, kes, n_exact = self._window.exact_stored(st, "k")
-            ve, ves, _ = self._window.exact_stored(st, "v")
-            exact_scales = None if kes is None else (kes, ves)
-        else:
-            ke, n_exact = self._exact_f32(st, "k")
-            ve, _ = self._exact_f32(st, "v")
-        hs = None if self._head_signs is None else _backend.constant(q3, self._head_signs)
-        qr = self._rotate_queries(q3)
-        kc, vc = st.buffers["k_codes"], st.buffers["v_codes"]
-        bias, qjl = self._window_bias(st, q), self._qjl_args(st, q3)
-        # the layer's plan for this shape (cached: built on the first step, replayed after)
-        plan = attention_plan(q3, paged=False, n_g=int(q3.shape[0]), rows=int(q3.shape[1]), d=d,
-                              klayout=self.layouts["k"], vlayout=self.layouts["v"], v_width=int(vc.shape[2]),
-                              has_bias=bias is not None, has_qjl=qjl is not None)
-        out = plan.run_flat(
-            qr, qr if rot else q3, kc, st.buffers["k_scales"], vc, st.buffers["v_scales"], st.meta.get("n_comp", 0),
-            self._sinks(st), ke, ve, n_exact, self._exact_positions(st, q3), config.softmax_scale, bias,
-            st.seq_len - ql, ql, True, head_signs=hs, qjl=qjl, exact_rotated=rot, exact_scales=exact_scales)
-        if self.outlier_channels:
-            xp = _backend.xp_of(out)
-            out = xp.take_along_axis(out, xp.argsort(st.buffers["v_perm"].astype(np.int64), axis=2), axis=2)
-        return Fused(self._reshape_q(out, b, hq, ql, dtype))
-
-    def _reshape_q(self, out: Any, b: int, hq: int, ql: int, dtype: Any) -> Any:
-        res = out.reshape(b, hq, ql, self.head_dim)
-        if np.dtype(dtype) != np.dtype(res.dtype):
-            res = res.astype(dtype)
-        return res
 
     # -- lifecycle ----------------------------------------------------------------------------
     def config_dict(self) -> dict[str, Any]:
@@ -657,16 +625,28 @@ class PolarQuantCache(LayeredCache):
 
     def _set_live(self, st: LayerState) -> None:
         """Live token counts of every buffer from the layer's counters."""
-        n_exact = st.meta.get("n_sink", 0) + st.meta.get("n_win", 0)
+        meta = st.meta
         # the allocated buffers are the spec's (rebuilding the spec each decode step cost more
-        # than the rest of this bookkeeping)
-        for bname in st.buffers or self._buffer_spec():
-            if bname.endswith(("_exact", "_exact_scale")):
-                st.live[bname] = n_exact
-            elif bname in ("k_chmean", "k_perm", "v_perm"):
-                st.live[bname] = 1
-            else:
-                st.live[bname] = st.meta.get("n_comp", 0)
+        # than the rest of this bookkeeping); their names grouped by counter, once per buffer dict
+        names = st.buffers or self._buffer_spec()
+        groups = st.scratch.get("live_groups")
+        if groups is None or groups[0] is not names:
+            kinds: tuple[list[str], list[str], list[str]] = ([], [], [])
+            for bname in names:
+                kinds[0 if bname.endswith(("_exact", "_exact_scale"))
+                      else 1 if bname in ("k_chmean", "k_perm", "v_perm") else 2].append(bname)
+            groups = (names, *kinds)
+            if st.buffers:
+                st.scratch["live_groups"] = groups
+        live = st.live
+        n_exact = meta.get("n_sink", 0) + meta.get("n_win", 0)
+        for bname in groups[1]:
+            live[bname] = n_exact
+        for bname in groups[2]:
+            live[bname] = 1
+        n_comp = meta.get("n_comp", 0)
+        for bname in groups[3]:
+            live[bname] = n_comp
 
     def _evict(self, st: LayerState, e: int) -> None:
         # sliding layers keep no sinks: stored order is compressed [0, n_comp), window after

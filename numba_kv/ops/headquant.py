@@ -73,7 +73,7 @@ from .finite import check_finite, check_rotation_input
 from .hadamard import ROTATE_SIGNATURE, SIGNS32
 from .half import f16_bits_abs_to_f32_dev, f32_to_f16_bits_sat_dev
 
-__all__ = ["HEAD_DIMS", "SIGN_SEED", "head_signs", "rotate_head", "quantize_head", "dequantize_head",
+__all__ = ["HEAD_DIMS", "QUANTIZE_HEAD", "SIGN_SEED", "head_signs", "rotate_head", "quantize_head", "dequantize_head",
            "quantize_head_into", "dequantize_head_into", "rotate_head_rows", "head_codebook", "packed_dim",
            "bits_per_value"]
 
@@ -340,6 +340,8 @@ _QSIG = ("void(float32[:, :, ::1], float32[::1], float32[::1], float32[::1], boo
          "uint8[:, :, ::1], uint16[:, :, ::1])")
 _ROTATE = register("rotate_head", _rotate_head_cpu, _rotate_head_cuda, [ROTATE_SIGNATURE])
 _QUANTIZE = register("quantize_head", _quantize_head_cpu, _quantize_head_cuda, [_QSIG])
+#: the head quantizer's twin (for fused serial callers such as :mod:`numba_kv.ops.window8`)
+QUANTIZE_HEAD = _QUANTIZE
 _DEQUANTIZE = register("dequantize_head", _dequantize_head_cpu, _dequantize_head_cuda, [DEQUANTIZE_SIGNATURE])
 
 

@@ -26,8 +26,9 @@ from .._jit import cpu_serial
 from ._headquant_lanes import rotate_head_row_cpu
 from .absmax8 import dequantize_vector_cpu, quantize_vector_cpu
 from .hadamard import load_rotate_store_cpu
+from .headquant import QUANTIZE_HEAD
 
-__all__ = ["ROT_BLOCK", "ROT_HEAD", "ROT_NONE", "window8_store"]
+__all__ = ["ROT_BLOCK", "ROT_HEAD", "ROT_NONE", "window8_head_args", "window8_head_step", "window8_store"]
 
 #: rotation of the stored int8 vectors: none, whole head, per 32-block
 ROT_NONE, ROT_HEAD, ROT_BLOCK = 0, 1, 2
@@ -134,3 +135,107 @@ def window8_store(x3: np.ndarray, ex: np.ndarray, exs: np.ndarray, plan: Any, si
     _window8_store_cpu(x3, ex, exs, ev, a, e_old, e_new, keep_old, keep_new, int(sinks), int(seq_len), int(rot),
                        signs)
     return ev
+
+
+_NO_MEAN = np.zeros((1, 1, 1), np.float32)  # the key mean's placeholder without key centering (never read)
+
+# the serial compilation of the head quantizer's CPU twin, called from the serial step below
+# (one decode step's few evicted vectors: far below the parallel threshold)
+_quantize_head_serial = QUANTIZE_HEAD.cpu.serial
+
+
+@cpu_serial
+def _window8_head_step_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, t0, n_sink,
+                           pos_base, n_win, kex, kexs, vex, vexs, rot, rsigns, qsigns, kbounds, kcents, kbits, vbounds,
+                           vcents, vbits, unbiased, kcodes, knorms, vcodes, vnorms, pos):
+    """Serial: both sides of one store (see :func:`window8_head_step`)."""
+    b, h, n, d = k4.shape
+    rows = b * h
+    k3 = k4.reshape((rows, n, d))
+    v3 = v4.reshape((rows, n, d))
+    ne = e_old + e_new
+    kx = k3
+    if center:  # x − m in float32, as NumPy's broadcast subtraction of the key mean
+        kx = np.empty_like(k3)
+        for r in range(rows):
+            for t in range(n):
+                for j in range(d):
+                    kx[r, t, j] = k3[r, t, j] - kmean[r, 0, j]
+    kev = np.empty((rows, ne, d), dtype=np.float32)
+    vev = np.empty((rows, ne, d), dtype=np.float32)
+    _window8_store_cpu(kx, kex, kexs, kev, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, rot, rsigns)
+    _window8_store_cpu(v3, vex, vexs, vev, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, rot, rsigns)
+    if ne:
+        _quantize_head_serial(kev, qsigns, kbounds, kcents, unbiased, kbits, t0, kcodes, knorms)
+        _quantize_head_serial(vev, qsigns, vbounds, vcents, unbiased, vbits, t0, vcodes, vnorms)
+    # the exact tokens' positions after the store: sinks 0 .. n_sink-1, the window from pos_base
+    for i in range(n_sink):
+        pos[i] = i
+    for i in range(n_win):
+        pos[n_sink + i] = pos_base + i
+
+
+def window8_head_args(kex: np.ndarray, kexs: np.ndarray, vex: np.ndarray, vexs: np.ndarray, rot: int,
+                      rsigns: np.ndarray, qsigns: np.ndarray, kcb: Any, vcb: Any, unbiased: bool,
+                      kcodes: np.ndarray, knorms: np.ndarray, vcodes: np.ndarray, vnorms: np.ndarray,
+                      pos: np.ndarray) -> tuple:
+    """The arguments of :func:`window8_head_step` that stay the same from step to step while a
+    layer's buffers stay put (a cache builds them once per buffer set).
+
+    Parameters
+    ----------
+    kex, kexs, vex, vexs
+        The int8 windows and their binary16 scales (as for :func:`window8_store`).
+    rot, rsigns
+        The window's rotation (as for :func:`window8_store`) and its signs.
+    qsigns : float32 array, shape ``(d,)``
+        ``head_signs(d)``, the quantizer's rotation.
+    kcb, vcb : Codebook
+        The L2 head codebooks of K and V (``head_codebook(bits, d)``).
+    unbiased : bool
+        The EDEN rescale of the stored norms.
+    kcodes, knorms, vcodes, vnorms
+        The compressed store (uint8 codes, uint16 norms ``[rows, capacity, 1]``).
+    pos : int32 array
+        The exact tokens' position buffer (long enough for the window and the sinks).
+    """
+    return (kex, kexs, vex, vexs, int(rot), rsigns, qsigns, kcb.boundaries, kcb.centroids, int(kcb.bits),
+            vcb.boundaries, vcb.centroids, int(vcb.bits), bool(unbiased), kcodes, knorms, vcodes, vnorms, pos)
+
+
+def window8_head_step(k4: np.ndarray, v4: np.ndarray, kmean: np.ndarray | None, plan: Any, sinks: int, seq_len: int,
+                      t0: int, pos_counts: tuple[int, int, int], static: tuple) -> None:
+    """One serial call for the whole store of a head-quantized cache with an int8 window:
+    keys centered on ``kmean`` (when given), both sides stored into their windows by ``plan``
+    (:func:`window8_store`), the tokens leaving the windows quantized by the whole-head
+    quantizer into the compressed store at ``t0`` (:func:`~numba_kv.ops.headquant.quantize_head_into`),
+    and the exact tokens' positions after the store written.
+
+    For one decode step's few tokens: done op by op these are two NumPy operations and four
+    kernel dispatches with their Python around them, each costing more than its work.  The
+    same cores run on the same float32 values in the same order, so every stored byte is
+    bit-identical to the op-by-op path.  CPU only, serial (callers keep it to small stores).
+
+    Parameters
+    ----------
+    k4, v4 : float32 arrays, shape ``(batch, heads, n, d)``, C-contiguous
+        The new tokens (finite: the caller validated them), keys before centering; the rows
+        are ``batch·heads``.
+    kmean : float32 array, shape ``(rows, 1, d)``, or None
+        The frozen key mean (key centering), or none.
+    plan : StorePlan
+        ``(sinks, evict_old, evict_new, keep_old, keep_new)`` of
+        :func:`~numba_kv.caches._window.plan_store`.
+    sinks, seq_len : int
+        As for :func:`window8_store`.
+    t0 : int
+        Compressed tokens before this store (where the evicted tokens go).
+    pos_counts : (n_sink, first window position, n_win)
+        After the store: ``pos[:n_sink + n_win]`` ← ``0, …, n_sink − 1, first, …, first + n_win − 1``.
+    static : tuple
+        :func:`window8_head_args` of the layer's buffers.
+    """
+    a, e_old, e_new, keep_old, keep_new = plan
+    center = kmean is not None
+    _window8_head_step_cpu(k4, v4, kmean if center else _NO_MEAN, center, a, e_old, e_new, keep_old, keep_new, sinks,
+                           seq_len, t0, pos_counts[0], pos_counts[1], pos_counts[2], *static)

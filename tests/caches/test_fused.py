@@ -174,3 +174,39 @@ def test_key_centering_is_exact_for_attention(R, S):
     assert c.memory_usage() == sum(a.nbytes for a in c.live_arrays(0))
     with pytest.raises(TypeError, match="key_center"):
         PolarQuantCache(1, 2, 64, key_center="yes")
+
+
+@pytest.mark.parametrize("name", ["kv4", "pqo3", "tq3"])
+def test_bound_decode_step_equals_a_fresh_one_every_step(name):
+    """A layer binds its fused attention step (and, for kv4, the one-call store) once and
+    reuses it; over steps that regrow the buffers and move the window, outputs and stored
+    bytes equal, bit for bit, a cache that takes the op-by-op store and binds afresh every
+    step (its scratch dropped before each call)."""
+    from numba_kv import _config
+
+    rng = np.random.default_rng(5)
+    caches = [make_cache(name, num_layers=2, num_kv_heads=2, head_dim=64) for _ in range(2)]
+    caches[1]._window8_head = False  # the op-by-op store
+    att = AttendConfig(0.125, n_kv_groups=3)
+    k = rng.standard_normal((1, 2, 150, 64)).astype(np.float32)
+    with _config.knobs(growth_min_extra=4, growth_fraction=0.0):  # the buffers regrow every 4 tokens
+        for c in caches:
+            for layer in range(2):  # two chunks: the second fills the compressed buffers to capacity
+                for lo, hi in ((0, 60), (60, 120 + layer)):
+                    c.prefill(layer, k[:, :, lo:hi], k[:, :, ::-1][:, :, lo:hi].copy())
+        caps = [st.capacity for st in caches[0]._layers]
+        for step in range(12):
+            kv = rng.standard_normal((2, 1, 2, 1 + (step == 7), 64)).astype(np.float32)
+            q = rng.standard_normal((1, 6, kv.shape[3], 64)).astype(np.float32)
+            outs = []
+            for c in caches:
+                if c is caches[1]:
+                    for st in c._layers:
+                        st.scratch.clear()
+                outs.append([c.decode(layer, kv[0], kv[1], q, att).out for layer in range(2)])
+            for a, b in zip(*outs):
+                np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+        assert all(st.capacity > cap for st, cap in zip(caches[0]._layers, caps))  # the buffers moved
+    for layer in range(2):
+        for a, b in zip(caches[0].live_arrays(layer), caches[1].live_arrays(layer)):
+            np.testing.assert_array_equal(a, b)

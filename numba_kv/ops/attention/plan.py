@@ -16,6 +16,7 @@ partitioning, grid and workspace; the *kernels* own the arithmetic.
 
 from __future__ import annotations
 
+import operator
 import threading
 from typing import Any
 
@@ -40,8 +41,8 @@ from .merge import MERGE_PARTITIONS
 from .mma import MMA_HEAD_DIM, MMA_THREADS, mma_partition_size
 from .warp import VROW, WARP_ROWS, warp_ok
 
-__all__ = ["AttentionPlan", "TILE", "VARIANTS", "attention_plan", "check_cuda_head_dim", "cuda_block_threads",
-           "default_partition_size", "use_mma_kernel", "use_warp_kernel"]
+__all__ = ["AttentionPlan", "FlatStep", "TILE", "VARIANTS", "attention_plan", "check_cuda_head_dim",
+           "cuda_block_threads", "default_partition_size", "use_mma_kernel", "use_warp_kernel"]
 
 TILE = 128  # tokens per partition granule (partition sizes are multiples of it)
 #: the kernel variants, and the registered twins of each for flat caches and paged pools
@@ -240,40 +241,31 @@ class AttentionPlan:
         return out
 
     # --- a step ------------------------------------------------------------------------------
+    def bind_flat(self, kc: Any, ks: Any, vc: Any, vs: Any, comp_pos0: int, ke: Any, ve: Any, exact_pos: Any,
+                  head_signs: Any = None, exact_rotated: bool = False, exact_scales: tuple | None = None) -> FlatStep:
+        """A flat cache layer's arrays bound to this plan: a :class:`FlatStep` whose
+        :meth:`~FlatStep.run` takes only what changes from step to step.
+
+        Parameters
+        ----------
+        kc, ks, vc, vs, comp_pos0, ke, ve, exact_pos, head_signs, exact_rotated, exact_scales
+            As for :meth:`run_flat`.  The arrays are bound by identity: their contents may
+            change between steps (the cache writes new tokens and positions into them), the
+            objects may not (a cache that regrows a buffer binds again).  ``exact_pos`` may be
+            longer than the exact tokens of a step (the kernels read its first ``n_exact``).
+        """
+        return FlatStep(self, kc, ks, vc, vs, comp_pos0, ke, ve, exact_pos, head_signs, exact_rotated, exact_scales)
+
     def run_flat(self, qr: Any, q: Any, kc: Any, ks: Any, vc: Any, vs: Any, n_comp: int, comp_pos0: int, ke: Any,
                  ve: Any, n_exact: int, exact_pos: Any, softmax_scale: float, bias: Any, q_pos0: int, q_len: int,
                  causal: bool = True, part_size: int | None = None, head_signs: Any = None, qjl: Any = None,
                  exact_rotated: bool = False, exact_scales: tuple | None = None) -> Any:
         """One step over a flat cache's arrays (the arguments of
         :func:`~numba_kv.ops.attention.flat.fused_attention_rows`, which validates nothing
-        either); returns ``out`` ``[n_g, rows, d]`` float32 on the device of ``qr``."""
-        n_comp, n_exact = int(n_comp), int(n_exact)
-        kernel = self.kernel
-        if self.variant == "mma":
-            words = mma_operands(kc, ks, vc, vs, flat=True)
-            if words is None:
-                kernel = self._fallback
-            else:
-                kc, ks, vc, vs = words
-        if part_size is None:
-            part_size = self.partition_size(max(n_comp, n_exact), kernel)
-        n_cp = -(-n_comp // part_size)
-        n_ep = -(-n_exact // part_size)
-        if n_cp + n_ep == 0:
-            raise ValueError("k: expected at least one stored token to attend over, got none")
-        n_parts = n_cp + n_ep
-        parts = self.workspace(qr, n_parts)
-        sq, qsig, qnorm, qconst = qjl if qjl is not None else self.no_qjl
-        ke, ve, kes, ves, exact_kind = self._exact_args(ke, ve, exact_scales)
-        args = (qr, q, kc, ks, vc, vs, n_comp, int(comp_pos0), ke, ve, n_exact, exact_pos, kes, ves, exact_kind,
-                *self.layout_args, self.sshift, self.table, np.float32(softmax_scale),
-                self.no_bias if bias is None else bias, bias is not None, qjl is not None, sq, qsig, qnorm,
-                np.float32(qconst), int(q_pos0), int(q_len), bool(causal), int(part_size), int(n_cp), *parts)
-        # the merge rotates partitions [0, n_rot) back: the compressed ones, and the exact ones
-        # too when they were attended in the rotated domain
-        n_rot = n_parts if exact_rotated else n_cp
-        work = self.n_g * self.rows * self.d * (n_comp + n_exact)
-        return self._run(qr, kernel, args, n_parts, n_rot, head_signs, parts, work)
+        either); returns ``out`` ``[n_g, rows, d]`` float32 on the device of ``qr``.  A cache
+        that decodes step after step binds its arrays once instead (:meth:`bind_flat`)."""
+        step = self.bind_flat(kc, ks, vc, vs, comp_pos0, ke, ve, exact_pos, head_signs, exact_rotated, exact_scales)
+        return step.run(qr, q, n_comp, n_exact, q_pos0, q_len, softmax_scale, bias, qjl, part_size, causal)
 
     def run_paged(self, qr: Any, q3: Any, pools: tuple, page_table: tuple, page_size: int, n_kv_heads: int,
                   max_len: int, total_len: int, n_seq: int, softmax_scale: float, q_len: int, causal: bool,
@@ -314,6 +306,116 @@ class AttentionPlan:
         if dt == np.uint16:
             return ke, ve, self.no_scales, self.no_scales, EXACT_F16
         raise TypeError(f"k_exact: expected float32, float16 (or its uint16 bits) or int8 tokens, got {dt}")
+
+
+class FlatStep:
+    """A flat cache layer's decode step bound to its :class:`AttentionPlan`
+    (:meth:`AttentionPlan.bind_flat`): the static part of the partition kernel's and the
+    merge's arguments (the layer's arrays, the plan's device constants and placeholders) is
+    built once, so a step hands over only its queries, token counts and positions.
+
+    It holds no workspace: the partial results live in the plan's per-thread workspace
+    (:meth:`AttentionPlan.workspace`), so two threads running one step at once (two layers
+    of one shape) never share them.  A cache keeps one per layer, binds again when a bound
+    array is replaced (:meth:`bound_to`), and runs it under the layer's lock.
+    """
+
+    __slots__ = ("_bound", "_exact_rotated", "_host", "_kernel", "_merge_static", "_mid", "_no_qjl", "_out_shape",
+                 "_scale", "comp_pos0", "plan")
+
+    def __init__(self, plan: AttentionPlan, kc: Any, ks: Any, vc: Any, vs: Any, comp_pos0: int, ke: Any, ve: Any,
+                 exact_pos: Any, head_signs: Any, exact_rotated: bool, exact_scales: tuple | None) -> None:
+        self.plan = plan
+        self._bound = (kc, ks, vc, vs, ke, ve, exact_pos, head_signs,
+                       None if exact_scales is None else exact_scales[0],
+                       None if exact_scales is None else exact_scales[1])
+        kernel = plan.kernel
+        if plan.variant == "mma":  # the tensor-core kernel reads the codes as 32-bit words
+            words = mma_operands(kc, ks, vc, vs, flat=True)
+            if words is None:
+                kernel = plan._fallback  # noqa: SLF001 - the plan's own fallback twin
+            else:
+                kc, ks, vc, vs = words
+        self._kernel = kernel
+        self.comp_pos0 = int(comp_pos0)
+        ke, ve, kes, ves, exact_kind = plan._exact_args(ke, ve, exact_scales)  # noqa: SLF001
+        # the kernel's arguments between the per-step ones (see run)
+        self._mid = ((kc, ks, vc, vs), (self.comp_pos0, ke, ve),
+                     (exact_pos, kes, ves, exact_kind, *plan.layout_args, plan.sshift, plan.table))
+        sq, qsig, qnorm, qconst = plan.no_qjl
+        self._no_qjl = (plan.no_bias, False, False, sq, qsig, qnorm, np.float32(qconst))
+        head_rot = head_signs is not None
+        self._merge_static = (plan.signs, head_rot, head_signs if head_rot else plan.signs)
+        self._exact_rotated = bool(exact_rotated)
+        # a NumPy plan allocates its output with NumPy directly
+        self._host = plan.device == _backend.CPU and isinstance(kc, np.ndarray)
+        self._out_shape = (plan.n_g, plan.rows, plan.d)
+        self._scale = (None, None)  # the last softmax scale and its float32
+
+    @property
+    def exact_pos(self) -> Any:
+        """The bound position buffer of the exact tokens."""
+        return self._bound[6]
+
+    def bound_to(self, plan: AttentionPlan, *arrays: Any) -> bool:
+        """Whether this step was bound by ``plan`` to exactly these objects (``kc, ks, vc,
+        vs, ke, ve, exact_pos, head_signs, k exact scales, v exact scales``; identity)."""
+        return plan is self.plan and len(arrays) == len(self._bound) and all(map(operator.is_, arrays, self._bound))
+
+    def run(self, qr: Any, q: Any, n_comp: int, n_exact: int, q_pos0: int, q_len: int, softmax_scale: float,
+            bias: Any = None, qjl: Any = None, part_size: int | None = None, causal: bool = True) -> Any:
+        """One step: ``out`` ``[n_g, rows, d]`` float32 (a new array) on the plan's device.
+
+        Parameters
+        ----------
+        qr, q : arrays ``[n_g, rows, d]`` float32
+            Rotated and raw queries of this step.
+        n_comp, n_exact : int
+            Live compressed and exact tokens.
+        q_pos0, q_len : int
+            Position of the first query row's token and the queries per KV row.
+        softmax_scale : float
+        bias, qjl, part_size, causal
+            As for :meth:`AttentionPlan.run_flat`.
+        """
+        plan = self.plan
+        n_comp, n_exact = int(n_comp), int(n_exact)
+        kernel = self._kernel
+        if part_size is None:
+            n_tok = n_comp if n_comp > n_exact else n_exact
+            # on the CPU a row of at most 4 tiles is one partition whatever the thread count
+            # (default_partition_size's floor): no thread-count read for short caches
+            part_size = 4 * TILE if n_tok <= 4 * TILE and plan.device == _backend.CPU else \
+                plan.partition_size(n_tok, kernel)
+        part_size = int(part_size)
+        n_cp = -(-n_comp // part_size)
+        n_ep = -(-n_exact // part_size)
+        if n_cp + n_ep == 0:
+            raise ValueError("k: expected at least one stored token to attend over, got none")
+        n_parts = n_cp + n_ep
+        parts = plan.workspace(qr, n_parts)
+        last, scale32 = self._scale
+        if softmax_scale != last or last is None:
+            scale32 = np.float32(softmax_scale)
+            self._scale = (softmax_scale, scale32)
+        if bias is None and qjl is None:
+            extra = self._no_qjl
+        else:
+            sq, qsig, qnorm, qconst = plan.no_qjl if qjl is None else qjl
+            extra = (plan.no_bias if bias is None else bias, bias is not None, qjl is not None, sq, qsig, qnorm,
+                     np.float32(qconst))
+        codes, comp, exact = self._mid
+        dev, n_g, rows, d = plan.device, plan.n_g, plan.rows, plan.d
+        kernel.launch(dev, n_g * n_parts, qr, q, *codes, n_comp, *comp, n_exact, *exact, scale32, *extra, int(q_pos0),
+                      int(q_len), bool(causal), part_size, n_cp, *parts, work=n_g * rows * d * (n_comp + n_exact),
+                      grid=plan.grid(kernel, n_parts))
+        out = np.empty(self._out_shape, np.float32) if self._host else _backend.empty(qr, self._out_shape, np.float32)
+        # the merge rotates partitions [0, n_rot) back: the compressed ones, and the exact ones
+        # too when they were attended in the rotated domain
+        MERGE_PARTITIONS.launch(dev, n_g * rows, *parts, n_parts if self._exact_rotated else n_cp,
+                                *self._merge_static, out, work=n_g * rows * d * n_parts,
+                                grid=((n_g, rows), plan.threads) if dev == _backend.CUDA else None)
+        return out
 
 
 _PLANS: dict[tuple, AttentionPlan] = {}

@@ -1,0 +1,184 @@
+"""The fused decode step of :class:`~numba_kv.caches.polarquant.PolarQuantCache` (and
+TurboQuant's), as a mixin: the attention over the codes and the window, bound once per layer.
+
+A steady-state decode step re-decides nothing: per layer (in its scratch, used under its
+lock, so nothing here is shared between layers or threads) the cache keeps
+
+* the :class:`~numba_kv.ops.attention.FlatStep` of the layer's arrays and the query shape:
+  the attention plan's constants, partitioning and the static part of the kernel's
+  arguments, built again only when the layer's buffers move, its position buffer grows or
+  the query shape changes;
+* a buffer for the rotated queries (whole-head rotation);
+* for an int8 window with the whole-head quantizer, the static arguments of the one-call
+  store (:func:`~numba_kv.ops.window8.window8_head_step`), which also writes the exact
+  tokens' positions.
+
+Bit for bit the same as building everything per step (``tests/caches/test_fused.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .. import _backend, _config
+from ..ops.attention import attention_plan
+from ..ops.hadamard import rotate32_rows
+from ..ops.headquant import rotate_head_rows
+from ..ops.window8 import window8_head_args, window8_head_step
+from ._layer import LayerState
+from .protocol import AttendConfig, DecodeOutput, Fused
+
+__all__ = ["FusedDecodeMixin"]
+
+_F32, _I8 = np.dtype(np.float32), np.dtype(np.int8)
+
+
+class _FusedStep(NamedTuple):
+    """A layer's fused attention step (:meth:`FusedDecodeMixin._fused_step`), valid while the
+    layer's buffer dict (replaced as a whole when a buffer moves), its position buffer and
+    the query shape ``key`` stay the same."""
+
+    buffers: dict
+    pos: Any
+    key: tuple
+    step: Any  # FlatStep
+    rot: bool  # the window is attended in the rotated domain
+    qr: Any  # the rotated queries' buffer (whole-head rotation), or None
+
+
+class FusedDecodeMixin:
+    """``decode_output="fused"``: attention computed from the packed codes and the window
+    (:meth:`_decode_output`), with the per-layer bindings described in the module
+    docstring.  Mixed into :class:`~numba_kv.caches.polarquant.PolarQuantCache`, whose
+    state (layouts, window, codebooks, head signs) it reads."""
+
+    def _store_window8_head(self, st: LayerState, k: Any, v: Any, plan: Any, sinks: int, n_sink: int,
+                            n_comp: int) -> bool:
+        """The store of a small step (a decode step) in one serial call
+        (:func:`~numba_kv.ops.window8.window8_head_step`) when it applies: NumPy float32
+        inputs, an int8 window, the whole-head quantizer without channel split, and a key
+        mean already frozen (if any).  The call also writes the exact tokens' positions for
+        the attention that follows (:meth:`ExactWindow.positions` then finds them current).
+        Returns whether it stored (else the caller stores op by op, with the same bytes)."""
+        if not self._window8_head or type(k) is not np.ndarray or type(v) is not np.ndarray:
+            return False
+        bufs = st.buffers
+        kex = bufs["k_exact"]
+        # (the builtin dtypes are singletons: an identity test, else the op-by-op path)
+        if type(kex) is not np.ndarray or kex.dtype is not _I8:
+            return False
+        if k.dtype is not _F32 or v.dtype is not _F32 or not (k.flags.c_contiguous and v.flags.c_contiguous):
+            return False
+        b, h, n, d = k.shape
+        if b * h * n * d >= _config.get("cpu_parallel_min_work"):
+            return False  # a prefill: the parallel quantizer, op by op
+        kmean = None
+        if self.config.key_center:
+            if not st.meta.get("kmean_set", 0):
+                return False  # the first chunk sets the mean (op by op)
+            kmean = bufs["k_chmean"]
+        win = self._window
+        n_sink += plan.sinks
+        n_win = plan.keep_old + plan.keep_new
+        pos_counts = (n_sink, sinks + n_comp + plan.compressed, n_win)
+        pos = win.position_buffer(st, k, n_sink + n_win)
+        # the arguments that stay put, once per buffer set (the buffer dict is replaced as a whole)
+        hit = st.scratch.get("window8_args")
+        if hit is None or hit[0] is not bufs or hit[1] is not pos:
+            hit = st.scratch["window8_args"] = (bufs, pos, window8_head_args(
+                kex, bufs["k_exact_scale"], bufs["v_exact"], bufs["v_exact_scale"], win.rot_code, win.rot_signs,
+                self._head_signs, self.codebooks["k"], self.codebooks["v"], self.config.unbiased, bufs["k_codes"],
+                bufs["k_scales"], bufs["v_codes"], bufs["v_scales"], pos))
+        window8_head_step(k, v, kmean, plan, sinks, st.seq_len, n_comp, pos_counts, hit[2])
+        st.scratch["exact_pos_of"] = pos_counts
+        return True
+
+    def _rotate_queries(self, q3: Any, out: Any = None) -> Any:
+        """``q3`` ``[n_g, rows, d]`` rotated like the compressed tokens (whole head or per
+        32-block), into ``out`` (same shape, C-contiguous float32) when given (whole-head only)."""
+        # q was validated by decode (finite, |q| <= 2**64): its rotation fits float32, so the
+        # internal entries (no second validation, no host round trip) suffice
+        q2 = q3.reshape(-1, self.head_dim)
+        if self._head_signs is None:
+            return rotate32_rows(q2).reshape(tuple(q3.shape))
+        if out is not None:
+            rotate_head_rows(q2, False, out.reshape(q2.shape))
+            return out
+        return rotate_head_rows(q2).reshape(tuple(q3.shape))
+
+    def _qjl_args(self, st: LayerState, q3: Any) -> Any:
+        """``(sq, signs, norms, const)`` for the fused kernel's QJL correction (TurboQuant)."""
+        return None
+
+    def _decode_output(self, st: LayerState, q: Any, config: AttendConfig, dtype: Any) -> DecodeOutput:
+        if not self._fused:
+            return super()._decode_output(st, q, config, dtype)
+        b, hq, ql, d = map(int, q.shape)
+        hkv = self.num_kv_heads
+        q3 = _backend.ascontiguous_f32("q", q).reshape(b * hkv, (hq // hkv) * ql, d)
+        outliers = self.config.outlier_channels
+        if outliers:
+            q3 = self._query_in(st, q3)
+        bias = None if st.window is None else self._window_bias(st, q)
+        qjl = self._qjl_args(st, q3)
+        bound = self._fused_step(st, q3, bias is not None, qjl is not None)
+        qr = self._rotate_queries(q3, bound.qr)
+        meta = st.meta
+        n_exact = meta.get("n_sink", 0) + meta.get("n_win", 0) if self._windowed else 0
+        # a rotated int8 window is attended in the rotated domain, like the compressed tokens:
+        # q·k = Rq·Rk and the merge rotates its values back once per query row, instead of
+        # rotating every window token back on every step
+        out = bound.step.run(qr, qr if bound.rot else q3, meta.get("n_comp", 0), n_exact, st.seq_len - ql, ql,
+                             config.softmax_scale, bias, qjl)
+        if outliers:
+            xp = _backend.xp_of(out)
+            out = xp.take_along_axis(out, xp.argsort(st.buffers["v_perm"].astype(np.int64), axis=2), axis=2)
+        return Fused(self._reshape_q(out, b, hq, ql, dtype))
+
+    def _fused_step(self, st: LayerState, q3: Any, has_bias: bool, has_qjl: bool) -> _FusedStep:
+        """The layer's fused attention step for queries shaped like ``q3``: its
+        :class:`~numba_kv.ops.attention.FlatStep` (the layer's arrays bound to the plan of
+        this shape), whether the window is attended rotated, and a buffer for the rotated
+        queries.  Kept in the layer's scratch (used under the layer's lock: nothing in it is
+        shared with another layer or thread) and built again when the layer's buffers, its
+        position buffer or the query shape change.  The exact positions of this step are
+        written (if they changed) on the way."""
+        pos = self._exact_positions(st, q3)
+        n_g, rows = int(q3.shape[0]), int(q3.shape[1])
+        key = (n_g, rows, has_bias, has_qjl)
+        hit = st.scratch.get("fused_step")
+        host = isinstance(q3, np.ndarray)
+        if hit is not None and hit.buffers is st.buffers and hit.pos is pos and hit.key == key:
+            if host:
+                return hit
+        plan = attention_plan(q3, paged=False, n_g=n_g, rows=rows, d=self.head_dim, klayout=self.layouts["k"],
+                              vlayout=self.layouts["v"], v_width=int(st.buffers["v_codes"].shape[2]),
+                              has_bias=has_bias, has_qjl=has_qjl)
+        if hit is not None and hit.buffers is st.buffers and hit.pos is pos and hit.key == key \
+                and hit.step.plan is plan:
+            return hit  # (on a GPU the plan also follows the CUDA knobs: asked for every step)
+        bufs = st.buffers
+        rot = False
+        kes = ves = None
+        if self._windowed:  # the kernel reads the window in its stored dtype: no float32 copy per step
+            rot = self._window.stored_rotated(st)
+            ke, kes, _ = self._window.exact_stored(st, "k")
+            ve, ves, _ = self._window.exact_stored(st, "v")
+        else:
+            ke, _ = self._exact_f32(st, "k")
+            ve, _ = self._exact_f32(st, "v")
+        hs = None if self._head_signs is None else _backend.constant(q3, self._head_signs)
+        step = plan.bind_flat(bufs["k_codes"], bufs["k_scales"], bufs["v_codes"], bufs["v_scales"], self._sinks(st),
+                              ke, ve, pos, head_signs=hs, exact_rotated=rot,
+                              exact_scales=None if kes is None else (kes, ves))
+        qr = None if hs is None else _backend.empty(q3, (n_g, rows, self.head_dim), np.float32)
+        bound = st.scratch["fused_step"] = _FusedStep(bufs, pos, key, step, rot, qr)
+        return bound
+
+    def _reshape_q(self, out: Any, b: int, hq: int, ql: int, dtype: Any) -> Any:
+        res = out.reshape(b, hq, ql, self.head_dim)
+        if dtype is not _F32 and np.dtype(dtype) != np.dtype(res.dtype):
+            res = res.astype(dtype)
+        return res
