@@ -26,7 +26,7 @@ import math
 import numpy as np
 from numba import float32, int32, int64
 
-from ..._jit import twin
+from ..._jit import specialize, twin
 from .._headquant_lanes import head_scale
 
 NEG_INF = np.float32(-np.inf)
@@ -317,50 +317,85 @@ def _coop_store_rows(acc, m, l, rb, d, g, p, r0, part_m, part_l, part_acc, tid, 
         part_l[g, p, r0 + r] = l[r]
 
 
-def _coop_tile_flat(codes, scales, exact, exact_scales, exact_kind, g, t0, nt, nb, compressed, cent2, bits_b, off_b,
-                    sshift, scale_table, kv, stride, tid, nth):
-    """Tokens ``t0 … t0 + nt − 1`` of KV row ``g`` into ``kv`` (row stride ``stride``): decoded
-    from ``codes``/``scales`` laid out as ``(cent2, bits_b, off_b, sshift)``, or from the
-    exact tokens ``exact`` (``exact_kind``, :func:`_exact_value`); one group of eight values
-    per thread and step."""
+def _coop_tile(codes, scales, exact, exact_scales, exact_kind, kv_indices, first, page_size, g, h, t0, nt, nb,
+               compressed, cent2, bits_b, off_b, sshift, scale_table, kv, stride, tid, nth):
+    """Tokens ``t0 … t0 + nt − 1`` of KV row ``g`` (KV head ``h`` of a paged sequence whose page
+    list starts at ``kv_indices[first]``) into ``kv`` (row stride ``stride``), found where
+    ``token_slot`` and ``plane`` say (bound per addressing, :func:`addressing`): decoded from
+    ``codes``/``scales`` laid out as ``(cent2, bits_b, off_b, sshift)``, or read from the exact
+    tokens ``exact`` (``exact_kind``, :func:`_exact_value`; ``exact_scales``: the int8
+    tokens' binary16 scales); one group of eight values per thread and step."""
     units = nb * 4
     for u in range(tid, nt * units, nth):
         tt = u // units
         grp = u - tt * units
         o = tt * stride + grp * 8
-        t = t0 + tt
+        page, slot, _ = token_slot(kv_indices, first, page_size, g, t0 + tt)
         if compressed:
             b = grp >> 2
             bits = bits_b[b]
-            _decode8(codes[g, t], off_b[b] + (grp & 3) * bits, bits, cent2[b],
-                     scale_table[scales[g, t, b >> sshift]], kv, o)
+            _decode8(plane(codes, page, h)[slot], off_b[b] + (grp & 3) * bits, bits, cent2[b],
+                     scale_table[plane(scales, page, h)[slot, b >> sshift]], kv, o)
         else:
-            es = _exact_scale(exact_scales, g, t, exact_kind, scale_table)
+            es = scale_table[plane(exact_scales, page, h)[slot, 0]] if exact_kind == 2 else float32(1.0)
+            erow = plane(exact, page, h)[slot]
             for k in range(8):
-                kv[o + k] = _exact_value(exact[g, t, grp * 8 + k], exact_kind, es, scale_table)
+                kv[o + k] = _exact_value(erow[grp * 8 + k], exact_kind, es, scale_table)
 
 
-def _coop_tile_paged(codes, scales, pages, compressed, kv_indices, first, page_size, h, t0, nt, nb, cent2, bits_b,
-                     off_b, scale_table, kv, stride, tid, nth):
-    """:func:`_coop_tile_flat` for a paged pool: token ``t`` is slot ``t % page_size`` of page
-    ``kv_indices[first + t // page_size]``, KV head ``h`` (codes ``[page, h, slot, ·]`` or
-    float32 ``pages``); one scale per 32-block."""
-    units = nb * 4
-    for u in range(tid, nt * units, nth):
-        tt = u // units
-        grp = u - tt * units
-        o = tt * stride + grp * 8
-        t = t0 + tt
-        page = kv_indices[first + t // page_size]
-        slot = t % page_size
-        if compressed:
-            b = grp >> 2
-            bits = bits_b[b]
-            _decode8(codes[page, h, slot], off_b[b] + (grp & 3) * bits, bits, cent2[b],
-                     scale_table[scales[page, h, slot, b]], kv, o)
-        else:
-            for k in range(8):
-                kv[o + k] = pages[page, h, slot, grp * 8 + k]
+# --- token addressing: flat cache rows or a paged pool's page table -------------------------
+# One kernel source serves both (:mod:`numba_kv.ops.attention.kernels`); these cores are the
+# only place they differ.  A flat cache's KV row ``g`` is one "page" of its whole capacity
+# (``[n_g, capacity, ·]``: page ``g``, slot ``t``); a paged pool's token ``t`` of sequence
+# ``g // n_kv_heads`` is slot ``t % page_size`` of page ``kv_indices[first + t // page_size]``,
+# KV head ``g % n_kv_heads`` (``[pages, heads, page_size, ·]``).  :func:`addressing` binds one
+# set under the names the kernel bodies call; the unused set is never compiled into a kernel.
+def _flat_row(g, p, n_comp_parts, part_size, n_comp, n_exact, q_pos0, q_len, kv_indptr, kv_last_page_len, page_size,
+              n_kv_heads):
+    """``(compressed, t_lo, t_hi, q_pos0, first, h)`` of partition ``p`` of flat KV row ``g``
+    (:func:`_partition_bounds`; the queries' first position as given, no page list, head 0)."""
+    compressed, t_lo, t_hi = _partition_bounds(p, n_comp_parts, part_size, n_comp, n_exact)
+    return compressed, t_lo, t_hi, int64(q_pos0), int64(0), int64(0)
+
+
+def _paged_row(g, p, n_comp_parts, part_size, n_comp, n_exact, q_pos0, q_len, kv_indptr, kv_last_page_len, page_size,
+               n_kv_heads):
+    """``(compressed, t_lo, t_hi, q_pos0, first, h)`` of partition ``p`` of sequence·KV head
+    ``g`` of a page table (:func:`_paged_bounds`; ``t_hi < t_lo`` past the sequence's end):
+    compressed pools have ``n_comp_parts`` >= every partition, float32 pools 0; the ``q_len``
+    queries sit at the sequence's last positions."""
+    seq = g // n_kv_heads
+    first, T, t_lo, t_hi = _paged_bounds(seq, p, part_size, kv_indptr, kv_last_page_len, page_size)
+    return p < n_comp_parts, t_lo, t_hi, T - q_len, first, int64(g - seq * n_kv_heads)
+
+
+def _flat_slot(kv_indices, first, page_size, g, t):
+    """``(page, slot, room)`` of token ``t`` of flat KV row ``g``: ``(g, t)``, and the tokens
+    from it to the end of its "page" (unbounded)."""
+    return int64(g), int64(t), int64(0x7FFFFFFFFFFFFFFF)
+
+
+def _paged_slot(kv_indices, first, page_size, g, t):
+    """``(page, slot, room)`` of token ``t`` of a sequence whose page list starts at
+    ``kv_indices[first]``; ``room``: the tokens from it to the end of its page."""
+    i = t // page_size
+    slot = t - i * page_size
+    return int64(kv_indices[first + i]), slot, page_size - slot
+
+
+def _flat_plane(a, page, h):
+    """The ``[slots, ·]`` plane of flat ``a`` ``[n_g, capacity, ·]`` that holds ``page``."""
+    return a[page]
+
+
+def _paged_plane(a, page, h):
+    """The ``[slots, ·]`` plane of pool ``a`` ``[pages, heads, page_size, ·]``: page ``page``,
+    KV head ``h``."""
+    return a[page, h]
+
+
+#: the names :func:`_coop_tile` calls, rebound per addressing (:func:`addressing`); the flat ones here
+token_slot, plane = _flat_slot, _flat_plane
 
 
 decode8_cpu, decode8_dev = twin(_decode8)
@@ -388,5 +423,25 @@ _, dot_shared_dev = twin(_dot_shared)
 _, coop_softmax_rows_dev = twin(_coop_softmax_rows)
 _, coop_pv_dev = twin(_coop_pv)
 _, coop_store_rows_dev = twin(_coop_store_rows)
-_, coop_tile_flat_dev = twin(_coop_tile_flat)
-_, coop_tile_paged_dev = twin(_coop_tile_paged)
+flat_row_cpu, flat_row_dev = twin(_flat_row, inline=True)
+paged_row_cpu, paged_row_dev = twin(_paged_row, inline=True)
+flat_slot_cpu, flat_slot_dev = twin(_flat_slot, inline=True)
+paged_slot_cpu, paged_slot_dev = twin(_paged_slot, inline=True)
+flat_plane_cpu, flat_plane_dev = twin(_flat_plane, inline=True)
+paged_plane_cpu, paged_plane_dev = twin(_paged_plane, inline=True)
+_, coop_tile_flat_dev = twin(specialize(_coop_tile, "_flat", token_slot=_flat_slot, plane=_flat_plane))
+_, coop_tile_paged_dev = twin(specialize(_coop_tile, "_paged", token_slot=_paged_slot, plane=_paged_plane))
+
+
+def addressing(paged: bool) -> dict:
+    """The names the partition kernels' single source calls to find a token (see the section
+    "token addressing"), bound for flat cache rows or a paged pool: ``PAGED`` and the CPU
+    (``*_cpu``) and device (``*_dev``) variants of ``row_bounds``, ``token_slot``, ``plane``
+    and ``coop_tile`` (for :func:`numba_kv._jit.specialize`)."""
+    cores = ((paged_row_cpu, paged_row_dev, paged_slot_cpu, paged_slot_dev, paged_plane_cpu, paged_plane_dev,
+              coop_tile_paged_dev) if paged else
+             (flat_row_cpu, flat_row_dev, flat_slot_cpu, flat_slot_dev, flat_plane_cpu, flat_plane_dev,
+              coop_tile_flat_dev))
+    names = ("row_bounds_cpu", "row_bounds_dev", "token_slot_cpu", "token_slot_dev", "plane_cpu", "plane_dev",
+             "coop_tile_dev")
+    return {"PAGED": bool(paged), **dict(zip(names, cores))}
