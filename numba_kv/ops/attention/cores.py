@@ -1,13 +1,15 @@
 """Single-source cores of the fused decode attention, compiled for the CPU and for CUDA.
 
-Shared by the flat (:mod:`numba_kv.ops.attention`) and the paged
-(:mod:`numba_kv.ops.attention.paged`) kernels of both targets:
+Shared by the partition kernels of both targets (:mod:`numba_kv.ops.attention.kernels`), which
+are one source each for flat caches and paged pools:
 
 * token decoding: :func:`_decode8` (eight packed indices → scaled centroids), on top of it
   :func:`_load_token_fast` (every block of one width; the CPU twins decode with the vector
   decoders of :mod:`numba_kv.ops.attention.cpu`, mixed widths included);
 * the partition bounds of the flat (:func:`_partition_bounds`) and the paged
-  (:func:`_paged_bounds`) token spaces, the causal visibility rule (:func:`_visible`),
+  (:func:`_paged_bounds`) token spaces, and on top of them the two *addressings* the kernel
+  sources are compiled with (:func:`addressing`: a KV row's bounds, a token's page and slot,
+  an array's plane; the only place flat and paged differ), the causal visibility rule (:func:`_visible`),
   the QJL sign decoding (:func:`_sign_pm1`, :func:`_qjl_dot`) and the online-softmax state
   update (:func:`_rescale`, :func:`_online_update`; the CPU twins compute ``alpha`` with
   their vectorized ``exp`` instead of :func:`_rescale`);
@@ -229,12 +231,12 @@ def _exact_value(x, kind, s, table):
     return float32(x)
 
 
-def _exact_scale(scales, g, t, kind, table):
-    """Scale of int8 exact token ``t`` of row ``g``: binary16 pattern ``scales[g, t, 0]``
-    (``EXACT_I8``; positive); 1 for the other kinds, whose ``scales`` is a placeholder
-    never read."""
+def _exact_scale(splane, slot, kind, table):
+    """Scale of int8 exact token ``slot`` of a plane of scales ``splane`` ``[slots, 1]``: its
+    binary16 pattern through ``table`` (``EXACT_I8``; positive); 1 for the other kinds,
+    whose scales are a placeholder never read."""
     if kind == 2:
-        return table[scales[g, t, 0]]
+        return table[splane[slot, 0]]
     return float32(1.0)
 
 
@@ -337,7 +339,7 @@ def _coop_tile(codes, scales, exact, exact_scales, exact_kind, kv_indices, first
             _decode8(plane(codes, page, h)[slot], off_b[b] + (grp & 3) * bits, bits, cent2[b],
                      scale_table[plane(scales, page, h)[slot, b >> sshift]], kv, o)
         else:
-            es = scale_table[plane(exact_scales, page, h)[slot, 0]] if exact_kind == 2 else float32(1.0)
+            es = exact_scale_at(exact_scales, page, h, slot, exact_kind, scale_table)
             erow = plane(exact, page, h)[slot]
             for k in range(8):
                 kv[o + k] = _exact_value(erow[grp * 8 + k], exact_kind, es, scale_table)
@@ -394,8 +396,17 @@ def _paged_plane(a, page, h):
     return a[page, h]
 
 
-#: the names :func:`_coop_tile` calls, rebound per addressing (:func:`addressing`); the flat ones here
-token_slot, plane = _flat_slot, _flat_plane
+def _exact_scale_at(scales, page, h, slot, kind, table):
+    """:func:`_exact_scale` of the exact token at ``(page, h, slot)``: the plane is formed for
+    int8 tokens only (elsewhere ``scales`` is a placeholder, and the simulator checks bounds)."""
+    if kind == 2:
+        return table[plane(scales, page, h)[slot, 0]]
+    return float32(1.0)
+
+
+#: the names :func:`_coop_tile` and :func:`_exact_scale_at` call, rebound per addressing
+#: (:func:`addressing`); the flat ones here
+token_slot, plane, exact_scale_at = _flat_slot, _flat_plane, _exact_scale_at
 
 
 decode8_cpu, decode8_dev = twin(_decode8)
@@ -417,31 +428,31 @@ merge_column_cpu, merge_column_dev = twin(_merge_column, inline=True)
 butterfly_pairs_cpu, butterfly_pairs_dev = twin(_butterfly_pairs, inline=True)
 inverse_scale_cpu, inverse_scale_dev = twin(_inverse_scale, inline=True)
 block_signs_cpu, block_signs_dev = twin(_block_signs, inline=True)
-_, coop_load_rows_dev = twin(_coop_load_rows)
-_, coop_init_rows_dev = twin(_coop_init_rows)
-_, dot_shared_dev = twin(_dot_shared)
-_, coop_softmax_rows_dev = twin(_coop_softmax_rows)
-_, coop_pv_dev = twin(_coop_pv)
-_, coop_store_rows_dev = twin(_coop_store_rows)
-flat_row_cpu, flat_row_dev = twin(_flat_row, inline=True)
-paged_row_cpu, paged_row_dev = twin(_paged_row, inline=True)
-flat_slot_cpu, flat_slot_dev = twin(_flat_slot, inline=True)
-paged_slot_cpu, paged_slot_dev = twin(_paged_slot, inline=True)
-flat_plane_cpu, flat_plane_dev = twin(_flat_plane, inline=True)
-paged_plane_cpu, paged_plane_dev = twin(_paged_plane, inline=True)
-_, coop_tile_flat_dev = twin(specialize(_coop_tile, "_flat", token_slot=_flat_slot, plane=_flat_plane))
-_, coop_tile_paged_dev = twin(specialize(_coop_tile, "_paged", token_slot=_paged_slot, plane=_paged_plane))
+# the cooperative stages run on the device only
+coop_load_rows_dev, coop_init_rows_dev, dot_shared_dev, coop_softmax_rows_dev, coop_pv_dev, coop_store_rows_dev = (
+    twin(f)[1] for f in (_coop_load_rows, _coop_init_rows, _dot_shared, _coop_softmax_rows, _coop_pv, _coop_store_rows))
+
+
+def _compile_addressing(paged, row_bounds, token_slot, plane):
+    """The compiled cores of one addressing, under the names the kernel sources call."""
+    (rb_cpu, rb_dev), (ts_cpu, ts_dev), (pl_cpu, pl_dev) = (twin(f, inline=True) for f in (row_bounds, token_slot,
+                                                                                            plane))
+    suffix = "_paged" if paged else "_flat"
+    scale_at = specialize(_exact_scale_at, suffix, plane=plane)
+    es_cpu, es_dev = twin(scale_at, inline=True)
+    _, tile_dev = twin(specialize(_coop_tile, suffix, token_slot=token_slot, plane=plane, exact_scale_at=scale_at))
+    return {"PAGED": paged, "row_bounds_cpu": rb_cpu, "row_bounds_dev": rb_dev, "token_slot_cpu": ts_cpu,
+            "token_slot_dev": ts_dev, "plane_cpu": pl_cpu, "plane_dev": pl_dev, "exact_scale_at_cpu": es_cpu,
+            "exact_scale_at_dev": es_dev, "coop_tile_dev": tile_dev}
+
+
+_ADDRESSING = {False: _compile_addressing(False, _flat_row, _flat_slot, _flat_plane),
+               True: _compile_addressing(True, _paged_row, _paged_slot, _paged_plane)}
 
 
 def addressing(paged: bool) -> dict:
     """The names the partition kernels' single source calls to find a token (see the section
     "token addressing"), bound for flat cache rows or a paged pool: ``PAGED`` and the CPU
-    (``*_cpu``) and device (``*_dev``) variants of ``row_bounds``, ``token_slot``, ``plane``
-    and ``coop_tile`` (for :func:`numba_kv._jit.specialize`)."""
-    cores = ((paged_row_cpu, paged_row_dev, paged_slot_cpu, paged_slot_dev, paged_plane_cpu, paged_plane_dev,
-              coop_tile_paged_dev) if paged else
-             (flat_row_cpu, flat_row_dev, flat_slot_cpu, flat_slot_dev, flat_plane_cpu, flat_plane_dev,
-              coop_tile_flat_dev))
-    names = ("row_bounds_cpu", "row_bounds_dev", "token_slot_cpu", "token_slot_dev", "plane_cpu", "plane_dev",
-             "coop_tile_dev")
-    return {"PAGED": bool(paged), **dict(zip(names, cores))}
+    (``*_cpu``) and device (``*_dev``) variants of ``row_bounds``, ``token_slot``, ``plane``,
+    ``exact_scale_at`` and ``coop_tile`` (for :func:`numba_kv._jit.specialize`)."""
+    return dict(_ADDRESSING[bool(paged)])

@@ -21,6 +21,7 @@ from ..half import f16_bits_to_f32_cpu
 from .cores import (
     NEG_INF,
     decode8_cpu,
+    exact_scale_cpu,
     exact_value_cpu,
     load_token_fast_cpu,
     online_update_cpu,
@@ -228,7 +229,7 @@ def _exact_tile(ex, exs, kind, t0, nt, table, dst, d0):
                 dst[d0 + tt, j] = f16_bits_to_f32_cpu(row[j])
         return
     for tt in range(nt):
-        s = table[exs[t0 + tt, 0]] if kind == 2 else float32(1.0)
+        s = exact_scale_cpu(exs, t0 + tt, kind, table)
         row = ex[t0 + tt]
         for j in range(d):
             dst[d0 + tt, j] = exact_value_cpu(row[j], kind, s, table)

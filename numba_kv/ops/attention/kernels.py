@@ -1,15 +1,20 @@
 """The partition kernels of the decode attention, flat and paged (every registered twin).
 
 Flat caches (``decode_attention``, ``decode_attention_warp``, ``decode_attention_mma``) and
-paged pools (``paged_decode_attention*``): one CPU twin each (tile loops tuned for caches and
-SIMD, :mod:`numba_kv.ops.attention.cpu`) and three CUDA variants: the cooperative block kernel
-(one thread block per (KV row, partition[, row chunk]) with the decoded tile, the query rows,
-the scores and the accumulators in shared memory), the warp kernel (one warp per partition,
-:mod:`numba_kv.ops.attention.warp`) and the tensor-core kernel (:mod:`numba_kv.ops.attention.mma`,
-whose one source serves flat and paged through ``token_address``).  All run the single-source
-cores of :mod:`numba_kv.ops.attention.cores` for everything they share; the
-:class:`~numba_kv.ops.attention.plan.AttentionPlan` picks the variant and the grid.  The merge
-of the partitions is :mod:`numba_kv.ops.attention.merge`.
+paged pools (``paged_decode_attention*``) run the same kernels: a CPU twin (tile loops tuned
+for caches and SIMD, :mod:`numba_kv.ops.attention.cpu`) and three CUDA variants: the
+cooperative block kernel (one thread block per (KV row, partition[, row chunk]) with the
+decoded tile, the query rows, the scores and the accumulators in shared memory), the warp
+kernel (one warp per partition, :mod:`numba_kv.ops.attention.warp`) and the tensor-core
+kernel (:mod:`numba_kv.ops.attention.mma`).  Each is ONE source with one argument list,
+compiled twice (:func:`_compile`, :func:`numba_kv._jit.specialize`): with the flat cache's
+addressing and with a page table's.  How a token is found — the partition's bounds, a
+token's ``(page, slot)``, the ``[slots, ·]`` plane of an array — is the only difference, in
+the addressing cores of :mod:`numba_kv.ops.attention.cores` (:func:`~numba_kv.ops.attention.cores.addressing`);
+``PAGED`` is a compile-time constant, so each variant compiles only its own branch.  All
+run the single-source cores of :mod:`numba_kv.ops.attention.cores` for everything they
+share; the :class:`~numba_kv.ops.attention.plan.AttentionPlan` picks the variant and the
+grid.  The merge of the partitions is :mod:`numba_kv.ops.attention.merge`.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from ..._config import MAX_CUDA_THREADS
 from ..._jit import FASTMATH_REDUCE, cpu_kernel, cpu_serial, cuda_kernel, specialize, twin
 from .._registry import register
 from .cores import (
+    EXACT_F32,
     NEG_INF,
     addressing,
     coop_init_rows_dev,
@@ -30,8 +36,6 @@ from .cores import (
     coop_store_rows_dev,
     dot_shared_dev,
     is_uniform_cpu,
-    paged_bounds_dev,
-    partition_bounds_dev,
     qjl_dot_dev,
     visible_dev,
 )
@@ -64,12 +68,11 @@ from .warp import (
     compressed_tiles,
     exact_tiles,
     init_state,
-    paged_compressed_tiles,
-    paged_float_tiles,
     row_limits,
     stage_queries,
     store_partition,
     warp_geometry,
+    warp_tiles,
 )
 
 #: tokens per CPU tile: a decoded 32-token × d=128 float tile is 16 KiB, stays in L1 while
@@ -105,8 +108,8 @@ def rows_per_block(d: int) -> int:
 
 
 # --- one source, two addressings ----------------------------------------------------------
-# Every kernel below takes the same arguments for flat caches and paged pools, and the CPU twin
-# and the block kernel are each ONE source compiled twice (:func:`_compile`): with the flat
+# Every kernel below takes the same arguments for flat caches and paged pools, and each (the CPU
+# twin, the block, warp and tensor-core kernels) is ONE source compiled twice (:func:`_compile`): with the flat
 # addressing (KV row ``g`` of ``[n_g, capacity, ·]`` arrays: compressed partitions, then the
 # exact ones, at ``comp_pos0 + t`` and ``exact_pos[t]``) and with a page table (sequence·KV head
 # ``g``: codes ``[pages, heads, page_size, ·]``, or float32 pools passed as the exact tokens
@@ -132,7 +135,7 @@ def _kv_tile(codes, scales, exact, exact_scales, exact_kind, compressed, uniform
         page, slot, room = token_slot_cpu(kv_indices, first, page_size, g, t0 + tt)
         run = min(nt - tt, room)
         if not compressed:
-            # (the int8 tokens' scales are read for them only: elsewhere a placeholder)
+            # (the scales' plane of int8 tokens only: elsewhere a placeholder)
             exs = plane_cpu(exact_scales, page, h) if exact_kind == 2 else plane_cpu(exact_scales, 0, 0)
             exact_tile_cpu(plane_cpu(exact, page, h), exs, exact_kind, slot, run, table, dst, tt)
         elif uniform:
@@ -156,6 +159,8 @@ def _partition_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, ex
     n_g, rows, d = qr.shape
     m_qjl = sq.shape[2]
     n_parts = part_m.shape[1]
+    if PAGED:  # a pool: tokens at 0, 1, …, one scale per 32-block, float32 tokens (constants)
+        comp_pos0, sshift, exact_kind = 0, 0, EXACT_F32
     # one width for every block (the common case): the specialized loader, ~1.5x faster
     k_uniform = is_uniform_cpu(kbits)
     v_uniform = is_uniform_cpu(vbits)
@@ -246,6 +251,8 @@ def _partition_block_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
     rb = min(rb, rows - r0)
     if rb <= 0:
         return
+    if PAGED:  # a pool: tokens at 0, 1, …, one scale per 32-block, float32 tokens (constants)
+        comp_pos0, sshift, exact_kind = 0, 0, EXACT_F32
     stride = d + 1
     nt_max = tile_tokens_dev(d)
     compressed, t_lo, t_hi, pos_q, first, h = row_bounds_dev(g, p, n_comp_parts, part_size, n_comp, n_exact, q_pos0,
@@ -283,10 +290,64 @@ def _partition_block_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
     coop_store_rows_dev(acc, m, lsum, rb, d, g, p, r0, part_m, part_l, part_acc, tid, nth)
 
 
+def _partition_warp_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kes, ves, exact_kind,
+                         kcent, vcent, kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias, has_bias,
+                         has_qjl, sq, qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size, n_comp_parts, kv_indptr,
+                         kv_indices, kv_last_page_len, page_size, n_kv_heads, part_m, part_l, part_acc):
+    """Warp-per-partition flash-decoding kernel (no logit bias, no QJL correction).
+
+    Launch contract: grid ``(n_g, ceil(n_parts / warps per block), n_chunks)`` with whole
+    warps per block, ``head_dim`` in 32, 64, 128 (:func:`warp_ok`) and at most
+    :data:`WARP_ROWS` query rows per chunk.  Warp ``w`` of block ``(g, y, c)`` runs
+    partition ``p = y·warps + w`` of KV row ``g`` (empty past a paged sequence's end: it
+    stores ``m = -inf``) for query rows ``c·rb …`` and writes its ``(m, l, acc)`` like the
+    block kernel, 32 tokens at a time: lane ``ℓ`` scores token ``t0 + ℓ`` against every row
+    and stages its V bytes; the tile's softmax is two warp butterflies; then each lane
+    accumulates ``p·v`` for its 4 coordinates over the tile (layouts in
+    :mod:`numba_kv.ops.attention.warp`).  ``has_bias`` and ``has_qjl`` must be false (the
+    host launches the block kernel for those).
+    """
+    xbuf = cuda.shared.array(XBUF, dtype=float32)  # the simulator's exchanges only
+    qs = cuda.shared.array(WARP_QS, dtype=float32)
+    vraw = cuda.shared.array(WARP_VRAW, dtype=uint8)
+    vsc = cuda.shared.array(WARP_VSC, dtype=float32)
+    pw = cuda.shared.array(WARP_PW, dtype=float32)
+    rows = qr.shape[1]
+    d = qr.shape[2]
+    n_parts = part_m.shape[1]
+    g, tid, p, rb, r0, active = warp_geometry(rows, n_parts)
+    if PAGED:  # a pool: tokens at 0, 1, …, one scale per 32-block, float32 tokens (constants)
+        comp_pos0, sshift, exact_kind = 0, 0, EXACT_F32
+    compressed, t_lo, t_hi, pos_q, first, h = row_bounds_dev(g, min(p, n_parts - 1), n_comp_parts, part_size, n_comp,
+                                                            n_exact, q_pos0, q_len, kv_indptr, kv_last_page_len,
+                                                            page_size, n_kv_heads)
+    if not active or t_hi < t_lo:
+        t_hi = t_lo
+    stage_queries(qs, qr, q, g, r0, rows, d, tid)
+    st = cuda.local.array(WARP_STATE, dtype=float32)  # per row: m, l, alpha
+    acc = cuda.local.array(WARP_VALUES, dtype=float32)
+    sc = cuda.local.array(WARP_ROWS, dtype=float32)
+    tmp = cuda.local.array(WARP_ROWS, dtype=float32)
+    lim = cuda.local.array(WARP_ROWS, dtype=int64)
+    init_state(st, acc, sc)
+    row_limits(lim, rb, r0, pos_q, q_len, causal)
+    # simulator: every warp of the block takes the same number of tiles (block barriers)
+    span = part_size if SIMULATED else t_hi - t_lo
+    addr = (kv_indices, first, page_size, g, h)
+    # one loop per token kind: each keeps only its own arrays' addressing live
+    if compressed:
+        compressed_tiles(kc, ks, vc, vs, addr, kbits, koff, vbits, voff, kcent, vcent, sshift, scale_table, t_lo, t_hi,
+                         span, comp_pos0, qs, lim, softmax_scale, st, acc, sc, tmp, vraw, vsc, pw, xbuf, tid)
+    else:
+        exact_tiles(ke, ve, kes, ves, exact_kind, exact_pos, addr, scale_table, t_lo, t_hi, span, qs, WARP_ROWS * d, d,
+                    lim, softmax_scale, st, acc, sc, tmp, pw, xbuf, tid)
+    store_partition(st, acc, active, rb, g, p, r0, d, part_m, part_l, part_acc, xbuf, tid)
+
+
 def _compile(fn, paged, wrap):
     """``wrap`` (a decorator) of kernel source ``fn`` with the flat or the paged addressing."""
     suffix = "_paged" if paged else "_flat"
-    return wrap(specialize(fn, suffix, kv_tile_cpu=_KV_TILE[paged], **addressing(paged)))
+    return wrap(specialize(fn, suffix, kv_tile_cpu=_KV_TILE[paged], **addressing(paged), **warp_tiles(paged)))
 
 
 _KV_TILE = {paged: cpu_serial(specialize(_kv_tile, "_paged" if paged else "_flat", **addressing(paged)), inline=True)
@@ -301,79 +362,29 @@ _decode_attention_cpu, _paged_decode_attention_cpu = (
 # (tests/cuda/test_resources.py).
 _decode_attention_cuda, _paged_decode_attention_cuda = (
     _compile(_partition_block_cuda, paged, cuda_kernel(launch_bounds=(MAX_CUDA_THREADS, 2))) for paged in (False, True))
-
-
 # Warp kernel: no launch bounds (ptxas keeps it spill-free on sm_80 and sm_90 unbounded); its
 # resources are checked with every kernel's in tests/cuda/test_resources.py.
-@cuda_kernel
-def _decode_attention_warp_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kes, ves,
-                                exact_kind, kcent, vcent, kbits, koff, vbits, voff, sshift, scale_table, softmax_scale,
-                                bias, has_bias, has_qjl, sq, qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size,
-                                n_comp_parts, kv_indptr, kv_indices, kv_last_page_len, page_size, n_kv_heads, part_m,
-                                part_l, part_acc):
-    """Warp-per-partition flash-decoding kernel (no logit bias, no QJL correction).
-
-    Launch contract: grid ``(n_g, ceil(n_parts / warps per block), n_chunks)`` with whole
-    warps per block, ``head_dim`` in 32, 64, 128 (:func:`warp_ok`) and at most
-    :data:`WARP_ROWS` query rows per chunk.  Warp ``w`` of block ``(g, y, c)`` runs
-    partition ``p = y·warps + w`` of KV row ``g`` for query rows ``c·rb …`` and writes its
-    ``(m, l, acc)`` like the block kernel, 32 tokens at a time: lane ``ℓ`` scores token
-    ``t0 + ℓ`` against every row and stages its V bytes; the tile's softmax is two warp
-    butterflies; then each lane accumulates ``p·v`` for its 4 coordinates over the tile
-    (layouts in :mod:`numba_kv.ops.attention.warp`).  ``has_bias`` and ``has_qjl`` must be
-    false (the host launches the block kernel for those).
-    """
-    xbuf = cuda.shared.array(XBUF, dtype=float32)  # the simulator's exchanges only
-    qs = cuda.shared.array(WARP_QS, dtype=float32)
-    vraw = cuda.shared.array(WARP_VRAW, dtype=uint8)
-    vsc = cuda.shared.array(WARP_VSC, dtype=float32)
-    pw = cuda.shared.array(WARP_PW, dtype=float32)
-    rows = qr.shape[1]
-    d = qr.shape[2]
-    n_parts = part_m.shape[1]
-    g, tid, p, rb, r0, active = warp_geometry(rows, n_parts)
-    compressed, t_lo, t_hi = partition_bounds_dev(min(p, n_parts - 1), n_comp_parts, part_size, n_comp, n_exact)
-    if not active:
-        t_hi = t_lo
-    stage_queries(qs, qr, q, g, r0, rows, d, tid)
-    st = cuda.local.array(WARP_STATE, dtype=float32)  # per row: m, l, alpha
-    acc = cuda.local.array(WARP_VALUES, dtype=float32)
-    sc = cuda.local.array(WARP_ROWS, dtype=float32)
-    tmp = cuda.local.array(WARP_ROWS, dtype=float32)
-    lim = cuda.local.array(WARP_ROWS, dtype=int64)
-    init_state(st, acc, sc)
-    row_limits(lim, rb, r0, q_pos0, q_len, causal)
-    # simulator: every warp of the block takes the same number of tiles (block barriers)
-    span = part_size if SIMULATED else t_hi - t_lo
-    # one loop per token kind: each keeps only its own arrays' addressing live
-    if compressed:
-        compressed_tiles(kc[g], ks[g], vc[g], vs[g], kbits, koff, vbits, voff, kcent, vcent, sshift, scale_table,
-                         t_lo, t_hi, span, comp_pos0, qs, d, lim, softmax_scale, st, acc, sc, tmp, vraw, vsc, pw,
-                         xbuf, tid)
-    else:
-        exact_tiles(ke, ve, kes, ves, exact_kind, exact_pos, g, scale_table, t_lo, t_hi, span, qs, WARP_ROWS * d, d,
-                    lim, softmax_scale, st, acc, sc, tmp, pw, xbuf, tid)
-    store_partition(st, acc, active, rb, g, p, r0, d, part_m, part_l, part_acc, xbuf, tid)
+_decode_attention_warp_cuda, _paged_decode_attention_warp_cuda = (
+    _compile(_partition_warp_cuda, paged, cuda_kernel) for paged in (False, True))
 
 
-@cuda_kernel(launch_bounds=(MMA_THREADS, MMA_BLOCKS_PER_SM))
-def _decode_attention_mma_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kes, ves,
-                               exact_kind, kcent, vcent, kbits, koff, vbits, voff, sshift, scale_table, softmax_scale,
-                               bias, has_bias, has_qjl, sq, qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size,
-                               n_comp_parts, kv_indptr, kv_indices, kv_last_page_len, page_size, n_kv_heads, part_m,
-                               part_l, part_acc):
+def _partition_mma_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kes, ves, exact_kind,
+                        kcent, vcent, kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias, has_bias,
+                        has_qjl, sq, qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size, n_comp_parts, kv_indptr,
+                        kv_indices, kv_last_page_len, page_size, n_kv_heads, part_m, part_l, part_acc):
     """Tensor-core flash-decoding kernel: the warp kernel's grid and partitions, its compressed
     partitions on ``mma.sync`` (:mod:`numba_kv.ops.attention.mma`).
 
-    Launch contract: as :func:`_decode_attention_warp_cuda` with blocks of
+    Launch contract: as :func:`_partition_warp_cuda` with blocks of
     :data:`~numba_kv.ops.attention.mma.MMA_THREADS` threads (its launch bounds), plus ``head_dim`` =
     :data:`~numba_kv.ops.attention.mma.MMA_HEAD_DIM`, K and V codes each of one width in
     :data:`~numba_kv.ops.attention.mma.MMA_BITS` with one codebook for every block (row 0
-    of ``kcent``/``vcent`` is read), and ``kc``/``vc`` the packed codes viewed as ``uint32``
-    words and ``ks``/``vs`` the scales, each viewed with a unit axis (``[n_g, 1, capacity,
-    ·]``: the paged kernel's addressing, :func:`~numba_kv.ops.attention.mma.token_address`).
-    Exact partitions (sinks, window) run the warp kernel's tiles.  The block builds the two
-    pair tables in shared memory once.
+    of ``kcent``/``vcent`` is read), ``kc``/``vc`` the packed codes viewed as ``uint32`` words
+    and every code and scale array 4-D: a pool's ``[pages, num_kv_heads, page_size, ·]``, a
+    flat cache's viewed with a unit axis (``[n_g, 1, capacity, ·]``: KV row ``g`` is "page"
+    ``g``, head 0; :func:`~numba_kv.ops.attention.mma.token_address`).  A flat cache's exact
+    partitions (sinks, window) run the warp kernel's tiles; a pool is all codes.  The block
+    builds the two pair tables in shared memory once.
     """
     xbuf = cuda.shared.array(XBUF, dtype=float32)  # the simulator's exchanges only
     qs = cuda.shared.array(WARP_QS, dtype=float32)
@@ -383,16 +394,20 @@ def _decode_attention_mma_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve,
     d = qr.shape[2]
     n_parts = part_m.shape[1]
     g, tid, p, rb, r0, active = warp_geometry(rows, n_parts)
-    compressed, t_lo, t_hi = partition_bounds_dev(min(p, n_parts - 1), n_comp_parts, part_size, n_comp, n_exact)
-    if not active:
+    if PAGED:  # a pool: tokens at 0, 1, …, one scale per 32-block, float32 tokens (constants)
+        comp_pos0, sshift, exact_kind = 0, 0, EXACT_F32
+    compressed, t_lo, t_hi, pos_q, first, h = row_bounds_dev(g, min(p, n_parts - 1), n_comp_parts, part_size, n_comp,
+                                                            n_exact, q_pos0, q_len, kv_indptr, kv_last_page_len,
+                                                            page_size, n_kv_heads)
+    if not active or t_hi < t_lo:
         t_hi = t_lo
     kb, vb, kf, vf = build_tables(tab, kcent, vcent, kbits, vbits, tid, cuda.blockDim.x)
     stage_queries(qs, qr, q, g, r0, rows, d, tid)  # (ends with the block barrier)
-    if compressed:
-        # (codes and scales viewed as [n_g, 1, capacity, ·]: KV row g is "page" g, head 0)
-        mma_partition(kb, vb, kc, ks, vc, vs, g, 0, False, exact_pos, 0, 1, t_lo, t_hi, comp_pos0, q_pos0, q_len,
-                      causal, sshift, tab, kf, vf, qs, d, rb, r0, softmax_scale, active, p, part_m, part_l, part_acc,
-                      tid & 31)
+    if PAGED or compressed:
+        # (an empty partition past a sequence's end stores m = -inf like the other kernels)
+        mma_partition(kb, vb, kc, ks, vc, vs, g, h, PAGED, kv_indices, first, page_size, t_lo, t_hi,
+                      comp_pos0, pos_q, q_len, causal, sshift, tab, kf, vf, qs, d, rb, r0, softmax_scale, active, p,
+                      part_m, part_l, part_acc, tid & 31)
     else:
         st = cuda.local.array(WARP_STATE, dtype=float32)
         acc = cuda.local.array(WARP_VALUES, dtype=float32)
@@ -400,93 +415,15 @@ def _decode_attention_mma_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve,
         tmp = cuda.local.array(WARP_ROWS, dtype=float32)
         lim4 = cuda.local.array(WARP_ROWS, dtype=int64)
         init_state(st, acc, sc)
-        row_limits(lim4, rb, r0, q_pos0, q_len, causal)
-        exact_tiles(ke, ve, kes, ves, exact_kind, exact_pos, g, scale_table, t_lo, t_hi, t_hi - t_lo, qs,
-                    WARP_ROWS * d, d, lim4, softmax_scale, st, acc, sc, tmp, pw, xbuf, tid)
+        row_limits(lim4, rb, r0, pos_q, q_len, causal)
+        exact_tiles(ke, ve, kes, ves, exact_kind, exact_pos, (kv_indices, first, page_size, g, h), scale_table, t_lo,
+                    t_hi, t_hi - t_lo, qs, WARP_ROWS * d, d, lim4, softmax_scale, st, acc, sc, tmp, pw, xbuf, tid)
         store_partition(st, acc, active, rb, g, p, r0, d, part_m, part_l, part_acc, xbuf, tid)
 
 
-@cuda_kernel
-def _paged_decode_attention_warp_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kes, ves,
-                                      exact_kind, kcent, vcent, kbits, koff, vbits, voff, sshift, scale_table,
-                                      softmax_scale, bias, has_bias, has_qjl, sq, qsig, qnorm, qjl_const, q_pos0, q_len,
-                                      causal, part_size, n_comp_parts, kv_indptr, kv_indices, kv_last_page_len,
-                                      page_size, n_kv_heads, part_m, part_l, part_acc):
-    """Warp-per-partition paged kernel (the flat warp kernel's tiles, page addressing).
-
-    Launch contract: grid ``(n_seq·num_kv_heads, ceil(n_parts / warps per block),
-    n_chunks)`` with whole warps per block, ``head_dim`` in 32, 64, 128 and at most
-    :data:`WARP_ROWS` query rows per chunk.  Warp ``w`` of block ``(g, y, c)`` runs
-    partition ``y·warps + w`` of sequence·KV head ``g`` (empty past the sequence's end: it
-    stores ``m = -inf``) as the flat warp kernel does (:mod:`numba_kv.ops.attention.warp`).
-    """
-    xbuf = cuda.shared.array(XBUF, dtype=float32)  # the simulator's exchanges only
-    qs = cuda.shared.array(WARP_QS, dtype=float32)
-    vraw = cuda.shared.array(WARP_VRAW, dtype=uint8)
-    vsc = cuda.shared.array(WARP_VSC, dtype=float32)
-    pw = cuda.shared.array(WARP_PW, dtype=float32)
-    rows = qr.shape[1]
-    d = qr.shape[2]
-    n_parts = part_m.shape[1]
-    g, tid, p, rb, r0, active = warp_geometry(rows, n_parts)
-    seq = g // n_kv_heads
-    h = g - seq * n_kv_heads
-    first, T, t_lo, t_hi = paged_bounds_dev(seq, min(p, n_parts - 1), part_size, kv_indptr, kv_last_page_len,
-                                            page_size)
-    if not active or t_hi < t_lo:
-        t_hi = t_lo
-    stage_queries(qs, qr, q, g, r0, rows, d, tid)
-    st = cuda.local.array(WARP_STATE, dtype=float32)
-    acc = cuda.local.array(WARP_VALUES, dtype=float32)
-    sc = cuda.local.array(WARP_ROWS, dtype=float32)
-    tmp = cuda.local.array(WARP_ROWS, dtype=float32)
-    lim = cuda.local.array(WARP_ROWS, dtype=int64)
-    init_state(st, acc, sc)
-    row_limits(lim, rb, r0, T - q_len, q_len, causal)
-    span = part_size if SIMULATED else t_hi - t_lo
-    if n_comp_parts > 0:  # (a pool of codes; float32 pools come as the exact tokens ke/ve)
-        paged_compressed_tiles(kc, ks, vc, vs, h, kv_indices, first, page_size, kbits, koff, vbits, voff, kcent, vcent,
-                               scale_table, t_lo, t_hi, span, qs, lim, softmax_scale, st, acc, sc, tmp, vraw, vsc, pw,
-                               xbuf, tid)
-    else:
-        paged_float_tiles(ke, ve, h, kv_indices, first, page_size, t_lo, t_hi, span, qs, WARP_ROWS * d, d, lim,
-                          softmax_scale, st, acc, sc, tmp, pw, xbuf, tid)
-    store_partition(st, acc, active, rb, g, p, r0, d, part_m, part_l, part_acc, xbuf, tid)
-
-
-@cuda_kernel(launch_bounds=(MMA_THREADS, MMA_BLOCKS_PER_SM))
-def _paged_decode_attention_mma_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kes, ves,
-                                     exact_kind, kcent, vcent, kbits, koff, vbits, voff, sshift, scale_table,
-                                     softmax_scale, bias, has_bias, has_qjl, sq, qsig, qnorm, qjl_const, q_pos0, q_len,
-                                     causal, part_size, n_comp_parts, kv_indptr, kv_indices, kv_last_page_len,
-                                     page_size, n_kv_heads, part_m, part_l, part_acc):
-    """Tensor-core paged kernel: the flat tensor-core kernel's tiles
-    (:func:`~numba_kv.ops.attention.mma.mma_partition`) with page addressing.
-
-    Launch contract: the warp kernel's grid (``(n_seq·num_kv_heads, ceil(n_parts / warps per
-    block), n_chunks)``, :func:`_paged_decode_attention_warp_cuda`) with blocks of
-    :data:`~numba_kv.ops.attention.mma.MMA_THREADS` threads, PQO codes (``compressed``)
-    of one width each in :data:`~numba_kv.ops.attention.mma.MMA_BITS` with one codebook,
-    ``head_dim`` = :data:`~numba_kv.ops.attention.mma.MMA_HEAD_DIM` and ``kc``/``vc`` viewed
-    as ``uint32`` words (``[pages, num_kv_heads, page_size, width / 4]``).
-    """
-    qs = cuda.shared.array(WARP_QS, dtype=float32)
-    tab = cuda.shared.array(MMA_TAB_WORDS, dtype=uint32)
-    rows = qr.shape[1]
-    d = qr.shape[2]
-    n_parts = part_m.shape[1]
-    g, tid, p, rb, r0, active = warp_geometry(rows, n_parts)
-    seq = g // n_kv_heads
-    h = g - seq * n_kv_heads
-    first, T, t_lo, t_hi = paged_bounds_dev(seq, min(p, n_parts - 1), part_size, kv_indptr, kv_last_page_len,
-                                            page_size)
-    if not active or t_hi < t_lo:
-        t_hi = t_lo
-    kb, vb, kf, vf = build_tables(tab, kcent, vcent, kbits, vbits, tid, cuda.blockDim.x)
-    stage_queries(qs, qr, q, g, r0, rows, d, tid)  # (ends with the block barrier)
-    # an empty partition past the sequence's end stores m = -inf like the other kernels
-    mma_partition(kb, vb, kc, ks, vc, vs, g, h, True, kv_indices, first, page_size, t_lo, t_hi, 0, T - q_len, q_len,
-                  causal, 0, tab, kf, vf, qs, d, rb, r0, softmax_scale, active, p, part_m, part_l, part_acc, tid & 31)
+_decode_attention_mma_cuda, _paged_decode_attention_mma_cuda = (
+    _compile(_partition_mma_cuda, paged, cuda_kernel(launch_bounds=(MMA_THREADS, MMA_BLOCKS_PER_SM)))
+    for paged in (False, True))
 
 
 def _signature(codes: str, exact: str, exact_scales: str, ndim: int) -> str:
