@@ -198,18 +198,20 @@ def _rebind(fn: Callable, which: int) -> Callable:
     return new
 
 
-def specialize(fn: Callable, suffix: str, **names) -> Callable:
+def specialize(fn: Callable, suffix: str, *, name: str | None = None, **names) -> Callable:
     """``fn``'s code with the globals ``names`` rebound: one source compiled into variants.
 
     Numba reads a function's globals as compile-time constants, so a variant that binds
     ``PAGED = True`` and the paged pool's addressing cores compiles only those (the branch
     on a constant folds away, the other cores are never typed).  ``suffix`` is appended to
-    the qualified name, which keeps the variants apart in Numba's on-disk cache.
+    the qualified name, which keeps the variants apart in Numba's on-disk cache; ``name``, if
+    given, replaces the name and the qualified name instead (a registered kernel's
+    ``_<op>_cpu`` / ``_<op>[_<variant>]_cuda``).
     """
     g = dict(fn.__globals__)
     g.update(names)
-    new = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
-    new.__qualname__ = fn.__qualname__ + suffix
+    new = types.FunctionType(fn.__code__, g, name or fn.__name__, fn.__defaults__, fn.__closure__)
+    new.__qualname__ = name or fn.__qualname__ + suffix
     new.__module__ = fn.__module__
     new.__doc__ = fn.__doc__
     return new

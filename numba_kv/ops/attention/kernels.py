@@ -347,7 +347,11 @@ def _partition_warp_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exa
 def _compile(fn, paged, wrap):
     """``wrap`` (a decorator) of kernel source ``fn`` with the flat or the paged addressing."""
     suffix = "_paged" if paged else "_flat"
-    return wrap(specialize(fn, suffix, kv_tile_cpu=_KV_TILE[paged], **addressing(paged), **warp_tiles(paged)))
+    # named as the registered twins (_<op>_cpu, _<op>[_<variant>]_cuda; tests/test_conventions.py)
+    name = fn.__name__.replace("_block", "").replace("_partition", "_paged_decode_attention" if paged
+                                                     else "_decode_attention")
+    return wrap(specialize(fn, suffix, name=name, kv_tile_cpu=_KV_TILE[paged], **addressing(paged),
+                           **warp_tiles(paged)))
 
 
 _KV_TILE = {paged: cpu_serial(specialize(_kv_tile, "_paged" if paged else "_flat", **addressing(paged)), inline=True)
