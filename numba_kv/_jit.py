@@ -11,6 +11,8 @@
   ``inline="always"`` is what lets ``compile_ptx`` work without a driver).  Cores call
   other cores by their plain names; each compiled variant sees the matching variant of
   its callees (the CPU core calls CPU cores, the device core calls device cores).
+* :func:`specialize` — one source, variants that differ in the globals it calls (the flat and
+  paged decode attention kernels: how a token is found).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from numba.cuda import dispatcher as _cuda_dispatcher
 from . import _backend, _config
 
 __all__ = ["CORES", "FASTMATH_REDUCE", "cpu_call", "cpu_kernel", "cpu_serial", "cuda_device", "cuda_device_ll",
-           "cuda_kernel", "device_functions_for", "twin"]
+           "cuda_kernel", "device_functions_for", "specialize", "twin"]
 
 # plain function -> (cpu variant, device variant)
 CORES: dict[Callable, tuple[Callable, Callable]] = {}
@@ -192,6 +194,25 @@ def _rebind(fn: Callable, which: int) -> Callable:
             g[name] = CORES[val][which]
     new = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
     new.__qualname__ = fn.__qualname__ + ("_cpu" if which == 0 else "_dev")
+    new.__module__ = fn.__module__
+    new.__doc__ = fn.__doc__
+    return new
+
+
+def specialize(fn: Callable, suffix: str, *, name: str | None = None, **names) -> Callable:
+    """``fn``'s code with the globals ``names`` rebound: one source compiled into variants.
+
+    Numba reads a function's globals as compile-time constants, so a variant that binds
+    ``PAGED = True`` and the paged pool's addressing cores compiles only those (the branch
+    on a constant folds away, the other cores are never typed).  ``suffix`` is appended to
+    the qualified name, which keeps the variants apart in Numba's on-disk cache; ``name``, if
+    given, replaces the name and the qualified name instead (a registered kernel's
+    ``_<op>_cpu`` / ``_<op>[_<variant>]_cuda``).
+    """
+    g = dict(fn.__globals__)
+    g.update(names)
+    new = types.FunctionType(fn.__code__, g, name or fn.__name__, fn.__defaults__, fn.__closure__)
+    new.__qualname__ = name or fn.__qualname__ + suffix
     new.__module__ = fn.__module__
     new.__doc__ = fn.__doc__
     return new

@@ -13,7 +13,9 @@ Reading order (each module imports only those below it):
 * :mod:`.layout`: :class:`CodeLayout` (the byte layout of a compressed vector) and the views
   the tensor-core kernels read;
 * :mod:`.kernels`: the partition kernels, every registered twin (the CPU tile loop and the CUDA
-  block, warp and tensor-core kernels, flat and paged); :mod:`.merge`: the partition merge;
+  block, warp and tensor-core kernels), each one source compiled for flat caches and for
+  paged pools (the addressing cores of :mod:`.cores` are the only difference); :mod:`.merge`:
+  the partition merge;
 * :mod:`.cores` (single-source cores both twins run), :mod:`.cpu` (the CPU twin's SIMD tile
   helpers), :mod:`.warp` (the warp kernel's lane layouts and shuffles), :mod:`.mma` (the
   tensor-core tiles) and :mod:`.ptx` (their inline-PTX intrinsics with simulator twins).

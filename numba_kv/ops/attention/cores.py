@@ -1,13 +1,15 @@
 """Single-source cores of the fused decode attention, compiled for the CPU and for CUDA.
 
-Shared by the flat (:mod:`numba_kv.ops.attention`) and the paged
-(:mod:`numba_kv.ops.attention.paged`) kernels of both targets:
+Shared by the partition kernels of both targets (:mod:`numba_kv.ops.attention.kernels`), which
+are one source each for flat caches and paged pools:
 
 * token decoding: :func:`_decode8` (eight packed indices → scaled centroids), on top of it
   :func:`_load_token_fast` (every block of one width; the CPU twins decode with the vector
   decoders of :mod:`numba_kv.ops.attention.cpu`, mixed widths included);
 * the partition bounds of the flat (:func:`_partition_bounds`) and the paged
-  (:func:`_paged_bounds`) token spaces, the causal visibility rule (:func:`_visible`),
+  (:func:`_paged_bounds`) token spaces, and on top of them the two *addressings* the kernel
+  sources are compiled with (:func:`addressing`: a KV row's bounds, a token's page and slot,
+  an array's plane; the only place flat and paged differ), the causal visibility rule (:func:`_visible`),
   the QJL sign decoding (:func:`_sign_pm1`, :func:`_qjl_dot`) and the online-softmax state
   update (:func:`_rescale`, :func:`_online_update`; the CPU twins compute ``alpha`` with
   their vectorized ``exp`` instead of :func:`_rescale`);
@@ -26,7 +28,7 @@ import math
 import numpy as np
 from numba import float32, int32, int64
 
-from ..._jit import twin
+from ..._jit import specialize, twin
 from .._headquant_lanes import head_scale
 
 NEG_INF = np.float32(-np.inf)
@@ -229,12 +231,12 @@ def _exact_value(x, kind, s, table):
     return float32(x)
 
 
-def _exact_scale(scales, g, t, kind, table):
-    """Scale of int8 exact token ``t`` of row ``g``: binary16 pattern ``scales[g, t, 0]``
-    (``EXACT_I8``; positive); 1 for the other kinds, whose ``scales`` is a placeholder
-    never read."""
+def _exact_scale(splane, slot, kind, table):
+    """Scale of int8 exact token ``slot`` of a plane of scales ``splane`` ``[slots, 1]``: its
+    binary16 pattern through ``table`` (``EXACT_I8``; positive); 1 for the other kinds,
+    whose scales are a placeholder never read."""
     if kind == 2:
-        return table[scales[g, t, 0]]
+        return table[splane[slot, 0]]
     return float32(1.0)
 
 
@@ -317,50 +319,94 @@ def _coop_store_rows(acc, m, l, rb, d, g, p, r0, part_m, part_l, part_acc, tid, 
         part_l[g, p, r0 + r] = l[r]
 
 
-def _coop_tile_flat(codes, scales, exact, exact_scales, exact_kind, g, t0, nt, nb, compressed, cent2, bits_b, off_b,
-                    sshift, scale_table, kv, stride, tid, nth):
-    """Tokens ``t0 … t0 + nt − 1`` of KV row ``g`` into ``kv`` (row stride ``stride``): decoded
-    from ``codes``/``scales`` laid out as ``(cent2, bits_b, off_b, sshift)``, or from the
-    exact tokens ``exact`` (``exact_kind``, :func:`_exact_value`); one group of eight values
-    per thread and step."""
+def _coop_tile(codes, scales, exact, exact_scales, exact_kind, kv_indices, first, page_size, g, h, t0, nt, nb,
+               compressed, cent2, bits_b, off_b, sshift, scale_table, kv, stride, tid, nth):
+    """Tokens ``t0 … t0 + nt − 1`` of KV row ``g`` (KV head ``h`` of a paged sequence whose page
+    list starts at ``kv_indices[first]``) into ``kv`` (row stride ``stride``), found where
+    ``token_slot`` and ``plane`` say (bound per addressing, :func:`addressing`): decoded from
+    ``codes``/``scales`` laid out as ``(cent2, bits_b, off_b, sshift)``, or read from the exact
+    tokens ``exact`` (``exact_kind``, :func:`_exact_value`; ``exact_scales``: the int8
+    tokens' binary16 scales); one group of eight values per thread and step."""
     units = nb * 4
     for u in range(tid, nt * units, nth):
         tt = u // units
         grp = u - tt * units
         o = tt * stride + grp * 8
-        t = t0 + tt
+        page, slot, _ = token_slot(kv_indices, first, page_size, g, t0 + tt)
         if compressed:
             b = grp >> 2
             bits = bits_b[b]
-            _decode8(codes[g, t], off_b[b] + (grp & 3) * bits, bits, cent2[b],
-                     scale_table[scales[g, t, b >> sshift]], kv, o)
+            _decode8(plane(codes, page, h)[slot], off_b[b] + (grp & 3) * bits, bits, cent2[b],
+                     scale_table[plane(scales, page, h)[slot, b >> sshift]], kv, o)
         else:
-            es = _exact_scale(exact_scales, g, t, exact_kind, scale_table)
+            es = exact_scale_at(exact_scales, page, h, slot, exact_kind, scale_table)
+            erow = plane(exact, page, h)[slot]
             for k in range(8):
-                kv[o + k] = _exact_value(exact[g, t, grp * 8 + k], exact_kind, es, scale_table)
+                kv[o + k] = _exact_value(erow[grp * 8 + k], exact_kind, es, scale_table)
 
 
-def _coop_tile_paged(codes, scales, pages, compressed, kv_indices, first, page_size, h, t0, nt, nb, cent2, bits_b,
-                     off_b, scale_table, kv, stride, tid, nth):
-    """:func:`_coop_tile_flat` for a paged pool: token ``t`` is slot ``t % page_size`` of page
-    ``kv_indices[first + t // page_size]``, KV head ``h`` (codes ``[page, h, slot, ·]`` or
-    float32 ``pages``); one scale per 32-block."""
-    units = nb * 4
-    for u in range(tid, nt * units, nth):
-        tt = u // units
-        grp = u - tt * units
-        o = tt * stride + grp * 8
-        t = t0 + tt
-        page = kv_indices[first + t // page_size]
-        slot = t % page_size
-        if compressed:
-            b = grp >> 2
-            bits = bits_b[b]
-            _decode8(codes[page, h, slot], off_b[b] + (grp & 3) * bits, bits, cent2[b],
-                     scale_table[scales[page, h, slot, b]], kv, o)
-        else:
-            for k in range(8):
-                kv[o + k] = pages[page, h, slot, grp * 8 + k]
+# --- token addressing: flat cache rows or a paged pool's page table -------------------------
+# One kernel source serves both (:mod:`numba_kv.ops.attention.kernels`); these cores are the
+# only place they differ.  A flat cache's KV row ``g`` is one "page" of its whole capacity
+# (``[n_g, capacity, ·]``: page ``g``, slot ``t``); a paged pool's token ``t`` of sequence
+# ``g // n_kv_heads`` is slot ``t % page_size`` of page ``kv_indices[first + t // page_size]``,
+# KV head ``g % n_kv_heads`` (``[pages, heads, page_size, ·]``).  :func:`addressing` binds one
+# set under the names the kernel bodies call; the unused set is never compiled into a kernel.
+def _flat_row(g, p, n_comp_parts, part_size, n_comp, n_exact, q_pos0, q_len, kv_indptr, kv_last_page_len, page_size,
+              n_kv_heads):
+    """``(compressed, t_lo, t_hi, q_pos0, first, h)`` of partition ``p`` of flat KV row ``g``
+    (:func:`_partition_bounds`; the queries' first position as given, no page list, head 0)."""
+    compressed, t_lo, t_hi = _partition_bounds(p, n_comp_parts, part_size, n_comp, n_exact)
+    return compressed, t_lo, t_hi, int64(q_pos0), int64(0), int64(0)
+
+
+def _paged_row(g, p, n_comp_parts, part_size, n_comp, n_exact, q_pos0, q_len, kv_indptr, kv_last_page_len, page_size,
+               n_kv_heads):
+    """``(compressed, t_lo, t_hi, q_pos0, first, h)`` of partition ``p`` of sequence·KV head
+    ``g`` of a page table (:func:`_paged_bounds`; ``t_hi < t_lo`` past the sequence's end):
+    compressed pools have ``n_comp_parts`` >= every partition, float32 pools 0; the ``q_len``
+    queries sit at the sequence's last positions."""
+    seq = g // n_kv_heads
+    first, T, t_lo, t_hi = _paged_bounds(seq, p, part_size, kv_indptr, kv_last_page_len, page_size)
+    return p < n_comp_parts, t_lo, t_hi, T - q_len, first, int64(g - seq * n_kv_heads)
+
+
+def _flat_slot(kv_indices, first, page_size, g, t):
+    """``(page, slot, room)`` of token ``t`` of flat KV row ``g``: ``(g, t)``, and the tokens
+    from it to the end of its "page" (unbounded)."""
+    return int64(g), int64(t), int64(0x7FFFFFFFFFFFFFFF)
+
+
+def _paged_slot(kv_indices, first, page_size, g, t):
+    """``(page, slot, room)`` of token ``t`` of a sequence whose page list starts at
+    ``kv_indices[first]``; ``room``: the tokens from it to the end of its page."""
+    i = t // page_size
+    slot = t - i * page_size
+    return int64(kv_indices[first + i]), slot, page_size - slot
+
+
+def _flat_plane(a, page, h):
+    """The ``[slots, ·]`` plane of flat ``a`` ``[n_g, capacity, ·]`` that holds ``page``."""
+    return a[page]
+
+
+def _paged_plane(a, page, h):
+    """The ``[slots, ·]`` plane of pool ``a`` ``[pages, heads, page_size, ·]``: page ``page``,
+    KV head ``h``."""
+    return a[page, h]
+
+
+def _exact_scale_at(scales, page, h, slot, kind, table):
+    """:func:`_exact_scale` of the exact token at ``(page, h, slot)``: the plane is formed for
+    int8 tokens only (elsewhere ``scales`` is a placeholder, and the simulator checks bounds)."""
+    if kind == 2:
+        return table[plane(scales, page, h)[slot, 0]]
+    return float32(1.0)
+
+
+#: the names :func:`_coop_tile` and :func:`_exact_scale_at` call, rebound per addressing
+#: (:func:`addressing`); the flat ones here
+token_slot, plane, exact_scale_at = _flat_slot, _flat_plane, _exact_scale_at
 
 
 decode8_cpu, decode8_dev = twin(_decode8)
@@ -382,11 +428,31 @@ merge_column_cpu, merge_column_dev = twin(_merge_column, inline=True)
 butterfly_pairs_cpu, butterfly_pairs_dev = twin(_butterfly_pairs, inline=True)
 inverse_scale_cpu, inverse_scale_dev = twin(_inverse_scale, inline=True)
 block_signs_cpu, block_signs_dev = twin(_block_signs, inline=True)
-_, coop_load_rows_dev = twin(_coop_load_rows)
-_, coop_init_rows_dev = twin(_coop_init_rows)
-_, dot_shared_dev = twin(_dot_shared)
-_, coop_softmax_rows_dev = twin(_coop_softmax_rows)
-_, coop_pv_dev = twin(_coop_pv)
-_, coop_store_rows_dev = twin(_coop_store_rows)
-_, coop_tile_flat_dev = twin(_coop_tile_flat)
-_, coop_tile_paged_dev = twin(_coop_tile_paged)
+# the cooperative stages run on the device only
+coop_load_rows_dev, coop_init_rows_dev, dot_shared_dev, coop_softmax_rows_dev, coop_pv_dev, coop_store_rows_dev = (
+    twin(f)[1] for f in (_coop_load_rows, _coop_init_rows, _dot_shared, _coop_softmax_rows, _coop_pv, _coop_store_rows))
+
+
+def _compile_addressing(paged, row_bounds, token_slot, plane):
+    """The compiled cores of one addressing, under the names the kernel sources call."""
+    (rb_cpu, rb_dev), (ts_cpu, ts_dev), (pl_cpu, pl_dev) = (twin(f, inline=True) for f in (row_bounds, token_slot,
+                                                                                            plane))
+    suffix = "_paged" if paged else "_flat"
+    scale_at = specialize(_exact_scale_at, suffix, plane=plane)
+    es_cpu, es_dev = twin(scale_at, inline=True)
+    _, tile_dev = twin(specialize(_coop_tile, suffix, token_slot=token_slot, plane=plane, exact_scale_at=scale_at))
+    return {"PAGED": paged, "row_bounds_cpu": rb_cpu, "row_bounds_dev": rb_dev, "token_slot_cpu": ts_cpu,
+            "token_slot_dev": ts_dev, "plane_cpu": pl_cpu, "plane_dev": pl_dev, "exact_scale_at_cpu": es_cpu,
+            "exact_scale_at_dev": es_dev, "coop_tile_dev": tile_dev}
+
+
+_ADDRESSING = {False: _compile_addressing(False, _flat_row, _flat_slot, _flat_plane),
+               True: _compile_addressing(True, _paged_row, _paged_slot, _paged_plane)}
+
+
+def addressing(paged: bool) -> dict:
+    """The names the partition kernels' single source calls to find a token (see the section
+    "token addressing"), bound for flat cache rows or a paged pool: ``PAGED`` and the CPU
+    (``*_cpu``) and device (``*_dev``) variants of ``row_bounds``, ``token_slot``, ``plane``,
+    ``exact_scale_at`` and ``coop_tile`` (for :func:`numba_kv._jit.specialize`)."""
+    return dict(_ADDRESSING[bool(paged)])

@@ -190,8 +190,8 @@ def _decode_tile_simd(codes, scales, t0, nt, cent, bits, nb, sshift, scale_table
 decode_tile_simd_cpu = cpu_serial(_decode_tile_simd, inline=True)
 
 
-def _decode_tile_mixed(codes, scales, t0, nt, cent2, bits_b, off_b, sshift, scale_table, dst):
-    """``dst[tt] = `` token ``t0 + tt`` of a :class:`~numba_kv.ops.attention.CodeLayout` whose
+def _decode_tile_mixed(codes, scales, t0, nt, cent2, bits_b, off_b, sshift, scale_table, dst, d0=0):
+    """``dst[d0 + tt] = `` token ``t0 + tt`` of a :class:`~numba_kv.ops.attention.CodeLayout` whose
     blocks differ in width (``bits_b``, byte offsets ``off_b``, codebook rows ``cent2``
     ``[nb, 16]`` C-contiguous), ``tt < nt``; ``2**sshift`` consecutive blocks share a scale.
     A block at a time by :func:`_decode_block` (CPU only); code rows that are not
@@ -203,34 +203,36 @@ def _decode_tile_mixed(codes, scales, t0, nt, cent2, bits_b, off_b, sshift, scal
         for b in range(nb):
             sa = scale_table[scales[t, b >> sshift]]
             if fast:
-                decode_block_cpu(codes, t, off_b[b], bits_b[b], cent2[b], sa, dst, tt, b * 32)
+                decode_block_cpu(codes, t, off_b[b], bits_b[b], cent2[b], sa, dst, d0 + tt, b * 32)
             else:
                 for grp in range(4):
-                    decode8_cpu(codes[t], off_b[b] + grp * bits_b[b], bits_b[b], cent2[b], sa, dst[tt],
+                    decode8_cpu(codes[t], off_b[b] + grp * bits_b[b], bits_b[b], cent2[b], sa, dst[d0 + tt],
                                 b * 32 + grp * 8)
 
 
 decode_tile_mixed_cpu = cpu_serial(_decode_tile_mixed)
 
 
-def _exact_tile(ex, exs, kind, g, t0, nt, table, dst):
-    """Exact tokens ``t0 … t0 + nt − 1`` of row ``g`` as float32 into ``dst[0:nt]``, from
-    the dtype they are stored in (``kind``, see :func:`~numba_kv.ops.attention.cores._exact_value`;
-    ``exs``: the int8 tokens' binary16 scales, ``table``: ``F16_ABS_TABLE``).  The kind is
+def _exact_tile(ex, exs, kind, t0, nt, table, dst, d0):
+    """Exact tokens ``t0 … t0 + nt − 1`` of the plane ``ex`` (``[slots, d]``) as float32 into
+    ``dst[d0:d0 + nt]``, from the dtype they are stored in (``kind``, see
+    :func:`~numba_kv.ops.attention.cores._exact_value`; ``exs``: the int8 tokens' binary16
+    scales ``[slots, 1]``, read for them only; ``table``: ``F16_ABS_TABLE``).  The kind is
     loop-invariant: LLVM unswitches the loop.  Binary16 tokens decode arithmetically
     (branch-free, vectorizes) rather than through the table the CUDA kernels use: the same
     exact values, about 16 % off a ``pqo3`` step's kernel at T = 100."""
     d = dst.shape[1]
     if kind == 1:
         for tt in range(nt):
-            row = ex[g, t0 + tt]
+            row = ex[t0 + tt]
             for j in range(d):
-                dst[tt, j] = f16_bits_to_f32_cpu(row[j])
+                dst[d0 + tt, j] = f16_bits_to_f32_cpu(row[j])
         return
     for tt in range(nt):
-        s = exact_scale_cpu(exs, g, t0 + tt, kind, table)
+        s = exact_scale_cpu(exs, t0 + tt, kind, table)
+        row = ex[t0 + tt]
         for j in range(d):
-            dst[tt, j] = exact_value_cpu(ex[g, t0 + tt, j], kind, s, table)
+            dst[d0 + tt, j] = exact_value_cpu(row[j], kind, s, table)
 
 
 exact_tile_cpu = cpu_serial(_exact_tile, inline=True)

@@ -1,15 +1,20 @@
 """The partition kernels of the decode attention, flat and paged (every registered twin).
 
 Flat caches (``decode_attention``, ``decode_attention_warp``, ``decode_attention_mma``) and
-paged pools (``paged_decode_attention*``): one CPU twin each (tile loops tuned for caches and
-SIMD, :mod:`numba_kv.ops.attention.cpu`) and three CUDA variants: the cooperative block kernel
-(one thread block per (KV row, partition[, row chunk]) with the decoded tile, the query rows,
-the scores and the accumulators in shared memory), the warp kernel (one warp per partition,
-:mod:`numba_kv.ops.attention.warp`) and the tensor-core kernel (:mod:`numba_kv.ops.attention.mma`,
-whose one source serves flat and paged through ``token_address``).  All run the single-source
-cores of :mod:`numba_kv.ops.attention.cores` for everything they share; the
-:class:`~numba_kv.ops.attention.plan.AttentionPlan` picks the variant and the grid.  The merge
-of the partitions is :mod:`numba_kv.ops.attention.merge`.
+paged pools (``paged_decode_attention*``) run the same kernels: a CPU twin (tile loops tuned
+for caches and SIMD, :mod:`numba_kv.ops.attention.cpu`) and three CUDA variants: the
+cooperative block kernel (one thread block per (KV row, partition[, row chunk]) with the
+decoded tile, the query rows, the scores and the accumulators in shared memory), the warp
+kernel (one warp per partition, :mod:`numba_kv.ops.attention.warp`) and the tensor-core
+kernel (:mod:`numba_kv.ops.attention.mma`).  Each is ONE source with one argument list,
+compiled twice (:func:`_compile`, :func:`numba_kv._jit.specialize`): with the flat cache's
+addressing and with a page table's.  How a token is found — the partition's bounds, a
+token's ``(page, slot)``, the ``[slots, ·]`` plane of an array — is the only difference, in
+the addressing cores of :mod:`numba_kv.ops.attention.cores` (:func:`~numba_kv.ops.attention.cores.addressing`);
+``PAGED`` is a compile-time constant, so each variant compiles only its own branch.  All
+run the single-source cores of :mod:`numba_kv.ops.attention.cores` for everything they
+share; the :class:`~numba_kv.ops.attention.plan.AttentionPlan` picks the variant and the
+grid.  The merge of the partitions is :mod:`numba_kv.ops.attention.merge`.
 """
 
 from __future__ import annotations
@@ -18,23 +23,19 @@ import numpy as np
 from numba import cuda, float32, int64, prange, uint8, uint32
 
 from ..._config import MAX_CUDA_THREADS
-from ..._jit import FASTMATH_REDUCE, cpu_kernel, cpu_serial, cuda_kernel, twin
+from ..._jit import FASTMATH_REDUCE, cpu_kernel, cpu_serial, cuda_kernel, specialize, twin
 from .._registry import register
 from .cores import (
+    EXACT_F32,
     NEG_INF,
+    addressing,
     coop_init_rows_dev,
     coop_load_rows_dev,
     coop_pv_dev,
     coop_softmax_rows_dev,
     coop_store_rows_dev,
-    coop_tile_flat_dev,
-    coop_tile_paged_dev,
     dot_shared_dev,
     is_uniform_cpu,
-    paged_bounds_cpu,
-    paged_bounds_dev,
-    partition_bounds_cpu,
-    partition_bounds_dev,
     qjl_dot_dev,
     visible_dev,
 )
@@ -67,12 +68,11 @@ from .warp import (
     compressed_tiles,
     exact_tiles,
     init_state,
-    paged_compressed_tiles,
-    paged_float_tiles,
     row_limits,
     stage_queries,
     store_partition,
     warp_geometry,
+    warp_tiles,
 )
 
 #: tokens per CPU tile: a decoded 32-token × d=128 float tile is 16 KiB, stays in L1 while
@@ -107,34 +107,75 @@ def rows_per_block(d: int) -> int:
     return min(MAX_BLOCK_ROWS, SMEM_ROWS // d, SMEM_SCORES // _tile_tokens(d))
 
 
+# --- one source, two addressings ----------------------------------------------------------
+# Every kernel below takes the same arguments for flat caches and paged pools, and each (the CPU
+# twin, the block, warp and tensor-core kernels) is ONE source compiled twice (:func:`_compile`): with the flat
+# addressing (KV row ``g`` of ``[n_g, capacity, ·]`` arrays: compressed partitions, then the
+# exact ones, at ``comp_pos0 + t`` and ``exact_pos[t]``) and with a page table (sequence·KV head
+# ``g``: codes ``[pages, heads, page_size, ·]``, or float32 pools passed as the exact tokens
+# ``ke``/``ve``; token ``t`` at position ``t``; no logit bias, no QJL correction).  The names
+# below are what the sources call to find a token (:func:`~numba_kv.ops.attention.cores.addressing`);
+# at module level the flat ones.  ``PAGED`` is a compile-time constant: the paged variant's
+# branch folds away in the flat one and vice versa.
+_FLAT = addressing(False)
+PAGED = _FLAT["PAGED"]
+row_bounds_cpu, row_bounds_dev = _FLAT["row_bounds_cpu"], _FLAT["row_bounds_dev"]
+token_slot_cpu, plane_cpu, coop_tile_dev = _FLAT["token_slot_cpu"], _FLAT["plane_cpu"], _FLAT["coop_tile_dev"]
+
+
+def _kv_tile(codes, scales, exact, exact_scales, exact_kind, compressed, uniform, cent, bits, off, sshift, table,
+             kv_indices, first, page_size, g, h, t0, nt, dst):
+    """Tokens ``t0 … t0 + nt − 1`` of KV row ``g`` into the rows of ``dst`` (CPU), one run of
+    consecutive slots at a time (a flat row is one run; a pool's run ends with its page):
+    decoded by the SIMD decoders (one width: ``cent[0]``, ``bits[0]``) or the mixed-width
+    one, or read from the exact tokens in their stored dtype."""
+    nb = bits.shape[0]
+    tt = 0
+    while tt < nt:
+        page, slot, room = token_slot_cpu(kv_indices, first, page_size, g, t0 + tt)
+        run = min(nt - tt, room)
+        if not compressed:
+            # (the scales' plane of int8 tokens only: elsewhere a placeholder)
+            exs = plane_cpu(exact_scales, page, h) if exact_kind == 2 else plane_cpu(exact_scales, 0, 0)
+            exact_tile_cpu(plane_cpu(exact, page, h), exs, exact_kind, slot, run, table, dst, tt)
+        elif uniform:
+            decode_tile_simd_cpu(plane_cpu(codes, page, h), plane_cpu(scales, page, h), slot, run, cent[0], bits[0],
+                                 nb, sshift, table, dst, tt)
+        else:
+            decode_tile_mixed_cpu(plane_cpu(codes, page, h), plane_cpu(scales, page, h), slot, run, cent, bits, off,
+                                  sshift, table, dst, tt)
+        tt += run
+
+
 # --- CPU twin: partitions in parallel; per tile, register-blocked score and P·V loops -----
-@cpu_kernel(fastmath=FASTMATH_REDUCE)
-def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kes, ves,
-                          exact_kind, kcent, vcent, kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias,
-                          has_bias, has_qjl, sq, qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size,
-                          n_comp_parts, part_m, part_l, part_acc):
+def _partition_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kes, ves, exact_kind, kcent,
+                   vcent, kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias, has_bias, has_qjl, sq,
+                   qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size, n_comp_parts, kv_indptr, kv_indices,
+                   kv_last_page_len, page_size, n_kv_heads, part_m, part_l, part_acc):
     """CPU twin: one work item per (KV row ``g``, partition ``p``) (``prange``); per tile of
     :data:`CPU_TILE` tokens the keys are decoded into an L1-resident buffer (SIMD decoders),
     scored for every query row of the GQA group, then the values decoded into the same
     buffer and accumulated (register-blocked loops, fast-math reductions)."""
     n_g, rows, d = qr.shape
-    nb = d // 32
     m_qjl = sq.shape[2]
     n_parts = part_m.shape[1]
+    if PAGED:  # a pool: tokens at 0, 1, …, one scale per 32-block, float32 tokens (constants)
+        comp_pos0, sshift, exact_kind = 0, 0, EXACT_F32
     # one width for every block (the common case): the specialized loader, ~1.5x faster
     k_uniform = is_uniform_cpu(kbits)
     v_uniform = is_uniform_cpu(vbits)
-    kb0 = kbits[0]
-    vb0 = vbits[0]
-    kcent0 = kcent[0]
-    vcent0 = vcent[0]
     pm1 = np.empty(2, dtype=np.float32)  # the codebook of a QJL sign bit
     pm1[0] = float32(-1.0)
     pm1[1] = float32(1.0)
     for item in prange(n_g * n_parts):
         g = item // n_parts
         p = item - g * n_parts
-        compressed, t_lo, t_hi = partition_bounds_cpu(p, n_comp_parts, part_size, n_comp, n_exact)
+        compressed, t_lo, t_hi, pos_q, first, h = row_bounds_cpu(g, p, n_comp_parts, part_size, n_comp, n_exact, q_pos0,
+                                                                q_len, kv_indptr, kv_last_page_len, page_size,
+                                                                n_kv_heads)
+        # token t sits at comp_pos0 + t (compressed tokens, every token of a pool) or at
+        # exact_pos[t] (a flat cache's exact tokens)
+        sequential = compressed or PAGED
         kt = np.empty((CPU_TILE, d), dtype=np.float32)
         sc = np.empty((rows, CPU_TILE), dtype=np.float32)
         stq = np.empty((CPU_TILE if has_qjl else 1, m_qjl), dtype=np.float32)
@@ -145,16 +186,10 @@ def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
         qsrc = qr[g] if compressed else q[g]
         for t0 in range(t_lo, t_hi, CPU_TILE):
             nt = min(CPU_TILE, t_hi - t0)
-            if compressed:
-                if k_uniform:
-                    decode_tile_simd_cpu(kc[g], ks[g], t0, nt, kcent0, kb0, nb, sshift, scale_table, kt, 0)
-                else:
-                    decode_tile_mixed_cpu(kc[g], ks[g], t0, nt, kcent, kbits, koff, sshift, scale_table, kt)
-                tile_scores_cpu(qsrc, kt, nt, sc)
-            else:
-                exact_tile_cpu(ke, kes, exact_kind, g, t0, nt, scale_table, kt)
-                tile_scores_cpu(qsrc, kt, nt, sc)
-            if compressed and has_qjl:
+            kv_tile_cpu(kc, ks, ke, kes, exact_kind, compressed, k_uniform, kcent, kbits, koff, sshift, scale_table,
+                        kv_indices, first, page_size, g, h, t0, nt, kt)
+            tile_scores_cpu(qsrc, kt, nt, sc)
+            if compressed and has_qjl and not PAGED:
                 # QJL correction c_t·<S q, σ_t>, in q·k units: signs unpacked to ±1 by the
                 # 1-bit vector decoder, then scored like keys
                 unpack_signs_tile_cpu(qsig[g], t0, nt, m_qjl, pm1, stq)
@@ -163,20 +198,14 @@ def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
                     c = qjl_const * scale_table[qnorm[g, t0 + tt]]
                     for r in range(rows):
                         sc[r, tt] += c * corr[r, tt]
-            last_pos = comp_pos0 + t0 + nt - 1 if compressed else -1
-            need_mask = causal and (not compressed or last_pos > q_pos0)
-            softmax_tile_cpu(sc, nt, softmax_scale, g, has_bias, bias, need_mask, q_pos0, q_len,
-                             comp_pos0 + t0 if compressed else 0, exact_pos, not compressed, t0, m, l, acc)
-            if compressed:
-                # the value tile reuses the key tile's buffer: one L1-sized buffer per thread
-                if v_uniform:
-                    decode_tile_simd_cpu(vc[g], vs[g], t0, nt, vcent0, vb0, nb, sshift, scale_table, kt, 0)
-                else:
-                    decode_tile_mixed_cpu(vc[g], vs[g], t0, nt, vcent, vbits, voff, sshift, scale_table, kt)
-                tile_pv_cpu(sc, kt, nt, acc)
-            else:
-                exact_tile_cpu(ve, ves, exact_kind, g, t0, nt, scale_table, kt)
-                tile_pv_cpu(sc, kt, nt, acc)
+            last_pos = comp_pos0 + t0 + nt - 1 if sequential else -1
+            need_mask = causal and (not sequential or last_pos > pos_q)
+            softmax_tile_cpu(sc, nt, softmax_scale, g, has_bias and not PAGED, bias, need_mask, pos_q, q_len,
+                             comp_pos0 + t0 if sequential else 0, exact_pos, not sequential, t0, m, l, acc)
+            # the value tile reuses the key tile's buffer: one L1-sized buffer per thread
+            kv_tile_cpu(vc, vs, ve, ves, exact_kind, compressed, v_uniform, vcent, vbits, voff, sshift, scale_table,
+                        kv_indices, first, page_size, g, h, t0, nt, kt)
+            tile_pv_cpu(sc, kt, nt, acc)
         for r in range(rows):
             part_m[g, p, r] = m[r]
             part_l[g, p, r] = l[r]
@@ -184,29 +213,23 @@ def _decode_attention_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
                 part_acc[g, p, r, j] = acc[r, j]
 
 
-
 # --- CUDA kernels ------------------------------------------------------------------------
-# Launch bounds: blocks of at most MAX_CUDA_THREADS (256, the cuda_threads knob's ceiling),
-# at least 2 of them resident per SM, caps ptxas at 128 registers per thread, so 4 blocks of
-# the default 128 threads stay resident on an H100 SM (unbounded, ptxas took 132 once the
-# exact tokens were read in their stored dtypes, and the SM held 3); no spills at the cap
-# (tests/cuda/test_resources.py).
-@cuda_kernel(launch_bounds=(MAX_CUDA_THREADS, 2))
-def _decode_attention_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kes, ves,
-                           exact_kind, kcent, vcent, kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias,
-                           has_bias, has_qjl, sq, qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size,
-                           n_comp_parts, part_m, part_l, part_acc):
+def _partition_block_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kes, ves, exact_kind,
+                          kcent, vcent, kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias, has_bias,
+                          has_qjl, sq, qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size, n_comp_parts,
+                          kv_indptr, kv_indices, kv_last_page_len, page_size, n_kv_heads, part_m, part_l, part_acc):
     """Cooperative flash-decoding partition kernel.
 
     Launch contract: grid ``(n_g, n_parts, n_chunks)``, any block size (128 on a GPU).
     Block ``(g, p, c)`` runs the online softmax of query rows ``c·rb … c·rb + rb − 1``
     (``rb = ceil(rows / n_chunks)`` <= :func:`rows_per_block`) of KV row ``g`` over the
-    tokens of partition ``p`` and writes their ``(m, l, acc)``.  Per tile of
-    :func:`_tile_tokens` tokens the block decodes the K codes once into shared memory (one
-    group of eight values per thread), scores every (row, token) pair from shared memory
-    (one pair per thread), runs the per-row softmax step (one row per thread), decodes the
-    V tile into the same buffer and accumulates ``P·V`` into the shared accumulators (one
-    ``(row, column)`` per thread).  Reductions stay inside one thread: no warp shuffles.
+    tokens of partition ``p`` (none past a paged sequence's end) and writes their ``(m, l,
+    acc)``.  Per tile of :func:`_tile_tokens` tokens the block decodes the K codes once into
+    shared memory (one group of eight values per thread), scores every (row, token) pair
+    from shared memory (one pair per thread), runs the per-row softmax step (one row per
+    thread), decodes the V tile into the same buffer and accumulates ``P·V`` into the shared
+    accumulators (one ``(row, column)`` per thread).  Reductions stay inside one thread: no
+    warp shuffles.
     """
     qs = cuda.shared.array(SMEM_ROWS, dtype=float32)
     acc = cuda.shared.array(SMEM_ROWS, dtype=float32)
@@ -228,60 +251,61 @@ def _decode_attention_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_e
     rb = min(rb, rows - r0)
     if rb <= 0:
         return
+    if PAGED:  # a pool: tokens at 0, 1, …, one scale per 32-block, float32 tokens (constants)
+        comp_pos0, sshift, exact_kind = 0, 0, EXACT_F32
     stride = d + 1
     nt_max = tile_tokens_dev(d)
-    compressed, t_lo, t_hi = partition_bounds_dev(p, n_comp_parts, part_size, n_comp, n_exact)
+    compressed, t_lo, t_hi, pos_q, first, h = row_bounds_dev(g, p, n_comp_parts, part_size, n_comp, n_exact, q_pos0,
+                                                            q_len, kv_indptr, kv_last_page_len, page_size, n_kv_heads)
     coop_load_rows_dev(qs, qr if compressed else q, g, r0, rb, d, tid, nth)
     coop_init_rows_dev(acc, m, lsum, rb, d, tid, nth)
     cuda.syncthreads()
     for t0 in range(t_lo, t_hi, nt_max):
         nt = min(nt_max, t_hi - t0)
-        coop_tile_flat_dev(kc, ks, ke, kes, exact_kind, g, t0, nt, nb, compressed, kcent, kbits, koff, sshift,
-                           scale_table, kv, stride, tid, nth)
+        coop_tile_dev(kc, ks, ke, kes, exact_kind, kv_indices, first, page_size, g, h, t0, nt, nb, compressed, kcent,
+                      kbits, koff, sshift, scale_table, kv, stride, tid, nth)
         cuda.syncthreads()
         for u in range(tid, rb * nt, nth):
             r = u // nt
             t = t0 + (u - r * nt)
             s = dot_shared_dev(qs, r * d, kv, (u - r * nt) * stride, d)
-            if compressed:
+            if compressed or PAGED:
                 pos = comp_pos0 + t
-                if has_qjl:
+                if has_qjl and not PAGED:
                     s += qjl_const * scale_table[qnorm[g, t]] * qjl_dot_dev(sq[g, r0 + r], qsig[g, t], m_qjl)
             else:
                 pos = int64(exact_pos[t])
             s = s * softmax_scale
-            if has_bias:
+            if has_bias and not PAGED:
                 s += bias[g, r0 + r, pos]
-            sc[u] = s if visible_dev(pos, q_pos0, r0 + r, q_len, causal) else NEG_INF
+            sc[u] = s if visible_dev(pos, pos_q, r0 + r, q_len, causal) else NEG_INF
         cuda.syncthreads()
         coop_softmax_rows_dev(sc, nt, rb, m, lsum, alpha, tid, nth)
         cuda.syncthreads()
-        coop_tile_flat_dev(vc, vs, ve, ves, exact_kind, g, t0, nt, nb, compressed, vcent, vbits, voff, sshift,
-                           scale_table, kv, stride, tid, nth)
+        coop_tile_dev(vc, vs, ve, ves, exact_kind, kv_indices, first, page_size, g, h, t0, nt, nb, compressed, vcent,
+                      vbits, voff, sshift, scale_table, kv, stride, tid, nth)
         cuda.syncthreads()
         coop_pv_dev(sc, kv, stride, nt, rb, d, alpha, acc, tid, nth)
         cuda.syncthreads()
     coop_store_rows_dev(acc, m, lsum, rb, d, g, p, r0, part_m, part_l, part_acc, tid, nth)
 
 
-# Warp kernel: no launch bounds (ptxas keeps it spill-free on sm_80 and sm_90 unbounded); its
-# resources are checked with every kernel's in tests/cuda/test_resources.py.
-@cuda_kernel
-def _decode_attention_warp_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kes, ves,
-                                exact_kind, kcent, vcent, kbits, koff, vbits, voff, sshift, scale_table,
-                                softmax_scale, bias, has_bias, has_qjl, sq, qsig, qnorm, qjl_const, q_pos0, q_len,
-                                causal, part_size, n_comp_parts, part_m, part_l, part_acc):
+def _partition_warp_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kes, ves, exact_kind,
+                         kcent, vcent, kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias, has_bias,
+                         has_qjl, sq, qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size, n_comp_parts, kv_indptr,
+                         kv_indices, kv_last_page_len, page_size, n_kv_heads, part_m, part_l, part_acc):
     """Warp-per-partition flash-decoding kernel (no logit bias, no QJL correction).
 
     Launch contract: grid ``(n_g, ceil(n_parts / warps per block), n_chunks)`` with whole
     warps per block, ``head_dim`` in 32, 64, 128 (:func:`warp_ok`) and at most
     :data:`WARP_ROWS` query rows per chunk.  Warp ``w`` of block ``(g, y, c)`` runs
-    partition ``p = y·warps + w`` of KV row ``g`` for query rows ``c·rb …`` and writes its
-    ``(m, l, acc)`` like the block kernel, 32 tokens at a time: lane ``ℓ`` scores token
-    ``t0 + ℓ`` against every row and stages its V bytes; the tile's softmax is two warp
-    butterflies; then each lane accumulates ``p·v`` for its 4 coordinates over the tile
-    (layouts in :mod:`numba_kv.ops.attention.warp`).  ``has_bias`` and ``has_qjl`` must be
-    false (the host launches the block kernel for those).
+    partition ``p = y·warps + w`` of KV row ``g`` (empty past a paged sequence's end: it
+    stores ``m = -inf``) for query rows ``c·rb …`` and writes its ``(m, l, acc)`` like the
+    block kernel, 32 tokens at a time: lane ``ℓ`` scores token ``t0 + ℓ`` against every row
+    and stages its V bytes; the tile's softmax is two warp butterflies; then each lane
+    accumulates ``p·v`` for its 4 coordinates over the tile (layouts in
+    :mod:`numba_kv.ops.attention.warp`).  ``has_bias`` and ``has_qjl`` must be false (the
+    host launches the block kernel for those).
     """
     xbuf = cuda.shared.array(XBUF, dtype=float32)  # the simulator's exchanges only
     qs = cuda.shared.array(WARP_QS, dtype=float32)
@@ -292,8 +316,12 @@ def _decode_attention_warp_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve
     d = qr.shape[2]
     n_parts = part_m.shape[1]
     g, tid, p, rb, r0, active = warp_geometry(rows, n_parts)
-    compressed, t_lo, t_hi = partition_bounds_dev(min(p, n_parts - 1), n_comp_parts, part_size, n_comp, n_exact)
-    if not active:
+    if PAGED:  # a pool: tokens at 0, 1, …, one scale per 32-block, float32 tokens (constants)
+        comp_pos0, sshift, exact_kind = 0, 0, EXACT_F32
+    compressed, t_lo, t_hi, pos_q, first, h = row_bounds_dev(g, min(p, n_parts - 1), n_comp_parts, part_size, n_comp,
+                                                            n_exact, q_pos0, q_len, kv_indptr, kv_last_page_len,
+                                                            page_size, n_kv_heads)
+    if not active or t_hi < t_lo:
         t_hi = t_lo
     stage_queries(qs, qr, q, g, r0, rows, d, tid)
     st = cuda.local.array(WARP_STATE, dtype=float32)  # per row: m, l, alpha
@@ -302,37 +330,65 @@ def _decode_attention_warp_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve
     tmp = cuda.local.array(WARP_ROWS, dtype=float32)
     lim = cuda.local.array(WARP_ROWS, dtype=int64)
     init_state(st, acc, sc)
-    row_limits(lim, rb, r0, q_pos0, q_len, causal)
+    row_limits(lim, rb, r0, pos_q, q_len, causal)
     # simulator: every warp of the block takes the same number of tiles (block barriers)
     span = part_size if SIMULATED else t_hi - t_lo
+    addr = (kv_indices, first, page_size, g, h)
     # one loop per token kind: each keeps only its own arrays' addressing live
     if compressed:
-        compressed_tiles(kc[g], ks[g], vc[g], vs[g], kbits, koff, vbits, voff, kcent, vcent, sshift, scale_table,
-                         t_lo, t_hi, span, comp_pos0, qs, d, lim, softmax_scale, st, acc, sc, tmp, vraw, vsc, pw,
-                         xbuf, tid)
+        compressed_tiles(kc, ks, vc, vs, addr, kbits, koff, vbits, voff, kcent, vcent, sshift, scale_table, t_lo, t_hi,
+                         span, comp_pos0, qs, lim, softmax_scale, st, acc, sc, tmp, vraw, vsc, pw, xbuf, tid)
     else:
-        exact_tiles(ke, ve, kes, ves, exact_kind, exact_pos, g, scale_table, t_lo, t_hi, span, qs, WARP_ROWS * d, d,
+        exact_tiles(ke, ve, kes, ves, exact_kind, exact_pos, addr, scale_table, t_lo, t_hi, span, qs, WARP_ROWS * d, d,
                     lim, softmax_scale, st, acc, sc, tmp, pw, xbuf, tid)
     store_partition(st, acc, active, rb, g, p, r0, d, part_m, part_l, part_acc, xbuf, tid)
 
 
-@cuda_kernel(launch_bounds=(MMA_THREADS, MMA_BLOCKS_PER_SM))
-def _decode_attention_mma_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kes, ves,
-                               exact_kind, kcent, vcent, kbits, koff, vbits, voff, sshift, scale_table,
-                               softmax_scale, bias, has_bias, has_qjl, sq, qsig, qnorm, qjl_const, q_pos0, q_len,
-                               causal, part_size, n_comp_parts, part_m, part_l, part_acc):
+def _compile(fn, paged, wrap):
+    """``wrap`` (a decorator) of kernel source ``fn`` with the flat or the paged addressing."""
+    suffix = "_paged" if paged else "_flat"
+    # named as the registered twins (_<op>_cpu, _<op>[_<variant>]_cuda; tests/test_conventions.py)
+    name = fn.__name__.replace("_block", "").replace("_partition", "_paged_decode_attention" if paged
+                                                     else "_decode_attention")
+    return wrap(specialize(fn, suffix, name=name, kv_tile_cpu=_KV_TILE[paged], **addressing(paged),
+                           **warp_tiles(paged)))
+
+
+_KV_TILE = {paged: cpu_serial(specialize(_kv_tile, "_paged" if paged else "_flat", **addressing(paged)), inline=True)
+            for paged in (False, True)}
+kv_tile_cpu = _KV_TILE[False]
+_decode_attention_cpu, _paged_decode_attention_cpu = (
+    _compile(_partition_cpu, paged, cpu_kernel(fastmath=FASTMATH_REDUCE)) for paged in (False, True))
+# Launch bounds: blocks of at most MAX_CUDA_THREADS (256, the cuda_threads knob's ceiling),
+# at least 2 of them resident per SM, caps ptxas at 128 registers per thread, so 4 blocks of
+# the default 128 threads stay resident on an H100 SM (unbounded, ptxas took 132 once the
+# exact tokens were read in their stored dtypes, and the SM held 3); no spills at the cap
+# (tests/cuda/test_resources.py).
+_decode_attention_cuda, _paged_decode_attention_cuda = (
+    _compile(_partition_block_cuda, paged, cuda_kernel(launch_bounds=(MAX_CUDA_THREADS, 2))) for paged in (False, True))
+# Warp kernel: no launch bounds (ptxas keeps it spill-free on sm_80 and sm_90 unbounded); its
+# resources are checked with every kernel's in tests/cuda/test_resources.py.
+_decode_attention_warp_cuda, _paged_decode_attention_warp_cuda = (
+    _compile(_partition_warp_cuda, paged, cuda_kernel) for paged in (False, True))
+
+
+def _partition_mma_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kes, ves, exact_kind,
+                        kcent, vcent, kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias, has_bias,
+                        has_qjl, sq, qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size, n_comp_parts, kv_indptr,
+                        kv_indices, kv_last_page_len, page_size, n_kv_heads, part_m, part_l, part_acc):
     """Tensor-core flash-decoding kernel: the warp kernel's grid and partitions, its compressed
     partitions on ``mma.sync`` (:mod:`numba_kv.ops.attention.mma`).
 
-    Launch contract: as :func:`_decode_attention_warp_cuda` with blocks of
+    Launch contract: as :func:`_partition_warp_cuda` with blocks of
     :data:`~numba_kv.ops.attention.mma.MMA_THREADS` threads (its launch bounds), plus ``head_dim`` =
     :data:`~numba_kv.ops.attention.mma.MMA_HEAD_DIM`, K and V codes each of one width in
     :data:`~numba_kv.ops.attention.mma.MMA_BITS` with one codebook for every block (row 0
-    of ``kcent``/``vcent`` is read), and ``kc``/``vc`` the packed codes viewed as ``uint32``
-    words and ``ks``/``vs`` the scales, each viewed with a unit axis (``[n_g, 1, capacity,
-    ·]``: the paged kernel's addressing, :func:`~numba_kv.ops.attention.mma.token_address`).
-    Exact partitions (sinks, window) run the warp kernel's tiles.  The block builds the two
-    pair tables in shared memory once.
+    of ``kcent``/``vcent`` is read), ``kc``/``vc`` the packed codes viewed as ``uint32`` words
+    and every code and scale array 4-D: a pool's ``[pages, num_kv_heads, page_size, ·]``, a
+    flat cache's viewed with a unit axis (``[n_g, 1, capacity, ·]``: KV row ``g`` is "page"
+    ``g``, head 0; :func:`~numba_kv.ops.attention.mma.token_address`).  A flat cache's exact
+    partitions (sinks, window) run the warp kernel's tiles; a pool is all codes.  The block
+    builds the two pair tables in shared memory once.
     """
     xbuf = cuda.shared.array(XBUF, dtype=float32)  # the simulator's exchanges only
     qs = cuda.shared.array(WARP_QS, dtype=float32)
@@ -342,16 +398,20 @@ def _decode_attention_mma_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve,
     d = qr.shape[2]
     n_parts = part_m.shape[1]
     g, tid, p, rb, r0, active = warp_geometry(rows, n_parts)
-    compressed, t_lo, t_hi = partition_bounds_dev(min(p, n_parts - 1), n_comp_parts, part_size, n_comp, n_exact)
-    if not active:
+    if PAGED:  # a pool: tokens at 0, 1, …, one scale per 32-block, float32 tokens (constants)
+        comp_pos0, sshift, exact_kind = 0, 0, EXACT_F32
+    compressed, t_lo, t_hi, pos_q, first, h = row_bounds_dev(g, min(p, n_parts - 1), n_comp_parts, part_size, n_comp,
+                                                            n_exact, q_pos0, q_len, kv_indptr, kv_last_page_len,
+                                                            page_size, n_kv_heads)
+    if not active or t_hi < t_lo:
         t_hi = t_lo
     kb, vb, kf, vf = build_tables(tab, kcent, vcent, kbits, vbits, tid, cuda.blockDim.x)
     stage_queries(qs, qr, q, g, r0, rows, d, tid)  # (ends with the block barrier)
-    if compressed:
-        # (codes and scales viewed as [n_g, 1, capacity, ·]: KV row g is "page" g, head 0)
-        mma_partition(kb, vb, kc, ks, vc, vs, g, 0, False, exact_pos, 0, 1, t_lo, t_hi, comp_pos0, q_pos0, q_len,
-                      causal, sshift, tab, kf, vf, qs, d, rb, r0, softmax_scale, active, p, part_m, part_l, part_acc,
-                      tid & 31)
+    if PAGED or compressed:
+        # (an empty partition past a sequence's end stores m = -inf like the other kernels)
+        mma_partition(kb, vb, kc, ks, vc, vs, g, h, PAGED, kv_indices, first, page_size, t_lo, t_hi,
+                      comp_pos0, pos_q, q_len, causal, sshift, tab, kf, vf, qs, d, rb, r0, softmax_scale, active, p,
+                      part_m, part_l, part_acc, tid & 31)
     else:
         st = cuda.local.array(WARP_STATE, dtype=float32)
         acc = cuda.local.array(WARP_VALUES, dtype=float32)
@@ -359,260 +419,47 @@ def _decode_attention_mma_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve,
         tmp = cuda.local.array(WARP_ROWS, dtype=float32)
         lim4 = cuda.local.array(WARP_ROWS, dtype=int64)
         init_state(st, acc, sc)
-        row_limits(lim4, rb, r0, q_pos0, q_len, causal)
-        exact_tiles(ke, ve, kes, ves, exact_kind, exact_pos, g, scale_table, t_lo, t_hi, t_hi - t_lo, qs,
-                    WARP_ROWS * d, d, lim4, softmax_scale, st, acc, sc, tmp, pw, xbuf, tid)
+        row_limits(lim4, rb, r0, pos_q, q_len, causal)
+        exact_tiles(ke, ve, kes, ves, exact_kind, exact_pos, (kv_indices, first, page_size, g, h), scale_table, t_lo,
+                    t_hi, t_hi - t_lo, qs, WARP_ROWS * d, d, lim4, softmax_scale, st, acc, sc, tmp, pw, xbuf, tid)
         store_partition(st, acc, active, rb, g, p, r0, d, part_m, part_l, part_acc, xbuf, tid)
 
 
-_ASIG = ("void(float32[:, :, ::1], float32[:, :, ::1], uint8[:, :, ::1], uint16[:, :, ::1], uint8[:, :, ::1], "
-         "uint16[:, :, ::1], int64, int64, {exact}[:, :, ::1], {exact}[:, :, ::1], int64, int32[::1], "
-         "uint16[:, :, ::1], uint16[:, :, ::1], int64, "
-         "float32[:, ::1], float32[:, ::1], int64[::1], int64[::1], int64[::1], int64[::1], int64, "
-         "float32[::1], float32, float32[:, :, ::1], boolean, "
-         "boolean, float32[:, :, ::1], uint8[:, :, ::1], uint16[:, ::1], float32, "
-         "int64, int64, boolean, int64, int64, "
-         "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1])")
+_decode_attention_mma_cuda, _paged_decode_attention_mma_cuda = (
+    _compile(_partition_mma_cuda, paged, cuda_kernel(launch_bounds=(MMA_THREADS, MMA_BLOCKS_PER_SM)))
+    for paged in (False, True))
 
-# exact tokens as float32 (the decode_attention op, float32 windows) and as int8 (the caches'
-# int8 windows; binary16 windows compile the same code for uint16)
-DECODE_ATTENTION = register("decode_attention", _decode_attention_cpu, _decode_attention_cuda,
-                            [_ASIG.format(exact="float32"), _ASIG.format(exact="int8")])
+
+def _signature(codes: str, exact: str, exact_scales: str, ndim: int) -> str:
+    """Signature of the partition kernels: codes and scales of ``codes`` (``uint8`` packed
+    bytes or ``uint32`` words) ``ndim``-D, exact tokens ``exact`` with scales ``exact_scales``."""
+    cd = "[" + ", ".join([":"] * (ndim - 1)) + ", ::1]"
+    return (f"void(float32[:, :, ::1], float32[:, :, ::1], {codes}{cd}, uint16{cd}, {codes}{cd}, uint16{cd}, int64, "
+            f"int64, {exact}, {exact}, int64, int32[::1], {exact_scales}, {exact_scales}, int64, float32[:, ::1], "
+            "float32[:, ::1], int64[::1], int64[::1], int64[::1], int64[::1], int64, float32[::1], float32, "
+            "float32[:, :, ::1], boolean, boolean, float32[:, :, ::1], uint8[:, :, ::1], uint16[:, ::1], float32, "
+            "int64, int64, boolean, int64, int64, int32[::1], int32[::1], int32[::1], int64, int64, "
+            "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1])")
+
+
+# flat: exact tokens as float32 (the decode_attention op, float32 windows) and as int8 (the
+# caches' int8 windows; binary16 windows compile the same code for uint16)
+_ASIG = [_signature("uint8", f"{dt}[:, :, ::1]", "uint16[:, :, ::1]", 3) for dt in ("float32", "int8")]
+# tensor cores: kc/vc are the packed codes viewed as uint32 words, every code array with a
+# unit head axis ([n_g, 1, capacity, ·]: the paged addressing, mma.token_address)
+_ASIG_MMA = [_signature("uint32", f"{dt}[:, :, ::1]", "uint16[:, :, ::1]", 4) for dt in ("float32", "int8")]
+# paged: pools [pages, heads, page_size, ·]; float32 pools are the exact tokens
+_PSIG = _signature("uint8", "float32[:, :, :, ::1]", "uint16[:, :, :, ::1]", 4)
+DECODE_ATTENTION = register("decode_attention", _decode_attention_cpu, _decode_attention_cuda, _ASIG)
 # the same op as one warp per partition (same arguments and partition results; the CPU twin
-# is the same tile loop)
-DECODE_ATTENTION_WARP = register("decode_attention_warp", _decode_attention_cpu, _decode_attention_warp_cuda,
-                                 [_ASIG.format(exact="float32"), _ASIG.format(exact="int8")])
-# the same op on tensor cores: kc/vc are the packed codes viewed as uint32 words
-_ASIG_MMA = _ASIG.replace("uint8[:, :, ::1], uint16[:, :, ::1], uint8[:, :, ::1], uint16[:, :, ::1], int64, int64,",
-                          "uint32[:, :, :, ::1], uint16[:, :, :, ::1], uint32[:, :, :, ::1], uint16[:, :, :, ::1], "
-                          "int64, int64,", 1)
-DECODE_ATTENTION_MMA = register("decode_attention_mma", _decode_attention_cpu, _decode_attention_mma_cuda,
-                                [_ASIG_MMA.format(exact="float32"), _ASIG_MMA.format(exact="int8")])
-
-
-# --- paged pools: the same tile loops, tokens found through a page table -----------------
-def _paged_tile(codes, scales, pages, compressed, kv_indices, first, page_size, h, t0, nt, cent, bits, nb,
-                    scale_table, buf):
-    """Tokens ``t0 … t0 + nt − 1`` into the rows of ``buf`` (CPU): decoded (or copied) one run
-    of consecutive page slots at a time."""
-    d = buf.shape[1]
-    tt = 0
-    while tt < nt:
-        page = kv_indices[first + (t0 + tt) // page_size]
-        slot = (t0 + tt) % page_size
-        run = min(nt - tt, page_size - slot)
-        if compressed:
-            decode_tile_simd_cpu(codes[page, h], scales[page, h], slot, run, cent, bits, nb, 0, scale_table, buf, tt)
-        else:
-            for i in range(run):
-                for j in range(d):
-                    buf[tt + i, j] = pages[page, h, slot + i, j]
-        tt += run
-
-
-paged_tile_cpu = cpu_serial(_paged_tile)
-
-
-@cpu_kernel(fastmath=FASTMATH_REDUCE)
-def _paged_decode_attention_cpu(qr, q, kc, ks, vc, vs, kp, vp, compressed, kv_indptr, kv_indices,
-                                kv_last_page_len, page_size, n_kv_heads, kcent, vcent, kbits, koff, vbits, voff,
-                                scale_table, softmax_scale, q_len, causal, part_size, part_m, part_l, part_acc):
-    """CPU twin: one work item per (sequence·KV head ``g``, partition ``p``) (``prange``),
-    the tile loop of the flat CPU twin with page-table addressing (uniform widths: the
-    SIMD decoders read ``kcent[0]``/``kbits[0]``)."""
-    n_g, rows, d = qr.shape
-    nb = d // 32
-    n_parts = part_m.shape[1]
-    kcent0 = kcent[0]
-    vcent0 = vcent[0]
-    kb0 = kbits[0]
-    vb0 = vbits[0]
-    for item in prange(n_g * n_parts):
-        g = item // n_parts
-        p = item - g * n_parts
-        seq = g // n_kv_heads
-        h = g - seq * n_kv_heads
-        first, T, t_lo, t_hi = paged_bounds_cpu(seq, p, part_size, kv_indptr, kv_last_page_len, page_size)
-        q_pos0 = T - q_len
-        buf = np.empty((CPU_TILE, d), dtype=np.float32)
-        sc = np.empty((rows, CPU_TILE), dtype=np.float32)
-        acc = np.zeros((rows, d), dtype=np.float32)
-        m = np.full(rows, NEG_INF, dtype=np.float32)
-        l = np.zeros(rows, dtype=np.float32)
-        no_bias = np.zeros((1, 1, 1), dtype=np.float32)
-        no_pos = np.zeros(1, dtype=np.int32)
-        qsrc = qr[g] if compressed else q[g]
-        for t0 in range(t_lo, t_hi, CPU_TILE):
-            nt = min(CPU_TILE, t_hi - t0)
-            paged_tile_cpu(kc, ks, kp, compressed, kv_indices, first, page_size, h, t0, nt, kcent0, kb0, nb,
-                           scale_table, buf)
-            tile_scores_cpu(qsrc, buf, nt, sc)
-            softmax_tile_cpu(sc, nt, softmax_scale, g, False, no_bias, causal and t0 + nt - 1 > q_pos0, q_pos0,
-                             q_len, t0, no_pos, False, 0, m, l, acc)
-            # values of the tile into the same buffer
-            paged_tile_cpu(vc, vs, vp, compressed, kv_indices, first, page_size, h, t0, nt, vcent0, vb0, nb,
-                           scale_table, buf)
-            tile_pv_cpu(sc, buf, nt, acc)
-        for r in range(rows):
-            part_m[g, p, r] = m[r]
-            part_l[g, p, r] = l[r]
-            for j in range(d):
-                part_acc[g, p, r, j] = acc[r, j]
-
-
-@cuda_kernel
-def _paged_decode_attention_cuda(qr, q, kc, ks, vc, vs, kp, vp, compressed, kv_indptr, kv_indices,
-                                 kv_last_page_len, page_size, n_kv_heads, kcent, vcent, kbits, koff, vbits, voff,
-                                 scale_table, softmax_scale, q_len, causal, part_size, part_m, part_l, part_acc):
-    """Cooperative paged partition kernel (the flat kernel's tile loop, page addressing).
-
-    Launch contract: grid ``(n_seq·num_kv_heads, n_parts, n_chunks)``, any block size (128
-    on a GPU).  Block ``(g, p, c)`` runs query rows ``c·rb … c·rb + rb − 1`` of sequence·KV
-    head ``g`` over the tokens of partition ``p`` of that sequence (none when the sequence
-    is shorter): per tile the K then the V tokens are decoded (or copied) once into shared
-    memory, one group of eight values per thread, and shared by every query row of the
-    GQA group; scores one (row, token) per thread, the softmax step one row per thread,
-    ``P·V`` one (row, column) per thread into shared accumulators.
-    """
-    qs = cuda.shared.array(SMEM_ROWS, dtype=float32)
-    acc = cuda.shared.array(SMEM_ROWS, dtype=float32)
-    kv = cuda.shared.array(SMEM_TILE, dtype=float32)
-    sc = cuda.shared.array(SMEM_SCORES, dtype=float32)
-    m = cuda.shared.array(MAX_BLOCK_ROWS, dtype=float32)
-    lsum = cuda.shared.array(MAX_BLOCK_ROWS, dtype=float32)
-    alpha = cuda.shared.array(MAX_BLOCK_ROWS, dtype=float32)
-    rows = qr.shape[1]
-    d = qr.shape[2]
-    nb = d // 32
-    g = cuda.blockIdx.x
-    p = cuda.blockIdx.y
-    tid = cuda.threadIdx.x
-    nth = cuda.blockDim.x
-    rb = (rows + cuda.gridDim.z - 1) // cuda.gridDim.z
-    r0 = cuda.blockIdx.z * rb
-    rb = min(rb, rows - r0)
-    if rb <= 0:
-        return
-    seq = g // n_kv_heads
-    h = g - seq * n_kv_heads
-    first, T, t_lo, t_hi = paged_bounds_dev(seq, p, part_size, kv_indptr, kv_last_page_len, page_size)
-    q_pos0 = T - q_len
-    stride = d + 1
-    nt_max = tile_tokens_dev(d)
-    coop_load_rows_dev(qs, qr if compressed else q, g, r0, rb, d, tid, nth)
-    coop_init_rows_dev(acc, m, lsum, rb, d, tid, nth)
-    cuda.syncthreads()
-    for t0 in range(t_lo, t_hi, nt_max):
-        nt = min(nt_max, t_hi - t0)
-        coop_tile_paged_dev(kc, ks, kp, compressed, kv_indices, first, page_size, h, t0, nt, nb, kcent, kbits, koff,
-                            scale_table, kv, stride, tid, nth)
-        cuda.syncthreads()
-        for u in range(tid, rb * nt, nth):
-            r = u // nt
-            tt = u - r * nt
-            s = dot_shared_dev(qs, r * d, kv, tt * stride, d) * softmax_scale
-            sc[u] = s if visible_dev(t0 + tt, q_pos0, r0 + r, q_len, causal) else NEG_INF
-        cuda.syncthreads()
-        coop_softmax_rows_dev(sc, nt, rb, m, lsum, alpha, tid, nth)
-        cuda.syncthreads()
-        coop_tile_paged_dev(vc, vs, vp, compressed, kv_indices, first, page_size, h, t0, nt, nb, vcent, vbits, voff,
-                            scale_table, kv, stride, tid, nth)
-        cuda.syncthreads()
-        coop_pv_dev(sc, kv, stride, nt, rb, d, alpha, acc, tid, nth)
-        cuda.syncthreads()
-    coop_store_rows_dev(acc, m, lsum, rb, d, g, p, r0, part_m, part_l, part_acc, tid, nth)
-
-
-@cuda_kernel
-def _paged_decode_attention_warp_cuda(qr, q, kc, ks, vc, vs, kp, vp, compressed, kv_indptr, kv_indices,
-                                      kv_last_page_len, page_size, n_kv_heads, kcent, vcent, kbits, koff, vbits, voff,
-                                      scale_table, softmax_scale, q_len, causal, part_size, part_m, part_l, part_acc):
-    """Warp-per-partition paged kernel (the flat warp kernel's tiles, page addressing).
-
-    Launch contract: grid ``(n_seq·num_kv_heads, ceil(n_parts / warps per block),
-    n_chunks)`` with whole warps per block, ``head_dim`` in 32, 64, 128 and at most
-    :data:`WARP_ROWS` query rows per chunk.  Warp ``w`` of block ``(g, y, c)`` runs
-    partition ``y·warps + w`` of sequence·KV head ``g`` (empty past the sequence's end: it
-    stores ``m = -inf``) as the flat warp kernel does (:mod:`numba_kv.ops.attention.warp`).
-    """
-    xbuf = cuda.shared.array(XBUF, dtype=float32)  # the simulator's exchanges only
-    qs = cuda.shared.array(WARP_QS, dtype=float32)
-    vraw = cuda.shared.array(WARP_VRAW, dtype=uint8)
-    vsc = cuda.shared.array(WARP_VSC, dtype=float32)
-    pw = cuda.shared.array(WARP_PW, dtype=float32)
-    rows = qr.shape[1]
-    d = qr.shape[2]
-    n_parts = part_m.shape[1]
-    g, tid, p, rb, r0, active = warp_geometry(rows, n_parts)
-    seq = g // n_kv_heads
-    h = g - seq * n_kv_heads
-    first, T, t_lo, t_hi = paged_bounds_dev(seq, min(p, n_parts - 1), part_size, kv_indptr, kv_last_page_len,
-                                            page_size)
-    if not active or t_hi < t_lo:
-        t_hi = t_lo
-    stage_queries(qs, qr, q, g, r0, rows, d, tid)
-    st = cuda.local.array(WARP_STATE, dtype=float32)
-    acc = cuda.local.array(WARP_VALUES, dtype=float32)
-    sc = cuda.local.array(WARP_ROWS, dtype=float32)
-    tmp = cuda.local.array(WARP_ROWS, dtype=float32)
-    lim = cuda.local.array(WARP_ROWS, dtype=int64)
-    init_state(st, acc, sc)
-    row_limits(lim, rb, r0, T - q_len, q_len, causal)
-    span = part_size if SIMULATED else t_hi - t_lo
-    if compressed:
-        paged_compressed_tiles(kc, ks, vc, vs, h, kv_indices, first, page_size, kbits, koff, vbits, voff, kcent, vcent,
-                               scale_table, t_lo, t_hi, span, qs, lim, softmax_scale, st, acc, sc, tmp, vraw, vsc, pw,
-                               xbuf, tid)
-    else:
-        paged_float_tiles(kp, vp, h, kv_indices, first, page_size, t_lo, t_hi, span, qs, WARP_ROWS * d, d, lim,
-                          softmax_scale, st, acc, sc, tmp, pw, xbuf, tid)
-    store_partition(st, acc, active, rb, g, p, r0, d, part_m, part_l, part_acc, xbuf, tid)
-
-
-@cuda_kernel(launch_bounds=(MMA_THREADS, MMA_BLOCKS_PER_SM))
-def _paged_decode_attention_mma_cuda(qr, q, kc, ks, vc, vs, kp, vp, compressed, kv_indptr, kv_indices,
-                                     kv_last_page_len, page_size, n_kv_heads, kcent, vcent, kbits, koff, vbits, voff,
-                                     scale_table, softmax_scale, q_len, causal, part_size, part_m, part_l, part_acc):
-    """Tensor-core paged kernel: the flat tensor-core kernel's tiles
-    (:func:`~numba_kv.ops.attention.mma.mma_partition`) with page addressing.
-
-    Launch contract: the warp kernel's grid (``(n_seq·num_kv_heads, ceil(n_parts / warps per
-    block), n_chunks)``, :func:`_paged_decode_attention_warp_cuda`) with blocks of
-    :data:`~numba_kv.ops.attention.mma.MMA_THREADS` threads, PQO codes (``compressed``)
-    of one width each in :data:`~numba_kv.ops.attention.mma.MMA_BITS` with one codebook,
-    ``head_dim`` = :data:`~numba_kv.ops.attention.mma.MMA_HEAD_DIM` and ``kc``/``vc`` viewed
-    as ``uint32`` words (``[pages, num_kv_heads, page_size, width / 4]``).
-    """
-    qs = cuda.shared.array(WARP_QS, dtype=float32)
-    tab = cuda.shared.array(MMA_TAB_WORDS, dtype=uint32)
-    rows = qr.shape[1]
-    d = qr.shape[2]
-    n_parts = part_m.shape[1]
-    g, tid, p, rb, r0, active = warp_geometry(rows, n_parts)
-    seq = g // n_kv_heads
-    h = g - seq * n_kv_heads
-    first, T, t_lo, t_hi = paged_bounds_dev(seq, min(p, n_parts - 1), part_size, kv_indptr, kv_last_page_len,
-                                            page_size)
-    if not active or t_hi < t_lo:
-        t_hi = t_lo
-    kb, vb, kf, vf = build_tables(tab, kcent, vcent, kbits, vbits, tid, cuda.blockDim.x)
-    stage_queries(qs, qr, q, g, r0, rows, d, tid)  # (ends with the block barrier)
-    # an empty partition past the sequence's end stores m = -inf like the other kernels
-    mma_partition(kb, vb, kc, ks, vc, vs, g, h, True, kv_indices, first, page_size, t_lo, t_hi, 0, T - q_len, q_len,
-                  causal, 0, tab, kf, vf, qs, d, rb, r0, softmax_scale, active, p, part_m, part_l, part_acc, tid & 31)
-
-
-_PSIG = ("void(float32[:, :, ::1], float32[:, :, ::1], uint8[:, :, :, ::1], uint16[:, :, :, ::1], "
-         "uint8[:, :, :, ::1], uint16[:, :, :, ::1], float32[:, :, :, ::1], float32[:, :, :, ::1], boolean, "
-         "int32[::1], int32[::1], int32[::1], int64, int64, float32[:, ::1], float32[:, ::1], int64[::1], "
-         "int64[::1], int64[::1], int64[::1], float32[::1], float32, int64, boolean, int64, float32[:, :, ::1], "
-         "float32[:, :, ::1], float32[:, :, :, ::1])")
+# is the same tile loop), and on tensor cores
+DECODE_ATTENTION_WARP = register("decode_attention_warp", _decode_attention_cpu, _decode_attention_warp_cuda, _ASIG)
+DECODE_ATTENTION_MMA = register("decode_attention_mma", _decode_attention_cpu, _decode_attention_mma_cuda, _ASIG_MMA)
 PAGED_DECODE_ATTENTION = register("paged_decode_attention", _paged_decode_attention_cpu,
                                   _paged_decode_attention_cuda, [_PSIG])
-# the same op as one warp per partition (same arguments and partition results)
 PAGED_DECODE_ATTENTION_WARP = register("paged_decode_attention_warp", _paged_decode_attention_cpu,
                                        _paged_decode_attention_warp_cuda, [_PSIG])
 # on tensor cores, for PQO pools (kc/vc: the packed codes viewed as uint32 words)
 PAGED_DECODE_ATTENTION_MMA = register("paged_decode_attention_mma", _paged_decode_attention_cpu,
                                       _paged_decode_attention_mma_cuda,
-                                      [_PSIG.replace("uint8[:, :, :, ::1]", "uint32[:, :, :, ::1]")])
+                                      [_signature("uint32", "float32[:, :, :, ::1]", "uint16[:, :, :, ::1]", 4)])

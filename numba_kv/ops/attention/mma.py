@@ -36,9 +36,10 @@ by a power of two that puts their largest magnitude in ``[2**13, 2**14)`` (undon
 float32 scores), codebook values lie in ``[-1, 1]`` and scales are binary16 already, weights
 are in ``[0, 1]``: finite inputs stay finite.
 
-Flat and paged: :func:`mma_partition` is the whole compressed partition for both kernels
-(``decode_attention_mma``, ``paged_decode_attention_mma``); :func:`token_address` is the only
-place they differ (a flat cache's arrays are viewed as ``[rows, 1, capacity, ·]``, a pool's are
+Flat and paged: :func:`mma_partition` is the whole compressed partition of the one tensor-core
+kernel source, compiled for flat caches (``decode_attention_mma``) and paged pools
+(``paged_decode_attention_mma``); :func:`token_address` is the only place they differ (a flat
+cache's arrays are viewed as ``[rows, 1, capacity, ·]``, a pool's are
 ``[pages, heads, page_size, ·]``).
 
 Simulator: the primitives of :mod:`numba_kv.ops.attention.ptx` exchange lanes between block barriers,

@@ -137,6 +137,11 @@ def default_partition_size(n_tokens: int, n_rows_kv: int, device: str, warp: boo
 _NO_QJL = (np.zeros((1, 1, 8), np.float32), np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1), np.uint16))
 _NO_BIAS = np.zeros((1, 1, 1), np.float32)
 _NO_SCALES = np.zeros((1, 1, 1), np.uint16)
+# the flat kernels' page table (KV row g is "page" g: never read) and the paged kernels' exact
+# tokens' positions and scales (a pool's tokens sit at their index; float32 pools, no scales)
+_NO_PAGES = (np.zeros(2, np.int32), np.zeros(1, np.int32), np.zeros(1, np.int32))
+_NO_POS = np.zeros(1, np.int32)
+_NO_POOL_SCALES = np.zeros((1, 1, 1, 1), np.uint16)
 _FLOAT_CENT = np.zeros((1, 16), np.float32)
 _FLOAT_BITS = np.ones(1, np.int64)
 for _a in (_FLOAT_CENT, _FLOAT_BITS):
@@ -191,6 +196,10 @@ class AttentionPlan:
         self.no_bias = c(_NO_BIAS)
         self.no_qjl = tuple(c(a) for a in _NO_QJL) + (np.float32(0.0),)
         self.no_scales = c(_NO_SCALES)
+        if paged:
+            self.no_pos, self.no_pool_scales = c(_NO_POS), c(_NO_POOL_SCALES)
+        else:
+            self.no_pages = (*(c(a) for a in _NO_PAGES), 1, 1)
         self._ws = threading.local()
 
     # --- geometry ---------------------------------------------------------------------------
@@ -284,8 +293,14 @@ class AttentionPlan:
             part_size = self.partition_size(max_len, kernel)
         n_parts = max(1, -(-max_len // part_size))
         parts = self.workspace(q3, n_parts)
-        args = (qr, q3, *pools, self.compressed, *page_table, int(page_size), int(n_kv_heads), *self.layout_args,
-                self.table, np.float32(softmax_scale), int(q_len), bool(causal), int(part_size), *parts)
+        kc, ks, vc, vs, kp, vp = pools
+        # the kernels' arguments of a flat cache, with the page table: a pool of codes is all
+        # compressed partitions, a float32 pool is read as exact tokens at positions 0, 1, …
+        sq, qsig, qnorm, qconst = self.no_qjl
+        args = (qr, q3, kc, ks, vc, vs, 0, 0, kp, vp, 0, self.no_pos, self.no_pool_scales, self.no_pool_scales,
+                EXACT_F32, *self.layout_args, self.sshift, self.table, np.float32(softmax_scale), self.no_bias, False,
+                False, sq, qsig, qnorm, qconst, 0, int(q_len), bool(causal), int(part_size),
+                n_parts if self.compressed else 0, *page_table, int(page_size), int(n_kv_heads), *parts)
         work = self.n_g * self.rows * self.d * total_len // max(n_seq, 1)
         return self._run(q3, kernel, args, n_parts, n_parts if self.compressed else 0, None, parts, work)
 
@@ -407,7 +422,7 @@ class FlatStep:
         codes, comp, exact = self._mid
         dev, n_g, rows, d = plan.device, plan.n_g, plan.rows, plan.d
         kernel.launch(dev, n_g * n_parts, qr, q, *codes, n_comp, *comp, n_exact, *exact, scale32, *extra, int(q_pos0),
-                      int(q_len), bool(causal), part_size, n_cp, *parts, work=n_g * rows * d * (n_comp + n_exact),
+                      int(q_len), bool(causal), part_size, n_cp, *plan.no_pages, *parts, work=n_g * rows * d * (n_comp + n_exact),
                       grid=plan.grid(kernel, n_parts))
         out = np.empty(self._out_shape, np.float32) if self._host else _backend.empty(qr, self._out_shape, np.float32)
         # the merge rotates partitions [0, n_rot) back: the compressed ones, and the exact ones

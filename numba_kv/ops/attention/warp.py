@@ -1,8 +1,8 @@
 """Warp-level device helpers of the warp-per-partition CUDA decode attention.
 
-The kernel (``_decode_attention_warp_cuda`` in :mod:`numba_kv.ops.attention.kernels`) gives
-each warp one partition of one KV row and walks it in tiles of 32 tokens, in two layouts
-(the split of FlashDecoding-style GPU decode kernels):
+The kernel (``_partition_warp_cuda`` in :mod:`numba_kv.ops.attention.kernels`, one source for
+flat caches and paged pools) gives each warp one partition of one KV row and walks it in
+tiles of 32 tokens, in two layouts (the split of FlashDecoding-style GPU decode kernels):
 
 * **scores, one token per lane**: lane ``ℓ`` decodes the whole K vector of token ``t0 + ℓ``
   (the packed bytes of its own row; mixed widths cost nothing extra, every lane is at the
@@ -20,6 +20,10 @@ and the accumulators are 16 registers.  Numba's CUDA simulator has no warp shuff
 warp barrier: there (``NUMBA_ENABLE_CUDASIM=1``, read once at import) :func:`lanes_reduce`
 exchanges through shared memory between block barriers and :func:`warp_sync` is a block
 barrier, so the kernel keeps every such call block-uniform in that build.
+
+The tile loops (:func:`_compressed_tiles`, :func:`_exact_tiles`) are compiled once per
+addressing (:func:`warp_tiles`): a token's row is found by the addressing cores of
+:mod:`numba_kv.ops.attention.cores`, a flat cache's row or a page table's slot.
 """
 
 from __future__ import annotations
@@ -29,15 +33,17 @@ import math
 from numba import cuda, float32, int64
 
 from ... import _backend
-from ..._jit import cuda_device
-from .cores import NEG_INF, exact_scale_dev, exact_value_dev
+from ..._jit import cuda_device, specialize
+from .cores import NEG_INF, addressing, exact_value_dev
+
+_FLAT = addressing(False)
 
 __all__ = ["SIMULATED", "TILE", "VPL", "VROW", "VSC", "WARP_PW", "WARP_QS", "WARP_ROWS", "WARP_STATE", "WARP_VALUES",
            "WARP_VRAW", "WARP_VSC", "XBUF", "compressed_tiles", "exact_tiles", "init_state", "lanes_reduce",
-           "merge_slots", "page_slot", "paged_compressed_tiles", "paged_float_tiles", "publish_weights",
+           "merge_slots", "publish_weights",
            "pv_compressed", "pv_exact", "row_limits", "scores_compressed", "scores_exact", "stage_queries",
            "stage_values", "store_partition", "tile_softmax", "uniform_widths", "warp_geometry", "warp_ok",
-           "warp_sync"]
+           "warp_sync", "warp_tiles"]
 
 #: the simulator build (shared-memory exchanges, block-uniform barriers)
 SIMULATED = _backend.simulator_enabled()
@@ -239,13 +245,13 @@ def uniform_widths(kbits):
 
 
 @cuda_device
-def scores_exact(ke, kes, exact_kind, g, t, table, qs, qo, d, sc):
-    """Scores of exact token ``t`` (read in its stored dtype) against every row."""
+def scores_exact(erow, es, exact_kind, table, qs, qo, d, sc):
+    """Scores of the exact token ``erow`` (read in its stored dtype; ``es``: its scale)
+    against every row."""
     for r in range(WARP_ROWS):
         sc[r] = float32(0.0)
-    es = exact_scale_dev(kes, g, t, exact_kind, table)
     for j in range(d):
-        x = exact_value_dev(ke[g, t, j], exact_kind, es, table)
+        x = exact_value_dev(erow[j], exact_kind, es, table)
         for r in range(WARP_ROWS):
             sc[r] += qs[qo + j + r * d] * x
 
@@ -320,17 +326,19 @@ def pv_compressed(n_tok, slot, tpw, sub, vbits, voff, vcent, vraw, vbase, vsc, s
                 acc[r * VPL + k] += pw[pbase + r * TILE + u] * y
 
 
-@cuda_device
-def pv_exact(n_tok, slot, tpw, sub, ve, ves, exact_kind, g, t0, table, pw, pbase, st, acc):
+def _pv_exact(n_tok, slot, tpw, sub, ve, ves, exact_kind, addr, t0, table, pw, pbase, st, acc):
     """:func:`pv_compressed` for exact tokens ``t0 + u``, read from ``ve`` in their stored
-    dtype."""
+    dtype where the addressing says (``addr``: see :func:`_compressed_tiles`)."""
+    kv_indices, first, page_size, g, h = addr
     for r in range(WARP_ROWS):
         for k in range(VPL):
             acc[r * VPL + k] = acc[r * VPL + k] * st[4 * r + 2]
     for u in range(slot, n_tok, tpw):
-        es = exact_scale_dev(ves, g, t0 + u, exact_kind, table)
+        page, ps, _ = token_slot_dev(kv_indices, first, page_size, g, t0 + u)
+        es = exact_scale_at_dev(ves, page, h, ps, exact_kind, table)
+        vrow = plane_dev(ve, page, h)[ps]
         for k in range(VPL):
-            y = exact_value_dev(ve[g, t0 + u, sub * VPL + k], exact_kind, es, table)
+            y = exact_value_dev(vrow[sub * VPL + k], exact_kind, es, table)
             for r in range(WARP_ROWS):
                 acc[r * VPL + k] += pw[pbase + r * TILE + u] * y
 
@@ -343,72 +351,22 @@ def merge_slots(acc, nl, xbuf, tid):
         lanes_reduce(acc, r * VPL, VPL, nl, 32, False, xbuf, tid)
 
 
-# --- the tile loops -----------------------------------------------------------------------
-@cuda_device
-def compressed_tiles(kcg, ksg, vcg, vsg, kbits, koff, vbits, voff, kcent, vcent, sshift, table, t_lo, t_hi, span,
-                     comp_pos0, qs, d, lim, softmax_scale, st, acc, sc, tmp, vraw, vsc, pw, xbuf, tid):
-    """The tiles of a compressed partition ``[t_lo, t_hi)`` of one KV row (``kcg``… are its
-    ``[capacity, ·]`` codes and scales): scores (token per lane), the tile softmax, the
-    staged V bytes, then ``p·v`` (coordinates per lane).  (At most 30 arguments per call:
-    CPython passes more as ``*args``, which Numba cannot inline.)"""
-    k_uniform = uniform_widths(kbits)
-    nl = d // VPL
-    lane = tid & 31
-    slot = lane // nl
-    sub = lane - slot * nl
-    wid = tid >> 5
-    vbase, sbase, pbase = wid * TILE * VROW, wid * TILE * VSC, wid * WARP_ROWS * TILE
-    for t0 in range(t_lo, t_lo + span, TILE):
-        t = t0 + lane
-        valid = t < t_hi
-        if valid:
-            scores_compressed(k_uniform, kcg[t], ksg[t], kbits, koff, kcent, sshift, table, qs, 0, d, sc)
-            stage_values(vcg[t], vsg[t], vcg.shape[1], d // 32, sshift, table, vraw, vbase + lane * VROW, vsc,
-                         sbase + lane * VSC)
-        publish_weights(sc, valid, comp_pos0 + t, lim, softmax_scale, st, tmp, pw, pbase, xbuf, tid)
-        pv_compressed(min(TILE, t_hi - t0), slot, 32 // nl, sub, vbits, voff, vcent, vraw, vbase, vsc, sbase, pw,
-                      pbase, st, acc)
-        warp_sync()  # before the next tile overwrites the staging area
+# --- the tile loops: one source for flat caches and paged pools -----------------------------
+# ``addr = (kv_indices, first, page_size, g, h)`` says where KV row ``g``'s tokens are (a tuple:
+# at most 30 arguments per call, CPython passes more as ``*args``, which Numba cannot inline);
+# ``token_slot_dev``/``plane_dev`` are bound per addressing (:func:`warp_tiles`,
+# :func:`~numba_kv.ops.attention.cores.addressing`); at module level the flat ones.
+PAGED = _FLAT["PAGED"]
+token_slot_dev, plane_dev, exact_scale_at_dev = (_FLAT[k] for k in ("token_slot_dev", "plane_dev",
+                                                                  "exact_scale_at_dev"))
 
 
-@cuda_device
-def exact_tiles(ke, ve, kes, ves, exact_kind, exact_pos, g, table, t_lo, t_hi, span, qs, qo, d, lim, softmax_scale,
-                st, acc, sc, tmp, pw, xbuf, tid):
-    """:func:`compressed_tiles` for the exact tokens (sinks, window) in their stored dtype,
-    against the raw query rows at ``qs[qo:]``; the same barriers per tile."""
-    nl = d // VPL
-    lane = tid & 31
-    slot = lane // nl
-    sub = lane - slot * nl
-    pbase = (tid >> 5) * WARP_ROWS * TILE
-    for t0 in range(t_lo, t_lo + span, TILE):
-        t = t0 + lane
-        valid = t < t_hi
-        pos = int64(0)
-        if valid:
-            scores_exact(ke, kes, exact_kind, g, t, table, qs, qo, d, sc)
-            pos = int64(exact_pos[t])
-        publish_weights(sc, valid, pos, lim, softmax_scale, st, tmp, pw, pbase, xbuf, tid)
-        pv_exact(min(TILE, t_hi - t0), slot, 32 // nl, sub, ve, ves, exact_kind, g, t0, table, pw, pbase, st, acc)
-        warp_sync()
-
-
-# --- paged pools --------------------------------------------------------------------------
-@cuda_device
-def page_slot(kv_indices, first, page_size, t):
-    """``(page, slot)`` of token ``t`` of a sequence whose page list starts at
-    ``kv_indices[first]``."""
-    i = t // page_size
-    return int64(kv_indices[first + i]), t - i * page_size
-
-
-@cuda_device
-def paged_compressed_tiles(kc, ks, vc, vs, h, kv_indices, first, page_size, kbits, koff, vbits, voff, kcent, vcent,
-                           table, t_lo, t_hi, span, qs, lim, softmax_scale, st, acc, sc, tmp, vraw, vsc, pw, xbuf, tid):
-    """:func:`compressed_tiles` for a paged pool of codes: token ``t`` of the sequence is
-    slot ``t % page_size`` of page ``kv_indices[first + t // page_size]``, KV head ``h``
-    (codes ``[page, h, slot, ·]``, one scale per 32-coordinate block); its position is ``t``.
-    (head_dim is ``32 · len(kbits)``: 30 arguments at most, see :func:`compressed_tiles`.)"""
+def _compressed_tiles(kc, ks, vc, vs, addr, kbits, koff, vbits, voff, kcent, vcent, sshift, table, t_lo, t_hi, span,
+                      pos0, qs, lim, softmax_scale, st, acc, sc, tmp, vraw, vsc, pw, xbuf, tid):
+    """The tiles of a compressed partition ``[t_lo, t_hi)`` of one KV row (token ``t`` at
+    position ``pos0 + t``; head_dim ``32 · len(kbits)``): scores (token per lane), the tile
+    softmax, the staged V bytes, then ``p·v`` (coordinates per lane)."""
+    kv_indices, first, page_size, g, h = addr
     d = kbits.shape[0] * 32
     k_uniform = uniform_widths(kbits)
     nl = d // VPL
@@ -421,21 +379,24 @@ def paged_compressed_tiles(kc, ks, vc, vs, h, kv_indices, first, page_size, kbit
         t = t0 + lane
         valid = t < t_hi
         if valid:
-            page, ps = page_slot(kv_indices, first, page_size, t)
-            scores_compressed(k_uniform, kc[page, h, ps], ks[page, h, ps], kbits, koff, kcent, 0, table, qs, 0, d, sc)
-            stage_values(vc[page, h, ps], vs[page, h, ps], vc.shape[3], d // 32, 0, table, vraw, vbase + lane * VROW,
-                         vsc, sbase + lane * VSC)
-        publish_weights(sc, valid, t, lim, softmax_scale, st, tmp, pw, pbase, xbuf, tid)
+            page, ps, _ = token_slot_dev(kv_indices, first, page_size, g, t)
+            vrow = plane_dev(vc, page, h)[ps]
+            scores_compressed(k_uniform, plane_dev(kc, page, h)[ps], plane_dev(ks, page, h)[ps], kbits, koff, kcent,
+                              sshift, table, qs, 0, d, sc)
+            stage_values(vrow, plane_dev(vs, page, h)[ps], vrow.shape[0], d // 32, sshift, table, vraw,
+                         vbase + lane * VROW, vsc, sbase + lane * VSC)
+        publish_weights(sc, valid, pos0 + t, lim, softmax_scale, st, tmp, pw, pbase, xbuf, tid)
         pv_compressed(min(TILE, t_hi - t0), slot, 32 // nl, sub, vbits, voff, vcent, vraw, vbase, vsc, sbase, pw,
                       pbase, st, acc)
-        warp_sync()
+        warp_sync()  # before the next tile overwrites the staging area
 
 
-@cuda_device
-def paged_float_tiles(kp, vp, h, kv_indices, first, page_size, t_lo, t_hi, span, qs, qo, d, lim, softmax_scale, st,
-                      acc, sc, tmp, pw, xbuf, tid):
-    """:func:`paged_compressed_tiles` for a float32 pool (``[page, h, slot, d]``), against the
-    raw query rows at ``qs[qo:]``."""
+def _exact_tiles(ke, ve, kes, ves, exact_kind, exact_pos, addr, table, t_lo, t_hi, span, qs, qo, d, lim,
+                 softmax_scale, st, acc, sc, tmp, pw, xbuf, tid):
+    """:func:`_compressed_tiles` for the exact tokens (a flat cache's sinks and window at
+    ``exact_pos[t]``, a float32 pool's tokens at ``t``) in their stored dtype, against the
+    raw query rows at ``qs[qo:]``; the same barriers per tile."""
+    kv_indices, first, page_size, g, h = addr
     nl = d // VPL
     lane = tid & 31
     slot = lane // nl
@@ -444,25 +405,33 @@ def paged_float_tiles(kp, vp, h, kv_indices, first, page_size, t_lo, t_hi, span,
     for t0 in range(t_lo, t_lo + span, TILE):
         t = t0 + lane
         valid = t < t_hi
+        pos = int64(0)
         if valid:
-            page, ps = page_slot(kv_indices, first, page_size, t)
-            for r in range(WARP_ROWS):
-                sc[r] = float32(0.0)
-            for j in range(d):
-                x = kp[page, h, ps, j]
-                for r in range(WARP_ROWS):
-                    sc[r] += qs[qo + j + r * d] * x
-        publish_weights(sc, valid, t, lim, softmax_scale, st, tmp, pw, pbase, xbuf, tid)
-        for r in range(WARP_ROWS):
-            for k in range(VPL):
-                acc[r * VPL + k] = acc[r * VPL + k] * st[4 * r + 2]
-        for u in range(slot, min(TILE, t_hi - t0), 32 // nl):
-            page, ps = page_slot(kv_indices, first, page_size, t0 + u)
-            for k in range(VPL):
-                y = vp[page, h, ps, sub * VPL + k]
-                for r in range(WARP_ROWS):
-                    acc[r * VPL + k] += pw[pbase + r * TILE + u] * y
+            page, ps, _ = token_slot_dev(kv_indices, first, page_size, g, t)
+            es = exact_scale_at_dev(kes, page, h, ps, exact_kind, table)
+            scores_exact(plane_dev(ke, page, h)[ps], es, exact_kind, table, qs, qo, d, sc)
+            pos = int64(t) if PAGED else int64(exact_pos[t])
+        publish_weights(sc, valid, pos, lim, softmax_scale, st, tmp, pw, pbase, xbuf, tid)
+        pv_exact(min(TILE, t_hi - t0), slot, 32 // nl, sub, ve, ves, exact_kind, addr, t0, table, pw, pbase, st, acc)
         warp_sync()
+
+
+def warp_tiles(paged: bool) -> dict:
+    """``{"compressed_tiles": …, "exact_tiles": …}``: the tile loops compiled for the flat or
+    the paged addressing (the names the warp kernel's source calls)."""
+    return _TILES[bool(paged)]
+
+
+def _tiles(paged):
+    names = addressing(paged)
+    suffix = "_paged" if paged else "_flat"
+    pv = cuda_device(specialize(_pv_exact, suffix, **names))
+    return {"compressed_tiles": cuda_device(specialize(_compressed_tiles, suffix, **names)),
+            "exact_tiles": cuda_device(specialize(_exact_tiles, suffix, pv_exact=pv, **names)), "pv_exact": pv}
+
+
+_TILES = {paged: _tiles(paged) for paged in (False, True)}
+compressed_tiles, exact_tiles, pv_exact = (_TILES[False][k] for k in ("compressed_tiles", "exact_tiles", "pv_exact"))
 
 
 @cuda_device
