@@ -422,8 +422,8 @@ class FlatStep:
         codes, comp, exact = self._mid
         dev, n_g, rows, d = plan.device, plan.n_g, plan.rows, plan.d
         kernel.launch(dev, n_g * n_parts, qr, q, *codes, n_comp, *comp, n_exact, *exact, scale32, *extra, int(q_pos0),
-                      int(q_len), bool(causal), part_size, n_cp, *plan.no_pages, *parts, work=n_g * rows * d * (n_comp + n_exact),
-                      grid=plan.grid(kernel, n_parts))
+                      int(q_len), bool(causal), part_size, n_cp, *plan.no_pages, *parts,
+                      work=n_g * rows * d * (n_comp + n_exact), grid=plan.grid(kernel, n_parts))
         out = np.empty(self._out_shape, np.float32) if self._host else _backend.empty(qr, self._out_shape, np.float32)
         # the merge rotates partitions [0, n_rot) back: the compressed ones, and the exact ones
         # too when they were attended in the rotated domain
