@@ -402,7 +402,7 @@ def run_eval(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any = 
         The model's package is not installed.
     """
     t_start = time.perf_counter()
-    _check_counts(tokens, prefill, gen_tokens)
+    check_counts(tokens, prefill, gen_tokens)
     text_file = resolve_text(text_path)
     if model is None or tokenizer is None:
         model, tokenizer = models.load_model(model_path)  # looked up at call time: tests substitute it
@@ -485,7 +485,7 @@ def _eval_spec(spec: CacheSpec, model: Any, tokenizer: Any, ids: np.ndarray, pre
         new = _greedy(model, tokenizer, spec, prompts, gen_tokens, chunk_size)
         if not ref.gen:
             ref.gen = new
-        gens, gen_match, paris = _compare_generations(tokenizer, prompts, new, ref.gen)
+        gens, gen_match, paris = compare_generations(tokenizer, prompts, new, ref.gen)
     return _eval_row(spec, m, ref.ppl, cache, c, tps, gen_match, paris, gens, time.perf_counter() - t0)
 
 
@@ -503,7 +503,7 @@ def _run_config(model: Any, model_path: str | Path | None, text: TextTokens, tok
     }
 
 
-def _check_counts(tokens: int, prefill: int, gen_tokens: int) -> None:
+def check_counts(tokens: int, prefill: int, gen_tokens: int) -> None:
     for nm, val, lo in (("--tokens", tokens, 3), ("--prefill", prefill, 1), ("--gen-tokens", gen_tokens, 0)):
         if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < lo:
             raise EvalConfigError(f"{nm}: expected an int >= {lo}, got {val!r}")
@@ -563,7 +563,7 @@ def _decode_logits(model: Any, ids: np.ndarray, cache: Any, prefill: int, chunk_
     return logits[1:-1], tps
 
 
-def _compare_generations(tokenizer: Any, prompts: Sequence[str], new: Sequence[Sequence[int]],
+def compare_generations(tokenizer: Any, prompts: Sequence[str], new: Sequence[Sequence[int]],
                          ref_gen: Sequence[Sequence[int]]
                          ) -> tuple[list[dict[str, Any]], float, bool | None]:
     """Per-prompt generations vs the dense ones: records, mean match, the Paris check."""

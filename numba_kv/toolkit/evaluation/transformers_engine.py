@@ -56,8 +56,8 @@ from ..specs import CacheSpec, EvalConfigError, parse_cache_specs, split_cache_l
 from .evaluate import (
     EvalResult,
     EvalRow,
-    _check_counts,
-    _compare_generations,
+    check_counts,
+    compare_generations,
     default_prompts,
     model_label,
     numba_threads,
@@ -370,7 +370,7 @@ def run_eval_transformers(specs: Sequence[CacheSpec | HFCacheSpec], *, model: An
         The model's package is not installed.
     """
     t_start = time.perf_counter()
-    _check_counts(tokens, prefill, gen_tokens)
+    check_counts(tokens, prefill, gen_tokens)
     if attn not in ("numba_kv", "sdpa", "eager"):
         raise EvalConfigError(f"--attn: expected 'numba_kv', 'sdpa' or 'eager', got {attn!r}")
     text_file = resolve_text(text_path)
@@ -417,7 +417,7 @@ def run_eval_transformers(specs: Sequence[CacheSpec | HFCacheSpec], *, model: An
                 if gen_tokens and prompts:
                     new = _greedy(model, tokenizer, spec, prompts, gen_tokens)
                     ref_gen = ref_gen or new
-                    gens, gen_match, paris = _compare_generations(enc, prompts, new, ref_gen)
+                    gens, gen_match, paris = compare_generations(enc, prompts, new, ref_gen)
                 kv_bytes = _kv_bytes(cache)
                 values = 2 * n_layers * n_kv * head_dim * tokens
                 rows.append(TransformersEvalRow(
