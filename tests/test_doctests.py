@@ -11,7 +11,8 @@ import numba_kv
 MODULES = sorted(m.name for m in pkgutil.walk_packages(numba_kv.__path__, "numba_kv.")
                  if not m.name.endswith("__main__"))
 #: modules that need an optional extra to import at all (skipped without it)
-OPTIONAL = {"numba_kv.integrations.transformers": ("torch", "transformers")}
+OPTIONAL = {"numba_kv.integrations.transformers": ("torch", "transformers"),
+            "numba_kv.toolkit.evaluation.transformers_engine": ("torch", "transformers")}
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -35,6 +35,8 @@ from .specs import (
 
 #: the packages of the ``tools`` extra (setup.cfg): a subcommand that misses one says so in one line
 TOOLS_EXTRA = ("tqdm", "rich", "gguf", "tokenizers", "matplotlib")
+#: packages of the ``hf`` extra (``eval --engine transformers``)
+HF_EXTRA = ("torch", "transformers")
 
 
 def _toolkit(name: str) -> ModuleType:
@@ -181,10 +183,11 @@ def _user_error(command: str, exc: str | BaseException) -> int:
 
 
 def _missing_extra(exc: ModuleNotFoundError) -> str | None:
-    """Message for a missing package of the ``tools`` extra, else None."""
+    """Message for a missing package of the ``tools`` or ``hf`` extra, else None."""
     package = (exc.name or "").split(".")[0]
-    if package in TOOLS_EXTRA:
-        return f"needs the tools extra (missing package '{package}'): pip install \"numba-kv[tools]\""
+    for extra, packages in (("tools", TOOLS_EXTRA), ("hf", HF_EXTRA)):
+        if package in packages:
+            return f"needs the {extra} extra (missing package '{package}'): pip install \"numba-kv[{extra}]\""
     return None
 
 

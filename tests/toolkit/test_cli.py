@@ -2,6 +2,7 @@
 subcommand whose ``tools`` package is missing (the bare install is built and checked for real
 by ``tests/test_base_install.py``)."""
 
+import importlib
 import subprocess
 import sys
 
@@ -38,6 +39,23 @@ def test_missing_tools_package_is_one_line_naming_the_extra(argv, command, monke
     assert out == ""
     assert err == f"numba-kv {command}: error: needs the tools extra (missing package 'rich'): " \
                   'pip install "numba-kv[tools]"\n'
+
+
+@pytest.mark.parametrize("package", ["torch", "transformers"])
+def test_missing_hf_package_is_one_line_naming_the_hf_extra(package, monkeypatch, capsys):
+    """``eval --engine transformers`` imports its engine (torch, transformers at its top) lazily:
+    without the hf extra the answer is one line naming it."""
+    def toolkit(name):
+        if name == "evaluation.transformers_engine":
+            raise ModuleNotFoundError(f"No module named '{package}'", name=package)
+        return importlib.import_module(f"numba_kv.toolkit.{name}")
+
+    monkeypatch.setattr(cli, "_toolkit", toolkit)
+    assert cli.main(["eval", "--engine", "transformers"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == f"numba-kv eval: error: needs the hf extra (missing package '{package}'): " \
+                  'pip install "numba-kv[hf]"\n'
 
 
 def test_other_missing_modules_are_not_hidden(monkeypatch):

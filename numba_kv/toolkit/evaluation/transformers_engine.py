@@ -43,12 +43,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+import transformers
 from rich.console import Console
 from rich.table import Table
 from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, QuantizedCache
 
 from numba_kv import knobs
 from numba_kv.info import collect
+from numba_kv.integrations.transformers import NumbaKVCache  # (registers attn_implementation "numba_kv")
 from numba_kv.metrics import compare_logits
 
 from .. import models
@@ -153,13 +157,9 @@ def load_hf_model(model_path: str | Path | None = None) -> tuple[Any, Any]:
     ModelNotFoundError
         The model's package is not installed.
     """
-    for package in ("torch", "transformers", "accelerate"):
-        if importlib.util.find_spec(package) is None:
-            raise EvalConfigError(f"--engine transformers: needs the hf extra and accelerate (missing package "
-                                  f"'{package}'): pip install \"numba-kv[hf]\" accelerate")
-    import torch  # noqa: PLC0415 - optional (extra hf)
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415
-
+    if importlib.util.find_spec("accelerate") is None:  # transformers' GGUF loader imports it on use
+        raise EvalConfigError("--engine transformers: loading a GGUF file needs accelerate (missing package "
+                              "'accelerate'): pip install \"numba-kv[hf]\" accelerate")
     path = models.model_path(model_path)
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
@@ -232,10 +232,6 @@ def _kv_bytes(cache: Any) -> int:
 
 
 def _make_cache(spec: CacheSpec | HFCacheSpec, model: Any, options: dict[str, Any] | None = None) -> Any:
-    from transformers import DynamicCache, QuantizedCache  # noqa: PLC0415 - optional (extra hf)
-
-    from numba_kv.integrations.transformers import NumbaKVCache  # noqa: PLC0415 - optional (extra hf)
-
     if isinstance(spec, HFCacheSpec):
         return QuantizedCache(spec.backend, model.config, nbits=spec.nbits)
     opts = dict(spec.options) if options is None else options
@@ -254,8 +250,6 @@ def _decode_logits(model: Any, ids: np.ndarray, cache: Any, prefill: int, label:
                    progress: bool) -> tuple[np.ndarray, float]:
     """Scored next-token logits (rows for tokens ``P+1 .. N-1``) and decode tokens/s (first decode
     step excluded), feeding all ``N`` tokens as :func:`.evaluate._decode_logits` does."""
-    import torch  # noqa: PLC0415
-
     x = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))[None]
     n = x.shape[1]
     rows = []
@@ -276,8 +270,6 @@ def _decode_logits(model: Any, ids: np.ndarray, cache: Any, prefill: int, label:
 
 
 def _greedy(model: Any, tok: Any, spec: Any, prompts: Sequence[str], gen_tokens: int) -> list[list[int]]:
-    import torch  # noqa: PLC0415
-
     out = []
     for p in prompts:
         ids = tok(p, return_tensors="pt").input_ids
@@ -314,8 +306,6 @@ def _warm_up(model: Any, ids: np.ndarray, specs: Sequence[Any], attn: str) -> No
 
 @contextlib.contextmanager
 def _torch_threads(n: int | None) -> Iterator[int]:
-    import torch  # noqa: PLC0415
-
     old = torch.get_num_threads()
     if n is not None:
         torch.set_num_threads(int(n))
@@ -376,11 +366,6 @@ def run_eval_transformers(specs: Sequence[CacheSpec | HFCacheSpec], *, model: An
     text_file = resolve_text(text_path)
     if model is None or tokenizer is None:
         model, tokenizer = load_hf_model(model_path)
-    import torch  # noqa: PLC0415
-    import transformers  # noqa: PLC0415
-
-    import numba_kv.integrations.transformers  # noqa: F401, PLC0415 - registers attn_implementation "numba_kv"
-
     enc = _Encoder(tokenizer)
     text = tokenize_text(text_file, enc, tokens)
     if prompts is None:
