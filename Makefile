@@ -25,7 +25,8 @@ $(STAMP): setup.cfg pyproject.toml
 
 ## the README's test command: lint, then the CPU suite (+PTX, notebooks) and the CUDA kernels under
 ## the simulator side by side (two processes: most of either stage is single-threaded compilation or
-## simulation, so on 2 cores the pair takes about as long as the longer stage; output line-synced)
+## simulation, so on 2 cores the pair takes about as long as the longer stage; each command's output
+## is printed whole when it ends, so the two logs do not interleave)
 test: venv
 	$(MAKE) lint
 	$(MAKE) -j2 --output-sync=line test-cpu test-sim
