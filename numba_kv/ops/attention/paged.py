@@ -47,7 +47,24 @@ def pool_arrays(like: Any, k_pages: Any = None, v_pages: Any = None, k_codes: An
                 v_codes: Any = None, v_scales: Any = None) -> tuple:
     """``(kc, ks, vc, vs, kp, vp)``, the pool arguments of the paged kernels, with
     placeholders (on the device of ``like``, made once) for the kind not given; checks
-    nothing (float32 pools when ``k_pages`` is given, else PQO pools)."""
+    nothing (float32 pools when ``k_pages`` is given, else PQO pools).
+
+    Parameters
+    ----------
+    like : array
+        Any array on the pools' device (NumPy or CUDA); the placeholders are put there.
+    k_pages, v_pages : arrays ``[num_pages, num_kv_heads, page_size, head_dim]`` float32, optional
+        Float32 pools.
+    k_codes, v_codes : arrays ``[num_pages, num_kv_heads, page_size, width]`` uint8, optional
+        PQO pools' packed codes (``width`` bytes per token, :class:`~numba_kv.ops.attention.layout.CodeLayout`).
+    k_scales, v_scales : arrays ``[num_pages, num_kv_heads, page_size, head_dim // 32]`` uint16, optional
+        PQO pools' binary16 block scales.
+
+    Returns
+    -------
+    tuple
+        ``(kc, ks, vc, vs, kp, vp)`` in the kernels' argument order.
+    """
     if k_pages is not None:
         kc = _backend.constant(like, _NO_CODES)
         ks = _backend.constant(like, _NO_SCALES)

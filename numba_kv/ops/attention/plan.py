@@ -333,6 +333,14 @@ class FlatStep:
     (:meth:`AttentionPlan.workspace`), so two threads running one step at once (two layers
     of one shape) never share them.  A cache keeps one per layer, binds again when a bound
     array is replaced (:meth:`bound_to`), and runs it under the layer's lock.
+
+    Parameters
+    ----------
+    plan : AttentionPlan
+        The plan of the layer's device and shape.
+    kc, ks, vc, vs, comp_pos0, ke, ve, exact_pos, head_signs, exact_rotated, exact_scales
+        The layer's arrays and flags, as for :meth:`AttentionPlan.bind_flat` (shapes and dtypes
+        there).
     """
 
     __slots__ = ("_bound", "_exact_rotated", "_host", "_kernel", "_merge_static", "_mid", "_no_qjl", "_out_shape",
