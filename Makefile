@@ -34,8 +34,9 @@ test: venv
 
 # the documentation site (mkdocs-material + mkdocstrings, API pages from the numpydoc docstrings)
 # into site/; --strict: a warning (broken link or anchor, docstring that does not parse) fails
+# (not --quiet: it silences the warnings --strict counts, and the build then passes)
 docs: venv
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # ruff with the rules of pyproject.toml (package, tests, benchmarks, notebooks)
 lint: venv
