@@ -105,14 +105,14 @@ def third_party_bars(progress: bool) -> Iterator[bool]:
     if on:
         yield True
         return
-    import transformers.utils.logging as hf_logging  # noqa: PLC0415 (hf extra; only callers that load with it)
+    import transformers.utils.logging as hf_logging  # noqa: PLC0415 (hf extra: only its callers load it)
 
     was_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     gguf_utils = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
     if gguf_utils is None:
         with contextlib.suppress(ImportError):  # a transformers without GGUF support
-            import transformers.modeling_gguf_pytorch_utils as gguf_utils  # noqa: PLC0415
+            import transformers.modeling_gguf_pytorch_utils as gguf_utils  # noqa: PLC0415 (hf extra, as above)
     original = getattr(gguf_utils, "tqdm", None)
     if original is not None:
         gguf_utils.tqdm = functools.partial(original, disable=True)

@@ -228,3 +228,21 @@ def test_a_logged_command_has_one_line_per_stage(tmp_path):
 def test_analyze_quiet_is_still_no_progress():
     args = cli.build_parser().parse_args(["analyze", "--quiet"])
     assert args.no_progress is True
+
+
+def test_third_party_bars_are_off_in_a_log_and_restored_after(monkeypatch):
+    """transformers' loading bars (its own switch, and the GGUF loader's direct tqdm) draw
+    nothing while stderr is not a terminal, and come back as they were after the block."""
+    pytest.importorskip("transformers")
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    import transformers.utils.logging as hf_logging
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    original, was_on = gguf_utils.tqdm, hf_logging.is_progress_bar_enabled()
+    with progress.third_party_bars(True) as on:
+        assert on is False and not hf_logging.is_progress_bar_enabled()
+        log = io.StringIO()
+        for _ in gguf_utils.tqdm(range(3), desc="Converting", file=log):
+            pass
+        assert log.getvalue() == ""
+    assert gguf_utils.tqdm is original and hf_logging.is_progress_bar_enabled() == was_on
