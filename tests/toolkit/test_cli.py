@@ -1,15 +1,22 @@
-"""``numba-kv`` itself: ``--version``, ``python -m numba_kv``, and the one-line error of a
+"""``numba-kv`` itself: ``--version``, ``python -m numba_kv``, the one-line error of a
 subcommand whose ``tools`` package is missing (the bare install is built and checked for real
-by ``tests/test_base_install.py``)."""
+by ``tests/test_base_install.py``), and the one convention of ``eval``, ``generate``, ``demo``,
+``bench`` and ``analyze``: ``--json [FILE|-]``, ``--no-progress``, an example in ``--help``, and
+progress that draws bars on a terminal only."""
 
+import argparse
 import importlib
+import io
+import json
+import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 import numba_kv
-from numba_kv.toolkit import cli, kernels
+from numba_kv.toolkit import cli, kernels, progress
 
 
 def test_version(capsys):
@@ -81,3 +88,161 @@ def test_kernels_without_the_cuda_compilers(monkeypatch, capsys):
         assert cli.main(argv) == 2
         assert capsys.readouterr().err == ("numba-kv kernels: error: needs the CUDA compilers (NVVM and nvJitLink "
                                            'not found; no GPU needed): pip install "numba-kv[cuda]"\n')
+
+
+# -- one convention across the subcommands: --json [FILE|-], --no-progress, --help, progress in logs -------
+
+TEXT = "The quick brown fox jumps over the lazy dog, and then it runs back home to sleep. " * 6
+
+
+@pytest.fixture
+def fast_argv(tiny_gguf, tmp_path):
+    """The arguments that make each subcommand run in seconds (the tiny random GGUF model, a
+    short synthetic stream, one benchmark case), by subcommand."""
+    path, _ = tiny_gguf
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    model = ["--model", str(path), "--threads", "1"]
+    return {
+        "eval": ["eval", *model, "--text", str(text), "--cache", "pqo4-r4-s2", "--tokens", "24", "--prefill", "8",
+                 "--gen-tokens", "0"],
+        # the prompt before the options: `--json` takes an optional value
+        "generate": ["generate", "The fox", *model, "--cache", "pqo4-r4-s2", "--max-new-tokens", "3"],
+        "demo": ["demo", "--synthetic", "--caches", "dense,pqo3", "--layers", "2", "--kv-heads", "1", "--head-dim",
+                 "64", "--tokens", "48", "--chunk", "16"],
+        "bench": ["bench", "attention", "--tokens", "32", "--bits", "3", "--repeat", "1", "--no-decode"],
+        "analyze": ["analyze", *model, "--text", str(text), "--tokens", "24", "--prefill", "8", "--bits", "3",
+                    "--residual-length", "4", "--sink-tokens", "2", "--layer-sensitivity", "none"],
+    }
+
+
+#: a progress line of a log (progress.StageLine)
+STAGE_LINE = r"^[^\n]*: [\d.]+(/[\d.]+)? \w+ in \d+\.\d s$"
+SUBCOMMANDS = ["eval", "generate", "demo", "bench", "analyze"]
+#: a line the table (or text) of each subcommand prints on stdout, absent from its JSON
+TABLE_MARK = {"eval": "KL mean", "demo": "pqo3", "bench": "LLVM host", "analyze": "timings"}
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_json_dash_prints_json_only_and_logs_progress_without_cr(command, fast_argv, capsys):
+    """``--json -``: stdout is one JSON document and nothing else, although progress is on;
+    stderr is not a terminal here, so progress is plain lines: no ``\\r`` anywhere."""
+    assert cli.main([*fast_argv[command], "--json", "-"]) == 0, capsys.readouterr().err
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert isinstance(doc, dict) and doc
+    assert "\r" not in out and "\r" not in err
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_json_without_value_is_stdout_too(command, fast_argv, capsys):
+    assert cli.main([*fast_argv[command], "--no-progress", "--json"]) == 0, capsys.readouterr().err
+    out, err = capsys.readouterr()
+    json.loads(out)
+    assert "\r" not in err
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_json_file_writes_it_and_keeps_the_table(command, fast_argv, tmp_path, capsys):
+    dest = tmp_path / "out.json"
+    assert cli.main([*fast_argv[command], "--no-progress", "--json", str(dest)]) == 0, capsys.readouterr().err
+    out, err = capsys.readouterr()
+    doc = json.loads(dest.read_text(encoding="utf-8"))
+    assert isinstance(doc, dict)
+    if command == "generate":  # its "table" is the generated text
+        assert out == doc["text"] + "\n"
+    else:
+        assert TABLE_MARK[command] in out
+    assert f"wrote {dest}" in err
+    # --no-progress: no stage lines either
+    assert not re.search(STAGE_LINE, err, re.M), err
+
+
+@pytest.mark.parametrize("command", [*SUBCOMMANDS, "kernels", "info"])
+def test_help_ends_with_an_example(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([command, "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    tail = out[out.rindex("Example"):]
+    assert tail.splitlines()[1].strip().startswith(f"numba-kv {command}"), tail
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_json_and_no_progress_are_the_same_option_everywhere(command):
+    """Same flags, same help, same defaults in every subcommand."""
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    opts = {a.option_strings[0]: a for a in sub._actions if a.option_strings}
+    assert (opts["--json"].nargs, opts["--json"].const, opts["--json"].default) == ("?", "-", None)
+    assert opts["--no-progress"].dest == "no_progress" and opts["--no-progress"].default is False
+    eval_sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["eval"]
+    eval_opts = {a.option_strings[0]: a for a in eval_sub._actions if a.option_strings}
+    assert opts["--no-progress"].help == eval_opts["--no-progress"].help
+    assert opts["--json"].help.split(" as JSON")[1] == eval_opts["--json"].help.split(" as JSON")[1]
+
+
+def test_progress_bar_draws_on_a_terminal_only(monkeypatch):
+    """A terminal gets tqdm's redrawn bar (``\\r`` frames); anything else one line per stage
+    (name, count, seconds); ``disable=True`` nothing."""
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty, log = Terminal(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", tty)
+    for _ in progress.progress_bar(range(3), desc="stage a", leave=True):
+        pass
+    assert "\r" in tty.getvalue() and "stage a" in tty.getvalue()
+    monkeypatch.setattr(sys, "stderr", log)
+    for _ in progress.progress_bar(range(3), desc="stage a"):
+        pass
+    bar = progress.progress_bar(total=5, desc="  stage b", unit="tok")
+    bar.update(2)
+    bar.update(3)
+    bar.close()
+    bar.close()  # once
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue() and len(lines) == 2
+    assert re.fullmatch(r"stage a: 3/3 it in \d+\.\d s", lines[0]), lines
+    assert re.fullmatch(r"stage b: 5/5 tok in \d+\.\d s", lines[1]), lines
+    log.truncate(0)
+    for _ in progress.progress_bar(range(3), desc="quiet", disable=True):
+        pass
+    progress.progress_bar(total=2, disable=True).close()
+    assert log.getvalue() == ""
+
+
+def test_a_logged_command_has_one_line_per_stage(tmp_path):
+    """``numba-kv ... 2> log`` (a real process, stderr a pipe): stage lines, no ``\\r`` frames."""
+    proc = subprocess.run([sys.executable, "-m", "numba_kv", "demo", "--synthetic", "--caches", "dense,pqo3",
+                           "--layers", "2", "--kv-heads", "1", "--head-dim", "64", "--tokens", "48", "--chunk", "16",
+                           "--json", "-"], capture_output=True, text=True, timeout=600, check=False,
+                          env=os.environ | {"COLUMNS": "80"})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["config"]["command"] == "demo"
+    assert "\r" not in proc.stderr
+    assert re.search(r"^caches x layers: 4/4 it in \d+\.\d s$", proc.stderr, re.M), proc.stderr
+
+
+def test_analyze_quiet_is_still_no_progress():
+    args = cli.build_parser().parse_args(["analyze", "--quiet"])
+    assert args.no_progress is True
+
+
+def test_third_party_bars_are_off_in_a_log_and_restored_after(monkeypatch):
+    """transformers' loading bars (its own switch, and the GGUF loader's direct tqdm) draw
+    nothing while stderr is not a terminal, and come back as they were after the block."""
+    pytest.importorskip("transformers")
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    import transformers.utils.logging as hf_logging
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    original, was_on = gguf_utils.tqdm, hf_logging.is_progress_bar_enabled()
+    with progress.third_party_bars(True) as on:
+        assert on is False and not hf_logging.is_progress_bar_enabled()
+        log = io.StringIO()
+        for _ in gguf_utils.tqdm(range(3), desc="Converting", file=log):
+            pass
+        assert log.getvalue() == ""
+    assert gguf_utils.tqdm is original and hf_logging.is_progress_bar_enabled() == was_on

@@ -94,13 +94,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from numba_kv.caches.dense import DenseCache
 from numba_kv.caches.polarquant import PolarQuantCache
 from numba_kv.metrics import LogitScorer, compare_logits, kl_rows, log_softmax, nmse
 
 from ..models import sequence_logits
+from ..progress import progress_bar
 from ..specs import EvalConfigError
 from .evaluate import TextTokens, json_safe, numba_threads, resolve_text, tokenize_text
 from .kv_split import KVSplitCache, RecordingCache
@@ -231,7 +231,7 @@ def analyze_kv(model: Any, tokenizer: Any, text_path: str | Path | None = None, 
     residual_length, sink_tokens : int
         The window of the "with window" rows (``0, 0`` rows are always included).
     progress : bool
-        tqdm progress bars on stderr.
+        Progress on stderr (a tqdm bar on a terminal, one line per stage otherwise).
     layer_sensitivity : sequence of {"k", "v"}
         Sides of the per-layer sensitivity sweep (``()`` skips it); each side costs one
         one-pass simulation per layer at ``min(bits)`` bits without window (~1 min for
@@ -327,7 +327,7 @@ class _AnalysisRun:
 
     def protocol(self, cache: Any, desc: str) -> np.ndarray:
         tokens = len(self.ids)
-        bar = tqdm(total=tokens - self.prefill, desc=f"{desc:>22}", disable=not self.progress, leave=False,
+        bar = progress_bar(total=tokens - self.prefill, desc=f"{desc:>22}", disable=not self.progress, leave=False,
                    unit="tok")
         out = sequence_logits(self.model, self.ids, cache, self.prefill, chunk_size=self.chunk_size,
                               include_prefill=False, progress=lambda done, total: bar.update(1))
@@ -436,7 +436,7 @@ class _AnalysisRun:
                                 "engine": "simulated"}
         for side in sides:
             out_rows = []
-            bar = tqdm(total=n_layers, desc=f"{side}: one layer at a time", disable=not self.progress,
+            bar = progress_bar(total=n_layers, desc=f"{side}: one layer at a time", disable=not self.progress,
                        leave=False)
             for li in range(n_layers):
                 spec = [None] * n_layers

@@ -55,7 +55,6 @@ import numba
 import numpy as np
 from rich.console import Console
 from rich.table import Table
-from tqdm.auto import tqdm
 
 from numba_kv import knobs
 from numba_kv.info import collect
@@ -63,6 +62,7 @@ from numba_kv.metrics import compare_logits
 
 from .. import models
 from ..models import generate, sequence_logits
+from ..progress import progress_bar
 from ..specs import DEFAULT_CACHES, DEFAULT_TEXT, CacheSpec, EvalConfigError
 
 __all__ = [
@@ -388,7 +388,7 @@ def run_eval(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any = 
     threads : int, optional
         Numba threads for the run (restored afterwards); ``None`` keeps the setting.
     progress : bool
-        Show tqdm progress bars (on stderr).
+        Progress on stderr (a tqdm bar on a terminal, one line per stage otherwise).
 
     Returns
     -------
@@ -546,7 +546,7 @@ def _decode_logits(model: Any, ids: np.ndarray, cache: Any, prefill: int, chunk_
                    label: str, progress: bool) -> tuple[np.ndarray, float]:
     """Scored next-token logits (rows for tokens ``P+1 .. N-1``) and decode tokens/s."""
     n_dec = len(ids) - prefill
-    bar = tqdm(total=n_dec, desc=f"{label:>14} decode", disable=not progress, leave=False, unit="tok")
+    bar = progress_bar(total=n_dec, desc=f"{label:>14} decode", disable=not progress, leave=False, unit="tok")
     stamps: list[float] = []
 
     def tick(done: int, total: int) -> None:

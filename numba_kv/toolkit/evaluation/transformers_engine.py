@@ -47,7 +47,6 @@ import torch
 import transformers
 from rich.console import Console
 from rich.table import Table
-from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, QuantizedCache
 
 from numba_kv import knobs
@@ -56,6 +55,7 @@ from numba_kv.integrations.transformers import NumbaKVCache  # (registers attn_i
 from numba_kv.metrics import compare_logits
 
 from .. import models
+from ..progress import progress_bar, third_party_bars
 from ..specs import CacheSpec, EvalConfigError, parse_cache_specs, split_cache_list
 from .evaluate import (
     EvalResult,
@@ -256,7 +256,7 @@ def _decode_logits(model: Any, ids: np.ndarray, cache: Any, prefill: int, label:
     t_first = t_last = float("nan")
     with torch.inference_mode():
         model(x[:, :prefill], cache=cache, use_cache=True)
-        for t in tqdm(range(prefill, n), desc=f"{label:>14} decode", disable=not progress, leave=False,
+        for t in progress_bar(range(prefill, n), desc=f"{label:>14} decode", disable=not progress, leave=False,
                       unit="tok"):
             logits = model(x[:, t:t + 1], cache=cache, use_cache=True).logits
             if t < n - 1:  # the last token's prediction has no target
@@ -345,7 +345,7 @@ def run_eval_transformers(specs: Sequence[CacheSpec | HFCacheSpec], *, model: An
     threads : int, optional
         Numba and torch threads for the run; ``None`` keeps both settings.
     progress : bool
-        tqdm progress bars on stderr.
+        Progress on stderr (a tqdm bar on a terminal, one line per stage otherwise).
 
     Returns
     -------
@@ -365,7 +365,8 @@ def run_eval_transformers(specs: Sequence[CacheSpec | HFCacheSpec], *, model: An
         raise EvalConfigError(f"--attn: expected 'numba_kv', 'sdpa' or 'eager', got {attn!r}")
     text_file = resolve_text(text_path)
     if model is None or tokenizer is None:
-        model, tokenizer = load_hf_model(model_path)
+        with third_party_bars(progress):  # transformers' own loading bars: a terminal only
+            model, tokenizer = load_hf_model(model_path)
     enc = _Encoder(tokenizer)
     text = tokenize_text(text_file, enc, tokens)
     if prompts is None:
