@@ -167,12 +167,14 @@ def _decode_cases(rng):
 
 
 def _paged_ragged(rng):
-    """Paged pools, ragged lengths (3, 17, 40 tokens, page_size 8), GQA 3 × q_len 2 causal,
-    several partitions per sequence (and none for the short ones): device vs CPU vs oracle."""
+    """Paged pools, ragged lengths (3, 17, 24 tokens, page_size 8: a partial first page, a
+    partial last page, full pages only), GQA 3 × q_len 2 causal, several partitions per
+    sequence (and one for the short one): device vs CPU vs oracle.  Every simulated thread is
+    an OS thread, so the longest sequence is kept at three pages."""
     for storage in ("pqo-k3v2", "float32"):
         caches = [PagedKVCache(num_pages=16, num_layers=1, num_kv_heads=2, head_dim=32, page_size=8,
                                storage=storage) for _ in range(2)]
-        for n in (3, 17, 40):
+        for n in (3, 17, 24):
             k = rng.standard_normal((2, n, 32)).astype(np.float32)
             v = rng.standard_normal((2, n, 32)).astype(np.float32)
             caches[0].append(0, caches[0].allocate_sequence(), k, v)
