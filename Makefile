@@ -31,12 +31,13 @@ $(STAMP): setup.cfg pyproject.toml
 ## them instead of compiling them a second time side by side.  Each command's output is printed
 ## whole when it ends, so the logs do not interleave; only test-cpu-main keeps pytest's cache
 ## (.pytest_cache: --lf, --ff), the others run with -p no:cacheprovider so that no two write it.
-## Then the docs build (`make docs`).
+## --keep-going: a failing job does not stop the ones still to start (make still fails at the
+## end).  Then the docs build (`make docs`).
 .PHONY: test-cpu-main test-ptx test-notebooks
 TEST_JOBS = test-ptx test-cpu-main test-sim test-notebooks
 test: venv
 	$(MAKE) lint
-	$(MAKE) -j2 --output-sync=line $(TEST_JOBS)
+	$(MAKE) -j2 --keep-going --output-sync=line $(TEST_JOBS)
 	$(MAKE) docs
 
 # the documentation site (mkdocs-material + mkdocstrings, API pages from the numpydoc docstrings)
