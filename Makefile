@@ -28,8 +28,9 @@ $(STAMP): setup.cfg pyproject.toml
 ## simulator and the notebooks, each started as soon as a slot is free (normally the PTX job ends
 ## first, the CPU job next).  The order matters on a fresh clone: the CPU job compiles the CPU
 ## twins into Numba's on-disk cache (NUMBA_CACHE_DIR, shared by every job), so the simulator
-## stage and the notebook kernels load them instead of compiling them a second time side by side.  Each command's output is printed
-## whole when it ends, so the logs do not interleave; only test-cpu-main keeps pytest's cache
+## stage and the notebook kernels load them instead of compiling them a second time side by side.
+## Each command's output is printed whole when it ends, so the logs do not interleave; only
+## test-cpu-main keeps pytest's cache
 ## (.pytest_cache: --lf, --ff), the others run with -p no:cacheprovider so that no two write it.
 ## --keep-going: a failing job does not stop the ones still to start (make still fails at the
 ## end).  Then the docs build (`make docs`).
