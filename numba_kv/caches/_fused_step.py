@@ -24,8 +24,9 @@ import numpy as np
 
 from .. import _backend, _config
 from ..ops.attention import attention_plan
-from ..ops.hadamard import rotate32_rows
-from ..ops.headquant import rotate_head_rows
+from ..ops.attention.step_cpu import ROTATE_BLOCK, ROTATE_HEAD
+from ..ops.hadamard import SIGNS32, rotate32_rows
+from ..ops.headquant import head_signs, rotate_head_rows
 from ..ops.window8 import window8_head_args, window8_head_step
 from ._layer import LayerState
 from .protocol import AttendConfig, DecodeOutput, Fused
@@ -45,7 +46,8 @@ class _FusedStep(NamedTuple):
     key: tuple
     step: Any  # FlatStep
     rot: bool  # the window is attended in the rotated domain
-    qr: Any  # the rotated queries' buffer (whole-head rotation), or None
+    qr: Any  # the rotated queries' buffer (whole-head rotation; on the host either rotation), or None
+    rotate: Any  # on the host: FlatStep.run's ``rotate`` (kind, None, signs), the step's queries still to set
 
 
 class FusedDecodeMixin:
@@ -124,14 +126,19 @@ class FusedDecodeMixin:
         bias = None if st.window is None else self._window_bias(st, q)
         qjl = self._qjl_args(st, q3)
         bound = self._fused_step(st, q3, bias is not None, qjl is not None)
-        qr = self._rotate_queries(q3, bound.qr)
+        rotate = bound.rotate
+        if rotate is None:
+            qr = self._rotate_queries(q3, bound.qr)
+        else:  # the host: the step rotates the queries into its buffer (one compiled call where small)
+            qr = bound.qr
+            rotate = (rotate[0], q3.reshape(-1, d), rotate[2])
         meta = st.meta
         n_exact = meta.get("n_sink", 0) + meta.get("n_win", 0) if self._windowed else 0
         # a rotated int8 window is attended in the rotated domain, like the compressed tokens:
         # q·k = Rq·Rk and the merge rotates its values back once per query row, instead of
         # rotating every window token back on every step
         out = bound.step.run(qr, qr if bound.rot else q3, meta.get("n_comp", 0), n_exact, st.seq_len - ql, ql,
-                             config.softmax_scale, bias, qjl)
+                             config.softmax_scale, bias, qjl, rotate=rotate)
         if outliers:
             xp = _backend.xp_of(out)
             out = xp.take_along_axis(out, xp.argsort(st.buffers["v_perm"].astype(np.int64), axis=2), axis=2)
@@ -173,8 +180,12 @@ class FusedDecodeMixin:
         step = plan.bind_flat(bufs["k_codes"], bufs["k_scales"], bufs["v_codes"], bufs["v_scales"], self._sinks(st),
                               ke, ve, pos, head_signs=hs, exact_rotated=rot,
                               exact_scales=None if kes is None else (kes, ves))
-        qr = None if hs is None else _backend.empty(q3, (n_g, rows, self.head_dim), np.float32)
-        bound = st.scratch["fused_step"] = _FusedStep(bufs, pos, key, step, rot, qr)
+        rotate = None
+        if host:  # either rotation into a reused buffer, with the signs the op-by-op rotations use
+            rotate = (ROTATE_BLOCK, None, _backend.constant(q3, SIGNS32)) if hs is None else \
+                (ROTATE_HEAD, None, _backend.constant(q3, head_signs(self.head_dim)))
+        qr = None if hs is None and not host else _backend.empty(q3, (n_g, rows, self.head_dim), np.float32)
+        bound = st.scratch["fused_step"] = _FusedStep(bufs, pos, key, step, rot, qr, rotate)
         return bound
 
     def _reshape_q(self, out: Any, b: int, hq: int, ql: int, dtype: Any) -> Any:

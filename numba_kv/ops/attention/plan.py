@@ -25,7 +25,9 @@ import numpy as np
 
 from ... import _backend, _config
 from ..._config import MAX_HEAD_DIM
+from .._registry import TWINS
 from ..hadamard import SIGNS32
+from ..headquant import rotate_head_rows
 from .cores import EXACT_F16, EXACT_F32, EXACT_I8
 from .kernels import (
     DECODE_ATTENTION,
@@ -39,6 +41,7 @@ from .kernels import (
 from .layout import F16_ABS_TABLE, CodeLayout, mma_layout_ok, mma_operands
 from .merge import MERGE_PARTITIONS
 from .mma import MMA_HEAD_DIM, MMA_THREADS, mma_partition_size
+from .step_cpu import ROTATE_HEAD, flat_step_serial
 from .warp import VROW, WARP_ROWS, warp_ok
 
 __all__ = ["AttentionPlan", "FlatStep", "TILE", "VARIANTS", "attention_plan", "check_cuda_head_dim",
@@ -323,6 +326,16 @@ class AttentionPlan:
         raise TypeError(f"k_exact: expected float32, float16 (or its uint16 bits) or int8 tokens, got {dt}")
 
 
+def _rotate_into(kind: int, q_in: Any, signs: Any, out: Any) -> None:
+    """``out`` ``[n, d]`` ← ``q_in`` rotated as :meth:`FlatStep.run`'s ``rotate`` says
+    (op by op: the path of a GPU step or of a step above the serial threshold)."""
+    if kind == ROTATE_HEAD:
+        rotate_head_rows(q_in, False, out)
+    elif kind:  # as rotate32_rows, into ``out``
+        n, d = (int(x) for x in q_in.shape)
+        TWINS["rotate32"].launch(_backend.device_of("x", q_in), n * (d // 32), q_in, signs, False, out, work=n * d)
+
+
 class FlatStep:
     """A flat cache layer's decode step bound to its :class:`AttentionPlan`
     (:meth:`AttentionPlan.bind_flat`): the static part of the partition kernel's and the
@@ -386,13 +399,14 @@ class FlatStep:
         return plan is self.plan and len(arrays) == len(self._bound) and all(map(operator.is_, arrays, self._bound))
 
     def run(self, qr: Any, q: Any, n_comp: int, n_exact: int, q_pos0: int, q_len: int, softmax_scale: float,
-            bias: Any = None, qjl: Any = None, part_size: int | None = None, causal: bool = True) -> Any:
+            bias: Any = None, qjl: Any = None, part_size: int | None = None, causal: bool = True,
+            rotate: tuple | None = None) -> Any:
         """One step: ``out`` ``[n_g, rows, d]`` float32 (a new array) on the plan's device.
 
         Parameters
         ----------
         qr, q : arrays ``[n_g, rows, d]`` float32
-            Rotated and raw queries of this step.
+            Rotated and raw queries of this step (``q`` may be ``qr`` itself).
         n_comp, n_exact : int
             Live compressed and exact tokens.
         q_pos0, q_len : int
@@ -400,6 +414,14 @@ class FlatStep:
         softmax_scale : float
         bias, qjl, part_size, causal
             As for :meth:`AttentionPlan.run_flat`.
+        rotate : ``(kind, q_in, signs)``, optional
+            Fill ``qr`` (C-contiguous) first: ``q_in`` ``[n_g·rows, d]`` float32 rotated over
+            the whole head with ``signs`` (``kind`` = :data:`~numba_kv.ops.attention.step_cpu.ROTATE_HEAD`,
+            as :func:`~numba_kv.ops.headquant.rotate_head_rows`) or per 32-block
+            (:data:`~numba_kv.ops.attention.step_cpu.ROTATE_BLOCK`, as
+            :func:`~numba_kv.ops.hadamard.rotate32_rows` with ``signs`` = ``SIGNS32``).  A
+            NumPy step whose every piece runs serially then is one compiled call
+            (:func:`~numba_kv.ops.attention.step_cpu.flat_step_serial`), with the same bits.
         """
         plan = self.plan
         n_comp, n_exact = int(n_comp), int(n_exact)
@@ -429,14 +451,25 @@ class FlatStep:
                      np.float32(qconst))
         codes, comp, exact = self._mid
         dev, n_g, rows, d = plan.device, plan.n_g, plan.rows, plan.d
+        work = n_g * rows * d * (n_comp + n_exact)
+        n_rot = n_parts if self._exact_rotated else n_cp
+        if self._host and rotate is not None and max(work, n_g * rows * d * n_parts) < \
+                _config.get("cpu_parallel_min_work"):
+            # every piece would run its serial compilation: all of them in one call
+            out = np.empty(self._out_shape, np.float32)
+            flat_step_serial(rotate[0], rotate[1], rotate[2], qr.reshape(n_g * rows, d), qr, q, *codes, n_comp, *comp,
+                             n_exact, *exact, scale32, *extra, int(q_pos0), int(q_len), bool(causal), part_size, n_cp,
+                             *plan.no_pages, *parts, n_rot, *self._merge_static, out)
+            return out
+        if rotate is not None:
+            _rotate_into(*rotate, qr.reshape(n_g * rows, d))
         kernel.launch(dev, n_g * n_parts, qr, q, *codes, n_comp, *comp, n_exact, *exact, scale32, *extra, int(q_pos0),
-                      int(q_len), bool(causal), part_size, n_cp, *plan.no_pages, *parts,
-                      work=n_g * rows * d * (n_comp + n_exact), grid=plan.grid(kernel, n_parts))
+                      int(q_len), bool(causal), part_size, n_cp, *plan.no_pages, *parts, work=work,
+                      grid=plan.grid(kernel, n_parts))
         out = np.empty(self._out_shape, np.float32) if self._host else _backend.empty(qr, self._out_shape, np.float32)
         # the merge rotates partitions [0, n_rot) back: the compressed ones, and the exact ones
         # too when they were attended in the rotated domain
-        MERGE_PARTITIONS.launch(dev, n_g * rows, *parts, n_parts if self._exact_rotated else n_cp,
-                                *self._merge_static, out, work=n_g * rows * d * n_parts,
+        MERGE_PARTITIONS.launch(dev, n_g * rows, *parts, n_rot, *self._merge_static, out, work=n_g * rows * d * n_parts,
                                 grid=((n_g, rows), plan.threads) if dev == _backend.CUDA else None)
         return out
 

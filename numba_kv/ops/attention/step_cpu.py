@@ -1,0 +1,59 @@
+"""A small flat decode step on the CPU in one compiled call: query rotation, partitions, merge.
+
+At decode sizes (a layer of a few KV heads, ~100 tokens) the kernels' arithmetic costs a few
+tens of microseconds, and each of the three Python-level dispatches of a step (rotating the
+queries, the partition kernel, the merge) costs several more in argument typing and the
+Python around it.  :func:`flat_step_serial` runs the three in one serial call: the same
+compiled serial twins (:data:`~numba_kv.ops.attention.kernels.DECODE_ATTENTION`,
+:data:`~numba_kv.ops.attention.merge.MERGE_PARTITIONS` and the rotation twins of
+:mod:`numba_kv.ops.headquant` / :mod:`numba_kv.ops.hadamard`) on the same arrays in the same
+order, so every output bit is the one the op-by-op path gives (a call from one compiled
+function into another's library is a real call: nothing is re-optimized across it).
+
+:class:`~numba_kv.ops.attention.plan.FlatStep` calls it only where the op-by-op path would
+run every piece serially (each piece's work below the ``cpu_parallel_min_work`` knob).
+"""
+
+from __future__ import annotations
+
+from ..._jit import cpu_serial
+from .. import hadamard as _hadamard  # noqa: F401 - registers the rotation twins read below
+from .. import headquant as _headquant  # noqa: F401 - (same)
+from .._registry import TWINS
+from .kernels import DECODE_ATTENTION
+from .merge import MERGE_PARTITIONS
+
+__all__ = ["ROTATE_BLOCK", "ROTATE_HEAD", "ROTATE_NONE", "flat_step_serial"]
+
+#: how :func:`flat_step_serial` makes the rotated queries ``qr`` first
+ROTATE_NONE, ROTATE_HEAD, ROTATE_BLOCK = 0, 1, 2
+
+_partition_serial = DECODE_ATTENTION.cpu.serial
+_merge_serial = MERGE_PARTITIONS.cpu.serial
+_rotate_head_serial = TWINS["rotate_head"].cpu.serial
+_rotate32_serial = TWINS["rotate32"].cpu.serial
+
+
+@cpu_serial
+def _flat_step_cpu(rotate, q_in, rsigns, qr2, qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kes,
+                   ves, exact_kind, kcent, vcent, kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias,
+                   has_bias, has_qjl, sq, qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size, n_comp_parts,
+                   kv_indptr, kv_indices, kv_last_page_len, page_size, n_kv_heads, part_m, part_l, part_acc, n_rot,
+                   msigns, head_rot, hsigns, out):
+    """Serial: ``qr2`` (``qr`` as ``[n_g·rows, d]``) ← the rotation ``rotate`` of ``q_in``
+    (none, whole head with signs ``rsigns``, or per 32-block), then the partition kernel's
+    arguments (``qr`` … ``part_acc``) and the merge's (``n_rot``, ``msigns``, ``head_rot``,
+    ``hsigns``, ``out``)."""
+    if rotate == 1:
+        _rotate_head_serial(q_in, rsigns, False, qr2)
+    elif rotate == 2:
+        _rotate32_serial(q_in, rsigns, False, qr2)
+    _partition_serial(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kes, ves, exact_kind, kcent,
+                      vcent, kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias, has_bias, has_qjl, sq,
+                      qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size, n_comp_parts, kv_indptr, kv_indices,
+                      kv_last_page_len, page_size, n_kv_heads, part_m, part_l, part_acc)
+    _merge_serial(part_m, part_l, part_acc, n_rot, msigns, head_rot, hsigns, out)
+
+
+#: the compiled entry (arguments as :func:`_flat_step_cpu`'s; no validation)
+flat_step_serial = _flat_step_cpu
