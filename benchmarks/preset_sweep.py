@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out, "a", encoding="utf-8") as f:
         for label, spec in cands:
             t0 = time.perf_counter()
-            ev._warm_up(model, ids, [spec], 256)
+            ev.warm_up(model, ids, [spec], 256)
             cache = spec.make(c.n_layers, c.n_kv_heads, c.head_dim, **ev.model_cache_options(model))
             scored, tps = ev._decode_logits(model, ids, cache, args.prefill, 256, label, False)
             if ref is None:
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                 np.save(ref_file, scored)
             else:
                 m = compare_logits(ref, scored, targets)
-            row = ev._eval_row(spec, m, ref_ppl, cache, c, tps, None, None, [], time.perf_counter() - t0)
+            row = ev.eval_row(spec, m, ref_ppl, cache, c, tps, None, None, [], time.perf_counter() - t0)
             doc = ev.json_safe({"label": label, "model": args.model, "tokens": args.tokens,
                                  "prefill": args.prefill, "cache_name": getattr(cache, "name", ""),
                                  **{k: v for k, v in vars(row).items() if k != "generations"}})

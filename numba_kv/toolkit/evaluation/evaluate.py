@@ -75,13 +75,16 @@ __all__ = [
     "EvalRow",
     "TextTokens",
     "default_prompts",
+    "eval_row",
     "model_label",
     "numba_threads",
     "plot_results",
+    "pyplot_parts",
     "render_table",
     "resolve_text",
     "run_eval",
     "tokenize_text",
+    "warm_up",
     "with_dense_reference",
 ]
 
@@ -413,7 +416,7 @@ def run_eval(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any = 
 
     with numba_threads(threads) as n_threads:
         env = collect()
-        _warm_up(model, text.ids, specs, chunk_size)
+        warm_up(model, text.ids, specs, chunk_size)
         ref = _Reference()
         rows = [_eval_spec(spec, model, tokenizer, text.ids, prefill, chunk_size, prompts, gen_tokens, ref,
                            progress) for spec in specs]
@@ -486,7 +489,7 @@ def _eval_spec(spec: CacheSpec, model: Any, tokenizer: Any, ids: np.ndarray, pre
         if not ref.gen:
             ref.gen = new
         gens, gen_match, paris = compare_generations(tokenizer, prompts, new, ref.gen)
-    return _eval_row(spec, m, ref.ppl, cache, c, tps, gen_match, paris, gens, time.perf_counter() - t0)
+    return eval_row(spec, m, ref.ppl, cache, c, tps, gen_match, paris, gens, time.perf_counter() - t0)
 
 
 def _run_config(model: Any, model_path: str | Path | None, text: TextTokens, tokens: int, prefill: int,
@@ -512,7 +515,15 @@ def check_counts(tokens: int, prefill: int, gen_tokens: int) -> None:
                               f"got {prefill}")
 
 
-def _warm_up(model: Any, ids: np.ndarray, specs: Sequence[CacheSpec], chunk_size: int | None) -> None:
+def pyplot_parts() -> tuple[Any, Any, Any]:
+    """matplotlib's ``colors``, ``figure`` and ``ticker``, imported here on first use for every
+    eval mode's plot (slow to import; the command line reports a missing matplotlib)."""
+    from matplotlib import colors, figure, ticker  # noqa: PLC0415 - slow to import (~0.3 s), only --plot needs it
+
+    return colors, figure, ticker
+
+
+def warm_up(model: Any, ids: np.ndarray, specs: Sequence[CacheSpec], chunk_size: int | None) -> None:
     """Compile / warm every cache's kernels outside the timed region (with the window shrunk
     so that a few tokens also exercise compression: Numba specializes on types, not on window
     sizes).
@@ -582,9 +593,12 @@ def compare_generations(tokenizer: Any, prompts: Sequence[str], new: Sequence[Se
     return gens, float(np.mean(fracs)), paris
 
 
-def _eval_row(spec: CacheSpec, m: dict[str, float], ref_ppl: float, cache: Any, c: Any, tps: float,
+def eval_row(spec: CacheSpec, m: dict[str, float], ref_ppl: float, cache: Any, c: Any, tps: float,
               gen_match: float | None, paris: bool | None, gens: list[dict[str, Any]],
               wall: float) -> EvalRow:
+    """One result row: statistics ``m`` (:func:`numba_kv.metrics.compare_logits`), bytes from
+    ``cache.memory_usage()`` on geometry ``c``, tokens/s, generation checks, wall seconds
+    (the text and long modes share it, so both count bytes the same way)."""
     kv_tokens = int(cache.seq_len(0))
     kv_bytes = int(cache.memory_usage())
     values = 2 * c.n_layers * c.n_kv_heads * c.head_dim * kv_tokens
@@ -653,8 +667,7 @@ def plot_results(result: EvalResult, path: str | Path) -> Path:
     Path
         ``path``.
     """
-    # a missing matplotlib is reported by the command line as a user error
-    from matplotlib import figure, ticker  # noqa: PLC0415 - slow to import (~0.3 s), only --plot needs it
+    _, figure, ticker = pyplot_parts()
 
     fig = figure.Figure(figsize=(11, 4.5), dpi=110)
     axes = fig.subplots(1, 2)

@@ -60,12 +60,13 @@ from ..progress import progress_bar
 from ..specs import CacheSpec, EvalConfigError
 from .evaluate import (
     EvalRow,
-    _eval_row,
-    _warm_up,
+    eval_row,
     json_safe,
     model_cache_options,
     model_label,
     numba_threads,
+    pyplot_parts,
+    warm_up,
     with_dense_reference,
 )
 from .needle import essays_text
@@ -270,7 +271,7 @@ def run_long(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any = 
     forward_s: dict[str, float] = {}
     with numba_threads(threads) as n_threads:
         env = collect()
-        _warm_up(model, ids_all[:64], specs, chunk_size)
+        warm_up(model, ids_all[:64], specs, chunk_size)
         for n in lengths:
             ids = ids_all[:n]
             history = n - scored - 1
@@ -326,7 +327,7 @@ def _eval_length(spec: CacheSpec, model: Any, ids: np.ndarray, history: int, rec
     if ref_logits is None:
         ref_ppl = m["ppl"]
     tps = (n - history) / (t2 - t1) if t2 > t1 else float("nan")
-    base = _eval_row(spec, m, ref_ppl, cache, c, tps, None, None, [], t2 - t0)
+    base = eval_row(spec, m, ref_ppl, cache, c, tps, None, None, [], t2 - t0)
     row = LongRow(**asdict(base), model=getattr(c, "name", ""), length=int(n), history=int(history),
                   scored=int(scored), store_s=t1 - t0, decode_s=t2 - t1)
     return row, logits
@@ -370,7 +371,7 @@ def plot_long(result: LongResult, path: str | Path) -> Path:
     -------
     Path
     """
-    from matplotlib import figure, ticker  # noqa: PLC0415 - optional and slow to import, only --plot needs it
+    _, figure, ticker = pyplot_parts()
 
     fig = figure.Figure(figsize=(11, 4.5), dpi=110)
     axes = fig.subplots(1, 2)

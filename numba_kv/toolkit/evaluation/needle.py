@@ -39,7 +39,7 @@ from numba_kv.info import collect
 from .. import models
 from ..models import generate
 from ..specs import CacheSpec, EvalConfigError
-from .evaluate import json_safe, model_cache_options, model_label, numba_threads, with_dense_reference
+from .evaluate import json_safe, model_cache_options, model_label, numba_threads, pyplot_parts, with_dense_reference
 
 __all__ = ["DEFAULT_DEPTHS", "DEFAULT_LENGTHS", "NEEDLE", "NEEDLE_ANSWER", "NEEDLE_SCHEMA", "QUESTION",
            "NeedleResult", "NeedleRow", "answer_found", "build_prompt", "essays_text", "plot_heatmap",
@@ -353,7 +353,7 @@ def plot_heatmap(result: NeedleResult, path: str | Path) -> Path:
     -------
     Path
     """
-    from matplotlib import colors, figure  # noqa: PLC0415 - optional and slow to import, only --plot needs it
+    colors, figure, _ = pyplot_parts()
 
     cfg = result.config
     labels = list(dict.fromkeys(r.cache for r in result.rows))

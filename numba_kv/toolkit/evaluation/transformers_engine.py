@@ -282,7 +282,7 @@ def _greedy(model: Any, tok: Any, spec: Any, prompts: Sequence[str], gen_tokens:
 
 def _warm_options(spec: CacheSpec) -> dict[str, Any]:
     """Options with the full-precision window shrunk, so a few tokens also reach compression (as
-    :func:`.evaluate._warm_up`)."""
+    :func:`.evaluate.warm_up`)."""
     small = dict(spec.options)
     if spec.is_preset:
         small.update(residual_length=2, sink_tokens=1)

@@ -219,7 +219,7 @@ def test_warm_up_reaches_serial_and_parallel_compilations(monkeypatch):
                             (type(cache).__name__, _config.get("cpu_parallel_min_work"))))
     model = SimpleNamespace(config=SimpleNamespace(n_layers=1, n_kv_heads=1, head_dim=32))
     monkeypatch.setattr(ev, "model_cache_options", lambda model: {})
-    ev._warm_up(model, np.arange(20), parse_cache_specs("dense,pqo3"), None)
+    ev.warm_up(model, np.arange(20), parse_cache_specs("dense,pqo3"), None)
     default = _config.DEFAULTS["cpu_parallel_min_work"]
     assert seen == [("DenseCache", default), ("PolarQuantCache", default), ("DenseCache", 0), ("PolarQuantCache", 0)]
     assert _config.get("cpu_parallel_min_work") == default  # restored
