@@ -76,7 +76,7 @@ class WindowedCacheMachine(RuleBasedStateMachine):
             self.sketch = np.asarray(self.cache.sketch, np.float64)  # the sketch matrix is data (seeded N(0,1))
             self.m = self.sketch.shape[0]
         self.layers = [self._empty() for _ in range(LAYERS)]
-        self.flips = self.checked = 0
+        self.worst = (0, 0)  # (flips, coordinates) of the check with the most flips per coordinate
 
     # -- model ------------------------------------------------------------------------------
     @staticmethod
@@ -142,7 +142,7 @@ class WindowedCacheMachine(RuleBasedStateMachine):
         np.testing.assert_array_equal(got[:, :, exact], want[:, :, exact])
         tol = 1e-5 + 2.0 ** -9 * np.abs(want).max(axis=-1, keepdims=True)
         bad = (np.abs(got - want) > tol).any(-1) & ~exact[None, None, :]  # [B, H, T] tokens to explain
-        self.checked += int((~exact).sum()) * got.shape[0] * H * D
+        checked = int((~exact).sum()) * got.shape[0] * H * D
         if bad.any():
             cb = self.cb[name]
             g = got[bad].astype(np.float64)  # [n, D]
@@ -153,7 +153,11 @@ class WindowedCacheMachine(RuleBasedStateMachine):
             ref_idx, near = self._comp(lay, name + "_idx")[bad].astype(int), self._comp(lay, name + "_near")[bad]
             flip = idx != ref_idx
             assert np.all(np.abs(idx - ref_idx) <= 1) and np.all(near[flip]), "a code differs outside a near-tie"
-            self.flips += int(flip.sum())
+            # one check sees each stored coordinate once; the history is re-checked after every
+            # step, so summing over checks would count one tied coordinate once per step
+            flips = int(flip.sum())
+            if flips > max(4, checked // 100):
+                self.worst = max(self.worst, (flips, checked))
         # the checked reconstruction (it may differ from the float64 reference by a scale ulp
         # or a tie) is what attention must use
         return np.where(exact[None, None, :, None], want, got)
@@ -294,8 +298,9 @@ class WindowedCacheMachine(RuleBasedStateMachine):
                 self._stored(i)
 
     def teardown(self):
-        # near-tie flips are rare: a systematic offset would show up as many "ties"
-        assert self.flips <= max(4, self.checked // 100), (self.flips, self.checked)
+        # near-tie flips are rare: a systematic offset would show up as many "ties" in one
+        # check (at most 4, or 1 % of the coordinates it judged)
+        assert self.worst == (0, 0), self.worst
 
 
 WindowedCacheMachine.TestCase.settings = settings(
