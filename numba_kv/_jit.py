@@ -89,7 +89,8 @@ def codegen_has_avx512() -> bool:
 FASTMATH_REDUCE = frozenset({"reassoc", "contract", "nsz", "arcp"})
 
 
-def cpu_kernel(fn: Callable | None = None, *, fastmath: bool | set | frozenset = False) -> Callable:
+def cpu_kernel(fn: Callable | None = None, *, fastmath: bool | set | frozenset = False,
+               serial_globals: dict | None = None) -> Callable:
     """CPU twin of a kernel: parallel, GIL-free, cached.
 
     The returned dispatcher carries a serial compilation of the same body as ``.serial``
@@ -100,13 +101,17 @@ def cpu_kernel(fn: Callable | None = None, *, fastmath: bool | set | frozenset =
     Use as ``@cpu_kernel`` or ``@cpu_kernel(fastmath=FASTMATH_REDUCE)``: ``fastmath`` (a
     bool or a set of LLVM flags, default off) applies to the CPU twin only, for kernels
     whose results are compared within float round-off (never for bit-exact quantizers).
+    ``serial_globals`` rebinds globals of the serial compilation only (compile-time
+    constants, see :func:`specialize`), e.g. a flag that lets the body allocate its buffers
+    once instead of once per ``prange`` iteration.
     """
     if fn is None:
-        return functools.partial(cpu_kernel, fastmath=fastmath)
+        return functools.partial(cpu_kernel, fastmath=fastmath, serial_globals=serial_globals)
     fm = set(fastmath) if not isinstance(fastmath, bool) else fastmath
     par = _restamp(njit(parallel=True, nogil=True, cache=True, fastmath=fm)(fn))
     # a distinct qualname keeps the two compilations apart in Numba's on-disk cache
-    ser = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    g = {**fn.__globals__, **serial_globals} if serial_globals else fn.__globals__
+    ser = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
     ser.__qualname__ = fn.__qualname__ + "__serial"
     ser.__module__ = fn.__module__
     par.serial = _restamp(njit(parallel=False, nogil=True, cache=True, fastmath=fm)(ser))

@@ -21,8 +21,6 @@ from ..half import f16_bits_to_f32_cpu
 from .cores import (
     NEG_INF,
     decode8_cpu,
-    exact_scale_cpu,
-    exact_value_cpu,
     load_token_fast_cpu,
     online_update_cpu,
     sign_pm1_cpu,
@@ -218,21 +216,32 @@ def _exact_tile(ex, exs, kind, t0, nt, table, dst, d0):
     ``dst[d0:d0 + nt]``, from the dtype they are stored in (``kind``, see
     :func:`~numba_kv.ops.attention.cores._exact_value`; ``exs``: the int8 tokens' binary16
     scales ``[slots, 1]``, read for them only; ``table``: ``F16_ABS_TABLE``).  The kind is
-    loop-invariant: LLVM unswitches the loop.  Binary16 tokens decode arithmetically
+    loop-invariant: one loop nest per kind.  Binary16 tokens decode arithmetically
     (branch-free, vectorizes) rather than through the table the CUDA kernels use: the same
-    exact values, about 16 % off a ``pqo3`` step's kernel at T = 100."""
+    exact values, about 16 % off a ``pqo3`` step's kernel at T = 100.
+
+    The values are :func:`~numba_kv.ops.attention.cores._exact_value` and
+    :func:`~numba_kv.ops.attention.cores._exact_scale` written out rather than called: an
+    inlined core that takes an array makes an NRT incref/decref pair per call, per token
+    here (and so do row views), which cost about a third of a small step's kernel time.
+    """
     d = dst.shape[1]
     if kind == 1:
         for tt in range(nt):
-            row = ex[t0 + tt]
+            t = t0 + tt
             for j in range(d):
-                dst[d0 + tt, j] = f16_bits_to_f32_cpu(row[j])
-        return
-    for tt in range(nt):
-        s = exact_scale_cpu(exs, t0 + tt, kind, table)
-        row = ex[t0 + tt]
-        for j in range(d):
-            dst[d0 + tt, j] = exact_value_cpu(row[j], kind, s, table)
+                dst[d0 + tt, j] = f16_bits_to_f32_cpu(ex[t, j])
+    elif kind == 2:
+        for tt in range(nt):
+            t = t0 + tt
+            s = table[exs[t, 0]]  # the token's binary16 scale (positive)
+            for j in range(d):
+                dst[d0 + tt, j] = float32(ex[t, j]) * s
+    else:
+        for tt in range(nt):
+            t = t0 + tt
+            for j in range(d):
+                dst[d0 + tt, j] = float32(ex[t, j])
 
 
 exact_tile_cpu = cpu_serial(_exact_tile, inline=True)
@@ -326,20 +335,20 @@ def _softmax_tile(sc, nt, softmax_scale, g, has_bias, bias, need_mask, q_pos0, q
     vectorize; masked scores are ``-inf`` and their weights exactly 0.
     """
     rows = sc.shape[0]
+    # 2-D indexing, no row views: each view costs an atomic NRT incref/decref pair
     n4 = nt - nt % 4
     for r in range(rows):
-        srow = sc[r]
         # scale, bias, mask: a vertical loop (selects, no branches)
         if has_bias or need_mask:
             for tt in range(nt):
                 pos = int64(exact_pos[t0 + tt]) if use_exact_pos else pos_base + tt
-                s = srow[tt] * softmax_scale
+                s = sc[r, tt] * softmax_scale
                 if has_bias:
                     s += bias[g, r, pos]
-                srow[tt] = s if visible_cpu(pos, q_pos0, r, q_len, need_mask) else NEG_INF
+                sc[r, tt] = s if visible_cpu(pos, q_pos0, r, q_len, need_mask) else NEG_INF
         else:
             for tt in range(nt):
-                srow[tt] = srow[tt] * softmax_scale
+                sc[r, tt] = sc[r, tt] * softmax_scale
         # tile max: four independent chains (a float max reduction does not vectorize
         # without no-NaN semantics; one chain would be latency-bound)
         m0 = NEG_INF
@@ -347,33 +356,32 @@ def _softmax_tile(sc, nt, softmax_scale, g, has_bias, bias, need_mask, q_pos0, q
         m2 = NEG_INF
         m3 = NEG_INF
         for tt in range(0, n4, 4):
-            m0 = srow[tt] if srow[tt] > m0 else m0
-            m1 = srow[tt + 1] if srow[tt + 1] > m1 else m1
-            m2 = srow[tt + 2] if srow[tt + 2] > m2 else m2
-            m3 = srow[tt + 3] if srow[tt + 3] > m3 else m3
+            m0 = sc[r, tt] if sc[r, tt] > m0 else m0
+            m1 = sc[r, tt + 1] if sc[r, tt + 1] > m1 else m1
+            m2 = sc[r, tt + 2] if sc[r, tt + 2] > m2 else m2
+            m3 = sc[r, tt + 3] if sc[r, tt + 3] > m3 else m3
         for tt in range(n4, nt):
-            m0 = srow[tt] if srow[tt] > m0 else m0
+            m0 = sc[r, tt] if sc[r, tt] > m0 else m0
         tile_max = max(max(m0, m1), max(m2, m3))
         if tile_max == NEG_INF:
             for tt in range(nt):
-                srow[tt] = float32(0.0)
+                sc[r, tt] = float32(0.0)
             continue
         m_old = m[r]
         m_new = max(m_old, tile_max)
         for tt in range(nt):  # vectorized exp; masked (-inf) scores give exactly 0
-            srow[tt] = exp_f32_cpu(srow[tt] - m_new)
+            sc[r, tt] = exp_f32_cpu(sc[r, tt] - m_new)
         lsum = float32(0.0)
         for tt in range(nt):
-            lsum += srow[tt]
+            lsum += sc[r, tt]
         if m_new == m_old:
             # the running max held (most tiles once the first few are in): alpha would be
             # exactly 1, so skip the rescale of the row's d accumulators — same bits
             l[r] += lsum
             continue
         alpha = exp_f32_cpu(m_old - m_new)  # exactly 0 while m_old is -inf
-        arow = acc[r]
-        for j in range(arow.shape[0]):
-            arow[j] *= alpha
+        for j in range(acc.shape[1]):
+            acc[r, j] *= alpha
         online_update_cpu(m, l, r, m_new, alpha, lsum)
 
 
@@ -398,8 +406,6 @@ def _tile_scores(qsrc, kt, nt, sc):
         q2 = qsrc[r + 2]
         q3 = qsrc[r + 3]
         for tt in range(0, n2, 2):
-            ka = kt[tt]
-            kb = kt[tt + 1]
             a0 = float32(0.0)
             a1 = float32(0.0)
             a2 = float32(0.0)
@@ -409,8 +415,8 @@ def _tile_scores(qsrc, kt, nt, sc):
             b2 = float32(0.0)
             b3 = float32(0.0)
             for j in range(d):
-                x = ka[j]
-                y = kb[j]
+                x = kt[tt, j]
+                y = kt[tt + 1, j]
                 a0 += q0[j] * x
                 a1 += q1[j] * x
                 a2 += q2[j] * x
@@ -428,13 +434,12 @@ def _tile_scores(qsrc, kt, nt, sc):
             sc[r + 2, tt + 1] = b2
             sc[r + 3, tt + 1] = b3
         for tt in range(n2, nt):
-            krow = kt[tt]
             s0 = float32(0.0)
             s1 = float32(0.0)
             s2 = float32(0.0)
             s3 = float32(0.0)
             for j in range(d):
-                k = krow[j]
+                k = kt[tt, j]
                 s0 += q0[j] * k
                 s1 += q1[j] * k
                 s2 += q2[j] * k
@@ -446,10 +451,9 @@ def _tile_scores(qsrc, kt, nt, sc):
     for r in range(r4, rows):
         qrow = qsrc[r]
         for tt in range(nt):
-            krow = kt[tt]
             s = float32(0.0)
             for j in range(d):
-                s += qrow[j] * krow[j]
+                s += qrow[j] * kt[tt, j]
             sc[r, tt] = s
 
 
@@ -460,41 +464,28 @@ def _tile_pv_rows4(sc, vt, nt, acc, r):
     weights, four accumulators and four value vectors fit its 32 registers."""
     d = acc.shape[1]
     n4 = nt - nt % 4
-    a0 = acc[r]
-    a1 = acc[r + 1]
-    a2 = acc[r + 2]
-    a3 = acc[r + 3]
-    s0 = sc[r]
-    s1 = sc[r + 1]
-    s2 = sc[r + 2]
-    s3 = sc[r + 3]
     for tt in range(0, n4, 4):
-        va = vt[tt]
-        vb = vt[tt + 1]
-        vc = vt[tt + 2]
-        vd = vt[tt + 3]
-        w0a, w0b, w0c, w0d = s0[tt], s0[tt + 1], s0[tt + 2], s0[tt + 3]
-        w1a, w1b, w1c, w1d = s1[tt], s1[tt + 1], s1[tt + 2], s1[tt + 3]
-        w2a, w2b, w2c, w2d = s2[tt], s2[tt + 1], s2[tt + 2], s2[tt + 3]
-        w3a, w3b, w3c, w3d = s3[tt], s3[tt + 1], s3[tt + 2], s3[tt + 3]
+        w0a, w0b, w0c, w0d = sc[r, tt], sc[r, tt + 1], sc[r, tt + 2], sc[r, tt + 3]
+        w1a, w1b, w1c, w1d = sc[r + 1, tt], sc[r + 1, tt + 1], sc[r + 1, tt + 2], sc[r + 1, tt + 3]
+        w2a, w2b, w2c, w2d = sc[r + 2, tt], sc[r + 2, tt + 1], sc[r + 2, tt + 2], sc[r + 2, tt + 3]
+        w3a, w3b, w3c, w3d = sc[r + 3, tt], sc[r + 3, tt + 1], sc[r + 3, tt + 2], sc[r + 3, tt + 3]
         for j in range(d):
-            x = va[j]
-            y = vb[j]
-            z = vc[j]
-            u = vd[j]
-            a0[j] += (w0a * x + w0b * y) + (w0c * z + w0d * u)
-            a1[j] += (w1a * x + w1b * y) + (w1c * z + w1d * u)
-            a2[j] += (w2a * x + w2b * y) + (w2c * z + w2d * u)
-            a3[j] += (w3a * x + w3b * y) + (w3c * z + w3d * u)
+            x = vt[tt, j]
+            y = vt[tt + 1, j]
+            z = vt[tt + 2, j]
+            u = vt[tt + 3, j]
+            acc[r, j] += (w0a * x + w0b * y) + (w0c * z + w0d * u)
+            acc[r + 1, j] += (w1a * x + w1b * y) + (w1c * z + w1d * u)
+            acc[r + 2, j] += (w2a * x + w2b * y) + (w2c * z + w2d * u)
+            acc[r + 3, j] += (w3a * x + w3b * y) + (w3c * z + w3d * u)
     for tt in range(n4, nt):
-        v = vt[tt]
-        w0, w1, w2, w3 = s0[tt], s1[tt], s2[tt], s3[tt]
+        w0, w1, w2, w3 = sc[r, tt], sc[r + 1, tt], sc[r + 2, tt], sc[r + 3, tt]
         for j in range(d):
-            x = v[j]
-            a0[j] += w0 * x
-            a1[j] += w1 * x
-            a2[j] += w2 * x
-            a3[j] += w3 * x
+            x = vt[tt, j]
+            acc[r, j] += w0 * x
+            acc[r + 1, j] += w1 * x
+            acc[r + 2, j] += w2 * x
+            acc[r + 3, j] += w3 * x
 
 
 def _tile_pv_rows2(sc, vt, nt, acc, r):
@@ -505,31 +496,22 @@ def _tile_pv_rows2(sc, vt, nt, acc, r):
     softmax"); a deliberate copy of :func:`_tile_pv_rows4`'s loop at another width."""
     d = acc.shape[1]
     n4 = nt - nt % 4
-    a0 = acc[r]
-    a1 = acc[r + 1]
-    s0 = sc[r]
-    s1 = sc[r + 1]
     for tt in range(0, n4, 4):
-        va = vt[tt]
-        vb = vt[tt + 1]
-        vc = vt[tt + 2]
-        vd = vt[tt + 3]
-        w0a, w0b, w0c, w0d = s0[tt], s0[tt + 1], s0[tt + 2], s0[tt + 3]
-        w1a, w1b, w1c, w1d = s1[tt], s1[tt + 1], s1[tt + 2], s1[tt + 3]
+        w0a, w0b, w0c, w0d = sc[r, tt], sc[r, tt + 1], sc[r, tt + 2], sc[r, tt + 3]
+        w1a, w1b, w1c, w1d = sc[r + 1, tt], sc[r + 1, tt + 1], sc[r + 1, tt + 2], sc[r + 1, tt + 3]
         for j in range(d):
-            x = va[j]
-            y = vb[j]
-            z = vc[j]
-            u = vd[j]
-            a0[j] += (w0a * x + w0b * y) + (w0c * z + w0d * u)
-            a1[j] += (w1a * x + w1b * y) + (w1c * z + w1d * u)
+            x = vt[tt, j]
+            y = vt[tt + 1, j]
+            z = vt[tt + 2, j]
+            u = vt[tt + 3, j]
+            acc[r, j] += (w0a * x + w0b * y) + (w0c * z + w0d * u)
+            acc[r + 1, j] += (w1a * x + w1b * y) + (w1c * z + w1d * u)
     for tt in range(n4, nt):
-        v = vt[tt]
-        w0, w1 = s0[tt], s1[tt]
+        w0, w1 = sc[r, tt], sc[r + 1, tt]
         for j in range(d):
-            x = v[j]
-            a0[j] += w0 * x
-            a1[j] += w1 * x
+            x = vt[tt, j]
+            acc[r, j] += w0 * x
+            acc[r + 1, j] += w1 * x
 
 
 #: query rows per register block of the P·V loop: 4 where code generation has AVX-512's 32
@@ -550,24 +532,17 @@ def _tile_pv(sc, vt, nt, acc):
             tile_pv_rows2_cpu(sc, vt, nt, acc, r)
     n4 = nt - nt % 4
     for r in range(rb, rows):
-        arow = acc[r]
-        srow = sc[r]
         for tt in range(0, n4, 4):
-            w0 = srow[tt]
-            w1 = srow[tt + 1]
-            w2 = srow[tt + 2]
-            w3 = srow[tt + 3]
-            v0 = vt[tt]
-            v1 = vt[tt + 1]
-            v2 = vt[tt + 2]
-            v3 = vt[tt + 3]
+            w0 = sc[r, tt]
+            w1 = sc[r, tt + 1]
+            w2 = sc[r, tt + 2]
+            w3 = sc[r, tt + 3]
             for j in range(d):
-                arow[j] += (w0 * v0[j] + w1 * v1[j]) + (w2 * v2[j] + w3 * v3[j])
+                acc[r, j] += (w0 * vt[tt, j] + w1 * vt[tt + 1, j]) + (w2 * vt[tt + 2, j] + w3 * vt[tt + 3, j])
         for tt in range(n4, nt):
-            w = srow[tt]
-            v = vt[tt]
+            w = sc[r, tt]
             for j in range(d):
-                arow[j] += w * v[j]
+                acc[r, j] += w * vt[tt, j]
 
 
 tile_pv_rows4_cpu = cpu_serial(_tile_pv_rows4, fastmath=FASTMATH_REDUCE, inline=True)

@@ -167,50 +167,62 @@ def _partition_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, ex
     pm1 = np.empty(2, dtype=np.float32)  # the codebook of a QJL sign bit
     pm1[0] = float32(-1.0)
     pm1[1] = float32(1.0)
-    for item in prange(n_g * n_parts):
-        g = item // n_parts
-        p = item - g * n_parts
-        compressed, t_lo, t_hi, pos_q, first, h = row_bounds_cpu(g, p, n_comp_parts, part_size, n_comp, n_exact, q_pos0,
-                                                                q_len, kv_indptr, kv_last_page_len, page_size,
-                                                                n_kv_heads)
-        # token t sits at comp_pos0 + t (compressed tokens, every token of a pool) or at
-        # exact_pos[t] (a flat cache's exact tokens)
-        sequential = compressed or PAGED
+    # the serial compilation (SERIAL_TWIN, a step's few work items) runs every item in one
+    # chunk that allocates its seven buffers once: per item they cost ~10 % of a small
+    # step's kernel.  The parallel one gives each item its own chunk (prange cannot tell
+    # which thread runs it without a call that Numba's cache cannot store)
+    n_items = n_g * n_parts
+    n_chunks = 1 if SERIAL_TWIN else n_items
+    for chunk in prange(n_chunks):
         kt = np.empty((CPU_TILE, d), dtype=np.float32)
         sc = np.empty((rows, CPU_TILE), dtype=np.float32)
         stq = np.empty((CPU_TILE if has_qjl else 1, m_qjl), dtype=np.float32)
         corr = np.empty((rows, CPU_TILE if has_qjl else 1), dtype=np.float32)
-        acc = np.zeros((rows, d), dtype=np.float32)
-        m = np.full(rows, NEG_INF, dtype=np.float32)
-        l = np.zeros(rows, dtype=np.float32)
-        qsrc = qr[g] if compressed else q[g]
-        for t0 in range(t_lo, t_hi, CPU_TILE):
-            nt = min(CPU_TILE, t_hi - t0)
-            kv_tile_cpu(kc, ks, ke, kes, exact_kind, compressed, k_uniform, kcent, kbits, koff, sshift, scale_table,
-                        kv_indices, first, page_size, g, h, t0, nt, kt)
-            tile_scores_cpu(qsrc, kt, nt, sc)
-            if compressed and has_qjl and not PAGED:
-                # QJL correction c_t·<S q, σ_t>, in q·k units: signs unpacked to ±1 by the
-                # 1-bit vector decoder, then scored like keys
-                unpack_signs_tile_cpu(qsig[g], t0, nt, m_qjl, pm1, stq)
-                tile_scores_cpu(sq[g], stq, nt, corr)
-                for tt in range(nt):
-                    c = qjl_const * scale_table[qnorm[g, t0 + tt]]
-                    for r in range(rows):
-                        sc[r, tt] += c * corr[r, tt]
-            last_pos = comp_pos0 + t0 + nt - 1 if sequential else -1
-            need_mask = causal and (not sequential or last_pos > pos_q)
-            softmax_tile_cpu(sc, nt, softmax_scale, g, has_bias and not PAGED, bias, need_mask, pos_q, q_len,
-                             comp_pos0 + t0 if sequential else 0, exact_pos, not sequential, t0, m, l, acc)
-            # the value tile reuses the key tile's buffer: one L1-sized buffer per thread
-            kv_tile_cpu(vc, vs, ve, ves, exact_kind, compressed, v_uniform, vcent, vbits, voff, sshift, scale_table,
-                        kv_indices, first, page_size, g, h, t0, nt, kt)
-            tile_pv_cpu(sc, kt, nt, acc)
-        for r in range(rows):
-            part_m[g, p, r] = m[r]
-            part_l[g, p, r] = l[r]
-            for j in range(d):
-                part_acc[g, p, r, j] = acc[r, j]
+        acc = np.empty((rows, d), dtype=np.float32)
+        m = np.empty(rows, dtype=np.float32)
+        l = np.empty(rows, dtype=np.float32)
+        for item in range(chunk, n_items, n_chunks):
+            g = item // n_parts
+            p = item - g * n_parts
+            compressed, t_lo, t_hi, pos_q, first, h = row_bounds_cpu(g, p, n_comp_parts, part_size, n_comp, n_exact,
+                                                                    q_pos0, q_len, kv_indptr, kv_last_page_len,
+                                                                    page_size, n_kv_heads)
+            # token t sits at comp_pos0 + t (compressed tokens, every token of a pool) or at
+            # exact_pos[t] (a flat cache's exact tokens)
+            sequential = compressed or PAGED
+            for r in range(rows):
+                m[r] = NEG_INF
+                l[r] = float32(0.0)
+                for j in range(d):
+                    acc[r, j] = float32(0.0)
+            qsrc = qr[g] if compressed else q[g]
+            for t0 in range(t_lo, t_hi, CPU_TILE):
+                nt = min(CPU_TILE, t_hi - t0)
+                kv_tile_cpu(kc, ks, ke, kes, exact_kind, compressed, k_uniform, kcent, kbits, koff, sshift,
+                            scale_table, kv_indices, first, page_size, g, h, t0, nt, kt)
+                tile_scores_cpu(qsrc, kt, nt, sc)
+                if compressed and has_qjl and not PAGED:
+                    # QJL correction c_t·<S q, σ_t>, in q·k units: signs unpacked to ±1 by the
+                    # 1-bit vector decoder, then scored like keys
+                    unpack_signs_tile_cpu(qsig[g], t0, nt, m_qjl, pm1, stq)
+                    tile_scores_cpu(sq[g], stq, nt, corr)
+                    for tt in range(nt):
+                        c = qjl_const * scale_table[qnorm[g, t0 + tt]]
+                        for r in range(rows):
+                            sc[r, tt] += c * corr[r, tt]
+                last_pos = comp_pos0 + t0 + nt - 1 if sequential else -1
+                need_mask = causal and (not sequential or last_pos > pos_q)
+                softmax_tile_cpu(sc, nt, softmax_scale, g, has_bias and not PAGED, bias, need_mask, pos_q, q_len,
+                                 comp_pos0 + t0 if sequential else 0, exact_pos, not sequential, t0, m, l, acc)
+                # the value tile reuses the key tile's buffer: one L1-sized buffer per thread
+                kv_tile_cpu(vc, vs, ve, ves, exact_kind, compressed, v_uniform, vcent, vbits, voff, sshift,
+                            scale_table, kv_indices, first, page_size, g, h, t0, nt, kt)
+                tile_pv_cpu(sc, kt, nt, acc)
+            for r in range(rows):
+                part_m[g, p, r] = m[r]
+                part_l[g, p, r] = l[r]
+                for j in range(d):
+                    part_acc[g, p, r, j] = acc[r, j]
 
 
 # --- CUDA kernels ------------------------------------------------------------------------
@@ -354,11 +366,16 @@ def _compile(fn, paged, wrap):
                            **warp_tiles(paged)))
 
 
-_KV_TILE = {paged: cpu_serial(specialize(_kv_tile, "_paged" if paged else "_flat", **addressing(paged)), inline=True)
+# a real call, not inlined into the kernel: inlined, each of its ten array arguments cost an
+# atomic NRT incref/decref pair per tile (a call's own pairs are fewer: Numba prunes some)
+_KV_TILE = {paged: cpu_serial(specialize(_kv_tile, "_paged" if paged else "_flat", **addressing(paged)))
             for paged in (False, True)}
 kv_tile_cpu = _KV_TILE[False]
+#: False in the parallel compilation of the CPU twin, True in its ``.serial`` one (a compile-time constant)
+SERIAL_TWIN = False
 _decode_attention_cpu, _paged_decode_attention_cpu = (
-    _compile(_partition_cpu, paged, cpu_kernel(fastmath=FASTMATH_REDUCE)) for paged in (False, True))
+    _compile(_partition_cpu, paged, cpu_kernel(fastmath=FASTMATH_REDUCE, serial_globals={"SERIAL_TWIN": True}))
+    for paged in (False, True))
 # Launch bounds: blocks of at most MAX_CUDA_THREADS (256, the cuda_threads knob's ceiling),
 # at least 2 of them resident per SM, caps ptxas at 128 registers per thread, so 4 blocks of
 # the default 128 threads stay resident on an H100 SM (unbounded, ptxas took 132 once the
