@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from numba import cuda, prange
+import numpy as np
+from numba import cuda, int32, prange
 
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel
@@ -69,3 +70,130 @@ def copy_tokens(src: Any, s0: int, n: int, dst: Any, d0: int = 0) -> None:
 def copy_prefix(src: Any, n: int, dst: Any) -> None:
     """``dst[:, :n] = src[:, :n]`` (storage growth)."""
     copy_tokens(src, 0, n, dst, 0)
+
+
+# -- the window store of a decode step in one launch -----------------------------------------
+# One store of new tokens into a sinks-and-window buffer (caches/_window.py, ``StorePlan``) is
+# five token copies per side: new sinks, the evicted window tokens and the new tokens that skip
+# the window into the eviction buffer, the surviving window tokens slid to the window's front
+# (an overlapping move), the new window tokens behind them; then the exact tokens' positions
+# for the attention.  Op by op on a device that is up to eight launches and two temporaries
+# per side plus one launch for the positions; here it is one launch for both sides and the
+# positions, and the move needs no temporary: each thread owns one (side, row, channel) column
+# and copies its tokens in ascending order, and a slide only moves tokens towards the front
+# (destination < source), so no token is overwritten before it is read.  Copies only: bit for
+# bit the op-by-op result.
+
+
+@cpu_kernel
+def _slide_windows_cpu(xk, xv, exk, exv, evk, evv, a, s_at, e_new, sinks, e_old, keep_old, keep_new, pos, n_pos,
+                       pos_sinks, pos_base):
+    """CPU twin of :func:`_slide_windows_cuda`: ``prange`` over (side, row)."""
+    rows = exk.shape[0]
+    for j in prange(2 * rows):
+        r = j % rows
+        x, ex, ev = (xk, exk, evk) if j < rows else (xv, exv, evv)
+        for w in range(ex.shape[2]):
+            for t in range(a):
+                ex[r, s_at + t, w] = x[r, t, w]
+            for t in range(e_old):
+                ev[r, t, w] = ex[r, sinks + t, w]
+            for t in range(e_new):
+                ev[r, e_old + t, w] = x[r, a + t, w]
+            if e_old:
+                for t in range(keep_old):
+                    ex[r, sinks + t, w] = ex[r, sinks + e_old + t, w]
+            for t in range(keep_new):
+                ex[r, sinks + keep_old + t, w] = x[r, a + e_new + t, w]
+    for i in range(n_pos):
+        pos[i] = int32(i if i < pos_sinks else pos_base + (i - pos_sinks))
+
+
+@cuda_kernel
+def _slide_windows_cuda(xk, xv, exk, exv, evk, evv, a, s_at, e_new, sinks, e_old, keep_old, keep_new, pos, n_pos,
+                        pos_sinks, pos_base):
+    """1-D grid over the ``2·rows·width`` columns (k, then v) and the ``n_pos`` positions
+    (grid-stride); one thread copies one column's tokens in ascending order (the in-place
+    slide needs that order) and writes the positions of its index."""
+    width = exk.shape[2]
+    rows = exk.shape[0]
+    start = cuda.grid(1)
+    for i in range(start, 2 * rows * width, cuda.gridsize(1)):
+        j = i // width
+        w = i - j * width
+        r = j % rows
+        x, ex, ev = (xk, exk, evk) if j < rows else (xv, exv, evv)
+        for t in range(a):
+            ex[r, s_at + t, w] = x[r, t, w]
+        for t in range(e_old):
+            ev[r, t, w] = ex[r, sinks + t, w]
+        for t in range(e_new):
+            ev[r, e_old + t, w] = x[r, a + t, w]
+        if e_old:
+            for t in range(keep_old):
+                ex[r, sinks + t, w] = ex[r, sinks + e_old + t, w]
+        for t in range(keep_new):
+            ex[r, sinks + keep_old + t, w] = x[r, a + e_new + t, w]
+    for i in range(start, n_pos, cuda.gridsize(1)):
+        pos[i] = int32(i if i < pos_sinks else pos_base + (i - pos_sinks))
+
+
+_F3 = "float32[:, :, ::1]"
+_SLIDE_WINDOWS = register("slide_windows", _slide_windows_cpu, _slide_windows_cuda,
+                          [f"void({_F3}, {_F3}, {_F3}, {_F3}, {_F3}, {_F3}, int64, int64, int64, int64, int64, int64, "
+                           "int64, int32[::1], int64, int64, int64)"])
+
+
+def slide_windows(xk: Any, xv: Any, exk: Any, exv: Any, evk: Any, evv: Any, a: int, s_at: int, e_new: int,
+                  sinks: int, e_old: int, keep_old: int, keep_new: int, pos: Any, pos_sinks: int, pos_base: int,
+                  pos_win: int) -> None:
+    """The store of new tokens into the exact-token buffers of both sides, and the exact
+    tokens' positions (one launch).
+
+    Per side ``(x, ex, ev)`` and row, in this order: ``ex[s_at : s_at+a] = x[0 : a]`` (new
+    sinks); ``ev[0 : e_old] = ex[sinks : sinks+e_old]`` (evicted window tokens) and
+    ``ev[e_old : e_old+e_new] = x[a : a+e_new]`` (new tokens that skip the window); when
+    ``e_old``: ``ex[sinks : sinks+keep_old] = ex[sinks+e_old : sinks+e_old+keep_old]`` (the
+    survivors slide to the front); ``ex[sinks+keep_old : +keep_new] = x[a+e_new : +keep_new]``.
+    Then ``pos[:n]`` = ``[0, …, pos_sinks-1, pos_base, …, pos_base+pos_win-1]``
+    (``n = pos_sinks + pos_win``, as :func:`~numba_kv.ops.positions.exact_positions_into`).
+
+    Parameters
+    ----------
+    xk, xv : arrays ``[rows, n, width]`` float32, C-contiguous
+        The new tokens, ``n >= a + e_new + keep_new``.
+    exk, exv : arrays ``[rows, capacity, width]`` float32, C-contiguous
+        Sinks ``[0, sinks)`` then the window.
+    evk, evv : arrays ``[rows, >= e_old + e_new, width]`` float32, C-contiguous
+        The eviction buffers (only their first ``e_old + e_new`` tokens are written).
+    a, s_at, e_new, sinks, e_old, keep_old, keep_new : int
+        As in :class:`~numba_kv.caches._window.StorePlan` (``s_at``: where the new sinks go,
+        ``sinks``: the window's start).
+    pos : int32 array ``[>= pos_sinks + pos_win]``
+    pos_sinks, pos_base, pos_win : int
+
+    Each thread loops over its column's tokens: for a decode step (a few tokens), not for a
+    prefill of thousands.
+    """
+    dev = _backend.resolve_device("auto", xk=xk, xv=xv, exk=exk, exv=exv, evk=evk, evv=evv, pos=pos)
+    rows, cap, width = (int(s) for s in exk.shape)
+    n = int(xk.shape[1])
+    n_ev = int(evk.shape[1])
+    for name, arr, length in (("xk", xk, n), ("xv", xv, n), ("exv", exv, cap), ("evk", evk, n_ev), ("evv", evv, n_ev)):
+        if np.dtype(arr.dtype) != np.float32 or tuple(int(s) for s in arr.shape) != (rows, length, width):
+            raise ValueError(f"{name}: expected float32 ({rows}, {length}, {width}), got {arr.dtype} "
+                             f"{tuple(arr.shape)}")
+    if np.dtype(exk.dtype) != np.float32:
+        raise ValueError(f"exk: expected float32, got {exk.dtype}")
+    counts = (a, s_at, e_new, sinks, e_old, keep_old, keep_new)
+    if min(counts) < 0 or a + e_new + keep_new > n or e_old + e_new > n_ev \
+            or (a and s_at + a > sinks) or sinks + max(e_old + keep_old, keep_old + keep_new) > cap:
+        raise ValueError(f"a, e_new, e_old, keep_old, keep_new: token ranges out of bounds ({counts}, x {n}, "
+                         f"ex {cap}, ev {evk.shape[1]})")
+    n_pos = int(pos_sinks) + int(pos_win)
+    if min(pos_sinks, pos_base, pos_win) < 0 or np.dtype(pos.dtype) != np.int32 or int(pos.shape[0]) < n_pos:
+        raise ValueError(f"pos: expected int32 of length >= {n_pos}, got {pos.dtype} {tuple(pos.shape)}")
+    work = 2 * rows * width * (a + e_new + keep_new + e_old + keep_old) + n_pos
+    _SLIDE_WINDOWS.launch(dev, max(2 * rows * width, n_pos, 1), xk, xv, exk, exv, evk, evv, int(a), int(s_at),
+                          int(e_new), int(sinks), int(e_old), int(keep_old), int(keep_new), pos, n_pos,
+                          int(pos_sinks), int(pos_base), work=work)
