@@ -150,6 +150,8 @@ def evict_counts(n_comp: int, e: int) -> tuple[int, int]:
 #: new tokens of a store that runs as one launch on a device (:func:`~numba_kv.ops.memory.slide_windows`,
 #: one thread per channel loops over the tokens): a decode step's few, not a prefill
 _SLIDE_MAX_NEW = 16
+#: window dtypes it stores (float16: CuPy's, as rounded by an array assignment)
+_SLIDE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
 _IOTA = np.arange(0, dtype=np.int32)
 
@@ -365,25 +367,28 @@ class ExactWindow:
         self.write(st, name, x3, a + e_new, keep_new, sinks + keep_old)
 
     def pair_applies(self, st: LayerState, n: int) -> bool:
-        """Whether a store of ``n`` new tokens runs as :meth:`store_pair`: float32 windows on a
-        device and a few tokens."""
+        """Whether a store of ``n`` new tokens runs as :meth:`store_pair`: float32 or float16
+        windows on a device and a few tokens."""
         exk, exv = st.buffers.get("k_exact"), st.buffers.get("v_exact")
         return (exk is not None and exv is not None and not isinstance(exk, np.ndarray) and n <= _SLIDE_MAX_NEW
-                and exk.dtype == np.float32 and exv.dtype == np.float32)
+                and exk.dtype in _SLIDE_DTYPES and exv.dtype == exk.dtype)
 
     def store_pair(self, st: LayerState, xk3: Any, xv3: Any, plan: StorePlan, sinks: int,
                    pos_counts: tuple[int, int, int]) -> tuple[Any, Any] | None:
         """:meth:`store` of both sides and the exact tokens' positions in one launch
-        (:func:`~numba_kv.ops.memory.slide_windows`), where it applies: float32 windows on a
-        device and a store of a few tokens (a decode step).  ``pos_counts``: ``(n_sink, first
-        window position, n_win)`` after the store, written to the layer's position buffer
-        (:meth:`position_buffer`; :meth:`positions` then finds them current).  Returns the
+        (:func:`~numba_kv.ops.memory.slide_windows`), where it applies (:meth:`pair_applies`:
+        float32 or float16 windows on a device, a store of a few tokens: a decode step).
+        ``pos_counts``: ``(n_sink, first window position, n_win)`` after the store, written to
+        the layer's position buffer (:meth:`position_buffer`; :meth:`positions` then finds them
+        current).  Returns the
         ``(k, v)`` evicted tokens ``[rows, plan.compressed, d]`` for the caller to compress
         (reused buffers: valid until the layer's next store), or ``None`` when it does not
         apply (nothing done; :meth:`store` then stores op by op, with the same bytes)."""
         if not self.pair_applies(st, int(xk3.shape[1])):
             return None
         exk, exv = st.buffers["k_exact"], st.buffers["v_exact"]
+        if exk.dtype == np.float16:  # (CuPy) the kernel stores binary16 bit patterns
+            exk, exv = exk.view(np.uint16), exv.view(np.uint16)
         xk3, xv3 = _backend.ascontiguous_f32("k", xk3), _backend.ascontiguous_f32("v", xv3)
         evk = self._eviction_buffer(st, "k", xk3, plan.compressed)
         evv = self._eviction_buffer(st, "v", xk3, plan.compressed)

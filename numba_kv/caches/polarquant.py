@@ -524,7 +524,7 @@ class PolarQuantCache(FusedDecodeMixin, LayeredCache):
 
     def _store_window_pair(self, st: LayerState, k: Any, v: Any, plan: Any, sinks: int, n_sink: int,
                            n_comp: int) -> bool:
-        """The store of a small step on a device (a decode step) into float32 windows: both
+        """The store of a small step on a device (a decode step) into float32 or float16 windows: both
         sides' window stores and the exact tokens' positions in one launch
         (:meth:`ExactWindow.store_pair`), then the evicted tokens' quantization.  Returns
         whether it stored (else the caller stores op by op, with the same bytes)."""
