@@ -8,7 +8,7 @@ lock, so nothing here is shared between layers or threads) the cache keeps
   the attention plan's constants, partitioning and the static part of the kernel's
   arguments, built again only when the layer's buffers move, its position buffer grows or
   the query shape changes;
-* a buffer for the rotated queries (whole-head rotation);
+* a buffer for the rotated queries (either rotation, on every device: the step rotates into it);
 * for an int8 window with the whole-head quantizer, the static arguments of the one-call
   store (:func:`~numba_kv.ops.window8.window8_head_step`), which also writes the exact
   tokens' positions.
@@ -46,8 +46,8 @@ class _FusedStep(NamedTuple):
     key: tuple
     step: Any  # FlatStep
     rot: bool  # the window is attended in the rotated domain
-    qr: Any  # the rotated queries' buffer (whole-head rotation; on the host either rotation), or None
-    rotate: Any  # on the host: FlatStep.run's ``rotate`` (kind, None, signs), the step's queries still to set
+    qr: Any  # the rotated queries' buffer (either rotation)
+    rotate: Any  # FlatStep.run's ``rotate`` (kind, None, signs), the step's queries still to set (None: op by op)
 
 
 class FusedDecodeMixin:
@@ -127,9 +127,9 @@ class FusedDecodeMixin:
         qjl = self._qjl_args(st, q3)
         bound = self._fused_step(st, q3, bias is not None, qjl is not None)
         rotate = bound.rotate
-        if rotate is None:
+        if rotate is None:  # (a step bound without its rotation, as tests/caches/test_fused.py does: op by op)
             qr = self._rotate_queries(q3, bound.qr)
-        else:  # the host: the step rotates the queries into its buffer (one compiled call where small)
+        else:  # the step rotates the queries into the layer's buffer (on the host one compiled call where small)
             qr = bound.qr
             rotate = (rotate[0], q3.reshape(-1, d), rotate[2])
         meta = st.meta
@@ -180,11 +180,11 @@ class FusedDecodeMixin:
         step = plan.bind_flat(bufs["k_codes"], bufs["k_scales"], bufs["v_codes"], bufs["v_scales"], self._sinks(st),
                               ke, ve, pos, head_signs=hs, exact_rotated=rot,
                               exact_scales=None if kes is None else (kes, ves))
-        rotate = None
-        if host:  # either rotation into a reused buffer, with the signs the op-by-op rotations use
-            rotate = (ROTATE_BLOCK, None, _backend.constant(q3, SIGNS32)) if hs is None else \
-                (ROTATE_HEAD, None, _backend.constant(q3, head_signs(self.head_dim)))
-        qr = None if hs is None and not host else _backend.empty(q3, (n_g, rows, self.head_dim), np.float32)
+        # either rotation into a reused buffer, with the signs the op-by-op rotations use (on a
+        # device too: a step allocates no rotated queries)
+        rotate = (ROTATE_BLOCK, None, _backend.constant(q3, SIGNS32)) if hs is None else \
+            (ROTATE_HEAD, None, _backend.constant(q3, head_signs(self.head_dim)))
+        qr = _backend.empty(q3, (n_g, rows, self.head_dim), np.float32)
         bound = st.scratch["fused_step"] = _FusedStep(bufs, pos, key, step, rot, qr, rotate)
         return bound
 

@@ -29,7 +29,7 @@ from .. import _backend
 from ..ops.absmax8 import absmax8_dequantize_into, absmax8_quantize_into
 from ..ops.hadamard import SIGNS32, rotate32_rows
 from ..ops.headquant import HEAD_DIMS, head_signs, rotate_head_rows
-from ..ops.memory import copy_tokens
+from ..ops.memory import copy_tokens, slide_windows
 from ..ops.positions import exact_positions_into
 from ..ops.window8 import ROT_BLOCK, ROT_HEAD, ROT_NONE, window8_store
 from ._layer import BufferSpec, LayerState, grown_capacity
@@ -146,6 +146,12 @@ def evict_counts(n_comp: int, e: int) -> tuple[int, int]:
     ec = min(e, n_comp)
     return ec, e - ec
 
+
+#: new tokens of a store that runs as one launch on a device (:func:`~numba_kv.ops.memory.slide_windows`,
+#: one thread per channel loops over the tokens): a decode step's few, not a prefill
+_SLIDE_MAX_NEW = 16
+#: window dtypes it stores (float16: CuPy's, as rounded by an array assignment)
+_SLIDE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
 
 _IOTA = np.arange(0, dtype=np.int32)
 
@@ -359,6 +365,50 @@ class ExactWindow:
         if e_old and keep_old:  # slide the surviving window tokens to the front
             self.move(st, name, sinks + e_old, keep_old, sinks)
         self.write(st, name, x3, a + e_new, keep_new, sinks + keep_old)
+
+    def pair_applies(self, st: LayerState, n: int) -> bool:
+        """Whether a store of ``n`` new tokens runs as :meth:`store_pair`: float32 or float16
+        windows on a device and a few tokens."""
+        exk, exv = st.buffers.get("k_exact"), st.buffers.get("v_exact")
+        return (exk is not None and exv is not None and not isinstance(exk, np.ndarray) and n <= _SLIDE_MAX_NEW
+                and exk.dtype in _SLIDE_DTYPES and exv.dtype == exk.dtype)
+
+    def store_pair(self, st: LayerState, xk3: Any, xv3: Any, plan: StorePlan, sinks: int,
+                   pos_counts: tuple[int, int, int]) -> tuple[Any, Any] | None:
+        """:meth:`store` of both sides and the exact tokens' positions in one launch
+        (:func:`~numba_kv.ops.memory.slide_windows`), where it applies (:meth:`pair_applies`:
+        float32 or float16 windows on a device, a store of a few tokens: a decode step).
+        ``pos_counts``: ``(n_sink, first window position, n_win)`` after the store, written to
+        the layer's position buffer (:meth:`position_buffer`; :meth:`positions` then finds them
+        current).  Returns the
+        ``(k, v)`` evicted tokens ``[rows, plan.compressed, d]`` for the caller to compress
+        (reused buffers: valid until the layer's next store), or ``None`` when it does not
+        apply (nothing done; :meth:`store` then stores op by op, with the same bytes)."""
+        if not self.pair_applies(st, int(xk3.shape[1])):
+            return None
+        exk, exv = st.buffers["k_exact"], st.buffers["v_exact"]
+        if exk.dtype == np.float16:  # (CuPy) the kernel stores binary16 bit patterns
+            exk, exv = exk.view(np.uint16), exv.view(np.uint16)
+        xk3, xv3 = _backend.ascontiguous_f32("k", xk3), _backend.ascontiguous_f32("v", xv3)
+        evk = self._eviction_buffer(st, "k", xk3, plan.compressed)
+        evv = self._eviction_buffer(st, "v", xk3, plan.compressed)
+        n_sink, base, n_win = pos_counts
+        pos = self.position_buffer(st, xk3, n_sink + n_win)
+        slide_windows(xk3, xv3, exk, exv, evk, evv, plan.sinks, st.seq_len, plan.evict_new, sinks, plan.evict_old,
+                      plan.keep_old, plan.keep_new, pos, n_sink, base, n_win)
+        st.scratch["exact_pos_of"] = tuple(pos_counts)
+        return evk, evv
+
+    def _eviction_buffer(self, st: LayerState, name: str, like: Any, n: int) -> Any:
+        """The layer's reused float32 buffer ``[rows, n, d]`` of side ``name``'s evicted tokens
+        (exactly ``n`` tokens long, so the compressor takes it whole; a new one only when ``n``
+        or the rows change: a decode step evicts the same count every step)."""
+        key = "evict_" + name
+        buf = st.scratch.get(key)
+        rows = int(like.shape[0])
+        if buf is None or int(buf.shape[0]) != rows or int(buf.shape[1]) != max(n, 1):
+            buf = st.scratch[key] = _backend.empty(like, (rows, max(n, 1), self.head_dim), np.float32)
+        return buf
 
     def merge(self, st: LayerState, name: str, comp: Any, flat: Any) -> None:
         """Token-ordered float32 history ``flat`` ``[rows, stored, d]``: sinks, the

@@ -92,6 +92,10 @@ class PageTable(NamedTuple):
     kv_last_page_len: np.ndarray
 
 
+#: tokens of a device write whose codes and scales go through reused buffers (a decode step's few)
+_SMALL_WRITE = 16
+
+
 class PagedKVCache(PagedLifecycleMixin, ValueChecks):
     """Paged K/V storage shared by layers and sequences (float32 or PQO-compressed pages).
 
@@ -158,6 +162,9 @@ class PagedKVCache(PagedLifecycleMixin, ValueChecks):
         # per layer: (sequence ids, page table on the pool's device) of the last decode_attention
         self._dev_tables: dict[int, tuple[tuple[int, ...], PageTable]] = {}
         self._row_scratch: Any = None  # int32 pool rows of a one-page run, on the pool's device
+        # per (side, tokens): the codes and scales of a small write on the pool's device, reused
+        # (a decode step writes the same shape every step; used under the lock)
+        self._write_scratch: dict[tuple[str, int], tuple[Any, Any]] = {}
 
     # -- geometry -------------------------------------------------------------------------
     @property
@@ -430,14 +437,27 @@ class PagedKVCache(PagedLifecycleMixin, ValueChecks):
         idx = to_like(x3, rows) if isinstance(rows, np.ndarray) else rows
         if self.bits:
             pd = packed_dim(d, self.part_bits[part])
-            codes = _backend.empty(x3, (h, n, pd), np.uint8)
-            scales = _backend.empty(x3, (h, n, d // 32), np.uint16)
+            codes, scales = self._write_buffers(x3, part, h, n, pd, d // 32)
             quantize_into(x3, codes, scales, 0, self.codebooks[part], True)
             scatter_rows(codes.reshape(h * n, pd), idx, self._pools[part + "_codes"].reshape(-1, pd))
             nb = d // 32
             scatter_rows(scales.reshape(h * n, nb), idx, self._pools[part + "_scales"].reshape(-1, nb))
         else:
             scatter_rows(x3.reshape(h * n, d), idx, self._pools[part + "_pages"].reshape(-1, d))
+
+    def _write_buffers(self, like: Any, part: str, h: int, n: int, pd: int, nb: int) -> tuple[Any, Any]:
+        """Codes ``[h, n, pd]`` uint8 and scales ``[h, n, nb]`` uint16 for a write of ``n``
+        tokens of side ``part``: reused on a device for a write of a few tokens (no allocation
+        per decode step; the pool rows are scattered from them before the next write), new
+        arrays otherwise."""
+        if isinstance(like, np.ndarray) or n > _SMALL_WRITE:
+            return _backend.empty(like, (h, n, pd), np.uint8), _backend.empty(like, (h, n, nb), np.uint16)
+        key = (part, n)
+        hit = self._write_scratch.get(key)
+        if hit is None or tuple(hit[0].shape) != (h, n, pd) or tuple(hit[1].shape) != (h, n, nb):
+            hit = self._write_scratch[key] = (_backend.empty(like, (h, n, pd), np.uint8),
+                                              _backend.empty(like, (h, n, nb), np.uint16))
+        return hit
 
     def _read(self, part: str, rows: np.ndarray, n: int) -> Any:
         h = self.num_kv_heads

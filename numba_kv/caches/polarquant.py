@@ -503,6 +503,11 @@ class PolarQuantCache(FusedDecodeMixin, LayeredCache):
                            n_win=plan.keep_old + plan.keep_new)
             self._set_live(st)
             return
+        if plan is not None and self._store_window_pair(st, k, v, plan, S, n_sink, n_comp):
+            st.meta.update(n_comp=n_comp + plan.compressed, n_sink=n_sink + plan.sinks,
+                           n_win=plan.keep_old + plan.keep_new)
+            self._set_live(st)
+            return
         for name, arr in (("k", k), ("v", v)):
             x = _backend.ascontiguous_f32(name, arr)
             x3 = self._transform_in(st, name, x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3]))
@@ -516,6 +521,27 @@ class PolarQuantCache(FusedDecodeMixin, LayeredCache):
             st.meta.update(n_comp=n_comp + plan.compressed, n_sink=n_sink + plan.sinks,
                            n_win=plan.keep_old + plan.keep_new)
         self._set_live(st)
+
+    def _store_window_pair(self, st: LayerState, k: Any, v: Any, plan: Any, sinks: int, n_sink: int,
+                           n_comp: int) -> bool:
+        """The store of a small step on a device (a decode step) into float32 or float16 windows: both
+        sides' window stores and the exact tokens' positions in one launch
+        (:meth:`ExactWindow.store_pair`), then the evicted tokens' quantization.  Returns
+        whether it stored (else the caller stores op by op, with the same bytes)."""
+        if isinstance(k, np.ndarray) or not self._window.pair_applies(st, int(k.shape[2])):
+            return False
+        x3 = []
+        for name, arr in (("k", k), ("v", v)):
+            x = _backend.ascontiguous_f32(name, arr)
+            x3.append(self._transform_in(st, name, x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3])))
+        pos_counts = (n_sink + plan.sinks, sinks + n_comp + plan.compressed, plan.keep_old + plan.keep_new)
+        ev = self._window.store_pair(st, x3[0], x3[1], plan, sinks, pos_counts)
+        if ev is None:
+            return False
+        if plan.compressed:
+            self._compress(st, "k", ev[0], n_comp)
+            self._compress(st, "v", ev[1], n_comp)
+        return True
 
     def _transform_in(self, st: LayerState, name: str, x3: Any) -> Any:
         """The stored domain: keys ``x − m`` with the frozen per-channel key mean ``m`` (only

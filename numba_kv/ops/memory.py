@@ -7,14 +7,19 @@ full-precision window and history assembly go through this small twin on every d
 
 from __future__ import annotations
 
+import functools
+import math
+from collections.abc import Callable
 from typing import Any
 
-from numba import cuda, prange
+import numpy as np
+from numba import cuda, float32, int32, prange, uint16
 
 from .. import _backend
-from .._jit import cpu_kernel, cuda_kernel
+from .._jit import CORES, cpu_kernel, cpu_serial, cuda_device, cuda_kernel, specialize, twin
 from ._index import unravel3_dev
 from ._registry import register
+from .half import f16_bits_to_f32, f32_to_f16_bits_sat
 
 
 @cpu_kernel
@@ -69,3 +74,163 @@ def copy_tokens(src: Any, s0: int, n: int, dst: Any, d0: int = 0) -> None:
 def copy_prefix(src: Any, n: int, dst: Any) -> None:
     """``dst[:, :n] = src[:, :n]`` (storage growth)."""
     copy_tokens(src, 0, n, dst, 0)
+
+
+# -- the window store of a decode step in one launch -----------------------------------------
+# One store of new tokens into a sinks-and-window buffer (caches/_window.py, ``StorePlan``) is
+# five token copies per side: new sinks, the evicted window tokens and the new tokens that skip
+# the window into the eviction buffer, the surviving window tokens slid to the window's front
+# (an overlapping move), the new window tokens behind them; then the exact tokens' positions
+# for the attention.  Op by op on a device that is up to eight launches and two temporaries
+# per side plus one launch for the positions; here it is one launch for both sides and the
+# positions, and the move needs no temporary: each thread owns one (side, row, channel) column
+# and copies its tokens in ascending order, and a slide only moves tokens towards the front
+# (destination < source), so no token is overwritten before it is read.  Copies only (float32
+# windows), or the rounding of an array assignment to float16 (float16 windows, held as their
+# uint16 bit patterns): bit for bit the op-by-op result.
+
+
+def _as_is(v):
+    """A float32 window stores a float32 token as it is."""
+    return v
+
+
+def _f32_to_f16_store(v):
+    """binary16 bits of float32 ``v`` as NumPy's ``astype(float16)`` stores them: round to
+    nearest even (``(65504, 65520)`` rounds down to 65504), ``±inf`` from ``|v| >= 65520``;
+    NaN (an input the range checks report) as ``0x7E00`` with ``v``'s sign."""
+    a = abs(float32(v))
+    if a < float32(65520.0):
+        return f32_to_f16_bits_sat(v)
+    sign = int32(0x8000) if math.copysign(float32(1.0), float32(v)) < float32(0.0) else int32(0)
+    return uint16(sign | (int32(0x7C00) if a == a else int32(0x7E00)))
+
+
+twin(_as_is, inline=True)
+twin(_f32_to_f16_store, inline=True)
+
+
+# the window's conversions and the column core of a variant: bound by ``specialize`` (these
+# placeholders are never compiled)
+TO_EX = FROM_EX = SLIDE_COLUMNS = None
+
+
+def _slide_columns(x, ex, ev, r, w, a, s_at, e_new, sinks, e_old, keep_old, keep_new):
+    """One column ``(r, w)`` of one side's store, tokens in ascending order (the in-place slide
+    needs that order).  ``TO_EX`` / ``FROM_EX``: the window's conversions (bound per variant)."""
+    for t in range(a):
+        ex[r, s_at + t, w] = TO_EX(x[r, t, w])
+    for t in range(e_old):
+        ev[r, t, w] = FROM_EX(ex[r, sinks + t, w])
+    for t in range(e_new):
+        ev[r, e_old + t, w] = x[r, a + t, w]
+    if e_old:
+        for t in range(keep_old):
+            ex[r, sinks + t, w] = ex[r, sinks + e_old + t, w]
+    for t in range(keep_new):
+        ex[r, sinks + keep_old + t, w] = TO_EX(x[r, a + e_new + t, w])
+
+
+def _slide_cpu_body(xk, xv, exk, exv, evk, evv, a, s_at, e_new, sinks, e_old, keep_old, keep_new, pos, n_pos,
+                    pos_sinks, pos_base):
+    """CPU twin of the ``slide_windows`` kernels: ``prange`` over (side, row)."""
+    rows = exk.shape[0]
+    for j in prange(2 * rows):
+        r = j % rows
+        x, ex, ev = (xk, exk, evk) if j < rows else (xv, exv, evv)
+        for w in range(ex.shape[2]):
+            SLIDE_COLUMNS(x, ex, ev, r, w, a, s_at, e_new, sinks, e_old, keep_old, keep_new)
+    for i in range(n_pos):
+        pos[i] = int32(i if i < pos_sinks else pos_base + (i - pos_sinks))
+
+
+def _slide_cuda_body(xk, xv, exk, exv, evk, evv, a, s_at, e_new, sinks, e_old, keep_old, keep_new, pos, n_pos,
+                     pos_sinks, pos_base):
+    """1-D grid over the ``2·rows·width`` columns (k, then v) and the ``n_pos`` positions
+    (grid-stride): one thread stores one column's tokens and writes the position of its index."""
+    width = exk.shape[2]
+    rows = exk.shape[0]
+    start = cuda.grid(1)
+    for i in range(start, 2 * rows * width, cuda.gridsize(1)):
+        j = i // width
+        r = j % rows
+        x, ex, ev = (xk, exk, evk) if j < rows else (xv, exv, evv)
+        SLIDE_COLUMNS(x, ex, ev, r, i - j * width, a, s_at, e_new, sinks, e_old, keep_old, keep_new)
+    for i in range(start, n_pos, cuda.gridsize(1)):
+        pos[i] = int32(i if i < pos_sinks else pos_base + (i - pos_sinks))
+
+
+def _slide_variant(op: str, to_ex: Callable, from_ex: Callable, ex_type: str) -> Any:
+    """Register twin ``op``: the store with the window's conversions ``to_ex`` / ``from_ex``
+    (plain functions of :func:`~numba_kv._jit.twin` cores) for windows of Numba type ``ex_type``."""
+    def core(i: int, deco: Callable) -> Callable:
+        return deco(specialize(_slide_columns, f"_{op}{('_cpu', '_dev')[i]}", TO_EX=CORES[to_ex][i],
+                               FROM_EX=CORES[from_ex][i]))
+
+    cores = {"_cpu": core(0, functools.partial(cpu_serial, inline=True)), "_dev": core(1, cuda_device)}
+    cpu = cpu_kernel(specialize(_slide_cpu_body, "", name=f"_{op}_cpu", SLIDE_COLUMNS=cores["_cpu"]))
+    gpu = cuda_kernel(specialize(_slide_cuda_body, "", name=f"_{op}_cuda", SLIDE_COLUMNS=cores["_dev"]))
+    f3, e3 = "float32[:, :, ::1]", f"{ex_type}[:, :, ::1]"
+    return register(op, cpu, gpu, [f"void({f3}, {f3}, {e3}, {e3}, {f3}, {f3}, int64, int64, int64, int64, int64, "
+                                   "int64, int64, int32[::1], int64, int64, int64)"])
+
+
+_SLIDE = {np.dtype(np.float32): _slide_variant("slide_windows", _as_is, _as_is, "float32"),
+          np.dtype(np.uint16): _slide_variant("slide_windows_f16", _f32_to_f16_store, f16_bits_to_f32, "uint16")}
+
+
+def slide_windows(xk: Any, xv: Any, exk: Any, exv: Any, evk: Any, evv: Any, a: int, s_at: int, e_new: int,
+                  sinks: int, e_old: int, keep_old: int, keep_new: int, pos: Any, pos_sinks: int, pos_base: int,
+                  pos_win: int) -> None:
+    """The store of new tokens into the exact-token buffers of both sides, and the exact
+    tokens' positions (one launch).
+
+    Per side ``(x, ex, ev)`` and row, in this order: ``ex[s_at : s_at+a] = x[0 : a]`` (new
+    sinks); ``ev[0 : e_old] = ex[sinks : sinks+e_old]`` (evicted window tokens) and
+    ``ev[e_old : e_old+e_new] = x[a : a+e_new]`` (new tokens that skip the window); when
+    ``e_old``: ``ex[sinks : sinks+keep_old] = ex[sinks+e_old : sinks+e_old+keep_old]`` (the
+    survivors slide to the front); ``ex[sinks+keep_old : +keep_new] = x[a+e_new : +keep_new]``.
+    Then ``pos[:n]`` = ``[0, …, pos_sinks-1, pos_base, …, pos_base+pos_win-1]``
+    (``n = pos_sinks + pos_win``, as :func:`~numba_kv.ops.positions.exact_positions_into`).
+
+    Parameters
+    ----------
+    xk, xv : arrays ``[rows, n, width]`` float32, C-contiguous
+        The new tokens, ``n >= a + e_new + keep_new``.
+    exk, exv : arrays ``[rows, capacity, width]``, C-contiguous
+        Sinks ``[0, sinks)`` then the window: float32, or float16 as its ``uint16`` bit
+        patterns (stored as ``astype(float16)`` rounds; read back exactly).
+    evk, evv : arrays ``[rows, >= e_old + e_new, width]`` float32, C-contiguous
+        The eviction buffers (only their first ``e_old + e_new`` tokens are written).
+    a, s_at, e_new, sinks, e_old, keep_old, keep_new : int
+        As in :class:`~numba_kv.caches._window.StorePlan` (``s_at``: where the new sinks go,
+        ``sinks``: the window's start).
+    pos : int32 array ``[>= pos_sinks + pos_win]``
+    pos_sinks, pos_base, pos_win : int
+
+    Each thread loops over its column's tokens: for a decode step (a few tokens), not for a
+    prefill of thousands.
+    """
+    dev = _backend.resolve_device("auto", xk=xk, xv=xv, exk=exk, exv=exv, evk=evk, evv=evv, pos=pos)
+    rows, cap, width = (int(s) for s in exk.shape)
+    n, n_ev = int(xk.shape[1]), int(evk.shape[1])
+    ex_dt = np.dtype(exk.dtype)
+    if ex_dt not in _SLIDE or np.dtype(exv.dtype) != ex_dt:
+        raise ValueError(f"exk, exv: expected float32 or uint16 (float16 bits), got {exk.dtype} and {exv.dtype}")
+    for name, arr, length in (("xk", xk, n), ("xv", xv, n), ("exv", exv, cap), ("evk", evk, n_ev), ("evv", evv, n_ev)):
+        want = ex_dt if name == "exv" else np.dtype(np.float32)
+        if np.dtype(arr.dtype) != want or tuple(int(s) for s in arr.shape) != (rows, length, width):
+            raise ValueError(f"{name}: expected {want} ({rows}, {length}, {width}), got {arr.dtype} "
+                             f"{tuple(arr.shape)}")
+    counts = (a, s_at, e_new, sinks, e_old, keep_old, keep_new)
+    if min(counts) < 0 or a + e_new + keep_new > n or e_old + e_new > n_ev \
+            or (a and s_at + a > sinks) or sinks + max(e_old + keep_old, keep_old + keep_new) > cap:
+        raise ValueError(f"a, e_new, e_old, keep_old, keep_new: token ranges out of bounds ({counts}, x {n}, "
+                         f"ex {cap}, ev {n_ev})")
+    n_pos = int(pos_sinks) + int(pos_win)
+    if min(pos_sinks, pos_base, pos_win) < 0 or np.dtype(pos.dtype) != np.int32 or int(pos.shape[0]) < n_pos:
+        raise ValueError(f"pos: expected int32 of length >= {n_pos}, got {pos.dtype} {tuple(pos.shape)}")
+    work = 2 * rows * width * (a + e_new + keep_new + e_old + keep_old) + n_pos
+    _SLIDE[ex_dt].launch(dev, max(2 * rows * width, n_pos, 1), xk, xv, exk, exv, evk, evv, int(a), int(s_at),
+                         int(e_new), int(sinks), int(e_old), int(keep_old), int(keep_new), pos, n_pos, int(pos_sinks),
+                         int(pos_base), work=work)
