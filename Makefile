@@ -25,9 +25,9 @@ $(STAMP): setup.cfg pyproject.toml
 
 ## the README's test command: lint, then the suite as five pytest processes, two at a time (2
 ## cores), then the docs build (`make docs`).  make starts the jobs in the order of TEST_JOBS as
-## slots free up: the CPU job (the longest, ~15 min on a fresh clone) holds one slot; the other
-## runs the PTX/SASS compiles, then the notebooks, then the CUDA kernels under the simulator, and
-## the bare-venv install test fills the CPU job's slot at the end.  The order matters on a fresh
+## slots free up: the CPU job (the longest, ~16 min on a fresh clone) holds one slot, the PTX/SASS
+## compiles start in the other; each freed slot takes the next of the notebooks, the CUDA kernels
+## under the simulator and the bare-venv install test.  The order matters on a fresh
 ## clone: the CPU job compiles the CPU twins into Numba's on-disk cache (NUMBA_CACHE_DIR, shared
 ## by every job), so the later notebook and simulator jobs load most of them instead of compiling
 ## them again; the PTX job needs none of them, so it goes first.  docs/design/testing.md has the
