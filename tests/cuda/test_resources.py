@@ -7,7 +7,19 @@ calculator's rules.  Registers go to warps in units of 256, split over four sub-
 of 16,384 registers.  Shared memory goes to blocks in units of 128 B, plus 1 KiB reserved
 per block.  On a real GPU (``gpu_only``) the driver's own figures for each kernel are
 compared with the static ones.
+
+cc 8.6 and 8.9 (``RETARGETED``): NVVM emits the same PTX for them as for 8.0 (the same
+instructions; only the ``.target`` line and generated symbol names differ), so ``make test``
+links the cached sm_80 PTX, its target set to ``sm_86``/``sm_89``, with that architecture's
+ptxas: the machine code, registers, spills and shared memory of each are checked as before,
+without two more 5-20 s NVVM compiles per kernel.  ``make test-ptx-all``
+(``NUMBA_KV_PTX_ALL_ARCHS=1``) compiles them from Python for 8.6 and 8.9 as well, and checks
+that premise: that PTX equals the retargeted one, and so do the resources.
 """
+
+import dataclasses
+import os
+import re
 
 import pytest
 
@@ -15,7 +27,9 @@ from numba_kv import _config
 from numba_kv._cuda_resources import (
     ARCHS,
     KernelResources,
+    kernel_ptx,
     kernel_resources,
+    link_log,
     max_block_threads,
     occupancy,
     parse_link_log,
@@ -39,6 +53,30 @@ LOCAL_EXCEPTIONS: dict[str, str] = {
 OWN_BLOCK: dict[str, int] = {"decode_attention_mma": 128, "paged_decode_attention_mma": 128}
 CASES = [(name, cc) for name in sorted(TWINS) for cc in ((8, 0), (9, 0))]
 CASES += [(name, cc) for name in SHARED_MEMORY_KERNELS for cc in ((8, 6), (8, 9))]
+#: architectures built from the sm_80 PTX with its target changed (see the module docstring)
+RETARGETED = ((8, 6), (8, 9))
+#: ``make test-ptx-all``: compile RETARGETED from Python too, and check the two builds agree
+ALL_ARCHS = os.environ.get("NUMBA_KV_PTX_ALL_ARCHS", "0") not in ("", "0")
+
+
+def retargeted_ptx(name: str, cc: tuple[int, int]) -> str:
+    """The sm_80 PTX of ``name`` (cached: the sm_80 cases compile it anyway), its ``.target``
+    line set to ``sm_<cc>``."""
+    ptx, n = re.subn(r"^\.target\s+sm_80\b", f".target sm_{cc[0]}{cc[1]}", kernel_ptx(name, (8, 0)), flags=re.M)
+    assert n == 1, f"{name}: expected one '.target sm_80' line in its sm_80 PTX, found {n}"
+    return ptx
+
+
+def retargeted_resources(name: str, cc: tuple[int, int]):
+    """What ptxas for ``sm_<cc>`` makes of :func:`retargeted_ptx` (as ``kernel_resources``)."""
+    ptx = retargeted_ptx(name, cc)
+    return dataclasses.replace(parse_link_log(link_log(ptx, cc)), max_threads=ptx_max_threads(ptx))
+
+
+def resources(name: str, cc: tuple[int, int]):
+    if cc in RETARGETED and not ALL_ARCHS:
+        return retargeted_resources(name, cc)
+    return kernel_resources(name, cc)
 
 LOG = """ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function '_Z6kernelPf' for 'sm_90'
@@ -165,7 +203,7 @@ def test_exception_list_names_registered_kernels():
 @pytest.mark.ptx
 @pytest.mark.parametrize("name, cc", CASES, ids=[f"{n}-sm{c[0]}{c[1]}" for n, c in CASES])
 def test_kernel_builds_without_spills_and_launches(name, cc):
-    r = kernel_resources(name, cc)
+    r = resources(name, cc)
     if name not in LOCAL_EXCEPTIONS:
         assert (r.spill_stores, r.spill_loads, r.local, r.stack) == (0, 0, 0, 0), (
             f"{name} on sm_{cc[0]}{cc[1]}: {r} (register spills or local memory: off-chip traffic per thread)")
@@ -175,6 +213,33 @@ def test_kernel_builds_without_spills_and_launches(name, cc):
     assert occupancy(r, OWN_BLOCK.get(name, _config.DEFAULTS["cuda_threads"]), cc).blocks_per_sm >= 1
     if name not in SHARED_MEMORY_KERNELS:
         assert r.shared == 0, f"{name}: declares {r.shared} B of shared memory; add it to SHARED_MEMORY_KERNELS"
+
+
+def _normalized(ptx: str) -> str:
+    """PTX without what differs between two compiles of one kernel: the target line, the
+    generated symbol names (their ABI tag encodes the target) and shared-array counters."""
+    ptx = re.sub(r"^\.target\s+sm_\d+\b", ".target sm_XX", ptx, flags=re.M)
+    return re.sub(r"_cudapy_smem_\d+", "_cudapy_smem_N", re.sub(r"_ZN\w+", "_ZN_SYMBOL", ptx))
+
+
+def test_normalized_ptx_ignores_target_and_symbol_names_only():
+    body = "(\n.shared .b8 _cudapy_smem_{}[16];\nadd.f32 %f1;"
+    a = ".target sm_80\n.visible .entry _ZN8numba_kv3opsB2v1B104cw5NgoKE5Array" + body.format(1)
+    b = ".target sm_86\n.visible .entry _ZN8numba_kv3opsB3v34B104cw5NgpqE5Array" + body.format(7)
+    assert _normalized(a) == _normalized(b)
+    assert _normalized(a) != _normalized(b.replace("[16]", "[32]"))
+    assert _normalized(a) != _normalized(b.replace("add.f32", "fma.rn.f32"))
+
+
+@pytest.mark.ptx
+@pytest.mark.skipif(not ALL_ARCHS, reason="compiles for sm_86/sm_89 from Python: `make test-ptx-all`")
+@pytest.mark.parametrize("name", SHARED_MEMORY_KERNELS)
+@pytest.mark.parametrize("cc", RETARGETED, ids=lambda cc: f"sm{cc[0]}{cc[1]}")
+def test_retargeted_sm80_ptx_is_the_native_build(name, cc):
+    """The premise of RETARGETED: NVVM's PTX for 8.6/8.9 is the sm_80 PTX but for its target
+    and symbol names, and ptxas builds both into the same resources."""
+    assert _normalized(kernel_ptx(name, cc)) == _normalized(retargeted_ptx(name, cc))
+    assert kernel_resources(name, cc) == retargeted_resources(name, cc)
 
 
 @pytest.mark.ptx
