@@ -236,7 +236,11 @@ def twin(fn: Callable, *, inline: bool = False, device: Callable | None = None) 
         real call (LLVM does not inline across Numba's compiled libraries), which costs as
         much as the work of a small core (a group of 8 indices, one binary16 conversion)
         and keeps the caller's loop from vectorizing; use it for small cores called per
-        value or per item.  The device variant is always inlined.
+        value or per item.  The device variant is always inlined.  On the CPU an inlined
+        core that takes an array costs an atomic NRT incref/decref pair per call wherever
+        Numba's reference-count pruning cannot pair them (a call inside a loop nest): in
+        per-token loops hand such cores scalars, or write the one line out (the CPU tile
+        loops of :mod:`numba_kv.ops.attention.cpu` do).
     device : device function, optional
         Use this as the device variant instead of compiling ``fn`` (a libdevice intrinsic
         with the semantics of ``fn``, such as ``fmul_rn`` for a product that must not be

@@ -39,6 +39,10 @@ _SIM_RUN_SHA256 = "54626c6819f55d514a598517b1467ed1cc2e7c3bf1f3b9814e13ef2a4ba35
 def _yielding_run(self, grid_point, *args):
     """``BlockManager.run`` of numba-cuda 0.30.4, line for line, plus one ``time.sleep(0)``.
 
+    (numba-cuda is BSD-2-Clause: Copyright (c) 2012, Anaconda, Inc.; Copyright (c) 2024,
+    NVIDIA CORPORATION; all rights reserved.  This test-only copy of one method keeps that
+    notice; redistribution in source form must retain it.)
+
     The simulator runs each CUDA thread of a block as an OS thread; this method starts them,
     then polls them in a loop to release a ``syncthreads()`` once every live thread waits in
     it.  The original loop never blocks, so it holds the GIL until the interpreter forces a
