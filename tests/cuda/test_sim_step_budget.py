@@ -37,6 +37,7 @@ from numba_kv import AttendConfig, make_cache
 from numba_kv._backend import simulator_enabled, to_host
 
 from ..conftest import to_device
+from .test_sim_transfers import count_transfers
 
 #: per steady-state step, at most (the issue's target: launches 3, allocations 0, transfers 0)
 BUDGET = {"pqo3": {"launch": 9, "alloc": 1, "transfer": 0},
@@ -47,14 +48,12 @@ WARMUP, STEPS = 2, 3
 @contextlib.contextmanager
 def count_device_work():
     """Count kernel launches (by kernel), device allocations and host↔device transfers made
-    through the simulator's ``numba.cuda`` while the block runs."""
-    from numba import cuda
+    through the simulator's ``numba.cuda`` while the block runs (the counts are complete when
+    it exits); allocations and explicit copies by :func:`.test_sim_transfers.count_transfers`."""
     from numba.cuda.simulator import kernel as simk
 
     counts: collections.Counter = collections.Counter()
-    arr_type = type(cuda.device_array(1))
-    orig = {"call": simk.FakeCUDAKernel.__call__, "to_device": cuda.to_device, "device_array": cuda.device_array,
-            "copy_to_host": arr_type.copy_to_host, "copy_to_device": arr_type.copy_to_device}
+    call = simk.FakeCUDAKernel.__call__
 
     def launch(self, *args):
         if not (self._device or simk._kernel_context):  # a launch from the host, not a device call
@@ -62,28 +61,16 @@ def count_device_work():
             counts["launch " + self.fn.__name__] += 1
             # a host array argument is copied to the device and back by the launch
             counts["transfer"] += sum(isinstance(a, np.ndarray) and a.ndim > 0 for a in args)
-        return orig["call"](self, *args)
-
-    def counted(name, key):
-        fn = orig[name]
-
-        def wrapper(*args, **kwargs):
-            counts[key] += 1
-            return fn(*args, **kwargs)
-
-        return wrapper
+        return call(self, *args)
 
     simk.FakeCUDAKernel.__call__ = launch
-    cuda.to_device = counted("to_device", "transfer")
-    cuda.device_array = counted("device_array", "alloc")
-    arr_type.copy_to_host = counted("copy_to_host", "transfer")
-    arr_type.copy_to_device = counted("copy_to_device", "transfer")
     try:
-        yield counts
+        with count_transfers() as moved:
+            yield counts
     finally:
-        simk.FakeCUDAKernel.__call__ = orig["call"]
-        cuda.to_device, cuda.device_array = orig["to_device"], orig["device_array"]
-        arr_type.copy_to_host, arr_type.copy_to_device = orig["copy_to_host"], orig["copy_to_device"]
+        simk.FakeCUDAKernel.__call__ = call
+    counts["alloc"] += moved["alloc"]
+    counts["transfer"] += moved["h2d"] + moved["d2h"]
 
 
 def _caches(mode: str, h: int, d: int):
