@@ -20,6 +20,7 @@ from numba import cuda, float32, prange
 
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
+from ._borrow import borrowed, keep_alive
 from ._exact import mul_rn
 from ._index import unravel2_dev
 from ._registry import F32_1D, F32_2D, register
@@ -134,10 +135,13 @@ load_rotate_store_cpu, load_rotate_store_dev = twin(_load_rotate_store)
 def _rotate32_cpu(x, signs, inverse, out):
     n, d = x.shape
     nb = d // 32
+    xb, sb, ob = borrowed(x), borrowed(signs), borrowed(out)  # (numba_kv.ops._borrow)
     for r in prange(n):
-        buf = np.empty(32, dtype=np.float32)
+        own = np.empty(32, dtype=np.float32)
+        buf = borrowed(own)
         for b in range(nb):
-            load_rotate_store_cpu(x, r, b, signs, inverse, buf, out)
+            load_rotate_store_cpu(xb, r, b, sb, inverse, buf, ob)
+        keep_alive(own)
 
 
 # --- CUDA kernel: one thread per 32-block, grid-stride ---------------------------------

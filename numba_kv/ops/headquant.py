@@ -57,6 +57,7 @@ from .. import _backend
 from .._config import MAX_HEAD_DIM
 from .._jit import cpu_kernel, cuda_kernel
 from .._validate import check_f16_result, check_float_array
+from ._borrow import borrowed, keep_alive
 from ._coop import coop_butterflies
 from ._exact import mul_rn_dev
 from ._headquant_lanes import (
@@ -162,9 +163,12 @@ def bits_per_value(d: int, bits: int) -> float:
 @cpu_kernel
 def _rotate_head_cpu(x, signs, inverse, out):
     n, d = x.shape
+    # borrowed views (numba_kv.ops._borrow): the rotation makes ~190 slice views of its buffer
+    xb, sb, ob = borrowed(x), borrowed(signs), borrowed(out)
     for r in prange(n):
-        buf = np.empty(d, dtype=np.float32)
-        rotate_head_row_cpu(x, r, d, signs, inverse, buf, out)
+        own = np.empty(d, dtype=np.float32)
+        rotate_head_row_cpu(xb, r, d, sb, inverse, borrowed(own), ob)
+        keep_alive(own)
 
 
 @cpu_kernel
@@ -176,14 +180,21 @@ def _quantize_head_cpu(x, signs, bounds, centroids, unbiased, bits, t0, codes, n
     # one token per KV row): lanes are independent, so a narrower tile changes no bit, and
     # a full tile would spend 64/rows times the work on empty lanes
     L = min(LANES, nv)
+    # borrowed views (numba_kv.ops._borrow): the cores make hundreds of row views per tile
+    x, signs, bounds, centroids = borrowed(x), borrowed(signs), borrowed(bounds), borrowed(centroids)
+    codes, norms = borrowed(codes), borrowed(norms)
     for c in prange((ntiles + TILES - 1) // TILES):
-        t = np.zeros((d + 3) * L, dtype=np.float32)
-        ib = np.zeros(d * L, dtype=np.uint8)
-        w = np.zeros((d // 8 + 1) * L, dtype=np.int64)
+        t_own = np.zeros((d + 3) * L, dtype=np.float32)
+        ib_own = np.zeros(d * L, dtype=np.uint8)
+        w_own = np.zeros((d // 8 + 1) * L, dtype=np.int64)
+        t, ib, w = borrowed(t_own), borrowed(ib_own), borrowed(w_own)
         for tile in range(c * TILES, min(ntiles, (c + 1) * TILES)):
             v0 = tile * L
             quantize_head_lanes_cpu(x, v0, min(L, nv - v0), d, signs, bounds, centroids, unbiased, bits,
                                     t0, codes, norms, L, t, ib, w)
+        keep_alive(t_own)
+        keep_alive(ib_own)
+        keep_alive(w_own)
 
 
 @cpu_kernel
@@ -192,13 +203,18 @@ def _dequantize_head_cpu(codes, norms, signs, centroids, bits, t0, out):
     nv = rows * seq
     ntiles = (nv + LANES - 1) // LANES
     L = min(LANES, nv)  # as in _quantize_head_cpu
+    codes, norms, signs, centroids, out = borrowed(codes), borrowed(norms), borrowed(signs), borrowed(centroids), \
+        borrowed(out)  # (borrowed views: as in _quantize_head_cpu)
     for c in prange((ntiles + TILES - 1) // TILES):
-        t = np.zeros((d + 1) * L, dtype=np.float32)
-        w = np.zeros((d // 8 + 1) * L, dtype=np.int64)
+        t_own = np.zeros((d + 1) * L, dtype=np.float32)
+        w_own = np.zeros((d // 8 + 1) * L, dtype=np.int64)
+        t, w = borrowed(t_own), borrowed(w_own)
         for tile in range(c * TILES, min(ntiles, (c + 1) * TILES)):
             v0 = tile * L
             dequantize_head_lanes_cpu(codes, norms, v0, min(L, nv - v0), d, signs, centroids, bits, t0,
                                       out, L, t, w)
+        keep_alive(t_own)
+        keep_alive(w_own)
 
 
 # --- CUDA kernels: one block per vector, the vector in shared memory ----------------------

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from .._jit import cpu_serial
+from ._borrow import borrowed, keep_alive
 from ._headquant_lanes import rotate_head_row_cpu
 from .absmax8 import dequantize_vector_cpu, quantize_vector_cpu
 from .hadamard import load_rotate_store_cpu
@@ -67,10 +68,13 @@ def _put_tokens(x3, s0, n, ex, exs, d0, rot, signs, src, buf, rot3):
 def _window8_store_cpu(x3, ex, exs, ev, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, rot, signs):
     """Serial: the window part of one store (see :func:`window8_store`)."""
     rows, _, d = x3.shape
-    src = np.empty((rows, d), dtype=np.float32)
-    out = np.empty((rows, d), dtype=np.float32)
-    rot3 = np.empty((rows, 1, d), dtype=np.float32)
-    buf = np.empty(d, dtype=np.float32)
+    # borrowed views (numba_kv.ops._borrow): each rotation makes ~190 slice views of ``buf``
+    x3, ex, exs, ev, signs = borrowed(x3), borrowed(ex), borrowed(exs), borrowed(ev), borrowed(signs)
+    src_own = np.empty((rows, d), dtype=np.float32)
+    out_own = np.empty((rows, d), dtype=np.float32)
+    rot3_own = np.empty((rows, 1, d), dtype=np.float32)
+    buf_own = np.empty(d, dtype=np.float32)
+    src, out, rot3, buf = borrowed(src_own), borrowed(out_own), borrowed(rot3_own), borrowed(buf_own)
     # the first new tokens become sinks
     _put_tokens(x3, 0, a, ex, exs, seq_len, rot, signs, src, buf, rot3)
     # window tokens leaving the window, read back (and rotated back) into ev[:, :e_old]
@@ -97,6 +101,10 @@ def _window8_store_cpu(x3, ex, exs, ev, a, e_old, e_new, keep_old, keep_new, sin
                 exs[r, sinks + t, 0] = exs[r, sinks + e_old + t, 0]
     # the rest of the new tokens enter the window after them
     _put_tokens(x3, a + e_new, keep_new, ex, exs, sinks + keep_old, rot, signs, src, buf, rot3)
+    keep_alive(src_own)
+    keep_alive(out_own)
+    keep_alive(rot3_own)
+    keep_alive(buf_own)
 
 
 def window8_store(x3: np.ndarray, ex: np.ndarray, exs: np.ndarray, plan: Any, sinks: int, seq_len: int,
@@ -154,15 +162,17 @@ def _window8_head_step_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, kee
     k3 = k4.reshape((rows, n, d))
     v3 = v4.reshape((rows, n, d))
     ne = e_old + e_new
+    kx_own = np.empty((rows, n if center else 0, d), dtype=np.float32)
     kx = k3
     if center:  # x − m in float32, as NumPy's broadcast subtraction of the key mean
-        kx = np.empty_like(k3)
+        kx = kx_own
         for r in range(rows):
             for t in range(n):
                 for j in range(d):
                     kx[r, t, j] = k3[r, t, j] - kmean[r, 0, j]
-    kev = np.empty((rows, ne, d), dtype=np.float32)
-    vev = np.empty((rows, ne, d), dtype=np.float32)
+    ev_own = np.empty((2, rows, ne, d), dtype=np.float32)
+    # borrowed views (numba_kv.ops._borrow) into the calls below; the owners live to the end
+    kx, v3, kev, vev = borrowed(kx), borrowed(v3), borrowed(ev_own[0]), borrowed(ev_own[1])
     _window8_store_cpu(kx, kex, kexs, kev, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, rot, rsigns)
     _window8_store_cpu(v3, vex, vexs, vev, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, rot, rsigns)
     if ne:
@@ -173,6 +183,8 @@ def _window8_head_step_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, kee
         pos[i] = i
     for i in range(n_win):
         pos[n_sink + i] = pos_base + i
+    keep_alive(kx_own)
+    keep_alive(ev_own)
 
 
 def window8_head_args(kex: np.ndarray, kexs: np.ndarray, vex: np.ndarray, vexs: np.ndarray, rot: int,

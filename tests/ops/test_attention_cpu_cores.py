@@ -14,6 +14,7 @@ from numba_kv.ops.attention.cpu import (
     decode_tile_mixed_cpu,
     decode_tile_simd_cpu,
     exp_f32_cpu,
+    nibble_lut_cpu,
     tile_pv_cpu,
     tile_pv_rows2_cpu,
     tile_pv_rows4_cpu,
@@ -79,7 +80,9 @@ def test_decode_tile_matches_dequantize(bits, t0, nt, strided):
     cb = get_codebook(bits, "maxnorm").centroids
     cent[:len(cb)] = cb
     dst = np.full((32, d), np.nan, np.float32)
-    decode_tile_simd_cpu(codes, scales, t0, nt, cent, bits, d // 32, 0, F16_ABS_TABLE, dst, 0)
+    lut = np.full((256, 2), np.nan, np.float32)
+    nibble_lut_cpu(cent, lut)  # the byte table of 4-bit codes (read only at 4 bits)
+    decode_tile_simd_cpu(codes, scales, t0, nt, cent, bits, d // 32, 0, F16_ABS_TABLE, dst, 0, lut)
     want = rotate32(dequantize_blocks(codes, scales, bits)[t0:t0 + nt])
     np.testing.assert_allclose(dst[:nt], want, rtol=2e-6, atol=2e-6 * float(np.abs(want).max()))
     assert np.all(np.isnan(dst[nt:]))  # rows past nt untouched
@@ -87,6 +90,16 @@ def test_decode_tile_matches_dequantize(bits, t0, nt, strided):
     for tt in range(nt):  # the scalar loader the CUDA kernels use: bit-identical values
         load_token_fast_cpu(codes[t0 + tt], scales[t0 + tt], cent, bits, d // 32, 0, F16_ABS_TABLE, scalar[tt])
     assert np.array_equal(dst[:nt], scalar)
+
+
+def test_nibble_lut_holds_both_codes_of_every_byte():
+    """Entry ``c`` of the 4-bit byte table is the pair (low nibble, high nibble) of centroids,
+    the order in which :mod:`numba_kv.ops.bitpack` packs two 4-bit codes into a byte."""
+    cent = np.arange(16, dtype=np.float32) * np.float32(0.25) - np.float32(2.0)
+    lut = np.full((256, 2), np.nan, np.float32)
+    nibble_lut_cpu(cent, lut)
+    c = np.arange(256)
+    assert np.array_equal(lut[:, 0], cent[c % 16]) and np.array_equal(lut[:, 1], cent[c // 16])
 
 
 @pytest.mark.parametrize("widths", [(2, 3, 3, 2), (4, 1, 3, 2), (3, 4, 4, 3)])

@@ -27,7 +27,8 @@ from .cores import (
     visible_cpu,
 )
 
-__all__ = ["decode_tile_mixed_cpu", "decode_tile_simd_cpu", "exact_tile_cpu", "exp_f32_cpu", "softmax_tile_cpu",
+__all__ = ["decode_tile_mixed_cpu", "decode_tile_simd_cpu", "exact_tile_cpu", "exp_f32_cpu", "nibble_lut_cpu",
+           "softmax_tile_cpu",
            "tile_pv_cpu", "tile_scores_cpu", "unpack_signs_tile_cpu"]
 
 _F32 = ir.FloatType()
@@ -151,25 +152,48 @@ def _decode_block(codes, t, p, bits, cent, sa, dst, row, o):
 decode_block_cpu = cpu_serial(_decode_block, inline=True)
 
 
-def _decode_tile_simd(codes, scales, t0, nt, cent, bits, nb, sshift, scale_table, dst, d0):
+def _nibble_lut(cent, lut):
+    """``lut[c] = (cent[c & 15], cent[c >> 4])``, ``c < 256``: the two 4-bit codes of a byte
+    (low nibble first, the order of :func:`_decode8_4bit`), for :func:`_decode_tile_simd`."""
+    for c in range(256):
+        lut[c, 0] = cent[c & 15]
+        lut[c, 1] = cent[c >> 4]
+
+
+nibble_lut_cpu = cpu_serial(_nibble_lut)
+
+
+def _decode_tile_simd(codes, scales, t0, nt, cent, bits, nb, sshift, scale_table, dst, d0, lut):
     """``dst[d0 + tt] = `` token ``t0 + tt`` of ``codes``/``scales`` (``[tokens, ·]``), ``tt < nt``,
-    decoded like :func:`_load_token_fast` (same values; CPU only): 1- to 4-bit codes a block
-    at a time by :func:`_decode_block` (``cent`` C-contiguous float32 with ``2**bits`` or more
-    entries, ``dst`` C-contiguous), other widths — or code rows that are not unit-stride —
-    by the scalar loader.  One call per tile keeps the per-token call overhead out of the
-    hot loop."""
+    decoded like :func:`_load_token_fast` (same values; CPU only): 4-bit codes a byte at a
+    time through ``lut`` (:func:`_nibble_lut` of ``cent``, float32 ``[256, 2]``), 1- to 3-bit
+    codes a block at a time by :func:`_decode_block` (``cent`` C-contiguous float32 with
+    ``2**bits`` or more entries, ``dst`` C-contiguous), other widths — or code rows that are
+    not unit-stride — by the scalar loader.  One call per tile keeps the per-token call
+    overhead out of the hot loop.
+
+    Why a table for 4 bits: a 16-entry codebook needs two 8-lane permutes and a blend per 8
+    codes (:func:`_decode8_4bit`), and a lane-crossing permute is slow on some x86 cores (3
+    micro-ops, one per 4 cycles on AMD Zen 1); a byte's two values are one 8-byte load from a
+    2 KB table, scalar code that any target runs well — 51 → 33 ns per 64-value token on
+    Zen 1.  The products ``centroid · scale`` are the same float32 multiplications: same
+    bits.  At 3 bits and below one permute per 8 codes stays faster than a table."""
     fast = codes.strides[1] == 1
     # one loop per width, so the width test stays out of the per-block code
-    if bits == 3 and fast:
+    if bits == 4 and fast:
+        for tt in range(nt):
+            t = t0 + tt
+            for b in range(nb):
+                sa = scale_table[scales[t, b >> sshift]]
+                for i in range(16):
+                    c = codes[t, b * 16 + i]
+                    dst[d0 + tt, b * 32 + 2 * i] = lut[c, 0] * sa
+                    dst[d0 + tt, b * 32 + 2 * i + 1] = lut[c, 1] * sa
+    elif bits == 3 and fast:
         for tt in range(nt):
             t = t0 + tt
             for b in range(nb):
                 decode_block_cpu(codes, t, b * 12, 3, cent, scale_table[scales[t, b >> sshift]], dst, d0 + tt, b * 32)
-    elif bits == 4 and fast:
-        for tt in range(nt):
-            t = t0 + tt
-            for b in range(nb):
-                decode_block_cpu(codes, t, b * 16, 4, cent, scale_table[scales[t, b >> sshift]], dst, d0 + tt, b * 32)
     elif bits == 2 and fast:
         for tt in range(nt):
             t = t0 + tt
@@ -398,13 +422,16 @@ def _tile_scores(qsrc, kt, nt, sc):
     AVX2's 16 (measured 1.7× slower there); four × two fits both.  Rows beyond a multiple
     of four go one at a time."""
     rows, d = qsrc.shape
-    r4 = rows - rows % 4
+    # a remainder of 2 or 3 rows runs as a block of four with its last row repeated
+    # (clamped indices: the repeated row's dot products are computed and stored twice, the
+    # same value); one row left over runs alone
+    r4 = rows - rows % 4 if rows % 4 == 1 else rows
+    last = rows - 1
     n2 = nt - nt % 2
     for r in range(0, r4, 4):
-        q0 = qsrc[r]
-        q1 = qsrc[r + 1]
-        q2 = qsrc[r + 2]
-        q3 = qsrc[r + 3]
+        r1 = min(r + 1, last)
+        r2 = min(r + 2, last)
+        r3 = min(r + 3, last)
         for tt in range(0, n2, 2):
             a0 = float32(0.0)
             a1 = float32(0.0)
@@ -417,22 +444,22 @@ def _tile_scores(qsrc, kt, nt, sc):
             for j in range(d):
                 x = kt[tt, j]
                 y = kt[tt + 1, j]
-                a0 += q0[j] * x
-                a1 += q1[j] * x
-                a2 += q2[j] * x
-                a3 += q3[j] * x
-                b0 += q0[j] * y
-                b1 += q1[j] * y
-                b2 += q2[j] * y
-                b3 += q3[j] * y
+                a0 += qsrc[r, j] * x
+                a1 += qsrc[r1, j] * x
+                a2 += qsrc[r2, j] * x
+                a3 += qsrc[r3, j] * x
+                b0 += qsrc[r, j] * y
+                b1 += qsrc[r1, j] * y
+                b2 += qsrc[r2, j] * y
+                b3 += qsrc[r3, j] * y
             sc[r, tt] = a0
-            sc[r + 1, tt] = a1
-            sc[r + 2, tt] = a2
-            sc[r + 3, tt] = a3
+            sc[r1, tt] = a1
+            sc[r2, tt] = a2
+            sc[r3, tt] = a3
             sc[r, tt + 1] = b0
-            sc[r + 1, tt + 1] = b1
-            sc[r + 2, tt + 1] = b2
-            sc[r + 3, tt + 1] = b3
+            sc[r1, tt + 1] = b1
+            sc[r2, tt + 1] = b2
+            sc[r3, tt + 1] = b3
         for tt in range(n2, nt):
             s0 = float32(0.0)
             s1 = float32(0.0)
@@ -440,20 +467,19 @@ def _tile_scores(qsrc, kt, nt, sc):
             s3 = float32(0.0)
             for j in range(d):
                 k = kt[tt, j]
-                s0 += q0[j] * k
-                s1 += q1[j] * k
-                s2 += q2[j] * k
-                s3 += q3[j] * k
+                s0 += qsrc[r, j] * k
+                s1 += qsrc[r1, j] * k
+                s2 += qsrc[r2, j] * k
+                s3 += qsrc[r3, j] * k
             sc[r, tt] = s0
-            sc[r + 1, tt] = s1
-            sc[r + 2, tt] = s2
-            sc[r + 3, tt] = s3
+            sc[r1, tt] = s1
+            sc[r2, tt] = s2
+            sc[r3, tt] = s3
     for r in range(r4, rows):
-        qrow = qsrc[r]
         for tt in range(nt):
             s = float32(0.0)
             for j in range(d):
-                s += qrow[j] * kt[tt, j]
+                s += qsrc[r, j] * kt[tt, j]
             sc[r, tt] = s
 
 

@@ -24,6 +24,7 @@ from numba import cuda, float32, int64, prange, uint8, uint32
 
 from ..._config import MAX_CUDA_THREADS
 from ..._jit import FASTMATH_REDUCE, cpu_kernel, cpu_serial, cuda_kernel, specialize, twin
+from .._borrow import borrowed, keep_alive
 from .._registry import register
 from .cores import (
     EXACT_F32,
@@ -43,6 +44,7 @@ from .cpu import (
     decode_tile_mixed_cpu,
     decode_tile_simd_cpu,
     exact_tile_cpu,
+    nibble_lut_cpu,
     softmax_tile_cpu,
     tile_pv_cpu,
     tile_scores_cpu,
@@ -124,7 +126,7 @@ token_slot_cpu, plane_cpu, coop_tile_dev = _FLAT["token_slot_cpu"], _FLAT["plane
 
 
 def _kv_tile(codes, scales, exact, exact_scales, exact_kind, compressed, uniform, cent, bits, off, sshift, table,
-             kv_indices, first, page_size, g, h, t0, nt, dst):
+             kv_indices, first, page_size, g, h, t0, nt, dst, lut):
     """Tokens ``t0 … t0 + nt − 1`` of KV row ``g`` into the rows of ``dst`` (CPU), one run of
     consecutive slots at a time (a flat row is one run; a pool's run ends with its page):
     decoded by the SIMD decoders (one width: ``cent[0]``, ``bits[0]``) or the mixed-width
@@ -140,11 +142,28 @@ def _kv_tile(codes, scales, exact, exact_scales, exact_kind, compressed, uniform
             exact_tile_cpu(plane_cpu(exact, page, h), exs, exact_kind, slot, run, table, dst, tt)
         elif uniform:
             decode_tile_simd_cpu(plane_cpu(codes, page, h), plane_cpu(scales, page, h), slot, run, cent[0], bits[0],
-                                 nb, sshift, table, dst, tt)
+                                 nb, sshift, table, dst, tt, lut)
         else:
             decode_tile_mixed_cpu(plane_cpu(codes, page, h), plane_cpu(scales, page, h), slot, run, cent, bits, off,
                                   sshift, table, dst, tt)
         tt += run
+
+
+def _tile_tables(kcent, vcent, kbits, vbits, k_uniform, v_uniform):
+    """The CPU twin's constant tables, float32 ``[3, 256, 2]``: the byte tables of 4-bit K and V
+    codes of one width (:func:`~numba_kv.ops.attention.cpu.nibble_lut_cpu`; filled only at that
+    width, else never read) and, in ``[2, 0]``, the ±1 codebook of a QJL sign bit."""
+    tables = np.empty((3, 256, 2), dtype=np.float32)
+    if k_uniform and kbits[0] == 4:
+        nibble_lut_cpu(kcent[0], tables[0])
+    if v_uniform and vbits[0] == 4:
+        nibble_lut_cpu(vcent[0], tables[1])
+    tables[2, 0, 0] = float32(-1.0)
+    tables[2, 0, 1] = float32(1.0)
+    return tables
+
+
+tile_tables_cpu = cpu_serial(_tile_tables)
 
 
 # --- CPU twin: partitions in parallel; per tile, register-blocked score and P·V loops -----
@@ -164,23 +183,31 @@ def _partition_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, ex
     # one width for every block (the common case): the specialized loader, ~1.5x faster
     k_uniform = is_uniform_cpu(kbits)
     v_uniform = is_uniform_cpu(vbits)
-    pm1 = np.empty(2, dtype=np.float32)  # the codebook of a QJL sign bit
-    pm1[0] = float32(-1.0)
-    pm1[1] = float32(1.0)
+    # everything the per-tile calls read or write, borrowed (numba_kv.ops._borrow: no reference
+    # counting per call; the arguments outlive the call, the buffers are kept alive to the end)
+    qr, q, kc, ks, vc, vs, ke, ve = (borrowed(qr), borrowed(q), borrowed(kc), borrowed(ks), borrowed(vc),
+                                     borrowed(vs), borrowed(ke), borrowed(ve))
+    kes, ves, exact_pos, kcent, vcent, kbits, koff, vbits, voff = (
+        borrowed(kes), borrowed(ves), borrowed(exact_pos), borrowed(kcent), borrowed(vcent), borrowed(kbits),
+        borrowed(koff), borrowed(vbits), borrowed(voff))
+    scale_table, bias, sq, qsig, qnorm, kv_indices = (borrowed(scale_table), borrowed(bias), borrowed(sq),
+                                                     borrowed(qsig), borrowed(qnorm), borrowed(kv_indices))
+    tables = tile_tables_cpu(kcent, vcent, kbits, vbits, k_uniform, v_uniform)
+    klut, vlut, pm1 = borrowed(tables[0]), borrowed(tables[1]), borrowed(tables[2, 0])
     # the serial compilation (SERIAL_TWIN, a step's few work items) runs every item in one
-    # chunk that allocates its seven buffers once: per item they cost ~10 % of a small
+    # chunk that allocates its buffers once: per item they cost ~10 % of a small
     # step's kernel.  The parallel one gives each item its own chunk (prange cannot tell
     # which thread runs it without a call that Numba's cache cannot store)
     n_items = n_g * n_parts
     n_chunks = 1 if SERIAL_TWIN else n_items
     for chunk in prange(n_chunks):
-        kt = np.empty((CPU_TILE, d), dtype=np.float32)
-        sc = np.empty((rows, CPU_TILE), dtype=np.float32)
-        stq = np.empty((CPU_TILE if has_qjl else 1, m_qjl), dtype=np.float32)
-        corr = np.empty((rows, CPU_TILE if has_qjl else 1), dtype=np.float32)
-        acc = np.empty((rows, d), dtype=np.float32)
-        m = np.empty(rows, dtype=np.float32)
-        l = np.empty(rows, dtype=np.float32)
+        own = (np.empty((CPU_TILE, d), dtype=np.float32), np.empty((rows, CPU_TILE), dtype=np.float32),
+               np.empty((CPU_TILE if has_qjl else 1, m_qjl), dtype=np.float32),
+               np.empty((rows, CPU_TILE if has_qjl else 1), dtype=np.float32), np.empty((rows, d), dtype=np.float32),
+               np.empty((2, rows), dtype=np.float32))
+        kt, sc, stq, corr, acc = borrowed(own[0]), borrowed(own[1]), borrowed(own[2]), borrowed(own[3]), \
+            borrowed(own[4])
+        m, l = borrowed(own[5][0]), borrowed(own[5][1])
         for item in range(chunk, n_items, n_chunks):
             g = item // n_parts
             p = item - g * n_parts
@@ -199,7 +226,7 @@ def _partition_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, ex
             for t0 in range(t_lo, t_hi, CPU_TILE):
                 nt = min(CPU_TILE, t_hi - t0)
                 kv_tile_cpu(kc, ks, ke, kes, exact_kind, compressed, k_uniform, kcent, kbits, koff, sshift,
-                            scale_table, kv_indices, first, page_size, g, h, t0, nt, kt)
+                            scale_table, kv_indices, first, page_size, g, h, t0, nt, kt, klut)
                 tile_scores_cpu(qsrc, kt, nt, sc)
                 if compressed and has_qjl and not PAGED:
                     # QJL correction c_t·<S q, σ_t>, in q·k units: signs unpacked to ±1 by the
@@ -216,13 +243,15 @@ def _partition_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, ex
                                  comp_pos0 + t0 if sequential else 0, exact_pos, not sequential, t0, m, l, acc)
                 # the value tile reuses the key tile's buffer: one L1-sized buffer per thread
                 kv_tile_cpu(vc, vs, ve, ves, exact_kind, compressed, v_uniform, vcent, vbits, voff, sshift,
-                            scale_table, kv_indices, first, page_size, g, h, t0, nt, kt)
+                            scale_table, kv_indices, first, page_size, g, h, t0, nt, kt, vlut)
                 tile_pv_cpu(sc, kt, nt, acc)
             for r in range(rows):
                 part_m[g, p, r] = m[r]
                 part_l[g, p, r] = l[r]
                 for j in range(d):
                     part_acc[g, p, r, j] = acc[r, j]
+        keep_alive(own)
+    keep_alive(tables)
 
 
 # --- CUDA kernels ------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from numba import cuda, float32, prange
 
 from ..._config import MAX_HEAD_DIM
 from ..._jit import cpu_kernel, cuda_kernel, twin
+from .._borrow import borrowed, keep_alive
 from .._registry import register
 from .cores import (
     NEG_INF,
@@ -99,11 +100,17 @@ def _merge_partitions_cpu(part_m, part_l, part_acc, n_comp_parts, signs, head_ro
     much as its merge)."""
     n_g, n_parts, rows = part_m.shape
     d = out.shape[2]
+    # borrowed views (numba_kv.ops._borrow): the row merge and its rotation make many views
+    part_m, part_l, part_acc = borrowed(part_m), borrowed(part_l), borrowed(part_acc)
+    signs, hsigns, out = borrowed(signs), borrowed(hsigns), borrowed(out)
     for g in prange(n_g):
-        wbuf = np.empty(n_parts, dtype=np.float32)
-        buf = np.empty(d, dtype=np.float32)
+        wown = np.empty(n_parts, dtype=np.float32)
+        own = np.empty(d, dtype=np.float32)
+        wbuf, buf = borrowed(wown), borrowed(own)
         for r in range(rows):
             merge_row_cpu(part_m, part_l, part_acc, g, r, n_comp_parts, signs, head_rot, hsigns, wbuf, buf, out)
+        keep_alive(wown)
+        keep_alive(own)
 
 
 @cuda_kernel
