@@ -212,16 +212,20 @@ def test_bound_decode_step_equals_a_fresh_one_every_step(name):
             np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("parallel", [False, True])
 @pytest.mark.parametrize("name", ["kv4", "pqo3", "tq3"])
-def test_one_call_host_step_equals_the_op_by_op_step(name, monkeypatch):
-    """A small host decode step rotates the queries, runs the partitions and merges them in
-    one compiled call (``FlatStep.run(..., rotate=...)``); the same steps op by op (the
-    rotation, the partition kernel and the merge dispatched one by one) give the same bits."""
+def test_one_call_host_step_equals_the_op_by_op_step(name, parallel, monkeypatch):
+    """A host decode step rotates the queries, runs the partitions (serially, or in parallel
+    from the ``cpu_parallel_min_work`` knob's work on) and merges them in one compiled
+    call (``FlatStep.run(..., rotate=...)``); the same steps op by op (the rotation, the
+    partition kernel and the merge dispatched one by one) give the same bits."""
+    from numba_kv import _config
     from numba_kv.ops.attention import plan as plan_mod
 
     calls = []
-    one_call = plan_mod.flat_step_serial
-    monkeypatch.setattr(plan_mod, "flat_step_serial", lambda *a: calls.append(1) or one_call(*a))
+    entry = "flat_step_parallel" if parallel else "flat_step_serial"
+    one_call = getattr(plan_mod, entry)
+    monkeypatch.setattr(plan_mod, entry, lambda *a: calls.append(1) or one_call(*a))
     rng = np.random.default_rng(11)
     caches = [make_cache(name, num_layers=1, num_kv_heads=3, head_dim=64) for _ in range(2)]
     k = rng.standard_normal((1, 3, 100, 64)).astype(np.float32)
@@ -229,17 +233,18 @@ def test_one_call_host_step_equals_the_op_by_op_step(name, monkeypatch):
         c.prefill(0, k, k[:, :, ::-1].copy())
     att = AttendConfig(0.125, n_kv_groups=3)
     op_by_op = 0
-    for _ in range(8):
-        kv = rng.standard_normal((2, 1, 3, 1, 64)).astype(np.float32)
-        q = rng.standard_normal((1, 9, 1, 64)).astype(np.float32)
-        n_calls = len(calls)
-        one = caches[0].decode(0, kv[0], kv[1], q, att).out
-        assert len(calls) == n_calls + 1  # the one-call path ran
-        st = caches[1]._layers[0]
-        if "fused_step" in st.scratch:  # the bound step without its rotation: op by op
-            st.scratch["fused_step"] = st.scratch["fused_step"]._replace(rotate=None)
-        n_calls = len(calls)
-        ops = caches[1].decode(0, kv[0], kv[1], q, att).out
-        op_by_op += len(calls) == n_calls
-        np.testing.assert_array_equal(one.view(np.uint32), ops.view(np.uint32))
+    with _config.knobs(cpu_parallel_min_work=0 if parallel else 1 << 40):
+        for _ in range(8):
+            kv = rng.standard_normal((2, 1, 3, 1, 64)).astype(np.float32)
+            q = rng.standard_normal((1, 9, 1, 64)).astype(np.float32)
+            n_calls = len(calls)
+            one = caches[0].decode(0, kv[0], kv[1], q, att).out
+            assert len(calls) == n_calls + 1  # the one-call path ran
+            st = caches[1]._layers[0]
+            if "fused_step" in st.scratch:  # the bound step without its rotation: op by op
+                st.scratch["fused_step"] = st.scratch["fused_step"]._replace(rotate=None)
+            n_calls = len(calls)
+            ops = caches[1].decode(0, kv[0], kv[1], q, att).out
+            op_by_op += len(calls) == n_calls
+            np.testing.assert_array_equal(one.view(np.uint32), ops.view(np.uint32))
     assert op_by_op >= 4  # (a step that regrows the buffers binds again, with the rotation)

@@ -41,7 +41,7 @@ from .kernels import (
 from .layout import F16_ABS_TABLE, CodeLayout, mma_layout_ok, mma_operands
 from .merge import MERGE_PARTITIONS
 from .mma import MMA_HEAD_DIM, MMA_THREADS, mma_partition_size
-from .step_cpu import ROTATE_HEAD, flat_step_serial
+from .step_cpu import ROTATE_HEAD, flat_step_parallel, flat_step_serial
 from .warp import VROW, WARP_ROWS, warp_ok
 
 __all__ = ["AttentionPlan", "FlatStep", "TILE", "VARIANTS", "attention_plan", "check_cuda_head_dim",
@@ -420,8 +420,10 @@ class FlatStep:
             as :func:`~numba_kv.ops.headquant.rotate_head_rows`) or per 32-block
             (:data:`~numba_kv.ops.attention.step_cpu.ROTATE_BLOCK`, as
             :func:`~numba_kv.ops.hadamard.rotate32_rows` with ``signs`` = ``SIGNS32``).  A
-            NumPy step whose every piece runs serially then is one compiled call
-            (:func:`~numba_kv.ops.attention.step_cpu.flat_step_serial`), with the same bits.
+            NumPy step then is one compiled call, its partitions serial or (from the
+            ``cpu_parallel_min_work`` knob's work on) in parallel
+            (:func:`~numba_kv.ops.attention.step_cpu.flat_step_serial` /
+            :func:`~numba_kv.ops.attention.step_cpu.flat_step_parallel`), with the same bits.
         """
         plan = self.plan
         n_comp, n_exact = int(n_comp), int(n_exact)
@@ -453,13 +455,15 @@ class FlatStep:
         dev, n_g, rows, d = plan.device, plan.n_g, plan.rows, plan.d
         work = n_g * rows * d * (n_comp + n_exact)
         n_rot = n_parts if self._exact_rotated else n_cp
-        if self._host and rotate is not None and max(work, n_g * rows * d * n_parts) < \
-                _config.get("cpu_parallel_min_work"):
-            # every piece would run its serial compilation: all of them in one call
+        if self._host and rotate is not None:
+            # the whole step in one call: its partitions serially below the parallel threshold,
+            # in parallel above it (the rotation and the merge, a few microseconds, stay serial)
+            parallel = max(work, n_g * rows * d * n_parts) >= _config.get("cpu_parallel_min_work")
             out = np.empty(self._out_shape, np.float32)
-            flat_step_serial(rotate[0], rotate[1], rotate[2], qr.reshape(n_g * rows, d), qr, q, *codes, n_comp, *comp,
-                             n_exact, *exact, scale32, *extra, int(q_pos0), int(q_len), bool(causal), part_size, n_cp,
-                             *plan.no_pages, *parts, n_rot, *self._merge_static, out)
+            (flat_step_parallel if parallel else flat_step_serial)(
+                rotate[0], rotate[1], rotate[2], qr.reshape(n_g * rows, d), qr, q, *codes, n_comp, *comp, n_exact,
+                *exact, scale32, *extra, int(q_pos0), int(q_len), bool(causal), part_size, n_cp, *plan.no_pages,
+                *parts, n_rot, *self._merge_static, out)
             return out
         if rotate is not None:
             _rotate_into(*rotate, qr.reshape(n_g * rows, d))
