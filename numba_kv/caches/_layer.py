@@ -291,21 +291,25 @@ class LayeredCache(LifecycleMixin, ValueChecks):
         stats = None
         if mode == "sync":
             stats = (check_finite_stats("k", k), check_finite_stats("v", v))
-        elif mode == "deferred":
-            deferred = [self._defer("kv", a) for a in (k, v)]
-            if not all(deferred):  # a strided Numba device array: read synchronously instead
-                stats = (check_finite_stats("k", k), check_finite_stats("v", v))
         if st.seq_len > 0 and st.device != dev:
             raise ValueError(f"k is on {dev} but layer {layer} stores its tokens on {st.device}")
         if config is not None and not isinstance(config, AttendConfig):
             raise TypeError(f"config: expected an AttendConfig, got {type(config).__name__}")
+        q_now = False
         if q is not None or need_q:
             if q is None:
                 raise ValueError("q: expected an array [batch, num_heads, q_len, head_dim], got None")
             check_q_shape(q, k.shape[0], self.num_kv_heads, self.head_dim,
                           None if config is None else config.n_kv_groups, q_len=k.shape[2], device=dev)
-            if mode == "sync" or (mode == "deferred" and not self._defer("q", q)):
-                check_q_values(q)
+            q_now = mode == "sync"
+        if mode == "deferred":
+            # once every shape is right: k, v (and q) recorded in one launch
+            ok = self._defer_many([("kv", k), ("kv", v)] + ([] if q is None else [("q", q)]))
+            if not (ok[0] and ok[1]):  # a strided Numba device array: read synchronously instead
+                stats = (check_finite_stats("k", k), check_finite_stats("v", v))
+            q_now = q is not None and not ok[2]
+        if q_now:
+            check_q_values(q)
         return layer, dev, stats
 
     def _check_range(self, st: LayerState, k: Any, v: Any, stats: tuple[RangeStats, RangeStats]) -> None:

@@ -101,13 +101,21 @@ class ValueChecks:
                                  f"{lim_what} can hold, in a call since the last check_inputs() "
                                  "(validate='deferred': those tokens were stored)")
 
-    def _defer(self, slot: str, a: Any) -> bool:
-        """Record ``a`` (a CUDA array) under ``slot`` for :meth:`check_inputs`: ``"kv"`` is held
-        to :meth:`_input_limit`, ``"q"`` to ``|q| <= 2**64``, any other slot to finiteness
-        only.  ``False``: ``a`` cannot be read in place (check it synchronously)."""
+    def _deferred_record(self) -> DeferredRange:
         rec = self.__dict__.get("_deferred")
         if rec is None:
             with _DEFER_LOCK:  # layers of one cache may be called from several threads
                 rec = self.__dict__.setdefault("_deferred", DeferredRange())
-        return rec.record(slot, a)
+        return rec
+
+    def _defer(self, slot: str, a: Any) -> bool:
+        """Record ``a`` (a CUDA array) under ``slot`` for :meth:`check_inputs`: ``"kv"`` is held
+        to :meth:`_input_limit`, ``"q"`` to ``|q| <= 2**64``, any other slot to finiteness
+        only.  ``False``: ``a`` cannot be read in place (check it synchronously)."""
+        return self._deferred_record().record(slot, a)
+
+    def _defer_many(self, items: list[tuple[str, Any]]) -> list[bool]:
+        """:meth:`_defer` of each ``(slot, array)``, three to a kernel launch
+        (:meth:`~numba_kv.ops.finite.DeferredRange.record_many`)."""
+        return self._deferred_record().record_many(items)
 

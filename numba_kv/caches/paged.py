@@ -264,8 +264,7 @@ class PagedKVCache(PagedLifecycleMixin, ValueChecks):
         """Value checks of the appended parts as :attr:`validate` says (see :class:`ValueChecks`)."""
         mode = self._value_mode(dev)
         if mode == "deferred":
-            deferred = [self._defer("kv", a) for _, a in parts]
-            if all(deferred):
+            if all(self._defer_many([("kv", a) for _, a in parts])):  # one launch for k and v
                 return
         if mode != "off":
             for name, a in parts:

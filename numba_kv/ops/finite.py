@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -124,6 +125,55 @@ def _absbits_max_cuda(u, mask, out):
 _RANGE = register("range_stats", _absbits_max_cpu, _absbits_max_cuda,
          ["void(uint16[::1], uint16, uint64[::1])", "void(uint32[::1], uint32, uint64[::1])",
           "void(uint64[::1], uint64, uint64[::1])"])
+
+@cpu_kernel
+def _absbits_max3_cpu(u0, m0, o0, u1, m1, o1, u2, m2, o2):
+    """CPU twin of the three-array range check: ``o_i[0] = max(o_i[0], max(u_i & m_i))`` for
+    each array in turn (serial: the host checks its values synchronously, this twin serves
+    the simulator's comparison)."""
+    a = m0 ^ m0
+    for i in range(u0.shape[0]):
+        a = max(a, u0[i] & m0)
+    o0[0] = max(o0[0], uint64(a))
+    b = m1 ^ m1
+    for i in range(u1.shape[0]):
+        b = max(b, u1[i] & m1)
+    o1[0] = max(o1[0], uint64(b))
+    c = m2 ^ m2
+    for i in range(u2.shape[0]):
+        c = max(c, u2[i] & m2)
+    o2[0] = max(o2[0], uint64(c))
+
+
+@cuda_kernel
+def _absbits_max3_cuda(u0, m0, o0, u1, m1, o1, u2, m2, o2):
+    """Three range checks in one launch (a decode step's ``k``, ``v`` and ``q``).
+
+    Launch contract: any 1-D grid (``ceil(max size / 256)`` threads: ~256 elements of the
+    largest array per thread).  Each thread folds its grid-stride share of ``u0``, ``u1`` and
+    ``u2`` (``bits & mask``) and does one ``atomic.max`` into each accumulator.  Accumulators
+    may coincide, and an array may be passed twice: a max is idempotent."""
+    start = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    a = m0 ^ m0
+    for i in range(start, u0.shape[0], stride):
+        a = max(a, u0[i] & m0)
+    cuda.atomic.max(o0, 0, uint64(a))
+    b = m1 ^ m1
+    for i in range(start, u1.shape[0], stride):
+        b = max(b, u1[i] & m1)
+    cuda.atomic.max(o1, 0, uint64(b))
+    c = m2 ^ m2
+    for i in range(start, u2.shape[0], stride):
+        c = max(c, u2[i] & m2)
+    cuda.atomic.max(o2, 0, uint64(c))
+
+
+_RANGE3 = register("range_stats3", _absbits_max3_cpu, _absbits_max3_cuda,
+                   ["void(uint32[::1], uint32, uint64[::1], uint32[::1], uint32, uint64[::1], uint32[::1], uint32, "
+                    "uint64[::1])",
+                    "void(uint16[::1], uint16, uint64[::1], uint16[::1], uint16, uint64[::1], uint16[::1], uint16, "
+                    "uint64[::1])"])
 
 # (unsigned view dtype, |x| mask, first non-finite pattern) per float dtype
 _BITS = {np.dtype(np.float16): (np.uint16, 0x7FFF, 0x7C00),
@@ -304,6 +354,40 @@ class DeferredRange:
                 acc = self._acc[key] = _backend.zeros(a, (1,), np.uint64)
             _RANGE.launch(_backend.CUDA, (a.size + 255) // 256, u, udt(mask), acc)
         return True
+
+    def record_many(self, items: Sequence[tuple[str, Any]]) -> list[bool]:
+        """:meth:`record` of several ``(slot, array)`` pairs, three to a launch (a decode
+        step's ``k``, ``v`` and ``q``: one launch instead of three).  Returns what
+        :meth:`record` would for each."""
+        ok: list[bool] = []
+        todo: list[tuple[tuple[str, np.dtype], Any, Any]] = []
+        for slot, a in items:
+            dt = np.dtype(a.dtype)
+            xp = _backend.xp_of(a)
+            if dt not in _BITS or a.size == 0:
+                ok.append(dt in _BITS)  # nothing to read (or not a float: the caller checks it)
+                continue
+            if xp is None and not getattr(a, "is_c_contiguous", lambda: False)():
+                ok.append(False)  # a strided Numba device array: the caller reads it synchronously
+                continue
+            if xp is not None:
+                a = xp.ascontiguousarray(a)  # a device-side copy at most
+            udt, mask, _ = _BITS[dt]
+            todo.append(((slot, dt), a.reshape(a.size).view(udt), udt(mask)))
+            ok.append(True)
+        with self._lock:  # the launches too: read() must not drop an accumulator being written
+            for lo in range(0, len(todo), 3):
+                group = todo[lo:lo + 3]
+                args = []
+                for key, u, mask in group:
+                    acc = self._acc.get(key)
+                    if acc is None:
+                        acc = self._acc[key] = _backend.zeros(u, (1,), np.uint64)
+                    args.append((u, mask, acc))
+                args += [args[0]] * (3 - len(args))  # a repeated array changes no max
+                n = max(int(u.size) for u, _, _ in args)
+                _RANGE3.launch(_backend.CUDA, (n + 255) // 256, *args[0], *args[1], *args[2])
+        return ok
 
     def read(self) -> dict[str, RangeStats]:
         """Per slot, what was recorded since the last :meth:`read` (``nonfinite``, ``amax``);

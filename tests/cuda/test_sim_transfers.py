@@ -164,7 +164,49 @@ def _add_at(rng):
     assert np.array_equal(cpu, a + np.array([0, 0, 0, 4, 0], np.int32))
 
 
-RUNNERS = {"exact_positions": _positions, "page_run_rows": _page_rows, "add_at": _add_at}
+def _range3(rng):
+    """``DeferredRange.record_many`` (three arrays a launch, ``range_stats3``) records what one
+    ``record`` per array does, and what NumPy measures: per slot the largest |x| and whether
+    anything was NaN/Inf; float16 next to float32, four arrays (two launches)."""
+    from numba_kv.ops.finite import DeferredRange
+
+    a = rng.standard_normal((3, 40)).astype(np.float32) * 5
+    b = rng.standard_normal(7).astype(np.float32)
+    b[3] = -1e7
+    c = rng.standard_normal(300).astype(np.float16)
+    e = np.array([1.0, np.inf, 2.0], np.float32)
+    items = [("kv", a), ("kv", b), ("q", c), ("x", e)]
+    many, one = DeferredRange(), DeferredRange()
+    assert many.record_many([(slot, to_device(x)) for slot, x in items]) == [True] * 4
+    for slot, x in items:
+        assert one.record(slot, to_device(x))
+    got, want = many.read(), one.read()
+    assert sorted(got) == sorted(want) == ["kv", "q", "x"]
+    for slot in got:
+        assert (got[slot].nonfinite, got[slot].amax) == (want[slot].nonfinite, want[slot].amax)
+    assert got["kv"].nonfinite == 0 and got["kv"].amax == float(np.float32(1e7))
+    assert got["q"].nonfinite == 0 and got["q"].amax == float(np.abs(c).max())
+    assert got["x"].nonfinite == 1
+    # the kernel against its CPU twin and the formula, on the accumulators themselves
+    from numba_kv import _backend
+    from numba_kv.ops import TWINS
+
+    us = [a.reshape(-1).view(np.uint32), b.view(np.uint32), c.view(np.uint16)]
+    masks = [np.uint32(0x7FFFFFFF), np.uint32(0x7FFFFFFF), np.uint16(0x7FFF)]
+    cpu = [np.zeros(1, np.uint64) for _ in us]
+    dev = [to_device(np.zeros(1, np.uint64)) for _ in us]
+    TWINS["range_stats3"].launch(_backend.CPU, 1, *(x for t in zip(us, masks, cpu) for x in t))
+    TWINS["range_stats3"].launch(_backend.CUDA, 3, *(x for t in zip((to_device(u) for u in us), masks, dev) for x in t))
+    want = [int((u & m).max()) for u, m in zip(us, masks)]
+    assert [int(x[0]) for x in cpu] == [int(to_host(x)[0]) for x in dev] == want
+    # a strided Numba device array cannot be read in place (the caller checks it at once);
+    # an empty one has nothing to record
+    strided = to_device(np.zeros((4, 8), np.float32))[:, ::2]
+    assert many.record_many([("kv", strided), ("q", to_device(np.zeros(0, np.float32)))]) == [False, True]
+    assert many.read() == {}
+
+
+RUNNERS = {"exact_positions": _positions, "page_run_rows": _page_rows, "add_at": _add_at, "range_stats3": _range3}
 
 
 @pytest.mark.cuda
