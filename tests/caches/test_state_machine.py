@@ -76,7 +76,7 @@ class WindowedCacheMachine(RuleBasedStateMachine):
             self.sketch = np.asarray(self.cache.sketch, np.float64)  # the sketch matrix is data (seeded N(0,1))
             self.m = self.sketch.shape[0]
         self.layers = [self._empty() for _ in range(LAYERS)]
-        self.worst = (0, 0)  # (flips, coordinates) of the check with the most flips per coordinate
+        self.worst = (0, 0)  # (tied values, coordinates) of the check with the most ties per coordinate
 
     # -- model ------------------------------------------------------------------------------
     @staticmethod
@@ -154,10 +154,14 @@ class WindowedCacheMachine(RuleBasedStateMachine):
             flip = idx != ref_idx
             assert np.all(np.abs(idx - ref_idx) <= 1) and np.all(near[flip]), "a code differs outside a near-tie"
             # one check sees each stored coordinate once; the history is re-checked after every
-            # step, so summing over checks would count one tied coordinate once per step
-            flips = int(flip.sum())
-            if flips > max(4, checked // 100):
-                self.worst = max(self.worst, (flips, checked))
+            # step, so summing over checks would count one tied coordinate once per step.
+            # Coordinates that tie at the same normalized value count once: a token compressed
+            # from its int8 window copy lies on the int8 lattice, so one lattice level near a
+            # boundary ties in every coordinate that holds it (5 flips at shared levels in 384
+            # coordinates, found by Hypothesis), while a systematic offset flips distinct values
+            ties = len(np.unique(np.round(np.abs(rot.reshape(len(g), -1)[flip]), 5)))
+            if ties > max(4, checked // 100):
+                self.worst = max(self.worst, (ties, checked))
         # the checked reconstruction (it may differ from the float64 reference by a scale ulp
         # or a tie) is what attention must use
         return np.where(exact[None, None, :, None], want, got)
