@@ -288,7 +288,7 @@ def _eval_long(args: argparse.Namespace) -> int:
     result, err = _user_call("eval", lambda: long.run_long(
         _specs(args), model_path=args.model,
         lengths=None if args.lengths is None else _int_list(args.lengths, "--lengths"), scored=args.scored,
-        chunk_size=args.chunk, threads=args.threads, progress=not args.no_progress))
+        chunk_size=args.chunk, threads=args.threads, progress=not args.no_progress, order=args.order))
     if err is not None:
         return err
     return _emit("eval", args, result, long.render_long_table, long.plot_long)
@@ -480,6 +480,10 @@ def _add_eval(sub: Any) -> None:
                         "reached, each within the model's context (default: 4096,8192; Gemma-3: 8192,16384,32768)")
     e.add_argument("--scored", type=int, default=1024,
                    help="long: decoded positions scored at the end of each length (default: %(default)s)")
+    e.add_argument("--order", choices=("layer", "token"), default="layer",
+                   help="long: decode the scored tokens layer by layer (one matrix product per layer over all of "
+                        "them, one cache.decode per token and layer; ~3x faster) or token by token (default: "
+                        "%(default)s)")
     e.add_argument("--depths", default="10,50,90", help="needle: needle depths in percent (default: %(default)s)")
     e.add_argument("--cache", default=DEFAULT_CACHES,
                    help="comma-separated caches; an entry is NAME, NAME-rR-sS (residual_length=R, sink_tokens=S) "

@@ -456,25 +456,90 @@ class LlamaModel:
         ids = self.check_tokens(tokens)
         if logits not in ("last", "all", "none"):
             raise ValueError(f"logits: expected 'last', 'all' or 'none', got {logits!r}")
-        t = ids.size
-        hd, nh = c.head_dim, c.n_heads
-        positions = np.arange(start_pos, start_pos + t)
-        tables = {}
-        for theta in {c.layer_rope_theta(i) for i in range(c.n_layers)}:
-            tables[theta] = rope_tables(positions, c.rope_dim, theta, self.freq_factors)
-        x = self.tok_embd[ids]  # [T, dim]; fancy indexing copies, so x is writable
-        if self.embed_scale is not None:
-            x *= self.embed_scale
+        tables = self._rope_tables(np.arange(start_pos, start_pos + ids.size))
+        x = self._embed(ids)
         for li, L in enumerate(self.layers):
             cos, sin = tables[c.layer_rope_theta(li)]
             q, k, v = self._qkv(L, rms_norm(x, L.attn_norm, c.rms_eps), cos, sin)
-            o = self._cache_attention(li, cache, q, k, v, use_decode)
-            a = o[0].transpose(1, 0, 2).reshape(t, nh * hd) @ L.wo.T
-            if L.post_attn_norm is not None:
-                a = rms_norm(a, L.post_attn_norm, c.rms_eps)
-            x += a
-            x += self._ffn(L, rms_norm(x, L.ffn_norm, c.rms_eps))
+            self._block_rest(L, x, self._cache_attention(li, cache, q, k, v, use_decode))
         return self.output_logits(x, logits)
+
+    def decode_layer_major(self, tokens: Any, cache: Any, start_pos: int, logits: str = "all",
+                           logits_chunk: int = 256) -> np.ndarray | None:
+        """Teacher-forced decode of ``T`` known tokens, layer by layer: every layer's
+        projections and feed-forward run once over all ``T`` tokens (matrix products instead
+        of ``T`` matrix-vector products), while the cache still sees one ``cache.decode(layer,
+        k, v, q)`` per token, in token order, exactly as ``T`` calls of :meth:`step` with
+        ``use_decode=True`` would make them (per layer; the layers are visited one after the
+        other, which a cache with per-layer state cannot tell apart).
+
+        A token's hidden state at layer ``l`` depends only on earlier layers of itself and of
+        earlier tokens, so the order changes no value; the logits equal those of the
+        token-by-token loop up to the rounding of BLAS matrix–matrix against matrix–vector
+        products (a test checks both orders agree).
+
+        Parameters
+        ----------
+        tokens : sequence of int, length ``T``
+        cache : CompressedKVCache
+        start_pos : int
+            Absolute position of ``tokens[0]`` (RoPE).
+        logits : {"all", "none"}
+            Logits of every position (row ``j`` predicts the token after ``tokens[j]``) or none.
+        logits_chunk : int
+            Rows of the output projection computed at once (bounds its temporaries).
+
+        Returns
+        -------
+        ndarray, shape ``(T, vocab)``, float32, or None
+        """
+        c = self.config
+        ids = self.check_tokens(tokens)
+        if logits not in ("all", "none"):
+            raise ValueError(f"logits: expected 'all' or 'none', got {logits!r}")
+        t, nh, hd = ids.size, c.n_heads, c.head_dim
+        tables = self._rope_tables(np.arange(start_pos, start_pos + t))
+        x = self._embed(ids)
+        for li, L in enumerate(self.layers):
+            cos, sin = tables[c.layer_rope_theta(li)]
+            q, k, v = self._qkv(L, rms_norm(x, L.attn_norm, c.rms_eps), cos, sin)
+            o = np.empty((1, nh, t, hd), dtype=np.float32)
+            for j in range(t):
+                o[:, :, j:j + 1] = self._cache_attention(
+                    li, cache, np.ascontiguousarray(q[:, :, j:j + 1]), np.ascontiguousarray(k[:, :, j:j + 1]),
+                    np.ascontiguousarray(v[:, :, j:j + 1]), True)
+            self._block_rest(L, x, o)
+        if logits == "none":
+            return None
+        out = np.empty((t, c.vocab_size), dtype=np.float32)
+        step = max(1, int(logits_chunk))
+        for a in range(0, t, step):
+            out[a:a + step] = self.output_logits(x[a:a + step], "all")
+        return out
+
+    def _rope_tables(self, positions: np.ndarray) -> dict[float, tuple[np.ndarray, np.ndarray]]:
+        """RoPE ``(cos, sin)`` of ``positions`` for every base the layers use."""
+        c = self.config
+        return {theta: rope_tables(positions, c.rope_dim, theta, self.freq_factors)
+                for theta in {c.layer_rope_theta(i) for i in range(c.n_layers)}}
+
+    def _embed(self, ids: np.ndarray) -> np.ndarray:
+        """Hidden states ``[T, dim]`` float32 of token ids (a writable copy)."""
+        x = self.tok_embd[ids]  # fancy indexing copies, so x is writable
+        if self.embed_scale is not None:
+            x *= self.embed_scale
+        return x
+
+    def _block_rest(self, L: _Layer, x: np.ndarray, o: np.ndarray) -> None:
+        """The rest of block ``L`` after attention, in place on ``x`` ``[T, dim]``: output
+        projection of ``o`` ``[1, H, T, hd]``, post-attention norm, residual, feed-forward."""
+        c = self.config
+        t = x.shape[0]
+        a = o[0].transpose(1, 0, 2).reshape(t, c.n_heads * c.head_dim) @ L.wo.T
+        if L.post_attn_norm is not None:
+            a = rms_norm(a, L.post_attn_norm, c.rms_eps)
+        x += a
+        x += self._ffn(L, rms_norm(x, L.ffn_norm, c.rms_eps))
 
     def _qkv(self, L: _Layer, h: np.ndarray, cos: np.ndarray,
              sin: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
