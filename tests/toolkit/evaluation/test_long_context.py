@@ -28,9 +28,25 @@ CACHES = "pqo4,pqo3-r8-s2,dense:dtype=float32"
 
 @pytest.fixture(scope="module")
 def result(tiny):
+    """Token order: the text mode's own loop, so the two modes must agree exactly."""
     model, tok, _ = tiny
     return lc.run_long(parse_cache_specs(CACHES), model=model, tokenizer=tok, text=PROSE, lengths=LENGTHS,
-                       scored=SCORED, chunk_size=None, threads=1, progress=False)
+                       scored=SCORED, chunk_size=None, threads=1, progress=False, order="token")
+
+
+def test_layer_order_matches_token_order(tiny, result):
+    """The default layer-major decode: same rows as the token loop up to BLAS rounding (the
+    compressed caches store the same codes, so their metrics agree closely, not just within SE)."""
+    model, tok, _ = tiny
+    lay = lc.run_long(parse_cache_specs(CACHES), model=model, tokenizer=tok, text=PROSE, lengths=LENGTHS,
+                      scored=SCORED, chunk_size=None, threads=1, progress=False)
+    assert lay.config["decode_order"] == "layer" and result.config["decode_order"] == "token"
+    assert [(r.length, r.cache) for r in lay.rows] == [(r.length, r.cache) for r in result.rows]
+    for a, b in zip(lay.rows, result.rows):
+        assert (a.kv_bytes, a.kv_tokens) == (b.kv_bytes, b.kv_tokens)
+        assert a.top1_agreement == b.top1_agreement, a.cache
+        assert a.ppl == pytest.approx(b.ppl, rel=1e-4), a.cache
+        assert a.kl_mean == pytest.approx(b.kl_mean, rel=1e-2, abs=1e-7), a.cache
 
 
 def test_rows_in_order(result):
@@ -99,6 +115,7 @@ def test_chunked_history_matches_one_chunk_with_sliding_windows(tiny, monkeypatc
     ({"lengths": [100], "scored": 0}, "--scored: expected an int >= 1"),
     ({"lengths": [100], "chunk_size": 0}, "--chunk: expected an int >= 1"),
     ({"lengths": [100], "threads": 10_000}, "--threads"),
+    ({"lengths": [100], "order": "random"}, "--order: expected 'layer' or 'token'"),
 ])
 def test_bad_options(tiny, kw, fragment):
     model, tok, _ = tiny
@@ -119,7 +136,7 @@ ROW_KEYS = {"model": str, "length": int, "history": int, "scored": int, "cache":
             "wall_s": float, "store_s": float, "decode_s": float, "kv_bytes": int, "kv_tokens": int}
 CONFIG_KEYS = {"model": str, "model_name": str, "text": str, "text_sha256": str, "text_tokens": int,
                "context_length": int, "scored": int, "lengths": list, "chunk_size": type(None), "caches": list,
-               "threads": int, "dense_forward_s": dict}
+               "threads": int, "decode_order": str, "dense_forward_s": dict}
 
 
 def test_json_schema(result):
@@ -162,12 +179,17 @@ def test_cli_long_outputs(result, monkeypatch, capsys, tmp_path):
                      "512", "--chunk", "128", "--json", str(js), "--plot", str(png), "--threads", "1"]) == 0
     assert seen["specs"] == ["dense", "kv4", "kv5"] and seen["lengths"] == [4096, 8192]
     assert seen["scored"] == 512 and seen["chunk_size"] == 128 and seen["threads"] == 1
+    assert seen["order"] == "layer"
     assert json.loads(js.read_text())["schema"] == lc.LONG_SCHEMA and png.read_bytes()[:8] == PNG_MAGIC
     assert "last 40 positions" in capsys.readouterr().out
     seen.clear()
     assert cli.main(["eval", "--mode", "long", "--cache", "kv4", "--json", "-"]) == 0
     assert seen["lengths"] is None and seen["scored"] == 1024  # the model's default lengths
     assert json.loads(capsys.readouterr().out)["schema"] == lc.LONG_SCHEMA
+    seen.clear()
+    assert cli.main(["eval", "--mode", "long", "--cache", "kv4", "--order", "token", "--json", "-"]) == 0
+    assert seen["order"] == "token"
+    capsys.readouterr()
 
 
 def test_cli_long_errors(tiny, monkeypatch, capsys):

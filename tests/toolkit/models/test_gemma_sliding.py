@@ -150,3 +150,20 @@ def test_eval_caches_slide_like_the_model(tiny_gemma, name):
     sequence_logits(model, ids, cache, 2)
     w = c.sliding_window
     assert w == 5 and cache.stored_len(0) == w and cache.stored_len(c.n_layers - 1) == ids.size
+
+
+@pytest.mark.parametrize("sliding", [True, False])
+def test_layer_major_decode_beyond_the_window(tiny_gemma, sliding):
+    """``decode_layer_major`` far beyond the local layers' window, with a cache that slides
+    them and with one that does not (the model's prefill-and-mask fallback, taken per layer
+    once that layer's history outgrows the window): the float64 reference's logits."""
+    model, hf = tiny_gemma
+    w = model.config.sliding_window
+    ids = np.random.default_rng(11).integers(0, model.config.vocab_size, 3 * w)
+    ref = gemma_reference_logits(hf, ids)
+    cache = Counting(model.new_cache() if sliding else model.new_cache(sliding_window=None))
+    model.forward(ids[:3], cache, logits="none")
+    assert_close(model.decode_layer_major(ids[3:], cache, 3), ref[3:])
+    n_local = sum(x is not None for x in model.layer_windows)
+    fallbacks = len(cache.prefill_layers) - model.config.n_layers
+    assert fallbacks == (0 if sliding else n_local * (ids.size - w))

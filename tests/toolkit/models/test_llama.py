@@ -296,3 +296,63 @@ def test_smollm2_chat(smollm2):
     model, tok = smollm2
     g = generate(model, tok, "What is the capital of France?", max_new_tokens=16, chat=True)
     assert "Paris" in g.text, g.text
+
+
+class Recording(_Wrapper):
+    """Records the order of ``decode`` calls as ``(layer, seq_len before the call)``."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.calls = []
+
+    def decode(self, layer, k, v, q, config):
+        self.calls.append((layer, self.inner.seq_len(layer)))
+        self.decode_calls += 1
+        return self.inner.decode(layer, k, v, q, config)
+
+
+@pytest.mark.parametrize("wrap", [None, FusedDense, RowBiasDense])
+def test_layer_major_decode_matches_the_token_loop(tiny, wrap):
+    """``decode_layer_major`` gives the logits of one ``step`` per token (the float64
+    one-shot forward is the independent reference), with one ``decode`` per token and layer
+    in token order, layers one after the other."""
+    model, tok, _ = tiny
+    ids = np.asarray(tok.encode(TEXT), dtype=np.int64)[:40]
+    p, n_layers = 12, model.config.n_layers
+    ref = model.forward(ids, model.new_cache(dtype="float64"), logits="all", chunk_size=None)
+    cache = Recording(model.new_cache() if wrap is None else wrap(model.new_cache()))
+    model.forward(ids[:p], cache, chunk_size=5, logits="none")
+    out = model.decode_layer_major(ids[p:], cache, p, logits_chunk=7)  # chunked output rows
+    assert out.shape == (ids.size - p, model.config.vocab_size) and out.dtype == np.float32
+    assert_close(out, ref[p:])
+    t = ids.size - p
+    assert cache.calls == [(li, p + j) for li in range(n_layers) for j in range(t)]
+    assert [cache.seq_len(li) for li in range(n_layers)] == [ids.size] * n_layers
+    assert model.decode_layer_major(ids[:3], model.new_cache(), 0, logits="none") is None
+
+
+def test_layer_major_decode_through_a_compressed_cache(tiny):
+    """A compressed cache sees the same keys and values in both orders, so it stores the same
+    codes: its logits match the token loop's to float rounding, not just statistically."""
+    model, tok, _ = tiny
+    ids = np.asarray(tok.encode(TEXT), dtype=np.int64)[:48]
+    p = 16
+    a, b = model.new_cache("pqo3-r4-s2"), model.new_cache("pqo3-r4-s2")
+    model.forward(ids[:p], a, logits="none")
+    model.forward(ids[:p], b, logits="none")
+    loop = np.stack([model.step(ids[j:j + 1], a, j, use_decode=True)[0] for j in range(p, ids.size)])
+    out = model.decode_layer_major(ids[p:], b, p)
+    assert_close(out, loop)
+    dense = model.forward(ids, model.new_cache(), logits="all", chunk_size=None)[p:]
+    assert np.abs(out - dense).max() > 100 * RTOL * np.abs(dense).max()  # the codes did change the logits
+    assert a.memory_usage() == b.memory_usage()
+
+
+def test_layer_major_decode_rejects_bad_arguments(tiny):
+    model, _, _ = tiny
+    cache = model.new_cache()
+    with pytest.raises(ValueError, match="logits"):
+        model.decode_layer_major([1, 2], cache, 0, logits="last")
+    with pytest.raises(ValueError, match="tokens"):
+        model.decode_layer_major([], cache, 0)
+    assert cache.seq_len(0) == 0
