@@ -13,6 +13,11 @@ lock, so nothing here is shared between layers or threads) the cache keeps
   store (:func:`~numba_kv.ops.window8.window8_head_step`), which also writes the exact
   tokens' positions.
 
+The store of a step on a device with a float window is two launches: both sides' window
+stores with the exact tokens' positions (:meth:`~numba_kv.caches._window.ExactWindow.store_pair`)
+and both sides' evicted tokens quantized together (``quantize_head_pair`` /
+``quantize_blocks_pair``, :meth:`FusedDecodeMixin._compress_pair`).
+
 Bit for bit the same as building everything per step (``tests/caches/test_fused.py``).
 """
 
@@ -25,8 +30,9 @@ import numpy as np
 from .. import _backend, _config
 from ..ops.attention import attention_plan
 from ..ops.attention.step_cpu import ROTATE_BLOCK, ROTATE_HEAD
+from ..ops.blockquant import quantize_pair_into
 from ..ops.hadamard import SIGNS32, rotate32_rows
-from ..ops.headquant import head_signs, rotate_head_rows
+from ..ops.headquant import head_signs, quantize_head_pair_into, rotate_head_rows
 from ..ops.window8 import window8_head_args, window8_head_step
 from ._layer import LayerState
 from .protocol import AttendConfig, DecodeOutput, Fused
@@ -55,6 +61,40 @@ class FusedDecodeMixin:
     (:meth:`_decode_output`), with the per-layer bindings described in the module
     docstring.  Mixed into :class:`~numba_kv.caches.polarquant.PolarQuantCache`, whose
     state (layouts, window, codebooks, head signs) it reads."""
+
+    def _store_window_pair(self, st: LayerState, k: Any, v: Any, plan: Any, sinks: int, n_sink: int,
+                           n_comp: int) -> bool:
+        """The store of a small step on a device (a decode step) into float32 or float16 windows: both
+        sides' window stores and the exact tokens' positions in one launch
+        (:meth:`ExactWindow.store_pair`), then the evicted tokens' quantization.  Returns
+        whether it stored (else the caller stores op by op, with the same bytes)."""
+        if isinstance(k, np.ndarray) or not self._window.pair_applies(st, int(k.shape[2])):
+            return False
+        x3 = []
+        for name, arr in (("k", k), ("v", v)):
+            x = _backend.ascontiguous_f32(name, arr)
+            x3.append(self._transform_in(st, name, x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3])))
+        pos_counts = (n_sink + plan.sinks, sinks + n_comp + plan.compressed, plan.keep_old + plan.keep_new)
+        ev = self._window.store_pair(st, x3[0], x3[1], plan, sinks, pos_counts)
+        if ev is None:
+            return False
+        if plan.compressed:
+            self._compress_pair(st, ev[0], ev[1], n_comp)
+        return True
+
+    def _compress_pair(self, st: LayerState, xk3: Any, xv3: Any, t0: int) -> None:
+        """:meth:`_compress` of both sides (one shape) in one launch where the codes allow it
+        (this class's quantizer without channel split), else one side after the other."""
+        if not self._pair_quantize:
+            self._compress(st, "k", xk3, t0)
+            self._compress(st, "v", xv3, t0)
+            return
+        b, cbs = st.buffers, self.codebooks
+        args = (xk3, xv3, b["k_codes"], b["k_scales"], b["v_codes"], b["v_scales"], t0, cbs["k"], cbs["v"])
+        if self.rotation == "head":
+            quantize_head_pair_into(*args, self.unbiased)
+        else:
+            quantize_pair_into(*args, self.outlier, unbiased=self.unbiased)
 
     def _store_window8_head(self, st: LayerState, k: Any, v: Any, plan: Any, sinks: int, n_sink: int,
                             n_comp: int) -> bool:

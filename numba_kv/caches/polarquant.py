@@ -225,6 +225,9 @@ class PolarQuantCache(FusedDecodeMixin, LayeredCache):
         # (_store_window8_head); whether the window is int8 is decided per layer (device)
         self._window8_head = (cfg.rotation == "head" and cfg.window_dtype == "int8" and self._windowed
                               and not cfg.outlier_channels and self._compress.__func__ is PolarQuantCache._compress)
+        # both sides of a decode step's evicted tokens in one launch (_compress_pair): this class's
+        # quantizer without channel split (TurboQuant adds its QJL stage per side)
+        self._pair_quantize = not cfg.outlier_channels and self._compress.__func__ is PolarQuantCache._compress
         self._window = ExactWindow(self.head_dim, cfg.sink_tokens, cfg.residual_length,
                                    cfg.rotation if cfg.window_rotation else None)
         # storage of the window buffers: the configured dtype, float32 while the layer's
@@ -521,27 +524,6 @@ class PolarQuantCache(FusedDecodeMixin, LayeredCache):
             st.meta.update(n_comp=n_comp + plan.compressed, n_sink=n_sink + plan.sinks,
                            n_win=plan.keep_old + plan.keep_new)
         self._set_live(st)
-
-    def _store_window_pair(self, st: LayerState, k: Any, v: Any, plan: Any, sinks: int, n_sink: int,
-                           n_comp: int) -> bool:
-        """The store of a small step on a device (a decode step) into float32 or float16 windows: both
-        sides' window stores and the exact tokens' positions in one launch
-        (:meth:`ExactWindow.store_pair`), then the evicted tokens' quantization.  Returns
-        whether it stored (else the caller stores op by op, with the same bytes)."""
-        if isinstance(k, np.ndarray) or not self._window.pair_applies(st, int(k.shape[2])):
-            return False
-        x3 = []
-        for name, arr in (("k", k), ("v", v)):
-            x = _backend.ascontiguous_f32(name, arr)
-            x3.append(self._transform_in(st, name, x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3])))
-        pos_counts = (n_sink + plan.sinks, sinks + n_comp + plan.compressed, plan.keep_old + plan.keep_new)
-        ev = self._window.store_pair(st, x3[0], x3[1], plan, sinks, pos_counts)
-        if ev is None:
-            return False
-        if plan.compressed:
-            self._compress(st, "k", ev[0], n_comp)
-            self._compress(st, "v", ev[1], n_comp)
-        return True
 
     def _transform_in(self, st: LayerState, name: str, x3: Any) -> Any:
         """The stored domain: keys ``x − m`` with the frozen per-channel key mean ``m`` (only

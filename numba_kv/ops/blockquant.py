@@ -218,6 +218,15 @@ def _quantize_cpu(x, signs, bounds, centroids, l2, unbiased, ref, flag, bits, t0
 
 
 @cpu_kernel
+def _quantize_pair_cpu(xk, xv, signs, kbounds, kcents, kbits, vbounds, vcents, vbits, l2, unbiased, ref, flag, t0,
+                       kcodes, kscales, vcodes, vscales):
+    """CPU twin of :func:`_quantize_pair_cuda`: the two sides one after the other (on the CPU
+    the pair saves nothing; the twin exists for the bit-for-bit comparison)."""
+    _quantize_cpu(xk, signs, kbounds, kcents, l2, unbiased, ref, flag, kbits, t0, kcodes, kscales)
+    _quantize_cpu(xv, signs, vbounds, vcents, l2, unbiased, ref, flag, vbits, t0, vcodes, vscales)
+
+
+@cpu_kernel
 def _dequantize_cpu(codes, scales, signs, centroids, bits, t0, out):
     """CPU twin of :func:`_dequantize_cuda`: ``prange`` over runs of ``_TILES`` tiles of ``_LANES`` blocks."""
     rows, seq, d = out.shape
@@ -245,6 +254,27 @@ def _quantize_cuda(x, signs, bounds, centroids, l2, unbiased, ref, flag, bits, t
 
 
 @cuda_kernel
+def _quantize_pair_cuda(xk, xv, signs, kbounds, kcents, kbits, vbounds, vcents, vbits, l2, unbiased, ref, flag, t0,
+                        kcodes, kscales, vcodes, vscales):
+    """Both sides of a store in one launch (a decode step's evicted tokens): 1-D grid over the
+    ``2·rows·seq·d/32`` blocks of ``xk`` then ``xv`` (one shape), one thread per 32-value
+    block, each side with its codebook and width; same bytes as two :func:`_quantize_cuda`."""
+    rows, seq, d = xk.shape
+    nq = rows * seq * (d // 32)
+    t = cuda.local.array(35, dtype=float32)
+    ib = cuda.local.array(32, dtype=uint8)
+    w = cuda.local.array(5, dtype=int64)
+    cv = cuda.local.array(32, dtype=float32)
+    for q in range(cuda.grid(1), 2 * nq, cuda.gridsize(1)):
+        if q < nq:
+            quantize_lanes_dev(xk, q, 1, signs, kbounds, kcents, l2, unbiased, ref, flag, kbits, t0, kcodes,
+                               kscales, 1, t, ib, w, cv)
+        else:
+            quantize_lanes_dev(xv, q - nq, 1, signs, vbounds, vcents, l2, unbiased, ref, flag, vbits, t0, vcodes,
+                               vscales, 1, t, ib, w, cv)
+
+
+@cuda_kernel
 def _dequantize_cuda(codes, scales, signs, centroids, bits, t0, out):
     """1-D grid over the ``rows·seq·d/32`` blocks; one thread reconstructs one 32-value block."""
     rows, seq, d = out.shape
@@ -257,6 +287,10 @@ def _dequantize_cuda(codes, scales, signs, centroids, bits, t0, out):
 _QSIG = ("void(float32[:, :, ::1], float32[::1], float32[::1], float32[::1], boolean, boolean, float32, "
          "float32, int64, int64, uint8[:, :, ::1], uint16[:, :, ::1])")
 _QUANTIZE_BLOCKS = register("quantize_blocks", _quantize_cpu, _quantize_cuda, [_QSIG])
+_QPAIR_SIG = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[::1], float32[::1], float32[::1], int64, "
+              "float32[::1], float32[::1], int64, boolean, boolean, float32, float32, int64, uint8[:, :, ::1], "
+              "uint16[:, :, ::1], uint8[:, :, ::1], uint16[:, :, ::1])")
+_QUANTIZE_PAIR = register("quantize_blocks_pair", _quantize_pair_cpu, _quantize_pair_cuda, [_QPAIR_SIG])
 _DEQUANTIZE_BLOCKS = register("dequantize_blocks", _dequantize_cpu, _dequantize_cuda, [DEQUANTIZE_SIGNATURE])
 
 
@@ -278,6 +312,25 @@ def quantize_into(x3: Any, codes: Any, scales: Any, t0: int, cb: Codebook, outli
     flag = np.float32(-1.0 if outlier else 1.0)
     args = (x3, signs, bounds, cents, l2, unbiased, ref, flag, cb.bits, int(t0), codes, scales)
     _QUANTIZE_BLOCKS.launch(_backend.device_of("x3", x3), rows * seq * (d // 32), *args, work=rows * seq * d)
+
+
+def quantize_pair_into(xk3: Any, xv3: Any, kcodes: Any, kscales: Any, vcodes: Any, vscales: Any, t0: int,
+                       kcb: Codebook, vcb: Codebook, outlier: bool, unbiased: bool = False) -> None:
+    """:func:`quantize_into` of keys ``xk3`` and values ``xv3`` (one shape ``[rows, seq, d]``,
+    float32, C-contiguous, on one device) in one launch, each side with its codebook (one norm
+    mode); same bytes as two calls."""
+    rows, seq, d = xk3.shape
+    if rows == 0 or seq == 0:
+        return
+    if kcb.norm_mode != vcb.norm_mode or kcb.ref != vcb.ref:
+        raise ValueError(f"vcb: expected the keys' norm mode {kcb.norm_mode!r} (scale reference {kcb.ref}), got "
+                         f"{vcb.norm_mode!r} ({vcb.ref})")
+    c = _backend.constant
+    args = (xk3, xv3, c(xk3, SIGNS32), c(xk3, kcb.boundaries), c(xk3, kcb.centroids), kcb.bits,
+            c(xk3, vcb.boundaries), c(xk3, vcb.centroids), vcb.bits, kcb.norm_mode == "l2", bool(unbiased),
+            np.float32(kcb.ref), np.float32(-1.0 if outlier else 1.0), int(t0), kcodes, kscales, vcodes, vscales)
+    _QUANTIZE_PAIR.launch(_backend.device_of("xk3", xk3), 2 * rows * seq * (d // 32), *args,
+                          work=2 * rows * seq * d)
 
 
 def dequantize_into(codes: Any, scales: Any, t0: int, cb: Codebook, out: Any) -> None:

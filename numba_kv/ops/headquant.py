@@ -55,7 +55,7 @@ from numba import cuda, float32, int64, prange, uint8, uint16
 
 from .. import _backend
 from .._config import MAX_HEAD_DIM
-from .._jit import cpu_kernel, cuda_kernel
+from .._jit import cpu_kernel, cuda_device, cuda_kernel
 from .._validate import check_f16_result, check_float_array
 from ._borrow import borrowed, keep_alive
 from ._coop import coop_butterflies
@@ -75,8 +75,8 @@ from .hadamard import ROTATE_SIGNATURE, SIGNS32
 from .half import f16_bits_abs_to_f32_dev, f32_to_f16_bits_sat_dev
 
 __all__ = ["HEAD_DIMS", "QUANTIZE_HEAD", "SIGN_SEED", "head_signs", "rotate_head", "quantize_head", "dequantize_head",
-           "quantize_head_into", "dequantize_head_into", "rotate_head_rows", "head_codebook", "packed_dim",
-           "bits_per_value"]
+           "quantize_head_into", "quantize_head_pair_into", "dequantize_head_into", "rotate_head_rows",
+           "head_codebook", "packed_dim", "bits_per_value"]
 
 #: supported head dimensions (powers of two; 512 is the size of the CUDA kernels' shared row)
 HEAD_DIMS = tuple(32 << i for i in range(MAX_HEAD_DIM.bit_length() - 5))  # 32 … MAX_HEAD_DIM
@@ -198,6 +198,15 @@ def _quantize_head_cpu(x, signs, bounds, centroids, unbiased, bits, t0, codes, n
 
 
 @cpu_kernel
+def _quantize_head_pair_cpu(xk, xv, signs, kbounds, kcents, kbits, vbounds, vcents, vbits, unbiased, t0, kcodes,
+                            knorms, vcodes, vnorms):
+    """CPU twin of :func:`_quantize_head_pair_cuda`: the two sides one after the other (on
+    the CPU the pair saves nothing; the twin exists for the bit-for-bit comparison)."""
+    _quantize_head_cpu(xk, signs, kbounds, kcents, unbiased, kbits, t0, kcodes, knorms)
+    _quantize_head_cpu(xv, signs, vbounds, vcents, unbiased, vbits, t0, vcodes, vnorms)
+
+
+@cpu_kernel
 def _dequantize_head_cpu(codes, norms, signs, centroids, bits, t0, out):
     rows, seq, d = out.shape
     nv = rows * seq
@@ -256,6 +265,56 @@ def _rotate_head_cuda(x, signs, inverse, out):
         cuda.syncthreads()  # the next row overwrites t
 
 
+@cuda_device
+def _quantize_head_vec_dev(xr, signs, bounds, centroids, unbiased, bits, cb, norms, r, ts, t, ib, red):
+    """Block-cooperative: quantize the vector ``xr`` (``d`` values) into the packed codes
+    ``cb`` and ``norms[r, ts, 0]``, with the block's shared scratch ``t`` (float32[d]), ``ib``
+    (uint8[d]) and ``red`` (float32[1]); every thread of the block calls it."""
+    d = xr.shape[0]
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    sc = head_scale_dev(d)
+    for j in range(tid, d, nt):
+        t[j] = xr[j]
+    cuda.syncthreads()
+    if tid == 0:
+        acc = float32(0.0)
+        for j in range(d):
+            u = t[j]
+            acc += mul_rn_dev(u, u)  # no FMA: the CPU twin rounds the product first
+        red[0] = max(float32(math.sqrt(acc)), float32(1e-10))
+    cuda.syncthreads()
+    nrm = red[0]
+    for j in range(tid, d, nt):
+        t[j] = np.divide(t[j], nrm) * signs[j]
+    coop_butterflies(t, d, tid, nt)
+    for j in range(tid, d, nt):
+        y = t[j] * sc
+        t[j] = y
+        bucketize_dev(t[j:], 1, bounds, ib[j:])  # this thread's one value: ib[j] = #{i : y > t_i}
+    cuda.syncthreads()
+    if unbiased and tid == 0:
+        tyy = float32(0.0)
+        tyc = float32(0.0)
+        for j in range(d):
+            y = t[j]
+            tyy += mul_rn_dev(y, y)
+            tyc += mul_rn_dev(y, centroids[ib[j]])
+        if tyc > float32(0.0):  # else y = 0 (x = 0): keep n, which stores as 0
+            red[0] = np.divide(nrm * tyy, tyc)
+    for g in range(tid, d // 8, nt):
+        w = int64(0)
+        for k8 in range(8):
+            w |= int64(ib[g * 8 + k8]) << (bits * k8)
+        for jb in range(bits):
+            cb[g * bits + jb] = uint8((w >> (8 * jb)) & 0xFF)
+    if tid == 0:
+        # inputs are validated finite, so the norm is too: the saturating conversion's
+        # NaN behaviour does not matter here
+        norms[r, ts, 0] = uint16(f32_to_f16_bits_sat_dev(red[0]))
+    cuda.syncthreads()  # the next vector overwrites t, ib and red
+
+
 @cuda_kernel
 def _quantize_head_cuda(x, signs, bounds, centroids, unbiased, bits, t0, codes, norms):
     """Quantize vectors ``x[r, s]`` into ``codes[r, t0 + s]`` / ``norms[r, t0 + s, 0]``.
@@ -270,53 +329,38 @@ def _quantize_head_cuda(x, signs, bounds, centroids, unbiased, bits, t0, codes, 
     t = cuda.shared.array(MAX_HEAD_DIM, dtype=float32)
     ib = cuda.shared.array(MAX_HEAD_DIM, dtype=uint8)
     red = cuda.shared.array(1, dtype=float32)
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    sc = head_scale_dev(d)
     for v in range(cuda.blockIdx.x, rows * seq, cuda.gridDim.x):
         r = v // seq
         s = v - r * seq
-        xr = x[r, s]
-        for j in range(tid, d, nt):
-            t[j] = xr[j]
-        cuda.syncthreads()
-        if tid == 0:
-            acc = float32(0.0)
-            for j in range(d):
-                u = t[j]
-                acc += mul_rn_dev(u, u)  # no FMA: the CPU twin rounds the product first
-            red[0] = max(float32(math.sqrt(acc)), float32(1e-10))
-        cuda.syncthreads()
-        nrm = red[0]
-        for j in range(tid, d, nt):
-            t[j] = np.divide(t[j], nrm) * signs[j]
-        coop_butterflies(t, d, tid, nt)
-        for j in range(tid, d, nt):
-            y = t[j] * sc
-            t[j] = y
-            bucketize_dev(t[j:], 1, bounds, ib[j:])  # this thread's one value: ib[j] = #{i : y > t_i}
-        cuda.syncthreads()
-        if unbiased and tid == 0:
-            tyy = float32(0.0)
-            tyc = float32(0.0)
-            for j in range(d):
-                y = t[j]
-                tyy += mul_rn_dev(y, y)
-                tyc += mul_rn_dev(y, centroids[ib[j]])
-            if tyc > float32(0.0):  # else y = 0 (x = 0): keep n, which stores as 0
-                red[0] = np.divide(nrm * tyy, tyc)
-        cb = codes[r, t0 + s]
-        for g in range(tid, d // 8, nt):
-            w = int64(0)
-            for k8 in range(8):
-                w |= int64(ib[g * 8 + k8]) << (bits * k8)
-            for jb in range(bits):
-                cb[g * bits + jb] = uint8((w >> (8 * jb)) & 0xFF)
-        if tid == 0:
-            # inputs are validated finite, so the norm is too: the saturating conversion's
-            # NaN behaviour does not matter here
-            norms[r, t0 + s, 0] = uint16(f32_to_f16_bits_sat_dev(red[0]))
-        cuda.syncthreads()  # the next vector overwrites t, ib and red
+        _quantize_head_vec_dev(x[r, s], signs, bounds, centroids, unbiased, bits, codes[r, t0 + s], norms, r,
+                               t0 + s, t, ib, red)
+
+
+@cuda_kernel
+def _quantize_head_pair_cuda(xk, xv, signs, kbounds, kcents, kbits, vbounds, vcents, vbits, unbiased, t0, kcodes,
+                             knorms, vcodes, vnorms):
+    """Both sides of a store in one launch: keys ``xk[r, s]`` into ``kcodes`` / ``knorms`` and
+    values ``xv[r, s]`` into ``vcodes`` / ``vnorms`` at token ``t0 + s``, each with its own
+    codebook and width (a decode step's evicted tokens: one launch instead of two).
+
+    Launch: as :func:`_quantize_head_cuda` over ``2·rows·seq`` vectors (``xk`` and ``xv``
+    have one shape): vector ``v < rows·seq`` is a key, the rest values.
+    """
+    rows, seq, d = xk.shape
+    nv = rows * seq
+    t = cuda.shared.array(MAX_HEAD_DIM, dtype=float32)
+    ib = cuda.shared.array(MAX_HEAD_DIM, dtype=uint8)
+    red = cuda.shared.array(1, dtype=float32)
+    for v in range(cuda.blockIdx.x, 2 * nv, cuda.gridDim.x):
+        u = v - nv if v >= nv else v
+        r = u // seq
+        s = u - r * seq
+        if v < nv:  # uniform across the block: one side per vector
+            _quantize_head_vec_dev(xk[r, s], signs, kbounds, kcents, unbiased, kbits, kcodes[r, t0 + s], knorms,
+                                   r, t0 + s, t, ib, red)
+        else:
+            _quantize_head_vec_dev(xv[r, s], signs, vbounds, vcents, unbiased, vbits, vcodes[r, t0 + s], vnorms,
+                                   r, t0 + s, t, ib, red)
 
 
 @cuda_kernel
@@ -356,6 +400,10 @@ _QSIG = ("void(float32[:, :, ::1], float32[::1], float32[::1], float32[::1], boo
          "uint8[:, :, ::1], uint16[:, :, ::1])")
 _ROTATE = register("rotate_head", _rotate_head_cpu, _rotate_head_cuda, [ROTATE_SIGNATURE])
 _QUANTIZE = register("quantize_head", _quantize_head_cpu, _quantize_head_cuda, [_QSIG])
+_QPAIR_SIG = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[::1], float32[::1], float32[::1], int64, "
+              "float32[::1], float32[::1], int64, boolean, int64, uint8[:, :, ::1], uint16[:, :, ::1], "
+              "uint8[:, :, ::1], uint16[:, :, ::1])")
+_QUANTIZE_PAIR = register("quantize_head_pair", _quantize_head_pair_cpu, _quantize_head_pair_cuda, [_QPAIR_SIG])
 #: the head quantizer's twin (for fused serial callers such as :mod:`numba_kv.ops.window8`)
 QUANTIZE_HEAD = _QUANTIZE
 _DEQUANTIZE = register("dequantize_head", _dequantize_head_cpu, _dequantize_head_cuda, [DEQUANTIZE_SIGNATURE])
@@ -374,6 +422,21 @@ def quantize_head_into(x3: Any, codes: Any, norms: Any, t0: int, cb: Codebook, u
     cents = _backend.constant(x3, cb.centroids)
     _QUANTIZE.launch(_backend.device_of("x3", x3), rows * seq, x3, signs, bounds, cents, bool(unbiased), cb.bits,
                      int(t0), codes, norms, work=rows * seq * d, coop=(rows * seq, d // 2))
+
+
+def quantize_head_pair_into(xk3: Any, xv3: Any, kcodes: Any, knorms: Any, vcodes: Any, vnorms: Any, t0: int,
+                            kcb: Codebook, vcb: Codebook, unbiased: bool) -> None:
+    """:func:`quantize_head_into` of keys ``xk3`` and values ``xv3`` (one shape ``[rows, seq,
+    d]``, float32, C-contiguous) in one launch, each side with its codebook (``kcb``,
+    ``vcb``: ``head_codebook(bits, d)``); same bytes as two calls."""
+    rows, seq, d = xk3.shape
+    if rows == 0 or seq == 0:
+        return
+    c = _backend.constant
+    _QUANTIZE_PAIR.launch(_backend.device_of("xk3", xk3), 2 * rows * seq, xk3, xv3, c(xk3, head_signs(d)),
+                          c(xk3, kcb.boundaries), c(xk3, kcb.centroids), kcb.bits, c(xk3, vcb.boundaries),
+                          c(xk3, vcb.centroids), vcb.bits, bool(unbiased), int(t0), kcodes, knorms, vcodes, vnorms,
+                          work=2 * rows * seq * d, coop=(2 * rows * seq, d // 2))
 
 
 def rotate_head_rows(x2: Any, inverse: bool = False, out: Any = None) -> Any:

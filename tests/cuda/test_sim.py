@@ -11,7 +11,8 @@ import pytest
 from numba_kv._backend import to_host
 from numba_kv.ops import TWINS
 from numba_kv.ops.bitpack import pack_bits, unpack_bits
-from numba_kv.ops.blockquant import dequantize_blocks, quantize_blocks
+from numba_kv.ops.blockquant import dequantize_blocks, quantize_blocks, quantize_into, quantize_pair_into
+from numba_kv.ops.codebook import get_codebook
 from numba_kv.ops.hadamard import rotate32
 from numba_kv.ops.memory import copy_prefix, copy_tokens
 
@@ -129,6 +130,27 @@ def _absmax8(rng):
         np.testing.assert_array_equal(dev, cpu)
 
 
+def _quantize_pair(rng):
+    """Keys and values in one launch: the bytes of two single-side quantizations (CPU and
+    device), each side at its own width, for both norm modes and both flags."""
+    rows, n, d, t0, cap = 2, 3, 64, 2, 6
+    xk = rng.standard_normal((rows, n, d)).astype(np.float32) * 4
+    xv = rng.standard_normal((rows, n, d)).astype(np.float32)
+    for mode, kb, vb, outlier, unbiased in (("maxnorm", 3, 2, True, False), ("l2", 4, 3, False, True)):
+        kcb, vcb = get_codebook(kb, mode), get_codebook(vb, mode)
+        want = [np.zeros((rows, cap, d * b // 8), np.uint8) for b in (kb, vb)]
+        want_s = [np.zeros((rows, cap, d // 32), np.uint16) for _ in range(2)]
+        quantize_into(xk, want[0], want_s[0], t0, kcb, outlier, unbiased)
+        quantize_into(xv, want[1], want_s[1], t0, vcb, outlier, unbiased)
+        for dev in (lambda a: a, to_device):
+            bufs = [dev(np.zeros_like(a)) for a in (want[0], want_s[0], want[1], want_s[1])]
+            quantize_pair_into(dev(xk), dev(xv), *bufs, t0, kcb, vcb, outlier, unbiased)
+            for g, w in zip(bufs, (want[0], want_s[0], want[1], want_s[1])):
+                assert np.array_equal(to_host(g), w), (mode, kb, vb)
+    with pytest.raises(ValueError, match="vcb: expected the keys' norm mode 'maxnorm'"):
+        quantize_pair_into(xk, xv, *want, *want_s, 0, get_codebook(3, "maxnorm"), get_codebook(3, "l2"), True)
+
+
 RUNNERS = {
     "absmax8_quantize": _absmax8,
     "absmax8_dequantize": _absmax8,
@@ -139,6 +161,7 @@ RUNNERS = {
     "unpack_bits": _unpack,
     "rotate32": _rotate,
     "quantize_blocks": _quantize,
+    "quantize_blocks_pair": _quantize_pair,
     "dequantize_blocks": _dequantize,
     "copy_tokens": _copy,
 }
@@ -164,14 +187,19 @@ def test_cuda_kernel_matches_cpu_twin(name):
 
 
 @pytest.mark.cuda
-def test_windowed_fused_cache_on_device_matches_cpu():
+@pytest.mark.parametrize("opts", [{"bits": 3}, {"k_bits": 4, "v_bits": 2},
+                                  {"k_bits": 4, "v_bits": 3, "rotation": "head", "unbiased": True}],
+                         ids=["pqo3", "pqo-k4v2", "pqo-k4v3-head-eden"])
+def test_windowed_fused_cache_on_device_matches_cpu(opts):
+    """Decode steps that flush the window on the device (both sides' evicted tokens quantized
+    in one launch, each side at its width) agree with the CPU cache."""
     from numba_kv import AttendConfig, PolarQuantCache
 
     rng = np.random.default_rng(1)
-    caches = [PolarQuantCache(1, 2, 64, bits=3, residual_length=4, sink_tokens=2, window_dtype="float32")
+    caches = [PolarQuantCache(1, 2, 64, residual_length=4, sink_tokens=2, window_dtype="float32", **opts)
               for _ in range(2)]  # Numba device arrays keep float32 windows
     cfg = AttendConfig(0.125, 2)
-    for n, decode in ((6, False), (1, True), (2, True)):
+    for n, decode in ((6, False), (1, True), (2, True), (1, True), (1, True)):
         k = rng.standard_normal((1, 2, n, 64)).astype(np.float32)
         v = rng.standard_normal((1, 2, n, 64)).astype(np.float32)
         q = rng.standard_normal((1, 4, n, 64)).astype(np.float32)
@@ -182,6 +210,8 @@ def test_windowed_fused_cache_on_device_matches_cpu():
         a = caches[0].decode(0, k, v, q, cfg).out
         bdev = caches[1].decode(0, to_device(k), to_device(v), to_device(q), cfg).out
         np.testing.assert_allclose(to_host(bdev), a, rtol=1e-4, atol=1e-5)
+    ka, kb = caches[0].seq_len(0), caches[1].seq_len(0)
+    assert ka == kb == 11 and caches[0].memory_usage() == caches[1].memory_usage()
 
 
 @pytest.mark.cuda
