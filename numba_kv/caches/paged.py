@@ -60,7 +60,7 @@ from .._validate import (
 )
 from ..ops.attention import CodeLayout
 from ..ops.attention.paged import paged_attention_rows, pool_arrays
-from ..ops.blockquant import dequantize_into, packed_dim, quantize_into
+from ..ops.blockquant import dequantize_into, packed_dim, quantize_into, quantize_pair_into
 from ..ops.codebook import get_codebook
 from ..ops.finite import check_finite_stats
 from ..ops.gather import gather_rows, scatter_rows, to_like
@@ -438,11 +438,32 @@ class PagedKVCache(PagedLifecycleMixin, ValueChecks):
             pd = packed_dim(d, self.part_bits[part])
             codes, scales = self._write_buffers(x3, part, h, n, pd, d // 32)
             quantize_into(x3, codes, scales, 0, self.codebooks[part], True)
-            scatter_rows(codes.reshape(h * n, pd), idx, self._pools[part + "_codes"].reshape(-1, pd))
-            nb = d // 32
-            scatter_rows(scales.reshape(h * n, nb), idx, self._pools[part + "_scales"].reshape(-1, nb))
+            self._scatter_codes(part, codes, scales, idx)
         else:
             scatter_rows(x3.reshape(h * n, d), idx, self._pools[part + "_pages"].reshape(-1, d))
+
+    def _write_kv(self, xk: Any, xv: Any | None, rows: np.ndarray) -> None:
+        """Write both sides: on a device with codes of one shape, both quantized in one launch
+        (:func:`~numba_kv.ops.blockquant.quantize_pair_into`, the bytes of two), else side by side."""
+        if xv is None or not self.bits or isinstance(xk, np.ndarray) or tuple(xv.shape) != tuple(xk.shape):
+            self._write("k", xk, rows)
+            if xv is not None:
+                self._write("v", xv, rows)
+            return
+        h, n, d = xk.shape
+        idx = to_like(xk, rows) if isinstance(rows, np.ndarray) else rows
+        ck, sk = self._write_buffers(xk, "k", h, n, packed_dim(d, self.part_bits["k"]), d // 32)
+        cv, sv = self._write_buffers(xk, "v", h, n, packed_dim(d, self.part_bits["v"]), d // 32)
+        quantize_pair_into(xk, xv, ck, sk, cv, sv, 0, self.codebooks["k"], self.codebooks["v"], True)
+        self._scatter_codes("k", ck, sk, idx)
+        self._scatter_codes("v", cv, sv, idx)
+
+    def _scatter_codes(self, part: str, codes: Any, scales: Any, idx: Any) -> None:
+        """Codes ``[h, n, pd]`` and scales ``[h, n, nb]`` of side ``part`` into the pool rows ``idx``."""
+        h, n, pd = codes.shape
+        nb = int(scales.shape[2])
+        scatter_rows(codes.reshape(h * n, pd), idx, self._pools[part + "_codes"].reshape(-1, pd))
+        scatter_rows(scales.reshape(h * n, nb), idx, self._pools[part + "_scales"].reshape(-1, nb))
 
     def _write_buffers(self, like: Any, part: str, h: int, n: int, pd: int, nb: int) -> tuple[Any, Any]:
         """Codes ``[h, n, pd]`` uint8 and scales ``[h, n, nb]`` uint16 for a write of ``n``
@@ -529,9 +550,7 @@ class PagedKVCache(PagedLifecycleMixin, ValueChecks):
             pages = table + new_pages
             rows = self._append_rows(xk, pages, cur, n, dev)
             try:
-                self._write("k", xk, rows)
-                if xv is not None:
-                    self._write("v", xv, rows)
+                self._write_kv(xk, xv, rows)
             except Exception:
                 self._free.extend(reversed(new_pages))
                 raise
