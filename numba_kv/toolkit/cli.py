@@ -482,7 +482,7 @@ def _add_eval(sub: Any) -> None:
                    help="long: decoded positions scored at the end of each length (default: %(default)s)")
     e.add_argument("--order", choices=("layer", "token"), default="layer",
                    help="long: decode the scored tokens layer by layer (one matrix product per layer over all of "
-                        "them, one cache.decode per token and layer; ~3x faster) or token by token (default: "
+                        "them, one cache.decode per token and layer; ~2.5-3x faster) or token by token (default: "
                         "%(default)s)")
     e.add_argument("--depths", default="10,50,90", help="needle: needle depths in percent (default: %(default)s)")
     e.add_argument("--cache", default=DEFAULT_CACHES,
