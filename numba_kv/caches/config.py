@@ -29,7 +29,11 @@ __all__ = ["DECODE_OUTPUTS", "DEFAULT_PAGE_SIZE", "PAGED_STORAGES", "ROTATIONS",
 DECODE_OUTPUTS = ("fused", "dequantized")
 WINDOW_DTYPES = ("float16", "float32", "int8")
 ROTATIONS = ("block", "head")
-_BITS = (2, 3, 4)
+_BITS = (2, 3, 4, 5)
+#: codebooks this wide exist for the whole-head rotation only (one L2 norm per vector; the
+#: 32-block codebooks and their decoders stop at 4 bits)
+_HEAD_ONLY_SLOT = 5
+_BLOCK_BITS = (2, 3, 4)  # channel splits are 32-block codes
 DEFAULT_PAGE_SIZE = 16
 PAGED_STORAGES = ("float32", "pqo2", "pqo3", "pqo4")
 _ASYM = re.compile(r"^pqo-k([234])v([234])$")
@@ -65,8 +69,9 @@ class PolarQuantConfig:
         Model geometry (``>= 1``).
     head_dim : int
         A positive multiple of 32 (with ``rotation="head"``: a power of two ``<= 512``).
-    bits : {2, 3, 4}
-        Bit setting of keys and values unless ``k_bits``/``v_bits`` say otherwise.
+    bits : {2, 3, 4, 5}
+        Bit setting of keys and values unless ``k_bits``/``v_bits`` say otherwise.  A
+        5-bit codebook needs ``rotation="head"``.
     mode : {"pqo", "pq"}
         ``"pqo"``: ``bits``-wide codebooks; ``"pq"``: ``bits − 1``-wide.
     norm_mode : {"maxnorm", "l2"}, optional
@@ -81,7 +86,7 @@ class PolarQuantConfig:
         rotation (undone on read).  No effect with float windows.
     decode_output : {"fused", "dequantized"}
         What ``decode`` returns.
-    k_bits, v_bits : {2, 3, 4}, optional
+    k_bits, v_bits : {2, 3, 4, 5}, optional
         Per-side settings; resolved to ``bits`` when not given.
     key_center, unbiased : bool
         Per-channel key mean removal; EDEN-style unbiased rescale.
@@ -114,7 +119,7 @@ class PolarQuantConfig:
     >>> PolarQuantConfig(2, 4, 64, bits=5)
     Traceback (most recent call last):
     ...
-    ValueError: bits: expected one of [2, 3, 4], got 5
+    ValueError: bits: 5-bit codebooks need rotation='head' (the 32-block codes stop at 4 bits), got rotation='block'
     """
 
     MODES: ClassVar[tuple[str, ...]] = ("pq", "pqo")
@@ -150,11 +155,17 @@ class PolarQuantConfig:
         windows = check_sliding_window(self.sliding_window, self.num_layers)
         self._set("sliding_window", tuple(windows) if any(w is not None for w in windows) else None)
         self._set("bits", check_int("bits", self.bits, allowed=_BITS))
+        named = {}  # the argument that set each side's width (for the head-only rule below)
         for side in ("k_bits", "v_bits"):
             val = getattr(self, side)
+            named[side[0]] = "bits" if val is None else side
             self._set(side, self.bits if val is None else check_int(side, val, allowed=_BITS))
         _choice("mode", self.mode, self.MODES)
         _choice("rotation", self.rotation, ROTATIONS)
+        for side, width in self.slot_bits.items():
+            if width >= _HEAD_ONLY_SLOT and self.rotation != "head":
+                raise ValueError(f"{named[side]}: {width}-bit codebooks need rotation='head' (the 32-block "
+                                 f"codes stop at 4 bits), got rotation={self.rotation!r}")
         if self.norm_mode is None:
             self._set("norm_mode", "l2" if self.rotation == "head" else "maxnorm")
         _choice("norm_mode", self.norm_mode, NORM_MODES)
@@ -192,7 +203,7 @@ class PolarQuantConfig:
         widths: dict[str, int] = {}
         for n, lo in self.slot_bits.items():
             hi = lo + 1 if self.outlier_bits is None else check_int("outlier_bits", self.outlier_bits,
-                                                                     allowed=_BITS)
+                                                                     allowed=_BLOCK_BITS)
             if not lo < hi <= 4:
                 raise ValueError(f"outlier_bits: expected more bits than the {n} channels' {lo} and at most 4, "
                                  f"got {hi}")

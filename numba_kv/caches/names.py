@@ -24,9 +24,9 @@ SUFFIX_OPTIONS: dict[str, dict[str, Any]] = {
 }
 _SUFFIXES = "|".join(s[1:] for s in SUFFIX_OPTIONS)
 # NAME without the window suffix: family, width (uniform, half-bit split or asymmetric), suffixes
-_NAME = re.compile(r"^(?P<family>pqo|pq|tq)(?:(?P<bits>[234])(?P<half>\.5)?|-k(?P<kb>[234])v(?P<vb>[234]))"
+_NAME = re.compile(r"^(?P<family>pqo|pq|tq)(?:(?P<bits>[234])(?P<half>\.5)?|-k(?P<kb>[2-5])v(?P<vb>[2-5]))"
                    rf"(?P<suffix>(?:-(?:{_SUFFIXES}))*)$")
-_EXPECTED = (f"expected one of {list(CACHE_NAMES[1:])} or 'pqo-k<2-4>v<2-4>' / 'tq-k<2-4>v<2-4>', optionally "
+_EXPECTED = (f"expected one of {list(CACHE_NAMES[1:])} or 'pqo-k<2-5>v<2-5>' / 'tq-k<2-5>v<2-5>', optionally "
              f"with '-l2', '-maxnorm', '-head', '-eden' suffixes")
 
 

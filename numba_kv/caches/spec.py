@@ -47,11 +47,11 @@ PRESET_NAMES = tuple(sorted(PRESETS))
 OPTION_ALIASES = {"r": "residual_length", "residual": "residual_length", "s": "sink_tokens",
                   "sinks": "sink_tokens"}
 _SUFFIXES = "|".join(s[1:] for s in SUFFIX_OPTIONS)
-_COMPACT = re.compile(rf"^(?P<base>dense|(?:pqo?|tq)(?:[234](?:\.5)?|-k[234]v[234])(?:-(?:{_SUFFIXES}))*)"
+_COMPACT = re.compile(rf"^(?P<base>dense|(?:pqo?|tq)(?:[234](?:\.5)?|-k[2-5]v[2-5])(?:-(?:{_SUFFIXES}))*)"
                       r"(?:-r(?P<r>\d+))?(?:-s(?P<s>\d+))?$")
 _KEY = re.compile(r"^[a-z_][a-z0-9_]*$")
-_EXPECTED = (f"expected a preset {list(PRESET_NAMES)}, one of {list(CACHE_NAMES)}, or 'pqo-k<2-4>v<2-4>' / "
-             f"'tq-k<2-4>v<2-4>', optionally with '-l2', '-maxnorm', '-head', '-eden' suffixes")
+_EXPECTED = (f"expected a preset {list(PRESET_NAMES)}, one of {list(CACHE_NAMES)}, or 'pqo-k<2-5>v<2-5>' / "
+             f"'tq-k<2-5>v<2-5>', optionally with '-l2', '-maxnorm', '-head', '-eden' suffixes")
 # what a user means as a preset name ("kv3", "KV4-r32"): answered with the list of presets
 _PRESET_LIKE = re.compile(r"^kv\d")
 

@@ -94,8 +94,8 @@ def _check_head_dim(name: str, d: Any) -> int:
 
 def _check_bits(bits: Any) -> int:
     if (isinstance(bits, (bool, np.bool_)) or not isinstance(bits, (int, np.integer))
-            or not 1 <= int(bits) <= 4):
-        raise ValueError(f"bits: expected an int in 1..4, got {bits!r}")
+            or not 1 <= int(bits) <= 5):
+        raise ValueError(f"bits: expected an int in 1..5, got {bits!r}")
     return int(bits)
 
 
@@ -521,7 +521,7 @@ def quantize_head(x: Any, bits: int = 3, unbiased: bool = False, *, backend: str
         ``d`` a power of two in 32..512; finite values.  NumPy → CPU twin; CUDA array →
         CUDA kernel.
     bits : int
-        Index width 1..4 (codebook ``get_codebook(bits, "l2", block=d)``).
+        Index width 1..5 (codebook ``get_codebook(bits, "l2", block=d)``).
     unbiased : bool
         Store the EDEN-style rescaled norm ``‖x‖·‖y‖²/⟨y, c[idx]⟩`` instead of ``‖x‖``, so
         ``⟨x̂, x⟩ = ‖x‖²`` and inner products with ``x̂`` are unbiased (slope 1).

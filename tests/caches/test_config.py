@@ -25,10 +25,14 @@ PQ_RULES = [
      "sliding_window: expected 2 per-layer entries (int or None), got 1"),
     (dict(sliding_window={5: 8}), ValueError,
      "sliding_window: layer 5 is out of range for 2 layers (expected -2 .. 1)"),
-    (dict(bits=5), ValueError, "bits: expected one of [2, 3, 4], got 5"),
+    (dict(bits=5), ValueError, "bits: 5-bit codebooks need rotation='head' (the 32-block codes stop at 4 bits), "
+                               "got rotation='block'"),
+    (dict(bits=6), ValueError, "bits: expected one of [2, 3, 4, 5], got 6"),
     (dict(bits=3.0), TypeError, "bits: expected an int, got float 3.0"),
-    (dict(k_bits=1), ValueError, "k_bits: expected one of [2, 3, 4], got 1"),
-    (dict(v_bits=5), ValueError, "v_bits: expected one of [2, 3, 4], got 5"),
+    (dict(k_bits=1), ValueError, "k_bits: expected one of [2, 3, 4, 5], got 1"),
+    (dict(v_bits=6), ValueError, "v_bits: expected one of [2, 3, 4, 5], got 6"),
+    (dict(v_bits=5), ValueError, "v_bits: 5-bit codebooks need rotation='head' (the 32-block codes stop at 4 bits), "
+                                 "got rotation='block'"),
     (dict(mode="tq"), ValueError, "mode: expected one of ['pq', 'pqo'], got 'tq'"),
     (dict(rotation="full"), ValueError, "rotation: expected one of ['block', 'head'], got 'full'"),
     (dict(norm_mode="abs"), ValueError, "norm_mode: expected one of ['maxnorm', 'l2'], got 'abs'"),
@@ -72,8 +76,21 @@ TQ_RULES = [
      "qjl_dim: expected a positive multiple of 8 (sketch rows m, packed 8 signs per byte), got 12"),
     (dict(qjl_dim=0), ValueError,
      "qjl_dim: expected a positive multiple of 8 (sketch rows m, packed 8 signs per byte), got 0"),
-    (dict(bits=1), ValueError, "bits: expected one of [2, 3, 4], got 1"),
+    (dict(bits=1), ValueError, "bits: expected one of [2, 3, 4, 5], got 1"),
 ]
+
+
+def test_five_bit_sides_are_head_codes_counted_by_formula():
+    # 5-bit indices with the whole-head rotation: d·5/8 bytes and one binary16 norm per vector
+    cfg = PolarQuantConfig(1, 2, 256, k_bits=5, v_bits=4, rotation="head")
+    assert cfg.slot_bits == {"k": 5, "v": 4}
+    assert (cfg.vector_bytes("k"), cfg.vector_bytes("v")) == (256 * 5 // 8 + 2, 256 * 4 // 8 + 2)
+    # mode "pq" drops a bit: a 5-bit setting is a 4-bit codebook, which the block rotation has
+    assert PolarQuantConfig(1, 2, 64, k_bits=5, mode="pq").slot_bits == {"k": 4, "v": 2}
+    # TurboQuant keys spend one bit on QJL: 5-bit keys are a 4-bit codebook; 5-bit values are not
+    assert TurboQuantConfig(1, 2, 64, k_bits=5).slot_bits == {"k": 4, "v": 3}
+    with pytest.raises(ValueError, match="^v_bits: 5-bit codebooks need rotation='head'"):
+        TurboQuantConfig(1, 2, 64, k_bits=5, v_bits=5)
 
 
 def _build(cls, overrides):

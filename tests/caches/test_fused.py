@@ -138,6 +138,42 @@ def test_asymmetric_bits(name, kb, vb, bpv):
         PolarQuantCache(1, 2, 64, k_bits=5)
 
 
+@pytest.mark.parametrize("name, kb, vb", [("pqo-k5v4-head-eden", 5, 4), ("pqo-k4v5-head", 4, 5),
+                                           ("pqo-k5v5-head-eden", 5, 5)])
+@pytest.mark.parametrize("d", [64, 256])
+def test_five_bit_head_codes(name, kb, vb, d):
+    """5-bit sides (the whole-head rotation only): fused decode equals float64 attention over
+    the history the cache returns, bytes by formula, and the stored keys/values have the
+    5-bit Lloyd–Max distortion (a 4-bit code's, 0.0093, would fail)."""
+    rng = np.random.default_rng(d + 10 * kb + vb)
+    opts = dict(num_layers=1, num_kv_heads=2, head_dim=d, residual_length=4, sink_tokens=2)
+    c = make_cache(name, **opts)
+    deq = make_cache(name, decode_output="dequantized", **opts)
+    assert (c.k_bits, c.v_bits) == (kb, vb)
+    k, v = rng.standard_normal((2, 1, 2, 400, d)).astype(np.float32)
+    for x in (c, deq):
+        x.prefill(0, k, v)
+    cfg = AttendConfig(d ** -0.5, 2)
+    for _ in range(3):
+        k1, v1 = rng.standard_normal((2, 1, 2, 1, d)).astype(np.float32)
+        q = rng.standard_normal((1, 4, 1, d)).astype(np.float32)
+        out = c.decode(0, k1, v1, q, cfg).out
+        hist = deq.decode(0, k1, v1, q, cfg).result
+        assert rel_err(out, reference.attention(q, hist.k, hist.v, d ** -0.5)) < 1e-5
+        k, v = np.concatenate([k, k1], 2), np.concatenate([v, v1], 2)
+    n_comp = 403 - 4 - 2
+    per_token = (d * kb // 8 + 2) + (d * vb // 8 + 2)  # packed indices + one binary16 norm per side
+    window = 2 * 2 * (4 + 2) * d * 2  # float16 window and sinks: heads × (K, V) × tokens × d × 2 bytes
+    assert c.memory_usage() == 2 * n_comp * per_token + window
+    comp = slice(2, 403 - 4)  # the compressed tokens (after the sinks, before the window)
+    for side, want, got in (("k", k, hist.k), ("v", v, hist.v)):
+        err = ((got[..., comp, :] - want[..., comp, :]) ** 2).sum(-1) / (want[..., comp, :] ** 2).sum(-1)
+        bits = kb if side == "k" else vb
+        # Gaussian Lloyd–Max distortion (Max 1960); the head coordinate at d = 64 runs below it
+        # and the EDEN rescale up to 15 % above it (tests/ops/test_headquant.py), hence 15 %
+        assert float(err.mean()) == pytest.approx({4: 0.00950, 5: 0.00250}[bits], rel=0.15), side
+
+
 def test_key_scale_was_removed():
     """The per-channel key scaling experiment is gone: its keyword is an unknown option."""
     with pytest.raises(TypeError, match="unexpected keyword argument 'key_scale'"):

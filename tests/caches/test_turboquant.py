@@ -152,7 +152,8 @@ def test_sketch_seed_is_independent_and_deterministic(rng):
 
 
 @pytest.mark.parametrize("kwargs, word", [
-    (dict(bits=5), "bits"), (dict(bits=1), "bits"), (dict(k_bits=5), "k_bits"), (dict(mode="pqo"), "mode"),
+    (dict(bits=5), "bits"), (dict(bits=1), "bits"), (dict(k_bits=6), "k_bits"), (dict(v_bits=5), "v_bits"),
+    (dict(mode="pqo"), "mode"),
     (dict(qjl_dim=12), "m"), (dict(outlier_channels=32), "outlier_channels"), (dict(norm_mode="abs"), "norm_mode"),
     (dict(qjl_seed=-1), "seed"),
 ])

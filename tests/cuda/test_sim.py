@@ -188,8 +188,10 @@ def test_cuda_kernel_matches_cpu_twin(name):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("opts", [{"bits": 3}, {"k_bits": 4, "v_bits": 2},
-                                  {"k_bits": 4, "v_bits": 3, "rotation": "head", "unbiased": True}],
-                         ids=["pqo3", "pqo-k4v2", "pqo-k4v3-head-eden"])
+                                  {"k_bits": 4, "v_bits": 3, "rotation": "head", "unbiased": True},
+                                  {"k_bits": 5, "v_bits": 4, "rotation": "head", "unbiased": True},
+                                  {"k_bits": 4, "v_bits": 5, "rotation": "head"}],
+                         ids=["pqo3", "pqo-k4v2", "pqo-k4v3-head-eden", "pqo-k5v4-head-eden", "pqo-k4v5-head"])
 def test_windowed_fused_cache_on_device_matches_cpu(opts):
     """Decode steps that flush the window on the device (both sides' evicted tokens quantized
     in one launch, each side at its width) agree with the CPU cache."""

@@ -32,7 +32,7 @@ def test_coop_head_kernels_match_cpu_twin_bit_for_bit(d):
     rows, seq, t0, cap = 2, 3, 1, 5
     x = _vectors(rng, rows, seq, d)
     signs = hq.head_signs(d)
-    for bits in (1, 3, 4) if d <= 64 else (3,):
+    for bits in (1, 3, 4, 5) if d <= 64 else (3,):
         cb = hq.head_codebook(bits, d)
         w = hq.packed_dim(d, bits)
         for unbiased in (False, True):

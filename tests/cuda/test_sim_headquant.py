@@ -36,7 +36,7 @@ def _quantize(rng):
         x = rng.standard_normal((2, 3, d)).astype(np.float32) * 2
         x[0, 0, 5] = 40.0  # outlier channel
         x[1, 2] = 0.0  # zero vector: norm stored as 0
-        for bits in (1, 2, 3, 4):
+        for bits in (1, 2, 3, 4, 5):
             for unbiased in (False, True):
                 c, n = quantize_head(x, bits, unbiased)
                 cd, nd = quantize_head(to_device(x), bits, unbiased)
@@ -58,7 +58,7 @@ def _quantize(rng):
 def _dequantize(rng):
     for d in (32, 64):
         x = rng.standard_normal((4, d)).astype(np.float32)
-        for bits in (1, 2, 3, 4):
+        for bits in (1, 2, 3, 4, 5):
             c, n = quantize_head(x, bits)
             ref = dequantize_head(c, n, bits)
             out = to_host(dequantize_head(to_device(c), to_device(n), bits))

@@ -17,7 +17,7 @@ from ..conftest import to_device
 def _fused_modes(rng):
     int8 = {"window_dtype": "int8"}  # a rotated int8 window: attended in the rotated domain
     for name, opts in (("tq3", {}), ("pqo2.5", {}), ("pqo3-head", {}), ("tq2-head-eden", {}), ("pqo3", int8),
-                       ("pqo-k4v3-head-eden", int8)):
+                       ("pqo-k4v3-head-eden", int8), ("pqo-k5v5-head-eden", int8)):
         c = make_cache(name, num_layers=1, num_kv_heads=2, head_dim=64, residual_length=3, sink_tokens=1, **opts)
         k = rng.standard_normal((1, 2, 21, 64)).astype(np.float32)
         v = rng.standard_normal((1, 2, 21, 64)).astype(np.float32)

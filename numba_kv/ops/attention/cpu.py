@@ -122,9 +122,25 @@ _decode8_3bit = intrinsic(_decode8_typer(3))
 _decode8_4bit = intrinsic(_decode8_typer(4))
 
 
+def _decode8_5bit(codes, t, p, cent, sa, dst, row, o):
+    """``dst[row, o + k] = sa · cent[idx_k]``, ``k < 8``: the eight 5-bit indices packed LSB
+    first in the five bytes ``codes[t, p:p + 5]``.  Constant shifts and masks (the
+    bit-by-bit core's loops over a run-time width cost ~4× here); a 32-entry codebook
+    takes four 8-lane permutes and three blends per 8 codes, so the lookups stay scalar
+    loads from the 128-byte table, which any target runs well."""
+    w = (int64(codes[t, p]) | (int64(codes[t, p + 1]) << 8) | (int64(codes[t, p + 2]) << 16)
+         | (int64(codes[t, p + 3]) << 24) | (int64(codes[t, p + 4]) << 32))
+    for k in range(8):
+        dst[row, o + k] = cent[(w >> (5 * k)) & 31] * sa
+
+
+decode8_5bit_cpu = cpu_serial(_decode8_5bit, inline=True)
+
+
 def _decode_block(codes, t, p, bits, cent, sa, dst, row, o):
     """The 32 codes of one block of token ``t`` (``4·bits`` bytes at ``codes[t, p:]``) into
-    ``dst[row, o:o+32]``, eight per :func:`_decode8_1bit` ... :func:`_decode8_4bit` call,
+    ``dst[row, o:o+32]``, eight per :func:`_decode8_1bit` ... :func:`_decode8_4bit` /
+    :func:`_decode8_5bit` call,
     every 4-byte read inside the block: a 3-bit block's last group (bytes 9..11) is read
     from byte 8, shifted by 8."""
     if bits == 3:
@@ -142,11 +158,14 @@ def _decode_block(codes, t, p, bits, cent, sa, dst, row, o):
         _decode8_2bit(codes, t, p, 16, cent, sa, dst, row, o + 8)
         _decode8_2bit(codes, t, p + 4, 0, cent, sa, dst, row, o + 16)
         _decode8_2bit(codes, t, p + 4, 16, cent, sa, dst, row, o + 24)
-    else:
+    elif bits == 1:
         _decode8_1bit(codes, t, p, 0, cent, sa, dst, row, o)
         _decode8_1bit(codes, t, p, 8, cent, sa, dst, row, o + 8)
         _decode8_1bit(codes, t, p, 16, cent, sa, dst, row, o + 16)
         _decode8_1bit(codes, t, p, 24, cent, sa, dst, row, o + 24)
+    else:  # 5 bits
+        for grp in range(4):
+            decode8_5bit_cpu(codes, t, p + 5 * grp, cent, sa, dst, row, o + grp * 8)
 
 
 decode_block_cpu = cpu_serial(_decode_block, inline=True)
@@ -204,6 +223,13 @@ def _decode_tile_simd(codes, scales, t0, nt, cent, bits, nb, sshift, scale_table
             t = t0 + tt
             for b in range(nb):
                 decode_block_cpu(codes, t, b * 4, 1, cent, scale_table[scales[t, b >> sshift]], dst, d0 + tt, b * 32)
+    elif bits == 5 and fast:
+        for tt in range(nt):
+            t = t0 + tt
+            for b in range(nb):
+                sa = scale_table[scales[t, b >> sshift]]
+                for grp in range(4):
+                    decode8_5bit_cpu(codes, t, b * 20 + grp * 5, cent, sa, dst, d0 + tt, b * 32 + grp * 8)
     else:
         for tt in range(nt):
             load_token_fast_cpu(codes[t0 + tt], scales[t0 + tt], cent, bits, nb, sshift, scale_table, dst[d0 + tt])

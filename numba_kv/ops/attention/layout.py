@@ -37,7 +37,8 @@ class CodeLayout:
     Attributes
     ----------
     bits, offsets : int64 arrays, shape ``(head_dim / 32,)``
-    centroids : float32 array, shape ``(head_dim / 32, 16)`` (row ``b`` padded with zeros)
+    centroids : float32 array, shape ``(head_dim / 32, max(16, 2**max(bits)))`` (row ``b``
+        padded with zeros: 16 columns up to 4 bits, 32 with a 5-bit block)
     scale_group : int
     """
 
@@ -67,7 +68,7 @@ class CodeLayout:
         nb = len(codebooks)
         bits = np.array([cb.bits for cb in codebooks], dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(4 * bits)[:-1]]).astype(np.int64)
-        cents = np.zeros((nb, 16), dtype=np.float32)
+        cents = np.zeros((nb, max(16, 1 << int(bits.max()))), dtype=np.float32)
         for i, cb in enumerate(codebooks):
             cents[i, :cb.centroids.shape[0]] = cb.centroids
         for a in (bits, offsets, cents):
@@ -93,7 +94,7 @@ def mma_layout_ok(layout: CodeLayout) -> bool:
     Parameters
     ----------
     layout : CodeLayout
-        ``bits`` int64 ``(head_dim / 32,)``, ``centroids`` float32 ``(head_dim / 32, 16)``.
+        ``bits`` int64 ``(head_dim / 32,)``, ``centroids`` float32 ``(head_dim / 32, 16 or 32)``.
 
     Returns
     -------
