@@ -58,6 +58,7 @@ CACHES: list[tuple[str, dict]] = [(n, {}) for n in nk.CACHE_NAMES] + [
     ("pqo3", {"residual_length": 6, "window_dtype": "float16"}),
     ("pqo3", {"decode_output": "dequantized"}),
     ("pqo-k4v3-head-eden", {"residual_length": 7, "sink_tokens": 2}),
+    ("pqo-k5v4-head-eden", {"residual_length": 7, "sink_tokens": 2}),  # 5-bit codes
     ("pqo-k4v2", {}),
     ("pq3-head", {}),
     ("pq3", {"residual_length": 0, "sink_tokens": 0, "key_center": True, "window_dtype": "float32"}),

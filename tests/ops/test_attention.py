@@ -147,19 +147,25 @@ def test_decode_attention_with_qjl_equals_dequantized_plus_bias(rng):
     assert np.abs(out - plain).max() > 1e-3  # the correction is really applied
 
 
-def test_decode_attention_head_rotation(rng):
+@pytest.mark.parametrize("kb, vb", [(4, 3), (5, 4), (3, 5), (5, 5)])
+def test_decode_attention_head_rotation(rng, kb, vb):
     from numba_kv import dequantize_head, quantize_head
 
     d, T = 128, 70
     k = rng.standard_normal((1, 2, T, d)).astype(np.float32)
     v = rng.standard_normal((1, 2, T, d)).astype(np.float32)
     q = rng.standard_normal((1, 6, 2, d)).astype(np.float32)
-    kc, kn = quantize_head(k, 4, unbiased=True)
-    vc, vn = quantize_head(v, 3)
-    out = decode_attention(q, kc, kn, vc, vn, k_bits=4, v_bits=3, rotation="head", partition_size=16)
-    ref = reference.attention(q, dequantize_head(kc, kn, 4), dequantize_head(vc, vn, 3), d ** -0.5,
+    kc, kn = quantize_head(k, kb, unbiased=True)
+    vc, vn = quantize_head(v, vb)
+    out = decode_attention(q, kc, kn, vc, vn, k_bits=kb, v_bits=vb, rotation="head", partition_size=16)
+    ref = reference.attention(q, dequantize_head(kc, kn, kb), dequantize_head(vc, vn, vb), d ** -0.5,
                               causal_offset=T - 2)
     np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-6)
+    if max(kb, vb) == 5:  # 5-bit codebooks exist for the whole-head rotation only
+        with pytest.raises(ValueError, match=r"^[kv]_bits: expected an int in 1..4 \(5 needs rotation='head'\)"):
+            decode_attention(q, kc, kn, vc, vn, k_bits=kb, v_bits=vb, norm_mode="l2")
+        with pytest.raises(ValueError, match=r"^k_bits: expected an int in 1..5 with rotation='head', got 6"):
+            decode_attention(q, kc, kn, vc, vn, k_bits=6, v_bits=vb, rotation="head")
 
 
 @pytest.mark.parametrize("kw, word", [

@@ -78,13 +78,15 @@ def fused_attention_rows(qr: Any, q: Any, kc: Any, ks: Any, vc: Any, vs: Any, n_
                          q_pos0, q_len, causal, part_size, head_signs, qjl, exact_rotated, exact_scales)
 
 
-def _codebook_for(name: str, bits: Any, norm_mode: str, codebook: Any, block: int = 32):
+def _codebook_for(name: str, bits: Any, norm_mode: str, codebook: Any, block: int = 32, head: bool = False):
     if codebook is not None:
         if not isinstance(codebook, Codebook):
             raise TypeError(f"{name}_codebook: expected a Codebook, got {type(codebook).__name__}")
         return codebook
-    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 1 <= int(bits) <= 4:
-        raise ValueError(f"{name}_bits: expected an int in 1..4, got {bits!r}")
+    top = 5 if head else 4  # 5-bit codebooks: whole-head codes only
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 1 <= int(bits) <= top:
+        where = " with rotation='head'" if top == 5 else " (5 needs rotation='head')"
+        raise ValueError(f"{name}_bits: expected an int in 1..{top}{where}, got {bits!r}")
     return get_codebook(int(bits), norm_mode, block=block)
 
 
@@ -164,8 +166,8 @@ def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales
     if head and (d & (d - 1) or d > MAX_HEAD_DIM):
         raise ValueError(f"q: rotation='head' needs a power-of-two head_dim <= {MAX_HEAD_DIM}, got {d}")
     cb_mode, cb_block = ("l2", d) if head else (norm_mode, 32)
-    kcb = _codebook_for("k", bits if k_bits is None else k_bits, cb_mode, k_codebook, cb_block)
-    vcb = _codebook_for("v", bits if v_bits is None else v_bits, cb_mode, v_codebook, cb_block)
+    kcb = _codebook_for("k", bits if k_bits is None else k_bits, cb_mode, k_codebook, cb_block, head)
+    vcb = _codebook_for("v", bits if v_bits is None else v_bits, cb_mode, v_codebook, cb_block, head)
     n_scales = 1 if head else d // 32
     hkv, T = _check_codes((b, hq, ql, d), k_codes, k_scales, v_codes, v_scales, kcb.bits, vcb.bits, n_scales)
     n_exact = _check_exact(k_exact, v_exact, b, hkv, d)
