@@ -92,17 +92,18 @@ def test_preset_builds_within_budget(preset, model):
 
 def test_sliding_layers_by_hand():
     """Gemma-3-270M's geometry (d = 256, one KV head, sliding window 512): a local layer holds
-    512 tokens at 1,024 positions; with keys 4·256/8 + 2 = 130 bytes, values 3·256/8 + 2 = 98,
-    an int8 window vector 2·(256 + 2) = 516 and 1,024 bytes of key means, 4.0 bits/value over
-    1,024 positions (262,144 bytes) allow 501 window tokens, 5.0 bits (327,680) all 512; the
-    global layers keep the window of an all-global model."""
+    512 tokens at 1,024 positions; with ``kv4``'s keys 4·256/8 + 2 = 130 bytes and values
+    3·256/8 + 2 = 98 (``kv5``: 5·256/8 + 2 = 162 and 4·256/8 + 2 = 130), an int8 window vector
+    2·(256 + 2) = 516 and 1,024 bytes of key means, 4.0 bits/value over 1,024 positions
+    (262,144 bytes) allow 501 window tokens, 5.0 bits (327,680) all 512; the global layers
+    keep the window of an all-global model."""
     gemma = [512] * 5 + [None]
-    for preset, want in (("kv4", 501), ("kv5", 512)):
+    for preset, want, comp in (("kv4", 501, 130 + 98), ("kv5", 512, 162 + 130)):
         _, opts, over = resolve_preset(preset, num_layers=6, num_kv_heads=1, head_dim=256, sliding_window=gemma)
         r = over[0]["residual_length"]
         assert r == want and all(over[i] == {"residual_length": want} for i in range(5)) and 5 not in over
-        assert (512 - r) * 228 + r * 516 + 1024 <= BUDGETS[preset] * 2 * 256 * 1024 / 8
-        assert r == 512 or (511 - r) * 228 + (r + 1) * 516 + 1024 > BUDGETS[preset] * 2 * 256 * 1024 / 8
+        assert (512 - r) * comp + r * 516 + 1024 <= BUDGETS[preset] * 2 * 256 * 1024 / 8
+        assert r == 512 or (511 - r) * comp + (r + 1) * 516 + 1024 > BUDGETS[preset] * 2 * 256 * 1024 / 8
         plain = resolve_preset(preset, num_layers=6, num_kv_heads=1, head_dim=256)[1]["residual_length"]
         assert opts["residual_length"] == plain
     # windows of 1,024 tokens or more: the layer stores every budget token, sized as global
@@ -133,6 +134,17 @@ def test_kv4_numbers_by_hand():
     per_head = (1024 - window) * (34 + 26) + window * 2 * 66 + 256
     assert per_head * 8 / (2 * 64 * 1024) <= 4.0 < (per_head + 132 - 60) * 8 / (2 * 64 * 1024)
     assert (base, window, over) == ("pqo-k4v3-head-eden", 53, {})
+
+
+def test_kv5_numbers_by_hand():
+    """``kv5`` on SmolLM2's geometry: keys 5·64/8 + 2 = 42 bytes, values 4·64/8 + 2 = 34, an
+    int8 window vector 64 + 2 = 66, key means 256 bytes per layer and head; 5.0 bits/value at
+    1,024 tokens (81,920 bytes per head) allows 68 window tokens: 8 sinks and 60 recent."""
+    base, opts, over = resolve_preset("kv5", num_layers=30, num_kv_heads=3, head_dim=64)
+    window = opts["sink_tokens"] + opts["residual_length"]
+    per_head = (1024 - window) * (42 + 34) + window * 2 * 66 + 256
+    assert per_head * 8 / (2 * 64 * 1024) <= 5.0 < (per_head + 132 - 76) * 8 / (2 * 64 * 1024)
+    assert (base, opts["sink_tokens"], window, over) == ("pqo-k5v4-head-eden", 8, 68, {})
 
 
 @pytest.mark.parametrize("windows", [None, [16, None]], ids=["global", "sliding"])
