@@ -37,6 +37,9 @@ DEFAULTS: dict[str, Any] = {
     # 2-4-bit codes of one width and codebook, no logit bias or QJL correction); 0 = the warp
     # (or block) kernel
     "cuda_mma_attention": 1,
+    # CUDA decode attention: 1 = the last partition block to finish merges the partitions
+    # (one launch fewer per step), 0 = a separate merge_partitions launch (A/B on a GPU)
+    "cuda_merge_last_block": 1,
 }
 
 #: most threads per CUDA block the package launches.  Any kernel can launch with 256: a block
@@ -58,6 +61,7 @@ RANGES: dict[str, tuple[type, float, float, int]] = {
     "cpu_parallel_min_work": (int, 0, 1 << 62, 1),
     "cuda_warp_attention": (int, 0, 1, 1),
     "cuda_mma_attention": (int, 0, 1, 1),
+    "cuda_merge_last_block": (int, 0, 1, 1),
 }
 
 _overrides: dict[str, Any] = {}

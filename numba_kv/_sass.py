@@ -26,8 +26,12 @@ iteration takes, with nested loops counted once (not times their trip count).  A
 instruction of class ``branch``; the callee's instructions are not added.
 
 The hot loop, and "per token".  The rule is :func:`tile_loop`: the loop with the most
-instructions, its nested loops included, which in the decode attention kernels is the loop
-over the token tiles (every other loop runs inside it or before/after it).
+instructions, its nested loops included, among the loops before the kernel's first global
+atomic (:func:`epilogue_start`), which in the decode attention kernels is the loop over the
+token tiles (every other loop runs inside it or before/after it).  The atomic is the
+partition kernels' arrival count: what follows it is the merge by the last block to finish
+(``merge_if_last``), whose loop over its query rows runs once per launch in one block of a
+row chunk, not per token, and is as large as some kernels' token loop.
 :data:`TOKENS_PER_ITERATION` states, per kernel, how many tokens one pass of one warp
 through that loop covers for one KV head; instructions per token per KV head are the
 loop's static instructions divided by that.  A kernel without an entry gets its raw
@@ -52,7 +56,7 @@ from ._cuda_resources import KernelResources, kernel_ptx, link_cubin, parse_link
 
 __all__ = ["CLASSES", "NVDISASM_PACKAGE", "TOKENS_PER_ITERATION", "Instruction", "KernelSass", "Loop",
            "SassFunction", "class_counts", "classify", "disassemble", "entry_function", "find_loops",
-           "kernel_sass", "nvdisasm_path", "parse_sass", "tile_loop"]
+           "epilogue_start", "kernel_sass", "nvdisasm_path", "parse_sass", "tile_loop"]
 
 #: the PyPI package that ships ``nvdisasm``
 NVDISASM_PACKAGE = "nvidia-cuda-nvdisasm"
@@ -397,13 +401,29 @@ def find_loops(func: SassFunction) -> list[Loop]:
     return out
 
 
-def tile_loop(loops: Sequence[Loop]) -> int | None:
+def tile_loop(loops: Sequence[Loop], before: int | None = None) -> int | None:
     """Index of the hot loop of a kernel: the loop with the most instructions, nested loops
-    included (the token-tile loop of the decode attention kernels); ``None`` without
-    loops.  Ties go to the first."""
-    if not loops:
+    included (the token-tile loop of the decode attention kernels), among those whose header
+    lies before address ``before`` (default: all; :func:`epilogue_start`); ``None`` without
+    such a loop.  Ties go to the first."""
+    cand = [i for i in range(len(loops)) if before is None or loops[i].header < before]
+    if not cand:
         return None
-    return max(range(len(loops)), key=lambda i: (loops[i].size, -i))
+    return max(cand, key=lambda i: (loops[i].size, -i))
+
+
+#: first words of the opcodes of a global atomic (the arrival count of the last-block merge)
+_ATOMIC = ("ATOMG", "ATOM", "RED")
+
+
+def epilogue_start(function: SassFunction) -> int | None:
+    """Address of the first global atomic of ``function``: in the decode attention kernels
+    the arrival count that opens the merge by the last block (``merge_if_last``), after
+    their token loop; ``None`` without one."""
+    for ins in function.instructions:
+        if ins.opcode.split(".")[0] in _ATOMIC:
+            return ins.address
+    return None
 
 
 # --- nvdisasm and the registered kernels -------------------------------------------------------
@@ -473,7 +493,7 @@ class KernelSass:
     loops : list of Loop
         :func:`find_loops` of it.
     hot : int or None
-        :func:`tile_loop` of ``loops``.
+        :func:`tile_loop` of ``loops`` before :func:`epilogue_start` of ``function``.
     """
 
     name: str
@@ -527,4 +547,4 @@ def kernel_sass(name: str, cc: tuple[int, int] = (9, 0), signature: int = 0) -> 
     resources = dataclasses.replace(parse_link_log(log), max_threads=ptx_max_threads(ptx))
     function = entry_function(parse_sass(disassemble(cubin, exe)))
     loops = find_loops(function)
-    return KernelSass(name, tuple(cc), resources, function, loops, tile_loop(loops))
+    return KernelSass(name, tuple(cc), resources, function, loops, tile_loop(loops, epilogue_start(function)))

@@ -32,6 +32,8 @@ from numba_kv.ops import TWINS
 #: are in the loop; a pass runs one of each, about a third of those instructions),
 #: paged_decode_attention_mma 184.19 (2947 / 16: plus a page-table lookup and an integer
 #: division per token address).
+#: an instruction class the token loop of a kernel must contain (its arithmetic's own)
+_HALLMARK = {"decode_attention_mma": "mma", "paged_decode_attention_mma": "mma", "decode_attention_warp": "shfl"}
 SASS_BUDGET = {"decode_attention": 1530.0, "decode_attention_warp": 103.0, "decode_attention_mma": 153.0,
                "paged_decode_attention_mma": 203.0}
 
@@ -113,6 +115,10 @@ def test_loops_of_the_listing():
         (0x110, 4, 0, None),  # the store loop after it
     ]
     assert tile_loop(loops) == 0 and tile_loop([]) is None
+    # loops from an address on (a kernel's merge epilogue, after its first global atomic) are
+    # not candidates
+    assert tile_loop(loops, before=0x110) == 0 and tile_loop(loops, before=0x20) is None
+    assert tile_loop(loops, before=0x40) == 0  # (a loop is placed by its header)
     # by hand: LDG | IMAD.MOV | LDS | FFMA, FADD | IADD3, ISETP, ISETP | BRA, BRA.DIV, CALL, @P3 EXIT,
     # BRA | SHFL | I2F
     expected = dict.fromkeys(CLASSES, 0) | {"load.global": 1, "move": 1, "load.shared": 1, "fp32": 2, "int": 3,
@@ -172,8 +178,12 @@ def test_hot_loop_stays_within_its_sass_budget(name):
     assert (r.spill_stores, r.spill_loads, r.local) == (0, 0, 0), r
     hot = k.loops[k.hot]
     counts = hot.counts()
-    # the loop that walks the tokens: it loads, multiplies and adds
+    # the loop that walks the tokens: it loads, multiplies and adds (the tensor-core kernels'
+    # on tensor cores, the warp kernel's with warp shuffles), before the last-block merge
     assert counts["fp32"] > 0 and counts["load.global"] > 0 and hot.depth == 0, counts
+    assert counts[_HALLMARK.get(name, "fp32")] > 0, counts
+    start = _sass.epilogue_start(k.function)
+    assert start is not None and hot.header < start, "expected the merge's arrival count after the token loop"
     breakdown = ", ".join(f"{c} {n / k.tokens_per_iteration:.1f}" for c, n in counts.items() if n)
     assert k.per_token <= SASS_BUDGET[name], (
         f"{name}: {k.per_token:.1f} SASS instructions per token per KV head in its hot loop (budget "

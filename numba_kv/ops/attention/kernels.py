@@ -50,6 +50,7 @@ from .cpu import (
     tile_scores_cpu,
     unpack_signs_tile_cpu,
 )
+from .merge import MERGE_SCRATCH, merge_if_last
 from .mma import (
     MMA_BLOCKS_PER_SM,
     MMA_TAB_WORDS,
@@ -92,6 +93,9 @@ SMEM_SCORES = 1024
 MAX_BLOCK_ROWS = 64
 #: most tokens per CUDA tile
 MAX_TILE_TOKENS = 32
+# the last block's merge borrows the block kernel's tile buffer and the warp kernels' weights
+if min(SMEM_TILE, WARP_PW) < MERGE_SCRATCH:
+    raise ImportError("numba_kv.ops.attention.kernels: the merge's scratch does not fit the kernels' shared buffers")
 
 
 def _tile_tokens(d):
@@ -170,11 +174,14 @@ tile_tables_cpu = cpu_serial(_tile_tables)
 def _partition_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kes, ves, exact_kind, kcent,
                    vcent, kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias, has_bias, has_qjl, sq,
                    qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size, n_comp_parts, kv_indptr, kv_indices,
-                   kv_last_page_len, page_size, n_kv_heads, part_m, part_l, part_acc):
+                   kv_last_page_len, page_size, n_kv_heads, part_m, part_l, part_acc,
+                   merge_last, n_rot, msigns, head_rot, hsigns, out, counter):
     """CPU twin: one work item per (KV row ``g``, partition ``p``) (``prange``); per tile of
     :data:`CPU_TILE` tokens the keys are decoded into an L1-resident buffer (SIMD decoders),
     scored for every query row of the GQA group, then the values decoded into the same
-    buffer and accumulated (register-blocked loops, fast-math reductions)."""
+    buffer and accumulated (register-blocked loops, fast-math reductions).  The merge's
+    arguments (``merge_last`` … ``counter``, the CUDA kernels' last-block merge) are not
+    read: on the CPU the host runs MERGE_PARTITIONS after it."""
     n_g, rows, d = qr.shape
     m_qjl = sq.shape[2]
     n_parts = part_m.shape[1]
@@ -258,7 +265,8 @@ def _partition_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, ex
 def _partition_block_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kes, ves, exact_kind,
                           kcent, vcent, kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias, has_bias,
                           has_qjl, sq, qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size, n_comp_parts,
-                          kv_indptr, kv_indices, kv_last_page_len, page_size, n_kv_heads, part_m, part_l, part_acc):
+                          kv_indptr, kv_indices, kv_last_page_len, page_size, n_kv_heads, part_m, part_l, part_acc,
+                          merge_last, n_rot, msigns, head_rot, hsigns, out, counter):
     """Cooperative flash-decoding partition kernel.
 
     Launch contract: grid ``(n_g, n_parts, n_chunks)``, any block size (128 on a GPU).
@@ -270,7 +278,9 @@ def _partition_block_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
     from shared memory (one pair per thread), runs the per-row softmax step (one row per
     thread), decodes the V tile into the same buffer and accumulates ``P·V`` into the shared
     accumulators (one ``(row, column)`` per thread).  Reductions stay inside one thread: no
-    warp shuffles.
+    warp shuffles.  With ``merge_last`` the last block of each ``(g, c)`` to finish merges
+    its rows into ``out`` (:func:`~numba_kv.ops.attention.merge.merge_if_last`: ``counter``
+    zero at launch, left zero).
     """
     qs = cuda.shared.array(SMEM_ROWS, dtype=float32)
     acc = cuda.shared.array(SMEM_ROWS, dtype=float32)
@@ -329,12 +339,16 @@ def _partition_block_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
         coop_pv_dev(sc, kv, stride, nt, rb, d, alpha, acc, tid, nth)
         cuda.syncthreads()
     coop_store_rows_dev(acc, m, lsum, rb, d, g, p, r0, part_m, part_l, part_acc, tid, nth)
+    # the decoded tile's buffer is free: the merge's scratch if this block finishes last
+    merge_if_last(merge_last, part_m, part_l, part_acc, g, r0, rb, n_rot, msigns, head_rot, hsigns, out, counter, kv,
+                  tid, nth)
 
 
 def _partition_warp_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kes, ves, exact_kind,
                          kcent, vcent, kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias, has_bias,
                          has_qjl, sq, qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size, n_comp_parts, kv_indptr,
-                         kv_indices, kv_last_page_len, page_size, n_kv_heads, part_m, part_l, part_acc):
+                         kv_indices, kv_last_page_len, page_size, n_kv_heads, part_m, part_l, part_acc,
+                         merge_last, n_rot, msigns, head_rot, hsigns, out, counter):
     """Warp-per-partition flash-decoding kernel (no logit bias, no QJL correction).
 
     Launch contract: grid ``(n_g, ceil(n_parts / warps per block), n_chunks)`` with whole
@@ -346,7 +360,8 @@ def _partition_warp_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exa
     and stages its V bytes; the tile's softmax is two warp butterflies; then each lane
     accumulates ``p·v`` for its 4 coordinates over the tile (layouts in
     :mod:`numba_kv.ops.attention.warp`).  ``has_bias`` and ``has_qjl`` must be false (the
-    host launches the block kernel for those).
+    host launches the block kernel for those).  With ``merge_last`` the last block of each
+    ``(g, c)`` to finish merges its rows into ``out`` (as the block kernel).
     """
     xbuf = cuda.shared.array(XBUF, dtype=float32)  # the simulator's exchanges only
     qs = cuda.shared.array(WARP_QS, dtype=float32)
@@ -383,6 +398,9 @@ def _partition_warp_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exa
         exact_tiles(ke, ve, kes, ves, exact_kind, exact_pos, addr, scale_table, t_lo, t_hi, span, qs, WARP_ROWS * d, d,
                     lim, softmax_scale, st, acc, sc, tmp, pw, xbuf, tid)
     store_partition(st, acc, active, rb, g, p, r0, d, part_m, part_l, part_acc, xbuf, tid)
+    # the tile weights' buffer is free: the merge's scratch if this block finishes last
+    merge_if_last(merge_last, part_m, part_l, part_acc, g, r0, rb, n_rot, msigns, head_rot, hsigns, out, counter, pw,
+                  tid, cuda.blockDim.x)
 
 
 def _compile(fn, paged, wrap):
@@ -421,7 +439,8 @@ _decode_attention_warp_cuda, _paged_decode_attention_warp_cuda = (
 def _partition_mma_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kes, ves, exact_kind,
                         kcent, vcent, kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias, has_bias,
                         has_qjl, sq, qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size, n_comp_parts, kv_indptr,
-                        kv_indices, kv_last_page_len, page_size, n_kv_heads, part_m, part_l, part_acc):
+                        kv_indices, kv_last_page_len, page_size, n_kv_heads, part_m, part_l, part_acc,
+                        merge_last, n_rot, msigns, head_rot, hsigns, out, counter):
     """Tensor-core flash-decoding kernel: the warp kernel's grid and partitions, its compressed
     partitions on ``mma.sync`` (:mod:`numba_kv.ops.attention.mma`).
 
@@ -434,7 +453,8 @@ def _partition_mma_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exac
     flat cache's viewed with a unit axis (``[n_g, 1, capacity, ·]``: KV row ``g`` is "page"
     ``g``, head 0; :func:`~numba_kv.ops.attention.mma.token_address`).  A flat cache's exact
     partitions (sinks, window) run the warp kernel's tiles; a pool is all codes.  The block
-    builds the two pair tables in shared memory once.
+    builds the two pair tables in shared memory once.  With ``merge_last`` the last block of
+    each ``(g, c)`` to finish merges its rows into ``out`` (as the block kernel).
     """
     xbuf = cuda.shared.array(XBUF, dtype=float32)  # the simulator's exchanges only
     qs = cuda.shared.array(WARP_QS, dtype=float32)
@@ -469,6 +489,8 @@ def _partition_mma_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exac
         exact_tiles(ke, ve, kes, ves, exact_kind, exact_pos, (kv_indices, first, page_size, g, h), scale_table, t_lo,
                     t_hi, t_hi - t_lo, qs, WARP_ROWS * d, d, lim4, softmax_scale, st, acc, sc, tmp, pw, xbuf, tid)
         store_partition(st, acc, active, rb, g, p, r0, d, part_m, part_l, part_acc, xbuf, tid)
+    merge_if_last(merge_last, part_m, part_l, part_acc, g, r0, rb, n_rot, msigns, head_rot, hsigns, out, counter, pw,
+                  tid, cuda.blockDim.x)
 
 
 _decode_attention_mma_cuda, _paged_decode_attention_mma_cuda = (
@@ -485,7 +507,8 @@ def _signature(codes: str, exact: str, exact_scales: str, ndim: int) -> str:
             "float32[:, ::1], int64[::1], int64[::1], int64[::1], int64[::1], int64, float32[::1], float32, "
             "float32[:, :, ::1], boolean, boolean, float32[:, :, ::1], uint8[:, :, ::1], uint16[:, ::1], float32, "
             "int64, int64, boolean, int64, int64, int32[::1], int32[::1], int32[::1], int64, int64, "
-            "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1])")
+            "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1], boolean, int64, float32[::1], boolean, "
+            "float32[::1], float32[:, :, ::1], int32[::1])")
 
 
 # flat: exact tokens as float32 (the decode_attention op, float32 windows) and as int8 (the

@@ -13,7 +13,7 @@ import numpy as np
 from numba import cuda, float32, prange
 
 from ..._config import MAX_HEAD_DIM
-from ..._jit import cpu_kernel, cuda_kernel, twin
+from ..._jit import cpu_kernel, cuda_device, cuda_kernel, twin
 from .._borrow import borrowed, keep_alive
 from .._registry import register
 from .cores import (
@@ -33,10 +33,13 @@ from .cores import (
     merge_weights_dev,
 )
 
-__all__ = ["MERGE_CHUNK", "MERGE_PARTITIONS"]
+__all__ = ["MERGE_CHUNK", "MERGE_PARTITIONS", "MERGE_SCRATCH", "merge_if_last", "merge_rows_dev"]
 
 #: partitions whose merge weights one merge block holds at a time
 MERGE_CHUNK = 256
+#: shared float32 entries a partition kernel lends :func:`merge_if_last` (the row buffer,
+#: the weights, the last-block flag)
+MERGE_SCRATCH = MAX_HEAD_DIM + MERGE_CHUNK + 1
 
 
 def _merge_row(part_m, part_l, part_acc, g, r, n_comp_parts, signs, head_rot, hsigns, wbuf, buf, out):
@@ -113,61 +116,125 @@ def _merge_partitions_cpu(part_m, part_l, part_acc, n_comp_parts, signs, head_ro
         keep_alive(own)
 
 
+def _merge_rows(part_m, part_l, part_acc, g, r_lo, r_hi, n_comp_parts, signs, head_rot, hsigns, out, buf, wbuf, tid,
+                nth):
+    """Merge query rows ``r_lo … r_hi − 1`` of KV row ``g`` into ``out`` with the whole block
+    (block-cooperative: every thread of the block calls it with the same rows).
+
+    Each thread owns the columns ``j = tid, tid + nth, …`` of the shared row buffer ``buf``
+    (at least ``d`` floats); the partition weights are computed :data:`MERGE_CHUNK` at a
+    time into shared ``wbuf``, the inverse rotation of the compressed sum runs as butterfly
+    stages over ``buf`` (one pair per thread and step, ``syncthreads`` between stages).  Same
+    cores and arithmetic as the CPU twin's :func:`_merge_row`, whatever ``nth``: a row's
+    maxima, weights, column sums and denominator are each one thread's serial loop, so the
+    MERGE_PARTITIONS kernel and a partition kernel's last block (:func:`merge_if_last`)
+    write the same bits.  The caller puts a block barrier between its own use of ``buf`` /
+    ``wbuf`` and this call; between rows none is needed (a thread rewrites only its own
+    columns of ``buf`` before the next barrier).
+    """
+    n_parts = part_m.shape[1]
+    d = out.shape[2]
+    for r in range(r_lo, r_hi):
+        m_star = merge_max_dev(part_m, g, r, n_parts)
+        if m_star == NEG_INF:  # the whole block agrees: every thread read the same maxima
+            for j in range(tid, d, nth):
+                out[g, r, j] = float32(0.0)
+            continue
+        for j in range(tid, d, nth):
+            buf[j] = float32(0.0)
+        for c0 in range(0, n_comp_parts, MERGE_CHUNK):
+            c1 = min(n_comp_parts, c0 + MERGE_CHUNK)
+            cuda.syncthreads()
+            merge_weights_dev(part_m, g, r, c0 + tid, c1, nth, m_star, wbuf, c0)
+            cuda.syncthreads()
+            for j in range(tid, d, nth):
+                buf[j] = merge_column_dev(wbuf, part_m, part_acc, g, r, j, c0, c1, c0, buf[j])
+        if n_comp_parts > 0:
+            cuda.syncthreads()
+            if not head_rot:
+                block_signs_dev(buf, d, tid, nth, signs)
+                cuda.syncthreads()
+            h = 1
+            h_end = d if head_rot else 32
+            while h < h_end:
+                butterfly_pairs_dev(buf, h, d, tid, nth)
+                cuda.syncthreads()
+                h *= 2
+            inverse_scale_dev(buf, d, tid, nth, head_rot, hsigns)
+        for c0 in range(n_comp_parts, n_parts, MERGE_CHUNK):
+            c1 = min(n_parts, c0 + MERGE_CHUNK)
+            cuda.syncthreads()
+            merge_weights_dev(part_m, g, r, c0 + tid, c1, nth, m_star, wbuf, c0)
+            cuda.syncthreads()
+            for j in range(tid, d, nth):
+                buf[j] = merge_column_dev(wbuf, part_m, part_acc, g, r, j, c0, c1, c0, buf[j])
+        inv = float32(1.0) / merge_denom_dev(part_m, part_l, g, r, n_parts, m_star)
+        for j in range(tid, d, nth):
+            out[g, r, j] = buf[j] * inv
+
+
+#: the row merge, called by the MERGE_PARTITIONS kernel and the partition kernels' epilogue
+#: (:func:`merge_if_last`): a device function compiled once and linked (NVVM inlines it),
+#: not copied into each caller's Numba IR like the small cores
+merge_rows_dev = cuda.jit(device=True)(_merge_rows)
+
+
 @cuda_kernel
 def _merge_partitions_cuda(part_m, part_l, part_acc, n_comp_parts, signs, head_rot, hsigns, out):
     """Cooperative merge of the partitions (log-sum-exp).
 
     Launch contract: grid ``(n_g, rows)``, any block size.  Block ``(g, r)`` merges query
-    row ``(g, r)``: each thread owns the columns ``j = tid, tid + blockDim, …`` of the
-    shared row buffer; the partition weights are computed :data:`MERGE_CHUNK` at a time
-    into shared memory, the inverse rotation of the compressed sum runs as butterfly stages
-    over the shared buffer (one pair per thread and step, ``syncthreads`` between stages).
-    Same cores and arithmetic as the CPU twin's :func:`_merge_row`.
+    row ``(g, r)`` (:func:`_merge_rows`, the device function the partition kernels' last
+    block runs too).
     """
     buf = cuda.shared.array(MAX_HEAD_DIM, dtype=float32)
     wbuf = cuda.shared.array(MERGE_CHUNK, dtype=float32)
-    n_parts = part_m.shape[1]
-    d = out.shape[2]
-    g = cuda.blockIdx.x
     r = cuda.blockIdx.y
-    tid = cuda.threadIdx.x
-    nth = cuda.blockDim.x
-    m_star = merge_max_dev(part_m, g, r, n_parts)
-    if m_star == NEG_INF:  # the whole block agrees: every thread read the same maxima
-        for j in range(tid, d, nth):
-            out[g, r, j] = float32(0.0)
+    merge_rows_dev(part_m, part_l, part_acc, cuda.blockIdx.x, r, r + 1, n_comp_parts, signs, head_rot, hsigns, out, buf,
+                   wbuf, cuda.threadIdx.x, cuda.blockDim.x)
+
+
+@cuda_device
+def merge_if_last(merge_last, part_m, part_l, part_acc, g, r0, rb, n_comp_parts, signs, head_rot, hsigns, out, counter,
+                  scratch, tid, nth):
+    """Epilogue of a partition kernel: the last block of row chunk ``(g, blockIdx.z)`` to
+    finish merges its rows ``r0 … r0 + rb − 1`` (issue 27: no MERGE_PARTITIONS launch).
+
+    Launch contract (the partition kernels'): every thread of the block calls it after the
+    block stored its partitions' ``(m, l, acc)``, the grid's y axis spans the partitions of
+    a row chunk (``gridDim.y`` blocks arrive per chunk), ``counter`` (int32, at least
+    ``n_g · gridDim.z`` entries) is zero for this chunk at launch and left zero at exit.
+    ``scratch``: shared float32, at least :data:`MAX_HEAD_DIM` + :data:`MERGE_CHUNK` + 1
+    entries, free for the epilogue.  Does nothing when ``merge_last`` is false (the host
+    launches MERGE_PARTITIONS) or ``rb <= 0``.
+
+    Memory ordering (release / acquire through fences, the CUDA programming guide's
+    last-block pattern): every thread fences its partial results before the block barrier
+    that precedes thread 0's ``atomic.add`` (release, cumulative through the barrier); the
+    block that sees ``gridDim.y − 1`` fences again before any thread reads the other blocks'
+    partials (acquire; ``membar.gl`` also discards stale L1 lines).  It resets the counter
+    (no other block of the launch touches it again), so no memset launch precedes a step
+    and a CUDA graph replays the launch as is.  A single block per chunk (one partition, or
+    one block of warps holding every partition) merges without the counter.
+    """
+    if not merge_last or rb <= 0:
         return
-    for j in range(tid, d, nth):
-        buf[j] = float32(0.0)
-    for c0 in range(0, n_comp_parts, MERGE_CHUNK):
-        c1 = min(n_comp_parts, c0 + MERGE_CHUNK)
+    if cuda.gridDim.y > 1:
+        cuda.threadfence()  # release: this thread's partials before the block's arrival
         cuda.syncthreads()
-        merge_weights_dev(part_m, g, r, c0 + tid, c1, nth, m_star, wbuf, c0)
+        if tid == 0:
+            slot = g * cuda.gridDim.z + cuda.blockIdx.z
+            last = cuda.atomic.add(counter, slot, 1) == cuda.gridDim.y - 1
+            if last:
+                counter[slot] = 0
+            scratch[MAX_HEAD_DIM + MERGE_CHUNK] = float32(1.0) if last else float32(0.0)
         cuda.syncthreads()
-        for j in range(tid, d, nth):
-            buf[j] = merge_column_dev(wbuf, part_m, part_acc, g, r, j, c0, c1, c0, buf[j])
-    if n_comp_parts > 0:
-        cuda.syncthreads()
-        if not head_rot:
-            block_signs_dev(buf, d, tid, nth, signs)
-            cuda.syncthreads()
-        h = 1
-        h_end = d if head_rot else 32
-        while h < h_end:
-            butterfly_pairs_dev(buf, h, d, tid, nth)
-            cuda.syncthreads()
-            h *= 2
-        inverse_scale_dev(buf, d, tid, nth, head_rot, hsigns)
-    for c0 in range(n_comp_parts, n_parts, MERGE_CHUNK):
-        c1 = min(n_parts, c0 + MERGE_CHUNK)
-        cuda.syncthreads()
-        merge_weights_dev(part_m, g, r, c0 + tid, c1, nth, m_star, wbuf, c0)
-        cuda.syncthreads()
-        for j in range(tid, d, nth):
-            buf[j] = merge_column_dev(wbuf, part_m, part_acc, g, r, j, c0, c1, c0, buf[j])
-    inv = float32(1.0) / merge_denom_dev(part_m, part_l, g, r, n_parts, m_star)
-    for j in range(tid, d, nth):
-        out[g, r, j] = buf[j] * inv
+        if scratch[MAX_HEAD_DIM + MERGE_CHUNK] == float32(0.0):  # block-uniform: one shared flag
+            return
+        cuda.threadfence()  # acquire: every other block's partials
+    cuda.syncthreads()  # the kernel's own use of the scratch buffer is over
+    merge_rows_dev(part_m, part_l, part_acc, g, r0, r0 + rb, n_comp_parts, signs, head_rot, hsigns, out,
+                   scratch[:MAX_HEAD_DIM], scratch[MAX_HEAD_DIM:MAX_HEAD_DIM + MERGE_CHUNK], tid, nth)
 
 
 _MSIG = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1], int64, float32[::1], boolean, "

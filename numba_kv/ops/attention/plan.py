@@ -187,6 +187,9 @@ class AttentionPlan:
         self.kernel = _KERNELS[self.paged][self.variant]
         self._fallback = _KERNELS[self.paged]["warp"]  # an mma step whose arrays give no word views
         self.threads = cuda_block_threads() if dev == _backend.CUDA else 0
+        #: the partition kernel's last block merges (CUDA, the ``cuda_merge_last_block`` knob):
+        #: no MERGE_PARTITIONS launch
+        self.merge_last = dev == _backend.CUDA and bool(_config.get("cuda_merge_last_block"))
         c = self._const = lambda a: _backend.constant(like, a)  # noqa: E731
         if compressed:
             self.layout_args = (c(klayout.centroids), c(vlayout.centroids), c(klayout.bits), c(klayout.offsets),
@@ -240,16 +243,28 @@ class AttentionPlan:
             self._ws.bufs = ws
         return ws[1:]
 
+    def merge_counter(self, like: Any) -> Any:
+        """The arrival counters of the last-block merge (int32, one per KV row and row chunk;
+        per thread like :meth:`workspace`): zeroed once here, left zero by every launch (the
+        merging block resets its own), so a step needs no memset launch."""
+        counter = getattr(self._ws, "counter", None)
+        if counter is None:
+            counter = self._ws.counter = _backend.zeros(like, (self.n_g * self.rows,), np.int32)
+        return counter
+
     def _run(self, like: Any, kernel: Any, args: tuple, n_parts: int, n_rot: int, head_signs: Any, parts: tuple,
              work: int) -> Any:
-        """Launch the partition kernel, then the merge; returns ``out`` ``[n_g, rows, d]``."""
-        kernel.launch(self.device, self.n_g * n_parts, *args, work=work, grid=self.grid(kernel, n_parts))
+        """Launch the partition kernel, then (unless its last block merges) the merge; returns
+        ``out`` ``[n_g, rows, d]``."""
         out = _backend.empty(like, (self.n_g, self.rows, self.d), np.float32)
         head_rot = head_signs is not None
-        margs = (*parts, int(n_rot), self.signs, head_rot, head_signs if head_rot else self.signs, out)
-        mgrid = ((self.n_g, self.rows), self.threads) if self.device == _backend.CUDA else None
-        MERGE_PARTITIONS.launch(self.device, self.n_g * self.rows, *margs, work=self.n_g * self.rows * self.d * n_parts,
-                                grid=mgrid)
+        merge = (int(n_rot), self.signs, head_rot, head_signs if head_rot else self.signs, out)
+        kernel.launch(self.device, self.n_g * n_parts, *args, self.merge_last, *merge, self.merge_counter(like),
+                      work=work, grid=self.grid(kernel, n_parts))
+        if not self.merge_last:
+            mgrid = ((self.n_g, self.rows), self.threads) if self.device == _backend.CUDA else None
+            MERGE_PARTITIONS.launch(self.device, self.n_g * self.rows, *parts, *merge,
+                                    work=self.n_g * self.rows * self.d * n_parts, grid=mgrid)
         return out
 
     # --- a step ------------------------------------------------------------------------------
@@ -467,14 +482,17 @@ class FlatStep:
             return out
         if rotate is not None:
             _rotate_into(*rotate, qr.reshape(n_g * rows, d))
-        kernel.launch(dev, n_g * n_parts, qr, q, *codes, n_comp, *comp, n_exact, *exact, scale32, *extra, int(q_pos0),
-                      int(q_len), bool(causal), part_size, n_cp, *plan.no_pages, *parts, work=work,
-                      grid=plan.grid(kernel, n_parts))
         out = np.empty(self._out_shape, np.float32) if self._host else _backend.empty(qr, self._out_shape, np.float32)
         # the merge rotates partitions [0, n_rot) back: the compressed ones, and the exact ones
-        # too when they were attended in the rotated domain
-        MERGE_PARTITIONS.launch(dev, n_g * rows, *parts, n_rot, *self._merge_static, out, work=n_g * rows * d * n_parts,
-                                grid=((n_g, rows), plan.threads) if dev == _backend.CUDA else None)
+        # too when they were attended in the rotated domain; on a GPU the partition kernel's
+        # last block runs it (plan.merge_last), else a launch of its own
+        merge = (n_rot, *self._merge_static, out)
+        kernel.launch(dev, n_g * n_parts, qr, q, *codes, n_comp, *comp, n_exact, *exact, scale32, *extra, int(q_pos0),
+                      int(q_len), bool(causal), part_size, n_cp, *plan.no_pages, *parts, plan.merge_last, *merge,
+                      plan.merge_counter(qr), work=work, grid=plan.grid(kernel, n_parts))
+        if not plan.merge_last:
+            MERGE_PARTITIONS.launch(dev, n_g * rows, *parts, *merge, work=n_g * rows * d * n_parts,
+                                    grid=((n_g, rows), plan.threads) if dev == _backend.CUDA else None)
         return out
 
 
@@ -519,7 +537,8 @@ def attention_plan(like: Any, *, paged: bool, n_g: int, rows: int, d: int, klayo
     else:
         _backend.device_of("q", like)
         env = (id(_backend.constant(like, F16_ABS_TABLE)), _backend.simulator_enabled(), cuda_block_threads(),
-               _config.get("cuda_warp_attention"), _config.get("cuda_mma_attention"))
+               _config.get("cuda_warp_attention"), _config.get("cuda_mma_attention"),
+               _config.get("cuda_merge_last_block"))
     key = (env, paged, n_g, rows, d, klayout, vlayout, v_width, has_bias, has_qjl)
     plan = _PLANS.get(key)
     if plan is None:

@@ -1,0 +1,149 @@
+"""The merge of the split-K partitions by the partition kernel's last block (issue 27, item 3).
+
+Every CUDA partition kernel (block, warp, tensor-core; flat and paged) merges in its last
+block to finish (``merge_if_last`` in :mod:`numba_kv.ops.attention.merge`): an arrival
+counter per (KV row, row chunk) in the plan's workspace, reset by the merging block.  Here,
+under ``NUMBA_ENABLE_CUDASIM=1`` (or on a GPU): many partitions, several KV rows and row
+chunks, steps of changing lengths one after another (the counters must be left at zero by
+each launch, or the next step merges early or never), against the separate
+``merge_partitions`` launch (the ``cuda_merge_last_block`` knob off: the same bits) and the
+CPU twin.  The simulator runs a grid's blocks one after another, so it checks the counting,
+the reset and the merge's rows, not the memory ordering between concurrent blocks (the
+fences are reasoned in ``merge_if_last``'s docstring).
+"""
+
+import numpy as np
+import pytest
+
+from numba_kv import PagedKVCache, knobs
+from numba_kv._backend import to_host
+from numba_kv.ops.attention import decode_attention, kernels, merge, plan
+from numba_kv.ops.blockquant import quantize_blocks
+
+from ..conftest import spy_launches, to_device
+
+TOL = dict(rtol=2e-5, atol=2e-6)
+#: tensor cores: binary16 operands (tests/cuda/test_sim_mma.py)
+MMA_RTOL = 4e-3
+
+#: variant -> (the twin that must run, head_dim, GQA group, q_len, knobs): more query rows
+#: than one block holds (two row chunks: 40 rows of the block kernel at d = 64, 8 of the warp ones)
+VARIANTS = {"block": ("DECODE_ATTENTION", 64, 8, 5, {"cuda_warp_attention": 0}),
+            "warp": ("DECODE_ATTENTION_WARP", 64, 4, 2, {}),
+            "mma": ("DECODE_ATTENTION_MMA", 128, 4, 2, {})}
+
+
+def _counters_are_zero() -> bool:
+    """Every last-block counter of this thread's cached plans is back at zero."""
+    counters = [getattr(p._ws, "counter", None) for p in plan._PLANS.values()]  # noqa: SLF001
+    return all(not np.any(to_host(c)) for c in counters if c is not None)
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(np.asarray(b, np.float64)))
+
+
+def _steps(rng, d, G, ql, merged):
+    """Three decode attentions of 2 KV heads, GQA ``G`` × causal ``q_len``, lengths 37, 27, 45
+    in partitions of 8 tokens (4-6 compressed ones) and 13 exact tokens (2 exact ones);
+    yields (CPU twin, last-block merge, separate merge).
+    ``merged``: the spied merge launches (none may come with the last-block merge)."""
+    b, hkv = 1, 2
+    for T in (37, 27, 45):
+        k = rng.standard_normal((b, hkv, T, d)).astype(np.float32)
+        v = rng.standard_normal((b, hkv, T, d)).astype(np.float32)
+        kc, ks = quantize_blocks(k, 3)
+        vc, vs = quantize_blocks(v, 3)
+        q = rng.standard_normal((b, hkv * G, ql, d)).astype(np.float32)
+        kw = dict(k_bits=3, v_bits=3, partition_size=8,
+                  k_exact=rng.standard_normal((b, hkv, 13, d)).astype(np.float32),
+                  v_exact=rng.standard_normal((b, hkv, 13, d)).astype(np.float32))
+        dkw = {n: (to_device(a) if isinstance(a, np.ndarray) else a) for n, a in kw.items()}
+        dev = tuple(to_device(a) for a in (q, kc, ks, vc, vs))
+        before = len(merged)
+        fused = to_host(decode_attention(*dev, **dkw))
+        assert len(merged) == before, "a merge_partitions launch besides the last block's merge"
+        assert _counters_are_zero(), "a launch left its arrival counter non-zero"
+        with knobs(cuda_merge_last_block=0):
+            separate = to_host(decode_attention(*dev, **dkw))
+        assert len(merged) == before + 1
+        yield decode_attention(q, kc, ks, vc, vs, **kw), fused, separate
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_last_block_merge_matches_the_merge_launch_and_cpu_twin(variant, monkeypatch):
+    twin, d, G, ql, opts = VARIANTS[variant]
+    ran = spy_launches(monkeypatch, (kernels, twin))
+    merged = spy_launches(monkeypatch, (merge, "MERGE_PARTITIONS"))
+    with knobs(**opts):
+        for cpu, fused, separate in _steps(np.random.default_rng(31), d, G, ql, merged):
+            assert np.array_equal(fused, separate), "the last block's merge is not the merge kernel's"
+            if variant == "mma":
+                assert _rel(fused, cpu) < MMA_RTOL
+            else:
+                np.testing.assert_allclose(fused, cpu, **TOL)
+    grids = [g for g in ran if g is not None]  # (the CPU twin's launches have none)
+    assert len(grids) == 6, f"the {variant} kernel did not run every step"
+    # several blocks of partitions per row chunk, two row chunks
+    assert all(g[0][1] > 1 and g[0][2] == 2 for g in grids), grids
+
+
+@pytest.mark.cuda
+def test_paged_last_block_merge_matches_the_merge_launch_and_cpu_twin():
+    """Paged pools (warp kernel, head_dim 64; ragged sequences 5, 23, 41 tokens in pages of
+    8, partitions of 8: sequences of 1 … 6 partitions, the short one's extra partitions
+    empty), decoded three times as the sequences grow."""
+    rng = np.random.default_rng(33)
+    with knobs(cuda_merge_last_block=1):
+        caches = [PagedKVCache(num_pages=24, num_layers=1, num_kv_heads=2, head_dim=64, page_size=8, storage="pqo3")
+                  for _ in range(2)]
+        seqs = [[c.allocate_sequence() for _ in range(3)] for c in caches]
+        for step, grow in enumerate(((5, 23, 41), (1, 0, 2), (0, 3, 1))):
+            for i, n in enumerate(grow):
+                if n:
+                    k, v = (rng.standard_normal((2, n, 64)).astype(np.float32) for _ in range(2))
+                    caches[0].append(0, seqs[0][i], k, v)
+                    caches[1].append(0, seqs[1][i], to_device(k), to_device(v))
+            q = rng.standard_normal((3, 8, 1, 64)).astype(np.float32)
+            cpu = caches[0].decode_attention(0, q, partition_size=8)
+            fused = to_host(caches[1].decode_attention(0, to_device(q), partition_size=8))
+            assert _counters_are_zero(), f"step {step}: a launch left its arrival counter non-zero"
+            with knobs(cuda_merge_last_block=0):
+                separate = to_host(caches[1].decode_attention(0, to_device(q), partition_size=8))
+            assert np.array_equal(fused, separate)
+            np.testing.assert_allclose(fused, cpu, **TOL)
+
+
+def _merge_kernel(rng):
+    """The MERGE_PARTITIONS kernel itself (launched by the host only with the
+    ``cuda_merge_last_block`` knob off) against the CPU twin: 32-block and whole-head inverse
+    rotations, no compressed partition, an empty partition."""
+    parts = [rng.standard_normal(s).astype(np.float32) for s in ((3, 5, 2), (3, 5, 2), (3, 5, 2, 64))]
+    parts[1] = np.abs(parts[1]) + 0.5
+    parts[0][1, 2, 1] = -np.inf  # an empty partition
+    signs = np.where(rng.random(64) < 0.5, -1.0, 1.0).astype(np.float32)
+    for n_rot, head_rot in ((3, False), (5, True), (0, False)):
+        args = (*parts, n_rot, np.ones(32, np.float32), head_rot, signs)
+        want = np.empty((3, 2, 64), np.float32)
+        merge.MERGE_PARTITIONS.launch("cpu", 6, *args, want)
+        got = to_device(np.zeros((3, 2, 64), np.float32))
+        merge.MERGE_PARTITIONS.launch("cuda", 6, *(to_device(a) if isinstance(a, np.ndarray) else a for a in args),
+                                      got, grid=((3, 2), 32))
+        np.testing.assert_allclose(to_host(got), want, **TOL)
+
+
+#: the merge kernel is launched only with the knob off now: its own runner
+RUNNERS = {"merge_partitions": _merge_kernel}
+
+
+@pytest.mark.cuda
+def test_merge_kernel_matches_cpu_twin():
+    _merge_kernel(np.random.default_rng(35))
+
+
+def test_counters_are_per_row_chunk():
+    """The plan's counters cover every (KV row, row chunk) of its largest grid."""
+    p = plan.AttentionPlan(np.zeros(1, np.float32), paged=False, n_g=3, rows=9, d=64, klayout=None, vlayout=None,
+                           v_width=0)
+    assert to_host(p.merge_counter(np.zeros(1, np.float32))).shape == (3 * 9,)
