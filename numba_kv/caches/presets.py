@@ -85,7 +85,8 @@ _BASE_OPTIONS = {"key_center": True, "window_dtype": "int8"}
 #: window is a rounding error and the codes of the older history set the quality.  With 4-bit
 #: keys and 3-bit values it lost 0.80 % perplexity on Gemma-3-270M at 8K tokens; 5-bit keys
 #: and 4-bit values (a 60 + 8 token window at head_dim 64) hold its targets at 1,024 tokens
-#: with lower KL on both models and at 8K (README, "Long-context quality").
+#: with lower KL on both models, and at 4K-32K (+0.25 % at 8K on Gemma-3-270M; the docs'
+#: benchmarks page, "Long-context quality").
 PRESETS: dict[str, Preset] = {
     "kv4": Preset("kv4", _BASE, _BASE_OPTIONS, 4.0,
                   summary="<= 4.0 bits/value at 1,024 tokens: 4-bit keys, 3-bit values, int8 window"),
