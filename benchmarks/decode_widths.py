@@ -3,9 +3,9 @@ rows, T tokens, d = 256 by default, an 8-token window) for each cache name, best
 ``--repeat`` steps, all caches interleaved in one run (so a loaded machine slows every side
 alike).  The figures of the 5-bit decoder (docs/guide/caches.md)::
 
-    NUMBA_NUM_THREADS=1 python benchmarks/decode_widths.py
+    NUMBA_NUM_THREADS=1 python benchmarks/decode_widths.py --repeat 25
     env $(python -m numba_kv.info --avx2-env) NUMBA_CACHE_DIR=.nc-avx2 NUMBA_NUM_THREADS=1 \\
-        python benchmarks/decode_widths.py
+        python benchmarks/decode_widths.py --repeat 25
 """
 
 from __future__ import annotations
