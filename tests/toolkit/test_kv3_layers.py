@@ -31,14 +31,17 @@ def test_allocate_is_the_exhaustive_optimum(kl):
         # convex decreasing costs per layer (as distortion against width is): c * 4**-b, scaled per layer
         sk = rng.random((n, 1)) * 4.0 ** -np.arange(len(kl.K_WIDTHS))[None, :]
         sv = rng.random((n, 1)) * 4.0 ** -np.arange(len(kl.V_WIDTHS))[None, :]
-        sens = {"k": sk, "v": sv}
+        sens = {"k": {b: sk[:, i] for i, b in enumerate(kl.K_WIDTHS)},
+                "v": {b: sv[:, i] for i, b in enumerate(kl.V_WIDTHS)}}
         budget = 3.0 + 0.25 * (trial % 3)
         got = kl.allocate(sens, budget)
         assert np.mean([(k + v) / 2 for k, v in got]) <= budget + 1e-9
         best = min((sum(sk[i, a] + sv[i, b] for i, (a, b) in enumerate(combo)), combo)
                    for combo in itertools.product(itertools.product(range(3), range(3)), repeat=n)
                    if np.mean([(kl.K_WIDTHS[a] + kl.V_WIDTHS[b]) / 2 for a, b in combo]) <= budget + 1e-9)
-        cost = sum(sk[i, kl.K_WIDTHS.index(k)] + sv[i, kl.V_WIDTHS.index(v)] for i, (k, v) in enumerate(got))
+        cost = kl.cost_of(sens, got)
+        assert cost == pytest.approx(sum(sk[i, kl.K_WIDTHS.index(k)] + sv[i, kl.V_WIDTHS.index(v)]
+                                         for i, (k, v) in enumerate(got)))
         # a Lagrangian sweep reaches the convex hull's points: within 10 % of the exhaustive optimum here
         assert cost <= best[0] * 1.10 + 1e-12, (trial, cost, best)
     with pytest.raises(ValueError, match="budget"):
@@ -51,12 +54,19 @@ def test_script_on_the_tiny_model(kl, tiny_gguf, tmp_path):
     assert kl.main(["--model", str(path), "--tokens", "96", "--prefill", "32", "--window", "4",
                     "--budget", "3.0", "--sens", str(sens), "--json", str(out)]) == 0
     z = np.load(sens)
-    assert z["k"].shape == (2, 3) and z["v"].shape == (2, 3)
+    assert sorted(z.files) == ["k3", "k4", "k5", "v2", "v3", "v4"] and z["k3"].shape == (2,)
     # (the tiny model's random weights put almost all mass on one token: KL ~1e-13, no ordering to test)
-    assert np.all(np.isfinite(z["k"])) and np.all(z["k"] > -1e-9) and np.all(z["v"] > -1e-9)
-    again = tmp_path / "again.jsonl"  # a saved table is loaded, not measured again
-    assert kl.main(["--model", str(path), "--tokens", "96", "--prefill", "32", "--window", "4",
-                    "--budget", "3.0", "--sens", str(sens), "--json", str(again)]) == 0
+    assert all(np.all(np.isfinite(z[f])) and np.all(z[f] > -1e-9) for f in z.files)
+    again = tmp_path / "again.jsonl"  # a saved table is loaded; only the widths it lacks are measured
+    assert kl.main(["--model", str(path), "--tokens", "96", "--prefill", "32", "--window", "4", "--budget", "3.0",
+                    "--k-widths", "2,3,4,5", "--sens", str(sens), "--json", str(again)]) == 0
+    z2 = np.load(sens)
+    assert sorted(z2.files) == ["k2", "k3", "k4", "k5", "v2", "v3", "v4"]
+    assert all(np.array_equal(z[f], z2[f]) for f in z.files)
+    old = tmp_path / "old.npz"  # the first format: [n_layers, 3] per side
+    np.savez(old, k=np.stack([z["k3"], z["k4"], z["k5"]], 1), v=np.stack([z["v2"], z["v3"], z["v4"]], 1))
+    back = kl.load_sens(old)
+    assert all(np.array_equal(back["k"][b], z[f"k{b}"]) for b in (3, 4, 5))
     cal = tmp_path / "cal.jsonl"  # sensitivities from another text (the essays), the evaluation unchanged
     assert kl.main(["--model", str(path), "--tokens", "96", "--prefill", "32", "--window", "4",
                     "--budget", "3.0", "--calib-essays", "80", "--json", str(cal)]) == 0
@@ -65,3 +75,27 @@ def test_script_on_the_tiny_model(kl, tiny_gguf, tmp_path):
     assert set(rows) == {"layers", "uniform k4v2", "uniform k3v3"}
     assert rows["layers"]["code_bits"] <= 3.0 + 16 / 32 + 1e-9
     assert rows["layers"]["predicted_kl"] <= min(r["predicted_kl"] for r in rows.values()) + 1e-12
+
+
+def test_layer_windows_keep_the_exact_tokens(kl):
+    sens = {"k": {4: np.array([1e-4, 4e-4, 1e-6, 9e-4])}, "v": {2: np.array([1e-4, 0.0, 1e-6, 0.0])}}
+    alloc = [(4, 2)] * 4
+    for alpha in (0.0, 0.5, 1.0):
+        w = kl.layer_windows(sens, alloc, 10, alpha)
+        assert sum(w) == 40 and min(w) >= 1
+    assert kl.layer_windows(sens, alloc, 10, 0.0) == [10, 10, 10, 10]
+    w = kl.layer_windows(sens, alloc, 10, 1.0)
+    assert w[3] > w[1] > w[0] > w[2]  # in the order of the layers' costs (9e-4, 4e-4, 2e-4, 2e-6)
+
+
+def test_one_window_everywhere_is_the_one_pass_engine(kl, tiny):
+    model, tok, _ = tiny
+    ids = np.asarray(tok.encode("the quick brown fox jumps over the lazy dog " * 8)[:80], dtype=np.int64)
+    n_layers = model.config.n_layers
+    kq = [kl.head_quantizer(4, None)] * n_layers
+    vq = [kl.head_quantizer(2, None)] * n_layers
+    ref = kl.simulate_logits(model, ids, 24, k_quant=kq, v_quant=vq, residual_length=6, sink_tokens=2)
+    got = kl.simulate_layer_windows(model, ids, 24, kq, vq, [6] * n_layers, 2)
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+    other = kl.simulate_layer_windows(model, ids, 24, kq, vq, [6, 20], 2)
+    assert np.abs(other - ref).max() > 1e-4  # the second layer's window is read
