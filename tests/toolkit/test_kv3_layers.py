@@ -99,3 +99,26 @@ def test_one_window_everywhere_is_the_one_pass_engine(kl, tiny):
     assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
     other = kl.simulate_layer_windows(model, ids, 24, kq, vq, [6, 20], 2)
     assert np.abs(other - ref).max() > 1e-4  # the second layer's window is read
+
+
+def test_heads_quantizer_codes_only_the_named_heads(kl):
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((1, 3, 20, 32)).astype(np.float32)
+    y = kl.heads_quantizer([None, 3, None], None)(x)
+    assert np.array_equal(y[:, 0], x[:, 0]) and np.array_equal(y[:, 2], x[:, 2])
+    one = kl.head_quantizer(3, None)(np.ascontiguousarray(x[:, 1:2]))
+    assert np.array_equal(y[:, 1:2], one) and not np.array_equal(y[:, 1], x[:, 1])
+
+
+def test_per_head_script_on_the_tiny_model(kl, tiny_gguf, tmp_path):
+    path, _ = tiny_gguf
+    out, sens = tmp_path / "rows.jsonl", tmp_path / "sens.npz"
+    assert kl.main(["--model", str(path), "--tokens", "96", "--prefill", "32", "--window", "4", "--per-head",
+                    "--budget", "3.0", "--k-widths", "3,4", "--v-widths", "2,3", "--sens", str(sens),
+                    "--json", str(out)]) == 0
+    z = np.load(sens)
+    assert sorted(z.files) == ["k3", "k4", "v2", "v3"] and z["k3"].shape == (2 * 2,)  # 2 layers x 2 KV heads
+    rows = {r["arm"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert set(rows) == {"heads", "uniform k4v2", "uniform k3v3"} and len(rows["heads"]["alloc"]) == 4
+    with pytest.raises(SystemExit):
+        kl.main(["--model", str(path), "--per-head", "--window-alpha", "1"])
