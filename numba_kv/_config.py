@@ -40,6 +40,9 @@ DEFAULTS: dict[str, Any] = {
     # CUDA decode attention: 1 = the last partition block to finish merges the partitions
     # (one launch fewer per step), 0 = a separate merge_partitions launch (A/B on a GPU)
     "cuda_merge_last_block": 1,
+    # CUDA decode attention: 1 = the partition kernel rotates the queries in its prologue (one
+    # launch fewer per step), 0 = a separate rotation launch before it (A/B on a GPU)
+    "cuda_fused_query_rotation": 1,
 }
 
 #: most threads per CUDA block the package launches.  Any kernel can launch with 256: a block
@@ -62,6 +65,7 @@ RANGES: dict[str, tuple[type, float, float, int]] = {
     "cuda_warp_attention": (int, 0, 1, 1),
     "cuda_mma_attention": (int, 0, 1, 1),
     "cuda_merge_last_block": (int, 0, 1, 1),
+    "cuda_fused_query_rotation": (int, 0, 1, 1),
 }
 
 _overrides: dict[str, Any] = {}

@@ -58,6 +58,7 @@ from .mma import (
     build_tables,
     mma_partition,
 )
+from .qrot import coop_rotate_rows, rotate_rows_cpu
 from .warp import (
     SIMULATED,
     WARP_PW,
@@ -175,13 +176,15 @@ def _partition_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, ex
                    vcent, kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias, has_bias, has_qjl, sq,
                    qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size, n_comp_parts, kv_indptr, kv_indices,
                    kv_last_page_len, page_size, n_kv_heads, part_m, part_l, part_acc,
-                   merge_last, n_rot, msigns, head_rot, hsigns, out, counter):
+                   merge_last, n_rot, msigns, head_rot, hsigns, out, counter, rotate_q):
     """CPU twin: one work item per (KV row ``g``, partition ``p``) (``prange``); per tile of
     :data:`CPU_TILE` tokens the keys are decoded into an L1-resident buffer (SIMD decoders),
     scored for every query row of the GQA group, then the values decoded into the same
     buffer and accumulated (register-blocked loops, fast-math reductions).  The merge's
     arguments (``merge_last`` … ``counter``, the CUDA kernels' last-block merge) are not
-    read: on the CPU the host runs MERGE_PARTITIONS after it."""
+    read: on the CPU the host runs MERGE_PARTITIONS after it.  With ``rotate_q`` each work item
+    of a partition ``p < n_rot`` rotates ``q[g]`` itself (:func:`~numba_kv.ops.attention.qrot.rotate_rows_cpu`,
+    the rotation ops' row cores: the bits of a rotated ``qr``), as the CUDA kernels do."""
     n_g, rows, d = qr.shape
     m_qjl = sq.shape[2]
     n_parts = part_m.shape[1]
@@ -211,10 +214,11 @@ def _partition_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, ex
         own = (np.empty((CPU_TILE, d), dtype=np.float32), np.empty((rows, CPU_TILE), dtype=np.float32),
                np.empty((CPU_TILE if has_qjl else 1, m_qjl), dtype=np.float32),
                np.empty((rows, CPU_TILE if has_qjl else 1), dtype=np.float32), np.empty((rows, d), dtype=np.float32),
-               np.empty((2, rows), dtype=np.float32))
+               np.empty((2, rows), dtype=np.float32), np.empty((rows + 1 if rotate_q else 1, d), dtype=np.float32))
         kt, sc, stq, corr, acc = borrowed(own[0]), borrowed(own[1]), borrowed(own[2]), borrowed(own[3]), \
             borrowed(own[4])
         m, l = borrowed(own[5][0]), borrowed(own[5][1])
+        qrot = borrowed(own[6])
         for item in range(chunk, n_items, n_chunks):
             g = item // n_parts
             p = item - g * n_parts
@@ -230,6 +234,9 @@ def _partition_cpu(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, ex
                 for j in range(d):
                     acc[r, j] = float32(0.0)
             qsrc = qr[g] if compressed else q[g]
+            if rotate_q and p < n_rot:  # (row `rows` of qrot: the rotation's scratch)
+                rotate_rows_cpu(q[g], rows, d, head_rot, hsigns, msigns, qrot[rows], qrot)
+                qsrc = qrot[:rows]
             for t0 in range(t_lo, t_hi, CPU_TILE):
                 nt = min(CPU_TILE, t_hi - t0)
                 kv_tile_cpu(kc, ks, ke, kes, exact_kind, compressed, k_uniform, kcent, kbits, koff, sshift,
@@ -266,7 +273,7 @@ def _partition_block_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
                           kcent, vcent, kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias, has_bias,
                           has_qjl, sq, qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size, n_comp_parts,
                           kv_indptr, kv_indices, kv_last_page_len, page_size, n_kv_heads, part_m, part_l, part_acc,
-                          merge_last, n_rot, msigns, head_rot, hsigns, out, counter):
+                          merge_last, n_rot, msigns, head_rot, hsigns, out, counter, rotate_q):
     """Cooperative flash-decoding partition kernel.
 
     Launch contract: grid ``(n_g, n_parts, n_chunks)``, any block size (128 on a GPU).
@@ -280,7 +287,10 @@ def _partition_block_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
     accumulators (one ``(row, column)`` per thread).  Reductions stay inside one thread: no
     warp shuffles.  With ``merge_last`` the last block of each ``(g, c)`` to finish merges
     its rows into ``out`` (:func:`~numba_kv.ops.attention.merge.merge_if_last`: ``counter``
-    zero at launch, left zero).
+    zero at launch, left zero).  With ``rotate_q`` the block rotates its raw query rows ``q``
+    itself when its partition is in the rotated domain (``p < n_rot``: the compressed ones, the
+    exact ones too where ``n_rot`` counts them; :func:`~numba_kv.ops.attention.qrot.coop_rotate_rows`)
+    and ``qr`` is not read (any array of ``q``'s shape, ``q`` itself).
     """
     qs = cuda.shared.array(SMEM_ROWS, dtype=float32)
     acc = cuda.shared.array(SMEM_ROWS, dtype=float32)
@@ -308,9 +318,11 @@ def _partition_block_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
     nt_max = tile_tokens_dev(d)
     compressed, t_lo, t_hi, pos_q, first, h = row_bounds_dev(g, p, n_comp_parts, part_size, n_comp, n_exact, q_pos0,
                                                             q_len, kv_indptr, kv_last_page_len, page_size, n_kv_heads)
-    coop_load_rows_dev(qs, qr if compressed else q, g, r0, rb, d, tid, nth)
+    coop_load_rows_dev(qs, q if rotate_q else qr if compressed else q, g, r0, rb, d, tid, nth)
     coop_init_rows_dev(acc, m, lsum, rb, d, tid, nth)
     cuda.syncthreads()
+    if rotate_q and p < n_rot:  # block-uniform: the partition's tokens are in the rotated domain
+        coop_rotate_rows(qs, 0, rb, d, head_rot, hsigns, msigns, tid, nth)
     for t0 in range(t_lo, t_hi, nt_max):
         nt = min(nt_max, t_hi - t0)
         coop_tile_dev(kc, ks, ke, kes, exact_kind, kv_indices, first, page_size, g, h, t0, nt, nb, compressed, kcent,
@@ -348,7 +360,7 @@ def _partition_warp_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exa
                          kcent, vcent, kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias, has_bias,
                          has_qjl, sq, qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size, n_comp_parts, kv_indptr,
                          kv_indices, kv_last_page_len, page_size, n_kv_heads, part_m, part_l, part_acc,
-                         merge_last, n_rot, msigns, head_rot, hsigns, out, counter):
+                         merge_last, n_rot, msigns, head_rot, hsigns, out, counter, rotate_q):
     """Warp-per-partition flash-decoding kernel (no logit bias, no QJL correction).
 
     Launch contract: grid ``(n_g, ceil(n_parts / warps per block), n_chunks)`` with whole
@@ -361,7 +373,9 @@ def _partition_warp_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exa
     accumulates ``p·v`` for its 4 coordinates over the tile (layouts in
     :mod:`numba_kv.ops.attention.warp`).  ``has_bias`` and ``has_qjl`` must be false (the
     host launches the block kernel for those).  With ``merge_last`` the last block of each
-    ``(g, c)`` to finish merges its rows into ``out`` (as the block kernel).
+    ``(g, c)`` to finish merges its rows into ``out`` (as the block kernel).  With ``rotate_q``
+    the block stages its query rows rotated from ``q`` itself (:func:`stage_queries`; ``qr``
+    is not read).
     """
     xbuf = cuda.shared.array(XBUF, dtype=float32)  # the simulator's exchanges only
     qs = cuda.shared.array(WARP_QS, dtype=float32)
@@ -379,7 +393,7 @@ def _partition_warp_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exa
                                                             page_size, n_kv_heads)
     if not active or t_hi < t_lo:
         t_hi = t_lo
-    stage_queries(qs, qr, q, g, r0, rows, d, tid)
+    stage_queries(qs, qr, q, g, r0, rows, d, tid, rotate_q, n_rot > n_comp_parts, head_rot, hsigns, msigns)
     st = cuda.local.array(WARP_STATE, dtype=float32)  # per row: m, l, alpha
     acc = cuda.local.array(WARP_VALUES, dtype=float32)
     sc = cuda.local.array(WARP_ROWS, dtype=float32)
@@ -440,7 +454,7 @@ def _partition_mma_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exac
                         kcent, vcent, kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias, has_bias,
                         has_qjl, sq, qsig, qnorm, qjl_const, q_pos0, q_len, causal, part_size, n_comp_parts, kv_indptr,
                         kv_indices, kv_last_page_len, page_size, n_kv_heads, part_m, part_l, part_acc,
-                        merge_last, n_rot, msigns, head_rot, hsigns, out, counter):
+                        merge_last, n_rot, msigns, head_rot, hsigns, out, counter, rotate_q):
     """Tensor-core flash-decoding kernel: the warp kernel's grid and partitions, its compressed
     partitions on ``mma.sync`` (:mod:`numba_kv.ops.attention.mma`).
 
@@ -454,7 +468,8 @@ def _partition_mma_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exac
     ``g``, head 0; :func:`~numba_kv.ops.attention.mma.token_address`).  A flat cache's exact
     partitions (sinks, window) run the warp kernel's tiles; a pool is all codes.  The block
     builds the two pair tables in shared memory once.  With ``merge_last`` the last block of
-    each ``(g, c)`` to finish merges its rows into ``out`` (as the block kernel).
+    each ``(g, c)`` to finish merges its rows into ``out`` (as the block kernel); with
+    ``rotate_q`` it rotates its query rows itself (as the warp kernel).
     """
     xbuf = cuda.shared.array(XBUF, dtype=float32)  # the simulator's exchanges only
     qs = cuda.shared.array(WARP_QS, dtype=float32)
@@ -472,7 +487,8 @@ def _partition_mma_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exac
     if not active or t_hi < t_lo:
         t_hi = t_lo
     kb, vb, kf, vf = build_tables(tab, kcent, vcent, kbits, vbits, tid, cuda.blockDim.x)
-    stage_queries(qs, qr, q, g, r0, rows, d, tid)  # (ends with the block barrier)
+    # (ends with the block barrier)
+    stage_queries(qs, qr, q, g, r0, rows, d, tid, rotate_q, n_rot > n_comp_parts, head_rot, hsigns, msigns)
     if PAGED or compressed:
         # (an empty partition past a sequence's end stores m = -inf like the other kernels)
         mma_partition(kb, vb, kc, ks, vc, vs, g, h, PAGED, kv_indices, first, page_size, t_lo, t_hi,
@@ -508,7 +524,7 @@ def _signature(codes: str, exact: str, exact_scales: str, ndim: int) -> str:
             "float32[:, :, ::1], boolean, boolean, float32[:, :, ::1], uint8[:, :, ::1], uint16[:, ::1], float32, "
             "int64, int64, boolean, int64, int64, int32[::1], int32[::1], int32[::1], int64, int64, "
             "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1], boolean, int64, float32[::1], boolean, "
-            "float32[::1], float32[:, :, ::1], int32[::1])")
+            "float32[::1], float32[:, :, ::1], int32[::1], boolean)")
 
 
 # flat: exact tokens as float32 (the decode_attention op, float32 windows) and as int8 (the

@@ -228,16 +228,19 @@ def paged_attention_rows(q: Any, page_table: Sequence[Any], arrays: tuple, klayo
     g, rows = n_seq * n_kv_heads, (hq // n_kv_heads) * ql
     q3 = _backend.ascontiguous_f32("q", q).reshape(g, rows, d)
     compressed = klayout is not None
-    if not compressed:
+    plan = attention_plan(q3, paged=True, n_g=g, rows=rows, d=d, klayout=klayout, vlayout=vlayout,
+                          v_width=int(arrays[2].shape[3]) if compressed else 0)
+    # on a GPU the partition kernel rotates the queries of a compressed pool in its prologue
+    # (issue 27: no rotation launch, no rotated copy) unless the rotation is checked
+    rotate_q = compressed and not check_values and plan.rotate_q
+    if not compressed or rotate_q:
         qr = q3
     elif check_values:
         qr = rotate32(q3)  # checks that the rotation stays finite (a host read on the device)
     else:  # the caller vouched for q: no read back
         qr = rotate32_rows(q3.reshape(g * rows, d)).reshape(g, rows, d)
-    plan = attention_plan(q3, paged=True, n_g=g, rows=rows, d=d, klayout=klayout, vlayout=vlayout,
-                          v_width=int(arrays[2].shape[3]) if compressed else 0)
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     lens = [int(n) for n in seq_lens]
     out = plan.run_paged(qr, q3, arrays, tuple(page_table), page_size, n_kv_heads, max(lens), sum(lens), n_seq,
-                         scale, ql, causal, partition_size)
+                         scale, ql, causal, partition_size, rotate_q)
     return out.reshape(n_seq, hq, ql, d)

@@ -167,6 +167,9 @@ class AttentionPlan:
         be viewed as 32-bit words).
     threads : int
         CUDA threads per block (0 on the CPU).
+    rotate_q : bool
+        The partition kernel rotates the queries in its prologue where a step asks for it
+        (CUDA, the ``cuda_fused_query_rotation`` knob): no rotation launch.
     """
 
     def __init__(self, like: Any, *, paged: bool, n_g: int, rows: int, d: int, klayout: CodeLayout | None,
@@ -190,6 +193,9 @@ class AttentionPlan:
         #: the partition kernel's last block merges (CUDA, the ``cuda_merge_last_block`` knob):
         #: no MERGE_PARTITIONS launch
         self.merge_last = dev == _backend.CUDA and bool(_config.get("cuda_merge_last_block"))
+        #: the partition kernel rotates the raw queries in its prologue (CUDA, the
+        #: ``cuda_fused_query_rotation`` knob): no rotation launch, no rotated copy
+        self.rotate_q = dev == _backend.CUDA and bool(_config.get("cuda_fused_query_rotation"))
         c = self._const = lambda a: _backend.constant(like, a)  # noqa: E731
         if compressed:
             self.layout_args = (c(klayout.centroids), c(vlayout.centroids), c(klayout.bits), c(klayout.offsets),
@@ -253,14 +259,14 @@ class AttentionPlan:
         return counter
 
     def _run(self, like: Any, kernel: Any, args: tuple, n_parts: int, n_rot: int, head_signs: Any, parts: tuple,
-             work: int) -> Any:
+             work: int, rotate_q: bool = False) -> Any:
         """Launch the partition kernel, then (unless its last block merges) the merge; returns
-        ``out`` ``[n_g, rows, d]``."""
+        ``out`` ``[n_g, rows, d]``.  ``rotate_q``: the kernel rotates the raw queries itself."""
         out = _backend.empty(like, (self.n_g, self.rows, self.d), np.float32)
         head_rot = head_signs is not None
         merge = (int(n_rot), self.signs, head_rot, head_signs if head_rot else self.signs, out)
         kernel.launch(self.device, self.n_g * n_parts, *args, self.merge_last, *merge, self.merge_counter(like),
-                      work=work, grid=self.grid(kernel, n_parts))
+                      bool(rotate_q), work=work, grid=self.grid(kernel, n_parts))
         if not self.merge_last:
             mgrid = ((self.n_g, self.rows), self.threads) if self.device == _backend.CUDA else None
             MERGE_PARTITIONS.launch(self.device, self.n_g * self.rows, *parts, *merge,
@@ -296,10 +302,13 @@ class AttentionPlan:
 
     def run_paged(self, qr: Any, q3: Any, pools: tuple, page_table: tuple, page_size: int, n_kv_heads: int,
                   max_len: int, total_len: int, n_seq: int, softmax_scale: float, q_len: int, causal: bool,
-                  part_size: int | None = None) -> Any:
+                  part_size: int | None = None, rotate_q: bool = False) -> Any:
         """One step over paged pools ``(kc, ks, vc, vs, kp, vp)`` (placeholders for the kind
         not used) read through ``page_table`` ``(kv_indptr, kv_indices, kv_last_page_len)``;
-        ``max_len``/``total_len``: the longest sequence's and all sequences' tokens."""
+        ``max_len``/``total_len``: the longest sequence's and all sequences' tokens.
+        ``rotate_q``: ask the partition kernel to rotate the queries of compressed pools per
+        32-block in its prologue (no rotation launch; :attr:`rotate_q` says whether it does,
+        and then ``qr`` may be ``q3`` itself)."""
         kernel = self.kernel
         if self.variant == "mma":
             words = mma_operands(*pools[:4], flat=False)
@@ -320,7 +329,8 @@ class AttentionPlan:
                 False, sq, qsig, qnorm, qconst, 0, int(q_len), bool(causal), int(part_size),
                 n_parts if self.compressed else 0, *page_table, int(page_size), int(n_kv_heads), *parts)
         work = self.n_g * self.rows * self.d * total_len // max(n_seq, 1)
-        return self._run(q3, kernel, args, n_parts, n_parts if self.compressed else 0, None, parts, work)
+        return self._run(q3, kernel, args, n_parts, n_parts if self.compressed else 0, None, parts, work,
+                         rotate_q and self.rotate_q and self.compressed)
 
     def _exact_args(self, ke: Any, ve: Any, exact_scales: tuple | None) -> tuple:
         """``(ke, ve, kes, ves, exact_kind)`` of the fused kernel for exact tokens stored as
@@ -439,6 +449,12 @@ class FlatStep:
             ``cpu_parallel_min_work`` knob's work on) in parallel
             (:func:`~numba_kv.ops.attention.step_cpu.flat_step_serial` /
             :func:`~numba_kv.ops.attention.step_cpu.flat_step_parallel`), with the same bits.
+            On a GPU the partition kernel rotates the queries itself in its prologue (no
+            rotation launch, ``qr`` not written; the plan's :attr:`~AttentionPlan.rotate_q`,
+            the ``cuda_fused_query_rotation`` knob) when ``kind`` is the bound rotation
+            (``ROTATE_HEAD`` with ``head_signs``, ``ROTATE_BLOCK`` without); ``signs`` must
+            then be those the merge rotates back with (the bound ``head_signs``, or
+            ``SIGNS32``), which the kernel reads instead.
         """
         plan = self.plan
         n_comp, n_exact = int(n_comp), int(n_exact)
@@ -480,7 +496,10 @@ class FlatStep:
                 *exact, scale32, *extra, int(q_pos0), int(q_len), bool(causal), part_size, n_cp, *plan.no_pages,
                 *parts, n_rot, *self._merge_static, out)
             return out
-        if rotate is not None:
+        rotate_q = rotate is not None and plan.rotate_q and (rotate[0] == ROTATE_HEAD) == self._merge_static[1]
+        if rotate_q:  # the kernel's prologue rotates the raw queries (issue 27: no rotation launch)
+            qr = q = rotate[1].reshape(self._out_shape)
+        elif rotate is not None:
             _rotate_into(*rotate, qr.reshape(n_g * rows, d))
         out = np.empty(self._out_shape, np.float32) if self._host else _backend.empty(qr, self._out_shape, np.float32)
         # the merge rotates partitions [0, n_rot) back: the compressed ones, and the exact ones
@@ -489,7 +508,7 @@ class FlatStep:
         merge = (n_rot, *self._merge_static, out)
         kernel.launch(dev, n_g * n_parts, qr, q, *codes, n_comp, *comp, n_exact, *exact, scale32, *extra, int(q_pos0),
                       int(q_len), bool(causal), part_size, n_cp, *plan.no_pages, *parts, plan.merge_last, *merge,
-                      plan.merge_counter(qr), work=work, grid=plan.grid(kernel, n_parts))
+                      plan.merge_counter(qr), rotate_q, work=work, grid=plan.grid(kernel, n_parts))
         if not plan.merge_last:
             MERGE_PARTITIONS.launch(dev, n_g * rows, *parts, *merge, work=n_g * rows * d * n_parts,
                                     grid=((n_g, rows), plan.threads) if dev == _backend.CUDA else None)
@@ -538,7 +557,7 @@ def attention_plan(like: Any, *, paged: bool, n_g: int, rows: int, d: int, klayo
         _backend.device_of("q", like)
         env = (id(_backend.constant(like, F16_ABS_TABLE)), _backend.simulator_enabled(), cuda_block_threads(),
                _config.get("cuda_warp_attention"), _config.get("cuda_mma_attention"),
-               _config.get("cuda_merge_last_block"))
+               _config.get("cuda_merge_last_block"), _config.get("cuda_fused_query_rotation"))
     key = (env, paged, n_g, rows, d, klayout, vlayout, v_width, has_bias, has_qjl)
     plan = _PLANS.get(key)
     if plan is None:

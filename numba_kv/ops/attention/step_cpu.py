@@ -58,8 +58,8 @@ def _flat_step(rotate, q_in, rsigns, qr2, qr, q, kc, ks, vc, vs, n_comp, comp_po
                kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias, has_bias, has_qjl, sq, qsig, qnorm,
                qjl_const, q_pos0, q_len, causal, part_size, n_comp_parts, kv_indptr, kv_indices, kv_last_page_len,
                page_size, n_kv_heads, part_m, part_l, part_acc, False, n_rot, msigns, head_rot, hsigns, out,
-               kv_indptr)  # (merge_last false: the CPU twin leaves the merge to the call below; kv_indptr
-    # stands in for the CUDA kernels' merge counter, which it never reads)
+               kv_indptr, False)  # (merge_last false: the CPU twin leaves the merge to the call below; kv_indptr
+    # stands in for the CUDA kernels' merge counter, which it never reads; rotate_q false: qr2 is rotated above)
     _merge_serial(part_m, part_l, part_acc, n_rot, msigns, head_rot, hsigns, out)
 
 

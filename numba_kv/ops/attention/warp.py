@@ -35,6 +35,7 @@ from numba import cuda, float32, int64
 from ... import _backend
 from ..._jit import cuda_device, specialize
 from .cores import NEG_INF, addressing, exact_value_dev
+from .qrot import coop_rotate_rows, warp_stage_rotated
 
 _FLAT = addressing(False)
 
@@ -152,17 +153,40 @@ def warp_geometry(rows, n_parts):
     return g, tid, p, rb, r0, p < n_parts and rb > 0
 
 
-@cuda_device
-def stage_queries(qs, qr, q, g, r0, rows, d, tid):
+def _stage_queries(qs, qr, q, g, r0, rows, d, tid, rotate_q, both, head_rot, hsigns, msigns):
     """The block's query rows ``r0 …`` of KV row ``g`` into shared memory: rotated
     (``qs[0:WARP_ROWS·d]``, for compressed tokens) and raw (``qs[WARP_ROWS·d:]``, for
-    float tokens); rows past ``rows`` repeat the last one (their scores are masked).  Ends
-    with a block barrier."""
+    float tokens); rows past ``rows`` repeat the last one (their scores are masked).  With
+    ``rotate_q`` the rotated half is ``q`` rotated here (whole head with ``hsigns`` if
+    ``head_rot``, else per 32-block with ``msigns``; ``qr`` is not read), and with ``both``
+    the raw half too (exact tokens stored rotated).  Every thread of the block calls it;
+    ends with a block barrier, the only one (on a GPU a warp rotates a row with shuffles,
+    :func:`~numba_kv.ops.attention.qrot.warp_stage_rotated`)."""
+    n_rot = (2 if both else 1) * WARP_ROWS if rotate_q else 0
+    for u in range(n_rot * d + tid, 2 * WARP_ROWS * d, cuda.blockDim.x):
+        half = u // (WARP_ROWS * d)
+        r = (u - half * WARP_ROWS * d) // d
+        qs[u] = (q if half or rotate_q else qr)[g, min(r0 + r, rows - 1), u % d]
+    if n_rot:
+        warp_stage_rotated(qs, q, g, r0, rows, d, 0, n_rot, WARP_ROWS, head_rot, hsigns, msigns, tid)
+    cuda.syncthreads()
+
+
+def _stage_queries_sim(qs, qr, q, g, r0, rows, d, tid, rotate_q, both, head_rot, hsigns, msigns):
+    # the simulator build (no warp shuffles): every row staged raw, then rotated by the whole
+    # block in shared memory (the same values as the GPU build's shuffles)
+    n_rot = (2 if both else 1) * WARP_ROWS if rotate_q else 0
     for u in range(tid, 2 * WARP_ROWS * d, cuda.blockDim.x):
         half = u // (WARP_ROWS * d)
         r = (u - half * WARP_ROWS * d) // d
-        qs[u] = (q if half else qr)[g, min(r0 + r, rows - 1), u % d]
+        qs[u] = (q if half or rotate_q else qr)[g, min(r0 + r, rows - 1), u % d]
     cuda.syncthreads()
+    if n_rot:
+        coop_rotate_rows(qs, 0, n_rot, d, head_rot, hsigns, msigns, tid, cuda.blockDim.x)
+
+
+#: see :func:`_stage_queries` (the simulator build: :func:`_stage_queries_sim`)
+stage_queries = cuda_device(_stage_queries_sim if SIMULATED else _stage_queries)
 
 
 # --- state --------------------------------------------------------------------------------
