@@ -155,6 +155,18 @@ def spy_launches(monkeypatch, *targets):
     return launched
 
 
+def runner_params(runners):
+    """``pytest.param`` per distinct runner of a ``RUNNERS`` dict (twin name -> runner): twins
+    that share one runner (a kernel pair tested together, or a kernel checked through another's
+    op) run it once, under an id naming them all.  Each runner gets the same seeded generator
+    from the test, so a second run of it would repeat the same launches on the same data: no
+    check is lost, the twin coverage (``test_every_twin_has_a_runner``) still reads the dict."""
+    by_runner: dict = {}
+    for name in sorted(runners):
+        by_runner.setdefault(runners[name], []).append(name)
+    return [pytest.param(fn, id="+".join(names)) for fn, names in by_runner.items()]
+
+
 def to_host(a):
     from numba_kv._backend import to_host as th
 

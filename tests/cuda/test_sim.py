@@ -16,7 +16,7 @@ from numba_kv.ops.codebook import get_codebook
 from numba_kv.ops.hadamard import rotate32
 from numba_kv.ops.memory import copy_prefix, copy_tokens
 
-from ..conftest import to_device
+from ..conftest import runner_params, to_device
 
 
 def _pack(rng):
@@ -181,9 +181,9 @@ def test_every_twin_has_a_runner():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", sorted(RUNNERS))
-def test_cuda_kernel_matches_cpu_twin(name):
-    RUNNERS[name](np.random.default_rng(3))
+@pytest.mark.parametrize("runner", runner_params(RUNNERS))
+def test_cuda_kernel_matches_cpu_twin(runner):
+    runner(np.random.default_rng(3))
 
 
 @pytest.mark.cuda

@@ -15,7 +15,7 @@ from numba_kv._backend import to_host
 from numba_kv.ops import intquant, lowrank, vq
 from numba_kv.ops.gather import gather_rows, scatter_rows
 
-from ..conftest import to_device
+from ..conftest import runner_params, to_device
 
 
 def _grid(n):
@@ -214,9 +214,9 @@ RUNNERS = {
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", sorted(RUNNERS))
-def test_cuda_kernel_matches_cpu_twin(name):
-    RUNNERS[name](np.random.default_rng(11))
+@pytest.mark.parametrize("runner", runner_params(RUNNERS))
+def test_cuda_kernel_matches_cpu_twin(runner):
+    runner(np.random.default_rng(11))
 
 
 # --- end to end on the device ------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from numba_kv.ops.headquant import (
     rotate_head,
 )
 
-from ..conftest import to_device
+from ..conftest import runner_params, to_device
 
 
 def _rotate(rng):
@@ -104,6 +104,6 @@ RUNNERS = {"rotate_head": _rotate, "quantize_head": _quantize, "dequantize_head"
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", sorted(RUNNERS))
-def test_cuda_kernel_matches_cpu_twin(name):
-    RUNNERS[name](np.random.default_rng(7))
+@pytest.mark.parametrize("runner", runner_params(RUNNERS))
+def test_cuda_kernel_matches_cpu_twin(runner):
+    runner(np.random.default_rng(7))

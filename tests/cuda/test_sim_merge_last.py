@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 
 from numba_kv import PagedKVCache, knobs
-from numba_kv._backend import to_host
+from numba_kv._backend import simulator_enabled, to_host
 from numba_kv.ops.attention import decode_attention, kernels, merge, plan
+from numba_kv.ops.attention.mma import MMA_THREADS
+from numba_kv.ops.attention.plan import cuda_block_threads
 from numba_kv.ops.blockquant import quantize_blocks
 
 from ..conftest import spy_launches, to_device
@@ -27,10 +29,26 @@ TOL = dict(rtol=2e-5, atol=2e-6)
 MMA_RTOL = 4e-3
 
 #: variant -> (the twin that must run, head_dim, GQA group, q_len, knobs): more query rows
-#: than one block holds (two row chunks: 40 rows of the block kernel at d = 64, 8 of the warp ones)
-VARIANTS = {"block": ("DECODE_ATTENTION", 64, 8, 5, {"cuda_warp_attention": 0}),
+#: than one block holds (two row chunks: 33 rows of the block kernel at d = 64, 32 + 1; 8 of the
+#: warp ones, 4 + 4).  The block kernel's last block merges its chunk's rows one after another
+#: (with their barriers), so each row above the 32 of the first chunk is simulator time: one
+#: is enough for a second chunk (and a second counter slot per KV row).
+VARIANTS = {"block": ("DECODE_ATTENTION", 64, 3, 11, {"cuda_warp_attention": 0}),
             "warp": ("DECODE_ATTENTION_WARP", 64, 4, 2, {}),
             "mma": ("DECODE_ATTENTION_MMA", 128, 4, 2, {})}
+
+
+def _n_steps(variant: str) -> int:
+    """Steps of :func:`_steps` a variant decodes: all three, but under the simulator only the
+    first for the tensor-core kernel (its simulated warp products make each of its blocks
+    several times a warp kernel's; it was the costliest test of the simulator stage).  What
+    the later steps add is the reuse of the counters after a launch (falling, then rising
+    block counts): ``merge_if_last``'s counting, the same device function for every kernel,
+    run over all three steps by the block and warp kernels and the paged test here.  The
+    first step still checks the tensor-core kernel's own part: its merge rows bit-equal to
+    the merge launch, two row chunks, several blocks each, its counters left at zero.  On a
+    GPU (``make test-gpu``) it decodes all three."""
+    return 1 if variant == "mma" and simulator_enabled() else 3
 
 
 def _counters_are_zero() -> bool:
@@ -43,21 +61,40 @@ def _rel(a, b):
     return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(np.asarray(b, np.float64)))
 
 
-def _steps(rng, d, G, ql, merged):
-    """Three decode attentions of 2 KV heads, GQA ``G`` × causal ``q_len``, lengths 37, 27, 45
-    in partitions of 8 tokens (4-6 compressed ones) and 13 exact tokens (2 exact ones);
-    yields (CPU twin, last-block merge, separate merge).
-    ``merged``: the spied merge launches (none may come with the last-block merge)."""
+def _partitions_per_block(variant: str) -> int:
+    """Partitions one block of the variant's kernel holds (``AttentionPlan.grid``): one for the
+    block kernel, one per warp for the warp and tensor-core ones (one warp per block under the
+    simulator, ``cuda_threads`` / 32 and ``MMA_THREADS`` / 32 on a GPU)."""
+    if variant == "block":
+        return 1
+    threads = MMA_THREADS if variant == "mma" else cuda_block_threads()
+    return 1 if simulator_enabled() else threads // 32
+
+
+def _steps(rng, d, G, ql, merged, per_block=1, n_steps=3):
+    """Three decode attentions of 2 KV heads, GQA ``G`` × causal ``q_len``, lengths 13, 5, 21
+    in partitions of 8 tokens (2, 1, 3 compressed ones, the last one ragged) and 9 exact tokens
+    (2 exact ones, 8 + 1); yields (CPU twin, last-block merge, separate merge).
+    ``merged``: the spied merge launches (none may come with the last-block merge).
+
+    Under the simulator (one partition per block): 4, 3, then 5 blocks of partitions per row
+    chunk, so every step takes the counted merge (not the single-block one), and the count
+    first falls, then rises: a counter left non-zero makes the next step merge never, then
+    early.  ``per_block`` partitions to a block (a warp kernel on a GPU) add ``per_block − 1``
+    compressed partitions to each step, so a chunk still has at least two blocks (at 4:
+    37, 29, 45 tokens, 7, 6, 8 partitions).  (It was 37, 27, 45 compressed and 13 exact tokens
+    everywhere: under the simulator 7, 6, 8 blocks per chunk, the same paths at 1.75 times the
+    blocks; every simulated thread is an OS thread.)"""
     b, hkv = 1, 2
-    for T in (37, 27, 45):
+    for T in (13 + 8 * (per_block - 1), 5 + 8 * (per_block - 1), 21 + 8 * (per_block - 1))[:n_steps]:
         k = rng.standard_normal((b, hkv, T, d)).astype(np.float32)
         v = rng.standard_normal((b, hkv, T, d)).astype(np.float32)
         kc, ks = quantize_blocks(k, 3)
         vc, vs = quantize_blocks(v, 3)
         q = rng.standard_normal((b, hkv * G, ql, d)).astype(np.float32)
         kw = dict(k_bits=3, v_bits=3, partition_size=8,
-                  k_exact=rng.standard_normal((b, hkv, 13, d)).astype(np.float32),
-                  v_exact=rng.standard_normal((b, hkv, 13, d)).astype(np.float32))
+                  k_exact=rng.standard_normal((b, hkv, 9, d)).astype(np.float32),
+                  v_exact=rng.standard_normal((b, hkv, 9, d)).astype(np.float32))
         dkw = {n: (to_device(a) if isinstance(a, np.ndarray) else a) for n, a in kw.items()}
         dev = tuple(to_device(a) for a in (q, kc, ks, vc, vs))
         before = len(merged)
@@ -77,35 +114,45 @@ def test_last_block_merge_matches_the_merge_launch_and_cpu_twin(variant, monkeyp
     ran = spy_launches(monkeypatch, (kernels, twin))
     merged = spy_launches(monkeypatch, (merge, "MERGE_PARTITIONS"))
     with knobs(**opts):
-        for cpu, fused, separate in _steps(np.random.default_rng(31), d, G, ql, merged):
+        for cpu, fused, separate in _steps(np.random.default_rng(31), d, G, ql, merged, _partitions_per_block(variant),
+                                           _n_steps(variant)):
             assert np.array_equal(fused, separate), "the last block's merge is not the merge kernel's"
             if variant == "mma":
                 assert _rel(fused, cpu) < MMA_RTOL
             else:
                 np.testing.assert_allclose(fused, cpu, **TOL)
     grids = [g for g in ran if g is not None]  # (the CPU twin's launches have none)
-    assert len(grids) == 6, f"the {variant} kernel did not run every step"
+    assert len(grids) == 2 * _n_steps(variant), f"the {variant} kernel did not run every step"
     # several blocks of partitions per row chunk, two row chunks
     assert all(g[0][1] > 1 and g[0][2] == 2 for g in grids), grids
 
 
 @pytest.mark.cuda
-def test_paged_last_block_merge_matches_the_merge_launch_and_cpu_twin():
-    """Paged pools (warp kernel, head_dim 64; ragged sequences 5, 23, 41 tokens in pages of
-    8, partitions of 8: sequences of 1 … 6 partitions, the short one's extra partitions
-    empty), decoded three times as the sequences grow."""
+def test_paged_last_block_merge_matches_the_merge_launch_and_cpu_twin(monkeypatch):
+    """Paged pools (warp kernel, head_dim 64; ragged sequences in pages of 8, partitions of 8:
+    3, 11, 19 tokens, then 4, 11, 25, then 4, 17, 26: sequences of 1 … 4 partitions, the short
+    one's extra partitions empty, the longest and then the middle one taking one more),
+    decoded three times as the sequences grow.  Under the simulator (one partition per block)
+    3, 4, 4 blocks per row chunk; on a GPU the longest sequence is longer by a block's
+    partitions less one, so that it still takes two blocks.  One KV head: the three sequences
+    are the KV rows (the counters' slots); two heads of a pool, merged by the last block, are
+    in tests/cuda/test_sim_attention.py (paged_ragged) and the golden values.  (It was two
+    heads and 5, 23, 41 tokens growing to 6, 26, 44, 6 partitions per sequence at every step:
+    three to four times the simulator's blocks and pool rows to move.)"""
+    ran = spy_launches(monkeypatch, (kernels, "PAGED_DECODE_ATTENTION_WARP"))
+    longer = 8 * (_partitions_per_block("warp") - 1)
     rng = np.random.default_rng(33)
     with knobs(cuda_merge_last_block=1):
-        caches = [PagedKVCache(num_pages=24, num_layers=1, num_kv_heads=2, head_dim=64, page_size=8, storage="pqo3")
+        caches = [PagedKVCache(num_pages=24, num_layers=1, num_kv_heads=1, head_dim=64, page_size=8, storage="pqo3")
                   for _ in range(2)]
         seqs = [[c.allocate_sequence() for _ in range(3)] for c in caches]
-        for step, grow in enumerate(((5, 23, 41), (1, 0, 2), (0, 3, 1))):
+        for step, grow in enumerate(((3, 11, 19 + longer), (1, 0, 6), (0, 6, 1))):
             for i, n in enumerate(grow):
                 if n:
-                    k, v = (rng.standard_normal((2, n, 64)).astype(np.float32) for _ in range(2))
+                    k, v = (rng.standard_normal((1, n, 64)).astype(np.float32) for _ in range(2))
                     caches[0].append(0, seqs[0][i], k, v)
                     caches[1].append(0, seqs[1][i], to_device(k), to_device(v))
-            q = rng.standard_normal((3, 8, 1, 64)).astype(np.float32)
+            q = rng.standard_normal((3, 4, 1, 64)).astype(np.float32)
             cpu = caches[0].decode_attention(0, q, partition_size=8)
             fused = to_host(caches[1].decode_attention(0, to_device(q), partition_size=8))
             assert _counters_are_zero(), f"step {step}: a launch left its arrival counter non-zero"
@@ -113,6 +160,8 @@ def test_paged_last_block_merge_matches_the_merge_launch_and_cpu_twin():
                 separate = to_host(caches[1].decode_attention(0, to_device(q), partition_size=8))
             assert np.array_equal(fused, separate)
             np.testing.assert_allclose(fused, cpu, **TOL)
+    grids = [g for g in ran if g is not None]
+    assert len(grids) == 6 and all(g[0][1] > 1 for g in grids), grids  # the counted merge, every step
 
 
 def _merge_kernel(rng):

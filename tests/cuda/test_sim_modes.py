@@ -11,7 +11,7 @@ from numba_kv._backend import to_host
 from numba_kv.caches.spec import make_cache
 from numba_kv.ops.attention import fused_attention_rows
 
-from ..conftest import to_device
+from ..conftest import runner_params, to_device
 
 
 def _fused_modes(rng):
@@ -81,6 +81,6 @@ RUNNERS = {"decode_attention": _all_modes, "merge_partitions": _all_modes}
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", sorted(RUNNERS))
-def test_cuda_kernel_matches_cpu_twin(name):
-    RUNNERS[name](np.random.default_rng(11))
+@pytest.mark.parametrize("runner", runner_params(RUNNERS))
+def test_cuda_kernel_matches_cpu_twin(runner):
+    runner(np.random.default_rng(11))

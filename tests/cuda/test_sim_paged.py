@@ -6,7 +6,7 @@ import pytest
 from numba_kv import PagedKVCache
 from numba_kv._backend import simulator_enabled, to_host
 
-from ..conftest import to_device
+from ..conftest import runner_params, to_device
 
 
 def _paged(rng):
@@ -28,9 +28,9 @@ RUNNERS = {"paged_decode_attention": _paged}
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", sorted(RUNNERS))
-def test_cuda_kernel_matches_cpu_twin(name):
-    RUNNERS[name](np.random.default_rng(5))
+@pytest.mark.parametrize("runner", runner_params(RUNNERS))
+def test_cuda_kernel_matches_cpu_twin(runner):
+    runner(np.random.default_rng(5))
 
 
 def _churn_machine():

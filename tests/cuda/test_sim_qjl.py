@@ -6,7 +6,7 @@ import pytest
 from numba_kv._backend import to_host
 from numba_kv.ops.qjl import make_sketch, qjl_inner_product, qjl_quantize, qjl_scores_into, qjl_signs_into
 
-from ..conftest import SIM, to_device
+from ..conftest import SIM, runner_params, to_device
 
 
 def _check_signs(got_s, got_n, want_s, want_n, r2, S):
@@ -68,6 +68,6 @@ RUNNERS = {"qjl_signs": _signs, "qjl_scores": _scores}
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", sorted(RUNNERS))
-def test_cuda_kernel_matches_cpu_twin(name):
-    RUNNERS[name](np.random.default_rng(7))
+@pytest.mark.parametrize("runner", runner_params(RUNNERS))
+def test_cuda_kernel_matches_cpu_twin(runner):
+    runner(np.random.default_rng(7))

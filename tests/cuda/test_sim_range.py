@@ -5,7 +5,7 @@ import pytest
 
 from numba_kv.ops.finite import range_stats
 
-from ..conftest import to_device
+from ..conftest import runner_params, to_device
 
 
 def _range(rng):
@@ -30,6 +30,6 @@ RUNNERS = {"range_stats": _range}
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", sorted(RUNNERS))
-def test_cuda_kernel_matches_cpu_twin(name):
-    RUNNERS[name](np.random.default_rng(5))
+@pytest.mark.parametrize("runner", runner_params(RUNNERS))
+def test_cuda_kernel_matches_cpu_twin(runner):
+    runner(np.random.default_rng(5))

@@ -40,7 +40,7 @@ import pytest
 from numba_kv import AttendConfig, make_cache
 from numba_kv._backend import simulator_enabled, to_host
 
-from ..conftest import to_device
+from ..conftest import runner_params, to_device
 from .test_sim_transfers import count_transfers
 
 #: per steady-state step, at most (the issue's target: launches 3, allocations 0, transfers 0)
@@ -222,6 +222,6 @@ RUNNERS = {"slide_windows": _slide, "slide_windows_f16": _slide}
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", sorted(RUNNERS))
-def test_cuda_kernel_matches_cpu_twin(name):
-    RUNNERS[name](np.random.default_rng(28))
+@pytest.mark.parametrize("runner", runner_params(RUNNERS))
+def test_cuda_kernel_matches_cpu_twin(runner):
+    runner(np.random.default_rng(28))

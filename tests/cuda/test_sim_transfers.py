@@ -20,7 +20,7 @@ import pytest
 from numba_kv import AttendConfig, PolarQuantCache
 from numba_kv._backend import simulator_enabled, to_host
 
-from ..conftest import to_device
+from ..conftest import runner_params, to_device
 
 N_STEPS = 3
 
@@ -210,9 +210,9 @@ RUNNERS = {"exact_positions": _positions, "page_run_rows": _page_rows, "add_at":
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", sorted(RUNNERS))
-def test_cuda_kernel_matches_cpu_twin(name):
-    RUNNERS[name](np.random.default_rng(5))
+@pytest.mark.parametrize("runner", runner_params(RUNNERS))
+def test_cuda_kernel_matches_cpu_twin(runner):
+    runner(np.random.default_rng(5))
 
 
 # -- the paged cache ------------------------------------------------------------------------
