@@ -37,7 +37,34 @@ from numba_kv.toolkit.evaluation.simulate import _masked_block, _masks, _window_
 from numba_kv.toolkit.models.llama import rope_tables
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kv3_transform import Fit, head_quantizer  # noqa: E402
+from kv3_transform import Fit  # noqa: E402
+from kv3_transform import head_quantizer as _scalar_quantizer  # noqa: E402
+
+#: the code every quantizer of this script uses: "head" (the library's scalar head code),
+#: "vq" (``kv3_vq``'s rotated group code: keys in pairs, 2-bit values in quads, else pairs) or
+#: "vqb" (the group code only where a group's index is one byte: 4-bit keys in pairs, 2-bit
+#: values in quads; the scalar head code at other widths)
+CODE = "head"
+#: 8-bit log norms (``kv3_transform.log8``; a float: a fixed log grid of that many octaves per
+#: level, see ``kv3_vq.vq_quantizer``) instead of binary16 ones
+NORM8: bool | float = False
+
+
+def head_quantizer(bits: int, mu: np.ndarray | None) -> Any:
+    """The :data:`CODE` round trip of ``[1, kv_heads, n, d]`` at ``bits`` (``mu``: keys'
+    centers, ``None`` for values)."""
+    import kv3_vq
+    m = 4 if mu is None and bits == 2 else 2
+    if CODE == "head" or (CODE == "vqb" and bits * m != 8):
+        m = 1
+    if m == 1 and not NORM8:
+        return _scalar_quantizer(bits, mu)
+
+    def f(x: np.ndarray) -> np.ndarray:  # the codebook depends on the head size
+        d = x.shape[-1]
+        cb = kv3_vq.product_codebook(bits, 1, d) if m == 1 else kv3_vq.sphere_codebook(bits, m, d)[0]
+        return kv3_vq.vq_quantizer(cb, mu, NORM8)(x)
+    return f
 
 K_WIDTHS = (3, 4, 5)
 V_WIDTHS = (2, 3, 4)
@@ -226,8 +253,17 @@ def main(argv: list[str] | None = None) -> int:
                          "store one width per layer)")
     ap.add_argument("--window-alpha", type=float, nargs="*", default=[],
                     help="also run the allocation with per-layer windows W_l ∝ cost_l**alpha (same exact tokens)")
+    ap.add_argument("--code", choices=("head", "vq", "vqb"), default="head",
+                    help="the code of every quantizer (sensitivities measured here and the evaluated arms; a "
+                         "--sens table is used as loaded): the scalar head code or kv3_vq's group code (see CODE)")
+    ap.add_argument("--norm8", action="store_true", help="8-bit log norms (0.125 bit/value less at d = 64)")
+    ap.add_argument("--norm-step", type=float, default=0.0,
+                    help="with --norm8: a fixed log grid of this many octaves per level (unclamped) instead of "
+                         "each head's own range")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    global CODE, NORM8
+    CODE, NORM8 = a.code, (a.norm_step or True) if a.norm8 else False
     if a.per_head and a.window_alpha:
         ap.error("--window-alpha: per-layer windows need one width pair per layer (not with --per-head)")
     model, tok = models.load_model(a.model)
@@ -280,8 +316,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 logits = simulate_logits(model, ids, a.prefill, k_quant=kq, v_quant=vq, **win)
             m = compare_logits(ref[1:-1], logits[1:-1], ids[a.prefill + 1:])
-            code = float(np.mean([(kb + vb) / 2 for kb, vb in al])) + 16 / c.head_dim
-            row = {"arm": name, "budget": budget, "calib_essays": a.calib_essays, "alloc": al, "code_bits": code,
+            code = float(np.mean([(kb + vb) / 2 for kb, vb in al])) + (8 if a.norm8 else 16) / c.head_dim
+            row = {"arm": name, "code": a.code, "norm8": a.norm8, "norm_step": a.norm_step, "budget": budget,
+                   "calib_essays": a.calib_essays,
+                   "alloc": al, "code_bits": code,
                    "predicted_kl": cost_of(sens, al),
                    "ppl_change_pct": m["ppl_change_pct"], "ppl_change_se": m["ppl_change_pct_se"],
                    "top1": m["top1_agreement"], "kl_mean": m["kl_mean"], "tokens": a.tokens, "prefill": a.prefill,

@@ -122,3 +122,29 @@ def test_per_head_script_on_the_tiny_model(kl, tiny_gguf, tmp_path):
     assert set(rows) == {"heads", "uniform k4v2", "uniform k3v3"} and len(rows["heads"]["alloc"]) == 4
     with pytest.raises(SystemExit):
         kl.main(["--model", str(path), "--per-head", "--window-alpha", "1"])
+
+
+def test_code_option_picks_the_group_code_where_a_group_is_one_byte(kl, tiny_gguf, tmp_path, monkeypatch):
+    import kv3_vq
+    monkeypatch.setattr(kv3_vq, "SPHERE_VECTORS", 2_000)
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((1, 2, 30, 32)).astype(np.float32)
+    mu = rng.standard_normal((2, 32)).astype(np.float32)
+    monkeypatch.setattr(kl, "CODE", "vqb")
+    vq4k = kv3_vq.vq_quantizer(kv3_vq.sphere_codebook(4, 2, 32)[0], mu)(x)
+    vq2v = kv3_vq.vq_quantizer(kv3_vq.sphere_codebook(2, 4, 32)[0], None)(x)
+    assert np.array_equal(kl.head_quantizer(4, mu)(x), vq4k)  # 4-bit keys: pairs, one byte each
+    assert np.array_equal(kl.head_quantizer(2, None)(x), vq2v)  # 2-bit values: quads
+    assert np.array_equal(kl.head_quantizer(3, mu)(x), kl._scalar_quantizer(3, mu)(x))  # 6-bit pairs: scalar
+    monkeypatch.setattr(kl, "CODE", "vq")
+    assert not np.array_equal(kl.head_quantizer(3, mu)(x), kl._scalar_quantizer(3, mu)(x))
+    path, _ = tiny_gguf
+    out = tmp_path / "rows.jsonl"
+    assert kl.main(["--model", str(path), "--tokens", "96", "--prefill", "32", "--window", "4", "--per-head",
+                    "--budget", "3.0", "--k-widths", "3,4", "--v-widths", "2,3", "--code", "vqb", "--norm8",
+                    "--json", str(out)]) == 0
+    rows = {r["arm"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert rows["uniform k4v2"]["code"] == "vqb" and rows["uniform k4v2"]["norm8"]
+    assert rows["uniform k4v2"]["code_bits"] == pytest.approx(3.0 + 8 / 32)  # an 8-bit norm at d = 32
+    monkeypatch.setattr(kl, "CODE", "head")
+    monkeypatch.setattr(kl, "NORM8", False)
