@@ -476,13 +476,17 @@ class MixedCache:
     def crop_range(self) -> tuple[int, int | None]:
         """``(floor, limit)`` of the lengths :meth:`crop` accepts besides 0, over every part
         (see :meth:`LayeredCache.crop_range`)."""
-        floor, limit = 0, None
         with self._split_locks():
-            for p in self.parts:
-                f, lim = p.crop_range()
-                floor = max(floor, f)
-                if lim is not None:
-                    limit = lim if limit is None else min(limit, lim)
+            return self._crop_range()
+
+    def _crop_range(self) -> tuple[int, int | None]:
+        """:meth:`crop_range`; the caller holds the split layers' locks."""
+        floor, limit = 0, None
+        for p in self.parts:
+            f, lim = p.crop_range()
+            floor = max(floor, f)
+            if lim is not None:
+                limit = lim if limit is None else min(limit, lim)
         return floor, limit
 
     def crop(self, length: int) -> None:
@@ -490,7 +494,7 @@ class MixedCache:
         the range is checked on every part before any part changes."""
         length = check_int("length", length, minimum=0)
         with self._split_locks():
-            check_crop_length(length, *self.crop_range())
+            check_crop_length(length, *self._crop_range())
             for p in self.parts:
                 p.crop(length)
 
