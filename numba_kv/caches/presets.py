@@ -163,7 +163,7 @@ class _Geometry:
         self.parts: list[PolarQuantConfig] = []
         # every KV head's configuration of the layers the preset splits (head_overrides)
         self.heads: dict[int, list[PolarQuantConfig]] = {}
-        own_heads = merge_head_overrides(preset.head_overrides, None, num_layers, num_kv_heads)
+        own_heads = merge_head_overrides(preset.head_overrides, None, num_layers, num_kv_heads) or {}
         for layer in range(num_layers):
             own = self.own.get(layer, {})
             key = repr(sorted(own.items()))

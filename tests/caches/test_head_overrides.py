@@ -268,7 +268,8 @@ def test_lifecycle_and_save_load(rng, tmp_path):
     assert loaded.layer_map == cache.layer_map and loaded.memory_usage() == cache.memory_usage()
     with pytest.raises(CacheFileError, match="configuration mismatch"):
         load_cache(path, expect=make_cache("tq3", num_layers=3, **GEOM, residual_length=0,
-                                           layer_overrides={1: {"sliding_window": 5}}, head_overrides={0: {2: {"bits": 4}}}))
+                                           layer_overrides={1: {"sliding_window": 5}},
+                                           head_overrides={0: {2: {"bits": 4}}}))
     _assert_outs(_decode_all(loaded, 4), _decode_all(cache, 4))
     fork = cache.fork()
     # select_batch: row 1 alone answers what row 1 of the full batch answers
@@ -409,3 +410,31 @@ def test_threads_on_one_split_layer_keep_its_pieces_in_step(rng):
         t.join()
     assert not errors, errors
     assert [p.seq_len(j) for p, j, _ in cache.layer_pieces(0)] == [12, 12]
+
+
+# -- presets ----------------------------------------------------------------------------------------
+def test_a_preset_carries_head_overrides(rng, monkeypatch):
+    """A preset's head_overrides split its layers, count in its budget head by head, and merge
+    with the caller's (the caller's options of a head win)."""
+    from numba_kv.caches.presets import BUDGET_TOKENS, PRESETS, Preset, preset_bytes
+
+    preset = Preset("kvtest", "pqo-k4v3-head-eden", {"key_center": True, "window_dtype": "int8"}, 4.0,
+                    head_overrides={-1: {0: {"v_bits": 4}}})
+    monkeypatch.setitem(PRESETS, "kvtest", preset)
+    geo = {"num_layers": 3, "num_kv_heads": 2, "head_dim": D}
+    cache = make_cache("kvtest", **geo)
+    assert len(cache.layer_map[0]) == 1 and len(cache.layer_map[2]) == 2
+    assert {heads: p.v_bits for p, _, heads in cache.layer_pieces(2)} == {(0,): 4, (1,): 3}
+    r = cache.layer_pieces(0)[0][0].residual_length
+    k = rng.standard_normal((1, 2, BUDGET_TOKENS, D)).astype(np.float32)
+    for layer in range(3):
+        cache.prefill(layer, k, k)
+    assert cache.memory_usage() == preset_bytes("kvtest", **geo, residual_length=r)
+    assert cache.memory_usage() * 8 <= 4.0 * 2 * 3 * 2 * D * BUDGET_TOKENS
+    # the wider head costs window tokens: without it the same budget buys a longer window
+    monkeypatch.setitem(PRESETS, "kvtest", Preset("kvtest", preset.base, preset.options, 4.0))
+    assert make_cache("kvtest", **geo).residual_length > r
+    monkeypatch.setitem(PRESETS, "kvtest", preset)
+    mine = make_cache("kvtest", **geo, head_overrides={2: {0: {"k_bits": 3}}, 0: {1: {"bits": 2}}})
+    assert {heads: (p.k_bits, p.v_bits) for p, _, heads in mine.layer_pieces(2)} == {(0,): (3, 4), (1,): (4, 3)}
+    assert {heads: (p.k_bits, p.v_bits) for p, _, heads in mine.layer_pieces(0)} == {(0,): (4, 3), (1,): (2, 2)}
