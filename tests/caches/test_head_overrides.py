@@ -68,6 +68,10 @@ CASES = [
      [["pqo-k4v2-head-eden", "pqo-k4v3-head-eden", "pqo-k4v2-head-eden"]] + [["pqo-k4v3-head-eden"] * 3]),
     ("tq3", {"decode_output": "dequantized", "residual_length": 4, "sink_tokens": 1}, {}, {1: {1: {"bits": 4}}},
      [["tq3"] * 3, ["tq3", "tq4", "tq3"]]),
+    # other per-vector code options: a channel split's widths, the norm mode
+    ("pqo3.5", {"residual_length": 2}, {}, {0: {1: {"bits": 2}}, 1: {0: {"bits": 2}, 2: {"bits": 2}}},
+     [["pqo3.5", "pqo2.5", "pqo3.5"], ["pqo2.5", "pqo3.5", "pqo2.5"]]),
+    ("pqo3", {}, {}, {1: {2: {"norm_mode": "l2"}}}, [["pqo3"] * 3, ["pqo3", "pqo3", "pqo3-l2"]]),
 ]
 
 
