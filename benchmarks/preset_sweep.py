@@ -9,7 +9,8 @@ without the greedy check.  Usage::
         --model smollm2 --out benchmarks/results/presets-smollm2.jsonl NAME=SPEC_JSON ...
 
 Each candidate is ``LABEL=JSON`` with JSON ``{"name": ..., "options": {...}}`` (options may
-hold ``layer_overrides``) or a cache spec string (a preset name, ``pqo3-r32-s4``, ...).  A JSON
+hold ``layer_overrides`` and ``head_overrides`` — ``{"3": {"0": {"k_bits": 4}}}``, string keys
+as JSON has them) or a cache spec string (a preset name, ``pqo3-r32-s4``, ...).  A JSON
 candidate with ``"budget"`` is a preset under trial: ``{"name": BASE, "options": {...},
 "budget": 4.0, "sink_tokens": 4}`` is registered as a temporary preset ``LABEL`` and sized
 like ``kv4``/``kv5`` (its window fills the budget on the model's geometry).
@@ -39,12 +40,16 @@ def _spec(label: str, text: str) -> CacheSpec:
     if text.lstrip().startswith("{"):
         d = json.loads(text)
         opts = dict(d.get("options", {}))
-        if "layer_overrides" in opts:
+        if "layer_overrides" in opts:  # JSON keys are strings: layers are ints
             opts["layer_overrides"] = {int(k): v for k, v in opts["layer_overrides"].items()}
+        if "head_overrides" in opts:  # {layer: {kv_head: {option: value}}}, both keys ints
+            opts["head_overrides"] = {int(k): {int(h): o for h, o in heads.items()}
+                                      for k, heads in opts["head_overrides"].items()}
         if "budget" in d:  # a preset under trial: register it under the label
             over = opts.pop("layer_overrides", {})
+            head_over = opts.pop("head_overrides", {})
             presets.PRESETS[label] = presets.Preset(label, d["name"], opts, float(d["budget"]),
-                                                    int(d.get("sink_tokens", 4)), over)
+                                                    int(d.get("sink_tokens", 4)), over, head_overrides=head_over)
             return CacheSpec(label, {})
         return CacheSpec(d["name"], opts)
     return parse_cache_spec(text)

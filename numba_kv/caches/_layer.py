@@ -372,10 +372,16 @@ class LayeredCache(LifecycleMixin, ValueChecks):
         with st.lock:
             if stats is not None:
                 self._check_range(st, k, v, stats)
-            old = self._append(st, dev, k, v)
-            if old == 0:
-                return DequantResult(k, v)
-            return self._prefill_result(st, q, k.dtype)
+            return self._prefill_checked(st, dev, k, v, q)
+
+    def _prefill_checked(self, st: LayerState, dev: str, k: Any, v: Any, q: Any) -> DequantResult:
+        """The storing half of :meth:`prefill`, for arguments already validated (``_validate``
+        and ``_check_range``) under the layer's lock; a mixed cache whose layer spans several
+        parts validates every part first, then calls this on each."""
+        old = self._append(st, dev, k, v)
+        if old == 0:
+            return DequantResult(k, v)
+        return self._prefill_result(st, q, k.dtype)
 
     def _prefill_result(self, st: LayerState, q: Any, dtype: Any) -> DequantResult:
         """What a prefill into a non-empty layer returns (default: the full history)."""
@@ -398,8 +404,12 @@ class LayeredCache(LifecycleMixin, ValueChecks):
         with st.lock:
             if stats is not None:
                 self._check_range(st, k, v, stats)
-            self._append(st, dev, k, v)
-            return self._decode_output(st, q, config, k.dtype)
+            return self._decode_checked(st, dev, k, v, q, config)
+
+    def _decode_checked(self, st: LayerState, dev: str, k: Any, v: Any, q: Any, config: AttendConfig) -> DecodeOutput:
+        """The storing half of :meth:`decode` (see :meth:`_prefill_checked`)."""
+        self._append(st, dev, k, v)
+        return self._decode_output(st, q, config, k.dtype)
 
     def _decode_output(self, st: LayerState, q: Any, config: AttendConfig, dtype: Any) -> DecodeOutput:
         """What ``decode`` returns once the tokens are stored (default: the stored history,

@@ -27,12 +27,12 @@ import numpy as np
 
 from ._layer import check_sliding_window, resolve_layer
 from .config import PolarQuantConfig
-from .mixed import layer_options
+from .mixed import head_options, layer_options, resolve_head
 from .names import merge_name_options, name_options
 from .polarquant import PolarQuantCache
 from .turboquant import TurboQuantCache
 
-__all__ = ["BUDGET_TOKENS", "PRESETS", "Preset", "preset_bytes", "resolve_preset"]
+__all__ = ["BUDGET_TOKENS", "PRESETS", "Preset", "merge_head_overrides", "preset_bytes", "resolve_preset"]
 
 #: Sequence length at which a preset's bit budget is counted (window tokens included).
 BUDGET_TOKENS = 1024
@@ -58,6 +58,10 @@ class Preset:
         the budget.
     layer_overrides : dict {int: dict}
         Options of single layers; negative keys count from the end (``-1``: last layer).
+    head_overrides : dict {int: dict {int: dict}}
+        Bit widths of single KV heads, ``{layer: {kv_head: {option: value}}}`` (the
+        ``head_overrides`` of :func:`~numba_kv.make_cache`; negative keys count from the
+        end); counted in the budget head by head.
     summary : str
         One line for help texts.
     """
@@ -68,6 +72,7 @@ class Preset:
     budget: float
     sink_tokens: int = 4
     layer_overrides: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
+    head_overrides: Mapping[int, Mapping[int, Mapping[str, Any]]] = field(default_factory=dict)
     summary: str = ""
 
 
@@ -111,6 +116,32 @@ def _layer_options(preset: Preset, num_layers: int) -> dict[int, dict[str, Any]]
     return out
 
 
+def merge_head_overrides(preset_heads: Mapping[int, Mapping[int, Mapping[str, Any]]], head_overrides: Any,
+                         num_layers: int, num_kv_heads: int) -> Any:
+    """A preset's ``head_overrides`` updated by the caller's, at absolute layer and head
+    indices (one head's options merge, the caller's winning); the caller's unchanged when the
+    preset has none (:func:`~numba_kv.make_cache` validates them)."""
+    if not preset_heads:
+        return head_overrides
+    if head_overrides is not None and not isinstance(head_overrides, Mapping):
+        raise TypeError(f"head_overrides: expected a dict {{layer: {{kv_head: {{option: value}}}}}}, got "
+                        f"{type(head_overrides).__name__}")
+    out: dict[int, dict[int, dict[str, Any]]] = {}
+    for where, given in (("preset head_overrides", preset_heads), ("head_overrides", head_overrides or {})):
+        for key, heads in given.items():
+            idx = resolve_layer(where, key, num_layers)
+            if not isinstance(heads, Mapping):
+                raise TypeError(f"{where}[{key!r}]: expected a dict {{kv_head: {{option: value}}}}, got "
+                                f"{type(heads).__name__}")
+            for hkey, opts in heads.items():
+                h = resolve_head(f"{where}[{key!r}]", hkey, num_kv_heads)
+                if not isinstance(opts, Mapping):
+                    raise TypeError(f"{where}[{key!r}][{hkey!r}]: expected a dict of options, got "
+                                    f"{type(opts).__name__}")
+                out.setdefault(idx, {}).setdefault(h, {}).update(opts)
+    return out
+
+
 def _local(window: int | None, tokens: int) -> bool:
     """A layer that stores fewer than ``tokens`` tokens (its sliding window is shorter)."""
     return window is not None and window < tokens
@@ -130,13 +161,21 @@ class _Geometry:
         base = merge_name_options(preset.base, family, bits, implied, base)
         parts: dict[str, PolarQuantConfig] = {}
         self.parts: list[PolarQuantConfig] = []
+        # every KV head's configuration of the layers the preset splits (head_overrides)
+        self.heads: dict[int, list[PolarQuantConfig]] = {}
+        own_heads = merge_head_overrides(preset.head_overrides, None, num_layers, num_kv_heads) or {}
         for layer in range(num_layers):
             own = self.own.get(layer, {})
             key = repr(sorted(own.items()))
+            opts = layer_options(cls, base, dict(own), f"preset {preset.name!r} layer {layer}") if own else base
             if key not in parts:  # the configuration make_cache gives a layer with these overrides
-                opts = layer_options(cls, base, dict(own), f"preset {preset.name!r} layer {layer}") if own else base
                 parts[key] = cls.config_class(1, 1, head_dim, **opts)
             self.parts.append(parts[key])
+            if layer in own_heads:
+                self.heads[layer] = [
+                    cls.config_class(1, 1, head_dim, **head_options(
+                        cls, opts, dict(own_heads[layer][h]), f"preset {preset.name!r} layer {layer} KV head {h}"))
+                    if h in own_heads[layer] else parts[key] for h in range(num_kv_heads)]
 
     def layer_bytes(self, layer: int, residual: int, tokens: int) -> int:
         """Bytes of ``layer`` (all KV heads) at ``tokens`` tokens with window ``residual`` (a
@@ -146,7 +185,8 @@ class _Geometry:
         if "residual_length" in self.own.get(layer, {}):
             residual = part.residual_length
         stored, sinks = (min(tokens, window), 0) if window is not None else (tokens, part.sink_tokens)
-        return self.num_kv_heads * part.stored_bytes(stored, sinks=sinks, residual=residual)
+        heads = self.heads.get(layer, [part] * self.num_kv_heads)
+        return sum(h.stored_bytes(stored, sinks=sinks, residual=residual) for h in heads)
 
 
 def _largest(fits: Any, hi: int) -> int:

@@ -35,7 +35,7 @@ from .dense import DenseCache
 from .mixed import MixedCache, build_cache
 from .names import CACHE_NAMES, SUFFIX_OPTIONS, merge_name_options, name_options
 from .polarquant import PolarQuantCache
-from .presets import PRESETS, resolve_preset
+from .presets import PRESETS, merge_head_overrides, resolve_preset
 from .turboquant import TurboQuantCache
 
 __all__ = ["CACHE_NAMES", "OPTION_ALIASES", "PRESET_NAMES", "SUFFIX_OPTIONS", "CacheSpec", "make_cache",
@@ -226,6 +226,7 @@ def parse_cache_spec(text: str, defaults: Mapping[str, Any] | None = None) -> Ca
 
 def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
                layer_overrides: dict[int, dict[str, Any]] | None = None,
+               head_overrides: dict[int, dict[int, dict[str, Any]]] | None = None,
                **options: Any) -> LayeredCache | MixedCache:
     """Create a cache by name.
 
@@ -251,6 +252,17 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
         ``sliding_window``, ...).  Unknown options and layers raise ``ValueError``.  The
         result is then a :class:`~numba_kv.caches.mixed.MixedCache` (one cache per
         distinct configuration).
+    head_overrides : dict {int: dict {int: dict}}, optional
+        Bit widths of single KV heads, ``{layer: {kv_head: {option: value}}}``, e.g.
+        ``{3: {0: {"k_bits": 4}, 2: {"bits": 2}}}`` (negative layers and heads count from
+        the end), applied over the layer's options (base and ``layer_overrides``) with the
+        same ``bits`` rule.  Only options that choose a vector's code may differ per head
+        (``bits``, ``k_bits``, ``v_bits``, ``mode``, ``norm_mode``, ``unbiased``,
+        ``outlier_bits``); window, sink, sliding-window and rotation options raise
+        ``ValueError`` (they set what the whole layer stores).  A layer whose heads differ
+        is split: each group of its heads with one configuration is stored by a part cache
+        with that many KV heads, and the :class:`~numba_kv.caches.mixed.MixedCache`
+        gathers and scatters the heads (``memory_usage`` counts each head's width).
     **options
         Forwarded to the cache class (``residual_length=``, ``dtype=`` for dense,
         ``sliding_window=`` — an int, a per-layer list of int/None or ``{layer: window}``
@@ -277,6 +289,10 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
     ...                    layer_overrides={0: {"bits": 4}, -1: {"bits": 4}})
     >>> [mixed.layer_cache(i).bits for i in range(4)]
     [4, 3, 3, 4]
+    >>> split = make_cache("pqo3", num_layers=2, num_kv_heads=3, head_dim=64,
+    ...                    head_overrides={0: {1: {"bits": 4}}})
+    >>> [(part.bits, heads) for part, _, heads in split.layer_pieces(0)]
+    [(3, (0, 2)), (4, (1,))]
     """
     try:
         spec = parse_cache_spec(name) if isinstance(name, str) else None
@@ -289,11 +305,13 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
         for key, over in (layer_overrides or {}).items():
             idx = resolve_layer("layer_overrides", key, num_layers)
             preset_layers[idx] = {**preset_layers.get(idx, {}), **over}
+        heads = merge_head_overrides(PRESETS[spec.name].head_overrides, head_overrides, num_layers, num_kv_heads)
         return make_cache(base, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                          layer_overrides=preset_layers or None, **{**preset_opts, **spec.options, **options})
+                          layer_overrides=preset_layers or None, head_overrides=heads or None,
+                          **{**preset_opts, **spec.options, **options})
     cls, options = _resolve(name, head_dim, options)
     geom = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
-    return build_cache(cls, geom, options, layer_overrides)
+    return build_cache(cls, geom, options, layer_overrides, head_overrides)
 
 
 def _resolve(name: str, head_dim: Any, options: dict[str, Any]) -> tuple[type, dict[str, Any]]:

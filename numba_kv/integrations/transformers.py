@@ -170,14 +170,13 @@ def model_geometry(config: Any) -> dict[str, Any]:
 def _one_layer_caches(full: Any) -> list[Any]:
     """One single-layer cache per layer of ``full``, each configured like that layer of
     ``full`` (its part's constructor arguments and its own sliding window)."""
+    if isinstance(full, MixedCache):  # a split layer (head_overrides) gets a one-layer mixed cache
+        return [full.empty_layer(i) for i in range(full.num_layers)]
     out = []
     for i in range(full.num_layers):
-        part, j = (full.parts[full.layer_map[i][0]], full.layer_map[i][1]) if isinstance(full, MixedCache) \
-            else (full, i)
-        cfg = part.config_dict()
-        cfg["num_layers"] = 1
-        cfg["sliding_window"] = [part.layer_windows[j]]
-        out.append(type(part)(**cfg))
+        cfg = full.config_dict()
+        cfg["num_layers"], cfg["sliding_window"] = 1, [full.layer_windows[i]]
+        out.append(type(full)(**cfg))
     return out
 
 
@@ -397,7 +396,8 @@ class NumbaKVCache(Cache):
             ``"pqo3-r32"``, ``"tq4"``, ...).
         **options
             Further :func:`~numba_kv.make_cache` options (``layer_overrides=``,
-            ``residual_length=`` ...); the sliding windows come from ``config``.
+            ``head_overrides=`` — per-KV-head bit widths, ``{layer: {kv_head: {"bits": 4}}}``
+            —, ``residual_length=`` ...); the sliding windows come from ``config``.
 
         Raises
         ------

@@ -24,7 +24,7 @@ BUDGETS = {"kv4": 4.0, "kv5": 5.0}
 def _layers(cache):
     """(layer cache, layer index inside it) of every model layer."""
     if isinstance(cache, MixedCache):
-        return [(cache.parts[p], j) for p, j in cache.layer_map]
+        return [cache.layer_pieces(i)[0][:2] for i in range(cache.num_layers)]
     return [(cache, j) for j in range(cache.num_layers)]
 
 

@@ -2,7 +2,7 @@
 device, results on the device, equal to the same cache fed NumPy arrays.
 
 Families: dense, pq / pqo (block and whole-head rotation), tq, paged (float32 and
-compressed pages), mla (latent and simple), mixed (per-layer overrides).
+compressed pages), mla (latent and simple), mixed (per-layer and per-KV-head overrides).
 """
 
 from __future__ import annotations
@@ -43,13 +43,14 @@ def _run(cache, steps, queries, put):
     ("pqo4", {"decode_output": "dequantized"}),
     ("tq3", {}),
     ("pqo3", {"layer_overrides": {0: {"bits": 4}}}),  # a MixedCache
+    ("pqo3", {"head_overrides": {0: {1: {"bits": 4}}}}),  # a MixedCache whose layer 0 is split over KV heads
 ])
 def test_layered_cache_families(dev, name, opts):
     rng = np.random.default_rng(0)
     steps, queries = _chunks(rng)
     if name != "dense" and not dev.f16_windows:
         opts = {**opts, "window_dtype": "float32"}
-    n_layers = 2 if "layer_overrides" in opts else 1
+    n_layers = 2 if "layer_overrides" in opts or "head_overrides" in opts else 1
     cpu = make_cache(name, num_layers=n_layers, num_kv_heads=H, head_dim=D, **opts)
     gpu = make_cache(name, num_layers=n_layers, num_kv_heads=H, head_dim=D, **opts)
     if name.startswith("tq") and dev.kind == "numba":  # documented: TurboQuant needs NumPy or CuPy

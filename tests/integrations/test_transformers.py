@@ -382,3 +382,29 @@ def test_fused_decode_refuses_a_padded_batch(fused):
         with pytest.raises(ValueError, match="PagedKVCache"):
             fused(ids[:, :1], attention_mask=torch.cat([mask, mask[:, :1]], 1), **{CACHE: cache})
     assert [la.get_seq_length() for la in cache.layers] == [12, 12]  # nothing stored
+
+
+def test_a_layer_split_over_kv_heads():
+    """head_overrides: the split layer is a one-layer mixed cache; its fused decode equals its
+    dequantized path (to fp32 round-off) and beam search reorders its pieces together."""
+    from numba_kv import MixedCache
+
+    model = _llama()  # 2 KV heads, 4 query heads
+    opts = {"residual_length": 0, "head_overrides": {0: {1: {"bits": 4}}}}
+    cache = NumbaKVCache.from_model(model, "pqo3", **opts)
+    first = cache.layers[0].cache
+    assert isinstance(first, MixedCache) and [h for _, _, h in first.layer_pieces(0)] == [(0,), (1,)]
+    assert not isinstance(cache.layers[1].cache, MixedCache)
+    ref = _run(model, cache, _ids(n=48))
+    model.set_attn_implementation("numba_kv")
+    try:
+        got = _run(model, NumbaKVCache.from_model(model, "pqo3", **opts), _ids(n=48))
+        ids = _ids(n=12)
+        out = model.generate(ids, max_new_tokens=4, num_beams=2, do_sample=False, attention_mask=torch.ones_like(ids),
+                             pad_token_id=0, **{CACHE: NumbaKVCache.from_model(model, "pqo3", **opts)})
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert torch.equal(ref[0], got[0])
+    for a, b in zip(ref[1:], got[1:]):
+        assert torch.allclose(a, b, rtol=0, atol=2e-6), (a - b).abs().max()
+    assert out.shape == (2, 16)

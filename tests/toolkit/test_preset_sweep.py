@@ -29,7 +29,8 @@ def test_sweep_rows_reference_and_trial_preset(sweep, tiny_gguf, tmp_path):
     path, _ = tiny_gguf
     out, ref_dir = tmp_path / "rows.jsonl", tmp_path / "ref"
     trial = json.dumps({"name": "pqo-k4v3-head-eden", "options": {"key_center": True, "window_dtype": "int8",
-                                                                   "layer_overrides": {"-1": {"v_bits": 4}}},
+                                                                   "layer_overrides": {"-1": {"v_bits": 4}},
+                                                                   "head_overrides": {"0": {"-1": {"k_bits": 3}}}},
                         "budget": 5.0, "sink_tokens": 2})
     args = ["--model", str(path), "--tokens", "48", "--prefill", "8", "--out", str(out), "--ref-dir", str(ref_dir)]
     assert sweep.main([*args, "p3=pqo3-r4-s2", f"trial={trial}"]) == 0
@@ -40,8 +41,11 @@ def test_sweep_rows_reference_and_trial_preset(sweep, tiny_gguf, tmp_path):
     assert 0 < rows[1]["top1_agreement"] <= 1 and rows[1]["kl_mean"] > 0
     # the trial preset: registered with its overrides, the last layer's values 4-bit
     assert presets.PRESETS["trial"].layer_overrides == {-1: {"v_bits": 4}}
+    assert presets.PRESETS["trial"].head_overrides == {0: {-1: {"k_bits": 3}}}
     assert presets.PRESETS["trial"].budget == 5.0 and presets.PRESETS["trial"].sink_tokens == 2
-    assert rows[2]["cache_name"].startswith("mixed[pqo-k4v3-head-eden") and "pqo4-head-eden" in rows[2]["cache_name"]
+    name = rows[2]["cache_name"]
+    assert name.startswith("mixed[pqo-k4v3-head-eden") and "pqo4-head-eden" in name
+    assert "{0}+pqo3-head-eden" in name  # layer 0's last KV head with 3-bit keys (head_overrides)
     assert (ref_dir / f"{path.stem}-48-8.npy").exists()
     # second run: the dense pass is read back, not repeated; same scores for the same cache
     assert sweep.main([*args, "p3=pqo3-r4-s2"]) == 0
