@@ -31,8 +31,9 @@ QuIP# (Tseng et al., arXiv:2402.04396) quantizes Hadamard-rotated weights on the
 for the same reason; the scalar code is TurboQuant-MSE (Zandieh et al., arXiv:2504.19874).
 The kernels use ``headvq_centroids(bits, d) = float32(float64(points) / √d)``, the points in
 the units of ``y``.  Measured (fresh sample of uniform unit vectors, per coordinate of
-``√d·u``, ``d = 128``): MSE 0.00790 vs 0.00950 for the scalar 4-bit code (−0.80 dB) and
-0.0963 vs 0.1168 at 2 bits (−0.84 dB); see ``docs/api/ops.md`` for every ``d``.
+``√d·u``, ``d = 128``): MSE 0.00776 against 0.00931 for the scalar 4-bit code (0.79 dB
+lower) and 0.0961 against 0.1159 at 2 bits (0.81 dB lower); ``docs/api/ops.md`` lists every
+``d``.
 
 Twins: the CPU twins work on tiles of ``LANES`` vectors interleaved lane by lane like the
 head code's, the nearest-point search branch-free across lanes (a select per lane and point);
@@ -172,29 +173,26 @@ def _load_normalize_lanes(x, v0, nl, d, L, t):
             tj[l] = np.divide(tj[l], tn[l])  # np.divide: IEEE division, no ZeroDivisionError branch
 
 
-def _nearest_lanes(t, d, L, cents, ib, td, bi):
-    """``ib[g·L + l]`` = index of the point of ``cents`` ``[K, m]`` nearest to group ``g`` of
-    lane ``l`` of ``t`` (squared distance summed in coordinate order; ties → lowest index),
-    branch-free across lanes.  Scratch: ``td`` float32[2·L] (best, current), ``bi`` int32[L]."""
-    k_size, m = cents.shape
-    best = td[0:L]
-    cur = td[L:2 * L]
-    for g in range(d // m):
+def _nearest2_lanes(t, d, L, cents, ib, best, bi):
+    """``ib[g·L + l]`` = index of the point of ``cents`` ``[K, 2]`` nearest to pair ``g`` of lane
+    ``l`` of ``t`` (squared distance ``d₀² + d₁²``, products rounded first; ties → the lowest
+    index), one branch-free pass over the lanes per point.  Scratch: ``best`` float32[L],
+    ``bi`` int32[L]."""
+    k_size = cents.shape[0]
+    for g in range(d // 2):
+        y0 = t[2 * g * L:(2 * g + 1) * L]
+        y1 = t[(2 * g + 1) * L:(2 * g + 2) * L]
         for l in range(L):
             best[l] = _INF32
             bi[l] = int32(0)
         for k in range(k_size):
-            for l in range(L):
-                cur[l] = float32(0.0)
-            for i in range(m):
-                c = cents[k, i]
-                yi = t[(g * m + i) * L:(g * m + i + 1) * L]
-                for l in range(L):
-                    diff = yi[l] - c
-                    cur[l] += mul_rn(diff, diff)
+            c0 = cents[k, 0]
+            c1 = cents[k, 1]
             kk = int32(k)
             for l in range(L):
-                s = cur[l]
+                e0 = y0[l] - c0
+                e1 = y1[l] - c1
+                s = mul_rn(e0, e0) + mul_rn(e1, e1)
                 less = s < best[l]
                 best[l] = s if less else best[l]
                 bi[l] = kk if less else bi[l]
@@ -203,12 +201,52 @@ def _nearest_lanes(t, d, L, cents, ib, td, bi):
             ibg[l] = uint8(bi[l])
 
 
+def _nearest4_lanes(t, d, L, cents, ib, best, bi):
+    """:func:`_nearest2_lanes` for quads (``m = 4``): distance ``((d₀² + d₁²) + d₂²) + d₃²``."""
+    k_size = cents.shape[0]
+    for g in range(d // 4):
+        y0 = t[4 * g * L:(4 * g + 1) * L]
+        y1 = t[(4 * g + 1) * L:(4 * g + 2) * L]
+        y2 = t[(4 * g + 2) * L:(4 * g + 3) * L]
+        y3 = t[(4 * g + 3) * L:(4 * g + 4) * L]
+        for l in range(L):
+            best[l] = _INF32
+            bi[l] = int32(0)
+        for k in range(k_size):
+            c0 = cents[k, 0]
+            c1 = cents[k, 1]
+            c2 = cents[k, 2]
+            c3 = cents[k, 3]
+            kk = int32(k)
+            for l in range(L):
+                e0 = y0[l] - c0
+                e1 = y1[l] - c1
+                e2 = y2[l] - c2
+                e3 = y3[l] - c3
+                s = ((mul_rn(e0, e0) + mul_rn(e1, e1)) + mul_rn(e2, e2)) + mul_rn(e3, e3)
+                less = s < best[l]
+                best[l] = s if less else best[l]
+                bi[l] = kk if less else bi[l]
+        ibg = ib[g * L:(g + 1) * L]
+        for l in range(L):
+            ibg[l] = uint8(bi[l])
+
+
+def _nearest_lanes(t, d, L, cents, ib, best, bi):
+    """Nearest points of every group of every lane, by the loop for ``m = 2`` or ``m = 4``
+    (the only group sizes; the CUDA search has the same two)."""
+    if cents.shape[1] == 2:
+        _nearest2_lanes(t, d, L, cents, ib, best, bi)
+    else:
+        _nearest4_lanes(t, d, L, cents, ib, best, bi)
+
+
 def quantize_headvq_lanes(x, v0, nl, d, signs, cents, unbiased, t0, codes, norms, L, t, ib, bi, w):
     """Quantize flattened vectors ``v0 .. v0+nl-1`` of ``x`` (``nl <= L``) into ``codes`` /
     ``norms`` at token ``t0 + s``.
 
-    Scratch: ``t`` float32[(d+5)·L] (rows ``d .. d+4``: the norms, ``‖y‖²``, ``⟨y, ĉ⟩`` and
-    the search's two distance rows), ``ib`` uint8[(d/m)·L] (the indices), ``bi`` int32[L],
+    Scratch: ``t`` float32[(d+4)·L] (rows ``d .. d+3``: the norms, ``‖y‖²``, ``⟨y, ĉ⟩`` and
+    the search's best distances), ``ib`` uint8[(d/m)·L] (the indices), ``bi`` int32[L],
     ``w`` int64[L] (the binary16 norm bits).
     """
     seq = x.shape[1]
@@ -216,7 +254,7 @@ def quantize_headvq_lanes(x, v0, nl, d, signs, cents, unbiased, t0, codes, norms
     S = d * L
     _load_normalize_lanes(x, v0, nl, d, L, t)
     rotate_head_forward_lanes(t, d, L, signs)
-    _nearest_lanes(t, d, L, cents, ib, t[S + 3 * L:S + 5 * L], bi)
+    _nearest_lanes(t, d, L, cents, ib, t[S + 3 * L:S + 4 * L], bi)
     tn = t[S:S + L]
     if unbiased:
         tyy = t[S + L:S + 2 * L]
@@ -273,6 +311,8 @@ def dequantize_headvq_lanes(codes, norms, v0, nl, d, signs, cents, t0, out, L, t
 
 
 twin(_load_normalize_lanes)
+twin(_nearest2_lanes)
+twin(_nearest4_lanes)
 twin(_nearest_lanes)
 quantize_headvq_lanes_cpu, _ = twin(quantize_headvq_lanes)
 dequantize_headvq_lanes_cpu, _ = twin(dequantize_headvq_lanes)
@@ -291,7 +331,7 @@ def _quantize_headvq_cpu(x, signs, cents, unbiased, t0, codes, norms):
     ntiles = (nv + L - 1) // L
     x, signs, cents, codes, norms = borrowed(x), borrowed(signs), borrowed(cents), borrowed(codes), borrowed(norms)
     for c in prange((ntiles + TILES - 1) // TILES):
-        t_own = np.zeros((d + 5) * L, dtype=np.float32)
+        t_own = np.zeros((d + 4) * L, dtype=np.float32)
         ib_own = np.zeros((d // m) * L, dtype=np.uint8)
         bi_own = np.zeros(L, dtype=np.int32)
         w_own = np.zeros(L, dtype=np.int64)
