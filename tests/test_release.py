@@ -43,6 +43,12 @@ def test_py_typed_marker_is_shipped():
     assert _lines(_setup_cfg()["options.package_data"]["numba_kv"]) == ["py.typed"]
 
 
+def test_package_data_is_shipped():
+    """The head VQ codebooks (``numba_kv/ops/data/headvq.npz``) are package data."""
+    assert (ROOT / "numba_kv" / "ops" / "data" / "headvq.npz").is_file()
+    assert _lines(_setup_cfg()["options.package_data"]["numba_kv.ops"]) == ["data/*.npz"]
+
+
 def test_one_version_source():
     """``numba_kv.__version__`` is the only place the version is written: setup.cfg reads it,
     pyproject.toml has no [project] version, no other module assigns one."""

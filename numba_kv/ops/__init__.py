@@ -11,6 +11,7 @@ from . import (  # noqa: F401
                gather,
                hadamard,
                headquant,
+               headvq,
                intquant,
                lowrank,
                memory,

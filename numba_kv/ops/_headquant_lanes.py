@@ -236,3 +236,8 @@ dequantize_head_lanes_cpu, _ = twin(dequantize_head_lanes)
 
 LANES = 64  # vectors per CPU tile (inner loops of 64 float32 = four 512-bit vectors)
 TILES = 2  # tiles per CPU work item (scratch buffers are allocated once per item)
+
+#: the lane rotations under public names, for the cores of other modules (numba_kv.ops.headvq);
+#: the same functions, so :func:`numba_kv._jit.twin` rebinds them like the private names
+rotate_head_forward_lanes = _rotate_head_forward_lanes
+rotate_head_inverse_lanes = _rotate_head_inverse_lanes

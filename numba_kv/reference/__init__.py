@@ -5,6 +5,7 @@ cannot inherit the bug it is meant to catch (a meta-test checks the imports).  S
 simple, float64 where it helps.
 """
 
+from .headvq import head_sign_vector, headvq_dequantize, headvq_quantize, headvq_table
 from .polarquant import (
                          SIGN_MASK,
                          attention,
@@ -20,5 +21,6 @@ from .polarquant import (
                          unpack_bits,
 )
 
-__all__ = ["SIGN_MASK", "attention", "dequantize", "hadamard", "hadamard32", "pack_bits", "quantize",
+__all__ = ["SIGN_MASK", "attention", "dequantize", "hadamard", "hadamard32", "head_sign_vector", "headvq_dequantize",
+           "headvq_quantize", "headvq_table", "pack_bits", "quantize",
            "rotate_forward", "rotate_head_forward", "rotate_inverse", "sign_vector", "unpack_bits"]

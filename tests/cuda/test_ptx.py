@@ -89,7 +89,8 @@ def inexact_ops(ptx: str) -> list[str]:
 
 
 #: kernels that must work block- or warp-cooperatively
-COOPERATIVE = ("rotate_head", "quantize_head", "quantize_head_pair", "dequantize_head", "decode_attention",
+COOPERATIVE = ("rotate_head", "quantize_head", "quantize_head_pair", "dequantize_head", "quantize_headvq",
+               "dequantize_headvq", "decode_attention",
                "decode_attention_warp", "decode_attention_mma", "paged_decode_attention_mma",
                "paged_decode_attention", "paged_decode_attention_warp", "merge_partitions")
 #: cooperative kernels not there yet, with the reason

@@ -41,7 +41,8 @@ from numba_kv.ops import TWINS
 #: which differs between architectures (100 KiB on 8.6/8.9), so they are checked on all four
 SHARED_MEMORY_KERNELS = ("decode_attention", "decode_attention_warp", "decode_attention_mma", "paged_decode_attention",
                          "paged_decode_attention_warp", "paged_decode_attention_mma", "merge_partitions", "rotate_head",
-                         "quantize_head", "quantize_head_pair", "dequantize_head")
+                         "quantize_head", "quantize_head_pair", "dequantize_head", "quantize_headvq",
+                         "dequantize_headvq")
 #: kernels allowed local memory (spills, stack, local arrays), with the reason
 LOCAL_EXCEPTIONS: dict[str, str] = {
     "paged_decode_attention_mma": "sm_8x ptxas reaches 255 registers and spills ~150 B under the 2-block launch "

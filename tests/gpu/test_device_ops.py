@@ -14,6 +14,7 @@ from numba_kv.ops.attention import decode_attention
 from numba_kv.ops.blockquant import dequantize_blocks, quantize_blocks
 from numba_kv.ops.hadamard import rotate32
 from numba_kv.ops.headquant import dequantize_head, quantize_head, rotate_head
+from numba_kv.ops.headvq import dequantize_headvq, quantize_headvq
 from numba_kv.ops.qjl import make_sketch, qjl_inner_product, qjl_quantize
 
 F32 = dict(rtol=2e-5, atol=2e-6)
@@ -43,6 +44,18 @@ def test_quantize_dequantize_and_rotate_head(dev):
         np.testing.assert_allclose(dev.get(dequantize_head(dev.put(c), dev.put(n), 3)), ref, **F32)
         for inverse in (False, True):
             np.testing.assert_allclose(dev.get(rotate_head(dev.put(x), inverse)), rotate_head(x, inverse), **F32)
+
+
+def test_quantize_and_dequantize_headvq(dev):
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    x[0, 3] = 25.0
+    for bits in (4, 2):
+        c, n = quantize_headvq(x, bits, True)
+        cd, nd = quantize_headvq(dev.put(x), bits, True)
+        assert np.array_equal(dev.get(cd), c) and np.array_equal(dev.get(nd), n), bits
+        ref = dequantize_headvq(c, n, bits)
+        np.testing.assert_allclose(dev.get(dequantize_headvq(dev.put(c), dev.put(n), bits)), ref, **F32)
 
 
 def test_rotate32(dev):
