@@ -23,8 +23,8 @@ from ..ops.blockquant import NORM_MODES
 from ..ops.qjl import SKETCH_SEED
 from ._layer import check_sliding_window
 
-__all__ = ["DECODE_OUTPUTS", "DEFAULT_PAGE_SIZE", "PAGED_STORAGES", "ROTATIONS", "WINDOW_DTYPES", "PagedConfig",
-           "PolarQuantConfig", "TurboQuantConfig", "mirror_config_fields"]
+__all__ = ["DECODE_OUTPUTS", "DEFAULT_PAGE_SIZE", "PAGED_STORAGES", "ROTATIONS", "VQ_WIDTHS", "WINDOW_DTYPES",
+           "PagedConfig", "PolarQuantConfig", "TurboQuantConfig", "mirror_config_fields"]
 
 DECODE_OUTPUTS = ("fused", "dequantized")
 WINDOW_DTYPES = ("float16", "float32", "int8")
@@ -36,6 +36,8 @@ _HEAD_ONLY_SLOT = 5
 _BLOCK_BITS = (2, 3, 4)  # channel splits are 32-block codes
 DEFAULT_PAGE_SIZE = 16
 PAGED_STORAGES = ("float32", "pqo2", "pqo3", "pqo4")
+#: slot widths with a head VQ code (:mod:`numba_kv.ops.headvq`): 4 bits → pairs, 2 bits → quads
+VQ_WIDTHS = (2, 4)
 _ASYM = re.compile(r"^pqo-k([234])v([234])$")
 
 
@@ -102,6 +104,12 @@ class PolarQuantConfig:
         Per-layer sliding windows (see :func:`~numba_kv.caches._layer.check_sliding_window`);
         resolved to a tuple of ``num_layers`` entries (int or None), or None when no layer
         slides.
+    vq : bool
+        ``rotation="head"`` only: the sides whose slot width has a head VQ code (4 bits:
+        pairs, 2 bits: quads, :data:`VQ_WIDTHS`) store it instead of the scalar head code
+        (same bytes; :attr:`vq_sides`); the other side keeps the scalar code, so
+        ``pqo-k4v3-head`` with ``vq=True`` has VQ keys and scalar values.  Resolved to
+        ``False`` when neither side has a VQ width (``pqo3-head``: the same cache).
 
     Raises
     ------
@@ -143,6 +151,7 @@ class PolarQuantConfig:
     outlier_channels: int = 0
     outlier_bits: int | None = None
     sliding_window: Any = None
+    vq: bool = False
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # frozen: resolution happens once, here
@@ -180,12 +189,23 @@ class PolarQuantConfig:
         self._set("window_dtype", str(self.window_dtype))
         self._set("residual_length", check_int("residual_length", self.residual_length, minimum=0))
         self._set("sink_tokens", check_int("sink_tokens", self.sink_tokens, minimum=0))
-        for name in ("key_center", "unbiased", "window_rotation"):
+        for name in ("key_center", "unbiased", "window_rotation", "vq"):
             val = getattr(self, name)
             if not isinstance(val, (bool, np.bool_)):
                 raise TypeError(f"{name}: expected a bool, got {type(val).__name__} {val!r}")
             self._set(name, bool(val))
+        if self.vq:
+            self._check_vq()
         self._check_outliers()
+
+    def _check_vq(self) -> None:
+        if self.rotation != "head":
+            raise ValueError(f"vq: the head VQ code needs rotation='head' (it codes the whole-head rotation's "
+                             f"coordinates), got rotation={self.rotation!r}")
+        if not any(self.vq_sides.values()):
+            # no side has a VQ width (e.g. a 3-bit head of a VQ layer's head_overrides): the
+            # scalar code on both sides, the same cache as vq=False, so resolved to it
+            self._set("vq", False)
 
     def _check_outliers(self) -> None:
         oc = check_int("outlier_channels", self.outlier_channels, minimum=0)
@@ -218,6 +238,12 @@ class PolarQuantConfig:
         """Codebook width (bits per stored index) of the keys ``"k"`` and values ``"v"``."""
         drop = 0 if self.mode == "pqo" else 1
         return {"k": self.k_bits - drop, "v": self.v_bits - drop}
+
+    @property
+    def vq_sides(self) -> dict[str, bool]:
+        """Whether keys ``"k"`` / values ``"v"`` store the head VQ code (``vq`` and a slot
+        width in :data:`VQ_WIDTHS`); the scalar code otherwise."""
+        return {n: bool(self.vq) and b in VQ_WIDTHS for n, b in self.slot_bits.items()}
 
     @property
     def outlier_widths(self) -> dict[str, int]:
@@ -327,6 +353,8 @@ class TurboQuantConfig(PolarQuantConfig):
             raise ValueError(f"mode: TurboQuantCache is mode 'tq', got {self.mode!r}")
         if self.outlier_channels:
             raise ValueError("outlier_channels: channel splits are not supported by TurboQuantCache")
+        if self.vq:
+            raise ValueError("vq: the head VQ code is not supported by TurboQuantCache (PolarQuant caches only)")
         super().__post_init__()
         seed = self.qjl_seed
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or int(seed) < 0:

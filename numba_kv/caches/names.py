@@ -13,7 +13,7 @@ from typing import Any
 
 from .config import PolarQuantConfig, TurboQuantConfig
 
-__all__ = ["CACHE_NAMES", "SUFFIX_OPTIONS", "compressed_config", "merge_name_options", "name_options"]
+__all__ = ["CACHE_NAMES", "SUFFIX_OPTIONS", "compressed_config", "config_name", "merge_name_options", "name_options"]
 
 CACHE_NAMES = ("dense", "pq2", "pq3", "pq4", "pqo2", "pqo3", "pqo4", "pqo2.5", "pqo3.5", "tq2", "tq3", "tq4")
 SUFFIX_OPTIONS: dict[str, dict[str, Any]] = {
@@ -21,13 +21,14 @@ SUFFIX_OPTIONS: dict[str, dict[str, Any]] = {
     "-maxnorm": {"norm_mode": "maxnorm"},
     "-head": {"rotation": "head"},
     "-eden": {"unbiased": True},
+    "-vq": {"vq": True},
 }
 _SUFFIXES = "|".join(s[1:] for s in SUFFIX_OPTIONS)
 # NAME without the window suffix: family, width (uniform, half-bit split or asymmetric), suffixes
 _NAME = re.compile(r"^(?P<family>pqo|pq|tq)(?:(?P<bits>[234])(?P<half>\.5)?|-k(?P<kb>[2-5])v(?P<vb>[2-5]))"
                    rf"(?P<suffix>(?:-(?:{_SUFFIXES}))*)$")
 _EXPECTED = (f"expected one of {list(CACHE_NAMES[1:])} or 'pqo-k<2-5>v<2-5>' / 'tq-k<2-5>v<2-5>', optionally "
-             f"with '-l2', '-maxnorm', '-head', '-eden' suffixes")
+             f"with '-l2', '-maxnorm', '-head', '-eden', '-vq' suffixes")
 
 
 def name_options(name: str, head_dim: Any) -> tuple[str, int, dict[str, Any]]:
@@ -106,3 +107,24 @@ def compressed_config(name: str, num_layers: int, num_kv_heads: int, head_dim: i
     opts = merge_name_options(name, family, bits, implied, options)
     cls = TurboQuantConfig if family == "tq" else PolarQuantConfig
     return cls(num_layers, num_kv_heads, head_dim, **opts)
+
+
+def config_name(cfg: PolarQuantConfig) -> str:
+    """The name of a PolarQuant / TurboQuant cache of configuration ``cfg`` (``cache.name``):
+    family and widths (average widths with a channel split), then the ``-l2``, ``-head``,
+    ``-eden``, ``-vq`` suffixes that apply and the window suffix ``-rR-sS``."""
+    d, oc = cfg.head_dim, cfg.outlier_channels
+    if oc:
+        avg = {n: (oc * cfg.outlier_widths[n] + (d - oc) * cfg.slot_bits[n]) / d + (0 if cfg.mode == "pqo" else 1)
+               for n in ("k", "v")}
+        kb, vb = (f"{x:g}" for x in (avg["k"], avg["v"]))
+    else:
+        kb, vb = str(cfg.k_bits), str(cfg.v_bits)
+    name = f"{cfg.mode}{kb}" if kb == vb else f"{cfg.mode}-k{kb}v{vb}"
+    name += "" if cfg.norm_mode == "maxnorm" or cfg.rotation == "head" else "-l2"
+    name += "-head" if cfg.rotation == "head" else ""
+    name += "-eden" if cfg.unbiased else ""
+    name += "-vq" if cfg.vq else ""
+    if cfg.residual_length or cfg.sink_tokens:
+        name += f"-r{cfg.residual_length}-s{cfg.sink_tokens}"
+    return name

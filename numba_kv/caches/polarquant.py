@@ -35,10 +35,12 @@ from ..ops.blockquant import dequantize_into, quantize_into
 from ..ops.codebook import get_codebook
 from ..ops.finite import check_finite_stats
 from ..ops.headquant import dequantize_head_into, head_signs, quantize_head_into
+from ..ops.headvq import dequantize_headvq_into, headvq_centroids, quantize_headvq_into
 from ._fused_step import FusedDecodeMixin
 from ._layer import BufferSpec, LayeredCache, LayerState, shift_front
 from ._window import ExactWindow, crop_counts, evict_counts, layer_counts, plan_store
 from .config import PolarQuantConfig, mirror_config_fields
+from .names import config_name
 from .state import CacheFileError
 
 __all__ = ["MAX_INPUT", "PolarQuantCache", "PolarQuantConfig"]
@@ -49,7 +51,8 @@ _F32 = np.dtype(np.float32)
 
 
 @mirror_config_fields("bits", "k_bits", "v_bits", "mode", "norm_mode", "residual_length", "sink_tokens",
-                      "decode_output", "key_center", "window_rotation", "rotation", "unbiased", "outlier_channels")
+                      "decode_output", "key_center", "window_rotation", "rotation", "unbiased", "outlier_channels",
+                      "vq")
 class PolarQuantCache(FusedDecodeMixin, LayeredCache):
     """PolarQuant (PQ / PQO) compressed KV cache, 2–4 bits, fused decode attention.
 
@@ -127,6 +130,11 @@ class PolarQuantCache(FusedDecodeMixin, LayeredCache):
         ``pqo2.5`` / ``pqo3.5`` use half of the channels at one bit more.  NumPy/CuPy only.
     outlier_bits : int, optional
         Codebook width of the outlier channels (default: one more than the rest, ≤ 4).
+    vq : bool
+        With ``rotation="head"``: sides of slot width 4 or 2 store the head VQ code
+        (:mod:`numba_kv.ops.headvq`; same bytes), other widths the scalar code (``pqo-k4v3-head``:
+        VQ keys, scalar values; neither side at 4/2 bits: resolved to ``False``).  See the
+        caches guide, "Head VQ".
     sliding_window : None, int, sequence or dict, optional
         Per-layer sliding windows (``None``: all global; an int: every layer; a list of
         ``num_layers`` ints/None; ``{layer: window}``, negative layers from the end).  A
@@ -204,9 +212,15 @@ class PolarQuantCache(FusedDecodeMixin, LayeredCache):
         self.slot_bits = cfg.slot_bits
         self.outlier_bits: dict[str, int] = cfg.outlier_widths
         self.codebooks = {n: self._codebook(b) for n, b in self.slot_bits.items()}
+        #: the sides that store the head VQ code, and its table (``headvq_centroids``) per side
+        self.vq_sides = cfg.vq_sides
+        self._vq_cents = {n: headvq_centroids(self.slot_bits[n], self.head_dim)
+                          for n, on in self.vq_sides.items() if on}
         self.layouts: dict[str, CodeLayout] = {}
         for n, cb in self.codebooks.items():
-            if cfg.rotation == "head":
+            if n in self._vq_cents:
+                self.layouts[n] = CodeLayout.head_vq(self.slot_bits[n], self.head_dim)
+            elif cfg.rotation == "head":
                 self.layouts[n] = CodeLayout.uniform(cb, self.head_dim, scale_group=self.num_blocks)
             elif cfg.outlier_channels:
                 n_hi = cfg.outlier_channels // 32
@@ -223,17 +237,20 @@ class PolarQuantCache(FusedDecodeMixin, LayeredCache):
         self._window_np_dtype = np.dtype(cfg.window_dtype)
         # a store into an int8 window with the whole-head quantizer can run as one serial call
         # (_store_window8_head); whether the window is int8 is decided per layer (device)
+        # (the scalar head code only: a VQ side stores op by op, with the same bytes)
         self._window8_head = (cfg.rotation == "head" and cfg.window_dtype == "int8" and self._windowed
-                              and not cfg.outlier_channels and self._compress.__func__ is PolarQuantCache._compress)
+                              and not cfg.outlier_channels and self._compress.__func__ is PolarQuantCache._compress
+                              and not self._vq_cents)
         # both sides of a decode step's evicted tokens in one launch (_compress_pair): this class's
-        # quantizer without channel split (TurboQuant adds its QJL stage per side)
-        self._pair_quantize = not cfg.outlier_channels and self._compress.__func__ is PolarQuantCache._compress
+        # scalar quantizer without channel split (TurboQuant adds its QJL stage per side)
+        self._pair_quantize = (not cfg.outlier_channels and self._compress.__func__ is PolarQuantCache._compress
+                               and not self._vq_cents)
         self._window = ExactWindow(self.head_dim, cfg.sink_tokens, cfg.residual_length,
                                    cfg.rotation if cfg.window_rotation else None)
         # storage of the window buffers: the configured dtype, float32 while the layer's
         # arrays are Numba device arrays (set by _append, which sees the arrays)
         self._exact_dtype = self.window_dtype
-        self.name = self._make_name()
+        self.name = config_name(cfg)
 
     @property
     def window_dtype(self) -> np.dtype:
@@ -242,22 +259,6 @@ class PolarQuantCache(FusedDecodeMixin, LayeredCache):
 
     def _codebook(self, bits: int):
         return get_codebook(bits, self.norm_mode, block=self.head_dim if self.rotation == "head" else 32)
-
-    def _make_name(self) -> str:
-        if self.outlier_channels:
-            avg = {n: (self.outlier_channels * self.outlier_bits[n] + (self.head_dim - self.outlier_channels)
-                       * self.slot_bits[n]) / self.head_dim + (0 if self.mode == "pqo" else 1)
-                   for n in ("k", "v")}
-            kb, vb = (f"{x:g}" for x in (avg["k"], avg["v"]))
-        else:
-            kb, vb = str(self.k_bits), str(self.v_bits)
-        name = f"{self.mode}{kb}" if kb == vb else f"{self.mode}-k{kb}v{vb}"
-        name += "" if self.norm_mode == "maxnorm" or self.rotation == "head" else "-l2"
-        name += "-head" if self.rotation == "head" else ""
-        name += "-eden" if self.unbiased else ""
-        if self.residual_length or self.sink_tokens:
-            name += f"-r{self.residual_length}-s{self.sink_tokens}"
-        return name
 
     def _sinks(self, st: LayerState) -> int:
         """Sink tokens of the layer: none on sliding-window layers (a sink older than the
@@ -347,6 +348,10 @@ class PolarQuantCache(FusedDecodeMixin, LayeredCache):
         if self.outlier_channels:
             cbs.append(self._codebook(self.outlier_bits[name]))
         f = 0.0
+        if name in self._vq_cents and self.unbiased:
+            # the VQ code's EDEN scale n·‖y‖²/⟨y, ĉ⟩ has no useful a-priori bound (a group's
+            # nearest point can point away from it): every store takes the dry run
+            cbs, f = [], math.inf
         for cb in cbs:
             c = np.abs(np.asarray(cb.centroids, np.float64))
             if cb.norm_mode == "l2":
@@ -461,6 +466,9 @@ class PolarQuantCache(FusedDecodeMixin, LayeredCache):
     def _compress(self, st: LayerState, name: str, x3: Any, t0: int) -> None:
         """Quantize ``x3`` ``[rows, n, d]`` (transformed domain) into tokens ``t0 : t0+n``."""
         codes, scales = st.buffers[name + "_codes"], st.buffers[name + "_scales"]
+        if name in self._vq_cents:
+            quantize_headvq_into(x3, codes, scales, t0, self._vq_cents[name], self.unbiased)
+            return
         if self.rotation == "head":
             quantize_head_into(x3, codes, scales, t0, self.codebooks[name], self.unbiased)
             return
@@ -480,6 +488,9 @@ class PolarQuantCache(FusedDecodeMixin, LayeredCache):
     def _decompress(self, st: LayerState, name: str, t0: int, out: Any) -> None:
         """Reconstruct tokens ``t0 : t0 + out.shape[1]`` into ``out`` (transformed domain)."""
         codes, scales = st.buffers[name + "_codes"], st.buffers[name + "_scales"]
+        if name in self._vq_cents:
+            dequantize_headvq_into(codes, scales, t0, self._vq_cents[name], out)
+            return
         if self.rotation == "head":
             dequantize_head_into(codes, scales, t0, self.codebooks[name], out)
             return

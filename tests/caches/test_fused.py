@@ -212,7 +212,7 @@ def test_key_centering_is_exact_for_attention(R, S):
         PolarQuantCache(1, 2, 64, key_center="yes")
 
 
-@pytest.mark.parametrize("name", ["kv4", "pqo3", "tq3"])
+@pytest.mark.parametrize("name", ["kv4", "pqo3", "tq3", "kv4:vq=true"])
 def test_bound_decode_step_equals_a_fresh_one_every_step(name):
     """A layer binds its fused attention step (and, for kv4, the one-call store) once and
     reuses it; over steps that regrow the buffers and move the window, outputs and stored
@@ -249,7 +249,7 @@ def test_bound_decode_step_equals_a_fresh_one_every_step(name):
 
 
 @pytest.mark.parametrize("parallel", [False, True])
-@pytest.mark.parametrize("name", ["kv4", "pqo3", "tq3"])
+@pytest.mark.parametrize("name", ["kv4", "pqo3", "tq3", "kv4:vq=true"])
 def test_one_call_host_step_equals_the_op_by_op_step(name, parallel, monkeypatch):
     """A host decode step rotates the queries, runs the partitions (serially, or in parallel
     from the ``cpu_parallel_min_work`` knob's work on) and merges them in one compiled

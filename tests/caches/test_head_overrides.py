@@ -72,6 +72,11 @@ CASES = [
     ("pqo3.5", {"residual_length": 2}, {}, {0: {1: {"bits": 2}}, 1: {0: {"bits": 2}, 2: {"bits": 2}}},
      [["pqo3.5", "pqo2.5", "pqo3.5"], ["pqo2.5", "pqo3.5", "pqo2.5"]]),
     ("pqo3", {}, {}, {1: {2: {"norm_mode": "l2"}}}, [["pqo3"] * 3, ["pqo3", "pqo3", "pqo3-l2"]]),
+    # the head VQ code per head (a 3-bit side keeps the scalar code)
+    ("pqo-k4v3-head-eden", {"window_dtype": "int8", "key_center": True, "residual_length": 2},
+     {}, {0: {1: {"vq": True}}, 1: {0: {"v_bits": 2, "vq": True}, 2: {"vq": True}}},
+     [["pqo-k4v3-head-eden", "pqo-k4v3-head-eden-vq", "pqo-k4v3-head-eden"],
+      ["pqo-k4v2-head-eden-vq", "pqo-k4v3-head-eden", "pqo-k4v3-head-eden-vq"]]),
 ]
 
 

@@ -43,6 +43,9 @@ CONFIGS = {
     "pqo3.5": ("pqo3.5", {}),
     "tq3": ("tq3", {}),
     "tq3-head-nowin": ("tq3-l2-head", {"residual_length": 0, "sink_tokens": 0}),
+    # the head VQ code: EDEN scales checked by the dry run, plain norms by the cheap bound
+    "pqo-k4v2-head-eden-vq": ("pqo-k4v2-head-eden-vq", {"key_center": True, "window_dtype": "int8"}),
+    "pqo4-head-vq": ("pqo4-head-vq", {"window_dtype": "float32"}),
 }
 VALUES = [6.55e4, 1e5, 1e6, 1e30, -1e30]
 POSITIONS = ["sink", "window", "compressed"]
@@ -227,7 +230,7 @@ def test_huge_query_rejected_without_state_change():
 
 # --- the binary16 bound of derived scales is an upper bound -------------------------------
 @pytest.mark.parametrize("cid", ["pqo3", "pq3-l2", "pqo3-eden", "pqo-k4v3-head-eden", "tq3", "tq3-head-nowin",
-                                 "pqo3.5"])
+                                 "pqo3.5", "pqo4-head-vq"])
 def test_f16_factor_bounds_every_stored_binary16(cid):
     """``_f16_factor`` · ‖x‖ bounds every stored binary16 number: the cheap check that skips
     the scratch quantization must never let a saturating block through."""

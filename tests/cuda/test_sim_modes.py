@@ -1,5 +1,5 @@
-"""Fused attention kernels with the QJL correction, the whole-head rotation and mixed
-per-block widths (channel splits): CUDA (simulator or GPU) vs the CPU twin.
+"""Fused attention kernels with the QJL correction, the whole-head rotation, the head VQ code
+and mixed per-block widths (channel splits): CUDA (simulator or GPU) vs the CPU twin.
 
 These caches need NumPy/CuPy arrays, so the codes are built on the host and the kernel
 entry point :func:`fused_attention_rows` is called on host and on device copies."""
@@ -17,7 +17,8 @@ from ..conftest import runner_params, to_device
 def _fused_modes(rng):
     int8 = {"window_dtype": "int8"}  # a rotated int8 window: attended in the rotated domain
     for name, opts in (("tq3", {}), ("pqo2.5", {}), ("pqo3-head", {}), ("tq2-head-eden", {}), ("pqo3", int8),
-                       ("pqo-k4v3-head-eden", int8), ("pqo-k5v5-head-eden", int8)):
+                       ("pqo-k4v3-head-eden", int8), ("pqo-k5v5-head-eden", int8),
+                       ("pqo-k4v2-head-eden-vq", int8), ("pqo-k4v3-head-vq", {})):
         c = make_cache(name, num_layers=1, num_kv_heads=2, head_dim=64, residual_length=3, sink_tokens=1, **opts)
         k = rng.standard_normal((1, 2, 21, 64)).astype(np.float32)
         v = rng.standard_normal((1, 2, 21, 64)).astype(np.float32)
@@ -72,9 +73,32 @@ def _public_modes(rng):
     np.testing.assert_allclose(to_host(dev), cpu, rtol=2e-5, atol=2e-6)
 
 
+def _vq_without_bias(rng):
+    """A head VQ cache's fused step on device arrays without a logit bias (where scalar codes
+    would get the warp kernel): the plan picks the block kernel, which matches the CPU twin."""
+    from numba_kv import AttendConfig
+
+    opts = dict(num_layers=1, num_kv_heads=2, head_dim=64, residual_length=2, sink_tokens=1, window_dtype="float32")
+    host = make_cache("pqo-k4v2-head-eden-vq", **opts)
+    dev = make_cache("pqo-k4v2-head-eden-vq", **opts)
+    k = rng.standard_normal((1, 2, 18, 64)).astype(np.float32)
+    v = rng.standard_normal((1, 2, 18, 64)).astype(np.float32)
+    host.prefill(0, k, v)
+    dev.prefill(0, to_device(k), to_device(v))
+    cfg = AttendConfig(0.125, 2)
+    k1 = rng.standard_normal((1, 2, 1, 64)).astype(np.float32)
+    v1 = rng.standard_normal((1, 2, 1, 64)).astype(np.float32)
+    q = rng.standard_normal((1, 4, 1, 64)).astype(np.float32)
+    want = host.decode(0, k1, v1, q, cfg).out
+    got = dev.decode(0, to_device(k1), to_device(v1), to_device(q), cfg).out
+    assert dev._layers[0].scratch["fused_step"].step.plan.variant == "block"
+    np.testing.assert_allclose(to_host(got), want, rtol=2e-5, atol=2e-6)
+
+
 def _all_modes(rng):
     _fused_modes(rng)
     _public_modes(rng)
+    _vq_without_bias(rng)
 
 
 RUNNERS = {"decode_attention": _all_modes, "merge_partitions": _all_modes}

@@ -60,6 +60,23 @@ def _decode8(crow, p, bits, cent, sa, dst, o):
             dst[o + k] = cent[(w >> (bits * k)) & mask] * sa
 
 
+def _decode8_vq(crow, p, bits, cent, sa, dst, o):
+    """Head VQ code (:mod:`numba_kv.ops.headvq`): ``dst[o + m·i + j] = sa · cent[m·byte_i + j]``
+    for the ``bits`` bytes ``byte_i = crow[p + i]``, ``m = 8 / bits`` coordinates per byte
+    (pairs at 4 bits, quads at 2): the same eight values and bytes as :func:`_decode8`,
+    ``cent`` the flattened ``[256, m]`` codebook."""
+    if bits == 4:
+        for i in range(4):
+            c = int64(crow[p + i]) << 1
+            dst[o + 2 * i] = cent[c] * sa
+            dst[o + 2 * i + 1] = cent[c + 1] * sa
+    else:
+        for i in range(2):
+            c = int64(crow[p + i]) << 2
+            for j in range(4):
+                dst[o + 4 * i + j] = cent[c + j] * sa
+
+
 def _load_token_fast(crow, srow, cent, bits, nb, sshift, scale_table, dst):
     """``dst[0:32·nb] = |a| · c[idx_j]`` for one token whose blocks all have width ``bits``
     and codebook ``cent``; scales (one per ``2**sshift`` blocks: a shift, a 64-bit division
@@ -326,8 +343,10 @@ def _coop_tile(codes, scales, exact, exact_scales, exact_kind, kv_indices, first
     ``token_slot`` and ``plane`` say (bound per addressing, :func:`addressing`): decoded from
     ``codes``/``scales`` laid out as ``(cent2, bits_b, off_b, sshift)``, or read from the exact
     tokens ``exact`` (``exact_kind``, :func:`_exact_value`; ``exact_scales``: the int8
-    tokens' binary16 scales); one group of eight values per thread and step."""
+    tokens' binary16 scales); one group of eight values per thread and step.  A codebook
+    table wider than 32 columns is a head VQ layout (:func:`_decode8_vq`; a uniform branch)."""
     units = nb * 4
+    vq = cent2.shape[1] > 32
     for u in range(tid, nt * units, nth):
         tt = u // units
         grp = u - tt * units
@@ -336,8 +355,11 @@ def _coop_tile(codes, scales, exact, exact_scales, exact_kind, kv_indices, first
         if compressed:
             b = grp >> 2
             bits = bits_b[b]
-            _decode8(plane(codes, page, h)[slot], off_b[b] + (grp & 3) * bits, bits, cent2[b],
-                     scale_table[plane(scales, page, h)[slot, b >> sshift]], kv, o)
+            sa = scale_table[plane(scales, page, h)[slot, b >> sshift]]
+            if vq:
+                _decode8_vq(plane(codes, page, h)[slot], off_b[b] + (grp & 3) * bits, bits, cent2[b], sa, kv, o)
+            else:
+                _decode8(plane(codes, page, h)[slot], off_b[b] + (grp & 3) * bits, bits, cent2[b], sa, kv, o)
         else:
             es = exact_scale_at(exact_scales, page, h, slot, exact_kind, scale_table)
             erow = plane(exact, page, h)[slot]
@@ -410,6 +432,7 @@ token_slot, plane, exact_scale_at = _flat_slot, _flat_plane, _exact_scale_at
 
 
 decode8_cpu, decode8_dev = twin(_decode8)
+decode8_vq_cpu, decode8_vq_dev = twin(_decode8_vq)
 load_token_fast_cpu, _ = twin(_load_token_fast)
 is_uniform_cpu, _ = twin(_is_uniform)
 sign_pm1_cpu, _ = twin(_sign_pm1)

@@ -27,9 +27,8 @@ from .cores import (
     visible_cpu,
 )
 
-__all__ = ["decode_tile_mixed_cpu", "decode_tile_simd_cpu", "exact_tile_cpu", "exp_f32_cpu", "nibble_lut_cpu",
-           "softmax_tile_cpu",
-           "tile_pv_cpu", "tile_scores_cpu", "unpack_signs_tile_cpu"]
+__all__ = ["decode_tile_mixed_cpu", "decode_tile_simd_cpu", "decode_tile_vq_cpu", "exact_tile_cpu", "exp_f32_cpu",
+           "nibble_lut_cpu", "softmax_tile_cpu", "tile_pv_cpu", "tile_scores_cpu", "unpack_signs_tile_cpu"]
 
 _F32 = ir.FloatType()
 _I8 = ir.IntType(8)
@@ -259,6 +258,39 @@ def _decode_tile_mixed(codes, scales, t0, nt, cent2, bits_b, off_b, sshift, scal
 
 
 decode_tile_mixed_cpu = cpu_serial(_decode_tile_mixed)
+
+
+def _decode_tile_vq(codes, scales, t0, nt, cent, bits, nb, sshift, scale_table, dst, d0):
+    """``dst[d0 + tt] = `` token ``t0 + tt`` of a head VQ layout
+    (:meth:`~numba_kv.ops.attention.CodeLayout.head_vq`), ``tt < nt``: byte ``i`` of block ``b``
+    (``4·bits`` bytes per block) gives ``dst[…, 32·b + m·i + j] = sa · cent[m·byte + j]`` with
+    ``m = 8 / bits`` (the values of :func:`~numba_kv.ops.attention.cores._decode8_vq`; CPU
+    only).  ``cent`` is the flattened ``[256, m]`` codebook; the group size is a constant of
+    each loop nest (one per width), so the lookups are two or four loads per byte."""
+    if bits == 4:
+        for tt in range(nt):
+            t = t0 + tt
+            for b in range(nb):
+                sa = scale_table[scales[t, b >> sshift]]
+                for i in range(16):
+                    c = int64(codes[t, b * 16 + i]) << 1
+                    dst[d0 + tt, b * 32 + 2 * i] = cent[c] * sa
+                    dst[d0 + tt, b * 32 + 2 * i + 1] = cent[c + 1] * sa
+    else:
+        for tt in range(nt):
+            t = t0 + tt
+            for b in range(nb):
+                sa = scale_table[scales[t, b >> sshift]]
+                for i in range(8):
+                    c = int64(codes[t, b * 8 + i]) << 2
+                    o = b * 32 + 4 * i
+                    dst[d0 + tt, o] = cent[c] * sa
+                    dst[d0 + tt, o + 1] = cent[c + 1] * sa
+                    dst[d0 + tt, o + 2] = cent[c + 2] * sa
+                    dst[d0 + tt, o + 3] = cent[c + 3] * sa
+
+
+decode_tile_vq_cpu = cpu_serial(_decode_tile_vq, inline=True)
 
 
 def _exact_tile(ex, exs, kind, t0, nt, table, dst, d0):

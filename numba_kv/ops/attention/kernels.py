@@ -43,6 +43,7 @@ from .cores import (
 from .cpu import (
     decode_tile_mixed_cpu,
     decode_tile_simd_cpu,
+    decode_tile_vq_cpu,
     exact_tile_cpu,
     nibble_lut_cpu,
     softmax_tile_cpu,
@@ -134,8 +135,9 @@ def _kv_tile(codes, scales, exact, exact_scales, exact_kind, compressed, uniform
              kv_indices, first, page_size, g, h, t0, nt, dst, lut):
     """Tokens ``t0 … t0 + nt − 1`` of KV row ``g`` into the rows of ``dst`` (CPU), one run of
     consecutive slots at a time (a flat row is one run; a pool's run ends with its page):
-    decoded by the SIMD decoders (one width: ``cent[0]``, ``bits[0]``) or the mixed-width
-    one, or read from the exact tokens in their stored dtype."""
+    decoded by the SIMD decoders (one width: ``cent[0]``, ``bits[0]``), the mixed-width one or
+    the head VQ one (a table wider than 32 columns, :func:`~numba_kv.ops.attention.cpu.decode_tile_vq_cpu`;
+    one test per run), or read from the exact tokens in their stored dtype."""
     nb = bits.shape[0]
     tt = 0
     while tt < nt:
@@ -145,6 +147,9 @@ def _kv_tile(codes, scales, exact, exact_scales, exact_kind, compressed, uniform
             # (the scales' plane of int8 tokens only: elsewhere a placeholder)
             exs = plane_cpu(exact_scales, page, h) if exact_kind == 2 else plane_cpu(exact_scales, 0, 0)
             exact_tile_cpu(plane_cpu(exact, page, h), exs, exact_kind, slot, run, table, dst, tt)
+        elif cent.shape[1] > 32:
+            decode_tile_vq_cpu(plane_cpu(codes, page, h), plane_cpu(scales, page, h), slot, run, cent[0], bits[0], nb,
+                               sshift, table, dst, tt)
         elif uniform:
             decode_tile_simd_cpu(plane_cpu(codes, page, h), plane_cpu(scales, page, h), slot, run, cent[0], bits[0],
                                  nb, sshift, table, dst, tt, lut)

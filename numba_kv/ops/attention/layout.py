@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ..headvq import GROUP_SIZE, headvq_centroids
 from .mma import MMA_BITS
 
 __all__ = ["CodeLayout", "F16_ABS_TABLE", "code_words", "mma_layout_ok", "mma_operands", "unit_axis"]
@@ -38,14 +39,22 @@ class CodeLayout:
     ----------
     bits, offsets : int64 arrays, shape ``(head_dim / 32,)``
     centroids : float32 array, shape ``(head_dim / 32, max(16, 2**max(bits)))`` (row ``b``
-        padded with zeros: 16 columns up to 4 bits, 32 with a 5-bit block)
+        padded with zeros: 16 columns up to 4 bits, 32 with a 5-bit block), or for a head VQ
+        layout (:meth:`head_vq`) ``(head_dim / 32, 256·group)``: every row the flattened
+        ``[256, group]`` codebook
     scale_group : int
+    group : int
+        Coordinates per code byte: 1 for scalar codes (``bits``-wide indices), 2 or 4 for the
+        head VQ code (:mod:`numba_kv.ops.headvq`: byte ``i`` of a block is the index of its
+        coordinates ``group·i .. group·i + group − 1``, decoded as ``centroids[b, group·byte + j]``).
+        The kernels tell the two apart by the table's width (more than 32 columns: VQ).
     """
 
     bits: np.ndarray
     offsets: np.ndarray
     centroids: np.ndarray
     scale_group: int = 1
+    group: int = 1
 
     @property
     def width(self) -> int:
@@ -83,6 +92,26 @@ class CodeLayout:
         return _uniform_layout(codebook, int(head_dim), int(scale_group))
 
 
+    @classmethod
+    def head_vq(cls, bits: int, head_dim: int) -> CodeLayout:
+        """The head VQ code's layout (:func:`~numba_kv.ops.headvq.quantize_headvq`): every block
+        ``bits`` (4 or 2) bytes per 8 values, the codebook :func:`~numba_kv.ops.headvq.headvq_centroids`
+        flattened in every row, one norm per vector (cached per geometry)."""
+        return _head_vq_layout(int(bits), int(head_dim))
+
+
+@functools.cache
+def _head_vq_layout(bits: int, head_dim: int) -> CodeLayout:
+    nb = head_dim // 32
+    cents = np.ascontiguousarray(np.broadcast_to(headvq_centroids(bits, head_dim).reshape(1, -1),
+                                                 (nb, 256 * GROUP_SIZE[bits])), dtype=np.float32)
+    bits_b = np.full(nb, bits, dtype=np.int64)
+    offsets = (4 * bits * np.arange(nb)).astype(np.int64)
+    for a in (bits_b, offsets, cents):
+        a.flags.writeable = False
+    return CodeLayout(bits_b, offsets, cents, nb, GROUP_SIZE[bits])
+
+
 @functools.cache
 def _uniform_layout(codebook: Any, head_dim: int, scale_group: int) -> CodeLayout:
     return CodeLayout.from_blocks([codebook] * (head_dim // 32), scale_group)
@@ -100,15 +129,15 @@ def mma_layout_ok(layout: CodeLayout) -> bool:
     -------
     bool
         Every block of one width in :data:`~numba_kv.ops.attention.mma.MMA_BITS` with one
-        codebook (the kernels build their pair table from row 0 of the centroids).  Cached per
-        layout object."""
+        scalar codebook (the kernels build their pair table from row 0 of the centroids; a
+        head VQ layout never).  Cached per layout object."""
     return _mma_layout_ok(layout)
 
 
 @functools.lru_cache(maxsize=256)  # (layouts hash by identity and are immutable)
 def _mma_layout_ok(layout: CodeLayout) -> bool:
     bits = layout.bits
-    return (len(bits) > 0 and int(bits[0]) in MMA_BITS and bool(np.all(bits == bits[0]))
+    return (layout.group == 1 and len(bits) > 0 and int(bits[0]) in MMA_BITS and bool(np.all(bits == bits[0]))
             and bool(np.all(layout.centroids == layout.centroids[0])))
 
 

@@ -184,7 +184,10 @@ class AttentionPlan:
         self.n_g, self.rows, self.d = int(n_g), int(rows), int(d)
         self.has_bias, self.has_qjl = bool(has_bias), bool(has_qjl)
         # the warp kernel stages each token's packed V bytes: at most VROW per token
-        warp = use_warp_kernel(dev, d, has_bias, has_qjl) and (not compressed or v_width <= VROW)
+        # (head VQ layouts: the block kernel, whose tile decoder reads them; the warp and
+        # tensor-core kernels decode scalar codes only)
+        vq = compressed and (klayout.group > 1 or vlayout.group > 1)
+        warp = use_warp_kernel(dev, d, has_bias, has_qjl) and (not compressed or v_width <= VROW) and not vq
         mma = compressed and warp and use_mma_kernel(dev, d, has_bias, has_qjl, klayout, vlayout)
         self.variant = "mma" if mma else "warp" if warp else "block" if dev == _backend.CUDA else "cpu"
         self.kernel = _KERNELS[self.paged][self.variant]
