@@ -625,7 +625,9 @@ class PolarQuantCache(FusedDecodeMixin, LayeredCache):
     def config_dict(self) -> dict[str, Any]:
         """Constructor arguments (JSON types) that rebuild this cache's configuration."""
         cfg = self.config
-        opts = {k: v for k, v in cfg.options().items() if k != "sliding_window"}
+        # ``vq`` only when set: a scalar-code cache writes the files it wrote before the option
+        # existed (same bytes, readable by earlier versions)
+        opts = {k: v for k, v in cfg.options().items() if k != "sliding_window" and not (k == "vq" and not v)}
         return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
                 **opts, **self._window_config()}
 
