@@ -15,6 +15,7 @@ from numba_kv import reference
 from numba_kv.ops.blockquant import dequantize_blocks, quantize_blocks
 from numba_kv.ops.codebook import get_codebook
 from numba_kv.ops.headquant import dequantize_head, quantize_head
+from numba_kv.ops.headvq import dequantize_headvq, quantize_headvq
 
 from ._util import env_info, rate
 
@@ -58,6 +59,28 @@ def test_dequantize_head_numba_kv(benchmark, vectors_1m, bits):
     codes, norms = quantize_head(vectors_1m, bits)
     env_info(benchmark, len(vectors_1m))
     out = benchmark.pedantic(dequantize_head, args=(codes, norms, bits), rounds=5, warmup_rounds=1)
+    assert out.shape == vectors_1m.shape
+    rate(benchmark, len(vectors_1m))
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_quantize_headvq_numba_kv(benchmark, vectors_1m, bits):
+    """Head VQ code (pairs at 4 bits, quads at 2: a nearest-point search over 256 points per
+    group), in the group of the scalar head code at the same bytes."""
+    benchmark.group = f"quantize-d128-b{bits}"
+    quantize_headvq(vectors_1m[:256], bits)
+    env_info(benchmark, len(vectors_1m))
+    codes, _ = benchmark.pedantic(quantize_headvq, args=(vectors_1m, bits), rounds=5, warmup_rounds=1)
+    assert codes.shape == (len(vectors_1m), 16 * bits)
+    rate(benchmark, len(vectors_1m))
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_dequantize_headvq_numba_kv(benchmark, vectors_1m, bits):
+    benchmark.group = f"dequantize-d128-b{bits}"
+    codes, norms = quantize_headvq(vectors_1m, bits)
+    env_info(benchmark, len(vectors_1m))
+    out = benchmark.pedantic(dequantize_headvq, args=(codes, norms, bits), rounds=5, warmup_rounds=1)
     assert out.shape == vectors_1m.shape
     rate(benchmark, len(vectors_1m))
 
