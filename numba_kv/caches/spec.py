@@ -17,6 +17,11 @@ One cache is written ::
 * ``KEY=VALUE``: a keyword option of the cache class; ``r`` and ``s`` abbreviate
   ``residual_length`` and ``sink_tokens``; values read as bool (``true``/``false``), int,
   float or str.
+* ``layer_overrides=@FILE`` / ``head_overrides=@FILE``: the per-layer / per-KV-head options
+  of :func:`make_cache` from a JSON file (``{"3": {"k_bits": 4}}`` /
+  ``{"3": {"0": {"k_bits": 4}}}``: JSON's string keys are read as ints), so a calibrated
+  allocation fits on a command line (``"kv3:head_overrides=@widths.json"``).  The file is
+  read when the text is parsed; the option's label is ``@FILE``.
 
 A *list* of caches is a command-line matter: the command line splits its argument and
 hands each cache's text to :func:`parse_cache_spec` (``numba_kv.toolkit.specs``).
@@ -24,6 +29,7 @@ hands each cache's text to :func:`parse_cache_spec` (``numba_kv.toolkit.specs``)
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -38,7 +44,8 @@ from .polarquant import PolarQuantCache
 from .presets import PRESETS, merge_head_overrides, resolve_preset
 from .turboquant import TurboQuantCache
 
-__all__ = ["CACHE_NAMES", "OPTION_ALIASES", "PRESET_NAMES", "SUFFIX_OPTIONS", "CacheSpec", "make_cache",
+__all__ = ["CACHE_NAMES", "OPTION_ALIASES", "PRESET_NAMES", "SUFFIX_OPTIONS", "CacheSpec", "FILE_OPTIONS",
+           "FileOverrides", "load_overrides", "make_cache",
            "name_options",
            "parse_cache_spec", "parse_value"]
 
@@ -54,6 +61,57 @@ _EXPECTED = (f"expected a preset {list(PRESET_NAMES)}, one of {list(CACHE_NAMES)
              f"'tq-k<2-5>v<2-5>', optionally with '-l2', '-maxnorm', '-head', '-eden', '-vq' suffixes")
 # what a user means as a preset name ("kv3", "KV4-r32"): answered with the list of presets
 _PRESET_LIKE = re.compile(r"^kv\d")
+
+
+#: Options whose value is a JSON file (``KEY=@FILE``): nested mappings a command line cannot spell.
+FILE_OPTIONS = ("layer_overrides", "head_overrides")
+
+
+class FileOverrides(dict):
+    """A ``layer_overrides`` / ``head_overrides`` mapping read from ``@FILE`` (int keys); its
+    text form is ``@FILE``, so a spec's label names the file rather than spelling the dict."""
+
+    def __init__(self, data: Mapping[Any, Any], source: str) -> None:
+        super().__init__(data)
+        self.source = source
+
+    def __str__(self) -> str:
+        return f"@{self.source}"
+
+
+def _int_keys(where: str, obj: Any, depth: int) -> dict[int, Any]:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    out: dict[int, Any] = {}
+    for key, val in obj.items():
+        try:
+            idx = int(key)
+        except ValueError:
+            raise ValueError(f"{where}: keys must be integers, got {key!r}") from None
+        if not isinstance(val, dict):
+            raise ValueError(f"{where}[{key!r}]: expected a JSON object, got {type(val).__name__}")
+        out[idx] = _int_keys(f"{where}[{key!r}]", val, depth - 1) if depth > 1 else dict(val)
+    return out
+
+
+def load_overrides(key: str, path: str) -> FileOverrides:
+    """``layer_overrides`` (``{layer: {option: value}}``) or ``head_overrides``
+    (``{layer: {kv_head: {option: value}}}``) from the JSON file ``path``, keys as ints.
+
+    Raises
+    ------
+    ValueError
+        ``key`` is not one of :data:`FILE_OPTIONS`, the file cannot be read or is not JSON of
+        that shape (the message names ``key`` and the file).
+    """
+    if key not in FILE_OPTIONS:
+        raise ValueError(f"{key}: only {list(FILE_OPTIONS)} read a file (@FILE), got {key}=@{path}")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{key}: cannot read the JSON file {path!r}: {exc}") from None
+    return FileOverrides(_int_keys(f"{key} (@{path})", data, 2 if key == "head_overrides" else 1), path)
 
 
 def parse_value(text: str) -> Any:
@@ -162,6 +220,11 @@ def _add_option(opts: dict[str, Any], item: str, text: str) -> None:
         raise ValueError(f"malformed option {item!r} (expected KEY=VALUE) in {text!r}")
     if key in opts:
         raise ValueError(f"option {key!r} given twice in {text!r}")
+    if key in FILE_OPTIONS:
+        if not value.startswith("@") or len(value) < 2:
+            raise ValueError(f"{key}: expected @FILE (a JSON file) in {text!r}, got {value!r}")
+        opts[key] = load_overrides(key, value[1:])
+        return
     opts[key] = parse_value(value)
 
 
@@ -298,6 +361,10 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
         spec = parse_cache_spec(name) if isinstance(name, str) else None
     except ValueError:
         spec = None  # _resolve raises it again, naming the argument
+    if spec is not None and any(k in spec.options for k in FILE_OPTIONS):  # "NAME:head_overrides=@FILE"
+        layer_overrides = _one_source("layer_overrides", spec.options.get("layer_overrides"), layer_overrides)
+        head_overrides = _one_source("head_overrides", spec.options.get("head_overrides"), head_overrides)
+        spec = CacheSpec(spec.name, {k: v for k, v in spec.options.items() if k not in FILE_OPTIONS})
     if spec is not None and spec.is_preset:
         windows = {**spec.options, **options}.get("sliding_window")  # local layers are sized on their own
         base, preset_opts, preset_layers = resolve_preset(spec.name, num_layers=num_layers, num_kv_heads=num_kv_heads,
@@ -314,6 +381,13 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
     return build_cache(cls, geom, options, layer_overrides, head_overrides)
 
 
+def _one_source(key: str, from_name: Any, argument: Any) -> Any:
+    """An override mapping given in the name (``@FILE``) or as the argument, not both."""
+    if from_name is not None and argument is not None:
+        raise ValueError(f"{key}: given twice (in the name as {from_name} and as an argument)")
+    return argument if from_name is None else dict(from_name)
+
+
 def _resolve(name: str, head_dim: Any, options: dict[str, Any]) -> tuple[type, dict[str, Any]]:
     """The cache class of ``name`` and its constructor options (the name's and ``options``)."""
     if not isinstance(name, str):
@@ -322,11 +396,12 @@ def _resolve(name: str, head_dim: Any, options: dict[str, Any]) -> tuple[type, d
         spec = parse_cache_spec(name)
     except ValueError as exc:
         raise ValueError(f"name: {exc}") from None
+    named = {k: v for k, v in spec.options.items() if k not in FILE_OPTIONS}  # make_cache took them
     if spec.is_dense:
-        family, bits, implied = "dense", 0, dict(spec.options)
+        family, bits, implied = "dense", 0, named
     else:
         family, bits, implied = name_options(spec.name, head_dim)
-        implied = {**spec.options, **implied}
+        implied = {**named, **implied}
     options = merge_name_options(name, family, bits, implied, options)
     if family == "dense":
         return DenseCache, options

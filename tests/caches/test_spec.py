@@ -48,3 +48,42 @@ def test_make_cache_reads_the_full_grammar():
         make_cache("pqo3-r0", **geom, residual_length=3)
     with pytest.raises(ValueError, match="^name: unknown cache"):
         make_cache("pqo9", **geom)
+
+
+def test_override_files(tmp_path):
+    """``head_overrides=@FILE`` / ``layer_overrides=@FILE``: JSON's string keys read as ints, the
+    same cache as the argument form, the label names the file, and every misuse names the option."""
+    import json
+
+    heads = tmp_path / "heads.json"
+    heads.write_text(json.dumps({"1": {"0": {"k_bits": 4}, "-1": {"v_bits": 4}}}))
+    layers = tmp_path / "layers.json"
+    layers.write_text(json.dumps({"-1": {"bits": 4}}))
+    spec = parse_cache_spec(f"pqo3-head:head_overrides=@{heads},layer_overrides=@{layers}")
+    assert spec.options["head_overrides"] == {1: {0: {"k_bits": 4}, -1: {"v_bits": 4}}}
+    assert spec.options["layer_overrides"] == {-1: {"bits": 4}}
+    assert f"head_overrides=@{heads}" in spec.label
+    geom = {"num_layers": 3, "num_kv_heads": 3, "head_dim": 64}
+    from_file = make_cache(spec.name, **geom, **spec.options)
+    direct = make_cache("pqo3-head", **geom, head_overrides={1: {0: {"k_bits": 4}, 2: {"v_bits": 4}}},
+                        layer_overrides={2: {"bits": 4}})
+    assert from_file.config_dict() == direct.config_dict()
+    # the whole text through make_cache, and through a preset
+    assert make_cache(f"pqo3-head:head_overrides=@{heads},layer_overrides=@{layers}",
+                      **geom).config_dict() == direct.config_dict()
+    kv4 = make_cache(f"kv4:head_overrides=@{heads}", **geom)
+    # kv4 is k4v3: head 0's 4-bit keys change nothing, head 2's 4-bit values split it off
+    assert [((p.k_bits, p.v_bits), h) for p, _, h in kv4.layer_pieces(1)] == [((4, 3), (0, 1)), ((4, 4), (2,))]
+    with pytest.raises(ValueError, match="head_overrides: given twice"):
+        make_cache(f"pqo3-head:head_overrides=@{heads}", **geom, head_overrides={0: {0: {"bits": 4}}})
+    with pytest.raises(ValueError, match="head_overrides: expected @FILE"):
+        parse_cache_spec("pqo3:head_overrides=3")
+    with pytest.raises(ValueError, match="layer_overrides: cannot read the JSON file"):
+        parse_cache_spec(f"pqo3:layer_overrides=@{tmp_path / 'missing.json'}")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"x": {"bits": 4}}))
+    with pytest.raises(ValueError, match="keys must be integers"):
+        parse_cache_spec(f"pqo3:layer_overrides=@{bad}")
+    bad.write_text(json.dumps({"0": 4}))
+    with pytest.raises(ValueError, match=r"head_overrides .*expected a JSON object"):
+        parse_cache_spec(f"pqo3:head_overrides=@{bad}")
