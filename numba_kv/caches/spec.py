@@ -78,6 +78,8 @@ class FileOverrides(dict):
     def __str__(self) -> str:
         return f"@{self.source}"
 
+    __repr__ = __str__
+
 
 def _int_keys(where: str, obj: Any, depth: int) -> dict[int, Any]:
     if not isinstance(obj, dict):

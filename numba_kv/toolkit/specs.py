@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from numba_kv.caches.spec import CacheSpec, parse_cache_spec
+from numba_kv.caches.spec import FILE_OPTIONS, CacheSpec, parse_cache_spec
 
 __all__ = ["DEFAULT_CACHES", "DEFAULT_STEPS", "DEFAULT_TEXT", "DEFAULT_WARMUP", "CacheSpec", "EvalConfigError",
            "parse_cache_specs", "split_cache_list"]
@@ -126,8 +126,10 @@ def parse_cache_specs(text: str, *, residual_length: int | None = None, sink_tok
             spec = parse_cache_spec(item, defaults)
         except ValueError as exc:
             raise EvalConfigError(f"{arg}: {exc}") from None
-        try:  # validate name and options now, on a tiny geometry
-            spec.make(num_layers=1, num_kv_heads=1, head_dim=64)
+        try:  # validate name and options now, on a tiny geometry (the layer / head maps of
+            # "@FILE" options name the model's layers and heads: checked when its cache is built)
+            CacheSpec(spec.name, {k: v for k, v in spec.options.items() if k not in FILE_OPTIONS}).make(
+                num_layers=1, num_kv_heads=1, head_dim=64)
         except (ValueError, TypeError) as exc:
             head = item.partition(":")[0].strip()
             raise EvalConfigError(f"{arg}: invalid cache {head!r} with options {dict(spec.options)}: "

@@ -87,3 +87,21 @@ def test_override_files(tmp_path):
     bad.write_text(json.dumps({"0": 4}))
     with pytest.raises(ValueError, match=r"head_overrides .*expected a JSON object"):
         parse_cache_spec(f"pqo3:head_overrides=@{bad}")
+
+
+def test_override_files_on_the_command_line(tmp_path):
+    """The command line's cache list keeps ``@FILE`` maps for the model's geometry (its tiny-geometry
+    check of names and options skips them) and labels the cache with the file."""
+    import json
+
+    from numba_kv.toolkit.specs import parse_cache_specs
+
+    heads = tmp_path / "h.json"
+    heads.write_text(json.dumps({"5": {"2": {"k_bits": 4}}}))
+    dense, cache = parse_cache_specs(f"dense,pqo3-head-r8:head_overrides=@{heads},key_center=true")
+    assert str(cache.options["head_overrides"]) == f"@{heads}" and repr(cache.options["head_overrides"]) == f"@{heads}"
+    assert cache.label == f"pqo3-head-r8-s4:head_overrides=@{heads},key_center=True"
+    built = cache.make(num_layers=6, num_kv_heads=3, head_dim=64)
+    assert [(p.k_bits, h) for p, _, h in built.layer_pieces(5)] == [(3, (0, 1)), (4, (2,))]
+    with pytest.raises(ValueError, match="head_overrides"):  # the real geometry checks the map
+        cache.make(num_layers=6, num_kv_heads=2, head_dim=64)
