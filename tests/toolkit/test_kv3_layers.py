@@ -148,3 +148,23 @@ def test_code_option_picks_the_group_code_where_a_group_is_one_byte(kl, tiny_ggu
     assert rows["uniform k4v2"]["code_bits"] == pytest.approx(3.0 + 8 / 32)  # an 8-bit norm at d = 32
     monkeypatch.setattr(kl, "CODE", "head")
     monkeypatch.setattr(kl, "NORM8", False)
+
+
+def test_alloc_overrides_are_the_caches_maps(kl):
+    """An allocation as head_overrides / layer_overrides: units layer-major, base widths left out, and
+    the map builds a cache whose heads have the allocated widths."""
+    from numba_kv import make_cache
+
+    alloc = [(4, 2), (3, 3), (4, 3), (4, 2), (3, 2), (4, 2)]  # 2 layers x 3 KV heads
+    heads = kl.alloc_overrides(alloc, 3, True)
+    assert heads == {"0": {"1": {"k_bits": 3, "v_bits": 3}, "2": {"k_bits": 4, "v_bits": 3}},
+                     "1": {"1": {"k_bits": 3, "v_bits": 2}}}
+    cache = make_cache("pqo-k4v2-head", num_layers=2, num_kv_heads=3, head_dim=64,
+                       head_overrides={int(k): {int(h): o for h, o in v.items()} for k, v in heads.items()})
+    got = [None] * 6
+    for layer in range(2):
+        for part, _, hs in cache.layer_pieces(layer):
+            for h in hs:
+                got[layer * 3 + h] = (part.k_bits, part.v_bits)
+    assert got == alloc
+    assert kl.alloc_overrides([(4, 2), (3, 3)], 3, False) == {"1": {"k_bits": 3, "v_bits": 3}}
