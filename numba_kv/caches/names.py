@@ -14,8 +14,8 @@ from typing import Any
 
 from .config import PolarQuantConfig, TurboQuantConfig
 
-__all__ = ["CACHE_NAMES", "SUFFIX_OPTIONS", "compressed_config", "config_name", "fraction_percent", "merge_name_options",
-           "name_options", "percent_fraction"]
+__all__ = ["CACHE_NAMES", "SUFFIX_OPTIONS", "compressed_config", "config_name", "fraction_percent",
+           "merge_name_options", "name_options", "percent_fraction"]
 
 CACHE_NAMES = ("dense", "pq2", "pq3", "pq4", "pqo2", "pqo3", "pqo4", "pqo2.5", "pqo3.5", "tq2", "tq3", "tq4")
 SUFFIX_OPTIONS: dict[str, dict[str, Any]] = {
