@@ -89,7 +89,8 @@ class PolarQuantCache(FusedDecodeMixin, WindowedLayers, LayeredCache):
         the oldest window tokens beyond that (a compressed token never comes back).  The
         window buffers grow by the cache's growth rule.  At 8K tokens on SmolLM2-135M a
         window of 7 % of the history passed the quality targets that a window fixed at its
-        1K size missed, for the same bits/value (the caches guide, "A window that grows").
+        1K size missed, for the same bits/value (the windows guide, "A window that grows with
+        the history").
     window_dtype : {"float16", "float32", "int8"}
         Storage of window/sink tokens.  float16 (default) is exact for fp16 models and
         within 2^-11 relative otherwise, at half the bytes.  ``"int8"``: symmetric absmax
