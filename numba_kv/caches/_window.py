@@ -303,6 +303,8 @@ class ExactWindow:
         buffers go into a new buffer dict, so whatever is bound to the old one (a fused
         attention step, the int8 store's arguments) is bound again.
         """
+        if not self.ratio[0]:  # a fixed window (every store of a decode step passes here)
+            return self.residual_length
         r = window_capacity(tokens, self.residual_length, self.ratio)
         bufs = st.buffers
         ex = bufs.get("k_exact")

@@ -149,6 +149,9 @@ def test_config_dict_omits_a_zero_fraction():
     assert grown.config_dict()["residual_fraction"] == 0.25 and grown.name == "pqo3-r8-g25-s2"
     only = make_cache("pqo3-r0-s0", num_layers=1, num_kv_heads=1, head_dim=64, residual_fraction=0.1)
     assert only.windowed and only.name == "pqo3-r0-g10-s0"
+    x = np.ones((1, 1, 30, 64), np.float32)
+    only.prefill(0, x, x)  # no sinks, no floor: the window is the fraction alone (buffers of 0 tokens grow)
+    assert _counts(only) == (0, 27, 3)
 
 
 def test_fraction_is_a_layer_option_not_a_head_option():
