@@ -50,6 +50,17 @@ def test_window_capacity_grows_slower_than_the_tokens(t, n, residual, permille):
     assert r0 <= r1 <= r0 + n  # nondecreasing, and never more than the new tokens supply
 
 
+@given(hs.integers(1, 500), hs.integers(0, 300), hs.integers(0, 300))
+def test_a_store_evicts_down_to_the_capacity_from_any_window(n, n_win, cap):
+    """A sliding layer's eviction can leave more window than the capacity at its now shorter
+    length (no sinks there): the next store evicts down to it, oldest first."""
+    plan = plan_store(n, n_win + 7, n_win, 0, cap)
+    assert min(plan) >= 0 and plan.sinks == 0
+    assert plan.keep_old + plan.keep_new == min(n_win + n, cap)
+    assert plan.evict_old == min(n_win, max(0, n_win + n - cap))  # old tokens first
+    assert plan.compressed == n_win + n - min(n_win + n, cap) and plan.keep_old + plan.evict_old == n_win
+
+
 def _model_store(model, n, sinks, residual, pct):
     """The token-list model: new tokens fill the sinks, then the window; the oldest window
     tokens beyond ``R(t)`` are compressed (appended to the compressed list)."""
@@ -386,3 +397,23 @@ def test_a_preset_can_carry_a_fraction(monkeypatch):
             assert 8 * row / (2 * tokens * 64) <= 4.25
     cache = make_cache("kvg", num_layers=2, num_kv_heads=1, head_dim=64)
     assert cache.residual_fraction == 0.07 and base in cache.name
+
+
+def test_sliding_layer_window_is_a_share_of_what_it_stores(rng):
+    """On a sliding layer ``t`` is what the layer still stores: after every step its window
+    is within ``R(stored)``, and the history it returns holds exactly its newest ``n_win``
+    tokens bit for bit (float32 window) and compressed ones before them."""
+    cache = make_cache("pqo3-r2-g25-s2", num_layers=1, num_kv_heads=1, head_dim=_D, window_dtype="float32",
+                       decode_output="dequantized", sliding_window=40)
+    cfg = AttendConfig(_D ** -0.5, 1)
+    seen = []
+    for n in (30, 1, 1, 9, 1, 1, 25, 1, 3, 1, 1):
+        k = rng.standard_normal((1, 1, n, _D)).astype(np.float32)
+        seen.append(k)
+        res = cache.decode(0, k, k, k, cfg).result
+        stored = cache.stored_len(0)
+        _, n_comp, n_win = _counts(cache)
+        assert n_win <= _cap(stored, 2, "25") and n_comp + n_win == stored
+        full = np.concatenate(seen, 2)[:, :, -stored:]
+        np.testing.assert_array_equal(res.k[:, :, stored - n_win:], full[:, :, stored - n_win:])
+        assert (np.abs(res.k[:, :, :n_comp] - full[:, :, :n_comp]).max(axis=-1) > 0).all()
