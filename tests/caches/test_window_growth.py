@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as hs
 
-from numba_kv import AttendConfig, PolarQuantCache, make_cache, reference
+from numba_kv import AttendConfig, PolarQuantCache, load_cache, make_cache, reference
 from numba_kv.caches import presets
 from numba_kv.caches._window import crop_counts, fraction_ratio, plan_store, window_capacity
 from numba_kv.caches.config import PolarQuantConfig
@@ -294,15 +294,18 @@ def test_fused_decode_equals_the_dequantized_oracle_while_growing(window_dtype, 
         assert (err > 0).all() and (err < 0.5 * np.linalg.norm(full[:, :, ~exact], axis=-1)).all()
 
 
-def test_save_load_mid_growth(rng):
+def test_save_load_mid_growth(tmp_path, rng):
     """A cache saved after its window outgrew its first buffers (a global and a sliding
     layer) loads equal: counters, and every later output bit for bit."""
+    pytest.importorskip("safetensors")
     cache = make_cache("pqo4-r6-g20-s2", num_layers=2, num_kv_heads=_H, head_dim=_D, window_dtype="int8",
                        sliding_window=[None, 48])
     list(_feed_layers(cache, [90, 1, 1, 7, 1], rng))
     assert cache._layers[0].buffers["k_exact"].shape[1] > 2 + 6
     assert _counts(cache, 1)[2] <= _cap(cache.stored_len(1), 6, "20")
-    loaded = type(cache).from_state_dict(cache.state_dict())
+    cache.save(tmp_path / "grown.safetensors")
+    loaded = load_cache(tmp_path / "grown.safetensors")
+    assert loaded.name == cache.name == "pqo4-r6-g20-s2"
     for a, b in zip(cache._layers, loaded._layers):
         assert a.meta == b.meta and a.seq_len == b.seq_len
     cfg = AttendConfig(_D ** -0.5, 1)
