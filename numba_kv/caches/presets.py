@@ -56,12 +56,6 @@ class Preset:
     sink_tokens : int
         First tokens kept in the window; the newest ``residual_length`` fill the rest of
         the budget.
-    residual_fraction : float
-        A window that grows with the history (the cache option ``residual_fraction``, 0:
-        none): at ``t`` tokens it holds ``max(residual_length, floor(f·t))`` tokens, so the
-        bits/value stays near the budget at long lengths instead of falling to the codes'
-        width.  ``residual_length`` is still sized to the budget at :data:`BUDGET_TOKENS`
-        with the fraction counted (:func:`preset_bytes` counts it at any length).
     layer_overrides : dict {int: dict}
         Options of single layers; negative keys count from the end (``-1``: last layer).
     head_overrides : dict {int: dict {int: dict}}
@@ -70,6 +64,12 @@ class Preset:
         end); counted in the budget head by head.
     summary : str
         One line for help texts.
+    residual_fraction : float
+        A window that grows with the history (the cache option ``residual_fraction``, 0:
+        none): at ``t`` tokens it holds ``max(residual_length, floor(f·t))`` tokens, so the
+        bits/value stays near the budget at long lengths instead of falling to the codes'
+        width.  ``residual_length`` is still sized to the budget at :data:`BUDGET_TOKENS`
+        with the fraction counted (:func:`preset_bytes` counts it at any length).
     """
 
     name: str
@@ -77,10 +77,10 @@ class Preset:
     options: Mapping[str, Any]
     budget: float
     sink_tokens: int = 4
-    residual_fraction: float = 0.0
     layer_overrides: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
     head_overrides: Mapping[int, Mapping[int, Mapping[str, Any]]] = field(default_factory=dict)
     summary: str = ""
+    residual_fraction: float = 0.0  # (last: the fields before it keep their positions)
 
 
 _BASE = "pqo-k4v3-head-eden"
