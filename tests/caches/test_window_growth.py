@@ -169,6 +169,16 @@ def test_fraction_is_a_layer_option_not_a_head_option():
     mixed = make_cache("pqo3-r4-s2", num_layers=2, num_kv_heads=2, head_dim=64,
                        layer_overrides={1: {"residual_fraction": 0.5}})
     assert [mixed.layer_cache(i).residual_fraction for i in range(2)] == [0.0, 0.5]
+    x = np.ones((1, 2, 100, 64), np.float32)
+    for layer in (0, 1):
+        mixed.prefill(layer, x, x)
+    wins = []
+    for layer in (0, 1):
+        part, j, _ = mixed.layer_pieces(layer)[0]
+        wins.append(part._layers[j].meta["n_win"])
+    assert wins == [4, 50]  # residual_length 4; floor(0.5 · 100)
+    again = type(mixed).from_state_dict(mixed.state_dict())
+    assert again.config_dict() == mixed.config_dict() and again.memory_usage() == mixed.memory_usage()
     with pytest.raises(ValueError, match="residual_fraction"):
         make_cache("pqo3", num_layers=1, num_kv_heads=2, head_dim=64,
                    head_overrides={0: {1: {"residual_fraction": 0.5}}})
