@@ -13,7 +13,8 @@ hold ``layer_overrides`` and ``head_overrides`` — ``{"3": {"0": {"k_bits": 4}}
 as JSON has them) or a cache spec string (a preset name, ``pqo3-r32-s4``, ...).  A JSON
 candidate with ``"budget"`` is a preset under trial: ``{"name": BASE, "options": {...},
 "budget": 4.0, "sink_tokens": 4}`` is registered as a temporary preset ``LABEL`` and sized
-like ``kv4``/``kv5`` (its window fills the budget on the model's geometry).
+like ``kv4``/``kv5`` (its window fills the budget on the model's geometry); ``"residual_fraction":
+0.07`` gives it a window that grows to 7 % of the history (``Preset.residual_fraction``).
 
 The dense reference logits are kept in ``--ref-dir`` (one ``.npy`` per model, length and
 prefill), so later runs skip the dense pass.
@@ -49,7 +50,8 @@ def _spec(label: str, text: str) -> CacheSpec:
             over = opts.pop("layer_overrides", {})
             head_over = opts.pop("head_overrides", {})
             presets.PRESETS[label] = presets.Preset(label, d["name"], opts, float(d["budget"]),
-                                                    int(d.get("sink_tokens", 4)), over, head_overrides=head_over)
+                                                    int(d.get("sink_tokens", 4)), over, head_overrides=head_over,
+                                                    residual_fraction=float(d.get("residual_fraction", 0.0)))
             return CacheSpec(label, {})
         return CacheSpec(d["name"], opts)
     return parse_cache_spec(text)

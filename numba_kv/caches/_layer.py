@@ -193,6 +193,18 @@ def shift_front(buf: Any, e: int, n: int) -> None:
     copy_tokens(tmp, 0, m, buf, 0)
 
 
+def moved_buffer(old: Any, live: int, like: Any, shape: tuple[int, int, int], dtype: Any) -> Any:
+    """A new zeroed buffer ``shape`` on the device of ``like`` holding the first ``live``
+    tokens of ``old`` (storage growth; ``old`` may be ``None`` when ``live`` is 0)."""
+    new = _backend.zeros(like, shape, dtype)
+    if live:
+        if np.dtype(dtype) == np.float16:  # no float16 in Numba's CPU kernels (NumPy/CuPy only)
+            new[:, :live] = old[:, :live]
+        else:
+            copy_prefix(old, live, new)
+    return new
+
+
 def grown_capacity(needed: int) -> int:
     """Capacity after growth: ``needed + max(needed·growth_fraction, growth_min_extra)``."""
     extra = max(int(needed * _config.get("growth_fraction")), int(_config.get("growth_min_extra")))
@@ -331,14 +343,11 @@ class LayeredCache(LifecycleMixin, ValueChecks):
         new = {}
         for name, (width, dtype, fixed) in self._buffer_spec().items():
             if fixed is not None and name in st.buffers:
-                new[name] = st.buffers[name]  # fixed-size buffers never move
+                new[name] = st.buffers[name]  # fixed-size buffers move only when their owner grows them
                 continue
-            new[name] = _backend.zeros(like, (rows, fixed if fixed is not None else cap, width), dtype)
-            if name in st.buffers and st.live_count(name):
-                if np.dtype(dtype) == np.float16:  # no float16 in Numba's CPU kernels (NumPy/CuPy only)
-                    new[name][:, : st.live_count(name)] = st.buffers[name][:, : st.live_count(name)]
-                else:
-                    copy_prefix(st.buffers[name], st.live_count(name), new[name])
+            old = st.buffers.get(name)
+            new[name] = moved_buffer(old, st.live_count(name) if old is not None else 0, like,
+                                     (rows, fixed if fixed is not None else cap, width), dtype)
         st.buffers = new
         st.capacity = cap
 
@@ -575,13 +584,19 @@ class LayeredCache(LifecycleMixin, ValueChecks):
             if t.dtype != np.dtype(dtype) or t.shape != (rows, nl, width):
                 raise CacheFileError(f"tensors: {key} is {t.dtype} {t.shape}, the configuration expects "
                                      f"{np.dtype(dtype)} {(rows, nl, width)}")
-            if fixed is not None and nl > fixed:
-                raise CacheFileError(f"tensors: {key} holds {nl} tokens, more than its capacity {fixed}")
+            limit = None if fixed is None else self._fixed_limit(n, fixed, seq_len)
+            if limit is not None and nl > limit:
+                raise CacheFileError(f"tensors: {key} holds {nl} tokens, more than its capacity {limit}")
             bufs[n] = (t, nl, fixed)
         if meta.get("n_evicted", 0) and self.layer_windows[i] is None:
             raise CacheFileError(f"state: layer {i} has evicted tokens but is not a sliding-window layer")
         self._check_counters(i, seq_len, {k: v for k, v in meta.items() if k != "n_evicted"}, live)
         return seq_len, batch, dict(meta), {n: int(v) for n, v in live.items()}, bufs
+
+    def _fixed_limit(self, name: str, fixed: int, seq_len: int) -> int:
+        """Most tokens buffer ``name`` (of spec capacity ``fixed``) can hold in a layer storing
+        ``seq_len`` tokens: ``fixed`` (a cache whose window grows with the history says more)."""
+        return fixed
 
     def _check_counters(self, i: int, seq_len: int, meta: dict[str, int], live: dict[str, Any]) -> None:
         """``CacheFileError`` unless a restored layer's counters (without ``n_evicted``) and
@@ -596,7 +611,9 @@ class LayeredCache(LifecycleMixin, ValueChecks):
         cap = grown_capacity(max([nl for _, nl, fixed in bufs.values() if fixed is None], default=0))
         st.buffers = {}
         for n, (t, nl, fixed) in bufs.items():
-            buf = np.zeros((batch * self.num_kv_heads, fixed if fixed is not None else cap, t.shape[2]), t.dtype)
+            # (a fixed-size buffer holds at least its spec's tokens: a grown window may hold more)
+            buf = np.zeros((batch * self.num_kv_heads, max(fixed, nl) if fixed is not None else cap, t.shape[2]),
+                           t.dtype)
             buf[:, :nl] = t
             st.buffers[n] = buf
         st.capacity, st.seq_len, st.batch, st.device = cap, seq_len, batch, "cpu"

@@ -3,24 +3,33 @@ sinks, the recent window and its eviction into the compressed store.
 
 Per layer the cache stores, in token order, ``n_sink`` sink tokens (the first ``S`` tokens
 of a global layer, kept exact for good), ``n_comp`` compressed tokens and ``n_win`` window
-tokens (the newest, at most ``R``, kept exact until they leave the window).  The exact
-tokens live in fixed-size buffers ``<side>_exact`` ``[rows, S + R, head_dim]`` (sinks at
-``[0, n_sink)``, the window at ``[S, S + n_win)``), as float32, float16, or int8 with one
+tokens (the newest, at most ``R``, kept exact until they leave the window).  ``R`` is
+``residual_length``, or with ``residual_fraction = f > 0`` it grows with the history:
+``R(t) = max(residual_length, floor(f·t))`` after a store that brings the layer to ``t``
+stored tokens (:func:`window_capacity`).  Since ``f < 1``, ``R`` grows by less than one
+token per token stored, so the new tokens always cover the growth and no compressed token
+ever comes back; a store evicts the oldest window tokens down to ``R(t)``.  The exact
+tokens live in buffers ``<side>_exact`` ``[rows, >= S + R, head_dim]`` (sinks at
+``[0, n_sink)``, the window at ``[S, S + n_win)``; ``S + residual_length`` long, grown by
+:meth:`ExactWindow.reserve` when ``R(t)`` outgrows them), as float32, float16, or int8 with one
 binary16 absmax scale per vector in ``<side>_exact_scale`` ``[rows, S + R, 1]``; int8
 vectors are stored rotated by the cache's own randomized Hadamard rotation (whole head or
 per 32-block) unless ``rotation=None``, so fused attention can score and accumulate them
 in the rotated domain of the compressed tokens.  The counters live in the layer's ``meta``
 (``n_sink``, ``n_comp``, ``n_win``).
 
-The arithmetic of a store / crop / eviction is in pure functions (:func:`plan_store`,
-:func:`crop_counts`, :func:`evict_counts`) so it can be tested without buffers.
+The arithmetic of a store / crop / eviction is in pure functions (:func:`window_capacity`,
+:func:`plan_store`, :func:`crop_counts`, :func:`evict_counts`) so it can be tested without
+buffers; :class:`WindowedLayers` keeps a layer's counters consistent with them.
 (Keeping the first and the newest tokens exact is the scheme of KIVI, arXiv:2402.02750,
 and of StreamingLLM's attention sinks, arXiv:2309.17453.)
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -32,9 +41,59 @@ from ..ops.headquant import HEAD_DIMS, head_signs, rotate_head_rows
 from ..ops.memory import copy_tokens, slide_windows
 from ..ops.positions import exact_positions_into
 from ..ops.window8 import ROT_BLOCK, ROT_HEAD, ROT_NONE, window8_store
-from ._layer import BufferSpec, LayerState, grown_capacity
+from ._layer import BufferSpec, LayerState, grown_capacity, moved_buffer, shift_front
+from .state import CacheFileError
 
-__all__ = ["ExactWindow", "StorePlan", "assign_tokens", "crop_counts", "evict_counts", "layer_counts", "plan_store"]
+__all__ = ["ExactWindow", "StorePlan", "WindowedLayers", "assign_tokens", "crop_counts", "evict_counts",
+           "fraction_ratio", "layer_counts", "plan_store", "window_capacity"]
+
+#: largest denominator of a window fraction (:func:`fraction_ratio`): six decimal places are exact
+FRACTION_DENOMINATOR = 10 ** 6
+
+
+@functools.lru_cache(maxsize=64)
+def fraction_ratio(fraction: float) -> tuple[int, int]:
+    """``(num, den)``: the fraction ``f`` as the nearest ratio with ``den <= 10**6``.
+
+    The window's capacity is then integer arithmetic, exact at every length: ``0.07`` is
+    7/100 (the binary float ``0.07`` is a little more than that, ``0.29`` a little less, so
+    ``floor(0.29·100)`` in floating point is 28, not 29).
+
+    Examples
+    --------
+    >>> fraction_ratio(0.07), fraction_ratio(0.29), fraction_ratio(0.0)
+    ((7, 100), (29, 100), (0, 1))
+    """
+    r = Fraction(fraction).limit_denominator(FRACTION_DENOMINATOR)
+    return r.numerator, r.denominator
+
+
+def window_capacity(tokens: int, residual: int, ratio: tuple[int, int] = (0, 1)) -> int:
+    """Window tokens ``R(t) = max(residual, floor(t·num/den))`` after a store that brings a
+    layer to ``t = tokens`` stored tokens (sinks included; the window excludes them).
+
+    Parameters
+    ----------
+    tokens : int
+        Tokens the layer stores after the store (on a sliding layer: what it still stores).
+    residual : int
+        ``residual_length``: the window's floor.
+    ratio : tuple of int
+        ``residual_fraction`` as ``(num, den)`` (:func:`fraction_ratio`), ``num < den``.
+
+    Returns
+    -------
+    int
+        Nondecreasing in ``tokens`` and ``R(t + n) - R(t) <= n`` (``num < den``): a store of
+        ``n`` tokens never needs more window than its own tokens supply.
+
+    Examples
+    --------
+    >>> window_capacity(8192, 44, (7, 100)), window_capacity(512, 44, (7, 100))
+    (573, 44)
+    """
+    num, den = ratio
+    return max(residual, tokens * num // den)
 
 
 def assign_tokens(src: Any, s0: int, n: int, dst: Any, d0: int) -> None:
@@ -90,14 +149,17 @@ def plan_store(n: int, stored: int, n_win: int, sinks: int, residual: int) -> St
     stored : int
         Tokens the layer stores now (sinks + compressed + window).
     n_win : int
-        Tokens in the window now (``<= residual``).
+        Tokens in the window now (more than ``residual`` only after a sliding layer's
+        eviction lowered its window capacity: the store evicts down to it).
     sinks, residual : int
-        Sink tokens of the layer (0 on sliding layers) and window length ``R``.
+        Sink tokens of the layer (0 on sliding layers) and the window's capacity after this
+        store (``residual_length``, or :func:`window_capacity` of ``stored + n`` when it grows).
 
     Returns
     -------
     StorePlan
-        Afterwards the window holds ``keep_old + keep_new <= residual`` tokens.
+        Afterwards the window holds ``keep_old + keep_new = min(n_win + new non-sinks,
+        residual)`` tokens: only what must leave is compressed.
 
     Examples
     --------
@@ -180,18 +242,24 @@ class ExactWindow:
     head_dim : int
         Vector width.
     sink_tokens, residual_length : int
-        ``S`` and ``R``; the exact buffers hold ``S + R`` tokens.
+        ``S`` and ``R``; the exact buffers hold ``S + R`` tokens (more once a growing window
+        outgrows them, :meth:`reserve`).
     rotation : {None, "head", "block"}
         Store int8 vectors rotated over the whole head (``head_dim`` a power of two ≤ 512)
         or per 32-block, or unrotated (``None``); no effect on float buffers.
+    residual_fraction : float
+        ``f``: the window holds up to ``max(R, floor(f·t))`` tokens at ``t`` stored tokens
+        (:func:`window_capacity`).
     """
 
-    def __init__(self, head_dim: int, sink_tokens: int, residual_length: int, rotation: str | None = None) -> None:
+    def __init__(self, head_dim: int, sink_tokens: int, residual_length: int, rotation: str | None = None,
+                 residual_fraction: float = 0.0) -> None:
         if rotation not in (None, "head", "block") or (rotation == "head" and head_dim not in HEAD_DIMS):
             raise ValueError(f"rotation: expected None, 'block' or 'head' (head_dim in {HEAD_DIMS}), got {rotation!r}")
         self.head_dim = head_dim
         self.sink_tokens = sink_tokens
         self.residual_length = residual_length
+        self.ratio = fraction_ratio(residual_fraction)
         self.rotation = rotation
         #: the rotation as :func:`~numba_kv.ops.window8.window8_store` takes it, and its signs
         self.rot_code = {None: ROT_NONE, "head": ROT_HEAD, "block": ROT_BLOCK}[rotation]
@@ -218,8 +286,39 @@ class ExactWindow:
 
     @property
     def capacity(self) -> int:
-        """Tokens of the fixed-size exact buffers (``S + R``)."""
+        """Tokens of newly allocated exact buffers (``S + R``)."""
         return self.sink_tokens + self.residual_length
+
+    def window_at(self, tokens: int) -> int:
+        """The window's capacity at ``tokens`` stored tokens (:func:`window_capacity`)."""
+        return window_capacity(tokens, self.residual_length, self.ratio)
+
+    def reserve(self, st: LayerState, sinks: int, tokens: int) -> int:
+        """The window's capacity ``R`` after a store that brings the layer to ``tokens``
+        stored tokens, with the layer's exact buffers grown (when allocated and too short) to
+        hold its ``sinks`` and ``R`` window tokens.
+
+        Growth follows :func:`~numba_kv.caches._layer.grown_capacity` (``S + R`` plus a
+        quarter, at least 128 tokens, by default): amortized, not once per token.  The grown
+        buffers go into a new buffer dict, so whatever is bound to the old one (a fused
+        attention step, the int8 store's arguments) is bound again.
+        """
+        if not self.ratio[0]:  # a fixed window (every store of a decode step passes here)
+            return self.residual_length
+        r = window_capacity(tokens, self.residual_length, self.ratio)
+        bufs = st.buffers
+        ex = bufs.get("k_exact")
+        if ex is None or int(ex.shape[1]) >= sinks + r:
+            return r
+        live = st.meta.get("n_sink", 0) + st.meta.get("n_win", 0)  # sinks at the front, the window after them
+        length = self.sink_tokens + grown_capacity(r)
+        grown = {}
+        for key in ("k_exact", "v_exact", "k_exact_scale", "v_exact_scale"):
+            if key in bufs:
+                old = bufs[key]
+                grown[key] = moved_buffer(old, live, old, (int(old.shape[0]), length, int(old.shape[2])), old.dtype)
+        st.buffers = {**bufs, **grown}
+        return r
 
     def buffer_spec(self, dtype: Any) -> BufferSpec:
         """``k_exact``/``v_exact`` (and with int8 storage their binary16 scales)."""
@@ -418,3 +517,81 @@ class ExactWindow:
         assign_tokens(ex, 0, n_sink, flat, 0)
         assign_tokens(comp, 0, n_comp, flat, n_sink)
         assign_tokens(ex, n_sink, n_win, flat, n_sink + n_comp)
+
+
+class WindowedLayers:
+    """The layer bookkeeping of a cache with an :class:`ExactWindow` (sinks, compressed
+    tokens, window), as a mixin of :class:`~numba_kv.caches.polarquant.PolarQuantCache`:
+    live counts, counter checks of a loaded file, sliding eviction and crop.  Reads the
+    cache's ``_window``, ``windowed``, ``sink_tokens``, ``layer_windows`` and ``_buffer_spec``."""
+
+    _window: ExactWindow
+
+    def _fixed_limit(self, name: str, fixed: int, seq_len: int) -> int:
+        """An exact buffer holds up to ``S + R(seq_len)`` tokens (more than its spec's
+        ``S + residual_length`` once a growing window outgrew it); other buffers ``fixed``."""
+        if name.endswith(("_exact", "_exact_scale")):
+            return self.sink_tokens + self._window.window_at(seq_len)
+        return fixed
+
+    def _check_counters(self, i: int, seq_len: int, meta: dict[str, int], live: dict[str, Any]) -> None:
+        window = self.layer_windows[i]
+        n_sink, n_comp, n_win = (meta.get(k, 0) for k in ("n_sink", "n_comp", "n_win"))
+        # every state a store or crop leaves has n_win <= R(seq_len): a store evicts down to it,
+        # and a crop by d tokens lowers R by at most d (floor(f·t) grows by < 1 per token)
+        S, R = (0 if window is not None else self.sink_tokens), self._window.window_at(seq_len)
+        ok = n_sink + n_comp + n_win == seq_len and n_sink <= S and n_win <= R and (n_sink == S or n_comp + n_win == 0)
+        if not self.windowed:
+            ok = ok and n_comp == seq_len
+        probe = LayerState(seq_len=seq_len, meta=dict(meta))
+        self._set_live(probe)
+        if not ok or probe.live != live:
+            raise CacheFileError(f"state: layer {i} counters {meta} / live {live} are inconsistent with seq_len "
+                                 f"{seq_len} and the configuration (sinks {S}, window {R})")
+
+    def _set_live(self, st: LayerState) -> None:
+        """Live token counts of every buffer from the layer's counters."""
+        meta = st.meta
+        # the allocated buffers are the spec's (rebuilding the spec each decode step cost more
+        # than the rest of this bookkeeping); their names grouped by counter, once per buffer dict
+        names = st.buffers or self._buffer_spec()
+        groups = st.scratch.get("live_groups")
+        if groups is None or groups[0] is not names:
+            kinds: tuple[list[str], list[str], list[str]] = ([], [], [])
+            for bname in names:
+                kinds[0 if bname.endswith(("_exact", "_exact_scale"))
+                      else 1 if bname in ("k_chmean", "k_perm", "v_perm") else 2].append(bname)
+            groups = (names, *kinds)
+            if st.buffers:
+                st.scratch["live_groups"] = groups
+        live = st.live
+        n_exact = meta.get("n_sink", 0) + meta.get("n_win", 0)
+        for bname in groups[1]:
+            live[bname] = n_exact
+        for bname in groups[2]:
+            live[bname] = 1
+        n_comp = meta.get("n_comp", 0)
+        for bname in groups[3]:
+            live[bname] = n_comp
+
+    def _evict(self, st: LayerState, e: int) -> None:
+        # sliding layers keep no sinks: stored order is compressed [0, n_comp), window after
+        _, n_comp, n_win = layer_counts(st)
+        ec, ew = evict_counts(n_comp, e)
+        if ec:
+            for bname, (_, _, fixed) in self._buffer_spec().items():
+                if fixed is None:
+                    shift_front(st.buffers[bname], ec, n_comp)
+        if ew:
+            for name in ("k", "v"):
+                self._window.move(st, name, ew, n_win - ew, 0)
+        st.meta.update(n_comp=n_comp - ec, n_win=n_win - ew)
+        st.seq_len -= e
+        self._set_live(st)
+
+    def _crop_layer(self, st: LayerState, length: int) -> None:
+        n_sink, n_comp, n_win = crop_counts(st.meta.get("n_sink", 0), st.meta.get("n_comp", 0), length,
+                                            self.windowed)
+        st.meta.update(n_sink=n_sink, n_comp=n_comp, n_win=n_win)
+        st.seq_len = length
+        self._set_live(st)

@@ -22,6 +22,7 @@ from .._validate import check_head_dim, check_int
 from ..ops.blockquant import NORM_MODES
 from ..ops.qjl import SKETCH_SEED
 from ._layer import check_sliding_window
+from ._window import fraction_ratio, window_capacity
 
 __all__ = ["DECODE_OUTPUTS", "DEFAULT_PAGE_SIZE", "PAGED_STORAGES", "ROTATIONS", "VQ_WIDTHS", "WINDOW_DTYPES",
            "PagedConfig", "PolarQuantConfig", "TurboQuantConfig", "mirror_config_fields"]
@@ -50,6 +51,18 @@ def mirror_config_fields(*names: str) -> Any:
                                         doc=f"``config.{name}`` (see :class:`PolarQuantConfig`)."))
         return cls
     return decorate
+
+
+def _check_fraction(value: Any) -> float:
+    """``residual_fraction`` as a float in ``[0, 1)`` (``TypeError`` / ``ValueError`` naming it)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"residual_fraction: expected a float in [0, 1), got {type(value).__name__} {value!r}")
+    # (NaN fails both comparisons.)  Below 1, floor(f·t) grows by less than a token per token
+    # stored, so a store never needs a compressed token back in the window
+    if not 0.0 <= float(value) < 1.0:
+        raise ValueError(f"residual_fraction: expected a fraction of the stored tokens in [0, 1) (0: a window "
+                         f"of residual_length tokens), got {value!r}")
+    return float(value)
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -81,6 +94,13 @@ class PolarQuantConfig:
         choice there), else ``"maxnorm"``.
     residual_length, sink_tokens : int
         Newest / first tokens kept uncompressed (``>= 0``).
+    residual_fraction : float
+        ``0 <= f < 1``: the window grows with the history.  After a store that brings a
+        layer to ``t`` stored tokens (sinks included) it holds up to
+        ``R(t) = max(residual_length, floor(f·t))`` tokens besides the sinks
+        (:func:`~numba_kv.caches._window.window_capacity`; ``f`` is taken as the nearest
+        fraction with a denominator ``<= 10**6``, so ``0.07`` is exactly 7/100).  0 (default):
+        a window of ``residual_length`` tokens.
     window_dtype : {"float16", "float32", "int8"}
         Storage of window and sink tokens (stored as the name).
     window_rotation : bool
@@ -152,6 +172,7 @@ class PolarQuantConfig:
     outlier_bits: int | None = None
     sliding_window: Any = None
     vq: bool = False
+    residual_fraction: float = 0.0
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # frozen: resolution happens once, here
@@ -189,6 +210,7 @@ class PolarQuantConfig:
         self._set("window_dtype", str(self.window_dtype))
         self._set("residual_length", check_int("residual_length", self.residual_length, minimum=0))
         self._set("sink_tokens", check_int("sink_tokens", self.sink_tokens, minimum=0))
+        self._set("residual_fraction", _check_fraction(self.residual_fraction))
         for name in ("key_center", "unbiased", "window_rotation", "vq"):
             val = getattr(self, name)
             if not isinstance(val, (bool, np.bool_)):
@@ -253,8 +275,20 @@ class PolarQuantConfig:
 
     @property
     def windowed(self) -> bool:
-        """True when some tokens stay uncompressed (``residual_length`` or ``sink_tokens``)."""
-        return bool(self.residual_length or self.sink_tokens)
+        """True when some tokens stay uncompressed (``residual_length``, ``sink_tokens`` or
+        ``residual_fraction``)."""
+        return bool(self.residual_length or self.sink_tokens or self.residual_fraction)
+
+    @property
+    def residual_ratio(self) -> tuple[int, int]:
+        """``residual_fraction`` as the exact ratio ``(num, den)`` the window's capacity uses
+        (:func:`~numba_kv.caches._window.fraction_ratio`)."""
+        return fraction_ratio(self.residual_fraction)
+
+    def window_tokens(self, tokens: int) -> int:
+        """Window capacity ``R(t) = max(residual_length, floor(f·t))`` after a store that brings
+        a layer to ``t`` stored tokens (:func:`~numba_kv.caches._window.window_capacity`)."""
+        return window_capacity(tokens, self.residual_length, self.residual_ratio)
 
     # -- bytes (the one formula: caches, presets and the evaluation simulator use it) ---------
     def vector_bytes(self, side: str) -> int:
@@ -290,9 +324,12 @@ class PolarQuantConfig:
                      sides: tuple[str, ...] = ("k", "v")) -> int:
         """Bytes one row (one batch row × KV head) of a layer stores holding ``tokens`` tokens.
 
-        ``min(tokens, sinks + residual)`` tokens sit in the window
-        (:attr:`window_vector_bytes` each), the rest are compressed (:meth:`vector_bytes`),
-        plus the per-layer constants (:meth:`row_constant_bytes`) once the layer holds a token.
+        ``min(tokens, sinks + R)`` tokens sit in the window (:attr:`window_vector_bytes`
+        each), ``R = max(residual, floor(f·tokens))`` with ``f = residual_fraction``
+        (:meth:`window_tokens`), the rest are compressed (:meth:`vector_bytes`), plus the
+        per-layer constants (:meth:`row_constant_bytes`) once the layer holds a token.
+        These are the bytes of a layer filled by stores (a crop drops window tokens; the
+        stores that follow refill them).
 
         Parameters
         ----------
@@ -308,7 +345,7 @@ class PolarQuantConfig:
             return 0
         sinks = self.sink_tokens if sinks is None else sinks
         residual = self.residual_length if residual is None else residual
-        n_exact = min(tokens, sinks + residual)
+        n_exact = min(tokens, sinks + window_capacity(tokens, residual, self.residual_ratio))
         return sum((tokens - n_exact) * self.vector_bytes(side) + n_exact * self.window_vector_bytes
                    + self.row_constant_bytes(side) for side in sides)
 

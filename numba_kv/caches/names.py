@@ -9,11 +9,13 @@ from the configuration of its base name, and the grammar accepts presets by name
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 from typing import Any
 
 from .config import PolarQuantConfig, TurboQuantConfig
 
-__all__ = ["CACHE_NAMES", "SUFFIX_OPTIONS", "compressed_config", "config_name", "merge_name_options", "name_options"]
+__all__ = ["CACHE_NAMES", "SUFFIX_OPTIONS", "compressed_config", "config_name", "fraction_percent",
+           "merge_name_options", "name_options", "percent_fraction"]
 
 CACHE_NAMES = ("dense", "pq2", "pq3", "pq4", "pqo2", "pqo3", "pqo4", "pqo2.5", "pqo3.5", "tq2", "tq3", "tq4")
 SUFFIX_OPTIONS: dict[str, dict[str, Any]] = {
@@ -29,6 +31,25 @@ _NAME = re.compile(r"^(?P<family>pqo|pq|tq)(?:(?P<bits>[234])(?P<half>\.5)?|-k(?
                    rf"(?P<suffix>(?:-(?:{_SUFFIXES}))*)$")
 _EXPECTED = (f"expected one of {list(CACHE_NAMES[1:])} or 'pqo-k<2-5>v<2-5>' / 'tq-k<2-5>v<2-5>', optionally "
              f"with '-l2', '-maxnorm', '-head', '-eden', '-vq' suffixes")
+
+
+def fraction_percent(fraction: float) -> str:
+    """The window suffix's percentage of a ``residual_fraction``: the shortest decimal that
+    reads back as the same float (:func:`percent_fraction`), no exponent.
+
+    Examples
+    --------
+    >>> fraction_percent(0.07), fraction_percent(0.075), fraction_percent(0.5)
+    ('7', '7.5', '50')
+    """
+    pct = (Decimal(repr(float(fraction))) * 100).normalize()
+    return format(pct, "f")
+
+
+def percent_fraction(text: str) -> float:
+    """``residual_fraction`` of a window suffix's percentage (``"7.5"`` -> 0.075): the float
+    nearest the decimal's hundredth, so :func:`fraction_percent` round-trips."""
+    return float(Decimal(text) / 100)
 
 
 def name_options(name: str, head_dim: Any) -> tuple[str, int, dict[str, Any]]:
@@ -112,7 +133,8 @@ def compressed_config(name: str, num_layers: int, num_kv_heads: int, head_dim: i
 def config_name(cfg: PolarQuantConfig) -> str:
     """The name of a PolarQuant / TurboQuant cache of configuration ``cfg`` (``cache.name``):
     family and widths (average widths with a channel split), then the ``-l2``, ``-head``,
-    ``-eden``, ``-vq`` suffixes that apply and the window suffix ``-rR-sS``."""
+    ``-eden``, ``-vq`` suffixes that apply and the window suffix ``-rR-sS`` (``-rR-gG-sS``
+    with a window that grows to ``G`` % of the history, ``residual_fraction = G/100``)."""
     d, oc = cfg.head_dim, cfg.outlier_channels
     if oc:
         avg = {n: (oc * cfg.outlier_widths[n] + (d - oc) * cfg.slot_bits[n]) / d + (0 if cfg.mode == "pqo" else 1)
@@ -125,6 +147,7 @@ def config_name(cfg: PolarQuantConfig) -> str:
     name += "-head" if cfg.rotation == "head" else ""
     name += "-eden" if cfg.unbiased else ""
     name += "-vq" if cfg.vq else ""
-    if cfg.residual_length or cfg.sink_tokens:
-        name += f"-r{cfg.residual_length}-s{cfg.sink_tokens}"
+    if cfg.windowed:
+        grow = f"-g{fraction_percent(cfg.residual_fraction)}" if cfg.residual_fraction else ""
+        name += f"-r{cfg.residual_length}{grow}-s{cfg.sink_tokens}"
     return name

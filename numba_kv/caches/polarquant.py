@@ -37,11 +37,10 @@ from ..ops.finite import check_finite_stats
 from ..ops.headquant import dequantize_head_into, head_signs, quantize_head_into
 from ..ops.headvq import dequantize_headvq_into, headvq_centroids, quantize_headvq_into
 from ._fused_step import FusedDecodeMixin
-from ._layer import BufferSpec, LayeredCache, LayerState, shift_front
-from ._window import ExactWindow, crop_counts, evict_counts, layer_counts, plan_store
+from ._layer import BufferSpec, LayeredCache, LayerState
+from ._window import ExactWindow, WindowedLayers, layer_counts, plan_store
 from .config import PolarQuantConfig, mirror_config_fields
 from .names import config_name
-from .state import CacheFileError
 
 __all__ = ["MAX_INPUT", "PolarQuantCache", "PolarQuantConfig"]
 
@@ -52,8 +51,8 @@ _F32 = np.dtype(np.float32)
 
 @mirror_config_fields("bits", "k_bits", "v_bits", "mode", "norm_mode", "residual_length", "sink_tokens",
                       "decode_output", "key_center", "window_rotation", "rotation", "unbiased", "outlier_channels",
-                      "vq")
-class PolarQuantCache(FusedDecodeMixin, LayeredCache):
+                      "vq", "residual_fraction")
+class PolarQuantCache(FusedDecodeMixin, WindowedLayers, LayeredCache):
     """PolarQuant (PQ / PQO) compressed KV cache, 2–4 bits, fused decode attention.
 
     Parameters
@@ -82,6 +81,16 @@ class PolarQuantCache(FusedDecodeMixin, LayeredCache):
         window of 16 / 32 / 64 / 128 tokens.  R=32, S=4 removes ~88 % of the KL for
         36 float16 tokens per head (+0.44 bits/value at 1K tokens, +0.03 at 16K);
         doubling R again halves the rest but costs twice the window bytes.
+    residual_fraction : float
+        ``0 <= f < 1`` (default 0): a window that grows with the history, so that the
+        cache's bits/value stays at its budget at every length.  After a store that brings
+        a layer to ``t`` stored tokens (sinks included) the window holds up to
+        ``max(residual_length, floor(f·t))`` tokens besides the sinks; a store compresses
+        the oldest window tokens beyond that (a compressed token never comes back).  The
+        window buffers grow by the cache's growth rule.  At 8K tokens on SmolLM2-135M a
+        window of 7 % of the history passed the quality targets that a window fixed at its
+        1K size missed, for the same bits/value (the windows guide, "A window that grows with
+        the history").
     window_dtype : {"float16", "float32", "int8"}
         Storage of window/sink tokens.  float16 (default) is exact for fp16 models and
         within 2^-11 relative otherwise, at half the bytes.  ``"int8"``: symmetric absmax
@@ -158,7 +167,8 @@ class PolarQuantCache(FusedDecodeMixin, LayeredCache):
     Storage per layer, on the device of the first input: ``k_codes``/``v_codes`` uint8
     ``[batch·num_kv_heads, capacity, head_dim·slot_bits/8]``, ``k_scales``/``v_scales``
     uint16 (binary16 bits) ``[batch·num_kv_heads, capacity, head_dim/32]``, and with a
-    window ``k_exact``/``v_exact`` ``[batch·num_kv_heads, S + R, head_dim]``.
+    window ``k_exact``/``v_exact`` ``[batch·num_kv_heads, S + R, head_dim]`` (longer once a
+    growing window, ``residual_fraction``, outgrows them).
 
     Examples
     --------
@@ -246,7 +256,7 @@ class PolarQuantCache(FusedDecodeMixin, LayeredCache):
         self._pair_quantize = (not cfg.outlier_channels and self._compress.__func__ is PolarQuantCache._compress
                                and not self._vq_cents)
         self._window = ExactWindow(self.head_dim, cfg.sink_tokens, cfg.residual_length,
-                                   cfg.rotation if cfg.window_rotation else None)
+                                   cfg.rotation if cfg.window_rotation else None, cfg.residual_fraction)
         # storage of the window buffers: the configured dtype, float32 while the layer's
         # arrays are Numba device arrays (set by _append, which sees the arrays)
         self._exact_dtype = self.window_dtype
@@ -510,8 +520,9 @@ class PolarQuantCache(FusedDecodeMixin, LayeredCache):
         n = int(k.shape[2])
         n_sink, n_comp, n_win = layer_counts(st)
         S = self._sinks(st)
-        # without a window every token is compressed
-        plan = plan_store(n, st.seq_len, n_win, S, self.config.residual_length) if self._windowed else None
+        # without a window every token is compressed; a growing window's buffers grow first
+        plan = plan_store(n, st.seq_len, n_win, S, self._window.reserve(st, S, st.seq_len + n)) \
+            if self._windowed else None
         if plan is not None and self._store_window8_head(st, k, v, plan, S, n_sink, n_comp):
             st.meta.update(n_comp=n_comp + plan.compressed, n_sink=n_sink + plan.sinks,
                            n_win=plan.keep_old + plan.keep_new)
@@ -625,68 +636,9 @@ class PolarQuantCache(FusedDecodeMixin, LayeredCache):
     def config_dict(self) -> dict[str, Any]:
         """Constructor arguments (JSON types) that rebuild this cache's configuration."""
         cfg = self.config
-        # ``vq`` only when set: a scalar-code cache writes the files it wrote before the option
-        # existed (same bytes, readable by earlier versions)
-        opts = {k: v for k, v in cfg.options().items() if k != "sliding_window" and not (k == "vq" and not v)}
+        # ``vq`` and ``residual_fraction`` only when set: such a cache writes the files it wrote
+        # before the options existed (same bytes, readable by earlier versions)
+        opts = {k: v for k, v in cfg.options().items()
+                if k != "sliding_window" and not (k in ("vq", "residual_fraction") and not v)}
         return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
                 **opts, **self._window_config()}
-
-    def _check_counters(self, i: int, seq_len: int, meta: dict[str, int], live: dict[str, Any]) -> None:
-        window = self.layer_windows[i]
-        n_sink, n_comp, n_win = (meta.get(k, 0) for k in ("n_sink", "n_comp", "n_win"))
-        S, R = (0 if window is not None else self.sink_tokens), self.residual_length
-        ok = n_sink + n_comp + n_win == seq_len and n_sink <= S and n_win <= R and (n_sink == S or n_comp + n_win == 0)
-        if not self.windowed:
-            ok = ok and n_comp == seq_len
-        probe = LayerState(seq_len=seq_len, meta=dict(meta))
-        self._set_live(probe)
-        if not ok or probe.live != live:
-            raise CacheFileError(f"state: layer {i} counters {meta} / live {live} are inconsistent with seq_len "
-                                 f"{seq_len} and the configuration (sinks {S}, window {R})")
-
-    def _set_live(self, st: LayerState) -> None:
-        """Live token counts of every buffer from the layer's counters."""
-        meta = st.meta
-        # the allocated buffers are the spec's (rebuilding the spec each decode step cost more
-        # than the rest of this bookkeeping); their names grouped by counter, once per buffer dict
-        names = st.buffers or self._buffer_spec()
-        groups = st.scratch.get("live_groups")
-        if groups is None or groups[0] is not names:
-            kinds: tuple[list[str], list[str], list[str]] = ([], [], [])
-            for bname in names:
-                kinds[0 if bname.endswith(("_exact", "_exact_scale"))
-                      else 1 if bname in ("k_chmean", "k_perm", "v_perm") else 2].append(bname)
-            groups = (names, *kinds)
-            if st.buffers:
-                st.scratch["live_groups"] = groups
-        live = st.live
-        n_exact = meta.get("n_sink", 0) + meta.get("n_win", 0)
-        for bname in groups[1]:
-            live[bname] = n_exact
-        for bname in groups[2]:
-            live[bname] = 1
-        n_comp = meta.get("n_comp", 0)
-        for bname in groups[3]:
-            live[bname] = n_comp
-
-    def _evict(self, st: LayerState, e: int) -> None:
-        # sliding layers keep no sinks: stored order is compressed [0, n_comp), window after
-        _, n_comp, n_win = layer_counts(st)
-        ec, ew = evict_counts(n_comp, e)
-        if ec:
-            for bname, (_, _, fixed) in self._buffer_spec().items():
-                if fixed is None:
-                    shift_front(st.buffers[bname], ec, n_comp)
-        if ew:
-            for name in ("k", "v"):
-                self._window.move(st, name, ew, n_win - ew, 0)
-        st.meta.update(n_comp=n_comp - ec, n_win=n_win - ew)
-        st.seq_len -= e
-        self._set_live(st)
-
-    def _crop_layer(self, st: LayerState, length: int) -> None:
-        n_sink, n_comp, n_win = crop_counts(st.meta.get("n_sink", 0), st.meta.get("n_comp", 0), length,
-                                            self.windowed)
-        st.meta.update(n_sink=n_sink, n_comp=n_comp, n_win=n_win)
-        st.seq_len = length
-        self._set_live(st)

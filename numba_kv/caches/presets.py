@@ -64,6 +64,12 @@ class Preset:
         end); counted in the budget head by head.
     summary : str
         One line for help texts.
+    residual_fraction : float
+        A window that grows with the history (the cache option ``residual_fraction``, 0:
+        none): at ``t`` tokens it holds ``max(residual_length, floor(f·t))`` tokens, so the
+        bits/value stays near the budget at long lengths instead of falling to the codes'
+        width.  ``residual_length`` is still sized to the budget at :data:`BUDGET_TOKENS`
+        with the fraction counted (:func:`preset_bytes` counts it at any length).
     """
 
     name: str
@@ -74,6 +80,7 @@ class Preset:
     layer_overrides: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
     head_overrides: Mapping[int, Mapping[int, Mapping[str, Any]]] = field(default_factory=dict)
     summary: str = ""
+    residual_fraction: float = 0.0  # (last: the fields before it keep their positions)
 
 
 _BASE = "pqo-k4v3-head-eden"
@@ -142,6 +149,12 @@ def merge_head_overrides(preset_heads: Mapping[int, Mapping[int, Mapping[str, An
     return out
 
 
+def _fraction(preset: Preset) -> dict[str, float]:
+    """``{"residual_fraction": f}`` of a preset with a growing window, else nothing (the
+    options, and so the cache files, of a preset without one stay as they were)."""
+    return {"residual_fraction": preset.residual_fraction} if preset.residual_fraction else {}
+
+
 def _local(window: int | None, tokens: int) -> bool:
     """A layer that stores fewer than ``tokens`` tokens (its sliding window is shorter)."""
     return window is not None and window < tokens
@@ -157,7 +170,7 @@ class _Geometry:
         self.own = _layer_options(preset, num_layers)
         family, bits, implied = name_options(preset.base, head_dim)
         cls = TurboQuantCache if family == "tq" else PolarQuantCache
-        base = {**preset.options, "sink_tokens": preset.sink_tokens, "residual_length": 0}
+        base = {**preset.options, **_fraction(preset), "sink_tokens": preset.sink_tokens, "residual_length": 0}
         base = merge_name_options(preset.base, family, bits, implied, base)
         parts: dict[str, PolarQuantConfig] = {}
         self.parts: list[PolarQuantConfig] = []
@@ -214,7 +227,8 @@ def preset_bytes(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int
         Newest tokens kept in the window, for every layer or per layer (layers the preset
         overrides with their own ``residual_length`` keep it).
     tokens : int
-        Sequence length.
+        Sequence length (a preset's ``residual_fraction`` grows the window with it:
+        ``max(residual_length, floor(f·tokens))`` tokens besides the sinks).
     sliding_window : None, int, sequence or dict, optional
         The model's sliding windows, as ``make_cache`` takes them: a sliding layer stores
         at most its window's tokens and no sinks.
@@ -241,7 +255,11 @@ def resolve_preset(name: str, *, num_layers: int, num_kv_heads: int, head_dim: i
     stores only that many tokens, so its own window (``layer_overrides``) fills the budget
     over those — at most the whole sliding window.  Every layer thus stays within the
     budget at any length from :data:`BUDGET_TOKENS` on (its window is a fixed number of
-    tokens), and the compressed global layers set the bits/value of long contexts.
+    tokens), and the compressed global layers set the bits/value of long contexts.  A
+    preset with a ``residual_fraction`` ``f`` keeps its window at ``floor(f·t)`` tokens
+    once that is more than ``residual_length``: its bits/value at long lengths tends to the
+    codes' plus ``f`` times the window vector's excess over a compressed one
+    (:func:`preset_bytes` at any length).
 
     Parameters
     ----------
@@ -289,8 +307,9 @@ def resolve_preset(name: str, *, num_layers: int, num_kv_heads: int, head_dim: i
     glob = [i for i in range(num_layers) if i not in local]
 
     def too_big() -> ValueError:
+        grow = f" beyond its residual_fraction={preset.residual_fraction}" if preset.residual_fraction else ""
         return ValueError(f"preset {preset.name!r}: exceeds {preset.budget} bits/value on head_dim={head_dim}, "
-                          f"{num_layers} layers even without a window")
+                          f"{num_layers} layers even without a window{grow}")
 
     r_glob = 0
     if glob:
@@ -300,7 +319,7 @@ def resolve_preset(name: str, *, num_layers: int, num_kv_heads: int, head_dim: i
         if not fits(0):
             raise too_big()
         r_glob = _largest(fits, n)
-    options = {**preset.options, "sink_tokens": preset.sink_tokens, "residual_length": r_glob}
+    options = {**preset.options, **_fraction(preset), "sink_tokens": preset.sink_tokens, "residual_length": r_glob}
     overrides = {i: dict(o) for i, o in geo.own.items()}
     for i in local:
         def fits_one(r: int, i: int = i) -> bool:

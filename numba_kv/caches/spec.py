@@ -3,7 +3,7 @@ command line and the compression-mode benchmark.
 
 One cache is written ::
 
-    NAME[-rR][-sS][:KEY=VALUE[,KEY=VALUE...]]
+    NAME[-rR][-gG][-sS][:KEY=VALUE[,KEY=VALUE...]]
 
 * ``NAME``: ``"dense"``; PolarQuant ``"pq2"``–``"pq4"``, ``"pqo2"``–``"pqo4"``; TurboQuant
   ``"tq2"``–``"tq4"``; asymmetric ``"pqo-k4v3"`` / ``"tq-k4v3"``; channel splits ``"pqo2.5"`` /
@@ -11,9 +11,11 @@ One cache is written ::
   :data:`SUFFIX_OPTIONS`).
 * Named presets ``"kv4"``, ``"kv5"`` (:mod:`numba_kv.caches.presets`): a name, a bit
   budget and per-layer settings; options (``"kv4:decode_output=dequantized"``) replace the
-  preset's.  The ``-rR-sS`` suffix does not apply (a preset sizes its window itself).
+  preset's.  The ``-rR-gG-sS`` suffix does not apply (a preset sizes its window itself).
 * ``-rR`` / ``-sS``: the compact window form (``residual_length=R``, ``sink_tokens=S``), the
-  form of a cache's own ``name``.
+  form of a cache's own ``name``.  ``-gG``: a window that grows to ``G`` % of the history
+  (``residual_fraction=G/100``; ``G`` a decimal, ``-g7.5``): ``pqo3-r44-g7-s4`` keeps at
+  least 44 tokens, ``floor(0.07·t)`` at ``t`` stored tokens once that is more.
 * ``KEY=VALUE``: a keyword option of the cache class; ``r`` and ``s`` abbreviate
   ``residual_length`` and ``sink_tokens``; values read as bool (``true``/``false``), int,
   float or str.
@@ -39,7 +41,7 @@ from ._layer import LayeredCache, resolve_layer
 from .config import PolarQuantConfig, TurboQuantConfig
 from .dense import DenseCache
 from .mixed import MixedCache, build_cache
-from .names import CACHE_NAMES, SUFFIX_OPTIONS, merge_name_options, name_options
+from .names import CACHE_NAMES, SUFFIX_OPTIONS, fraction_percent, merge_name_options, name_options, percent_fraction
 from .polarquant import PolarQuantCache
 from .presets import PRESETS, merge_head_overrides, resolve_preset
 from .turboquant import TurboQuantCache
@@ -55,7 +57,7 @@ OPTION_ALIASES = {"r": "residual_length", "residual": "residual_length", "s": "s
                   "sinks": "sink_tokens"}
 _SUFFIXES = "|".join(s[1:] for s in SUFFIX_OPTIONS)
 _COMPACT = re.compile(rf"^(?P<base>dense|(?:pqo?|tq)(?:[234](?:\.5)?|-k[2-5]v[2-5])(?:-(?:{_SUFFIXES}))*)"
-                      r"(?:-r(?P<r>\d+))?(?:-s(?P<s>\d+))?$")
+                      r"(?:-r(?P<r>\d+))?(?:-g(?P<g>\d+(?:\.\d+)?))?(?:-s(?P<s>\d+))?$")
 _KEY = re.compile(r"^[a-z_][a-z0-9_]*$")
 _EXPECTED = (f"expected a preset {list(PRESET_NAMES)}, one of {list(CACHE_NAMES)}, or 'pqo-k<2-5>v<2-5>' / "
              f"'tq-k<2-5>v<2-5>', optionally with '-l2', '-maxnorm', '-head', '-eden', '-vq' suffixes")
@@ -153,7 +155,12 @@ class CacheSpec:
             return self.name + (":" + ",".join(f"{k}={v}" for k, v in sorted(opts.items())) if opts else "")
         r = opts.pop("residual_length", PolarQuantConfig.residual_length)
         s = opts.pop("sink_tokens", PolarQuantConfig.sink_tokens)
-        out = self.name if self.is_dense else f"{self.name}-r{r}-s{s}"
+        g = opts.pop("residual_fraction", 0.0) if not self.is_dense else 0.0
+        # (a fraction the suffix cannot write, e.g. a str, stays an option for make() to refuse)
+        grow = f"-g{fraction_percent(g)}" if isinstance(g, float) and 0 < g < 1 else ""
+        if g and not grow:
+            opts["residual_fraction"] = g
+        out = self.name if self.is_dense else f"{self.name}-r{r}{grow}-s{s}"
         if opts:
             out += ":" + ",".join(f"{k}={v}" for k, v in sorted(opts.items()))
         return out
@@ -231,12 +238,12 @@ def _add_option(opts: dict[str, Any], item: str, text: str) -> None:
 
 
 def parse_cache_spec(text: str, defaults: Mapping[str, Any] | None = None) -> CacheSpec:
-    """Parse one cache, ``NAME[-rR][-sS][:KEY=VALUE[,KEY=VALUE...]]`` (module docstring).
+    """Parse one cache, ``NAME[-rR][-gG][-sS][:KEY=VALUE[,KEY=VALUE...]]`` (module docstring).
 
     Parameters
     ----------
     text : str
-        E.g. ``"pqo3"``, ``"pqo3-r32-s4"``, ``"pqo4:r=16,window_dtype=int8"``.
+        E.g. ``"pqo3"``, ``"pqo3-r32-s4"``, ``"pqo3-r44-g7-s4"``, ``"pqo4:r=16,window_dtype=int8"``.
     defaults : mapping, optional
         Options applied to a compressed (non-dense) cache that does not set them (not to a
         preset, which sizes its own window).
@@ -259,6 +266,8 @@ def parse_cache_spec(text: str, defaults: Mapping[str, Any] | None = None) -> Ca
     'pqo4-r8-s4'
     >>> parse_cache_spec("KV4").label
     'kv4'
+    >>> parse_cache_spec("pqo3-r44-g7.5")
+    CacheSpec(name='pqo3', options={'residual_length': 44, 'residual_fraction': 0.075})
     """
     if not isinstance(text, str):
         raise TypeError(f"cache: expected a str, got {type(text).__name__}")
@@ -273,7 +282,7 @@ def parse_cache_spec(text: str, defaults: Mapping[str, Any] | None = None) -> Ca
         raise ValueError(f"unknown preset {head.strip()!r}; expected one of {list(PRESET_NAMES)}")
     m = _COMPACT.match(low)
     if not m:
-        raise ValueError(f"unknown cache {head.strip()!r}; {_EXPECTED} (window suffix '-rR-sS', "
+        raise ValueError(f"unknown cache {head.strip()!r}; {_EXPECTED} (window suffix '-rR-gG-sS', "
                          "options ':key=value')")
     name = m.group("base")
     for short, key in (("r", "residual_length"), ("s", "sink_tokens")):
@@ -281,6 +290,10 @@ def parse_cache_spec(text: str, defaults: Mapping[str, Any] | None = None) -> Ca
             if key in opts:
                 raise ValueError(f"{key} given twice for {head.strip()!r} (suffix and option)")
             opts[key] = int(m.group(short))
+    if m.group("g") is not None:
+        if "residual_fraction" in opts:
+            raise ValueError(f"residual_fraction given twice for {head.strip()!r} (suffix and option)")
+        opts["residual_fraction"] = percent_fraction(m.group("g"))
     if name != "dense":
         for key, value in (defaults or {}).items():
             opts.setdefault(key, value)

@@ -486,7 +486,8 @@ def _add_eval(sub: Any) -> None:
                         "%(default)s)")
     e.add_argument("--depths", default="10,50,90", help="needle: needle depths in percent (default: %(default)s)")
     e.add_argument("--cache", default=DEFAULT_CACHES,
-                   help="comma-separated caches; an entry is NAME, NAME-rR-sS (residual_length=R, sink_tokens=S) "
+                   help="comma-separated caches; an entry is NAME, NAME-rR-sS (residual_length=R, sink_tokens=S), "
+                        "NAME-rR-gG-sS (a window growing to G %% of the history) "
                         "or NAME:KEY=VALUE[,KEY=VALUE...] (e.g. 'dense,pqo3,pqo3:residual_length=32,sink_tokens=4'); "
                         "dense is always run as the reference (default: %(default)s)")
     e.add_argument("--residual-length", type=int, default=None,

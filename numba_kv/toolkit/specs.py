@@ -83,7 +83,7 @@ def parse_cache_specs(text: str, *, residual_length: int | None = None, sink_tok
     """Parse a ``--cache`` argument into validated :class:`~numba_kv.caches.spec.CacheSpec` objects.
 
     Grammar: a comma-separated list (:func:`split_cache_list`) of caches in the library's
-    grammar (:mod:`numba_kv.caches.spec`): ``NAME[-rR][-sS][:KEY=VALUE[,KEY=VALUE...]]``,
+    grammar (:mod:`numba_kv.caches.spec`): ``NAME[-rR][-gG][-sS][:KEY=VALUE[,KEY=VALUE...]]``,
     ``KEY`` a cache option (``residual_length``, ``sink_tokens``, ``window_dtype``,
     ``norm_mode``, ``decode_output``, ``dtype`` for dense; aliases ``r`` and ``s``).
 

@@ -6,7 +6,8 @@ chunk sizes, window and sink settings, against a model built from independent pa
 
 * the exact float32 history of every layer (what was fed in, cropped and reordered);
 * which tokens are exact (sinks: the first ``S`` positions; window: the newest ``R`` other
-  tokens since they entered — a token is compressed once it leaves the window and never
+  tokens since they entered, ``R = max(residual_length, floor(f·T))`` at ``T`` stored tokens
+  with a growing window — a token is compressed once it leaves the window and never
   comes back) — tracked by the model's own rule, not read from the cache;
 * the expected stored value of each token: binary16 / float32 / absmax-int8 rounding for
   exact tokens,
@@ -18,6 +19,7 @@ chunk sizes, window and sink settings, against a model built from independent pa
 """
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -61,13 +63,14 @@ _WINDOW = {"float16": _f16, "float32": lambda x: x, "int8": _int8_window, "int8-
 class WindowedCacheMachine(RuleBasedStateMachine):
     @initialize(kind=st.sampled_from(["pqo3", "pqo2", "pqo4", "tq3"]), R=st.sampled_from([0, 1, 3, 8]),
                 S=st.sampled_from([0, 1, 2, 5]), window=st.sampled_from(["float16", "float32", "int8", "int8-rot"]),
-                batch=st.integers(1, 3), seed=st.integers(0, 2**16))
-    def setup(self, kind, R, S, window, batch, seed):
+                batch=st.integers(1, 3), seed=st.integers(0, 2**16), F=st.sampled_from(["0", "0", "0.1", "0.3"]))
+    def setup(self, kind, R, S, window, batch, seed, F):
         self.kind, self.R, self.S, self.window, self.B = kind, R, S, window, batch
+        self.F = Fraction(F)  # the window's growth, as the exact decimal
         self.rng = np.random.default_rng(seed)
         self.cache = make_cache(kind, num_layers=LAYERS, num_kv_heads=H, head_dim=D, residual_length=R,
                                 sink_tokens=S, window_dtype=window[:4] if window.startswith("int8") else window,
-                                window_rotation=window == "int8-rot")
+                                window_rotation=window == "int8-rot", residual_fraction=float(F))
         self.tq = kind == "tq3"
         bits = int(kind[-1])
         self.bits = {"k": bits - 1 if self.tq else bits, "v": bits}
@@ -118,7 +121,8 @@ class WindowedCacheMachine(RuleBasedStateMachine):
         lay["exact"] += [True] * k.shape[2]
         lay["via_window"] += [False] * k.shape[2]
         win = [i for i in range(self.S, T0 + k.shape[2]) if lay["exact"][i]]
-        for i in win[:max(0, len(win) - self.R)]:
+        cap = max(self.R, math.floor(self.F * len(lay["exact"])))
+        for i in win[:max(0, len(win) - cap)]:
             lay["exact"][i] = False
             lay["via_window"][i] = i < T0  # stored before this call: it sat in the window
 

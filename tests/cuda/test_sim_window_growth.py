@@ -1,0 +1,38 @@
+"""A window that grows with the history (``residual_fraction``) on the device: decode steps
+that grow the exact buffers (device copies of the live tokens) and store through the one-launch
+window store agree with the CPU cache."""
+
+import numpy as np
+import pytest
+
+from numba_kv._backend import to_host
+
+from ..conftest import to_device
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("opts", [{"bits": 3}, {"k_bits": 4, "v_bits": 3, "rotation": "head", "unbiased": True}],
+                         ids=["pqo3", "pqo-k4v3-head-eden"])
+def test_growing_window_on_device_matches_cpu(opts):
+    from numba_kv import AttendConfig, PolarQuantCache
+
+    rng = np.random.default_rng(2)
+    # R(t) = max(4, floor(t/4)): 4 up to 19 tokens, then one more every 4 tokens (7 at 28)
+    caches = [PolarQuantCache(1, 2, 64, residual_length=4, sink_tokens=2, residual_fraction=0.25,
+                              window_dtype="float32", **opts) for _ in range(2)]  # Numba device arrays: float32
+    cfg = AttendConfig(0.125, 2)
+    for n in (18, 1, 2, 1, 1, 1, 3, 1):
+        k = rng.standard_normal((1, 2, n, 64)).astype(np.float32)
+        v = rng.standard_normal((1, 2, n, 64)).astype(np.float32)
+        q = rng.standard_normal((1, 4, n, 64)).astype(np.float32)
+        if n == 18:
+            caches[0].prefill(0, k, v)
+            caches[1].prefill(0, to_device(k), to_device(v))
+            continue
+        a = caches[0].decode(0, k, v, q, cfg).out
+        b = caches[1].decode(0, to_device(k), to_device(v), to_device(q), cfg).out
+        np.testing.assert_allclose(to_host(b), a, rtol=1e-4, atol=1e-5)
+        assert caches[0]._layers[0].meta == caches[1]._layers[0].meta
+    assert caches[1].seq_len(0) == 28 and caches[1]._layers[0].meta["n_win"] == 7
+    assert caches[1]._layers[0].buffers["k_exact"].shape[1] == 2 + 5 + 128  # grown once, on the device
+    assert caches[0].memory_usage() == caches[1].memory_usage()
