@@ -73,9 +73,14 @@ class FileOverrides(dict):
     """A ``layer_overrides`` / ``head_overrides`` mapping read from ``@FILE`` (int keys); its
     text form is ``@FILE``, so a spec's label names the file rather than spelling the dict."""
 
-    def __init__(self, data: Mapping[Any, Any], source: str) -> None:
+    def __init__(self, data: Any = (), source: str = "") -> None:
+        # (``source`` optional: ``dataclasses.asdict`` and ``copy`` rebuild a dict subclass from
+        # its items alone)
         super().__init__(data)
         self.source = source
+
+    def __reduce__(self) -> tuple:
+        return (FileOverrides, (dict(self), self.source))
 
     def __str__(self) -> str:
         return f"@{self.source}"

@@ -63,6 +63,13 @@ def test_override_files(tmp_path):
     assert spec.options["head_overrides"] == {1: {0: {"k_bits": 4}, -1: {"v_bits": 4}}}
     assert spec.options["layer_overrides"] == {-1: {"bits": 4}}
     assert f"head_overrides=@{heads}" in spec.label
+    import copy
+    import dataclasses
+    import pickle
+
+    for clone in (copy.deepcopy(spec), pickle.loads(pickle.dumps(spec))):
+        assert clone == spec and str(clone.options["head_overrides"]) == f"@{heads}"
+    assert dataclasses.asdict(spec)["options"]["head_overrides"] == spec.options["head_overrides"]
     geom = {"num_layers": 3, "num_kv_heads": 3, "head_dim": 64}
     from_file = make_cache(spec.name, **geom, **spec.options)
     direct = make_cache("pqo3-head", **geom, head_overrides={1: {0: {"k_bits": 4}, 2: {"v_bits": 4}}},
