@@ -455,6 +455,8 @@ class PolarQuantCache(HeadNormMixin, FusedDecodeMixin, LayeredCache):
         if f16_window:
             check_magnitude(name, check_finite_stats(name, x3).amax, F16_MAX,
                             "a float16 window (window_dtype='float16'; after key centering)")
+        if self._norm8:
+            return  # its norms are checked (binary16 saturation too) by _check_norm8, from one quantization
         self._compress(tmp, name, x3, 0)
         for b in scratch:
             if b.startswith(name + "_") and np.dtype(tmp.buffers[b].dtype) == np.uint16:
