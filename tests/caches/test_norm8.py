@@ -258,3 +258,44 @@ def test_tensor_core_kernel_is_not_given_norm_bytes():
     kc = np.zeros((2, 8, 64), np.uint8)
     assert mma_operands(kc, np.zeros((2, 8, 1), np.uint16), kc, np.zeros((2, 8, 1), np.uint16), flat=True)
     assert mma_operands(kc, np.zeros((2, 8, 1), np.uint8), kc, np.zeros((2, 8, 1), np.uint8), flat=True) is None
+
+
+def test_mixed_caches_keep_their_grids_through_save_load(tmp_path):
+    """Per-layer (``layer_overrides``) and per-head (``head_overrides``) norm8 parts: each part
+    layer has its own grid, and a saved and loaded mixed cache decodes bit for bit the same."""
+    rng = np.random.default_rng(9)
+    c = make_cache("pqo-k4v2-head-eden-vq", num_layers=2, num_kv_heads=2, head_dim=64,
+                   layer_overrides={1: {"norm_bits": 8}}, head_overrides={0: {1: {"norm_bits": 8}}})
+    cfg = AttendConfig(0.125, 2)
+    for layer in range(2):
+        k, v = _kv(rng, 1, 2, 30, 64, spread=1.0)
+        c.prefill(layer, k, v)
+    bases = [part._layers[i].meta.get("norm8_base") for layer in range(2) for part, i, _ in c.layer_pieces(layer)]
+    assert sum(b is not None for b in bases) == 2  # layer 0's head 1, layer 1
+    c.save(tmp_path / "mixed.safetensors")
+    d = load_cache(tmp_path / "mixed.safetensors", expect=c)
+    assert [part._layers[i].meta.get("norm8_base") for layer in range(2)
+            for part, i, _ in d.layer_pieces(layer)] == bases
+    k1, v1 = _kv(rng, 1, 2, 1, 64)
+    q = rng.standard_normal((1, 4, 1, 64)).astype(np.float32)
+    for layer in range(2):
+        np.testing.assert_array_equal(c.decode(layer, k1, v1, q, cfg).out, d.decode(layer, k1, v1, q, cfg).out)
+
+
+def test_restored_grid_is_validated():
+    """A state whose layer lacks its grid (or has one the configuration does not store, or an
+    out-of-range one) is rejected on load, naming the layer."""
+    from numba_kv import PolarQuantCache
+    from numba_kv.caches.state import CacheFileError, CacheState
+
+    rng = np.random.default_rng(10)
+    k, v = _kv(rng, 1, 2, 10, 64)
+    for name, edit, match in (("pqo3-head-n8", lambda m: m.pop("norm8_base"), "needs its grid base"),
+                              ("pqo3-head-n8", lambda m: m.update(norm8_base=5000), "needs its grid base"),
+                              ("pqo3-head", lambda m: m.update(norm8_base=1000), "8-bit norm grid")):
+        c = make_cache(name, **GEO)
+        c.prefill(0, k, v)
+        st = c.state_dict()
+        edit(st.state["layers"][0]["meta"])
+        with pytest.raises(CacheFileError, match=rf"^state: layer 0 .*{match}"):
+            PolarQuantCache.from_state_dict(CacheState(st.config, st.state, st.tensors))
