@@ -69,8 +69,20 @@ LOG16.flags.writeable = False
 
 
 def norm8_codes(h: Any, base16: int) -> np.ndarray:
-    """Unclamped grid codes ``round(16·log2 n) − base16`` of binary16 norms ``h`` (uint16
-    bit patterns, any shape; int64 result, ``-2**31`` for zero norms)."""
+    """Unclamped grid codes of binary16 norms (what the range check compares with 255).
+
+    Parameters
+    ----------
+    h : uint16 array, any shape
+        Binary16 bit patterns of the norms (the sign bit is ignored).
+    base16 : int
+        The grid's base in 1/16 octaves.
+
+    Returns
+    -------
+    int64 array, the shape of ``h``
+        ``round(16·log2 n) − base16``; ``-2**31`` for zero norms.
+    """
     h = np.asarray(h, dtype=np.uint16) & 0x7FFF
     k = LOG16[h].astype(np.int64) - int(base16)
     return np.where(h == 0, np.int64(-2 ** 31), k)
@@ -82,7 +94,8 @@ def norm8_top(base16: int) -> float:
 
 
 def norm8_base16(h: Any) -> int:
-    """``base16`` of a layer's first store from its binary16 norms ``h`` (uint16 bit patterns).
+    """``base16`` (int) of a layer's first store from its binary16 norms ``h`` (uint16 bit
+    patterns, any shape).
 
     The median of the nonzero norms sits 8 octaves above the base (the grid spans 8 octaves
     each side of it), unless the largest norm would then be less than 4 octaves below the
@@ -214,9 +227,19 @@ def norm8_store_into(src_codes: Any, src_norms: Any, base16: int, t0: int, codes
 
 
 def norm8_scale_rows_into(norms8: Any, base16: int, t0: int, out: Any) -> None:
-    """``out[r, s, :] *= n̂`` with ``n̂`` the decoded norm of token ``t0 + s`` of ``norms8``
-    (uint8 ``[rows, capacity, 1]``); ``out`` float32 ``[rows, n, d]`` C-contiguous, same
-    device (no validation)."""
+    """Scale dequantized vectors by their decoded 8-bit norms (no validation).
+
+    Parameters
+    ----------
+    norms8 : uint8 array, shape ``(rows, capacity, 1)``
+        Norm codes; tokens ``t0 … t0 + n − 1`` are read.
+    base16 : int
+        The grid's base in 1/16 octaves.
+    t0 : int
+        First token.
+    out : float32 array, shape ``(rows, n, d)``, C-contiguous, on the device of ``norms8``
+        Unit-norm reconstructions; ``out[r, s, :] *= norm8_decode_table(base16)[norms8[r, t0 + s, 0]]``.
+    """
     rows, n, d = (int(s) for s in out.shape)
     if rows * n:
         _SCALE.launch(_backend.device_of("out", out), rows * n, norms8,
