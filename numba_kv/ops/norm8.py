@@ -144,6 +144,10 @@ def _store_vector(src_codes, src_norms, log16, base16, t0, codes, norms8, r, s):
     h = int64(src_norms[r, s, 0]) & 0x7FFF
     k = int64(0)
     if h != 0:
+        # below the grid (256× or more under the first store's median, or 2**12 under its largest
+        # norm): clamped up to code 1, an absolute error that small next to the layer's norms;
+        # above it: clamped to 255, which only a window token's re-rounded copy can reach (the
+        # caches reject larger norms before storing)
         k = min(max(int64(log16[h]) - base16, int64(1)), int64(255))
     norms8[r, t0 + s, 0] = uint8(k)
 

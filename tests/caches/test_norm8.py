@@ -31,8 +31,11 @@ def _kv(rng, b, h, n, d, spread=0.0):
 
 
 def state_snapshot(cache):
+    """The cache's state and every allocated buffer of every layer, whole (not only the live
+    tokens), copied."""
     st = cache.state_dict()
-    return st.state, {n: t.copy() for n, t in st.tensors.items()}
+    whole = {f"{i}.{n}": b.copy() for i, lay in enumerate(cache._layers) for n, b in lay.buffers.items()}
+    return st.state, whole
 
 
 @pytest.mark.parametrize("name", ["pqo-k4v2-head-eden-vq-n8", "pqo-k4v3-head-n8"])
