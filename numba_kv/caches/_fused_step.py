@@ -219,7 +219,8 @@ class FusedDecodeMixin:
         hs = None if self._head_signs is None else _backend.constant(q3, self._head_signs)
         step = plan.bind_flat(bufs["k_codes"], bufs["k_scales"], bufs["v_codes"], bufs["v_scales"], self._sinks(st),
                               ke, ve, pos, head_signs=hs, exact_rotated=rot,
-                              exact_scales=None if kes is None else (kes, ves))
+                              exact_scales=None if kes is None else (kes, ves),
+                              scale_table=self._norm8_scale_table(st, q3))
         # either rotation into a reused buffer, with the signs the op-by-op rotations use (on a
         # device too: a step allocates no rotated queries)
         rotate = (ROTATE_BLOCK, None, _backend.constant(q3, SIGNS32)) if hs is None else \

@@ -39,7 +39,7 @@ from .state import CacheFileError, CacheState, expect_int
 BufferSpec = dict[str, tuple[int, Any, int | None]]
 
 #: the per-layer counters a layered cache's state may hold (``LayerState.meta``)
-STATE_COUNTERS = ("n_comp", "n_sink", "n_win", "n_evicted", "kmean_set", "kperm_set", "vperm_set")
+STATE_COUNTERS = ("n_comp", "n_sink", "n_win", "n_evicted", "kmean_set", "kperm_set", "vperm_set", "norm8_base")
 
 
 @dataclass

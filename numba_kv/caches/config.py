@@ -24,7 +24,8 @@ from ..ops.qjl import SKETCH_SEED
 from ._layer import check_sliding_window
 from ._window import fraction_ratio, window_capacity
 
-__all__ = ["DECODE_OUTPUTS", "DEFAULT_PAGE_SIZE", "PAGED_STORAGES", "ROTATIONS", "VQ_WIDTHS", "WINDOW_DTYPES",
+__all__ = ["DECODE_OUTPUTS", "DEFAULT_PAGE_SIZE", "NORM_BITS", "PAGED_STORAGES", "ROTATIONS", "VQ_WIDTHS",
+           "WINDOW_DTYPES",
            "PagedConfig", "PolarQuantConfig", "TurboQuantConfig", "mirror_config_fields"]
 
 DECODE_OUTPUTS = ("fused", "dequantized")
@@ -39,6 +40,8 @@ DEFAULT_PAGE_SIZE = 16
 PAGED_STORAGES = ("float32", "pqo2", "pqo3", "pqo4")
 #: slot widths with a head VQ code (:mod:`numba_kv.ops.headvq`): 4 bits → pairs, 2 bits → quads
 VQ_WIDTHS = (2, 4)
+#: storage widths of a whole-head vector norm: binary16, or one byte on a log grid (norm_bits=8)
+NORM_BITS = (16, 8)
 _ASYM = re.compile(r"^pqo-k([234])v([234])$")
 
 
@@ -130,6 +133,11 @@ class PolarQuantConfig:
         (same bytes; :attr:`vq_sides`); the other side keeps the scalar code, so
         ``pqo-k4v3-head`` with ``vq=True`` has VQ keys and scalar values.  Resolved to
         ``False`` when neither side has a VQ width (``pqo3-head``: the same cache).
+    norm_bits : {16, 8}
+        Storage of each vector's norm with ``rotation="head"``: binary16 (default), or one
+        byte on a per-layer log grid of 1/16 octave (:mod:`numba_kv.ops.norm8`; relative
+        error at most ``2**(1/32) − 1``; a norm above the grid's top, fixed at the layer's
+        first store, is rejected with ``ValueError``).  8 needs ``rotation="head"``.
 
     Raises
     ------
@@ -173,6 +181,7 @@ class PolarQuantConfig:
     sliding_window: Any = None
     vq: bool = False
     residual_fraction: float = 0.0
+    norm_bits: int = 16
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)  # frozen: resolution happens once, here
@@ -218,6 +227,10 @@ class PolarQuantConfig:
             self._set(name, bool(val))
         if self.vq:
             self._check_vq()
+        self._set("norm_bits", check_int("norm_bits", self.norm_bits, allowed=NORM_BITS))
+        if self.norm_bits == 8 and self.rotation != "head":
+            raise ValueError(f"norm_bits: 8-bit norms need rotation='head' (one norm per vector; the 32-block "
+                             f"scales stay binary16), got rotation={self.rotation!r}")
         self._check_outliers()
 
     def _check_vq(self) -> None:
@@ -294,13 +307,14 @@ class PolarQuantConfig:
     def vector_bytes(self, side: str) -> int:
         """Stored bytes of one compressed vector of ``side`` (``"k"`` or ``"v"``): packed
         indices (``head_dim·slot_bits/8``; the outlier channels at their own width), one
-        binary16 scale per 32-block (one norm per vector with ``rotation="head"``) and, for
-        TurboQuant keys, the ``qjl_dim``-bit sketch and the binary16 residual norm."""
+        binary16 scale per 32-block (one norm per vector with ``rotation="head"``, a byte with
+        ``norm_bits=8``) and, for TurboQuant keys, the ``qjl_dim``-bit sketch and the binary16
+        residual norm."""
         d = self.head_dim
         hi = self.outlier_widths.get(side, 0)
         code_bits = self.outlier_channels * hi + (d - self.outlier_channels) * self.slot_bits[side]
-        scales = 1 if self.rotation == "head" else d // 32
-        return code_bits // 8 + 2 * scales + self.sketch_bytes(side)
+        scale_bytes = 2 * (d // 32) if self.rotation != "head" else self.norm_bits // 8
+        return code_bits // 8 + scale_bytes + self.sketch_bytes(side)
 
     def sketch_bytes(self, side: str) -> int:
         """Bytes of per-vector side information beyond indices and scales (none here;
@@ -392,6 +406,9 @@ class TurboQuantConfig(PolarQuantConfig):
             raise ValueError("outlier_channels: channel splits are not supported by TurboQuantCache")
         if self.vq:
             raise ValueError("vq: the head VQ code is not supported by TurboQuantCache (PolarQuant caches only)")
+        if self.norm_bits != 16:
+            raise ValueError(f"norm_bits: 8-bit norms are not supported by TurboQuantCache (PolarQuant caches "
+                             f"only), got {self.norm_bits!r}")
         super().__post_init__()
         seed = self.qjl_seed
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or int(seed) < 0:

@@ -24,13 +24,14 @@ SUFFIX_OPTIONS: dict[str, dict[str, Any]] = {
     "-head": {"rotation": "head"},
     "-eden": {"unbiased": True},
     "-vq": {"vq": True},
+    "-n8": {"norm_bits": 8},
 }
 _SUFFIXES = "|".join(s[1:] for s in SUFFIX_OPTIONS)
 # NAME without the window suffix: family, width (uniform, half-bit split or asymmetric), suffixes
 _NAME = re.compile(r"^(?P<family>pqo|pq|tq)(?:(?P<bits>[234])(?P<half>\.5)?|-k(?P<kb>[2-5])v(?P<vb>[2-5]))"
                    rf"(?P<suffix>(?:-(?:{_SUFFIXES}))*)$")
 _EXPECTED = (f"expected one of {list(CACHE_NAMES[1:])} or 'pqo-k<2-5>v<2-5>' / 'tq-k<2-5>v<2-5>', optionally "
-             f"with '-l2', '-maxnorm', '-head', '-eden', '-vq' suffixes")
+             f"with '-l2', '-maxnorm', '-head', '-eden', '-vq', '-n8' suffixes")
 
 
 def fraction_percent(fraction: float) -> str:
@@ -133,8 +134,9 @@ def compressed_config(name: str, num_layers: int, num_kv_heads: int, head_dim: i
 def config_name(cfg: PolarQuantConfig) -> str:
     """The name of a PolarQuant / TurboQuant cache of configuration ``cfg`` (``cache.name``):
     family and widths (average widths with a channel split), then the ``-l2``, ``-head``,
-    ``-eden``, ``-vq`` suffixes that apply and the window suffix ``-rR-sS`` (``-rR-gG-sS``
-    with a window that grows to ``G`` % of the history, ``residual_fraction = G/100``)."""
+    ``-eden``, ``-vq``, ``-n8`` suffixes that apply and the window suffix ``-rR-sS``
+    (``-rR-gG-sS`` with a window that grows to ``G`` % of the history, ``residual_fraction =
+    G/100``)."""
     d, oc = cfg.head_dim, cfg.outlier_channels
     if oc:
         avg = {n: (oc * cfg.outlier_widths[n] + (d - oc) * cfg.slot_bits[n]) / d + (0 if cfg.mode == "pqo" else 1)
@@ -147,6 +149,7 @@ def config_name(cfg: PolarQuantConfig) -> str:
     name += "-head" if cfg.rotation == "head" else ""
     name += "-eden" if cfg.unbiased else ""
     name += "-vq" if cfg.vq else ""
+    name += "-n8" if cfg.norm_bits == 8 else ""
     if cfg.windowed:
         grow = f"-g{fraction_percent(cfg.residual_fraction)}" if cfg.residual_fraction else ""
         name += f"-r{cfg.residual_length}{grow}-s{cfg.sink_tokens}"

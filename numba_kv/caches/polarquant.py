@@ -34,9 +34,10 @@ from ..ops.attention import CodeLayout
 from ..ops.blockquant import dequantize_into, quantize_into
 from ..ops.codebook import get_codebook
 from ..ops.finite import check_finite_stats
-from ..ops.headquant import dequantize_head_into, head_signs, quantize_head_into
-from ..ops.headvq import dequantize_headvq_into, headvq_centroids, quantize_headvq_into
+from ..ops.headquant import head_signs
+from ..ops.headvq import headvq_centroids
 from ._fused_step import FusedDecodeMixin
+from ._headnorm import HeadNormMixin
 from ._layer import BufferSpec, LayeredCache, LayerState
 from ._window import ExactWindow, WindowedLayers, layer_counts, plan_store
 from .config import PolarQuantConfig, mirror_config_fields
@@ -51,8 +52,8 @@ _F32 = np.dtype(np.float32)
 
 @mirror_config_fields("bits", "k_bits", "v_bits", "mode", "norm_mode", "residual_length", "sink_tokens",
                       "decode_output", "key_center", "window_rotation", "rotation", "unbiased", "outlier_channels",
-                      "vq", "residual_fraction")
-class PolarQuantCache(FusedDecodeMixin, WindowedLayers, LayeredCache):
+                      "vq", "residual_fraction", "norm_bits")
+class PolarQuantCache(HeadNormMixin, FusedDecodeMixin, WindowedLayers, LayeredCache):
     """PolarQuant (PQ / PQO) compressed KV cache, 2–4 bits, fused decode attention.
 
     Parameters
@@ -122,8 +123,8 @@ class PolarQuantCache(FusedDecodeMixin, WindowedLayers, LayeredCache):
         binary16 scale per block (+0.5 bit/value).  ``"head"``: one signed Hadamard over
         the whole head (``head_dim`` a power of two ≤ 512), L2 normalization and one
         binary16 norm per vector (+16/head_dim bit/value: PQO3 = 3.125 at d = 128, the
-        layout of FAISS ``HR,SQtqmse``), with the Lloyd–Max codebook for ``head_dim``
-        dimensions.  ``norm_mode`` defaults to ``"l2"`` there (the only choice).
+        layout of FAISS ``HR,SQtqmse``; one byte with ``norm_bits=8``), with the Lloyd–Max
+        codebook for ``head_dim`` dimensions.  ``norm_mode`` defaults to ``"l2"`` there.
     unbiased : bool
         EDEN-style rescale: store ``α = s·‖y‖²/⟨y, c⟩`` instead of the scale ``s`` of each
         block (or vector), so ``⟨x̂, x⟩ = ‖x‖²`` and inner products with independent queries
@@ -144,6 +145,10 @@ class PolarQuantCache(FusedDecodeMixin, WindowedLayers, LayeredCache):
         (:mod:`numba_kv.ops.headvq`; same bytes), other widths the scalar code (``pqo-k4v3-head``:
         VQ keys, scalar values; neither side at 4/2 bits: resolved to ``False``).  See the
         caches guide, "Head VQ".
+    norm_bits : {16, 8}
+        With ``rotation="head"``: each vector's norm in binary16 (default) or in one byte on a
+        log grid of 1/16 octave fixed per layer at its first store (:mod:`numba_kv.ops.norm8`;
+        relative error ≤ 2.2 %; a later norm above the grid's top raises ``ValueError``).
     sliding_window : None, int, sequence or dict, optional
         Per-layer sliding windows (``None``: all global; an int: every layer; a list of
         ``num_layers`` ints/None; ``{layer: window}``, negative layers from the end).  A
@@ -250,11 +255,11 @@ class PolarQuantCache(FusedDecodeMixin, WindowedLayers, LayeredCache):
         # (the scalar head code only: a VQ side stores op by op, with the same bytes)
         self._window8_head = (cfg.rotation == "head" and cfg.window_dtype == "int8" and self._windowed
                               and not cfg.outlier_channels and self._compress.__func__ is PolarQuantCache._compress
-                              and not self._vq_cents)
+                              and not self._vq_cents and cfg.norm_bits == 16)
         # both sides of a decode step's evicted tokens in one launch (_compress_pair): this class's
         # scalar quantizer without channel split (TurboQuant adds its QJL stage per side)
         self._pair_quantize = (not cfg.outlier_channels and self._compress.__func__ is PolarQuantCache._compress
-                               and not self._vq_cents)
+                               and not self._vq_cents and cfg.norm_bits == 16)
         self._window = ExactWindow(self.head_dim, cfg.sink_tokens, cfg.residual_length,
                                    cfg.rotation if cfg.window_rotation else None, cfg.residual_fraction)
         # storage of the window buffers: the configured dtype, float32 while the layer's
@@ -315,7 +320,7 @@ class PolarQuantCache(FusedDecodeMixin, WindowedLayers, LayeredCache):
     def _buffer_spec(self) -> BufferSpec:
         spec: BufferSpec = {n + "_codes": (lay.width, np.uint8, None) for n, lay in self.layouts.items()}
         for n, lay in self.layouts.items():
-            spec[n + "_scales"] = (lay.num_scales, np.uint16, None)
+            spec[n + "_scales"] = (lay.num_scales, np.uint8 if self.config.norm_bits == 8 else np.uint16, None)
         if self.windowed:
             spec.update(self._window.buffer_spec(self._exact_dtype))
         if self.key_center:
@@ -410,6 +415,7 @@ class PolarQuantCache(FusedDecodeMixin, WindowedLayers, LayeredCache):
                 safe = norm * self._f16_factor(name) <= limit
             if not safe or (f16_window and amax > F16_MAX):
                 self._dry_run(st, name, arr, rs, f16_window)
+        self._check_norm8(st, k, v, stats)
 
     def _stored_domain_bounds(self, st: LayerState, name: str, amax: float,
                               norm: float) -> tuple[float, float, bool]:
@@ -459,6 +465,8 @@ class PolarQuantCache(FusedDecodeMixin, WindowedLayers, LayeredCache):
         if f16_window:
             check_magnitude(name, check_finite_stats(name, x3).amax, F16_MAX,
                             "a float16 window (window_dtype='float16'; after key centering)")
+        if self._norm8:
+            return  # its norms are checked (binary16 saturation too) by _check_norm8, from one quantization
         self._compress(tmp, name, x3, 0)
         for b in scratch:
             if b.startswith(name + "_") and np.dtype(tmp.buffers[b].dtype) == np.uint16:
@@ -475,13 +483,10 @@ class PolarQuantCache(FusedDecodeMixin, WindowedLayers, LayeredCache):
 
     def _compress(self, st: LayerState, name: str, x3: Any, t0: int) -> None:
         """Quantize ``x3`` ``[rows, n, d]`` (transformed domain) into tokens ``t0 : t0+n``."""
+        if self.rotation == "head":  # (scalar or VQ code, binary16 or 8-bit norms: HeadNormMixin)
+            self._quantize_vectors(st, name, x3, t0)
+            return
         codes, scales = st.buffers[name + "_codes"], st.buffers[name + "_scales"]
-        if name in self._vq_cents:
-            quantize_headvq_into(x3, codes, scales, t0, self._vq_cents[name], self.unbiased)
-            return
-        if self.rotation == "head":
-            quantize_head_into(x3, codes, scales, t0, self.codebooks[name], self.unbiased)
-            return
         if not self.outlier_channels:
             quantize_into(x3, codes, scales, t0, self.codebooks[name], self.outlier, unbiased=self.unbiased)
             return
@@ -497,13 +502,10 @@ class PolarQuantCache(FusedDecodeMixin, WindowedLayers, LayeredCache):
 
     def _decompress(self, st: LayerState, name: str, t0: int, out: Any) -> None:
         """Reconstruct tokens ``t0 : t0 + out.shape[1]`` into ``out`` (transformed domain)."""
-        codes, scales = st.buffers[name + "_codes"], st.buffers[name + "_scales"]
-        if name in self._vq_cents:
-            dequantize_headvq_into(codes, scales, t0, self._vq_cents[name], out)
-            return
         if self.rotation == "head":
-            dequantize_head_into(codes, scales, t0, self.codebooks[name], out)
+            self._dequantize_vectors(st, name, t0, out)
             return
+        codes, scales = st.buffers[name + "_codes"], st.buffers[name + "_scales"]
         if not self.outlier_channels:
             dequantize_into(codes, scales, t0, self.codebooks[name], out)
             return
@@ -518,6 +520,7 @@ class PolarQuantCache(FusedDecodeMixin, WindowedLayers, LayeredCache):
 
     def _store(self, st: LayerState, k: Any, v: Any) -> None:
         n = int(k.shape[2])
+        self._fix_norm8_base(st, k, v)
         n_sink, n_comp, n_win = layer_counts(st)
         S = self._sinks(st)
         # without a window every token is compressed; a growing window's buffers grow first
@@ -636,9 +639,11 @@ class PolarQuantCache(FusedDecodeMixin, WindowedLayers, LayeredCache):
     def config_dict(self) -> dict[str, Any]:
         """Constructor arguments (JSON types) that rebuild this cache's configuration."""
         cfg = self.config
-        # ``vq`` and ``residual_fraction`` only when set: such a cache writes the files it wrote
-        # before the options existed (same bytes, readable by earlier versions)
+        # ``vq``, ``residual_fraction`` and ``norm_bits`` only when not the default: such a cache
+        # writes the files it wrote before the options existed (same bytes, readable by earlier
+        # versions)
         opts = {k: v for k, v in cfg.options().items()
-                if k != "sliding_window" and not (k in ("vq", "residual_fraction") and not v)}
+                if k != "sliding_window" and not (k in ("vq", "residual_fraction") and not v)
+                and not (k == "norm_bits" and v == 16)}
         return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
                 **opts, **self._window_config()}

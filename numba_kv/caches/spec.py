@@ -7,7 +7,7 @@ One cache is written ::
 
 * ``NAME``: ``"dense"``; PolarQuant ``"pq2"``–``"pq4"``, ``"pqo2"``–``"pqo4"``; TurboQuant
   ``"tq2"``–``"tq4"``; asymmetric ``"pqo-k4v3"`` / ``"tq-k4v3"``; channel splits ``"pqo2.5"`` /
-  ``"pqo3.5"``; combinable suffixes ``-l2``, ``-maxnorm``, ``-head``, ``-eden``, ``-vq`` (see
+  ``"pqo3.5"``; combinable suffixes ``-l2``, ``-maxnorm``, ``-head``, ``-eden``, ``-vq``, ``-n8`` (see
   :data:`SUFFIX_OPTIONS`).
 * Named presets ``"kv4"``, ``"kv5"`` (:mod:`numba_kv.caches.presets`): a name, a bit
   budget and per-layer settings; options (``"kv4:decode_output=dequantized"``) replace the
@@ -60,7 +60,7 @@ _COMPACT = re.compile(rf"^(?P<base>dense|(?:pqo?|tq)(?:[234](?:\.5)?|-k[2-5]v[2-
                       r"(?:-r(?P<r>\d+))?(?:-g(?P<g>\d+(?:\.\d+)?))?(?:-s(?P<s>\d+))?$")
 _KEY = re.compile(r"^[a-z_][a-z0-9_]*$")
 _EXPECTED = (f"expected a preset {list(PRESET_NAMES)}, one of {list(CACHE_NAMES)}, or 'pqo-k<2-5>v<2-5>' / "
-             f"'tq-k<2-5>v<2-5>', optionally with '-l2', '-maxnorm', '-head', '-eden', '-vq' suffixes")
+             f"'tq-k<2-5>v<2-5>', optionally with '-l2', '-maxnorm', '-head', '-eden', '-vq', '-n8' suffixes")
 # what a user means as a preset name ("kv3", "KV4-r32"): answered with the list of presets
 _PRESET_LIKE = re.compile(r"^kv\d")
 
@@ -341,7 +341,7 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
         the end), applied over the layer's options (base and ``layer_overrides``) with the
         same ``bits`` rule.  Only options that choose a vector's code may differ per head
         (``bits``, ``k_bits``, ``v_bits``, ``mode``, ``norm_mode``, ``unbiased``,
-        ``outlier_bits``, ``vq``); window, sink, sliding-window and rotation options raise
+        ``outlier_bits``, ``vq``, ``norm_bits``); window, sink, sliding-window and rotation options raise
         ``ValueError`` (they set what the whole layer stores).  A layer whose heads differ
         is split: each group of its heads with one configuration is stored by a part cache
         with that many KV heads, and the :class:`~numba_kv.caches.mixed.MixedCache`

@@ -15,6 +15,7 @@ from . import (  # noqa: F401
                intquant,
                lowrank,
                memory,
+               norm8,
                positions,
                qjl,
                vq,

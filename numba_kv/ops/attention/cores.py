@@ -32,6 +32,10 @@ from ..._jit import specialize, twin
 from .._headquant_lanes import head_scale
 
 NEG_INF = np.float32(-np.inf)
+#: where a norm8 layer's scale table (``numba_kv.ops.norm8.norm8_scale_table``) holds its 256
+#: decoded norms, after ``F16_ABS_TABLE``: the kernels read a uint8 scale plane's entry ``k``
+#: at ``NORM8_SLOT0 + k`` (:func:`_scale_slot`)
+NORM8_SLOT0 = 1 << 16
 
 
 # --- token decoding ----------------------------------------------------------------------
@@ -77,13 +81,24 @@ def _decode8_vq(crow, p, bits, cent, sa, dst, o):
                 dst[o + 4 * i + j] = cent[c + j] * sa
 
 
+def _scale_slot(splane, s):
+    """Index in the kernels' scale table of entry ``s`` of the compressed-scale plane
+    ``splane``: the binary16 pattern itself for a uint16 plane, ``NORM8_SLOT0 + s`` for the
+    8-bit norm codes of a uint8 plane (``norm_bits=8``, whose layer passes
+    ``numba_kv.ops.norm8.norm8_scale_table``: ``F16_ABS_TABLE`` then the 256 decoded norms).
+    The itemsize is a constant of the compiled plane type, so the offset folds away: one
+    source serves both planes, and the exact window's binary16 scales keep reading the
+    table's first part."""
+    return int64(s) + NORM8_SLOT0 * (2 - splane.itemsize)
+
+
 def _load_token_fast(crow, srow, cent, bits, nb, sshift, scale_table, dst):
     """``dst[0:32·nb] = |a| · c[idx_j]`` for one token whose blocks all have width ``bits``
     and codebook ``cent``; scales (one per ``2**sshift`` blocks: a shift, a 64-bit division
     per block costs ~25 % of the CPU kernel) decoded through the exact binary16 table
     ``scale_table``."""
     for b in range(nb):
-        sa = scale_table[srow[b >> sshift]]
+        sa = scale_table[_scale_slot(srow, srow[b >> sshift])]
         for grp in range(4):
             _decode8(crow, (4 * b + grp) * bits, bits, cent, sa, dst, b * 32 + grp * 8)
 
@@ -355,7 +370,8 @@ def _coop_tile(codes, scales, exact, exact_scales, exact_kind, kv_indices, first
         if compressed:
             b = grp >> 2
             bits = bits_b[b]
-            sa = scale_table[plane(scales, page, h)[slot, b >> sshift]]
+            splane = plane(scales, page, h)
+            sa = scale_table[_scale_slot(splane, splane[slot, b >> sshift])]
             if vq:
                 _decode8_vq(plane(codes, page, h)[slot], off_b[b] + (grp & 3) * bits, bits, cent2[b], sa, kv, o)
             else:
@@ -431,6 +447,7 @@ def _exact_scale_at(scales, page, h, slot, kind, table):
 token_slot, plane, exact_scale_at = _flat_slot, _flat_plane, _exact_scale_at
 
 
+scale_slot_cpu, scale_slot_dev = twin(_scale_slot, inline=True)
 decode8_cpu, decode8_dev = twin(_decode8)
 decode8_vq_cpu, decode8_vq_dev = twin(_decode8_vq)
 load_token_fast_cpu, _ = twin(_load_token_fast)

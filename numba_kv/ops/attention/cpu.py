@@ -23,6 +23,7 @@ from .cores import (
     decode8_cpu,
     load_token_fast_cpu,
     online_update_cpu,
+    scale_slot_cpu,
     sign_pm1_cpu,
     visible_cpu,
 )
@@ -202,7 +203,7 @@ def _decode_tile_simd(codes, scales, t0, nt, cent, bits, nb, sshift, scale_table
         for tt in range(nt):
             t = t0 + tt
             for b in range(nb):
-                sa = scale_table[scales[t, b >> sshift]]
+                sa = scale_table[scale_slot_cpu(scales, scales[t, b >> sshift])]
                 for i in range(16):
                     c = codes[t, b * 16 + i]
                     dst[d0 + tt, b * 32 + 2 * i] = lut[c, 0] * sa
@@ -211,22 +212,25 @@ def _decode_tile_simd(codes, scales, t0, nt, cent, bits, nb, sshift, scale_table
         for tt in range(nt):
             t = t0 + tt
             for b in range(nb):
-                decode_block_cpu(codes, t, b * 12, 3, cent, scale_table[scales[t, b >> sshift]], dst, d0 + tt, b * 32)
+                sa = scale_table[scale_slot_cpu(scales, scales[t, b >> sshift])]
+                decode_block_cpu(codes, t, b * 12, 3, cent, sa, dst, d0 + tt, b * 32)
     elif bits == 2 and fast:
         for tt in range(nt):
             t = t0 + tt
             for b in range(nb):
-                decode_block_cpu(codes, t, b * 8, 2, cent, scale_table[scales[t, b >> sshift]], dst, d0 + tt, b * 32)
+                sa = scale_table[scale_slot_cpu(scales, scales[t, b >> sshift])]
+                decode_block_cpu(codes, t, b * 8, 2, cent, sa, dst, d0 + tt, b * 32)
     elif bits == 1 and fast:
         for tt in range(nt):
             t = t0 + tt
             for b in range(nb):
-                decode_block_cpu(codes, t, b * 4, 1, cent, scale_table[scales[t, b >> sshift]], dst, d0 + tt, b * 32)
+                sa = scale_table[scale_slot_cpu(scales, scales[t, b >> sshift])]
+                decode_block_cpu(codes, t, b * 4, 1, cent, sa, dst, d0 + tt, b * 32)
     elif bits == 5 and fast:
         for tt in range(nt):
             t = t0 + tt
             for b in range(nb):
-                sa = scale_table[scales[t, b >> sshift]]
+                sa = scale_table[scale_slot_cpu(scales, scales[t, b >> sshift])]
                 for grp in range(4):
                     decode8_5bit_cpu(codes, t, b * 20 + grp * 5, cent, sa, dst, d0 + tt, b * 32 + grp * 8)
     else:
@@ -248,7 +252,7 @@ def _decode_tile_mixed(codes, scales, t0, nt, cent2, bits_b, off_b, sshift, scal
     for tt in range(nt):
         t = t0 + tt
         for b in range(nb):
-            sa = scale_table[scales[t, b >> sshift]]
+            sa = scale_table[scale_slot_cpu(scales, scales[t, b >> sshift])]
             if fast:
                 decode_block_cpu(codes, t, off_b[b], bits_b[b], cent2[b], sa, dst, d0 + tt, b * 32)
             else:
@@ -271,7 +275,7 @@ def _decode_tile_vq(codes, scales, t0, nt, cent, bits, nb, sshift, scale_table, 
         for tt in range(nt):
             t = t0 + tt
             for b in range(nb):
-                sa = scale_table[scales[t, b >> sshift]]
+                sa = scale_table[scale_slot_cpu(scales, scales[t, b >> sshift])]
                 for i in range(16):
                     c = int64(codes[t, b * 16 + i]) << 1
                     dst[d0 + tt, b * 32 + 2 * i] = cent[c] * sa
@@ -280,7 +284,7 @@ def _decode_tile_vq(codes, scales, t0, nt, cent, bits, nb, sshift, scale_table, 
         for tt in range(nt):
             t = t0 + tt
             for b in range(nb):
-                sa = scale_table[scales[t, b >> sshift]]
+                sa = scale_table[scale_slot_cpu(scales, scales[t, b >> sshift])]
                 for i in range(8):
                     c = int64(codes[t, b * 8 + i]) << 2
                     o = b * 32 + 4 * i

@@ -519,31 +519,35 @@ _decode_attention_mma_cuda, _paged_decode_attention_mma_cuda = (
     for paged in (False, True))
 
 
-def _signature(codes: str, exact: str, exact_scales: str, ndim: int) -> str:
-    """Signature of the partition kernels: codes and scales of ``codes`` (``uint8`` packed
-    bytes or ``uint32`` words) ``ndim``-D, exact tokens ``exact`` with scales ``exact_scales``."""
+def _signature(codes: str, exact: str, exact_scales: str, ndim: int, scales: str = "uint16") -> str:
+    """Signature of the partition kernels: codes of ``codes`` (``uint8`` packed bytes or
+    ``uint32`` words) with scales of ``scales`` (binary16 bits, or ``uint8`` 8-bit norms)
+    ``ndim``-D, exact tokens ``exact`` with scales ``exact_scales``."""
     cd = "[" + ", ".join([":"] * (ndim - 1)) + ", ::1]"
-    return (f"void(float32[:, :, ::1], float32[:, :, ::1], {codes}{cd}, uint16{cd}, {codes}{cd}, uint16{cd}, int64, "
-            f"int64, {exact}, {exact}, int64, int32[::1], {exact_scales}, {exact_scales}, int64, float32[:, ::1], "
-            "float32[:, ::1], int64[::1], int64[::1], int64[::1], int64[::1], int64, float32[::1], float32, "
-            "float32[:, :, ::1], boolean, boolean, float32[:, :, ::1], uint8[:, :, ::1], uint16[:, ::1], float32, "
-            "int64, int64, boolean, int64, int64, int32[::1], int32[::1], int32[::1], int64, int64, "
-            "float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1], boolean, int64, float32[::1], boolean, "
-            "float32[::1], float32[:, :, ::1], int32[::1], boolean)")
+    return (f"void(float32[:, :, ::1], float32[:, :, ::1], {codes}{cd}, {scales}{cd}, {codes}{cd}, {scales}{cd}, "
+            f"int64, int64, {exact}, {exact}, int64, int32[::1], {exact_scales}, {exact_scales}, int64, "
+            "float32[:, ::1], float32[:, ::1], int64[::1], int64[::1], int64[::1], int64[::1], int64, "
+            "float32[::1], float32, float32[:, :, ::1], boolean, boolean, float32[:, :, ::1], uint8[:, :, ::1], "
+            "uint16[:, ::1], float32, int64, int64, boolean, int64, int64, int32[::1], int32[::1], int32[::1], "
+            "int64, int64, float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1], boolean, int64, "
+            "float32[::1], boolean, float32[::1], float32[:, :, ::1], int32[::1], boolean)")
 
 
 # flat: exact tokens as float32 (the decode_attention op, float32 windows) and as int8 (the
 # caches' int8 windows; binary16 windows compile the same code for uint16)
 _ASIG = [_signature("uint8", f"{dt}[:, :, ::1]", "uint16[:, :, ::1]", 3) for dt in ("float32", "int8")]
+# ... and a norm_bits=8 cache's uint8 norm planes (read through the layer's scale table)
+_ASIG_N8 = [*_ASIG, _signature("uint8", "int8[:, :, ::1]", "uint16[:, :, ::1]", 3, scales="uint8")]
 # tensor cores: kc/vc are the packed codes viewed as uint32 words, every code array with a
 # unit head axis ([n_g, 1, capacity, ·]: the paged addressing, mma.token_address)
 _ASIG_MMA = [_signature("uint32", f"{dt}[:, :, ::1]", "uint16[:, :, ::1]", 4) for dt in ("float32", "int8")]
 # paged: pools [pages, heads, page_size, ·]; float32 pools are the exact tokens
 _PSIG = _signature("uint8", "float32[:, :, :, ::1]", "uint16[:, :, :, ::1]", 4)
-DECODE_ATTENTION = register("decode_attention", _decode_attention_cpu, _decode_attention_cuda, _ASIG)
+DECODE_ATTENTION = register("decode_attention", _decode_attention_cpu, _decode_attention_cuda, _ASIG_N8)
 # the same op as one warp per partition (same arguments and partition results; the CPU twin
 # is the same tile loop), and on tensor cores
-DECODE_ATTENTION_WARP = register("decode_attention_warp", _decode_attention_cpu, _decode_attention_warp_cuda, _ASIG)
+DECODE_ATTENTION_WARP = register("decode_attention_warp", _decode_attention_cpu, _decode_attention_warp_cuda,
+                                 _ASIG_N8)
 DECODE_ATTENTION_MMA = register("decode_attention_mma", _decode_attention_cpu, _decode_attention_mma_cuda, _ASIG_MMA)
 PAGED_DECODE_ATTENTION = register("paged_decode_attention", _paged_decode_attention_cpu,
                                   _paged_decode_attention_cuda, [_PSIG])

@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 
 from ..headvq import GROUP_SIZE, headvq_centroids
+from .cores import NORM8_SLOT0
 from .mma import MMA_BITS
 
-__all__ = ["CodeLayout", "F16_ABS_TABLE", "code_words", "mma_layout_ok", "mma_operands", "unit_axis"]
+__all__ = ["CodeLayout", "F16_ABS_TABLE", "NORM8_SLOT0", "code_words", "mma_layout_ok", "mma_operands", "unit_axis"]
 
 #: |binary16| -> float32 for every bit pattern (exact; 256 KiB, stays in L2): scale decoding
 F16_ABS_TABLE = np.abs(np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32))
@@ -203,6 +204,8 @@ def mma_operands(kc: Any, ks: Any, vc: Any, vs: Any, flat: bool) -> tuple | None
     tuple ``(kc32, ks, vc32, vs)`` of 4-D views, or None
         Codes as uint32 words (:func:`code_words`); ``None`` where one array cannot be viewed
         so (the caller then runs the warp kernel)."""
+    if np.dtype(ks.dtype) != np.uint16 or np.dtype(vs.dtype) != np.uint16:
+        return None  # 8-bit norms (norm_bits=8): the tensor-core kernels read binary16 scales
     kw, vw = code_words(kc), code_words(vc)
     out = (kw, ks, vw, vs)
     if flat and kw is not None and vw is not None:

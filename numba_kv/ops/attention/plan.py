@@ -278,7 +278,8 @@ class AttentionPlan:
 
     # --- a step ------------------------------------------------------------------------------
     def bind_flat(self, kc: Any, ks: Any, vc: Any, vs: Any, comp_pos0: int, ke: Any, ve: Any, exact_pos: Any,
-                  head_signs: Any = None, exact_rotated: bool = False, exact_scales: tuple | None = None) -> FlatStep:
+                  head_signs: Any = None, exact_rotated: bool = False, exact_scales: tuple | None = None,
+                  scale_table: Any = None) -> FlatStep:
         """A flat cache layer's arrays bound to this plan: a :class:`FlatStep` whose
         :meth:`~FlatStep.run` takes only what changes from step to step.
 
@@ -289,8 +290,13 @@ class AttentionPlan:
             change between steps (the cache writes new tokens and positions into them), the
             objects may not (a cache that regrows a buffer binds again).  ``exact_pos`` may be
             longer than the exact tokens of a step (the kernels read its first ``n_exact``).
+        scale_table : float32 array, optional
+            The table the compressed scales are read through, on the plan's device (default
+            ``F16_ABS_TABLE``); uint8 scale planes (8-bit norms) need the layer's
+            :func:`~numba_kv.ops.norm8.norm8_scale_table`.
         """
-        return FlatStep(self, kc, ks, vc, vs, comp_pos0, ke, ve, exact_pos, head_signs, exact_rotated, exact_scales)
+        return FlatStep(self, kc, ks, vc, vs, comp_pos0, ke, ve, exact_pos, head_signs, exact_rotated, exact_scales,
+                        scale_table)
 
     def run_flat(self, qr: Any, q: Any, kc: Any, ks: Any, vc: Any, vs: Any, n_comp: int, comp_pos0: int, ke: Any,
                  ve: Any, n_exact: int, exact_pos: Any, softmax_scale: float, bias: Any, q_pos0: int, q_len: int,
@@ -379,7 +385,7 @@ class FlatStep:
     ----------
     plan : AttentionPlan
         The plan of the layer's device and shape.
-    kc, ks, vc, vs, comp_pos0, ke, ve, exact_pos, head_signs, exact_rotated, exact_scales
+    kc, ks, vc, vs, comp_pos0, ke, ve, exact_pos, head_signs, exact_rotated, exact_scales, scale_table
         The layer's arrays and flags, as for :meth:`AttentionPlan.bind_flat` (shapes and dtypes
         there).
     """
@@ -388,7 +394,8 @@ class FlatStep:
                  "_scale", "comp_pos0", "plan")
 
     def __init__(self, plan: AttentionPlan, kc: Any, ks: Any, vc: Any, vs: Any, comp_pos0: int, ke: Any, ve: Any,
-                 exact_pos: Any, head_signs: Any, exact_rotated: bool, exact_scales: tuple | None) -> None:
+                 exact_pos: Any, head_signs: Any, exact_rotated: bool, exact_scales: tuple | None,
+                 scale_table: Any = None) -> None:
         self.plan = plan
         self._bound = (kc, ks, vc, vs, ke, ve, exact_pos, head_signs,
                        None if exact_scales is None else exact_scales[0],
@@ -405,7 +412,8 @@ class FlatStep:
         ke, ve, kes, ves, exact_kind = plan._exact_args(ke, ve, exact_scales)  # noqa: SLF001
         # the kernel's arguments between the per-step ones (see run)
         self._mid = ((kc, ks, vc, vs), (self.comp_pos0, ke, ve),
-                     (exact_pos, kes, ves, exact_kind, *plan.layout_args, plan.sshift, plan.table))
+                     (exact_pos, kes, ves, exact_kind, *plan.layout_args, plan.sshift,
+                      plan.table if scale_table is None else scale_table))
         sq, qsig, qnorm, qconst = plan.no_qjl
         self._no_qjl = (plan.no_bias, False, False, sq, qsig, qnorm, np.float32(qconst))
         head_rot = head_signs is not None

@@ -34,7 +34,7 @@ from numba import cuda, float32, int64
 
 from ... import _backend
 from ..._jit import cuda_device, specialize
-from .cores import NEG_INF, addressing, exact_value_dev
+from .cores import NEG_INF, addressing, exact_value_dev, scale_slot_dev
 from .qrot import coop_rotate_rows, warp_stage_rotated
 
 _FLAT = addressing(False)
@@ -228,7 +228,7 @@ def _make_scores(nbits: int):
         for b in range(d // 32):
             bits = nbits if nbits else kbits[b]
             mask = (int64(1) << bits) - 1
-            sa = table[ksrow[b >> sshift]]
+            sa = table[scale_slot_dev(ksrow, ksrow[b >> sshift])]
             o = koff[b]
             for grp in range(4):
                 w = int64(0)
@@ -287,7 +287,7 @@ def stage_values(vrow, vsrow, nbytes, nb, sshift, table, vraw, vo, vsc, so):
     for j in range(nbytes):
         vraw[vo + j] = vrow[j]
     for b in range(nb):
-        vsc[so + b] = table[vsrow[b >> sshift]]
+        vsc[so + b] = table[scale_slot_dev(vsrow, vsrow[b >> sshift])]
 
 
 @cuda_device

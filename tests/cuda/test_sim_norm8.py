@@ -1,0 +1,83 @@
+"""8-bit vector norms (``norm_bits=8``): the encode/scale kernels and a norm8 cache on device
+arrays (simulator or GPU) vs the CPU twins.
+
+The encoder reads a table (no ``log2`` on either side), so the norm bytes must be
+bit-identical; the fused kernels (warp kernel for the scalar code, block kernel for the VQ
+code) read the uint8 plane through the layer's scale table and agree with the CPU twin up to
+float32 rounding.  Small sizes: the simulator runs every thread of every block in Python."""
+
+import numpy as np
+import pytest
+
+from numba_kv import AttendConfig, knobs, make_cache
+from numba_kv._backend import to_host
+from numba_kv.ops.attention import kernels
+from numba_kv.ops.norm8 import norm8_scale_rows_into, norm8_store_into
+
+from ..conftest import runner_params, spy_launches, to_device
+
+
+def _store(rng):
+    h = (2.0 ** rng.uniform(-12, 12, (2, 5, 1))).astype(np.float16).view(np.uint16)
+    h[0, 0, 0] = 0
+    src = rng.integers(0, 256, (2, 5, 12)).astype(np.uint8)
+    want_c, want_n = np.zeros((2, 9, 12), np.uint8), np.zeros((2, 9, 1), np.uint8)
+    norm8_store_into(src, h, -40, 3, want_c, want_n)
+    dc, dn = to_device(np.zeros_like(want_c)), to_device(np.zeros_like(want_n))
+    norm8_store_into(to_device(src), to_device(h), -40, 3, dc, dn)
+    assert np.array_equal(to_host(dc), want_c) and np.array_equal(to_host(dn), want_n)
+    assert want_n[0, 3, 0] == 0 and want_n[:, 4:8].all()
+
+
+def _scale(rng):
+    codes = rng.integers(0, 256, (2, 6, 1)).astype(np.uint8)
+    x = rng.standard_normal((2, 4, 32)).astype(np.float32)
+    want = x.copy()
+    norm8_scale_rows_into(codes, -7, 2, want)
+    out = to_device(x)
+    norm8_scale_rows_into(to_device(codes), -7, 2, out)
+    assert np.array_equal(to_host(out), want)
+
+
+RUNNERS = {"norm8_store": _store, "norm8_scale_rows": _scale}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("runner", runner_params(RUNNERS))
+def test_cuda_kernel_matches_cpu_twin(runner):
+    runner(np.random.default_rng(12))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("name", "warp"), [("pqo4-head-n8", 1), ("pqo4-head-n8", 0),
+                                            ("pqo-k4v2-head-eden-vq-n8", 1)],
+                         ids=["scalar-warp", "scalar-block", "vq-block"])
+def test_norm8_cache_on_device_matches_cpu(name, warp, monkeypatch):
+    """Prefill and decode steps that move tokens out of the window: the stored codes, norm
+    bytes and grid base equal the CPU cache's, the fused outputs agree (the VQ code always
+    runs the block kernel)."""
+    launched = spy_launches(monkeypatch, (kernels, "DECODE_ATTENTION_WARP"))
+    rng = np.random.default_rng(2)
+    d = 32
+    geo = dict(num_layers=1, num_kv_heads=1, head_dim=d, residual_length=2, sink_tokens=1, window_dtype="float32")
+    cpu, dev = make_cache(name, **geo), make_cache(name, **geo)
+    cfg = AttendConfig(d ** -0.5, 2)
+    with knobs(cuda_warp_attention=warp):
+        for n, decode in ((6, False), (1, True), (2, True)):
+            k = (rng.standard_normal((1, 1, n, d)) * 2.0 ** rng.uniform(-1, 1, (1, 1, n, 1))).astype(np.float32)
+            v = rng.standard_normal((1, 1, n, d)).astype(np.float32)
+            q = rng.standard_normal((1, 2, n, d)).astype(np.float32)
+            if not decode:
+                cpu.prefill(0, k, v)
+                dev.prefill(0, to_device(k), to_device(v))
+                continue
+            a = cpu.decode(0, k, v, q, cfg).out
+            b = dev.decode(0, to_device(k), to_device(v), to_device(q), cfg).out
+            np.testing.assert_allclose(to_host(b), a, rtol=2e-5, atol=2e-6)
+    sc, sd = cpu._layers[0], dev._layers[0]
+    assert sc.meta == sd.meta and "norm8_base" in sc.meta
+    for buf in ("k_codes", "k_scales", "v_codes", "v_scales"):
+        n = sc.live_count(buf)
+        assert np.array_equal(to_host(sd.buffers[buf])[:, :n], sc.buffers[buf][:, :n]), buf
+    assert sd.buffers["k_scales"].dtype == np.uint8
+    assert bool(launched) == (warp == 1 and "vq" not in name)  # the kernel the case names ran
