@@ -81,3 +81,26 @@ def test_norm8_cache_on_device_matches_cpu(name, warp, monkeypatch):
         assert np.array_equal(to_host(sd.buffers[buf])[:, :n], sc.buffers[buf][:, :n]), buf
     assert sd.buffers["k_scales"].dtype == np.uint8
     assert bool(launched) == (warp == 1 and "vq" not in name)  # the kernel the case names ran
+
+
+@pytest.mark.cuda
+def test_tensor_core_plan_runs_the_warp_kernel(monkeypatch):
+    """At head_dim 128 the plan picks the tensor-core kernel, which reads binary16 scales as
+    words: a norm8 layer's step runs the warp kernel instead and agrees with the CPU cache."""
+    launched = spy_launches(monkeypatch, (kernels, "DECODE_ATTENTION_WARP"))
+    rng = np.random.default_rng(4)
+    d = 128
+    geo = dict(num_layers=1, num_kv_heads=1, head_dim=d, residual_length=1, sink_tokens=0, window_dtype="float32")
+    cpu, dev = make_cache("pqo4-head-n8", **geo), make_cache("pqo4-head-n8", **geo)
+    cfg = AttendConfig(d ** -0.5, 2)
+    k, v = (rng.standard_normal((1, 1, 5, d)).astype(np.float32) for _ in range(2))
+    cpu.prefill(0, k, v)
+    dev.prefill(0, to_device(k), to_device(v))
+    k1, v1 = (rng.standard_normal((1, 1, 1, d)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((1, 2, 1, d)).astype(np.float32)
+    with knobs(cuda_warp_attention=1, cuda_mma_attention=1):
+        b = dev.decode(0, to_device(k1), to_device(v1), to_device(q), cfg).out
+    np.testing.assert_allclose(to_host(b), cpu.decode(0, k1, v1, q, cfg).out, rtol=2e-5, atol=2e-6)
+    step = dev._layers[0].scratch["fused_step"].step
+    assert step.plan.variant == "mma" and step._kernel.name == "decode_attention_warp"  # chosen, then replaced
+    assert len(launched) == 1  # the warp kernel ran
