@@ -18,7 +18,7 @@ from numba_kv.toolkit.specs import EvalConfigError, parse_cache_specs
 GEMMA_WINDOWS = [512, 512, 512, 512, 512, None] * 3  # Gemma-3-270M: 5 local layers, then 1 global
 # (name, num_layers, num_kv_heads, head_dim, sliding windows)
 MODELS = [("smollm2", 30, 3, 64, None), ("gemma3-270m", 18, 1, 256, GEMMA_WINDOWS)]
-BUDGETS = {"kv4": 4.0, "kv5": 5.0}
+BUDGETS = {"kv3": 3.5, "kv4": 4.0, "kv5": 5.0}
 
 
 def _layers(cache):
@@ -36,15 +36,19 @@ def _part(cache, layer: int):
 def _hand_bytes(part, d: int, tokens: int, window: int | None = None) -> int:
     """Bytes of one layer and KV head of a ``pqo-k?v?-head`` cache with an int8 window and key
     centering, counted by hand: a compressed vector is ``bits * d / 8`` index bytes plus one
-    binary16 norm; a window vector ``d`` int8 bytes plus one binary16 scale; key centering one
-    float32 mean per channel.  A sliding layer holds its last ``window`` tokens, no sinks."""
+    binary16 norm (one byte with ``norm_bits=8``); a window vector ``d`` int8 bytes plus one
+    binary16 scale; key centering one float32 mean per channel.  A sliding layer holds its last
+    ``window`` tokens, no sinks.  A growing window (``residual_fraction`` f) holds
+    ``max(residual_length, floor(f·t))`` tokens at ``t`` stored tokens."""
     assert part.rotation == "head" and part.window_dtype == np.int8 and part.key_center
     assert part.outlier_channels == 0
     if window is not None:
         tokens = min(tokens, window)
-    exact = min(tokens, (part.sink_tokens if window is None else 0) + part.residual_length)
-    comp_k = part.k_bits * d // 8 + 2
-    comp_v = part.v_bits * d // 8 + 2
+    grown = max(part.residual_length, int(round(part.residual_fraction * 1000)) * tokens // 1000)
+    exact = min(tokens, (part.sink_tokens if window is None else 0) + grown)
+    norm = part.norm_bits // 8
+    comp_k = part.k_bits * d // 8 + norm
+    comp_v = part.v_bits * d // 8 + norm
     return (tokens - exact) * (comp_k + comp_v) + exact * 2 * (d + 2) + 4 * d
 
 
@@ -147,6 +151,46 @@ def test_kv5_numbers_by_hand():
     assert (base, opts["sink_tokens"], window, over) == ("pqo-k5v4-head-eden", 8, 68, {})
 
 
+def test_kv3_numbers_by_hand():
+    """``kv3`` on SmolLM2's geometry: keys 4·64/8 + 1 = 33 bytes and values 2·64/8 + 1 = 17 (one
+    byte per 8-bit norm), an int8 window vector 64 + 2 = 66, key means 256 bytes per layer and
+    head; 3.5 bits/value at 1,024 tokens (57,344 bytes per head) allows 4 sinks and 67 recent
+    tokens.  The window grows to floor(0.065·t) tokens: at 8,192 tokens 532, and the bits/value
+    stay within the budget at every length from 1,024 on (3.462 at 8K, where a fixed window
+    would fall to 3.171)."""
+    base, opts, over = resolve_preset("kv3", num_layers=30, num_kv_heads=3, head_dim=64)
+    assert (base, opts["sink_tokens"], opts["residual_length"], opts["residual_fraction"], over) == \
+        ("pqo-k4v2-head-eden-vq-n8", 4, 67, 0.065, {})
+
+    def bits(t: int, grow: bool = True) -> float:
+        window = 4 + max(67, 65 * t // 1000 if grow else 0)
+        return ((t - window) * (33 + 17) + window * 2 * 66 + 256) * 8 / (2 * 64 * t)
+
+    assert bits(1024) <= 3.5 < ((1024 - 72) * 50 + 72 * 132 + 256) * 8 / (2 * 64 * 1024)
+    assert all(3.4 < bits(t) <= 3.5 for t in (1024, 1500, 2048, 4096, 8192, 32768))
+    assert bits(8192) == pytest.approx(3.462, abs=5e-4) and bits(8192, grow=False) == pytest.approx(3.171, abs=5e-4)
+    cache = nk.make_cache("kv3", num_layers=30, num_kv_heads=3, head_dim=64)
+    for t in (1024, 8192):
+        assert presets.preset_bytes("kv3", num_layers=30, num_kv_heads=3, head_dim=64, residual_length=67,
+                                    tokens=t) * 8 / (2 * 30 * 3 * 64 * t) == pytest.approx(bits(t), abs=1e-12)
+    assert cache.name.startswith("pqo-k4v2-head-eden-vq-n8-r67-g6.5-s4")
+
+
+def test_kv3_grown_window_is_what_the_cache_stores():
+    """At 3,000 tokens ``kv3``'s window is floor(0.065·3000) = 195 tokens, and the cache stores
+    the bytes of the hand count (fed in uneven chunks, as a decode loop would)."""
+    rng = np.random.default_rng(1)
+    cache = nk.make_cache("kv3", num_layers=1, num_kv_heads=1, head_dim=64)
+    k = rng.standard_normal((1, 1, 3000, 64)).astype(np.float32)
+    t = 0
+    for n in (700, 1, 299, 1000, 7, 993):
+        cache.prefill(0, k[:, :, t:t + n], 0.5 * k[:, :, t:t + n])
+        t += n
+    part = _layers(cache)[0][0]
+    assert t == 3000 and 65 * 3000 // 1000 == 195
+    assert cache.memory_usage() == _hand_bytes(part, 64, 3000) == (3000 - 199) * 50 + 199 * 132 + 256
+
+
 @pytest.mark.parametrize("windows", [None, [16, None]], ids=["global", "sliding"])
 def test_formula_equals_memory_usage(windows):
     """The count the presets are sized by is what the cache stores at 1,024 tokens (a
@@ -201,13 +245,13 @@ def test_grammar_and_options():
     assert c.decode_output == "dequantized" and c.residual_length == 49
 
 
-@pytest.mark.parametrize("bad", ["kv3", "KV9", "kv4-r32"])
+@pytest.mark.parametrize("bad", ["kv2", "KV9", "kv4-r32"])
 def test_unknown_preset_lists_presets(bad):
-    with pytest.raises(ValueError, match=r"unknown preset .*\['kv4', 'kv5'\]"):
+    with pytest.raises(ValueError, match=r"unknown preset .*\['kv3', 'kv4', 'kv5'\]"):
         nk.make_cache(bad, num_layers=2, num_kv_heads=1, head_dim=64)
-    with pytest.raises(EvalConfigError, match=r"--cache: unknown preset .*\['kv4', 'kv5'\]"):
+    with pytest.raises(EvalConfigError, match=r"--cache: unknown preset .*\['kv3', 'kv4', 'kv5'\]"):
         parse_cache_specs(f"dense,{bad}")
-    with pytest.raises(ValueError, match=r"unknown preset 'nope'; expected one of \['kv4', 'kv5'\]"):
+    with pytest.raises(ValueError, match=r"unknown preset 'nope'; expected one of \['kv3', 'kv4', 'kv5'\]"):
         presets.resolve_preset("nope", num_layers=2, num_kv_heads=1, head_dim=64)
 
 
