@@ -64,12 +64,16 @@ class Preset:
         end); counted in the budget head by head.
     summary : str
         One line for help texts.
-    residual_fraction : float
+    residual_fraction : float or "budget"
         A window that grows with the history (the cache option ``residual_fraction``, 0:
         none): at ``t`` tokens it holds ``max(residual_length, floor(f·t))`` tokens, so the
         bits/value stays near the budget at long lengths instead of falling to the codes'
         width.  ``residual_length`` is still sized to the budget at :data:`BUDGET_TOKENS`
         with the fraction counted (:func:`preset_bytes` counts it at any length).
+        ``"budget"``: the global layers' fraction is their sized window over
+        :data:`BUDGET_TOKENS` (``f = R / 1024``), so they hold the budget at every length
+        from :data:`BUDGET_TOKENS` on whatever the geometry (sliding layers, which store at
+        most their window, keep a fixed one).
     """
 
     name: str
@@ -80,7 +84,7 @@ class Preset:
     layer_overrides: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
     head_overrides: Mapping[int, Mapping[int, Mapping[str, Any]]] = field(default_factory=dict)
     summary: str = ""
-    residual_fraction: float = 0.0  # (last: the fields before it keep their positions)
+    residual_fraction: float | str = 0.0  # (last: the fields before it keep their positions)
 
 
 _BASE = "pqo-k4v3-head-eden"
@@ -109,8 +113,8 @@ _BASE_OPTIONS = {"key_center": True, "window_dtype": "int8"}
 PRESETS: dict[str, Preset] = {
     "kv3": Preset("kv3", "pqo-k4v2-head-eden-vq-n8", _BASE_OPTIONS, 3.5,
                   summary="<= 3.5 bits/value at 1,024 tokens and beyond: 4-bit keys, 2-bit values (head VQ "
-                          "codes), 8-bit norms, an int8 window growing to 6.5 % of the history",
-                  residual_fraction=0.065),
+                          "codes), 8-bit norms, an int8 window growing with the history",
+                  residual_fraction="budget"),
     "kv4": Preset("kv4", _BASE, _BASE_OPTIONS, 4.0,
                   summary="<= 4.0 bits/value at 1,024 tokens: 4-bit keys, 3-bit values, int8 window"),
     "kv5": Preset("kv5", "pqo-k5v4-head-eden", _BASE_OPTIONS, 5.0, sink_tokens=8,
@@ -161,9 +165,11 @@ def merge_head_overrides(preset_heads: Mapping[int, Mapping[int, Mapping[str, An
 
 
 def _fraction(preset: Preset) -> dict[str, float]:
-    """``{"residual_fraction": f}`` of a preset with a growing window, else nothing (the
-    options, and so the cache files, of a preset without one stay as they were)."""
-    return {"residual_fraction": preset.residual_fraction} if preset.residual_fraction else {}
+    """``{"residual_fraction": f}`` of a preset with a fixed growing fraction, else nothing (the
+    options, and so the cache files, of a preset without one stay as they were; a
+    ``"budget"`` fraction is set by :func:`resolve_preset` once the window is sized)."""
+    f = preset.residual_fraction
+    return {"residual_fraction": f} if f and f != "budget" else {}
 
 
 def _local(window: int | None, tokens: int) -> bool:
@@ -175,7 +181,8 @@ class _Geometry:
     """One preset on one model: each layer's configuration (the preset's overrides applied),
     sliding window and bytes by formula."""
 
-    def __init__(self, preset: Preset, num_layers: int, num_kv_heads: int, head_dim: int, sliding_window: Any):
+    def __init__(self, preset: Preset, num_layers: int, num_kv_heads: int, head_dim: int, sliding_window: Any,
+                 head_overrides: Any = None):
         self.preset, self.num_kv_heads = preset, num_kv_heads
         self.windows = check_sliding_window(sliding_window, num_layers)
         self.own = _layer_options(preset, num_layers)
@@ -187,7 +194,7 @@ class _Geometry:
         self.parts: list[PolarQuantConfig] = []
         # every KV head's configuration of the layers the preset splits (head_overrides)
         self.heads: dict[int, list[PolarQuantConfig]] = {}
-        own_heads = merge_head_overrides(preset.head_overrides, None, num_layers, num_kv_heads) or {}
+        own_heads = merge_head_overrides(preset.head_overrides, head_overrides, num_layers, num_kv_heads) or {}
         for layer in range(num_layers):
             own = self.own.get(layer, {})
             key = repr(sorted(own.items()))
@@ -209,6 +216,8 @@ class _Geometry:
         if "residual_length" in self.own.get(layer, {}):
             residual = part.residual_length
         stored, sinks = (min(tokens, window), 0) if window is not None else (tokens, part.sink_tokens)
+        if window is None and self.preset.residual_fraction == "budget":  # f = R / BUDGET_TOKENS
+            residual = max(residual, residual * tokens // BUDGET_TOKENS)
         heads = self.heads.get(layer, [part] * self.num_kv_heads)
         return sum(h.stored_bytes(stored, sinks=sinks, residual=residual) for h in heads)
 
@@ -225,7 +234,7 @@ def _largest(fits: Any, hi: int) -> int:
 
 
 def preset_bytes(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int, residual_length: Any,
-                 tokens: int = BUDGET_TOKENS, sliding_window: Any = None) -> int:
+                 tokens: int = BUDGET_TOKENS, sliding_window: Any = None, head_overrides: Any = None) -> int:
     """KV bytes of preset ``name`` with given windows at ``tokens`` tokens, by formula.
 
     Parameters
@@ -243,21 +252,23 @@ def preset_bytes(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int
     sliding_window : None, int, sequence or dict, optional
         The model's sliding windows, as ``make_cache`` takes them: a sliding layer stores
         at most its window's tokens and no sinks.
+    head_overrides : dict {int: dict {int: dict}}, optional
+        A user's per-KV-head widths over the preset's own (as ``make_cache`` merges them).
 
     Returns
     -------
     int
         Bytes of K and V of all layers and KV heads.
     """
-    geo = _Geometry(_check_name(name), num_layers, num_kv_heads, head_dim, sliding_window)
+    geo = _Geometry(_check_name(name), num_layers, num_kv_heads, head_dim, sliding_window, head_overrides)
     res = [residual_length] * num_layers if isinstance(residual_length, (int, np.integer)) else list(residual_length)
     if len(res) != num_layers:
         raise ValueError(f"residual_length: expected an int or {num_layers} ints, got {len(res)}")
     return sum(geo.layer_bytes(i, int(res[i]), tokens) for i in range(num_layers))
 
 
-def resolve_preset(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int, sliding_window: Any = None
-                   ) -> tuple[str, dict[str, Any], dict[int, dict[str, Any]]]:
+def resolve_preset(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int, sliding_window: Any = None,
+                   head_overrides: Any = None) -> tuple[str, dict[str, Any], dict[int, dict[str, Any]]]:
     """The :func:`~numba_kv.make_cache` arguments of a preset on a geometry.
 
     The budget holds for the global layers together and for every sliding layer on its
@@ -275,12 +286,15 @@ def resolve_preset(name: str, *, num_layers: int, num_kv_heads: int, head_dim: i
     Parameters
     ----------
     name : str
-        ``"kv4"`` or ``"kv5"`` (any key of :data:`PRESETS`, any case).
+        ``"kv3"``, ``"kv4"`` or ``"kv5"`` (any key of :data:`PRESETS`, any case).
     num_layers, num_kv_heads, head_dim : int
         Model geometry.
     sliding_window : None, int, sequence or dict, optional
         The model's sliding windows, as :func:`~numba_kv.make_cache` takes them (``None``:
         every layer global).
+    head_overrides : dict {int: dict {int: dict}}, optional
+        A user's per-KV-head widths (a calibration), merged over the preset's own before the
+        window is sized: narrower heads leave room for a longer window, wider ones take it.
 
     Returns
     -------
@@ -311,7 +325,7 @@ def resolve_preset(name: str, *, num_layers: int, num_kv_heads: int, head_dim: i
     (92, {'residual_length': 501})
     """
     preset = _check_name(name)
-    geo = _Geometry(preset, num_layers, num_kv_heads, head_dim, sliding_window)
+    geo = _Geometry(preset, num_layers, num_kv_heads, head_dim, sliding_window, head_overrides)
     n = BUDGET_TOKENS
     per_layer = preset.budget * 2 * num_kv_heads * head_dim * n / 8  # bytes of one layer's budget
     local = [i for i in range(num_layers) if _local(geo.windows[i], n)]
@@ -332,6 +346,12 @@ def resolve_preset(name: str, *, num_layers: int, num_kv_heads: int, head_dim: i
         r_glob = _largest(fits, n)
     options = {**preset.options, **_fraction(preset), "sink_tokens": preset.sink_tokens, "residual_length": r_glob}
     overrides = {i: dict(o) for i, o in geo.own.items()}
+    if preset.residual_fraction == "budget" and r_glob:
+        # R / 1024 is a dyadic rational: floor(f·t) = R·t // 1024 exactly (the caches read f as
+        # an exact fraction)
+        options["residual_fraction"] = r_glob / n
+        for i in local:  # a sliding layer's window is sized over what it stores: no growth
+            overrides.setdefault(i, {})["residual_fraction"] = 0.0
     for i in local:
         def fits_one(r: int, i: int = i) -> bool:
             return geo.layer_bytes(i, r, n) <= per_layer

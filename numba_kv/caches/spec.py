@@ -388,7 +388,8 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
     if spec is not None and spec.is_preset:
         windows = {**spec.options, **options}.get("sliding_window")  # local layers are sized on their own
         base, preset_opts, preset_layers = resolve_preset(spec.name, num_layers=num_layers, num_kv_heads=num_kv_heads,
-                                                          head_dim=head_dim, sliding_window=windows)
+                                                          head_dim=head_dim, sliding_window=windows,
+                                                          head_overrides=head_overrides)
         for key, over in (layer_overrides or {}).items():
             idx = resolve_layer("layer_overrides", key, num_layers)
             preset_layers[idx] = {**preset_layers.get(idx, {}), **over}

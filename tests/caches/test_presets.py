@@ -5,6 +5,8 @@ per-layer overrides, errors."""
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 import pytest
 
@@ -44,7 +46,7 @@ def _hand_bytes(part, d: int, tokens: int, window: int | None = None) -> int:
     assert part.outlier_channels == 0
     if window is not None:
         tokens = min(tokens, window)
-    grown = max(part.residual_length, int(round(part.residual_fraction * 1000)) * tokens // 1000)
+    grown = max(part.residual_length, int(Fraction(part.residual_fraction).limit_denominator(10**6) * tokens))
     exact = min(tokens, (part.sink_tokens if window is None else 0) + grown)
     norm = part.norm_bits // 8
     comp_k = part.k_bits * d // 8 + norm
@@ -155,30 +157,31 @@ def test_kv3_numbers_by_hand():
     """``kv3`` on SmolLM2's geometry: keys 4·64/8 + 1 = 33 bytes and values 2·64/8 + 1 = 17 (one
     byte per 8-bit norm), an int8 window vector 64 + 2 = 66, key means 256 bytes per layer and
     head; 3.5 bits/value at 1,024 tokens (57,344 bytes per head) allows 4 sinks and 67 recent
-    tokens.  The window grows to floor(0.065·t) tokens: at 8,192 tokens 532, and the bits/value
-    stay within the budget at every length from 1,024 on (3.462 at 8K, where a fixed window
-    would fall to 3.171)."""
+    tokens.  The window then grows as f = 67/1024 of the history: at 8,192 tokens 536, and the
+    bits/value stay within the budget at every length from 1,024 on (3.465 at 8K, where a fixed
+    window would fall to 3.171)."""
     base, opts, over = resolve_preset("kv3", num_layers=30, num_kv_heads=3, head_dim=64)
     assert (base, opts["sink_tokens"], opts["residual_length"], opts["residual_fraction"], over) == \
-        ("pqo-k4v2-head-eden-vq-n8", 4, 67, 0.065, {})
+        ("pqo-k4v2-head-eden-vq-n8", 4, 67, 67 / 1024, {})
 
     def bits(t: int, grow: bool = True) -> float:
-        window = 4 + max(67, 65 * t // 1000 if grow else 0)
+        window = 4 + max(67, 67 * t // 1024 if grow else 0)
         return ((t - window) * (33 + 17) + window * 2 * 66 + 256) * 8 / (2 * 64 * t)
 
     assert bits(1024) <= 3.5 < ((1024 - 72) * 50 + 72 * 132 + 256) * 8 / (2 * 64 * 1024)
-    assert all(3.4 < bits(t) <= 3.5 for t in (1024, 1500, 2048, 4096, 8192, 32768))
-    assert bits(8192) == pytest.approx(3.462, abs=5e-4) and bits(8192, grow=False) == pytest.approx(3.171, abs=5e-4)
+    assert all(3.45 < bits(t) <= 3.5 for t in (1024, 1500, 2048, 4096, 8192, 32768))
+    assert bits(8192) == pytest.approx(3.465, abs=5e-4) and bits(8192, grow=False) == pytest.approx(3.171, abs=5e-4)
     cache = nk.make_cache("kv3", num_layers=30, num_kv_heads=3, head_dim=64)
     for t in (1024, 8192):
         assert presets.preset_bytes("kv3", num_layers=30, num_kv_heads=3, head_dim=64, residual_length=67,
                                     tokens=t) * 8 / (2 * 30 * 3 * 64 * t) == pytest.approx(bits(t), abs=1e-12)
-    assert cache.name.startswith("pqo-k4v2-head-eden-vq-n8-r67-g6.5-s4")
+    assert cache.name.startswith("pqo-k4v2-head-eden-vq-n8-r67-g6.54296875-s4")
 
 
 def test_kv3_grown_window_is_what_the_cache_stores():
-    """At 3,000 tokens ``kv3``'s window is floor(0.065·3000) = 195 tokens, and the cache stores
-    the bytes of the hand count (fed in uneven chunks, as a decode loop would)."""
+    """At 3,000 tokens ``kv3``'s window (d = 64: 67 tokens at 1,024) is 67·3000 // 1024 = 196
+    tokens, and the cache stores the bytes of the hand count (fed in uneven chunks, as a decode
+    loop would)."""
     rng = np.random.default_rng(1)
     cache = nk.make_cache("kv3", num_layers=1, num_kv_heads=1, head_dim=64)
     k = rng.standard_normal((1, 1, 3000, 64)).astype(np.float32)
@@ -187,8 +190,8 @@ def test_kv3_grown_window_is_what_the_cache_stores():
         cache.prefill(0, k[:, :, t:t + n], 0.5 * k[:, :, t:t + n])
         t += n
     part = _layers(cache)[0][0]
-    assert t == 3000 and 65 * 3000 // 1000 == 195
-    assert cache.memory_usage() == _hand_bytes(part, 64, 3000) == (3000 - 199) * 50 + 199 * 132 + 256
+    assert t == 3000 and 67 * 3000 // 1024 == 196
+    assert cache.memory_usage() == _hand_bytes(part, 64, 3000) == (3000 - 200) * 50 + 200 * 132 + 256
 
 
 @pytest.mark.parametrize("windows", [None, [16, None]], ids=["global", "sliding"])
@@ -260,3 +263,27 @@ def test_override_of_every_layer_applies():
     one-layer model) build one plain cache of those options, not of the base."""
     one = nk.make_cache("pqo3", num_layers=1, num_kv_heads=1, head_dim=64, layer_overrides={-1: {"bits": 4}})
     assert not isinstance(one, MixedCache) and one.bits == 4
+
+
+def test_user_head_overrides_resize_the_window():
+    """A calibration passed to a preset (``head_overrides``) is counted before the window is
+    sized: narrower heads buy window tokens, the budget still holds by hand, and the window
+    grows as f = R / 1024 of the history (on a model with sliding layers, only the global ones)."""
+    geo = dict(num_layers=2, num_kv_heads=2, head_dim=64)
+    narrow = {0: {0: {"k_bits": 3}}, 1: {1: {"k_bits": 3}}}  # two of four heads: keys 33 -> 25 bytes
+    _, plain, _ = resolve_preset("kv3", **geo)
+    _, opts, _ = resolve_preset("kv3", **geo, head_overrides=narrow)
+    r = opts["residual_length"]
+    assert r > plain["residual_length"] == 67 and opts["residual_fraction"] == r / 1024
+
+    def per_layer(r: int) -> int:  # one layer: a narrow head (25 + 17 bytes) and a k4v2 one (33 + 17)
+        w = 4 + r
+        return sum((1024 - w) * comp + w * 132 + 256 for comp in (42, 50))
+
+    assert per_layer(r) * 8 / (2 * 2 * 64 * 1024) <= 3.5 < per_layer(r + 1) * 8 / (2 * 2 * 64 * 1024)
+    cache = nk.make_cache("kv3", **geo, head_overrides=narrow)
+    assert _part(cache, 0).residual_length == r
+    assert presets.preset_bytes("kv3", **geo, residual_length=r, head_overrides=narrow) == 2 * per_layer(r)
+    _, opts, over = resolve_preset("kv3", num_layers=6, num_kv_heads=1, head_dim=256, sliding_window=[512] * 5 + [None])
+    assert opts["residual_fraction"] == opts["residual_length"] / 1024
+    assert all(over[i]["residual_fraction"] == 0.0 for i in range(5))

@@ -36,3 +36,30 @@ def test_growing_window_on_device_matches_cpu(opts):
     assert caches[1].seq_len(0) == 28 and caches[1]._layers[0].meta["n_win"] == 7
     assert caches[1]._layers[0].buffers["k_exact"].shape[1] == 2 + 5 + 128  # grown once, on the device
     assert caches[0].memory_usage() == caches[1].memory_usage()
+
+
+@pytest.mark.cuda
+def test_kv3_configuration_on_device_matches_cpu():
+    """``kv3``'s combination — head VQ codes, 8-bit norms, a window that grows — on the
+    device: each decode step's output and the layer counters (grid base included) agree with the
+    CPU cache while the window grows past its first size."""
+    from numba_kv import AttendConfig, make_cache
+
+    rng = np.random.default_rng(5)
+    geo = dict(num_layers=1, num_kv_heads=2, head_dim=64, residual_length=4, sink_tokens=2, residual_fraction=0.25,
+               window_dtype="float32")  # Numba device arrays: float32 windows, no key centering
+    caches = [make_cache("pqo-k4v2-head-eden-vq-n8", **geo) for _ in range(2)]
+    cfg = AttendConfig(0.125, 2)
+    for n in (18, 1, 2, 1, 1, 3):
+        k = rng.standard_normal((1, 2, n, 64)).astype(np.float32)
+        v = rng.standard_normal((1, 2, n, 64)).astype(np.float32)
+        q = rng.standard_normal((1, 4, n, 64)).astype(np.float32)
+        if n == 18:
+            caches[0].prefill(0, k, v)
+            caches[1].prefill(0, to_device(k), to_device(v))
+            continue
+        a = caches[0].decode(0, k, v, q, cfg).out
+        b = caches[1].decode(0, to_device(k), to_device(v), to_device(q), cfg).out
+        np.testing.assert_allclose(to_host(b), a, rtol=1e-4, atol=1e-5)
+        assert caches[0]._layers[0].meta == caches[1]._layers[0].meta
+    assert caches[1]._layers[0].meta["n_win"] == 6 and "norm8_base" in caches[1]._layers[0].meta
