@@ -14,7 +14,8 @@ as JSON has them) or a cache spec string (a preset name, ``pqo3-r32-s4``, ...). 
 candidate with ``"budget"`` is a preset under trial: ``{"name": BASE, "options": {...},
 "budget": 4.0, "sink_tokens": 4}`` is registered as a temporary preset ``LABEL`` and sized
 like ``kv4``/``kv5`` (its window fills the budget on the model's geometry); ``"residual_fraction":
-0.07`` gives it a window that grows to 7 % of the history (``Preset.residual_fraction``).
+0.07`` gives it a window that grows to 7 % of the history (``Preset.residual_fraction``;
+``"budget"``: the sized window over 1,024 tokens, as ``kv3``).
 
 The dense reference logits are kept in ``--ref-dir`` (one ``.npy`` per model, length and
 prefill), so later runs skip the dense pass.
@@ -37,6 +38,11 @@ from numba_kv.toolkit import models
 from numba_kv.toolkit.evaluation import evaluate as ev
 
 
+def _fraction(value: object) -> float | str:
+    """A candidate's ``residual_fraction``: a number, or ``"budget"`` (f = sized window / 1024)."""
+    return value if value == "budget" else float(value)  # type: ignore[arg-type]
+
+
 def _spec(label: str, text: str) -> CacheSpec:
     if text.lstrip().startswith("{"):
         d = json.loads(text)
@@ -51,7 +57,7 @@ def _spec(label: str, text: str) -> CacheSpec:
             head_over = opts.pop("head_overrides", {})
             presets.PRESETS[label] = presets.Preset(label, d["name"], opts, float(d["budget"]),
                                                     int(d.get("sink_tokens", 4)), over, head_overrides=head_over,
-                                                    residual_fraction=float(d.get("residual_fraction", 0.0)))
+                                                    residual_fraction=_fraction(d.get("residual_fraction", 0.0)))
             return CacheSpec(label, {})
         return CacheSpec(d["name"], opts)
     return parse_cache_spec(text)
