@@ -129,6 +129,24 @@ def test_kv4_stays_within_the_kl_bound_of_dense(model):
     assert cache.memory_usage() < dense_bytes.memory_usage() / 3
 
 
+def test_kv3_inside_transformers(model):
+    """``kv3`` (VQ codes, 8-bit norms, a window that grows with the history) through the
+    integration: the prompt's logits equal dense's, later steps stay close, and each layer is
+    the preset's configuration (global layers grow their window as R / 1024 of the history)."""
+    ref = _run(model, NumbaKVCache.from_model(model, "dense"), _ids(n=48), steps=4)
+    cache = NumbaKVCache.from_model(model, "kv3", residual_length=0)  # everything past the sinks compressed
+    got = _run(model, cache, _ids(n=48), steps=4)
+    assert torch.equal(ref[0], got[0])
+    kls = torch.stack([_kl(a, b) for a, b in zip(ref[1:], got[1:])])
+    assert 0 < kls.max().item() < 10 * KL_BOUND, kls.max().item()
+    sized = NumbaKVCache.from_model(model, "kv3")
+    for la in sized.layers:
+        part = la.cache
+        assert part.norm_bits == 8 and part.vq and part.sink_tokens in (0, 16)
+        grows = part.layer_windows[0] is None
+        assert part.residual_fraction == (part.residual_length / 1024 if grows else 0.0)
+
+
 def test_a_broken_cache_fails_the_kl_bound(model):
     """The bound discriminates: the same cache with its compressed codes replaced by random
     bytes after the prompt exceeds it."""
