@@ -163,13 +163,15 @@ def cost_of(sens: Sens, alloc: list[tuple[int, int]]) -> float:
     return float(sum(sens["k"][kb][li] + sens["v"][vb][li] for li, (kb, vb) in enumerate(alloc)))
 
 
-def allocate(sens: Sens, budget: float) -> list[tuple[int, int]]:
+def allocate(sens: Sens, budget: float, min_k: dict[int, int] | None = None) -> list[tuple[int, int]]:
     """Per layer ``(k_bits, v_bits)`` minimising the summed single-layer KL with mean
     ``(k + v) / 2`` at most ``budget``, over the widths the table holds: for each multiplier
     ``lam`` (a grid scaled to the costs) every layer takes the choice minimising
     ``cost + lam * bits``; the cheapest solution within budget is then filled greedily (the
     upgrade with the best cost saved per bit while the budget allows), which reaches points
-    between the convex hull's vertices."""
+    between the convex hull's vertices.  ``min_k`` pins units (layer, or layer-major KV head)
+    to keys of at least that width (``benchmarks/kv3_retrieval.py``: retrieval heads); the
+    others pay for them within the same budget."""
     kws, vws = sorted(sens["k"]), sorted(sens["v"])
     n_layers = sens["k"][kws[0]].size
     choices = list(itertools.product(kws, vws))
@@ -177,6 +179,10 @@ def allocate(sens: Sens, budget: float) -> list[tuple[int, int]]:
     cost = np.array([[sens["k"][kb][li] + sens["v"][vb][li] for kb, vb in choices] for li in range(n_layers)])
     limit = budget * n_layers + 1e-9
     span = max(float(np.abs(cost).max()), 1e-300)
+    for li, kmin in (min_k or {}).items():  # a pinned unit's narrower keys are never chosen
+        if kmin > kws[-1]:
+            raise ValueError(f"min_k: unit {li} pinned to {kmin}-bit keys, the table's widest are {kws[-1]}")
+        cost[li, [kb < kmin for kb, _ in choices]] = 1e30
     best: tuple[float, np.ndarray] | None = None
     for lam in np.concatenate([[0.0], span * np.geomspace(1e-9, 1e3, 600)]):
         pick = np.argmin(cost + lam * bits[None, :], axis=1)

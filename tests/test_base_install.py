@@ -136,6 +136,7 @@ def test_wheel_and_sdist_contents(dist):
     assert dist.wheel.name == f"numba_kv-{version}-py3-none-any.whl"
     assert "numba_kv/py.typed" in dist.wheel_names
     assert "numba_kv/ops/data/headvq.npz" in dist.wheel_names  # package data (the head VQ codebooks)
+    assert "numba_kv/caches/calibrations/kv3-smollm2-135m-retrieval.json" in dist.wheel_names  # (@NAME)
     assert f"numba_kv-{version}.dist-info/licenses/LICENSE" in dist.wheel_names
     assert "numba_kv/__main__.py" in dist.wheel_names and "numba_kv/toolkit/cli.py" in dist.wheel_names
     assert not [n for n in dist.wheel_names if n.startswith("tests/")]
@@ -146,7 +147,7 @@ def test_wheel_and_sdist_contents(dist):
         assert f"Classifier: {classifier}\n" in dist.metadata
     root = f"numba_kv-{version}"
     for name in ("LICENSE", "README.md", "setup.cfg", "pyproject.toml", "numba_kv/py.typed", "numba_kv/__init__.py",
-                 "numba_kv/ops/data/headvq.npz"):
+                 "numba_kv/ops/data/headvq.npz", "numba_kv/caches/calibrations/kv3-gemma3-270m-retrieval.json"):
         assert f"{root}/{name}" in dist.sdist_names, name
     assert not [n for n in dist.sdist_names if n.startswith(f"{root}/tests")]
 

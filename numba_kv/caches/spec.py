@@ -23,7 +23,9 @@ One cache is written ::
   of :func:`make_cache` from a JSON file (``{"3": {"k_bits": 4}}`` /
   ``{"3": {"0": {"k_bits": 4}}}``: JSON's string keys are read as ints), so a calibrated
   allocation fits on a command line (``"kv3:head_overrides=@widths.json"``).  The file is
-  read when the text is parsed; the option's label is ``@FILE``.
+  read when the text is parsed; the option's label is ``@FILE``.  ``@NAME`` (no ``/``, no
+  ``.json``, no such file) names an allocation shipped with the package
+  (:func:`shipped_calibrations`: ``"kv3:head_overrides=@kv3-smollm2-135m-retrieval"``).
 
 A *list* of caches is a command-line matter: the command line splits its argument and
 hands each cache's text to :func:`parse_cache_spec` (``numba_kv.toolkit.specs``).
@@ -32,9 +34,11 @@ hands each cache's text to :func:`parse_cache_spec` (``numba_kv.toolkit.specs``)
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ._layer import LayeredCache, resolve_layer
@@ -47,7 +51,7 @@ from .presets import PRESETS, merge_head_overrides, resolve_preset
 from .turboquant import TurboQuantCache
 
 __all__ = ["CACHE_NAMES", "OPTION_ALIASES", "PRESET_NAMES", "SUFFIX_OPTIONS", "CacheSpec", "FILE_OPTIONS",
-           "FileOverrides", "load_overrides", "make_cache",
+           "FileOverrides", "load_overrides", "make_cache", "shipped_calibrations",
            "name_options",
            "parse_cache_spec", "parse_value"]
 
@@ -67,6 +71,23 @@ _PRESET_LIKE = re.compile(r"^kv\d")
 
 #: Options whose value is a JSON file (``KEY=@FILE``): nested mappings a command line cannot spell.
 FILE_OPTIONS = ("layer_overrides", "head_overrides")
+#: Allocations shipped with the package (``@NAME``): ``benchmarks/kv3_layers.py`` /
+#: ``benchmarks/kv3_retrieval.py`` wrote them; ``docs/guide/caches.md`` says how.
+CALIBRATIONS = Path(__file__).with_name("calibrations")
+
+
+def shipped_calibrations() -> list[str]:
+    """Names ``@NAME`` accepts for ``head_overrides`` / ``layer_overrides``: the JSON files
+    shipped in ``numba_kv/caches/calibrations`` (``"kv3-smollm2-135m"``, ...)."""
+    return sorted(p.stem for p in CALIBRATIONS.glob("*.json"))
+
+
+def _overrides_path(path: str) -> str:
+    # a file wins; a bare name (no directory, no .json) is a shipped calibration
+    if os.path.exists(path) or "/" in path or os.sep in path or path.endswith(".json"):
+        return path
+    shipped = CALIBRATIONS / f"{path}.json"
+    return str(shipped) if shipped.is_file() else path
 
 
 class FileOverrides(dict):
@@ -105,7 +126,9 @@ def _int_keys(where: str, obj: Any, depth: int) -> dict[int, Any]:
 
 def load_overrides(key: str, path: str) -> FileOverrides:
     """``layer_overrides`` (``{layer: {option: value}}``) or ``head_overrides``
-    (``{layer: {kv_head: {option: value}}}``) from the JSON file ``path``, keys as ints.
+    (``{layer: {kv_head: {option: value}}}``) from the JSON file ``path`` — or, for a bare
+    name that is no file, the shipped calibration of that name (:func:`shipped_calibrations`)
+    — keys as ints.
 
     Raises
     ------
@@ -116,10 +139,11 @@ def load_overrides(key: str, path: str) -> FileOverrides:
     if key not in FILE_OPTIONS:
         raise ValueError(f"{key}: only {list(FILE_OPTIONS)} read a file (@FILE), got {key}=@{path}")
     try:
-        with open(path, encoding="utf-8") as fh:
+        with open(_overrides_path(path), encoding="utf-8") as fh:
             data = json.load(fh)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{key}: cannot read the JSON file {path!r}: {exc}") from None
+        raise ValueError(f"{key}: cannot read the JSON file {path!r} (or a shipped calibration: "
+                         f"{shipped_calibrations()}): {exc}") from None
     return FileOverrides(_int_keys(f"{key} (@{path})", data, 2 if key == "head_overrides" else 1), path)
 
 

@@ -112,3 +112,29 @@ def test_override_files_on_the_command_line(tmp_path):
     assert [(p.k_bits, h) for p, _, h in built.layer_pieces(5)] == [(3, (0, 1)), (4, (2,))]
     with pytest.raises(ValueError, match="head_overrides"):  # the real geometry checks the map
         cache.make(num_layers=6, num_kv_heads=2, head_dim=64)
+
+
+def test_shipped_calibrations_by_name(tmp_path, monkeypatch):
+    """``@NAME`` without a directory or ``.json`` reads the allocation shipped in the package; a
+    file of that name in the working directory wins; an unknown name lists the shipped ones."""
+    import json
+    from pathlib import Path
+
+    import numba_kv
+    from numba_kv.caches.spec import load_overrides, shipped_calibrations
+
+    root = Path(numba_kv.__file__).parent / "caches" / "calibrations"
+    names = shipped_calibrations()
+    assert {"kv3-smollm2-135m", "kv3-smollm2-135m-retrieval", "kv3-gemma3-270m-retrieval"} <= set(names)
+    monkeypatch.chdir(tmp_path)
+    for name in names:  # each parses as per-KV-head widths with the file's contents, labelled by name
+        got = load_overrides("head_overrides", name)
+        raw = json.loads((root / f"{name}.json").read_text())
+        assert got == {int(li): {int(h): o for h, o in hs.items()} for li, hs in raw.items()} and str(got) == f"@{name}"
+    spec = parse_cache_spec("kv3:head_overrides=@kv3-gemma3-270m-retrieval")
+    assert spec.options["head_overrides"] == {5: {0: {"k_bits": 5}}, 11: {0: {"k_bits": 5}}}
+    assert spec.label == "kv3:head_overrides=@kv3-gemma3-270m-retrieval"
+    (tmp_path / "kv3-smollm2-135m").write_text(json.dumps({"1": {"0": {"k_bits": 3}}}))  # a local file wins
+    assert load_overrides("head_overrides", "kv3-smollm2-135m") == {1: {0: {"k_bits": 3}}}
+    with pytest.raises(ValueError, match=r"head_overrides: cannot read .*'no-such-model'.*kv3-smollm2-135m-retrieval"):
+        load_overrides("head_overrides", "no-such-model")

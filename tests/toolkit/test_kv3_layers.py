@@ -171,14 +171,14 @@ def test_alloc_overrides_are_the_caches_maps(kl):
 
 
 def test_shipped_smollm2_calibration_is_the_allocation(kl):
-    """``benchmarks/calibrations/kv3-smollm2-135m.json`` is the mean-3.0 per-KV-head allocation of
+    """``numba_kv/caches/calibrations/kv3-smollm2-135m.json`` is the mean-3.0 per-KV-head allocation of
     the sensitivities measured on another text (the essays; the table under benchmarks/results),
     and on SmolLM2's geometry it keeps ``kv3``'s mean width, so the preset's window is unchanged."""
     from numba_kv.caches.presets import resolve_preset
 
     sens = kl.load_sens(ROOT / "benchmarks/results/kv3-2026-11-27-round4-sens-smollm2-heads-essays-vqb8-w44.npz")
     alloc = kl.allocate(sens, 3.0)
-    shipped = json.loads((ROOT / "benchmarks/calibrations/kv3-smollm2-135m.json").read_text())
+    shipped = json.loads((ROOT / "numba_kv/caches/calibrations/kv3-smollm2-135m.json").read_text())
     assert kl.alloc_overrides(alloc, 3, True) == shipped
     assert len(alloc) == 90 and np.mean([(k + v) / 2 for k, v in alloc]) == 3.0
     heads = {int(k): {int(h): o for h, o in v.items()} for k, v in shipped.items()}
