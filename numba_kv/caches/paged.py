@@ -42,6 +42,7 @@ it is uploaded again only when pages change hands (a new page, crop, fork, free)
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections.abc import Iterator, Sequence
@@ -56,6 +57,7 @@ from .._validate import (
     check_float_array,
     check_layer,
     check_magnitude,
+    check_out,
     check_stored_f16,
 )
 from ..ops.attention import CodeLayout
@@ -260,15 +262,21 @@ class PagedKVCache(PagedLifecycleMixin, ValueChecks):
             return F32_MAX, "float32 pages"
         return float(2 ** 21), f"storage={self.storage!r} pages"
 
-    def _check_values(self, dev: str, parts: list[tuple[str, Any]]) -> None:
-        """Value checks of the appended parts as :attr:`validate` says (see :class:`ValueChecks`)."""
+    def _check_values(self, dev: str, parts: list[tuple[str, Any]]) -> list:
+        """Value checks of the appended parts as :attr:`validate` says (see :class:`ValueChecks`).
+        Returns the deferred range records not launched yet (``validate="deferred"``): the
+        append folds them into its quantization's launch, or launches them itself."""
         mode = self._value_mode(dev)
         if mode == "deferred":
-            if all(self._defer_many([("kv", a) for _, a in parts])):  # one launch for k and v
-                return
+            ok, todo = self._deferred_record().plan_many([("kv", a) for _, a in parts])
+            if all(ok):
+                return todo
+            if todo:
+                self._deferred_record().launch(todo)
         if mode != "off":
             for name, a in parts:
                 self._check_range(name, a)
+        return []
 
     def _check_range(self, name: str, x3: Any) -> None:
         """Finite, and storable faithfully: float32 pages hold any float32 magnitude; PQO pages
@@ -402,16 +410,31 @@ class PagedKVCache(PagedLifecycleMixin, ValueChecks):
             self._row_scratch = _backend.empty(like, (size,), np.int32)
         return page_run_rows_into(self._row_scratch, pages[p0], slot, n, self.num_kv_heads, self.page_size)
 
-    def _note_append(self, layer: int, sid: int, n: int, new_pages: bool) -> None:
-        """Keep the cached device page table of ``layer`` in step with an append: grow the
-        sequence's last-page length in place, or drop the table when pages were added."""
+    def _note_append(self, layer: int, sid: int, n: int, new_pages: bool) -> tuple[Any, int, int] | None:
+        """Keep the cached device page table of ``layer`` in step with an append: drop the
+        table when pages were added, else return ``(kv_last_page_len, index, n)``, the
+        in-place growth of the sequence's last-page length for the caller to launch (``None``:
+        nothing to do)."""
         cached = self._dev_tables.get(layer)
         if cached is None or sid not in cached[0]:
-            return
+            return None
         if new_pages:
             del self._dev_tables[layer]
-        else:
-            add_at(cached[1].kv_last_page_len, cached[0].index(sid), n)
+            return None
+        return cached[1].kv_last_page_len, cached[0].index(sid), n
+
+    def _write_page_run(self, xk: Any, xv: Any | None, page: int, slot: int) -> tuple | None:
+        """The pool's code and scale planes of ``page`` (``[H, page_size, ·]`` views, no copy)
+        when an append of ``xk``/``xv`` into it from ``slot`` on can be quantized straight into
+        the pool (:meth:`_append`): PQO pools on a device, both sides of one shape, the run
+        within the page.  ``None`` otherwise."""
+        h, n, _ = xk.shape
+        if xv is None or not self.bits or isinstance(xk, np.ndarray) or tuple(xv.shape) != tuple(xk.shape) \
+                or slot + n > self.page_size:
+            return None
+        rows = slice(page * h, (page + 1) * h)
+        return tuple(a.reshape(self.num_pages * h, self.page_size, int(a.shape[3]))[rows]
+                     for a in (self._pools[name] for name in ("k_codes", "k_scales", "v_codes", "v_scales")))
 
     def _device_table(self, layer: int, ids: tuple[int, ...]) -> PageTable:
         """The page table of ``ids`` in ``layer`` on the pool's device, uploaded only when it
@@ -534,29 +557,55 @@ class PagedKVCache(PagedLifecycleMixin, ValueChecks):
                 raise ValueError("v: expected None for a key-only cache (v_head_dim=0), got an array")
             if self._device is not None and dev != self._device:
                 raise ValueError(f"k is on {dev} but the page pool lives on {self._device}")
-            self._check_values(dev, [("k", k3)] + ([("v", v3)] if self.has_values else []))
-            cur = self._lens[layer][sid]
-            table = self._tables[layer][sid]
-            need = -(-(cur + n) // self.page_size) - len(table)
-            if need > len(self._free):
-                raise OutOfPagesError(
-                    f"append: seq_id {sid} in layer {layer} needs {need} free pages for {n} new tokens "
-                    f"(page_size={self.page_size}), only {len(self._free)} of {self.num_pages} are free; "
-                    "nothing was appended")
-            self._ensure_pools(k3, dev)
-            xk = _backend.ascontiguous_f32("k", k3)
-            xv = _backend.ascontiguous_f32("v", v3) if self.has_values else None
-            new_pages = [self._free.pop() for _ in range(max(need, 0))]
-            pages = table + new_pages
-            rows = self._append_rows(xk, pages, cur, n, dev)
+            pending = self._check_values(dev, [("k", k3)] + ([("v", v3)] if self.has_values else []))
             try:
-                self._write_kv(xk, xv, rows)
-            except Exception:
-                self._free.extend(reversed(new_pages))
-                raise
-            table.extend(new_pages)
-            self._lens[layer][sid] = cur + n
-            self._note_append(layer, sid, n, bool(new_pages))
+                self._append(layer, sid, dev, k3, v3 if self.has_values else None, pending)
+            finally:  # the records no kernel took (a refused or host append): launched on their own
+                if pending:
+                    self._deferred_record().launch(pending)
+
+    def _append(self, layer: int, sid: int, dev: str, k3: Any, v3: Any | None, pending: list) -> None:
+        """The storing half of :meth:`append` (arguments validated; under the cache's lock).
+        A run within one page on a device is one launch (issue 27): both sides quantized
+        straight into the pool's page, with ``pending`` (the deferred range records, taken
+        from the list) and the cached device table's last-page length folded in; otherwise
+        the pool rows are computed, the tokens quantized into scratch and scattered."""
+        n = int(k3.shape[1])
+        cur = self._lens[layer][sid]
+        table = self._tables[layer][sid]
+        need = -(-(cur + n) // self.page_size) - len(table)
+        if need > len(self._free):
+            raise OutOfPagesError(
+                f"append: seq_id {sid} in layer {layer} needs {need} free pages for {n} new tokens "
+                f"(page_size={self.page_size}), only {len(self._free)} of {self.num_pages} are free; "
+                "nothing was appended")
+        self._ensure_pools(k3, dev)
+        xk = _backend.ascontiguous_f32("k", k3)
+        xv = _backend.ascontiguous_f32("v", v3) if v3 is not None else None
+        new_pages = [self._free.pop() for _ in range(max(need, 0))]
+        pages = table + new_pages
+        p0, slot = divmod(cur, self.page_size)
+        planes = self._write_page_run(xk, xv, pages[p0], slot)
+        try:
+            if planes is not None:
+                # the cached device table's last-page length grows in the write's launch
+                grow = self._note_append(layer, sid, n, bool(new_pages))
+                todo = pending[:]
+                pending.clear()  # taken: folded into the launch below, or launched by folded()
+                with self._deferred_record().folded(todo) if todo else contextlib.nullcontext() as ranges:
+                    quantize_pair_into(xk, xv, *planes, slot, self.codebooks["k"], self.codebooks["v"], True,
+                                       ranges=ranges, add_at=grow)
+            else:
+                self._write_kv(xk, xv, self._append_rows(xk, pages, cur, n, dev))
+        except Exception:
+            self._free.extend(reversed(new_pages))
+            raise
+        table.extend(new_pages)
+        self._lens[layer][sid] = cur + n
+        if planes is None:
+            grow = self._note_append(layer, sid, n, bool(new_pages))
+            if grow is not None:
+                add_at(*grow)
 
     def get_kv(self, layer: int, seq_id: int) -> tuple[Any, Any]:
         """All tokens of ``seq_id`` in ``layer`` (dequantized for PQO storage).
@@ -606,12 +655,14 @@ class PagedKVCache(PagedLifecycleMixin, ValueChecks):
     # -- accounting -----------------------------------------------------------------------
     def decode_attention(self, layer: int, q: Any, seq_ids: Sequence[int] | None = None, *,
                          softmax_scale: float | None = None, causal: bool = True,
-                         partition_size: int | None = None) -> Any:
+                         partition_size: int | None = None, out: Any = None) -> Any:
         """Fused attention of ``q`` ``[n_seq, num_heads, q_len, head_dim]`` over the pages of
         ``seq_ids`` (default: every live sequence) — compressed pages are read through the
         page table without dequantizing.  See
-        :func:`numba_kv.ops.attention.paged.paged_decode_attention`.  ``q``'s values are
-        checked as :attr:`validate` says (finite, ``|q| <= 2**64``; the shapes by the op).
+        :func:`numba_kv.ops.attention.paged.paged_decode_attention` (``out``: a float32
+        array shaped like ``q``, C-contiguous, on its device, written and returned instead
+        of a new array; checked before anything runs).  ``q``'s values are checked as
+        :attr:`validate` says (finite, ``|q| <= 2**64``; the shapes by the op).
         """
         with self._lock:  # the table, the lengths and the pools of one moment
             layer = check_layer(layer, self.num_layers)
@@ -623,6 +674,8 @@ class PagedKVCache(PagedLifecycleMixin, ValueChecks):
             if min(lens) < max(1, ql if causal else 1):
                 raise ValueError(f"seq_ids: every sequence needs >= max(1, q_len={ql}) stored tokens, "
                                  f"got lengths {lens}")
+            if out is not None:
+                check_out(out, tuple(q.shape), np.float32, dev, "the attention output (float32, shaped like q)")
             mode = self._value_mode(dev)
             if mode == "sync" or (mode == "deferred" and not self._defer("q", q)):
                 check_q_values(q)  # else deferred to check_inputs() (or "off")
@@ -630,7 +683,8 @@ class PagedKVCache(PagedLifecycleMixin, ValueChecks):
             klay, vlay = self._layouts if self.bits else (None, None)
             return paged_attention_rows(q, self._device_table(layer, ids), arrays, klay, vlay,
                                         n_kv_heads=self.num_kv_heads, page_size=self.page_size, seq_lens=lens,
-                                        softmax_scale=softmax_scale, causal=causal, partition_size=partition_size)
+                                        softmax_scale=softmax_scale, causal=causal, partition_size=partition_size,
+                                        out=out)
 
     def _check_query(self, q: Any, n_seq: int) -> str:
         """Dtype, device and shape of a ``decode_attention`` query (values are not read);
