@@ -14,9 +14,12 @@ lock, so nothing here is shared between layers or threads) the cache keeps
   tokens' positions.
 
 The store of a step on a device with a float window is two launches: both sides' window
-stores with the exact tokens' positions (:meth:`~numba_kv.caches._window.ExactWindow.store_pair`)
-and both sides' evicted tokens quantized together (``quantize_head_pair`` /
-``quantize_blocks_pair``, :meth:`FusedDecodeMixin._compress_pair`).
+stores with the exact tokens' positions (:meth:`~numba_kv.caches._window.ExactWindow.store_pair`),
+into which the call's deferred range records of ``k``, ``v`` and ``q`` are folded (no launch
+of their own: ``LayerState.range_pending``), and both sides' evicted tokens quantized together
+(``quantize_head_pair`` / ``quantize_blocks_pair``, :meth:`FusedDecodeMixin._compress_pair`).
+With the caller's ``out=`` (float32) the attention kernel writes the step's output there: the
+step allocates nothing.
 
 Bit for bit the same as building everything per step (``tests/caches/test_fused.py``).
 """
