@@ -144,3 +144,26 @@ def check_head_dim(head_dim: Any) -> int:
         raise ValueError(f"head_dim: expected a positive multiple of 32 (the rotation block), got {hd}")
     return hd
 
+
+
+def check_out(out: Any, shape: Sequence[int], dtype: Any, device: str, what: str) -> None:
+    """``TypeError``/``ValueError`` naming ``out`` unless it can take a result of ``shape`` and
+    ``dtype`` on ``device``: an array of exactly that shape and dtype, C-contiguous (the
+    kernels write it as flat rows) and writable, on the device of the call's other arrays.
+    ``what`` names the result in the message (``"the attention output"``)."""
+    dev = device_of("out", out)
+    want = tuple(int(s) for s in shape)
+    if dev != device:
+        raise ValueError(f"out: expected an array on {device} (the device of q) for {what}, got one on {dev}")
+    dt = np.dtype(out.dtype)
+    if dt != np.dtype(dtype):
+        raise TypeError(f"out: expected dtype {np.dtype(dtype)} for {what}, got {dt}")
+    got = tuple(int(s) for s in out.shape)
+    if got != want:
+        raise ValueError(f"out: expected shape {want} for {what}, got {got}")
+    flags = getattr(out, "flags", None)
+    contiguous = out.is_c_contiguous() if flags is None else bool(flags.c_contiguous)
+    if not contiguous:
+        raise ValueError(f"out: expected a C-contiguous array for {what}, got a strided view")
+    if isinstance(out, np.ndarray) and not out.flags.writeable:
+        raise ValueError(f"out: expected a writable array for {what}, got a read-only one")

@@ -14,15 +14,19 @@ lock, so nothing here is shared between layers or threads) the cache keeps
   tokens' positions.
 
 The store of a step on a device with a float window is two launches: both sides' window
-stores with the exact tokens' positions (:meth:`~numba_kv.caches._window.ExactWindow.store_pair`)
-and both sides' evicted tokens quantized together (``quantize_head_pair`` /
-``quantize_blocks_pair``, :meth:`FusedDecodeMixin._compress_pair`).
+stores with the exact tokens' positions (:meth:`~numba_kv.caches._window.ExactWindow.store_pair`),
+into which the call's deferred range records of ``k``, ``v`` and ``q`` are folded (no launch
+of their own: ``LayerState.range_pending``), and both sides' evicted tokens quantized together
+(``quantize_head_pair`` / ``quantize_blocks_pair``, :meth:`FusedDecodeMixin._compress_pair`).
+With the caller's ``out=`` (float32) the attention kernel writes the step's output there: the
+step allocates nothing.
 
 Bit for bit the same as building everything per step (``tests/caches/test_fused.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -75,7 +79,10 @@ class FusedDecodeMixin:
             x = _backend.ascontiguous_f32(name, arr)
             x3.append(self._transform_in(st, name, x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3])))
         pos_counts = (n_sink + plan.sinks, sinks + n_comp + plan.compressed, plan.keep_old + plan.keep_new)
-        ev = self._window.store_pair(st, x3[0], x3[1], plan, sinks, pos_counts)
+        # the call's deferred range records (k, v, q) ride in the store's launch (issue 27)
+        pending, st.range_pending = st.range_pending, None
+        with self._deferred_record().folded(pending) if pending else contextlib.nullcontext() as ranges:
+            ev = self._window.store_pair(st, x3[0], x3[1], plan, sinks, pos_counts, ranges)
         if ev is None:
             return False
         if plan.compressed:
@@ -154,7 +161,11 @@ class FusedDecodeMixin:
         """``(sq, signs, norms, const)`` for the fused kernel's QJL correction (TurboQuant)."""
         return None
 
-    def _decode_output(self, st: LayerState, q: Any, config: AttendConfig, dtype: Any) -> DecodeOutput:
+    def _fuses(self) -> bool:
+        """``decode_output="fused"``: decode returns ``Fused`` (and takes ``out=``)."""
+        return self._fused
+
+    def _decode_output(self, st: LayerState, q: Any, config: AttendConfig, dtype: Any, out: Any = None) -> DecodeOutput:
         if not self._fused:
             return super()._decode_output(st, q, config, dtype)
         b, hq, ql, d = map(int, q.shape)
@@ -177,12 +188,24 @@ class FusedDecodeMixin:
         # a rotated int8 window is attended in the rotated domain, like the compressed tokens:
         # q·k = Rq·Rk and the merge rotates its values back once per query row, instead of
         # rotating every window token back on every step
-        out = bound.step.run(qr, qr if bound.rot else q3, meta.get("n_comp", 0), n_exact, st.seq_len - ql, ql,
-                             config.softmax_scale, bias, qjl, rotate=rotate)
+        # the caller's float32 ``out`` (checked by decode) is the kernel's own output: no
+        # allocation (issue 27); an output permuted or converted afterwards is copied into it
+        direct = out is not None and not outliers and np.dtype(dtype) == _F32
+        res = bound.step.run(qr, qr if bound.rot else q3, meta.get("n_comp", 0), n_exact, st.seq_len - ql, ql,
+                             config.softmax_scale, bias, qjl, rotate=rotate,
+                             out=out.reshape(tuple(q3.shape)) if direct else None)
         if outliers:
-            xp = _backend.xp_of(out)
-            out = xp.take_along_axis(out, xp.argsort(st.buffers["v_perm"].astype(np.int64), axis=2), axis=2)
-        return Fused(self._reshape_q(out, b, hq, ql, dtype))
+            xp = _backend.xp_of(res)
+            res = xp.take_along_axis(res, xp.argsort(st.buffers["v_perm"].astype(np.int64), axis=2), axis=2)
+        if out is None:
+            return Fused(self._reshape_q(res, b, hq, ql, dtype))
+        if not direct:
+            res = self._reshape_q(res, b, hq, ql, dtype)
+            if _backend.xp_of(out) is None:  # a Numba device array: a device-to-device copy
+                out.copy_to_device(res)
+            else:
+                out[...] = res
+        return Fused(out)
 
     def _fused_step(self, st: LayerState, q3: Any, has_bias: bool, has_qjl: bool) -> _FusedStep:
         """The layer's fused attention step for queries shaped like ``q3``: its

@@ -24,6 +24,7 @@ from .._validate import (
     check_kv_shapes,
     check_layer,
     check_magnitude,
+    check_out,
     check_q_shape,
 )
 from ..ops.finite import RangeStats, check_finite_stats
@@ -60,6 +61,10 @@ class LayerState:
     window: int | None = None
     # reusable device scratch (e.g. exact-token positions), never counted as stored data
     scratch: dict[str, Any] = field(default_factory=dict)
+    # the deferred range records of the call in progress (``validate="deferred"``) not launched
+    # yet: a store kernel that runs anyway folds them in (issue 27), else ``decode`` launches
+    # them before it returns; set and cleared under the layer's lock
+    range_pending: list | None = None
 
     @property
     def evicted(self) -> int:
@@ -292,9 +297,12 @@ class LayeredCache(LifecycleMixin, ValueChecks):
 
     # -- helpers --------------------------------------------------------------------------
     def _validate(self, layer: Any, k: Any, v: Any, q: Any, config: AttendConfig | None,
-                  need_q: bool) -> tuple[int, str, tuple[RangeStats, RangeStats] | None]:
-        """Check the arguments; return the layer, the device and the range statistics of
-        ``k``/``v`` (``None`` when values are not checked synchronously)."""
+                  need_q: bool, out: Any = None,
+                  pending: list | None = None) -> tuple[int, str, tuple[RangeStats, RangeStats] | None]:
+        """Check the arguments (``out``: a decode's output array, when given); return the
+        layer, the device and the range statistics of ``k``/``v`` (``None`` when values are
+        not checked synchronously).  ``pending`` (a list): the deferred range records are
+        appended to it instead of launched (the caller folds or launches them)."""
         layer = check_layer(layer, self.num_layers)
         st = self._layers[layer]
         batch = st.batch if st.seq_len > 0 else None
@@ -314,9 +322,16 @@ class LayeredCache(LifecycleMixin, ValueChecks):
             check_q_shape(q, k.shape[0], self.num_kv_heads, self.head_dim,
                           None if config is None else config.n_kv_groups, q_len=k.shape[2], device=dev)
             q_now = mode == "sync"
+        if out is not None:  # before the deferred record below: a refused call records nothing
+            self._check_decode_out(out, q, k.dtype)
         if mode == "deferred":
             # once every shape is right: k, v (and q) recorded in one launch
-            ok = self._defer_many([("kv", k), ("kv", v)] + ([] if q is None else [("q", q)]))
+            items = [("kv", k), ("kv", v)] + ([] if q is None else [("q", q)])
+            if pending is None:
+                ok = self._defer_many(items)
+            else:
+                ok, todo = self._deferred_record().plan_many(items)
+                pending.extend(todo)
             if not (ok[0] and ok[1]):  # a strided Numba device array: read synchronously instead
                 stats = (check_finite_stats("k", k), check_finite_stats("v", v))
             q_now = q is not None and not ok[2]
@@ -397,7 +412,7 @@ class LayeredCache(LifecycleMixin, ValueChecks):
         hk, hv = self._history(st, dtype)
         return DequantResult(hk, hv)
 
-    def decode(self, layer: int, k: Any, v: Any, q: Any, config: AttendConfig) -> DecodeOutput:
+    def decode(self, layer: int, k: Any, v: Any, q: Any, config: AttendConfig, *, out: Any = None) -> DecodeOutput:
         """Store the new token(s), then attend (``Fused``) or return the full history
         (``Dequantized``) for the caller's SDPA, depending on the cache.
 
@@ -405,24 +420,55 @@ class LayeredCache(LifecycleMixin, ValueChecks):
         equal ``num_heads // num_kv_heads``.  New query ``i`` sees the stored tokens and
         the new tokens ``0..i`` (causal); on a sliding-window layer only the last
         ``window`` of those (the cache masks, or returns the mask as ``logit_bias``).
+
+        ``out`` (keyword, optional; fused decode only): an array shaped like ``q``, of the
+        dtype the output has (that of ``k``), C-contiguous, on ``q``'s device and not
+        overlapping ``k``, ``v`` or ``q``.  The attention is written into it and
+        ``Fused.out`` is ``out`` itself, so that a steady-state step allocates nothing
+        (float32 on a GPU: the kernel writes it directly; otherwise the result is copied
+        in).  Without ``out`` every call returns a new array, which the caller may keep.
+        A bad ``out`` (or ``out`` for a cache that returns ``Dequantized``) raises
+        ``TypeError``/``ValueError`` naming ``out`` before anything is stored.
         """
         if not isinstance(config, AttendConfig):
             raise TypeError(f"config: expected an AttendConfig, got {type(config).__name__}")
-        layer, dev, stats = self._validate(layer, k, v, q, config, need_q=True)
+        pending: list = []  # k, v, q's deferred range records: folded into the step's store kernel
+        layer, dev, stats = self._validate(layer, k, v, q, config, need_q=True, out=out, pending=pending)
         st = self._layers[layer]
         with st.lock:
-            if stats is not None:
-                self._check_range(st, k, v, stats)
-            return self._decode_checked(st, dev, k, v, q, config)
+            st.range_pending = pending or None
+            try:
+                if stats is not None:
+                    self._check_range(st, k, v, stats)
+                return self._decode_checked(st, dev, k, v, q, config, out)
+            finally:  # the records no store kernel took: launched on their own
+                left, st.range_pending = st.range_pending, None
+                if left:
+                    self._deferred_record().launch(left)
 
-    def _decode_checked(self, st: LayerState, dev: str, k: Any, v: Any, q: Any, config: AttendConfig) -> DecodeOutput:
+    def _fuses(self) -> bool:
+        """Whether :meth:`decode` attends itself (returns ``Fused``; ``out=`` applies)."""
+        return False
+
+    def _check_decode_out(self, out: Any, q: Any, k_dtype: Any) -> None:
+        """``TypeError``/``ValueError`` naming ``out`` unless ``decode`` can write its output
+        (shaped like ``q``, the dtype of ``k``) into it (see :meth:`decode`)."""
+        if not self._fuses():
+            raise TypeError(f"out: {type(self).__name__} returns Dequantized (the caller runs attention): "
+                            "out= takes the output of a fused decode only, got an array")
+        check_out(out, tuple(q.shape), k_dtype, _backend.device_of("q", q), "the decode output (shaped like q, "
+                  "the dtype of k)")
+
+    def _decode_checked(self, st: LayerState, dev: str, k: Any, v: Any, q: Any, config: AttendConfig,
+                        out: Any = None) -> DecodeOutput:
         """The storing half of :meth:`decode` (see :meth:`_prefill_checked`)."""
         self._append(st, dev, k, v)
-        return self._decode_output(st, q, config, k.dtype)
+        return self._decode_output(st, q, config, k.dtype, out)
 
-    def _decode_output(self, st: LayerState, q: Any, config: AttendConfig, dtype: Any) -> DecodeOutput:
+    def _decode_output(self, st: LayerState, q: Any, config: AttendConfig, dtype: Any, out: Any = None) -> DecodeOutput:
         """What ``decode`` returns once the tokens are stored (default: the stored history,
-        with the sliding mask as ``logit_bias`` where a query's window excludes stored keys)."""
+        with the sliding mask as ``logit_bias`` where a query's window excludes stored keys;
+        ``out`` is ``None`` here: it was refused for an unfused cache)."""
         hk, hv = self._history(st, dtype)
         return Dequantized(DequantResult(hk, hv, self._window_bias4(st, q, dtype)))
 

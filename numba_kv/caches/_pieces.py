@@ -161,12 +161,19 @@ def _validated(pieces: Sequence[tuple[LayeredCache, int, tuple[int, ...]]], num_
 
 
 def split_call(pieces: Sequence[tuple[LayeredCache, int, tuple[int, ...]]], num_kv_heads: int, head_dim: int,
-               k: Any, v: Any, q: Any, config: AttendConfig | None) -> DequantResult | DecodeOutput:
+               k: Any, v: Any, q: Any, config: AttendConfig | None, out: Any = None) -> DequantResult | DecodeOutput:
     """``prefill`` (``config`` ``None``) or ``decode`` of a layer split into ``pieces``
     ``(part, part layer, heads)``: every piece validated first (under all the pieces' locks
     the parts' range checks too), then every piece stores and answers; the answers are put
-    back together on the full head axis.  The caller holds the model layer's lock."""
+    back together on the full head axis (and copied into a decode's ``out``, checked with
+    the rest before anything is stored).  The caller holds the model layer's lock."""
     decode = config is not None
+    if out is not None and q is not None:  # (a missing q: _validated names it)
+        # the shapes first (out is checked against q), then every piece must fuse and out fit the whole layer
+        dev = check_kv_shapes(k, v, num_kv_heads, head_dim)
+        check_q_shape(q, k.shape[0], num_kv_heads, head_dim, config.n_kv_groups, q_len=k.shape[2], device=dev)
+        for part, _, _ in pieces:
+            part._check_decode_out(out, q, k.dtype)  # noqa: SLF001
     calls, group = _validated(pieces, num_kv_heads, head_dim, k, v, q, config, decode)
     with contextlib.ExitStack() as stack:
         for c in calls:
@@ -182,7 +189,14 @@ def split_call(pieces: Sequence[tuple[LayeredCache, int, tuple[int, ...]]], num_
             res = [c.part._prefill_checked(c.st, c.dev, c.k, c.v, c.q) for c in calls]  # noqa: SLF001
     runs = [c.runs for c in calls]
     if decode and isinstance(res[0], Fused):
-        return Fused(put_heads([r.out for r in res], runs, group, num_kv_heads))
+        full = put_heads([r.out for r in res], runs, group, num_kv_heads)
+        if out is None:
+            return Fused(full)
+        if _backend.xp_of(out) is None:  # a Numba device array: a device-to-device copy
+            out.copy_to_device(full)
+        else:
+            out[...] = full
+        return Fused(out)
     dq = [r.result if decode else r for r in res]
     if not decode and all(r.k is c.k and r.v is c.v for r, c in zip(dq, calls)):
         return DequantResult(k, v)  # the layer was empty: the input itself, as a plain cache returns it

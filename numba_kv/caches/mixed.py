@@ -418,16 +418,17 @@ class MixedCache:
         with self._locks[i]:
             return split_call(self._pieces(i), self.num_kv_heads, self.head_dim, k, v, q, None)
 
-    def decode(self, layer: int, k: Any, v: Any, q: Any, config: AttendConfig) -> DecodeOutput:
-        """See :meth:`LayeredCache.decode`."""
+    def decode(self, layer: int, k: Any, v: Any, q: Any, config: AttendConfig, *, out: Any = None) -> DecodeOutput:
+        """See :meth:`LayeredCache.decode` (``out=`` included: a layer split between parts
+        attends piece by piece and copies the assembled output into ``out``)."""
         i = check_layer(layer, self.num_layers)
         direct = self._direct[i]
         if direct is not None:
-            return direct[0].decode(direct[1], k, v, q, config)
+            return direct[0].decode(direct[1], k, v, q, config, out=out)
         if not isinstance(config, AttendConfig):
             raise TypeError(f"config: expected an AttendConfig, got {type(config).__name__}")
         with self._locks[i]:
-            return split_call(self._pieces(i), self.num_kv_heads, self.head_dim, k, v, q, config)
+            return split_call(self._pieces(i), self.num_kv_heads, self.head_dim, k, v, q, config, out=out)
 
     def seq_len(self, layer: int) -> int:
         """Tokens ``layer`` has seen (every piece of a split layer has seen as many)."""

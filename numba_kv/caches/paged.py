@@ -33,15 +33,20 @@ guards the whole cache (the free list is shared by every layer), so concurrent c
 safe but serialized.
 
 On CUDA a steady-state step (append one token into a page with room, then
-:meth:`decode_attention` over the same sequences) moves nothing between host and device:
-the pool rows of a run within one page are written on the device
-(:func:`~numba_kv.ops.page_index.page_run_rows_into`), and the device copy of a layer's
-page table is kept and its last-page length grown in place (:func:`~numba_kv.ops.page_index.add_at`);
-it is uploaded again only when pages change hands (a new page, crop, fork, free).
+:meth:`decode_attention` over the same sequences) moves nothing between host and device,
+and with ``decode_attention(..., out=)`` allocates nothing and is 3 launches (issue 27): the
+append of a PQO run within one page is one launch, both sides quantized straight into the
+page with the deferred range records and the length update folded in
+(:mod:`~numba_kv.caches._paged_write`; float32 pools: the run's rows written on the device by
+:func:`~numba_kv.ops.page_index.page_run_rows_into`); the device copy of a layer's page table
+is kept and its last-page length grown in place (:func:`~numba_kv.ops.page_index.add_at`, or
+inside that launch); it is uploaded again only when pages change hands (a new page, crop,
+fork, free).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections.abc import Iterator, Sequence
@@ -56,17 +61,19 @@ from .._validate import (
     check_float_array,
     check_layer,
     check_magnitude,
+    check_out,
     check_stored_f16,
 )
 from ..ops.attention import CodeLayout
 from ..ops.attention.paged import paged_attention_rows, pool_arrays
-from ..ops.blockquant import dequantize_into, packed_dim, quantize_into, quantize_pair_into
+from ..ops.blockquant import packed_dim, quantize_into, quantize_pair_into
 from ..ops.codebook import get_codebook
 from ..ops.finite import check_finite_stats
-from ..ops.gather import gather_rows, scatter_rows, to_like
-from ..ops.page_index import add_at, page_run_rows_into
+from ..ops.gather import to_like
+from ..ops.page_index import add_at
 from ._layer import check_q_values
 from ._paged_lifecycle import OutOfPagesError, PagedLifecycleMixin
+from ._paged_write import PagedStorageMixin
 from ._values import ValueChecks
 from .config import DEFAULT_PAGE_SIZE, PagedConfig
 from .config import PAGED_STORAGES as STORAGES
@@ -92,11 +99,8 @@ class PageTable(NamedTuple):
     kv_last_page_len: np.ndarray
 
 
-#: tokens of a device write whose codes and scales go through reused buffers (a decode step's few)
-_SMALL_WRITE = 16
 
-
-class PagedKVCache(PagedLifecycleMixin, ValueChecks):
+class PagedKVCache(PagedStorageMixin, PagedLifecycleMixin, ValueChecks):
     """Paged K/V storage shared by layers and sequences (float32 or PQO-compressed pages).
 
     Parameters
@@ -260,15 +264,21 @@ class PagedKVCache(PagedLifecycleMixin, ValueChecks):
             return F32_MAX, "float32 pages"
         return float(2 ** 21), f"storage={self.storage!r} pages"
 
-    def _check_values(self, dev: str, parts: list[tuple[str, Any]]) -> None:
-        """Value checks of the appended parts as :attr:`validate` says (see :class:`ValueChecks`)."""
+    def _check_values(self, dev: str, parts: list[tuple[str, Any]]) -> list:
+        """Value checks of the appended parts as :attr:`validate` says (see :class:`ValueChecks`).
+        Returns the deferred range records not launched yet (``validate="deferred"``): the
+        append folds them into its quantization's launch, or launches them itself."""
         mode = self._value_mode(dev)
         if mode == "deferred":
-            if all(self._defer_many([("kv", a) for _, a in parts])):  # one launch for k and v
-                return
+            ok, todo = self._deferred_record().plan_many([("kv", a) for _, a in parts])
+            if all(ok):
+                return todo
+            if todo:
+                self._deferred_record().launch(todo)
         if mode != "off":
             for name, a in parts:
                 self._check_range(name, a)
+        return []
 
     def _check_range(self, name: str, x3: Any) -> None:
         """Finite, and storable faithfully: float32 pages hold any float32 magnitude; PQO pages
@@ -382,37 +392,6 @@ class PagedKVCache(PagedLifecycleMixin, ValueChecks):
             return table
 
     # -- data -----------------------------------------------------------------------------
-    def _rows(self, pages: Sequence[int], t0: int, n: int) -> np.ndarray:
-        """Pool rows (``[num_pages·H·page_size]`` view) of tokens ``t0 : t0+n``, head-major."""
-        pos = t0 + np.arange(n, dtype=np.int64)
-        page = np.asarray(pages, np.int64)[pos // self.page_size]
-        slot = pos % self.page_size
-        h = np.arange(self.num_kv_heads, dtype=np.int64)[:, None]
-        rows = (page[None, :] * self.num_kv_heads + h) * self.page_size + slot[None, :]
-        return rows.reshape(-1).astype(np.int32)
-
-    def _append_rows(self, like: Any, pages: list[int], t0: int, n: int, dev: str) -> Any:
-        """Pool rows of tokens ``t0 : t0+n`` (as :meth:`_rows`) on the pool's device: written
-        there by a kernel when the run stays within one page (no host copy), else uploaded."""
-        p0, slot = divmod(t0, self.page_size)
-        if dev == _backend.CPU or slot + n > self.page_size:
-            return self._rows(pages, t0, n)
-        size = self.num_kv_heads * self.page_size
-        if self._row_scratch is None:
-            self._row_scratch = _backend.empty(like, (size,), np.int32)
-        return page_run_rows_into(self._row_scratch, pages[p0], slot, n, self.num_kv_heads, self.page_size)
-
-    def _note_append(self, layer: int, sid: int, n: int, new_pages: bool) -> None:
-        """Keep the cached device page table of ``layer`` in step with an append: grow the
-        sequence's last-page length in place, or drop the table when pages were added."""
-        cached = self._dev_tables.get(layer)
-        if cached is None or sid not in cached[0]:
-            return
-        if new_pages:
-            del self._dev_tables[layer]
-        else:
-            add_at(cached[1].kv_last_page_len, cached[0].index(sid), n)
-
     def _device_table(self, layer: int, ids: tuple[int, ...]) -> PageTable:
         """The page table of ``ids`` in ``layer`` on the pool's device, uploaded only when it
         is not the one cached (see the module docstring)."""
@@ -430,71 +409,6 @@ class PagedKVCache(PagedLifecycleMixin, ValueChecks):
         self._pools = {name: _backend.zeros(like, shape, dt)
                        for name, (shape, dt) in self._pool_spec().items()}
         self._device = dev
-
-    def _write(self, part: str, x3: Any, rows: np.ndarray) -> None:
-        h, n, d = x3.shape
-        idx = to_like(x3, rows) if isinstance(rows, np.ndarray) else rows
-        if self.bits:
-            pd = packed_dim(d, self.part_bits[part])
-            codes, scales = self._write_buffers(x3, part, h, n, pd, d // 32)
-            quantize_into(x3, codes, scales, 0, self.codebooks[part], True)
-            self._scatter_codes(part, codes, scales, idx)
-        else:
-            scatter_rows(x3.reshape(h * n, d), idx, self._pools[part + "_pages"].reshape(-1, d))
-
-    def _write_kv(self, xk: Any, xv: Any | None, rows: np.ndarray) -> None:
-        """Write both sides: on a device with codes of one shape, both quantized in one launch
-        (:func:`~numba_kv.ops.blockquant.quantize_pair_into`, the bytes of two), else side by side."""
-        if xv is None or not self.bits or isinstance(xk, np.ndarray) or tuple(xv.shape) != tuple(xk.shape):
-            self._write("k", xk, rows)
-            if xv is not None:
-                self._write("v", xv, rows)
-            return
-        h, n, d = xk.shape
-        idx = to_like(xk, rows) if isinstance(rows, np.ndarray) else rows
-        ck, sk = self._write_buffers(xk, "k", h, n, packed_dim(d, self.part_bits["k"]), d // 32)
-        cv, sv = self._write_buffers(xk, "v", h, n, packed_dim(d, self.part_bits["v"]), d // 32)
-        quantize_pair_into(xk, xv, ck, sk, cv, sv, 0, self.codebooks["k"], self.codebooks["v"], True)
-        self._scatter_codes("k", ck, sk, idx)
-        self._scatter_codes("v", cv, sv, idx)
-
-    def _scatter_codes(self, part: str, codes: Any, scales: Any, idx: Any) -> None:
-        """Codes ``[h, n, pd]`` and scales ``[h, n, nb]`` of side ``part`` into the pool rows ``idx``."""
-        h, n, pd = codes.shape
-        nb = int(scales.shape[2])
-        scatter_rows(codes.reshape(h * n, pd), idx, self._pools[part + "_codes"].reshape(-1, pd))
-        scatter_rows(scales.reshape(h * n, nb), idx, self._pools[part + "_scales"].reshape(-1, nb))
-
-    def _write_buffers(self, like: Any, part: str, h: int, n: int, pd: int, nb: int) -> tuple[Any, Any]:
-        """Codes ``[h, n, pd]`` uint8 and scales ``[h, n, nb]`` uint16 for a write of ``n``
-        tokens of side ``part``: reused on a device for a write of a few tokens (no allocation
-        per decode step; the pool rows are scattered from them before the next write), new
-        arrays otherwise."""
-        if isinstance(like, np.ndarray) or n > _SMALL_WRITE:
-            return _backend.empty(like, (h, n, pd), np.uint8), _backend.empty(like, (h, n, nb), np.uint16)
-        key = (part, n)
-        hit = self._write_scratch.get(key)
-        if hit is None or tuple(hit[0].shape) != (h, n, pd) or tuple(hit[1].shape) != (h, n, nb):
-            hit = self._write_scratch[key] = (_backend.empty(like, (h, n, pd), np.uint8),
-                                              _backend.empty(like, (h, n, nb), np.uint16))
-        return hit
-
-    def _read(self, part: str, rows: np.ndarray, n: int) -> Any:
-        h = self.num_kv_heads
-        d = self.head_dim if part == "k" else self.v_head_dim
-        like = next(iter(self._pools.values()))
-        idx = to_like(like, rows)
-        out = _backend.empty(like, (h, n, d), np.float32)
-        if self.bits:
-            pd = packed_dim(d, self.part_bits[part])
-            codes = _backend.empty(like, (h * n, pd), np.uint8)
-            scales = _backend.empty(like, (h * n, d // 32), np.uint16)
-            gather_rows(self._pools[part + "_codes"].reshape(-1, pd), idx, codes)
-            gather_rows(self._pools[part + "_scales"].reshape(-1, d // 32), idx, scales)
-            dequantize_into(codes.reshape(h, n, pd), scales.reshape(h, n, d // 32), 0, self.codebooks[part], out)
-        else:
-            gather_rows(self._pools[part + "_pages"].reshape(-1, d), idx, out.reshape(h * n, d))
-        return out
 
     def append(self, layer: int, seq_id: int, k: Any, v: Any = None) -> None:
         """Append ``new_tokens`` tokens of K (and V) to ``seq_id`` in ``layer``.
@@ -534,29 +448,55 @@ class PagedKVCache(PagedLifecycleMixin, ValueChecks):
                 raise ValueError("v: expected None for a key-only cache (v_head_dim=0), got an array")
             if self._device is not None and dev != self._device:
                 raise ValueError(f"k is on {dev} but the page pool lives on {self._device}")
-            self._check_values(dev, [("k", k3)] + ([("v", v3)] if self.has_values else []))
-            cur = self._lens[layer][sid]
-            table = self._tables[layer][sid]
-            need = -(-(cur + n) // self.page_size) - len(table)
-            if need > len(self._free):
-                raise OutOfPagesError(
-                    f"append: seq_id {sid} in layer {layer} needs {need} free pages for {n} new tokens "
-                    f"(page_size={self.page_size}), only {len(self._free)} of {self.num_pages} are free; "
-                    "nothing was appended")
-            self._ensure_pools(k3, dev)
-            xk = _backend.ascontiguous_f32("k", k3)
-            xv = _backend.ascontiguous_f32("v", v3) if self.has_values else None
-            new_pages = [self._free.pop() for _ in range(max(need, 0))]
-            pages = table + new_pages
-            rows = self._append_rows(xk, pages, cur, n, dev)
+            pending = self._check_values(dev, [("k", k3)] + ([("v", v3)] if self.has_values else []))
             try:
-                self._write_kv(xk, xv, rows)
-            except Exception:
-                self._free.extend(reversed(new_pages))
-                raise
-            table.extend(new_pages)
-            self._lens[layer][sid] = cur + n
-            self._note_append(layer, sid, n, bool(new_pages))
+                self._append(layer, sid, dev, k3, v3 if self.has_values else None, pending)
+            finally:  # the records no kernel took (a refused or host append): launched on their own
+                if pending:
+                    self._deferred_record().launch(pending)
+
+    def _append(self, layer: int, sid: int, dev: str, k3: Any, v3: Any | None, pending: list) -> None:
+        """The storing half of :meth:`append` (arguments validated; under the cache's lock).
+        A run within one page on a device is one launch (issue 27): both sides quantized
+        straight into the pool's page, with ``pending`` (the deferred range records, taken
+        from the list) and the cached device table's last-page length folded in; otherwise
+        the pool rows are computed, the tokens quantized into scratch and scattered."""
+        n = int(k3.shape[1])
+        cur = self._lens[layer][sid]
+        table = self._tables[layer][sid]
+        need = -(-(cur + n) // self.page_size) - len(table)
+        if need > len(self._free):
+            raise OutOfPagesError(
+                f"append: seq_id {sid} in layer {layer} needs {need} free pages for {n} new tokens "
+                f"(page_size={self.page_size}), only {len(self._free)} of {self.num_pages} are free; "
+                "nothing was appended")
+        self._ensure_pools(k3, dev)
+        xk = _backend.ascontiguous_f32("k", k3)
+        xv = _backend.ascontiguous_f32("v", v3) if v3 is not None else None
+        new_pages = [self._free.pop() for _ in range(max(need, 0))]
+        pages = table + new_pages
+        p0, slot = divmod(cur, self.page_size)
+        planes = self._write_page_run(xk, xv, pages[p0], slot)
+        try:
+            if planes is not None:
+                # the cached device table's last-page length grows in the write's launch
+                grow = self._note_append(layer, sid, n, bool(new_pages))
+                todo = pending[:]
+                pending.clear()  # taken: folded into the launch below, or launched by folded()
+                with self._deferred_record().folded(todo) if todo else contextlib.nullcontext() as ranges:
+                    quantize_pair_into(xk, xv, *planes, slot, self.codebooks["k"], self.codebooks["v"], True,
+                                       ranges=ranges, add_at=grow)
+            else:
+                self._write_kv(xk, xv, self._append_rows(xk, pages, cur, n, dev))
+        except Exception:
+            self._free.extend(reversed(new_pages))
+            raise
+        table.extend(new_pages)
+        self._lens[layer][sid] = cur + n
+        if planes is None:
+            grow = self._note_append(layer, sid, n, bool(new_pages))
+            if grow is not None:
+                add_at(*grow)
 
     def get_kv(self, layer: int, seq_id: int) -> tuple[Any, Any]:
         """All tokens of ``seq_id`` in ``layer`` (dequantized for PQO storage).
@@ -606,12 +546,14 @@ class PagedKVCache(PagedLifecycleMixin, ValueChecks):
     # -- accounting -----------------------------------------------------------------------
     def decode_attention(self, layer: int, q: Any, seq_ids: Sequence[int] | None = None, *,
                          softmax_scale: float | None = None, causal: bool = True,
-                         partition_size: int | None = None) -> Any:
+                         partition_size: int | None = None, out: Any = None) -> Any:
         """Fused attention of ``q`` ``[n_seq, num_heads, q_len, head_dim]`` over the pages of
         ``seq_ids`` (default: every live sequence) — compressed pages are read through the
         page table without dequantizing.  See
-        :func:`numba_kv.ops.attention.paged.paged_decode_attention`.  ``q``'s values are
-        checked as :attr:`validate` says (finite, ``|q| <= 2**64``; the shapes by the op).
+        :func:`numba_kv.ops.attention.paged.paged_decode_attention` (``out``: a float32
+        array shaped like ``q``, C-contiguous, on its device, written and returned instead
+        of a new array; checked before anything runs).  ``q``'s values are checked as
+        :attr:`validate` says (finite, ``|q| <= 2**64``; the shapes by the op).
         """
         with self._lock:  # the table, the lengths and the pools of one moment
             layer = check_layer(layer, self.num_layers)
@@ -623,6 +565,8 @@ class PagedKVCache(PagedLifecycleMixin, ValueChecks):
             if min(lens) < max(1, ql if causal else 1):
                 raise ValueError(f"seq_ids: every sequence needs >= max(1, q_len={ql}) stored tokens, "
                                  f"got lengths {lens}")
+            if out is not None:
+                check_out(out, tuple(q.shape), np.float32, dev, "the attention output (float32, shaped like q)")
             mode = self._value_mode(dev)
             if mode == "sync" or (mode == "deferred" and not self._defer("q", q)):
                 check_q_values(q)  # else deferred to check_inputs() (or "off")
@@ -630,7 +574,8 @@ class PagedKVCache(PagedLifecycleMixin, ValueChecks):
             klay, vlay = self._layouts if self.bits else (None, None)
             return paged_attention_rows(q, self._device_table(layer, ids), arrays, klay, vlay,
                                         n_kv_heads=self.num_kv_heads, page_size=self.page_size, seq_lens=lens,
-                                        softmax_scale=softmax_scale, causal=causal, partition_size=partition_size)
+                                        softmax_scale=softmax_scale, causal=causal, partition_size=partition_size,
+                                        out=out)
 
     def _check_query(self, q: Any, n_seq: int) -> str:
         """Dtype, device and shape of a ``decode_attention`` query (values are not read);

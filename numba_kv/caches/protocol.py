@@ -163,8 +163,14 @@ class CompressedKVCache(Protocol):
         """Store ``k``/``v`` ``[batch, num_kv_heads, new_tokens, head_dim]``; return K/V."""
         ...
 
-    def decode(self, layer: int, k: Any, v: Any, q: Any, config: AttendConfig) -> DecodeOutput:
-        """Store the new token(s) and attend with ``q`` ``[batch, num_heads, q_len, head_dim]``."""
+    def decode(self, layer: int, k: Any, v: Any, q: Any, config: AttendConfig, *, out: Any = None) -> DecodeOutput:
+        """Store the new token(s) and attend with ``q`` ``[batch, num_heads, q_len, head_dim]``.
+
+        ``out`` (keyword, optional): an array shaped like ``q`` that a cache returning
+        :class:`Fused` writes its output into (``Fused.out is out``: no allocation per
+        step); a bad ``out``, or ``out`` for a cache returning :class:`Dequantized`, raises
+        ``TypeError``/``ValueError`` naming ``out`` and leaves the cache as it was.
+        Without it every call returns a new array."""
         ...
 
     def seq_len(self, layer: int) -> int:

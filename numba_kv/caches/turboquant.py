@@ -159,9 +159,9 @@ class TurboQuantCache(PolarQuantCache):
             return DequantResult(hk, hv)
         return DequantResult(hk, hv, masked_astype(self._logit_bias(st, q, self.head_dim ** -0.5), dtype))
 
-    def _decode_output(self, st: LayerState, q: Any, config: AttendConfig, dtype: Any) -> DecodeOutput:
+    def _decode_output(self, st: LayerState, q: Any, config: AttendConfig, dtype: Any, out: Any = None) -> DecodeOutput:
         if self.decode_output != "dequantized":
-            return super()._decode_output(st, q, config, dtype)
+            return super()._decode_output(st, q, config, dtype, out)
         hk, hv = self._history(st, dtype)
         bias = self._logit_bias(st, q, config.softmax_scale)
         win = self._window_bias(st, q)

@@ -32,7 +32,7 @@ import math
 from typing import Any
 
 import numpy as np
-from numba import cuda, float32, int64, prange, uint8, uint16
+from numba import cuda, float32, int32, int64, prange, uint8, uint16
 
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
@@ -42,7 +42,7 @@ from ._index import unravel3
 from ._registry import register
 from .bitpack import group8_word, load_word, store_word, word_index
 from .codebook import DEQUANTIZE_SIGNATURE, Codebook, bucketize, bucketize_select, get_codebook
-from .finite import check_finite
+from .finite import FOLD_SIG, check_finite, fold_absbits_cpu, fold_absbits_dev, no_fold
 from .hadamard import SIGNS32, rotate32_forward_lanes, rotate32_inverse_lanes
 from .half import f16_bits_abs_to_f32, f32_to_f16_bits_sat
 
@@ -219,11 +219,17 @@ def _quantize_cpu(x, signs, bounds, centroids, l2, unbiased, ref, flag, bits, t0
 
 @cpu_kernel
 def _quantize_pair_cpu(xk, xv, signs, kbounds, kcents, kbits, vbounds, vcents, vbits, l2, unbiased, ref, flag, t0,
-                       kcodes, kscales, vcodes, vscales):
+                       kcodes, kscales, vcodes, vscales, u0, m0, o0, u1, m1, o1, u2, m2, o2, lens, li, delta):
     """CPU twin of :func:`_quantize_pair_cuda`: the two sides one after the other (on the CPU
-    the pair saves nothing; the twin exists for the bit-for-bit comparison)."""
+    the pair saves nothing; the twin exists for the bit-for-bit comparison), then the folded
+    range records and the length update."""
     _quantize_cpu(xk, signs, kbounds, kcents, l2, unbiased, ref, flag, kbits, t0, kcodes, kscales)
     _quantize_cpu(xv, signs, vbounds, vcents, l2, unbiased, ref, flag, vbits, t0, vcodes, vscales)
+    fold_absbits_cpu(u0, m0, o0)
+    fold_absbits_cpu(u1, m1, o1)
+    fold_absbits_cpu(u2, m2, o2)
+    if li >= 0:
+        lens[li] = int32(lens[li] + delta)
 
 
 @cpu_kernel
@@ -255,23 +261,34 @@ def _quantize_cuda(x, signs, bounds, centroids, l2, unbiased, ref, flag, bits, t
 
 @cuda_kernel
 def _quantize_pair_cuda(xk, xv, signs, kbounds, kcents, kbits, vbounds, vcents, vbits, l2, unbiased, ref, flag, t0,
-                        kcodes, kscales, vcodes, vscales):
-    """Both sides of a store in one launch (a decode step's evicted tokens): 1-D grid over the
-    ``2·rows·seq·d/32`` blocks of ``xk`` then ``xv`` (one shape), one thread per 32-value
-    block, each side with its codebook and width; same bytes as two :func:`_quantize_cuda`."""
+                        kcodes, kscales, vcodes, vscales, u0, m0, o0, u1, m1, o1, u2, m2, o2, lens, li, delta):
+    """Both sides of a store in one launch (a decode step's evicted tokens, a paged append):
+    1-D grid over the ``2·rows·seq·d/32`` blocks of ``xk`` then ``xv`` (one shape), one
+    thread per 32-value block, each side with its codebook and width; same bytes as two
+    :func:`_quantize_cuda`.  Also folded in, so that a paged decode step needs no launch of
+    its own for them (issue 27): up to three deferred range records
+    (:func:`~numba_kv.ops.finite.fold_absbits_dev`; mask 0: none) and, when ``li >= 0``,
+    ``lens[li] += delta`` by thread 0 (a page table's last-page length)."""
     rows, seq, d = xk.shape
     nq = rows * seq * (d // 32)
     t = cuda.local.array(35, dtype=float32)
     ib = cuda.local.array(32, dtype=uint8)
     w = cuda.local.array(5, dtype=int64)
     cv = cuda.local.array(32, dtype=float32)
-    for q in range(cuda.grid(1), 2 * nq, cuda.gridsize(1)):
+    start = cuda.grid(1)
+    nt = cuda.gridsize(1)
+    for q in range(start, 2 * nq, nt):
         if q < nq:
             quantize_lanes_dev(xk, q, 1, signs, kbounds, kcents, l2, unbiased, ref, flag, kbits, t0, kcodes,
                                kscales, 1, t, ib, w, cv)
         else:
             quantize_lanes_dev(xv, q - nq, 1, signs, vbounds, vcents, l2, unbiased, ref, flag, vbits, t0, vcodes,
                                vscales, 1, t, ib, w, cv)
+    fold_absbits_dev(u0, m0, o0, start, nt)
+    fold_absbits_dev(u1, m1, o1, start, nt)
+    fold_absbits_dev(u2, m2, o2, start, nt)
+    if li >= 0 and start == 0:
+        lens[li] = int32(lens[li] + delta)
 
 
 @cuda_kernel
@@ -284,12 +301,14 @@ def _dequantize_cuda(codes, scales, signs, centroids, bits, t0, out):
         dequantize_lanes_dev(codes, scales, q, 1, signs, centroids, bits, t0, out, 1, t, w)
 
 
+#: the length array of a pair quantization without a length update (``li = -1``: never touched)
+_NO_LENS = np.zeros(1, np.int32)
 _QSIG = ("void(float32[:, :, ::1], float32[::1], float32[::1], float32[::1], boolean, boolean, float32, "
          "float32, int64, int64, uint8[:, :, ::1], uint16[:, :, ::1])")
 _QUANTIZE_BLOCKS = register("quantize_blocks", _quantize_cpu, _quantize_cuda, [_QSIG])
 _QPAIR_SIG = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[::1], float32[::1], float32[::1], int64, "
               "float32[::1], float32[::1], int64, boolean, boolean, float32, float32, int64, uint8[:, :, ::1], "
-              "uint16[:, :, ::1], uint8[:, :, ::1], uint16[:, :, ::1])")
+              f"uint16[:, :, ::1], uint8[:, :, ::1], uint16[:, :, ::1], {FOLD_SIG}, int32[::1], int64, int64)")
 _QUANTIZE_PAIR = register("quantize_blocks_pair", _quantize_pair_cpu, _quantize_pair_cuda, [_QPAIR_SIG])
 _DEQUANTIZE_BLOCKS = register("dequantize_blocks", _dequantize_cpu, _dequantize_cuda, [DEQUANTIZE_SIGNATURE])
 
@@ -315,10 +334,14 @@ def quantize_into(x3: Any, codes: Any, scales: Any, t0: int, cb: Codebook, outli
 
 
 def quantize_pair_into(xk3: Any, xv3: Any, kcodes: Any, kscales: Any, vcodes: Any, vscales: Any, t0: int,
-                       kcb: Codebook, vcb: Codebook, outlier: bool, unbiased: bool = False) -> None:
+                       kcb: Codebook, vcb: Codebook, outlier: bool, unbiased: bool = False, *,
+                       ranges: tuple | None = None, add_at: tuple[Any, int, int] | None = None) -> None:
     """:func:`quantize_into` of keys ``xk3`` and values ``xv3`` (one shape ``[rows, seq, d]``,
     float32, C-contiguous, on one device) in one launch, each side with its codebook (one norm
-    mode); same bytes as two calls."""
+    mode); same bytes as two calls.  Folded into the same launch (a paged decode step's
+    bookkeeping): ``ranges``, deferred range records as
+    :meth:`~numba_kv.ops.finite.DeferredRange.folded` gives them, and ``add_at``
+    ``(lens, i, delta)``: ``lens[i] += delta`` (int32, on the device)."""
     rows, seq, d = xk3.shape
     if rows == 0 or seq == 0:
         return
@@ -328,7 +351,9 @@ def quantize_pair_into(xk3: Any, xv3: Any, kcodes: Any, kscales: Any, vcodes: An
     c = _backend.constant
     args = (xk3, xv3, c(xk3, SIGNS32), c(xk3, kcb.boundaries), c(xk3, kcb.centroids), kcb.bits,
             c(xk3, vcb.boundaries), c(xk3, vcb.centroids), vcb.bits, kcb.norm_mode == "l2", bool(unbiased),
-            np.float32(kcb.ref), np.float32(-1.0 if outlier else 1.0), int(t0), kcodes, kscales, vcodes, vscales)
+            np.float32(kcb.ref), np.float32(-1.0 if outlier else 1.0), int(t0), kcodes, kscales, vcodes, vscales,
+            *(no_fold(xk3) if ranges is None else ranges),
+            *((c(xk3, _NO_LENS), -1, 0) if add_at is None else (add_at[0], int(add_at[1]), int(add_at[2]))))
     _QUANTIZE_PAIR.launch(_backend.device_of("xk3", xk3), 2 * rows * seq * (d // 32), *args,
                           work=2 * rows * seq * d)
 

@@ -10,24 +10,27 @@ in place instead of copying them to the host.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 from numba import cuda, float32, int64, prange, uint64
 
 from .. import _backend
-from .._jit import cpu_kernel, cuda_kernel
+from .._jit import cpu_kernel, cpu_serial, cuda_device, cuda_kernel
 from .._validate import F32_MAX
 from ._registry import register
 
-__all__ = ["DeferredRange", "RangeStats", "all_finite", "check_finite", "check_finite_stats", "check_rotation_input",
+__all__ = ["FOLD_SIG", "NO_FOLD_ACC", "NO_FOLD_BITS", "DeferredRange", "RangeStats", "all_finite", "check_finite",
+           "check_finite_stats", "check_rotation_input", "fold_absbits_cpu", "fold_absbits_dev", "no_fold",
            "range_stats"]
 
 _CHUNK = 1 << 14  # elements per CPU work item
 _INF = float32(np.inf)  # float32: no float64 compare in float32 kernels (exact for float64 ones)
+_F32 = np.dtype(np.float32)
 
 
 # --- CPU twin ---------------------------------------------------------------------------
@@ -167,6 +170,50 @@ def _absbits_max3_cuda(u0, m0, o0, u1, m1, o1, u2, m2, o2):
     for i in range(start, u2.shape[0], stride):
         c = max(c, u2[i] & m2)
     cuda.atomic.max(o2, 0, uint64(c))
+
+
+# --- the deferred range check folded into a kernel that runs anyway (issue 27: a decode step
+# within 3 launches): each of up to three arrays is read by ``ceil(size / 256)`` threads of the
+# host kernel's 1-D grid (coalesced, grid-stride over the array), each with one atomic max:
+# as many atomics as ``range_stats3`` makes.  A mask of 0 marks an unused slot (its arrays are
+# placeholders, never read or written); every real mask is nonzero.
+def _fold_absbits_cpu(u, m, o):
+    if m != 0:
+        a = m ^ m
+        for i in range(u.shape[0]):
+            a = max(a, u[i] & m)
+        o[0] = max(o[0], uint64(a))
+
+
+def _fold_absbits_dev(u, m, o, t, nt):
+    if m != 0:
+        p = min(nt, (u.shape[0] + 255) // 256)
+        if t < p:
+            a = m ^ m
+            for i in range(t, u.shape[0], p):
+                a = max(a, u[i] & m)
+            cuda.atomic.max(o, 0, uint64(a))
+
+
+#: ``fold_absbits_cpu(bits, mask, acc)``: ``acc[0] = max(acc[0], max(bits & mask))`` (serial;
+#: nothing when ``mask`` is 0) — the CPU twin's half of :func:`fold_absbits_dev`
+fold_absbits_cpu = cpu_serial(_fold_absbits_cpu, inline=True)
+#: ``fold_absbits_dev(bits, mask, acc, thread, threads)``: thread ``thread`` of a 1-D grid of
+#: ``threads`` folds its share of ``bits & mask`` into ``acc[0]`` (``atomic.max``; see above)
+fold_absbits_dev = cuda_device(_fold_absbits_dev)
+
+#: the nine trailing fold arguments of a kernel with nothing to fold (mask 0: never read)
+NO_FOLD_BITS = np.zeros(1, np.uint32)
+NO_FOLD_ACC = np.zeros(1, np.uint64)
+#: their Numba types, three ``(bits, mask, accumulator)`` triples, for kernel signatures
+FOLD_SIG = ", ".join(["uint32[::1], uint32, uint64[::1]"] * 3)
+
+
+def no_fold(like: Any) -> tuple:
+    """The nine fold arguments that fold nothing, on the device of ``like``."""
+    u, acc = _backend.constant(like, NO_FOLD_BITS), _backend.constant(like, NO_FOLD_ACC)
+    z = np.uint32(0)
+    return (u, z, acc) * 3
 
 
 _RANGE3 = register("range_stats3", _absbits_max3_cpu, _absbits_max3_cuda,
@@ -359,6 +406,14 @@ class DeferredRange:
         """:meth:`record` of several ``(slot, array)`` pairs, three to a launch (a decode
         step's ``k``, ``v`` and ``q``: one launch instead of three).  Returns what
         :meth:`record` would for each."""
+        ok, todo = self.plan_many(items)
+        self.launch(todo)
+        return ok
+
+    def plan_many(self, items: Sequence[tuple[str, Any]]) -> tuple[list[bool], list[tuple]]:
+        """What :meth:`record_many` would record, without launching: ``(ok, todo)``, ``ok``
+        as :meth:`record_many` returns it, ``todo`` the pending records for :meth:`launch`
+        or :meth:`folded` (which must follow before the arrays change)."""
         ok: list[bool] = []
         todo: list[tuple[tuple[str, np.dtype], Any, Any]] = []
         for slot, a in items:
@@ -375,19 +430,45 @@ class DeferredRange:
             udt, mask, _ = _BITS[dt]
             todo.append(((slot, dt), a.reshape(a.size).view(udt), udt(mask)))
             ok.append(True)
+        return ok, todo
+
+    def _fold_args(self, group: Sequence[tuple]) -> list[tuple[Any, Any, Any]]:
+        """``(bits, mask, accumulator)`` of up to three pending records, padded to three by
+        repeating the first (a repeated array changes no max); under the lock."""
+        args = []
+        for key, u, mask in group:
+            acc = self._acc.get(key)
+            if acc is None:
+                acc = self._acc[key] = _backend.zeros(u, (1,), np.uint64)
+            args.append((u, mask, acc))
+        return args + [args[0]] * (3 - len(args))
+
+    def launch(self, todo: Sequence[tuple]) -> None:
+        """Record the pending records of :meth:`plan_many`, three to a launch."""
         with self._lock:  # the launches too: read() must not drop an accumulator being written
             for lo in range(0, len(todo), 3):
-                group = todo[lo:lo + 3]
-                args = []
-                for key, u, mask in group:
-                    acc = self._acc.get(key)
-                    if acc is None:
-                        acc = self._acc[key] = _backend.zeros(u, (1,), np.uint64)
-                    args.append((u, mask, acc))
-                args += [args[0]] * (3 - len(args))  # a repeated array changes no max
+                args = self._fold_args(todo[lo:lo + 3])
                 n = max(int(u.size) for u, _, _ in args)
                 _RANGE3.launch(_backend.CUDA, (n + 255) // 256, *args[0], *args[1], *args[2])
-        return ok
+
+    @contextlib.contextmanager
+    def folded(self, todo: Sequence[tuple]) -> Iterator[tuple | None]:
+        """The pending records of :meth:`plan_many` as the nine trailing arguments
+        ``(bits, mask, accumulator) × 3`` of a kernel that folds them into its own launch
+        (:func:`fold_absbits_dev`, issue 27: no launch of their own), or ``None`` when they
+        do not fold (more than three, or not float32: then launched here, as :meth:`launch`).
+        The caller launches its kernel inside the ``with``, which holds the record's lock
+        (as :meth:`launch` does: :meth:`read` must not take an accumulator being written)."""
+        if not todo:
+            yield None
+            return
+        if len(todo) > 3 or any(key[1] != _F32 for key, _, _ in todo):
+            self.launch(todo)
+            yield None
+            return
+        with self._lock:
+            args = self._fold_args(todo)
+            yield (*args[0], *args[1], *args[2])
 
     def read(self) -> dict[str, RangeStats]:
         """Per slot, what was recorded since the last :meth:`read` (``nonfinite``, ``amax``);

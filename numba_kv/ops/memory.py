@@ -19,6 +19,7 @@ from .. import _backend
 from .._jit import CORES, cpu_kernel, cpu_serial, cuda_device, cuda_kernel, specialize, twin
 from ._index import unravel3_dev
 from ._registry import register
+from .finite import FOLD_SIG, fold_absbits_cpu, fold_absbits_dev, no_fold
 from .half import f16_bits_to_f32, f32_to_f16_bits_sat
 
 
@@ -132,8 +133,9 @@ def _slide_columns(x, ex, ev, r, w, a, s_at, e_new, sinks, e_old, keep_old, keep
 
 
 def _slide_cpu_body(xk, xv, exk, exv, evk, evv, a, s_at, e_new, sinks, e_old, keep_old, keep_new, pos, n_pos,
-                    pos_sinks, pos_base):
-    """CPU twin of the ``slide_windows`` kernels: ``prange`` over (side, row)."""
+                    pos_sinks, pos_base, u0, m0, o0, u1, m1, o1, u2, m2, o2):
+    """CPU twin of the ``slide_windows`` kernels: ``prange`` over (side, row), then the
+    folded range records serially."""
     rows = exk.shape[0]
     for j in prange(2 * rows):
         r = j % rows
@@ -142,22 +144,31 @@ def _slide_cpu_body(xk, xv, exk, exv, evk, evv, a, s_at, e_new, sinks, e_old, ke
             SLIDE_COLUMNS(x, ex, ev, r, w, a, s_at, e_new, sinks, e_old, keep_old, keep_new)
     for i in range(n_pos):
         pos[i] = int32(i if i < pos_sinks else pos_base + (i - pos_sinks))
+    fold_absbits_cpu(u0, m0, o0)
+    fold_absbits_cpu(u1, m1, o1)
+    fold_absbits_cpu(u2, m2, o2)
 
 
 def _slide_cuda_body(xk, xv, exk, exv, evk, evv, a, s_at, e_new, sinks, e_old, keep_old, keep_new, pos, n_pos,
-                     pos_sinks, pos_base):
+                     pos_sinks, pos_base, u0, m0, o0, u1, m1, o1, u2, m2, o2):
     """1-D grid over the ``2·rows·width`` columns (k, then v) and the ``n_pos`` positions
-    (grid-stride): one thread stores one column's tokens and writes the position of its index."""
+    (grid-stride): one thread stores one column's tokens and writes the position of its index;
+    the first ``ceil(size / 256)`` threads fold each recorded array's range
+    (:func:`~numba_kv.ops.finite.fold_absbits_dev`)."""
     width = exk.shape[2]
     rows = exk.shape[0]
     start = cuda.grid(1)
-    for i in range(start, 2 * rows * width, cuda.gridsize(1)):
+    nt = cuda.gridsize(1)
+    for i in range(start, 2 * rows * width, nt):
         j = i // width
         r = j % rows
         x, ex, ev = (xk, exk, evk) if j < rows else (xv, exv, evv)
         SLIDE_COLUMNS(x, ex, ev, r, i - j * width, a, s_at, e_new, sinks, e_old, keep_old, keep_new)
-    for i in range(start, n_pos, cuda.gridsize(1)):
+    for i in range(start, n_pos, nt):
         pos[i] = int32(i if i < pos_sinks else pos_base + (i - pos_sinks))
+    fold_absbits_dev(u0, m0, o0, start, nt)
+    fold_absbits_dev(u1, m1, o1, start, nt)
+    fold_absbits_dev(u2, m2, o2, start, nt)
 
 
 def _slide_variant(op: str, to_ex: Callable, from_ex: Callable, ex_type: str) -> Any:
@@ -172,7 +183,7 @@ def _slide_variant(op: str, to_ex: Callable, from_ex: Callable, ex_type: str) ->
     gpu = cuda_kernel(specialize(_slide_cuda_body, "", name=f"_{op}_cuda", SLIDE_COLUMNS=cores["_dev"]))
     f3, e3 = "float32[:, :, ::1]", f"{ex_type}[:, :, ::1]"
     return register(op, cpu, gpu, [f"void({f3}, {f3}, {e3}, {e3}, {f3}, {f3}, int64, int64, int64, int64, int64, "
-                                   "int64, int64, int32[::1], int64, int64, int64)"])
+                                   f"int64, int64, int32[::1], int64, int64, int64, {FOLD_SIG})"])
 
 
 _SLIDE = {np.dtype(np.float32): _slide_variant("slide_windows", _as_is, _as_is, "float32"),
@@ -181,9 +192,10 @@ _SLIDE = {np.dtype(np.float32): _slide_variant("slide_windows", _as_is, _as_is, 
 
 def slide_windows(xk: Any, xv: Any, exk: Any, exv: Any, evk: Any, evv: Any, a: int, s_at: int, e_new: int,
                   sinks: int, e_old: int, keep_old: int, keep_new: int, pos: Any, pos_sinks: int, pos_base: int,
-                  pos_win: int) -> None:
+                  pos_win: int, ranges: tuple | None = None) -> None:
     """The store of new tokens into the exact-token buffers of both sides, and the exact
-    tokens' positions (one launch).
+    tokens' positions (one launch; with the deferred range records of the call's inputs
+    folded in when ``ranges`` is given).
 
     Per side ``(x, ex, ev)`` and row, in this order: ``ex[s_at : s_at+a] = x[0 : a]`` (new
     sinks); ``ev[0 : e_old] = ex[sinks : sinks+e_old]`` (evicted window tokens) and
@@ -207,6 +219,11 @@ def slide_windows(xk: Any, xv: Any, exk: Any, exv: Any, evk: Any, evv: Any, a: i
         ``sinks``: the window's start).
     pos : int32 array ``[>= pos_sinks + pos_win]``
     pos_sinks, pos_base, pos_win : int
+    ranges : tuple, optional
+        ``(bits, mask, accumulator) × 3`` from
+        :meth:`~numba_kv.ops.finite.DeferredRange.folded` (on the same device): the deferred
+        range checks of a decode step's ``k``, ``v`` and ``q`` in this launch instead of a
+        ``range_stats3`` launch of their own (issue 27).  Default: none.
 
     Each thread loops over its column's tokens: for a decode step (a few tokens), not for a
     prefill of thousands.
@@ -230,7 +247,11 @@ def slide_windows(xk: Any, xv: Any, exk: Any, exv: Any, evk: Any, evv: Any, a: i
     n_pos = int(pos_sinks) + int(pos_win)
     if min(pos_sinks, pos_base, pos_win) < 0 or np.dtype(pos.dtype) != np.int32 or int(pos.shape[0]) < n_pos:
         raise ValueError(f"pos: expected int32 of length >= {n_pos}, got {pos.dtype} {tuple(pos.shape)}")
+    if ranges is None:
+        ranges = no_fold(xk)
+    elif len(ranges) != 9:
+        raise ValueError(f"ranges: expected (bits, mask, accumulator) x 3, got {len(ranges)} items")
     work = 2 * rows * width * (a + e_new + keep_new + e_old + keep_old) + n_pos
     _SLIDE[ex_dt].launch(dev, max(2 * rows * width, n_pos, 1), xk, xv, exk, exv, evk, evv, int(a), int(s_at),
                          int(e_new), int(sinks), int(e_old), int(keep_old), int(keep_new), pos, n_pos, int(pos_sinks),
-                         int(pos_base), work=work)
+                         int(pos_base), *ranges, work=work)

@@ -147,6 +147,20 @@ def _quantize_pair(rng):
             quantize_pair_into(dev(xk), dev(xv), *bufs, t0, kcb, vcb, outlier, unbiased)
             for g, w in zip(bufs, (want[0], want_s[0], want[1], want_s[1])):
                 assert np.array_equal(to_host(g), w), (mode, kb, vb)
+            # with a paged append's bookkeeping folded in: two range records (the third slot
+            # unused, mask 0) and a length update; the same bytes
+            accs = [dev(np.array([v], np.uint64)) for v in (5, 1 << 40, 7)]
+            lens = dev(np.array([3, 4, 5], np.int32))
+            masks = (np.uint32(0x7FFFFFFF), np.uint32(0x7FFFFFFF), np.uint32(0))
+            bits = [dev(a.reshape(-1).view(np.uint32)) for a in (xk, xv, xk)]
+            ranges = tuple(x for u, m, o in zip(bits, masks, accs) for x in (u, m, o))
+            bufs = [dev(np.zeros_like(a)) for a in (want[0], want_s[0], want[1], want_s[1])]
+            quantize_pair_into(dev(xk), dev(xv), *bufs, t0, kcb, vcb, outlier, unbiased, ranges=ranges,
+                               add_at=(lens, 1, 2))
+            for g, w in zip(bufs, (want[0], want_s[0], want[1], want_s[1])):
+                assert np.array_equal(to_host(g), w), (mode, kb, vb)
+            assert [int(to_host(o)[0]) for o in accs] == [int(np.abs(xk).max().view(np.uint32)), 1 << 40, 7]
+            assert to_host(lens).tolist() == [3, 6, 5]
     with pytest.raises(ValueError, match="vcb: expected the keys' norm mode 'maxnorm'"):
         quantize_pair_into(xk, xv, *want, *want_s, 0, get_codebook(3, "maxnorm"), get_codebook(3, "l2"), True)
 

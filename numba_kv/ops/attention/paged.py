@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ... import _backend
-from ..._validate import check_float_array
+from ..._validate import check_float_array, check_out
 from ..finite import check_finite
 from ..hadamard import rotate32, rotate32_rows
 from .layout import CodeLayout
@@ -121,7 +121,7 @@ def paged_decode_attention(q: Any, page_table: Sequence[Any], *, k_pages: Any = 
                            k_codes: Any = None, k_scales: Any = None, v_codes: Any = None, v_scales: Any = None,
                            k_codebook: Any = None, v_codebook: Any = None, seq_lens: Sequence[int] | None = None,
                            softmax_scale: float | None = None, causal: bool = True,
-                           partition_size: int | None = None, check_values: bool = True) -> Any:
+                           partition_size: int | None = None, check_values: bool = True, out: Any = None) -> Any:
     """Attention of new queries over paged K/V pools, read through a page table.
 
     Parameters
@@ -151,6 +151,9 @@ def paged_decode_attention(q: Any, page_table: Sequence[Any], *, k_pages: Any = 
     check_values : bool
         Reject a non-finite ``q`` (on a GPU: one device-to-host read).  ``False`` when the
         caller checked or deferred that itself (:meth:`PagedKVCache.decode_attention`).
+    out : float32 array, shape ``(n_seq, num_heads, q_len, head_dim)``, optional
+        Written and returned instead of a new array (C-contiguous, on the device of ``q``,
+        not overlapping ``q``): a decode step that allocates nothing.
 
     Returns
     -------
@@ -159,7 +162,8 @@ def paged_decode_attention(q: Any, page_table: Sequence[Any], *, k_pages: Any = 
     Raises
     ------
     ValueError
-        Empty sequence, shape/group mismatch, pools of both or neither kind, device mismatch.
+        Empty sequence, shape/group mismatch, pools of both or neither kind, device mismatch,
+        a bad ``out`` (``TypeError`` for its dtype).
     """
     indptr, indices, last = page_table
     _backend.resolve_device("auto", q=q, kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last,
@@ -178,6 +182,9 @@ def paged_decode_attention(q: Any, page_table: Sequence[Any], *, k_pages: Any = 
                          f"shape {(n_seq, hq, ql, d)}")
     if len(last.shape) != 1 or int(last.shape[0]) != n_seq or int(indptr.shape[0]) != n_seq + 1:
         raise ValueError(f"q: expected {int(last.shape[0])} rows (one per sequence of the page table), got {n_seq}")
+    if out is not None:
+        check_out(out, (n_seq, hq, ql, d), np.float32, _backend.device_of("q", q),
+                  "the attention output (float32, shaped like q)")
     if check_values:
         check_finite("q", q)
     compressed, page_size, arrays, klay, vlay = _pools(q, d, k_pages, v_pages, k_codes, k_scales, v_codes, v_scales,
@@ -187,13 +194,13 @@ def paged_decode_attention(q: Any, page_table: Sequence[Any], *, k_pages: Any = 
         raise ValueError(f"seq_ids: every sequence needs >= max(1, q_len={ql}) stored tokens, got lengths {lens}")
     return paged_attention_rows(q, (indptr, indices, last), arrays, klay, vlay, n_kv_heads=hkv, page_size=page_size,
                                 seq_lens=lens, softmax_scale=softmax_scale, causal=causal,
-                                partition_size=partition_size, check_values=check_values)
+                                partition_size=partition_size, check_values=check_values, out=out)
 
 
 def paged_attention_rows(q: Any, page_table: Sequence[Any], arrays: tuple, klayout: CodeLayout | None,
                          vlayout: CodeLayout | None, *, n_kv_heads: int, page_size: int, seq_lens: Sequence[int],
                          softmax_scale: float | None = None, causal: bool = True, partition_size: int | None = None,
-                         check_values: bool = False) -> Any:
+                         check_values: bool = False, out: Any = None) -> Any:
     """The trusted entry of paged decode attention: validates nothing.
 
     The caller vouches for every argument (:func:`paged_decode_attention` after its checks;
@@ -219,6 +226,8 @@ def paged_attention_rows(q: Any, page_table: Sequence[Any], arrays: tuple, klayo
         As for :func:`paged_decode_attention`.
     check_values : bool
         Let the query rotation check that it stays finite (a host read on a GPU).
+    out : float32 array, shape ``(n_seq, num_heads, q_len, head_dim)``, optional
+        C-contiguous, on the device of ``q``: written and returned instead of a new array.
 
     Returns
     -------
@@ -241,6 +250,7 @@ def paged_attention_rows(q: Any, page_table: Sequence[Any], arrays: tuple, klayo
         qr = rotate32_rows(q3.reshape(g * rows, d)).reshape(g, rows, d)
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
     lens = [int(n) for n in seq_lens]
-    out = plan.run_paged(qr, q3, arrays, tuple(page_table), page_size, n_kv_heads, max(lens), sum(lens), n_seq,
-                         scale, ql, causal, partition_size, rotate_q)
-    return out.reshape(n_seq, hq, ql, d)
+    res = plan.run_paged(qr, q3, arrays, tuple(page_table), page_size, n_kv_heads, max(lens), sum(lens), n_seq,
+                         scale, ql, causal, partition_size, rotate_q,
+                         None if out is None else out.reshape(g, rows, d))
+    return out if out is not None else res.reshape(n_seq, hq, ql, d)

@@ -262,10 +262,12 @@ class AttentionPlan:
         return counter
 
     def _run(self, like: Any, kernel: Any, args: tuple, n_parts: int, n_rot: int, head_signs: Any, parts: tuple,
-             work: int, rotate_q: bool = False) -> Any:
+             work: int, rotate_q: bool = False, out: Any = None) -> Any:
         """Launch the partition kernel, then (unless its last block merges) the merge; returns
-        ``out`` ``[n_g, rows, d]``.  ``rotate_q``: the kernel rotates the raw queries itself."""
-        out = _backend.empty(like, (self.n_g, self.rows, self.d), np.float32)
+        ``out`` ``[n_g, rows, d]`` (a new array unless given).  ``rotate_q``: the kernel
+        rotates the raw queries itself."""
+        if out is None:
+            out = _backend.empty(like, (self.n_g, self.rows, self.d), np.float32)
         head_rot = head_signs is not None
         merge = (int(n_rot), self.signs, head_rot, head_signs if head_rot else self.signs, out)
         kernel.launch(self.device, self.n_g * n_parts, *args, self.merge_last, *merge, self.merge_counter(like),
@@ -311,13 +313,14 @@ class AttentionPlan:
 
     def run_paged(self, qr: Any, q3: Any, pools: tuple, page_table: tuple, page_size: int, n_kv_heads: int,
                   max_len: int, total_len: int, n_seq: int, softmax_scale: float, q_len: int, causal: bool,
-                  part_size: int | None = None, rotate_q: bool = False) -> Any:
+                  part_size: int | None = None, rotate_q: bool = False, out: Any = None) -> Any:
         """One step over paged pools ``(kc, ks, vc, vs, kp, vp)`` (placeholders for the kind
         not used) read through ``page_table`` ``(kv_indptr, kv_indices, kv_last_page_len)``;
         ``max_len``/``total_len``: the longest sequence's and all sequences' tokens.
         ``rotate_q``: ask the partition kernel to rotate the queries of compressed pools per
         32-block in its prologue (no rotation launch; :attr:`rotate_q` says whether it does,
-        and then ``qr`` may be ``q3`` itself)."""
+        and then ``qr`` may be ``q3`` itself).  ``out``: a C-contiguous float32
+        ``[n_g, rows, d]`` array on the plan's device to write into (default: a new one)."""
         kernel = self.kernel
         if self.variant == "mma":
             words = mma_operands(*pools[:4], flat=False)
@@ -339,7 +342,7 @@ class AttentionPlan:
                 n_parts if self.compressed else 0, *page_table, int(page_size), int(n_kv_heads), *parts)
         work = self.n_g * self.rows * self.d * total_len // max(n_seq, 1)
         return self._run(q3, kernel, args, n_parts, n_parts if self.compressed else 0, None, parts, work,
-                         rotate_q and self.rotate_q and self.compressed)
+                         rotate_q and self.rotate_q and self.compressed, out)
 
     def _exact_args(self, ke: Any, ve: Any, exact_scales: tuple | None) -> tuple:
         """``(ke, ve, kes, ves, exact_kind)`` of the fused kernel for exact tokens stored as
@@ -436,8 +439,10 @@ class FlatStep:
 
     def run(self, qr: Any, q: Any, n_comp: int, n_exact: int, q_pos0: int, q_len: int, softmax_scale: float,
             bias: Any = None, qjl: Any = None, part_size: int | None = None, causal: bool = True,
-            rotate: tuple | None = None) -> Any:
-        """One step: ``out`` ``[n_g, rows, d]`` float32 (a new array) on the plan's device.
+            rotate: tuple | None = None, out: Any = None) -> Any:
+        """One step: ``out`` ``[n_g, rows, d]`` float32 on the plan's device (a new array, or
+        the ``out`` given: C-contiguous float32 of that shape, written in place, so that a
+        step allocates nothing).
 
         Parameters
         ----------
@@ -466,6 +471,9 @@ class FlatStep:
             (``ROTATE_HEAD`` with ``head_signs``, ``ROTATE_BLOCK`` without); ``signs`` must
             then be those the merge rotates back with (the bound ``head_signs``, or
             ``SIGNS32``), which the kernel reads instead.
+        out : array ``[n_g, rows, d]`` float32, optional
+            Written instead of a new array (C-contiguous, on the plan's device, not
+            overlapping ``qr``/``q``; the caller checked it).
         """
         plan = self.plan
         n_comp, n_exact = int(n_comp), int(n_exact)
@@ -501,7 +509,8 @@ class FlatStep:
             # the whole step in one call: its partitions serially below the parallel threshold,
             # in parallel above it (the rotation and the merge, a few microseconds, stay serial)
             parallel = max(work, n_g * rows * d * n_parts) >= _config.get("cpu_parallel_min_work")
-            out = np.empty(self._out_shape, np.float32)
+            if out is None:
+                out = np.empty(self._out_shape, np.float32)
             (flat_step_parallel if parallel else flat_step_serial)(
                 rotate[0], rotate[1], rotate[2], qr.reshape(n_g * rows, d), qr, q, *codes, n_comp, *comp, n_exact,
                 *exact, scale32, *extra, int(q_pos0), int(q_len), bool(causal), part_size, n_cp, *plan.no_pages,
@@ -512,7 +521,10 @@ class FlatStep:
             qr = q = rotate[1].reshape(self._out_shape)
         elif rotate is not None:
             _rotate_into(*rotate, qr.reshape(n_g * rows, d))
-        out = np.empty(self._out_shape, np.float32) if self._host else _backend.empty(qr, self._out_shape, np.float32)
+        if out is None and self._host:
+            out = np.empty(self._out_shape, np.float32)
+        elif out is None:
+            out = _backend.empty(qr, self._out_shape, np.float32)
         # the merge rotates partitions [0, n_rot) back: the compressed ones, and the exact ones
         # too when they were attended in the rotated domain; on a GPU the partition kernel's
         # last block runs it (plan.merge_last), else a launch of its own
