@@ -191,9 +191,14 @@ class FusedDecodeMixin:
         # the caller's float32 ``out`` (checked by decode) is the kernel's own output: no
         # allocation (issue 27); an output permuted or converted afterwards is copied into it
         direct = out is not None and not outliers and np.dtype(dtype) == _F32
-        res = bound.step.run(qr, qr if bound.rot else q3, meta.get("n_comp", 0), n_exact, st.seq_len - ql, ql,
-                             config.softmax_scale, bias, qjl, rotate=rotate,
-                             out=out.reshape(tuple(q3.shape)) if direct else None)
+        # one query per KV row and head is the step's last token: it sees every stored token,
+        # so on a device the kernel gets no causal rule and no query position, an argument
+        # that would change every step (a CUDA graph replays a launch's arguments, issue 27);
+        # the same scores either way (the rule masks nothing here)
+        unmasked = ql == 1 and not isinstance(q3, np.ndarray)
+        res = bound.step.run(qr, qr if bound.rot else q3, meta.get("n_comp", 0), n_exact,
+                             0 if unmasked else st.seq_len - ql, ql, config.softmax_scale, bias, qjl,
+                             causal=not unmasked, rotate=rotate, out=out.reshape(tuple(q3.shape)) if direct else None)
         if outliers:
             xp = _backend.xp_of(res)
             res = xp.take_along_axis(res, xp.argsort(st.buffers["v_perm"].astype(np.int64), axis=2), axis=2)

@@ -494,7 +494,10 @@ class ExactWindow:
         evv = self._eviction_buffer(st, "v", xk3, plan.compressed)
         n_sink, base, n_win = pos_counts
         pos = self.position_buffer(st, xk3, n_sink + n_win)
-        slide_windows(xk3, xv3, exk, exv, evk, evv, plan.sinks, st.seq_len, plan.evict_new, sinks, plan.evict_old,
+        # where the new sinks go (none in a steady step: 0 then, so that the launch's arguments
+        # do not change from step to step; a CUDA graph replays them, issue 27)
+        s_at = st.seq_len if plan.sinks else 0
+        slide_windows(xk3, xv3, exk, exv, evk, evv, plan.sinks, s_at, plan.evict_new, sinks, plan.evict_old,
                       plan.keep_old, plan.keep_new, pos, n_sink, base, n_win, ranges)
         st.scratch["exact_pos_of"] = tuple(pos_counts)
         return evk, evv

@@ -22,8 +22,8 @@ partition kernel, which rotates the queries in its prologue (``rotate_q``: no ``
 ``rotate_head`` launch; tests/cuda/test_sim_qrot.py) and whose last block to finish merges
 the partitions (``merge_if_last``: an arrival counter in the plan's workspace;
 tests/cuda/test_sim_merge_last.py).  The paged ``pqo3`` step (:data:`PAGED_BUDGET`): 3
-launches, 0 allocations with ``decode_attention(..., out=)``.  Not shown here: graph
-capture (per-step scalars, token counts and positions, are still kernel arguments).
+launches, 0 allocations with ``decode_attention(..., out=)``.  Graph replay (the
+same arguments every step): ``test_sim_graph_replay.py``.
 The numbers below may only go down.
 """
 

@@ -1,0 +1,153 @@
+"""What a CUDA graph of a steady-state decode step would replay (issue 27, item 3, last piece).
+
+A captured CUDA graph replays the same kernels with the same arguments, grids and block sizes
+every time: device arrays by address, scalars by value.  Counted in Numba's CUDA simulator by
+wrapping its kernel launch (as ``test_sim_step_budget.py`` does): for consecutive steady-state
+steps of a flat cache (``pqo3``, ``kv4``: the window full, one token flushed into the
+compressed store per step) with the caller's fixed input and output buffers (``k``, ``v``,
+``q`` and ``decode(..., out=)``: a graph user copies each step's tokens into the same input
+buffers), every launch's record (kernel, grid, block, dynamic shared memory, the arguments)
+is compared with the next step's.
+
+**A ratchet, not yet the goal.**  Identical step to step already: the kernels and their
+order, every grid and block size, every device array (the layer's buffers, the eviction and
+position buffers, the plan's workspace and merge counters, the caller's buffers) and every
+other scalar: the store's sink offset (0 when a step stores no sink) and the attention's
+query position (a single query row per head is the last token and sees every stored one: no
+causal rule, position 0, on a device).  Still per-step scalars (:data:`STEP_VARIANT`): the
+compressed-token count (the attention's ``n_comp``), its write offset (the quantization's
+``t0``) and the window's first position (the store's ``pos_base``), which advance by one token
+each step.  They are what keeps the step from graph replay; the set may only shrink (the
+design that removes them, a per-layer device "step state" that the store launch advances, is
+described in ``docs/guide/decode.md``).  Also recaptured by design, not checked here: a
+step whose partition count changes (every ``partition_size`` compressed tokens: the grid,
+the partition count and the plan's workspace change), a step that grows a buffer (its
+capacity doubles: new addresses) and the steps that fill the window.
+
+The outputs are still the CPU twin's (``test_sim_step_budget.py``'s check).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import numpy as np
+import pytest
+
+from numba_kv import AttendConfig, make_cache
+from numba_kv._backend import simulator_enabled, to_host
+
+from ..conftest import to_device
+
+#: per kernel, the arguments that still change from one steady step to the next (may only shrink)
+STEP_VARIANT = {"_slide_windows_cuda": {"pos_base"}, "_quantize_pair_cuda": {"t0"},
+                "_quantize_head_pair_cuda": {"t0"}, "_decode_attention_warp_cuda": {"n_comp"}}
+MODES = ("kv4", "pqo3")
+WARMUP, STEPS = 2, 3
+
+
+def _arg_record(a):
+    """An argument as a graph would capture it: a device array by address, shape, strides and
+    dtype; a scalar by type and value; a tuple item by item."""
+    if isinstance(a, tuple):
+        return tuple(_arg_record(x) for x in a)
+    host = _simulated_memory(a)
+    if host is not None:  # a device array: its address (a view of a buffer: the buffer's address)
+        return ("device", host.__array_interface__["data"][0], host.shape, host.strides, host.dtype.str)
+    if isinstance(a, np.ndarray) and a.ndim:  # a host array: copied by the launch (a budget failure)
+        return ("host", a.ctypes.data, a.shape, a.dtype.str)
+    if isinstance(a, (np.ndarray, np.generic)):
+        return (np.dtype(a.dtype).str, a.item())
+    return (type(a).__name__, a)
+
+
+@contextlib.contextmanager
+def record_launches():
+    """``(kernel name, grid, block, dynamic shared memory, {argument: record})`` of every
+    kernel launch from the host while the block runs, in order."""
+    from numba.cuda.simulator import kernel as simk
+
+    log: list = []
+    call = simk.FakeCUDAKernel.__call__
+
+    def launch(self, *args):
+        if not (self._device or simk._kernel_context):
+            names = list(inspect.signature(self.fn).parameters)
+            log.append((self.fn.__name__, self.grid_dim, self.block_dim, self.dynshared_size,
+                        dict(zip(names, map(_arg_record, args), strict=True))))
+        return call(self, *args)
+
+    simk.FakeCUDAKernel.__call__ = launch
+    try:
+        yield log
+    finally:
+        simk.FakeCUDAKernel.__call__ = call
+
+
+def _differences(before: list, after: list) -> dict:
+    """Per kernel, the arguments whose records differ between two steps' launch logs (which
+    must launch the same kernels with the same geometry)."""
+    assert [x[:4] for x in before] == [x[:4] for x in after], "kernels or launch geometry changed"
+    diff: dict = {}
+    for (name, *_, a), (_, *_, b) in zip(before, after):
+        diff.setdefault(name, set()).update(key for key in a if a[key] != b[key])
+    return {name: keys for name, keys in diff.items() if keys}
+
+
+def _simulated_memory(a):
+    """The NumPy array behind a simulated device array (``None`` for anything else)."""
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+    return a._ary if isinstance(a, FakeCUDAArray) else None
+
+
+def _pointer(arr) -> int:
+    return _simulated_memory(arr).__array_interface__["data"][0]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", MODES)
+def test_steady_steps_launch_the_same_kernels_with_the_same_arguments(mode):
+    if not simulator_enabled():
+        pytest.skip("records the simulator's kernel launches")
+    rng = np.random.default_rng(31)
+    h, g, d = 2, 2, 64
+    kw = {"key_center": False} if mode == "kv4" else {}  # (as test_sim_step_budget: Numba arrays only)
+    cache = make_cache(mode, num_layers=1, num_kv_heads=h, head_dim=d, **kw)
+    twin = make_cache(mode, num_layers=1, num_kv_heads=h, head_dim=d, window_dtype="float32", **kw)
+    cfg = cache.config
+    t0 = cfg.sink_tokens + cfg.residual_length + 3  # the window is full: every step flushes a token
+    k = rng.standard_normal((1, h, t0, d)).astype(np.float32)
+    v = rng.standard_normal((1, h, t0, d)).astype(np.float32)
+    cache.prefill(0, to_device(k), to_device(v))
+    twin.prefill(0, k, v)
+    attend = AttendConfig(d ** -0.5, n_kv_groups=g)
+    shapes = ((1, h, 1, d), (1, h, 1, d), (1, h * g, 1, d))
+    # the caller's fixed buffers: each step's tokens are copied into them (as into a graph's inputs)
+    dk, dv, dq = (to_device(np.zeros(s, np.float32)) for s in shapes)
+    dout = to_device(np.zeros((1, h * g, 1, d), np.float32))
+    logs = []
+    for i in range(WARMUP + STEPS):
+        host = tuple(rng.standard_normal(s).astype(np.float32) for s in shapes)
+        for buf, x in zip((dk, dv, dq), host):
+            buf.copy_to_device(x)
+        with record_launches() as log:
+            out = cache.decode(0, dk, dv, dq, attend, out=dout).out
+        assert out is dout
+        np.testing.assert_allclose(to_host(out), twin.decode(0, *host, attend).out, rtol=1e-5, atol=1e-6)
+        if i >= WARMUP:
+            logs.append(log)
+    assert len(logs[0]) == 3, [x[0] for x in logs[0]]  # the step budget's 3 launches
+    launched = {x[0] for x in logs[0]}
+    for before, after in zip(logs, logs[1:]):
+        diff = _differences(before, after)
+        assert all(keys <= STEP_VARIANT.get(name, set()) for name, keys in diff.items()), diff
+        # the ratchet is tight: an argument made step-invariant is taken off STEP_VARIANT
+        assert diff == {name: keys for name, keys in STEP_VARIANT.items() if name in launched}, diff
+    # the caller's buffers are what the kernels read and write, by address: no staging copies
+    addresses = {rec[1] for *_, args in logs[-1] for rec in args.values()
+                 if isinstance(rec, tuple) and rec and rec[0] == "device"}
+    assert {_pointer(x) for x in (dk, dv, dq, dout)} <= addresses
+    assert not any(rec[0] == "host" for *_, args in logs[-1] for rec in args.values()
+                   if isinstance(rec, tuple) and rec and isinstance(rec[0], str))
