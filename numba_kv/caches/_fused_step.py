@@ -101,7 +101,31 @@ class FusedDecodeMixin:
         if self.rotation == "head":
             quantize_head_pair_into(*args, self.unbiased)
         else:
-            quantize_pair_into(*args, self.outlier, unbiased=self.unbiased)
+            n = int(xk3.shape[1])
+            counted = self._device_count(st, xk3, t0)
+            quantize_pair_into(*args, self.outlier, unbiased=self.unbiased,
+                               add_at=None if counted is None else (counted[0], 0, n))
+            if counted is not None:  # the launch advanced the device's count
+                counted[1] = t0 + n
+
+    def _device_count(self, st: LayerState, like: Any, t0: int) -> list | None:
+        """The layer's compressed-token count kept on the device, ``[counter, count]`` (int32
+        ``[1]`` holding ``t0``, the mirror of its value), for a device quantization at ``t0``
+        to advance in its launch: the attention then reads the count from it instead of an
+        argument that changes every step (a CUDA graph replays a launch's arguments, issue
+        27).  ``None`` on the host.  Uploaded only when the mirror is not ``t0`` (the layer's
+        first such step, or one after a store op by op): a steady step moves nothing."""
+        if isinstance(like, np.ndarray):
+            return None
+        hit = st.scratch.get("n_comp_dev")
+        if hit is None or hit[1] != t0:
+            counter = _backend.empty(like, (1,), np.int32) if hit is None else hit[0]
+            if _backend.xp_of(counter) is None:
+                counter.copy_to_device(np.array([t0], np.int32))
+            else:
+                counter[...] = t0
+            hit = st.scratch["n_comp_dev"] = [counter, t0]
+        return hit
 
     def _store_window8_head(self, st: LayerState, k: Any, v: Any, plan: Any, sinks: int, n_sink: int,
                             n_comp: int) -> bool:
@@ -196,9 +220,13 @@ class FusedDecodeMixin:
         # that would change every step (a CUDA graph replays a launch's arguments, issue 27);
         # the same scores either way (the rule masks nothing here)
         unmasked = ql == 1 and not isinstance(q3, np.ndarray)
-        res = bound.step.run(qr, qr if bound.rot else q3, meta.get("n_comp", 0), n_exact,
+        n_comp = meta.get("n_comp", 0)
+        # the count as this step's quantization left it on the device (_device_count), if so
+        counted = st.scratch.get("n_comp_dev")
+        res = bound.step.run(qr, qr if bound.rot else q3, n_comp, n_exact,
                              0 if unmasked else st.seq_len - ql, ql, config.softmax_scale, bias, qjl,
-                             causal=not unmasked, rotate=rotate, out=out.reshape(tuple(q3.shape)) if direct else None)
+                             causal=not unmasked, rotate=rotate, out=out.reshape(tuple(q3.shape)) if direct else None,
+                             n_comp_dev=counted[0] if counted is not None and counted[1] == n_comp else None)
         if outliers:
             xp = _backend.xp_of(res)
             res = xp.take_along_axis(res, xp.argsort(st.buffers["v_perm"].astype(np.int64), axis=2), axis=2)

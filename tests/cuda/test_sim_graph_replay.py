@@ -14,15 +14,18 @@ order, every grid and block size, every device array (the layer's buffers, the e
 position buffers, the plan's workspace and merge counters, the caller's buffers) and every
 other scalar: the store's sink offset (0 when a step stores no sink) and the attention's
 query position (a single query row per head is the last token and sees every stored one: no
-causal rule, position 0, on a device).  Still per-step scalars (:data:`STEP_VARIANT`): the
-compressed-token count (the attention's ``n_comp``), its write offset (the quantization's
-``t0``) and the window's first position (the store's ``pos_base``), which advance by one token
-each step.  They are what keeps the step from graph replay; the set may only shrink (the
-design that removes them, a per-layer device "step state" that the store launch advances, is
-described in ``docs/guide/decode.md``).  Also recaptured by design, not checked here: a
-step whose partition count changes (every ``partition_size`` compressed tokens: the grid,
-the partition count and the plan's workspace change), a step that grows a buffer (its
-capacity doubles: new addresses) and the steps that fill the window.
+causal rule, position 0, on a device) and, for ``pqo3``, the attention's compressed-token
+count (the quantization's launch advances a per-layer device counter, ``add_at``, which the
+partition kernel reads: ``n_comp`` passed as 0).  Still per-step scalars (:data:`STEP_VARIANT`):
+the quantization's write offset (``t0``), the window's first position (the store's
+``pos_base``) and, for ``kv4`` (whose ``quantize_head_pair`` has no counter update yet), the
+attention's ``n_comp``, which advance by one token each step.  They are what keeps the step
+from graph replay; the set may only shrink (the design that removes them, a per-layer device
+"step state" that the store launch advances, is described in ``docs/guide/decode.md``).
+Also recaptured by design, not checked here: a step whose partition count changes (every
+``partition_size`` compressed tokens: the grid, the partition count and the plan's
+workspace change), a step that grows a buffer (its capacity doubles: new addresses) and the
+steps that fill the window.
 
 The outputs are still the CPU twin's (``test_sim_step_budget.py``'s check).
 """
@@ -40,9 +43,10 @@ from numba_kv._backend import simulator_enabled, to_host
 
 from ..conftest import to_device
 
-#: per kernel, the arguments that still change from one steady step to the next (may only shrink)
-STEP_VARIANT = {"_slide_windows_cuda": {"pos_base"}, "_quantize_pair_cuda": {"t0"},
-                "_quantize_head_pair_cuda": {"t0"}, "_decode_attention_warp_cuda": {"n_comp"}}
+#: per mode and kernel, the arguments that still change from one steady step to the next (may only shrink)
+STEP_VARIANT = {"kv4": {"_slide_windows_cuda": {"pos_base"}, "_quantize_head_pair_cuda": {"t0"},
+                        "_decode_attention_warp_cuda": {"n_comp"}},
+                "pqo3": {"_slide_windows_cuda": {"pos_base"}, "_quantize_pair_cuda": {"t0"}}}
 MODES = ("kv4", "pqo3")
 WARMUP, STEPS = 2, 3
 
@@ -142,12 +146,38 @@ def test_steady_steps_launch_the_same_kernels_with_the_same_arguments(mode):
     launched = {x[0] for x in logs[0]}
     for before, after in zip(logs, logs[1:]):
         diff = _differences(before, after)
-        assert all(keys <= STEP_VARIANT.get(name, set()) for name, keys in diff.items()), diff
+        assert all(keys <= STEP_VARIANT[mode].get(name, set()) for name, keys in diff.items()), diff
         # the ratchet is tight: an argument made step-invariant is taken off STEP_VARIANT
-        assert diff == {name: keys for name, keys in STEP_VARIANT.items() if name in launched}, diff
+        assert diff == {name: keys for name, keys in STEP_VARIANT[mode].items() if name in launched}, diff
     # the caller's buffers are what the kernels read and write, by address: no staging copies
     addresses = {rec[1] for *_, args in logs[-1] for rec in args.values()
                  if isinstance(rec, tuple) and rec and rec[0] == "device"}
     assert {_pointer(x) for x in (dk, dv, dq, dout)} <= addresses
     assert not any(rec[0] == "host" for *_, args in logs[-1] for rec in args.values()
                    if isinstance(rec, tuple) and rec and isinstance(rec[0], str))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_flat_attention_reads_the_count_from_the_device(device):
+    """``FlatStep.run(n_comp_dev=)``: the partition kernel (CPU twin and CUDA kernel, one core:
+    ``cores._flat_row``) reads the compressed-token count from the array, ``n_comp`` passed as
+    0: the same bits as the count passed by value."""
+    if device == "cuda" and not simulator_enabled():
+        pytest.skip("the simulator's kernels (a GPU: tests/gpu)")
+    rng = np.random.default_rng(32)
+    h, g, d = 2, 2, 64
+    cache = make_cache("pqo3", num_layers=1, num_kv_heads=h, head_dim=d, window_dtype="float32")
+    put = to_device if device == "cuda" else np.asarray
+    k = rng.standard_normal((1, h, 40, d)).astype(np.float32)
+    cache.prefill(0, put(k), put(k[:, :, ::-1].copy()))
+    q = rng.standard_normal((1, h * g, 1, d)).astype(np.float32)
+    one = rng.standard_normal((1, h, 1, d)).astype(np.float32)
+    cache.decode(0, put(one), put(one), put(q), AttendConfig(d ** -0.5, n_kv_groups=g))  # binds the step
+    st = cache._layers[0]
+    step, n_comp = st.scratch["fused_step"].step, st.meta["n_comp"]
+    n_exact = st.meta["n_sink"] + st.meta["n_win"]
+    assert n_comp > 0
+    q3 = put(q.reshape(h, g, d))
+    outs = [to_host(step.run(q3, q3, n_comp, n_exact, st.seq_len - 1, 1, d ** -0.5, n_comp_dev=counter))
+            for counter in (None, put(np.array([n_comp], np.int32)))]
+    np.testing.assert_array_equal(outs[0], outs[1])

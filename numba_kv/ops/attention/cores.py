@@ -393,8 +393,12 @@ def _coop_tile(codes, scales, exact, exact_scales, exact_kind, kv_indices, first
 def _flat_row(g, p, n_comp_parts, part_size, n_comp, n_exact, q_pos0, q_len, kv_indptr, kv_last_page_len, page_size,
               n_kv_heads):
     """``(compressed, t_lo, t_hi, q_pos0, first, h)`` of partition ``p`` of flat KV row ``g``
-    (:func:`_partition_bounds`; the queries' first position as given, no page list, head 0)."""
-    compressed, t_lo, t_hi = _partition_bounds(p, n_comp_parts, part_size, n_comp, n_exact)
+    (:func:`_partition_bounds`; the queries' first position as given, no page list, head 0).
+    The compressed tokens are ``n_comp + kv_last_page_len[0]``: a count passed by value, or
+    one that an earlier launch left on the device (the plan's placeholder holds 0), so that a
+    steady step's launch does not change from step to step (a CUDA graph; issue 27)."""
+    n_live = int64(n_comp) + int64(kv_last_page_len[0])
+    compressed, t_lo, t_hi = _partition_bounds(p, n_comp_parts, part_size, n_live, n_exact)
     return compressed, t_lo, t_hi, int64(q_pos0), int64(0), int64(0)
 
 

@@ -439,7 +439,7 @@ class FlatStep:
 
     def run(self, qr: Any, q: Any, n_comp: int, n_exact: int, q_pos0: int, q_len: int, softmax_scale: float,
             bias: Any = None, qjl: Any = None, part_size: int | None = None, causal: bool = True,
-            rotate: tuple | None = None, out: Any = None) -> Any:
+            rotate: tuple | None = None, out: Any = None, n_comp_dev: Any = None) -> Any:
         """One step: ``out`` ``[n_g, rows, d]`` float32 on the plan's device (a new array, or
         the ``out`` given: C-contiguous float32 of that shape, written in place, so that a
         step allocates nothing).
@@ -474,6 +474,11 @@ class FlatStep:
         out : array ``[n_g, rows, d]`` float32, optional
             Written instead of a new array (C-contiguous, on the plan's device, not
             overlapping ``qr``/``q``; the caller checked it).
+        n_comp_dev : int32 array ``[1]``, optional
+            On the plan's device, holding ``n_comp`` when the kernel runs (written there by an
+            earlier launch of the step): the kernel reads the count from it instead of an
+            argument that changes every step (``n_comp`` still sizes the partitions; a CUDA
+            graph replays the launch, issue 27).  Not on the host's one-call path.
         """
         plan = self.plan
         n_comp, n_exact = int(n_comp), int(n_exact)
@@ -529,8 +534,11 @@ class FlatStep:
         # too when they were attended in the rotated domain; on a GPU the partition kernel's
         # last block runs it (plan.merge_last), else a launch of its own
         merge = (n_rot, *self._merge_static, out)
+        pages = plan.no_pages
+        if n_comp_dev is not None:  # the count on the device: 0 by value (cores._flat_row adds them)
+            pages, n_comp = (*pages[:2], n_comp_dev, *pages[3:]), 0
         kernel.launch(dev, n_g * n_parts, qr, q, *codes, n_comp, *comp, n_exact, *exact, scale32, *extra, int(q_pos0),
-                      int(q_len), bool(causal), part_size, n_cp, *plan.no_pages, *parts, plan.merge_last, *merge,
+                      int(q_len), bool(causal), part_size, n_cp, *pages, *parts, plan.merge_last, *merge,
                       plan.merge_counter(qr), rotate_q, work=work, grid=plan.grid(kernel, n_parts))
         if not plan.merge_last:
             MERGE_PARTITIONS.launch(dev, n_g * rows, *parts, *merge, work=n_g * rows * d * n_parts,
