@@ -147,7 +147,7 @@ def test_wheel_and_sdist_contents(dist):
         assert f"Classifier: {classifier}\n" in dist.metadata
     root = f"numba_kv-{version}"
     for name in ("LICENSE", "README.md", "setup.cfg", "pyproject.toml", "numba_kv/py.typed", "numba_kv/__init__.py",
-                 "numba_kv/ops/data/headvq.npz", "numba_kv/caches/calibrations/kv3-gemma3-270m-retrieval.json"):
+                 "numba_kv/ops/data/headvq.npz", "numba_kv/caches/calibrations/kv3-smollm2-135m.json"):
         assert f"{root}/{name}" in dist.sdist_names, name
     assert not [n for n in dist.sdist_names if n.startswith(f"{root}/tests")]
 

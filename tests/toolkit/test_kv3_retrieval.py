@@ -130,3 +130,22 @@ def test_script_writes_a_pinned_allocation(rt, tmp_path):
     alloc = [widths.get((u // 2, u % 2), (4, 2)) for u in range(6)]
     assert alloc[5][0] == 5 and alloc[0][0] == 5  # the two retrieval heads
     assert np.mean([(k + v) / 2 for k, v in alloc]) <= 3.0 + 1e-9  # the others paid for them
+
+
+def test_shipped_smollm2_retrieval_calibration_is_the_pinned_allocation(rt):
+    """``kv3-smollm2-135m-retrieval`` is the KL allocation (mean 3.0 code bits, the essays' table)
+    with the five best-scoring retrieval heads of the saved scores pinned to 5-bit keys; it keeps
+    ``kv3``'s window on SmolLM2's geometry (the other heads paid for the pins)."""
+    from numba_kv.caches.presets import resolve_preset
+    from numba_kv.caches.spec import load_overrides
+
+    scores = np.load(ROOT / "benchmarks/results/kv3-2026-11-27-round6-retrieval-scores-smollm2.npy")
+    sens = ROOT / "benchmarks/results/kv3-2026-11-27-round4-sens-smollm2-heads-essays-vqb8-w44.npz"
+    shipped = json.loads((ROOT / "numba_kv/caches/calibrations/kv3-smollm2-135m-retrieval.json").read_text())
+    assert rt.pinned_allocation(scores, 5, 5, str(sens), 3.0) == shipped
+    heads = load_overrides("head_overrides", "kv3-smollm2-135m-retrieval")
+    widths = [heads.get(li, {}).get(h, {}) for li in range(30) for h in range(3)]
+    assert np.mean([(w.get("k_bits", 4) + w.get("v_bits", 2)) / 2 for w in widths]) <= 3.0
+    assert sum(w.get("k_bits") == 5 for w in widths) == 5
+    plain = resolve_preset("kv3", num_layers=30, num_kv_heads=3, head_dim=64)[1]
+    assert resolve_preset("kv3", num_layers=30, num_kv_heads=3, head_dim=64, head_overrides=heads)[1] == plain
