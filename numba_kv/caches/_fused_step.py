@@ -98,15 +98,15 @@ class FusedDecodeMixin:
             return
         b, cbs = st.buffers, self.codebooks
         args = (xk3, xv3, b["k_codes"], b["k_scales"], b["v_codes"], b["v_scales"], t0, cbs["k"], cbs["v"])
+        n = int(xk3.shape[1])
+        counted = self._device_count(st, xk3, t0)
+        add_at = None if counted is None else (counted[0], 0, n)
         if self.rotation == "head":
-            quantize_head_pair_into(*args, self.unbiased)
+            quantize_head_pair_into(*args, self.unbiased, add_at=add_at)
         else:
-            n = int(xk3.shape[1])
-            counted = self._device_count(st, xk3, t0)
-            quantize_pair_into(*args, self.outlier, unbiased=self.unbiased,
-                               add_at=None if counted is None else (counted[0], 0, n))
-            if counted is not None:  # the launch advanced the device's count
-                counted[1] = t0 + n
+            quantize_pair_into(*args, self.outlier, unbiased=self.unbiased, add_at=add_at)
+        if counted is not None:  # the launch advanced the device's count
+            counted[1] = t0 + n
 
     def _device_count(self, st: LayerState, like: Any, t0: int) -> list | None:
         """The layer's compressed-token count kept on the device, ``[counter, count]`` (int32
