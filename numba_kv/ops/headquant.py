@@ -69,6 +69,7 @@ from ._headquant_lanes import (
     rotate_head_row_cpu,
 )
 from ._registry import register
+from .blockquant import count_args
 from .codebook import DEQUANTIZE_SIGNATURE, Codebook, bucketize_dev, get_codebook
 from .finite import check_finite, check_rotation_input
 from .hadamard import ROTATE_SIGNATURE, SIGNS32
@@ -199,14 +200,16 @@ def _quantize_head_cpu(x, signs, bounds, centroids, unbiased, bits, t0, codes, n
 
 @cpu_kernel
 def _quantize_head_pair_cpu(xk, xv, signs, kbounds, kcents, kbits, vbounds, vcents, vbits, unbiased, t0, kcodes,
-                            knorms, vcodes, vnorms, lens, li, delta):
+                            knorms, vcodes, vnorms, lens, li, delta, ri):
     """CPU twin of :func:`_quantize_head_pair_cuda`: the two sides one after the other (on
     the CPU the pair saves nothing; the twin exists for the bit-for-bit comparison), then the
     count update."""
+    base = int64(lens[ri]) if ri >= 0 else int64(0)
+    t0 = t0 + base
     _quantize_head_cpu(xk, signs, kbounds, kcents, unbiased, kbits, t0, kcodes, knorms)
     _quantize_head_cpu(xv, signs, vbounds, vcents, unbiased, vbits, t0, vcodes, vnorms)
     if li >= 0:
-        lens[li] = int32(lens[li] + delta)
+        lens[li] = int32((base if ri >= 0 else lens[li]) + delta)
 
 
 @cpu_kernel
@@ -341,7 +344,7 @@ def _quantize_head_cuda(x, signs, bounds, centroids, unbiased, bits, t0, codes, 
 
 @cuda_kernel
 def _quantize_head_pair_cuda(xk, xv, signs, kbounds, kcents, kbits, vbounds, vcents, vbits, unbiased, t0, kcodes,
-                             knorms, vcodes, vnorms, lens, li, delta):
+                             knorms, vcodes, vnorms, lens, li, delta, ri):
     """Both sides of a store in one launch: keys ``xk[r, s]`` into ``kcodes`` / ``knorms`` and
     values ``xv[r, s]`` into ``vcodes`` / ``vnorms`` at token ``t0 + s``, each with its own
     codebook and width (a decode step's evicted tokens: one launch instead of two).
@@ -350,9 +353,13 @@ def _quantize_head_pair_cuda(xk, xv, signs, kbounds, kcents, kbits, vbounds, vce
     have one shape): vector ``v < rows·seq`` is a key, the rest values.  When ``li >= 0``,
     thread 0 of block 0 also does ``lens[li] += delta`` (a layer's device count of compressed
     tokens, which the attention then reads: no count argument changing every step, issue 27;
-    nothing else in this launch reads it).
+    nothing else in this launch reads it).  When ``ri >= 0`` the write offset is ``t0 +
+    lens[ri]`` and the update ``lens[li] = lens[ri] + delta`` (``ri != li``: every block reads
+    ``lens[ri]``, none reads ``lens[li]``).
     """
     rows, seq, d = xk.shape
+    base = int64(lens[ri]) if ri >= 0 else int64(0)
+    t0 = t0 + base
     nv = rows * seq
     t = cuda.shared.array(MAX_HEAD_DIM, dtype=float32)
     ib = cuda.shared.array(MAX_HEAD_DIM, dtype=uint8)
@@ -368,7 +375,7 @@ def _quantize_head_pair_cuda(xk, xv, signs, kbounds, kcents, kbits, vbounds, vce
             _quantize_head_vec_dev(xv[r, s], signs, vbounds, vcents, unbiased, vbits, vcodes[r, t0 + s], vnorms,
                                    r, t0 + s, t, ib, red)
     if li >= 0 and cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
-        lens[li] = int32(lens[li] + delta)
+        lens[li] = int32((base if ri >= 0 else lens[li]) + delta)
 
 
 @cuda_kernel
@@ -410,9 +417,7 @@ _ROTATE = register("rotate_head", _rotate_head_cpu, _rotate_head_cuda, [ROTATE_S
 _QUANTIZE = register("quantize_head", _quantize_head_cpu, _quantize_head_cuda, [_QSIG])
 _QPAIR_SIG = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[::1], float32[::1], float32[::1], int64, "
               "float32[::1], float32[::1], int64, boolean, int64, uint8[:, :, ::1], uint16[:, :, ::1], "
-              "uint8[:, :, ::1], uint16[:, :, ::1], int32[::1], int64, int64)")
-#: the length array of a pair quantization without a count update (``li = -1``: never touched)
-_NO_LENS = np.zeros(1, np.int32)
+              "uint8[:, :, ::1], uint16[:, :, ::1], int32[::1], int64, int64, int64)")
 _QUANTIZE_PAIR = register("quantize_head_pair", _quantize_head_pair_cpu, _quantize_head_pair_cuda, [_QPAIR_SIG])
 #: the head quantizer's twin (for fused serial callers such as :mod:`numba_kv.ops.window8`)
 QUANTIZE_HEAD = _QUANTIZE
@@ -436,11 +441,12 @@ def quantize_head_into(x3: Any, codes: Any, norms: Any, t0: int, cb: Codebook, u
 
 def quantize_head_pair_into(xk3: Any, xv3: Any, kcodes: Any, knorms: Any, vcodes: Any, vnorms: Any, t0: int,
                             kcb: Codebook, vcb: Codebook, unbiased: bool,
-                            add_at: tuple[Any, int, int] | None = None) -> None:
+                            add_at: tuple | None = None) -> None:
     """:func:`quantize_head_into` of keys ``xk3`` and values ``xv3`` (one shape ``[rows, seq,
     d]``, float32, C-contiguous) in one launch, each side with its codebook (``kcb``,
     ``vcb``: ``head_codebook(bits, d)``); same bytes as two calls.  Folded into the same
-    launch: ``add_at`` ``(lens, i, delta)``, ``lens[i] += delta`` (int32, on the device)."""
+    launch: ``add_at``, a count update (int32, on the device) as in
+    :func:`~numba_kv.ops.blockquant.quantize_pair_into`."""
     rows, seq, d = xk3.shape
     if rows == 0 or seq == 0:
         return
@@ -448,8 +454,7 @@ def quantize_head_pair_into(xk3: Any, xv3: Any, kcodes: Any, knorms: Any, vcodes
     _QUANTIZE_PAIR.launch(_backend.device_of("xk3", xk3), 2 * rows * seq, xk3, xv3, c(xk3, head_signs(d)),
                           c(xk3, kcb.boundaries), c(xk3, kcb.centroids), kcb.bits, c(xk3, vcb.boundaries),
                           c(xk3, vcb.centroids), vcb.bits, bool(unbiased), int(t0), kcodes, knorms, vcodes, vnorms,
-                          *((c(xk3, _NO_LENS), -1, 0) if add_at is None else
-                            (add_at[0], int(add_at[1]), int(add_at[2]))),
+                          *count_args(xk3, add_at),
                           work=2 * rows * seq * d, coop=(2 * rows * seq, d // 2))
 
 

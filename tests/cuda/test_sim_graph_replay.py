@@ -14,12 +14,13 @@ order, every grid and block size, every device array (the layer's buffers, the e
 position buffers, the plan's workspace and merge counters, the caller's buffers) and every
 other scalar: the store's sink offset (0 when a step stores no sink) and the attention's
 query position (a single query row per head is the last token and sees every stored one: no
-causal rule, position 0, on a device) and the attention's compressed-token count (the pair
-quantization's launch, ``quantize_blocks_pair`` / ``quantize_head_pair``, advances a
-per-layer device counter, ``add_at``, which the partition kernel reads: ``n_comp`` passed as
-0).  Still per-step scalars (:data:`STEP_VARIANT`): the quantization's write offset (``t0``)
-and the window's first position (the store's ``pos_base``), which advance by one token each
-step.  They are what keeps the step
+causal rule, position 0, on a device), the attention's compressed-token count and the
+quantization's write offset (a per-layer device step state, int32 ``[2]``: the store's launch
+copies the count from slot 1 into slot 0, the pair quantization, ``quantize_blocks_pair`` /
+``quantize_head_pair``, reads its offset there, ``t0`` passed as 0, and writes the new count
+to slot 1, which the partition kernel reads: ``n_comp`` passed as 0).  Still a per-step
+scalar (:data:`STEP_VARIANT`): the window's first position (the store's ``pos_base``), which
+advances by one token each step.  They are what keeps the step
 from graph replay; the set may only shrink (the design that removes them, a per-layer device
 "step state" that the store launch advances, is described in ``docs/guide/decode.md``).
 Also recaptured by design, not checked here: a step whose partition count changes (every
@@ -44,8 +45,8 @@ from numba_kv._backend import simulator_enabled, to_host
 from ..conftest import to_device
 
 #: per mode and kernel, the arguments that still change from one steady step to the next (may only shrink)
-STEP_VARIANT = {"kv4": {"_slide_windows_cuda": {"pos_base"}, "_quantize_head_pair_cuda": {"t0"}},
-                "pqo3": {"_slide_windows_cuda": {"pos_base"}, "_quantize_pair_cuda": {"t0"}}}
+STEP_VARIANT = {"kv4": {"_slide_windows_cuda": {"pos_base"}},
+                "pqo3": {"_slide_windows_cuda": {"pos_base"}}}
 MODES = ("kv4", "pqo3")
 WARMUP, STEPS = 2, 3
 
