@@ -85,7 +85,7 @@ class FusedDecodeMixin:
         pending, st.range_pending = st.range_pending, None
         with self._deferred_record().folded(pending) if pending else contextlib.nullcontext() as ranges:
             ev = self._window.store_pair(st, x3[0], x3[1], plan, sinks, pos_counts, ranges,
-                                         count=None if counted is None else (counted[0], 1, 0))
+                                         count=None if counted is None else (counted[0], 1, 0, n_comp))
         if ev is None:
             return False
         if plan.compressed:

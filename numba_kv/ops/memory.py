@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from numba import cuda, float32, int32, prange, uint16
+from numba import cuda, float32, int32, int64, prange, uint16
 
 from .. import _backend
 from .._jit import CORES, cpu_kernel, cpu_serial, cuda_device, cuda_kernel, specialize, twin
@@ -137,6 +137,7 @@ def _slide_cpu_body(xk, xv, exk, exv, evk, evv, a, s_at, e_new, sinks, e_old, ke
     """CPU twin of the ``slide_windows`` kernels: ``prange`` over (side, row), then the
     folded range records and the count copy serially."""
     rows = exk.shape[0]
+    pos_base = pos_base + (int64(cnt[cr]) if cr >= 0 else int64(0))
     for j in prange(2 * rows):
         r = j % rows
         x, ex, ev = (xk, exk, evk) if j < rows else (xv, exv, evv)
@@ -157,8 +158,10 @@ def _slide_cuda_body(xk, xv, exk, exv, evk, evv, a, s_at, e_new, sinks, e_old, k
     (grid-stride): one thread stores one column's tokens and writes the position of its index;
     the first ``ceil(size / 256)`` threads fold each recorded array's range
     (:func:`~numba_kv.ops.finite.fold_absbits_dev`); thread 0 copies ``cnt[cr]`` into
-    ``cnt[cw]`` (``cw >= 0``; ``cr != cw``, so no thread reads what the launch writes)."""
+    ``cnt[cw]`` (``cw >= 0``; ``cr != cw``, so no thread reads what the launch writes).  The
+    window's first position is ``pos_base + cnt[cr]`` (``cr >= 0``; every thread reads it)."""
     width = exk.shape[2]
+    pos_base = pos_base + (int64(cnt[cr]) if cr >= 0 else int64(0))
     rows = exk.shape[0]
     start = cuda.grid(1)
     nt = cuda.gridsize(1)
@@ -212,7 +215,8 @@ def slide_windows(xk: Any, xv: Any, exk: Any, exv: Any, evk: Any, evv: Any, a: i
     ``ev[e_old : e_old+e_new] = x[a : a+e_new]`` (new tokens that skip the window); when
     ``e_old``: ``ex[sinks : sinks+keep_old] = ex[sinks+e_old : sinks+e_old+keep_old]`` (the
     survivors slide to the front); ``ex[sinks+keep_old : +keep_new] = x[a+e_new : +keep_new]``.
-    Then ``pos[:n]`` = ``[0, …, pos_sinks-1, pos_base, …, pos_base+pos_win-1]``
+    Then ``pos[:n]`` = ``[0, …, pos_sinks-1, b, …, b+pos_win-1]`` (``b = pos_base``, plus
+    ``cnt[read]`` with ``count``)
     (``n = pos_sinks + pos_win``, as :func:`~numba_kv.ops.positions.exact_positions_into`).
 
     Parameters
@@ -238,8 +242,9 @@ def slide_windows(xk: Any, xv: Any, exk: Any, exv: Any, evk: Any, evv: Any, a: i
         A layer's device step state (int32, on the same device): ``cnt[write] = cnt[read]``
         by one thread (``read != write``), so that the pair quantization that follows reads
         the compressed-token count before this step from ``cnt[write]`` while it writes the
-        new count to ``cnt[read]`` (no value both read and written in one launch; issue 27).
-        Default: none.
+        new count to ``cnt[read]`` (no value both read and written in one launch), and the
+        window's first position is ``pos_base + cnt[read]`` (``pos_base`` then relative to the
+        count: the same every steady step; issue 27).  Default: none.
 
     Each thread loops over its column's tokens: for a decode step (a few tokens), not for a
     prefill of thousands.
