@@ -79,52 +79,64 @@ class FusedDecodeMixin:
             x = _backend.ascontiguous_f32(name, arr)
             x3.append(self._transform_in(st, name, x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3])))
         pos_counts = (n_sink + plan.sinks, sinks + n_comp + plan.compressed, plan.keep_old + plan.keep_new)
+        # the layer's device step state (_device_count), current before the store reads it
+        counted = self._device_count(st, x3[0], n_comp)
         # the call's deferred range records (k, v, q) ride in the store's launch (issue 27)
         pending, st.range_pending = st.range_pending, None
         with self._deferred_record().folded(pending) if pending else contextlib.nullcontext() as ranges:
-            ev = self._window.store_pair(st, x3[0], x3[1], plan, sinks, pos_counts, ranges)
+            ev = self._window.store_pair(st, x3[0], x3[1], plan, sinks, pos_counts, ranges,
+                                         count=None if counted is None else (counted[0], 1, 0, n_comp))
         if ev is None:
             return False
         if plan.compressed:
-            self._compress_pair(st, ev[0], ev[1], n_comp)
+            self._compress_pair(st, ev[0], ev[1], n_comp, staged=True)
         return True
 
-    def _compress_pair(self, st: LayerState, xk3: Any, xv3: Any, t0: int) -> None:
+    def _compress_pair(self, st: LayerState, xk3: Any, xv3: Any, t0: int, staged: bool = False) -> None:
         """:meth:`_compress` of both sides (one shape) in one launch where the codes allow it
-        (this class's quantizer without channel split), else one side after the other."""
+        (this class's quantizer without channel split), else one side after the other.
+        ``staged``: the store's launch copied the layer's device count (``t0``) into the
+        step state's first slot, from which the launch then reads its offset."""
         if not self._pair_quantize:
             self._compress(st, "k", xk3, t0)
             self._compress(st, "v", xv3, t0)
             return
+        n = int(xk3.shape[1])
+        counted = self._device_count(st, xk3, t0)
+        add_at, at = None, t0
+        if counted is not None:
+            # staged: the offset read from slot 0 (t0 there), slot 1 = slot 0 + n (no offset
+            # argument that changes every step); else slot 1 += n at the offset given
+            add_at, at = ((counted[0], 1, n, 0), 0) if staged else ((counted[0], 1, n), t0)
         b, cbs = st.buffers, self.codebooks
-        args = (xk3, xv3, b["k_codes"], b["k_scales"], b["v_codes"], b["v_scales"], t0, cbs["k"], cbs["v"])
+        args = (xk3, xv3, b["k_codes"], b["k_scales"], b["v_codes"], b["v_scales"], at, cbs["k"], cbs["v"])
         if self.rotation == "head":
-            quantize_head_pair_into(*args, self.unbiased)
+            quantize_head_pair_into(*args, self.unbiased, add_at=add_at)
         else:
-            n = int(xk3.shape[1])
-            counted = self._device_count(st, xk3, t0)
-            quantize_pair_into(*args, self.outlier, unbiased=self.unbiased,
-                               add_at=None if counted is None else (counted[0], 0, n))
-            if counted is not None:  # the launch advanced the device's count
-                counted[1] = t0 + n
+            quantize_pair_into(*args, self.outlier, unbiased=self.unbiased, add_at=add_at)
+        if counted is not None:  # the launch advanced the device's count
+            counted[1] += n
 
     def _device_count(self, st: LayerState, like: Any, t0: int) -> list | None:
-        """The layer's compressed-token count kept on the device, ``[counter, count]`` (int32
-        ``[1]`` holding ``t0``, the mirror of its value), for a device quantization at ``t0``
-        to advance in its launch: the attention then reads the count from it instead of an
-        argument that changes every step (a CUDA graph replays a launch's arguments, issue
-        27).  ``None`` on the host.  Uploaded only when the mirror is not ``t0`` (the layer's
-        first such step, or one after a store op by op): a steady step moves nothing."""
+        """The layer's device step state, ``[state, count, count view]``: int32 ``[2]``, slot 1
+        the compressed-token count (``t0``; ``count`` its host mirror, ``count view`` slot 1
+        as an array ``[1]``) and slot 0 the count before the step, which the store's launch
+        copies from slot 1 and the pair quantization's launch reads as its offset while it
+        writes the new count to slot 1; the attention then reads slot 1.  No launch reads a
+        slot it writes, and none of them takes an argument that changes every step (a CUDA
+        graph replays a launch's arguments, issue 27).  ``None`` on the host.  Uploaded only
+        when the mirror is not ``t0`` (the layer's first such step, or one after a store op
+        by op): a steady step moves nothing."""
         if isinstance(like, np.ndarray):
             return None
         hit = st.scratch.get("n_comp_dev")
         if hit is None or hit[1] != t0:
-            counter = _backend.empty(like, (1,), np.int32) if hit is None else hit[0]
-            if _backend.xp_of(counter) is None:
-                counter.copy_to_device(np.array([t0], np.int32))
+            state = _backend.empty(like, (2,), np.int32) if hit is None else hit[0]
+            if _backend.xp_of(state) is None:
+                state.copy_to_device(np.array([t0, t0], np.int32))
             else:
-                counter[...] = t0
-            hit = st.scratch["n_comp_dev"] = [counter, t0]
+                state[...] = t0
+            hit = st.scratch["n_comp_dev"] = [state, t0, state[1:2]]
         return hit
 
     def _store_window8_head(self, st: LayerState, k: Any, v: Any, plan: Any, sinks: int, n_sink: int,
@@ -226,7 +238,7 @@ class FusedDecodeMixin:
         res = bound.step.run(qr, qr if bound.rot else q3, n_comp, n_exact,
                              0 if unmasked else st.seq_len - ql, ql, config.softmax_scale, bias, qjl,
                              causal=not unmasked, rotate=rotate, out=out.reshape(tuple(q3.shape)) if direct else None,
-                             n_comp_dev=counted[0] if counted is not None and counted[1] == n_comp else None)
+                             n_comp_dev=counted[2] if counted is not None and counted[1] == n_comp else None)
         if outliers:
             xp = _backend.xp_of(res)
             res = xp.take_along_axis(res, xp.argsort(st.buffers["v_perm"].astype(np.int64), axis=2), axis=2)

@@ -473,14 +473,18 @@ class ExactWindow:
                 and exk.dtype in _SLIDE_DTYPES and exv.dtype == exk.dtype)
 
     def store_pair(self, st: LayerState, xk3: Any, xv3: Any, plan: StorePlan, sinks: int,
-                   pos_counts: tuple[int, int, int], ranges: tuple | None = None) -> tuple[Any, Any] | None:
+                   pos_counts: tuple[int, int, int], ranges: tuple | None = None,
+                   count: tuple | None = None) -> tuple[Any, Any] | None:
         """:meth:`store` of both sides and the exact tokens' positions in one launch
         (:func:`~numba_kv.ops.memory.slide_windows`), where it applies (:meth:`pair_applies`:
         float32 or float16 windows on a device, a store of a few tokens: a decode step).
         ``pos_counts``: ``(n_sink, first window position, n_win)`` after the store, written to
         the layer's position buffer (:meth:`position_buffer`; :meth:`positions` then finds them
         current).  ``ranges``: deferred range records folded into the launch (see
-        :func:`~numba_kv.ops.memory.slide_windows`).  Returns the
+        :func:`~numba_kv.ops.memory.slide_windows`); ``count``: ``(state, read, write, held)``,
+        the layer's device step state (``slide_windows(count=)``) and ``held``, the value of
+        ``state[read]`` when the launch runs: the first window position is then passed
+        relative to it.  Returns the
         ``(k, v)`` evicted tokens ``[rows, plan.compressed, d]`` for the caller to compress
         (reused buffers: valid until the layer's next store), or ``None`` when it does not
         apply (nothing done; :meth:`store` then stores op by op, with the same bytes)."""
@@ -497,8 +501,11 @@ class ExactWindow:
         # where the new sinks go (none in a steady step: 0 then, so that the launch's arguments
         # do not change from step to step; a CUDA graph replays them, issue 27)
         s_at = st.seq_len if plan.sinks else 0
+        if count is not None:  # relative to the count the kernel reads (the same every steady step)
+            base -= int(count[3])
+            count = count[:3]
         slide_windows(xk3, xv3, exk, exv, evk, evv, plan.sinks, s_at, plan.evict_new, sinks, plan.evict_old,
-                      plan.keep_old, plan.keep_new, pos, n_sink, base, n_win, ranges)
+                      plan.keep_old, plan.keep_new, pos, n_sink, base, n_win, ranges, count)
         st.scratch["exact_pos_of"] = tuple(pos_counts)
         return evk, evv
 

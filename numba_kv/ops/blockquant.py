@@ -219,17 +219,19 @@ def _quantize_cpu(x, signs, bounds, centroids, l2, unbiased, ref, flag, bits, t0
 
 @cpu_kernel
 def _quantize_pair_cpu(xk, xv, signs, kbounds, kcents, kbits, vbounds, vcents, vbits, l2, unbiased, ref, flag, t0,
-                       kcodes, kscales, vcodes, vscales, u0, m0, o0, u1, m1, o1, u2, m2, o2, lens, li, delta):
+                       kcodes, kscales, vcodes, vscales, u0, m0, o0, u1, m1, o1, u2, m2, o2, lens, li, delta, ri):
     """CPU twin of :func:`_quantize_pair_cuda`: the two sides one after the other (on the CPU
     the pair saves nothing; the twin exists for the bit-for-bit comparison), then the folded
     range records and the length update."""
+    base = int64(lens[ri]) if ri >= 0 else int64(0)
+    t0 = t0 + base
     _quantize_cpu(xk, signs, kbounds, kcents, l2, unbiased, ref, flag, kbits, t0, kcodes, kscales)
     _quantize_cpu(xv, signs, vbounds, vcents, l2, unbiased, ref, flag, vbits, t0, vcodes, vscales)
     fold_absbits_cpu(u0, m0, o0)
     fold_absbits_cpu(u1, m1, o1)
     fold_absbits_cpu(u2, m2, o2)
     if li >= 0:
-        lens[li] = int32(lens[li] + delta)
+        lens[li] = int32((base if ri >= 0 else lens[li]) + delta)
 
 
 @cpu_kernel
@@ -261,15 +263,21 @@ def _quantize_cuda(x, signs, bounds, centroids, l2, unbiased, ref, flag, bits, t
 
 @cuda_kernel
 def _quantize_pair_cuda(xk, xv, signs, kbounds, kcents, kbits, vbounds, vcents, vbits, l2, unbiased, ref, flag, t0,
-                        kcodes, kscales, vcodes, vscales, u0, m0, o0, u1, m1, o1, u2, m2, o2, lens, li, delta):
+                        kcodes, kscales, vcodes, vscales, u0, m0, o0, u1, m1, o1, u2, m2, o2, lens, li, delta, ri):
     """Both sides of a store in one launch (a decode step's evicted tokens, a paged append):
     1-D grid over the ``2·rows·seq·d/32`` blocks of ``xk`` then ``xv`` (one shape), one
     thread per 32-value block, each side with its codebook and width; same bytes as two
     :func:`_quantize_cuda`.  Also folded in, so that a paged decode step needs no launch of
     its own for them (issue 27): up to three deferred range records
     (:func:`~numba_kv.ops.finite.fold_absbits_dev`; mask 0: none) and, when ``li >= 0``,
-    ``lens[li] += delta`` by thread 0 (a page table's last-page length)."""
+    ``lens[li] += delta`` by thread 0 (a page table's last-page length).  When ``ri >= 0``
+    the write offset is ``t0 + lens[ri]`` and thread 0 writes ``lens[li] = lens[ri] + delta``
+    (a layer's device count of compressed tokens, before and after the step: no offset
+    argument that changes every step, issue 27; ``ri != li``, so no thread reads what the
+    launch writes)."""
     rows, seq, d = xk.shape
+    base = int64(lens[ri]) if ri >= 0 else int64(0)
+    t0 = t0 + base
     nq = rows * seq * (d // 32)
     t = cuda.local.array(35, dtype=float32)
     ib = cuda.local.array(32, dtype=uint8)
@@ -288,7 +296,7 @@ def _quantize_pair_cuda(xk, xv, signs, kbounds, kcents, kbits, vbounds, vcents, 
     fold_absbits_dev(u1, m1, o1, start, nt)
     fold_absbits_dev(u2, m2, o2, start, nt)
     if li >= 0 and start == 0:
-        lens[li] = int32(lens[li] + delta)
+        lens[li] = int32((base if ri >= 0 else lens[li]) + delta)
 
 
 @cuda_kernel
@@ -308,7 +316,7 @@ _QSIG = ("void(float32[:, :, ::1], float32[::1], float32[::1], float32[::1], boo
 _QUANTIZE_BLOCKS = register("quantize_blocks", _quantize_cpu, _quantize_cuda, [_QSIG])
 _QPAIR_SIG = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[::1], float32[::1], float32[::1], int64, "
               "float32[::1], float32[::1], int64, boolean, boolean, float32, float32, int64, uint8[:, :, ::1], "
-              f"uint16[:, :, ::1], uint8[:, :, ::1], uint16[:, :, ::1], {FOLD_SIG}, int32[::1], int64, int64)")
+              f"uint16[:, :, ::1], uint8[:, :, ::1], uint16[:, :, ::1], {FOLD_SIG}, int32[::1], int64, int64, int64)")
 _QUANTIZE_PAIR = register("quantize_blocks_pair", _quantize_pair_cpu, _quantize_pair_cuda, [_QPAIR_SIG])
 _DEQUANTIZE_BLOCKS = register("dequantize_blocks", _dequantize_cpu, _dequantize_cuda, [DEQUANTIZE_SIGNATURE])
 
@@ -335,13 +343,14 @@ def quantize_into(x3: Any, codes: Any, scales: Any, t0: int, cb: Codebook, outli
 
 def quantize_pair_into(xk3: Any, xv3: Any, kcodes: Any, kscales: Any, vcodes: Any, vscales: Any, t0: int,
                        kcb: Codebook, vcb: Codebook, outlier: bool, unbiased: bool = False, *,
-                       ranges: tuple | None = None, add_at: tuple[Any, int, int] | None = None) -> None:
+                       ranges: tuple | None = None, add_at: tuple | None = None) -> None:
     """:func:`quantize_into` of keys ``xk3`` and values ``xv3`` (one shape ``[rows, seq, d]``,
     float32, C-contiguous, on one device) in one launch, each side with its codebook (one norm
     mode); same bytes as two calls.  Folded into the same launch (a paged decode step's
     bookkeeping): ``ranges``, deferred range records as
     :meth:`~numba_kv.ops.finite.DeferredRange.folded` gives them, and ``add_at``
-    ``(lens, i, delta)``: ``lens[i] += delta`` (int32, on the device)."""
+    ``(lens, i, delta)``: ``lens[i] += delta`` (int32, on the device), or ``(lens, i, delta,
+    r)``: the offset is ``t0 + lens[r]`` and ``lens[i] = lens[r] + delta`` (``r != i``)."""
     rows, seq, d = xk3.shape
     if rows == 0 or seq == 0:
         return
@@ -353,9 +362,21 @@ def quantize_pair_into(xk3: Any, xv3: Any, kcodes: Any, kscales: Any, vcodes: An
             c(xk3, vcb.boundaries), c(xk3, vcb.centroids), vcb.bits, kcb.norm_mode == "l2", bool(unbiased),
             np.float32(kcb.ref), np.float32(-1.0 if outlier else 1.0), int(t0), kcodes, kscales, vcodes, vscales,
             *(no_fold(xk3) if ranges is None else ranges),
-            *((c(xk3, _NO_LENS), -1, 0) if add_at is None else (add_at[0], int(add_at[1]), int(add_at[2]))))
+            *count_args(xk3, add_at))
     _QUANTIZE_PAIR.launch(_backend.device_of("xk3", xk3), 2 * rows * seq * (d // 32), *args,
                           work=2 * rows * seq * d)
+
+
+def count_args(like: Any, add_at: tuple | None) -> tuple:
+    """A pair quantization's ``(lens, li, delta, ri)`` arguments from ``add_at`` (``None``,
+    ``(lens, i, delta)`` or ``(lens, i, delta, r)``; see :func:`quantize_pair_into`)."""
+    if add_at is None:
+        return _backend.constant(like, _NO_LENS), -1, 0, -1
+    lens, i, delta, *r = add_at
+    ri = int(r[0]) if r else -1
+    if ri == int(i):
+        raise ValueError(f"add_at: the slot read must differ from the slot written ({ri})")
+    return lens, int(i), int(delta), ri
 
 
 def dequantize_into(codes: Any, scales: Any, t0: int, cb: Codebook, out: Any) -> None:

@@ -51,7 +51,7 @@ import math
 from typing import Any
 
 import numpy as np
-from numba import cuda, float32, int64, prange, uint8, uint16
+from numba import cuda, float32, int32, int64, prange, uint8, uint16
 
 from .. import _backend
 from .._config import MAX_HEAD_DIM
@@ -69,6 +69,7 @@ from ._headquant_lanes import (
     rotate_head_row_cpu,
 )
 from ._registry import register
+from .blockquant import count_args
 from .codebook import DEQUANTIZE_SIGNATURE, Codebook, bucketize_dev, get_codebook
 from .finite import check_finite, check_rotation_input
 from .hadamard import ROTATE_SIGNATURE, SIGNS32
@@ -199,11 +200,16 @@ def _quantize_head_cpu(x, signs, bounds, centroids, unbiased, bits, t0, codes, n
 
 @cpu_kernel
 def _quantize_head_pair_cpu(xk, xv, signs, kbounds, kcents, kbits, vbounds, vcents, vbits, unbiased, t0, kcodes,
-                            knorms, vcodes, vnorms):
+                            knorms, vcodes, vnorms, lens, li, delta, ri):
     """CPU twin of :func:`_quantize_head_pair_cuda`: the two sides one after the other (on
-    the CPU the pair saves nothing; the twin exists for the bit-for-bit comparison)."""
+    the CPU the pair saves nothing; the twin exists for the bit-for-bit comparison), then the
+    count update."""
+    base = int64(lens[ri]) if ri >= 0 else int64(0)
+    t0 = t0 + base
     _quantize_head_cpu(xk, signs, kbounds, kcents, unbiased, kbits, t0, kcodes, knorms)
     _quantize_head_cpu(xv, signs, vbounds, vcents, unbiased, vbits, t0, vcodes, vnorms)
+    if li >= 0:
+        lens[li] = int32((base if ri >= 0 else lens[li]) + delta)
 
 
 @cpu_kernel
@@ -338,15 +344,22 @@ def _quantize_head_cuda(x, signs, bounds, centroids, unbiased, bits, t0, codes, 
 
 @cuda_kernel
 def _quantize_head_pair_cuda(xk, xv, signs, kbounds, kcents, kbits, vbounds, vcents, vbits, unbiased, t0, kcodes,
-                             knorms, vcodes, vnorms):
+                             knorms, vcodes, vnorms, lens, li, delta, ri):
     """Both sides of a store in one launch: keys ``xk[r, s]`` into ``kcodes`` / ``knorms`` and
     values ``xv[r, s]`` into ``vcodes`` / ``vnorms`` at token ``t0 + s``, each with its own
     codebook and width (a decode step's evicted tokens: one launch instead of two).
 
     Launch: as :func:`_quantize_head_cuda` over ``2·rows·seq`` vectors (``xk`` and ``xv``
-    have one shape): vector ``v < rows·seq`` is a key, the rest values.
+    have one shape): vector ``v < rows·seq`` is a key, the rest values.  When ``li >= 0``,
+    thread 0 of block 0 also does ``lens[li] += delta`` (a layer's device count of compressed
+    tokens, which the attention then reads: no count argument changing every step, issue 27;
+    nothing else in this launch reads it).  When ``ri >= 0`` the write offset is ``t0 +
+    lens[ri]`` and the update ``lens[li] = lens[ri] + delta`` (``ri != li``: every block reads
+    ``lens[ri]``, none reads ``lens[li]``).
     """
     rows, seq, d = xk.shape
+    base = int64(lens[ri]) if ri >= 0 else int64(0)
+    t0 = t0 + base
     nv = rows * seq
     t = cuda.shared.array(MAX_HEAD_DIM, dtype=float32)
     ib = cuda.shared.array(MAX_HEAD_DIM, dtype=uint8)
@@ -361,6 +374,8 @@ def _quantize_head_pair_cuda(xk, xv, signs, kbounds, kcents, kbits, vbounds, vce
         else:
             _quantize_head_vec_dev(xv[r, s], signs, vbounds, vcents, unbiased, vbits, vcodes[r, t0 + s], vnorms,
                                    r, t0 + s, t, ib, red)
+    if li >= 0 and cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
+        lens[li] = int32((base if ri >= 0 else lens[li]) + delta)
 
 
 @cuda_kernel
@@ -402,7 +417,7 @@ _ROTATE = register("rotate_head", _rotate_head_cpu, _rotate_head_cuda, [ROTATE_S
 _QUANTIZE = register("quantize_head", _quantize_head_cpu, _quantize_head_cuda, [_QSIG])
 _QPAIR_SIG = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[::1], float32[::1], float32[::1], int64, "
               "float32[::1], float32[::1], int64, boolean, int64, uint8[:, :, ::1], uint16[:, :, ::1], "
-              "uint8[:, :, ::1], uint16[:, :, ::1])")
+              "uint8[:, :, ::1], uint16[:, :, ::1], int32[::1], int64, int64, int64)")
 _QUANTIZE_PAIR = register("quantize_head_pair", _quantize_head_pair_cpu, _quantize_head_pair_cuda, [_QPAIR_SIG])
 #: the head quantizer's twin (for fused serial callers such as :mod:`numba_kv.ops.window8`)
 QUANTIZE_HEAD = _QUANTIZE
@@ -425,10 +440,13 @@ def quantize_head_into(x3: Any, codes: Any, norms: Any, t0: int, cb: Codebook, u
 
 
 def quantize_head_pair_into(xk3: Any, xv3: Any, kcodes: Any, knorms: Any, vcodes: Any, vnorms: Any, t0: int,
-                            kcb: Codebook, vcb: Codebook, unbiased: bool) -> None:
+                            kcb: Codebook, vcb: Codebook, unbiased: bool,
+                            add_at: tuple | None = None) -> None:
     """:func:`quantize_head_into` of keys ``xk3`` and values ``xv3`` (one shape ``[rows, seq,
     d]``, float32, C-contiguous) in one launch, each side with its codebook (``kcb``,
-    ``vcb``: ``head_codebook(bits, d)``); same bytes as two calls."""
+    ``vcb``: ``head_codebook(bits, d)``); same bytes as two calls.  Folded into the same
+    launch: ``add_at``, a count update (int32, on the device) as in
+    :func:`~numba_kv.ops.blockquant.quantize_pair_into`."""
     rows, seq, d = xk3.shape
     if rows == 0 or seq == 0:
         return
@@ -436,6 +454,7 @@ def quantize_head_pair_into(xk3: Any, xv3: Any, kcodes: Any, knorms: Any, vcodes
     _QUANTIZE_PAIR.launch(_backend.device_of("xk3", xk3), 2 * rows * seq, xk3, xv3, c(xk3, head_signs(d)),
                           c(xk3, kcb.boundaries), c(xk3, kcb.centroids), kcb.bits, c(xk3, vcb.boundaries),
                           c(xk3, vcb.centroids), vcb.bits, bool(unbiased), int(t0), kcodes, knorms, vcodes, vnorms,
+                          *count_args(xk3, add_at),
                           work=2 * rows * seq * d, coop=(2 * rows * seq, d // 2))
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from numba import cuda, float32, int32, prange, uint16
+from numba import cuda, float32, int32, int64, prange, uint16
 
 from .. import _backend
 from .._jit import CORES, cpu_kernel, cpu_serial, cuda_device, cuda_kernel, specialize, twin
@@ -133,10 +133,11 @@ def _slide_columns(x, ex, ev, r, w, a, s_at, e_new, sinks, e_old, keep_old, keep
 
 
 def _slide_cpu_body(xk, xv, exk, exv, evk, evv, a, s_at, e_new, sinks, e_old, keep_old, keep_new, pos, n_pos,
-                    pos_sinks, pos_base, u0, m0, o0, u1, m1, o1, u2, m2, o2):
+                    pos_sinks, pos_base, u0, m0, o0, u1, m1, o1, u2, m2, o2, cnt, cr, cw):
     """CPU twin of the ``slide_windows`` kernels: ``prange`` over (side, row), then the
-    folded range records serially."""
+    folded range records and the count copy serially."""
     rows = exk.shape[0]
+    pos_base = pos_base + (int64(cnt[cr]) if cr >= 0 else int64(0))
     for j in prange(2 * rows):
         r = j % rows
         x, ex, ev = (xk, exk, evk) if j < rows else (xv, exv, evv)
@@ -147,15 +148,20 @@ def _slide_cpu_body(xk, xv, exk, exv, evk, evv, a, s_at, e_new, sinks, e_old, ke
     fold_absbits_cpu(u0, m0, o0)
     fold_absbits_cpu(u1, m1, o1)
     fold_absbits_cpu(u2, m2, o2)
+    if cw >= 0:
+        cnt[cw] = cnt[cr] if cr >= 0 else int32(0)
 
 
 def _slide_cuda_body(xk, xv, exk, exv, evk, evv, a, s_at, e_new, sinks, e_old, keep_old, keep_new, pos, n_pos,
-                     pos_sinks, pos_base, u0, m0, o0, u1, m1, o1, u2, m2, o2):
+                     pos_sinks, pos_base, u0, m0, o0, u1, m1, o1, u2, m2, o2, cnt, cr, cw):
     """1-D grid over the ``2·rows·width`` columns (k, then v) and the ``n_pos`` positions
     (grid-stride): one thread stores one column's tokens and writes the position of its index;
     the first ``ceil(size / 256)`` threads fold each recorded array's range
-    (:func:`~numba_kv.ops.finite.fold_absbits_dev`)."""
+    (:func:`~numba_kv.ops.finite.fold_absbits_dev`); thread 0 copies ``cnt[cr]`` into
+    ``cnt[cw]`` (``cw >= 0``; ``cr != cw``, so no thread reads what the launch writes).  The
+    window's first position is ``pos_base + cnt[cr]`` (``cr >= 0``; every thread reads it)."""
     width = exk.shape[2]
+    pos_base = pos_base + (int64(cnt[cr]) if cr >= 0 else int64(0))
     rows = exk.shape[0]
     start = cuda.grid(1)
     nt = cuda.gridsize(1)
@@ -169,6 +175,8 @@ def _slide_cuda_body(xk, xv, exk, exv, evk, evv, a, s_at, e_new, sinks, e_old, k
     fold_absbits_dev(u0, m0, o0, start, nt)
     fold_absbits_dev(u1, m1, o1, start, nt)
     fold_absbits_dev(u2, m2, o2, start, nt)
+    if cw >= 0 and start == 0:
+        cnt[cw] = cnt[cr] if cr >= 0 else int32(0)
 
 
 def _slide_variant(op: str, to_ex: Callable, from_ex: Callable, ex_type: str) -> Any:
@@ -183,7 +191,12 @@ def _slide_variant(op: str, to_ex: Callable, from_ex: Callable, ex_type: str) ->
     gpu = cuda_kernel(specialize(_slide_cuda_body, "", name=f"_{op}_cuda", SLIDE_COLUMNS=cores["_dev"]))
     f3, e3 = "float32[:, :, ::1]", f"{ex_type}[:, :, ::1]"
     return register(op, cpu, gpu, [f"void({f3}, {f3}, {e3}, {e3}, {f3}, {f3}, int64, int64, int64, int64, int64, "
-                                   f"int64, int64, int32[::1], int64, int64, int64, {FOLD_SIG})"])
+                                   f"int64, int64, int32[::1], int64, int64, int64, {FOLD_SIG}, int32[::1], int64, "
+                                   "int64)"])
+
+
+#: the count array of a store without a count copy (``cw = -1``: never touched)
+_NO_COUNT = np.zeros(1, np.int32)
 
 
 _SLIDE = {np.dtype(np.float32): _slide_variant("slide_windows", _as_is, _as_is, "float32"),
@@ -192,7 +205,7 @@ _SLIDE = {np.dtype(np.float32): _slide_variant("slide_windows", _as_is, _as_is, 
 
 def slide_windows(xk: Any, xv: Any, exk: Any, exv: Any, evk: Any, evv: Any, a: int, s_at: int, e_new: int,
                   sinks: int, e_old: int, keep_old: int, keep_new: int, pos: Any, pos_sinks: int, pos_base: int,
-                  pos_win: int, ranges: tuple | None = None) -> None:
+                  pos_win: int, ranges: tuple | None = None, count: tuple[Any, int, int] | None = None) -> None:
     """The store of new tokens into the exact-token buffers of both sides, and the exact
     tokens' positions (one launch; with the deferred range records of the call's inputs
     folded in when ``ranges`` is given).
@@ -202,7 +215,8 @@ def slide_windows(xk: Any, xv: Any, exk: Any, exv: Any, evk: Any, evv: Any, a: i
     ``ev[e_old : e_old+e_new] = x[a : a+e_new]`` (new tokens that skip the window); when
     ``e_old``: ``ex[sinks : sinks+keep_old] = ex[sinks+e_old : sinks+e_old+keep_old]`` (the
     survivors slide to the front); ``ex[sinks+keep_old : +keep_new] = x[a+e_new : +keep_new]``.
-    Then ``pos[:n]`` = ``[0, …, pos_sinks-1, pos_base, …, pos_base+pos_win-1]``
+    Then ``pos[:n]`` = ``[0, …, pos_sinks-1, b, …, b+pos_win-1]`` (``b = pos_base``, plus
+    ``cnt[read]`` with ``count``)
     (``n = pos_sinks + pos_win``, as :func:`~numba_kv.ops.positions.exact_positions_into`).
 
     Parameters
@@ -224,6 +238,13 @@ def slide_windows(xk: Any, xv: Any, exk: Any, exv: Any, evk: Any, evv: Any, a: i
         :meth:`~numba_kv.ops.finite.DeferredRange.folded` (on the same device): the deferred
         range checks of a decode step's ``k``, ``v`` and ``q`` in this launch instead of a
         ``range_stats3`` launch of their own (issue 27).  Default: none.
+    count : tuple ``(cnt, read, write)``, optional
+        A layer's device step state (int32, on the same device): ``cnt[write] = cnt[read]``
+        by one thread (``read != write``), so that the pair quantization that follows reads
+        the compressed-token count before this step from ``cnt[write]`` while it writes the
+        new count to ``cnt[read]`` (no value both read and written in one launch), and the
+        window's first position is ``pos_base + cnt[read]`` (``pos_base`` then relative to the
+        count: the same every steady step; issue 27).  Default: none.
 
     Each thread loops over its column's tokens: for a decode step (a few tokens), not for a
     prefill of thousands.
@@ -251,7 +272,11 @@ def slide_windows(xk: Any, xv: Any, exk: Any, exv: Any, evk: Any, evv: Any, a: i
         ranges = no_fold(xk)
     elif len(ranges) != 9:
         raise ValueError(f"ranges: expected (bits, mask, accumulator) x 3, got {len(ranges)} items")
+    if count is None:
+        count = (_backend.constant(xk, _NO_COUNT), -1, -1)
+    elif int(count[1]) == int(count[2]) or min(int(count[1]), int(count[2])) < 0:
+        raise ValueError(f"count: expected two different slots, got {count[1]} and {count[2]}")
     work = 2 * rows * width * (a + e_new + keep_new + e_old + keep_old) + n_pos
     _SLIDE[ex_dt].launch(dev, max(2 * rows * width, n_pos, 1), xk, xv, exk, exv, evk, evv, int(a), int(s_at),
                          int(e_new), int(sinks), int(e_old), int(keep_old), int(keep_new), pos, n_pos, int(pos_sinks),
-                         int(pos_base), *ranges, work=work)
+                         int(pos_base), *ranges, count[0], int(count[1]), int(count[2]), work=work)

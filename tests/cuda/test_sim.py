@@ -161,6 +161,16 @@ def _quantize_pair(rng):
                 assert np.array_equal(to_host(g), w), (mode, kb, vb)
             assert [int(to_host(o)[0]) for o in accs] == [int(np.abs(xk).max().view(np.uint32)), 1 << 40, 7]
             assert to_host(lens).tolist() == [3, 6, 5]
+            # the offset read from a device count (slot 2, t0 there; 0 by value) and the new
+            # count written to slot 0 (a layer's step state): the same bytes
+            bufs = [dev(np.zeros_like(a)) for a in (want[0], want_s[0], want[1], want_s[1])]
+            lens = dev(np.array([9, 4, t0], np.int32))
+            quantize_pair_into(dev(xk), dev(xv), *bufs, 0, kcb, vcb, outlier, unbiased, add_at=(lens, 0, n, 2))
+            for g, w in zip(bufs, (want[0], want_s[0], want[1], want_s[1])):
+                assert np.array_equal(to_host(g), w), (mode, kb, vb)
+            assert to_host(lens).tolist() == [t0 + n, 4, t0]
+    with pytest.raises(ValueError, match="the slot read must differ"):
+        quantize_pair_into(xk, xv, *want, *want_s, 0, kcb, vcb, True, add_at=(np.zeros(2, np.int32), 1, 1, 1))
     with pytest.raises(ValueError, match="vcb: expected the keys' norm mode 'maxnorm'"):
         quantize_pair_into(xk, xv, *want, *want_s, 0, get_codebook(3, "maxnorm"), get_codebook(3, "l2"), True)
 

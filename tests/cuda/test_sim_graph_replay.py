@@ -9,19 +9,20 @@ compressed store per step) with the caller's fixed input and output buffers (``k
 buffers), every launch's record (kernel, grid, block, dynamic shared memory, the arguments)
 is compared with the next step's.
 
-**A ratchet, not yet the goal.**  Identical step to step already: the kernels and their
+**A ratchet.**  Identical step to step: the kernels and their
 order, every grid and block size, every device array (the layer's buffers, the eviction and
 position buffers, the plan's workspace and merge counters, the caller's buffers) and every
 other scalar: the store's sink offset (0 when a step stores no sink) and the attention's
 query position (a single query row per head is the last token and sees every stored one: no
-causal rule, position 0, on a device) and, for ``pqo3``, the attention's compressed-token
-count (the quantization's launch advances a per-layer device counter, ``add_at``, which the
-partition kernel reads: ``n_comp`` passed as 0).  Still per-step scalars (:data:`STEP_VARIANT`):
-the quantization's write offset (``t0``), the window's first position (the store's
-``pos_base``) and, for ``kv4`` (whose ``quantize_head_pair`` has no counter update yet), the
-attention's ``n_comp``, which advance by one token each step.  They are what keeps the step
-from graph replay; the set may only shrink (the design that removes them, a per-layer device
-"step state" that the store launch advances, is described in ``docs/guide/decode.md``).
+causal rule, position 0, on a device), the attention's compressed-token count, the
+quantization's write offset and the window's first position (a per-layer device step state,
+int32 ``[2]``: the store's launch reads the count from slot 1, adds it to its ``pos_base``,
+passed relative to it, and copies it into slot 0; the pair quantization,
+``quantize_blocks_pair`` / ``quantize_head_pair``, reads its offset there, ``t0`` passed as
+0, and writes the new count to slot 1, which the partition kernel reads: ``n_comp`` passed
+as 0).  :data:`STEP_VARIANT`, the arguments that still change per step, is now empty for
+both modes and may only stay so (``docs/guide/decode.md``, "Towards a step replayable as a
+CUDA graph").
 Also recaptured by design, not checked here: a step whose partition count changes (every
 ``partition_size`` compressed tokens: the grid, the partition count and the plan's
 workspace change), a step that grows a buffer (its capacity doubles: new addresses) and the
@@ -44,9 +45,7 @@ from numba_kv._backend import simulator_enabled, to_host
 from ..conftest import to_device
 
 #: per mode and kernel, the arguments that still change from one steady step to the next (may only shrink)
-STEP_VARIANT = {"kv4": {"_slide_windows_cuda": {"pos_base"}, "_quantize_head_pair_cuda": {"t0"},
-                        "_decode_attention_warp_cuda": {"n_comp"}},
-                "pqo3": {"_slide_windows_cuda": {"pos_base"}, "_quantize_pair_cuda": {"t0"}}}
+STEP_VARIANT: dict = {"kv4": {}, "pqo3": {}}
 MODES = ("kv4", "pqo3")
 WARMUP, STEPS = 2, 3
 

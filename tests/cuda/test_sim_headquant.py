@@ -96,6 +96,22 @@ def _quantize_pair(rng):
             got = [to_host(b) for b in bufs]
             for g, w in zip(got, (want[0], want_n[0], want[1], want_n[1])):
                 assert np.array_equal(g, w), (d, kb, vb)
+            # with a count update folded in (a layer's device count of compressed tokens): the
+            # same bytes, and lens[1] += 2 only
+            bufs = [dev(np.zeros_like(a)) for a in (want[0], want_n[0], want[1], want_n[1])]
+            lens = dev(np.array([3, 4, 5], np.int32))
+            quantize_head_pair_into(dev(xk), dev(xv), *bufs, t0, kcb, vcb, True, add_at=(lens, 1, 2))
+            for g, w in zip(bufs, (want[0], want_n[0], want[1], want_n[1])):
+                assert np.array_equal(to_host(g), w), (d, kb, vb)
+            assert to_host(lens).tolist() == [3, 6, 5]
+            # the offset read from a device count (slot 0, t0 there; 0 by value), the new count
+            # written to slot 1 (a layer's step state): the same bytes
+            bufs = [dev(np.zeros_like(a)) for a in (want[0], want_n[0], want[1], want_n[1])]
+            lens = dev(np.array([t0, 7], np.int32))
+            quantize_head_pair_into(dev(xk), dev(xv), *bufs, 0, kcb, vcb, True, add_at=(lens, 1, n, 0))
+            for g, w in zip(bufs, (want[0], want_n[0], want[1], want_n[1])):
+                assert np.array_equal(to_host(g), w), (d, kb, vb)
+            assert to_host(lens).tolist() == [t0, t0 + n]
         assert want[0][:, t0:t0 + n].any() and not want[0][:, t0 + n:].any()
 
 

@@ -260,8 +260,15 @@ def _slide(rng):
             host_r = tuple(v for u, m, o in zip(fold, masks, accs) for v in (u.view(np.uint32), m, o))
             dacc = [to_device(o) for o in accs]
             dev_r = tuple(v for u, m, o in zip(fold, masks, dacc) for v in (to_device(u.view(np.uint32)), m, o))
-            slide_windows(*(to_device(x) for x in xs), *dev[:4], *args, dev[4], p_sink, p_base, p_win, dev_r)
-            slide_windows(*xs, *exs, *evs, *args, pos, p_sink, p_base, p_win, host_r)
+            # a layer's step state: slot 1 copied into slot 0, nothing else touched
+            # and the window's first position read from slot 1 (pos_base passed relative to it)
+            held = min(p_base, 17)
+            cnt = np.array([-5, held, 3], np.int32)
+            dcnt = to_device(cnt)
+            slide_windows(*(to_device(x) for x in xs), *dev[:4], *args, dev[4], p_sink, p_base - held, p_win, dev_r,
+                          count=(dcnt, 1, 0))
+            slide_windows(*xs, *exs, *evs, *args, pos, p_sink, p_base - held, p_win, host_r, count=(cnt, 1, 0))
+            assert cnt.tolist() == to_host(dcnt).tolist() == [held, held, 3]
             for got, want in zip((exs[0], evs[0], exs[1], evs[1], pos), (ref[0], ref[1], ref[2], ref[3], rpos)):
                 assert np.array_equal(got, want)
             for got, want in zip((dev[0], dev[2], dev[1], dev[3], dev[4]), (ref[0], ref[1], ref[2], ref[3], rpos)):
@@ -275,6 +282,8 @@ def _slide(rng):
         slide_windows(*xs, *exs, *evs, 0, 0, 0, 10, 1, 5, 0, pos, 0, 0, 0)
     with pytest.raises(ValueError, match="exk, exv"):
         slide_windows(*xs, exs[0].view(np.int16), exs[1].view(np.int16), *evs, 0, 0, 0, 2, 0, 1, 0, pos, 0, 0, 0)
+    with pytest.raises(ValueError, match="two different slots"):
+        slide_windows(*xs, *exs, *evs, 0, 0, 0, 0, 0, 0, 0, pos, 0, 0, 0, count=(np.zeros(2, np.int32), 1, 1))
 
 
 RUNNERS = {"slide_windows": _slide, "slide_windows_f16": _slide}
