@@ -43,6 +43,7 @@ from numba_kv import AttendConfig, make_cache
 from numba_kv._backend import simulator_enabled, to_host
 
 from ..conftest import to_device
+from .test_sim_step_budget import steady_layer
 
 #: per mode and kernel, the arguments that still change from one steady step to the next (may only shrink)
 STEP_VARIANT: dict = {"kv4": {}, "pqo3": {}}
@@ -116,16 +117,7 @@ def test_steady_steps_launch_the_same_kernels_with_the_same_arguments(mode):
         pytest.skip("records the simulator's kernel launches")
     rng = np.random.default_rng(31)
     h, g, d = 2, 2, 64
-    kw = {"key_center": False} if mode == "kv4" else {}  # (as test_sim_step_budget: Numba arrays only)
-    cache = make_cache(mode, num_layers=1, num_kv_heads=h, head_dim=d, **kw)
-    twin = make_cache(mode, num_layers=1, num_kv_heads=h, head_dim=d, window_dtype="float32", **kw)
-    cfg = cache.config
-    t0 = cfg.sink_tokens + cfg.residual_length + 3  # the window is full: every step flushes a token
-    k = rng.standard_normal((1, h, t0, d)).astype(np.float32)
-    v = rng.standard_normal((1, h, t0, d)).astype(np.float32)
-    cache.prefill(0, to_device(k), to_device(v))
-    twin.prefill(0, k, v)
-    attend = AttendConfig(d ** -0.5, n_kv_groups=g)
+    cache, twin, attend = steady_layer(mode, rng, h, g, d)  # the window full: every step flushes a token
     shapes = ((1, h, 1, d), (1, h, 1, d), (1, h * g, 1, d))
     # the caller's fixed buffers: each step's tokens are copied into them (as into a graph's inputs)
     dk, dv, dq = (to_device(np.zeros(s, np.float32)) for s in shapes)

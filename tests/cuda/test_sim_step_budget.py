@@ -85,6 +85,19 @@ def _caches(mode: str, h: int, d: int):
             make_cache(mode, num_layers=1, num_kv_heads=h, head_dim=d, window_dtype="float32", **kw))
 
 
+def steady_layer(mode: str, rng, h: int = 2, g: int = 2, d: int = 64):
+    """``(cache, twin, attend)``: a one-layer device cache and its CPU twin after a prefill that
+    fills the window (every later step flushes one token into the compressed store)."""
+    cache, twin = _caches(mode, h, d)
+    cfg = cache.config
+    t0 = cfg.sink_tokens + cfg.residual_length + 3
+    k = rng.standard_normal((1, h, t0, d)).astype(np.float32)
+    v = rng.standard_normal((1, h, t0, d)).astype(np.float32)
+    cache.prefill(0, to_device(k), to_device(v))
+    twin.prefill(0, k, v)
+    return cache, twin, AttendConfig(d ** -0.5, n_kv_groups=g)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", sorted(BUDGET))
 def test_steady_state_decode_step_stays_within_its_budget(mode):
@@ -92,14 +105,7 @@ def test_steady_state_decode_step_stays_within_its_budget(mode):
         pytest.skip("counts the simulator's launches, allocations and transfers")
     rng = np.random.default_rng(27)
     h, g, d = 2, 2, 64
-    cache, twin = _caches(mode, h, d)
-    cfg = cache.config
-    t0 = cfg.sink_tokens + cfg.residual_length + 3  # the window is full: every step flushes a token
-    k = rng.standard_normal((1, h, t0, d)).astype(np.float32)
-    v = rng.standard_normal((1, h, t0, d)).astype(np.float32)
-    cache.prefill(0, to_device(k), to_device(v))
-    twin.prefill(0, k, v)
-    attend = AttendConfig(d ** -0.5, n_kv_groups=g)
+    cache, twin, attend = steady_layer(mode, rng, h, g, d)
     per_step, outs = [], []
     dout = to_device(np.zeros((1, h * g, 1, d), np.float32))  # the caller's output buffer, reused
     for i in range(WARMUP + STEPS + 1):
@@ -134,11 +140,7 @@ def test_deferred_checks_ride_in_the_store_launch(mode):
         pytest.skip("counts the simulator's launches")
     rng = np.random.default_rng(30)
     h, g, d = 2, 2, 64
-    cache, _ = _caches(mode, h, d)
-    cfg = cache.config
-    k = rng.standard_normal((1, h, cfg.sink_tokens + cfg.residual_length + 3, d)).astype(np.float32)
-    cache.prefill(0, to_device(k), to_device(k))
-    attend = AttendConfig(d ** -0.5, n_kv_groups=g)
+    cache, _, attend = steady_layer(mode, rng, h, g, d)
 
     def step(which=None, value=0.0):
         arrays = [rng.standard_normal(s).astype(np.float32) for s in ((1, h, 1, d), (1, h, 1, d), (1, h * g, 1, d))]
