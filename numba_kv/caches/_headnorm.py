@@ -157,10 +157,11 @@ class HeadNormMixin:
             pending = (k, v, norm8_base16(np.concatenate(norms, axis=1)))
         st.meta["norm8_base"] = pending[2] + BASE_OFFSET
 
-    def _check_counters(self, i: int, seq_len: int, meta: dict[str, int], live: dict[str, Any]) -> None:
+    def _check_counters(self, i: int, seq_len: int, meta: dict[str, int], live: dict[str, Any],
+                        evicted: int = 0) -> None:
         """A restored layer's grid, then the window bookkeeping's own checks."""
         self._check_norm8_meta(i, seq_len, meta)
-        super()._check_counters(i, seq_len, meta, live)  # type: ignore[misc]
+        super()._check_counters(i, seq_len, meta, live, evicted)  # type: ignore[misc]
 
     def _check_norm8_meta(self, i: int, seq_len: int, meta: dict[str, int]) -> None:
         """``CacheFileError`` unless a restored layer's grid base is present exactly when the

@@ -619,7 +619,7 @@ class LayeredCache(LifecycleMixin, ValueChecks):
         if not set(live) <= set(spec):
             raise CacheFileError(f"state: layer {i} counts buffers {sorted(live)}, the configuration has "
                                  f"{sorted(spec)}")
-        rows = batch * self.num_kv_heads
+        rows, evicted = batch * self.num_kv_heads, int(meta.get("n_evicted", 0))
         bufs = {}
         for n, (width, dtype, fixed) in spec.items():
             key = f"layers.{i}.{n}"
@@ -630,24 +630,26 @@ class LayeredCache(LifecycleMixin, ValueChecks):
             if t.dtype != np.dtype(dtype) or t.shape != (rows, nl, width):
                 raise CacheFileError(f"tensors: {key} is {t.dtype} {t.shape}, the configuration expects "
                                      f"{np.dtype(dtype)} {(rows, nl, width)}")
-            limit = None if fixed is None else self._fixed_limit(n, fixed, seq_len)
+            limit = None if fixed is None else self._fixed_limit(n, fixed, seq_len, evicted)
             if limit is not None and nl > limit:
                 raise CacheFileError(f"tensors: {key} holds {nl} tokens, more than its capacity {limit}")
             bufs[n] = (t, nl, fixed)
         if meta.get("n_evicted", 0) and self.layer_windows[i] is None:
             raise CacheFileError(f"state: layer {i} has evicted tokens but is not a sliding-window layer")
-        self._check_counters(i, seq_len, {k: v for k, v in meta.items() if k != "n_evicted"}, live)
+        self._check_counters(i, seq_len, {k: v for k, v in meta.items() if k != "n_evicted"}, live, evicted)
         return seq_len, batch, dict(meta), {n: int(v) for n, v in live.items()}, bufs
 
-    def _fixed_limit(self, name: str, fixed: int, seq_len: int) -> int:
+    def _fixed_limit(self, name: str, fixed: int, seq_len: int, evicted: int = 0) -> int:
         """Most tokens buffer ``name`` (of spec capacity ``fixed``) can hold in a layer storing
-        ``seq_len`` tokens: ``fixed`` (a cache whose window grows with the history says more)."""
+        ``seq_len`` tokens after evicting ``evicted``: ``fixed`` (a cache whose window grows
+        with the history says more)."""
         return fixed
 
-    def _check_counters(self, i: int, seq_len: int, meta: dict[str, int], live: dict[str, Any]) -> None:
-        """``CacheFileError`` unless a restored layer's counters (without ``n_evicted``) and
-        live counts describe a state the cache can reach (kernels trust them).  Here: every
-        buffer holds ``seq_len`` tokens, so there are none."""
+    def _check_counters(self, i: int, seq_len: int, meta: dict[str, int], live: dict[str, Any],
+                        evicted: int = 0) -> None:
+        """``CacheFileError`` unless a restored layer's counters (without ``n_evicted``, given
+        as ``evicted``) and live counts describe a state the cache can reach (kernels trust
+        them).  Here: every buffer holds ``seq_len`` tokens, so there are none."""
         if meta or live:
             raise CacheFileError(f"state: layer {i} of a {type(self).__name__} has counters {meta} / {live}")
 

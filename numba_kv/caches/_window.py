@@ -5,8 +5,9 @@ Per layer the cache stores, in token order, ``n_sink`` sink tokens (the first ``
 of a global layer, kept exact for good), ``n_comp`` compressed tokens and ``n_win`` window
 tokens (the newest, at most ``R``, kept exact until they leave the window).  ``R`` is
 ``residual_length``, or with ``residual_fraction = f > 0`` it grows with the history:
-``R(t) = max(residual_length, floor(f·t))`` after a store that brings the layer to ``t``
-stored tokens (:func:`window_capacity`).  Since ``f < 1``, ``R`` grows by less than one
+``R(t) = max(residual_length, floor(f·t))`` after a store that brings the layer's history
+to ``t`` tokens (positions seen: on a sliding layer more than it stores, so its window grows
+over all it stores; :func:`window_capacity`).  Since ``f < 1``, ``R`` grows by less than one
 token per token stored, so the new tokens always cover the growth and no compressed token
 ever comes back; a store evicts the oldest window tokens down to ``R(t)``.  The exact
 tokens live in buffers ``<side>_exact`` ``[rows, >= S + R, head_dim]`` (sinks at
@@ -70,12 +71,14 @@ def fraction_ratio(fraction: float) -> tuple[int, int]:
 
 def window_capacity(tokens: int, residual: int, ratio: tuple[int, int] = (0, 1)) -> int:
     """Window tokens ``R(t) = max(residual, floor(t·num/den))`` after a store that brings a
-    layer to ``t = tokens`` stored tokens (sinks included; the window excludes them).
+    layer's history to ``t = tokens`` tokens (positions seen, sinks included; the window
+    excludes the sinks).
 
     Parameters
     ----------
     tokens : int
-        Tokens the layer stores after the store (on a sliding layer: what it still stores).
+        Tokens of the layer's history after the store (on a sliding layer more than it
+        stores: the window may hold all it stores).
     residual : int
         ``residual_length``: the window's floor.
     ratio : tuple of int
@@ -248,7 +251,7 @@ class ExactWindow:
         Store int8 vectors rotated over the whole head (``head_dim`` a power of two ≤ 512)
         or per 32-block, or unrotated (``None``); no effect on float buffers.
     residual_fraction : float
-        ``f``: the window holds up to ``max(R, floor(f·t))`` tokens at ``t`` stored tokens
+        ``f``: the window holds up to ``max(R, floor(f·t))`` tokens at ``t`` tokens of history
         (:func:`window_capacity`).
     """
 
@@ -290,13 +293,15 @@ class ExactWindow:
         return self.sink_tokens + self.residual_length
 
     def window_at(self, tokens: int) -> int:
-        """The window's capacity at ``tokens`` stored tokens (:func:`window_capacity`)."""
+        """The window's capacity at ``tokens`` tokens of history (:func:`window_capacity`)."""
         return window_capacity(tokens, self.residual_length, self.ratio)
 
-    def reserve(self, st: LayerState, sinks: int, tokens: int) -> int:
-        """The window's capacity ``R`` after a store that brings the layer to ``tokens``
-        stored tokens, with the layer's exact buffers grown (when allocated and too short) to
-        hold its ``sinks`` and ``R`` window tokens.
+    def reserve(self, st: LayerState, sinks: int, tokens: int, stored: int | None = None) -> int:
+        """The window's capacity ``R`` after a store that brings the layer's history to
+        ``tokens`` tokens (positions seen) and its store to ``stored`` tokens (default
+        ``tokens``; fewer on a sliding layer that evicted), with the layer's exact buffers grown
+        (when allocated and too short) to hold its ``sinks`` and ``min(R, stored)`` window
+        tokens: a sliding layer's window may outgrow what it stores, its buffers never do.
 
         Growth follows :func:`~numba_kv.caches._layer.grown_capacity` (``S + R`` plus a
         quarter, at least 128 tokens, by default): amortized, not once per token.  The grown
@@ -306,12 +311,13 @@ class ExactWindow:
         if not self.ratio[0]:  # a fixed window (every store of a decode step passes here)
             return self.residual_length
         r = window_capacity(tokens, self.residual_length, self.ratio)
+        held = min(r, tokens if stored is None else stored)
         bufs = st.buffers
         ex = bufs.get("k_exact")
-        if ex is None or int(ex.shape[1]) >= sinks + r:
+        if ex is None or int(ex.shape[1]) >= sinks + held:
             return r
         live = st.meta.get("n_sink", 0) + st.meta.get("n_win", 0)  # sinks at the front, the window after them
-        length = self.sink_tokens + grown_capacity(r)
+        length = self.sink_tokens + grown_capacity(held)
         grown = {}
         for key in ("k_exact", "v_exact", "k_exact_scale", "v_exact_scale"):
             if key in bufs:
@@ -538,19 +544,22 @@ class WindowedLayers:
 
     _window: ExactWindow
 
-    def _fixed_limit(self, name: str, fixed: int, seq_len: int) -> int:
-        """An exact buffer holds up to ``S + R(seq_len)`` tokens (more than its spec's
-        ``S + residual_length`` once a growing window outgrew it); other buffers ``fixed``."""
+    def _fixed_limit(self, name: str, fixed: int, seq_len: int, evicted: int = 0) -> int:
+        """An exact buffer holds up to ``S + R(seq_len + evicted)`` tokens (more than its
+        spec's ``S + residual_length`` once a growing window outgrew it); other buffers
+        ``fixed``."""
         if name.endswith(("_exact", "_exact_scale")):
-            return self.sink_tokens + self._window.window_at(seq_len)
+            return self.sink_tokens + self._window.window_at(seq_len + evicted)
         return fixed
 
-    def _check_counters(self, i: int, seq_len: int, meta: dict[str, int], live: dict[str, Any]) -> None:
+    def _check_counters(self, i: int, seq_len: int, meta: dict[str, int], live: dict[str, Any],
+                        evicted: int = 0) -> None:
         window = self.layer_windows[i]
         n_sink, n_comp, n_win = (meta.get(k, 0) for k in ("n_sink", "n_comp", "n_win"))
-        # every state a store or crop leaves has n_win <= R(seq_len): a store evicts down to it,
-        # and a crop by d tokens lowers R by at most d (floor(f·t) grows by < 1 per token)
-        S, R = (0 if window is not None else self.sink_tokens), self._window.window_at(seq_len)
+        # every state a store or crop leaves has n_win <= R(seen), seen = seq_len + evicted: a store
+        # evicts down to it, a sliding eviction only lowers n_win, and a crop by d tokens lowers R
+        # by at most d (floor(f·t) grows by < 1 per token)
+        S, R = (0 if window is not None else self.sink_tokens), self._window.window_at(seq_len + evicted)
         ok = n_sink + n_comp + n_win == seq_len and n_sink <= S and n_win <= R and (n_sink == S or n_comp + n_win == 0)
         if not self.windowed:
             ok = ok and n_comp == seq_len

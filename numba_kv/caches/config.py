@@ -63,7 +63,7 @@ def _check_fraction(value: Any) -> float:
     # (NaN fails both comparisons.)  Below 1, floor(f·t) grows by less than a token per token
     # stored, so a store never needs a compressed token back in the window
     if not 0.0 <= float(value) < 1.0:
-        raise ValueError(f"residual_fraction: expected a fraction of the stored tokens in [0, 1) (0: a window "
+        raise ValueError(f"residual_fraction: expected a fraction of the history in [0, 1) (0: a window "
                          f"of residual_length tokens), got {value!r}")
     return float(value)
 
@@ -99,7 +99,8 @@ class PolarQuantConfig:
         Newest / first tokens kept uncompressed (``>= 0``).
     residual_fraction : float
         ``0 <= f < 1``: the window grows with the history.  After a store that brings a
-        layer to ``t`` stored tokens (sinks included) it holds up to
+        layer's history to ``t`` tokens (positions seen, sinks included; a sliding layer's
+        window thus grows over all the tokens it stores) it holds up to
         ``R(t) = max(residual_length, floor(f·t))`` tokens besides the sinks
         (:func:`~numba_kv.caches._window.window_capacity`; ``f`` is taken as the nearest
         fraction with a denominator ``<= 10**6``, so ``0.07`` is exactly 7/100).  0 (default):
@@ -300,7 +301,8 @@ class PolarQuantConfig:
 
     def window_tokens(self, tokens: int) -> int:
         """Window capacity ``R(t) = max(residual_length, floor(f·t))`` after a store that brings
-        a layer to ``t`` stored tokens (:func:`~numba_kv.caches._window.window_capacity`)."""
+        a layer's history to ``t`` tokens (positions seen: on a global layer the tokens it
+        stores; :func:`~numba_kv.caches._window.window_capacity`)."""
         return window_capacity(tokens, self.residual_length, self.residual_ratio)
 
     # -- bytes (the one formula: caches, presets and the evaluation simulator use it) ---------
@@ -335,11 +337,11 @@ class PolarQuantConfig:
         return (4 * d if side == "k" and self.key_center else 0) + (2 * d if self.outlier_channels else 0)
 
     def stored_bytes(self, tokens: int, *, sinks: int | None = None, residual: int | None = None,
-                     sides: tuple[str, ...] = ("k", "v")) -> int:
+                     sides: tuple[str, ...] = ("k", "v"), seen: int | None = None) -> int:
         """Bytes one row (one batch row × KV head) of a layer stores holding ``tokens`` tokens.
 
         ``min(tokens, sinks + R)`` tokens sit in the window (:attr:`window_vector_bytes`
-        each), ``R = max(residual, floor(f·tokens))`` with ``f = residual_fraction``
+        each), ``R = max(residual, floor(f·seen))`` with ``f = residual_fraction``
         (:meth:`window_tokens`), the rest are compressed (:meth:`vector_bytes`), plus the
         per-layer constants (:meth:`row_constant_bytes`) once the layer holds a token.
         These are the bytes of a layer filled by stores (a crop drops window tokens; the
@@ -349,6 +351,9 @@ class PolarQuantConfig:
         ----------
         tokens : int
             Tokens the layer stores (a sliding layer: at most its window).
+        seen : int, optional
+            Tokens of its history, which set a growing window (default ``tokens``; a sliding
+            layer: the positions seen, of which it stores the last ``tokens``).
         sinks, residual : int, optional
             Window sizes (default: ``sink_tokens`` / ``residual_length``; a sliding layer keeps
             no sinks, pass ``sinks=0``).
@@ -359,7 +364,8 @@ class PolarQuantConfig:
             return 0
         sinks = self.sink_tokens if sinks is None else sinks
         residual = self.residual_length if residual is None else residual
-        n_exact = min(tokens, sinks + window_capacity(tokens, residual, self.residual_ratio))
+        seen = tokens if seen is None else seen
+        n_exact = min(tokens, sinks + window_capacity(seen, residual, self.residual_ratio))
         return sum((tokens - n_exact) * self.vector_bytes(side) + n_exact * self.window_vector_bytes
                    + self.row_constant_bytes(side) for side in sides)
 

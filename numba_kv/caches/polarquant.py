@@ -85,7 +85,8 @@ class PolarQuantCache(HeadNormMixin, FusedDecodeMixin, WindowedLayers, LayeredCa
     residual_fraction : float
         ``0 <= f < 1`` (default 0): a window that grows with the history, so that the
         cache's bits/value stays at its budget at every length.  After a store that brings
-        a layer to ``t`` stored tokens (sinks included) the window holds up to
+        a layer's history to ``t`` tokens (positions seen, sinks included; a sliding layer's
+        window thus grows over all the tokens it stores) the window holds up to
         ``max(residual_length, floor(f·t))`` tokens besides the sinks; a store compresses
         the oldest window tokens beyond that (a compressed token never comes back).  The
         window buffers grow by the cache's growth rule.  At 8K tokens on SmolLM2-135M a
@@ -524,7 +525,10 @@ class PolarQuantCache(HeadNormMixin, FusedDecodeMixin, WindowedLayers, LayeredCa
         n_sink, n_comp, n_win = layer_counts(st)
         S = self._sinks(st)
         # without a window every token is compressed; a growing window's buffers grow first
-        plan = plan_store(n, st.seq_len, n_win, S, self._window.reserve(st, S, st.seq_len + n)) \
+        # the window's capacity follows the history (positions seen), so a sliding layer's window
+        # can grow over all it stores
+        plan = plan_store(n, st.seq_len, n_win, S, self._window.reserve(st, S, st.seq_len + st.evicted + n,
+                                                                       st.seq_len + n)) \
             if self._windowed else None
         if plan is not None and self._store_window8_head(st, k, v, plan, S, n_sink, n_comp):
             st.meta.update(n_comp=n_comp + plan.compressed, n_sink=n_sink + plan.sinks,

@@ -15,7 +15,7 @@ One cache is written ::
 * ``-rR`` / ``-sS``: the compact window form (``residual_length=R``, ``sink_tokens=S``), the
   form of a cache's own ``name``.  ``-gG``: a window that grows to ``G`` % of the history
   (``residual_fraction=G/100``; ``G`` a decimal, ``-g7.5``): ``pqo3-r44-g7-s4`` keeps at
-  least 44 tokens, ``floor(0.07·t)`` at ``t`` stored tokens once that is more.
+  least 44 tokens, ``floor(0.07·t)`` at ``t`` tokens of history once that is more.
 * ``KEY=VALUE``: a keyword option of the cache class; ``r`` and ``s`` abbreviate
   ``residual_length`` and ``sink_tokens``; values read as bool (``true``/``false``), int,
   float or str.

