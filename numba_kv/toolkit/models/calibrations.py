@@ -2,10 +2,10 @@
 
 A preset such as ``kv3`` is sized for any geometry, but below 4 bits a model's KV heads differ
 enough that per-head widths measured on that model (``head_overrides``, the files of
-``numba_kv/caches/calibrations``) decide whether it meets its targets: on SmolLM2-135M plain
-``kv3`` misses top-1 ≥ 0.95 at 1,024 tokens (0.947) and a 4K needle that dense retrieves,
-``kv3`` with the shipped ``kv3-smollm2-135m-retrieval`` widths meets both (the benchmarks page,
-"Below 4 bits").  So the toolkit, which knows the model, gives a preset the model's shipped
+``numba_kv/caches/calibrations``) move its quality: on SmolLM2-135M plain ``kv3`` misses
+top-1 ≥ 0.95 at 1,024 tokens (0.947), ``kv3`` with the shipped ``kv3-smollm2-135m-retrieval``
+widths passes it (0.953) and has the lower KL at 1K and 8K (the benchmarks page, "Below 4
+bits", which also has the needles neither finds).  So the toolkit, which knows the model, gives a preset the model's shipped
 calibration whenever the cache names none — visibly: the cache's label and JSON carry
 ``head_overrides=@NAME``.  ``--no-calibration`` (command line) or ``calibrate=False``
 (:meth:`~numba_kv.toolkit.models.LlamaModel.new_cache`) keeps the plain preset.  The library's
