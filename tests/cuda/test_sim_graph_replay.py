@@ -160,7 +160,7 @@ def test_steady_steps_launch_the_same_kernels_with_the_same_arguments(mode):
 
 #: the partition size of the boundary test (the simulator's 64 would take ~60 simulated steps
 #: to cross a boundary) and the spare capacity its prefill leaves
-PART, SPARE, CROSSING_STEPS = 8, 16, 8
+PART, SPARE, CROSSING_STEPS = 8, 16, 6
 
 
 @pytest.mark.cuda
@@ -194,6 +194,11 @@ def test_steps_crossing_a_partition_boundary_launch_the_same_arguments(mode, mon
     assert len(logs[0]) == 3, [x[0] for x in logs[0]]
     for before, after in zip(logs, logs[1:]):
         assert not _differences(before, after)
+    # the partitions cover the codes' capacity (then the window's exact tokens), one warp or
+    # block each along the grid's y axis (the simulator's blocks are one warp)
+    name, grid, *_ = logs[-1][-1]
+    n_exact = st.meta["n_sink"] + st.meta["n_win"]
+    assert "decode_attention" in name and grid[1] == -(-st.capacity // PART) + -(-n_exact // PART), (name, grid)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
