@@ -23,9 +23,11 @@ passed relative to it, and copies it into slot 0; the pair quantization,
 as 0).  :data:`STEP_VARIANT`, the arguments that still change per step, is now empty for
 both modes and may only stay so (``docs/guide/decode.md``, "Towards a step replayable as a
 CUDA graph").
-Also recaptured by design, not checked here: a step whose partition count changes (every
-``partition_size`` compressed tokens: the grid, the partition count and the plan's
-workspace change), a step that grows a buffer (its capacity doubles: new addresses) and the
+A step whose count crosses a multiple of the partition size launches the same too: the
+partition kernel's grid, partition count and the plan's workspace follow the codes'
+capacity, the partitions past the live count storing empty partials
+(:func:`test_steps_crossing_a_partition_boundary_launch_the_same_arguments`).  Recaptured by
+design, not checked here: a step that grows a buffer (new addresses, a new capacity) and the
 steps that fill the window.
 
 The outputs are still the CPU twin's (``test_sim_step_budget.py``'s check).
@@ -110,6 +112,26 @@ def _pointer(arr) -> int:
     return _simulated_memory(arr).__array_interface__["data"][0]
 
 
+def _replayed_steps(cache, twin, attend, rng, shapes: tuple, steps: int, warmup: int = WARMUP):
+    """Run ``steps`` decode steps through the caller's fixed device buffers (``k``, ``v``,
+    ``q`` copied in, ``out=``), each checked against the CPU twin; returns the launch logs of
+    the steps after ``warmup`` and the buffers ``(dk, dv, dq, dout)``."""
+    dk, dv, dq = (to_device(np.zeros(s, np.float32)) for s in shapes)
+    dout = to_device(np.zeros(shapes[2], np.float32))
+    logs = []
+    for i in range(steps):
+        host = tuple(rng.standard_normal(s).astype(np.float32) for s in shapes)
+        for buf, x in zip((dk, dv, dq), host):
+            buf.copy_to_device(x)
+        with record_launches() as log:
+            out = cache.decode(0, dk, dv, dq, attend, out=dout).out
+        assert out is dout
+        np.testing.assert_allclose(to_host(out), twin.decode(0, *host, attend).out, rtol=1e-5, atol=1e-6)
+        if i >= warmup:
+            logs.append(log)
+    return logs, (dk, dv, dq, dout)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", MODES)
 def test_steady_steps_launch_the_same_kernels_with_the_same_arguments(mode):
@@ -120,19 +142,7 @@ def test_steady_steps_launch_the_same_kernels_with_the_same_arguments(mode):
     cache, twin, attend = steady_layer(mode, rng, h, g, d)  # the window full: every step flushes a token
     shapes = ((1, h, 1, d), (1, h, 1, d), (1, h * g, 1, d))
     # the caller's fixed buffers: each step's tokens are copied into them (as into a graph's inputs)
-    dk, dv, dq = (to_device(np.zeros(s, np.float32)) for s in shapes)
-    dout = to_device(np.zeros((1, h * g, 1, d), np.float32))
-    logs = []
-    for i in range(WARMUP + STEPS):
-        host = tuple(rng.standard_normal(s).astype(np.float32) for s in shapes)
-        for buf, x in zip((dk, dv, dq), host):
-            buf.copy_to_device(x)
-        with record_launches() as log:
-            out = cache.decode(0, dk, dv, dq, attend, out=dout).out
-        assert out is dout
-        np.testing.assert_allclose(to_host(out), twin.decode(0, *host, attend).out, rtol=1e-5, atol=1e-6)
-        if i >= WARMUP:
-            logs.append(log)
+    logs, buffers = _replayed_steps(cache, twin, attend, rng, shapes, WARMUP + STEPS)
     assert len(logs[0]) == 3, [x[0] for x in logs[0]]  # the step budget's 3 launches
     launched = {x[0] for x in logs[0]}
     for before, after in zip(logs, logs[1:]):
@@ -143,9 +153,52 @@ def test_steady_steps_launch_the_same_kernels_with_the_same_arguments(mode):
     # the caller's buffers are what the kernels read and write, by address: no staging copies
     addresses = {rec[1] for *_, args in logs[-1] for rec in args.values()
                  if isinstance(rec, tuple) and rec and rec[0] == "device"}
-    assert {_pointer(x) for x in (dk, dv, dq, dout)} <= addresses
+    assert {_pointer(x) for x in buffers} <= addresses
     assert not any(rec[0] == "host" for *_, args in logs[-1] for rec in args.values()
                    if isinstance(rec, tuple) and rec and isinstance(rec[0], str))
+
+
+#: the partition size of the boundary test (the simulator's 64 would take ~60 simulated steps
+#: to cross a boundary) and the spare capacity its prefill leaves
+PART, SPARE, CROSSING_STEPS = 8, 16, 6
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", MODES)
+def test_steps_crossing_a_partition_boundary_launch_the_same_arguments(mode, monkeypatch):
+    """The partition kernel's grid, partition count and workspace follow the codes' capacity,
+    not the live count: steps whose compressed tokens cross a multiple of the partition size
+    (``PART``) launch the same kernels with the same arguments (the partitions past the live
+    count store empty partials, which the merge skips), with the outputs still the CPU
+    twin's.  Only a step that grows the buffers re-plans (new addresses: a recapture)."""
+    if not simulator_enabled():
+        pytest.skip("records the simulator's kernel launches")
+    from numba_kv import _config
+    from numba_kv.ops.attention import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "default_partition_size", lambda *a, **k: PART)
+    rng = np.random.default_rng(33)
+    h, g, d = 2, 2, 64
+    # a prefill that leaves SPARE tokens of capacity: the decode steps below grow nothing
+    with _config.knobs(growth_fraction=0.0, growth_min_extra=SPARE):
+        cache, twin, attend = steady_layer(mode, rng, h, g, d)
+    st = cache._layers[0]
+    buffers, n_comp0 = st.buffers, st.meta["n_comp"]
+    assert st.capacity >= st.seq_len + CROSSING_STEPS
+    shapes = ((1, h, 1, d), (1, h, 1, d), (1, h * g, 1, d))
+    logs, _ = _replayed_steps(cache, twin, attend, rng, shapes, CROSSING_STEPS)
+    assert st.buffers is buffers  # no growth in between
+    # the recorded steps attend over n_comp0 + WARMUP + 1 … n_comp0 + CROSSING_STEPS
+    # compressed tokens: across a partition boundary
+    assert (n_comp0 + WARMUP) // PART < (n_comp0 + CROSSING_STEPS - 1) // PART
+    assert len(logs[0]) == 3, [x[0] for x in logs[0]]
+    for before, after in zip(logs, logs[1:]):
+        assert not _differences(before, after)
+    # the partitions cover the codes' capacity (then the window's exact tokens), one warp or
+    # block each along the grid's y axis (the simulator's blocks are one warp)
+    name, grid, *_ = logs[-1][-1]
+    n_exact = st.meta["n_sink"] + st.meta["n_win"]
+    assert "decode_attention" in name and grid[1] == -(-st.capacity // PART) + -(-n_exact // PART), (name, grid)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])

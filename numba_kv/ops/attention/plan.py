@@ -394,7 +394,7 @@ class FlatStep:
     """
 
     __slots__ = ("_bound", "_exact_rotated", "_host", "_kernel", "_merge_static", "_mid", "_no_qjl", "_out_shape",
-                 "_scale", "comp_pos0", "plan")
+                 "_scale", "capacity", "comp_pos0", "plan")
 
     def __init__(self, plan: AttentionPlan, kc: Any, ks: Any, vc: Any, vs: Any, comp_pos0: int, ke: Any, ve: Any,
                  exact_pos: Any, head_signs: Any, exact_rotated: bool, exact_scales: tuple | None,
@@ -404,6 +404,9 @@ class FlatStep:
                        None if exact_scales is None else exact_scales[0],
                        None if exact_scales is None else exact_scales[1])
         kernel = plan.kernel
+        #: the compressed tokens the bound codes hold room for: the partitions of a step that
+        #: reads its count on the device cover them all (:meth:`run`)
+        self.capacity = int(kc.shape[1])
         if plan.variant == "mma":  # the tensor-core kernel reads the codes as 32-bit words
             words = mma_operands(kc, ks, vc, vs, flat=True)
             if words is None:
@@ -477,23 +480,32 @@ class FlatStep:
         n_comp_dev : int32 array ``[1]``, optional
             On the plan's device, holding ``n_comp`` when the kernel runs (written there by an
             earlier launch of the step): the kernel reads the count from it instead of an
-            argument that changes every step (``n_comp`` still sizes the partitions; a CUDA
-            graph replays the launch, issue 27).  Not on the host's one-call path.
+            argument that changes every step (a CUDA graph replays the launch, issue 27).  The
+            partition size, the compressed partitions and so the grid and the workspace then
+            follow the codes' :attr:`capacity`, not ``n_comp``: the partitions past the live
+            count (read on the device) store empty partials (``m = -inf``), which the merge
+            skips, and still count their arrival for the last-block merge, so the launch stays
+            the same until the codes grow (new addresses: bound again).  Not on the host's
+            one-call path.
         """
         plan = self.plan
         n_comp, n_exact = int(n_comp), int(n_exact)
         kernel = self._kernel
+        if n_comp <= 0 and n_exact <= 0:
+            raise ValueError("k: expected at least one stored token to attend over, got none")
+        # the compressed token space the partitions cover: the live tokens, or (the count on
+        # the device) every slot of the codes, so that neither the partition count nor the
+        # grid changes when the count crosses a partition boundary (a CUDA graph; issue 27)
+        n_span = n_comp if n_comp_dev is None else max(self.capacity, n_comp)
         if part_size is None:
-            n_tok = n_comp if n_comp > n_exact else n_exact
+            n_tok = n_span if n_span > n_exact else n_exact
             # on the CPU a row of at most 4 tiles is one partition whatever the thread count
             # (default_partition_size's floor): no thread-count read for short caches
             part_size = 4 * TILE if n_tok <= 4 * TILE and plan.device == _backend.CPU else \
                 plan.partition_size(n_tok, kernel)
         part_size = int(part_size)
-        n_cp = -(-n_comp // part_size)
+        n_cp = -(-n_span // part_size)
         n_ep = -(-n_exact // part_size)
-        if n_cp + n_ep == 0:
-            raise ValueError("k: expected at least one stored token to attend over, got none")
         n_parts = n_cp + n_ep
         parts = plan.workspace(qr, n_parts)
         last, scale32 = self._scale
