@@ -41,7 +41,9 @@ page with the deferred range records and the length update folded in
 :func:`~numba_kv.ops.page_index.page_run_rows_into`); the device copy of a layer's page table
 is kept and its last-page length grown in place (:func:`~numba_kv.ops.page_index.add_at`, or
 inside that launch); it is uploaded again only when pages change hands (a new page, crop,
-fork, free).
+fork, free).  Within a page such a step launches the same arguments every time (a CUDA
+graph could replay it): the append reads its write slot from that last-page length instead
+of taking it by value; the step that opens a page is a recapture point.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ from ..ops.gather import to_like
 from ..ops.page_index import add_at
 from ._layer import check_q_values
 from ._paged_lifecycle import OutOfPagesError, PagedLifecycleMixin
-from ._paged_write import PagedStorageMixin
+from ._paged_write import SMALL_WRITE, PagedStorageMixin
 from ._values import ValueChecks
 from .config import DEFAULT_PAGE_SIZE, PagedConfig
 from .config import PAGED_STORAGES as STORAGES
@@ -481,10 +483,15 @@ class PagedKVCache(PagedStorageMixin, PagedLifecycleMixin, ValueChecks):
             if planes is not None:
                 # the cached device table's last-page length grows in the write's launch
                 grow = self._note_append(layer, sid, n, bool(new_pages))
+                t0 = slot
+                if grow is not None and slot and n <= SMALL_WRITE:
+                    # a graph-replayable step (issue 27): the slot (> 0: the last page has room)
+                    # is that length, read on the device where the previous launch advanced it
+                    grow, t0 = (*grow, grow[1]), 0
                 todo = pending[:]
                 pending.clear()  # taken: folded into the launch below, or launched by folded()
                 with self._deferred_record().folded(todo) if todo else contextlib.nullcontext() as ranges:
-                    quantize_pair_into(xk, xv, *planes, slot, self.codebooks["k"], self.codebooks["v"], True,
+                    quantize_pair_into(xk, xv, *planes, t0, self.codebooks["k"], self.codebooks["v"], True,
                                        ranges=ranges, add_at=grow)
             else:
                 self._write_kv(xk, xv, self._append_rows(xk, pages, cur, n, dev))

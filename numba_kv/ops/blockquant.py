@@ -274,7 +274,9 @@ def _quantize_pair_cuda(xk, xv, signs, kbounds, kcents, kbits, vbounds, vcents, 
     the write offset is ``t0 + lens[ri]`` and thread 0 writes ``lens[li] = lens[ri] + delta``
     (a layer's device count of compressed tokens, before and after the step: no offset
     argument that changes every step, issue 27; ``ri != li``, so no thread reads what the
-    launch writes)."""
+    launch writes).  ``ri == li`` (a paged append's write slot, its last-page length, read and
+    advanced in place) needs a launch of one block: a barrier orders every thread's read
+    before thread 0's write."""
     rows, seq, d = xk.shape
     base = int64(lens[ri]) if ri >= 0 else int64(0)
     t0 = t0 + base
@@ -295,6 +297,8 @@ def _quantize_pair_cuda(xk, xv, signs, kbounds, kcents, kbits, vbounds, vcents, 
     fold_absbits_dev(u0, m0, o0, start, nt)
     fold_absbits_dev(u1, m1, o1, start, nt)
     fold_absbits_dev(u2, m2, o2, start, nt)
+    if li >= 0 and ri == li:  # uniform: the launch is then one block (quantize_pair_into)
+        cuda.syncthreads()  # every thread has read lens[ri] before thread 0 advances it
     if li >= 0 and start == 0:
         lens[li] = int32((base if ri >= 0 else lens[li]) + delta)
 
@@ -350,7 +354,10 @@ def quantize_pair_into(xk3: Any, xv3: Any, kcodes: Any, kscales: Any, vcodes: An
     bookkeeping): ``ranges``, deferred range records as
     :meth:`~numba_kv.ops.finite.DeferredRange.folded` gives them, and ``add_at``
     ``(lens, i, delta)``: ``lens[i] += delta`` (int32, on the device), or ``(lens, i, delta,
-    r)``: the offset is ``t0 + lens[r]`` and ``lens[i] = lens[r] + delta`` (``r != i``)."""
+    r)``: the offset is ``t0 + lens[r]`` and ``lens[i] = lens[r] + delta``.  With ``r == i``
+    (a paged append's slot, read from the last-page length it advances: no offset that
+    changes every step, issue 27) the CUDA launch is one block, so that a barrier can order
+    the reads before the write (a decode step's few tokens: a block's threads cover them)."""
     rows, seq, d = xk3.shape
     if rows == 0 or seq == 0:
         return
@@ -362,19 +369,22 @@ def quantize_pair_into(xk3: Any, xv3: Any, kcodes: Any, kscales: Any, vcodes: An
             c(xk3, vcb.boundaries), c(xk3, vcb.centroids), vcb.bits, kcb.norm_mode == "l2", bool(unbiased),
             np.float32(kcb.ref), np.float32(-1.0 if outlier else 1.0), int(t0), kcodes, kscales, vcodes, vscales,
             *(no_fold(xk3) if ranges is None else ranges),
-            *count_args(xk3, add_at))
-    _QUANTIZE_PAIR.launch(_backend.device_of("xk3", xk3), 2 * rows * seq * (d // 32), *args,
-                          work=2 * rows * seq * d)
+            *count_args(xk3, add_at, same_slot=True))
+    n_items = 2 * rows * seq * (d // 32)
+    one_block = args[-1] >= 0 and args[-1] == args[-3]  # ri == li: read and advanced in one launch
+    _QUANTIZE_PAIR.launch(_backend.device_of("xk3", xk3), n_items, *args, work=2 * rows * seq * d,
+                          coop=(1, n_items) if one_block else None)
 
 
-def count_args(like: Any, add_at: tuple | None) -> tuple:
+def count_args(like: Any, add_at: tuple | None, same_slot: bool = False) -> tuple:
     """A pair quantization's ``(lens, li, delta, ri)`` arguments from ``add_at`` (``None``,
-    ``(lens, i, delta)`` or ``(lens, i, delta, r)``; see :func:`quantize_pair_into`)."""
+    ``(lens, i, delta)`` or ``(lens, i, delta, r)``; see :func:`quantize_pair_into`);
+    ``same_slot``: the kernel may read and write one slot (``r == i``)."""
     if add_at is None:
         return _backend.constant(like, _NO_LENS), -1, 0, -1
     lens, i, delta, *r = add_at
     ri = int(r[0]) if r else -1
-    if ri == int(i):
+    if ri == int(i) and not same_slot:
         raise ValueError(f"add_at: the slot read must differ from the slot written ({ri})")
     return lens, int(i), int(delta), ri
 

@@ -8,10 +8,17 @@ suite, so a new kernel without a simulator test fails CI).
 import numpy as np
 import pytest
 
+from numba_kv import _config
 from numba_kv._backend import to_host
 from numba_kv.ops import TWINS
 from numba_kv.ops.bitpack import pack_bits, unpack_bits
-from numba_kv.ops.blockquant import dequantize_blocks, quantize_blocks, quantize_into, quantize_pair_into
+from numba_kv.ops.blockquant import (
+    count_args,
+    dequantize_blocks,
+    quantize_blocks,
+    quantize_into,
+    quantize_pair_into,
+)
 from numba_kv.ops.codebook import get_codebook
 from numba_kv.ops.hadamard import rotate32
 from numba_kv.ops.memory import copy_prefix, copy_tokens
@@ -169,8 +176,17 @@ def _quantize_pair(rng):
             for g, w in zip(bufs, (want[0], want_s[0], want[1], want_s[1])):
                 assert np.array_equal(to_host(g), w), (mode, kb, vb)
             assert to_host(lens).tolist() == [t0 + n, 4, t0]
-    with pytest.raises(ValueError, match="the slot read must differ"):
-        quantize_pair_into(xk, xv, *want, *want_s, 0, kcb, vcb, True, add_at=(np.zeros(2, np.int32), 1, 1, 1))
+            # the offset read from, and advanced in, one slot (a paged append's last-page
+            # length): one block of 8 threads striding over the 24 blocks, the same bytes
+            bufs = [dev(np.zeros_like(a)) for a in (want[0], want_s[0], want[1], want_s[1])]
+            lens = dev(np.array([9, t0], np.int32))
+            with _config.knobs(cuda_threads_sim=8):
+                quantize_pair_into(dev(xk), dev(xv), *bufs, 0, kcb, vcb, outlier, unbiased, add_at=(lens, 1, n, 1))
+            for g, w in zip(bufs, (want[0], want_s[0], want[1], want_s[1])):
+                assert np.array_equal(to_host(g), w), (mode, kb, vb)
+            assert to_host(lens).tolist() == [9, t0 + n]
+    with pytest.raises(ValueError, match="the slot read must differ"):  # a kernel of several blocks
+        count_args(xk, (np.zeros(2, np.int32), 1, 1, 1))
     with pytest.raises(ValueError, match="vcb: expected the keys' norm mode 'maxnorm'"):
         quantize_pair_into(xk, xv, *want, *want_s, 0, get_codebook(3, "maxnorm"), get_codebook(3, "l2"), True)
 

@@ -29,6 +29,11 @@ capacity, the partitions past the live count storing empty partials
 (:func:`test_steps_crossing_a_partition_boundary_launch_the_same_arguments`).  Recaptured by
 design, not checked here: a step that grows a buffer (new addresses, a new capacity) and the
 steps that fill the window.
+A paged ``pqo3`` steady step within a page launches the same too
+(:func:`test_steady_paged_steps_launch_the_same_kernels_with_the_same_arguments`): the append
+reads its write slot from the cached device page table's last-page length, which its launch
+advances (``t0`` passed as 0; before, the slot by value, one more every step).  Recaptured: a
+step that opens a page (a new table, the new page's planes).
 
 The outputs are still the CPU twin's (``test_sim_step_budget.py``'s check).
 """
@@ -225,3 +230,54 @@ def test_flat_attention_reads_the_count_from_the_device(device):
     outs = [to_host(step.run(q3, q3, n_comp, n_exact, st.seq_len - 1, 1, d ** -0.5, n_comp_dev=counter))
             for counter in (None, put(np.array([n_comp], np.int32)))]
     np.testing.assert_array_equal(outs[0], outs[1])
+
+
+#: the paged ``pqo3`` case: its page size and the tokens its prefill stores (the recorded
+#: steps' appends stay within the first page)
+PAGED_PS, PAGED_T0 = 16, 3
+
+
+@pytest.mark.cuda
+def test_steady_paged_steps_launch_the_same_kernels_with_the_same_arguments():
+    """A paged ``pqo3`` steady step (append one token within a page, then ``decode_attention``
+    with ``out=``) through the caller's fixed buffers launches the same kernels with the same
+    arguments step to step: the append reads its write slot from the cached device table's
+    last-page length, which its launch advances; the attention reads the lengths there.
+    The step that opens a page uploads a new table (a recapture, not checked here)."""
+    if not simulator_enabled():
+        pytest.skip("records the simulator's kernel launches")
+    from numba_kv.caches.paged import PagedKVCache
+
+    rng = np.random.default_rng(34)
+    h, g, d = 2, 2, 64
+    cache, twin = (PagedKVCache(4, 1, h, d, page_size=PAGED_PS, storage="pqo3") for _ in range(2))
+    sid = cache.allocate_sequence()
+    assert twin.allocate_sequence() == sid
+    k = rng.standard_normal((h, PAGED_T0, d)).astype(np.float32)
+    cache.append(0, sid, to_device(k), to_device(k[:, ::-1].copy()))
+    twin.append(0, sid, k, k[:, ::-1].copy())
+    shapes = ((h, 1, d), (h, 1, d), (1, h * g, 1, d))
+    dk, dv, dq = (to_device(np.zeros(s, np.float32)) for s in shapes)
+    dout = to_device(np.zeros(shapes[2], np.float32))
+    logs = []
+    for i in range(WARMUP + STEPS):
+        host = tuple(rng.standard_normal(s).astype(np.float32) for s in shapes)
+        for buf, x in zip((dk, dv, dq), host):
+            buf.copy_to_device(x)
+        with record_launches() as log:
+            cache.append(0, sid, dk, dv)
+            out = cache.decode_attention(0, dq, [sid], out=dout)
+        assert out is dout
+        twin.append(0, sid, host[0], host[1])
+        np.testing.assert_allclose(to_host(out), twin.decode_attention(0, host[2], [sid]), rtol=1e-5, atol=1e-6)
+        if i >= WARMUP:
+            logs.append(log)
+    assert cache.seq_len(0, sid) == PAGED_T0 + WARMUP + STEPS <= PAGED_PS
+    assert len(logs[0]) == 3, [x[0] for x in logs[0]]  # the paged step budget's 3 launches
+    for before, after in zip(logs, logs[1:]):
+        assert not _differences(before, after)
+    addresses = {rec[1] for *_, args in logs[-1] for rec in args.values()
+                 if isinstance(rec, tuple) and rec and rec[0] == "device"}
+    assert {_pointer(x) for x in (dk, dv, dq, dout)} <= addresses
+    assert not any(rec[0] == "host" for *_, args in logs[-1] for rec in args.values()
+                   if isinstance(rec, tuple) and rec and isinstance(rec[0], str))
