@@ -5,9 +5,9 @@ enough that per-head widths measured on that model (``head_overrides``, the file
 ``numba_kv/caches/calibrations``) move its quality: on SmolLM2-135M plain ``kv3`` misses
 top-1 ≥ 0.95 at 1,024 tokens (0.947), ``kv3`` with the shipped ``kv3-smollm2-135m-retrieval``
 widths passes it (0.953) and has the lower KL at 1K and 8K (the benchmarks page, "Below 4
-bits", which also has the needles neither finds).  So the toolkit, which knows the model, gives a preset the model's shipped
-calibration whenever the cache names none — visibly: the cache's label and JSON carry
-``head_overrides=@NAME``.  ``--no-calibration`` (command line) or ``calibrate=False``
+bits", which also has the needles neither finds).  So the toolkit, which knows the model,
+gives a preset the model's shipped calibration whenever the cache names none — visibly: the
+cache's label and JSON carry ``head_overrides=@NAME``.  ``--no-calibration`` (command line) or ``calibrate=False``
 (:meth:`~numba_kv.toolkit.models.LlamaModel.new_cache`) keeps the plain preset.  The library's
 own :func:`numba_kv.make_cache` never does this: it does not know the model.
 """
