@@ -33,9 +33,19 @@ PRESET_CALIBRATIONS: Mapping[str, Mapping[str, str]] = {
 
 
 def model_key(model: Any) -> str | None:
-    """The short name (:data:`~numba_kv.toolkit.models.MODEL_NAMES`) of a ``--model``
-    argument: ``None`` is SmolLM2 (the default model), a short name is itself, a GGUF path is
-    the short name of the model file it is (``None`` for any other file)."""
+    """The short name (:data:`~numba_kv.toolkit.models.MODEL_NAMES`) of a ``--model`` argument.
+
+    Parameters
+    ----------
+    model : None, str or os.PathLike
+        ``None`` (SmolLM2, the default model), a short name, or a GGUF file.
+
+    Returns
+    -------
+    str or None
+        The short name; for a file, the short name of the model file it is, ``None`` for any
+        other (or missing) file.
+    """
     if model is None:
         return "smollm2"
     text = os.fspath(model)
@@ -57,6 +67,21 @@ def calibrated_options(name: str, options: Mapping[str, Any], key: str | None) -
     """``options`` of cache ``name`` with the model's shipped ``head_overrides`` added when
     ``name`` is a preset that has one on model ``key`` and ``options`` give none.
 
+    Parameters
+    ----------
+    name : str
+        A :func:`~numba_kv.make_cache` name (any case for a preset).
+    options : mapping
+        Its keyword options (not modified).
+    key : str or None
+        The model's short name (:func:`model_key`).
+
+    Returns
+    -------
+    dict
+        A copy of ``options``, with ``head_overrides`` (a
+        :class:`~numba_kv.caches.spec.FileOverrides` named ``@NAME``) when one applies.
+
     Examples
     --------
     >>> calibrated_options("kv3", {}, "smollm2")
@@ -74,8 +99,20 @@ def calibrated_options(name: str, options: Mapping[str, Any], key: str | None) -
 
 
 def calibrated_specs(specs: list[CacheSpec], model: Any) -> list[CacheSpec]:
-    """The ``--cache`` list with each preset given the shipped calibration of ``model`` (a
-    ``--model`` argument, :func:`model_key`) when it names none: its label then shows it
-    (``kv3:head_overrides=@kv3-smollm2-135m-retrieval``)."""
+    """The ``--cache`` list with each preset given the shipped calibration of ``model`` when
+    it names none: its label then shows it (``kv3:head_overrides=@kv3-smollm2-135m-retrieval``).
+
+    Parameters
+    ----------
+    specs : list of CacheSpec
+        The parsed ``--cache`` list.
+    model : None, str or os.PathLike
+        The ``--model`` argument (:func:`model_key`).
+
+    Returns
+    -------
+    list of CacheSpec
+        New specs, in order; the others' options unchanged.
+    """
     key = model_key(model)
     return [CacheSpec(s.name, calibrated_options(s.name, s.options, key)) for s in specs]
