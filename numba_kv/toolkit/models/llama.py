@@ -71,6 +71,7 @@ from numba_kv.caches.dense import DenseCache
 from numba_kv.caches.protocol import AttendConfig, Dequantized, DequantResult, Fused
 from numba_kv.caches.spec import make_cache
 
+from .blocks import apply_rope, attention, gelu_tanh, rms_norm, rope_tables
 from .calibrations import calibrated_options, model_key
 from .gguf_loader import LlamaConfig, LoadedGGUF, load_gguf
 
@@ -103,167 +104,39 @@ def _cache_window(cache: Any, layer: int) -> int | None:
     return None if windows is None else windows[layer]
 
 
-def gelu_tanh(x: np.ndarray) -> np.ndarray:
-    """GELU, tanh approximation ``x/2 · (1 + tanh(sqrt(2/π)(x + 0.044715 x³)))`` (float32, new array).
+class _ExactPrompt:
+    """Full-precision K/V of the tokens of one :meth:`LlamaModel.forward` call, per layer,
+    for ``prefill_attention="exact"``: each chunk's attention then reads these instead of the
+    cache's stored (for a compressed cache, dequantized) copies of the same tokens."""
 
-    Hendrycks & Gimpel, arXiv:1606.08415, eq. for the tanh approximation; what Gemma's
-    ``gelu_pytorch_tanh`` and llama.cpp's ``ggml_gelu`` compute.
-    """
-    x = np.asarray(x, dtype=np.float32)
-    inner = x * x
-    inner *= np.float32(0.044715)
-    inner += 1.0
-    inner *= x
-    inner *= np.float32(np.sqrt(2.0 / np.pi))
-    np.tanh(inner, out=inner)
-    inner += 1.0
-    inner *= x
-    inner *= np.float32(0.5)
-    return inner
+    def __init__(self, n_layers: int, n_tokens: int) -> None:
+        self.n_tokens = n_tokens
+        self.k: list[np.ndarray | None] = [None] * n_layers
+        self.v: list[np.ndarray | None] = [None] * n_layers
+        self.filled = [0] * n_layers
 
-
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """RMSNorm ``x / sqrt(mean(x²) + eps) * weight`` over the last axis.
-
-    Parameters
-    ----------
-    x : ndarray, shape ``(..., dim)``, float32
-    weight : ndarray, shape ``(dim,)``, float32
-    eps : float
-
-    Returns
-    -------
-    ndarray, shape ``(..., dim)``, float32
-    """
-    ms = np.mean(np.square(x), axis=-1, keepdims=True, dtype=np.float32)
-    return x * (1.0 / np.sqrt(ms + np.float32(eps))) * weight
-
-
-def rope_tables(positions: np.ndarray, rope_dim: int, theta: float,
-                freq_factors: np.ndarray | None = None) -> tuple:
-    """Cosine/sine tables of RoPE for absolute ``positions``.
-
-    Parameters
-    ----------
-    positions : ndarray of int, shape ``(seq,)``
-    rope_dim : int
-        Rotated dimensions per head (even).
-    theta : float
-        Frequency base; pair ``i`` rotates by ``pos · theta^(-2i/rope_dim)``.
-    freq_factors : ndarray, shape ``(rope_dim // 2,)``, optional
-        llama.cpp ``rope_freqs.weight``: the frequency of pair ``i`` is divided by it.
-
-    Returns
-    -------
-    cos, sin : ndarray, shape ``(seq, rope_dim // 2)``, float32
-    """
-    inv = theta ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
-    if freq_factors is not None:
-        inv = inv / np.asarray(freq_factors, dtype=np.float64)
-    ang = np.asarray(positions, dtype=np.float64)[:, None] * inv[None, :]
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-
-
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool = False) -> np.ndarray:
-    """Rotate adjacent pairs ``(2i, 2i+1)`` (or split halves ``(i, i + half)`` with ``neox``)
-    of the first ``2·cos.shape[1]`` dims.
-
-    Parameters
-    ----------
-    x : ndarray, shape ``(batch, heads, seq, head_dim)``, float32
-    cos, sin : ndarray, shape ``(seq, rope_dim // 2)``, float32
-        From :func:`rope_tables`.
-    neox : bool
-        Pair dim ``i`` with ``i + rope_dim/2`` (``LLAMA_ROPE_TYPE_NEOX``, HF ``rotate_half``).
-
-    Returns
-    -------
-    ndarray, same shape as ``x``, float32 (new array)
-
-    Notes
-    -----
-    ``out[2i] = x[2i]·cos − x[2i+1]·sin``, ``out[2i+1] = x[2i]·sin + x[2i+1]·cos``
-    (llama.cpp ``ggml_rope`` with ``LLAMA_ROPE_TYPE_NORM``; RoFormer, Su et al. 2021,
-    arXiv:2104.09864, eq. 34); with ``neox`` the pair of frequency ``i`` is ``(i, i + half)``.
-    """
-    half = cos.shape[1]
-    out = x.copy()
-    if neox:
-        a, b = slice(0, half), slice(half, 2 * half)
-    else:
-        a, b = slice(0, 2 * half, 2), slice(1, 2 * half, 2)
-    x0 = x[..., a]
-    x1 = x[..., b]
-    out[..., a] = x0 * cos - x1 * sin
-    out[..., b] = x0 * sin + x1 * cos
-    return out
-
-
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, softmax_scale: float, n_kv_groups: int,
-              logit_bias: np.ndarray | None = None, window: int | None = None) -> np.ndarray:
-    """Causal softmax attention of new queries over a K/V history, with GQA.
-
-    Parameters
-    ----------
-    q : ndarray, shape ``(batch, num_heads, q_len, head_dim)``, float32
-        Queries of the ``q_len`` newest positions.
-    k, v : ndarray, shape ``(batch, num_kv_heads, kv_len, head_dim)``
-        History whose last ``q_len`` entries are the new tokens.
-    softmax_scale : float
-        Multiplier of ``q·k``.
-    n_kv_groups : int
-        ``num_heads // num_kv_heads``; head ``h`` reads KV head ``h // n_kv_groups``.
-    logit_bias : ndarray, shape ``(batch, num_heads, q_len, kv_len)``, optional
-        Added to the scaled logits before softmax.
-    window : int, optional
-        Sliding window: query ``i`` also ignores keys more than ``window − 1`` positions
-        before it (it sees at most ``window`` keys, itself included).
-
-    Returns
-    -------
-    ndarray, shape ``(batch, num_heads, q_len, head_dim)``, float32
-
-    Raises
-    ------
-    ValueError
-        Inconsistent shapes (``kv_len < q_len``, head counts, bias shape).
-
-    Notes
-    -----
-    Query ``i`` sees keys ``0 .. kv_len − q_len + i`` (and, with ``window``, only the
-    last ``window`` of them).
-    """
-    b, h, t, d = q.shape
-    kb, kvh, s, kd = k.shape
-    if kvh * n_kv_groups != h or kd != d or kb != b:
-        raise ValueError(f"k: shape {k.shape} does not match q {q.shape} with n_kv_groups={n_kv_groups}")
-    if s < t:
-        raise ValueError(f"k: kv_len={s} is shorter than q_len={t}")
-    k = np.asarray(k, dtype=np.float32)
-    v = np.asarray(v, dtype=np.float32)
-    # heads of one group are contiguous: [b, kvh, g*t, d] @ [b, kvh, d, s]
-    qg = np.ascontiguousarray(q, dtype=np.float32).reshape(b, kvh, n_kv_groups * t, d)
-    scores = np.matmul(qg, k.transpose(0, 1, 3, 2)).reshape(b, h, t, s)
-    scores *= np.float32(softmax_scale)
-    if logit_bias is not None:
-        lb = np.asarray(logit_bias, dtype=np.float32)
-        if lb.shape != scores.shape:
-            raise ValueError(f"logit_bias: expected shape {scores.shape}, got {lb.shape}")
-        scores += lb
-    if window is not None and int(window) < 1:
-        raise ValueError(f"window: expected None or an int >= 1, got {window!r}")
-    if t > 1 or (window is not None and s > window):
-        qpos = (s - t + np.arange(t))[:, None]
-        kpos = np.arange(s)[None, :]
-        mask = kpos > qpos
-        if window is not None:
-            mask |= kpos <= qpos - int(window)
-        scores[..., mask] = -np.inf
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
-    out = np.matmul(scores.reshape(b, kvh, n_kv_groups * t, s), v)
-    return out.reshape(b, h, t, d)
+    def patch(self, li: int, k: np.ndarray, v: np.ndarray, res: DequantResult) -> DequantResult:
+        """Record chunk ``k``/``v`` ``[1, kv_heads, T, d]`` of layer ``li`` and return ``res``
+        with its newest rows replaced by the exact K/V of this call's tokens (its logit bias,
+        the sliding-window mask, depends on positions only and is kept)."""
+        if self.k[li] is None:
+            shape = (k.shape[0], k.shape[1], self.n_tokens, k.shape[3])
+            self.k[li] = np.empty(shape, np.float32)
+            self.v[li] = np.empty(shape, np.float32)
+        a, t = self.filled[li], k.shape[2]
+        self.k[li][:, :, a:a + t] = k
+        self.v[li][:, :, a:a + t] = v
+        self.filled[li] = a + t
+        rk, rv = _host(res.k), _host(res.v)
+        s = rk.shape[2]
+        # the protocol returns the history in position order, the newest rows last; a cache
+        # that evicts (sliding layers) returns fewer rows than were stored
+        m = min(a + t, s)
+        out_k = np.array(rk, dtype=np.float32)
+        out_v = np.array(rv, dtype=np.float32)
+        out_k[:, :, s - m:] = self.k[li][:, :, a + t - m:a + t]
+        out_v[:, :, s - m:] = self.v[li][:, :, a + t - m:a + t]
+        return DequantResult(out_k, out_v, res.logit_bias)
 
 
 # --------------------------------------------------------------------------------------
@@ -448,7 +321,7 @@ class LlamaModel:
         return ids.astype(np.int64)
 
     def step(self, tokens: Any, cache: Any, start_pos: int, use_decode: bool,
-             logits: str = "last") -> np.ndarray | None:
+             logits: str = "last", *, _exact: _ExactPrompt | None = None) -> np.ndarray | None:
         """One pass of ``T`` new tokens through all layers (one cache call per layer).
 
         Parameters
@@ -478,7 +351,7 @@ class LlamaModel:
         for li, L in enumerate(self.layers):
             cos, sin = tables[c.layer_rope_theta(li)]
             q, k, v = self._qkv(L, rms_norm(x, L.attn_norm, c.rms_eps), cos, sin)
-            self._block_rest(L, x, self._cache_attention(li, cache, q, k, v, use_decode))
+            self._block_rest(L, x, self._cache_attention(li, cache, q, k, v, use_decode, _exact))
         return self.output_logits(x, logits)
 
     def decode_layer_major(self, tokens: Any, cache: Any, start_pos: int, logits: str = "all",
@@ -576,7 +449,7 @@ class LlamaModel:
         return q, k, v
 
     def _cache_attention(self, li: int, cache: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray,
-                         use_decode: bool) -> np.ndarray:
+                         use_decode: bool, exact: _ExactPrompt | None = None) -> np.ndarray:
         """Store ``k``/``v`` of layer ``li`` in ``cache`` and attend with ``q`` (see :meth:`step`);
         the attention output ``[1, H, T, hd]`` float32, its shape checked."""
         t = q.shape[2]
@@ -599,6 +472,8 @@ class LlamaModel:
             res = cache.prefill(li, k, v, q)
             if not isinstance(res, DequantResult):
                 raise TypeError(f"cache.prefill returned {type(res).__name__}, expected DequantResult")
+            if exact is not None:
+                res = exact.patch(li, k, v, res)
             o = self._attend(q, res, window)
         expected = (1, self.config.n_heads, t, self.config.head_dim)
         if o.shape != expected:
@@ -645,7 +520,8 @@ class LlamaModel:
         return out
 
     def forward(self, tokens: Any, cache: Any, start_pos: int | None = None, *, mode: str = "prefill",
-                chunk_size: int | None = DEFAULT_CHUNK_SIZE, logits: str = "last") -> np.ndarray | None:
+                chunk_size: int | None = DEFAULT_CHUNK_SIZE, logits: str = "last",
+                prefill_attention: str = "cache") -> np.ndarray | None:
         """Feed ``tokens`` through the model, storing their K/V in ``cache``.
 
         Parameters
@@ -663,6 +539,18 @@ class LlamaModel:
             Prefill chunk; ``None`` = all tokens in one chunk.
         logits : {"last", "all", "none"}
             Logits of the last position, of every position, or none.
+        prefill_attention : {"cache", "exact"}
+            What a prefill chunk attends over.  ``"cache"`` (default): the history the
+            cache returns, so later chunks read earlier ones through the cache's codes (a
+            chunked prefill that streams into a compressed cache).  ``"exact"``: this
+            call's earlier tokens at full precision (kept aside for the call, as much
+            memory as their dense K/V), older history still through the cache — the
+            protocol of KIVI (arXiv 2402.02750) and TurboQuant (arXiv 2504.19874) and what
+            the transformers integration does: the prompt's attention runs on the
+            originals and the cache serves the decode steps.  The cache then stores the
+            codes of exactly the K/V a dense prefill computes (with ``"cache"``, later
+            chunks' K/V already carry the earlier chunks' coding error).  Only with
+            ``mode="prefill"``.
 
         Returns
         -------
@@ -672,13 +560,18 @@ class LlamaModel:
         Raises
         ------
         ValueError
-            Bad ``tokens``, ``mode``, ``chunk_size`` or ``logits``.
+            Bad ``tokens``, ``mode``, ``chunk_size``, ``logits`` or ``prefill_attention``.
         """
         ids = self.check_tokens(tokens)
         if mode not in ("prefill", "decode"):
             raise ValueError(f"mode: expected 'prefill' or 'decode', got {mode!r}")
         if logits not in ("last", "all", "none"):
             raise ValueError(f"logits: expected 'last', 'all' or 'none', got {logits!r}")
+        if prefill_attention not in ("cache", "exact"):
+            raise ValueError(f"prefill_attention: expected 'cache' or 'exact', got {prefill_attention!r}")
+        if prefill_attention == "exact" and mode != "prefill":
+            raise ValueError("prefill_attention='exact' applies to mode='prefill' only")
+        exact = _ExactPrompt(self.config.n_layers, ids.size) if prefill_attention == "exact" else None
         pos = int(cache.seq_len(0)) if start_pos is None else int(start_pos)
         if mode == "decode":
             step = 1
@@ -691,7 +584,7 @@ class LlamaModel:
             chunk = ids[a:a + step]
             last = a + step >= ids.size
             want = logits if logits == "all" else ("last" if (last and logits == "last") else "none")
-            out = self.step(chunk, cache, pos + a, use_decode=(mode == "decode"), logits=want)
+            out = self.step(chunk, cache, pos + a, use_decode=(mode == "decode"), logits=want, _exact=exact)
             if out is not None:
                 rows.append(out)
         if logits == "none":

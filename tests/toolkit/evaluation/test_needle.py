@@ -135,5 +135,30 @@ def test_cli_needle_outputs(tiny, monkeypatch, capsys, tmp_path):
     assert cli.main(["eval", "--mode", "needle", "--cache", "dense,kv4,kv5", "--lengths", "1024,2048",
                      "--depths", "10,90", "--json", str(js), "--plot", str(png), "--threads", "1"]) == 0
     assert seen["specs"] == ["dense", "kv4", "kv5"] and seen["lengths"] == [1024, 2048] and seen["depths"] == [10, 90]
+    assert seen["prefill_attention"] == "cache"
     assert json.loads(js.read_text())["schema"] == NEEDLE_SCHEMA and png.stat().st_size > 0
     assert "needle in a haystack" in capsys.readouterr().out
+
+
+def test_run_needle_exact_prefill(tiny, monkeypatch):
+    """``prefill_attention="exact"`` reaches ``generate`` and the JSON config; other values and
+    other modes are refused with the flag's name."""
+    model, tok, _ = tiny
+    seen = []
+    real = needle.generate
+
+    def spy(*args, **kw):
+        seen.append(kw["prefill_attention"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(needle, "generate", spy)
+    res = run_needle(parse_cache_specs("pqo3-r0-s0"), model=model, tokenizer=tok, haystack=HAY, lengths=[200],
+                     depths=[50], gen_tokens=2, chunk_size=64, progress=False, prefill_attention="exact")
+    assert seen == ["exact", "exact"] and res.to_json()["config"]["prefill_attention"] == "exact"
+    with pytest.raises(EvalConfigError, match="--prefill-attention: expected 'cache' or 'exact', got 'dense'"):
+        run_needle([], model=model, tokenizer=tok, haystack=HAY, lengths=[200], prefill_attention="dense")
+
+
+def test_cli_prefill_attention_only_in_needle_mode(capsys):
+    assert cli.main(["eval", "--mode", "long", "--prefill-attention", "exact"]) == 2
+    assert "--prefill-attention: only --mode needle" in capsys.readouterr().err
