@@ -132,6 +132,9 @@ class _ExactPrompt:
         # the protocol returns the history in position order, the newest rows last; a cache
         # that evicts (sliding layers) returns fewer rows than were stored
         m = min(a + t, s)
+        if m == s:  # every returned row is this call's (a fresh cache, a slid layer): no copy
+            return DequantResult(self.k[li][:, :, a + t - s:a + t], self.v[li][:, :, a + t - s:a + t],
+                                 res.logit_bias)
         out_k = np.array(rk, dtype=np.float32)
         out_v = np.array(rv, dtype=np.float32)
         out_k[:, :, s - m:] = self.k[li][:, :, a + t - m:a + t]
