@@ -14,7 +14,8 @@
 #   2. decode_step.{txt,json}: `numba-kv bench decode-step --device cuda` (dense/pqo3/kv4 at T 4K..128K, batch 1,
 #                              vs torch SDPA; DECODE_LIMIT=60)
 #   3. mma_check.log:          benchmarks/gpu_mma_check.py (tensor-core kernel: accuracy vs the CPU twin, A/B vs the
-#                              warp kernel and launch bounds, torch SDPA; MMA_LIMIT=150)
+#                              warp kernel and launch bounds, torch SDPA; MMA_LIMIT=150; OLD=REV or a folder holding
+#                              an extracted numba_kv_ab adds that build's tensor-core kernel to the A/B)
 #      attention_ab.log:       benchmarks/gpu_attention_ab.py (block vs warp kernel, launch bounds, copy bandwidth)
 #   4. tests_gpu.log:          the gpu_only and cuda tests on the real GPU (CuPy and Numba device arrays)
 #   5. pytest_bench.json:      the pytest-benchmark groups attention-cuda(-torch) and decode-step-cuda at T = 4096
@@ -61,7 +62,7 @@ stage "bench decode-step --device cuda" "${DECODE_LIMIT:-60}" "$out/decode_step.
 rows = [b.DecodeStepRow(**r) for r in json.load(open(sys.argv[1]))['rows']]; print(b.render(rows))" \
     "$out/decode_step.json" >> "$out/decode_step.txt" 2>&1 && tail -n 25 "$out/decode_step.txt"
 stage "tensor-core kernel: accuracy, A/B vs warp kernel, torch" "${MMA_LIMIT:-150}" "$out/mma_check.log" \
-    "$py" benchmarks/gpu_mma_check.py --tokens 32768,131072 --batch 1,8,32 --bits 3,4
+    "$py" benchmarks/gpu_mma_check.py --tokens 32768,131072 --batch 1,8,32 --bits 3,4 ${OLD:+--old "$OLD"}
 stage "kernel A/B" "${AB_LIMIT:-90}" "$out/attention_ab.log" \
     "$py" benchmarks/gpu_attention_ab.py
 stage "gpu tests" "${TEST_LIMIT:-200}" "$out/tests_gpu.log" \

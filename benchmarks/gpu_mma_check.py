@@ -7,15 +7,23 @@
 2. **Speed**, best of ``--repeat`` CUDA-event timings, 8 KV heads × 4 query heads, d = 128,
    one query per sequence: the tensor-core kernel, the warp kernel and torch
    ``scaled_dot_product_attention`` on float16 K/V (GQA; the best of the cuDNN and flash
-   backends), with the packed bytes per second of the fused kernels.
+   backends), with the packed bytes per second of the fused kernels.  With ``--old REV``
+   (a git revision, extracted with ``git archive`` as ``benchmarks/ab_package.py`` does) or
+   ``--old DIR`` (a folder holding such an extracted ``numba_kv_ab`` package, for a machine
+   without the repository's history), that revision's tensor-core kernel is timed as well,
+   swapped into the same registry entry (the argument list must be unchanged): the A/B of
+   an old and a new kernel build in one process.
 
-    python3 benchmarks/gpu_mma_check.py --tokens 32768,131072 --batch 1,8,32
+    python3 benchmarks/gpu_mma_check.py --tokens 32768,131072 --batch 1,8,32 [--old 2937c4b]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib
+import pathlib
+import sys
 import time
 
 import numpy as np
@@ -111,6 +119,21 @@ SHIPPED = TWINS["decode_attention_mma"].cuda
 VARIANTS = {"mma lb(128,3)": cuda.jit(SHIPPED.py_func, launch_bounds=(128, 3))}
 
 
+def load_old_kernel(old: str):
+    """The ``decode_attention_mma`` CUDA kernel of another build: ``old`` is a folder that
+    holds an extracted ``numba_kv_ab`` package, or a git revision to extract."""
+    folder = pathlib.Path(old)
+    if (folder / "numba_kv_ab" / "__init__.py").exists():
+        sys.path.insert(0, str(folder))
+        nk = importlib.import_module("numba_kv_ab")
+    else:
+        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+        from ab_package import load_old
+
+        nk = load_old(old)
+    return nk.ops.TWINS["decode_attention_mma"].cuda
+
+
 def speed(cupy, tokens, batches, bits, repeat) -> None:
     hkv, groups, d = 8, 4, 128
     rng = cupy.random.default_rng(0)
@@ -134,7 +157,7 @@ def speed(cupy, tokens, batches, bits, repeat) -> None:
                 gb = packed_bytes(t, b, nb, hkv, groups, d) / 1e9
                 cols = []
                 outs = {}
-                for name, knob, api in (("mma", 1, False), ("mma lb(128,3)", 1, False), ("warp", 0, False),
+                for name, knob, api in (("mma", 1, False), *((v, 1, False) for v in VARIANTS), ("warp", 0, False),
                                         ("mma api", 1, True)):
                     twin = TWINS["decode_attention_mma"]
                     if name in VARIANTS:
@@ -164,14 +187,17 @@ def main() -> None:
     ap.add_argument("--bits", default="3,4")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--old", default=None, help="git revision or folder of numba_kv_ab: time its mma kernel too")
     args = ap.parse_args()
+    if args.old:
+        VARIANTS["mma old"] = load_old_kernel(args.old)
     cupy = require_cupy()
     print(provenance_line(), flush=True)
     if not args.skip_accuracy:
         accuracy(cupy)
     speed(cupy, [int(x) for x in args.tokens.split(",")], [int(x) for x in args.batch.split(",")],
           [int(x) for x in args.bits.split(",")], args.repeat)
-    for name, kern in (("decode_attention_mma", SHIPPED), ("mma lb(128,3)", VARIANTS["mma lb(128,3)"]),
+    for name, kern in (("decode_attention_mma", SHIPPED), *VARIANTS.items(),
                        ("decode_attention_warp", TWINS["decode_attention_warp"].cuda)):
         try:
             print(name, "registers", list(kern.get_regs_per_thread().values()))

@@ -71,13 +71,16 @@ def test_warp_kernel_reduces_with_shuffles(name):
 @pytest.mark.ptx
 def test_mma_kernel_runs_on_tensor_cores():
     """The tensor-core kernel's PTX: ``mma.sync`` m16n8k16 with binary16 operands and float32
-    accumulators (16 per 16-token tile of keys, 16 of values, for each of the 3 code widths),
-    its binary16 pairs from ``cvt.rn.f16x2.f32`` and scaled with ``mul.rn.f16x2``, no local
-    memory (fragments, accumulators and prefetched words in registers), one block barrier
-    before the merge's (as the warp kernel's)."""
+    accumulators, transposed (8 per 16-token tile of keys, 8 of values at head_dim 128, for
+    each of the 3 code widths; the first build's query-rows-as-A layout took 16 + 16), the
+    weights moved into B fragments by two ``movmatrix`` a tile, its binary16 pairs from
+    ``cvt.rn.f16x2.f32`` and scaled with ``mul.rn.f16x2``, no local memory (fragments,
+    accumulators and prefetched words in registers), one block barrier before the merge's (as
+    the warp kernel's)."""
     ptx = kernel_ptx("decode_attention_mma", (9, 0))
     n_mma = len(re.findall(r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16\.f16\.f32\b", ptx))
-    assert n_mma == 3 * (2 * 8 + 16), n_mma
+    assert n_mma == 3 * (8 + 8), n_mma
+    assert len(re.findall(r"\bmovmatrix\.sync\.aligned\.m8n8\.trans\.b16\b", ptx)) == 2
     assert re.search(r"\bcvt\.rn\.f16x2\.f32\b", ptx) and re.search(r"\bmul\.rn\.f16x2\b", ptx)
     assert local_bytes(ptx) == 0
     assert barriers_before_merge(ptx) == (2, 1)

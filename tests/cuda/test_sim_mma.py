@@ -16,12 +16,14 @@ from numba_kv import knobs
 from numba_kv._backend import to_host
 from numba_kv.ops import attention
 from numba_kv.ops.attention import decode_attention, kernels
-from numba_kv.ops.attention.mma import reference_pair_table
+from numba_kv.ops.attention.mma import _row, _word, reference_pair_table
 from numba_kv.ops.attention.ptx import (
     half2_bits,
     hmul2,
     mma_16816,
+    movmatrix_trans,
     pack_half2,
+    shfl_idx_f32,
     shfl_xor_f32,
     shfl_xor_u32,
     unpack_half2,
@@ -68,6 +70,43 @@ def shfl_kernel(xf, xu, mask, outf, outu):
     i = cuda.threadIdx.x
     outf[i] = shfl_xor_f32(xf[i], mask)
     outu[i] = shfl_xor_u32(xu[i], mask)
+
+
+@cuda.jit
+def movmatrix_kernel(words, out):
+    i = cuda.threadIdx.x
+    out[i] = movmatrix_trans(words[i])
+
+
+@cuda.jit
+def shfl_idx_kernel(x, src, out):
+    i = cuda.threadIdx.x
+    out[i] = shfl_idx_f32(x[i], src[i])
+
+
+@pytest.mark.cuda
+def test_movmatrix_transposes_the_warps_8x8_binary16_matrix():
+    """Lane ``4r + c`` holds columns ``2c, 2c+1`` of row ``r`` (low half first); afterwards it
+    holds those of row ``r`` of the transpose.  Distinct bit patterns (NaN payloads and
+    subnormals included) must move, not be converted."""
+    m = (np.arange(64, dtype=np.uint32) * 0x9E37 + 0x7C01) & 0xFFFF  # 64 distinct 16-bit patterns
+    m = m.astype(np.uint16).reshape(8, 8)
+    words = m.reshape(32, 2).astype(np.uint32)
+    words = words[:, 0] | (words[:, 1] << 16)
+    out = to_device(np.zeros(32, np.uint32))
+    movmatrix_kernel[1, 32](to_device(words.astype(np.uint32)), out)
+    got = to_host(out).astype(np.uint32)
+    got = np.stack([got & 0xFFFF, got >> 16], axis=1).reshape(8, 8).astype(np.uint16)
+    np.testing.assert_array_equal(got, m.T)
+
+
+@pytest.mark.cuda
+def test_shfl_idx_reads_the_named_lane():
+    x = (np.arange(32, dtype=np.float32) - 11.5) * 3
+    src = ((np.arange(32) * 7 + 3) % 32).astype(np.int32)  # every lane read once, none its own
+    out = to_device(np.zeros(32, np.float32))
+    shfl_idx_kernel[1, 32](to_device(x), to_device(src), out)
+    np.testing.assert_array_equal(to_host(out), x[src])
 
 
 @pytest.mark.cuda
@@ -248,3 +287,38 @@ def test_mma_dispatch_rules():
     pool_scales = np.zeros((3, 2, 8, 4), np.uint16)
     assert attention.mma_operands(pool, pool_scales, pool, pool_scales, flat=False)[0].shape == (3, 2, 8, 12)
     assert attention.mma_operands(codes[:, :, :42], scales, codes, scales, flat=True) is None  # 42 % 4
+
+
+
+@cuda.jit
+def flat_word_kernel(arr, idx, out):
+    i = cuda.threadIdx.x
+    if i < idx.shape[0]:
+        out[i] = _word(arr, _row(arr, idx[i, 0], idx[i, 1], idx[i, 2]) + idx[i, 3])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("view", ["pool", "unit_axis"])
+def test_flat_addressing_matches_4d_indexing(view):
+    """The tiles' flat reads (``_row`` + ``_word``) equal 4-D indexing on the C-contiguous
+    arrays the kernels get: a pool ``[pages, heads, page_size, words]`` and a flat cache's
+    array with its inserted unit axis."""
+    rng = np.random.default_rng(11)
+    a = rng.integers(0, 2 ** 32, size=(3, 2, 29, 12), dtype=np.uint64).astype(np.uint32)
+    if view == "unit_axis":
+        a = np.ascontiguousarray(a[:, 0])[:, None]
+    idx = np.stack([rng.integers(0, n, 32) for n in a.shape], axis=1).astype(np.int64)
+    out = to_device(np.zeros(32, np.uint32))
+    flat_word_kernel[1, 32](to_device(a), to_device(idx), out)
+    np.testing.assert_array_equal(to_host(out), a[idx[:, 0], idx[:, 1], idx[:, 2], idx[:, 3]])
+
+
+def test_mma_operands_refuse_views_that_are_not_c_contiguous():
+    """The kernels address codes and scales from their shapes, so a view into a larger buffer
+    (its token stride not the shape's) goes to the warp kernel instead."""
+    from numba_kv.ops.attention.layout import mma_operands
+
+    kc = np.zeros((2, 40, 48), np.uint8)
+    ks = np.zeros((2, 40, 4), np.uint16)
+    assert mma_operands(kc, ks, kc, ks, flat=True) is not None
+    assert mma_operands(kc[:, :17], ks[:, :17], kc[:, :17], ks[:, :17], flat=True) is None

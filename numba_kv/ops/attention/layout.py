@@ -203,11 +203,23 @@ def mma_operands(kc: Any, ks: Any, vc: Any, vs: Any, flat: bool) -> tuple | None
     -------
     tuple ``(kc32, ks, vc32, vs)`` of 4-D views, or None
         Codes as uint32 words (:func:`code_words`); ``None`` where one array cannot be viewed
-        so (the caller then runs the warp kernel)."""
+        so or a view is not C-contiguous (the caller then runs the warp kernel)."""
     if np.dtype(ks.dtype) != np.uint16 or np.dtype(vs.dtype) != np.uint16:
         return None  # 8-bit norms (norm_bits=8): the tensor-core kernels read binary16 scales
     kw, vw = code_words(kc), code_words(vc)
     out = (kw, ks, vw, vs)
     if flat and kw is not None and vw is not None:
         out = tuple(unit_axis(a) for a in out)
-    return None if any(a is None for a in out) else out
+    # the kernels address them from their shapes (mma._row): C-contiguous views only
+    return None if any(a is None or not _c_contiguous(a) for a in out) else out
+
+
+def _c_contiguous(a: Any) -> bool:
+    """Whether ``a`` (NumPy, CuPy or Numba device array) is C-contiguous."""
+    flags = getattr(a, "flags", None)
+    if flags is not None:
+        try:
+            return bool(flags["C_CONTIGUOUS"])
+        except (KeyError, TypeError):
+            return bool(getattr(flags, "c_contiguous", False))
+    return bool(getattr(a, "is_c_contiguous", lambda: False)())

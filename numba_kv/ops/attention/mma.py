@@ -1,11 +1,10 @@
 """Tensor-core tiles of the compressed decode attention (kernel ``decode_attention_mma``).
 
 One warp walks one partition of one KV row, 16 tokens per tile, with ``mma.sync`` m16n8k16
-(binary16 operands, float32 accumulation; :mod:`numba_kv.ops.attention.ptx`) for both products, in the
-FlashAttention-2 register layout (Dao, arXiv:2307.08691, §3.1): the score accumulators of
-``Q·Kᵀ`` are, packed to binary16 pairs, exactly the A fragments of ``P·V``, so scores never
-leave the registers.  Dequantization happens in registers straight into the B fragments
-(BitDecoding, arXiv:2503.18773; pairs of binary16 as in QServe, arXiv:2405.04532):
+(binary16 operands, float32 accumulation; :mod:`numba_kv.ops.attention.ptx`) for both products; scores
+never leave the registers (FlashAttention-2, Dao, arXiv:2307.08691, §3.1).  Dequantization
+happens in registers straight into the A fragments (BitDecoding, arXiv:2503.18773; pairs of
+binary16 as in QServe, arXiv:2405.04532):
 
 * **pair tables**: a block's codebook expands to ``4**bits`` entries, one per pair of
   adjacent codes ``(c_j, c_{j+1})``, each the ``.f16x2`` word ``(cent[c_j], cent[c_{j+1}])``.
@@ -14,22 +13,37 @@ leave the registers.  Dequantization happens in registers straight into the B fr
   values.  Each table is replicated ``rep`` times (``rep·4**bits`` = :data:`TAB_SLOTS`) and
   lane ``ℓ`` reads replica ``ℓ mod rep``: 32 replicas (3 bits and fewer) make every lane hit
   its own bank, so the random indices cost no bank conflicts.
-* **scores** ``S = Q·Kᵀ`` per 8 tokens: ``A`` = the query rows (row ``gid``; rows past
-  :data:`~numba_kv.ops.attention.warp.WARP_ROWS` are zero), ``B`` = 8 tokens' keys, one
-  token per lane quad (token ``gid``), lane ``tig`` holding the 32 coordinates of block
-  ``tig`` (the reduction order inside a product is free, so the k-slots of the fragments are
-  mapped to the coordinates that lie next to each other in the packed bytes: the query
-  fragments are permuted the same way once per partition).  The key's block scale multiplies
-  the decoded pair (``mul.rn.f16x2``).
-* **softmax**: lane ``(gid, tig)`` holds the scores of row ``gid`` for tokens ``2tig, 2tig+1``
-  of each 8-token chunk; the tile's row maximum is two xor shuffles over the quad; the row
-  sums stay per lane until the end of the partition.  Scores are kept in base-2 units (the
+
+Both products are *transposed* (``Sᵀ``-style: the 16-row side of ``m16n8k16`` is the tokens or
+the coordinates, the 8-column side the query rows, of which a warp has at most
+:data:`~numba_kv.ops.attention.warp.WARP_ROWS`): every A register holds decoded codes, no
+register is a zero, and a 16-token tile takes 8 + 8 products where the first build (query
+rows as A, half of them zeros) took 16 + 16.
+
+* **scores** ``S = K·Qᵀ`` per 16 tokens: ``A`` = the keys, lane ``(gid, tig)`` decoding block
+  ``tig`` (32 coordinates) of tokens ``gid`` and ``gid + 8``, ``B`` = the query fragments
+  (column ``gid`` = query row ``gid``, zero past the warp's rows).  The reduction order inside
+  a product is free, so the k-slots of k-step ``j`` are mapped to the coordinate pairs ``2j``
+  and ``2j + 1`` of each lane's block, which lie next to each other in the packed bytes (the
+  query fragments are permuted the same way once per partition): one table read decodes an
+  A register.  The key's block scale multiplies the decoded pair (``mul.rn.f16x2``).
+* **softmax**: lane ``(gid, tig)`` holds the scores of tokens ``gid`` and ``gid + 8`` for query
+  rows ``2tig`` and ``2tig + 1``; a row's tile maximum and, at the end, its sum are three
+  xor shuffles over the 8 lanes of one ``tig``.  Scores are kept in base-2 units (the
   queries are pre-multiplied by ``softmax_scale·log2 e``), the stored maximum goes back to
-  natural units for the merge.
-* **values** ``O += P·V``: ``A`` = the weights (from the score registers), ``B`` = 16 tokens
-  × 8 coordinates per product; lane ``(gid, tig)`` decodes coordinates ``16·gid … 16·gid + 15``
-  of tokens ``2tig, 2tig+1, 2tig+8, 2tig+9`` as same-token pairs and regroups two tokens'
-  halves into one B register (a byte permutation); 16 products cover ``head_dim = 128``.
+  natural units for the merge.  The accumulators are rescaled only in a tile where a row's
+  maximum moved (``alpha`` is exactly 1 otherwise).
+* **values** ``Oᵀ += Vᵀ·Pᵀ``: ``B`` = the weights, packed to ``.f16x2`` and transposed in
+  registers by ``movmatrix`` (lane ``(gid, tig)`` then holds row ``gid``'s weights of tokens
+  ``2tig, 2tig+1`` and ``2tig+8, 2tig+9``); ``A`` = 16 coordinates × 16 tokens per product:
+  lane ``(gid, tig)`` decodes coordinates ``16·gid … 16·gid + 15`` of those four tokens as
+  same-token pairs (product ``j``: coordinates ``16·gid + 2j`` in A row ``gid`` and ``+ 1`` in
+  row ``gid + 8``) and regroups two tokens' halves into one A register (a byte permutation);
+  8 products cover ``head_dim = 128``.
+* **addresses**: codes and scales are read as flat arrays with unsigned 32/64-bit offsets
+  (one multiply-add per token and array instead of four 64-bit strides), and a table index
+  is cut from the packed words already shifted to its replica's slot (one funnel shift, one
+  mask-and-or, one address computation per table read).
 
 Range: binary16 holds the operands exactly as far as it can — the queries of a row are scaled
 by a power of two that puts their largest magnitude in ``[2**13, 2**14)`` (undone on the
@@ -52,24 +66,25 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32, int64, uint32, uint64
+from numba import cuda, float32, int32, int64, uint32, uint64
 
 from ..._jit import cuda_device_ll as cuda_device
 from .cores import NEG_INF
-from .ptx import hmul2, mma_16816, pack_half2, shfl_xor_f32
+from .ptx import SIMULATED, hmul2, mma_16816, movmatrix_trans, pack_half2, shfl_idx_f32, shfl_xor_f32
 
 __all__ = ["LN2", "LOG2E", "MMA_BITS", "MMA_BLOCKS_PER_SM", "MMA_HEAD_DIM", "MMA_TAB_WORDS", "MMA_THREADS", "MMA_TILE",
-           "TAB_SLOTS", "build_pair_table", "build_tables", "key_chunk", "load_key", "load_value", "mma_partition",
-           "mma_partition_size", "mma_tiles", "pair_table_replicas", "reference_pair_table", "stage_query_fragments",
-           "store_mma_partition", "token_address", "value_tile"]
+           "TAB_SLOTS", "build_pair_table", "build_tables", "key_tile", "mma_partition", "mma_partition_size",
+           "mma_tiles", "pair_table_replicas", "reference_pair_table", "stage_query_fragments", "store_mma_partition",
+           "token_address", "value_tile"]
 
 #: the head_dim of the tensor-core kernel (4 blocks of 32: one per lane of a quad)
 MMA_HEAD_DIM = 128
-#: tokens per tile (two 8-token score products, one 16-token value product)
+#: tokens per tile (the A rows of a score product and the k-slots of a value product)
 MMA_TILE = 16
-#: threads per block of the kernel and its launch bounds' blocks per SM: ptxas takes 183
-#: registers on sm_90 (2 blocks, 8 warps per SM).  Bounds of 3 blocks hold sm_90 at 168
-#: registers without a spill but make sm_80 spill (``benchmarks/gpu_mma_check.py`` times both)
+#: threads per block of the kernel and its launch bounds' blocks per SM: ptxas takes 168
+#: registers on sm_90 for the flat and the paged kernel, so 3 blocks (12 warps) fit an SM
+#: (``tests/cuda/test_resources.py``).  Bounds of 3 blocks would force that but make sm_80
+#: spill; the first build (189 registers on sm_90) ran 2 blocks
 MMA_THREADS = 128
 MMA_BLOCKS_PER_SM = 2
 #: code widths with a pair table (``4**bits`` entries)
@@ -132,15 +147,26 @@ def build_tables(tab, kcent, vcent, kbits, vbits, tid, nth):
 
 
 @cuda_device
-def _field(w0, w1, w2, w3, pos, width):
-    """Bits ``[pos, pos + width)`` of the little-endian 128-bit word ``w3:w2:w1:w0`` (scalars
-    and selects, never an indexed array: a loop that stays rolled keeps them in registers)."""
+def _field(w0, w1, w2, w3, pos, width, at):
+    """Bits ``[pos, pos + width)`` of the little-endian 128-bit word ``w3:w2:w1:w0``, moved to
+    bit ``at`` (``pos``, ``width``, ``at`` constants after unrolling: the selects fold, and
+    the move and the mask become one funnel shift and one mask, where shifting down, masking
+    and shifting up would cost three instructions)."""
     wi = pos >> 5
     off = pos & 31
     lo = w0 if wi == 0 else (w1 if wi == 1 else (w2 if wi == 2 else w3))
     hi = w1 if wi == 0 else (w2 if wi == 1 else (w3 if wi == 2 else uint32(0)))
-    x = (uint64(hi) << uint64(32)) | uint64(lo)
-    return uint32((x >> uint64(off)) & uint64((1 << width) - 1))
+    return _bits_at((uint64(hi) << uint64(32)) | uint64(lo), off, width, at)
+
+
+@cuda_device
+def _bits_at(x, pos, width, at):
+    """Bits ``[pos, pos + width)`` of the ``uint64`` ``x`` at bit ``at`` of a ``uint32``."""
+    if pos >= at:
+        y = x >> uint64(pos - at)
+    else:
+        y = x << uint64(at - pos)
+    return uint32(y) & uint32(((1 << width) - 1) << at)
 
 
 @cuda_device
@@ -152,122 +178,145 @@ def _abs_half2(raw):
     return h | (h << uint32(16))
 
 
+if SIMULATED:
+    def _word(arr, off):
+        a = getattr(arr, "_ary", arr)
+        root = a
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        lo = root.__array_interface__["data"][0]
+        at = a.__array_interface__["data"][0] + int(off) * a.itemsize
+        if not lo <= at <= lo + root.nbytes - a.itemsize:  # the GPU would read outside the allocation
+            raise IndexError(f"flat offset {int(off)} outside the array's memory")
+        # a 1-D view from the data pointer in steps of one element, as the GPU addresses it
+        return np.lib.stride_tricks.as_strided(a[(0,) * (a.ndim - 1)], shape=(int(off) + 1,),
+                                               strides=(a.itemsize,))[int(off)]
+else:
+    def _word(arr, off):
+        # element ``off`` from the data pointer: the constant leading indices fold away and an
+        # unsigned index needs no wrap-around, so the address is one multiply-add (Numba's 4-D
+        # indexing multiplies all four 64-bit strides per access)
+        return arr[0, 0, 0, off]
+_word = cuda_device(_word)
+
+
+@cuda_device
+def _row(arr, page, h, slot):
+    """Offset in elements of ``arr[page, h, slot, 0]`` from the data pointer of a C-contiguous
+    array (``mma_operands`` hands the kernels C-contiguous views only), from its shape:
+    unsigned, the slot term in 32 bits (a token row is far below ``2**32`` elements from its
+    page's start).  The strides would do for any view, but keeping them live costs the paged
+    kernel 37 registers (205: 2 blocks per sm_90 SM instead of 3)."""
+    w = uint64(arr.shape[3])
+    return ((uint64(page) * uint64(arr.shape[1]) + uint64(h)) * uint64(arr.shape[2])) * w + uint64(
+        uint32(slot) * uint32(w))
+
+
 @cuda_device
 def token_address(paged, kv_indices, first, page_size, g, t):
     """``(page, slot)`` of token ``t``: ``(g, t)`` in a flat cache (its codes viewed as
     ``[n_g, 1, capacity, ·]``), slot ``t mod page_size`` of page ``kv_indices[first + t //
     page_size]`` in a paged pool (``[pages, num_kv_heads, page_size, ·]``).  The one place the
-    two token spaces differ."""
+    two token spaces differ (32-bit division: a token index is below ``2**31``)."""
     if paged:
-        i = t // page_size
-        return int64(kv_indices[first + i]), t - i * page_size
-    return int64(g), t
+        i = uint32(t) // uint32(page_size)
+        return uint64(kv_indices[first + i]), uint32(t) - i * uint32(page_size)
+    return uint64(g), uint32(t)
 
 
 @cuda_device
-def load_key(kc32, ks, page, h, slot, tig, kb, sshift):
-    """Lane ``(·, tig)``'s packed words of the token at ``(page, h, slot)``, block ``tig`` (``kb``
-    words; the others 0) and its scale (:func:`_abs_half2`), loaded ahead of their use (see
-    :func:`mma_tiles`)."""
-    base = tig * kb
-    w0 = kc32[page, h, slot, base]
-    w1 = kc32[page, h, slot, base + 1] if kb > 1 else uint32(0)
-    w2 = kc32[page, h, slot, base + 2] if kb > 2 else uint32(0)
-    w3 = kc32[page, h, slot, base + 3] if kb > 3 else uint32(0)
-    return w0, w1, w2, w3, _abs_half2(ks[page, h, slot, tig >> sshift])
+def _load_key(kc32, ks, page, h, slot, tig, kb, sshift):
+    """Lane ``(·, tig)``'s ``kb`` packed words of block ``tig`` of the token at ``(page, h,
+    slot)`` (the others 0) and its scale (:func:`_abs_half2`)."""
+    base = _row(kc32, page, h, slot) + uint64(tig * kb)
+    w0 = _word(kc32, base)
+    w1 = _word(kc32, base + uint64(1)) if kb > 1 else uint32(0)
+    w2 = _word(kc32, base + uint64(2)) if kb > 2 else uint32(0)
+    w3 = _word(kc32, base + uint64(3)) if kb > 3 else uint32(0)
+    return w0, w1, w2, w3, _abs_half2(_word(ks, _row(ks, page, h, slot) + uint64(tig >> sshift)))
 
 
 @cuda_device
-def load_value(vc32, vs, page, h, slot, gid, vb, sshift):
+def _load_value(vc32, vs, page, h, slot, gid, vb, sshift):
     """Lane ``(gid, ·)``'s ``16·vb`` code bits of coordinates ``16·gid … + 15`` of the token at
     ``(page, h, slot)`` (LSB first, in a ``uint64``) and the scale of their block."""
     start = 16 * vb * gid
-    wi = start >> 5
-    w0 = vc32[page, h, slot, wi]
-    w1 = vc32[page, h, slot, wi + 1] if vb > 2 else uint32(0)  # (16 coordinates span two words)
+    base = _row(vc32, page, h, slot) + uint64(start >> 5)
+    w0 = _word(vc32, base)
+    w1 = _word(vc32, base + uint64(1)) if vb > 2 else uint32(0)  # (16 coordinates span two words)
     x = ((uint64(w1) << uint64(32)) | uint64(w0)) >> uint64(start & 31)
-    return x, _abs_half2(vs[page, h, slot, (gid >> 1) >> sshift])
+    return x, _abs_half2(_word(vs, _row(vs, page, h, slot) + uint64((gid >> 1) >> sshift)))
 
 
-@cuda_device
-def _load_value_at(vc32, vs, paged, kv_indices, first, page_size, g, h, t, gid, vb, sshift):
-    page, slot = token_address(paged, kv_indices, first, page_size, g, t)
-    return load_value(vc32, vs, page, h, slot, gid, vb, sshift)
-
-
-@cuda_device
-def _load_key_at(kc32, ks, paged, kv_indices, first, page_size, g, h, t, tig, kb, sshift):
-    page, slot = token_address(paged, kv_indices, first, page_size, g, t)
-    return load_key(kc32, ks, page, h, slot, tig, kb, sshift)
-
-
-def _make_key_chunk(kb: int):
-    """Scores of the 8 tokens of one chunk: lane ``(gid, tig)`` decodes its token's block
-    ``tig`` (``kb``-bit codes in the words ``w0…w3``, scale ``s2``) into B fragments and gets
-    back its row ``gid``'s scores of the chunk's tokens ``2tig`` and ``2tig + 1``."""
+def _make_key_tile(kb: int):
+    """Scores ``S = K·Qᵀ`` of a 16-token tile: ``A`` = the keys (token ``gid`` in the words
+    ``a0…a3`` with scale ``sa``, token ``gid + 8`` in ``b0…b3`` with ``sb``: block ``tig``),
+    ``B`` = the staged query fragments ``qa``.  Returns this lane's ``D`` fragment: tokens
+    ``gid`` (rows ``2tig``, ``2tig+1``) and ``gid + 8`` (the same rows)."""
     pb = 2 * kb
     rep = min(32, TAB_SLOTS >> pb)
+    rsh = rep.bit_length() - 1
 
-    def key_chunk(w0, w1, w2, w3, s2, lane, tab, qa):
-        slot = lane & (rep - 1)
+    def key_tile(a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, lane, tab, qa):
+        slot = uint32(lane) & uint32(rep - 1)
         c0 = c1 = c2 = c3 = float32(0.0)
         e0 = e1 = e2 = e3 = float32(0.0)
-        for s in range(0, 8, 2):
-            # two independent accumulator chains (even and odd k-steps) hide the mma latency
-            b0 = hmul2(tab[_field(w0, w1, w2, w3, pb * (2 * s), pb) * rep + slot], s2)
-            b1 = hmul2(tab[_field(w0, w1, w2, w3, pb * (2 * s + 1), pb) * rep + slot], s2)
-            c0, c1, c2, c3 = mma_16816(qa[2 * s], uint32(0), qa[2 * s + 1], uint32(0), b0, b1, c0, c1, c2, c3)
-            b0 = hmul2(tab[_field(w0, w1, w2, w3, pb * (2 * s + 2), pb) * rep + slot], s2)
-            b1 = hmul2(tab[_field(w0, w1, w2, w3, pb * (2 * s + 3), pb) * rep + slot], s2)
-            e0, e1, e2, e3 = mma_16816(qa[2 * s + 2], uint32(0), qa[2 * s + 3], uint32(0), b0, b1, e0, e1, e2, e3)
-        return c0 + e0, c1 + e1
+        for j in range(0, 8, 2):
+            # k-step j: pairs 2j (k-slots 2tig, 2tig+1) and 2j + 1 (2tig+8, 2tig+9) of each
+            # token; two accumulator chains (even and odd k-steps) hide the mma latency
+            x0 = hmul2(tab[uint64(_field(a0, a1, a2, a3, pb * (2 * j), pb, rsh) | slot)], sa)
+            x1 = hmul2(tab[uint64(_field(b0, b1, b2, b3, pb * (2 * j), pb, rsh) | slot)], sb)
+            x2 = hmul2(tab[uint64(_field(a0, a1, a2, a3, pb * (2 * j + 1), pb, rsh) | slot)], sa)
+            x3 = hmul2(tab[uint64(_field(b0, b1, b2, b3, pb * (2 * j + 1), pb, rsh) | slot)], sb)
+            c0, c1, c2, c3 = mma_16816(x0, x1, x2, x3, qa[2 * j], qa[2 * j + 1], c0, c1, c2, c3)
+            x0 = hmul2(tab[uint64(_field(a0, a1, a2, a3, pb * (2 * j + 2), pb, rsh) | slot)], sa)
+            x1 = hmul2(tab[uint64(_field(b0, b1, b2, b3, pb * (2 * j + 2), pb, rsh) | slot)], sb)
+            x2 = hmul2(tab[uint64(_field(a0, a1, a2, a3, pb * (2 * j + 3), pb, rsh) | slot)], sa)
+            x3 = hmul2(tab[uint64(_field(b0, b1, b2, b3, pb * (2 * j + 3), pb, rsh) | slot)], sb)
+            e0, e1, e2, e3 = mma_16816(x0, x1, x2, x3, qa[2 * j + 2], qa[2 * j + 3], e0, e1, e2, e3)
+        return c0 + e0, c1 + e1, c2 + e2, c3 + e3
 
-    key_chunk.__name__ = key_chunk.__qualname__ = f"key_chunk_k{kb}"
-    return cuda_device(key_chunk)
+    key_tile.__name__ = key_tile.__qualname__ = f"key_tile_k{kb}"
+    return cuda_device(key_tile)
 
 
-_KEY_CHUNK_2, _KEY_CHUNK_3, _KEY_CHUNK_4 = (_make_key_chunk(kb) for kb in MMA_BITS)
+_KEY_TILE_2, _KEY_TILE_3, _KEY_TILE_4 = (_make_key_tile(kb) for kb in MMA_BITS)
 
 
 @cuda_device
-def key_chunk(kb, w0, w1, w2, w3, s2, lane, tab, qa):
-    """:func:`_make_key_chunk` for the width ``kb`` (the same branch on every lane)."""
+def key_tile(kb, a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, lane, tab, qa):
+    """:func:`_make_key_tile` for the width ``kb`` (the same branch on every lane)."""
     if kb == 3:
-        return _KEY_CHUNK_3(w0, w1, w2, w3, s2, lane, tab, qa)
+        return _KEY_TILE_3(a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, lane, tab, qa)
     if kb == 4:
-        return _KEY_CHUNK_4(w0, w1, w2, w3, s2, lane, tab, qa)
-    return _KEY_CHUNK_2(w0, w1, w2, w3, s2, lane, tab, qa)
+        return _KEY_TILE_4(a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, lane, tab, qa)
+    return _KEY_TILE_2(a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, lane, tab, qa)
 
 
 def _make_value_tile(vb: int):
-    """``O += P·V`` over one 16-token tile: lane ``(gid, tig)`` holds the code bits of
-    coordinates ``16·gid … + 15`` of tokens ``2tig, 2tig+1`` (``xa``, ``xb``: the first B
-    register) and ``2tig+8, 2tig+9`` (``xc``, ``xd``: the second) and decodes them through
-    the pair table; product ``j`` covers coordinates ``16·n + j``."""
+    """``Oᵀ += Vᵀ·Pᵀ`` over one 16-token tile: ``A`` = the values (lane ``(gid, tig)`` holds the
+    code bits of coordinates ``16·gid … + 15`` of tokens ``2tig, 2tig+1`` in ``xa``, ``xb`` and
+    ``2tig+8, 2tig+9`` in ``xc``, ``xd``), ``B`` = the weights ``pb0``, ``pb1``.  Product ``j``
+    maps row ``gid`` of ``A`` to coordinate ``16·gid + 2j`` and row ``gid + 8`` to ``16·gid + 2j
+    + 1``: one pair-table entry of a token is both rows, and two tokens' entries regroup into
+    two A registers by a byte permutation."""
     pb = 2 * vb
     rep = min(32, TAB_SLOTS >> pb)
-    pmask = (1 << pb) - 1
+    rsh = rep.bit_length() - 1
 
-    def value_tile(xa, xb, xc, xd, sa, sb, sc, sd, lane, tab, o, pa0, pa2, oacc):
-        slot = lane & (rep - 1)
-        for i in range(8):
-            sh = uint64(pb * i)
-            ha = hmul2(tab[o + uint32((xa >> sh) & uint64(pmask)) * rep + slot], sa)
-            hb = hmul2(tab[o + uint32((xb >> sh) & uint64(pmask)) * rep + slot], sb)
-            hc = hmul2(tab[o + uint32((xc >> sh) & uint64(pmask)) * rep + slot], sc)
-            hd = hmul2(tab[o + uint32((xd >> sh) & uint64(pmask)) * rep + slot], sd)
-            lo16 = uint32(0xFFFF)
-            hi16 = uint32(0xFFFF0000)
-            # coordinate 2i: the low halves of two tokens; coordinate 2i + 1: the high halves
-            b0 = (ha & lo16) | (hb << uint32(16))
-            b1 = (hc & lo16) | (hd << uint32(16))
-            oacc[4 * i], oacc[4 * i + 1], _, _ = mma_16816(pa0, uint32(0), pa2, uint32(0), b0, b1, oacc[4 * i],
-                                                          oacc[4 * i + 1], float32(0.0), float32(0.0))
-            b0 = (ha >> uint32(16)) | (hb & hi16)
-            b1 = (hc >> uint32(16)) | (hd & hi16)
-            oacc[4 * i + 2], oacc[4 * i + 3], _, _ = mma_16816(pa0, uint32(0), pa2, uint32(0), b0, b1,
-                                                              oacc[4 * i + 2], oacc[4 * i + 3], float32(0.0),
-                                                              float32(0.0))
+    def value_tile(xa, xb, xc, xd, sa, sb, sc, sd, lane, tab, pb0, pb1, oacc):
+        slot = uint32(lane) & uint32(rep - 1) | uint32(TAB_SLOTS)
+        lo16 = uint32(0xFFFF)
+        hi16 = uint32(0xFFFF0000)
+        for j in range(8):
+            ha = hmul2(tab[uint64(_bits_at(xa, pb * j, pb, rsh) | slot)], sa)
+            hb = hmul2(tab[uint64(_bits_at(xb, pb * j, pb, rsh) | slot)], sb)
+            hc = hmul2(tab[uint64(_bits_at(xc, pb * j, pb, rsh) | slot)], sc)
+            hd = hmul2(tab[uint64(_bits_at(xd, pb * j, pb, rsh) | slot)], sd)
+            oacc[4 * j], oacc[4 * j + 1], oacc[4 * j + 2], oacc[4 * j + 3] = mma_16816(
+                (ha & lo16) | (hb << uint32(16)), (ha >> uint32(16)) | (hb & hi16),
+                (hc & lo16) | (hd << uint32(16)), (hc >> uint32(16)) | (hd & hi16),
+                pb0, pb1, oacc[4 * j], oacc[4 * j + 1], oacc[4 * j + 2], oacc[4 * j + 3])
 
     value_tile.__name__ = value_tile.__qualname__ = f"value_tile_v{vb}"
     return cuda_device(value_tile)
@@ -277,14 +326,14 @@ _VALUE_TILE_2, _VALUE_TILE_3, _VALUE_TILE_4 = (_make_value_tile(vb) for vb in MM
 
 
 @cuda_device
-def value_tile(vb, xa, xb, xc, xd, sa, sb, sc, sd, lane, tab, o, pa0, pa2, oacc):
+def value_tile(vb, xa, xb, xc, xd, sa, sb, sc, sd, lane, tab, pb0, pb1, oacc):
     """:func:`_make_value_tile` for the width ``vb`` (the same branch on every lane)."""
     if vb == 3:
-        _VALUE_TILE_3(xa, xb, xc, xd, sa, sb, sc, sd, lane, tab, o, pa0, pa2, oacc)
+        _VALUE_TILE_3(xa, xb, xc, xd, sa, sb, sc, sd, lane, tab, pb0, pb1, oacc)
     elif vb == 4:
-        _VALUE_TILE_4(xa, xb, xc, xd, sa, sb, sc, sd, lane, tab, o, pa0, pa2, oacc)
+        _VALUE_TILE_4(xa, xb, xc, xd, sa, sb, sc, sd, lane, tab, pb0, pb1, oacc)
     else:
-        _VALUE_TILE_2(xa, xb, xc, xd, sa, sb, sc, sd, lane, tab, o, pa0, pa2, oacc)
+        _VALUE_TILE_2(xa, xb, xc, xd, sa, sb, sc, sd, lane, tab, pb0, pb1, oacc)
 
 
 @cuda_device
@@ -294,14 +343,23 @@ def _quad_max(x):
 
 
 @cuda_device
-def _quad_sum(x):
-    x = x + shfl_xor_f32(x, 1)
-    return x + shfl_xor_f32(x, 2)
+def _column_max(x):
+    """Maximum over the 8 lanes of this lane's ``tig`` (lane bits 2–4: a product's tokens)."""
+    x = max(x, shfl_xor_f32(x, 4))
+    x = max(x, shfl_xor_f32(x, 8))
+    return max(x, shfl_xor_f32(x, 16))
+
+
+@cuda_device
+def _column_sum(x):
+    x = x + shfl_xor_f32(x, 4)
+    x = x + shfl_xor_f32(x, 8)
+    return x + shfl_xor_f32(x, 16)
 
 
 @cuda_device
 def stage_query_fragments(qs, d, gid, tig, rb, scale, qa):
-    """This lane's A fragments of the query row ``gid`` (``qs[gid·d + 32·tig + …]``, block
+    """This lane's B fragments of the query row ``gid`` (``qs[gid·d + 32·tig + …]``, block
     ``tig``): ``qa[2s] = (y[4s], y[4s+1])``, ``qa[2s+1] = (y[4s+2], y[4s+3])`` with ``y =
     q·scale·2**k``, the power of two ``2**k`` of the row putting ``max|y|`` in ``[2**13,
     2**14)``; zero rows past ``rb``.  Returns ``2**-k`` (multiplies the scores back)."""
@@ -331,19 +389,35 @@ def stage_query_fragments(qs, d, gid, tig, rb, scale, qa):
 
 @cuda_device
 def _masked(x, t, t_hi, pos0, lim):
+    """``x`` where token ``t`` (``int32``, as ``t_hi``, ``pos0`` and ``lim``: positions stay
+    below ``2**31``) is in the partition and its position visible, else ``-inf``."""
     return x if t < t_hi and pos0 + t <= lim else NEG_INF
 
 
 @cuda_device
-def mma_tiles(kb, vb, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, page_size, t_lo, t_hi, pos0, lim, sshift,
-              tab, qa, inv_f, oacc, lane):
+def _online_softmax(xa, xb, m, lsum):
+    """One row's step of the online softmax (base 2) over this lane's two scores ``xa``,
+    ``xb`` of the tile: returns ``(alpha, pa, pb, m_new, lsum_new)``; an all-masked row so
+    far keeps ``m = -inf``, its weights and rescale exact zeros."""
+    m_new = max(m, _column_max(max(xa, xb)))
+    m_use = m_new if m_new != NEG_INF else float32(0.0)
+    alpha = math.exp2(m - m_use)
+    pa = math.exp2(xa - m_use)
+    pb = math.exp2(xb - m_use)
+    return alpha, pa, pb, m_new, lsum * alpha + (pa + pb)
+
+
+@cuda_device
+def mma_tiles(kb, vb, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, page_size, t_lo, t_hi, pos0, lim0, lim1,
+              sshift, tab, qa, inv0, inv1, oacc, lane):
     """The 16-token tiles of a compressed partition ``[t_lo, t_hi)`` of KV row ``g`` (layouts in
     the module docstring; token ``t`` sits at position ``pos0 + t`` and lives where
     :func:`token_address` says: KV head ``h`` of a flat cache's row ``g`` or of a paged
-    sequence whose page list starts at ``kv_indices[first]``); ``lim``: the last position row
-    ``gid`` sees.  ``oacc`` (32 float32: product ``j``'s ``c0, c1`` at ``2j, 2j + 1``) and the
-    returned ``(m, l)`` (base 2; ``l`` this lane's share of the row sum) start from an empty
-    state.
+    sequence whose page list starts at ``kv_indices[first]``); this lane's rows are ``2tig``
+    and ``2tig + 1``, with the last positions ``lim0``, ``lim1`` they see and score factors
+    ``inv0``, ``inv1``.  ``oacc`` (32 float32: product ``j``'s ``D`` at ``4j … 4j + 3``) and the
+    returned ``(m0, m1, l0, l1)`` (base 2; ``l`` this lane's share of the row sums) start from
+    an empty state.
 
     Loads run ahead of their use, so that a warp waits for memory at most once per tile: a
     tile's value words are requested before its keys are scored, and the next tile's key
@@ -353,47 +427,48 @@ def mma_tiles(kb, vb, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, page_s
     tig = lane & 3
     for i in range(32):
         oacc[i] = float32(0.0)
-    m = NEG_INF
-    lsum = float32(0.0)
+    m0 = m1 = NEG_INF
+    l0 = l1 = float32(0.0)
     t_last = max(t_hi - 1, int64(0))
-    a0, a1, a2, a3, as2 = _load_key_at(kc32, ks, paged, kv_indices, first, page_size, g, h, min(t_lo + gid, t_last),
-                                       tig, kb, sshift)
-    b0, b1, b2, b3, bs2 = _load_key_at(kc32, ks, paged, kv_indices, first, page_size, g, h,
-                                       min(t_lo + 8 + gid, t_last), tig, kb, sshift)
+    t_hi32 = int32(t_hi)
+    pos32 = int32(pos0)
+    page, slot = token_address(paged, kv_indices, first, page_size, g, min(t_lo + gid, t_last))
+    a0, a1, a2, a3, as2 = _load_key(kc32, ks, page, h, slot, tig, kb, sshift)
+    page, slot = token_address(paged, kv_indices, first, page_size, g, min(t_lo + 8 + gid, t_last))
+    b0, b1, b2, b3, bs2 = _load_key(kc32, ks, page, h, slot, tig, kb, sshift)
     for t0 in range(t_lo, t_hi, 16):
         u = t0 + 2 * tig
-        xa, sa = _load_value_at(vc32, vs, paged, kv_indices, first, page_size, g, h, min(u, t_last), gid, vb, sshift)
-        xb, sb = _load_value_at(vc32, vs, paged, kv_indices, first, page_size, g, h, min(u + 1, t_last), gid, vb,
-                                sshift)
-        xc, sc = _load_value_at(vc32, vs, paged, kv_indices, first, page_size, g, h, min(u + 8, t_last), gid, vb,
-                                sshift)
-        xd, sd = _load_value_at(vc32, vs, paged, kv_indices, first, page_size, g, h, min(u + 9, t_last), gid, vb,
-                                sshift)
-        x00, x01 = key_chunk(kb, a0, a1, a2, a3, as2, lane, tab, qa)
-        x10, x11 = key_chunk(kb, b0, b1, b2, b3, bs2, lane, tab, qa)
-        a0, a1, a2, a3, as2 = _load_key_at(kc32, ks, paged, kv_indices, first, page_size, g, h,
-                                           min(t0 + 16 + gid, t_last), tig, kb, sshift)
-        b0, b1, b2, b3, bs2 = _load_key_at(kc32, ks, paged, kv_indices, first, page_size, g, h,
-                                           min(t0 + 24 + gid, t_last), tig, kb, sshift)
-        x00 = _masked(x00 * inv_f, u, t_hi, pos0, lim)
-        x01 = _masked(x01 * inv_f, u + 1, t_hi, pos0, lim)
-        x10 = _masked(x10 * inv_f, u + 8, t_hi, pos0, lim)
-        x11 = _masked(x11 * inv_f, u + 9, t_hi, pos0, lim)
-        m_new = max(m, _quad_max(max(max(x00, x01), max(x10, x11))))
-        # an all-masked row so far keeps m = -inf: its weights and rescale are exact zeros
-        m_use = m_new if m_new != NEG_INF else float32(0.0)
-        alpha = math.exp2(m - m_use)
-        p00 = math.exp2(x00 - m_use)
-        p01 = math.exp2(x01 - m_use)
-        p10 = math.exp2(x10 - m_use)
-        p11 = math.exp2(x11 - m_use)
-        lsum = lsum * alpha + ((p00 + p01) + (p10 + p11))
-        m = m_new
-        for i in range(32):
-            oacc[i] *= alpha
-        value_tile(vb, xa, xb, xc, xd, sa, sb, sc, sd, lane, tab, TAB_SLOTS, pack_half2(p00, p01),
-                   pack_half2(p10, p11), oacc)
-    return m, lsum
+        page, slot = token_address(paged, kv_indices, first, page_size, g, min(u, t_last))
+        xa, sa = _load_value(vc32, vs, page, h, slot, gid, vb, sshift)
+        page, slot = token_address(paged, kv_indices, first, page_size, g, min(u + 1, t_last))
+        xb, sb = _load_value(vc32, vs, page, h, slot, gid, vb, sshift)
+        page, slot = token_address(paged, kv_indices, first, page_size, g, min(u + 8, t_last))
+        xc, sc = _load_value(vc32, vs, page, h, slot, gid, vb, sshift)
+        page, slot = token_address(paged, kv_indices, first, page_size, g, min(u + 9, t_last))
+        xd, sd = _load_value(vc32, vs, page, h, slot, gid, vb, sshift)
+        s00, s01, s10, s11 = key_tile(kb, a0, a1, a2, a3, as2, b0, b1, b2, b3, bs2, lane, tab, qa)
+        page, slot = token_address(paged, kv_indices, first, page_size, g, min(t0 + 16 + gid, t_last))
+        a0, a1, a2, a3, as2 = _load_key(kc32, ks, page, h, slot, tig, kb, sshift)
+        page, slot = token_address(paged, kv_indices, first, page_size, g, min(t0 + 24 + gid, t_last))
+        b0, b1, b2, b3, bs2 = _load_key(kc32, ks, page, h, slot, tig, kb, sshift)
+        ta = int32(t0 + gid)
+        alpha0, p00, p10, m0, l0 = _online_softmax(_masked(s00 * inv0, ta, t_hi32, pos32, lim0),
+                                                   _masked(s10 * inv0, ta + 8, t_hi32, pos32, lim0), m0, l0)
+        alpha1, p01, p11, m1, l1 = _online_softmax(_masked(s01 * inv1, ta, t_hi32, pos32, lim1),
+                                                   _masked(s11 * inv1, ta + 8, t_hi32, pos32, lim1), m1, l1)
+        if alpha0 != float32(1.0) or alpha1 != float32(1.0):
+            # (exactly 1 while a row's maximum stands: in a long partition most tiles skip
+            # the 32 multiplies; FlashAttention-3's rescaling rule, arXiv 2407.08608 §3)
+            for i in range(8):
+                oacc[4 * i] *= alpha0
+                oacc[4 * i + 1] *= alpha1
+                oacc[4 * i + 2] *= alpha0
+                oacc[4 * i + 3] *= alpha1
+        # the weights as B of P·V: (token gid, rows 2tig, 2tig+1) transposed to (row gid,
+        # tokens 2tig, 2tig+1), and the same for tokens 8-15
+        value_tile(vb, xa, xb, xc, xd, sa, sb, sc, sd, lane, tab, movmatrix_trans(pack_half2(p00, p01)),
+                   movmatrix_trans(pack_half2(p10, p11)), oacc)
+    return m0, m1, l0, l1
 
 
 @cuda_device
@@ -406,29 +481,36 @@ def mma_partition(kb, vb, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, pa
     qa = cuda.local.array(16, dtype=uint32)
     oacc = cuda.local.array(32, dtype=float32)
     gid = lane >> 2
-    inv_f = stage_query_fragments(qs, d, gid, lane & 3, rb, softmax_scale * float32(LOG2E), qa) * kf
-    lim = int64(0x7FFFFFFFFFFFFFFF)
+    tig = lane & 3
+    inv = stage_query_fragments(qs, d, gid, tig, rb, softmax_scale * float32(LOG2E), qa) * kf
+    # this lane's output rows 2tig, 2tig+1 take their factors from the quads that staged them
+    inv0 = shfl_idx_f32(inv, 8 * tig)
+    inv1 = shfl_idx_f32(inv, 8 * tig + 4)
+    lim0 = lim1 = int32(0x7FFFFFFF)
     if causal:
-        lim = int64(lim_base) + (r0 + gid) % q_len
-    m, lsum = mma_tiles(kb, vb, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, page_size, t_lo, t_hi, pos0, lim,
-                        sshift, tab, qa, inv_f, oacc, lane)
-    store_mma_partition(m, lsum, oacc, vf, active, rb, g, p, r0, lane, part_m, part_l, part_acc)
+        lim0 = int32(lim_base + (r0 + 2 * tig) % q_len)
+        lim1 = int32(lim_base + (r0 + 2 * tig + 1) % q_len)
+    m0, m1, l0, l1 = mma_tiles(kb, vb, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, page_size, t_lo, t_hi,
+                               pos0, lim0, lim1, sshift, tab, qa, inv0, inv1, oacc, lane)
+    store_mma_partition(m0, l0, oacc, 0, vf, active, rb, g, p, r0, lane, part_m, part_l, part_acc)
+    store_mma_partition(m1, l1, oacc, 1, vf, active, rb, g, p, r0, lane, part_m, part_l, part_acc)
 
 
 @cuda_device
-def store_mma_partition(m, lsum, oacc, vf, active, rb, g, p, r0, lane, part_m, part_l, part_acc):
-    """Partition ``p``'s ``(m, l, acc)`` of rows ``r0 … r0 + rb − 1`` (row ``gid`` from lane quad
-    ``gid``; ``m`` back to natural units, ``acc`` times ``vf``, the V table's factor).  Every
-    lane calls it (the row sum is a quad shuffle)."""
+def store_mma_partition(m, lsum, oacc, k, vf, active, rb, g, p, r0, lane, part_m, part_l, part_acc):
+    """Partition ``p``'s ``(m, l, acc)`` of this lane's row ``2tig + k`` (``k`` 0 or 1; ``m``
+    back to natural units, ``acc`` — coordinates ``16·gid + 2j`` and ``+ 1`` at ``oacc[4j +
+    k]``, ``oacc[4j + 2 + k]`` — times ``vf``, the V table's factor) if it is below ``rb``.
+    Every lane calls it (the row sum is a shuffle over the lanes of one ``tig``)."""
     gid = lane >> 2
-    tig = lane & 3
-    lrow = _quad_sum(lsum)
-    if active and gid < rb:
-        r = r0 + gid
-        for j in range(16):
-            part_acc[g, p, r, 32 * tig + j] = oacc[2 * j] * vf
-            part_acc[g, p, r, 32 * tig + 16 + j] = oacc[2 * j + 1] * vf
-        if tig == 0:
+    rr = 2 * (lane & 3) + k
+    lrow = _column_sum(lsum)
+    if active and rr < rb:
+        r = r0 + rr
+        for j in range(8):
+            part_acc[g, p, r, 16 * gid + 2 * j] = oacc[4 * j + k] * vf
+            part_acc[g, p, r, 16 * gid + 2 * j + 1] = oacc[4 * j + 2 + k] * vf
+        if gid == 0:
             part_m[g, p, r] = m * float32(LN2) if m != NEG_INF else NEG_INF
             part_l[g, p, r] = lrow
 

@@ -3,7 +3,8 @@
 Each primitive exists twice, chosen once at import (``NUMBA_ENABLE_CUDASIM``):
 
 * on a GPU, a Numba ``@intrinsic`` whose code generation calls an llvmlite ``ir.InlineAsm`` of
-  one PTX instruction (``mma.sync``, ``cvt.rn.f16x2.f32``, ``mul.rn.f16x2``, ``shfl.sync``);
+  one PTX instruction (``mma.sync``, ``movmatrix.sync``, ``cvt.rn.f16x2.f32``,
+  ``mul.rn.f16x2``), or Numba's own ``shfl.sync``;
 * under Numba's CUDA simulator, a plain Python function with the same arguments and results
   bit for bit (binary16 through NumPy; the warp-collective ones exchange their lanes'
   operands through a per-block table between two block barriers, so in that build every
@@ -19,6 +20,11 @@ Fragments for mma.m16n8k16"), for lane ``ℓ`` with ``gid = ℓ >> 2`` and ``tig
 * ``B`` (16×8, column-major): ``b0 = (B[2tig, gid], B[2tig+1, gid])``, ``b1`` at rows ``+ 8``;
 * ``C``/``D`` (16×8, float32): ``c0, c1 = C[gid, 2tig], C[gid, 2tig+1]``, ``c2, c3`` at row
   ``gid + 8``.
+
+``movmatrix.sync.aligned.m8n8.trans.b16`` (PTX ISA 7.8, sm_75 and later) transposes an 8×8
+matrix of 16-bit elements held in that same layout (lane ``ℓ``: row ``gid``, columns ``2tig,
+2tig+1``): it turns a product's accumulators, packed to ``.f16x2``, into the B fragment of
+the next product with its two dimensions swapped.
 """
 
 from __future__ import annotations
@@ -33,8 +39,8 @@ from numba.cuda.extending import intrinsic
 
 from ... import _backend
 
-__all__ = ["SIMULATED", "half2_bits", "hmul2", "mma_16816", "pack_half2", "shfl_xor_f32", "shfl_xor_u32",
-           "unpack_half2"]
+__all__ = ["SIMULATED", "half2_bits", "hmul2", "mma_16816", "movmatrix_trans", "pack_half2", "shfl_idx_f32",
+           "shfl_xor_f32", "shfl_xor_u32", "unpack_half2"]
 
 #: the simulator build (Python twins of every primitive)
 SIMULATED = _backend.simulator_enabled()
@@ -85,6 +91,18 @@ def _exchange(value):
 def _sim_shfl_xor(x, mask):
     lanes = _exchange(x)
     return lanes[(threading.current_thread().thread_id & 31) ^ mask]
+
+
+def _sim_shfl_idx(x, src):
+    return _exchange(x)[int(src) & 31]
+
+
+def _sim_movmatrix(w):
+    lanes = np.array(_exchange(w), dtype=np.uint32).view(np.uint16).reshape(8, 8)  # [row, column]
+    ln = threading.current_thread().thread_id & 31
+    gid, tig = ln >> 2, ln & 3
+    # element (r, c) of the result is (c, r) of the source
+    return np.uint32(int(lanes[2 * tig, gid]) | (int(lanes[2 * tig + 1, gid]) << 16))
 
 
 # where each lane's fragment halves land: A[16, 16] (a0..a3 low/high) and B[16, 8] (b0, b1)
@@ -158,6 +176,20 @@ def _gpu_primitives():
 
         return sig, codegen
 
+    @intrinsic
+    def movmatrix(typingctx, w):
+        sig = types.uint32(types.uint32)
+
+        def codegen(context, builder, signature, args):
+            x = context.cast(builder, args[0], signature.args[0], types.uint32)
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i32]), "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r")
+            return builder.call(asm, [x])
+
+        return sig, codegen
+
+    def shfl_idx(x, src):
+        return cuda.shfl_sync(_FULL, x, src)
+
     def shfl_u32(x, mask):
         # (shfl_xor_sync types signed 32-bit words only)
         return uint32(cuda.shfl_xor_sync(_FULL, int32(x), mask))
@@ -166,16 +198,22 @@ def _gpu_primitives():
         return cuda.shfl_xor_sync(_FULL, x, mask)
 
     dev = cuda.jit(device=True, inline="always")
-    return mma, pack, mul2, dev(shfl_u32), dev(shfl_f32)
+    return mma, pack, mul2, movmatrix, dev(shfl_u32), dev(shfl_f32), dev(shfl_idx)
 
 
 if SIMULATED:
-    mma_16816, pack_half2, hmul2 = _sim_mma, _sim_pack_half2, _sim_hmul2
+    mma_16816, pack_half2, hmul2, movmatrix_trans = _sim_mma, _sim_pack_half2, _sim_hmul2, _sim_movmatrix
     shfl_xor_u32 = shfl_xor_f32 = _sim_shfl_xor
+    shfl_idx_f32 = _sim_shfl_idx
 else:
-    mma_16816, pack_half2, hmul2, shfl_xor_u32, shfl_xor_f32 = _gpu_primitives()
+    mma_16816, pack_half2, hmul2, movmatrix_trans, shfl_xor_u32, shfl_xor_f32, shfl_idx_f32 = _gpu_primitives()
 
 mma_16816.__doc__ = """``D = A·B + C`` of one warp (``mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32``):
 ``a0…a3`` and ``b0, b1`` this lane's ``.f16x2`` fragments of A and B, ``c0…c3`` its float32
 accumulators; returns its four float32 results (layouts in the module docstring).  Every lane
 of the warp calls it with the same control flow."""
+movmatrix_trans.__doc__ = """The transpose of the warp's 8×8 binary16 matrix
+(``movmatrix.sync.aligned.m8n8.trans.b16``): lane ``ℓ`` passes ``(M[gid, 2tig], M[gid,
+2tig+1])`` and gets ``(M[2tig, gid], M[2tig+1, gid])`` (``.f16x2`` words).
+Every lane of the warp calls it with the same control flow."""
+shfl_idx_f32.__doc__ = """Lane ``src``'s float32 ``x`` (``shfl.sync.idx``, whole warp)."""
