@@ -73,7 +73,8 @@ def test_mma_kernel_runs_on_tensor_cores():
     """The tensor-core kernel's PTX: ``mma.sync`` m16n8k16 with binary16 operands and float32
     accumulators, transposed (8 per 16-token tile of keys, 8 of values at head_dim 128, for
     each of the 3 code widths; the first build's query-rows-as-A layout took 16 + 16), the
-    weights moved into B fragments by two ``movmatrix`` a tile, its binary16 pairs from
+    weights moved into B fragments by two ``movmatrix`` a tile, the values' A registers
+    regrouped by ``prmt``, its binary16 pairs from
     ``cvt.rn.f16x2.f32`` and scaled with ``mul.rn.f16x2``, no local memory (fragments,
     accumulators and prefetched words in registers), one block barrier before the merge's (as
     the warp kernel's)."""
@@ -81,6 +82,9 @@ def test_mma_kernel_runs_on_tensor_cores():
     n_mma = len(re.findall(r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16\.f16\.f32\b", ptx))
     assert n_mma == 3 * (8 + 8), n_mma
     assert len(re.findall(r"\bmovmatrix\.sync\.aligned\.m8n8\.trans\.b16\b", ptx)) == 2
+    # the values' A registers regrouped by prmt: 4 a product, 8 products a tile, 3 widths
+    for sel in ("0x5410", "0x7632"):
+        assert len(re.findall(r"\bprmt\.b32\s[^;]*" + sel + ";", ptx)) == 3 * 8 * 2, sel
     assert re.search(r"\bcvt\.rn\.f16x2\.f32\b", ptx) and re.search(r"\bmul\.rn\.f16x2\b", ptx)
     assert local_bytes(ptx) == 0
     assert barriers_before_merge(ptx) == (2, 1)

@@ -19,7 +19,9 @@ from numba_kv.ops.attention import decode_attention, kernels
 from numba_kv.ops.attention.mma import _row, _word, reference_pair_table
 from numba_kv.ops.attention.ptx import (
     half2_bits,
+    high_halves,
     hmul2,
+    low_halves,
     mma_16816,
     movmatrix_trans,
     pack_half2,
@@ -82,6 +84,28 @@ def movmatrix_kernel(words, out):
 def shfl_idx_kernel(x, src, out):
     i = cuda.threadIdx.x
     out[i] = shfl_idx_f32(x[i], src[i])
+
+
+@cuda.jit
+def halves_kernel(a, b, lo, hi):
+    i = cuda.threadIdx.x
+    lo[i] = low_halves(a[i], b[i])
+    hi[i] = high_halves(a[i], b[i])
+
+
+@pytest.mark.cuda
+def test_low_and_high_halves_regroup_two_words():
+    """``prmt.b32`` 0x5410 / 0x7632: ``(a.lo, b.lo)`` and ``(a.hi, b.hi)``, bit patterns moved
+    as they are."""
+    rng = np.random.default_rng(3)
+    a = rng.integers(0, 2 ** 32, 32, dtype=np.uint64).astype(np.uint32)
+    b = rng.integers(0, 2 ** 32, 32, dtype=np.uint64).astype(np.uint32)
+    lo = to_device(np.zeros(32, np.uint32))
+    hi = to_device(np.zeros(32, np.uint32))
+    halves_kernel[1, 32](to_device(a), to_device(b), lo, hi)
+    a16, b16 = a.view(np.uint16).reshape(32, 2), b.view(np.uint16).reshape(32, 2)
+    np.testing.assert_array_equal(to_host(lo).view(np.uint16).reshape(32, 2), np.stack([a16[:, 0], b16[:, 0]], 1))
+    np.testing.assert_array_equal(to_host(hi).view(np.uint16).reshape(32, 2), np.stack([a16[:, 1], b16[:, 1]], 1))
 
 
 @pytest.mark.cuda

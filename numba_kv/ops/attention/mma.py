@@ -66,11 +66,21 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, int64, uint32, uint64
+from numba import cuda, float32, int32, uint32, uint64
 
 from ..._jit import cuda_device_ll as cuda_device
 from .cores import NEG_INF
-from .ptx import SIMULATED, hmul2, mma_16816, movmatrix_trans, pack_half2, shfl_idx_f32, shfl_xor_f32
+from .ptx import (
+    SIMULATED,
+    high_halves,
+    hmul2,
+    low_halves,
+    mma_16816,
+    movmatrix_trans,
+    pack_half2,
+    shfl_idx_f32,
+    shfl_xor_f32,
+)
 
 __all__ = ["LN2", "LOG2E", "MMA_BITS", "MMA_BLOCKS_PER_SM", "MMA_HEAD_DIM", "MMA_TAB_WORDS", "MMA_THREADS", "MMA_TILE",
            "TAB_SLOTS", "build_pair_table", "build_tables", "key_tile", "mma_partition", "mma_partition_size",
@@ -109,6 +119,12 @@ def mma_partition_size(n_tokens: int, n_rows_kv: int) -> int:
 def pair_table_replicas(bits: int) -> int:
     """Replicas of a ``bits``-wide pair table in :data:`TAB_SLOTS` words (at most 32, one per
     lane)."""
+    return min(32, TAB_SLOTS >> (2 * bits))
+
+
+@cuda_device
+def pair_table_replicas_dev(bits):
+    """:func:`pair_table_replicas` on the device."""
     return min(32, TAB_SLOTS >> (2 * bits))
 
 
@@ -225,27 +241,52 @@ def token_address(paged, kv_indices, first, page_size, g, t):
 
 
 @cuda_device
-def _load_key(kc32, ks, page, h, slot, tig, kb, sshift):
-    """Lane ``(·, tig)``'s ``kb`` packed words of block ``tig`` of the token at ``(page, h,
-    slot)`` (the others 0) and its scale (:func:`_abs_half2`)."""
-    base = _row(kc32, page, h, slot) + uint64(tig * kb)
+def _token_row(arr, base, paged, kv_indices, first, page_size, h, t):
+    """Offset of token ``t``'s row of ``arr``: ``base`` (:func:`_row` of the KV row's token 0,
+    computed once per partition) plus ``t`` rows in a flat cache, the page table's page and
+    slot in a pool (:func:`token_address`)."""
+    if paged:
+        page, slot = token_address(paged, kv_indices, first, page_size, 0, t)
+        return _row(arr, page, h, slot)
+    return base + uint64(uint32(t) * uint32(arr.shape[3]))
+
+
+@cuda_device
+def _load_key(kc32, ks, ko, so, tig, kb, sshift):
+    """Lane ``(·, tig)``'s ``kb`` packed words of block ``tig`` of the token whose rows start at
+    ``ko`` (codes) and ``so`` (scales) (the other words 0) and its scale
+    (:func:`_abs_half2`)."""
+    base = ko + uint64(tig * kb)
     w0 = _word(kc32, base)
     w1 = _word(kc32, base + uint64(1)) if kb > 1 else uint32(0)
     w2 = _word(kc32, base + uint64(2)) if kb > 2 else uint32(0)
     w3 = _word(kc32, base + uint64(3)) if kb > 3 else uint32(0)
-    return w0, w1, w2, w3, _abs_half2(_word(ks, _row(ks, page, h, slot) + uint64(tig >> sshift)))
+    return w0, w1, w2, w3, _abs_half2(_word(ks, so + uint64(tig >> sshift)))
 
 
 @cuda_device
-def _load_value(vc32, vs, page, h, slot, gid, vb, sshift):
-    """Lane ``(gid, ·)``'s ``16·vb`` code bits of coordinates ``16·gid … + 15`` of the token at
-    ``(page, h, slot)`` (LSB first, in a ``uint64``) and the scale of their block."""
+def _load_value(vc32, vs, vo, so, gid, vb, sshift):
+    """Lane ``(gid, ·)``'s ``16·vb`` code bits of coordinates ``16·gid … + 15`` of the token whose
+    rows start at ``vo`` and ``so`` (LSB first, in a ``uint64``) and the scale of their
+    block."""
     start = 16 * vb * gid
-    base = _row(vc32, page, h, slot) + uint64(start >> 5)
+    base = vo + uint64(start >> 5)
     w0 = _word(vc32, base)
     w1 = _word(vc32, base + uint64(1)) if vb > 2 else uint32(0)  # (16 coordinates span two words)
     x = ((uint64(w1) << uint64(32)) | uint64(w0)) >> uint64(start & 31)
-    return x, _abs_half2(_word(vs, _row(vs, page, h, slot) + uint64((gid >> 1) >> sshift)))
+    return x, _abs_half2(_word(vs, so + uint64((gid >> 1) >> sshift)))
+
+
+@cuda_device
+def _key_at(kc32, ks, kb0, ksb0, paged, kv_indices, first, page_size, h, t, tig, kb, sshift):
+    return _load_key(kc32, ks, _token_row(kc32, kb0, paged, kv_indices, first, page_size, h, t),
+                     _token_row(ks, ksb0, paged, kv_indices, first, page_size, h, t), tig, kb, sshift)
+
+
+@cuda_device
+def _value_at(vc32, vs, vb0, vsb0, paged, kv_indices, first, page_size, h, t, gid, vb, sshift):
+    return _load_value(vc32, vs, _token_row(vc32, vb0, paged, kv_indices, first, page_size, h, t),
+                       _token_row(vs, vsb0, paged, kv_indices, first, page_size, h, t), gid, vb, sshift)
 
 
 def _make_key_tile(kb: int):
@@ -257,8 +298,7 @@ def _make_key_tile(kb: int):
     rep = min(32, TAB_SLOTS >> pb)
     rsh = rep.bit_length() - 1
 
-    def key_tile(a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, lane, tab, qa):
-        slot = uint32(lane) & uint32(rep - 1)
+    def key_tile(a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, slot, tab, qa):
         c0 = c1 = c2 = c3 = float32(0.0)
         e0 = e1 = e2 = e3 = float32(0.0)
         for j in range(0, 8, 2):
@@ -284,13 +324,13 @@ _KEY_TILE_2, _KEY_TILE_3, _KEY_TILE_4 = (_make_key_tile(kb) for kb in MMA_BITS)
 
 
 @cuda_device
-def key_tile(kb, a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, lane, tab, qa):
+def key_tile(kb, a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, slot, tab, qa):
     """:func:`_make_key_tile` for the width ``kb`` (the same branch on every lane)."""
     if kb == 3:
-        return _KEY_TILE_3(a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, lane, tab, qa)
+        return _KEY_TILE_3(a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, slot, tab, qa)
     if kb == 4:
-        return _KEY_TILE_4(a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, lane, tab, qa)
-    return _KEY_TILE_2(a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, lane, tab, qa)
+        return _KEY_TILE_4(a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, slot, tab, qa)
+    return _KEY_TILE_2(a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, slot, tab, qa)
 
 
 def _make_value_tile(vb: int):
@@ -304,18 +344,14 @@ def _make_value_tile(vb: int):
     rep = min(32, TAB_SLOTS >> pb)
     rsh = rep.bit_length() - 1
 
-    def value_tile(xa, xb, xc, xd, sa, sb, sc, sd, lane, tab, pb0, pb1, oacc):
-        slot = uint32(lane) & uint32(rep - 1) | uint32(TAB_SLOTS)
-        lo16 = uint32(0xFFFF)
-        hi16 = uint32(0xFFFF0000)
+    def value_tile(xa, xb, xc, xd, sa, sb, sc, sd, slot, tab, pb0, pb1, oacc):
         for j in range(8):
             ha = hmul2(tab[uint64(_bits_at(xa, pb * j, pb, rsh) | slot)], sa)
             hb = hmul2(tab[uint64(_bits_at(xb, pb * j, pb, rsh) | slot)], sb)
             hc = hmul2(tab[uint64(_bits_at(xc, pb * j, pb, rsh) | slot)], sc)
             hd = hmul2(tab[uint64(_bits_at(xd, pb * j, pb, rsh) | slot)], sd)
             oacc[4 * j], oacc[4 * j + 1], oacc[4 * j + 2], oacc[4 * j + 3] = mma_16816(
-                (ha & lo16) | (hb << uint32(16)), (ha >> uint32(16)) | (hb & hi16),
-                (hc & lo16) | (hd << uint32(16)), (hc >> uint32(16)) | (hd & hi16),
+                low_halves(ha, hb), high_halves(ha, hb), low_halves(hc, hd), high_halves(hc, hd),
                 pb0, pb1, oacc[4 * j], oacc[4 * j + 1], oacc[4 * j + 2], oacc[4 * j + 3])
 
     value_tile.__name__ = value_tile.__qualname__ = f"value_tile_v{vb}"
@@ -326,14 +362,14 @@ _VALUE_TILE_2, _VALUE_TILE_3, _VALUE_TILE_4 = (_make_value_tile(vb) for vb in MM
 
 
 @cuda_device
-def value_tile(vb, xa, xb, xc, xd, sa, sb, sc, sd, lane, tab, pb0, pb1, oacc):
+def value_tile(vb, xa, xb, xc, xd, sa, sb, sc, sd, slot, tab, pb0, pb1, oacc):
     """:func:`_make_value_tile` for the width ``vb`` (the same branch on every lane)."""
     if vb == 3:
-        _VALUE_TILE_3(xa, xb, xc, xd, sa, sb, sc, sd, lane, tab, pb0, pb1, oacc)
+        _VALUE_TILE_3(xa, xb, xc, xd, sa, sb, sc, sd, slot, tab, pb0, pb1, oacc)
     elif vb == 4:
-        _VALUE_TILE_4(xa, xb, xc, xd, sa, sb, sc, sd, lane, tab, pb0, pb1, oacc)
+        _VALUE_TILE_4(xa, xb, xc, xd, sa, sb, sc, sd, slot, tab, pb0, pb1, oacc)
     else:
-        _VALUE_TILE_2(xa, xb, xc, xd, sa, sb, sc, sd, lane, tab, pb0, pb1, oacc)
+        _VALUE_TILE_2(xa, xb, xc, xd, sa, sb, sc, sd, slot, tab, pb0, pb1, oacc)
 
 
 @cuda_device
@@ -391,7 +427,8 @@ def stage_query_fragments(qs, d, gid, tig, rb, scale, qa):
 def _masked(x, t, t_hi, pos0, lim):
     """``x`` where token ``t`` (``int32``, as ``t_hi``, ``pos0`` and ``lim``: positions stay
     below ``2**31``) is in the partition and its position visible, else ``-inf``."""
-    return x if t < t_hi and pos0 + t <= lim else NEG_INF
+    # (Numba widens int32 sums to 64 bits: the casts keep the comparisons 32-bit)
+    return x if t < t_hi and int32(pos0 + t) <= lim else NEG_INF
 
 
 @cuda_device
@@ -429,33 +466,39 @@ def mma_tiles(kb, vb, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, page_s
         oacc[i] = float32(0.0)
     m0 = m1 = NEG_INF
     l0 = l1 = float32(0.0)
-    t_last = max(t_hi - 1, int64(0))
+    # token indices in 32 bits (a cache holds fewer than 2**31 tokens): one-instruction clamps
+    # (Numba widens int32 sums to 64 bits; each is cast back so that the compares stay 32-bit)
     t_hi32 = int32(t_hi)
+    t_last = max(int32(t_hi32 - 1), int32(0))
     pos32 = int32(pos0)
-    page, slot = token_address(paged, kv_indices, first, page_size, g, min(t_lo + gid, t_last))
-    a0, a1, a2, a3, as2 = _load_key(kc32, ks, page, h, slot, tig, kb, sshift)
-    page, slot = token_address(paged, kv_indices, first, page_size, g, min(t_lo + 8 + gid, t_last))
-    b0, b1, b2, b3, bs2 = _load_key(kc32, ks, page, h, slot, tig, kb, sshift)
-    for t0 in range(t_lo, t_hi, 16):
-        u = t0 + 2 * tig
-        page, slot = token_address(paged, kv_indices, first, page_size, g, min(u, t_last))
-        xa, sa = _load_value(vc32, vs, page, h, slot, gid, vb, sshift)
-        page, slot = token_address(paged, kv_indices, first, page_size, g, min(u + 1, t_last))
-        xb, sb = _load_value(vc32, vs, page, h, slot, gid, vb, sshift)
-        page, slot = token_address(paged, kv_indices, first, page_size, g, min(u + 8, t_last))
-        xc, sc = _load_value(vc32, vs, page, h, slot, gid, vb, sshift)
-        page, slot = token_address(paged, kv_indices, first, page_size, g, min(u + 9, t_last))
-        xd, sd = _load_value(vc32, vs, page, h, slot, gid, vb, sshift)
-        s00, s01, s10, s11 = key_tile(kb, a0, a1, a2, a3, as2, b0, b1, b2, b3, bs2, lane, tab, qa)
-        page, slot = token_address(paged, kv_indices, first, page_size, g, min(t0 + 16 + gid, t_last))
-        a0, a1, a2, a3, as2 = _load_key(kc32, ks, page, h, slot, tig, kb, sshift)
-        page, slot = token_address(paged, kv_indices, first, page_size, g, min(t0 + 24 + gid, t_last))
-        b0, b1, b2, b3, bs2 = _load_key(kc32, ks, page, h, slot, tig, kb, sshift)
+    # a flat cache's KV row starts here in each array (unused by a pool: per-token pages)
+    kb0 = _row(kc32, g, h, 0)
+    ksb0 = _row(ks, g, h, 0)
+    vb0 = _row(vc32, g, h, 0)
+    vsb0 = _row(vs, g, h, 0)
+    addr = (paged, kv_indices, first, page_size, h)
+    # each lane's replica of the two pair tables (TAB_SLOTS: the V table), from the widths read
+    # at run time: a constant mask would be folded into every table read's mask-and-or,
+    # which then takes two instructions instead of one
+    kslot = uint32(lane) & uint32(pair_table_replicas_dev(kb) - 1)
+    vslot = (uint32(lane) & uint32(pair_table_replicas_dev(vb) - 1)) | uint32(TAB_SLOTS)
+    t_lo32 = int32(t_lo)
+    a0, a1, a2, a3, as2 = _key_at(kc32, ks, kb0, ksb0, *addr, min(int32(t_lo32 + gid), t_last), tig, kb, sshift)
+    b0, b1, b2, b3, bs2 = _key_at(kc32, ks, kb0, ksb0, *addr, min(int32(t_lo32 + 8 + gid), t_last), tig, kb, sshift)
+    for t0 in range(t_lo32, t_hi32, int32(16)):
+        u = int32(t0 + 2 * tig)
+        xa, sa = _value_at(vc32, vs, vb0, vsb0, *addr, min(u, t_last), gid, vb, sshift)
+        xb, sb = _value_at(vc32, vs, vb0, vsb0, *addr, min(int32(u + 1), t_last), gid, vb, sshift)
+        xc, sc = _value_at(vc32, vs, vb0, vsb0, *addr, min(int32(u + 8), t_last), gid, vb, sshift)
+        xd, sd = _value_at(vc32, vs, vb0, vsb0, *addr, min(int32(u + 9), t_last), gid, vb, sshift)
+        s00, s01, s10, s11 = key_tile(kb, a0, a1, a2, a3, as2, b0, b1, b2, b3, bs2, kslot, tab, qa)
         ta = int32(t0 + gid)
+        a0, a1, a2, a3, as2 = _key_at(kc32, ks, kb0, ksb0, *addr, min(int32(ta + 16), t_last), tig, kb, sshift)
+        b0, b1, b2, b3, bs2 = _key_at(kc32, ks, kb0, ksb0, *addr, min(int32(ta + 24), t_last), tig, kb, sshift)
         alpha0, p00, p10, m0, l0 = _online_softmax(_masked(s00 * inv0, ta, t_hi32, pos32, lim0),
-                                                   _masked(s10 * inv0, ta + 8, t_hi32, pos32, lim0), m0, l0)
+                                                   _masked(s10 * inv0, int32(ta + 8), t_hi32, pos32, lim0), m0, l0)
         alpha1, p01, p11, m1, l1 = _online_softmax(_masked(s01 * inv1, ta, t_hi32, pos32, lim1),
-                                                   _masked(s11 * inv1, ta + 8, t_hi32, pos32, lim1), m1, l1)
+                                                   _masked(s11 * inv1, int32(ta + 8), t_hi32, pos32, lim1), m1, l1)
         if alpha0 != float32(1.0) or alpha1 != float32(1.0):
             # (exactly 1 while a row's maximum stands: in a long partition most tiles skip
             # the 32 multiplies; FlashAttention-3's rescaling rule, arXiv 2407.08608 §3)
@@ -466,7 +509,7 @@ def mma_tiles(kb, vb, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, page_s
                 oacc[4 * i + 3] *= alpha1
         # the weights as B of P·V: (token gid, rows 2tig, 2tig+1) transposed to (row gid,
         # tokens 2tig, 2tig+1), and the same for tokens 8-15
-        value_tile(vb, xa, xb, xc, xd, sa, sb, sc, sd, lane, tab, movmatrix_trans(pack_half2(p00, p01)),
+        value_tile(vb, xa, xb, xc, xd, sa, sb, sc, sd, vslot, tab, movmatrix_trans(pack_half2(p00, p01)),
                    movmatrix_trans(pack_half2(p10, p11)), oacc)
     return m0, m1, l0, l1
 

@@ -4,7 +4,7 @@ Each primitive exists twice, chosen once at import (``NUMBA_ENABLE_CUDASIM``):
 
 * on a GPU, a Numba ``@intrinsic`` whose code generation calls an llvmlite ``ir.InlineAsm`` of
   one PTX instruction (``mma.sync``, ``movmatrix.sync``, ``cvt.rn.f16x2.f32``,
-  ``mul.rn.f16x2``), or Numba's own ``shfl.sync``;
+  ``mul.rn.f16x2``, ``prmt.b32``), or Numba's own ``shfl.sync``;
 * under Numba's CUDA simulator, a plain Python function with the same arguments and results
   bit for bit (binary16 through NumPy; the warp-collective ones exchange their lanes'
   operands through a per-block table between two block barriers, so in that build every
@@ -39,8 +39,8 @@ from numba.cuda.extending import intrinsic
 
 from ... import _backend
 
-__all__ = ["SIMULATED", "half2_bits", "hmul2", "mma_16816", "movmatrix_trans", "pack_half2", "shfl_idx_f32",
-           "shfl_xor_f32", "shfl_xor_u32", "unpack_half2"]
+__all__ = ["SIMULATED", "half2_bits", "hmul2", "low_halves", "high_halves", "mma_16816", "movmatrix_trans",
+           "pack_half2", "shfl_idx_f32", "shfl_xor_f32", "shfl_xor_u32", "unpack_half2"]
 
 #: the simulator build (Python twins of every primitive)
 SIMULATED = _backend.simulator_enabled()
@@ -91,6 +91,14 @@ def _exchange(value):
 def _sim_shfl_xor(x, mask):
     lanes = _exchange(x)
     return lanes[(threading.current_thread().thread_id & 31) ^ mask]
+
+
+def _sim_low_halves(a, b):
+    return np.uint32((int(a) & 0xFFFF) | ((int(b) & 0xFFFF) << 16))
+
+
+def _sim_high_halves(a, b):
+    return np.uint32(((int(a) >> 16) & 0xFFFF) | (int(b) & 0xFFFF0000))
 
 
 def _sim_shfl_idx(x, src):
@@ -187,6 +195,21 @@ def _gpu_primitives():
 
         return sig, codegen
 
+    def _prmt(selector):
+        @intrinsic
+        def prmt(typingctx, a, b):
+            sig = types.uint32(types.uint32, types.uint32)
+
+            def codegen(context, builder, signature, args):
+                xs = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, signature.args)]
+                asm = ir.InlineAsm(ir.FunctionType(i32, [i32, i32]), f"prmt.b32 $0, $1, $2, {selector:#x};",
+                                   "=r,r,r")
+                return builder.call(asm, xs)
+
+            return sig, codegen
+
+        return prmt
+
     def shfl_idx(x, src):
         return cuda.shfl_sync(_FULL, x, src)
 
@@ -198,15 +221,19 @@ def _gpu_primitives():
         return cuda.shfl_xor_sync(_FULL, x, mask)
 
     dev = cuda.jit(device=True, inline="always")
-    return mma, pack, mul2, movmatrix, dev(shfl_u32), dev(shfl_f32), dev(shfl_idx)
+    # bytes 0-3 of the first source, 4-7 of the second: (a.lo, b.lo) and (a.hi, b.hi)
+    return (mma, pack, mul2, movmatrix, _prmt(0x5410), _prmt(0x7632), dev(shfl_u32), dev(shfl_f32),
+            dev(shfl_idx))
 
 
 if SIMULATED:
     mma_16816, pack_half2, hmul2, movmatrix_trans = _sim_mma, _sim_pack_half2, _sim_hmul2, _sim_movmatrix
+    low_halves, high_halves = _sim_low_halves, _sim_high_halves
     shfl_xor_u32 = shfl_xor_f32 = _sim_shfl_xor
     shfl_idx_f32 = _sim_shfl_idx
 else:
-    mma_16816, pack_half2, hmul2, movmatrix_trans, shfl_xor_u32, shfl_xor_f32, shfl_idx_f32 = _gpu_primitives()
+    (mma_16816, pack_half2, hmul2, movmatrix_trans, low_halves, high_halves, shfl_xor_u32, shfl_xor_f32,
+     shfl_idx_f32) = _gpu_primitives()
 
 mma_16816.__doc__ = """``D = A·B + C`` of one warp (``mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32``):
 ``a0…a3`` and ``b0, b1`` this lane's ``.f16x2`` fragments of A and B, ``c0…c3`` its float32
@@ -217,3 +244,7 @@ movmatrix_trans.__doc__ = """The transpose of the warp's 8×8 binary16 matrix
 2tig+1])`` and gets ``(M[2tig, gid], M[2tig+1, gid])`` (``.f16x2`` words).
 Every lane of the warp calls it with the same control flow."""
 shfl_idx_f32.__doc__ = """Lane ``src``'s float32 ``x`` (``shfl.sync.idx``, whole warp)."""
+low_halves.__doc__ = """``(a.lo, b.lo)``: the low binary16 halves of two ``.f16x2`` words in one
+(``prmt.b32`` selector 0x5410: one instruction where the shifts and masks take two)."""
+high_halves.__doc__ = """``(a.hi, b.hi)``: the high binary16 halves of two ``.f16x2`` words in one
+(``prmt.b32`` selector 0x7632)."""
