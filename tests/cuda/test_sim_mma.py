@@ -18,6 +18,7 @@ from numba_kv.ops import attention
 from numba_kv.ops.attention import decode_attention, kernels
 from numba_kv.ops.attention.mma import _row, _word, reference_pair_table
 from numba_kv.ops.attention.ptx import (
+    exp2_ftz,
     half2_bits,
     high_halves,
     hmul2,
@@ -91,6 +92,27 @@ def halves_kernel(a, b, lo, hi):
     i = cuda.threadIdx.x
     lo[i] = low_halves(a[i], b[i])
     hi[i] = high_halves(a[i], b[i])
+
+
+@cuda.jit
+def exp2_kernel(x, out):
+    i = cuda.threadIdx.x
+    out[i] = exp2_ftz(x[i])
+
+
+@pytest.mark.cuda
+def test_exp2_ftz_is_exp2_with_flushed_subnormals():
+    """``ex2.approx.ftz.f32``: within 2**-21 relative of 2**x, exact 0 for ``-inf`` and for
+    results below the normal range, ``inf`` past the top."""
+    x = np.concatenate([np.linspace(-30, 30, 24), [0.0, -126.0, -127.5, -140.0, -np.inf, 130.0, 1.0, -0.5]])
+    x = x.astype(np.float32)
+    out = to_device(np.full(32, np.nan, np.float32))
+    exp2_kernel[1, 32](to_device(x), out)
+    got = to_host(out).astype(np.float64)
+    ref = np.exp2(x.astype(np.float64))
+    normal = (ref >= 2.0 ** -126) & (ref < 2.0 ** 128)
+    np.testing.assert_allclose(got[normal], ref[normal], rtol=2.0 ** -21)
+    assert (got[ref < 2.0 ** -126] == 0.0).all() and np.isposinf(got[ref >= 2.0 ** 128]).all()
 
 
 @pytest.mark.cuda

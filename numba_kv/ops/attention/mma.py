@@ -63,8 +63,6 @@ exchange together).
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import cuda, float32, int32, uint32, uint64
 
@@ -72,6 +70,7 @@ from ..._jit import cuda_device_ll as cuda_device
 from .cores import NEG_INF
 from .ptx import (
     SIMULATED,
+    exp2_ftz,
     high_halves,
     hmul2,
     low_halves,
@@ -438,9 +437,9 @@ def _online_softmax(xa, xb, m, lsum):
     far keeps ``m = -inf``, its weights and rescale exact zeros."""
     m_new = max(m, _column_max(max(xa, xb)))
     m_use = m_new if m_new != NEG_INF else float32(0.0)
-    alpha = math.exp2(m - m_use)
-    pa = math.exp2(xa - m_use)
-    pb = math.exp2(xb - m_use)
+    alpha = exp2_ftz(m - m_use)
+    pa = exp2_ftz(xa - m_use)
+    pb = exp2_ftz(xb - m_use)
     return alpha, pa, pb, m_new, lsum * alpha + (pa + pb)
 
 

@@ -4,7 +4,7 @@ Each primitive exists twice, chosen once at import (``NUMBA_ENABLE_CUDASIM``):
 
 * on a GPU, a Numba ``@intrinsic`` whose code generation calls an llvmlite ``ir.InlineAsm`` of
   one PTX instruction (``mma.sync``, ``movmatrix.sync``, ``cvt.rn.f16x2.f32``,
-  ``mul.rn.f16x2``, ``prmt.b32``), or Numba's own ``shfl.sync``;
+  ``mul.rn.f16x2``, ``prmt.b32``, ``ex2.approx.ftz.f32``), or Numba's own ``shfl.sync``;
 * under Numba's CUDA simulator, a plain Python function with the same arguments and results
   bit for bit (binary16 through NumPy; the warp-collective ones exchange their lanes'
   operands through a per-block table between two block barriers, so in that build every
@@ -39,7 +39,7 @@ from numba.cuda.extending import intrinsic
 
 from ... import _backend
 
-__all__ = ["SIMULATED", "half2_bits", "hmul2", "low_halves", "high_halves", "mma_16816", "movmatrix_trans",
+__all__ = ["SIMULATED", "exp2_ftz", "half2_bits", "hmul2", "low_halves", "high_halves", "mma_16816", "movmatrix_trans",
            "pack_half2", "shfl_idx_f32", "shfl_xor_f32", "shfl_xor_u32", "unpack_half2"]
 
 #: the simulator build (Python twins of every primitive)
@@ -91,6 +91,12 @@ def _exchange(value):
 def _sim_shfl_xor(x, mask):
     lanes = _exchange(x)
     return lanes[(threading.current_thread().thread_id & 31) ^ mask]
+
+
+def _sim_exp2_ftz(x):
+    with np.errstate(over="ignore", under="ignore"):
+        y = np.float32(np.exp2(np.float64(x)))
+    return np.float32(0.0) if y < np.float32(2.0 ** -126) else y  # (results below float32's normals flush)
 
 
 def _sim_low_halves(a, b):
@@ -195,6 +201,17 @@ def _gpu_primitives():
 
         return sig, codegen
 
+    @intrinsic
+    def ex2(typingctx, x):
+        sig = types.float32(types.float32)
+
+        def codegen(context, builder, signature, args):
+            v = context.cast(builder, args[0], signature.args[0], types.float32)
+            asm = ir.InlineAsm(ir.FunctionType(f32, [f32]), "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+            return builder.call(asm, [v])
+
+        return sig, codegen
+
     def _prmt(selector):
         @intrinsic
         def prmt(typingctx, a, b):
@@ -222,17 +239,17 @@ def _gpu_primitives():
 
     dev = cuda.jit(device=True, inline="always")
     # bytes 0-3 of the first source, 4-7 of the second: (a.lo, b.lo) and (a.hi, b.hi)
-    return (mma, pack, mul2, movmatrix, _prmt(0x5410), _prmt(0x7632), dev(shfl_u32), dev(shfl_f32),
+    return (mma, pack, mul2, movmatrix, _prmt(0x5410), _prmt(0x7632), ex2, dev(shfl_u32), dev(shfl_f32),
             dev(shfl_idx))
 
 
 if SIMULATED:
     mma_16816, pack_half2, hmul2, movmatrix_trans = _sim_mma, _sim_pack_half2, _sim_hmul2, _sim_movmatrix
-    low_halves, high_halves = _sim_low_halves, _sim_high_halves
+    low_halves, high_halves, exp2_ftz = _sim_low_halves, _sim_high_halves, _sim_exp2_ftz
     shfl_xor_u32 = shfl_xor_f32 = _sim_shfl_xor
     shfl_idx_f32 = _sim_shfl_idx
 else:
-    (mma_16816, pack_half2, hmul2, movmatrix_trans, low_halves, high_halves, shfl_xor_u32, shfl_xor_f32,
+    (mma_16816, pack_half2, hmul2, movmatrix_trans, low_halves, high_halves, exp2_ftz, shfl_xor_u32, shfl_xor_f32,
      shfl_idx_f32) = _gpu_primitives()
 
 mma_16816.__doc__ = """``D = A·B + C`` of one warp (``mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32``):
@@ -248,3 +265,7 @@ low_halves.__doc__ = """``(a.lo, b.lo)``: the low binary16 halves of two ``.f16x
 (``prmt.b32`` selector 0x5410: one instruction where the shifts and masks take two)."""
 high_halves.__doc__ = """``(a.hi, b.hi)``: the high binary16 halves of two ``.f16x2`` words in one
 (``prmt.b32`` selector 0x7632)."""
+exp2_ftz.__doc__ = """``2**x`` in float32 (``ex2.approx.ftz.f32``: relative error about ``2**-22``,
+``2**-inf = 0``, results below ``2**-126`` flushed to 0) in one instruction, where
+``math.exp2`` adds three for subnormal results; for softmax weights, which the kernels round to
+binary16 anyway."""
