@@ -285,6 +285,29 @@ def test_paged_mma_attention_matches_cpu_twin(monkeypatch):
     assert not np.array_equal(b, a)
 
 
+@pytest.mark.cuda
+def test_paged_mma_attention_needs_a_power_of_two_page_size(monkeypatch):
+    """The tensor-core tiles split a token index into page and slot with a shift: a pool of
+    12-token pages runs the warp kernel instead, with the same result as the CPU twin."""
+    from numba_kv import PagedKVCache
+    from numba_kv.ops.attention import kernels
+
+    launched = spy_launches(monkeypatch, (kernels, "PAGED_DECODE_ATTENTION_MMA"))
+    rng = np.random.default_rng(4)
+    caches = [PagedKVCache(num_pages=6, num_layers=1, num_kv_heads=1, head_dim=128, page_size=12,
+                           storage="pqo-k3v2") for _ in range(2)]
+    seqs = [c.allocate_sequence() for c in caches]
+    k = (rng.standard_normal((1, 30, 128)) * 3).astype(np.float32)
+    v = rng.standard_normal((1, 30, 128)).astype(np.float32)
+    caches[0].append(0, seqs[0], k, v)
+    caches[1].append(0, seqs[1], to_device(k), to_device(v))
+    q = rng.standard_normal((1, 4, 1, 128)).astype(np.float32)
+    a = caches[0].decode_attention(0, q, partition_size=16)
+    b = to_host(caches[1].decode_attention(0, to_device(q), partition_size=16))
+    assert not launched, "the tensor-core kernel ran on 12-token pages"
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
 #: the tensor-core kernels' simulator/GPU runs (``tests/cuda/test_sim.py`` checks every registered
 #: twin has one): the parametrized tests above
 RUNNERS = {"decode_attention_mma": test_mma_attention_matches_cpu_twin,

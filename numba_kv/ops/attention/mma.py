@@ -64,7 +64,7 @@ exchange together).
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float32, int32, uint32, uint64
+from numba import cuda, float32, int32, int64, uint32, uint64
 
 from ..._jit import cuda_device_ll as cuda_device
 from .cores import NEG_INF
@@ -228,26 +228,27 @@ def _row(arr, page, h, slot):
 
 
 @cuda_device
-def token_address(paged, kv_indices, first, page_size, g, t):
-    """``(page, slot)`` of token ``t``: ``(g, t)`` in a flat cache (its codes viewed as
-    ``[n_g, 1, capacity, ·]``), slot ``t mod page_size`` of page ``kv_indices[first + t //
-    page_size]`` in a paged pool (``[pages, num_kv_heads, page_size, ·]``).  The one place the
-    two token spaces differ (32-bit division: a token index is below ``2**31``)."""
+def token_address(paged, kv_indices, first, psh, g, t):
+    """``(page, slot)`` of token ``t`` (``int32``): ``(g, t)`` in a flat cache (its codes viewed
+    as ``[n_g, 1, capacity, ·]``), slot ``t mod page_size`` of page ``kv_indices[first + t //
+    page_size]`` in a paged pool (``[pages, num_kv_heads, page_size, ·]``) whose page size is
+    ``2**psh`` (the plan runs the tensor-core kernel for power-of-two page sizes only: a shift
+    and a mask instead of a checked division).  The one place the two token spaces differ."""
     if paged:
-        i = uint32(t) // uint32(page_size)
-        return uint64(kv_indices[first + i]), uint32(t) - i * uint32(page_size)
+        return uint64(kv_indices[first + (t >> psh)]), uint32(t & ((int32(1) << psh) - int32(1)))
     return uint64(g), uint32(t)
 
 
 @cuda_device
-def _token_row(arr, base, paged, kv_indices, first, page_size, h, t):
-    """Offset of token ``t``'s row of ``arr``: ``base`` (:func:`_row` of the KV row's token 0,
-    computed once per partition) plus ``t`` rows in a flat cache, the page table's page and
-    slot in a pool (:func:`token_address`)."""
+def _token_rows(kc32, ks, base, sbase, paged, kv_indices, first, psh, h, t):
+    """Offsets of token ``t``'s rows in a code array and its scale array: ``base``, ``sbase``
+    (:func:`_row` of the KV row's token 0, computed once per partition) plus ``t`` rows in a
+    flat cache; in a pool, the page table's page and slot (:func:`token_address`, once for
+    both arrays)."""
     if paged:
-        page, slot = token_address(paged, kv_indices, first, page_size, 0, t)
-        return _row(arr, page, h, slot)
-    return base + uint64(uint32(t) * uint32(arr.shape[3]))
+        page, slot = token_address(paged, kv_indices, first, psh, 0, t)
+        return _row(kc32, page, h, slot), _row(ks, page, h, slot)
+    return base + uint64(uint32(t) * uint32(kc32.shape[3])), sbase + uint64(uint32(t) * uint32(ks.shape[3]))
 
 
 @cuda_device
@@ -277,15 +278,15 @@ def _load_value(vc32, vs, vo, so, gid, vb, sshift):
 
 
 @cuda_device
-def _key_at(kc32, ks, kb0, ksb0, paged, kv_indices, first, page_size, h, t, tig, kb, sshift):
-    return _load_key(kc32, ks, _token_row(kc32, kb0, paged, kv_indices, first, page_size, h, t),
-                     _token_row(ks, ksb0, paged, kv_indices, first, page_size, h, t), tig, kb, sshift)
+def _key_at(kc32, ks, kb0, ksb0, paged, kv_indices, first, psh, h, t, tig, kb, sshift):
+    ko, so = _token_rows(kc32, ks, kb0, ksb0, paged, kv_indices, first, psh, h, t)
+    return _load_key(kc32, ks, ko, so, tig, kb, sshift)
 
 
 @cuda_device
-def _value_at(vc32, vs, vb0, vsb0, paged, kv_indices, first, page_size, h, t, gid, vb, sshift):
-    return _load_value(vc32, vs, _token_row(vc32, vb0, paged, kv_indices, first, page_size, h, t),
-                       _token_row(vs, vsb0, paged, kv_indices, first, page_size, h, t), gid, vb, sshift)
+def _value_at(vc32, vs, vb0, vsb0, paged, kv_indices, first, psh, h, t, gid, vb, sshift):
+    vo, so = _token_rows(vc32, vs, vb0, vsb0, paged, kv_indices, first, psh, h, t)
+    return _load_value(vc32, vs, vo, so, gid, vb, sshift)
 
 
 def _make_key_tile(kb: int):
@@ -475,7 +476,10 @@ def mma_tiles(kb, vb, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, page_s
     ksb0 = _row(ks, g, h, 0)
     vb0 = _row(vc32, g, h, 0)
     vsb0 = _row(vs, g, h, 0)
-    addr = (paged, kv_indices, first, page_size, h)
+    psh = int32(0)  # log2 of a pool's page size (a power of two: the plan's condition)
+    while paged and (int64(1) << psh) < page_size:
+        psh += int32(1)
+    addr = (paged, kv_indices, first, psh, h)
     # each lane's replica of the two pair tables (TAB_SLOTS: the V table), from the widths read
     # at run time: a constant mask would be folded into every table read's mask-and-or,
     # which then takes two instructions instead of one

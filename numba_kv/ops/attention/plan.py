@@ -323,7 +323,8 @@ class AttentionPlan:
         ``[n_g, rows, d]`` array on the plan's device to write into (default: a new one)."""
         kernel = self.kernel
         if self.variant == "mma":
-            words = mma_operands(*pools[:4], flat=False)
+            # (the tensor-core tiles split a token index into page and slot with a shift)
+            words = mma_operands(*pools[:4], flat=False) if page_size & (page_size - 1) == 0 else None
             if words is None:
                 kernel = self._fallback
             else:
