@@ -43,6 +43,10 @@ DEFAULTS: dict[str, Any] = {
     # CUDA decode attention: 1 = the partition kernel rotates the queries in its prologue (one
     # launch fewer per step), 0 = a separate rotation launch before it (A/B on a GPU)
     "cuda_fused_query_rotation": 1,
+    # CUDA launches: 1 = a launch that repeats an earlier one (same kernel, geometry, array
+    # objects and scalars) reuses the parameters Numba converted then (numba_kv._launch),
+    # 0 = every launch through Numba's typing and conversion
+    "cuda_prepared_launch": 1,
 }
 
 #: most threads per CUDA block the package launches.  Any kernel can launch with 256: a block
@@ -66,6 +70,7 @@ RANGES: dict[str, tuple[type, float, float, int]] = {
     "cuda_mma_attention": (int, 0, 1, 1),
     "cuda_merge_last_block": (int, 0, 1, 1),
     "cuda_fused_query_rotation": (int, 0, 1, 1),
+    "cuda_prepared_launch": (int, 0, 1, 1),
 }
 
 _overrides: dict[str, Any] = {}

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import _backend
+from .. import _backend, _launch
 from .._jit import cpu_call
 
 __all__ = ["F32_1D", "F32_2D", "F32_3D", "Twin", "TWINS", "U8_3D", "register"]
@@ -79,7 +79,8 @@ class Twin:
             if n_items <= 0:
                 return
             grid = _backend.cuda_grid(n_items, threads)
-        self.cuda[grid[0], grid[1]](*args)
+        # (a repeat of an earlier launch skips Numba's argument typing and conversion)
+        _launch.launch(self.cuda, grid[0], grid[1], args)
 
 
 TWINS: dict[str, Twin] = {}

@@ -144,6 +144,30 @@ def _sim_mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
 
 
 # --- GPU intrinsics -------------------------------------------------------------------------
+def _asm_intrinsic(template: str, result: str, operands: tuple[str, ...]):
+    """An ``@intrinsic`` of one PTX instruction ``template`` (``$0`` the result, ``$1``, ``$2``
+    the operands) over 32-bit scalars: ``result`` and each of the one or two ``operands``
+    ``"u32"`` (a register ``r``) or ``"f32"`` (``f``)."""
+    kinds = {"u32": (types.uint32, ir.IntType(32), "r"), "f32": (types.float32, ir.FloatType(), "f")}
+    ret_t, ret_ir, ret_c = kinds[result]
+    arg_ts = [kinds[o][0] for o in operands]
+    fnty = ir.FunctionType(ret_ir, [kinds[o][1] for o in operands])
+    constraints = ",".join(["=" + ret_c, *(kinds[o][2] for o in operands)])
+
+    def codegen(context, builder, signature, values):
+        xs = [context.cast(builder, v, t, s) for v, t, s in zip(values, signature.args, arg_ts)]
+        return builder.call(ir.InlineAsm(fnty, template, constraints), xs)
+
+    # (a typing function with one named parameter per operand: Numba folds ``*args`` into a tuple)
+    if len(operands) == 1:
+        def typer(typingctx, x0):
+            return ret_t(*arg_ts), codegen
+    else:
+        def typer(typingctx, x0, x1):
+            return ret_t(*arg_ts), codegen
+    return intrinsic(typer)
+
+
 def _gpu_primitives():
     f32 = ir.FloatType()
     i32 = ir.IntType(32)
@@ -168,64 +192,14 @@ def _gpu_primitives():
 
         return sig, codegen
 
-    @intrinsic
-    def pack(typingctx, lo, hi):
-        sig = types.uint32(types.float32, types.float32)
-
-        def codegen(context, builder, signature, args):
-            lo_v, hi_v = (context.cast(builder, v, t, types.float32) for v, t in zip(args, signature.args))
-            asm = ir.InlineAsm(ir.FunctionType(i32, [f32, f32]), "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f")
-            return builder.call(asm, [hi_v, lo_v])  # the first source goes to the upper half
-
-        return sig, codegen
-
-    @intrinsic
-    def mul2(typingctx, x, y):
-        sig = types.uint32(types.uint32, types.uint32)
-
-        def codegen(context, builder, signature, args):
-            xs = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, signature.args)]
-            asm = ir.InlineAsm(ir.FunctionType(i32, [i32, i32]), "mul.rn.f16x2 $0, $1, $2;", "=r,r,r")
-            return builder.call(asm, xs)
-
-        return sig, codegen
-
-    @intrinsic
-    def movmatrix(typingctx, w):
-        sig = types.uint32(types.uint32)
-
-        def codegen(context, builder, signature, args):
-            x = context.cast(builder, args[0], signature.args[0], types.uint32)
-            asm = ir.InlineAsm(ir.FunctionType(i32, [i32]), "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r")
-            return builder.call(asm, [x])
-
-        return sig, codegen
-
-    @intrinsic
-    def ex2(typingctx, x):
-        sig = types.float32(types.float32)
-
-        def codegen(context, builder, signature, args):
-            v = context.cast(builder, args[0], signature.args[0], types.float32)
-            asm = ir.InlineAsm(ir.FunctionType(f32, [f32]), "ex2.approx.ftz.f32 $0, $1;", "=f,f")
-            return builder.call(asm, [v])
-
-        return sig, codegen
-
-    def _prmt(selector):
-        @intrinsic
-        def prmt(typingctx, a, b):
-            sig = types.uint32(types.uint32, types.uint32)
-
-            def codegen(context, builder, signature, args):
-                xs = [context.cast(builder, v, t, types.uint32) for v, t in zip(args, signature.args)]
-                asm = ir.InlineAsm(ir.FunctionType(i32, [i32, i32]), f"prmt.b32 $0, $1, $2, {selector:#x};",
-                                   "=r,r,r")
-                return builder.call(asm, xs)
-
-            return sig, codegen
-
-        return prmt
+    # the first source of cvt.rn.f16x2.f32 goes to the upper half: (lo, hi) is "$0, $2, $1"
+    pack = _asm_intrinsic("cvt.rn.f16x2.f32 $0, $2, $1;", "u32", ("f32", "f32"))
+    mul2 = _asm_intrinsic("mul.rn.f16x2 $0, $1, $2;", "u32", ("u32", "u32"))
+    movmatrix = _asm_intrinsic("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "u32", ("u32",))
+    ex2 = _asm_intrinsic("ex2.approx.ftz.f32 $0, $1;", "f32", ("f32",))
+    # bytes 0-3 of the first source, 4-7 of the second: (a.lo, b.lo) and (a.hi, b.hi)
+    low = _asm_intrinsic("prmt.b32 $0, $1, $2, 0x5410;", "u32", ("u32", "u32"))
+    high = _asm_intrinsic("prmt.b32 $0, $1, $2, 0x7632;", "u32", ("u32", "u32"))
 
     def shfl_idx(x, src):
         return cuda.shfl_sync(_FULL, x, src)
@@ -238,9 +212,7 @@ def _gpu_primitives():
         return cuda.shfl_xor_sync(_FULL, x, mask)
 
     dev = cuda.jit(device=True, inline="always")
-    # bytes 0-3 of the first source, 4-7 of the second: (a.lo, b.lo) and (a.hi, b.hi)
-    return (mma, pack, mul2, movmatrix, _prmt(0x5410), _prmt(0x7632), ex2, dev(shfl_u32), dev(shfl_f32),
-            dev(shfl_idx))
+    return mma, pack, mul2, movmatrix, low, high, ex2, dev(shfl_u32), dev(shfl_f32), dev(shfl_idx)
 
 
 if SIMULATED:

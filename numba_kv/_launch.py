@@ -1,0 +1,182 @@
+"""CUDA launches whose parameters were converted once: the repeat of a launch skips Numba's
+per-argument typing and conversion.
+
+Numba launches ``kernel[grid, block](*args)`` by typing every argument (``typeof``; for a
+CuPy array through its ``__cuda_array_interface__`` dict), resolving the overload, and
+converting every argument into the kernel's parameters (a device-array view per array, with
+a stream synchronization for interface arrays, then the pointer, shape and strides).  On an
+H100 that is 0.15–0.4 ms of host time per launch of the decode attention's ~45 arguments, 36
+µs for a 6-array kernel with Numba device arrays and 147 µs with CuPy ones — while the
+kernels of a steady decode step run for microseconds.  Those launches repeat step after step
+with the same arrays and scalars (``tests/cuda/test_sim_graph_replay.py``), so their
+parameters can be converted once: the plan/run split of FlashInfer, at the level of a launch.
+
+:func:`launch` keys a launch by the kernel, the geometry and its arguments: each array by its
+identity and shape (CuPy lets a contiguous array change its shape in place), every other
+argument by its type and value.  The first launch with a key goes through Numba as before; a
+pre-launch callback of that launch hands over the compiled kernel, and Numba's own argument
+conversion (``_Kernel._prepare_args``) turns the arguments into the kernel's parameters once.
+A later launch with the same key, whose arrays are still the very objects of the first (held
+by weak references: a freed array's id may be reused, and a cache entry must not keep device
+memory alive), passes those parameters straight to ``cuda.core.launch``, the call Numba's
+launch ends in.  What a repeat skips, besides the typing: Numba's stream synchronization of
+interface arrays — the package launches every kernel on the default stream, in order with the
+work that produced its inputs.
+
+Anything unexpected — the simulator, a Numba without the callback, an argument that cannot be
+weakly referenced, host arrays that Numba copies, a failure while preparing — leaves the
+launch to Numba, as before.  The knob ``cuda_prepared_launch`` (default 1;
+``NUMBA_KV_CUDA_PREPARED_LAUNCH=0``) turns the cache off.  Entries are kept for the 1024 most
+recent keys.
+
+Launch contract: as ``dispatcher[grid, block](*args)`` on the default stream.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+
+from . import _backend, _config
+
+try:  # the module whose launch this repeats (numba-cuda; its names as Numba uses them)
+    from numba.cuda import dispatcher as _nd
+except ImportError:  # pragma: no cover - numba-cuda is a core dependency
+    _nd = None
+try:
+    from numba.cuda._compat import CUDA_CORE_GE_1_0 as _CORE_GE_1_0
+except ImportError:  # pragma: no cover - older numba-cuda: the 1.0 keyword
+    _CORE_GE_1_0 = True
+
+__all__ = ["MAX_ENTRIES", "clear", "launch", "stats"]
+
+#: cache entries kept (the oldest goes first)
+MAX_ENTRIES = 1024
+
+_SCALARS = (bool, int, float, np.generic)
+_entries: dict[tuple, _Entry] = {}
+_lock = threading.Lock()
+_counts = {"prepared": 0, "repeated": 0, "numba": 0}
+
+
+class _Entry:
+    """A launch converted once: weak references to its arrays (``None`` for scalars), the
+    stream, ``cuda.core`` launch configuration, kernel and parameters."""
+
+    __slots__ = ("config", "kernel", "params", "refs", "stream")
+
+    def __init__(self, refs: tuple, stream: Any, config: Any, kernel: Any, params: tuple) -> None:
+        self.refs = refs
+        self.stream = stream
+        self.config = config
+        self.kernel = kernel
+        self.params = params
+
+    def holds(self, args: tuple) -> bool:
+        """Whether every array of ``args`` is the very object this entry was prepared from."""
+        for ref, a in zip(self.refs, args):
+            if ref is not None and ref() is not a:
+                return False
+        return True
+
+
+def _key(dispatcher: Any, grid: Any, block: Any, args: tuple) -> tuple:
+    return (id(dispatcher), grid, block,
+            tuple((type(a), a) if isinstance(a, _SCALARS) else (id(a), getattr(a, "shape", None)) for a in args))
+
+
+def _core() -> tuple[Any, Any, bool] | None:
+    """``(launch, LaunchConfig, is_cooperative keyword)`` of ``cuda.core`` as Numba uses them,
+    or ``None`` where this Numba does not launch through ``cuda.core``."""
+    core_launch = getattr(_nd, "launch", None)
+    config = getattr(_nd, "LaunchConfig", None)
+    if core_launch is None or config is None:
+        return None
+    return core_launch, config, _CORE_GE_1_0
+
+
+def _prepare(kernel: Any, cfg: Any, args: tuple) -> _Entry | None:
+    """The entry of a launch Numba just made with ``kernel`` (its ``_Kernel``) and ``cfg`` (its
+    launch configuration), or ``None`` where it cannot be repeated safely."""
+    core = _core()
+    if core is None or getattr(kernel, "debug", True):
+        return None
+    _, config_cls, ge_1_0 = core
+    refs = tuple(None if isinstance(a, _SCALARS) else weakref.ref(a) for a in args)
+    params: list = []
+    written_back: list = []
+    for t, v in zip(kernel.argument_types, args, strict=True):
+        kernel._prepare_args(t, v, cfg.stream, written_back, params)  # noqa: SLF001 - Numba's own conversion
+    if written_back:  # host arrays Numba copies to the device and back: not a pure launch
+        return None
+    cufunc = kernel._codelibrary.get_cufunc()  # noqa: SLF001 - the function Numba launches
+    coop = {"is_cooperative" if ge_1_0 else "cooperative_launch": bool(getattr(kernel, "cooperative", False))}
+    config = config_cls(grid=cfg.griddim, block=cfg.blockdim, shmem_size=cfg.sharedmem, **coop)
+    return _Entry(refs, cfg.stream, config, cufunc.kernel, tuple(params))
+
+
+def launch(dispatcher: Any, grid: Any, block: Any, args: tuple) -> None:
+    """``dispatcher[grid, block](*args)``, from parameters converted by an earlier launch with
+    the same kernel, geometry, arrays and scalars when there is one.
+
+    Parameters
+    ----------
+    dispatcher : numba CUDA dispatcher
+        The kernel (``Twin.cuda``).
+    grid, block : int or tuple of int
+        Launch geometry, as Numba takes it.
+    args : tuple
+        The kernel's arguments: device arrays (Numba, CuPy, any ``__cuda_array_interface__``
+        object) and scalars.
+    """
+    if _backend.simulator_enabled() or not _config.get("cuda_prepared_launch"):
+        dispatcher[grid, block](*args)
+        return
+    try:
+        key = _key(dispatcher, grid, block, args)
+        entry = _entries.get(key)
+    except TypeError:  # an unhashable scalar-like argument: Numba's launch as before
+        dispatcher[grid, block](*args)
+        return
+    if entry is not None and entry.holds(args):
+        _core()[0](entry.stream, entry.config, entry.kernel, *entry.params)
+        _counts["repeated"] += 1
+        return
+    cfg = dispatcher[grid, block]
+    seen: list = []
+    callbacks = getattr(cfg, "pre_launch_callbacks", None)
+    if callbacks is not None:
+        callbacks.append(lambda kernel, _config: seen.append(kernel))
+    cfg(*args)  # Numba's launch: typing, compilation when new, conversion
+    _counts["numba"] += 1
+    if len(seen) != 1:
+        return
+    try:
+        entry = _prepare(seen[0], cfg, args)
+    except Exception:  # noqa: BLE001 - an internal Numba API changed: keep launching through Numba
+        entry = None
+    if entry is None:
+        return
+    with _lock:
+        _entries.pop(key, None)
+        while len(_entries) >= MAX_ENTRIES:
+            _entries.pop(next(iter(_entries)))
+        _entries[key] = entry
+        _counts["prepared"] += 1
+
+
+def clear() -> None:
+    """Forget every prepared launch (the next launch of each key goes through Numba)."""
+    with _lock:
+        _entries.clear()
+
+
+def stats() -> dict[str, int]:
+    """Launches so far: ``prepared`` (entries made), ``repeated`` (launched from an entry),
+    ``numba`` (through Numba's launch, once the cache was asked), and ``entries`` (kept now).
+    The counters are not locked: exact from one thread, approximate under concurrent
+    launches."""
+    return {**_counts, "entries": len(_entries)}

@@ -1,0 +1,209 @@
+"""Prepared CUDA launches (``numba_kv/_launch.py``): which launches repeat from converted
+parameters and which go through Numba.
+
+Numba's dispatcher is replaced by a stand-in with the same protocol (``dispatcher[grid,
+block]`` gives a configuration with ``pre_launch_callbacks``, ``stream``, ``griddim``,
+``blockdim``, ``sharedmem``; calling it launches and hands the compiled kernel to the
+callbacks; the kernel converts arguments with ``_prepare_args``), and ``cuda.core``'s launch
+by a recorder, so these run without a GPU.  The real thing: ``tests/gpu/test_device_launch.py``
+(a GPU) and the simulator stage, where every launch goes through Numba.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+
+import numpy as np
+import pytest
+
+from numba_kv import _backend, _launch, knobs
+
+
+class FakeArray:
+    """A device array: a pointer, a shape (settable in place, as CuPy's), weakly referable."""
+
+    def __init__(self, ptr: int, shape: tuple) -> None:
+        self.ptr = ptr
+        self.shape = shape
+
+
+class Slotted:
+    """An argument that cannot be weakly referenced."""
+
+    __slots__ = ("ptr", "shape")
+
+    def __init__(self) -> None:
+        self.ptr, self.shape = 7, (1,)
+
+
+class FakeKernel:
+    debug = False
+    cooperative = False
+
+    def __init__(self, n_args: int, write_back: bool = False, fail: bool = False) -> None:
+        self.argument_types = ("arg",) * n_args
+        self.write_back = write_back
+        self.fail = fail
+        self._codelibrary = self
+        self.kernel = object()
+
+    def get_cufunc(self):
+        return self
+
+    def _prepare_args(self, ty, val, stream, retr, params):
+        if self.fail:
+            raise AttributeError("a changed internal API")
+        if self.write_back:
+            retr.append(lambda: None)
+        if isinstance(val, (FakeArray, Slotted)):
+            params.extend([val.ptr, *val.shape])
+        else:
+            params.append(val)
+
+
+class FakeConfig:
+    def __init__(self, dispatcher, grid, block) -> None:
+        self.dispatcher = dispatcher
+        self.pre_launch_callbacks = []
+        self.stream = "default stream"
+        self.griddim, self.blockdim, self.sharedmem = grid, block, 0
+
+    def __call__(self, *args):
+        d = self.dispatcher
+        d.numba.append(args)
+        for cb in self.pre_launch_callbacks:
+            cb(d.kernel, self)
+
+
+class FakeDispatcher:
+    def __init__(self, n_args: int, **kernel) -> None:
+        self.kernel = FakeKernel(n_args, **kernel)
+        self.numba: list = []
+
+    def __getitem__(self, gb):
+        return FakeConfig(self, *gb)
+
+
+class LaunchConfig:
+    def __init__(self, **kw) -> None:
+        self.kw = kw
+
+
+@pytest.fixture()
+def core(monkeypatch):
+    """``cuda.core``'s launch replaced by a recorder; a clean cache; not the simulator."""
+    calls: list = []
+    lock = threading.Lock()
+
+    def core_launch(stream, config, kernel, *params):
+        with lock:
+            calls.append((stream, config, kernel, params))
+
+    monkeypatch.setattr(_launch, "_core", lambda: (core_launch, LaunchConfig, True))
+    monkeypatch.setattr(_backend, "simulator_enabled", lambda: False)
+    _launch.clear()
+    yield calls
+    _launch.clear()
+
+
+def test_a_repeat_launches_the_parameters_numba_converted_once(core):
+    d = FakeDispatcher(3)
+    a, b = FakeArray(1000, (4, 8)), FakeArray(2000, (16,))
+    _launch.launch(d, 5, 128, (a, b, np.int64(9)))
+    assert len(d.numba) == 1 and core == []
+    for _ in range(3):
+        _launch.launch(d, 5, 128, (a, b, np.int64(9)))
+    assert len(d.numba) == 1 and len(core) == 3
+    stream, config, kernel, params = core[-1]
+    assert stream == "default stream" and kernel is d.kernel.kernel
+    assert params == (1000, 4, 8, 2000, 16, np.int64(9))
+    assert config.kw == {"grid": 5, "block": 128, "shmem_size": 0, "is_cooperative": False}
+
+
+@pytest.mark.parametrize("change", ["scalar value", "scalar type", "other array", "shape in place", "grid",
+                                    "other kernel"])
+def test_anything_that_changes_the_parameters_goes_through_numba(core, change):
+    d = FakeDispatcher(2)
+    a = FakeArray(1000, (4, 8))
+    _launch.launch(d, 5, 128, (a, 3))
+    args, grid, disp = (a, 3), 5, d
+    if change == "scalar value":
+        args = (a, 4)
+    elif change == "scalar type":
+        args = (a, 3.0)  # 3 == 3.0, but another kernel signature
+    elif change == "other array":
+        args = (FakeArray(1000, (4, 8)), 3)
+    elif change == "shape in place":
+        a.shape = (8, 4)
+    elif change == "grid":
+        grid = 6
+    else:
+        disp = FakeDispatcher(2)
+    _launch.launch(disp, grid, 128, args)
+    assert core == []
+    assert len(d.numba) + (len(disp.numba) if disp is not d else 0) == 2
+
+
+def test_a_freed_array_never_matches_again():
+    """An entry holds its arrays weakly: once one is freed, no argument (whatever its id) is it."""
+    a = FakeArray(1000, (4,))
+    entry = _launch._Entry((weakref.ref(a), None), None, None, None, ())
+    assert entry.holds((a, 1))
+    del a
+    gc.collect()
+    assert not entry.holds((FakeArray(1000, (4,)), 1))
+
+
+@pytest.mark.parametrize("case", ["knob off", "simulator", "not weakly referable", "written back", "internal API"])
+def test_launches_stay_with_numba_when_a_repeat_is_not_safe(core, monkeypatch, case):
+    kernel = {"write_back": case == "written back", "fail": case == "internal API"}
+    d = FakeDispatcher(1, **kernel)
+    arg = Slotted() if case == "not weakly referable" else FakeArray(5, (2,))
+    if case == "simulator":
+        monkeypatch.setattr(_backend, "simulator_enabled", lambda: True)
+    with knobs(cuda_prepared_launch=0 if case == "knob off" else 1):
+        for _ in range(3):
+            _launch.launch(d, 1, 32, (arg,))
+    assert len(d.numba) == 3 and core == []
+    assert _launch.stats()["entries"] == 0
+
+
+def test_the_oldest_entries_go_first(core, monkeypatch):
+    monkeypatch.setattr(_launch, "MAX_ENTRIES", 3)
+    d = FakeDispatcher(1)
+    arrays = [FakeArray(i, (1,)) for i in range(4)]
+    for a in arrays:
+        _launch.launch(d, 1, 32, (a,))
+    assert _launch.stats()["entries"] == 3
+    _launch.launch(d, 1, 32, (arrays[0],))  # evicted: through Numba again
+    _launch.launch(d, 1, 32, (arrays[3],))  # kept: a repeat
+    assert len(d.numba) == 5 and len(core) == 1
+
+
+def test_concurrent_launches_from_threads_keep_their_own_parameters(core):
+    """Eight threads launch four kernels with their own arrays at once, repeatedly: every launch
+    happens exactly once, through Numba or from the entry of its own kernel and arrays."""
+    disps = [FakeDispatcher(2) for _ in range(4)]
+    arrays = [FakeArray(100 * (i + 1), (i + 1,)) for i in range(4)]
+    n, errors = 200, []
+
+    def work(t: int) -> None:
+        try:
+            for k in range(n):
+                i = (t + k) % 4
+                _launch.launch(disps[i], 1, 32, (arrays[i], i))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    assert sum(len(d.numba) for d in disps) + len(core) == 8 * n
+    for _, _, kernel, params in core:
+        i = next(j for j, d in enumerate(disps) if d.kernel.kernel is kernel)
+        assert params == (100 * (i + 1), i + 1, i)
