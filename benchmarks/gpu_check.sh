@@ -12,7 +12,8 @@
 #                              (fused vs torch SDPA vs CuPy fp16 vs dequantize-then-attend; BENCH_LIMIT=150;
 #                              BENCH_TOKENS=4096,16384,32768,65536,131072 for the whole grid)
 #   2. decode_step.{txt,json}: `numba-kv bench decode-step --device cuda` (dense/pqo3/kv4 at T 4K..128K, batch 1,
-#                              vs torch SDPA; DECODE_LIMIT=60)
+#                              vs torch SDPA; DECODE_LIMIT=60); decode_step_numba_launch.*: the same at T 4K with
+#                              NUMBA_KV_CUDA_PREPARED_LAUNCH=0 (every launch through Numba's typing: the A/B)
 #   3. mma_check.log:          benchmarks/gpu_mma_check.py (tensor-core kernel: accuracy vs the CPU twin, A/B vs the
 #                              warp kernel and launch bounds, torch SDPA; MMA_LIMIT=150; OLD=REV or a folder holding
 #                              an extracted numba_kv_ab adds that build's tensor-core kernel to the A/B)
@@ -61,6 +62,10 @@ stage "bench decode-step --device cuda" "${DECODE_LIMIT:-60}" "$out/decode_step.
 "$py" -c "import json, sys; from numba_kv.toolkit import bench_step as b; \
 rows = [b.DecodeStepRow(**r) for r in json.load(open(sys.argv[1]))['rows']]; print(b.render(rows))" \
     "$out/decode_step.json" >> "$out/decode_step.txt" 2>&1 && tail -n 25 "$out/decode_step.txt"
+stage "bench decode-step --device cuda, every launch through Numba (A/B of prepared launches)" "${DECODE_LIMIT:-60}" \
+    "$out/decode_step_numba_launch.txt" env NUMBA_KV_CUDA_PREPARED_LAUNCH=0 \
+    "$py" -m numba_kv.toolkit.cli bench decode-step --device cuda --tokens 4096 --no-torch --no-progress \
+    --json "$out/decode_step_numba_launch.json"
 stage "tensor-core kernel: accuracy, A/B vs warp kernel, torch" "${MMA_LIMIT:-150}" "$out/mma_check.log" \
     "$py" benchmarks/gpu_mma_check.py --tokens 32768,131072 --batch 1,8,32 --bits 3,4 ${OLD:+--old "$OLD"}
 stage "kernel A/B" "${AB_LIMIT:-90}" "$out/attention_ab.log" \
