@@ -15,6 +15,12 @@
    an old and a new kernel build in one process.
 
     python3 benchmarks/gpu_mma_check.py --tokens 32768,131072 --batch 1,8,32 [--old 2937c4b]
+
+For a GPU machine that gets the working tree without its git history, extract the old build
+first into a folder of the tree that git does not ignore, and pass that folder:
+
+    mkdir -p ab_old && git archive 2937c4b numba_kv | tar -x -C ab_old && mv ab_old/numba_kv ab_old/numba_kv_ab
+    OLD=ab_old bash benchmarks/gpu_check.sh OUTDIR
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,8 @@ CUDA = "cuda"
 _F32 = np.dtype(np.float32)
 
 __all__ = ["CPU", "CUDA", "device_of", "resolve_device", "xp_of", "empty", "zeros",
-           "to_host", "cuda_grid", "coop_grid", "simulator_enabled", "ascontiguous_f32", "constant"]
+           "to_host", "cuda_grid", "coop_grid", "simulator_enabled", "ascontiguous_f32", "constant",
+           "launch_stream_state", "set_launch_stream_state"]
 
 
 def simulator_enabled() -> bool:
@@ -118,10 +120,32 @@ def zeros(like: Any, shape: tuple[int, ...], dtype) -> Any:
     return cuda.to_device(np.zeros(shape, dtype=dtype))
 
 
+#: this thread's CUDA launch stream (``numba_kv.launch_stream``): ``(Numba stream or None for
+#: the default one, its cudaStream_t)``
+_launch_local = threading.local()
+
+
+def launch_stream_state() -> tuple[Any, int]:
+    """``(Numba stream or None, cudaStream_t)`` this thread's kernels launch on."""
+    return getattr(_launch_local, "stream", (None, 0))
+
+
+def set_launch_stream_state(state: tuple[Any, int]) -> None:
+    """Set what :func:`launch_stream_state` returns for this thread."""
+    _launch_local.stream = state
+
+
 def to_host(a: Any) -> np.ndarray:
-    """Copy any supported array to a NumPy array (explicit, for tests and reports)."""
+    """Copy any supported array to a NumPy array (explicit, for tests and reports).
+
+    Inside ``numba_kv.launch_stream`` the launch stream is synchronized first: the copy runs on
+    the default stream (or CuPy's current one), which a non-blocking stream does not wait
+    for."""
     if isinstance(a, np.ndarray):
         return a
+    stream, handle = launch_stream_state()
+    if handle and stream is not None:
+        stream.synchronize()
     if _is_cupy(a):
         return a.get()
     return a.copy_to_host()

@@ -29,16 +29,27 @@ launch to Numba, as before.  The knob ``cuda_prepared_launch`` (default 1;
 ``NUMBA_KV_CUDA_PREPARED_LAUNCH=0``) turns the cache off.  Entries are kept for the 1024 most
 recent keys.
 
-Launch contract: as ``dispatcher[grid, block](*args)`` on the default stream.
+**Streams.** By default every kernel launches on the default stream.  Inside ``with
+numba_kv.launch_stream(stream):`` this thread's launches go to ``stream`` instead (a Numba
+stream, a CuPy stream — also made CuPy's current stream for the block, so that the package's
+CuPy work inside a step runs there too —, a torch stream, or a raw ``cudaStream_t`` handle):
+the caller's own stream, e.g. torch's, without a synchronization between the two, and a
+non-default stream is what a CUDA graph capture needs.  Prepared launches are kept per stream.
+
+Launch contract: as ``dispatcher[grid, block, stream](*args)``, ``stream`` that of the
+innermost :func:`launch_stream` of the calling thread (default: the default stream).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+from numba import cuda
 
 from . import _backend, _config
 
@@ -51,7 +62,7 @@ try:
 except ImportError:  # pragma: no cover - older numba-cuda: the 1.0 keyword
     _CORE_GE_1_0 = True
 
-__all__ = ["MAX_ENTRIES", "clear", "launch", "stats"]
+__all__ = ["MAX_ENTRIES", "clear", "current_stream", "launch", "launch_stream", "stats"]
 
 #: cache entries kept (the oldest goes first)
 MAX_ENTRIES = 1024
@@ -60,6 +71,68 @@ _SCALARS = (bool, int, float, np.generic)
 _entries: dict[tuple, _Entry] = {}
 _lock = threading.Lock()
 _counts = {"prepared": 0, "repeated": 0, "numba": 0}
+
+
+def _handle(stream: Any) -> int:
+    """The ``cudaStream_t`` of a Numba, CuPy or torch stream, or of a raw handle."""
+    if _backend.simulator_enabled() and isinstance(stream, cuda.stream):
+        return id(stream)  # the simulator's streams have no handle (and launch in order anyway)
+    for attr in ("cuda_stream", "ptr"):  # torch, CuPy
+        if hasattr(stream, attr):
+            return int(getattr(stream, attr))
+    if hasattr(stream, "handle"):  # Numba
+        h = stream.handle
+        return int(getattr(h, "value", h) or 0)
+    if isinstance(stream, int) and not isinstance(stream, bool):
+        return stream
+    raise TypeError(f"stream: expected a Numba, CuPy or torch CUDA stream or a cudaStream_t handle, got "
+                    f"{type(stream).__name__}")
+
+
+@contextlib.contextmanager
+def launch_stream(stream: Any) -> Iterator[Any]:
+    """Launch this thread's numba_kv CUDA kernels on ``stream`` inside the block.
+
+    Parameters
+    ----------
+    stream : Numba stream, CuPy stream, torch stream or int
+        The stream (an ``int`` is a raw ``cudaStream_t``; 0 the default stream).  A CuPy
+        stream also becomes CuPy's current stream for the block.
+
+    Yields
+    ------
+    The Numba stream the kernels launch on.
+
+    Raises
+    ------
+    TypeError
+        For anything else, before the block runs.
+
+    Examples
+    --------
+    >>> import numba_kv
+    >>> with numba_kv.launch_stream(0):  # the default stream, as outside the block
+    ...     pass
+    """
+    handle = _handle(stream)
+    if hasattr(stream, "handle") or (_backend.simulator_enabled() and handle):
+        numba_stream = stream  # a Numba stream (the simulator has no external streams)
+    elif handle == 0:
+        numba_stream = None
+    else:
+        numba_stream = cuda.external_stream(handle)
+    previous = _backend.launch_stream_state()
+    _backend.set_launch_stream_state((numba_stream, handle))
+    try:
+        with stream if hasattr(stream, "ptr") and hasattr(stream, "__enter__") else contextlib.nullcontext():
+            yield numba_stream
+    finally:
+        _backend.set_launch_stream_state(previous)
+
+
+def current_stream() -> tuple[Any, int]:
+    """``(Numba stream or None for the default one, cudaStream_t)`` this thread launches on."""
+    return _backend.launch_stream_state()
 
 
 class _Entry:
@@ -132,20 +205,22 @@ def launch(dispatcher: Any, grid: Any, block: Any, args: tuple) -> None:
         The kernel's arguments: device arrays (Numba, CuPy, any ``__cuda_array_interface__``
         object) and scalars.
     """
+    stream, handle = _backend.launch_stream_state()
+    geometry = (grid, block) if stream is None else (grid, block, stream)
     if _backend.simulator_enabled() or not _config.get("cuda_prepared_launch"):
-        dispatcher[grid, block](*args)
+        dispatcher[geometry](*args)
         return
     try:
-        key = _key(dispatcher, grid, block, args)
+        key = (handle, *_key(dispatcher, grid, block, args))
         entry = _entries.get(key)
     except TypeError:  # an unhashable scalar-like argument: Numba's launch as before
-        dispatcher[grid, block](*args)
+        dispatcher[geometry](*args)
         return
     if entry is not None and entry.holds(args):
         _core()[0](entry.stream, entry.config, entry.kernel, *entry.params)
         _counts["repeated"] += 1
         return
-    cfg = dispatcher[grid, block]
+    cfg = dispatcher[geometry]
     seen: list = []
     callbacks = getattr(cfg, "pre_launch_callbacks", None)
     if callbacks is not None:

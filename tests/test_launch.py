@@ -18,6 +18,7 @@ import weakref
 import numpy as np
 import pytest
 
+import numba_kv
 from numba_kv import _backend, _launch, knobs
 
 
@@ -64,15 +65,16 @@ class FakeKernel:
 
 
 class FakeConfig:
-    def __init__(self, dispatcher, grid, block) -> None:
+    def __init__(self, dispatcher, grid, block, stream="default stream") -> None:
         self.dispatcher = dispatcher
         self.pre_launch_callbacks = []
-        self.stream = "default stream"
+        self.stream = stream
         self.griddim, self.blockdim, self.sharedmem = grid, block, 0
 
     def __call__(self, *args):
         d = self.dispatcher
         d.numba.append(args)
+        d.streams.append(self.stream)
         for cb in self.pre_launch_callbacks:
             cb(d.kernel, self)
 
@@ -81,6 +83,7 @@ class FakeDispatcher:
     def __init__(self, n_args: int, **kernel) -> None:
         self.kernel = FakeKernel(n_args, **kernel)
         self.numba: list = []
+        self.streams: list = []
 
     def __getitem__(self, gb):
         return FakeConfig(self, *gb)
@@ -207,3 +210,85 @@ def test_concurrent_launches_from_threads_keep_their_own_parameters(core):
     for _, _, kernel, params in core:
         i = next(j for j, d in enumerate(disps) if d.kernel.kernel is kernel)
         assert params == (100 * (i + 1), i + 1, i)
+
+
+class FakeNumbaStream:
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+
+class FakeCupyStream:
+    """A CuPy stream: ``ptr``, and a context manager making it CuPy's current stream."""
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+        self.entered = 0
+
+    def __enter__(self):
+        self.entered += 1
+        return self
+
+    def __exit__(self, *exc):
+        self.entered -= 1
+
+
+class FakeTorchStream:
+    def __init__(self, handle: int) -> None:
+        self.cuda_stream = handle
+
+
+def test_launch_stream_sends_this_threads_launches_to_the_stream(core, monkeypatch):
+    monkeypatch.setattr(_launch.cuda, "external_stream", lambda h: ("external", h))
+    d = FakeDispatcher(1)
+    a = FakeArray(1, (2,))
+    cupy_stream = FakeCupyStream(0xC0)
+    seen_elsewhere = []
+    with numba_kv.launch_stream(cupy_stream) as s:
+        assert s == ("external", 0xC0) and cupy_stream.entered == 1
+        _launch.launch(d, 1, 32, (a,))
+        _launch.launch(d, 1, 32, (a,))  # a repeat on the same stream
+        t = threading.Thread(target=lambda: seen_elsewhere.append(_launch.current_stream()))
+        t.start()
+        t.join()
+        with numba_kv.launch_stream(FakeTorchStream(0x70)):
+            _launch.launch(d, 1, 32, (a,))  # another stream: its own entry, through Numba
+        assert _launch.current_stream() == (("external", 0xC0), 0xC0)
+    assert cupy_stream.entered == 0 and _launch.current_stream() == (None, 0)
+    _launch.launch(d, 1, 32, (a,))  # the default stream: through Numba again
+    assert seen_elsewhere == [(None, 0)]
+    assert d.streams == [("external", 0xC0), ("external", 0x70), "default stream"]
+    assert [c[0] for c in core] == [("external", 0xC0)]
+    with numba_kv.launch_stream(FakeNumbaStream(0x5)) as s:
+        assert isinstance(s, FakeNumbaStream) and _launch.current_stream()[1] == 5
+    with numba_kv.launch_stream(0) as s:
+        assert s is None
+
+
+@pytest.mark.parametrize("bad", ["stream", 1.5, None, True])
+def test_launch_stream_refuses_what_is_not_a_stream(bad):
+    with pytest.raises(TypeError, match="stream: expected"):
+        with numba_kv.launch_stream(bad):
+            pass
+    assert _launch.current_stream() == (None, 0)
+
+
+def test_host_copies_wait_for_the_launch_stream(monkeypatch):
+    """Inside ``launch_stream`` a copy to the host first synchronizes the launch stream: the copy
+    runs on the default stream, which a non-blocking stream does not wait for."""
+    events = []
+
+    class Stream:
+        handle = 9
+
+        def synchronize(self):
+            events.append("synchronize")
+
+    class DeviceArray:
+        def copy_to_host(self):
+            events.append("copy")
+            return np.zeros(1)
+
+    _backend.to_host(DeviceArray())
+    with numba_kv.launch_stream(Stream()):
+        _backend.to_host(DeviceArray())
+    assert events == ["copy", "synchronize", "copy"]

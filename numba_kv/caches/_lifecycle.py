@@ -46,7 +46,7 @@ def take_rows(a: Any, rows: np.ndarray) -> Any:
         return np.ascontiguousarray(a[rows])
     if xp is not None:
         return xp.ascontiguousarray(a[xp.asarray(rows)])
-    return to_like(a, a.copy_to_host()[rows])
+    return to_like(a, _backend.to_host(a)[rows])
 
 
 def check_crop_length(length: int, floor: int, limit: int | None) -> None:

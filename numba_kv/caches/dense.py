@@ -94,7 +94,7 @@ class DenseCache(LayeredCache):
                 flat = _backend.empty(buf, (int(buf.shape[0]), st.seq_len, int(buf.shape[2])), np.float32)
                 copy_tokens(buf, 0, st.seq_len, flat, 0)
             else:  # no float16/float64 device copy kernel: through the host
-                flat = live.copy_to_host()
+                flat = _backend.to_host(live)
             out.append(self._reshape_out(flat, st.batch, dtype))
         return out[0], out[1]
 

@@ -42,3 +42,18 @@ def test_repeated_launch_reads_current_contents(dev):
     # another scalar: through Numba again, the right result
     _launch.launch(axpy, 3, 128, (x_dev, y_dev, np.float32(-2.0), out))
     np.testing.assert_allclose(dev.get(out), xs[-1] - 2 * y, rtol=1e-6)
+
+
+def test_kernels_run_on_the_launch_stream(dev):
+    """An op inside ``launch_stream`` (a stream of the array kind's library) gives the result it
+    gives on the default stream."""
+    import numba_kv
+    from numba_kv.ops.blockquant import quantize_blocks
+
+    x = np.random.default_rng(1).standard_normal((2, 3, 64)).astype(np.float32)
+    c, s = quantize_blocks(x, 3)
+    stream = dev.cupy.cuda.Stream(non_blocking=True) if dev.kind == "cupy" else cuda.stream()
+    with numba_kv.launch_stream(stream):
+        cd, sd = quantize_blocks(dev.put(x), 3)
+    stream.synchronize()
+    assert np.array_equal(dev.get(cd), c) and np.array_equal(dev.get(sd), s)
