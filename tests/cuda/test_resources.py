@@ -178,10 +178,11 @@ def test_every_arch_launches_any_kernel_at_the_knob_maximum():
 @pytest.mark.parametrize("name", ["decode_attention_mma", "paged_decode_attention_mma"])
 def test_mma_attention_keeps_three_blocks_per_h100_sm(name):
     """The tensor-core kernels (launch bounds: 128 threads, 2 blocks per SM) build with at
-    most 168 registers on sm_90, so 3 blocks (12 warps) fit an SM to hide the latency of
-    their loads and table reads (the first build took 189 and ran 8 warps; bounds of 3 blocks
-    made it 1.16x faster on an H100 but spilled on sm_80).  A change that adds registers
-    past the 3-block limit fails here rather than on a GPU."""
+    most 168 registers on sm_90 (nvJitLink), so 3 blocks (12 warps) fit an SM to hide the
+    latency of their loads and table reads (the build timed on an H100 took 189 by the
+    driver's ptxas and ran 8 warps; bounds of 3 blocks made it 1.16x faster there but spilled
+    on sm_80).  A change that adds registers past the 3-block limit fails here rather than
+    on a GPU."""
     r = kernel_resources(name, (9, 0))
     assert r.max_threads == 128 and r.registers <= 168, r
     assert occupancy(r, 128, (9, 0)).blocks_per_sm >= 3

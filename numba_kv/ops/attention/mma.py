@@ -93,7 +93,7 @@ MMA_TILE = 16
 #: threads per block of the kernel and its launch bounds' blocks per SM: ptxas takes 168
 #: registers on sm_90 for the flat and the paged kernel, so 3 blocks (12 warps) fit an SM
 #: (``tests/cuda/test_resources.py``).  Bounds of 3 blocks would force that but make sm_80
-#: spill; the first build (189 registers on sm_90) ran 2 blocks
+#: spill; the build timed on an H100 (189 registers by the driver's ptxas) ran 2 blocks
 MMA_THREADS = 128
 MMA_BLOCKS_PER_SM = 2
 #: code widths with a pair table (``4**bits`` entries)
