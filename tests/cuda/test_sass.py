@@ -188,3 +188,22 @@ def test_hot_loop_stays_within_its_sass_budget(name):
     assert k.per_token <= SASS_BUDGET[name], (
         f"{name}: {k.per_token:.1f} SASS instructions per token per KV head in its hot loop (budget "
         f"{SASS_BUDGET[name]}; {hot.size} a pass / {k.tokens_per_iteration} tokens): {breakdown}")
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_one_width_script_pins_the_tile_dispatch(bits):
+    """``benchmarks/sass_one_width.py`` makes exactly the K and V width tests of the tiles'
+    dispatchers constant: the chosen width's branch ``True``, the others ``False`` (``if`` and
+    ``elif`` alike)."""
+    from pathlib import Path
+
+    from benchmarks.sass_one_width import pinned_source
+
+    src = (Path(__file__).resolve().parents[2] / "numba_kv" / "ops" / "attention" / "mma.py").read_text()
+    out = pinned_source(src, bits)
+    assert "kb ==" not in out and "vb ==" not in out
+    # the K and the V dispatcher's branch of 3 or 4 bits (2 bits: their fall-through, all False)
+    assert out.count("if True:") - src.count("if True:") == (0 if bits == 2 else 2)
+    assert out.count("if False:") - src.count("if False:") == (4 if bits == 2 else 2)
+    with pytest.raises(SystemExit, match="width tests"):
+        pinned_source("def f(kb):\n    return kb == 3\n", bits)

@@ -1,0 +1,89 @@
+"""SASS of the tensor-core decode attention's hot loop for ONE code width of K and V.
+
+``numba-kv kernels --sass`` counts the kernel as shipped, whose token loop holds the decoders
+of all three widths (2, 3, 4 bits) of K and of V, of which a pass runs one each.  This script
+counts what one pass of one width pair costs: it copies ``numba_kv/`` (the working tree, or a
+git revision with ``--rev``) to a temporary folder, turns the width dispatch of the tiles
+(``if kb == 3:`` ...) into constants there (the chosen branch ``True``, the others ``False``,
+so the compiler drops them), compiles ``decode_attention_mma`` (or ``--kernel``) for sm_90
+with nvJitLink, disassembles it and prints the loop that holds the ``HMMA`` instructions:
+static instructions per pass, per token per KV head (16 tokens a pass), registers, and the
+largest instruction classes.  No GPU needed (``nvidia-cuda-nvdisasm``, in the ``test`` extra).
+
+    .venv/bin/python benchmarks/sass_one_width.py --bits 3 [--rev 2937c4b] [--kernel paged_decode_attention_mma]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+_CHILD = """
+import json, sys
+import numba_kv
+assert numba_kv.__file__.startswith(sys.argv[2]), numba_kv.__file__  # the pinned copy, not the checkout
+from collections import Counter
+from numba_kv._sass import kernel_sass
+k = kernel_sass(sys.argv[1], (9, 0))
+loops = [loop for loop in k.loops if any(i.opcode.startswith("HMMA") for i in loop.instructions)]
+loop = max(loops, key=lambda lp: lp.size)
+top = Counter(i.opcode for i in loop.instructions).most_common(8)
+print(json.dumps({"registers": k.resources.registers, "size": loop.size, "per_token": loop.size / 16, "top": top}))
+"""
+
+
+def pinned_source(text: str, bits: int) -> str:
+    """``mma.py`` with the width tests of its tile dispatchers made constant for ``bits``."""
+    out, n = re.subn(r"\b([kv]b) == ([234])\b", lambda m: "True" if int(m.group(2)) == bits else "False", text)
+    if n < 4:
+        raise SystemExit(f"found {n} width tests in mma.py (expected the K and V dispatchers' 4)")
+    return out
+
+
+def package(rev: str | None, dest: pathlib.Path) -> None:
+    """``numba_kv/`` of ``rev`` (or the working tree) at ``dest / "numba_kv"``."""
+    if rev is None:
+        shutil.copytree(ROOT / "numba_kv", dest / "numba_kv", ignore=shutil.ignore_patterns("__pycache__"))
+        return
+    data = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "numba_kv"], check=True,
+                          capture_output=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(dest, filter="data")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bits", type=int, choices=(2, 3, 4), default=3)
+    ap.add_argument("--rev", default=None, help="git revision (default: the working tree)")
+    ap.add_argument("--kernel", default="decode_attention_mma")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="numba_kv_sass_") as tmp:
+        dest = pathlib.Path(tmp)
+        package(args.rev, dest)
+        mma = dest / "numba_kv" / "ops" / "attention" / "mma.py"
+        mma.write_text(pinned_source(mma.read_text(), args.bits))
+        env = {**os.environ, "PYTHONPATH": str(dest), "NUMBA_CACHE_DIR": str(dest / "numba_cache")}
+        # (cwd: ``-c`` puts the current folder first on sys.path, which must not be a checkout)
+        run = subprocess.run([sys.executable, "-c", _CHILD, args.kernel, tmp], env=env, cwd=tmp, capture_output=True,
+                             text=True, check=False)
+    if run.returncode != 0:
+        raise SystemExit(run.stderr.strip().splitlines()[-1] if run.stderr.strip() else "the compile failed")
+    r = json.loads(run.stdout.strip().splitlines()[-1])
+    print(f"{args.kernel} at {args.rev or 'working tree'}, {args.bits}-bit K and V, sm_90: {r['size']} SASS a pass, "
+          f"{r['per_token']:.1f} per token per KV head, {r['registers']} registers; "
+          + ", ".join(f"{n} {op}" for op, n in r["top"]))
+
+
+if __name__ == "__main__":
+    main()
