@@ -8,13 +8,16 @@ them, ``test_torch_sdpa_step``: one torch SDPA call (fp16, GQA, the backend fast
 time of cuDNN/flash) over T tokens, skipped without torch.  Every entry records the GPU name;
 the benchmark JSON's ``machine_info`` carries the provenance (``benchmarks/conftest.py``).
 
+A fused cache's step writes one ``out=`` array; ``[...-graph]``: the same step through a
+:class:`numba_kv.StepGraph` (captured in its warm-up rounds, then replayed).
+
 Skipped without CuPy and a real GPU (the simulator is too slow for these shapes)."""
 
 import os
 
 import pytest
 
-from numba_kv import AttendConfig, make_cache
+from numba_kv import AttendConfig, StepGraph, make_cache
 from numba_kv.toolkit.bench_cuda import (
     CudaBenchUnavailable,
     dense_attention,
@@ -32,6 +35,7 @@ from numba_kv.toolkit.bench_step import (
     DEFAULT_STEPS,
     DEFAULT_TOKENS,
     DEFAULT_WARMUP,
+    GRAPH_WARMUP,
     make_decode_step,
     output_kind,
     time_wall_ms,
@@ -72,16 +76,21 @@ def _info(benchmark, cupy, t, **extra):
                                 gpu=gpu_name(memory_properties(cupy.cuda.runtime)), **extra)
 
 
+@pytest.mark.parametrize("graphed", [False, True], ids=["launches", "graph"])
 @pytest.mark.parametrize("mode", DEFAULT_MODES)
-def test_decode_step(benchmark, cupy, history, mode):
+def test_decode_step(benchmark, cupy, history, mode, graphed):
     benchmark.group = "decode-step-cuda"
     t, k, v, q, k1, v1 = history
     cfg = AttendConfig(D ** -0.5, GROUPS)
     cache = make_cache(mode, num_layers=1, num_kv_heads=HKV, head_dim=D)
     cache.prefill(0, k, v)
     kind = output_kind(cache.decode(0, k1, v1, q, cfg))
+    if graphed and kind != "fused":
+        pytest.skip("a dequantized step ends in the caller's attention: no StepGraph")
+    out = cupy.empty(q.shape, cupy.float32) if kind == "fused" else None  # the step's output, reused
+    graph = StepGraph() if graphed else None
     step = make_decode_step(cache, k1, v1, q, cfg,
-                            lambda qq, kk, vv, scale, bias: dense_attention(cupy, qq, kk, vv, scale, bias))
+                            lambda qq, kk, vv, scale, bias: dense_attention(cupy, qq, kk, vv, scale, bias), out, graph)
     sync = cupy.cuda.Device().synchronize
 
     def run():
@@ -89,9 +98,11 @@ def test_decode_step(benchmark, cupy, history, mode):
         sync()
 
     sync()
-    benchmark.pedantic(run, rounds=DEFAULT_STEPS, iterations=1, warmup_rounds=DEFAULT_WARMUP - 1)
+    benchmark.pedantic(run, rounds=DEFAULT_STEPS, iterations=1,
+                       warmup_rounds=GRAPH_WARMUP if graphed else DEFAULT_WARMUP - 1)
     _info(benchmark, cupy, t, mode=mode, output=kind, kv_mb=cache.memory_usage() / 1e6,
-          tokens_after=cache.seq_len(0))
+          tokens_after=cache.seq_len(0), graph=None if graph is None else graph.stats(),
+          graph_error=None if graph is None else graph.error)
     del cache
     free_device_memory(cupy, None)
 

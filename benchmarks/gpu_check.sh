@@ -12,7 +12,8 @@
 #                              (fused vs torch SDPA vs CuPy fp16 vs dequantize-then-attend; BENCH_LIMIT=150;
 #                              BENCH_TOKENS=4096,16384,32768,65536,131072 for the whole grid)
 #   2. decode_step.{txt,json}: `numba-kv bench decode-step --device cuda` (dense/pqo3/kv4 at T 4K..128K, batch 1,
-#                              vs torch SDPA; DECODE_LIMIT=60); decode_step_numba_launch.*: the same at T 4K with
+#                              vs torch SDPA, the fused steps also through a numba_kv.StepGraph: the "graph"
+#                              columns; DECODE_LIMIT=90); decode_step_numba_launch.*: the same at T 4K with
 #                              NUMBA_KV_CUDA_PREPARED_LAUNCH=0 (every launch through Numba's typing: the A/B)
 #   3. mma_check.log:          benchmarks/gpu_mma_check.py (tensor-core kernel: accuracy vs the CPU twin, A/B vs the
 #                              warp kernel and launch bounds, torch SDPA; MMA_LIMIT=150; OLD=REV or a folder holding
@@ -57,12 +58,12 @@ stage "bench attention --device cuda" "${BENCH_LIMIT:-150}" "$out/bench_cuda.txt
 "$py" -c "import json, sys; from numba_kv.toolkit import bench_cuda as b; \
 rows = [b.CudaAttentionRow(**r) for r in json.load(open(sys.argv[1]))['rows']]; print(b.render(rows))" \
     "$out/bench_cuda.json" >> "$out/bench_cuda.txt" 2>&1 && tail -n 40 "$out/bench_cuda.txt"
-stage "bench decode-step --device cuda" "${DECODE_LIMIT:-60}" "$out/decode_step.txt" \
+stage "bench decode-step --device cuda" "${DECODE_LIMIT:-90}" "$out/decode_step.txt" \
     "$py" -m numba_kv.toolkit.cli bench decode-step --device cuda --no-progress --json "$out/decode_step.json"
 "$py" -c "import json, sys; from numba_kv.toolkit import bench_step as b; \
 rows = [b.DecodeStepRow(**r) for r in json.load(open(sys.argv[1]))['rows']]; print(b.render(rows))" \
     "$out/decode_step.json" >> "$out/decode_step.txt" 2>&1 && tail -n 25 "$out/decode_step.txt"
-stage "bench decode-step --device cuda, every launch through Numba (A/B of prepared launches)" "${DECODE_LIMIT:-60}" \
+stage "bench decode-step --device cuda, every launch through Numba (A/B of prepared launches)" "${DECODE_LIMIT:-90}" \
     "$out/decode_step_numba_launch.txt" env NUMBA_KV_CUDA_PREPARED_LAUNCH=0 \
     "$py" -m numba_kv.toolkit.cli bench decode-step --device cuda --tokens 4096 --no-torch --no-progress \
     --json "$out/decode_step_numba_launch.json"

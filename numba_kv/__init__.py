@@ -14,6 +14,7 @@ Quick start (needs only the core install: ``pip install numba-kv``)::
 __version__ = "0.1.0"
 
 from ._config import knobs
+from ._graph import StepGraph
 from ._launch import launch_stream
 from .caches.config import PolarQuantConfig, TurboQuantConfig
 from .caches.dense import DenseCache
@@ -43,5 +44,5 @@ __all__ = [
     "make_sketch", "pack_bits", "qjl_inner_product", "qjl_quantize", "quantize_blocks", "quantize_head", "rotate32",
     "rotate_head", "unpack_bits",
 ]
-__all__ += ["CacheFileError", "MixedCache", "PolarQuantConfig", "TurboQuantConfig", "knobs", "launch_stream",
-            "load_cache"]
+__all__ += ["CacheFileError", "MixedCache", "PolarQuantConfig", "StepGraph", "TurboQuantConfig", "knobs",
+            "launch_stream", "load_cache"]

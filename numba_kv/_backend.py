@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import threading
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -33,7 +35,8 @@ _F32 = np.dtype(np.float32)
 
 __all__ = ["CPU", "CUDA", "device_of", "resolve_device", "xp_of", "empty", "zeros",
            "to_host", "cuda_grid", "coop_grid", "simulator_enabled", "ascontiguous_f32", "constant",
-           "launch_stream_state", "set_launch_stream_state"]
+           "launch_stream_state", "set_launch_stream_state", "step_recorder", "set_step_recorder", "barrier",
+           "same_view", "is_cupy"]
 
 
 def simulator_enabled() -> bool:
@@ -88,8 +91,12 @@ def resolve_device(backend: str = "auto", **arrays: Any) -> str:
     return dev
 
 
-def _is_cupy(a: Any) -> bool:
+def is_cupy(a: Any) -> bool:
+    """Whether ``a`` is a CuPy array (a test only: no CuPy work, so no :func:`barrier`)."""
     return type(a).__module__.split(".")[0] == "cupy"
+
+
+_is_cupy = is_cupy
 
 
 def xp_of(a: Any):
@@ -100,6 +107,7 @@ def xp_of(a: Any):
     if _is_cupy(a):
         import cupy  # noqa: PLC0415 - optional dependency (extra "cuda"): imported once a CuPy array is seen
 
+        barrier()  # CuPy work follows: a deferred step's launches go first
         return cupy
     return None
 
@@ -109,6 +117,7 @@ def empty(like: Any, shape: tuple[int, ...], dtype) -> Any:
     xp = xp_of(like)
     if xp is not None:
         return xp.empty(shape, dtype=dtype)
+    barrier()
     return cuda.device_array(shape, dtype=dtype)
 
 
@@ -117,6 +126,7 @@ def zeros(like: Any, shape: tuple[int, ...], dtype) -> Any:
     xp = xp_of(like)
     if xp is not None:
         return xp.zeros(shape, dtype=dtype)
+    barrier()
     return cuda.to_device(np.zeros(shape, dtype=dtype))
 
 
@@ -135,6 +145,31 @@ def set_launch_stream_state(state: tuple[Any, int]) -> None:
     _launch_local.stream = state
 
 
+#: this thread's deferred step (``numba_kv.StepGraph.run``), or ``None``
+_step_local = threading.local()
+
+
+def step_recorder() -> Any:
+    """The recorder of the :class:`numba_kv.StepGraph` step this thread runs, or ``None``."""
+    return getattr(_step_local, "recorder", None)
+
+
+def set_step_recorder(recorder: Any) -> Any:
+    """Make ``recorder`` this thread's step recorder; returns the previous one."""
+    previous = getattr(_step_local, "recorder", None)
+    _step_local.recorder = recorder
+    return previous
+
+
+def barrier() -> None:
+    """Device work other than a kernel launch follows (an allocation, a copy, a CuPy
+    operation, a host read): inside a :class:`numba_kv.StepGraph` step, the kernel launches it
+    holds back are launched first, in order, and the rest of the step runs as launched."""
+    rec = getattr(_step_local, "recorder", None)
+    if rec is not None:
+        rec.flush()
+
+
 def to_host(a: Any) -> np.ndarray:
     """Copy any supported array to a NumPy array (explicit, for tests and reports).
 
@@ -143,6 +178,7 @@ def to_host(a: Any) -> np.ndarray:
     for."""
     if isinstance(a, np.ndarray):
         return a
+    barrier()
     stream, handle = launch_stream_state()
     if handle and stream is not None:
         stream.synchronize()
@@ -159,7 +195,9 @@ def ascontiguous_f32(name: str, a: Any) -> Any:
     """
     if type(a) is np.ndarray and a.dtype == _F32 and a.flags.c_contiguous:
         return a  # the common case (every decode step's k, v and q): nothing to convert or check
-    xp = xp_of(a)
+    if _is_cupy(a) and a.dtype == _F32 and a.flags.c_contiguous:
+        return a  # the same on a GPU: the very object (a launch's arguments repeat), no CuPy work
+    xp = np if isinstance(a, np.ndarray) else xp_of(a) if _is_cupy(a) else None  # Numba: no namespace
     if xp is not None:
         dt = np.dtype(a.dtype)
         if dt.kind not in "fiub":  # complex would lose its imaginary part, objects fail later
@@ -177,6 +215,39 @@ def ascontiguous_f32(name: str, a: Any) -> Any:
     if np.dtype(a.dtype) != np.float32 or not a.is_c_contiguous():
         raise TypeError(f"{name}: Numba device arrays must be C-contiguous float32, got {a.dtype}")
     return a
+
+
+#: views a :func:`same_view` memo keeps (the oldest dropped first)
+VIEW_MEMO_LIMIT = 256
+
+
+def same_view(memo: dict, role: Any, a: Any, make: Callable[[Any], Any]) -> Any:
+    """``make(a)`` (a view of a device array ``a``: a reshape, a reinterpretation), the very
+    object of the previous call with the same ``memo`` and ``role`` while ``a`` is the same
+    object with the same shape and dtype.
+
+    A view is a new array object each time it is made; a launch keyed by its arrays' identity
+    (prepared launches, :class:`numba_kv.StepGraph`) repeats only when a step passes the same
+    objects.  ``memo`` is owned by the caller (a layer's scratch, a cache, an op module); a
+    role may include ``id(a)`` (the identity is checked through a weak reference).  A memo
+    keeps at most :data:`VIEW_MEMO_LIMIT` views: a view may keep its array's memory alive."""
+    if isinstance(a, np.ndarray):
+        return make(a)
+    hit = memo.get(role)
+    if hit is not None and hit[0]() is a and hit[1] == (tuple(a.shape), a.dtype):
+        return hit[2]
+    view = make(a)
+    try:
+        memo[role] = (weakref.ref(a), (tuple(a.shape), a.dtype), view)
+    except TypeError:  # not weakly referable: a new view every time
+        memo.pop(role, None)
+        return view
+    while len(memo) > VIEW_MEMO_LIMIT:
+        try:
+            memo.pop(next(iter(memo)), None)
+        except (RuntimeError, StopIteration):  # changed by another thread meanwhile: next time
+            break
+    return view
 
 
 def cuda_grid(n: int, threads: int | None = None) -> tuple[int, int]:
@@ -221,6 +292,7 @@ def constant(like: Any, host: np.ndarray) -> Any:
     hit = _CONST_CACHE.get(key)
     if hit is not None and hit[0] is host:
         return hit[1]
+    barrier()
     if kind == "cupy":
         with like.device:  # the constant lives on the GPU of ``like``
             dev = xp_of(like).asarray(host)

@@ -62,12 +62,14 @@ try:
 except ImportError:  # pragma: no cover - older numba-cuda: the 1.0 keyword
     _CORE_GE_1_0 = True
 
-__all__ = ["MAX_ENTRIES", "clear", "current_stream", "launch", "launch_stream", "stats"]
+__all__ = ["MAX_ENTRIES", "SCALAR_TYPES", "clear", "current_stream", "entry_for", "launch", "launch_key",
+           "launch_stream", "refs_hold", "stats"]
 
 #: cache entries kept (the oldest goes first)
 MAX_ENTRIES = 1024
 
-_SCALARS = (bool, int, float, np.generic)
+#: what a launch passes by value (any other argument is an array, keyed by identity)
+SCALAR_TYPES = (bool, int, float, np.generic)
 _entries: dict[tuple, _Entry] = {}
 _lock = threading.Lock()
 _counts = {"prepared": 0, "repeated": 0, "numba": 0}
@@ -150,15 +152,44 @@ class _Entry:
 
     def holds(self, args: tuple) -> bool:
         """Whether every array of ``args`` is the very object this entry was prepared from."""
-        for ref, a in zip(self.refs, args):
-            if ref is not None and ref() is not a:
-                return False
-        return True
+        return refs_hold(self.refs, args)
+
+    def run(self) -> None:
+        """Launch on the entry's stream from its converted parameters."""
+        _core()[0](self.stream, self.config, self.kernel, *self.params)
+
+    def capture(self, builder: Any) -> None:
+        """Add the launch to ``builder`` (a ``cuda.core`` graph builder that is building)."""
+        _core()[0](builder, self.config, self.kernel, *self.params)
 
 
-def _key(dispatcher: Any, grid: Any, block: Any, args: tuple) -> tuple:
+def refs_hold(refs: tuple, args: tuple) -> bool:
+    """Whether each weak reference of ``refs`` (``None``: a scalar) is to the very object at its
+    place in ``args``."""
+    for ref, a in zip(refs, args):
+        if ref is not None and ref() is not a:
+            return False
+    return True
+
+
+def entry_for(dispatcher: Any, grid: Any, block: Any, args: tuple) -> _Entry | None:
+    """The prepared entry of this launch on this thread's launch stream, when there is one
+    whose arrays are still the very objects of ``args`` (else ``None``: the launch must go
+    through Numba)."""
+    if _backend.simulator_enabled() or not _config.get("cuda_prepared_launch"):
+        return None
+    try:
+        entry = _entries.get((_backend.launch_stream_state()[1], *launch_key(dispatcher, grid, block, args)))
+    except TypeError:
+        return None
+    return entry if entry is not None and entry.holds(args) else None
+
+
+def launch_key(dispatcher: Any, grid: Any, block: Any, args: tuple) -> tuple:
+    """A launch's key (without the stream): kernel, geometry, each array by identity and
+    shape, each scalar by type and value.  ``TypeError`` for an unhashable argument."""
     return (id(dispatcher), grid, block,
-            tuple((type(a), a) if isinstance(a, _SCALARS) else (id(a), getattr(a, "shape", None)) for a in args))
+            tuple((type(a), a) if isinstance(a, SCALAR_TYPES) else (id(a), getattr(a, "shape", None)) for a in args))
 
 
 def _core() -> tuple[Any, Any, bool] | None:
@@ -178,7 +209,7 @@ def _prepare(kernel: Any, cfg: Any, args: tuple) -> _Entry | None:
     if core is None or getattr(kernel, "debug", True):
         return None
     _, config_cls, ge_1_0 = core
-    refs = tuple(None if isinstance(a, _SCALARS) else weakref.ref(a) for a in args)
+    refs = tuple(None if isinstance(a, SCALAR_TYPES) else weakref.ref(a) for a in args)
     params: list = []
     written_back: list = []
     for t, v in zip(kernel.argument_types, args, strict=True):
@@ -205,13 +236,16 @@ def launch(dispatcher: Any, grid: Any, block: Any, args: tuple) -> None:
         The kernel's arguments: device arrays (Numba, CuPy, any ``__cuda_array_interface__``
         object) and scalars.
     """
+    recorder = _backend.step_recorder()
+    if recorder is not None and recorder.defer(dispatcher, grid, block, args):
+        return  # held back by a StepGraph step (launched with the step, or replayed as a graph)
     stream, handle = _backend.launch_stream_state()
     geometry = (grid, block) if stream is None else (grid, block, stream)
     if _backend.simulator_enabled() or not _config.get("cuda_prepared_launch"):
         dispatcher[geometry](*args)
         return
     try:
-        key = (handle, *_key(dispatcher, grid, block, args))
+        key = (handle, *launch_key(dispatcher, grid, block, args))
         entry = _entries.get(key)
     except TypeError:  # an unhashable scalar-like argument: Numba's launch as before
         dispatcher[geometry](*args)

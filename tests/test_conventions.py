@@ -60,7 +60,7 @@ def test_no_hand_written_numba_decorators():
 
 # -- one dispatch point ------------------------------------------------------------------------
 #: modules that may compute launch geometry, launch a CUDA kernel or pick a CPU compilation
-DISPATCH_MODULES = ("ops/_registry.py", "_backend.py", "_launch.py")
+DISPATCH_MODULES = ("ops/_registry.py", "_backend.py", "_launch.py", "_graph.py")
 #: modules still launching by hand, with the reason; an entry whose module is clean fails the test
 DISPATCH_ALLOWED: dict[str, str] = {}
 

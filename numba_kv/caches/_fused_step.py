@@ -77,7 +77,10 @@ class FusedDecodeMixin:
         x3 = []
         for name, arr in (("k", k), ("v", v)):
             x = _backend.ascontiguous_f32(name, arr)
-            x3.append(self._transform_in(st, name, x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3])))
+            # the same view object for the same input array (a repeated launch, issue 27)
+            x3.append(self._transform_in(st, name, _backend.same_view(
+                st.scratch.setdefault("views", {}), name, x,
+                lambda a: a.reshape(a.shape[0] * a.shape[1], a.shape[2], a.shape[3]))))
         pos_counts = (n_sink + plan.sinks, sinks + n_comp + plan.compressed, plan.keep_old + plan.keep_new)
         # the layer's device step state (_device_count), current before the store reads it
         counted = self._device_count(st, x3[0], n_comp)
@@ -206,7 +209,9 @@ class FusedDecodeMixin:
             return super()._decode_output(st, q, config, dtype)
         b, hq, ql, d = map(int, q.shape)
         hkv = self.num_kv_heads
-        q3 = _backend.ascontiguous_f32("q", q).reshape(b * hkv, (hq // hkv) * ql, d)
+        views = st.scratch.setdefault("views", {})  # the same views of the same arrays (issue 27)
+        q3 = _backend.same_view(views, "q", _backend.ascontiguous_f32("q", q),
+                                lambda a: a.reshape(b * hkv, (hq // hkv) * ql, d))
         outliers = self.config.outlier_channels
         if outliers:
             q3 = self._query_in(st, q3)
@@ -218,7 +223,7 @@ class FusedDecodeMixin:
             qr = self._rotate_queries(q3, bound.qr)
         else:  # the step rotates the queries into the layer's buffer (on the host one compiled call where small)
             qr = bound.qr
-            rotate = (rotate[0], q3.reshape(-1, d), rotate[2])
+            rotate = (rotate[0], _backend.same_view(views, "q2", q3, lambda a: a.reshape(-1, d)), rotate[2])
         meta = st.meta
         n_exact = meta.get("n_sink", 0) + meta.get("n_win", 0) if self._windowed else 0
         # a rotated int8 window is attended in the rotated domain, like the compressed tokens:
@@ -233,11 +238,12 @@ class FusedDecodeMixin:
         # the same scores either way (the rule masks nothing here)
         unmasked = ql == 1 and not isinstance(q3, np.ndarray)
         n_comp = meta.get("n_comp", 0)
+        out3 = _backend.same_view(views, "out", out, lambda a: a.reshape(tuple(q3.shape))) if direct else None
         # the count as this step's quantization left it on the device (_device_count), if so
         counted = st.scratch.get("n_comp_dev")
         res = bound.step.run(qr, qr if bound.rot else q3, n_comp, n_exact,
                              0 if unmasked else st.seq_len - ql, ql, config.softmax_scale, bias, qjl,
-                             causal=not unmasked, rotate=rotate, out=out.reshape(tuple(q3.shape)) if direct else None,
+                             causal=not unmasked, rotate=rotate, out=out3,
                              n_comp_dev=counted[2] if counted is not None and counted[1] == n_comp else None)
         if outliers:
             xp = _backend.xp_of(res)

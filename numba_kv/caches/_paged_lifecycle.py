@@ -152,8 +152,8 @@ class PagedLifecycleMixin:
                     fields[key] = threading.RLock()
                 elif key == "_pools":
                     fields[key] = {n: copy_array(a) for n, a in val.items()}
-                elif key in ("_dev_tables", "_row_scratch"):  # device bookkeeping of this cache
-                    fields[key] = {} if key == "_dev_tables" else None
+                elif key in ("_dev_tables", "_row_scratch", "_views"):  # device bookkeeping of this cache
+                    fields[key] = None if key == "_row_scratch" else {}
                 elif key in ("_tables", "_lens", "_free", "_deferred"):  # _deferred: the fork's own record
                     fields[key] = copy.deepcopy(val, memo)
                 else:  # configuration, read-only after __init__ (codebooks shared)

@@ -168,6 +168,7 @@ class PagedKVCache(PagedStorageMixin, PagedLifecycleMixin, ValueChecks):
         # per layer: (sequence ids, page table on the pool's device) of the last decode_attention
         self._dev_tables: dict[int, tuple[tuple[int, ...], PageTable]] = {}
         self._row_scratch: Any = None  # int32 pool rows of a one-page run, on the pool's device
+        self._views: dict = {}  # the same views of the same arrays (_backend.same_view)
         # per (side, tokens): the codes and scales of a small write on the pool's device, reused
         # (a decode step writes the same shape every step; used under the lock)
         self._write_scratch: dict[tuple[str, int], tuple[Any, Any]] = {}
@@ -259,7 +260,8 @@ class PagedKVCache(PagedStorageMixin, PagedLifecycleMixin, ValueChecks):
             raise ValueError(f"{name}: expected new_tokens >= 1, got shape {tuple(a.shape)}")
         if n is not None and shape[1] != n:
             raise ValueError(f"{name}: expected {n} new tokens (those of k), got shape {tuple(a.shape)}")
-        return a.reshape(shape), dev
+        # the same view of the same array (a steady step's launches repeat, issue 27)
+        return _backend.same_view(self._views, (name, id(a)), a, lambda x: x.reshape(shape)), dev
 
     def _input_limit(self) -> tuple[float, str]:
         if not self.bits:

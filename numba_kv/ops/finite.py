@@ -364,6 +364,7 @@ class DeferredRange:
     def __init__(self) -> None:
         self._acc: dict[tuple[str, np.dtype], Any] = {}
         self._lock = threading.Lock()
+        self._views: dict = {}  # flat views of the recorded arrays (_bits_view)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> DeferredRange:
         """An independent record holding what this one holds: the accumulators are copied
@@ -387,20 +388,25 @@ class DeferredRange:
         dt = np.dtype(a.dtype)
         if dt not in _BITS or a.size == 0:
             return dt in _BITS
-        xp = _backend.xp_of(a)
-        if xp is None and not getattr(a, "is_c_contiguous", lambda: False)():
+        if _backend.is_cupy(a):
+            if not a.flags.c_contiguous:
+                a = _backend.xp_of(a).ascontiguousarray(a)  # a device-side copy
+        elif not getattr(a, "is_c_contiguous", lambda: False)():
             return False
-        if xp is not None:
-            a = xp.ascontiguousarray(a)  # a device-side copy at most
         udt, mask, _ = _BITS[dt]
         key = (slot, dt)
-        u = a.reshape(a.size).view(udt)
+        u = self._bits_view(a, udt)
         with self._lock:  # the launch too: read() must not drop an accumulator being written
             acc = self._acc.get(key)
             if acc is None:
                 acc = self._acc[key] = _backend.zeros(a, (1,), np.uint64)
             _RANGE.launch(_backend.CUDA, (a.size + 255) // 256, u, udt(mask), acc)
         return True
+
+    def _bits_view(self, a: Any, udt: Any) -> Any:
+        """``a`` flat as unsigned integers of its width: the same view object for the same
+        array (a step's launch then repeats: prepared launches, ``StepGraph``)."""
+        return _backend.same_view(self._views, (id(a), udt), a, lambda x: x.reshape(x.size).view(udt))
 
     def record_many(self, items: Sequence[tuple[str, Any]]) -> list[bool]:
         """:meth:`record` of several ``(slot, array)`` pairs, three to a launch (a decode
@@ -418,17 +424,17 @@ class DeferredRange:
         todo: list[tuple[tuple[str, np.dtype], Any, Any]] = []
         for slot, a in items:
             dt = np.dtype(a.dtype)
-            xp = _backend.xp_of(a)
             if dt not in _BITS or a.size == 0:
                 ok.append(dt in _BITS)  # nothing to read (or not a float: the caller checks it)
                 continue
-            if xp is None and not getattr(a, "is_c_contiguous", lambda: False)():
+            if _backend.is_cupy(a):
+                if not a.flags.c_contiguous:
+                    a = _backend.xp_of(a).ascontiguousarray(a)  # a device-side copy
+            elif not getattr(a, "is_c_contiguous", lambda: False)():
                 ok.append(False)  # a strided Numba device array: the caller reads it synchronously
                 continue
-            if xp is not None:
-                a = xp.ascontiguousarray(a)  # a device-side copy at most
             udt, mask, _ = _BITS[dt]
-            todo.append(((slot, dt), a.reshape(a.size).view(udt), udt(mask)))
+            todo.append(((slot, dt), self._bits_view(a, udt), udt(mask)))
             ok.append(True)
         return ok, todo
 

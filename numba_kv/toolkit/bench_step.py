@@ -16,7 +16,12 @@ Per configuration (``T`` history tokens, ``batch`` sequences, ``num_kv_heads`` K
    float32, :func:`numba_kv.toolkit.bench_cuda.dense_attention`), as a user would;
 3. each step is timed on the host clock, from a synchronized device to the device
    synchronized again (``cupy.cuda.Device().synchronize()``), so launch overhead, validation
-   and Python work count as much as kernel time.  Reported: median and min in ms.
+   and Python work count as much as kernel time.  Reported: median and min in ms.  A cache
+   that attends itself (``Fused``) writes into one output array passed as ``out=`` every
+   step (the documented allocation-free step);
+4. for those caches the same steps again through a :class:`numba_kv.StepGraph`
+   (:data:`GRAPH_WARMUP` untimed steps: the graph is captured on the third): the ``graph``
+   columns, and how many timed steps replayed the graph.
 
 The history is not reset between steps: it grows by one token per step, so the timed steps
 see ``T + warmup + 1`` ... ``T + warmup + steps`` tokens (``tokens_after`` in a row: 23 tokens
@@ -49,7 +54,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from numba_kv import AttendConfig, Dequantized, make_cache
+from numba_kv import AttendConfig, Dequantized, StepGraph, make_cache
 from numba_kv.info import provenance
 
 from .bench_cuda import (
@@ -72,6 +77,8 @@ from .specs import DEFAULT_STEPS, DEFAULT_WARMUP
 DEFAULT_MODES = ("dense", "pqo3", "kv4")
 DEFAULT_TOKENS = (4096, 16384, 65536, 131072)
 DEFAULT_BATCH = (1,)
+#: untimed steps through a StepGraph before its timed ones (launched, launched, captured)
+GRAPH_WARMUP = 3
 
 #: ``attend(q, k, v, softmax_scale, logit_bias)`` -> output: the caller's attention over a
 #: :class:`~numba_kv.Dequantized` history
@@ -86,7 +93,9 @@ class DecodeStepRow:
     ``step_ms_*``: one ``cache.decode`` step (plus the caller's attention when ``output`` is
     ``"dequantized+attend"``); ``torch_ms_*``: one torch SDPA call (fp16, GQA) over ``tokens``
     tokens with ``torch_backend``; ``speedup_vs_torch`` = torch median / step median (> 1: the
-    cache's step is faster); ``tokens_after``: the history after the last timed step.
+    cache's step is faster); ``graph_ms_*``: the step through a :class:`numba_kv.StepGraph`
+    (fused output only), ``graph_replayed`` of its timed steps replayed the captured graph;
+    ``tokens_after``: the history after the last timed step.
     """
 
     mode: str
@@ -109,19 +118,26 @@ class DecodeStepRow:
     gpu: str
     provenance: dict = field(default_factory=dict)
     note: str = ""
+    graph_ms_median: float | None = None
+    graph_ms_min: float | None = None
+    graph_replayed: int | None = None
 
 
 def make_row(mode: str, tokens: int, batch: int, num_kv_heads: int, groups: int, head_dim: int,
              output: str | None, step: tuple[float, float] | None, torch_ms: tuple[float, float] | None,
              torch_backend: str | None, kv_mb: float | None, steps: int, warmup: int, gpu: str, prov: dict,
-             note: str = "") -> DecodeStepRow:
+             note: str = "", graph: tuple[float, float] | None = None,
+             graph_replayed: int | None = None) -> DecodeStepRow:
     """Assemble a row from ``(median, min)`` timings (``None``: not measured); the speedup is
-    torch median / step median (:func:`numba_kv.toolkit.bench_cuda.speedup`)."""
+    torch median / step median (:func:`numba_kv.toolkit.bench_cuda.speedup`).  ``graph``:
+    the steps through a :class:`numba_kv.StepGraph` (:data:`GRAPH_WARMUP` + ``steps`` more)."""
     med, mn = step if step is not None else (None, None)
     tmed, tmin = torch_ms if torch_ms is not None else (None, None)
+    gmed, gmin = graph if graph is not None else (None, None)
+    after = tokens + (warmup + steps if step is not None else 0) + (GRAPH_WARMUP + steps if graph is not None else 0)
     return DecodeStepRow(mode, tokens, batch, num_kv_heads, groups, head_dim, output, med, mn, tmed, tmin,
                          torch_backend if tmed is not None else None, speedup(tmed, med), kv_mb,
-                         tokens + (warmup + steps if step is not None else 0), steps, warmup, gpu, prov, note)
+                         after, steps, warmup, gpu, prov, note, gmed, gmin, graph_replayed)
 
 
 def time_wall_ms(fn: Callable[[], Any], steps: int, warmup: int, sync: Callable[[], Any]) -> tuple[float, float]:
@@ -147,15 +163,22 @@ def time_wall_ms(fn: Callable[[], Any], steps: int, warmup: int, sync: Callable[
 
 
 def make_decode_step(cache: Any, k1: Any, v1: Any, q: Any, config: AttendConfig,
-                     attend: Attend | None = None) -> Callable[[], Any]:
+                     attend: Attend | None = None, out: Any = None,
+                     graph: StepGraph | None = None) -> Callable[[], Any]:
     """Callable: one decode step of layer 0 (store ``k1``/``v1``, attend with ``q``).
 
     Returns the attention output: ``Fused.out``, or for a :class:`~numba_kv.Dequantized`
     result ``attend(q, k, v, softmax_scale, logit_bias)`` over the returned history (the
     caller's attention; without ``attend`` the :class:`~numba_kv.Dequantized` itself).
+    ``out``: the output array every step writes (a cache that returns ``Fused``); ``graph``:
+    each step runs through it (:meth:`numba_kv.StepGraph.run`).
     """
+    kw = {} if out is None else {"out": out}
+    decode = cache.decode if graph is None else \
+        (lambda *args, **kwargs: graph.run(cache.decode, *args, **kwargs))
+
     def step() -> Any:
-        res = cache.decode(0, k1, v1, q, config)
+        res = decode(0, k1, v1, q, config, **kw)
         if isinstance(res, Dequantized):
             if attend is None:
                 return res
@@ -257,13 +280,18 @@ def _bench_config(cupy: Any, torch: Any | None, rng: Any, sync: Callable[[], Any
 
     rows = []
     for mode in modes:
-        note, step_ms, kind, kv_mb = torch_note, None, None, None
+        note, step_ms, kind, kv_mb, graph_ms, graph = torch_note, None, None, None, None, None
         try:
             cache = make_cache(mode, num_layers=1, num_kv_heads=hkv, head_dim=d)
             cache.prefill(0, k, v)
             sync()
             kind = output_kind(cache.decode(0, k1, v1, q, cfg))  # the first warm-up step
-            step_ms = time_wall_ms(make_decode_step(cache, k1, v1, q, cfg, attend), steps, warmup - 1, sync)
+            out = cupy.empty(q.shape, f32) if kind == "fused" else None  # the step's output, reused
+            step_ms = time_wall_ms(make_decode_step(cache, k1, v1, q, cfg, attend, out), steps, warmup - 1, sync)
+            if out is not None:
+                graph = StepGraph()
+                graph_ms = time_wall_ms(make_decode_step(cache, k1, v1, q, cfg, attend, out, graph), steps,
+                                        GRAPH_WARMUP, sync)
             kv_mb = cache.memory_usage() / 1e6
             del cache
         except cupy.cuda.memory.OutOfMemoryError as exc:
@@ -273,7 +301,8 @@ def _bench_config(cupy: Any, torch: Any | None, rng: Any, sync: Callable[[], Any
             note = "; ".join(n for n in (f"error: {type(exc).__name__}: {first}", torch_note) if n)
         free_device_memory(cupy, None)
         rows.append(make_row(mode, t, b, hkv, groups, d, kind, step_ms, torch_ms, backend, kv_mb,
-                             steps, warmup, gpu, prov, note))
+                             steps, warmup, gpu, prov, note, graph_ms,
+                             None if graph_ms is None else graph.stats()["replayed"]))
     return rows
 
 
@@ -296,16 +325,20 @@ def render(rows: Sequence[DecodeStepRow]) -> str:
     title = (f"one decode step (cache.decode of 1 layer, + the caller's attention for dequantized output) on "
              f"{r0.gpu}, {r0.num_kv_heads} KV heads x {r0.groups} query heads, d={r0.head_dim}; host wall "
              f"clock to device synchronize, median/min of {r0.steps} steps after {r0.warmup} warm-up (history "
-             f"grows by 1 token per step); baseline: one torch SDPA call, fp16, GQA, fastest of cuDNN/flash "
+             f"grows by 1 token per step; fused output into one out= array; graph: the same steps through a "
+             f"numba_kv.StepGraph); baseline: one torch SDPA call, fp16, GQA, fastest of cuDNN/flash "
              f"(torch {p.get('torch', '?')}); numba {p.get('numba', '?')}, host {p.get('cpu_model', '?')}")
     table = Table(title=title)
     for col in ("mode", "T", "batch", "output", "step ms (median)", "step ms (min)", "torch sdpa ms (median)",
-                "torch ms (min)", "torch backend", "x torch", "KV MB", "note"):
+                "torch ms (min)", "torch backend", "x torch", "graph ms (median)", "graph ms (min)",
+                "replayed", "KV MB", "note"):
         table.add_column(col, justify="left" if col in ("mode", "output", "torch backend", "note") else "right")
     for r in rows:
         table.add_row(r.mode, str(r.tokens), str(r.batch), r.output or "-", fmt(r.step_ms_median, ".3f"),
                       fmt(r.step_ms_min, ".3f"), fmt(r.torch_ms_median, ".3f"), fmt(r.torch_ms_min, ".3f"),
-                      r.torch_backend or "-", fmt(r.speedup_vs_torch, ".2f"), fmt(r.kv_mb, ".1f"), r.note)
+                      r.torch_backend or "-", fmt(r.speedup_vs_torch, ".2f"), fmt(r.graph_ms_median, ".3f"),
+                      fmt(r.graph_ms_min, ".3f"), "-" if r.graph_replayed is None else f"{r.graph_replayed}/{r.steps}",
+                      fmt(r.kv_mb, ".1f"), r.note)
     buf = io.StringIO()
     Console(file=buf, width=220, force_terminal=False, color_system=None).print(table)
     return buf.getvalue()

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from numba_kv import AttendConfig, make_cache
+from numba_kv import AttendConfig, StepGraph, make_cache
 from numba_kv._backend import to_host
 from numba_kv.toolkit import bench_cuda, bench_step
 from numba_kv.toolkit.cli import build_parser, main
@@ -33,6 +33,9 @@ def test_row_arithmetic():
     no_torch = _row(torch_ms=None)
     assert no_torch.torch_ms_median is None and no_torch.speedup_vs_torch is None
     assert no_torch.torch_backend is None  # a backend without a time is dropped
+    graphed = _row(graph=(0.08, 0.07), graph_replayed=20)
+    assert (graphed.graph_ms_median, graphed.graph_ms_min, graphed.graph_replayed) == (0.08, 0.07, 20)
+    assert graphed.tokens_after == 4096 + 3 + 20 + bench_step.GRAPH_WARMUP + 20 and r.graph_ms_median is None
     failed = _row(step=None, output=None, kv_mb=None, note="error: ValueError: x")
     assert failed.step_ms_median is None and failed.speedup_vs_torch is None and failed.tokens_after == 4096
     assert bench_step.failed([r, failed, _row(step=None, note="out of device memory: 1 GiB")]) == [failed]
@@ -48,7 +51,10 @@ def test_render_with_and_without_torch():
     assert pqo3[:12] == ["│", "pqo3", "│", "4096", "│", "1", "│", "fused", "│", "2.000", "│", "1.500"]
     assert "0.500" in pqo3 and "flash" in pqo3 and "0.25" in pqo3
     dense = next(line for line in text.splitlines() if "dense" in line and "│" in line)
-    assert "dequantized+attend" in dense and "oom" in dense and dense.split().count("-") == 4
+    assert "dequantized+attend" in dense and "oom" in dense and dense.split().count("-") == 7  # torch, graph
+    graphed = bench_step.render([_row(graph=(0.08, 0.07), graph_replayed=20)])
+    row = next(line for line in graphed.splitlines() if "pqo3" in line).split()
+    assert "0.080" in row and "0.070" in row and "20/20" in row
     assert bench_step.render([]) == "no rows\n"
 
 
@@ -110,9 +116,13 @@ def test_whole_flow_with_numpy_dressed_as_cupy(fake_cupy, tmp_path, capsys):
         assert r.note == "" and r.gpu == "Fake GPU" and r.provenance["gpu"] == "Fake GPU"
         assert "cpu_model" in r.provenance and r.provenance["torch"].startswith("not importable")
         assert 0 < r.step_ms_min <= r.step_ms_median and r.kv_mb > 0
-        assert r.tokens_after == r.tokens + 2 + 3 and (r.steps, r.warmup, r.batch) == (3, 2, 1)
-        assert r.torch_ms_median is None and r.speedup_vs_torch is None
+        assert r.torch_ms_median is None and r.speedup_vs_torch is None and (r.steps, r.warmup, r.batch) == (3, 2, 1)
         assert r.output == ("dequantized+attend" if r.mode == "dense" else "fused")
+        if r.mode == "dense":  # the caller attends: no out=, no graph
+            assert r.tokens_after == r.tokens + 2 + 3 and r.graph_ms_median is None and r.graph_replayed is None
+        else:  # host arrays: the graph's steps just run (nothing to replay)
+            assert r.tokens_after == r.tokens + 2 + 3 + bench_step.GRAPH_WARMUP + 3
+            assert 0 < r.graph_ms_min <= r.graph_ms_median and r.graph_replayed == 0
     assert main(["bench", "decode-step", "--device", "cuda", "--modes", "pqo3", "--tokens", "40", "--kv-heads",
                  "1", "--groups", "2", "--head-dim", "32", "--steps", "1", "--no-progress"]) == 0
     assert "pqo3" in capsys.readouterr().out
@@ -171,4 +181,16 @@ def test_decode_step_on_device_arrays(name):
         med, mn = bench_step.time_wall_ms(step, steps=2, warmup=1, sync=cuda.synchronize)
         assert 0 < mn <= med and cache.seq_len(0) == 40 + 3
         outs.append(to_host(step()))
-    np.testing.assert_allclose(outs[1], outs[0], rtol=1e-4, atol=1e-5)
+        if name != "dense":  # fused: the out= step, then through a StepGraph (captured, replayed)
+            out, graph = put(np.zeros(q.shape, np.float32)), StepGraph()
+            for g in (None, graph):
+                step = bench_step.make_decode_step(cache, put(k1), put(v1), put(q), cfg, attend, out, g)
+                bench_step.time_wall_ms(step, steps=1, warmup=bench_step.GRAPH_WARMUP, sync=cuda.synchronize)
+                res = step()
+                assert res is out
+                outs.append(to_host(res).copy())  # (out is rewritten by the next step)
+            # device: launched one by one, captured, then the timed step and step() replayed
+            assert graph.stats()["replayed"] == (3 if put is to_device else 0), graph.stats()
+    half = len(outs) // 2
+    for host_out, dev_out in zip(outs[:half], outs[half:]):
+        np.testing.assert_allclose(dev_out, host_out, rtol=1e-4, atol=1e-5)

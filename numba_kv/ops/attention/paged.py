@@ -41,6 +41,8 @@ __all__ = ["paged_attention_rows", "paged_decode_attention", "pool_arrays"]
 _NO_CODES = np.zeros((1, 1, 1, 1), np.uint8)
 _NO_SCALES = np.zeros((1, 1, 1, 1), np.uint16)
 _NO_PAGES = np.zeros((1, 1, 1, 1), np.float32)
+#: the same views of the same query and output arrays (a steady step's launch repeats, issue 27)
+_VIEWS: dict = {}
 
 
 def pool_arrays(like: Any, k_pages: Any = None, v_pages: Any = None, k_codes: Any = None, k_scales: Any = None,
@@ -235,7 +237,8 @@ def paged_attention_rows(q: Any, page_table: Sequence[Any], arrays: tuple, klayo
     """
     n_seq, hq, ql, d = (int(x) for x in q.shape)
     g, rows = n_seq * n_kv_heads, (hq // n_kv_heads) * ql
-    q3 = _backend.ascontiguous_f32("q", q).reshape(g, rows, d)
+    # the same views of the same arrays (a steady step's launches repeat, issue 27)
+    q3 = _backend.same_view(_VIEWS, ("q", id(q)), _backend.ascontiguous_f32("q", q), lambda a: a.reshape(g, rows, d))
     compressed = klayout is not None
     plan = attention_plan(q3, paged=True, n_g=g, rows=rows, d=d, klayout=klayout, vlayout=vlayout,
                           v_width=int(arrays[2].shape[3]) if compressed else 0)
@@ -252,5 +255,6 @@ def paged_attention_rows(q: Any, page_table: Sequence[Any], arrays: tuple, klayo
     lens = [int(n) for n in seq_lens]
     res = plan.run_paged(qr, q3, arrays, tuple(page_table), page_size, n_kv_heads, max(lens), sum(lens), n_seq,
                          scale, ql, causal, partition_size, rotate_q,
-                         None if out is None else out.reshape(g, rows, d))
+                         None if out is None else _backend.same_view(_VIEWS, ("out", id(out)), out,
+                                                                      lambda a: a.reshape(g, rows, d)))
     return out if out is not None else res.reshape(n_seq, hq, ql, d)

@@ -395,7 +395,7 @@ class FlatStep:
     """
 
     __slots__ = ("_bound", "_exact_rotated", "_host", "_kernel", "_merge_static", "_mid", "_no_qjl", "_out_shape",
-                 "_scale", "capacity", "comp_pos0", "plan")
+                 "_scale", "_views", "capacity", "comp_pos0", "plan")
 
     def __init__(self, plan: AttentionPlan, kc: Any, ks: Any, vc: Any, vs: Any, comp_pos0: int, ke: Any, ve: Any,
                  exact_pos: Any, head_signs: Any, exact_rotated: bool, exact_scales: tuple | None,
@@ -430,6 +430,7 @@ class FlatStep:
         self._host = plan.device == _backend.CPU and isinstance(kc, np.ndarray)
         self._out_shape = (plan.n_g, plan.rows, plan.d)
         self._scale = (None, None)  # the last softmax scale and its float32
+        self._views: dict = {}  # the same views of the same query arrays (a repeated launch)
 
     @property
     def exact_pos(self) -> Any:
@@ -536,9 +537,9 @@ class FlatStep:
             return out
         rotate_q = rotate is not None and plan.rotate_q and (rotate[0] == ROTATE_HEAD) == self._merge_static[1]
         if rotate_q:  # the kernel's prologue rotates the raw queries (issue 27: no rotation launch)
-            qr = q = rotate[1].reshape(self._out_shape)
+            qr = q = _backend.same_view(self._views, "q", rotate[1], lambda a: a.reshape(self._out_shape))
         elif rotate is not None:
-            _rotate_into(*rotate, qr.reshape(n_g * rows, d))
+            _rotate_into(*rotate, _backend.same_view(self._views, "qr", qr, lambda a: a.reshape(n_g * rows, d)))
         if out is None and self._host:
             out = np.empty(self._out_shape, np.float32)
         elif out is None:

@@ -1,0 +1,56 @@
+"""``numba_kv.StepGraph`` with real device arrays: steady decode steps captured as one CUDA
+graph (``cuda.core``) and replayed, with the outputs of the same steps launched one by one
+(bit for bit) and of the CPU twin (float32 round-off).  ``kv4`` on CuPy centers its keys
+with CuPy work inside the step, which launches what is held (no replay is required there).
+On a GPU with CuPy and Numba device arrays; in the simulator (Numba device arrays) the
+stand-in graph runs the same test."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from numba_kv import AttendConfig, StepGraph, _backend, make_cache
+
+H, G, D = 2, 2, 64
+STEPS = 6
+SHAPES = ((1, H, 1, D), (1, H, 1, D), (1, H * G, 1, D))
+
+
+def _cache(mode, dev):
+    # kv4 centers its keys, which needs CuPy or NumPy arrays (not Numba device arrays)
+    kw = {"key_center": False} if mode == "kv4" and dev.kind != "cupy" else {}
+    return make_cache(mode, num_layers=1, num_kv_heads=H, head_dim=D, window_dtype="float32", **kw)
+
+
+@pytest.mark.parametrize("mode", ["pqo3", "kv4"])
+def test_steady_steps_replay_as_a_graph(dev, mode):
+    if mode == "kv4" and _backend.simulator_enabled():
+        pytest.skip("the simulator's time: kv4 steps there in tests/cuda/test_sim_step_graph.py")
+    rng = np.random.default_rng(61)
+    graphed, plain, twin = (_cache(mode, dev) for _ in range(3))
+    t0 = graphed.config.sink_tokens + graphed.config.residual_length + 3  # the window full
+    k, v = (rng.standard_normal((1, H, t0, D)).astype(np.float32) for _ in range(2))
+    for cache, put in ((graphed, dev.put), (plain, dev.put), (twin, np.asarray)):
+        cache.prefill(0, put(k), put(v))
+    attend = AttendConfig(D ** -0.5, n_kv_groups=G)
+    bufs = [tuple(dev.put(np.zeros(s, np.float32)) for s in (*SHAPES, SHAPES[2])) for _ in range(2)]
+    graph = StepGraph()
+    for _ in range(STEPS):
+        host = tuple(rng.standard_normal(s).astype(np.float32) for s in SHAPES)
+        outs = []
+        runners = (graph.run, lambda fn, *a, **kw: fn(*a, **kw))
+        for (dk, dv, dq, dout), cache, run in zip(bufs, (graphed, plain), runners):
+            for buf, x in zip((dk, dv, dq), host):
+                if dev.kind == "cupy":
+                    buf[...] = dev.cupy.asarray(x)
+                else:
+                    buf.copy_to_device(x)
+            outs.append(dev.get(run(cache.decode, 0, dk, dv, dq, attend, out=dout).out).copy())
+        np.testing.assert_array_equal(outs[0], outs[1])  # the graph replays the very launches
+        np.testing.assert_allclose(outs[0], twin.decode(0, *host, attend).out, rtol=1e-5, atol=1e-6)
+    st = graph.stats()
+    assert graph.error is None and st["failed"] == 0, (graph.error, st)
+    if mode == "kv4" and dev.kind == "cupy":
+        return  # key centering runs in CuPy within the step: it may run as launched (the outputs above)
+    assert st["captured"] == 1 and st["replayed"] >= STEPS - 4, st
