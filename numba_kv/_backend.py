@@ -101,13 +101,17 @@ _is_cupy = is_cupy
 
 def xp_of(a: Any):
     """Array namespace of ``a``: ``numpy`` for host arrays, ``cupy`` for CuPy arrays,
-    ``None`` for Numba device arrays (use :func:`empty`)."""
+    ``None`` for Numba device arrays (use :func:`empty`).
+
+    For a device array, device work other than a kernel launch usually follows (CuPy work,
+    a Numba copy): inside a :class:`numba_kv.StepGraph` step the launches held back go first
+    (:func:`barrier`).  A type test that does no such work uses :func:`is_cupy` instead."""
     if isinstance(a, np.ndarray):
         return np
+    barrier()
     if _is_cupy(a):
         import cupy  # noqa: PLC0415 - optional dependency (extra "cuda"): imported once a CuPy array is seen
 
-        barrier()  # CuPy work follows: a deferred step's launches go first
         return cupy
     return None
 
@@ -219,9 +223,12 @@ def ascontiguous_f32(name: str, a: Any) -> Any:
 
 #: views a :func:`same_view` memo keeps (the oldest dropped first)
 VIEW_MEMO_LIMIT = 256
+#: the largest caller's array whose view :func:`same_view` keeps (a decode step's inputs are
+#: far smaller: ``batch · heads · head_dim`` floats)
+VIEW_MEMO_MAX_BYTES = 1 << 20
 
 
-def same_view(memo: dict, role: Any, a: Any, make: Callable[[Any], Any]) -> Any:
+def same_view(memo: dict, role: Any, a: Any, make: Callable[[Any], Any], owned: bool = False) -> Any:
     """``make(a)`` (a view of a device array ``a``: a reshape, a reinterpretation), the very
     object of the previous call with the same ``memo`` and ``role`` while ``a`` is the same
     object with the same shape and dtype.
@@ -229,9 +236,11 @@ def same_view(memo: dict, role: Any, a: Any, make: Callable[[Any], Any]) -> Any:
     A view is a new array object each time it is made; a launch keyed by its arrays' identity
     (prepared launches, :class:`numba_kv.StepGraph`) repeats only when a step passes the same
     objects.  ``memo`` is owned by the caller (a layer's scratch, a cache, an op module); a
-    role may include ``id(a)`` (the identity is checked through a weak reference).  A memo
-    keeps at most :data:`VIEW_MEMO_LIMIT` views: a view may keep its array's memory alive."""
-    if isinstance(a, np.ndarray):
+    role may include ``id(a)`` (the identity is checked through a weak reference).  A kept
+    view keeps its array's memory alive, so a memo keeps at most :data:`VIEW_MEMO_LIMIT`
+    views, and of a caller's array only when it is at most :data:`VIEW_MEMO_MAX_BYTES`
+    (``owned``: ``a`` is the memo owner's own buffer, e.g. a page pool: any size)."""
+    if isinstance(a, np.ndarray) or (not owned and int(a.size) * np.dtype(a.dtype).itemsize > VIEW_MEMO_MAX_BYTES):
         return make(a)
     hit = memo.get(role)
     if hit is not None and hit[0]() is a and hit[1] == (tuple(a.shape), a.dtype):

@@ -13,7 +13,9 @@ Python code every time and only holds its kernel launches back:
    instead of launched.  A launch without one goes through Numba as usual.
 2. Any other device work of the step — an allocation, a copy, CuPy work, a read to the host,
    a launch through Numba — first launches what is held back, in order
-   (:func:`numba_kv._backend.barrier`); the rest of the step then launches as it goes.
+   (:func:`numba_kv._backend.barrier`, called by ``_backend``'s allocation and copy helpers
+   and by ``xp_of`` of a device array, which CuPy work and Numba copies begin with); the
+   rest of the step then launches as it goes.
    Stream order is therefore the order the step's code asked for, whatever it does.
 3. At the end of a step whose launches were all held back: when they are the very entries
    of the captured graph, in order, the graph is launched; when they repeat the previous

@@ -71,7 +71,8 @@ class PagedStorageMixin:
         rows = slice(page * h, (page + 1) * h)
         # the same views of a page's planes every time (a steady step's launch repeats, issue 27)
         return tuple(_backend.same_view(self._views, ("planes", name, page), self._pools[name],
-                                        lambda a: a.reshape(self.num_pages * h, self.page_size, int(a.shape[3]))[rows])
+                                        lambda a: a.reshape(self.num_pages * h, self.page_size, int(a.shape[3]))[rows],
+                                        owned=True)
                      for name in ("k_codes", "k_scales", "v_codes", "v_scales"))
 
     def _write(self, part: str, x3: Any, rows: np.ndarray) -> None:

@@ -347,3 +347,33 @@ def test_warp_partition_size_formula():
     assert default_partition_size(100_000, 10, "cuda", warp=True) == 64      # ceil(61.03) -> 64
     assert default_partition_size(300_000, 10, "cuda", warp=True) == 192     # ceil(183.1) -> 192
     assert default_partition_size(4096, 8, "cuda") == 256                    # the block kernel
+
+
+def test_a_plan_in_use_is_never_the_one_the_plan_cache_drops(monkeypatch):
+    """The plan cache keeps the most recently used plans (dropping a plan in use would bind its
+    layers again every time: a new workspace, a CUDA graph of the step captured again); one
+    plan per key also under concurrent lookups."""
+    import threading
+
+    from numba_kv.ops.attention import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "_PLANS", {})
+    monkeypatch.setattr(plan_module, "MAX_PLANS", 4)
+    q = np.zeros((2, 3, 64), np.float32)
+
+    def get(rows):
+        return plan_module.attention_plan(q, paged=False, n_g=2, rows=rows, d=64, klayout=None, vlayout=None,
+                                          v_width=0)
+
+    hot = get(3)
+    for rows in range(4, 20):  # many other shapes, the hot one asked for in between
+        get(rows)
+        assert get(3) is hot
+    assert len(plan_module._PLANS) == 4
+    seen: list = []
+    threads = [threading.Thread(target=lambda: seen.extend(get(99) for _ in range(200))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({id(p) for p in seen}) == 1

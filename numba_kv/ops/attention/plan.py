@@ -561,6 +561,9 @@ class FlatStep:
 
 
 _PLANS: dict[tuple, AttentionPlan] = {}
+#: plans kept (least recently used dropped first)
+MAX_PLANS = 1024
+_PLANS_LOCK = threading.Lock()
 
 
 def attention_plan(like: Any, *, paged: bool, n_g: int, rows: int, d: int, klayout: CodeLayout | None,
@@ -604,10 +607,14 @@ def attention_plan(like: Any, *, paged: bool, n_g: int, rows: int, d: int, klayo
                _config.get("cuda_warp_attention"), _config.get("cuda_mma_attention"),
                _config.get("cuda_merge_last_block"), _config.get("cuda_fused_query_rotation"))
     key = (env, paged, n_g, rows, d, klayout, vlayout, v_width, has_bias, has_qjl)
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) > 1024:  # shapes of long-gone models: start over
-            _PLANS.clear()
-        plan = _PLANS[key] = AttentionPlan(like, paged=paged, n_g=n_g, rows=rows, d=d, klayout=klayout,
-                                           vlayout=vlayout, v_width=v_width, has_bias=has_bias, has_qjl=has_qjl)
+    with _PLANS_LOCK:  # layers call from several threads: one plan per key
+        plan = _PLANS.pop(key, None)
+        if plan is None:
+            while len(_PLANS) >= MAX_PLANS:  # the least recently used goes (shapes of long-gone models)
+                _PLANS.pop(next(iter(_PLANS)))
+            plan = AttentionPlan(like, paged=paged, n_g=n_g, rows=rows, d=d, klayout=klayout, vlayout=vlayout,
+                                 v_width=v_width, has_bias=has_bias, has_qjl=has_qjl)
+        # most recently used last: a plan in use is never the one dropped (dropping it would
+        # bind its layers again: a new workspace, and a CUDA graph of their step captured again)
+        _PLANS[key] = plan
     return plan
