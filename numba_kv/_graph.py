@@ -216,10 +216,25 @@ class StepGraph:
     def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)``, its kernel launches replayed as a graph when they repeat.
 
+        Parameters
+        ----------
+        fn : callable
+            The step, e.g. ``cache.decode`` (its device work through numba_kv only).
+        *args, **kwargs
+            Its arguments: for a steady step to repeat, the same array objects every step
+            (fixed input buffers, ``out=``).
+
+        Returns
+        -------
+        What ``fn`` returns.  Its kernels are launched (or the graph is) on the thread's
+        launch stream before this returns; as for any launch, they may still be running.
+
         Raises
         ------
         RuntimeError
             Inside another :meth:`run` on the same thread (steps do not nest).
+        Exception
+            Whatever ``fn`` raises, after the launches it made were launched.
         """
         if _backend.step_recorder() is not None:
             raise RuntimeError("StepGraph.run: already inside a StepGraph step on this thread (steps do not nest)")
