@@ -184,7 +184,7 @@ def test_a_failing_step_launches_what_it_held_and_steps_do_not_nest():
 
 
 #: paged steps: from PAGED_T0 tokens across the first page's end (page size PAGED_PS)
-PAGED_PS, PAGED_T0, PAGED_STEPS = 16, 3, 18
+PAGED_PS, PAGED_T0, PAGED_STEPS = 16, 6, 14
 
 
 def test_paged_steps_replay_within_a_page_and_recapture_in_the_next(monkeypatch):
@@ -282,11 +282,11 @@ def test_threads_hold_only_their_own_launches():
     assert graphs[0].stats()["replayed"] == 1 and graphs[1].stats()["captured"] == 1
 
 
-@pytest.mark.parametrize("name", ["dense", "pq3", "pqo4"])
+@pytest.mark.parametrize("name", ["dense", "pq3"])
 def test_other_families_step_in_order(name):
-    """Other families, whose steps may do other device work (the dense cache returns its
-    history; PQ returns dequantized history; a 4-bit PQO cache): every step gives the twin's
-    output, and no device work overtakes a held launch."""
+    """Other families, whose steps do other device work (the dense cache returns its history,
+    PQ its dequantized history): every step gives the twin's output, and no device work
+    overtakes a held launch."""
     rng = np.random.default_rng(50)
     kw = {} if name == "dense" else {"window_dtype": "float32", "residual_length": 4}
     cache, twin = (make_cache(name, num_layers=1, num_kv_heads=H, head_dim=D, **kw) for _ in range(2))
@@ -295,11 +295,11 @@ def test_other_families_step_in_order(name):
     twin.prefill(0, k, k)
     attend, graph = AttendConfig(D ** -0.5, n_kv_groups=G), StepGraph()
     with no_device_work_while_held() as seen:
-        for _ in range(4):
+        for _ in range(3):
             host = _inputs(rng)
             res = graph.run(cache.decode, 0, *(to_device(x) for x in host), attend)
             ref = twin.decode(0, *host, attend)
             got, want = (r.result.k if hasattr(r, "result") else r.out for r in (res, ref))
             np.testing.assert_allclose(to_host(got), want, rtol=1e-5, atol=1e-6)
     assert not seen, seen
-    assert graph.stats()["steps"] == 4 and graph.stats()["failed"] == 0
+    assert graph.stats()["steps"] == 3 and graph.stats()["failed"] == 0

@@ -2,8 +2,8 @@
 graph (``cuda.core``) and replayed, with the outputs of the same steps launched one by one
 (bit for bit) and of the CPU twin (float32 round-off).  ``kv4`` on CuPy centers its keys
 with CuPy work inside the step, which launches what is held (no replay is required there).
-On a GPU with CuPy and Numba device arrays; in the simulator (Numba device arrays) the
-stand-in graph runs the same test."""
+On a GPU with CuPy and Numba device arrays (the simulator's stand-in graph is tested by
+``tests/cuda/test_sim_step_graph.py``)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ def _cache(mode, dev):
 
 @pytest.mark.parametrize("mode", ["pqo3", "kv4"])
 def test_steady_steps_replay_as_a_graph(dev, mode):
-    if mode == "kv4" and _backend.simulator_enabled():
-        pytest.skip("the simulator's time: kv4 steps there in tests/cuda/test_sim_step_graph.py")
+    if _backend.simulator_enabled():
+        pytest.skip("a real capture (the simulator's stand-in graph: tests/cuda/test_sim_step_graph.py)")
     rng = np.random.default_rng(61)
     graphed, plain, twin = (_cache(mode, dev) for _ in range(3))
     t0 = graphed.config.sink_tokens + graphed.config.residual_length + 3  # the window full
