@@ -13,12 +13,14 @@ from . import (  # noqa: F401
                headquant,
                headvq,
                intquant,
+               keymean,
                lowrank,
                memory,
                norm8,
                positions,
                qjl,
                vq,
+               window8,
 )
 from ._registry import TWINS, Twin
 

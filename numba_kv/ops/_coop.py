@@ -23,19 +23,22 @@ from numba import cuda
 
 from .._jit import cuda_device
 
-__all__ = ["coop_butterflies"]
+__all__ = ["coop_butterflies", "coop_butterflies_within"]
 
 
-def _coop_butterflies(t, d, tid, nt):
-    """The ``log2(d)`` unnormalized radix-2 stages (strides ``1, 2, …, d/2``) on ``t[0:d]``
-    (shared float32), shared by the ``nt`` threads of the block; ``tid`` is this thread.
+def _coop_butterflies_within(t, d, width, tid, nt):
+    """The ``log2(width)`` unnormalized radix-2 stages (strides ``1, 2, …, width/2``) on
+    ``t[0:d]`` (shared float32), shared by the ``nt`` threads of the block; ``tid`` is this
+    thread.  ``width = d``: the ``d``-point transform; ``width = 32``: the ``d/32``
+    independent 32-point transforms of the 32-block rotation (a stage of stride ``h < 32``
+    never pairs values of two blocks).
 
     Synchronizes before the first stage (the caller's writes to ``t`` become visible) and
     after the last one (every value is final when it returns).
     """
-    # stage order h = 1, 2, 4, ..., d/2 is part of the float32 result (as on the CPU): keep it
+    # stage order h = 1, 2, 4, ..., width/2 is part of the float32 result (as on the CPU): keep it
     h = 1
-    while h < d:
+    while h < width:
         cuda.syncthreads()
         for p in range(tid, d // 2, nt):
             # the p-th index with bit h clear: p + (p & -h) = (p // h)·2h + p % h for a power
@@ -47,6 +50,15 @@ def _coop_butterflies(t, d, tid, nt):
             t[j + h] = a - b
         h = h * 2
     cuda.syncthreads()
+
+
+coop_butterflies_within = cuda_device(_coop_butterflies_within)
+
+
+def _coop_butterflies(t, d, tid, nt):
+    """The ``log2(d)`` stages of the ``d``-point transform on ``t[0:d]``
+    (:func:`coop_butterflies_within` with ``width = d``)."""
+    coop_butterflies_within(t, d, d, tid, nt)
 
 
 coop_butterflies = cuda_device(_coop_butterflies)

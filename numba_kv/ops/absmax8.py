@@ -31,7 +31,7 @@ __all__ = ["absmax8_dequantize_into", "absmax8_quantize_into"]
 #: float32 has no fraction bits, so the addition rounds ``v`` to an integer (to even on a
 #: tie) and subtracting it back is exact
 RNE_MAGIC = float32(12582912.0)
-_ONE_F16 = 0x3C00  # binary16 1.0
+ONE_F16 = 0x3C00  # binary16 1.0
 
 
 def _rint(v):
@@ -51,7 +51,7 @@ def _quantize_vector(x, r, t, codes, scales, d0):
     for j in range(d):
         amax = max(amax, abs(x[r, t, j]))
     h = f32_to_f16_bits_sat(amax / float32(127.0))
-    h = uint16(_ONE_F16) if h == 0 else h
+    h = uint16(ONE_F16) if h == 0 else h
     s = f16_bits_to_f32(h)
     for j in range(d):
         v = _rint(x[r, t, j] / s)
@@ -67,7 +67,7 @@ def _dequantize_vector(codes, scales, r, t, s0, out, d0):
         out[r, d0 + t, j] = float32(codes[r, s0 + t, j]) * s
 
 
-_rint_cpu, _rint_dev = twin(_rint, inline=True)
+rint_cpu, rint_dev = twin(_rint, inline=True)
 quantize_vector_cpu, quantize_vector_dev = twin(_quantize_vector)
 dequantize_vector_cpu, dequantize_vector_dev = twin(_dequantize_vector)
 

@@ -116,33 +116,27 @@ twin(_f32_to_f16_store, inline=True)
 TO_EX = FROM_EX = SLIDE_COLUMNS = None
 
 
-def _slide_columns(x, ex, ev, r, w, a, s_at, e_new, sinks, e_old, keep_old, keep_new):
+def _slide_columns(x, ex, ev, r, w, m, a, s_at, e_new, sinks, e_old, keep_old, keep_new):
     """One column ``(r, w)`` of one side's store, tokens in ascending order (the in-place slide
-    needs that order).  ``TO_EX`` / ``FROM_EX``: the window's conversions (bound per variant)."""
+    needs that order), new tokens stored as ``x − m`` (``m``: the column's key mean, or 0,
+    and ``v − 0 == v`` exactly).  ``TO_EX`` / ``FROM_EX``: the window's conversions (bound per
+    variant)."""
     for t in range(a):
-        ex[r, s_at + t, w] = TO_EX(x[r, t, w])
+        ex[r, s_at + t, w] = TO_EX(x[r, t, w] - m)
     for t in range(e_old):
         ev[r, t, w] = FROM_EX(ex[r, sinks + t, w])
     for t in range(e_new):
-        ev[r, e_old + t, w] = x[r, a + t, w]
+        ev[r, e_old + t, w] = x[r, a + t, w] - m
     if e_old:
         for t in range(keep_old):
             ex[r, sinks + t, w] = ex[r, sinks + e_old + t, w]
     for t in range(keep_new):
-        ex[r, sinks + keep_old + t, w] = TO_EX(x[r, a + e_new + t, w])
+        ex[r, sinks + keep_old + t, w] = TO_EX(x[r, a + e_new + t, w] - m)
 
 
-def _slide_cpu_body(xk, xv, exk, exv, evk, evv, a, s_at, e_new, sinks, e_old, keep_old, keep_new, pos, n_pos,
-                    pos_sinks, pos_base, u0, m0, o0, u1, m1, o1, u2, m2, o2, cnt, cr, cw):
-    """CPU twin of the ``slide_windows`` kernels: ``prange`` over (side, row), then the
-    folded range records and the count copy serially."""
-    rows = exk.shape[0]
-    pos_base = pos_base + (int64(cnt[cr]) if cr >= 0 else int64(0))
-    for j in prange(2 * rows):
-        r = j % rows
-        x, ex, ev = (xk, exk, evk) if j < rows else (xv, exv, evv)
-        for w in range(ex.shape[2]):
-            SLIDE_COLUMNS(x, ex, ev, r, w, a, s_at, e_new, sinks, e_old, keep_old, keep_new)
+def _store_tail_cpu(pos, n_pos, pos_sinks, pos_base, u0, m0, o0, u1, m1, o1, u2, m2, o2, cnt, cr, cw):
+    """The end of a window store's launch on the CPU: the exact tokens' positions (the window
+    from ``pos_base``), the three folded range records and the count copy ``cnt[cw] = cnt[cr]``."""
     for i in range(n_pos):
         pos[i] = int32(i if i < pos_sinks else pos_base + (i - pos_sinks))
     fold_absbits_cpu(u0, m0, o0)
@@ -152,8 +146,41 @@ def _slide_cpu_body(xk, xv, exk, exv, evk, evv, a, s_at, e_new, sinks, e_old, ke
         cnt[cw] = cnt[cr] if cr >= 0 else int32(0)
 
 
-def _slide_cuda_body(xk, xv, exk, exv, evk, evv, a, s_at, e_new, sinks, e_old, keep_old, keep_new, pos, n_pos,
-                     pos_sinks, pos_base, u0, m0, o0, u1, m1, o1, u2, m2, o2, cnt, cr, cw):
+def _store_tail_dev(pos, n_pos, pos_sinks, pos_base, u0, m0, o0, u1, m1, o1, u2, m2, o2, cnt, cr, cw, start, nt):
+    """:func:`store_tail_cpu` on a device: thread ``start`` of ``nt`` (grid-stride) writes its
+    positions and folds its share of the records (:func:`~numba_kv.ops.finite.fold_absbits_dev`);
+    thread 0 copies the count (``cr != cw``: no thread reads what the launch writes)."""
+    for i in range(start, n_pos, nt):
+        pos[i] = int32(i if i < pos_sinks else pos_base + (i - pos_sinks))
+    fold_absbits_dev(u0, m0, o0, start, nt)
+    fold_absbits_dev(u1, m1, o1, start, nt)
+    fold_absbits_dev(u2, m2, o2, start, nt)
+    if cw >= 0 and start == 0:
+        cnt[cw] = cnt[cr] if cr >= 0 else int32(0)
+
+
+store_tail_cpu = cpu_serial(_store_tail_cpu, inline=True)
+store_tail_dev = cuda_device(_store_tail_dev)
+
+
+def _slide_cpu_body(xk, xv, kmean, center, exk, exv, evk, evv, a, s_at, e_new, sinks, e_old, keep_old, keep_new, pos,
+                    n_pos, pos_sinks, pos_base, u0, m0, o0, u1, m1, o1, u2, m2, o2, cnt, cr, cw):
+    """CPU twin of the ``slide_windows`` kernels: ``prange`` over (side, row), then the
+    folded range records and the count copy serially."""
+    rows = exk.shape[0]
+    pos_base = pos_base + (int64(cnt[cr]) if cr >= 0 else int64(0))
+    for j in prange(2 * rows):
+        r = j % rows
+        x, ex, ev = (xk, exk, evk) if j < rows else (xv, exv, evv)
+        cen = center != 0 and j < rows
+        for w in range(ex.shape[2]):
+            m = kmean[r, 0, w] if cen else float32(0.0)
+            SLIDE_COLUMNS(x, ex, ev, r, w, m, a, s_at, e_new, sinks, e_old, keep_old, keep_new)
+    store_tail_cpu(pos, n_pos, pos_sinks, pos_base, u0, m0, o0, u1, m1, o1, u2, m2, o2, cnt, cr, cw)
+
+
+def _slide_cuda_body(xk, xv, kmean, center, exk, exv, evk, evv, a, s_at, e_new, sinks, e_old, keep_old, keep_new, pos,
+                     n_pos, pos_sinks, pos_base, u0, m0, o0, u1, m1, o1, u2, m2, o2, cnt, cr, cw):
     """1-D grid over the ``2·rows·width`` columns (k, then v) and the ``n_pos`` positions
     (grid-stride): one thread stores one column's tokens and writes the position of its index;
     the first ``ceil(size / 256)`` threads fold each recorded array's range
@@ -169,14 +196,10 @@ def _slide_cuda_body(xk, xv, exk, exv, evk, evv, a, s_at, e_new, sinks, e_old, k
         j = i // width
         r = j % rows
         x, ex, ev = (xk, exk, evk) if j < rows else (xv, exv, evv)
-        SLIDE_COLUMNS(x, ex, ev, r, i - j * width, a, s_at, e_new, sinks, e_old, keep_old, keep_new)
-    for i in range(start, n_pos, nt):
-        pos[i] = int32(i if i < pos_sinks else pos_base + (i - pos_sinks))
-    fold_absbits_dev(u0, m0, o0, start, nt)
-    fold_absbits_dev(u1, m1, o1, start, nt)
-    fold_absbits_dev(u2, m2, o2, start, nt)
-    if cw >= 0 and start == 0:
-        cnt[cw] = cnt[cr] if cr >= 0 else int32(0)
+        w = i - j * width
+        m = kmean[r, 0, w] if center != 0 and j < rows else float32(0.0)
+        SLIDE_COLUMNS(x, ex, ev, r, w, m, a, s_at, e_new, sinks, e_old, keep_old, keep_new)
+    store_tail_dev(pos, n_pos, pos_sinks, pos_base, u0, m0, o0, u1, m1, o1, u2, m2, o2, cnt, cr, cw, start, nt)
 
 
 def _slide_variant(op: str, to_ex: Callable, from_ex: Callable, ex_type: str) -> Any:
@@ -190,13 +213,16 @@ def _slide_variant(op: str, to_ex: Callable, from_ex: Callable, ex_type: str) ->
     cpu = cpu_kernel(specialize(_slide_cpu_body, "", name=f"_{op}_cpu", SLIDE_COLUMNS=cores["_cpu"]))
     gpu = cuda_kernel(specialize(_slide_cuda_body, "", name=f"_{op}_cuda", SLIDE_COLUMNS=cores["_dev"]))
     f3, e3 = "float32[:, :, ::1]", f"{ex_type}[:, :, ::1]"
-    return register(op, cpu, gpu, [f"void({f3}, {f3}, {e3}, {e3}, {f3}, {f3}, int64, int64, int64, int64, int64, "
+    return register(op, cpu, gpu, [f"void({f3}, {f3}, {f3}, int64, {e3}, {e3}, {f3}, {f3}, int64, int64, int64, int64, "
+                                   "int64, "
                                    f"int64, int64, int32[::1], int64, int64, int64, {FOLD_SIG}, int32[::1], int64, "
                                    "int64)"])
 
 
 #: the count array of a store without a count copy (``cw = -1``: never touched)
 _NO_COUNT = np.zeros(1, np.int32)
+#: the key mean of a store without key centering (``center = 0``: never read)
+_NO_MEAN = np.zeros((1, 1, 1), np.float32)
 
 
 _SLIDE = {np.dtype(np.float32): _slide_variant("slide_windows", _as_is, _as_is, "float32"),
@@ -205,8 +231,10 @@ _SLIDE = {np.dtype(np.float32): _slide_variant("slide_windows", _as_is, _as_is, 
 
 def slide_windows(xk: Any, xv: Any, exk: Any, exv: Any, evk: Any, evv: Any, a: int, s_at: int, e_new: int,
                   sinks: int, e_old: int, keep_old: int, keep_new: int, pos: Any, pos_sinks: int, pos_base: int,
-                  pos_win: int, ranges: tuple | None = None, count: tuple[Any, int, int] | None = None) -> None:
-    """The store of new tokens into the exact-token buffers of both sides, and the exact
+                  pos_win: int, ranges: tuple | None = None, count: tuple[Any, int, int] | None = None,
+                  kmean: Any = None) -> None:
+    """The store of new tokens into the exact-token buffers of both sides (keys centered on
+    ``kmean`` first, when given), and the exact
     tokens' positions (one launch; with the deferred range records of the call's inputs
     folded in when ``ranges`` is given).
 
@@ -245,6 +273,10 @@ def slide_windows(xk: Any, xv: Any, exk: Any, exv: Any, evk: Any, evv: Any, a: i
         new count to ``cnt[read]`` (no value both read and written in one launch), and the
         window's first position is ``pos_base + cnt[read]`` (``pos_base`` then relative to the
         count: the same every steady step; issue 27).  Default: none.
+    kmean : float32 array ``[rows, 1, width]``, optional
+        The frozen per-channel key mean (key centering, in float32 as NumPy's ``xk − kmean``):
+        the keys are stored and evicted as ``xk − kmean``, so that a step on a device does no
+        array arithmetic of its own between launches (issue 27).  Default: none.
 
     Each thread loops over its column's tokens: for a decode step (a few tokens), not for a
     prefill of thousands.
@@ -261,12 +293,37 @@ def slide_windows(xk: Any, xv: Any, exk: Any, exv: Any, evk: Any, evv: Any, a: i
             raise ValueError(f"{name}: expected {want} ({rows}, {length}, {width}), got {arr.dtype} "
                              f"{tuple(arr.shape)}")
     counts = (a, s_at, e_new, sinks, e_old, keep_old, keep_new)
+    check_store_plan("a, e_new, e_old, keep_old, keep_new", counts, n, n_ev, cap)
+    mean, tail = store_launch_args(xk, rows, width, kmean, pos, (pos_sinks, pos_base, pos_win), ranges, count)
+    work = 2 * rows * width * (a + e_new + keep_new + e_old + keep_old) + tail[1]
+    _SLIDE[ex_dt].launch(dev, max(2 * rows * width, tail[1], 1), xk, xv, *mean, exk, exv, evk, evv,
+                         *(int(c) for c in counts), *tail, work=work)
+
+
+def check_store_plan(name: str, counts: tuple[int, ...], n: int, n_ev: int, cap: int) -> None:
+    """``ValueError`` naming ``name`` unless the token ranges ``counts = (a, s_at, e_new, sinks,
+    e_old, keep_old, keep_new)`` of a window store fit ``n`` new tokens, an eviction buffer of
+    ``n_ev`` and windows of ``cap`` tokens (:func:`slide_windows`)."""
+    a, s_at, e_new, sinks, e_old, keep_old, keep_new = counts
     if min(counts) < 0 or a + e_new + keep_new > n or e_old + e_new > n_ev \
             or (a and s_at + a > sinks) or sinks + max(e_old + keep_old, keep_old + keep_new) > cap:
-        raise ValueError(f"a, e_new, e_old, keep_old, keep_new: token ranges out of bounds ({counts}, x {n}, "
-                         f"ex {cap}, ev {n_ev})")
-    n_pos = int(pos_sinks) + int(pos_win)
-    if min(pos_sinks, pos_base, pos_win) < 0 or np.dtype(pos.dtype) != np.int32 or int(pos.shape[0]) < n_pos:
+        raise ValueError(f"{name}: token ranges out of bounds ({counts}, x {n}, ex {cap}, ev {n_ev})")
+
+
+def store_launch_args(xk: Any, rows: int, width: int, kmean: Any, pos: Any, pos_counts: tuple[int, int, int],
+                      ranges: tuple | None, count: tuple | None) -> tuple[tuple, tuple]:
+    """The checked arguments a window store's launch shares with :func:`slide_windows`:
+    ``(kmean, center)`` (a placeholder and 0 without key centering) and ``(pos, n_pos,
+    pos_sinks, pos_base, *ranges, cnt, read, write)`` (nothing folded and no count copy by
+    default), on the device of ``xk``; ``ValueError`` naming the bad argument."""
+    if kmean is not None and (np.dtype(kmean.dtype) != np.float32
+                              or tuple(int(s) for s in kmean.shape) != (rows, 1, width)):
+        raise ValueError(f"kmean: expected float32 ({rows}, 1, {width}), got {kmean.dtype} {tuple(kmean.shape)}")
+    pos_sinks, pos_base, pos_win = (int(c) for c in pos_counts)
+    n_pos = pos_sinks + pos_win
+    if min(pos_sinks, pos_base, pos_win) < 0:
+        raise ValueError(f"pos_counts: expected three counts >= 0, got {tuple(pos_counts)}")
+    if np.dtype(pos.dtype) != np.int32 or int(pos.shape[0]) < n_pos:
         raise ValueError(f"pos: expected int32 of length >= {n_pos}, got {pos.dtype} {tuple(pos.shape)}")
     if ranges is None:
         ranges = no_fold(xk)
@@ -276,7 +333,5 @@ def slide_windows(xk: Any, xv: Any, exk: Any, exv: Any, evk: Any, evv: Any, a: i
         count = (_backend.constant(xk, _NO_COUNT), -1, -1)
     elif int(count[1]) == int(count[2]) or min(int(count[1]), int(count[2])) < 0:
         raise ValueError(f"count: expected two different slots, got {count[1]} and {count[2]}")
-    work = 2 * rows * width * (a + e_new + keep_new + e_old + keep_old) + n_pos
-    _SLIDE[ex_dt].launch(dev, max(2 * rows * width, n_pos, 1), xk, xv, exk, exv, evk, evv, int(a), int(s_at),
-                         int(e_new), int(sinks), int(e_old), int(keep_old), int(keep_new), pos, n_pos, int(pos_sinks),
-                         int(pos_base), *ranges, count[0], int(count[1]), int(count[2]), work=work)
+    mean = (kmean, 1) if kmean is not None else (_backend.constant(xk, _NO_MEAN), 0)
+    return mean, (pos, n_pos, pos_sinks, pos_base, *ranges, count[0], int(count[1]), int(count[2]))

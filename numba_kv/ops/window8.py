@@ -1,5 +1,6 @@
-"""One-call store into an int8 exact window on the CPU (the window of
-:class:`~numba_kv.caches._window.ExactWindow`).
+"""One-call store into an int8 exact window (the window of
+:class:`~numba_kv.caches._window.ExactWindow`): serial calls on the CPU, and
+:func:`slide_windows8`, one launch for both sides on any device (a twin).
 
 A decode step of a cache with an int8 window (the ``kv4``/``kv5`` presets) stores one token
 per KV row and evicts the oldest window token into the compressed store.  Done op by op that
@@ -12,8 +13,9 @@ tokens and the new window tokens.
 It runs the very cores of the op-by-op path (:mod:`numba_kv.ops.absmax8`'s vector codec,
 the head rotation of :mod:`numba_kv.ops.headquant`, the 32-block rotation of
 :mod:`numba_kv.ops.hadamard`) on the same float32 values in the same order, so the stored
-codes, scales and evicted vectors are bit-identical to it.  CPU only (NumPy arrays): CUDA
-arrays keep the op-by-op path.
+codes, scales and evicted vectors are bit-identical to it.  :func:`window8_store` and
+:func:`window8_head_step` are CPU only (NumPy arrays); a device decode step stores through
+:func:`slide_windows8` (the section below), whose CPU twin runs the same serial cores.
 """
 
 from __future__ import annotations
@@ -21,15 +23,25 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from numba import cuda, float32, int8, int64, uint16
 
-from .._jit import cpu_serial
+from .. import _backend, _config
+from .._config import MAX_CUDA_THREADS, MAX_HEAD_DIM
+from .._jit import cpu_kernel, cpu_serial, cuda_device, cuda_kernel
 from ._borrow import borrowed, keep_alive
-from ._headquant_lanes import rotate_head_row_cpu
-from .absmax8 import dequantize_vector_cpu, quantize_vector_cpu
+from ._coop import coop_butterflies_within
+from ._exact import mul_rn_dev
+from ._headquant_lanes import head_scale_dev, rotate_head_row_cpu
+from ._registry import register
+from .absmax8 import ONE_F16, dequantize_vector_cpu, quantize_vector_cpu, rint_dev
+from .finite import FOLD_SIG
 from .hadamard import load_rotate_store_cpu
+from .half import f16_bits_to_f32_dev, f32_to_f16_bits_sat_dev
 from .headquant import QUANTIZE_HEAD
+from .memory import check_store_plan, store_launch_args, store_tail_cpu, store_tail_dev
 
-__all__ = ["ROT_BLOCK", "ROT_HEAD", "ROT_NONE", "window8_head_args", "window8_head_step", "window8_store"]
+__all__ = ["ROT_BLOCK", "ROT_HEAD", "ROT_NONE", "slide_windows8", "window8_head_args", "window8_head_step",
+           "window8_store"]
 
 #: rotation of the stored int8 vectors: none, whole head, per 32-block
 ROT_NONE, ROT_HEAD, ROT_BLOCK = 0, 1, 2
@@ -251,3 +263,253 @@ def window8_head_step(k4: np.ndarray, v4: np.ndarray, kmean: np.ndarray | None, 
     center = kmean is not None
     _window8_head_step_cpu(k4, v4, kmean if center else _NO_MEAN, center, a, e_old, e_new, keep_old, keep_new, sinks,
                            seq_len, t0, pos_counts[0], pos_counts[1], pos_counts[2], *static)
+
+
+# --- the store of a decode step into int8 windows in one launch, on any device ----------------
+# A device decode step of an int8-window cache (``kv4``/``kv5``) stored op by op is an int8
+# read, an inverse rotation, a forward rotation and an int8 write per side, the slide of the
+# surviving tokens through a temporary, a launch for the positions, and the key centering in
+# CuPy: eight launches or more, an allocation per temporary, and CuPy work between launches,
+# which keeps the step from being replayed as a CUDA graph (issue 27).  Here both sides, the
+# key centering, the positions, the deferred range records and the step state's count copy
+# are one launch.  One thread block stores one (side, row): the vector being rotated lives
+# once in shared memory, the block's threads share each element-wise step and every
+# butterfly stage (ops._coop), and a tree reduction gives the absmax.  Every value goes
+# through the float32 operations of the CPU cores above in their order (a maximum is exact in
+# any order), so codes, scales and evicted vectors are bit-identical to the CPU twin, which
+# runs those cores.  Threads own the channels ``tid, tid + nt, …`` in every step, so the slide
+# of a column and the new tokens written after it are ordered within one thread.
+
+
+@cpu_kernel
+def _slide8_cpu(xk, xv, kmean, center, exk, exv, exks, exvs, evk, evv, a, s_at, e_new, sinks, e_old, keep_old,
+                keep_new, rot, signs, pos, n_pos, pos_sinks, pos_base, u0, m0, o0, u1, m1, o1, u2, m2, o2, cnt, cr,
+                cw):
+    """CPU twin of :func:`_slide8_cuda`: the serial window store of each side (its cores),
+    then the positions, the folded range records and the count copy."""
+    rows, n, d = xk.shape
+    pos_base = pos_base + (int64(cnt[cr]) if cr >= 0 else int64(0))
+    kx = xk
+    if center:  # x − m in float32, as NumPy's broadcast subtraction of the key mean
+        kx = np.empty((rows, n, d), dtype=np.float32)
+        for r in range(rows):
+            for t in range(n):
+                for j in range(d):
+                    kx[r, t, j] = xk[r, t, j] - kmean[r, 0, j]
+    _window8_store_cpu(kx, exk, exks, evk, a, e_old, e_new, keep_old, keep_new, sinks, s_at, rot, signs)
+    _window8_store_cpu(xv, exv, exvs, evv, a, e_old, e_new, keep_old, keep_new, sinks, s_at, rot, signs)
+    store_tail_cpu(pos, n_pos, pos_sinks, pos_base, u0, m0, o0, u1, m1, o1, u2, m2, o2, cnt, cr, cw)
+
+
+@cuda_device
+def _put8_dev(x, ti, r, kmean, cen, rot, signs, t, red, ex, exs, dst):
+    """Block-cooperative: token ``x[r, ti]`` (minus ``kmean[r, 0]`` when ``cen``) rotated by
+    ``rot`` into ``ex[r, dst]`` as int8 with its binary16 scale in ``exs[r, dst, 0]``, as
+    :func:`~numba_kv.ops.absmax8.quantize_vector_cpu` stores the rotation of
+    :func:`_rotate_rows`; ``t`` (float32[d]) and ``red`` (float32[blockDim], a power of
+    two) are the block's shared scratch.  Every thread of the block calls it."""
+    d = ex.shape[2]
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    for w in range(tid, d, nt):
+        v = x[r, ti, w]
+        if cen:
+            v = v - kmean[r, 0, w]
+        if rot == ROT_HEAD:
+            v = v * signs[w]
+        t[w] = v
+    if rot == ROT_HEAD:  # H_d D_s x / sqrt(d) (rotate_head_forward)
+        coop_butterflies_within(t, d, d, tid, nt)
+        sc = head_scale_dev(d)
+        for w in range(tid, d, nt):
+            t[w] = t[w] * sc
+    elif rot == ROT_BLOCK:  # D_s H x per 32-block (rotate32_forward)
+        coop_butterflies_within(t, d, 32, tid, nt)
+        for w in range(tid, d, nt):
+            t[w] = mul_rn_dev(t[w] * float32(0.17677669529663687), signs[w & 31])
+    m = float32(0.0)
+    for w in range(tid, d, nt):  # (this thread's own values: written by it above)
+        m = max(m, abs(t[w]))
+    red[tid] = m
+    h = nt >> 1
+    while h > 0:  # a tree of maxima: exact in any order
+        cuda.syncthreads()
+        if tid < h:
+            red[tid] = max(red[tid], red[tid + h])
+        h = h >> 1
+    cuda.syncthreads()
+    q = f32_to_f16_bits_sat_dev(red[0] / float32(127.0))
+    q = uint16(ONE_F16) if q == 0 else q
+    s = f16_bits_to_f32_dev(q)
+    for w in range(tid, d, nt):
+        v = rint_dev(t[w] / s)
+        ex[r, dst, w] = int8(min(max(v, float32(-127.0)), float32(127.0)))
+    if tid == 0:
+        exs[r, dst, 0] = q
+    cuda.syncthreads()  # red is read by every thread before the next token writes it
+
+
+@cuda_device
+def _get8_dev(ex, exs, r, src, rot, signs, t, ev, ei):
+    """Block-cooperative: ``ev[r, ei]`` ← token ``ex[r, src]`` read back and rotated back, as
+    :func:`~numba_kv.ops.absmax8.dequantize_vector_cpu` and the inverse of
+    :func:`_rotate_rows`; ``t`` is the block's shared float32[d].  Every thread calls it."""
+    d = ex.shape[2]
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    s = f16_bits_to_f32_dev(exs[r, src, 0])
+    if rot == ROT_HEAD:  # D_s H_d y / sqrt(d) (rotate_head_inverse)
+        for w in range(tid, d, nt):
+            t[w] = float32(ex[r, src, w]) * s
+        coop_butterflies_within(t, d, d, tid, nt)
+        sc = head_scale_dev(d)
+        for w in range(tid, d, nt):
+            ev[r, ei, w] = t[w] * (sc * signs[w])
+    elif rot == ROT_BLOCK:  # H D_s y per 32-block (rotate32_inverse)
+        for w in range(tid, d, nt):
+            t[w] = mul_rn_dev(float32(ex[r, src, w]) * s, signs[w & 31])
+        coop_butterflies_within(t, d, 32, tid, nt)
+        for w in range(tid, d, nt):
+            ev[r, ei, w] = t[w] * float32(0.17677669529663687)
+    else:
+        for w in range(tid, d, nt):
+            ev[r, ei, w] = float32(ex[r, src, w]) * s
+    cuda.syncthreads()  # t is free again
+
+
+@cuda_kernel
+def _slide8_cuda(xk, xv, kmean, center, exk, exv, exks, exvs, evk, evv, a, s_at, e_new, sinks, e_old, keep_old,
+                 keep_new, rot, signs, pos, n_pos, pos_sinks, pos_base, u0, m0, o0, u1, m1, o1, u2, m2, o2, cnt, cr,
+                 cw):
+    """Launch contract: ``(blocks, threads)``, ``threads`` a power of two ≤ 256; block ``b``
+    stores (side, row) ``b, b + blocks, …`` of the ``2·rows`` (k rows, then v rows) in the
+    order of :func:`_window8_store_cpu`; then every thread (global index, grid-stride) writes
+    its positions, folds its share of the range records
+    (:func:`~numba_kv.ops.finite.fold_absbits_dev`), and thread 0 copies ``cnt[cr]`` into
+    ``cnt[cw]`` (``cw >= 0``).  The window's first position is ``pos_base + cnt[cr]``
+    (``cr >= 0``)."""
+    t = cuda.shared.array(MAX_HEAD_DIM, dtype=float32)
+    red = cuda.shared.array(MAX_CUDA_THREADS, dtype=float32)
+    rows, d = exk.shape[0], exk.shape[2]
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    pos_base = pos_base + (int64(cnt[cr]) if cr >= 0 else int64(0))
+    for j in range(cuda.blockIdx.x, 2 * rows, cuda.gridDim.x):
+        r = j % rows
+        x, ex, exs, ev = (xk, exk, exks, evk) if j < rows else (xv, exv, exvs, evv)
+        cen = center != 0 and j < rows
+        for i in range(a):  # new sinks
+            _put8_dev(x, i, r, kmean, cen, rot, signs, t, red, ex, exs, s_at + i)
+        for i in range(e_old):  # window tokens leaving the window, read back
+            _get8_dev(ex, exs, r, sinks + i, rot, signs, t, ev, i)
+        for i in range(e_new):  # new tokens that skip the window follow them
+            for w in range(tid, d, nt):
+                v = x[r, a + i, w]
+                ev[r, e_old + i, w] = v - kmean[r, 0, w] if cen else v
+        if e_old:  # the survivors slide to the front (ascending per column: the target is lower)
+            for w in range(tid, d, nt):
+                for i in range(keep_old):
+                    ex[r, sinks + i, w] = ex[r, sinks + e_old + i, w]
+            if tid == 0:
+                for i in range(keep_old):
+                    exs[r, sinks + i, 0] = exs[r, sinks + e_old + i, 0]
+        cuda.syncthreads()
+        for i in range(keep_new):  # the rest of the new tokens enter the window after them
+            _put8_dev(x, a + e_new + i, r, kmean, cen, rot, signs, t, red, ex, exs, sinks + keep_old + i)
+    store_tail_dev(pos, n_pos, pos_sinks, pos_base, u0, m0, o0, u1, m1, o1, u2, m2, o2, cnt, cr, cw,
+                   cuda.blockIdx.x * nt + tid, cuda.gridDim.x * nt)
+
+
+_F3, _I3, _U3 = "float32[:, :, ::1]", "int8[:, :, ::1]", "uint16[:, :, ::1]"
+_SLIDE8 = register("slide_windows8", _slide8_cpu, _slide8_cuda,
+                   [f"void({_F3}, {_F3}, {_F3}, int64, {_I3}, {_I3}, {_U3}, {_U3}, {_F3}, {_F3}, int64, int64, int64, "
+                    f"int64, int64, int64, int64, int64, float32[::1], int32[::1], int64, int64, int64, {FOLD_SIG}, "
+                    "int32[::1], int64, int64)"])
+
+
+#: at most this many threads per block under the simulator, which runs a block's threads as
+#: Python threads and makes every barrier wait for all of them (a decode step's store waits at
+#: ~40 barriers): 8 threads still share every step and every butterfly stage
+SIM_MAX_THREADS = 8
+
+
+def _block_threads(d: int) -> int:
+    """Threads of a block of :func:`_slide8_cuda`: the largest power of two ≤ ``d`` and the
+    ``cuda_threads`` knob (under the simulator ``cuda_threads_sim`` and :data:`SIM_MAX_THREADS`)."""
+    if _backend.simulator_enabled():
+        cap = min(int(d), int(_config.get("cuda_threads_sim")), SIM_MAX_THREADS)
+    else:
+        cap = min(int(d), int(_config.get("cuda_threads")))
+    return 1 << (max(cap, 1).bit_length() - 1)
+
+
+def slide_windows8(xk: Any, xv: Any, kmean: Any, exk: Any, exks: Any, exv: Any, exvs: Any, evk: Any, evv: Any,
+                   plan: Any, s_at: int, sinks: int, rot: int, signs: Any, pos: Any, pos_counts: tuple[int, int, int],
+                   ranges: tuple | None = None, count: tuple[Any, int, int] | None = None) -> None:
+    """The store of new tokens into the int8 windows of both sides (keys centered on
+    ``kmean`` first, when given), the exact tokens' positions after it, and optionally the
+    call's deferred range records and the layer's count copy: one launch on a device, one
+    call on the CPU.  The int8 counterpart of :func:`~numba_kv.ops.memory.slide_windows`,
+    for a decode step's few tokens (each block loops over its side's tokens).
+
+    Per side and row, in this order (as :func:`window8_store`): the ``plan.sinks`` first new
+    tokens into tokens ``s_at …`` (rotated, int8 with a binary16 absmax scale); the
+    ``plan.evict_old`` window tokens from ``sinks`` read back and rotated back into
+    ``ev[:, :evict_old]``, the ``plan.evict_new`` new tokens that skip the window after them
+    (unrotated: the stored domain, for the caller to compress); the ``plan.keep_old``
+    survivors slide to the window's front (codes and scales); the ``plan.keep_new`` last new
+    tokens enter the window after them.
+
+    Parameters
+    ----------
+    xk, xv : float32 arrays, shape ``(rows, n, d)``, C-contiguous
+        The new tokens (finite: the caller validated them); keys before centering.
+    kmean : float32 array, shape ``(rows, 1, d)``, or None
+        The frozen per-channel key mean (key centering: the keys stored are ``xk − kmean``),
+        or none.
+    exk, exv : int8 arrays, shape ``(rows, capacity, d)``, C-contiguous
+    exks, exvs : uint16 arrays, shape ``(rows, capacity, 1)``
+        The windows' codes and binary16 scales (sinks first, the window from ``sinks``).
+    evk, evv : float32 arrays, shape ``(rows, >= evict_old + evict_new, d)``, C-contiguous
+        The eviction buffers (their first ``evict_old + evict_new`` tokens are written).
+    plan : StorePlan
+        ``(sinks, evict_old, evict_new, keep_old, keep_new)`` of
+        :func:`~numba_kv.caches._window.plan_store`.
+    s_at, sinks : int
+        Where the new sinks go, and where the window starts.
+    rot : {ROT_NONE, ROT_HEAD, ROT_BLOCK}
+        Rotation of the stored vectors (``ROT_HEAD``: ``d`` a power of two ≤ 512;
+        ``ROT_BLOCK``: ``d`` a multiple of 32).
+    signs : float32 array
+        ``head_signs(d)`` (``ROT_HEAD``) or ``SIGNS32`` (otherwise), on the arrays' device.
+    pos : int32 array, shape ``(>= n_sink + n_win,)``
+    pos_counts : (n_sink, base, n_win)
+        ``pos[:n_sink + n_win]`` ← ``0, …, n_sink − 1, b, …, b + n_win − 1`` with ``b = base``
+        (plus ``cnt[read]`` with ``count``).
+    ranges : tuple, optional
+        ``(bits, mask, accumulator) × 3`` folded into the launch, as for
+        :func:`~numba_kv.ops.memory.slide_windows`.
+    count : tuple ``(cnt, read, write)``, optional
+        ``cnt[write] = cnt[read]`` by one thread, as for :func:`~numba_kv.ops.memory.slide_windows`.
+    """
+    dev = _backend.resolve_device("auto", xk=xk, xv=xv, exk=exk, exv=exv, evk=evk, evv=evv, pos=pos)
+    rows, cap, d = (int(s) for s in exk.shape)
+    n, n_ev = int(xk.shape[1]), int(evk.shape[1])
+    a, e_old, e_new, keep_old, keep_new = (int(c) for c in plan)
+    want = {"xk": (xk, np.float32, n, d), "xv": (xv, np.float32, n, d), "exv": (exv, np.int8, cap, d),
+            "exk": (exk, np.int8, cap, d), "exks": (exks, np.uint16, cap, 1), "exvs": (exvs, np.uint16, cap, 1),
+            "evk": (evk, np.float32, n_ev, d), "evv": (evv, np.float32, n_ev, d)}
+    for name, (arr, dt, length, width) in want.items():
+        if np.dtype(arr.dtype) != dt or tuple(int(s) for s in arr.shape) != (rows, length, width):
+            raise ValueError(f"{name}: expected {np.dtype(dt)} ({rows}, {length}, {width}), got {arr.dtype} "
+                             f"{tuple(arr.shape)}")
+    counts = (a, int(s_at), e_new, int(sinks), e_old, keep_old, keep_new)
+    check_store_plan("plan", counts, n, n_ev, cap)
+    if rot not in (ROT_NONE, ROT_HEAD, ROT_BLOCK) or (rot == ROT_HEAD and (d & (d - 1) or d > 512)) \
+            or (rot != ROT_HEAD and d % 32):
+        raise ValueError(f"rot: expected ROT_NONE, ROT_HEAD (d a power of two <= 512) or ROT_BLOCK (d a multiple "
+                         f"of 32), got {rot} with d = {d}")
+    mean, tail = store_launch_args(xk, rows, d, kmean, pos, pos_counts, ranges, count)
+    work = 2 * rows * d * 16 * (a + e_new + keep_new + e_old + keep_old + 1) + tail[1]
+    _SLIDE8.launch(dev, 0, xk, xv, *mean, exk, exv, exks, exvs, evk, evv, *counts, int(rot), signs, *tail, work=work,
+                   grid=(max(1, min(2 * rows, 1 << 16)), _block_threads(d)))

@@ -42,7 +42,7 @@ from numba_kv.ops import TWINS
 SHARED_MEMORY_KERNELS = ("decode_attention", "decode_attention_warp", "decode_attention_mma", "paged_decode_attention",
                          "paged_decode_attention_warp", "paged_decode_attention_mma", "merge_partitions", "rotate_head",
                          "quantize_head", "quantize_head_pair", "dequantize_head", "quantize_headvq",
-                         "dequantize_headvq")
+                         "dequantize_headvq", "slide_windows8")
 #: kernels allowed local memory (spills, stack, local arrays), with the reason
 LOCAL_EXCEPTIONS: dict[str, str] = {}
 #: kernels launched with a block size of their own instead of the ``cuda_threads`` knob (their

@@ -107,3 +107,124 @@ def test_window8_head_step_matches_store_then_quantize(center, n, stored, n_win)
     expect = np.concatenate([np.arange(n_sink2), 50 + np.arange(n_win2)]).astype(np.int32)
     np.testing.assert_array_equal(pos[:n_sink2 + n_win2], expect)
     assert (pos[n_sink2 + n_win2:] == -1).all()
+
+
+def window8_state(rng, rows: int, cap: int, d: int):
+    """Random int8 windows ``(codes, binary16 scales)`` of both sides (scales of finite,
+    positive binary16 steps between 2**-9 and 2**-5)."""
+    codes = [rng.integers(-127, 128, (rows, cap, d)).astype(np.int8) for _ in range(2)]
+    steps = rng.uniform(2.0 ** -9, 2.0 ** -5, (2, rows, cap, 1)).astype(np.float16).view(np.uint16)
+    return codes[0], steps[0].copy(), codes[1], steps[1].copy()
+
+
+#: (n new tokens, StorePlan fields, s_at, sinks, positions): a decode step's flush, new sinks
+#: into a window that is not full, new tokens that skip the window
+SLIDE8_CASES = ((1, (0, 1, 0, 8, 1), 0, 3, (3, 40, 9)), (3, (2, 0, 0, 0, 1), 1, 3, (3, 3, 1)),
+                (4, (0, 2, 2, 1, 2), 0, 2, (2, 9, 3)))
+
+
+def slide8_oracle(x, kmean, codes, steps, plan, s_at, sinks, rot, d):
+    """NumPy float64 reference of one side of ``slide_windows8`` (independent of the package's
+    cores): the expected evicted tokens, the expected codes/scales of the moved tokens, and
+    the float64 rotations of the tokens the call quantizes (with their destinations)."""
+    from numba_kv.ops.headquant import head_signs
+    from numba_kv.reference.polarquant import hadamard, rotate_forward, rotate_inverse
+
+    a, e_old, e_new, keep_old, keep_new = plan
+    xs = x.astype(np.float64) - (0.0 if kmean is None else kmean.astype(np.float64))
+    signs = head_signs(d).astype(np.float64)
+
+    def fwd(v):
+        return {0: lambda u: u, 1: lambda u: (u * signs) @ hadamard(d).T, 2: rotate_forward}[rot](v)
+
+    def inv(v):
+        return {0: lambda u: u, 1: lambda u: (u @ hadamard(d)) * signs, 2: rotate_inverse}[rot](v)
+
+    old = codes.astype(np.float64) * steps.view(np.float16).astype(np.float64)
+    back = inv(old[:, sinks:sinks + e_old]) if e_old else np.zeros((x.shape[0], 0, d))
+    ev = np.concatenate([back, xs[:, a:a + e_new]], axis=1)
+    moved = (codes[:, sinks + e_old:sinks + e_old + keep_old], steps[:, sinks + e_old:sinks + e_old + keep_old])
+    new = [(fwd(xs[:, i]), s_at + i) for i in range(a)]
+    new += [(fwd(xs[:, a + e_new + i]), sinks + keep_old + i) for i in range(keep_new)]
+    return ev, moved, new
+
+
+@pytest.mark.parametrize("rot", [0, 1, 2])
+@pytest.mark.parametrize("case", range(len(SLIDE8_CASES)))
+def test_slide_windows8_matches_a_numpy_oracle(rot, case):
+    """The CPU twin of the one-launch int8 store: evicted tokens read back and rotated back
+    (float64 oracle), survivors moved byte for byte, new tokens stored as absmax int8 of
+    their rotation (``|q·s − y| <= s/2``, ``s`` the binary16 rounding of ``max|y|/127``),
+    keys centered on the mean, positions, the count copy, nothing else touched."""
+    from numba_kv.caches._window import StorePlan
+    from numba_kv.ops.hadamard import SIGNS32
+    from numba_kv.ops.headquant import head_signs
+    from numba_kv.ops.window8 import slide_windows8
+
+    rows, cap, d = 3, 14, 64
+    n, plan, s_at, sinks, (p_sink, p_base, p_win) = SLIDE8_CASES[case]
+    plan = StorePlan(*plan)
+    rng = np.random.default_rng(10 * rot + case)
+    xk, xv = (rng.standard_normal((2, rows, n, d)) * 2).astype(np.float32)
+    xk[0, -1, 7] = 30.0  # an outlier channel: the rotation spreads it
+    kmean = (rng.standard_normal((rows, 1, d)) * 0.5).astype(np.float32) if case != 1 else None
+    exk, exks, exv, exvs = window8_state(rng, rows, cap, d)
+    before = [a.copy() for a in (exk, exks, exv, exvs)]
+    evk, evv = np.full((2, rows, plan.compressed + 1, d), -9.0, np.float32)
+    pos = np.full(p_sink + p_win + 2, -1, np.int32)
+    held = min(p_base, 4)  # the count the launch reads: the window's first position is relative to it
+    cnt = np.array([-5, held, 3], np.int32)
+    slide_windows8(xk, xv, kmean, exk, exks, exv, exvs, evk, evv, plan, s_at, sinks, rot,
+                   head_signs(d) if rot == 1 else SIGNS32, pos, (p_sink, p_base - held, p_win), count=(cnt, 1, 0))
+    assert cnt.tolist() == [held, held, 3]
+    want_pos = np.concatenate([np.arange(p_sink), p_base + np.arange(p_win), [-1, -1]])
+    np.testing.assert_array_equal(pos, want_pos)
+    for x, m, (c0, s0), c, s, ev in ((xk, kmean, before[:2], exk, exks, evk), (xv, None, before[2:], exv, exvs, evv)):
+        want_ev, (mc, ms), new = slide8_oracle(x, m, c0, s0, plan, s_at, sinks, rot, d)
+        np.testing.assert_allclose(ev[:, :plan.compressed], want_ev, rtol=1e-5, atol=1e-5)
+        assert (ev[:, plan.compressed:] == -9.0).all()
+        written = np.zeros(cap, bool)
+        if plan.evict_old:
+            np.testing.assert_array_equal(c[:, sinks:sinks + plan.keep_old], mc)
+            np.testing.assert_array_equal(s[:, sinks:sinks + plan.keep_old], ms)
+            written[sinks:sinks + plan.keep_old] = True
+        for y, t in new:
+            step = np.abs(y).max(axis=-1, keepdims=True) / 127
+            got_s = s[:, t].view(np.float16).astype(np.float64)
+            np.testing.assert_allclose(got_s, step, rtol=2.0 ** -10)  # binary16 rounding of the step
+            assert (np.abs(c[:, t].astype(np.float64) * got_s - y) <= got_s * (0.5 + 1e-3) + 1e-6).all()
+            written[t] = True
+        np.testing.assert_array_equal(c[:, ~written], c0[:, ~written])  # nothing else touched
+        np.testing.assert_array_equal(s[:, ~written], s0[:, ~written])
+
+
+def test_slide_windows8_rejects_bad_arguments():
+    from numba_kv.caches._window import StorePlan
+    from numba_kv.ops.hadamard import SIGNS32
+    from numba_kv.ops.window8 import ROT_HEAD, ROT_NONE, slide_windows8
+
+    rng = np.random.default_rng(0)
+    rows, cap, d = 2, 8, 96
+    x = np.zeros((rows, 1, d), np.float32)
+    exk, exks, exv, exvs = window8_state(rng, rows, cap, d)
+    ev = np.zeros((rows, 1, d), np.float32)
+    pos = np.zeros(8, np.int32)
+    args = (exk, exks, exv, exvs, ev, ev)
+    ok = StorePlan(0, 1, 0, 3, 1)
+    with pytest.raises(ValueError, match="plan: token ranges out of bounds"):
+        slide_windows8(x, x, None, *args, StorePlan(0, 1, 0, 7, 1), 0, 2, ROT_NONE, SIGNS32, pos, (0, 0, 1))
+    with pytest.raises(ValueError, match="rot: expected .* d = 96"):
+        slide_windows8(x, x, None, *args, ok, 0, 2, ROT_HEAD, SIGNS32, pos, (0, 0, 1))
+    with pytest.raises(ValueError, match="exks: expected uint16"):
+        slide_windows8(x, x, None, exk, exks.view(np.int16), exv, exvs, ev, ev, ok, 0, 2, ROT_NONE, SIGNS32, pos,
+                       (0, 0, 1))
+    with pytest.raises(ValueError, match=r"kmean: expected float32 \(2, 1, 96\)"):
+        slide_windows8(x, x, np.zeros((rows, 1, 64), np.float32), *args, ok, 0, 2, ROT_NONE, SIGNS32, pos, (0, 0, 1))
+    with pytest.raises(ValueError, match="count: expected two different slots"):
+        slide_windows8(x, x, None, *args, ok, 0, 2, ROT_NONE, SIGNS32, pos, (0, 0, 1),
+                       count=(np.zeros(2, np.int32), 1, 1))
+    with pytest.raises(ValueError, match="pos: expected int32 of length >= 9"):
+        slide_windows8(x, x, None, *args, ok, 0, 2, ROT_NONE, SIGNS32, pos, (4, 0, 5))
+    with pytest.raises(ValueError, match=r"pos_counts: expected three counts >= 0, got \(0, -1, 1\)"):
+        slide_windows8(x, x, None, *args, ok, 0, 2, ROT_NONE, SIGNS32, pos, (0, -1, 1))
+    np.testing.assert_array_equal(exk, window8_state(np.random.default_rng(0), rows, cap, d)[0])  # untouched
