@@ -68,19 +68,24 @@ class FusedDecodeMixin:
 
     def _store_window_pair(self, st: LayerState, k: Any, v: Any, plan: Any, sinks: int, n_sink: int,
                            n_comp: int) -> bool:
-        """The store of a small step on a device (a decode step) into float32 or float16 windows: both
-        sides' window stores and the exact tokens' positions in one launch
-        (:meth:`ExactWindow.store_pair`), then the evicted tokens' quantization.  Returns
+        """The store of a small step on a device (a decode step) into float32, float16 or int8
+        windows: both sides' window stores (keys centered there on a frozen mean) and the
+        exact tokens' positions in one launch (:meth:`ExactWindow.store_pair`), then the
+        evicted tokens' quantization.  Returns
         whether it stored (else the caller stores op by op, with the same bytes)."""
         if isinstance(k, np.ndarray) or not self._window.pair_applies(st, int(k.shape[2])):
             return False
+        # a frozen key mean is subtracted in the store's launch: no array arithmetic between
+        # the step's launches (a CUDA graph replays launches only, issue 27)
+        kmean = st.buffers["k_chmean"] if self.key_center and not self.outlier_channels \
+            and st.meta.get("kmean_set", 0) else None
         x3 = []
         for name, arr in (("k", k), ("v", v)):
             x = _backend.ascontiguous_f32(name, arr)
             # the same view object for the same input array (a repeated launch, issue 27)
-            x3.append(self._transform_in(st, name, _backend.same_view(
-                st.scratch.setdefault("views", {}), name, x,
-                lambda a: a.reshape(a.shape[0] * a.shape[1], a.shape[2], a.shape[3]))))
+            x = _backend.same_view(st.scratch.setdefault("views", {}), name, x,
+                                   lambda a: a.reshape(a.shape[0] * a.shape[1], a.shape[2], a.shape[3]))
+            x3.append(x if kmean is not None else self._transform_in(st, name, x))
         pos_counts = (n_sink + plan.sinks, sinks + n_comp + plan.compressed, plan.keep_old + plan.keep_new)
         # the layer's device step state (_device_count), current before the store reads it
         counted = self._device_count(st, x3[0], n_comp)
@@ -88,7 +93,7 @@ class FusedDecodeMixin:
         pending, st.range_pending = st.range_pending, None
         with self._deferred_record().folded(pending) if pending else contextlib.nullcontext() as ranges:
             ev = self._window.store_pair(st, x3[0], x3[1], plan, sinks, pos_counts, ranges,
-                                         count=None if counted is None else (counted[0], 1, 0, n_comp))
+                                         count=None if counted is None else (counted[0], 1, 0, n_comp), kmean=kmean)
         if ev is None:
             return False
         if plan.compressed:

@@ -41,7 +41,7 @@ from ..ops.hadamard import SIGNS32, rotate32_rows
 from ..ops.headquant import HEAD_DIMS, head_signs, rotate_head_rows
 from ..ops.memory import copy_tokens, slide_windows
 from ..ops.positions import exact_positions_into
-from ..ops.window8 import ROT_BLOCK, ROT_HEAD, ROT_NONE, window8_store
+from ..ops.window8 import ROT_BLOCK, ROT_HEAD, ROT_NONE, slide_windows8, window8_store
 from ._layer import BufferSpec, LayerState, grown_capacity, moved_buffer, shift_front
 from .state import CacheFileError
 
@@ -215,8 +215,9 @@ def evict_counts(n_comp: int, e: int) -> tuple[int, int]:
 #: new tokens of a store that runs as one launch on a device (:func:`~numba_kv.ops.memory.slide_windows`,
 #: one thread per channel loops over the tokens): a decode step's few, not a prefill
 _SLIDE_MAX_NEW = 16
-#: window dtypes it stores (float16: CuPy's, as rounded by an array assignment)
-_SLIDE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16))
+#: window dtypes it stores (float16: CuPy's, as rounded by an array assignment; int8 with its
+#: rotation and binary16 scales: :func:`~numba_kv.ops.window8.slide_windows8`)
+_SLIDE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(np.int8))
 
 _IOTA = np.arange(0, dtype=np.int32)
 
@@ -349,7 +350,11 @@ class ExactWindow:
         if ex is None:
             assign_tokens(src, s0, n, st.buffers[name + "_exact"], d0)
             return
-        x = src[:, s0:s0 + n]
+        if _backend.xp_of(src) is not None or (s0 == 0 and n == int(src.shape[1])):
+            x = src[:, s0:s0 + n]
+        else:  # a Numba device array's token range, made contiguous by the copy kernel
+            x = _backend.empty(src, (int(src.shape[0]), n, self.head_dim), np.float32)
+            copy_tokens(src, s0, n, x, 0)
         x = self._rotated(x, False) if self.rotation is not None else _backend.ascontiguous_f32("x", x)
         absmax8_quantize_into(x, ex, st.buffers[name + "_exact_scale"], d0)
 
@@ -394,7 +399,7 @@ class ExactWindow:
         ex = st.buffers[name + "_exact"]
         xp = _backend.xp_of(ex)
         if ex.dtype == np.int8:
-            out = xp.empty((ex.shape[0], n_exact, self.head_dim), dtype=np.float32)
+            out = _backend.empty(ex, (int(ex.shape[0]), n_exact, self.head_dim), np.float32)
             self.read(st, name, 0, n_exact, out, 0, rotated)
             return out, n_exact
         if xp is not None and ex.dtype != np.float32:
@@ -472,18 +477,20 @@ class ExactWindow:
         self.write(st, name, x3, a + e_new, keep_new, sinks + keep_old)
 
     def pair_applies(self, st: LayerState, n: int) -> bool:
-        """Whether a store of ``n`` new tokens runs as :meth:`store_pair`: float32 or float16
-        windows on a device and a few tokens."""
+        """Whether a store of ``n`` new tokens runs as :meth:`store_pair`: float32, float16 or
+        int8 windows on a device and a few tokens."""
         exk, exv = st.buffers.get("k_exact"), st.buffers.get("v_exact")
         return (exk is not None and exv is not None and not isinstance(exk, np.ndarray) and n <= _SLIDE_MAX_NEW
                 and exk.dtype in _SLIDE_DTYPES and exv.dtype == exk.dtype)
 
     def store_pair(self, st: LayerState, xk3: Any, xv3: Any, plan: StorePlan, sinks: int,
                    pos_counts: tuple[int, int, int], ranges: tuple | None = None,
-                   count: tuple | None = None) -> tuple[Any, Any] | None:
+                   count: tuple | None = None, kmean: Any = None) -> tuple[Any, Any] | None:
         """:meth:`store` of both sides and the exact tokens' positions in one launch
-        (:func:`~numba_kv.ops.memory.slide_windows`), where it applies (:meth:`pair_applies`:
-        float32 or float16 windows on a device, a store of a few tokens: a decode step).
+        (:func:`~numba_kv.ops.memory.slide_windows`; int8 windows
+        :func:`~numba_kv.ops.window8.slide_windows8`), where it applies (:meth:`pair_applies`:
+        float32, float16 or int8 windows on a device, a store of a few tokens: a decode step).
+        ``kmean``: the keys are stored as ``xk3 − kmean`` (key centering in the launch).
         ``pos_counts``: ``(n_sink, first window position, n_win)`` after the store, written to
         the layer's position buffer (:meth:`position_buffer`; :meth:`positions` then finds them
         current).  ``ranges``: deferred range records folded into the launch (see
@@ -510,8 +517,14 @@ class ExactWindow:
         if count is not None:  # relative to the count the kernel reads (the same every steady step)
             base -= int(count[3])
             count = count[:3]
-        slide_windows(xk3, xv3, exk, exv, evk, evv, plan.sinks, s_at, plan.evict_new, sinks, plan.evict_old,
-                      plan.keep_old, plan.keep_new, pos, n_sink, base, n_win, ranges, count)
+        if exk.dtype == np.int8:
+            bufs = st.buffers
+            slide_windows8(xk3, xv3, kmean, exk, bufs["k_exact_scale"], exv, bufs["v_exact_scale"], evk, evv, plan,
+                           s_at, sinks, self.rot_code, _backend.constant(xk3, self.rot_signs), pos,
+                           (n_sink, base, n_win), ranges, count)
+        else:
+            slide_windows(xk3, xv3, exk, exv, evk, evv, plan.sinks, s_at, plan.evict_new, sinks, plan.evict_old,
+                          plan.keep_old, plan.keep_new, pos, n_sink, base, n_win, ranges, count, kmean)
         st.scratch["exact_pos_of"] = tuple(pos_counts)
         return evk, evv
 

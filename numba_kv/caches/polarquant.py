@@ -36,6 +36,7 @@ from ..ops.codebook import get_codebook
 from ..ops.finite import check_finite_stats
 from ..ops.headquant import head_signs
 from ..ops.headvq import headvq_centroids
+from ..ops.keymean import add_channel_into, channel_mean_into
 from ._fused_step import FusedDecodeMixin
 from ._headnorm import HeadNormMixin
 from ._layer import BufferSpec, LayeredCache, LayerState
@@ -98,7 +99,8 @@ class PolarQuantCache(HeadNormMixin, FusedDecodeMixin, WindowedLayers, LayeredCa
         within 2^-11 relative otherwise, at half the bytes.  ``"int8"``: symmetric absmax
         int8 per vector with one binary16 scale (8 + 16/head_dim bits per value, error
         ≤ half a step of ``max|x|/127`` in the stored domain, see ``window_rotation``),
-        halving the window's bytes again.  Numba device arrays always use float32.
+        halving the window's bytes again.  Numba device arrays store ``"float16"`` as float32
+        (no device-side cast to it); int8 and float32 windows are kept as configured.
     window_rotation : bool
         With ``window_dtype="int8"`` (default ``True``): each window/sink vector is rotated
         by a randomized Hadamard transform before the absmax int8 quantization and rotated
@@ -115,7 +117,9 @@ class PolarQuantCache(HeadNormMixin, FusedDecodeMixin, WindowedLayers, LayeredCa
         history.  Exact for attention: ``q·m`` is the same for every token of a query, and
         softmax ignores it, so fused attention simply drops it.  Large RoPE'd key channels
         are mostly such an offset; removing it stops it from inflating every 32-block's
-        scale.  Costs ``head_dim`` float32 per row and layer.  NumPy/CuPy arrays only.
+        scale.  Costs ``head_dim`` float32 per row and layer.  On every device (on Numba device
+        arrays the mean and the centering are kernels); a decode step on a device subtracts
+        the frozen mean inside its window store's launch.
     decode_output : {"fused", "dequantized"}
         ``decode`` returns :class:`~numba_kv.caches.protocol.Fused` attention computed
         from the packed codes (default) or the full dequantized history.
@@ -263,14 +267,14 @@ class PolarQuantCache(HeadNormMixin, FusedDecodeMixin, WindowedLayers, LayeredCa
                                and not self._vq_cents and cfg.norm_bits == 16)
         self._window = ExactWindow(self.head_dim, cfg.sink_tokens, cfg.residual_length,
                                    cfg.rotation if cfg.window_rotation else None, cfg.residual_fraction)
-        # storage of the window buffers: the configured dtype, float32 while the layer's
-        # arrays are Numba device arrays (set by _append, which sees the arrays)
+        # storage of the window buffers: the configured dtype, float32 for a float16 window while
+        # the layer's arrays are Numba device arrays (set by _append, which sees the arrays)
         self._exact_dtype = self.window_dtype
         self.name = config_name(cfg)
 
     @property
     def window_dtype(self) -> np.dtype:
-        """Configured storage of window/sink tokens (Numba device arrays use float32)."""
+        """Configured storage of window/sink tokens (Numba device arrays store float16 as float32)."""
         return self._window_np_dtype
 
     def _codebook(self, bits: int):
@@ -334,12 +338,18 @@ class PolarQuantCache(HeadNormMixin, FusedDecodeMixin, WindowedLayers, LayeredCa
     def _growing_needed(self, st: LayerState, new_tokens: int) -> int:
         return st.meta.get("n_comp", 0) + new_tokens
 
+    def _window_dtype_for(self, k: Any) -> np.dtype:
+        """The window's dtype for input ``k``: the configured one, except float16 on Numba device
+        arrays (no device-side cast to it there): float32.  An int8 window is written by
+        kernels on every device."""
+        dt = self._window_np_dtype
+        return _F32 if dt == np.float16 and _backend.xp_of(k) is None else dt
+
     def _append(self, st: LayerState, dev: str, k: Any, v: Any) -> int:
-        # Numba device arrays cannot hold float16 windows (no device-side cast)
-        self._exact_dtype = _F32 if _backend.xp_of(k) is None else self._window_np_dtype
-        if _backend.xp_of(k) is None and (self.key_center or self.outlier_channels):
-            raise TypeError("k: key_center and outlier_channels need NumPy or CuPy arrays, "
-                            "got a Numba device array")
+        # (Numba device arrays cannot hold float16 windows: no device-side cast)
+        self._exact_dtype = self._window_dtype_for(k)
+        if _backend.xp_of(k) is None and self.outlier_channels:
+            raise TypeError("k: outlier_channels needs NumPy or CuPy arrays, got a Numba device array")
         return super()._append(st, dev, k, v)
 
     # -- range validation (before anything is stored) ---------------------------------------
@@ -397,8 +407,8 @@ class PolarQuantCache(HeadNormMixin, FusedDecodeMixin, WindowedLayers, LayeredCa
         bounds each 32-block's norm by ``√32·65504`` (max-norm scales of the rotated block)
         or 65504 (L2 norms), so ``‖x‖ ≤ √d·65504 ≤ 1.5e6``, well below ``127·65504``.
         """
-        # the window dtype as _append will choose it (Numba device arrays: float32)
-        self._exact_dtype = _F32 if _backend.xp_of(k) is None else self._window_np_dtype
+        # the window dtype as _append will choose it
+        self._exact_dtype = self._window_dtype_for(k)
         f16_window = self._windowed and self._exact_dtype == np.float16
         limit = F16_MAX * (1 - 2.0 ** -10)
         root_d = math.sqrt(self.head_dim)
@@ -584,7 +594,10 @@ class PolarQuantCache(HeadNormMixin, FusedDecodeMixin, WindowedLayers, LayeredCa
             inv = xp.argsort(st.buffers[name + "_perm"].astype(np.int64), axis=2)
             flat = xp.take_along_axis(flat, inv, axis=2)
         if name == "k" and self.key_center:
-            flat = flat + st.buffers["k_chmean"]
+            mean = st.buffers["k_chmean"]
+            if _backend.xp_of(flat) is None:  # Numba device arrays: no array arithmetic
+                return add_channel_into(flat, mean, 1, _backend.empty(flat, tuple(flat.shape), np.float32))
+            flat = flat + mean
         return flat
 
     def _query_in(self, st: LayerState, q3: Any) -> Any:
@@ -599,6 +612,12 @@ class PolarQuantCache(HeadNormMixin, FusedDecodeMixin, WindowedLayers, LayeredCa
         """``x3 − m`` with the frozen per-channel key mean ``m`` (set on the layer's first chunk)."""
         xp = _backend.xp_of(x3)
         mbuf = st.buffers["k_chmean"]
+        if xp is None:  # Numba device arrays: the same float32 results through two twins
+            x3 = _backend.ascontiguous_f32("k", x3)
+            if not st.meta.get("kmean_set", 0):
+                channel_mean_into(x3, mbuf)
+                st.meta["kmean_set"] = 1
+            return add_channel_into(x3, mbuf, -1, _backend.empty(x3, tuple(x3.shape), np.float32))
         if not st.meta.get("kmean_set", 0):
             mbuf[:, 0, :] = x3.astype(xp.float64).mean(axis=1).astype(xp.float32)
             st.meta["kmean_set"] = 1

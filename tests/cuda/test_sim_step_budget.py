@@ -15,8 +15,9 @@ CUDA graph).  Reached (from 17 launches and 6 allocations a step before the per-
 buffers and the one-launch window store), with the caller's output array (``decode(...,
 out=)``): 0 transfers, 0 allocations (without ``out=`` exactly 1, the output ``decode``
 returns: asserted too), 3 launches: 1 window store of both sides with the exact tokens'
-positions and the deferred range records of k, v and q folded in (``slide_windows``: no
-``range_stats3`` launch; ``test_deferred_checks_ride_in_the_store_launch``), 1 quantization
+positions and the deferred range records of k, v and q folded in (``slide_windows``; for
+kv4's rotated int8 window with its key centering ``slide_windows8``: no CuPy arithmetic
+between launches; no ``range_stats3`` launch; ``test_deferred_checks_ride_in_the_store_launch``), 1 quantization
 of both sides' evicted tokens (``quantize_head_pair`` / ``quantize_blocks_pair``) and the
 partition kernel, which rotates the queries in its prologue (``rotate_q``: no ``rotate32`` /
 ``rotate_head`` launch; tests/cuda/test_sim_qrot.py) and whose last block to finish merges
@@ -76,13 +77,13 @@ def count_device_work():
 
 
 def _caches(mode: str, h: int, d: int):
-    # kv4 centers its keys, which needs NumPy or CuPy arrays (the simulator has Numba device
-    # arrays only): the preset otherwise unchanged (4-bit keys, 3-bit values, whole-head
-    # rotation, its sinks and window).  On Numba device arrays both windows are float32.
-    # The CPU twin gets that float32 window explicitly (NumPy would store float16 or int8).
-    kw = {"key_center": False} if mode == "kv4" else {}
-    return (make_cache(mode, num_layers=1, num_kv_heads=h, head_dim=d, **kw),
-            make_cache(mode, num_layers=1, num_kv_heads=h, head_dim=d, window_dtype="float32", **kw))
+    # kv4 as the preset makes it (4-bit keys, 3-bit values, whole-head rotation, key centering,
+    # a rotated int8 window): on Numba device arrays too, the key mean and the centering by
+    # kernels.  pqo3's float16 window is float32 on Numba device arrays (no device-side cast):
+    # its CPU twin gets that float32 window explicitly.
+    kw = {} if mode == "kv4" else {"window_dtype": "float32"}
+    return (make_cache(mode, num_layers=1, num_kv_heads=h, head_dim=d),
+            make_cache(mode, num_layers=1, num_kv_heads=h, head_dim=d, **kw))
 
 
 def steady_layer(mode: str, rng, h: int = 2, g: int = 2, d: int = 64):
@@ -128,6 +129,11 @@ def test_steady_state_decode_step_stays_within_its_budget(mode):
     cache.check_inputs()
     for dev_out, cpu_out in outs:  # still the CPU twin's attention
         np.testing.assert_allclose(dev_out, cpu_out, rtol=1e-5, atol=1e-6)
+    # and the CPU twin's bytes: windows (int8 codes and scales for kv4), codes, norms, key mean
+    st, tw = cache._layers[0], twin._layers[0]
+    assert st.buffers.keys() == tw.buffers.keys()
+    for key, buf in st.buffers.items():
+        np.testing.assert_array_equal(to_host(buf), tw.buffers[key], err_msg=key)
 
 
 @pytest.mark.cuda
@@ -213,7 +219,8 @@ def test_steady_state_paged_step_stays_within_its_budget():
 
 def _slide(rng):
     """``slide_windows`` against the slice copies it replaces (and its CPU twin), for float32
-    windows and float16 ones (as uint16 bits: stored as ``astype(float16)`` rounds)."""
+    windows and float16 ones (as uint16 bits: stored as ``astype(float16)`` rounds), with and
+    without the key mean subtracted in the launch."""
     from numba_kv.ops.memory import slide_windows
 
     rows, cap, w = 3, 12, 5
@@ -239,8 +246,10 @@ def _slide(rng):
             exs = [to_ex(rng.standard_normal((rows, cap, w)).astype(np.float32), f16) for _ in range(2)]
             evs = [np.full((rows, e_old + e_new + 1, w), -7.0, np.float32) for _ in range(2)]
             pos = np.full(p_sink + p_win + 2, -1, np.int32)
+            # key centering in the launch (the first case): keys stored and evicted as k − mean
+            kmean = rng.standard_normal((rows, 1, w)).astype(np.float32) if n == 1 else None
             ref = []
-            for x, ex, ev in zip(xs, exs, evs):
+            for x, ex, ev in zip((xs[0] if kmean is None else xs[0] - kmean, xs[1]), exs, evs):
                 rex, rev = ex.copy(), ev.copy()
                 rex[:, s_at:s_at + a] = to_ex(x[:, :a], f16)
                 rev[:, :e_old] = from_ex(ex[:, sinks:sinks + e_old], f16)
@@ -268,8 +277,9 @@ def _slide(rng):
             cnt = np.array([-5, held, 3], np.int32)
             dcnt = to_device(cnt)
             slide_windows(*(to_device(x) for x in xs), *dev[:4], *args, dev[4], p_sink, p_base - held, p_win, dev_r,
-                          count=(dcnt, 1, 0))
-            slide_windows(*xs, *exs, *evs, *args, pos, p_sink, p_base - held, p_win, host_r, count=(cnt, 1, 0))
+                          count=(dcnt, 1, 0), kmean=None if kmean is None else to_device(kmean))
+            slide_windows(*xs, *exs, *evs, *args, pos, p_sink, p_base - held, p_win, host_r, count=(cnt, 1, 0),
+                          kmean=kmean)
             assert cnt.tolist() == to_host(dcnt).tolist() == [held, held, 3]
             for got, want in zip((exs[0], evs[0], exs[1], evs[1], pos), (ref[0], ref[1], ref[2], ref[3], rpos)):
                 assert np.array_equal(got, want)
@@ -284,6 +294,8 @@ def _slide(rng):
         slide_windows(*xs, *exs, *evs, 0, 0, 0, 10, 1, 5, 0, pos, 0, 0, 0)
     with pytest.raises(ValueError, match="exk, exv"):
         slide_windows(*xs, exs[0].view(np.int16), exs[1].view(np.int16), *evs, 0, 0, 0, 2, 0, 1, 0, pos, 0, 0, 0)
+    with pytest.raises(ValueError, match=r"kmean: expected float32 \(3, 1, 5\)"):
+        slide_windows(*xs, *exs, *evs, 0, 0, 0, 0, 0, 0, 0, pos, 0, 0, 0, kmean=np.zeros((3, 1, 4), np.float32))
     with pytest.raises(ValueError, match="two different slots"):
         slide_windows(*xs, *exs, *evs, 0, 0, 0, 0, 0, 0, 0, pos, 0, 0, 0, count=(np.zeros(2, np.int32), 1, 1))
 

@@ -46,9 +46,11 @@ def test_kv3_configuration_on_device_matches_cpu():
     from numba_kv import AttendConfig, make_cache
 
     rng = np.random.default_rng(5)
-    geo = dict(num_layers=1, num_kv_heads=2, head_dim=64, residual_length=4, sink_tokens=2, residual_fraction=0.25,
-               window_dtype="float32")  # Numba device arrays: float32 windows, no key centering
-    caches = [make_cache("pqo-k4v2-head-eden-vq-n8", **geo) for _ in range(2)]
+    # the preset's key centering and rotated int8 window too (on Numba device arrays: the key
+    # mean, the centering and the int8 store by kernels), its window sized down to grow here
+    geo = dict(num_layers=1, num_kv_heads=2, head_dim=64, residual_length=4, sink_tokens=2, residual_fraction=0.25)
+    caches = [make_cache("kv3", **geo) for _ in range(2)]
+    assert caches[0].config.key_center and caches[0].window_dtype == np.int8
     cfg = AttendConfig(0.125, 2)
     for n in (18, 1, 2, 1, 1, 3):
         k = rng.standard_normal((1, 2, n, 64)).astype(np.float32)
@@ -63,3 +65,8 @@ def test_kv3_configuration_on_device_matches_cpu():
         np.testing.assert_allclose(to_host(b), a, rtol=1e-4, atol=1e-5)
         assert caches[0]._layers[0].meta == caches[1]._layers[0].meta
     assert caches[1]._layers[0].meta["n_win"] == 6 and "norm8_base" in caches[1]._layers[0].meta
+    host, dev = caches[0]._layers[0].buffers, caches[1]._layers[0].buffers
+    assert dev["k_exact"].dtype == np.int8 and dev.keys() == host.keys()
+    for key in ("k_chmean", "k_exact", "k_exact_scale", "v_exact", "v_exact_scale", "k_codes", "v_codes"):
+        n = None if key == "k_chmean" else 2 + 6 if "exact" in key else caches[0]._layers[0].meta["n_comp"]
+        np.testing.assert_array_equal(to_host(dev[key])[:, :n], host[key][:, :n], err_msg=key)

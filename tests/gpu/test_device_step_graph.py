@@ -1,9 +1,9 @@
 """``numba_kv.StepGraph`` with real device arrays: steady decode steps captured as one CUDA
 graph (``cuda.core``) and replayed, with the outputs of the same steps launched one by one
-(bit for bit) and of the CPU twin (float32 round-off).  ``kv4`` on CuPy centers its keys
-with CuPy work inside the step, which launches what is held (no replay is required there).
-On a GPU with CuPy and Numba device arrays (the simulator's stand-in graph is tested by
-``tests/cuda/test_sim_step_graph.py``)."""
+(bit for bit) and of the CPU twin (float32 round-off).  ``kv4`` as the preset makes it (key
+centering, a rotated int8 window) on both array kinds: its keys are centered in the store's
+launch, so its steps replay too.  On a GPU with CuPy and Numba device arrays (the
+simulator's stand-in graph is tested by ``tests/cuda/test_sim_step_graph.py``)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,8 @@ SHAPES = ((1, H, 1, D), (1, H, 1, D), (1, H * G, 1, D))
 
 
 def _cache(mode, dev):
-    # kv4 centers its keys, which needs CuPy or NumPy arrays (not Numba device arrays)
-    kw = {"key_center": False} if mode == "kv4" and dev.kind != "cupy" else {}
-    return make_cache(mode, num_layers=1, num_kv_heads=H, head_dim=D, window_dtype="float32", **kw)
+    kw = {} if mode == "kv4" else {"window_dtype": "float32"}
+    return make_cache(mode, num_layers=1, num_kv_heads=H, head_dim=D, **kw)
 
 
 @pytest.mark.parametrize("mode", ["pqo3", "kv4"])
@@ -48,9 +47,10 @@ def test_steady_steps_replay_as_a_graph(dev, mode):
                     buf.copy_to_device(x)
             outs.append(dev.get(run(cache.decode, 0, dk, dv, dq, attend, out=dout).out).copy())
         np.testing.assert_array_equal(outs[0], outs[1])  # the graph replays the very launches
-        np.testing.assert_allclose(outs[0], twin.decode(0, *host, attend).out, rtol=1e-5, atol=1e-6)
+        # CuPy's key mean (its own reduction order) may differ from NumPy's in the last bit,
+        # which can move an int8 window code by one step (max|y|/127, times the token's weight)
+        atol = 5e-3 if mode == "kv4" and dev.kind == "cupy" else 1e-6
+        np.testing.assert_allclose(outs[0], twin.decode(0, *host, attend).out, rtol=1e-5, atol=atol)
     st = graph.stats()
     assert graph.error is None and st["failed"] == 0, (graph.error, st)
-    if mode == "kv4" and dev.kind == "cupy":
-        return  # key centering runs in CuPy within the step: it may run as launched (the outputs above)
     assert st["captured"] == 1 and st["replayed"] >= STEPS - 4, st
