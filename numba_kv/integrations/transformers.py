@@ -43,8 +43,10 @@ eager, ...) runs on them with its usual mask.  With ``"dense"`` this is exactly 
 Tensors: CPU tensors are shared with NumPy without copies (``Tensor.numpy()`` /
 ``torch.from_numpy``); float32 and float16 pass as they are, bfloat16 (which NumPy lacks) is
 converted to float32 once on the way in and the returned history back to bfloat16.  CUDA tensors
-go through DLPack to CuPy and back; the cache waits for torch's current stream before reading
-them.  The CUDA path is written but **untested** (no GPU on the machine that wrote it).
+go through DLPack to CuPy and back, and the cache's kernels and CuPy work run on torch's current
+stream (:func:`torch_stream`: ordered with the model's work, no host synchronization).  The
+CUDA path is written but **untested** (no GPU on the machine that wrote it;
+``tests/gpu/test_device_transformers.py`` is for one).
 
 Batches: every row is an independent sequence of equal length.  A left-padded batch works on
 the dequantized path (the pad tokens are stored like any token and the model's attention mask
@@ -59,6 +61,8 @@ row.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -73,6 +77,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("numba_kv.integrations.transformers needs torch and transformers 5.x: "
                       "pip install 'numba-kv[hf]'") from exc
 
+from .._launch import launch_stream
 from ..caches.mixed import MixedCache
 from ..caches.protocol import AttendConfig, Fused
 from ..caches.spec import make_cache
@@ -100,12 +105,27 @@ def _check_tensor(name: str, t: Any) -> None:
         raise ValueError(f"{name}: expected shape [batch, num_kv_heads, seq_len, head_dim], got {tuple(t.shape)}")
 
 
-def _wait_for_torch(t: torch.Tensor) -> None:
-    """numba_kv's CUDA kernels run on the default stream: wait for what torch's current stream
-    still has to write into ``t`` (a no-op when torch itself is on the legacy default stream)."""
-    stream = torch.cuda.current_stream(t.device)
-    if stream.cuda_stream != 0:
-        stream.synchronize()
+@contextlib.contextmanager
+def torch_stream(device: torch.device) -> Iterator[None]:
+    """Inside the block, numba_kv's CUDA launches and its CuPy work run on torch's current
+    stream of ``device`` (:func:`numba_kv.launch_stream` of a ``cupy.cuda.ExternalStream`` of it,
+    which also makes it CuPy's current stream), so they are ordered with the model's own work
+    without a host synchronization, and DLPack exchanges (:func:`to_array`, :func:`to_tensor`)
+    made in the block are producer and consumer on one stream.  Nothing on the CPU."""
+    if device.type != "cuda":
+        yield
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(device)
+    with launch_stream(_cupy().cuda.ExternalStream(stream.cuda_stream, index)):
+        yield
+
+
+def _cupy() -> Any:
+    """The ``cupy`` module (imported on first use: CUDA tensors only)."""
+    import cupy  # noqa: PLC0415 - optional (extra "cuda")
+
+    return cupy
 
 
 def to_array(t: torch.Tensor) -> Any:
@@ -117,9 +137,7 @@ def to_array(t: torch.Tensor) -> Any:
     if t.device.type == "cpu":
         return t.numpy()
     if t.device.type == "cuda":  # pragma: no cover - needs a GPU
-        import cupy  # noqa: PLC0415 - optional (extra "cuda")
-        _wait_for_torch(t)
-        return cupy.from_dlpack(t)
+        return _cupy().from_dlpack(t)  # (inside torch_stream: CuPy's current stream is torch's)
     raise TypeError(f"key_states: expected a CPU or CUDA tensor, got device {t.device}")
 
 
@@ -262,10 +280,16 @@ class NumbaKVLayer(CacheLayerMixin):
             # fused decode: numba_kv_attention_forward stores the token and attends from the codes
             setattr(key_states, _PENDING, self)
             return key_states, value_states
-        res = self.cache.prefill(0, to_array(key_states), to_array(value_states))
-        if self.cache.seq_len(0) == key_states.shape[2]:  # empty before: the prompt's own K/V
-            return key_states, value_states
-        return to_tensor(res.k, key_states.dtype), to_tensor(res.v, key_states.dtype)
+        with torch_stream(key_states.device):
+            res = self.cache.prefill(0, to_array(key_states), to_array(value_states))
+            if self.cache.seq_len(0) == key_states.shape[2]:  # empty before: the prompt's own K/V
+                return key_states, value_states
+            return to_tensor(res.k, key_states.dtype), to_tensor(res.v, key_states.dtype)
+
+    def _on_stream(self) -> contextlib.AbstractContextManager:
+        """:func:`torch_stream` of the layer's device (nothing before its first tokens)."""
+        device = getattr(self, "device", None) if self.is_initialized else None
+        return torch_stream(device) if isinstance(device, torch.device) else contextlib.nullcontext()
 
     @property
     def fused(self) -> bool:
@@ -311,7 +335,8 @@ class NumbaKVLayer(CacheLayerMixin):
         """
         target = self.crop_target(tokens_to_remove)
         if target is not None:
-            self.cache.crop(target)
+            with self._on_stream():
+                self.cache.crop(target)
 
     def crop_target(self, tokens_to_remove: int) -> int | None:
         """The length :meth:`crop` would leave (``None``: nothing to do), or what it raises."""
@@ -331,7 +356,8 @@ class NumbaKVLayer(CacheLayerMixin):
 
     def _select(self, indices: np.ndarray) -> None:
         if self.get_seq_length():
-            self.cache.select_batch(indices)  # validates (rows in range) before changing anything
+            with self._on_stream():
+                self.cache.select_batch(indices)  # validates (rows in range) before changing anything
             self.batch_size = int(indices.size)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -430,10 +456,10 @@ class NumbaKVCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """:meth:`NumbaKVLayer.crop` on every layer, all or nothing: every layer's target is
         checked before any layer changes."""
-        targets = [la.crop_target(tokens_to_remove) for la in self.layers]
-        for la, target in zip(self.layers, targets):
-            if target is not None:
-                la.cache.crop(target)
+        for la in self.layers:  # (raises before any layer changes)
+            la.crop_target(tokens_to_remove)
+        for la in self.layers:
+            la.crop(tokens_to_remove)
 
     def memory_usage(self) -> int:
         """Bytes of live stored K/V (compressed codes, norms, windows), all layers."""
@@ -488,16 +514,17 @@ def numba_kv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     hq, hk = int(query.shape[1]), int(key.shape[1])
     scale = float(scaling) if scaling is not None else float(query.shape[-1]) ** -0.5
     cfg = AttendConfig(softmax_scale=scale, n_kv_groups=hq // hk)
-    out = layer.cache.decode(0, to_array(key), to_array(value), to_array(query), cfg)
-    if isinstance(out, Fused):
-        res = to_tensor(out.out, query.dtype)
-    else:  # the cache returned its history (dense, decode_output="dequantized"): attend here
-        r = out.result
-        k, v = (to_tensor(a, torch.float32).repeat_interleave(cfg.n_kv_groups, dim=1) for a in (r.k, r.v))
-        scores = torch.matmul(query.float(), k.transpose(2, 3)) * scale
-        if r.logit_bias is not None:
-            scores = scores + to_tensor(r.logit_bias, torch.float32)
-        res = torch.matmul(torch.softmax(scores, dim=-1), v).to(query.dtype)
+    with torch_stream(query.device):  # on torch's current stream: no host synchronization
+        out = layer.cache.decode(0, to_array(key), to_array(value), to_array(query), cfg)
+        if isinstance(out, Fused):
+            res = to_tensor(out.out, query.dtype)
+        else:  # the cache returned its history (dense, decode_output="dequantized"): attend here
+            r = out.result
+            k, v = (to_tensor(a, torch.float32).repeat_interleave(cfg.n_kv_groups, dim=1) for a in (r.k, r.v))
+            scores = torch.matmul(query.float(), k.transpose(2, 3)) * scale
+            if r.logit_bias is not None:
+                scores = scores + to_tensor(r.logit_bias, torch.float32)
+            res = torch.matmul(torch.softmax(scores, dim=-1), v).to(query.dtype)
     return res.transpose(1, 2).contiguous(), None
 
 

@@ -425,3 +425,39 @@ def test_a_layer_split_over_kv_heads():
     for a, b in zip(ref[1:], got[1:]):
         assert torch.allclose(a, b, rtol=0, atol=2e-6), (a - b).abs().max()
     assert out.shape == (2, 16)
+
+
+def test_cuda_work_runs_on_torchs_current_stream(monkeypatch):
+    """``torch_stream``: on a CUDA device the block launches on torch's current stream (a CuPy
+    ``ExternalStream`` of its handle, on the tensor's device, entered as CuPy's current stream
+    and passed to ``numba_kv.launch_stream``); nothing on the CPU.  With stand-ins for CuPy and
+    torch's stream (no GPU here; ``tests/gpu/test_device_transformers.py`` runs the real one)."""
+    import types
+
+    from numba_kv._launch import current_stream
+    from numba_kv.integrations.transformers import torch_stream
+
+    events = []
+
+    class FakeStream:  # a CuPy ExternalStream: its handle as ``ptr``, a context manager
+        def __init__(self, ptr, device):
+            self.ptr, self.device = ptr, device
+
+        def __enter__(self):
+            events.append(("enter", self.ptr, self.device))
+            return self
+
+        def __exit__(self, *exc):
+            events.append("exit")
+
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(ExternalStream=FakeStream))
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy)
+    seen = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: seen.append(device)
+                        or types.SimpleNamespace(cuda_stream=0))
+    with torch_stream(torch.device("cpu")):
+        assert not events and current_stream() == (None, 0)
+    with torch_stream(torch.device("cuda", 1)):
+        assert events == [("enter", 0, 1)] and seen == [torch.device("cuda", 1)]
+        assert current_stream() == (None, 0)  # handle 0: the legacy default stream
+    assert events[-1] == "exit"
