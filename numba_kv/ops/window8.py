@@ -429,8 +429,8 @@ _SLIDE8 = register("slide_windows8", _slide8_cpu, _slide8_cuda,
 
 #: at most this many threads per block under the simulator, which runs a block's threads as
 #: Python threads and makes every barrier wait for all of them (a decode step's store waits at
-#: ~40 barriers): 8 threads still share every step and every butterfly stage
-SIM_MAX_THREADS = 8
+#: ~40 barriers): 4 threads still share every step and every butterfly stage
+SIM_MAX_THREADS = 4
 
 
 def _block_threads(d: int) -> int:
