@@ -82,7 +82,8 @@ from ..caches.mixed import MixedCache
 from ..caches.protocol import AttendConfig, Fused
 from ..caches.spec import make_cache
 
-__all__ = ["ATTN_IMPLEMENTATION", "NumbaKVCache", "NumbaKVLayer", "model_geometry", "numba_kv_attention_forward"]
+__all__ = ["ATTN_IMPLEMENTATION", "NumbaKVCache", "NumbaKVLayer", "model_geometry", "numba_kv_attention_forward",
+           "torch_stream"]
 
 #: ``attn_implementation`` of the fused decode path (registered when this module is imported)
 ATTN_IMPLEMENTATION = "numba_kv"
@@ -111,7 +112,17 @@ def torch_stream(device: torch.device) -> Iterator[None]:
     stream of ``device`` (:func:`numba_kv.launch_stream` of a ``cupy.cuda.ExternalStream`` of it,
     which also makes it CuPy's current stream), so they are ordered with the model's own work
     without a host synchronization, and DLPack exchanges (:func:`to_array`, :func:`to_tensor`)
-    made in the block are producer and consumer on one stream.  Nothing on the CPU."""
+    made in the block are producer and consumer on one stream.  Nothing on the CPU.
+
+    Parameters
+    ----------
+    device : torch.device
+        The device of the tensors the block exchanges (``cuda:N``, or ``cpu``: a no-op).
+
+    Yields
+    ------
+    None
+    """
     if device.type != "cuda":
         yield
         return
