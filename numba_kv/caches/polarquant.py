@@ -612,7 +612,9 @@ class PolarQuantCache(HeadNormMixin, FusedDecodeMixin, WindowedLayers, LayeredCa
         """``x3 − m`` with the frozen per-channel key mean ``m`` (set on the layer's first chunk)."""
         xp = _backend.xp_of(x3)
         mbuf = st.buffers["k_chmean"]
-        if xp is None:  # Numba device arrays: the same float32 results through two twins
+        if xp is not np:  # a device (CuPy or Numba): NumPy's float32 results, bit for bit, through two twins
+            # (CuPy's own reduction sums in another order: a last-bit difference in the mean can
+            # move an int8 window code by one step, and the device cache would drift from the host's)
             x3 = _backend.ascontiguous_f32("k", x3)
             if not st.meta.get("kmean_set", 0):
                 channel_mean_into(x3, mbuf)
