@@ -25,18 +25,19 @@ $(STAMP): setup.cfg pyproject.toml
 
 ## the README's test command: lint, then the suite as five pytest processes, two at a time (2
 ## cores), then the docs build (`make docs`).  make starts the jobs in the order of TEST_JOBS as
-## slots free up: the CPU job (the longest, ~16 min on a fresh clone) holds one slot, the PTX/SASS
-## compiles start in the other; each freed slot takes the next of the notebooks, the CUDA kernels
-## under the simulator and the bare-venv install test.  The order matters on a fresh
-## clone: the CPU job compiles the CPU twins into Numba's on-disk cache (NUMBA_CACHE_DIR, shared
-## by every job), so the later notebook and simulator jobs load most of them instead of compiling
-## them again; the PTX job needs none of them, so it goes first.  docs/design/testing.md has the
+## slots free up: the CPU job (the longest, ~9 min on a fresh clone) holds one slot, the PTX/SASS
+## compiles start in the other; each freed slot takes the next of the CUDA kernels under the
+## simulator (~8 min: it starts as soon as the PTX job ends, so the two longest jobs overlap
+## instead of following each other), the notebooks and the bare-venv install test.  The order
+## matters on a fresh clone: the CPU job compiles the CPU twins into Numba's on-disk cache
+## (NUMBA_CACHE_DIR, shared by every job), so the later simulator and notebook jobs load most of
+## them instead of compiling them again; the PTX job needs none of them, so it goes first.  docs/design/testing.md has the
 ## times.  Each command's output is printed whole when it ends, so the logs do not interleave;
 ## only test-cpu-main keeps pytest's cache (.pytest_cache: --lf, --ff), the others run with
 ## -p no:cacheprovider so that no two write it.  --keep-going: a failing job does not stop the
 ## ones still to start (make still fails at the end).
 .PHONY: test-cpu-main test-ptx test-ptx-all test-notebooks test-install
-TEST_JOBS = test-cpu-main test-ptx test-notebooks test-sim test-install
+TEST_JOBS = test-cpu-main test-ptx test-sim test-notebooks test-install
 test: venv
 	$(MAKE) lint
 	$(MAKE) -j2 --keep-going --output-sync=line $(TEST_JOBS)
