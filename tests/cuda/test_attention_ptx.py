@@ -75,9 +75,12 @@ def test_mma_kernel_runs_on_tensor_cores():
     each of the 3 code widths; the first build's query-rows-as-A layout took 16 + 16), the
     weights moved into B fragments by two ``movmatrix`` a tile, the values' A registers
     regrouped by ``prmt``, its binary16 pairs from
-    ``cvt.rn.f16x2.f32`` and scaled with ``mul.rn.f16x2``, no local memory (fragments,
-    accumulators and prefetched words in registers), one block barrier before the merge's (as
-    the warp kernel's)."""
+    ``cvt.rn.f16x2.f32`` and scaled with ``mul.rn.f16x2``, its pair-table entries read by
+    ``ld.shared.u32`` from 32-bit addresses (``lds_u32``: 16 + 16 per 16-token tile of the
+    32-lane quads' keys and values, for each of the 3 widths) in a 16 KiB table aligned to 16
+    KiB (the OR-ed addresses need it), no local memory (fragments, accumulators and
+    prefetched words in registers), one block barrier before the merge's (as the warp
+    kernel's)."""
     ptx = kernel_ptx("decode_attention_mma", (9, 0))
     n_mma = len(re.findall(r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16\.f16\.f32\b", ptx))
     assert n_mma == 3 * (8 + 8), n_mma
@@ -86,5 +89,7 @@ def test_mma_kernel_runs_on_tensor_cores():
     for sel in ("0x5410", "0x7632"):
         assert len(re.findall(r"\bprmt\.b32\s[^;]*" + sel + ";", ptx)) == 3 * 8 * 2, sel
     assert re.search(r"\bcvt\.rn\.f16x2\.f32\b", ptx) and re.search(r"\bmul\.rn\.f16x2\b", ptx)
+    assert len(re.findall(r"\bld\.shared\.u32\s+%r\d+, \[%r\d+\];", ptx)) == 3 * (32 + 32)
+    assert re.search(r"\.shared \.align 16384 \.b8 \w+\[16384\];", ptx)
     assert local_bytes(ptx) == 0
     assert barriers_before_merge(ptx) == (2, 1)

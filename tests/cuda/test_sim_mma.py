@@ -18,14 +18,17 @@ from numba_kv.ops import attention
 from numba_kv.ops.attention import decode_attention, kernels
 from numba_kv.ops.attention.mma import _row, _word, reference_pair_table
 from numba_kv.ops.attention.ptx import (
+    SHARED_ALIGN,
     exp2_ftz,
     half2_bits,
     high_halves,
     hmul2,
+    lds_u32,
     low_halves,
     mma_16816,
     movmatrix_trans,
     pack_half2,
+    shared_base32,
     shfl_idx_f32,
     shfl_xor_f32,
     shfl_xor_u32,
@@ -98,6 +101,35 @@ def halves_kernel(a, b, lo, hi):
 def exp2_kernel(x, out):
     i = cuda.threadIdx.x
     out[i] = exp2_ftz(x[i])
+
+
+@cuda.jit
+def lds_kernel(src, offsets, out, bases):
+    """Each of 128 threads stores 32 words of ``src`` into an aligned 16 KiB shared array; after
+    the barrier, thread ``i`` reads the word at byte offset ``offsets[i]`` by address."""
+    tab = cuda.shared.array(4096, dtype=np.uint32, alignment=SHARED_ALIGN)
+    i = cuda.threadIdx.x
+    for j in range(i, 4096, cuda.blockDim.x):
+        tab[j] = src[j]
+    cuda.syncthreads()
+    base = shared_base32(tab)
+    bases[i] = base
+    out[i] = lds_u32(tab, base | offsets[i])
+
+
+@pytest.mark.cuda
+def test_lds_reads_the_word_at_an_ored_shared_address():
+    """``shared_base32`` of an array declared with ``SHARED_ALIGN`` has bits 0–13 clear (so
+    ``base | offset`` is ``base + offset``), and ``lds_u32`` at that address reads the word
+    the array's own indexing reads: first, last, every bit of the offset, random words."""
+    rng = np.random.default_rng(5)
+    src = rng.integers(0, 2 ** 32, 4096, dtype=np.uint64).astype(np.uint32)
+    words = np.concatenate([[0, 4095], 1 << np.arange(12), rng.integers(0, 4096, 128 - 14)]).astype(np.uint32)
+    out, bases = to_device(np.zeros(128, np.uint32)), to_device(np.zeros(128, np.uint32))
+    lds_kernel[1, 128](to_device(src), to_device(words << np.uint32(2)), out, bases)
+    b = to_host(bases)
+    assert (b == b[0]).all() and int(b[0]) & 0x3FFF == 0, hex(int(b[0]))
+    np.testing.assert_array_equal(to_host(out), src[words])
 
 
 @pytest.mark.cuda

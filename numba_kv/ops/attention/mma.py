@@ -41,9 +41,13 @@ rows as A, half of them zeros) took 16 + 16.
   row ``gid + 8``) and regroups two tokens' halves into one A register (a byte permutation);
   8 products cover ``head_dim = 128``.
 * **addresses**: codes and scales are read as flat arrays with unsigned 32/64-bit offsets
-  (one multiply-add per token and array instead of four 64-bit strides), and a table index
-  is cut from the packed words already shifted to its replica's slot (one funnel shift, one
-  mask-and-or, one address computation per table read).
+  (one multiply-add per token and array instead of four 64-bit strides), and a table entry's
+  shared address is cut from the packed words already shifted to its byte offset and OR-ed
+  with the lane's replica and the tables' base (one funnel shift, one mask-and-or, the
+  load: :func:`~numba_kv.ops.attention.ptx.lds_u32`).  The tables are aligned to 16 KiB so
+  that the base has the offset bits clear; indexing the array instead cost a multiply-add
+  more per read on sm_90, where a shared array's base is a register (its CTA's window in
+  the cluster), not an immediate: 64 of a 3-bit pass's 679 SASS instructions.
 
 Range: binary16 holds the operands exactly as far as it can — the queries of a row are scaled
 by a power of two that puts their largest magnitude in ``[2**13, 2**14)`` (undone on the
@@ -73,10 +77,12 @@ from .ptx import (
     exp2_ftz,
     high_halves,
     hmul2,
+    lds_u32,
     low_halves,
     mma_16816,
     movmatrix_trans,
     pack_half2,
+    shared_base32,
     shfl_idx_f32,
     shfl_xor_f32,
 )
@@ -304,15 +310,15 @@ def _make_key_tile(kb: int):
         for j in range(0, 8, 2):
             # k-step j: pairs 2j (k-slots 2tig, 2tig+1) and 2j + 1 (2tig+8, 2tig+9) of each
             # token; two accumulator chains (even and odd k-steps) hide the mma latency
-            x0 = hmul2(tab[uint64(_field(a0, a1, a2, a3, pb * (2 * j), pb, rsh) | slot)], sa)
-            x1 = hmul2(tab[uint64(_field(b0, b1, b2, b3, pb * (2 * j), pb, rsh) | slot)], sb)
-            x2 = hmul2(tab[uint64(_field(a0, a1, a2, a3, pb * (2 * j + 1), pb, rsh) | slot)], sa)
-            x3 = hmul2(tab[uint64(_field(b0, b1, b2, b3, pb * (2 * j + 1), pb, rsh) | slot)], sb)
+            x0 = hmul2(lds_u32(tab, _field(a0, a1, a2, a3, pb * (2 * j), pb, rsh + 2) | slot), sa)
+            x1 = hmul2(lds_u32(tab, _field(b0, b1, b2, b3, pb * (2 * j), pb, rsh + 2) | slot), sb)
+            x2 = hmul2(lds_u32(tab, _field(a0, a1, a2, a3, pb * (2 * j + 1), pb, rsh + 2) | slot), sa)
+            x3 = hmul2(lds_u32(tab, _field(b0, b1, b2, b3, pb * (2 * j + 1), pb, rsh + 2) | slot), sb)
             c0, c1, c2, c3 = mma_16816(x0, x1, x2, x3, qa[2 * j], qa[2 * j + 1], c0, c1, c2, c3)
-            x0 = hmul2(tab[uint64(_field(a0, a1, a2, a3, pb * (2 * j + 2), pb, rsh) | slot)], sa)
-            x1 = hmul2(tab[uint64(_field(b0, b1, b2, b3, pb * (2 * j + 2), pb, rsh) | slot)], sb)
-            x2 = hmul2(tab[uint64(_field(a0, a1, a2, a3, pb * (2 * j + 3), pb, rsh) | slot)], sa)
-            x3 = hmul2(tab[uint64(_field(b0, b1, b2, b3, pb * (2 * j + 3), pb, rsh) | slot)], sb)
+            x0 = hmul2(lds_u32(tab, _field(a0, a1, a2, a3, pb * (2 * j + 2), pb, rsh + 2) | slot), sa)
+            x1 = hmul2(lds_u32(tab, _field(b0, b1, b2, b3, pb * (2 * j + 2), pb, rsh + 2) | slot), sb)
+            x2 = hmul2(lds_u32(tab, _field(a0, a1, a2, a3, pb * (2 * j + 3), pb, rsh + 2) | slot), sa)
+            x3 = hmul2(lds_u32(tab, _field(b0, b1, b2, b3, pb * (2 * j + 3), pb, rsh + 2) | slot), sb)
             e0, e1, e2, e3 = mma_16816(x0, x1, x2, x3, qa[2 * j + 2], qa[2 * j + 3], e0, e1, e2, e3)
         return c0 + e0, c1 + e1, c2 + e2, c3 + e3
 
@@ -346,10 +352,10 @@ def _make_value_tile(vb: int):
 
     def value_tile(xa, xb, xc, xd, sa, sb, sc, sd, slot, tab, pb0, pb1, oacc):
         for j in range(8):
-            ha = hmul2(tab[uint64(_bits_at(xa, pb * j, pb, rsh) | slot)], sa)
-            hb = hmul2(tab[uint64(_bits_at(xb, pb * j, pb, rsh) | slot)], sb)
-            hc = hmul2(tab[uint64(_bits_at(xc, pb * j, pb, rsh) | slot)], sc)
-            hd = hmul2(tab[uint64(_bits_at(xd, pb * j, pb, rsh) | slot)], sd)
+            ha = hmul2(lds_u32(tab, _bits_at(xa, pb * j, pb, rsh + 2) | slot), sa)
+            hb = hmul2(lds_u32(tab, _bits_at(xb, pb * j, pb, rsh + 2) | slot), sb)
+            hc = hmul2(lds_u32(tab, _bits_at(xc, pb * j, pb, rsh + 2) | slot), sc)
+            hd = hmul2(lds_u32(tab, _bits_at(xd, pb * j, pb, rsh + 2) | slot), sd)
             oacc[4 * j], oacc[4 * j + 1], oacc[4 * j + 2], oacc[4 * j + 3] = mma_16816(
                 low_halves(ha, hb), high_halves(ha, hb), low_halves(hc, hd), high_halves(hc, hd),
                 pb0, pb1, oacc[4 * j], oacc[4 * j + 1], oacc[4 * j + 2], oacc[4 * j + 3])
@@ -480,11 +486,15 @@ def mma_tiles(kb, vb, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, page_s
     while paged and (int64(1) << psh) < page_size:
         psh += int32(1)
     addr = (paged, kv_indices, first, psh, h)
-    # each lane's replica of the two pair tables (TAB_SLOTS: the V table), from the widths read
-    # at run time: a constant mask would be folded into every table read's mask-and-or,
-    # which then takes two instructions instead of one
-    kslot = uint32(lane) & uint32(pair_table_replicas_dev(kb) - 1)
-    vslot = (uint32(lane) & uint32(pair_table_replicas_dev(vb) - 1)) | uint32(TAB_SLOTS)
+    # each lane's replica of the two pair tables (TAB_SLOTS: the V table) as the shared address
+    # of its entry 0: a table read is this OR the entry's byte offset (the table's alignment
+    # leaves bits 2-13 of the base clear), one mask-and-or where indexing the array took a
+    # multiply-add more (sm_90: the base of a shared array is a register, not an immediate).
+    # From the widths read at run time: a constant mask would be folded into every table
+    # read's mask-and-or, which then takes two instructions instead of one
+    base = shared_base32(tab)
+    kslot = ((uint32(lane) & uint32(pair_table_replicas_dev(kb) - 1)) << uint32(2)) | base
+    vslot = (((uint32(lane) & uint32(pair_table_replicas_dev(vb) - 1)) | uint32(TAB_SLOTS)) << uint32(2)) | base
     t_lo32 = int32(t_lo)
     a0, a1, a2, a3, as2 = _key_at(kc32, ks, kb0, ksb0, *addr, min(int32(t_lo32 + gid), t_last), tig, kb, sshift)
     b0, b1, b2, b3, bs2 = _key_at(kc32, ks, kb0, ksb0, *addr, min(int32(t_lo32 + 8 + gid), t_last), tig, kb, sshift)

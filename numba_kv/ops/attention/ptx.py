@@ -4,7 +4,8 @@ Each primitive exists twice, chosen once at import (``NUMBA_ENABLE_CUDASIM``):
 
 * on a GPU, a Numba ``@intrinsic`` whose code generation calls an llvmlite ``ir.InlineAsm`` of
   one PTX instruction (``mma.sync``, ``movmatrix.sync``, ``cvt.rn.f16x2.f32``,
-  ``mul.rn.f16x2``, ``prmt.b32``, ``ex2.approx.ftz.f32``), or Numba's own ``shfl.sync``;
+  ``mul.rn.f16x2``, ``prmt.b32``, ``ex2.approx.ftz.f32``, ``ld.shared.u32``), or Numba's own
+  ``shfl.sync`` (and :func:`shared_base32`, an address cast in LLVM IR);
 * under Numba's CUDA simulator, a plain Python function with the same arguments and results
   bit for bit (binary16 through NumPy; the warp-collective ones exchange their lanes'
   operands through a per-block table between two block barriers, so in that build every
@@ -34,17 +35,26 @@ import threading
 import numpy as np
 from llvmlite import ir
 from numba import cuda, int32, uint32
-from numba.cuda import types
+from numba.cuda import cgutils, types
 from numba.cuda.extending import intrinsic
 
 from ... import _backend
 
-__all__ = ["SIMULATED", "exp2_ftz", "half2_bits", "hmul2", "low_halves", "high_halves", "mma_16816", "movmatrix_trans",
-           "pack_half2", "shfl_idx_f32", "shfl_xor_f32", "shfl_xor_u32", "unpack_half2"]
+__all__ = ["SHARED_ALIGN", "SIMULATED", "SIM_SHARED_BASE", "exp2_ftz", "half2_bits", "hmul2", "lds_u32", "low_halves",
+           "high_halves", "mma_16816", "movmatrix_trans", "pack_half2", "shared_base32", "shfl_idx_f32", "shfl_xor_f32",
+           "shfl_xor_u32", "unpack_half2"]
 
 #: the simulator build (Python twins of every primitive)
 SIMULATED = _backend.simulator_enabled()
 _FULL = 0xFFFFFFFF
+#: byte alignment of a shared array read through :func:`lds_u32` with OR-ed addresses (16 KiB:
+#: the offsets of the tensor-core kernel's two pair tables fill bits 2–13); ``None`` in the
+#: simulator, whose shared arrays take no alignment (its :func:`shared_base32` is aligned)
+SHARED_ALIGN = None if SIMULATED else 16384
+#: the simulator's stand-in shared-window address of every array (16 KiB-aligned, with bits set
+#: above bit 13, so that an address made by adding where the kernels OR, or past an array's
+#: first 16 KiB, reads the wrong word or raises)
+SIM_SHARED_BASE = 0x1C000
 
 
 # --- Python twins (the simulator build; also the tests' oracle of the bit layout) ----------
@@ -70,6 +80,18 @@ def _sim_hmul2(x, y):
     yl, yh = unpack_half2(y)
     # a binary16 product rounded once: exact in float64, then to binary16
     return np.uint32(half2_bits(np.float64(xl) * yl, np.float64(xh) * yh))
+
+
+def _sim_shared_base32(arr):
+    return np.uint32(SIM_SHARED_BASE)
+
+
+def _sim_lds_u32(arr, addr):
+    off = int(addr) - SIM_SHARED_BASE
+    if off < 0 or off & 3 or off >= 4 * len(arr) or off >= 16384:
+        raise IndexError(f"shared address {int(addr):#x}: not a word of the array's first 16 KiB at "
+                         f"{SIM_SHARED_BASE:#x} ({len(arr)} words)")
+    return np.uint32(arr[off >> 2])
 
 
 def _exchange(value):
@@ -202,6 +224,28 @@ def _gpu_primitives():
     low = _asm_intrinsic("prmt.b32 $0, $1, $2, 0x5410;", "u32", ("u32", "u32"))
     high = _asm_intrinsic("prmt.b32 $0, $1, $2, 0x7632;", "u32", ("u32", "u32"))
 
+    @intrinsic
+    def shared_base(typingctx, arr):
+        def codegen(context, builder, signature, args):
+            data = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=args[0]).data
+            # the generic pointer back in the shared state space (LLVM folds the two casts
+            # into the array's symbol), as a 32-bit shared-window address
+            shared = builder.addrspacecast(data, ir.PointerType(data.type.pointee, addrspace=3))
+            return builder.ptrtoint(shared, i32)
+
+        return types.uint32(arr), codegen
+
+    @intrinsic
+    def lds(typingctx, arr, addr):
+        def codegen(context, builder, signature, args):
+            a = context.cast(builder, args[1], signature.args[1], types.uint32)
+            # side_effect: LLVM does not see that the asm reads the array, so it must not move
+            # the load above the barrier that publishes the array's words
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i32]), "ld.shared.u32 $0, [$1];", "=r,r", side_effect=True)
+            return builder.call(asm, [a])
+
+        return types.uint32(arr, types.uint32), codegen
+
     def shfl_idx(x, src):
         return cuda.shfl_sync(_FULL, x, src)
 
@@ -213,7 +257,8 @@ def _gpu_primitives():
         return cuda.shfl_xor_sync(_FULL, x, mask)
 
     dev = cuda.jit(device=True, inline="always")
-    return mma, pack, mul2, movmatrix, low, high, ex2, dev(shfl_u32), dev(shfl_f32), dev(shfl_idx)
+    return (mma, pack, mul2, movmatrix, low, high, ex2, dev(shfl_u32), dev(shfl_f32), dev(shfl_idx), shared_base,
+            lds)
 
 
 if SIMULATED:
@@ -221,9 +266,10 @@ if SIMULATED:
     low_halves, high_halves, exp2_ftz = _sim_low_halves, _sim_high_halves, _sim_exp2_ftz
     shfl_xor_u32 = shfl_xor_f32 = _sim_shfl_xor
     shfl_idx_f32 = _sim_shfl_idx
+    shared_base32, lds_u32 = _sim_shared_base32, _sim_lds_u32
 else:
     (mma_16816, pack_half2, hmul2, movmatrix_trans, low_halves, high_halves, exp2_ftz, shfl_xor_u32, shfl_xor_f32,
-     shfl_idx_f32) = _gpu_primitives()
+     shfl_idx_f32, shared_base32, lds_u32) = _gpu_primitives()
 
 mma_16816.__doc__ = """``D = A·B + C`` of one warp (``mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32``):
 ``a0…a3`` and ``b0, b1`` this lane's ``.f16x2`` fragments of A and B, ``c0…c3`` its float32
@@ -242,3 +288,12 @@ exp2_ftz.__doc__ = """``2**x`` in float32 (``ex2.approx.ftz.f32``: relative erro
 ``2**-inf = 0``, results below ``2**-126`` flushed to 0) in one instruction, where
 ``math.exp2`` adds three for subnormal results; for softmax weights, which the kernels round to
 binary16 anyway."""
+shared_base32.__doc__ = """The 32-bit shared-window address of the shared array ``arr`` (its word 0), for
+:func:`lds_u32`.  A shared array declared with ``alignment=SHARED_ALIGN`` has the address bits
+below 14 clear, so ``base | byte_offset`` is its word at ``byte_offset < 16384``: an address
+made by one OR where the array's own indexing costs a shift and an add."""
+lds_u32.__doc__ = """The ``uint32`` word at shared-window address ``addr`` (``ld.shared.u32``; ``arr``
+the shared array it lies in, whose words must be written before the last block barrier):
+``addr`` from :func:`shared_base32` OR a byte offset, made by the caller in one instruction
+together with the rest of its index (the tensor-core kernel's table reads: a funnel shift, a
+mask-and-or, the load)."""
