@@ -38,17 +38,18 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def load_old(rev: str) -> object:
-    """``numba_kv`` as of ``rev``, imported as ``numba_kv_ab`` (kept per revision in /tmp)."""
+def load_old(rev: str, name: str = "numba_kv_ab") -> object:
+    """``numba_kv`` as of ``rev``, imported as the package ``name`` (kept per revision in /tmp;
+    give each revision its own ``name`` to load several in one process)."""
     dest = pathlib.Path(tempfile.gettempdir()) / "numba_kv_ab" / rev
-    if not (dest / "numba_kv_ab" / "__init__.py").exists():
+    if not (dest / name / "__init__.py").exists():
         data = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "numba_kv"], check=True,
                               capture_output=True).stdout
         with tarfile.open(fileobj=io.BytesIO(data)) as tar:
             tar.extractall(dest / "tmp", filter="data")
-        (dest / "tmp" / "numba_kv").rename(dest / "numba_kv_ab")
+        (dest / "tmp" / "numba_kv").rename(dest / name)
     sys.path.insert(0, str(dest))
-    return importlib.import_module("numba_kv_ab")
+    return importlib.import_module(name)
 
 
 def _step(nk: object, name: str, tokens: int) -> Callable[[], None]:

@@ -16,8 +16,8 @@
 #                              columns; DECODE_LIMIT=90); decode_step_numba_launch.*: the same at T 4K with
 #                              NUMBA_KV_CUDA_PREPARED_LAUNCH=0 (every launch through Numba's typing: the A/B)
 #   3. mma_check.log:          benchmarks/gpu_mma_check.py (tensor-core kernel: accuracy vs the CPU twin, A/B vs the
-#                              warp kernel and launch bounds, torch SDPA; MMA_LIMIT=150; OLD=REV or a folder holding
-#                              an extracted numba_kv_ab adds that build's tensor-core kernel to the A/B)
+#                              warp kernel and launch bounds, torch SDPA; MMA_LIMIT=200; OLD=REV[,REV] or a folder
+#                              holding extracted numba_kv_ab* packages adds those builds' tensor-core kernels to the A/B)
 #      attention_ab.log:       benchmarks/gpu_attention_ab.py (block vs warp kernel, launch bounds, copy bandwidth)
 #   4. tests_gpu.log:          the gpu_only and cuda tests on the real GPU (CuPy and Numba device arrays)
 #   5. pytest_bench.json:      the pytest-benchmark groups attention-cuda(-torch) and decode-step-cuda at T = 4096
@@ -67,7 +67,7 @@ stage "bench decode-step --device cuda, every launch through Numba (A/B of prepa
     "$out/decode_step_numba_launch.txt" env NUMBA_KV_CUDA_PREPARED_LAUNCH=0 \
     "$py" -m numba_kv.toolkit.cli bench decode-step --device cuda --tokens 4096 --no-torch --no-progress \
     --json "$out/decode_step_numba_launch.json"
-stage "tensor-core kernel: accuracy, A/B vs warp kernel, torch" "${MMA_LIMIT:-150}" "$out/mma_check.log" \
+stage "tensor-core kernel: accuracy, A/B vs warp kernel, torch" "${MMA_LIMIT:-200}" "$out/mma_check.log" \
     "$py" benchmarks/gpu_mma_check.py --tokens 32768,131072 --batch 1,8,32 --bits 3,4 ${OLD:+--old "$OLD"}
 stage "kernel A/B" "${AB_LIMIT:-90}" "$out/attention_ab.log" \
     "$py" benchmarks/gpu_attention_ab.py

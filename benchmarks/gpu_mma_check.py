@@ -8,18 +8,21 @@
    one query per sequence: the tensor-core kernel, the warp kernel and torch
    ``scaled_dot_product_attention`` on float16 K/V (GQA; the best of the cuDNN and flash
    backends), with the packed bytes per second of the fused kernels.  With ``--old REV``
-   (a git revision, extracted with ``git archive`` as ``benchmarks/ab_package.py`` does) or
-   ``--old DIR`` (a folder holding such an extracted ``numba_kv_ab`` package, for a machine
-   without the repository's history), that revision's tensor-core kernel is timed as well,
-   swapped into the same registry entry (the argument list must be unchanged): the A/B of
-   an old and a new kernel build in one process.
+   (git revisions, comma-separated, each extracted with ``git archive`` as
+   ``benchmarks/ab_package.py`` does) or ``--old DIR`` (a folder holding such extracted
+   packages named ``numba_kv_ab*``, for a machine without the repository's history), each
+   older tensor-core kernel is timed as well, swapped into the same registry entry (the
+   argument list must be unchanged): the A/B of old and new kernel builds in one process.
 
-    python3 benchmarks/gpu_mma_check.py --tokens 32768,131072 --batch 1,8,32 [--old 2937c4b]
+    python3 benchmarks/gpu_mma_check.py --tokens 32768,131072 --batch 1,8,32 [--old 2937c4b,95990cf]
 
-For a GPU machine that gets the working tree without its git history, extract the old build
-first into a folder of the tree that git does not ignore, and pass that folder:
+For a GPU machine that gets the working tree without its git history, extract the old builds
+first into a folder of the tree that git does not ignore, and pass that folder (2937c4b: the
+first tensor-core build, timed on an H100; 95990cf: the transposed build before its
+pair-table reads took OR-ed shared addresses):
 
-    mkdir -p ab_old && git archive 2937c4b numba_kv | tar -x -C ab_old && mv ab_old/numba_kv ab_old/numba_kv_ab
+    for r in 2937c4b 95990cf; do mkdir -p ab_old/$r && git archive $r numba_kv | tar -x -C ab_old/$r \
+        && mv ab_old/$r/numba_kv ab_old/numba_kv_ab_$r && rmdir ab_old/$r; done
     OLD=ab_old bash benchmarks/gpu_check.sh OUTDIR
 """
 
@@ -125,19 +128,23 @@ SHIPPED = TWINS["decode_attention_mma"].cuda
 VARIANTS = {"mma lb(128,3)": cuda.jit(SHIPPED.py_func, launch_bounds=(128, 3))}
 
 
-def load_old_kernel(old: str):
-    """The ``decode_attention_mma`` CUDA kernel of another build: ``old`` is a folder that
-    holds an extracted ``numba_kv_ab`` package, or a git revision to extract."""
+def load_old_kernels(old: str) -> dict:
+    """``{label: decode_attention_mma CUDA kernel}`` of other builds: ``old`` is a folder that
+    holds extracted packages named ``numba_kv_ab*`` (each labelled by its name), or git
+    revisions to extract, comma-separated (each labelled by its revision)."""
     folder = pathlib.Path(old)
-    if (folder / "numba_kv_ab" / "__init__.py").exists():
+    if folder.is_dir():
+        names = sorted(p.name for p in folder.glob("numba_kv_ab*") if (p / "__init__.py").exists())
+        if not names:
+            raise SystemExit(f"--old {old}: no numba_kv_ab* package in that folder")
         sys.path.insert(0, str(folder))
-        nk = importlib.import_module("numba_kv_ab")
+        packages = {name: importlib.import_module(name) for name in names}
     else:
         sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
         from ab_package import load_old
 
-        nk = load_old(old)
-    return nk.ops.TWINS["decode_attention_mma"].cuda
+        packages = {rev: load_old(rev, f"numba_kv_ab_{rev}") for rev in old.split(",")}
+    return {f"mma {label}": nk.ops.TWINS["decode_attention_mma"].cuda for label, nk in packages.items()}
 
 
 def speed(cupy, tokens, batches, bits, repeat) -> None:
@@ -193,10 +200,11 @@ def main() -> None:
     ap.add_argument("--bits", default="3,4")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--skip-accuracy", action="store_true")
-    ap.add_argument("--old", default=None, help="git revision or folder of numba_kv_ab: time its mma kernel too")
+    ap.add_argument("--old", default=None, help="git revisions (comma-separated) or a folder of numba_kv_ab* packages: "
+                    "time their mma kernels too")
     args = ap.parse_args()
     if args.old:
-        VARIANTS["mma old"] = load_old_kernel(args.old)
+        VARIANTS.update(load_old_kernels(args.old))
     cupy = require_cupy()
     print(provenance_line(), flush=True)
     if not args.skip_accuracy:

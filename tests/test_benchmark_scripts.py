@@ -1,0 +1,35 @@
+"""The A/B loader of ``benchmarks/gpu_mma_check.py`` (the GPU script's old-build kernels), on
+the CPU: every ``numba_kv_ab*`` package of a folder is imported under its own name and its
+tensor-core kernel is labelled by that name, so several older builds time side by side in
+one process."""
+
+import shutil
+import sys
+
+import pytest
+
+import numba_kv
+from benchmarks import gpu_mma_check
+
+
+def test_old_kernels_load_one_per_package_of_a_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    src = numba_kv.__path__[0]
+    for name in ("numba_kv_ab_first", "numba_kv_ab_second"):
+        shutil.copytree(src, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "numba_kv_ab_empty").mkdir()  # not a package: skipped
+    try:
+        kernels = gpu_mma_check.load_old_kernels(str(tmp_path))
+        assert sorted(kernels) == ["mma numba_kv_ab_first", "mma numba_kv_ab_second"]
+        for label, kernel in kernels.items():
+            # each build's own kernel (its own package), not the checkout's
+            assert kernel.py_func.__module__.startswith(label.split()[1] + "."), kernel.py_func.__module__
+            assert kernel is not gpu_mma_check.SHIPPED
+    finally:
+        for mod in [m for m in sys.modules if m.startswith("numba_kv_ab_")]:
+            del sys.modules[mod]
+
+
+def test_old_kernels_want_a_package_in_the_folder(tmp_path):
+    with pytest.raises(SystemExit, match="no numba_kv_ab"):
+        gpu_mma_check.load_old_kernels(str(tmp_path))
