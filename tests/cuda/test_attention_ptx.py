@@ -76,11 +76,13 @@ def test_mma_kernel_runs_on_tensor_cores():
     weights moved into B fragments by two ``movmatrix`` a tile, the values' A registers
     regrouped by ``prmt``, its binary16 pairs from
     ``cvt.rn.f16x2.f32`` and scaled with ``mul.rn.f16x2``, its pair-table entries read by
-    ``ld.shared.u32`` from 32-bit addresses (``lds_u32``: 16 + 16 per 16-token tile of the
-    32-lane quads' keys and values, for each of the 3 widths) in a 16 KiB table aligned to 16
-    KiB (the OR-ed addresses need it), no local memory (fragments, accumulators and
-    prefetched words in registers), one block barrier before the merge's (as the warp
-    kernel's)."""
+    ``ld.shared.u32`` from 32-bit addresses (``lds_u32``: a lane's 32 key and 32 value pairs
+    per 16-token tile, for each of the 3 widths) in a 16 KiB table aligned to 16 KiB (the
+    OR-ed addresses need it), its code words and scales read by byte address (``ldg_u32`` /
+    ``ldg_u16``, whose template keeps its single spaces: 4 key-row reads of up to 4 words and
+    a scale, 4 value-row reads of up to 2 words and a scale), no local memory (fragments,
+    accumulators and prefetched words in registers), one block barrier before the merge's
+    (as the warp kernel's)."""
     ptx = kernel_ptx("decode_attention_mma", (9, 0))
     n_mma = len(re.findall(r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16\.f16\.f32\b", ptx))
     assert n_mma == 3 * (8 + 8), n_mma
@@ -91,5 +93,7 @@ def test_mma_kernel_runs_on_tensor_cores():
     assert re.search(r"\bcvt\.rn\.f16x2\.f32\b", ptx) and re.search(r"\bmul\.rn\.f16x2\b", ptx)
     assert len(re.findall(r"\bld\.shared\.u32\s+%r\d+, \[%r\d+\];", ptx)) == 3 * (32 + 32)
     assert re.search(r"\.shared \.align 16384 \.b8 \w+\[16384\];", ptx)
+    assert len(re.findall(r"\bld\.global\.u32 %r\d+, \[%rd\d+\];", ptx)) == 4 * 4 + 4 * 2
+    assert len(re.findall(r"\bld\.global\.u16 %rs\d+, \[%rd\d+\];", ptx)) == 4 + 4
     assert local_bytes(ptx) == 0
     assert barriers_before_merge(ptx) == (2, 1)

@@ -10,19 +10,22 @@ fragment, pair order or scale gives) and must be the kernel that ran.
 
 import numpy as np
 import pytest
-from numba import cuda
+from numba import cuda, uint64
 
 from numba_kv import knobs
 from numba_kv._backend import to_host
 from numba_kv.ops import attention
 from numba_kv.ops.attention import decode_attention, kernels
-from numba_kv.ops.attention.mma import _row, _word, reference_pair_table
+from numba_kv.ops.attention.mma import _row, reference_pair_table
 from numba_kv.ops.attention.ptx import (
     SHARED_ALIGN,
     exp2_ftz,
+    global_address,
     half2_bits,
     high_halves,
     hmul2,
+    ldg_u16,
+    ldg_u32,
     lds_u32,
     low_halves,
     mma_16816,
@@ -395,23 +398,59 @@ def test_mma_dispatch_rules():
 def flat_word_kernel(arr, idx, out):
     i = cuda.threadIdx.x
     if i < idx.shape[0]:
-        out[i] = _word(arr, _row(arr, idx[i, 0], idx[i, 1], idx[i, 2]) + idx[i, 3])
+        out[i] = ldg_u32(arr, _row(arr, idx[i, 0], idx[i, 1], idx[i, 2]) + uint64(4 * idx[i, 3]))
+
+
+@cuda.jit
+def flat_half_kernel(arr, idx, out):
+    i = cuda.threadIdx.x
+    if i < idx.shape[0]:
+        out[i] = ldg_u16(arr, _row(arr, idx[i, 0], idx[i, 1], idx[i, 2]) + uint64(2 * idx[i, 3]))
+
+
+@cuda.jit
+def global_load_kernel(words, halves, offsets, out32, out16):
+    """Thread ``i`` reads the word and the half-word at byte offset ``offsets[i]`` (times 4, 2)
+    from the arrays' global addresses."""
+    i = cuda.threadIdx.x
+    out32[i] = ldg_u32(words, global_address(words) + uint64(4) * offsets[i])
+    out16[i] = ldg_u16(halves, global_address(halves) + uint64(2) * offsets[i])
+
+
+@pytest.mark.cuda
+def test_global_loads_read_the_element_at_a_byte_address():
+    """``global_address`` is element 0's byte address, ``ldg_u32`` / ``ldg_u16`` read the
+    element at ``address + size·i`` (the half-word zero-extended, top bit set included):
+    first, last, every bit of the index, random elements."""
+    rng = np.random.default_rng(7)
+    words = rng.integers(0, 2 ** 32, 5000, dtype=np.uint64).astype(np.uint32)
+    halves = rng.integers(0, 2 ** 16, 5000, dtype=np.uint64).astype(np.uint16)
+    halves[4999] = 0xFFFF
+    idx = np.concatenate([[0, 4999], 1 << np.arange(12), rng.integers(0, 5000, 32 - 14)]).astype(np.uint64)
+    out32, out16 = to_device(np.zeros(32, np.uint32)), to_device(np.zeros(32, np.uint32))
+    global_load_kernel[1, 32](to_device(words), to_device(halves), to_device(idx), out32, out16)
+    np.testing.assert_array_equal(to_host(out32), words[idx.astype(np.int64)])
+    np.testing.assert_array_equal(to_host(out16), halves[idx.astype(np.int64)].astype(np.uint32))
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("view", ["pool", "unit_axis"])
 def test_flat_addressing_matches_4d_indexing(view):
-    """The tiles' flat reads (``_row`` + ``_word``) equal 4-D indexing on the C-contiguous
-    arrays the kernels get: a pool ``[pages, heads, page_size, words]`` and a flat cache's
-    array with its inserted unit axis."""
+    """The tiles' reads by byte address (``_row`` + ``ldg_u32`` / ``ldg_u16``) equal 4-D
+    indexing on the C-contiguous arrays the kernels get: a pool ``[pages, heads, page_size,
+    words]`` and a flat cache's array with its inserted unit axis, for the code words and the
+    binary16 scales."""
     rng = np.random.default_rng(11)
     a = rng.integers(0, 2 ** 32, size=(3, 2, 29, 12), dtype=np.uint64).astype(np.uint32)
+    sc = rng.integers(0, 2 ** 16, size=(3, 2, 29, 4), dtype=np.uint64).astype(np.uint16)
     if view == "unit_axis":
         a = np.ascontiguousarray(a[:, 0])[:, None]
-    idx = np.stack([rng.integers(0, n, 32) for n in a.shape], axis=1).astype(np.int64)
-    out = to_device(np.zeros(32, np.uint32))
-    flat_word_kernel[1, 32](to_device(a), to_device(idx), out)
-    np.testing.assert_array_equal(to_host(out), a[idx[:, 0], idx[:, 1], idx[:, 2], idx[:, 3]])
+        sc = np.ascontiguousarray(sc[:, 0])[:, None]
+    for arr, kernel in ((a, flat_word_kernel), (sc, flat_half_kernel)):
+        idx = np.stack([rng.integers(0, n, 32) for n in arr.shape], axis=1).astype(np.int64)
+        out = to_device(np.zeros(32, np.uint32))
+        kernel[1, 32](to_device(arr), to_device(idx), out)
+        np.testing.assert_array_equal(to_host(out), arr[idx[:, 0], idx[:, 1], idx[:, 2], idx[:, 3]])
 
 
 def test_mma_operands_refuse_views_that_are_not_c_contiguous():

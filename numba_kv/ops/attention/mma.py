@@ -40,8 +40,11 @@ rows as A, half of them zeros) took 16 + 16.
   same-token pairs (product ``j``: coordinates ``16·gid + 2j`` in A row ``gid`` and ``+ 1`` in
   row ``gid + 8``) and regroups two tokens' halves into one A register (a byte permutation);
   8 products cover ``head_dim = 128``.
-* **addresses**: codes and scales are read as flat arrays with unsigned 32/64-bit offsets
-  (one multiply-add per token and array instead of four 64-bit strides), and a table entry's
+* **addresses**: codes and scales are read by global byte address
+  (:func:`~numba_kv.ops.attention.ptx.ldg_u32`, ``ldg_u16``): a token row is one multiply-add
+  of 32-bit factors onto the array's address (instead of four 64-bit strides, or Numba's
+  index × itemsize + data pointer per word) and a row's further words ride in the loads'
+  immediate offsets; a table entry's
   shared address is cut from the packed words already shifted to its byte offset and OR-ed
   with the lane's replica and the tables' base (one funnel shift, one mask-and-or, the
   load: :func:`~numba_kv.ops.attention.ptx.lds_u32`).  The tables are aligned to 16 KiB so
@@ -73,10 +76,12 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 from ..._jit import cuda_device_ll as cuda_device
 from .cores import NEG_INF
 from .ptx import (
-    SIMULATED,
     exp2_ftz,
+    global_address,
     high_halves,
     hmul2,
+    ldg_u16,
+    ldg_u32,
     lds_u32,
     low_halves,
     mma_16816,
@@ -199,38 +204,17 @@ def _abs_half2(raw):
     return h | (h << uint32(16))
 
 
-if SIMULATED:
-    def _word(arr, off):
-        a = getattr(arr, "_ary", arr)
-        root = a
-        while isinstance(root.base, np.ndarray):
-            root = root.base
-        lo = root.__array_interface__["data"][0]
-        at = a.__array_interface__["data"][0] + int(off) * a.itemsize
-        if not lo <= at <= lo + root.nbytes - a.itemsize:  # the GPU would read outside the allocation
-            raise IndexError(f"flat offset {int(off)} outside the array's memory")
-        # a 1-D view from the data pointer in steps of one element, as the GPU addresses it
-        return np.lib.stride_tricks.as_strided(a[(0,) * (a.ndim - 1)], shape=(int(off) + 1,),
-                                               strides=(a.itemsize,))[int(off)]
-else:
-    def _word(arr, off):
-        # element ``off`` from the data pointer: the constant leading indices fold away and an
-        # unsigned index needs no wrap-around, so the address is one multiply-add (Numba's 4-D
-        # indexing multiplies all four 64-bit strides per access)
-        return arr[0, 0, 0, off]
-_word = cuda_device(_word)
-
-
 @cuda_device
 def _row(arr, page, h, slot):
-    """Offset in elements of ``arr[page, h, slot, 0]`` from the data pointer of a C-contiguous
-    array (``mma_operands`` hands the kernels C-contiguous views only), from its shape:
-    unsigned, the slot term in 32 bits (a token row is far below ``2**32`` elements from its
-    page's start).  The strides would do for any view, but keeping them live costs the paged
-    kernel 37 registers (205: 2 blocks per sm_90 SM instead of 3)."""
-    w = uint64(arr.shape[3])
-    return ((uint64(page) * uint64(arr.shape[1]) + uint64(h)) * uint64(arr.shape[2])) * w + uint64(
-        uint32(slot) * uint32(w))
+    """Global byte address of ``arr[page, h, slot, 0]`` in a C-contiguous array
+    (``mma_operands`` hands the kernels C-contiguous views only), from its shape: one 64-bit
+    multiply-add of 32-bit factors for the page's rows, one 32-bit product for the slot (a
+    page's or a flat cache's KV row's bytes, ``page_size`` or capacity × row bytes, are far below
+    ``2**32``, and so are ``pages × heads``).  The strides would do for any view, but keeping
+    them live costs the paged kernel 37 registers (205: 2 blocks per sm_90 SM instead of 3)."""
+    w = uint32(arr.shape[3] * arr.itemsize)
+    prow = uint32(uint32(page) * uint32(arr.shape[1]) + uint32(h))
+    return global_address(arr) + uint64(prow) * uint64(uint32(arr.shape[2]) * w) + uint64(uint32(slot) * w)
 
 
 @cuda_device
@@ -247,40 +231,41 @@ def token_address(paged, kv_indices, first, psh, g, t):
 
 @cuda_device
 def _token_rows(kc32, ks, base, sbase, paged, kv_indices, first, psh, h, t):
-    """Offsets of token ``t``'s rows in a code array and its scale array: ``base``, ``sbase``
-    (:func:`_row` of the KV row's token 0, computed once per partition) plus ``t`` rows in a
-    flat cache; in a pool, the page table's page and slot (:func:`token_address`, once for
-    both arrays)."""
+    """Byte addresses of token ``t``'s rows in a code array and its scale array: ``base``,
+    ``sbase`` (:func:`_row` of the KV row's token 0, computed once per partition) plus ``t``
+    rows in a flat cache (one multiply-add each); in a pool, the page table's page and slot
+    (:func:`token_address`, once for both arrays)."""
     if paged:
         page, slot = token_address(paged, kv_indices, first, psh, 0, t)
         return _row(kc32, page, h, slot), _row(ks, page, h, slot)
-    return base + uint64(uint32(t) * uint32(kc32.shape[3])), sbase + uint64(uint32(t) * uint32(ks.shape[3]))
+    return (base + uint64(uint32(t) * uint32(4 * kc32.shape[3])),
+            sbase + uint64(uint32(t) * uint32(2 * ks.shape[3])))
 
 
 @cuda_device
 def _load_key(kc32, ks, ko, so, tig, kb, sshift):
     """Lane ``(·, tig)``'s ``kb`` packed words of block ``tig`` of the token whose rows start at
-    ``ko`` (codes) and ``so`` (scales) (the other words 0) and its scale
+    byte addresses ``ko`` (codes) and ``so`` (scales) (the other words 0) and its scale
     (:func:`_abs_half2`)."""
-    base = ko + uint64(tig * kb)
-    w0 = _word(kc32, base)
-    w1 = _word(kc32, base + uint64(1)) if kb > 1 else uint32(0)
-    w2 = _word(kc32, base + uint64(2)) if kb > 2 else uint32(0)
-    w3 = _word(kc32, base + uint64(3)) if kb > 3 else uint32(0)
-    return w0, w1, w2, w3, _abs_half2(_word(ks, so + uint64(tig >> sshift)))
+    base = ko + uint64(4 * tig * kb)
+    w0 = ldg_u32(kc32, base)
+    w1 = ldg_u32(kc32, base + uint64(4)) if kb > 1 else uint32(0)
+    w2 = ldg_u32(kc32, base + uint64(8)) if kb > 2 else uint32(0)
+    w3 = ldg_u32(kc32, base + uint64(12)) if kb > 3 else uint32(0)
+    return w0, w1, w2, w3, _abs_half2(ldg_u16(ks, so + uint64(2 * (tig >> sshift))))
 
 
 @cuda_device
 def _load_value(vc32, vs, vo, so, gid, vb, sshift):
     """Lane ``(gid, ·)``'s ``16·vb`` code bits of coordinates ``16·gid … + 15`` of the token whose
-    rows start at ``vo`` and ``so`` (LSB first, in a ``uint64``) and the scale of their
-    block."""
+    rows start at byte addresses ``vo`` and ``so`` (LSB first, in a ``uint64``) and the scale of
+    their block."""
     start = 16 * vb * gid
-    base = vo + uint64(start >> 5)
-    w0 = _word(vc32, base)
-    w1 = _word(vc32, base + uint64(1)) if vb > 2 else uint32(0)  # (16 coordinates span two words)
+    base = vo + uint64(4 * (start >> 5))
+    w0 = ldg_u32(vc32, base)
+    w1 = ldg_u32(vc32, base + uint64(4)) if vb > 2 else uint32(0)  # (16 coordinates span two words)
     x = ((uint64(w1) << uint64(32)) | uint64(w0)) >> uint64(start & 31)
-    return x, _abs_half2(_word(vs, so + uint64((gid >> 1) >> sshift)))
+    return x, _abs_half2(ldg_u16(vs, so + uint64(2 * ((gid >> 1) >> sshift))))
 
 
 @cuda_device

@@ -4,8 +4,9 @@ Each primitive exists twice, chosen once at import (``NUMBA_ENABLE_CUDASIM``):
 
 * on a GPU, a Numba ``@intrinsic`` whose code generation calls an llvmlite ``ir.InlineAsm`` of
   one PTX instruction (``mma.sync``, ``movmatrix.sync``, ``cvt.rn.f16x2.f32``,
-  ``mul.rn.f16x2``, ``prmt.b32``, ``ex2.approx.ftz.f32``, ``ld.shared.u32``), or Numba's own
-  ``shfl.sync`` (and :func:`shared_base32`, an address cast in LLVM IR);
+  ``mul.rn.f16x2``, ``prmt.b32``, ``ex2.approx.ftz.f32``, ``ld.shared.u32``, ``ld.global.u32``
+  / ``.u16``, ``cvta.to.global``), or Numba's own ``shfl.sync`` (and :func:`shared_base32`,
+  an address cast in LLVM IR);
 * under Numba's CUDA simulator, a plain Python function with the same arguments and results
   bit for bit (binary16 through NumPy; the warp-collective ones exchange their lanes'
   operands through a per-block table between two block barriers, so in that build every
@@ -40,9 +41,9 @@ from numba.cuda.extending import intrinsic
 
 from ... import _backend
 
-__all__ = ["SHARED_ALIGN", "SIMULATED", "SIM_SHARED_BASE", "exp2_ftz", "half2_bits", "hmul2", "lds_u32", "low_halves",
-           "high_halves", "mma_16816", "movmatrix_trans", "pack_half2", "shared_base32", "shfl_idx_f32", "shfl_xor_f32",
-           "shfl_xor_u32", "unpack_half2"]
+__all__ = ["SHARED_ALIGN", "SIMULATED", "SIM_SHARED_BASE", "exp2_ftz", "global_address", "half2_bits", "hmul2",
+           "lds_u32", "ldg_u16", "ldg_u32", "low_halves", "high_halves", "mma_16816", "movmatrix_trans", "pack_half2",
+           "shared_base32", "shfl_idx_f32", "shfl_xor_f32", "shfl_xor_u32", "unpack_half2"]
 
 #: the simulator build (Python twins of every primitive)
 SIMULATED = _backend.simulator_enabled()
@@ -92,6 +93,38 @@ def _sim_lds_u32(arr, addr):
         raise IndexError(f"shared address {int(addr):#x}: not a word of the array's first 16 KiB at "
                          f"{SIM_SHARED_BASE:#x} ({len(arr)} words)")
     return np.uint32(arr[off >> 2])
+
+
+def _sim_root(arr):
+    """The simulated device array's NumPy view and the allocation it lies in."""
+    a = getattr(arr, "_ary", arr)
+    root = a
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    return a, root
+
+
+def _sim_global_address(arr):
+    return np.uint64(_sim_root(arr)[0].__array_interface__["data"][0])
+
+
+def _sim_load(arr, addr, dtype):
+    """The ``dtype`` element at byte address ``addr`` of the allocation ``arr`` lies in (the
+    GPU reads outside it, or misaligned, only through a wrong address: raised here)."""
+    _, root = _sim_root(arr)
+    size = np.dtype(dtype).itemsize
+    off = int(addr) - root.__array_interface__["data"][0]
+    if off < 0 or off > root.nbytes - size or off % size:
+        raise IndexError(f"address {int(addr):#x}: not a {np.dtype(dtype)} of the array's allocation")
+    return np.uint32(root.reshape(-1).view(np.uint8)[off:off + size].view(dtype)[0])
+
+
+def _sim_ldg_u32(arr, addr):
+    return _sim_load(arr, addr, np.uint32)
+
+
+def _sim_ldg_u16(arr, addr):
+    return _sim_load(arr, addr, np.uint16)
 
 
 def _exchange(value):
@@ -191,6 +224,60 @@ def _asm_intrinsic(template: str, result: str, operands: tuple[str, ...]):
     return intrinsic(typer)
 
 
+def _gpu_loads():
+    """The shared and global loads by address and the addresses they start from."""
+    i32 = ir.IntType(32)
+    i64 = ir.IntType(64)
+
+    @intrinsic
+    def shared_base(typingctx, arr):
+        def codegen(context, builder, signature, args):
+            data = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=args[0]).data
+            # the generic pointer back in the shared state space (LLVM folds the two casts
+            # into the array's symbol), as a 32-bit shared-window address
+            shared = builder.addrspacecast(data, ir.PointerType(data.type.pointee, addrspace=3))
+            return builder.ptrtoint(shared, i32)
+
+        return types.uint32(arr), codegen
+
+    @intrinsic
+    def lds(typingctx, arr, addr):
+        def codegen(context, builder, signature, args):
+            a = context.cast(builder, args[1], signature.args[1], types.uint32)
+            # side_effect: LLVM does not see that the asm reads the array, so it must not move
+            # the load above the barrier that publishes the array's words
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i32]), "ld.shared.u32 $0, [$1];", "=r,r", side_effect=True)
+            return builder.call(asm, [a])
+
+        return types.uint32(arr, types.uint32), codegen
+
+    @intrinsic
+    def global_addr(typingctx, arr):
+        def codegen(context, builder, signature, args):
+            data = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=args[0]).data
+            asm = ir.InlineAsm(ir.FunctionType(i64, [i64]), "cvta.to.global.u64 $0, $1;", "=l,l")
+            return builder.call(asm, [builder.ptrtoint(data, i64)])
+
+        return types.uint64(arr), codegen
+
+    def ldg(width):
+        ty = ir.IntType(width)
+
+        def typer(typingctx, arr, addr):
+            def codegen(context, builder, signature, args):
+                a = context.cast(builder, args[1], signature.args[1], types.uint64)
+                # (no side effect: the kernels read arrays that nothing writes while they run)
+                asm = ir.InlineAsm(ir.FunctionType(ty, [i64]), f"ld.global.u{width} $0, [$1];",
+                                   "=r,l" if width == 32 else "=h,l")
+                value = builder.call(asm, [a])
+                return value if width == 32 else builder.zext(value, i32)
+
+            return types.uint32(arr, types.uint64), codegen
+        return intrinsic(typer)
+
+    return shared_base, lds, global_addr, ldg(32), ldg(16)
+
+
 def _gpu_primitives():
     f32 = ir.FloatType()
     i32 = ir.IntType(32)
@@ -224,28 +311,6 @@ def _gpu_primitives():
     low = _asm_intrinsic("prmt.b32 $0, $1, $2, 0x5410;", "u32", ("u32", "u32"))
     high = _asm_intrinsic("prmt.b32 $0, $1, $2, 0x7632;", "u32", ("u32", "u32"))
 
-    @intrinsic
-    def shared_base(typingctx, arr):
-        def codegen(context, builder, signature, args):
-            data = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=args[0]).data
-            # the generic pointer back in the shared state space (LLVM folds the two casts
-            # into the array's symbol), as a 32-bit shared-window address
-            shared = builder.addrspacecast(data, ir.PointerType(data.type.pointee, addrspace=3))
-            return builder.ptrtoint(shared, i32)
-
-        return types.uint32(arr), codegen
-
-    @intrinsic
-    def lds(typingctx, arr, addr):
-        def codegen(context, builder, signature, args):
-            a = context.cast(builder, args[1], signature.args[1], types.uint32)
-            # side_effect: LLVM does not see that the asm reads the array, so it must not move
-            # the load above the barrier that publishes the array's words
-            asm = ir.InlineAsm(ir.FunctionType(i32, [i32]), "ld.shared.u32 $0, [$1];", "=r,r", side_effect=True)
-            return builder.call(asm, [a])
-
-        return types.uint32(arr, types.uint32), codegen
-
     def shfl_idx(x, src):
         return cuda.shfl_sync(_FULL, x, src)
 
@@ -257,8 +322,8 @@ def _gpu_primitives():
         return cuda.shfl_xor_sync(_FULL, x, mask)
 
     dev = cuda.jit(device=True, inline="always")
-    return (mma, pack, mul2, movmatrix, low, high, ex2, dev(shfl_u32), dev(shfl_f32), dev(shfl_idx), shared_base,
-            lds)
+    return (mma, pack, mul2, movmatrix, low, high, ex2, dev(shfl_u32), dev(shfl_f32), dev(shfl_idx),
+            *_gpu_loads())
 
 
 if SIMULATED:
@@ -267,9 +332,10 @@ if SIMULATED:
     shfl_xor_u32 = shfl_xor_f32 = _sim_shfl_xor
     shfl_idx_f32 = _sim_shfl_idx
     shared_base32, lds_u32 = _sim_shared_base32, _sim_lds_u32
+    global_address, ldg_u32, ldg_u16 = _sim_global_address, _sim_ldg_u32, _sim_ldg_u16
 else:
     (mma_16816, pack_half2, hmul2, movmatrix_trans, low_halves, high_halves, exp2_ftz, shfl_xor_u32, shfl_xor_f32,
-     shfl_idx_f32, shared_base32, lds_u32) = _gpu_primitives()
+     shfl_idx_f32, shared_base32, lds_u32, global_address, ldg_u32, ldg_u16) = _gpu_primitives()
 
 mma_16816.__doc__ = """``D = A·B + C`` of one warp (``mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32``):
 ``a0…a3`` and ``b0, b1`` this lane's ``.f16x2`` fragments of A and B, ``c0…c3`` its float32
@@ -297,3 +363,12 @@ the shared array it lies in, whose words must be written before the last block b
 ``addr`` from :func:`shared_base32` OR a byte offset, made by the caller in one instruction
 together with the rest of its index (the tensor-core kernel's table reads: a funnel shift, a
 mask-and-or, the load)."""
+global_address.__doc__ = """The global-space byte address (``uint64``) of the device array ``arr``'s
+element 0 (``cvta.to.global.u64`` of its data pointer), for :func:`ldg_u32` / :func:`ldg_u16`."""
+ldg_u32.__doc__ = """The ``uint32`` at global byte address ``addr`` (``ld.global.u32``; ``arr`` the
+array it lies in, which the simulator reads it through and checks it against).  A caller that
+makes ``addr`` as one ``u32 × u32 + u64`` multiply-add, with the constant offsets of the words
+it reads next folded into the loads' immediates, spends one instruction per address where
+Numba's indexing of ``arr`` spends a multiply-add, a shift-and-add pair and an add."""
+ldg_u16.__doc__ = """The ``uint16`` at global byte address ``addr``, zero-extended to ``uint32``
+(``ld.global.u16``); as :func:`ldg_u32`."""
