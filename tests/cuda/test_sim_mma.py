@@ -453,6 +453,22 @@ def test_flat_addressing_matches_4d_indexing(view):
         np.testing.assert_array_equal(to_host(out), arr[idx[:, 0], idx[:, 1], idx[:, 2], idx[:, 3]])
 
 
+def test_mma_operands_refuse_rows_past_32_bit_addresses():
+    """A flat KV row (or a page) of 2**32 bytes or more would overflow the kernels' 32-bit
+    row factors (``mma._row``): such arrays go to the warp kernel.  Zero-stride views stand in
+    for the huge arrays (only shapes, dtypes and contiguity flags are read)."""
+    from numba_kv.ops.attention.layout import _fits_32bit_rows
+
+    def fake(shape, dtype):
+        return np.lib.stride_tricks.as_strided(np.zeros(1, dtype), shape=shape, strides=(0,) * len(shape))
+
+    assert _fits_32bit_rows(fake((2, 1, (2 ** 32 - 1) // 48, 12), np.uint32))
+    assert not _fits_32bit_rows(fake((2, 1, 2 ** 32 // 48 + 1, 12), np.uint32))
+    assert not _fits_32bit_rows(fake((2, 1, 2 ** 31, 4), np.uint16))
+    assert not _fits_32bit_rows(fake((2 ** 31, 2, 16, 12), np.uint32))
+    assert _fits_32bit_rows(fake((2 ** 31 - 1, 2, 16, 12), np.uint32))
+
+
 def test_mma_operands_refuse_views_that_are_not_c_contiguous():
     """The kernels address codes and scales from their shapes, so a view into a larger buffer
     (its token stride not the shape's) goes to the warp kernel instead."""

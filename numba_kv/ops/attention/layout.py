@@ -203,7 +203,8 @@ def mma_operands(kc: Any, ks: Any, vc: Any, vs: Any, flat: bool) -> tuple | None
     -------
     tuple ``(kc32, ks, vc32, vs)`` of 4-D views, or None
         Codes as uint32 words (:func:`code_words`); ``None`` where one array cannot be viewed
-        so or a view is not C-contiguous (the caller then runs the warp kernel)."""
+        so, a view is not C-contiguous, or its addresses do not fit the kernels' 32-bit
+        factors (the caller then runs the warp kernel)."""
     if np.dtype(ks.dtype) != np.uint16 or np.dtype(vs.dtype) != np.uint16:
         return None  # 8-bit norms (norm_bits=8): the tensor-core kernels read binary16 scales
     kw, vw = code_words(kc), code_words(vc)
@@ -211,7 +212,17 @@ def mma_operands(kc: Any, ks: Any, vc: Any, vs: Any, flat: bool) -> tuple | None
     if flat and kw is not None and vw is not None:
         out = tuple(unit_axis(a) for a in out)
     # the kernels address them from their shapes (mma._row): C-contiguous views only
-    return None if any(a is None or not _c_contiguous(a) for a in out) else out
+    if any(a is None or not _c_contiguous(a) for a in out):
+        return None
+    return out if all(_fits_32bit_rows(a) for a in out) else None
+
+
+def _fits_32bit_rows(a: Any) -> bool:
+    """Whether the tensor-core kernels' byte addresses of ``a`` (4-D, C-contiguous) fit their
+    32-bit factors (``mma._row``): ``pages × heads`` and a page's (a flat KV row's) bytes below
+    ``2**32``."""
+    p, h, n, w = (int(x) for x in a.shape)
+    return p * h < 2 ** 32 and n * w * np.dtype(a.dtype).itemsize < 2 ** 32
 
 
 def _c_contiguous(a: Any) -> bool:
