@@ -354,21 +354,78 @@ exp2_ftz.__doc__ = """``2**x`` in float32 (``ex2.approx.ftz.f32``: relative erro
 ``2**-inf = 0``, results below ``2**-126`` flushed to 0) in one instruction, where
 ``math.exp2`` adds three for subnormal results; for softmax weights, which the kernels round to
 binary16 anyway."""
-shared_base32.__doc__ = """The 32-bit shared-window address of the shared array ``arr`` (its word 0), for
-:func:`lds_u32`.  A shared array declared with ``alignment=SHARED_ALIGN`` has the address bits
-below 14 clear, so ``base | byte_offset`` is its word at ``byte_offset < 16384``: an address
-made by one OR where the array's own indexing costs a shift and an add."""
-lds_u32.__doc__ = """The ``uint32`` word at shared-window address ``addr`` (``ld.shared.u32``; ``arr``
-the shared array it lies in, whose words must be written before the last block barrier):
-``addr`` from :func:`shared_base32` OR a byte offset, made by the caller in one instruction
-together with the rest of its index (the tensor-core kernel's table reads: a funnel shift, a
-mask-and-or, the load)."""
-global_address.__doc__ = """The global-space byte address (``uint64``) of the device array ``arr``'s
-element 0 (``cvta.to.global.u64`` of its data pointer), for :func:`ldg_u32` / :func:`ldg_u16`."""
-ldg_u32.__doc__ = """The ``uint32`` at global byte address ``addr`` (``ld.global.u32``; ``arr`` the
-array it lies in, which the simulator reads it through and checks it against).  A caller that
-makes ``addr`` as one ``u32 × u32 + u64`` multiply-add, with the constant offsets of the words
-it reads next folded into the loads' immediates, spends one instruction per address where
-Numba's indexing of ``arr`` spends a multiply-add, a shift-and-add pair and an add."""
-ldg_u16.__doc__ = """The ``uint16`` at global byte address ``addr``, zero-extended to ``uint32``
-(``ld.global.u16``); as :func:`ldg_u32`."""
+shared_base32.__doc__ = """The 32-bit shared-window address of a shared array's word 0, for :func:`lds_u32`.
+
+A shared array declared with ``alignment=SHARED_ALIGN`` has the address bits below 14 clear,
+so ``base | byte_offset`` is its word at ``byte_offset < 16384``: an address made by one OR
+where the array's own indexing costs a shift and an add.
+
+Parameters
+----------
+arr : uint32 shared array (``cuda.shared.array``), any shape
+
+Returns
+-------
+uint32
+    The address (the simulator's stand-in: :data:`SIM_SHARED_BASE`).
+"""
+lds_u32.__doc__ = """The word at a shared-window address (``ld.shared.u32``).
+
+The caller makes ``addr`` in one instruction together with the rest of its index (the
+tensor-core kernel's table reads: a funnel shift, a mask-and-or, the load).
+
+Parameters
+----------
+arr : uint32 shared array
+    The array ``addr`` lies in; its words must be written before the last block barrier (the
+    simulator reads through it and raises outside its first 16 KiB).
+addr : uint32
+    :func:`shared_base32` of ``arr`` OR a multiple-of-4 byte offset below 16384.
+
+Returns
+-------
+uint32
+"""
+global_address.__doc__ = """The global-space byte address of a device array's element 0
+(``cvta.to.global.u64`` of its data pointer), for :func:`ldg_u32` / :func:`ldg_u16`.
+
+Parameters
+----------
+arr : device array, any shape and dtype
+
+Returns
+-------
+uint64
+"""
+ldg_u32.__doc__ = """The ``uint32`` at a global byte address (``ld.global.u32``).
+
+A caller that makes ``addr`` as one ``u32 × u32 + u64`` multiply-add, with the constant
+offsets of the words it reads next folded into the loads' immediates, spends one instruction
+per address where Numba's indexing of ``arr`` spends a multiply-add, a shift-and-add pair and
+an add.
+
+Parameters
+----------
+arr : uint32 device array
+    The array ``addr`` lies in (the simulator reads through it and raises outside its
+    allocation or at a misaligned address); nothing may write it while the kernel runs.
+addr : uint64
+    :func:`global_address` of ``arr`` plus a multiple-of-4 byte offset inside it.
+
+Returns
+-------
+uint32
+"""
+ldg_u16.__doc__ = """The ``uint16`` at a global byte address, zero-extended (``ld.global.u16``).
+
+Parameters
+----------
+arr : uint16 device array
+    As :func:`ldg_u32`.
+addr : uint64
+    :func:`global_address` of ``arr`` plus a multiple-of-2 byte offset inside it.
+
+Returns
+-------
+uint32
+"""
