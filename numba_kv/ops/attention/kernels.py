@@ -54,12 +54,11 @@ from .cpu import (
 from .merge import MERGE_SCRATCH, merge_if_last
 from .mma import (
     MMA_BLOCKS_PER_SM,
-    MMA_TAB_WORDS,
+    MMA_TAB_SHARED_WORDS,
     MMA_THREADS,
     build_tables,
     mma_partition,
 )
-from .ptx import SHARED_ALIGN
 from .qrot import coop_rotate_rows, rotate_rows_cpu
 from .warp import (
     SIMULATED,
@@ -480,7 +479,7 @@ def _partition_mma_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exac
     xbuf = cuda.shared.array(XBUF, dtype=float32)  # the simulator's exchanges only
     qs = cuda.shared.array(WARP_QS, dtype=float32)
     pw = cuda.shared.array(WARP_PW, dtype=float32)
-    tab = cuda.shared.array(MMA_TAB_WORDS, dtype=uint32, alignment=SHARED_ALIGN)  # (read through lds_u32)
+    tab = cuda.shared.array(MMA_TAB_SHARED_WORDS, dtype=uint32)  # (the tables realigned inside: aligned_table)
     rows = qr.shape[1]
     d = qr.shape[2]
     n_parts = part_m.shape[1]

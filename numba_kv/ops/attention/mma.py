@@ -47,8 +47,10 @@ rows as A, half of them zeros) took 16 + 16.
   immediate offsets; a table entry's
   shared address is cut from the packed words already shifted to its byte offset and OR-ed
   with the lane's replica and the tables' base (one funnel shift, one mask-and-or, the
-  load: :func:`~numba_kv.ops.attention.ptx.lds_u32`).  The tables are aligned to 16 KiB so
-  that the base has the offset bits clear; indexing the array instead cost a multiply-add
+  load: :func:`~numba_kv.ops.attention.ptx.lds_u32`).  The tables start at a 16 KiB-aligned
+  shared-window address inside a 32 KiB array (:func:`aligned_table`: no declared alignment
+  reaches the window, whose user arrays start 0x400 bytes in), so that the base has the
+  offset bits clear; indexing the array instead cost a multiply-add
   more per read on sm_90, where a shared array's base is a register (its CTA's window in
   the cluster), not an immediate: 64 of a 3-bit pass's 679 SASS instructions.
 
@@ -92,10 +94,10 @@ from .ptx import (
     shfl_xor_f32,
 )
 
-__all__ = ["LN2", "LOG2E", "MMA_BITS", "MMA_BLOCKS_PER_SM", "MMA_HEAD_DIM", "MMA_TAB_WORDS", "MMA_THREADS", "MMA_TILE",
-           "TAB_SLOTS", "build_pair_table", "build_tables", "key_tile", "mma_partition", "mma_partition_size",
-           "mma_tiles", "pair_table_replicas", "reference_pair_table", "stage_query_fragments", "store_mma_partition",
-           "token_address", "value_tile"]
+__all__ = ["LN2", "LOG2E", "MMA_BITS", "MMA_BLOCKS_PER_SM", "MMA_HEAD_DIM", "MMA_TAB_SHARED_WORDS", "MMA_TAB_WORDS",
+           "MMA_THREADS", "MMA_TILE", "TAB_BYTES", "TAB_SLOTS", "aligned_table", "build_pair_table", "build_tables",
+           "key_tile", "mma_partition", "mma_partition_size", "mma_tiles", "pair_table_replicas",
+           "reference_pair_table", "stage_query_fragments", "store_mma_partition", "token_address", "value_tile"]
 
 #: the head_dim of the tensor-core kernel (4 blocks of 32: one per lane of a quad)
 MMA_HEAD_DIM = 128
@@ -113,6 +115,14 @@ MMA_BITS = (2, 3, 4)
 TAB_SLOTS = 2048
 #: the block's two tables (K at word 0, V at word TAB_SLOTS)
 MMA_TAB_WORDS = 2 * TAB_SLOTS
+#: bytes of the two tables, and the alignment of their start in the shared window: the table
+#: offsets then fill bits 2-13 of an address whose higher bits are the start's, so that the
+#: kernel makes each read's address by ORs (:func:`aligned_table`)
+TAB_BYTES = 4 * MMA_TAB_WORDS
+#: words of the shared array that holds the tables: twice the tables, so that a TAB_BYTES-aligned
+#: start lies inside it wherever the array lands (no declared alignment reaches the window
+#: address: sm_80 and sm_90 put user shared arrays 0x400 bytes into it)
+MMA_TAB_SHARED_WORDS = 2 * MMA_TAB_WORDS
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -161,14 +171,28 @@ def build_pair_table(tab, o, cent, bits, tid, nth):
 
 
 @cuda_device
+def aligned_table(tab):
+    """``(w0, base)``: the word of ``tab`` (a :data:`MMA_TAB_SHARED_WORDS`-word shared array)
+    where the two tables start, the first whose shared-window address is a multiple of
+    :data:`TAB_BYTES`, and that address (:func:`~numba_kv.ops.attention.ptx.shared_base32`,
+    realigned).  A table read's address is then ``base | byte offset``: one mask-and-or that
+    also adds the lane's replica."""
+    raw = shared_base32(tab)
+    base = uint32(uint32(raw + uint32(TAB_BYTES - 1)) & uint32(0x100000000 - TAB_BYTES))
+    return int32(uint32(base - raw) >> uint32(2)), base
+
+
+@cuda_device
 def build_tables(tab, kcent, vcent, kbits, vbits, tid, nth):
-    """The block's two pair tables (K at word 0, V at :data:`TAB_SLOTS`) from row 0 of each
-    codebook; returns ``(kb, vb, kf, vf)``: the widths and the factors to multiply back
-    (:func:`build_pair_table`).  The caller's next block barrier publishes them."""
+    """The block's two pair tables (K at word ``w0``, V at ``w0 +`` :data:`TAB_SLOTS`, ``w0``
+    from :func:`aligned_table`) from row 0 of each codebook; returns ``(kb, vb, kf, vf)``: the
+    widths and the factors to multiply back (:func:`build_pair_table`).  The caller's next
+    block barrier publishes them."""
     kb = kbits[0]
     vb = vbits[0]
-    kf = build_pair_table(tab, 0, kcent, kb, tid, nth)
-    vf = build_pair_table(tab, TAB_SLOTS, vcent, vb, tid, nth)
+    w0, _ = aligned_table(tab)
+    kf = build_pair_table(tab, w0, kcent, kb, tid, nth)
+    vf = build_pair_table(tab, int32(w0 + TAB_SLOTS), vcent, vb, tid, nth)
     return kb, vb, kf, vf
 
 
@@ -472,12 +496,12 @@ def mma_tiles(kb, vb, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, page_s
         psh += int32(1)
     addr = (paged, kv_indices, first, psh, h)
     # each lane's replica of the two pair tables (TAB_SLOTS: the V table) as the shared address
-    # of its entry 0: a table read is this OR the entry's byte offset (the table's alignment
-    # leaves bits 2-13 of the base clear), one mask-and-or where indexing the array took a
-    # multiply-add more (sm_90: the base of a shared array is a register, not an immediate).
+    # of its entry 0: a table read is this OR the entry's byte offset (the tables' realigned
+    # start leaves bits 2-13 of the base clear), one mask-and-or where indexing the array took
+    # a multiply-add more (sm_90: the base of a shared array is a register, not an immediate).
     # From the widths read at run time: a constant mask would be folded into every table
     # read's mask-and-or, which then takes two instructions instead of one
-    base = shared_base32(tab)
+    _, base = aligned_table(tab)
     kslot = ((uint32(lane) & uint32(pair_table_replicas_dev(kb) - 1)) << uint32(2)) | base
     vslot = (((uint32(lane) & uint32(pair_table_replicas_dev(vb) - 1)) | uint32(TAB_SLOTS)) << uint32(2)) | base
     t_lo32 = int32(t_lo)

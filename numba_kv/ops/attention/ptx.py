@@ -41,21 +41,19 @@ from numba.cuda.extending import intrinsic
 
 from ... import _backend
 
-__all__ = ["SHARED_ALIGN", "SIMULATED", "SIM_SHARED_BASE", "exp2_ftz", "global_address", "half2_bits", "hmul2",
+__all__ = ["SIMULATED", "SIM_SHARED_BASE", "exp2_ftz", "global_address", "half2_bits", "hmul2",
            "lds_u32", "ldg_u16", "ldg_u32", "low_halves", "high_halves", "mma_16816", "movmatrix_trans", "pack_half2",
            "shared_base32", "shfl_idx_f32", "shfl_xor_f32", "shfl_xor_u32", "unpack_half2"]
 
 #: the simulator build (Python twins of every primitive)
 SIMULATED = _backend.simulator_enabled()
 _FULL = 0xFFFFFFFF
-#: byte alignment of a shared array read through :func:`lds_u32` with OR-ed addresses (16 KiB:
-#: the offsets of the tensor-core kernel's two pair tables fill bits 2–13); ``None`` in the
-#: simulator, whose shared arrays take no alignment (its :func:`shared_base32` is aligned)
-SHARED_ALIGN = None if SIMULATED else 16384
-#: the simulator's stand-in shared-window address of every array (16 KiB-aligned, with bits set
-#: above bit 13, so that an address made by adding where the kernels OR, or past an array's
-#: first 16 KiB, reads the wrong word or raises)
-SIM_SHARED_BASE = 0x1C000
+#: the simulator's stand-in shared-window address of every array: as on sm_80 and sm_90, where
+#: a CTA's user shared arrays start 0x400 bytes into its window (and sm_90 puts the CTA's rank
+#: in the cluster above bit 23), it is not aligned past 1 KiB, so that code which assumes a
+#: more aligned array (ORs an offset into its address without realigning it first) reads the
+#: wrong word or raises, as on the GPU
+SIM_SHARED_BASE = 0x1C400
 
 
 # --- Python twins (the simulator build; also the tests' oracle of the bit layout) ----------
@@ -89,8 +87,8 @@ def _sim_shared_base32(arr):
 
 def _sim_lds_u32(arr, addr):
     off = int(addr) - SIM_SHARED_BASE
-    if off < 0 or off & 3 or off >= 4 * len(arr) or off >= 16384:
-        raise IndexError(f"shared address {int(addr):#x}: not a word of the array's first 16 KiB at "
+    if off < 0 or off & 3 or off >= 4 * len(arr):
+        raise IndexError(f"shared address {int(addr):#x}: not a word of the array at "
                          f"{SIM_SHARED_BASE:#x} ({len(arr)} words)")
     return np.uint32(arr[off >> 2])
 
@@ -356,9 +354,10 @@ exp2_ftz.__doc__ = """``2**x`` in float32 (``ex2.approx.ftz.f32``: relative erro
 binary16 anyway."""
 shared_base32.__doc__ = """The 32-bit shared-window address of a shared array's word 0, for :func:`lds_u32`.
 
-A shared array declared with ``alignment=SHARED_ALIGN`` has the address bits below 14 clear,
-so ``base | byte_offset`` is its word at ``byte_offset < 16384``: an address made by one OR
-where the array's own indexing costs a shift and an add.
+Not aligned past 1 KiB whatever alignment the array is declared with: sm_80 and sm_90 place a
+CTA's user shared arrays 0x400 bytes into its window (the first KiB is reserved), and sm_90
+puts the CTA's rank in its cluster above bit 23.  A caller that ORs byte offsets into the
+address realigns it first (the tensor-core kernel: :func:`~numba_kv.ops.attention.mma.aligned_table`).
 
 Parameters
 ----------
@@ -378,9 +377,10 @@ Parameters
 ----------
 arr : uint32 shared array
     The array ``addr`` lies in; its words must be written before the last block barrier (the
-    simulator reads through it and raises outside its first 16 KiB).
+    simulator reads through it and raises outside it).
 addr : uint32
-    :func:`shared_base32` of ``arr`` OR a multiple-of-4 byte offset below 16384.
+    :func:`shared_base32` of ``arr`` plus a multiple-of-4 byte offset inside it (made by an OR
+    only from a base realigned past the offset's bits).
 
 Returns
 -------
