@@ -29,6 +29,19 @@ if importlib.util.find_spec("numba_cuda") is None:
     raise ImportError("numba_kv needs the numba-cuda package (numba's built-in numba.cuda is deprecated and lacks "
                       "what the kernels use): pip install numba-cuda")
 
+
+
+def _numpy_compat() -> None:
+    """Give numpy ≥ 2.5 back ``np.row_stack`` (an alias of ``np.vstack``, removed there) when it
+    lacks it: numba-cuda 0.30 registers an overload of it while it loads its target, at the
+    first CUDA compilation, and without it no CUDA kernel compiles ("module 'numpy' has no
+    attribute 'row_stack'", seen on numpy 2.5.2)."""
+    if not hasattr(np, "row_stack"):
+        np.row_stack = np.vstack
+
+
+_numpy_compat()
+
 CPU = "cpu"
 CUDA = "cuda"
 _F32 = np.dtype(np.float32)

@@ -64,3 +64,20 @@ def test_large_arrays_are_not_kept_unless_owned_and_the_memo_is_bounded():
     for i, a in enumerate(arrays):
         _backend.same_view(memo, i, a, lambda x: ["view"])
     assert len(memo) == _backend.VIEW_MEMO_LIMIT and "pool" not in memo and 0 not in memo
+
+
+def test_numpy_without_row_stack_gets_the_alias_numba_cuda_needs(monkeypatch):
+    """numpy 2.5 removed ``np.row_stack``, which numba-cuda 0.30 overloads when its CUDA target
+    loads (every kernel compilation failed on numpy 2.5.2): the backend puts the alias back,
+    as ``np.vstack``, and leaves a numpy that has it alone."""
+    from numba_kv import _backend
+
+    original = getattr(np, "row_stack", None)
+    monkeypatch.delattr(np, "row_stack", raising=False)
+    assert not hasattr(np, "row_stack")
+    _backend._numpy_compat()
+    assert np.row_stack is np.vstack
+    if original is not None:
+        monkeypatch.setattr(np, "row_stack", original)
+        _backend._numpy_compat()
+        assert np.row_stack is original
