@@ -6,11 +6,11 @@
 #
 #   bash benchmarks/gpu_check.sh [OUTDIR]        # PYTHON=python3, JOBS=8 by default
 #
-# Stages, each under its own time limit (seconds, overridable), each log in OUTDIR; about 8
-# minutes in all by default:
-#   1. bench_cuda.{txt,json}:  `numba-kv bench attention --device cuda` at T 32K/128K, batch 1/8/32, 3/4 bits
-#                              (fused vs torch SDPA vs CuPy fp16 vs dequantize-then-attend; BENCH_LIMIT=150;
-#                              BENCH_TOKENS=4096,16384,32768,65536,131072 for the whole grid)
+# Stages, in the order they run (the correctness gate first, the figures the issues ask for next, so that a
+# lease cut short keeps what matters), each under its own time limit (seconds, overridable), each log in
+# OUTDIR; about 8 minutes in all by default:
+#   1. tests_gpu.log:          the gpu_only and cuda tests on the real GPU (CuPy and Numba device arrays,
+#                              StepGraph capture and replay, the transformers cache on CUDA; TEST_LIMIT=200)
 #   2. decode_step.{txt,json}: `numba-kv bench decode-step --device cuda` (dense/pqo3/kv4 at T 4K..128K, batch 1,
 #                              vs torch SDPA, the fused steps also through a numba_kv.StepGraph: the "graph"
 #                              columns; DECODE_LIMIT=90); decode_step_numba_launch.*: the same at T 4K with
@@ -18,9 +18,11 @@
 #   3. mma_check.log:          benchmarks/gpu_mma_check.py (tensor-core kernel: accuracy vs the CPU twin, A/B vs the
 #                              warp kernel and launch bounds, torch SDPA; MMA_LIMIT=200; OLD=REV[,REV] or a folder
 #                              holding extracted numba_kv_ab* packages adds those builds' tensor-core kernels to the A/B)
-#      attention_ab.log:       benchmarks/gpu_attention_ab.py (block vs warp kernel, launch bounds, copy bandwidth)
-#   4. tests_gpu.log:          the gpu_only and cuda tests on the real GPU (CuPy and Numba device arrays)
+#   4. bench_cuda.{txt,json}:  `numba-kv bench attention --device cuda` at T 32K/128K, batch 1/8/32, 3/4 bits
+#                              (fused vs torch SDPA vs CuPy fp16 vs dequantize-then-attend; BENCH_LIMIT=150;
+#                              BENCH_TOKENS=4096,16384,32768,65536,131072 for the whole grid)
 #   5. pytest_bench.json:      the pytest-benchmark groups attention-cuda(-torch) and decode-step-cuda at T = 4096
+#   6. attention_ab.log:       benchmarks/gpu_attention_ab.py (block vs warp kernel, launch bounds, copy bandwidth)
 # torch (for the SDPA baseline) is optional: without it the torch columns stay empty.
 set -u
 out=${1:-benchmarks/results/gpu}
@@ -52,12 +54,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max
 "$py" -c "import torch; print('torch', torch.__version__, 'CUDA' if torch.cuda.is_available() else 'no CUDA')" \
     2>/dev/null || echo "torch: not installed (no torch SDPA baseline)"
 
-stage "bench attention --device cuda" "${BENCH_LIMIT:-150}" "$out/bench_cuda.txt" \
-    "$py" -m numba_kv.toolkit.cli bench attention --device cuda --tokens "${BENCH_TOKENS:-32768,131072}" \
-    --batch 1,8,32 --no-progress --json "$out/bench_cuda.json"
-"$py" -c "import json, sys; from numba_kv.toolkit import bench_cuda as b; \
-rows = [b.CudaAttentionRow(**r) for r in json.load(open(sys.argv[1]))['rows']]; print(b.render(rows))" \
-    "$out/bench_cuda.json" >> "$out/bench_cuda.txt" 2>&1 && tail -n 40 "$out/bench_cuda.txt"
+stage "gpu tests" "${TEST_LIMIT:-200}" "$out/tests_gpu.log" \
+    "$py" -m pytest -q -p no:cacheprovider $xdist $ptimeout -m "cuda or gpu_only" \
+    tests/gpu tests/cuda tests/caches/test_lifecycle.py tests/caches/test_sliding.py tests/toolkit/test_bench_cuda.py \
+    tests/toolkit/test_bench_step.py
 stage "bench decode-step --device cuda" "${DECODE_LIMIT:-90}" "$out/decode_step.txt" \
     "$py" -m numba_kv.toolkit.cli bench decode-step --device cuda --no-progress --json "$out/decode_step.json"
 "$py" -c "import json, sys; from numba_kv.toolkit import bench_step as b; \
@@ -69,13 +69,15 @@ stage "bench decode-step --device cuda, every launch through Numba (A/B of prepa
     --json "$out/decode_step_numba_launch.json"
 stage "tensor-core kernel: accuracy, A/B vs warp kernel, torch" "${MMA_LIMIT:-200}" "$out/mma_check.log" \
     "$py" benchmarks/gpu_mma_check.py --tokens 32768,131072 --batch 1,8,32 --bits 3,4 ${OLD:+--old "$OLD"}
-stage "kernel A/B" "${AB_LIMIT:-90}" "$out/attention_ab.log" \
-    "$py" benchmarks/gpu_attention_ab.py
-stage "gpu tests" "${TEST_LIMIT:-200}" "$out/tests_gpu.log" \
-    "$py" -m pytest -q -p no:cacheprovider $xdist $ptimeout -m "cuda or gpu_only" \
-    tests/gpu tests/cuda tests/caches/test_lifecycle.py tests/caches/test_sliding.py tests/toolkit/test_bench_cuda.py \
-    tests/toolkit/test_bench_step.py
+stage "bench attention --device cuda" "${BENCH_LIMIT:-150}" "$out/bench_cuda.txt" \
+    "$py" -m numba_kv.toolkit.cli bench attention --device cuda --tokens "${BENCH_TOKENS:-32768,131072}" \
+    --batch 1,8,32 --no-progress --json "$out/bench_cuda.json"
+"$py" -c "import json, sys; from numba_kv.toolkit import bench_cuda as b; \
+rows = [b.CudaAttentionRow(**r) for r in json.load(open(sys.argv[1]))['rows']]; print(b.render(rows))" \
+    "$out/bench_cuda.json" >> "$out/bench_cuda.txt" 2>&1 && tail -n 40 "$out/bench_cuda.txt"
 stage "pytest-benchmark attention-cuda, decode-step-cuda" "${PB_LIMIT:-60}" "$out/pytest_bench.log" \
     "$py" -m pytest -q -p no:cacheprovider benchmarks/bench_attention_cuda.py benchmarks/bench_decode_step_cuda.py \
     -k "4096" --benchmark-only --benchmark-json="$out/pytest_bench.json"
+stage "kernel A/B" "${AB_LIMIT:-90}" "$out/attention_ab.log" \
+    "$py" benchmarks/gpu_attention_ab.py
 exit $status
