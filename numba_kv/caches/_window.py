@@ -503,9 +503,7 @@ class ExactWindow:
         apply (nothing done; :meth:`store` then stores op by op, with the same bytes)."""
         if not self.pair_applies(st, int(xk3.shape[1])):
             return None
-        exk, exv = st.buffers["k_exact"], st.buffers["v_exact"]
-        if exk.dtype == np.float16:  # (CuPy) the kernel stores binary16 bit patterns
-            exk, exv = exk.view(np.uint16), exv.view(np.uint16)
+        exk, exv = self.store_targets(st)
         xk3, xv3 = _backend.ascontiguous_f32("k", xk3), _backend.ascontiguous_f32("v", xv3)
         evk = self._eviction_buffer(st, "k", xk3, plan.compressed)
         evv = self._eviction_buffer(st, "v", xk3, plan.compressed)
@@ -527,6 +525,18 @@ class ExactWindow:
                           plan.keep_old, plan.keep_new, pos, n_sink, base, n_win, ranges, count, kmean)
         st.scratch["exact_pos_of"] = tuple(pos_counts)
         return evk, evv
+
+    def store_targets(self, st: LayerState) -> tuple[Any, Any]:
+        """The layer's two window buffers as :meth:`store_pair`'s launch takes them: float16
+        ones (CuPy) as their ``uint16`` bit patterns, the same view objects from step to step
+        while the buffers stand (a new view each step would be a new launch argument each step:
+        no prepared launch, no :class:`~numba_kv.StepGraph` replay)."""
+        exk, exv = st.buffers["k_exact"], st.buffers["v_exact"]
+        if exk.dtype != np.float16:
+            return exk, exv
+        views = st.scratch.setdefault("views", {})
+        return tuple(_backend.same_view(views, ("bits16", name), buf, lambda a: a.view(np.uint16), owned=True)
+                     for name, buf in (("k", exk), ("v", exv)))
 
     def _eviction_buffer(self, st: LayerState, name: str, like: Any, n: int) -> Any:
         """The layer's reused float32 buffer ``[rows, n, d]`` of side ``name``'s evicted tokens

@@ -138,3 +138,41 @@ def test_store_compresses_what_leaves_the_window(rng):
     flat = np.empty((1, 9, 32), np.float32)
     win.merge(st, "k", x[:, 2:6], flat)
     assert np.array_equal(flat, x)
+
+
+class _DeviceLike:
+    """A stand-in device array: ``view`` makes a new object each time (as CuPy's does)."""
+
+    def __init__(self, data: np.ndarray) -> None:
+        self.data = data
+
+    shape = property(lambda self: self.data.shape)
+    dtype = property(lambda self: self.data.dtype)
+    size = property(lambda self: self.data.size)
+
+    def view(self, dtype):
+        return _DeviceLike(self.data.view(dtype))
+
+
+def test_float16_window_store_takes_the_same_bit_views_every_step():
+    """A float16 window (CuPy) goes to the store's launch as its uint16 bit patterns: the same
+    view objects from step to step while the buffers stand (a new view per step was a new
+    launch argument per step: on an H200 no `pqo3` step replayed as a CUDA graph), new ones
+    when a buffer is replaced; float32 windows as they are."""
+    from types import SimpleNamespace
+
+    rng = np.random.default_rng(3)
+    k, v = (_DeviceLike(rng.standard_normal((2, 8, 64)).astype(np.float16)) for _ in range(2))
+    st = SimpleNamespace(buffers={"k_exact": k, "v_exact": v}, scratch={})
+    w = ExactWindow(64, 0, 8)
+    first, again = w.store_targets(st), w.store_targets(st)
+    assert all(a is b for a, b in zip(first, again))
+    for view, buf in zip(first, (k, v)):
+        assert view.dtype == np.uint16
+        np.testing.assert_array_equal(view.data, buf.data.view(np.uint16))
+    st.buffers["k_exact"] = _DeviceLike(k.data.copy())  # a grown window: a new buffer
+    grown = w.store_targets(st)
+    assert grown[0] is not first[0] and grown[1] is first[1]
+    f32 = {name: _DeviceLike(np.zeros((2, 8, 64), np.float32)) for name in ("k_exact", "v_exact")}
+    st32 = SimpleNamespace(buffers=f32, scratch={})
+    assert w.store_targets(st32) == (f32["k_exact"], f32["v_exact"])

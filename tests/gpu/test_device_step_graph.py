@@ -2,7 +2,8 @@
 graph (``cuda.core``) and replayed, with the outputs of the same steps launched one by one
 (bit for bit) and of the CPU twin (float32 round-off).  ``kv4`` as the preset makes it (key
 centering, a rotated int8 window) on both array kinds: its keys are centered in the store's
-launch, so its steps replay too.  On a GPU with CuPy and Numba device arrays (the
+launch, so its steps replay too; ``pqo3`` with its float16 window too (its store takes the
+same bit-pattern views every step).  On a GPU with CuPy and Numba device arrays (the
 simulator's stand-in graph is tested by ``tests/cuda/test_sim_step_graph.py``)."""
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ SHAPES = ((1, H, 1, D), (1, H, 1, D), (1, H * G, 1, D))
 
 
 def _cache(mode, dev):
+    if mode == "pqo3-f16":  # the preset's float16 window (CuPy: stored as binary16 bit patterns)
+        return make_cache("pqo3", num_layers=1, num_kv_heads=H, head_dim=D)
     kw = {} if mode == "kv4" else {"window_dtype": "float32"}
     return make_cache(mode, num_layers=1, num_kv_heads=H, head_dim=D, **kw)
 
 
-@pytest.mark.parametrize("mode", ["pqo3", "kv4"])
+@pytest.mark.parametrize("mode", ["pqo3", "pqo3-f16", "kv4"])
 def test_steady_steps_replay_as_a_graph(dev, mode):
     if _backend.simulator_enabled():
         pytest.skip("a real capture (the simulator's stand-in graph: tests/cuda/test_sim_step_graph.py)")
