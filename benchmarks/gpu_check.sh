@@ -10,13 +10,14 @@
 # lease cut short keeps what matters), each under its own time limit (seconds, overridable), each log in
 # OUTDIR; about 8 minutes in all by default:
 #   1. tests_gpu.log:          the gpu_only and cuda tests on the real GPU (CuPy and Numba device arrays,
-#                              StepGraph capture and replay, the transformers cache on CUDA; TEST_LIMIT=200)
+#                              StepGraph capture and replay, the transformers cache on CUDA; TEST_LIMIT=200;
+#                              verbose, so that a run cut at its limit still names the tests that failed)
 #   2. decode_step.{txt,json}: `numba-kv bench decode-step --device cuda` (dense/pqo3/kv4 at T 4K..128K, batch 1,
 #                              vs torch SDPA, the fused steps also through a numba_kv.StepGraph: the "graph"
 #                              columns; DECODE_LIMIT=90); decode_step_numba_launch.*: the same at T 4K with
 #                              NUMBA_KV_CUDA_PREPARED_LAUNCH=0 (every launch through Numba's typing: the A/B)
 #   3. mma_check.log:          benchmarks/gpu_mma_check.py (tensor-core kernel: accuracy vs the CPU twin, A/B vs the
-#                              warp kernel and launch bounds, torch SDPA; MMA_LIMIT=200; OLD=REV[,REV] or a folder
+#                              warp kernel and launch bounds, torch SDPA, GPU time of both; MMA_LIMIT=200; OLD=REV[,REV] or a folder
 #                              holding extracted numba_kv_ab* packages adds those builds' tensor-core kernels to the A/B)
 #   4. bench_cuda.{txt,json}:  `numba-kv bench attention --device cuda` at T 32K/128K, batch 1/8/32, 3/4 bits
 #                              (fused vs torch SDPA vs CuPy fp16 vs dequantize-then-attend; BENCH_LIMIT=150;
@@ -55,7 +56,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max
     2>/dev/null || echo "torch: not installed (no torch SDPA baseline)"
 
 stage "gpu tests" "${TEST_LIMIT:-200}" "$out/tests_gpu.log" \
-    "$py" -m pytest -q -p no:cacheprovider $xdist $ptimeout -m "cuda or gpu_only" \
+    "$py" -m pytest -v -rfE -p no:cacheprovider $xdist $ptimeout -m "cuda or gpu_only" \
     tests/gpu tests/cuda tests/caches/test_lifecycle.py tests/caches/test_sliding.py tests/toolkit/test_bench_cuda.py \
     tests/toolkit/test_bench_step.py
 stage "bench decode-step --device cuda" "${DECODE_LIMIT:-90}" "$out/decode_step.txt" \
@@ -68,7 +69,7 @@ stage "bench decode-step --device cuda, every launch through Numba (A/B of prepa
     "$py" -m numba_kv.toolkit.cli bench decode-step --device cuda --tokens 4096 --no-torch --no-progress \
     --json "$out/decode_step_numba_launch.json"
 stage "tensor-core kernel: accuracy, A/B vs warp kernel, torch" "${MMA_LIMIT:-200}" "$out/mma_check.log" \
-    "$py" benchmarks/gpu_mma_check.py --tokens 32768,131072 --batch 1,8,32 --bits 3,4 ${OLD:+--old "$OLD"}
+    "$py" benchmarks/gpu_mma_check.py --tokens 32768,131072 --batch 1,8,32 --bits 3,4 --device-time ${OLD:+--old "$OLD"}
 stage "bench attention --device cuda" "${BENCH_LIMIT:-150}" "$out/bench_cuda.txt" \
     "$py" -m numba_kv.toolkit.cli bench attention --device cuda --tokens "${BENCH_TOKENS:-32768,131072}" \
     --batch 1,8,32 --no-progress --json "$out/bench_cuda.json"

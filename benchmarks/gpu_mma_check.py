@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import importlib.util
 import pathlib
 import sys
 import time
@@ -250,6 +251,10 @@ def main() -> None:
         VARIANTS.update(load_old_kernels(args.old))
     cupy = require_cupy()
     print(provenance_line(), flush=True)
+    if args.device_time and importlib.util.find_spec("torch") is None:
+        print("--device-time: torch is not installed (its spin kernel hides the host): per-call timings only",
+              flush=True)
+        args.device_time = False
     if not args.skip_accuracy:
         accuracy(cupy)
     speed(cupy, [int(x) for x in args.tokens.split(",")], [int(x) for x in args.batch.split(",")],
