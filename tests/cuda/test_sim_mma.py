@@ -105,12 +105,12 @@ def exp2_kernel(x, out):
     out[i] = exp2_ftz(x[i])
 
 
-@cuda.jit
-def lds_kernel(src, offsets, out, bases):
-    """Each of 128 threads stores 32 words of ``src`` into the 16 KiB-aligned half of a 32 KiB
-    shared array (:func:`aligned_table`); after the barrier, thread ``i`` reads the word at
-    byte offset ``offsets[i]`` by the OR-ed address."""
-    tab = cuda.shared.array(8192, dtype=np.uint32)
+@cuda.jit(device=True)
+def _fill_then_read(tab, src, offsets, out, bases, extra):
+    """Thread ``i`` of 128 stores 32 words of ``src`` into the 16 KiB-aligned half of the 32 KiB
+    shared array ``tab`` (:func:`aligned_table`); after the barrier it reads the word at byte
+    offset ``offsets[i]`` by the OR-ed address and records the raw base, the realigned one and
+    the start word (plus ``extra``, 0)."""
     i = cuda.threadIdx.x
     w0, base = aligned_table(tab)
     for j in range(i, 4096, cuda.blockDim.x):
@@ -118,8 +118,14 @@ def lds_kernel(src, offsets, out, bases):
     cuda.syncthreads()
     bases[0, i] = shared_base32(tab)
     bases[1, i] = base
-    bases[2, i] = w0
+    bases[2, i] = w0 + extra
     out[i] = lds_u32(tab, base | offsets[i])
+
+
+@cuda.jit
+def lds_kernel(src, offsets, out, bases):
+    """:func:`_fill_then_read` on the block's only shared array."""
+    _fill_then_read(cuda.shared.array(8192, dtype=np.uint32), src, offsets, out, bases, np.uint32(0))
 
 
 @cuda.jit
@@ -129,14 +135,7 @@ def lds_second_array_kernel(src, offsets, out, bases):
     tab = cuda.shared.array(8192, dtype=np.uint32)
     i = cuda.threadIdx.x
     pad[i] = np.uint32(i)
-    w0, base = aligned_table(tab)
-    for j in range(i, 4096, cuda.blockDim.x):
-        tab[w0 + j] = src[j]
-    cuda.syncthreads()
-    bases[0, i] = shared_base32(tab)
-    bases[1, i] = base
-    bases[2, i] = w0 + (pad[i] & np.uint32(0))
-    out[i] = lds_u32(tab, base | offsets[i])
+    _fill_then_read(tab, src, offsets, out, bases, pad[i] & np.uint32(0))
 
 
 @pytest.mark.cuda
