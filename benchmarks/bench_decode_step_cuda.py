@@ -9,7 +9,9 @@ time of cuDNN/flash) over T tokens, skipped without torch.  Every entry records 
 the benchmark JSON's ``machine_info`` carries the provenance (``benchmarks/conftest.py``).
 
 A fused cache's step writes one ``out=`` array; ``[...-graph]``: the same step through a
-:class:`numba_kv.StepGraph` (captured in its warm-up rounds, then replayed).
+:class:`numba_kv.StepGraph` (captured in its warm-up rounds, then replayed); ``[...-bound]``:
+through a :class:`numba_kv.DecodeStep` (armed in its warm-up rounds; a steady round is then
+one graph launch without the step's Python).
 
 Skipped without CuPy and a real GPU (the simulator is too slow for these shapes)."""
 
@@ -17,7 +19,7 @@ import os
 
 import pytest
 
-from numba_kv import AttendConfig, StepGraph, make_cache
+from numba_kv import AttendConfig, DecodeStep, StepGraph, make_cache
 from numba_kv.toolkit.bench_cuda import (
     CudaBenchUnavailable,
     dense_attention,
@@ -31,6 +33,7 @@ from numba_kv.toolkit.bench_cuda import (
     sdpa_backend,
 )
 from numba_kv.toolkit.bench_step import (
+    BOUND_WARMUP,
     DEFAULT_MODES,
     DEFAULT_STEPS,
     DEFAULT_TOKENS,
@@ -76,21 +79,29 @@ def _info(benchmark, cupy, t, **extra):
                                 gpu=gpu_name(memory_properties(cupy.cuda.runtime)), **extra)
 
 
-@pytest.mark.parametrize("graphed", [False, True], ids=["launches", "graph"])
+@pytest.mark.parametrize("how", ["launches", "graph", "bound"])
 @pytest.mark.parametrize("mode", DEFAULT_MODES)
-def test_decode_step(benchmark, cupy, history, mode, graphed):
+def test_decode_step(benchmark, cupy, history, mode, how):
     benchmark.group = "decode-step-cuda"
     t, k, v, q, k1, v1 = history
     cfg = AttendConfig(D ** -0.5, GROUPS)
     cache = make_cache(mode, num_layers=1, num_kv_heads=HKV, head_dim=D)
     cache.prefill(0, k, v)
     kind = output_kind(cache.decode(0, k1, v1, q, cfg))
-    if graphed and kind != "fused":
+    if how != "launches" and kind != "fused":
         pytest.skip("a dequantized step ends in the caller's attention: no StepGraph")
     out = cupy.empty(q.shape, cupy.float32) if kind == "fused" else None  # the step's output, reused
-    graph = StepGraph() if graphed else None
-    step = make_decode_step(cache, k1, v1, q, cfg,
-                            lambda qq, kk, vv, scale, bias: dense_attention(cupy, qq, kk, vv, scale, bias), out, graph)
+    graph = StepGraph() if how == "graph" else None
+    if how == "bound":
+        bound = DecodeStep(cache, 0, k1, v1, q, cfg, out=out)
+        graph = bound.graph
+
+        def step():
+            return bound().out
+    else:
+        step = make_decode_step(cache, k1, v1, q, cfg,
+                                lambda qq, kk, vv, scale, bias: dense_attention(cupy, qq, kk, vv, scale, bias), out,
+                                graph)
     sync = cupy.cuda.Device().synchronize
 
     def run():
@@ -99,7 +110,7 @@ def test_decode_step(benchmark, cupy, history, mode, graphed):
 
     sync()
     benchmark.pedantic(run, rounds=DEFAULT_STEPS, iterations=1,
-                       warmup_rounds=GRAPH_WARMUP if graphed else DEFAULT_WARMUP - 1)
+                       warmup_rounds={"graph": GRAPH_WARMUP, "bound": BOUND_WARMUP}.get(how, DEFAULT_WARMUP - 1))
     _info(benchmark, cupy, t, mode=mode, output=kind, kv_mb=cache.memory_usage() / 1e6,
           tokens_after=cache.seq_len(0), graph=None if graph is None else graph.stats(),
           graph_error=None if graph is None else graph.error)

@@ -32,12 +32,13 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
 import numpy as np  # noqa: E402
 from numba import cuda  # noqa: E402
 
-from numba_kv import AttendConfig, StepGraph, _graph, make_cache  # noqa: E402
+from numba_kv import AttendConfig, DecodeStep, StepGraph, _graph, make_cache  # noqa: E402
 from numba_kv.info import provenance_line  # noqa: E402
 
 
-def steady(mode: str, h: int, g: int, d: int) -> tuple:
-    """A one-layer ``mode`` cache on device arrays whose steps replay: ``(graph, step)``."""
+def steady(mode: str, h: int, g: int, d: int, bound: bool = False) -> tuple:
+    """A one-layer ``mode`` cache on device arrays whose steps replay: ``(graph, step)``;
+    ``bound``: the step a :class:`numba_kv.DecodeStep` whose steps skip their Python."""
     rng = np.random.default_rng(0)
     cache = make_cache(mode, num_layers=1, num_kv_heads=h, head_dim=d)
     t0 = cache.config.sink_tokens + cache.config.residual_length + 3
@@ -47,16 +48,20 @@ def steady(mode: str, h: int, g: int, d: int) -> tuple:
     q = cuda.to_device(rng.standard_normal((1, h * g, 1, d)).astype(np.float32))
     out = cuda.to_device(np.zeros((1, h * g, 1, d), np.float32))
     attend = AttendConfig(d ** -0.5, n_kv_groups=g)
-    graph = StepGraph()
+    if bound:
+        step = DecodeStep(cache, 0, bufs[0], bufs[1], q, attend, out=out)
+        graph = step.graph
+    else:
+        graph = StepGraph()
 
-    def step():
-        return graph.run(cache.decode, 0, bufs[0], bufs[1], q, attend, out=out)
+        def step():
+            return graph.run(cache.decode, 0, bufs[0], bufs[1], q, attend, out=out)
 
-    for _ in range(5):
+    for _ in range(6):
         step()
     st = graph.stats()
-    if st["replayed"] < 1:
-        raise SystemExit(f"{mode}: steps do not replay in the simulator ({st})")
+    if st["bound" if bound else "replayed"] < 1:
+        raise SystemExit(f"{mode}: steps do not {'skip their Python' if bound else 'replay'} in the simulator ({st})")
     return graph, step
 
 
@@ -69,30 +74,37 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--bound", action="store_true",
+                    help="steps through a numba_kv.DecodeStep (replayed steps skip their Python)")
     ap.add_argument("--sort", default="tottime", help="pstats sort key (tottime, cumulative, ...)")
     args = ap.parse_args()
     print(provenance_line(), flush=True)
     for mode in args.modes.split(","):
-        graph, step = steady(mode, args.kv_heads, args.groups, args.head_dim)
+        graph, step = steady(mode, args.kv_heads, args.groups, args.head_dim, args.bound)
         _graph._SimGraph.launch = lambda self, stream: None  # noqa: SLF001 - the GPU's work, not the host's
-        before = graph.stats()["replayed"]
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
+        counted = "bound" if args.bound else "replayed"
+        times = []
+        for _ in range(args.steps):  # each step timed: a step that grows the buffers runs the simulator's kernels
+            before = graph.stats()[counted]
+            t0 = time.perf_counter()
             step()
-        us = (time.perf_counter() - t0) / args.steps * 1e6
-        replayed = graph.stats()["replayed"] - before
-        print(f"{mode}: {us:.1f} us of host time per replayed step ({replayed}/{args.steps} replayed)", flush=True)
+            dt = time.perf_counter() - t0
+            if graph.stats()[counted] > before:
+                times.append(dt)
+        us, med = float(np.mean(times)) * 1e6, float(np.median(times)) * 1e6
+        print(f"{mode}{' (DecodeStep)' if args.bound else ''}: {us:.1f} us of host time per {counted} step "
+              f"(median {med:.1f}; {len(times)}/{args.steps} {counted})", flush=True)
         if not args.no_profile:
             # one profile per step, kept when the step replayed (a step that grows the buffers
             # or recaptures runs the simulator's kernels, which are no host cost on a GPU)
             stats = None
             for _ in range(args.steps):
-                before = graph.stats()["replayed"]
+                before = graph.stats()[counted]
                 prof = cProfile.Profile()
                 prof.enable()
                 step()
                 prof.disable()
-                if graph.stats()["replayed"] > before:
+                if graph.stats()[counted] > before:
                     stats = pstats.Stats(prof) if stats is None else stats.add(prof)
             if stats is not None:
                 stats.sort_stats(args.sort).print_stats(args.top)

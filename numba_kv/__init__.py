@@ -25,6 +25,7 @@ from .caches.persist import CacheFileError, load_cache
 from .caches.polarquant import PolarQuantCache
 from .caches.protocol import AttendConfig, CompressedKVCache, DecodeOutput, Dequantized, DequantResult, Fused
 from .caches.spec import CACHE_NAMES, make_cache
+from .caches.step import DecodeStep
 from .caches.turboquant import TurboQuantCache
 from .compressor import CompressedKV, CompressionMethod, KVCacheCompressor
 from .ops.attention import decode_attention
@@ -44,5 +45,5 @@ __all__ = [
     "make_sketch", "pack_bits", "qjl_inner_product", "qjl_quantize", "quantize_blocks", "quantize_head", "rotate32",
     "rotate_head", "unpack_bits",
 ]
-__all__ += ["CacheFileError", "MixedCache", "PolarQuantConfig", "StepGraph", "TurboQuantConfig", "knobs",
+__all__ += ["CacheFileError", "DecodeStep", "MixedCache", "PolarQuantConfig", "StepGraph", "TurboQuantConfig", "knobs",
             "launch_stream", "load_cache"]

@@ -86,6 +86,9 @@ except AttributeError:  # an os.environ without the CPython internals: plain os.
     pass
 # knob -> (raw environment value, checked value) of the last read
 _parsed: dict[str, tuple[Any, Any]] = {}
+_RAW_KEY_LIST = tuple(_RAW_KEYS.values()) if len(_RAW_KEYS) == len(DEFAULTS) else ()
+#: bumped by every :func:`set`, :func:`knobs` entry and exit and :func:`reset` (:func:`state_key`)
+_generation = 0
 
 
 def _env_raw(name: str) -> Any:
@@ -141,6 +144,23 @@ def set(name: str, value: Any) -> None:  # noqa: A001 - deliberate, mirrors get(
     if name not in DEFAULTS:
         raise KeyError(f"name: unknown numba_kv config knob {name!r}; known: {sorted(DEFAULTS)}")
     _overrides[name] = _checked(name, value, name)
+    _bump()
+
+
+def _bump() -> None:
+    global _generation  # noqa: PLW0603 - the module's one counter of override changes
+    _generation += 1
+
+
+def state_key() -> tuple:
+    """A key that changes whenever any knob's value may have: the overrides' generation and
+    the raw values of every knob's environment variable, read live (cheap: one dict lookup
+    per knob).  Equal keys, equal values — what a step that skips its Python
+    (:class:`numba_kv.DecodeStep`) checks instead of asking for every knob."""
+    data = getattr(os.environ, "_data", None)
+    if data is None or not _RAW_KEY_LIST:
+        return _generation, tuple(os.environ.get(env) for env in _ENV_NAMES.values())
+    return _generation, tuple(map(data.get, _RAW_KEY_LIST))
 
 
 @contextlib.contextmanager
@@ -158,6 +178,7 @@ def knobs(**values: Any) -> Iterator[None]:
         checked[name] = _checked(name, value, name)
     saved = {name: _overrides[name] for name in checked if name in _overrides}
     _overrides.update(checked)
+    _bump()
     try:
         yield
     finally:
@@ -166,8 +187,10 @@ def knobs(**values: Any) -> Iterator[None]:
                 _overrides[name] = saved[name]
             else:
                 _overrides.pop(name, None)
+        _bump()
 
 
 def reset() -> None:
     """Drop every override made with :func:`set`."""
     _overrides.clear()
+    _bump()

@@ -61,10 +61,11 @@ class _SimEntry:
     """A simulator launch held like a prepared entry: the kernel, geometry, weak references to
     its arrays and its scalars."""
 
-    __slots__ = ("dispatcher", "geometry", "refs", "scalars")
+    __slots__ = ("dispatcher", "geometry", "handle", "refs", "scalars")
 
     def __init__(self, dispatcher: Any, geometry: tuple, args: tuple) -> None:
         self.dispatcher = dispatcher
+        self.handle = _backend.launch_stream_state()[1]
         self.geometry = geometry
         self.refs = tuple(None if isinstance(a, _SCALARS) else weakref.ref(a) for a in args)
         self.scalars = tuple(a if isinstance(a, _SCALARS) else None for a in args)
@@ -212,6 +213,10 @@ class StepGraph:
         self._candidate: tuple | None = None
         self._counts: Counter = Counter()
         self.error: str | None = None
+        #: what the last :meth:`run` did: a key of :meth:`stats` ("replayed", "captured", ...)
+        self.last: str | None = None
+        #: bumped whenever the captured graph changes (captured, dropped)
+        self.generation = 0
 
     def run(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)``, its kernel launches replayed as a graph when they repeat.
@@ -248,25 +253,27 @@ class StepGraph:
                 rec.flush()  # what the step launched before failing still runs, in order
                 self._candidate = None
                 self._counts["failed"] += 1
+                self.last = "failed"
                 raise
             _backend.set_step_recorder(None)
             self._finish(rec)
             return result
 
     def _finish(self, rec: _Recorder) -> None:
-        entries = tuple(rec.pending)
+        self.last = self._outcome(rec)
         self._counts["steps"] += 1
+        self._counts[self.last] += 1
+
+    def _outcome(self, rec: _Recorder) -> str:
+        entries = tuple(rec.pending)
         if rec.eager:
             rec.flush()
             self._candidate = None
-            self._counts["eager"] += 1
-            return
+            return "eager"
         if not entries:
-            self._counts["host"] += 1
-            return
+            return "host"
         if self._graph is not None and _same(entries, self._graph_entries) and self._launch(entries):
-            self._counts["replayed"] += 1
-            return
+            return "replayed"
         if self._capture and self.error is None and self._candidate is not None and _same(entries, self._candidate):
             try:
                 graph = _capture(entries)
@@ -276,11 +283,42 @@ class StepGraph:
                 self.reset()
                 self._graph, self._graph_entries = graph, entries
                 if self._launch(entries):
-                    self._counts["captured"] += 1
-                    return
+                    return "captured"
         rec.flush()
         self._candidate = entries
-        self._counts["launched"] += 1
+        return "launched"
+
+    def replay(self, generation: int) -> bool:
+        """Launch the captured graph again without running a step (what
+        :class:`numba_kv.DecodeStep` does for a step whose Python it skips), when it is
+        still the graph of ``generation`` (:attr:`generation`) and is launched on the
+        calling thread's launch stream as captured.  Counted as ``replayed`` (and ``bound``).
+        ``False`` (nothing launched) otherwise; a failed launch also drops the graph."""
+        with self._lock:
+            if self._graph is None or generation != self.generation or _backend.step_recorder() is not None:
+                return False
+            if _backend.launch_stream_state()[1] != _handle_of(self._graph_entries[0]):
+                return False
+            if not self._launch(self._graph_entries):
+                return False
+            self.last = "replayed"
+            self._counts.update(("steps", "replayed", "bound"))
+            return True
+
+    def captured_arrays(self) -> tuple | None:
+        """The arrays of the captured graph's launches (strong references: a caller that keeps
+        them keeps the graph's device memory alive), or ``None`` when there is no graph or
+        one of them is gone."""
+        with self._lock:
+            arrays = []
+            for entry in self._graph_entries:
+                for ref in entry.refs:
+                    if ref is not None:
+                        a = ref()
+                        if a is None:
+                            return None
+                        arrays.append(a)
+            return tuple(arrays) if self._graph is not None else None
 
     def _launch(self, entries: tuple) -> bool:
         """Launch the graph on the entries' stream; ``False`` (and no graph from now on) when
@@ -298,14 +336,17 @@ class StepGraph:
         if self._graph is not None:
             self._graph.close()
         self._graph, self._graph_entries, self._candidate = None, (), None
+        self.generation += 1
 
     def stats(self) -> dict[str, int]:
         """Steps so far: ``steps``; ``replayed`` (the captured graph launched), ``captured``
         (a graph captured and launched), ``launched`` (held back, then launched one by one:
         the first time a sequence is seen), ``eager`` (the step did other device work or a
-        launch through Numba), ``host`` (no CUDA launch), ``failed`` (``fn`` raised).  Why
+        launch through Numba), ``host`` (no CUDA launch), ``failed`` (``fn`` raised);
+        ``bound``: of the replayed steps, those launched by :meth:`replay` (a
+        :class:`numba_kv.DecodeStep` step that skipped its Python).  Why
         no graph is captured any more, when a capture or a graph launch failed: ``error``."""
-        keys = ("steps", "replayed", "captured", "launched", "eager", "host", "failed")
+        keys = ("steps", "replayed", "captured", "launched", "eager", "host", "failed", "bound")
         return {key: self._counts[key] for key in keys}
 
 
@@ -315,3 +356,8 @@ def _same(a: tuple, b: tuple) -> bool:
 
 def _stream_of(entry: Any) -> Any:
     return getattr(entry, "stream", None)
+
+
+def _handle_of(entry: Any) -> int:
+    """The launch-stream handle ``entry`` was made for (``launch_stream_state()[1]``)."""
+    return getattr(entry, "handle", 0)

@@ -139,13 +139,15 @@ def current_stream() -> tuple[Any, int]:
 
 class _Entry:
     """A launch converted once: weak references to its arrays (``None`` for scalars), the
-    stream, ``cuda.core`` launch configuration, kernel and parameters."""
+    stream (and the launch-stream handle it was keyed by), ``cuda.core`` launch
+    configuration, kernel and parameters."""
 
-    __slots__ = ("config", "kernel", "params", "refs", "stream")
+    __slots__ = ("config", "handle", "kernel", "params", "refs", "stream")
 
     def __init__(self, refs: tuple, stream: Any, config: Any, kernel: Any, params: tuple) -> None:
         self.refs = refs
         self.stream = stream
+        self.handle = _backend.launch_stream_state()[1]
         self.config = config
         self.kernel = kernel
         self.params = params

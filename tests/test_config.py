@@ -103,3 +103,23 @@ def test_environment_read_through_a_replaced_mapping(monkeypatch):
 
     monkeypatch.setattr(os, "environ", {"NUMBA_KV_GROWTH_MIN_EXTRA": "64"})
     assert _config.get("growth_min_extra") == 64
+
+
+def test_state_key_changes_with_every_override_and_variable(monkeypatch):
+    """``state_key`` is what a step that skips its Python compares (numba_kv.DecodeStep): any
+    change of a knob's value must change it."""
+    monkeypatch.delenv("NUMBA_KV_CUDA_WARP_ATTENTION", raising=False)
+    seen = [_config.state_key()]
+    assert _config.state_key() == seen[0]  # nothing changed: the same key
+    _config.set("cuda_warp_attention", 0)
+    seen.append(_config.state_key())
+    with _config.knobs(cuda_mma_attention=0):
+        seen.append(_config.state_key())
+    seen.append(_config.state_key())  # the override of the block is gone again
+    _config.reset()
+    seen.append(_config.state_key())
+    monkeypatch.setenv("NUMBA_KV_CUDA_WARP_ATTENTION", "0")
+    seen.append(_config.state_key())
+    monkeypatch.setenv("NUMBA_KV_CUDA_WARP_ATTENTION", "1")
+    seen.append(_config.state_key())
+    assert len(set(seen)) == len(seen), seen

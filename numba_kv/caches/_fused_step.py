@@ -39,6 +39,7 @@ from ..ops.hadamard import SIGNS32, rotate32_rows
 from ..ops.headquant import head_signs, quantize_head_pair_into, rotate_head_rows
 from ..ops.window8 import window8_head_args, window8_head_step
 from ._layer import LayerState
+from ._window import layer_counts, plan_store
 from .protocol import AttendConfig, DecodeOutput, Fused
 
 __all__ = ["FusedDecodeMixin"]
@@ -99,6 +100,24 @@ class FusedDecodeMixin:
         if plan.compressed:
             self._compress_pair(st, ev[0], ev[1], n_comp, staged=True)
         return True
+
+    def _steady_regime(self, st: LayerState, n: int) -> Any:
+        """What the next fused decode step of ``n`` tokens stores, when it stores the way the
+        step before did (:mod:`numba_kv.caches._steady`): on a device, no sliding eviction, room
+        in the codes, and with a window no new sinks and a fixed window that stays full
+        (every step then evicts as many tokens into the codes as it takes in).  The
+        :class:`~numba_kv.caches._window.StorePlan` (``True`` without a window), or ``None``."""
+        if not self._fused or not st.seq_len or st.window is not None or st.device == _backend.CPU \
+                or self._growing_needed(st, n) > st.capacity:
+            return None
+        if not self._windowed:
+            return True
+        win = self._window
+        if win.ratio[0]:  # a window that grows with the history: its capacity moves
+            return None
+        _, _, n_win = layer_counts(st)
+        plan = plan_store(n, st.seq_len, n_win, self._sinks(st), win.residual_length)
+        return plan if not plan.sinks and plan.keep_old + plan.keep_new == n_win else None
 
     def _compress_pair(self, st: LayerState, xk3: Any, xv3: Any, t0: int, staged: bool = False) -> None:
         """:meth:`_compress` of both sides (one shape) in one launch where the codes allow it

@@ -32,6 +32,7 @@ from ..ops.gather import to_like
 from ..ops.memory import copy_prefix, copy_tokens
 from ._format import host_copy
 from ._lifecycle import LifecycleMixin
+from ._steady import SteadyStepMixin
 from ._values import ValueChecks
 from .protocol import AttendConfig, DecodeOutput, Dequantized, DequantResult
 from .state import CacheFileError, CacheState, expect_int
@@ -216,7 +217,7 @@ def grown_capacity(needed: int) -> int:
     return needed + extra
 
 
-class LayeredCache(LifecycleMixin, ValueChecks):
+class LayeredCache(SteadyStepMixin, LifecycleMixin, ValueChecks):
     """Base of all caches: validation, per-layer locks, growth, protocol bookkeeping.
 
     Subclasses define :meth:`_buffer_spec`, :meth:`_store`, :meth:`_history` and

@@ -21,7 +21,11 @@ Per configuration (``T`` history tokens, ``batch`` sequences, ``num_kv_heads`` K
    step (the documented allocation-free step);
 4. for those caches the same steps again through a :class:`numba_kv.StepGraph`
    (:data:`GRAPH_WARMUP` untimed steps: the graph is captured on the third): the ``graph``
-   columns, and how many timed steps replayed the graph.
+   columns, and how many timed steps replayed the graph;
+5. and once more through a :class:`numba_kv.DecodeStep` bound to the step's arrays
+   (:data:`BOUND_WARMUP` untimed steps: from the fifth on, a steady step is one graph launch
+   and its Python is skipped): the ``bound`` columns, and how many timed steps skipped
+   their Python.
 
 The history is not reset between steps: it grows by one token per step, so the timed steps
 see ``T + warmup + 1`` ... ``T + warmup + steps`` tokens (``tokens_after`` in a row: 23 tokens
@@ -54,7 +58,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from numba_kv import AttendConfig, Dequantized, StepGraph, make_cache
+from numba_kv import AttendConfig, DecodeStep, Dequantized, StepGraph, make_cache
 from numba_kv.info import provenance
 
 from .bench_cuda import (
@@ -79,6 +83,9 @@ DEFAULT_TOKENS = (4096, 16384, 65536, 131072)
 DEFAULT_BATCH = (1,)
 #: untimed steps through a StepGraph before its timed ones (launched, launched, captured)
 GRAPH_WARMUP = 3
+#: untimed steps through a DecodeStep before its timed ones (launched, launched, captured,
+#: replayed twice: armed; the graph may be captured again on the new step's own StepGraph)
+BOUND_WARMUP = 6
 
 #: ``attend(q, k, v, softmax_scale, logit_bias)`` -> output: the caller's attention over a
 #: :class:`~numba_kv.Dequantized` history
@@ -95,6 +102,8 @@ class DecodeStepRow:
     tokens with ``torch_backend``; ``speedup_vs_torch`` = torch median / step median (> 1: the
     cache's step is faster); ``graph_ms_*``: the step through a :class:`numba_kv.StepGraph`
     (fused output only), ``graph_replayed`` of its timed steps replayed the captured graph;
+    ``bound_ms_*``: the step through a :class:`numba_kv.DecodeStep` (fused output only),
+    ``bound_skipped`` of its timed steps skipped their Python (one graph launch);
     ``tokens_after``: the history after the last timed step.
     """
 
@@ -121,23 +130,30 @@ class DecodeStepRow:
     graph_ms_median: float | None = None
     graph_ms_min: float | None = None
     graph_replayed: int | None = None
+    bound_ms_median: float | None = None
+    bound_ms_min: float | None = None
+    bound_skipped: int | None = None
 
 
 def make_row(mode: str, tokens: int, batch: int, num_kv_heads: int, groups: int, head_dim: int,
              output: str | None, step: tuple[float, float] | None, torch_ms: tuple[float, float] | None,
              torch_backend: str | None, kv_mb: float | None, steps: int, warmup: int, gpu: str, prov: dict,
              note: str = "", graph: tuple[float, float] | None = None,
-             graph_replayed: int | None = None) -> DecodeStepRow:
+             graph_replayed: int | None = None, bound: tuple[float, float] | None = None,
+             bound_skipped: int | None = None) -> DecodeStepRow:
     """Assemble a row from ``(median, min)`` timings (``None``: not measured); the speedup is
     torch median / step median (:func:`numba_kv.toolkit.bench_cuda.speedup`).  ``graph``:
-    the steps through a :class:`numba_kv.StepGraph` (:data:`GRAPH_WARMUP` + ``steps`` more)."""
+    the steps through a :class:`numba_kv.StepGraph` (:data:`GRAPH_WARMUP` + ``steps`` more);
+    ``bound``: through a :class:`numba_kv.DecodeStep` (:data:`BOUND_WARMUP` + ``steps`` more)."""
     med, mn = step if step is not None else (None, None)
     tmed, tmin = torch_ms if torch_ms is not None else (None, None)
     gmed, gmin = graph if graph is not None else (None, None)
-    after = tokens + (warmup + steps if step is not None else 0) + (GRAPH_WARMUP + steps if graph is not None else 0)
+    bmed, bmin = bound if bound is not None else (None, None)
+    after = tokens + (warmup + steps if step is not None else 0) + (GRAPH_WARMUP + steps if graph is not None else 0) \
+        + (BOUND_WARMUP + steps if bound is not None else 0)
     return DecodeStepRow(mode, tokens, batch, num_kv_heads, groups, head_dim, output, med, mn, tmed, tmin,
                          torch_backend if tmed is not None else None, speedup(tmed, med), kv_mb,
-                         after, steps, warmup, gpu, prov, note, gmed, gmin, graph_replayed)
+                         after, steps, warmup, gpu, prov, note, gmed, gmin, graph_replayed, bmed, bmin, bound_skipped)
 
 
 def time_wall_ms(fn: Callable[[], Any], steps: int, warmup: int, sync: Callable[[], Any]) -> tuple[float, float]:
@@ -280,7 +296,7 @@ def _bench_config(cupy: Any, torch: Any | None, rng: Any, sync: Callable[[], Any
 
     rows = []
     for mode in modes:
-        note, step_ms, kind, kv_mb, graph_ms, graph = torch_note, None, None, None, None, None
+        note, step_ms, kind, kv_mb, graph_ms, graph, bound = torch_note, None, None, None, None, None, (None, None)
         try:
             cache = make_cache(mode, num_layers=1, num_kv_heads=hkv, head_dim=d)
             cache.prefill(0, k, v)
@@ -292,6 +308,7 @@ def _bench_config(cupy: Any, torch: Any | None, rng: Any, sync: Callable[[], Any
                 graph = StepGraph()
                 graph_ms = time_wall_ms(make_decode_step(cache, k1, v1, q, cfg, attend, out, graph), steps,
                                         GRAPH_WARMUP, sync)
+                bound = time_bound_step(DecodeStep(cache, 0, k1, v1, q, cfg, out=out), steps, sync)
             kv_mb = cache.memory_usage() / 1e6
             del cache
         except cupy.cuda.memory.OutOfMemoryError as exc:
@@ -302,8 +319,18 @@ def _bench_config(cupy: Any, torch: Any | None, rng: Any, sync: Callable[[], Any
         free_device_memory(cupy, None)
         rows.append(make_row(mode, t, b, hkv, groups, d, kind, step_ms, torch_ms, backend, kv_mb,
                              steps, warmup, gpu, prov, note, graph_ms,
-                             None if graph_ms is None else graph.stats()["replayed"]))
+                             None if graph_ms is None else graph.stats()["replayed"], *bound))
     return rows
+
+
+def time_bound_step(step: DecodeStep, steps: int, sync: Callable[[], Any]) -> tuple[tuple[float, float], int]:
+    """``((median, min), skipped)``: :func:`time_wall_ms` of ``step`` after :data:`BOUND_WARMUP`
+    untimed calls, and how many of the timed calls skipped their Python."""
+    for _ in range(BOUND_WARMUP):
+        step()
+    before = step.stats()["bound"]
+    timing = time_wall_ms(lambda: step().out, steps, 0, sync)
+    return timing, step.stats()["bound"] - before
 
 
 def rows_as_dicts(rows: Sequence[DecodeStepRow]) -> list[dict]:
@@ -326,19 +353,21 @@ def render(rows: Sequence[DecodeStepRow]) -> str:
              f"{r0.gpu}, {r0.num_kv_heads} KV heads x {r0.groups} query heads, d={r0.head_dim}; host wall "
              f"clock to device synchronize, median/min of {r0.steps} steps after {r0.warmup} warm-up (history "
              f"grows by 1 token per step; fused output into one out= array; graph: the same steps through a "
-             f"numba_kv.StepGraph); baseline: one torch SDPA call, fp16, GQA, fastest of cuDNN/flash "
+             f"numba_kv.StepGraph; bound: through a numba_kv.DecodeStep, skipped: steps without their Python); "
+             f"baseline: one torch SDPA call, fp16, GQA, fastest of cuDNN/flash "
              f"(torch {p.get('torch', '?')}); numba {p.get('numba', '?')}, host {p.get('cpu_model', '?')}")
     table = Table(title=title)
     for col in ("mode", "T", "batch", "output", "step ms (median)", "step ms (min)", "torch sdpa ms (median)",
                 "torch ms (min)", "torch backend", "x torch", "graph ms (median)", "graph ms (min)",
-                "replayed", "KV MB", "note"):
+                "replayed", "bound ms (median)", "bound ms (min)", "skipped", "KV MB", "note"):
         table.add_column(col, justify="left" if col in ("mode", "output", "torch backend", "note") else "right")
     for r in rows:
         table.add_row(r.mode, str(r.tokens), str(r.batch), r.output or "-", fmt(r.step_ms_median, ".3f"),
                       fmt(r.step_ms_min, ".3f"), fmt(r.torch_ms_median, ".3f"), fmt(r.torch_ms_min, ".3f"),
                       r.torch_backend or "-", fmt(r.speedup_vs_torch, ".2f"), fmt(r.graph_ms_median, ".3f"),
                       fmt(r.graph_ms_min, ".3f"), "-" if r.graph_replayed is None else f"{r.graph_replayed}/{r.steps}",
-                      fmt(r.kv_mb, ".1f"), r.note)
+                      fmt(r.bound_ms_median, ".3f"), fmt(r.bound_ms_min, ".3f"),
+                      "-" if r.bound_skipped is None else f"{r.bound_skipped}/{r.steps}", fmt(r.kv_mb, ".1f"), r.note)
     buf = io.StringIO()
-    Console(file=buf, width=220, force_terminal=False, color_system=None).print(table)
+    Console(file=buf, width=260, force_terminal=False, color_system=None).print(table)
     return buf.getvalue()

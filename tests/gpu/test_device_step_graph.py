@@ -60,3 +60,42 @@ def test_steady_steps_replay_as_a_graph(dev, mode):
     st = graph.stats()
     assert graph.error is None and st["failed"] == 0, (graph.error, st)
     assert st["captured"] == 1 and st["replayed"] >= STEPS - 4, st
+
+
+@pytest.mark.parametrize("mode", ["pqo3", "pqo3-f16", "kv4", "tq3"])
+def test_bound_steps_skip_their_python(dev, mode):
+    """``numba_kv.DecodeStep``: from the fifth step on a steady step is one graph launch with the
+    layer's counters advanced, and its outputs, buffers and counters are those of the same
+    steps through ``cache.decode`` (bit for bit)."""
+    if _backend.simulator_enabled():
+        pytest.skip("a real capture (the simulator's: tests/cuda/test_sim_decode_step.py)")
+    from numba_kv import DecodeStep
+
+    if mode == "tq3" and dev.kind != "cupy":
+        pytest.skip("TurboQuant caches take NumPy or CuPy arrays")
+    rng = np.random.default_rng(62)
+    bound, plain = (_cache(mode, dev) for _ in range(2))
+    t0 = bound.config.sink_tokens + bound.config.residual_length + 3
+    k, v = (rng.standard_normal((1, H, t0, D)).astype(np.float32) for _ in range(2))
+    for cache in (bound, plain):
+        cache.prefill(0, dev.put(k), dev.put(v))
+    attend = AttendConfig(D ** -0.5, n_kv_groups=G)
+    bufs = [tuple(dev.put(np.zeros(s, np.float32)) for s in (*SHAPES, SHAPES[2])) for _ in range(2)]
+    step = DecodeStep(bound, 0, *bufs[0][:3], attend, out=bufs[0][3])
+    for _ in range(STEPS + 4):
+        host = tuple(rng.standard_normal(s).astype(np.float32) for s in SHAPES)
+        for dk, dv, dq, _ in bufs:
+            for buf, x in zip((dk, dv, dq), host):
+                if dev.kind == "cupy":
+                    buf[...] = dev.cupy.asarray(x)
+                else:
+                    buf.copy_to_device(x)
+        got = dev.get(step().out).copy()
+        want = dev.get(plain.decode(0, *bufs[1][:3], attend, out=bufs[1][3]).out)
+        np.testing.assert_array_equal(got, want)
+        a, b = bound._layers[0], plain._layers[0]
+        assert (a.seq_len, a.meta, a.live) == (b.seq_len, b.meta, b.live)
+        for name, buf in a.buffers.items():
+            np.testing.assert_array_equal(dev.get(buf), dev.get(b.buffers[name]), err_msg=name)
+    st = step.stats()
+    assert step.graph.error is None and st["bound"] >= STEPS - 1, (step.graph.error, st)

@@ -36,6 +36,9 @@ def test_row_arithmetic():
     graphed = _row(graph=(0.08, 0.07), graph_replayed=20)
     assert (graphed.graph_ms_median, graphed.graph_ms_min, graphed.graph_replayed) == (0.08, 0.07, 20)
     assert graphed.tokens_after == 4096 + 3 + 20 + bench_step.GRAPH_WARMUP + 20 and r.graph_ms_median is None
+    bound = _row(graph=(0.08, 0.07), graph_replayed=20, bound=(0.04, 0.03), bound_skipped=19)
+    assert (bound.bound_ms_median, bound.bound_ms_min, bound.bound_skipped) == (0.04, 0.03, 19)
+    assert bound.tokens_after == graphed.tokens_after + bench_step.BOUND_WARMUP + 20 and r.bound_ms_median is None
     failed = _row(step=None, output=None, kv_mb=None, note="error: ValueError: x")
     assert failed.step_ms_median is None and failed.speedup_vs_torch is None and failed.tokens_after == 4096
     assert bench_step.failed([r, failed, _row(step=None, note="out of device memory: 1 GiB")]) == [failed]
@@ -51,10 +54,11 @@ def test_render_with_and_without_torch():
     assert pqo3[:12] == ["│", "pqo3", "│", "4096", "│", "1", "│", "fused", "│", "2.000", "│", "1.500"]
     assert "0.500" in pqo3 and "flash" in pqo3 and "0.25" in pqo3
     dense = next(line for line in text.splitlines() if "dense" in line and "│" in line)
-    assert "dequantized+attend" in dense and "oom" in dense and dense.split().count("-") == 7  # torch, graph
-    graphed = bench_step.render([_row(graph=(0.08, 0.07), graph_replayed=20)])
+    assert "dequantized+attend" in dense and "oom" in dense and dense.split().count("-") == 10  # torch, graph, bound
+    graphed = bench_step.render([_row(graph=(0.08, 0.07), graph_replayed=20, bound=(0.04, 0.03), bound_skipped=19)])
     row = next(line for line in graphed.splitlines() if "pqo3" in line).split()
     assert "0.080" in row and "0.070" in row and "20/20" in row
+    assert row.index("0.070") < row.index("0.040") < row.index("0.030") < row.index("19/20")
     assert bench_step.render([]) == "no rows\n"
 
 
@@ -121,8 +125,9 @@ def test_whole_flow_with_numpy_dressed_as_cupy(fake_cupy, tmp_path, capsys):
         if r.mode == "dense":  # the caller attends: no out=, no graph
             assert r.tokens_after == r.tokens + 2 + 3 and r.graph_ms_median is None and r.graph_replayed is None
         else:  # host arrays: the graph's steps just run (nothing to replay)
-            assert r.tokens_after == r.tokens + 2 + 3 + bench_step.GRAPH_WARMUP + 3
+            assert r.tokens_after == r.tokens + 2 + 3 + bench_step.GRAPH_WARMUP + 3 + bench_step.BOUND_WARMUP + 3
             assert 0 < r.graph_ms_min <= r.graph_ms_median and r.graph_replayed == 0
+            assert 0 < r.bound_ms_min <= r.bound_ms_median and r.bound_skipped == 0  # NumPy: every step in full
     assert main(["bench", "decode-step", "--device", "cuda", "--modes", "pqo3", "--tokens", "40", "--kv-heads",
                  "1", "--groups", "2", "--head-dim", "32", "--steps", "1", "--no-progress"]) == 0
     assert "pqo3" in capsys.readouterr().out

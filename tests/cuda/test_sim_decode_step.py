@@ -1,0 +1,179 @@
+"""``numba_kv.DecodeStep`` in Numba's CUDA simulator: steady steps that skip their Python (one
+"graph" launch, the layer's counters advanced) give the CPU twin's outputs and leave the
+twin's buffers and counters; ``verify=True`` checks, step by step across buffer growth, that
+a skipped step would have left exactly what the full step left, and fails when the cache's
+regime is wrong; anything that changes what a step launches (a knob, an environment variable,
+the launch stream, a read of the deferred checks, a crop, a reset, a decode from elsewhere)
+makes the next step a full one.  NaN written into a bound input is still caught by
+``check_inputs`` (the deferred record rides in the replayed store launch).
+
+The simulator runs a step's kernels in Python (seconds per step), so the checks of the host
+bookkeeping alone stub the simulator's graph launch out (the kernels' work is the GPU's);
+the outputs are compared with real launches.  On a GPU: ``tests/gpu/test_device_step_graph.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from numba_kv import AttendConfig, DecodeStep, _config, _graph, knobs, make_cache
+from numba_kv._backend import simulator_enabled, to_host
+from numba_kv.caches import step as step_module
+
+from ..conftest import to_device
+
+pytestmark = pytest.mark.cuda
+
+H, G, D = 1, 2, 64
+SHAPES = ((1, H, 1, D), (1, H, 1, D), (1, H * G, 1, D))
+
+
+@pytest.fixture(autouse=True)
+def _simulator_only():
+    if not simulator_enabled():
+        pytest.skip("the simulator's stand-in graph (a GPU: tests/gpu/test_device_step_graph.py)")
+    yield
+    _config.reset()
+
+
+def _pair(mode: str, rng, put=to_device):
+    """A one-layer cache on ``put``'s arrays with a small window, after a prefill that fills it
+    (``pqo3`` with a float32 window: Numba device arrays hold no float16 window, the twin would)."""
+    kw = {"window_dtype": "float32"} if mode == "pqo3" else {}
+    cache = make_cache(mode, num_layers=1, num_kv_heads=H, head_dim=D, residual_length=4, sink_tokens=1, **kw)
+    k, v = (rng.standard_normal((1, H, 8, D)).astype(np.float32) for _ in range(2))
+    cache.prefill(0, put(k), put(v))
+    return cache
+
+
+def _bound(cache, verify=False):
+    bufs = [to_device(np.zeros(s, np.float32)) for s in (*SHAPES, SHAPES[2])]
+    return DecodeStep(cache, 0, *bufs[:3], AttendConfig(D ** -0.5, n_kv_groups=G), out=bufs[3], verify=verify), bufs
+
+
+def _fill(bufs, rng) -> tuple:
+    host = tuple(rng.standard_normal(s).astype(np.float32) for s in SHAPES)
+    for buf, x in zip(bufs, host):
+        buf.copy_to_device(x)
+    return host
+
+
+@pytest.fixture
+def no_kernels(monkeypatch):
+    """The simulator's graph launches nothing (the host bookkeeping alone is under test)."""
+    monkeypatch.setattr(_graph._SimGraph, "launch", lambda self, stream: None)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in cast")  # (the NaN step, quantized)
+@pytest.mark.parametrize("mode", ["kv4", "pqo3"])
+def test_skipped_steps_give_the_twins_outputs_and_state(mode):
+    rng = np.random.default_rng(71)
+    with knobs(growth_min_extra=64):  # (no growth inside the test's steps)
+        cache, twin = _pair(mode, np.random.default_rng(1)), _pair(mode, np.random.default_rng(1), np.asarray)
+        step, bufs = _bound(cache)
+        attend = step.config
+        for i in range(7):
+            host = _fill(bufs[:3], rng)
+            out = step().out
+            assert out is bufs[3]
+            np.testing.assert_allclose(to_host(out), twin.decode(0, *host, attend).out, rtol=1e-5, atol=1e-6)
+            got, want = cache._layers[0], twin._layers[0]
+            assert (got.seq_len, got.meta, got.live) == (want.seq_len, want.meta, want.live), i
+            for name, buf in got.buffers.items():  # codes, scales, window, key mean: the twin's
+                np.testing.assert_array_equal(to_host(buf), want.buffers[name], err_msg=f"{name}, step {i}")
+        # launched, launched, captured, replayed (armed after two steps of one graph), then skipped
+        assert step.stats()["bound"] == 3 and step.stats()["replayed"] == 4, step.stats()
+        k = rng.standard_normal(SHAPES[0]).astype(np.float32)
+        k[0, 0, 0, 5] = np.nan
+        bufs[0].copy_to_device(k)
+        step()
+        assert step.stats()["bound"] == 4  # the NaN step skipped its Python too ...
+    with pytest.raises(ValueError, match="k or v: expected finite values"):
+        cache.check_inputs()  # ... and its deferred check still saw the NaN
+
+
+@pytest.mark.parametrize("mode", ["kv4", "pqo3"])
+def test_verify_holds_across_growth(mode, no_kernels, monkeypatch):
+    checked = []
+    check = step_module.DecodeStep._check
+    monkeypatch.setattr(step_module.DecodeStep, "_check", lambda self, *a: checked.append(1) or check(self, *a))
+    rng = np.random.default_rng(72)
+    with knobs(growth_min_extra=4, growth_fraction=0.0):
+        cache = _pair(mode, rng)
+        step, bufs = _bound(cache, verify=True)
+        caps = set()
+        for _ in range(16):
+            _fill(bufs[:3], rng)
+            step()
+            caps.add(cache._layers[0].capacity)
+    assert len(caps) >= 3 and len(checked) >= 6 and step.stats()["bound"] == 0, (caps, checked, step.stats())
+
+
+def test_verify_catches_a_regime_that_misses_growth(no_kernels, monkeypatch):
+    from numba_kv.caches.polarquant import PolarQuantCache
+
+    regime = PolarQuantCache._steady_regime
+
+    def blind(self, st, n):  # ignores the codes' capacity: claims the growing step is steady
+        saved = st.capacity
+        st.capacity = 1 << 30
+        try:
+            return regime(self, st, n)
+        finally:
+            st.capacity = saved
+
+    monkeypatch.setattr(PolarQuantCache, "_steady_regime", blind)
+    rng = np.random.default_rng(73)
+    with knobs(growth_min_extra=4, growth_fraction=0.0):
+        step, bufs = _bound(_pair("kv4", rng), verify=True)
+        with pytest.raises(RuntimeError, match=r"DecodeStep\(verify=True\).*(replayed|counters)"):
+            for _ in range(12):
+                _fill(bufs[:3], rng)
+                step()
+
+
+def test_what_changes_a_steps_launches_makes_it_a_full_one(no_kernels, monkeypatch):
+    from numba import cuda
+
+    import numba_kv
+
+    rng = np.random.default_rng(74)
+    with knobs(growth_min_extra=64):
+        cache = _pair("kv4", rng)
+        step, bufs = _bound(cache)
+
+        def arm():
+            for _ in range(6):
+                _fill(bufs[:3], rng)
+                step()
+            assert step._armed is not None, step.stats()
+            armed = step._armed
+            return lambda: cache._steady_step(0, 1, armed.after, armed.delta, None)
+
+        skippable = arm()
+        assert skippable() is not None
+        with knobs(cuda_warp_attention=0):
+            assert skippable() is None
+        assert skippable() is None  # (the key of the knobs moved on: knobs are asked again)
+        skippable = arm()
+        monkeypatch.setenv("NUMBA_KV_CUDA_MMA_ATTENTION", "1")
+        assert skippable() is None
+        monkeypatch.delenv("NUMBA_KV_CUDA_MMA_ATTENTION")
+        assert skippable() is not None
+        with numba_kv.launch_stream(cuda.stream()):
+            assert not step.graph.replay(step._armed.generation)  # captured for the default stream
+        assert step.graph.replay(step._armed.generation)
+        cache.check_inputs()  # the deferred record's accumulators are new
+        assert skippable() is None
+        skippable = arm()
+        cache.decode(0, *bufs[:3], step.config)  # a step from elsewhere
+        assert skippable() is None
+        skippable = arm()
+        cache.crop(cache.seq_len(0) - 1)
+        assert skippable() is None
+        before = step.stats()["bound"]
+        step()
+        assert step.stats()["bound"] == before  # the step after the crop ran in full
+        cache.reset()
+        assert skippable() is None
