@@ -17,7 +17,7 @@
 #                              columns; DECODE_LIMIT=90); decode_step_numba_launch.*: the same at T 4K with
 #                              NUMBA_KV_CUDA_PREPARED_LAUNCH=0 (every launch through Numba's typing: the A/B)
 #   3. mma_check.log:          benchmarks/gpu_mma_check.py (tensor-core kernel: accuracy vs the CPU twin, A/B vs the
-#                              warp kernel and launch bounds, torch SDPA, GPU time of both; MMA_LIMIT=200; OLD=REV[,REV] or a folder
+#                              warp kernel and launch bounds, torch SDPA, GPU time of both; MMA_LIMIT=260; OLD=REV[,REV] or a folder
 #                              holding extracted numba_kv_ab* packages adds those builds' tensor-core kernels to the A/B)
 #   4. bench_cuda.{txt,json}:  `numba-kv bench attention --device cuda` at T 32K/128K, batch 1/8/32, 3/4 bits
 #                              (fused vs torch SDPA vs CuPy fp16 vs dequantize-then-attend; BENCH_LIMIT=150;
@@ -68,7 +68,7 @@ stage "bench decode-step --device cuda, every launch through Numba (A/B of prepa
     "$out/decode_step_numba_launch.txt" env NUMBA_KV_CUDA_PREPARED_LAUNCH=0 \
     "$py" -m numba_kv.toolkit.cli bench decode-step --device cuda --tokens 4096 --no-torch --no-progress \
     --json "$out/decode_step_numba_launch.json"
-stage "tensor-core kernel: accuracy, A/B vs warp kernel, torch" "${MMA_LIMIT:-200}" "$out/mma_check.log" \
+stage "tensor-core kernel: accuracy, A/B vs warp kernel, torch" "${MMA_LIMIT:-260}" "$out/mma_check.log" \
     "$py" benchmarks/gpu_mma_check.py --tokens 32768,131072 --batch 1,8,32 --bits 3,4 --device-time ${OLD:+--old "$OLD"}
 stage "bench attention --device cuda" "${BENCH_LIMIT:-150}" "$out/bench_cuda.txt" \
     "$py" -m numba_kv.toolkit.cli bench attention --device cuda --tokens "${BENCH_TOKENS:-32768,131072}" \

@@ -71,6 +71,15 @@ class DecodeStep:
         Run every step in full and check that a skipped one would have launched the same
         graph and left the same host state (``RuntimeError`` otherwise): for tests.
 
+    Notes
+    -----
+    One call at a time per bound step (a lock); other threads may use the cache's other
+    layers, or this layer through ``cache.decode`` (the bound step then sees a state it did not
+    leave and runs its next step in full).  Between calls the bound step holds the objects of
+    its last step's state (the layer's buffer dict, its captured graph's arrays), so device
+    memory that the cache let go of (after a growth, a ``reset``) is freed at the next call or
+    when the bound step is dropped.
+
     Examples
     --------
     >>> import numpy as np, numba_kv
