@@ -157,7 +157,7 @@ class SteadyStepMixin:
         """The cache's own objects a step's launches take (compared by identity): the deferred
         range record's accumulators (a read replaces them)."""
         rec = self.__dict__.get("_deferred")
-        return (rec, None if rec is None else rec._acc)  # noqa: SLF001 - the record's accumulator dict, by identity
+        return (rec, None if rec is None else rec.state_token())
 
     def _mark_locked(self, st: LayerState, n: int) -> SteadyMark:
         layout, values, idents = _split(st)

@@ -382,6 +382,12 @@ class DeferredRange:
                     new._acc[key].copy_to_device(acc)
         return new
 
+    def state_token(self) -> object:
+        """An object that stays the very same while the accumulators do (a :meth:`read`
+        replaces them): what a replayed launch that folds records into them relies on
+        (:class:`numba_kv.DecodeStep` compares it by identity)."""
+        return self._acc
+
     def record(self, slot: str, a: Any) -> bool:
         """Fold ``|a|`` (a CUDA float16/32/64 array) into accumulator ``slot``; ``False`` when
         ``a`` cannot be read in place (a strided Numba device array: check it synchronously)."""

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from numba_kv import quantize_blocks, rotate32, rotate_head
-from numba_kv.ops.finite import check_finite_stats
+from numba_kv.ops.finite import DeferredRange, check_finite_stats
 
 
 @pytest.mark.parametrize("op", [rotate32, rotate_head])
@@ -37,3 +37,12 @@ def test_float64_beyond_float32_is_a_value_error_without_a_warning():
         warnings.simplefilter("error")  # NumPy's "overflow encountered in cast" would fail here
         with pytest.raises(ValueError, match=r"x: max \|x\| = 1e\+300 exceeds 3.40282e\+38"):
             quantize_blocks(x, 3)
+
+
+def test_deferred_state_token_changes_only_when_read():
+    """What numba_kv.DecodeStep compares: the same object until a read replaces the accumulators."""
+    rec = DeferredRange()
+    token = rec.state_token()
+    assert rec.state_token() is token
+    rec.read()
+    assert rec.state_token() is not token
