@@ -146,6 +146,18 @@ def check_head_dim(head_dim: Any) -> int:
 
 
 
+def is_c_contiguous(a: Any) -> bool:
+    """Whether ``a`` is C-contiguous: a NumPy or CuPy array (``flags.c_contiguous``), a Numba
+    device array (whose ``flags`` is a dict keyed ``"C_CONTIGUOUS"``) or any other array that
+    has ``is_c_contiguous()``; ``False`` for anything that says nothing."""
+    flags = getattr(a, "flags", None)
+    if isinstance(flags, dict):
+        return bool(flags.get("C_CONTIGUOUS", False))
+    if flags is not None and hasattr(flags, "c_contiguous"):
+        return bool(flags.c_contiguous)
+    return bool(getattr(a, "is_c_contiguous", lambda: False)())
+
+
 def check_out(out: Any, shape: Sequence[int], dtype: Any, device: str, what: str) -> None:
     """``TypeError``/``ValueError`` naming ``out`` unless it can take a result of ``shape`` and
     ``dtype`` on ``device``: an array of exactly that shape and dtype, C-contiguous (the
@@ -161,9 +173,7 @@ def check_out(out: Any, shape: Sequence[int], dtype: Any, device: str, what: str
     got = tuple(int(s) for s in out.shape)
     if got != want:
         raise ValueError(f"out: expected shape {want} for {what}, got {got}")
-    flags = getattr(out, "flags", None)
-    contiguous = out.is_c_contiguous() if flags is None else bool(flags.c_contiguous)
-    if not contiguous:
+    if not is_c_contiguous(out):
         raise ValueError(f"out: expected a C-contiguous array for {what}, got a strided view")
     if isinstance(out, np.ndarray) and not out.flags.writeable:
         raise ValueError(f"out: expected a writable array for {what}, got a read-only one")

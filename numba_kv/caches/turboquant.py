@@ -113,6 +113,12 @@ class TurboQuantCache(PolarQuantCache):
             raise TypeError("k: TurboQuantCache needs NumPy or CuPy arrays, got a Numba device array")
         return super()._append(st, dev, k, v)
 
+    def _steady_regime(self, st: LayerState, n: int) -> Any:
+        """``None``: no step of this cache is a replay of its launches alone (its key residual
+        and projected queries are CuPy arithmetic between them), so a
+        :class:`numba_kv.DecodeStep` runs every step in full."""
+        return None
+
     def _norms2d(self, st: LayerState) -> Any:
         nb = st.buffers["k_rnorm"]
         return nb.reshape(nb.shape[0], nb.shape[1])

@@ -88,6 +88,19 @@ def test_windowed_regime_is_the_store_plan_of_a_full_window():
     assert cache._steady_regime(st, 1) is None
 
 
+def test_turboquant_states_no_regime():
+    """TurboQuant's step forms its key residual and projected queries with CuPy arithmetic
+    between its launches: a replay of the launches alone is not its step, on any layer."""
+    cache = make_cache("tq3", num_layers=1, num_kv_heads=H, head_dim=D, residual_length=8, sink_tokens=2)
+    twin = _cache(residual_length=8, sink_tokens=2)
+    x = np.random.default_rng(6).standard_normal((1, H, 20, D)).astype(np.float32)
+    for c in (cache, twin):
+        c.prefill(0, x, x)
+        c._layers[0].device = "cuda"
+    assert twin._steady_regime(twin._layers[0], 1) is not None  # the same counters would bind PolarQuant
+    assert cache._steady_regime(cache._layers[0], 1) is None
+
+
 def test_on_numpy_every_step_is_the_cache_decode():
     rng = np.random.default_rng(5)
     x = rng.standard_normal((1, H, 30, D)).astype(np.float32)

@@ -30,7 +30,10 @@ def test_steady_steps_replay_as_a_graph(dev, mode):
     if _backend.simulator_enabled():
         pytest.skip("a real capture (the simulator's stand-in graph: tests/cuda/test_sim_step_graph.py)")
     rng = np.random.default_rng(61)
-    graphed, plain, twin = (_cache(mode, dev) for _ in range(3))
+    graphed, plain = (_cache(mode, dev) for _ in range(2))
+    # Numba device arrays hold no float16 window: the preset keeps it in float32 there, so the
+    # twin that holds what the device cache holds is the float32-window one
+    twin = _cache("pqo3" if mode == "pqo3-f16" and dev.kind == "numba" else mode, dev)
     t0 = graphed.config.sink_tokens + graphed.config.residual_length + 3  # the window full
     k, v = (rng.standard_normal((1, H, t0, D)).astype(np.float32) for _ in range(2))
     for cache, put in ((graphed, dev.put), (plain, dev.put), (twin, np.asarray)):
@@ -98,4 +101,7 @@ def test_bound_steps_skip_their_python(dev, mode):
         for name, buf in a.buffers.items():
             np.testing.assert_array_equal(dev.get(buf), dev.get(b.buffers[name]), err_msg=name)
     st = step.stats()
+    if mode == "tq3":  # CuPy arithmetic between its launches: every step in full (no regime)
+        assert st["bound"] == 0 and st["steps"] == STEPS + 4, st
+        return
     assert step.graph.error is None and st["bound"] >= STEPS - 1, (step.graph.error, st)

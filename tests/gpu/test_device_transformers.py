@@ -36,7 +36,8 @@ def test_generate_on_a_cuda_stream(attn):
     outs = []
     for stream in (torch.cuda.current_stream(), torch.cuda.Stream()):
         with torch.cuda.stream(stream), torch.no_grad():
-            outs.append(model.generate(ids.cuda(), past_key_values=NumbaKVCache.from_model(model, "kv4"), **kw))
+            outs.append(model.generate(ids.cuda(), past_key_values=NumbaKVCache.from_model(model, "kv4"),
+                                       **{**kw, "attention_mask": kw["attention_mask"].cuda()}))
         torch.cuda.synchronize()
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     for a, b, c in zip(outs[0].logits, outs[1].logits, cpu.logits):

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ..._validate import is_c_contiguous
 from ..headvq import GROUP_SIZE, headvq_centroids
 from .cores import NORM8_SLOT0
 from .mma import MMA_BITS
@@ -212,7 +213,7 @@ def mma_operands(kc: Any, ks: Any, vc: Any, vs: Any, flat: bool) -> tuple | None
     if flat and kw is not None and vw is not None:
         out = tuple(unit_axis(a) for a in out)
     # the kernels address them from their shapes (mma._row): C-contiguous views only
-    if any(a is None or not _c_contiguous(a) for a in out):
+    if any(a is None or not is_c_contiguous(a) for a in out):
         return None
     return out if all(_fits_32bit_rows(a) for a in out) else None
 
@@ -223,14 +224,3 @@ def _fits_32bit_rows(a: Any) -> bool:
     ``2**32``."""
     p, h, n, w = (int(x) for x in a.shape)
     return p * h < 2 ** 32 and n * w * np.dtype(a.dtype).itemsize < 2 ** 32
-
-
-def _c_contiguous(a: Any) -> bool:
-    """Whether ``a`` (NumPy, CuPy or Numba device array) is C-contiguous."""
-    flags = getattr(a, "flags", None)
-    if flags is not None:
-        try:
-            return bool(flags["C_CONTIGUOUS"])
-        except (KeyError, TypeError):
-            return bool(getattr(flags, "c_contiguous", False))
-    return bool(getattr(a, "is_c_contiguous", lambda: False)())

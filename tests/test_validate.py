@@ -1,0 +1,47 @@
+"""``numba_kv._validate``: the argument checks every entry point shares."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from numba_kv._validate import check_out, is_c_contiguous
+
+
+class _NumbaLike:
+    """The contiguity interface of Numba's ``DeviceNDArray``: ``flags`` is a plain dict keyed
+    ``"C_CONTIGUOUS"`` (not NumPy's flags object), next to ``is_c_contiguous()``."""
+
+    def __init__(self, c: bool) -> None:
+        self.flags = {"C_CONTIGUOUS": c, "F_CONTIGUOUS": not c}
+        self._c = c
+
+    def is_c_contiguous(self) -> bool:
+        return self._c
+
+
+class _MethodOnly:
+    def __init__(self, c: bool) -> None:
+        self._c = c
+
+    def is_c_contiguous(self) -> bool:
+        return self._c
+
+
+@pytest.mark.parametrize("c", [True, False])
+def test_is_c_contiguous_reads_every_array_kind(c):
+    a = np.zeros((4, 6), np.float32)
+    assert is_c_contiguous(a if c else a[:, ::2]) is c
+    assert is_c_contiguous(_NumbaLike(c)) is c
+    assert is_c_contiguous(_MethodOnly(c)) is c
+    assert is_c_contiguous(object()) is False
+
+
+def test_check_out_names_a_strided_out():
+    a = np.zeros((2, 8), np.float32)
+    check_out(a, (2, 8), np.float32, "cpu", "the result")
+    with pytest.raises(ValueError, match=r"out: expected a C-contiguous array for the result"):
+        check_out(np.zeros((2, 16), np.float32)[:, ::2], (2, 8), np.float32, "cpu", "the result")
+    a.flags.writeable = False
+    with pytest.raises(ValueError, match=r"out: expected a writable array"):
+        check_out(a, (2, 8), np.float32, "cpu", "the result")
