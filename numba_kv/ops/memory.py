@@ -111,9 +111,43 @@ twin(_as_is, inline=True)
 twin(_f32_to_f16_store, inline=True)
 
 
+def _shift_column(ex, r, w, dst, src, n):
+    """``ex[r, dst + i, w] = ex[r, src + i, w]`` for ``i = 0 … n − 1`` in place, ``src > dst``
+    (a window's survivors sliding to its front), eight tokens at a time, all eight read before
+    any is written: a write lands below every token not read yet, and on a GPU the eight loads
+    are in flight together.  One at a time, each load waited for the store before it (it may
+    alias): about 40 µs of a step for a window of 128 on an H200."""
+    t = 0
+    while t + 8 <= n:
+        o = src + t
+        y0 = ex[r, o, w]
+        y1 = ex[r, o + 1, w]
+        y2 = ex[r, o + 2, w]
+        y3 = ex[r, o + 3, w]
+        y4 = ex[r, o + 4, w]
+        y5 = ex[r, o + 5, w]
+        y6 = ex[r, o + 6, w]
+        y7 = ex[r, o + 7, w]
+        o = dst + t
+        ex[r, o, w] = y0
+        ex[r, o + 1, w] = y1
+        ex[r, o + 2, w] = y2
+        ex[r, o + 3, w] = y3
+        ex[r, o + 4, w] = y4
+        ex[r, o + 5, w] = y5
+        ex[r, o + 6, w] = y6
+        ex[r, o + 7, w] = y7
+        t += 8
+    for u in range(t, n):
+        ex[r, dst + u, w] = ex[r, src + u, w]
+
+
+shift_column_cpu, shift_column_dev = twin(_shift_column, inline=True)
+
+
 # the window's conversions and the column core of a variant: bound by ``specialize`` (these
 # placeholders are never compiled)
-TO_EX = FROM_EX = SLIDE_COLUMNS = None
+TO_EX = FROM_EX = SLIDE_COLUMNS = SHIFT_COLUMN = None
 
 
 def _slide_columns(x, ex, ev, r, w, m, a, s_at, e_new, sinks, e_old, keep_old, keep_new):
@@ -128,8 +162,7 @@ def _slide_columns(x, ex, ev, r, w, m, a, s_at, e_new, sinks, e_old, keep_old, k
     for t in range(e_new):
         ev[r, e_old + t, w] = x[r, a + t, w] - m
     if e_old:
-        for t in range(keep_old):
-            ex[r, sinks + t, w] = ex[r, sinks + e_old + t, w]
+        SHIFT_COLUMN(ex, r, w, sinks, sinks + e_old, keep_old)
     for t in range(keep_new):
         ex[r, sinks + keep_old + t, w] = TO_EX(x[r, a + e_new + t, w] - m)
 
@@ -207,7 +240,7 @@ def _slide_variant(op: str, to_ex: Callable, from_ex: Callable, ex_type: str) ->
     (plain functions of :func:`~numba_kv._jit.twin` cores) for windows of Numba type ``ex_type``."""
     def core(i: int, deco: Callable) -> Callable:
         return deco(specialize(_slide_columns, f"_{op}{('_cpu', '_dev')[i]}", TO_EX=CORES[to_ex][i],
-                               FROM_EX=CORES[from_ex][i]))
+                               FROM_EX=CORES[from_ex][i], SHIFT_COLUMN=(shift_column_cpu, shift_column_dev)[i]))
 
     cores = {"_cpu": core(0, functools.partial(cpu_serial, inline=True)), "_dev": core(1, cuda_device)}
     cpu = cpu_kernel(specialize(_slide_cpu_body, "", name=f"_{op}_cpu", SLIDE_COLUMNS=cores["_cpu"]))

@@ -38,7 +38,7 @@ from .finite import FOLD_SIG
 from .hadamard import load_rotate_store_cpu
 from .half import f16_bits_to_f32_dev, f32_to_f16_bits_sat_dev
 from .headquant import QUANTIZE_HEAD
-from .memory import check_store_plan, store_launch_args, store_tail_cpu, store_tail_dev
+from .memory import check_store_plan, shift_column_dev, store_launch_args, store_tail_cpu, store_tail_dev
 
 __all__ = ["ROT_BLOCK", "ROT_HEAD", "ROT_NONE", "slide_windows8", "window8_head_args", "window8_head_step",
            "window8_store"]
@@ -407,12 +407,10 @@ def _slide8_cuda(xk, xv, kmean, center, exk, exv, exks, exvs, evk, evv, a, s_at,
                 v = x[r, a + i, w]
                 ev[r, e_old + i, w] = v - kmean[r, 0, w] if cen else v
         if e_old:  # the survivors slide to the front (ascending per column: the target is lower)
-            for w in range(tid, d, nt):
-                for i in range(keep_old):
-                    ex[r, sinks + i, w] = ex[r, sinks + e_old + i, w]
-            if tid == 0:
-                for i in range(keep_old):
-                    exs[r, sinks + i, 0] = exs[r, sinks + e_old + i, 0]
+            for w in range(tid, d, nt):  # (eight loads in flight: memory.shift_column)
+                shift_column_dev(ex, r, w, sinks, sinks + e_old, keep_old)
+            if tid == nt - 1:  # (the scales by another warp than thread 0's columns, where there is one)
+                shift_column_dev(exs, r, 0, sinks, sinks + e_old, keep_old)
         cuda.syncthreads()
         for i in range(keep_new):  # the rest of the new tokens enter the window after them
             _put8_dev(x, a + e_new + i, r, kmean, cen, rot, signs, t, red, ex, exs, sinks + keep_old + i)

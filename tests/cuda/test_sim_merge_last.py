@@ -196,3 +196,33 @@ def test_counters_are_per_row_chunk():
     p = plan.AttentionPlan(np.zeros(1, np.float32), paged=False, n_g=3, rows=9, d=64, klayout=None, vlayout=None,
                            v_width=0)
     assert to_host(p.merge_counter(np.zeros(1, np.float32))).shape == (3 * 9,)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("threads", [8, 64])
+def test_merge_of_many_partitions_matches_cpu_twin_and_formula(threads):
+    """300 partitions a row (two chunks of the shared weights, a last lane group of four,
+    empty partitions): the block's reductions (the maximum over strided shares, the
+    denominator's 32 lanes -- fewer threads than lanes, and more -- the columns' 8 lanes)
+    against the CPU twin, and, without compressed partitions (no rotation), against the
+    log-sum-exp formula in float64."""
+    rng = np.random.default_rng(36)
+    n_g, n_parts, rows, d = 2, 300, 2, 64
+    m = rng.standard_normal((n_g, n_parts, rows)).astype(np.float32) * 4
+    m[0, 7, 1] = m[1, 299, 0] = m[1, 256, 1] = -np.inf  # empty partitions, one in each chunk
+    lsum = (np.abs(rng.standard_normal(m.shape)) + 0.5).astype(np.float32)
+    acc = rng.standard_normal((n_g, n_parts, rows, d)).astype(np.float32)
+    acc[np.isneginf(m)] = 0.0
+    signs = np.where(rng.random(d) < 0.5, -1.0, 1.0).astype(np.float32)
+    for n_comp, head_rot in ((290, False), (0, False)):
+        args = (m, lsum, acc, n_comp, np.ones(32, np.float32), head_rot, signs)
+        want = np.empty((n_g, rows, d), np.float32)
+        merge.MERGE_PARTITIONS.launch("cpu", n_g * rows, *args, want)
+        got = to_device(np.zeros((n_g, rows, d), np.float32))
+        merge.MERGE_PARTITIONS.launch("cuda", n_g * rows, *(to_device(a) if isinstance(a, np.ndarray) else a
+                                                             for a in args), got, grid=((n_g, rows), threads))
+        np.testing.assert_allclose(to_host(got), want, rtol=1e-6, atol=1e-7)
+        if n_comp == 0:
+            w = np.exp(m.astype(np.float64) - m.max(axis=1, keepdims=True))
+            formula = np.einsum("gpr,gprd->grd", w, acc) / np.einsum("gpr,gpr->gr", w, lsum)[..., None]
+            np.testing.assert_allclose(want, formula, rtol=2e-5, atol=2e-6)

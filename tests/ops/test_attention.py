@@ -377,3 +377,22 @@ def test_a_plan_in_use_is_never_the_one_the_plan_cache_drops(monkeypatch):
     for t in threads:
         t.join()
     assert len({id(p) for p in seen}) == 1
+
+
+@pytest.mark.parametrize("tokens", [1, 100, 4096, 32768, 131072, 10 ** 6])
+@pytest.mark.parametrize("rows", [1, 8, 64, 256])
+def test_mma_partitions_cap_the_merge(tokens, rows):
+    """The tensor-core kernel's partitions: multiples of 64 in [128, 2048]; at most
+    ``ceil(0.165·√T)`` a KV row (the merge's share, fitted on an H200) unless that needs more
+    than 2048 tokens a partition; otherwise about 3,200 warps in all."""
+    import math
+
+    from numba_kv.ops.attention.mma import mma_partition_size
+
+    per = mma_partition_size(tokens, rows)
+    assert per % 64 == 0 and 128 <= per <= 2048
+    parts = -(-tokens // per)
+    cap = math.ceil(0.165 * math.sqrt(tokens))
+    assert parts <= cap or per == 2048
+    if per > 128 and per < 2048:  # no longer than one of the two rules asks
+        assert per - 64 < max(-(-rows * tokens // 3200), -(-tokens // cap))

@@ -119,7 +119,7 @@ def window8_state(rng, rows: int, cap: int, d: int):
 
 #: (n new tokens, StorePlan fields, s_at, sinks, positions): a decode step's flush, new sinks
 #: into a window that is not full, new tokens that skip the window
-SLIDE8_CASES = ((1, (0, 1, 0, 8, 1), 0, 3, (3, 40, 9)), (3, (2, 0, 0, 0, 1), 1, 3, (3, 3, 1)),
+SLIDE8_CASES = ((1, (0, 1, 0, 9, 1), 0, 3, (3, 40, 10)), (3, (2, 0, 0, 0, 1), 1, 3, (3, 3, 1)),
                 (4, (0, 2, 2, 1, 2), 0, 2, (2, 9, 3)))
 
 

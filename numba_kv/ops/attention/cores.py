@@ -173,22 +173,44 @@ def _paged_bounds(seq, p, part_size, kv_indptr, kv_last_page_len, page_size):
 
 
 # --- merge of the partitions ---------------------------------------------------------------
-def _merge_max(part_m, g, r, n_parts):
-    """Largest running max of query row ``(g, r)`` over its partitions."""
+def _merge_max(part_m, g, r, p0, n_parts, pstep):
+    """Largest running max of query row ``(g, r)`` over partitions ``p0, p0 + pstep, … <
+    n_parts`` (a thread's share; the maximum is exact in any order)."""
     m_star = NEG_INF
-    for p in range(n_parts):
+    for p in range(p0, n_parts, pstep):
         m_star = max(m_star, part_m[g, p, r])
     return m_star
 
 
-def _merge_denom(part_m, part_l, g, r, n_parts, m_star):
-    """Softmax denominator of row ``(g, r)``: ``Σ_p exp(m_p − m*) · l_p``."""
+#: the partition merge's softmax denominator is summed in this many interleaved lanes (lane
+#: ``k`` adds the partitions ``p ≡ k``, in order), then by :func:`_lane_tree`: a fixed order
+#: that does not depend on the threads, and independent loads in flight on a GPU (issue 27:
+#: one serial sum over 256 partitions was most of a batch-1 step)
+DENOM_LANES = 32
+#: the column sums' interleaved lanes (registers per thread on a GPU)
+COLUMN_LANES = 8
+
+
+def _merge_denom_lane(part_m, part_l, g, r, k, n_parts, m_star):
+    """Lane ``k`` of the softmax denominator of row ``(g, r)``: ``Σ exp(m_p − m*) · l_p`` over
+    the non-empty partitions ``p = k, k + DENOM_LANES, … < n_parts``, in that order."""
     denom = float32(0.0)
-    for p in range(n_parts):
+    for p in range(k, n_parts, DENOM_LANES):
         w = part_m[g, p, r]
         if w != NEG_INF:
             denom += math.exp(w - m_star) * part_l[g, p, r]
     return denom
+
+
+def _lane_tree(a, o, n):
+    """``a[o] + … + a[o + n − 1]`` (``n`` a power of two) as a pairwise tree, in place:
+    ``a[o + k] += a[o + k + h]`` for ``h = n/2 … 1``; returns ``a[o]``."""
+    h = n >> 1
+    while h > 0:
+        for k in range(h):
+            a[o + k] = a[o + k] + a[o + k + h]
+        h >>= 1
+    return a[o]
 
 
 def _merge_weights(part_m, g, r, p0, p1, pstep, m_star, wbuf, base):
@@ -198,14 +220,33 @@ def _merge_weights(part_m, g, r, p0, p1, pstep, m_star, wbuf, base):
         wbuf[p - base] = math.exp(w - m_star) if w != NEG_INF else float32(0.0)
 
 
-def _merge_column(wbuf, part_m, part_acc, g, r, j, p_lo, p_hi, base, init):
-    """``init + Σ_{p_lo <= p < p_hi} wbuf[p − base] · acc_p[j]`` for row ``(g, r)``, skipping
-    empty partitions (weights from :func:`_merge_weights`)."""
-    s = init
-    for p in range(p_lo, p_hi):
-        if part_m[g, p, r] != NEG_INF:
-            s += wbuf[p - base] * part_acc[g, p, r, j]
+def _column_term(wbuf, part_acc, g, p, r, j, p_hi, base, s):
+    """``s + wbuf[p − base] · acc_p[j]`` where ``p < p_hi`` and the weight is not 0 (an empty
+    or vanishing partition adds nothing, not even a signed zero), else ``s``."""
+    if p < p_hi:
+        w = wbuf[p - base]
+        if w != float32(0.0):
+            s += w * part_acc[g, p, r, j]
     return s
+
+
+def _merge_column(wbuf, part_acc, g, r, j, p_lo, p_hi, base, init):
+    """``init + Σ_{p_lo <= p < p_hi} wbuf[p − base] · acc_p[j]`` for row ``(g, r)`` in
+    :data:`COLUMN_LANES` interleaved lanes (lane ``k``: ``p − p_lo ≡ k``, in order) added as
+    ``((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))``: eight independent loads in flight
+    per step on a GPU, where one running sum waited for each load in turn (weights from
+    :func:`_merge_weights`; the CPU twin adds the same lanes partition-major)."""
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = float32(0.0)
+    for p in range(p_lo, p_hi, COLUMN_LANES):
+        a0 = _column_term(wbuf, part_acc, g, p, r, j, p_hi, base, a0)
+        a1 = _column_term(wbuf, part_acc, g, p + 1, r, j, p_hi, base, a1)
+        a2 = _column_term(wbuf, part_acc, g, p + 2, r, j, p_hi, base, a2)
+        a3 = _column_term(wbuf, part_acc, g, p + 3, r, j, p_hi, base, a3)
+        a4 = _column_term(wbuf, part_acc, g, p + 4, r, j, p_hi, base, a4)
+        a5 = _column_term(wbuf, part_acc, g, p + 5, r, j, p_hi, base, a5)
+        a6 = _column_term(wbuf, part_acc, g, p + 6, r, j, p_hi, base, a6)
+        a7 = _column_term(wbuf, part_acc, g, p + 7, r, j, p_hi, base, a7)
+    return init + (((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)))
 
 
 def _butterfly_pairs(buf, h, d, i0, istep):
@@ -466,9 +507,11 @@ paged_bounds_cpu, paged_bounds_dev = twin(_paged_bounds)
 exact_value_cpu, exact_value_dev = twin(_exact_value, inline=True)
 exact_scale_cpu, exact_scale_dev = twin(_exact_scale, inline=True)
 merge_max_cpu, merge_max_dev = twin(_merge_max, inline=True)
-merge_denom_cpu, merge_denom_dev = twin(_merge_denom, inline=True)
+merge_denom_lane_cpu, merge_denom_lane_dev = twin(_merge_denom_lane, inline=True)
+lane_tree_cpu, lane_tree_dev = twin(_lane_tree, inline=True)
 merge_weights_cpu, merge_weights_dev = twin(_merge_weights, inline=True)
-merge_column_cpu, merge_column_dev = twin(_merge_column, inline=True)
+_, column_term_dev = twin(_column_term, inline=True)
+_, merge_column_dev = twin(_merge_column, inline=True)
 butterfly_pairs_cpu, butterfly_pairs_dev = twin(_butterfly_pairs, inline=True)
 inverse_scale_cpu, inverse_scale_dev = twin(_inverse_scale, inline=True)
 block_signs_cpu, block_signs_dev = twin(_block_signs, inline=True)

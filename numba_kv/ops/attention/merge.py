@@ -17,6 +17,8 @@ from ..._jit import cpu_kernel, cuda_device, cuda_kernel, twin
 from .._borrow import borrowed, keep_alive
 from .._registry import register
 from .cores import (
+    COLUMN_LANES,
+    DENOM_LANES,
     NEG_INF,
     block_signs_cpu,
     block_signs_dev,
@@ -24,9 +26,11 @@ from .cores import (
     butterfly_pairs_dev,
     inverse_scale_cpu,
     inverse_scale_dev,
+    lane_tree_cpu,
+    lane_tree_dev,
     merge_column_dev,
-    merge_denom_cpu,
-    merge_denom_dev,
+    merge_denom_lane_cpu,
+    merge_denom_lane_dev,
     merge_max_cpu,
     merge_max_dev,
     merge_weights_cpu,
@@ -42,29 +46,27 @@ MERGE_CHUNK = 256
 MERGE_SCRATCH = MAX_HEAD_DIM + MERGE_CHUNK + 1
 
 
-def _merge_row(part_m, part_l, part_acc, g, r, n_comp_parts, signs, head_rot, hsigns, wbuf, buf, out):
+def _merge_row(part_m, part_l, part_acc, g, r, n_comp_parts, signs, head_rot, hsigns, wbuf, buf, lanes, dlanes, out):
     """Combine the partitions of query row ``(g, r)`` into ``out[g, r]`` (CPU twin; the CUDA
-    kernel runs the same cores with a block of threads).
+    kernel runs the same cores, in the same order, with a block of threads).
 
     The compressed partitions accumulated in the rotated domain: their sum is
     inverse-rotated per 32-block (``head_rot`` false, signs ``signs``) or over the whole
     head (signs ``hsigns``); the exact partitions are added after it, then the row is
-    normalized.  ``wbuf`` holds ``n_parts`` floats, ``buf`` ``d``.
+    normalized.  ``wbuf`` holds ``n_parts`` floats, ``buf`` ``d``, ``lanes``
+    ``COLUMN_LANES × d`` and ``dlanes`` ``DENOM_LANES``.
     """
     n_parts = part_m.shape[1]
     d = out.shape[2]
-    m_star = merge_max_cpu(part_m, g, r, n_parts)
+    m_star = merge_max_cpu(part_m, g, r, 0, n_parts, 1)
     if m_star == NEG_INF:  # no visible token (cannot happen with causal decode)
         for j in range(d):
             out[g, r, j] = float32(0.0)
         return
     merge_weights_cpu(part_m, g, r, 0, n_parts, 1, m_star, wbuf, 0)
-    # merge_column's sums, partition by partition over the contiguous row of each (the same
-    # additions in the same order as column by column, which indexed part_acc four ways per
-    # term and did not vectorize: ~0.4 µs a row of 64 before)
     for j in range(d):
         buf[j] = float32(0.0)
-    _add_partitions(part_m, part_acc, g, r, 0, n_comp_parts, wbuf, buf)
+    _add_partitions(part_acc, g, r, 0, n_comp_parts, wbuf, lanes, buf)
     if n_comp_parts > 0:
         if not head_rot:
             block_signs_cpu(buf, d, 0, 1, signs)
@@ -73,23 +75,35 @@ def _merge_row(part_m, part_l, part_acc, g, r, n_comp_parts, signs, head_rot, hs
             butterfly_pairs_cpu(buf, h, d, 0, 1)
             h *= 2
         inverse_scale_cpu(buf, d, 0, 1, head_rot, hsigns)
-    inv = float32(1.0) / merge_denom_cpu(part_m, part_l, g, r, n_parts, m_star)
-    _add_partitions(part_m, part_acc, g, r, n_comp_parts, n_parts, wbuf, buf)
+    for k in range(DENOM_LANES):
+        dlanes[k] = merge_denom_lane_cpu(part_m, part_l, g, r, k, n_parts, m_star)
+    inv = float32(1.0) / lane_tree_cpu(dlanes, 0, DENOM_LANES)
+    _add_partitions(part_acc, g, r, n_comp_parts, n_parts, wbuf, lanes, buf)
     orow = out[g, r]
     for j in range(d):
         orow[j] = buf[j] * inv
 
 
-def _add_partitions(part_m, part_acc, g, r, p_lo, p_hi, wbuf, buf):
-    """``buf += Σ_{p_lo <= p < p_hi} wbuf[p] · acc_p`` for row ``(g, r)``, skipping empty
-    partitions: :func:`merge_column` for every column at once (CPU)."""
+def _add_partitions(part_acc, g, r, p_lo, p_hi, wbuf, lanes, buf):
+    """``buf += Σ_{p_lo <= p < p_hi} wbuf[p] · acc_p`` for row ``(g, r)``: the device's
+    :func:`~numba_kv.ops.attention.cores.merge_column` for every column at once (CPU), in its
+    order: per :data:`MERGE_CHUNK` partitions, :data:`COLUMN_LANES` interleaved lane sums
+    (partition-major over each contiguous row, so that the loop over the columns vectorizes),
+    added pairwise into ``buf``; partitions of weight 0 add nothing."""
     d = buf.shape[0]
-    for p in range(p_lo, p_hi):
-        if part_m[g, p, r] != NEG_INF:
+    for c0 in range(p_lo, p_hi, MERGE_CHUNK):
+        c1 = min(p_hi, c0 + MERGE_CHUNK)
+        lanes[:, :d] = float32(0.0)
+        for p in range(c0, c1):
             w = wbuf[p]
-            src = part_acc[g, p, r]
-            for j in range(d):
-                buf[j] += w * src[j]
+            if w != float32(0.0):
+                lane = lanes[(p - c0) & (COLUMN_LANES - 1)]
+                src = part_acc[g, p, r]
+                for j in range(d):
+                    lane[j] += w * src[j]
+        for j in range(d):
+            buf[j] = buf[j] + (((lanes[0, j] + lanes[1, j]) + (lanes[2, j] + lanes[3, j]))
+                               + ((lanes[4, j] + lanes[5, j]) + (lanes[6, j] + lanes[7, j])))
 
 
 add_partitions_cpu = twin(_add_partitions, inline=True)[0]
@@ -109,11 +123,50 @@ def _merge_partitions_cpu(part_m, part_l, part_acc, n_comp_parts, signs, head_ro
     for g in prange(n_g):
         wown = np.empty(n_parts, dtype=np.float32)
         own = np.empty(d, dtype=np.float32)
-        wbuf, buf = borrowed(wown), borrowed(own)
+        lown = np.empty((COLUMN_LANES, d), dtype=np.float32)
+        down = np.empty(DENOM_LANES, dtype=np.float32)
+        wbuf, buf, lanes, dlanes = borrowed(wown), borrowed(own), borrowed(lown), borrowed(down)
         for r in range(rows):
-            merge_row_cpu(part_m, part_l, part_acc, g, r, n_comp_parts, signs, head_rot, hsigns, wbuf, buf, out)
+            merge_row_cpu(part_m, part_l, part_acc, g, r, n_comp_parts, signs, head_rot, hsigns, wbuf, buf, lanes,
+                          dlanes, out)
         keep_alive(wown)
         keep_alive(own)
+        keep_alive(lown)
+        keep_alive(down)
+
+
+def _row_max(part_m, g, r, n_parts, wbuf, tid, nth):
+    """Block-cooperative: the largest running max of row ``(g, r)`` (exact in any order):
+    the first ``min(nth, MERGE_CHUNK)`` threads each take a strided share of the partitions
+    into shared ``wbuf``, then every thread reads the shares.  Barriers before (the caller's
+    last use of ``wbuf``) and after."""
+    nred = min(nth, MERGE_CHUNK)
+    cuda.syncthreads()
+    if tid < nred:
+        wbuf[tid] = merge_max_dev(part_m, g, r, tid, n_parts, nred)
+    cuda.syncthreads()
+    m_star = NEG_INF
+    for t in range(nred):
+        m_star = max(m_star, wbuf[t])
+    return m_star
+
+
+def _row_denom(part_m, part_l, g, r, n_parts, m_star, wbuf, tid, nth):
+    """Block-cooperative: the softmax denominator of row ``(g, r)`` in the CPU twin's order
+    (:data:`DENOM_LANES` lanes, one per thread where there are enough, then thread 0 adds
+    them pairwise in shared ``wbuf``).  Barriers before and after."""
+    cuda.syncthreads()
+    for k in range(tid, DENOM_LANES, nth):
+        wbuf[k] = merge_denom_lane_dev(part_m, part_l, g, r, k, n_parts, m_star)
+    cuda.syncthreads()
+    if tid == 0:
+        lane_tree_dev(wbuf, 0, DENOM_LANES)
+    cuda.syncthreads()
+    return wbuf[0]
+
+
+row_max_dev = cuda_device(_row_max)
+row_denom_dev = cuda_device(_row_denom)
 
 
 def _merge_rows(part_m, part_l, part_acc, g, r_lo, r_hi, n_comp_parts, signs, head_rot, hsigns, out, buf, wbuf, tid,
@@ -122,20 +175,22 @@ def _merge_rows(part_m, part_l, part_acc, g, r_lo, r_hi, n_comp_parts, signs, he
     (block-cooperative: every thread of the block calls it with the same rows).
 
     Each thread owns the columns ``j = tid, tid + nth, …`` of the shared row buffer ``buf``
-    (at least ``d`` floats); the partition weights are computed :data:`MERGE_CHUNK` at a
-    time into shared ``wbuf``, the inverse rotation of the compressed sum runs as butterfly
-    stages over ``buf`` (one pair per thread and step, ``syncthreads`` between stages).  Same
-    cores and arithmetic as the CPU twin's :func:`_merge_row`, whatever ``nth``: a row's
-    maxima, weights, column sums and denominator are each one thread's serial loop, so the
-    MERGE_PARTITIONS kernel and a partition kernel's last block (:func:`merge_if_last`)
-    write the same bits.  The caller puts a block barrier between its own use of ``buf`` /
-    ``wbuf`` and this call; between rows none is needed (a thread rewrites only its own
-    columns of ``buf`` before the next barrier).
+    (at least ``d`` floats); the row's maximum and softmax denominator are block reductions
+    through the shared ``wbuf`` (:data:`MERGE_CHUNK` floats), the partition weights are
+    computed :data:`MERGE_CHUNK` at a time into it, each column's weighted sum runs in
+    :data:`COLUMN_LANES` interleaved lanes, and the inverse rotation of the compressed sum
+    runs as butterfly stages over ``buf`` (one pair per thread and step, ``syncthreads``
+    between stages).  Same cores in the same order as the CPU twin's :func:`_merge_row`,
+    whatever ``nth``, so the MERGE_PARTITIONS kernel and a partition kernel's last block
+    (:func:`merge_if_last`) write the same bits.  (It was one thread's serial loop per
+    maximum, column and denominator: at batch 1 and 256 partitions a row, each partition
+    cost the merging block about 2 µs, most of an H200 step at T = 32K.)  The caller puts a
+    block barrier between its own use of ``buf`` / ``wbuf`` and this call.
     """
     n_parts = part_m.shape[1]
     d = out.shape[2]
     for r in range(r_lo, r_hi):
-        m_star = merge_max_dev(part_m, g, r, n_parts)
+        m_star = row_max_dev(part_m, g, r, n_parts, wbuf, tid, nth)
         if m_star == NEG_INF:  # the whole block agrees: every thread read the same maxima
             for j in range(tid, d, nth):
                 out[g, r, j] = float32(0.0)
@@ -148,7 +203,7 @@ def _merge_rows(part_m, part_l, part_acc, g, r_lo, r_hi, n_comp_parts, signs, he
             merge_weights_dev(part_m, g, r, c0 + tid, c1, nth, m_star, wbuf, c0)
             cuda.syncthreads()
             for j in range(tid, d, nth):
-                buf[j] = merge_column_dev(wbuf, part_m, part_acc, g, r, j, c0, c1, c0, buf[j])
+                buf[j] = merge_column_dev(wbuf, part_acc, g, r, j, c0, c1, c0, buf[j])
         if n_comp_parts > 0:
             cuda.syncthreads()
             if not head_rot:
@@ -161,14 +216,14 @@ def _merge_rows(part_m, part_l, part_acc, g, r_lo, r_hi, n_comp_parts, signs, he
                 cuda.syncthreads()
                 h *= 2
             inverse_scale_dev(buf, d, tid, nth, head_rot, hsigns)
+        inv = float32(1.0) / row_denom_dev(part_m, part_l, g, r, n_parts, m_star, wbuf, tid, nth)
         for c0 in range(n_comp_parts, n_parts, MERGE_CHUNK):
             c1 = min(n_parts, c0 + MERGE_CHUNK)
             cuda.syncthreads()
             merge_weights_dev(part_m, g, r, c0 + tid, c1, nth, m_star, wbuf, c0)
             cuda.syncthreads()
             for j in range(tid, d, nth):
-                buf[j] = merge_column_dev(wbuf, part_m, part_acc, g, r, j, c0, c1, c0, buf[j])
-        inv = float32(1.0) / merge_denom_dev(part_m, part_l, g, r, n_parts, m_star)
+                buf[j] = merge_column_dev(wbuf, part_acc, g, r, j, c0, c1, c0, buf[j])
         for j in range(tid, d, nth):
             out[g, r, j] = buf[j] * inv
 

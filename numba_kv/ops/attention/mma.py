@@ -72,6 +72,8 @@ exchange together).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import cuda, float32, int32, int64, uint32, uint64
 
@@ -94,7 +96,8 @@ from .ptx import (
     shfl_xor_f32,
 )
 
-__all__ = ["LN2", "LOG2E", "MMA_BITS", "MMA_BLOCKS_PER_SM", "MMA_HEAD_DIM", "MMA_TAB_SHARED_WORDS", "MMA_TAB_WORDS",
+__all__ = ["LN2", "LOG2E", "MERGE_PARTS_PER_SQRT_TOKEN", "MMA_BITS", "MMA_BLOCKS_PER_SM", "MMA_HEAD_DIM",
+           "MMA_TAB_SHARED_WORDS", "MMA_TAB_WORDS",
            "MMA_THREADS", "MMA_TILE", "TAB_BYTES", "TAB_SLOTS", "aligned_table", "build_pair_table", "build_tables",
            "key_tile", "mma_partition", "mma_partition_size", "mma_tiles", "pair_table_replicas",
            "reference_pair_table", "stage_query_fragments", "store_mma_partition", "token_address", "value_tile"]
@@ -127,12 +130,28 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 
+#: at most ``MERGE_PARTS_PER_SQRT_TOKEN · √T`` partitions per KV row: the merge's cost grows
+#: with the partitions of a row (its last block reads them all), a partition's with its
+#: tokens, so their sum is least near ``√(a·T/b)`` partitions.  Fitted on an H200
+#: (benchmarks/gpu_results/h200-2026-11-30/kernel_times.log, batch 1, 8 KV heads, 3- and
+#: 4-bit, T = 4K and 32K, partitions of 128 … 2048 tokens): ``a`` ≈ 0.068 µs a token a warp,
+#: ``b`` ≈ 2.5 µs a partition with the serial merge of that run (256 partitions a row at
+#: T = 32K: 0.63 ms; 32: 0.15 ms).  The lane-parallel merge makes ``b`` smaller, so the cap
+#: errs towards fewer partitions than the best until it is fitted again.
+MERGE_PARTS_PER_SQRT_TOKEN = 0.165
+
+
 def mma_partition_size(n_tokens: int, n_rows_kv: int) -> int:
-    """Tokens per partition (one warp each) of the tensor-core kernel: about 3,200 warps in all
-    (some 24 per SM of an H100, two waves of its 12 resident ones), in multiples of 64 between
-    128 and 2048.  Longer than the warp kernel's: a block builds its pair tables once, and
-    at small batch the merge then reads a few hundred partitions per row, not thousands."""
-    per = -(-max(n_rows_kv, 1) * max(n_tokens, 1) // 3200)
+    """Tokens per partition (one warp each) of the tensor-core kernel, in multiples of 64
+    between 128 and 2048: about 3,200 warps in all (some 24 per SM of an H100, two waves of
+    its 12 resident ones), but no more than :data:`MERGE_PARTS_PER_SQRT_TOKEN` ``· √T``
+    partitions per KV row.  At small batch the warps would otherwise be many short partitions
+    whose merge outweighs them (batch 1, T = 32K: 256 partitions a row where 32 took a
+    quarter of the time)."""
+    n_tokens = max(n_tokens, 1)
+    per = -(-max(n_rows_kv, 1) * n_tokens // 3200)
+    max_parts = max(1, math.ceil(MERGE_PARTS_PER_SQRT_TOKEN * math.sqrt(n_tokens)))
+    per = max(per, -(-n_tokens // max_parts))
     return int(min(2048, max(128, -(-per // 64) * 64)))
 
 
