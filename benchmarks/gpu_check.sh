@@ -8,7 +8,7 @@
 #
 # Stages, in the order they run (the correctness gate first, the figures the issues ask for next, so that a
 # lease cut short keeps what matters), each under its own time limit (seconds, overridable), each log in
-# OUTDIR; about 10 minutes in all by default:
+# OUTDIR; about 10 minutes in all by default (the limits add up to 17):
 #   1. tests_gpu.log:          the gpu_only and cuda tests on the real GPU (CuPy and Numba device arrays,
 #                              StepGraph capture and replay, the transformers cache on CUDA; TEST_LIMIT=200;
 #                              verbose, so that a run cut at its limit still names the tests that failed)
@@ -16,9 +16,10 @@
 #                              vs torch SDPA, the fused steps also through a numba_kv.StepGraph: the "graph"
 #                              columns; DECODE_LIMIT=90); decode_step_numba_launch.*: the same at T 4K with
 #                              NUMBA_KV_CUDA_PREPARED_LAUNCH=0 (every launch through Numba's typing: the A/B)
-#   3. step_kernels.log:       benchmarks/gpu_step_kernels.py (each launch of a batch-1 pqo3/kv4 step timed alone, a
+#   3. step_kernels.log:       benchmarks/gpu_step_kernels.py (each launch of a batch-1 step timed alone, a
 #                              DecodeStep's GPU and wall time per step, the tensor-core kernel at partitions of
-#                              128 … 2048 tokens: the fit of mma.MERGE_PARTS_PER_SQRT_TOKEN; KERNELS_LIMIT=120)
+#                              128 … 2048 tokens: the fit of mma.MERGE_PARTS_PER_SQRT_TOKEN; KERNELS_MODES=pqo3,
+#                              KERNELS_LIMIT=90)
 #   4. mma_check.log:          benchmarks/gpu_mma_check.py (tensor-core kernel: accuracy vs the CPU twin, A/B vs the
 #                              warp kernel and launch bounds, torch SDPA, GPU time of both; MMA_LIMIT=260; OLD=REV[,REV] or a folder
 #                              holding extracted numba_kv_ab* packages adds those builds' tensor-core kernels to the A/B)
@@ -71,8 +72,8 @@ stage "bench decode-step --device cuda, every launch through Numba (A/B of prepa
     "$out/decode_step_numba_launch.txt" env NUMBA_KV_CUDA_PREPARED_LAUNCH=0 \
     "$py" -m numba_kv.toolkit.cli bench decode-step --device cuda --tokens 4096 --no-torch --no-progress \
     --json "$out/decode_step_numba_launch.json"
-stage "a step's kernels, and the tensor-core partition length" "${KERNELS_LIMIT:-120}" "$out/step_kernels.log" \
-    "$py" benchmarks/gpu_step_kernels.py
+stage "a step's kernels, and the tensor-core partition length" "${KERNELS_LIMIT:-90}" "$out/step_kernels.log" \
+    "$py" benchmarks/gpu_step_kernels.py --modes "${KERNELS_MODES:-pqo3}"
 stage "tensor-core kernel: accuracy, A/B vs warp kernel, torch" "${MMA_LIMIT:-260}" "$out/mma_check.log" \
     "$py" benchmarks/gpu_mma_check.py --tokens 32768,131072 --batch 1,8,32 --bits 3,4 --device-time ${OLD:+--old "$OLD"}
 stage "bench attention --device cuda" "${BENCH_LIMIT:-150}" "$out/bench_cuda.txt" \
