@@ -75,9 +75,15 @@ def _merge_row(part_m, part_l, part_acc, g, r, n_comp_parts, signs, head_rot, hs
             butterfly_pairs_cpu(buf, h, d, 0, 1)
             h *= 2
         inverse_scale_cpu(buf, d, 0, 1, head_rot, hsigns)
-    for k in range(DENOM_LANES):
+    # the denominator's lanes past the partitions are +0, and the terms are >= 0: the device's
+    # tree over all 32 lanes adds exact zeros to the tree over the first power of two that
+    # holds the partitions (the same bits, a few adds for a few partitions)
+    n_lanes = 1
+    while n_lanes < min(n_parts, DENOM_LANES):
+        n_lanes *= 2
+    for k in range(n_lanes):
         dlanes[k] = merge_denom_lane_cpu(part_m, part_l, g, r, k, n_parts, m_star)
-    inv = float32(1.0) / lane_tree_cpu(dlanes, 0, DENOM_LANES)
+    inv = float32(1.0) / lane_tree_cpu(dlanes, 0, n_lanes)
     _add_partitions(part_acc, g, r, n_comp_parts, n_parts, wbuf, lanes, buf)
     orow = out[g, r]
     for j in range(d):
@@ -89,21 +95,52 @@ def _add_partitions(part_acc, g, r, p_lo, p_hi, wbuf, lanes, buf):
     :func:`~numba_kv.ops.attention.cores.merge_column` for every column at once (CPU), in its
     order: per :data:`MERGE_CHUNK` partitions, :data:`COLUMN_LANES` interleaved lane sums
     (partition-major over each contiguous row, so that the loop over the columns vectorizes),
-    added pairwise into ``buf``; partitions of weight 0 add nothing."""
+    added pairwise into ``buf``; partitions of weight 0 add nothing.  Only the lanes a chunk
+    uses are read: a lane that took no partition is +0 on the device, and its pairwise sum
+    with +0 lanes is the short one plus +0 (the same value), so a merge of a few partitions
+    (the CPU's usual) costs about what its partitions do.  (A lane's first term is set, not
+    added to 0: the same value, signed zeros aside.)"""
     d = buf.shape[0]
     for c0 in range(p_lo, p_hi, MERGE_CHUNK):
         c1 = min(p_hi, c0 + MERGE_CHUNK)
-        lanes[:, :d] = float32(0.0)
-        for p in range(c0, c1):
+        n_lanes = min(COLUMN_LANES, c1 - c0)
+        for p in range(c0, c0 + n_lanes):  # each lane's first partition sets it (0 + x)
+            k = p - c0
+            w = wbuf[p]
+            src = part_acc[g, p, r]
+            if w != float32(0.0):
+                for j in range(d):
+                    lanes[k, j] = w * src[j]
+            else:
+                for j in range(d):
+                    lanes[k, j] = float32(0.0)
+        for p in range(c0 + n_lanes, c1):
             w = wbuf[p]
             if w != float32(0.0):
-                lane = lanes[(p - c0) & (COLUMN_LANES - 1)]
+                k = (p - c0) & (COLUMN_LANES - 1)
                 src = part_acc[g, p, r]
                 for j in range(d):
-                    lane[j] += w * src[j]
-        for j in range(d):
-            buf[j] = buf[j] + (((lanes[0, j] + lanes[1, j]) + (lanes[2, j] + lanes[3, j]))
-                               + ((lanes[4, j] + lanes[5, j]) + (lanes[6, j] + lanes[7, j])))
+                    lanes[k, j] += w * src[j]
+        if n_lanes <= 2:
+            if n_lanes == 1:
+                for j in range(d):
+                    buf[j] = buf[j] + (lanes[0, j] + float32(0.0))
+            else:
+                for j in range(d):
+                    buf[j] = buf[j] + ((lanes[0, j] + lanes[1, j]) + float32(0.0))
+        elif n_lanes <= 4:
+            for j in range(d):
+                a = lanes[0, j] + lanes[1, j]
+                b = lanes[2, j] + lanes[3, j] if n_lanes == 4 else lanes[2, j] + float32(0.0)
+                buf[j] = buf[j] + ((a + b) + float32(0.0))
+        else:
+            for j in range(d):
+                x = (lanes[0, j] + lanes[1, j]) + (lanes[2, j] + lanes[3, j])
+                y4 = lanes[4, j]
+                y5 = lanes[5, j] if n_lanes > 5 else float32(0.0)
+                y6 = lanes[6, j] if n_lanes > 6 else float32(0.0)
+                y7 = lanes[7, j] if n_lanes > 7 else float32(0.0)
+                buf[j] = buf[j] + (x + ((y4 + y5) + (y6 + y7)))
 
 
 add_partitions_cpu = twin(_add_partitions, inline=True)[0]
@@ -113,8 +150,8 @@ merge_row_cpu = twin(_merge_row, inline=True)[0]
 @cpu_kernel
 def _merge_partitions_cpu(part_m, part_l, part_acc, n_comp_parts, signs, head_rot, hsigns, out):
     """CPU twin of the merge: one work item per KV row (``prange``), its query rows in turn
-    (one scratch allocation per KV row: at decode sizes an allocation per query row cost as
-    much as its merge)."""
+    (its scratch allocated per KV row, not per query row: at decode sizes an allocation per
+    query row cost as much as its merge)."""
     n_g, n_parts, rows = part_m.shape
     d = out.shape[2]
     # borrowed views (numba_kv.ops._borrow): the row merge and its rotation make many views
