@@ -110,15 +110,19 @@ def _f32_to_f16_store(v):
 twin(_as_is, inline=True)
 twin(_f32_to_f16_store, inline=True)
 
+#: tokens a window slide moves per batch (:func:`_shift_column`): loads in flight per thread
+SHIFT_BATCH = 16
+
 
 def _shift_column(ex, r, w, dst, src, n):
     """``ex[r, dst + i, w] = ex[r, src + i, w]`` for ``i = 0 … n − 1`` in place, ``src > dst``
-    (a window's survivors sliding to its front), eight tokens at a time, all eight read before
-    any is written: a write lands below every token not read yet, and on a GPU the eight loads
-    are in flight together.  One at a time, each load waited for the store before it (it may
-    alias): about 40 µs of a step for a window of 128 on an H200."""
+    (a window's survivors sliding to its front), :data:`SHIFT_BATCH` tokens at a time, all of
+    a batch read before any is written: a write lands below every token not read yet, and on
+    a GPU the batch's loads are in flight together.  One at a time, each load waited for the
+    store before it (it may alias): about 40 µs of a step for a window of 128 on an H200;
+    eight at a time that is 16 round trips for such a window, sixteen at a time 8."""
     t = 0
-    while t + 8 <= n:
+    while t + SHIFT_BATCH <= n:
         o = src + t
         y0 = ex[r, o, w]
         y1 = ex[r, o + 1, w]
@@ -128,6 +132,14 @@ def _shift_column(ex, r, w, dst, src, n):
         y5 = ex[r, o + 5, w]
         y6 = ex[r, o + 6, w]
         y7 = ex[r, o + 7, w]
+        y8 = ex[r, o + 8, w]
+        y9 = ex[r, o + 9, w]
+        y10 = ex[r, o + 10, w]
+        y11 = ex[r, o + 11, w]
+        y12 = ex[r, o + 12, w]
+        y13 = ex[r, o + 13, w]
+        y14 = ex[r, o + 14, w]
+        y15 = ex[r, o + 15, w]
         o = dst + t
         ex[r, o, w] = y0
         ex[r, o + 1, w] = y1
@@ -137,7 +149,15 @@ def _shift_column(ex, r, w, dst, src, n):
         ex[r, o + 5, w] = y5
         ex[r, o + 6, w] = y6
         ex[r, o + 7, w] = y7
-        t += 8
+        ex[r, o + 8, w] = y8
+        ex[r, o + 9, w] = y9
+        ex[r, o + 10, w] = y10
+        ex[r, o + 11, w] = y11
+        ex[r, o + 12, w] = y12
+        ex[r, o + 13, w] = y13
+        ex[r, o + 14, w] = y14
+        ex[r, o + 15, w] = y15
+        t += SHIFT_BATCH
     for u in range(t, n):
         ex[r, dst + u, w] = ex[r, src + u, w]
 

@@ -407,7 +407,7 @@ def _slide8_cuda(xk, xv, kmean, center, exk, exv, exks, exvs, evk, evv, a, s_at,
                 v = x[r, a + i, w]
                 ev[r, e_old + i, w] = v - kmean[r, 0, w] if cen else v
         if e_old:  # the survivors slide to the front (ascending per column: the target is lower)
-            for w in range(tid, d, nt):  # (eight loads in flight: memory.shift_column)
+            for w in range(tid, d, nt):  # (SHIFT_BATCH loads in flight: memory.shift_column)
                 shift_column_dev(ex, r, w, sinks, sinks + e_old, keep_old)
             if tid == nt - 1:  # (the scales by another warp than thread 0's columns, where there is one)
                 shift_column_dev(exs, r, 0, sinks, sinks + e_old, keep_old)

@@ -14,9 +14,11 @@ fences are reasoned in ``merge_if_last``'s docstring).
 
 import numpy as np
 import pytest
+from numba import cuda, float32
 
 from numba_kv import PagedKVCache, knobs
 from numba_kv._backend import simulator_enabled, to_host
+from numba_kv._config import MAX_HEAD_DIM
 from numba_kv.ops.attention import decode_attention, kernels, merge, plan
 from numba_kv.ops.attention.mma import MMA_THREADS
 from numba_kv.ops.attention.plan import cuda_block_threads
@@ -226,3 +228,51 @@ def test_merge_of_many_partitions_matches_cpu_twin_and_formula(threads):
             w = np.exp(m.astype(np.float64) - m.max(axis=1, keepdims=True))
             formula = np.einsum("gpr,gprd->grd", w, acc) / np.einsum("gpr,gpr->gr", w, lsum)[..., None]
             np.testing.assert_allclose(want, formula, rtol=2e-5, atol=2e-6)
+
+
+def _rows_kernel():
+    """A kernel around ``merge_rows_dev`` with the block's shared scratch, as ``merge_if_last``
+    calls it: block ``g`` merges every query row of KV row ``g`` (groups of
+    ``MERGE_ROWS`` rows side by side)."""
+    @cuda.jit
+    def rows_kernel(part_m, part_l, part_acc, n_comp, signs, head_rot, hsigns, out):
+        scratch = cuda.shared.array(merge.MERGE_SCRATCH, dtype=float32)
+        merge.merge_rows_dev(part_m, part_l, part_acc, cuda.blockIdx.x, 0, out.shape[1], n_comp, signs, head_rot,
+                             hsigns, out, scratch[:MAX_HEAD_DIM], scratch[MAX_HEAD_DIM:merge.MERGE_SCRATCH - 1],
+                             cuda.threadIdx.x, cuda.blockDim.x)
+
+    return rows_kernel
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("rows", "d", "threads"), [(7, 64, 32), (4, 128, 16)])
+def test_rows_side_by_side_match_one_row_a_block(rows, d, threads):
+    """The rows of a last block's merge side by side (``MERGE_ROWS`` at a time, then the other
+    three, whose threads the 32 of the block do not divide: two only meet the barriers;
+    several column groups a thread; 72 partitions: two weight chunks of the compressed
+    partitions) write the bits of the merge kernel's one row a block, and the CPU twin's
+    values (their ``exp`` may differ in the last bit), with empty partitions and a row
+    without a visible token (output 0)."""
+    rng = np.random.default_rng(37)
+    n_g, n_parts = 2, 72
+    m = rng.standard_normal((n_g, n_parts, rows)).astype(np.float32) * 4
+    m[0, 7, 1] = m[1, 71, 0] = m[1, 64, rows - 1] = -np.inf
+    m[1, :, 1] = -np.inf  # no visible token in row (1, 1)
+    lsum = (np.abs(rng.standard_normal(m.shape)) + 0.5).astype(np.float32)
+    acc = rng.standard_normal((n_g, n_parts, rows, d)).astype(np.float32)
+    acc[np.isneginf(m)] = 0.0
+    hsigns = np.where(rng.random(d) < 0.5, -1.0, 1.0).astype(np.float32)
+    signs = np.where(rng.random(32) < 0.5, -1.0, 1.0).astype(np.float32)
+    kernel = _rows_kernel()
+    for n_comp, head_rot in ((66, False), (34, True)):
+        args = (m, lsum, acc, n_comp, signs, head_rot, hsigns)
+        want = np.empty((n_g, rows, d), np.float32)
+        merge.MERGE_PARTITIONS.launch("cpu", n_g * rows, *args, want)
+        dargs = tuple(to_device(a) if isinstance(a, np.ndarray) else a for a in args)
+        one = to_device(np.zeros((n_g, rows, d), np.float32))
+        merge.MERGE_PARTITIONS.launch("cuda", n_g * rows, *dargs, one, grid=((n_g, rows), threads))
+        side = to_device(np.full((n_g, rows, d), np.nan, np.float32))
+        kernel[n_g, threads](*dargs, side)
+        assert np.array_equal(to_host(side), to_host(one))
+        np.testing.assert_allclose(to_host(side), want, rtol=1e-6, atol=1e-7)
+        assert not np.any(to_host(side)[1, 1])

@@ -21,7 +21,7 @@ def _slide8(rng):
     from numba_kv.ops.headquant import head_signs
     from numba_kv.ops.window8 import slide_windows8
 
-    rows, cap, d = 2, 14, 64
+    rows, cap, d = 2, 22, 64
     for rot, case, threads in ((1, 0, 4), (2, 2, 2), (0, 1, 4), (2, 0, 1)):
         n, plan, s_at, sinks, (p_sink, p_base, p_win) = SLIDE8_CASES[case]
         plan = StorePlan(*plan)

@@ -1,6 +1,6 @@
 """``numba_kv.ops.memory.slide_windows``: one window store of both sides against a NumPy
 oracle written from its docstring (the ranges it copies, in that order), for slides longer
-and shorter than the kernel's batches of eight, evictions of one and of more tokens, new
+and shorter than the kernel's batches of sixteen, evictions of one and of more tokens, new
 sinks and float32 and float16 (``uint16`` bit patterns) windows; CPU, and the CUDA kernel
 (simulator or GPU) where one runs."""
 
@@ -14,10 +14,11 @@ from numba_kv.ops.memory import slide_windows
 
 ROWS, WIDTH, CAP = 2, 5, 48
 
-#: (a, s_at, e_new, sinks, e_old, keep_old, keep_new): a full window of 20 evicting 1 (19 slide: two
-#: batches of eight and three), 3 (17 slide), 9 (more than a batch: the reads run ahead of the writes),
-#: a window filling (no eviction), new sinks
-CASES = [(0, 0, 0, 4, 1, 19, 1), (0, 0, 0, 4, 3, 17, 3), (0, 0, 0, 2, 9, 11, 9), (0, 0, 0, 4, 0, 7, 2),
+#: (a, s_at, e_new, sinks, e_old, keep_old, keep_new): a full window of 20 evicting 1 (19 slide: a
+#: batch of sixteen, ``memory.SHIFT_BATCH``, and three), 3 (17 slide), 17 (more than a batch: the
+#: reads run ahead of the writes), a window filling (no eviction), new sinks, a slide shorter than a
+#: batch, 40 (two batches and eight)
+CASES = [(0, 0, 0, 4, 1, 19, 1), (0, 0, 0, 4, 3, 17, 3), (0, 0, 0, 2, 17, 20, 17), (0, 0, 0, 4, 0, 7, 2),
          (2, 1, 0, 4, 2, 16, 2), (0, 0, 1, 3, 4, 8, 0), (0, 0, 0, 0, 1, 40, 1)]
 
 

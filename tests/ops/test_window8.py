@@ -117,9 +117,10 @@ def window8_state(rng, rows: int, cap: int, d: int):
     return codes[0], steps[0].copy(), codes[1], steps[1].copy()
 
 
-#: (n new tokens, StorePlan fields, s_at, sinks, positions): a decode step's flush, new sinks
-#: into a window that is not full, new tokens that skip the window
-SLIDE8_CASES = ((1, (0, 1, 0, 9, 1), 0, 3, (3, 40, 10)), (3, (2, 0, 0, 0, 1), 1, 3, (3, 3, 1)),
+#: (n new tokens, StorePlan fields, s_at, sinks, positions): a decode step's flush (17 survivors
+#: slide: a batch of ``memory.SHIFT_BATCH`` and one), new sinks into a window that is not full,
+#: new tokens that skip the window
+SLIDE8_CASES = ((1, (0, 1, 0, 17, 1), 0, 3, (3, 40, 18)), (3, (2, 0, 0, 0, 1), 1, 3, (3, 3, 1)),
                 (4, (0, 2, 2, 1, 2), 0, 2, (2, 9, 3)))
 
 
@@ -161,7 +162,7 @@ def test_slide_windows8_matches_a_numpy_oracle(rot, case):
     from numba_kv.ops.headquant import head_signs
     from numba_kv.ops.window8 import slide_windows8
 
-    rows, cap, d = 3, 14, 64
+    rows, cap, d = 3, 22, 64
     n, plan, s_at, sinks, (p_sink, p_base, p_win) = SLIDE8_CASES[case]
     plan = StorePlan(*plan)
     rng = np.random.default_rng(10 * rot + case)

@@ -13,10 +13,10 @@ are one source each for flat caches and paged pools:
   the QJL sign decoding (:func:`_sign_pm1`, :func:`_qjl_dot`) and the online-softmax state
   update (:func:`_rescale`, :func:`_online_update`; the CPU twins compute ``alpha`` with
   their vectorized ``exp`` instead of :func:`_rescale`);
-* the merge of the split-K partitions (log-sum-exp, flash-decoding): one column
-  (:func:`_merge_column`) or one butterfly stage of the inverse rotation
-  (:func:`_butterfly_pairs`) per call, so that a CUDA block spreads a row over its threads
-  and the CPU twin runs the same arithmetic with one "thread";
+* the merge of the split-K partitions (log-sum-exp, flash-decoding): one term of a column
+  sum (:func:`_column_term`; the lanes of the sums are the merge module's) or one
+  butterfly stage of the inverse rotation (:func:`_butterfly_pairs`) per call, so that a
+  CUDA block spreads a row over its threads and the CPU twin runs the same arithmetic with one "thread";
 * the cooperative stages of the CUDA tile loop (``tid``/``nth``: the calling thread and the
   number of threads sharing the work; the kernels put ``cuda.syncthreads()`` between stages).
 """
@@ -228,25 +228,6 @@ def _column_term(wbuf, part_acc, g, p, r, j, p_hi, base, s):
         if w != float32(0.0):
             s += w * part_acc[g, p, r, j]
     return s
-
-
-def _merge_column(wbuf, part_acc, g, r, j, p_lo, p_hi, base, init):
-    """``init + Σ_{p_lo <= p < p_hi} wbuf[p − base] · acc_p[j]`` for row ``(g, r)`` in
-    :data:`COLUMN_LANES` interleaved lanes (lane ``k``: ``p − p_lo ≡ k``, in order) added as
-    ``((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))``: eight independent loads in flight
-    per step on a GPU, where one running sum waited for each load in turn (weights from
-    :func:`_merge_weights`; the CPU twin adds the same lanes partition-major)."""
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = float32(0.0)
-    for p in range(p_lo, p_hi, COLUMN_LANES):
-        a0 = _column_term(wbuf, part_acc, g, p, r, j, p_hi, base, a0)
-        a1 = _column_term(wbuf, part_acc, g, p + 1, r, j, p_hi, base, a1)
-        a2 = _column_term(wbuf, part_acc, g, p + 2, r, j, p_hi, base, a2)
-        a3 = _column_term(wbuf, part_acc, g, p + 3, r, j, p_hi, base, a3)
-        a4 = _column_term(wbuf, part_acc, g, p + 4, r, j, p_hi, base, a4)
-        a5 = _column_term(wbuf, part_acc, g, p + 5, r, j, p_hi, base, a5)
-        a6 = _column_term(wbuf, part_acc, g, p + 6, r, j, p_hi, base, a6)
-        a7 = _column_term(wbuf, part_acc, g, p + 7, r, j, p_hi, base, a7)
-    return init + (((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)))
 
 
 def _butterfly_pairs(buf, h, d, i0, istep):
@@ -511,7 +492,6 @@ merge_denom_lane_cpu, merge_denom_lane_dev = twin(_merge_denom_lane, inline=True
 lane_tree_cpu, lane_tree_dev = twin(_lane_tree, inline=True)
 merge_weights_cpu, merge_weights_dev = twin(_merge_weights, inline=True)
 _, column_term_dev = twin(_column_term, inline=True)
-_, merge_column_dev = twin(_merge_column, inline=True)
 butterfly_pairs_cpu, butterfly_pairs_dev = twin(_butterfly_pairs, inline=True)
 inverse_scale_cpu, inverse_scale_dev = twin(_inverse_scale, inline=True)
 block_signs_cpu, block_signs_dev = twin(_block_signs, inline=True)

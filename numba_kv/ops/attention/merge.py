@@ -24,11 +24,11 @@ from .cores import (
     block_signs_dev,
     butterfly_pairs_cpu,
     butterfly_pairs_dev,
+    column_term_dev,
     inverse_scale_cpu,
     inverse_scale_dev,
     lane_tree_cpu,
     lane_tree_dev,
-    merge_column_dev,
     merge_denom_lane_cpu,
     merge_denom_lane_dev,
     merge_max_cpu,
@@ -37,13 +37,28 @@ from .cores import (
     merge_weights_dev,
 )
 
-__all__ = ["MERGE_CHUNK", "MERGE_PARTITIONS", "MERGE_SCRATCH", "merge_if_last", "merge_rows_dev"]
+__all__ = ["MERGE_CHUNK", "MERGE_COLUMNS", "MERGE_PARTITIONS", "MERGE_ROWS", "MERGE_SCRATCH", "merge_if_last",
+           "merge_rows_dev"]
 
-#: partitions whose merge weights one merge block holds at a time
-MERGE_CHUNK = 256
-#: shared float32 entries a partition kernel lends :func:`merge_if_last` (the row buffer,
-#: the weights, the last-block flag)
-MERGE_SCRATCH = MAX_HEAD_DIM + MERGE_CHUNK + 1
+#: partitions whose merge weights one merge block holds at a time, per query row (the CPU
+#: twin's column lanes restart at each chunk, as the device's)
+MERGE_CHUNK = 64
+#: query rows a merge block merges side by side (a warp's rows): their column sums' loads are
+#: in flight together and one barrier serves them all
+MERGE_ROWS = 4
+#: columns one thread sums side by side (:data:`COLUMN_LANES` loads in flight each): one.  The
+#: merge is the epilogue of the partition kernels, whose registers are their largest need
+#: anywhere: two columns took the tensor-core kernels from 152/168 to 198 registers on sm_90
+#: (``numba-kv kernels``: 2 blocks an SM instead of 3), four to 228
+MERGE_COLUMNS = 1
+#: shared float32 entries a partition kernel lends :func:`merge_if_last`: the rows' buffer
+#: (``MERGE_ROWS · d <= MAX_HEAD_DIM``), their weights, the last-block flag
+MERGE_SCRATCH = MAX_HEAD_DIM + MERGE_ROWS * MERGE_CHUNK + 1
+#: the last-block flag's entry of the scratch
+_FLAG = MAX_HEAD_DIM + MERGE_ROWS * MERGE_CHUNK
+#: (array sizes as single constants: Numba's typing does not fold a product of globals)
+_WBUF = MERGE_ROWS * MERGE_CHUNK
+_TERMS = MERGE_COLUMNS * COLUMN_LANES
 
 
 def _merge_row(part_m, part_l, part_acc, g, r, n_comp_parts, signs, head_rot, hsigns, wbuf, buf, lanes, dlanes, out):
@@ -92,7 +107,7 @@ def _merge_row(part_m, part_l, part_acc, g, r, n_comp_parts, signs, head_rot, hs
 
 def _add_partitions(part_acc, g, r, p_lo, p_hi, wbuf, lanes, buf):
     """``buf += Σ_{p_lo <= p < p_hi} wbuf[p] · acc_p`` for row ``(g, r)``: the device's
-    :func:`~numba_kv.ops.attention.cores.merge_column` for every column at once (CPU), in its
+    :func:`_merge_columns` for every column at once (CPU), in its
     order: per :data:`MERGE_CHUNK` partitions, :data:`COLUMN_LANES` interleaved lane sums
     (partition-major over each contiguous row, so that the loop over the columns vectorizes),
     added pairwise into ``buf``; partitions of weight 0 add nothing.  Only the lanes a chunk
@@ -172,38 +187,122 @@ def _merge_partitions_cpu(part_m, part_l, part_acc, n_comp_parts, signs, head_ro
         keep_alive(down)
 
 
-def _row_max(part_m, g, r, n_parts, wbuf, tid, nth):
-    """Block-cooperative: the largest running max of row ``(g, r)`` (exact in any order):
-    the first ``min(nth, MERGE_CHUNK)`` threads each take a strided share of the partitions
-    into shared ``wbuf``, then every thread reads the shares.  Barriers before (the caller's
-    last use of ``wbuf``) and after."""
-    nred = min(nth, MERGE_CHUNK)
+def _merge_columns(wbuf, part_acc, g, r, j0, js, d, p_lo, p_hi, base, buf):
+    """``buf[j] += Σ_{p_lo <= p < p_hi} wbuf[p − base] · acc_p[j]`` for the columns ``j = j0,
+    j0 + js, …`` (at most :data:`MERGE_COLUMNS`, below ``d``) of row ``(g, r)``, side by side.
+    Each column in :data:`COLUMN_LANES` interleaved lanes (lane ``k``: ``p − p_lo ≡ k``, in
+    order; :func:`~numba_kv.ops.attention.cores.column_term`) added as ``((l0 + l1) + (l2 +
+    l3)) + ((l4 + l5) + (l6 + l7))``, the CPU twin's order (:func:`_add_partitions`): a step
+    has ``MERGE_COLUMNS · COLUMN_LANES`` independent loads in flight, where one running sum
+    waited for each load in turn."""
+    a = cuda.local.array(_TERMS, dtype=float32)  # (constant indices: registers)
+    for i in range(MERGE_COLUMNS * COLUMN_LANES):
+        a[i] = float32(0.0)
+    for p in range(p_lo, p_hi, COLUMN_LANES):
+        for k in range(COLUMN_LANES):
+            for c in range(MERGE_COLUMNS):
+                j = j0 + c * js
+                if j < d:
+                    a[c * COLUMN_LANES + k] = column_term_dev(wbuf, part_acc, g, p + k, r, j, p_hi, base,
+                                                              a[c * COLUMN_LANES + k])
+    for c in range(MERGE_COLUMNS):
+        j = j0 + c * js
+        if j < d:
+            o = c * COLUMN_LANES
+            buf[j] = buf[j] + (((a[o] + a[o + 1]) + (a[o + 2] + a[o + 3]))
+                               + ((a[o + 4] + a[o + 5]) + (a[o + 6] + a[o + 7])))
+
+
+merge_columns_dev = cuda_device(_merge_columns)
+
+
+def _merge_chunks(part_m, part_acc, g, r, mine, c, tpr, p_lo, p_hi, m_star, rbuf, wrow, d):
+    """Block-cooperative: ``rbuf += Σ_{p_lo <= p < p_hi} exp(m_p − m*) · acc_p`` for this
+    thread's row (``mine``; thread ``c`` of its row's ``tpr``), :data:`MERGE_CHUNK`
+    partitions at a time (weights into ``wrow``, barriers around them)."""
+    for c0 in range(p_lo, p_hi, MERGE_CHUNK):
+        c1 = min(p_hi, c0 + MERGE_CHUNK)
+        cuda.syncthreads()
+        if mine:
+            merge_weights_dev(part_m, g, r, c0 + c, c1, tpr, m_star, wrow, c0)
+        cuda.syncthreads()
+        if mine:
+            for j0 in range(c, d, MERGE_COLUMNS * tpr):
+                merge_columns_dev(wrow, part_acc, g, r, j0, tpr, d, c0, c1, c0, rbuf)
+
+
+def _inverse_rotation(rbuf, mine, c, tpr, d, signs, head_rot, hsigns):
+    """Block-cooperative: the inverse rotation of this thread's row buffer (per 32-block, or
+    over the whole head with ``head_rot``), one butterfly stage per barrier, as the CPU
+    twin's :func:`_merge_row` runs its cores."""
     cuda.syncthreads()
-    if tid < nred:
-        wbuf[tid] = merge_max_dev(part_m, g, r, tid, n_parts, nred)
+    if not head_rot:
+        if mine:
+            block_signs_dev(rbuf, d, c, tpr, signs)
+        cuda.syncthreads()
+    h = 1
+    h_end = d if head_rot else 32
+    while h < h_end:
+        if mine:
+            butterfly_pairs_dev(rbuf, h, d, c, tpr)
+        cuda.syncthreads()
+        h *= 2
+    if mine:
+        inverse_scale_dev(rbuf, d, c, tpr, head_rot, hsigns)
+
+
+merge_chunks_dev = cuda_device(_merge_chunks)
+inverse_rotation_dev = cuda_device(_inverse_rotation)
+
+
+def _merge_group(part_m, part_l, part_acc, g, ra, nr, n_comp_parts, signs, head_rot, hsigns, out, buf, wbuf, tid,
+                 nth):
+    """Block-cooperative: query rows ``ra … ra + nr − 1`` of KV row ``g`` side by side, row
+    ``s`` by the ``tpr = nth // nr`` threads ``s·tpr …`` (the rest only meet the barriers) in
+    ``buf[s·d :]`` with weights in ``wbuf[s·MERGE_CHUNK :]``; each row's maximum, weights,
+    column sums, inverse rotation and denominator as :func:`_merge_row` (the cores, their
+    order), one barrier for all rows."""
+    n_parts = part_m.shape[1]
+    d = out.shape[2]
+    tpr = nth // nr
+    s = tid // tpr
+    mine = s < nr
+    c = tid - s * tpr
+    s = min(s, nr - 1)  # (an idle thread's views: in bounds, never written)
+    r = ra + s
+    rbuf = buf[s * d:s * d + d]
+    wrow = wbuf[s * MERGE_CHUNK:s * MERGE_CHUNK + MERGE_CHUNK]
+    nred = min(tpr, MERGE_CHUNK)
+    cuda.syncthreads()  # (the caller's, or the previous group's, last use of the buffers)
+    if mine and c < nred:  # the row's maximum from strided shares (exact in any order)
+        wrow[c] = merge_max_dev(part_m, g, r, c, n_parts, nred)
     cuda.syncthreads()
     m_star = NEG_INF
     for t in range(nred):
-        m_star = max(m_star, wbuf[t])
-    return m_star
-
-
-def _row_denom(part_m, part_l, g, r, n_parts, m_star, wbuf, tid, nth):
-    """Block-cooperative: the softmax denominator of row ``(g, r)`` in the CPU twin's order
-    (:data:`DENOM_LANES` lanes, one per thread where there are enough, then thread 0 adds
-    them pairwise in shared ``wbuf``).  Barriers before and after."""
+        m_star = max(m_star, wrow[t])
+    # (a row without a visible token, m* = -inf: every weight and lane is 0, its output 0)
+    if mine:
+        for j in range(c, d, tpr):
+            rbuf[j] = float32(0.0)
+    merge_chunks_dev(part_m, part_acc, g, r, mine, c, tpr, 0, n_comp_parts, m_star, rbuf, wrow, d)
+    if n_comp_parts > 0:
+        inverse_rotation_dev(rbuf, mine, c, tpr, d, signs, head_rot, hsigns)
     cuda.syncthreads()
-    for k in range(tid, DENOM_LANES, nth):
-        wbuf[k] = merge_denom_lane_dev(part_m, part_l, g, r, k, n_parts, m_star)
+    if mine:
+        for k in range(c, DENOM_LANES, tpr):
+            wrow[k] = merge_denom_lane_dev(part_m, part_l, g, r, k, n_parts, m_star)
     cuda.syncthreads()
-    if tid == 0:
-        lane_tree_dev(wbuf, 0, DENOM_LANES)
+    if mine and c == 0:
+        lane_tree_dev(wrow, 0, DENOM_LANES)
     cuda.syncthreads()
-    return wbuf[0]
+    inv = float32(1.0) / wrow[0] if m_star != NEG_INF else float32(0.0)
+    merge_chunks_dev(part_m, part_acc, g, r, mine, c, tpr, n_comp_parts, n_parts, m_star, rbuf, wrow, d)
+    if mine:
+        for j in range(c, d, tpr):
+            out[g, r, j] = rbuf[j] * inv
 
 
-row_max_dev = cuda_device(_row_max)
-row_denom_dev = cuda_device(_row_denom)
+merge_group_dev = cuda_device(_merge_group)
 
 
 def _merge_rows(part_m, part_l, part_acc, g, r_lo, r_hi, n_comp_parts, signs, head_rot, hsigns, out, buf, wbuf, tid,
@@ -211,58 +310,30 @@ def _merge_rows(part_m, part_l, part_acc, g, r_lo, r_hi, n_comp_parts, signs, he
     """Merge query rows ``r_lo … r_hi − 1`` of KV row ``g`` into ``out`` with the whole block
     (block-cooperative: every thread of the block calls it with the same rows).
 
-    Each thread owns the columns ``j = tid, tid + nth, …`` of the shared row buffer ``buf``
-    (at least ``d`` floats); the row's maximum and softmax denominator are block reductions
-    through the shared ``wbuf`` (:data:`MERGE_CHUNK` floats), the partition weights are
-    computed :data:`MERGE_CHUNK` at a time into it, each column's weighted sum runs in
-    :data:`COLUMN_LANES` interleaved lanes, and the inverse rotation of the compressed sum
-    runs as butterfly stages over ``buf`` (one pair per thread and step, ``syncthreads``
-    between stages).  Same cores in the same order as the CPU twin's :func:`_merge_row`,
-    whatever ``nth``, so the MERGE_PARTITIONS kernel and a partition kernel's last block
-    (:func:`merge_if_last`) write the same bits.  (It was one thread's serial loop per
-    maximum, column and denominator: at batch 1 and 256 partitions a row, each partition
-    cost the merging block about 2 µs, most of an H200 step at T = 32K.)  The caller puts a
-    block barrier between its own use of ``buf`` / ``wbuf`` and this call.
+    Up to :data:`MERGE_ROWS` rows at a time side by side (:func:`_merge_group`; fewer when
+    ``d`` is large: their buffers share ``buf``, :data:`MAX_HEAD_DIM` floats), each by its
+    share of the threads: the row's maximum and softmax denominator are reductions through
+    the shared ``wbuf`` (``MERGE_ROWS ·`` :data:`MERGE_CHUNK` floats), the partition weights
+    are computed :data:`MERGE_CHUNK` at a time into it, each column's weighted sum runs in
+    :data:`COLUMN_LANES` interleaved lanes (:func:`_merge_columns`), and the inverse rotation
+    of the compressed sum runs as butterfly stages (``syncthreads`` between stages).  Same
+    cores in the same order as the CPU twin's :func:`_merge_row`, whatever ``nth``, so the
+    MERGE_PARTITIONS kernel and a partition kernel's last block (:func:`merge_if_last`)
+    write the same bits.
+
+    History (issue 27): it was one thread's serial loop per maximum, column and denominator
+    (at batch 1 and 256 partitions a row, each partition cost the merging block about 2 µs
+    on an H200, most of a step at T = 32K); then lanes, one row at a time.  Side by side, a
+    warp's four rows share each barrier and each reduction's round of loads (about 15
+    barriers a group instead of a row); the column sums still take ``4·P/8`` rounds of
+    loads per thread for ``P`` partitions (four columns of 128 per thread, eight loads in
+    flight: the registers the epilogue may take, :data:`MERGE_COLUMNS`).
     """
-    n_parts = part_m.shape[1]
     d = out.shape[2]
-    for r in range(r_lo, r_hi):
-        m_star = row_max_dev(part_m, g, r, n_parts, wbuf, tid, nth)
-        if m_star == NEG_INF:  # the whole block agrees: every thread read the same maxima
-            for j in range(tid, d, nth):
-                out[g, r, j] = float32(0.0)
-            continue
-        for j in range(tid, d, nth):
-            buf[j] = float32(0.0)
-        for c0 in range(0, n_comp_parts, MERGE_CHUNK):
-            c1 = min(n_comp_parts, c0 + MERGE_CHUNK)
-            cuda.syncthreads()
-            merge_weights_dev(part_m, g, r, c0 + tid, c1, nth, m_star, wbuf, c0)
-            cuda.syncthreads()
-            for j in range(tid, d, nth):
-                buf[j] = merge_column_dev(wbuf, part_acc, g, r, j, c0, c1, c0, buf[j])
-        if n_comp_parts > 0:
-            cuda.syncthreads()
-            if not head_rot:
-                block_signs_dev(buf, d, tid, nth, signs)
-                cuda.syncthreads()
-            h = 1
-            h_end = d if head_rot else 32
-            while h < h_end:
-                butterfly_pairs_dev(buf, h, d, tid, nth)
-                cuda.syncthreads()
-                h *= 2
-            inverse_scale_dev(buf, d, tid, nth, head_rot, hsigns)
-        inv = float32(1.0) / row_denom_dev(part_m, part_l, g, r, n_parts, m_star, wbuf, tid, nth)
-        for c0 in range(n_comp_parts, n_parts, MERGE_CHUNK):
-            c1 = min(n_parts, c0 + MERGE_CHUNK)
-            cuda.syncthreads()
-            merge_weights_dev(part_m, g, r, c0 + tid, c1, nth, m_star, wbuf, c0)
-            cuda.syncthreads()
-            for j in range(tid, d, nth):
-                buf[j] = merge_column_dev(wbuf, part_acc, g, r, j, c0, c1, c0, buf[j])
-        for j in range(tid, d, nth):
-            out[g, r, j] = buf[j] * inv
+    group = max(1, min(MERGE_ROWS, MAX_HEAD_DIM // d, nth))
+    for ra in range(r_lo, r_hi, group):
+        merge_group_dev(part_m, part_l, part_acc, g, ra, min(group, r_hi - ra), n_comp_parts, signs, head_rot, hsigns,
+                        out, buf, wbuf, tid, nth)
 
 
 #: the row merge, called by the MERGE_PARTITIONS kernel and the partition kernels' epilogue
@@ -280,7 +351,7 @@ def _merge_partitions_cuda(part_m, part_l, part_acc, n_comp_parts, signs, head_r
     block runs too).
     """
     buf = cuda.shared.array(MAX_HEAD_DIM, dtype=float32)
-    wbuf = cuda.shared.array(MERGE_CHUNK, dtype=float32)
+    wbuf = cuda.shared.array(_WBUF, dtype=float32)
     r = cuda.blockIdx.y
     merge_rows_dev(part_m, part_l, part_acc, cuda.blockIdx.x, r, r + 1, n_comp_parts, signs, head_rot, hsigns, out, buf,
                    wbuf, cuda.threadIdx.x, cuda.blockDim.x)
@@ -296,7 +367,7 @@ def merge_if_last(merge_last, part_m, part_l, part_acc, g, r0, rb, n_comp_parts,
     block stored its partitions' ``(m, l, acc)``, the grid's y axis spans the partitions of
     a row chunk (``gridDim.y`` blocks arrive per chunk), ``counter`` (int32, at least
     ``n_g · gridDim.z`` entries) is zero for this chunk at launch and left zero at exit.
-    ``scratch``: shared float32, at least :data:`MAX_HEAD_DIM` + :data:`MERGE_CHUNK` + 1
+    ``scratch``: shared float32, at least :data:`MERGE_SCRATCH`
     entries, free for the epilogue.  Does nothing when ``merge_last`` is false (the host
     launches MERGE_PARTITIONS) or ``rb <= 0``.
 
@@ -319,14 +390,14 @@ def merge_if_last(merge_last, part_m, part_l, part_acc, g, r0, rb, n_comp_parts,
             last = cuda.atomic.add(counter, slot, 1) == cuda.gridDim.y - 1
             if last:
                 counter[slot] = 0
-            scratch[MAX_HEAD_DIM + MERGE_CHUNK] = float32(1.0) if last else float32(0.0)
+            scratch[_FLAG] = float32(1.0) if last else float32(0.0)
         cuda.syncthreads()
-        if scratch[MAX_HEAD_DIM + MERGE_CHUNK] == float32(0.0):  # block-uniform: one shared flag
+        if scratch[_FLAG] == float32(0.0):  # block-uniform: one shared flag
             return
         cuda.threadfence()  # acquire: every other block's partials
     cuda.syncthreads()  # the kernel's own use of the scratch buffer is over
     merge_rows_dev(part_m, part_l, part_acc, g, r0, r0 + rb, n_comp_parts, signs, head_rot, hsigns, out,
-                   scratch[:MAX_HEAD_DIM], scratch[MAX_HEAD_DIM:MAX_HEAD_DIM + MERGE_CHUNK], tid, nth)
+                   scratch[:MAX_HEAD_DIM], scratch[MAX_HEAD_DIM:_FLAG], tid, nth)
 
 
 _MSIG = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[:, :, :, ::1], int64, float32[::1], boolean, "

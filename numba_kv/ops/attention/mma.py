@@ -136,9 +136,13 @@ LN2 = 0.6931471805599453
 #: (benchmarks/gpu_results/h200-2026-11-30/kernel_times.log, batch 1, 8 KV heads, 3- and
 #: 4-bit, T = 4K and 32K, partitions of 128 … 2048 tokens): ``a`` ≈ 0.068 µs a token a warp,
 #: ``b`` ≈ 2.5 µs a partition with the serial merge of that run (256 partitions a row at
-#: T = 32K: 0.63 ms; 32: 0.15 ms).  The lane-parallel merge makes ``b`` smaller, so the cap
-#: errs towards fewer partitions than the best until it is fitted again.
-MERGE_PARTS_PER_SQRT_TOKEN = 0.165
+#: T = 32K: 0.63 ms; 32: 0.15 ms), which gave 0.165.  That merge waited for about 16
+#: dependent loads a partition (four rows in turn, each a serial maximum, column sum and
+#: denominator: ≈ 0.16 µs a round trip to L2); the merge of ``merge.py`` waits for about 0.6
+#: (a warp's four rows side by side, each column in eight lanes, the reductions over 32
+#: shares), so ``b`` ≈ 0.1 µs and the optimum ``√(0.068/0.1) ≈ 0.82`` partitions per √T.
+#: Not yet timed on a GPU (``benchmarks/gpu_step_kernels.py`` re-fits it).
+MERGE_PARTS_PER_SQRT_TOKEN = 0.8
 
 
 def mma_partition_size(n_tokens: int, n_rows_kv: int) -> int:
@@ -146,8 +150,8 @@ def mma_partition_size(n_tokens: int, n_rows_kv: int) -> int:
     between 128 and 2048: about 3,200 warps in all (some 24 per SM of an H100, two waves of
     its 12 resident ones), but no more than :data:`MERGE_PARTS_PER_SQRT_TOKEN` ``· √T``
     partitions per KV row.  At small batch the warps would otherwise be many short partitions
-    whose merge outweighs them (batch 1, T = 32K: 256 partitions a row where 32 took a
-    quarter of the time)."""
+    whose merge outweighs them (batch 1, T = 32K, with the serial merge of the H200 run: 256
+    partitions a row where 32 took a quarter of the time; the cap now allows 145)."""
     n_tokens = max(n_tokens, 1)
     per = -(-max(n_rows_kv, 1) * n_tokens // 3200)
     max_parts = max(1, math.ceil(MERGE_PARTS_PER_SQRT_TOKEN * math.sqrt(n_tokens)))
