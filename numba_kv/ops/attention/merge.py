@@ -43,8 +43,8 @@ __all__ = ["MERGE_CHUNK", "MERGE_COLUMNS", "MERGE_PARTITIONS", "MERGE_ROWS", "ME
 #: partitions whose merge weights one merge block holds at a time, per query row (the CPU
 #: twin's column lanes restart at each chunk, as the device's)
 MERGE_CHUNK = 64
-#: query rows a merge block merges side by side (a warp's rows): their column sums' loads are
-#: in flight together and one barrier serves them all
+#: query rows a merge block merges side by side (a warp's rows): one barrier and one round of
+#: each reduction's loads serve them all
 MERGE_ROWS = 4
 #: columns one thread sums side by side (:data:`COLUMN_LANES` loads in flight each): one.  The
 #: merge is the epilogue of the partition kernels, whose registers are their largest need
