@@ -21,7 +21,8 @@
 #                              128 … 2048 tokens: the fit of mma.MERGE_PARTS_PER_SQRT_TOKEN; KERNELS_MODES=pqo3,
 #                              KERNELS_LIMIT=90)
 #   4. mma_check.log:          benchmarks/gpu_mma_check.py (tensor-core kernel: accuracy vs the CPU twin, A/B vs the
-#                              warp kernel and launch bounds, torch SDPA, GPU time of both; MMA_LIMIT=260; OLD=REV[,REV] or a folder
+#                              warp kernel, launch bounds and the partition rule before the wave model, torch SDPA,
+#                              GPU time of both; MMA_LIMIT=260; OLD=REV[,REV] or a folder
 #                              holding extracted numba_kv_ab* packages adds those builds' tensor-core kernels to the A/B)
 #   5. bench_cuda.{txt,json}:  `numba-kv bench attention --device cuda` at T 32K/128K, batch 1/8/32, 3/4 bits
 #                              (fused vs torch SDPA vs CuPy fp16 vs dequantize-then-attend; BENCH_LIMIT=150;

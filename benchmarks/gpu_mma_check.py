@@ -13,6 +13,8 @@
    packages named ``numba_kv_ab*``, for a machine without the repository's history), each
    older tensor-core kernel is timed as well, swapped into the same registry entry (the
    argument list must be unchanged): the A/B of old and new kernel builds in one process.
+   ``mma no-waves`` is the shipped kernel with the partition rule before the wave model (the
+   ``cuda_wave_partitions`` knob off); each line ends with the lengths both rules pick.
 
     python3 benchmarks/gpu_mma_check.py --tokens 32768,131072 --batch 1,8,32 [--old 2937c4b,95990cf]
 
@@ -43,6 +45,7 @@ from numba_kv import knobs
 from numba_kv.info import provenance_line
 from numba_kv.ops import TWINS
 from numba_kv.ops.attention import CodeLayout, decode_attention, fused_attention_rows
+from numba_kv.ops.attention.mma import MMA_THREADS, mma_partition_size
 from numba_kv.ops.blockquant import quantize_blocks
 from numba_kv.ops.codebook import get_codebook
 from numba_kv.ops.hadamard import rotate32
@@ -165,6 +168,20 @@ SHIPPED = TWINS["decode_attention_mma"].cuda
 VARIANTS = {f"mma lb(128,{n})": cuda.jit(SHIPPED.py_func, launch_bounds=(128, n)) for n in (3, 4)}
 
 
+#: the shipped kernel with the partition rule before the wave model (the ``cuda_wave_partitions``
+#: knob off: about 3,200 warps; ``mma.mma_partition_size``)
+NO_WAVES = "mma no-waves"
+
+
+def partition_note(tokens: int, rows: int) -> str:
+    """The partition lengths of both rules at these shapes, with the shipped kernel's resident
+    blocks (the driver's occupancy of its compiled overload times the SMs)."""
+    compiled = list(SHIPPED.overloads.values())
+    resident = compiled[0].max_cooperative_grid_blocks(MMA_THREADS) if compiled else None
+    return (f"partitions: waves {mma_partition_size(tokens, rows, 0, resident)} tokens ({resident} resident blocks), "
+            f"no-waves {mma_partition_size(tokens, rows)}")
+
+
 def load_old_kernels(old: str) -> dict:
     """``{label: decode_attention_mma CUDA kernel}`` of other builds: ``old`` is a folder that
     holds extracted packages named ``numba_kv_ab*`` (each labelled by its name), or git
@@ -209,19 +226,20 @@ def speed(cupy, tokens, batches, bits, repeat, device_time=False) -> None:
                 gb = packed_bytes(t, b, nb, hkv, groups, d) / 1e9
                 cols = []
                 outs = {}
-                for name, knob, api in (("mma", 1, False), *((v, 1, False) for v in VARIANTS), ("warp", 0, False),
-                                        ("mma api", 1, True)):
+                for name, knob, api in (("mma", 1, False), *((v, 1, False) for v in VARIANTS), (NO_WAVES, 1, False),
+                                        ("warp", 0, False), ("mma api", 1, True)):
                     twin = TWINS["decode_attention_mma"]
                     if name in VARIANTS:
                         object.__setattr__(twin, "cuda", VARIANTS[name])
-                    with knobs(cuda_mma_attention=knob):
+                    with knobs(cuda_mma_attention=knob, cuda_wave_partitions=int(name != NO_WAVES)):
                         if api:
                             fn = functools.partial(decode_attention, q, kc, ks, vc, vs, bits=nb)
                         else:
                             fn = kernel_path(cupy, q, kc, ks, vc, vs, nb)
                         outs[name] = fn().reshape(b, hkv * groups, 1, d)
                         ms = time_cuda_ms(cupy, fn, repeat)
-                        dev = device_ms(cupy, fn, repeat) if device_time and name in VARIANTS else None
+                        timed_alone = name in VARIANTS or name == NO_WAVES
+                        dev = device_ms(cupy, fn, repeat) if device_time and timed_alone else None
                     object.__setattr__(twin, "cuda", SHIPPED)
                     x = f" x{ref[0] / ms:.2f}" if ref else ""
                     cols.append(f"{name} {ms:.3f} ms ({gb / (ms * 1e-3):.0f} GB/s{x})")
@@ -229,7 +247,7 @@ def speed(cupy, tokens, batches, bits, repeat, device_time=False) -> None:
                         x = f" x{ref[2] / dev[0]:.2f}" if ref and len(ref) > 2 else ""
                         cols.append(f"{name} device {dev[0]:.3f} ms{x}{'' if dev[1] else ' (host not hidden)'}")
                     err = float(cupy.abs(outs[name] - outs["mma"]).max())
-                    if name in VARIANTS and not err <= 1e-3:  # (the same arithmetic: only the registers differ)
+                    if timed_alone and not err <= 1e-3:  # (the same arithmetic: other registers or partitions)
                         cols.append(f"{name} DIFFERS from mma by {err:.1e}")
                 if device_time:
                     # the same kernel path and torch's SDPA, host launch cost hidden on both sides
@@ -237,6 +255,7 @@ def speed(cupy, tokens, batches, bits, repeat, device_time=False) -> None:
                     x = f" x{ref[2] / dev_ms:.2f}" if ref and len(ref) > 2 else ""
                     cols.append(f"mma device {dev_ms:.3f} ms ({gb / (dev_ms * 1e-3):.0f} GB/s{x}"
                                 f"{'' if ok else ', host not hidden'})")
+                cols.append(partition_note(t, b * hkv))
                 diff = float(cupy.abs(outs["mma"] - outs["warp"]).max())
                 print(f"  T={t} batch={b} bits={nb}: " + "  ".join(cols) + f"  {tline}  max|mma-warp|={diff:.1e}",
                       flush=True)

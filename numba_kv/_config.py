@@ -43,6 +43,10 @@ DEFAULTS: dict[str, Any] = {
     # CUDA decode attention: 1 = the partition kernel rotates the queries in its prologue (one
     # launch fewer per step), 0 = a separate rotation launch before it (A/B on a GPU)
     "cuda_fused_query_rotation": 1,
+    # CUDA decode attention on tensor cores: 1 = partition lengths from the wave model over the
+    # resident blocks (the driver's occupancy; mma.mma_partition_size), 0 = the rule before it
+    # (about 3,200 warps; A/B on a GPU)
+    "cuda_wave_partitions": 1,
     # CUDA launches: 1 = a launch that repeats an earlier one (same kernel, geometry, array
     # objects and scalars) reuses the parameters Numba converted then (numba_kv._launch),
     # 0 = every launch through Numba's typing and conversion
@@ -70,6 +74,7 @@ RANGES: dict[str, tuple[type, float, float, int]] = {
     "cuda_mma_attention": (int, 0, 1, 1),
     "cuda_merge_last_block": (int, 0, 1, 1),
     "cuda_fused_query_rotation": (int, 0, 1, 1),
+    "cuda_wave_partitions": (int, 0, 1, 1),
     "cuda_prepared_launch": (int, 0, 1, 1),
 }
 

@@ -509,3 +509,62 @@ def test_mma_operands_refuse_views_that_are_not_c_contiguous():
     ks = np.zeros((2, 40, 4), np.uint16)
     assert mma_operands(kc, ks, kc, ks, flat=True) is not None
     assert mma_operands(kc[:, :17], ks[:, :17], kc[:, :17], ks[:, :17], flat=True) is None
+
+
+def _arg_kind(a):
+    """What a launch argument's Numba type depends on: the class, and for an array its dtype,
+    dimensions and C-contiguity (a unit axis counts as contiguous, as Numba's typing has it)."""
+    if not hasattr(a, "shape"):
+        return type(a)
+    shape, strides, step = a.shape, a.strides, a.dtype.itemsize
+    c = True
+    for n, s in zip(reversed(shape), reversed(strides)):
+        c = c and (n == 1 or s == step)
+        step *= n
+    return type(a), a.dtype, len(shape), c
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("paged", [False, True])
+def test_occupancy_probe_types_like_the_launch(paged, monkeypatch):
+    """The arguments a plan hands :meth:`AttentionPlan.resident_blocks` (on a GPU it compiles
+    the overload they select and asks the driver its occupancy) type like the launch's that
+    follows, argument for argument: the probe compiles the overload the launch runs, not a
+    second one.  A flat cache with exact tokens and a paged pool, the partition size left to
+    the plan."""
+    from numba_kv.ops._registry import Twin
+    from numba_kv.ops.attention import plan as plan_module
+
+    probed, launched = [], []
+    real_size, real_launch = plan_module.AttentionPlan.partition_size, Twin.launch
+
+    def partition_size(self, n_tokens, kernel=None, n_exact=0, launch_args=None):
+        if launch_args is not None:
+            probed.append(launch_args())
+        return real_size(self, n_tokens, kernel, n_exact, launch_args)
+
+    def launch(self, device, n_items, *args, **kw):
+        if self.name.endswith("_mma"):
+            launched.append(args)
+        return real_launch(self, device, n_items, *args, **kw)
+
+    monkeypatch.setattr(plan_module.AttentionPlan, "partition_size", partition_size)
+    monkeypatch.setattr(Twin, "launch", launch)
+    rng = np.random.default_rng(5)
+    if paged:
+        from numba_kv import PagedKVCache
+
+        cache = PagedKVCache(num_pages=4, num_layers=1, num_kv_heads=1, head_dim=128, page_size=8,
+                             storage="pqo-k3v2")
+        seq = cache.allocate_sequence()
+        k = to_device(rng.standard_normal((1, 20, 128)).astype(np.float32))
+        cache.append(0, seq, k, k)
+        cache.decode_attention(0, to_device(rng.standard_normal((1, 4, 1, 128)).astype(np.float32)))
+    else:
+        k = rng.standard_normal((1, 2, 40, 128)).astype(np.float32)
+        kc, ks = quantize_blocks(k, 3)
+        ex = to_device(rng.standard_normal((1, 2, 5, 128)).astype(np.float32))
+        q = to_device(rng.standard_normal((1, 8, 1, 128)).astype(np.float32))
+        decode_attention(q, *(to_device(a) for a in (kc, ks, kc, ks)), k_exact=ex, v_exact=ex)
+    assert len(probed) == 1 and len(launched) == 1, "the tensor-core kernel did not run"
+    assert [_arg_kind(a) for a in probed[0]] == [_arg_kind(a) for a in launched[0]]

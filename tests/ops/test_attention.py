@@ -397,3 +397,105 @@ def test_mma_partitions_cap_the_merge(tokens, rows):
     assert parts <= cap or per == 2048
     if per > 128 and per < 2048:  # no longer than one of the two rules asks
         assert per - 64 < max(-(-rows * tokens // 3200), -(-tokens // cap))
+
+
+#: the resident blocks of the tensor-core kernel on an H200: 132 SMs × 3 blocks of 128 threads
+#: (168 registers; the driver's occupancy in the 2026-11-30 run)
+H200_RESIDENT = 396
+
+
+@pytest.mark.parametrize("tokens, rows, n_exact, want, waves", [
+    # worked by hand from the model (cost = waves·(L + 32) + 1.5·P, L a multiple of 64):
+    # 256 rows, one wave = 1.55 blocks a row: 2 waves need ≤ 3 blocks (≤ 12 partitions, L ≥
+    # 2731), cost 2·2784 + 18; 3 waves (L = 2048: the rule before, 1,024 blocks) 6,264;
+    # 4 waves (≤ 24 partitions, L = 1408) 5,796; 1 wave needs L = 8192
+    (32768, 256, 0, 2752, 2),
+    # 64 rows: one wave holds 6 blocks a row (24 partitions, L = 1408: 1,476) against two
+    # waves of L = 704 (the rule before: 768 blocks, 1,544)
+    (32768, 64, 0, 1408, 1),
+    # batch 1: every length fits one wave; the merge's 1.5 a partition against a tile's
+    # 16 tokens keeps the floor (L = 128: 160 + 49.5; L = 192: 224 + 34.5)
+    (4096, 8, 36, 128, 1),
+])
+def test_mma_partitions_fill_whole_waves(tokens, rows, n_exact, want, waves):
+    """With the resident blocks known, the tensor-core kernel's partition length is the one the
+    wave model prices lowest: grids of whole waves (a wave lasts as long as its longest
+    partition), checked against hand-worked cases."""
+    from numba_kv.ops.attention.mma import mma_partition_size
+
+    per = mma_partition_size(tokens, rows, n_exact, H200_RESIDENT)
+    assert per == want
+    parts = -(-tokens // per) + -(-n_exact // per)
+    blocks = rows * -(-parts // 4)
+    assert -(-blocks // H200_RESIDENT) == waves
+
+
+@pytest.mark.parametrize("tokens", [1, 100, 4096, 32768, 131072, 10 ** 6])
+@pytest.mark.parametrize("rows", [1, 8, 64, 256, 2048])
+@pytest.mark.parametrize("resident", [108 * 4, 132 * 2, H200_RESIDENT])
+def test_mma_wave_partitions_are_the_cheapest_length(tokens, rows, resident):
+    """Every length the model may pick (multiples of 64 from 128 up to the row's length
+    rounded up, at most 8192) costs at least as much as the one picked, and a longer one
+    costs more: the search misses no length and prefers fewer partitions on ties."""
+    from numba_kv.ops.attention.mma import mma_partition_size
+
+    def cost(size):
+        parts = -(-tokens // size)
+        waves = -(-rows * -(-parts // 4) // resident)
+        return waves * (size + 32) + 1.5 * parts
+
+    per = mma_partition_size(tokens, rows, 0, resident)
+    top = max(128, min(8192, -(-tokens // 64) * 64))
+    assert per % 64 == 0 and 128 <= per <= top
+    sizes = range(128, top + 1, 64)
+    assert all(cost(s) >= cost(per) for s in sizes)
+    assert all(cost(s) > cost(per) for s in sizes if s > per)
+
+
+def test_plan_counts_resident_blocks_once_from_the_launch_arguments():
+    """:meth:`AttentionPlan.resident_blocks` compiles the overload the launch's arguments
+    select and asks the driver's occupancy at the kernel's 128 threads, once per kernel;
+    a failing query gives ``None`` (the rule without waves), and the wave model sizes the
+    tensor-core kernel's partitions from the count."""
+    from types import SimpleNamespace
+
+    from numba_kv.ops.attention import plan as plan_module
+    from numba_kv.ops.attention.mma import mma_partition_size
+
+    asked: list = []
+
+    class Compiled:
+        def max_cooperative_grid_blocks(self, threads):
+            asked.append(threads)
+            return H200_RESIDENT
+
+    class Dispatcher:
+        def typeof_pyval(self, a):
+            return type(a).__name__
+
+        def compile(self, types):
+            asked.append(types)
+            return Compiled()
+
+    class Broken(Dispatcher):
+        def compile(self, types):
+            raise RuntimeError("no driver")
+
+    probes: list = []
+
+    def probe():
+        probes.append(1)
+        return (np.zeros(1, np.float32), 3, True)
+
+    q = np.zeros((64, 4, 128), np.float32)
+    plan = plan_module.AttentionPlan(q, paged=False, n_g=64, rows=4, d=128, klayout=None, vlayout=None, v_width=0)
+    mma = SimpleNamespace(name="decode_attention_mma", cuda=Dispatcher())
+    assert plan.resident_blocks(mma, probe) == H200_RESIDENT
+    assert plan.resident_blocks(mma, probe) == H200_RESIDENT
+    assert probes == [1] and asked == [("ndarray", "int", "bool"), 128]
+    plan.wave_partitions = True  # (a CPU plan has it off: the probe is the GPU's)
+    assert plan.partition_size(32768, mma, 0, probe) == mma_partition_size(32768, 64, 0, H200_RESIDENT) == 1408
+    plan.wave_partitions = False
+    assert plan.partition_size(32768, mma, 0, probe) == mma_partition_size(32768, 64) == 704
+    broken = SimpleNamespace(name="paged_decode_attention_mma", cuda=Broken())
+    assert plan.resident_blocks(broken, probe) is None

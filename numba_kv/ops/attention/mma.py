@@ -72,6 +72,7 @@ exchange together).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -96,9 +97,9 @@ from .ptx import (
     shfl_xor_f32,
 )
 
-__all__ = ["LN2", "LOG2E", "MERGE_PARTS_PER_SQRT_TOKEN", "MMA_BITS", "MMA_BLOCKS_PER_SM", "MMA_HEAD_DIM",
-           "MMA_TAB_SHARED_WORDS", "MMA_TAB_WORDS",
-           "MMA_THREADS", "MMA_TILE", "TAB_BYTES", "TAB_SLOTS", "aligned_table", "build_pair_table", "build_tables",
+__all__ = ["LN2", "LOG2E", "MERGE_COST_TOKENS", "MERGE_PARTS_PER_SQRT_TOKEN", "MMA_BITS", "MMA_BLOCKS_PER_SM",
+           "MMA_HEAD_DIM", "MMA_PART_RANGE", "MMA_TAB_SHARED_WORDS", "MMA_TAB_WORDS", "MMA_THREADS", "MMA_TILE",
+           "PART_COST_TOKENS", "TAB_BYTES", "TAB_SLOTS", "aligned_table", "build_pair_table", "build_tables",
            "key_tile", "mma_partition", "mma_partition_size", "mma_tiles", "pair_table_replicas",
            "reference_pair_table", "stage_query_fragments", "store_mma_partition", "token_address", "value_tile"]
 
@@ -145,18 +146,71 @@ LN2 = 0.6931471805599453
 MERGE_PARTS_PER_SQRT_TOKEN = 0.8
 
 
-def mma_partition_size(n_tokens: int, n_rows_kv: int) -> int:
-    """Tokens per partition (one warp each) of the tensor-core kernel, in multiples of 64
-    between 128 and 2048: about 3,200 warps in all (some 24 per SM of an H100, two waves of
-    its 12 resident ones), but no more than :data:`MERGE_PARTS_PER_SQRT_TOKEN` ``· √T``
-    partitions per KV row.  At small batch the warps would otherwise be many short partitions
-    whose merge outweighs them (batch 1, T = 32K, with the serial merge of the H200 run: 256
-    partitions a row where 32 took a quarter of the time; the cap now allows 145)."""
+#: the wave model of :func:`mma_partition_size`, in tokens of one warp's tile loop: what a
+#: partition costs besides its tokens (the prologue's pair tables and staged queries, the
+#: epilogue's stored row: about two tiles), and what one more partition adds to its row's
+#: merge (``b/a`` of :data:`MERGE_PARTS_PER_SQRT_TOKEN`: 0.1 µs against 0.068 µs a token)
+PART_COST_TOKENS = 32
+MERGE_COST_TOKENS = 1.5
+#: the partition lengths the wave model chooses from: multiples of 64 in this range
+MMA_PART_RANGE = (128, 8192)
+
+
+@functools.lru_cache(maxsize=4096)  # (a step asks each time: the search is 100+ candidates)
+def mma_partition_size(n_tokens: int, n_rows_kv: int, n_exact: int = 0, resident_blocks: int | None = None,
+                       warps_per_block: int = MMA_THREADS // 32) -> int:
+    """Tokens per partition (one warp each) of the tensor-core kernel.
+
+    Parameters
+    ----------
+    n_tokens : int
+        Compressed tokens of a KV row (the longest row's).
+    n_rows_kv : int
+        KV rows times query-row chunks: the grid's blocks per partition group.
+    n_exact : int
+        Exact tokens of a row: their partitions have the same length and share the blocks.
+    resident_blocks : int, optional
+        Blocks of the kernel the GPU holds at once (its occupancy times the SMs:
+        :meth:`AttentionPlan.resident_blocks`).  Without it, the rule before the wave model:
+        about 3,200 warps in all (two waves of an H100's 12 a SM), no more than
+        :data:`MERGE_PARTS_PER_SQRT_TOKEN` ``· √T`` partitions a row, multiples of 64 in
+        [128, 2048].
+    warps_per_block : int
+        Partitions a block runs (one a warp).
+
+    Returns
+    -------
+    int
+        A multiple of 64 in :data:`MMA_PART_RANGE` (no longer than the row rounded up to 64).
+        With ``resident_blocks``, the length ``L`` with the least modelled time ``waves·(L +``
+        :data:`PART_COST_TOKENS` ``) +`` :data:`MERGE_COST_TOKENS` ``· P``, where ``P`` is the
+        row's partitions (compressed and exact), ``waves = ceil(rows·ceil(P/warps) /
+        resident_blocks)``: every wave takes as long as its longest partition, so a grid
+        of 1.2 waves costs two.  The longest of equal costs wins (fewer partitions to
+        merge).  FlashInfer's decode plan (arXiv 2501.01005) splits the KV so that the grid
+        fits one wave of the resident blocks (the driver's occupancy times the SMs); this
+        weighs the lengths of more waves, and the merge, too.
+        On an H200 the rule before it ran T = 32K, batch 32 (3 bits) as 1,024 blocks of
+        2,048-token partitions, 2.6 waves of 396: 0.683 ms, 3 × 128 tiles at the 1.78 µs a
+        tile of the 11-wave T = 128K, batch 32 run (2.50 ms); the model picks 2,752 tokens,
+        768 blocks, two waves (``benchmarks/gpu_results/h200-2026-11-30/mma.log``).
+    """
     n_tokens = max(n_tokens, 1)
-    per = -(-max(n_rows_kv, 1) * n_tokens // 3200)
-    max_parts = max(1, math.ceil(MERGE_PARTS_PER_SQRT_TOKEN * math.sqrt(n_tokens)))
-    per = max(per, -(-n_tokens // max_parts))
-    return int(min(2048, max(128, -(-per // 64) * 64)))
+    if resident_blocks is None or resident_blocks <= 0:
+        per = -(-max(n_rows_kv, 1) * n_tokens // 3200)
+        max_parts = max(1, math.ceil(MERGE_PARTS_PER_SQRT_TOKEN * math.sqrt(n_tokens)))
+        per = max(per, -(-n_tokens // max_parts))
+        return int(min(2048, max(128, -(-per // 64) * 64)))
+    lo, hi = MMA_PART_RANGE
+    hi = max(lo, min(hi, -(-n_tokens // 64) * 64))
+    best, best_cost = lo, None
+    for size in range(lo, hi + 1, 64):
+        parts = -(-n_tokens // size) + -(-max(n_exact, 0) // size)
+        waves = -(-max(n_rows_kv, 1) * -(-parts // warps_per_block) // resident_blocks)
+        cost = waves * (size + PART_COST_TOKENS) + MERGE_COST_TOKENS * parts
+        if best_cost is None or cost <= best_cost:
+            best, best_cost = size, cost
+    return int(best)
 
 
 def pair_table_replicas(bits: int) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import operator
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numba
@@ -199,6 +200,10 @@ class AttentionPlan:
         #: the partition kernel rotates the raw queries in its prologue (CUDA, the
         #: ``cuda_fused_query_rotation`` knob): no rotation launch, no rotated copy
         self.rotate_q = dev == _backend.CUDA and bool(_config.get("cuda_fused_query_rotation"))
+        #: the tensor-core kernel's partitions follow the wave model (the ``cuda_wave_partitions``
+        #: knob; :meth:`partition_size`), with :meth:`resident_blocks` per kernel here
+        self.wave_partitions = dev == _backend.CUDA and bool(_config.get("cuda_wave_partitions"))
+        self._resident: dict[Any, int | None] = {}
         c = self._const = lambda a: _backend.constant(like, a)  # noqa: E731
         if compressed:
             self.layout_args = (c(klayout.centroids), c(vlayout.centroids), c(klayout.bits), c(klayout.offsets),
@@ -218,12 +223,39 @@ class AttentionPlan:
         self._ws = threading.local()
 
     # --- geometry ---------------------------------------------------------------------------
-    def partition_size(self, n_tokens: int, kernel: Any = None) -> int:
+    def partition_size(self, n_tokens: int, kernel: Any = None, n_exact: int = 0,
+                       launch_args: Callable[[], tuple] | None = None) -> int:
         """Tokens per split-K partition for a KV row of ``n_tokens`` tokens (``kernel``: the
-        twin that runs, default the plan's)."""
-        if (kernel or self.kernel).name.endswith("_mma") and not _backend.simulator_enabled():
-            return mma_partition_size(max(n_tokens, 1), self.n_g)
+        twin that runs, default the plan's; ``n_exact``: the row's exact tokens, whose
+        partitions share the grid).  The tensor-core kernel on a GPU sizes its partitions by
+        the wave model over its resident blocks (:func:`~numba_kv.ops.attention.mma.mma_partition_size`,
+        the ``cuda_wave_partitions`` knob), which :meth:`resident_blocks` counts from the
+        arguments ``launch_args()`` returns (called once per plan and kernel)."""
+        kernel = kernel or self.kernel
+        if kernel.name.endswith("_mma") and not _backend.simulator_enabled():
+            chunks = -(-self.rows // WARP_ROWS)
+            resident = None
+            if self.wave_partitions and launch_args is not None:
+                resident = self.resident_blocks(kernel, launch_args)
+            return mma_partition_size(max(n_tokens, 1), self.n_g * chunks, max(n_exact, 0), resident)
         return default_partition_size(max(n_tokens, 1), self.n_g, self.device, self.variant in ("warp", "mma"))
+
+    def resident_blocks(self, kernel: Any, launch_args: Callable[[], tuple]) -> int | None:
+        """Blocks of ``kernel``'s CUDA twin that the device holds at once: the driver's
+        occupancy of the overload that ``launch_args()`` (the launch's arguments) selects, at
+        :data:`~numba_kv.ops.attention.mma.MMA_THREADS` threads, times the SMs (FlashInfer's
+        ``max_grid_size``).  Compiles that overload, which the launch then reuses; counted
+        once per plan and CUDA dispatcher.  ``None`` where the driver cannot say (then the partition
+        rule without waves applies)."""
+        dispatcher = key = kernel.cuda  # (per dispatcher: an A/B swaps another build into the twin)
+        if key not in self._resident:
+            try:
+                compiled = dispatcher.compile(tuple(dispatcher.typeof_pyval(a) for a in launch_args()))
+                n = int(compiled.max_cooperative_grid_blocks(MMA_THREADS))
+            except Exception:  # noqa: BLE001 - no occupancy (an old driver, a failed query): no waves
+                n = 0
+            self._resident[key] = n if n > 0 else None
+        return self._resident[key]
 
     def grid(self, kernel: Any, n_parts: int) -> tuple | None:
         """CUDA launch geometry of the partition kernel (``None`` on the CPU): the block
@@ -329,18 +361,27 @@ class AttentionPlan:
                 kernel = self._fallback
             else:
                 pools = (*words, *pools[4:])
-        if part_size is None:
-            part_size = self.partition_size(max_len, kernel)
-        n_parts = max(1, -(-max_len // part_size))
-        parts = self.workspace(q3, n_parts)
         kc, ks, vc, vs, kp, vp = pools
         # the kernels' arguments of a flat cache, with the page table: a pool of codes is all
         # compressed partitions, a float32 pool is read as exact tokens at positions 0, 1, …
         sq, qsig, qnorm, qconst = self.no_qjl
-        args = (qr, q3, kc, ks, vc, vs, 0, 0, kp, vp, 0, self.no_pos, self.no_pool_scales, self.no_pool_scales,
-                EXACT_F32, *self.layout_args, self.sshift, self.table, np.float32(softmax_scale), self.no_bias, False,
-                False, sq, qsig, qnorm, qconst, 0, int(q_len), bool(causal), int(part_size),
-                n_parts if self.compressed else 0, *page_table, int(page_size), int(n_kv_heads), *parts)
+
+        def args_for(part_size: int, n_parts: int, parts: tuple) -> tuple:
+            return (qr, q3, kc, ks, vc, vs, 0, 0, kp, vp, 0, self.no_pos, self.no_pool_scales, self.no_pool_scales,
+                    EXACT_F32, *self.layout_args, self.sshift, self.table, np.float32(softmax_scale), self.no_bias,
+                    False, False, sq, qsig, qnorm, qconst, 0, int(q_len), bool(causal), int(part_size),
+                    n_parts if self.compressed else 0, *page_table, int(page_size), int(n_kv_heads), *parts)
+
+        if part_size is None:
+            # (the probe's arguments for the occupancy: the launch's, with a one-partition
+            # workspace and the merge's arguments as _run passes them)
+            part_size = self.partition_size(max_len, kernel, 0, lambda: (
+                *args_for(TILE, 1, self.workspace(q3, 1)), self.merge_last, 1, self.signs, False, self.signs,
+                _backend.empty(q3, (1, 1, 1), np.float32), self.merge_counter(q3),
+                bool(rotate_q and self.rotate_q and self.compressed)))
+        n_parts = max(1, -(-max_len // part_size))
+        parts = self.workspace(q3, n_parts)
+        args = args_for(part_size, n_parts, parts)
         work = self.n_g * self.rows * self.d * total_len // max(n_seq, 1)
         return self._run(q3, kernel, args, n_parts, n_parts if self.compressed else 0, None, parts, work,
                          rotate_q and self.rotate_q and self.compressed, out)
@@ -442,6 +483,12 @@ class FlatStep:
         vs, ke, ve, exact_pos, head_signs, k exact scales, v exact scales``; identity)."""
         return plan is self.plan and len(arrays) == len(self._bound) and all(map(operator.is_, arrays, self._bound))
 
+    def _cpu_part_size(self, n_tok: int, kernel: Any) -> int:
+        """The partition length of a CPU step: a row of at most 4 tiles is one partition
+        whatever the thread count (:func:`default_partition_size`'s floor: no thread-count
+        read for short caches)."""
+        return 4 * TILE if n_tok <= 4 * TILE else self.plan.partition_size(n_tok, kernel)
+
     def run(self, qr: Any, q: Any, n_comp: int, n_exact: int, q_pos0: int, q_len: int, softmax_scale: float,
             bias: Any = None, qjl: Any = None, part_size: int | None = None, causal: bool = True,
             rotate: tuple | None = None, out: Any = None, n_comp_dev: Any = None) -> Any:
@@ -499,17 +546,7 @@ class FlatStep:
         # the device) every slot of the codes, so that neither the partition count nor the
         # grid changes when the count crosses a partition boundary (a CUDA graph; issue 27)
         n_span = n_comp if n_comp_dev is None else max(self.capacity, n_comp)
-        if part_size is None:
-            n_tok = n_span if n_span > n_exact else n_exact
-            # on the CPU a row of at most 4 tiles is one partition whatever the thread count
-            # (default_partition_size's floor): no thread-count read for short caches
-            part_size = 4 * TILE if n_tok <= 4 * TILE and plan.device == _backend.CPU else \
-                plan.partition_size(n_tok, kernel)
-        part_size = int(part_size)
-        n_cp = -(-n_span // part_size)
-        n_ep = -(-n_exact // part_size)
-        n_parts = n_cp + n_ep
-        parts = plan.workspace(qr, n_parts)
+        n_tok = n_span if n_span > n_exact else n_exact
         last, scale32 = self._scale
         if softmax_scale != last or last is None:
             scale32 = np.float32(softmax_scale)
@@ -523,17 +560,20 @@ class FlatStep:
         codes, comp, exact = self._mid
         dev, n_g, rows, d = plan.device, plan.n_g, plan.rows, plan.d
         work = n_g * rows * d * (n_comp + n_exact)
-        n_rot = n_parts if self._exact_rotated else n_cp
         if self._host and rotate is not None:
             # the whole step in one call: its partitions serially below the parallel threshold,
             # in parallel above it (the rotation and the merge, a few microseconds, stay serial)
+            part_size = int(self._cpu_part_size(n_tok, kernel) if part_size is None else part_size)
+            n_cp = -(-n_span // part_size)
+            n_parts = n_cp + -(-n_exact // part_size)
+            parts = plan.workspace(qr, n_parts)
             parallel = max(work, n_g * rows * d * n_parts) >= _config.get("cpu_parallel_min_work")
             if out is None:
                 out = np.empty(self._out_shape, np.float32)
             (flat_step_parallel if parallel else flat_step_serial)(
                 rotate[0], rotate[1], rotate[2], qr.reshape(n_g * rows, d), qr, q, *codes, n_comp, *comp, n_exact,
                 *exact, scale32, *extra, int(q_pos0), int(q_len), bool(causal), part_size, n_cp, *plan.no_pages,
-                *parts, n_rot, *self._merge_static, out)
+                *parts, n_parts if self._exact_rotated else n_cp, *self._merge_static, out)
             return out
         rotate_q = rotate is not None and plan.rotate_q and (rotate[0] == ROTATE_HEAD) == self._merge_static[1]
         if rotate_q:  # the kernel's prologue rotates the raw queries (issue 27: no rotation launch)
@@ -544,16 +584,28 @@ class FlatStep:
             out = np.empty(self._out_shape, np.float32)
         elif out is None:
             out = _backend.empty(qr, self._out_shape, np.float32)
-        # the merge rotates partitions [0, n_rot) back: the compressed ones, and the exact ones
-        # too when they were attended in the rotated domain; on a GPU the partition kernel's
-        # last block runs it (plan.merge_last), else a launch of its own
-        merge = (n_rot, *self._merge_static, out)
         pages = plan.no_pages
         if n_comp_dev is not None:  # the count on the device: 0 by value (cores._flat_row adds them)
             pages, n_comp = (*pages[:2], n_comp_dev, *pages[3:]), 0
-        kernel.launch(dev, n_g * n_parts, qr, q, *codes, n_comp, *comp, n_exact, *exact, scale32, *extra, int(q_pos0),
-                      int(q_len), bool(causal), part_size, n_cp, *pages, *parts, plan.merge_last, *merge,
-                      plan.merge_counter(qr), rotate_q, work=work, grid=plan.grid(kernel, n_parts))
+
+        def args(part_size: int, n_cp: int, parts: tuple, n_rot: int) -> tuple:
+            # the merge rotates partitions [0, n_rot) back: the compressed ones, and the exact
+            # ones too when they were attended in the rotated domain; on a GPU the partition
+            # kernel's last block runs it (plan.merge_last), else a launch of its own
+            return (qr, q, *codes, n_comp, *comp, n_exact, *exact, scale32, *extra, int(q_pos0), int(q_len),
+                    bool(causal), part_size, n_cp, *pages, *parts, plan.merge_last, n_rot, *self._merge_static, out,
+                    plan.merge_counter(qr), rotate_q)
+
+        if part_size is None:
+            part_size = self._cpu_part_size(n_tok, kernel) if dev == _backend.CPU else plan.partition_size(
+                n_tok, kernel, n_exact, lambda: args(TILE, 1, plan.workspace(qr, 1), 1))
+        part_size = int(part_size)
+        n_cp = -(-n_span // part_size)
+        n_parts = n_cp + -(-n_exact // part_size)
+        parts = plan.workspace(qr, n_parts)
+        merge = (n_parts if self._exact_rotated else n_cp, *self._merge_static, out)
+        kernel.launch(dev, n_g * n_parts, *args(part_size, n_cp, parts, merge[0]), work=work,
+                      grid=plan.grid(kernel, n_parts))
         if not plan.merge_last:
             MERGE_PARTITIONS.launch(dev, n_g * rows, *parts, *merge, work=n_g * rows * d * n_parts,
                                     grid=((n_g, rows), plan.threads) if dev == _backend.CUDA else None)
@@ -605,7 +657,8 @@ def attention_plan(like: Any, *, paged: bool, n_g: int, rows: int, d: int, klayo
         _backend.device_of("q", like)
         env = (id(_backend.constant(like, F16_ABS_TABLE)), _backend.simulator_enabled(), cuda_block_threads(),
                _config.get("cuda_warp_attention"), _config.get("cuda_mma_attention"),
-               _config.get("cuda_merge_last_block"), _config.get("cuda_fused_query_rotation"))
+               _config.get("cuda_merge_last_block"), _config.get("cuda_fused_query_rotation"),
+               _config.get("cuda_wave_partitions"))
     key = (env, paged, n_g, rows, d, klayout, vlayout, v_width, has_bias, has_qjl)
     with _PLANS_LOCK:  # layers call from several threads: one plan per key
         plan = _PLANS.pop(key, None)
