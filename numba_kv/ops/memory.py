@@ -118,48 +118,66 @@ def _shift_column(ex, r, w, dst, src, n):
     """``ex[r, dst + i, w] = ex[r, src + i, w]`` for ``i = 0 … n − 1`` in place, ``src > dst``
     (a window's survivors sliding to its front), :data:`SHIFT_BATCH` tokens at a time, all of
     a batch read before any is written: a write lands below every token not read yet, and on
-    a GPU the batch's loads are in flight together.  One at a time, each load waited for the
+    a GPU the batch's loads are in flight together.  The last batch reads past ``n`` at the
+    last source token (its loads stay in bounds and in flight together) and stores only what
+    is below ``n``: ``ceil(n / 16)`` round trips.  One at a time, each load waited for the
     store before it (it may alias): about 40 µs of a step for a window of 128 on an H200;
-    eight at a time that is 16 round trips for such a window, sixteen at a time 8."""
+    sixteen at a time with the rest one by one, a window of 32 (31 survivors) took 16 round
+    trips, now 2."""
+    last = src + n - 1
     t = 0
-    while t + SHIFT_BATCH <= n:
+    while t < n:
         o = src + t
-        y0 = ex[r, o, w]
-        y1 = ex[r, o + 1, w]
-        y2 = ex[r, o + 2, w]
-        y3 = ex[r, o + 3, w]
-        y4 = ex[r, o + 4, w]
-        y5 = ex[r, o + 5, w]
-        y6 = ex[r, o + 6, w]
-        y7 = ex[r, o + 7, w]
-        y8 = ex[r, o + 8, w]
-        y9 = ex[r, o + 9, w]
-        y10 = ex[r, o + 10, w]
-        y11 = ex[r, o + 11, w]
-        y12 = ex[r, o + 12, w]
-        y13 = ex[r, o + 13, w]
-        y14 = ex[r, o + 14, w]
-        y15 = ex[r, o + 15, w]
+        m = n - t  # (stores below it: all 16 but in the last batch)
+        y0 = ex[r, min(o, last), w]
+        y1 = ex[r, min(o + 1, last), w]
+        y2 = ex[r, min(o + 2, last), w]
+        y3 = ex[r, min(o + 3, last), w]
+        y4 = ex[r, min(o + 4, last), w]
+        y5 = ex[r, min(o + 5, last), w]
+        y6 = ex[r, min(o + 6, last), w]
+        y7 = ex[r, min(o + 7, last), w]
+        y8 = ex[r, min(o + 8, last), w]
+        y9 = ex[r, min(o + 9, last), w]
+        y10 = ex[r, min(o + 10, last), w]
+        y11 = ex[r, min(o + 11, last), w]
+        y12 = ex[r, min(o + 12, last), w]
+        y13 = ex[r, min(o + 13, last), w]
+        y14 = ex[r, min(o + 14, last), w]
+        y15 = ex[r, min(o + 15, last), w]
         o = dst + t
         ex[r, o, w] = y0
-        ex[r, o + 1, w] = y1
-        ex[r, o + 2, w] = y2
-        ex[r, o + 3, w] = y3
-        ex[r, o + 4, w] = y4
-        ex[r, o + 5, w] = y5
-        ex[r, o + 6, w] = y6
-        ex[r, o + 7, w] = y7
-        ex[r, o + 8, w] = y8
-        ex[r, o + 9, w] = y9
-        ex[r, o + 10, w] = y10
-        ex[r, o + 11, w] = y11
-        ex[r, o + 12, w] = y12
-        ex[r, o + 13, w] = y13
-        ex[r, o + 14, w] = y14
-        ex[r, o + 15, w] = y15
+        if 1 < m:
+            ex[r, o + 1, w] = y1
+        if 2 < m:
+            ex[r, o + 2, w] = y2
+        if 3 < m:
+            ex[r, o + 3, w] = y3
+        if 4 < m:
+            ex[r, o + 4, w] = y4
+        if 5 < m:
+            ex[r, o + 5, w] = y5
+        if 6 < m:
+            ex[r, o + 6, w] = y6
+        if 7 < m:
+            ex[r, o + 7, w] = y7
+        if 8 < m:
+            ex[r, o + 8, w] = y8
+        if 9 < m:
+            ex[r, o + 9, w] = y9
+        if 10 < m:
+            ex[r, o + 10, w] = y10
+        if 11 < m:
+            ex[r, o + 11, w] = y11
+        if 12 < m:
+            ex[r, o + 12, w] = y12
+        if 13 < m:
+            ex[r, o + 13, w] = y13
+        if 14 < m:
+            ex[r, o + 14, w] = y14
+        if 15 < m:
+            ex[r, o + 15, w] = y15
         t += SHIFT_BATCH
-    for u in range(t, n):
-        ex[r, dst + u, w] = ex[r, src + u, w]
 
 
 shift_column_cpu, shift_column_dev = twin(_shift_column, inline=True)

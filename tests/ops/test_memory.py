@@ -17,9 +17,12 @@ ROWS, WIDTH, CAP = 2, 5, 48
 #: (a, s_at, e_new, sinks, e_old, keep_old, keep_new): a full window of 20 evicting 1 (19 slide: a
 #: batch of sixteen, ``memory.SHIFT_BATCH``, and three), 3 (17 slide), 17 (more than a batch: the
 #: reads run ahead of the writes), a window filling (no eviction), new sinks, a slide shorter than a
-#: batch, 40 (two batches and eight)
+#: batch, 40 (two batches and eight), 31 (``pqo3``'s window of 32 evicting one: a batch and a last one of
+#: fifteen, whose loads past the slide read its last token and whose stores stop at it), 15 by 2 (one
+#: short batch, its sources overlapping its destinations)
 CASES = [(0, 0, 0, 4, 1, 19, 1), (0, 0, 0, 4, 3, 17, 3), (0, 0, 0, 2, 17, 20, 17), (0, 0, 0, 4, 0, 7, 2),
-         (2, 1, 0, 4, 2, 16, 2), (0, 0, 1, 3, 4, 8, 0), (0, 0, 0, 0, 1, 40, 1)]
+         (2, 1, 0, 4, 2, 16, 2), (0, 0, 1, 3, 4, 8, 0), (0, 0, 0, 0, 1, 40, 1), (0, 0, 0, 4, 1, 31, 1),
+         (0, 0, 0, 1, 2, 15, 2)]
 
 
 def _oracle(x, ex, ev, a, s_at, e_new, sinks, e_old, keep_old, keep_new, f16):
