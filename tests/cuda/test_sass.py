@@ -210,3 +210,24 @@ def test_one_width_script_pins_the_tile_dispatch(bits):
     assert out.count("if False:") - src.count("if False:") == (4 if bits == 2 else 2)
     with pytest.raises(SystemExit, match="width tests"):
         pinned_source("def f(kb):\n    return kb == 3\n", bits)
+
+
+@pytest.mark.ptx
+@pytest.mark.parametrize("name", ["decode_attention_mma", "paged_decode_attention_mma"])
+def test_pair_table_build_costs_few_instructions_a_word(name):
+    """The prologue of the tensor-core kernels builds the K and V pair tables (``mma.build_pair_table``):
+    the loops before the token loop that pack a binary16 pair (``F2FP``) and store it to
+    shared memory (``STS``), one a table.  At sm_90 each stays at most 45 SASS instructions per word it
+    stores: the word's entry is a shift of its index, where Numba's int64 floor division by
+    the run-time replica count took about 95 (3,000 instructions a warp at batch 1, as many
+    as five of its token tiles)."""
+    need_nvdisasm()
+    k = kernel_sass(name, (9, 0))
+    hot = k.loops[k.hot]
+    tables = []
+    for lp in k.loops:
+        ops = [ins.opcode.split(".")[0] for ins in lp.instructions]
+        if lp.header < hot.header and "F2FP" in ops and "STS" in ops:
+            tables.append(lp.size / ops.count("STS"))
+    assert len(tables) >= 2, tables  # (K and V; a build that splits a loop has more)
+    assert max(tables) <= 45, tables

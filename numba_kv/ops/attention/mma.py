@@ -107,8 +107,8 @@ __all__ = ["LN2", "LOG2E", "MERGE_COST_TOKENS", "MERGE_PARTS_PER_SQRT_TOKEN", "M
 MMA_HEAD_DIM = 128
 #: tokens per tile (the A rows of a score product and the k-slots of a value product)
 MMA_TILE = 16
-#: threads per block of the kernel and its launch bounds' blocks per SM: ptxas takes 168
-#: registers on sm_90 for the flat and the paged kernel, so 3 blocks (12 warps) fit an SM
+#: threads per block of the kernel and its launch bounds' blocks per SM: ptxas takes 147 and
+#: 168 registers on sm_90 for the flat and the paged kernel, so 3 blocks (12 warps) fit an SM
 #: (``tests/cuda/test_resources.py``).  Bounds of 3 blocks would force that but make sm_80
 #: spill; the build timed on an H100 (189 registers by the driver's ptxas) ran 2 blocks
 MMA_THREADS = 128
@@ -117,6 +117,8 @@ MMA_BLOCKS_PER_SM = 2
 MMA_BITS = (2, 3, 4)
 #: 32-bit words per pair table in shared memory (8 KiB): entries × replicas
 TAB_SLOTS = 2048
+#: log2 of :data:`TAB_SLOTS`: a ``bits``-wide table has ``2**min(5, 11 − 2·bits)`` replicas
+_TAB_SHIFT = TAB_SLOTS.bit_length() - 1
 #: the block's two tables (K at word 0, V at word TAB_SLOTS)
 MMA_TAB_WORDS = 2 * TAB_SLOTS
 #: bytes of the two tables, and the alignment of their start in the shared window: the table
@@ -232,18 +234,25 @@ def build_pair_table(tab, o, cent, bits, tid, nth):
     ``nth``; the caller puts a block barrier after it), with ``f`` the power of two that
     brings the largest ``|centroid|`` to at most 1 (so ``f·c·scale`` stays inside binary16 for
     every binary16 scale).  Returns ``1/f`` (exact), which the caller multiplies back."""
-    n = 1 << (2 * bits)
-    rep = min(32, TAB_SLOTS >> (2 * bits))
-    mask = (1 << bits) - 1
+    b = int32(bits)
+    mask = int32(int32(1) << b) - int32(1)
     cmax = float32(0.0)
     for i in range(mask + 1):
         cmax = max(cmax, abs(cent[0, i]))
     f = float32(1.0)
     while cmax * f > float32(1.0):
         f *= float32(0.5)
-    for i in range(tid, n * rep, nth):
-        e = i // rep
-        tab[o + i] = pack_half2(cent[0, e & mask] * f, cent[0, e >> bits] * f)
+    # entry e's replicas are words e·rep … e·rep + rep − 1: e = word >> log2(rep).  In 32-bit
+    # integers with a shift: Numba's int64 floor division by the run-time rep, with its sign
+    # fix-ups, made this loop about 95 SASS instructions a word on sm_90 (16 words a thread
+    # and table at 128 threads: ~3,000 instructions a warp, as many as 5 of its token tiles)
+    rsh = min(int32(5), int32(_TAB_SHIFT - 2 * b))
+    end = int32(int32(1) << int32(2 * b + rsh))
+    i = int32(tid)
+    while i < end:
+        e = int32(i >> rsh)
+        tab[o + i] = pack_half2(cent[0, e & mask] * f, cent[0, int32(e >> b)] * f)
+        i = int32(i + int32(nth))
     return float32(1.0) / f
 
 
