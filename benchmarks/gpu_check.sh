@@ -8,7 +8,7 @@
 #
 # Stages, in the order they run (the correctness gate first, the figures the issues ask for next, so that a
 # lease cut short keeps what matters), each under its own time limit (seconds, overridable), each log in
-# OUTDIR; about 10 minutes in all by default (the limits add up to 17):
+# OUTDIR; about 11 minutes in all by default (the limits add up to 19):
 #   1. tests_gpu.log:          the gpu_only and cuda tests on the real GPU (CuPy and Numba device arrays,
 #                              StepGraph capture and replay, the transformers cache on CUDA; TEST_LIMIT=200;
 #                              verbose, so that a run cut at its limit still names the tests that failed)
@@ -24,11 +24,14 @@
 #                              warp kernel, launch bounds and the partition rule before the wave model, torch SDPA,
 #                              GPU time of both; MMA_LIMIT=260; OLD=REV[,REV] or a folder
 #                              holding extracted numba_kv_ab* packages adds those builds' tensor-core kernels to the A/B)
-#   5. bench_cuda.{txt,json}:  `numba-kv bench attention --device cuda` at T 32K/128K, batch 1/8/32, 3/4 bits
+#   5. profile_mma.log:        benchmarks/gpu_profile_mma.py --ncu auto (Nsight Compute's counters of the tensor-core
+#                              kernel at T 128K batch 32 and T 32K batch 8: stall reasons, issue slots, occupancy;
+#                              NCU_LIMIT=120; without ncu, the two shapes timed)
+#   6. bench_cuda.{txt,json}:  `numba-kv bench attention --device cuda` at T 32K/128K, batch 1/8/32, 3/4 bits
 #                              (fused vs torch SDPA vs CuPy fp16 vs dequantize-then-attend; BENCH_LIMIT=150;
 #                              BENCH_TOKENS=4096,16384,32768,65536,131072 for the whole grid)
-#   6. pytest_bench.json:      the pytest-benchmark groups attention-cuda(-torch) and decode-step-cuda at T = 4096
-#   7. attention_ab.log:       benchmarks/gpu_attention_ab.py (block vs warp kernel, launch bounds, copy bandwidth)
+#   7. pytest_bench.json:      the pytest-benchmark groups attention-cuda(-torch) and decode-step-cuda at T = 4096
+#   8. attention_ab.log:       benchmarks/gpu_attention_ab.py (block vs warp kernel, launch bounds, copy bandwidth)
 # torch (for the SDPA baseline) is optional: without it the torch columns stay empty.
 set -u
 out=${1:-benchmarks/results/gpu}
@@ -77,6 +80,8 @@ stage "a step's kernels, and the tensor-core partition length" "${KERNELS_LIMIT:
     "$py" benchmarks/gpu_step_kernels.py --modes "${KERNELS_MODES:-pqo3}"
 stage "tensor-core kernel: accuracy, A/B vs warp kernel, torch" "${MMA_LIMIT:-260}" "$out/mma_check.log" \
     "$py" benchmarks/gpu_mma_check.py --tokens 32768,131072 --batch 1,8,32 --bits 3,4 --device-time ${OLD:+--old "$OLD"}
+stage "ncu: the tensor-core kernel's counters (stall reasons, issue, occupancy)" "${NCU_LIMIT:-120}" \
+    "$out/profile_mma.log" "$py" benchmarks/gpu_profile_mma.py --ncu auto
 stage "bench attention --device cuda" "${BENCH_LIMIT:-150}" "$out/bench_cuda.txt" \
     "$py" -m numba_kv.toolkit.cli bench attention --device cuda --tokens "${BENCH_TOKENS:-32768,131072}" \
     --batch 1,8,32 --no-progress --json "$out/bench_cuda.json"

@@ -1,7 +1,7 @@
 """The A/B loader of ``benchmarks/gpu_mma_check.py`` (the GPU script's old-build kernels), on
 the CPU: every ``numba_kv_ab*`` package of a folder is imported under its own name and its
 tensor-core kernel is labelled by that name, so several older builds time side by side in
-one process."""
+one process.  And the Nsight Compute command of ``benchmarks/gpu_profile_mma.py``."""
 
 import shutil
 import sys
@@ -14,7 +14,7 @@ from numba_kv import _backend
 if _backend.simulator_enabled():  # the script builds a launch-bounds variant, which the simulator refuses
     pytest.skip("a GPU script's loader: tested in the plain suite", allow_module_level=True)
 
-from benchmarks import gpu_mma_check  # noqa: E402
+from benchmarks import gpu_mma_check, gpu_profile_mma  # noqa: E402
 
 
 def test_old_kernels_load_one_per_package_of_a_folder(tmp_path, monkeypatch):
@@ -38,3 +38,18 @@ def test_old_kernels_load_one_per_package_of_a_folder(tmp_path, monkeypatch):
 def test_old_kernels_want_a_package_in_the_folder(tmp_path):
     with pytest.raises(SystemExit, match="no numba_kv_ab"):
         gpu_mma_check.load_old_kernels(str(tmp_path))
+
+
+def test_profile_runs_ncu_on_the_script_per_shape(capfd):
+    """``--ncu`` runs the profiler (here ``echo`` in its place) once per shape on the script,
+    with the clocks left alone, the tensor-core kernel's third launch and the stall-reason
+    sections; a path is taken as given."""
+    echo = shutil.which("echo")
+    assert gpu_profile_mma.find_ncu(echo) == echo
+    assert gpu_profile_mma.profile(echo, [(1024, 2), (4096, 8)], 3) == 0
+    lines = [ln for ln in capfd.readouterr().out.splitlines() if not ln.startswith("$")]
+    assert len(lines) == 2
+    for line, (tokens, batch) in zip(lines, [(1024, 2), (4096, 8)]):
+        assert line.startswith("--clock-control none -k regex:decode_attention_mma --launch-skip 2 --launch-count 1")
+        assert "--section WarpStateStats" in line and "--section SchedulerStats" in line
+        assert line.endswith(f"gpu_profile_mma.py --tokens {tokens} --batch {batch} --bits 3")
