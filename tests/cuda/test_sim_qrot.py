@@ -187,7 +187,7 @@ def _python(fn, glb):
     """The Python source of device function ``fn`` with the globals ``glb`` overriding its own."""
     import types
 
-    py = getattr(fn, "py_func", None) or fn.fn
+    py = getattr(fn, "py_func", None) or getattr(fn, "fn", None) or fn
     return types.FunctionType(py.__code__, {**py.__globals__, **glb}, py.__name__, py.__defaults__)
 
 
@@ -232,3 +232,37 @@ def test_warp_shuffle_rotation_is_the_rotation_op(d, rotation):
     want = rot(np.ascontiguousarray(src[1]))
     for s in range(2 * stride):
         assert np.array_equal(qs[s * d:(s + 1) * d], want[min(r0 + s % stride, rows - 1)]), s
+
+
+@pytest.mark.parametrize("rotate_q, both", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("d, threads", [(32, 32), (64, 128), (128, 128), (128, 96)])
+def test_gpu_staging_copies_each_slot_from_its_row(d, threads, rotate_q, both):
+    """The GPU build's query staging (``warp._stage_queries``; the simulator runs its own
+    build), its Python source run thread by thread with the rotation stubbed out: each slot
+    of the halves it copies (the rotated half from ``qr`` without ``rotate_q``, the raw half
+    from ``q`` unless ``both`` rotates it too) holds its row's value, rows past the last
+    repeating it, and no other slot is written.  The slot's half, row and column come from
+    shifts of its index (``d`` a power of two)."""
+    from types import SimpleNamespace
+
+    from numba_kv.ops.attention import warp
+
+    calls = []
+    cuda_stub = SimpleNamespace(blockDim=SimpleNamespace(x=threads), syncthreads=lambda: None)
+    stage = _python(warp._stage_queries, {"cuda": cuda_stub, "warp_stage_rotated": lambda *a: calls.append(a[6:8])})
+    rng = np.random.default_rng(d + threads)
+    rows, r0, g = 3, 1, 1
+    q = rng.standard_normal((2, rows, d)).astype(np.float32)
+    qr = rng.standard_normal((2, rows, d)).astype(np.float32)
+    qs = np.full(2 * warp.WARP_ROWS * d, np.nan, np.float32)
+    for tid in range(threads):
+        stage(qs, qr, q, g, r0, rows, d, tid, rotate_q, both, False, None, None)
+    n_rot = (2 if both else 1) * warp.WARP_ROWS if rotate_q else 0
+    want = np.full_like(qs, np.nan)
+    for half, src in enumerate((q if rotate_q else qr, q)):
+        for r in range(warp.WARP_ROWS):
+            s = half * warp.WARP_ROWS + r
+            if s >= n_rot:
+                want[s * d:(s + 1) * d] = src[g, min(r0 + r, rows - 1)]
+    assert np.array_equal(qs, want, equal_nan=True)
+    assert calls == ([(0, n_rot)] * threads if n_rot else [])

@@ -107,8 +107,8 @@ __all__ = ["LN2", "LOG2E", "MERGE_COST_TOKENS", "MERGE_PARTS_PER_SQRT_TOKEN", "M
 MMA_HEAD_DIM = 128
 #: tokens per tile (the A rows of a score product and the k-slots of a value product)
 MMA_TILE = 16
-#: threads per block of the kernel and its launch bounds' blocks per SM: ptxas takes 147 and
-#: 168 registers on sm_90 for the flat and the paged kernel, so 3 blocks (12 warps) fit an SM
+#: threads per block of the kernel and its launch bounds' blocks per SM: ptxas takes 154 and
+#: 167 registers on sm_90 for the flat and the paged kernel, so 3 blocks (12 warps) fit an SM
 #: (``tests/cuda/test_resources.py``).  Bounds of 3 blocks would force that but make sm_80
 #: spill; the build timed on an H100 (189 registers by the driver's ptxas) ran 2 blocks
 MMA_THREADS = 128

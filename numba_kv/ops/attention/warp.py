@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 
-from numba import cuda, float32, int64
+from numba import cuda, float32, int32, int64
 
 from ... import _backend
 from ..._jit import cuda_device, specialize
@@ -54,6 +54,8 @@ TILE = 32
 VPL = 4
 #: query rows a warp works on (more rows run as more row chunks of the grid's z axis)
 WARP_ROWS = 4
+#: log2 of :data:`WARP_ROWS` (a power of two: the staged rows are found by shifts)
+_WARP_ROWS_SHIFT = WARP_ROWS.bit_length() - 1
 #: a lane's accumulators (value layout) and online-softmax state (m, l, alpha, spare per row)
 WARP_VALUES = WARP_ROWS * VPL
 WARP_STATE = WARP_ROWS * 4
@@ -163,10 +165,20 @@ def _stage_queries(qs, qr, q, g, r0, rows, d, tid, rotate_q, both, head_rot, hsi
     ends with a block barrier, the only one (on a GPU a warp rotates a row with shuffles,
     :func:`~numba_kv.ops.attention.qrot.warp_stage_rotated`)."""
     n_rot = (2 if both else 1) * WARP_ROWS if rotate_q else 0
-    for u in range(n_rot * d + tid, 2 * WARP_ROWS * d, cuda.blockDim.x):
-        half = u // (WARP_ROWS * d)
-        r = (u - half * WARP_ROWS * d) // d
-        qs[u] = (q if half or rotate_q else qr)[g, min(r0 + r, rows - 1), u % d]
+    # slot u is (half, row, column) by shifts in 32-bit integers: d is 32, 64 or 128 here
+    # (warp_ok), a power of two; Numba's int64 floor division and modulo by the run-time d cost
+    # three calls of the 64-bit division routine a value (some 400 SASS instructions a slot
+    # on sm_90, 4 slots a thread at 128 threads)
+    dsh = int32(5)
+    while (int32(1) << dsh) < d:
+        dsh += int32(1)
+    u = int32(n_rot * d + tid)
+    end = int32(2 * WARP_ROWS * d)
+    while u < end:
+        half = int32(u >> int32(dsh + _WARP_ROWS_SHIFT))
+        r = int32(u >> dsh) & int32(WARP_ROWS - 1)
+        qs[u] = (q if half or rotate_q else qr)[g, min(r0 + r, rows - 1), u & int32(d - 1)]
+        u = int32(u + int32(cuda.blockDim.x))
     if n_rot:
         warp_stage_rotated(qs, q, g, r0, rows, d, 0, n_rot, WARP_ROWS, head_rot, hsigns, msigns, tid)
     cuda.syncthreads()
