@@ -160,12 +160,19 @@ def kernel_path(cupy, q, kc, ks, vc, vs, nb):
                                         None, T - 1, 1, True)
 
 
+#: the default build (launch bounds of 2 blocks an SM; a GPU of a capability with a build of its
+#: own, sm_90's of 4 blocks, runs that one: ``Twin.build_for``)
 SHIPPED = TWINS["decode_attention_mma"].cuda
-#: the shipped kernel compiled with other launch bounds (A/B in the same process)
-#: the shipped kernel with other launch bounds: 3 blocks per SM (5-18 % faster at batch >= 8 on
-#: an H100, spills on sm_80) and 4 (sm_90: 128 registers, no spill, 16 warps per SM instead
-#: of 12; the Kernels design page); with --device-time each is also timed with the host hidden
-VARIANTS = {f"mma lb(128,{n})": cuda.jit(SHIPPED.py_func, launch_bounds=(128, n)) for n in (3, 4)}
+#: other builds of the same source for the A/B in one process, each swapped in as the only
+#: build: the default one (2 blocks an SM, what sm_90 ran before its build of 4) and 3 blocks
+#: (5-18 % faster than 2 at batch >= 8 on an H100, spills on sm_80); with --device-time each
+#: is also timed with the host hidden
+VARIANTS = {"mma lb(128,2)": SHIPPED, "mma lb(128,3)": cuda.jit(SHIPPED.py_func, launch_bounds=(128, 3))}
+
+
+def running_build() -> object:
+    """The build of ``decode_attention_mma`` this GPU runs (its compute capability's)."""
+    return TWINS["decode_attention_mma"].build_for(tuple(cuda.get_current_device().compute_capability))
 
 
 #: the shipped kernel with the partition rule before the wave model (the ``cuda_wave_partitions``
@@ -176,7 +183,7 @@ NO_WAVES = "mma no-waves"
 def partition_note(tokens: int, rows: int) -> str:
     """The partition lengths of both rules at these shapes, with the shipped kernel's resident
     blocks (the driver's occupancy of its compiled overload times the SMs)."""
-    compiled = list(SHIPPED.overloads.values())
+    compiled = list(running_build().overloads.values())
     resident = compiled[0].max_cooperative_grid_blocks(MMA_THREADS) if compiled else None
     return (f"partitions: waves {mma_partition_size(tokens, rows, 0, resident)} tokens ({resident} resident blocks), "
             f"no-waves {mma_partition_size(tokens, rows)}")
@@ -229,8 +236,10 @@ def speed(cupy, tokens, batches, bits, repeat, device_time=False) -> None:
                 for name, knob, api in (("mma", 1, False), *((v, 1, False) for v in VARIANTS), (NO_WAVES, 1, False),
                                         ("warp", 0, False), ("mma api", 1, True)):
                     twin = TWINS["decode_attention_mma"]
-                    if name in VARIANTS:
+                    builds = twin.cuda_cc
+                    if name in VARIANTS:  # (the only build while it is timed)
                         object.__setattr__(twin, "cuda", VARIANTS[name])
+                        object.__setattr__(twin, "cuda_cc", ())
                     with knobs(cuda_mma_attention=knob, cuda_wave_partitions=int(name != NO_WAVES)):
                         if api:
                             fn = functools.partial(decode_attention, q, kc, ks, vc, vs, bits=nb)
@@ -241,6 +250,7 @@ def speed(cupy, tokens, batches, bits, repeat, device_time=False) -> None:
                         timed_alone = name in VARIANTS or name == NO_WAVES
                         dev = device_ms(cupy, fn, repeat) if device_time and timed_alone else None
                     object.__setattr__(twin, "cuda", SHIPPED)
+                    object.__setattr__(twin, "cuda_cc", builds)
                     x = f" x{ref[0] / ms:.2f}" if ref else ""
                     cols.append(f"{name} {ms:.3f} ms ({gb / (ms * 1e-3):.0f} GB/s{x})")
                     if dev is not None:  # a variant's GPU time, next to the shipped "mma device" below
@@ -288,7 +298,7 @@ def main() -> None:
         accuracy(cupy)
     speed(cupy, [int(x) for x in args.tokens.split(",")], [int(x) for x in args.batch.split(",")],
           [int(x) for x in args.bits.split(",")], args.repeat, args.device_time)
-    for name, kern in (("decode_attention_mma", SHIPPED), *VARIANTS.items(),
+    for name, kern in (("decode_attention_mma (this GPU's build)", running_build()), *VARIANTS.items(),
                        ("decode_attention_warp", TWINS["decode_attention_warp"].cuda)):
         try:
             print(name, "registers", list(kern.get_regs_per_thread().values()))

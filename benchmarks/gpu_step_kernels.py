@@ -26,12 +26,11 @@ from collections.abc import Callable
 from typing import Any
 
 from numba_kv import AttendConfig, DecodeStep, _launch, make_cache
-from numba_kv.ops import TWINS
 from numba_kv.ops.attention import plan as attention_plan
 from numba_kv.ops.attention.mma import MMA_THREADS
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # (run as a script: the package)
-from benchmarks.gpu_mma_check import device_ms  # noqa: E402
+from benchmarks.gpu_mma_check import device_ms, running_build  # noqa: E402
 
 SIZES = (128, 256, 512, 1024, 2048)
 
@@ -115,7 +114,7 @@ def run(modes: list[str], tokens: list[int], heads: int = 8, groups: int = 4, d:
             gpu, wall = bound_step_us(cupy, DecodeStep(cache, 0, k1, k1, q, cfg, out=out))
             print(f"   bound steps back to back: GPU {gpu:.1f} us/step, wall {wall:.1f} us/step")
             shipped = attention_plan.mma_partition_size
-            compiled = list(TWINS["decode_attention_mma"].cuda.overloads.values())
+            compiled = list(running_build().overloads.values())
             resident = compiled[0].max_cooperative_grid_blocks(MMA_THREADS) if compiled else None
             print(f"   shipped partition: {shipped(t, heads, 0, resident)} tokens by the wave model "
                   f"({resident} resident blocks), {shipped(t, heads)} without it")

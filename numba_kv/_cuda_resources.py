@@ -230,9 +230,10 @@ def link_cubin(ptx: str, cc: tuple[int, int]) -> tuple[bytes, str]:
 
 
 def kernel_ptx(name: str, cc: tuple[int, int] = (9, 0), signature: int = 0) -> str:
-    """PTX of registered kernel ``name`` for ``sm_<cc>`` and its ``signature``-th signature
-    (``numba.cuda.compile_ptx``; cached, so the PTX checks and :func:`kernel_resources`
-    compile each case once per process, however the arguments are spelled)."""
+    """PTX of registered kernel ``name`` for ``sm_<cc>`` and its ``signature``-th signature,
+    of the build a device of that capability runs (``Twin.build_for``;
+    ``numba.cuda.compile_ptx``; cached, so the PTX checks and :func:`kernel_resources` compile
+    each case once per process, however the arguments are spelled)."""
     # normalized before the cache: ``kernel_ptx(n, (9, 0))`` and ``kernel_ptx(n, [9, 0], 0)``
     # are one compile (a compile of an attention kernel costs 10-30 s)
     return _kernel_ptx(name, (int(cc[0]), int(cc[1])), int(signature))
@@ -245,9 +246,10 @@ def _kernel_ptx(name: str, cc: tuple[int, int], signature: int) -> str:
     twin = TWINS[name]
     if not 0 <= signature < len(twin.signatures):
         raise IndexError(f"signature: {name!r} has {len(twin.signatures)} signatures, got index {signature}")
+    build = twin.build_for(tuple(cc))  # (the build a device of that capability runs)
     with device_functions_for(tuple(cc)):
-        ptx, _ = cuda.compile_ptx(twin.cuda.py_func, twin.signatures[signature], cc=tuple(cc),
-                                  launch_bounds=getattr(twin.cuda, "launch_bounds", None))
+        ptx, _ = cuda.compile_ptx(build.py_func, twin.signatures[signature], cc=tuple(cc),
+                                  launch_bounds=getattr(build, "launch_bounds", None))
     return ptx
 
 

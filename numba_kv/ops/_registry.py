@@ -35,6 +35,10 @@ class Twin:
         Numba signatures used to compile the kernel to PTX.
     float32_only : bool
         If true the PTX must not contain ``.f64`` instructions.
+    cuda_cc : tuple of ((int, int), dispatcher)
+        Builds of the kernel's source for one compute capability each (other launch
+        bounds): :meth:`build_for` hands them to the devices of that capability, ``cuda``
+        to every other.
     """
 
     name: str
@@ -43,10 +47,19 @@ class Twin:
     signatures: tuple[str, ...]
     float32_only: bool = True
     module: str = field(default="")
+    cuda_cc: tuple = ()
+
+    def build_for(self, cc: tuple[int, int] | None) -> Callable:
+        """The CUDA build that runs on a device of compute capability ``cc`` (``None``: the
+        default build, ``cuda``)."""
+        for want, build in self.cuda_cc:
+            if want == cc:
+                return build
+        return self.cuda
 
     def launch(self, device: str, n_items: int, *args: Any, work: int | None = None,
                threads: int | None = None, grid: tuple[Any, Any] | None = None,
-               coop: tuple[int, int] | None = None) -> None:
+               coop: tuple[int, int] | None = None, cc: tuple[int, int] | None = None) -> None:
         """Run the twin on ``device``: the one dispatch point of the package.
 
         Parameters
@@ -69,6 +82,9 @@ class Twin:
             A block-cooperative kernel's geometry as :func:`numba_kv._backend.coop_grid`
             computes it (one block per row, ``width`` work items per row); computed here,
             only for CUDA launches (a CPU decode step pays nothing for it).
+        cc : (int, int), optional
+            The compute capability of the device the launch goes to, when the caller knows
+            it (an attention plan): the build for it runs (:meth:`build_for`).
         """
         if device == _backend.CPU:
             cpu_call(self.cpu, n_items if work is None else work, *args)
@@ -80,7 +96,7 @@ class Twin:
                 return
             grid = _backend.cuda_grid(n_items, threads)
         # (a repeat of an earlier launch skips Numba's argument typing and conversion)
-        _launch.launch(self.cuda, grid[0], grid[1], args)
+        _launch.launch(self.build_for(cc) if self.cuda_cc else self.cuda, grid[0], grid[1], args)
 
 
 TWINS: dict[str, Twin] = {}
@@ -92,10 +108,16 @@ F32_3D = "float32[:, :, ::1]"
 U8_3D = "uint8[:, :, ::1]"
 
 
-def register(name: str, cpu: Callable, cuda: Callable, signatures, float32_only: bool = True) -> Twin:
-    """Add a twin to :data:`TWINS` (names are unique)."""
+def register(name: str, cpu: Callable, cuda: Callable, signatures, float32_only: bool = True,
+             cuda_cc: dict | None = None) -> Twin:
+    """Add a twin to :data:`TWINS` (names are unique); ``cuda_cc``: ``{(major, minor): build}``,
+    builds of the same source for devices of one compute capability (:attr:`Twin.cuda_cc`)."""
     if name in TWINS:
         raise ValueError(f"name: twin {name!r} is already registered")
-    t = Twin(name, cpu, cuda, tuple(signatures), float32_only, cuda.py_func.__module__)
+    for cc, build in (cuda_cc or {}).items():
+        if build.py_func.__code__ is not cuda.py_func.__code__:
+            raise ValueError(f"cuda_cc: the build for {cc} of {name!r} must compile the same source")
+    t = Twin(name, cpu, cuda, tuple(signatures), float32_only, cuda.py_func.__module__,
+             tuple((tuple(cc), build) for cc, build in (cuda_cc or {}).items()))
     TWINS[name] = t
     return t

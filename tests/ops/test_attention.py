@@ -489,7 +489,8 @@ def test_plan_counts_resident_blocks_once_from_the_launch_arguments():
 
     q = np.zeros((64, 4, 128), np.float32)
     plan = plan_module.AttentionPlan(q, paged=False, n_g=64, rows=4, d=128, klayout=None, vlayout=None, v_width=0)
-    mma = SimpleNamespace(name="decode_attention_mma", cuda=Dispatcher())
+    dispatcher, broken_dispatcher = Dispatcher(), Broken()
+    mma = SimpleNamespace(name="decode_attention_mma", build_for=lambda cc: dispatcher)
     assert plan.resident_blocks(mma, probe) == H200_RESIDENT
     assert plan.resident_blocks(mma, probe) == H200_RESIDENT
     assert probes == [1] and asked == [("ndarray", "int", "bool"), 128]
@@ -497,5 +498,5 @@ def test_plan_counts_resident_blocks_once_from_the_launch_arguments():
     assert plan.partition_size(32768, mma, 0, probe) == mma_partition_size(32768, 64, 0, H200_RESIDENT) == 1408
     plan.wave_partitions = False
     assert plan.partition_size(32768, mma, 0, probe) == mma_partition_size(32768, 64) == 704
-    broken = SimpleNamespace(name="paged_decode_attention_mma", cuda=Broken())
+    broken = SimpleNamespace(name="paged_decode_attention_mma", build_for=lambda cc: broken_dispatcher)
     assert plan.resident_blocks(broken, probe) is None

@@ -54,6 +54,7 @@ from .cpu import (
 from .merge import MERGE_SCRATCH, merge_if_last
 from .mma import (
     MMA_BLOCKS_PER_SM,
+    MMA_BLOCKS_PER_SM_SM90,
     MMA_TAB_SHARED_WORDS,
     MMA_THREADS,
     build_tables,
@@ -422,12 +423,16 @@ def _partition_warp_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exa
                   tid, cuda.blockDim.x)
 
 
-def _compile(fn, paged, wrap):
-    """``wrap`` (a decorator) of kernel source ``fn`` with the flat or the paged addressing."""
+def _compile(fn, paged, wrap, build=""):
+    """``wrap`` (a decorator) of kernel source ``fn`` with the flat or the paged addressing
+    (``build``: a tag for a second build of the same source, e.g. other launch bounds; its
+    own name keeps it apart in Numba's on-disk cache, whose key has no launch bounds)."""
     suffix = "_paged" if paged else "_flat"
     # named as the registered twins (_<op>_cpu, _<op>[_<variant>]_cuda; tests/test_conventions.py)
     name = fn.__name__.replace("_block", "").replace("_partition", "_paged_decode_attention" if paged
                                                      else "_decode_attention")
+    if build:
+        name = name.replace("_cuda", f"_{build}_cuda")
     return wrap(specialize(fn, suffix, name=name, kv_tile_cpu=_KV_TILE[paged], **addressing(paged),
                            **warp_tiles(paged)))
 
@@ -517,6 +522,11 @@ def _partition_mma_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exac
 _decode_attention_mma_cuda, _paged_decode_attention_mma_cuda = (
     _compile(_partition_mma_cuda, paged, cuda_kernel(launch_bounds=(MMA_THREADS, MMA_BLOCKS_PER_SM)))
     for paged in (False, True))
+# ... and for sm_90 with launch bounds of MMA_BLOCKS_PER_SM_SM90 blocks (128 registers, no
+# spill there; sm_80's ptxas spills under them): 16 warps an H100/H200 SM instead of 12
+_decode_attention_mma_sm90_cuda, _paged_decode_attention_mma_sm90_cuda = (
+    _compile(_partition_mma_cuda, paged, cuda_kernel(launch_bounds=(MMA_THREADS, MMA_BLOCKS_PER_SM_SM90)), "sm90")
+    for paged in (False, True))
 
 
 def _signature(codes: str, exact: str, exact_scales: str, ndim: int, scales: str = "uint16") -> str:
@@ -548,7 +558,8 @@ DECODE_ATTENTION = register("decode_attention", _decode_attention_cpu, _decode_a
 # is the same tile loop), and on tensor cores
 DECODE_ATTENTION_WARP = register("decode_attention_warp", _decode_attention_cpu, _decode_attention_warp_cuda,
                                  _ASIG_N8)
-DECODE_ATTENTION_MMA = register("decode_attention_mma", _decode_attention_cpu, _decode_attention_mma_cuda, _ASIG_MMA)
+DECODE_ATTENTION_MMA = register("decode_attention_mma", _decode_attention_cpu, _decode_attention_mma_cuda, _ASIG_MMA,
+                                cuda_cc={(9, 0): _decode_attention_mma_sm90_cuda})
 PAGED_DECODE_ATTENTION = register("paged_decode_attention", _paged_decode_attention_cpu,
                                   _paged_decode_attention_cuda, [_PSIG])
 PAGED_DECODE_ATTENTION_WARP = register("paged_decode_attention_warp", _paged_decode_attention_cpu,
@@ -556,4 +567,5 @@ PAGED_DECODE_ATTENTION_WARP = register("paged_decode_attention_warp", _paged_dec
 # on tensor cores, for PQO pools (kc/vc: the packed codes viewed as uint32 words)
 PAGED_DECODE_ATTENTION_MMA = register("paged_decode_attention_mma", _paged_decode_attention_cpu,
                                       _paged_decode_attention_mma_cuda,
-                                      [_signature("uint32", "float32[:, :, :, ::1]", "uint16[:, :, :, ::1]", 4)])
+                                      [_signature("uint32", "float32[:, :, :, ::1]", "uint16[:, :, :, ::1]", 4)],
+                                      cuda_cc={(9, 0): _paged_decode_attention_mma_sm90_cuda})

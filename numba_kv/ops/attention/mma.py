@@ -98,10 +98,11 @@ from .ptx import (
 )
 
 __all__ = ["LN2", "LOG2E", "MERGE_COST_TOKENS", "MERGE_PARTS_PER_SQRT_TOKEN", "MMA_BITS", "MMA_BLOCKS_PER_SM",
-           "MMA_HEAD_DIM", "MMA_PART_RANGE", "MMA_TAB_SHARED_WORDS", "MMA_TAB_WORDS", "MMA_THREADS", "MMA_TILE",
-           "PART_COST_TOKENS", "TAB_BYTES", "TAB_SLOTS", "aligned_table", "build_pair_table", "build_tables",
-           "key_tile", "mma_partition", "mma_partition_size", "mma_tiles", "pair_table_replicas",
-           "reference_pair_table", "stage_query_fragments", "store_mma_partition", "token_address", "value_tile"]
+           "MMA_BLOCKS_PER_SM_SM90", "MMA_HEAD_DIM", "MMA_PART_RANGE", "MMA_TAB_SHARED_WORDS", "MMA_TAB_WORDS",
+           "MMA_THREADS", "MMA_TILE", "PART_COST_TOKENS", "TAB_BYTES", "TAB_SLOTS", "aligned_table",
+           "build_pair_table", "build_tables", "key_tile", "mma_partition", "mma_partition_size", "mma_tiles",
+           "pair_table_replicas", "reference_pair_table", "stage_query_fragments", "store_mma_partition",
+           "token_address", "value_tile"]
 
 #: the head_dim of the tensor-core kernel (4 blocks of 32: one per lane of a quad)
 MMA_HEAD_DIM = 128
@@ -113,6 +114,13 @@ MMA_TILE = 16
 #: spill; the build timed on an H100 (189 registers by the driver's ptxas) ran 2 blocks
 MMA_THREADS = 128
 MMA_BLOCKS_PER_SM = 2
+#: launch bounds' blocks per SM of the kernels' sm_90 builds (``Twin.cuda_cc``): ptxas holds
+#: both to 128 registers there without a spill, so 4 blocks (16 warps) fit an H100/H200 SM.
+#: On an H200 (2026-11-30, 3 bits, GPU time, `benchmarks/gpu_mma_check.py --device-time`,
+#: ``mma lb(128,4)``) they were 4–9 % faster at T = 32K × 32, 128K × 8 and 128K × 32 (2.33
+#: against 2.50 ms) and 5 % slower at 32K × 8 with the partition rule of then (1.3 waves of
+#: 3 blocks an SM, 1 of 4); sm_80's ptxas spills under them (212/236 B flat, 72/96 B paged)
+MMA_BLOCKS_PER_SM_SM90 = 4
 #: code widths with a pair table (``4**bits`` entries)
 MMA_BITS = (2, 3, 4)
 #: 32-bit words per pair table in shared memory (8 KiB): entries × replicas

@@ -23,6 +23,7 @@ from typing import Any
 
 import numba
 import numpy as np
+from numba import cuda
 
 from ... import _backend, _config
 from ..._config import MAX_HEAD_DIM
@@ -203,6 +204,11 @@ class AttentionPlan:
         #: the tensor-core kernel's partitions follow the wave model (the ``cuda_wave_partitions``
         #: knob; :meth:`partition_size`), with :meth:`resident_blocks` per kernel here
         self.wave_partitions = dev == _backend.CUDA and bool(_config.get("cuda_wave_partitions"))
+        #: the compute capability of the plan's GPU (``None`` on the CPU and in the simulator):
+        #: the partition kernel's build for it runs (``Twin.build_for``: the tensor-core
+        #: kernels' sm_90 builds)
+        self.cc = tuple(cuda.get_current_device().compute_capability) if (
+            dev == _backend.CUDA and not _backend.simulator_enabled()) else None
         self._resident: dict[Any, int | None] = {}
         c = self._const = lambda a: _backend.constant(like, a)  # noqa: E731
         if compressed:
@@ -247,7 +253,7 @@ class AttentionPlan:
         ``max_grid_size``).  Compiles that overload, which the launch then reuses; counted
         once per plan and CUDA dispatcher.  ``None`` where the driver cannot say (then the partition
         rule without waves applies)."""
-        dispatcher = key = kernel.cuda  # (per dispatcher: an A/B swaps another build into the twin)
+        dispatcher = key = kernel.build_for(self.cc)  # (per build: an A/B swaps another into the twin)
         if key not in self._resident:
             try:
                 compiled = dispatcher.compile(tuple(dispatcher.typeof_pyval(a) for a in launch_args()))
@@ -303,7 +309,7 @@ class AttentionPlan:
         head_rot = head_signs is not None
         merge = (int(n_rot), self.signs, head_rot, head_signs if head_rot else self.signs, out)
         kernel.launch(self.device, self.n_g * n_parts, *args, self.merge_last, *merge, self.merge_counter(like),
-                      bool(rotate_q), work=work, grid=self.grid(kernel, n_parts))
+                      bool(rotate_q), work=work, grid=self.grid(kernel, n_parts), cc=self.cc)
         if not self.merge_last:
             mgrid = ((self.n_g, self.rows), self.threads) if self.device == _backend.CUDA else None
             MERGE_PARTITIONS.launch(self.device, self.n_g * self.rows, *parts, *merge,
@@ -605,7 +611,7 @@ class FlatStep:
         parts = plan.workspace(qr, n_parts)
         merge = (n_parts if self._exact_rotated else n_cp, *self._merge_static, out)
         kernel.launch(dev, n_g * n_parts, *args(part_size, n_cp, parts, merge[0]), work=work,
-                      grid=plan.grid(kernel, n_parts))
+                      grid=plan.grid(kernel, n_parts), cc=plan.cc)
         if not plan.merge_last:
             MERGE_PARTITIONS.launch(dev, n_g * rows, *parts, *merge, work=n_g * rows * d * n_parts,
                                     grid=((n_g, rows), plan.threads) if dev == _backend.CUDA else None)
