@@ -33,6 +33,12 @@
 #   7. pytest_bench.json:      the pytest-benchmark groups attention-cuda(-torch) and decode-step-cuda at T = 4096
 #   8. attention_ab.log:       benchmarks/gpu_attention_ab.py (block vs warp kernel, launch bounds, copy bandwidth)
 # torch (for the SDPA baseline) is optional: without it the torch columns stay empty.
+#
+# QUICK=1 runs a short subset instead (about 6 minutes; limits add up to 7), for a lease of 15
+# minutes with time to rerun: the device tests and the tensor-core tests (tests/gpu,
+# tests/cuda/test_sim_mma.py), decode-step at T 4K, the step's kernels at T 4K (pqo3), the
+# tensor-core A/B at T 32K/128K, batch 8/32, 3 bits with GPU times, and Nsight Compute at
+# T 128K, batch 32.
 set -u
 out=${1:-benchmarks/results/gpu}
 py=${PYTHON:-python3}
@@ -63,6 +69,21 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max
 "$py" -c "import torch; print('torch', torch.__version__, 'CUDA' if torch.cuda.is_available() else 'no CUDA')" \
     2>/dev/null || echo "torch: not installed (no torch SDPA baseline)"
 
+if [ "${QUICK:-0}" = 1 ]; then
+    stage "gpu tests (quick)" "${TEST_LIMIT:-130}" "$out/tests_gpu.log" \
+        "$py" -m pytest -v -rfE -p no:cacheprovider $xdist $ptimeout -m "cuda or gpu_only" tests/gpu \
+        tests/cuda/test_sim_mma.py
+    stage "bench decode-step --device cuda (T 4K)" "${DECODE_LIMIT:-60}" "$out/decode_step.txt" \
+        "$py" -m numba_kv.toolkit.cli bench decode-step --device cuda --tokens 4096 --no-progress \
+        --json "$out/decode_step.json"
+    stage "a step's kernels (T 4K, pqo3)" "${KERNELS_LIMIT:-60}" "$out/step_kernels.log" \
+        "$py" benchmarks/gpu_step_kernels.py --modes pqo3 --tokens 4096
+    stage "tensor-core kernel: accuracy, A/B, torch (quick)" "${MMA_LIMIT:-130}" "$out/mma_check.log" \
+        "$py" benchmarks/gpu_mma_check.py --tokens 32768,131072 --batch 8,32 --bits 3 --device-time
+    stage "ncu: the tensor-core kernel's counters (T 128K, batch 32)" "${NCU_LIMIT:-60}" "$out/profile_mma.log" \
+        "$py" benchmarks/gpu_profile_mma.py --ncu auto --shapes 131072x32
+    exit $status
+fi
 stage "gpu tests" "${TEST_LIMIT:-200}" "$out/tests_gpu.log" \
     "$py" -m pytest -v -rfE -p no:cacheprovider $xdist $ptimeout -m "cuda or gpu_only" \
     tests/gpu tests/cuda tests/caches/test_lifecycle.py tests/caches/test_sliding.py tests/toolkit/test_bench_cuda.py \
