@@ -50,8 +50,19 @@ class Twin:
     cuda_cc: tuple = ()
 
     def build_for(self, cc: tuple[int, int] | None) -> Callable:
-        """The CUDA build that runs on a device of compute capability ``cc`` (``None``: the
-        default build, ``cuda``)."""
+        """The CUDA build that runs on a device of compute capability ``cc``.
+
+        Parameters
+        ----------
+        cc : (int, int) or None
+            ``(major, minor)`` of the device; ``None`` (the CPU, the simulator, a caller that
+            does not know) gives the default build.
+
+        Returns
+        -------
+        dispatcher
+            The build of :attr:`cuda_cc` for ``cc``, else :attr:`cuda`.
+        """
         for want, build in self.cuda_cc:
             if want == cc:
                 return build

@@ -247,12 +247,29 @@ class AttentionPlan:
         return default_partition_size(max(n_tokens, 1), self.n_g, self.device, self.variant in ("warp", "mma"))
 
     def resident_blocks(self, kernel: Any, launch_args: Callable[[], tuple]) -> int | None:
-        """Blocks of ``kernel``'s CUDA twin that the device holds at once: the driver's
-        occupancy of the overload that ``launch_args()`` (the launch's arguments) selects, at
+        """Blocks of ``kernel``'s CUDA build that the device holds at once.
+
+        The driver's occupancy of the overload that ``launch_args()`` selects, at
         :data:`~numba_kv.ops.attention.mma.MMA_THREADS` threads, times the SMs (FlashInfer's
         ``max_grid_size``).  Compiles that overload, which the launch then reuses; counted
-        once per plan and CUDA dispatcher.  ``None`` where the driver cannot say (then the partition
-        rule without waves applies)."""
+        once per plan and CUDA build (:meth:`~numba_kv.ops._registry.Twin.build_for` of the
+        plan's compute capability).
+
+        Parameters
+        ----------
+        kernel : Twin
+            The partition kernel's twin.
+        launch_args : callable
+            Returns the launch's arguments (arrays and scalars of the types the launch passes:
+            a ``[n_g, rows, d]`` float32 query array first, …); called only when the count is
+            not known yet.
+
+        Returns
+        -------
+        int or None
+            The resident blocks; ``None`` where the driver cannot say (then the partition rule
+            without waves applies).
+        """
         dispatcher = key = kernel.build_for(self.cc)  # (per build: an A/B swaps another into the twin)
         if key not in self._resident:
             try:
