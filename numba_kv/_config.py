@@ -51,6 +51,9 @@ DEFAULTS: dict[str, Any] = {
     # objects and scalars) reuses the parameters Numba converted then (numba_kv._launch),
     # 0 = every launch through Numba's typing and conversion
     "cuda_prepared_launch": 1,
+    # CUDA launches: 1 = a prepared launch's repeat calls the driver with a parameter buffer
+    # packed once (numba_kv._launch), 0 = through cuda.core's launch, which packs it per call
+    "cuda_direct_launch": 1,
 }
 
 #: most threads per CUDA block the package launches.  Any kernel can launch with 256: a block
@@ -76,6 +79,7 @@ RANGES: dict[str, tuple[type, float, float, int]] = {
     "cuda_fused_query_rotation": (int, 0, 1, 1),
     "cuda_wave_partitions": (int, 0, 1, 1),
     "cuda_prepared_launch": (int, 0, 1, 1),
+    "cuda_direct_launch": (int, 0, 1, 1),
 }
 
 _overrides: dict[str, Any] = {}

@@ -29,6 +29,18 @@ launch to Numba, as before.  The knob ``cuda_prepared_launch`` (default 1;
 ``NUMBA_KV_CUDA_PREPARED_LAUNCH=0``) turns the cache off.  Entries are kept for the 1024 most
 recent keys.
 
+**The parameter buffer, built once.**  ``cuda.core``'s ``launch`` packs its arguments into a
+new ``ParamHolder`` (the ``void*`` array ``cuLaunchKernelEx`` reads) on every call: an
+isinstance chain and a copy per parameter.  The tensor-core attention kernel has 328
+parameters (an array is ``5 + 2·ndim`` of them), and packing them costs about 19 µs on a
+2-vCPU AMD EPYC (``benchmarks/launch_params.py``), a repeat's largest cost after Numba's
+typing is gone.  An
+entry therefore packs its parameters once into a ``ParamHolder`` of its own and a repeat
+calls the driver's ``cuLaunchKernel`` with that buffer (which the driver copies at the call;
+``cuda.core`` launches the same ``CUkernel`` handle the same way).  Not for cooperative
+launches; a failed call falls back to ``cuda.core``'s launch for good.  The knob
+``cuda_direct_launch`` (default 1) turns it off.
+
 **Streams.** By default every kernel launches on the default stream.  Inside ``with
 numba_kv.launch_stream(stream):`` this thread's launches go to ``stream`` instead (a Numba
 stream, a CuPy stream — also made CuPy's current stream for the block, so that the package's
@@ -57,6 +69,11 @@ try:  # the module whose launch this repeats (numba-cuda; its names as Numba use
     from numba.cuda import dispatcher as _nd
 except ImportError:  # pragma: no cover - numba-cuda is a core dependency
     _nd = None
+try:  # the driver's launch, and the parameter packing of cuda.core's (numba-cuda's dependencies)
+    from cuda.bindings import driver as _drv
+    from cuda.core._kernel_arg_handler import ParamHolder as _ParamHolder
+except ImportError:  # pragma: no cover - a numba-cuda without them: repeats through cuda.core's launch
+    _drv = _ParamHolder = None
 try:
     from numba.cuda._compat import CUDA_CORE_GE_1_0 as _CORE_GE_1_0
 except ImportError:  # pragma: no cover - older numba-cuda: the 1.0 keyword
@@ -72,7 +89,7 @@ MAX_ENTRIES = 1024
 SCALAR_TYPES = (bool, int, float, np.generic)
 _entries: dict[tuple, _Entry] = {}
 _lock = threading.Lock()
-_counts = {"prepared": 0, "repeated": 0, "numba": 0}
+_counts = {"prepared": 0, "repeated": 0, "direct": 0, "numba": 0}
 
 
 def _handle(stream: Any) -> int:
@@ -142,22 +159,33 @@ class _Entry:
     stream (and the launch-stream handle it was keyed by), ``cuda.core`` launch
     configuration, kernel and parameters."""
 
-    __slots__ = ("config", "handle", "kernel", "params", "refs", "stream")
+    __slots__ = ("config", "direct", "handle", "kernel", "params", "refs", "stream")
 
-    def __init__(self, refs: tuple, stream: Any, config: Any, kernel: Any, params: tuple) -> None:
+    def __init__(self, refs: tuple, stream: Any, config: Any, kernel: Any, params: tuple,
+                 direct: tuple | None = None) -> None:
         self.refs = refs
         self.stream = stream
         self.handle = _backend.launch_stream_state()[1]
         self.config = config
         self.kernel = kernel
         self.params = params
+        #: ``(cuLaunchKernel, its arguments, the ParamHolder they point into)`` or ``None``
+        self.direct = direct
 
     def holds(self, args: tuple) -> bool:
         """Whether every array of ``args`` is the very object this entry was prepared from."""
         return refs_hold(self.refs, args)
 
     def run(self) -> None:
-        """Launch on the entry's stream from its converted parameters."""
+        """Launch on the entry's stream from its converted parameters: the driver's launch from
+        the buffer packed once when there is one (and the knob allows), else ``cuda.core``'s."""
+        direct = self.direct
+        if direct is not None and _config.get("cuda_direct_launch"):
+            err = direct[0](*direct[1])[0]
+            if int(err) == 0:  # CUDA_SUCCESS
+                _counts["direct"] += 1
+                return
+            self.direct = None  # (cuda.core's launch below raises what the failure is, if it persists)
         _core()[0](self.stream, self.config, self.kernel, *self.params)
 
     def capture(self, builder: Any) -> None:
@@ -221,7 +249,41 @@ def _prepare(kernel: Any, cfg: Any, args: tuple) -> _Entry | None:
     cufunc = kernel._codelibrary.get_cufunc()  # noqa: SLF001 - the function Numba launches
     coop = {"is_cooperative" if ge_1_0 else "cooperative_launch": bool(getattr(kernel, "cooperative", False))}
     config = config_cls(grid=cfg.griddim, block=cfg.blockdim, shmem_size=cfg.sharedmem, **coop)
-    return _Entry(refs, cfg.stream, config, cufunc.kernel, tuple(params))
+    direct = None if any(coop.values()) else _direct(cufunc.kernel, cfg, params)
+    return _Entry(refs, cfg.stream, config, cufunc.kernel, tuple(params), direct)
+
+
+def _dim3(x: Any) -> tuple[int, int, int]:
+    """A launch dimension (an int or a tuple of up to three) as three ints."""
+    t = (int(x),) if isinstance(x, (int, np.integer)) else tuple(int(v) for v in x)
+    if not 1 <= len(t) <= 3:
+        raise ValueError(f"a launch dimension of 1 to 3 ints, got {x!r}")
+    return (*t, *(1,) * (3 - len(t)))
+
+
+def _driver() -> tuple[Any, Any, Any, Any] | None:
+    """``(cuLaunchKernel, ParamHolder, CUfunction, CUstream)`` of ``cuda.bindings`` and
+    ``cuda.core`` (numba-cuda's own dependencies), or ``None`` where one is missing."""
+    if _drv is None or _ParamHolder is None:  # pragma: no cover - numba-cuda depends on both
+        return None
+    return _drv.cuLaunchKernel, _ParamHolder, _drv.CUfunction, _drv.CUstream
+
+
+def _direct(kernel: Any, cfg: Any, params: list) -> tuple | None:
+    """The driver launch of a prepared entry: ``(cuLaunchKernel, its arguments, holder)`` with
+    the parameters packed once into a ``ParamHolder`` (``holder``, which the arguments' buffer
+    address points into and the tuple keeps alive), ``kernel``'s ``CUkernel`` handle and the
+    stream handle of ``cfg`` (Numba's launch configuration).  ``None`` where any of it is
+    unavailable (the repeat then goes through ``cuda.core``'s launch)."""
+    drv = _driver()
+    handle = getattr(getattr(cfg.stream, "handle", None), "__int__", None)
+    if drv is None or handle is None or not hasattr(kernel, "handle"):
+        return None
+    launch_kernel, param_holder, function, stream = drv
+    holder = param_holder(params)
+    args = (function(int(kernel.handle)), *_dim3(cfg.griddim), *_dim3(cfg.blockdim), int(cfg.sharedmem or 0),
+            stream(handle()), holder.ptr, 0)
+    return launch_kernel, args, holder
 
 
 def launch(dispatcher: Any, grid: Any, block: Any, args: tuple) -> None:
@@ -253,7 +315,7 @@ def launch(dispatcher: Any, grid: Any, block: Any, args: tuple) -> None:
         dispatcher[geometry](*args)
         return
     if entry is not None and entry.holds(args):
-        _core()[0](entry.stream, entry.config, entry.kernel, *entry.params)
+        entry.run()
         _counts["repeated"] += 1
         return
     cfg = dispatcher[geometry]
@@ -287,7 +349,9 @@ def clear() -> None:
 
 def stats() -> dict[str, int]:
     """Launches so far: ``prepared`` (entries made), ``repeated`` (launched from an entry),
-    ``numba`` (through Numba's launch, once the cache was asked), and ``entries`` (kept now).
+    ``direct`` (of the entries' launches, those by the driver from a buffer packed once: a
+    repeat, or a :class:`numba_kv.StepGraph` step's launch held back), ``numba`` (through
+    Numba's launch, once the cache was asked), and ``entries`` (kept now).
     The counters are not locked: exact from one thread, approximate under concurrent
     launches."""
     return {**_counts, "entries": len(_entries)}

@@ -53,3 +53,18 @@ def test_profile_runs_ncu_on_the_script_per_shape(capfd):
         assert line.startswith("--clock-control none -k regex:decode_attention_mma --launch-skip 2 --launch-count 1")
         assert "--section WarpStateStats" in line and "--section SchedulerStats" in line
         assert line.endswith(f"gpu_profile_mma.py --tokens {tokens} --batch {batch} --bits 3")
+
+
+def test_launch_params_converts_a_signature_as_numba_does():
+    """An array is ``meminfo, parent, size, itemsize, data, *shape, *strides`` (5 + 2·ndim Python
+    ints), an integer a ctypes integer of its width, a float32 a ``c_float``, a boolean a bool."""
+    import ctypes
+
+    from benchmarks import launch_params
+
+    params = launch_params.parameters("void(float32[:, ::1], int64, boolean, float32, int32[::1])")
+    assert len(params) == (5 + 4) + 1 + 1 + 1 + (5 + 2)
+    assert all(type(p) is int for p in params[:9]) and params[3] == 4 and params[7:9] == [32, 4]
+    assert isinstance(params[9], ctypes.c_int64) and params[10] is True and isinstance(params[11], ctypes.c_float)
+    assert params[15] == 4 and params[17:] == [8, 4]  # the int32 vector: itemsize, shape, byte stride
+    assert launch_params.pack_us(params, rounds=1, n=10) > 0

@@ -11,6 +11,7 @@ by a recorder, so these run without a GPU.  The real thing: ``tests/gpu/test_dev
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import threading
 import weakref
@@ -84,9 +85,10 @@ class FakeDispatcher:
         self.kernel = FakeKernel(n_args, **kernel)
         self.numba: list = []
         self.streams: list = []
+        self.stream: object = "default stream"  # what its launch configurations hold
 
     def __getitem__(self, gb):
-        return FakeConfig(self, *gb)
+        return FakeConfig(self, *gb) if len(gb) == 3 else FakeConfig(self, *gb, stream=self.stream)
 
 
 class LaunchConfig:
@@ -210,6 +212,122 @@ def test_concurrent_launches_from_threads_keep_their_own_parameters(core):
     for _, _, kernel, params in core:
         i = next(j for j, d in enumerate(disps) if d.kernel.kernel is kernel)
         assert params == (100 * (i + 1), i + 1, i)
+
+
+class Handle:
+    """A ``cuda.core`` handle object: an address behind ``int()``."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __int__(self) -> int:
+        return self.value
+
+
+class CoreKernel:
+    """``cuda.core``'s ``Kernel``: its ``CUkernel`` handle."""
+
+    handle = Handle(0xABC)
+
+
+class CoreStream:
+    """``cuda.core``'s ``Stream`` (what Numba's launch configuration holds)."""
+
+    handle = Handle(0x77)
+
+
+@pytest.fixture()
+def driver(core, monkeypatch):
+    """The driver's ``cuLaunchKernel`` replaced by a recorder (``result``: the ``CUresult`` it
+    returns), with ``cuda.core``'s real ``ParamHolder`` counted; ``core``'s recorder as well."""
+    from cuda.core._kernel_arg_handler import ParamHolder
+
+    rec = {"calls": [], "packed": 0, "result": 0, "core": core}
+
+    def launch_kernel(*args):
+        rec["calls"].append(args)
+        return (rec["result"],)
+
+    def holder(params):
+        rec["packed"] += 1
+        return ParamHolder(params)
+
+    monkeypatch.setattr(_launch, "_driver", lambda: (launch_kernel, holder, lambda h: ("CUfunction", h),
+                                                     lambda h: ("CUstream", h)))
+    return rec
+
+
+def _driver_dispatcher(n_args: int, cooperative: bool = False) -> FakeDispatcher:
+    d = FakeDispatcher(n_args)
+    d.kernel.kernel = CoreKernel()
+    d.kernel.cooperative = cooperative
+    d.stream = CoreStream()
+    return d
+
+
+def _unpacked(ptr: int, kinds: str) -> list:
+    """The values behind a ``void**`` parameter buffer: ``q`` int64, ``f`` float32 each."""
+    slots = (ctypes.c_void_p * len(kinds)).from_address(ptr)
+    return [(ctypes.c_int64 if k == "q" else ctypes.c_float).from_address(a).value for k, a in zip(kinds, slots)]
+
+
+def test_a_repeat_calls_the_driver_with_the_parameters_packed_once(driver):
+    """The driver gets the kernel's handle, the geometry as three ints each, the stream's handle
+    and one buffer, packed once, that holds the very parameters Numba converted."""
+    d = _driver_dispatcher(3)
+    a, b = FakeArray(1000, (4, 8)), FakeArray(2000, (16,))
+    args = (a, b, np.float32(0.5))
+    d.kernel._prepare_args = lambda ty, val, stream, retr, params: params.extend(
+        [val.ptr, *val.shape] if isinstance(val, FakeArray) else [ctypes.c_float(val)])
+    _launch.launch(d, (5, 2), 128, args)
+    assert driver["calls"] == [] and driver["packed"] == 1 and len(d.numba) == 1
+    before = _launch.stats()["direct"]
+    for _ in range(3):
+        _launch.launch(d, (5, 2), 128, args)
+    assert driver["packed"] == 1 and driver["core"] == [] and len(d.numba) == 1
+    assert len(driver["calls"]) == 3 and len(set(driver["calls"])) == 1
+    fn, gx, gy, gz, bx, by, bz, shmem, stream, ptr, extra = driver["calls"][0]
+    assert fn == ("CUfunction", 0xABC) and stream == ("CUstream", 0x77)
+    assert (gx, gy, gz, bx, by, bz, shmem, extra) == (5, 2, 1, 128, 1, 1, 0, 0)
+    assert _unpacked(ptr, "qqqqqf") == [1000, 4, 8, 2000, 16, 0.5]
+    assert _launch.stats()["direct"] - before == 3
+
+
+@pytest.mark.parametrize("case", ["knob off", "cooperative", "no stream handle"])
+def test_repeats_go_through_cuda_core_where_the_driver_launch_does_not_apply(driver, case):
+    d = _driver_dispatcher(1, cooperative=case == "cooperative")
+    if case == "no stream handle":
+        d.stream = "a stream without a handle"
+    a = FakeArray(5, (2,))
+    with knobs(cuda_direct_launch=0 if case == "knob off" else 1):
+        for _ in range(3):
+            _launch.launch(d, 1, 32, (a,))
+    assert driver["calls"] == [] and len(driver["core"]) == 2
+    assert driver["packed"] == (1 if case == "knob off" else 0)
+    assert driver["core"][-1][3] == (5, 2)
+
+
+def test_a_failed_driver_launch_falls_back_to_cuda_core_for_good(driver):
+    d = _driver_dispatcher(1)
+    a = FakeArray(5, (2,))
+    _launch.launch(d, 1, 32, (a,))
+    driver["result"] = 1  # CUDA_ERROR_INVALID_VALUE
+    _launch.launch(d, 1, 32, (a,))
+    assert len(driver["calls"]) == 1 and len(driver["core"]) == 1
+    driver["result"] = 0
+    _launch.launch(d, 1, 32, (a,))  # the entry launches through cuda.core from now on
+    assert len(driver["calls"]) == 1 and len(driver["core"]) == 2
+
+
+@pytest.mark.parametrize(("dim", "expected"), [(7, (7, 1, 1)), (np.int64(3), (3, 1, 1)), ((4, 2), (4, 2, 1)),
+                                               ((1, 2, 3), (1, 2, 3))])
+def test_launch_dimensions_as_three_ints(dim, expected):
+    assert _launch._dim3(dim) == expected
+
+
+def test_a_launch_dimension_of_four_ints_is_refused():
+    with pytest.raises(ValueError, match="1 to 3 ints"):
+        _launch._dim3((1, 2, 3, 4))
 
 
 class FakeNumbaStream:

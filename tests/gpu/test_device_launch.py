@@ -37,8 +37,9 @@ def test_repeated_launch_reads_current_contents(dev):
     after = _launch.stats()
     if _backend.simulator_enabled():
         assert after["repeated"] == before["repeated"] and after["entries"] == 0
-    else:
+    else:  # (the repeats by the driver, from the parameter buffer the entry packed once)
         assert after["prepared"] - before["prepared"] == 1 and after["repeated"] - before["repeated"] == 2
+        assert after["direct"] - before["direct"] == 2
     # another scalar: through Numba again, the right result
     _launch.launch(axpy, 3, 128, (x_dev, y_dev, np.float32(-2.0), out))
     np.testing.assert_allclose(dev.get(out), xs[-1] - 2 * y, rtol=1e-6)
@@ -57,3 +58,22 @@ def test_kernels_run_on_the_launch_stream(dev):
         cd, sd = quantize_blocks(dev.put(x), 3)
     stream.synchronize()
     assert np.array_equal(dev.get(cd), c) and np.array_equal(dev.get(sd), s)
+
+
+def test_repeats_on_a_launch_stream_run_there_in_order(dev):
+    """Repeats inside ``launch_stream`` (on a GPU: the driver's launch from the packed buffer,
+    on that stream) run in the order launched: each reads what the one before wrote."""
+    import numba_kv
+
+    n = 1000
+    x = dev.put(np.ones(n, np.float32))
+    out = dev.put(np.zeros(n, np.float32))
+    stream = dev.cupy.cuda.Stream(non_blocking=True) if dev.kind == "cupy" else cuda.stream()
+    _launch.clear()
+    with numba_kv.launch_stream(stream):
+        for _ in range(5):  # out = x + 1·out, five times in a row: 5
+            _launch.launch(axpy, 8, 128, (x, out, np.float32(1.0), out))
+    stream.synchronize()
+    np.testing.assert_array_equal(dev.get(out), np.full(n, 5, np.float32))
+    if not _backend.simulator_enabled():
+        assert _launch.stats()["direct"] >= 4
