@@ -7,7 +7,8 @@ events with a device synchronize around it, so each figure is the host's launch 
 the kernel's GPU time) and, with torch installed, its GPU time alone (the launch repeated
 behind a spin kernel that hides the host: ``gpu_mma_check.device_ms``; a repeated window
 store slides the window again, which only moves finite values), a
-``numba_kv.DecodeStep``'s steps back to back (GPU time and wall time per step), and the
+``numba_kv.DecodeStep``'s steps back to back (GPU time and wall time per step), the host
+time of each launch with the knob ``cuda_direct_launch`` on and off, and the
 step's launches with the partition length forced to 128 … 2048 tokens.  Needs a GPU with
 CuPy::
 
@@ -25,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from numba_kv import AttendConfig, DecodeStep, _launch, make_cache
+from numba_kv import AttendConfig, DecodeStep, _launch, knobs, make_cache
 from numba_kv.ops.attention import plan as attention_plan
 from numba_kv.ops.attention.mma import MMA_THREADS
 
@@ -111,6 +112,10 @@ def run(modes: list[str], tokens: list[int], heads: int = 8, groups: int = 4, d:
             lt = launch_times(cupy, decode, gpu_only)
             print(f"{mode} T={t}: " + "; ".join(f"{n}{g} {us:.1f}us (host {h:.0f}us, GPU alone {_us(a)}us)"
                                                 for n, g, us, h, a in lt))
+            with knobs(cuda_direct_launch=0):  # the repeats through cuda.core's launch (packs per call)
+                core = launch_times(cupy, decode)
+            print("   host us per launch, the driver's launch from the packed buffer / cuda.core's: "
+                  + "; ".join(f"{n} {h:.0f} / {hc:.0f}" for (n, _, _, h, _), (_, _, _, hc, _) in zip(lt, core)))
             gpu, wall = bound_step_us(cupy, DecodeStep(cache, 0, k1, k1, q, cfg, out=out))
             print(f"   bound steps back to back: GPU {gpu:.1f} us/step, wall {wall:.1f} us/step")
             shipped = attention_plan.mma_partition_size
