@@ -7,6 +7,7 @@ simple, float64 where it helps.
 
 from .headvq import head_sign_vector, headvq_dequantize, headvq_quantize, headvq_table
 from .norm8 import norm8_base16, norm8_decode, norm8_encode
+from .pairs import pair_table
 from .polarquant import (
                          SIGN_MASK,
                          attention,
@@ -23,5 +24,5 @@ from .polarquant import (
 )
 
 __all__ = ["SIGN_MASK", "attention", "dequantize", "hadamard", "hadamard32", "head_sign_vector", "headvq_dequantize",
-           "headvq_quantize", "headvq_table", "norm8_base16", "norm8_decode", "norm8_encode", "pack_bits", "quantize",
-           "rotate_forward", "rotate_head_forward", "rotate_inverse", "sign_vector", "unpack_bits"]
+           "headvq_quantize", "headvq_table", "norm8_base16", "norm8_decode", "norm8_encode", "pack_bits", "pair_table",
+           "quantize", "rotate_forward", "rotate_head_forward", "rotate_inverse", "sign_vector", "unpack_bits"]

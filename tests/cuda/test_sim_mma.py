@@ -16,7 +16,7 @@ from numba_kv import knobs
 from numba_kv._backend import to_host
 from numba_kv.ops import attention
 from numba_kv.ops.attention import decode_attention, kernels
-from numba_kv.ops.attention.mma import TAB_BYTES, _row, aligned_table, reference_pair_table
+from numba_kv.ops.attention.mma import TAB_BYTES, _row, aligned_table
 from numba_kv.ops.attention.ptx import (
     exp2_ftz,
     global_address,
@@ -38,6 +38,7 @@ from numba_kv.ops.attention.ptx import (
 )
 from numba_kv.ops.blockquant import quantize_blocks
 from numba_kv.ops.codebook import get_codebook
+from numba_kv.reference import pair_table
 
 from ..conftest import spy_launches, to_device
 
@@ -273,8 +274,10 @@ def test_shfl_xor(mask):
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_reference_pair_table(bits):
+    """The oracle of the kernels' pair tables (``numba_kv.reference.pair_table``): its factor and
+    entries from the codebook by the formula."""
     cent = get_codebook(bits, "maxnorm").centroids
-    tab, inv = reference_pair_table(cent, bits)
+    tab, inv = pair_table(cent, bits)
     f = 1.0 / inv
     assert f in (1.0, 0.5, 0.25) and float(np.abs(cent).max()) * f <= 1.0 < float(np.abs(cent).max()) * f * 2
     for e in (0, 1, (1 << (2 * bits)) - 1, 5 % (1 << (2 * bits))):
@@ -322,16 +325,18 @@ def test_mma_attention_matches_cpu_twin(kbits, vbits, T, n_exact, q_len, q_scale
 
 
 @pytest.mark.cuda
-def test_paged_mma_attention_matches_cpu_twin(monkeypatch):
-    """PQO pools (K 3 bits, V 2 bits) of ragged sequences (5, 19, 40 tokens, page size 8, pages
-    handed out interleaved), GQA 4 × causal q_len 2, several partitions per sequence: the
-    paged tensor-core kernel against the CPU twin, and it is the kernel that ran."""
+@pytest.mark.parametrize("partition_size", [16, 64])
+def test_paged_mma_attention_matches_cpu_twin(monkeypatch, partition_size):
+    """PQO pools (K 3 bits, V 2 bits) of ragged sequences (5, 19, 40 tokens, page size 16, pages
+    handed out interleaved), GQA 4 × causal q_len 2, several partitions per sequence (16
+    tokens) or partitions of several tiles, each tile on a page of its own (64): the paged
+    tensor-core kernel against the CPU twin, and it is the kernel that ran."""
     from numba_kv import PagedKVCache
     from numba_kv.ops.attention import kernels
 
     launched = spy_launches(monkeypatch, (kernels, "PAGED_DECODE_ATTENTION_MMA"))
     rng = np.random.default_rng(9)
-    caches = [PagedKVCache(num_pages=12, num_layers=1, num_kv_heads=1, head_dim=128, page_size=8,
+    caches = [PagedKVCache(num_pages=12, num_layers=1, num_kv_heads=1, head_dim=128, page_size=16,
                            storage="pqo-k3v2") for _ in range(2)]
     seqs = [[c.allocate_sequence() for _ in range(3)] for c in caches]
     for chunk in range(5):  # interleaved appends: each sequence's pages are scattered in the pool
@@ -343,8 +348,8 @@ def test_paged_mma_attention_matches_cpu_twin(monkeypatch):
                 caches[0].append(0, seqs[0][i], k, v)
                 caches[1].append(0, seqs[1][i], to_device(k), to_device(v))
     q = rng.standard_normal((3, 4, 2, 128)).astype(np.float32)
-    a = caches[0].decode_attention(0, q, partition_size=16)
-    b = to_host(caches[1].decode_attention(0, to_device(q), partition_size=16))
+    a = caches[0].decode_attention(0, q, partition_size=partition_size)
+    b = to_host(caches[1].decode_attention(0, to_device(q), partition_size=partition_size))
     assert launched, "the paged tensor-core kernel did not run"
     assert np.isfinite(b).all()
     assert _rel(b, a) < MMA_RTOL
@@ -352,15 +357,18 @@ def test_paged_mma_attention_matches_cpu_twin(monkeypatch):
 
 
 @pytest.mark.cuda
-def test_paged_mma_attention_needs_a_power_of_two_page_size(monkeypatch):
-    """The tensor-core tiles split a token index into page and slot with a shift: a pool of
-    12-token pages runs the warp kernel instead, with the same result as the CPU twin."""
+@pytest.mark.parametrize(("page_size", "partition_size"), [(12, 16), (8, 16), (16, 24)])
+def test_paged_mma_attention_needs_whole_tiles_on_a_page(monkeypatch, page_size, partition_size):
+    """The tensor-core tiles read a 16-token tile's page once and a token's slot by a shift:
+    pages of 12 tokens (not a power of two), of 8 (a tile spans two) and partitions of 24
+    tokens (tiles across a page boundary) run the warp kernel instead, with the same result
+    as the CPU twin."""
     from numba_kv import PagedKVCache
     from numba_kv.ops.attention import kernels
 
     launched = spy_launches(monkeypatch, (kernels, "PAGED_DECODE_ATTENTION_MMA"))
     rng = np.random.default_rng(4)
-    caches = [PagedKVCache(num_pages=6, num_layers=1, num_kv_heads=1, head_dim=128, page_size=12,
+    caches = [PagedKVCache(num_pages=6, num_layers=1, num_kv_heads=1, head_dim=128, page_size=page_size,
                            storage="pqo-k3v2") for _ in range(2)]
     seqs = [c.allocate_sequence() for c in caches]
     k = (rng.standard_normal((1, 30, 128)) * 3).astype(np.float32)
@@ -368,9 +376,9 @@ def test_paged_mma_attention_needs_a_power_of_two_page_size(monkeypatch):
     caches[0].append(0, seqs[0], k, v)
     caches[1].append(0, seqs[1], to_device(k), to_device(v))
     q = rng.standard_normal((1, 4, 1, 128)).astype(np.float32)
-    a = caches[0].decode_attention(0, q, partition_size=16)
-    b = to_host(caches[1].decode_attention(0, to_device(q), partition_size=16))
-    assert not launched, "the tensor-core kernel ran on 12-token pages"
+    a = caches[0].decode_attention(0, q, partition_size=partition_size)
+    b = to_host(caches[1].decode_attention(0, to_device(q), partition_size=partition_size))
+    assert not launched, f"the tensor-core kernel ran on {page_size}-token pages, {partition_size}-token partitions"
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
 
 
@@ -554,7 +562,7 @@ def test_occupancy_probe_types_like_the_launch(paged, monkeypatch):
     if paged:
         from numba_kv import PagedKVCache
 
-        cache = PagedKVCache(num_pages=4, num_layers=1, num_kv_heads=1, head_dim=128, page_size=8,
+        cache = PagedKVCache(num_pages=4, num_layers=1, num_kv_heads=1, head_dim=128, page_size=16,
                              storage="pqo-k3v2")
         seq = cache.allocate_sequence()
         k = to_device(rng.standard_normal((1, 20, 128)).astype(np.float32))

@@ -475,7 +475,9 @@ def _partition_mma_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exac
     of ``kcent``/``vcent`` is read), ``kc``/``vc`` the packed codes viewed as ``uint32`` words
     and every code and scale array 4-D: a pool's ``[pages, num_kv_heads, page_size, ·]``, a
     flat cache's viewed with a unit axis (``[n_g, 1, capacity, ·]``: KV row ``g`` is "page"
-    ``g``, head 0; :func:`~numba_kv.ops.attention.mma.token_address`).  A flat cache's exact
+    ``g``, head 0; :func:`~numba_kv.ops.attention.mma.token_address`).  A pool's pages hold a
+    power of two ``>= 16`` tokens and ``part_size`` is a multiple of 16 (a 16-token tile is on
+    one page).  A flat cache's exact
     partitions (sinks, window) run the warp kernel's tiles; a pool is all codes.  The block
     builds the two pair tables in shared memory once.  With ``merge_last`` the last block of
     each ``(g, c)`` to finish merges its rows into ``out`` (as the block kernel); with

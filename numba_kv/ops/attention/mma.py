@@ -63,7 +63,9 @@ Flat and paged: :func:`mma_partition` is the whole compressed partition of the o
 kernel source, compiled for flat caches (``decode_attention_mma``) and paged pools
 (``paged_decode_attention_mma``); :func:`token_address` is the only place they differ (a flat
 cache's arrays are viewed as ``[rows, 1, capacity, ·]``, a pool's are
-``[pages, heads, page_size, ·]``).
+``[pages, heads, page_size, ·]``), read once per 16-token tile (:func:`_tile_rows`: a pool's
+pages hold a power of two ``>= 16`` tokens and partitions start at multiples of 16, so a
+tile's tokens share a page).
 
 Simulator: the primitives of :mod:`numba_kv.ops.attention.ptx` exchange lanes between block barriers,
 so the kernel is launched there with one warp per block (every lane of a block reaches each
@@ -75,7 +77,6 @@ from __future__ import annotations
 import functools
 import math
 
-import numpy as np
 from numba import cuda, float32, int32, int64, uint32, uint64
 
 from ..._jit import cuda_device_ll as cuda_device
@@ -101,7 +102,7 @@ __all__ = ["LN2", "LOG2E", "MERGE_COST_TOKENS", "MERGE_PARTS_PER_SQRT_TOKEN", "M
            "MMA_BLOCKS_PER_SM_SM90", "MMA_HEAD_DIM", "MMA_PART_RANGE", "MMA_TAB_SHARED_WORDS", "MMA_TAB_WORDS",
            "MMA_THREADS", "MMA_TILE", "PART_COST_TOKENS", "TAB_BYTES", "TAB_SLOTS", "aligned_table",
            "build_pair_table", "build_tables", "key_tile", "mma_partition", "mma_partition_size", "mma_tiles",
-           "pair_table_replicas", "reference_pair_table", "stage_query_fragments", "store_mma_partition",
+           "pair_table_replicas", "stage_query_fragments", "store_mma_partition",
            "token_address", "value_tile"]
 
 #: the head_dim of the tensor-core kernel (4 blocks of 32: one per lane of a quad)
@@ -348,14 +349,29 @@ def token_address(paged, kv_indices, first, psh, g, t):
 
 
 @cuda_device
-def _token_rows(kc32, ks, base, sbase, paged, kv_indices, first, psh, h, t):
-    """Byte addresses of token ``t``'s rows in a code array and its scale array: ``base``,
-    ``sbase`` (:func:`_row` of the KV row's token 0, computed once per partition) plus ``t``
-    rows in a flat cache (one multiply-add each); in a pool, the page table's page and slot
-    (:func:`token_address`, once for both arrays)."""
+def _tile_rows(kc32, ks, base, sbase, paged, kv_indices, first, psh, h, t):
+    """Byte addresses in a code and its scale array from which the tokens of the 16-token tile
+    whose first token (clamped) is ``t`` lie :func:`_tile_slot` rows on: a flat cache's KV row
+    (``base``, ``sbase``, computed once per partition), a pool's page of ``t`` (one page-table
+    read a tile, not one a token: a tile is on one page, the plan's condition)."""
     if paged:
-        page, slot = token_address(paged, kv_indices, first, psh, 0, t)
-        return _row(kc32, page, h, slot), _row(ks, page, h, slot)
+        page, _ = token_address(paged, kv_indices, first, psh, 0, t)
+        return _row(kc32, page, h, 0), _row(ks, page, h, 0)
+    return base, sbase
+
+
+@cuda_device
+def _tile_slot(paged, psh, t):
+    """Token ``t``'s row from its tile's :func:`_tile_rows`: ``t`` (flat), ``t mod 2**psh`` (pool)."""
+    if paged:
+        return uint32(t & ((int32(1) << psh) - int32(1)))
+    return uint32(t)
+
+
+@cuda_device
+def _token_rows(kc32, ks, base, sbase, t):
+    """Byte addresses of row ``t`` of a code and its scale array from ``base``, ``sbase``
+    (:func:`_tile_rows`, :func:`_tile_slot`): one multiply-add each."""
     return (base + uint64(uint32(t) * uint32(4 * kc32.shape[3])),
             sbase + uint64(uint32(t) * uint32(2 * ks.shape[3])))
 
@@ -387,14 +403,14 @@ def _load_value(vc32, vs, vo, so, gid, vb, sshift):
 
 
 @cuda_device
-def _key_at(kc32, ks, kb0, ksb0, paged, kv_indices, first, psh, h, t, tig, kb, sshift):
-    ko, so = _token_rows(kc32, ks, kb0, ksb0, paged, kv_indices, first, psh, h, t)
+def _key_at(kc32, ks, krow, ksrow, t, tig, kb, sshift):
+    ko, so = _token_rows(kc32, ks, krow, ksrow, t)
     return _load_key(kc32, ks, ko, so, tig, kb, sshift)
 
 
 @cuda_device
-def _value_at(vc32, vs, vb0, vsb0, paged, kv_indices, first, psh, h, t, gid, vb, sshift):
-    vo, so = _token_rows(vc32, vs, vb0, vsb0, paged, kv_indices, first, psh, h, t)
+def _value_at(vc32, vs, vrow, vsrow, t, gid, vb, sshift):
+    vo, so = _token_rows(vc32, vs, vrow, vsrow, t)
     return _load_value(vc32, vs, vo, so, gid, vb, sshift)
 
 
@@ -589,6 +605,7 @@ def mma_tiles(kb, vb, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, page_s
     while paged and (int64(1) << psh) < page_size:
         psh += int32(1)
     addr = (paged, kv_indices, first, psh, h)
+    slot_of = (paged, psh)  # (a token's row from its tile's rows: _tile_slot)
     # each lane's replica of the two pair tables (TAB_SLOTS: the V table) as the shared address
     # of its entry 0: a table read is this OR the entry's byte offset (the tables' realigned
     # start leaves bits 2-13 of the base clear), one mask-and-or where indexing the array took
@@ -599,18 +616,26 @@ def mma_tiles(kb, vb, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, page_s
     kslot = ((uint32(lane) & uint32(pair_table_replicas_dev(kb) - 1)) << uint32(2)) | base
     vslot = (((uint32(lane) & uint32(pair_table_replicas_dev(vb) - 1)) | uint32(TAB_SLOTS)) << uint32(2)) | base
     t_lo32 = int32(t_lo)
-    a0, a1, a2, a3, as2 = _key_at(kc32, ks, kb0, ksb0, *addr, min(int32(t_lo32 + gid), t_last), tig, kb, sshift)
-    b0, b1, b2, b3, bs2 = _key_at(kc32, ks, kb0, ksb0, *addr, min(int32(t_lo32 + 8 + gid), t_last), tig, kb, sshift)
+    # (tokens clamped to the partition's last share the page of their tile's first, clamped)
+    krow, ksrow = _tile_rows(kc32, ks, kb0, ksb0, *addr, min(t_lo32, t_last))
+    a0, a1, a2, a3, as2 = _key_at(kc32, ks, krow, ksrow, _tile_slot(*slot_of, min(int32(t_lo32 + gid), t_last)),
+                                  tig, kb, sshift)
+    b0, b1, b2, b3, bs2 = _key_at(kc32, ks, krow, ksrow, _tile_slot(*slot_of, min(int32(t_lo32 + 8 + gid), t_last)),
+                                  tig, kb, sshift)
     for t0 in range(t_lo32, t_hi32, int32(16)):
         u = int32(t0 + 2 * tig)
-        xa, sa = _value_at(vc32, vs, vb0, vsb0, *addr, min(u, t_last), gid, vb, sshift)
-        xb, sb = _value_at(vc32, vs, vb0, vsb0, *addr, min(int32(u + 1), t_last), gid, vb, sshift)
-        xc, sc = _value_at(vc32, vs, vb0, vsb0, *addr, min(int32(u + 8), t_last), gid, vb, sshift)
-        xd, sd = _value_at(vc32, vs, vb0, vsb0, *addr, min(int32(u + 9), t_last), gid, vb, sshift)
+        vrow, vsrow = _tile_rows(vc32, vs, vb0, vsb0, *addr, min(t0, t_last))
+        xa, sa = _value_at(vc32, vs, vrow, vsrow, _tile_slot(*slot_of, min(u, t_last)), gid, vb, sshift)
+        xb, sb = _value_at(vc32, vs, vrow, vsrow, _tile_slot(*slot_of, min(int32(u + 1), t_last)), gid, vb, sshift)
+        xc, sc = _value_at(vc32, vs, vrow, vsrow, _tile_slot(*slot_of, min(int32(u + 8), t_last)), gid, vb, sshift)
+        xd, sd = _value_at(vc32, vs, vrow, vsrow, _tile_slot(*slot_of, min(int32(u + 9), t_last)), gid, vb, sshift)
         s00, s01, s10, s11 = key_tile(kb, a0, a1, a2, a3, as2, b0, b1, b2, b3, bs2, kslot, tab, qa)
         ta = int32(t0 + gid)
-        a0, a1, a2, a3, as2 = _key_at(kc32, ks, kb0, ksb0, *addr, min(int32(ta + 16), t_last), tig, kb, sshift)
-        b0, b1, b2, b3, bs2 = _key_at(kc32, ks, kb0, ksb0, *addr, min(int32(ta + 24), t_last), tig, kb, sshift)
+        krow, ksrow = _tile_rows(kc32, ks, kb0, ksb0, *addr, min(int32(t0 + 16), t_last))
+        a0, a1, a2, a3, as2 = _key_at(kc32, ks, krow, ksrow, _tile_slot(*slot_of, min(int32(ta + 16), t_last)),
+                                      tig, kb, sshift)
+        b0, b1, b2, b3, bs2 = _key_at(kc32, ks, krow, ksrow, _tile_slot(*slot_of, min(int32(ta + 24), t_last)),
+                                      tig, kb, sshift)
         alpha0, p00, p10, m0, l0 = _online_softmax(_masked(s00 * inv0, ta, t_hi32, pos32, lim0),
                                                    _masked(s10 * inv0, int32(ta + 8), t_hi32, pos32, lim0), m0, l0)
         alpha1, p01, p11, m1, l1 = _online_softmax(_masked(s01 * inv1, ta, t_hi32, pos32, lim1),
@@ -673,14 +698,3 @@ def store_mma_partition(m, lsum, oacc, k, vf, active, rb, g, p, r0, lane, part_m
             part_m[g, p, r] = m * float32(LN2) if m != NEG_INF else NEG_INF
             part_l[g, p, r] = lrow
 
-
-def reference_pair_table(cent: np.ndarray, bits: int) -> tuple[np.ndarray, float]:
-    """The pair table of codebook ``cent`` (one replica, ``uint32[4**bits]``) and its factor
-    ``1/f`` (:func:`build_pair_table`), in NumPy, for tests."""
-    c = np.asarray(cent[: 1 << bits], np.float32)
-    f = 1.0
-    while float(np.abs(c).max()) * f > 1.0:
-        f *= 0.5
-    e = np.arange(1 << (2 * bits))
-    pairs = (np.stack([c[e & ((1 << bits) - 1)], c[e >> bits]], axis=1) * np.float32(f)).astype(np.float16)
-    return pairs.view(np.uint32).reshape(-1), 1.0 / f

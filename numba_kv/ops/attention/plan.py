@@ -42,7 +42,7 @@ from .kernels import (
 )
 from .layout import F16_ABS_TABLE, CodeLayout, mma_layout_ok, mma_operands
 from .merge import MERGE_PARTITIONS
-from .mma import MMA_HEAD_DIM, MMA_THREADS, mma_partition_size
+from .mma import MMA_HEAD_DIM, MMA_THREADS, MMA_TILE, mma_partition_size
 from .step_cpu import ROTATE_HEAD, flat_step_parallel, flat_step_serial
 from .warp import VROW, WARP_ROWS, warp_ok
 
@@ -378,8 +378,11 @@ class AttentionPlan:
         ``[n_g, rows, d]`` array on the plan's device to write into (default: a new one)."""
         kernel = self.kernel
         if self.variant == "mma":
-            # (the tensor-core tiles split a token index into page and slot with a shift)
-            words = mma_operands(*pools[:4], flat=False) if page_size & (page_size - 1) == 0 else None
+            # (the tensor-core tiles read a tile's page once, a token's slot by a shift: pages of
+            # a power of two >= 16 tokens, partitions of whole tiles; mma_partition_size's are)
+            fits = (page_size >= MMA_TILE and page_size & (page_size - 1) == 0
+                    and (part_size is None or part_size % MMA_TILE == 0))
+            words = mma_operands(*pools[:4], flat=False) if fits else None
             if words is None:
                 kernel = self._fallback
             else:
