@@ -217,19 +217,26 @@ def test_one_width_script_pins_the_tile_dispatch(bits):
 @pytest.mark.ptx
 @pytest.mark.parametrize("name", ["decode_attention_mma", "paged_decode_attention_mma"])
 def test_pair_table_build_costs_few_instructions_a_word(name):
-    """The prologue of the tensor-core kernels builds the K and V pair tables (``mma.build_pair_table``):
-    the loops before the token loop that pack a binary16 pair (``F2FP``) and store it to
-    shared memory (``STS``), one a table.  At sm_90 each stays at most 45 SASS instructions per word it
-    stores: the word's entry is a shift of its index, where Numba's int64 floor division by
-    the run-time replica count took about 95 (3,000 instructions a warp at batch 1, as many
-    as five of its token tiles)."""
+    """The prologue of the tensor-core kernels builds the K and V pair tables: the loops before
+    the token loop that pack a binary16 pair (``F2FP``) and store it to shared memory
+    (``STS``), one a table (``mma.build_pair_table``: replica 0 of each entry), and those that
+    copy it to the other replicas (``mma.replicate_pair_table``: a shared load, ``LDS``, and
+    store a word, no packing).  At sm_90 a packed word costs at most 45 SASS instructions (the
+    entry is a shift of its index, where Numba's int64 floor division by the run-time replica
+    count took about 95) and a copied word at most 12 (packing every word took 37: about
+    1,200 instructions a warp at 3 bits, two token tiles' worth at batch 1)."""
     need_nvdisasm()
     k = kernel_sass(name, (9, 0))
     hot = k.loops[k.hot]
-    tables = []
+    packed, copied = [], []
     for lp in k.loops:
         ops = [ins.opcode.split(".")[0] for ins in lp.instructions]
-        if lp.header < hot.header and "F2FP" in ops and "STS" in ops:
-            tables.append(lp.size / ops.count("STS"))
-    assert len(tables) >= 2, tables  # (K and V; a build that splits a loop has more)
-    assert max(tables) <= 45, tables
+        if lp.header >= hot.header or "STS" not in ops:
+            continue
+        if "F2FP" in ops:
+            packed.append(lp.size / ops.count("STS"))
+        elif ops.count("LDS") == ops.count("STS") == 1 and "LDG" not in ops:  # a shared copy loop
+            copied.append(lp.size)
+    assert len(packed) >= 2 and len(copied) >= 2, (packed, copied)  # (K and V; a split loop makes more)
+    assert max(packed) <= 45, packed
+    assert max(copied) <= 12, copied

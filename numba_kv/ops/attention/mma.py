@@ -44,15 +44,13 @@ rows as A, half of them zeros) took 16 + 16.
   (:func:`~numba_kv.ops.attention.ptx.ldg_u32`, ``ldg_u16``): a token row is one multiply-add
   of 32-bit factors onto the array's address (instead of four 64-bit strides, or Numba's
   index × itemsize + data pointer per word) and a row's further words ride in the loads'
-  immediate offsets; a table entry's
-  shared address is cut from the packed words already shifted to its byte offset and OR-ed
-  with the lane's replica and the tables' base (one funnel shift, one mask-and-or, the
-  load: :func:`~numba_kv.ops.attention.ptx.lds_u32`).  The tables start at a 16 KiB-aligned
-  shared-window address inside a 32 KiB array (:func:`aligned_table`: no declared alignment
-  reaches the window, whose user arrays start 0x400 bytes in), so that the base has the
-  offset bits clear; indexing the array instead cost a multiply-add
-  more per read on sm_90, where a shared array's base is a register (its CTA's window in
-  the cluster), not an immediate: 64 of a 3-bit pass's 679 SASS instructions.
+  immediate offsets; a table entry's shared address is cut from the packed words already
+  shifted to its byte offset and OR-ed with the lane's replica and the tables' base (one
+  funnel shift, one mask-and-or, the load: :func:`~numba_kv.ops.attention.ptx.lds_u32`).
+  The tables start at a 16 KiB-aligned shared-window address inside a 32 KiB array
+  (:func:`aligned_table`; a CTA's user arrays start 0x400 bytes into its window), so the
+  base has the offset bits clear; indexing the array cost a multiply-add more per read on
+  sm_90 (64 of a 3-bit pass's 679 SASS instructions then).
 
 Range: binary16 holds the operands exactly as far as it can — the queries of a row are scaled
 by a power of two that puts their largest magnitude in ``[2**13, 2**14)`` (undone on the
@@ -143,17 +141,12 @@ LN2 = 0.6931471805599453
 
 
 #: at most ``MERGE_PARTS_PER_SQRT_TOKEN · √T`` partitions per KV row: the merge's cost grows
-#: with the partitions of a row (its last block reads them all), a partition's with its
-#: tokens, so their sum is least near ``√(a·T/b)`` partitions.  Fitted on an H200
-#: (benchmarks/gpu_results/h200-2026-11-30/kernel_times.log, batch 1, 8 KV heads, 3- and
-#: 4-bit, T = 4K and 32K, partitions of 128 … 2048 tokens): ``a`` ≈ 0.068 µs a token a warp,
-#: ``b`` ≈ 2.5 µs a partition with the serial merge of that run (256 partitions a row at
-#: T = 32K: 0.63 ms; 32: 0.15 ms), which gave 0.165.  That merge waited for about 16
-#: dependent loads a partition (four rows in turn, each a serial maximum, column sum and
-#: denominator: ≈ 0.16 µs a round trip to L2); the merge of ``merge.py`` waits for about 0.6
-#: (a warp's four rows side by side, each column in eight lanes, the reductions over 32
-#: shares), so ``b`` ≈ 0.1 µs and the optimum ``√(0.068/0.1) ≈ 0.82`` partitions per √T.
-#: Not yet timed on a GPU (``benchmarks/gpu_step_kernels.py`` re-fits it).
+#: with a row's partitions (its last block reads them all), a partition's with its tokens,
+#: so their sum is least near ``√(a·T/b)`` partitions.  On an H200 (batch 1, T = 4K and 32K,
+#: ``benchmarks/gpu_results/h200-2026-11-30/kernel_times.log``) ``a`` ≈ 0.068 µs a token a
+#: warp and ``b`` ≈ 2.5 µs a partition with the serial merge of then (about 16 dependent L2
+#: round trips a partition, 0.16 µs each); ``merge.py``'s waits for about 0.6, so ``b`` ≈
+#: 0.1 µs and ``√(0.068/0.1) ≈ 0.8``.  Not yet timed (``benchmarks/gpu_step_kernels.py``).
 MERGE_PARTS_PER_SQRT_TOKEN = 0.8
 
 
@@ -200,11 +193,8 @@ def mma_partition_size(n_tokens: int, n_rows_kv: int, n_exact: int = 0, resident
         of 1.2 waves costs two.  The longest of equal costs wins (fewer partitions to
         merge).  FlashInfer's decode plan (arXiv 2501.01005) splits the KV so that the grid
         fits one wave of the resident blocks (the driver's occupancy times the SMs); this
-        weighs the lengths of more waves, and the merge, too.
-        On an H200 the rule before it ran T = 32K, batch 32 (3 bits) as 1,024 blocks of
-        2,048-token partitions, 2.6 waves of 396: 0.683 ms, 3 × 128 tiles at the 1.78 µs a
-        tile of the 11-wave T = 128K, batch 32 run (2.50 ms); the model picks 2,752 tokens,
-        768 blocks, two waves (``benchmarks/gpu_results/h200-2026-11-30/mma.log``).
+        weighs the lengths of more waves, and the merge, too (the H200 case behind it: the
+        Kernels page, "Partition lengths by whole waves").
     """
     n_tokens = max(n_tokens, 1)
     if resident_blocks is None or resident_blocks <= 0:
@@ -238,11 +228,10 @@ def pair_table_replicas_dev(bits):
 
 @cuda_device
 def build_pair_table(tab, o, cent, bits, tid, nth):
-    """``tab[o + e·rep + r] = f·(cent[e mod 2**bits], cent[e >> bits])`` as ``.f16x2`` for every
-    pair index ``e < 4**bits`` and replica ``r < rep`` (block-cooperative: thread ``tid`` of
-    ``nth``; the caller puts a block barrier after it), with ``f`` the power of two that
-    brings the largest ``|centroid|`` to at most 1 (so ``f·c·scale`` stays inside binary16 for
-    every binary16 scale).  Returns ``1/f`` (exact), which the caller multiplies back."""
+    """Replica 0: ``tab[o + e·rep] = f·(cent[e mod 2**bits], cent[e >> bits])`` as ``.f16x2``
+    for every pair index ``e < 4**bits`` (block-cooperative, thread ``tid`` of ``nth``), ``f``
+    the power of two bringing the largest ``|centroid|`` to at most 1 (``f·c·scale`` stays in
+    binary16 for every binary16 scale).  Returns ``1/f`` (exact), to multiply back."""
     b = int32(bits)
     mask = int32(int32(1) << b) - int32(1)
     cmax = float32(0.0)
@@ -251,18 +240,28 @@ def build_pair_table(tab, o, cent, bits, tid, nth):
     f = float32(1.0)
     while cmax * f > float32(1.0):
         f *= float32(0.5)
-    # entry e's replicas are words e·rep … e·rep + rep − 1: e = word >> log2(rep).  In 32-bit
-    # integers with a shift: Numba's int64 floor division by the run-time rep, with its sign
-    # fix-ups, made this loop about 95 SASS instructions a word on sm_90 (16 words a thread
-    # and table at 128 threads: ~3,000 instructions a warp, as many as 5 of its token tiles)
+    # (32-bit shifts: Numba's int64 floor division by the run-time rep made a word ~95 SASS)
     rsh = min(int32(5), int32(_TAB_SHIFT - 2 * b))
-    end = int32(int32(1) << int32(2 * b + rsh))
-    i = int32(tid)
-    while i < end:
-        e = int32(i >> rsh)
-        tab[o + i] = pack_half2(cent[0, e & mask] * f, cent[0, int32(e >> b)] * f)
-        i = int32(i + int32(nth))
+    e = int32(tid)
+    while e < int32(int32(1) << int32(2 * b)):
+        tab[uint32(o + int32(e << rsh))] = pack_half2(cent[0, uint32(e & mask)] * f, cent[0, uint32(e >> b)] * f)
+        e = int32(e + int32(nth))
     return float32(1.0) / f
+
+
+@cuda_device
+def replicate_pair_table(tab, o, bits, tid, nth):
+    """``tab[o + e·rep + r] = tab[o + e·rep]`` for every entry's replicas ``r = 1 … rep − 1``
+    (block-cooperative, after the barrier that published :func:`build_pair_table`'s replica 0;
+    the caller's next barrier publishes these): 10 SASS instructions a word on sm_90, where
+    packing each from the codebook took 37."""
+    rsh = min(int32(5), int32(_TAB_SHIFT - 2 * int32(bits)))
+    keep = ~int32(int32(int32(1) << rsh) - int32(1))
+    i = int32(tid)
+    while i < int32(int32(1) << int32(2 * int32(bits) + rsh)):
+        # (replica 0 too, with the value it holds: no branch; unsigned indices: no wraparound)
+        tab[uint32(o + i)] = tab[uint32(o + (i & keep))]
+        i = int32(i + int32(nth))
 
 
 @cuda_device
@@ -281,13 +280,16 @@ def aligned_table(tab):
 def build_tables(tab, kcent, vcent, kbits, vbits, tid, nth):
     """The block's two pair tables (K at word ``w0``, V at ``w0 +`` :data:`TAB_SLOTS`, ``w0``
     from :func:`aligned_table`) from row 0 of each codebook; returns ``(kb, vb, kf, vf)``: the
-    widths and the factors to multiply back (:func:`build_pair_table`).  The caller's next
-    block barrier publishes them."""
+    widths and the factors to multiply back (:func:`build_pair_table`).  Every thread of the
+    block calls it (a barrier inside); the caller's next block barrier publishes them."""
     kb = kbits[0]
     vb = vbits[0]
     w0, _ = aligned_table(tab)
     kf = build_pair_table(tab, w0, kcent, kb, tid, nth)
     vf = build_pair_table(tab, int32(w0 + TAB_SLOTS), vcent, vb, tid, nth)
+    cuda.syncthreads()
+    replicate_pair_table(tab, w0, kb, tid, nth)
+    replicate_pair_table(tab, int32(w0 + TAB_SLOTS), vb, tid, nth)
     return kb, vb, kf, vf
 
 
@@ -607,11 +609,8 @@ def mma_tiles(kb, vb, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, page_s
     addr = (paged, kv_indices, first, psh, h)
     slot_of = (paged, psh)  # (a token's row from its tile's rows: _tile_slot)
     # each lane's replica of the two pair tables (TAB_SLOTS: the V table) as the shared address
-    # of its entry 0: a table read is this OR the entry's byte offset (the tables' realigned
-    # start leaves bits 2-13 of the base clear), one mask-and-or where indexing the array took
-    # a multiply-add more (sm_90: the base of a shared array is a register, not an immediate).
-    # From the widths read at run time: a constant mask would be folded into every table
-    # read's mask-and-or, which then takes two instructions instead of one
+    # of its entry 0: a table read is this OR the entry's byte offset (aligned_table), from the
+    # widths read at run time (a constant mask would fold into every read: two instructions)
     _, base = aligned_table(tab)
     kslot = ((uint32(lane) & uint32(pair_table_replicas_dev(kb) - 1)) << uint32(2)) | base
     vslot = (((uint32(lane) & uint32(pair_table_replicas_dev(vb) - 1)) | uint32(TAB_SLOTS)) << uint32(2)) | base
