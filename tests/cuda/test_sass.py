@@ -30,11 +30,11 @@ from numba_kv.ops import TWINS
 #: decode_attention 1516 (6063 instructions a warp pass / 4 tokens; 1389 when its budget was
 #: set), decode_attention_warp 96.3 (3082 / 32; 93.41), decode_attention_mma 73.1 (1170 / 16,
 #: the sm_90 build; 78.0: the decoders of all three code widths of K and of V
-#: are in the loop; a pass runs one of each — 3-bit K and V alone: 553 / 16 = 34.6; with
+#: are in the loop; a pass runs one of each — 3-bit K and V alone: 546 / 16 = 34.1; with
 #: Numba's array indexing for the code words 81.0 and 617 / 16 = 38.6, before the OR-ed
 #: pair-table addresses 92.31 and 679 / 16 = 42.4, the first build's 1048 / 16 = 65.5),
 #: paged_decode_attention_mma 82.56 (1321 / 16: plus a page-table read per tile, a token's slot
-#: in its page by a shift; 3-bit alone 42.1; a read per token: 88.0 and 49.8 with the sm_90
+#: in its page by a shift; 3-bit alone 42.0; a read per token: 88.0 and 49.8 with the sm_90
 #: launch bounds, 90.31 and 43.8 before them; before the byte-address loads 96.06, before the
 #: OR-ed addresses 107.5 and 54.1, the first build 182.56).
 #: an instruction class the token loop of a kernel must contain (its arithmetic's own)

@@ -223,7 +223,7 @@ def pair_table_replicas(bits: int) -> int:
 @cuda_device
 def pair_table_replicas_dev(bits):
     """:func:`pair_table_replicas` on the device."""
-    return min(32, TAB_SLOTS >> (2 * bits))
+    return min(int32(32), int32(int32(TAB_SLOTS) >> int32(2 * int32(bits))))
 
 
 @cuda_device
