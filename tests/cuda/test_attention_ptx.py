@@ -82,8 +82,9 @@ def test_mma_kernel_runs_on_tensor_cores():
     realigns), its code words and scales read by byte address (``ldg_u32`` /
     ``ldg_u16``, whose template keeps its single spaces: 4 key-row reads of up to 4 words and
     a scale, 4 value-row reads of up to 2 words and a scale), no local memory (fragments,
-    accumulators and prefetched words in registers), one block barrier before the merge's
-    (as the warp kernel's)."""
+    accumulators and prefetched words in registers), two block barriers before the merge's:
+    the pair tables' (replica 0 packed before its copies: ``build_tables``) and the warp
+    kernel's one."""
     ptx = kernel_ptx("decode_attention_mma", (9, 0))
     n_mma = len(re.findall(r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16\.f16\.f32\b", ptx))
     assert n_mma == 3 * (8 + 8), n_mma
@@ -97,4 +98,4 @@ def test_mma_kernel_runs_on_tensor_cores():
     assert len(re.findall(r"\bld\.global\.u32 %r\d+, \[%rd\d+\];", ptx)) == 4 * 4 + 4 * 2
     assert len(re.findall(r"\bld\.global\.u16 %rs\d+, \[%rd\d+\];", ptx)) == 4 + 4
     assert local_bytes(ptx) == 0
-    assert barriers_before_merge(ptx) == (2, 1)
+    assert barriers_before_merge(ptx) == (3, 1)
