@@ -7,8 +7,7 @@
   so they compute the same thing; a CPU twin compared only within round-off may opt into
   :data:`FASTMATH_REDUCE`.
 * :func:`twin` — compiles one plain-Python scalar/row *core* twice: as a CPU function
-  (``njit``) and as a CUDA device function (``cuda.jit(device=True, inline="always")``;
-  ``inline="always"`` is what lets ``compile_ptx`` work without a driver).  Cores call
+  (``njit``) and as a CUDA device function (:func:`cuda_device`).  Cores call
   other cores by their plain names; each compiled variant sees the matching variant of
   its callees (the CPU core calls CPU cores, the device core calls device cores).
 * :func:`specialize` — one source, variants that differ in the globals it calls (the flat and
@@ -31,8 +30,8 @@ from numba.cuda import dispatcher as _cuda_dispatcher
 
 from . import _backend, _config
 
-__all__ = ["CORES", "FASTMATH_REDUCE", "cpu_call", "cpu_kernel", "cpu_serial", "cuda_device", "cuda_device_ll",
-           "cuda_kernel", "device_functions_for", "specialize", "twin"]
+__all__ = ["CORES", "FASTMATH_REDUCE", "cpu_call", "cpu_kernel", "cpu_serial", "cuda_device", "cuda_kernel",
+           "device_functions_for", "specialize", "twin"]
 
 # plain function -> (cpu variant, device variant)
 CORES: dict[Callable, tuple[Callable, Callable]] = {}
@@ -155,17 +154,33 @@ def cuda_kernel(fn: Callable | None = None, *, launch_bounds: tuple[int, int] | 
     return kernel
 
 
-def cuda_device(fn: Callable) -> Callable:
-    """CUDA-only device function (block-cooperative helpers that call ``cuda.syncthreads``
-    and have no CPU meaning), inlined into its callers like the device side of :func:`twin`."""
-    return cuda.jit(device=True, inline="always")(fn)
+def cuda_device(fn: Callable, *, ir_inline: bool = False) -> Callable:
+    """CUDA device function, inlined into its callers by NVVM (``forceinline``: LLVM's
+    ``alwaysinline``); also the device side of :func:`twin`, and what CUDA-only helpers
+    (block-cooperative stages that call ``cuda.syncthreads``, the tensor-core tiles) use.
 
+    Why NVVM and not Numba's IR inliner (``inline="always"``): the IR inliner deep-copies the
+    callee's IR block by block, each copy taking the callee's whole variable scope along, once
+    per call site and nesting level, and re-types the result inside every caller; kernels
+    built that way spent most of their compile in those copies (the 3-bit pair quantizer 44 s
+    of 47 s, a decode attention kernel 20-30 s).  An NVVM-inlined function is typed and
+    lowered once per signature and process, shared by every kernel that calls it, and
+    inlined before NVVM optimizes the kernel.  It compiles for the current device's
+    capability (:func:`device_functions_for` supplies one to ``compile_ptx`` without a
+    driver).
 
-def cuda_device_ll(fn: Callable) -> Callable:
-    """CUDA-only device function inlined by NVVM (``forceinline``: LLVM's ``alwaysinline``)
-    rather than at the Numba IR level: for large helpers (the tensor-core tiles), whose IR
-    Numba would deep-copy once per call site and nesting level (a minute per kernel).  The
-    simulator's ``jit`` takes no ``forceinline``."""
+    The kernels' SASS stays within ~1 % of the IR-inlined build on the hot loops
+    (``tests/cuda/test_sass.py`` holds their budgets); NVVM unrolls a few loops further.
+    Inlining small cores at the IR level as well was tried and is worse: NVVM then optimizes
+    the NVVM-inlined callers differently (the tensor-core kernel's loop 1,170 -> 1,680).
+
+    ``ir_inline``: inline at the Numba IR level instead, for a helper that returns a view of
+    an argument array (a cache plane), which a CUDA device function cannot (Numba returns
+    only an argument itself); keep such a helper to one line.  The simulator's ``jit`` takes
+    no ``forceinline``.
+    """
+    if ir_inline:
+        return cuda.jit(device=True, inline="always")(fn)
     if _backend.simulator_enabled():
         return cuda.jit(device=True)(fn)
     return cuda.jit(device=True, forceinline=True)(fn)
@@ -173,7 +188,7 @@ def cuda_device_ll(fn: Callable) -> Callable:
 
 @contextlib.contextmanager
 def device_functions_for(cc: tuple[int, int]):
-    """Compile the non-IR-inlined device functions (:func:`cuda_device_ll`) a kernel calls for
+    """Compile the NVVM-inlined device functions (:func:`cuda_device`) a kernel calls for
     ``sm_<cc>`` while ``compile_ptx`` builds it without a GPU: numba-cuda compiles such a
     function for the *current device*'s compute capability, which needs a driver.  Only the
     PTX tooling uses it; launches on a GPU compile as usual."""
@@ -223,7 +238,8 @@ def specialize(fn: Callable, suffix: str, *, name: str | None = None, **names) -
     return new
 
 
-def twin(fn: Callable, *, inline: bool = False, device: Callable | None = None) -> tuple[Callable, Callable]:
+def twin(fn: Callable, *, inline: bool = False, device: Callable | None = None,
+         returns_view: bool = False) -> tuple[Callable, Callable]:
     """Compile core ``fn`` for the CPU and as a CUDA device function.
 
     Parameters
@@ -236,15 +252,20 @@ def twin(fn: Callable, *, inline: bool = False, device: Callable | None = None) 
         real call (LLVM does not inline across Numba's compiled libraries), which costs as
         much as the work of a small core (a group of 8 indices, one binary16 conversion)
         and keeps the caller's loop from vectorizing; use it for small cores called per
-        value or per item.  The device variant is always inlined.  On the CPU an inlined
-        core that takes an array costs an atomic NRT incref/decref pair per call wherever
-        Numba's reference-count pruning cannot pair them (a call inside a loop nest): in
-        per-token loops hand such cores scalars, or write the one line out (the CPU tile
-        loops of :mod:`numba_kv.ops.attention.cpu` do).
+        value or per item.  The device variant is always inlined, by NVVM
+        (:func:`cuda_device`).  On the CPU an inlined core that takes an array
+        costs an atomic NRT incref/decref pair per call wherever Numba's reference-count
+        pruning cannot pair them (a call inside a loop nest): in per-token loops hand such
+        cores scalars, or write the one line out (the CPU tile loops of
+        :mod:`numba_kv.ops.attention.cpu` do).
     device : device function, optional
         Use this as the device variant instead of compiling ``fn`` (a libdevice intrinsic
         with the semantics of ``fn``, such as ``fmul_rn`` for a product that must not be
         contracted into an FMA).
+    returns_view : bool
+        ``fn`` returns a view of an argument array (a cache plane), which a CUDA device
+        function cannot: its device variant is inlined at the Numba IR level instead
+        (``cuda_device(..., ir_inline=True)``).
 
     Returns
     -------
@@ -253,6 +274,6 @@ def twin(fn: Callable, *, inline: bool = False, device: Callable | None = None) 
     """
     opts = {"inline": "always"} if inline else {}
     cpu = _restamp(njit(nogil=True, cache=True, fastmath=False, **opts)(_rebind(fn, 0)))
-    dev = cuda.jit(device=True, inline="always")(_rebind(fn, 1)) if device is None else device
+    dev = cuda_device(_rebind(fn, 1), ir_inline=returns_view) if device is None else device
     CORES[fn] = (cpu, dev)
     return cpu, dev

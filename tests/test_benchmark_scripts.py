@@ -15,6 +15,7 @@ if _backend.simulator_enabled():  # the script builds a launch-bounds variant, w
     pytest.skip("a GPU script's loader: tested in the plain suite", allow_module_level=True)
 
 from benchmarks import gpu_mma_check, gpu_profile_mma  # noqa: E402
+from numba_kv.ops import TWINS  # noqa: E402
 
 
 def test_old_kernels_load_one_per_package_of_a_folder(tmp_path, monkeypatch):
@@ -68,3 +69,26 @@ def test_launch_params_converts_a_signature_as_numba_does():
     assert isinstance(params[9], ctypes.c_int64) and params[10] is True and isinstance(params[11], ctypes.c_float)
     assert params[15] == 4 and params[17:] == [8, 4]  # the int32 vector: itemsize, shape, byte stride
     assert launch_params.pack_us(params, rounds=1, n=10) > 0
+
+
+def test_compile_times_refuses_an_unknown_kernel():
+    from benchmarks import compile_times
+
+    with pytest.raises(SystemExit, match="no registered kernel"):
+        compile_times.main(["--kernel", "add_at,no_such_kernel"])
+
+
+@pytest.mark.ptx
+def test_compile_times_builds_every_signature_of_a_kernel(capsys):
+    """One row per signature, built to machine code (the resources of the same build are
+    then cached), and the total row."""
+    from benchmarks import compile_times
+    from numba_kv._cuda_resources import kernel_resources
+
+    rows = compile_times.build_seconds(["copy_tokens"], (9, 0))
+    assert [(n, i) for n, i, _ in rows] == [("copy_tokens", i) for i in range(len(TWINS["copy_tokens"].signatures))]
+    assert all(s > 0 for *_, s in rows)
+    assert kernel_resources("copy_tokens", (9, 0), 1).registers > 0
+    compile_times.main(["--kernel", "add_at"])
+    out = capsys.readouterr().out
+    assert "| `add_at` | 0 |" in out and "| all 1 |" in out

@@ -67,3 +67,66 @@ def test_mul_rn_rounds_the_product_alone():
     # an FMA would keep the 2^-24 term
     assert acc(a, a, c) == np.float32(0.0)
     assert np.float64(a) * np.float64(a) + np.float64(c) == 2.0 ** -24
+
+
+#: device functions inlined at the Numba IR level, with the reason (everything else NVVM inlines:
+#: ``_jit.cuda_device``)
+IR_INLINED = {
+    "_flat_plane_dev": "returns a view of an argument array (a cache plane)",
+    "_paged_plane_dev": "as _flat_plane_dev",
+    "_gpu_primitives.<locals>.shfl_idx": "a one-line shuffle wrapper in the tensor-core hot loop",
+    "_gpu_primitives.<locals>.shfl_f32": "as shfl_idx",
+    "_gpu_primitives.<locals>.shfl_u32": "as shfl_idx",
+}
+
+
+def _device_functions() -> dict:
+    """Every CUDA device function of ``numba_kv.ops``: module globals and the device side of
+    every registered core, by qualified name."""
+    import importlib
+    import pkgutil
+
+    from numba.cuda.dispatcher import CUDADispatcher
+
+    import numba_kv.ops as ops
+
+    found = {}
+    for info in pkgutil.walk_packages(ops.__path__, "numba_kv.ops."):
+        for value in vars(importlib.import_module(info.name)).values():
+            if isinstance(value, CUDADispatcher) and value.targetoptions.get("device"):
+                found[value.py_func.__qualname__] = value
+    for _, dev in jit_module.CORES.values():
+        if isinstance(dev, CUDADispatcher) and dev.py_func.__module__.startswith("numba_kv."):
+            found[dev.py_func.__qualname__] = dev
+    return found
+
+
+def test_device_functions_are_inlined_by_nvvm():
+    """Numba's IR inliner deep-copies a callee's IR per call site and nesting level: a kernel
+    built from IR-inlined cores spent most of its compile there (the PTX test job took 20
+    minutes, 6 with NVVM inlining).  Only the listed one-liners may be IR-inlined; the
+    device side of a core and every CUDA-only helper carry ``forceinline``."""
+    from numba_kv import _backend
+
+    if _backend.simulator_enabled():
+        pytest.skip("the simulator's jit takes no forceinline")
+    found = _device_functions()
+    assert len(found) > 100  # the walk reached the kernels' helpers
+    ir_inlined = {name for name, f in found.items() if f.targetoptions.get("inline") == "always"}
+    assert ir_inlined == set(IR_INLINED)
+    core_devices = {name for name, f in found.items() if any(f is dev for _, dev in jit_module.CORES.values())}
+    assert len(core_devices) > 50
+    not_forced = {name for name in core_devices - ir_inlined if not found[name].targetoptions.get("forceinline")}
+    assert not not_forced, f"device cores NVVM may leave as calls: {sorted(not_forced)}"
+
+
+def test_a_view_returning_core_is_ir_inlined():
+    """``twin(returns_view=True)``: a CUDA device function cannot return a view of its argument,
+    so that core's device side is inlined by Numba; every other core's by NVVM."""
+    def _row_of(a, i):
+        return a[i]
+
+    _, dev = jit_module.twin(_row_of, inline=True, returns_view=True)
+    _, plain = jit_module.twin(_product, inline=True)
+    assert dev.targetoptions.get("inline") == "always" and not dev.targetoptions.get("forceinline")
+    assert plain.targetoptions.get("forceinline") is True and plain.targetoptions.get("inline") != "always"

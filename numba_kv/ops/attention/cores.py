@@ -502,8 +502,8 @@ coop_load_rows_dev, coop_init_rows_dev, dot_shared_dev, coop_softmax_rows_dev, c
 
 def _compile_addressing(paged, row_bounds, token_slot, plane):
     """The compiled cores of one addressing, under the names the kernel sources call."""
-    (rb_cpu, rb_dev), (ts_cpu, ts_dev), (pl_cpu, pl_dev) = (twin(f, inline=True) for f in (row_bounds, token_slot,
-                                                                                            plane))
+    (rb_cpu, rb_dev), (ts_cpu, ts_dev) = (twin(f, inline=True) for f in (row_bounds, token_slot))
+    pl_cpu, pl_dev = twin(plane, inline=True, returns_view=True)
     suffix = "_paged" if paged else "_flat"
     scale_at = specialize(_exact_scale_at, suffix, plane=plane)
     es_cpu, es_dev = twin(scale_at, inline=True)

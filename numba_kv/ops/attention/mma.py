@@ -77,7 +77,7 @@ import math
 
 from numba import cuda, float32, int32, int64, uint32, uint64
 
-from ..._jit import cuda_device_ll as cuda_device
+from ..._jit import cuda_device
 from .cores import NEG_INF
 from .ptx import (
     exp2_ftz,
