@@ -161,16 +161,20 @@ def cuda_device(fn: Callable, *, ir_inline: bool = False) -> Callable:
 
     Why NVVM and not Numba's IR inliner (``inline="always"``): the IR inliner deep-copies the
     callee's IR block by block, each copy taking the callee's whole variable scope along, once
-    per call site and nesting level, and re-types the result inside every caller; kernels
-    built that way spent most of their compile in those copies (the 3-bit pair quantizer 44 s
-    of 47 s, a decode attention kernel 20-30 s).  An NVVM-inlined function is typed and
+    per call site and nesting level, and re-types the result inside every caller: the 3-bit
+    pair quantizer spent 44 s of its 47 s build in Numba (about two thirds of it in the
+    inliner, by ``cProfile``) and 3 s in NVVM; built with NVVM inlining it takes 4 s, the
+    decode attention kernels 8-16 s instead of 20-31 s (``benchmarks/compile_times.py``,
+    a 2-vCPU AMD EPYC).  An NVVM-inlined function is typed and
     lowered once per signature and process, shared by every kernel that calls it, and
     inlined before NVVM optimizes the kernel.  It compiles for the current device's
     capability (:func:`device_functions_for` supplies one to ``compile_ptx`` without a
     driver).
 
-    The kernels' SASS stays within ~1 % of the IR-inlined build on the hot loops
-    (``tests/cuda/test_sass.py`` holds their budgets); NVVM unrolls a few loops further.
+    The kernels' hot loops stay within 2 % of the IR-inlined build's SASS (sm_90;
+    ``tests/cuda/test_sass.py`` holds their budgets), but for ``copy_tokens`` (+6 %) and the
+    int8 exact-window loop of the warp and tensor-core kernels (+36 %: NVVM unrolls its inner
+    loops further).
     Inlining small cores at the IR level as well was tried and is worse: NVVM then optimizes
     the NVVM-inlined callers differently (the tensor-core kernel's loop 1,170 -> 1,680).
 
