@@ -71,6 +71,26 @@ def test_scalar_two_bit_code_is_max_1960():
     assert abs(mse - 0.1175) < 0.004, mse
 
 
+def test_nearest_is_numpys_element_wise_search_bit_for_bit(rng):
+    """The search against NumPy's element-wise float64 distances and ``argmin`` (ties: the
+    lowest index; a duplicated point is never chosen over its first copy)."""
+    x = rng.standard_normal((3001, 4)) * 2.0
+    cb = rng.standard_normal((256, 4))
+    cb[200] = cb[17]  # an exact tie everywhere
+    x[:5] = cb[[17, 3, 255, 0, 99]]  # distance 0
+    acc = np.zeros((x.shape[0], cb.shape[0]))
+    for j in range(4):
+        acc += (x[:, j:j + 1] - cb[None, :, j]) ** 2
+    want = np.argmin(acc, axis=1)
+    idx, dist = fit.nearest(x, cb)
+    assert idx.dtype == np.int64 and dist.dtype == np.float64
+    np.testing.assert_array_equal(idx, want)
+    np.testing.assert_array_equal(dist, acc[np.arange(x.shape[0]), want])
+    assert idx[:5].tolist() == [17, 3, 255, 0, 99] and not dist[:5].any() and (idx != 200).all()
+    with pytest.raises(ValueError, match=r"x \[n, m\] and cb \[k >= 1, m\]"):
+        fit.nearest(x, cb[:, :2])
+
+
 def test_fitting_is_deterministic_and_descends():
     a = fit.fit_codebook(4, 2, 32, n_points=4096, iters=3)
     b = fit.fit_codebook(4, 2, 32, n_points=4096, iters=3)
