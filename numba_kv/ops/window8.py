@@ -425,19 +425,11 @@ _SLIDE8 = register("slide_windows8", _slide8_cpu, _slide8_cuda,
                     "int32[::1], int64, int64)"])
 
 
-#: at most this many threads per block under the simulator, which runs a block's threads as
-#: Python threads and makes every barrier wait for all of them (a decode step's store waits at
-#: ~40 barriers): 4 threads still share every step and every butterfly stage
-SIM_MAX_THREADS = 4
-
-
 def _block_threads(d: int) -> int:
     """Threads of a block of :func:`_slide8_cuda`: the largest power of two ≤ ``d`` and the
-    ``cuda_threads`` knob (under the simulator ``cuda_threads_sim`` and :data:`SIM_MAX_THREADS`)."""
-    if _backend.simulator_enabled():
-        cap = min(int(d), int(_config.get("cuda_threads_sim")), SIM_MAX_THREADS)
-    else:
-        cap = min(int(d), int(_config.get("cuda_threads")))
+    ``cuda_threads`` knob (under the simulator ``cuda_threads_sim``)."""
+    knob = "cuda_threads_sim" if _backend.simulator_enabled() else "cuda_threads"
+    cap = min(int(d), int(_config.get(knob)))
     return 1 << (max(cap, 1).bit_length() - 1)
 
 

@@ -14,15 +14,15 @@ from ..ops.test_window8 import SLIDE8_CASES, window8_state
 
 def _slide8(rng):
     """Each rotation on one of the cases (a flush with key centering, new sinks, tokens that
-    skip the window), the range records and the count copy folded in; blocks of 4, 2 and 1
-    threads (at most ``SIM_MAX_THREADS`` under the simulator)."""
+    skip the window), the range records and the count copy folded in; blocks of 64 (``d``: a
+    GPU's block, every butterfly stage across threads), 32, 4 and 1 threads."""
     from numba_kv.caches._window import StorePlan
     from numba_kv.ops.hadamard import SIGNS32
     from numba_kv.ops.headquant import head_signs
     from numba_kv.ops.window8 import slide_windows8
 
     rows, cap, d = 2, 22, 64
-    for rot, case, threads in ((1, 0, 4), (2, 2, 2), (0, 1, 4), (2, 0, 1)):
+    for rot, case, threads in ((1, 0, 64), (2, 2, 32), (0, 1, 4), (2, 0, 1)):
         n, plan, s_at, sinks, (p_sink, p_base, p_win) = SLIDE8_CASES[case]
         plan = StorePlan(*plan)
         xk, xv = (rng.standard_normal((2, rows, n, d)) * 2).astype(np.float32)
