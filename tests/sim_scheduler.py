@@ -49,6 +49,8 @@ import warnings
 
 import numpy as np
 
+#: the numba-cuda release these replacements were written against
+SOURCE_VERSION = "0.30.4"
 #: sha256 of the numba-cuda 0.30.4 simulator modules whose code these replacements stand in
 #: for or rely on (``BlockManager``, ``BlockThread``, ``FakeCUDAKernel``, the kernel context;
 #: ``swapped_cuda_module``, ``FakeCUDAShared``, the thread lookups of ``FakeCUDAModule``)
@@ -176,7 +178,8 @@ def install() -> bool:
         changed.append("greenlet (not installed)")
     if changed:
         warnings.warn(f"tests/sim_scheduler.py not installed ({', '.join(changed)} changed): the simulator "
-                      "stage runs the original scheduler, several times slower; update SOURCE_SHA256",
+                      "stage runs the original scheduler, several times slower; update SOURCE_VERSION and "
+                      "SOURCE_SHA256",
                       stacklevel=1)
         return False
     if _ORIGINAL:
