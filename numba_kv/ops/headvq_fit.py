@@ -102,13 +102,37 @@ def _nearest_rows(x, cb, idx, dist):
 
 
 def nearest(x: np.ndarray, cb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Index of the nearest row of ``cb`` ``[k, m]`` for every row of ``x`` ``[n, m]`` (squared
-    distance summed coordinate by coordinate in float64; ties → lowest index) and the squared
-    distance: ``(int64 [n], float64 [n])``.  Finite inputs (a NaN distance is never the least)."""
+    """The nearest row of a codebook for every row of ``x``.
+
+    The squared distance is summed coordinate by coordinate in float64 (NumPy's element-wise
+    order, no FMA); a tie goes to the lowest index, as ``argmin``.
+
+    Parameters
+    ----------
+    x : ndarray, shape [n, m]
+        The points (converted to float64).
+    cb : ndarray, shape [k, m], k >= 1
+        The codebook (converted to float64).
+
+    Returns
+    -------
+    idx : ndarray of int64, shape [n]
+        Index of each point's nearest codebook row.
+    dist : ndarray of float64, shape [n]
+        Its squared distance.
+
+    Raises
+    ------
+    ValueError
+        ``x`` or ``cb`` of another shape, or not finite.
+    """
     x = np.ascontiguousarray(x, dtype=np.float64)
     cb = np.ascontiguousarray(cb, dtype=np.float64)
     if x.ndim != 2 or cb.ndim != 2 or x.shape[1] != cb.shape[1] or not cb.shape[0]:
         raise ValueError(f"x [n, m] and cb [k >= 1, m]: got shapes {x.shape} and {cb.shape}")
+    for name, a in (("x", x), ("cb", cb)):
+        if not np.isfinite(a).all():
+            raise ValueError(f"{name}: expected finite values, got NaN or Inf")
     idx = np.empty(x.shape[0], dtype=np.int64)
     dist = np.empty(x.shape[0], dtype=np.float64)
     _nearest_rows(x, cb, idx, dist)

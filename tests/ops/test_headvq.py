@@ -89,6 +89,12 @@ def test_nearest_is_numpys_element_wise_search_bit_for_bit(rng):
     assert idx[:5].tolist() == [17, 3, 255, 0, 99] and not dist[:5].any() and (idx != 200).all()
     with pytest.raises(ValueError, match=r"x \[n, m\] and cb \[k >= 1, m\]"):
         fit.nearest(x, cb[:, :2])
+    for bad_x, name in ((np.where(np.arange(4) == 2, np.nan, x[:1]), "x"), (x[:1], "cb")):
+        bad_cb = cb.copy()
+        if name == "cb":
+            bad_cb[7, 1] = np.inf
+        with pytest.raises(ValueError, match=f"{name}: expected finite values"):
+            fit.nearest(bad_x, bad_cb)
 
 
 def test_fitting_is_deterministic_and_descends():
