@@ -1,16 +1,20 @@
 """SASS of the tensor-core decode attention's hot loop for ONE code width of K and V.
 
 ``numba-kv kernels --sass`` counts the kernel as shipped, whose token loop holds the decoders
-of all three widths (2, 3, 4 bits) of K and of V, of which a pass runs one each.  This script
-counts what one pass of one width pair costs: it copies ``numba_kv/`` (the working tree, or a
-git revision with ``--rev``) to a temporary folder, turns the width dispatch of the tiles
-(``if kb == 3:`` ...) into constants there (the chosen branch ``True``, the others ``False``,
-so the compiler drops them), compiles ``decode_attention_mma`` (or ``--kernel``) for sm_90
+of all three widths (2, 3, 4 bits) of K and of V, of which a pass runs one each (and the flat
+kernel has two such loops: block scales, and one scale a token).  This script counts what one
+pass of one width pair costs: it copies ``numba_kv/`` (the working tree, or a git revision
+with ``--rev``) to a temporary folder, turns the width dispatch of the tiles (``if kb == 3:``
+...) into constants there (the chosen branch ``True``, the others ``False``, so the compiler
+drops them) and, with ``--scales token``, the flat kernel's choice of the token-scale loop
+(``if sshift >= 2:``; default ``block``, the other loop), compiles ``decode_attention_mma`` (or
+``--kernel``) for sm_90
 with nvJitLink, disassembles it and prints the loop that holds the ``HMMA`` instructions:
 static instructions per pass, per token per KV head (16 tokens a pass), registers, and the
 largest instruction classes.  No GPU needed (``nvidia-cuda-nvdisasm``, in the ``test`` extra).
 
-    .venv/bin/python benchmarks/sass_one_width.py --bits 3 [--rev 2937c4b] [--kernel paged_decode_attention_mma]
+    .venv/bin/python benchmarks/sass_one_width.py --bits 3 [--vbits 3] [--scales block|token] [--rev 2937c4b]
+        [--kernel paged_decode_attention_mma]
 """
 
 from __future__ import annotations
@@ -43,11 +47,18 @@ print(json.dumps({"registers": k.resources.registers, "size": loop.size, "per_to
 """
 
 
-def pinned_source(text: str, bits: int) -> str:
-    """``mma.py`` with the width tests of its tile dispatchers made constant for ``bits``."""
-    out, n = re.subn(r"\b([kv]b) == ([234])\b", lambda m: "True" if int(m.group(2)) == bits else "False", text)
+def pinned_source(text: str, bits: int, vbits: int | None = None, scales: str | None = None) -> str:
+    """``mma.py`` with the width tests of its tile dispatchers made constant for ``bits`` (K;
+    V: ``vbits``, default ``bits``) and, with ``scales``, its choice of the tile loop."""
+    want = {"kb": bits, "vb": bits if vbits is None else vbits}
+    out, n = re.subn(r"\b([kv]b) == ([234])\b", lambda m: "True" if int(m.group(2)) == want[m.group(1)] else "False",
+                     text)
     if n < 4:
         raise SystemExit(f"found {n} width tests in mma.py (expected the K and V dispatchers' 4)")
+    if scales is not None:
+        out, n = re.subn(r"\bif sshift >= 2:", "if True:" if scales == "token" else "if False:", out)
+        if n != 1:
+            raise SystemExit(f"found {n} choices of the tile loop in mma.py (expected 1: 'if sshift >= 2:')")
     return out
 
 
@@ -64,7 +75,10 @@ def package(rev: str | None, dest: pathlib.Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bits", type=int, choices=(2, 3, 4), default=3)
+    ap.add_argument("--bits", type=int, choices=(2, 3, 4), default=3, help="K's width (and V's by default)")
+    ap.add_argument("--vbits", type=int, choices=(2, 3, 4), default=None, help="V's width")
+    ap.add_argument("--scales", choices=("block", "token"), default=None,
+                    help="the flat kernel's tile loop: block scales or one scale a token (default: as compiled)")
     ap.add_argument("--rev", default=None, help="git revision (default: the working tree)")
     ap.add_argument("--kernel", default="decode_attention_mma")
     args = ap.parse_args()
@@ -72,7 +86,7 @@ def main() -> None:
         dest = pathlib.Path(tmp)
         package(args.rev, dest)
         mma = dest / "numba_kv" / "ops" / "attention" / "mma.py"
-        mma.write_text(pinned_source(mma.read_text(), args.bits))
+        mma.write_text(pinned_source(mma.read_text(), args.bits, args.vbits, args.scales))
         env = {**os.environ, "PYTHONPATH": str(dest), "NUMBA_CACHE_DIR": str(dest / "numba_cache")}
         # (cwd: ``-c`` puts the current folder first on sys.path, which must not be a checkout)
         run = subprocess.run([sys.executable, "-c", _CHILD, args.kernel, tmp], env=env, cwd=tmp, capture_output=True,
@@ -80,7 +94,10 @@ def main() -> None:
     if run.returncode != 0:
         raise SystemExit(run.stderr.strip().splitlines()[-1] if run.stderr.strip() else "the compile failed")
     r = json.loads(run.stdout.strip().splitlines()[-1])
-    print(f"{args.kernel} at {args.rev or 'working tree'}, {args.bits}-bit K and V, sm_90: {r['size']} SASS a pass, "
+    vbits = args.bits if args.vbits is None else args.vbits
+    mode = f", {args.scales} scales" if args.scales else ""
+    print(f"{args.kernel} at {args.rev or 'working tree'}, {args.bits}-bit K, {vbits}-bit V{mode}, sm_90: "
+          f"{r['size']} SASS a pass, "
           f"{r['per_token']:.1f} per token per KV head, {r['registers']} registers; "
           + ", ".join(f"{n} {op}" for op, n in r["top"]))
 

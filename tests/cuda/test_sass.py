@@ -195,6 +195,28 @@ def test_hot_loop_stays_within_its_sass_budget(name):
         f"{SASS_BUDGET[name]}; {hot.size} a pass / {k.tokens_per_iteration} tokens): {breakdown}")
 
 
+@pytest.mark.ptx
+def test_token_scale_loop_multiplies_no_code():
+    """The flat tensor-core kernel has a second token loop for caches with one scale a token
+    (``mma.mma_tiles(..., tok=True)``: the whole-head codes of the ``kv4``/``kv5`` presets):
+    the token's scale multiplies its float32 scores and weights, so the loop has no binary16
+    multiply (``HMUL2``) of a decoded code, where the block-scale loop has one a table read
+    (64 a pass of one width pair; 3 × 64 for the loop's three K and three V decoders), and is
+    that much shorter (less the 16 multiplies a pass it adds), within its own budget (65.5
+    SASS per token per KV head when set, 2026-11-30; 3-bit K and V alone 486 a pass, 30.4
+    per token, against 547 for the block loop)."""
+    need_nvdisasm()
+    k = kernel_sass("decode_attention_mma", (9, 0))
+    tiles = [lp for lp in k.loops if lp.depth == 0 and any(i.opcode.startswith("HMMA") for i in lp.instructions)]
+    assert len(tiles) == 2, [lp.size for lp in tiles]
+    hmul = {lp.header: sum(i.opcode.startswith("HMUL2") for i in lp.instructions) for lp in tiles}
+    block = k.loops[k.hot]
+    (tok,) = [lp for lp in tiles if lp.header != block.header]
+    assert hmul[block.header] >= 6 * 32 and hmul[tok.header] == 0, hmul
+    assert tok.size <= block.size - 6 * 32 + 3 * 16, (tok.size, block.size)
+    assert tok.size / TOKENS_PER_ITERATION["decode_attention_mma"] <= 72.0, tok.size
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_one_width_script_pins_the_tile_dispatch(bits):
     """``benchmarks/sass_one_width.py`` makes exactly the K and V width tests of the tiles'
@@ -212,6 +234,11 @@ def test_one_width_script_pins_the_tile_dispatch(bits):
     assert out.count("if False:") - src.count("if False:") == (4 if bits == 2 else 2)
     with pytest.raises(SystemExit, match="width tests"):
         pinned_source("def f(kb):\n    return kb == 3\n", bits)
+    # V's width apart from K's, and the flat kernel's tile loop
+    mixed = pinned_source(src, bits, 2 if bits != 2 else 3, "token")
+    assert mixed.count("if True:") - src.count("if True:") == 2
+    assert "if sshift >= 2:" in src and "if sshift >= 2:" not in mixed
+    assert pinned_source(src, bits, None, "block").count("if False:") == out.count("if False:") + 1
 
 
 @pytest.mark.ptx
@@ -219,8 +246,8 @@ def test_one_width_script_pins_the_tile_dispatch(bits):
 def test_pair_table_build_costs_few_instructions_a_word(name):
     """The prologue of the tensor-core kernels builds the K and V pair tables: the loops before
     the token loop that pack a binary16 pair (``F2FP``) and store it to shared memory
-    (``STS``), one a table (``mma.build_pair_table``: replica 0 of each entry), and those that
-    copy it to the other replicas (``mma.replicate_pair_table``: a shared load, ``LDS``, and
+    (``STS``), one a table (``pairtab.build_pair_table``: replica 0 of each entry), and those that
+    copy it to the other replicas (``pairtab.replicate_pair_table``: a shared load, ``LDS``, and
     store a word, no packing).  At sm_90 a packed word costs at most 45 SASS instructions (the
     entry is a shift of its index, where Numba's int64 floor division by the run-time replica
     count took about 95) and a copied word at most 12 (packing every word took 37: about

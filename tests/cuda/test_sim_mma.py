@@ -21,6 +21,7 @@ from numba_kv.ops.attention.ptx import (
     exp2_ftz,
     global_address,
     half2_bits,
+    half_f32,
     high_halves,
     hmul2,
     ldg_u16,
@@ -91,6 +92,12 @@ def movmatrix_kernel(words, out):
 def shfl_idx_kernel(x, src, out):
     i = cuda.threadIdx.x
     out[i] = shfl_idx_f32(x[i], src[i])
+
+
+@cuda.jit
+def half_f32_kernel(w, out):
+    i = cuda.threadIdx.x
+    out[i] = half_f32(w[i])
 
 
 @cuda.jit
@@ -180,6 +187,22 @@ def test_exp2_ftz_is_exp2_with_flushed_subnormals():
     normal = (ref >= 2.0 ** -126) & (ref < 2.0 ** 128)
     np.testing.assert_allclose(got[normal], ref[normal], rtol=2.0 ** -21)
     assert (got[ref < 2.0 ** -126] == 0.0).all() and np.isposinf(got[ref >= 2.0 ** 128]).all()
+
+
+@pytest.mark.cuda
+def test_half_f32_converts_the_low_binary16_exactly():
+    """``cvt.f32.f16`` of the low half: every binary16 kind (zeros, subnormals, normals, the
+    largest, infinities, NaN) exactly as NumPy's conversion, whatever the upper half holds."""
+    rng = np.random.default_rng(11)
+    low = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x0400, 0x3C00, 0xBC00, 0x7BFF, 0xFBFF, 0x7C00, 0xFC00,
+                    0x7E00, 0x3555, 0x1234], dtype=np.uint32)
+    low = np.concatenate([low, rng.integers(0, 0x10000, 64 - len(low)).astype(np.uint32)])
+    words = low | (rng.integers(0, 0x10000, 64).astype(np.uint32) << np.uint32(16))
+    out = to_device(np.zeros(64, np.float32))
+    half_f32_kernel[1, 64](to_device(words), out)
+    ref = low.astype(np.uint16).view(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(to_host(out).view(np.uint32)[~np.isnan(ref)], ref.view(np.uint32)[~np.isnan(ref)])
+    assert np.isnan(to_host(out)[np.isnan(ref)]).all()
 
 
 @pytest.mark.cuda
@@ -322,6 +345,43 @@ def test_mma_attention_matches_cpu_twin(kbits, vbits, T, n_exact, q_len, q_scale
     assert _rel(dev, cpu) < MMA_RTOL
     # and it is not the float32 kernel by accident: binary16 rounding shows
     assert not np.array_equal(dev, cpu)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kbits, vbits, T, n_exact", [
+    (4, 3, 45, 0),   # kv4's widths; a ragged last tile in each of two partitions
+    (3, 2, 37, 9),   # a window of exact tokens
+])
+def test_mma_attention_with_token_scales_matches_cpu_twin(kbits, vbits, T, n_exact, monkeypatch):
+    """Whole-head codes (one norm a token: the tiles scale the scores and weights, not the
+    codes) against the CPU twin, with norms far apart from token to token (a wrong token's
+    scale on a score or weight shows) and one token's norms stored as infinity and NaN (read
+    as 0 by both, as the kernels' binary16 table does)."""
+    from numba_kv.ops.headquant import quantize_head  # noqa: PLC0415
+
+    launched = _spy(monkeypatch)
+    rng = np.random.default_rng(kbits * 10 + vbits + 100)
+    b, hkv, G, d = 1, 2, 4, 128
+    spread = np.exp(rng.uniform(-3.0, 3.0, (b, hkv, T, 1))).astype(np.float32)
+    k = (rng.standard_normal((b, hkv, T, d)) * spread).astype(np.float32)
+    v = (rng.standard_normal((b, hkv, T, d)) * spread[:, :, ::-1]).astype(np.float32)
+    kc, kn = quantize_head(k, kbits)
+    vc, vn = quantize_head(v, vbits)
+    kn[0, 1, 5, 0], vn[0, 0, 7, 0] = 0x7C00, 0x7E00  # +inf, NaN: read as 0
+    q = (rng.standard_normal((b, hkv * G, 1, d)) * 0.05).astype(np.float32)
+    kw = dict(k_bits=kbits, v_bits=vbits, rotation="head", partition_size=32)
+    if n_exact:
+        kw["k_exact"] = rng.standard_normal((b, hkv, n_exact, d)).astype(np.float32)
+        kw["v_exact"] = rng.standard_normal((b, hkv, n_exact, d)).astype(np.float32)
+    cpu = decode_attention(q, kc, kn, vc, vn, **kw)
+    dev = to_host(decode_attention(*(to_device(a) for a in (q, kc, kn, vc, vn)), **{
+        n: (to_device(a) if isinstance(a, np.ndarray) else a) for n, a in kw.items()}))
+    assert launched, "the tensor-core kernel did not run"
+    assert np.isfinite(dev).all()
+    # (about 3e-4 measured: the scales in float32, the codes and weights in binary16; with the
+    # block-scale tiles' binary16 code·scale products on these codes 3.1e-4 to 3.8e-4)
+    assert _rel(dev, cpu) < 1e-3
+    assert not np.array_equal(dev, cpu)  # binary16 operands: not the float32 kernel
 
 
 @pytest.mark.cuda

@@ -6,8 +6,9 @@ never leave the registers (FlashAttention-2, Dao, arXiv:2307.08691, §3.1).  Deq
 happens in registers straight into the A fragments (BitDecoding, arXiv:2503.18773; pairs of
 binary16 as in QServe, arXiv:2405.04532):
 
-* **pair tables**: a block's codebook expands to ``4**bits`` entries, one per pair of
-  adjacent codes ``(c_j, c_{j+1})``, each the ``.f16x2`` word ``(cent[c_j], cent[c_{j+1}])``.
+* **pair tables** (:mod:`numba_kv.ops.attention.pairtab`): a block's codebook expands to
+  ``4**bits`` entries, one per pair of adjacent codes ``(c_j, c_{j+1})``, each the ``.f16x2``
+  word ``(cent[c_j], cent[c_{j+1}])``.
   The packing stores code ``j`` of a block at bit ``bits·j`` (LSB first), so the ``2·bits``
   bits at ``2·bits·i`` are the table index of pair ``i``: one shared-memory load decodes two
   values.  Each table is replicated ``rep`` times (``rep·4**bits`` = :data:`TAB_SLOTS`) and
@@ -27,6 +28,16 @@ rows as A, half of them zeros) took 16 + 16.
   and ``2j + 1`` of each lane's block, which lie next to each other in the packed bytes (the
   query fragments are permuted the same way once per partition): one table read decodes an
   A register.  The key's block scale multiplies the decoded pair (``mul.rn.f16x2``).
+* **one scale a token** (whole-head codes: the ``kv4``/``kv5`` presets): the scale leaves
+  the k-sums, so the codes go into the products unscaled and the float32 scores of token
+  ``t`` are multiplied by its key scale, its weights by its value scale before they are
+  packed (``p·s_v`` ≤ 65504 for weights ≤ 1: finite).  The lane's scores and weights are of
+  its tokens ``gid`` and ``gid + 8``, so it reads two value scales a tile instead of four,
+  and the ``mul.rn.f16x2`` of each of a tile's 64 table reads is gone (a 4-bit key / 3-bit
+  value pass: 550 → 490 SASS instructions on sm_90), for 8 float32 multiplies.  The scales
+  are also applied in float32 instead of rounded into binary16 products.  The flat kernel
+  compiles both loops (:func:`mma_tiles` with ``tok`` constant at each call); a pool's
+  scales are per block.
 * **softmax**: lane ``(gid, tig)`` holds the scores of tokens ``gid`` and ``gid + 8`` for query
   rows ``2tig`` and ``2tig + 1``; a row's tile maximum and, at the end, its sum are three
   xor shuffles over the 8 lanes of one ``tig``.  Scores are kept in base-2 units (the
@@ -79,9 +90,21 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 
 from ..._jit import cuda_device
 from .cores import NEG_INF
+from .pairtab import (
+    MMA_TAB_SHARED_WORDS,
+    MMA_TAB_WORDS,
+    TAB_BYTES,
+    TAB_SLOTS,
+    aligned_table,
+    build_pair_table,
+    build_tables,
+    pair_table_replicas,
+    pair_table_replicas_dev,
+)
 from .ptx import (
     exp2_ftz,
     global_address,
+    half_f32,
     high_halves,
     hmul2,
     ldg_u16,
@@ -91,7 +114,6 @@ from .ptx import (
     mma_16816,
     movmatrix_trans,
     pack_half2,
-    shared_base32,
     shfl_idx_f32,
     shfl_xor_f32,
 )
@@ -122,20 +144,6 @@ MMA_BLOCKS_PER_SM = 2
 MMA_BLOCKS_PER_SM_SM90 = 4
 #: code widths with a pair table (``4**bits`` entries)
 MMA_BITS = (2, 3, 4)
-#: 32-bit words per pair table in shared memory (8 KiB): entries × replicas
-TAB_SLOTS = 2048
-#: log2 of :data:`TAB_SLOTS`: a ``bits``-wide table has ``2**min(5, 11 − 2·bits)`` replicas
-_TAB_SHIFT = TAB_SLOTS.bit_length() - 1
-#: the block's two tables (K at word 0, V at word TAB_SLOTS)
-MMA_TAB_WORDS = 2 * TAB_SLOTS
-#: bytes of the two tables, and the alignment of their start in the shared window: the table
-#: offsets then fill bits 2-13 of an address whose higher bits are the start's, so that the
-#: kernel makes each read's address by ORs (:func:`aligned_table`)
-TAB_BYTES = 4 * MMA_TAB_WORDS
-#: words of the shared array that holds the tables: twice the tables, so that a TAB_BYTES-aligned
-#: start lies inside it wherever the array lands (no declared alignment reaches the window
-#: address: sm_80 and sm_90 put user shared arrays 0x400 bytes into it)
-MMA_TAB_SHARED_WORDS = 2 * MMA_TAB_WORDS
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -214,85 +222,6 @@ def mma_partition_size(n_tokens: int, n_rows_kv: int, n_exact: int = 0, resident
     return int(best)
 
 
-def pair_table_replicas(bits: int) -> int:
-    """Replicas of a ``bits``-wide pair table in :data:`TAB_SLOTS` words (at most 32, one per
-    lane)."""
-    return min(32, TAB_SLOTS >> (2 * bits))
-
-
-@cuda_device
-def pair_table_replicas_dev(bits):
-    """:func:`pair_table_replicas` on the device."""
-    return min(int32(32), int32(int32(TAB_SLOTS) >> int32(2 * int32(bits))))
-
-
-@cuda_device
-def build_pair_table(tab, o, cent, bits, tid, nth):
-    """Replica 0: ``tab[o + e·rep] = f·(cent[e mod 2**bits], cent[e >> bits])`` as ``.f16x2``
-    for every pair index ``e < 4**bits`` (block-cooperative, thread ``tid`` of ``nth``), ``f``
-    the power of two bringing the largest ``|centroid|`` to at most 1 (``f·c·scale`` stays in
-    binary16 for every binary16 scale).  Returns ``1/f`` (exact), to multiply back."""
-    b = int32(bits)
-    mask = int32(int32(1) << b) - int32(1)
-    cmax = float32(0.0)
-    for i in range(mask + 1):
-        cmax = max(cmax, abs(cent[0, i]))
-    f = float32(1.0)
-    while cmax * f > float32(1.0):
-        f *= float32(0.5)
-    # (32-bit shifts: Numba's int64 floor division by the run-time rep made a word ~95 SASS)
-    rsh = min(int32(5), int32(_TAB_SHIFT - 2 * b))
-    e = int32(tid)
-    while e < int32(int32(1) << int32(2 * b)):
-        tab[uint32(o + int32(e << rsh))] = pack_half2(cent[0, uint32(e & mask)] * f, cent[0, uint32(e >> b)] * f)
-        e = int32(e + int32(nth))
-    return float32(1.0) / f
-
-
-@cuda_device
-def replicate_pair_table(tab, o, bits, tid, nth):
-    """``tab[o + e·rep + r] = tab[o + e·rep]`` for every entry's replicas ``r = 1 … rep − 1``
-    (block-cooperative, after the barrier that published :func:`build_pair_table`'s replica 0;
-    the caller's next barrier publishes these): 10 SASS instructions a word on sm_90, where
-    packing each from the codebook took 37."""
-    rsh = min(int32(5), int32(_TAB_SHIFT - 2 * int32(bits)))
-    keep = ~int32(int32(int32(1) << rsh) - int32(1))
-    i = int32(tid)
-    while i < int32(int32(1) << int32(2 * int32(bits) + rsh)):
-        # (replica 0 too, with the value it holds: no branch; unsigned indices: no wraparound)
-        tab[uint32(o + i)] = tab[uint32(o + (i & keep))]
-        i = int32(i + int32(nth))
-
-
-@cuda_device
-def aligned_table(tab):
-    """``(w0, base)``: the word of ``tab`` (a :data:`MMA_TAB_SHARED_WORDS`-word shared array)
-    where the two tables start, the first whose shared-window address is a multiple of
-    :data:`TAB_BYTES`, and that address (:func:`~numba_kv.ops.attention.ptx.shared_base32`,
-    realigned).  A table read's address is then ``base | byte offset``: one mask-and-or that
-    also adds the lane's replica."""
-    raw = shared_base32(tab)
-    base = uint32(uint32(raw + uint32(TAB_BYTES - 1)) & uint32(0x100000000 - TAB_BYTES))
-    return int32(uint32(base - raw) >> uint32(2)), base
-
-
-@cuda_device
-def build_tables(tab, kcent, vcent, kbits, vbits, tid, nth):
-    """The block's two pair tables (K at word ``w0``, V at ``w0 +`` :data:`TAB_SLOTS`, ``w0``
-    from :func:`aligned_table`) from row 0 of each codebook; returns ``(kb, vb, kf, vf)``: the
-    widths and the factors to multiply back (:func:`build_pair_table`).  Every thread of the
-    block calls it (a barrier inside); the caller's next block barrier publishes them."""
-    kb = kbits[0]
-    vb = vbits[0]
-    w0, _ = aligned_table(tab)
-    kf = build_pair_table(tab, w0, kcent, kb, tid, nth)
-    vf = build_pair_table(tab, int32(w0 + TAB_SLOTS), vcent, vb, tid, nth)
-    cuda.syncthreads()
-    replicate_pair_table(tab, w0, kb, tid, nth)
-    replicate_pair_table(tab, int32(w0 + TAB_SLOTS), vb, tid, nth)
-    return kb, vb, kf, vf
-
-
 @cuda_device
 def _field(w0, w1, w2, w3, pos, width, at):
     """Bits ``[pos, pos + width)`` of the little-endian 128-bit word ``w3:w2:w1:w0``, moved to
@@ -317,12 +246,24 @@ def _bits_at(x, pos, width, at):
 
 
 @cuda_device
-def _abs_half2(raw):
-    """``|scale|`` of a stored binary16 scale in both halves of a ``.f16x2`` word (infinities
-    and NaNs read as 0, like the kernels' binary16 table)."""
+def _abs_bits(raw):
+    """``|scale|`` of a stored binary16 scale, as binary16 bits (infinities and NaNs read as 0,
+    like the kernels' binary16 table)."""
     h = uint32(raw) & uint32(0x7FFF)
-    h = uint32(0) if h >= uint32(0x7C00) else h
+    return uint32(0) if h >= uint32(0x7C00) else h
+
+
+@cuda_device
+def _abs_half2(raw):
+    """:func:`_abs_bits` in both halves of a ``.f16x2`` word (a block scale of the codes)."""
+    h = _abs_bits(raw)
     return h | (h << uint32(16))
+
+
+@cuda_device
+def _abs_f32(raw):
+    """:func:`_abs_bits` as float32 (a token scale of the scores and weights; exact)."""
+    return half_f32(_abs_bits(raw))
 
 
 @cuda_device
@@ -381,27 +322,27 @@ def _token_rows(kc32, ks, base, sbase, t):
 @cuda_device
 def _load_key(kc32, ks, ko, so, tig, kb, sshift):
     """Lane ``(·, tig)``'s ``kb`` packed words of block ``tig`` of the token whose rows start at
-    byte addresses ``ko`` (codes) and ``so`` (scales) (the other words 0) and its scale
-    (:func:`_abs_half2`)."""
+    byte addresses ``ko`` (codes) and ``so`` (scales) (the other words 0) and the stored bits
+    of that block's scale."""
     base = ko + uint64(4 * tig * kb)
     w0 = ldg_u32(kc32, base)
     w1 = ldg_u32(kc32, base + uint64(4)) if kb > 1 else uint32(0)
     w2 = ldg_u32(kc32, base + uint64(8)) if kb > 2 else uint32(0)
     w3 = ldg_u32(kc32, base + uint64(12)) if kb > 3 else uint32(0)
-    return w0, w1, w2, w3, _abs_half2(ldg_u16(ks, so + uint64(2 * (tig >> sshift))))
+    return w0, w1, w2, w3, ldg_u16(ks, so + uint64(2 * (tig >> sshift)))
 
 
 @cuda_device
 def _load_value(vc32, vs, vo, so, gid, vb, sshift):
     """Lane ``(gid, ·)``'s ``16·vb`` code bits of coordinates ``16·gid … + 15`` of the token whose
-    rows start at byte addresses ``vo`` and ``so`` (LSB first, in a ``uint64``) and the scale of
-    their block."""
+    rows start at byte addresses ``vo`` and ``so`` (LSB first, in a ``uint64``) and the stored
+    bits of their block's scale (a load nothing uses is dropped: the token-scale tiles')."""
     start = 16 * vb * gid
     base = vo + uint64(4 * (start >> 5))
     w0 = ldg_u32(vc32, base)
     w1 = ldg_u32(vc32, base + uint64(4)) if vb > 2 else uint32(0)  # (16 coordinates span two words)
     x = ((uint64(w1) << uint64(32)) | uint64(w0)) >> uint64(start & 31)
-    return x, _abs_half2(ldg_u16(vs, so + uint64(2 * ((gid >> 1) >> sshift))))
+    return x, ldg_u16(vs, so + uint64(2 * ((gid >> 1) >> sshift)))
 
 
 @cuda_device
@@ -416,30 +357,41 @@ def _value_at(vc32, vs, vrow, vsrow, t, gid, vb, sshift):
     return _load_value(vc32, vs, vo, so, gid, vb, sshift)
 
 
+@cuda_device
+def _token_scale(vs, vsrow, slot, tok):
+    """``|scale|`` (float32) of the token at row ``slot`` from the scale array's byte address
+    ``vsrow`` if ``tok`` (its one scale), else 1 (a constant at each call: no load)."""
+    if tok:
+        return _abs_f32(ldg_u16(vs, vsrow + uint64(uint32(slot) * uint32(2 * vs.shape[3]))))
+    return float32(1.0)
+
+
 def _make_key_tile(kb: int):
     """Scores ``S = K·Qᵀ`` of a 16-token tile: ``A`` = the keys (token ``gid`` in the words
-    ``a0…a3`` with scale ``sa``, token ``gid + 8`` in ``b0…b3`` with ``sb``: block ``tig``),
-    ``B`` = the staged query fragments ``qa``.  Returns this lane's ``D`` fragment: tokens
-    ``gid`` (rows ``2tig``, ``2tig+1``) and ``gid + 8`` (the same rows)."""
+    ``a0…a3`` with block scale ``sa``, token ``gid + 8`` in ``b0…b3`` with ``sb``: block
+    ``tig``), ``B`` = the staged query fragments ``qa``.  With ``scaled`` false the codes go
+    unscaled (a token's one scale multiplies its scores instead: :func:`_make_tiles`).
+    Returns this lane's ``D`` fragment: tokens ``gid`` (rows ``2tig``, ``2tig+1``) and ``gid +
+    8`` (the same rows)."""
     pb = 2 * kb
     rep = min(32, TAB_SLOTS >> pb)
     rsh = rep.bit_length() - 1
 
-    def key_tile(a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, slot, tab, qa):
+    def key_tile(a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, slot, tab, qa, scaled):
         c0 = c1 = c2 = c3 = float32(0.0)
         e0 = e1 = e2 = e3 = float32(0.0)
         for j in range(0, 8, 2):
             # k-step j: pairs 2j (k-slots 2tig, 2tig+1) and 2j + 1 (2tig+8, 2tig+9) of each
             # token; two accumulator chains (even and odd k-steps) hide the mma latency
-            x0 = hmul2(lds_u32(tab, _field(a0, a1, a2, a3, pb * (2 * j), pb, rsh + 2) | slot), sa)
-            x1 = hmul2(lds_u32(tab, _field(b0, b1, b2, b3, pb * (2 * j), pb, rsh + 2) | slot), sb)
-            x2 = hmul2(lds_u32(tab, _field(a0, a1, a2, a3, pb * (2 * j + 1), pb, rsh + 2) | slot), sa)
-            x3 = hmul2(lds_u32(tab, _field(b0, b1, b2, b3, pb * (2 * j + 1), pb, rsh + 2) | slot), sb)
+            x0 = _scale2(lds_u32(tab, _field(a0, a1, a2, a3, pb * (2 * j), pb, rsh + 2) | slot), sa, scaled)
+            x1 = _scale2(lds_u32(tab, _field(b0, b1, b2, b3, pb * (2 * j), pb, rsh + 2) | slot), sb, scaled)
+            x2 = _scale2(lds_u32(tab, _field(a0, a1, a2, a3, pb * (2 * j + 1), pb, rsh + 2) | slot), sa, scaled)
+            x3 = _scale2(lds_u32(tab, _field(b0, b1, b2, b3, pb * (2 * j + 1), pb, rsh + 2) | slot), sb, scaled)
             c0, c1, c2, c3 = mma_16816(x0, x1, x2, x3, qa[2 * j], qa[2 * j + 1], c0, c1, c2, c3)
-            x0 = hmul2(lds_u32(tab, _field(a0, a1, a2, a3, pb * (2 * j + 2), pb, rsh + 2) | slot), sa)
-            x1 = hmul2(lds_u32(tab, _field(b0, b1, b2, b3, pb * (2 * j + 2), pb, rsh + 2) | slot), sb)
-            x2 = hmul2(lds_u32(tab, _field(a0, a1, a2, a3, pb * (2 * j + 3), pb, rsh + 2) | slot), sa)
-            x3 = hmul2(lds_u32(tab, _field(b0, b1, b2, b3, pb * (2 * j + 3), pb, rsh + 2) | slot), sb)
+            x0 = _scale2(lds_u32(tab, _field(a0, a1, a2, a3, pb * (2 * j + 2), pb, rsh + 2) | slot), sa, scaled)
+            x1 = _scale2(lds_u32(tab, _field(b0, b1, b2, b3, pb * (2 * j + 2), pb, rsh + 2) | slot), sb, scaled)
+            x2 = _scale2(lds_u32(tab, _field(a0, a1, a2, a3, pb * (2 * j + 3), pb, rsh + 2) | slot), sa, scaled)
+            x3 = _scale2(lds_u32(tab, _field(b0, b1, b2, b3, pb * (2 * j + 3), pb, rsh + 2) | slot), sb, scaled)
             e0, e1, e2, e3 = mma_16816(x0, x1, x2, x3, qa[2 * j + 2], qa[2 * j + 3], e0, e1, e2, e3)
         return c0 + e0, c1 + e1, c2 + e2, c3 + e3
 
@@ -447,36 +399,44 @@ def _make_key_tile(kb: int):
     return cuda_device(key_tile)
 
 
+@cuda_device
+def _scale2(x, s, scaled):
+    """``x·s`` (``mul.rn.f16x2``) if ``scaled``, else ``x`` (a constant after inlining: no
+    instruction)."""
+    return hmul2(x, s) if scaled else x
+
+
 _KEY_TILE_2, _KEY_TILE_3, _KEY_TILE_4 = (_make_key_tile(kb) for kb in MMA_BITS)
 
 
 @cuda_device
-def key_tile(kb, a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, slot, tab, qa):
+def key_tile(kb, a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, slot, tab, qa, scaled):
     """:func:`_make_key_tile` for the width ``kb`` (the same branch on every lane)."""
     if kb == 3:
-        return _KEY_TILE_3(a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, slot, tab, qa)
+        return _KEY_TILE_3(a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, slot, tab, qa, scaled)
     if kb == 4:
-        return _KEY_TILE_4(a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, slot, tab, qa)
-    return _KEY_TILE_2(a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, slot, tab, qa)
+        return _KEY_TILE_4(a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, slot, tab, qa, scaled)
+    return _KEY_TILE_2(a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, slot, tab, qa, scaled)
 
 
 def _make_value_tile(vb: int):
     """``Oᵀ += Vᵀ·Pᵀ`` over one 16-token tile: ``A`` = the values (lane ``(gid, tig)`` holds the
     code bits of coordinates ``16·gid … + 15`` of tokens ``2tig, 2tig+1`` in ``xa``, ``xb`` and
-    ``2tig+8, 2tig+9`` in ``xc``, ``xd``), ``B`` = the weights ``pb0``, ``pb1``.  Product ``j``
-    maps row ``gid`` of ``A`` to coordinate ``16·gid + 2j`` and row ``gid + 8`` to ``16·gid + 2j
-    + 1``: one pair-table entry of a token is both rows, and two tokens' entries regroup into
-    two A registers by a byte permutation."""
+    ``2tig+8, 2tig+9`` in ``xc``, ``xd``, block scales ``sa … sd``; unscaled with ``scaled``
+    false: the weights carry a token's one scale), ``B`` = the weights ``pb0``, ``pb1``.
+    Product ``j`` maps row ``gid`` of ``A`` to coordinate ``16·gid + 2j`` and row ``gid + 8``
+    to ``16·gid + 2j + 1``: one pair-table entry of a token is both rows, and two tokens'
+    entries regroup into two A registers by a byte permutation."""
     pb = 2 * vb
     rep = min(32, TAB_SLOTS >> pb)
     rsh = rep.bit_length() - 1
 
-    def value_tile(xa, xb, xc, xd, sa, sb, sc, sd, slot, tab, pb0, pb1, oacc):
+    def value_tile(xa, xb, xc, xd, sa, sb, sc, sd, slot, tab, pb0, pb1, oacc, scaled):
         for j in range(8):
-            ha = hmul2(lds_u32(tab, _bits_at(xa, pb * j, pb, rsh + 2) | slot), sa)
-            hb = hmul2(lds_u32(tab, _bits_at(xb, pb * j, pb, rsh + 2) | slot), sb)
-            hc = hmul2(lds_u32(tab, _bits_at(xc, pb * j, pb, rsh + 2) | slot), sc)
-            hd = hmul2(lds_u32(tab, _bits_at(xd, pb * j, pb, rsh + 2) | slot), sd)
+            ha = _scale2(lds_u32(tab, _bits_at(xa, pb * j, pb, rsh + 2) | slot), sa, scaled)
+            hb = _scale2(lds_u32(tab, _bits_at(xb, pb * j, pb, rsh + 2) | slot), sb, scaled)
+            hc = _scale2(lds_u32(tab, _bits_at(xc, pb * j, pb, rsh + 2) | slot), sc, scaled)
+            hd = _scale2(lds_u32(tab, _bits_at(xd, pb * j, pb, rsh + 2) | slot), sd, scaled)
             oacc[4 * j], oacc[4 * j + 1], oacc[4 * j + 2], oacc[4 * j + 3] = mma_16816(
                 low_halves(ha, hb), high_halves(ha, hb), low_halves(hc, hd), high_halves(hc, hd),
                 pb0, pb1, oacc[4 * j], oacc[4 * j + 1], oacc[4 * j + 2], oacc[4 * j + 3])
@@ -489,14 +449,14 @@ _VALUE_TILE_2, _VALUE_TILE_3, _VALUE_TILE_4 = (_make_value_tile(vb) for vb in MM
 
 
 @cuda_device
-def value_tile(vb, xa, xb, xc, xd, sa, sb, sc, sd, slot, tab, pb0, pb1, oacc):
+def value_tile(vb, xa, xb, xc, xd, sa, sb, sc, sd, slot, tab, pb0, pb1, oacc, scaled):
     """:func:`_make_value_tile` for the width ``vb`` (the same branch on every lane)."""
     if vb == 3:
-        _VALUE_TILE_3(xa, xb, xc, xd, sa, sb, sc, sd, slot, tab, pb0, pb1, oacc)
+        _VALUE_TILE_3(xa, xb, xc, xd, sa, sb, sc, sd, slot, tab, pb0, pb1, oacc, scaled)
     elif vb == 4:
-        _VALUE_TILE_4(xa, xb, xc, xd, sa, sb, sc, sd, slot, tab, pb0, pb1, oacc)
+        _VALUE_TILE_4(xa, xb, xc, xd, sa, sb, sc, sd, slot, tab, pb0, pb1, oacc, scaled)
     else:
-        _VALUE_TILE_2(xa, xb, xc, xd, sa, sb, sc, sd, slot, tab, pb0, pb1, oacc)
+        _VALUE_TILE_2(xa, xb, xc, xd, sa, sb, sc, sd, slot, tab, pb0, pb1, oacc, scaled)
 
 
 @cuda_device
@@ -573,7 +533,7 @@ def _online_softmax(xa, xb, m, lsum):
 
 @cuda_device
 def mma_tiles(kb, vb, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, page_size, t_lo, t_hi, pos0, lim0, lim1,
-              sshift, tab, qa, inv0, inv1, oacc, lane):
+              sshift, tab, qa, inv0, inv1, oacc, lane, tok):
     """The 16-token tiles of a compressed partition ``[t_lo, t_hi)`` of KV row ``g`` (layouts in
     the module docstring; token ``t`` sits at position ``pos0 + t`` and lives where
     :func:`token_address` says: KV head ``h`` of a flat cache's row ``g`` or of a paged
@@ -581,7 +541,9 @@ def mma_tiles(kb, vb, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, page_s
     and ``2tig + 1``, with the last positions ``lim0``, ``lim1`` they see and score factors
     ``inv0``, ``inv1``.  ``oacc`` (32 float32: product ``j``'s ``D`` at ``4j … 4j + 3``) and the
     returned ``(m0, m1, l0, l1)`` (base 2; ``l`` this lane's share of the row sums) start from
-    an empty state.
+    an empty state.  ``tok`` (a constant at each call: two loops): one scale a token, which
+    multiplies its float32 scores and weights instead of its decoded codes (no ``mul.rn.f16x2``
+    a table read: 64 fewer instructions a tile).
 
     Loads run ahead of their use, so that a warp waits for memory at most once per tile: a
     tile's value words are requested before its keys are scored, and the next tile's key
@@ -623,22 +585,30 @@ def mma_tiles(kb, vb, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, page_s
                                   tig, kb, sshift)
     for t0 in range(t_lo32, t_hi32, int32(16)):
         u = int32(t0 + 2 * tig)
+        ta = int32(t0 + gid)
         vrow, vsrow = _tile_rows(vc32, vs, vb0, vsb0, *addr, min(t0, t_last))
         xa, sa = _value_at(vc32, vs, vrow, vsrow, _tile_slot(*slot_of, min(u, t_last)), gid, vb, sshift)
         xb, sb = _value_at(vc32, vs, vrow, vsrow, _tile_slot(*slot_of, min(int32(u + 1), t_last)), gid, vb, sshift)
         xc, sc = _value_at(vc32, vs, vrow, vsrow, _tile_slot(*slot_of, min(int32(u + 8), t_last)), gid, vb, sshift)
         xd, sd = _value_at(vc32, vs, vrow, vsrow, _tile_slot(*slot_of, min(int32(u + 9), t_last)), gid, vb, sshift)
-        s00, s01, s10, s11 = key_tile(kb, a0, a1, a2, a3, as2, b0, b1, b2, b3, bs2, kslot, tab, qa)
-        ta = int32(t0 + gid)
+        # one scale a token: those of this lane's score tokens ta, ta + 8 (1 with block scales)
+        va = _token_scale(vs, vsrow, _tile_slot(*slot_of, min(ta, t_last)), tok)
+        vb8 = _token_scale(vs, vsrow, _tile_slot(*slot_of, min(int32(ta + 8), t_last)), tok)
+        ka = _abs_f32(as2) if tok else float32(1.0)
+        kb8 = _abs_f32(bs2) if tok else float32(1.0)
+        s00, s01, s10, s11 = key_tile(kb, a0, a1, a2, a3, _abs_half2(as2), b0, b1, b2, b3, _abs_half2(bs2), kslot,
+                                      tab, qa, not tok)
         krow, ksrow = _tile_rows(kc32, ks, kb0, ksb0, *addr, min(int32(t0 + 16), t_last))
         a0, a1, a2, a3, as2 = _key_at(kc32, ks, krow, ksrow, _tile_slot(*slot_of, min(int32(ta + 16), t_last)),
                                       tig, kb, sshift)
         b0, b1, b2, b3, bs2 = _key_at(kc32, ks, krow, ksrow, _tile_slot(*slot_of, min(int32(ta + 24), t_last)),
                                       tig, kb, sshift)
-        alpha0, p00, p10, m0, l0 = _online_softmax(_masked(s00 * inv0, ta, t_hi32, pos32, lim0),
-                                                   _masked(s10 * inv0, int32(ta + 8), t_hi32, pos32, lim0), m0, l0)
-        alpha1, p01, p11, m1, l1 = _online_softmax(_masked(s01 * inv1, ta, t_hi32, pos32, lim1),
-                                                   _masked(s11 * inv1, int32(ta + 8), t_hi32, pos32, lim1), m1, l1)
+        alpha0, p00, p10, m0, l0 = _online_softmax(_masked(s00 * (inv0 * ka), ta, t_hi32, pos32, lim0),
+                                                   _masked(s10 * (inv0 * kb8), int32(ta + 8), t_hi32, pos32, lim0),
+                                                   m0, l0)
+        alpha1, p01, p11, m1, l1 = _online_softmax(_masked(s01 * (inv1 * ka), ta, t_hi32, pos32, lim1),
+                                                   _masked(s11 * (inv1 * kb8), int32(ta + 8), t_hi32, pos32, lim1),
+                                                   m1, l1)
         if alpha0 != float32(1.0) or alpha1 != float32(1.0):
             # (exactly 1 while a row's maximum stands: in a long partition most tiles skip
             # the 32 multiplies; FlashAttention-3's rescaling rule, arXiv 2407.08608 §3)
@@ -647,10 +617,11 @@ def mma_tiles(kb, vb, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, page_s
                 oacc[4 * i + 1] *= alpha1
                 oacc[4 * i + 2] *= alpha0
                 oacc[4 * i + 3] *= alpha1
-        # the weights as B of P·V: (token gid, rows 2tig, 2tig+1) transposed to (row gid,
-        # tokens 2tig, 2tig+1), and the same for tokens 8-15
-        value_tile(vb, xa, xb, xc, xd, sa, sb, sc, sd, vslot, tab, movmatrix_trans(pack_half2(p00, p01)),
-                   movmatrix_trans(pack_half2(p10, p11)), oacc)
+        # the weights (times a token's value scale) as B of P·V: (token gid, rows 2tig, 2tig+1)
+        # transposed to (row gid, tokens 2tig, 2tig+1), and the same for tokens 8-15
+        value_tile(vb, xa, xb, xc, xd, _abs_half2(sa), _abs_half2(sb), _abs_half2(sc), _abs_half2(sd), vslot, tab,
+                   movmatrix_trans(pack_half2(p00 * va, p01 * va)),
+                   movmatrix_trans(pack_half2(p10 * vb8, p11 * vb8)), oacc, not tok)
     return m0, m1, l0, l1
 
 
@@ -673,8 +644,12 @@ def mma_partition(kb, vb, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, pa
     if causal:
         lim0 = int32(lim_base + (r0 + 2 * tig) % q_len)
         lim1 = int32(lim_base + (r0 + 2 * tig + 1) % q_len)
-    m0, m1, l0, l1 = mma_tiles(kb, vb, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, page_size, t_lo, t_hi,
-                               pos0, lim0, lim1, sshift, tab, qa, inv0, inv1, oacc, lane)
+    tiles = (kb, vb, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, page_size, t_lo, t_hi, pos0, lim0, lim1,
+             sshift, tab, qa, inv0, inv1, oacc, lane)
+    if sshift >= 2:  # (head_dim 128: four 32-blocks share a scale, i.e. one a token)
+        m0, m1, l0, l1 = mma_tiles(*tiles, True)
+    else:
+        m0, m1, l0, l1 = mma_tiles(*tiles, False)
     store_mma_partition(m0, l0, oacc, 0, vf, active, rb, g, p, r0, lane, part_m, part_l, part_acc)
     store_mma_partition(m1, l1, oacc, 1, vf, active, rb, g, p, r0, lane, part_m, part_l, part_acc)
 

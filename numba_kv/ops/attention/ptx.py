@@ -4,7 +4,7 @@ Each primitive exists twice, chosen once at import (``NUMBA_ENABLE_CUDASIM``):
 
 * on a GPU, a Numba ``@intrinsic`` whose code generation calls an llvmlite ``ir.InlineAsm`` of
   one PTX instruction (``mma.sync``, ``movmatrix.sync``, ``cvt.rn.f16x2.f32``,
-  ``mul.rn.f16x2``, ``prmt.b32``, ``ex2.approx.ftz.f32``, ``ld.shared.u32``, ``ld.global.u32``
+  ``mul.rn.f16x2``, ``cvt.f32.f16``, ``prmt.b32``, ``ex2.approx.ftz.f32``, ``ld.shared.u32``, ``ld.global.u32``
   / ``.u16``, ``cvta.to.global``), or Numba's own ``shfl.sync`` (and :func:`shared_base32`,
   an address cast in LLVM IR);
 * under Numba's CUDA simulator, a plain Python function with the same arguments and results
@@ -41,7 +41,7 @@ from numba.cuda.extending import intrinsic
 
 from ... import _backend
 
-__all__ = ["SIMULATED", "SIM_SHARED_BASE", "exp2_ftz", "global_address", "half2_bits", "hmul2",
+__all__ = ["SIMULATED", "SIM_SHARED_BASE", "exp2_ftz", "global_address", "half2_bits", "half_f32", "hmul2",
            "lds_u32", "ldg_u16", "ldg_u32", "low_halves", "high_halves", "mma_16816", "movmatrix_trans", "pack_half2",
            "shared_base32", "shfl_idx_f32", "shfl_xor_f32", "shfl_xor_u32", "unpack_half2"]
 
@@ -79,6 +79,10 @@ def _sim_hmul2(x, y):
     yl, yh = unpack_half2(y)
     # a binary16 product rounded once: exact in float64, then to binary16
     return np.uint32(half2_bits(np.float64(xl) * yl, np.float64(xh) * yh))
+
+
+def _sim_half_f32(x):
+    return np.float32(np.array([int(x) & 0xFFFF], dtype=np.uint16).view(np.float16)[0])
 
 
 def _sim_shared_base32(arr):
@@ -300,6 +304,15 @@ def _gpu_primitives():
 
         return sig, codegen
 
+    @intrinsic
+    def half_f32(typingctx, x):
+        def codegen(context, builder, signature, args):
+            h = builder.trunc(context.cast(builder, args[0], signature.args[0], types.uint32), ir.IntType(16))
+            return builder.call(ir.InlineAsm(ir.FunctionType(f32, [ir.IntType(16)]), "cvt.f32.f16 $0, $1;", "=f,h"),
+                                [h])
+
+        return types.float32(types.uint32), codegen
+
     # the first source of cvt.rn.f16x2.f32 goes to the upper half: (lo, hi) is "$0, $2, $1"
     pack = _asm_intrinsic("cvt.rn.f16x2.f32 $0, $2, $1;", "u32", ("f32", "f32"))
     mul2 = _asm_intrinsic("mul.rn.f16x2 $0, $1, $2;", "u32", ("u32", "u32"))
@@ -320,20 +333,21 @@ def _gpu_primitives():
         return cuda.shfl_xor_sync(_FULL, x, mask)
 
     dev = cuda.jit(device=True, inline="always")
-    return (mma, pack, mul2, movmatrix, low, high, ex2, dev(shfl_u32), dev(shfl_f32), dev(shfl_idx),
+    return (mma, pack, mul2, half_f32, movmatrix, low, high, ex2, dev(shfl_u32), dev(shfl_f32), dev(shfl_idx),
             *_gpu_loads())
 
 
 if SIMULATED:
     mma_16816, pack_half2, hmul2, movmatrix_trans = _sim_mma, _sim_pack_half2, _sim_hmul2, _sim_movmatrix
+    half_f32 = _sim_half_f32
     low_halves, high_halves, exp2_ftz = _sim_low_halves, _sim_high_halves, _sim_exp2_ftz
     shfl_xor_u32 = shfl_xor_f32 = _sim_shfl_xor
     shfl_idx_f32 = _sim_shfl_idx
     shared_base32, lds_u32 = _sim_shared_base32, _sim_lds_u32
     global_address, ldg_u32, ldg_u16 = _sim_global_address, _sim_ldg_u32, _sim_ldg_u16
 else:
-    (mma_16816, pack_half2, hmul2, movmatrix_trans, low_halves, high_halves, exp2_ftz, shfl_xor_u32, shfl_xor_f32,
-     shfl_idx_f32, shared_base32, lds_u32, global_address, ldg_u32, ldg_u16) = _gpu_primitives()
+    (mma_16816, pack_half2, hmul2, half_f32, movmatrix_trans, low_halves, high_halves, exp2_ftz, shfl_xor_u32,
+     shfl_xor_f32, shfl_idx_f32, shared_base32, lds_u32, global_address, ldg_u32, ldg_u16) = _gpu_primitives()
 
 mma_16816.__doc__ = """``D = A·B + C`` of one warp (``mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32``):
 ``a0…a3`` and ``b0, b1`` this lane's ``.f16x2`` fragments of A and B, ``c0…c3`` its float32
@@ -343,6 +357,19 @@ movmatrix_trans.__doc__ = """The transpose of the warp's 8×8 binary16 matrix
 (``movmatrix.sync.aligned.m8n8.trans.b16``): lane ``ℓ`` passes ``(M[gid, 2tig], M[gid,
 2tig+1])`` and gets ``(M[2tig, gid], M[2tig+1, gid])`` (``.f16x2`` words).
 Every lane of the warp calls it with the same control flow."""
+half_f32.__doc__ = """The binary16 in the low 16 bits of a ``uint32`` as float32 (``cvt.f32.f16``:
+exact, subnormals, infinities and NaNs included; one instruction where the kernels' scale
+table takes a load).
+
+Parameters
+----------
+x : uint32
+    Binary16 bits in bits 0-15 (the upper half is ignored).
+
+Returns
+-------
+float32
+"""
 shfl_idx_f32.__doc__ = """Lane ``src``'s float32 ``x`` (``shfl.sync.idx``, whole warp)."""
 low_halves.__doc__ = """``(a.lo, b.lo)``: the low binary16 halves of two ``.f16x2`` words in one
 (``prmt.b32`` selector 0x5410: one instruction where the shifts and masks take two)."""
@@ -357,7 +384,7 @@ shared_base32.__doc__ = """The 32-bit shared-window address of a shared array's 
 Not aligned past 1 KiB whatever alignment the array is declared with: sm_80 and sm_90 place a
 CTA's user shared arrays 0x400 bytes into its window (the first KiB is reserved), and sm_90
 puts the CTA's rank in its cluster above bit 23.  A caller that ORs byte offsets into the
-address realigns it first (the tensor-core kernel: :func:`~numba_kv.ops.attention.mma.aligned_table`).
+address realigns it first (the tensor-core kernel: :func:`~numba_kv.ops.attention.pairtab.aligned_table`).
 
 Parameters
 ----------
