@@ -1,13 +1,16 @@
 """GPU check of the tensor-core decode attention (``decode_attention_mma``): accuracy, then speed.
 
-1. **Accuracy** on fresh random K/V (and a window of exact tokens, causal rows): the fused
+1. **Accuracy** on fresh random K/V (and a window of exact tokens, causal rows; and whole-head
+   codes, one norm a token, norms far apart: the flat kernel's token-scale loop): the fused
    output of :func:`numba_kv.decode_attention` on CuPy arrays with the tensor-core kernel,
    the warp kernel (``cuda_mma_attention=0``) and the CPU twin (NumPy, float32), as
    ``‖out − ref‖ / ‖ref‖`` against the CPU twin, for every width pair.
 2. **Speed**, best of ``--repeat`` CUDA-event timings, 8 KV heads × 4 query heads, d = 128,
    one query per sequence: the tensor-core kernel, the warp kernel and torch
    ``scaled_dot_product_attention`` on float16 K/V (GQA; the best of the cuDNN and flash
-   backends), with the packed bytes per second of the fused kernels.  With ``--old REV``
+   backends), with the packed bytes per second of the fused kernels, and ``mma api head``:
+   the same K/V as whole-head codes through the API (the token-scale loop; ``mma api`` is the
+   block-scale loop through the same path).  With ``--old REV``
    (git revisions, comma-separated, each extracted with ``git archive`` as
    ``benchmarks/ab_package.py`` does) or ``--old DIR`` (a folder holding such extracted
    packages named ``numba_kv_ab*``, for a machine without the repository's history), each
@@ -49,6 +52,7 @@ from numba_kv.ops.attention.mma import MMA_THREADS, mma_partition_size
 from numba_kv.ops.blockquant import quantize_blocks
 from numba_kv.ops.codebook import get_codebook
 from numba_kv.ops.hadamard import rotate32
+from numba_kv.ops.headquant import quantize_head
 from numba_kv.toolkit.bench_cuda import packed_bytes, require_cupy, time_cuda_ms
 
 
@@ -80,6 +84,22 @@ def accuracy(cupy) -> None:
             with knobs(cuda_mma_attention=0):
                 warp = cupy.asnumpy(decode_attention(*dev, **dkw))
             print(f"  K{kb}V{vb} T={T} exact={n_exact} q_len={ql}: mma {rel(mma, ref):.2e}  warp {rel(warp, ref):.2e}"
+                  f"  finite={bool(np.isfinite(mma).all())}", flush=True)
+    # whole-head codes (one norm a token: the flat kernel's token-scale loop), norms far apart
+    for kb, vb in ((4, 3), (3, 3), (2, 4)):
+        for T in (37, 1000, 20000):
+            b, hkv, G, d = 2, 3, 4, 128
+            spread = np.exp(rng.uniform(-3.0, 3.0, (b, hkv, T, 1))).astype(np.float32)
+            kc, kn = quantize_head((rng.standard_normal((b, hkv, T, d)) * spread).astype(np.float32), kb)
+            vc, vn = quantize_head((rng.standard_normal((b, hkv, T, d)) * spread).astype(np.float32), vb)
+            q = (rng.standard_normal((b, hkv * G, 1, d)) * 0.05).astype(np.float32)
+            kw = {"k_bits": kb, "v_bits": vb, "rotation": "head"}
+            ref = decode_attention(q, kc, kn, vc, vn, **kw)
+            dev = [cupy.asarray(a) for a in (q, kc, kn, vc, vn)]
+            mma = cupy.asnumpy(decode_attention(*dev, **kw))
+            with knobs(cuda_mma_attention=0):
+                warp = cupy.asnumpy(decode_attention(*dev, **kw))
+            print(f"  head K{kb}V{vb} T={T}: mma {rel(mma, ref):.2e}  warp {rel(warp, ref):.2e}"
                   f"  finite={bool(np.isfinite(mma).all())}", flush=True)
 
 
@@ -265,6 +285,14 @@ def speed(cupy, tokens, batches, bits, repeat, device_time=False) -> None:
                     x = f" x{ref[2] / dev_ms:.2f}" if ref and len(ref) > 2 else ""
                     cols.append(f"mma device {dev_ms:.3f} ms ({gb / (dev_ms * 1e-3):.0f} GB/s{x}"
                                 f"{'' if ok else ', host not hidden'})")
+                # whole-head codes of the same K/V through the API (the token-scale loop; "mma api"
+                # is the block-scale loop through the same path)
+                kch, knh = quantize_head(k, nb)
+                vch, vnh = quantize_head(v, nb)
+                head = functools.partial(decode_attention, q, kch, knh, vch, vnh, bits=nb, rotation="head")
+                head()
+                cols.append(f"mma api head {time_cuda_ms(cupy, head, repeat):.3f} ms")
+                del kch, knh, vch, vnh
                 cols.append(partition_note(t, b * hkv))
                 diff = float(cupy.abs(outs["mma"] - outs["warp"]).max())
                 print(f"  T={t} batch={b} bits={nb}: " + "  ".join(cols) + f"  {tline}  max|mma-warp|={diff:.1e}",
