@@ -14,6 +14,7 @@ range statistics: :func:`~numba_kv.ops.finite.check_finite`,
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +26,35 @@ FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
 F16_MAX = 65504.0  # largest finite binary16
 F32_MAX = float(np.finfo(np.float32).max)
 Q_MAX = 2.0 ** 64  # largest accepted |query| value
+#: largest accepted ``softmax_scale``: with ``|q| <= Q_MAX`` the logits ``q·k`` are at most
+#: ``2**96`` (see ``caches._layer.check_q_values``), so ``2**30`` times that (and ``log2 e``,
+#: the tensor-core kernel's base-2 scores) stays below float32's ``2**128``
+SOFTMAX_SCALE_MAX = 2.0 ** 30
+
+
+def check_softmax_scale(value: Any) -> float:
+    """``value`` as a float; ``TypeError``/``ValueError`` naming ``softmax_scale`` unless it is
+    a real number in ``(0, 2**30]`` (finite logits for every accepted query,
+    :data:`SOFTMAX_SCALE_MAX`)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"softmax_scale: expected a float in (0, 2**30], got {type(value).__name__} {value!r}")
+    s = float(value)
+    if not (0.0 < s <= SOFTMAX_SCALE_MAX):  # (NaN fails too)
+        raise ValueError(f"softmax_scale: expected a float in (0, 2**30] (logits stay finite in float32), "
+                         f"got {value!r}")
+    return s
+
+
+def check_partition_size(value: Any) -> int | None:
+    """``value`` as an int (``None`` stays ``None``: the plan's choice); ``TypeError``/``ValueError``
+    naming ``partition_size`` unless it is an integer >= 1."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"partition_size: expected an int >= 1 or None, got {type(value).__name__} {value!r}")
+    if int(value) < 1:
+        raise ValueError(f"partition_size: expected an int >= 1 or None (tokens per partition), got {value}")
+    return int(value)
 
 
 def check_layer(layer: Any, num_layers: int) -> int:
@@ -55,13 +85,15 @@ def check_magnitude(name: str, amax: float, limit: float, what: str) -> None:
                          f"can hold; nothing was stored")
 
 
-def check_stored_f16(name: str, stored: Any, amax: float, max_norm: float) -> None:
+def check_stored_f16(name: str, stored: Any, amax: float, max_norm: float, note: str = "") -> None:
     """``ValueError`` if any binary16 number (uint16 bit pattern) in ``stored`` reached the
-    binary16 limit: a block scale or vector norm derived from argument ``name`` saturated."""
+    binary16 limit: a block scale or vector norm derived from argument ``name`` saturated.
+    ``note``: what else went into the stored values, appended to the message (a cache's key
+    mean, subtracted before quantization)."""
     host = to_host(stored)
     if host.size and int((host & 0x7FFF).max()) >= 0x7BFF:  # 65504, inf or NaN
         raise ValueError(f"{name}: a block scale or vector norm derived from {name} (max |{name}| = "
-                         f"{amax:.6g}, largest vector L2 norm {max_norm:.6g}) does not fit binary16 "
+                         f"{amax:.6g}, largest vector L2 norm {max_norm:.6g}{note}) does not fit binary16 "
                          f"(limit {F16_MAX:g}); nothing was stored")
 
 
@@ -158,10 +190,49 @@ def is_c_contiguous(a: Any) -> bool:
     return bool(getattr(a, "is_c_contiguous", lambda: False)())
 
 
-def check_out(out: Any, shape: Sequence[int], dtype: Any, device: str, what: str) -> None:
+def _byte_span(a: Any) -> tuple[int, int] | None:
+    """``[lo, hi)``: the bytes a CUDA array's elements span (from its
+    ``__cuda_array_interface__``), or ``None`` for an array without one or with no element."""
+    cai = getattr(a, "__cuda_array_interface__", None)
+    if cai is None:
+        return None
+    shape = tuple(int(s) for s in cai["shape"])
+    if any(s == 0 for s in shape):
+        return None
+    item = np.dtype(cai["typestr"]).itemsize
+    strides = cai.get("strides")
+    if strides is None:  # C-contiguous
+        strides = tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) * item for i in range(len(shape)))
+    lo = hi = int(cai["data"][0])
+    for n, st in zip(shape, strides):
+        reach = (n - 1) * int(st)
+        lo, hi = (lo + reach, hi) if reach < 0 else (lo, hi + reach)
+    return lo, hi + item
+
+
+def overlaps(a: Any, b: Any) -> bool:
+    """Whether arrays ``a`` and ``b`` may share memory: exactly for NumPy arrays
+    (``numpy.shares_memory``; a problem too hard to settle counts as shared), by the byte
+    ranges their elements span for CUDA arrays (a strided view interleaved with another
+    array counts as overlapping it)."""
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        if not np.may_share_memory(a, b):
+            return False
+        try:
+            return bool(np.shares_memory(a, b, max_work=100_000))
+        except np.exceptions.TooHardError:
+            return True
+    sa, sb = _byte_span(a), _byte_span(b)
+    return sa is not None and sb is not None and sa[0] < sb[1] and sb[0] < sa[1]
+
+
+def check_out(out: Any, shape: Sequence[int], dtype: Any, device: str, what: str,
+              inputs: Sequence[tuple[str, Any]] = ()) -> None:
     """``TypeError``/``ValueError`` naming ``out`` unless it can take a result of ``shape`` and
     ``dtype`` on ``device``: an array of exactly that shape and dtype, C-contiguous (the
-    kernels write it as flat rows) and writable, on the device of the call's other arrays.
+    kernels write it as flat rows) and writable, on the device of the call's other arrays,
+    sharing no memory with the call's ``inputs`` (``(name, array)`` pairs: a kernel that
+    writes ``out`` while it reads them would read its own output; :func:`overlaps`).
     ``what`` names the result in the message (``"the attention output"``)."""
     dev = device_of("out", out)
     want = tuple(int(s) for s in shape)
@@ -177,3 +248,7 @@ def check_out(out: Any, shape: Sequence[int], dtype: Any, device: str, what: str
         raise ValueError(f"out: expected a C-contiguous array for {what}, got a strided view")
     if isinstance(out, np.ndarray) and not out.flags.writeable:
         raise ValueError(f"out: expected a writable array for {what}, got a read-only one")
+    for name, a in inputs:
+        if a is not None and overlaps(out, a):
+            raise ValueError(f"out: expected an array that shares no memory with {name} for {what}, got one that "
+                             f"overlaps {name}")

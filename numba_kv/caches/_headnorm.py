@@ -127,7 +127,7 @@ class HeadNormMixin:
         if "norm8_base" not in st.meta:
             norms = {name: self._scratch_norms(st, name, arr) for name, arr, _ in sides}
             for name, _, rs in sides:
-                check_stored_f16(name, norms[name], rs.amax, rs.max_norm)
+                check_stored_f16(name, norms[name], rs.amax, rs.max_norm, self._range_note(st, name))
             # (the grid leaves 4 octaves above this call's largest norm: nothing to check)
             st.scratch["norm8_pending"] = (k, v, norm8_base16(np.concatenate([norms["k"], norms["v"]], axis=1)))
             return
@@ -138,13 +138,13 @@ class HeadNormMixin:
             if norm * self._f16_factor(name) * (1 + 2.0 ** -10) <= limit:
                 continue
             h = self._scratch_norms(st, name, arr)
-            check_stored_f16(name, h, rs.amax, rs.max_norm)
+            check_stored_f16(name, h, rs.amax, rs.max_norm, self._range_note(st, name))
             codes = norm8_codes(h, base16)
             if h.size and int(codes.max()) > 255:
                 big = float(np.abs((h & 0x7FFF).view(np.float16).astype(np.float64)).max())
                 raise ValueError(f"{name}: a vector norm of {big:.6g} exceeds the 8-bit norm grid's top "
-                                 f"{norm8_top(base16):.6g} fixed at this layer's first store (norm_bits=8); "
-                                 f"use norm_bits=16; nothing was stored")
+                                 f"{norm8_top(base16):.6g} fixed at this layer's first store (norm_bits=8"
+                                 f"{self._range_note(st, name)}); use norm_bits=16; nothing was stored")
 
     def _fix_norm8_base(self, st: LayerState, k: Any, v: Any) -> None:
         """Fix the layer's grid before its first store (from :meth:`_check_norm8`'s pending

@@ -324,7 +324,7 @@ class LayeredCache(SteadyStepMixin, LifecycleMixin, ValueChecks):
                           None if config is None else config.n_kv_groups, q_len=k.shape[2], device=dev)
             q_now = mode == "sync"
         if out is not None:  # before the deferred record below: a refused call records nothing
-            self._check_decode_out(out, q, k.dtype)
+            self._check_decode_out(out, q, k, v)
         if mode == "deferred":
             # once every shape is right: k, v (and q) recorded in one launch
             items = [("kv", k), ("kv", v)] + ([] if q is None else [("q", q)])
@@ -451,14 +451,15 @@ class LayeredCache(SteadyStepMixin, LifecycleMixin, ValueChecks):
         """Whether :meth:`decode` attends itself (returns ``Fused``; ``out=`` applies)."""
         return False
 
-    def _check_decode_out(self, out: Any, q: Any, k_dtype: Any) -> None:
+    def _check_decode_out(self, out: Any, q: Any, k: Any, v: Any) -> None:
         """``TypeError``/``ValueError`` naming ``out`` unless ``decode`` can write its output
-        (shaped like ``q``, the dtype of ``k``) into it (see :meth:`decode`)."""
+        (shaped like ``q``, the dtype of ``k``, sharing no memory with ``k``, ``v``, ``q``)
+        into it (see :meth:`decode`)."""
         if not self._fuses():
             raise TypeError(f"out: {type(self).__name__} returns Dequantized (the caller runs attention): "
                             "out= takes the output of a fused decode only, got an array")
-        check_out(out, tuple(q.shape), k_dtype, _backend.device_of("q", q), "the decode output (shaped like q, "
-                  "the dtype of k)")
+        check_out(out, tuple(q.shape), k.dtype, _backend.device_of("q", q), "the decode output (shaped like q, "
+                  "the dtype of k)", inputs=(("k", k), ("v", v), ("q", q)))
 
     def _decode_checked(self, st: LayerState, dev: str, k: Any, v: Any, q: Any, config: AttendConfig,
                         out: Any = None) -> DecodeOutput:

@@ -173,7 +173,7 @@ def split_call(pieces: Sequence[tuple[LayeredCache, int, tuple[int, ...]]], num_
         dev = check_kv_shapes(k, v, num_kv_heads, head_dim)
         check_q_shape(q, k.shape[0], num_kv_heads, head_dim, config.n_kv_groups, q_len=k.shape[2], device=dev)
         for part, _, _ in pieces:
-            part._check_decode_out(out, q, k.dtype)  # noqa: SLF001
+            part._check_decode_out(out, q, k, v)  # noqa: SLF001
     calls, group = _validated(pieces, num_kv_heads, head_dim, k, v, q, config, decode)
     with contextlib.ExitStack() as stack:
         for c in calls:

@@ -64,6 +64,8 @@ from .._validate import (
     check_layer,
     check_magnitude,
     check_out,
+    check_partition_size,
+    check_softmax_scale,
     check_stored_f16,
 )
 from ..ops.attention import CodeLayout
@@ -564,6 +566,8 @@ class PagedKVCache(PagedStorageMixin, PagedLifecycleMixin, ValueChecks):
         of a new array; checked before anything runs).  ``q``'s values are checked as
         :attr:`validate` says (finite, ``|q| <= 2**64``; the shapes by the op).
         """
+        softmax_scale = None if softmax_scale is None else check_softmax_scale(softmax_scale)
+        partition_size = check_partition_size(partition_size)
         with self._lock:  # the table, the lengths and the pools of one moment
             layer = check_layer(layer, self.num_layers)
             ids = tuple(sorted(self._tables[0]) if seq_ids is None else [self._check_seq(s) for s in seq_ids])
@@ -575,7 +579,8 @@ class PagedKVCache(PagedStorageMixin, PagedLifecycleMixin, ValueChecks):
                 raise ValueError(f"seq_ids: every sequence needs >= max(1, q_len={ql}) stored tokens, "
                                  f"got lengths {lens}")
             if out is not None:
-                check_out(out, tuple(q.shape), np.float32, dev, "the attention output (float32, shaped like q)")
+                check_out(out, tuple(q.shape), np.float32, dev, "the attention output (float32, shaped like q)",
+                          inputs=(("q", q),))
             mode = self._value_mode(dev)
             if mode == "sync" or (mode == "deferred" and not self._defer("q", q)):
                 check_q_values(q)  # else deferred to check_inputs() (or "off")

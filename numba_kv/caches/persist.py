@@ -123,11 +123,18 @@ def load_cache(path: Any, expect: Any | None = None) -> Any:
     CacheFileError (a ValueError)
         Unreadable / truncated file, checksum mismatch (a flipped byte), unknown format or
         version, a configuration that does not match ``expect`` or the stored tensors.
+    TypeError
+        ``expect`` is neither a cache class nor a cache (checked before the file is read).
     FileNotFoundError
         ``path`` does not exist.
     ImportError
         ``safetensors`` is not installed.
     """
+    if expect is not None:
+        kinds = tuple(CLASSES.values())
+        if not ((isinstance(expect, type) and issubclass(expect, kinds)) or isinstance(expect, kinds)):
+            raise TypeError(f"expect: expected a cache class or a cache ({', '.join(sorted(CLASSES))}), got "
+                            f"{type(expect).__name__} {expect!r}")
     path = os.fspath(path)
     meta, tensors = _read(path)
     if meta.get("format") != FORMAT_NAME:

@@ -443,6 +443,18 @@ class PolarQuantCache(HeadNormMixin, FusedDecodeMixin, WindowedLayers, LayeredCa
                 amax, norm = 2 * amax, 2 * norm
         return amax, norm, exact
 
+    def _range_note(self, st: LayerState, name: str) -> str:
+        """What a range error on ``name`` must add besides the input's own numbers: with key
+        centering the stored keys are ``k − mean``, the mean frozen from the layer's first
+        stored chunk, so a mean far from this call's keys saturates their norms."""
+        if name != "k" or not self.config.key_center:
+            return ""
+        if not st.meta.get("kmean_set", 0):
+            return "; the keys are stored minus this chunk's mean (key centering)"
+        m_amax, m_norm = self._mean_bounds(st)
+        return (f"; the keys are stored minus the layer's key mean, frozen from its first stored chunk: max |mean| = "
+                f"{m_amax:.6g}, largest row norm {m_norm:.6g} (key centering)")
+
     def _mean_bounds(self, st: LayerState) -> tuple[float, float]:
         """``max|m|`` and the largest row norm ``‖m‖`` of the frozen key mean (float64), measured
         once per layer: the mean never changes once set (:meth:`_center_keys`), so each decode
@@ -481,7 +493,7 @@ class PolarQuantCache(HeadNormMixin, FusedDecodeMixin, WindowedLayers, LayeredCa
         self._compress(tmp, name, x3, 0)
         for b in scratch:
             if b.startswith(name + "_") and np.dtype(tmp.buffers[b].dtype) == np.uint16:
-                check_stored_f16(name, tmp.buffers[b], rs.amax, rs.max_norm)
+                check_stored_f16(name, tmp.buffers[b], rs.amax, rs.max_norm, self._range_note(st, name))
 
     def _split_parts(self, name: str) -> tuple[tuple[int, int, int, int, int], ...]:
         """Channel split of side ``name``: ``(first channel, end channel, first code byte,

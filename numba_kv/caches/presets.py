@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from .._validate import check_head_dim, check_int
 from ._layer import check_sliding_window, resolve_layer
 from .config import PolarQuantConfig
 from .mixed import head_options, layer_options, resolve_head
@@ -189,6 +190,10 @@ class _Geometry:
 
     def __init__(self, preset: Preset, num_layers: int, num_kv_heads: int, head_dim: int, sliding_window: Any,
                  head_overrides: Any = None):
+        # the geometry's types first: a float count would fail deep inside with an unclear message
+        num_layers = check_int("num_layers", num_layers, minimum=1)
+        num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)
+        head_dim = check_head_dim(head_dim)
         self.preset, self.num_kv_heads = preset, num_kv_heads
         self.windows = check_sliding_window(sliding_window, num_layers)
         self.own = _layer_options(preset, num_layers)

@@ -37,9 +37,12 @@ a parallel region at once.  ``python -m numba_kv.info`` prints the active layer,
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from .._validate import check_softmax_scale
 
 __all__ = [
     "AttendConfig",
@@ -107,25 +110,30 @@ class AttendConfig:
     Attributes
     ----------
     softmax_scale : float
-        Multiplier of ``q·k`` before softmax, typically ``1/sqrt(head_dim)``.
+        Multiplier of ``q·k`` before softmax, typically ``1/sqrt(head_dim)``; a real number
+        in ``(0, 2**30]`` (larger ones could overflow the float32 logits), stored as a float.
     n_kv_groups : int
-        GQA group size ``num_heads // num_kv_heads`` (1 for MHA).  Validated against the
-        shapes of ``q`` and ``k`` by every cache.
+        GQA group size ``num_heads // num_kv_heads`` (1 for MHA), an int >= 1.  Validated
+        against the shapes of ``q`` and ``k`` by every cache.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Naming the field, for anything else.
     """
 
     softmax_scale: float
     n_kv_groups: int = 1
 
     def __post_init__(self) -> None:
-        s = float(self.softmax_scale)
-        if not math.isfinite(s) or s <= 0.0:
-            raise ValueError(
-                f"softmax_scale: expected a finite positive float, got {self.softmax_scale!r}"
-            )
-        if isinstance(self.n_kv_groups, bool) or int(self.n_kv_groups) != self.n_kv_groups or self.n_kv_groups < 1:
-            raise ValueError(
-                f"n_kv_groups: expected an integer >= 1, got {self.n_kv_groups!r}"
-            )
+        # stored as a float and an int (a NumPy scalar or a float32 stays usable as a key)
+        object.__setattr__(self, "softmax_scale", check_softmax_scale(self.softmax_scale))
+        g = self.n_kv_groups
+        if isinstance(g, bool) or not isinstance(g, (int, np.integer)):
+            raise TypeError(f"n_kv_groups: expected an int >= 1, got {type(g).__name__} {g!r}")
+        if g < 1:
+            raise ValueError(f"n_kv_groups: expected an int >= 1, got {g!r}")
+        object.__setattr__(self, "n_kv_groups", int(g))
 
     @classmethod
     def for_shapes(cls, head_dim: int, num_heads: int, num_kv_heads: int) -> AttendConfig:

@@ -248,6 +248,22 @@ def test_attend_config_validation():
         AttendConfig(float("nan"))
     with pytest.raises(ValueError, match="n_kv_groups"):
         AttendConfig(0.1, 0)
+    # the logits q·k reach 2**96 for accepted queries (|q| <= 2**64): a scale above 2**30
+    # could overflow float32 (decode returned NaN for finite inputs at 1e38)
+    AttendConfig(2.0 ** 30)
+    for bad in (2.0 ** 30 * (1 + 2.0 ** -52), 1e38, float("inf"), 0.0, -0.125):
+        with pytest.raises(ValueError, match=r"softmax_scale: expected a float in \(0, 2\*\*30\]"):
+            AttendConfig(bad)
+    for bad, field in (("0.125", "softmax_scale"), (True, "softmax_scale")):
+        with pytest.raises(TypeError, match=field):
+            AttendConfig(bad)
+    for bad in (1.0, True, "2"):
+        with pytest.raises(TypeError, match="n_kv_groups: expected an int"):
+            AttendConfig(0.1, bad)
+    # NumPy scalars are stored as Python numbers (the config is a dict key of plans and graphs)
+    cfg = AttendConfig(np.float32(0.125), np.int64(2))
+    assert type(cfg.softmax_scale) is float and type(cfg.n_kv_groups) is int
+    assert cfg == AttendConfig(0.125, 2) and hash(cfg) == hash(AttendConfig(0.125, 2))
     with pytest.raises(dataclasses.FrozenInstanceError):
         CFG.softmax_scale = 2.0  # frozen
 

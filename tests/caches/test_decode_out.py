@@ -100,3 +100,48 @@ def test_paged_decode_attention_writes_out():
         cache.decode_attention(0, q, [sid], out=np.empty((1, H * G, 2, D), np.float32))
     with pytest.raises(TypeError, match="out: expected dtype float32"):
         cache.decode_attention(0, q, [sid], out=np.empty(q.shape, np.float16))
+
+
+@pytest.mark.parametrize("alias", ["q", "k", "v"])
+def test_an_out_that_shares_memory_with_an_input_is_refused_before_anything_is_stored(alias):
+    # on a GPU the kernel writes out while it reads q: an aliased out would read its own output
+    rng = np.random.default_rng(8)
+    cache = make_cache("pqo3", num_layers=1, num_kv_heads=H, head_dim=D)
+    k, v, _ = _step(rng, 40)
+    cache.prefill(0, k, v)
+    before = (cache.seq_len(0), cache.memory_usage(), [a.copy() for a in cache.live_arrays(0)])
+    k, v, q = _step(rng)
+    out = q
+    if alias != "q":  # k, v are [1, H, 1, D]: make one of them a view of the out buffer (shaped like q)
+        out = np.zeros(q.shape, np.float32)
+        out[:, :H] = k if alias == "k" else v
+        k, v = (out[:, :H], v) if alias == "k" else (k, out[:, :H])
+    with pytest.raises(ValueError, match=f"out: expected an array that shares no memory with {alias} "
+                                         f".*overlaps {alias}"):
+        cache.decode(0, k, v, q, AttendConfig(D ** -0.5, n_kv_groups=G), out=out)
+    assert (cache.seq_len(0), cache.memory_usage()) == before[:2]
+    assert all(np.array_equal(x, y) for x, y in zip(cache.live_arrays(0), before[2]))
+    # the same arrays with a separate out: accepted
+    sep = np.empty(q.shape, np.float32)
+    assert cache.decode(0, k.copy(), v.copy(), q.copy(), AttendConfig(D ** -0.5, n_kv_groups=G), out=sep).out is sep
+
+
+def test_byte_ranges_of_cuda_arrays_decide_their_overlap():
+    # CUDA arrays (no numpy.shares_memory): the byte ranges their elements span, from
+    # __cuda_array_interface__ (data pointer, shape, strides, itemsize)
+    from numba_kv._validate import overlaps
+
+    class Dev:
+        def __init__(self, ptr, shape, typestr="<f4", strides=None):
+            self.__cuda_array_interface__ = {"data": (ptr, False), "shape": shape, "typestr": typestr,
+                                             "strides": strides, "version": 3}
+
+    a = Dev(1000, (2, 4))  # bytes [1000, 1032)
+    assert overlaps(a, Dev(1028, (1,)))  # its last element
+    assert not overlaps(a, Dev(1032, (8,)))  # right after it
+    assert not overlaps(Dev(968, (8,)), a)  # right before it
+    assert overlaps(a, Dev(1016, (2,), "<f8"))
+    down = Dev(1000, (4,), strides=(-8,))  # elements at 1000, 992, 984, 976: bytes [976, 1004)
+    assert overlaps(down, Dev(976, (1,))) and overlaps(down, Dev(1000, (1,)))
+    assert not overlaps(down, Dev(972, (1,))) and not overlaps(down, Dev(1004, (1,)))
+    assert not overlaps(a, Dev(1000, (0,)))  # no element, no overlap

@@ -208,6 +208,10 @@ def test_mismatched_expectation(saved, tmp_path):
     with pytest.raises(CacheFileError, match="residual_length"):
         load_cache(path, expect=other)
     assert load_cache(path, expect=PolarQuantCache(3, H, D, residual_length=4, sink_tokens=2)).seq_len(0) == 45
+    # a name is neither a class nor a cache: TypeError naming expect (was a CacheFileError about the file)
+    for bad in ("pqo3", int, 3):
+        with pytest.raises(TypeError, match="expect: expected a cache class or a cache"):
+            load_cache(path, expect=bad)
 
 
 def test_consistent_but_wrong_tensors_are_rejected(saved, tmp_path):

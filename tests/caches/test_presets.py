@@ -259,6 +259,22 @@ def test_unknown_preset_lists_presets(bad):
         presets.resolve_preset("nope", num_layers=2, num_kv_heads=1, head_dim=64)
 
 
+@pytest.mark.parametrize("kw, exc, word", [
+    (dict(num_layers=2.0), TypeError, "num_layers: expected an int, got float 2.0"),
+    (dict(num_kv_heads=1.0), TypeError, "num_kv_heads: expected an int, got float 1.0"),
+    (dict(num_layers=0), ValueError, "num_layers: expected an int >= 1"),
+    (dict(head_dim=48), ValueError, "head_dim: expected a positive multiple of 32"),
+])
+def test_a_preset_names_a_bad_geometry_argument(kw, exc, word):
+    # (a float count failed inside the layer list: "can't multiply sequence by non-int")
+    geo = {"num_layers": 2, "num_kv_heads": 1, "head_dim": 64, **kw}
+    for call in (nk.make_cache, presets.resolve_preset):
+        with pytest.raises(exc, match=word):
+            call("kv4", **geo)
+    with pytest.raises(exc, match=word):
+        presets.preset_bytes("kv4", residual_length=8, tokens=64, **geo)
+
+
 def test_override_of_every_layer_applies():
     """Overrides that give every layer the same options (a preset's first and last layer on a
     one-layer model) build one plain cache of those options, not of the base."""

@@ -228,6 +228,35 @@ def test_huge_query_rejected_without_state_change():
     assert np.isfinite(out).all()
 
 
+def test_largest_scale_and_query_keep_the_output_finite():
+    # the bounds meet: |q| = 2**64 (the largest accepted query) at softmax_scale = 2**30 (the
+    # largest accepted scale) gives finite logits (at 1e38 every output was NaN)
+    cache = make_cache("kv4", num_layers=1, num_kv_heads=H, head_dim=D)
+    rng = np.random.default_rng(6)
+    cache.prefill(0, *_rng_kv(rng, 50))
+    k, v = _rng_kv(rng, 1)
+    q = rng.standard_normal((1, H * G, 1, D)).astype(np.float32)
+    q[0, 0, 0, :] = 2.0 ** 64
+    out = cache.decode(0, k, v, q, AttendConfig(2.0 ** 30, n_kv_groups=G)).out
+    assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("name, opts", [("kv4", {}), ("pqo3", {"key_center": True, "window_dtype": "float32"})])
+def test_key_centering_error_names_the_frozen_mean(name, opts):
+    # key centering subtracts the key mean frozen from the layer's first chunk: small keys after
+    # a chunk of 6e4s saturate their norms or scales, and the message must say why (it cited
+    # only max |k| = 3.1)
+    cache = make_cache(name, num_layers=1, num_kv_heads=H, head_dim=D, **opts)
+    cache.prefill(0, np.full((1, H, 4, D), 6e4, np.float32), np.ones((1, H, 4, D), np.float32))
+    before = _snapshot(cache)
+    rng = np.random.default_rng(7)
+    with pytest.raises(ValueError, match=r"^k: .*stored minus the layer's key mean, frozen from its first stored "
+                                         r"chunk: max \|mean\| = 60000.*does not fit binary16") as exc:
+        cache.prefill(0, *_rng_kv(rng, 4))
+    _assert_rejected(exc.value, "k")
+    _assert_snapshot_equal(_snapshot(cache), before)
+
+
 # --- the binary16 bound of derived scales is an upper bound -------------------------------
 @pytest.mark.parametrize("cid", ["pqo3", "pq3-l2", "pqo3-eden", "pqo-k4v3-head-eden", "tq3", "tq3-head-nowin",
                                  "pqo3.5", "pqo4-head-vq"])

@@ -104,6 +104,15 @@ def test_huge_bias_masks_tokens():
     (lambda a: a.update(k_exact=np.zeros((1, 2, 3, 64), np.float32)), ValueError, "k_exact"),
     (lambda a: a.update(k_bits=7), ValueError, "k_bits"),
     (lambda a: a.update(q=np.full((1, 4, 1, 64), np.nan, np.float32)), ValueError, "q"),
+    # a NaN scale returned zeros, an infinite or huge one NaN, 0 and negatives went through
+    (lambda a: a.update(softmax_scale=float("nan")), ValueError, r"^softmax_scale: expected a float in \(0, 2\*\*30\]"),
+    (lambda a: a.update(softmax_scale=1e38), ValueError, r"^softmax_scale: expected a float in \(0, 2\*\*30\]"),
+    (lambda a: a.update(softmax_scale=-0.125), ValueError, r"^softmax_scale: expected a float in \(0, 2\*\*30\]"),
+    (lambda a: a.update(softmax_scale="0.125"), TypeError, "^softmax_scale"),
+    # 0 raised ZeroDivisionError, -1 "negative dimensions are not allowed"
+    (lambda a: a.update(partition_size=0), ValueError, r"^partition_size: expected an int >= 1"),
+    (lambda a: a.update(partition_size=-1), ValueError, r"^partition_size: expected an int >= 1"),
+    (lambda a: a.update(partition_size=2.0), TypeError, r"^partition_size: expected an int >= 1"),
 ])
 def test_bad_input(mutate, exc, word):
     rng = np.random.default_rng(0)

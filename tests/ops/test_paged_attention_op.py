@@ -61,6 +61,24 @@ def test_bad_pools(change, word):
         paged_decode_attention(q, c.page_table(0), **change(_pool_kwargs(c)))
 
 
+@pytest.mark.parametrize("kw, exc, word", [
+    (dict(softmax_scale=float("nan")), ValueError, r"^softmax_scale: expected a float in \(0, 2\*\*30\]"),
+    (dict(softmax_scale=1e38), ValueError, r"^softmax_scale: expected a float in \(0, 2\*\*30\]"),
+    (dict(partition_size=0), ValueError, r"^partition_size: expected an int >= 1"),
+    (dict(partition_size=True), TypeError, r"^partition_size: expected an int >= 1"),
+])
+def test_bad_scale_and_partition_size_name_the_argument(kw, exc, word):
+    # (a NaN scale returned zeros, 1e38 NaN, partition_size=0 a ZeroDivisionError), through the
+    # op and through the cache's own decode_attention
+    rng = np.random.default_rng(9)
+    c = _cache("pqo3", (5,), rng)
+    q = rng.standard_normal((1, 2, 1, 64)).astype(np.float32)
+    with pytest.raises(exc, match=word):
+        paged_decode_attention(q, c.page_table(0), **_pool_kwargs(c), **kw)
+    with pytest.raises(exc, match=word):
+        c.decode_attention(0, q, **kw)
+
+
 def test_bad_table_rows():
     rng = np.random.default_rng(6)
     c = _cache("float32", (5, 6), rng)

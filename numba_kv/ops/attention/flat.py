@@ -34,7 +34,7 @@ import numpy as np
 
 from ... import _backend
 from ..._config import MAX_HEAD_DIM
-from ..._validate import check_float_array, check_shape
+from ..._validate import check_float_array, check_partition_size, check_shape, check_softmax_scale
 from ..codebook import Codebook, get_codebook
 from ..finite import check_finite, check_rotation_input
 from ..gather import to_like
@@ -110,7 +110,8 @@ def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales
     bits, norm_mode, k_bits, v_bits, k_codebook, v_codebook
         Codebooks of K and V (``k_bits``/``v_bits`` default to ``bits``).
     softmax_scale : float, optional
-        Defaults to ``1/sqrt(head_dim)``.
+        Defaults to ``1/sqrt(head_dim)``; in ``(0, 2**30]`` (larger ones could overflow the
+        float32 logits).
     logit_bias : float array, shape ``(batch, num_heads, q_len, total_tokens)``, optional
         Added to the scaled logits (units of ``softmax_scale·q·k``), indexed by position.
     causal : bool
@@ -121,7 +122,7 @@ def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales
     exact_positions : int array, shape ``(E,)``, optional
         Positions of the exact tokens; default ``T, T+1, …`` (a window after the codes).
     partition_size : int, optional
-        Tokens per split-K partition (default: enough partitions for every thread).
+        Tokens per split-K partition, >= 1 (default: enough partitions for every thread).
     rotation : {"block", "head"}
         How the codes were made: :func:`numba_kv.quantize_blocks` (32-block rotation, one
         scale per block) or :func:`numba_kv.quantize_head` (whole-head rotation, one norm
@@ -177,8 +178,8 @@ def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales
     if ql > total and causal:
         raise ValueError(f"q: expected q_len <= total tokens {total} with causal=True, got {ql}")
     epos = _exact_positions(exact_positions, q, T, n_exact)
-    if softmax_scale is None:
-        softmax_scale = d ** -0.5
+    softmax_scale = d ** -0.5 if softmax_scale is None else check_softmax_scale(softmax_scale)
+    partition_size = check_partition_size(partition_size)
     check_rotation_input("q", q, d if head else 32)  # finite, and its rotation fits float32
     g = b * hkv
     rows = (hq // hkv) * ql

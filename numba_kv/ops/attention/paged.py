@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ... import _backend
-from ..._validate import check_float_array, check_out
+from ..._validate import check_float_array, check_out, check_partition_size, check_softmax_scale
 from ..finite import check_finite
 from ..hadamard import rotate32, rotate32_rows
 from .layout import CodeLayout
@@ -145,17 +145,18 @@ def paged_decode_attention(q: Any, page_table: Sequence[Any], *, k_pages: Any = 
         Tokens of every sequence (host ints; default: read from the page table, a
         device→host copy when it lives on the device).
     softmax_scale : float, optional
-        Default ``1/sqrt(head_dim)``.
+        Default ``1/sqrt(head_dim)``; in ``(0, 2**30]`` (larger ones could overflow the float32
+        logits).
     causal : bool
         The ``q_len`` queries of a sequence sit at its last ``q_len`` positions.
     partition_size : int, optional
-        Tokens per split-K partition.
+        Tokens per split-K partition, >= 1.
     check_values : bool
         Reject a non-finite ``q`` (on a GPU: one device-to-host read).  ``False`` when the
         caller checked or deferred that itself (:meth:`PagedKVCache.decode_attention`).
     out : float32 array, shape ``(n_seq, num_heads, q_len, head_dim)``, optional
         Written and returned instead of a new array (C-contiguous, on the device of ``q``,
-        not overlapping ``q``): a decode step that allocates nothing.
+        sharing no memory with ``q`` or the pools): a decode step that allocates nothing.
 
     Returns
     -------
@@ -184,9 +185,13 @@ def paged_decode_attention(q: Any, page_table: Sequence[Any], *, k_pages: Any = 
                          f"shape {(n_seq, hq, ql, d)}")
     if len(last.shape) != 1 or int(last.shape[0]) != n_seq or int(indptr.shape[0]) != n_seq + 1:
         raise ValueError(f"q: expected {int(last.shape[0])} rows (one per sequence of the page table), got {n_seq}")
+    softmax_scale = None if softmax_scale is None else check_softmax_scale(softmax_scale)
+    partition_size = check_partition_size(partition_size)
     if out is not None:
         check_out(out, (n_seq, hq, ql, d), np.float32, _backend.device_of("q", q),
-                  "the attention output (float32, shaped like q)")
+                  "the attention output (float32, shaped like q)",
+                  inputs=(("q", q), ("k_pages", k_pages), ("v_pages", v_pages), ("k_codes", k_codes),
+                          ("k_scales", k_scales), ("v_codes", v_codes), ("v_scales", v_scales)))
     if check_values:
         check_finite("q", q)
     compressed, page_size, arrays, klay, vlay = _pools(q, d, k_pages, v_pages, k_codes, k_scales, v_codes, v_scales,
