@@ -24,11 +24,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from types import ModuleType
 from typing import Any
 
-from numba_kv import __version__
+from numba_kv import __version__, make_cache
 from numba_kv import info as env_info
 
 from .models.gguf_loader import ModelNotFoundError
@@ -60,10 +61,29 @@ def _toolkit(name: str) -> ModuleType:
     return importlib.import_module(f"{__package__}.{name}")
 
 
+def _positive_int(text: str) -> int:
+    """argparse type of a count: an int >= 1 (else argparse's usage line and exit status 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
+    return value
+
+
 def _demo(args: argparse.Namespace) -> int:
     demo = _toolkit("demo")
+    names = list(demo.iter_names(args.caches))
+    if not names:
+        return _user_error("demo", f"--caches: expected comma-separated cache names, got {args.caches!r}")
+    for name in names:  # the library's own check of each name on this geometry, before any work
+        try:
+            make_cache(name, num_layers=args.layers, num_kv_heads=args.kv_heads, head_dim=args.head_dim)
+        except (ValueError, TypeError) as exc:
+            return _user_error("demo", f"--caches: {name!r}: {exc}")
     env = env_info.collect()
-    rows = demo.run_demo(list(demo.iter_names(args.caches)), args.layers, args.kv_heads, args.head_dim, args.tokens,
+    rows = demo.run_demo(names, args.layers, args.kv_heads, args.head_dim, args.tokens,
                     args.chunk, args.seed, progress=not args.no_progress)
     title = (f"synthetic KV stream: {args.layers} layers x {args.kv_heads} KV heads x {args.tokens} tokens, "
              f"d={args.head_dim} ({env['threads']} threads, layer {env['threading_layer']})")
@@ -77,6 +97,7 @@ def _bench_modes(args: argparse.Namespace) -> int:
     tokens = int(args.tokens or 2048)
     try:
         modes = recommend.DEFAULT_MODES if not args.modes else split_cache_list(args.modes, "--modes")
+        parse_cache_specs(",".join(modes), arg="--modes")  # a clear error before the run
     except EvalConfigError as exc:
         return _user_error("bench modes", exc)
     faiss_specs = recommend.DEFAULT_FAISS if args.faiss is None else [f.strip() for f in args.faiss.split("/")
@@ -103,9 +124,13 @@ def _bench(args: argparse.Namespace) -> int:
     if args.device == "cuda":
         return _bench_attention_cuda(args)
     bench = _toolkit("bench")
-    tokens = [int(t) for t in (args.tokens or "4096,32768,131072").split(",")]
-    bits = [int(b) for b in args.bits.split(",")]
     try:  # a clear error before any timing
+        tokens = _int_list(args.tokens or "4096,32768,131072", "--tokens")
+        bits = _int_list(args.bits, "--bits")
+        if not tokens or min(tokens) < 1:
+            raise EvalConfigError(f"--tokens: expected comma-separated ints >= 1, got {args.tokens!r}")
+        if not bits or not set(bits) <= {1, 2, 3, 4}:
+            raise EvalConfigError(f"--bits: expected comma-separated widths in 1..4, got {args.bits!r}")
         decode_specs = (bench.DECODE_SPECS if args.decode_caches is None
                         else split_cache_list(args.decode_caches, arg="--decode-caches"))
         parse_cache_specs(",".join(decode_specs), arg="--decode-caches")
@@ -553,11 +578,11 @@ def _add_demo(sub: Any) -> None:
     d.add_argument("--synthetic", action="store_true",
                    help="the synthetic KV stream (the only mode of `demo`; the real-model demo is `eval`)")
     d.add_argument("--caches", default="dense,pq3,pqo3,pqo4", help="comma-separated cache names")
-    d.add_argument("--layers", type=int, default=8)
-    d.add_argument("--kv-heads", type=int, default=8)
-    d.add_argument("--head-dim", type=int, default=128)
-    d.add_argument("--tokens", type=int, default=4096)
-    d.add_argument("--chunk", type=int, default=512, help="prefill chunk length")
+    d.add_argument("--layers", type=_positive_int, default=8)
+    d.add_argument("--kv-heads", type=_positive_int, default=8)
+    d.add_argument("--head-dim", type=_positive_int, default=128)
+    d.add_argument("--tokens", type=_positive_int, default=4096)
+    d.add_argument("--chunk", type=_positive_int, default=512, help="prefill chunk length")
     d.add_argument("--seed", type=int, default=0)
     _add_output_options(d, "the rows")
     d.set_defaults(func=_demo)
@@ -656,13 +681,18 @@ def main(argv: list[str] | None = None) -> int:
     its toolkit module, or later: gguf, tokenizers, matplotlib) ends the command with one line
     naming the extra and exit status 2, not a traceback."""
     args = build_parser().parse_args(argv)
+    command = " ".join(filter(None, (args.command, getattr(args, "what", None))))
+    for opt in ("json", "markdown", "plot"):  # a file to write: its folder must exist before the run
+        dest = getattr(args, opt, None)
+        if isinstance(dest, str) and dest != "-" and not os.path.isdir(os.path.dirname(dest) or "."):
+            return _user_error(command, f"--{opt}: the folder of {dest!r} does not exist")
     try:
         return int(args.func(args))
     except ModuleNotFoundError as exc:
         msg = _missing_extra(exc)
         if msg is None:
             raise
-        return _user_error(" ".join(filter(None, (args.command, getattr(args, "what", None)))), msg)
+        return _user_error(command, msg)
 
 
 if __name__ == "__main__":

@@ -246,3 +246,31 @@ def test_third_party_bars_are_off_in_a_log_and_restored_after(monkeypatch):
             pass
         assert log.getvalue() == ""
     assert gguf_utils.tqdm is original and hf_logging.is_progress_bar_enabled() == was_on
+
+
+@pytest.mark.parametrize("argv, command, message", [
+    (["demo", "--caches", "bogus"], "demo", r"--caches: 'bogus': name: unknown cache 'bogus'"),
+    (["demo", "--caches", ","], "demo", r"--caches: expected comma-separated cache names, got ','"),
+    (["demo", "--head-dim", "63"], "demo", r"--caches: 'dense': head_dim: expected a positive multiple of 32"),
+    (["demo", "--json", "/nonexistent-folder/x.json"], "demo", r"--json: the folder of '/nonexistent-folder/x.json' "
+                                                                r"does not exist"),
+    (["bench", "attention", "--tokens", "abc"], "bench attention", r"--tokens: expected comma-separated ints"),
+    (["bench", "attention", "--tokens", "0"], "bench attention", r"--tokens: expected comma-separated ints >= 1"),
+    (["bench", "attention", "--bits", "7"], "bench attention", r"--bits: expected comma-separated widths in 1..4"),
+    (["bench", "modes", "--modes", "bogus"], "bench modes", r"--modes: unknown cache 'bogus'"),
+])
+def test_a_bad_argument_is_one_line_before_any_work(argv, command, message, capsys):
+    # (each was a traceback, or for `bench modes` a whole run with an error row, exit status 0)
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert re.fullmatch(f"numba-kv {command}: error: {message}.*\n", err), err
+
+
+@pytest.mark.parametrize("opt", ["--tokens", "--chunk", "--layers", "--kv-heads", "--head-dim"])
+def test_demo_counts_are_positive_ints(opt, capsys):
+    for bad in ("0", "-3", "x"):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["demo", opt, bad])
+        assert exc.value.code == 2
+        assert f"argument {opt}: expected an int >= 1, got" in capsys.readouterr().err
