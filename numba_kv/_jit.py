@@ -252,11 +252,12 @@ def twin(fn: Callable, *, inline: bool = False, device: Callable | None = None,
         The core.
     inline : bool
         Inline the CPU variant into its callers at the Numba IR level
-        (``njit(inline="always")``).  A call from one ``njit`` function to another stays a
-        real call (LLVM does not inline across Numba's compiled libraries), which costs as
-        much as the work of a small core (a group of 8 indices, one binary16 conversion)
-        and keeps the caller's loop from vectorizing; use it for small cores called per
-        value or per item.  The device variant is always inlined, by NVVM
+        (``njit(inline="always")``).  A call from one ``njit`` function to another is left
+        to LLVM, which sees the callee (Numba links its module into the caller's) but
+        inlines by its own cost model; a call it keeps costs as much as the work of a small
+        core (a group of 8 indices, one binary16 conversion) and keeps the caller's loop
+        from vectorizing.  Use it for small cores called per value or per item, whose
+        inlining must not depend on that model.  The device variant is always inlined, by NVVM
         (:func:`cuda_device`).  On the CPU an inlined core that takes an array
         costs an atomic NRT incref/decref pair per call wherever Numba's reference-count
         pruning cannot pair them (a call inside a loop nest): in per-token loops hand such

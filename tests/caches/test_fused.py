@@ -284,3 +284,9 @@ def test_one_call_host_step_equals_the_op_by_op_step(name, parallel, monkeypatch
             op_by_op += len(calls) == n_calls
             np.testing.assert_array_equal(one.view(np.uint32), ops.view(np.uint32))
     assert op_by_op >= 4  # (a step that regrows the buffers binds again, with the rotation)
+    # both paths ran one compilation of the partition kernel: the one-call step hands it plain
+    # bools (literal Falses made a Literal[bool] signature of its own: ~13 s a compile)
+    from numba_kv.ops.attention.kernels import DECODE_ATTENTION
+
+    twin = DECODE_ATTENTION.cpu if parallel else DECODE_ATTENTION.cpu.serial
+    assert twin.signatures and not any("Literal" in str(sig) for sig in twin.signatures), twin.signatures

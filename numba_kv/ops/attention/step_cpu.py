@@ -7,8 +7,9 @@ Python around it.  :func:`flat_step_serial` and :func:`flat_step_parallel` run t
 one call: the same compiled twins (:data:`~numba_kv.ops.attention.kernels.DECODE_ATTENTION`,
 :data:`~numba_kv.ops.attention.merge.MERGE_PARTITIONS` and the rotation twins of
 :mod:`numba_kv.ops.headquant` / :mod:`numba_kv.ops.hadamard`) on the same arrays in the same
-order, so every output bit is the one the op-by-op path gives (a call from one compiled
-function into another's library is a real call: nothing is re-optimized across it).  The
+order, so every output bit is the one the op-by-op path gives (Numba links a callee's module
+into its caller's and LLVM optimizes them together, but the twins are large calls, not
+inlined; ``tests/caches/test_fused.py`` holds the two paths bit for bit).  The
 two differ only in the partition kernel they call: its serial compilation, or its parallel
 one (one work item per partition; the rotation and the merge, a few microseconds, stay
 serial), which wakes the threads once per step.
@@ -54,11 +55,15 @@ def _flat_step(rotate, q_in, rsigns, qr2, qr, q, kc, ks, vc, vs, n_comp, comp_po
         _rotate_head_serial(q_in, rsigns, False, qr2)
     elif rotate == 2:
         _rotate32_serial(q_in, rsigns, False, qr2)
+    # False as a plain bool: a literal False typed the partition kernel's arguments
+    # Literal[bool](False), a compilation of its own beside the one Python's bools give (the
+    # op-by-op path), ~13 s more a signature for its parallel twin on 2 cores
+    off = rotate < 0
     _partition(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kes, ves, exact_kind, kcent, vcent,
                kbits, koff, vbits, voff, sshift, scale_table, softmax_scale, bias, has_bias, has_qjl, sq, qsig, qnorm,
                qjl_const, q_pos0, q_len, causal, part_size, n_comp_parts, kv_indptr, kv_indices, kv_last_page_len,
-               page_size, n_kv_heads, part_m, part_l, part_acc, False, n_rot, msigns, head_rot, hsigns, out,
-               kv_indptr, False)  # (merge_last false: the CPU twin leaves the merge to the call below; kv_indptr
+               page_size, n_kv_heads, part_m, part_l, part_acc, off, n_rot, msigns, head_rot, hsigns, out,
+               kv_indptr, off)  # (merge_last false: the CPU twin leaves the merge to the call below; kv_indptr
     # stands in for the CUDA kernels' merge counter, which it never reads; rotate_q false: qr2 is rotated above)
     _merge_serial(part_m, part_l, part_acc, n_rot, msigns, head_rot, hsigns, out)
 
