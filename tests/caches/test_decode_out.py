@@ -61,19 +61,28 @@ def _bad_outs():
             ([[0.0]], TypeError, "out: expected a numpy.ndarray")]
 
 
-@pytest.mark.parametrize("case", range(5))
-def test_a_bad_out_is_refused_before_anything_is_stored(case):
-    bad, exc, msg = _bad_outs()[case]
-    rng = np.random.default_rng(5)
+def _prefilled(seed):
+    """A ``pqo3`` layer holding 40 tokens and a copy of everything a refused call must keep."""
+    rng = np.random.default_rng(seed)
     cache = make_cache("pqo3", num_layers=1, num_kv_heads=H, head_dim=D)
     k, v, _ = _step(rng, 40)
     cache.prefill(0, k, v)
-    before = (cache.seq_len(0), cache.memory_usage(), [a.copy() for a in cache.live_arrays(0)])
+    return rng, cache, (cache.seq_len(0), cache.memory_usage(), [a.copy() for a in cache.live_arrays(0)])
+
+
+def _assert_unchanged(cache, before):
+    assert (cache.seq_len(0), cache.memory_usage()) == before[:2]
+    assert all(np.array_equal(x, y) for x, y in zip(cache.live_arrays(0), before[2]))
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_a_bad_out_is_refused_before_anything_is_stored(case):
+    bad, exc, msg = _bad_outs()[case]
+    rng, cache, before = _prefilled(5)
     k, v, q = _step(rng)
     with pytest.raises(exc, match=msg):
         cache.decode(0, k, v, q, AttendConfig(D ** -0.5, n_kv_groups=G), out=bad)
-    assert (cache.seq_len(0), cache.memory_usage()) == before[:2]
-    assert all(np.array_equal(x, y) for x, y in zip(cache.live_arrays(0), before[2]))
+    _assert_unchanged(cache, before)
 
 
 @pytest.mark.parametrize("name", ["dense", "pqo3:decode_output=dequantized"])
@@ -105,11 +114,7 @@ def test_paged_decode_attention_writes_out():
 @pytest.mark.parametrize("alias", ["q", "k", "v"])
 def test_an_out_that_shares_memory_with_an_input_is_refused_before_anything_is_stored(alias):
     # on a GPU the kernel writes out while it reads q: an aliased out would read its own output
-    rng = np.random.default_rng(8)
-    cache = make_cache("pqo3", num_layers=1, num_kv_heads=H, head_dim=D)
-    k, v, _ = _step(rng, 40)
-    cache.prefill(0, k, v)
-    before = (cache.seq_len(0), cache.memory_usage(), [a.copy() for a in cache.live_arrays(0)])
+    rng, cache, before = _prefilled(8)
     k, v, q = _step(rng)
     out = q
     if alias != "q":  # k, v are [1, H, 1, D]: make one of them a view of the out buffer (shaped like q)
@@ -119,8 +124,7 @@ def test_an_out_that_shares_memory_with_an_input_is_refused_before_anything_is_s
     with pytest.raises(ValueError, match=f"out: expected an array that shares no memory with {alias} "
                                          f".*overlaps {alias}"):
         cache.decode(0, k, v, q, AttendConfig(D ** -0.5, n_kv_groups=G), out=out)
-    assert (cache.seq_len(0), cache.memory_usage()) == before[:2]
-    assert all(np.array_equal(x, y) for x, y in zip(cache.live_arrays(0), before[2]))
+    _assert_unchanged(cache, before)
     # the same arrays with a separate out: accepted
     sep = np.empty(q.shape, np.float32)
     assert cache.decode(0, k.copy(), v.copy(), q.copy(), AttendConfig(D ** -0.5, n_kv_groups=G), out=sep).out is sep
