@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from .. import _backend
-from .._validate import check_float_array, check_int, check_layer
+from .._validate import check_float_array, check_int, check_layer, check_softmax_scale
 from ..ops.finite import check_finite
 from ..ops.gather import to_like
 from ..ops.lowrank import project_into, reconstruct_into
@@ -380,7 +380,16 @@ class MLACache(_LatentBase):
         if _backend.xp_of(q) is None:
             raise TypeError(f"{name}: MLA attention helpers use NumPy/CuPy array operations, "
                             "got a Numba device array")
+        check_finite(name, q)
         return q
+
+    @staticmethod
+    def _check_history(n: int, q_len: int, causal: bool) -> None:
+        """``ValueError`` naming ``seq_id`` unless every causal query row sees a token: row ``i``
+        sits at ``n − q_len + i``, so ``q_len <= n`` (an empty sequence is refused when read)."""
+        if causal and n < q_len:
+            raise ValueError(f"seq_id: expected a sequence with at least q_len={q_len} stored tokens "
+                             f"(causal), it holds {n}")
 
     @staticmethod
     def _softmax_av(xp: Any, s: Any, causal: bool, n: int) -> Any:
@@ -403,25 +412,35 @@ class MLACache(_LatentBase):
         q_pe : float array, shape ``(num_heads, q_len, qk_rope_head_dim)``
             RoPE-rotated.
         softmax_scale : float
-            Multiplies the logits (usually ``1/sqrt(qk_nope_head_dim + qk_rope_head_dim)``).
+            Multiplies the logits (usually ``1/sqrt(qk_nope_head_dim + qk_rope_head_dim)``); in
+            ``(0, 2**30]``.
         causal : bool
-            Query row ``i`` sits at position ``seq_len − q_len + i`` and sees tokens up to it.
+            Query row ``i`` sits at position ``seq_len − q_len + i`` and sees tokens up to it
+            (so ``q_len <= seq_len``).
 
         Returns
         -------
         out : float32 array, shape ``(num_heads, q_len, v_head_dim)``
+
+        Raises
+        ------
+        ValueError
+            A query with a NaN/Inf value, a scale outside ``(0, 2**30]``, a sequence with no
+            stored token or, with ``causal``, fewer than ``q_len``: nothing is computed.
         """
         layer = check_layer(layer, self.num_layers)
+        softmax_scale = check_softmax_scale(softmax_scale)
         self._check_q("q_nope", q_nope, self.qk_nope_head_dim, None)
         self._check_q("q_pe", q_pe, self.qk_rope_head_dim, q_nope.shape[1])
         xp = _backend.xp_of(q_nope)
         lat = self.get_compressed_kv(layer, seq_id)
+        self._check_history(lat.shape[0], q_nope.shape[1], causal)
         c_kv = lat[:, : self.kv_lora_rank].astype(xp.float64)
         k_pe = lat[:, self.kv_lora_rank:].astype(xp.float64)
         w_uk = xp.asarray(self.w_uk[layer], dtype=xp.float64)  # [h, r, nope]
         w_uv = xp.asarray(self.w_uv[layer], dtype=xp.float64)
         q_lat = xp.einsum("hqn,hrn->hqr", q_nope.astype(xp.float64), w_uk)  # absorbed W_UK
-        s = (q_lat @ c_kv.T + q_pe.astype(xp.float64) @ k_pe.T) * float(softmax_scale)
+        s = (q_lat @ c_kv.T + q_pe.astype(xp.float64) @ k_pe.T) * softmax_scale
         p = self._softmax_av(xp, s, causal, lat.shape[0])
         o_lat = p @ c_kv  # [h, q, r]
         return xp.einsum("hqr,hrv->hqv", o_lat, w_uv).astype(xp.float32)
@@ -432,15 +451,20 @@ class MLACache(_LatentBase):
         Parameters
         ----------
         q : float array, shape ``(num_heads, q_len, qk_nope_head_dim + qk_rope_head_dim)``
+        softmax_scale, causal
+            As for :meth:`attend_absorbed` (and checked the same way).
 
         Returns
         -------
         out : float32 array, shape ``(num_heads, q_len, v_head_dim)``
         """
+        layer = check_layer(layer, self.num_layers)
+        softmax_scale = check_softmax_scale(softmax_scale)
         self._check_q("q", q, self.qk_head_dim, None)
         xp = _backend.xp_of(q)
         k, v = self.get_kv(layer, seq_id)
-        s = xp.einsum("hqd,hkd->hqk", q.astype(xp.float64), k.astype(xp.float64)) * float(softmax_scale)
+        self._check_history(k.shape[1], q.shape[1], causal)
+        s = xp.einsum("hqd,hkd->hqk", q.astype(xp.float64), k.astype(xp.float64)) * softmax_scale
         p = self._softmax_av(xp, s, causal, k.shape[1])
         return (p @ v.astype(xp.float64)).astype(xp.float32)
 

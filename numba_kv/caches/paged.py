@@ -572,6 +572,9 @@ class PagedKVCache(PagedStorageMixin, PagedLifecycleMixin, ValueChecks):
             layer = check_layer(layer, self.num_layers)
             ids = tuple(sorted(self._tables[0]) if seq_ids is None else [self._check_seq(s) for s in seq_ids])
             arrays = self._attention_arrays(q)
+            if not ids:
+                raise ValueError("seq_ids: expected at least one sequence to attend over, got none"
+                                 + (" (no sequence is allocated)" if seq_ids is None else ""))
             dev = self._check_query(q, len(ids))
             lens = [self._lens[layer][s] for s in ids]
             ql = int(q.shape[2])

@@ -153,6 +153,10 @@ def load_cache(path: Any, expect: Any | None = None) -> Any:
         cfg, st = json.loads(config), json.loads(state)
     except ValueError as exc:
         raise CacheFileError(f"path: {path!r} has malformed metadata: {exc}") from exc
+    for field, value in (("config", cfg), ("state", st)):
+        if not isinstance(value, dict):
+            raise CacheFileError(f"path: {path!r} has malformed metadata: its {field} is a JSON "
+                                 f"{type(value).__name__}, expected an object")
     cfg = _without_removed_options(cfg)
     if expect is not None:
         want = expect if isinstance(expect, type) else type(expect)
@@ -168,5 +172,6 @@ def load_cache(path: Any, expect: Any | None = None) -> Any:
         return cls.from_state_dict(CacheState(cfg, st, tensors))
     except CacheFileError:
         raise
-    except (TypeError, ValueError, KeyError) as exc:
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+        # (nested metadata of the wrong JSON type: a list or null where a part's object is read)
         raise CacheFileError(f"path: {path!r} holds an invalid {name} configuration or state: {exc}") from exc

@@ -104,6 +104,40 @@ def test_mla_bad_input(mla, rng):
     assert small.seq_len(0, t) == 0
 
 
+def _attend(mla, how, s, q, scale, causal=False):
+    if how == "absorbed":
+        return mla.attend_absorbed(0, s, np.ascontiguousarray(q[:, :, :NOPE]), np.ascontiguousarray(q[:, :, NOPE:]),
+                                   scale, causal=causal)
+    return mla.attend(0, s, q, scale, causal=causal)
+
+
+@pytest.mark.parametrize("how", ["absorbed", "up-projected"])
+def test_mla_attention_refuses_what_would_give_nan(mla, rng, how):
+    """The attention helpers check what the paged cache's attention checks: every causal query
+    row sees a token (7 rows over 5 tokens gave NaN rows), the query is finite, the scale is a
+    real number in (0, 2**30] (NaN gave NaN, -1 was taken, a string was an unnamed error)."""
+    s, empty = mla.allocate_sequence(), mla.allocate_sequence()
+    mla.append_latent(0, s, *_latent(rng, 5))
+    q = rng.standard_normal((H, 7, NOPE + ROPE)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"seq_id: expected .*q_len=7.* it holds 5"):
+        _attend(mla, how, s, q, 0.1, causal=True)
+    with pytest.raises(ValueError, match=r"seq_id: sequence \d+ holds no tokens in layer 0"):
+        _attend(mla, how, empty, q, 0.1)
+    bad = q.copy()
+    bad[1, 2, NOPE + 3] = np.nan  # in the rotary part: q_pe for the absorbed form
+    with pytest.raises(ValueError, match="q_pe" if how == "absorbed" else "q"):
+        _attend(mla, how, s, bad, 0.1)
+    for scale in (float("nan"), -1.0, 0.0, float("inf"), 2.0 ** 31):
+        with pytest.raises(ValueError, match="softmax_scale"):
+            _attend(mla, how, s, q[:, :1], scale)
+    with pytest.raises(TypeError, match="softmax_scale"):
+        _attend(mla, how, s, q[:, :1], "x")
+    assert mla.seq_len(0, s) == 5 and mla.seq_len(0, empty) == 0
+    # the boundary is accepted: 5 causal rows over 5 tokens, the last row sees them all
+    out = _attend(mla, how, s, q[:, :5], 0.1, causal=True)
+    assert out.shape == (H, 5, DV) and np.isfinite(out).all()
+
+
 def test_compressor_on_mla_cache(mla, rng):
     s, t = mla.allocate_sequence(), mla.allocate_sequence()
     c, pe = _latent(rng, 8)

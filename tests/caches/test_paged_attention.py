@@ -66,3 +66,17 @@ def test_empty_pool_is_an_error():
     c = PagedKVCache(num_pages=8, num_layers=1, num_kv_heads=2, head_dim=64, storage="pqo3")
     with pytest.raises(ValueError, match="cache"):
         c.decode_attention(0, np.zeros((1, 2, 1, 64), np.float32))
+
+
+@pytest.mark.parametrize("freed", [False, True], ids=["seq_ids=[]", "every sequence freed"])
+def test_no_sequence_to_attend_over_is_named(freed):
+    """No sequence (an empty ``seq_ids``, or the default once every sequence is freed) is a
+    ``ValueError`` naming ``seq_ids`` (it was "min() arg is an empty sequence")."""
+    rng = np.random.default_rng(0)
+    c = PagedKVCache(num_pages=8, num_layers=1, num_kv_heads=2, head_dim=64, page_size=4, storage="pqo3")
+    s = c.allocate_sequence()
+    c.append(0, s, *rng.standard_normal((2, 2, 3, 64)).astype(np.float32))
+    if freed:
+        c.free_sequence(s)
+    with pytest.raises(ValueError, match="seq_ids: expected at least one sequence"):
+        c.decode_attention(0, np.zeros((0, 2, 1, 64), np.float32), None if freed else [])

@@ -332,6 +332,37 @@ def test_consistent_but_impossible_counters_are_rejected(saved, tmp_path, edit):
         load_cache(path)
 
 
+def _resave(tmp_path, cache, config, state, cls):
+    """``cache``'s tensors under metadata ``config``/``state`` (JSON text), re-hashed."""
+    import safetensors.numpy
+
+    from numba_kv.caches import _format
+
+    tensors = dict(cache.state_dict().tensors)
+    path = tmp_path / "w.safetensors"
+    safetensors.numpy.save_file(tensors, str(path), metadata={
+        "format": _format.FORMAT_NAME, "format_version": "1", "cache_class": cls, "config": config,
+        "state": state, "sha256": _format.digest(config, state, tensors)})
+    return path
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["plain", "mixed"])
+@pytest.mark.parametrize(("field", "value"), [("config", "null"), ("state", "[]"), ("state", "null"),
+                                              ("state", '{"parts": [null, []]}'), ("state", '{"layers": [null]}')])
+def test_metadata_of_the_wrong_json_type_is_a_cache_file_error(tmp_path, rng, mixed, field, value):
+    """Re-hashed metadata that parses but is not the objects the loader reads (a list or null
+    where an object belongs, at the top or in a part) is a ``CacheFileError`` like any other
+    malformed file (it was an ``AttributeError``)."""
+    opts = {"layer_overrides": {1: {"bits": 4}}} if mixed else {}
+    cache = _filled("pqo3", opts, rng, layers=2)
+    config = json.dumps(cache.config_dict(), sort_keys=True)
+    state = json.dumps(cache.state_dict().state, sort_keys=True)
+    config, state = (value, state) if field == "config" else (config, value)
+    path = _resave(tmp_path, cache, config, state, type(cache).__name__)
+    with pytest.raises(CacheFileError):
+        load_cache(path)
+
+
 @pytest.mark.parametrize(("name", "opts"), CASES, ids=IDS)
 def test_state_dict_round_trip_without_a_file(name, opts, rng):
     """The public pair a file is made of: ``from_state_dict(state_dict())`` is an equal cache
