@@ -13,8 +13,9 @@ Methods (:class:`CompressionMethod`)
 ``VectorQuantization(codebook_size)``
     k-means with k-means++ seeding run to convergence (relative inertia decrease below
     ``tol`` or an unchanged assignment, at most ``max_iter`` Lloyd steps;
-    :mod:`numba_kv.ops.vq`), codebooks stored in float16, codes packed in ``quant_bits``
-    (4 or 8) bits, tokens whose squared distance exceeds ``mean + 3·std`` stored exactly.
+    :mod:`numba_kv.ops.vq`), codebooks stored in float16 (input beyond ±65504 is a
+    ``ValueError``), codes packed in ``quant_bits`` (4 or 8) bits, tokens whose squared
+    distance exceeds ``mean + 3·std`` stored exactly.
     Whole-vector VQ over the whole tensor by default (gllm-kernels' layout);
     ``subvector_dim`` turns it into product quantization and ``per_head`` fits one
     codebook set per row.  gllm-kernels runs 2 Lloyd steps from the first ``K`` tokens.
@@ -45,18 +46,24 @@ from typing import Any
 import numpy as np
 
 from . import _backend
-from ._validate import check_float_array
+from ._validate import F16_MAX, F32_MAX, check_float_array
 from .caches.mla import MLACache, SimpleMLACache
 from .caches.paged import PagedKVCache
 from .ops import intquant, lowrank, vq
 from .ops.bitpack import pack_bits, unpack_bits
-from .ops.finite import check_finite
+from .ops.finite import check_finite_stats
 from .ops.gather import gather_rows, scatter_rows, to_like
 
 __all__ = ["CompressionMethod", "LowRank", "VectorQuantization", "Hybrid", "CompressedTensor", "CompressedKV",
-           "KVCacheCompressor", "OUTLIER_STD_FACTOR"]
+           "KVCacheCompressor", "OUTLIER_STD_FACTOR", "VQ_MAX_ABS", "lowrank_max_abs"]
 
 OUTLIER_STD_FACTOR = 3.0
+# VectorQuantization keeps no scale beside its float16 codebooks, like LowRank(dtype="float16")
+# beside its float16 coefficients: the format's range is the method's range.  A clamped codeword
+# (or coefficient) would be silently wrong for every token that uses it, so data beyond it is a
+# ValueError (which also keeps k-means' float32 squared distances far from overflow).
+VQ_MAX_ABS = F16_MAX
+"""Largest ``|x|`` :class:`VectorQuantization` takes: the largest finite float16."""
 _DTYPES = ("float16", "float32")
 
 
@@ -73,6 +80,18 @@ def _energy_arg(energy: Any) -> None:
     if energy is not None and (isinstance(energy, bool) or not isinstance(energy, (int, float))
                                or not 0.0 < float(energy) <= 1.0):
         raise ValueError(f"energy: expected None or a float in (0, 1], got {energy!r}")
+
+
+def lowrank_max_abs(head_dim: int) -> float:
+    """Largest ``|x|`` the low-rank methods take for ``head_dim`` channels:
+    ``float32 max / (4·√head_dim)``.
+
+    A centred value is at most ``2·max|x|``, so a coefficient (a dot product with a unit
+    basis row) and every partial sum of the projection and of the reconstruction are at most
+    ``(2·√head_dim + 1)·max|x|``: the factor 4 keeps them finite in float32 with room for
+    rounding and a float16 basis that is not exactly orthonormal.
+    """
+    return F32_MAX / (4.0 * float(np.sqrt(head_dim)))
 
 
 def _dtype_arg(name: str, value: Any) -> None:
@@ -92,8 +111,16 @@ class LowRank:
     energy : float or None
         Automatic-rank energy fraction (gllm-kernels: 0.9); ``None`` keeps ``min(rank, head_dim)``.
     dtype : {"float16", "float32"}
-        Storage of coefficients and basis (the mean is float32).  float16 saturates at
-        ±65504 (coefficients of data beyond that range need ``"float32"``).
+        Storage of coefficients and basis (the mean is float32).  float16 holds coefficients
+        up to ±65504 (about ``|x − mean|`` per token): beyond, a ``ValueError`` naming ``k``/``v``
+        (the data needs ``"float32"``).
+
+    Notes
+    -----
+    The statistics are summed pre-scaled (:func:`numba_kv.ops.lowrank.stats_into`), so the fit
+    holds at any finite scale; input with ``max|x| > float32 max / (4·√head_dim)``
+    (:func:`lowrank_max_abs`, ``7.5e36`` at ``head_dim=128``) is a ``ValueError`` naming
+    ``k``/``v``: its float32 coefficients could overflow.  :class:`Hybrid` likewise.
     """
 
     rank: int
@@ -125,6 +152,13 @@ class VectorQuantization:
         Stop when the inertia decreases by less than this fraction.
     seed : int
         Seed of the k-means++ draws.
+
+    Notes
+    -----
+    Codebooks are stored in float16 with no scale beside them, so input with ``max|x|`` above
+    :data:`VQ_MAX_ABS` (65504, the largest float16) is a ``ValueError`` naming ``k``/``v``
+    instead of a silently clamped codeword.  Scale such data down first, or use
+    ``LowRank(dtype="float32")`` / :class:`Hybrid`.
     """
 
     codebook_size: int
@@ -348,9 +382,21 @@ class KVCacheCompressor:
                 if tuple(a.shape)[-1] % self._method.subvector_dim:
                     raise ValueError(f"{name}: expected head_dim divisible by subvector_dim="
                                      f"{self._method.subvector_dim}, got shape {tuple(a.shape)}")
-        check_finite("k", k)
-        check_finite("v", v)
+        for name, a in (("k", k), ("v", v)):
+            self._check_range(name, check_finite_stats(name, a).amax, int(tuple(a.shape)[-1]))
         return k, v
+
+    def _check_range(self, name: str, amax: float, d: int) -> None:
+        """``ValueError`` naming ``name`` when its largest ``|x|`` (``amax``, finite) is beyond what
+        the method stores: the float16 codebook of VQ (:data:`VQ_MAX_ABS`), or the float32
+        projection and reconstruction of the low-rank methods (:func:`lowrank_max_abs`)."""
+        if isinstance(self._method, VectorQuantization):
+            limit, why = VQ_MAX_ABS, "VectorQuantization stores float16 codebooks"
+        else:
+            limit = lowrank_max_abs(d)
+            why = f"float32 max / (4·√head_dim), head_dim={d}: low-rank coefficients are float32 sums"
+        if amax > limit:
+            raise ValueError(f"{name}: expected max |{name}| <= {limit:.6g} ({why}), got {amax:.6g}")
 
     # -- public API ---------------------------------------------------------------------------
     def compress_kv(self, k: Any, v: Any) -> CompressedKV:
@@ -370,7 +416,9 @@ class KVCacheCompressor:
         Raises
         ------
         ValueError, TypeError
-            Wrong rank, empty or mismatched shapes, non-finite values, mixed devices.
+            Wrong rank, empty or mismatched shapes, non-finite values, mixed devices; values
+            beyond the method's range (:class:`VectorQuantization`: ``|x| <= 65504``; low rank:
+            :func:`lowrank_max_abs`), named ``k`` or ``v``, before any work.
         """
         return self._compress_pair(k, v, 4)
 
@@ -485,7 +533,7 @@ class KVCacheCompressor:
         x3 = _backend.ascontiguous_f32(name, x).reshape(rows, shape[-2], shape[-1])
         m = self._method
         if isinstance(m, LowRank):
-            return _compress_lowrank(x3, m)
+            return _compress_lowrank(x3, m, name)
         if isinstance(m, VectorQuantization):
             return _compress_vq(x3, m, self._quant_bits)
         return _compress_hybrid(x3, m, m.quant_bits or self._quant_bits)
@@ -514,8 +562,9 @@ def _fit_basis(x3: Any, rank: int, energy: float | None, dtype: str) -> tuple[An
     """Mean (device, float32), basis as stored (f16 bits or f32) and as used (float32)."""
     rows, n, d = x3.shape
     mean = _backend.empty(x3, (rows, d), np.float32)
+    amax = _backend.empty(x3, (rows, d), np.float32)
     gram = _backend.empty(x3, (rows, d, d), np.float32)
-    lowrank.stats_into(x3, mean, gram)
+    lowrank.stats_into(x3, mean, amax, gram)  # Gram pre-scaled per row: finite for any finite x3
     comp, _ = lowrank.fit_components(_backend.to_host(mean), _backend.to_host(gram), n, rank, energy)
     if dtype == "float16":
         stored = to_like(x3, lowrank.f16_encode(comp))  # host conversion, saturating like the twin
@@ -531,12 +580,18 @@ def _basis_used(c: CompressedTensor, name: str = "components") -> Any:
     return lowrank.f16_decode(a) if np.dtype(a.dtype) == np.uint16 else a
 
 
-def _compress_lowrank(x3: Any, m: LowRank) -> CompressedTensor:
+def _compress_lowrank(x3: Any, m: LowRank, name: str) -> CompressedTensor:
     rows, n, d = x3.shape
     mean, stored, used = _fit_basis(x3, m.rank, m.energy, m.dtype)
     coef = _backend.empty(x3, (rows, n, used.shape[1]), np.float32)
     lowrank.project_into(x3, mean, used, coef)
     if m.dtype == "float16":
+        # a coefficient beyond float16 would be stored saturated and decode silently wrong (one
+        # max over the coefficients; the fit already brought the statistics to the host)
+        top = check_finite_stats(name, coef).amax
+        if top > F16_MAX:
+            raise ValueError(f"{name}: expected low-rank coefficients within float16's ±65504 "
+                             f"(LowRank(dtype='float16')), got {top:.6g}: use dtype='float32' or scale the data")
         coef = lowrank.f16_encode(coef)
     arrays = {"mean": mean, "components": stored, "coef": coef}
     return CompressedTensor("lowrank", (rows, n, d), arrays, {"rank": int(used.shape[1])})

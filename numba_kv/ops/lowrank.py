@@ -12,10 +12,15 @@ rank-``rank`` affine approximation in the Frobenius norm; it subsumes gllm-kerne
 
 Ops (CPU twin + CUDA kernel each, from the single-source cores below):
 
-* ``lowrank_mean``, then ``lowrank_gram``: ``mean[r] = Σ_t x_rt / n``;
-  ``gram[r] = Σ_t (x_rt − μ_r)(x_rt − μ_r)ᵀ`` (two passes: centring first avoids the
-  cancellation of ``E[x²] − E[x]²`` on channels with a large mean — exactly the outlier
-  channels of real keys);
+* ``lowrank_mean``, then ``lowrank_gram``: ``mean[r] = Σ_t x_rt / n`` and
+  ``amax[r, i] = max_t |x_rti|``; ``gram[r] = Σ_t y_rt y_rtᵀ`` with ``y_rt = (x_rt − μ_r) / s_r``
+  (two passes: centring first avoids the cancellation of ``E[x²] − E[x]²`` on channels with a
+  large mean — exactly the outlier channels of real keys).  Every sum runs on values
+  pre-scaled by a power of two (``s_r`` = :func:`row_scale` of the row's largest ``|x|``; the
+  mean by its channel's own), so float32 holds the statistics of any finite input: a plain
+  float32 Gram overflows once ``|x| ≳ 1e19 / √n`` and underflows to 0 below ``≈ 1e-20``.
+  Scaling by a power of two is exact, so in between the result is the plain float32 sum's,
+  bit for bit (times ``s_r⁻²``); the eigenvectors and the energy ratios do not depend on it;
 * ``lowrank_project``: ``out[r, t, c] = Σ_j (x[r, t, j] − mean[r, j]) · components[r, c, j]``;
 * ``lowrank_reconstruct``: ``out[r, t, j] = mean[r, j] + Σ_c coef[r, t, c] · components[r, c, j]``;
 * ``f16_encode`` / ``f16_decode``: float32 ↔ binary16 bit patterns (uint16), round to
@@ -36,12 +41,14 @@ from numba import cuda, float32, prange
 
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
+from ._exact import mul_rn
 from ._index import unravel2, unravel3
 from ._registry import F32_2D, F32_3D, Twin, register
+from .gather import to_like
 from .half import f16_bits_to_f32_cpu, f16_bits_to_f32_dev, f32_to_f16_bits_sat_cpu, f32_to_f16_bits_sat_dev
 
 __all__ = ["channel_stats", "fit_components", "project", "reconstruct", "f16_encode", "f16_decode",
-           "ENERGY_FRACTION"]
+           "row_scale", "ENERGY_FRACTION"]
 
 ENERGY_FRACTION = 0.9
 """Seed rule for the automatic rank: smallest rank explaining >= 90 % (see :func:`fit_components`)."""
@@ -54,32 +61,70 @@ ENERGY_FRACTION = 0.9
 # output; the inner loops stay contiguous), the CUDA kernels one output per thread
 # (``span = 1``: coalesced stores).  Every output is the same float32 sum in the same order
 # either way.
-def _channel_mean(x, e, mean):
-    """``mean[r, i] = Σ_t x[r, t, i] / n`` of channel item ``e = (r, i)`` (float32, tokens
-    in order; 0 when ``n == 0``)."""
+#
+# Statistics pre-scale (see the module docstring): powers of two in [2**-126, 2**127], whose
+# inverses are normal float32 numbers too, so ``x · (1 / s)`` is exact down to subnormals
+_SCALE_MIN = float32(2.0 ** -126)
+_SCALE_MAX = float32(2.0 ** 127)
+_TWO = float32(2.0)
+_HALF = float32(0.5)
+
+
+def _pow2_at_least(m):
+    """Smallest power of two ``>= m`` within ``[2**-126, 2**127]`` (``m >= 0``, finite):
+    ``|x| / s <= 2`` for every ``|x| <= m``.  Doubling and halving are exact."""
+    s = float32(1.0)
+    while s < m and s < _SCALE_MAX:
+        s = s * _TWO
+    while s > _SCALE_MIN and s * _HALF >= m:
+        s = s * _HALF
+    return s
+
+
+pow2_at_least_cpu, pow2_at_least_dev = twin(_pow2_at_least, inline=True)
+
+
+def _channel_mean(x, e, mean, amax):
+    """``mean[r, i] = Σ_t x[r, t, i] / n`` and ``amax[r, i] = max_t |x[r, t, i]|`` of channel
+    item ``e = (r, i)`` (float32, tokens in order, summed pre-scaled by a power of two: no
+    overflow; 0 when ``n == 0``)."""
     r, i = unravel2(e, x.shape[2])
     n = x.shape[1]
+    m = float32(0.0)
+    for t in range(n):
+        a = abs(x[r, t, i])
+        if a > m:
+            m = a
+    amax[r, i] = m
+    sc = _pow2_at_least(m)
+    inv = float32(1.0) / sc
     s = float32(0.0)
     for t in range(n):
-        s += x[r, t, i]
-    mean[r, i] = s * (float32(1.0) / float32(max(n, 1)))
+        s += mul_rn(x[r, t, i], inv)  # exact: a power of two
+    mean[r, i] = s * (float32(1.0) / float32(max(n, 1))) * sc
 
 
 channel_mean_cpu, channel_mean_dev = twin(_channel_mean, inline=True)
 
 
-def _gram_span(x, mean, e, span, gram):
-    """``gram[r, i, j] = Σ_t (x_rti − μ_ri)(x_rtj − μ_rj)`` for ``j`` in ``[j0, j0 + span)``,
-    ``(r, i, j0)`` the Gram entry ``e·span``."""
+def _gram_span(x, mean, amax, e, span, gram):
+    """``gram[r, i, j] = Σ_t y_rti · y_rtj``, ``y = (x − μ) / s_r`` (``s_r`` the power of two of
+    the row's largest ``amax``), for ``j`` in ``[j0, j0 + span)``, ``(r, i, j0)`` the Gram entry
+    ``e·span``."""
     r, i, j0 = unravel3(e * span, gram.shape[1], gram.shape[2])
     j1 = j0 + span
-    mi = mean[r, i]
+    m = float32(0.0)
+    for c in range(amax.shape[1]):
+        if amax[r, c] > m:
+            m = amax[r, c]
+    inv = float32(1.0) / _pow2_at_least(m)
+    mi = mean[r, i] * inv
     for j in range(j0, j1):
         gram[r, i, j] = float32(0.0)
     for t in range(x.shape[1]):
-        xi = x[r, t, i] - mi
+        xi = x[r, t, i] * inv - mi
         for j in range(j0, j1):
-            gram[r, i, j] += xi * (x[r, t, j] - mean[r, j])
+            gram[r, i, j] += xi * (x[r, t, j] * inv - mean[r, j] * inv)
 
 
 gram_span_cpu, gram_span_dev = twin(_gram_span, inline=True)
@@ -127,17 +172,17 @@ reconstruct_span_cpu, reconstruct_span_dev = twin(_reconstruct_span, inline=True
 
 # --- CPU twins: prange over the items (a whole row each) -------------------------------------
 @cpu_kernel
-def _lowrank_mean_cpu(x, mean):
+def _lowrank_mean_cpu(x, mean, amax):
     """CPU twin of :func:`_lowrank_mean_cuda`: ``prange`` over the ``R·d`` channels."""
     for e in prange(x.shape[0] * x.shape[2]):
-        channel_mean_cpu(x, e, mean)
+        channel_mean_cpu(x, e, mean, amax)
 
 
 @cpu_kernel
-def _lowrank_gram_cpu(x, mean, gram):
+def _lowrank_gram_cpu(x, mean, amax, gram):
     """CPU twin of :func:`_lowrank_gram_cuda`: ``prange`` over the ``R·d`` Gram rows."""
     for e in prange(gram.shape[0] * gram.shape[1]):
-        gram_span_cpu(x, mean, e, gram.shape[2], gram)
+        gram_span_cpu(x, mean, amax, e, gram.shape[2], gram)
 
 
 @cpu_kernel
@@ -170,18 +215,19 @@ def _f16_decode_cpu(h, out):
 
 # --- CUDA kernels: grid-stride over the items (one output each) -----------------------------
 @cuda_kernel
-def _lowrank_mean_cuda(x, mean):
-    """1-D grid over the ``R·d`` channels; one thread averages one channel over the tokens."""
+def _lowrank_mean_cuda(x, mean, amax):
+    """1-D grid over the ``R·d`` channels; one thread takes the largest ``|x|`` of one channel
+    and averages it over the tokens."""
     for e in range(cuda.grid(1), x.shape[0] * x.shape[2], cuda.gridsize(1)):
-        channel_mean_dev(x, e, mean)
+        channel_mean_dev(x, e, mean, amax)
 
 
 @cuda_kernel
-def _lowrank_gram_cuda(x, mean, gram):
+def _lowrank_gram_cuda(x, mean, amax, gram):
     """1-D grid over the ``R·d·d`` Gram entries; one thread sums one entry over the tokens
-    (``mean`` from :func:`_lowrank_mean_cuda`, launched first)."""
+    (``mean`` and ``amax`` from :func:`_lowrank_mean_cuda`, launched first)."""
     for e in range(cuda.grid(1), gram.shape[0] * gram.shape[1] * gram.shape[2], cuda.gridsize(1)):
-        gram_span_dev(x, mean, e, 1, gram)
+        gram_span_dev(x, mean, amax, e, 1, gram)
 
 
 @cuda_kernel
@@ -212,8 +258,10 @@ def _f16_decode_cuda(h, out):
         out[i] = f16_bits_to_f32_dev(h[i])
 
 
-_LOWRANK_MEAN = register("lowrank_mean", _lowrank_mean_cpu, _lowrank_mean_cuda, [f"void({F32_3D}, {F32_2D})"])
-_LOWRANK_GRAM = register("lowrank_gram", _lowrank_gram_cpu, _lowrank_gram_cuda, [f"void({F32_3D}, {F32_2D}, {F32_3D})"])
+_LOWRANK_MEAN = register("lowrank_mean", _lowrank_mean_cpu, _lowrank_mean_cuda,
+                         [f"void({F32_3D}, {F32_2D}, {F32_2D})"])
+_LOWRANK_GRAM = register("lowrank_gram", _lowrank_gram_cpu, _lowrank_gram_cuda,
+                         [f"void({F32_3D}, {F32_2D}, {F32_2D}, {F32_3D})"])
 _LOWRANK_PROJECT = register("lowrank_project", _lowrank_project_cpu, _lowrank_project_cuda,
                             [f"void({F32_3D}, {F32_2D}, {F32_3D}, {F32_3D})"])
 _LOWRANK_RECONSTRUCT = register("lowrank_reconstruct", _lowrank_reconstruct_cpu, _lowrank_reconstruct_cuda,
@@ -237,14 +285,25 @@ def _launch_per_output(op: Twin, dev: str, out: Any, inner: int, *args: Any) -> 
         op.launch(dev, items, *args, work=items * inner)
 
 
-def stats_into(x3: Any, mean: Any, gram: Any) -> None:
-    """``mean`` ``[R, d]`` and centred ``gram`` ``[R, d, d]`` of ``x3`` ``[R, n, d]``."""
+def stats_into(x3: Any, mean: Any, amax: Any, gram: Any) -> None:
+    """``mean`` ``[R, d]``, channel maxima ``amax = max_t |x3|`` ``[R, d]`` and the centred
+    Gram matrices scaled by ``row_scale(amax)⁻²`` (``gram`` ``[R, d, d]``) of ``x3``
+    ``[R, n, d]``; finite for any finite ``x3``."""
     rows, n, d = x3.shape
     if rows == 0 or d == 0:
         return
     dev = _backend.device_of("x3", x3)
-    _LOWRANK_MEAN.launch(dev, rows * d, x3, mean, work=rows * n * d)
-    _launch_per_output(_LOWRANK_GRAM, dev, gram, n, x3, mean, gram)
+    _LOWRANK_MEAN.launch(dev, rows * d, x3, mean, amax, work=2 * rows * n * d)
+    _launch_per_output(_LOWRANK_GRAM, dev, gram, n, x3, mean, amax, gram)
+
+
+def row_scale(amax: np.ndarray) -> np.ndarray:
+    """The power of two each row's Gram matrix is scaled by (host, float64 ``[R]``): the
+    smallest ``2**e >= max(amax[r])``, ``e`` clamped to ``[-126, 127]`` (as in the kernels)."""
+    m = np.asarray(amax, np.float64).max(axis=1) if np.size(amax) else np.zeros(len(amax))
+    frac, exp = np.frexp(m)  # m = frac · 2**exp, frac in [0.5, 1) (0 for m = 0)
+    exp = np.where(frac == 0.5, exp - 1, exp)
+    return np.ldexp(1.0, np.clip(np.where(m > 0, exp, -126), -126, 127))
 
 
 def project_into(x3: Any, mean: Any, components: Any, out: Any) -> None:
@@ -312,7 +371,8 @@ def fit_components(mean: np.ndarray, gram: np.ndarray, n: int, rank: int,
     mean : float array, shape ``(R, d)``
         Channel means (from :func:`channel_stats`).
     gram : float array, shape ``(R, d, d)``
-        Centred Gram matrices.
+        Centred Gram matrices, each times any positive factor (the rule uses eigenvectors and
+        eigenvalue ratios only): :func:`stats_into`'s scaled ones or :func:`channel_stats`'.
     n : int
         Tokens per row the statistics were taken over (kept for callers; the rule
         uses eigenvalue ratios only).
@@ -391,14 +451,30 @@ def channel_stats(x: Any) -> tuple[Any, Any]:
     -------
     mean : float32, shape ``(R, d)``
     gram : float32, shape ``(R, d, d)``
+        Unscaled (:func:`stats_into` computes it scaled, then it is multiplied back on the host).
+
+    Raises
+    ------
+    ValueError
+        A Gram entry beyond the float32 range (``|x| ≳ 1e19 / √n``); the compressor fits from
+        the scaled Gram matrices of :func:`stats_into`, which have no such limit.
     """
     _backend.resolve_device("auto", x=x)
     x3 = _f32_3d("x", x)
     rows, _, d = x3.shape
     mean = _backend.empty(x3, (rows, d), np.float32)
+    amax = _backend.empty(x3, (rows, d), np.float32)
     gram = _backend.empty(x3, (rows, d, d), np.float32)
-    stats_into(x3, mean, gram)
-    return mean, gram
+    stats_into(x3, mean, amax, gram)
+    if rows == 0 or d == 0:
+        return mean, gram
+    s = row_scale(_backend.to_host(amax))
+    with np.errstate(over="ignore"):
+        g = (_backend.to_host(gram).astype(np.float64) * (s * s)[:, None, None]).astype(np.float32)
+    if not np.isfinite(g).all():
+        raise ValueError(f"x: expected a centred Gram matrix within the float32 range, got entries beyond "
+                         f"{np.finfo(np.float32).max:.6g} (max |x| = {float(np.max(_backend.to_host(amax))):.6g})")
+    return mean, to_like(x3, g)
 
 
 def project(x: Any, mean: Any, components: Any) -> Any:

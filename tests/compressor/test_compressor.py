@@ -1,10 +1,20 @@
 """KVCacheCompressor: layouts, round trips, exact byte counts, error bounds per method,
 the seed's own cases, bad input."""
 
+import re
+
 import numpy as np
 import pytest
 
-from numba_kv.compressor import CompressedKV, CompressionMethod, Hybrid, KVCacheCompressor, LowRank, VectorQuantization
+from numba_kv.compressor import (
+    CompressedKV,
+    CompressionMethod,
+    Hybrid,
+    KVCacheCompressor,
+    LowRank,
+    VectorQuantization,
+    lowrank_max_abs,
+)
 from numba_kv.ops import intquant, lowrank, vq
 
 from .synth import nmse, synth_kv
@@ -224,3 +234,81 @@ def test_bad_tensors(kv):
         KVCacheCompressor(VectorQuantization(4, subvector_dim=5)).compress_kv(k, v)
     with pytest.raises(TypeError, match="compressed: expected a CompressedKV"):
         comp.decompress_kv((k, v))
+
+
+# --- value range ---------------------------------------------------------------------------------
+def _rank2(rng, rows=2, n=64, d=32):
+    b = rng.standard_normal((2, d))
+    return (rng.standard_normal((rows, n, 2)) @ b).astype(np.float32)  # exactly rank 2, [rows, n, d]
+
+
+@pytest.mark.parametrize("method, tol", [(LowRank(4, dtype="float32"), 1e-5), (Hybrid(4, 8), 1e-2)],
+                         ids=["lowrank-f32", "hybrid-int8"])
+@pytest.mark.parametrize("scale", [1e-30, 1e18, 1e20, 1e30])
+def test_lowrank_fit_holds_at_any_finite_scale(rng, method, tol, scale):
+    # the float32 statistics overflowed (NaN / garbage) from ~1e18 and underflowed to 0 below ~1e-20
+    x = _rank2(rng) * np.float32(scale)
+    assert np.isfinite(x).all()
+    comp = KVCacheCompressor(method)
+    kh, vh = comp.decompress_kv_3d(comp.compress_kv_3d(x, x))
+    assert np.isfinite(kh).all()
+    assert np.abs(kh.astype(np.float64) - x).max() <= tol * np.abs(x).max()  # rank 2 <= 4: reconstructed
+    assert np.array_equal(kh, vh)
+
+
+def test_lowrank_range_limit(rng):
+    d = 32
+    limit = float(np.finfo(np.float32).max) / (4 * np.sqrt(d))
+    assert lowrank_max_abs(d) == pytest.approx(limit, rel=1e-12)
+    # worst case for the float32 sums at the limit: every channel at ±max, coefficient √d·max
+    signs = np.where(rng.random((2, 64, 1)) < 0.5, -1.0, 1.0) * np.ones(d)
+    x = (signs * (0.99 * limit)).astype(np.float32)
+    for method in (LowRank(2, dtype="float32"), Hybrid(2, 8)):
+        comp = KVCacheCompressor(method)
+        kh, _ = comp.decompress_kv_3d(comp.compress_kv_3d(x, x))
+        assert np.isfinite(kh).all()
+        assert np.abs(kh.astype(np.float64) - x).max() <= 1e-2 * np.abs(x).max()
+    big = (signs * (1.01 * limit)).astype(np.float32)
+    small = _rank2(rng)
+    for method in (LowRank(2, dtype="float32"), LowRank(2), Hybrid(2, 8)):
+        comp = KVCacheCompressor(method)
+        with pytest.raises(ValueError, match=r"k: expected max \|k\| <= 1\.5\d+e\+37 .*head_dim=32.*got 1\.5"):
+            comp.compress_kv_3d(big, small)
+        with pytest.raises(ValueError, match=r"v: expected max \|v\| <= "):
+            comp.compress_kv_3d(small, big)
+
+
+def test_lowrank_float16_refuses_coefficients_beyond_float16(rng):
+    """``LowRank(dtype="float16")`` stores coefficients ``(x − μ)·Bᵀ`` as binary16: one beyond
+    ±65504 is a ``ValueError`` naming the tensor (it was stored saturated: relative error ~1)."""
+    x = _rank2(rng)
+    centred = np.linalg.norm(x - x.mean(axis=1, keepdims=True), axis=2).max()  # >= every |coefficient|
+    comp = KVCacheCompressor(LowRank(4))
+    ok = (x * np.float32(30000.0 / centred)).astype(np.float32)  # every coefficient below 30000
+    kh, _ = comp.decompress_kv_3d(comp.compress_kv_3d(ok, ok))
+    assert np.abs(kh.astype(np.float64) - ok).max() <= 2e-3 * np.abs(ok).max()  # float16 rounding
+    big = (x * np.float32(1e6)).astype(np.float32)  # coefficients ~1e7
+    for k, v, name in ((big, ok, "k"), (ok, big, "v")):
+        want = rf"{name}: expected low-rank coefficients within float16's ±65504 \(LowRank\(dtype='float16'\)\), "
+        with pytest.raises(ValueError, match=want + r"got \d\.\d+e\+0[67]: use dtype='float32'"):
+            comp.compress_kv_3d(k, v)
+    f32 = KVCacheCompressor(LowRank(4, dtype="float32"))  # what the message points to holds it
+    kh, _ = f32.decompress_kv_3d(f32.compress_kv_3d(big, big))
+    assert np.abs(kh.astype(np.float64) - big).max() <= 1e-5 * np.abs(big).max()
+
+
+def test_vq_rejects_values_beyond_float16(rng):
+    cw = rng.standard_normal((4, 32))
+    x = cw[rng.integers(0, 4, (2, 64))]  # only 4 distinct vectors: 4 codewords hold them exactly
+    at = (x * (65504.0 / np.abs(x).max())).astype(np.float32)  # max|x| = 65504, the largest float16
+    assert np.abs(at).max() == 65504.0
+    comp = KVCacheCompressor(VectorQuantization(4))
+    kh, _ = comp.decompress_kv_3d(comp.compress_kv_3d(at, at))
+    assert np.abs(kh - at).max() <= 2.0 ** -11 * 65504.0  # float16 rounding of the codewords
+    above = (x * 1e5).astype(np.float32)
+    for k, v, name in ((above, at, "k"), (at, above, "v")):
+        want = f"{name}: expected max |{name}| <= 65504 (VectorQuantization stores float16 codebooks), got "
+        with pytest.raises(ValueError, match=re.escape(want + f"{np.abs(above).max():.6g}")):
+            comp.compress_kv_3d(k, v)
+    with pytest.raises(ValueError, match=r"k: expected max \|k\| <= 65504"):  # float64 input: checked as given
+        comp.compress_kv_3d(at.astype(np.float64) * 1.01, at)

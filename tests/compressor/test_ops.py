@@ -272,3 +272,34 @@ def test_int_quantize_rejects_bad_arguments():
     bad[0, 0, 0] = np.nan
     with pytest.raises(ValueError, match="x: expected finite values"):
         intquant.int_quantize(bad, 4)
+
+
+# --- low-rank statistics at extreme scales ---------------------------------------------------------
+@pytest.mark.parametrize("scales", [(1e20, 1e20), (1e-30, 1e-30), (3e36, 1e-3)], ids=["huge", "tiny", "mixed"])
+def test_stats_into_holds_any_finite_scale(rng, scales):
+    # per-row scales: a float32 Gram overflows at |x| ~ 1e19/sqrt(n) and underflows to 0 near 1e-20
+    x = (rng.standard_normal((2, 64, 8)) + 3.0) * np.array(scales)[:, None, None]
+    x = x.astype(np.float32)
+    assert np.isfinite(x).all()
+    mean, amax, gram = (np.empty((2, 8), np.float32), np.empty((2, 8), np.float32), np.empty((2, 8, 8), np.float32))
+    lowrank.stats_into(x, mean, amax, gram)
+    x64 = x.astype(np.float64)
+    np.testing.assert_allclose(mean, x64.mean(1), rtol=1e-5)
+    assert np.array_equal(amax, np.abs(x).max(1))
+    want_scale = 2.0 ** np.ceil(np.log2(np.abs(x64).max((1, 2))))  # smallest power of two >= max|x| of the row
+    assert np.array_equal(lowrank.row_scale(amax), want_scale)
+    xc = (x64 - x64.mean(1, keepdims=True)) / want_scale[:, None, None]
+    want = np.einsum("rti,rtj->rij", xc, xc)
+    assert np.isfinite(gram).all()
+    np.testing.assert_allclose(gram, want, rtol=2e-4, atol=2e-4 * np.abs(want).max())
+
+
+def test_row_scale_edges():
+    amax = np.array([[0.0], [1.0], [1.5], [2.0 ** -140], [np.finfo(np.float32).max]], np.float32)
+    assert lowrank.row_scale(amax).tolist() == [2.0 ** -126, 1.0, 2.0, 2.0 ** -126, 2.0 ** 127]
+
+
+def test_channel_stats_rejects_a_gram_beyond_float32(rng):
+    x = (rng.standard_normal((1, 64, 4)) * 1e20).astype(np.float32)
+    with pytest.raises(ValueError, match="x: expected a centred Gram matrix within the float32 range"):
+        lowrank.channel_stats(x)
