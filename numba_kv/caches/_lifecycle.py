@@ -7,7 +7,9 @@ reordered for beam search (``select_batch``), and prompt caches written to disk 
 
 Every operation validates its arguments first and takes the locks of all layers (in
 layer order, so it cannot deadlock against per-layer ``prefill``/``decode`` calls from
-other threads); a call that raises leaves the cache exactly as it was.
+other threads); a call that raises leaves the cache exactly as it was.  A cache made of
+several (``MixedCache``) takes every part's layer locks at once, in its model layer order,
+through :func:`hold_layers`, and runs the parts' operations inside.
 """
 
 from __future__ import annotations
@@ -49,6 +51,35 @@ def take_rows(a: Any, rows: np.ndarray) -> Any:
     return to_like(a, _backend.to_host(a)[rows])
 
 
+#: per thread: ids of the caches whose layer locks the thread holds through :func:`hold_layers`
+_HELD = threading.local()
+
+
+@contextlib.contextmanager
+def hold_layers(layers: Sequence[tuple[Any, int]]) -> Iterator[None]:
+    """Hold the lock of every ``(cache, layer index)`` of ``layers`` for a whole operation,
+    taken in the order given (layer order) and released in reverse.
+
+    Meanwhile the lifecycle operations of this thread on those caches (``crop``, ``fork``,
+    ``select_batch``, ``state_dict``, ...) take no lock again, so an operation over several
+    caches holds all their locks at once and runs each cache's own operation inside.
+    ``layers`` must name every layer of each cache it names; a cache whose locks this thread
+    already holds is skipped.  Per-layer calls (``prefill``, ``decode``, ``reset``) still
+    take their layer's lock: do not make them inside.
+    """
+    held = _HELD.__dict__.setdefault("ids", set())
+    new = {id(cache) for cache, _ in layers} - held
+    with contextlib.ExitStack() as stack:
+        for cache, j in layers:
+            if id(cache) in new:
+                stack.enter_context(cache._layers[j].lock)  # noqa: SLF001 - the LifecycleMixin layers
+        held.update(new)
+        try:
+            yield
+        finally:
+            held.difference_update(new)
+
+
 def check_crop_length(length: int, floor: int, limit: int | None) -> None:
     """``ValueError`` unless ``crop(length)`` is possible: ``length`` is 0 or in
     ``[floor, limit]`` (``limit`` ``None``: every layer is empty, only 0 is)."""
@@ -87,12 +118,9 @@ class LifecycleMixin:
     _layers: list[Any]
     num_kv_heads: int
 
-    @contextlib.contextmanager
-    def _all_locks(self) -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            for st in self._layers:
-                stack.enter_context(st.lock)
-            yield
+    def _all_locks(self) -> contextlib.AbstractContextManager[None]:
+        """Every layer's lock, in layer order (none if this thread holds them: :func:`hold_layers`)."""
+        return hold_layers([(self, j) for j in range(len(self._layers))])
 
     @staticmethod
     def _clear_layer(st: Any) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 from .._validate import check_int, check_layer
 from ._format import save_cache
 from ._layer import LayeredCache, check_sliding_window, resolve_layer
-from ._lifecycle import check_crop_length
+from ._lifecycle import check_crop_length, hold_layers
 from ._pieces import PER_HEAD_OPTIONS, Piece, split_call
 from .dense import DenseCache
 from .polarquant import PolarQuantCache
@@ -455,6 +455,19 @@ class MixedCache:
                 stack.enter_context(self._locks[i])
             yield
 
+    @contextlib.contextmanager
+    def _all_locks(self) -> Iterator[None]:
+        """Hold every lock of the cache for a whole lifecycle operation, so that it sees and
+        leaves every layer in one state (a fork taken while other threads decode is a
+        consistent snapshot): the split layers' locks first (as calls take them), then the
+        lock of every part layer at once, in model layer order (a split layer's pieces in
+        the order its calls take them), the rule of the plain caches
+        (:func:`~numba_kv.caches._lifecycle.hold_layers`).  The parts' own lifecycle
+        operations run inside without taking them again."""
+        with self._split_locks(), hold_layers([(self.parts[pc.part], pc.layer)
+                                               for pieces in self.layer_map for pc in pieces]):
+            yield
+
     def reset(self) -> None:
         """Drop every layer's tokens."""
         with self._split_locks():
@@ -477,11 +490,11 @@ class MixedCache:
     def crop_range(self) -> tuple[int, int | None]:
         """``(floor, limit)`` of the lengths :meth:`crop` accepts besides 0, over every part
         (see :meth:`LayeredCache.crop_range`)."""
-        with self._split_locks():
+        with self._all_locks():
             return self._crop_range()
 
     def _crop_range(self) -> tuple[int, int | None]:
-        """:meth:`crop_range`; the caller holds the split layers' locks."""
+        """:meth:`crop_range`; the caller holds every lock (:meth:`_all_locks`)."""
         floor, limit = 0, None
         for p in self.parts:
             f, lim = p.crop_range()
@@ -492,9 +505,10 @@ class MixedCache:
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` tokens of every layer (see :meth:`LayeredCache.crop`);
-        the range is checked on every part before any part changes."""
+        the range is checked on every part before any part changes, all under every layer's
+        lock."""
         length = check_int("length", length, minimum=0)
-        with self._split_locks():
+        with self._all_locks():
             check_crop_length(length, *self._crop_range())
             for p in self.parts:
                 p.crop(length)
@@ -503,7 +517,7 @@ class MixedCache:
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         new.__dict__.update(self.__dict__)
-        with self._split_locks():
+        with self._all_locks():  # one snapshot of every part
             new.parts = [copy.deepcopy(p, memo) for p in self.parts]
         new.layer_map = list(self.layer_map)
         # the copy's own locks, and its direct routes to its own parts
@@ -513,13 +527,15 @@ class MixedCache:
         return new
 
     def fork(self) -> MixedCache:
-        """An independent copy (same as ``copy.deepcopy(cache)``)."""
+        """An independent copy (same as ``copy.deepcopy(cache)``), taken under every layer's
+        lock: a consistent snapshot even while other threads decode."""
         return copy.deepcopy(self)
 
     def select_batch(self, indices: Sequence[int]) -> MixedCache:
         """Keep and reorder batch rows of every layer (see :meth:`LayeredCache.select_batch`);
-        the indices are checked on every part before any part changes."""
-        with self._split_locks():
+        the indices are checked on every part before any part changes, all under every
+        layer's lock."""
+        with self._all_locks():
             for p in self.parts:
                 p.check_batch_indices(indices)
             for p in self.parts:
@@ -538,9 +554,9 @@ class MixedCache:
     def state_dict(self) -> CacheState:
         """The cache as plain data: :meth:`config_dict`, ``{"parts": [state of every part]}``
         and every part's tensors prefixed ``parts.<p>.`` (see
-        :meth:`LayeredCache.state_dict`)."""
+        :meth:`LayeredCache.state_dict`), taken under every layer's lock (one snapshot)."""
         states, tensors = [], {}
-        with self._split_locks():
+        with self._all_locks():
             for p, part in enumerate(self.parts):
                 sd = part.state_dict()
                 states.append(sd.state)
