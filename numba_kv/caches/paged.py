@@ -267,7 +267,11 @@ class PagedKVCache(PagedStorageMixin, PagedLifecycleMixin, ValueChecks):
 
     def _input_limit(self) -> tuple[float, str]:
         if not self.bits:
-            return F32_MAX, "float32 pages"
+            if self.has_values and self.v_head_dim == self.head_dim:
+                # pages :meth:`decode_attention` reads: it sums values and takes the logits of
+                # queries up to 2**64 in float32, finite for |x| <= 2**21 (3e38 values gave inf)
+                return float(2 ** 21), "float32 pages that decode_attention reads (logits and sums in float32)"
+            return F32_MAX, "float32 pages"  # key-only or latent pages (MLA): no fused attention
         return float(2 ** 21), f"storage={self.storage!r} pages"
 
     def _check_values(self, dev: str, parts: list[tuple[str, Any]]) -> list:
@@ -291,10 +295,9 @@ class PagedKVCache(PagedStorageMixin, PagedLifecycleMixin, ValueChecks):
         reject ``|x| > 2**21`` and any block whose binary16 scale (``<= ‖x‖ / ref``, or
         checked by quantizing into scratch when that bound is not below 65504) would saturate."""
         rs = check_finite_stats(name, x3)
+        check_magnitude(name, rs.amax, *self._input_limit())
         if not self.bits:
-            check_magnitude(name, rs.amax, F32_MAX, "float32 pages")
             return
-        check_magnitude(name, rs.amax, float(2 ** 21), f"storage={self.storage!r} pages")
         cb = self.codebooks[name]
         limit = F16_MAX * (1 - 2.0 ** -10)
         ref = float(cb.ref)

@@ -21,7 +21,8 @@ from numba import cuda, int64, prange, uint8
 
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
-from ._registry import register
+from . import finite as _finite  # noqa: F401 - registers the "range_stats" twin that _check_indices runs
+from ._registry import TWINS, register
 
 SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 7, 8)
 
@@ -141,6 +142,48 @@ def _rows(a: Any):
     return a.reshape(n, shape[-1]), shape[:-1]
 
 
+def _device_has_wide_index(idx: Any, bits: int) -> bool | None:
+    """Whether C-contiguous Numba device array ``idx`` (uint8, size a multiple of 8) holds an
+    index ``>= 2**bits``, checked on the device: the ``range_stats`` twin's integer max of
+    ``word & mask`` over ``idx`` read as the widest unsigned words its address alignment
+    allows, ``mask`` holding the bits ``>= bits`` of every byte (nonzero result: some index
+    has one set).  One launch and an 8-byte read back.  ``None`` when the data is not even
+    2-byte aligned (the caller then reads it on the host)."""
+    cai = getattr(idx, "__cuda_array_interface__", None)  # the simulator's arrays (host memory) have none
+    ptr = int(cai["data"][0]) if cai is not None else 0
+    high = 0xFF ^ ((1 << bits) - 1)  # the bits of a byte that an index < 2**bits leaves clear
+    for udt in (np.uint64, np.uint32, np.uint16):
+        width = np.dtype(udt).itemsize
+        if ptr % width == 0:
+            words = idx.reshape(idx.size).view(udt)
+            out = _backend.zeros(idx, (1,), np.uint64)
+            mask = udt(int.from_bytes(bytes([high]) * width, "little"))
+            TWINS["range_stats"].launch(_backend.CUDA, (words.size + 255) // 256, words, mask, out)
+            return int(_backend.to_host(out)[0]) != 0
+    return None
+
+
+def _check_indices(idx: Any, bits: int, xp: Any) -> None:
+    """``ValueError`` if an index of ``idx`` is ``>= 2**bits``, for every array kind: NumPy and
+    CuPy arrays by their ``max()``, Numba device arrays on the device
+    (:func:`_device_has_wide_index`; strided or odd-address views: a host copy).  Nothing to
+    check at ``bits = 8``."""
+    if bits == 8 or idx.size == 0:
+        return
+    limit = 1 << bits
+    if xp is None:
+        wide = None
+        if getattr(idx, "is_c_contiguous", lambda: False)():
+            wide = _device_has_wide_index(idx, bits)
+        if wide is False:
+            return
+        top = int(_backend.to_host(idx).max())  # strided or odd-address views, and the error message
+    else:
+        top = int(idx.max())
+    if top >= limit:
+        raise ValueError(f"idx: expected values < 2**bits = {limit}, got max {top}")
+
+
 def pack_bits(idx: Any, bits: int, *, backend: str = "auto") -> Any:
     """Pack ``bits``-wide indices, 8 per ``bits`` bytes, LSB first.
 
@@ -161,7 +204,11 @@ def pack_bits(idx: Any, bits: int, *, backend: str = "auto") -> Any:
     Raises
     ------
     ValueError
-        ``bits`` outside 1..8, ``length`` not a multiple of 8, or an index ``>= 2**bits``.
+        ``bits`` outside 1..8, ``length`` not a multiple of 8, or an index ``>= 2**bits``
+        (checked for every array kind before anything is packed, except at ``bits = 8``
+        where every uint8 fits: NumPy and CuPy arrays by their ``max()``, C-contiguous Numba
+        device arrays by one reduction launch on the device, each reading one number back to
+        the host; a Numba device view at an odd address is copied to the host for it).
     TypeError
         ``idx`` not uint8 or not an array.
 
@@ -178,8 +225,7 @@ def pack_bits(idx: Any, bits: int, *, backend: str = "auto") -> Any:
     if len(idx.shape) < 1 or tuple(idx.shape)[-1] % 8:
         raise ValueError(f"idx: expected a last axis that is a multiple of 8, got shape {tuple(idx.shape)}")
     xp = _backend.xp_of(idx)
-    if xp is not None and idx.size and int(idx.max()) >= (1 << bits):
-        raise ValueError(f"idx: expected values < 2**bits = {1 << bits}, got max {int(idx.max())}")
+    _check_indices(idx, bits, xp)
     if xp is not None:
         idx = xp.ascontiguousarray(idx)
     rows, lead = _rows(idx)

@@ -42,7 +42,7 @@ from ._index import unravel3
 from ._registry import register
 from .bitpack import group8_word, load_word, store_word, word_index
 from .codebook import DEQUANTIZE_SIGNATURE, Codebook, bucketize, bucketize_select, get_codebook
-from .finite import FOLD_SIG, check_finite, fold_absbits_cpu, fold_absbits_dev, no_fold
+from .finite import FOLD_SIG, check_finite, fold_absbits_cpu, fold_absbits_dev, no_fold, range_stats
 from .hadamard import SIGNS32, rotate32_forward_lanes, rotate32_inverse_lanes
 from .half import f16_bits_abs_to_f32, f32_to_f16_bits_sat
 
@@ -500,6 +500,17 @@ def dequantize_blocks(codes: Any, scales: Any, bits: int = 3, norm_mode: str = "
     Returns
     -------
     x_hat : float32 array, shape ``(..., d)``, on the device of ``codes``.
+
+    Raises
+    ------
+    TypeError
+        ``codes`` not uint8, ``scales`` not uint16.
+    ValueError
+        Bad ``bits``/``norm_mode``, mismatching shapes, Inf/NaN scale patterns (exponent
+        bits all ones, either sign: the sign is the PQO flag), checked for NumPy, CuPy and
+        Numba device arrays by one integer max over ``scales``
+        (:func:`~numba_kv.ops.finite.range_stats` of their binary16 view), which reads one
+        number back to the host.
     """
     cb = _codebook_arg(bits, norm_mode, codebook)
     _backend.resolve_device(backend, codes=codes, scales=scales)
@@ -520,6 +531,8 @@ def dequantize_blocks(codes: Any, scales: Any, bits: int = 3, norm_mode: str = "
         scales = xp.ascontiguousarray(scales)
     c3 = codes.reshape(1, -1, cshape[-1])
     s3 = scales.reshape(1, -1, nb)
+    if range_stats(s3.view(np.float16)).nonfinite:  # |pattern| >= 0x7C00: Inf or NaN
+        raise ValueError("scales: expected finite binary16 patterns, got Inf or NaN")
     out = _backend.empty(codes, (1, c3.shape[1], d), np.float32)
     dequantize_into(c3, s3, 0, cb, out)
     return out.reshape(lead + (d,))

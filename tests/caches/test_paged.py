@@ -106,6 +106,32 @@ def test_bad_input_names_the_argument_and_changes_nothing(rng):
     assert cache.seq_len(0, s) == 6
 
 
+def test_float32_pages_hold_what_their_attention_can_sum(rng):
+    """Float32 pages that ``decode_attention`` reads take ``|x| <= 2**21`` like PQO pages (a
+    value of 3e38 was stored and attended to inf); key-only float32 pages (MLA latents), which
+    it never reads, take any float32."""
+    cache = PagedKVCache(num_pages=4, num_layers=1, num_kv_heads=2, head_dim=32)
+    s = cache.allocate_sequence()
+    k, v = _kv(rng, 2, 3, 32)
+    cache.append(0, s, k, v)
+    snap = _snapshot(cache)
+    big = v.copy()
+    big[1, 2, 3] = 3e38
+    with pytest.raises(ValueError, match=r"^v: max \|v\| = 3e\+38 exceeds 2\.09715e\+06, the largest value float32 "
+                                         r"pages that decode_attention reads"):
+        cache.append(0, s, k, big)
+    _same(cache, snap)
+    edge = v.copy()
+    edge[1, 2, 3] = 2.0 ** 21
+    cache.append(0, s, k, edge)
+    out = cache.decode_attention(0, rng.standard_normal((1, 4, 1, 32)).astype(np.float32), causal=False)
+    assert np.isfinite(out).all()
+    keys = PagedKVCache(num_pages=4, num_layers=1, num_kv_heads=1, head_dim=32, v_head_dim=0)
+    t = keys.allocate_sequence()
+    keys.append(0, t, np.full((1, 2, 32), 3e38, np.float32))
+    assert keys.seq_len(0, t) == 2
+
+
 def test_constructor_validation():
     with pytest.raises(ValueError, match="storage: expected one of"):
         PagedKVCache(4, 1, 1, 32, storage="int4")

@@ -124,6 +124,54 @@ def test_bad_input(mutate, exc, word):
         decode_attention(**args)
 
 
+def _exact_args(rng, E=2):
+    kc, ks, vc, vs, kh, vh = make(rng, 1, 2, 10, 64)
+    kx, vx = rng.standard_normal((2, 1, 2, E, 64)).astype(np.float32)
+    q = rng.standard_normal((1, 4, 1, 64)).astype(np.float32)
+    return dict(q=q, k_codes=kc, k_scales=ks, v_codes=vc, v_scales=vs, k_exact=kx, v_exact=vx), kh, vh
+
+
+def _set(a, name, index, value):
+    a[name] = a[name].copy()
+    a[name][index] = value
+
+
+@pytest.mark.parametrize("mutate, word", [
+    # read the logit bias out of bounds: a wrong output, or a crash for 10**9 (total = 12)
+    (lambda a: a.update(exact_positions=np.array([10, 12])), r"^exact_positions: expected positions in \[0, 12\)"),
+    (lambda a: a.update(exact_positions=np.array([10, 10 ** 9])), r"^exact_positions: expected positions in"),
+    (lambda a: a.update(exact_positions=np.array([-1, 11])), r"^exact_positions: expected positions in"),
+    # finite, but the sums or logits left float32: inf, or a wrong answer
+    (lambda a: _set(a, "v_exact", (0, 0, 1, 3), 3e38), r"^v_exact: expected \|v_exact\| <= 2\*\*21 .*got max 3e\+38"),
+    (lambda a: _set(a, "k_exact", (0, 1, 0, 0), -2.0 ** 21 * 1.001), r"^k_exact: expected \|k_exact\| <= 2\*\*21"),
+    (lambda a: _set(a, "q", (0, 2, 0, 5), 2.0 ** 65), r"^q: expected \|q\| <= 2\*\*64"),
+    # binary16 Inf / NaN scale patterns decoded as 65536 / 98304 (the sign bit is the outlier flag)
+    (lambda a: _set(a, "k_scales", (0, 1, 3, 0), 0x7C00), r"^k_scales: expected finite binary16 bit patterns"),
+    (lambda a: _set(a, "v_scales", (0, 0, 9, 1), 0xFE00), r"^v_scales: expected finite binary16 bit patterns"),
+])
+def test_values_that_would_leave_the_arrays_or_float32_are_refused(mutate, word):
+    args, _, _ = _exact_args(np.random.default_rng(0))
+    mutate(args)
+    with pytest.raises(ValueError, match=word):
+        decode_attention(**args, logit_bias=np.zeros((1, 4, 1, 12), np.float32))
+
+
+def test_exact_tokens_at_the_limits_match_the_reference():
+    """Exact tokens at ±2**21 (the largest accepted), positions in any order or shared by two
+    tokens or inside the codes' range: finite and equal to the float64 oracle."""
+    rng = np.random.default_rng(1)
+    args, kh, vh = _exact_args(rng, E=3)
+    args["v_exact"][0, 1, 2, :] = 2.0 ** 21
+    args["k_exact"][0, 0, 1, 7] = -(2.0 ** 21)
+    for pos in ([12, 10, 11], [10, 10, 12], [0, 11, 12]):
+        bias = rng.standard_normal((1, 4, 1, 13)).astype(np.float32)
+        out = decode_attention(**args, exact_positions=np.array(pos), logit_bias=bias, causal=False)
+        by_token = bias[..., np.concatenate([np.arange(10), pos])]  # the bias of each token's position
+        ref = reference.attention(args["q"], np.concatenate([kh, args["k_exact"]], 2),
+                                  np.concatenate([vh, args["v_exact"]], 2), 0.125, logit_bias=by_token)
+        assert np.isfinite(out).all() and rel_err(out, ref) < 1e-5
+
+
 # --- whole-head rotation and the QJL correction through the public op ------------------------
 def _qjl_case(rng, d=64, T=90):
     from numba_kv import qjl_quantize
@@ -175,6 +223,26 @@ def test_decode_attention_head_rotation(rng, kb, vb):
             decode_attention(q, kc, kn, vc, vn, k_bits=kb, v_bits=vb, norm_mode="l2")
         with pytest.raises(ValueError, match=r"^k_bits: expected an int in 1..5 with rotation='head', got 6"):
             decode_attention(q, kc, kn, vc, vn, k_bits=6, v_bits=vb, rotation="head")
+
+
+def test_inf_and_nan_norm_patterns_are_refused(rng):
+    """Whole-head norms and QJL residual norms are binary16 patterns too: an Inf/NaN one is
+    named (it was decoded as a finite number, or fed the QJL correction)."""
+    from numba_kv import quantize_head
+
+    k = rng.standard_normal((1, 2, 20, 64)).astype(np.float32)
+    q = rng.standard_normal((1, 4, 1, 64)).astype(np.float32)
+    kc, kn = quantize_head(k, 4)
+    bad = kn.copy()
+    bad[0, 1, 7, 0] = 0x7E00
+    with pytest.raises(ValueError, match=r"^v_scales: expected finite binary16 bit patterns"):
+        decode_attention(q, kc, kn, kc, bad, k_bits=4, v_bits=4, rotation="head")
+    q, k, v, kc, ks, vc, vs, khat, signs, norms = _qjl_case(rng)
+    norms = norms.copy()
+    norms[0, 0, 3] = 0xFC00  # -Inf
+    with pytest.raises(ValueError, match=r"^k_qjl norms: expected finite binary16 bit patterns"):
+        decode_attention(q, kc, ks, vc, vs, k_bits=2, v_bits=3, norm_mode="l2", k_qjl=(signs, norms, None),
+                         v_codebook=get_codebook(3, "maxnorm"))
 
 
 @pytest.mark.parametrize("kw, word", [

@@ -68,3 +68,57 @@ def test_bad_input(kwargs, exc, word):
 def test_unpack_bad_input():
     with pytest.raises(ValueError, match="packed"):
         unpack_bits(np.zeros(4, np.uint8), 3)
+
+
+# --- Numba device arrays (simulator or GPU) ----------------------------------------------
+@pytest.mark.cuda
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7])
+def test_device_rejects_an_index_too_wide(bits):
+    """``idx < 2**bits`` is checked for Numba device arrays too: an index 7 at bits=2 used to
+    spill into its neighbour (packed [7, 0, ...] unpacked as [3, 1, ...])."""
+    from numba import cuda
+
+    from numba_kv._backend import to_host
+
+    rng = np.random.default_rng(bits)
+    idx = rng.integers(0, 1 << bits, size=(3, 24), dtype=np.uint16).astype(np.uint8)
+    idx[1, 5] = (1 << bits) - 1  # the largest valid index passes
+    assert np.array_equal(to_host(pack_bits(cuda.to_device(idx), bits)), pack_bits(idx, bits))
+    for r, c in ((0, 0), (1, 13), (2, 23)):  # first, middle (odd byte of a word), last index
+        bad = idx.copy()
+        bad[r, c] = 1 << bits
+        with pytest.raises(ValueError, match=rf"idx: expected values < 2\*\*bits = {1 << bits}, got max {1 << bits}"):
+            pack_bits(cuda.to_device(bad), bits)
+    # a view at an odd byte offset (its words are read as they come on the simulator)
+    flat = np.zeros(33, np.uint8)
+    flat[32] = 1 << bits
+    with pytest.raises(ValueError, match="idx: expected values"):
+        pack_bits(cuda.to_device(flat)[25:33], bits)
+    assert to_host(pack_bits(cuda.to_device(flat)[1:9], bits)).tolist() == [0] * bits
+
+
+@pytest.mark.cuda
+def test_device_index_check_at_every_word_alignment():
+    """The device check reads the indices as the widest words the address allows (8, 4, 2
+    bytes, each with its own mask) and declines (``None``: the caller reads them on the host)
+    at an odd address.  The simulator's arrays have no device address, so the addresses here
+    are stated by a wrapper."""
+    from numba import cuda
+
+    from numba_kv.ops.bitpack import _device_has_wide_index
+
+    class At:
+        def __init__(self, a, ptr):
+            self._a, self.__cuda_array_interface__ = a, {"data": (ptr, False)}
+
+        def __getattr__(self, name):
+            return getattr(self._a, name)
+
+    for bits in range(1, 8):
+        for ptr in (64, 36, 18):
+            for pos in range(16):
+                idx = np.full(16, (1 << bits) - 1, np.uint8)
+                assert _device_has_wide_index(At(cuda.to_device(idx), ptr), bits) is False
+                idx[pos] = 1 << bits
+                assert _device_has_wide_index(At(cuda.to_device(idx), ptr), bits) is True, (bits, ptr, pos)
+        assert _device_has_wide_index(At(cuda.to_device(np.zeros(16, np.uint8)), 9), bits) is None

@@ -185,6 +185,36 @@ def test_dequantize_bad_input():
         dequantize_blocks(c, s.astype(np.int32), 3)
 
 
+#: binary16 patterns with all exponent bits set: +-Inf, quiet and signalling NaNs of either sign
+#: (the sign bit is the PQO outlier flag, so negative patterns are as common as positive ones)
+INF_NAN_PATTERNS = [0x7C00, 0xFC00, 0x7E00, 0xFE00, 0x7C01, 0xFFFF]
+
+
+@pytest.mark.parametrize("pattern", INF_NAN_PATTERNS)
+@pytest.mark.parametrize("n", [3, 600])  # 600 vectors of d = 1024: more scales than one serial range pass
+def test_dequantize_rejects_inf_nan_scale_patterns(pattern, n):
+    """An Inf/NaN scale pattern used to decode as a finite number (0x7C00 as 65536, 0x7E00 as
+    98304) where the NumPy oracle gives inf/NaN: it is rejected, naming ``scales``."""
+    d = 64 if n == 3 else 1024
+    c, s = quantize_blocks(np.random.default_rng(0).standard_normal((n, d)).astype(np.float32), 3)
+    for where in ((0, 0), (n - 1, d // 32 - 1)):
+        bad = s.copy()
+        bad[where] = pattern
+        with pytest.raises(ValueError, match="scales: expected finite binary16 patterns"):
+            dequantize_blocks(c, bad, 3)
+
+
+@pytest.mark.parametrize("pattern", [0x7BFF, 0xFBFF, 0x0001, 0x8000])
+def test_dequantize_accepts_extreme_finite_scale_patterns(pattern):
+    """The largest finite scale (65504, either sign) and the subnormal / zero edge still decode,
+    like the NumPy oracle."""
+    c, s = quantize_blocks(np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32), 3)
+    s[1, 1] = pattern
+    want = reference.dequantize(c, s, get_codebook(3, "maxnorm").centroids, 3)
+    np.testing.assert_allclose(dequantize_blocks(c, s, 3), want, rtol=1e-5, atol=1e-6)
+    assert np.isfinite(dequantize_blocks(c, s, 3)).all()
+
+
 # --- unbiased (EDEN-style) rescale: scale · ‖y‖² / ⟨y, c⟩ per block --------------------
 @pytest.fixture(scope="module")
 def unit_pairs():
@@ -281,3 +311,21 @@ def test_unbiased_zero_block_keeps_plain_scale():
         xh = dequantize_blocks(c, s, 3, mode)
         assert np.all(xh[0] == 0) and np.all(xh[1, :32] == 0)
         assert np.isfinite(xh).all()
+
+
+# --- Numba device arrays (simulator or GPU) ----------------------------------------------
+@pytest.mark.cuda
+def test_dequantize_rejects_inf_nan_scale_patterns_on_device():
+    """The scale pattern check covers Numba device arrays too (one reduction launch)."""
+    from numba_kv._backend import to_host
+
+    from ..conftest import to_device
+
+    c, s = quantize_blocks(np.random.default_rng(2).standard_normal((3, 64)).astype(np.float32), 3)
+    np.testing.assert_allclose(to_host(dequantize_blocks(to_device(c), to_device(s), 3)), dequantize_blocks(c, s, 3),
+                               rtol=1e-6, atol=1e-7)
+    for pattern in INF_NAN_PATTERNS:
+        bad = s.copy()
+        bad[2, 1] = pattern
+        with pytest.raises(ValueError, match="scales: expected finite binary16 patterns"):
+            dequantize_blocks(to_device(c), to_device(bad), 3)

@@ -84,3 +84,72 @@ def test_bad_table_rows():
     c = _cache("float32", (5, 6), rng)
     with pytest.raises(ValueError, match="q"):
         paged_decode_attention(np.zeros((3, 2, 1, 64), np.float32), c.page_table(0), **_pool_kwargs(c))
+
+
+def _table(indptr, indices, last):
+    return tuple(np.array(a, np.int32) for a in (indptr, indices, last))
+
+
+@pytest.mark.parametrize("table, word", [
+    # pages outside the pool of 24: read memory that is not the pool's (10**9 crashed)
+    (_table([0, 2, 3], [0, 24, 1], [3, 4]), r"^kv_indices: expected pages in \[0, 24\)"),
+    (_table([0, 2, 3], [0, -1, 1], [3, 4]), r"^kv_indices: expected pages in \[0, 24\)"),
+    (_table([0, 2, 3], [0, 10 ** 9, 1], [3, 4]), r"^kv_indices: expected pages in \[0, 24\)"),
+    # a last page longer than a page, or empty: silently other tokens
+    (_table([0, 2, 3], [0, 2, 1], [9, 4]), r"^kv_last_page_len: expected values in \[1, page_size=8\]"),
+    (_table([0, 2, 3], [0, 2, 1], [0, 4]), r"^kv_last_page_len: expected values in \[1, page_size=8\]"),
+    # kv_indptr past kv_indices (NaN), not from 0, a sequence without a page
+    (_table([0, 2, 5], [0, 2, 1], [3, 4]), r"^kv_indptr: expected 0 = kv_indptr\[0\] <"),
+    (_table([1, 2, 3], [0, 2, 1], [3, 4]), r"^kv_indptr: expected 0 = kv_indptr\[0\] <"),
+    (_table([0, 3, 3], [0, 2, 1], [3, 4]), r"^kv_indptr: expected 0 = kv_indptr\[0\] <"),
+])
+def test_page_tables_that_address_outside_the_pools_are_refused(table, word):
+    rng = np.random.default_rng(6)
+    c = _cache("float32", (5,), rng)
+    q = rng.standard_normal((2, 2, 1, 64)).astype(np.float32)
+    with pytest.raises(ValueError, match=word):
+        paged_decode_attention(q, table, **_pool_kwargs(c))
+
+
+def test_page_table_types_pool_geometry_and_seq_lens_are_checked():
+    rng = np.random.default_rng(7)
+    c = _cache("pqo3", (5, 9), rng)
+    q = rng.standard_normal((2, 2, 1, 64)).astype(np.float32)
+    kw = _pool_kwargs(c)
+    table = c.page_table(0)
+    with pytest.raises(TypeError, match=r"^page_table: expected a tuple \(kv_indptr, kv_indices"):
+        paged_decode_attention(q, table[:2], **kw)  # was "not enough values to unpack"
+    with pytest.raises(TypeError, match=r"^kv_indices: expected a 1-D int32 array, got float32"):
+        paged_decode_attention(q, (table[0], table[1].astype(np.float32), table[2]), **kw)
+    with pytest.raises(ValueError, match=r"^v_scales: expected \[num_pages, num_kv_heads, page_size\]"):
+        paged_decode_attention(q, table, **{**kw, "v_scales": kw["v_scales"][:20]})
+    with pytest.raises(ValueError, match=r"^seq_lens: expected the page table's lengths \[5, 9\], got \[5, 16\]"):
+        paged_decode_attention(q, table, **kw, seq_lens=[5, 16])
+
+
+@pytest.mark.parametrize("storage", ["float32", "pqo3"])
+def test_pool_values_that_would_leave_float32_are_refused(storage):
+    """Float32 pages beyond 2**21 (3e38 values gave inf), NaN pages (finite garbage), Inf/NaN
+    scale patterns, a query beyond 2**64: named, unless ``check_values=False``."""
+    rng = np.random.default_rng(8)
+    c = _cache(storage, (5,), rng)
+    q = rng.standard_normal((1, 2, 1, 64)).astype(np.float32)
+    table = c.page_table(0)
+    page = int(table[1][0])
+    bad = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in _pool_kwargs(c).items()}
+    if storage == "float32":
+        bad["v_pages"][page, 1, 2, 3] = 3e38
+        word = r"^v_pages: expected \|v_pages\| <= 2\*\*21"
+        nan = {**bad, "v_pages": _pool_kwargs(c)["v_pages"].copy()}
+        nan["v_pages"][page, 0, 0, 0] = np.nan
+        with pytest.raises(ValueError, match=r"^v_pages: expected finite values"):
+            paged_decode_attention(q, table, **nan)
+    else:
+        bad["k_scales"][page, 0, 1, 0] = 0x7C00
+        word = r"^k_scales: expected finite binary16 bit patterns"
+    with pytest.raises(ValueError, match=word):
+        paged_decode_attention(q, table, **bad)
+    paged_decode_attention(q, table, **bad, check_values=False)  # the caller vouches: not read
+    with pytest.raises(ValueError, match=r"^q: expected \|q\| <= 2\*\*64"):
+        paged_decode_attention(q * np.float32(2.0 ** 70), table, **_pool_kwargs(c))
+

@@ -34,9 +34,9 @@ import numpy as np
 
 from ... import _backend
 from ..._config import MAX_HEAD_DIM
-from ..._validate import check_float_array, check_partition_size, check_shape, check_softmax_scale
+from ..._validate import Q_MAX, check_float_array, check_partition_size, check_shape, check_softmax_scale
 from ..codebook import Codebook, get_codebook
-from ..finite import check_finite, check_rotation_input
+from ..finite import all_finite, check_finite, check_finite_stats, check_rotation_input
 from ..gather import to_like
 from ..hadamard import rotate32
 from ..headquant import head_signs, rotate_head
@@ -46,6 +46,12 @@ from .layout import CodeLayout
 from .plan import attention_plan
 
 __all__ = ["decode_attention", "fused_attention_rows"]
+
+#: Largest ``|k_exact|``, ``|v_exact|`` the op takes: the compressed caches' input limit.  With
+#: ``|q| <= 2**64`` (:data:`~numba_kv._validate.Q_MAX`), ``head_dim <= 512`` and a scale
+#: ``<= 2**30``, a logit stays below ``2**124``, and a value sum over ``< 2**32`` tokens below
+#: ``2**53``: float32 holds both.
+EXACT_MAX = float(2 ** 21)
 
 
 def fused_attention_rows(qr: Any, q: Any, kc: Any, ks: Any, vc: Any, vs: Any, n_comp: int, comp_pos0: int,
@@ -101,11 +107,13 @@ def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales
     Parameters
     ----------
     q : float array, shape ``(batch, num_heads, q_len, head_dim)``
-        Queries; ``num_heads`` a multiple of ``num_kv_heads`` (contiguous GQA groups).
+        Queries; ``num_heads`` a multiple of ``num_kv_heads`` (contiguous GQA groups);
+        finite, ``|q| <= 2**64``.
     k_codes, v_codes : uint8 array, shape ``(batch, num_kv_heads, T, head_dim·bits/8)``
     k_scales, v_scales : uint16 array, shape ``(batch, num_kv_heads, T, head_dim/32)``
         As returned by :func:`numba_kv.quantize_blocks` on ``[batch, num_kv_heads, T, d]``
-        (with ``rotation="head"``: ``(…, T, 1)`` from :func:`numba_kv.quantize_head`).
+        (with ``rotation="head"``: ``(…, T, 1)`` from :func:`numba_kv.quantize_head`); no
+        Inf/NaN binary16 pattern.
         Compressed token ``t`` sits at position ``t`` (after any exact tokens, see below).
     bits, norm_mode, k_bits, v_bits, k_codebook, v_codebook
         Codebooks of K and V (``k_bits``/``v_bits`` default to ``bits``).
@@ -118,9 +126,13 @@ def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales
         Query ``i`` sits at position ``total_tokens − q_len + i`` and sees positions ``<=``
         its own (speculative-decoding verification); ``False`` = every query sees all.
     k_exact, v_exact : float array, shape ``(batch, num_kv_heads, E, head_dim)``, optional
-        Extra full-precision tokens (a recent window, sinks) joined in the same softmax.
+        Extra full-precision tokens (a recent window, sinks) joined in the same softmax;
+        finite, ``|x| <= 2**21`` (:data:`EXACT_MAX`, the compressed caches' input limit: logits
+        and sums stay finite in float32).
     exact_positions : int array, shape ``(E,)``, optional
-        Positions of the exact tokens; default ``T, T+1, …`` (a window after the codes).
+        Positions of the exact tokens, each in ``[0, T+E)`` (compressed token ``t`` sits at
+        ``t``; tokens may share a position, and its mask and bias); default ``T, T+1, …`` (a
+        window after the codes).
     partition_size : int, optional
         Tokens per split-K partition, >= 1 (default: enough partitions for every thread).
     rotation : {"block", "head"}
@@ -142,7 +154,9 @@ def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales
     Raises
     ------
     ValueError, TypeError
-        Mismatched shapes, group counts, dtypes or devices; the message names the argument.
+        Mismatched shapes, group counts, dtypes or devices; values outside the ranges above
+        (NaN/Inf, ``|q| > 2**64``, exact tokens beyond ``2**21``, Inf/NaN scale patterns,
+        positions outside ``[0, T+E)``); the message names the argument.
 
     Examples
     --------
@@ -178,9 +192,12 @@ def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales
     if ql > total and causal:
         raise ValueError(f"q: expected q_len <= total tokens {total} with causal=True, got {ql}")
     epos = _exact_positions(exact_positions, q, T, n_exact)
+    for name, a in (("k_scales", k_scales), ("v_scales", v_scales)):
+        check_f16_bits(name, a)
     softmax_scale = d ** -0.5 if softmax_scale is None else check_softmax_scale(softmax_scale)
     partition_size = check_partition_size(partition_size)
     check_rotation_input("q", q, d if head else 32)  # finite, and its rotation fits float32
+    _check_max("q", q, Q_MAX, "2**64")
     g = b * hkv
     rows = (hq // hkv) * ql
     q3 = _backend.ascontiguous_f32("q", q).reshape(g, rows, d)
@@ -245,7 +262,7 @@ def _check_exact(k_exact: Any, v_exact: Any, b: int, hkv: int, d: int) -> int:
     for name, a in (("k_exact", k_exact), ("v_exact", v_exact)):
         check_float_array(name, a, 4)
         check_shape(name, a, (b, hkv, None, d), ("batch", "num_kv_heads", "E", "head_dim"))
-        check_finite(name, a)
+        _check_max(name, a, EXACT_MAX, "2**21")
     n_exact = int(k_exact.shape[2])
     if int(v_exact.shape[2]) != n_exact:
         raise ValueError(f"v_exact: expected E={n_exact} tokens like k_exact, got shape {tuple(v_exact.shape)}")
@@ -260,8 +277,29 @@ def _exact_positions(exact_positions: Any, q: Any, T: int, n_exact: int) -> Any:
     if tuple(exact_positions.shape) != (n_exact,) or np.dtype(exact_positions.dtype).kind not in "iu":
         raise ValueError(f"exact_positions: expected an int array of shape ({n_exact},), got "
                          f"{exact_positions.dtype} {tuple(exact_positions.shape)}")
+    # the kernels index the logit bias by position (and mask by it): a position outside
+    # [0, total) read out of bounds (tokens may share a position: they share its mask and bias)
+    host = _backend.to_host(exact_positions)
+    if host.size and not (0 <= int(host.min()) and int(host.max()) < T + n_exact):
+        raise ValueError(f"exact_positions: expected positions in [0, {T + n_exact}) (the total tokens), got "
+                         f"values from {int(host.min())} to {int(host.max())}")
     xp = _backend.xp_of(exact_positions)
     return exact_positions.astype(np.int32) if xp is not None else exact_positions
+
+
+def _check_max(name: str, a: Any, limit: float, label: str) -> None:
+    """``ValueError`` naming ``name`` unless ``a`` is finite with ``|a| <= limit``."""
+    amax = check_finite_stats(name, a).amax
+    if amax > limit:
+        raise ValueError(f"{name}: expected |{name}| <= {label} (logits and sums stay finite in float32), "
+                         f"got max {amax:.6g}")
+
+
+def check_f16_bits(name: str, a: Any) -> None:
+    """``ValueError`` naming ``name`` if the binary16 bit patterns ``a`` (uint16: scales, norms;
+    the sign bit may be a flag) hold an Inf or NaN pattern: decoded as finite garbage otherwise."""
+    if not all_finite(a.view(np.float16)):
+        raise ValueError(f"{name}: expected finite binary16 bit patterns, got an Inf or NaN pattern")
 
 
 def _qjl_args(k_qjl: Any, q3: Any, b: int, hkv: int, T: int, d: int) -> tuple:
@@ -281,6 +319,7 @@ def _qjl_args(k_qjl: Any, q3: Any, b: int, hkv: int, T: int, d: int) -> tuple:
     mb = int(signs.shape[3])
     check_shape("k_qjl signs", signs, (b, hkv, T, mb), ("batch", "num_kv_heads", "T", "m/8"))
     check_shape("k_qjl norms", norms, (b, hkv, T), ("batch", "num_kv_heads", "T"))
+    check_f16_bits("k_qjl norms", norms)
     m = 8 * mb
     sk = sketch_arg(sketch, d, m, q3)
     g, rows, _ = q3.shape

@@ -13,7 +13,8 @@ positions (causal).  :meth:`numba_kv.PagedKVCache.decode_attention` calls this w
 own pools and page table.
 
 Two entries: :func:`paged_decode_attention`, the public op, validates everything it is given
-(devices, dtypes, shapes, pool kind, sequence lengths, finite queries) once and then runs
+(devices, dtypes, shapes, pool kind, the page table's values, sequence lengths, the values of
+the queries and pools) once and then runs
 :func:`paged_attention_rows`, the trusted entry, which validates nothing (the paged cache
 calls it directly every step: its configuration and its own entry checks vouch for the
 arrays).
@@ -27,9 +28,10 @@ from typing import Any
 import numpy as np
 
 from ... import _backend
-from ..._validate import check_float_array, check_out, check_partition_size, check_softmax_scale
-from ..finite import check_finite
+from ..._validate import Q_MAX, check_float_array, check_out, check_partition_size, check_softmax_scale
+from ..finite import check_finite_stats
 from ..hadamard import rotate32, rotate32_rows
+from .flat import EXACT_MAX, check_f16_bits
 from .layout import CodeLayout
 from .plan import attention_plan
 
@@ -94,6 +96,7 @@ def _pools(q: Any, d: int, k_pages: Any, v_pages: Any, k_codes: Any, k_scales: A
             if len(a.shape) != 4 or int(a.shape[3]) != d or np.dtype(a.dtype) != np.float32:
                 raise ValueError(f"{name}: expected float32 [num_pages, num_kv_heads, page_size, {d}], got "
                                  f"{a.dtype} {tuple(a.shape)}")
+        _same_pages(("k_pages", k_pages), ("v_pages", v_pages))
         return False, int(k_pages.shape[2]), pool_arrays(q, k_pages, v_pages), None, None
     if k_codebook is None or v_codebook is None:
         raise ValueError("k_codebook: PQO pools need k_codebook and v_codebook")
@@ -105,18 +108,64 @@ def _pools(q: Any, d: int, k_pages: Any, v_pages: Any, k_codes: Any, k_scales: A
         if len(a.shape) != 4 or int(a.shape[3]) != width or np.dtype(a.dtype) != dt:
             raise ValueError(f"{name}: expected {np.dtype(dt)} [num_pages, num_kv_heads, page_size, {width}], got "
                              f"{a.dtype} {tuple(a.shape)}")
+    _same_pages(("k_codes", k_codes), ("k_scales", k_scales), ("v_codes", v_codes), ("v_scales", v_scales))
     arrays = pool_arrays(q, k_codes=k_codes, k_scales=k_scales, v_codes=v_codes, v_scales=v_scales)
     return True, int(k_codes.shape[2]), arrays, lay[0], lay[1]
 
 
-def _seq_lens(page_table: Sequence[Any], page_size: int, seq_lens: Sequence[int] | None) -> list[int]:
-    """Tokens of every sequence: ``seq_lens`` when given, else read from the page table
-    (a device→host copy when the table lives on the device)."""
-    if seq_lens is not None:
-        return [int(n) for n in seq_lens]
-    indptr, _, last = (_backend.to_host(a) for a in page_table)
-    npages = np.diff(indptr.astype(np.int64))
-    return [int((n - 1) * page_size + x) if n > 0 else 0 for n, x in zip(npages, last)]
+def _same_pages(*pools: tuple[str, Any]) -> None:
+    """``ValueError`` unless every pool has the first one's ``(num_pages, num_kv_heads,
+    page_size)``: the kernels address them all with the same page and slot."""
+    (name0, a0), *rest = pools
+    want = tuple(int(x) for x in a0.shape[:3])
+    for name, a in rest:
+        if tuple(int(x) for x in a.shape[:3]) != want:
+            raise ValueError(f"{name}: expected [num_pages, num_kv_heads, page_size] = {list(want)} like {name0}, "
+                             f"got shape {tuple(a.shape)}")
+
+
+def _table_lens(page_table: Sequence[Any], num_pages: int, page_size: int, seq_lens: Sequence[int] | None
+                ) -> list[int]:
+    """Tokens of every sequence, read from the page table after checking that it addresses only
+    the pools: the kernels index the pools with it unchecked (a page outside them read memory
+    that is not the pool's, or crashed).  A device→host copy when the table lives on the device;
+    ``seq_lens``, when given, must agree."""
+    names = ("kv_indptr", "kv_indices", "kv_last_page_len")
+    host = []
+    for name, a in zip(names, page_table):
+        if np.dtype(a.dtype) != np.int32 or len(a.shape) != 1:
+            raise TypeError(f"{name}: expected a 1-D int32 array, got {a.dtype} {tuple(a.shape)}")
+        host.append(_backend.to_host(a).astype(np.int64))
+    indptr, indices, last = host
+    if indptr[0] != 0 or np.any(np.diff(indptr) < 1) or indptr[-1] != indices.shape[0]:
+        raise ValueError(f"kv_indptr: expected 0 = kv_indptr[0] < kv_indptr[1] < … < kv_indptr[-1] = "
+                         f"len(kv_indices) = {indices.shape[0]} (every sequence at least one page), got "
+                         f"{indptr.tolist()[:16]}")
+    if indices.size and (indices.min() < 0 or indices.max() >= num_pages):
+        raise ValueError(f"kv_indices: expected pages in [0, {num_pages}) (the pools' pages), got values from "
+                         f"{int(indices.min())} to {int(indices.max())}")
+    if last.min() < 1 or last.max() > page_size:
+        raise ValueError(f"kv_last_page_len: expected values in [1, page_size={page_size}], got values from "
+                         f"{int(last.min())} to {int(last.max())}")
+    lens = [int((n - 1) * page_size + x) for n, x in zip(np.diff(indptr), last)]
+    if seq_lens is not None and [int(n) for n in seq_lens] != lens:
+        raise ValueError(f"seq_lens: expected the page table's lengths {lens[:16]}, got {list(seq_lens)[:16]}")
+    return lens
+
+
+def _check_pool_values(k_pages: Any, v_pages: Any, k_scales: Any, v_scales: Any) -> None:
+    """Finite float32 pages within ``|x| <= 2**21`` (the caches' limit: the logits of any
+    accepted query and the value sums stay finite in float32), or PQO scales without an
+    Inf/NaN binary16 pattern (they decode as finite garbage).  One read of every pool."""
+    for name, a in (("k_pages", k_pages), ("v_pages", v_pages)):
+        if a is not None:
+            amax = check_finite_stats(name, a).amax
+            if amax > EXACT_MAX:
+                raise ValueError(f"{name}: expected |{name}| <= 2**21 (logits and sums stay finite in float32), "
+                                 f"got max {amax:.6g}")
+    for name, a in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if a is not None:
+            check_f16_bits(name, a)
 
 
 def paged_decode_attention(q: Any, page_table: Sequence[Any], *, k_pages: Any = None, v_pages: Any = None,
@@ -133,7 +182,10 @@ def paged_decode_attention(q: Any, page_table: Sequence[Any], *, k_pages: Any = 
         ``num_kv_heads`` (contiguous GQA groups).
     page_table : ``(kv_indptr, kv_indices, kv_last_page_len)``
         int32 arrays of shapes ``(n_seq + 1,)``, ``(kv_indptr[-1],)``, ``(n_seq,)`` on the
-        device of ``q`` (a :class:`numba_kv.caches.paged.PageTable` fits).
+        device of ``q`` (a :class:`numba_kv.caches.paged.PageTable` fits): ``kv_indptr``
+        strictly increasing from 0 (every sequence at least one page), pages in
+        ``[0, num_pages)``, last-page lengths in ``[1, page_size]``.  Read on the host to
+        check it (a device→host copy when it lives on the device).
     k_pages, v_pages : float32 array, shape ``(num_pages, num_kv_heads, page_size, head_dim)``
         Float32 pools; or else
     k_codes, v_codes : uint8 array, shape ``(num_pages, num_kv_heads, page_size, head_dim·bits/8)``
@@ -142,8 +194,7 @@ def paged_decode_attention(q: Any, page_table: Sequence[Any], *, k_pages: Any = 
     k_codebook, v_codebook : Codebook
         The codebooks of the K and V codes.
     seq_lens : sequence of int, optional
-        Tokens of every sequence (host ints; default: read from the page table, a
-        device→host copy when it lives on the device).
+        Tokens of every sequence (host ints): must equal the page table's.
     softmax_scale : float, optional
         Default ``1/sqrt(head_dim)``; in ``(0, 2**30]`` (larger ones could overflow the float32
         logits).
@@ -152,8 +203,10 @@ def paged_decode_attention(q: Any, page_table: Sequence[Any], *, k_pages: Any = 
     partition_size : int, optional
         Tokens per split-K partition, >= 1.
     check_values : bool
-        Reject a non-finite ``q`` (on a GPU: one device-to-host read).  ``False`` when the
-        caller checked or deferred that itself (:meth:`PagedKVCache.decode_attention`).
+        Reject a non-finite ``q`` or ``|q| > 2**64``, float32 pages that are not finite or
+        beyond ``|x| <= 2**21`` (logits and sums stay finite in float32) and Inf/NaN scale
+        patterns (one read of ``q`` and of every pool; on a GPU one device-to-host read
+        each).  ``False`` when the caller vouches for them.
     out : float32 array, shape ``(n_seq, num_heads, q_len, head_dim)``, optional
         Written and returned instead of a new array (C-contiguous, on the device of ``q``,
         sharing no memory with ``q`` or the pools): a decode step that allocates nothing.
@@ -165,9 +218,15 @@ def paged_decode_attention(q: Any, page_table: Sequence[Any], *, k_pages: Any = 
     Raises
     ------
     ValueError
-        Empty sequence, shape/group mismatch, pools of both or neither kind, device mismatch,
-        a bad ``out`` (``TypeError`` for its dtype).
+        Empty sequence, shape/group mismatch, pools of both or neither kind or of different
+        page geometry, device mismatch, a page table that addresses outside the pools,
+        values outside the ranges above, a bad ``out``; the message names the argument.
+    TypeError
+        A page table that is not three 1-D int32 arrays, ``out`` of another dtype.
     """
+    if not isinstance(page_table, (tuple, list)) or len(page_table) != 3:
+        raise TypeError(f"page_table: expected a tuple (kv_indptr, kv_indices, kv_last_page_len), got "
+                        f"{type(page_table).__name__} {page_table!r:.80}")
     indptr, indices, last = page_table
     _backend.resolve_device("auto", q=q, kv_indptr=indptr, kv_indices=indices, kv_last_page_len=last,
                                   k_pages=k_pages, v_pages=v_pages, k_codes=k_codes, k_scales=k_scales,
@@ -193,10 +252,13 @@ def paged_decode_attention(q: Any, page_table: Sequence[Any], *, k_pages: Any = 
                   inputs=(("q", q), ("k_pages", k_pages), ("v_pages", v_pages), ("k_codes", k_codes),
                           ("k_scales", k_scales), ("v_codes", v_codes), ("v_scales", v_scales)))
     if check_values:
-        check_finite("q", q)
+        if check_finite_stats("q", q).amax > Q_MAX:
+            raise ValueError("q: expected |q| <= 2**64 (logits stay finite in float32)")
     compressed, page_size, arrays, klay, vlay = _pools(q, d, k_pages, v_pages, k_codes, k_scales, v_codes, v_scales,
                                                        k_codebook, v_codebook)
-    lens = _seq_lens(page_table, page_size, seq_lens)
+    if check_values:
+        _check_pool_values(k_pages, v_pages, k_scales, v_scales)
+    lens = _table_lens(page_table, int((k_pages if k_pages is not None else k_codes).shape[0]), page_size, seq_lens)
     if min(lens) < max(1, ql if causal else 1):
         raise ValueError(f"seq_ids: every sequence needs >= max(1, q_len={ql}) stored tokens, got lengths {lens}")
     return paged_attention_rows(q, (indptr, indices, last), arrays, klay, vlay, n_kv_heads=hkv, page_size=page_size,
