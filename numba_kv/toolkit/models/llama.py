@@ -98,6 +98,19 @@ def _host(a: Any) -> np.ndarray:
 # --------------------------------------------------------------------------------------
 # building blocks
 # --------------------------------------------------------------------------------------
+#: geometry attributes of the library's caches and the :class:`LlamaConfig` fields they must equal
+_CACHE_GEOMETRY = (("num_layers", "n_layers"), ("num_kv_heads", "n_kv_heads"), ("head_dim", "head_dim"))
+
+
+def _check_start_pos(start_pos: Any) -> int:
+    """``start_pos`` as an int >= 0 (``TypeError`` for a non-int or a bool, ``ValueError`` below 0)."""
+    if isinstance(start_pos, bool) or not isinstance(start_pos, (int, np.integer)):
+        raise TypeError(f"start_pos: expected an int >= 0, got {type(start_pos).__name__} {start_pos!r}")
+    if start_pos < 0:
+        raise ValueError(f"start_pos: expected an int >= 0, got {start_pos!r}")
+    return int(start_pos)
+
+
 def _cache_window(cache: Any, layer: int) -> int | None:
     """Sliding window the cache applies to ``layer`` itself (``None``: it does not slide)."""
     windows = getattr(cache, "layer_windows", None)
@@ -310,16 +323,38 @@ class LlamaModel:
         return cache_factory(**geom, **options)
 
     # -- forward --------------------------------------------------------------------------
-    def check_tokens(self, tokens: Any) -> np.ndarray:
-        """``tokens`` as a 1-D int64 array of valid ids; ``ValueError`` naming ``tokens`` otherwise."""
+    def check_cache(self, cache: Any) -> None:
+        """Check that ``cache`` has this model's geometry before anything is stored in it.
+
+        Of ``num_layers``, ``num_kv_heads`` and ``head_dim`` (which every library cache
+        exposes) each attribute the cache has must equal ``config.n_layers``,
+        ``config.n_kv_heads`` and ``config.head_dim``; a duck-typed cache without them is
+        taken as it is (a wrong one then fails at its own ``prefill``/``decode``).
+
+        Raises
+        ------
+        ValueError
+            Naming ``cache``, with the expected and the found geometry.
+        """
+        c = self.config
+        got = {attr: getattr(cache, attr, None) for attr, _ in _CACHE_GEOMETRY}
+        if all(got[attr] is None or got[attr] == getattr(c, field) for attr, field in _CACHE_GEOMETRY):
+            return
+        expected = ", ".join(f"{attr}={getattr(c, field)}" for attr, field in _CACHE_GEOMETRY)
+        found = ", ".join(f"{attr}={got[attr]!r}" for attr, _ in _CACHE_GEOMETRY if got[attr] is not None)
+        raise ValueError(f"cache: expected this model's geometry ({expected}), got {found} "
+                         f"({type(cache).__name__}; see new_cache)")
+
+    def check_tokens(self, tokens: Any, name: str = "tokens") -> np.ndarray:
+        """``tokens`` as a 1-D int64 array of valid ids; ``ValueError`` naming ``name`` otherwise."""
         ids = np.asarray(tokens)
         if ids.ndim == 0:
             ids = ids.reshape(1)
         if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"tokens: expected a non-empty 1-D sequence of ints, got shape {ids.shape} "
+            raise ValueError(f"{name}: expected a non-empty 1-D sequence of ints, got shape {ids.shape} "
                              f"dtype {ids.dtype}")
         if ids.min() < 0 or ids.max() >= self.config.vocab_size:
-            raise ValueError(f"tokens: ids must be in [0, {self.config.vocab_size}), got "
+            raise ValueError(f"{name}: ids must be in [0, {self.config.vocab_size}), got "
                              f"[{int(ids.min())}, {int(ids.max())}]")
         return ids.astype(np.int64)
 
@@ -331,8 +366,9 @@ class LlamaModel:
         ----------
         tokens : sequence of int, length ``T``
         cache : CompressedKVCache
+            Checked by :meth:`check_cache`.
         start_pos : int
-            Absolute position of ``tokens[0]`` (RoPE).
+            Absolute position of ``tokens[0]`` (RoPE), an int >= 0.
         use_decode : bool
             ``True``: ``cache.decode``; ``False``: ``cache.prefill``.  A sliding-window
             layer whose history would exceed its window uses ``cache.prefill`` (the
@@ -347,8 +383,10 @@ class LlamaModel:
         """
         c = self.config
         ids = self.check_tokens(tokens)
+        start_pos = _check_start_pos(start_pos)
         if logits not in ("last", "all", "none"):
             raise ValueError(f"logits: expected 'last', 'all' or 'none', got {logits!r}")
+        self.check_cache(cache)
         tables = self._rope_tables(np.arange(start_pos, start_pos + ids.size))
         x = self._embed(ids)
         for li, L in enumerate(self.layers):
@@ -375,8 +413,9 @@ class LlamaModel:
         ----------
         tokens : sequence of int, length ``T``
         cache : CompressedKVCache
+            Checked by :meth:`check_cache`.
         start_pos : int
-            Absolute position of ``tokens[0]`` (RoPE).
+            Absolute position of ``tokens[0]`` (RoPE), an int >= 0.
         logits : {"all", "none"}
             Logits of every position (row ``j`` predicts the token after ``tokens[j]``) or none.
         logits_chunk : int
@@ -388,8 +427,10 @@ class LlamaModel:
         """
         c = self.config
         ids = self.check_tokens(tokens)
+        start_pos = _check_start_pos(start_pos)
         if logits not in ("all", "none"):
             raise ValueError(f"logits: expected 'all' or 'none', got {logits!r}")
+        self.check_cache(cache)
         t, nh, hd = ids.size, c.n_heads, c.head_dim
         tables = self._rope_tables(np.arange(start_pos, start_pos + t))
         x = self._embed(ids)
@@ -531,10 +572,12 @@ class LlamaModel:
         ----------
         tokens : sequence of int, length ``N``
         cache : CompressedKVCache
-            Any cache with this model's geometry (see :meth:`new_cache`).
+            Any cache with this model's geometry (see :meth:`new_cache`), checked by
+            :meth:`check_cache` before anything is stored (a duck-typed cache without
+            ``num_layers``/``num_kv_heads``/``head_dim`` is taken as it is).
         start_pos : int, optional
-            Absolute position of ``tokens[0]``; default ``cache.seq_len(0)``.  Pass it
-            explicitly for caches that evict tokens.
+            Absolute position of ``tokens[0]``, an int >= 0; default ``cache.seq_len(0)``.
+            Pass it explicitly for caches that evict tokens.
         mode : {"prefill", "decode"}
             ``"prefill"``: chunks of ``chunk_size`` tokens through ``cache.prefill``;
             ``"decode"``: one token at a time through ``cache.decode``.
@@ -563,7 +606,10 @@ class LlamaModel:
         Raises
         ------
         ValueError
-            Bad ``tokens``, ``mode``, ``chunk_size``, ``logits`` or ``prefill_attention``.
+            Bad ``tokens``, ``cache`` (geometry), ``start_pos``, ``mode``, ``chunk_size``,
+            ``logits`` or ``prefill_attention``; raised before the cache is touched.
+        TypeError
+            ``start_pos`` is not an int (a float, a bool).
         """
         ids = self.check_tokens(tokens)
         if mode not in ("prefill", "decode"):
@@ -574,8 +620,9 @@ class LlamaModel:
             raise ValueError(f"prefill_attention: expected 'cache' or 'exact', got {prefill_attention!r}")
         if prefill_attention == "exact" and mode != "prefill":
             raise ValueError("prefill_attention='exact' applies to mode='prefill' only")
+        self.check_cache(cache)
         exact = _ExactPrompt(self.config.n_layers, ids.size) if prefill_attention == "exact" else None
-        pos = int(cache.seq_len(0)) if start_pos is None else int(start_pos)
+        pos = int(cache.seq_len(0)) if start_pos is None else _check_start_pos(start_pos)
         if mode == "decode":
             step = 1
         else:

@@ -12,6 +12,7 @@ import pytest
 from numba_kv.toolkit.models import (
     CACHE_ENV_VAR,
     LlamaModel,
+    ModelFileError,
     ModelNotFoundError,
     default_cache_dir,
     gguf_loader,
@@ -55,6 +56,23 @@ def test_missing_file_in_package(monkeypatch, tmp_path):
 def test_missing_path(tmp_path):
     with pytest.raises(ModelNotFoundError, match="does not exist"):
         load_gguf(tmp_path / "nope.gguf")
+
+
+def test_a_directory_is_not_a_model_file(tmp_path):
+    with pytest.raises(ModelNotFoundError, match=f"^path: GGUF file {str(tmp_path)!r} is not a regular file$"):
+        load_gguf(tmp_path)  # was "does not exist"
+
+
+@pytest.mark.parametrize("content", [b"Hello world.", b"", b"GGUF", "truncated"])
+def test_a_file_that_is_not_a_gguf_model_is_a_model_file_error(tiny_gguf, tmp_path, content):
+    """Not GGUF, empty or truncated: one ``ModelFileError`` (a ``ValueError``) naming the file, not
+    gguf's own ValueError / IndexError; nothing is left in the cache directory."""
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(tiny_gguf[0].read_bytes()[:2000] if content == "truncated" else content)
+    with pytest.raises(ModelFileError, match=f"^path: {str(path)!r} is not a GGUF model this loader can read: "):
+        load_gguf(path, cache_dir=tmp_path / "c")
+    assert issubclass(ModelFileError, ValueError)
+    assert not (tmp_path / "c").exists()
 
 
 def test_default_cache_dir(monkeypatch, tmp_path):
@@ -140,7 +158,7 @@ def test_unsupported_architecture(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match="general.architecture"):
+    with pytest.raises(ModelFileError, match="general.architecture"):
         load_gguf(path, cache_dir=tmp_path / "c")
     assert not (tmp_path / "c").exists()
 

@@ -12,6 +12,7 @@ import pytest
 
 from numba_kv import reference
 from numba_kv.caches.dense import DenseCache
+from numba_kv.caches.mixed import MixedCache
 from numba_kv.caches.protocol import AttendConfig, Dequantized, DequantResult, Fused
 from numba_kv.toolkit.models import attention, generate, sequence_logits
 
@@ -204,6 +205,68 @@ def test_forward_rejects_bad_arguments(tiny):
     with pytest.raises(ValueError, match="logits"):
         model.forward([1], cache, logits="some")
     assert cache.seq_len(0) == 0
+
+
+def _wrong_geometry_caches():
+    """Caches that do not fit the tiny model (2 layers, 2 KV heads, head_dim 32), by label."""
+    three = DenseCache(3, 2, 32)
+    return {
+        "fewer layers": DenseCache(1, 2, 32),  # raised IndexError after layer 0 had stored the tokens
+        "more layers": DenseCache(3, 2, 32),  # was taken: the tokens went into layers 0-1 only
+        "kv heads": DenseCache(2, 1, 32),
+        "head_dim": DenseCache(2, 2, 64),
+        "mixed": MixedCache([three], [(0, 0), (0, 1), (0, 2)]),
+    }
+
+
+@pytest.mark.parametrize("label", list(_wrong_geometry_caches()))
+@pytest.mark.parametrize("entry", ["forward", "forward decode", "step", "decode_layer_major", "generate"])
+def test_a_cache_of_another_geometry_is_rejected_before_anything_is_stored(tiny, label, entry):
+    model, tok, _ = tiny
+    cache = _wrong_geometry_caches()[label]
+    calls = {
+        "forward": lambda: model.forward([5, 6, 7], cache),
+        "forward decode": lambda: model.forward([5, 6, 7], cache, 0, mode="decode"),
+        "step": lambda: model.step([5, 6], cache, 0, use_decode=False),
+        "decode_layer_major": lambda: model.decode_layer_major([5, 6], cache, 0),
+        "generate": lambda: generate(model, tok, [5, 6], 2, cache=cache),
+    }
+    with pytest.raises(ValueError, match=r"^cache: expected this model's geometry \(num_layers=2, num_kv_heads=2, "
+                                         r"head_dim=32\), got num_layers="):
+        calls[entry]()
+    assert cache.memory_usage() == 0
+    assert [cache.seq_len(i) for i in range(cache.num_layers)] == [0] * cache.num_layers
+
+
+def test_a_cache_without_geometry_attributes_is_taken_as_it_is(tiny):
+    """Duck-typed caches (wrappers, recorders) need only the protocol's methods."""
+    model, _, _ = tiny
+    inner = model.new_cache()
+    duck = _Wrapper(inner)
+    duck.decode = inner.decode
+    assert not any(hasattr(duck, a) for a in ("num_layers", "num_kv_heads", "head_dim"))
+    ref = model.forward([5, 6, 7, 8], model.new_cache(), logits="all")
+    assert_close(model.forward([5, 6, 7, 8], duck, logits="all"), ref)
+    model.check_cache(duck)
+    model.check_cache(model.new_cache())
+    with pytest.raises(ValueError, match=r"got num_kv_heads=1 \(Partial; see new_cache\)$"):
+        model.check_cache(type("Partial", (_Wrapper,), {"num_kv_heads": 1})(inner))
+
+
+@pytest.mark.parametrize("start_pos, error", [(1.5, TypeError), (1.0, TypeError), (True, TypeError),
+                                              (np.float32(2), TypeError), ("1", TypeError), (-1, ValueError)])
+def test_start_pos_is_an_int_of_at_least_zero(tiny, start_pos, error):
+    # forward(start_pos=1.5) ran at position 1 (int() truncated it)
+    model, _, _ = tiny
+    cache = model.new_cache()
+    for call in (lambda: model.forward([5, 6], cache, start_pos),
+                 lambda: model.forward([5, 6], cache, start_pos, mode="decode"),
+                 lambda: model.step([5, 6], cache, start_pos, use_decode=True),
+                 lambda: model.decode_layer_major([5, 6], cache, start_pos)):
+        with pytest.raises(error, match="^start_pos: expected an int >= 0, got"):
+            call()
+    assert cache.seq_len(0) == 0 and cache.memory_usage() == 0
+    assert_close(model.forward([5, 6], cache, np.int64(3)), model.forward([5, 6], model.new_cache(), 3))
 
 
 def test_bad_cache_outputs_are_reported(tiny):
