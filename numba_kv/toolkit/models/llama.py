@@ -626,9 +626,11 @@ class LlamaModel:
         if mode == "decode":
             step = 1
         else:
-            step = ids.size if chunk_size is None else int(chunk_size)
-            if step < 1:
+            ok = chunk_size is None or (isinstance(chunk_size, (int, np.integer)) and not isinstance(chunk_size, bool)
+                                        and chunk_size >= 1)
+            if not ok:  # (a float was truncated: 2.7 ran chunks of 2)
                 raise ValueError(f"chunk_size: expected None or an int >= 1, got {chunk_size!r}")
+            step = ids.size if chunk_size is None else int(chunk_size)
         rows = []
         for a in range(0, ids.size, step):
             chunk = ids[a:a + step]

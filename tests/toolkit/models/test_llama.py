@@ -200,8 +200,9 @@ def test_forward_rejects_bad_arguments(tiny):
         model.forward([model.config.vocab_size], cache)
     with pytest.raises(ValueError, match="mode"):
         model.forward([1], cache, mode="sideways")
-    with pytest.raises(ValueError, match="chunk_size"):
-        model.forward([1], cache, chunk_size=0)
+    for chunk in (0, 2.7, True, "4"):  # a float was truncated (2.7 ran chunks of 2)
+        with pytest.raises(ValueError, match=r"^chunk_size: expected None or an int >= 1"):
+            model.forward([1, 2, 3], cache, chunk_size=chunk)
     with pytest.raises(ValueError, match="logits"):
         model.forward([1], cache, logits="some")
     assert cache.seq_len(0) == 0
