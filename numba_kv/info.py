@@ -14,6 +14,7 @@ an AVX-512 host the "haswell" code would still use AVX-512).  ``python -m numba_
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import re
@@ -194,15 +195,22 @@ def collect() -> dict[str, str]:
     return info
 
 
-def main(argv=None) -> None:
+def main(argv: list[str] | None = None) -> None:
     """Print :func:`collect` as aligned ``key: value`` lines.
 
     ``--avx2-env`` prints instead the environment assignments that make this process behave
     like an AVX2 machine (``OPENBLAS_CORETYPE=Haswell NUMBA_CPU_NAME=haswell
     NUMBA_CPU_FEATURES=...``), for ``env $(...) command``.
     """
-    args = sys.argv[1:] if argv is None else argv
-    if "--avx2-env" in args:
+    parser = argparse.ArgumentParser(
+        prog="python -m numba_kv.info",
+        description="Print what numba_kv runs with on this machine (CPU and code generation target, threads, "
+                    "versions) as 'key : value' lines.")
+    parser.add_argument("--avx2-env", action="store_true",
+                        help="print the environment that makes this process generate and run AVX2 code, for "
+                             "`env $(python -m numba_kv.info --avx2-env) command`")
+    args = parser.parse_args(argv)  # (unknown arguments were ignored silently, --help included)
+    if args.avx2_env:
         # OpenBLAS picks its kernels at run time from the host: without OPENBLAS_CORETYPE the
         # NumPy baselines (and any np.dot inside a kernel) would still run AVX-512 code
         sys.stdout.write(f"OPENBLAS_CORETYPE=Haswell NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES={AVX2_FEATURES}\n")

@@ -1,0 +1,30 @@
+"""``python -m numba_kv.info``: its arguments (a typo or ``--help`` was ignored and the
+provenance printed instead)."""
+
+import pytest
+
+from numba_kv import info
+
+
+def test_avx2_env_prints_the_haswell_environment(capsys):
+    info.main(["--avx2-env"])
+    out = capsys.readouterr().out
+    assert out.startswith("OPENBLAS_CORETYPE=Haswell NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=+64bit,")
+    assert "+avx2" in out and "avx512" not in out and out.count("\n") == 1
+
+
+def test_unknown_arguments_and_help_are_not_ignored(capsys):
+    with pytest.raises(SystemExit) as e:
+        info.main(["--avx2env"])
+    assert e.value.code == 2
+    assert "unrecognized arguments: --avx2env" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        info.main(["--help"])
+    assert e.value.code == 0 and "--avx2-env" in capsys.readouterr().out
+
+
+def test_no_argument_prints_the_provenance_lines(capsys):
+    info.main([])
+    lines = capsys.readouterr().out.splitlines()
+    keys = [line.split(" : ")[0].strip() for line in lines]
+    assert len(lines) == len(info.collect()) and keys == list(info.collect())
