@@ -138,8 +138,12 @@ def check_sliding_window(sliding_window: Any, num_layers: int) -> list[int | Non
         return [None] * num_layers
     if isinstance(sliding_window, dict):
         out: list[int | None] = [None] * num_layers
+        seen: dict[int, Any] = {}
         for key, w in sliding_window.items():
             idx = resolve_layer("sliding_window", key, num_layers)
+            if idx in seen:  # (0 and -num_layers: one layer, as layer_overrides / head_overrides say)
+                raise ValueError(f"sliding_window: layer {idx} is given twice ({seen[idx]!r} and {key!r})")
+            seen[idx] = key
             out[idx] = one(f"sliding_window[{key!r}]", w)
         return out
     if isinstance(sliding_window, (list, tuple)):
@@ -211,10 +215,18 @@ def moved_buffer(old: Any, live: int, like: Any, shape: tuple[int, int, int], dt
     return new
 
 
+def growth_knobs() -> tuple[float, int]:
+    """``(growth_fraction, growth_min_extra)``: the growth rule's knobs, read now (``ValueError``
+    naming a bad one).  ``prefill`` and ``decode`` read them before they store anything, since
+    a store grows buffers midway (a window's exact tokens, the position buffer); cheap:
+    :func:`numba_kv._config.get` parses an environment value once."""
+    return _config.get("growth_fraction"), _config.get("growth_min_extra")
+
+
 def grown_capacity(needed: int) -> int:
     """Capacity after growth: ``needed + max(needed·growth_fraction, growth_min_extra)``."""
-    extra = max(int(needed * _config.get("growth_fraction")), int(_config.get("growth_min_extra")))
-    return needed + extra
+    fraction, min_extra = growth_knobs()
+    return needed + max(int(needed * fraction), int(min_extra))
 
 
 class LayeredCache(SteadyStepMixin, LifecycleMixin, ValueChecks):
@@ -305,6 +317,7 @@ class LayeredCache(SteadyStepMixin, LifecycleMixin, ValueChecks):
         not checked synchronously).  ``pending`` (a list): the deferred range records are
         appended to it instead of launched (the caller folds or launches them)."""
         layer = check_layer(layer, self.num_layers)
+        growth_knobs()  # a bad knob raises now, not from a growth after the store began
         st = self._layers[layer]
         batch = st.batch if st.seq_len > 0 else None
         dev = check_kv_shapes(k, v, self.num_kv_heads, self.head_dim, batch=batch)

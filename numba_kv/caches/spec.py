@@ -41,10 +41,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .._validate import check_head_dim, check_int
 from ._layer import LayeredCache, resolve_layer
 from .config import PolarQuantConfig, TurboQuantConfig
 from .dense import DenseCache
-from .mixed import MixedCache, build_cache
+from .mixed import MixedCache, build_cache, head_options, layer_options, resolve_head
 from .names import CACHE_NAMES, SUFFIX_OPTIONS, fraction_percent, merge_name_options, name_options, percent_fraction
 from .polarquant import PolarQuantCache
 from .presets import PRESETS, merge_head_overrides, resolve_preset
@@ -410,12 +411,14 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
         head_overrides = _one_source("head_overrides", spec.options.get("head_overrides"), head_overrides)
         spec = CacheSpec(spec.name, {k: v for k, v in spec.options.items() if k not in FILE_OPTIONS})
     if spec is not None and spec.is_preset:
+        # the caller's overrides checked as a plain name's are (build_cache) before they merge into the preset's
+        users = _checked_overrides(PRESETS[spec.name].base, layer_overrides, head_overrides,
+                                   num_layers, num_kv_heads, head_dim)
         windows = {**spec.options, **options}.get("sliding_window")  # local layers are sized on their own
         base, preset_opts, preset_layers = resolve_preset(spec.name, num_layers=num_layers, num_kv_heads=num_kv_heads,
                                                           head_dim=head_dim, sliding_window=windows,
                                                           head_overrides=head_overrides)
-        for key, over in (layer_overrides or {}).items():
-            idx = resolve_layer("layer_overrides", key, num_layers)
+        for idx, over in users.items():
             preset_layers[idx] = {**preset_layers.get(idx, {}), **over}
         heads = merge_head_overrides(PRESETS[spec.name].head_overrides, head_overrides, num_layers, num_kv_heads)
         return make_cache(base, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -424,6 +427,46 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
     cls, options = _resolve(name, head_dim, options)
     geom = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
     return build_cache(cls, geom, options, layer_overrides, head_overrides)
+
+
+def _absolute(where: str, mapping: Any, count: int, expected: str, kind: str = "layer") -> dict[int, tuple[Any, Any]]:
+    """``{index: (key, value)}`` of a per-layer (``kind="layer"``) or per-KV-head (``"KV head"``)
+    mapping at absolute indices: ``TypeError`` unless it is a dict (``expected`` spells its
+    form), ``TypeError``/``ValueError`` for a bad key, one out of range or an index given twice."""
+    if not isinstance(mapping, dict):
+        raise TypeError(f"{where}: expected a dict {expected}, got {type(mapping).__name__}")
+    out: dict[int, tuple[Any, Any]] = {}
+    for key, value in mapping.items():
+        idx = resolve_layer(where, key, count) if kind == "layer" else resolve_head(where, key, count)
+        if idx in out:
+            raise ValueError(f"{where}: {kind} {idx} is given twice ({out[idx][0]!r} and {key!r})")
+        out[idx] = (key, value)
+    return out
+
+
+def _checked_overrides(base: str, layer_overrides: Any, head_overrides: Any, num_layers: Any, num_kv_heads: Any,
+                       head_dim: Any) -> dict[int, dict[str, Any]]:
+    """A preset's caller's ``layer_overrides`` at absolute layer indices, once both override
+    mappings passed the checks :func:`make_cache` gives a plain name's (the geometry first;
+    dicts, layers and KV heads in range and given once, options the class of the preset's
+    ``base`` name knows and, per KV head, may vary).  The values are checked when the cache
+    is built."""
+    num_layers = check_int("num_layers", num_layers, minimum=1)
+    num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)
+    cls, _ = _resolve(base, check_head_dim(head_dim), {})
+    layers: dict[int, dict[str, Any]] = {}
+    if layer_overrides is not None:
+        for idx, (key, over) in _absolute("layer_overrides", layer_overrides, num_layers,
+                                          "{layer: {option: value}}").items():
+            layer_options(cls, {}, over, f"layer_overrides[{key!r}]")
+            layers[idx] = dict(over)
+    if head_overrides is not None:
+        for key, heads in _absolute("head_overrides", head_overrides, num_layers,
+                                    "{layer: {kv_head: {option: value}}}").values():
+            where = f"head_overrides[{key!r}]"
+            for hkey, over in _absolute(where, heads, num_kv_heads, "{kv_head: {option: value}}", "KV head").values():
+                head_options(cls, {}, over, f"{where}[{hkey!r}]")
+    return layers
 
 
 def _one_source(key: str, from_name: Any, argument: Any) -> Any:

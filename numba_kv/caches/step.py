@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from .._graph import StepGraph
+from .._validate import check_float_array
 from ._steady import SteadyMark, SteadyStepMixin
 from .protocol import AttendConfig, DecodeOutput, Fused
 
@@ -94,6 +95,9 @@ class DecodeStep:
                  verify: bool = False) -> None:
         if not isinstance(config, AttendConfig):
             raise TypeError(f"config: expected an AttendConfig, got {type(config).__name__}")
+        # the shapes the step reads of them (the rest is checked by the cache, as cache.decode does)
+        for name, a in (("k", k), ("v", v), ("q", q)) + ((("out", out),) if out is not None else ()):
+            check_float_array(name, a, 4)
         self.cache, self.layer, self.config = cache, layer, config
         self.k, self.v, self.q, self.out = k, v, q, out
         self.verify = bool(verify)

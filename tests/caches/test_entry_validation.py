@@ -116,8 +116,8 @@ def test_a_paged_decode_step_runs_the_trusted_entry(storage, monkeypatch, rng):
 
     def refuse(*args, **kwargs):
         raise AssertionError("the paged cache re-validated through the public op")
-    for name in ("paged_decode_attention", "_check_kind", "_pools", "_seq_lens", "check_finite",
-                 "check_float_array"):
+    for name in ("paged_decode_attention", "_check_kind", "_pools", "_same_pages", "_table_lens",
+                 "_check_pool_values", "check_f16_bits", "check_finite_stats", "check_float_array"):
         monkeypatch.setattr(paged_op, name, refuse)
     calls = []
     trusted = paged_cache.paged_attention_rows

@@ -238,3 +238,16 @@ def test_sliding_on_device_matches_cpu(name, opts):
             if a.result.logit_bias is not None:
                 np.testing.assert_array_equal(to_host(b.result.logit_bias), a.result.logit_bias)
         assert dev.stored_len(0) == host.stored_len(0) and dev.memory_usage() == host.memory_usage()
+
+
+@pytest.mark.parametrize("make", [
+    lambda w: DenseCache(4, NKV, D, sliding_window=w),
+    lambda w: make_cache("pqo3", num_layers=4, num_kv_heads=NKV, head_dim=D, sliding_window=w),
+    lambda w: make_cache("kv4", num_layers=4, num_kv_heads=NKV, head_dim=D, sliding_window=w),
+])
+def test_a_layer_given_twice_in_a_sliding_window_dict_is_refused(make):
+    """``{0: 8, -4: 9}`` names layer 0 twice: refused as ``layer_overrides`` refuses it (the last
+    entry won)."""
+    with pytest.raises(ValueError, match=r"^sliding_window: layer 0 is given twice \(0 and -4\)$"):
+        make({0: 8, -4: 9})
+    assert make({0: 8, -1: 9}).layer_windows == [8, None, None, 9]

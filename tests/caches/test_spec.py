@@ -140,3 +140,36 @@ def test_shipped_calibrations_by_name(tmp_path, monkeypatch):
     assert load_overrides("head_overrides", "kv3-smollm2-135m") == {1: {0: {"k_bits": 3}}}
     with pytest.raises(ValueError, match=r"head_overrides: cannot read .*'no-such-model'.*kv3-smollm2-135m-retrieval"):
         load_overrides("head_overrides", "no-such-model")
+
+
+_BAD_LAYER_OVERRIDES = [
+    {0: {"bits": 4}, -4: {"bits": 2}}, [{"bits": 4}], {0: 4}, {4: {}}, {"0": {}}, {0: {"bitz": 4}},
+]
+_BAD_HEAD_OVERRIDES = [
+    {0: {0: {"bits": 4}}, -4: {0: {"bits": 2}}}, {0: {0: {"bits": 4}, -3: {"bits": 2}}}, [1], {0: 4},
+    {0: {0: 4}}, {0: {3: {}}}, {0: {0: {"sink_tokens": 2}}},
+]
+
+
+@pytest.mark.parametrize("preset", ["kv3", "kv4", "kv5"])
+@pytest.mark.parametrize("key, bad", [("layer_overrides", b) for b in _BAD_LAYER_OVERRIDES]
+                         + [("head_overrides", b) for b in _BAD_HEAD_OVERRIDES])
+def test_a_preset_checks_the_callers_overrides_as_its_base_name_does(preset, key, bad):
+    """A preset merges the caller's ``layer_overrides`` / ``head_overrides`` into its own only
+    once they passed the checks of a plain name: the same error, naming the same layer (a layer
+    given twice was merged, last one winning; a list or a bare value crashed inside)."""
+    from numba_kv.caches.presets import PRESETS
+
+    geom = {"num_layers": 4, "num_kv_heads": 3, "head_dim": 64}
+    with pytest.raises((TypeError, ValueError)) as plain:
+        make_cache(PRESETS[preset].base, **geom, **{key: bad})
+    with pytest.raises(plain.type) as got:
+        make_cache(preset, **geom, **{key: bad})
+    assert str(got.value) == str(plain.value) and key in str(got.value)
+
+
+def test_a_preset_still_merges_the_callers_layer_overrides():
+    geom = {"num_layers": 4, "num_kv_heads": 3, "head_dim": 64}
+    cache = make_cache("kv4", **geom, layer_overrides={-1: {"bits": 4}, 1: {"v_bits": 4}})
+    assert [(cache.layer_cache(i).k_bits, cache.layer_cache(i).v_bits) for i in range(4)] == \
+        [(4, 3), (4, 4), (4, 3), (4, 4)]

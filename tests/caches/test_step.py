@@ -125,3 +125,29 @@ def test_bad_config_is_refused():
     x = np.zeros((1, H, 1, D), np.float32)
     with pytest.raises(TypeError, match="config: expected an AttendConfig"):
         DecodeStep(_cache(), 0, x, x, x, 0.125)
+
+
+_KV = np.zeros((1, H, 1, D), np.float32)
+_Q = np.zeros((1, H * G, 1, D), np.float32)
+
+
+@pytest.mark.parametrize("arg, bad, err, match", [
+    ("k", np.zeros((1, D), np.float32), ValueError, r"k: expected a 4-D array, got shape \(1, 64\)"),
+    ("k", None, TypeError, "k: expected a numpy.ndarray or a CUDA array"),
+    ("k", _KV.tolist(), TypeError, "k: expected a numpy.ndarray or a CUDA array"),
+    ("v", _KV[0], ValueError, "v: expected a 4-D array"),
+    ("v", _KV.astype(np.int32), TypeError, "v: expected dtype float16, float32 or float64, got int32"),
+    ("q", None, TypeError, "q: expected a numpy.ndarray"),
+    ("q", _Q[0, 0], ValueError, "q: expected a 4-D array"),
+    ("out", _Q.tolist(), TypeError, "out: expected a numpy.ndarray"),
+    ("out", _Q[0], ValueError, "out: expected a 4-D array"),
+])
+def test_bad_arrays_are_refused_naming_the_argument(arg, bad, err, match):
+    """The constructor reads the bound arrays' shapes: a wrong one is refused as ``cache.decode``
+    refuses it (an IndexError / AttributeError from inside before), and nothing is stored."""
+    cache = _cache()
+    args = {"k": _KV, "v": _KV.copy(), "q": _Q, "out": np.zeros_like(_Q), arg: bad}
+    with pytest.raises(err, match=match):
+        DecodeStep(cache, 0, args["k"], args["v"], args["q"], AttendConfig(D ** -0.5, n_kv_groups=G),
+                   out=args["out"])
+    assert cache.seq_len(0) == 0
