@@ -156,6 +156,21 @@ def test_values_that_would_leave_the_arrays_or_float32_are_refused(mutate, word)
         decode_attention(**args, logit_bias=np.zeros((1, 4, 1, 12), np.float32))
 
 
+def test_check_values_false_skips_the_value_reads_not_the_addressing():
+    """``check_values=False`` trusts the values (an Inf scale pattern goes to the kernels) but
+    still refuses positions that would read outside the logit bias."""
+    args, _, _ = _exact_args(np.random.default_rng(2))
+    good = decode_attention(**args)
+    np.testing.assert_array_equal(decode_attention(**args, check_values=False), good)
+    _set(args, "v_scales", (0, 0, 9, 1), 0x7C00)
+    with pytest.raises(ValueError, match="^v_scales"):
+        decode_attention(**args)
+    decode_attention(**args, check_values=False)  # not read: the caller vouches
+    with pytest.raises(ValueError, match=r"^exact_positions: expected positions in \[0, 12\)"):
+        decode_attention(**args, check_values=False, exact_positions=np.array([10, 10 ** 9]),
+                         logit_bias=np.zeros((1, 4, 1, 12), np.float32))
+
+
 def test_exact_tokens_at_the_limits_match_the_reference():
     """Exact tokens at ±2**21 (the largest accepted), positions in any order or shared by two
     tokens or inside the codes' range: finite and equal to the float64 oracle."""

@@ -101,7 +101,8 @@ def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales
                      k_codebook: Any = None, v_codebook: Any = None, softmax_scale: float | None = None,
                      logit_bias: Any = None, causal: bool = True, k_exact: Any = None, v_exact: Any = None,
                      exact_positions: Any = None, partition_size: int | None = None,
-                     rotation: str = "block", k_qjl: tuple | None = None, backend: str = "auto") -> Any:
+                     rotation: str = "block", k_qjl: tuple | None = None, check_values: bool = True,
+                     backend: str = "auto") -> Any:
     """Softmax attention computed directly from block-quantized K/V codes.
 
     Parameters
@@ -145,6 +146,14 @@ def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales
         uint16 ``(batch, num_kv_heads, T)`` from :func:`numba_kv.qjl_quantize` of the key
         residuals ``k − k̂``, and the ``sketch`` float32 ``(m, head_dim)`` they were made
         with (``None``: :func:`numba_kv.make_sketch`).
+    check_values : bool
+        Read the values the ranges above constrain: ``q``, the exact tokens, the logit bias,
+        the scale / norm patterns (one pass over each; on a GPU each ends with a
+        device-to-host read, and the scales are about a seventh of a 3-bit cache's bytes).
+        ``False`` when the caller vouches for them (codes and scales from
+        :func:`numba_kv.quantize_blocks` / :func:`numba_kv.quantize_head`, queries it checked):
+        the kernels then read what they are given.  Shapes, dtypes, devices and
+        ``exact_positions`` (they address memory) are checked either way.
 
     Returns
     -------
@@ -185,19 +194,21 @@ def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales
     vcb = _codebook_for("v", bits if v_bits is None else v_bits, cb_mode, v_codebook, cb_block, head)
     n_scales = 1 if head else d // 32
     hkv, T = _check_codes((b, hq, ql, d), k_codes, k_scales, v_codes, v_scales, kcb.bits, vcb.bits, n_scales)
-    n_exact = _check_exact(k_exact, v_exact, b, hkv, d)
+    n_exact = _check_exact(k_exact, v_exact, b, hkv, d, check_values)
     total = T + n_exact
     if total == 0:
         raise ValueError("k_codes: expected at least one token (T + E >= 1), got 0")
     if ql > total and causal:
         raise ValueError(f"q: expected q_len <= total tokens {total} with causal=True, got {ql}")
     epos = _exact_positions(exact_positions, q, T, n_exact)
-    for name, a in (("k_scales", k_scales), ("v_scales", v_scales)):
-        check_f16_bits(name, a)
+    if check_values:
+        for name, a in (("k_scales", k_scales), ("v_scales", v_scales)):
+            check_f16_bits(name, a)
     softmax_scale = d ** -0.5 if softmax_scale is None else check_softmax_scale(softmax_scale)
     partition_size = check_partition_size(partition_size)
-    check_rotation_input("q", q, d if head else 32)  # finite, and its rotation fits float32
-    _check_max("q", q, Q_MAX, "2**64")
+    if check_values:
+        check_rotation_input("q", q, d if head else 32)  # finite, and its rotation fits float32
+        _check_max("q", q, Q_MAX, "2**64")
     g = b * hkv
     rows = (hq // hkv) * ql
     q3 = _backend.ascontiguous_f32("q", q).reshape(g, rows, d)
@@ -205,14 +216,15 @@ def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales
     if logit_bias is not None:
         check_float_array("logit_bias", logit_bias, 4)
         check_shape("logit_bias", logit_bias, (b, hq, ql, total), ("batch", "num_heads", "q_len", "total_tokens"))
-        check_finite("logit_bias", logit_bias)
+        if check_values:
+            check_finite("logit_bias", logit_bias)
         bias3 = _backend.ascontiguous_f32("logit_bias", logit_bias).reshape(g, rows, total)
     if n_exact:
         ke = _flat(_backend.ascontiguous_f32("k_exact", k_exact), g, d)
         ve = _flat(_backend.ascontiguous_f32("v_exact", v_exact), g, d)
     else:
         ke = ve = _backend.empty(q3, (g, 0, d), np.float32)
-    qjl = None if k_qjl is None else _qjl_args(k_qjl, q3, b, hkv, T, d)
+    qjl = None if k_qjl is None else _qjl_args(k_qjl, q3, b, hkv, T, d, check_values)
     if head:
         qr = rotate_head(q3)  # the whole-head rotation of the queries, once per step
         hs = _backend.constant(q3, head_signs(d))
@@ -253,7 +265,7 @@ def _check_codes(qshape: tuple, k_codes: Any, k_scales: Any, v_codes: Any, v_sca
     return hkv, T
 
 
-def _check_exact(k_exact: Any, v_exact: Any, b: int, hkv: int, d: int) -> int:
+def _check_exact(k_exact: Any, v_exact: Any, b: int, hkv: int, d: int, check_values: bool) -> int:
     """Validate the exact tokens of :func:`decode_attention`; returns their count ``E``."""
     if (k_exact is None) != (v_exact is None):
         raise ValueError("k_exact: k_exact and v_exact must be given together")
@@ -262,7 +274,8 @@ def _check_exact(k_exact: Any, v_exact: Any, b: int, hkv: int, d: int) -> int:
     for name, a in (("k_exact", k_exact), ("v_exact", v_exact)):
         check_float_array(name, a, 4)
         check_shape(name, a, (b, hkv, None, d), ("batch", "num_kv_heads", "E", "head_dim"))
-        _check_max(name, a, EXACT_MAX, "2**21")
+        if check_values:
+            _check_max(name, a, EXACT_MAX, "2**21")
     n_exact = int(k_exact.shape[2])
     if int(v_exact.shape[2]) != n_exact:
         raise ValueError(f"v_exact: expected E={n_exact} tokens like k_exact, got shape {tuple(v_exact.shape)}")
@@ -302,7 +315,7 @@ def check_f16_bits(name: str, a: Any) -> None:
         raise ValueError(f"{name}: expected finite binary16 bit patterns, got an Inf or NaN pattern")
 
 
-def _qjl_args(k_qjl: Any, q3: Any, b: int, hkv: int, T: int, d: int) -> tuple:
+def _qjl_args(k_qjl: Any, q3: Any, b: int, hkv: int, T: int, d: int, check_values: bool) -> tuple:
     """Validate ``k_qjl = (signs, norms, sketch)`` and project the queries: the ``qjl``
     argument of :func:`fused_attention_rows`."""
     if not isinstance(k_qjl, tuple) or len(k_qjl) != 3:
@@ -319,7 +332,8 @@ def _qjl_args(k_qjl: Any, q3: Any, b: int, hkv: int, T: int, d: int) -> tuple:
     mb = int(signs.shape[3])
     check_shape("k_qjl signs", signs, (b, hkv, T, mb), ("batch", "num_kv_heads", "T", "m/8"))
     check_shape("k_qjl norms", norms, (b, hkv, T), ("batch", "num_kv_heads", "T"))
-    check_f16_bits("k_qjl norms", norms)
+    if check_values:
+        check_f16_bits("k_qjl norms", norms)
     m = 8 * mb
     sk = sketch_arg(sketch, d, m, q3)
     g, rows, _ = q3.shape
