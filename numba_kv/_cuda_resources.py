@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from numba import cuda
 
 from ._jit import device_functions_for
+from ._validate import check_int
 from .ops import TWINS
 
 __all__ = ["ARCHS", "ArchLimits", "KernelResources", "Occupancy", "kernel_ptx", "kernel_resources", "link_cubin",
@@ -236,7 +237,9 @@ def kernel_ptx(name: str, cc: tuple[int, int] = (9, 0), signature: int = 0) -> s
     each case once per process, however the arguments are spelled)."""
     # normalized before the cache: ``kernel_ptx(n, (9, 0))`` and ``kernel_ptx(n, [9, 0], 0)``
     # are one compile (a compile of an attention kernel costs 10-30 s)
-    return _kernel_ptx(name, (int(cc[0]), int(cc[1])), int(signature))
+    if not isinstance(cc, (tuple, list)) or len(cc) != 2:  # ((9,) was an IndexError)
+        raise ValueError(f"cc: expected a (major, minor) compute capability such as (9, 0), got {cc!r}")
+    return _kernel_ptx(name, (check_int("cc", cc[0]), check_int("cc", cc[1])), check_int("signature", signature))
 
 
 @functools.cache
@@ -322,11 +325,17 @@ def occupancy(res: KernelResources, threads: int, cc: tuple[int, int] = (9, 0),
     cc : (int, int)
         A key of :data:`ARCHS`.
     dynamic_shared : int
-        Dynamic shared memory per block in bytes (the package's kernels declare only static).
+        Dynamic shared memory per block in bytes, >= 0 (the package's kernels declare only
+        static).
+
+    Raises
+    ------
+    TypeError, ValueError
+        ``threads`` not an int >= 1, ``dynamic_shared`` not an int >= 0, an unknown ``cc``.
     """
     arch = _arch(cc)
-    if threads <= 0:
-        raise ValueError(f"threads: expected a positive block size, got {threads}")
+    threads = check_int("threads", threads, minimum=1)  # (a float gave fractional blocks)
+    dynamic_shared = check_int("dynamic_shared", dynamic_shared, minimum=0)  # (a negative one, negative blocks)
     warps = -(-threads // WARP)
     regs_per_warp = _round_up(res.registers * WARP, arch.reg_alloc_unit)
     smem = _round_up(res.shared + dynamic_shared + arch.reserved_smem_per_block, arch.smem_alloc_unit)

@@ -1,12 +1,13 @@
 """``numba_kv._backend.same_view``: the same view object for the same device array, so that a
 launch keyed by its arrays' identity repeats (prepared launches, ``StepGraph``); and what a
-memo may keep alive."""
+memo may keep alive.  And the public helpers of ``numba_kv.backend``: their argument check."""
 
 from __future__ import annotations
 
 import gc
 
 import numpy as np
+import pytest
 
 from numba_kv import _backend
 
@@ -81,3 +82,17 @@ def test_numpy_without_row_stack_gets_the_alias_numba_cuda_needs(monkeypatch):
         monkeypatch.setattr(np, "row_stack", original)
         _backend._numpy_compat()
         assert np.row_stack is original
+
+
+def test_the_public_helpers_name_what_is_not_an_array():
+    """``numba_kv.backend.to_host`` / ``xp_of`` on a list: a ``TypeError`` naming the argument
+    (``to_host`` raised an ``AttributeError`` from inside, ``xp_of`` answered ``None``, which
+    means a Numba device array)."""
+    from numba_kv import backend
+
+    a = np.arange(3, dtype=np.float32)
+    assert backend.to_host(a) is a and backend.xp_of(a) is np
+    for bad in ([1, 2], 3.0, None):
+        for fn in (backend.to_host, backend.xp_of):
+            with pytest.raises(TypeError, match=r"^a: expected a numpy\.ndarray or a CUDA array"):
+                fn(bad)

@@ -142,8 +142,20 @@ def test_launch_limits():
     assert occupancy(res(16, 48 * 1024), 32, (9, 0)).blocks_per_sm > 0
     with pytest.raises(ValueError, match="cc: limits are known for"):
         occupancy(res(16), 32, (7, 5))
-    with pytest.raises(ValueError, match="threads: expected a positive block size"):
+    with pytest.raises(ValueError, match=r"^threads: expected an int >= 1, got 0"):
         occupancy(res(16), 0, (9, 0))
+    # a fractional block gave fractional blocks, a negative dynamic shared size negative ones
+    with pytest.raises(TypeError, match=r"^threads: expected an int, got float 128\.5"):
+        occupancy(res(16), 128.5, (9, 0))
+    with pytest.raises(ValueError, match=r"^dynamic_shared: expected an int >= 0, got -1000000"):
+        occupancy(res(16), 128, (9, 0), dynamic_shared=-10 ** 6)
+    assert occupancy(res(16), 128, (9, 0), dynamic_shared=0) == occupancy(res(16), 128, (9, 0))
+
+
+def test_kernel_ptx_names_a_malformed_compute_capability():
+    for cc in ((9,), (9, 0, 1), "90", 90):
+        with pytest.raises(ValueError, match=r"^cc: expected a \(major, minor\) compute capability"):
+            kernel_ptx("pack_bits", cc)
 
 
 def test_launch_bounds_cap_the_block():
