@@ -59,30 +59,56 @@ def kl_rows(logp: np.ndarray, logq: np.ndarray, mask: np.ndarray | None = None) 
     -------
     ndarray of float64, shape ``(...)``
         Tiny negative values are possible from rounding; callers that report a KL clamp at 0.
+
+    Notes
+    -----
+    With the convention ``0·log 0 = 0``, an entry where ``p == 0`` (``log p = -inf``, e.g. a
+    masked logit of the reference) contributes 0 whatever ``q`` is, with or without ``mask``;
+    an entry where ``p > 0`` and ``q == 0`` makes the KL ``+inf``.  A NaN in an entry that
+    takes part gives NaN.
+
+    Examples
+    --------
+    >>> float(kl_rows(log_softmax([0.0, -np.inf]), log_softmax([0.0, 0.0]))) == float(np.log(2.0))
+    True
     """
-    if mask is None:
-        diff = logp - logq
-    else:  # -inf - -inf is NaN: zero the masked entries on both sides first
-        diff = np.where(mask, logp, 0.0) - np.where(mask, logq, 0.0)
-    return (np.exp(logp) * diff).sum(axis=-1)
+    with np.errstate(invalid="ignore"):  # -inf - -inf and 0·inf: resolved below
+        if mask is None:
+            diff = logp - logq
+        else:  # zero the masked entries on both sides first
+            diff = np.where(mask, logp, 0.0) - np.where(mask, logq, 0.0)
+        terms = np.exp(logp) * diff
+    out = terms.sum(axis=-1)
+    if np.isnan(out).any():  # 0·(±inf), -inf - -inf: only where p is 0 (the other terms are untouched)
+        bad = np.isnan(terms)
+        zero = bad & np.isneginf(logp) & ~np.isnan(logq)  # p == 0: 0·log 0 = 0
+        inf = bad & np.isposinf(diff) & np.isfinite(logp)  # p > 0 underflowed to 0.0 while q == 0
+        out = np.where(zero, 0.0, np.where(inf, np.inf, terms)).sum(axis=-1)
+    return out
 
 
-def nmse(x: np.ndarray, x_hat: np.ndarray, axis: int | None = None, eps: float = 1e-30):
+def nmse(x: np.ndarray, x_hat: np.ndarray, axis: int | None = None, eps: float = 1e-30) -> float | np.ndarray:
     """Mean over vectors (the last axis) of ``‖x − x̂‖² / ‖x‖²``.
 
     Parameters
     ----------
     x, x_hat : array_like, shape ``(..., d)``
-        Exact and reconstructed vectors.
+        Exact and reconstructed vectors, of the same shape (no broadcasting).
     axis : int, optional
         Axis of the per-vector ratios (shape ``(...)``) to average; ``None`` averages all of
         them and returns a float.
     eps : float
-        Floor of ``‖x‖²`` (an all-zero vector counts its absolute error).
+        Threshold of ``‖x‖²``: a vector with ``‖x‖² < eps`` (an all-zero vector) counts its
+        absolute squared error ``‖x − x̂‖²`` instead of the ratio.
 
     Returns
     -------
     float or ndarray of float64
+
+    Raises
+    ------
+    ValueError
+        ``x_hat`` does not have the shape of ``x``.
 
     Examples
     --------
@@ -91,8 +117,11 @@ def nmse(x: np.ndarray, x_hat: np.ndarray, axis: int | None = None, eps: float =
     """
     x = np.asarray(x, dtype=np.float64)
     x_hat = np.asarray(x_hat, dtype=np.float64)
+    if x_hat.shape != x.shape:
+        raise ValueError(f"x_hat: expected the shape of x {x.shape}, got {x_hat.shape}")
     num = np.sum((x - x_hat) ** 2, axis=-1)
-    ratio = num / np.maximum(np.sum(x ** 2, axis=-1), eps)
+    den = np.sum(x ** 2, axis=-1)
+    ratio = num / np.where(den < eps, 1.0, den)
     return float(ratio.mean()) if axis is None else ratio.mean(axis=axis)
 
 
@@ -109,8 +138,17 @@ def top_k_indices(x: np.ndarray, k: int) -> np.ndarray:
     -------
     ndarray of int64, shape ``(n, k)``
         By decreasing value.
+
+    Raises
+    ------
+    ValueError
+        ``x`` is not 2-D, or ``k`` is not an int in ``[1, vocab]``.
     """
     x = np.asarray(x)
+    if x.ndim != 2:
+        raise ValueError(f"x: expected shape (n, vocab), got {x.shape}")
+    if not _is_int(k) or not 1 <= k <= x.shape[1]:
+        raise ValueError(f"k: expected an int in [1, vocab] = [1, {x.shape[1]}], got {k!r}")
     # a stable sort of -x puts equal values in id order; argpartition first keeps it O(vocab)
     part = np.argpartition(-x, k - 1, axis=-1)[:, :k]
     kth = np.take_along_axis(x, part, axis=-1).min(axis=-1, keepdims=True)
@@ -122,8 +160,49 @@ def top_k_indices(x: np.ndarray, k: int) -> np.ndarray:
 
 
 def top1_agreement(ref: np.ndarray, est: np.ndarray, axis: int = -1) -> float:
-    """Fraction of rows whose argmax along ``axis`` is the same in ``ref`` and ``est``."""
-    return float(np.mean(np.asarray(ref).argmax(axis) == np.asarray(est).argmax(axis)))
+    """Fraction of rows whose argmax along ``axis`` is the same in ``ref`` and ``est``.
+
+    Parameters
+    ----------
+    ref, est : array_like
+        Reference and estimate, of the same shape (no broadcasting).
+    axis : int
+        Axis of the argmax.
+
+    Returns
+    -------
+    float
+
+    Raises
+    ------
+    ValueError
+        ``est`` does not have the shape of ``ref``.
+    """
+    ref, est = np.asarray(ref), np.asarray(est)
+    if est.shape != ref.shape:
+        raise ValueError(f"est: expected the shape of ref {ref.shape}, got {est.shape}")
+    return float(np.mean(ref.argmax(axis) == est.argmax(axis)))
+
+
+def _is_int(v: object) -> bool:
+    """``v`` is a Python or NumPy integer, not a bool."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _check_chunk(chunk: object) -> None:
+    """ValueError unless ``chunk`` is an int >= 1."""
+    if not _is_int(chunk) or chunk < 1:
+        raise ValueError(f"chunk: expected an int >= 1, got {chunk!r}")
+
+
+def _check_targets(targets: np.ndarray, vocab: int) -> None:
+    """ValueError unless ``targets`` are integers in ``[0, vocab)`` (the shape is checked by the callers)."""
+    if not np.issubdtype(targets.dtype, np.integer):
+        raise ValueError(f"targets: expected integer token ids, got dtype {targets.dtype}")
+    lo, hi = int(targets.min()), int(targets.max())
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"targets: expected token ids in [0, vocab) = [0, {vocab}), got min {lo}, max {hi} "
+                         f"(drop ignored positions, e.g. label -100, before scoring)")
 
 
 def compare_logits(ref: np.ndarray, logits: np.ndarray, targets: np.ndarray,
@@ -139,9 +218,9 @@ def compare_logits(ref: np.ndarray, logits: np.ndarray, targets: np.ndarray,
     ref, logits : ndarray, shape ``(n, vocab)``
         Next-token logits of the reference (dense) and of the evaluated cache.
     targets : ndarray of int, shape ``(n,)``
-        The actual next tokens.
+        The actual next tokens, in ``[0, vocab)``.
     chunk : int
-        Rows per float64 block (bounds the temporary memory).
+        Rows per float64 block (bounds the temporary memory), ``>= 1``.
     top_k : int
         ``k`` of the top-k overlap.
 
@@ -160,7 +239,8 @@ def compare_logits(ref: np.ndarray, logits: np.ndarray, targets: np.ndarray,
     Raises
     ------
     ValueError
-        Shapes do not match or ``n == 0``.
+        Shapes do not match or ``n == 0``; ``targets`` are not integers in ``[0, vocab)``;
+        ``chunk`` is not an int ``>= 1``.
 
     Notes
     -----
@@ -176,7 +256,9 @@ def compare_logits(ref: np.ndarray, logits: np.ndarray, targets: np.ndarray,
     if ref.shape != logits.shape or ref.ndim != 2 or targets.shape != (ref.shape[0],) or ref.shape[0] == 0:
         raise ValueError(f"logits: expected ref, logits (n, vocab) and targets (n,) with n >= 1, got "
                          f"{ref.shape}, {logits.shape}, {targets.shape}")
+    _check_chunk(chunk)
     n, vocab = ref.shape
+    _check_targets(targets, vocab)
     k = max(1, min(int(top_k), vocab))
     nll, nll_ref, kl, overlap = np.empty(n), np.empty(n), np.empty(n), np.empty(n)
     rows = np.arange(n)
@@ -215,9 +297,15 @@ class LogitScorer:
     ref : ndarray, shape ``(n, vocab)``
         Reference logits.
     targets : ndarray of int, shape ``(n,)``
-        The actual next tokens.
+        The actual next tokens, in ``[0, vocab)``.
     chunk : int
-        Rows per float64 block, as in :func:`compare_logits`.
+        Rows per float64 block, as in :func:`compare_logits`, ``>= 1``.
+
+    Raises
+    ------
+    ValueError
+        ``ref`` is not ``(n, vocab)`` with ``n >= 1``, ``targets`` not ``(n,)`` integers in
+        ``[0, vocab)``, or ``chunk`` not an int ``>= 1``.
     """
 
     def __init__(self, ref: np.ndarray, targets: np.ndarray, chunk: int = 128) -> None:
@@ -225,6 +313,8 @@ class LogitScorer:
         if ref.ndim != 2 or ref.shape[0] == 0 or self.targets.shape != (ref.shape[0],):
             raise ValueError(f"ref: expected (n, vocab) with targets (n,), got {ref.shape}, "
                              f"{self.targets.shape}")
+        _check_chunk(chunk)
+        _check_targets(self.targets, ref.shape[1])
         self.spans = [(a, min(a + chunk, ref.shape[0])) for a in range(0, ref.shape[0], chunk)]
         self.lp_ref = [log_softmax(ref[a:b]) for a, b in self.spans]
         rows = np.arange(ref.shape[0])
