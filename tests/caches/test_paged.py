@@ -75,12 +75,18 @@ def test_out_of_pages_appends_nothing(rng):
     assert np.array_equal(cache.get_kv(0, s)[0], k)
 
 
-def test_bad_input_names_the_argument_and_changes_nothing(rng):
-    cache = PagedKVCache(num_pages=4, num_layers=2, num_kv_heads=2, head_dim=32)
+def _one_sequence(rng, num_layers):
+    """A float32 paged cache (2 KV heads, d = 32) with one sequence of 3 tokens in layer 0:
+    ``(cache, seq_id, k, v, snapshot)``."""
+    cache = PagedKVCache(num_pages=4, num_layers=num_layers, num_kv_heads=2, head_dim=32)
     s = cache.allocate_sequence()
     k, v = _kv(rng, 2, 3, 32)
     cache.append(0, s, k, v)
-    snap = _snapshot(cache)
+    return cache, s, k, v, _snapshot(cache)
+
+
+def test_bad_input_names_the_argument_and_changes_nothing(rng):
+    cache, s, k, v, snap = _one_sequence(rng, num_layers=2)
     nan = k.copy()
     nan[0, 0, 0] = np.nan
     cases = [
@@ -110,11 +116,7 @@ def test_float32_pages_hold_what_their_attention_can_sum(rng):
     """Float32 pages that ``decode_attention`` reads take ``|x| <= 2**21`` like PQO pages (a
     value of 3e38 was stored and attended to inf); key-only float32 pages (MLA latents), which
     it never reads, take any float32."""
-    cache = PagedKVCache(num_pages=4, num_layers=1, num_kv_heads=2, head_dim=32)
-    s = cache.allocate_sequence()
-    k, v = _kv(rng, 2, 3, 32)
-    cache.append(0, s, k, v)
-    snap = _snapshot(cache)
+    cache, s, k, v, snap = _one_sequence(rng, num_layers=1)
     big = v.copy()
     big[1, 2, 3] = 3e38
     with pytest.raises(ValueError, match=r"^v: max \|v\| = 3e\+38 exceeds 2\.09715e\+06, the largest value float32 "
