@@ -18,7 +18,8 @@ decoder layer, each holding a one-layer numba_kv cache configured exactly as the
 ``numba_kv.make_cache(name, num_layers=..., ...)`` on the whole model (a preset such as ``"kv4"``
 is sized on the whole model's geometry first).  Sliding layers of ``config.layer_types``
 (Gemma-3's local layers) become sliding-window numba_kv layers that store only what their
-queries can still see.
+queries can still see; a config with ``sliding_window`` but no ``layer_types`` (Mistral) has
+only sliding layers, as in transformers' own ``DynamicCache(config=...)``.
 
 Fused decode: with ``attn_implementation="numba_kv"`` (registered with transformers'
 ``AttentionInterface`` when this module is imported)::
@@ -30,8 +31,9 @@ Fused decode: with ``attn_implementation="numba_kv"`` (registered with transform
 the prompt still attends over its own exact K/V (through ``sdpa``), and every one-token decode
 step runs ``cache.decode`` on the packed codes (:func:`numba_kv_attention_forward`): no
 decompressed history is built, and TurboQuant's QJL correction is applied.  A cache follows its
-model's current implementation (``from_model`` keeps the config), so switching back to
-``"sdpa"`` returns to the dequantized path on the same cache.
+model's current implementation (``from_model`` keeps the config; its decoder's text config,
+for a multimodal model), so switching back to ``"sdpa"`` returns to the dequantized path on the
+same cache; so does a ``copy.deepcopy`` of the cache, which shares the config.
 
 What ``update`` returns (the *dequantized path*, any other ``attn_implementation``): the prompt's own
 K/V on the first call (prompt attention is lossless), afterwards the layer's full history
@@ -62,6 +64,7 @@ row.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 from typing import Any
 
@@ -161,9 +164,34 @@ def to_tensor(a: Any, dtype: torch.dtype) -> torch.Tensor:
 
 # -- geometry ----------------------------------------------------------------------------------------
 
+def _layer_types(config: Any, num_layers: int) -> list[str]:
+    """``config.layer_types``, or where a config has none, the types transformers itself infers
+    (``get_layer_types_and_kwargs``, which builds ``DynamicCache(config=...)``): every layer
+    sliding when ``config.sliding_window`` is set (Mistral, Phi-3: the model then builds sliding
+    masks), chunked when ``config.attention_chunk_size`` is, else full; a layer that reuses
+    another's K/V (``config.kv_sharing_modes``, Gemma-3n) is ``"kv_shared"``."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        types = list(types)
+    elif getattr(config, "sliding_window", None) is not None:
+        types = ["sliding_attention"] * num_layers
+    elif getattr(config, "attention_chunk_size", None) is not None:
+        types = ["chunked_attention"] * num_layers
+    else:
+        types = ["full_attention"] * num_layers
+    modes = getattr(config, "kv_sharing_modes", None)
+    if modes is not None:
+        types = ["kv_shared" if mode == "reuse" else t for t, mode in zip(types, modes)]
+    return types
+
+
 def model_geometry(config: Any) -> dict[str, Any]:
     """``num_layers``, ``num_kv_heads``, ``head_dim`` and per-layer ``sliding_window`` (None for
     a global layer) of a transformers model config (the decoder's text config is used).
+
+    The layers are those of transformers' own ``DynamicCache(config=config)``: the types of
+    ``config.layer_types``, or without it, every layer sliding when ``config.sliding_window``
+    is set (Mistral, Phi-3), else full.
 
     Raises
     ------
@@ -178,7 +206,7 @@ def model_geometry(config: Any) -> dict[str, Any]:
     num_heads = int(config.num_attention_heads)
     num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    types = list(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)
+    types = _layer_types(config, num_layers)
     if len(types) != num_layers:
         raise ValueError(f"config.layer_types: expected {num_layers} entries, got {len(types)}")
     windows: list[int | None] = []
@@ -221,8 +249,11 @@ class NumbaKVLayer(CacheLayerMixin):
         An empty numba_kv cache with ``num_layers == 1`` (``DenseCache``, ``PolarQuantCache``,
         ``TurboQuantCache``); its sliding window, if any, makes this a sliding layer.
     config : transformers.PretrainedConfig, optional
-        The model's config: while its ``_attn_implementation`` is :data:`ATTN_IMPLEMENTATION`,
-        one-token decode steps take the fused path (see :meth:`update`).
+        The model's config: while the ``_attn_implementation`` of its decoder's text config
+        (the config the decoder's attention modules read; the config itself for a text-only
+        model) is :data:`ATTN_IMPLEMENTATION`, one-token decode steps take the fused path (see
+        :meth:`update`).  Held by reference, also by a ``copy.deepcopy`` of the layer, so the
+        layer follows ``model.set_attn_implementation``.
 
     Attributes
     ----------
@@ -239,11 +270,25 @@ class NumbaKVLayer(CacheLayerMixin):
         if getattr(cache, "num_layers", None) != 1:
             raise ValueError(f"cache: expected a one-layer numba_kv cache, got {cache!r}")
         self.cache = cache
-        self.config = config
+        # the decoder's own config: a multimodal model's attention modules read its text config,
+        # whose implementation may differ from the outer config's
+        self.config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self.sliding_window: int | None = cache.layer_windows[0]
         self.is_sliding = self.sliding_window is not None
         self.dtype: torch.dtype | None = None
         self.device: torch.device | None = None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> NumbaKVLayer:
+        # the config is the model's, not state: a copy (transformers' prompt-reuse recipe is
+        # copy.deepcopy(cache)) must keep following the model's attn_implementation, or a switch
+        # to "sdpa" would leave it returning fused-path markers that sdpa ignores (wrong logits,
+        # the token never stored)
+        memo[id(self.config)] = self.config
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            setattr(new, key, copy.deepcopy(value, memo))
+        return new
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({getattr(self.cache, 'name', type(self.cache).__name__)}" + \
@@ -268,10 +313,14 @@ class NumbaKVLayer(CacheLayerMixin):
         if (hk, d) != (self.cache.num_kv_heads, self.cache.head_dim):
             raise ValueError(f"key_states: expected {self.cache.num_kv_heads} KV heads of head_dim "
                              f"{self.cache.head_dim}, got shape {tuple(key_states.shape)}")
-        if self.is_initialized and self.get_seq_length() and \
-                (key_states.dtype != self.dtype or key_states.device != self.device):
+        if not (self.is_initialized and self.get_seq_length()):
+            return
+        if key_states.dtype != self.dtype or key_states.device != self.device:
             raise TypeError(f"key_states: this layer holds {self.dtype} on {self.device}, got "
                             f"{key_states.dtype} on {key_states.device} (reset() the cache first)")
+        if int(key_states.shape[0]) != self.batch_size:  # (a cache re-used for another batch without reset)
+            raise ValueError(f"key_states: this layer holds {self.batch_size} sequences, got a batch of "
+                             f"{int(key_states.shape[0])} (reset() the cache first)")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,16 +334,16 @@ class NumbaKVLayer(CacheLayerMixin):
         function :func:`numba_kv_attention_forward` then calls the cache's ``decode``, which
         stores the token and attends from the packed codes (QJL correction included)."""
         self._check_input(key_states, value_states)
-        if not self.is_initialized or not self.get_seq_length():
-            self.lazy_initialization(key_states, value_states)
-        elif key_states.shape[2] == 1 and self.fused:
+        first = not self.is_initialized or not self.get_seq_length()
+        if not first and key_states.shape[2] == 1 and self.fused:
             # fused decode: numba_kv_attention_forward stores the token and attends from the codes
             setattr(key_states, _PENDING, self)
             return key_states, value_states
         with torch_stream(key_states.device):
             res = self.cache.prefill(0, to_array(key_states), to_array(value_states))
-            if self.cache.seq_len(0) == key_states.shape[2]:  # empty before: the prompt's own K/V
-                return key_states, value_states
+            if first:  # only once the tokens are stored: a refused first call leaves the layer as it was
+                self.lazy_initialization(key_states, value_states)
+                return key_states, value_states  # the prompt's own K/V
             return to_tensor(res.k, key_states.dtype), to_tensor(res.v, key_states.dtype)
 
     def _on_stream(self) -> contextlib.AbstractContextManager:
@@ -365,34 +414,43 @@ class NumbaKVLayer(CacheLayerMixin):
                              f"sliding layer (window {self.sliding_window}); expected 0 or a length >= {floor}")
         return target
 
-    def _select(self, indices: np.ndarray) -> None:
+    def _select(self, name: str, indices: np.ndarray) -> None:
+        """Rows ``indices`` become the batch; ``name`` is the caller's argument, for messages."""
         if self.get_seq_length():
+            if indices.size and not (0 <= indices.min() and indices.max() < self.batch_size):
+                # checked here too so that the message names the caller's argument
+                raise ValueError(f"{name}: expected batch rows in [0, {self.batch_size}), got {indices.tolist()}")
             with self._on_stream():
                 self.cache.select_batch(indices)  # validates (rows in range) before changing anything
             self.batch_size = int(indices.size)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row ``i`` becomes row ``beam_idx[i]`` (codes and per-row state move)."""
-        self._select(_indices("beam_idx", beam_idx))
+        self._select("beam_idx", _indices("beam_idx", beam_idx, getattr(self, "batch_size", None)))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep the batch rows ``indices`` (ints, or a boolean mask), in that order."""
-        self._select(_indices("indices", indices))
+        """Keep the batch rows ``indices`` (ints, or a boolean mask of one entry per row), in that order."""
+        self._select("indices", _indices("indices", indices, getattr(self, "batch_size", None)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat every batch row ``repeats`` times in place (``torch.repeat_interleave``)."""
         if isinstance(repeats, bool) or not isinstance(repeats, (int, np.integer)) or repeats < 1:
             raise ValueError(f"repeats: expected an int >= 1, got {repeats!r}")
         if self.get_seq_length():
-            self._select(np.repeat(np.arange(self.batch_size), int(repeats)))
+            self._select("repeats", np.repeat(np.arange(self.batch_size), int(repeats)))
 
 
-def _indices(name: str, idx: Any) -> np.ndarray:
-    """Batch indices as an int64 NumPy array (a boolean mask becomes its row numbers)."""
+def _indices(name: str, idx: Any, batch: int | None) -> np.ndarray:
+    """Batch indices as an int64 NumPy array (a boolean mask, one entry per row of a ``batch``
+    of rows when known, becomes its row numbers)."""
     if isinstance(idx, torch.Tensor):
         idx = idx.detach().cpu().numpy()
     arr = np.asarray(idx)
     if arr.dtype == np.bool_:
+        if arr.ndim != 1 or (batch is not None and arr.size != batch):
+            # (torch's own boolean indexing refuses a mask of another shape too)
+            raise ValueError(f"{name}: expected a boolean mask of shape ({batch},), one entry per batch row, "
+                             f"got shape {arr.shape}")
         arr = np.flatnonzero(arr)
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{name}: expected a 1-D integer (or boolean) tensor of batch rows, got "

@@ -225,7 +225,7 @@ def test_reorder_select_and_repeat_move_rows(model, name):
         assert cache.batch_size == 3
         again = model(_ids(3, 1, seed=8)[:1].expand(3, 1), **{CACHE: cache}).logits
         assert torch.allclose(again[0], again[1]) and torch.allclose(again[0], again[2])
-    with pytest.raises(ValueError, match="indices"):
+    with pytest.raises(ValueError, match="beam_idx"):
         cache.reorder_cache(torch.tensor([0, 5]))
     assert cache.batch_size == 3
 
