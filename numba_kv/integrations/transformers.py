@@ -198,10 +198,15 @@ def model_geometry(config: Any) -> dict[str, Any]:
     ValueError
         A layer type other than ``"full_attention"`` / ``"sliding_attention"`` (linear
         attention, chunked attention, KV sharing are not served), or a sliding layer without
-        ``config.sliding_window``.
+        ``config.sliding_window``; a config without attention layers (``num_hidden_layers``,
+        ``num_attention_heads``: Mamba, RWKV).
     """
     if hasattr(config, "get_text_config"):
         config = config.get_text_config(decoder=True)
+    missing = [a for a in ("num_hidden_layers", "num_attention_heads") if getattr(config, a, None) is None]
+    if missing:  # (an attention-free model: Mamba, RWKV)
+        raise ValueError(f"config: expected a transformer decoder with attention layers, {type(config).__name__} "
+                         f"has no {' / '.join(missing)}")
     num_layers = int(config.num_hidden_layers)
     num_heads = int(config.num_attention_heads)
     num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)

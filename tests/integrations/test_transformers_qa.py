@@ -115,6 +115,16 @@ def test_kv_sharing_layers_are_refused_by_name():
         NumbaKVCache.from_config(cfg, "dense")
 
 
+def test_an_attention_free_config_is_refused_by_name():
+    """A state-space model's config (Mamba: no attention heads) is refused with a ValueError that
+    says why, not an AttributeError from inside."""
+    cfg = transformers.MambaConfig(num_hidden_layers=2)
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        model_geometry(cfg)
+    with pytest.raises(ValueError, match="attention layers"):
+        NumbaKVCache.from_config(cfg, "dense")
+
+
 # -- which attn_implementation the cache follows ---------------------------------------------------------
 
 def test_fused_follows_the_decoders_text_config():
