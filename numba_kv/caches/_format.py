@@ -18,7 +18,8 @@ import numpy as np
 
 from .. import _backend
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "SAVEABLE", "digest", "host_copy", "safetensors_module", "save_cache"]
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "SAVEABLE", "cache_path", "digest", "host_copy", "safetensors_module",
+           "save_cache"]
 
 FORMAT_NAME = "numba_kv.cache"
 FORMAT_VERSION = 1
@@ -36,6 +37,16 @@ def safetensors_module() -> Any:
         raise ImportError("saving and loading caches needs the 'safetensors' package: "
                           "pip install 'numba_kv[io]' (or pip install safetensors)") from exc
     return safetensors
+
+
+def cache_path(path: Any) -> str:
+    """``path`` (str, bytes or ``os.PathLike``) as a str; ``TypeError`` naming ``path`` for
+    anything else.  (Bytes are decoded: the temporary name of a save is built from it, and a
+    bytes ``path`` gave a name like ``"b'/dir/f'.tmp-1"``.)"""
+    try:
+        return os.fsdecode(os.fspath(path))
+    except TypeError:
+        raise TypeError(f"path: expected a str, bytes or os.PathLike, got {type(path).__name__} {path!r}") from None
 
 
 def host_copy(a: Any) -> np.ndarray:
@@ -67,13 +78,19 @@ def save_cache(cache: Any, path: Any) -> None:
     name = type(cache).__name__
     if SAVEABLE.get(name) != type(cache).__module__:
         raise TypeError(f"cache: saving supports {sorted(SAVEABLE)}, got {type(cache).__name__}")
+    path = cache_path(path)
+    # (checked before the host copy; safetensors reported these as a SafetensorError on its temporary name)
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"path: the directory {parent!r} of {path!r} does not exist")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"path: {path!r} is a directory, expected a file name")
     sd = cache.state_dict()
     config = json.dumps(sd.config, sort_keys=True)
     state = json.dumps(sd.state, sort_keys=True)
     tensors = sd.tensors
     meta = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "cache_class": name,
             "config": config, "state": state, "sha256": digest(config, state, tensors)}
-    path = os.fspath(path)
     tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"
     try:
         st.numpy.save_file(tensors, tmp, metadata=meta)

@@ -38,7 +38,7 @@ from ..ops.blockquant import quantize_pair_into
 from ..ops.hadamard import SIGNS32, rotate32_rows
 from ..ops.headquant import head_signs, quantize_head_pair_into, rotate_head_rows
 from ..ops.window8 import window8_head_args, window8_head_step
-from ._layer import LayerState
+from ._layer import LayerState, finite_astype
 from ._window import layer_counts, plan_store
 from .protocol import AttendConfig, DecodeOutput, Fused
 
@@ -330,5 +330,5 @@ class FusedDecodeMixin:
     def _reshape_q(self, out: Any, b: int, hq: int, ql: int, dtype: Any) -> Any:
         res = out.reshape(b, hq, ql, self.head_dim)
         if dtype is not _F32 and np.dtype(dtype) != np.dtype(res.dtype):
-            res = res.astype(dtype)
+            res = finite_astype(res, dtype)  # (a mean of reconstructions may overshoot a float16 input's ±65504)
         return res

@@ -155,18 +155,32 @@ def check_sliding_window(sliding_window: Any, num_layers: int) -> list[int | Non
     return [w] * num_layers
 
 
-def masked_astype(bias: Any, dtype: Any) -> Any:
-    """``bias.astype(dtype)`` keeping ``MASKED_LOGIT`` finite in narrow float dtypes.
+def check_layer_holds(st: LayerState, layer: int, k: Any, dev: str) -> None:
+    """Under the layer's lock: ``ValueError`` naming ``k`` unless the layer is empty or still
+    holds ``k``'s batch size on ``k``'s device.  ``_validate`` checked that without the lock;
+    a call on the same layer from another thread may have stored since, and a store of
+    another batch size writes past the buffers' rows (a crash of the compressing kernels)."""
+    if st.seq_len and (st.batch != int(k.shape[0]) or st.device != dev):
+        raise ValueError(f"k: expected batch={st.batch} on {st.device} (layer {layer} stores them: another call "
+                         f"stored since this one was checked), got shape {tuple(k.shape)} on {dev}; nothing was stored")
+
+
+def finite_astype(a: Any, dtype: Any) -> Any:
+    """``a.astype(dtype)`` saturating at the largest finite value of a narrower float ``dtype``
+    instead of overflowing to ±inf: ``MASKED_LOGIT`` in float16, and a reconstruction that
+    overshoots the input's range (a float16 input of ±65504 dequantizes to a few per cent more).
 
     NumPy and CuPy arrays are converted in their namespace; a Numba device array (which has
     no ``astype`` or ufuncs) through the host, and only when the dtype changes."""
     dt = np.dtype(dtype)
-    xp = _backend.xp_of(bias)
+    xp = _backend.xp_of(a)
     if xp is None:
-        return bias if np.dtype(bias.dtype) == dt else to_like(bias, masked_astype(_backend.to_host(bias), dt))
-    if dt.kind == "f" and dt.itemsize < 4:
-        bias = xp.maximum(bias, np.float32(np.finfo(dt).min))
-    return bias.astype(dt)
+        return a if np.dtype(a.dtype) == dt else to_like(a, finite_astype(_backend.to_host(a), dt))
+    src = np.dtype(a.dtype)
+    if dt.kind == "f" and src.kind == "f" and dt.itemsize < src.itemsize:
+        lim = float(np.finfo(dt).max)
+        a = xp.clip(a, -lim, lim)
+    return a.astype(dt)
 
 
 def add_bias(a: Any, b: Any) -> Any:
@@ -408,6 +422,7 @@ class LayeredCache(SteadyStepMixin, LifecycleMixin, ValueChecks):
         layer, dev, stats = self._validate(layer, k, v, q, None, need_q=False)
         st = self._layers[layer]
         with st.lock:
+            check_layer_holds(st, layer, k, dev)
             if stats is not None:
                 self._check_range(st, k, v, stats)
             return self._prefill_checked(st, dev, k, v, q)
@@ -450,6 +465,7 @@ class LayeredCache(SteadyStepMixin, LifecycleMixin, ValueChecks):
         layer, dev, stats = self._validate(layer, k, v, q, config, need_q=True, out=out, pending=pending)
         st = self._layers[layer]
         with st.lock:
+            check_layer_holds(st, layer, k, dev)  # (before the deferred records are handed over: none launch)
             st.range_pending = pending or None
             try:
                 if stats is not None:
@@ -493,7 +509,7 @@ class LayeredCache(SteadyStepMixin, LifecycleMixin, ValueChecks):
         if bias is None:
             return None
         b, hq, ql, _ = (int(s) for s in q.shape)
-        return masked_astype(bias.reshape(b, hq, ql, st.seq_len), dtype)
+        return finite_astype(bias.reshape(b, hq, ql, st.seq_len), dtype)
 
     def seq_len(self, layer: int) -> int:
         """Tokens ``layer`` has seen (``IndexError`` if out of range).
@@ -550,7 +566,7 @@ class LayeredCache(SteadyStepMixin, LifecycleMixin, ValueChecks):
     def _reshape_out(self, flat: Any, batch: int, dtype: Any) -> Any:
         out = flat.reshape(batch, self.num_kv_heads, flat.shape[1], self.head_dim)
         if np.dtype(dtype) != np.dtype(out.dtype):
-            out = out.astype(dtype)
+            out = finite_astype(out, dtype)  # (a reconstruction may overshoot a float16 input's ±65504)
         return out
 
     # -- state (the cache file, see numba_kv.caches.persist) ---------------------------------

@@ -38,7 +38,10 @@ class DenseCache(LayeredCache):
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: Any | None = None,
                  sliding_window: Any = None) -> None:
         super().__init__(num_layers, num_kv_heads, head_dim, sliding_window)
-        dt = np.dtype(np.float32 if dtype is None else dtype)
+        try:
+            dt = np.dtype(np.float32 if dtype is None else dtype)
+        except TypeError:  # (NumPy's message does not name the argument)
+            raise TypeError(f"dtype: expected None, float16, float32 or float64, got {dtype!r}") from None
         if dt not in (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)):
             raise ValueError(f"dtype: expected None, float16, float32 or float64, got {dt}")
         self.dtype = dt

@@ -31,12 +31,11 @@ half-loaded cache.  Loaded caches live on the host (NumPy arrays).
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 import numpy as np
 
-from ._format import FORMAT_NAME, FORMAT_VERSION, digest, safetensors_module, save_cache
+from ._format import FORMAT_NAME, FORMAT_VERSION, cache_path, digest, safetensors_module, save_cache
 from .dense import DenseCache
 from .mixed import MixedCache
 from .paged import PagedKVCache
@@ -107,7 +106,7 @@ def load_cache(path: Any, expect: Any | None = None) -> Any:
 
     Parameters
     ----------
-    path : str or os.PathLike
+    path : str, bytes or os.PathLike
     expect : cache class or cache instance, optional
         A class: the file must hold a cache of exactly that class.  An instance: the
         file's class and full configuration must equal the instance's (its contents do not
@@ -135,7 +134,7 @@ def load_cache(path: Any, expect: Any | None = None) -> Any:
         if not ((isinstance(expect, type) and issubclass(expect, kinds)) or isinstance(expect, kinds)):
             raise TypeError(f"expect: expected a cache class or a cache ({', '.join(sorted(CLASSES))}), got "
                             f"{type(expect).__name__} {expect!r}")
-    path = os.fspath(path)
+    path = cache_path(path)
     meta, tensors = _read(path)
     if meta.get("format") != FORMAT_NAME:
         raise CacheFileError(f"path: {path!r} is not a numba_kv cache file (format {meta.get('format')!r})")

@@ -42,7 +42,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from .._validate import check_softmax_scale
+from .._validate import check_int, check_softmax_scale
 
 __all__ = [
     "AttendConfig",
@@ -137,7 +137,18 @@ class AttendConfig:
 
     @classmethod
     def for_shapes(cls, head_dim: int, num_heads: int, num_kv_heads: int) -> AttendConfig:
-        """Standard config: ``softmax_scale = 1/sqrt(head_dim)``, groups from head counts."""
+        """Standard config: ``softmax_scale = 1/sqrt(head_dim)``, groups from head counts.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Naming the argument, unless all three are ints >= 1 and ``num_heads`` is a
+            multiple of ``num_kv_heads``.
+        """
+        # (checked first: 0 or a negative head_dim gave ZeroDivisionError or a complex scale)
+        head_dim = check_int("head_dim", head_dim, minimum=1)
+        num_heads = check_int("num_heads", num_heads, minimum=1)
+        num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads: expected a multiple of num_kv_heads={num_kv_heads}, got {num_heads}"

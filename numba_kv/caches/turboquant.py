@@ -48,7 +48,7 @@ import numpy as np
 
 from .. import _backend
 from ..ops.qjl import make_sketch, qjl_constant, qjl_scores_into, qjl_signs_into
-from ._layer import BufferSpec, LayerState, add_bias, masked_astype
+from ._layer import BufferSpec, LayerState, add_bias, finite_astype
 from .config import PolarQuantConfig, TurboQuantConfig, mirror_config_fields
 from .polarquant import PolarQuantCache
 from .protocol import AttendConfig, DecodeOutput, Dequantized, DequantResult
@@ -163,7 +163,7 @@ class TurboQuantCache(PolarQuantCache):
         hk, hv = self._history(st, dtype)
         if q is None:
             return DequantResult(hk, hv)
-        return DequantResult(hk, hv, masked_astype(self._logit_bias(st, q, self.head_dim ** -0.5), dtype))
+        return DequantResult(hk, hv, finite_astype(self._logit_bias(st, q, self.head_dim ** -0.5), dtype))
 
     def _decode_output(self, st: LayerState, q: Any, config: AttendConfig, dtype: Any, out: Any = None) -> DecodeOutput:
         if self.decode_output != "dequantized":
@@ -173,7 +173,7 @@ class TurboQuantCache(PolarQuantCache):
         win = self._window_bias(st, q)
         if win is not None:  # sliding mask of a multi-token decode on a sliding layer
             bias = add_bias(bias, win.reshape(bias.shape))
-        return Dequantized(DequantResult(hk, hv, masked_astype(bias, dtype)))
+        return Dequantized(DequantResult(hk, hv, finite_astype(bias, dtype)))
 
     def config_dict(self) -> dict[str, Any]:
         """Constructor arguments (JSON types) that rebuild this cache's configuration."""
