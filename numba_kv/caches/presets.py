@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from .._validate import check_head_dim, check_int
+from ..ops.headquant import HEAD_DIMS
 from ._layer import check_sliding_window, resolve_layer
 from .config import PolarQuantConfig
 from .mixed import head_options, layer_options, resolve_head
@@ -201,6 +202,12 @@ class _Geometry:
         cls = TurboQuantCache if family == "tq" else PolarQuantCache
         base = {**preset.options, **_fraction(preset), "sink_tokens": preset.sink_tokens, "residual_length": 0}
         base = merge_name_options(preset.base, family, bits, implied, base)
+        if base.get("rotation") == "head" and head_dim not in HEAD_DIMS:
+            # (said here: the configuration's own message names an option the caller never set)
+            raise ValueError(f"head_dim: preset {preset.name!r} stores whole-head codes (rotation='head'), which need "
+                             f"a power of two in {HEAD_DIMS[0]}..{HEAD_DIMS[-1]}, got {head_dim}; for this head_dim "
+                             f"use a 32-block name such as 'pqo4' or 'pqo3' (any multiple of 32), with "
+                             f"residual_length / sink_tokens as needed")
         parts: dict[str, PolarQuantConfig] = {}
         self.parts: list[PolarQuantConfig] = []
         # every KV head's configuration of the layers the preset splits (head_overrides)

@@ -334,3 +334,13 @@ def test_kv3_sliding_windows_grow_with_the_history(tokens, rng):
     assert cache.memory_usage() == 5 * sliding + glob
     assert presets.preset_bytes("kv3", **geo, residual_length=[r] * 5 + [R], tokens=tokens) == 5 * sliding + glob
     assert 8 * sliding / (2 * 256 * tokens) <= 3.5
+
+
+@pytest.mark.parametrize("preset", ["kv3", "kv4", "kv5"])
+def test_preset_names_a_head_dim_its_whole_head_codes_cannot_take(preset):
+    """The presets store whole-head codes (a Hadamard over the head: a power of two); a head_dim
+    of 96 (Phi-3) is refused naming ``head_dim`` and the preset, not an option the caller never
+    set, and a 32-block name still builds there."""
+    with pytest.raises(ValueError, match=rf"head_dim: preset '{preset}'.*power of two.*got 96.*'pqo4'"):
+        nk.make_cache(preset, num_layers=2, num_kv_heads=2, head_dim=96)
+    assert nk.make_cache("pqo4", num_layers=2, num_kv_heads=2, head_dim=96).head_dim == 96
