@@ -107,6 +107,16 @@ def check_indices(indices: Any, batch: int) -> np.ndarray:
     return idx.astype(np.int64)
 
 
+def cache_repr(cache: Any, lengths: list[int]) -> str:
+    """``Type('name', num_layers=…, num_kv_heads=…, head_dim=…, tokens=…)`` of a layered cache:
+    ``tokens`` one count when every layer holds the same, else the per-layer list.  Read
+    without the layers' locks (a display, not a snapshot)."""
+    tokens: Any = lengths[0] if lengths and len(set(lengths)) == 1 else lengths
+    return (f"{type(cache).__name__}({getattr(cache, 'name', '?')!r}, num_layers={len(lengths)}, "
+            f"num_kv_heads={getattr(cache, 'num_kv_heads', '?')}, head_dim={getattr(cache, 'head_dim', '?')}, "
+            f"tokens={tokens})")
+
+
 class LifecycleMixin:
     """``crop`` / ``fork`` / ``select_batch`` / ``save`` for caches made of ``LayerState`` s.
 
@@ -117,6 +127,9 @@ class LifecycleMixin:
 
     _layers: list[Any]
     num_kv_heads: int
+
+    def __repr__(self) -> str:
+        return cache_repr(self, [st.seq_len for st in getattr(self, "_layers", [])])
 
     def _all_locks(self) -> contextlib.AbstractContextManager[None]:
         """Every layer's lock, in layer order (none if this thread holds them: :func:`hold_layers`)."""

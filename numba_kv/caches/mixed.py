@@ -22,7 +22,7 @@ import numpy as np
 from .._validate import check_int, check_layer
 from ._format import save_cache
 from ._layer import LayeredCache, check_sliding_window, resolve_layer
-from ._lifecycle import check_crop_length, hold_layers
+from ._lifecycle import cache_repr, check_crop_length, hold_layers
 from ._pieces import PER_HEAD_OPTIONS, Piece, split_call
 from .dense import DenseCache
 from .polarquant import PolarQuantCache
@@ -381,6 +381,9 @@ class MixedCache:
     def layer_windows(self) -> list[int | None]:
         """Sliding window of every layer (``None``: global)."""
         return [self.parts[pieces[0].part].layer_windows[pieces[0].layer] for pieces in self.layer_map]
+
+    def __repr__(self) -> str:
+        return cache_repr(self, [self.seq_len(i) for i in range(self.num_layers)])
 
     @property
     def name(self) -> str:

@@ -267,3 +267,16 @@ def test_attend_config_validation():
     with pytest.raises(dataclasses.FrozenInstanceError):
         CFG.softmax_scale = 2.0  # frozen
 
+
+
+def test_repr_names_the_cache_its_geometry_and_tokens():
+    """What a notebook shows for a cache: its class, name, geometry and tokens per layer (one
+    count while every layer holds the same)."""
+    cache = make_cache("pqo3", num_layers=3, num_kv_heads=2, head_dim=64)
+    assert repr(cache) == "PolarQuantCache('pqo3-r32-s4', num_layers=3, num_kv_heads=2, head_dim=64, tokens=0)"
+    k = np.zeros((1, 2, 5, 64), np.float32)
+    cache.prefill(1, k, k)
+    assert repr(cache).endswith("tokens=[0, 5, 0])")
+    mixed = make_cache("pqo3", num_layers=2, num_kv_heads=2, head_dim=64, layer_overrides={0: {"k_bits": 4}})
+    assert repr(mixed) == ("MixedCache('mixed[pqo-k4v3-r32-s4,pqo3-r32-s4]', num_layers=2, num_kv_heads=2, "
+                           "head_dim=64, tokens=0)")
