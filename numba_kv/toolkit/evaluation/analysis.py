@@ -1,6 +1,6 @@
 """Where does PolarQuant's quality loss come from?  K vs V, per layer, per head.
 
-:func:`analyze_kv` runs a Llama GGUF model (SmolLM2-135M by default) over the same text
+:func:`analyze_kv` runs a Llama or Gemma-3 GGUF model (SmolLM2-135M by default) over the same text
 as ``numba-kv eval`` (:data:`numba_kv.toolkit.evaluation.evaluate.DEFAULT_TEXT`) and measures:
 
 1. **K vs V sensitivity** — perplexity change, top-1 agreement and ``KL(dense ‖ cache)``
@@ -155,8 +155,10 @@ def _attention_errors(q: np.ndarray, k: np.ndarray, v: np.ndarray, k_hat: np.nda
 
 def _layer_stats(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_prefill: int, bits: Sequence[int],
                  windows: Sequence[tuple[int, int]], scale: float, groups: int,
-                 top: int = 4) -> dict[str, Any]:
-    """Statistics of one layer from recorded ``q``/``k``/``v`` (``[1, heads, T, d]``)."""
+                 top: int = 4, sliding_window: int | None = None) -> dict[str, Any]:
+    """Statistics of one layer from recorded ``q``/``k``/``v`` (``[1, heads, T, d]``); the
+    attention errors of a sliding-window layer (``sliding_window``, Gemma-3's local layers) over
+    the keys its queries see (``i − sliding_window < j ≤ i``), as the model attends."""
     q, k, v = q[0], k[0], v[0]
     kvh, t, _d = k.shape
     out: dict[str, Any] = {}
@@ -184,6 +186,8 @@ def _layer_stats(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_prefill: int, bi
         for (r, s) in windows:
             j = np.arange(t)[None, :]
             causal = j <= rows[:, None]
+            if sliding_window is not None:
+                causal &= j > rows[:, None] - sliding_window
             if r or s:
                 exact = (j < s) | (j >= np.maximum(s, rows[:, None] + 1 - r))
             else:
@@ -462,7 +466,7 @@ class _AnalysisRun:
         for li in range(self.c.n_layers):
             q, k, v = rec.recorded(li)
             st = _layer_stats(q, k, v, self.prefill, bits, windows, self.model.softmax_scale,
-                              self.c.n_kv_groups)
+                              self.c.n_kv_groups, sliding_window=self.model.layer_windows[li])
             per_layer.append({"layer": li, **st})
         self.timings["per_layer_stats"] = time.perf_counter() - t0
         return per_layer

@@ -107,10 +107,11 @@ _PARIS_PROMPT = "capital of France"
 
 
 def default_prompts(model: Any) -> tuple[str, ...]:
-    """Greedy-generation prompts for ``model``: :data:`GEMMA3_PROMPTS` for a Gemma-3
-    model, else :data:`DEFAULT_PROMPTS`."""
-    arch = getattr(getattr(model, "config", None), "arch", "")
-    return GEMMA3_PROMPTS if arch == "gemma3" else DEFAULT_PROMPTS
+    """Greedy-generation prompts for ``model``: :data:`GEMMA3_PROMPTS` for a Gemma-3 model (NumPy
+    ``config.arch == "gemma3"``, transformers ``config.model_type`` ``gemma3*``), else :data:`DEFAULT_PROMPTS`."""
+    config = getattr(model, "config", None)
+    arch = str(getattr(config, "arch", "") or getattr(config, "model_type", "") or "")
+    return GEMMA3_PROMPTS if arch.startswith("gemma3") else DEFAULT_PROMPTS
 
 
 def model_label(model_path: str | Path | None) -> str:

@@ -12,7 +12,7 @@ import numpy as np
 from numba_kv.caches.config import PolarQuantConfig
 from numba_kv.ops.blockquant import dequantize_blocks, quantize_blocks
 
-from ..models.llama import apply_rope, rms_norm, rope_tables
+from ..models.llama import rms_norm
 
 __all__ = ["QuantSpec", "polarquant_bits_per_value", "pqo_roundtrip", "simulate_logits"]
 
@@ -184,7 +184,12 @@ def simulate_logits(model: Any, tokens: Sequence[int], n_prefill: int, *, k_quan
     later query sees, for key ``j``, the original when ``j`` is a sink or in the newest
     ``residual_length`` stored tokens (rounded to ``window_dtype``) and the quantized
     reconstruction otherwise (a token that passed through a float16 window is quantized
-    from its float16 copy, as the cache does).
+    from its float16 copy, as the cache does).  The blocks are the model's own
+    (:meth:`~numba_kv.toolkit.models.LlamaModel.qkv`, :meth:`~numba_kv.toolkit.models.LlamaModel.finish_block`),
+    so a Gemma-3 model runs as Gemma-3: scaled embeddings, QK-norm, local and global RoPE
+    bases, post-norms, and its local layers' queries see only the last ``sliding_window``
+    keys.  The simulated cache is one without ``sliding_window`` (as :func:`~.analysis.analyze_kv`
+    builds them): sinks count on every layer and the model masks a local layer's history.
 
     Parameters
     ----------
@@ -242,13 +247,18 @@ def simulate_logits(model: Any, tokens: Sequence[int], n_prefill: int, *, k_quan
     def quantizer(spec: QuantSpec) -> Callable[[np.ndarray], np.ndarray] | None:
         return None if spec is None else (lambda x: _apply_quant(spec, quant_input(x), norm_mode))
 
-    cos, sin = rope_tables(np.arange(n), c.rope_dim, c.rope_theta, model.freq_factors)
+    # the model's own RoPE bases (Gemma-3: local and global) and, per sliding window, the masks
+    # cut to what a local layer's query sees (the model masks the cache's history the same way)
+    tables = model.rope_tables_at(np.arange(n))
+    windows = list(getattr(model, "layer_windows", None) or [None] * c.n_layers)
+    layer_masks = {w: m if w is None else _slide(m, int(w)) for w in set(windows)}
     start, x = _first_layer_input(model, ids, kq, vq, dense_states)
     states: list[np.ndarray] = []
     for li in range(start, c.n_layers):
         if return_states:
             states.append(x.copy())
-        _masked_block(model, li, x, cos, sin, quantizer(kq[li]), quantizer(vq[li]), m, fp16)
+        cos, sin = tables[c.layer_rope_theta(li)]
+        _masked_block(model, li, x, cos, sin, quantizer(kq[li]), quantizer(vq[li]), layer_masks[windows[li]], fp16)
     logits = model.output_logits(x[int(n_prefill) - 1:], "all")
     if return_states:
         states.append(x.copy())
@@ -276,7 +286,7 @@ def _first_layer_input(model: Any, ids: np.ndarray, kq: list[Any], vq: list[Any]
     dense run, the first layer that quantizes anything with its (copied) input state."""
     c = model.config
     if dense_states is None:
-        return 0, model.tok_embd[ids]
+        return 0, model.embed(ids)  # (Gemma scales the embedding)
     if len(dense_states) != c.n_layers + 1:
         raise ValueError(f"dense_states: expected {c.n_layers + 1} arrays (return_states=True), "
                          f"got {len(dense_states)}")
@@ -285,33 +295,29 @@ def _first_layer_input(model: Any, ids: np.ndarray, kq: list[Any], vq: list[Any]
     return start, np.array(dense_states[start], dtype=np.float32)
 
 
+def _slide(m: dict[str, np.ndarray], window: int) -> dict[str, np.ndarray]:
+    """The masks ``m`` of :func:`_masks` restricted to a sliding-window layer: query ``i`` sees keys
+    ``i − window < j ≤ i`` (the model applies that mask to whatever the cache returns)."""
+    n = m["causal"].shape[0]
+    visible = np.arange(n)[:, None] - np.arange(n)[None, :] < window
+    return {key: (a & visible if a.ndim == 2 else a) for key, a in m.items()}
+
+
 def _masked_block(model: Any, li: int, x: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                   k_quant: Callable[[np.ndarray], np.ndarray] | None,
                   v_quant: Callable[[np.ndarray], np.ndarray] | None, m: dict[str, np.ndarray],
                   fp16: bool) -> None:
     """Transformer block ``li`` over all ``n`` positions at once, adding into ``x`` ``(n, dim)``
-    in place: attention through :func:`_masked_attention` (``k_quant`` / ``v_quant`` map
-    ``[1, kv_heads, n, head_dim]`` to its reconstruction, ``None``: exact), then the SwiGLU FFN
-    (sigmoid as ``(1 + tanh(g/2)) / 2``)."""
+    in place: the model's own projections, QK-norm and RoPE (:meth:`~numba_kv.toolkit.models.LlamaModel.qkv`),
+    attention through :func:`_masked_attention` (``k_quant`` / ``v_quant`` map
+    ``[1, kv_heads, n, head_dim]`` to its reconstruction, ``None``: exact), then the model's
+    output projection, post-norms and feed-forward (:meth:`~numba_kv.toolkit.models.LlamaModel.finish_block`:
+    SwiGLU for Llama, Gemma-3's GELU-tanh with its pre- and post-norms)."""
     c = model.config
     L = model.layers[li]
-    n = x.shape[0]
-    hd, nh, nkv = c.head_dim, c.n_heads, c.n_kv_heads
-    h = rms_norm(x, L.attn_norm, c.rms_eps)
-    q = apply_rope((h @ L.wq.T).reshape(n, nh, hd).transpose(1, 0, 2)[None], cos, sin)[0]
-    k = apply_rope((h @ L.wk.T).reshape(n, nkv, hd).transpose(1, 0, 2)[None], cos, sin)
-    v = np.ascontiguousarray((h @ L.wv.T).reshape(n, nkv, hd).transpose(1, 0, 2)[None])
+    q, k, v = model.qkv(L, rms_norm(x, L.attn_norm, c.rms_eps), cos, sin)
     k_hat = None if k_quant is None else k_quant(k)
     v_hat = None if v_quant is None else v_quant(v)
-    o = _masked_attention(q, k[0], v[0], None if k_hat is None else k_hat[0],
+    o = _masked_attention(q[0], k[0], v[0], None if k_hat is None else k_hat[0],
                           None if v_hat is None else v_hat[0], m, model.softmax_scale, c.n_kv_groups, fp16)
-    x += o.transpose(1, 0, 2).reshape(n, nh * hd) @ L.wo.T
-    h = rms_norm(x, L.ffn_norm, c.rms_eps)
-    g = h @ L.w_gate.T
-    u = h @ L.w_up.T
-    s = np.tanh(g * np.float32(0.5))
-    s += 1.0
-    s *= np.float32(0.5)
-    g *= s
-    g *= u
-    x += g @ L.w_down.T
+    model.finish_block(L, x, o[None])

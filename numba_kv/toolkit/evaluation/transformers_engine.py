@@ -336,7 +336,7 @@ def run_eval_transformers(specs: Sequence[CacheSpec | HFCacheSpec], *, model: An
     tokens, prefill : int
         ``N`` and ``P`` as in :func:`.evaluate.run_eval`.
     prompts : sequence of str, optional
-        Greedy-generation prompts (default :func:`default_prompts`).
+        Greedy-generation prompts (default :func:`default_prompts` of the model).
     gen_tokens : int
         New tokens per prompt through ``model.generate`` (``0``, the default, skips it).
     attn : str
@@ -370,7 +370,7 @@ def run_eval_transformers(specs: Sequence[CacheSpec | HFCacheSpec], *, model: An
     enc = _Encoder(tokenizer)
     text = tokenize_text(text_file, enc, tokens)
     if prompts is None:
-        prompts = default_prompts(None)
+        prompts = default_prompts(model)  # Gemma-3 asks its Paris question in a Q/A frame
     specs = with_dense_reference(list(specs))
     cfg = model.config.get_text_config(decoder=True)
     n_layers, n_kv = int(cfg.num_hidden_layers), int(getattr(cfg, "num_key_value_heads", None)

@@ -15,6 +15,14 @@ from .llama import DEFAULT_CHUNK_SIZE, CacheFactory, LlamaModel
 __all__ = ["Generation", "generate", "sequence_logits"]
 
 
+def _is_whole(x: Any) -> bool:
+    """``x`` is a whole number (an int, or a float equal to one), not a bool: what a count argument
+    accepts.  ``None``, a str or NaN is not (``int(x)`` raised an unnamed ``TypeError`` for ``None``)."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
+        return False
+    return bool(np.isfinite(x)) and int(x) == x
+
+
 def sequence_logits(model: LlamaModel, tokens: Sequence[int], cache: Any, n_prefill: int, *,
                     chunk_size: int | None = DEFAULT_CHUNK_SIZE, include_prefill: bool = True,
                     progress: Callable[[int, int], None] | None = None,
@@ -68,7 +76,7 @@ def sequence_logits(model: LlamaModel, tokens: Sequence[int], cache: Any, n_pref
     """
     ids = model.check_tokens(tokens)
     n = ids.size
-    if isinstance(n_prefill, bool) or int(n_prefill) != n_prefill or not 1 <= n_prefill <= n:
+    if not _is_whole(n_prefill) or not 1 <= n_prefill <= n:
         raise ValueError(f"n_prefill: expected an int in [1, {n}], got {n_prefill!r}")
     n_prefill = int(n_prefill)
     start = int(cache.seq_len(0))
@@ -164,7 +172,7 @@ def generate(model: LlamaModel, tokenizer: Any, prompt: str | Sequence[int], max
     >>> "Paris" in g.text                                         # doctest: +SKIP
     True
     """
-    if isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+    if not _is_whole(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: expected an int >= 1, got {max_new_tokens!r}")
     if isinstance(prompt, str):
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt

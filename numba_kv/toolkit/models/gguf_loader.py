@@ -76,8 +76,11 @@ MODEL_NAMES = ("smollm2", "gemma3-270m")
 # attention.scale); these defaults are what llama.cpp hard-codes for the architecture
 # (llama-model.cpp, LLM_ARCH_GEMMA3) and what the Hugging Face config carries: every 6th
 # layer is global (layer i is local iff i % 6 < 5), local layers use RoPE base 10 000, and
-# q·k is scaled by query_pre_attn_scalar^-1/2 = head_dim^-1/2 (all sizes but 27B).
+# q·k is scaled by query_pre_attn_scalar^-1/2 = head_dim^-1/2 (all sizes but 27B, see
+# _gemma3_attn_scale).
 _GEMMA3_SWA_PATTERN = 6
+#: block count by which llama.cpp recognises Gemma-3-27B (the one size with another attention scale)
+_GEMMA3_27B_LAYERS = 62
 _GEMMA3_ROPE_BASE_LOCAL = 10000.0
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -367,6 +370,14 @@ def _read_metadata(reader: Any) -> dict[str, Any]:
     return out
 
 
+def _gemma3_attn_scale(n_layers: int, dim: int, n_heads: int, head_dim: int) -> float:
+    """q·k scale of a Gemma-3 file without ``attention.scale``: ``query_pre_attn_scalar^-1/2``,
+    which is ``head_dim`` except on the 27B (62 layers), whose scalar is ``dim / n_heads`` = 168
+    (llama.cpp ``LLM_ARCH_GEMMA3``: ``type == LLM_TYPE_27B ? 1/sqrt(n_embd / n_head) : 1/sqrt(n_embd_head_k)``;
+    the HF config's ``query_pre_attn_scalar``)."""
+    return float(dim // n_heads) ** -0.5 if n_layers == _GEMMA3_27B_LAYERS else float(head_dim) ** -0.5
+
+
 def _config_from_metadata(meta: Mapping[str, Any], tensor_shapes: Mapping[str, tuple]) -> LlamaConfig:
     arch = meta.get("general.architecture")
     if arch not in _SUPPORTED_ARCHS:
@@ -408,7 +419,8 @@ def _config_from_metadata(meta: Mapping[str, Any], tensor_shapes: Mapping[str, t
             "sliding_window": window,
             "local_layers": local if window else (),
             "rope_theta_local": float(meta.get(f"{arch}.rope.freq_base_swa", _GEMMA3_ROPE_BASE_LOCAL)),
-            "attn_scale": float(meta.get(f"{arch}.attention.scale", 0.0) or head_dim ** -0.5),
+            "attn_scale": float(meta.get(f"{arch}.attention.scale", 0.0) or _gemma3_attn_scale(n_layers, dim,
+                                                                                                  n_heads, head_dim)),
             "final_softcap": float(meta.get(f"{arch}.final_logit_softcapping", 0.0) or 0.0),
             "rope_neox": True,
         }

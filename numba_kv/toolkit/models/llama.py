@@ -387,12 +387,12 @@ class LlamaModel:
         if logits not in ("last", "all", "none"):
             raise ValueError(f"logits: expected 'last', 'all' or 'none', got {logits!r}")
         self.check_cache(cache)
-        tables = self._rope_tables(np.arange(start_pos, start_pos + ids.size))
-        x = self._embed(ids)
+        tables = self.rope_tables_at(np.arange(start_pos, start_pos + ids.size))
+        x = self.embed(ids)
         for li, L in enumerate(self.layers):
             cos, sin = tables[c.layer_rope_theta(li)]
-            q, k, v = self._qkv(L, rms_norm(x, L.attn_norm, c.rms_eps), cos, sin)
-            self._block_rest(L, x, self._cache_attention(li, cache, q, k, v, use_decode, _exact))
+            q, k, v = self.qkv(L, rms_norm(x, L.attn_norm, c.rms_eps), cos, sin)
+            self.finish_block(L, x, self._cache_attention(li, cache, q, k, v, use_decode, _exact))
         return self.output_logits(x, logits)
 
     def decode_layer_major(self, tokens: Any, cache: Any, start_pos: int, logits: str = "all",
@@ -419,7 +419,7 @@ class LlamaModel:
         logits : {"all", "none"}
             Logits of every position (row ``j`` predicts the token after ``tokens[j]``) or none.
         logits_chunk : int
-            Rows of the output projection computed at once (bounds its temporaries).
+            Rows of the output projection computed at once (bounds its temporaries), an int >= 1.
 
         Returns
         -------
@@ -430,41 +430,49 @@ class LlamaModel:
         start_pos = _check_start_pos(start_pos)
         if logits not in ("all", "none"):
             raise ValueError(f"logits: expected 'all' or 'none', got {logits!r}")
+        # (0 and negatives became 1 and floats were truncated, silently)
+        if isinstance(logits_chunk, bool) or not isinstance(logits_chunk, (int, np.integer)) or logits_chunk < 1:
+            raise ValueError(f"logits_chunk: expected an int >= 1, got {logits_chunk!r}")
         self.check_cache(cache)
         t, nh, hd = ids.size, c.n_heads, c.head_dim
-        tables = self._rope_tables(np.arange(start_pos, start_pos + t))
-        x = self._embed(ids)
+        tables = self.rope_tables_at(np.arange(start_pos, start_pos + t))
+        x = self.embed(ids)
         for li, L in enumerate(self.layers):
             cos, sin = tables[c.layer_rope_theta(li)]
-            q, k, v = self._qkv(L, rms_norm(x, L.attn_norm, c.rms_eps), cos, sin)
+            q, k, v = self.qkv(L, rms_norm(x, L.attn_norm, c.rms_eps), cos, sin)
             o = np.empty((1, nh, t, hd), dtype=np.float32)
             for j in range(t):
                 o[:, :, j:j + 1] = self._cache_attention(
                     li, cache, np.ascontiguousarray(q[:, :, j:j + 1]), np.ascontiguousarray(k[:, :, j:j + 1]),
                     np.ascontiguousarray(v[:, :, j:j + 1]), True)
-            self._block_rest(L, x, o)
+            self.finish_block(L, x, o)
         if logits == "none":
             return None
         out = np.empty((t, c.vocab_size), dtype=np.float32)
-        step = max(1, int(logits_chunk))
+        step = int(logits_chunk)
         for a in range(0, t, step):
             out[a:a + step] = self.output_logits(x[a:a + step], "all")
         return out
 
-    def _rope_tables(self, positions: np.ndarray) -> dict[float, tuple[np.ndarray, np.ndarray]]:
-        """RoPE ``(cos, sin)`` of ``positions`` for every base the layers use."""
+    def rope_tables_at(self, positions: np.ndarray) -> dict[float, tuple[np.ndarray, np.ndarray]]:
+        """RoPE tables of ``positions`` (ints, ``(T,)``) for every base the layers use: a dict
+        ``{theta: (cos, sin)}``, each ``(T, rope_dim // 2)`` float32; layer ``i`` uses
+        ``config.layer_rope_theta(i)`` (public, with :meth:`embed`, :meth:`qkv` and
+        :meth:`finish_block`, so that other forward passes, such as the one-pass engine of
+        :mod:`numba_kv.toolkit.evaluation.simulate`, run this model's own block code)."""
         c = self.config
         return {theta: rope_tables(positions, c.rope_dim, theta, self.freq_factors)
                 for theta in {c.layer_rope_theta(i) for i in range(c.n_layers)}}
 
-    def _embed(self, ids: np.ndarray) -> np.ndarray:
-        """Hidden states ``[T, dim]`` float32 of token ids (a writable copy)."""
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        """Hidden states ``[T, dim]`` float32 of token ids ``ids`` (int ndarray ``(T,)``; a
+        writable copy, scaled by ``sqrt(dim)`` for Gemma)."""
         x = self.tok_embd[ids]  # fancy indexing copies, so x is writable
         if self.embed_scale is not None:
             x *= self.embed_scale
         return x
 
-    def _block_rest(self, L: _Layer, x: np.ndarray, o: np.ndarray) -> None:
+    def finish_block(self, L: _Layer, x: np.ndarray, o: np.ndarray) -> None:
         """The rest of block ``L`` after attention, in place on ``x`` ``[T, dim]``: output
         projection of ``o`` ``[1, H, T, hd]``, post-attention norm, residual, feed-forward."""
         c = self.config
@@ -475,7 +483,7 @@ class LlamaModel:
         x += a
         x += self._ffn(L, rms_norm(x, L.ffn_norm, c.rms_eps))
 
-    def _qkv(self, L: _Layer, h: np.ndarray, cos: np.ndarray,
+    def qkv(self, L: _Layer, h: np.ndarray, cos: np.ndarray,
              sin: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Queries ``[1, H, T, hd]`` and keys / values ``[1, KVH, T, hd]`` (float32) of layer ``L``
         from the normed hidden states ``h`` ``[T, dim]``: projections, QK-norm, RoPE (``cos``/``sin``)."""

@@ -252,13 +252,25 @@ class GGUFTokenizer:
             ids.append(int(self.eos_id))
         return ids
 
+    def _check_ids(self, ids: Iterable[int]) -> list[int]:
+        """``ids`` as ints in ``[0, vocab_size)``; ``ValueError`` naming ``ids`` otherwise (an id past
+        the vocabulary decoded to nothing and ``-1`` overflowed in ``decode`` or, in
+        :meth:`token_strings`, indexed the last token)."""
+        out = [int(i) for i in ids]
+        bad = next((i for i in out if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"ids: expected token ids in [0, {self.vocab_size}), got {bad}")
+        return out
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        """Text of ``ids`` (byte-exact inverse of :meth:`encode` for valid UTF-8 text)."""
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        """Text of ``ids`` (byte-exact inverse of :meth:`encode` for valid UTF-8 text); ``ValueError``
+        for an id outside the vocabulary."""
+        return self._tok.decode(self._check_ids(ids), skip_special_tokens=skip_special_tokens)
 
     def token_strings(self, ids: Iterable[int]) -> list[str]:
-        """Raw vocabulary strings of ``ids`` (byte-level ``"Ġ"`` / SentencePiece ``"▁"`` = space)."""
-        return [self.tokens[int(i)] for i in ids]
+        """Raw vocabulary strings of ``ids`` (byte-level ``"Ġ"`` / SentencePiece ``"▁"`` = space);
+        ``ValueError`` for an id outside the vocabulary."""
+        return [self.tokens[i] for i in self._check_ids(ids)]
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
                             add_generation_prompt: bool = True) -> str:
