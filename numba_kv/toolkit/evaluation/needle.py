@@ -263,7 +263,7 @@ def run_needle(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any 
     haystack : str, optional
         Filler text; default :func:`essays_text`.
     lengths : sequence of int
-        Prompt lengths in tokens.
+        Prompt lengths in tokens, each within the model's context (``EvalConfigError`` beyond it).
     depths : sequence of int
         Needle depths, percent of the filler.
     gen_tokens : int
@@ -297,6 +297,11 @@ def run_needle(specs: Sequence[CacheSpec], *, model: Any = None, tokenizer: Any 
     text = essays_text() if haystack is None else haystack
     if model is None or tokenizer is None:
         model, tokenizer = models.load_model(model_path)
+    limit = int(model.config.context_length)
+    if max(lengths) > limit:  # (the prompt only: the answer's few tokens may run past, as in llama.cpp)
+        name = model.config.name or model_label(model_path)
+        raise EvalConfigError(f"--lengths: {max(lengths)} exceeds the context of {name} ({limit} tokens); "
+                              f"use lengths <= {limit}")
     hay = tokenizer.encode(text, add_bos=False)
     prompts = {(n, d): build_prompt(tokenizer, hay, n, d / 100) for n in lengths for d in depths}
     specs = with_dense_reference(specs)

@@ -61,10 +61,10 @@ def test_build_prompt_errors(tiny):
 def test_run_needle_tiny_model(tiny, tmp_path):
     model, tok, _ = tiny
     specs = parse_cache_specs("pqo3-r0-s0")
-    res = run_needle(specs, model=model, tokenizer=tok, haystack=HAY, lengths=[200, 260], depths=[10, 90],
+    res = run_needle(specs, model=model, tokenizer=tok, haystack=HAY, lengths=[200, 250], depths=[10, 90],
                      gen_tokens=3, chunk_size=64, progress=False)
     assert [r.cache for r in res.rows] == ["dense"] * 4 + ["pqo3-r0-s0"] * 4
-    assert [(r.length, r.depth) for r in res.rows[:4]] == [(200, 10), (200, 90), (260, 10), (260, 90)]
+    assert [(r.length, r.depth) for r in res.rows[:4]] == [(200, 10), (200, 90), (250, 10), (250, 90)]
     assert all(r.same_as_dense for r in res.rows[:4])
     for r in res.rows:
         _, start, _ = build_prompt(tok, HAY, r.length, r.depth / 100)
@@ -157,6 +157,9 @@ def test_run_needle_exact_prefill(tiny, monkeypatch):
     assert seen == ["exact", "exact"] and res.to_json()["config"]["prefill_attention"] == "exact"
     with pytest.raises(EvalConfigError, match="--prefill-attention: expected 'cache' or 'exact', got 'dense'"):
         run_needle([], model=model, tokenizer=tok, haystack=HAY, lengths=[200], prefill_attention="dense")
+    limit = model.config.context_length
+    with pytest.raises(EvalConfigError, match=f"--lengths: {limit + 1} exceeds the context.*{limit} tokens"):
+        run_needle([], model=model, tokenizer=tok, haystack=HAY, lengths=[200, limit + 1])
 
 
 def test_cli_prefill_attention_only_in_needle_mode(capsys):
