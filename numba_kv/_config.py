@@ -115,14 +115,26 @@ def _env_raw(name: str) -> Any:
     return data.get(key)
 
 
+def _is_bool(value: Any) -> bool:
+    """Whether ``value`` is a Python or NumPy bool (``numpy.bool_`` is no ``bool`` subclass;
+    its ``dtype`` says it, with no NumPy import here)."""
+    return isinstance(value, bool) or getattr(getattr(value, "dtype", None), "kind", "") == "b"
+
+
 def _checked(name: str, value: Any, source: str) -> Any:
-    """``value`` as knob ``name``'s type, or ``ValueError`` naming ``source``."""
+    """``value`` as knob ``name``'s type, or ``ValueError`` naming ``source``.
+
+    Booleans are refused for every knob; an int knob takes only integral values (``int()``
+    alone truncated ``numpy.float32(64.5)``, ``Decimal("64.5")`` or ``Fraction(129, 2)``
+    to 64 silently, and raised ``OverflowError`` for an infinite NumPy float)."""
     kind, lo, hi, step = RANGES[name]
     try:
-        if kind is int and (isinstance(value, bool) or (isinstance(value, float) and not value.is_integer())):
+        if _is_bool(value):
             raise ValueError
         v = kind(value)
-    except (TypeError, ValueError):
+        if kind is int and not isinstance(value, str) and v != value:  # a fractional part was dropped
+            raise ValueError
+    except (TypeError, ValueError, OverflowError):
         raise ValueError(f"{source}: expected {kind.__name__}, got {value!r}") from None
     if not lo <= v <= hi or (step > 1 and v % step):
         every = f" in steps of {step}" if step > 1 else ""

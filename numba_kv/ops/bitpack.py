@@ -244,10 +244,19 @@ def unpack_bits(packed: Any, bits: int, *, backend: str = "auto") -> Any:
         ``nbytes`` a multiple of ``bits``.
     bits : int
         Index width, 1..8.
+    backend : {"auto", "cpu", "cuda"}
+        Check that the data lives where expected (never moves it).
 
     Returns
     -------
-    idx : uint8 array, shape ``(..., nbytes * 8 // bits)``.
+    idx : uint8 array, shape ``(..., nbytes * 8 // bits)``, on the device of ``packed``.
+
+    Raises
+    ------
+    ValueError
+        ``bits`` outside 1..8, ``nbytes`` not a multiple of ``bits``.
+    TypeError
+        ``packed`` not uint8 or not an array.
     """
     bits = _check_bits(bits)
     dev = _backend.resolve_device(backend, packed=packed)

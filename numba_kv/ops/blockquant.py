@@ -457,8 +457,12 @@ def quantize_blocks(x: Any, bits: int = 3, norm_mode: str = "maxnorm", outlier: 
 
     Raises
     ------
+    TypeError
+        ``x`` not a float array, ``codebook`` not a :class:`~numba_kv.ops.codebook.Codebook`,
+        ``outlier`` or ``unbiased`` not a bool.
     ValueError
-        Bad ``bits``/``norm_mode``, ``d`` not a multiple of 32, NaN/Inf in ``x``.
+        Bad ``bits``/``norm_mode``, ``d`` not a multiple of 32, NaN/Inf in ``x``, a block
+        scale beyond binary16.
 
     Examples
     --------
@@ -468,6 +472,9 @@ def quantize_blocks(x: Any, bits: int = 3, norm_mode: str = "maxnorm", outlier: 
     ((2, 24), (2, 2))
     """
     cb = _codebook_arg(bits, norm_mode, codebook)
+    for name, flag in (("outlier", outlier), ("unbiased", unbiased)):  # a truthy "no" must not switch them on
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__} {flag!r}")
     dev = _backend.resolve_device(backend, x=x)
     check_float_array("x", x)
     shape = tuple(x.shape)  # a tuple: the simulator's shapes reject negative indices

@@ -80,6 +80,12 @@ _LM_TINY = 1e-30
 # those tables start from the companding (f^(1/3)-quantile) point density instead and
 # land within about 0.05 % of the optimum.  There is no reference table above 4 bits.
 _LM_UNIFORM_INIT_MAX_BITS = 4
+# Nor above m = 512 (the largest head_dim, MAX_HEAD_DIM): there the density is so narrow
+# (σ = 1/√m) that the uniform start on [−1, 1] leaves every bin but the middle ones empty,
+# and 200 steps never recover them (m = 1024: 2-bit m·D 3.1x, 3-bit 1.7x the optimum;
+# m = 16384, 3-bit: 10.5x).  The companding start is used there at every width; tables up
+# to m = 512 (all the quantizers use) keep the uniform start and their values.
+_LM_UNIFORM_INIT_MAX_M = 512
 _SIMPSON_N = 1024  # sub-intervals per bin (even)
 _SIMPSON_W = np.ones(_SIMPSON_N + 1)
 _SIMPSON_W[1:-1:2] = 4.0
@@ -156,8 +162,8 @@ class Codebook:
         float32, shape ``(K - 1,)``, ascending, ``centroids[i] <= boundaries[i] <=
         centroids[i + 1]``, read-only.  The library's tables use midpoints.
     ref : float
-        Scale reference: ``MAXNORM_REF`` for MaxNorm (``scale = amax / ref``), ``1.0``
-        for L2 (``scale = ‖x‖₂``).
+        Scale reference, finite and positive: ``MAXNORM_REF`` for MaxNorm (``scale = amax /
+        ref``), ``1.0`` for L2 (``scale = ‖x‖₂``).
     source : str
         One line saying where the table comes from.
     """
@@ -184,11 +190,17 @@ class Codebook:
         if not (np.all(np.isfinite(b)) and np.all(c[:-1] <= b) and np.all(b <= c[1:])):
             raise ValueError("boundaries: expected finite values with centroids[i] <= "
                              "boundaries[i] <= centroids[i + 1]")
+        # the MaxNorm scale is amax / ref: ref <= 0 or NaN made every block scale 1e-10 (all-zero
+        # reconstructions, silently), a tiny or infinite one a saturated or zero scale
+        ref = self.ref
+        if (isinstance(ref, (bool, np.bool_)) or not isinstance(ref, (int, float, np.integer, np.floating))
+                or not 0.0 < float(ref) < math.inf):
+            raise ValueError(f"ref: expected a finite positive float (the scale reference), got {ref!r}")
         object.__setattr__(self, "bits", bits)
         object.__setattr__(self, "norm_mode", mode)
         object.__setattr__(self, "centroids", c)
         object.__setattr__(self, "boundaries", b)
-        object.__setattr__(self, "ref", float(self.ref))
+        object.__setattr__(self, "ref", float(ref))
 
     @property
     def size(self) -> int:
@@ -273,10 +285,11 @@ def lloyd_max_sphere(bits: int, m: int) -> Codebook:
     use composite Simpson with 1024 sub-intervals per bin.  The 4-bit runs reach the
     200-iteration cap; the cap is needed to reproduce the reference tables.
 
-    One deviation, for ``bits >= 5`` only (no reference tables exist there): the
-    iteration starts from the quantiles ``(i + ½)/K`` of ``f_m^(1/3)`` (the optimal
+    One deviation, for ``bits >= 5`` or ``m > 512`` only (no reference tables exist there):
+    the iteration starts from the quantiles ``(i + ½)/K`` of ``f_m^(1/3)`` (the optimal
     high-rate point density) instead of the uniform grid, because 200 steps from the
-    uniform grid stay 2–4x above the optimal distortion.  The result is made exactly
+    uniform grid stay 2–4x above the optimal distortion (above 4 bits), or leave bins
+    empty and up to 40x above it (``m > 512``, where ``f_m`` is too narrow for the grid).  The result is made exactly
     symmetric (``c_{K−1−i} = −c_i``) at the end.
 
     Parameters
@@ -294,7 +307,7 @@ def lloyd_max_sphere(bits: int, m: int) -> Codebook:
     bits = _check_int("bits", bits, 1, _MAX_BITS["l2"], " for norm_mode='l2'")
     m = _check_int("m", m, 3, None)
     k = 1 << bits
-    if bits <= _LM_UNIFORM_INIT_MAX_BITS:
+    if bits <= _LM_UNIFORM_INIT_MAX_BITS and m <= _LM_UNIFORM_INIT_MAX_M:
         c = -1.0 + 2.0 * (np.arange(k) + 0.5) / k
     else:
         c = _companding_init(k, m)

@@ -13,6 +13,7 @@ where ``H`` is the 32×32 Sylvester Hadamard matrix scaled by ``1/√32`` (symme
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -20,11 +21,12 @@ from numba import cuda, float32, prange
 
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
+from .._validate import F32_MAX
 from ._borrow import borrowed, keep_alive
 from ._exact import mul_rn
 from ._index import unravel2_dev
 from ._registry import F32_1D, F32_2D, register
-from .finite import check_rotation_input
+from .finite import check_finite_stats
 
 BLOCK = 32
 SIGN_MASK = 0xB1A6D4B2
@@ -177,21 +179,86 @@ def rotate32_rows(x2: Any, inverse: bool = False, signs: Any = None) -> Any:
     return out
 
 
+def rotation_prescale(name: str, x: Any, block: int) -> float:
+    """The power of two to scale ``x`` by before a ``block``-value rotation (and by its inverse
+    after it) so that no float32 sum inside the rotation overflows: ``1.0`` for every block of
+    L2 norm ``<= F32_MAX / (2·√block)``, else ``2**-k`` with ``2**k >= 2·√block``.
+
+    Why: the butterfly sums before its final ``1/√block`` multiply, so an intermediate value
+    reaches ``√block`` times the block norm (all 32 values ``3e37``: the rotated ``1.7e38``
+    is a float32, the sum ``9.6e38`` before the multiply is not) and came back as ``inf``.
+    Power-of-two scaling is exact (barring subnormals), so the result is the float32 one.
+    ``ValueError`` naming ``name`` for NaN/Inf and for a block norm above float32 (a rotated
+    value would be as large), as :func:`~numba_kv.ops.finite.check_rotation_input`."""
+    norm = check_finite_stats(name, x, block).max_norm
+    if not norm <= F32_MAX:
+        raise ValueError(f"{name}: a {block}-value block has L2 norm {norm:.6g}, above {F32_MAX:.6g} "
+                         f"(the largest float32): its rotation cannot be represented")
+    root = math.sqrt(block)
+    if norm * root <= F32_MAX / 2:
+        return 1.0
+    return 2.0 ** -math.ceil(math.log2(2.0 * root))
+
+
+def rotate_prescaled(name: str, rows: Any, scale: float, rotate: Any) -> Any:
+    """``rotate(rows · scale) / scale`` (``scale`` from :func:`rotation_prescale`, ``rows`` a
+    C-contiguous float32 NumPy or CuPy array); ``rotate(rows)`` when ``scale`` is 1.
+    ``ValueError`` naming ``name`` when a Numba device array needs the scaling (no device-side
+    arithmetic here) or a rotated value still leaves float32 (a block norm within rounding of
+    the float32 maximum)."""
+    if scale == 1.0:
+        return rotate(rows)
+    xp = _backend.xp_of(rows)
+    if xp is None:
+        raise ValueError(f"{name}: block norms this close to the float32 maximum need a rescaled rotation, "
+                         "which runs on NumPy and CuPy arrays only (scale the input down)")
+    out = rotate(rows * xp.float32(scale))
+    out *= xp.float32(1.0 / scale)  # exact: a power of two
+    if not bool(xp.isfinite(out).all()):
+        raise ValueError(f"{name}: a rotated value exceeds {F32_MAX:.6g}, the largest float32")
+    return out
+
+
+def _check_signs(signs: Any) -> Any:
+    """``signs`` as C-contiguous float32 on its device; ``ValueError`` unless it holds ``(32,)``
+    values ±1 (``D_s`` is a sign diagonal: other values make the transform non-orthogonal and
+    void the overflow bound of :func:`rotation_prescale`)."""
+    if tuple(signs.shape) != (32,):
+        raise ValueError(f"signs: expected shape (32,), got {tuple(signs.shape)}")
+    s = _backend.ascontiguous_f32("signs", signs)  # TypeError for complex / non-float32 device arrays
+    host = _backend.to_host(s)  # 32 values
+    if not bool(np.all(np.abs(host) == 1.0)):
+        bad = host[np.abs(host) != 1.0][0]
+        raise ValueError(f"signs: expected 32 values +1 or -1 (the sign diagonal D_s), got {float(bad)!r}")
+    return s
+
+
 def rotate32(x: Any, inverse: bool = False, *, signs: Any = None, backend: str = "auto") -> Any:
     """Rotate every 32-value block of ``x`` (forward ``D_s H`` or inverse ``H D_s``).
 
     Parameters
     ----------
     x : float array, shape ``(..., d)``
-        ``d`` a multiple of 32.  Computed in float32.
+        ``d`` a multiple of 32; finite.  Computed in float32 (a block whose norm is within a
+        factor ``2·√32`` of the float32 maximum is rotated scaled by a power of two, so its
+        butterfly sums stay finite; NumPy and CuPy arrays only).
     inverse : bool
         Apply the inverse rotation.
     signs : float32 array, shape ``(32,)``, optional
-        Sign vector; defaults to :data:`SIGNS32`.  Must be on the device of ``x``.
+        Sign vector, values ±1; defaults to :data:`SIGNS32`.  Must be on the device of ``x``
+        (read back to the host once to check its values).
 
     Returns
     -------
     y : float32 array, shape of ``x``, on the device of ``x``.
+
+    Raises
+    ------
+    TypeError
+        ``x`` or ``signs`` not a real array, ``inverse`` not a bool.
+    ValueError
+        Last axis not a positive multiple of 32, NaN/Inf in ``x``, a 32-block whose rotation
+        leaves float32, ``signs`` not 32 values ±1.
 
     Examples
     --------
@@ -207,14 +274,18 @@ def rotate32(x: Any, inverse: bool = False, *, signs: Any = None, backend: str =
     >>> bool(np.allclose(rotate32(y, inverse=True), x, atol=1e-6))
     True
     """
+    if not isinstance(inverse, (bool, np.bool_)):  # a truthy "no" must not select the inverse
+        raise TypeError(f"inverse: expected a bool, got {type(inverse).__name__} {inverse!r}")
     if signs is None:  # the device copy is made once per device (_backend.constant), not per call
         signs = _backend.constant(x, SIGNS32) if _backend.device_of("x", x) == _backend.CUDA else SIGNS32
-    _backend.resolve_device(backend, x=x, signs=signs)
+        _backend.resolve_device(backend, x=x, signs=signs)
+    else:
+        _backend.resolve_device(backend, x=x, signs=signs)
+        signs = _check_signs(signs)
     shape = tuple(x.shape)  # a tuple: the simulator's shapes reject negative indices
     if len(shape) < 1 or shape[-1] % 32 or shape[-1] == 0:
         raise ValueError(f"x: expected a last axis that is a positive multiple of 32, got shape {shape}")
-    if tuple(signs.shape) != (32,):
-        raise ValueError(f"signs: expected shape (32,), got {tuple(signs.shape)}")
-    check_rotation_input("x", x, 32)  # finite, and no rotated value beyond float32
-    out = rotate32_rows(_backend.ascontiguous_f32("x", x).reshape(-1, shape[-1]), inverse, signs)
+    scale = rotation_prescale("x", x, 32)  # finite; 1.0 unless a butterfly sum would overflow
+    rows = _backend.ascontiguous_f32("x", x).reshape(-1, shape[-1])
+    out = rotate_prescaled("x", rows, scale, lambda r: rotate32_rows(r, bool(inverse), signs))
     return out.reshape(shape)

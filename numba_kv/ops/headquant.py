@@ -71,8 +71,8 @@ from ._headquant_lanes import (
 from ._registry import register
 from .blockquant import count_args
 from .codebook import DEQUANTIZE_SIGNATURE, Codebook, bucketize_dev, get_codebook
-from .finite import check_finite, check_rotation_input
-from .hadamard import ROTATE_SIGNATURE, SIGNS32
+from .finite import check_finite, range_stats
+from .hadamard import ROTATE_SIGNATURE, SIGNS32, rotate_prescaled, rotation_prescale
 from .half import f16_bits_abs_to_f32_dev, f32_to_f16_bits_sat_dev
 
 __all__ = ["HEAD_DIMS", "QUANTIZE_HEAD", "SIGN_SEED", "head_signs", "rotate_head", "quantize_head", "dequantize_head",
@@ -497,8 +497,10 @@ def rotate_head(x: Any, inverse: bool = False, *, backend: str = "auto") -> Any:
     Parameters
     ----------
     x : float16/32/64 array, shape ``(..., d)``
-        ``d`` a power of two in 32..512.  Computed in float32 (NaN/Inf propagate).
-        NumPy → CPU twin; CUDA array → CUDA kernel.
+        ``d`` a power of two in 32..512; finite.  Computed in float32 (a vector whose norm is
+        within a factor ``2·√d`` of the float32 maximum is rotated scaled by a power of two,
+        so its butterfly sums stay finite; NumPy and CuPy arrays only).  NumPy → CPU twin;
+        CUDA array → CUDA kernel.
     inverse : bool
         Apply the inverse rotation.
     backend : {"auto", "cpu", "cuda"}
@@ -511,9 +513,10 @@ def rotate_head(x: Any, inverse: bool = False, *, backend: str = "auto") -> Any:
     Raises
     ------
     TypeError
-        ``x`` not a float array.
+        ``x`` not a float array, ``inverse`` not a bool.
     ValueError
-        Last axis not a power of two in 32..512.
+        Last axis not a power of two in 32..512, NaN/Inf in ``x``, a vector whose rotation
+        leaves float32.
 
     Examples
     --------
@@ -522,12 +525,15 @@ def rotate_head(x: Any, inverse: bool = False, *, backend: str = "auto") -> Any:
     >>> bool(np.allclose(rotate_head(rotate_head(x), inverse=True), x, atol=1e-6))
     True
     """
+    if not isinstance(inverse, (bool, np.bool_)):  # a truthy "no" must not select the inverse
+        raise TypeError(f"inverse: expected a bool, got {type(inverse).__name__} {inverse!r}")
     _backend.resolve_device(backend, x=x)
     check_float_array("x", x)
     shape = tuple(x.shape)  # a tuple: the simulator's shapes reject negative indices
     d = _last_axis_head_dim("x", shape)
-    check_rotation_input("x", x, d)  # finite, and no rotated value beyond float32
-    out = rotate_head_rows(_backend.ascontiguous_f32("x", x).reshape(-1, d), inverse)
+    scale = rotation_prescale("x", x, d)  # finite; 1.0 unless a butterfly sum would overflow
+    rows = _backend.ascontiguous_f32("x", x).reshape(-1, d)
+    out = rotate_prescaled("x", rows, scale, lambda r: rotate_head_rows(r, bool(inverse)))
     return out.reshape(shape)
 
 
@@ -611,7 +617,8 @@ def dequantize_head(codes: Any, norms: Any, bits: int = 3, *, backend: str = "au
         ``codes`` not uint8, ``norms`` not uint16.
     ValueError
         Bad ``bits``, mismatching shapes, a ``d`` outside 32..512, Inf/NaN norm patterns
-        (checked for host and CuPy arrays).
+        (checked for every array kind by one integer max over ``norms``, which reads one
+        number back to the host).
     """
     bits = _check_bits(bits)
     _backend.resolve_device(backend, codes=codes, norms=norms)
@@ -632,11 +639,13 @@ def dequantize_head(codes: Any, norms: Any, bits: int = 3, *, backend: str = "au
     if xp is not None:
         codes = xp.ascontiguousarray(codes)
         norms = xp.ascontiguousarray(norms)
-        if norms.size and bool(((norms & 0x7C00) == 0x7C00).any()):
-            raise ValueError("norms: expected finite binary16 patterns, got Inf or NaN")
     lead = nshape[:-1]
     c3 = codes.reshape(1, -1, cshape[-1])
     n3 = norms.reshape(1, -1, 1)
+    # every array kind, Numba device arrays included (they decoded an Inf/NaN norm into
+    # Inf/NaN output before): one integer max over the binary16 view, as dequantize_blocks
+    if range_stats(n3.view(np.float16)).nonfinite:
+        raise ValueError("norms: expected finite binary16 patterns, got Inf or NaN")
     out = _backend.empty(codes, (1, c3.shape[1], d), np.float32)
     dequantize_head_into(c3, n3, 0, head_codebook(bits, d), out)
     return out.reshape(lead + (d,))

@@ -53,11 +53,11 @@ from numba import cuda, float32, int32, int64, prange, uint8
 
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
-from .._validate import check_f16_result, check_float_array
+from .._validate import F16_MAX, F32_MAX, check_f16_result, check_float_array
 from ._exact import mul_rn, mul_rn_dev
 from ._index import unravel2_cpu, unravel2_dev, unravel3_dev
 from ._registry import register
-from .finite import check_finite
+from .finite import all_finite, check_finite, check_finite_stats
 from .half import f16_bits_to_f32, f32_to_f16_bits_sat
 from .lowrank import project_into
 
@@ -322,6 +322,12 @@ def qjl_scores_into(sq: Any, signs: Any, norms: Any, n: int, m: int, out: Any) -
 
 
 # --- public API ------------------------------------------------------------------------
+#: largest accepted ``√d · max|S|`` (a bound on the row L2 norms) of a user sketch: times the
+#: largest stored norm (binary16, < 2**16) it stays below half the float32 maximum, so no
+#: projection sum overflows
+SKETCH_ROW_NORM_MAX = F32_MAX / 2.0 ** 17
+
+
 def sketch_arg(sketch: Any, d: int, m: int | None, like: Any) -> Any:
     """Validated float32 C-contiguous sketch ``[m, d]`` on the device of ``like``."""
     if sketch is None:
@@ -338,7 +344,15 @@ def sketch_arg(sketch: Any, d: int, m: int | None, like: Any) -> Any:
         raise ValueError(f"sketch: expected a positive multiple of 8 rows (m), got shape {(ms, ds)}")
     if m is not None and ms != m:
         raise ValueError(f"sketch: expected {m} rows (8 per byte of signs), got shape {(ms, ds)}")
-    check_finite("sketch", sketch)
+    # a projection of a vector of norm <= 65504 (qjl_quantize refuses larger ones) is at most
+    # the row norm (<= sqrt(d)·max|S|) times 65504: bounded so the float32 sums never overflow
+    # (an overflowed projection gave an arbitrary sign bit, silently).  max|S| comes with the
+    # finiteness pass; no norm is computed (a device sketch is not copied to the host)
+    amax = check_finite_stats("sketch", sketch).amax
+    if not amax * math.sqrt(d) <= SKETCH_ROW_NORM_MAX:
+        raise ValueError(f"sketch: max |sketch| = {amax:.6g} times sqrt(d) exceeds {SKETCH_ROW_NORM_MAX:.6g} "
+                         f"(float32 maximum / 2**17): projections could overflow float32; an unscaled "
+                         f"Gaussian sketch (make_sketch) has entries of a few units")
     return _backend.ascontiguous_f32("sketch", sketch)
 
 
@@ -373,7 +387,9 @@ def qjl_quantize(r: Any, sketch: Any = None, *, backend: str = "auto") -> tuple[
     TypeError
         Non-float ``r`` or ``sketch``, or an unsupported array type.
     ValueError
-        Bad shapes (``m`` not a multiple of 8, ``sketch`` not ``(m, d)``), NaN/Inf.
+        Bad shapes (``m`` not a multiple of 8, ``sketch`` not ``(m, d)``), NaN/Inf,
+        ``√d · max|sketch|`` above :data:`SKETCH_ROW_NORM_MAX` (its projections could
+        overflow float32), ``‖r‖`` beyond binary16.
 
     Examples
     --------
@@ -441,8 +457,10 @@ def qjl_inner_product(y: Any, signs: Any, norms: Any, sketch: Any = None, *,
     TypeError
         Wrong dtypes or array types.
     ValueError
-        Mismatched shapes, NaN/Inf in ``y``, non-finite binary16 patterns in ``norms``
-        (checked for host arrays).
+        Mismatched shapes, NaN/Inf in ``y``, non-finite or negative binary16 patterns in
+        ``norms`` (checked for host arrays), ``√d · max|sketch|`` above
+        :data:`SKETCH_ROW_NORM_MAX`, an estimate beyond float32 (``y`` too large; checked
+        after the computation, one reduction read back to the host).
 
     Examples
     --------
@@ -477,6 +495,9 @@ def qjl_inner_product(y: Any, signs: Any, norms: Any, sketch: Any = None, *,
     check_finite("y", y)
     if isinstance(norms, np.ndarray) and np.any((norms & 0x7C00) == 0x7C00):
         raise ValueError("norms: expected finite binary16 patterns, got NaN or Inf")
+    if isinstance(norms, np.ndarray) and np.any(norms > 0x8000):  # a norm is >= 0 (-0.0 = 0x8000 is harmless)
+        raise ValueError(f"norms: expected non-negative binary16 patterns (norms ||r||, as qjl_quantize "
+                         f"stores them), got {float(norms.view(np.float16)[norms > 0x8000][0])!r}")
     G = int(np.prod(lead, dtype=np.int64))
     out_shape = lead + ((T,) if single else (Q, T))
     y3 = _backend.ascontiguous_f32("y", y).reshape(G, Q, d)
@@ -487,4 +508,9 @@ def qjl_inner_product(y: Any, signs: Any, norms: Any, sketch: Any = None, *,
         sq = _backend.empty(y, (G, Q, m), np.float32)
         project_into(y3, _backend.zeros(y, (1, d), np.float32), sk.reshape(1, m, d), sq)
         qjl_scores_into(sq, s3, n2, T, m, out)
+        # finite y can still overflow S·y or the score sums (|y| near the float32 maximum,
+        # norms up to 65504): an estimate that left float32 is an error, never inf/NaN returned
+        if not all_finite(out):
+            raise ValueError(f"y: an estimate exceeds {F32_MAX:.6g}, the largest float32: y is too large for "
+                             f"these norms (binary16, up to {F16_MAX:g}) and this sketch")
     return out.reshape(out_shape)
