@@ -49,9 +49,15 @@ def cache_path(path: Any) -> str:
         raise TypeError(f"path: expected a str, bytes or os.PathLike, got {type(path).__name__} {path!r}") from None
 
 
-def host_copy(a: Any) -> np.ndarray:
-    """``a`` (NumPy, CuPy or Numba device array) as a C-contiguous host array."""
-    return np.ascontiguousarray(_backend.to_host(a))
+def host_copy(a: Any, live: int | None = None) -> np.ndarray:
+    """A C-contiguous host copy of ``a`` (NumPy, CuPy or Numba device array), or of its first
+    ``live`` entries along axis 1.  Always a new array: a NumPy buffer is copied too, so a
+    state taken from a cache does not change when the cache stores more (a full window buffer
+    was returned as itself)."""
+    if isinstance(a, np.ndarray):
+        return np.array(a if live is None else a[:, :live], order="C", copy=True)
+    h = _backend.to_host(a)  # the whole buffer first: a device slice is not contiguous
+    return np.ascontiguousarray(h if live is None else h[:, :live])
 
 
 def digest(config: str, state: str, tensors: dict[str, np.ndarray]) -> str:

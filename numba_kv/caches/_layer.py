@@ -588,8 +588,7 @@ class LayeredCache(SteadyStepMixin, LifecycleMixin, ValueChecks):
                 layers.append({"seq_len": st.seq_len, "batch": st.batch, "meta": dict(st.meta),
                                "live": dict(st.live)})
                 for n, b in st.buffers.items():
-                    # whole buffer to the host first: device slices are not contiguous
-                    tensors[f"layers.{i}.{n}"] = np.ascontiguousarray(host_copy(b)[:, :st.live_count(n)])
+                    tensors[f"layers.{i}.{n}"] = host_copy(b, st.live_count(n))
         return CacheState(self.config_dict(), {"layers": layers}, tensors)
 
     @classmethod

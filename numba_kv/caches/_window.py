@@ -575,6 +575,20 @@ class WindowedLayers:
             return self.sink_tokens + self._window.window_at(seq_len + evicted)
         return fixed
 
+    def _checked_layer(self, i: int, lay: Any, spec: Any, tensors: dict[str, np.ndarray]) -> tuple:
+        """The layer checks of a loaded file, and its outlier-channel permutations: each row of
+        a set ``k_perm`` / ``v_perm`` must hold every channel once (a duplicate gave silently
+        wrong attention, an index out of range an ``IndexError`` at the first decode)."""
+        item = super()._checked_layer(i, lay, spec, tensors)  # type: ignore[misc]
+        meta, bufs = item[2], item[4]
+        for name in ("k", "v"):
+            if meta.get(name + "perm_set") and name + "_perm" in bufs:
+                t = bufs[name + "_perm"][0]  # [rows, 1, d] int16
+                if not np.array_equal(np.sort(t, axis=-1), np.broadcast_to(np.arange(t.shape[-1]), t.shape)):
+                    raise CacheFileError(f"tensors: layers.{i}.{name}_perm: every row must be a permutation of "
+                                         f"0..{t.shape[-1] - 1} (the outlier-channel order)")
+        return item
+
     def _check_counters(self, i: int, seq_len: int, meta: dict[str, int], live: dict[str, Any],
                         evicted: int = 0) -> None:
         window = self.layer_windows[i]

@@ -166,3 +166,63 @@ def test_save_names_a_bad_path(tmp_path):
     with pytest.raises(IsADirectoryError, match="^path: .* is a directory"):
         cache.save(tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_loaded_outlier_permutation_must_hold_every_channel_once():
+    """A cache file whose outlier-channel order repeats a channel (or names one outside the
+    head) is refused at load, as a state the configuration cannot produce; the saved one loads
+    and decodes as the original (bit for bit)."""
+    from numba_kv.caches.state import CacheFileError, CacheState
+
+    rng = np.random.default_rng(5)
+    cache = make_cache("pqo3:outlier_channels=32", num_layers=1, num_kv_heads=2, head_dim=64)
+    k = rng.standard_normal((1, 2, 40, 64)).astype(np.float32)
+    k[..., 7] *= 30.0  # an outlier channel, so that the order is not the identity
+    cache.prefill(0, k, k)
+    state = cache.state_dict()
+    perm = state.tensors["layers.0.k_perm"]
+    assert sorted(perm[0, 0].tolist()) == list(range(64)) and perm[0, 0].tolist() != list(range(64))
+    q = rng.standard_normal((1, 2, 1, 64)).astype(np.float32)
+    att = AttendConfig(0.125)
+    want = cache.decode(0, k[:, :, :1], k[:, :, :1], q, att).out
+    got = type(cache).from_state_dict(state).decode(0, k[:, :, :1], k[:, :, :1], q, att).out
+    np.testing.assert_array_equal(got, want)
+    for bad in (0, 64):  # a repeated channel; a channel outside the head
+        tensors = dict(state.tensors)
+        p = perm.copy()
+        p[1, 0, 3] = p[1, 0, 0] if bad == 0 else bad
+        tensors["layers.0.k_perm"] = p
+        with pytest.raises(CacheFileError, match=r"layers\.0\.k_perm: every row must be a permutation of 0\.\.63"):
+            type(cache).from_state_dict(CacheState(state.config, state.state, tensors))
+
+
+@pytest.mark.parametrize("name", ["dense", "pqo3", "kv4", "tq3"])
+def test_a_state_dict_is_a_snapshot_that_later_steps_leave_alone(name):
+    """``state_dict()`` copies the live buffers: decoding on afterwards changes none of its
+    tensors (a full window buffer was returned as the cache's own array, so the state changed
+    under its counters and a cache rebuilt from it decoded wrongly), and the rebuilt cache
+    decodes exactly as the original did at that point."""
+    rng = np.random.default_rng(8)
+    cache = make_cache(name, num_layers=1, num_kv_heads=2, head_dim=64)
+    k = rng.standard_normal((1, 2, 80, 64)).astype(np.float32)  # past sinks + window: buffers full
+    cache.prefill(0, k, k)
+    twin = cache.fork()
+    state = cache.state_dict()
+    before = {n: t.copy() for n, t in state.tensors.items()}
+    att = AttendConfig(0.125)
+    for t in range(3):
+        step = k[:, :, t:t + 1] * 2.0
+        cache.decode(0, step, step, rng.standard_normal((1, 2, 1, 64)).astype(np.float32), att)
+    changed = [n for n in before if not np.array_equal(before[n], state.tensors[n])]
+    assert changed == []
+    q = rng.standard_normal((1, 2, 1, 64)).astype(np.float32)
+    step = k[:, :, :1]
+    want = _decoded(twin.decode(0, step, step, q, att))
+    got = _decoded(type(cache).from_state_dict(state).decode(0, step, step, q, att))
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+
+
+def _decoded(res) -> tuple:
+    """The arrays of a decode output: the fused output, or the dequantized history."""
+    return (res.out,) if hasattr(res, "out") else (res.result.k, res.result.v)
