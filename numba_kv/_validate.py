@@ -157,6 +157,14 @@ def check_q_shape(q: Any, batch: int, num_kv_heads: int, head_dim: int, n_kv_gro
     return groups
 
 
+def check_bool(name: str, value: Any) -> bool:
+    """``TypeError`` naming ``name`` unless ``value`` is a bool (Python's or NumPy's): a truthy
+    string such as ``"no"`` must not switch a flag on."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
 def check_int(name: str, value: Any, allowed: Sequence[int] | None = None, minimum: int | None = None) -> int:
     """Integer argument check with allowed set or minimum."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):

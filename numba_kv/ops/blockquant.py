@@ -36,7 +36,7 @@ from numba import cuda, float32, int32, int64, prange, uint8, uint16
 
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
-from .._validate import check_f16_result, check_float_array
+from .._validate import check_bool, check_f16_result, check_float_array
 from ._exact import mul_rn
 from ._index import unravel3
 from ._registry import register
@@ -494,7 +494,7 @@ def quantize_blocks(x: Any, bits: int = 3, norm_mode: str = "maxnorm", outlier: 
 
 
 def dequantize_blocks(codes: Any, scales: Any, bits: int = 3, norm_mode: str = "maxnorm", *,
-                      codebook: Codebook | None = None, backend: str = "auto") -> Any:
+                      codebook: Codebook | None = None, backend: str = "auto", check_values: bool = True) -> Any:
     """Reconstruct vectors from :func:`quantize_blocks` output.
 
     Parameters
@@ -503,6 +503,12 @@ def dequantize_blocks(codes: Any, scales: Any, bits: int = 3, norm_mode: str = "
     scales : uint16 array, shape ``(..., d // 32)``
     bits, norm_mode, codebook
         As given to :func:`quantize_blocks`.
+    check_values : bool
+        Read ``scales`` for Inf/NaN patterns (below; on a GPU a pass over the scales and a
+        device-to-host read).  ``False`` when the caller vouches for them (scales from
+        :func:`quantize_blocks`): the kernel then reads what it is given (an Inf/NaN pattern
+        is no scale: its vector's output is unspecified).  Shapes and dtypes are checked
+        either way.
 
     Returns
     -------
@@ -538,7 +544,8 @@ def dequantize_blocks(codes: Any, scales: Any, bits: int = 3, norm_mode: str = "
         scales = xp.ascontiguousarray(scales)
     c3 = codes.reshape(1, -1, cshape[-1])
     s3 = scales.reshape(1, -1, nb)
-    if range_stats(s3.view(np.float16)).nonfinite:  # |pattern| >= 0x7C00: Inf or NaN
+    # |pattern| >= 0x7C00: Inf or NaN
+    if check_bool("check_values", check_values) and range_stats(s3.view(np.float16)).nonfinite:
         raise ValueError("scales: expected finite binary16 patterns, got Inf or NaN")
     out = _backend.empty(codes, (1, c3.shape[1], d), np.float32)
     dequantize_into(c3, s3, 0, cb, out)

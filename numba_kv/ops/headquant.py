@@ -56,7 +56,7 @@ from numba import cuda, float32, int32, int64, prange, uint8, uint16
 from .. import _backend
 from .._config import MAX_HEAD_DIM
 from .._jit import cpu_kernel, cuda_device, cuda_kernel
-from .._validate import check_f16_result, check_float_array
+from .._validate import check_bool, check_f16_result, check_float_array
 from ._borrow import borrowed, keep_alive
 from ._coop import coop_butterflies
 from ._exact import mul_rn_dev
@@ -593,7 +593,8 @@ def quantize_head(x: Any, bits: int = 3, unbiased: bool = False, *, backend: str
     return codes.reshape(shape[:-1] + (packed_dim(d, bits),)), norms.reshape(shape[:-1] + (1,))
 
 
-def dequantize_head(codes: Any, norms: Any, bits: int = 3, *, backend: str = "auto") -> Any:
+def dequantize_head(codes: Any, norms: Any, bits: int = 3, *, backend: str = "auto",
+                    check_values: bool = True) -> Any:
     """Reconstruct vectors from :func:`quantize_head` output: ``x̂ = |s| · H_d D_s c[idx]``.
 
     Parameters
@@ -606,6 +607,11 @@ def dequantize_head(codes: Any, norms: Any, bits: int = 3, *, backend: str = "au
         As given to :func:`quantize_head` (either mode decodes the same way).
     backend : {"auto", "cpu", "cuda"}
         Check that the data lives where expected (never moves it).
+    check_values : bool
+        Read ``norms`` for Inf/NaN patterns (below).  ``False`` when the caller vouches for
+        them (norms from :func:`quantize_head`): no pass over them and, on a GPU, no
+        device-to-host read; the kernel then reads what it is given (an Inf/NaN pattern is no
+        norm: its vector's output is unspecified).
 
     Returns
     -------
@@ -644,7 +650,7 @@ def dequantize_head(codes: Any, norms: Any, bits: int = 3, *, backend: str = "au
     n3 = norms.reshape(1, -1, 1)
     # every array kind, Numba device arrays included (they decoded an Inf/NaN norm into
     # Inf/NaN output before): one integer max over the binary16 view, as dequantize_blocks
-    if range_stats(n3.view(np.float16)).nonfinite:
+    if check_bool("check_values", check_values) and range_stats(n3.view(np.float16)).nonfinite:
         raise ValueError("norms: expected finite binary16 patterns, got Inf or NaN")
     out = _backend.empty(codes, (1, c3.shape[1], d), np.float32)
     dequantize_head_into(c3, n3, 0, head_codebook(bits, d), out)

@@ -206,3 +206,46 @@ def test_dequantize_head_refuses_nonfinite_norms_on_the_device(rng):
         numba_kv.dequantize_head(to_device(codes), to_device(bad), 2)
     got = to_host(numba_kv.dequantize_head(to_device(codes), to_device(norms), 2))
     assert np.array_equal(got, numba_kv.dequantize_head(codes, norms, 2))
+
+
+def test_dequantize_check_values_false_skips_only_the_value_pass():
+    """``check_values=False`` (the caller vouches for its scales / norms) decodes the same bits as
+    the checked call and skips the pass that refuses an Inf pattern (the other vectors decode as
+    before); the flag itself must be a bool."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    codes, scales = numba_kv.quantize_blocks(x, 3)
+    np.testing.assert_array_equal(numba_kv.dequantize_blocks(codes, scales, 3, check_values=False),
+                                  numba_kv.dequantize_blocks(codes, scales, 3))
+    bad = scales.copy()
+    bad[1, 0] = 0x7C00  # +Inf
+    with pytest.raises(ValueError, match="scales: expected finite binary16"):
+        numba_kv.dequantize_blocks(codes, bad, 3)
+    unchecked = numba_kv.dequantize_blocks(codes, bad, 3, check_values=False)
+    np.testing.assert_array_equal(unchecked[[0, 2]], numba_kv.dequantize_blocks(codes, scales, 3)[[0, 2]])
+    hc, hn = numba_kv.quantize_head(x, 3)
+    np.testing.assert_array_equal(numba_kv.dequantize_head(hc, hn, 3, check_values=False),
+                                  numba_kv.dequantize_head(hc, hn, 3))
+    hbad = hn.copy()
+    hbad[2, 0] = 0x7C00
+    with pytest.raises(ValueError, match="norms: expected finite binary16"):
+        numba_kv.dequantize_head(hc, hbad, 3)
+    unchecked = numba_kv.dequantize_head(hc, hbad, 3, check_values=False)
+    np.testing.assert_array_equal(unchecked[:2], numba_kv.dequantize_head(hc, hn, 3)[:2])
+    with pytest.raises(TypeError, match="check_values: expected a bool"):
+        numba_kv.dequantize_blocks(codes, scales, 3, check_values="no")
+    with pytest.raises(TypeError, match="check_values: expected a bool"):
+        numba_kv.dequantize_head(hc, hn, 3, check_values="no")
+
+
+def test_attention_check_values_must_be_a_bool():
+    """A truthy string must not stand for a flag (``check_values="no"`` kept the checks on
+    silently)."""
+    rng = np.random.default_rng(4)
+    k = rng.standard_normal((1, 1, 8, 64)).astype(np.float32)
+    kc, ks = numba_kv.quantize_blocks(k, 3)
+    q = rng.standard_normal((1, 2, 1, 64)).astype(np.float32)
+    with pytest.raises(TypeError, match="check_values: expected a bool"):
+        numba_kv.decode_attention(q, kc, ks, kc, ks, bits=3, check_values="no")
+    out = numba_kv.decode_attention(q, kc, ks, kc, ks, bits=3, check_values=np.bool_(False))
+    np.testing.assert_array_equal(out, numba_kv.decode_attention(q, kc, ks, kc, ks, bits=3))

@@ -34,7 +34,7 @@ import numpy as np
 
 from ... import _backend
 from ..._config import MAX_HEAD_DIM
-from ..._validate import Q_MAX, check_float_array, check_partition_size, check_shape, check_softmax_scale
+from ..._validate import Q_MAX, check_bool, check_float_array, check_partition_size, check_shape, check_softmax_scale
 from ..codebook import Codebook, get_codebook
 from ..finite import all_finite, check_finite, check_finite_stats, check_rotation_input
 from ..gather import to_like
@@ -181,6 +181,7 @@ def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales
                             v_scales=v_scales, logit_bias=logit_bias, k_exact=k_exact, v_exact=v_exact,
                             exact_positions=exact_positions)
     check_float_array("q", q, 4)
+    check_values = check_bool("check_values", check_values)
     b, hq, ql, d = (int(s) for s in q.shape)
     if d % 32 or d == 0:
         raise ValueError(f"q: expected head_dim a positive multiple of 32, got shape {(b, hq, ql, d)}")
