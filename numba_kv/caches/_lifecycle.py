@@ -88,8 +88,12 @@ def check_crop_length(length: int, floor: int, limit: int | None) -> None:
         raise ValueError(f"length: expected an int in [0, {top}] (the shortest non-empty layer "
                          f"holds {top} tokens), got {length}")
     if 0 < length < floor:
+        # (floor > top: a sliding layer is further along than the shortest layer, so only 0 is left)
+        allowed = (f"0 or an int in [{floor}, {top}]" if floor <= top else
+                   f"0 (the only length left: a sliding layer can return to {floor} at the earliest, "
+                   f"the shortest non-empty layer holds {top} tokens)")
         raise ValueError(f"length: a sliding-window layer has evicted tokens that position {length} would "
-                         f"see again; expected 0 or an int in [{floor}, {top}], got {length}")
+                         f"see again; expected {allowed}, got {length}")
 
 
 def check_indices(indices: Any, batch: int) -> np.ndarray:

@@ -251,3 +251,50 @@ def test_a_layer_given_twice_in_a_sliding_window_dict_is_refused(make):
     with pytest.raises(ValueError, match=r"^sliding_window: layer 0 is given twice \(0 and -4\)$"):
         make({0: 8, -4: 9})
     assert make({0: 8, -1: 9}).layer_windows == [8, None, None, 9]
+
+
+_CH, _CD, _CW = 1, 64, 16  # (the crop-message tests: one KV head, a 16-token window)
+
+
+def _crop_kv(rng, t):
+    return (rng.standard_normal((1, _CH, t, _CD)).astype(np.float32),
+            rng.standard_normal((1, _CH, t, _CD)).astype(np.float32),
+            rng.standard_normal((1, 2 * _CH, t, _CD)).astype(np.float32))
+
+
+def test_crop_names_the_only_length_left_when_a_sliding_layer_is_ahead():
+    # layer 0 slides (window _CW) and has seen 46 tokens, storing positions 26..45 (_CW - 1 + 5); a crop
+    # to L needs the _CW - 1 positions before L, so L >= 41.  Layer 1 (global) holds 40, so crop(0) is
+    # the only crop possible, and the message must not offer the empty range "[41, 40]"
+    rng = np.random.default_rng(0)
+    att = AttendConfig.for_shapes(_CD, 2 * _CH, _CH)
+    cache = make_cache("dense", num_layers=2, num_kv_heads=_CH, head_dim=_CD, sliding_window={0: _CW})
+    k, v, _ = _crop_kv(rng, 40)
+    for layer in range(2):
+        cache.prefill(layer, k, v)
+    for t in (1, 5):
+        k, v, q = _crop_kv(rng, t)
+        cache.decode(0, k, v, q, att)
+    assert (cache.seq_len(0), cache.stored_len(0), cache.seq_len(1)) == (46, _CW - 1 + 5, 40)
+    for length in (1, 30, 40):
+        with pytest.raises(ValueError, match=r"length: .*expected 0 \(the only length left") as err:
+            cache.crop(length)
+        assert "[41, 40]" not in str(err.value)
+        assert (cache.seq_len(0), cache.seq_len(1)) == (46, 40)  # nothing changed
+    cache.crop(0)
+    assert cache.seq_len(0) == cache.seq_len(1) == 0
+
+
+def test_crop_still_offers_the_range_when_there_is_one():
+    rng = np.random.default_rng(1)
+    att = AttendConfig.for_shapes(_CD, 2 * _CH, _CH)
+    cache = make_cache("dense", num_layers=2, num_kv_heads=_CH, head_dim=_CD, sliding_window={0: _CW})
+    for t in (40, 1, 5):
+        k, v, q = _crop_kv(rng, t)
+        for layer in range(2):
+            (cache.prefill(layer, k, v) if t == 40 else cache.decode(layer, k, v, q, att))
+    # the sliding layer keeps _CW - 1 = 15 tokens before its last 5: it can return to 46 - 5 = 41
+    with pytest.raises(ValueError, match=r"expected 0 or an int in \[41, 46\], got 40"):
+        cache.crop(40)
+    cache.crop(41)
+    assert cache.seq_len(0) == 41 and cache.stored_len(0) == _CW - 1
