@@ -13,8 +13,9 @@ def vectors_1m():
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):
-    """Record CPU model, LLVM host CPU, code-generation target, AVX-512 use, threads and
-    versions (:func:`numba_kv.info.provenance`) in every benchmark JSON."""
-    from numba_kv.info import provenance
+    """Record CPU model, LLVM host CPU, code-generation target, AVX-512 use, threads (BLAS
+    threads counted where no variable sets them) and versions
+    (:func:`numba_kv.toolkit.bench.bench_provenance`) in every benchmark JSON."""
+    from numba_kv.toolkit.bench import bench_provenance
 
-    machine_info["numba_kv_provenance"] = provenance()
+    machine_info["numba_kv_provenance"] = bench_provenance()

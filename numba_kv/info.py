@@ -170,6 +170,9 @@ def collect() -> dict[str, str]:
         "cupy": _version("cupy-cuda13x"),
         "threads": str(numba.get_num_threads()),
         "threading_layer": threading_layer(),
+        # NumPy's BLAS runs the dense baselines: its threads and kernels (``--avx2-env`` sets Haswell)
+        "blas_threads": blas_threads(),
+        "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE", "host"),
         "cuda_simulator": "enabled" if simulator_enabled() else "disabled",
     }
     try:

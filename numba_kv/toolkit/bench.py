@@ -30,9 +30,9 @@ from rich.table import Table
 from .progress import progress_bar
 
 try:  # optional (the bench extra): without it the environment's BLAS thread count is used
-    from threadpoolctl import threadpool_limits
+    from threadpoolctl import threadpool_info, threadpool_limits
 except ImportError:  # pragma: no cover - depends on the environment
-    threadpool_limits = None
+    threadpool_info = threadpool_limits = None
 
 from numba_kv.caches.protocol import AttendConfig
 from numba_kv.info import provenance, provenance_line, stream_copy_gbs
@@ -122,6 +122,20 @@ def blas_threads_limited(n: int | None) -> contextlib.AbstractContextManager:
     return threadpool_limits(limits=int(n), user_api="blas")
 
 
+def bench_provenance() -> dict[str, str]:
+    """:func:`numba_kv.info.provenance`, with the BLAS threads counted where no variable sets
+    them: ``"default: 2 (openblas)"`` (threadpoolctl) instead of a bare ``"default"``, which
+    hid how many threads the environment's dense baselines ran with."""
+    prov = provenance()
+    if prov.get("blas_threads") == "default" and threadpool_info is not None:
+        blas = [p for p in threadpool_info() if p.get("user_api") == "blas"]
+        if blas:
+            # (one entry per distinct library: NumPy and SciPy may each load their own OpenBLAS)
+            counts = dict.fromkeys(f"{p.get('num_threads')} ({p.get('internal_api')})" for p in blas)
+            prov["blas_threads"] = "default: " + ", ".join(counts)
+    return prov
+
+
 def blas_control() -> bool:
     """True when the BLAS thread count can be switched inside the process (threadpoolctl)."""
     return threadpool_limits is not None
@@ -162,7 +176,8 @@ class AttentionRow:
 ATTENTION_PAUSE_S = 0.15
 
 
-def _interleaved_best(fns: Sequence[Callable[[], object]], repeat: int, pause_s: float = 0.0) -> list[float]:
+def _interleaved_best(fns: Sequence[Callable[[], object]], repeat: int, pause_s: float = 0.0,
+                      blas: Sequence[int | None] | None = None) -> list[float]:
     """Best wall time of each function, measured round-robin (one timed call of each per
     round), so that load changes on a shared machine hit every contender alike.
 
@@ -171,18 +186,37 @@ def _interleaved_best(fns: Sequence[Callable[[], object]], repeat: int, pause_s:
     the untimed call wakes this contender's own threads and warms its caches — the state of
     a decode loop, where steps run back to back.  Without it the timed call would also pay
     for waking idle threads, which a loop never sees (``benchmarks/idle_wake.py``: on a
-    2-vCPU VM the fused call at 4K tokens took ~1.5 ms after 0.05 s idle, ~0.75 ms warm)."""
-    for fn in fns:
-        fn()  # compile / warm up
+    2-vCPU VM the fused call at 4K tokens took ~1.5 ms after 0.05 s idle, ~0.75 ms warm).
+
+    ``blas`` gives each contender's BLAS thread count (``None``: left as it is).  The count
+    is switched around the contender's pause, untimed and timed call, never inside the timed
+    region: threadpoolctl's switch scans the process's loaded libraries, about a millisecond
+    a call, which would be charged to the dense baselines (a 4K-token dense step takes a few).
+
+    Raises
+    ------
+    ValueError
+        ``repeat`` < 1 (no timed call: every time would be infinite), or ``blas`` of another
+        length than ``fns``.
+    """
+    if int(repeat) < 1:
+        raise ValueError(f"repeat: expected an int >= 1, got {repeat}")
+    limits = [None] * len(fns) if blas is None else list(blas)
+    if len(limits) != len(fns):
+        raise ValueError(f"blas: expected {len(fns)} thread counts, one per function, got {len(limits)}")
+    for fn, n in zip(fns, limits):
+        with blas_threads_limited(n):
+            fn()  # compile / warm up
     best = [float("inf")] * len(fns)
-    for _ in range(repeat):
-        for i, fn in enumerate(fns):
-            if pause_s:
-                time.sleep(pause_s)
+    for _ in range(int(repeat)):
+        for i, (fn, n) in enumerate(zip(fns, limits)):
+            with blas_threads_limited(n):
+                if pause_s:
+                    time.sleep(pause_s)
+                    fn()
+                t = time.perf_counter()
                 fn()
-            t = time.perf_counter()
-            fn()
-            best[i] = min(best[i], time.perf_counter() - t)
+                best[i] = min(best[i], time.perf_counter() - t)
     return best
 
 
@@ -200,13 +234,6 @@ def run_attention_bench(tokens: Sequence[int] = (4096, 32768, 131072), bits: Seq
     if stream_gbs is None:
         stream_gbs = stream_copy_gbs()
     ctl = blas_control()
-
-    def with_blas(fn: Callable[[], object], n: int | None) -> Callable[[], object]:
-        def run() -> object:
-            with blas_threads_limited(n):
-                return fn()
-        return run
-
     rows = []
     for t, b in progress_bar([(t, b) for t in tokens for b in bits], desc="attention", disable=not progress,
                              leave=False):
@@ -214,8 +241,8 @@ def run_attention_bench(tokens: Sequence[int] = (4096, 32768, 131072), bits: Seq
         fused = c.fused()
         ref = c.dequant_then_attend()
         err = float(np.abs(fused - ref).max() / np.abs(ref).max())
-        tf, td, tb, tq = _interleaved_best([c.fused, with_blas(c.dense, 1), with_blas(c.dense, best_threads),
-                                            with_blas(c.dequant_then_attend, 1)], repeat, ATTENTION_PAUSE_S)
+        tf, td, tb, tq = _interleaved_best([c.fused, c.dense, c.dense, c.dequant_then_attend], repeat,
+                                           ATTENTION_PAUSE_S, blas=[None, 1, best_threads, 1])
         tbest = min(td, tb)
         rows.append(AttentionRow(t, b, tf * 1e3, td * 1e3, tb * 1e3, tbest * 1e3, tq * 1e3, td / tf, tbest / tf,
                                  tq / tf, c.compressed_bytes / tf / 1e9, stream_gbs, c.compressed_bytes / 1e6,
@@ -231,7 +258,13 @@ DECODE_SPECS = ("pqo3", "tq3", BEST_LE4_SPEC)
 
 @dataclass
 class DecodeRow:
-    """``cache.decode`` of one token after a ``tokens``-token prefill (best of ``repeat``)."""
+    """``cache.decode`` of one token after a ``tokens``-token prefill (best of ``repeat``).
+
+    ``dense_ms``: dense float32 attention over the same history with one BLAS thread;
+    ``dense_blas2_ms`` with ``dense_best_threads`` (``None`` without threadpoolctl: then both
+    run with the environment's BLAS threads), ``dense_best_ms`` the faster of the two, as in
+    :class:`AttentionRow` (the cache's step runs on every Numba thread: best vs best).
+    """
 
     cache: str
     tokens: int
@@ -239,15 +272,19 @@ class DecodeRow:
     dense_ms: float
     speedup_vs_dense: float
     kv_mb: float
+    dense_blas2_ms: float | None = None
+    dense_best_ms: float | None = None
+    speedup_vs_dense_best: float | None = None
+    dense_best_threads: int | None = None
 
 
 def run_decode_bench(specs: Sequence[str] = DECODE_SPECS, tokens: int = 32768, repeat: int = 5,
                      num_kv_heads: int = 8, num_heads: int = 32, head_dim: int = 128,
-                     progress: bool = True) -> list[DecodeRow]:
+                     progress: bool = True, best_threads: int = 2) -> list[DecodeRow]:
     """Time ``cache.decode`` of one token (append + fused attention) for each cache spec
     (:func:`numba_kv.toolkit.specs.parse_cache_specs` grammar, the caches' default windows), next to
-    NumPy dense float32 attention (one BLAS thread) over the same history, interleaved."""
-
+    NumPy dense float32 attention over the same history with one and with ``best_threads``
+    BLAS threads, interleaved."""
 
     rng = np.random.default_rng(0)
     k = rng.standard_normal((1, num_kv_heads, tokens, head_dim)).astype(np.float32)
@@ -267,18 +304,18 @@ def run_decode_bench(specs: Sequence[str] = DECODE_SPECS, tokens: int = 32768, r
         def step(cache: Any = cache) -> object:
             return cache.decode(0, k1, k1, q, cfg)
 
-        dense = with_one_blas(lambda: dense_attention(q, kd, vd, cfg.softmax_scale))
-        td, tdn = _interleaved_best([step, dense], repeat)
-        rows.append(DecodeRow(cs.label, tokens, td * 1e3, tdn * 1e3, tdn / td, cache.memory_usage() / 1e6))
+        def dense() -> object:
+            return dense_attention(q, kd, vd, cfg.softmax_scale)
+
+        # BLAS threads switched outside the timed calls; the pause as in the attention table
+        # (the untimed call after it appends a token too: the history grows by 1 + 2·repeat
+        # tokens over the run, < 0.1 % at the default 32K)
+        td, tdn, tb = _interleaved_best([step, dense, dense], repeat, ATTENTION_PAUSE_S,
+                                        blas=[None, 1, best_threads])
+        tbest = min(tdn, tb)
+        rows.append(DecodeRow(cs.label, tokens, td * 1e3, tdn * 1e3, tdn / td, cache.memory_usage() / 1e6,
+                              tb * 1e3, tbest * 1e3, tbest / td, best_threads if blas_control() else None))
     return rows
-
-
-def with_one_blas(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` run with one BLAS thread (when threadpoolctl is installed)."""
-    def run() -> object:
-        with blas_threads_limited(1):
-            return fn()
-    return run
 
 
 def render_attention(rows: Sequence[AttentionRow], title: str) -> None:
@@ -301,11 +338,15 @@ def render_decode(rows: Sequence[DecodeRow], title: str) -> None:
     """Print ``cache.decode`` rows as a rich table."""
 
     table = Table(title=title)
-    for col in ("cache", "T", "decode ms", "dense f32 ms (1 BLAS)", "vs dense", "KV MB"):
+    for col in ("cache", "T", "decode ms", "dense f32 ms (1 BLAS)", "dense ms (2 BLAS)", "vs dense", "vs best dense",
+                "KV MB"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(r.cache, str(r.tokens), f"{r.decode_ms:.2f}", f"{r.dense_ms:.2f}", f"{r.speedup_vs_dense:.2f}x",
-                      f"{r.kv_mb:.1f}")
+        env = "" if r.dense_best_threads else " (env)"
+        best = "-" if r.dense_blas2_ms is None else f"{r.dense_blas2_ms:.2f}{env}"
+        vs_best = "-" if r.speedup_vs_dense_best is None else f"{r.speedup_vs_dense_best:.2f}x"
+        table.add_row(r.cache, str(r.tokens), f"{r.decode_ms:.2f}", f"{r.dense_ms:.2f}", best,
+                      f"{r.speedup_vs_dense:.2f}x", vs_best, f"{r.kv_mb:.1f}")
     Console(width=200).print(table)
 
 
@@ -317,7 +358,7 @@ def attention_report(tokens: Sequence[int], bits: Sequence[int], repeat: int, pr
     ``blas_control`` (threadpoolctl present), ``rows`` (fused vs dense vs dequantize) and
     ``decode`` (``cache.decode`` rows; empty when ``decode_tokens`` is ``None``)."""
 
-    prov = provenance()
+    prov = bench_provenance()
     gbs = stream_copy_gbs()
     rows = run_attention_bench(tokens, bits, repeat, progress=progress, stream_gbs=gbs)
     dec = [] if decode_tokens is None else run_decode_bench(decode_specs, decode_tokens, repeat, progress=progress)

@@ -35,7 +35,11 @@ Synthetic data model (:func:`synthetic_kv`), per KV head, seeded:
   ``q·k/√d`` have std exactly 1 over the T tokens; the σ-temperature query is ``σ·q``.
   The logit bias of TurboQuant is linear in ``q``, so it is computed once and scaled.
 
-Caches run with ``residual_length=0, sink_tokens=0, decode_output="dequantized"``: the T
+Caches run with ``decode_output="dequantized"`` and, unless the mode names a window,
+``residual_length=0, sink_tokens=0``; a preset (``kv4``, ``kv5``) keeps the window it sizes
+for its budget, as :func:`~numba_kv.make_cache` builds it, and ``dense`` is the exact
+reference (its window tokens are reconstructed too: ``bits_measured``, from
+``memory_usage()``, counts them where ``bits_avg`` counts the codes).  The T
 tokens are prefilled (one chunk, which also fixes per-layer statistics such as the
 outlier-channel split of ``pqo2.5``), then one decode step with the queries as GQA heads
 returns ``k̂``, ``v̂`` and the logit bias over all tokens; the decoded extra token is
@@ -80,6 +84,8 @@ DEFAULT_MODES: tuple[str, ...] = (
 # reconstruction); EDEN<b>: unbiased-scale EDEN with a trained centre.
 DEFAULT_FAISS: tuple[str, ...] = ("HR,SQtqmse3", "HR,EDEN3", "HR,SQtq3", "HR,EDEN2", "HR,EDEN4")
 SIGMAS: tuple[float, ...] = (1.0, 3.0)
+#: window options of a compressed mode that names none (not of a preset, nor of ``dense``)
+NO_WINDOW: dict[str, int] = {"residual_length": 0, "sink_tokens": 0}
 
 
 # -- data ----------------------------------------------------------------------------------
@@ -165,11 +171,15 @@ class _Recon:
 
 
 def _cache_recon(mode: str, data: SyntheticKV) -> _Recon:
-    spec = parse_cache_spec(mode)
+    # no window unless the mode asks for one; a preset keeps the window it sizes for its
+    # budget (the row measures what ``make_cache(mode)`` builds), and ``dense`` takes no
+    # window or output options (it always returns its exact history)
+    spec = parse_cache_spec(mode, defaults=NO_WINDOW)
     H, T, d = data.k.shape
     G = data.q.shape[1]
-    opts = {"residual_length": 0, "sink_tokens": 0, "decode_output": "dequantized"}
-    opts.update(spec.options)
+    opts = dict(spec.options)
+    if not spec.is_dense:
+        opts.setdefault("decode_output", "dequantized")
     c = make_cache(spec.name, num_layers=1, num_kv_heads=H, head_dim=d, **opts)
     c.prefill(0, data.k[None], data.v[None])
     out = c.decode(0, data.extra_k[None], data.extra_v[None], data.q.reshape(1, H * G, 1, d),
@@ -183,8 +193,9 @@ def _cache_recon(mode: str, data: SyntheticKV) -> _Recon:
     if r.logit_bias is not None:
         bias = np.asarray(r.logit_bias, dtype=np.float64)[0, :, 0, :T].reshape(H, G, T)
     measured = c.memory_usage() * 8.0 / (2 * H * (T + 1) * d)
-    return _Recon(k_hat, v_hat, bias, float(c.k_bits_per_value), float(c.v_bits_per_value),
-                  float(c.bits_per_value), {"cache_name": c.name, "bits_measured": measured})
+    bits = float(c.bits_per_value)  # (dense stores keys and values alike and has no per-side figures)
+    return _Recon(k_hat, v_hat, bias, float(getattr(c, "k_bits_per_value", bits)),
+                  float(getattr(c, "v_bits_per_value", bits)), bits, {"cache_name": c.name, "bits_measured": measured})
 
 
 def _faiss_keeps_norm(faiss: Any, spec: str, d: int) -> bool:
@@ -341,11 +352,12 @@ def _sigmas_of(rows: Sequence[dict[str, Any]]) -> list[str]:
 def to_markdown(rows: Sequence[dict[str, Any]]) -> str:
     """The rows as a GitHub markdown table.
 
-    Columns: mode, bits K / V / avg, NMSE K / V, slope, top-1, per σ logit-error std / KL,
-    then per σ the attention-output relative error.
+    Columns: mode, bits K / V / avg (the codes), bits of ``memory_usage()`` (windows, sinks
+    and per-layer constants included; ``-`` for FAISS), NMSE K / V, slope, top-1, per σ
+    logit-error std / KL, then per σ the attention-output relative error.
     """
     tags = _sigmas_of(rows)
-    head = ["mode", "bits K", "bits V", "bits avg", "NMSE K", "NMSE V", "slope", "top-1"]
+    head = ["mode", "bits K", "bits V", "bits avg", "bits (memory)", "NMSE K", "NMSE V", "slope", "top-1"]
     for t in tags:
         s = t[1:]
         head += [f"σ={s} logit err", f"σ={s} KL"]
@@ -357,7 +369,8 @@ def to_markdown(rows: Sequence[dict[str, Any]]) -> str:
             lines.append(f"| {r['mode']} | error: {msg} |" + " |" * (len(head) - 2))
             continue
         cells = [r["mode"] + (" ⚠" if r.get("error") else ""), f"{r['bits_k']:.3f}", f"{r['bits_v']:.3f}",
-                 f"{r['bits_avg']:.3f}", f"{r['nmse_k']:.4f}", f"{r['nmse_v']:.4f}", f"{r['slope']:.3f}",
+                 f"{r['bits_avg']:.3f}", "-" if r.get("bits_measured") is None else f"{r['bits_measured']:.3f}",
+                 f"{r['nmse_k']:.4f}", f"{r['nmse_v']:.4f}", f"{r['slope']:.3f}",
                  f"{r['top1']:.3f}"]
         for t in tags:
             cells += [f"{r[f'logit_err_std_{t}']:.3f}", f"{r[f'kl_{t}']:.4f}"]
