@@ -617,7 +617,7 @@ def _add_bench(sub: Any) -> None:
                    help="decode-step: untimed steps first (default: %(default)s)")
     b.add_argument("--no-torch", action="store_true",
                    help="--device cuda: skip the torch SDPA baseline even when torch is installed")
-    b.add_argument("--repeat", type=int, default=5)
+    b.add_argument("--repeat", type=_positive_int, default=5)
     b.add_argument("--markdown", default=None, metavar="FILE", help="modes: write the markdown table to FILE")
     b.add_argument("--modes", default=None,
                    help="modes, decode-step: comma-separated caches, as `eval --cache` (default: modes: all; "
@@ -630,7 +630,7 @@ def _add_bench(sub: Any) -> None:
     b.add_argument("--decode-caches", default=None, metavar="CACHES",
                    help="attention: caches of the cache.decode table, as `eval --cache` "
                         "(default: pqo3, tq3 and the best <= 4-bit cache)")
-    b.add_argument("--decode-tokens", type=int, default=32768, metavar="T",
+    b.add_argument("--decode-tokens", type=_positive_int, default=32768, metavar="T",
                    help="attention: history length of the cache.decode table (default 32768)")
     _add_output_options(b, "the results")
     b.set_defaults(func=_bench)

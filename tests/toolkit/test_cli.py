@@ -312,3 +312,14 @@ def test_eval_chunk_is_a_positive_int(bad, shown, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.endswith(f"\nnumba-kv eval: error: argument --chunk: expected an int >= 1, got {shown}\n"), err
+
+
+@pytest.mark.parametrize("option", ["--repeat", "--decode-tokens"])
+@pytest.mark.parametrize("value", ["0", "-3", "x"])
+def test_bench_counts_below_one_are_usage_errors(option, value, capsys):
+    """``bench --repeat 0`` reported inf ms and NaN ratios (exit 0), ``--decode-tokens 0`` ended
+    in a traceback: both are argparse usage errors naming the option (exit status 2)."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", "attention", option, value])
+    assert exit_.value.code == 2
+    assert f"argument {option}: expected an int >= 1" in capsys.readouterr().err
