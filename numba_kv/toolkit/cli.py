@@ -94,18 +94,19 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _bench_modes(args: argparse.Namespace) -> int:
     recommend = _toolkit("recommend")
-    tokens = int(args.tokens or 2048)
     try:
+        (tokens, *more) = _int_list(args.tokens or "2048", "--tokens") or [0]
+        if more or tokens < 2:  # (a traceback before: int("64,128"), a 1-token history)
+            raise EvalConfigError(f"--tokens: bench modes takes one history length N >= 2, got {args.tokens!r}")
         modes = recommend.DEFAULT_MODES if not args.modes else split_cache_list(args.modes, "--modes")
         parse_cache_specs(",".join(modes), arg="--modes")  # a clear error before the run
     except EvalConfigError as exc:
         return _user_error("bench modes", exc)
-    faiss_specs = recommend.DEFAULT_FAISS if args.faiss is None else [f.strip() for f in args.faiss.split("/")
-                                                            if f.strip()]
-    rows = recommend.run(modes, tokens, faiss_specs=faiss_specs, progress=not args.no_progress)
+    fspecs = recommend.DEFAULT_FAISS if args.faiss is None else [f for f in map(str.strip, args.faiss.split("/")) if f]
+    rows = recommend.run(modes, tokens, faiss_specs=fspecs, progress=not args.no_progress)
     config = {"command": "bench modes", "tokens": tokens, "head_dim": 128, "num_kv_heads": 8,
               "queries_per_head": 256, "sigmas": [1.0, 3.0], "seed": 0, "n_outliers": 4, "modes": list(modes),
-              "faiss": list(faiss_specs)}
+              "faiss": list(fspecs)}
     doc = recommend.to_json(rows, config) | {"env": env_info.collect()}
     _table_or_json(doc, args.json, lambda: recommend.render(
         rows, f"compression modes: T={tokens}, d=128, 8 KV heads x 256 queries, synthetic K/V with outlier channels"))

@@ -323,3 +323,11 @@ def test_bench_counts_below_one_are_usage_errors(option, value, capsys):
         cli.main(["bench", "attention", option, value])
     assert exit_.value.code == 2
     assert f"argument {option}: expected an int >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["1", "0", "abc", "64,128"])
+def test_bench_modes_takes_one_history_length(value, capsys):
+    """``bench modes --tokens`` is one N >= 2: other values ended in a traceback (``int("64,128")``)
+    or ran a one-token history; now a usage error naming the option (exit status 2)."""
+    assert cli.main(["bench", "modes", "--tokens", value]) == 2
+    assert "--tokens: " in capsys.readouterr().err
