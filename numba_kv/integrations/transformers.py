@@ -344,7 +344,7 @@ class NumbaKVLayer(CacheLayerMixin):
             # fused decode: numba_kv_attention_forward stores the token and attends from the codes
             setattr(key_states, _PENDING, self)
             return key_states, value_states
-        with torch_stream(key_states.device):
+        with torch_stream(key_states.device), _caller_names():
             res = self.cache.prefill(0, to_array(key_states), to_array(value_states))
             if first:  # only once the tokens are stored: a refused first call leaves the layer as it was
                 self.lazy_initialization(key_states, value_states)
@@ -443,6 +443,26 @@ class NumbaKVLayer(CacheLayerMixin):
             raise ValueError(f"repeats: expected an int >= 1, got {repeats!r}")
         if self.get_seq_length():
             self._select("repeats", np.repeat(np.arange(self.batch_size), int(repeats)))
+
+
+#: the core's argument names and the names a transformers model passes them under
+_CALLER_NAMES = {"k": "key_states", "v": "value_states", "q": "query"}
+
+
+@contextlib.contextmanager
+def _caller_names() -> Iterator[None]:
+    """Re-raise a core cache's ``ValueError`` / ``TypeError`` (which name its own arguments
+    ``k``, ``v``, ``q``) under the names the model passed them as: ``"k: expected finite
+    values"`` becomes ``"key_states (numba_kv's k): expected finite values"``.  The cache
+    was left as it was: the core checks before it stores."""
+    try:
+        yield
+    except (ValueError, TypeError) as exc:
+        msg = str(exc)
+        name, sep, rest = msg.partition(":")
+        if type(exc) not in (ValueError, TypeError) or not sep or name not in _CALLER_NAMES:
+            raise
+        raise type(exc)(f"{_CALLER_NAMES[name]} (numba_kv's {name}):{rest}") from exc
 
 
 def _indices(name: str, idx: Any, batch: int | None) -> np.ndarray:
@@ -589,7 +609,8 @@ def numba_kv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     scale = float(scaling) if scaling is not None else float(query.shape[-1]) ** -0.5
     cfg = AttendConfig(softmax_scale=scale, n_kv_groups=hq // hk)
     with torch_stream(query.device):  # on torch's current stream: no host synchronization
-        out = layer.cache.decode(0, to_array(key), to_array(value), to_array(query), cfg)
+        with _caller_names():
+            out = layer.cache.decode(0, to_array(key), to_array(value), to_array(query), cfg)
         if isinstance(out, Fused):
             res = to_tensor(out.out, query.dtype)
         else:  # the cache returned its history (dense, decode_output="dequantized"): attend here

@@ -202,3 +202,20 @@ def test_batch_errors_name_the_argument_and_change_nothing():
     assert cache.batch_size == 2 and cache.get_seq_length() == 6
     cache.batch_select_indices(torch.tensor([False, True]))  # a mask of one entry per row still works
     assert cache.batch_size == 1
+
+
+def test_core_errors_name_the_models_arguments():
+    """The core cache names its arguments ``k`` / ``v``; through the transformers cache the error
+    names what the model passed (``key_states`` / ``value_states``), keeps the core's reason, and
+    nothing is stored."""
+    cache = NumbaKVCache.from_config(_llama().config, "kv4")
+    k = torch.randn(1, 2, 6, 64)
+    cache.update(k, k, 0)
+    bad = torch.randn(1, 2, 3, 64)
+    bad[0, 1, 2, 5] = float("inf")
+    with pytest.raises(ValueError, match=r"^key_states \(numba_kv's k\): .*finite") as err:
+        cache.update(bad, k[:, :, :3], 0)
+    assert isinstance(err.value.__cause__, ValueError) and str(err.value.__cause__).startswith("k: ")
+    with pytest.raises(ValueError, match=r"^value_states \(numba_kv's v\): .*finite"):
+        cache.update(k[:, :, :3], bad, 0)
+    assert cache.get_seq_length() == 6
