@@ -21,7 +21,6 @@ from transformers import (  # noqa: E402
     Gemma3ForConditionalGeneration,
     Gemma3nTextConfig,
     Gemma3TextConfig,
-    LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
@@ -30,20 +29,14 @@ from transformers import (  # noqa: E402
 
 from numba_kv.integrations.transformers import NumbaKVCache, model_geometry  # noqa: E402
 
-VOCAB = 128
+from .test_transformers import VOCAB, _llama  # noqa: E402  (the same tiny random Llama)
+
 WINDOW = 8
 CACHE = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
 
 
 def _ids(batch: int = 2, n: int = 20, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
-
-
-def _llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256)
-    return LlamaForCausalLM(cfg).eval()
 
 
 def _mistral() -> MistralForCausalLM:

@@ -18,20 +18,18 @@ from numba_kv.metrics import compare_logits
 from numba_kv.toolkit.evaluation.analysis import _layer_stats
 from numba_kv.toolkit.evaluation.kv_split import KVSplitCache
 from numba_kv.toolkit.evaluation.simulate import simulate_logits
-from numba_kv.toolkit.models import load_model, sequence_logits
+from numba_kv.toolkit.models import sequence_logits
 
 from .conftest import need_model_packages
 from .models.test_llama import assert_close
-from .models.tiny_gemma import TINY_GEMMA, gemma_reference_logits, write_tiny_gemma_gguf
+from .models.tiny_gemma import TINY_GEMMA, gemma_reference_logits, load_tiny_gemma
 
 
 @pytest.fixture(scope="module")
 def tiny_gemma(tmp_path_factory):
     """``(model, hf_weights)`` of the random tiny Gemma-3 (6 layers, window 5, layer 5 global)."""
     need_model_packages()
-    d = tmp_path_factory.mktemp("qa_tiny_gemma")
-    hf = write_tiny_gemma_gguf(d / "tiny-gemma3.gguf")
-    model, _ = load_model(d / "tiny-gemma3.gguf", cache_dir=d / "cache")
+    model, _, hf = load_tiny_gemma(tmp_path_factory.mktemp("qa_tiny_gemma"))
     return model, hf
 
 

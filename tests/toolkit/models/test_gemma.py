@@ -31,9 +31,9 @@ from .test_llama import FusedDense, RowBiasDense, _Wrapper, assert_close, naive_
 from .tiny_gemma import (
     SPACE,
     gemma_reference_logits,
+    load_tiny_gemma,
     spm_reference_encode,
     tiny_spm_vocab,
-    write_tiny_gemma_gguf,
 )
 
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
@@ -43,10 +43,7 @@ GPL3 = Path("/usr/share/common-licenses/GPL-3")
 def tiny_gemma(tmp_path_factory):
     """``(model, tokenizer, hf_weights)`` of a random tiny Gemma-3 GGUF."""
     need_model_packages()
-    d = tmp_path_factory.mktemp("tiny_gemma")
-    hf = write_tiny_gemma_gguf(d / "tiny-gemma3.gguf")
-    model, tok = load_model(d / "tiny-gemma3.gguf", cache_dir=d / "cache")
-    return model, tok, hf
+    return load_tiny_gemma(tmp_path_factory.mktemp("tiny_gemma"))
 
 
 @pytest.fixture(scope="module")

@@ -7,19 +7,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from numba_kv.toolkit.models import load_model, sequence_logits
+from numba_kv.toolkit.models import sequence_logits
 
 from ..conftest import need_model_packages
 from .test_llama import _Wrapper, assert_close
-from .tiny_gemma import gemma_reference_logits, write_tiny_gemma_gguf
+from .tiny_gemma import gemma_reference_logits, load_tiny_gemma
 
 
 @pytest.fixture(scope="module")
 def tiny_gemma(tmp_path_factory):
     need_model_packages()
-    d = tmp_path_factory.mktemp("tiny_gemma_sliding")
-    hf = write_tiny_gemma_gguf(d / "tiny-gemma3.gguf")
-    model, _ = load_model(d / "tiny-gemma3.gguf", cache_dir=d / "cache")
+    model, _, hf = load_tiny_gemma(tmp_path_factory.mktemp("tiny_gemma_sliding"))
     return model, hf
 
 

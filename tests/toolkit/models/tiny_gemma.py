@@ -157,6 +157,17 @@ def write_tiny_gemma_gguf(path, seed: int = 0):
     return hf
 
 
+def load_tiny_gemma(folder):
+    """``(model, tokenizer, hf_weights)``: :func:`write_tiny_gemma_gguf` into ``folder``, loaded
+    by the toolkit's loader (its converted weights cached there too) — the module fixtures'
+    common setup."""
+    from numba_kv.toolkit.models import load_model
+
+    hf = write_tiny_gemma_gguf(folder / "tiny-gemma3.gguf")
+    model, tok = load_model(folder / "tiny-gemma3.gguf", cache_dir=folder / "cache")
+    return model, tok, hf
+
+
 def gemma_reference_logits(hf, ids, window=None):
     """Independent float64 Gemma-3 forward (HF layout): ``(1 + w)`` RMSNorm, embeddings
     scaled by ``sqrt(dim)``, QK-norm, ``rotate_half`` RoPE with a local and a global base,
