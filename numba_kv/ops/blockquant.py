@@ -472,9 +472,8 @@ def quantize_blocks(x: Any, bits: int = 3, norm_mode: str = "maxnorm", outlier: 
     ((2, 24), (2, 2))
     """
     cb = _codebook_arg(bits, norm_mode, codebook)
-    for name, flag in (("outlier", outlier), ("unbiased", unbiased)):  # a truthy "no" must not switch them on
-        if not isinstance(flag, (bool, np.bool_)):
-            raise TypeError(f"{name}: expected a bool, got {type(flag).__name__} {flag!r}")
+    check_bool("outlier", outlier)  # (a truthy "no" must not switch them on)
+    check_bool("unbiased", unbiased)
     dev = _backend.resolve_device(backend, x=x)
     check_float_array("x", x)
     shape = tuple(x.shape)  # a tuple: the simulator's shapes reject negative indices

@@ -21,7 +21,7 @@ from numba import cuda, float32, prange
 
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
-from .._validate import F32_MAX
+from .._validate import F32_MAX, check_bool
 from ._borrow import borrowed, keep_alive
 from ._exact import mul_rn
 from ._index import unravel2_dev
@@ -274,8 +274,7 @@ def rotate32(x: Any, inverse: bool = False, *, signs: Any = None, backend: str =
     >>> bool(np.allclose(rotate32(y, inverse=True), x, atol=1e-6))
     True
     """
-    if not isinstance(inverse, (bool, np.bool_)):  # a truthy "no" must not select the inverse
-        raise TypeError(f"inverse: expected a bool, got {type(inverse).__name__} {inverse!r}")
+    check_bool("inverse", inverse)  # (a truthy "no" must not select the inverse)
     if signs is None:  # the device copy is made once per device (_backend.constant), not per call
         signs = _backend.constant(x, SIGNS32) if _backend.device_of("x", x) == _backend.CUDA else SIGNS32
         _backend.resolve_device(backend, x=x, signs=signs)

@@ -525,8 +525,7 @@ def rotate_head(x: Any, inverse: bool = False, *, backend: str = "auto") -> Any:
     >>> bool(np.allclose(rotate_head(rotate_head(x), inverse=True), x, atol=1e-6))
     True
     """
-    if not isinstance(inverse, (bool, np.bool_)):  # a truthy "no" must not select the inverse
-        raise TypeError(f"inverse: expected a bool, got {type(inverse).__name__} {inverse!r}")
+    check_bool("inverse", inverse)  # (a truthy "no" must not select the inverse)
     _backend.resolve_device(backend, x=x)
     check_float_array("x", x)
     shape = tuple(x.shape)  # a tuple: the simulator's shapes reject negative indices
@@ -576,8 +575,7 @@ def quantize_head(x: Any, bits: int = 3, unbiased: bool = False, *, backend: str
     ((2, 48), (2, 1), 11.3125)
     """
     bits = _check_bits(bits)
-    if not isinstance(unbiased, (bool, np.bool_)):
-        raise TypeError(f"unbiased: expected a bool, got {type(unbiased).__name__} {unbiased!r}")
+    check_bool("unbiased", unbiased)
     _backend.resolve_device(backend, x=x)
     check_float_array("x", x)
     shape = tuple(x.shape)

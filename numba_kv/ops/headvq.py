@@ -54,7 +54,7 @@ from numba import cuda, float32, int32, int64, prange, uint8, uint16
 from .. import _backend
 from .._config import MAX_HEAD_DIM
 from .._jit import cpu_kernel, cuda_device, cuda_kernel, twin
-from .._validate import check_f16_result, check_float_array
+from .._validate import check_bool, check_f16_result, check_float_array
 from ._borrow import borrowed, keep_alive
 from ._coop import coop_butterflies
 from ._exact import mul_rn, mul_rn_dev
@@ -584,8 +584,7 @@ def quantize_headvq(x: Any, bits: int, unbiased: bool = False, *, backend: str =
     ((3, 64), dtype('uint8'), (3, 1))
     """
     bits = _check_bits(bits)
-    if not isinstance(unbiased, (bool, np.bool_)):
-        raise TypeError(f"unbiased: expected a bool, got {type(unbiased).__name__} {unbiased!r}")
+    check_bool("unbiased", unbiased)
     _backend.resolve_device(backend, x=x)
     check_float_array("x", x)
     shape = tuple(x.shape)
