@@ -589,7 +589,8 @@ def numba_kv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
         A padded batch on a fused step (the mask hides keys: the cache attends every stored
         token of every row; use ``attn_implementation="sdpa"``, where the mask applies, or
         :class:`numba_kv.PagedKVCache` for ragged batches), logit soft-capping, attention sinks
-        or dropout, which the fused kernels do not apply.
+        or dropout, which the fused kernels do not apply, or a ``sliding_window`` the model's
+        layer passes that is not the cache layer's (a cache built for another config).
     """
     layer = getattr(key, _PENDING, None)
     if layer is None:
@@ -605,6 +606,12 @@ def numba_kv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
             raise ValueError(f"{name}: not supported by the fused numba_kv decode; use attn_implementation='sdpa'")
     if dropout:
         raise ValueError(f"dropout: the fused numba_kv decode is for inference, got {dropout}")
+    # the model's own window, where its attention passes one (Gemma, Mistral, Qwen2): a cache built
+    # from another config would attend a different span silently (its window is in its buffers)
+    window = kwargs.get("sliding_window")
+    if "sliding_window" in kwargs and (int(window) if window else None) != layer.sliding_window:
+        raise ValueError(f"sliding_window: this model layer attends a window of {window}, the cache's layer holds "
+                         f"{layer.sliding_window} (build the cache with NumbaKVCache.from_model(model))")
     hq, hk = int(query.shape[1]), int(key.shape[1])
     scale = float(scaling) if scaling is not None else float(query.shape[-1]) ** -0.5
     cfg = AttendConfig(softmax_scale=scale, n_kv_groups=hq // hk)

@@ -212,3 +212,26 @@ def test_core_errors_name_the_models_arguments():
     with pytest.raises(ValueError, match=r"^value_states \(numba_kv's v\): .*finite"):
         cache.update(k[:, :, :3], bad, 0)
     assert cache.get_seq_length() == 6
+
+
+def test_a_cache_built_for_another_window_is_refused_on_the_fused_path():
+    """A cache made from a config with another ``sliding_window`` than the model's would attend
+    another span (its window lives in its buffers): the fused step raises, naming both windows."""
+    model = _mistral()
+    model.set_attn_implementation("numba_kv")
+    other = copy.deepcopy(model.config)  # (another model's config, also on the fused path)
+    other.sliding_window = 2 * WINDOW
+    cache = NumbaKVCache.from_config(other, "dense")
+    try:
+        with torch.no_grad():
+            model(input_ids=_ids(n=4), **{CACHE: cache})  # the prompt goes through sdpa
+            with pytest.raises(ValueError, match=rf"sliding_window: .*window of {WINDOW}, .*holds {2 * WINDOW}"):
+                model(input_ids=_ids(n=1, seed=5), **{CACHE: cache})
+        # the same model with a cache of its own runs the fused step
+        with torch.no_grad():
+            own = NumbaKVCache.from_model(model, "dense")
+            model(input_ids=_ids(n=4), **{CACHE: own})
+            model(input_ids=_ids(n=1, seed=5), **{CACHE: own})
+        assert own.get_seq_length() == 5
+    finally:
+        model.set_attn_implementation("sdpa")
