@@ -40,13 +40,14 @@ K and V are compressed independently; they must agree on ``batch``, ``num_heads`
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from . import _backend
-from ._validate import F16_MAX, F32_MAX, check_float_array
+from ._validate import F16_MAX, F32_MAX, check_bool, check_float_array
 from .caches.mla import MLACache, SimpleMLACache
 from .caches.paged import PagedKVCache
 from .ops import intquant, lowrank, vq
@@ -77,7 +78,8 @@ def _int_arg(name: str, value: Any, minimum: int, maximum: int | None = None) ->
 
 
 def _energy_arg(energy: Any) -> None:
-    if energy is not None and (isinstance(energy, bool) or not isinstance(energy, (int, float))
+    # NumPy scalars are accepted (np.float32 is no Python float); NaN fails the range test
+    if energy is not None and (isinstance(energy, (bool, np.bool_)) or not isinstance(energy, numbers.Real)
                                or not 0.0 < float(energy) <= 1.0):
         raise ValueError(f"energy: expected None or a float in (0, 1], got {energy!r}")
 
@@ -172,8 +174,11 @@ class VectorQuantization:
         _int_arg("codebook_size", self.codebook_size, 1, 256)
         if self.subvector_dim is not None:
             _int_arg("subvector_dim", self.subvector_dim, 1)
+        check_bool("per_head", self.per_head)  # a truthy string must not switch per-head codebooks on
         _int_arg("max_iter", self.max_iter, 1)
-        if not isinstance(self.tol, (int, float)) or isinstance(self.tol, bool) or self.tol < 0:
+        # not ``tol < 0``: NaN passes that test and would silently disable the inertia stop rule
+        if not isinstance(self.tol, numbers.Real) or isinstance(self.tol, (bool, np.bool_)) \
+                or not float(self.tol) >= 0.0:
             raise ValueError(f"tol: expected a float >= 0, got {self.tol!r}")
         _int_arg("seed", self.seed, 0)
 
@@ -479,8 +484,8 @@ class KVCacheCompressor:
 
     def compress_mla_cache(self, cache: MLACache | SimpleMLACache, layer: int,
                            seq_id: int) -> CompressedKV:
-        """Compress one sequence of an MLA cache from its up-projected K/V (the same
-        compression as :meth:`compress` applied to the sequence's K and V)."""
+        """Compress one sequence of an MLA cache from its up-projected K/V: :meth:`compress_kv_3d`
+        of ``cache.get_kv(layer, seq_id)`` (``[num_heads, seq_len, ·]`` each)."""
         if not isinstance(cache, (MLACache, SimpleMLACache)):
             raise TypeError(f"cache: expected an MLACache or SimpleMLACache, got {type(cache).__name__}")
         k, v = cache.get_kv(layer, seq_id)

@@ -152,7 +152,9 @@ class PagedLifecycleMixin:
                     fields[key] = threading.RLock()
                 elif key == "_pools":
                     fields[key] = {n: copy_array(a) for n, a in val.items()}
-                elif key in ("_dev_tables", "_row_scratch", "_views"):  # device bookkeeping of this cache
+                elif key in ("_dev_tables", "_row_scratch", "_views", "_write_scratch"):
+                    # device bookkeeping and scratch of this cache: shared write buffers would let an
+                    # append to the fork overwrite this cache's codes between quantize and scatter
                     fields[key] = None if key == "_row_scratch" else {}
                 elif key in ("_tables", "_lens", "_free", "_deferred"):  # _deferred: the fork's own record
                     fields[key] = copy.deepcopy(val, memo)

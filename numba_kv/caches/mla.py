@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from .. import _backend
-from .._validate import check_float_array, check_int, check_layer, check_softmax_scale
+from .._validate import F32_MAX, check_float_array, check_int, check_layer, check_softmax_scale
 from ..ops.finite import check_finite
 from ..ops.gather import to_like
 from ..ops.lowrank import project_into, reconstruct_into
@@ -84,6 +84,15 @@ def _check_pool(num_pages: int, num_layers: int, latent: int, page_size: int, st
                          f"blocks), got {latent}") from None
 
 
+def _latent_cap(comps: Sequence[np.ndarray], what: str) -> tuple[float, str]:
+    """Largest ``|latent|`` whose float32 up-projection through every matrix of ``comps``
+    (``[..., latent, out]``) stays finite, and what sets it: each partial sum of
+    ``Σ_i c_i·W[i, j]`` is at most ``max|c|·Σ_i |W[i, j]|`` (halved: room for rounding).  The
+    latent pages alone would take any float32, and :meth:`get_kv` would return inf."""
+    worst = max(float(np.abs(np.asarray(w, np.float64)).sum(axis=-2).max(initial=0.0)) for w in comps)
+    return (F32_MAX / (2.0 * worst) if worst > 0 else float("inf")), what
+
+
 def _paged_attr(name: str, doc: str) -> property:
     """Read-only attribute ``name`` of the wrapped paged cache."""
     return property(lambda self: getattr(self.paged, name), doc=doc)
@@ -94,6 +103,12 @@ class _LatentBase:
 
     paged: PagedKVCache
     num_heads: int
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._geometry()}, {self.paged.pool_summary()})"
+
+    def _geometry(self) -> str:
+        raise NotImplementedError
 
     def allocate_sequence(self) -> int:
         """Create an empty sequence in every layer; return its id."""
@@ -229,6 +244,8 @@ class MLACache(_LatentBase):
         cv = np.zeros((nl, h, r + rope, dv), np.float32)
         cv[:, :, :r, :] = self.w_uv
         self._comp_k, self._comp_v = ck, cv
+        self.paged.limit_values(*_latent_cap([ck, cv], "MLA latent pages (up-projected through W_UK / W_UV "
+                                                        "in float32 by get_kv)"))
         self._zero_k = np.zeros((1, nope + rope), np.float32)
         self._zero_v = np.zeros((1, dv), np.float32)
         # least squares latent of full K/V: c = [k_nope_h…, v_h…] · pinv([W_UK[h] …, W_UV[h] …])
@@ -237,6 +254,11 @@ class MLACache(_LatentBase):
             a = np.concatenate([np.concatenate([self.w_uk[layer, i], self.w_uv[layer, i]], axis=1)
                                 for i in range(h)], axis=1).astype(np.float64)  # [r, h·(nope+dv)]
             self._pinv.append(np.linalg.pinv(a))  # [h·(nope+dv), r]
+
+    def _geometry(self) -> str:
+        return (f"num_layers={self.num_layers}, num_heads={self.num_heads}, kv_lora_rank={self.kv_lora_rank}, "
+                f"qk_rope_head_dim={self.qk_rope_head_dim}, qk_nope_head_dim={self.qk_nope_head_dim}, "
+                f"v_head_dim={self.v_head_dim}")
 
     @property
     def qk_head_dim(self) -> int:
@@ -351,9 +373,17 @@ class MLACache(_LatentBase):
         y = xp.concatenate([k3[:, :, :nope], v3], axis=2)  # [h, n, nope + dv]
         y = xp.transpose(y, (1, 0, 2)).reshape(n, -1).astype(xp.float64)
         pinv = xp.asarray(self._pinv[layer])
-        c = (y @ pinv).astype(xp.float32)
-        k_pe = k3[:, :, nope:].astype(xp.float64).mean(axis=0).astype(xp.float32)
-        self.append_latent(layer, seq_id, xp.ascontiguousarray(c), xp.ascontiguousarray(k_pe))
+        with np.errstate(over="ignore"):  # a latent beyond float32 is refused by append_latent below
+            c = (y @ pinv).astype(xp.float32)
+            k_pe = k3[:, :, nope:].astype(xp.float64).mean(axis=0).astype(xp.float32)
+        try:
+            self.append_latent(layer, seq_id, xp.ascontiguousarray(c), xp.ascontiguousarray(k_pe))
+        except ValueError as e:  # the latent is this call's fit, not an argument: name the caller's k / v
+            msg = str(e)
+            if not msg.startswith("c_kv/k_pe: "):
+                raise
+            msg = msg[len("c_kv/k_pe: "):].replace("|c_kv/k_pe|", "|latent|")
+            raise ValueError(f"k/v: the least-squares latent of k/v is out of range: {msg}") from None
 
     def _check_kv_full(self, k: Any, v: Any) -> tuple[Any, Any]:
         _backend.resolve_device("auto", k=k, v=v)
@@ -507,6 +537,12 @@ class SimpleMLACache(_LatentBase):
         self._comp_k = [np.ascontiguousarray(self.up_proj[i] + self.rope_key[i])[None] for i in range(nl)]
         self._comp_v = [np.ascontiguousarray(self.up_proj[i])[None] for i in range(nl)]
         self._zero_d = np.zeros((1, d), np.float32)
+        self.paged.limit_values(*_latent_cap(self._comp_k + self._comp_v, "latent pages (up-projected through "
+                                                                            "up_proj + rope_key in float32 by get_kv)"))
+
+    def _geometry(self) -> str:
+        return (f"num_layers={self.num_layers}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
+                f"latent_dim={self.latent_dim}")
 
     def _check_kv(self, k: Any, v: Any, dim: int) -> tuple[Any, Any]:
         _backend.resolve_device("auto", k=k, v=v)

@@ -174,6 +174,19 @@ class PagedKVCache(PagedStorageMixin, PagedLifecycleMixin, ValueChecks):
         # per (side, tokens): the codes and scales of a small write on the pool's device, reused
         # (a decode step writes the same shape every step; used under the lock)
         self._write_scratch: dict[tuple[str, int], tuple[Any, Any]] = {}
+        # (largest |x|, what sets it) tighter than the storage's, set by a cache built on this one
+        self._value_cap: tuple[float, str] | None = None
+
+    def __repr__(self) -> str:
+        vd = "" if self.v_head_dim == self.head_dim else f", v_head_dim={self.v_head_dim}"
+        return (f"{type(self).__name__}(num_layers={self.num_layers}, num_kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}{vd}, {self.pool_summary()})")
+
+    def pool_summary(self) -> str:
+        """``num_pages=…, page_size=…, storage=…, sequences=…, free_pages=…``: the part of a
+        ``repr`` about the pool (read without the lock: a display, not a snapshot)."""
+        return (f"num_pages={self.num_pages}, page_size={self.page_size}, storage={self.storage!r}, "
+                f"sequences={len(self._tables[0])}, free_pages={len(self._free)}")
 
     # -- geometry -------------------------------------------------------------------------
     @property
@@ -270,9 +283,30 @@ class PagedKVCache(PagedStorageMixin, PagedLifecycleMixin, ValueChecks):
             if self.has_values and self.v_head_dim == self.head_dim:
                 # pages :meth:`decode_attention` reads: it sums values and takes the logits of
                 # queries up to 2**64 in float32, finite for |x| <= 2**21 (3e38 values gave inf)
-                return float(2 ** 21), "float32 pages that decode_attention reads (logits and sums in float32)"
-            return F32_MAX, "float32 pages"  # key-only or latent pages (MLA): no fused attention
-        return float(2 ** 21), f"storage={self.storage!r} pages"
+                limit, what = float(2 ** 21), "float32 pages that decode_attention reads (logits and sums in float32)"
+            else:
+                limit, what = F32_MAX, "float32 pages"  # key-only or latent pages (MLA): no fused attention
+        else:
+            limit, what = float(2 ** 21), f"storage={self.storage!r} pages"
+        cap = self._value_cap  # a wrapper's tighter bound (an MLA cache up-projects the pages in float32)
+        return cap if cap is not None and cap[0] < limit else (limit, what)
+
+    def limit_values(self, limit: float, what: str) -> None:
+        """Hold appended values to ``|x| <= limit`` where that is tighter than the storage's own
+        bound: for a cache built on this one that reads the pages through another float32
+        computation (the MLA caches up-project their latents).  Checked as :attr:`validate`
+        says, like the storage's bound.
+
+        Parameters
+        ----------
+        limit : float
+            Largest ``|x|`` (``> 0``).
+        what : str
+            What sets it, for the error message ("… the largest value ``what`` can hold").
+        """
+        if not float(limit) > 0:
+            raise ValueError(f"limit: expected a float > 0, got {limit!r}")
+        self._value_cap = (float(limit), str(what))
 
     def _check_values(self, dev: str, parts: list[tuple[str, Any]]) -> list:
         """Value checks of the appended parts as :attr:`validate` says (see :class:`ValueChecks`).

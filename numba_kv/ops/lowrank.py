@@ -41,6 +41,7 @@ from numba import cuda, float32, prange
 
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
+from .._validate import check_int
 from ._exact import mul_rn
 from ._index import unravel2, unravel3
 from ._registry import F32_2D, F32_3D, Twin, register
@@ -394,10 +395,13 @@ def fit_components(mean: np.ndarray, gram: np.ndarray, n: int, rank: int,
         entry is positive (deterministic across platforms).
     r_eff : int
     """
+    rank = check_int("rank", rank, minimum=1)
+    if energy is not None and not 0.0 < float(energy) <= 1.0:
+        raise ValueError(f"energy: expected None or a float in (0, 1], got {energy!r}")
     mean = np.asarray(mean, np.float64)
     g = np.asarray(gram, np.float64)
     rows, d = mean.shape
-    max_rank = min(int(rank), d)
+    max_rank = min(rank, d)
     g = 0.5 * (g + np.swapaxes(g, 1, 2))  # float32 sums are not exactly symmetric
     # one call per row: NumPy's stacked eigh was ~30x slower than the loop here (OpenBLAS)
     lam = np.empty((rows, d))
@@ -529,12 +533,13 @@ def reconstruct(coef: Any, mean: Any, components: Any, rows: int | None = None) 
     c3 = _f32_3d("coef", coef)
     comp = _f32_3d("components", components)
     mean = _backend.ascontiguous_f32("mean", mean)
-    if rows is None:
-        rows = max(c3.shape[0], comp.shape[0], mean.shape[0])
+    if len(mean.shape) != 2:  # before the row count is read from its leading axis
+        raise ValueError(f"mean: expected a 2-D array (R or 1, d), got shape {tuple(mean.shape)}")
+    rows = max(c3.shape[0], comp.shape[0], mean.shape[0]) if rows is None else check_int("rows", rows, minimum=0)
     for name, a in (("coef", c3), ("components", comp), ("mean", mean)):
         _broadcast_ok(name, a, rows)
     d = comp.shape[2]
-    if c3.shape[2] != comp.shape[1] or len(mean.shape) != 2 or mean.shape[1] != d:
+    if c3.shape[2] != comp.shape[1] or mean.shape[1] != d:
         raise ValueError(f"coef: expected rank {comp.shape[1]} and mean width {d}, got coef "
                          f"{tuple(c3.shape)}, mean {tuple(mean.shape)}")
     out = _backend.empty(c3, (rows, c3.shape[1], d), np.float32)

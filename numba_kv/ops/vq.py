@@ -410,6 +410,12 @@ def decode(codes: Any, codebooks: Any) -> Any:
     Returns
     -------
     x_hat : float32 array, shape ``(R, n, M·ds)``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        ``codes`` not a 3-D uint8 array, ``codebooks`` not ``(G, K, ds)`` with ``G = M`` or
+        ``R·M``, or a code ``>= K`` (the kernels would read past the codebook).
     """
     _backend.resolve_device("auto", codes=codes, codebooks=codebooks)
     if np.dtype(codes.dtype) != np.uint8 or len(codes.shape) != 3:
@@ -417,6 +423,17 @@ def decode(codes: Any, codebooks: Any) -> Any:
                         f"{tuple(codes.shape)}")
     cbs = _backend.ascontiguous_f32("codebooks", codebooks)
     rows, n, m_sub = codes.shape
+    if len(cbs.shape) != 3 or cbs.shape[0] not in (m_sub, rows * m_sub) or not 1 <= cbs.shape[1] <= 256:
+        raise ValueError(f"codebooks: expected (G, K, ds) with G = M = {m_sub} (shared) or R·M = {rows * m_sub} "
+                         f"(per row) and K in 1..256, got shape {tuple(cbs.shape)}")
+    k_size = int(cbs.shape[1])
+    # every code indexes a codeword: the kernels do not bound-check (one small read of the codes)
+    top = 0
+    if k_size < 256 and rows * n * m_sub:
+        xp = _backend.xp_of(codes)
+        top = int(xp.max(codes)) if xp is not None else int(_backend.to_host(codes).max())
+    if top >= k_size:
+        raise ValueError(f"codes: expected values < K={k_size} (the codewords per codebook), got {top}")
     d = m_sub * cbs.shape[2]
     out = _backend.empty(codes, (rows, n, d), np.float32)
     decode_into(codes, cbs, out)
