@@ -208,7 +208,9 @@ def ascontiguous_f32(name: str, a: Any) -> Any:
     """``a`` as a C-contiguous float32 array on its own device.
 
     Host arrays and CuPy arrays are converted; Numba device arrays must already be
-    float32 and C-contiguous (Numba offers no device-side cast), else ``TypeError``.
+    float32 (no device-side cast: float64 beyond float32 would need a range check), else
+    ``TypeError``; a strided float32 one (a slice of a fused QKV projection, say) is copied
+    into a new C-contiguous array on the device, as CuPy's are.
     """
     if type(a) is np.ndarray and a.dtype == _F32 and a.flags.c_contiguous:
         return a  # the common case (every decode step's k, v and q): nothing to convert or check
@@ -229,9 +231,25 @@ def ascontiguous_f32(name: str, a: Any) -> Any:
             raise ValueError(f"{name}: max |{name}| = {big:.6g} exceeds {f32max:.6g}, the largest float32 "
                              "(computations here run in float32)")
         return out
-    if np.dtype(a.dtype) != np.float32 or not a.is_c_contiguous():
-        raise TypeError(f"{name}: Numba device arrays must be C-contiguous float32, got {a.dtype}")
-    return a
+    if np.dtype(a.dtype) != _F32:
+        raise TypeError(f"{name}: expected a float32 Numba device array (they are not cast on the device), "
+                        f"got dtype {a.dtype}")
+    return a if a.is_c_contiguous() else _contiguous_copy(a)
+
+
+def _contiguous_copy(a: Any) -> Any:
+    """A strided float32 Numba device array copied into a new C-contiguous one, on the
+    thread's launch stream (in order with the work that produced ``a``; no host sync)."""
+    barrier()
+    dst = cuda.device_array(tuple(a.shape), np.float32)
+    if int(a.size) == 0:
+        return dst
+    if simulator_enabled():
+        dst[...] = a  # (the simulator's arrays are NumPy arrays inside, without a stream)
+    else:
+        # (Numba's assignment kernel; given a stream it does not synchronize the host)
+        dst.setitem(Ellipsis, a, stream=launch_stream_state()[0] or cuda.default_stream())
+    return dst
 
 
 #: views a :func:`same_view` memo keeps (the oldest dropped first)

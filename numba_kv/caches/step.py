@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .._graph import StepGraph
-from .._validate import check_float_array
+from .._validate import check_float_array, check_layer
 from ._steady import SteadyMark, SteadyStepMixin
 from .protocol import AttendConfig, DecodeOutput, Fused
 
@@ -59,7 +59,8 @@ class DecodeStep:
     ----------
     cache : CompressedKVCache
         Any cache; steps skip their Python only on the library's fused layered caches
-        (``pq*``/``pqo*``/``tq*``/``kv*`` presets) with a window or not.
+        (``pq*``/``pqo*``/``kv*`` presets) with a window or not; TurboQuant's (``tq*``) never do
+        (their key residual and projected queries are CuPy work between the launches).
     layer : int
     k, v : arrays ``[batch, num_kv_heads, n, head_dim]``
         The step's new keys and values (written by the caller before each call).
@@ -71,6 +72,12 @@ class DecodeStep:
     verify : bool, default False
         Run every step in full and check that a skipped one would have launched the same
         graph and left the same host state (``RuntimeError`` otherwise): for tests.
+
+    Raises
+    ------
+    TypeError, ValueError, IndexError
+        When built: ``config`` not an :class:`AttendConfig`, an array that is not 4-D, or
+        (the library's layered caches) ``layer`` not an int in ``[0, num_layers)``.
 
     Notes
     -----
@@ -98,6 +105,8 @@ class DecodeStep:
         # the shapes the step reads of them (the rest is checked by the cache, as cache.decode does)
         for name, a in (("k", k), ("v", v), ("q", q)) + ((("out", out),) if out is not None else ()):
             check_float_array(name, a, 4)
+        if isinstance(cache, SteadyStepMixin):  # (its hooks index the layers: a bad one named here, not deep inside)
+            layer = check_layer(layer, len(cache._layers))  # noqa: SLF001
         self.cache, self.layer, self.config = cache, layer, config
         self.k, self.v, self.q, self.out = k, v, q, out
         self.verify = bool(verify)
@@ -131,7 +140,9 @@ class DecodeStep:
             return self.graph.run(self.cache.decode, self.layer, self.k, self.v, self.q, self.config, out=self.out)
         cache, n, armed = self.cache, self._n, self._armed
         expect = None
-        if armed is not None and self._shapes() == self._inputs:  # (verify: what a skipped step would leave)
+        # (verify only: a step that was not skipped though its state was steady, e.g. on another launch
+        # stream than the graph's, runs in full and is learnt again)
+        if self.verify and armed is not None and self._shapes() == self._inputs:  # what a skipped step would leave
             expect = cache._steady_step(self.layer, n, armed.after, armed.delta, None)  # noqa: SLF001
         before = cache._steady_mark(self.layer, n)  # noqa: SLF001
         self._armed = None

@@ -50,6 +50,7 @@ __all__ = ["AttentionPlan", "FlatStep", "TILE", "VARIANTS", "attention_plan", "c
            "cuda_block_threads", "default_partition_size", "use_mma_kernel", "use_warp_kernel"]
 
 TILE = 128  # tokens per partition granule (partition sizes are multiples of it)
+WORKSPACES = 4  # partition workspaces a plan keeps per thread and launch stream
 #: the kernel variants, and the registered twins of each for flat caches and paged pools
 VARIANTS = ("cpu", "block", "warp", "mma")
 _KERNELS = {False: {"cpu": DECODE_ATTENTION, "block": DECODE_ATTENTION, "warp": DECODE_ATTENTION_WARP,
@@ -297,24 +298,31 @@ class AttentionPlan:
         return (self.n_g, n_parts, -(-self.rows // rows_per_block(self.d))), threads
 
     def workspace(self, like: Any, n_parts: int) -> tuple:
-        """``(part_m, part_l, part_acc)`` for ``n_parts`` partitions: reused from step to step
-        (per thread; every entry is written by the partition kernel before the merge reads it)."""
-        ws = getattr(self._ws, "bufs", None)
-        if ws is None or ws[0] != n_parts:
+        """``(part_m, part_l, part_acc)`` for ``n_parts`` partitions, reused from step to step (the partition
+        kernel writes every entry before the merge reads it); kept per thread and launch stream (streams run at
+        once) for the last :data:`WORKSPACES` counts: layers of one shape and other capacities that alternate
+        neither allocate nor change a launch (a CUDA graph)."""
+        bufs, key = self._ws.__dict__.setdefault("bufs", {}), (_backend.launch_stream_state()[1], n_parts)
+        ws = bufs.pop(key, None)  # (put back last below: the most recently used)
+        if ws is None:
+            while len(bufs) >= WORKSPACES:
+                bufs.pop(next(iter(bufs)))
             shape = (self.n_g, n_parts, self.rows)
-            ws = (n_parts, _backend.empty(like, shape, np.float32), _backend.empty(like, shape, np.float32),
+            ws = (_backend.empty(like, shape, np.float32), _backend.empty(like, shape, np.float32),
                   _backend.empty(like, (*shape, self.d), np.float32))
-            self._ws.bufs = ws
-        return ws[1:]
+        bufs[key] = ws
+        return ws
 
     def merge_counter(self, like: Any) -> Any:
         """The arrival counters of the last-block merge (int32, one per KV row and row chunk;
-        per thread like :meth:`workspace`): zeroed once here, left zero by every launch (the
-        merging block resets its own), so a step needs no memset launch."""
-        counter = getattr(self._ws, "counter", None)
-        if counter is None:
-            counter = self._ws.counter = _backend.zeros(like, (self.n_g * self.rows,), np.int32)
-        return counter
+        per thread and launch stream like :meth:`workspace`): zeroed once here, left zero by
+        every launch (the merging block resets its own), so a step needs no memset launch."""
+        handle = _backend.launch_stream_state()[1]
+        key = ("counter", handle) if handle else "counter"  # (the default stream's: an attribute)
+        mine = self._ws.__dict__
+        if key not in mine:
+            mine[key] = _backend.zeros(like, (self.n_g * self.rows,), np.int32)
+        return mine[key]
 
     def _run(self, like: Any, kernel: Any, args: tuple, n_parts: int, n_rot: int, head_signs: Any, parts: tuple,
              work: int, rotate_q: bool = False, out: Any = None) -> Any:
@@ -359,22 +367,20 @@ class AttentionPlan:
                  ve: Any, n_exact: int, exact_pos: Any, softmax_scale: float, bias: Any, q_pos0: int, q_len: int,
                  causal: bool = True, part_size: int | None = None, head_signs: Any = None, qjl: Any = None,
                  exact_rotated: bool = False, exact_scales: tuple | None = None) -> Any:
-        """One step over a flat cache's arrays (the arguments of
-        :func:`~numba_kv.ops.attention.flat.fused_attention_rows`, which validates nothing
-        either); returns ``out`` ``[n_g, rows, d]`` float32 on the device of ``qr``.  A cache
-        that decodes step after step binds its arrays once instead (:meth:`bind_flat`)."""
+        """One step over a flat cache's arrays (the arguments of :func:`.flat.fused_attention_rows`, which
+        validates nothing either); returns ``out`` ``[n_g, rows, d]`` float32 on the device of ``qr``.  A
+        cache that decodes step after step binds its arrays once instead (:meth:`bind_flat`)."""
         step = self.bind_flat(kc, ks, vc, vs, comp_pos0, ke, ve, exact_pos, head_signs, exact_rotated, exact_scales)
         return step.run(qr, q, n_comp, n_exact, q_pos0, q_len, softmax_scale, bias, qjl, part_size, causal)
 
     def run_paged(self, qr: Any, q3: Any, pools: tuple, page_table: tuple, page_size: int, n_kv_heads: int,
                   max_len: int, total_len: int, n_seq: int, softmax_scale: float, q_len: int, causal: bool,
                   part_size: int | None = None, rotate_q: bool = False, out: Any = None) -> Any:
-        """One step over paged pools ``(kc, ks, vc, vs, kp, vp)`` (placeholders for the kind
-        not used) read through ``page_table`` ``(kv_indptr, kv_indices, kv_last_page_len)``;
-        ``max_len``/``total_len``: the longest sequence's and all sequences' tokens.
-        ``rotate_q``: ask the partition kernel to rotate the queries of compressed pools per
-        32-block in its prologue (no rotation launch; :attr:`rotate_q` says whether it does,
-        and then ``qr`` may be ``q3`` itself).  ``out``: a C-contiguous float32
+        """One step over paged pools ``(kc, ks, vc, vs, kp, vp)`` (placeholders for the kind not used) read
+        through ``page_table`` ``(kv_indptr, kv_indices, kv_last_page_len)``; ``max_len``/``total_len``: the
+        longest sequence's and all sequences' tokens.  ``rotate_q``: ask the partition kernel to rotate the
+        queries of compressed pools per 32-block in its prologue (no rotation launch; :attr:`rotate_q` says
+        whether it does, and then ``qr`` may be ``q3`` itself).  ``out``: a C-contiguous float32
         ``[n_g, rows, d]`` array on the plan's device to write into (default: a new one)."""
         kernel = self.kernel
         if self.variant == "mma":
@@ -534,34 +540,29 @@ class FlatStep:
         bias, qjl, part_size, causal
             As for :meth:`AttentionPlan.run_flat`.
         rotate : ``(kind, q_in, signs)``, optional
-            Fill ``qr`` (C-contiguous) first: ``q_in`` ``[n_g·rows, d]`` float32 rotated over
-            the whole head with ``signs`` (``kind`` = :data:`~numba_kv.ops.attention.step_cpu.ROTATE_HEAD`,
-            as :func:`~numba_kv.ops.headquant.rotate_head_rows`) or per 32-block
-            (:data:`~numba_kv.ops.attention.step_cpu.ROTATE_BLOCK`, as
-            :func:`~numba_kv.ops.hadamard.rotate32_rows` with ``signs`` = ``SIGNS32``).  A
-            NumPy step then is one compiled call, its partitions serial or (from the
-            ``cpu_parallel_min_work`` knob's work on) in parallel
+            Fill ``qr`` (C-contiguous) first: ``q_in`` ``[n_g·rows, d]`` float32 rotated over the whole head with
+            ``signs`` (``kind`` = :data:`~numba_kv.ops.attention.step_cpu.ROTATE_HEAD`, as
+            :func:`~numba_kv.ops.headquant.rotate_head_rows`) or per 32-block
+            (:data:`~numba_kv.ops.attention.step_cpu.ROTATE_BLOCK`, as :func:`~numba_kv.ops.hadamard.rotate32_rows`
+            with ``signs`` = ``SIGNS32``).  A NumPy step then is one compiled call, its partitions serial or (from
+            the ``cpu_parallel_min_work`` knob's work on) in parallel
             (:func:`~numba_kv.ops.attention.step_cpu.flat_step_serial` /
-            :func:`~numba_kv.ops.attention.step_cpu.flat_step_parallel`), with the same bits.
-            On a GPU the partition kernel rotates the queries itself in its prologue (no
-            rotation launch, ``qr`` not written; the plan's :attr:`~AttentionPlan.rotate_q`,
-            the ``cuda_fused_query_rotation`` knob) when ``kind`` is the bound rotation
-            (``ROTATE_HEAD`` with ``head_signs``, ``ROTATE_BLOCK`` without); ``signs`` must
-            then be those the merge rotates back with (the bound ``head_signs``, or
-            ``SIGNS32``), which the kernel reads instead.
+            :func:`~numba_kv.ops.attention.step_cpu.flat_step_parallel`), with the same bits. On a GPU the partition
+            kernel rotates the queries itself in its prologue (no rotation launch, ``qr`` not written; the plan's
+            :attr:`~AttentionPlan.rotate_q`, the ``cuda_fused_query_rotation`` knob) when ``kind`` is the bound
+            rotation (``ROTATE_HEAD`` with ``head_signs``, ``ROTATE_BLOCK`` without); ``signs`` must then be those
+            the merge rotates back with (the bound ``head_signs``, or ``SIGNS32``), which the kernel reads instead.
         out : array ``[n_g, rows, d]`` float32, optional
             Written instead of a new array (C-contiguous, on the plan's device, not
             overlapping ``qr``/``q``; the caller checked it).
         n_comp_dev : int32 array ``[1]``, optional
-            On the plan's device, holding ``n_comp`` when the kernel runs (written there by an
-            earlier launch of the step): the kernel reads the count from it instead of an
-            argument that changes every step (a CUDA graph replays the launch, issue 27).  The
-            partition size, the compressed partitions and so the grid and the workspace then
-            follow the codes' :attr:`capacity`, not ``n_comp``: the partitions past the live
-            count (read on the device) store empty partials (``m = -inf``), which the merge
-            skips, and still count their arrival for the last-block merge, so the launch stays
-            the same until the codes grow (new addresses: bound again).  Not on the host's
-            one-call path.
+            On the plan's device, holding ``n_comp`` when the kernel runs (written there by an earlier launch of the
+            step): the kernel reads the count from it instead of an argument that changes every step (a CUDA graph
+            replays the launch, issue 27).  The partition size, the compressed partitions and so the grid and the
+            workspace then follow the codes' :attr:`capacity`, not ``n_comp``: the partitions past the live count
+            (read on the device) store empty partials (``m = -inf``), which the merge skips, and still count their
+            arrival for the last-block merge, so the launch stays the same until the codes grow (new addresses:
+            bound again).  Not on the host's one-call path.
         """
         plan = self.plan
         n_comp, n_exact = int(n_comp), int(n_exact)
