@@ -50,8 +50,9 @@ def kl_rows(logp: np.ndarray, logq: np.ndarray, mask: np.ndarray | None = None) 
 
     Parameters
     ----------
-    logp, logq : ndarray, shape ``(..., n)``
-        Log-probabilities (:func:`log_softmax`) of the reference ``p`` and the estimate ``q``.
+    logp, logq : array_like, shape ``(..., n)``
+        Log-probabilities (:func:`log_softmax`) of the reference ``p`` and the estimate ``q``;
+        computed in float64 whatever their dtype.
     mask : ndarray of bool, broadcastable to ``(..., n)``, optional
         Entries that take part; the others (masked, ``-inf`` in both) contribute 0.
 
@@ -72,6 +73,9 @@ def kl_rows(logp: np.ndarray, logq: np.ndarray, mask: np.ndarray | None = None) 
     >>> float(kl_rows(log_softmax([0.0, -np.inf]), log_softmax([0.0, 0.0]))) == float(np.log(2.0))
     True
     """
+    # float64 whatever the inputs' dtype (as documented): float16/float32 log-probabilities would
+    # otherwise sum the terms, and return the KL, in their own precision
+    logp, logq = np.asarray(logp, dtype=np.float64), np.asarray(logq, dtype=np.float64)
     with np.errstate(invalid="ignore"):  # -inf - -inf and 0·inf: resolved below
         if mask is None:
             diff = logp - logq
@@ -130,14 +134,16 @@ def top_k_indices(x: np.ndarray, k: int) -> np.ndarray:
 
     Parameters
     ----------
-    x : ndarray, shape ``(n, vocab)``
+    x : array_like, shape ``(n, vocab)``
+        Any real dtype (integers and bools are ranked as float64).
     k : int
         ``1 <= k <= vocab``.
 
     Returns
     -------
     ndarray of int64, shape ``(n, k)``
-        By decreasing value.
+        By decreasing value; NaN ranks above every number (as in ``numpy.argmax``, so
+        ``top_k_indices(x, 1)[:, 0] == x.argmax(-1)``), NaNs among themselves by index.
 
     Raises
     ------
@@ -149,11 +155,17 @@ def top_k_indices(x: np.ndarray, k: int) -> np.ndarray:
         raise ValueError(f"x: expected shape (n, vocab), got {x.shape}")
     if not _is_int(k) or not 1 <= k <= x.shape[1]:
         raise ValueError(f"k: expected an int in [1, vocab] = [1, {x.shape[1]}], got {k!r}")
+    if x.dtype.kind != "f":
+        x = x.astype(np.float64)  # -x below wraps for unsigned integers and raises for bools
     # a stable sort of -x puts equal values in id order; argpartition first keeps it O(vocab)
     part = np.argpartition(-x, k - 1, axis=-1)[:, :k]
     kth = np.take_along_axis(x, part, axis=-1).min(axis=-1, keepdims=True)
+    nan = np.isnan(x)
     out = np.empty((x.shape[0], k), dtype=np.int64)
     for i in range(x.shape[0]):
+        if nan[i].any():  # the k-th value may be NaN (no candidate >= it): NaNs first, then by value
+            out[i] = np.lexsort((-np.where(nan[i], 0.0, x[i]), ~nan[i]))[:k]  # stable: ties by id
+            continue
         cand = np.flatnonzero(x[i] >= kth[i])  # every entry >= the k-th value, id order
         out[i] = cand[np.argsort(-x[i, cand], kind="stable")[:k]]
     return out
@@ -222,7 +234,7 @@ def compare_logits(ref: np.ndarray, logits: np.ndarray, targets: np.ndarray,
     chunk : int
         Rows per float64 block (bounds the temporary memory), ``>= 1``.
     top_k : int
-        ``k`` of the top-k overlap.
+        ``k`` of the top-k overlap, ``>= 1`` (a ``k`` above ``vocab`` counts the whole vocabulary).
 
     Returns
     -------
@@ -240,7 +252,7 @@ def compare_logits(ref: np.ndarray, logits: np.ndarray, targets: np.ndarray,
     ------
     ValueError
         Shapes do not match or ``n == 0``; ``targets`` are not integers in ``[0, vocab)``;
-        ``chunk`` is not an int ``>= 1``.
+        ``chunk`` or ``top_k`` is not an int ``>= 1``.
 
     Notes
     -----
@@ -250,16 +262,19 @@ def compare_logits(ref: np.ndarray, logits: np.ndarray, targets: np.ndarray,
     reports ``Mean ln(PPL(Q)/PPL(base))`` with the same error).  Pairing the two runs token
     by token removes the (large) variance of the text itself; neighbouring tokens are
     correlated, so the error is a lower bound on the true uncertainty.  ``kl_mean_se`` is
-    ``std(KL, ddof=1)/sqrt(n)``.  With ``n == 1`` the standard errors are NaN.
+    ``std(KL, ddof=1)/sqrt(n)``.  With ``n == 1`` the standard errors are NaN.  NaN logits (a
+    broken cache) give NaN perplexities and KL statistics, not an exception.
     """
     ref, logits, targets = np.asarray(ref), np.asarray(logits), np.asarray(targets)
     if ref.shape != logits.shape or ref.ndim != 2 or targets.shape != (ref.shape[0],) or ref.shape[0] == 0:
         raise ValueError(f"logits: expected ref, logits (n, vocab) and targets (n,) with n >= 1, got "
                          f"{ref.shape}, {logits.shape}, {targets.shape}")
     _check_chunk(chunk)
+    if not _is_int(top_k) or top_k < 1:  # (int(top_k) used to turn 0 or -3 into 1 and 2.7 into 2)
+        raise ValueError(f"top_k: expected an int >= 1, got {top_k!r}")
     n, vocab = ref.shape
     _check_targets(targets, vocab)
-    k = max(1, min(int(top_k), vocab))
+    k = min(int(top_k), vocab)
     nll, nll_ref, kl, overlap = np.empty(n), np.empty(n), np.empty(n), np.empty(n)
     rows = np.arange(n)
     for a in range(0, n, chunk):
@@ -294,7 +309,7 @@ class LogitScorer:
 
     Parameters
     ----------
-    ref : ndarray, shape ``(n, vocab)``
+    ref : array_like, shape ``(n, vocab)``
         Reference logits.
     targets : ndarray of int, shape ``(n,)``
         The actual next tokens, in ``[0, vocab)``.
@@ -309,6 +324,7 @@ class LogitScorer:
     """
 
     def __init__(self, ref: np.ndarray, targets: np.ndarray, chunk: int = 128) -> None:
+        ref = np.asarray(ref)  # (as compare_logits: a list of rows is accepted, not an AttributeError)
         self.ref, self.targets, self.chunk = ref, np.asarray(targets), chunk
         if ref.ndim != 2 or ref.shape[0] == 0 or self.targets.shape != (ref.shape[0],):
             raise ValueError(f"ref: expected (n, vocab) with targets (n,), got {ref.shape}, "

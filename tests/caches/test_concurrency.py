@@ -5,6 +5,15 @@
 parallel regions are open at once.  Every result and the final state must equal, bit for
 bit, the same calls made one after another.
 
+The paged caches (``PagedKVCache``, and ``MLACache``'s pages) serialize their calls under one
+pool lock (the free list and page tables are shared by the layers), so in the paged test the
+threads' kernels do not overlap; ``MLACache`` reconstructs and attends outside that lock, so
+its kernels do.
+
+Several threads on *one* layer (``test_same_layer_...``): the layer's lock serializes them;
+the result must be that of some sequential order of the calls (without the lock, tokens are
+lost: checked by replacing the locks with ``contextlib.nullcontext`` in a scratch script).
+
 ``check_threading_layer`` guards this: the ``workqueue`` layer aborts the process when two
 threads enter parallel regions at once, so it must raise there (tested in a subprocess).
 """
@@ -215,3 +224,81 @@ def test_check_threading_layer_raises_under_workqueue():
     r = _fresh_python("import numba_kv; numba_kv.check_threading_layer()", NUMBA_THREADING_LAYER="workqueue")
     assert r.returncode != 0
     assert "RuntimeError" in r.stderr and "workqueue" in r.stderr
+
+
+# -- several threads on ONE layer: serialized by the layer's lock ---------------------------------
+SAME_T, SAME_S, SAME_CHUNK = 4, 8192, 1024  # threads, prompt tokens, tokens of a threaded prefill
+SAME_STEPS = (SAME_CHUNK, 1, 1, SAME_CHUNK, 1)  # new tokens of each thread's calls (prefill when > 1)
+
+
+def _same_layer_calls(cache, toks, q):
+    """:data:`SAME_T` threads make their calls on layer 0 of ``cache`` at once (a barrier before
+    every call); ``{(thread, step): result}``."""
+    res, errors = {}, []
+    barrier = threading.Barrier(SAME_T)
+
+    def work(t):
+        try:
+            for s, n in enumerate(SAME_STEPS):
+                k, v = toks[(t, s)]
+                barrier.wait(timeout=300)
+                res[(t, s)] = cache.prefill(0, k, v) if n > 1 else cache.decode(0, k, v, q, CFG)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(SAME_T)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return res
+
+
+def _token_bytes(cache, pos):
+    """The stored bytes of token ``pos`` of layer 0, all buffers."""
+    return b"".join(a[..., pos:pos + 1, :].tobytes() for a in cache.live_arrays(0))
+
+
+@pytest.mark.parametrize("name", ["pqo3-r0-s0", "tq3-r0-s0"])
+def test_same_layer_from_several_threads_equals_some_sequential_order(name):
+    """Calls on one layer from several threads are serialized by its lock: every token is stored
+    once, each call's tokens together, and every result (prefill histories, fused decode outputs)
+    is that of the sequential run in the order the calls stored their tokens.  Without the lock,
+    two calls read the same length and store at the same place (tokens lost).  No window, so
+    every token is compressed on its own and its bytes identify it."""
+    assert G * 1 * H * D * SAME_S >= 16 * _config.get("cpu_parallel_min_work")  # parallel attention
+    assert H * SAME_CHUNK * D >= _config.get("cpu_parallel_min_work")  # parallel prefill compression
+    rng = np.random.default_rng(11)
+    k0 = rng.standard_normal((1, H, SAME_S, D)).astype(np.float32)
+    q = rng.standard_normal((1, H * G, 1, D)).astype(np.float32)
+    keys = [(t, s) for t in range(SAME_T) for s in range(len(SAME_STEPS))]
+    toks = {(t, s): tuple(rng.standard_normal((2, 1, H, SAME_STEPS[s], D)).astype(np.float32)) for t, s in keys}
+    total = sum(SAME_STEPS) * SAME_T
+
+    def fresh():
+        c = make_cache(name, num_layers=1, num_kv_heads=H, head_dim=D)
+        c.prefill(0, k0, k0)
+        return c
+
+    ref = fresh()  # every token's bytes: (call, token of the call)
+    for key in keys:
+        ref.prefill(0, *toks[key])
+    owner = {_token_bytes(ref, SAME_S + j): (key, i) for j, (key, i) in
+             enumerate((key, i) for key in keys for i in range(SAME_STEPS[key[1]]))}
+    assert len(owner) == total
+
+    par = fresh()
+    got = _same_layer_calls(par, toks, q)
+    assert par.seq_len(0) == SAME_S + total, "tokens were lost"
+    stored = [owner.get(_token_bytes(par, SAME_S + j)) for j in range(total)]
+    assert sorted(x for x in stored if x is not None) == sorted(owner.values()), "a token was lost or garbled"
+    order = [key for key, i in stored if i == 0]
+    assert stored == [(key, i) for key in order for i in range(SAME_STEPS[key[1]])], "calls interleaved"
+    assert all([s for t2, s in order if t2 == t] == list(range(len(SAME_STEPS))) for t in range(SAME_T))
+    seq = fresh()
+    for key in order:
+        k, v = toks[key]
+        _assert_same(got[key], seq.prefill(0, k, v) if SAME_STEPS[key[1]] > 1 else seq.decode(0, k, v, q, CFG))
+    _assert_same(par.live_arrays(0), seq.live_arrays(0))
