@@ -46,7 +46,7 @@ CPU = "cpu"
 CUDA = "cuda"
 _F32 = np.dtype(np.float32)
 
-__all__ = ["CPU", "CUDA", "device_of", "resolve_device", "xp_of", "empty", "zeros",
+__all__ = ["CPU", "CUDA", "check_device_f32", "device_of", "resolve_device", "xp_of", "empty", "zeros",
            "to_host", "cuda_grid", "coop_grid", "simulator_enabled", "ascontiguous_f32", "constant",
            "launch_stream_state", "set_launch_stream_state", "step_recorder", "set_step_recorder", "barrier",
            "same_view", "is_cupy"]
@@ -204,6 +204,15 @@ def to_host(a: Any) -> np.ndarray:
     return a.copy_to_host()
 
 
+def check_device_f32(name: str, a: Any) -> None:
+    """``TypeError`` naming ``name`` if ``a`` is a Numba device array of another dtype than
+    float32 (:func:`ascontiguous_f32` cannot cast those): callers check it before they change
+    any state, so such an argument is refused with nothing stored."""
+    if not isinstance(a, np.ndarray) and not _is_cupy(a) and np.dtype(a.dtype) != _F32:
+        raise TypeError(f"{name}: expected a float32 Numba device array (they are not cast on the device), "
+                        f"got dtype {a.dtype}")
+
+
 def ascontiguous_f32(name: str, a: Any) -> Any:
     """``a`` as a C-contiguous float32 array on its own device.
 
@@ -231,9 +240,7 @@ def ascontiguous_f32(name: str, a: Any) -> Any:
             raise ValueError(f"{name}: max |{name}| = {big:.6g} exceeds {f32max:.6g}, the largest float32 "
                              "(computations here run in float32)")
         return out
-    if np.dtype(a.dtype) != _F32:
-        raise TypeError(f"{name}: expected a float32 Numba device array (they are not cast on the device), "
-                        f"got dtype {a.dtype}")
+    check_device_f32(name, a)
     return a if a.is_c_contiguous() else _contiguous_copy(a)
 
 

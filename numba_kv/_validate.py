@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ._backend import CPU, device_of, to_host
+from ._backend import CPU, check_device_f32, device_of, to_host
 
 FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 F16_MAX = 65504.0  # largest finite binary16
@@ -142,6 +142,7 @@ def check_q_shape(q: Any, batch: int, num_kv_heads: int, head_dim: int, n_kv_gro
     """Dtype, device and shape checks of a query ``[batch, num_heads, q_len, head_dim]``
     (values are not read); return the group size ``num_heads // num_kv_heads``."""
     dq = check_float_array("q", q, 4)
+    check_device_f32("q", q)  # (converted only after the store: refused here, before it)
     if dq != device:
         raise ValueError(f"q is on {dq} but k is on {device}: all arrays must live on the same device")
     labels = ("batch", "num_heads", "q_len", "head_dim")
@@ -223,6 +224,10 @@ def overlaps(a: Any, b: Any) -> bool:
     (``numpy.shares_memory``; a problem too hard to settle counts as shared), by the byte
     ranges their elements span for CUDA arrays (a strided view interleaved with another
     array counts as overlapping it)."""
+    if a is b:
+        return True
+    # the CUDA simulator's arrays have no __cuda_array_interface__: their NumPy arrays inside
+    a, b = (getattr(x, "_ary", x) if type(x).__name__ == "FakeCUDAArray" else x for x in (a, b))
     if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
         if not np.may_share_memory(a, b):
             return False

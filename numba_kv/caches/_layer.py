@@ -556,12 +556,10 @@ class LayeredCache(SteadyStepMixin, LifecycleMixin, ValueChecks):
             return st.live_arrays()
 
     def fp16_bytes(self) -> int:
-        """Bytes the live tokens would take as an uncompressed float16 K/V cache."""
-        total = 0
-        for st in self._layers:
-            if st.seq_len:
-                total += 2 * st.batch * self.num_kv_heads * st.seq_len * self.head_dim * 2
-        return total
+        """Bytes the live tokens would take as an uncompressed float16 K/V cache (each layer
+        read under its lock: a reset between its two reads would leave no batch)."""
+        return self._sum_layers(lambda st: 4 * st.batch * self.num_kv_heads * st.seq_len * self.head_dim
+                                if st.seq_len else 0)
 
     def _reshape_out(self, flat: Any, batch: int, dtype: Any) -> Any:
         out = flat.reshape(batch, self.num_kv_heads, flat.shape[1], self.head_dim)

@@ -68,7 +68,9 @@ class DenseCache(LayeredCache):
         xp = _backend.xp_of(a)
         if xp is None:  # Numba device array: must already be in the storage dtype
             if np.dtype(a.dtype) != self.dtype or not a.is_c_contiguous():
-                raise TypeError(f"{name}: Numba device arrays must be C-contiguous {self.dtype}, got {a.dtype}")
+                got = a.dtype if np.dtype(a.dtype) != self.dtype else f"a strided {a.dtype} array"
+                raise TypeError(f"{name}: Numba device arrays must be C-contiguous {self.dtype} (the storage "
+                                f"dtype; they are not cast or copied on the device), got {got}")
             return a.reshape(a.shape[0] * a.shape[1], a.shape[2], a.shape[3])
         a = xp.ascontiguousarray(a, dtype=self.dtype)
         return a.reshape(a.shape[0] * a.shape[1], a.shape[2], a.shape[3])

@@ -78,6 +78,23 @@ def test_a_device_array_of_another_dtype_is_named_and_nothing_is_stored():
     assert cache.seq_len(0) == 0 and cache.memory_usage() == 0
 
 
+@pytest.mark.parametrize("validate", ["sync", "deferred"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float16])
+def test_a_query_of_another_dtype_is_refused_before_the_store(validate, dtype):
+    """q is converted after k and v are stored: its dtype is checked with theirs, before."""
+    cache = _cache()
+    cache.validate = validate
+    rng = np.random.default_rng(74)
+    kv = to_device(rng.standard_normal((1, H, 4, D)).astype(np.float32))
+    cache.prefill(0, kv, kv)
+    before = cache.memory_usage()
+    k, v = (to_device(rng.standard_normal(SHAPES[0]).astype(np.float32)) for _ in range(2))
+    q = to_device(rng.standard_normal(SHAPES[2]).astype(dtype))
+    with pytest.raises(TypeError, match=rf"q: expected a float32 Numba device array .*got dtype {np.dtype(dtype)}"):
+        cache.decode(0, k, v, q, ATT)
+    assert cache.seq_len(0) == 4 and cache.memory_usage() == before
+
+
 @pytest.mark.parametrize("layer", [1, -1, 0.0, True])
 def test_decode_step_names_a_bad_layer_when_built(layer):
     bufs = [to_device(np.zeros(s, np.float32)) for s in (*SHAPES, SHAPES[2])]
@@ -153,3 +170,21 @@ def test_an_armed_step_on_another_launch_stream_runs_in_full(monkeypatch):
         for _ in range(4):
             step()
         assert cache.seq_len(0) == n + 5 and step.stats()["bound"] == 4, step.stats()  # (two full, two skipped)
+
+
+def test_an_out_that_overlaps_an_input_is_refused_in_the_simulator_too():
+    """The overlap check reads CUDA arrays' byte spans; the simulator's arrays have none, and
+    ``out=q`` (or an ``out`` that holds ``k``) was accepted there: the kernels would read their
+    own output."""
+    cache = _cache()
+    rng = np.random.default_rng(75)
+    kv = to_device(rng.standard_normal((1, H, 4, D)).astype(np.float32))
+    cache.prefill(0, kv, kv)
+    k, v = (to_device(rng.standard_normal(SHAPES[0]).astype(np.float32)) for _ in range(2))
+    q = to_device(rng.standard_normal(SHAPES[2]).astype(np.float32))
+    with pytest.raises(ValueError, match=r"out: expected an array that shares no memory with q"):
+        cache.decode(0, k, v, q, ATT, out=q)
+    buf = to_device(np.zeros(SHAPES[2], np.float32))
+    with pytest.raises(ValueError, match=r"out: expected an array that shares no memory with k"):
+        cache.decode(0, buf[:, :H], v, q, ATT, out=buf)
+    assert cache.seq_len(0) == 4
