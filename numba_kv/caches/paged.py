@@ -60,6 +60,7 @@ from .. import _backend
 from .._validate import (
     F16_MAX,
     F32_MAX,
+    check_bool,
     check_float_array,
     check_layer,
     check_magnitude,
@@ -414,9 +415,19 @@ class PagedKVCache(PagedStorageMixin, PagedLifecycleMixin, ValueChecks):
         -------
         PageTable
             ``kv_indptr``, ``kv_indices``, ``kv_last_page_len`` (int32).
+
+        Raises
+        ------
+        ValueError
+            ``on_device=True`` before the first append: the pool, made on the device of the
+            first K/V, has no device yet.
         """
+        on_device = check_bool("on_device", on_device)
         with self._lock:
             layer = check_layer(layer, self.num_layers)
+            if on_device and not self._pools:
+                raise ValueError("on_device: the page pool has no device before the first append (it is allocated "
+                                 "where the first K/V live); call page_table(layer) for host arrays")
             ids = sorted(self._tables[0]) if seq_ids is None else [self._check_seq(s) for s in seq_ids]
             indptr = np.zeros(len(ids) + 1, np.int32)
             last = np.zeros(len(ids), np.int32)
@@ -441,7 +452,7 @@ class PagedKVCache(PagedStorageMixin, PagedLifecycleMixin, ValueChecks):
         cached = self._dev_tables.get(layer)
         if cached is not None and cached[0] == ids:
             return cached[1]
-        table = self.page_table(layer, list(ids), on_device=True)
+        table = self.page_table(layer, list(ids), on_device=bool(self._pools))  # (no pool: nothing to read)
         if self._device is not None and self._device != _backend.CPU and len(set(ids)) == len(ids):
             self._dev_tables[layer] = (ids, table)
         return table

@@ -139,3 +139,17 @@ def test_page_accounting_through_the_lifecycle(rng, storage):
     assert owned() == 2 + 2 + 2 and b not in c.sequences
     c.reset()
     assert owned() == 0 and c.sequences == []
+
+
+def test_a_device_page_table_before_the_first_append_is_refused():
+    """``page_table(on_device=True)`` returned host arrays while the pool had no device yet."""
+    cache = PagedKVCache(4, 1, 1, 32, page_size=4)
+    s = cache.allocate_sequence()
+    with pytest.raises(ValueError, match=r"on_device: the page pool has no device before the first append"):
+        cache.page_table(0, on_device=True)
+    with pytest.raises(TypeError, match=r"on_device: expected a bool"):
+        cache.page_table(0, on_device="yes")
+    cache.append(0, s, np.ones((1, 2, 32), np.float32), np.ones((1, 2, 32), np.float32))
+    table = cache.page_table(0, on_device=True)
+    assert isinstance(table.kv_indices, np.ndarray) and table.kv_indptr.tolist() == [0, 1]
+    assert table.kv_last_page_len.tolist() == [2]
