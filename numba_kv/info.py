@@ -9,7 +9,10 @@ AVX2 code generation on any x86-64 host: ``NUMBA_CPU_NAME=haswell`` alone is not
 because Numba takes the *features* from the host unless ``NUMBA_CPU_FEATURES`` is set (on
 an AVX-512 host the "haswell" code would still use AVX-512).  ``python -m numba_kv.info
 --avx2-env`` prints the variables that give true AVX2 code (:data:`AVX2_FEATURES`), plus
-``OPENBLAS_CORETYPE=Haswell`` so NumPy's BLAS runs its AVX2 kernels too.
+``OPENBLAS_CORETYPE=Haswell`` so NumPy's BLAS runs its AVX2 kernels too.  NumPy's own
+SIMD loops (ufuncs such as ``np.exp``, sorting) still pick their kernels from the host's
+features: ``NPY_DISABLE_CPU_FEATURES`` turns those off (on NumPy 2.4,
+``X86_V4,AVX512_ICL,AVX512_SPR``; ``np.show_runtime()`` lists what is found).
 """
 
 from __future__ import annotations
@@ -201,17 +204,19 @@ def collect() -> dict[str, str]:
 def main(argv: list[str] | None = None) -> None:
     """Print :func:`collect` as aligned ``key: value`` lines.
 
-    ``--avx2-env`` prints instead the environment assignments that make this process behave
-    like an AVX2 machine (``OPENBLAS_CORETYPE=Haswell NUMBA_CPU_NAME=haswell
-    NUMBA_CPU_FEATURES=...``), for ``env $(...) command``.
+    ``--avx2-env`` prints instead the environment assignments that make Numba generate, and
+    OpenBLAS run, AVX2 code only (``OPENBLAS_CORETYPE=Haswell NUMBA_CPU_NAME=haswell
+    NUMBA_CPU_FEATURES=...``), for ``env $(...) command``; NumPy's own SIMD loops are not
+    covered (module docstring).
     """
     parser = argparse.ArgumentParser(
         prog="python -m numba_kv.info",
         description="Print what numba_kv runs with on this machine (CPU and code generation target, threads, "
                     "versions) as 'key : value' lines.")
     parser.add_argument("--avx2-env", action="store_true",
-                        help="print the environment that makes this process generate and run AVX2 code, for "
-                             "`env $(python -m numba_kv.info --avx2-env) command`")
+                        help="print the environment that makes Numba generate and OpenBLAS run AVX2 code "
+                             "only, for `env $(python -m numba_kv.info --avx2-env) command` (NumPy's own SIMD "
+                             "loops keep the host's: NPY_DISABLE_CPU_FEATURES)")
     args = parser.parse_args(argv)  # (unknown arguments were ignored silently, --help included)
     if args.avx2_env:
         # OpenBLAS picks its kernels at run time from the host: without OPENBLAS_CORETYPE the

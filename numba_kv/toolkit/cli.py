@@ -24,12 +24,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import sys
 from types import ModuleType
 from typing import Any
 
-from numba_kv import __version__, make_cache
+from numba_kv import __version__
 from numba_kv import info as env_info
 
 from .models.gguf_loader import ModelFileError, ModelNotFoundError
@@ -39,6 +38,7 @@ from .specs import (
     DEFAULT_TEXT,
     DEFAULT_WARMUP,
     EvalConfigError,
+    output_file_error,
     parse_cache_specs,
     split_cache_list,
 )
@@ -74,14 +74,10 @@ def _positive_int(text: str) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     demo = _toolkit("demo")
-    names = list(demo.iter_names(args.caches))
-    if not names:
-        return _user_error("demo", f"--caches: expected comma-separated cache names, got {args.caches!r}")
-    for name in names:  # the library's own check of each name on this geometry, before any work
-        try:
-            make_cache(name, num_layers=args.layers, num_kv_heads=args.kv_heads, head_dim=args.head_dim)
-        except (ValueError, TypeError) as exc:
-            return _user_error("demo", f"--caches: {name!r}: {exc}")
+    try:  # each cache built as the demo builds it, on this geometry, before any work
+        names = demo.check_config(args.caches, args.layers, args.kv_heads, args.head_dim, args.tokens)
+    except ValueError as exc:
+        return _user_error("demo", exc)
     env = env_info.collect()
     rows = demo.run_demo(names, args.layers, args.kv_heads, args.head_dim, args.tokens,
                     args.chunk, args.seed, progress=not args.no_progress)
@@ -357,7 +353,7 @@ def _generate(args: argparse.Namespace) -> int:
     _table_or_json(doc, args.json, lambda: sys.stdout.write(g.text + "\n"))
     ratio = f", {fp16 / mem:.2f}x vs fp16" if fp16 and mem else ""
     sys.stderr.write(f"[{spec.label}] {len(g.prompt_ids)} prompt + {len(g.new_ids)} new tokens; prefill "
-                     f"{g.prefill_s:.2f} s, decode {tps:.1f} tokens/s; KV {mem:,} bytes "
+                     f"{g.prefill_s:.2f} s, decode {f'{tps:.1f}' if tps == tps else '-'} tokens/s; KV {mem:,} bytes "
                      f"for {n} tokens{ratio}\n")
     return 0
 
@@ -683,10 +679,10 @@ def main(argv: list[str] | None = None) -> int:
     naming the extra and exit status 2, not a traceback."""
     args = build_parser().parse_args(argv)
     command = " ".join(filter(None, (args.command, getattr(args, "what", None))))
-    for opt in ("json", "markdown", "plot"):  # a file to write: its folder must exist before the run
-        dest = getattr(args, opt, None)
-        if isinstance(dest, str) and dest != "-" and not os.path.isdir(os.path.dirname(dest) or "."):
-            return _user_error(command, f"--{opt}: the folder of {dest!r} does not exist")
+    for opt in ("json", "markdown", "plot"):  # a file to write: checked before the run, not after it
+        why = output_file_error(getattr(args, opt, None), f"--{opt}")
+        if why:
+            return _user_error(command, why)
     try:
         return int(args.func(args))
     except ModuleNotFoundError as exc:

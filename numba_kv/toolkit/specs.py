@@ -8,13 +8,14 @@ them, ``evaluation.evaluate`` and ``bench_step``, import rich and tqdm)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 from numba_kv.caches.spec import FILE_OPTIONS, CacheSpec, parse_cache_spec
 
 __all__ = ["DEFAULT_CACHES", "DEFAULT_STEPS", "DEFAULT_TEXT", "DEFAULT_WARMUP", "CacheSpec", "EvalConfigError",
-           "check_text_file", "parse_cache_specs", "split_cache_list"]
+           "check_text_file", "output_file_error", "parse_cache_specs", "split_cache_list"]
 
 #: Real English prose every Debian system ships (base-files); read at run time, never copied.
 DEFAULT_TEXT = "/usr/share/common-licenses/GPL-3"
@@ -49,6 +50,36 @@ def check_text_file(path: str | Path, arg: str = "--text") -> Path:
     why = ("not found" if not p.exists() else "is a directory" if p.is_dir()
            else "is not a regular file" if not p.is_file() else "is empty")
     raise EvalConfigError(f"{arg}: file {str(p)!r} {why}")
+
+
+def output_file_error(dest: Any, arg: str) -> str | None:
+    """Why ``dest``, the file an option such as ``--json FILE`` writes, cannot be written.
+
+    Checked before a command runs, so that a long run does not end in a traceback when it
+    writes its result.
+
+    Parameters
+    ----------
+    dest : str or None
+        The option's value; ``None`` (not given) and ``"-"`` (stdout) are fine.
+    arg : str
+        The option's name, for the message.
+
+    Returns
+    -------
+    str or None
+        The message (naming ``arg``: an empty name, a folder, a folder that does not exist),
+        or ``None``.
+    """
+    if not isinstance(dest, str) or dest == "-":
+        return None
+    if not dest:
+        return f"{arg}: expected a file name, got ''"
+    if os.path.isdir(dest):
+        return f"{arg}: {dest!r} is a folder, expected a file name"
+    if not os.path.isdir(os.path.dirname(dest) or "."):
+        return f"{arg}: the folder of {dest!r} does not exist"
+    return None
 
 
 def split_cache_list(text: str, arg: str = "--cache") -> list[str]:

@@ -120,9 +120,10 @@ class Generation:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        """Generated tokens per second of the decode loop (first token excluded)."""
+        """Generated tokens per second of the decode loop (first token excluded); NaN when the
+        loop decoded none (one new token, or EOS first): there is no speed to report."""
         n = max(len(self.new_ids) - 1, 0)
-        return n / self.decode_s if self.decode_s > 0 else float("nan")
+        return n / self.decode_s if n and self.decode_s > 0 else float("nan")
 
     def __str__(self) -> str:
         return self.text
