@@ -23,6 +23,7 @@ combines exact and compressed tokens in one softmax.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, ClassVar
 
@@ -194,6 +195,11 @@ class PolarQuantCache(HeadNormMixin, FusedDecodeMixin, WindowedLayers, LayeredCa
     config_class: ClassVar[type[PolarQuantConfig]] = PolarQuantConfig
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, bits: int = 3, **options: Any) -> None:
+        known = [f.name for f in dataclasses.fields(self.config_class)]
+        for key in options:  # (the dataclass's own TypeError names neither the cache nor the options it takes)
+            if key not in known:
+                raise TypeError(f"{key}: not an option of {type(self).__name__}; expected one of "
+                                f"{sorted(set(known) - {'num_layers', 'num_kv_heads', 'head_dim'})}")
         self._setup(self.config_class(num_layers, num_kv_heads, head_dim, bits, **options))
 
     @classmethod

@@ -395,12 +395,11 @@ def _kernels(args: argparse.Namespace) -> int:
         sys.stderr.write(f"numba-kv kernels: error: {e}\n")
         return 2
     threads = rows[0]["threads"] if rows else args.threads
-    sys.stdout.write(f"CUDA kernels as ptxas builds them (nvJitLink, no GPU); occupancy at {threads} threads "
-                     "per block\n\n" + kernels.to_markdown(rows))
+    if args.json != "-":  # (--json -: the JSON alone on stdout, as the other commands)
+        sys.stdout.write(f"CUDA kernels as ptxas builds them (nvJitLink, no GPU); occupancy at {threads} threads "
+                         "per block\n\n" + kernels.to_markdown(rows))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"command": "kernels", "rows": rows}, f, indent=1)
-        sys.stderr.write(f"wrote {args.json}\n")
+        _write_json(json.dumps({"command": "kernels", "rows": rows}, indent=1), args.json)
     return 0
 
 
@@ -414,13 +413,12 @@ def _kernels_sass(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, ImportError, RuntimeError) as e:
         sys.stderr.write(f"numba-kv kernels: error: {e}\n")
         return 2
-    sys.stdout.write("SASS of the CUDA kernels as ptxas builds them (nvJitLink + nvdisasm, no GPU): the hot loop "
-                     "(the loop with the most instructions, nested loops counted once), static instructions per "
-                     "iteration and per token per KV head\n\n" + kernels.sass_markdown(rows))
+    if args.json != "-":
+        sys.stdout.write("SASS of the CUDA kernels as ptxas builds them (nvJitLink + nvdisasm, no GPU): the hot "
+                         "loop (the loop with the most instructions, nested loops counted once), static instructions "
+                         "per iteration and per token per KV head\n\n" + kernels.sass_markdown(rows))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"command": "kernels --sass", "rows": rows}, f, indent=1)
-        sys.stderr.write(f"wrote {args.json}\n")
+        _write_json(json.dumps({"command": "kernels --sass", "rows": rows}, indent=1), args.json)
     return 1 if any(r["error"] for r in rows) else 0
 
 
@@ -437,7 +435,7 @@ def _add_kernels(sub: Any) -> None:
     k.add_argument("--threads", type=int, default=None,
                    help="threads per block for the occupancy columns (default: the cuda_threads knob, 128)")
     k.add_argument("--kernel", default=None, help="comma-separated kernel names (default: all)")
-    k.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON to FILE")
+    k.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON to FILE (-: stdout)")
     k.add_argument("--sass", action="store_true",
                    help="disassemble the decode attention kernels (nvdisasm, PyPI nvidia-cuda-nvdisasm) and count "
                         "the SASS instructions of each one's hot loop per token per KV head, by class (--kernel "

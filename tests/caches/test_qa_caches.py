@@ -226,3 +226,12 @@ def test_a_state_dict_is_a_snapshot_that_later_steps_leave_alone(name):
 def _decoded(res) -> tuple:
     """The arrays of a decode output: the fused output, or the dequantized history."""
     return (res.out,) if hasattr(res, "out") else (res.result.k, res.result.v)
+
+
+@pytest.mark.parametrize("name, cls", [("pqo3", "PolarQuantCache"), ("tq3", "TurboQuantCache"),
+                                       ("kv4", "PolarQuantCache")])
+def test_an_unknown_option_is_named_with_the_options_the_cache_takes(name, cls):
+    """An unknown option gave the dataclass's ``PolarQuantConfig.__init__() got an unexpected
+    keyword argument``: neither the cache nor the options it takes."""
+    with pytest.raises(TypeError, match=rf"bogus: not an option of {cls}; expected one of \[.*'residual_length'"):
+        make_cache(name, num_layers=1, num_kv_heads=1, head_dim=64, bogus=1)

@@ -5,6 +5,7 @@ nothing, and the demo's prefill timing that included first-use compilation."""
 
 import json
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -148,3 +149,11 @@ def test_demo_timed_prefill_compiles_nothing():
     proc = subprocess.run([sys.executable, "-c", _TIMED_COMPILES], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "0"
+
+
+def test_kernels_json_dash_is_stdout_alone(capsys):
+    """``kernels --json -`` wrote a file named ``-``; ``-`` is stdout for every other command."""
+    assert cli.main(["kernels", "--kernel", "pack_bits", "--json", "-"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["command"] == "kernels" and [r["kernel"] for r in doc["rows"]] == ["pack_bits"]
+    assert not os.path.exists("-")

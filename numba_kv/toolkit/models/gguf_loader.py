@@ -563,7 +563,8 @@ def load_gguf(path: PathLike | None = None, cache_dir: PathLike | None = None, *
     """
     src = model_path(path)
     if not src.is_file():
-        what = "does not exist" if not src.exists() else "is not a regular file"
+        what = (f"does not exist (expected a GGUF file or a short name: {', '.join(MODEL_NAMES)}; the command "
+                "line's --model)") if not src.exists() else "is not a regular file"
         raise ModelNotFoundError(f"path: GGUF file {str(src)!r} {what}")
     cdir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir(src)
 

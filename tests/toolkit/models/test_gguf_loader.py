@@ -54,7 +54,8 @@ def test_missing_file_in_package(monkeypatch, tmp_path):
 
 
 def test_missing_path(tmp_path):
-    with pytest.raises(ModelNotFoundError, match="does not exist"):
+    with pytest.raises(ModelNotFoundError, match=r"does not exist \(expected a GGUF file or a short name: "
+                                                 r"smollm2, gemma3-270m; the command line's --model\)$"):
         load_gguf(tmp_path / "nope.gguf")
 
 
