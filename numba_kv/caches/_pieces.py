@@ -37,8 +37,7 @@ __all__ = ["PER_HEAD_OPTIONS", "Piece", "head_runs", "put_heads", "split_call", 
 #: code only.  Everything that decides which tokens a layer stores where (window, sinks,
 #: sliding window, the window's dtype and rotation, key centering, the decode output) must be
 #: the same for every head of a layer: its pieces share one sequence bookkeeping.
-PER_HEAD_OPTIONS = ("bits", "k_bits", "v_bits", "mode", "norm_mode", "unbiased", "outlier_bits", "vq",
-                    "norm_bits")
+PER_HEAD_OPTIONS = ("bits", "k_bits", "v_bits", "norm_mode", "unbiased", "outlier_bits", "vq", "norm_bits")
 
 
 class Piece(NamedTuple):

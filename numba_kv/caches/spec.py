@@ -365,7 +365,7 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
         ``{3: {0: {"k_bits": 4}, 2: {"bits": 2}}}`` (negative layers and heads count from
         the end), applied over the layer's options (base and ``layer_overrides``) with the
         same ``bits`` rule.  Only options that choose a vector's code may differ per head
-        (``bits``, ``k_bits``, ``v_bits``, ``mode``, ``norm_mode``, ``unbiased``,
+        (``bits``, ``k_bits``, ``v_bits``, ``norm_mode``, ``unbiased``,
         ``outlier_bits``, ``vq``, ``norm_bits``); window, sink, sliding-window and rotation options raise
         ``ValueError`` (they set what the whole layer stores).  A layer whose heads differ
         is split: each group of its heads with one configuration is stored by a part cache

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from numba_kv import AttendConfig, CacheFileError, Dequantized, Fused, PolarQuantCache, make_cache
+from numba_kv.caches._pieces import PER_HEAD_OPTIONS
 from numba_kv.caches.mixed import MixedCache
 from numba_kv.caches.state import CacheState
 
@@ -447,3 +448,13 @@ def test_a_preset_carries_head_overrides(rng, monkeypatch):
     mine = make_cache("kvtest", **geo, head_overrides={2: {0: {"k_bits": 3}}, 0: {1: {"bits": 2}}})
     assert {heads: (p.k_bits, p.v_bits) for p, _, heads in mine.layer_pieces(2)} == {(0,): (3, 4), (1,): (4, 3)}
     assert {heads: (p.k_bits, p.v_bits) for p, _, heads in mine.layer_pieces(0)} == {(0,): (4, 3), (1,): (2, 2)}
+
+
+def test_every_listed_per_head_option_is_taken_per_head():
+    """``PER_HEAD_OPTIONS`` (also the rule of a loaded file's split layers) listed ``mode``,
+    which ``head_overrides`` refuses as unknown: the list and the check must agree."""
+    for key in PER_HEAD_OPTIONS:
+        try:
+            make_cache("pqo3", num_layers=1, num_kv_heads=2, head_dim=64, head_overrides={0: {0: {key: None}}})
+        except (TypeError, ValueError) as exc:
+            assert "unknown option" not in str(exc), (key, exc)
