@@ -227,8 +227,9 @@ class PagedLifecycleMixin:
                 owned.extend(pages)
         if sorted(owned) != list(range(cache.num_pages)):
             raise CacheFileError("state: page tables and free list do not partition the page pool")
-        if seqs and next_seq <= max(seqs):
-            raise CacheFileError(f"state: next_seq {next_seq} is not above the live sequence ids")
+        if next_seq < 0 or (seqs and (min(seqs) < 0 or next_seq <= max(seqs))):  # (ids count up from 0)
+            raise CacheFileError(f"state: next_seq {next_seq} is not above the live sequence ids "
+                                 f"{sorted(seqs)}, all >= 0")
         spec = cache._pool_spec()
         pools = {}
         if tensors:

@@ -2,9 +2,12 @@
 would overflow, reprs, and page accounting through the lifecycle (expected values from plain
 NumPy and the geometry, not from the caches)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
+from numba_kv import CacheFileError
 from numba_kv._backend import to_host
 from numba_kv._validate import F32_MAX
 from numba_kv.caches.mla import MLACache, SimpleMLACache
@@ -153,3 +156,23 @@ def test_a_device_page_table_before_the_first_append_is_refused():
     table = cache.page_table(0, on_device=True)
     assert isinstance(table.kv_indices, np.ndarray) and table.kv_indptr.tolist() == [0, 1]
     assert table.kv_last_page_len.tolist() == [2]
+
+
+@pytest.mark.parametrize("edit", [{"next_seq": -1}, "negative id"])
+def test_a_file_with_negative_sequence_ids_is_refused(edit):
+    """Sequence ids count up from 0: a state with ``next_seq = -1`` (no live sequence) or a
+    negative live id loaded, and the next ``allocate_sequence`` handed out an id below 0."""
+    cache = PagedKVCache(4, 1, 1, 32, page_size=4)
+    s = cache.allocate_sequence()
+    if edit == "negative id":
+        cache.append(0, s, np.ones((1, 2, 32), np.float32), np.ones((1, 2, 32), np.float32))
+    state = cache.state_dict()
+    st = dict(state.state)
+    if edit == "negative id":
+        st["tables"] = [{-1: pages} for t in st["tables"] for pages in t.values()]
+        st["lens"] = [{-1: n} for d in st["lens"] for n in d.values()]
+        st["next_seq"] = 0
+    else:
+        st = {**st, "tables": [{}], "lens": [{}], "free": list(range(4)), **edit}
+    with pytest.raises(CacheFileError, match=r"state: next_seq .* is not above the live sequence ids"):
+        PagedKVCache.from_state_dict(dataclasses.replace(state, state=st))
