@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from numba_kv import info as env_info
 from numba_kv.caches import presets
 from numba_kv.caches.spec import CacheSpec, parse_cache_spec
 from numba_kv.metrics import compare_logits
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         ref_ppl = compare_logits(ref, ref, targets)["ppl"]
     else:
         cands.insert(0, ("dense", CacheSpec("dense", {})))
+    env = env_info.collect()  # (each row names its machine, code generation and threads)
     with open(args.out, "a", encoding="utf-8") as f:
         for label, spec in cands:
             t0 = time.perf_counter()
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             row = ev.eval_row(spec, m, ref_ppl, cache, c, tps, None, None, [], time.perf_counter() - t0)
             doc = ev.json_safe({"label": label, "model": args.model, "tokens": args.tokens,
                                  "prefill": args.prefill, "cache_name": getattr(cache, "name", ""),
-                                 **{k: v for k, v in vars(row).items() if k != "generations"}})
+                                 **{k: v for k, v in vars(row).items() if k != "generations"}, "env": env})
             f.write(json.dumps(doc) + "\n")
             f.flush()
             print(f"{label}: bits {row.bits_per_value:.3f} dPPL {row.ppl_change_pct:+.2f}% +- "

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from numba_kv import info as env_info
 from numba_kv.caches import presets
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,6 +39,8 @@ def test_sweep_rows_reference_and_trial_preset(sweep, tiny_gguf, tmp_path):
     assert [r["label"] for r in rows] == ["dense", "p3", "trial"]
     assert rows[0]["ppl_change_pct"] == 0 and rows[0]["top1_agreement"] == 1
     assert rows[1]["cache_name"] == "pqo3-r4-s2"
+    for key in ("llvm_host_cpu", "codegen_target", "threads", "numba"):  # the row's provenance
+        assert rows[1]["env"][key] == env_info.collect()[key]
     assert 0 < rows[1]["top1_agreement"] <= 1 and rows[1]["kl_mean"] > 0
     # the trial preset: registered with its overrides, the last layer's values 4-bit
     assert presets.PRESETS["trial"].layer_overrides == {-1: {"v_bits": 4}}
