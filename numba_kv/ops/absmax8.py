@@ -2,9 +2,10 @@
 
 A vector ``x`` (``head_dim`` float32 values in the cache's stored domain, rotated or not) is
 stored as int8 codes ``q_j = clamp(rint(x_j / s), −127, 127)`` with one binary16 scale
-``s = fp16(max_j |x_j| / 127)`` (``s = 1`` when that rounds to 0: an all-zero vector, or
-one below binary16's range, is then stored exactly), and read back as ``q_j · s``: the
-symmetric, vector-wise absmax quantization of LLM.int8() (arXiv:2208.07339, §3.1), with
+``s = fp16(max_j |x_j| / 127)`` (``s = 1`` when that rounds to 0: an all-zero vector is then
+stored exactly, one with ``max |x| < 127·2**-25`` (about 3.8e-6) as zeros; below ``127·2**-14``
+the scale is a subnormal binary16 and the relative error grows past the normal 1/254), and
+read back as ``q_j · s``: the symmetric, vector-wise absmax quantization of LLM.int8() (arXiv:2208.07339, §3.1), with
 the scale rounded to binary16 before it divides so that the reader's ``q · s`` uses the
 stored scale itself.
 

@@ -92,6 +92,11 @@ def _move_rows(src: Any, idx: Any, out: Any, scatter: bool) -> Any:
     if idx.shape[0] != indexed.shape[0]:
         raise ValueError(f"idx: expected {indexed.shape[0]} entries (one per {what} row), got {idx.shape[0]}")
     m, w = indexed.shape
+    n = (out if scatter else src).shape[0]  # rows that idx points into
+    # host indices are cheap to check, and an unchecked one reads or writes outside the
+    # array (the twins run without bounds checks); device indices would cost a sync
+    if isinstance(idx, np.ndarray) and idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
+        raise ValueError(f"idx: expected row indices in [0, {n}), got min {int(idx.min())} max {int(idx.max())}")
     if m and w:
         _MOVE_ROWS.launch(dev, m * w, src, idx, out, bool(scatter))
     return out
@@ -105,7 +110,8 @@ def gather_rows(src: Any, idx: Any, out: Any) -> Any:
     src : array, shape ``(n, width)``
         uint8, uint16 or float32, C-contiguous.
     idx : int32 array, shape ``(m,)``
-        Row indices into ``src`` (``0 <= idx < n``; not checked on the device).
+        Row indices into ``src`` (``0 <= idx < n``; checked for NumPy ``idx``, not for
+        device arrays).
     out : array, shape ``(m, width)``
         Same dtype as ``src``; written in place and returned.
 
@@ -120,5 +126,11 @@ def scatter_rows(src: Any, idx: Any, out: Any) -> Any:
     """``out[idx[i]] = src[i]`` on the device of the arrays: the inverse of
     :func:`gather_rows`, with ``src`` ``(m, width)`` and ``out`` ``(n, width)`` (same dtype,
     written in place and returned) and ``idx`` the ``m`` *distinct* destination rows
-    (``0 <= idx < n``; not checked on the device)."""
+    (``0 <= idx < n``; checked for NumPy ``idx``, not for device arrays).
+
+    Raises
+    ------
+    ValueError
+        A NumPy ``idx`` outside ``[0, n)``, ``src``/``out`` shapes or dtypes that do not match.
+    """
     return _move_rows(src, idx, out, True)

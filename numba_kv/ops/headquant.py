@@ -593,7 +593,7 @@ def quantize_head(x: Any, bits: int = 3, unbiased: bool = False, *, backend: str
 
 def dequantize_head(codes: Any, norms: Any, bits: int = 3, *, backend: str = "auto",
                     check_values: bool = True) -> Any:
-    """Reconstruct vectors from :func:`quantize_head` output: ``x̂ = |s| · H_d D_s c[idx]``.
+    """Reconstruct vectors from :func:`quantize_head` output: ``x̂ = |s| · D_s H_d c[idx]``.
 
     Parameters
     ----------

@@ -455,10 +455,16 @@ def mad_threshold(x: Any) -> Any:
     Parameters
     ----------
     x : float array, shape ``(R, n, C)``
+        Finite values.
 
     Returns
     -------
     thr : float32 array, shape ``(R, C)``, on the device of ``x``.
+
+    Raises
+    ------
+    ValueError
+        ``x`` not 3-D or not finite.
 
     Examples
     --------
@@ -468,6 +474,7 @@ def mad_threshold(x: Any) -> Any:
     """
     _backend.resolve_device("auto", x=x)
     check_float_array("x", x, 3)
+    check_finite("x", x)  # as int_quantize: a NaN would otherwise come back as a NaN threshold
     x3 = _backend.ascontiguous_f32("x", x)
     out = _backend.empty(x3, (x3.shape[0], x3.shape[2]), np.float32)
     thresholds_into(x3, out)
