@@ -141,7 +141,10 @@ def _validated(pieces: Sequence[tuple[LayeredCache, int, tuple[int, ...]]], num_
     """Check the full arrays' shapes (a piece's share of a wrong-sized array could look right),
     then gather and validate every piece's share as its part would; return the shares and the
     GQA group size."""
-    dev = check_kv_shapes(k, v, num_kv_heads, head_dim)
+    # the batch a filled layer holds, checked here too: the pieces' own check would show their share's shape
+    part, j, _ = pieces[0]
+    st = part._layers[j]  # noqa: SLF001
+    dev = check_kv_shapes(k, v, num_kv_heads, head_dim, batch=st.batch if st.seq_len > 0 else None)
     group = 1
     if q is not None or decode:
         if q is None:

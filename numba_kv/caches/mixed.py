@@ -509,12 +509,15 @@ class MixedCache:
     def crop(self, length: int) -> None:
         """Keep the first ``length`` tokens of every layer (see :meth:`LayeredCache.crop`);
         the range is checked on every part before any part changes, all under every layer's
-        lock."""
+        lock.  Empty layers stay empty, as in a plain cache."""
         length = check_int("length", length, minimum=0)
         with self._all_locks():
             check_crop_length(length, *self._crop_range())
             for p in self.parts:
-                p.crop(length)
+                # a part whose layers are all empty refuses every length but 0 (nothing to keep):
+                # skipped, or a crop the whole cache allows would fail there after earlier parts cropped
+                if length == 0 or p.crop_range()[1] is not None:
+                    p.crop(length)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> MixedCache:
         new = type(self).__new__(type(self))
