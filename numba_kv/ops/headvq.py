@@ -67,7 +67,7 @@ from ._headquant_lanes import (
 )
 from ._index import unravel2
 from ._registry import F32_2D, F32_3D, U8_3D, register
-from .finite import check_finite
+from .finite import check_finite, range_stats
 from .half import f16_bits_abs_to_f32, f16_bits_abs_to_f32_dev, f32_to_f16_bits, f32_to_f16_bits_sat_dev
 from .headquant import HEAD_DIMS, head_signs
 from .headvq_fit import DATA_PATH, codebook_key
@@ -625,7 +625,8 @@ def dequantize_headvq(codes: Any, norms: Any, bits: int, *, backend: str = "auto
         ``codes`` not uint8, ``norms`` not uint16.
     ValueError
         ``bits`` not 2 or 4, mismatching shapes, a ``d`` outside 32..512, Inf/NaN norm
-        patterns (checked for host and CuPy arrays).
+        patterns (checked for every array kind by one integer max over ``norms``, which reads
+        one number back to the host).
     """
     bits = _check_bits(bits)
     _backend.resolve_device(backend, codes=codes, norms=norms)
@@ -646,10 +647,12 @@ def dequantize_headvq(codes: Any, norms: Any, bits: int, *, backend: str = "auto
     if xp is not None:
         codes = xp.ascontiguousarray(codes)
         norms = xp.ascontiguousarray(norms)
-        if norms.size and bool(((norms & 0x7C00) == 0x7C00).any()):
-            raise ValueError("norms: expected finite binary16 patterns, got Inf or NaN")
     c3 = codes.reshape(1, -1, cshape[-1])
     n3 = norms.reshape(1, -1, 1)
+    # every array kind, Numba device arrays included (they decoded an Inf/NaN norm without an
+    # error before): one integer max over the binary16 view, as dequantize_head
+    if range_stats(n3.view(np.float16)).nonfinite:
+        raise ValueError("norms: expected finite binary16 patterns, got Inf or NaN")
     out = _backend.empty(codes, (1, c3.shape[1], d), np.float32)
     dequantize_headvq_into(c3, n3, 0, headvq_centroids(bits, d), out)
     return out.reshape(nshape[:-1] + (d,))

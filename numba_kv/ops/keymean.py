@@ -89,6 +89,13 @@ _MEAN = register("channel_mean", _channel_mean_cpu, _channel_mean_cuda, [f"void(
 _ADD = register("add_channel", _add_channel_cpu, _add_channel_cuda, [f"void({F32_3D}, {F32_3D}, int64, {F32_3D})"])
 
 
+def _check_x3(x3: Any) -> None:
+    """``ValueError`` unless ``x3`` is a 3-D float32 array (the kernels' only signature: a
+    float16 array failed inside the dispatch, a 2-D one at the shape unpacking)."""
+    if len(x3.shape) != 3 or np.dtype(x3.dtype) != np.float32:
+        raise ValueError(f"x3: expected a float32 array of shape (rows, n, d), got {x3.dtype} {tuple(x3.shape)}")
+
+
 def channel_mean_into(x3: Any, out: Any) -> None:
     """``out[r, 0, j]`` ← the mean of ``x3[r, :, j]`` (float64 sum in token order, rounded
     once to float32), on the arrays' device.
@@ -98,6 +105,7 @@ def channel_mean_into(x3: Any, out: Any) -> None:
     x3 : float32 array, shape ``(rows, n, d)``, C-contiguous, ``n >= 1``
     out : float32 array, shape ``(rows, 1, d)``, C-contiguous
     """
+    _check_x3(x3)
     rows, n, d = (int(s) for s in x3.shape)
     if n < 1 or tuple(int(s) for s in out.shape) != (rows, 1, d) or np.dtype(out.dtype) != np.float32:
         raise ValueError(f"out: expected float32 ({rows}, 1, {d}) for x3 of shape {(rows, n, d)} (n >= 1), got "
@@ -116,6 +124,7 @@ def add_channel_into(x3: Any, m: Any, sign: int, out: Any) -> Any:
     m : float32 array, shape ``(rows, 1, d)``, C-contiguous
     sign : {1, -1}
     """
+    _check_x3(x3)
     rows, n, d = (int(s) for s in x3.shape)
     if sign not in (1, -1):
         raise ValueError(f"sign: expected 1 or -1, got {sign!r}")

@@ -20,6 +20,8 @@ from ._registry import register
 
 __all__ = ["exact_positions_into"]
 
+_INT32_END = 2**31  # positions are int32: every one must stay below this
+
 
 @cpu_kernel
 def _exact_positions_cpu(out, n, n_sink, base):
@@ -52,10 +54,22 @@ def exact_positions_into(out: Any, n_sink: int, base: int, n_win: int) -> Any:
     out : int32 array, shape ``(>= max(n, 1),)``
         C-contiguous, NumPy or CUDA; written on its own device (no host copy).
     n_sink, base, n_win : int
-        Sink tokens, position of the first window token, window tokens.
+        Sink tokens, position of the first window token, window tokens (all ``>= 0``, every
+        position below ``2**31``).
+
+    Raises
+    ------
+    ValueError
+        A negative count, a position beyond int32, ``out`` not a long enough 1-D int32 array.
     """
-    n = int(n_sink) + int(n_win)
-    if int(out.shape[0]) < max(n, 1) or np.dtype(out.dtype) != np.int32:
-        raise ValueError(f"out: expected int32 of length >= {max(n, 1)}, got {out.dtype} {tuple(out.shape)}")
-    _POSITIONS.launch(_backend.device_of("out", out), n, out, n, int(n_sink), int(base))
+    n_sink, base, n_win = int(n_sink), int(base), int(n_win)
+    # negative counts wrote nothing (the view held stale entries); positions past int32 wrapped
+    if min(n_sink, base, n_win) < 0 or base + n_win > _INT32_END or n_sink > _INT32_END:
+        raise ValueError(f"n_sink, base, n_win: expected counts >= 0 with positions below 2**31, got "
+                         f"{(n_sink, base, n_win)}")
+    n = n_sink + n_win
+    if len(out.shape) != 1 or int(out.shape[0]) < max(n, 1) or np.dtype(out.dtype) != np.int32:
+        raise ValueError(f"out: expected a 1-D int32 array of length >= {max(n, 1)}, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    _POSITIONS.launch(_backend.device_of("out", out), n, out, n, n_sink, base)
     return out[:max(n, 1)]

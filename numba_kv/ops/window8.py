@@ -499,6 +499,11 @@ def slide_windows8(xk: Any, xv: Any, kmean: Any, exk: Any, exks: Any, exv: Any, 
             or (rot != ROT_HEAD and d % 32):
         raise ValueError(f"rot: expected ROT_NONE, ROT_HEAD (d a power of two <= 512) or ROT_BLOCK (d a multiple "
                          f"of 32), got {rot} with d = {d}")
+    # the kernels index signs without bounds checks: a short table reads past its end
+    n_signs = d if rot == ROT_HEAD else 32
+    if np.dtype(signs.dtype) != np.float32 or tuple(int(s) for s in signs.shape) != (n_signs,):
+        raise ValueError(f"signs: expected float32 ({n_signs},) (head_signs(d) for ROT_HEAD, else SIGNS32), got "
+                         f"{signs.dtype} {tuple(signs.shape)}")
     mean, tail = store_launch_args(xk, rows, d, kmean, pos, pos_counts, ranges, count)
     work = 2 * rows * d * 16 * (a + e_new + keep_new + e_old + keep_old + 1) + tail[1]
     _SLIDE8.launch(dev, 0, xk, xv, *mean, exk, exv, exks, exvs, evk, evv, *counts, int(rot), signs, *tail, work=work,
