@@ -601,7 +601,8 @@ def quantize_headvq(x: Any, bits: int, unbiased: bool = False, *, backend: str =
     return codes.reshape(shape[:-1] + (packed_dim(d, bits),)), norms.reshape(shape[:-1] + (1,))
 
 
-def dequantize_headvq(codes: Any, norms: Any, bits: int, *, backend: str = "auto") -> Any:
+def dequantize_headvq(codes: Any, norms: Any, bits: int, *, backend: str = "auto",
+                      check_values: bool = True) -> Any:
     """Reconstruct vectors from :func:`quantize_headvq` output: ``x̂ = |α| · D_s H_d ĉ``.
 
     Parameters
@@ -614,6 +615,9 @@ def dequantize_headvq(codes: Any, norms: Any, bits: int, *, backend: str = "auto
         As given to :func:`quantize_headvq` (either norm mode decodes the same way).
     backend : {"auto", "cpu", "cuda"}
         Check that the data lives where expected (never moves it).
+    check_values : bool
+        Check the norms for Inf/NaN patterns (default; on a GPU one number is read back to the
+        host); ``False`` when the caller vouches for them, as in :func:`~numba_kv.ops.headquant.dequantize_head`.
 
     Returns
     -------
@@ -622,11 +626,11 @@ def dequantize_headvq(codes: Any, norms: Any, bits: int, *, backend: str = "auto
     Raises
     ------
     TypeError
-        ``codes`` not uint8, ``norms`` not uint16.
+        ``codes`` not uint8, ``norms`` not uint16, ``check_values`` not a bool.
     ValueError
         ``bits`` not 2 or 4, mismatching shapes, a ``d`` outside 32..512, Inf/NaN norm
         patterns (checked for every array kind by one integer max over ``norms``, which reads
-        one number back to the host).
+        one number back to the host; skipped with ``check_values=False``).
     """
     bits = _check_bits(bits)
     _backend.resolve_device(backend, codes=codes, norms=norms)
@@ -651,7 +655,7 @@ def dequantize_headvq(codes: Any, norms: Any, bits: int, *, backend: str = "auto
     n3 = norms.reshape(1, -1, 1)
     # every array kind, Numba device arrays included (they decoded an Inf/NaN norm without an
     # error before): one integer max over the binary16 view, as dequantize_head
-    if range_stats(n3.view(np.float16)).nonfinite:
+    if check_bool("check_values", check_values) and range_stats(n3.view(np.float16)).nonfinite:
         raise ValueError("norms: expected finite binary16 patterns, got Inf or NaN")
     out = _backend.empty(codes, (1, c3.shape[1], d), np.float32)
     dequantize_headvq_into(c3, n3, 0, headvq_centroids(bits, d), out)

@@ -115,3 +115,19 @@ def test_slide_windows8_refuses_bad_signs(rot, signs):
         slide_windows8(x, x, None, exk, exks, exv, exvs, ev, ev, StorePlan(0, 1, 0, 3, 1), 0, 2, code, signs, pos,
                        (0, 0, 1))
     assert (exk == 1).all() and (exks == 0x3C00).all() and (pos == -7).all() and not ev.any()
+
+
+def test_dequantize_headvq_check_values_is_a_bool_and_skips_the_norm_pass():
+    """``check_values=False`` skips the norms' pass (as ``dequantize_head``'s); a finite
+    norm decodes the same either way, and the flag must be a bool."""
+    x = np.random.default_rng(77).standard_normal((3, 64)).astype(np.float32)
+    codes, norms = quantize_headvq(x, 4)
+    np.testing.assert_array_equal(dequantize_headvq(codes, norms, 4, check_values=False),
+                                  dequantize_headvq(codes, norms, 4))
+    bad = norms.copy()
+    bad[1] = 0x7C00
+    with pytest.raises(ValueError, match="norms: expected finite binary16 patterns"):
+        dequantize_headvq(codes, bad, 4)
+    dequantize_headvq(codes, bad, 4, check_values=False)  # the caller vouches: no pass, no error
+    with pytest.raises(TypeError, match="check_values: expected a bool"):
+        dequantize_headvq(codes, norms, 4, check_values="no")
