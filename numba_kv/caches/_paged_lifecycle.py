@@ -16,7 +16,7 @@ from .. import _backend
 from .._validate import check_int
 from ._format import host_copy, save_cache
 from ._lifecycle import copy_array, take_rows
-from .state import CacheFileError, CacheState
+from .state import CacheFileError, CacheState, expect_int
 
 __all__ = ["OutOfPagesError", "PagedLifecycleMixin"]
 
@@ -207,11 +207,14 @@ class PagedLifecycleMixin:
         cache = cls(**state.config)
         st, tensors = state.state, state.tensors
         try:
-            tables = [{int(s): [int(p) for p in pages] for s, pages in t.items()} for t in st["tables"]]
-            lens = [{int(s): int(n) for s, n in d.items()} for d in st["lens"]]
-            free = [int(p) for p in st["free"]]
-            next_seq = int(st["next_seq"])
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            # (JSON object keys are strings: the sequence ids; every value must be a JSON int, or
+            # 1.5 and true would load as 1)
+            tables = [{int(s): [expect_int("state: a page", p) for p in pages] for s, pages in t.items()}
+                      for t in st["tables"]]
+            lens = [{int(s): expect_int("state: a length", n) for s, n in d.items()} for d in st["lens"]]
+            free = [expect_int("state: a free page", p) for p in st["free"]]
+            next_seq = expect_int("state: next_seq", st["next_seq"])
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise CacheFileError(f"state: malformed paged-cache state: {exc}") from exc
         if len(tables) != cache.num_layers or len(lens) != cache.num_layers:
             raise CacheFileError(f"state: expected {cache.num_layers} layers of page tables")

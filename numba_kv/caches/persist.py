@@ -23,9 +23,11 @@ The file is a cache's :meth:`state_dict` (:class:`~numba_kv.caches.state.CacheSt
 ``config`` and ``state`` as JSON, ``tensors`` as they are.  Loading checks the format name
 and version, the class and the SHA-256, then hands the state to the class's
 ``from_state_dict``, which checks every counter and every tensor's dtype and shape against
-what the configuration implies before building anything; any mismatch raises
-:class:`CacheFileError` (a ``ValueError``), so a truncated or corrupted file never yields a
-half-loaded cache.  Loaded caches live on the host (NumPy arrays).
+what the configuration implies before building anything.  The layer and page counts are
+checked against the state before anything is allocated, and every stored float (binary16
+scales included) must be finite.  Any mismatch raises :class:`CacheFileError` (a
+``ValueError``), so a truncated or corrupted file never yields a half-loaded cache.  Loaded
+caches live on the host (NumPy arrays).
 """
 
 from __future__ import annotations
@@ -101,6 +103,48 @@ def _without_removed_options(cfg: Any) -> Any:
     return out
 
 
+def _check_declared_sizes(cfg: Any, st: Any) -> None:
+    """``CacheFileError`` unless the layer and page counts a configuration declares match the
+    lists its state holds, checked before the constructor allocates per layer and per page (a
+    20 kB file claiming ``num_layers=10**7`` spent 24 s and 6 GB before its state was rejected,
+    10**12 raised ``MemoryError``).  Malformed metadata is left to ``from_state_dict``."""
+    if not isinstance(cfg, dict) or not isinstance(st, dict):
+        return
+    parts_cfg, parts_st = cfg.get("parts"), st.get("parts")
+    if isinstance(parts_cfg, list) and isinstance(parts_st, list):  # a mixed cache: every part
+        for pc, ps in zip(parts_cfg, parts_st):
+            _check_declared_sizes(pc.get("config") if isinstance(pc, dict) else None, ps)
+        return
+    lists = st.get("tables", st.get("layers"))
+    if not isinstance(lists, list):
+        return
+    if cfg.get("num_layers") != len(lists):
+        raise CacheFileError(f"config: num_layers={cfg.get('num_layers')!r:.40} does not match the "
+                             f"{len(lists)} layers of the state")
+    free = st.get("free")
+    if "tables" in st and isinstance(free, list) and all(isinstance(t, dict) for t in lists):
+        used = sum(len(p) for t in lists for p in t.values() if isinstance(p, list))
+        if cfg.get("num_pages") != len(free) + used:
+            raise CacheFileError(f"config: num_pages={cfg.get('num_pages')!r:.40} does not match the "
+                                 f"{len(free) + used} pages of the page tables and free list")
+
+
+#: float tensors and binary16 numbers stored as uint16 bits (block / window scales, TurboQuant
+#: residual norms): every store rejects non-finite input, so a file can hold only finite ones
+_BINARY16_BITS = ("_scales", "_exact_scale", "_rnorm")
+
+
+def _check_finite(tensors: dict[str, np.ndarray]) -> None:
+    """``CacheFileError`` naming the first tensor holding a NaN or infinity (a cache never
+    stores one; a NaN key was silently skipped by attention instead of failing the load)."""
+    for name in sorted(tensors):
+        t = tensors[name]
+        if t.dtype == np.uint16 and name.endswith(_BINARY16_BITS):
+            t = t.view(np.float16)
+        if t.dtype.kind == "f" and not np.isfinite(t).all():
+            raise CacheFileError(f"tensors: {name} holds NaN or infinite values; a cache stores only finite ones")
+
+
 def load_cache(path: Any, expect: Any | None = None) -> Any:
     """Load a cache written by ``cache.save(path)``.
 
@@ -121,7 +165,9 @@ def load_cache(path: Any, expect: Any | None = None) -> Any:
     ------
     CacheFileError (a ValueError)
         Unreadable / truncated file, checksum mismatch (a flipped byte), unknown format or
-        version, a configuration that does not match ``expect`` or the stored tensors.
+        version, a configuration that does not match ``expect`` or the stored tensors (or
+        declares more layers or pages than its state holds), a NaN or infinity in a stored
+        tensor, or a configuration that needs more memory than is available.
     TypeError
         ``expect`` is neither a cache class nor a cache (checked before the file is read).
     FileNotFoundError
@@ -157,6 +203,8 @@ def load_cache(path: Any, expect: Any | None = None) -> Any:
             raise CacheFileError(f"path: {path!r} has malformed metadata: its {field} is a JSON "
                                  f"{type(value).__name__}, expected an object")
     cfg = _without_removed_options(cfg)
+    _check_declared_sizes(cfg, st)
+    _check_finite(tensors)
     if expect is not None:
         want = expect if isinstance(expect, type) else type(expect)
         if cls is not want:
@@ -171,6 +219,10 @@ def load_cache(path: Any, expect: Any | None = None) -> Any:
         return cls.from_state_dict(CacheState(cfg, st, tensors))
     except CacheFileError:
         raise
-    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
-        # (nested metadata of the wrong JSON type: a list or null where a part's object is read)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as exc:
+        # (nested metadata of the wrong JSON type: a list or null where a part's object is read;
+        # an infinite JSON number where an int is read)
         raise CacheFileError(f"path: {path!r} holds an invalid {name} configuration or state: {exc}") from exc
+    except MemoryError as exc:  # (e.g. a window or head count far beyond what its tensors hold)
+        raise CacheFileError(f"path: {path!r}: its {name} configuration needs more memory than is available "
+                             f"({exc})") from exc

@@ -174,5 +174,19 @@ def test_a_file_with_negative_sequence_ids_is_refused(edit):
         st["next_seq"] = 0
     else:
         st = {**st, "tables": [{}], "lens": [{}], "free": list(range(4)), **edit}
-    with pytest.raises(CacheFileError, match=r"state: next_seq .* is not above the live sequence ids"):
+    with pytest.raises(CacheFileError, match=r"state: .*next_seq.* (is not above the live sequence ids|expected an "
+                                             r"int >= 0, got -1)"):
+        PagedKVCache.from_state_dict(dataclasses.replace(state, state=st))
+
+
+@pytest.mark.parametrize("bad", [1.5, True, float("inf"), "2"])
+def test_a_paged_state_number_must_be_a_json_int(bad):
+    """The paged state's numbers went through ``int()``: 1.5 and true loaded as 1, infinity
+    raised ``OverflowError``."""
+    cache = PagedKVCache(4, 1, 1, 32, page_size=4)
+    s = cache.allocate_sequence()
+    cache.append(0, s, np.ones((1, 2, 32), np.float32), np.ones((1, 2, 32), np.float32))
+    state = cache.state_dict()
+    st = {**state.state, "lens": [{k: bad for k in d} for d in state.state["lens"]]}
+    with pytest.raises(CacheFileError, match=r"state: .*a length: expected an int >= 0"):
         PagedKVCache.from_state_dict(dataclasses.replace(state, state=st))
