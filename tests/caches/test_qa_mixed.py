@@ -14,7 +14,9 @@ import os
 import numpy as np
 import pytest
 
-from numba_kv import AttendConfig, Dequantized, Fused, load_cache, make_cache
+from numba_kv import AttendConfig, load_cache, make_cache
+
+from .test_head_overrides import _arrays, _head_slices  # (same geometry: D, NKV, G)
 
 D, NKV, G, L = 64, 3, 2, 3  # head_dim, KV heads, query heads per KV head, layers
 CFG = AttendConfig.for_shapes(D, NKV * G, NKV)
@@ -41,22 +43,6 @@ def _references(decode_output: str) -> dict[tuple[int, int], object]:
     return refs
 
 
-def _head(res, h):
-    """KV head ``h``'s share of a full result (its query heads for outputs and biases)."""
-    if isinstance(res, Fused):
-        return [res.out[:, h * G:(h + 1) * G]]
-    r = res.result if isinstance(res, Dequantized) else res
-    bias = None if r.logit_bias is None else r.logit_bias[:, h * G:(h + 1) * G]
-    return [r.k[:, h:h + 1], r.v[:, h:h + 1], bias]
-
-
-def _whole(res):
-    if isinstance(res, Fused):
-        return [res.out]
-    r = res.result if isinstance(res, Dequantized) else res
-    return [r.k, r.v, r.logit_bias]
-
-
 def _assert_state(cache, refs):
     for i in range(L):
         assert {refs[i, h].seq_len(0) for h in range(NKV)} == {cache.seq_len(i)}
@@ -74,7 +60,7 @@ def _step(rng, cache, refs, t, batch, prefill=False):
         for h in range(NKV):
             args = (k[:, h:h + 1], v[:, h:h + 1], q[:, h * G:(h + 1) * G])
             want = refs[i, h].prefill(0, *args) if prefill else refs[i, h].decode(0, *args, CFG1)
-            for a, b in zip(_head(got, h), _whole(want)):
+            for a, b in zip(_head_slices(got, h), _arrays(want)):
                 if b is None:
                     assert a is None or not np.any(a)
                 else:
