@@ -148,7 +148,9 @@ class TransformersEvalRow(EvalRow):
 # --------------------------------------------------------------------------------------------------
 def load_hf_model(model_path: str | Path | None = None) -> tuple[Any, Any]:
     """``(model, tokenizer)`` of a GGUF file (or short name, :func:`numba_kv.toolkit.models.model_path`)
-    loaded by transformers, float32, in eval mode.
+    loaded by transformers, float32, in eval mode; the tokenizer splits text as llama.cpp and the
+    NumPy engine do (:meth:`numba_kv.toolkit.models.GGUFTokenizer.align`), so both engines
+    score the same token ids.
 
     Raises
     ------
@@ -161,7 +163,9 @@ def load_hf_model(model_path: str | Path | None = None) -> tuple[Any, Any]:
         raise EvalConfigError("--engine transformers: loading a GGUF file needs accelerate (missing package "
                               "'accelerate'): pip install \"numba-kv[hf]\" accelerate")
     path = models.model_path(model_path)
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    # (transformers' GGUF conversion misses some of llama.cpp's splitting rules: GGUFTokenizer.align)
+    tok = models.GGUFTokenizer.from_gguf(path).align(AutoTokenizer.from_pretrained(str(path.parent),
+                                                                                   gguf_file=path.name))
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return model.eval(), tok
 

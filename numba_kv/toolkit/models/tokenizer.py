@@ -216,6 +216,7 @@ class GGUFTokenizer:
         #: ids of control / user-defined tokens
         self.special_ids = frozenset(i for i, t in enumerate(types)
                                      if t in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED))
+        self._user_ids = [i for i, t in enumerate(types) if t == _TOKEN_USER_DEFINED]
         self._tok = tok
 
     @classmethod
@@ -223,6 +224,54 @@ class GGUFTokenizer:
                   pre: str | None = None) -> GGUFTokenizer:
         """Tokenizer of a GGUF file (default: SmolLM2), via :func:`load_gguf`'s cache."""
         return cls(load_gguf(path, cache_dir).tokenizer_metadata, pre=pre)
+
+    def align(self, hf_tokenizer: Any) -> Any:
+        """Make a transformers tokenizer converted from the same GGUF file split text as this one.
+
+        transformers' GGUF conversion (``AutoTokenizer.from_pretrained(..., gguf_file=...)``)
+        knows fewer ``tokenizer.ggml.pre`` rules than llama.cpp: a byte-level vocabulary whose
+        rule it lacks gets the plain GPT-2 regex (SmolLM2's ``smollm`` rule splits every digit
+        first, so ``"\\n\\n  0"`` became three tokens where the model's own ``tokenizer.json``
+        and llama.cpp make two), and a SentencePiece vocabulary's user-defined pieces are not
+        matched first (Gemma-3: a run of 33 spaces became 16 + 17 spaces, not 31 + 2).  This
+        gives ``hf_tokenizer`` this tokenizer's pre-tokenizer (byte-level) or adds the
+        user-defined pieces as added tokens under their own ids (SentencePiece); the ids,
+        BOS handling and decoding stay transformers'.
+
+        Parameters
+        ----------
+        hf_tokenizer : transformers tokenizer
+            A fast tokenizer of the same vocabulary (``backend_tokenizer``, ``get_vocab``,
+            ``add_tokens``).
+
+        Returns
+        -------
+        transformers tokenizer
+            ``hf_tokenizer``, changed in place.
+
+        Raises
+        ------
+        ValueError
+            ``hf_tokenizer``'s vocabulary is not this one's (another size, or a user-defined
+            piece missing).
+        """
+        tk = _import_tokenizers()
+        vocab = hf_tokenizer.get_vocab()
+        if len(vocab) != self.vocab_size:
+            raise ValueError(f"hf_tokenizer: expected a tokenizer of the same GGUF vocabulary ({self.vocab_size} "
+                             f"tokens), got {len(vocab)} tokens")
+        if self.kind == "bpe":
+            hf_tokenizer.backend_tokenizer.pre_tokenizer = _pre_tokenizer(self.pre)
+            return hf_tokenizer
+        # transformers' vocabulary writes a piece's spaces as "▁" (its normalizer's output):
+        # normalized added tokens of those strings match the raw runs under their own ids
+        pieces = [self.tokens[i].replace(" ", _SPM_SPACE) for i in self._user_ids]
+        wrong = next((p for p, i in zip(pieces, self._user_ids) if vocab.get(p) != i), None)
+        if wrong is not None:
+            raise ValueError(f"hf_tokenizer: expected the user-defined piece {wrong!r} of the GGUF vocabulary "
+                             f"at id {self._user_ids[pieces.index(wrong)]}, got {vocab.get(wrong)}")
+        hf_tokenizer.add_tokens([tk.AddedToken(p, special=False, normalized=True) for p in pieces])
+        return hf_tokenizer
 
     @property
     def backend(self):

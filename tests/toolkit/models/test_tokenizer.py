@@ -10,6 +10,7 @@ from numba_kv.toolkit.models import GGUFTokenizer
 
 pytest.importorskip("tokenizers", reason="needs the 'tokenizers' package (pip install tokenizers)")
 
+from .tiny_gemma import tiny_spm_vocab
 from .tiny_llama import MERGES, SPECIALS
 
 GPL3 = Path("/usr/share/common-licenses/GPL-3")
@@ -116,3 +117,71 @@ def test_smollm2_chat_template(smollm2):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     s = tok.apply_chat_template(msgs, add_generation_prompt=False)
     assert s == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+
+
+# -- transformers' conversion of the same GGUF files, aligned ----------------------------------
+def _hf_tokenizer(name):
+    """transformers' tokenizer converted from the installed GGUF ``name``, and that path, or skip."""
+    pytest.importorskip("transformers", reason="needs transformers (the hf extra)")
+    from transformers import AutoTokenizer
+
+    from numba_kv.toolkit.models import ModelNotFoundError, model_path
+    try:
+        path = model_path(name)
+    except ModelNotFoundError as exc:
+        pytest.skip(f"{name} not installed ({exc})")
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name), path
+
+
+# text where transformers' conversion splits otherwise: whitespace before a digit (SmolLM2's
+# "smollm" rule isolates digits first), runs of spaces (Gemma-3's user-defined pieces)
+_SPLIT_TEXT = "TERMS AND CONDITIONS\n\n  0. Definitions.\n  32K x 8" + " " * 33 + "# a comment\n" + " " * 32 + "y"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
+def test_align_makes_transformers_split_as_llama_cpp(name):
+    hf, path = _hf_tokenizer(name)
+    tok = GGUFTokenizer.from_gguf(path)
+    texts = [_SPLIT_TEXT] + ([GPL3.read_text(encoding="utf-8")[:20000]] if GPL3.is_file() else [])
+    before = [list(hf(t).input_ids) for t in texts]
+    assert before[0] != tok.encode(_SPLIT_TEXT)  # the conversion's own split differs (else nothing to test)
+    n_vocab = len(hf)
+    assert tok.align(hf) is hf and len(hf) == n_vocab  # no new ids: the pieces keep theirs
+    for t in texts:
+        ids = list(hf(t).input_ids)
+        assert ids == tok.encode(t)
+        assert hf.decode(ids, skip_special_tokens=True) == t
+    if name == "smollm2":  # whitespace before a digit: one token, as SmolLM2's tokenizer.json splits it
+        assert tok.token_strings(tok.encode("\n\n  0"))[-1] == "0"
+    else:  # a run of 33 spaces: the longest piece (31) first, as llama.cpp and SentencePiece match
+        assert [len(s) for s in tok.token_strings(tok.encode("x" + " " * 33 + "y", add_bos=False))[1:3]] == [31, 2]
+
+
+class _VocabOnly:
+    """Stands in for a transformers tokenizer of the vocabulary ``vocab`` (what ``align`` checks first)."""
+
+    def __init__(self, vocab):
+        self.vocab = vocab
+
+    def get_vocab(self):
+        return dict(self.vocab)
+
+
+@pytest.fixture
+def tiny_gemma_tok():
+    """The tiny SentencePiece vocabulary of the Gemma tests as a tokenizer (no file)."""
+    tokens, scores, types = tiny_spm_vocab()
+    return GGUFTokenizer({"ggml.model": "llama", "ggml.tokens": tokens, "ggml.scores": scores,
+                          "ggml.token_type": types})
+
+
+def test_align_refuses_another_vocabulary(tiny, tiny_gemma_tok):
+    _, tok, _ = tiny
+    with pytest.raises(ValueError, match=rf"hf_tokenizer: expected a tokenizer of the same GGUF vocabulary "
+                                         rf"\({tok.vocab_size} tokens\), got 3 tokens"):
+        tok.align(_VocabOnly({"a": 0, "b": 1, "c": 2}))
+    # the same size, but the user-defined pieces are not where the GGUF file has them
+    spm = tiny_gemma_tok
+    with pytest.raises(ValueError, match="hf_tokenizer: expected the user-defined piece"):
+        spm.align(_VocabOnly({f"t{i}": i for i in range(spm.vocab_size)}))
