@@ -638,3 +638,32 @@ def test_occupancy_probe_types_like_the_launch(paged, monkeypatch):
         decode_attention(q, *(to_device(a) for a in (kc, ks, kc, ks)), k_exact=ex, v_exact=ex)
     assert len(probed) == 1 and len(launched) == 1, "the tensor-core kernel did not run"
     assert [_arg_kind(a) for a in probed[0]] == [_arg_kind(a) for a in launched[0]]
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_mma_attention_on_real_model_kv():
+    """The K, V and queries SmolLM2-135M writes (post-RoPE, one prefill of the evaluation text;
+    two KV heads of 64 side by side make the kernel's 128-wide rows, and a query head of each
+    group: ``benchmarks/mma_real_kv.py``), coded as both layouts the kernel reads: within
+    :data:`MMA_RTOL` of the CPU twin and finite, the tensor-core kernel the one that ran (the
+    published run, every layer of both models: 1.8e-4 to 2.1e-3, the Benchmarks page).  The
+    layer is the one whose keys reach the largest magnitude: real keys carry outlier channels
+    that random ones lack, and those set the block scales the binary16 products see."""
+    from benchmarks.mma_real_kv import LAYOUTS, capture, kernel_error, rows_128
+    from numba_kv.toolkit.models import ModelNotFoundError, smollm2_path
+
+    pytest.importorskip("gguf", reason="needs the 'gguf' package (pip install gguf)")
+    pytest.importorskip("tokenizers", reason="needs the 'tokenizers' package (pip install tokenizers)")
+    try:
+        smollm2_path()
+    except ModelNotFoundError as exc:
+        pytest.skip(f"SmolLM2 model not installed ({exc})")
+    layers, scale, _ = capture("smollm2", 32)
+    rows = rows_128(*max(layers, key=lambda qkv: float(np.abs(qkv[1]).max())))
+    assert rows[1].shape == (1, 3, 32, 128) and rows[0].shape == (1, 9, 32, 128)
+    for layout in LAYOUTS:
+        rel, finite, launches = kernel_error(*rows, scale, layout, 1)
+        assert launches == 1, f"{layout[0]}: the tensor-core kernel did not run"
+        assert finite and rel < MMA_RTOL, (layout[0], rel)
+        assert rel > 0.0  # binary16 operands: not the float32 kernel
