@@ -36,6 +36,7 @@ from .gguf_loader import (
     gemma3_path,
     load_gguf,
     model_path,
+    read_tokenizer_metadata,
     smollm2_path,
 )
 from .llama import LlamaModel, apply_rope, attention, gelu_tanh, rms_norm, rope_tables
@@ -63,6 +64,7 @@ __all__ = [
     "load_model",
     "load_smollm2",
     "model_path",
+    "read_tokenizer_metadata",
     "rms_norm",
     "rope_tables",
     "sequence_logits",

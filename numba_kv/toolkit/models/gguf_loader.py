@@ -49,6 +49,7 @@ __all__ = [
     "gemma3_path",
     "load_gguf",
     "model_path",
+    "read_tokenizer_metadata",
     "require_package",
     "smollm2_path",
 ]
@@ -515,6 +516,51 @@ def _read_manifest(cache_dir: Path) -> dict[str, Any] | None:
         return None
 
 
+def _source_file(path: PathLike | None) -> Path:
+    """:func:`model_path` of ``path``, checked to be a regular file (:class:`ModelNotFoundError`)."""
+    src = model_path(path)
+    if not src.is_file():
+        what = (f"does not exist (expected a GGUF file or a short name: {', '.join(MODEL_NAMES)}; the command "
+                "line's --model)") if not src.exists() else "is not a regular file"
+        raise ModelNotFoundError(f"path: GGUF file {str(src)!r} {what}")
+    return src
+
+
+def read_tokenizer_metadata(path: PathLike | None = None, cache_dir: PathLike | None = None) -> dict[str, Any]:
+    """The ``tokenizer.*`` metadata of a GGUF file, ``"tokenizer."`` stripped from the keys (what
+    :class:`~numba_kv.toolkit.models.GGUFTokenizer` takes), without converting the weights.
+
+    Parameters
+    ----------
+    path, cache_dir : optional
+        As :func:`load_gguf`: a fresh converted cache there is read (its ``tokenizer.json``);
+        otherwise the file's metadata (``gguf.GGUFReader``, no tensor is dequantized: a
+        tokenizer for transformers' copy of a model does not write the 1.1 GB of float32
+        weights Gemma-3-270M converts to).
+
+    Returns
+    -------
+    dict
+
+    Raises
+    ------
+    ModelNotFoundError, ModelFileError, ImportError
+        As :func:`load_gguf`.
+    """
+    src = _source_file(path)
+    cdir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir(src)
+    manifest = _read_manifest(cdir)
+    if manifest is not None and _is_fresh(manifest, src):
+        with open(cdir / "tokenizer.json", encoding="utf-8") as fh:
+            return json.load(fh)
+    gguf = require_package("gguf", "reading a GGUF file")
+    try:
+        meta = _read_metadata(gguf.GGUFReader(str(src)))
+    except (ValueError, LookupError, OSError) as exc:
+        raise ModelFileError(f"path: {str(src)!r} is not a GGUF file this loader can read: {exc}") from exc
+    return {k[len("tokenizer."):]: v for k, v in meta.items() if k.startswith("tokenizer.")}
+
+
 def load_gguf(path: PathLike | None = None, cache_dir: PathLike | None = None, *,
               rebuild: bool = False) -> LoadedGGUF:
     """Load a Llama-family GGUF model as float32 arrays, converting it on first use.
@@ -561,11 +607,7 @@ def load_gguf(path: PathLike | None = None, cache_dir: PathLike | None = None, *
     >>> m.config.n_layers, m.tensors["token_embd.weight"].shape   # doctest: +SKIP
     (30, (49152, 576))
     """
-    src = model_path(path)
-    if not src.is_file():
-        what = (f"does not exist (expected a GGUF file or a short name: {', '.join(MODEL_NAMES)}; the command "
-                "line's --model)") if not src.exists() else "is not a regular file"
-        raise ModelNotFoundError(f"path: GGUF file {str(src)!r} {what}")
+    src = _source_file(path)
     cdir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir(src)
 
     manifest = None if rebuild else _read_manifest(cdir)

@@ -41,7 +41,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .gguf_loader import load_gguf, require_package
+from .gguf_loader import read_tokenizer_metadata, require_package
 
 __all__ = ["PRE_TOKENIZERS", "GGUFTokenizer"]
 
@@ -222,8 +222,9 @@ class GGUFTokenizer:
     @classmethod
     def from_gguf(cls, path: Any | None = None, cache_dir: Any | None = None,
                   pre: str | None = None) -> GGUFTokenizer:
-        """Tokenizer of a GGUF file (default: SmolLM2), via :func:`load_gguf`'s cache."""
-        return cls(load_gguf(path, cache_dir).tokenizer_metadata, pre=pre)
+        """Tokenizer of a GGUF file (default: SmolLM2): :func:`read_tokenizer_metadata` (the
+        converted cache's copy when fresh, else the file's; the weights are not converted)."""
+        return cls(read_tokenizer_metadata(path, cache_dir), pre=pre)
 
     def align(self, hf_tokenizer: Any) -> Any:
         """Make a transformers tokenizer converted from the same GGUF file split text as this one.

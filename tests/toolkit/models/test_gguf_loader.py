@@ -22,7 +22,7 @@ from numba_kv.toolkit.models import (
 )
 
 # tests/toolkit/models/tiny_llama.py
-from .tiny_llama import TINY, hf_reference_logits, llama_cpp_permute, write_tiny_gguf
+from .tiny_llama import MERGES, SPECIALS, TINY, hf_reference_logits, llama_cpp_permute, write_tiny_gguf
 
 
 def _no_package(monkeypatch):
@@ -174,3 +174,27 @@ def test_model_rejects_wrong_shapes(tiny_gguf, tmp_path):
     del tensors["blk.1.attn_k.weight"]
     with pytest.raises(KeyError, match="attn_k"):
         LlamaModel(m.config, tensors)
+
+
+def test_tokenizer_metadata_without_converting(tiny_gguf, tmp_path):
+    """``read_tokenizer_metadata`` (what ``GGUFTokenizer.from_gguf`` reads): from the file when no
+    fresh cache exists, writing nothing, and equal to what the conversion stores; a fresh cache's
+    copy afterwards; the loader's errors for a missing or non-GGUF file."""
+    from numba_kv.toolkit.models import GGUFTokenizer, read_tokenizer_metadata
+
+    path = tiny_gguf[0]
+    cold = read_tokenizer_metadata(path, cache_dir=tmp_path / "c")
+    assert not (tmp_path / "c").exists()  # no weights converted for a tokenizer
+    assert cold["ggml.model"] == "gpt2" and cold["ggml.merges"] == MERGES and SPECIALS[0] in cold["ggml.tokens"]
+    converted = load_gguf(path, cache_dir=tmp_path / "c").tokenizer_metadata
+    assert json.loads(json.dumps(cold)) == converted
+    assert read_tokenizer_metadata(path, cache_dir=tmp_path / "c") == converted
+    text = "Hello 2024 world"
+    assert (GGUFTokenizer.from_gguf(path, cache_dir=tmp_path / "d").encode(text)
+            == GGUFTokenizer(converted).encode(text))
+    with pytest.raises(ModelNotFoundError, match="is not a regular file"):
+        read_tokenizer_metadata(tmp_path)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"Hello world.")
+    with pytest.raises(ModelFileError, match=f"^path: {str(bad)!r} is not a GGUF file this loader can read: "):
+        read_tokenizer_metadata(bad, cache_dir=tmp_path / "e")
