@@ -55,6 +55,7 @@ SUPPORTED_BITS = (4, 8)
 OUTLIER_MAD_FACTOR = 6.0
 OUTLIER_STD_FACTOR = 3.0
 _FLT_MIN = np.float32(np.finfo(np.float32).tiny)  # smallest normal float32
+_FLT_MAX = np.float32(np.finfo(np.float32).max)
 _MAX_BISECT = 200  # float32 bisection converges well before (width halves per step)
 
 
@@ -73,7 +74,9 @@ def _kth_dev_abs(x, r, ch, k, center):
     # invariant: count(a <= lo) <= k < count(a <= hi), so the answer is in (lo, hi]
     lo = float32(0.0)
     for _ in range(_MAX_BISECT):
-        mid = mul_rn(lo + hi, float32(0.5))  # exact but for subnormals; never fused into the next add
+        # lo + (hi - lo)/2, not (lo + hi)/2: the sum overflows to inf above half the float32
+        # maximum, the bisection then stopped at once and returned the smallest deviation
+        mid = lo + mul_rn(hi - lo, float32(0.5))  # never fused into an FMA
         if not (mid > lo and mid < hi):
             break
         cnt = 0
@@ -99,8 +102,10 @@ def _channel_threshold(x, r, ch):
     k = n // 2
     med = _kth_dev_abs(x, r, ch, k, float32(0.0))
     mad = _kth_dev_abs(x, r, ch, k, med)
+    # thresholds are clamped to the float32 maximum: past it ``med + 6·MAD`` would be inf, and
+    # no finite value is above the maximum either, so the outliers stay the same
     if mad > float32(0.0):
-        return med + mul_rn(float32(OUTLIER_MAD_FACTOR), mad)  # never an FMA (ops/_exact.py)
+        return min(med + mul_rn(float32(OUTLIER_MAD_FACTOR), mad), _FLT_MAX)  # never an FMA (ops/_exact.py)
     # mean + 3·std of a, computed on a / max(a): squares of tiny values would underflow
     amax = float32(0.0)
     for t in range(n):
@@ -115,7 +120,7 @@ def _channel_threshold(x, r, ch):
     for t in range(n):
         dv = abs(x[r, t, ch]) / amax - mean
         v += mul_rn(dv, dv)
-    return amax * (mean + mul_rn(float32(OUTLIER_STD_FACTOR), float32(math.sqrt(v / float32(n)))))
+    return min(amax * (mean + mul_rn(float32(OUTLIER_STD_FACTOR), float32(math.sqrt(v / float32(n))))), _FLT_MAX)
 
 
 def _quant_level(v, th, scale, lim):
@@ -459,7 +464,8 @@ def mad_threshold(x: Any) -> Any:
 
     Returns
     -------
-    thr : float32 array, shape ``(R, C)``, on the device of ``x``.
+    thr : float32 array, shape ``(R, C)``, on the device of ``x``. A threshold past the float32
+        maximum is clamped to it: no finite value lies above either, so the outliers are the same.
 
     Raises
     ------

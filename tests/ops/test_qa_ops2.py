@@ -35,6 +35,33 @@ def test_mad_threshold_matches_the_docstring_formula():
     assert float(mad_threshold(x)[0, 0]) == pytest.approx(float(med + np.float32(6) * mad), rel=1e-7)
 
 
+_F32_MAX = np.finfo(np.float32).max
+
+
+def test_mad_threshold_median_of_values_above_half_the_float32_maximum():
+    # the bisection's midpoint (lo + hi) / 2 overflowed to inf once lo + hi passed the maximum;
+    # it stopped at once and took 0.70·max as the median of [0.70 … 0.74]·max
+    a = (np.array([0.70, 0.71, 0.72, 0.73, 0.74]) * _F32_MAX).astype(np.float32)
+    med = np.sort(a)[2]
+    mad = np.sort(np.abs(a - med))[2]
+    want = np.float32(med + np.float32(6) * mad)  # 0.78·max, finite
+    assert float(mad_threshold(a.reshape(1, 5, 1))[0, 0]) == pytest.approx(float(want), rel=1e-6)
+
+
+@pytest.mark.parametrize("fracs", [[0.9, 0.5, 0.1, -0.95, 0.2],  # median + 6·MAD = 2.3·max
+                                   [0.9, 0.9, 0.9, 0.9, 0.2]])  # MAD 0: mean + 3·std path
+def test_mad_threshold_stays_finite_near_the_float32_maximum(fracs):
+    # both formulas overflowed to an inf threshold on finite input; no finite value lies above
+    # the float32 maximum, so clamping to it keeps the same outliers (none)
+    x = (np.array(fracs) * _F32_MAX).astype(np.float32).reshape(1, 5, 1)
+    assert mad_threshold(x)[0, 0] == _F32_MAX
+    q = int_quantize(x, 8)
+    assert q.outlier_idx.shape[0] == 0
+    y = int_dequantize(q)
+    assert np.isfinite(y).all()
+    np.testing.assert_allclose(y, x, rtol=0, atol=0.5 / 127 * 0.95 * _F32_MAX)  # half a level
+
+
 @pytest.mark.parametrize("op", [gather_rows, scatter_rows])
 @pytest.mark.parametrize("bad", [-1, 4, 1000])
 def test_host_row_moves_refuse_out_of_range_indices(op, bad):
