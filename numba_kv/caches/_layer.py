@@ -35,7 +35,7 @@ from ._lifecycle import LifecycleMixin
 from ._steady import SteadyStepMixin
 from ._values import ValueChecks
 from .protocol import AttendConfig, DecodeOutput, Dequantized, DequantResult
-from .state import CacheFileError, CacheState, expect_int
+from .state import CacheFileError, CacheState, check_declared_sizes, expect_int
 
 # name -> (width, dtype, fixed_capacity); fixed_capacity None = grows with the sequence
 BufferSpec = dict[str, tuple[int, Any, int | None]]
@@ -155,13 +155,13 @@ def check_sliding_window(sliding_window: Any, num_layers: int) -> list[int | Non
     return [w] * num_layers
 
 
-def check_layer_holds(st: LayerState, layer: int, k: Any, dev: str) -> None:
+def check_layer_holds(st: LayerState, k: Any, dev: str) -> None:
     """Under the layer's lock: ``ValueError`` naming ``k`` unless the layer is empty or still
     holds ``k``'s batch size on ``k``'s device.  ``_validate`` checked that without the lock;
     a call on the same layer from another thread may have stored since, and a store of
     another batch size writes past the buffers' rows (a crash of the compressing kernels)."""
     if st.seq_len and (st.batch != int(k.shape[0]) or st.device != dev):
-        raise ValueError(f"k: expected batch={st.batch} on {st.device} (layer {layer} stores them: another call "
+        raise ValueError(f"k: expected batch={st.batch} on {st.device} (this layer stores them: another call "
                          f"stored since this one was checked), got shape {tuple(k.shape)} on {dev}; nothing was stored")
 
 
@@ -340,7 +340,8 @@ class LayeredCache(SteadyStepMixin, LifecycleMixin, ValueChecks):
         if mode == "sync":
             stats = (check_finite_stats("k", k), check_finite_stats("v", v))
         if st.seq_len > 0 and st.device != dev:
-            raise ValueError(f"k is on {dev} but layer {layer} stores its tokens on {st.device}")
+            raise ValueError(f"k: expected an array on {st.device}, where this layer stores its tokens, "
+                             f"got one on {dev}")
         if config is not None and not isinstance(config, AttendConfig):
             raise TypeError(f"config: expected an AttendConfig, got {type(config).__name__}")
         q_now = False
@@ -422,7 +423,7 @@ class LayeredCache(SteadyStepMixin, LifecycleMixin, ValueChecks):
         layer, dev, stats = self._validate(layer, k, v, q, None, need_q=False)
         st = self._layers[layer]
         with st.lock:
-            check_layer_holds(st, layer, k, dev)
+            check_layer_holds(st, k, dev)
             if stats is not None:
                 self._check_range(st, k, v, stats)
             return self._prefill_checked(st, dev, k, v, q)
@@ -465,7 +466,7 @@ class LayeredCache(SteadyStepMixin, LifecycleMixin, ValueChecks):
         layer, dev, stats = self._validate(layer, k, v, q, config, need_q=True, out=out, pending=pending)
         st = self._layers[layer]
         with st.lock:
-            check_layer_holds(st, layer, k, dev)  # (before the deferred records are handed over: none launch)
+            check_layer_holds(st, k, dev)  # (before the deferred records are handed over: none launch)
             st.range_pending = pending or None
             try:
                 if stats is not None:
@@ -609,6 +610,7 @@ class LayeredCache(SteadyStepMixin, LifecycleMixin, ValueChecks):
         TypeError, ValueError
             A bad ``config`` (from the constructor).
         """
+        check_declared_sizes(state.config, state.state)
         cache = cls(**state.config)
         layers, tensors = state.state.get("layers"), state.tensors
         if not isinstance(layers, list) or len(layers) != cache.num_layers:

@@ -16,7 +16,7 @@ from .. import _backend
 from .._validate import check_int
 from ._format import host_copy, save_cache
 from ._lifecycle import copy_array, take_rows
-from .state import CacheFileError, CacheState, expect_int
+from .state import CacheFileError, CacheState, check_declared_sizes, expect_int
 
 __all__ = ["OutOfPagesError", "PagedLifecycleMixin"]
 
@@ -204,6 +204,7 @@ class PagedLifecycleMixin:
         TypeError, ValueError
             A bad ``config`` (from the constructor).
         """
+        check_declared_sizes(state.config, state.state)
         cache = cls(**state.config)
         st, tensors = state.state, state.tensors
         try:

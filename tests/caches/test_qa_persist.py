@@ -73,6 +73,31 @@ def test_a_paged_header_claiming_many_pages_or_layers_allocates_nothing(tmp_path
         load_cache(path)
 
 
+@pytest.mark.parametrize(("kind", "key", "value", "match"), [
+    ("dense", "num_layers", 2**63, r"num_layers=\d+ does not match the 2 layers"),
+    ("paged", "num_pages", 10**12, r"num_pages=\d+ does not match the 6 pages"),
+    ("paged", "num_layers", 2**63, r"num_layers=\d+ does not match the 2 layers"),
+    ("mixed", "num_layers", 2**63, r"num_layers=\d+ does not match the 1 layers"),
+])
+def test_from_state_dict_checks_declared_sizes_before_building(rng, kind, key, value, match):
+    """The same headers handed to ``from_state_dict`` directly (no file): only ``load_cache``
+    checked them, so the constructor ran first and raised OverflowError / MemoryError (or,
+    for 10**7 layers, spent 32 s and gigabytes) before the state was compared."""
+    from numba_kv.caches.state import CacheState
+
+    if kind == "mixed":
+        cache = make_cache("pqo3", num_layers=2, num_kv_heads=H, head_dim=D, layer_overrides={0: {"bits": 4}})
+        sd = cache.state_dict()
+        cfg = json.loads(json.dumps(sd.config))
+        cfg["parts"][0]["config"][key] = value
+    else:
+        cache = _dense(rng) if kind == "dense" else _paged(rng)
+        sd = cache.state_dict()
+        cfg = {**sd.config, key: value}
+    with pytest.raises(CacheFileError, match=match):
+        type(cache).from_state_dict(CacheState(cfg, sd.state, sd.tensors))
+
+
 @pytest.mark.parametrize("where", ["next_seq", "free", "lens"])
 def test_an_infinite_number_in_a_paged_state_is_a_cache_file_error(tmp_path, rng, where):
     """JSON ``Infinity`` where the paged state reads an int raised OverflowError."""

@@ -188,3 +188,24 @@ def test_an_out_that_overlaps_an_input_is_refused_in_the_simulator_too():
     with pytest.raises(ValueError, match=r"out: expected an array that shares no memory with k"):
         cache.decode(0, buf[:, :H], v, q, ATT, out=buf)
     assert cache.seq_len(0) == 4
+
+
+@pytest.mark.parametrize("kind", ["plain", "mixed"])
+def test_a_step_on_another_device_names_k_and_changes_nothing(kind):
+    """A layer holding host tokens refuses device ones.  In a mixed cache the message named
+    the layer's index inside its part ("layer 0" for the cache's layer 1); it names ``k``
+    and "this layer" now."""
+    opts = {"layer_overrides": {0: {"bits": 4}}} if kind == "mixed" else {}
+    cache = make_cache("pqo3", num_layers=2, num_kv_heads=H, head_dim=D, residual_length=2, sink_tokens=1,
+                       window_dtype="float32", **opts)
+    rng = np.random.default_rng(75)
+    kv = rng.standard_normal((1, H, 4, D)).astype(np.float32)
+    cache.prefill(1, kv, kv)
+    before = cache.state_dict()
+    k, v, q = (to_device(rng.standard_normal(s).astype(np.float32)) for s in SHAPES)
+    with pytest.raises(ValueError, match=r"^k: expected an array on cpu, where this layer stores its tokens, "
+                                         r"got one on cuda"):
+        cache.decode(1, k, v, q, ATT)
+    after = cache.state_dict()
+    assert after.state == before.state and sorted(after.tensors) == sorted(before.tensors)
+    assert all(np.array_equal(after.tensors[n], t) for n, t in before.tensors.items())
