@@ -147,6 +147,15 @@ def zeros(like: Any, shape: tuple[int, ...], dtype) -> Any:
     return cuda.to_device(np.zeros(shape, dtype=dtype))
 
 
+def full(like: Any, shape: tuple[int, ...], dtype, value: Any) -> Any:
+    """Array of ``shape``/``dtype`` filled with ``value`` on the device of ``like``."""
+    xp = xp_of(like)
+    if xp is not None:
+        return xp.full(shape, value, dtype=dtype)
+    barrier()
+    return cuda.to_device(np.full(shape, value, dtype=dtype))
+
+
 #: this thread's CUDA launch stream (``numba_kv.launch_stream``): ``(Numba stream or None for
 #: the default one, its cudaStream_t)``
 _launch_local = threading.local()

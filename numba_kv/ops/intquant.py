@@ -56,7 +56,11 @@ OUTLIER_MAD_FACTOR = 6.0
 OUTLIER_STD_FACTOR = 3.0
 _FLT_MIN = np.float32(np.finfo(np.float32).tiny)  # smallest normal float32
 _FLT_MAX = np.float32(np.finfo(np.float32).max)
-_MAX_BISECT = 200  # float32 bisection converges well before (width halves per step)
+# a bracket's width halves each step: from the float32 maximum (2**128) down to the spacing of
+# subnormals (2**-149) takes 277 steps, the most a channel mixing both can need (200 stopped
+# early there and returned the smallest value in the bracket, not the k-th); ordinary data
+# converges in about 30
+_MAX_BISECT = 300
 
 
 # --- single-source cores -------------------------------------------------------------
@@ -127,7 +131,11 @@ def _quant_level(v, th, scale, lim):
     """Clip to ±th, divide by scale, round half away from zero, clamp to ±lim."""
     c = min(max(v, -th), th)
     y = c / scale
-    q = min(int64(abs(y) + float32(0.5)), int64(lim))  # truncation of a value >= 0 is floor
+    # floor(|y| + 0.5) rounded the sum first: 0.5 − 2**-25 + 0.5 is 1.0 in float32. The
+    # remainder |y| − floor(|y|) is exact (|y| < 2**23), so its compare with 0.5 is too
+    a = abs(y)
+    f = int64(a)  # truncation of a value >= 0 is floor
+    q = min(f + int64(a - float32(f) >= float32(0.5)), int64(lim))
     return -q if y < float32(0.0) else q
 
 
@@ -346,7 +354,8 @@ def quantize_int(x3: Any, bits: int, group: int) -> IntQuantized:
     ng = max(1, -(-n // group))
     nbytes_t = n if bits == 8 else (n + 1) // 2
     thr = _backend.empty(x3, (rows, nch), np.float32)
-    scales = _backend.empty(x3, (rows, nch, ng), np.float32)
+    # no tokens: the scale of an all-zero group (1.0), not uninitialized memory
+    scales = _backend.empty(x3, (rows, nch, ng), np.float32) if n else _backend.full(x3, (rows, nch, ng), np.float32, 1)
     packed = _backend.zeros(x3, (rows, nch, nbytes_t), np.uint8)
     counts = _backend.empty(x3, (rows, nch, ng), np.int32)
     dev = _backend.device_of("x3", x3)
@@ -482,6 +491,7 @@ def mad_threshold(x: Any) -> Any:
     check_float_array("x", x, 3)
     check_finite("x", x)  # as int_quantize: a NaN would otherwise come back as a NaN threshold
     x3 = _backend.ascontiguous_f32("x", x)
-    out = _backend.empty(x3, (x3.shape[0], x3.shape[2]), np.float32)
+    # no tokens: threshold 0 (no outliers), not uninitialized memory
+    out = (_backend.empty if x3.shape[1] else _backend.zeros)(x3, (x3.shape[0], x3.shape[2]), np.float32)
     thresholds_into(x3, out)
     return out

@@ -62,6 +62,40 @@ def test_mad_threshold_stays_finite_near_the_float32_maximum(fracs):
     np.testing.assert_allclose(y, x, rtol=0, atol=0.5 / 127 * 0.95 * _F32_MAX)  # half a level
 
 
+def test_mad_threshold_median_of_a_channel_mixing_huge_and_subnormal_values():
+    # the bisection halves its bracket from max|x| = 3e38 down to the 1e-30 gaps: more than
+    # the 200 steps it had, so it stopped with three values in the bracket and took the
+    # smallest (1e-30, threshold 7e-30) as the median
+    a = np.array([3e38, 1e-30, 2e-30, 3e-30, 0.0], np.float32)
+    med = np.sort(a)[2]
+    mad = np.sort(np.abs(a - med))[2]
+    want = np.float32(med + np.float32(6) * mad)  # 8e-30
+    assert float(mad_threshold(a.reshape(1, 5, 1))[0, 0]) == pytest.approx(float(want), rel=1e-6)
+
+
+def test_int_quantize_of_no_tokens_is_defined():
+    # mad_threshold and the scales of a 0-token int_quantize were np.empty memory
+    x = np.zeros((2, 0, 3), np.float32)
+    np.testing.assert_array_equal(mad_threshold(x), np.zeros((2, 3), np.float32))
+    q = int_quantize(x, 4)
+    np.testing.assert_array_equal(q.scales, np.ones((2, 3, 1), np.float32))
+    assert int_dequantize(q).shape == (2, 0, 3)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int_quantize_rounds_just_below_a_half_down(bits):
+    # |y| + 0.5 was rounded in float32 before the floor: 0.5 − 2**-25 came back as 1 (an error
+    # of more than half a step; round half away from zero gives 0)
+    lim = 7 if bits == 4 else 127
+    below = np.float32(0.5) - np.float32(2.0**-25)
+    grid = np.arange(-lim, lim + 1, dtype=np.float32)  # spread evenly: no outliers, scale lim / lim
+    vals = np.concatenate([grid, np.array([below, -below, 2.5, -2.5, 1.5], np.float32)])
+    q = int_quantize(vals.reshape(1, -1, 1), bits)
+    assert q.num_outliers == 0 and float(q.scales[0, 0, 0]) == 1.0  # the codes are the rounded values
+    want = np.concatenate([grid, np.array([0, 0, 3, -3, 2], np.float32)])  # half away from zero
+    np.testing.assert_array_equal(int_dequantize(q).ravel(), want)
+
+
 @pytest.mark.parametrize("op", [gather_rows, scatter_rows])
 @pytest.mark.parametrize("bad", [-1, 4, 1000])
 def test_host_row_moves_refuse_out_of_range_indices(op, bad):
