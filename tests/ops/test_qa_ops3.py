@@ -131,3 +131,35 @@ def test_dequantize_headvq_check_values_is_a_bool_and_skips_the_norm_pass():
     dequantize_headvq(codes, bad, 4, check_values=False)  # the caller vouches: no pass, no error
     with pytest.raises(TypeError, match="check_values: expected a bool"):
         dequantize_headvq(codes, norms, 4, check_values="no")
+
+
+_F = float(np.finfo(np.float32).max)
+
+
+@pytest.mark.parametrize("where", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize(("sign", "bias", "want"), [
+    (1.0, [_F, 0.0], 1.0),  # logit 2**120 + max: inf − inf was a NaN output
+    (-1.0, [-_F, 0.0], 2.0),  # −2**120 − max rounds below −max: that token alone is left out
+])
+def test_a_logit_bias_near_the_float32_maximum_keeps_the_output_finite(where, sign, bias, want):
+    """A finite bias (``finfo.min`` is a common additive mask) plus a logit inside the input
+    limits (``|q| <= 2**64``, ``|k| <= 2**21``, scale ``2**30``: ``2**120``) overflowed to ±inf;
+    the sums are now clamped to ±max.  Expected: all weight on one token (the float64 oracle
+    agrees: ``numba_kv.reference.attention``)."""
+    from numba_kv.ops.attention import decode_attention
+    from numba_kv.reference import attention
+
+    d = 32
+    q = np.full((1, 1, 1, d), sign * 2.0**64, np.float32)
+    ke = np.zeros((1, 1, 2, d), np.float32)
+    ke[0, 0, 0] = 2.0**21
+    ve = np.zeros((1, 1, 2, d), np.float32)
+    ve[0, 0, 0], ve[0, 0, 1] = 1.0, 2.0
+    kc = np.zeros((1, 1, 0, d * 3 // 8), np.uint8)
+    ks = np.zeros((1, 1, 0, 1), np.uint16)
+    lb = np.array(bias, np.float32).reshape(1, 1, 1, 2)
+    np.testing.assert_allclose(attention(q, ke, ve, 2.0**30, lb), want)
+    dev = to_device if where == "cuda" else (lambda a: a)
+    out = decode_attention(dev(q), dev(kc), dev(ks), dev(kc), dev(ks), k_exact=dev(ke), v_exact=dev(ve),
+                           logit_bias=dev(lb), softmax_scale=2.0**30, causal=False)
+    np.testing.assert_array_equal(to_host(out) if where == "cuda" else out, np.full((1, 1, 1, d), want, np.float32))

@@ -32,6 +32,10 @@ from ..._jit import specialize, twin
 from .._headquant_lanes import head_scale
 
 NEG_INF = np.float32(-np.inf)
+#: a biased logit is clamped to ``±F32_MAX``: the scaled logits stay within ``2**124`` (the
+#: input limits), but a finite bias near the float32 maximum (``finfo.min`` as an additive
+#: mask) could still round the sum to ±inf, and ``inf − inf`` made the row's output NaN
+F32_MAX = np.float32(np.finfo(np.float32).max)
 #: where a norm8 layer's scale table (``numba_kv.ops.norm8.norm8_scale_table``) holds its 256
 #: decoded norms, after ``F16_ABS_TABLE``: the kernels read a uint8 scale plane's entry ``k``
 #: at ``NORM8_SLOT0 + k`` (:func:`_scale_slot`)

@@ -19,6 +19,7 @@ from numba.core.extending import intrinsic
 from ..._jit import FASTMATH_REDUCE, codegen_has_avx512, cpu_serial
 from ..half import f16_bits_to_f32_cpu
 from .cores import (
+    F32_MAX,
     NEG_INF,
     decode8_cpu,
     load_token_fast_cpu,
@@ -430,7 +431,7 @@ def _softmax_tile(sc, nt, softmax_scale, g, has_bias, bias, need_mask, q_pos0, q
                 pos = int64(exact_pos[t0 + tt]) if use_exact_pos else pos_base + tt
                 s = sc[r, tt] * softmax_scale
                 if has_bias:
-                    s += bias[g, r, pos]
+                    s = min(max(s + bias[g, r, pos], -F32_MAX), F32_MAX)  # (finite: F32_MAX)
                 sc[r, tt] = s if visible_cpu(pos, q_pos0, r, q_len, need_mask) else NEG_INF
         else:
             for tt in range(nt):

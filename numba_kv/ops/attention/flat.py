@@ -122,7 +122,9 @@ def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales
         Defaults to ``1/sqrt(head_dim)``; in ``(0, 2**30]`` (larger ones could overflow the
         float32 logits).
     logit_bias : float array, shape ``(batch, num_heads, q_len, total_tokens)``, optional
-        Added to the scaled logits (units of ``softmax_scale·q·k``), indexed by position.
+        Added to the scaled logits (units of ``softmax_scale·q·k``), indexed by position;
+        finite (``finfo(float32).min`` works as an additive mask). A sum beyond the float32
+        range is clamped to ``±finfo(float32).max``, so the output stays finite.
     causal : bool
         Query ``i`` sits at position ``total_tokens − q_len + i`` and sees positions ``<=``
         its own (speculative-decoding verification); ``False`` = every query sees all.

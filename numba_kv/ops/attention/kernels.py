@@ -28,6 +28,7 @@ from .._borrow import borrowed, keep_alive
 from .._registry import register
 from .cores import (
     EXACT_F32,
+    F32_MAX,
     NEG_INF,
     addressing,
     coop_init_rows_dev,
@@ -346,7 +347,7 @@ def _partition_block_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_ex
                 pos = int64(exact_pos[t])
             s = s * softmax_scale
             if has_bias and not PAGED:
-                s += bias[g, r0 + r, pos]
+                s = min(max(s + bias[g, r0 + r, pos], -F32_MAX), F32_MAX)  # (finite: cores.F32_MAX)
             sc[u] = s if visible_dev(pos, pos_q, r0 + r, q_len, causal) else NEG_INF
         cuda.syncthreads()
         coop_softmax_rows_dev(sc, nt, rb, m, lsum, alpha, tid, nth)
