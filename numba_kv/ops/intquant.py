@@ -460,7 +460,46 @@ def int_dequantize(q: IntQuantized) -> Any:
     """
     if not isinstance(q, IntQuantized):
         raise TypeError(f"q: expected an IntQuantized, got {type(q).__name__}")
+    _check_quantized(q)
     return dequantize_int(q)
+
+
+def _check_quantized(q: IntQuantized) -> None:
+    """``ValueError`` naming the field of ``q`` that :func:`int_quantize` cannot have made:
+    the kernels index ``packed`` and ``scales`` by ``shape``, ``bits`` and ``group`` without
+    bounds checks (a short ``packed`` was read past its end, a longer ``shape`` came back as
+    uninitialized rows)."""
+    shape = tuple(q.shape) if isinstance(q.shape, (tuple, list)) else ()
+    if len(shape) != 3 or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0 for v in shape):
+        raise ValueError(f"q.shape: expected (R, n, C) of ints >= 0, got {q.shape!r}")
+    if isinstance(q.bits, bool) or q.bits not in (4, 8):
+        raise ValueError(f"q.bits: expected 4 or 8 (INT4/INT8), got {q.bits!r}")
+    bits = int(q.bits)
+    rows, n, nch = (int(v) for v in shape)
+    group = q.group
+    if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or group < 2 or group % 2:
+        raise ValueError(f"q.group: expected an even int >= 2, got {group!r}")
+    group = int(group)
+    want = {"packed": ((rows, nch, n if bits == 8 else (n + 1) // 2), np.uint8),
+            "scales": ((rows, nch, max(1, -(-n // group))), np.float32)}
+    for name, (shp, dt) in want.items():
+        a = getattr(q, name)
+        if tuple(a.shape) != shp or np.dtype(a.dtype) != dt:
+            raise ValueError(f"q.{name}: expected {np.dtype(dt)} of shape {shp} for shape={shape}, bits={bits}, "
+                             f"group={group}, got {np.dtype(a.dtype)} of shape {tuple(a.shape)}")
+    m = q.outlier_idx.shape[0] if len(q.outlier_idx.shape) == 1 else -1
+    if np.dtype(q.outlier_idx.dtype) != np.int32 or tuple(q.outlier_vals.shape) != (m,) \
+            or np.dtype(q.outlier_vals.dtype) != np.float32:
+        raise ValueError(f"q.outlier_idx, q.outlier_vals: expected int32 and float32 of one shape (m,), got "
+                         f"{np.dtype(q.outlier_idx.dtype)} {tuple(q.outlier_idx.shape)} and "
+                         f"{np.dtype(q.outlier_vals.dtype)} {tuple(q.outlier_vals.shape)}")
+    check_finite("q.scales", q.scales)
+    check_finite("q.outlier_vals", q.outlier_vals)
+    if m > 0:
+        idx = _backend.to_host(q.outlier_idx)
+        if int(idx.min()) < 0 or int(idx.max()) >= rows * n * nch:
+            raise ValueError(f"q.outlier_idx: expected flat indices in [0, {rows * n * nch}), got "
+                             f"[{int(idx.min())}, {int(idx.max())}]")
 
 
 def mad_threshold(x: Any) -> Any:

@@ -45,6 +45,7 @@ from .._validate import check_int
 from ._exact import mul_rn
 from ._index import unravel2, unravel3
 from ._registry import F32_2D, F32_3D, Twin, register
+from .finite import range_stats
 from .gather import to_like
 from .half import f16_bits_to_f32_cpu, f16_bits_to_f32_dev, f32_to_f16_bits_sat_cpu, f32_to_f16_bits_sat_dev
 
@@ -351,8 +352,13 @@ def f16_encode(x: Any) -> Any:
     ------
     TypeError
         ``x`` is not float32 (:func:`f16_decode` likewise for ``h`` not uint16).
+    ValueError
+        ``x`` holds a NaN (it came back as ±0; ±Inf saturate like the other large values).
     """
-    return _convert(_F16_ENCODE, "x", x, np.float32, "float32", np.uint16)
+    out = _convert(_F16_ENCODE, "x", x, np.float32, "float32", np.uint16)  # (checks the array and dtype)
+    if range_stats(x).nonfinite and np.isnan(_backend.to_host(x)).any():
+        raise ValueError("x: expected no NaN (binary16 codes here have no NaN pattern), got NaN")
+    return out
 
 
 def f16_decode(h: Any) -> Any:

@@ -37,6 +37,7 @@ from .._jit import cpu_kernel, cuda_kernel, twin
 from ._exact import mul_rn
 from ._index import unravel3
 from ._registry import F32_3D, U8_3D, register
+from .finite import check_finite_stats
 from .gather import gather_rows, to_like
 
 __all__ = ["kmeans", "assign", "decode", "KMEANS_MAX_ITER", "KMEANS_TOL"]
@@ -292,8 +293,22 @@ def kmeans(x3: Any, codebook_size: int, ds: int, per_row: bool, *, max_iter: int
     codebooks : float32 host array, shape ``(G, K, ds)``
     iterations : int
         Lloyd iterations run.
+
+    Raises
+    ------
+    ValueError
+        ``codebook_size`` outside ``1..256``, ``ds`` not dividing ``d``, NaN or Inf in
+        ``x3``, or values beyond ``sqrt(float32 max / (4·ds))`` (see :func:`assign`).
     """
     rows, n, d = x3.shape
+    if isinstance(codebook_size, bool) or not isinstance(codebook_size, (int, np.integer)) \
+            or not 1 <= int(codebook_size) <= 256:
+        raise ValueError(f"codebook_size: expected an int in 1..256 (uint8 codes), got {codebook_size!r}")
+    if isinstance(ds, bool) or not isinstance(ds, (int, np.integer)) or int(ds) < 1 or d % int(ds):
+        raise ValueError(f"ds: expected a sub-vector width dividing d={d}, got {ds!r}")
+    ds = int(ds)
+    # codewords are means of the data: within its range, so |x − c| <= 2·max|x|
+    _check_distance_range(check_finite_stats("x3", x3).amax, ds, "x3")
     m_sub = d // ds
     ng = rows * m_sub if per_row else m_sub
     k_size = int(codebook_size)
@@ -355,6 +370,16 @@ def kmeans(x3: Any, codebook_size: int, ds: int, per_row: bool, *, max_iter: int
 
 
 # --- public API ------------------------------------------------------------------------
+def _check_distance_range(span: float, ds: int, names: str) -> None:
+    """``ValueError`` unless every squared distance of a ``ds``-wide sub-vector, whose
+    coordinates differ by at most ``2·span``, stays below the float32 maximum: past it every
+    candidate's distance is inf, and the first codeword won whatever the data."""
+    limit = float(np.sqrt(np.finfo(np.float32).max / (4.0 * ds)))
+    if span > limit:
+        raise ValueError(f"{names}: expected |values| <= {limit:.3g} for sub-vectors of {ds} (squared distances "
+                         f"overflow float32 beyond), got max |value| = {span:.3g}")
+
+
 def _check_codebooks(x3: Any, codebooks: Any) -> tuple[int, int]:
     rows, n, d = x3.shape
     if len(codebooks.shape) != 3:
@@ -385,6 +410,12 @@ def assign(x: Any, codebooks: Any) -> tuple[Any, Any]:
     codes : uint8 array, shape ``(R, n, M)``
     dist : float32 array, shape ``(R, n, M)``
         Squared Euclidean distance to the chosen codeword.
+
+    Raises
+    ------
+    ValueError
+        Bad shapes, NaN or Inf, or values beyond ``sqrt(float32 max / (4·ds))`` (about
+        ``9.2e18`` for ``ds = 1``): squared distances would overflow and every codeword tie.
     """
     _backend.resolve_device("auto", x=x, codebooks=codebooks)
     if len(x.shape) != 3:
@@ -392,6 +423,8 @@ def assign(x: Any, codebooks: Any) -> tuple[Any, Any]:
     x3 = _backend.ascontiguous_f32("x", x)
     cbs = _backend.ascontiguous_f32("codebooks", codebooks)
     m_sub, _ = _check_codebooks(x3, cbs)
+    span = max(check_finite_stats("x", x3).amax, check_finite_stats("codebooks", cbs).amax)
+    _check_distance_range(span, int(cbs.shape[2]), "x, codebooks")
     rows, n, _ = x3.shape
     codes = _backend.empty(x3, (rows, n, m_sub), np.uint8)
     dist = _backend.empty(x3, (rows, n, m_sub), np.float32)

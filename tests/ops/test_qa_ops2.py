@@ -122,7 +122,7 @@ def test_row_moves_still_work_in_range():
 def test_int_dequantize_refuses_a_corrupt_outlier_index():
     q = int_quantize(np.array([0.1, 0.2, 0.15, 10.0], np.float32).reshape(1, 4, 1), 4)
     bad = IntQuantized(q.packed, q.scales, np.array([4], np.int32), q.outlier_vals, q.bits, q.group, q.shape)
-    with pytest.raises(ValueError, match="^idx: expected row indices"):
+    with pytest.raises(ValueError, match=r"^q\.outlier_idx: expected flat indices in \[0, 4\), got \[4, 4\]"):
         int_dequantize(bad)
 
 
@@ -156,3 +156,78 @@ def test_absmax8_tiny_vectors_round_to_zero_as_documented():
     absmax8_dequantize_into(codes, scales, 0, 1, out)
     assert int(scales[0, 0, 0]) == 0x3C00
     np.testing.assert_array_equal(out, 0.0)
+
+
+def test_vq_assign_refuses_values_whose_distances_overflow():
+    # both squared distances were inf, `inf < inf` is false, and codeword 0 won: the nearer
+    # codeword 1 (distance 4e38 against 3.6e39 in float64) was never chosen
+    from numba_kv.ops.vq import assign
+
+    x = np.array([[[3e19]]], np.float32)
+    cb = np.array([[[-3e19], [1e19]]], np.float32)
+    with pytest.raises(ValueError, match=r"^x, codebooks: expected \|values\| <= 9.22e\+18 for sub-vectors of 1"):
+        assign(x, cb)
+    codes, dist = assign(x / 8, cb / 8)  # inside the limit: the nearer codeword, finite distance
+    assert int(codes[0, 0, 0]) == 1 and np.isfinite(dist).all()
+
+
+@pytest.mark.parametrize("which", ["x", "codebooks"])
+def test_vq_assign_refuses_nan(which):
+    from numba_kv.ops.vq import assign
+
+    x = np.zeros((1, 1, 2), np.float32)
+    cb = np.array([[[1.0, 0.0], [0.0, 0.0]]], np.float32)
+    (x if which == "x" else cb)[..., 0] = np.nan
+    with pytest.raises(ValueError, match=rf"^{which}: expected finite values"):
+        assign(x, cb)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [({"codebook_size": 300}, r"^codebook_size: expected an int in 1\.\.256"),
+                                               ({"codebook_size": 0}, r"^codebook_size: expected an int in 1\.\.256"),
+                                               ({"ds": 3}, r"^ds: expected a sub-vector width dividing d=4")])
+def test_kmeans_refuses_sizes_uint8_codes_cannot_hold(kwargs, match):
+    # K = 300 returned a (1, 300, 1) codebook: indices >= 256 wrapped inside Lloyd (uint8)
+    from numba_kv.ops.vq import kmeans
+
+    x = np.random.default_rng(3).standard_normal((1, 400, 4)).astype(np.float32)
+    args = {"codebook_size": 4, "ds": 4, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        kmeans(x, args["codebook_size"], args["ds"], False)
+
+
+def test_f16_encode_refuses_nan_and_saturates_inf():
+    # a NaN came back as ±0.0 (the core's precondition is "not NaN")
+    from numba_kv.ops.lowrank import f16_encode
+
+    with pytest.raises(ValueError, match="^x: expected no NaN"):
+        f16_encode(np.array([1.0, np.nan], np.float32))
+    got = f16_encode(np.array([np.inf, -np.inf, 1e6, 0.5], np.float32)).view(np.float16)
+    np.testing.assert_array_equal(got, np.array([65504, -65504, 65504, 0.5], np.float16))
+
+
+def _q8():
+    x = np.random.default_rng(5).standard_normal((2, 64, 4)).astype(np.float32)
+    return int_quantize(x, 8)
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    (lambda q: {"packed": q.packed[:, :, :2].copy()}, r"^q\.packed: expected uint8 of shape \(2, 4, 64\)"),
+    (lambda q: {"bits": 4}, r"^q\.packed: expected uint8 of shape \(2, 4, 32\)"),
+    (lambda q: {"bits": 5}, r"^q\.bits: expected 4 or 8"),
+    (lambda q: {"shape": (2, 64000, 4)}, r"^q\.packed: expected uint8 of shape \(2, 4, 64000\)"),
+    (lambda q: {"group": 3}, r"^q\.group: expected an even int >= 2"),
+    (lambda q: {"scales": q.scales[:, :1].copy()}, r"^q\.scales: expected float32 of shape \(2, 4, 1\)"),
+    (lambda q: {"scales": np.full_like(q.scales, np.nan)}, r"^q\.scales: expected finite values"),
+    (lambda q: {"outlier_idx": np.array([0, 512], np.int32), "outlier_vals": np.zeros(2, np.float32)},
+     r"^q\.outlier_idx: expected flat indices in \[0, 512\)"),
+    (lambda q: {"outlier_idx": np.zeros(1, np.int32), "outlier_vals": np.zeros(2, np.float32)},
+     r"^q\.outlier_idx, q\.outlier_vals: expected int32 and float32 of one shape"),
+])
+def test_int_dequantize_refuses_a_container_int_quantize_cannot_make(edit, match):
+    # only the type was checked: a short packed was read past its end, a longer shape came
+    # back as uninitialized rows, bits=5 was decoded as INT4
+    import dataclasses
+
+    q = _q8()
+    with pytest.raises(ValueError, match=match):
+        int_dequantize(dataclasses.replace(q, **edit(q)))
