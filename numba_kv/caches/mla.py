@@ -43,8 +43,8 @@ from typing import Any
 import numpy as np
 
 from .. import _backend
-from .._validate import F32_MAX, check_float_array, check_int, check_layer, check_softmax_scale
-from ..ops.finite import check_finite
+from .._validate import F32_MAX, Q_MAX, check_float_array, check_int, check_layer, check_softmax_scale
+from ..ops.finite import check_finite, check_finite_stats
 from ..ops.gather import to_like
 from ..ops.lowrank import project_into, reconstruct_into
 from .config import PagedConfig
@@ -68,6 +68,10 @@ def _per_layer(name: str, w: Any, num_layers: int, tail: tuple[int, ...], labels
                          f"([num_layers, {labels}]), got {a.shape}")
     if not np.isfinite(a).all():
         raise ValueError(f"{name}: expected finite values, got NaN or Inf")
+    amax = float(np.abs(a).max(initial=0.0))
+    if amax > F32_MAX:  # (a float64 projection is stored in float32: it would become inf)
+        raise ValueError(f"{name}: expected values within the float32 range (|x| <= {F32_MAX:.6g}), got "
+                         f"max |x| = {amax:.6g}")
     return np.array(a, np.float64)
 
 
@@ -410,7 +414,12 @@ class MLACache(_LatentBase):
         if _backend.xp_of(q) is None:
             raise TypeError(f"{name}: MLA attention helpers use NumPy/CuPy array operations, "
                             "got a Numba device array")
-        check_finite(name, q)
+        # the rule of the caches' decode (|q| <= 2**64): with latents inside the float32 range
+        # and softmax_scale <= 2**30 the float64 logits stay finite (larger ones gave NaN)
+        amax = check_finite_stats(name, q).amax
+        if amax > Q_MAX:
+            raise ValueError(f"{name}: expected |values| <= 2**64 (logits must stay finite), got max |{name}| = "
+                             f"{amax:.6g}")
         return q
 
     @staticmethod
@@ -455,8 +464,9 @@ class MLACache(_LatentBase):
         Raises
         ------
         ValueError
-            A query with a NaN/Inf value, a scale outside ``(0, 2**30]``, a sequence with no
-            stored token or, with ``causal``, fewer than ``q_len``: nothing is computed.
+            A query with a NaN/Inf value or one above ``2**64``, a scale outside ``(0, 2**30]``,
+            a sequence with no stored token or, with ``causal``, fewer than ``q_len``: nothing
+            is computed.
         """
         layer = check_layer(layer, self.num_layers)
         softmax_scale = check_softmax_scale(softmax_scale)
@@ -534,7 +544,11 @@ class SimpleMLACache(_LatentBase):
         self.paged = PagedKVCache(num_pages, nl, self.num_heads, lat, page_size, storage=storage)
         # components in the [rank, d] layout of the projection op
         self._comp_down = [np.ascontiguousarray(self.down_proj[i].T)[None] for i in range(nl)]  # [1, L, D]
-        self._comp_k = [np.ascontiguousarray(self.up_proj[i] + self.rope_key[i])[None] for i in range(nl)]
+        with np.errstate(over="ignore"):  # (an overflow is refused just below)
+            self._comp_k = [np.ascontiguousarray(self.up_proj[i] + self.rope_key[i])[None] for i in range(nl)]
+        if not all(np.isfinite(c).all() for c in self._comp_k):  # (the sum is taken in float32)
+            raise ValueError("up_proj, rope_key: expected a sum up_proj + rope_key within the float32 range, "
+                             "got one that overflows to inf")
         self._comp_v = [np.ascontiguousarray(self.up_proj[i])[None] for i in range(nl)]
         self._zero_d = np.zeros((1, d), np.float32)
         self.paged.limit_values(*_latent_cap(self._comp_k + self._comp_v, "latent pages (up-projected through "

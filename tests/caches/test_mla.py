@@ -209,3 +209,35 @@ def test_mla_validate_is_the_pages_mode(mla, rng):
     simple.validate = "off"
     simple.append(0, t, kk, np.full_like(kk, np.nan))
     assert simple.seq_len(0, t) == 1
+
+
+def test_projections_beyond_float32_are_refused_by_name():
+    """A finite float64 projection past the float32 range became inf when stored, and an
+    ``up_proj + rope_key`` sum overflowed in float32: the constructors then failed naming an
+    internal ``limit`` (or built a cache whose every append failed, blaming ``k``)."""
+    ok = np.full((64, 32), 0.01, np.float32)
+    with pytest.raises(ValueError, match=r"^down_proj: expected values within the float32 range"):
+        SimpleMLACache(4, 1, 1, 64, 32, np.full((64, 32), 1e300), ok.T, ok.T)
+    big = np.full((32, 64), 2e38, np.float32)  # finite, but big + big is not
+    with pytest.raises(ValueError, match=r"^up_proj, rope_key: expected a sum up_proj \+ rope_key within"):
+        SimpleMLACache(4, 1, 1, 64, 32, ok, big, big)
+    with pytest.raises(ValueError, match=r"^w_uk: expected values within the float32 range"):
+        MLACache(4, 1, 2, 32, 0, 16, 16, np.full((2, 32, 16), 1e300), np.ones((2, 32, 16)))
+
+
+@pytest.mark.parametrize("which", ["attend", "attend_absorbed"])
+def test_attention_refuses_queries_past_two_to_the_64(mla, rng, which):
+    """Finite float64 queries of 1e300 overflowed the float64 logits: NaN came back.  The
+    caches' decode rule (|q| <= 2**64) applies; the same call just inside it is finite."""
+    s = mla.allocate_sequence()
+    c, pe = _latent(rng, 3)
+    mla.append_latent(0, s, c * 1e20, pe)
+    def call(scale):
+        q_nope, q_pe = np.full((H, 1, NOPE), scale), np.zeros((H, 1, ROPE))
+        if which == "attend":
+            return mla.attend(0, s, np.concatenate([q_nope, q_pe], 2), 0.1)
+        return mla.attend_absorbed(0, s, q_nope, q_pe, 0.1)
+
+    with pytest.raises(ValueError, match=r"expected \|values\| <= 2\*\*64"):
+        call(1e300)
+    assert np.isfinite(call(2.0**64 / 2)).all()
