@@ -312,7 +312,10 @@ def range_stats(a: Any, d: int | None = None) -> RangeStats:
             return RangeStats(0, amax, a, d)
     if xp is None:
         a, xp = _backend.to_host(a), np
-    m = float(xp.abs(a).max())  # NaN or Inf propagate into the max
+    if np.dtype(a.dtype).kind in "iu":  # (abs of the most negative int overflows back to itself)
+        m = max(abs(float(a.min())), abs(float(a.max())))
+    else:
+        m = float(xp.abs(a).max())  # NaN or Inf propagate into the max
     if not math.isfinite(m):
         return RangeStats(1, math.inf)
     return RangeStats(0, m, a, d)

@@ -45,7 +45,7 @@ from .._validate import check_int
 from ._exact import mul_rn
 from ._index import unravel2, unravel3
 from ._registry import F32_2D, F32_3D, Twin, register
-from .finite import range_stats
+from .finite import all_finite, check_finite, range_stats
 from .gather import to_like
 from .half import f16_bits_to_f32_cpu, f16_bits_to_f32_dev, f32_to_f16_bits_sat_cpu, f32_to_f16_bits_sat_dev
 
@@ -471,6 +471,7 @@ def channel_stats(x: Any) -> tuple[Any, Any]:
     """
     _backend.resolve_device("auto", x=x)
     x3 = _f32_3d("x", x)
+    check_finite("x", x3)  # (a NaN was reported as a Gram matrix beyond the float32 range)
     rows, _, d = x3.shape
     mean = _backend.empty(x3, (rows, d), np.float32)
     amax = _backend.empty(x3, (rows, d), np.float32)
@@ -503,7 +504,8 @@ def project(x: Any, mean: Any, components: Any) -> Any:
     Raises
     ------
     ValueError
-        Shapes that do not line up (the message names the argument).
+        Shapes that do not line up, NaN or Inf, or coefficients beyond the float32 range (the
+        message names the arguments).
     """
     _backend.resolve_device("auto", x=x, mean=mean, components=components)
     x3 = _f32_3d("x", x)
@@ -515,9 +517,19 @@ def project(x: Any, mean: Any, components: Any) -> Any:
         raise ValueError(f"mean/components: expected last axis d={d}, got {tuple(mean.shape)} and "
                          f"{tuple(comp.shape)}")
     _broadcast_ok("mean", mean, rows)
+    for name, a in (("x", x3), ("mean", mean), ("components", comp)):
+        check_finite(name, a)
     out = _backend.empty(x3, (rows, n, comp.shape[1]), np.float32)
     project_into(x3, mean, comp, out)
+    _check_result("x, mean, components", out)
     return out
+
+
+def _check_result(names: str, out: Any) -> None:
+    """``ValueError`` naming the inputs when finite ones gave a value beyond float32."""
+    if not all_finite(out):
+        raise ValueError(f"{names}: expected values whose result fits float32, got a result that overflows "
+                         f"to inf")
 
 
 def reconstruct(coef: Any, mean: Any, components: Any, rows: int | None = None) -> Any:
@@ -534,6 +546,12 @@ def reconstruct(coef: Any, mean: Any, components: Any, rows: int | None = None) 
     Returns
     -------
     x_hat : float32 array, shape ``(R, n, d)``.
+
+    Raises
+    ------
+    ValueError
+        Shapes that do not line up, NaN or Inf, or a reconstruction beyond the float32 range
+        (the message names the arguments).
     """
     _backend.resolve_device("auto", coef=coef, mean=mean, components=components)
     c3 = _f32_3d("coef", coef)
@@ -548,6 +566,9 @@ def reconstruct(coef: Any, mean: Any, components: Any, rows: int | None = None) 
     if c3.shape[2] != comp.shape[1] or mean.shape[1] != d:
         raise ValueError(f"coef: expected rank {comp.shape[1]} and mean width {d}, got coef "
                          f"{tuple(c3.shape)}, mean {tuple(mean.shape)}")
+    for name, a in (("coef", c3), ("mean", mean), ("components", comp)):
+        check_finite(name, a)
     out = _backend.empty(c3, (rows, c3.shape[1], d), np.float32)
     reconstruct_into(c3, mean, comp, out)
+    _check_result("coef, mean, components", out)
     return out

@@ -46,3 +46,13 @@ def test_deferred_state_token_changes_only_when_read():
     assert rec.state_token() is token
     rec.read()
     assert rec.state_token() is not token
+
+
+@pytest.mark.parametrize(("a", "want"), [(np.array([-2**31, 5], np.int32), 2.0**31),
+                                         (np.array([-2**63], np.int64), 2.0**63),
+                                         (np.array([3, 200], np.uint8), 200.0)])
+def test_range_stats_of_the_most_negative_integer(a, want):
+    # abs(-2**31) overflows back to -2**31 in int32: amax came back 5.0 (and -9.2e18 for int64)
+    from numba_kv.ops.finite import range_stats
+
+    assert range_stats(a).amax == want

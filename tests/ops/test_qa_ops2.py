@@ -231,3 +231,34 @@ def test_int_dequantize_refuses_a_container_int_quantize_cannot_make(edit, match
     q = _q8()
     with pytest.raises(ValueError, match=match):
         int_dequantize(dataclasses.replace(q, **edit(q)))
+
+
+_F = np.finfo(np.float32).max
+
+
+@pytest.mark.parametrize("op", ["project", "reconstruct", "channel_stats"])
+def test_lowrank_ops_refuse_nan_by_name(op):
+    # project and reconstruct passed a NaN through; channel_stats reported it as a Gram matrix
+    # "beyond the float32 range (max |x| = 1)"
+    from numba_kv.ops import lowrank
+
+    bad = np.ones((1, 2, 2), np.float32)
+    bad[0, 1, 0] = np.nan
+    mean, comp = np.zeros((1, 2), np.float32), np.eye(2, dtype=np.float32)[None]
+    name = "coef" if op == "reconstruct" else "x"
+    call = {"project": lambda: lowrank.project(bad, mean, comp),
+            "reconstruct": lambda: lowrank.reconstruct(bad, mean, comp),
+            "channel_stats": lambda: lowrank.channel_stats(bad)}[op]
+    with pytest.raises(ValueError, match=f"^{name}: expected finite values"):
+        call()
+
+
+def test_lowrank_project_and_reconstruct_refuse_an_overflowing_result():
+    # x − mean = max − (−max) is inf in float32: a finite input came back as inf
+    from numba_kv.ops import lowrank
+
+    one = np.ones((1, 1, 1), np.float32)
+    with pytest.raises(ValueError, match="^x, mean, components: .*overflows to inf"):
+        lowrank.project(np.full((1, 1, 1), _F, np.float32), np.full((1, 1), -_F, np.float32), one)
+    with pytest.raises(ValueError, match="^coef, mean, components: .*overflows to inf"):
+        lowrank.reconstruct(np.full((1, 1, 1), _F, np.float32), np.full((1, 1), _F, np.float32), one)
