@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -92,6 +93,9 @@ __all__ = ["ATTN_IMPLEMENTATION", "NumbaKVCache", "NumbaKVLayer", "model_geometr
 ATTN_IMPLEMENTATION = "numba_kv"
 #: attribute of a key tensor returned by a fused-mode ``update``: the layer whose decode is pending
 _PENDING = "_numba_kv_pending"
+#: per thread: the layer whose fused ``update`` handed a token over and whose attention call has
+#: not consumed it yet (a model that replaces the key tensor in between loses the tag)
+_handoff = threading.local()
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: layer types of ``config.layer_types`` this cache serves
@@ -274,6 +278,11 @@ class NumbaKVLayer(CacheLayerMixin):
         super().__init__()
         if getattr(cache, "num_layers", None) != 1:
             raise ValueError(f"cache: expected a one-layer numba_kv cache, got {cache!r}")
+        if cache.seq_len(0):
+            # the layer learns the dtype, device and batch of its history from its first update:
+            # a cache that already holds tokens was taken as empty there, and attention never saw them
+            raise ValueError(f"cache: expected an empty cache (the layer's history starts with the model's "
+                             f"first update), got one holding {cache.seq_len(0)} tokens")
         self.cache = cache
         # the decoder's own config: a multimodal model's attention modules read its text config,
         # whose implementation may differ from the outer config's
@@ -339,10 +348,12 @@ class NumbaKVLayer(CacheLayerMixin):
         function :func:`numba_kv_attention_forward` then calls the cache's ``decode``, which
         stores the token and attends from the packed codes (QJL correction included)."""
         self._check_input(key_states, value_states)
+        _handoff.layer = None  # (a step that raised before its attention leaves no stale hand-off)
         first = not self.is_initialized or not self.get_seq_length()
         if not first and key_states.shape[2] == 1 and self.fused:
             # fused decode: numba_kv_attention_forward stores the token and attends from the codes
             setattr(key_states, _PENDING, self)
+            _handoff.layer = self  # (how the attention call sees a hand-off whose tensor the model replaced)
             return key_states, value_states
         with torch_stream(key_states.device), _caller_names():
             res = self.cache.prefill(0, to_array(key_states), to_array(value_states))
@@ -422,7 +433,9 @@ class NumbaKVLayer(CacheLayerMixin):
     def _select(self, name: str, indices: np.ndarray) -> None:
         """Rows ``indices`` become the batch; ``name`` is the caller's argument, for messages."""
         if self.get_seq_length():
-            if indices.size and not (0 <= indices.min() and indices.max() < self.batch_size):
+            if not indices.size:  # (the core's message would name its own argument)
+                raise ValueError(f"{name}: expected at least one batch row, got none")
+            if not (0 <= indices.min() and indices.max() < self.batch_size):
                 # checked here too so that the message names the caller's argument
                 raise ValueError(f"{name}: expected batch rows in [0, {self.batch_size}), got {indices.tolist()}")
             with self._on_stream():
@@ -593,7 +606,15 @@ def numba_kv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
         layer passes that is not the cache layer's (a cache built for another config).
     """
     layer = getattr(key, _PENDING, None)
+    pending, _handoff.layer = getattr(_handoff, "layer", None), None
     if layer is None:
+        if pending is not None:
+            # the layer handed this step's token over on the tensor update returned, but the model
+            # attends with another one (JetMoe repeats its keys after the update): sdpa over it
+            # would attend the new token alone, and the token would never be stored
+            raise ValueError("key: this model changes the key tensor between the cache update and its attention, "
+                             "so the fused numba_kv decode cannot take the step over; use attn_implementation="
+                             "'sdpa' (the dequantized path) with this model")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     delattr(key, _PENDING)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import inspect
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -27,6 +28,7 @@ from transformers import (  # noqa: E402
     SiglipVisionConfig,
 )
 
+from numba_kv import make_cache  # noqa: E402
 from numba_kv.integrations.transformers import NumbaKVCache, model_geometry  # noqa: E402
 
 from .test_transformers import VOCAB, _llama  # noqa: E402  (the same tiny random Llama)
@@ -235,3 +237,62 @@ def test_a_cache_built_for_another_window_is_refused_on_the_fused_path():
         assert own.get_seq_length() == 5
     finally:
         model.set_attn_implementation("sdpa")
+
+
+def test_a_model_that_replaces_its_keys_after_the_update_is_refused_on_the_fused_path():
+    """JetMoe repeats its key tensor after ``cache.update``: the fused step's hand-off (an
+    attribute on the returned tensor) was lost, sdpa attended the new token alone and the token
+    was never stored — 9e-2 off transformers' own cache at every step, no error.  Now the
+    attention call raises, naming the way out, and the cache keeps its prompt."""
+    from transformers import JetMoeConfig, JetMoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = JetMoeConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_key_value_heads=2, kv_channels=32,
+                       intermediate_size=64, num_local_experts=2, num_experts_per_tok=2, max_position_embeddings=64)
+    model = JetMoeForCausalLM(cfg).eval()
+    ids, nxt = _ids(batch=1, n=8), _ids(batch=1, n=1, seed=3)
+    with torch.no_grad():
+        model.set_attn_implementation("numba_kv")
+        try:
+            cache = NumbaKVCache.from_model(model, "dense")
+            model(ids, **{CACHE: cache})  # the prompt goes through sdpa
+            with pytest.raises(ValueError, match=r"^key: this model changes the key tensor .*attn_implementation="
+                                                 r"'sdpa'"):
+                model(nxt, **{CACHE: cache})
+            assert cache.get_seq_length() == 8
+        finally:
+            model.set_attn_implementation("sdpa")
+        # the dequantized path serves the same model exactly
+        ref = DynamicCache(config=model.config)
+        model(ids, **{CACHE: ref})
+        ours = NumbaKVCache.from_model(model, "dense")
+        model(ids, **{CACHE: ours})
+        want = model(nxt, **{CACHE: ref}).logits
+        got = model(nxt, **{CACHE: ours}).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert ours.get_seq_length() == 9
+
+
+def test_a_layer_refuses_a_cache_that_already_holds_tokens():
+    """The layer learns dtype, device and batch from its first update: a non-empty cache (one
+    restored with ``load_cache``, a fork) was taken as empty there, and attention never saw its
+    history (0.64 off the original cache's logits, no error)."""
+    from numba_kv.integrations.transformers import NumbaKVLayer
+
+    model = _llama()
+    held = make_cache("kv4", num_layers=1, num_kv_heads=2, head_dim=64)
+    k = np.random.default_rng(0).standard_normal((1, 2, 5, 64)).astype(np.float32)
+    held.prefill(0, k, k)
+    with pytest.raises(ValueError, match=r"^cache: expected an empty cache .* holding 5 tokens"):
+        NumbaKVLayer(held, model.config)
+    held.reset()
+    assert NumbaKVLayer(held, model.config).get_seq_length() == 0
+
+
+def test_an_empty_beam_index_names_beam_idx():
+    cache = NumbaKVCache.from_config(_llama().config, "kv4")
+    k = torch.randn(2, 2, 6, 64)
+    cache.update(k, k, 0)
+    with pytest.raises(ValueError, match=r"^beam_idx: expected at least one batch row"):
+        cache.reorder_cache(torch.tensor([], dtype=torch.long))
+    assert cache.batch_size == 2 and cache.get_seq_length() == 6
