@@ -168,15 +168,36 @@ def to_tensor(a: Any, dtype: torch.dtype) -> torch.Tensor:
 
 # -- geometry ----------------------------------------------------------------------------------------
 
-def _layer_types(config: Any, num_layers: int) -> list[str]:
+def _per_layer_configs(config: Any) -> list[Any] | None:
+    """The layer configs of a heterogeneous config (transformers' ``per_layer_config``: layers
+    may differ in, e.g., ``sliding_window``, and reading such an attribute on the config itself
+    raises), else ``None``.  ``ValueError`` where layers differ in their KV geometry: one
+    ``NumbaKVCache`` stores one head count and head size."""
+    if not getattr(config, "is_heterogeneous", False):
+        return None
+    layers = list(config.per_layer_config)
+    for attr in ("num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size"):
+        seen = {getattr(lc, attr, None) for lc in layers}
+        if len(seen) > 1:
+            raise ValueError(f"config.per_layer_config: layers differ in {attr} ({sorted(seen, key=str)}); "
+                             "NumbaKVCache serves one KV geometry for every layer")
+    return layers
+
+
+def _layer_types(config: Any, num_layers: int, per_layer: list[Any] | None = None) -> list[str]:
     """``config.layer_types``, or where a config has none, the types transformers itself infers
     (``get_layer_types_and_kwargs``, which builds ``DynamicCache(config=...)``): every layer
     sliding when ``config.sliding_window`` is set (Mistral, Phi-3: the model then builds sliding
-    masks), chunked when ``config.attention_chunk_size`` is, else full; a layer that reuses
-    another's K/V (``config.kv_sharing_modes``, Gemma-3n) is ``"kv_shared"``."""
+    masks), chunked when ``config.attention_chunk_size`` is, else full — per layer, from its own
+    config, for a heterogeneous config (``per_layer``); a layer that reuses another's K/V
+    (``config.kv_sharing_modes``, Gemma-3n) is ``"kv_shared"``."""
     types = getattr(config, "layer_types", None)
     if types:
         types = list(types)
+    elif per_layer:
+        types = ["sliding_attention" if getattr(lc, "sliding_window", None) is not None else
+                 "chunked_attention" if getattr(lc, "attention_chunk_size", None) is not None else
+                 "full_attention" for lc in per_layer]
     elif getattr(config, "sliding_window", None) is not None:
         types = ["sliding_attention"] * num_layers
     elif getattr(config, "attention_chunk_size", None) is not None:
@@ -212,10 +233,12 @@ def model_geometry(config: Any) -> dict[str, Any]:
         raise ValueError(f"config: expected a transformer decoder with attention layers, {type(config).__name__} "
                          f"has no {' / '.join(missing)}")
     num_layers = int(config.num_hidden_layers)
-    num_heads = int(config.num_attention_heads)
-    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-    types = _layer_types(config, num_layers)
+    per_layer = _per_layer_configs(config)
+    first = per_layer[0] if per_layer else config
+    num_heads = int(first.num_attention_heads)
+    num_kv_heads = int(getattr(first, "num_key_value_heads", None) or num_heads)
+    head_dim = getattr(first, "head_dim", None) or first.hidden_size // num_heads
+    types = _layer_types(config, num_layers, per_layer)
     if len(types) != num_layers:
         raise ValueError(f"config.layer_types: expected {num_layers} entries, got {len(types)}")
     windows: list[int | None] = []
@@ -223,7 +246,7 @@ def model_geometry(config: Any) -> dict[str, Any]:
         if kind not in _LAYER_TYPES:
             raise ValueError(f"config.layer_types: layer {i} is {kind!r}; NumbaKVCache serves {list(_LAYER_TYPES)}")
         if kind == "sliding_attention":
-            w = getattr(config, "sliding_window", None)
+            w = getattr(per_layer[i] if per_layer else config, "sliding_window", None)
             if not w:
                 raise ValueError(f"config.sliding_window: layer {i} is a sliding layer but the window is {w!r}")
             windows.append(int(w))

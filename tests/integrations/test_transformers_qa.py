@@ -296,3 +296,27 @@ def test_an_empty_beam_index_names_beam_idx():
     with pytest.raises(ValueError, match=r"^beam_idx: expected at least one batch row"):
         cache.reorder_cache(torch.tensor([], dtype=torch.long))
     assert cache.batch_size == 2 and cache.get_seq_length() == 6
+
+
+def test_per_layer_sliding_windows_of_a_heterogeneous_config():
+    """transformers' ``per_layer_config`` (layers with their own ``sliding_window``): reading
+    ``config.sliding_window`` raises there, and ``from_model`` failed with transformers'
+    ``AmbiguousGlobalPerLayerAttributeError``.  The layers now take their own windows, those
+    of ``DynamicCache(config=...)``.  (Mistral's own forward still reads the global window,
+    so this model cannot run yet: the layers are compared, not logits.)"""
+    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+                        sliding_window=4, per_layer_config={1: {"sliding_window": 8}, 2: {"sliding_window": None}})
+    ref = DynamicCache(config=cfg)
+    want = [getattr(la, "sliding_window", None) for la in ref.layers]
+    assert want == [4, 8, None]
+    assert model_geometry(cfg)["sliding_window"] == want
+    assert [la.sliding_window for la in NumbaKVCache.from_config(cfg, "kv4").layers] == want
+
+
+def test_a_heterogeneous_config_with_layers_of_other_kv_geometry_is_refused():
+    cfg = MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                        per_layer_config={1: {"num_key_value_heads": 1}})
+    with pytest.raises(ValueError, match=r"^config\.per_layer_config: layers differ in num_key_value_heads"):
+        model_geometry(cfg)
