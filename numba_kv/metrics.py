@@ -123,9 +123,17 @@ def nmse(x: np.ndarray, x_hat: np.ndarray, axis: int | None = None, eps: float =
     x_hat = np.asarray(x_hat, dtype=np.float64)
     if x_hat.shape != x.shape:
         raise ValueError(f"x_hat: expected the shape of x {x.shape}, got {x_hat.shape}")
-    num = np.sum((x - x_hat) ** 2, axis=-1)
-    den = np.sum(x ** 2, axis=-1)
-    ratio = num / np.where(den < eps, 1.0, den)
+    # each vector pair scaled by a power of two (exact) putting its largest |value| near 1:
+    # squares of |x| above ~1.3e154 overflow float64, and inf / inf was a NaN
+    big = np.maximum(np.abs(x).max(axis=-1, initial=0.0), np.abs(x_hat).max(axis=-1, initial=0.0))
+    scale = np.ldexp(1.0, np.frexp(np.where(np.isfinite(big) & (big > 0), big, 1.0))[1])[..., None]
+    xs, hs = x / scale, x_hat / scale
+    num = np.sum((xs - hs) ** 2, axis=-1)
+    den = np.sum(xs ** 2, axis=-1)
+    with np.errstate(over="ignore"):  # (‖x‖² past float64 is inf, never below eps; so is such an absolute error)
+        s2 = scale[..., 0] ** 2
+        tiny = den * s2 < eps
+        ratio = np.where(tiny, num * s2, num / np.where(den > 0, den, 1.0))
     return float(ratio.mean()) if axis is None else ratio.mean(axis=axis)
 
 

@@ -31,7 +31,14 @@ from typing import Any
 from numba_kv import __version__
 from numba_kv import info as env_info
 
-from .models.gguf_loader import ModelFileError, ModelNotFoundError
+from .cli_common import OutputError
+from .cli_common import int_list as _int_list
+from .cli_common import missing_extra as _missing_extra
+from .cli_common import table_or_json as _table_or_json
+from .cli_common import user_call as _user_call
+from .cli_common import user_error as _user_error
+from .cli_common import write_json as _write_json
+from .cli_common import write_text as _write_text
 from .specs import (
     DEFAULT_CACHES,
     DEFAULT_STEPS,
@@ -42,11 +49,6 @@ from .specs import (
     parse_cache_specs,
     split_cache_list,
 )
-
-#: the packages of the ``tools`` extra (setup.cfg): a subcommand that misses one says so in one line
-TOOLS_EXTRA = ("tqdm", "rich", "gguf", "tokenizers", "matplotlib")
-#: packages of the ``hf`` extra (``eval --engine transformers``)
-HF_EXTRA = ("torch", "transformers")
 
 
 def _toolkit(name: str) -> ModuleType:
@@ -91,7 +93,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _bench_modes(args: argparse.Namespace) -> int:
     recommend = _toolkit("recommend")
     try:
-        (tokens, *more) = _int_list(args.tokens or "2048", "--tokens") or [0]
+        (tokens, *more) = _int_list("2048" if args.tokens is None else args.tokens, "--tokens")
         if more or tokens < 2:  # (a traceback before: int("64,128"), a 1-token history)
             raise EvalConfigError(f"--tokens: bench modes takes one history length N >= 2, got {args.tokens!r}")
         modes = recommend.DEFAULT_MODES if not args.modes else split_cache_list(args.modes, "--modes")
@@ -107,9 +109,7 @@ def _bench_modes(args: argparse.Namespace) -> int:
     _table_or_json(doc, args.json, lambda: recommend.render(
         rows, f"compression modes: T={tokens}, d=128, 8 KV heads x 256 queries, synthetic K/V with outlier channels"))
     if args.markdown:
-        with open(args.markdown, "w", encoding="utf-8") as f:
-            f.write(recommend.to_markdown(rows))
-        sys.stderr.write(f"wrote {args.markdown}\n")
+        _write_text(args.markdown, recommend.to_markdown(rows), "--markdown")
     return 0
 
 
@@ -122,7 +122,7 @@ def _bench(args: argparse.Namespace) -> int:
         return _bench_attention_cuda(args)
     bench = _toolkit("bench")
     try:  # a clear error before any timing
-        tokens = _int_list(args.tokens or "4096,32768,131072", "--tokens")
+        tokens = _int_list("4096,32768,131072" if args.tokens is None else args.tokens, "--tokens")
         bits = _int_list(args.bits, "--bits")
         if not tokens or min(tokens) < 1:
             raise EvalConfigError(f"--tokens: expected comma-separated ints >= 1, got {args.tokens!r}")
@@ -141,21 +141,11 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_json(text: str, dest: str) -> None:
-    """``text`` to stdout (``dest`` ``"-"``) or to the file ``dest``."""
-    if dest == "-":
-        sys.stdout.write(text + "\n")
-    else:
-        with open(dest, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-        sys.stderr.write(f"wrote {dest}\n")
-
-
 def _bench_attention_cuda(args: argparse.Namespace) -> int:
     bench_cuda = _toolkit("bench_cuda")
     try:
-        tokens = _int_list(args.tokens, "--tokens") if args.tokens else bench_cuda.DEFAULT_TOKENS
-        batch = _int_list(args.batch, "--batch") if args.batch else bench_cuda.DEFAULT_BATCH
+        tokens = _int_list(args.tokens, "--tokens") if args.tokens is not None else bench_cuda.DEFAULT_TOKENS
+        batch = _int_list(args.batch, "--batch") if args.batch is not None else bench_cuda.DEFAULT_BATCH
         bits = _int_list(args.bits, "--bits")
         rows = bench_cuda.run_attention_bench_cuda(tokens, batch, bits, num_kv_heads=args.kv_heads,
                                                    groups=args.groups, head_dim=args.head_dim,
@@ -178,8 +168,8 @@ def _bench_decode_step(args: argparse.Namespace) -> int:
     try:
         modes = bench_step.DEFAULT_MODES if not args.modes else split_cache_list(args.modes, "--modes")
         parse_cache_specs(",".join(modes), arg="--modes")  # a clear error before any GPU work
-        tokens = _int_list(args.tokens, "--tokens") if args.tokens else bench_step.DEFAULT_TOKENS
-        batch = _int_list(args.batch, "--batch") if args.batch else bench_step.DEFAULT_BATCH
+        tokens = _int_list(args.tokens, "--tokens") if args.tokens is not None else bench_step.DEFAULT_TOKENS
+        batch = _int_list(args.batch, "--batch") if args.batch is not None else bench_step.DEFAULT_BATCH
         if args.steps < 1 or args.warmup < 1:
             raise EvalConfigError(f"--steps and --warmup: expected ints >= 1, got {args.steps} and {args.warmup}")
         rows = bench_step.run_decode_step_bench(modes, tokens, batch, num_kv_heads=args.kv_heads, groups=args.groups,
@@ -195,65 +185,37 @@ def _bench_decode_step(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
-def _user_error(command: str, exc: str | BaseException) -> int:
-    sys.stderr.write(f"numba-kv {command}: error: {exc}\n")
-    return 2
-
-
-def _missing_extra(exc: ModuleNotFoundError) -> str | None:
-    """Message for a missing package of the ``tools`` or ``hf`` extra, else None."""
-    package = (exc.name or "").split(".")[0]
-    for extra, packages in (("tools", TOOLS_EXTRA), ("hf", HF_EXTRA)):
-        if package in packages:
-            return f"needs the {extra} extra (missing package '{package}'): pip install \"numba-kv[{extra}]\""
-    return None
-
-
-def _user_call(command: str, fn: Any, errors: tuple[type[BaseException], ...] = ()) -> tuple[Any, int | None]:
-    """``(fn(), None)``; or ``(None, 2)`` after reporting a user error on stderr: a bad
-    configuration, a missing model or a file that is not one, or one of ``errors`` (a missing
-    package of the ``tools`` extra is reported by :func:`main`).  Any other exception propagates."""
-    try:
-        return fn(), None
-    except (EvalConfigError, ModelNotFoundError, ModelFileError, *errors) as exc:
-        return None, _user_error(command, exc)
-
-
-def _int_list(text: str, arg: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise EvalConfigError(f"{arg}: expected comma-separated ints, got {text!r}") from None
-
-
-def _table_or_json(doc: Any, dest: str | None, render: Any, indent: int = 2) -> None:
-    """The ``--json`` convention of every subcommand: ``doc`` as JSON on stdout instead of the
-    table when ``dest`` is ``"-"``; else the table (``render()``) and, when ``dest`` names a
-    file, ``doc`` written there as JSON too.  Values JSON does not know (paths, ...) are written
-    as their ``str``."""
-    if dest == "-":
-        _write_json(json.dumps(doc, indent=indent, default=str), dest)
-        return
-    render()
-    if dest:
-        _write_json(json.dumps(doc, indent=indent, default=str), dest)
-
-
 def _emit(command: str, args: argparse.Namespace, result: Any, render: Any, plot: Any) -> int:
     """Output of ``eval`` (both modes): the table via ``render`` or the JSON on stdout with
     ``--json -``, the JSON file of ``--json FILE``, the figure of ``--plot FILE`` via ``plot``."""
     _table_or_json(result.to_json(), args.json, lambda: render(result))
     if args.plot:
-        _, err = _user_call(command, lambda: plot(result, args.plot))
+        _, err = _user_call(command, lambda: plot(result, args.plot), (OSError,))  # (a file it cannot write)
         if err is not None:
             return err
         sys.stderr.write(f"wrote {args.plot}\n")
     return 0
 
 
+#: the ``eval`` options one mode takes, with their defaults (``None`` on the parser, so that an
+#: option given to a mode that does not read it is refused, not silently ignored)
+_EVAL_DEFAULTS = {"tokens": 1024, "prefill": 128, "scored": 1024, "order": "layer", "depths": "10,50,90"}
+_EVAL_MODE_OPTIONS = {"text": ("text", "tokens", "prefill"), "needle": ("lengths", "depths"),
+                      "long": ("lengths", "scored", "order")}
+
+
 def _eval(args: argparse.Namespace) -> int:
     if args.prefill_attention != "cache" and (args.mode != "needle" or args.engine != "numpy"):
         return _user_error("eval", EvalConfigError("--prefill-attention: only --mode needle (numpy engine) takes it"))
+    mine = _EVAL_MODE_OPTIONS[args.mode]
+    for opt in sorted({o for opts in _EVAL_MODE_OPTIONS.values() for o in opts} - set(mine)):
+        if getattr(args, opt) is not None:
+            takers = " / ".join(m for m, opts in _EVAL_MODE_OPTIONS.items() if opt in opts)
+            return _user_error("eval", EvalConfigError(f"--{opt}: only --mode {takers} takes it (this is --mode "
+                                                       f"{args.mode})"))
+    for opt, value in _EVAL_DEFAULTS.items():
+        if getattr(args, opt) is None:
+            setattr(args, opt, value)
     if args.engine == "transformers":
         return _eval_transformers(args)
     if args.mode == "needle":
@@ -302,7 +264,8 @@ def _eval_needle(args: argparse.Namespace) -> int:
     needle = _toolkit("evaluation.needle")
     result, err = _user_call("eval", lambda: needle.run_needle(
         _specs(args), model_path=args.model,
-        lengths=_int_list(args.lengths or ",".join(map(str, needle.DEFAULT_LENGTHS)), "--lengths"),
+        lengths=_int_list(",".join(map(str, needle.DEFAULT_LENGTHS)) if args.lengths is None else args.lengths,
+                          "--lengths"),
         depths=_int_list(args.depths, "--depths"), gen_tokens=args.gen_tokens, chunk_size=args.chunk,
         threads=args.threads, progress=not args.no_progress, prefill_attention=args.prefill_attention))
     if err is not None:
@@ -504,13 +467,15 @@ def _add_eval(sub: Any) -> None:
     e.add_argument("--lengths", default=None,
                    help="needle: prompt lengths in tokens (default: 1024,2048,4096,8192); long: context lengths "
                         "reached, each within the model's context (default: 4096,8192; Gemma-3: 8192,16384,32768)")
-    e.add_argument("--scored", type=int, default=1024,
-                   help="long: decoded positions scored at the end of each length (default: %(default)s)")
-    e.add_argument("--order", choices=("layer", "token"), default="layer",
+    e.add_argument("--scored", type=int, default=None,
+                   help="long: decoded positions scored at the end of each length (default: "
+                        f"{_EVAL_DEFAULTS['scored']})")
+    e.add_argument("--order", choices=("layer", "token"), default=None,
                    help="long: decode the scored tokens layer by layer (one matrix product per layer over all of "
                         "them, one cache.decode per token and layer; ~2.5-3x faster) or token by token (default: "
-                        "%(default)s)")
-    e.add_argument("--depths", default="10,50,90", help="needle: needle depths in percent (default: %(default)s)")
+                        f"{_EVAL_DEFAULTS['order']})")
+    e.add_argument("--depths", default=None,
+                   help=f"needle: needle depths in percent (default: {_EVAL_DEFAULTS['depths']})")
     e.add_argument("--cache", default=DEFAULT_CACHES,
                    help="comma-separated caches; an entry is NAME, NAME-rR-sS (residual_length=R, sink_tokens=S), "
                         "NAME-rR-gG-sS (a window growing to G %% of the history) "
@@ -521,9 +486,11 @@ def _add_eval(sub: Any) -> None:
     e.add_argument("--sink-tokens", type=int, default=None,
                    help="sink_tokens for every compressed cache that does not set its own")
     e.add_argument("--text", default=None, metavar="FILE",
-                   help=f"English text file (default: {DEFAULT_TEXT}, read at run time)")
-    e.add_argument("--tokens", type=int, default=1024, help="N, tokens of the text (default: %(default)s)")
-    e.add_argument("--prefill", type=int, default=128, help="P, prefilled tokens (default: %(default)s)")
+                   help=f"text: English text file (default: {DEFAULT_TEXT}, read at run time)")
+    e.add_argument("--tokens", type=int, default=None,
+                   help=f"text: N, tokens of the text (default: {_EVAL_DEFAULTS['tokens']})")
+    e.add_argument("--prefill", type=int, default=None,
+                   help=f"text: P, prefilled tokens (default: {_EVAL_DEFAULTS['prefill']})")
     e.add_argument("--gen-tokens", type=int, default=16,
                    help="greedy tokens per fixed prompt, 0 = no generation check (default: %(default)s)")
     e.add_argument("--chunk", type=_positive_int, default=256, help="prefill chunk (default: %(default)s)")
@@ -683,6 +650,8 @@ def main(argv: list[str] | None = None) -> int:
             return _user_error(command, why)
     try:
         return int(args.func(args))
+    except OutputError as exc:  # (the run is done; its table, if any, was printed)
+        return _user_error(command, exc)
     except ModuleNotFoundError as exc:
         msg = _missing_extra(exc)
         if msg is None:

@@ -8,6 +8,7 @@ them, ``evaluation.evaluate`` and ``bench_step``, import rich and tqdm)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -68,8 +69,8 @@ def output_file_error(dest: Any, arg: str) -> str | None:
     Returns
     -------
     str or None
-        The message (naming ``arg``: an empty name, a folder, a folder that does not exist),
-        or ``None``.
+        The message (naming ``arg``: an empty name, a folder, a folder that does not exist, a
+        file that cannot be opened for writing), or ``None``.
     """
     if not isinstance(dest, str) or dest == "-":
         return None
@@ -79,6 +80,17 @@ def output_file_error(dest: Any, arg: str) -> str | None:
         return f"{arg}: {dest!r} is a folder, expected a file name"
     if not os.path.isdir(os.path.dirname(dest) or "."):
         return f"{arg}: the folder of {dest!r} does not exist"
+    # open it for appending (an existing file keeps its bytes; a new one is removed again): the
+    # folder tests above pass for /proc, a read-only folder or one the user may not write to
+    existed = os.path.exists(dest)
+    try:
+        with open(dest, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        return f"{arg}: {dest!r} cannot be written ({exc.strerror or exc})"
+    if not existed:
+        with contextlib.suppress(OSError):
+            os.remove(dest)
     return None
 
 

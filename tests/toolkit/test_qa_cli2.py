@@ -157,3 +157,53 @@ def test_kernels_json_dash_is_stdout_alone(capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["command"] == "kernels" and [r["kernel"] for r in doc["rows"]] == ["pack_bits"]
     assert not os.path.exists("-")
+
+
+def test_an_output_file_that_cannot_be_opened_is_refused_before_the_run(tmp_path, capsys):
+    # the folder exists, but nothing can be created in it (/proc): the command ran to the end
+    # and then died in a FileNotFoundError traceback while writing
+    assert output_file_error("/proc/numba-kv-x.json", "--json").startswith("--json: '/proc/numba-kv-x.json' cannot "
+                                                                           "be written (")
+    assert cli.main([*TINY_DEMO, "--caches", "dense", "--json", "/proc/numba-kv-x.json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("numba-kv demo: error: --json: '/proc/numba-kv-x.json' cannot be written")
+    # the probe leaves nothing behind and an existing file as it was
+    new, old = tmp_path / "new.json", tmp_path / "old.json"
+    old.write_text("keep")
+    assert output_file_error(str(new), "--json") is None and not new.exists()
+    assert output_file_error(str(old), "--json") is None and old.read_text() == "keep"
+
+
+def test_an_output_file_that_fails_after_the_run_is_one_line(monkeypatch, capsys):
+    # what the check before the run cannot see (a disk filling up, a folder removed meanwhile)
+    monkeypatch.setattr(cli, "output_file_error", lambda dest, arg: None)
+    assert cli.main([*TINY_DEMO, "--caches", "dense", "--json", "/proc/numba-kv-x.json"]) == 2
+    out, err = capsys.readouterr()
+    assert "dense" in out  # the table of the finished run
+    assert err.endswith("numba-kv demo: error: --json: '/proc/numba-kv-x.json' could not be written (No such file "
+                        "or directory)\n")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--mode", "needle", "--lengths", ""], "--lengths: expected at least one int, got ''"),  # ran the default grid
+    (["--mode", "needle", "--lengths", "64", "--depths", ""], "--depths: expected at least one int, got ''"),
+    (["--mode", "needle", "--text", "/nonexistent"], "--text: only --mode text takes it (this is --mode needle)"),
+    (["--mode", "needle", "--tokens", "-5"], "--tokens: only --mode text takes it (this is --mode needle)"),
+    (["--mode", "long", "--depths", "50"], "--depths: only --mode needle takes it (this is --mode long)"),
+    (["--tokens", "12", "--scored", "5"], "--scored: only --mode long takes it (this is --mode text)"),
+    (["--order", "token"], "--order: only --mode long takes it (this is --mode text)"),
+    (["--lengths", "64"], "--lengths: only --mode needle / long takes it (this is --mode text)"),
+])
+def test_eval_refuses_empty_lists_and_options_of_other_modes(argv, message, capsys):
+    # these were silently ignored (a missing --text file, negative counts) or ran the wrong grid
+    assert cli.main(["eval", "--cache", "dense", "--no-progress", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"numba-kv eval: error: {message}\n"
+
+
+def test_nmse_of_vectors_whose_squares_overflow_float64():
+    # squares above ~1.3e154 were inf, and inf / inf returned NaN for a true value of 1
+    from numba_kv.metrics import nmse
+
+    assert nmse(np.array([1e200, 1e200]), np.array([0.0, 0.0])) == 1.0
+    assert nmse(np.array([[3e200, 4e200]]), np.array([[3e200, 4.5e200]])) == pytest.approx(0.01, rel=1e-12)
