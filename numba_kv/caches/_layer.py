@@ -335,6 +335,7 @@ class LayeredCache(SteadyStepMixin, LifecycleMixin, ValueChecks):
         st = self._layers[layer]
         batch = st.batch if st.seq_len > 0 else None
         dev = check_kv_shapes(k, v, self.num_kv_heads, self.head_dim, batch=batch)
+        self._check_device_inputs(k, v)  # (the store converts them after a sliding layer evicted)
         mode = self._value_mode(dev)
         stats = None
         if mode == "sync":

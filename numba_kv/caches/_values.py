@@ -75,6 +75,13 @@ class ValueChecks:
         mode = self._value_mode(_backend.device_of(slot, a))
         return mode == "sync" or (mode == "deferred" and not self._defer(slot, a))
 
+    def _check_device_inputs(self, k: Any, v: Any) -> None:
+        """``TypeError`` naming ``k`` or ``v`` unless the store can take a Numba device array
+        of that kind (base: float32; the store copies a strided one on the device).  Checked
+        with the shapes, before a sliding layer evicts or a deferred record is planned."""
+        _backend.check_device_f32("k", k)
+        _backend.check_device_f32("v", v)
+
     def _input_limit(self) -> tuple[float, str]:
         """Largest ``|k|``, ``|v|`` this cache stores faithfully, and what sets it (for
         :meth:`check_inputs`; the synchronous checks are :meth:`_check_range`)."""

@@ -64,13 +64,22 @@ class DenseCache(LayeredCache):
             for name, rs in zip(("k", "v"), stats):
                 check_magnitude(name, rs.amax, limit, f"dtype={self.dtype.name} storage")
 
+    def _check_device_inputs(self, k: Any, v: Any) -> None:
+        """A Numba device array must already be C-contiguous in the storage dtype (checked with
+        the shapes: refused only at the store, a sliding layer had already evicted)."""
+        self._check_device_input("k", k)
+        self._check_device_input("v", v)
+
+    def _check_device_input(self, name: str, a: Any) -> None:
+        if _backend.xp_of(a) is None and (np.dtype(a.dtype) != self.dtype or not a.is_c_contiguous()):
+            got = a.dtype if np.dtype(a.dtype) != self.dtype else f"a strided {a.dtype} array"
+            raise TypeError(f"{name}: Numba device arrays must be C-contiguous {self.dtype} (the storage "
+                            f"dtype; they are not cast or copied on the device), got {got}")
+
     def _flat(self, name: str, a: Any) -> Any:
         xp = _backend.xp_of(a)
         if xp is None:  # Numba device array: must already be in the storage dtype
-            if np.dtype(a.dtype) != self.dtype or not a.is_c_contiguous():
-                got = a.dtype if np.dtype(a.dtype) != self.dtype else f"a strided {a.dtype} array"
-                raise TypeError(f"{name}: Numba device arrays must be C-contiguous {self.dtype} (the storage "
-                                f"dtype; they are not cast or copied on the device), got {got}")
+            self._check_device_input(name, a)
             return a.reshape(a.shape[0] * a.shape[1], a.shape[2], a.shape[3])
         a = xp.ascontiguousarray(a, dtype=self.dtype)
         return a.reshape(a.shape[0] * a.shape[1], a.shape[2], a.shape[3])
@@ -98,8 +107,10 @@ class DenseCache(LayeredCache):
             elif np.dtype(buf.dtype) == np.float32:  # Numba device array: copied on the device
                 flat = _backend.empty(buf, (int(buf.shape[0]), st.seq_len, int(buf.shape[2])), np.float32)
                 copy_tokens(buf, 0, st.seq_len, flat, 0)
-            else:  # no float16/float64 device copy kernel: through the host
-                flat = _backend.to_host(live)
+            else:  # float16/float64 (no copy kernel): a device-to-device copy per row, not via the host
+                flat = _backend.empty(buf, (int(buf.shape[0]), st.seq_len, int(buf.shape[2])), buf.dtype)
+                for r in range(int(buf.shape[0])):
+                    flat[r].copy_to_device(buf[r, : st.seq_len])
             out.append(self._reshape_out(flat, st.batch, dtype))
         return out[0], out[1]
 

@@ -505,7 +505,12 @@ class PagedKVCache(PagedStorageMixin, PagedLifecycleMixin, ValueChecks):
             pending = self._check_values(dev, [("k", k3)] + ([("v", v3)] if self.has_values else []))
             try:
                 self._append(layer, sid, dev, k3, v3 if self.has_values else None, pending)
-            finally:  # the records no kernel took (a refused or host append): launched on their own
+            except BaseException:
+                # a refused append stores nothing (its pages go back): its values are not
+                # recorded either, or check_inputs() would report tokens "stored" that are not
+                pending.clear()
+                raise
+            finally:  # the records no kernel took (a host-side append): launched on their own
                 if pending:
                     self._deferred_record().launch(pending)
 

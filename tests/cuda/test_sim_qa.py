@@ -209,3 +209,78 @@ def test_a_step_on_another_device_names_k_and_changes_nothing(kind):
     after = cache.state_dict()
     assert after.state == before.state and sorted(after.tensors) == sorted(before.tensors)
     assert all(np.array_equal(after.tensors[n], t) for n, t in before.tensors.items())
+
+
+def _state_equal(a, b) -> bool:
+    return a.state == b.state and sorted(a.tensors) == sorted(b.tensors) and \
+        all(np.array_equal(a.tensors[n], t) for n, t in b.tensors.items())
+
+
+@pytest.mark.parametrize("kind", ["pqo3-float64", "dense-strided", "dense-float16-into-float32"])
+def test_a_refused_device_array_leaves_a_sliding_layer_as_it_was(kind):
+    """The device arrays' dtype and layout were checked only by the store, after a sliding layer
+    had evicted its oldest tokens: a refused call left 2 of 5 tokens (and n_evicted = 3)."""
+    if kind.startswith("pqo3"):
+        cache = make_cache("pqo3", num_layers=1, num_kv_heads=H, head_dim=D, residual_length=2,
+                           window_dtype="float32", sliding_window=3)
+    else:
+        cache = make_cache("dense", num_layers=1, num_kv_heads=H, head_dim=D, sliding_window=3)
+    rng = np.random.default_rng(77)
+    kv = rng.standard_normal((1, H, 5, D)).astype(np.float32)
+    cache.prefill(0, to_device(kv), to_device(kv))
+    before = cache.state_dict()
+    one = rng.standard_normal(SHAPES[0])
+    bad = {"pqo3-float64": lambda: to_device(one),
+           "dense-strided": lambda: _strided(one.astype(np.float32)),
+           "dense-float16-into-float32": lambda: to_device(one.astype(np.float16))}[kind]()
+    q = to_device(rng.standard_normal(SHAPES[2]).astype(np.float32))
+    with pytest.raises(TypeError, match="^k: "):
+        cache.decode(0, bad, bad, q, ATT)
+    assert _state_equal(cache.state_dict(), before) and cache.stored_len(0) == 5
+
+
+def test_a_refused_call_records_nothing_for_check_inputs():
+    """Deferred validation: a refused call's NaN values were still recorded, and check_inputs()
+    reported tokens "stored" that were not (a paged append out of pages; a float64 device k)."""
+    from numba_kv import PagedKVCache
+
+    paged = PagedKVCache(num_pages=2, num_layers=1, num_kv_heads=1, head_dim=D, page_size=4, storage="pqo3")
+    paged.validate = "deferred"
+    s = paged.allocate_sequence()
+    one = to_device(np.ones((1, 2, D), np.float32))
+    paged.append(0, s, one, one)
+    paged.check_inputs()
+    nan = to_device(np.full((1, 40, D), np.nan, np.float32))
+    with pytest.raises(Exception, match="nothing was appended"):
+        paged.append(0, s, nan, nan)
+    assert paged.seq_len(0, s) == 2
+    paged.check_inputs()  # nothing stored, nothing to report
+    cache = _cache()
+    cache.validate = "deferred"
+    kv = to_device(np.ones((1, H, 4, D), np.float32))
+    cache.prefill(0, kv, kv)
+    cache.check_inputs()
+    k64 = to_device(np.full(SHAPES[0], np.nan))
+    with pytest.raises(TypeError, match="^k: expected a float32 Numba device array"):
+        cache.decode(0, k64, k64, to_device(np.ones(SHAPES[2], np.float32)), ATT)
+    assert cache.seq_len(0) == 4
+    cache.check_inputs()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float64])
+def test_a_dense_cache_of_another_dtype_returns_its_history_on_the_device(dtype):
+    """float16/float64 histories of Numba device arrays came back as NumPy host arrays (a copy
+    of the whole history to the host every step)."""
+    rng = np.random.default_rng(78)
+    dev, host = (make_cache("dense", num_layers=1, num_kv_heads=H, head_dim=D, dtype=np.dtype(dtype).name)
+                 for _ in range(2))
+    kv = rng.standard_normal((1, H, 4, D)).astype(dtype)
+    k1 = rng.standard_normal(SHAPES[0]).astype(dtype)
+    q = rng.standard_normal(SHAPES[2]).astype(np.float32)
+    dev.prefill(0, to_device(kv), to_device(kv))
+    host.prefill(0, kv, kv)
+    got = dev.decode(0, to_device(k1), to_device(k1), to_device(q), ATT).result
+    want = host.decode(0, k1, k1, q, ATT).result
+    for g, w in ((got.k, want.k), (got.v, want.v)):
+        assert not isinstance(g, np.ndarray) and g.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(to_host(g), w)
