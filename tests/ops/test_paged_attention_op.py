@@ -153,3 +153,12 @@ def test_pool_values_that_would_leave_float32_are_refused(storage):
     with pytest.raises(ValueError, match=r"^q: expected \|q\| <= 2\*\*64"):
         paged_decode_attention(q * np.float32(2.0 ** 70), table, **_pool_kwargs(c))
 
+
+
+def test_a_query_longer_than_a_sequence_names_the_page_table():
+    """The op has no ``seq_ids`` argument (the cache's ``decode_attention`` has): the lengths
+    come from ``page_table``, which the message now names."""
+    pages = np.zeros((2, 1, 4, 32), np.float32)
+    table = (np.array([0, 1], np.int32), np.array([0], np.int32), np.array([2], np.int32))  # 2 tokens
+    with pytest.raises(ValueError, match=r"^page_table: every sequence needs >= max\(1, q_len=3\) stored tokens"):
+        paged_decode_attention(np.zeros((1, 1, 3, 32), np.float32), table, k_pages=pages, v_pages=pages)

@@ -261,7 +261,7 @@ def paged_decode_attention(q: Any, page_table: Sequence[Any], *, k_pages: Any = 
         _check_pool_values(k_pages, v_pages, k_scales, v_scales)
     lens = _table_lens(page_table, int((k_pages if k_pages is not None else k_codes).shape[0]), page_size, seq_lens)
     if min(lens) < max(1, ql if causal else 1):
-        raise ValueError(f"seq_ids: every sequence needs >= max(1, q_len={ql}) stored tokens, got lengths {lens}")
+        raise ValueError(f"page_table: every sequence needs >= max(1, q_len={ql}) stored tokens, got lengths {lens}")
     return paged_attention_rows(q, (indptr, indices, last), arrays, klay, vlay, n_kv_heads=hkv, page_size=page_size,
                                 seq_lens=lens, softmax_scale=softmax_scale, causal=causal,
                                 partition_size=partition_size, check_values=check_values, out=out)
