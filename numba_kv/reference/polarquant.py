@@ -26,25 +26,34 @@ def hadamard(d: int) -> np.ndarray:
     return ((-1.0) ** pc / np.sqrt(float(d))).astype(np.float64)
 
 
+def _hadamard_apply(x: np.ndarray) -> np.ndarray:
+    """``x @ Hᵀ`` over the last axis (``d`` a power of two): the ±1 matrix first, then the
+    ``1/√d`` factor.  With the normalized matrix (entries ±1/√d, inexact) a coordinate that is
+    exactly 0 — every coordinate but the first of a constant block — came out as ±1e-15
+    rounding noise, and a code on the tie at 0 (a boundary of every symmetric codebook) flipped
+    against the rule ``idx = #{t_i < y}``.  float64 sums of ±float32 values cancel exactly."""
+    d = x.shape[-1]
+    return (x @ np.round(hadamard(d) * np.sqrt(float(d))).T) / np.sqrt(float(d))
+
+
 def rotate_head_forward(x: np.ndarray, signs: np.ndarray) -> np.ndarray:
     """Whole-head rotation ``H_d D_s x`` of the last axis (signs first; float64), ``signs``
     the ±1 diagonal."""
-    x = np.asarray(x, np.float64) * np.asarray(signs, np.float64)
-    return x @ hadamard(x.shape[-1]).T
+    return _hadamard_apply(np.asarray(x, np.float64) * np.asarray(signs, np.float64))
 
 
 def rotate_forward(x: np.ndarray) -> np.ndarray:
-    """``D_s H x`` on every 32-block of the last axis (float64 matmul)."""
-    H, s = hadamard32(), sign_vector().astype(np.float64)
+    """``D_s H x`` on every 32-block of the last axis (float64)."""
+    s = sign_vector().astype(np.float64)
     xb = np.asarray(x, np.float64).reshape(*x.shape[:-1], -1, 32)
-    return ((xb @ H.T) * s).reshape(x.shape)
+    return (_hadamard_apply(xb) * s).reshape(x.shape)
 
 
 def rotate_inverse(y: np.ndarray) -> np.ndarray:
     """``H D_s y`` on every 32-block of the last axis."""
-    H, s = hadamard32(), sign_vector().astype(np.float64)
+    s = sign_vector().astype(np.float64)
     yb = np.asarray(y, np.float64).reshape(*y.shape[:-1], -1, 32)
-    return ((yb * s) @ H.T).reshape(y.shape)
+    return _hadamard_apply(yb * s).reshape(y.shape)
 
 
 def pack_bits(idx: np.ndarray, bits: int) -> np.ndarray:

@@ -129,6 +129,26 @@ def test_block_quantizer_codes_match_reference_on_structured_rows(bits, mode, un
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("mode", ["maxnorm", "l2"])
+def test_block_quantizer_codes_on_the_tie_at_zero_match_the_reference(bits, mode):
+    # a constant block (or a row of the Hadamard matrix) rotates to exact zeros in 31 of its
+    # coordinates: on 0, a boundary of every symmetric codebook, ties go to the lower bin. The
+    # oracle rotated with the normalized matrix (±1/√32, inexact) and flipped some of them
+    # with its ±1e-15 rounding noise
+    from numba_kv.reference import hadamard32
+
+    cb = get_codebook(bits, mode)
+    rows = [np.full(32, 300.0), np.ones(32), np.full(32, -2.5), np.round(hadamard32()[5] * np.sqrt(32.0)) * 7]
+    x = np.tile(np.stack(rows).astype(np.float32), (1, 4))  # 4 blocks a row
+    c, _ = quantize_blocks(x, bits, mode)
+    rc, _ = reference.quantize(x, cb.centroids, cb.boundaries, bits, mode, cb.ref, True)
+    codes, want = unpack_bits(c, bits), reference.unpack_bits(rc, bits)
+    assert np.array_equal(codes, want)
+    lower = int(np.count_nonzero(cb.boundaries < 0))  # #{t_i < 0}: the code of an exact 0
+    assert np.count_nonzero(want == lower) >= 4 * 4 * 31  # (every coordinate but the one nonzero of a block)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
 @pytest.mark.parametrize("unbiased", [False, True])
 def test_head_quantizer_codes_match_searchsorted_on_structured_rows(bits, unbiased):
     d = 128
