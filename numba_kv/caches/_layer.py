@@ -518,21 +518,15 @@ class LayeredCache(SteadyStepMixin, LifecycleMixin, ValueChecks):
 
         Equal to the stored tokens, except on sliding-window layers, which evict what no
         future query can see (:meth:`stored_len`)."""
-        layer = check_layer(layer, self.num_layers)
-        return self._layers[layer].total_len
+        st = self._layers[check_layer(layer, self.num_layers)]
+        with self._layer_lock(st):  # (two fields, which an eviction changes one at a time)
+            return st.total_len
 
     def stored_len(self, layer: int) -> int:
         """Tokens ``layer`` currently stores (``seq_len`` minus evicted tokens)."""
-        layer = check_layer(layer, self.num_layers)
-        return self._layers[layer].seq_len
-
-    def reset(self) -> None:
-        """Drop every layer's tokens and buffers (and what ``validate="deferred"`` recorded)."""
-        self.__dict__.pop("_deferred", None)
-        for st in self._layers:
-            with st.lock:
-                st.buffers, st.capacity, st.seq_len, st.batch, st.device = {}, 0, 0, None, None
-                st.live, st.meta, st.scratch = {}, {}, {}
+        st = self._layers[check_layer(layer, self.num_layers)]
+        with self._layer_lock(st):
+            return st.seq_len
 
     def _sum_layers(self, count: Any) -> int:
         """``count(st)`` summed over layers, each read under its lock."""

@@ -64,8 +64,9 @@ def hold_layers(layers: Sequence[tuple[Any, int]]) -> Iterator[None]:
     ``select_batch``, ``state_dict``, ...) take no lock again, so an operation over several
     caches holds all their locks at once and runs each cache's own operation inside.
     ``layers`` must name every layer of each cache it names; a cache whose locks this thread
-    already holds is skipped.  Per-layer calls (``prefill``, ``decode``, ``reset``) still
-    take their layer's lock: do not make them inside.
+    already holds is skipped (``reset`` too; ``seq_len``/``stored_len`` read without the
+    lock).  Per-layer calls (``prefill``, ``decode``) still take their layer's lock: do not
+    make them inside.
     """
     held = _HELD.__dict__.setdefault("ids", set())
     new = {id(cache) for cache, _ in layers} - held
@@ -138,6 +139,21 @@ class LifecycleMixin:
     def _all_locks(self) -> contextlib.AbstractContextManager[None]:
         """Every layer's lock, in layer order (none if this thread holds them: :func:`hold_layers`)."""
         return hold_layers([(self, j) for j in range(len(self._layers))])
+
+    def _layer_lock(self, st: Any) -> contextlib.AbstractContextManager[Any]:
+        """Layer state ``st``'s lock for a read, unless this thread holds every layer's lock
+        (inside a lifecycle operation: :func:`hold_layers`)."""
+        return contextlib.nullcontext() if id(self) in _HELD.__dict__.get("ids", ()) else st.lock
+
+    def reset(self) -> None:
+        """Drop every layer's tokens and buffers (and what ``validate="deferred"`` recorded),
+        under every layer's lock at once: a ``fork``/``state_dict`` taken meanwhile sees the
+        cache before or after, never some layers reset (each lock was taken in turn)."""
+        with self._all_locks():
+            self.__dict__.pop("_deferred", None)
+            for st in self._layers:
+                st.buffers, st.capacity, st.seq_len, st.batch, st.device = {}, 0, 0, None, None
+                st.live, st.meta, st.scratch = {}, {}, {}
 
     @staticmethod
     def _clear_layer(st: Any) -> None:

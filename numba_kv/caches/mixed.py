@@ -472,8 +472,8 @@ class MixedCache:
             yield
 
     def reset(self) -> None:
-        """Drop every layer's tokens."""
-        with self._split_locks():
+        """Drop every layer's tokens, under every lock at once (see :meth:`LayeredCache.reset`)."""
+        with self._all_locks():
             for p in self.parts:
                 p.reset()
 

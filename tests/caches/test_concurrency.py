@@ -302,3 +302,66 @@ def test_same_layer_from_several_threads_equals_some_sequential_order(name):
         k, v = toks[key]
         _assert_same(got[key], seq.prefill(0, k, v) if SAME_STEPS[key[1]] > 1 else seq.decode(0, k, v, q, CFG))
     _assert_same(par.live_arrays(0), seq.live_arrays(0))
+
+
+def test_seq_len_read_during_an_eviction_is_a_count_that_existed():
+    """``seq_len`` summed two fields without the layer's lock, and an eviction changes them one
+    at a time (``seq_len`` first, ``n_evicted`` after): a reader in between saw a count that
+    never existed (a decrease, thousands a run under load).  Here the reader runs exactly
+    there: another thread reads while the decoding thread is between the two updates."""
+    cache = make_cache("kv4", num_layers=1, num_kv_heads=2, head_dim=64, sliding_window=8)
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((1, 2, 1, 64)).astype(np.float32)
+    q = rng.standard_normal((1, 4, 1, 64)).astype(np.float32)
+    cfg = AttendConfig(64 ** -0.5, n_kv_groups=2)
+    for _ in range(8):  # past the window: every further step evicts
+        cache.decode(0, k, k, q, cfg)
+    set_live, readers, seen = cache._set_live, [], []
+
+    def set_live_then_read(st):  # runs inside the eviction, between its two updates
+        set_live(st)
+        r = threading.Thread(target=lambda: seen.append(cache.seq_len(0)))
+        r.start()
+        r.join(timeout=0.2)  # (a reader that waits for the layer's lock finishes after the step)
+        readers.append(r)
+
+    cache._set_live = set_live_then_read
+    for step in range(9, 13):
+        cache.decode(0, k, k, q, cfg)
+        for r in readers:
+            r.join(timeout=60)
+        assert readers and set(seen) <= {step - 1, step}, (step, seen)
+        readers.clear()
+        seen.clear()
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_a_fork_taken_during_reset_sees_every_layer_before_or_after_it(mixed):
+    """``reset`` took each layer's lock in turn: a fork waiting meanwhile could see some layers
+    reset and others not (about 2 % of forks with a short switch interval)."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        k = np.ones((1, 2, 16, 64), np.float32)
+        mixes = 0
+        for _ in range(40):
+            opts = {"layer_overrides": {0: {"bits": 4}}} if mixed else {}
+            cache = make_cache("dense" if not mixed else "pqo3", num_layers=16, num_kv_heads=2, head_dim=64, **opts)
+            for layer in range(16):
+                cache.prefill(layer, k, k)
+            stop, seen = threading.Event(), []
+
+            def snapper(cache=cache, stop=stop, seen=seen):
+                while not stop.is_set():
+                    f = cache.fork()
+                    seen.append(len({f.seq_len(j) for j in range(16)}))
+
+            t = threading.Thread(target=snapper)
+            t.start()
+            cache.reset()
+            stop.set()
+            t.join(timeout=60)
+            mixes += sum(n > 1 for n in seen)
+        assert mixes == 0
+    finally:
+        sys.setswitchinterval(old)
