@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .polarquant import _hadamard_apply, sign_vector
+from .polarquant import hadamard_apply, sign_vector
 
 __all__ = ["head_sign_vector", "headvq_dequantize", "headvq_quantize", "headvq_table"]
 
@@ -54,7 +54,7 @@ def headvq_quantize(x: np.ndarray, points: np.ndarray, unbiased: bool = False
     k_size, m = np.asarray(points).shape
     c = headvq_table(points, d)
     nrm = np.maximum(np.sqrt((x * x).sum(-1, keepdims=True)), 1e-10)
-    y = _hadamard_apply((x / nrm) * head_sign_vector(d))
+    y = hadamard_apply((x / nrm) * head_sign_vector(d))
     groups = y.reshape(n_vec, d // m, 1, m)
     dist = ((groups - c[None, None, :, :]) ** 2).sum(-1)  # [n, G, K]
     codes = np.argmin(dist, axis=-1)
@@ -79,4 +79,4 @@ def headvq_dequantize(codes: np.ndarray, norms: np.ndarray, points: np.ndarray) 
     d = g * m
     chat = headvq_table(points, d)[codes.astype(np.int64)].reshape(n_vec, d)
     alpha = np.abs(np.asarray(norms, np.uint16).view(np.float16).astype(np.float64))
-    return _hadamard_apply(chat) * head_sign_vector(d) * alpha
+    return hadamard_apply(chat) * head_sign_vector(d) * alpha

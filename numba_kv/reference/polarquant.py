@@ -26,7 +26,7 @@ def hadamard(d: int) -> np.ndarray:
     return ((-1.0) ** pc / np.sqrt(float(d))).astype(np.float64)
 
 
-def _hadamard_apply(x: np.ndarray) -> np.ndarray:
+def hadamard_apply(x: np.ndarray) -> np.ndarray:
     """``x @ Hᵀ`` over the last axis (``d`` a power of two): the ±1 matrix first, then the
     ``1/√d`` factor.  With the normalized matrix (entries ±1/√d, inexact) a coordinate that is
     exactly 0 — every coordinate but the first of a constant block — came out as ±1e-15
@@ -39,21 +39,21 @@ def _hadamard_apply(x: np.ndarray) -> np.ndarray:
 def rotate_head_forward(x: np.ndarray, signs: np.ndarray) -> np.ndarray:
     """Whole-head rotation ``H_d D_s x`` of the last axis (signs first; float64), ``signs``
     the ±1 diagonal."""
-    return _hadamard_apply(np.asarray(x, np.float64) * np.asarray(signs, np.float64))
+    return hadamard_apply(np.asarray(x, np.float64) * np.asarray(signs, np.float64))
 
 
 def rotate_forward(x: np.ndarray) -> np.ndarray:
     """``D_s H x`` on every 32-block of the last axis (float64)."""
     s = sign_vector().astype(np.float64)
     xb = np.asarray(x, np.float64).reshape(*x.shape[:-1], -1, 32)
-    return (_hadamard_apply(xb) * s).reshape(x.shape)
+    return (hadamard_apply(xb) * s).reshape(x.shape)
 
 
 def rotate_inverse(y: np.ndarray) -> np.ndarray:
     """``H D_s y`` on every 32-block of the last axis."""
     s = sign_vector().astype(np.float64)
     yb = np.asarray(y, np.float64).reshape(*y.shape[:-1], -1, 32)
-    return _hadamard_apply(yb * s).reshape(y.shape)
+    return hadamard_apply(yb * s).reshape(y.shape)
 
 
 def pack_bits(idx: np.ndarray, bits: int) -> np.ndarray:
