@@ -152,8 +152,8 @@ class LifecycleMixin:
         with self._all_locks():
             self.__dict__.pop("_deferred", None)
             for st in self._layers:
-                st.buffers, st.capacity, st.seq_len, st.batch, st.device = {}, 0, 0, None, None
-                st.live, st.meta, st.scratch = {}, {}, {}
+                self._clear_layer(st)
+                st.scratch = {}
 
     @staticmethod
     def _clear_layer(st: Any) -> None:
