@@ -71,6 +71,7 @@ def check_float_array(name: str, a: Any, ndim: int | None = None) -> str:
     dev = device_of(name, a)
     dt = np.dtype(a.dtype)
     if dt not in FLOAT_DTYPES:
+        check_device_f32(name, a)  # (a Numba device array can only be float32: say that)
         raise TypeError(f"{name}: expected dtype float16, float32 or float64, got {dt}")
     if ndim is not None and len(a.shape) != ndim:
         raise ValueError(f"{name}: expected a {ndim}-D array, got shape {tuple(a.shape)} ({len(a.shape)}-D)")

@@ -78,6 +78,14 @@ def test_a_device_array_of_another_dtype_is_named_and_nothing_is_stored():
     assert cache.seq_len(0) == 0 and cache.memory_usage() == 0
 
 
+def test_an_integer_device_array_is_told_float32():
+    """A Numba device array holds no other float dtype, so naming float16/float64 misleads."""
+    cache = _cache()
+    with pytest.raises(TypeError, match=r"k: expected a float32 Numba device array .*got dtype int32"):
+        cache.prefill(0, to_device(np.zeros((1, H, 3, D), np.int32)), to_device(np.zeros((1, H, 3, D), np.int32)))
+    assert cache.seq_len(0) == 0 and cache.memory_usage() == 0
+
+
 @pytest.mark.parametrize("validate", ["sync", "deferred"])
 @pytest.mark.parametrize("dtype", [np.float64, np.float16])
 def test_a_query_of_another_dtype_is_refused_before_the_store(validate, dtype):
