@@ -65,7 +65,23 @@ def _check_fraction(value: Any) -> float:
     if not 0.0 <= float(value) < 1.0:
         raise ValueError(f"residual_fraction: expected a fraction of the history in [0, 1) (0: a window "
                          f"of residual_length tokens), got {value!r}")
+    num, den = fraction_ratio(float(value))
+    if num >= den:  # (the window's exact ratio has den <= 10**6: 0.9999999 is 1/1, nothing compressed)
+        raise ValueError(f"residual_fraction: expected at most {1 - 1e-6:.6f} (the window's ratio is exact to "
+                         f"1e-6, and {value!r} rounds to 1: the window would hold the whole history), "
+                         f"got {value!r}")
     return float(value)
+
+
+def _dtype_name(value: Any) -> Any:
+    """A dtype's name (``"float16"`` for ``np.float16``, ``np.dtype("float16")`` or the
+    string); anything that is not a dtype as it is (and refused by the choice after it)."""
+    if isinstance(value, str):
+        return value
+    try:
+        return np.dtype(value).name if isinstance(value, (type, np.dtype)) else value
+    except TypeError:
+        return value
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -216,8 +232,8 @@ class PolarQuantConfig:
             if self.head_dim & (self.head_dim - 1) or self.head_dim > 512:
                 raise ValueError(f"head_dim: rotation='head' needs a power of two <= 512, got {self.head_dim}")
         _choice("decode_output", self.decode_output, DECODE_OUTPUTS)
-        _choice("window_dtype", str(self.window_dtype), WINDOW_DTYPES)
-        self._set("window_dtype", str(self.window_dtype))
+        self._set("window_dtype", _dtype_name(self.window_dtype))
+        _choice("window_dtype", self.window_dtype, WINDOW_DTYPES)
         self._set("residual_length", check_int("residual_length", self.residual_length, minimum=0))
         self._set("sink_tokens", check_int("sink_tokens", self.sink_tokens, minimum=0))
         self._set("residual_fraction", _check_fraction(self.residual_fraction))

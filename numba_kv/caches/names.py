@@ -144,7 +144,9 @@ def config_name(cfg: PolarQuantConfig) -> str:
         kb, vb = (f"{x:g}" for x in (avg["k"], avg["v"]))
     else:
         kb, vb = str(cfg.k_bits), str(cfg.v_bits)
-    name = f"{cfg.mode}{kb}" if kb == vb else f"{cfg.mode}-k{kb}v{vb}"
+    # (the uniform form exists for 2-4 bits and the half-bit splits: 5-bit codes are "-k5v5")
+    uniform = kb == vb and re.fullmatch(r"[234](?:\.5)?", kb) is not None
+    name = f"{cfg.mode}{kb}" if uniform else f"{cfg.mode}-k{kb}v{vb}"
     name += "" if cfg.norm_mode == "maxnorm" or cfg.rotation == "head" else "-l2"
     name += "-head" if cfg.rotation == "head" else ""
     name += "-eden" if cfg.unbiased else ""

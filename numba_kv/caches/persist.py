@@ -74,10 +74,13 @@ _REMOVED_OPTIONS = {
 }
 
 
-#: options added later whose default changed what older files mean: the value an older file
-#: (which lacks the option) was written with, keyed by a field every such configuration has
+#: options added later whose default changed what older files mean, keyed by a field
+#: ``marker`` every such configuration has: the value an older file (which lacks the option)
+#: was written with where ``marker`` is ``when``, and elsewhere the constructor's default (the
+#: option changes nothing there, and the file describes the same cache as one built today)
 _ADDED_OPTIONS = {
-    "window_rotation": ("window_dtype", False),  # int8 windows were stored unrotated
+    # int8 windows were stored unrotated; a float window is never rotated
+    "window_rotation": ("window_dtype", "int8", False, True),
 }
 
 
@@ -90,9 +93,9 @@ def _without_removed_options(cfg: Any) -> Any:
     if not isinstance(cfg, dict):
         return cfg
     out = {}
-    for key, (marker, old) in _ADDED_OPTIONS.items():
+    for key, (marker, when, old, default) in _ADDED_OPTIONS.items():
         if marker in cfg and key not in cfg:
-            out[key] = old
+            out[key] = old if cfg[marker] == when else default
     for key, val in cfg.items():
         if key in _REMOVED_OPTIONS:
             off, why = _REMOVED_OPTIONS[key]

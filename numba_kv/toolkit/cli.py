@@ -97,7 +97,9 @@ def _bench_modes(args: argparse.Namespace) -> int:
         if more or tokens < 2:  # (a traceback before: int("64,128"), a 1-token history)
             raise EvalConfigError(f"--tokens: bench modes takes one history length N >= 2, got {args.tokens!r}")
         modes = recommend.DEFAULT_MODES if not args.modes else split_cache_list(args.modes, "--modes")
-        parse_cache_specs(",".join(modes), arg="--modes")  # a clear error before the run
+        # a clear error before the run; duplicates as the run builds them: with no window unless
+        # a mode names one (pqo3 and pqo3-r32-s4 differ, pqo3 and pqo3-r0-s0 do not)
+        parse_cache_specs(",".join(modes), arg="--modes", **recommend.NO_WINDOW)
     except EvalConfigError as exc:
         return _user_error("bench modes", exc)
     fspecs = recommend.DEFAULT_FAISS if args.faiss is None else [f for f in map(str.strip, args.faiss.split("/")) if f]

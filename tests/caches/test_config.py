@@ -196,3 +196,18 @@ def test_split_with_different_side_widths_saves_and_loads(tmp_path, rng):
     assert d.config == c.config and d.outlier_bits == {"k": 4, "v": 3}
     for a, b in zip(c.live_arrays(0), d.live_arrays(0)):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("given, name", [(np.float16, "float16"), (np.float32, "float32"), (np.int8, "int8"),
+                                         (np.dtype("int8"), "int8"), ("float32", "float32")])
+def test_window_dtype_takes_numpy_types(given, name):
+    """``np.float16`` was refused (``got "<class 'numpy.float16'>"``), though the cache reports
+    the window dtype as a NumPy dtype and takes ``np.dtype("float16")``."""
+    c = PolarQuantConfig(*GEOM, window_dtype=given)
+    assert c.window_dtype == name and c == PolarQuantConfig(*GEOM, window_dtype=name)
+
+
+@pytest.mark.parametrize("bad", [np.float64, "f2", 3, None])
+def test_window_dtype_refuses_others_by_name(bad):
+    with pytest.raises(ValueError, match=r"window_dtype: expected one of \['float16', 'float32', 'int8'\]"):
+        PolarQuantConfig(*GEOM, window_dtype=bad)

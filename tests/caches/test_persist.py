@@ -299,6 +299,33 @@ def test_older_int8_window_files_load_unrotated(tmp_path, rng):
     assert np.abs(c.k[:, :, :2] - a.k[:, :, :2]).max() > 0.1
 
 
+@pytest.mark.parametrize("window_dtype", ["float16", "float32"])
+def test_older_float_window_files_match_a_cache_built_today(tmp_path, rng, window_dtype):
+    """A float window is never rotated, so an older file without ``window_rotation`` is today's
+    default cache: ``load_cache(expect=...)`` against one built today must accept it (it
+    reported a ``window_rotation`` mismatch: the int8 files' old value was applied to every
+    window dtype)."""
+    import safetensors.numpy
+
+    from numba_kv.caches import _format
+
+    cache = make_cache("pqo3", num_layers=1, num_kv_heads=2, head_dim=64, residual_length=6, sink_tokens=2,
+                       window_dtype=window_dtype)
+    k = rng.standard_normal((1, 2, 12, 64)).astype(np.float32)
+    cache.prefill(0, k, k)
+    sd = cache.state_dict()
+    tensors = dict(sd.tensors)
+    config = json.dumps({key: val for key, val in cache.config_dict().items() if key != "window_rotation"},
+                        sort_keys=True)
+    state = json.dumps(sd.state, sort_keys=True)
+    path = tmp_path / "old.safetensors"
+    safetensors.numpy.save_file(tensors, str(path), metadata={
+        "format": _format.FORMAT_NAME, "format_version": "1", "cache_class": "PolarQuantCache",
+        "config": config, "state": state, "sha256": _format.digest(config, state, tensors)})
+    back = load_cache(path, expect=cache)
+    assert back.config == cache.config and back.window_rotation is True
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError):
         load_cache(tmp_path / "nope.safetensors")

@@ -50,6 +50,17 @@ def test_make_cache_reads_the_full_grammar():
         make_cache("pqo9", **geom)
 
 
+@pytest.mark.parametrize("spec", ["pqo-k5v5-head", "tq-k5v5-head", "pq-k5v5-head", "pqo-k5v4-head-eden",
+                                  "pqo-k4v4-head", "pqo-k2v2", "tq-k3v3-l2", "pqo3.5", "pqo2.5"])
+def test_a_cache_name_builds_the_same_cache(spec):
+    """``make_cache(cache.name)`` is the same cache for every width pair (5-bit codes on both
+    sides were named ``pqo5-head``, which the grammar has no uniform form for)."""
+    geom = {"num_layers": 1, "num_kv_heads": 1, "head_dim": 64}
+    c = make_cache(spec, **geom)
+    back = make_cache(c.name, **geom)
+    assert back.name == c.name and back.config == c.config
+
+
 def test_override_files(tmp_path):
     """``head_overrides=@FILE`` / ``layer_overrides=@FILE``: JSON's string keys read as ints, the
     same cache as the argument form, the label names the file, and every misuse names the option."""

@@ -122,7 +122,8 @@ def test_stores_and_crops_follow_the_token_model(ops, sinks, residual, pct):
 
 # -- configuration and names -------------------------------------------------------------------
 
-@pytest.mark.parametrize("bad", [-0.01, 1.0, 1.5, float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("bad", [-0.01, 1.0, 1.5, float("nan"), float("inf"), -float("inf"), 0.9999999,
+                                 1 - 2 ** -30])
 def test_bad_fractions_raise_naming_the_argument(bad):
     with pytest.raises(ValueError, match="residual_fraction"):
         PolarQuantCache(1, 1, 64, residual_fraction=bad)
@@ -149,6 +150,13 @@ def test_name_round_trip(text, pct):
     assert rebuilt.config == cache.config
     with pytest.raises(ValueError, match="residual_fraction given twice"):
         parse_cache_spec(text + ":residual_fraction=0.1")
+
+
+def test_the_largest_fraction_below_one_is_accepted():
+    """0.9999999 passed the ``[0, 1)`` check but its exact ratio (denominator <= 10**6) was 1/1,
+    so every token stayed in the window; it is refused now (above), the largest ratio below 1
+    still taken."""
+    assert PolarQuantCache(1, 1, 64, residual_fraction=0.999999).residual_fraction == 0.999999
 
 
 def test_config_dict_omits_a_zero_fraction():

@@ -331,3 +331,19 @@ def test_bench_modes_takes_one_history_length(value, capsys):
     or ran a one-token history; now a usage error naming the option (exit status 2)."""
     assert cli.main(["bench", "modes", "--tokens", value]) == 2
     assert "--tokens: " in capsys.readouterr().err
+
+
+def test_bench_modes_counts_duplicates_as_it_runs_them(capsys, monkeypatch):
+    """``bench modes`` runs a mode without a window unless it names one, so ``pqo3`` and
+    ``pqo3-r32-s4`` are two modes (they were refused as one, the duplicate check applying the
+    caches' default window) and ``pqo3`` and ``pqo3-r0-s0`` one (they ran twice)."""
+    from numba_kv.toolkit import recommend
+
+    ran = []
+    monkeypatch.setattr(recommend, "run", lambda modes, *a, **k: ran.append(list(modes)) or [])
+    monkeypatch.setattr(recommend, "render", lambda *a, **k: "")
+    assert cli.main(["bench", "modes", "--tokens", "16", "--modes", "pqo3,pqo3-r32-s4", "--faiss", "",
+                     "--no-progress"]) == 0
+    assert ran == [["pqo3", "pqo3-r32-s4"]]
+    assert cli.main(["bench", "modes", "--tokens", "16", "--modes", "pqo3,pqo3-r0-s0", "--faiss", ""]) == 2
+    assert "--modes: cache 'pqo3-r0-s0' listed twice ('pqo3' and 'pqo3-r0-s0')" in capsys.readouterr().err
