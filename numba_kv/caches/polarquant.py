@@ -56,18 +56,19 @@ _F32 = np.dtype(np.float32)
                       "decode_output", "key_center", "window_rotation", "rotation", "unbiased", "outlier_channels",
                       "vq", "residual_fraction", "norm_bits")
 class PolarQuantCache(HeadNormMixin, FusedDecodeMixin, WindowedLayers, LayeredCache):
-    """PolarQuant (PQ / PQO) compressed KV cache, 2–4 bits, fused decode attention.
+    """PolarQuant (PQ / PQO) compressed KV cache, 2–5 bits, fused decode attention.
 
     Parameters
     ----------
     num_layers, num_kv_heads, head_dim : int
         Model geometry; ``head_dim`` a positive multiple of 32.
-    bits : {2, 3, 4}
-        User-facing bit setting (of both K and V unless ``k_bits``/``v_bits`` say otherwise).
+    bits : {2, 3, 4, 5}
+        User-facing bit setting (of both K and V unless ``k_bits``/``v_bits`` say otherwise);
+        5 only with ``rotation="head"`` (the 32-block codebooks stop at 4 bits).
         The parameters below are keyword-only; together they form a
         :class:`~numba_kv.caches.config.PolarQuantConfig`, which validates them.
-    k_bits, v_bits : {2, 3, 4}, optional
-        Separate settings for keys and values (keys are usually the sensitive side:
+    k_bits, v_bits : {2, 3, 4, 5}, optional
+        Separate settings for keys and values (5 as for ``bits``; keys are usually the sensitive side:
         ``k_bits=4, v_bits=3`` is 4.0 bits/value on average).
     mode : {"pqo", "pq"}
         ``"pqo"`` quantizes with ``bits``-wide codebooks, ``"pq"`` with ``bits − 1``.

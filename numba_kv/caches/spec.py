@@ -343,7 +343,7 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
     name : str
         ``"dense"``; PolarQuant ``"pq2"``–``"pq4"``, ``"pqo2"``–``"pqo4"``; TurboQuant
         (QJL) ``"tq2"``–``"tq4"``; asymmetric ``"pqo-k4v3"`` / ``"tq-k4v3"`` (keys 4 bits,
-        values 3; any of 2–4 each); channel splits ``"pqo2.5"`` / ``"pqo3.5"`` (half of
+        values 3; any of 2–5 each, 5 with ``-head`` only); channel splits ``"pqo2.5"`` / ``"pqo3.5"`` (half of
         every head's channels — the outlier half, chosen per layer and KV head on the first
         prefill — one bit wider: 2.5 / 3.5 index bits per value).  Suffixes, combinable:
         ``"-l2"`` (L2 norm mode), ``"-head"`` (one rotation over the whole head and one

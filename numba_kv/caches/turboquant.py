@@ -65,10 +65,11 @@ class TurboQuantCache(PolarQuantCache):
     ----------
     num_layers, num_kv_heads, head_dim : int
         Model geometry; ``head_dim`` a positive multiple of 32.
-    bits : {2, 3, 4}
-        Budget ``b``: keys use the ``b − 1``-bit codebook + 1 QJL bit, values ``b`` bits.
-    k_bits, v_bits : {2, 3, 4}, optional
-        Separate budgets for keys and values.
+    bits : {2, 3, 4, 5}
+        Budget ``b``: keys use the ``b − 1``-bit codebook + 1 QJL bit, values ``b`` bits; 5
+        only with ``rotation="head"`` (the 32-block codebooks stop at 4 bits).
+    k_bits, v_bits : {2, 3, 4, 5}, optional
+        Separate budgets for keys and values (5 as for ``bits``).
     **options
         The fields of :class:`~numba_kv.caches.config.TurboQuantConfig`: ``qjl_seed``
         (seed of the Gaussian sketch, default :data:`numba_kv.ops.qjl.SKETCH_SEED`),

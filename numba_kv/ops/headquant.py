@@ -13,10 +13,11 @@ quantizer of
 * the indices of the whole vector are packed LSB-first in groups of 8 with the layout of
   :mod:`numba_kv.ops.bitpack` (``d * bits / 8`` bytes; the 32 coordinates ``32q ..
   32q+31`` at bytes ``[q·4·bits, (q+1)·4·bits)``, as in the block quantizer);
-* one binary16 scalar is stored per vector (bits in a ``uint16``): ``n`` (clamped to
-  65504), or, with ``unbiased=True``, the EDEN-style rescaled norm
-  ``α = n · ‖y‖² / ⟨y, c[idx]⟩``, which makes ``⟨x̂, x⟩ = ‖x‖²`` and the inner-product
-  estimate ``⟨q, x̂⟩`` unbiased (slope 1) at almost the same MSE.  The indices are the same
+* one binary16 scalar is stored per vector (bits in a ``uint16``): ``n`` (below 65504:
+  :func:`quantize_head` refuses a vector whose scalar would reach it), or, with
+  ``unbiased=True``, the EDEN-style rescaled norm ``α = n · ‖y‖² / ⟨y, c[idx]⟩``, which
+  makes ``⟨x̂, x⟩ = ‖x‖²`` and the inner-product estimate ``⟨q, x̂⟩`` unbiased (slope 1) at
+  almost the same MSE.  The indices are the same
   in both modes.
 
 Dequantization: ``x̂ = |s| · D_s H_d c[idx]``.  Storage is ``bits + 16/d`` bits per value
@@ -558,14 +559,16 @@ def quantize_head(x: Any, bits: int = 3, unbiased: bool = False, *, backend: str
         Packed indices (:mod:`numba_kv.ops.bitpack` layout over the whole vector).
     norms : uint16 array, shape ``(..., 1)``
         binary16 bit patterns of the stored scale (``norms.view(numpy.float16)`` on the
-        host), clamped to 65504.
+        host), below 65504.
 
     Raises
     ------
     TypeError
         ``x`` not a float array, ``unbiased`` not a bool.
     ValueError
-        Bad ``bits``, last axis not a power of two in 32..512, NaN/Inf in ``x``.
+        Bad ``bits``, last axis not a power of two in 32..512, NaN/Inf in ``x``, a stored
+        scale (a norm, or the rescaled norm) that would reach 65504, binary16's largest
+        value (it would be saturated, not stored).
 
     Examples
     --------

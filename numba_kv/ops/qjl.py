@@ -8,8 +8,8 @@ residual norm ``‖r‖₂``:
 * sketch ``S`` ``[m, d]``, i.i.d. ``N(0, 1)`` entries, **unscaled** (:func:`make_sketch`);
 * ``σ = sign(S r)``: bit ``j`` = 1 iff ``(S r)_j >= 0``, packed LSB-first (projection ``j``
   at byte ``j // 8``, bit ``j % 8``; the 1-bit layout of :mod:`numba_kv.ops.bitpack`);
-* ``γ = ‖r‖₂`` computed in float32 and stored as IEEE binary16 bits (``uint16``; clamped
-  to 65504).
+* ``γ = ‖r‖₂`` computed in float32 and stored as IEEE binary16 bits (``uint16``; below
+  65504: :func:`qjl_quantize` refuses a residual whose norm would reach it).
 
 Inner-product estimator (asymmetric: the query is projected, not quantized)::
 
@@ -380,7 +380,8 @@ def qjl_quantize(r: Any, sketch: Any = None, *, backend: str = "auto") -> tuple[
     signs : uint8 array, shape ``(..., m // 8)``
         Bit ``j % 8`` of byte ``j // 8`` is 1 iff ``(S r)_j >= 0``.
     norms : uint16 array, shape ``(...)``
-        binary16 bits of ``min(‖r‖₂, 65504)`` (``norms.view(numpy.float16)`` on the host).
+        binary16 bits of ``‖r‖₂`` (``norms.view(numpy.float16)`` on the host), below 65504
+        (a larger norm raises).
 
     Raises
     ------

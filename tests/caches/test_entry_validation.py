@@ -146,3 +146,25 @@ def test_the_cache_entry_still_rejects_a_bad_query(make_q, seq_ids, message, rng
     with pytest.raises((TypeError, ValueError), match=message):
         cache.decode_attention(0, make_q(), seq_ids)
     assert cache.memory_usage() == before
+
+
+@pytest.mark.parametrize("name", ["pqo3", "tq3", "pqo-k4v3-head", "pqo-k5v4-head-eden"])
+def test_tiny_values_keep_the_documented_accuracy(name):
+    """The validation guide's small end: down to 1e-6 the relative error of the compressed
+    history is within 5 % of unit-scale input's; below, binary16's subnormal scales hold the absolute
+    error under 4e-8 (a 1e-8 block comes back as zeros or nearly)."""
+    from numba_kv import make_cache
+
+    x0 = np.random.default_rng(0).standard_normal((1, 1, 64, 64)).astype(np.float32)
+
+    def max_error(scale):
+        cache = make_cache(name, num_layers=1, num_kv_heads=1, head_dim=64, residual_length=0, sink_tokens=0)
+        x = x0 * np.float32(scale)
+        cache.prefill(0, x, x)
+        history = cache.prefill(0, x[:, :, :1], x[:, :, :1]).k[:, :, :64]
+        return float(np.abs(history - x).max())
+
+    unit = max_error(1.0)
+    assert max_error(1e-6) <= 1.05e-6 * unit
+    for scale in (1e-7, 1e-8, 1e-9):
+        assert max_error(scale) <= 4e-8 + scale * unit
