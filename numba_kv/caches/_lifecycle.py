@@ -182,7 +182,8 @@ class LifecycleMixin:
         """The lengths :meth:`crop` accepts besides 0: ``(floor, limit)``, every ``length``
         with ``floor <= length <= limit``.  ``limit`` is the shortest non-empty layer's
         ``seq_len`` (``None`` when every layer is empty); ``floor`` is 0 unless a sliding
-        layer has evicted tokens (see :meth:`crop`)."""
+        layer has evicted tokens (see :meth:`crop`).  Layers fed to different lengths can
+        leave ``floor > limit``: then only ``crop(0)`` is accepted."""
         with self._all_locks():
             return self._crop_bounds()
 
