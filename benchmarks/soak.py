@@ -69,7 +69,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import numba_kv
-    from numba_kv.info import check_threading_layer, provenance_line
+    from numba_kv.info import provenance_line
+    from numba_kv.threads import check_threading_layer
 
     layer_kind = check_threading_layer()
     b, h, g, d = args.batch, args.kv_heads, args.groups, args.head_dim

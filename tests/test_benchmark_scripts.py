@@ -92,3 +92,35 @@ def test_compile_times_builds_every_signature_of_a_kernel(capsys):
     compile_times.main(["--kernel", "add_at"])
     out = capsys.readouterr().out
     assert "| `add_at` | 0 |" in out and "| all 1 |" in out
+
+
+def test_every_benchmark_script_imports_names_that_exist():
+    """A script's ``from numba_kv... import name`` is only run when the script is: ``make
+    soak`` failed at its first line after ``check_threading_layer`` moved to
+    ``numba_kv.threads``.  Every such import of ``benchmarks/`` and ``notebooks/`` resolves."""
+    import ast
+    import importlib
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    missing = []
+    for path in sorted((root / "benchmarks").glob("*.py")) + sorted((root / "notebooks").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("numba_kv"):
+                module = importlib.import_module(node.module)
+                for alias in node.names:
+                    if not hasattr(module, alias.name):
+                        try:
+                            importlib.import_module(f"{node.module}.{alias.name}")
+                        except ImportError:
+                            missing.append(f"{path.name}:{node.lineno}: {node.module}.{alias.name}")
+    assert not missing, missing
+
+
+def test_soak_runs_and_checks_its_formula(capsys):
+    """A short soak (2 threads, 2 layers, 40 steps, 2 cycles): its byte formula, NaN checks and
+    RSS comparison pass on today's cache."""
+    from benchmarks import soak
+
+    assert soak.main(["--threads", "2", "--layers", "2", "--steps", "40", "--check-every", "10"]) == 0
+    assert "result: PASS" in capsys.readouterr().out
