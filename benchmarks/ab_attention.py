@@ -6,19 +6,15 @@ heads, d = 128 (:func:`numba_kv.toolkit.bench.make_case`).
     .venv/bin/python benchmarks/ab_attention.py [--rev 544a7c9] [--tokens 32768] [--bits 3] [--rounds 10]
 
 AVX2 code generation: prefix ``env $(.venv/bin/python -m numba_kv.info --avx2-env)
-NUMBA_CACHE_DIR=$PWD/.numba_cache_avx2``.  The old kernel is ``git show REV:numba_kv/ops/
-attention.py`` loaded as a stand-alone module (relative imports rewritten, kernels not
-registered), compiled into a temporary directory: the library keeps one kernel.
+NUMBA_CACHE_DIR=$PWD/.numba_cache_avx2``.  The old kernel is that revision's whole package
+(``git archive``, imported under its own name by ``benchmarks/ab_package.py``), timed through
+its public ``decode_attention``.
 """
 
 import argparse
-import importlib.util
 import pathlib
-import re
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import numba
@@ -28,31 +24,17 @@ from numba_kv.info import provenance_line
 from numba_kv.ops import attention as new
 from numba_kv.toolkit.bench import blas_threads_limited, make_case
 
-#: cores shared across ops modules, private in older revisions
-_RENAMED = ("group8_word", "load_word", "store_word", "word_index", "bucketize", "bucketize_select",
-            "rotate32_forward_lanes", "rotate32_inverse_lanes", "f16_bits_abs_to_f32", "f16_bits_to_f32",
-            "f32_to_f16_bits", "f32_to_f16_bits_sat", "head_scale", "sketch_arg")
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def load_old(rev: str, tmp: pathlib.Path):
-    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:numba_kv/ops/attention/flat.py"], check=True,
-                         capture_output=True, text=True).stdout
-    src = re.sub(r"^(\s*)from \.\. import", r"\1from numba_kv import", src, flags=re.MULTILINE)
-    src = re.sub(r"^(\s*)from \.\.(\w+) import", r"\1from numba_kv.\2 import", src, flags=re.MULTILINE)
-    src = re.sub(r"^(\s*)from \.(\w+) import", r"\1from numba_kv.ops.\2 import", src, flags=re.MULTILINE)
-    # shared cores that became public after that revision (same code, new names)
-    for name in _RENAMED:
-        src = re.sub(rf"\b_{name}\b", name, src)
-    src = re.sub(r"^register\(", "# register(", src, flags=re.MULTILINE)
-    path = tmp / f"old_attention_{rev}.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def load_old(rev: str):
+    """``numba_kv`` as of ``rev`` as its own package (:func:`benchmarks.ab_package.load_old`:
+    the library's relative imports keep it whole).  This file rewrote the imports of one
+    module once, which broke when the kernel became a package."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.ab_package import load_old as load_package
+
+    return load_package(rev, name=f"numba_kv_ab_{rev}")
 
 
 def main() -> None:
@@ -62,34 +44,33 @@ def main() -> None:
     ap.add_argument("--bits", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=10)
     a = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        old = load_old(a.rev, pathlib.Path(tmp))
-        c = make_case(a.tokens, a.bits)
-        args = (c.q, c.kc, c.ks, c.vc, c.vs)
+    old = load_old(a.rev)  # (kept per revision in the temporary folder)
+    c = make_case(a.tokens, a.bits)
+    args = (c.q, c.kc, c.ks, c.vc, c.vs)
 
-        # one BLAS thread for dense, switched outside its timed call (threadpoolctl's switch scans
-        # the process's libraries, about a millisecond: it must not count as dense attention)
-        fns = {"old": lambda: old.decode_attention(*args, bits=a.bits),
-               "new": lambda: new.decode_attention(*args, bits=a.bits), "dense1": c.dense}
-        limits = {"dense1": 1}
-        o, n = fns["old"](), fns["new"]()  # compile outside the timed rounds
-        print(provenance_line())
-        print(f"T={a.tokens} bits={a.bits} Numba threads={numba.get_num_threads()} max |old - new| = "
-              f"{float(np.abs(o - n).max()):.2e}")
-        ts = {k: [] for k in fns}
-        for _ in range(a.rounds):
-            for k, f in fns.items():
-                with blas_threads_limited(limits.get(k)):
-                    t = time.perf_counter()
-                    f()
-                    ts[k].append(time.perf_counter() - t)
-        med = {k: statistics.median(v) * 1e3 for k, v in ts.items()}
-        best = {k: min(v) * 1e3 for k, v in ts.items()}
-        print("median ms " + "  ".join(f"{k} {v:.2f}" for k, v in med.items()))
-        print("best ms   " + "  ".join(f"{k} {v:.2f}" for k, v in best.items()))
-        print(f"new vs old {med['old'] / med['new']:.2f}x   "
-              f"new vs dense(1 BLAS thread) {med['dense1'] / med['new']:.2f}x"
-              f"   old vs dense {med['dense1'] / med['old']:.2f}x   (medians of {a.rounds} rounds)")
+    # one BLAS thread for dense, switched outside its timed call (threadpoolctl's switch scans
+    # the process's libraries, about a millisecond: it must not count as dense attention)
+    fns = {"old": lambda: old.decode_attention(*args, bits=a.bits),
+           "new": lambda: new.decode_attention(*args, bits=a.bits), "dense1": c.dense}
+    limits = {"dense1": 1}
+    o, n = fns["old"](), fns["new"]()  # compile outside the timed rounds
+    print(provenance_line())
+    print(f"T={a.tokens} bits={a.bits} Numba threads={numba.get_num_threads()} max |old - new| = "
+          f"{float(np.abs(o - n).max()):.2e}")
+    ts = {k: [] for k in fns}
+    for _ in range(a.rounds):
+        for k, f in fns.items():
+            with blas_threads_limited(limits.get(k)):
+                t = time.perf_counter()
+                f()
+                ts[k].append(time.perf_counter() - t)
+    med = {k: statistics.median(v) * 1e3 for k, v in ts.items()}
+    best = {k: min(v) * 1e3 for k, v in ts.items()}
+    print("median ms " + "  ".join(f"{k} {v:.2f}" for k, v in med.items()))
+    print("best ms   " + "  ".join(f"{k} {v:.2f}" for k, v in best.items()))
+    print(f"new vs old {med['old'] / med['new']:.2f}x   "
+          f"new vs dense(1 BLAS thread) {med['dense1'] / med['new']:.2f}x"
+          f"   old vs dense {med['dense1'] / med['old']:.2f}x   (medians of {a.rounds} rounds)")
 
 
 if __name__ == "__main__":

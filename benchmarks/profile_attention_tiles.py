@@ -7,10 +7,13 @@ rows, the online-softmax step and the P·V accumulation, each over every 32-toke
 
 AVX2 code generation: prefix ``env $(.venv/bin/python -m numba_kv.info --avx2-env)
 NUMBA_CACHE_DIR=$PWD/.numba_cache_avx2``.  An older revision: run this file with
-``PYTHONPATH`` on a checkout of it (the four helpers kept their names and signatures).
+``PYTHONPATH`` on a checkout of it (the four helpers kept their names and signatures, but
+for the decoder's byte table ``lut`` of 4-bit codes, added later: revisions without it are
+called without it).
 """
 
 import argparse
+import inspect
 import time
 
 import numpy as np
@@ -26,8 +29,23 @@ from numba_kv.ops.codebook import get_codebook
 HEADS, ROWS, D = 8, 4, 128
 
 
+#: whether this revision's decoder takes the byte table of 4-bit codes (``lut``, last argument)
+HAS_LUT = "lut" in inspect.signature(getattr(decode_tile_simd_cpu, "py_func", decode_tile_simd_cpu)).parameters
+
+
 @njit
-def _decode(codes, scales, cent, bits, table):
+def _decode_lut(codes, scales, cent, bits, table, lut):
+    kt = np.empty((CPU_TILE, D), np.float32)
+    s = float32(0.0)
+    for g in range(codes.shape[0]):
+        for t0 in range(0, codes.shape[1], CPU_TILE):
+            decode_tile_simd_cpu(codes[g], scales[g], t0, CPU_TILE, cent, bits, D // 32, 0, table, kt, 0, lut)
+            s += kt[0, 0]
+    return s
+
+
+@njit
+def _decode_plain(codes, scales, cent, bits, table, lut):
     kt = np.empty((CPU_TILE, D), np.float32)
     s = float32(0.0)
     for g in range(codes.shape[0]):
@@ -35,6 +53,20 @@ def _decode(codes, scales, cent, bits, table):
             decode_tile_simd_cpu(codes[g], scales[g], t0, CPU_TILE, cent, bits, D // 32, 0, table, kt, 0)
             s += kt[0, 0]
     return s
+
+
+_decode = _decode_lut if HAS_LUT else _decode_plain
+
+
+def byte_table(cent: np.ndarray, bits: int) -> np.ndarray:
+    """The decoder's table of 4-bit codes, as the kernel builds it (filled at 4 bits only;
+    ``[256, 2]`` float32, never read at other widths)."""
+    lut = np.zeros((256, 2), np.float32)
+    if bits == 4:
+        from numba_kv.ops.attention.cpu import nibble_lut_cpu
+
+        nibble_lut_cpu(cent, lut)
+    return lut
 
 
 @njit
@@ -79,12 +111,12 @@ def _best_ms(fn, args, repeat):
     return best * 1e3
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=32768)
     p.add_argument("--bits", type=int, default=3, choices=(1, 2, 3, 4))
     p.add_argument("--repeat", type=int, default=15)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     rng = np.random.default_rng(0)
     codes, scales = quantize_blocks(rng.standard_normal((HEADS, a.tokens, D)).astype(np.float32), bits=a.bits)
     cent = np.zeros(16, np.float32)
@@ -97,7 +129,8 @@ def main() -> None:
     print(provenance_line())
     print(f"T = {a.tokens}, {a.bits} bits, {HEADS} KV heads x {ROWS} rows, d = {D}, {n_tiles} tiles; one thread, "
           f"min of {a.repeat} (ms)")
-    parts = {"decode K (or V)": _best_ms(_decode, (codes, scales, cent, a.bits, table), a.repeat),
+    lut = byte_table(cent, a.bits)
+    parts = {"decode K (or V)": _best_ms(_decode, (codes, scales, cent, a.bits, table, lut), a.repeat),
              "scores": _best_ms(_scores, (q, kt, n_tiles), a.repeat),
              "online softmax": _best_ms(_softmax, (w, n_tiles), a.repeat),
              "P.V": _best_ms(_pv, (w, kt, n_tiles), a.repeat)}

@@ -124,3 +124,14 @@ def test_soak_runs_and_checks_its_formula(capsys):
 
     assert soak.main(["--threads", "2", "--layers", "2", "--steps", "40", "--check-every", "10"]) == 0
     assert "result: PASS" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bits", ["3", "4"])
+def test_profile_attention_tiles_runs(bits, capsys):
+    """The script behind the Benchmarks page's tile-piece table called the tile decoder without
+    the byte table it gained (a TypingError at its first call)."""
+    from benchmarks import profile_attention_tiles
+
+    profile_attention_tiles.main(["--tokens", "64", "--bits", bits, "--repeat", "1"])
+    out = capsys.readouterr().out
+    assert all(piece in out for piece in ("decode K (or V)", "scores", "online softmax", "P.V", "sum (K and V)"))
