@@ -2,9 +2,9 @@
 
 One decode step, batch 1, 8 KV heads x 4 query heads each, d = 128: fused attention from
 packed codes vs (a) NumPy dense float32 attention over the uncompressed K/V (``q @ K.T``,
-softmax, ``@ V`` per KV-head group) with one BLAS thread, (b) the same with two BLAS
-threads ("best vs best": the fused kernel uses the Numba threads), (c) dequantize-then-
-attend.  All of them run in one process on the same data, interleaved round by round, so
+softmax, ``@ V`` per KV-head group) with one BLAS thread, (b) the same with as many BLAS
+threads as the fused kernel has Numba threads (``numba.get_num_threads()``; "best vs best"),
+(c) dequantize-then-attend.  All of them run in one process on the same data, interleaved round by round, so
 the ratios are measured, not assembled; the packed bytes the fused kernel reads per second
 are reported next to a STREAM-style copy bandwidth measured in the same run
 (:func:`numba_kv.info.stream_copy_gbs`), and every table and JSON carries
@@ -12,7 +12,7 @@ are reported next to a STREAM-style copy bandwidth measured in the same run
 
 The BLAS thread count is switched with ``threadpoolctl`` (the ``bench`` extra).  Without it
 both dense columns run with whatever ``OPENBLAS_NUM_THREADS`` says; run a second invocation
-with ``OPENBLAS_NUM_THREADS=2`` for the best-vs-best column.
+with ``OPENBLAS_NUM_THREADS`` set to the Numba threads for the best-vs-best column.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numba
 import numpy as np
 from rich.console import Console
 from rich.table import Table
@@ -220,15 +221,25 @@ def _interleaved_best(fns: Sequence[Callable[[], object]], repeat: int, pause_s:
     return best
 
 
+def best_blas_threads(threads: int | None = None) -> int:
+    """BLAS threads of the "best dense" column: ``threads``, by default the Numba threads the
+    fused kernel and the cache's step run on (``numba.get_num_threads()``): best vs best on any
+    machine (it was 2, which on a 16-core host set 2 BLAS threads against 16 Numba threads)."""
+    return int(threads) if threads is not None else int(numba.get_num_threads())
+
+
 def _best(fn: Callable[[], object], repeat: int) -> float:
     return _interleaved_best([fn], repeat)[0]
 
 
 def run_attention_bench(tokens: Sequence[int] = (4096, 32768, 131072), bits: Sequence[int] = (3, 4),
-                        repeat: int = 5, progress: bool = True, best_threads: int = 2,
+                        repeat: int = 5, progress: bool = True, best_threads: int | None = None,
                         stream_gbs: float | None = None) -> list[AttentionRow]:
-    """Time fused vs dense (1 and ``best_threads`` BLAS threads) vs dequantize-then-attend for
-    every (tokens, bits); ``stream_gbs`` (default: measured now) is the copy bandwidth."""
+    """Time fused vs dense (1 and ``best_threads`` BLAS threads; default the Numba threads the
+    fused kernel runs on) vs dequantize-then-attend for every (tokens, bits); ``stream_gbs``
+    (default: measured now) is the copy bandwidth.  ``max_rel_err_vs_dequant`` is normwise:
+    ``max|fused − ref| / max|ref|``."""
+    best_threads = best_blas_threads(best_threads)
 
 
     if stream_gbs is None:
@@ -280,11 +291,12 @@ class DecodeRow:
 
 def run_decode_bench(specs: Sequence[str] = DECODE_SPECS, tokens: int = 32768, repeat: int = 5,
                      num_kv_heads: int = 8, num_heads: int = 32, head_dim: int = 128,
-                     progress: bool = True, best_threads: int = 2) -> list[DecodeRow]:
+                     progress: bool = True, best_threads: int | None = None) -> list[DecodeRow]:
     """Time ``cache.decode`` of one token (append + fused attention) for each cache spec
     (:func:`numba_kv.toolkit.specs.parse_cache_specs` grammar, the caches' default windows), next to
     NumPy dense float32 attention over the same history with one and with ``best_threads``
-    BLAS threads, interleaved."""
+    BLAS threads (default: the Numba threads the cache's step runs on), interleaved."""
+    best_threads = best_blas_threads(best_threads)
 
     rng = np.random.default_rng(0)
     k = rng.standard_normal((1, num_kv_heads, tokens, head_dim)).astype(np.float32)
@@ -318,12 +330,19 @@ def run_decode_bench(specs: Sequence[str] = DECODE_SPECS, tokens: int = 32768, r
     return rows
 
 
+def _best_label(rows: Sequence[Any]) -> str:
+    """The "best dense" column's header: its BLAS threads (``env`` without threadpoolctl)."""
+    n = next((r.dense_best_threads for r in rows if r.dense_best_threads), None)
+    return f"dense ms ({n} BLAS)" if n else "dense ms (env BLAS)"
+
+
 def render_attention(rows: Sequence[AttentionRow], title: str) -> None:
     """Print attention rows as a rich table."""
 
     table = Table(title=title)
-    for col in ("T", "bits", "fused ms", "dense f32 ms (1 BLAS)", "dense ms (2 BLAS)", "deq+attend ms", "vs dense",
-                "vs best dense", "vs deq", "fused GB/s", "copy GB/s", "KV MB (packed/f32)", "rel err"):
+    for col in ("T", "bits", "fused ms", "dense f32 ms (1 BLAS)", _best_label(rows), "deq+attend ms", "vs dense",
+                "vs best dense", "vs deq", "fused GB/s", "copy GB/s", "KV MB (packed/f32)",
+                "err max|d|/max|ref|"):
         table.add_column(col, justify="right")
     for r in rows:
         best = f"{r.dense_blas2_ms:.2f}" + ("" if r.dense_best_threads else " (env)")
@@ -338,7 +357,7 @@ def render_decode(rows: Sequence[DecodeRow], title: str) -> None:
     """Print ``cache.decode`` rows as a rich table."""
 
     table = Table(title=title)
-    for col in ("cache", "T", "decode ms", "dense f32 ms (1 BLAS)", "dense ms (2 BLAS)", "vs dense", "vs best dense",
+    for col in ("cache", "T", "decode ms", "dense f32 ms (1 BLAS)", _best_label(rows), "vs dense", "vs best dense",
                 "KV MB"):
         table.add_column(col, justify="right")
     for r in rows:

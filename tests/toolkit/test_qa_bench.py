@@ -8,6 +8,7 @@ import time
 import types
 from typing import Any
 
+import numba
 import numpy as np
 import pytest
 
@@ -90,11 +91,25 @@ def test_decode_bench_switches_blas_threads_outside_the_timed_calls(timeline, mo
     windows = timeline.timed_windows()
     assert len(windows) == 6
     # the baselines: one call each, one BLAS thread and best_threads, no switch timed
-    assert windows[1::3] == [[("dense", 1)]] * 2 and windows[2::3] == [[("dense", 2)]] * 2
+    n = numba.get_num_threads()  # (the default best: as many BLAS threads as the step's Numba threads)
+    assert windows[1::3] == [[("dense", 1)]] * 2 and windows[2::3] == [[("dense", n)]] * 2
     assert all(e[0] not in ("enter", "exit", "dense") for w in windows[::3] for e in w)  # the cache's step
     # best vs best, as the attention table: the faster dense against the step on every Numba thread
-    assert row.dense_best_threads == 2 and row.dense_best_ms == min(row.dense_ms, row.dense_blas2_ms)
+    assert row.dense_best_threads == n and row.dense_best_ms == min(row.dense_ms, row.dense_blas2_ms)
     assert row.speedup_vs_dense_best == row.dense_best_ms / row.decode_ms
+
+
+def test_best_dense_takes_as_many_blas_threads_as_the_fused_side_has_numba_threads():
+    """"Best vs best": the best dense column's BLAS threads follow the Numba threads (it was a
+    fixed 2: on a 16-core host, 2 BLAS threads against 16 Numba threads)."""
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        assert bench_module.best_blas_threads() == 1
+        assert bench_module.best_blas_threads(3) == 3
+    finally:
+        numba.set_num_threads(before)
+    assert bench_module.best_blas_threads() == before
 
 
 @pytest.mark.parametrize("repeat", [0, -1])
