@@ -115,7 +115,40 @@ def _bench_modes(args: argparse.Namespace) -> int:
     return 0
 
 
+#: the ``bench`` options each benchmark reads, by (what, device), besides ``_BENCH_COMMON``: one
+#: given to a benchmark that does not read it is refused (it was ignored, yet written into the
+#: JSON's ``config`` as if measured); the JSON's config holds the options read
+_BENCH_OPTIONS = {
+    ("attention", "cpu"): ("bits", "repeat", "no_decode", "decode_caches", "decode_tokens"),
+    ("attention", "cuda"): ("bits", "batch", "kv_heads", "groups", "head_dim", "no_torch", "repeat"),
+    ("modes", "cpu"): ("modes", "faiss", "markdown"),
+    ("decode-step", "cuda"): ("modes", "batch", "kv_heads", "groups", "head_dim", "steps", "warmup", "no_torch"),
+}
+_BENCH_COMMON = ("what", "device", "tokens", "json", "no_progress")
+_BENCH_DEFAULTS: dict[str, Any] = {}  # (the parser's, filled by _add_bench)
+
+
+def _bench_config(args: argparse.Namespace) -> dict[str, Any] | str:
+    """The options of this benchmark, or the error naming one it does not read."""
+    mine = _BENCH_OPTIONS.get((args.what, args.device))
+    if mine is None:
+        return (f"--device {args.device}: `bench {args.what}` runs on "
+                f"{' / '.join(d for w, d in _BENCH_OPTIONS if w == args.what)} only")
+    for opt, default in _BENCH_DEFAULTS.items():
+        if opt not in mine and opt not in _BENCH_COMMON and getattr(args, opt) != default:
+            flag = "--" + opt.replace("_", "-")
+            takers = ", ".join(f"{w} ({d})" for (w, d), opts in _BENCH_OPTIONS.items() if opt in opts)
+            return f"{flag}: `bench {args.what} --device {args.device}` does not read it (read by: {takers})"
+    return {k: getattr(args, k) for k in (*_BENCH_COMMON, *mine)}
+
+
 def _bench(args: argparse.Namespace) -> int:
+    if args.what == "decode-step" and args.device != "cuda":
+        return _bench_decode_step(args)  # (its own message: where the CPU step is measured)
+    config = _bench_config(args)
+    if isinstance(config, str):
+        return _user_error(f"bench {args.what}", config)
+    args.config = config
     if args.what == "modes":
         return _bench_modes(args)
     if args.what == "decode-step":
@@ -138,7 +171,7 @@ def _bench(args: argparse.Namespace) -> int:
     rep = bench.attention_report(tokens, bits, args.repeat, progress=not args.no_progress,
                                  decode_tokens=None if args.no_decode else args.decode_tokens,
                                  decode_specs=decode_specs)
-    out = {"config": vars(args) | {"func": None}} | {k: v for k, v in rep.items() if not k.startswith("_")}
+    out = {"config": args.config} | {k: v for k, v in rep.items() if not k.startswith("_")}
     _table_or_json(out, args.json, lambda: bench.print_attention_report(rep))
     return 0
 
@@ -155,7 +188,7 @@ def _bench_attention_cuda(args: argparse.Namespace) -> int:
                                                    torch_baseline=not args.no_torch)
     except (bench_cuda.CudaBenchUnavailable, EvalConfigError) as exc:
         return _user_error("bench attention", exc)
-    _table_or_json({"config": vars(args) | {"func": None}, "rows": bench_cuda.rows_as_dicts(rows)}, args.json,
+    _table_or_json({"config": args.config, "rows": bench_cuda.rows_as_dicts(rows)}, args.json,
                    lambda: sys.stdout.write(bench_cuda.render(rows)))
     return 0
 
@@ -179,7 +212,7 @@ def _bench_decode_step(args: argparse.Namespace) -> int:
                                                 progress=not args.no_progress, torch_baseline=not args.no_torch)
     except (bench_cuda.CudaBenchUnavailable, EvalConfigError) as exc:
         return _user_error(command, exc)
-    _table_or_json({"config": vars(args) | {"func": None}, "rows": bench_step.rows_as_dicts(rows)}, args.json,
+    _table_or_json({"config": args.config, "rows": bench_step.rows_as_dicts(rows)}, args.json,
                    lambda: sys.stdout.write(bench_step.render(rows)))
     bad = bench_step.failed(rows)
     for r in bad:
@@ -598,6 +631,7 @@ def _add_bench(sub: Any) -> None:
                    help="attention: history length of the cache.decode table (default 32768)")
     _add_output_options(b, "the results")
     b.set_defaults(func=_bench)
+    _BENCH_DEFAULTS.update({k: v for k, v in vars(b.parse_args(["attention"])).items() if k != "func"})
 
 
 def _add_analyze(sub: Any) -> None:

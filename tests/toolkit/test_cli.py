@@ -347,3 +347,31 @@ def test_bench_modes_counts_duplicates_as_it_runs_them(capsys, monkeypatch):
     assert ran == [["pqo3", "pqo3-r32-s4"]]
     assert cli.main(["bench", "modes", "--tokens", "16", "--modes", "pqo3,pqo3-r0-s0", "--faiss", ""]) == 2
     assert "--modes: cache 'pqo3-r0-s0' listed twice ('pqo3' and 'pqo3-r0-s0')" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["attention", "--head-dim", "64"], "--head-dim: `bench attention --device cpu` does not read it (read by: "
+                                        "attention (cuda), decode-step (cuda))"),
+    (["attention", "--steps", "3"], "--steps: `bench attention --device cpu` does not read it"),
+    (["modes", "--repeat", "3"], "--repeat: `bench modes --device cpu` does not read it"),
+    (["modes", "--device", "cuda"], "--device cuda: `bench modes` runs on cpu only"),
+    (["attention", "--device", "cuda", "--no-decode"], "--no-decode: `bench attention --device cuda` does not"),
+    (["decode-step", "--device", "cuda", "--bits", "3"], "--bits: `bench decode-step --device cuda` does not"),
+])
+def test_bench_refuses_options_its_benchmark_does_not_read(argv, message, capsys):
+    """They were accepted, ignored, and written into the JSON's ``config`` (``--head-dim 64``
+    on the CPU: the rows measured d = 128 under a config saying 64)."""
+    assert cli.main(["bench", *argv, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"numba-kv bench {argv[0]}: error: ") and message in err
+
+
+def test_bench_config_holds_the_options_read(monkeypatch, capsys):
+    from numba_kv.toolkit import bench
+
+    monkeypatch.setattr(bench, "attention_report", lambda *a, **k: {"rows": [], "_rows": []})
+    assert cli.main(["bench", "attention", "--tokens", "32", "--bits", "3", "--no-progress", "--json", "-"]) == 0
+    config = json.loads(capsys.readouterr().out)["config"]
+    assert set(config) == {"what", "device", "tokens", "json", "no_progress", "bits", "repeat", "no_decode",
+                           "decode_caches", "decode_tokens"}
+    assert config["tokens"] == "32" and config["bits"] == "3"
