@@ -1,11 +1,11 @@
-"""GPU decode attention (pytest-benchmark group ``attention-cuda``): fused from packed codes vs
-torch SDPA (fp16, GQA, fastest of cuDNN/flash; when torch with CUDA is installed) vs dense fp16
-attention in CuPy vs dequantize-then-attend, T = 4K..128K, batch 1/8/32, 8 KV heads x 4 groups,
-d = 128, 3/4 bits (:mod:`numba_kv.toolkit.bench_cuda`).  Every entry records the best CUDA-event
-time of each path, the speedups, the fused kernel's packed GB/s against the device's theoretical
-peak memory bandwidth, the GPU name and the provenance.
+"""GPU decode attention (pytest-benchmark groups ``attention-cuda-T<T>-b<batch>``, one a shape):
+fused from packed codes vs torch SDPA (fp16, GQA, fastest of cuDNN/flash; when torch with CUDA
+is installed) vs dense fp16 attention in CuPy vs dequantize-then-attend, T = 4K..128K, batch
+1/8/32, 8 KV heads x 4 groups, d = 128, 3/4 bits (:mod:`numba_kv.toolkit.bench_cuda`).  Every
+entry records the best CUDA-event time of each path, the speedups, the fused kernel's packed
+GB/s against the device's theoretical peak memory bandwidth, the GPU name and the provenance.
 
-Group ``attention-cuda-torch``: the torch SDPA baseline on its own, one call per round
+Groups ``attention-cuda-torch-T<T>-b<batch>``: the torch SDPA baseline on its own, one call per round
 (host wall time to ``torch.cuda.synchronize``) under the backend that was fastest by CUDA
 events; skipped without torch and a GPU.
 
@@ -52,7 +52,7 @@ def _needs_gpu():
 def test_attention_cuda(benchmark, tokens, batch):
     """One (T, batch): all bit widths; the pytest-benchmark time is the whole measurement of
     the configuration (one round), the figures are the CUDA-event bests in ``extra_info``."""
-    benchmark.group = "attention-cuda"
+    benchmark.group = f"attention-cuda-T{tokens}-b{batch}"  # (a group compares the same work)
     rows = benchmark.pedantic(run_attention_bench_cuda, kwargs=dict(tokens=(tokens,), batch=(batch,),
                                                                     bits=DEFAULT_BITS, repeat=10),
                               rounds=1, iterations=1)
@@ -70,7 +70,7 @@ def test_torch_sdpa_cuda(benchmark, tokens, batch):
     torch = import_torch()
     if torch is None:
         pytest.skip("needs torch with CUDA (the torch SDPA baseline)")
-    benchmark.group = "attention-cuda-torch"
+    benchmark.group = f"attention-cuda-torch-T{tokens}-b{batch}"
     hkv, groups, d = 8, 4, 128
     gen = torch.Generator(device="cuda").manual_seed(0)
 

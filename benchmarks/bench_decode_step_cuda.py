@@ -1,4 +1,4 @@
-"""One decode step on the GPU (pytest-benchmark group ``decode-step-cuda``): one
+"""One decode step on the GPU (pytest-benchmark groups ``decode-step-cuda-T<T>``, one a history): one
 ``cache.decode`` of one layer on CuPy arrays, host wall time to device synchronize, for the
 caches ``dense``, ``pqo3`` and ``kv4`` at T = 4K, 16K, 64K, 128K, batch 1, 8 KV heads x 4 query
 heads, d = 128 (:mod:`numba_kv.toolkit.bench_step`; ``dense`` returns the history and its step
@@ -82,8 +82,8 @@ def _info(benchmark, cupy, t, **extra):
 @pytest.mark.parametrize("how", ["launches", "graph", "bound"])
 @pytest.mark.parametrize("mode", DEFAULT_MODES)
 def test_decode_step(benchmark, cupy, history, mode, how):
-    benchmark.group = "decode-step-cuda"
     t, k, v, q, k1, v1 = history
+    benchmark.group = f"decode-step-cuda-T{t}"  # (the steps and torch's call at one T side by side)
     cfg = AttendConfig(D ** -0.5, GROUPS)
     cache = make_cache(mode, num_layers=1, num_kv_heads=HKV, head_dim=D)
     cache.prefill(0, k, v)
@@ -122,8 +122,8 @@ def test_torch_sdpa_step(benchmark, cupy, history):
     torch = import_torch()
     if torch is None:
         pytest.skip("needs torch with CUDA (the torch SDPA baseline)")
-    benchmark.group = "decode-step-cuda"
     t, k, v, q, _, _ = history
+    benchmark.group = f"decode-step-cuda-T{t}"
     k16, v16, q16 = (a.astype(cupy.float16) for a in (k, v, q))
     fn = make_sdpa(torch, *(torch.from_dlpack(a) for a in (q16, k16, v16)))
     sync = cupy.cuda.Device().synchronize

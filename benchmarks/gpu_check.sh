@@ -30,7 +30,7 @@
 #   6. bench_cuda.{txt,json}:  `numba-kv bench attention --device cuda` at T 32K/128K, batch 1/8/32, 3/4 bits
 #                              (fused vs torch SDPA vs CuPy fp16 vs dequantize-then-attend; BENCH_LIMIT=150;
 #                              BENCH_TOKENS=4096,16384,32768,65536,131072 for the whole grid)
-#   7. pytest_bench.json:      the pytest-benchmark groups attention-cuda(-torch) and decode-step-cuda at T = 4096
+#   7. pytest_bench.json:      the pytest-benchmark groups attention-cuda(-torch)-T4096-b* and decode-step-cuda-T4096
 #   8. attention_ab.log:       benchmarks/gpu_attention_ab.py (block vs warp kernel, launch bounds, copy bandwidth)
 # torch (for the SDPA baseline) is optional: without it the torch columns stay empty.
 #
