@@ -9,10 +9,12 @@ AVX2 code generation on any x86-64 host: ``NUMBA_CPU_NAME=haswell`` alone is not
 because Numba takes the *features* from the host unless ``NUMBA_CPU_FEATURES`` is set (on
 an AVX-512 host the "haswell" code would still use AVX-512).  ``python -m numba_kv.info
 --avx2-env`` prints the variables that give true AVX2 code (:data:`AVX2_FEATURES`), plus
-``OPENBLAS_CORETYPE=Haswell`` so NumPy's BLAS runs its AVX2 kernels too.  NumPy's own
-SIMD loops (ufuncs such as ``np.exp``, sorting) still pick their kernels from the host's
-features: ``NPY_DISABLE_CPU_FEATURES`` turns those off (on NumPy 2.4,
-``X86_V4,AVX512_ICL,AVX512_SPR``; ``np.show_runtime()`` lists what is found).
+``OPENBLAS_CORETYPE=Haswell`` so NumPy's BLAS runs its AVX2 kernels too, and
+``NPY_DISABLE_CPU_FEATURES`` naming NumPy's dispatch targets above AVX2 (on NumPy 2.4
+``X86_V4,AVX512_ICL,AVX512_SPR``: :func:`numpy_avx512_targets`) so that NumPy's own SIMD
+loops (ufuncs such as ``np.exp``, sorting: the dense baselines' softmax) run their AVX2
+kernels as well.  :func:`provenance` records the targets NumPy dispatches to
+(``numpy_simd``).
 """
 
 from __future__ import annotations
@@ -127,6 +129,29 @@ def stream_copy_gbs(n_bytes: int = 1 << 28, repeats: int = 5) -> float:
     return 2 * n_bytes / best / 1e9
 
 
+def _numpy_dispatch() -> tuple[list[str], dict[str, bool]]:
+    """NumPy's SIMD dispatch targets and the CPU features it found (NumPy 2.x's module; empty
+    where it is not there)."""
+    try:
+        from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__  # noqa: PLC0415 - a private NumPy module, optional
+    except ImportError:  # pragma: no cover - another NumPy layout
+        return [], {}
+    return list(__cpu_dispatch__), dict(__cpu_features__)
+
+
+def numpy_avx512_targets() -> list[str]:
+    """NumPy's dispatch targets above AVX2 (``X86_V4`` and the ``AVX512*`` ones): what
+    ``NPY_DISABLE_CPU_FEATURES`` must name for AVX2 loops."""
+    return [t for t in _numpy_dispatch()[0] if t == "X86_V4" or t.startswith("AVX512")]
+
+
+def numpy_simd() -> str:
+    """The dispatch targets NumPy's SIMD loops use in this process (comma-separated;
+    ``baseline`` when none above NumPy's compiled baseline is enabled)."""
+    dispatch, features = _numpy_dispatch()
+    return ",".join(t for t in dispatch if features.get(t)) or "baseline"
+
+
 def provenance() -> dict[str, str]:
     """Everything a benchmark number must be labelled with.
 
@@ -141,6 +166,7 @@ def provenance() -> dict[str, str]:
         "threading_layer": threading_layer(),
         "blas_threads": blas_threads(),
         "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE", "host"),
+        "numpy_simd": numpy_simd(),
         "numba_kv": __version__,
         "python": sys.version.split()[0],
         "numpy": np.__version__,
@@ -176,6 +202,7 @@ def collect() -> dict[str, str]:
         # NumPy's BLAS runs the dense baselines: its threads and kernels (``--avx2-env`` sets Haswell)
         "blas_threads": blas_threads(),
         "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE", "host"),
+        "numpy_simd": numpy_simd(),
         "cuda_simulator": "enabled" if simulator_enabled() else "disabled",
     }
     try:
@@ -205,23 +232,26 @@ def main(argv: list[str] | None = None) -> None:
     """Print :func:`collect` as aligned ``key: value`` lines.
 
     ``--avx2-env`` prints instead the environment assignments that make Numba generate, and
-    OpenBLAS run, AVX2 code only (``OPENBLAS_CORETYPE=Haswell NUMBA_CPU_NAME=haswell
-    NUMBA_CPU_FEATURES=...``), for ``env $(...) command``; NumPy's own SIMD loops are not
-    covered (module docstring).
+    OpenBLAS and NumPy's SIMD loops run, AVX2 code only (``OPENBLAS_CORETYPE=Haswell
+    NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=... NPY_DISABLE_CPU_FEATURES=...``), for
+    ``env $(...) command``.
     """
     parser = argparse.ArgumentParser(
         prog="python -m numba_kv.info",
         description="Print what numba_kv runs with on this machine (CPU and code generation target, threads, "
                     "versions) as 'key : value' lines.")
     parser.add_argument("--avx2-env", action="store_true",
-                        help="print the environment that makes Numba generate and OpenBLAS run AVX2 code "
-                             "only, for `env $(python -m numba_kv.info --avx2-env) command` (NumPy's own SIMD "
-                             "loops keep the host's: NPY_DISABLE_CPU_FEATURES)")
+                        help="print the environment that makes Numba generate, and OpenBLAS and NumPy's "
+                             "SIMD loops run, AVX2 code only, for `env $(python -m numba_kv.info --avx2-env) "
+                             "command`")
     args = parser.parse_args(argv)  # (unknown arguments were ignored silently, --help included)
     if args.avx2_env:
         # OpenBLAS picks its kernels at run time from the host: without OPENBLAS_CORETYPE the
         # NumPy baselines (and any np.dot inside a kernel) would still run AVX-512 code
-        sys.stdout.write(f"OPENBLAS_CORETYPE=Haswell NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES={AVX2_FEATURES}\n")
+        # (and NumPy's ufunc loops theirs, by the dispatch targets above AVX2)
+        above = numpy_avx512_targets()
+        npy = f" NPY_DISABLE_CPU_FEATURES={','.join(above)}" if above else ""
+        sys.stdout.write(f"OPENBLAS_CORETYPE=Haswell NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES={AVX2_FEATURES}{npy}\n")
         return
     info = collect()
     width = max(map(len, info))

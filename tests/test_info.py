@@ -10,7 +10,7 @@ def test_avx2_env_prints_the_haswell_environment(capsys):
     info.main(["--avx2-env"])
     out = capsys.readouterr().out
     assert out.startswith("OPENBLAS_CORETYPE=Haswell NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=+64bit,")
-    assert "+avx2" in out and "avx512" not in out and out.count("\n") == 1
+    assert "+avx2" in out and "+avx512" not in out and out.count("\n") == 1
 
 
 def test_unknown_arguments_and_help_are_not_ignored(capsys):
@@ -28,3 +28,22 @@ def test_no_argument_prints_the_provenance_lines(capsys):
     lines = capsys.readouterr().out.splitlines()
     keys = [line.split(" : ")[0].strip() for line in lines]
     assert len(lines) == len(info.collect()) and keys == list(info.collect())
+
+
+def test_avx2_env_holds_numpy_to_avx2_too():
+    """NumPy's own SIMD loops (the dense baselines' softmax) kept the host's AVX-512 kernels
+    under ``--avx2-env``: it names NumPy's dispatch targets above AVX2, and a process started
+    with it dispatches to none of them (``numpy_simd`` in the provenance)."""
+    import os
+    import subprocess
+    import sys
+
+    env_line = subprocess.run([sys.executable, "-m", "numba_kv.info", "--avx2-env"], capture_output=True, text=True,
+                              check=True).stdout.split()
+    env = dict(os.environ, **dict(kv.split("=", 1) for kv in env_line))
+    above = info.numpy_avx512_targets()
+    if above:
+        assert env["NPY_DISABLE_CPU_FEATURES"].split(",") == above
+    got = subprocess.run([sys.executable, "-c", "from numba_kv import info; print(info.provenance()['numpy_simd'])"],
+                         env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert not any(t == "X86_V4" or t.startswith("AVX512") for t in got.split(",")), got
