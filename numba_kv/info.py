@@ -167,6 +167,9 @@ def provenance() -> dict[str, str]:
         "blas_threads": blas_threads(),
         "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE", "host"),
         "numpy_simd": numpy_simd(),
+        # the package's knobs set from the environment (``NUMBA_KV_<NAME>``): which kernels ran
+        "knobs_env": ",".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("NUMBA_KV_"))
+        or "defaults",
         "numba_kv": __version__,
         "python": sys.version.split()[0],
         "numpy": np.__version__,

@@ -47,3 +47,13 @@ def test_avx2_env_holds_numpy_to_avx2_too():
     got = subprocess.run([sys.executable, "-c", "from numba_kv import info; print(info.provenance()['numpy_simd'])"],
                          env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert not any(t == "X86_V4" or t.startswith("AVX512") for t in got.split(",")), got
+
+
+def test_provenance_names_the_knobs_set_from_the_environment(monkeypatch):
+    import os
+
+    for key in [k for k in os.environ if k.startswith("NUMBA_KV_")]:
+        monkeypatch.delenv(key)
+    assert info.provenance()["knobs_env"] == "defaults"
+    monkeypatch.setenv("NUMBA_KV_CUDA_MMA_ATTENTION", "0")
+    assert info.provenance()["knobs_env"] == "NUMBA_KV_CUDA_MMA_ATTENTION=0"

@@ -440,6 +440,29 @@ def make_row(tokens: int, batch: int, bits: int, num_kv_heads: int, groups: int,
         max_abs_diff_torch, max_abs_diff_torch_dense)
 
 
+def gpu_provenance(cupy: Any, props: Mapping[str, Any]) -> dict[str, str]:
+    """What a GPU number is labelled with besides :func:`numba_kv.info.provenance`: the GPU, its
+    compute capability (the kernels' build for it runs: the tensor-core kernels' sm_90 builds),
+    numba-cuda and the CUDA runtime and driver versions (``unknown`` where CuPy cannot say)."""
+
+    def cuda_version(fn: str) -> str:
+        try:
+            v = int(getattr(cupy.cuda.runtime, fn)())
+        except Exception:  # noqa: BLE001 - a runtime without the call: say so, do not fail a benchmark
+            return "unknown"
+        return f"{v // 1000}.{v % 1000 // 10}"
+
+    try:
+        from importlib.metadata import version  # noqa: PLC0415 - only a GPU run asks
+
+        numba_cuda = version("numba-cuda")
+    except Exception:  # noqa: BLE001 - not installed under that name
+        numba_cuda = "unknown"
+    cc = f"{props['major']}.{props['minor']}" if "major" in props and "minor" in props else "unknown"
+    return {"gpu": gpu_name(props), "compute_capability": cc, "numba_cuda": numba_cuda,
+            "cuda_runtime": cuda_version("runtimeGetVersion"), "cuda_driver": cuda_version("driverGetVersion")}
+
+
 def gpu_name(props: Mapping[str, Any]) -> str:
     """The ``name`` of CuPy's device properties as text."""
     name = props.get("name", b"unknown GPU")
@@ -484,7 +507,7 @@ def run_attention_bench_cuda(tokens: Sequence[int] = DEFAULT_TOKENS, batch: Sequ
     torch = import_torch() if torch_baseline else None
     props = memory_properties(cupy.cuda.runtime, 0)
     peak, gpu = peak_bandwidth_gbs(props), gpu_name(props)
-    prov = provenance() | {"gpu": gpu, "peak_hbm_gb_per_s": f"{peak:.1f}",
+    prov = provenance() | gpu_provenance(cupy, props) | {"peak_hbm_gb_per_s": f"{peak:.1f}",
                            "torch": torch_version(torch) if torch_baseline else "not run (torch_baseline=False)"}
     rng = cupy.random.default_rng(seed)
     rows: list[CudaAttentionRow] = []
@@ -580,9 +603,11 @@ def render(rows: Sequence[CudaAttentionRow]) -> str:
         return "no rows\n"
     p = rows[0].provenance
     peak = f"{rows[0].peak_gb_per_s:.0f} GB/s" if rows[0].peak_gb_per_s else "not reported"
-    head = (f"GPU decode attention on {rows[0].gpu} (theoretical peak {peak}), "
-            f"{rows[0].num_kv_heads} KV heads x {rows[0].groups} groups, d={rows[0].head_dim}; numba "
-            f"{p.get('numba', '?')}, torch {p.get('torch', '?')}, host {p.get('cpu_model', '?')}\n"
+    head = (f"GPU decode attention on {rows[0].gpu} (cc {p.get('compute_capability', '?')}, theoretical peak "
+            f"{peak}), {rows[0].num_kv_heads} KV heads x {rows[0].groups} groups, d={rows[0].head_dim}; numba "
+            f"{p.get('numba', '?')}, numba-cuda {p.get('numba_cuda', '?')}, CUDA {p.get('cuda_runtime', '?')} "
+            f"(driver {p.get('cuda_driver', '?')}), torch {p.get('torch', '?')}, knobs "
+            f"{p.get('knobs_env', '?')}, host {p.get('cpu_model', '?')}\n"
             "baselines: torch SDPA fp16 (GQA, fastest of the cuDNN and flash backends), "
             "CuPy dense fp16, dequantize-then-attend (float32)\n")
     cols = ("T", "batch", "bits", "fused ms", "torch sdpa ms", "torch backend", "x torch", "cupy fp16 ms",

@@ -70,6 +70,7 @@ from .bench_cuda import (
     fmt,
     free_device_memory,
     gpu_name,
+    gpu_provenance,
     import_torch,
     make_sdpa,
     memory_properties,
@@ -253,7 +254,8 @@ def run_decode_step_bench(modes: Sequence[str] = DEFAULT_MODES, tokens: Sequence
     torch = import_torch() if torch_baseline else None
     props = memory_properties(cupy.cuda.runtime, 0)
     gpu = gpu_name(props)
-    prov = provenance() | {"gpu": gpu, "torch": torch_version(torch) if torch_baseline else "not run"}
+    prov = provenance() | gpu_provenance(cupy, props) | {"torch": torch_version(torch) if torch_baseline else
+                                                         "not run"}
     rng = cupy.random.default_rng(seed)
     device = cupy.cuda.Device()
     geometry = (num_kv_heads, groups, head_dim)
@@ -357,7 +359,9 @@ def render(rows: Sequence[DecodeStepRow]) -> str:
              f"grows by 1 token per step; fused output into one out= array; graph: the same steps through a "
              f"numba_kv.StepGraph; bound: through a numba_kv.DecodeStep, skipped: steps without their Python); "
              f"baseline: one torch SDPA call, fp16, GQA, fastest of cuDNN/flash "
-             f"(torch {p.get('torch', '?')}); numba {p.get('numba', '?')}, host {p.get('cpu_model', '?')}")
+             f"(torch {p.get('torch', '?')}); numba {p.get('numba', '?')}, numba-cuda {p.get('numba_cuda', '?')}, "
+             f"cc {p.get('compute_capability', '?')}, CUDA {p.get('cuda_runtime', '?')} (driver "
+             f"{p.get('cuda_driver', '?')}), knobs {p.get('knobs_env', '?')}, host {p.get('cpu_model', '?')}")
     table = Table(title=title)
     for col in ("mode", "T", "batch", "output", "step ms (median)", "step ms (min)", "torch sdpa ms (median)",
                 "torch ms (min)", "torch backend", "x torch", "graph ms (median)", "graph ms (min)",

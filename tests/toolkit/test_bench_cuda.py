@@ -230,3 +230,15 @@ def test_make_sdpa_matches_dense_attention_on_cpu_torch():
     out = bench_cuda.make_sdpa(torch, *(torch.from_numpy(a) for a in (q, k, v)))().numpy()
     ref = bench_cuda.dense_attention(np, q, k, v, 32 ** -0.5)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_gpu_provenance_names_the_build_and_versions():
+    """A GPU number names the compute capability (whose build ran), numba-cuda and the CUDA
+    runtime and driver (they were missing: the README had to say by hand which kernel ran)."""
+    runtime = types.SimpleNamespace(runtimeGetVersion=lambda: 13000, driverGetVersion=lambda: 13010)
+    cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime))
+    p = bench_cuda.gpu_provenance(cupy, {"name": b"NVIDIA H200", "major": 9, "minor": 0})
+    assert p["gpu"] == "NVIDIA H200" and p["compute_capability"] == "9.0"
+    assert (p["cuda_runtime"], p["cuda_driver"]) == ("13.0", "13.1") and p["numba_cuda"] != ""
+    bare = bench_cuda.gpu_provenance(types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=object())), {})
+    assert (bare["compute_capability"], bare["cuda_runtime"], bare["cuda_driver"]) == ("unknown",) * 3
