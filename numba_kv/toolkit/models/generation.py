@@ -149,7 +149,8 @@ def generate(model: LlamaModel, tokenizer: Any, prompt: str | Sequence[int], max
     chat : bool
         Wrap a text prompt in the model's chat template as one user message.
     stop_at_eos : bool
-        Stop after the tokenizer's EOS token.
+        Stop after the tokenizer's EOS or an end-of-turn token (``tokenizer.eog_ids``: Gemma's
+        ``<end_of_turn>``, ChatML's ``<|im_end|>``).
     chunk_size : int or None
         Prefill chunk.
     cache : CompressedKVCache, optional
@@ -186,7 +187,8 @@ def generate(model: LlamaModel, tokenizer: Any, prompt: str | Sequence[int], max
     if cache is None:
         cache = model.new_cache(cache_factory)
     pos = int(cache.seq_len(0))
-    eos = getattr(tokenizer, "eos_id", None)
+    # a generation ends on EOS or an end-of-turn token (Gemma's <end_of_turn>: its EOS is <eos>)
+    eog = getattr(tokenizer, "eog_ids", None) or {getattr(tokenizer, "eos_id", None)} - {None}
     t0 = time.perf_counter()
     logits = model.forward(ids, cache, pos, mode="prefill", chunk_size=chunk_size, logits="last",
                            prefill_attention=prefill_attention)
@@ -196,7 +198,7 @@ def generate(model: LlamaModel, tokenizer: Any, prompt: str | Sequence[int], max
     while True:
         nxt = int(np.argmax(logits[-1]))
         new.append(nxt)
-        if len(new) >= max_new_tokens or (stop_at_eos and eos is not None and nxt == eos):
+        if len(new) >= max_new_tokens or (stop_at_eos and nxt in eog):
             break
         logits = model.step([nxt], cache, pos, use_decode=True, logits="last")
         pos += 1

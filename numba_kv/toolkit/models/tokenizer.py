@@ -43,12 +43,15 @@ from typing import Any
 
 from .gguf_loader import read_tokenizer_metadata, require_package
 
-__all__ = ["PRE_TOKENIZERS", "GGUFTokenizer"]
+__all__ = ["END_OF_TURN", "PRE_TOKENIZERS", "GGUFTokenizer"]
 
 _DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
 _GPT2 = ("gpt-2", "gpt2", "mpt", "olmo", "jais")
 _LLAMA3 = ("llama-bpe", "llama3")
 _QWEN2 = ("qwen2", "stablelm2")
+#: control tokens that end a turn in the chat formats (Gemma, ChatML, Llama 3, Phi-3, ...):
+#: a generation stops on them as on EOS (:attr:`GGUFTokenizer.eog_ids`)
+END_OF_TURN = frozenset({"<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "<|eom_id|>"})
 #: ``tokenizer.ggml.pre`` values this module knows how to reproduce.
 PRE_TOKENIZERS = _DIGITS_THEN_GPT2 + _GPT2 + _LLAMA3 + _QWEN2
 
@@ -128,6 +131,11 @@ class GGUFTokenizer:
     ----------
     bos_id, eos_id : int or None
         Special token ids.
+    eog_ids : frozenset of int
+        The ids that end a generation: ``eos_id``, the file's ``ggml.eot_token_id`` /
+        ``ggml.eom_token_id``, and the end-of-turn control tokens of the chat formats
+        (:data:`END_OF_TURN`: Gemma's ``<end_of_turn>``, ChatML's ``<|im_end|>``, ...), as
+        llama.cpp stops on them.
     add_bos, add_eos : bool
         Whether :meth:`encode` adds BOS/EOS by default (SmolLM2: neither; Gemma-3: BOS).
     kind : str
@@ -170,6 +178,9 @@ class GGUFTokenizer:
         self.add_eos = bool(metadata.get("ggml.add_eos_token", False))
         self.chat_template: str | None = metadata.get("chat_template")
         self.tokens = tokens
+        eog = {metadata.get(k) for k in ("ggml.eos_token_id", "ggml.eot_token_id", "ggml.eom_token_id")}
+        eog.update(i for i, t in enumerate(tokens) if t in END_OF_TURN and types[i] != _TOKEN_NORMAL)
+        self.eog_ids: frozenset[int] = frozenset(int(i) for i in eog if i is not None)
 
         if model == "gpt2":
             vocab = {t: i for i, t in enumerate(tokens)}
@@ -364,13 +375,17 @@ class GGUFTokenizer:
         return "".join(out)
 
     def _gemma_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool) -> str:
+        # Gemma-3's template: a leading system message (as it is) prefixes the first turn, each
+        # turn's content is trimmed
         out, system = [], ""
-        for m in messages:
+        for i, m in enumerate(messages):
             if m["role"] == "system":
+                if i:
+                    raise ValueError(f"messages[{i}]: Gemma's chat template takes a system message only first")
                 system = m["content"] + "\n\n"
                 continue
             role = "model" if m["role"] == "assistant" else m["role"]
-            out.append(f"<start_of_turn>{role}\n{system}{m['content']}<end_of_turn>\n")
+            out.append(f"<start_of_turn>{role}\n{system}{m['content'].strip()}<end_of_turn>\n")
             system = ""
         if add_generation_prompt:
             out.append("<start_of_turn>model\n")

@@ -380,3 +380,50 @@ def test_gemma3_decode_past_the_window_matches_one_shot(gemma3):
                       _tensors_with_norm_offset(model, 0.0))
     other = glob.forward(ids, glob.new_cache(), logits="last", chunk_size=None)[-1]
     assert np.abs(other - ref[-1]).max() > 1e-3 * np.abs(ref[-1]).max()
+
+
+def test_gemma_chat_template_trims_turns_and_takes_a_system_message_first_only(tiny_gemma):
+    """Gemma-3's template trims each turn's content (``| trim``) and folds only a leading
+    system message into the first turn."""
+    _, tok, _ = tiny_gemma
+    got = tok.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                   {"role": "user", "content": "Translate:\n  hello  \n"},
+                                   {"role": "assistant", "content": " ok\n"}], add_generation_prompt=False)
+    assert got == ("<start_of_turn>user\nBe brief.\n\nTranslate:\n  hello<end_of_turn>\n"
+                   "<start_of_turn>model\nok<end_of_turn>\n")
+    with pytest.raises(ValueError, match=r"messages\[1\]: Gemma's chat template takes a system message only first"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "system", "content": "x"}])
+
+
+def test_generation_stops_at_the_end_of_turn(tiny_gemma):
+    """Gemma's EOS is ``<eos>``; its chat turns end with ``<end_of_turn>``, on which a chat reply
+    must stop (it ran on into the next turn)."""
+    from numba_kv.toolkit.models.generation import generate
+
+    model, tok, _ = tiny_gemma
+    eot = tok.tokens.index("<end_of_turn>")
+    assert tok.eog_ids == {tok.eos_id, eot}
+
+    class AlwaysEndOfTurn:  # the model's forward, answering <end_of_turn> every time
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def _logits(self):
+            x = np.full((1, tok.vocab_size), -1.0, np.float32)
+            x[0, eot] = 1.0
+            return x
+
+        def forward(self, *a, **k):
+            self.inner.forward(*a, **k)
+            return self._logits()
+
+        def step(self, *a, **k):
+            self.inner.step(*a, **k)
+            return self._logits()
+
+    out = generate(AlwaysEndOfTurn(model), tok, "hi", max_new_tokens=8, chat=True)
+    assert out.new_ids == [eot]
+    assert generate(AlwaysEndOfTurn(model), tok, "hi", max_new_tokens=3, stop_at_eos=False).new_ids == [eot] * 3
