@@ -37,6 +37,11 @@ from . import __version__
 from ._backend import simulator_enabled
 from .threads import threading_layer
 
+try:  # NumPy 2.x's SIMD dispatch tables (a private module: absent in another layout)
+    from numpy._core import _multiarray_umath as _NPY_CPU
+except ImportError:  # pragma: no cover
+    _NPY_CPU = None
+
 # The feature set of Intel Haswell (AVX2 + FMA + BMI2, no AVX-512): what most laptops and
 # many cloud machines run.  Used with NUMBA_CPU_NAME=haswell.
 AVX2_FEATURES = ("+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+cx8,+f16c,+fma,+fsgsbase,+fxsr,"
@@ -132,11 +137,9 @@ def stream_copy_gbs(n_bytes: int = 1 << 28, repeats: int = 5) -> float:
 def _numpy_dispatch() -> tuple[list[str], dict[str, bool]]:
     """NumPy's SIMD dispatch targets and the CPU features it found (NumPy 2.x's module; empty
     where it is not there)."""
-    try:
-        from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__  # noqa: PLC0415 - a private NumPy module, optional
-    except ImportError:  # pragma: no cover - another NumPy layout
+    if _NPY_CPU is None:  # pragma: no cover - another NumPy layout
         return [], {}
-    return list(__cpu_dispatch__), dict(__cpu_features__)
+    return list(_NPY_CPU.__cpu_dispatch__), dict(_NPY_CPU.__cpu_features__)
 
 
 def numpy_avx512_targets() -> list[str]:

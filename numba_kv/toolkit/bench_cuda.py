@@ -42,6 +42,7 @@ import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from importlib.metadata import version
 from typing import Any, TypeVar
 
 import numpy as np
@@ -453,8 +454,6 @@ def gpu_provenance(cupy: Any, props: Mapping[str, Any]) -> dict[str, str]:
         return f"{v // 1000}.{v % 1000 // 10}"
 
     try:
-        from importlib.metadata import version  # noqa: PLC0415 - only a GPU run asks
-
         numba_cuda = version("numba-cuda")
     except Exception:  # noqa: BLE001 - not installed under that name
         numba_cuda = "unknown"
