@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -39,6 +39,7 @@ from .state import CacheFileError, CacheState, check_declared_sizes, expect_int
 
 # name -> (width, dtype, fixed_capacity); fixed_capacity None = grows with the sequence
 BufferSpec = dict[str, tuple[int, Any, int | None]]
+_Cache = TypeVar("_Cache", bound="LayeredCache")  # from_state_dict's class
 
 #: the per-layer counters a layered cache's state may hold (``LayerState.meta``)
 STATE_COUNTERS = ("n_comp", "n_sink", "n_win", "n_evicted", "kmean_set", "kperm_set", "vperm_set", "norm8_base")
@@ -536,6 +537,11 @@ class LayeredCache(SteadyStepMixin, LifecycleMixin, ValueChecks):
                 total += count(st)
         return total
 
+    @property
+    def bits_per_value(self) -> float:
+        """Stored bits per K or V value (each cache class says what it counts)."""
+        raise NotImplementedError(f"{type(self).__name__}.bits_per_value")
+
     def memory_usage(self) -> int:
         """Exact bytes of live stored data, summed over layers."""
         return self._sum_layers(LayerState.live_bytes)
@@ -586,7 +592,7 @@ class LayeredCache(SteadyStepMixin, LifecycleMixin, ValueChecks):
         return CacheState(self.config_dict(), {"layers": layers}, tensors)
 
     @classmethod
-    def from_state_dict(cls, state: CacheState) -> LayeredCache:
+    def from_state_dict(cls: type[_Cache], state: CacheState) -> _Cache:
         """The cache :meth:`state_dict` described, on the host (NumPy buffers).
 
         Every layer's counters, live counts and tensors (names, dtypes, shapes, capacities)

@@ -18,7 +18,7 @@ import contextlib
 import copy
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from .. import _backend
 from .._validate import check_int
 from ..ops.gather import to_like
 from ._format import save_cache
+
+#: the cache class a lifecycle method returns (a fork of a PolarQuantCache is a PolarQuantCache)
+_Cache = TypeVar("_Cache")
 
 
 def copy_array(a: Any) -> Any:
@@ -226,7 +229,7 @@ class LifecycleMixin:
                     self._crop_layer(st, length - st.meta.get("n_evicted", 0))
 
     # -- fork -----------------------------------------------------------------------------
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+    def __deepcopy__(self: _Cache, memo: dict[int, Any]) -> _Cache:
         cls = type(self)
         new = cls.__new__(cls)
         memo[id(self)] = new
@@ -249,7 +252,7 @@ class LifecycleMixin:
         new.__dict__.update(fields)
         return new
 
-    def fork(self) -> Any:
+    def fork(self: _Cache) -> _Cache:
         """An independent copy (same as ``copy.deepcopy(cache)``).
 
         Every buffer is copied (O(allocated bytes), on the buffers' device); the copy has
@@ -272,7 +275,7 @@ class LifecycleMixin:
         with self._all_locks():
             self._checked_indices(indices)
 
-    def select_batch(self, indices: Sequence[int]) -> Any:
+    def select_batch(self: _Cache, indices: Sequence[int]) -> _Cache:
         """Keep and reorder batch rows, in place: row ``i`` of the result is row
         ``indices[i]`` of the cache (repeats allowed — beam search).
 

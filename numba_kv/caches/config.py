@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -26,7 +26,8 @@ from ._window import fraction_ratio, window_capacity
 
 __all__ = ["DECODE_OUTPUTS", "DEFAULT_PAGE_SIZE", "NORM_BITS", "PAGED_STORAGES", "ROTATIONS", "VQ_WIDTHS",
            "WINDOW_DTYPES",
-           "PagedConfig", "PolarQuantConfig", "TurboQuantConfig", "mirror_config_fields"]
+           "PagedConfig", "PolarQuantConfig", "PolarQuantFields", "TurboQuantConfig", "TurboQuantFields",
+           "mirror_config_fields"]
 
 DECODE_OUTPUTS = ("fused", "dequantized")
 WINDOW_DTYPES = ("float16", "float32", "int8")
@@ -43,17 +44,18 @@ VQ_WIDTHS = (2, 4)
 #: storage widths of a whole-head vector norm: binary16, or one byte on a log grid (norm_bits=8)
 NORM_BITS = (16, 8)
 _ASYM = re.compile(r"^pqo-k([234])v([234])$")
+_Fields = TypeVar("_Fields", bound=type)
 
 
-def mirror_config_fields(*names: str) -> Any:
-    """Class decorator: read-only attributes ``cls.<name>`` mirroring ``self.config.<name>``
-    (a cache's configuration, field by field)."""
-    def decorate(cls: type) -> type:
-        for name in names:
+def mirror_config_fields(cls: _Fields) -> _Fields:
+    """Make every field annotated on ``cls`` (``config`` aside) a read-only property
+    ``cache.<name>`` that returns ``self.config.<name>``.  The annotations stay what type
+    checkers see (a plain attribute of that type); only this function makes them properties."""
+    for name in cls.__dict__.get("__annotations__", {}):
+        if name != "config":
             setattr(cls, name, property(lambda self, n=name: getattr(self.config, n),
                                         doc=f"``config.{name}`` (see :class:`PolarQuantConfig`)."))
-        return cls
-    return decorate
+    return cls
 
 
 def _check_fraction(value: Any) -> float:
@@ -529,3 +531,37 @@ class PagedConfig:
     def part_bits(self) -> dict[str, int]:
         """Codebook width per side ``{"k": k_bits, "v": v_bits}`` (0: float32 pages)."""
         return {"k": self.k_bits, "v": self.v_bits}
+
+
+@mirror_config_fields
+class PolarQuantFields:
+    """A PolarQuant cache's configuration, field by field: ``cache.bits`` is
+    ``cache.config.bits`` (read-only; resolved values, so ``k_bits`` is an int even where
+    only ``bits`` was given)."""
+
+    config: PolarQuantConfig
+    bits: int
+    k_bits: int
+    v_bits: int
+    mode: str
+    norm_mode: str
+    residual_length: int
+    sink_tokens: int
+    decode_output: str
+    key_center: bool
+    window_rotation: bool
+    rotation: str
+    unbiased: bool
+    outlier_channels: int
+    vq: bool
+    residual_fraction: float
+    norm_bits: int
+
+
+@mirror_config_fields
+class TurboQuantFields(PolarQuantFields):
+    """:class:`PolarQuantFields` and the QJL sketch's ``qjl_seed`` and (resolved) ``qjl_dim``."""
+
+    config: TurboQuantConfig
+    qjl_seed: int
+    qjl_dim: int

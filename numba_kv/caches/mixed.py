@@ -477,6 +477,14 @@ class MixedCache:
             for p in self.parts:
                 p.reset()
 
+    @property
+    def bits_per_value(self) -> float:
+        """Stored bits per value, averaged over every KV head of every layer: each piece's
+        part's ``bits_per_value`` weighted by the KV heads it holds (what the part counts:
+        a compressed part's window tokens are not included, ``memory_usage`` counts them)."""
+        total = sum(self.parts[pc.part].bits_per_value * len(pc.heads) for pieces in self.layer_map for pc in pieces)
+        return total / (self.num_layers * self.num_kv_heads)
+
     def memory_usage(self) -> int:
         """Exact bytes of live stored data, summed over layers."""
         return sum(p.memory_usage() for p in self.parts)

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from .. import _backend
-from .._validate import F32_MAX, Q_MAX, check_float_array, check_int, check_layer, check_softmax_scale
+from .._validate import F32_MAX, Q_MAX, check_bool, check_float_array, check_int, check_layer, check_softmax_scale
 from ..ops.finite import check_finite, check_finite_stats
 from ..ops.gather import to_like
 from ..ops.lowrank import project_into, reconstruct_into
@@ -275,6 +275,8 @@ class MLACache(_LatentBase):
 
         Parameters
         ----------
+        layer, seq_id : int
+            The model layer and the sequence (an id from :meth:`allocate_sequence`).
         c_kv : float array, shape ``(new_tokens, kv_lora_rank)``
             Or the concatenated ``(new_tokens, kv_lora_rank + qk_rope_head_dim)`` latent
             when ``k_pe`` is ``None`` (the only form accepted for Numba device arrays, which
@@ -364,6 +366,8 @@ class MLACache(_LatentBase):
 
         Parameters
         ----------
+        layer, seq_id : int
+            The model layer and the sequence (an id from :meth:`allocate_sequence`).
         k : float array, shape ``(num_heads, new_tokens, qk_nope_head_dim + qk_rope_head_dim)``
             Or ``(1, …)``.
         v : float array, shape ``(num_heads, new_tokens, v_head_dim)``
@@ -426,6 +430,7 @@ class MLACache(_LatentBase):
     def _check_history(n: int, q_len: int, causal: bool) -> None:
         """``ValueError`` naming ``seq_id`` unless every causal query row sees a token: row ``i``
         sits at ``n − q_len + i``, so ``q_len <= n`` (an empty sequence is refused when read)."""
+        check_bool("causal", causal)  # ("no" would be truthy)
         if causal and n < q_len:
             raise ValueError(f"seq_id: expected a sequence with at least q_len={q_len} stored tokens "
                              f"(causal), it holds {n}")
@@ -447,6 +452,8 @@ class MLACache(_LatentBase):
 
         Parameters
         ----------
+        layer, seq_id : int
+            The model layer and the sequence (an id from :meth:`allocate_sequence`).
         q_nope : float array, shape ``(num_heads, q_len, qk_nope_head_dim)``
         q_pe : float array, shape ``(num_heads, q_len, qk_rope_head_dim)``
             RoPE-rotated.
@@ -490,6 +497,8 @@ class MLACache(_LatentBase):
 
         Parameters
         ----------
+        layer, seq_id : int
+            The model layer and the sequence (an id from :meth:`allocate_sequence`).
         q : float array, shape ``(num_heads, q_len, qk_nope_head_dim + qk_rope_head_dim)``
         softmax_scale, causal
             As for :meth:`attend_absorbed` (and checked the same way).

@@ -111,10 +111,14 @@ def merge_name_options(label: str, family: str, bits: int, implied: dict[str, An
             raise ValueError(f"{opt}: {options[opt]!r} conflicts with the name {label!r}")
     options = {**options, **implied}
     if family == "dense":
+        for opt in options:  # (DenseCache's own TypeError would name neither the option's owner nor the choices)
+            if opt not in ("dtype", "sliding_window"):
+                raise TypeError(f"{opt}: not an option of DenseCache; expected one of ['dtype', 'sliding_window']")
         return options
     for opt in ("bits", "mode"):
         if opt in options:  # the name sets them
-            raise TypeError(f"make_cache() got multiple values for keyword argument {opt!r}")
+            raise TypeError(f"{opt}: set by the name {label!r}; spell it there ('pq4', 'pqo4', 'tq4', 'pqo-k4v3')"
+                            + (", or per layer: layer_overrides={layer: {'bits': ...}}" if opt == "bits" else ""))
     if family == "tq":
         return {"bits": bits, **options}
     return {"bits": bits, "mode": family, **options}

@@ -620,7 +620,7 @@ class PagedKVCache(PagedStorageMixin, PagedLifecycleMixin, ValueChecks):
         :attr:`validate` says (finite, ``|q| <= 2**64``; the shapes by the op).
         """
         softmax_scale = None if softmax_scale is None else check_softmax_scale(softmax_scale)
-        partition_size = check_partition_size(partition_size)
+        partition_size, causal = check_partition_size(partition_size), check_bool("causal", causal)
         with self._lock:  # the table, the lengths and the pools of one moment
             layer = check_layer(layer, self.num_layers)
             ids = tuple(sorted(self._tables[0]) if seq_ids is None else [self._check_seq(s) for s in seq_ids])

@@ -42,7 +42,7 @@ from ._fused_step import FusedDecodeMixin
 from ._headnorm import HeadNormMixin
 from ._layer import BufferSpec, LayeredCache, LayerState
 from ._window import ExactWindow, WindowedLayers, layer_counts, plan_store
-from .config import PolarQuantConfig, mirror_config_fields
+from .config import PolarQuantConfig, PolarQuantFields
 from .names import config_name
 
 __all__ = ["MAX_INPUT", "PolarQuantCache", "PolarQuantConfig"]
@@ -52,10 +52,7 @@ MAX_INPUT = float(2 ** 21)
 _F32 = np.dtype(np.float32)
 
 
-@mirror_config_fields("bits", "k_bits", "v_bits", "mode", "norm_mode", "residual_length", "sink_tokens",
-                      "decode_output", "key_center", "window_rotation", "rotation", "unbiased", "outlier_channels",
-                      "vq", "residual_fraction", "norm_bits")
-class PolarQuantCache(HeadNormMixin, FusedDecodeMixin, WindowedLayers, LayeredCache):
+class PolarQuantCache(PolarQuantFields, HeadNormMixin, FusedDecodeMixin, WindowedLayers, LayeredCache):
     """PolarQuant (PQ / PQO) compressed KV cache, 2–5 bits, fused decode attention.
 
     Parameters

@@ -378,13 +378,19 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
 
     Returns
     -------
-    cache : CompressedKVCache
+    cache : LayeredCache or MixedCache
+        The name's cache class (:class:`~numba_kv.DenseCache`,
+        :class:`~numba_kv.PolarQuantCache`, :class:`~numba_kv.TurboQuantCache`), or a
+        :class:`~numba_kv.caches.mixed.MixedCache` when layers or heads differ.
 
     Raises
     ------
+    TypeError
+        A name that is not a string, an option the cache class does not take (a misspelt
+        keyword), or an option's value of the wrong type.
     ValueError
-        Unknown name (the message lists the valid ones), or an option that contradicts
-        the name.
+        Unknown name (the message lists the valid ones), an option that contradicts the
+        name, or an unknown option or layer inside ``layer_overrides`` / ``head_overrides``.
 
     Examples
     --------

@@ -49,15 +49,14 @@ import numpy as np
 from .. import _backend
 from ..ops.qjl import make_sketch, qjl_constant, qjl_scores_into, qjl_signs_into
 from ._layer import BufferSpec, LayerState, add_bias, finite_astype
-from .config import PolarQuantConfig, TurboQuantConfig, mirror_config_fields
+from .config import PolarQuantConfig, TurboQuantConfig, TurboQuantFields
 from .polarquant import PolarQuantCache
 from .protocol import AttendConfig, DecodeOutput, Dequantized, DequantResult
 
 __all__ = ["TurboQuantCache"]
 
 
-@mirror_config_fields("qjl_seed", "qjl_dim")
-class TurboQuantCache(PolarQuantCache):
+class TurboQuantCache(TurboQuantFields, PolarQuantCache):
     """TurboQuant_prod KV cache: ``(b−1)``-bit keys + 1-bit QJL residual sketch, ``b``-bit
     MSE values, fused decode attention with the QJL correction inside the kernel.
 
@@ -76,7 +75,8 @@ class TurboQuantCache(PolarQuantCache):
         ``qjl_dim`` (sketch rows ``m``: bits per key residual; default ``head_dim``; a
         multiple of 8), and everything of :class:`~numba_kv.caches.polarquant.PolarQuantCache`
         (``norm_mode``, ``rotation``, ``unbiased``, ``residual_length``, ``sink_tokens``,
-        ``key_center``, ``decode_output``, ...) except ``mode`` and ``outlier_channels``.
+        ``key_center``, ``decode_output``, ...) except ``mode``, ``outlier_channels``, ``vq``
+        and ``norm_bits=8`` (``ValueError``).
         The validated configuration is ``cache.config``.
 
     Notes

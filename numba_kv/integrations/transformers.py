@@ -525,7 +525,8 @@ class NumbaKVCache(Cache):
     """A transformers ``Cache`` whose layers store K/V in numba_kv caches.
 
     Build it with :meth:`from_model` (or :meth:`from_config`) and pass it to
-    ``model.generate(..., past_key_values=cache)`` or ``model(..., past_key_values=cache)``.
+    ``model.generate(..., cache=cache)`` or ``model(..., cache=cache)`` (transformers 5.24;
+    earlier 5.x releases take it as ``past_key_values=``).
 
     Parameters
     ----------
@@ -557,9 +558,12 @@ class NumbaKVCache(Cache):
 
         Raises
         ------
+        TypeError
+            An option the cache class does not take (``sliding_window`` among them: it comes
+            from the config), or one of the wrong type.
         ValueError
-            An unknown cache name or option, a head_dim numba_kv does not serve (a multiple of
-            32), or a layer type other than full / sliding attention.
+            An unknown cache name or an option's bad value, a head_dim numba_kv does not serve
+            (a multiple of 32), or a layer type other than full / sliding attention.
         """
         geo = model_geometry(config)
         if "sliding_window" in options:

@@ -508,6 +508,8 @@ def dequantize_blocks(codes: Any, scales: Any, bits: int = 3, norm_mode: str = "
         :func:`quantize_blocks`): the kernel then reads what it is given (an Inf/NaN pattern
         is no scale: its vector's output is unspecified).  Shapes and dtypes are checked
         either way.
+    backend : {"auto", "cpu", "cuda"}
+        Check that the data lives where expected (never moves it).
 
     Returns
     -------

@@ -21,7 +21,7 @@ from numba import cuda, float32, prange
 
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
-from .._validate import F32_MAX, check_bool
+from .._validate import F32_MAX, check_bool, check_float_array
 from ._borrow import borrowed, keep_alive
 from ._exact import mul_rn
 from ._index import unravel2_dev
@@ -238,7 +238,7 @@ def rotate32(x: Any, inverse: bool = False, *, signs: Any = None, backend: str =
 
     Parameters
     ----------
-    x : float array, shape ``(..., d)``
+    x : float16, float32 or float64 array, shape ``(..., d)``
         ``d`` a multiple of 32; finite.  Computed in float32 (a block whose norm is within a
         factor ``2·√32`` of the float32 maximum is rotated scaled by a power of two, so its
         butterfly sums stay finite; NumPy and CuPy arrays only).
@@ -247,6 +247,8 @@ def rotate32(x: Any, inverse: bool = False, *, signs: Any = None, backend: str =
     signs : float32 array, shape ``(32,)``, optional
         Sign vector, values ±1; defaults to :data:`SIGNS32`.  Must be on the device of ``x``
         (read back to the host once to check its values).
+    backend : {"auto", "cpu", "cuda"}
+        Check that the data lives where expected (never moves it).
 
     Returns
     -------
@@ -255,7 +257,7 @@ def rotate32(x: Any, inverse: bool = False, *, signs: Any = None, backend: str =
     Raises
     ------
     TypeError
-        ``x`` or ``signs`` not a real array, ``inverse`` not a bool.
+        ``x`` not a float array, ``signs`` not a real array, ``inverse`` not a bool.
     ValueError
         Last axis not a positive multiple of 32, NaN/Inf in ``x``, a 32-block whose rotation
         leaves float32, ``signs`` not 32 values ±1.
@@ -281,6 +283,7 @@ def rotate32(x: Any, inverse: bool = False, *, signs: Any = None, backend: str =
     else:
         _backend.resolve_device(backend, x=x, signs=signs)
         signs = _check_signs(signs)
+    check_float_array("x", x)  # (an int array is no vector to rotate: refused, as by rotate_head)
     shape = tuple(x.shape)  # a tuple: the simulator's shapes reject negative indices
     if len(shape) < 1 or shape[-1] % 32 or shape[-1] == 0:
         raise ValueError(f"x: expected a last axis that is a positive multiple of 32, got shape {shape}")

@@ -4,6 +4,7 @@ immutability, and the caches built from them."""
 import copy
 import dataclasses
 import re
+import typing
 
 import numpy as np
 import pytest
@@ -211,3 +212,36 @@ def test_window_dtype_takes_numpy_types(given, name):
 def test_window_dtype_refuses_others_by_name(bad):
     with pytest.raises(ValueError, match=r"window_dtype: expected one of \['float16', 'float32', 'int8'\]"):
         PolarQuantConfig(*GEOM, window_dtype=bad)
+
+
+def test_config_fields_are_typed_read_only_attributes():
+    """``cache.bits`` is ``cache.config.bits``, and a type checker sees each field's type (the
+    decorator that made them returned ``Any``: pyright then took both cache classes for ``Any``)."""
+    for cls, cfg in ((PolarQuantCache, PolarQuantConfig(2, 2, 64, bits=3, k_bits=4, residual_length=8)),
+                     (TurboQuantCache, TurboQuantConfig(2, 2, 64, bits=3, qjl_dim=32))):
+        hints = typing.get_type_hints(cls)
+        fields = [n for n in hints if n != "config" and isinstance(getattr(cls, n, None), property)]
+        assert {"bits", "k_bits", "v_bits", "rotation", "residual_length", "norm_bits"} <= set(fields)
+        assert hints["bits"] is int and hints["rotation"] is str and hints["residual_fraction"] is float
+        cache = cls.from_config(cfg)
+        for name in fields:
+            assert getattr(cache, name) == getattr(cfg, name), name
+            with pytest.raises(AttributeError):
+                setattr(cache, name, getattr(cfg, name))
+    assert {"qjl_seed", "qjl_dim"} <= set(typing.get_type_hints(TurboQuantCache))
+    assert TurboQuantCache.from_config(TurboQuantConfig(1, 1, 64, bits=3)).qjl_dim == 64  # resolved
+
+
+@pytest.mark.parametrize("name, option", [("pqo3", "bits"), ("tq3", "bits"), ("pqo3", "mode"), ("kv4", "bits")])
+def test_an_option_the_name_sets_is_named(name, option):
+    """``make_cache("pqo3", bits=4)`` said only "got multiple values for keyword argument"."""
+    with pytest.raises(TypeError, match=rf"^{option}: set by the name '[^']+'; spell it there"):
+        make_cache(name, num_layers=2, num_kv_heads=1, head_dim=64, **{option: 4 if option == "bits" else "pq"})
+
+
+@pytest.mark.parametrize("option", ["bits", "residual_length", "dtypes"])
+def test_dense_names_its_options(option):
+    with pytest.raises(TypeError, match=rf"^{option}: not an option of DenseCache; expected one of "
+                                        r"\['dtype', 'sliding_window'\]"):
+        make_cache("dense", num_layers=2, num_kv_heads=1, head_dim=64, **{option: 4})
+    assert make_cache("dense", num_layers=2, num_kv_heads=1, head_dim=64, dtype=np.float16).bits_per_value == 16

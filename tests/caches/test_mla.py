@@ -241,3 +241,13 @@ def test_attention_refuses_queries_past_two_to_the_64(mla, rng, which):
     with pytest.raises(ValueError, match=r"expected \|values\| <= 2\*\*64"):
         call(1e300)
     assert np.isfinite(call(2.0**64 / 2)).all()
+
+
+def test_causal_must_be_a_bool(mla, rng):
+    s = mla.allocate_sequence()
+    mla.append_latent(0, s, *_latent(rng, 5))
+    q = rng.standard_normal((H, 2, NOPE + ROPE)).astype(np.float32)
+    with pytest.raises(TypeError, match="causal: expected a bool"):
+        mla.attend(0, s, q, 0.1, causal="no")
+    with pytest.raises(TypeError, match="causal: expected a bool"):
+        mla.attend_absorbed(0, s, q[..., :NOPE], q[..., NOPE:], 0.1, causal="yes")

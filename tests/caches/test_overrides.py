@@ -132,3 +132,18 @@ def test_lifecycle_and_save_load(rng, tmp_path):
         np.testing.assert_array_equal(out(loaded.decode(layer, k2[1:], v2[1:], q2[1:], CFG)), want[1:])
     loaded.reset()
     assert loaded.memory_usage() == 0
+
+
+def test_mixed_bits_per_value_averages_every_layer_and_head():
+    """By formula: a PQO 32-block code is ``bits + 16/32`` bits a value (binary16 scale per
+    32 values); the mixed cache weighs each configuration by the KV heads it stores."""
+    layers = make_cache("pqo3", num_layers=4, num_kv_heads=2, head_dim=64,
+                        layer_overrides={0: {"bits": 4}, -1: {"k_bits": 2}})
+    assert isinstance(layers, MixedCache)
+    assert layers.bits_per_value == pytest.approx((4.5 + 3.5 + 3.5 + (2.5 + 3.5) / 2) / 4, abs=1e-12)
+    heads = make_cache("pqo3", num_layers=2, num_kv_heads=3, head_dim=64, head_overrides={0: {1: {"bits": 4}}})
+    assert heads.bits_per_value == pytest.approx((5 * 3.5 + 4.5) / 6, abs=1e-12)
+    head_codes = make_cache("pqo3-head", num_layers=2, num_kv_heads=1, head_dim=128,
+                                 layer_overrides={1: {"bits": 4}})
+    # whole-head codes: bits + 16/d (one binary16 norm a vector)
+    assert head_codes.bits_per_value == pytest.approx((3 + 16 / 128 + 4 + 16 / 128) / 2, abs=1e-12)

@@ -592,3 +592,14 @@ def test_plan_counts_resident_blocks_once_from_the_launch_arguments():
     assert plan.partition_size(32768, mma, 0, probe) == mma_partition_size(32768, 64) == 704
     broken = SimpleNamespace(name="paged_decode_attention_mma", build_for=lambda cc: broken_dispatcher)
     assert plan.resident_blocks(broken, probe) is None
+
+
+@pytest.mark.parametrize("causal", ["no", 0, None, np.array([True])])
+def test_causal_must_be_a_bool(rng, causal):
+    """A truthy ``"no"`` once meant causal (and ``0``/``None`` non-causal) without a word."""
+    q = rng.standard_normal((1, 2, 2, 32)).astype(np.float32)
+    kc, ks = quantize_blocks(rng.standard_normal((1, 1, 5, 32)).astype(np.float32), 3)
+    vc, vs = quantize_blocks(rng.standard_normal((1, 1, 5, 32)).astype(np.float32), 3)
+    with pytest.raises(TypeError, match="causal: expected a bool"):
+        decode_attention(q, kc, ks, vc, vs, causal=causal)
+    assert decode_attention(q, kc, ks, vc, vs, causal=np.bool_(False)).shape == (1, 2, 2, 32)

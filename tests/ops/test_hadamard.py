@@ -45,3 +45,10 @@ def test_bad_input():
         rotate32(np.zeros((2, 40), np.float32))
     with pytest.raises(TypeError, match="x"):
         rotate32([1.0] * 32)
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int8, np.bool_, np.complex64])
+def test_rotate32_refuses_non_float_input(dtype):
+    """As ``rotate_head`` and the quantizers do: an integer array is no vector to rotate."""
+    with pytest.raises(TypeError, match="x: expected dtype float16, float32 or float64"):
+        rotate32(np.ones((2, 32), dtype))

@@ -162,3 +162,14 @@ def test_a_query_longer_than_a_sequence_names_the_page_table():
     table = (np.array([0, 1], np.int32), np.array([0], np.int32), np.array([2], np.int32))  # 2 tokens
     with pytest.raises(ValueError, match=r"^page_table: every sequence needs >= max\(1, q_len=3\) stored tokens"):
         paged_decode_attention(np.zeros((1, 1, 3, 32), np.float32), table, k_pages=pages, v_pages=pages)
+
+
+@pytest.mark.parametrize("causal", ["no", 1])
+def test_causal_must_be_a_bool(causal):
+    rng = np.random.default_rng(5)
+    c = _cache("pqo3", (9, 4), rng)
+    q = rng.standard_normal((2, 4, 2, 64)).astype(np.float32)
+    with pytest.raises(TypeError, match="causal: expected a bool"):
+        paged_decode_attention(q, c.page_table(0), **_pool_kwargs(c), causal=causal)
+    with pytest.raises(TypeError, match="causal: expected a bool"):
+        c.decode_attention(0, q, causal=causal)

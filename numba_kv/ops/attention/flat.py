@@ -156,6 +156,8 @@ def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales
         :func:`numba_kv.quantize_blocks` / :func:`numba_kv.quantize_head`, queries it checked):
         the kernels then read what they are given.  Shapes, dtypes, devices and
         ``exact_positions`` (they address memory) are checked either way.
+    backend : {"auto", "cpu", "cuda"}
+        Check that the data lives where expected (never moves it).
 
     Returns
     -------
@@ -183,7 +185,7 @@ def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales
                             v_scales=v_scales, logit_bias=logit_bias, k_exact=k_exact, v_exact=v_exact,
                             exact_positions=exact_positions)
     check_float_array("q", q, 4)
-    check_values = check_bool("check_values", check_values)
+    check_values, causal = check_bool("check_values", check_values), check_bool("causal", causal)
     b, hq, ql, d = (int(s) for s in q.shape)
     if d % 32 or d == 0:
         raise ValueError(f"q: expected head_dim a positive multiple of 32, got shape {(b, hq, ql, d)}")

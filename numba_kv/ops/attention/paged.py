@@ -246,7 +246,7 @@ def paged_decode_attention(q: Any, page_table: Sequence[Any], *, k_pages: Any = 
         raise ValueError(f"q: expected {int(last.shape[0])} rows (one per sequence of the page table), got {n_seq}")
     softmax_scale = None if softmax_scale is None else check_softmax_scale(softmax_scale)
     partition_size = check_partition_size(partition_size)
-    check_values = check_bool("check_values", check_values)
+    check_values, causal = check_bool("check_values", check_values), check_bool("causal", causal)
     if out is not None:
         check_out(out, (n_seq, hq, ql, d), np.float32, _backend.device_of("q", q),
                   "the attention output (float32, shaped like q)",
