@@ -96,9 +96,10 @@ test-gpu: venv
 	$(PYTEST) tests -q -m "cuda or gpu_only" --durations=20
 
 # native code generation and AVX2 code generation (haswell target + features, so an AVX-512
-# host does not leak AVX-512 into the "haswell" code; OpenBLAS on its Haswell kernels), each with
-# its own Numba cache dir
-AVX2_ENV = OPENBLAS_CORETYPE=Haswell NUMBA_CPU_NAME=haswell NUMBA_CPU_FEATURES=$$($(BIN)/python -m numba_kv.info --avx2-env 2>/dev/null | sed 's/.*NUMBA_CPU_FEATURES=//')
+# host does not leak AVX-512 into the "haswell" code; OpenBLAS on its Haswell kernels; NumPy's
+# own SIMD loops held to AVX2: every variable `numba_kv.info --avx2-env` prints), each with its
+# own Numba cache dir
+AVX2_ENV = env $$($(BIN)/python -m numba_kv.info --avx2-env)
 BENCH_ARGS = benchmarks --benchmark-only --benchmark-columns=min,median,mean,rounds -q
 bench: venv
 	mkdir -p benchmarks/results

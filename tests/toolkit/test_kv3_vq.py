@@ -90,3 +90,18 @@ def test_script_on_the_tiny_model(vq, tiny_gguf, tmp_path, capsys):
     assert rows["fit2:4:2"]["code_bits"] == pytest.approx(3.0 + 16 / 32)
     assert rows["vq2-2:x:2"]["code_bits"] == pytest.approx((32 + 2 + 16 / 32) / 2)
     assert "top-1" in capsys.readouterr().out
+
+
+def test_the_usage_line_runs_and_an_oversized_codebook_is_refused_before_the_model_loads(vq, monkeypatch):
+    """The docstring's usage line named ``fit4:4:2``: 4-bit keys in groups of 4, a 2^16-point
+    codebook whose all-pairs search asked for 32 GiB.  Its arms must fit; that one is refused
+    by name before anything loads."""
+    usage = vq.__doc__.split("Usage::")[1]
+    arms = usage.split("--arms ")[1].split()[0]
+    for arm in arms.split(","):
+        kind, kb, vb = arm.split(":")
+        assert all(m <= 1 or int(w) * m <= vq.MAX_CODEBOOK_BITS for m, w in zip(vq.group_sizes(kind), (kb, vb))), arm
+    monkeypatch.setattr(vq.models, "load_model", lambda *a: pytest.fail("loaded the model"))
+    with pytest.raises(SystemExit) as e:
+        vq.main(["--arms", "head:4:2,fit4:4:2"])
+    assert e.value.code == 2
