@@ -38,7 +38,7 @@ a parallel region at once.  ``python -m numba_kv.info`` prints the active layer,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -124,6 +124,10 @@ class AttendConfig:
 
     softmax_scale: float
     n_kv_groups: int = 1
+
+    if TYPE_CHECKING:  # what the constructor takes (NumPy scalars too); the fields hold float and int
+        def __init__(self, softmax_scale: float | np.floating[Any], n_kv_groups: int | np.integer[Any] = 1) -> None:
+            ...
 
     def __post_init__(self) -> None:
         # stored as a float and an int (a NumPy scalar or a float32 stays usable as a key)
