@@ -31,7 +31,7 @@ DEFAULTS: dict[str, Any] = {
     # one decode step of a small model must not pay thread wake-ups
     "cpu_parallel_min_work": 1 << 18,
     # CUDA fused decode attention: 1 = one warp per partition where it applies (no logit
-    # bias or QJL correction, head_dim 32/64/128/256), 0 = always the block kernel
+    # bias or QJL correction, head_dim 32/64/128), 0 = always the block kernel
     "cuda_warp_attention": 1,
     # CUDA fused decode attention on tensor cores (mma.sync) where it applies (head_dim 128,
     # 2-4-bit codes of one width and codebook, no logit bias or QJL correction); 0 = the warp

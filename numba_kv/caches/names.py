@@ -30,8 +30,8 @@ _SUFFIXES = "|".join(s[1:] for s in SUFFIX_OPTIONS)
 # NAME without the window suffix: family, width (uniform, half-bit split or asymmetric), suffixes
 _NAME = re.compile(r"^(?P<family>pqo|pq|tq)(?:(?P<bits>[234])(?P<half>\.5)?|-k(?P<kb>[2-5])v(?P<vb>[2-5]))"
                    rf"(?P<suffix>(?:-(?:{_SUFFIXES}))*)$")
-_EXPECTED = (f"expected one of {list(CACHE_NAMES[1:])} or 'pqo-k<2-5>v<2-5>' / 'tq-k<2-5>v<2-5>', optionally "
-             f"with '-l2', '-maxnorm', '-head', '-eden', '-vq', '-n8' suffixes")
+_EXPECTED = (f"expected one of {list(CACHE_NAMES[1:])} or 'pq-k<2-5>v<2-5>' / 'pqo-k<2-5>v<2-5>' / "
+             "'tq-k<2-5>v<2-5>', optionally with '-l2', '-maxnorm', '-head', '-eden', '-vq', '-n8' suffixes")
 
 
 def fraction_percent(fraction: float) -> str:

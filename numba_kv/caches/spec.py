@@ -6,10 +6,10 @@ One cache is written ::
     NAME[-rR][-gG][-sS][:KEY=VALUE[,KEY=VALUE...]]
 
 * ``NAME``: ``"dense"``; PolarQuant ``"pq2"``–``"pq4"``, ``"pqo2"``–``"pqo4"``; TurboQuant
-  ``"tq2"``–``"tq4"``; asymmetric ``"pqo-k4v3"`` / ``"tq-k4v3"``; channel splits ``"pqo2.5"`` /
+  ``"tq2"``–``"tq4"``; asymmetric ``"pq-k4v3"`` / ``"pqo-k4v3"`` / ``"tq-k4v3"``; channel splits ``"pqo2.5"`` /
   ``"pqo3.5"``; combinable suffixes ``-l2``, ``-maxnorm``, ``-head``, ``-eden``, ``-vq``, ``-n8`` (see
   :data:`SUFFIX_OPTIONS`).
-* Named presets ``"kv4"``, ``"kv5"`` (:mod:`numba_kv.caches.presets`): a name, a bit
+* Named presets ``"kv3"``, ``"kv4"``, ``"kv5"`` (:mod:`numba_kv.caches.presets`): a name, a bit
   budget and per-layer settings; options (``"kv4:decode_output=dequantized"``) replace the
   preset's.  The ``-rR-gG-sS`` suffix does not apply (a preset sizes its window itself).
 * ``-rR`` / ``-sS``: the compact window form (``residual_length=R``, ``sink_tokens=S``), the
@@ -64,8 +64,9 @@ _SUFFIXES = "|".join(s[1:] for s in SUFFIX_OPTIONS)
 _COMPACT = re.compile(rf"^(?P<base>dense|(?:pqo?|tq)(?:[234](?:\.5)?|-k[2-5]v[2-5])(?:-(?:{_SUFFIXES}))*)"
                       r"(?:-r(?P<r>\d+))?(?:-g(?P<g>\d+(?:\.\d+)?))?(?:-s(?P<s>\d+))?$")
 _KEY = re.compile(r"^[a-z_][a-z0-9_]*$")
-_EXPECTED = (f"expected a preset {list(PRESET_NAMES)}, one of {list(CACHE_NAMES)}, or 'pqo-k<2-5>v<2-5>' / "
-             f"'tq-k<2-5>v<2-5>', optionally with '-l2', '-maxnorm', '-head', '-eden', '-vq', '-n8' suffixes")
+_EXPECTED = (f"expected a preset {list(PRESET_NAMES)}, one of {list(CACHE_NAMES)}, or "
+             "'pq-k<2-5>v<2-5>' / 'pqo-k<2-5>v<2-5>' / 'tq-k<2-5>v<2-5>', optionally with '-l2', '-maxnorm', "
+             "'-head', '-eden', '-vq', '-n8' suffixes")
 # what a user means as a preset name ("kv3", "KV4-r32"): answered with the list of presets
 _PRESET_LIKE = re.compile(r"^kv\d")
 
@@ -342,12 +343,14 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
     ----------
     name : str
         ``"dense"``; PolarQuant ``"pq2"``–``"pq4"``, ``"pqo2"``–``"pqo4"``; TurboQuant
-        (QJL) ``"tq2"``–``"tq4"``; asymmetric ``"pqo-k4v3"`` / ``"tq-k4v3"`` (keys 4 bits,
-        values 3; any of 2–5 each, 5 with ``-head`` only); channel splits ``"pqo2.5"`` / ``"pqo3.5"`` (half of
-        every head's channels — the outlier half, chosen per layer and KV head on the first
-        prefill — one bit wider: 2.5 / 3.5 index bits per value).  Suffixes, combinable:
-        ``"-l2"`` (L2 norm mode), ``"-head"`` (one rotation over the whole head and one
-        norm per vector instead of per-32-block scales), ``"-eden"`` (unbiased rescale).
+        (QJL) ``"tq2"``–``"tq4"``; asymmetric ``"pq-k4v3"`` / ``"pqo-k4v3"`` / ``"tq-k4v3"``
+        (keys 4 bits, values 3; any of 2–5 each, 5 with ``-head`` only); channel splits
+        ``"pqo2.5"`` / ``"pqo3.5"`` (half of every head's channels — the outlier half, chosen
+        per layer and KV head on the first prefill — one bit wider: 2.5 / 3.5 index bits per
+        value); the presets ``"kv3"``, ``"kv4"``, ``"kv5"`` (:mod:`numba_kv.caches.presets`).
+        Suffixes, combinable: ``"-l2"`` / ``"-maxnorm"`` (norm mode), ``"-head"`` (one
+        rotation over the whole head and one norm per vector instead of per-32-block scales),
+        ``"-eden"`` (unbiased rescale), ``"-vq"`` (head VQ codes), ``"-n8"`` (one-byte norms).
         The full grammar of :mod:`numba_kv.caches.spec` is accepted: a window suffix
         ``"-rR-sS"`` and options ``":key=value,..."`` (``"pqo3-r0-s0:key_center=true"``).
     num_layers, num_kv_heads, head_dim : int

@@ -184,3 +184,13 @@ def test_a_preset_still_merges_the_callers_layer_overrides():
     cache = make_cache("kv4", **geom, layer_overrides={-1: {"bits": 4}, 1: {"v_bits": 4}})
     assert [(cache.layer_cache(i).k_bits, cache.layer_cache(i).v_bits) for i in range(4)] == \
         [(4, 3), (4, 4), (4, 3), (4, 4)]
+
+
+def test_unknown_name_lists_every_asymmetric_family():
+    """``pq-k4v3`` is a name the parser takes (``windows`` guide); the message left it out."""
+    for family in ("pq", "pqo", "tq"):
+        assert make_cache(f"{family}-k4v3", num_layers=1, num_kv_heads=1, head_dim=64).name.startswith(f"{family}-k4v3")
+    with pytest.raises(ValueError) as e:
+        make_cache("pqx-k4v3", num_layers=1, num_kv_heads=1, head_dim=64)
+    for family in ("pq", "pqo", "tq"):
+        assert f"'{family}-k<2-5>v<2-5>'" in str(e.value)

