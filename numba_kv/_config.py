@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -83,6 +84,15 @@ RANGES: dict[str, tuple[type, float, float, int]] = {
 }
 
 _overrides: dict[str, Any] = {}
+# the open knobs() blocks of each knob, oldest first: [token, value]; and the override each knob
+# had before its first open block.  Blocks of several threads may close in any order: the
+# newest block still open sets the value, and the override from before comes back when the
+# last one closes (restoring what each block saw on entry would leave one thread's value
+# behind once blocks overlap)
+_blocks: dict[str, list[list[Any]]] = {}
+_before_blocks: dict[str, Any] = {}
+_NONE = object()
+_blocks_lock = threading.Lock()
 
 #: knob -> environment variable name
 _ENV_NAMES: dict[str, str] = {name: "NUMBA_KV_" + name.upper() for name in DEFAULTS}
@@ -190,25 +200,40 @@ def knobs(**values: Any) -> Iterator[None]:
 
     Every value is checked first (``KeyError`` for an unknown knob, ``ValueError`` outside
     :data:`RANGES`; nothing changes then).  The previous overrides come back on exit, also
-    when the block raises.  The overrides are process-wide, not per thread.
+    when the block raises.  The overrides are process-wide, not per thread: while blocks of
+    several threads overlap, the newest one still open sets a knob they share, and the
+    override from before the first comes back when the last closes, in whatever order they
+    close.
     """
     checked = {}
     for name, value in values.items():
         if name not in DEFAULTS:
             raise KeyError(f"name: unknown numba_kv config knob {name!r}; known: {sorted(DEFAULTS)}")
         checked[name] = _checked(name, value, name)
-    saved = {name: _overrides[name] for name in checked if name in _overrides}
-    _overrides.update(checked)
-    _bump()
+    token = object()
+    with _blocks_lock:
+        for name, value in checked.items():
+            if not _blocks.get(name):
+                _before_blocks[name] = _overrides.get(name, _NONE)
+            _blocks.setdefault(name, []).append([token, value])
+            _overrides[name] = value
+        _bump()
     try:
         yield
     finally:
-        for name in checked:
-            if name in saved:
-                _overrides[name] = saved[name]
-            else:
-                _overrides.pop(name, None)
-        _bump()
+        with _blocks_lock:
+            for name in checked:
+                open_blocks = [b for b in _blocks.get(name, []) if b[0] is not token]
+                _blocks[name] = open_blocks
+                if open_blocks:
+                    _overrides[name] = open_blocks[-1][1]
+                    continue
+                before = _before_blocks.pop(name, _NONE)
+                if before is _NONE:
+                    _overrides.pop(name, None)
+                else:
+                    _overrides[name] = before
+            _bump()
 
 
 def reset() -> None:

@@ -123,3 +123,45 @@ def test_state_key_changes_with_every_override_and_variable(monkeypatch):
     monkeypatch.setenv("NUMBA_KV_CUDA_WARP_ATTENTION", "1")
     seen.append(_config.state_key())
     assert len(set(seen)) == len(seen), seen
+
+
+def test_knobs_blocks_of_two_threads_closing_out_of_order():
+    """Thread A opens ``knobs(x=1)``, B opens ``knobs(x=2)``, A closes, then B: A's exit took
+    B's override away while B was still inside, and B's exit put A's value back for good."""
+    import threading
+
+    name, default = "cpu_parallel_min_work", _config.DEFAULTS["cpu_parallel_min_work"]
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def a():
+        with numba_kv.knobs(**{name: 1}):
+            a_in.set()
+            b_in.wait(10)
+            seen["a, b open"] = _config.get(name)
+        a_out.set()
+
+    def b():
+        a_in.wait(10)
+        with numba_kv.knobs(**{name: 2}):
+            b_in.set()
+            a_out.wait(10)
+            seen["b after a closed"] = _config.get(name)
+
+    threads = [threading.Thread(target=f) for f in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert seen == {"a, b open": 2, "b after a closed": 2}
+    assert _config.get(name) == default and name not in _config._overrides
+    # nested in one thread, and around an override made with set(): as before
+    _config.set(name, 7)
+    try:
+        with numba_kv.knobs(**{name: 1}):
+            with numba_kv.knobs(**{name: 2}):
+                assert _config.get(name) == 2
+            assert _config.get(name) == 1
+        assert _config.get(name) == 7
+    finally:
+        _config.reset()

@@ -140,7 +140,8 @@ def config_name(cfg: PolarQuantConfig) -> str:
     family and widths (average widths with a channel split), then the ``-l2``, ``-head``,
     ``-eden``, ``-vq``, ``-n8`` suffixes that apply and the window suffix ``-rR-sS``
     (``-rR-gG-sS`` with a window that grows to ``G`` % of the history, ``residual_fraction =
-    G/100``)."""
+    G/100``; ``-r0-s0`` without a window).  ``make_cache(name)`` builds the same
+    configuration at the same geometry."""
     d, oc = cfg.head_dim, cfg.outlier_channels
     if oc:
         avg = {n: (oc * cfg.outlier_widths[n] + (d - oc) * cfg.slot_bits[n]) / d + (0 if cfg.mode == "pqo" else 1)
@@ -156,7 +157,7 @@ def config_name(cfg: PolarQuantConfig) -> str:
     name += "-eden" if cfg.unbiased else ""
     name += "-vq" if cfg.vq else ""
     name += "-n8" if cfg.norm_bits == 8 else ""
-    if cfg.windowed:
-        grow = f"-g{fraction_percent(cfg.residual_fraction)}" if cfg.residual_fraction else ""
-        name += f"-r{cfg.residual_length}{grow}-s{cfg.sink_tokens}"
-    return name
+    # always the window: a name without it means the default window (make_cache("pqo3") is
+    # -r32-s4), so a windowless cache is "-r0-s0" and every name builds its own cache again
+    grow = f"-g{fraction_percent(cfg.residual_fraction)}" if cfg.residual_fraction else ""
+    return name + f"-r{cfg.residual_length}{grow}-s{cfg.sink_tokens}"

@@ -591,7 +591,9 @@ class PagedKVCache(PagedStorageMixin, PagedLifecycleMixin, ValueChecks):
         """Yield ``(page_id, num_tokens, k, v)`` for each page of ``seq_id`` in order.
 
         ``k``/``v`` are float32 ``[num_kv_heads, num_tokens, dim]`` (dequantized for PQO;
-        ``v`` is ``None`` for a key-only cache).  The page list is read once, at the start.
+        ``v`` is ``None`` for a key-only cache).  The page list is read once, at the start;
+        a page the sequence no longer holds when its turn comes (freed, cropped, or reused by
+        another sequence meanwhile) raises ``RuntimeError`` instead of yielding its new data.
         """
         with self._lock:
             layer = check_layer(layer, self.num_layers)
@@ -602,6 +604,10 @@ class PagedKVCache(PagedStorageMixin, PagedLifecycleMixin, ValueChecks):
             t0 = i * self.page_size
             nt = min(self.page_size, n_total - t0)
             with self._lock:
+                table = self._tables[layer].get(sid)
+                if table is None or len(table) <= i or table[i] != p or self._lens[layer][sid] < t0 + nt:
+                    raise RuntimeError(f"seq_id: sequence {sid} changed while its pages were iterated "
+                                       f"(page {p} of layer {layer} no longer holds its tokens {t0}..{t0 + nt - 1})")
                 rows = self._rows([p], 0, nt)
                 k = self._read("k", rows, nt)
                 v = self._read("v", rows, nt) if self.has_values else None

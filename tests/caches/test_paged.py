@@ -330,3 +330,24 @@ def test_validate_survives_fork_and_reset(rng):
     assert copy.validate == "off"
     cache.reset()
     assert cache.validate == "off"
+
+
+@pytest.mark.parametrize("change", ["free", "crop"])
+def test_iter_pages_refuses_a_page_the_sequence_no_longer_holds(change):
+    """The page list is read once; a page freed meanwhile and taken by another sequence was
+    yielded with that sequence's tokens as this one's."""
+    c = PagedKVCache(num_pages=4, num_layers=1, num_kv_heads=1, head_dim=32, page_size=4)
+    a = c.allocate_sequence()
+    zeros = np.zeros((1, 8, 32), np.float32)
+    c.append(0, a, zeros, zeros)  # two pages of zeros
+    it = c.iter_pages(0, a)
+    first = next(it)
+    assert first[1] == 4 and not first[2].any()
+    if change == "free":
+        c.free_sequence(a)
+    else:
+        c.crop(a, 4)
+    b = c.allocate_sequence()
+    c.append(0, b, np.ones((1, 8, 32), np.float32), np.ones((1, 8, 32), np.float32))
+    with pytest.raises(RuntimeError, match=f"seq_id: sequence {a} changed while its pages were iterated"):
+        next(it)

@@ -194,3 +194,18 @@ def test_unknown_name_lists_every_asymmetric_family():
         make_cache("pqx-k4v3", num_layers=1, num_kv_heads=1, head_dim=64)
     for family in ("pq", "pqo", "tq"):
         assert f"'{family}-k<2-5>v<2-5>'" in str(e.value)
+
+
+@pytest.mark.parametrize("base", ["pq3", "pqo2", "pqo3.5", "tq4", "pqo-k4v3", "tq-k5v4-head", "pqo3-head-n8",
+                                  "pq-k2v3-l2-eden", "pqo-k4v2-head-vq"])
+@pytest.mark.parametrize("window", ["", "-r0-s0", "-r0-s4", "-r8-s0", "-r0-g10-s0", "-r16-g25-s2"])
+def test_a_cache_name_builds_its_own_cache_again(base, window):
+    """``cache.name`` is a name ``make_cache`` reads back to the same configuration.  A cache
+    without a window was named without its ``-r0-s0``, which reads back as the default
+    32 + 4 window."""
+    geom = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 128}
+    cache = make_cache(base + window, **geom)
+    again = make_cache(cache.name, **geom)
+    assert again.config == cache.config and again.name == cache.name
+    if window == "-r0-s0":
+        assert cache.name.endswith("-r0-s0") and not cache.config.windowed

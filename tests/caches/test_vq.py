@@ -29,7 +29,7 @@ def test_stored_history_is_the_headvq_op(name, vq_sides):
     d = 64
     c = make_cache(name, num_layers=1, num_kv_heads=2, head_dim=d, vq=True, residual_length=0, sink_tokens=0,
                    decode_output="dequantized")
-    assert tuple(c.vq_sides.values()) == vq_sides and c.name == name + "-vq"
+    assert tuple(c.vq_sides.values()) == vq_sides and c.name == name + "-vq-r0-s0"
     k, v = _kv(rng, 2, 2, 9, d)
     c.prefill(0, k, v)
     q = rng.standard_normal((2, 2, 1, d)).astype(np.float32)
