@@ -140,8 +140,9 @@ def config_name(cfg: PolarQuantConfig) -> str:
     family and widths (average widths with a channel split), then the ``-l2``, ``-head``,
     ``-eden``, ``-vq``, ``-n8`` suffixes that apply and the window suffix ``-rR-sS``
     (``-rR-gG-sS`` with a window that grows to ``G`` % of the history, ``residual_fraction =
-    G/100``; ``-r0-s0`` without a window).  ``make_cache(name)`` builds the same
-    configuration at the same geometry."""
+    G/100``; ``-r0-s0`` without a window).  ``make_cache(name)`` at the same geometry builds
+    the same configuration but for the options no name spells (``key_center``,
+    ``window_dtype``, ``sliding_window``, ...: :meth:`config_dict` has them all)."""
     d, oc = cfg.head_dim, cfg.outlier_channels
     if oc:
         avg = {n: (oc * cfg.outlier_widths[n] + (d - oc) * cfg.slot_bits[n]) / d + (0 if cfg.mode == "pqo" else 1)
