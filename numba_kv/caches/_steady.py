@@ -31,6 +31,7 @@ have left the same state (the tests run it across growth, crops and resets).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -177,7 +178,11 @@ class SteadyStepMixin:
         when it launched, add ``delta`` to the counters; return the new state.  ``None``
         (nothing done) otherwise.  ``replay=None``: only say what the state would become."""
         st = self._layers[layer]
-        with st.lock:
+        rec = self.__dict__.get("_deferred")
+        # the deferred record's lock too (after the layer's, as a full step takes them): between
+        # the comparison of its accumulators and the replay that folds into them, a
+        # check_inputs() on another thread would take them, and this step's values go unread
+        with st.lock, (contextlib.nullcontext() if rec is None or replay is None else rec.holding()):
             now = self._mark_locked(st, n)
             if now.regime is None or not now.same(expect):
                 return None

@@ -81,6 +81,8 @@ class DecodeStep:
 
     Notes
     -----
+    ``cache``, ``layer``, ``config``, ``k``, ``v``, ``q`` and ``out`` are read-only: a skipped
+    step replays what it captured from those objects, so to change one, bind a new step.
     One call at a time per bound step (a lock); other threads may use the cache's other
     layers, or this layer through ``cache.decode`` (the bound step then sees a state it did not
     leave and runs its next step in full).  Between calls the bound step holds the objects of
@@ -107,8 +109,10 @@ class DecodeStep:
             check_float_array(name, a, 4)
         if isinstance(cache, SteadyStepMixin):  # (its hooks index the layers: a bad one named here, not deep inside)
             layer = check_layer(layer, len(cache._layers))  # noqa: SLF001
-        self.cache, self.layer, self.config = cache, layer, config
-        self.k, self.v, self.q, self.out = k, v, q, out
+        # read-only (properties below): a skipped step replays what it captured from these
+        # objects, so one swapped in afterwards would be ignored without a word
+        self._cache, self._layer, self._config = cache, layer, config
+        self._k, self._v, self._q, self._out = k, v, q, out
         self.verify = bool(verify)
         self.graph = StepGraph()
         self._n = int(k.shape[2])
@@ -118,16 +122,51 @@ class DecodeStep:
         self._prev: tuple | None = None
         self._armed: _Armed | None = None
 
+    @property
+    def cache(self) -> Any:
+        """The bound cache."""
+        return self._cache
+
+    @property
+    def layer(self) -> int:
+        """The bound layer."""
+        return self._layer
+
+    @property
+    def config(self) -> AttendConfig:
+        """The bound attention parameters."""
+        return self._config
+
+    @property
+    def k(self) -> Any:
+        """The bound new keys: write each step's into it (the array itself cannot be swapped)."""
+        return self._k
+
+    @property
+    def v(self) -> Any:
+        """The bound new values (written in place, as ``k``)."""
+        return self._v
+
+    @property
+    def q(self) -> Any:
+        """The bound queries (written in place, as ``k``)."""
+        return self._q
+
+    @property
+    def out(self) -> Any:
+        """The bound output array, or None."""
+        return self._out
+
     def _shapes(self) -> tuple:
         # (a CuPy array's shape can be set in place: the bound arrays are checked each step)
-        return tuple((tuple(a.shape), a.dtype) for a in (self.k, self.v, self.q, self.out) if a is not None)
+        return tuple((tuple(a.shape), a.dtype) for a in (self._k, self._v, self._q, self._out) if a is not None)
 
     def __call__(self) -> DecodeOutput:
         """One decode step (what ``cache.decode`` returns; ``Fused.out is out`` when given)."""
         with self._lock:
             armed = self._armed
             if armed is not None and not self.verify and self._shapes() == self._inputs:
-                new = self.cache._steady_step(self.layer, self._n, armed.after, armed.delta,  # noqa: SLF001
+                new = self._cache._steady_step(self._layer, self._n, armed.after, armed.delta,  # noqa: SLF001
                                               functools.partial(self.graph.replay, armed.generation))
                 if new is not None:
                     armed.after = new
@@ -136,22 +175,22 @@ class DecodeStep:
 
     def _full(self) -> DecodeOutput:
         """The step in full through the graph; learn (or check, ``verify``) what it did."""
+        cache, n, armed = self._cache, self._n, self._armed
         if not self._hooks:
-            return self.graph.run(self.cache.decode, self.layer, self.k, self.v, self.q, self.config, out=self.out)
-        cache, n, armed = self.cache, self._n, self._armed
+            return self.graph.run(cache.decode, self._layer, self._k, self._v, self._q, self._config, out=self._out)
         expect = None
         # (verify only: a step that was not skipped though its state was steady, e.g. on another launch
         # stream than the graph's, runs in full and is learnt again)
         if self.verify and armed is not None and self._shapes() == self._inputs:  # what a skipped step would leave
-            expect = cache._steady_step(self.layer, n, armed.after, armed.delta, None)  # noqa: SLF001
-        before = cache._steady_mark(self.layer, n)  # noqa: SLF001
+            expect = cache._steady_step(self._layer, n, armed.after, armed.delta, None)  # noqa: SLF001
+        before = cache._steady_mark(self._layer, n)  # noqa: SLF001
         self._armed = None
         try:
-            res = self.graph.run(cache.decode, self.layer, self.k, self.v, self.q, self.config, out=self.out)
+            res = self.graph.run(cache.decode, self._layer, self._k, self._v, self._q, self._config, out=self._out)
         except BaseException:
             self._prev = None
             raise
-        after = cache._steady_mark(self.layer, n)  # noqa: SLF001
+        after = cache._steady_mark(self._layer, n)  # noqa: SLF001
         if expect is not None:
             self._check(expect, after, armed.generation)
         self._learn(before, after, res)
@@ -163,7 +202,7 @@ class DecodeStep:
         delta = after.delta(before) if self.graph.last in ("replayed", "captured") else None
         step = None if delta is None or before.regime is None else (before, after, delta, self.graph.generation)
         prev, self._prev = self._prev, step
-        if step is None or prev is None or not isinstance(res, Fused) or res.out is not self.out:
+        if step is None or prev is None or not isinstance(res, Fused) or res.out is not self._out:
             return
         _, p_after, p_delta, p_gen = prev
         if p_delta != delta or p_gen != step[3] or not p_after.same(before) or after.regime != before.regime:
@@ -174,7 +213,7 @@ class DecodeStep:
 
     def _check(self, expect: SteadyMark, after: SteadyMark, generation: int) -> None:
         """``verify``: the full step must have replayed the armed graph and left ``expect``."""
-        where = f"DecodeStep(verify=True), layer {self.layer}"
+        where = f"DecodeStep(verify=True), layer {self._layer}"
         if self.graph.last != "replayed" or self.graph.generation != generation:
             raise RuntimeError(f"{where}: a skipped step would have replayed the captured graph, but the full "
                                f"step's launches were {self.graph.last!r}")

@@ -391,6 +391,12 @@ class DeferredRange:
         (:class:`numba_kv.DecodeStep` compares it by identity)."""
         return self._acc
 
+    def holding(self) -> threading.Lock:
+        """The record's lock, for a caller that compares :meth:`state_token` and then launches
+        into the accumulators it names (a replayed graph): held across both, no :meth:`read`
+        takes them in between (and records into an accumulator nobody reads again)."""
+        return self._lock
+
     def record(self, slot: str, a: Any) -> bool:
         """Fold ``|a|`` (a CUDA float16/32/64 array) into accumulator ``slot``; ``False`` when
         ``a`` cannot be read in place (a strided Numba device array: check it synchronously)."""

@@ -177,3 +177,61 @@ def test_what_changes_a_steps_launches_makes_it_a_full_one(no_kernels, monkeypat
         assert step.stats()["bound"] == before  # the step after the crop ran in full
         cache.reset()
         assert skippable() is None
+
+
+def test_the_bound_objects_are_read_only():
+    """A skipped step replays what it captured: a ``config`` or ``out`` swapped in afterwards
+    was ignored (the old scale, the old output array) without a word."""
+    cache = _pair("kv4", np.random.default_rng(1))
+    step, bufs = _bound(cache)
+    for name in ("cache", "layer", "config", "k", "v", "q", "out"):
+        with pytest.raises(AttributeError):
+            setattr(step, name, getattr(step, name))
+    assert step.out is bufs[3] and step.k is bufs[0] and step.config == AttendConfig(D ** -0.5, n_kv_groups=G)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in cast")  # (the NaN step, quantized)
+def test_check_inputs_on_another_thread_cannot_drop_a_skipped_steps_record(monkeypatch):
+    """A skipped step compares the deferred record's accumulators, then replays a launch that
+    folds into them; a ``check_inputs()`` between the two took them, and the NaN the replay
+    recorded went into an accumulator nobody read again.  The other thread now waits for the
+    replay (forced here into that gap, as the scheduler could)."""
+    import threading
+
+    rng = np.random.default_rng(7)
+    with knobs(growth_min_extra=64):
+        cache = _pair("kv4", np.random.default_rng(1))
+        step, bufs = _bound(cache)
+        for _ in range(6):
+            _fill(bufs[:3], rng)
+            step()
+        assert step._armed is not None
+        k = rng.standard_normal(SHAPES[0]).astype(np.float32)
+        k[0, 0, 0, 3] = np.nan
+        bufs[0].copy_to_device(k)
+        real, seen, threads = _graph._SimGraph.launch, [], []
+
+        def launch(self, stream):
+            def other():
+                try:
+                    cache.check_inputs()
+                    seen.append("clean")
+                except ValueError as e:
+                    seen.append(str(e))
+            th = threading.Thread(target=other)
+            th.start()
+            th.join(0.5)  # blocked on the record's lock now: it reads after the replay
+            threads.append(th)
+            return real(self, stream)
+
+        monkeypatch.setattr(_graph._SimGraph, "launch", launch)
+        bound = step.stats()["bound"]
+        step()
+        threads[0].join(10)
+        assert step.stats()["bound"] == bound + 1, "the NaN step skipped its Python"
+    # the other thread's read saw the NaN (it waited for the replay), or a later one does
+    if seen == ["clean"]:
+        with pytest.raises(ValueError, match="expected finite values"):
+            cache.check_inputs()
+    else:
+        assert seen and "expected finite values" in seen[0], seen
