@@ -24,8 +24,8 @@ from ..ops.qjl import SKETCH_SEED
 from ._layer import check_sliding_window
 from ._window import fraction_ratio, window_capacity
 
-__all__ = ["DECODE_OUTPUTS", "DEFAULT_PAGE_SIZE", "NORM_BITS", "PAGED_STORAGES", "ROTATIONS", "VQ_WIDTHS",
-           "WINDOW_DTYPES",
+__all__ = ["DECODE_OUTPUTS", "DEFAULT_PAGE_SIZE", "MAX_POOL_ROWS", "NORM_BITS", "PAGED_STORAGES", "ROTATIONS",
+           "VQ_WIDTHS", "WINDOW_DTYPES",
            "PagedConfig", "PolarQuantConfig", "PolarQuantFields", "TurboQuantConfig", "TurboQuantFields",
            "mirror_config_fields"]
 
@@ -38,6 +38,8 @@ _BITS = (2, 3, 4, 5)
 _HEAD_ONLY_SLOT = 5
 _BLOCK_BITS = (2, 3, 4)  # channel splits are 32-block codes
 DEFAULT_PAGE_SIZE = 16
+#: most vectors a paged pool holds (pages × KV heads × page size): its row index is an int32
+MAX_POOL_ROWS = 2 ** 31 - 1
 PAGED_STORAGES = ("float32", "pqo2", "pqo3", "pqo4")
 #: slot widths with a head VQ code (:mod:`numba_kv.ops.headvq`): 4 bits → pairs, 2 bits → quads
 VQ_WIDTHS = (2, 4)
@@ -274,6 +276,9 @@ class PolarQuantConfig:
                              f"(whole rotation blocks, some left for the rest), got {oc}")
         if self.rotation != "block":
             raise ValueError("outlier_channels: channel splits need rotation='block', got rotation='head'")
+        if self.head_dim > 2 ** 15:  # (the stored channel permutation is int16: wider heads wrapped)
+            raise ValueError(f"outlier_channels: channel splits need head_dim <= 32768 (an int16 channel "
+                             f"permutation), got head_dim={self.head_dim}")
         widths: dict[str, int] = {}
         for n, lo in self.slot_bits.items():
             hi = lo + 1 if self.outlier_bits is None else check_int("outlier_bits", self.outlier_bits,
@@ -510,6 +515,11 @@ class PagedConfig:
             set_(name, check_int(name, getattr(self, name), minimum=1))
         set_("v_head_dim", self.head_dim if self.v_head_dim is None
              else check_int("v_head_dim", self.v_head_dim, minimum=0))
+        rows = self.num_pages * self.num_kv_heads * self.page_size  # the pool's vectors, page-major
+        if rows > MAX_POOL_ROWS:
+            raise ValueError(f"num_pages: {self.num_pages} pages × {self.num_kv_heads} KV heads × {self.page_size} "
+                             f"tokens are {rows:,} pool rows; at most {MAX_POOL_ROWS:,} (the row index of the page "
+                             f"kernels is 32-bit): fewer pages, or one cache per group of layers or heads")
         storage = self.storage
         asym = _ASYM.match(storage) if isinstance(storage, str) else None
         if storage not in PAGED_STORAGES and not asym:

@@ -204,7 +204,8 @@ def _vq_decode_cuda(codes, codebooks, out):
 
 _VQ_ASSIGN = register("vq_assign", _vq_assign_cpu, _vq_assign_cuda, [f"void({F32_3D}, {F32_3D}, {U8_3D}, {F32_3D})"])
 _VQ_ACCUMULATE = register("vq_accumulate", _vq_accumulate_cpu, _vq_accumulate_cuda,
-                          [f"void({F32_3D}, {U8_3D}, {F32_3D}, int32[:, ::1])"])
+                          [f"void({F32_3D}, {U8_3D}, float64[:, :, ::1], int32[:, ::1])"],
+                          float32_only=False)  # float64 sums on purpose (accumulate_into); fitting, not decoding
 _KMEANSPP_UPDATE = register("kmeanspp_update", _kmeanspp_update_cpu, _kmeanspp_update_cuda,
                             [f"void({F32_3D}, float32[:, ::1], {F32_3D})"])
 _VQ_DECODE = register("vq_decode", _vq_decode_cpu, _vq_decode_cuda, [f"void({U8_3D}, {F32_3D}, {F32_3D})"])
@@ -222,7 +223,12 @@ def assign_into(x3: Any, codebooks: Any, codes: Any, dist: Any) -> None:
 
 
 def accumulate_into(x3: Any, codes: Any, sums: Any, counts: Any) -> None:
-    """Add every sub-vector to ``sums[g, code]`` and count it (outputs zeroed by caller)."""
+    """Add every sub-vector to ``sums[g, code]`` (float64) and count it in ``counts``
+    (int32; outputs zeroed by the caller).  float64 sums: a float32 running sum stops
+    growing once it is 2**24 times the values added (a cluster of ~10M points of 1.0 came out
+    at half its mean)."""
+    if np.dtype(sums.dtype) != np.float64:
+        raise TypeError(f"sums: expected dtype float64, got {sums.dtype}")
     rows, n, d = x3.shape
     if rows * n * d == 0:
         return
@@ -349,7 +355,7 @@ def kmeans(x3: Any, codebook_size: int, ds: int, per_row: bool, *, max_iter: int
                                        or prev_inertia - inertia <= tol * max(prev_inertia, 1e-30)):
             break
         prev_codes, prev_inertia = h_codes, inertia
-        sums = _backend.zeros(x3, (ng, k_size, ds), np.float32)
+        sums = _backend.zeros(x3, (ng, k_size, ds), np.float64)
         counts = _backend.zeros(x3, (ng, k_size), np.int32)
         accumulate_into(x3, codes, sums, counts)
         h_sums = _backend.to_host(sums).astype(np.float64)

@@ -245,3 +245,11 @@ def test_dense_names_its_options(option):
                                         r"\['dtype', 'sliding_window'\]"):
         make_cache("dense", num_layers=2, num_kv_heads=1, head_dim=64, **{option: 4})
     assert make_cache("dense", num_layers=2, num_kv_heads=1, head_dim=64, dtype=np.float16).bits_per_value == 16
+
+
+def test_channel_splits_stop_where_the_int16_permutation_does():
+    """The outlier channels' permutation is stored as int16: with head_dim 32,832 its
+    indices past 32,767 wrapped and the split read the wrong channels (error 50 for 0.005)."""
+    assert PolarQuantConfig(1, 1, 2 ** 15, bits=3, outlier_channels=32).outlier_channels == 32
+    with pytest.raises(ValueError, match=r"outlier_channels: channel splits need head_dim <= 32768"):
+        PolarQuantConfig(1, 1, 2 ** 15 + 32, bits=3, outlier_channels=32)

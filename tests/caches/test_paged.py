@@ -351,3 +351,17 @@ def test_iter_pages_refuses_a_page_the_sequence_no_longer_holds(change):
     c.append(0, b, np.ones((1, 8, 32), np.float32), np.ones((1, 8, 32), np.float32))
     with pytest.raises(RuntimeError, match=f"seq_id: sequence {a} changed while its pages were iterated"):
         next(it)
+
+
+def test_a_pool_beyond_the_32_bit_row_index_is_refused():
+    """Pool rows (pages × KV heads × page size) are int32 on every path; a larger pool was
+    built, and its rows past 2**31 wrapped: the first append went into another page's storage
+    (the device decode path refused such a pool; the appends did not)."""
+    from numba_kv.caches.config import MAX_POOL_ROWS
+
+    assert MAX_POOL_ROWS == 2 ** 31 - 1
+    with pytest.raises(ValueError, match=r"^num_pages: .* pool rows; at most 2,147,483,647"):
+        PagedKVCache(num_pages=2 ** 32 // (32 * 1024) + 1, num_layers=1, num_kv_heads=32, head_dim=32, page_size=1024,
+                     v_head_dim=0)
+    with pytest.raises(ValueError, match="pool rows"):
+        PagedKVCache(num_pages=2 ** 27, num_layers=1, num_kv_heads=1, head_dim=32, page_size=16)

@@ -148,7 +148,7 @@ def test_assign_matches_brute_force(rng, per_row, ds):
 def test_accumulate_matches_numpy(rng):
     x = rng.standard_normal((2, 13, 6)).astype(np.float32)
     codes = rng.integers(0, 4, size=(2, 13, 3)).astype(np.uint8)
-    sums = np.zeros((3, 4, 2), np.float32)
+    sums = np.zeros((3, 4, 2), np.float64)
     counts = np.zeros((3, 4), np.int32)
     vq.accumulate_into(x, codes, sums, counts)
     for m in range(3):
@@ -163,7 +163,7 @@ def test_kmeans_converges_and_beats_two_seed_iterations(rng):
     cb, iters = vq.kmeans(x, 16, 16, False, max_iter=200, tol=0.0)
     codes, dist = vq.assign(x, cb)
     # converged: one more Lloyd step leaves the codebook (nearly) unchanged
-    sums = np.zeros((1, 16, 16), np.float32)
+    sums = np.zeros((1, 16, 16), np.float64)
     counts = np.zeros((1, 16), np.int32)
     vq.accumulate_into(x, codes, sums, counts)
     filled = counts[0] > 0
@@ -303,3 +303,16 @@ def test_channel_stats_rejects_a_gram_beyond_float32(rng):
     x = (rng.standard_normal((1, 64, 4)) * 1e20).astype(np.float32)
     with pytest.raises(ValueError, match="x: expected a centred Gram matrix within the float32 range"):
         lowrank.channel_stats(x)
+
+
+def test_accumulate_sums_stay_exact_past_2_to_the_24():
+    """float32 running sums stopped growing at 2**24 × the value added: a cluster of 2**25
+    points of 1.0 summed to 2**24, and k-means put its centroid at 0.5."""
+    n = 2 ** 25
+    x = np.ones((1, n, 1), np.float32)
+    codes = np.zeros((1, n, 1), np.uint8)
+    sums, counts = np.zeros((1, 1, 1), np.float64), np.zeros((1, 1), np.int32)
+    vq.accumulate_into(x, codes, sums, counts)
+    assert sums[0, 0, 0] == n and counts[0, 0] == n
+    with pytest.raises(TypeError, match="sums: expected dtype float64"):
+        vq.accumulate_into(x, codes, np.zeros((1, 1, 1), np.float32), counts)

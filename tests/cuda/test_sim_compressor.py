@@ -111,7 +111,7 @@ def _accumulate(rng):
     for cb in (per_row, shared):
         codes, _ = vq.assign(x, cb)
         ng, k, ds = cb.shape
-        sums, counts = np.zeros((ng, k, ds), np.float32), np.zeros((ng, k), np.int32)
+        sums, counts = np.zeros((ng, k, ds), np.float64), np.zeros((ng, k), np.int32)
         vq.accumulate_into(x, codes, sums, counts)
         dsums, dcounts = to_device(np.zeros_like(sums)), to_device(np.zeros_like(counts))
         vq.accumulate_into(to_device(x), to_device(codes), dsums, dcounts)
