@@ -260,6 +260,9 @@ def _gather_subvectors(x3: Any, flat_rows: np.ndarray, ds: int) -> Any:
     src = x3.reshape(rows * n * (d // ds), ds)
     if isinstance(src, np.ndarray):  # host data: plain indexing, no parallel region per draw
         return src[flat_rows]
+    if int(src.shape[0]) > 2 ** 31 - 1:  # (the device gather's row indices are int32: they would wrap)
+        raise ValueError(f"x: {int(src.shape[0]):,} sub-vectors; k-means on a device gathers among at most "
+                         f"2**31 - 1 (int32 row indices): fit on fewer tokens, or on the host")
     idx = to_like(x3, flat_rows.astype(np.int32))
     out = _backend.empty(x3, (flat_rows.shape[0], ds), np.float32)
     gather_rows(src, idx, out)

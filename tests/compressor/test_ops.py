@@ -316,3 +316,18 @@ def test_accumulate_sums_stay_exact_past_2_to_the_24():
     assert sums[0, 0, 0] == n and counts[0, 0] == n
     with pytest.raises(TypeError, match="sums: expected dtype float64"):
         vq.accumulate_into(x, codes, np.zeros((1, 1, 1), np.float32), counts)
+
+
+def test_a_device_kmeans_gather_past_int32_rows_is_refused():
+    """The device gather of k-means++ seeds takes int32 row indices: past 2**31 − 1
+    sub-vectors they would wrap and read other rows (a stand-in array: no 8 GiB needed)."""
+
+    class Big:  # a device array's shape and reshape, nothing else (the guard comes first)
+        def __init__(self, shape):
+            self.shape = shape
+
+        def reshape(self, *shape):
+            return Big(shape)
+
+    with pytest.raises(ValueError, match=r"^x: 2,147,483,648 sub-vectors; k-means on a device"):
+        vq._gather_subvectors(Big((2, 2 ** 29, 128)), np.array([0, 1]), 64)

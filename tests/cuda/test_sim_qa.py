@@ -292,3 +292,20 @@ def test_a_dense_cache_of_another_dtype_returns_its_history_on_the_device(dtype)
     for g, w in ((got.k, want.k), (got.v, want.v)):
         assert not isinstance(g, np.ndarray) and g.dtype == np.dtype(dtype)
         np.testing.assert_array_equal(to_host(g), w)
+
+
+def test_a_grid_past_cudas_y_limit_is_refused_naming_partition_size():
+    """A small ``partition_size`` on a long history asked for more than 65,535 blocks on the
+    grid's y axis: a cryptic launch error (``CUDA_ERROR_INVALID_VALUE``) instead of one that
+    says what to change."""
+    from numba_kv.ops.attention.plan import MAX_GRID_YZ, attention_plan
+
+    cache = _cache()
+    like = to_device(np.zeros(1, np.float32))
+    plan = attention_plan(like, paged=False, n_g=3, rows=2, d=D, klayout=cache.layouts["k"],
+                          vlayout=cache.layouts["v"], v_width=16)
+    per_block = plan.grid(plan.kernel, 64)[0][1] / 64  # blocks a partition on y (1, or 1 / warps a block)
+    fits = int(MAX_GRID_YZ / per_block)
+    assert plan.grid(plan.kernel, fits)[0][1] <= MAX_GRID_YZ
+    with pytest.raises(ValueError, match=r"^partition_size: \d+ partitions a KV row need \d+ blocks on the grid's y"):
+        plan.grid(plan.kernel, fits + int(1 / per_block))

@@ -51,6 +51,7 @@ __all__ = ["AttentionPlan", "FlatStep", "TILE", "VARIANTS", "attention_plan", "c
 
 TILE = 128  # tokens per partition granule (partition sizes are multiples of it)
 WORKSPACES = 4  # partition workspaces a plan keeps per thread and launch stream
+MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z dimensions (x: 2**31 - 1)
 #: the kernel variants, and the registered twins of each for flat caches and paged pools
 VARIANTS = ("cpu", "block", "warp", "mma")
 _KERNELS = {False: {"cpu": DECODE_ATTENTION, "block": DECODE_ATTENTION, "warp": DECODE_ATTENTION_WARP,
@@ -294,8 +295,16 @@ class AttentionPlan:
             # primitives need every lane of a block together)
             threads = 32 if _backend.simulator_enabled() else MMA_THREADS
         if self.variant in ("warp", "mma"):
-            return (self.n_g, -(-n_parts // (threads // 32)), -(-self.rows // WARP_ROWS)), threads
-        return (self.n_g, n_parts, -(-self.rows // rows_per_block(self.d))), threads
+            dims = (self.n_g, -(-n_parts // (threads // 32)), -(-self.rows // WARP_ROWS))
+        else:
+            dims = (self.n_g, n_parts, -(-self.rows // rows_per_block(self.d)))
+        if dims[1] > MAX_GRID_YZ:  # (a cryptic launch error otherwise, after the work before it ran)
+            raise ValueError(f"partition_size: {n_parts} partitions a KV row need {dims[1]} blocks on the grid's y "
+                             f"axis, CUDA allows {MAX_GRID_YZ}: a larger partition_size (or None, the plan's choice)")
+        if dims[2] > MAX_GRID_YZ:
+            raise ValueError(f"q: {self.rows} query rows a KV head need {dims[2]} blocks on the grid's z axis, CUDA "
+                             f"allows {MAX_GRID_YZ}: fewer query positions a call")
+        return dims, threads
 
     def workspace(self, like: Any, n_parts: int) -> tuple:
         """``(part_m, part_l, part_acc)`` for ``n_parts`` partitions, reused from step to step (the partition
