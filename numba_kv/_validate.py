@@ -45,6 +45,23 @@ def check_softmax_scale(value: Any) -> float:
     return s
 
 
+#: CUDA's limit on a grid's y and z dimensions (x allows 2**31 - 1)
+MAX_GRID_YZ = 65535
+
+
+def check_grid(dims: tuple[int, int, int], n_parts: int, rows: int) -> tuple[int, int, int]:
+    """``dims`` of an attention kernel's grid (KV rows, partition blocks, query-row blocks),
+    or ``ValueError`` naming what to change when y or z passes :data:`MAX_GRID_YZ` (a launch
+    would fail with a driver error, after the work before it ran)."""
+    if dims[1] > MAX_GRID_YZ:
+        raise ValueError(f"partition_size: {n_parts} partitions a KV row need {dims[1]} blocks on the grid's y "
+                         f"axis, CUDA allows {MAX_GRID_YZ}: a larger partition_size (or None, the plan's choice)")
+    if dims[2] > MAX_GRID_YZ:
+        raise ValueError(f"q: {rows} query rows a KV head need {dims[2]} blocks on the grid's z axis, CUDA allows "
+                         f"{MAX_GRID_YZ}: fewer query positions a call")
+    return dims
+
+
 def check_partition_size(value: Any) -> int | None:
     """``value`` as an int (``None`` stays ``None``: the plan's choice); ``TypeError``/``ValueError``
     naming ``partition_size`` unless it is an integer >= 1."""

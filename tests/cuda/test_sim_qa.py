@@ -298,7 +298,8 @@ def test_a_grid_past_cudas_y_limit_is_refused_naming_partition_size():
     """A small ``partition_size`` on a long history asked for more than 65,535 blocks on the
     grid's y axis: a cryptic launch error (``CUDA_ERROR_INVALID_VALUE``) instead of one that
     says what to change."""
-    from numba_kv.ops.attention.plan import MAX_GRID_YZ, attention_plan
+    from numba_kv._validate import MAX_GRID_YZ
+    from numba_kv.ops.attention.plan import attention_plan
 
     cache = _cache()
     like = to_device(np.zeros(1, np.float32))

@@ -27,6 +27,7 @@ from numba import cuda
 
 from ... import _backend, _config
 from ..._config import MAX_HEAD_DIM
+from ..._validate import check_grid
 from .._registry import TWINS
 from ..hadamard import SIGNS32
 from ..headquant import rotate_head_rows
@@ -51,7 +52,6 @@ __all__ = ["AttentionPlan", "FlatStep", "TILE", "VARIANTS", "attention_plan", "c
 
 TILE = 128  # tokens per partition granule (partition sizes are multiples of it)
 WORKSPACES = 4  # partition workspaces a plan keeps per thread and launch stream
-MAX_GRID_YZ = 65535  # CUDA's limit on a grid's y and z dimensions (x: 2**31 - 1)
 #: the kernel variants, and the registered twins of each for flat caches and paged pools
 VARIANTS = ("cpu", "block", "warp", "mma")
 _KERNELS = {False: {"cpu": DECODE_ATTENTION, "block": DECODE_ATTENTION, "warp": DECODE_ATTENTION_WARP,
@@ -284,9 +284,8 @@ class AttentionPlan:
 
     def grid(self, kernel: Any, n_parts: int) -> tuple | None:
         """CUDA launch geometry of the partition kernel (``None`` on the CPU): the block
-        kernels' ``(n_g, n_parts, row chunks)`` (KV rows on x, which allows 2**31 − 1 blocks;
-        y and z allow 65535), the warp kernels' ``(n_g, ceil(n_parts / warps per block),
-        ceil(rows / WARP_ROWS))``."""
+        kernels' ``(n_g, n_parts, row chunks)``, the warp kernels' ``(n_g, ceil(n_parts /
+        warps per block), ceil(rows / WARP_ROWS))``; y and z checked (:func:`check_grid`)."""
         if self.device != _backend.CUDA:
             return None
         threads = self.threads
@@ -294,17 +293,9 @@ class AttentionPlan:
             # its launch bounds; in the simulator one warp per block (its simulated warp
             # primitives need every lane of a block together)
             threads = 32 if _backend.simulator_enabled() else MMA_THREADS
-        if self.variant in ("warp", "mma"):
-            dims = (self.n_g, -(-n_parts // (threads // 32)), -(-self.rows // WARP_ROWS))
-        else:
-            dims = (self.n_g, n_parts, -(-self.rows // rows_per_block(self.d)))
-        if dims[1] > MAX_GRID_YZ:  # (a cryptic launch error otherwise, after the work before it ran)
-            raise ValueError(f"partition_size: {n_parts} partitions a KV row need {dims[1]} blocks on the grid's y "
-                             f"axis, CUDA allows {MAX_GRID_YZ}: a larger partition_size (or None, the plan's choice)")
-        if dims[2] > MAX_GRID_YZ:
-            raise ValueError(f"q: {self.rows} query rows a KV head need {dims[2]} blocks on the grid's z axis, CUDA "
-                             f"allows {MAX_GRID_YZ}: fewer query positions a call")
-        return dims, threads
+        per_block = threads // 32 if self.variant in ("warp", "mma") else 1
+        rows = WARP_ROWS if self.variant in ("warp", "mma") else rows_per_block(self.d)
+        return check_grid((self.n_g, -(-n_parts // per_block), -(-self.rows // rows)), n_parts, self.rows), threads
 
     def workspace(self, like: Any, n_parts: int) -> tuple:
         """``(part_m, part_l, part_acc)`` for ``n_parts`` partitions, reused from step to step (the partition
