@@ -171,6 +171,12 @@ def set_launch_stream_state(state: tuple[Any, int]) -> None:
     _launch_local.stream = state
 
 
+def stream_event() -> Any:
+    """A CUDA event for ordering two streams (no timing: ``record`` then ``wait`` on another
+    stream makes it wait on the device, the host never blocks)."""
+    return cuda.event() if simulator_enabled() else cuda.event(timing=False)
+
+
 #: this thread's deferred step (``numba_kv.StepGraph.run``), or ``None``
 _step_local = threading.local()
 

@@ -16,6 +16,7 @@ from .. import _backend
 from .._validate import check_int
 from ._format import host_copy, save_cache
 from ._lifecycle import copy_array, take_rows
+from ._paged_streams import PageStreamOrder
 from .state import CacheFileError, CacheState, check_declared_sizes, expect_int
 
 __all__ = ["OutOfPagesError", "PagedLifecycleMixin"]
@@ -27,6 +28,19 @@ class OutOfPagesError(RuntimeError):
 
 class PagedLifecycleMixin:
     """``crop``, ``fork_sequence``, ``select_batch``, ``fork``/``deepcopy`` and ``save``."""
+
+    # -- pages ----------------------------------------------------------------------------
+    def _take_pages(self, n: int) -> list[int]:
+        """Pop ``n`` free pages for writing on this thread's launch stream (ordered after their
+        release on any other stream: :class:`~._paged_streams.PageStreamOrder`)."""
+        pages = [self._free.pop() for _ in range(n)]
+        self._streams.taken(pages)
+        return pages
+
+    def _release_pages(self, pages: list[int]) -> None:
+        """Give ``pages`` back to the free list (the next take pops them in ascending order)."""
+        self._free.extend(reversed(pages))
+        self._streams.released(pages, self._device not in (None, _backend.CPU))
 
     # -- lifecycle ------------------------------------------------------------------------
     def config_dict(self) -> dict[str, Any]:
@@ -60,7 +74,7 @@ class PagedLifecycleMixin:
             self._dev_tables.clear()  # last-page lengths change (and pages may go)
             for layer in range(self.num_layers):
                 table = self._tables[layer][sid]
-                self._free.extend(reversed(table[keep:]))
+                self._release_pages(table[keep:])
                 del table[keep:]
                 self._lens[layer][sid] = length
 
@@ -86,7 +100,7 @@ class PagedLifecycleMixin:
             self._dev_tables.clear()
             for layer in range(self.num_layers):
                 src = self._tables[layer][sid]
-                dst = [self._free.pop() for _ in src]
+                dst = self._take_pages(len(src))
                 if src:
                     self._copy_pages(src, dst)
                 self._tables[layer][new] = dst
@@ -155,7 +169,9 @@ class PagedLifecycleMixin:
                 elif key in ("_dev_tables", "_row_scratch", "_views", "_write_scratch"):
                     # device bookkeeping and scratch of this cache: shared write buffers would let an
                     # append to the fork overwrite this cache's codes between quantize and scatter
-                    fields[key] = None if key == "_row_scratch" else {}
+                    fields[key] = {}
+                elif key == "_streams":  # the fork's pool is its own: no release to wait for
+                    fields[key] = PageStreamOrder()
                 elif key in ("_tables", "_lens", "_free", "_deferred"):  # _deferred: the fork's own record
                     fields[key] = copy.deepcopy(val, memo)
                 else:  # configuration, read-only after __init__ (codebooks shared)

@@ -42,9 +42,11 @@ class PagedStorageMixin:
         if dev == _backend.CPU or slot + n > self.page_size:
             return self._rows(pages, t0, n)
         size = self.num_kv_heads * self.page_size
-        if self._row_scratch is None:
-            self._row_scratch = _backend.empty(like, (size,), np.int32)
-        return page_run_rows_into(self._row_scratch, pages[p0], slot, n, self.num_kv_heads, self.page_size)
+        handle = _backend.launch_stream_state()[1]  # per stream: streams run at once
+        rows = self._row_scratch.get(handle)
+        if rows is None:
+            rows = self._row_scratch[handle] = _backend.empty(like, (size,), np.int32)
+        return page_run_rows_into(rows, pages[p0], slot, n, self.num_kv_heads, self.page_size)
 
     def _note_append(self, layer: int, sid: int, n: int, new_pages: bool) -> tuple[Any, int, int] | None:
         """Keep the cached device page table of ``layer`` in step with an append: drop the
@@ -112,11 +114,11 @@ class PagedStorageMixin:
     def _write_buffers(self, like: Any, part: str, h: int, n: int, pd: int, nb: int) -> tuple[Any, Any]:
         """Codes ``[h, n, pd]`` uint8 and scales ``[h, n, nb]`` uint16 for a write of ``n``
         tokens of side ``part``: reused on a device for a write of a few tokens (no allocation
-        per decode step; the pool rows are scattered from them before the next write), new
-        arrays otherwise."""
+        per decode step; the pool rows are scattered from them before the next write on the
+        same launch stream: each stream has its own), new arrays otherwise."""
         if isinstance(like, np.ndarray) or n > SMALL_WRITE:
             return _backend.empty(like, (h, n, pd), np.uint8), _backend.empty(like, (h, n, nb), np.uint16)
-        key = (part, n)
+        key = (part, n, _backend.launch_stream_state()[1])  # per launch stream: streams run at once
         hit = self._write_scratch.get(key)
         if hit is None or tuple(hit[0].shape) != (h, n, pd) or tuple(hit[1].shape) != (h, n, nb):
             hit = self._write_scratch[key] = (_backend.empty(like, (h, n, pd), np.uint8),

@@ -78,6 +78,7 @@ from ..ops.gather import to_like
 from ..ops.page_index import add_at
 from ._layer import check_q_values
 from ._paged_lifecycle import OutOfPagesError, PagedLifecycleMixin
+from ._paged_streams import PageStreamOrder
 from ._paged_write import SMALL_WRITE, PagedStorageMixin
 from ._values import ValueChecks
 from .config import DEFAULT_PAGE_SIZE, PagedConfig
@@ -165,16 +166,17 @@ class PagedKVCache(PagedStorageMixin, PagedLifecycleMixin, ValueChecks):
         self._pools: dict[str, Any] = {}
         self._device: str | None = None
         self._free: list[int] = list(range(self.num_pages))  # stack: pop() → highest id
+        self._streams = PageStreamOrder()  # page reuse across launch streams (_paged_streams)
         self._tables: list[dict[int, list[int]]] = [dict() for _ in range(self.num_layers)]
         self._lens: list[dict[int, int]] = [dict() for _ in range(self.num_layers)]
         self._next_seq = 0
         # per layer: (sequence ids, page table on the pool's device) of the last decode_attention
         self._dev_tables: dict[int, tuple[tuple[int, ...], PageTable]] = {}
-        self._row_scratch: Any = None  # int32 pool rows of a one-page run, on the pool's device
+        self._row_scratch: dict[int, Any] = {}  # per launch stream: int32 pool rows of a one-page run
         self._views: dict = {}  # the same views of the same arrays (_backend.same_view)
-        # per (side, tokens): the codes and scales of a small write on the pool's device, reused
-        # (a decode step writes the same shape every step; used under the lock)
-        self._write_scratch: dict[tuple[str, int], tuple[Any, Any]] = {}
+        # per (side, tokens, launch stream): the codes and scales of a small write on the pool's
+        # device, reused (a decode step writes the same shape every step; used under the lock)
+        self._write_scratch: dict[tuple[str, int, int], tuple[Any, Any]] = {}
         # (largest |x|, what sets it) tighter than the storage's, set by a cache built on this one
         self._value_cap: tuple[float, str] | None = None
 
@@ -370,7 +372,7 @@ class PagedKVCache(PagedStorageMixin, PagedLifecycleMixin, ValueChecks):
             for layer in range(self.num_layers):
                 pages = self._tables[layer].pop(sid)
                 del self._lens[layer][sid]
-                self._free.extend(reversed(pages))
+                self._release_pages(pages)
 
     def reset(self) -> None:
         """Free every sequence (the pools stay allocated) and drop what ``validate="deferred"``
@@ -532,7 +534,7 @@ class PagedKVCache(PagedStorageMixin, PagedLifecycleMixin, ValueChecks):
         self._ensure_pools(k3, dev)
         xk = _backend.ascontiguous_f32("k", k3)
         xv = _backend.ascontiguous_f32("v", v3) if v3 is not None else None
-        new_pages = [self._free.pop() for _ in range(max(need, 0))]
+        new_pages = self._take_pages(max(need, 0))
         pages = table + new_pages
         p0, slot = divmod(cur, self.page_size)
         planes = self._write_page_run(xk, xv, pages[p0], slot)
@@ -553,7 +555,7 @@ class PagedKVCache(PagedStorageMixin, PagedLifecycleMixin, ValueChecks):
             else:
                 self._write_kv(xk, xv, self._append_rows(xk, pages, cur, n, dev))
         except Exception:
-            self._free.extend(reversed(new_pages))
+            self._release_pages(new_pages)
             raise
         table.extend(new_pages)
         self._lens[layer][sid] = cur + n

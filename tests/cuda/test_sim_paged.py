@@ -174,3 +174,165 @@ def test_paged_device_table_is_dropped_when_pages_change_hands(change):
         append(b, 3)
     append(a, 1)
     attend([a, b])
+
+
+class _EventLog:
+    """Stand-in for ``_backend.stream_event``: events that log ``(what, event number, stream)``."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int, object]] = []
+        self.made = 0
+
+    def __call__(self):
+        log, number = self.log, self.made
+        self.made += 1
+        log.append(("new", number, None))
+
+        class Event:
+            def record(self, stream=0):
+                log.append(("record", number, stream))
+
+            def wait(self, stream=0):
+                log.append(("wait", number, stream))
+
+        return Event()
+
+    def take(self) -> list[tuple[str, int, object]]:
+        out, self.log[:] = self.log[:], []
+        return out
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("release", ["free_sequence", "crop", "select_batch", "reset"])
+def test_paged_page_reuse_on_another_launch_stream_waits_for_the_release(monkeypatch, release):
+    """A page released on launch stream A (queued kernels may still read it) and taken by an
+    append or a fork on stream B: B waits on an event recorded on A at the release (on the
+    device, no host synchronization). Released and taken on one stream, or on the host: no
+    event. Outputs stay the CPU twin's."""
+    if not simulator_enabled():
+        pytest.skip("simulator streams and a stand-in event")
+    from numba import cuda
+
+    import numba_kv
+
+    events = _EventLog()
+    monkeypatch.setattr("numba_kv._backend.stream_event", events)
+    rng = np.random.default_rng(3)
+    h, d, ps = 1, 32, 4
+    dev, cpu = (PagedKVCache(6, 1, h, d, page_size=ps, storage="pqo3") for _ in range(2))
+    sa, sb = cuda.stream(), cuda.stream()
+
+    def run(name, *args):
+        a, b = getattr(dev, name)(*args), getattr(cpu, name)(*args)
+        assert a == b
+        return a
+
+    def append(sid, n):
+        k = rng.standard_normal((h, n, d)).astype(np.float32)
+        dev.append(0, sid, to_device(k), to_device(k))
+        cpu.append(0, sid, k, k)
+
+    def attend(ids):
+        q = rng.standard_normal((len(ids), 2 * h, 1, d)).astype(np.float32)
+        np.testing.assert_allclose(to_host(dev.decode_attention(0, to_device(q), ids)),
+                                   cpu.decode_attention(0, q, ids), rtol=2e-5, atol=2e-6)
+
+    with numba_kv.launch_stream(sa):
+        a, keep = run("allocate_sequence"), run("allocate_sequence")
+        append(a, 2 * ps)  # two pages
+        append(keep, 1)
+        attend([a, keep])
+        assert events.take() == []  # nothing released yet
+        if release == "free_sequence":
+            run("free_sequence", a)
+        elif release == "crop":
+            run("crop", a, 1)  # its second page goes back
+        elif release == "select_batch":
+            run("select_batch", [keep])
+        else:
+            run("reset")
+            keep = run("allocate_sequence")
+            append(keep, 1)
+        released = events.take()
+        assert released[0][0] == "new" and released[1:] and all(e[:3:2] == ("record", sa) for e in released[1:])
+        # taken again on the same stream: ordered by the stream itself
+        b = run("allocate_sequence")
+        append(b, ps)
+        assert events.take() == []
+        run("free_sequence", b)
+        assert [e[:2] for e in events.take()] == [("record", 0)]
+    with numba_kv.launch_stream(sb):
+        c = run("allocate_sequence")
+        append(c, ps + 1)  # two pages, both released on stream A
+        assert events.take() == [("wait", 0, sb)]
+        append(c, 1)  # room in its last page: nothing taken
+        attend([keep, c])
+        fork = run("fork_sequence", c)  # pages never released: no wait
+        assert events.take() == []
+        run("free_sequence", fork)
+        assert [e[:2] for e in events.take()] == [("new", 1), ("record", 1)]
+    with numba_kv.launch_stream(sa):
+        run("fork_sequence", c)  # takes the fork's pages, released on stream B
+        assert events.take() == [("wait", 1, sa)]
+        attend([keep, c])
+
+
+def test_paged_pages_on_the_host_record_no_event(monkeypatch):
+    """NumPy pools: the host runs in order, so releases and takes make no event."""
+    events = _EventLog()
+    monkeypatch.setattr("numba_kv._backend.stream_event", events)
+    cache = PagedKVCache(4, 1, 1, 32, page_size=4, storage="pqo3")
+    k = np.ones((1, 6, 32), np.float32)
+    a = cache.allocate_sequence()
+    cache.append(0, a, k, k)
+    cache.free_sequence(a)
+    cache.append(0, cache.allocate_sequence(), k, k)
+    assert events.log == []
+
+
+@pytest.mark.cuda
+def test_paged_write_scratch_is_per_launch_stream(monkeypatch):
+    """The reused device buffers of a small write (codes and scales quantized before their
+    scatter; the pool rows of a key-only append) are the stream's own: a write queued on
+    another stream cannot overwrite them between a write's launches. Reused on one stream
+    (no allocation per step)."""
+    if not simulator_enabled():
+        pytest.skip("simulator streams")
+    from numba import cuda
+
+    import numba_kv
+    import numba_kv.caches._paged_write as paged_write
+
+    seen: list[tuple[str, int]] = []  # (buffer, id): the buffers are the cache's own, alive throughout
+    pair, rows_into = paged_write.quantize_pair_into, paged_write.page_run_rows_into
+
+    def spy_pair(xk, xv, ck, *args, **kw):
+        seen.append(("codes", id(ck)))
+        return pair(xk, xv, ck, *args, **kw)
+
+    def spy_rows(rows, *args):
+        seen.append(("rows", id(rows)))
+        return rows_into(rows, *args)
+
+    monkeypatch.setattr(paged_write, "quantize_pair_into", spy_pair)
+    monkeypatch.setattr(paged_write, "page_run_rows_into", spy_rows)
+    rng = np.random.default_rng(4)
+    h, d, ps = 1, 32, 4
+    kv = PagedKVCache(8, 1, h, d, page_size=ps, storage="pqo3")  # a run across pages: scratch + scatter
+    keys = PagedKVCache(8, 1, h, d, page_size=ps, storage="pqo3", v_head_dim=0)  # one page: rows scratch
+    new = {kv: [], keys: []}
+    for cache in (kv, keys):
+        for stream in (cuda.stream(), cuda.stream()):
+            with numba_kv.launch_stream(stream):
+                sid = cache.allocate_sequence()
+                for n in (3, 2, 2):  # the 2-token writes after 3: across a page boundary, then within one
+                    k = to_device(rng.standard_normal((h, n, d)).astype(np.float32))
+                    seen.clear()
+                    cache.append(0, sid, k, k if cache is kv else None)
+                    new[cache].append(set(seen))
+    # kv: the first 2-token write of each stream crosses a page: its codes go through scratch
+    codes = [new[kv][1], new[kv][4]]
+    assert all(codes) and not codes[0] & codes[1]
+    # keys: the writes within one page (the 3 and the second 2) use the stream's rows scratch
+    rows = [{i for what, i in new[keys][j] if what == "rows"} for j in range(6)]
+    assert rows[0] and rows[0] == rows[2] and rows[3] == rows[5] and not rows[0] & rows[3]

@@ -148,3 +148,50 @@ def test_paged_decode_loop_with_kept_tables(dev, storage):
         dev.check(out)
         np.testing.assert_allclose(dev.get(out), cpu.decode_attention(0, q, ids), **F32)
     gpu.check_inputs()
+
+
+def _spin_kernel():
+    """A one-thread kernel that sleeps ``ms`` milliseconds on its stream (``nanosleep``, cc ≥ 7.0)."""
+    from numba import cuda
+
+    @cuda.jit
+    def spin(ms):
+        for _ in range(ms):
+            cuda.nanosleep(1000000)
+
+    return spin
+
+
+@pytest.mark.gpu_only
+def test_paged_page_freed_on_one_stream_and_taken_on_another_is_read_first():
+    """Stream A is held busy, then queues a decode of sequence ``a`` and frees it; stream B
+    appends another sequence into ``a``'s page at once. The decode still reads ``a``'s
+    tokens: B's append waits on the device for A's release (no host synchronization)."""
+    cp = pytest.importorskip("cupy")
+    import numba_kv
+    from numba_kv import PagedKVCache
+
+    rng = np.random.default_rng(11)
+    h, d, ps = 2, 64, 16
+    ka, va, kb, vb = (rng.standard_normal((h, ps, d)).astype(np.float32) for _ in range(4))
+    q = rng.standard_normal((1, 2 * h, 1, d)).astype(np.float32)
+    cpu = PagedKVCache(1, 1, h, d, page_size=ps, storage="pqo3")
+    cpu.append(0, cpu.allocate_sequence(), ka, va)
+    want = cpu.decode_attention(0, q)
+    gpu = PagedKVCache(1, 1, h, d, page_size=ps, storage="pqo3")  # one page: b must take a's
+    a = gpu.allocate_sequence()
+    gpu.append(0, a, cp.asarray(ka), cp.asarray(va))
+    qd, kbd, vbd = cp.asarray(q), cp.asarray(kb), cp.asarray(vb)
+    spin = _spin_kernel()
+    cp.cuda.Device().synchronize()
+    sa, sb = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    with numba_kv.launch_stream(sa) as stream:
+        spin[1, 1, stream](200)  # ~0.2 s: A's decode runs long after B's append was queued
+        out = gpu.decode_attention(0, qd, [a])
+        gpu.free_sequence(a)
+    with numba_kv.launch_stream(sb):
+        b = gpu.allocate_sequence()
+        gpu.append(0, b, kbd, vbd)
+    sb.synchronize()
+    sa.synchronize()
+    np.testing.assert_allclose(cp.asnumpy(out), want, **F32)
