@@ -22,7 +22,7 @@ from numba_kv import reference
 from numba_kv.ops.bitpack import unpack_bits
 from numba_kv.ops.blockquant import quantize_blocks
 from numba_kv.ops.codebook import bucketize_cpu, bucketize_select_cpu, get_codebook
-from numba_kv.ops.headquant import head_codebook, head_signs, quantize_head
+from numba_kv.ops.headquant import head_codebook, quantize_head
 
 _F32_MAX = np.finfo(np.float32).max
 CODEBOOKS = [(b, "maxnorm", 32) for b in (1, 2, 3, 4)] + [(b, "l2", 32) for b in (1, 2, 3, 4, 8)] + [
@@ -158,7 +158,7 @@ def test_head_quantizer_codes_match_searchsorted_on_structured_rows(bits, unbias
     # oracle: y = H_d D_s x / ‖x‖ in float64 (a one-hot row maps to ±1/√d in every
     # coordinate, far from every boundary), bucketized by searchsorted
     h = np.array([[(-1.0) ** (i & j).bit_count() for j in range(d)] for i in range(d)]) / np.sqrt(d)
-    xs = x.astype(np.float64) * head_signs(d)
+    xs = x.astype(np.float64) * reference.head_sign_vector(d)
     nrm = np.maximum(np.linalg.norm(x.astype(np.float64), axis=1, keepdims=True), 1e-10)
     y = (xs / nrm) @ h.T
     want = np.searchsorted(cb.boundaries.astype(np.float64), y, side="left").astype(np.uint8)

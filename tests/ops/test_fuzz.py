@@ -159,7 +159,7 @@ def test_rotate_head_fuzz(x, inverse):
     d = x.shape[-1]
 
     def oracle(x32):
-        r = scipy.linalg.hadamard(d) / np.sqrt(d) * hq.head_signs(d).astype(np.float64)[None, :]
+        r = scipy.linalg.hadamard(d) / np.sqrt(d) * reference.head_sign_vector(d)[None, :]
         return x32.astype(np.float64) @ (r if inverse else r.T)
 
     _rotation_case(rotate_head, x, inverse, lambda d: d in hq.HEAD_DIMS, oracle)

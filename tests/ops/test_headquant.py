@@ -6,6 +6,7 @@ import scipy.linalg
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from numba_kv import reference
 from numba_kv.ops import _headquant_lanes as lanes
 from numba_kv.ops import headquant as hq
 from numba_kv.ops.bitpack import pack_bits, unpack_bits
@@ -31,7 +32,7 @@ def unit_vectors(rng, n, d):
 
 def rotation_matrix(d):
     """The forward rotation ``H_d D_s`` as a dense float64 matrix (scipy's Sylvester Hadamard / √d)."""
-    return scipy.linalg.hadamard(d) / np.sqrt(d) * hq.head_signs(d).astype(np.float64)[None, :]
+    return scipy.linalg.hadamard(d) / np.sqrt(d) * reference.head_sign_vector(d)[None, :]
 
 
 def splitmix64_signs(d, seed):

@@ -10,10 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from numba_kv import dequantize_head, get_codebook, quantize_head
+from numba_kv import dequantize_head, get_codebook, quantize_head, reference
 from numba_kv.ops.absmax8 import absmax8_dequantize_into, absmax8_quantize_into
 from numba_kv.ops.gather import gather_rows, scatter_rows
-from numba_kv.ops.headquant import head_signs
 from numba_kv.ops.intquant import IntQuantized, int_dequantize, int_quantize, mad_threshold
 
 
@@ -134,7 +133,7 @@ def test_dequantize_head_is_signs_after_hadamard():
     codes = np.zeros((1, d * bits // 8), np.uint8)
     norms = np.array([[0x3C00]], np.uint16)  # binary16 1.0
     want = np.zeros(d)
-    want[0] = c0 * np.sqrt(d) * head_signs(d)[0]
+    want[0] = c0 * np.sqrt(d) * reference.head_sign_vector(d)[0]
     np.testing.assert_allclose(dequantize_head(codes, norms, bits)[0], want, atol=1e-6)
 
 

@@ -128,12 +128,12 @@ def slide8_oracle(x, kmean, codes, steps, plan, s_at, sinks, rot, d):
     """NumPy float64 reference of one side of ``slide_windows8`` (independent of the package's
     cores): the expected evicted tokens, the expected codes/scales of the moved tokens, and
     the float64 rotations of the tokens the call quantizes (with their destinations)."""
-    from numba_kv.ops.headquant import head_signs
+    from numba_kv import reference
     from numba_kv.reference.polarquant import hadamard, rotate_forward, rotate_inverse
 
     a, e_old, e_new, keep_old, keep_new = plan
     xs = x.astype(np.float64) - (0.0 if kmean is None else kmean.astype(np.float64))
-    signs = head_signs(d).astype(np.float64)
+    signs = reference.head_sign_vector(d)  # the spec's signs, not the library's
 
     def fwd(v):
         return {0: lambda u: u, 1: lambda u: (u * signs) @ hadamard(d).T, 2: rotate_forward}[rot](v)
