@@ -2,17 +2,23 @@
 
 A vector ``x`` (``head_dim`` float32 values in the cache's stored domain, rotated or not) is
 stored as int8 codes ``q_j = clamp(rint(x_j / s), −127, 127)`` with one binary16 scale
-``s = fp16(max_j |x_j| / 127)`` (``s = 1`` when that rounds to 0: an all-zero vector is then
-stored exactly, one with ``max |x| < 127·2**-25`` (about 3.8e-6) as zeros; below ``127·2**-14``
-the scale is a subnormal binary16 and the relative error grows past the normal 1/254), and
-read back as ``q_j · s``: the symmetric, vector-wise absmax quantization of LLM.int8() (arXiv:2208.07339, §3.1), with
-the scale rounded to binary16 before it divides so that the reader's ``q · s`` uses the
-stored scale itself.
+``s = fp16(max_j |x_j| / 127)``, and read back as ``q_j · s``: the symmetric, vector-wise
+absmax quantization of LLM.int8() (arXiv:2208.07339, §3.1), with the scale rounded to
+binary16 before it divides so that the reader's ``q · s`` uses the stored scale itself.
 
-The cores reproduce NumPy's ``(abs(x).max() / 127).astype(float16)``, ``rint(x / s)``,
-``clip`` and ``astype(int8)`` bit for bit (round-to-nearest-even everywhere; checked by
-``tests/ops/test_absmax8.py``); one decode step stores one token per KV row, and a kernel
-launch replaced eight NumPy calls and their temporaries.
+Small vectors.  Below ``max |x| = 127·2**-14`` (about 7.8e-3) the scale is a subnormal
+binary16, a multiple of ``2**-24``, so round-to-nearest can leave it up to a third below
+``max|x|/127``; the scale then goes up one step when ``max|x| > 127.5·s`` (which a normal
+scale never meets: there ``max|x|/s <= 127·(1 + 2**-11)``), so no code clips by more than
+half a step.  A scale that rounds to 0 becomes the smallest subnormal ``2**-24`` (``1`` for
+an all-zero vector, stored exactly).  Every value therefore comes back within half a step,
+``s/2``: at most ``max|x|/254`` (to binary16's rounding) for a normal scale, at most
+``max|x|/254 + 2**-25`` (``2**-25`` is about 3e-8) for a subnormal one.
+
+The cores reproduce the NumPy formula of ``tests/ops/test_absmax8.py`` (``(abs(x).max() /
+127).astype(float16)``, the two small-vector rules, ``rint(x / s)``, ``clip`` and
+``astype(int8)``) bit for bit, round-to-nearest-even everywhere; one decode step stores one
+token per KV row, and a kernel launch replaced eight NumPy calls and their temporaries.
 """
 
 from __future__ import annotations
@@ -42,17 +48,27 @@ def _rint(v):
     return (v + RNE_MAGIC) - RNE_MAGIC
 
 
+def _scale_bits(amax):
+    """The binary16 scale (bits) of a vector whose largest ``|x_j|`` is ``amax`` (finite,
+    ``>= 0``): ``fp16(amax / 127)``, raised to the smallest subnormal when it rounds to 0 and
+    one step when ``amax > 127.5·s`` (subnormal scales only); ``1.0`` for ``amax = 0``."""
+    h = uint16(max(f32_to_f16_bits_sat(amax / float32(127.0)), uint16(1)))
+    h = uint16(h + uint16(amax > float32(127.5) * f16_bits_to_f32(h)))
+    return uint16(ONE_F16) if amax == float32(0.0) else h
+
+
+scale_bits_cpu, scale_bits_dev = twin(_scale_bits, inline=True)
+
+
 def _quantize_vector(x, r, t, codes, scales, d0):
     """Vector ``x[r, t]`` into ``codes[r, d0 + t]`` and ``scales[r, d0 + t, 0]``.
 
-    ``|x_j / s| <= 127·(1 + 2**-11)`` for a normal binary16 ``s`` and below 2·127 for a
-    subnormal one, far inside :func:`_rint`'s range."""
+    ``|x_j / s| <= 127.5`` (:func:`_scale_bits`), far inside :func:`_rint`'s range."""
     d = x.shape[2]
     amax = float32(0.0)
     for j in range(d):
         amax = max(amax, abs(x[r, t, j]))
-    h = f32_to_f16_bits_sat(amax / float32(127.0))
-    h = uint16(ONE_F16) if h == 0 else h
+    h = _scale_bits(amax)
     s = f16_bits_to_f32(h)
     for j in range(d):
         v = _rint(x[r, t, j] / s)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import cuda, float32, int8, int64, uint16
+from numba import cuda, float32, int8, int64
 
 from .. import _backend, _config
 from .._config import MAX_CUDA_THREADS, MAX_HEAD_DIM
@@ -33,10 +33,10 @@ from ._coop import coop_butterflies_within
 from ._exact import mul_rn_dev
 from ._headquant_lanes import head_scale_dev, rotate_head_row_cpu
 from ._registry import register
-from .absmax8 import ONE_F16, dequantize_vector_cpu, quantize_vector_cpu, rint_dev
+from .absmax8 import dequantize_vector_cpu, quantize_vector_cpu, rint_dev, scale_bits_dev
 from .finite import FOLD_SIG
 from .hadamard import load_rotate_store_cpu
-from .half import f16_bits_to_f32_dev, f32_to_f16_bits_sat_dev
+from .half import f16_bits_to_f32_dev
 from .headquant import QUANTIZE_HEAD
 from .memory import check_store_plan, shift_column_dev, store_launch_args, store_tail_cpu, store_tail_dev
 
@@ -338,8 +338,7 @@ def _put8_dev(x, ti, r, kmean, cen, rot, signs, t, red, ex, exs, dst):
             red[tid] = max(red[tid], red[tid + h])
         h = h >> 1
     cuda.syncthreads()
-    q = f32_to_f16_bits_sat_dev(red[0] / float32(127.0))
-    q = uint16(ONE_F16) if q == 0 else q
+    q = scale_bits_dev(red[0])
     s = f16_bits_to_f32_dev(q)
     for w in range(tid, d, nt):
         v = rint_dev(t[w] / s)

@@ -118,7 +118,8 @@ def _finite(rng):
 
 def _absmax8(rng):
     """The int8 window codec on the device: codes and scales bit-identical to the CPU twin,
-    decoding as well (ties, a zero vector and a subnormal scale included)."""
+    decoding as well (ties, a zero vector and subnormal scales included: one raised a step
+    above round-to-nearest, one from 0 to the smallest)."""
     from numba_kv.ops.absmax8 import absmax8_dequantize_into, absmax8_quantize_into
 
     x = rng.standard_normal((2, 3, 32)).astype(np.float32)
@@ -126,6 +127,8 @@ def _absmax8(rng):
     x[0, 1] *= np.float32(3e-6)
     x[1, 0] = (np.arange(32, dtype=np.float32) - 16) * np.float32(0.125)
     x[1, 0, 0] = 31.75
+    x[1, 1] *= np.float32(1.1e-5) / np.abs(x[1, 1]).max()  # 1.1e-5/127 rounds to 2**-24: one step up
+    x[1, 2] *= np.float32(1e-9)  # rounds to 0: the smallest subnormal
     outs = []
     for f in (to_device, lambda a: a):
         codes, scales = f(np.zeros((2, 5, 32), np.int8)), f(np.zeros((2, 5, 1), np.uint16))

@@ -9,10 +9,15 @@ from numba_kv.ops.absmax8 import absmax8_dequantize_into, absmax8_quantize_into
 
 
 def numpy_absmax8(x):
-    """The formula (module docstring): binary16 scale of max|x|/127 (1 if it rounds to 0),
-    codes rint(x / s) clipped to ±127."""
-    s16 = (np.abs(x).max(axis=2, keepdims=True) / np.float32(127.0)).astype(np.float16)
-    s16[s16 == 0] = 1.0
+    """The formula (module docstring): binary16 scale of max|x|/127, raised to the smallest
+    subnormal 2**-24 if it rounds to 0 and one binary16 step if max|x| > 127.5·s (1 for an
+    all-zero vector), codes rint(x / s) clipped to ±127."""
+    amax = np.abs(x).max(axis=2, keepdims=True)
+    s16 = (amax / np.float32(127.0)).astype(np.float16)
+    s16[s16 == 0] = np.float16(2.0 ** -24)
+    up = amax > np.float32(127.5) * s16.astype(np.float32)
+    s16[up] = np.nextafter(s16[up], np.float16(np.inf))
+    s16[amax == 0] = 1.0
     q = np.clip(np.rint(x / s16.astype(np.float32)), -127, 127).astype(np.int8)
     return q, s16.view(np.uint16)
 
@@ -20,7 +25,7 @@ def numpy_absmax8(x):
 def vectors(rng):
     x = rng.standard_normal((4, 9, 64)).astype(np.float32)
     x[0, 0] = 0.0  # all zero: scale 1
-    x[0, 1] *= np.float32(1e-9)  # max/127 below binary16's subnormals: scale 1, codes round to 0
+    x[0, 1] *= np.float32(1e-9)  # max/127 below binary16's subnormals: the smallest one, 2**-24
     x[0, 2] *= np.float32(3e-6)  # subnormal binary16 scale
     x[0, 3] *= np.float32(1e5)  # large scale
     x[1, 0] = (np.arange(64, dtype=np.float32) - 32) * np.float32(0.125)  # x/s = k/2: ties ...
@@ -87,3 +92,24 @@ def test_quantize_matches_numpy_formula_fuzz(seed, d, mags, grid):
     q, sc = numpy_absmax8(x)
     np.testing.assert_array_equal(scales, sc)
     np.testing.assert_array_equal(codes, q)
+
+
+@pytest.mark.parametrize("amax", [1e-9, 1e-7, 2.5e-6, 3.7e-6, 1e-5, 1.1e-5, 4e-4, 7.7e-3, 7.8e-3, 0.5])
+def test_small_vectors_come_back_within_half_a_step(amax):
+    """The module docstring's bound, by formula: every value within half a step ``s/2``, and
+    ``s <= max|x|/127·(1 + 2**-10)`` for a normal scale, ``+ 2**-24`` for a subnormal one (a
+    vector below 3.8e-6 came back as zeros, a subnormal scale clipped codes by up to a third)."""
+    rng = np.random.default_rng(int(amax * 1e9) % 2 ** 32)
+    x = rng.uniform(-1, 1, (1, 64, 128)).astype(np.float32)
+    x *= np.float32(amax) / np.abs(x).max(axis=2, keepdims=True)
+    codes = np.empty(x.shape, np.int8)
+    scales = np.empty((1, 64, 1), np.uint16)
+    absmax8_quantize_into(x, codes, scales, 0)
+    back = np.empty_like(x)
+    absmax8_dequantize_into(codes, scales, 0, 64, back, 0)
+    s = scales.view(np.float16).astype(np.float64)
+    subnormal = 2.0 ** -24 if amax < 127 * 2.0 ** -14 else 0.0
+    assert (s <= np.abs(x).max(axis=2, keepdims=True) / 127 * (1 + 2 ** -10) + subnormal).all()
+    err = np.abs(back.astype(np.float64) - x)
+    assert (err <= s * (0.5 + 1e-6)).all()
+    assert err.max() <= (amax / 254 * (1 + 2 ** -10) + subnormal / 2) * (1 + 1e-6)
