@@ -145,6 +145,8 @@ def check_kv_shapes(k: Any, v: Any, num_kv_heads: int, head_dim: int, batch: int
     dv = check_float_array("v", v, 4)
     if dk != dv:
         raise ValueError(f"k is on {dk} but v is on {dv}: both must live on the same device")
+    if np.dtype(v.dtype) != np.dtype(k.dtype):  # (the outputs take k's dtype: a mixed pair is a caller's slip)
+        raise TypeError(f"v: expected the dtype of k ({np.dtype(k.dtype)}), got {np.dtype(v.dtype)}")
     check_shape("k", k, (batch, num_kv_heads, None, head_dim), labels)
     if k.shape[2] < 1:
         raise ValueError(f"k: expected new_tokens >= 1, got shape {tuple(k.shape)}")

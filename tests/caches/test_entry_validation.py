@@ -168,3 +168,45 @@ def test_tiny_values_keep_the_documented_accuracy(name):
     assert max_error(1e-6) <= 1.05e-6 * unit
     for scale in (1e-7, 1e-8, 1e-9):
         assert max_error(scale) <= 4e-8 + scale * unit
+
+
+@pytest.mark.parametrize("name", ["kv4", "pqo3-r64-s0:window_dtype=int8"])
+@pytest.mark.parametrize("scale", [1.0, 1e-3, 1e-5, 1e-6, 1e-8])
+def test_tiny_values_in_an_int8_window_keep_the_codec_bound(name, scale):
+    """Tokens in an int8 window (kv4's: key-centred and rotated) come back within half a
+    step of their per-vector binary16 scale: per vector, an L2 error of at most
+    ``√d·(‖x‖/254·(1 + 2**-10) + 2**-25)`` (the rotation is orthonormal; ``2**-25`` is the
+    subnormal scale's part, ``ops/absmax8.py``). Below ``max|x| ≈ 3.8e-6`` the tokens came
+    back as zeros, and subnormal scales clipped codes by up to a third."""
+    from numba_kv import make_cache
+
+    d = 64
+    x = np.random.default_rng(1).standard_normal((1, 1, 40, d)).astype(np.float32) * np.float32(scale)
+    cache = make_cache(name, num_layers=1, num_kv_heads=1, head_dim=d)
+    cache.prefill(0, x, x)
+    history = cache.prefill(0, x[:, :, :1], x[:, :, :1])
+    for got in (history.k[:, :, :40], history.v[:, :, :40]):
+        err = np.linalg.norm((got.astype(np.float64) - x)[0, 0], axis=-1)
+        # kv4 centres keys on their mean first: the vector the window quantizes is at most ‖x‖ + ‖mean‖
+        norm = np.linalg.norm(x[0, 0].astype(np.float64), axis=-1) + np.linalg.norm(x[0, 0].mean(0))
+        assert (err <= np.sqrt(d) * (norm / 254 * (1 + 2 ** -10) + 2.0 ** -25) * (1 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("name", ["dense", "pqo3", "kv4"])
+def test_a_kv_pair_of_two_dtypes_is_refused_and_nothing_is_stored(name):
+    """float16 keys with float32 values: a ``TypeError`` naming ``v`` (the outputs would take
+    ``k``'s dtype), in prefill and decode, with the cache unchanged."""
+    from numba_kv import AttendConfig, make_cache
+
+    rng = np.random.default_rng(2)
+    k, v = (rng.standard_normal((1, 2, 6, 64)).astype(np.float32) for _ in range(2))
+    cache = make_cache(name, num_layers=1, num_kv_heads=2, head_dim=64)
+    with pytest.raises(TypeError, match=r"v: expected the dtype of k \(float16\), got float32"):
+        cache.prefill(0, k.astype(np.float16), v)
+    assert cache.seq_len(0) == 0 and cache.memory_usage() == 0
+    cache.prefill(0, k, v)
+    before = cache.memory_usage()
+    q = rng.standard_normal((1, 4, 1, 64)).astype(np.float32)
+    with pytest.raises(TypeError, match="v: expected the dtype of k"):
+        cache.decode(0, k[:, :, :1], v[:, :, :1].astype(np.float64), q, AttendConfig(0.125, n_kv_groups=2))
+    assert cache.seq_len(0) == 6 and cache.memory_usage() == before
