@@ -82,6 +82,29 @@ def codegen_has_avx512() -> bool:
     return bool(llvm_binding.get_host_cpu_features().get("avx512f", False))
 
 
+#: LLVM host cores whose 8-lane lane-crossing permutes are slow (AMD Zen 1: ``vpermps`` is 3
+#: micro-ops, one per 4 cycles, against 1 micro-op elsewhere since Haswell / Zen 2)
+SLOW_PERMUTE_HOSTS = frozenset({"znver1"})
+
+
+def codegen_permutes_fast() -> bool:
+    """True when the CPU code is generated with AVX2 (``+avx2`` in ``NUMBA_CPU_FEATURES`` when
+    it is set, else the host's features when ``NUMBA_CPU_NAME`` is unset or ``host``) and
+    runs on a host whose 8-lane permutes are fast (not in :data:`SLOW_PERMUTE_HOSTS`).  The
+    decode of 4-bit codes picks its loop by it at import (see
+    :func:`numba_kv.ops.attention.cpu._decode_tile_simd`); a CPU named without features counts as
+    without AVX2 (the byte table, which every target runs well)."""
+    if llvm_binding.get_host_cpu_name() in SLOW_PERMUTE_HOSTS:
+        return False
+    features = numba_config.CPU_FEATURES
+    if features:
+        return "+avx2" in features.replace(" ", "").split(",")
+    name = numba_config.CPU_NAME
+    if name and name != "host":
+        return False
+    return bool(llvm_binding.get_host_cpu_features().get("avx2", False))
+
+
 #: LLVM fast-math flags a CPU twin may opt into: reassociation and contraction let float
 #: reductions (dot products) vectorize and fuse into FMAs.  Never ``nnan``/``ninf``: kernels
 #: mask with ``-inf`` and must keep IEEE semantics for it.

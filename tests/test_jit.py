@@ -20,6 +20,25 @@ def test_codegen_has_avx512_reads_numba_target(monkeypatch, name, features, host
     assert jit_module.codegen_has_avx512() is want
 
 
+@pytest.mark.parametrize("host, name, features, host_avx2, want", [
+    ("znver4", None, None, True, True),                           # host target with AVX2: permutes
+    ("znver4", None, None, False, False),                         # no AVX2: the byte table
+    ("znver1", None, None, True, False),                          # Zen 1: slow lane-crossing permutes
+    ("znver1", "haswell", "+64bit,+avx,+avx2,+fma", True, False),  # the host's cores, whatever the target
+    ("znver4", "haswell", "+64bit,+avx,+avx2,+fma,+bmi2", True, True),  # the AVX2 environment of numba_kv.info
+    ("skylake", "x86-64", "+64bit,+sse2", True, False),
+    ("znver4", "haswell", None, True, False),                     # named without features: the table
+])
+def test_codegen_permutes_fast_reads_host_and_target(monkeypatch, host, name, features, host_avx2, want):
+    """4-bit codes decode through permutes only where the code has AVX2 and the host's cores run
+    lane-crossing permutes fast (not AMD Zen 1)."""
+    monkeypatch.setattr(jit_module.numba_config, "CPU_NAME", name)
+    monkeypatch.setattr(jit_module.numba_config, "CPU_FEATURES", features)
+    monkeypatch.setattr(jit_module.llvm_binding, "get_host_cpu_name", lambda: host)
+    monkeypatch.setattr(jit_module.llvm_binding, "get_host_cpu_features", lambda: {"avx2": host_avx2})
+    assert jit_module.codegen_permutes_fast() is want
+
+
 def _add_one(x):
     return x + 1
 

@@ -7,7 +7,9 @@ import pytest
 from numba import njit
 
 import numba_kv._jit as jit_module
+from numba_kv._jit import cpu_serial, specialize
 from numba_kv.ops.attention import F16_ABS_TABLE
+from numba_kv.ops.attention import cpu as attention_cpu
 from numba_kv.ops.attention.cores import load_token_fast_cpu
 from numba_kv.ops.attention.cpu import (
     PV_BLOCK_ROWS,
@@ -63,13 +65,21 @@ def _strided(a: np.ndarray) -> np.ndarray:
     return buf[:, ::2]
 
 
+#: the tile decoder with the other 4-bit loop than this host's (byte table / permutes): both
+#: are tested on every host, whichever one it runs
+OTHER_DECODE_TILE = cpu_serial(specialize(attention_cpu._decode_tile_simd, "_other_nibble_loop",
+                                          NIBBLE_TABLE=not attention_cpu.NIBBLE_TABLE))
+
+
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
 @pytest.mark.parametrize("t0, nt", [(0, 32), (5, 17), (40, 1)])
 @pytest.mark.parametrize("strided", [False, True])
-def test_decode_tile_matches_dequantize(bits, t0, nt, strided):
+@pytest.mark.parametrize("decode_tile", [decode_tile_simd_cpu, OTHER_DECODE_TILE], ids=["this_host", "other_loop"])
+def test_decode_tile_matches_dequantize(bits, t0, nt, strided, decode_tile):
     """Token rows decoded by the vector decoder are the rotated-domain values of
     :func:`dequantize_blocks` (which inverse-rotates): rotating those forward gives them back.
-    Code rows that are not unit-stride (the scalar fallback) decode the same."""
+    Code rows that are not unit-stride (the scalar fallback) decode the same.  Either 4-bit
+    loop (the byte table of Zen 1 hosts, the permutes elsewhere) gives the same bits."""
     rng = np.random.default_rng(bits * 100 + t0)
     d, T = 128, 48
     x = rng.standard_normal((T, d)).astype(np.float32) * rng.uniform(0.1, 10, (T, 1)).astype(np.float32)
@@ -82,7 +92,7 @@ def test_decode_tile_matches_dequantize(bits, t0, nt, strided):
     dst = np.full((32, d), np.nan, np.float32)
     lut = np.full((256, 2), np.nan, np.float32)
     nibble_lut_cpu(cent, lut)  # the byte table of 4-bit codes (read only at 4 bits)
-    decode_tile_simd_cpu(codes, scales, t0, nt, cent, bits, d // 32, 0, F16_ABS_TABLE, dst, 0, lut)
+    decode_tile(codes, scales, t0, nt, cent, bits, d // 32, 0, F16_ABS_TABLE, dst, 0, lut)
     want = rotate32(dequantize_blocks(codes, scales, bits)[t0:t0 + nt])
     np.testing.assert_allclose(dst[:nt], want, rtol=2e-6, atol=2e-6 * float(np.abs(want).max()))
     assert np.all(np.isnan(dst[nt:]))  # rows past nt untouched

@@ -16,7 +16,7 @@ from llvmlite import ir
 from numba import float32, int32, int64, types
 from numba.core.extending import intrinsic
 
-from ..._jit import FASTMATH_REDUCE, codegen_has_avx512, cpu_serial
+from ..._jit import FASTMATH_REDUCE, codegen_has_avx512, codegen_permutes_fast, cpu_serial
 from ..half import f16_bits_to_f32_cpu
 from .cores import (
     F32_MAX,
@@ -183,24 +183,32 @@ def _nibble_lut(cent, lut):
 nibble_lut_cpu = cpu_serial(_nibble_lut)
 
 
+#: 4-bit codes through the byte table (:func:`_decode_tile_simd`) rather than two permutes and a
+#: blend per 8 codes: where permutes are slow or absent (:func:`numba_kv._jit.codegen_permutes_fast`)
+NIBBLE_TABLE = not codegen_permutes_fast()
+
+
 def _decode_tile_simd(codes, scales, t0, nt, cent, bits, nb, sshift, scale_table, dst, d0, lut):
     """``dst[d0 + tt] = `` token ``t0 + tt`` of ``codes``/``scales`` (``[tokens, ·]``), ``tt < nt``,
-    decoded like :func:`_load_token_fast` (same values; CPU only): 4-bit codes a byte at a
-    time through ``lut`` (:func:`_nibble_lut` of ``cent``, float32 ``[256, 2]``), 1- to 3-bit
-    codes a block at a time by :func:`_decode_block` (``cent`` C-contiguous float32 with
-    ``2**bits`` or more entries, ``dst`` C-contiguous), other widths — or code rows that are
-    not unit-stride — by the scalar loader.  One call per tile keeps the per-token call
-    overhead out of the hot loop.
+    decoded like :func:`_load_token_fast` (same values; CPU only): 1- to 5-bit codes a block
+    at a time by :func:`_decode_block` (``cent`` C-contiguous float32 with ``2**bits`` or
+    more entries, ``dst`` C-contiguous) — 4-bit codes, where :data:`NIBBLE_TABLE`, a byte at
+    a time through ``lut`` (:func:`_nibble_lut` of ``cent``, float32 ``[256, 2]``) —, code
+    rows that are not unit-stride by the scalar loader.  One call per tile keeps the
+    per-token call overhead out of the hot loop.
 
-    Why a table for 4 bits: a 16-entry codebook needs two 8-lane permutes and a blend per 8
-    codes (:func:`_decode8_4bit`), and a lane-crossing permute is slow on some x86 cores (3
-    micro-ops, one per 4 cycles on AMD Zen 1); a byte's two values are one 8-byte load from a
-    2 KB table, scalar code that any target runs well — 51 → 33 ns per 64-value token on
-    Zen 1.  The products ``centroid · scale`` are the same float32 multiplications: same
-    bits.  At 3 bits and below one permute per 8 codes stays faster than a table."""
+    Why a table for 4 bits on some hosts: a 16-entry codebook needs two 8-lane permutes and
+    a blend per 8 codes (:func:`_decode8_4bit`), and a lane-crossing permute is slow on AMD
+    Zen 1 (3 micro-ops, one per 4 cycles); there a byte's two values, one 8-byte load from a
+    2 KB table, took a 64-value token from 51 to 33 ns.  Where permutes are fast (one
+    micro-op: Intel since Haswell, AMD since Zen 2) the permutes win: on Zen 4 the table made
+    4-bit tiles 1.7–1.9× the 3-bit ones, natively and with AVX2 code generation, the
+    permutes 1.1–1.2× (``benchmarks/results/nibble-ab-2026-12-01-znver4.txt``).  The
+    products ``centroid · scale`` are the same float32 multiplications either way: same
+    bits."""
     fast = codes.strides[1] == 1
     # one loop per width, so the width test stays out of the per-block code
-    if bits == 4 and fast:
+    if bits == 4 and fast and NIBBLE_TABLE:
         for tt in range(nt):
             t = t0 + tt
             for b in range(nb):
@@ -209,6 +217,12 @@ def _decode_tile_simd(codes, scales, t0, nt, cent, bits, nb, sshift, scale_table
                     c = codes[t, b * 16 + i]
                     dst[d0 + tt, b * 32 + 2 * i] = lut[c, 0] * sa
                     dst[d0 + tt, b * 32 + 2 * i + 1] = lut[c, 1] * sa
+    elif bits == 4 and fast:
+        for tt in range(nt):
+            t = t0 + tt
+            for b in range(nb):
+                sa = scale_table[scale_slot_cpu(scales, scales[t, b >> sshift])]
+                decode_block_cpu(codes, t, b * 16, 4, cent, sa, dst, d0 + tt, b * 32)
     elif bits == 3 and fast:
         for tt in range(nt):
             t = t0 + tt

@@ -42,6 +42,7 @@ from .cores import (
     visible_dev,
 )
 from .cpu import (
+    NIBBLE_TABLE,
     decode_tile_mixed_cpu,
     decode_tile_simd_cpu,
     decode_tile_vq_cpu,
@@ -164,11 +165,12 @@ def _kv_tile(codes, scales, exact, exact_scales, exact_kind, compressed, uniform
 def _tile_tables(kcent, vcent, kbits, vbits, k_uniform, v_uniform):
     """The CPU twin's constant tables, float32 ``[3, 256, 2]``: the byte tables of 4-bit K and V
     codes of one width (:func:`~numba_kv.ops.attention.cpu.nibble_lut_cpu`; filled only at that
-    width, else never read) and, in ``[2, 0]``, the ±1 codebook of a QJL sign bit."""
+    width on hosts that decode through them, :data:`~numba_kv.ops.attention.cpu.NIBBLE_TABLE`,
+    else never read) and, in ``[2, 0]``, the ±1 codebook of a QJL sign bit."""
     tables = np.empty((3, 256, 2), dtype=np.float32)
-    if k_uniform and kbits[0] == 4:
+    if NIBBLE_TABLE and k_uniform and kbits[0] == 4:
         nibble_lut_cpu(kcent[0], tables[0])
-    if v_uniform and vbits[0] == 4:
+    if NIBBLE_TABLE and v_uniform and vbits[0] == 4:
         nibble_lut_cpu(vcent[0], tables[1])
     tables[2, 0, 0] = float32(-1.0)
     tables[2, 0, 1] = float32(1.0)
