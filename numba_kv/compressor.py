@@ -7,14 +7,15 @@ Methods (:class:`CompressionMethod`)
     Per row (one (batch, head) pair) a PCA basis fitted on the data: channel mean ``μ``
     plus the top principal axes of the centred tokens (eigenvectors of the centred Gram
     matrix, :mod:`numba_kv.ops.lowrank`), coefficients ``(x − μ)·Bᵀ`` stored in float16
-    (default) or float32.  The rank is gllm-kernels' automatic rule — the smallest rank that
+    (default; over a power of two per row, so any finite scale keeps binary16's relative
+    precision) or float32.  The rank is gllm-kernels' automatic rule — the smallest rank that
     captures ``energy`` (0.9) of the energy — capped by ``rank``; ``energy=None`` keeps
     ``rank``.  gllm-kernels instead keeps the highest-energy *channels* in float32.
 ``VectorQuantization(codebook_size)``
     k-means with k-means++ seeding run to convergence (relative inertia decrease below
     ``tol`` or an unchanged assignment, at most ``max_iter`` Lloyd steps;
-    :mod:`numba_kv.ops.vq`), codebooks stored in float16 (input beyond ±65504 is a
-    ``ValueError``), codes packed in ``quant_bits`` (4 or 8) bits, tokens whose squared
+    :mod:`numba_kv.ops.vq`), codebooks stored in float16 over a power of two per codebook
+    set (input beyond ±65504 is a ``ValueError``), codes packed in ``quant_bits`` (4 or 8) bits, tokens whose squared
     distance exceeds ``mean + 3·std`` stored exactly.
     Whole-vector VQ over the whole tensor by default (gllm-kernels' layout);
     ``subvector_dim`` turns it into product quantization and ``per_head`` fits one
@@ -59,12 +60,11 @@ __all__ = ["CompressionMethod", "LowRank", "VectorQuantization", "Hybrid", "Comp
            "KVCacheCompressor", "OUTLIER_STD_FACTOR", "VQ_MAX_ABS", "lowrank_max_abs"]
 
 OUTLIER_STD_FACTOR = 3.0
-# VectorQuantization keeps no scale beside its float16 codebooks, like LowRank(dtype="float16")
-# beside its float16 coefficients: the format's range is the method's range.  A clamped codeword
-# (or coefficient) would be silently wrong for every token that uses it, so data beyond it is a
-# ValueError (which also keeps k-means' float32 squared distances far from overflow).
+# VectorQuantization's range: its binary16 codebooks carry a power of two per codebook set (any
+# scale keeps binary16's relative precision), but k-means sums float32 squared distances, which
+# this bound keeps far from overflow; data beyond it is a ValueError.
 VQ_MAX_ABS = F16_MAX
-"""Largest ``|x|`` :class:`VectorQuantization` takes: the largest finite float16."""
+"""Largest ``|x|`` :class:`VectorQuantization` takes (65504, the largest finite float16)."""
 _DTYPES = ("float16", "float32")
 
 
@@ -113,9 +113,10 @@ class LowRank:
     energy : float or None
         Automatic-rank energy fraction (gllm-kernels: 0.9); ``None`` keeps ``min(rank, head_dim)``.
     dtype : {"float16", "float32"}
-        Storage of coefficients and basis (the mean is float32).  float16 holds coefficients
-        up to ±65504 (about ``|x − mean|`` per token): beyond, a ``ValueError`` naming ``k``/``v``
-        (the data needs ``"float32"``).
+        Storage of coefficients and basis (the mean is float32).  float16 coefficients are
+        stored over a power of two per row (:func:`numba_kv.ops.lowrank.pow2_row_scales` of a
+        bound of ``‖x − μ‖``, 4 bytes a row): binary16's relative precision, 2**-11, at any
+        finite scale, down to ``2**-29`` of the row's bound.
 
     Notes
     -----
@@ -157,10 +158,11 @@ class VectorQuantization:
 
     Notes
     -----
-    Codebooks are stored in float16 with no scale beside them, so input with ``max|x|`` above
-    :data:`VQ_MAX_ABS` (65504, the largest float16) is a ``ValueError`` naming ``k``/``v``
-    instead of a silently clamped codeword.  Scale such data down first, or use
-    ``LowRank(dtype="float32")`` / :class:`Hybrid`.
+    Codebooks are stored in float16 over a power of two per codebook set (4 bytes a set), so
+    small data keeps binary16's relative precision.  Input with ``max|x|`` above
+    :data:`VQ_MAX_ABS` (65504) is a ``ValueError`` naming ``k``/``v`` (k-means' float32 squared
+    distances stay far from overflow).  Scale such data down first, or use
+    :class:`LowRank` / :class:`Hybrid`.
     """
 
     codebook_size: int
@@ -396,7 +398,7 @@ class KVCacheCompressor:
         the method stores: the float16 codebook of VQ (:data:`VQ_MAX_ABS`), or the float32
         projection and reconstruction of the low-rank methods (:func:`lowrank_max_abs`)."""
         if isinstance(self._method, VectorQuantization):
-            limit, why = VQ_MAX_ABS, "VectorQuantization stores float16 codebooks"
+            limit, why = VQ_MAX_ABS, "VectorQuantization's range"
         else:
             limit = lowrank_max_abs(d)
             why = f"float32 max / (4·√head_dim), head_dim={d}: low-rank coefficients are float32 sums"
@@ -563,21 +565,25 @@ class KVCacheCompressor:
 
 
 # --- method implementations ---------------------------------------------------------------------
-def _fit_basis(x3: Any, rank: int, energy: float | None, dtype: str) -> tuple[Any, Any, Any]:
-    """Mean (device, float32), basis as stored (f16 bits or f32) and as used (float32)."""
+def _fit_basis(x3: Any, rank: int, energy: float | None, dtype: str) -> tuple[Any, Any, Any, np.ndarray]:
+    """Mean (device, float32), basis as stored (f16 bits or f32) and as used (float32), and a
+    bound of every row's coefficients (host float64 ``[R]``: ``‖x − μ‖ <= ‖amax + |μ|‖``, and
+    the basis rows have norm at most ``1 + 2**-9`` after binary16 rounding)."""
     rows, n, d = x3.shape
     mean = _backend.empty(x3, (rows, d), np.float32)
     amax = _backend.empty(x3, (rows, d), np.float32)
     gram = _backend.empty(x3, (rows, d, d), np.float32)
     lowrank.stats_into(x3, mean, amax, gram)  # Gram pre-scaled per row: finite for any finite x3
-    comp, _ = lowrank.fit_components(_backend.to_host(mean), _backend.to_host(gram), n, rank, energy)
+    mean_h = _backend.to_host(mean).astype(np.float64)
+    comp, _ = lowrank.fit_components(mean_h, _backend.to_host(gram), n, rank, energy)
+    bound = np.linalg.norm(_backend.to_host(amax).astype(np.float64) + np.abs(mean_h), axis=1) * (1 + 2.0 ** -8)
     if dtype == "float16":
         stored = to_like(x3, lowrank.f16_encode(comp))  # host conversion, saturating like the twin
         used = lowrank.f16_decode(stored)  # project with exactly the basis the decoder will see
     else:
         stored = to_like(x3, comp)
         used = stored
-    return mean, stored, used
+    return mean, stored, used, bound
 
 
 def _basis_used(c: CompressedTensor, name: str = "components") -> Any:
@@ -587,18 +593,17 @@ def _basis_used(c: CompressedTensor, name: str = "components") -> Any:
 
 def _compress_lowrank(x3: Any, m: LowRank, name: str) -> CompressedTensor:
     rows, n, d = x3.shape
-    mean, stored, used = _fit_basis(x3, m.rank, m.energy, m.dtype)
+    mean, stored, used, bound = _fit_basis(x3, m.rank, m.energy, m.dtype)
     coef = _backend.empty(x3, (rows, n, used.shape[1]), np.float32)
     lowrank.project_into(x3, mean, used, coef)
-    if m.dtype == "float16":
-        # a coefficient beyond float16 would be stored saturated and decode silently wrong (one
-        # max over the coefficients; the fit already brought the statistics to the host)
-        top = check_finite_stats(name, coef).amax
-        if top > F16_MAX:
-            raise ValueError(f"{name}: expected low-rank coefficients within float16's ±65504 "
-                             f"(LowRank(dtype='float16')), got {top:.6g}: use dtype='float32' or scale the data")
-        coef = lowrank.f16_encode(coef)
     arrays = {"mean": mean, "components": stored, "coef": coef}
+    if m.dtype == "float16":
+        # binary16 coefficients over a power of two per row that brings the row's bound to 2**15:
+        # no saturation at any scale, and binary16's relative precision down to 2**-29 of the
+        # bound (without it, data below ~1e-7 lost its coefficients to binary16's subnormals)
+        scale = lowrank.pow2_row_scales(bound)
+        arrays["coef"] = lowrank.f16_encode(coef, scale)
+        arrays["coef_scale"] = to_like(x3, scale)
     return CompressedTensor("lowrank", (rows, n, d), arrays, {"rank": int(used.shape[1])})
 
 
@@ -606,7 +611,7 @@ def _decompress_lowrank(c: CompressedTensor) -> Any:
     rows, n, d = c.shape
     coef = c.arrays["coef"]
     if np.dtype(coef.dtype) == np.uint16:
-        coef = lowrank.f16_decode(coef)
+        coef = lowrank.f16_decode(coef, c.arrays["coef_scale"])
     out = _backend.empty(coef, (rows, n, d), np.float32)
     lowrank.reconstruct_into(coef, c.arrays["mean"], _basis_used(c), out)
     return out
@@ -614,7 +619,7 @@ def _decompress_lowrank(c: CompressedTensor) -> Any:
 
 def _compress_hybrid(x3: Any, m: Hybrid, bits: int) -> CompressedTensor:
     rows, n, d = x3.shape
-    mean, stored, used = _fit_basis(x3, m.rank, m.energy, m.basis_dtype)
+    mean, stored, used, _ = _fit_basis(x3, m.rank, m.energy, m.basis_dtype)
     coef = _backend.empty(x3, (rows, n, used.shape[1]), np.float32)
     lowrank.project_into(x3, mean, used, coef)
     q = intquant.quantize_int(coef, bits, intquant.check_group(m.group_size, n))
@@ -641,8 +646,12 @@ def _compress_vq(x3: Any, m: VectorQuantization, bits: int) -> CompressedTensor:
     m_sub = d // ds
     cb, iters = vq.kmeans(x3, m.codebook_size, ds, bool(m.per_head), max_iter=m.max_iter, tol=m.tol,
                           seed=m.seed)
-    cb16 = to_like(x3, lowrank.f16_encode(cb))  # saturates at ±65504 instead of overflowing to inf
-    cb_used = lowrank.f16_decode(cb16)  # assign against the codebook the decoder will see
+    # binary16 codewords over a power of two per codebook set (its largest |value| brought to
+    # 2**15): full relative precision at any scale of the data (without it, data below ~1e-5
+    # lost precision to binary16's subnormals)
+    cb_scale = lowrank.pow2_row_scales(np.abs(_backend.to_host(cb)).reshape(cb.shape[0], -1).max(axis=1))
+    cb16 = to_like(x3, lowrank.f16_encode(cb, cb_scale))
+    cb_used = lowrank.f16_decode(cb16, cb_scale)  # assign against the codebook the decoder will see
     total = rows * n * m_sub
     padded = -(-total // 8) * 8 if bits == 4 else total
     buf = _backend.zeros(x3, (padded,), np.uint8)
@@ -658,7 +667,8 @@ def _compress_vq(x3: Any, m: VectorQuantization, bits: int) -> CompressedTensor:
     if out_idx.shape[0]:
         gather_rows(x3.reshape(rows * n, d), idx, vals)
     packed = pack_bits(buf.reshape(1, padded), 4).reshape(-1) if bits == 4 else buf
-    arrays = {"codes": packed, "codebooks": cb16, "outlier_idx": idx, "outlier_vals": vals}
+    arrays = {"codes": packed, "codebooks": cb16, "codebook_scale": to_like(x3, cb_scale), "outlier_idx": idx,
+              "outlier_vals": vals}
     meta = {"bits": bits, "subvectors": m_sub, "codebook_size": m.codebook_size, "iterations": iters,
             "num_outliers": int(out_idx.shape[0])}
     return CompressedTensor("vq", (rows, n, d), arrays, meta)
@@ -674,7 +684,7 @@ def _decompress_vq(c: CompressedTensor) -> Any:
         codes = unpack_bits(codes.reshape(1, codes.shape[0]), 4).reshape(-1)
     codes = codes[:total].reshape(rows, n, m_sub)
     out = _backend.empty(codes, (rows, n, d), np.float32)
-    vq.decode_into(codes, lowrank.f16_decode(a["codebooks"]), out)
+    vq.decode_into(codes, lowrank.f16_decode(a["codebooks"], a["codebook_scale"]), out)
     m = a["outlier_idx"].shape[0]
     if m:
         scatter_rows(a["outlier_vals"], a["outlier_idx"], out.reshape(rows * n, d))

@@ -202,17 +202,17 @@ def _lowrank_reconstruct_cpu(coef, mean, components, out):
 
 
 @cpu_kernel
-def _f16_encode_cpu(x, out):
+def _f16_encode_cpu(x, mul, per_row, out):
     """CPU twin of :func:`_f16_encode_cuda`: ``prange`` over the values."""
     for i in prange(x.shape[0]):
-        out[i] = f32_to_f16_bits_sat_cpu(x[i])
+        out[i] = f32_to_f16_bits_sat_cpu(x[i] * mul[i // per_row])
 
 
 @cpu_kernel
-def _f16_decode_cpu(h, out):
+def _f16_decode_cpu(h, mul, per_row, out):
     """CPU twin of :func:`_f16_decode_cuda`: ``prange`` over the values."""
     for i in prange(h.shape[0]):
-        out[i] = f16_bits_to_f32_cpu(h[i])
+        out[i] = f16_bits_to_f32_cpu(h[i]) * mul[i // per_row]
 
 
 # --- CUDA kernels: grid-stride over the items (one output each) -----------------------------
@@ -247,17 +247,19 @@ def _lowrank_reconstruct_cuda(coef, mean, components, out):
 
 
 @cuda_kernel
-def _f16_encode_cuda(x, out):
-    """1-D grid over the values; one thread converts one (saturating at ±65504)."""
+def _f16_encode_cuda(x, mul, per_row, out):
+    """1-D grid over the values; one thread converts one, times its row's power of two
+    ``mul[i // per_row]`` (exact), saturating at ±65504."""
     for i in range(cuda.grid(1), x.shape[0], cuda.gridsize(1)):
-        out[i] = f32_to_f16_bits_sat_dev(x[i])
+        out[i] = f32_to_f16_bits_sat_dev(x[i] * mul[i // per_row])
 
 
 @cuda_kernel
-def _f16_decode_cuda(h, out):
-    """1-D grid over the values; one thread converts one binary16 pattern."""
+def _f16_decode_cuda(h, mul, per_row, out):
+    """1-D grid over the values; one thread converts one binary16 pattern, times its row's
+    power of two ``mul[i // per_row]`` (exact)."""
     for i in range(cuda.grid(1), h.shape[0], cuda.gridsize(1)):
-        out[i] = f16_bits_to_f32_dev(h[i])
+        out[i] = f16_bits_to_f32_dev(h[i]) * mul[i // per_row]
 
 
 _LOWRANK_MEAN = register("lowrank_mean", _lowrank_mean_cpu, _lowrank_mean_cuda,
@@ -268,8 +270,10 @@ _LOWRANK_PROJECT = register("lowrank_project", _lowrank_project_cpu, _lowrank_pr
                             [f"void({F32_3D}, {F32_2D}, {F32_3D}, {F32_3D})"])
 _LOWRANK_RECONSTRUCT = register("lowrank_reconstruct", _lowrank_reconstruct_cpu, _lowrank_reconstruct_cuda,
                                 [f"void({F32_3D}, {F32_2D}, {F32_3D}, {F32_3D})"])
-_F16_ENCODE = register("f16_encode", _f16_encode_cpu, _f16_encode_cuda, ["void(float32[::1], uint16[::1])"])
-_F16_DECODE = register("f16_decode", _f16_decode_cpu, _f16_decode_cuda, ["void(uint16[::1], float32[::1])"])
+_F16_ENCODE = register("f16_encode", _f16_encode_cpu, _f16_encode_cuda,
+                       ["void(float32[::1], float32[::1], int64, uint16[::1])"])
+_F16_DECODE = register("f16_decode", _f16_decode_cpu, _f16_decode_cuda,
+                       ["void(uint16[::1], float32[::1], int64, float32[::1])"])
 
 
 # --- internal entry points (callers validated; arrays float32 C-contiguous, one device) ----
@@ -319,22 +323,48 @@ def reconstruct_into(coef: Any, mean: Any, components: Any, out: Any) -> None:
                        components, out)
 
 
-def _convert(op: Twin, name: str, a: Any, dtype: Any, expected: str, out_dtype: Any) -> Any:
+_ONE = np.ones(1, np.float32)
+
+
+def pow2_row_scales(bound: np.ndarray, top: float = 2.0 ** 15) -> np.ndarray:
+    """Per-row powers of two ``s_r`` (float32 ``[R]``) that bring values bounded by
+    ``bound[r]`` (``>= 0``, host) within ``top``: the smallest ``s_r = 2**e >= bound[r] / top``,
+    ``e`` in ``[-126, 127]`` (``1`` for a zero bound).  Stored as ``x / s_r`` in binary16 (the
+    largest ``top = 2**15`` < 65504), a row keeps binary16's full relative precision down to
+    ``2**-29`` of its bound, at any scale of the data."""
+    b = np.asarray(bound, np.float64) / top
+    frac, exp = np.frexp(b)  # b = frac · 2**exp, frac in [0.5, 1)
+    exp = np.where(frac == 0.5, exp - 1, exp)
+    return np.ldexp(1.0, np.clip(np.where(b > 0, exp, 0), -126, 127)).astype(np.float32)
+
+
+def _convert(op: Twin, name: str, a: Any, dtype: Any, expected: str, out_dtype: Any,
+             mul: Any = None) -> Any:
     """Run elementwise conversion ``op`` over ``a`` (any shape, dtype ``dtype``; argument
     ``name``, described as ``expected`` in the error) into a new ``out_dtype`` array of the
-    same shape on the device of ``a``."""
+    same shape on the device of ``a``, each value times ``mul[r]`` (float32 powers of two, one
+    per index ``r`` of the first axis, on the host or the device of ``a``; ``None``: 1)."""
     dev = _backend.resolve_device("auto", **{name: a})
     if np.dtype(a.dtype) != dtype:
         raise TypeError(f"{name}: expected dtype {expected}, got {np.dtype(a.dtype)}")
     shape = tuple(a.shape)
     flat = a.reshape(-1)
+    if mul is None:
+        mul, per_row = _ONE, max(int(flat.shape[0]), 1)
+    else:
+        if isinstance(mul, np.ndarray):
+            mul = np.ascontiguousarray(mul, np.float32)
+        if not shape or tuple(mul.shape) != (shape[0],) or np.dtype(mul.dtype) != np.float32:
+            raise ValueError(f"row_scale: expected float32 powers of two, one per row of {name} ({shape[:1]}), "
+                             f"got {np.dtype(mul.dtype)} of shape {tuple(mul.shape)}")
+        per_row = max(int(flat.shape[0]) // max(shape[0], 1), 1)
     out = _backend.empty(a, (flat.shape[0],), out_dtype)
     if flat.shape[0]:
-        op.launch(dev, flat.shape[0], _contiguous(flat), out)
+        op.launch(dev, flat.shape[0], _contiguous(flat), to_like(a, mul), per_row, out)
     return out.reshape(shape)
 
 
-def f16_encode(x: Any) -> Any:
+def f16_encode(x: Any, row_scale: np.ndarray | None = None) -> Any:
     """float32 array → binary16 bit patterns (uint16, same shape, same device).
 
     Round to nearest even; values beyond ±65504 saturate.  ``out.view(numpy.float16)``
@@ -343,6 +373,9 @@ def f16_encode(x: Any) -> Any:
     Parameters
     ----------
     x : float32 array, any shape, C-contiguous.
+    row_scale : float32 NumPy array, shape ``(x.shape[0],)``, optional
+        Powers of two (:func:`pow2_row_scales`): row ``r`` is stored as ``x[r] / row_scale[r]``
+        (exact), for :func:`f16_decode` with the same scales.
 
     Returns
     -------
@@ -355,17 +388,19 @@ def f16_encode(x: Any) -> Any:
     ValueError
         ``x`` holds a NaN (it came back as ±0; ±Inf saturate like the other large values).
     """
-    out = _convert(_F16_ENCODE, "x", x, np.float32, "float32", np.uint16)  # (checks the array and dtype)
+    inverse = None if row_scale is None else (1.0 / np.asarray(row_scale, np.float64)).astype(np.float32)
+    out = _convert(_F16_ENCODE, "x", x, np.float32, "float32", np.uint16, inverse)  # (checks the array and dtype)
     if range_stats(x).nonfinite and np.isnan(_backend.to_host(x)).any():
         raise ValueError("x: expected no NaN (binary16 codes here have no NaN pattern), got NaN")
     return out
 
 
-def f16_decode(h: Any) -> Any:
+def f16_decode(h: Any, row_scale: Any = None) -> Any:
     """The inverse of :func:`f16_encode`: binary16 bit patterns ``h`` (uint16 array, any
     shape, C-contiguous, finite patterns) → float32 array of the shape of ``h``, on its
-    device."""
-    return _convert(_F16_DECODE, "h", h, np.uint16, "uint16 (binary16 bits)", np.float32)
+    device, row ``r`` times ``row_scale[r]`` when given (the float32 scales it was encoded
+    with, on the host or the device of ``h``)."""
+    return _convert(_F16_DECODE, "h", h, np.uint16, "uint16 (binary16 bits)", np.float32, row_scale)
 
 
 # --- host-side fitting -------------------------------------------------------------------

@@ -78,15 +78,27 @@ def _reconstruct(rng):
 
 
 def _f16_encode(rng):
+    """Plain, and over a power of two per row (rows of 1e-12 and 1e9 data kept in range)."""
     x = np.concatenate([rng.standard_normal(40) * 10.0 ** rng.uniform(-7, 4, 40), [7e4, -1e6, 0.0]])
     x = x.astype(np.float32)
     assert np.array_equal(to_host(lowrank.f16_encode(to_device(x))), lowrank.f16_encode(x))
+    rows = (rng.standard_normal((3, 7)) * np.array([[1e-12], [1.0], [1e9]])).astype(np.float32)
+    scale = lowrank.pow2_row_scales(np.abs(rows).max(axis=1))
+    want = lowrank.f16_encode(rows, scale)
+    assert np.array_equal(to_host(lowrank.f16_encode(to_device(rows), scale)), want)
+    back = lowrank.f16_decode(want, scale)
+    assert np.all(np.abs(back - rows) <= 2.0 ** -11 * np.abs(rows))  # normal binary16 rounding in every row
 
 
 def _f16_decode(rng):
     h = rng.integers(0, 0x7BFF, size=50).astype(np.uint16)
     h[::2] |= 0x8000
     assert np.array_equal(to_host(lowrank.f16_decode(to_device(h))), lowrank.f16_decode(h))
+    scale = np.float32([2.0 ** -40, 1.0, 2.0 ** 30, 0.5, 4.0])
+    h5 = h.reshape(5, 10)
+    for s in (scale, to_device(scale)):  # the scales on the host or on the device
+        got = to_host(lowrank.f16_decode(to_device(h5), s))
+        assert np.array_equal(got, lowrank.f16_decode(h5) * scale[:, None])
 
 
 # --- vector quantization -------------------------------------------------------------------------------

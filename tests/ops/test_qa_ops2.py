@@ -145,16 +145,21 @@ def test_quantize_head_round_trip_matches_a_numpy_formula(rng):
     assert nmse.mean() < 0.012  # TurboQuant-MSE 4-bit: 0.009 (arXiv:2504.19874, Table 1)
 
 
-def test_absmax8_tiny_vectors_round_to_zero_as_documented():
-    # max |x| below 127·2**-25: the scale rounds to 0 and is replaced by 1, so codes are 0
+def test_absmax8_tiny_vectors_keep_the_smallest_subnormal_scale_as_documented():
+    # max |x| below 127·2**-25: the scale rounds to 0 and becomes the smallest subnormal
+    # 2**-24 (it was 1, and the vector came back as zeros): 1e-7 is code 2, back within 2**-25
     x = np.full((1, 1, 32), 1e-7, np.float32)
     codes = np.ones((1, 1, 32), np.int8)
     scales = np.zeros((1, 1, 1), np.uint16)
     absmax8_quantize_into(x, codes, scales, 0)
     out = np.ones((1, 1, 32), np.float32)
     absmax8_dequantize_into(codes, scales, 0, 1, out)
-    assert int(scales[0, 0, 0]) == 0x3C00
-    np.testing.assert_array_equal(out, 0.0)
+    assert int(scales[0, 0, 0]) == 1 and (codes == 2).all()
+    np.testing.assert_array_equal(out, np.float32(2 * 2.0 ** -24))
+    assert np.abs(out - x).max() <= 2.0 ** -25
+    zero = np.zeros((1, 1, 32), np.float32)  # an all-zero vector keeps scale 1, stored exactly
+    absmax8_quantize_into(zero, codes, scales, 0)
+    assert int(scales[0, 0, 0]) == 0x3C00 and not codes.any()
 
 
 def test_vq_assign_refuses_values_whose_distances_overflow():
