@@ -198,17 +198,19 @@ def state_key() -> tuple:
 def knobs(**values: Any) -> Iterator[None]:
     """Override knobs inside a ``with`` block: ``with numba_kv.knobs(cuda_threads=64): ...``.
 
-    Every value is checked first (``KeyError`` for an unknown knob, ``ValueError`` outside
-    :data:`RANGES`; nothing changes then).  The previous overrides come back on exit, also
-    when the block raises.  The overrides are process-wide, not per thread: while blocks of
-    several threads overlap, the newest one still open sets a knob they share, and the
-    override from before the first comes back when the last closes, in whatever order they
-    close.
+    Every value is checked first (``KeyError`` for an unknown knob, ``TypeError`` for a bool
+    or a string, ``ValueError`` outside :data:`RANGES`; nothing changes then).  The previous
+    overrides come back on exit, also when the block raises.  The overrides are process-wide,
+    not per thread: while blocks of several threads overlap, the newest one still open sets a
+    knob they share, and the override from before the first comes back when the last closes,
+    in whatever order they close.
     """
     checked = {}
     for name, value in values.items():
         if name not in DEFAULTS:
-            raise KeyError(f"name: unknown numba_kv config knob {name!r}; known: {sorted(DEFAULTS)}")
+            raise KeyError(f"{name}: unknown numba_kv config knob; known: {sorted(DEFAULTS)}")
+        if _is_bool(value) or isinstance(value, (str, bytes)):  # (strings are for the environment)
+            raise TypeError(f"{name}: expected {RANGES[name][0].__name__}, got {type(value).__name__} {value!r}")
         checked[name] = _checked(name, value, name)
     token = object()
     with _blocks_lock:

@@ -47,6 +47,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _backend, _launch
+from ._validate import check_bool
 
 __all__ = ["StepGraph"]
 
@@ -206,7 +207,7 @@ class StepGraph:
     """
 
     def __init__(self, *, capture: bool = True) -> None:
-        self._capture = bool(capture)
+        self._capture = check_bool("capture", capture)
         self._lock = threading.Lock()
         self._graph: Any = None
         self._graph_entries: tuple = ()

@@ -165,3 +165,17 @@ def test_knobs_blocks_of_two_threads_closing_out_of_order():
         assert _config.get(name) == 7
     finally:
         _config.reset()
+
+
+def test_knobs_name_the_knob_and_refuse_bools_and_strings():
+    """``knobs(foo=1)`` named an argument ``name`` that ``knobs`` does not have; a bool or a
+    string (``"64"``, converted before) is a ``TypeError`` naming the knob; nothing changes."""
+    before = _config.get("cuda_threads")
+    with pytest.raises(KeyError, match="^.foo: unknown numba_kv config knob"):
+        with _config.knobs(foo=1):
+            pass
+    for bad, shown in ((True, "bool True"), ("64", "str '64'")):
+        with pytest.raises(TypeError, match=f"^cuda_threads: expected int, got {shown}$"):
+            with _config.knobs(cuda_threads=bad):
+                pass
+    assert _config.get("cuda_threads") == before

@@ -30,6 +30,15 @@ class PagedLifecycleMixin:
     """``crop``, ``fork_sequence``, ``select_batch``, ``fork``/``deepcopy`` and ``save``."""
 
     # -- pages ----------------------------------------------------------------------------
+    def _check_seqs(self, seq_ids: Any) -> list[int]:
+        """``seq_ids`` (a list, tuple or 1-D integer array of live ids) as ints, each checked
+        as ``seq_ids[i]`` (the paged cache's ``_check_seq``)."""
+        if isinstance(seq_ids, np.ndarray) and seq_ids.ndim == 1:
+            seq_ids = seq_ids.tolist()
+        if not isinstance(seq_ids, (list, tuple)):
+            raise TypeError(f"seq_ids: expected a list of sequence ids, got {type(seq_ids).__name__} {seq_ids!r}")
+        return [self._check_seq(s, f"seq_ids[{i}]") for i, s in enumerate(seq_ids)]
+
     def _take_pages(self, n: int) -> list[int]:
         """Pop ``n`` free pages for writing on this thread's launch stream (ordered after their
         release on any other stream: :class:`~._paged_streams.PageStreamOrder`)."""
@@ -132,7 +141,7 @@ class PagedLifecycleMixin:
             The copies do not fit in the pool (nothing changes).
         """
         with self._lock:
-            ids = [self._check_seq(s) for s in seq_ids]
+            ids = self._check_seqs(seq_ids)
             if not ids:
                 raise ValueError("seq_ids: expected at least one sequence id, got none")
             keep = set(ids)

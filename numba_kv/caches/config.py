@@ -269,7 +269,8 @@ class PolarQuantConfig:
         self._set("_outlier_widths", {})
         if not oc:
             if self.outlier_bits is not None:
-                raise ValueError("outlier_bits: only meaningful with outlier_channels > 0")
+                raise ValueError(f"outlier_bits: expected None without outlier_channels (outlier_channels=0), "
+                                 f"got {self.outlier_bits!r}")
             return
         if oc % 32 or oc >= self.head_dim:
             raise ValueError(f"outlier_channels: expected a multiple of 32 below head_dim={self.head_dim} "
@@ -432,19 +433,25 @@ class TurboQuantConfig(PolarQuantConfig):
         if self.mode != "tq":
             raise ValueError(f"mode: TurboQuantCache is mode 'tq', got {self.mode!r}")
         if self.outlier_channels:
-            raise ValueError("outlier_channels: channel splits are not supported by TurboQuantCache")
+            raise ValueError(f"outlier_channels: expected 0 (channel splits are not supported by TurboQuantCache), "
+                             f"got {self.outlier_channels!r}")
         if self.vq:
-            raise ValueError("vq: the head VQ code is not supported by TurboQuantCache (PolarQuant caches only)")
+            raise ValueError(f"vq: expected False (the head VQ code is not supported by TurboQuantCache; PolarQuant "
+                             f"caches only), got {self.vq!r}")
         if self.norm_bits != 16:
             raise ValueError(f"norm_bits: 8-bit norms are not supported by TurboQuantCache (PolarQuant caches "
                              f"only), got {self.norm_bits!r}")
         super().__post_init__()
         seed = self.qjl_seed
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or int(seed) < 0:
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise TypeError(f"qjl_seed: expected a non-negative int, got {type(seed).__name__} {seed!r}")
+        if int(seed) < 0:
             raise ValueError(f"qjl_seed: expected a non-negative int, got {seed!r}")
         self._set("qjl_seed", int(seed))
         m = self.head_dim if self.qjl_dim is None else self.qjl_dim
-        if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or int(m) < 1 or int(m) % 8:
+        if isinstance(m, bool) or not isinstance(m, (int, np.integer)):
+            raise TypeError(f"qjl_dim: expected a positive multiple of 8, got {type(m).__name__} {m!r}")
+        if int(m) < 1 or int(m) % 8:
             raise ValueError(f"qjl_dim: expected a positive multiple of 8 (sketch rows m, packed 8 signs per "
                              f"byte), got {m!r}")
         self._set("qjl_dim", int(m))

@@ -290,6 +290,8 @@ class MLACache(_LatentBase):
             As :meth:`PagedKVCache.append`; nothing is appended.
         """
         check_float_array("c_kv", c_kv, 2)
+        if c_kv.shape[0] < 1:
+            raise ValueError(f"c_kv: expected new_tokens >= 1 (axis 0), got shape {tuple(c_kv.shape)}")
         if k_pe is None:
             if c_kv.shape[1] != self.latent_dim:
                 raise ValueError(f"c_kv: expected [new_tokens, {self.latent_dim}] (kv_lora_rank + "
@@ -567,15 +569,18 @@ class SimpleMLACache(_LatentBase):
         return (f"num_layers={self.num_layers}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
                 f"latent_dim={self.latent_dim}")
 
-    def _check_kv(self, k: Any, v: Any, dim: int) -> tuple[Any, Any]:
-        _backend.resolve_device("auto", k=k, v=v)
+    def _check_kv(self, k: Any, v: Any, dim: int, names: tuple[str, str] = ("k", "v")) -> tuple[Any, Any]:
+        """``k``/``v`` as ``[num_heads, new_tokens, dim]`` float32, validated under the caller's
+        argument ``names``."""
+        kn, vn = names
+        _backend.resolve_device("auto", **{kn: k, vn: v})
         out = []
-        for name, a in (("k", k), ("v", v)):
+        for name, a in ((kn, k), (vn, v)):
             shape = self._head_shape(name, a, dim)
             self._check_values(name, a)
             out.append(_backend.ascontiguous_f32(name, a.reshape(shape)))
         if out[0].shape != out[1].shape:
-            raise ValueError(f"v: expected the shape of k {tuple(out[0].shape)}, got {tuple(out[1].shape)}")
+            raise ValueError(f"{vn}: expected the shape of {kn} {tuple(out[0].shape)}, got {tuple(out[1].shape)}")
         return out[0], out[1]
 
     def append(self, layer: int, seq_id: int, k: Any, v: Any) -> None:
@@ -607,7 +612,7 @@ class SimpleMLACache(_LatentBase):
 
     def append_compressed(self, layer: int, seq_id: int, k_lat: Any, v_lat: Any) -> None:
         """Append latents ``[num_heads, new_tokens, latent_dim]`` as given."""
-        k3, v3 = self._check_kv(k_lat, v_lat, self.latent_dim)
+        k3, v3 = self._check_kv(k_lat, v_lat, self.latent_dim, ("k_lat", "v_lat"))
         self.paged.append(layer, seq_id, k3, v3)
 
     def get_compressed_kv(self, layer: int, seq_id: int) -> tuple[Any, Any]:

@@ -247,11 +247,11 @@ class PagedKVCache(PagedStorageMixin, PagedLifecycleMixin, ValueChecks):
             return sorted(self._tables[0])
 
     # -- validation -----------------------------------------------------------------------
-    def _check_seq(self, seq_id: Any) -> int:
+    def _check_seq(self, seq_id: Any, name: str = "seq_id") -> int:
         if isinstance(seq_id, bool) or not isinstance(seq_id, (int, np.integer)):
-            raise TypeError(f"seq_id: expected an int, got {type(seq_id).__name__} {seq_id!r}")
+            raise TypeError(f"{name}: expected an int, got {type(seq_id).__name__} {seq_id!r}")
         if int(seq_id) not in self._tables[0]:
-            raise KeyError(f"seq_id: unknown sequence {seq_id!r}; live sequences: {sorted(self._tables[0])}")
+            raise KeyError(f"{name}: unknown sequence {seq_id!r}; live sequences: {sorted(self._tables[0])}")
         return int(seq_id)
 
     def check_sequence(self, seq_id: Any) -> int:
@@ -430,7 +430,7 @@ class PagedKVCache(PagedStorageMixin, PagedLifecycleMixin, ValueChecks):
             if on_device and not self._pools:
                 raise ValueError("on_device: the page pool has no device before the first append (it is allocated "
                                  "where the first K/V live); call page_table(layer) for host arrays")
-            ids = sorted(self._tables[0]) if seq_ids is None else [self._check_seq(s) for s in seq_ids]
+            ids = sorted(self._tables[0]) if seq_ids is None else self._check_seqs(seq_ids)
             indptr = np.zeros(len(ids) + 1, np.int32)
             last = np.zeros(len(ids), np.int32)
             chunks = []
@@ -631,7 +631,7 @@ class PagedKVCache(PagedStorageMixin, PagedLifecycleMixin, ValueChecks):
         partition_size, causal = check_partition_size(partition_size), check_bool("causal", causal)
         with self._lock:  # the table, the lengths and the pools of one moment
             layer = check_layer(layer, self.num_layers)
-            ids = tuple(sorted(self._tables[0]) if seq_ids is None else [self._check_seq(s) for s in seq_ids])
+            ids = tuple(sorted(self._tables[0]) if seq_ids is None else self._check_seqs(seq_ids))
             arrays = self._attention_arrays(q)
             if not ids:
                 raise ValueError("seq_ids: expected at least one sequence to attend over, got none"

@@ -430,9 +430,14 @@ def make_cache(name: str, *, num_layers: int, num_kv_heads: int, head_dim: int,
         for idx, over in users.items():
             preset_layers[idx] = {**preset_layers.get(idx, {}), **over}
         heads = merge_head_overrides(PRESETS[spec.name].head_overrides, head_overrides, num_layers, num_kv_heads)
-        return make_cache(base, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                          layer_overrides=preset_layers or None, head_overrides=heads or None,
-                          **{**preset_opts, **spec.options, **options})
+        try:
+            return make_cache(base, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                              layer_overrides=preset_layers or None, head_overrides=heads or None,
+                              **{**preset_opts, **spec.options, **options})
+        except (TypeError, ValueError) as exc:  # name the preset the caller wrote, not its expansion
+            if type(exc) not in (TypeError, ValueError) or repr(base) not in str(exc):
+                raise
+            raise type(exc)(str(exc).replace(repr(base), f"{spec.name!r} (= {base!r})")) from None
     cls, options = _resolve(name, head_dim, options)
     geom = {"num_layers": num_layers, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
     return build_cache(cls, geom, options, layer_overrides, head_overrides)

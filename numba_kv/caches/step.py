@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .._graph import StepGraph
-from .._validate import check_float_array, check_layer
+from .._validate import check_bool, check_float_array, check_layer
 from ._steady import SteadyMark, SteadyStepMixin
 from .protocol import AttendConfig, DecodeOutput, Fused
 
@@ -104,6 +104,8 @@ class DecodeStep:
                  verify: bool = False) -> None:
         if not isinstance(config, AttendConfig):
             raise TypeError(f"config: expected an AttendConfig, got {type(config).__name__}")
+        if not callable(getattr(cache, "decode", None)):
+            raise TypeError(f"cache: expected a numba_kv cache (with a decode method), got {type(cache).__name__}")
         # the shapes the step reads of them (the rest is checked by the cache, as cache.decode does)
         for name, a in (("k", k), ("v", v), ("q", q)) + ((("out", out),) if out is not None else ()):
             check_float_array(name, a, 4)
@@ -113,7 +115,7 @@ class DecodeStep:
         # objects, so one swapped in afterwards would be ignored without a word
         self._cache, self._layer, self._config = cache, layer, config
         self._k, self._v, self._q, self._out = k, v, q, out
-        self.verify = bool(verify)
+        self.verify = check_bool("verify", verify)
         self.graph = StepGraph()
         self._n = int(k.shape[2])
         self._inputs = self._shapes()

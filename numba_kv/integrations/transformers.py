@@ -569,8 +569,14 @@ class NumbaKVCache(Cache):
         if "sliding_window" in options:
             raise TypeError("sliding_window: taken from config.layer_types / config.sliding_window")
         windows = geo.pop("sliding_window")
-        full = make_cache(cache, **geo, sliding_window=windows if any(w is not None for w in windows) else None,
-                          **options)
+        try:
+            full = make_cache(cache, **geo, sliding_window=windows if any(w is not None for w in windows) else None,
+                              **options)
+        except (TypeError, ValueError) as exc:  # make_cache's "name" is this method's "cache"
+            msg = str(exc)
+            if type(exc) not in (TypeError, ValueError) or not msg.startswith("name: "):
+                raise
+            raise type(exc)("cache: " + msg[len("name: "):]) from None
         return cls([NumbaKVLayer(c, config) for c in _one_layer_caches(full)])
 
     @classmethod
@@ -582,8 +588,10 @@ class NumbaKVCache(Cache):
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Store layer ``layer_idx``'s new K/V and return what its attention sees (see
         :meth:`NumbaKVLayer.update`)."""
-        if isinstance(layer_idx, bool) or not isinstance(layer_idx, (int, np.integer)) \
-                or not 0 <= layer_idx < len(self.layers):
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, (int, np.integer)):
+            raise TypeError(f"layer_idx: expected an int in [0, {len(self.layers)}), got "
+                            f"{type(layer_idx).__name__} {layer_idx!r}")
+        if not 0 <= layer_idx < len(self.layers):
             raise IndexError(f"layer_idx: expected an int in [0, {len(self.layers)}), got {layer_idx!r}")
         return super().update(key_states, value_states, int(layer_idx), *args, **kwargs)
 

@@ -328,32 +328,33 @@ def qjl_scores_into(sq: Any, signs: Any, norms: Any, n: int, m: int, out: Any) -
 SKETCH_ROW_NORM_MAX = F32_MAX / 2.0 ** 17
 
 
-def sketch_arg(sketch: Any, d: int, m: int | None, like: Any) -> Any:
-    """Validated float32 C-contiguous sketch ``[m, d]`` on the device of ``like``."""
+def sketch_arg(sketch: Any, d: int, m: int | None, like: Any, name: str = "sketch") -> Any:
+    """Validated float32 C-contiguous sketch ``[m, d]`` on the device of ``like`` (argument
+    ``name`` in the messages: ``k_qjl[2]`` for :func:`~numba_kv.decode_attention`)."""
     if sketch is None:
         if m is None and d % 8:
-            raise ValueError(f"sketch: the default sketch has m = d projections, a multiple of 8; got d={d} "
+            raise ValueError(f"{name}: the default sketch has m = d projections, a multiple of 8; got d={d} "
                              "(pass a sketch from make_sketch(d, m))")
         return _backend.constant(like, make_sketch(d, m))
-    check_float_array("sketch", sketch, 2)
+    check_float_array(name, sketch, 2)
     ms, ds = tuple(sketch.shape)
     if ds != d:
-        raise ValueError(f"sketch: expected shape (m, {d}) to match the vector dimension d={d}, "
+        raise ValueError(f"{name}: expected shape (m, {d}) to match the vector dimension d={d}, "
                          f"got {(ms, ds)}")
     if ms < 1 or ms % 8:
-        raise ValueError(f"sketch: expected a positive multiple of 8 rows (m), got shape {(ms, ds)}")
+        raise ValueError(f"{name}: expected a positive multiple of 8 rows (m), got shape {(ms, ds)}")
     if m is not None and ms != m:
-        raise ValueError(f"sketch: expected {m} rows (8 per byte of signs), got shape {(ms, ds)}")
+        raise ValueError(f"{name}: expected {m} rows (8 per byte of signs), got shape {(ms, ds)}")
     # a projection of a vector of norm <= 65504 (qjl_quantize refuses larger ones) is at most
     # the row norm (<= sqrt(d)·max|S|) times 65504: bounded so the float32 sums never overflow
     # (an overflowed projection gave an arbitrary sign bit, silently).  max|S| comes with the
     # finiteness pass; no norm is computed (a device sketch is not copied to the host)
-    amax = check_finite_stats("sketch", sketch).amax
+    amax = check_finite_stats(name, sketch).amax
     if not amax * math.sqrt(d) <= SKETCH_ROW_NORM_MAX:
-        raise ValueError(f"sketch: max |sketch| = {amax:.6g} times sqrt(d) exceeds {SKETCH_ROW_NORM_MAX:.6g} "
+        raise ValueError(f"{name}: max |{name}| = {amax:.6g} times sqrt(d) exceeds {SKETCH_ROW_NORM_MAX:.6g} "
                          f"(float32 maximum / 2**17): projections could overflow float32; an unscaled "
                          f"Gaussian sketch (make_sketch) has entries of a few units")
-    return _backend.ascontiguous_f32("sketch", sketch)
+    return _backend.ascontiguous_f32(name, sketch)
 
 
 def _contig(a: Any) -> Any:

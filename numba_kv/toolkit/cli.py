@@ -63,15 +63,15 @@ def _toolkit(name: str) -> ModuleType:
     return importlib.import_module(f"{__package__}.{name}")
 
 
-def _positive_int(text: str) -> int:
-    """argparse type of a count: an int >= 1 (else argparse's usage line and exit status 2)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {value}")
-    return value
+def _int_at_least(minimum: int) -> Any:
+    """argparse type of an int ``>= minimum`` (else argparse's usage line and exit status 2)."""
+    def parse(text: str) -> int:
+        value = int(text) if text.strip().lstrip("+-").isdigit() else None
+        if value is None or value < minimum:
+            got = repr(text) if value is None else value
+            raise argparse.ArgumentTypeError(f"expected an int >= {minimum}, got {got}")
+        return value
+    return parse
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -528,7 +528,7 @@ def _add_eval(sub: Any) -> None:
                    help=f"text: P, prefilled tokens (default: {_EVAL_DEFAULTS['prefill']})")
     e.add_argument("--gen-tokens", type=int, default=16,
                    help="greedy tokens per fixed prompt, 0 = no generation check (default: %(default)s)")
-    e.add_argument("--chunk", type=_positive_int, default=256, help="prefill chunk (default: %(default)s)")
+    e.add_argument("--chunk", type=_int_at_least(1), default=256, help="prefill chunk (default: %(default)s)")
     e.add_argument("--prefill-attention", choices=["cache", "exact"], default="cache",
                    help="needle: what the prompt's chunks attend over: 'cache', earlier chunks through the "
                         "cache's codes (default); 'exact', the prompt at full precision, only the answer "
@@ -575,12 +575,12 @@ def _add_demo(sub: Any) -> None:
     d.add_argument("--synthetic", action="store_true",
                    help="the synthetic KV stream (the only mode of `demo`; the real-model demo is `eval`)")
     d.add_argument("--caches", default="dense,pq3,pqo3,pqo4", help="comma-separated cache names")
-    d.add_argument("--layers", type=_positive_int, default=8)
-    d.add_argument("--kv-heads", type=_positive_int, default=8)
-    d.add_argument("--head-dim", type=_positive_int, default=128)
-    d.add_argument("--tokens", type=_positive_int, default=4096)
-    d.add_argument("--chunk", type=_positive_int, default=512, help="prefill chunk length")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--layers", type=_int_at_least(1), default=8)
+    d.add_argument("--kv-heads", type=_int_at_least(1), default=8)
+    d.add_argument("--head-dim", type=_int_at_least(1), default=128)
+    d.add_argument("--tokens", type=_int_at_least(1), default=4096)
+    d.add_argument("--chunk", type=_int_at_least(1), default=512, help="prefill chunk length")
+    d.add_argument("--seed", type=_int_at_least(0), default=0)
     _add_output_options(d, "the rows")
     d.set_defaults(func=_demo)
 
@@ -614,7 +614,7 @@ def _add_bench(sub: Any) -> None:
                    help="decode-step: untimed steps first (default: %(default)s)")
     b.add_argument("--no-torch", action="store_true",
                    help="--device cuda: skip the torch SDPA baseline even when torch is installed")
-    b.add_argument("--repeat", type=_positive_int, default=5)
+    b.add_argument("--repeat", type=_int_at_least(1), default=5)
     b.add_argument("--markdown", default=None, metavar="FILE", help="modes: write the markdown table to FILE")
     b.add_argument("--modes", default=None,
                    help="modes, decode-step: comma-separated caches, as `eval --cache` (default: modes: all; "
@@ -627,7 +627,7 @@ def _add_bench(sub: Any) -> None:
     b.add_argument("--decode-caches", default=None, metavar="CACHES",
                    help="attention: caches of the cache.decode table, as `eval --cache` "
                         "(default: pqo3, tq3 and the best <= 4-bit cache)")
-    b.add_argument("--decode-tokens", type=_positive_int, default=32768, metavar="T",
+    b.add_argument("--decode-tokens", type=_int_at_least(1), default=32768, metavar="T",
                    help="attention: history length of the cache.decode table (default 32768)")
     _add_output_options(b, "the results")
     b.set_defaults(func=_bench)

@@ -60,7 +60,8 @@ PQ_RULES = [
      "rest), got 128"),
     (dict(outlier_channels=32, rotation="head"), ValueError,
      "outlier_channels: channel splits need rotation='block', got rotation='head'"),
-    (dict(outlier_bits=4), ValueError, "outlier_bits: only meaningful with outlier_channels > 0"),
+    (dict(outlier_bits=4), ValueError, "outlier_bits: expected None without outlier_channels (outlier_channels=0), "
+     "got 4"),
     (dict(outlier_channels=32, outlier_bits=3), ValueError,
      "outlier_bits: expected more bits than the k channels' 3 and at most 4, got 3"),
     (dict(outlier_channels=32, k_bits=4), ValueError,
@@ -70,9 +71,14 @@ PQ_RULES = [
 
 TQ_RULES = [
     (dict(mode="pqo"), ValueError, "mode: TurboQuantCache is mode 'tq', got 'pqo'"),
-    (dict(outlier_channels=32), ValueError, "outlier_channels: channel splits are not supported by TurboQuantCache"),
+    (dict(outlier_channels=32), ValueError,
+     "outlier_channels: expected 0 (channel splits are not supported by TurboQuantCache), got 32"),
+    (dict(vq=True, rotation="head"), ValueError,
+     "vq: expected False (the head VQ code is not supported by TurboQuantCache; PolarQuant caches only), got True"),
     (dict(qjl_seed=-1), ValueError, "qjl_seed: expected a non-negative int, got -1"),
-    (dict(qjl_seed=True), ValueError, "qjl_seed: expected a non-negative int, got True"),
+    (dict(qjl_seed=True), TypeError, "qjl_seed: expected a non-negative int, got bool True"),
+    (dict(qjl_seed="1"), TypeError, "qjl_seed: expected a non-negative int, got str '1'"),
+    (dict(qjl_dim=8.0), TypeError, "qjl_dim: expected a positive multiple of 8, got float 8.0"),
     (dict(qjl_dim=12), ValueError,
      "qjl_dim: expected a positive multiple of 8 (sketch rows m, packed 8 signs per byte), got 12"),
     (dict(qjl_dim=0), ValueError,
@@ -234,8 +240,10 @@ def test_config_fields_are_typed_read_only_attributes():
 
 @pytest.mark.parametrize("name, option", [("pqo3", "bits"), ("tq3", "bits"), ("pqo3", "mode"), ("kv4", "bits")])
 def test_an_option_the_name_sets_is_named(name, option):
-    """``make_cache("pqo3", bits=4)`` said only "got multiple values for keyword argument"."""
-    with pytest.raises(TypeError, match=rf"^{option}: set by the name '[^']+'; spell it there"):
+    """``make_cache("pqo3", bits=4)`` said only "got multiple values for keyword argument". A
+    preset is named as the caller wrote it, with its expansion beside it."""
+    said = f"'{name}' \\(= 'pqo-k4v3-head-eden'\\)" if name == "kv4" else f"'{name}'"
+    with pytest.raises(TypeError, match=rf"^{option}: set by the name {said}; spell it there"):
         make_cache(name, num_layers=2, num_kv_heads=1, head_dim=64, **{option: 4 if option == "bits" else "pq"})
 
 

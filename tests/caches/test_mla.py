@@ -251,3 +251,20 @@ def test_causal_must_be_a_bool(mla, rng):
         mla.attend(0, s, q, 0.1, causal="no")
     with pytest.raises(TypeError, match="causal: expected a bool"):
         mla.attend_absorbed(0, s, q[..., :NOPE], q[..., NOPE:], 0.1, causal="yes")
+
+
+def test_latent_appends_name_the_callers_arguments(mla, rng):
+    """``SimpleMLACache.append_compressed`` takes ``k_lat``/``v_lat`` (its messages said ``k``/``v``);
+    ``MLACache.append_latent`` of no tokens showed an internal reshaped shape; nothing is stored."""
+    s = mla.paged.allocate_sequence()
+    with pytest.raises(ValueError, match=r"^c_kv: expected new_tokens >= 1 \(axis 0\), got shape \(0, 32\)$"):
+        mla.append_latent(0, s, np.zeros((0, R), np.float32), np.zeros((0, ROPE), np.float32))
+    simple = SimpleMLACache(8, 1, 2, 32, 16, np.ones((32, 16), np.float32) / 32, np.ones((16, 32), np.float32),
+                            np.zeros((16, 32), np.float32))
+    t = simple.paged.allocate_sequence()
+    lat = np.ones((2, 3, 16), np.float32)
+    with pytest.raises(ValueError, match=r"^k_lat: expected \[num_heads=2, new_tokens >= 1, 16\]"):
+        simple.append_compressed(0, t, lat[:, :, :15], lat)
+    with pytest.raises(ValueError, match=r"^v_lat: expected the shape of k_lat"):
+        simple.append_compressed(0, t, lat, lat[:1].repeat(2, 0)[:, :2])
+    assert simple.paged.seq_len(0, t) == 0 and mla.paged.seq_len(0, s) == 0

@@ -103,6 +103,13 @@ def test_bad_input_names_the_argument_and_changes_nothing(rng):
         (KeyError, "seq_id: unknown sequence 3", lambda: cache.free_sequence(3)),
         (KeyError, "seq_id: unknown sequence 3", lambda: cache.get_kv(0, 3)),
         (ValueError, "seq_id: sequence 0 holds no tokens in layer 1", lambda: cache.get_kv(1, s)),
+        # a list of ids names the entry; a lone int is not a list (it was Python's "not iterable")
+        (TypeError, r"^seq_ids\[1\]: expected an int, got float 1.0$",
+         lambda: cache.decode_attention(0, np.ones((2, 4, 1, 32), np.float32), [s, 1.0])),
+        (KeyError, r"seq_ids\[0\]: unknown sequence 9", lambda: cache.page_table(0, [9])),
+        (TypeError, "^seq_ids: expected a list of sequence ids, got int 0$",
+         lambda: cache.decode_attention(0, np.ones((1, 4, 1, 32), np.float32), s)),
+        (TypeError, "^seq_ids: expected a list of sequence ids, got int 0$", lambda: cache.select_batch(s)),
     ]
     for exc, msg, fn in cases:
         with pytest.raises(exc, match=msg):

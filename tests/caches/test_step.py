@@ -151,3 +151,21 @@ def test_bad_arrays_are_refused_naming_the_argument(arg, bad, err, match):
         DecodeStep(cache, 0, args["k"], args["v"], args["q"], AttendConfig(D ** -0.5, n_kv_groups=G),
                    out=args["out"])
     assert cache.seq_len(0) == 0
+
+
+def test_bad_flags_and_a_non_cache_are_refused_when_built():
+    """``verify="no"`` switched verification on (``bool("no")``), and a non-cache failed only at
+    the first call with an AttributeError; ``StepGraph(capture="no")`` likewise."""
+    from numba_kv import StepGraph
+
+    cache = make_cache("pqo3", num_layers=1, num_kv_heads=2, head_dim=64)
+    k = np.ones((1, 2, 1, 64), np.float32)
+    q = np.ones((1, 4, 1, 64), np.float32)
+    cfg = AttendConfig(0.125, n_kv_groups=2)
+    with pytest.raises(TypeError, match="^verify: expected a bool, got str 'no'$"):
+        DecodeStep(cache, 0, k, k, q, cfg, verify="no")
+    with pytest.raises(TypeError, match="^cache: expected a numba_kv cache"):
+        DecodeStep(5, 0, k, k, q, cfg)
+    with pytest.raises(TypeError, match="^capture: expected a bool, got str 'no'$"):
+        StepGraph(capture="no")
+    assert cache.seq_len(0) == 0

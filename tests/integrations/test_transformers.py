@@ -300,12 +300,14 @@ def test_bad_input_raises_clear_errors_and_changes_nothing():
         cache.update(k, k[:, :, :2], 0)
     with pytest.raises(IndexError, match="layer_idx"):
         cache.update(k, k, 2)
+    with pytest.raises(TypeError, match=r"^layer_idx: expected an int in \[0, 2\), got float 1.0$"):
+        cache.update(k, k, 1.0)
     assert cache.get_seq_length() == 0 and cache.memory_usage() == 0
     cache.update(k, k, 0)
     with pytest.raises(TypeError, match="holds torch.float32"):
         cache.update(k.half(), k.half(), 0)
     assert cache.layers[0].get_seq_length() == 4
-    with pytest.raises(ValueError, match="name"):
+    with pytest.raises(ValueError, match="^cache: unknown preset 'kv9x'"):  # from_config's argument, not make_cache's
         NumbaKVCache.from_config(_llama().config, "kv9x")
     with pytest.raises(TypeError, match="layers"):
         NumbaKVCache([])

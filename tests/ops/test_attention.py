@@ -255,7 +255,7 @@ def test_inf_and_nan_norm_patterns_are_refused(rng):
     q, k, v, kc, ks, vc, vs, khat, signs, norms = _qjl_case(rng)
     norms = norms.copy()
     norms[0, 0, 3] = 0xFC00  # -Inf
-    with pytest.raises(ValueError, match=r"^k_qjl norms: expected finite binary16 bit patterns"):
+    with pytest.raises(ValueError, match=r"^k_qjl\[1\]: expected finite binary16 bit patterns"):
         decode_attention(q, kc, ks, vc, vs, k_bits=2, v_bits=3, norm_mode="l2", k_qjl=(signs, norms, None),
                          v_codebook=get_codebook(3, "maxnorm"))
 
@@ -273,13 +273,13 @@ def test_decode_attention_bad_modes(rng, kw, word):
 
 def test_decode_attention_bad_qjl_shapes(rng):
     q, k, v, kc, ks, vc, vs, khat, signs, norms = _qjl_case(rng)
-    with pytest.raises(ValueError, match="k_qjl signs"):
+    with pytest.raises(ValueError, match=r"^k_qjl\[0\]"):
         decode_attention(q, kc, ks, vc, vs, k_bits=2, k_qjl=(signs[:, :, :5], norms, None))
-    with pytest.raises(ValueError, match="k_qjl norms"):
+    with pytest.raises(ValueError, match=r"^k_qjl\[1\]"):
         decode_attention(q, kc, ks, vc, vs, k_bits=2, k_qjl=(signs, norms[:, :1], None))
-    with pytest.raises(TypeError, match="k_qjl"):
+    with pytest.raises(TypeError, match=r"^k_qjl\[0\]"):
         decode_attention(q, kc, ks, vc, vs, k_bits=2, k_qjl=(signs.astype(np.int8), norms, None))
-    with pytest.raises(ValueError, match="sketch"):
+    with pytest.raises(ValueError, match=r"^k_qjl\[2\]: expected 64 rows"):
         decode_attention(q, kc, ks, vc, vs, k_bits=2, k_qjl=(signs, norms, np.zeros((8, 64), np.float32)))
 
 
@@ -603,3 +603,29 @@ def test_causal_must_be_a_bool(rng, causal):
     with pytest.raises(TypeError, match="causal: expected a bool"):
         decode_attention(q, kc, ks, vc, vs, causal=causal)
     assert decode_attention(q, kc, ks, vc, vs, causal=np.bool_(False)).shape == (1, 2, 2, 32)
+
+
+def test_messages_name_the_arguments_the_caller_passed(rng):
+    """``bits=9`` was reported as ``k_bits`` (not passed), ``v_exact`` alone as ``k_exact``, zero
+    KV heads as a problem of ``q``, and the parts of ``k_qjl`` under names ``decode_attention``
+    does not have (``k_qjl_signs``, ``sketch``)."""
+    k, v = (rng.standard_normal((1, 2, 40, 64)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((1, 4, 1, 64)).astype(np.float32)
+    kc, ks = quantize_blocks(k, 3)
+    vc, vs = quantize_blocks(v, 3)
+    with pytest.raises(ValueError, match=r"^bits: expected an int in 1..4 \(5 needs rotation='head'\), got 9$"):
+        decode_attention(q, kc, ks, vc, vs, bits=9)
+    with pytest.raises(TypeError, match=r"^bits: expected an int in 1..4 .*, got bool True$"):
+        decode_attention(q, kc, ks, vc, vs, bits=True)
+    ve = rng.standard_normal((1, 2, 3, 64)).astype(np.float32)
+    with pytest.raises(ValueError, match="^k_exact: expected an array given together with v_exact, got None$"):
+        decode_attention(q, kc, ks, vc, vs, v_exact=ve)
+    with pytest.raises(ValueError, match=r"^k_codes: expected num_kv_heads >= 1 \(axis 1\)"):
+        decode_attention(q, kc[:, :0], ks[:, :0], vc[:, :0], vs[:, :0])
+    from numba_kv import qjl_quantize
+
+    signs, norms = qjl_quantize(k)
+    with pytest.raises(TypeError, match=r"^k_qjl\[2\]: expected dtype float16, float32 or float64, got int32$"):
+        decode_attention(q, kc, ks, vc, vs, k_qjl=(signs, norms, np.ones((64, 64), np.int32)))
+    with pytest.raises(TypeError, match=r"^k_qjl\[0\]: "):
+        decode_attention(q, kc, ks, vc, vs, k_qjl=([1], norms, None))

@@ -375,3 +375,11 @@ def test_bench_config_holds_the_options_read(monkeypatch, capsys):
     assert set(config) == {"what", "device", "tokens", "json", "no_progress", "bits", "repeat", "no_decode",
                            "decode_caches", "decode_tokens"}
     assert config["tokens"] == "32" and config["bits"] == "3"
+
+
+def test_a_negative_seed_is_a_usage_error(capsys):
+    """``--seed -1`` ended in NumPy's traceback (exit 1); it is argparse's error line (exit 2)."""
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", "--synthetic", "--seed", "-1"])
+    assert exc.value.code == 2
+    assert "--seed: expected an int >= 0, got -1" in capsys.readouterr().err

@@ -84,15 +84,20 @@ def fused_attention_rows(qr: Any, q: Any, kc: Any, ks: Any, vc: Any, vs: Any, n_
                          q_pos0, q_len, causal, part_size, head_signs, qjl, exact_rotated, exact_scales)
 
 
-def _codebook_for(name: str, bits: Any, norm_mode: str, codebook: Any, block: int = 32, head: bool = False):
+def _codebook_for(side: str, name: str, bits: Any, norm_mode: str, codebook: Any, block: int = 32,
+                  head: bool = False):
+    """The codebook of side ``side`` (``"k"``/``"v"``): ``codebook`` (``{side}_codebook``) if
+    given, else the width ``bits`` of argument ``name`` (``bits``, ``k_bits`` or ``v_bits``)."""
     if codebook is not None:
         if not isinstance(codebook, Codebook):
-            raise TypeError(f"{name}_codebook: expected a Codebook, got {type(codebook).__name__}")
+            raise TypeError(f"{side}_codebook: expected a Codebook, got {type(codebook).__name__}")
         return codebook
     top = 5 if head else 4  # 5-bit codebooks: whole-head codes only
-    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 1 <= int(bits) <= top:
-        where = " with rotation='head'" if top == 5 else " (5 needs rotation='head')"
-        raise ValueError(f"{name}_bits: expected an int in 1..{top}{where}, got {bits!r}")
+    where = " with rotation='head'" if top == 5 else " (5 needs rotation='head')"
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int in 1..{top}{where}, got {type(bits).__name__} {bits!r}")
+    if not 1 <= int(bits) <= top:
+        raise ValueError(f"{name}: expected an int in 1..{top}{where}, got {bits!r}")
     return get_codebook(int(bits), norm_mode, block=block)
 
 
@@ -195,8 +200,10 @@ def decode_attention(q: Any, k_codes: Any, k_scales: Any, v_codes: Any, v_scales
     if head and (d & (d - 1) or d > MAX_HEAD_DIM):
         raise ValueError(f"q: rotation='head' needs a power-of-two head_dim <= {MAX_HEAD_DIM}, got {d}")
     cb_mode, cb_block = ("l2", d) if head else (norm_mode, 32)
-    kcb = _codebook_for("k", bits if k_bits is None else k_bits, cb_mode, k_codebook, cb_block, head)
-    vcb = _codebook_for("v", bits if v_bits is None else v_bits, cb_mode, v_codebook, cb_block, head)
+    kcb = _codebook_for("k", "bits" if k_bits is None else "k_bits", bits if k_bits is None else k_bits, cb_mode,
+                        k_codebook, cb_block, head)
+    vcb = _codebook_for("v", "bits" if v_bits is None else "v_bits", bits if v_bits is None else v_bits, cb_mode,
+                        v_codebook, cb_block, head)
     n_scales = 1 if head else d // 32
     hkv, T = _check_codes((b, hq, ql, d), k_codes, k_scales, v_codes, v_scales, kcb.bits, vcb.bits, n_scales)
     n_exact = _check_exact(k_exact, v_exact, b, hkv, d, check_values)
@@ -258,7 +265,9 @@ def _check_codes(qshape: tuple, k_codes: Any, k_scales: Any, v_codes: Any, v_sca
     if len(k_codes.shape) != 4:
         raise ValueError(f"k_codes: expected 4-D [batch, num_kv_heads, T, packed], got shape {tuple(k_codes.shape)}")
     hkv, T = int(k_codes.shape[1]), int(k_codes.shape[2])
-    if hkv < 1 or hq % hkv:
+    if hkv < 1:
+        raise ValueError(f"k_codes: expected num_kv_heads >= 1 (axis 1), got shape {tuple(k_codes.shape)}")
+    if hq % hkv:
         raise ValueError(f"q: expected num_heads to be a multiple of num_kv_heads={hkv}, got shape {qshape}")
     for name, a, width, dt in (("k_codes", k_codes, d * kbits // 8, np.uint8),
                                ("k_scales", k_scales, n_scales, np.uint16),
@@ -273,7 +282,8 @@ def _check_codes(qshape: tuple, k_codes: Any, k_scales: Any, v_codes: Any, v_sca
 def _check_exact(k_exact: Any, v_exact: Any, b: int, hkv: int, d: int, check_values: bool) -> int:
     """Validate the exact tokens of :func:`decode_attention`; returns their count ``E``."""
     if (k_exact is None) != (v_exact is None):
-        raise ValueError("k_exact: k_exact and v_exact must be given together")
+        given, missing = ("k_exact", "v_exact") if v_exact is None else ("v_exact", "k_exact")
+        raise ValueError(f"{missing}: expected an array given together with {given}, got None")
     if k_exact is None:
         return 0
     for name, a in (("k_exact", k_exact), ("v_exact", v_exact)):
@@ -327,20 +337,20 @@ def _qjl_args(k_qjl: Any, q3: Any, b: int, hkv: int, T: int, d: int, check_value
         raise TypeError("k_qjl: expected a tuple (signs, norms, sketch), got "
                         f"{type(k_qjl).__name__}")
     signs, norms, sketch = k_qjl
-    _backend.resolve_device("auto", q=q3, k_qjl_signs=signs, k_qjl_norms=norms, k_qjl_sketch=sketch)
+    _backend.resolve_device("auto", q=q3, **{"k_qjl[0]": signs, "k_qjl[1]": norms, "k_qjl[2]": sketch})
     if np.dtype(signs.dtype) != np.uint8:
-        raise TypeError(f"k_qjl: expected signs of dtype uint8, got {signs.dtype}")
+        raise TypeError(f"k_qjl[0]: expected signs of dtype uint8, got {signs.dtype}")
     if np.dtype(norms.dtype) != np.uint16:
-        raise TypeError(f"k_qjl: expected norms of dtype uint16 (binary16 bits), got {norms.dtype}")
+        raise TypeError(f"k_qjl[1]: expected norms of dtype uint16 (binary16 bits), got {norms.dtype}")
     if len(signs.shape) != 4 or int(signs.shape[3]) < 1:
-        raise ValueError(f"k_qjl: expected signs of shape (batch, num_kv_heads, T, m/8), got {tuple(signs.shape)}")
+        raise ValueError(f"k_qjl[0]: expected signs of shape (batch, num_kv_heads, T, m/8), got {tuple(signs.shape)}")
     mb = int(signs.shape[3])
-    check_shape("k_qjl signs", signs, (b, hkv, T, mb), ("batch", "num_kv_heads", "T", "m/8"))
-    check_shape("k_qjl norms", norms, (b, hkv, T), ("batch", "num_kv_heads", "T"))
+    check_shape("k_qjl[0]", signs, (b, hkv, T, mb), ("batch", "num_kv_heads", "T", "m/8"))
+    check_shape("k_qjl[1]", norms, (b, hkv, T), ("batch", "num_kv_heads", "T"))
     if check_values:
-        check_f16_bits("k_qjl norms", norms)
+        check_f16_bits("k_qjl[1]", norms)
     m = 8 * mb
-    sk = sketch_arg(sketch, d, m, q3)
+    sk = sketch_arg(sketch, d, m, q3, "k_qjl[2]")
     g, rows, _ = q3.shape
     xp = _backend.xp_of(q3)
     contig = (lambda a: xp.ascontiguousarray(a)) if xp is not None else (lambda a: a)

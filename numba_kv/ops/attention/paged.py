@@ -253,8 +253,9 @@ def paged_decode_attention(q: Any, page_table: Sequence[Any], *, k_pages: Any = 
                   inputs=(("q", q), ("k_pages", k_pages), ("v_pages", v_pages), ("k_codes", k_codes),
                           ("k_scales", k_scales), ("v_codes", v_codes), ("v_scales", v_scales)))
     if check_values:
-        if check_finite_stats("q", q).amax > Q_MAX:
-            raise ValueError("q: expected |q| <= 2**64 (logits stay finite in float32)")
+        q_max = check_finite_stats("q", q).amax
+        if q_max > Q_MAX:
+            raise ValueError(f"q: expected |q| <= 2**64 (logits stay finite in float32), got max |q| = {q_max:.6g}")
     compressed, page_size, arrays, klay, vlay = _pools(q, d, k_pages, v_pages, k_codes, k_scales, v_codes, v_scales,
                                                        k_codebook, v_codebook)
     if check_values:
