@@ -79,8 +79,9 @@ def _int_arg(name: str, value: Any, minimum: int, maximum: int | None = None) ->
 
 def _energy_arg(energy: Any) -> None:
     # NumPy scalars are accepted (np.float32 is no Python float); NaN fails the range test
-    if energy is not None and (isinstance(energy, (bool, np.bool_)) or not isinstance(energy, numbers.Real)
-                               or not 0.0 < float(energy) <= 1.0):
+    if energy is not None and (isinstance(energy, (bool, np.bool_)) or not isinstance(energy, numbers.Real)):
+        raise TypeError(f"energy: expected None or a float in (0, 1], got {type(energy).__name__} {energy!r}")
+    if energy is not None and not 0.0 < float(energy) <= 1.0:
         raise ValueError(f"energy: expected None or a float in (0, 1], got {energy!r}")
 
 
@@ -179,8 +180,9 @@ class VectorQuantization:
         check_bool("per_head", self.per_head)  # a truthy string must not switch per-head codebooks on
         _int_arg("max_iter", self.max_iter, 1)
         # not ``tol < 0``: NaN passes that test and would silently disable the inertia stop rule
-        if not isinstance(self.tol, numbers.Real) or isinstance(self.tol, (bool, np.bool_)) \
-                or not float(self.tol) >= 0.0:
+        if not isinstance(self.tol, numbers.Real) or isinstance(self.tol, (bool, np.bool_)):
+            raise TypeError(f"tol: expected a float >= 0, got {type(self.tol).__name__} {self.tol!r}")
+        if not float(self.tol) >= 0.0:
             raise ValueError(f"tol: expected a float >= 0, got {self.tol!r}")
         _int_arg("seed", self.seed, 0)
 
@@ -212,7 +214,10 @@ class Hybrid:
 
     def __post_init__(self) -> None:
         _int_arg("rank", self.rank, 1)
-        if isinstance(self.quant_bits, bool) or self.quant_bits not in (0, 4, 8):
+        if isinstance(self.quant_bits, (bool, np.bool_)) or not isinstance(self.quant_bits, (int, np.integer)):
+            raise TypeError(f"quant_bits: expected 0 (compressor default), 4 or 8, got "
+                            f"{type(self.quant_bits).__name__} {self.quant_bits!r}")
+        if self.quant_bits not in (0, 4, 8):
             raise ValueError(f"quant_bits: expected 0 (compressor default), 4 or 8, got {self.quant_bits!r}")
         if self.group_size is not None:
             intquant.check_group(self.group_size, 2)
@@ -351,7 +356,9 @@ class KVCacheCompressor:
         if not isinstance(method, (LowRank, VectorQuantization, Hybrid)):
             raise TypeError(f"method: expected CompressionMethod.LowRank, VectorQuantization or Hybrid, "
                             f"got {type(method).__name__}")
-        if isinstance(quant_bits, bool) or quant_bits not in intquant.SUPPORTED_BITS:
+        if isinstance(quant_bits, (bool, np.bool_)) or not isinstance(quant_bits, (int, np.integer)):
+            raise TypeError(f"quant_bits: expected 4 or 8, got {type(quant_bits).__name__} {quant_bits!r}")
+        if quant_bits not in intquant.SUPPORTED_BITS:
             raise ValueError(f"quant_bits: expected 4 or 8, got {quant_bits!r}")
         if isinstance(method, VectorQuantization) and method.codebook_size > (1 << int(quant_bits)):
             raise ValueError(f"codebook_size: expected <= {1 << int(quant_bits)} for "

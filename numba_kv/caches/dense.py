@@ -43,7 +43,7 @@ class DenseCache(LayeredCache):
         except TypeError:  # (NumPy's message does not name the argument)
             raise TypeError(f"dtype: expected None, float16, float32 or float64, got {dtype!r}") from None
         if dt not in (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)):
-            raise ValueError(f"dtype: expected None, float16, float32 or float64, got {dt}")
+            raise TypeError(f"dtype: expected None, float16, float32 or float64, got {dt}")
         self.dtype = dt
 
     @property

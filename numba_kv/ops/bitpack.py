@@ -131,7 +131,9 @@ _UNPACK_BITS = register("unpack_bits", _unpack_bits_cpu, _unpack_bits_cuda,
 
 # --- public API ------------------------------------------------------------------------
 def _check_bits(bits: Any) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or int(bits) not in SUPPORTED_BITS:
+    if isinstance(bits, (bool, np.bool_)) or not isinstance(bits, (int, np.integer)):
+        raise TypeError(f"bits: expected an int in 1..8, got {type(bits).__name__} {bits!r}")
+    if int(bits) not in SUPPORTED_BITS:
         raise ValueError(f"bits: expected an int in 1..8, got {bits!r}")
     return int(bits)
 

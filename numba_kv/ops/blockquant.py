@@ -414,7 +414,9 @@ def _codebook_arg(bits: Any, norm_mode: Any, codebook: Codebook | None) -> Codeb
         return codebook
     if norm_mode not in NORM_MODES:
         raise ValueError(f"norm_mode: expected one of {list(NORM_MODES)}, got {norm_mode!r}")
-    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 1 <= int(bits) <= 4:
+    if isinstance(bits, (bool, np.bool_)) or not isinstance(bits, (int, np.integer)):
+        raise TypeError(f"bits: expected an int in 1..4, got {type(bits).__name__} {bits!r}")
+    if not 1 <= int(bits) <= 4:
         raise ValueError(f"bits: expected an int in 1..4, got {bits!r}")
     return get_codebook(int(bits), norm_mode)
 

@@ -116,10 +116,12 @@ _MAXNORM_FITTED_POS = {
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int | None, context: str = "") -> int:
-    """Return ``value`` as int if it is an integer in ``[lo, hi]``, else ``ValueError``."""
+    """Return ``value`` as int if it is an integer in ``[lo, hi]``, else ``TypeError`` (not an
+    integer) or ``ValueError`` (out of range)."""
     rng = f"in {lo}..{hi}" if hi is not None else f">= {lo}"
-    ok = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-    if not ok or not (lo <= int(value) and (hi is None or int(value) <= hi)):
+    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected an integer {rng}{context}, got {type(value).__name__} {value!r}")
+    if not (lo <= int(value) and (hi is None or int(value) <= hi)):
         raise ValueError(f"{name}: expected an integer {rng}{context}, got {value!r}")
     return int(value)
 

@@ -95,8 +95,9 @@ def _check_head_dim(name: str, d: Any) -> int:
 
 
 def _check_bits(bits: Any) -> int:
-    if (isinstance(bits, (bool, np.bool_)) or not isinstance(bits, (int, np.integer))
-            or not 1 <= int(bits) <= 5):
+    if isinstance(bits, (bool, np.bool_)) or not isinstance(bits, (int, np.integer)):
+        raise TypeError(f"bits: expected an int in 1..5, got {type(bits).__name__} {bits!r}")
+    if not 1 <= int(bits) <= 5:
         raise ValueError(f"bits: expected an int in 1..5, got {bits!r}")
     return int(bits)
 

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from numba_kv import AttendConfig, make_cache
+from numba_kv import AttendConfig, DenseCache, make_cache
 
 F16_MAX = 65504.0
 
@@ -132,6 +132,9 @@ def test_dense_dtype_numpy_cannot_parse_is_named():
     """``dtype="bfloat16"`` raised NumPy's "data type 'bfloat16' not understood"."""
     with pytest.raises(TypeError, match="^dtype: expected None, float16, float32 or float64, got 'bfloat16'"):
         make_cache("dense", num_layers=1, num_kv_heads=1, head_dim=32, dtype="bfloat16")
+    # a NumPy dtype that is not a float: a TypeError too (it was a ValueError)
+    with pytest.raises(TypeError, match="^dtype: expected None, float16, float32 or float64, got int8$"):
+        DenseCache(1, 1, 64, dtype=np.int8)
 
 
 def _small_cache():

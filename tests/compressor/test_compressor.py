@@ -205,6 +205,13 @@ def test_bad_methods_and_widths():
         Hybrid(4, 6)
     with pytest.raises(ValueError, match=r"quant_bits: expected 4 or 8, got 5"):
         KVCacheCompressor(LowRank(4), 5)
+    # a value of the wrong type is a TypeError, as rank's is (it was a ValueError)
+    for make, message in ((lambda: KVCacheCompressor(LowRank(4), "8"), r"^quant_bits: expected 4 or 8, got str '8'$"),
+                          (lambda: Hybrid(4, "4"), r"^quant_bits: expected 0 .* got str '4'$"),
+                          (lambda: LowRank(4, energy="0.5"), r"^energy: expected None or a float in \(0, 1\], got str"),
+                          (lambda: VectorQuantization(4, tol="x"), r"^tol: expected a float >= 0, got str 'x'$")):
+        with pytest.raises(TypeError, match=message):
+            make()
     with pytest.raises(TypeError, match="method: expected CompressionMethod"):
         KVCacheCompressor("lowrank")
     with pytest.raises(ValueError, match="energy"):

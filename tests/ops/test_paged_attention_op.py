@@ -177,3 +177,20 @@ def test_causal_must_be_a_bool(causal):
         paged_decode_attention(q, c.page_table(0), **_pool_kwargs(c), causal=causal)
     with pytest.raises(TypeError, match="causal: expected a bool"):
         c.decode_attention(0, q, causal=causal)
+
+
+def test_pools_of_the_wrong_dtype_are_a_typeerror(rng):
+    """A float64 page pool or int16 codes: ``TypeError`` naming the pool (a dtype problem; a
+    wrong width stays a ``ValueError``). They were ``ValueError``s."""
+    from numba_kv import PagedKVCache
+
+    c = PagedKVCache(4, 1, 2, 32, page_size=4, storage="float32")
+    x = rng.standard_normal((2, 5, 32)).astype(np.float32)
+    c.append(0, c.allocate_sequence(), x, x)
+    table = c.page_table(0)
+    q = rng.standard_normal((1, 4, 1, 32)).astype(np.float32)
+    pools = _pool_kwargs(c)
+    with pytest.raises(TypeError, match=r"^k_pages: expected float32 \[num_pages, .*, 32\], got float64"):
+        paged_decode_attention(q, table, **{**pools, "k_pages": pools["k_pages"].astype(np.float64)})
+    with pytest.raises(ValueError, match=r"^v_pages: expected float32 .*, got float32 \(4, 2, 4, 16\)"):
+        paged_decode_attention(q, table, **{**pools, "v_pages": pools["v_pages"][..., :16].copy()})

@@ -94,8 +94,10 @@ def _pools(q: Any, d: int, k_pages: Any, v_pages: Any, k_codes: Any, k_scales: A
     if k_pages is not None:
         for name, a in (("k_pages", k_pages), ("v_pages", v_pages)):
             if len(a.shape) != 4 or int(a.shape[3]) != d or np.dtype(a.dtype) != np.float32:
-                raise ValueError(f"{name}: expected float32 [num_pages, num_kv_heads, page_size, {d}], got "
-                                 f"{a.dtype} {tuple(a.shape)}")
+                # (a dtype problem is a TypeError, a shape problem a ValueError)
+                raise (TypeError if np.dtype(a.dtype) != np.float32 else ValueError)(
+                    f"{name}: expected float32 [num_pages, num_kv_heads, page_size, {d}], got {a.dtype} "
+                    f"{tuple(a.shape)}")
         _same_pages(("k_pages", k_pages), ("v_pages", v_pages))
         return False, int(k_pages.shape[2]), pool_arrays(q, k_pages, v_pages), None, None
     if k_codebook is None or v_codebook is None:
@@ -106,8 +108,9 @@ def _pools(q: Any, d: int, k_pages: Any, v_pages: Any, k_codes: Any, k_scales: A
                                ("v_codes", v_codes, lay[1].width, np.uint8),
                                ("v_scales", v_scales, d // 32, np.uint16)):
         if len(a.shape) != 4 or int(a.shape[3]) != width or np.dtype(a.dtype) != dt:
-            raise ValueError(f"{name}: expected {np.dtype(dt)} [num_pages, num_kv_heads, page_size, {width}], got "
-                             f"{a.dtype} {tuple(a.shape)}")
+            raise (TypeError if np.dtype(a.dtype) != dt else ValueError)(
+                f"{name}: expected {np.dtype(dt)} [num_pages, num_kv_heads, page_size, {width}], got {a.dtype} "
+                f"{tuple(a.shape)}")
     _same_pages(("k_codes", k_codes), ("k_scales", k_scales), ("v_codes", v_codes), ("v_scales", v_scales))
     arrays = pool_arrays(q, k_codes=k_codes, k_scales=k_scales, v_codes=v_codes, v_scales=v_scales)
     return True, int(k_codes.shape[2]), arrays, lay[0], lay[1]
