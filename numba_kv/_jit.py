@@ -73,13 +73,20 @@ def codegen_has_avx512() -> bool:
     fast on either register file).  Register-blocked CPU loops use it to pick their block
     size at import; Numba's on-disk cache keys entries on the same target name and
     features, so a cached kernel always holds the variant of its own target."""
+    return _codegen_has("avx512f")
+
+
+def _codegen_has(flag: str) -> bool:
+    """Whether Numba's CPU target has LLVM feature ``flag``: ``NUMBA_CPU_FEATURES`` when it is
+    set, else the host's features when ``NUMBA_CPU_NAME`` is unset or ``host``; a CPU named
+    without features counts as without it."""
     features = numba_config.CPU_FEATURES
     if features:
-        return "+avx512f" in features.replace(" ", "").split(",")
+        return f"+{flag}" in features.replace(" ", "").split(",")
     name = numba_config.CPU_NAME
     if name and name != "host":
         return False
-    return bool(llvm_binding.get_host_cpu_features().get("avx512f", False))
+    return bool(llvm_binding.get_host_cpu_features().get(flag, False))
 
 
 #: LLVM host cores whose 8-lane lane-crossing permutes are slow (AMD Zen 1: ``vpermps`` is 3
@@ -94,15 +101,7 @@ def codegen_permutes_fast() -> bool:
     decode of 4-bit codes picks its loop by it at import (see
     :func:`numba_kv.ops.attention.cpu._decode_tile_simd`); a CPU named without features counts as
     without AVX2 (the byte table, which every target runs well)."""
-    if llvm_binding.get_host_cpu_name() in SLOW_PERMUTE_HOSTS:
-        return False
-    features = numba_config.CPU_FEATURES
-    if features:
-        return "+avx2" in features.replace(" ", "").split(",")
-    name = numba_config.CPU_NAME
-    if name and name != "host":
-        return False
-    return bool(llvm_binding.get_host_cpu_features().get("avx2", False))
+    return llvm_binding.get_host_cpu_name() not in SLOW_PERMUTE_HOSTS and _codegen_has("avx2")
 
 
 #: LLVM fast-math flags a CPU twin may opt into: reassociation and contraction let float

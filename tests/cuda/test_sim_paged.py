@@ -126,6 +126,31 @@ def test_paged_device_tables_follow_every_change():
         max_examples=5, stateful_step_count=12, deadline=None, suppress_health_check=list(HealthCheck)))
 
 
+class _DeviceAndHost:
+    """A paged cache on the device and its CPU twin given the same calls (one layer, ``h`` KV
+    heads, groups of 2 queries, head_dim ``d``): ``run`` a method on both (equal results),
+    ``append`` random tokens to both, ``attend`` and compare."""
+
+    def __init__(self, rng, num_pages: int, h: int, d: int, page_size: int) -> None:
+        self.rng, self.h, self.d = rng, h, d
+        self.dev, self.cpu = (PagedKVCache(num_pages, 1, h, d, page_size=page_size, storage="pqo3") for _ in range(2))
+
+    def run(self, name, *args):
+        a, b = getattr(self.dev, name)(*args), getattr(self.cpu, name)(*args)
+        assert a == b
+        return a
+
+    def append(self, sid, n):
+        k = self.rng.standard_normal((self.h, n, self.d)).astype(np.float32)
+        self.dev.append(0, sid, to_device(k), to_device(k))
+        self.cpu.append(0, sid, k, k)
+
+    def attend(self, ids):
+        q = self.rng.standard_normal((len(ids), 2 * self.h, 1, self.d)).astype(np.float32)
+        np.testing.assert_allclose(to_host(self.dev.decode_attention(0, to_device(q), ids)),
+                                   self.cpu.decode_attention(0, q, ids), rtol=2e-5, atol=2e-6)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("change", ["crop", "crop_to_page", "free_other", "fork", "select_batch", "reset"])
 def test_paged_device_table_is_dropped_when_pages_change_hands(change):
@@ -134,24 +159,8 @@ def test_paged_device_table_is_dropped_when_pages_change_hands(change):
     equal to the CPU twin, so the change dropped the kept table."""
     if not simulator_enabled():
         pytest.skip("device arrays")
-    rng = np.random.default_rng(9)
-    h, g, d, ps = 1, 2, 32, 4
-    dev, cpu = (PagedKVCache(16, 1, h, d, page_size=ps, storage="pqo3") for _ in range(2))
-
-    def both(name, *args):
-        a, b = getattr(dev, name)(*args), getattr(cpu, name)(*args)
-        assert a == b
-        return a
-
-    def append(sid, n):
-        k = rng.standard_normal((h, n, d)).astype(np.float32)
-        dev.append(0, sid, to_device(k), to_device(k))
-        cpu.append(0, sid, k, k)
-
-    def attend(ids):
-        q = rng.standard_normal((len(ids), h * g, 1, d)).astype(np.float32)
-        np.testing.assert_allclose(to_host(dev.decode_attention(0, to_device(q), ids)), cpu.decode_attention(0, q, ids),
-                                   rtol=2e-5, atol=2e-6)
+    pair = _DeviceAndHost(np.random.default_rng(9), 16, 1, 32, 4)
+    both, append, attend = pair.run, pair.append, pair.attend
 
     a, b, c = (both("allocate_sequence") for _ in range(3))
     for sid, n in ((a, 6), (b, 9), (c, 2)):
@@ -217,25 +226,10 @@ def test_paged_page_reuse_on_another_launch_stream_waits_for_the_release(monkeyp
 
     events = _EventLog()
     monkeypatch.setattr("numba_kv._backend.stream_event", events)
-    rng = np.random.default_rng(3)
-    h, d, ps = 1, 32, 4
-    dev, cpu = (PagedKVCache(6, 1, h, d, page_size=ps, storage="pqo3") for _ in range(2))
+    ps = 4
+    pair = _DeviceAndHost(np.random.default_rng(3), 6, 1, 32, ps)
+    run, append, attend = pair.run, pair.append, pair.attend
     sa, sb = cuda.stream(), cuda.stream()
-
-    def run(name, *args):
-        a, b = getattr(dev, name)(*args), getattr(cpu, name)(*args)
-        assert a == b
-        return a
-
-    def append(sid, n):
-        k = rng.standard_normal((h, n, d)).astype(np.float32)
-        dev.append(0, sid, to_device(k), to_device(k))
-        cpu.append(0, sid, k, k)
-
-    def attend(ids):
-        q = rng.standard_normal((len(ids), 2 * h, 1, d)).astype(np.float32)
-        np.testing.assert_allclose(to_host(dev.decode_attention(0, to_device(q), ids)),
-                                   cpu.decode_attention(0, q, ids), rtol=2e-5, atol=2e-6)
 
     with numba_kv.launch_stream(sa):
         a, keep = run("allocate_sequence"), run("allocate_sequence")
