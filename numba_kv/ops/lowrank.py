@@ -50,7 +50,7 @@ from .gather import to_like
 from .half import f16_bits_to_f32_cpu, f16_bits_to_f32_dev, f32_to_f16_bits_sat_cpu, f32_to_f16_bits_sat_dev
 
 __all__ = ["channel_stats", "fit_components", "project", "reconstruct", "f16_encode", "f16_decode",
-           "row_scale", "ENERGY_FRACTION"]
+           "pow2_row_scales", "row_scale", "ENERGY_FRACTION"]
 
 ENERGY_FRACTION = 0.9
 """Seed rule for the automatic rank: smallest rank explaining >= 90 % (see :func:`fit_components`)."""
@@ -327,11 +327,24 @@ _ONE = np.ones(1, np.float32)
 
 
 def pow2_row_scales(bound: np.ndarray, top: float = 2.0 ** 15) -> np.ndarray:
-    """Per-row powers of two ``s_r`` (float32 ``[R]``) that bring values bounded by
-    ``bound[r]`` (``>= 0``, host) within ``top``: the smallest ``s_r = 2**e >= bound[r] / top``,
-    ``e`` in ``[-126, 127]`` (``1`` for a zero bound).  Stored as ``x / s_r`` in binary16 (the
-    largest ``top = 2**15`` < 65504), a row keeps binary16's full relative precision down to
-    ``2**-29`` of its bound, at any scale of the data."""
+    """Per-row powers of two that bring each row's values within ``top``, for :func:`f16_encode`.
+
+    Stored as ``x / s_r`` in binary16 (``top = 2**15`` < 65504), a row keeps binary16's full
+    relative precision down to ``2**-29`` of its bound, at any scale of the data.
+
+    Parameters
+    ----------
+    bound : float array, shape ``(R,)``
+        Host bounds (``>= 0``, finite) of every row's largest ``|value|``.
+    top : float
+        The largest magnitude a scaled row may reach.
+
+    Returns
+    -------
+    numpy.ndarray
+        float32, shape ``(R,)``: the smallest ``s_r = 2**e >= bound[r] / top``, ``e`` clamped to
+        ``[-126, 127]`` (``1`` for a zero bound).
+    """
     b = np.asarray(bound, np.float64) / top
     frac, exp = np.frexp(b)  # b = frac · 2**exp, frac in [0.5, 1)
     exp = np.where(frac == 0.5, exp - 1, exp)
@@ -396,10 +409,27 @@ def f16_encode(x: Any, row_scale: np.ndarray | None = None) -> Any:
 
 
 def f16_decode(h: Any, row_scale: Any = None) -> Any:
-    """The inverse of :func:`f16_encode`: binary16 bit patterns ``h`` (uint16 array, any
-    shape, C-contiguous, finite patterns) → float32 array of the shape of ``h``, on its
-    device, row ``r`` times ``row_scale[r]`` when given (the float32 scales it was encoded
-    with, on the host or the device of ``h``)."""
+    """The inverse of :func:`f16_encode`.
+
+    Parameters
+    ----------
+    h : uint16 array, any shape, C-contiguous
+        Binary16 bit patterns (finite), NumPy or CUDA.
+    row_scale : float32 array, shape ``(h.shape[0],)``, optional
+        The powers of two ``h`` was encoded with (:func:`pow2_row_scales`), on the host or the
+        device of ``h``: row ``r`` comes back times ``row_scale[r]``.
+
+    Returns
+    -------
+    float32 array, the shape of ``h``, on its device.
+
+    Raises
+    ------
+    TypeError
+        ``h`` is not uint16.
+    ValueError
+        ``row_scale`` is not float32 of one value per row.
+    """
     return _convert(_F16_DECODE, "h", h, np.uint16, "uint16 (binary16 bits)", np.float32, row_scale)
 
 

@@ -331,3 +331,20 @@ def test_a_device_kmeans_gather_past_int32_rows_is_refused():
 
     with pytest.raises(ValueError, match=r"^x: 2,147,483,648 sub-vectors; k-means on a device"):
         vq._gather_subvectors(Big((2, 2 ** 29, 128)), np.array([0, 1]), 64)
+
+
+def test_f16_row_scales_are_powers_of_two_per_row_and_checked():
+    """``pow2_row_scales`` by formula (smallest ``2**e >= bound / 2**15``, 1 for 0), a scaled round
+    trip equal to the unscaled one times the scale (exact: powers of two), and scales of the
+    wrong count refused naming ``row_scale``."""
+    s = lowrank.pow2_row_scales(np.array([0.0, 2.0 ** 15, 2.0 ** 15 + 1, 3e-20]))
+    assert s.dtype == np.float32
+    assert s.tolist() == [1.0, 1.0, 2.0, 2.0 ** int(np.ceil(np.log2(3e-20 / 2.0 ** 15)))]
+    x = np.random.default_rng(1).standard_normal((4, 5)).astype(np.float32)
+    h = lowrank.f16_encode(x * s[:, None], s)
+    assert np.array_equal(h, lowrank.f16_encode(x))
+    assert np.array_equal(lowrank.f16_decode(h, s), lowrank.f16_decode(h) * s[:, None])
+    with pytest.raises(ValueError, match="^row_scale: expected float32 powers of two, one per row of h"):
+        lowrank.f16_decode(h, np.ones(3, np.float32))
+    # host scales of another float dtype are converted (exact for powers of two)
+    assert np.array_equal(lowrank.f16_decode(h, s.astype(np.float64)), lowrank.f16_decode(h, s))
