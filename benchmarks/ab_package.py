@@ -6,7 +6,7 @@ both packages are timed on the same cases, round by round alternated (load chang
 shared machine hit both alike).  Cases, all through public API:
 
 - ``step``: one steady-state ``cache.decode`` (1 layer, 3 KV x 9 query heads, d = 64) after a
-  prefill of T tokens, for dense / pqo3 / kv4 / tq3 (``benchmarks/decode_overhead.py``);
+  prefill of T tokens, for dense / pqo3 / kv4 / kv3 / tq3 (``benchmarks/decode_overhead.py``);
 - ``op``: ``decode_attention`` on 3-bit codes, batch 1, 8 KV x 4 query heads, d = 128, T tokens;
 - ``paged``: ``PagedKVCache(storage="pqo3").decode_attention`` over 4 sequences;
 - ``prefill``: a 1024-token ``pqo3`` prefill (the store path).
@@ -98,7 +98,7 @@ def _prefill(nk: object) -> Callable[[], None]:
 
 CASES: dict[str, tuple[Callable[..., Callable[[], None]], tuple, int]] = {
     # name: (builder, args, calls the timed function stands for)
-    **{f"step {n} T={t}": (_step, (n, t), 20) for n in ("dense", "pqo3", "kv4", "tq3") for t in (100, 1000)},
+    **{f"step {n} T={t}": (_step, (n, t), 20) for n in ("dense", "pqo3", "kv4", "kv3", "tq3") for t in (100, 1000)},
     "op 3-bit T=32768": (_op, (32768,), 1),
     "paged pqo3 4x2048": (_paged, (2048,), 1),
     "prefill pqo3 1024": (_prefill, (), 1),

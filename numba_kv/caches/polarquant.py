@@ -37,6 +37,7 @@ from ..ops.codebook import get_codebook
 from ..ops.finite import check_finite_stats
 from ..ops.headquant import head_signs
 from ..ops.headvq import headvq_centroids
+from ..ops.headvq_bound import eden_scale_bound
 from ..ops.keymean import add_channel_into, channel_mean_into
 from ._fused_step import FusedDecodeMixin
 from ._headnorm import HeadNormMixin
@@ -368,7 +369,9 @@ class PolarQuantCache(PolarQuantFields, HeadNormMixin, FusedDecodeMixin, Windowe
         so it is at most ``32`` for MaxNorm blocks (``‖y‖² <= 32·ref²``, the extreme term is
         ``ref²``) and at most ``√m / c_min`` for a unit vector of ``m`` values.  A
         reconstruction has norm at most ``√m · c_max`` times that bound, which bounds the
-        residual norm ``‖x − x̂‖``.
+        residual norm ``‖x − x̂‖``.  The head VQ code's EDEN scale has no such term-wise
+        bound (a group's nearest point can point away from it); its bound is proved per
+        codebook (:func:`~numba_kv.ops.headvq_bound.eden_scale_bound`).
         """
         cached = self.__dict__.setdefault("_f16_factors", {})
         if name in cached:
@@ -379,9 +382,9 @@ class PolarQuantCache(PolarQuantFields, HeadNormMixin, FusedDecodeMixin, Windowe
             cbs.append(self._codebook(self.outlier_bits[name]))
         f = 0.0
         if name in self._vq_cents and self.unbiased:
-            # the VQ code's EDEN scale n·‖y‖²/⟨y, ĉ⟩ has no useful a-priori bound (a group's
-            # nearest point can point away from it): every store takes the dry run
-            cbs, f = [], math.inf
+            # the VQ code's EDEN scale ‖x‖·‖y‖²/⟨y, ĉ⟩: a bound proved per codebook
+            # (branch-and-bound over the nearest-point map, numba_kv.ops.headvq_bound)
+            cbs, f = [], eden_scale_bound(self.slot_bits[name], self.head_dim)
         for cb in cbs:
             c = np.abs(np.asarray(cb.centroids, np.float64))
             if cb.norm_mode == "l2":
@@ -428,7 +431,9 @@ class PolarQuantCache(PolarQuantFields, HeadNormMixin, FusedDecodeMixin, Windowe
             if not safe:
                 amax, norm, exact = self._stored_domain_bounds(st, name, rs.amax, rs.max_norm)
                 safe = norm * self._f16_factor(name) <= limit
-            if not safe or (f16_window and amax > F16_MAX):
+            # (8-bit norms: _check_norm8 checks them from one quantization; the dry run would
+            # only repeat the float16-window check)
+            if (not safe and not self._norm8) or (f16_window and amax > F16_MAX):
                 self._dry_run(st, name, arr, rs, f16_window)
         self._check_norm8(st, k, v, stats)
 

@@ -10,8 +10,9 @@ from numba_kv.caches.config import PolarQuantConfig
 from numba_kv.caches.spec import parse_cache_spec
 from numba_kv.ops.attention.layout import mma_operands
 from numba_kv.ops.headquant import dequantize_head, quantize_head
-from numba_kv.ops.headvq import dequantize_headvq, quantize_headvq
+from numba_kv.ops.headvq import dequantize_headvq, headvq_codebook, quantize_headvq
 from numba_kv.reference import norm8 as ref8
+from numba_kv.reference.polarquant import hadamard_apply
 
 GEO = dict(num_layers=1, num_kv_heads=2, head_dim=64)
 
@@ -156,6 +157,85 @@ def test_norm_above_the_grid_raises_and_changes_nothing(side, R):
     # 3 octaves above: inside the grid's 4 octaves of headroom
     (k1 if side == "k" else v1)[0, 1, 0] *= np.float32(2.0 ** -9)
     c.decode(0, k1, v1, q, AttendConfig(0.125, 1))
+
+
+def _concentrated(bits, d, count=256):
+    """A unit vector whose head rotation is one group, along the sampled direction where the
+    nearest point of the codebook ``(bits, d)`` is least aligned with it, and its EDEN ratio
+    ``α/‖x‖`` by the reference (float64 brute force)."""
+    m = 4 if bits == 2 else 2
+    u = np.random.default_rng(bits).standard_normal((count, m))
+    u /= np.linalg.norm(u, axis=1, keepdims=True)
+    y = np.zeros((count, d))
+    y[:, :m] = u
+    x = hadamard_apply(y) * reference.head_sign_vector(d)
+    _, norms, _ = reference.headvq_quantize(x, headvq_codebook(bits, d), unbiased=True)
+    ratio = norms[:, 0].view(np.float16).astype(np.float64) / np.linalg.norm(x, axis=1)
+    return x[np.argmax(ratio)], float(ratio.max())
+
+
+def _grid_top(k, v, d):
+    """The top of the 8-bit grid fixed by a first store of ``k`` (VQ pairs) / ``v`` (VQ quads)
+    (reference EDEN scales, reference grid base; a norm codes above 255 past it)."""
+    _, nk, _ = reference.headvq_quantize(k.reshape(-1, d), headvq_codebook(4, d), unbiased=True)
+    _, nv, _ = reference.headvq_quantize(v.reshape(-1, d), headvq_codebook(2, d), unbiased=True)
+    alphas = np.concatenate([nk, nv]).view(np.float16).astype(np.float64)
+    return 2.0 ** ((reference.norm8_base16(alphas) + 255.5) / 16)
+
+
+@pytest.mark.parametrize("side", ["k", "v"])
+@pytest.mark.parametrize("norm_bits", [8, 16])
+def test_concentrated_vector_is_checked_by_its_eden_scale(side, norm_bits):
+    """A vector whose norm is well inside the limit (the 8-bit grid's top, or binary16's 65504)
+    but whose EDEN scale is past it — its rotation sits in one group, where the scale is
+    2.7-3.7× the norm at d = 64 — is refused before anything is stored; at 80 % of the limit
+    it is stored.  The range check skips quantizing in scratch only below its proved bound
+    (numba_kv.ops.headvq_bound): with a bound of 1 this vector would be stored saturated."""
+    rng = np.random.default_rng(4)
+    d = 64
+    c = make_cache("pqo-k4v2-head-eden-vq" + ("-n8" if norm_bits == 8 else ""), residual_length=0,
+                   sink_tokens=0, decode_output="dequantized", **GEO)
+    k, v = _kv(rng, 1, 2, 40, d)
+    c.prefill(0, k, v)
+    limit = _grid_top(k, v, d) if norm_bits == 8 else 65504.0
+    x, ratio = _concentrated(4 if side == "k" else 2, d)
+    assert ratio > 2.5
+    q = rng.standard_normal((1, 2, 1, d)).astype(np.float32)
+    before = state_snapshot(c)
+    for frac, ok in ((1.1, False), (0.8, True)):
+        k1, v1 = _kv(rng, 1, 2, 1, d)
+        (k1 if side == "k" else v1)[0, 1, 0] = (x * (frac * limit / ratio)).astype(np.float32)
+        if ok:
+            hist = c.decode(0, k1, v1, q, AttendConfig(0.125, 1)).result
+            got = (hist.k if side == "k" else hist.v)[0, 1, -1]
+            assert np.dot(got, (k1 if side == "k" else v1)[0, 1, 0]) > 0.5 * (frac * limit / ratio) ** 2
+            continue
+        with pytest.raises(ValueError, match=rf"^{side}: "):
+            c.decode(0, k1, v1, q, AttendConfig(0.125, 1))
+        after = state_snapshot(c)
+        assert after[0] == before[0]
+        for name, t in before[1].items():
+            np.testing.assert_array_equal(after[1][name], t)
+
+
+def test_ordinary_decode_step_quantizes_each_side_once(monkeypatch):
+    """A decode step of ordinary tokens on the VQ + EDEN + 8-bit-norm cache (``kv3``'s code)
+    runs the VQ quantizer once per side — the stored code — and no range-check dry run (the
+    proved bound of the EDEN scale clears them); it used to run it twice per side."""
+    import numba_kv.caches._headnorm as hn
+
+    calls = []
+    real = hn.quantize_headvq_into
+    monkeypatch.setattr(hn, "quantize_headvq_into", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    rng = np.random.default_rng(6)
+    c = make_cache("pqo-k4v2-head-eden-vq-n8", residual_length=0, sink_tokens=0, **GEO)
+    k, v = _kv(rng, 1, 2, 40, 64, spread=1.0)
+    c.prefill(0, k, v)
+    calls.clear()
+    for _ in range(5):
+        k1, v1 = _kv(rng, 1, 2, 1, 64, spread=1.0)
+        c.decode(0, k1, v1, rng.standard_normal((1, 2, 1, 64)).astype(np.float32), AttendConfig(0.125, 1))
+    assert len(calls) == 10
 
 
 def test_first_store_grid_covers_its_window_tokens():
