@@ -198,6 +198,34 @@ def check_int(name: str, value: Any, allowed: Sequence[int] | None = None, minim
     return value
 
 
+def check_real(name: str, value: Any, expected: str) -> float:
+    """``float(value)`` of a real number (Python's or NumPy's); ``TypeError`` naming ``name``
+    and saying ``expected`` for a bool or anything else (a string would fail in ``float()``
+    with a message that names no argument)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected {expected}, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def check_float_at_least(name: str, value: Any, minimum: float = 0.0) -> float:
+    """A real number ``>= minimum`` (``TypeError`` for a bool or a non-number; ``ValueError``
+    below it, NaN included: ``value < minimum`` alone would let NaN through)."""
+    if not check_real(name, value, f"a float >= {minimum:g}") >= minimum:
+        raise ValueError(f"{name}: expected a float >= {minimum:g}, got {value!r}")
+    return float(value)
+
+
+def check_span(t0: Any, n: int, capacity: int, buffer: str) -> int:
+    """``t0`` of an ``*_into`` op that reads or writes tokens ``t0 .. t0+n-1`` of ``buffer``
+    (``capacity`` tokens): an int with the span inside it.  The kernels do not bound-check:
+    a negative ``t0`` would wrap to the buffer's end on the CPU and write out of bounds on a
+    GPU."""
+    t0 = check_int("t0", t0, minimum=0)
+    if t0 + int(n) > int(capacity):
+        raise ValueError(f"t0: tokens {t0}..{t0 + int(n) - 1} do not fit {buffer}'s {int(capacity)} tokens")
+    return t0
+
+
 def check_head_dim(head_dim: Any) -> int:
     """``head_dim`` must be a positive multiple of 32 (the rotation block)."""
     hd = check_int("head_dim", head_dim, minimum=1)

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from . import _backend
-from ._validate import F16_MAX, F32_MAX, check_bool, check_float_array
+from ._validate import F16_MAX, F32_MAX, check_bool, check_float_array, check_float_at_least
 from .caches.mla import MLACache, SimpleMLACache
 from .caches.paged import PagedKVCache
 from .ops import intquant, lowrank, vq
@@ -179,11 +179,7 @@ class VectorQuantization:
             _int_arg("subvector_dim", self.subvector_dim, 1)
         check_bool("per_head", self.per_head)  # a truthy string must not switch per-head codebooks on
         _int_arg("max_iter", self.max_iter, 1)
-        # not ``tol < 0``: NaN passes that test and would silently disable the inertia stop rule
-        if not isinstance(self.tol, numbers.Real) or isinstance(self.tol, (bool, np.bool_)):
-            raise TypeError(f"tol: expected a float >= 0, got {type(self.tol).__name__} {self.tol!r}")
-        if not float(self.tol) >= 0.0:
-            raise ValueError(f"tol: expected a float >= 0, got {self.tol!r}")
+        check_float_at_least("tol", self.tol)  # (NaN would silently disable the inertia stop rule)
         _int_arg("seed", self.seed, 0)
 
 

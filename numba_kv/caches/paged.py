@@ -66,6 +66,7 @@ from .._validate import (
     check_magnitude,
     check_out,
     check_partition_size,
+    check_real,
     check_softmax_scale,
     check_stored_f16,
 )
@@ -307,7 +308,7 @@ class PagedKVCache(PagedStorageMixin, PagedLifecycleMixin, ValueChecks):
         what : str
             What sets it, for the error message ("… the largest value ``what`` can hold").
         """
-        if not float(limit) > 0:
+        if not check_real("limit", limit, "a float > 0") > 0:
             raise ValueError(f"limit: expected a float > 0, got {limit!r}")
         self._value_cap = (float(limit), str(what))
 

@@ -36,7 +36,7 @@ from numba import cuda, float32, int32, int64, prange, uint8, uint16
 
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
-from .._validate import check_bool, check_f16_result, check_float_array
+from .._validate import check_bool, check_f16_result, check_float_array, check_span
 from ._exact import mul_rn
 from ._index import unravel3
 from ._registry import register
@@ -334,6 +334,7 @@ def quantize_into(x3: Any, codes: Any, scales: Any, t0: int, cb: Codebook, outli
     rows, seq, d = x3.shape
     if rows == 0 or seq == 0:
         return
+    t0 = check_span(t0, x3.shape[1], codes.shape[1], "codes")
     signs = _backend.constant(x3, SIGNS32)
     bounds = _backend.constant(x3, cb.boundaries)
     cents = _backend.constant(x3, cb.centroids)
@@ -361,6 +362,7 @@ def quantize_pair_into(xk3: Any, xv3: Any, kcodes: Any, kscales: Any, vcodes: An
     rows, seq, d = xk3.shape
     if rows == 0 or seq == 0:
         return
+    t0 = check_span(t0, xk3.shape[1], kcodes.shape[1], "kcodes")
     if kcb.norm_mode != vcb.norm_mode or kcb.ref != vcb.ref:
         raise ValueError(f"vcb: expected the keys' norm mode {kcb.norm_mode!r} (scale reference {kcb.ref}), got "
                          f"{vcb.norm_mode!r} ({vcb.ref})")
@@ -395,6 +397,7 @@ def dequantize_into(codes: Any, scales: Any, t0: int, cb: Codebook, out: Any) ->
     rows, seq, d = out.shape
     if rows == 0 or seq == 0:
         return
+    t0 = check_span(t0, out.shape[1], codes.shape[1], "codes")
     signs = _backend.constant(out, SIGNS32)
     cents = _backend.constant(out, cb.centroids)
     _DEQUANTIZE_BLOCKS.launch(_backend.device_of("out", out), rows * seq * (d // 32), codes, scales, signs, cents,

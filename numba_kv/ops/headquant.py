@@ -57,7 +57,7 @@ from numba import cuda, float32, int32, int64, prange, uint8, uint16
 from .. import _backend
 from .._config import MAX_HEAD_DIM
 from .._jit import cpu_kernel, cuda_device, cuda_kernel
-from .._validate import check_bool, check_f16_result, check_float_array
+from .._validate import check_bool, check_f16_result, check_float_array, check_span
 from ._borrow import borrowed, keep_alive
 from ._coop import coop_butterflies
 from ._exact import mul_rn_dev
@@ -434,6 +434,7 @@ def quantize_head_into(x3: Any, codes: Any, norms: Any, t0: int, cb: Codebook, u
     rows, seq, d = x3.shape
     if rows == 0 or seq == 0:
         return
+    t0 = check_span(t0, x3.shape[1], codes.shape[1], "codes")
     signs = _backend.constant(x3, head_signs(d))
     bounds = _backend.constant(x3, cb.boundaries)
     cents = _backend.constant(x3, cb.centroids)
@@ -452,6 +453,7 @@ def quantize_head_pair_into(xk3: Any, xv3: Any, kcodes: Any, knorms: Any, vcodes
     rows, seq, d = xk3.shape
     if rows == 0 or seq == 0:
         return
+    t0 = check_span(t0, xk3.shape[1], kcodes.shape[1], "kcodes")
     c = _backend.constant
     _QUANTIZE_PAIR.launch(_backend.device_of("xk3", xk3), 2 * rows * seq, xk3, xv3, c(xk3, head_signs(d)),
                           c(xk3, kcb.boundaries), c(xk3, kcb.centroids), kcb.bits, c(xk3, vcb.boundaries),
@@ -480,6 +482,7 @@ def dequantize_head_into(codes: Any, norms: Any, t0: int, cb: Codebook, out: Any
     rows, seq, d = out.shape
     if rows == 0 or seq == 0:
         return
+    t0 = check_span(t0, out.shape[1], codes.shape[1], "codes")
     signs = _backend.constant(out, head_signs(d))
     cents = _backend.constant(out, cb.centroids)
     _DEQUANTIZE.launch(_backend.device_of("out", out), rows * seq, codes, norms, signs, cents, cb.bits, int(t0), out,

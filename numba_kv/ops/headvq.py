@@ -54,7 +54,7 @@ from numba import cuda, float32, int32, int64, prange, uint8, uint16
 from .. import _backend
 from .._config import MAX_HEAD_DIM
 from .._jit import cpu_kernel, cuda_device, cuda_kernel, twin
-from .._validate import check_bool, check_f16_result, check_float_array
+from .._validate import check_bool, check_f16_result, check_float_array, check_span
 from ._borrow import borrowed, keep_alive
 from ._coop import coop_butterflies
 from ._exact import mul_rn, mul_rn_dev
@@ -524,6 +524,7 @@ def quantize_headvq_into(x3: Any, codes: Any, norms: Any, t0: int, cents: np.nda
     rows, seq, d = x3.shape
     if rows == 0 or seq == 0:
         return
+    t0 = check_span(t0, x3.shape[1], codes.shape[1], "codes")
     m = cents.shape[1]
     c = _backend.constant
     _QUANTIZE.launch(_backend.device_of("x3", x3), rows * seq, x3, c(x3, head_signs(d)), c(x3, cents),
@@ -537,6 +538,7 @@ def dequantize_headvq_into(codes: Any, norms: Any, t0: int, cents: np.ndarray, o
     rows, seq, d = out.shape
     if rows == 0 or seq == 0:
         return
+    t0 = check_span(t0, out.shape[1], codes.shape[1], "codes")
     c = _backend.constant
     _DEQUANTIZE.launch(_backend.device_of("out", out), rows * seq, codes, norms, c(out, head_signs(d)),
                        c(out, cents), int(t0), out, work=rows * seq * d, coop=(rows * seq, d // 2))

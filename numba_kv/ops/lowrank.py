@@ -41,7 +41,7 @@ from numba import cuda, float32, prange
 
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
-from .._validate import check_int
+from .._validate import check_int, check_real
 from ._exact import mul_rn
 from ._index import unravel2, unravel3
 from ._registry import F32_2D, F32_3D, Twin, register
@@ -467,7 +467,7 @@ def fit_components(mean: np.ndarray, gram: np.ndarray, n: int, rank: int,
     r_eff : int
     """
     rank = check_int("rank", rank, minimum=1)
-    if energy is not None and not 0.0 < float(energy) <= 1.0:
+    if energy is not None and not 0.0 < check_real("energy", energy, "None or a float in (0, 1]") <= 1.0:
         raise ValueError(f"energy: expected None or a float in (0, 1], got {energy!r}")
     mean = np.asarray(mean, np.float64)
     g = np.asarray(gram, np.float64)

@@ -36,6 +36,7 @@ from numba import cuda, int64, prange, uint8
 
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
+from .._validate import check_span
 from ._registry import register
 from .attention.layout import F16_ABS_TABLE, NORM8_SLOT0
 
@@ -226,6 +227,7 @@ def norm8_store_into(src_codes: Any, src_norms: Any, base16: int, t0: int, codes
     """
     rows, n, w = (int(s) for s in src_codes.shape)
     if rows * n:
+        t0 = check_span(t0, n, codes.shape[1], "codes")
         _STORE.launch(_backend.device_of("src_codes", src_codes), rows * n, src_codes, src_norms,
                       _backend.constant(src_codes, LOG16), int(base16), int(t0), codes, norms8, work=rows * n * w)
 
@@ -246,5 +248,6 @@ def norm8_scale_rows_into(norms8: Any, base16: int, t0: int, out: Any) -> None:
     """
     rows, n, d = (int(s) for s in out.shape)
     if rows * n:
+        t0 = check_span(t0, n, norms8.shape[1], "norms8")
         _SCALE.launch(_backend.device_of("out", out), rows * n, norms8,
                       _backend.constant(out, norm8_decode_table(int(base16))), int(t0), out, work=rows * n * d)

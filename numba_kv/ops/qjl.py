@@ -53,7 +53,7 @@ from numba import cuda, float32, int32, int64, prange, uint8
 
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
-from .._validate import F16_MAX, F32_MAX, check_f16_result, check_float_array
+from .._validate import F16_MAX, F32_MAX, check_f16_result, check_float_array, check_span
 from ._exact import mul_rn, mul_rn_dev
 from ._index import unravel2_cpu, unravel2_dev, unravel3_dev
 from ._registry import register
@@ -301,6 +301,7 @@ def qjl_signs_into(r3: Any, sketch: Any, signs: Any, norms: Any, t0: int) -> Non
     rows, n, d = r3.shape
     if rows == 0 or n == 0:
         return
+    t0 = check_span(t0, r3.shape[1], signs.shape[1], "signs")
     m = sketch.shape[0]
     _QJL_SIGNS.launch(_backend.device_of("r3", r3), rows * n, r3, sketch, int(t0), signs, norms,
                       work=rows * n * d * m)

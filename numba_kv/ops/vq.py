@@ -34,6 +34,7 @@ from numba import cuda, float32, int32, int64, prange, uint8
 
 from .. import _backend
 from .._jit import cpu_kernel, cuda_kernel, twin
+from .._validate import check_bool, check_float_array, check_float_at_least, check_int
 from ._exact import mul_rn
 from ._index import unravel3
 from ._registry import F32_3D, U8_3D, register
@@ -292,10 +293,11 @@ def kmeans(x3: Any, codebook_size: int, ds: int, per_row: bool, *, max_iter: int
     per_row : bool
         One codebook set per row (``R·M`` tables) or one shared by all rows (``M``).
     max_iter, tol : int, float
-        Lloyd stops after ``max_iter`` iterations, when the assignment no longer changes,
-        or when the inertia decreases by less than ``tol`` (relative).
+        Lloyd stops after ``max_iter`` iterations (``>= 0``; 0: the k-means++ seeds alone),
+        when the assignment no longer changes, or when the inertia decreases by less than
+        ``tol`` (relative, ``>= 0``).
     seed : int
-        Seed of the k-means++ draws (deterministic).
+        Seed of the k-means++ draws (deterministic), ``>= 0``.
 
     Returns
     -------
@@ -305,11 +307,22 @@ def kmeans(x3: Any, codebook_size: int, ds: int, per_row: bool, *, max_iter: int
 
     Raises
     ------
+    TypeError
+        ``x3`` not a float array; ``per_row`` not a bool; ``max_iter``, ``seed`` not ints;
+        ``tol`` not a real number.
     ValueError
-        ``codebook_size`` outside ``1..256``, ``ds`` not dividing ``d``, NaN or Inf in
-        ``x3``, or values beyond ``sqrt(float32 max / (4·ds))`` (see :func:`assign`).
+        ``x3`` not 3-D, ``codebook_size`` outside ``1..256``, ``ds`` not dividing ``d``,
+        ``max_iter``, ``seed`` or ``tol`` negative (``tol`` NaN), NaN or Inf in ``x3``, or
+        values beyond ``sqrt(float32 max / (4·ds))`` (see :func:`assign`).
     """
+    if not hasattr(x3, "shape") or not hasattr(x3, "dtype"):
+        raise TypeError(f"x3: expected a float array (NumPy or CUDA), got {type(x3).__name__}")
+    check_float_array("x3", x3, ndim=3)
     rows, n, d = x3.shape
+    per_row = check_bool("per_row", per_row)  # a truthy string must not switch per-row codebooks on
+    max_iter = check_int("max_iter", max_iter, minimum=0)
+    tol = check_float_at_least("tol", tol)  # (NaN would silently disable the inertia stop rule)
+    seed = check_int("seed", seed, minimum=0)
     if isinstance(codebook_size, bool) or not isinstance(codebook_size, (int, np.integer)) \
             or not 1 <= int(codebook_size) <= 256:
         raise ValueError(f"codebook_size: expected an int in 1..256 (uint8 codes), got {codebook_size!r}")
@@ -455,14 +468,18 @@ def decode(codes: Any, codebooks: Any) -> Any:
 
     Raises
     ------
-    TypeError, ValueError
-        ``codes`` not a 3-D uint8 array, ``codebooks`` not ``(G, K, ds)`` with ``G = M`` or
-        ``R·M``, or a code ``>= K`` (the kernels would read past the codebook).
+    TypeError
+        ``codes`` not uint8.
+    ValueError
+        ``codes`` not 3-D, ``codebooks`` not ``(G, K, ds)`` with ``G = M`` or ``R·M``, or a
+        code ``>= K`` (the kernels would read past the codebook).
     """
     _backend.resolve_device("auto", codes=codes, codebooks=codebooks)
-    if np.dtype(codes.dtype) != np.uint8 or len(codes.shape) != 3:
+    if np.dtype(codes.dtype) != np.uint8:
         raise TypeError(f"codes: expected a 3-D uint8 array, got {np.dtype(codes.dtype)} "
                         f"{tuple(codes.shape)}")
+    if len(codes.shape) != 3:
+        raise ValueError(f"codes: expected a 3-D uint8 array, got shape {tuple(codes.shape)} ({len(codes.shape)}-D)")
     cbs = _backend.ascontiguous_f32("codebooks", codebooks)
     rows, n, m_sub = codes.shape
     if len(cbs.shape) != 3 or cbs.shape[0] not in (m_sub, rows * m_sub) or not 1 <= cbs.shape[1] <= 256:

@@ -372,3 +372,19 @@ def test_a_pool_beyond_the_32_bit_row_index_is_refused():
                      v_head_dim=0)
     with pytest.raises(ValueError, match="pool rows"):
         PagedKVCache(num_pages=2 ** 27, num_layers=1, num_kv_heads=1, head_dim=32, page_size=16)
+
+
+def test_limit_values_checks_its_limit():
+    """``limit_values`` takes a real number > 0: a string was Python's own conversion error,
+    naming no argument; NaN and 0 are ValueErrors; the limit holds appends to it."""
+    cache = PagedKVCache(num_pages=4, num_layers=1, num_kv_heads=1, head_dim=32, page_size=4)
+    with pytest.raises(TypeError, match=r"^limit: expected a float > 0, got str 'a'"):
+        cache.limit_values("a", "a test")
+    for bad in (0.0, float("nan"), -1):
+        with pytest.raises(ValueError, match=r"^limit: expected a float > 0"):
+            cache.limit_values(bad, "a test")
+    cache.limit_values(np.float32(10.0), "a test")
+    seq = cache.allocate_sequence()
+    x = np.full((1, 2, 32), 11.0, np.float32)
+    with pytest.raises(ValueError, match="a test"):
+        cache.append(0, seq, x, x)

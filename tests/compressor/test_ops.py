@@ -348,3 +348,50 @@ def test_f16_row_scales_are_powers_of_two_per_row_and_checked():
         lowrank.f16_decode(h, np.ones(3, np.float32))
     # host scales of another float dtype are converted (exact for powers of two)
     assert np.array_equal(lowrank.f16_decode(h, s.astype(np.float64)), lowrank.f16_decode(h, s))
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(max_iter=-3), ValueError, r"^max_iter: expected an int >= 0, got -3"),
+    (dict(max_iter=2.0), TypeError, r"^max_iter: expected an int"),
+    (dict(tol=float("nan")), ValueError, r"^tol: expected a float >= 0, got nan"),
+    (dict(tol="a"), TypeError, r"^tol: expected a float >= 0, got str 'a'"),
+    (dict(per_row="no"), TypeError, r"^per_row: expected a bool, got str 'no'"),
+    (dict(seed=-1), ValueError, r"^seed: expected an int >= 0, got -1"),
+])
+def test_kmeans_rejects_bad_arguments(rng, kw, exc, match):
+    """Each bad argument raises naming it: ``max_iter=-3`` ran no iteration, ``tol=nan``
+    disabled the inertia stop, and the string ``"no"`` switched per-row codebooks on."""
+    x = rng.standard_normal((2, 50, 8)).astype(np.float32)
+    args = dict(per_row=True)
+    args.update(kw)
+    per_row = args.pop("per_row")
+    with pytest.raises(exc, match=match):
+        vq.kmeans(x, 4, 2, per_row, **args)
+
+
+def test_kmeans_and_decode_name_bad_arrays(rng):
+    """A list or a 2-D array for ``x3``, and codes of the wrong rank, raise naming the argument
+    (TypeError for the type, ValueError for the shape: the library's rule); ``max_iter=0``
+    keeps the k-means++ seeds."""
+    x = rng.standard_normal((2, 50, 8)).astype(np.float32)
+    with pytest.raises(TypeError, match=r"^x3: expected a float array"):
+        vq.kmeans(x.tolist(), 4, 2, True)
+    with pytest.raises(ValueError, match=r"^x3: expected a 3-D array, got shape \(50, 8\)"):
+        vq.kmeans(x[0], 4, 2, True)
+    cb, iters = vq.kmeans(x, 4, 2, True, max_iter=0)
+    assert iters == 0 and cb.shape == (8, 4, 2)
+    codes, _ = vq.assign(x, cb)
+    with pytest.raises(ValueError, match=r"^codes: expected a 3-D uint8 array, got shape \(50, 4\)"):
+        vq.decode(codes[0], cb)
+    with pytest.raises(TypeError, match=r"^codes: expected a 3-D uint8 array, got int64"):
+        vq.decode(codes.astype(np.int64), cb)
+
+
+def test_energy_of_the_wrong_type_is_a_type_error(rng):
+    """``fit_components(energy="a")`` raised Python's own conversion error, naming nothing."""
+    x = rng.standard_normal((1, 64, 16))
+    mean, gram = x.mean(1), np.einsum("rnd,rne->rde", x, x) / 64
+    with pytest.raises(TypeError, match=r"^energy: expected None or a float in \(0, 1\], got str 'a'"):
+        lowrank.fit_components(mean, gram, 64, 4, energy="a")
+    with pytest.raises(ValueError, match=r"^energy: expected None or a float in \(0, 1\], got 1.5"):
+        lowrank.fit_components(mean, gram, 64, 4, energy=1.5)

@@ -629,3 +629,13 @@ def test_messages_name_the_arguments_the_caller_passed(rng):
         decode_attention(q, kc, ks, vc, vs, k_qjl=(signs, norms, np.ones((64, 64), np.int32)))
     with pytest.raises(TypeError, match=r"^k_qjl\[0\]: "):
         decode_attention(q, kc, ks, vc, vs, k_qjl=([1], norms, None))
+
+
+def test_exact_positions_of_a_float_dtype_is_a_type_error():
+    """Positions of a float dtype are the wrong type (TypeError, the library's rule for
+    dtypes); of the wrong length, a ValueError; both name ``exact_positions``."""
+    args, _, _ = _exact_args(np.random.default_rng(2))
+    with pytest.raises(TypeError, match=r"^exact_positions: expected an int array of shape \(2,\), got float64"):
+        decode_attention(**args, exact_positions=np.array([10.0, 11.0]))
+    with pytest.raises(ValueError, match=r"^exact_positions: expected an int array of shape \(2,\), got int64 \(3,\)"):
+        decode_attention(**args, exact_positions=np.array([9, 10, 11]))

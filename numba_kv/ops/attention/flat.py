@@ -302,7 +302,10 @@ def _exact_positions(exact_positions: Any, q: Any, T: int, n_exact: int) -> Any:
     if exact_positions is None:
         pos = np.arange(T, T + n_exact, dtype=np.int32)
         return to_like(q, pos if pos.size else np.zeros(1, np.int32))  # never read when E = 0
-    if tuple(exact_positions.shape) != (n_exact,) or np.dtype(exact_positions.dtype).kind not in "iu":
+    if np.dtype(exact_positions.dtype).kind not in "iu":  # (the library's rule: dtype → TypeError)
+        raise TypeError(f"exact_positions: expected an int array of shape ({n_exact},), got "
+                        f"{exact_positions.dtype} {tuple(exact_positions.shape)}")
+    if tuple(exact_positions.shape) != (n_exact,):
         raise ValueError(f"exact_positions: expected an int array of shape ({n_exact},), got "
                          f"{exact_positions.dtype} {tuple(exact_positions.shape)}")
     # the kernels index the logit bias by position (and mask by it): a position outside
