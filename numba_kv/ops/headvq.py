@@ -17,7 +17,9 @@ Per vector ``x`` of ``d`` values (``d`` a power of two, ``32 <= d <= 512``), in 
   ``unbiased=True`` the EDEN scale ``α = n·‖y‖²/⟨y, ĉ⟩`` (``ĉ`` the concatenated chosen
   points; both sums in float32 in coordinate order), which makes ``⟨x̂, x⟩ = ‖x‖²`` and
   the inner-product estimate ``⟨q, x̂⟩`` unbiased (Vargaftik et al., EDEN, arXiv:2108.08842);
-  with ``⟨y, ĉ⟩ <= 0`` (only ``x = 0``) ``n`` is kept.
+  with ``⟨y, ĉ⟩ <= 0`` (``x = 0``) or ``‖x‖ <= 1e-10`` (``y`` is then shorter than a unit
+  vector, and the groups' terms of ``⟨y, ĉ⟩`` can cancel: no bound of ``α/‖x‖``) ``n`` is
+  kept, which stores as 0.
 
 Dequantization: ``x̂ = |α| · D_s H_d ĉ``.  Storage ``bits + 16/d`` bits per value.
 
@@ -82,6 +84,8 @@ POINTS = 256
 _CB_SHARED = 1024  # floats of the CUDA kernels' shared codebook: POINTS * max(m)
 _IB_SHARED = MAX_HEAD_DIM // 2  # bytes of the shared indices: d / min(m)
 _INF32 = np.float32(np.inf)
+#: the norm floor ``n = max(‖x‖, 1e-10)`` (float32): a norm at it is no unit vector's
+_NORM_FLOOR = np.float32(1e-10)
 
 
 def _check_bits(bits: Any) -> int:
@@ -166,7 +170,7 @@ def _load_normalize_lanes(x, v0, nl, d, L, t):
             u = tj[l]
             tn[l] += mul_rn(u, u)
     for l in range(L):
-        tn[l] = max(float32(math.sqrt(tn[l])), float32(1e-10))
+        tn[l] = max(float32(math.sqrt(tn[l])), _NORM_FLOOR)
     for j in range(d):
         tj = t[j * L:(j + 1) * L]
         for l in range(L):
@@ -272,7 +276,9 @@ def quantize_headvq_lanes(x, v0, nl, d, signs, cents, unbiased, t0, codes, norms
                 tyy[l] += mul_rn(y, y)
                 tyc[l] += mul_rn(y, cents[ibg[l], i])
         for l in range(L):
-            if tyc[l] > float32(0.0):  # else y = 0 (x = 0): keep n, which stores as 0
+            # a norm at the 1e-10 floor left y short of the unit sphere, where α/‖x‖ has no
+            # bound (groups' terms can cancel): keep n, which stores as 0, as for x = 0
+            if tyc[l] > float32(0.0) and tn[l] > _NORM_FLOOR:
                 tn[l] = np.divide(tn[l] * tyy[l], tyc[l])
     for l in range(L):  # binary16 bits of every lane, branch-free
         a = tn[l]
@@ -424,7 +430,7 @@ def _quantize_headvq_vec_dev(xr, signs, cbs, k_size, m, unbiased, cb, norms, r, 
         for j in range(d):
             u = t[j]
             acc += mul_rn_dev(u, u)
-        red[0] = max(float32(math.sqrt(acc)), float32(1e-10))
+        red[0] = max(float32(math.sqrt(acc)), _NORM_FLOOR)
     cuda.syncthreads()
     nrm = red[0]
     for j in range(tid, d, nt):
@@ -446,7 +452,7 @@ def _quantize_headvq_vec_dev(xr, signs, cbs, k_size, m, unbiased, cb, norms, r, 
             g = j // m
             tyy += mul_rn_dev(y, y)
             tyc += mul_rn_dev(y, cbs[int64(ib[g]) * m + (j - g * m)])
-        if tyc > float32(0.0):  # else y = 0 (x = 0): keep n, which stores as 0
+        if tyc > float32(0.0) and nrm > _NORM_FLOOR:  # (the CPU twin's rule)
             red[0] = np.divide(nrm * tyy, tyc)
     if tid == 0:
         norms[r, ts, 0] = uint16(f32_to_f16_bits_sat_dev(red[0]))  # inputs validated finite

@@ -6,7 +6,9 @@ arXiv:2108.08842), a binary16 number or a code on a layer's 8-bit norm grid.  A 
 refuse, before storing anything, a vector whose ``α`` would saturate; without a bound of
 ``α/‖x‖`` it can only find out by quantizing every stored token twice (once in scratch).
 This module proves ``α <= F·‖x‖`` for every ``x``, per codebook, so that the range check
-quantizes in scratch only when ``F·max‖x‖`` is past the limit.
+quantizes in scratch only when ``F·max‖x‖`` is past the limit.  (Below ``‖x‖ = 1e-10`` the op
+normalizes by that floor, so ``y`` is no unit vector and nothing here applies; there the op
+keeps the norm instead of the EDEN scale.)
 
 **The bound.**  In the codebook's units (``√d``), a unit ``y`` is ``G = d/m`` groups
 ``z_g ∈ R^m`` with ``Σ_g ‖z_g‖² = d``, and ``d·⟨y, ĉ⟩ = Σ_g f(z_g)`` with ``f(z) = ⟨z, ĉ(z)⟩``,

@@ -3,9 +3,9 @@
 Written from the math of :mod:`numba_kv.ops.headvq`'s docstring, not from its kernels: the
 sign vector from SplitMix64 (or the llama.cpp mask at ``d = 32``), the rotation as a dense
 Hadamard matrix product, the nearest point by brute force over all points, the EDEN scale
-``‖x‖·‖y‖²/⟨y, ĉ⟩`` — all in float64.  The op computes in float32, so its codes agree with
-these except where two points are (nearly) equally far from a group, and its binary16 norms
-agree up to one unit in the last place.
+``‖x‖·‖y‖²/⟨y, ĉ⟩`` (the norm kept for ``‖x‖ <= 1e-10``) — all in float64.  The op computes
+in float32, so its codes agree with these except where two points are (nearly) equally far
+from a group, and its binary16 norms agree up to one unit in the last place.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def headvq_quantize(x: np.ndarray, points: np.ndarray, unbiased: bool = False
     scale = nrm[:, 0].copy()
     if unbiased:
         yc = (y * chat).sum(-1)
-        ok = yc > 0
+        ok = (yc > 0) & (nrm[:, 0] > 1e-10)  # at the norm floor y is no unit vector: n is kept
         scale[ok] = nrm[ok, 0] * (y[ok] * y[ok]).sum(-1) / yc[ok]
     norms = np.minimum(scale, 65504.0).astype(np.float16).view(np.uint16)[:, None]
     return codes.astype(np.uint8), norms, gap

@@ -218,6 +218,27 @@ def test_concentrated_vector_is_checked_by_its_eden_scale(side, norm_bits):
             np.testing.assert_array_equal(after[1][name], t)
 
 
+@pytest.mark.parametrize("norm_bits", [8, 16])
+def test_a_token_below_the_norm_floor_is_stored_as_zero(norm_bits):
+    """A value of norm 1.4e-13 built so that two groups of its rotation cancel in ``⟨y, ĉ⟩``:
+    the cache cleared it by its norm and stored an EDEN scale of 65504 (reconstructed norm
+    646 with 8-bit norms, 20675 with binary16; QA review).  The op keeps the norm below the
+    1e-10 floor, so the token comes back as zero, as any token that small does."""
+    d = 64
+    y = np.zeros(d)
+    y[0], y[4], y[9] = 2.0 ** -7 / 8, -(2.0 ** -7) / 8, -(2.0 ** -80)
+    tv = (hadamard_apply(y) * reference.head_sign_vector(d) * float(np.float32(1e-10))).astype(np.float32)
+    rng = np.random.default_rng(0)
+    c = make_cache("pqo-k4v2-head-eden-vq" + ("-n8" if norm_bits == 8 else ""), residual_length=0,
+                   sink_tokens=0, decode_output="dequantized", **GEO)
+    k, v = _kv(rng, 1, 2, 40, d)
+    c.prefill(0, k, v)
+    k1, v1 = _kv(rng, 1, 2, 1, d)
+    v1[0, 0, 0] = tv
+    hist = c.decode(0, k1, v1, rng.standard_normal((1, 2, 1, d)).astype(np.float32), AttendConfig(0.125, 1)).result
+    assert np.linalg.norm(hist.v[0, 0, -1]) == 0.0
+
+
 def test_ordinary_decode_step_quantizes_each_side_once(monkeypatch):
     """A decode step of ordinary tokens on the VQ + EDEN + 8-bit-norm cache (``kv3``'s code)
     runs the VQ quantizer once per side — the stored code — and no range-check dry run (the

@@ -18,6 +18,8 @@ from numba_kv.ops.headvq import (
     quantize_headvq,
     quantize_headvq_into,
 )
+from numba_kv.reference import head_sign_vector
+from numba_kv.reference.polarquant import hadamard_apply
 
 from ..conftest import runner_params, to_device
 
@@ -31,6 +33,17 @@ def _quantize(rng):
             cd, nd = quantize_headvq(to_device(x), bits, unbiased)
             assert np.array_equal(to_host(cd), c), (d, bits, unbiased)
             assert np.array_equal(to_host(nd), n), (d, bits, unbiased)
+    # below the 1e-10 norm floor: the norm is kept, not the EDEN scale (two groups cancel)
+    d = 32
+    y = np.zeros(d)
+    y[0], y[4], y[9] = 2.0 ** -7 / d ** 0.5, -(2.0 ** -7) / d ** 0.5, -(2.0 ** -80)
+    tiny = (hadamard_apply(y) * head_sign_vector(d) * 1e-10).astype(np.float32)
+    x = np.stack([tiny, tiny * np.float32(1e6)])  # (the second one is above the floor)
+    for bits in (4, 2):
+        c, n = quantize_headvq(x, bits, True)
+        cd, nd = quantize_headvq(to_device(x), bits, True)
+        assert np.array_equal(to_host(cd), c) and np.array_equal(to_host(nd), n), bits
+        assert n[0, 0] == 0 and n[1, 0] != 0
     # internal entry point at token offset t0 of a [rows, capacity, .] store, a zero vector
     d, bits, t0, cap = 32, 4, 1, 4
     x3 = rng.standard_normal((2, 2, d)).astype(np.float32)
