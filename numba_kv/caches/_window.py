@@ -99,6 +99,15 @@ def window_capacity(tokens: int, residual: int, ratio: tuple[int, int] = (0, 1))
     return max(residual, tokens * num // den)
 
 
+def int8_round_trip_norm(norm: float, head_dim: int) -> float:
+    """An upper bound of ``‖x̃‖`` for a vector of norm ``norm`` kept in an int8 window and
+    compressed from its round trip ``x̃`` when it leaves: every value comes back within
+    ``max|x|/254 + 2**-25`` (:mod:`numba_kv.ops.absmax8`; in the rotated domain when the window
+    rotates, which keeps norms), so ``‖x̃ − x‖ <= √d·(‖x‖/254 + 2**-25)``."""
+    root_d = float(np.sqrt(head_dim))
+    return norm * (1.0 + root_d / 254.0) + root_d * 2.0 ** -25
+
+
 def assign_tokens(src: Any, s0: int, n: int, dst: Any, d0: int) -> None:
     """``dst[:, d0:d0+n] = src[:, s0:s0+n]`` (casting between float dtypes), on any device.
 

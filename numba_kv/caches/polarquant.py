@@ -42,7 +42,7 @@ from ..ops.keymean import add_channel_into, channel_mean_into
 from ._fused_step import FusedDecodeMixin
 from ._headnorm import HeadNormMixin
 from ._layer import BufferSpec, LayeredCache, LayerState
-from ._window import ExactWindow, WindowedLayers, layer_counts, plan_store
+from ._window import ExactWindow, WindowedLayers, int8_round_trip_norm, layer_counts, plan_store
 from .config import PolarQuantConfig, PolarQuantFields
 from .names import config_name
 
@@ -440,7 +440,9 @@ class PolarQuantCache(PolarQuantFields, HeadNormMixin, FusedDecodeMixin, Windowe
     def _stored_domain_bounds(self, st: LayerState, name: str, amax: float,
                               norm: float) -> tuple[float, float, bool]:
         """Bounds of ``max|x|`` and ``max ‖x‖`` after :meth:`_transform_in` (key centering;
-        permutations change neither), and whether the domain is the input's own."""
+        permutations change neither), and whether the domain is the input's own.  The norm
+        bound covers the int8 round trip a token is compressed from when it leaves an int8
+        window (:func:`~numba_kv.caches._window.int8_round_trip_norm`)."""
         exact = True
         if name == "k" and self.config.key_center:
             exact = False
@@ -450,6 +452,8 @@ class PolarQuantCache(PolarQuantFields, HeadNormMixin, FusedDecodeMixin, Windowe
                 norm += m_norm
             else:  # the mean of this chunk: no larger than its largest value / norm
                 amax, norm = 2 * amax, 2 * norm
+        if self._windowed and self._exact_dtype == np.int8:
+            norm = int8_round_trip_norm(norm, self.head_dim)
         return amax, norm, exact
 
     def _range_note(self, st: LayerState, name: str) -> str:

@@ -239,6 +239,32 @@ def test_a_token_below_the_norm_floor_is_stored_as_zero(norm_bits):
     assert np.linalg.norm(hist.v[0, 0, -1]) == 0.0
 
 
+def test_int8_window_round_trip_counts_in_the_bound(monkeypatch):
+    """A token entering an int8 window is compressed later from its int8 round trip, whose
+    norm can be ``1 + √d/254`` times larger (3 % at d = 64): a value whose norm times the
+    proved bound ``F`` is 1 % under binary16's limit is not cleared by the bound alone, it is
+    quantized in scratch first (one call more than the step's eviction needs)."""
+    import numba_kv.caches._headnorm as hn
+    from numba_kv.ops.headvq_bound import eden_scale_bound
+
+    calls = []
+    real = hn.quantize_headvq_into
+    monkeypatch.setattr(hn, "quantize_headvq_into", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    rng = np.random.default_rng(8)
+    d = 64
+    for window_dtype, extra in (("int8", 1), ("float32", 0)):
+        c = make_cache("pqo-k4v2-head-eden-vq", residual_length=8, sink_tokens=0, window_dtype=window_dtype,
+                       **GEO)
+        k, v = _kv(rng, 1, 2, 40, d)
+        c.prefill(0, k, v)
+        k1, v1 = _kv(rng, 1, 2, 1, d)
+        v1[0, 1, 0] *= np.float32(0.99 * 65504 * (1 - 2.0 ** -10) / eden_scale_bound(2, d)
+                                  / np.linalg.norm(v1[0, 1, 0]))
+        calls.clear()
+        c.decode(0, k1, v1, rng.standard_normal((1, 2, 1, d)).astype(np.float32), AttendConfig(0.125, 1))
+        assert len(calls) == 2 + extra, window_dtype
+
+
 def test_ordinary_decode_step_quantizes_each_side_once(monkeypatch):
     """A decode step of ordinary tokens on the VQ + EDEN + 8-bit-norm cache (``kv3``'s code)
     runs the VQ quantizer once per side — the stored code — and no range-check dry run (the
