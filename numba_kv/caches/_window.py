@@ -29,6 +29,7 @@ and of StreamingLLM's attention sinks, arXiv:2309.17453.)
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from fractions import Fraction
 from typing import Any, NamedTuple
@@ -104,7 +105,7 @@ def int8_round_trip_norm(norm: float, head_dim: int) -> float:
     compressed from its round trip ``x̃`` when it leaves: every value comes back within
     ``max|x|/254 + 2**-25`` (:mod:`numba_kv.ops.absmax8`; in the rotated domain when the window
     rotates, which keeps norms), so ``‖x̃ − x‖ <= √d·(‖x‖/254 + 2**-25)``."""
-    root_d = float(np.sqrt(head_dim))
+    root_d = math.sqrt(head_dim)  # (math, not NumPy: a NumPy scalar costs ~1 µs a call, twice per step)
     return norm * (1.0 + root_d / 254.0) + root_d * 2.0 ** -25
 
 

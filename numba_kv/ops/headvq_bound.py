@@ -86,10 +86,27 @@ RADIUS_SLACK = 2.0 ** -10
 
 
 def line_bound(a: float, b: float, m: int) -> float:
-    """``1/(a/m + b)``: the largest ``α/‖x‖`` a line ``(a, b)`` of (1) allows (``inf`` when
-    ``a/m + b <= 0``: no bound)."""
+    """The largest ``α/‖x‖`` a line of (1) allows, before :data:`SLACK`.
+
+    Parameters
+    ----------
+    a, b : float
+        The line ``a + b·‖z‖²`` under ``f`` (``√d`` units).
+    m : {2, 4}
+        Group size of the codebook (pairs at 4 bits, quads at 2 bits).
+
+    Returns
+    -------
+    float
+        ``1/(a/m + b)``, or ``inf`` when ``a/m + b <= 0`` (the line bounds nothing).
+    """
     low = a / m + b
     return 1.0 / low if low > 0 else math.inf
+
+
+def _with_slack(a: float, b: float, bits: int) -> float:
+    """:func:`line_bound` of a line for the code of ``bits``, with :data:`SLACK`."""
+    return (1.0 + SLACK) * line_bound(a, b, 4 if bits == 2 else 2)
 
 
 def _points(bits: int, d: int) -> np.ndarray:
@@ -116,8 +133,7 @@ def eden_scale_bound(bits: int, d: int) -> float:
     """
     if (bits, d) not in LINES:
         raise ValueError(f"(bits, d): expected a head VQ codebook, one of {sorted(LINES)}, got {(bits, d)!r}")
-    a, b = LINES[(bits, d)]
-    return (1.0 + SLACK) * line_bound(a, b, 4 if bits == 2 else 2)
+    return _with_slack(*LINES[(bits, d)], bits)
 
 
 @cpu_serial
@@ -228,8 +244,23 @@ def verify_line(bits: int, d: int, a: float, b: float, *, max_cubes: int = 20_00
                 eps_min: float = 1e-4) -> bool:
     """Prove (1) for the codebook ``(bits, d)`` and the line ``(a, b)`` by branch-and-bound.
 
-    Returns ``True`` when proved; ``False`` when a point violates it or the search gives up
-    (cubes of half-diagonal below ``eps_min`` or more than ``max_cubes`` of them).
+    Parameters
+    ----------
+    bits : {4, 2}
+        Bits per value of the code (pairs or quads).
+    d : int
+        Head dimension, a power of two in 32..512 (the ball ``‖z‖ <= √d·(1 + RADIUS_SLACK)``).
+    a, b : float
+        The line ``a + b·‖z‖²`` (``b > 0``).
+    max_cubes : int
+        Give up after visiting this many cubes.
+    eps_min : float
+        Give up at a cube of half-diagonal below this.
+
+    Returns
+    -------
+    bool
+        ``True`` when proved; ``False`` when a point violates (1) or the search gives up.
     """
     radius = math.sqrt(d) * (1.0 + RADIUS_SLACK)
     status, _ = _verify(_points(bits, d), float(a), float(b), radius, float(eps_min), int(max_cubes))
@@ -251,10 +282,32 @@ def _f_on_sphere(c: np.ndarray, d: int, m: int) -> np.ndarray:
 
 
 def fit_line(bits: int, d: int, *, max_cubes: int = 20_000_000) -> tuple[float, float]:
-    """The tightest line ``(a, b)`` of (1) found for the codebook ``(bits, d)``: candidates
-    ``a`` in -0.02 … -0.3 and ``b = (1 − η)·min_u (f(√d·u) − a)/d`` (rounded down to 6
-    digits), tried by increasing :func:`line_bound`; the first that :func:`verify_line`
-    proves.  Deterministic; seconds per codebook."""
+    """The tightest line of (1) found for the codebook ``(bits, d)`` (offline; deterministic,
+    seconds per codebook).
+
+    Candidates: ``a`` in -0.02 … -0.3 and ``b = (1 − η)·min_u (f(√d·u) − a)/d`` (rounded down
+    to 6 digits), tried by increasing :func:`line_bound`; the first that :func:`verify_line`
+    proves wins.
+
+    Parameters
+    ----------
+    bits : {4, 2}
+        Bits per value of the code.
+    d : int
+        Head dimension, a power of two in 32..512.
+    max_cubes : int
+        :func:`verify_line`'s budget per candidate.
+
+    Returns
+    -------
+    a, b : float
+        The line, as :data:`LINES` holds it.
+
+    Raises
+    ------
+    RuntimeError
+        No candidate was proved.
+    """
     m = 4 if bits == 2 else 2
     fs = _f_on_sphere(_points(bits, d), d, m)
     cands = []
@@ -278,14 +331,9 @@ def main(argv: list[str] | None = None) -> None:
         for d in HEAD_DIMS:
             a, b = fit_line(bits, d)
             worst = d / float(_f_on_sphere(_points(bits, d), d, 4 if bits == 2 else 2).min())
-            print(f"    ({bits}, {d}): ({a!r}, {b!r}),  # F = {eden_bound_of(a, b, bits):.3f}, worst found "
+            print(f"    ({bits}, {d}): ({a!r}, {b!r}),  # F = {_with_slack(a, b, bits):.3f}, worst found "
                   f"{worst:.3f}", flush=True)
     print("}")
-
-
-def eden_bound_of(a: float, b: float, bits: int) -> float:
-    """:func:`eden_scale_bound` of an arbitrary line (with :data:`SLACK`)."""
-    return (1.0 + SLACK) * line_bound(a, b, 4 if bits == 2 else 2)
 
 
 if __name__ == "__main__":
