@@ -102,15 +102,19 @@ class HeadNormMixin:
         binary16 norms, the plan's own table)."""
         return _backend.constant(like, norm8_scale_table(self._norm8_base16(st))) if self._norm8 else None
 
-    def _scratch_norms(self, st: LayerState, name: str, arr: Any) -> np.ndarray:
+    def _scratch_norms(self, st: LayerState, name: str, arr: Any, round_trip: bool = False) -> np.ndarray:
         """Binary16 norms (host uint16 ``[rows, n, 1]``) of input ``arr`` ``[b, h, n, d]``
-        as the layer would store them, computed in scratch (the layer is not touched)."""
+        as the layer would store them, computed in scratch (the layer is not touched); with
+        ``round_trip``, of its tokens' int8 window round trips (what a token is compressed from
+        when it leaves an int8 window)."""
         rows, n, d = int(arr.shape[0]) * self.num_kv_heads, int(arr.shape[2]), self.head_dim
         tmp = LayerState(meta=dict(st.meta))
         if self.config.key_center:  # a frozen mean is only read; else this chunk's, in scratch
             mean = st.buffers.get("k_chmean") if st.meta.get("kmean_set", 0) else None
             tmp.buffers["k_chmean"] = mean if mean is not None else _backend.zeros(arr, (rows, 1, d), np.float32)
         x3 = self._transform_in(tmp, name, _backend.ascontiguous_f32(name, arr).reshape(rows, n, d))
+        if round_trip:
+            x3 = self._window.int8_round_trip(x3)
         width = int(self.layouts[name].width)
         tn = _backend.empty(x3, (rows, n, 1), np.uint16)
         self._head_quantize(name, x3, _backend.empty(x3, (rows, n, width), np.uint8), tn, 0)
@@ -124,27 +128,37 @@ class HeadNormMixin:
         if not self._norm8:
             return
         sides = (("k", k, stats[0]), ("v", v, stats[1]))
+        # a token that enters an int8 window is compressed from its round trip when it leaves
+        round_trips = (False, True) if self._windowed and self._exact_dtype == np.int8 else (False,)
+        f16_limit = F16_MAX * (1 - 2.0 ** -10)
         if "norm8_base" not in st.meta:
             norms = {name: self._scratch_norms(st, name, arr) for name, arr, _ in sides}
-            for name, _, rs in sides:
+            for name, arr, rs in sides:
                 check_stored_f16(name, norms[name], rs.amax, rs.max_norm, self._range_note(st, name))
+                if len(round_trips) == 2 and not self._norms_cleared(st, name, rs, f16_limit):
+                    check_stored_f16(name, self._scratch_norms(st, name, arr, True), rs.amax, rs.max_norm,
+                                     self._range_note(st, name))
             # (the grid leaves 4 octaves above this call's largest norm: nothing to check)
             st.scratch["norm8_pending"] = (k, v, norm8_base16(np.concatenate([norms["k"], norms["v"]], axis=1)))
             return
         base16 = self._norm8_base16(st)
-        limit = min(norm8_top(base16), F16_MAX * (1 - 2.0 ** -10))
+        limit = min(norm8_top(base16), f16_limit)
         for name, arr, rs in sides:
-            _, norm, _ = self._stored_domain_bounds(st, name, rs.amax, rs.max_norm)
-            if norm * self._f16_factor(name) * (1 + 2.0 ** -10) <= limit:
-                continue
-            h = self._scratch_norms(st, name, arr)
-            check_stored_f16(name, h, rs.amax, rs.max_norm, self._range_note(st, name))
-            codes = norm8_codes(h, base16)
-            if h.size and int(codes.max()) > 255:
-                big = float(np.abs((h & 0x7FFF).view(np.float16).astype(np.float64)).max())
-                raise ValueError(f"{name}: a vector norm of {big:.6g} exceeds the 8-bit norm grid's top "
-                                 f"{norm8_top(base16):.6g} fixed at this layer's first store (norm_bits=8"
-                                 f"{self._range_note(st, name)}); use norm_bits=16; nothing was stored")
+            for round_trip in round_trips if not self._norms_cleared(st, name, rs, limit) else ():
+                h = self._scratch_norms(st, name, arr, round_trip)
+                check_stored_f16(name, h, rs.amax, rs.max_norm, self._range_note(st, name))
+                codes = norm8_codes(h, base16)
+                if h.size and int(codes.max()) > 255:
+                    big = float(np.abs((h & 0x7FFF).view(np.float16).astype(np.float64)).max())
+                    raise ValueError(f"{name}: a vector norm of {big:.6g} exceeds the 8-bit norm grid's top "
+                                     f"{norm8_top(base16):.6g} fixed at this layer's first store (norm_bits=8"
+                                     f"{self._range_note(st, name)}); use norm_bits=16; nothing was stored")
+
+    def _norms_cleared(self, st: LayerState, name: str, rs: Any, limit: float) -> bool:
+        """Whether the proved bound (the largest stored-domain norm, its int8 round trip's
+        included, times :meth:`_f16_factor`) keeps every norm of side ``name`` below ``limit``."""
+        _, norm, _ = self._stored_domain_bounds(st, name, rs.amax, rs.max_norm)
+        return norm * self._f16_factor(name) * (1 + 2.0 ** -10) <= limit
 
     def _fix_norm8_base(self, st: LayerState, k: Any, v: Any) -> None:
         """Fix the layer's grid before its first store (from :meth:`_check_norm8`'s pending

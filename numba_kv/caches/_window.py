@@ -399,6 +399,19 @@ class ExactWindow:
             assign_tokens(ex, s0, n, tmp, 0)
             assign_tokens(tmp, 0, n, ex, d0)
 
+    def int8_round_trip(self, x3: Any) -> Any:
+        """What an int8 window gives back for the float32 tokens ``x3`` ``[rows, n, d]`` (stored
+        domain; rotated and back when the window rotates): the values a token is compressed from
+        when it leaves the window.  Computed in scratch, for a range check (a new float32 array)."""
+        rows, n = int(x3.shape[0]), int(x3.shape[1])
+        tmp = LayerState(meta={})
+        tmp.buffers["x_exact"] = _backend.empty(x3, (rows, n, self.head_dim), np.int8)
+        tmp.buffers["x_exact_scale"] = _backend.empty(x3, (rows, n, 1), np.uint16)
+        out = _backend.empty(x3, (rows, n, self.head_dim), np.float32)
+        self.write(tmp, "x", x3, 0, n, 0)
+        self.read(tmp, "x", 0, n, out, 0)
+        return out
+
     def exact_f32(self, st: LayerState, name: str, rotated: bool = False) -> tuple[Any, int]:
         """Sink and window tokens of side ``name`` as float32 ``[rows, >= n_exact, d]`` (the
         buffer itself when it is float32) and their count ``n_exact = n_sink + n_win``.

@@ -423,16 +423,14 @@ class PolarQuantCache(PolarQuantFields, HeadNormMixin, FusedDecodeMixin, Windowe
             if not rs.amax <= MAX_INPUT:
                 check_magnitude(name, rs.amax, MAX_INPUT, f"a {self.name} cache")
             # first with the free bound ‖x‖ <= √d·max|x|, then (if needed) the measured norm
-            free = root_d * rs.amax
-            amax, norm, exact = self._stored_domain_bounds(st, name, rs.amax, free)
+            amax, norm, exact = self._stored_domain_bounds(st, name, rs.amax, root_d * rs.amax)
             if f16_window and exact:
                 check_magnitude(name, amax, F16_MAX, "a float16 window (window_dtype='float16')")
             safe = norm * self._f16_factor(name) <= limit
             if not safe:
                 amax, norm, exact = self._stored_domain_bounds(st, name, rs.amax, rs.max_norm)
                 safe = norm * self._f16_factor(name) <= limit
-            # (8-bit norms: _check_norm8 checks them from one quantization; the dry run would
-            # only repeat the float16-window check)
+            # (8-bit norms: _check_norm8 checks them; the dry run would repeat the float16-window check)
             if (not safe and not self._norm8) or (f16_window and amax > F16_MAX):
                 self._dry_run(st, name, arr, rs, f16_window)
         self._check_norm8(st, k, v, stats)
@@ -503,10 +501,12 @@ class PolarQuantCache(PolarQuantFields, HeadNormMixin, FusedDecodeMixin, Windowe
                             "a float16 window (window_dtype='float16'; after key centering)")
         if self._norm8:
             return  # its norms are checked (binary16 saturation too) by _check_norm8, from one quantization
-        self._compress(tmp, name, x3, 0)
-        for b in scratch:
-            if b.startswith(name + "_") and np.dtype(tmp.buffers[b].dtype) == np.uint16:
-                check_stored_f16(name, tmp.buffers[b], rs.amax, rs.max_norm, self._range_note(st, name))
+        int8 = self._windowed and self._exact_dtype == np.int8  # (then compressed from its round trip, too)
+        for y3 in (x3, self._window.int8_round_trip(x3)) if int8 else (x3,):
+            self._compress(tmp, name, y3, 0)
+            for b in scratch:
+                if b.startswith(name + "_") and np.dtype(tmp.buffers[b].dtype) == np.uint16:
+                    check_stored_f16(name, tmp.buffers[b], rs.amax, rs.max_norm, self._range_note(st, name))
 
     def _split_parts(self, name: str) -> tuple[tuple[int, int, int, int, int], ...]:
         """Channel split of side ``name``: ``(first channel, end channel, first code byte,

@@ -243,7 +243,8 @@ def test_int8_window_round_trip_counts_in_the_bound(monkeypatch):
     """A token entering an int8 window is compressed later from its int8 round trip, whose
     norm can be ``1 + √d/254`` times larger (3 % at d = 64): a value whose norm times the
     proved bound ``F`` is 1 % under binary16's limit is not cleared by the bound alone, it is
-    quantized in scratch first (one call more than the step's eviction needs)."""
+    quantized in scratch first, as given and as its round trip (two calls more than the
+    step's eviction needs)."""
     import numba_kv.caches._headnorm as hn
     from numba_kv.ops.headvq_bound import eden_scale_bound
 
@@ -252,7 +253,7 @@ def test_int8_window_round_trip_counts_in_the_bound(monkeypatch):
     monkeypatch.setattr(hn, "quantize_headvq_into", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
     rng = np.random.default_rng(8)
     d = 64
-    for window_dtype, extra in (("int8", 1), ("float32", 0)):
+    for window_dtype, extra in (("int8", 2), ("float32", 0)):
         c = make_cache("pqo-k4v2-head-eden-vq", residual_length=8, sink_tokens=0, window_dtype=window_dtype,
                        **GEO)
         k, v = _kv(rng, 1, 2, 40, d)
@@ -263,6 +264,86 @@ def test_int8_window_round_trip_counts_in_the_bound(monkeypatch):
         calls.clear()
         c.decode(0, k1, v1, rng.standard_normal((1, 2, 1, d)).astype(np.float32), AttendConfig(0.125, 1))
         assert len(calls) == 2 + extra, window_dtype
+
+
+def _window_round_trip(x, d):
+    """The int8 window's round trip of the rows of ``x`` (float64): rotated by the head
+    rotation, ``q = rint(z / s)`` with ``s = fp16(max|z| / 127)``, ``q · s`` rotated back (the
+    absmax8 formula of the ops' docstring, in float64)."""
+    signs = reference.head_sign_vector(d)
+    z = hadamard_apply(x * signs)
+    s = (np.abs(z).max(-1, keepdims=True) / 127).astype(np.float16).astype(np.float64)
+    return hadamard_apply(np.clip(np.rint(z / s), -127, 127) * s) * signs
+
+
+def _round_trip_token(rng, d, limit):
+    """A value (float32 ``[d]``) whose EDEN scale on the quads codebook is 3 % under ``limit``
+    and whose int8 window round trip's is over 2 % past it (or saturated at 65504), by the
+    reference: the most sensitive of 2000 Gaussian directions (ratio about 1.07 at d = 64)."""
+    pts = headvq_codebook(2, d)
+
+    def alpha(x):
+        return reference.headvq_quantize(x, pts, unbiased=True)[1][:, 0].view(np.float16).astype(np.float64)
+
+    cand = rng.standard_normal((2000, d)).astype(np.float32).astype(np.float64)
+    u = cand[np.argmax(alpha(_window_round_trip(cand, d)) / alpha(cand))]
+    tok = (u * (0.97 * limit / alpha(u[None])[0])).astype(np.float32)
+    a_tok, a_rt = alpha(tok[None].astype(np.float64))[0], alpha(_window_round_trip(tok[None].astype(np.float64), d))[0]
+    # the premise, by the reference (whose binary16 scale stops at 65504)
+    assert a_tok < 0.98 * limit and a_rt >= min(1.02 * limit, 65504.0), (a_tok, a_rt)
+    return tok
+
+
+def test_first_store_checks_the_int8_round_trip():
+    """The 8-bit grid's first store checks its tokens' binary16 norms (before fixing the grid
+    from them) — and, with an int8 window, their round trips' too: a window token whose
+    round trip saturates binary16 is refused with an int8 window, stored with a float32 one."""
+    d = 64
+    rng = np.random.default_rng(2)
+    k, v = _kv(rng, 1, 2, 40, d)
+    v[0, 1, -1] = _round_trip_token(rng, d, 65504.0)  # in the window
+    for window_dtype in ("int8", "float32"):
+        c = make_cache("pqo-k4v2-head-eden-vq-n8", residual_length=8, sink_tokens=0, window_dtype=window_dtype, **GEO)
+        if window_dtype == "float32":
+            c.prefill(0, k, v)
+            continue
+        with pytest.raises(ValueError, match=r"^v: .* does not fit binary16"):
+            c.prefill(0, k, v)
+        assert c.seq_len(0) == 0 and "norm8_base" not in c._layers[0].meta
+
+
+@pytest.mark.parametrize("norm_bits", [8, 16])
+def test_scratch_check_covers_the_int8_round_trip(norm_bits):
+    """The range check's slow path (quantizing in scratch) checks a token and its int8 round
+    trip, which it is compressed from when it leaves an int8 window.  A value whose EDEN scale
+    is 3 % under the limit (binary16's 65504, or the 8-bit grid's top) and whose round trip's
+    is 3 % past it (by the reference) is refused with an int8 window, the cache untouched,
+    and stored with a float32 one.  It used to be stored, and its scale saturated when it
+    left the window."""
+    d = 64
+    rng = np.random.default_rng(1)
+    k, v = _kv(rng, 1, 2, 40, d)
+    tok = _round_trip_token(rng, d, _grid_top(k, v, d) if norm_bits == 8 else 65504.0)
+    q = rng.standard_normal((1, 2, 1, d)).astype(np.float32)
+    for window_dtype in ("int8", "float32"):
+        c = make_cache("pqo-k4v2-head-eden-vq" + ("-n8" if norm_bits == 8 else ""), residual_length=8,
+                       sink_tokens=0, window_dtype=window_dtype, decode_output="dequantized", **GEO)
+        c.prefill(0, k, v)
+        k1, v1 = _kv(rng, 1, 2, 1, d)
+        v1[0, 1, 0] = tok
+        if window_dtype == "float32":
+            c.decode(0, k1, v1, q, AttendConfig(0.125, 1))
+            for _ in range(8):  # evicts it: compressed as given
+                hist = c.decode(0, *_kv(rng, 1, 2, 1, d), q, AttendConfig(0.125, 1)).result
+            assert np.dot(hist.v[0, 1, 40], tok) > 0.9 * np.dot(tok, tok)
+            continue
+        before = state_snapshot(c)
+        with pytest.raises(ValueError, match=r"^v: "):
+            c.decode(0, k1, v1, q, AttendConfig(0.125, 1))
+        after = state_snapshot(c)
+        assert after[0] == before[0] and after[1].keys() == before[1].keys()
+        for name, t in before[1].items():
+            np.testing.assert_array_equal(after[1][name], t)
 
 
 def test_ordinary_decode_step_quantizes_each_side_once(monkeypatch):

@@ -104,3 +104,29 @@ def test_tensor_core_plan_runs_the_warp_kernel(monkeypatch):
     step = dev._layers[0].scratch["fused_step"].step
     assert step.plan.variant == "mma" and step._kernel.name == "decode_attention_warp"  # chosen, then replaced
     assert len(launched) == 1  # the warp kernel ran
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["pqo-k4v2-head-eden-vq", "pqo-k4v2-head-eden-vq-n8"])
+def test_range_check_on_device_covers_the_int8_round_trip(name):
+    """With ``validate="sync"`` on device arrays, a window token whose int8 round trip's EDEN
+    scale saturates binary16 (its own 3 % under it) is refused — by the dry run (binary16
+    norms) or the first store's norm check (8-bit norms) — and nothing is stored; a float32
+    window stores it."""
+    from ..caches.test_norm8 import _kv, _round_trip_token
+
+    rng = np.random.default_rng(2)
+    d = 64
+    k, v = _kv(rng, 1, 2, 12, d)
+    v[0, 1, -1] = _round_trip_token(rng, d, 65504.0)
+    for window_dtype in ("int8", "float32"):
+        c = make_cache(name, num_layers=1, num_kv_heads=2, head_dim=d, residual_length=4, sink_tokens=0,
+                       window_dtype=window_dtype)
+        c.validate = "sync"
+        if window_dtype == "float32":
+            c.prefill(0, to_device(k), to_device(v))
+            assert c.seq_len(0) == 12
+            continue
+        with pytest.raises(ValueError, match=r"^v: .* does not fit binary16"):
+            c.prefill(0, to_device(k), to_device(v))
+        assert c.seq_len(0) == 0
