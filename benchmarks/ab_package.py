@@ -9,7 +9,7 @@ shared machine hit both alike).  Cases, all through public API:
   prefill of T tokens, for dense / pqo3 / kv4 / kv3 / tq3 (``benchmarks/decode_overhead.py``);
 - ``op``: ``decode_attention`` on 3-bit codes, batch 1, 8 KV x 4 query heads, d = 128, T tokens;
 - ``paged``: ``PagedKVCache(storage="pqo3").decode_attention`` over 4 sequences;
-- ``prefill``: a 1024-token ``pqo3`` prefill (the store path).
+- ``prefill``: a 1024-token ``pqo3`` or ``kv3`` prefill (the store path).
 
     NUMBA_NUM_THREADS=2 .venv/bin/python benchmarks/ab_package.py --rev 0864022 [--rounds 7]
 
@@ -86,12 +86,12 @@ def _paged(nk: object, tokens: int) -> Callable[[], None]:
     return lambda: c.decode_attention(0, q)
 
 
-def _prefill(nk: object) -> Callable[[], None]:
+def _prefill(nk: object, name: str = "pqo3") -> Callable[[], None]:
     rng = np.random.default_rng(3)
     k = rng.standard_normal((1, 3, 1024, 64)).astype(np.float32)
 
     def run() -> None:
-        cache = nk.make_cache("pqo3", num_layers=1, num_kv_heads=3, head_dim=64)
+        cache = nk.make_cache(name, num_layers=1, num_kv_heads=3, head_dim=64)
         cache.prefill(0, k, k)
     return run
 
@@ -102,6 +102,7 @@ CASES: dict[str, tuple[Callable[..., Callable[[], None]], tuple, int]] = {
     "op 3-bit T=32768": (_op, (32768,), 1),
     "paged pqo3 4x2048": (_paged, (2048,), 1),
     "prefill pqo3 1024": (_prefill, (), 1),
+    "prefill kv3 1024": (_prefill, ("kv3",), 1),
 }
 
 

@@ -24,6 +24,7 @@ binary16 planes: a norm8 cache stores op by op instead (same bytes as any store)
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -156,9 +157,14 @@ class HeadNormMixin:
 
     def _norms_cleared(self, st: LayerState, name: str, rs: Any, limit: float) -> bool:
         """Whether the proved bound (the largest stored-domain norm, its int8 round trip's
-        included, times :meth:`_f16_factor`) keeps every norm of side ``name`` below ``limit``."""
-        _, norm, _ = self._stored_domain_bounds(st, name, rs.amax, rs.max_norm)
-        return norm * self._f16_factor(name) * (1 + 2.0 ** -10) <= limit
+        included, times :meth:`_f16_factor`) keeps every norm of side ``name`` below ``limit``:
+        first with the free norm bound ``√d·max|x|``, then (a pass over the values, computed
+        once) with the measured largest norm."""
+        for norm_in in (math.sqrt(self.head_dim) * rs.amax, None):
+            _, norm, _ = self._stored_domain_bounds(st, name, rs.amax, rs.max_norm if norm_in is None else norm_in)
+            if norm * self._f16_factor(name) * (1 + 2.0 ** -10) <= limit:
+                return True
+        return False
 
     def _fix_norm8_base(self, st: LayerState, k: Any, v: Any) -> None:
         """Fix the layer's grid before its first store (from :meth:`_check_norm8`'s pending

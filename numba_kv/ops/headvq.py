@@ -37,11 +37,15 @@ the units of ``y``.  Measured (fresh sample of uniform unit vectors, per coordin
 lower) and 0.0961 against 0.1159 at 2 bits (0.81 dB lower); ``docs/api/ops.md`` lists every
 ``d``.
 
+The nearest-point search looks only at the points its grid cell lists
+(:mod:`numba_kv.ops.headvq_grid`: about 2 for pairs and 11 for quads instead of 256), in
+index order with the same float32 distances, so it returns the full search's point.
+
 Twins: the CPU twins work on tiles of ``LANES`` vectors interleaved lane by lane like the
-head code's, the nearest-point search branch-free across lanes (a select per lane and point);
-the CUDA kernels run one vector per thread block (vector, indices and codebook in shared
-memory, one thread per group for the search).  Per value both do the same float32 operations
-in the same order, so codes and norms agree bit for bit.
+head code's (the search runs lane by lane, its selects branch-free); the CUDA kernels run
+one vector per thread block (vector, indices and codebook in shared memory, one thread per
+group for the search).  Per value both do the same float32 operations in the same order, so
+codes and norms agree bit for bit.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ from .finite import check_finite, range_stats
 from .half import f16_bits_abs_to_f32, f16_bits_abs_to_f32_dev, f32_to_f16_bits, f32_to_f16_bits_sat_dev
 from .headquant import HEAD_DIMS, head_signs
 from .headvq_fit import DATA_PATH, codebook_key
+from .headvq_grid import GRID_PARAMS, search_grid
 
 __all__ = ["GROUP_SIZE", "POINTS", "quantize_headvq", "dequantize_headvq", "quantize_headvq_into",
            "dequantize_headvq_into", "headvq_codebook", "headvq_centroids", "packed_dim"]
@@ -84,6 +89,12 @@ POINTS = 256
 _CB_SHARED = 1024  # floats of the CUDA kernels' shared codebook: POINTS * max(m)
 _IB_SHARED = MAX_HEAD_DIM // 2  # bytes of the shared indices: d / min(m)
 _INF32 = np.float32(np.inf)
+#: slots per grid cell of the search (:data:`~numba_kv.ops.headvq_grid.GRID_PARAMS`), pairs and quads
+_SLOTS2 = GRID_PARAMS[2][2]
+_SLOTS4 = GRID_PARAMS[4][2]
+#: scalar operations per value of a quantize call (normalize, rotate, a few candidates per
+#: group), for the CPU's serial/parallel choice (``cpu_parallel_min_work``)
+_SEARCH_WORK = 24
 #: the norm floor ``n = max(‖x‖, 1e-10)`` (float32): a norm at it is no unit vector's
 _NORM_FLOOR = np.float32(1e-10)
 
@@ -177,88 +188,103 @@ def _load_normalize_lanes(x, v0, nl, d, L, t):
             tj[l] = np.divide(tj[l], tn[l])  # np.divide: IEEE division, no ZeroDivisionError branch
 
 
-def _nearest2_lanes(t, d, L, cents, ib, best, bi):
-    """``ib[g·L + l]`` = index of the point of ``cents`` ``[K, 2]`` nearest to pair ``g`` of lane
-    ``l`` of ``t`` (squared distance ``d₀² + d₁²``, products rounded first; ties → the lowest
-    index), one branch-free pass over the lanes per point.  Scratch: ``best`` float32[L],
-    ``bi`` int32[L]."""
-    k_size = cents.shape[0]
-    for g in range(d // 2):
-        y0 = t[2 * g * L:(2 * g + 1) * L]
-        y1 = t[(2 * g + 1) * L:(2 * g + 2) * L]
-        for l in range(L):
-            best[l] = _INF32
-            bi[l] = int32(0)
-        for k in range(k_size):
-            c0 = cents[k, 0]
-            c1 = cents[k, 1]
-            kk = int32(k)
-            for l in range(L):
-                e0 = y0[l] - c0
-                e1 = y1[l] - c1
-                s = mul_rn(e0, e0) + mul_rn(e1, e1)
-                less = s < best[l]
-                best[l] = s if less else best[l]
-                bi[l] = kk if less else bi[l]
-        ibg = ib[g * L:(g + 1) * L]
-        for l in range(L):
-            ibg[l] = uint8(bi[l])
+def _dist2(y0, y1, c0, c1):
+    """Squared distance of ``(y0, y1)`` to the point ``(c0, c1)``: ``d₀² + d₁²``, products
+    rounded first (the full search's operations)."""
+    e0 = y0 - c0
+    e1 = y1 - c1
+    return mul_rn(e0, e0) + mul_rn(e1, e1)
 
 
-def _nearest4_lanes(t, d, L, cents, ib, best, bi):
-    """:func:`_nearest2_lanes` for quads (``m = 4``): distance ``((d₀² + d₁²) + d₂²) + d₃²``."""
-    k_size = cents.shape[0]
-    for g in range(d // 4):
-        y0 = t[4 * g * L:(4 * g + 1) * L]
-        y1 = t[(4 * g + 1) * L:(4 * g + 2) * L]
-        y2 = t[(4 * g + 2) * L:(4 * g + 3) * L]
-        y3 = t[(4 * g + 3) * L:(4 * g + 4) * L]
-        for l in range(L):
-            best[l] = _INF32
-            bi[l] = int32(0)
-        for k in range(k_size):
-            c0 = cents[k, 0]
-            c1 = cents[k, 1]
-            c2 = cents[k, 2]
-            c3 = cents[k, 3]
-            kk = int32(k)
-            for l in range(L):
-                e0 = y0[l] - c0
-                e1 = y1[l] - c1
-                e2 = y2[l] - c2
-                e3 = y3[l] - c3
-                s = ((mul_rn(e0, e0) + mul_rn(e1, e1)) + mul_rn(e2, e2)) + mul_rn(e3, e3)
-                less = s < best[l]
-                best[l] = s if less else best[l]
-                bi[l] = kk if less else bi[l]
-        ibg = ib[g * L:(g + 1) * L]
-        for l in range(L):
-            ibg[l] = uint8(bi[l])
+def _dist4(y0, y1, y2, y3, c0, c1, c2, c3):
+    """:func:`_dist2` of a quad: ``((d₀² + d₁²) + d₂²) + d₃²``."""
+    e2 = y2 - c2
+    e3 = y3 - c3
+    return (_dist2(y0, y1, c0, c1) + mul_rn(e2, e2)) + mul_rn(e3, e3)
 
 
-def _nearest_lanes(t, d, L, cents, ib, best, bi):
-    """Nearest points of every group of every lane, by the loop for ``m = 2`` or ``m = 4``
-    (the only group sizes; the CUDA search has the same two)."""
-    if cents.shape[1] == 2:
-        _nearest2_lanes(t, d, L, cents, ib, best, bi)
-    else:
-        _nearest4_lanes(t, d, L, cents, ib, best, bi)
+def _grid_nearest(t, o, stride, m, cf, gpar, slots, goff, gcand):
+    """Index of the point nearest to the group whose coordinates are ``t[o + i·stride]``
+    (``i < m``), among the candidates of its grid cell (``gpar``, ``slots``, ``goff``,
+    ``gcand`` of :func:`~numba_kv.ops.headvq_grid.search_grid`; ``cf`` the codebook flat,
+    ``k·m + i``): the cell's ``P`` slots (a loop of fixed length: no branch to mispredict),
+    then its rare candidates past ``P``, each in increasing index order, keeping a strictly
+    smaller distance — the full search's result bit for bit (ties → the lowest index), as
+    every point that can be nearest in the cell is a candidate."""
+    a = gpar[0]
+    b = gpar[1]
+    gn = int32(gpar[2])
+    y0 = t[o]
+    y1 = t[o + stride]
+    cell = _cell_axis(y0, a, b, gn) * gn + _cell_axis(y1, a, b, gn)
+    best = _INF32
+    bk = int32(0)
+    if m == 2:
+        for e in range(_SLOTS2):
+            k = int32(slots[cell * _SLOTS2 + e])
+            s = _dist2(y0, y1, cf[2 * k], cf[2 * k + 1])
+            less = s < best
+            best = s if less else best
+            bk = k if less else bk
+        for e in range(goff[cell] + _SLOTS2, goff[cell + 1]):
+            k = int32(gcand[e])
+            s = _dist2(y0, y1, cf[2 * k], cf[2 * k + 1])
+            less = s < best
+            best = s if less else best
+            bk = k if less else bk
+        return bk
+    y2 = t[o + 2 * stride]
+    y3 = t[o + 3 * stride]
+    cell = (cell * gn + _cell_axis(y2, a, b, gn)) * gn + _cell_axis(y3, a, b, gn)
+    for e in range(_SLOTS4):
+        k = int32(slots[cell * _SLOTS4 + e])
+        c = 4 * k
+        s = _dist4(y0, y1, y2, y3, cf[c], cf[c + 1], cf[c + 2], cf[c + 3])
+        less = s < best
+        best = s if less else best
+        bk = k if less else bk
+    for e in range(goff[cell] + _SLOTS4, goff[cell + 1]):
+        k = int32(gcand[e])
+        c = 4 * k
+        s = _dist4(y0, y1, y2, y3, cf[c], cf[c + 1], cf[c + 2], cf[c + 3])
+        less = s < best
+        best = s if less else best
+        bk = k if less else bk
+    return bk
 
 
-def quantize_headvq_lanes(x, v0, nl, d, signs, cents, unbiased, t0, codes, norms, L, t, ib, bi, w):
+def _cell_axis(y, a, b, gn):
+    """Cell of coordinate ``y`` along one axis of the candidate grid
+    (:mod:`numba_kv.ops.headvq_grid`): ``clamp(int(y·a + b), 0, G − 1)``, float32 (the
+    product rounded first, in both twins; the grid's margin would cover a fused one too)."""
+    return min(max(int32(mul_rn(y, a) + b), int32(0)), gn - int32(1))
+
+
+def _nearest_lanes(t, d, L, nl, m, cf, gpar, slots, goff, gcand, ib):
+    """``ib[g·L + l]`` = :func:`_grid_nearest` of group ``g`` of lane ``l < nl`` of ``t``, lane
+    by lane (each search keeps its point and distance in registers).  Measured against the
+    full search's branch-free pass over 64 lanes per point: as fast with AVX-512 for quads,
+    1.7× faster for pairs, 3–6× faster with AVX2 code generation or for a few vectors."""
+    for g in range(d // m):
+        for l in range(nl):
+            ib[g * L + l] = uint8(_grid_nearest(t, g * m * L + l, L, m, cf, gpar, slots, goff, gcand))
+
+
+def quantize_headvq_lanes(x, v0, nl, d, signs, cents, cf, gpar, slots, goff, gcand, unbiased, t0, codes, norms,
+                          L, t, ib, w):
     """Quantize flattened vectors ``v0 .. v0+nl-1`` of ``x`` (``nl <= L``) into ``codes`` /
-    ``norms`` at token ``t0 + s``.
+    ``norms`` at token ``t0 + s``; ``cf`` is ``cents`` flat, ``gpar``, ``slots``, ``goff``,
+    ``gcand`` its candidate grid (:func:`_nearest_lanes`).
 
-    Scratch: ``t`` float32[(d+4)·L] (rows ``d .. d+3``: the norms, ``‖y‖²``, ``⟨y, ĉ⟩`` and
-    the search's best distances), ``ib`` uint8[(d/m)·L] (the indices), ``bi`` int32[L],
-    ``w`` int64[L] (the binary16 norm bits).
+    Scratch: ``t`` float32[(d+3)·L] (rows ``d .. d+2``: the norms, ``‖y‖²`` and ``⟨y, ĉ⟩``),
+    ``ib`` uint8[(d/m)·L] (the indices), ``w`` int64[L] (the binary16 norm bits).
     """
     seq = x.shape[1]
     m = cents.shape[1]
     S = d * L
     _load_normalize_lanes(x, v0, nl, d, L, t)
     rotate_head_forward_lanes(t, d, L, signs)
-    _nearest_lanes(t, d, L, cents, ib, t[S + 3 * L:S + 4 * L], bi)
+    _nearest_lanes(t, d, L, nl, m, cf, gpar, slots, goff, gcand, ib)
     tn = t[S:S + L]
     if unbiased:
         tyy = t[S + L:S + 2 * L]
@@ -317,8 +343,10 @@ def dequantize_headvq_lanes(codes, norms, v0, nl, d, signs, cents, t0, out, L, t
 
 
 twin(_load_normalize_lanes)
-twin(_nearest2_lanes)
-twin(_nearest4_lanes)
+twin(_cell_axis, inline=True)
+twin(_dist2, inline=True)
+twin(_dist4, inline=True)
+grid_nearest_cpu, grid_nearest_dev = twin(_grid_nearest)
 twin(_nearest_lanes)
 quantize_headvq_lanes_cpu, _ = twin(quantize_headvq_lanes)
 dequantize_headvq_lanes_cpu, _ = twin(dequantize_headvq_lanes)
@@ -326,7 +354,7 @@ dequantize_headvq_lanes_cpu, _ = twin(dequantize_headvq_lanes)
 
 # --- CPU twins ------------------------------------------------------------------------------
 @cpu_kernel
-def _quantize_headvq_cpu(x, signs, cents, unbiased, t0, codes, norms):
+def _quantize_headvq_cpu(x, signs, cents, gpar, slots, goff, gcand, unbiased, t0, codes, norms):
     """One ``prange`` iteration quantizes ``TILES`` tiles of ``LANES`` flattened vectors of ``x``
     ``[rows, seq, d]`` (tiles as wide as the vectors when there are fewer) into ``codes[:, t0 +
     s]`` / ``norms[:, t0 + s]``, with its own scratch."""
@@ -335,20 +363,21 @@ def _quantize_headvq_cpu(x, signs, cents, unbiased, t0, codes, norms):
     nv = rows * seq
     L = min(LANES, nv)
     ntiles = (nv + L - 1) // L
-    x, signs, cents, codes, norms = borrowed(x), borrowed(signs), borrowed(cents), borrowed(codes), borrowed(norms)
+    cf = cents.reshape(cents.size)
+    x, signs, cents, cf, codes, norms = borrowed(x), borrowed(signs), borrowed(cents), borrowed(cf), \
+        borrowed(codes), borrowed(norms)
+    gpar, slots, goff, gcand = borrowed(gpar), borrowed(slots), borrowed(goff), borrowed(gcand)
     for c in prange((ntiles + TILES - 1) // TILES):
-        t_own = np.zeros((d + 4) * L, dtype=np.float32)
+        t_own = np.zeros((d + 3) * L, dtype=np.float32)
         ib_own = np.zeros((d // m) * L, dtype=np.uint8)
-        bi_own = np.zeros(L, dtype=np.int32)
         w_own = np.zeros(L, dtype=np.int64)
-        t, ib, bi, w = borrowed(t_own), borrowed(ib_own), borrowed(bi_own), borrowed(w_own)
+        t, ib, w = borrowed(t_own), borrowed(ib_own), borrowed(w_own)
         for tile in range(c * TILES, min(ntiles, (c + 1) * TILES)):
             v0 = tile * L
-            quantize_headvq_lanes_cpu(x, v0, min(L, nv - v0), d, signs, cents, unbiased, t0, codes, norms, L, t,
-                                      ib, bi, w)
+            quantize_headvq_lanes_cpu(x, v0, min(L, nv - v0), d, signs, cents, cf, gpar, slots, goff, gcand, unbiased,
+                                      t0, codes, norms, L, t, ib, w)
         keep_alive(t_own)
         keep_alive(ib_own)
-        keep_alive(bi_own)
         keep_alive(w_own)
 
 
@@ -386,38 +415,11 @@ def _load_codebook_dev(cents, cbs):
 
 
 @cuda_device
-def _nearest_group_dev(t, cbs, k_size, m, g):
-    """Index of the shared codebook point nearest to group ``g`` of ``t`` (the CPU search's
-    operations: ``((0 + d₀²) + d₁²) + …``, products rounded, ties → lowest index)."""
-    j0 = g * m
-    y0 = t[j0]
-    y1 = t[j0 + 1]
-    y2 = t[j0 + 2] if m == 4 else float32(0.0)
-    y3 = t[j0 + 3] if m == 4 else float32(0.0)
-    best = _INF32
-    bk = 0
-    for k in range(k_size):
-        o = k * m
-        e = y0 - cbs[o]
-        s = float32(0.0) + mul_rn_dev(e, e)
-        e = y1 - cbs[o + 1]
-        s += mul_rn_dev(e, e)
-        if m == 4:
-            e = y2 - cbs[o + 2]
-            s += mul_rn_dev(e, e)
-            e = y3 - cbs[o + 3]
-            s += mul_rn_dev(e, e)
-        if s < best:
-            best = s
-            bk = k
-    return bk
-
-
-@cuda_device
-def _quantize_headvq_vec_dev(xr, signs, cbs, k_size, m, unbiased, cb, norms, r, ts, t, ib, red):
+def _quantize_headvq_vec_dev(xr, signs, cbs, m, gpar, slots, goff, gcand, unbiased, cb, norms, r, ts, t, ib, red):
     """Block-cooperative: quantize the vector ``xr`` into the code bytes ``cb`` and
-    ``norms[r, ts, 0]`` with the shared codebook ``cbs`` and scratch ``t`` (float32[d]),
-    ``ib`` (uint8[d/m]), ``red`` (float32[1]); every thread of the block calls it."""
+    ``norms[r, ts, 0]`` with the shared codebook ``cbs`` (its candidate grid ``gpar``,
+    ``slots``, ``goff``, ``gcand``) and scratch ``t`` (float32[d]), ``ib`` (uint8[d/m]), ``red``
+    (float32[1]); every thread of the block calls it."""
     d = xr.shape[0]
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
@@ -440,7 +442,7 @@ def _quantize_headvq_vec_dev(xr, signs, cbs, k_size, m, unbiased, cb, norms, r, 
         t[j] = mul_rn_dev(t[j], sc)
     cuda.syncthreads()
     for g in range(tid, d // m, nt):
-        k = _nearest_group_dev(t, cbs, k_size, m, g)
+        k = grid_nearest_dev(t, g * m, 1, m, cbs, gpar, slots, goff, gcand)
         ib[g] = uint8(k)
         cb[g] = uint8(k)
     cuda.syncthreads()
@@ -460,18 +462,19 @@ def _quantize_headvq_vec_dev(xr, signs, cbs, k_size, m, unbiased, cb, norms, r, 
 
 
 @cuda_kernel
-def _quantize_headvq_cuda(x, signs, cents, unbiased, t0, codes, norms):
+def _quantize_headvq_cuda(x, signs, cents, gpar, slots, goff, gcand, unbiased, t0, codes, norms):
     """Quantize vectors ``x[r, s]`` into ``codes[r, t0 + s]`` / ``norms[r, t0 + s, 0]``.
 
     Launch: ``(blocks, threads)`` from :func:`numba_kv._backend.coop_grid` over ``(rows·seq,
     d/m)``: the block first copies the codebook ``cents`` ``[256, m]`` into shared memory,
     then quantizes flattened vectors ``v = b, b + blocks, …`` (``v = r·seq + s``); thread
     ``tid`` handles values ``tid, tid + threads, …`` and its share of every butterfly stage,
-    and searches the nearest point of groups ``tid, tid + threads, …``; thread 0 computes
+    and searches the nearest point of groups ``tid, tid + threads, …`` among its grid cell's
+    candidates (``gpar``, ``slots``, ``goff``, ``gcand``: :mod:`numba_kv.ops.headvq_grid`); thread 0 computes
     the sums and the binary16 norm.
     """
     rows, seq, d = x.shape
-    k_size, m = cents.shape
+    m = cents.shape[1]
     t = cuda.shared.array(MAX_HEAD_DIM, dtype=float32)
     ib = cuda.shared.array(_IB_SHARED, dtype=uint8)
     cbs = cuda.shared.array(_CB_SHARED, dtype=float32)
@@ -480,8 +483,8 @@ def _quantize_headvq_cuda(x, signs, cents, unbiased, t0, codes, norms):
     for v in range(cuda.blockIdx.x, rows * seq, cuda.gridDim.x):
         r = v // seq
         s = v - r * seq
-        _quantize_headvq_vec_dev(x[r, s], signs, cbs, k_size, m, unbiased, codes[r, t0 + s], norms, r, t0 + s, t,
-                                 ib, red)
+        _quantize_headvq_vec_dev(x[r, s], signs, cbs, m, gpar, slots, goff, gcand, unbiased, codes[r, t0 + s],
+                                 norms, r, t0 + s, t, ib, red)
 
 
 @cuda_kernel
@@ -516,7 +519,8 @@ def _dequantize_headvq_cuda(codes, norms, signs, cents, t0, out):
         cuda.syncthreads()  # the next vector overwrites t
 
 
-_QSIG = f"void({F32_3D}, float32[::1], {F32_2D}, boolean, int64, {U8_3D}, uint16[:, :, ::1])"
+_QSIG = (f"void({F32_3D}, float32[::1], {F32_2D}, float32[::1], uint8[::1], int32[::1], uint8[::1], boolean, int64, "
+         f"{U8_3D}, uint16[:, :, ::1])")
 _DQSIG = f"void({U8_3D}, uint16[:, :, ::1], float32[::1], {F32_2D}, int64, {F32_3D})"
 _QUANTIZE = register("quantize_headvq", _quantize_headvq_cpu, _quantize_headvq_cuda, [_QSIG])
 _DEQUANTIZE = register("dequantize_headvq", _dequantize_headvq_cpu, _dequantize_headvq_cuda, [_DQSIG])
@@ -533,9 +537,10 @@ def quantize_headvq_into(x3: Any, codes: Any, norms: Any, t0: int, cents: np.nda
     t0 = check_span(t0, x3.shape[1], codes.shape[1], "codes")
     m = cents.shape[1]
     c = _backend.constant
-    _QUANTIZE.launch(_backend.device_of("x3", x3), rows * seq, x3, c(x3, head_signs(d)), c(x3, cents),
-                     bool(unbiased), int(t0), codes, norms, work=rows * seq * d * POINTS,
-                     coop=(rows * seq, d // m))
+    gpar, goff, gcand, slots = search_grid(cents, d)
+    _QUANTIZE.launch(_backend.device_of("x3", x3), rows * seq, x3, c(x3, head_signs(d)), c(x3, cents), c(x3, gpar),
+                     c(x3, slots), c(x3, goff), c(x3, gcand), bool(unbiased), int(t0), codes, norms,
+                     work=rows * seq * d * _SEARCH_WORK, coop=(rows * seq, d // m))
 
 
 def dequantize_headvq_into(codes: Any, norms: Any, t0: int, cents: np.ndarray, out: Any) -> None:

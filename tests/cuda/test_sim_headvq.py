@@ -8,11 +8,13 @@ of every block in Python.
 
 import numpy as np
 import pytest
+from numba import cuda
 
 from numba_kv._backend import to_host
 from numba_kv.ops.headvq import (
     dequantize_headvq,
     dequantize_headvq_into,
+    grid_nearest_dev,
     headvq_centroids,
     packed_dim,
     quantize_headvq,
@@ -105,3 +107,34 @@ def test_gpu_codes_bit_identical_at_scale(d):
         ref = dequantize_headvq(c, n, bits)
         np.testing.assert_allclose(to_host(dequantize_headvq(to_device(c), to_device(n), bits)), ref, rtol=1e-5,
                                    atol=1e-6 * float(np.abs(ref).max()))
+
+
+@cuda.jit
+def _grid_kernel(m, flat, cf, gpar, slots, goff, gcand, out):
+    """One group per thread: the device variant of the grid search."""
+    r = cuda.grid(1)
+    if r < out.shape[0]:
+        out[r] = grid_nearest_dev(flat, r * m, 1, m, cf, gpar, slots, goff, gcand)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(("bits", "d"), [(4, 64), (2, 64)])
+def test_device_grid_search_is_the_full_search(bits, d):
+    """The device variant of the candidate-grid search, one group per thread, on random,
+    clamped and boundary groups (those of ``tests/ops/test_headvq_grid.py``): the full
+    search's index, every one, as the CPU twin's."""
+    from numba_kv.ops.headvq_grid import search_grid
+
+    from ..ops.test_headvq_grid import boundary_groups, full_search
+
+    rng = np.random.default_rng(bits)
+    cents = headvq_centroids(bits, d)
+    m = cents.shape[1]
+    y = np.concatenate([(rng.standard_normal((40, m)) / d ** 0.5).astype(np.float32),
+                        rng.uniform(-1, 1, (10, m)).astype(np.float32), boundary_groups(rng, cents, d, 10)])
+    gpar, goff, gcand, slots = search_grid(cents, d)
+
+    out = to_device(np.zeros(len(y), np.int32))
+    args = [to_device(np.ascontiguousarray(a)) for a in (y.reshape(-1), cents.reshape(-1), gpar, slots, goff, gcand)]
+    _grid_kernel[(len(y) + 31) // 32, 32](m, *args, out)
+    assert np.array_equal(to_host(out), full_search(y, cents))

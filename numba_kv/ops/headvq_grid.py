@@ -1,0 +1,174 @@
+"""Candidate grid of the head VQ code's nearest-point search (:mod:`numba_kv.ops.headvq`).
+
+The head VQ code picks, for every group of ``m`` rotated coordinates, the nearest of 256
+points.  A full search computes 256 distances per group, which made quantizing the VQ code
+8× (natively) to 20× (AVX2) slower than the scalar head code, and a ``kv3`` decode step 2–3×
+a ``kv4`` one.  A grid over the group's coordinates lists, per cell, every point that can
+be the nearest somewhere in the cell; the search computes the distances to those points
+only, in increasing index order, with the full search's float32 operations and its tie
+rule (the lowest index), so the codes are bit for bit the full search's.  For uniform unit
+vectors a group looks at about 2 points (pairs) or 11 (quads) instead of 256.
+
+**Cells.**  ``G`` cells per axis over ``[−span, span]`` in the codebook's ``√d·u`` units
+(pairs: ``G = 64``, ``span = 3``; quads: ``G = 8``, ``span = 2.4``), the outermost cells
+unbounded outwards, ``G**m`` cells in all.  A coordinate ``y`` (in the units of the rotated
+unit vector) falls in cell ``clamp(int(y·a + b), 0, G − 1)`` along its axis, ``a = √d·G/(2·span)``
+and ``b = G/2`` in float32 (:data:`GRID_PARAMS` row: ``a``, ``b``, ``G``).
+
+**Why the lists are complete.**  A point ``p`` is the nearest at ``y`` only if ``y`` lies in
+every half-space ``H_pq = {y : 2⟨y, q − p⟩ <= ‖q‖² − ‖p‖²}``; so ``p`` is left out of a cell
+only when some ``H_pq`` misses the cell (the minimum of the linear form over the box is past
+the bound), or — for a bounded cell — when ``p`` is farther from the whole cell than the
+farthest corner of some other point (``min_{y∈C} ‖y − p‖² > min_q max_{y∈C} ‖y − q‖²``).  Two
+margins make this hold for the op's float32 arithmetic:
+
+* each cell is widened by ``1e-3`` of a cell on every side: ``y·a + b`` is computed in float32
+  (values below ``2G``) within ``2·2G·2⁻²⁴`` (under ``1e-5``) of a cell boundary's true side;
+* every test has a slack of ``1e-5``: the op's squared distance ``s`` (``e = y − c`` rounded,
+  products rounded, sums rounded) is within ``5·2⁻²⁴·D`` of the exact ``D`` of the same
+  float32 ``y`` and ``c``, and ``D <= (1 + max‖c‖)² < 4`` (a group of a unit vector, points
+  inside the unit ball in these units), so a point the float32 comparison prefers to ``q`` has
+  ``D_p <= D_q + 2.4e-6``.
+
+The tests compare the grid search with the full search on random, boundary and clamped
+vectors for every codebook (``tests/ops/test_headvq_grid.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+
+from .._jit import cpu_serial
+
+__all__ = ["GRID_PARAMS", "MARGIN", "SLACK", "search_grid"]
+
+#: ``(G, span, P)`` per group size ``m``: cells per axis, the covered range in ``√d·u`` units,
+#: and the slots per cell (a cell's first ``P`` candidates, padded: a fixed-length loop the
+#: CPU twin vectorizes across vectors; a group of a uniform unit vector has more than ``P``
+#: candidates in 0.0 % (pairs) and 2.5 % (quads) of cases, searched by a tail loop)
+GRID_PARAMS = {2: (64, 3.0, 4), 4: (8, 2.4, 16)}
+#: widening of every cell, in cells, on each side (covers float32 rounding of ``y·a + b``)
+MARGIN = 1e-3
+#: slack of the exclusion tests (covers float32 squared distances; see the module docstring)
+SLACK = 1e-5
+
+_LOCK = threading.Lock()
+_GRIDS: dict[bytes, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
+_BY_ID: dict[int, tuple] = {}  # id(read-only codebook) -> (the codebook, d, its grid)
+
+
+@cpu_serial
+def _candidates(c, lo, hi, slack):
+    """``out[i, p]``: whether point ``p`` of ``c`` ``[K, m]`` (float64) can be the nearest
+    somewhere in the box ``lo[i] <= y <= hi[i]`` (float64 ``[cells, m]``, ``±inf`` allowed)."""
+    k_size, m = c.shape
+    n = lo.shape[0]
+    out = np.zeros((n, k_size), np.bool_)
+    nrm = np.zeros(k_size)
+    for k in range(k_size):
+        for j in range(m):
+            nrm[k] += c[k, j] * c[k, j]
+    for i in range(n):
+        ub = np.inf  # min over points of the farthest squared distance from the box (inf: unbounded)
+        for q in range(k_size):
+            far = 0.0
+            for j in range(m):
+                f = max(abs(c[q, j] - lo[i, j]), abs(c[q, j] - hi[i, j]))
+                far += f * f
+            ub = min(ub, far)
+        for p in range(k_size):
+            near = 0.0
+            for j in range(m):
+                f = max(lo[i, j] - c[p, j], 0.0, c[p, j] - hi[i, j])
+                near += f * f
+            if near > ub + slack:
+                continue
+            ok = True
+            for q in range(k_size):
+                if q == p:
+                    continue
+                low = 0.0  # min over the box of 2<y, q - p> (-inf where the box is unbounded that way)
+                for j in range(m):
+                    a = 2.0 * (c[q, j] - c[p, j])
+                    if a > 0.0:
+                        low += a * lo[i, j]
+                    elif a < 0.0:
+                        low += a * hi[i, j]
+                if low > nrm[q] - nrm[p] + slack:
+                    ok = False
+                    break
+            out[i, p] = ok
+    return out
+
+
+def _build(cents: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The grid of :func:`search_grid`, built (uncached)."""
+    m = int(cents.shape[1])
+    g, span, p = GRID_PARAMS[m]
+    a = np.float32(math.sqrt(d) * g / (2.0 * span))
+    b = np.float32(g / 2)
+    # cell i of an axis holds y·a + b in [i, i + 1): y in [(i − b)/a, (i + 1 − b)/a), widened
+    i = np.arange(g, dtype=np.float64)
+    lo1 = (i - MARGIN - float(b)) / float(a)
+    hi1 = (i + 1 + MARGIN - float(b)) / float(a)
+    lo1[0], hi1[-1] = -np.inf, np.inf
+    idx = np.stack([ax.ravel() for ax in np.meshgrid(*[np.arange(g)] * m, indexing="ij")], axis=-1)
+    mask = _candidates(np.asarray(cents, np.float64), lo1[idx], hi1[idx], SLACK)
+    counts = mask.sum(axis=1)
+    offsets = np.zeros(len(counts) + 1, np.int32)
+    np.cumsum(counts, out=offsets[1:])
+    cand = np.nonzero(mask)[1].astype(np.uint8)  # row-major: each cell's points in index order
+    # slot j of a cell: its candidate j, or (past its count) its first one again, whose
+    # distance is then computed twice: equal, never strictly smaller, so nothing changes
+    j = np.arange(p)[None, :]
+    slots = cand[offsets[:-1, None] + np.where(j < counts[:, None], j, 0)].ravel()
+    params = np.array([a, b, g, p], np.float32)
+    for arr in (params, offsets, cand, slots):
+        arr.flags.writeable = False
+    return params, offsets, cand, slots
+
+
+def search_grid(cents: np.ndarray, d: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The candidate grid of the nearest-point search on ``cents`` at head dimension ``d``.
+
+    Parameters
+    ----------
+    cents : float32 array, shape ``(256, m)``
+        The kernels' codebook in the units of the rotated vector
+        (:func:`~numba_kv.ops.headvq.headvq_centroids`), ``m`` 2 or 4.
+    d : int
+        Head dimension (sets the cell width in those units).
+
+    Returns
+    -------
+    params : float32 array, shape ``(4,)``
+        ``a``, ``b``, ``G`` and ``P``: a coordinate ``y`` is in cell ``clamp(int(y·a + b), 0,
+        G − 1)`` along its axis; the cell of a group is ``((i₀·G + i₁)·G + i₂)·G + i₃`` (two
+        axes for pairs).
+    offsets : int32 array, shape ``(G**m + 1,)``
+        Cell ``c``'s candidates are ``cand[offsets[c] : offsets[c + 1]]``.
+    cand : uint8 array
+        Point indices, increasing within each cell.
+    slots : uint8 array, shape ``(G**m · P,)``
+        ``slots[c·P + j]``: candidate ``j`` of cell ``c`` for ``j`` below its count, else its
+        first candidate; a search takes the ``P`` slots, then ``cand[offsets[c] + P :
+        offsets[c + 1]]``.
+
+    Built once per codebook (0.1–0.5 s) and kept; the arrays are read-only.
+    """
+    same = _BY_ID.get(id(cents))  # (the caches pass the one cached codebook array: no hashing)
+    if same is not None and same[0] is cents and same[1] == d:
+        return same[2]
+    key = np.ascontiguousarray(cents, np.float32).tobytes() + int(d).to_bytes(4, "little")
+    hit = _GRIDS.get(key)
+    if hit is None:
+        with _LOCK:
+            hit = _GRIDS.get(key)
+            if hit is None:
+                hit = _GRIDS[key] = _build(np.asarray(cents, np.float32), int(d))
+    if not cents.flags.writeable:  # (a writeable array could change under the same id)
+        _BY_ID[id(cents)] = (cents, d, hit)
+    return hit
