@@ -38,7 +38,7 @@ lower) and 0.0961 against 0.1159 at 2 bits (0.81 dB lower); ``docs/api/ops.md`` 
 ``d``.
 
 The nearest-point search looks only at the points its grid cell lists
-(:mod:`numba_kv.ops.headvq_grid`: about 2 for pairs and 11 for quads instead of 256), in
+(:mod:`numba_kv.ops.headvq_grid`: about 2 for pairs and 8 for quads instead of 256), in
 index order with the same float32 distances, so it returns the full search's point.
 
 Twins: the CPU twins work on tiles of ``LANES`` vectors interleaved lane by lane like the
@@ -263,8 +263,9 @@ def _cell_axis(y, a, b, gn):
 def _nearest_lanes(t, d, L, nl, m, cf, gpar, slots, goff, gcand, ib):
     """``ib[g·L + l]`` = :func:`_grid_nearest` of group ``g`` of lane ``l < nl`` of ``t``, lane
     by lane (each search keeps its point and distance in registers).  Measured against the
-    full search's branch-free pass over 64 lanes per point: as fast with AVX-512 for quads,
-    1.7× faster for pairs, 3–6× faster with AVX2 code generation or for a few vectors."""
+    full search's branch-free pass over 64 lanes per point (2-vCPU AMD EPYC, d = 128): within
+    ±10 % with AVX-512 for quads, 1.5–1.7× faster for pairs, 2–4× faster with AVX2 code
+    generation, and 3–6× for the few vectors of a decode step."""
     for g in range(d // m):
         for l in range(nl):
             ib[g * L + l] = uint8(_grid_nearest(t, g * m * L + l, L, m, cf, gpar, slots, goff, gcand))
