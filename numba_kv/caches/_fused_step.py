@@ -37,7 +37,7 @@ from ..ops.attention.step_cpu import ROTATE_BLOCK, ROTATE_HEAD
 from ..ops.blockquant import quantize_pair_into
 from ..ops.hadamard import SIGNS32, rotate32_rows
 from ..ops.headquant import head_signs, quantize_head_pair_into, rotate_head_rows
-from ..ops.window8 import window8_head_args, window8_head_step
+from ..ops.window8 import window8_head_args, window8_head_step, window8_headvq_args
 from ._layer import LayerState, finite_astype
 from ._window import layer_counts, plan_store
 from .protocol import AttendConfig, DecodeOutput, Fused
@@ -170,8 +170,9 @@ class FusedDecodeMixin:
                             n_comp: int) -> bool:
         """The store of a small step (a decode step) in one serial call
         (:func:`~numba_kv.ops.window8.window8_head_step`) when it applies: NumPy float32
-        inputs, an int8 window, the whole-head quantizer without channel split, and a key
-        mean already frozen (if any).  The call also writes the exact tokens' positions for
+        inputs, an int8 window, the whole-head quantizer without channel split (the scalar or
+        the VQ code on both sides, binary16 or 8-bit norms), a key mean already frozen (if
+        any) and an 8-bit grid already fixed (if any).  The call also writes the exact tokens' positions for
         the attention that follows (:meth:`ExactWindow.positions` then finds them current).
         Returns whether it stored (else the caller stores op by op, with the same bytes)."""
         if not self._window8_head or type(k) is not np.ndarray or type(v) is not np.ndarray:
@@ -191,6 +192,8 @@ class FusedDecodeMixin:
             if not st.meta.get("kmean_set", 0):
                 return False  # the first chunk sets the mean (op by op)
             kmean = bufs["k_chmean"]
+        if self._norm8 and "norm8_base" not in st.meta:
+            return False  # the first store fixes the 8-bit grid (op by op)
         win = self._window
         n_sink += plan.sinks
         n_win = plan.keep_old + plan.keep_new
@@ -199,11 +202,14 @@ class FusedDecodeMixin:
         # the arguments that stay put, once per buffer set (the buffer dict is replaced as a whole)
         hit = st.scratch.get("window8_args")
         if hit is None or hit[0] is not bufs or hit[1] is not pos:
-            hit = st.scratch["window8_args"] = (bufs, pos, window8_head_args(
-                kex, bufs["k_exact_scale"], bufs["v_exact"], bufs["v_exact_scale"], win.rot_code, win.rot_signs,
-                self._head_signs, self.codebooks["k"], self.codebooks["v"], self.config.unbiased, bufs["k_codes"],
-                bufs["k_scales"], bufs["v_codes"], bufs["v_scales"], pos))
-        window8_head_step(k, v, kmean, plan, sinks, st.seq_len, n_comp, pos_counts, hit[2])
+            windows = (kex, bufs["k_exact_scale"], bufs["v_exact"], bufs["v_exact_scale"], win.rot_code, win.rot_signs,
+                       self._head_signs)
+            stores = (self.config.unbiased, bufs["k_codes"], bufs["k_scales"], bufs["v_codes"], bufs["v_scales"], pos)
+            static = (window8_headvq_args(*windows, self._vq_cents["k"], self._vq_cents["v"], *stores, self._norm8)
+                      if self._vq_cents else
+                      window8_head_args(*windows, self.codebooks["k"], self.codebooks["v"], *stores, self._norm8))
+            hit = st.scratch["window8_args"] = (bufs, pos, static)
+        window8_head_step(k, v, kmean, plan, sinks, st.seq_len, n_comp, pos_counts, hit[2], self._norm8_base16(st))
         st.scratch["exact_pos_of"] = pos_counts
         return True
 

@@ -40,7 +40,7 @@ from .._validate import check_span
 from ._registry import register
 from .attention.layout import F16_ABS_TABLE, NORM8_SLOT0
 
-__all__ = ["LOG16", "NORM8_SLOT0", "NORM8_STEPS", "norm8_base16", "norm8_codes", "norm8_decode_table",
+__all__ = ["LOG16", "NORM8_SLOT0", "NORM8_STEPS", "STORE_NORM8", "norm8_base16", "norm8_codes", "norm8_decode_table",
            "norm8_scale_rows_into", "norm8_scale_table", "norm8_store_into", "norm8_top"]
 
 #: grid steps per octave
@@ -205,6 +205,8 @@ def _norm8_scale_rows_cuda(norms8, table8, t0, out):
 _STORE = register("norm8_store", _norm8_store_cpu, _norm8_store_cuda,
                   ["void(uint8[:, :, ::1], uint16[:, :, ::1], int16[::1], int64, int64, uint8[:, :, ::1], "
                    "uint8[:, :, ::1])"])
+#: the registered store (its ``.cpu.serial`` runs inside other serial CPU cores)
+STORE_NORM8 = _STORE
 _SCALE = register("norm8_scale_rows", _norm8_scale_rows_cpu, _norm8_scale_rows_cuda,
                   ["void(uint8[:, :, ::1], float32[::1], int64, float32[:, :, ::1])"])
 

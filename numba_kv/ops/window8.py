@@ -38,10 +38,13 @@ from .finite import FOLD_SIG
 from .hadamard import load_rotate_store_cpu
 from .half import f16_bits_to_f32_dev
 from .headquant import QUANTIZE_HEAD
+from .headvq import QUANTIZE_HEADVQ
+from .headvq_grid import search_grid
 from .memory import check_store_plan, shift_column_dev, store_launch_args, store_tail_cpu, store_tail_dev
+from .norm8 import LOG16, STORE_NORM8
 
 __all__ = ["ROT_BLOCK", "ROT_HEAD", "ROT_NONE", "slide_windows8", "window8_head_args", "window8_head_step",
-           "window8_store"]
+           "window8_headvq_args", "window8_store"]
 
 #: rotation of the stored int8 vectors: none, whole head, per 32-block
 ROT_NONE, ROT_HEAD, ROT_BLOCK = 0, 1, 2
@@ -159,22 +162,23 @@ def window8_store(x3: np.ndarray, ex: np.ndarray, exs: np.ndarray, plan: Any, si
 
 _NO_MEAN = np.zeros((1, 1, 1), np.float32)  # the key mean's placeholder without key centering (never read)
 
-# the serial compilation of the head quantizer's CPU twin, called from the serial step below
-# (one decode step's few evicted vectors: far below the parallel threshold)
+# the serial compilations of the head quantizers' and the 8-bit norm store's CPU twins, called
+# from the serial step below (one decode step's few evicted vectors: far below the parallel threshold)
 _quantize_head_serial = QUANTIZE_HEAD.cpu.serial
+_quantize_headvq_serial = QUANTIZE_HEADVQ.cpu.serial
+_norm8_store_serial = STORE_NORM8.cpu.serial
 
 
 @cpu_serial
-def _window8_head_step_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, t0, n_sink,
-                           pos_base, n_win, kex, kexs, vex, vexs, rot, rsigns, qsigns, kbounds, kcents, kbits, vbounds,
-                           vcents, vbits, unbiased, kcodes, knorms, vcodes, vnorms, pos):
-    """Serial: both sides of one store (see :func:`window8_head_step`)."""
+def _windows_store_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, n_sink, pos_base,
+                       n_win, kex, kexs, vex, vexs, rot, rsigns, pos, kx_own, ev_own):
+    """Serial: keys centered on ``kmean`` (into ``kx_own``) when ``center``, both sides stored
+    into their windows (the tokens leaving them into ``ev_own[0]`` / ``ev_own[1]``), and the
+    exact tokens' positions after the store written."""
     b, h, n, d = k4.shape
     rows = b * h
     k3 = k4.reshape((rows, n, d))
     v3 = v4.reshape((rows, n, d))
-    ne = e_old + e_new
-    kx_own = np.empty((rows, n if center else 0, d), dtype=np.float32)
     kx = k3
     if center:  # x − m in float32, as NumPy's broadcast subtraction of the key mean
         kx = kx_own
@@ -182,27 +186,102 @@ def _window8_head_step_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, kee
             for t in range(n):
                 for j in range(d):
                     kx[r, t, j] = k3[r, t, j] - kmean[r, 0, j]
-    ev_own = np.empty((2, rows, ne, d), dtype=np.float32)
-    # borrowed views (numba_kv.ops._borrow) into the calls below; the owners live to the end
+    # borrowed views (numba_kv.ops._borrow) into the calls below; the caller keeps the owners
     kx, v3, kev, vev = borrowed(kx), borrowed(v3), borrowed(ev_own[0]), borrowed(ev_own[1])
     _window8_store_cpu(kx, kex, kexs, kev, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, rot, rsigns)
     _window8_store_cpu(v3, vex, vexs, vev, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, rot, rsigns)
-    if ne:
-        _quantize_head_serial(kev, qsigns, kbounds, kcents, unbiased, kbits, t0, kcodes, knorms)
-        _quantize_head_serial(vev, qsigns, vbounds, vcents, unbiased, vbits, t0, vcodes, vnorms)
     # the exact tokens' positions after the store: sinks 0 .. n_sink-1, the window from pos_base
     for i in range(n_sink):
         pos[i] = i
     for i in range(n_win):
         pos[n_sink + i] = pos_base + i
+
+
+@cpu_serial
+def _head_side(ev, qsigns, bounds, cents, bits, unbiased, t0, norm8, base16, log16, codes, norms16, norms8):
+    """Serial: the evicted vectors ``ev`` of one side by the scalar head code into ``codes`` at
+    ``t0``, with binary16 norms into ``norms16``, or with ``norm8`` through scratch into the
+    8-bit plane ``norms8`` (grid base ``base16``), as the op-by-op store does."""
+    if not norm8:
+        _quantize_head_serial(ev, qsigns, bounds, cents, unbiased, bits, t0, codes, norms16)
+        return
+    tc = np.empty((ev.shape[0], ev.shape[1], codes.shape[2]), dtype=np.uint8)
+    tn = np.empty((ev.shape[0], ev.shape[1], 1), dtype=np.uint16)
+    _quantize_head_serial(ev, qsigns, bounds, cents, unbiased, bits, 0, tc, tn)
+    _norm8_store_serial(tc, tn, log16, base16, t0, codes, norms8)
+
+
+@cpu_serial
+def _headvq_side(ev, qsigns, cents, gpar, slots, goff, gcand, unbiased, t0, norm8, base16, log16, codes, norms16,
+                 norms8):
+    """:func:`_head_side` for the head VQ code (``cents`` and its candidate grid)."""
+    if not norm8:
+        _quantize_headvq_serial(ev, qsigns, cents, gpar, slots, goff, gcand, unbiased, t0, codes, norms16)
+        return
+    tc = np.empty((ev.shape[0], ev.shape[1], codes.shape[2]), dtype=np.uint8)
+    tn = np.empty((ev.shape[0], ev.shape[1], 1), dtype=np.uint16)
+    _quantize_headvq_serial(ev, qsigns, cents, gpar, slots, goff, gcand, unbiased, 0, tc, tn)
+    _norm8_store_serial(tc, tn, log16, base16, t0, codes, norms8)
+
+
+@cpu_serial
+def _window8_head_step_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, t0, n_sink,
+                           pos_base, n_win, base16, kex, kexs, vex, vexs, rot, rsigns, qsigns, kbounds, kcents, kbits,
+                           vbounds, vcents, vbits, unbiased, norm8, log16, kcodes, knorms, knorms8, vcodes, vnorms,
+                           vnorms8, pos):
+    """Serial: both sides of one store, the scalar head code (see :func:`window8_head_step`)."""
+    b, h, n, d = k4.shape
+    ne = e_old + e_new
+    kx_own = np.empty((b * h, n if center else 0, d), dtype=np.float32)
+    ev_own = np.empty((2, b * h, ne, d), dtype=np.float32)
+    _windows_store_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, n_sink, pos_base,
+                       n_win, kex, kexs, vex, vexs, rot, rsigns, pos, kx_own, ev_own)
+    if ne:
+        _head_side(borrowed(ev_own[0]), qsigns, kbounds, kcents, kbits, unbiased, t0, norm8, base16, log16, kcodes,
+                   knorms, knorms8)
+        _head_side(borrowed(ev_own[1]), qsigns, vbounds, vcents, vbits, unbiased, t0, norm8, base16, log16, vcodes,
+                   vnorms, vnorms8)
     keep_alive(kx_own)
     keep_alive(ev_own)
+
+
+@cpu_serial
+def _window8_headvq_step_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, t0, n_sink,
+                             pos_base, n_win, base16, kex, kexs, vex, vexs, rot, rsigns, qsigns, kcents, kgpar,
+                             kslots, kgoff, kgcand, vcents, vgpar, vslots, vgoff, vgcand, unbiased, norm8, log16,
+                             kcodes, knorms, knorms8, vcodes, vnorms, vnorms8, pos):
+    """Serial: both sides of one store, the head VQ code (see :func:`window8_head_step`)."""
+    b, h, n, d = k4.shape
+    ne = e_old + e_new
+    kx_own = np.empty((b * h, n if center else 0, d), dtype=np.float32)
+    ev_own = np.empty((2, b * h, ne, d), dtype=np.float32)
+    _windows_store_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, n_sink, pos_base,
+                       n_win, kex, kexs, vex, vexs, rot, rsigns, pos, kx_own, ev_own)
+    if ne:
+        _headvq_side(borrowed(ev_own[0]), qsigns, kcents, kgpar, kslots, kgoff, kgcand, unbiased, t0, norm8, base16,
+                     log16, kcodes, knorms, knorms8)
+        _headvq_side(borrowed(ev_own[1]), qsigns, vcents, vgpar, vslots, vgoff, vgcand, unbiased, t0, norm8, base16,
+                     log16, vcodes, vnorms, vnorms8)
+    keep_alive(kx_own)
+    keep_alive(ev_own)
+
+
+_NORMS_NONE16 = np.zeros((1, 1, 1), np.uint16)  # the norm plane a store does not write (never read)
+_NORMS_NONE8 = np.zeros((1, 1, 1), np.uint8)
+
+
+def _norm_planes(knorms: np.ndarray, vnorms: np.ndarray, norm8: bool) -> tuple:
+    """``(norm8, LOG16, knorms16, knorms8, vnorms16, vnorms8)``: the planes the store writes,
+    placeholders for the others (a serial core types both branches)."""
+    if norm8:
+        return True, LOG16, _NORMS_NONE16, knorms, _NORMS_NONE16, vnorms
+    return False, LOG16, knorms, _NORMS_NONE8, vnorms, _NORMS_NONE8
 
 
 def window8_head_args(kex: np.ndarray, kexs: np.ndarray, vex: np.ndarray, vexs: np.ndarray, rot: int,
                       rsigns: np.ndarray, qsigns: np.ndarray, kcb: Any, vcb: Any, unbiased: bool,
                       kcodes: np.ndarray, knorms: np.ndarray, vcodes: np.ndarray, vnorms: np.ndarray,
-                      pos: np.ndarray) -> tuple:
+                      pos: np.ndarray, norm8: bool = False) -> tuple:
     """The arguments of :func:`window8_head_step` that stay the same from step to step while a
     layer's buffers stay put (a cache builds them once per buffer set).
 
@@ -219,21 +298,45 @@ def window8_head_args(kex: np.ndarray, kexs: np.ndarray, vex: np.ndarray, vexs: 
     unbiased : bool
         The EDEN rescale of the stored norms.
     kcodes, knorms, vcodes, vnorms
-        The compressed store (uint8 codes, uint16 norms ``[rows, capacity, 1]``).
+        The compressed store (uint8 codes; norms uint16 ``[rows, capacity, 1]``, or uint8 with
+        ``norm8``).
     pos : int32 array
         The exact tokens' position buffer (long enough for the window and the sinks).
+    norm8 : bool
+        8-bit norms (``norm_bits=8``): the norms are encoded on the grid whose base the step
+        is given (:func:`~numba_kv.ops.norm8.norm8_store_into`).
     """
-    return (kex, kexs, vex, vexs, int(rot), rsigns, qsigns, kcb.boundaries, kcb.centroids, int(kcb.bits),
-            vcb.boundaries, vcb.centroids, int(vcb.bits), bool(unbiased), kcodes, knorms, vcodes, vnorms, pos)
+    n8, log16, kn16, kn8, vn16, vn8 = _norm_planes(knorms, vnorms, norm8)
+    return (_window8_head_step_cpu, kex, kexs, vex, vexs, int(rot), rsigns, qsigns, kcb.boundaries, kcb.centroids,
+            int(kcb.bits), vcb.boundaries, vcb.centroids, int(vcb.bits), bool(unbiased), n8, log16, kcodes, kn16, kn8,
+            vcodes, vn16, vn8, pos)
+
+
+def window8_headvq_args(kex: np.ndarray, kexs: np.ndarray, vex: np.ndarray, vexs: np.ndarray, rot: int,
+                        rsigns: np.ndarray, qsigns: np.ndarray, kcents: np.ndarray, vcents: np.ndarray,
+                        unbiased: bool, kcodes: np.ndarray, knorms: np.ndarray, vcodes: np.ndarray,
+                        vnorms: np.ndarray, pos: np.ndarray, norm8: bool = False) -> tuple:
+    """:func:`window8_head_args` for a cache whose sides both store the head VQ code:
+    ``kcents``, ``vcents`` are :func:`~numba_kv.ops.headvq.headvq_centroids` of each side
+    (their candidate grids, :func:`~numba_kv.ops.headvq_grid.search_grid`, are looked up
+    here); the other arguments as there."""
+    d = int(kex.shape[2])
+    n8, log16, kn16, kn8, vn16, vn8 = _norm_planes(knorms, vnorms, norm8)
+    kg, vg = search_grid(kcents, d), search_grid(vcents, d)
+    return (_window8_headvq_step_cpu, kex, kexs, vex, vexs, int(rot), rsigns, qsigns, kcents, kg[0], kg[3], kg[1],
+            kg[2], vcents, vg[0], vg[3], vg[1], vg[2], bool(unbiased), n8, log16, kcodes, kn16, kn8, vcodes, vn16,
+            vn8, pos)
 
 
 def window8_head_step(k4: np.ndarray, v4: np.ndarray, kmean: np.ndarray | None, plan: Any, sinks: int, seq_len: int,
-                      t0: int, pos_counts: tuple[int, int, int], static: tuple) -> None:
+                      t0: int, pos_counts: tuple[int, int, int], static: tuple, base16: int = 0) -> None:
     """One serial call for the whole store of a head-quantized cache with an int8 window:
     keys centered on ``kmean`` (when given), both sides stored into their windows by ``plan``
     (:func:`window8_store`), the tokens leaving the windows quantized by the whole-head
-    quantizer into the compressed store at ``t0`` (:func:`~numba_kv.ops.headquant.quantize_head_into`),
-    and the exact tokens' positions after the store written.
+    quantizer into the compressed store at ``t0`` (:func:`~numba_kv.ops.headquant.quantize_head_into`,
+    or :func:`~numba_kv.ops.headvq.quantize_headvq_into` with :func:`window8_headvq_args`; with
+    8-bit norms through a scratch plane and :func:`~numba_kv.ops.norm8.norm8_store_into`), and
+    the exact tokens' positions after the store written.
 
     For one decode step's few tokens: done op by op these are two NumPy operations and four
     kernel dispatches with their Python around them, each costing more than its work.  The
@@ -257,12 +360,15 @@ def window8_head_step(k4: np.ndarray, v4: np.ndarray, kmean: np.ndarray | None, 
     pos_counts : (n_sink, first window position, n_win)
         After the store: ``pos[:n_sink + n_win]`` ← ``0, …, n_sink − 1, first, …, first + n_win − 1``.
     static : tuple
-        :func:`window8_head_args` of the layer's buffers.
+        :func:`window8_head_args` (scalar code) or :func:`window8_headvq_args` (VQ code) of the
+        layer's buffers.
+    base16 : int
+        The layer's 8-bit norm grid base (1/16 octaves; read only with ``norm8``).
     """
     a, e_old, e_new, keep_old, keep_new = plan
     center = kmean is not None
-    _window8_head_step_cpu(k4, v4, kmean if center else _NO_MEAN, center, a, e_old, e_new, keep_old, keep_new, sinks,
-                           seq_len, t0, pos_counts[0], pos_counts[1], pos_counts[2], *static)
+    static[0](k4, v4, kmean if center else _NO_MEAN, center, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, t0,
+              pos_counts[0], pos_counts[1], pos_counts[2], int(base16), *static[1:])
 
 
 # --- the store of a decode step into int8 windows in one launch, on any device ----------------

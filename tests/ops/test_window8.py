@@ -55,13 +55,17 @@ def test_window8_store_matches_the_op_by_op_path(rotation, n, stored, n_win):
         np.testing.assert_array_equal(states[1].buffers[key], states[0].buffers[key])
 
 
+@pytest.mark.parametrize("code, norm8", [("scalar", False), ("scalar", True), ("vq", False), ("vq", True)])
 @pytest.mark.parametrize("center", [False, True])
 @pytest.mark.parametrize("n, stored, n_win", [(1, 40, 12), (1, 2, 0), (3, 40, 12), (1, 10, 6)])
-def test_window8_head_step_matches_store_then_quantize(center, n, stored, n_win):
+def test_window8_head_step_matches_store_then_quantize(center, n, stored, n_win, code, norm8):
     """The fused store of a head-quantized cache (both sides, key centering, eviction into the
-    compressed store, positions) equals window8_store + quantize_head_into, bit for bit."""
+    compressed store, positions) equals window8_store + quantize_head_into (or
+    quantize_headvq_into; with 8-bit norms, into scratch + norm8_store_into), bit for bit."""
     from numba_kv.ops.headquant import head_codebook, head_signs, quantize_head_into
-    from numba_kv.ops.window8 import window8_head_args, window8_head_step
+    from numba_kv.ops.headvq import headvq_centroids, quantize_headvq_into
+    from numba_kv.ops.norm8 import norm8_store_into
+    from numba_kv.ops.window8 import window8_head_args, window8_head_step, window8_headvq_args
 
     d, S, R, b, h = 64, 4, 12, 1, 3
     rows, cap, t0 = b * h, 64, 7
@@ -70,6 +74,9 @@ def test_window8_head_step_matches_store_then_quantize(center, n, stored, n_win)
     n_sink = min(S, stored)
     plan = plan_store(n, stored, n_win, S, R)
     kcb, vcb = head_codebook(4, d), head_codebook(3, d)
+    kvq, vvq = headvq_centroids(4, d), headvq_centroids(2, d)
+    widths = {"k": d * 4 // 8, "v": d * (3 if code == "scalar" else 2) // 8}
+    base16 = -40
     old = (rng.standard_normal((2, rows, S + R, d)) * 3).astype(np.float32)
     k4, v4 = (rng.standard_normal((2, b, h, n, d)) * 2).astype(np.float32)
     kmean = (rng.standard_normal((rows, 1, d)) * 0.5).astype(np.float32) if center else None
@@ -80,28 +87,39 @@ def test_window8_head_step_matches_store_then_quantize(center, n, stored, n_win)
         for name, side in (("k", 0), ("v", 1)):
             st.buffers[name + "_exact"] = np.zeros((rows, S + R, d), np.int8)
             st.buffers[name + "_exact_scale"] = np.zeros((rows, S + R, 1), np.uint16)
-            st.buffers[name + "_codes"] = np.zeros((rows, cap, d * (4 if name == "k" else 3) // 8), np.uint8)
-            st.buffers[name + "_scales"] = np.zeros((rows, cap, 1), np.uint16)
+            st.buffers[name + "_codes"] = np.zeros((rows, cap, widths[name]), np.uint8)
+            st.buffers[name + "_scales"] = np.zeros((rows, cap, 1), np.uint8 if norm8 else np.uint16)
             win.write(st, name, old[side], 0, n_sink, 0)
             win.write(st, name, old[side], S, n_win, S)
         return st
 
     ref, got = fresh(), fresh()
-    for name, x, cb in (("k", k4, kcb), ("v", v4, vcb)):
+    for name, x, cb, cents in (("k", k4, kcb, kvq), ("v", v4, vcb, vvq)):
         x3 = x.reshape(rows, n, d)
         if name == "k" and center:
             x3 = np.ascontiguousarray(x3 - kmean, dtype=np.float32)
         out = []
         win.store(ref, name, x3, plan, S, out.append)
-        if out:
-            quantize_head_into(out[0], ref.buffers[name + "_codes"], ref.buffers[name + "_scales"], t0, cb, True)
+        if not out:
+            continue
+        ev, codes, scales = out[0], ref.buffers[name + "_codes"], ref.buffers[name + "_scales"]
+        tc = np.zeros((rows, ev.shape[1], widths[name]), np.uint8) if norm8 else codes
+        tn = np.zeros((rows, ev.shape[1], 1), np.uint16) if norm8 else scales
+        if code == "scalar":
+            quantize_head_into(ev, tc, tn, 0 if norm8 else t0, cb, True)
+        else:
+            quantize_headvq_into(ev, tc, tn, 0 if norm8 else t0, cents, True)
+        if norm8:
+            norm8_store_into(tc, tn, base16, t0, codes, scales)
     pos = np.full(S + R + 3, -1, np.int32)
     bufs = got.buffers
-    static = window8_head_args(bufs["k_exact"], bufs["k_exact_scale"], bufs["v_exact"], bufs["v_exact_scale"],
-                               win.rot_code, win.rot_signs, head_signs(d), kcb, vcb, True, bufs["k_codes"],
-                               bufs["k_scales"], bufs["v_codes"], bufs["v_scales"], pos)
+    windows = (bufs["k_exact"], bufs["k_exact_scale"], bufs["v_exact"], bufs["v_exact_scale"], win.rot_code,
+               win.rot_signs, head_signs(d))
+    stores = (True, bufs["k_codes"], bufs["k_scales"], bufs["v_codes"], bufs["v_scales"], pos, norm8)
+    static = (window8_head_args(*windows, kcb, vcb, *stores) if code == "scalar" else
+              window8_headvq_args(*windows, kvq, vvq, *stores))
     n_sink2, n_win2 = n_sink + plan.sinks, plan.keep_old + plan.keep_new
-    window8_head_step(k4, v4, kmean, plan, S, stored, t0, (n_sink2, 50, n_win2), static)
+    window8_head_step(k4, v4, kmean, plan, S, stored, t0, (n_sink2, 50, n_win2), static, base16)
     for key in ref.buffers:
         np.testing.assert_array_equal(got.buffers[key], ref.buffers[key], err_msg=key)
     expect = np.concatenate([np.arange(n_sink2), 50 + np.arange(n_win2)]).astype(np.int32)
