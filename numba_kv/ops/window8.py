@@ -198,13 +198,10 @@ def _windows_store_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, keep_ne
 
 
 @cpu_serial
-def _head_side(ev, qsigns, bounds, cents, bits, unbiased, t0, norm8, base16, log16, codes, norms16, norms8):
+def _head_side8(ev, qsigns, bounds, cents, bits, unbiased, t0, base16, log16, codes, norms8):
     """Serial: the evicted vectors ``ev`` of one side by the scalar head code into ``codes`` at
-    ``t0``, with binary16 norms into ``norms16``, or with ``norm8`` through scratch into the
-    8-bit plane ``norms8`` (grid base ``base16``), as the op-by-op store does."""
-    if not norm8:
-        _quantize_head_serial(ev, qsigns, bounds, cents, unbiased, bits, t0, codes, norms16)
-        return
+    ``t0``, their binary16 norms through scratch into the 8-bit plane ``norms8`` (grid base
+    ``base16``), as the op-by-op store does."""
     tc = np.empty((ev.shape[0], ev.shape[1], codes.shape[2]), dtype=np.uint8)
     tn = np.empty((ev.shape[0], ev.shape[1], 1), dtype=np.uint16)
     _quantize_head_serial(ev, qsigns, bounds, cents, unbiased, bits, 0, tc, tn)
@@ -214,7 +211,10 @@ def _head_side(ev, qsigns, bounds, cents, bits, unbiased, t0, norm8, base16, log
 @cpu_serial
 def _headvq_side(ev, qsigns, cents, gpar, slots, goff, gcand, unbiased, t0, norm8, base16, log16, codes, norms16,
                  norms8):
-    """:func:`_head_side` for the head VQ code (``cents`` and its candidate grid)."""
+    """The evicted vectors ``ev`` of one side by the head VQ code (``cents`` and its candidate
+    grid) into ``codes`` at ``t0``, with binary16 norms into ``norms16``, or with ``norm8`` as
+    :func:`_head_side8` does into ``norms8`` (a serial core types both branches: the plane not
+    written is a placeholder)."""
     if not norm8:
         _quantize_headvq_serial(ev, qsigns, cents, gpar, slots, goff, gcand, unbiased, t0, codes, norms16)
         return
@@ -227,9 +227,10 @@ def _headvq_side(ev, qsigns, cents, gpar, slots, goff, gcand, unbiased, t0, norm
 @cpu_serial
 def _window8_head_step_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, t0, n_sink,
                            pos_base, n_win, base16, kex, kexs, vex, vexs, rot, rsigns, qsigns, kbounds, kcents, kbits,
-                           vbounds, vcents, vbits, unbiased, norm8, log16, kcodes, knorms, knorms8, vcodes, vnorms,
-                           vnorms8, pos):
-    """Serial: both sides of one store, the scalar head code (see :func:`window8_head_step`)."""
+                           vbounds, vcents, vbits, unbiased, kcodes, knorms, vcodes, vnorms, pos):
+    """Serial: both sides of one store, the scalar head code with binary16 norms (see
+    :func:`window8_head_step`; ``base16`` unused).  Its own signature, without the 8-bit
+    planes: every argument of a call costs its unboxing, in ``kv4``'s every decode step."""
     b, h, n, d = k4.shape
     ne = e_old + e_new
     kx_own = np.empty((b * h, n if center else 0, d), dtype=np.float32)
@@ -237,10 +238,27 @@ def _window8_head_step_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, kee
     _windows_store_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, n_sink, pos_base,
                        n_win, kex, kexs, vex, vexs, rot, rsigns, pos, kx_own, ev_own)
     if ne:
-        _head_side(borrowed(ev_own[0]), qsigns, kbounds, kcents, kbits, unbiased, t0, norm8, base16, log16, kcodes,
-                   knorms, knorms8)
-        _head_side(borrowed(ev_own[1]), qsigns, vbounds, vcents, vbits, unbiased, t0, norm8, base16, log16, vcodes,
-                   vnorms, vnorms8)
+        _quantize_head_serial(borrowed(ev_own[0]), qsigns, kbounds, kcents, unbiased, kbits, t0, kcodes, knorms)
+        _quantize_head_serial(borrowed(ev_own[1]), qsigns, vbounds, vcents, unbiased, vbits, t0, vcodes, vnorms)
+    keep_alive(kx_own)
+    keep_alive(ev_own)
+
+
+@cpu_serial
+def _window8_head8_step_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, t0, n_sink,
+                            pos_base, n_win, base16, kex, kexs, vex, vexs, rot, rsigns, qsigns, kbounds, kcents, kbits,
+                            vbounds, vcents, vbits, unbiased, log16, kcodes, knorms8, vcodes, vnorms8, pos):
+    """Serial: both sides of one store, the scalar head code with 8-bit norms on the grid of
+    base ``base16`` (see :func:`window8_head_step`)."""
+    b, h, n, d = k4.shape
+    ne = e_old + e_new
+    kx_own = np.empty((b * h, n if center else 0, d), dtype=np.float32)
+    ev_own = np.empty((2, b * h, ne, d), dtype=np.float32)
+    _windows_store_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, n_sink, pos_base,
+                       n_win, kex, kexs, vex, vexs, rot, rsigns, pos, kx_own, ev_own)
+    if ne:
+        _head_side8(borrowed(ev_own[0]), qsigns, kbounds, kcents, kbits, unbiased, t0, base16, log16, kcodes, knorms8)
+        _head_side8(borrowed(ev_own[1]), qsigns, vbounds, vcents, vbits, unbiased, t0, base16, log16, vcodes, vnorms8)
     keep_alive(kx_own)
     keep_alive(ev_own)
 
@@ -306,10 +324,11 @@ def window8_head_args(kex: np.ndarray, kexs: np.ndarray, vex: np.ndarray, vexs: 
         8-bit norms (``norm_bits=8``): the norms are encoded on the grid whose base the step
         is given (:func:`~numba_kv.ops.norm8.norm8_store_into`).
     """
-    n8, log16, kn16, kn8, vn16, vn8 = _norm_planes(knorms, vnorms, norm8)
-    return (_window8_head_step_cpu, kex, kexs, vex, vexs, int(rot), rsigns, qsigns, kcb.boundaries, kcb.centroids,
-            int(kcb.bits), vcb.boundaries, vcb.centroids, int(vcb.bits), bool(unbiased), n8, log16, kcodes, kn16, kn8,
-            vcodes, vn16, vn8, pos)
+    head = (kex, kexs, vex, vexs, int(rot), rsigns, qsigns, kcb.boundaries, kcb.centroids, int(kcb.bits),
+            vcb.boundaries, vcb.centroids, int(vcb.bits), bool(unbiased))
+    if norm8:
+        return (_window8_head8_step_cpu, *head, LOG16, kcodes, knorms, vcodes, vnorms, pos)
+    return (_window8_head_step_cpu, *head, kcodes, knorms, vcodes, vnorms, pos)
 
 
 def window8_headvq_args(kex: np.ndarray, kexs: np.ndarray, vex: np.ndarray, vexs: np.ndarray, rot: int,
@@ -367,8 +386,9 @@ def window8_head_step(k4: np.ndarray, v4: np.ndarray, kmean: np.ndarray | None, 
     """
     a, e_old, e_new, keep_old, keep_new = plan
     center = kmean is not None
-    static[0](k4, v4, kmean if center else _NO_MEAN, center, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, t0,
-              pos_counts[0], pos_counts[1], pos_counts[2], int(base16), *static[1:])
+    step, args = static[0], static[1:]  # (a serial CPU core, not a kernel launch)
+    step(k4, v4, kmean if center else _NO_MEAN, center, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, t0,
+         pos_counts[0], pos_counts[1], pos_counts[2], int(base16), *args)
 
 
 # --- the store of a decode step into int8 windows in one launch, on any device ----------------
