@@ -171,12 +171,14 @@ _norm8_store_serial = STORE_NORM8.cpu.serial
 
 @cpu_serial
 def _windows_store_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, n_sink, pos_base,
-                       n_win, kex, kexs, vex, vexs, rot, rsigns, pos, kx_own, ev_own):
-    """Serial: keys centered on ``kmean`` (into ``kx_own``) when ``center``, both sides stored
-    into their windows (the tokens leaving them into ``ev_own[0]`` / ``ev_own[1]``), and the
-    exact tokens' positions after the store written."""
+                       n_win, kex, kexs, vex, vexs, rot, rsigns, pos):
+    """Serial: keys centered on ``kmean`` when ``center``, both sides stored into their windows,
+    and the exact tokens' positions after the store written.  Returns the tokens leaving the
+    windows, float32 ``[2 (K, V), rows, e_old + e_new, d]``, for the caller to quantize."""
     b, h, n, d = k4.shape
     rows = b * h
+    kx_own = np.empty((rows, n if center else 0, d), dtype=np.float32)
+    ev_own = np.empty((2, rows, e_old + e_new, d), dtype=np.float32)
     k3 = k4.reshape((rows, n, d))
     v3 = v4.reshape((rows, n, d))
     kx = k3
@@ -195,6 +197,8 @@ def _windows_store_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, keep_ne
         pos[i] = i
     for i in range(n_win):
         pos[n_sink + i] = pos_base + i
+    keep_alive(kx_own)
+    return ev_own
 
 
 @cpu_serial
@@ -231,16 +235,11 @@ def _window8_head_step_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, kee
     """Serial: both sides of one store, the scalar head code with binary16 norms (see
     :func:`window8_head_step`; ``base16`` unused).  Its own signature, without the 8-bit
     planes: every argument of a call costs its unboxing, in ``kv4``'s every decode step."""
-    b, h, n, d = k4.shape
-    ne = e_old + e_new
-    kx_own = np.empty((b * h, n if center else 0, d), dtype=np.float32)
-    ev_own = np.empty((2, b * h, ne, d), dtype=np.float32)
-    _windows_store_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, n_sink, pos_base,
-                       n_win, kex, kexs, vex, vexs, rot, rsigns, pos, kx_own, ev_own)
-    if ne:
+    ev_own = _windows_store_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, n_sink,
+                                pos_base, n_win, kex, kexs, vex, vexs, rot, rsigns, pos)
+    if e_old + e_new:
         _quantize_head_serial(borrowed(ev_own[0]), qsigns, kbounds, kcents, unbiased, kbits, t0, kcodes, knorms)
         _quantize_head_serial(borrowed(ev_own[1]), qsigns, vbounds, vcents, unbiased, vbits, t0, vcodes, vnorms)
-    keep_alive(kx_own)
     keep_alive(ev_own)
 
 
@@ -250,16 +249,11 @@ def _window8_head8_step_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, ke
                             vbounds, vcents, vbits, unbiased, log16, kcodes, knorms8, vcodes, vnorms8, pos):
     """Serial: both sides of one store, the scalar head code with 8-bit norms on the grid of
     base ``base16`` (see :func:`window8_head_step`)."""
-    b, h, n, d = k4.shape
-    ne = e_old + e_new
-    kx_own = np.empty((b * h, n if center else 0, d), dtype=np.float32)
-    ev_own = np.empty((2, b * h, ne, d), dtype=np.float32)
-    _windows_store_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, n_sink, pos_base,
-                       n_win, kex, kexs, vex, vexs, rot, rsigns, pos, kx_own, ev_own)
-    if ne:
+    ev_own = _windows_store_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, n_sink,
+                                pos_base, n_win, kex, kexs, vex, vexs, rot, rsigns, pos)
+    if e_old + e_new:
         _head_side8(borrowed(ev_own[0]), qsigns, kbounds, kcents, kbits, unbiased, t0, base16, log16, kcodes, knorms8)
         _head_side8(borrowed(ev_own[1]), qsigns, vbounds, vcents, vbits, unbiased, t0, base16, log16, vcodes, vnorms8)
-    keep_alive(kx_own)
     keep_alive(ev_own)
 
 
@@ -269,18 +263,13 @@ def _window8_headvq_step_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, k
                              kslots, kgoff, kgcand, vcents, vgpar, vslots, vgoff, vgcand, unbiased, norm8, log16,
                              kcodes, knorms, knorms8, vcodes, vnorms, vnorms8, pos):
     """Serial: both sides of one store, the head VQ code (see :func:`window8_head_step`)."""
-    b, h, n, d = k4.shape
-    ne = e_old + e_new
-    kx_own = np.empty((b * h, n if center else 0, d), dtype=np.float32)
-    ev_own = np.empty((2, b * h, ne, d), dtype=np.float32)
-    _windows_store_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, n_sink, pos_base,
-                       n_win, kex, kexs, vex, vexs, rot, rsigns, pos, kx_own, ev_own)
-    if ne:
+    ev_own = _windows_store_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, n_sink,
+                                pos_base, n_win, kex, kexs, vex, vexs, rot, rsigns, pos)
+    if e_old + e_new:
         _headvq_side(borrowed(ev_own[0]), qsigns, kcents, kgpar, kslots, kgoff, kgcand, unbiased, t0, norm8, base16,
                      log16, kcodes, knorms, knorms8)
         _headvq_side(borrowed(ev_own[1]), qsigns, vcents, vgpar, vslots, vgoff, vgcand, unbiased, t0, norm8, base16,
                      log16, vcodes, vnorms, vnorms8)
-    keep_alive(kx_own)
     keep_alive(ev_own)
 
 
