@@ -172,8 +172,9 @@ class FusedDecodeMixin:
         (:func:`~numba_kv.ops.window8.window8_head_step`) when it applies: NumPy float32
         inputs, an int8 window, the whole-head quantizer without channel split (the scalar or
         the VQ code on both sides, binary16 or 8-bit norms), a key mean already frozen (if
-        any) and an 8-bit grid already fixed (if any).  The call also writes the exact tokens' positions for
-        the attention that follows (:meth:`ExactWindow.positions` then finds them current).
+        any) and an 8-bit grid already fixed (if any).  The call also writes the exact
+        tokens' positions for the attention that follows (:meth:`ExactWindow.positions` then
+        finds them current).
         Returns whether it stored (else the caller stores op by op, with the same bytes)."""
         if not self._window8_head or type(k) is not np.ndarray or type(v) is not np.ndarray:
             return False

@@ -264,8 +264,9 @@ def _nearest_lanes(t, d, L, nl, m, cf, gpar, slots, goff, gcand, ib):
     """``ib[g·L + l]`` = :func:`_grid_nearest` of group ``g`` of lane ``l < nl`` of ``t``, lane
     by lane (each search keeps its point and distance in registers).  Measured against the
     full search's branch-free pass over 64 lanes per point (2-vCPU AMD EPYC, d = 128): within
-    ±10 % with AVX-512 for quads, 1.5–1.7× faster for pairs, 2–4× faster with AVX2 code
-    generation, and 3–6× for the few vectors of a decode step."""
+    ±10 % with AVX-512 for quads, up to 1.7× faster for pairs, 3–5× faster with AVX2 code
+    generation (``benchmarks/ab_headvq.py``), and faster still for the few vectors of a
+    decode step, which do not fill the vector unit."""
     for g in range(d // m):
         for l in range(nl):
             ib[g * L + l] = uint8(_grid_nearest(t, g * m * L + l, L, m, cf, gpar, slots, goff, gcand))
