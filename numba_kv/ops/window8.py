@@ -324,10 +324,25 @@ def window8_headvq_args(kex: np.ndarray, kexs: np.ndarray, vex: np.ndarray, vexs
                         rsigns: np.ndarray, qsigns: np.ndarray, kcents: np.ndarray, vcents: np.ndarray,
                         unbiased: bool, kcodes: np.ndarray, knorms: np.ndarray, vcodes: np.ndarray,
                         vnorms: np.ndarray, pos: np.ndarray, norm8: bool = False) -> tuple:
-    """:func:`window8_head_args` for a cache whose sides both store the head VQ code:
-    ``kcents``, ``vcents`` are :func:`~numba_kv.ops.headvq.headvq_centroids` of each side
-    (their candidate grids, :func:`~numba_kv.ops.headvq_grid.search_grid`, are looked up
-    here); the other arguments as there."""
+    """:func:`window8_head_args` for a cache whose sides both store the head VQ code.
+
+    Parameters
+    ----------
+    kex, kexs, vex, vexs, rot, rsigns, qsigns
+        As for :func:`window8_head_args`: the int8 windows (int8 ``[rows, S + R, d]``) and
+        their binary16 scales (uint16 ``[rows, S + R, 1]``), the window's rotation and signs,
+        and ``head_signs(d)``.
+    kcents, vcents : float32 arrays, shape ``(256, m)``
+        :func:`~numba_kv.ops.headvq.headvq_centroids` of each side; their candidate grids
+        (:func:`~numba_kv.ops.headvq_grid.search_grid`) are looked up here.
+    unbiased, kcodes, knorms, vcodes, vnorms, pos, norm8
+        As for :func:`window8_head_args` (codes uint8 ``[rows, capacity, d/m]``).
+
+    Returns
+    -------
+    tuple
+        The ``static`` argument of :func:`window8_head_step`.
+    """
     d = int(kex.shape[2])
     n8, log16, kn16, kn8, vn16, vn8 = _norm_planes(knorms, vnorms, norm8)
     kg, vg = search_grid(kcents, d), search_grid(vcents, d)
