@@ -36,7 +36,8 @@ from ..ops.attention import attention_plan
 from ..ops.attention.step_cpu import ROTATE_BLOCK, ROTATE_HEAD
 from ..ops.blockquant import quantize_pair_into
 from ..ops.hadamard import SIGNS32, rotate32_rows
-from ..ops.headquant import head_signs, quantize_head_pair_into, rotate_head_rows
+from ..ops.headpair import quantize_head_pair_into
+from ..ops.headquant import head_signs, rotate_head_rows
 from ..ops.window8 import window8_head_args, window8_head_step, window8_headvq_args
 from ._layer import LayerState, finite_astype
 from ._window import layer_counts, plan_store
@@ -121,10 +122,11 @@ class FusedDecodeMixin:
 
     def _compress_pair(self, st: LayerState, xk3: Any, xv3: Any, t0: int, staged: bool = False) -> None:
         """:meth:`_compress` of both sides (one shape) in one launch where the codes allow it
-        (this class's quantizer without channel split), else one side after the other.
-        ``staged``: the store's launch copied the layer's device count (``t0``) into the
-        step state's first slot, from which the launch then reads its offset."""
-        if not self._pair_quantize:
+        (this class's quantizer without channel split: with the whole-head rotation either
+        code on either side, either norm width, once the 8-bit grid is fixed), else one side
+        after the other.  ``staged``: the store's launch copied the layer's device count
+        (``t0``) into the step state's first slot, from which the launch then reads its offset."""
+        if not self._pair_quantize or (self._norm8 and "norm8_base" not in st.meta):
             self._compress(st, "k", xk3, t0)
             self._compress(st, "v", xv3, t0)
             return
@@ -138,7 +140,9 @@ class FusedDecodeMixin:
         b, cbs = st.buffers, self.codebooks
         args = (xk3, xv3, b["k_codes"], b["k_scales"], b["v_codes"], b["v_scales"], at, cbs["k"], cbs["v"])
         if self.rotation == "head":
-            quantize_head_pair_into(*args, self.unbiased, add_at=add_at)
+            codes = [self._vq_cents.get(name, cbs[name]) for name in ("k", "v")]
+            quantize_head_pair_into(*args[:7], *codes, self.unbiased, add_at=add_at,
+                                    base16=self._norm8_base16(st) if self._norm8 else None)
         else:
             quantize_pair_into(*args, self.outlier, unbiased=self.unbiased, add_at=add_at)
         if counted is not None:  # the launch advanced the device's count

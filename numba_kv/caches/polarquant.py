@@ -267,9 +267,8 @@ class PolarQuantCache(PolarQuantFields, HeadNormMixin, FusedDecodeMixin, Windowe
                               and not cfg.outlier_channels and self._compress.__func__ is PolarQuantCache._compress
                               and len(self._vq_cents) in (0, 2))
         # both sides of a decode step's evicted tokens in one launch (_compress_pair): this class's
-        # scalar quantizer without channel split (TurboQuant adds its QJL stage per side)
-        self._pair_quantize = (not cfg.outlier_channels and self._compress.__func__ is PolarQuantCache._compress
-                               and not self._vq_cents and cfg.norm_bits == 16)
+        # quantizer without channel split, any code (TurboQuant adds its QJL stage per side)
+        self._pair_quantize = not cfg.outlier_channels and self._compress.__func__ is PolarQuantCache._compress
         self._window = ExactWindow(self.head_dim, cfg.sink_tokens, cfg.residual_length,
                                    cfg.rotation if cfg.window_rotation else None, cfg.residual_fraction)
         # storage of the window buffers: the configured dtype, float32 for a float16 window while

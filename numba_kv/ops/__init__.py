@@ -10,6 +10,7 @@ from . import (  # noqa: F401
                blockquant,
                gather,
                hadamard,
+               headpair,
                headquant,
                headvq,
                intquant,

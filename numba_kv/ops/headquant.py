@@ -52,7 +52,7 @@ import math
 from typing import Any
 
 import numpy as np
-from numba import cuda, float32, int32, int64, prange, uint8, uint16
+from numba import cuda, float32, int64, prange, uint8, uint16
 
 from .. import _backend
 from .._config import MAX_HEAD_DIM
@@ -70,14 +70,13 @@ from ._headquant_lanes import (
     rotate_head_row_cpu,
 )
 from ._registry import register
-from .blockquant import count_args
 from .codebook import DEQUANTIZE_SIGNATURE, Codebook, bucketize_dev, get_codebook
 from .finite import check_finite, range_stats
 from .hadamard import ROTATE_SIGNATURE, SIGNS32, rotate_prescaled, rotation_prescale
 from .half import f16_bits_abs_to_f32_dev, f32_to_f16_bits_sat_dev
 
 __all__ = ["HEAD_DIMS", "QUANTIZE_HEAD", "SIGN_SEED", "head_signs", "rotate_head", "quantize_head", "dequantize_head",
-           "quantize_head_into", "quantize_head_pair_into", "dequantize_head_into", "rotate_head_rows",
+           "QUANTIZE_HEAD_VEC_DEV", "quantize_head_into", "dequantize_head_into", "rotate_head_rows",
            "head_codebook", "packed_dim", "bits_per_value"]
 
 #: supported head dimensions (powers of two; 512 is the size of the CUDA kernels' shared row)
@@ -198,20 +197,6 @@ def _quantize_head_cpu(x, signs, bounds, centroids, unbiased, bits, t0, codes, n
         keep_alive(t_own)
         keep_alive(ib_own)
         keep_alive(w_own)
-
-
-@cpu_kernel
-def _quantize_head_pair_cpu(xk, xv, signs, kbounds, kcents, kbits, vbounds, vcents, vbits, unbiased, t0, kcodes,
-                            knorms, vcodes, vnorms, lens, li, delta, ri):
-    """CPU twin of :func:`_quantize_head_pair_cuda`: the two sides one after the other (on
-    the CPU the pair saves nothing; the twin exists for the bit-for-bit comparison), then the
-    count update."""
-    base = int64(lens[ri]) if ri >= 0 else int64(0)
-    t0 = t0 + base
-    _quantize_head_cpu(xk, signs, kbounds, kcents, unbiased, kbits, t0, kcodes, knorms)
-    _quantize_head_cpu(xv, signs, vbounds, vcents, unbiased, vbits, t0, vcodes, vnorms)
-    if li >= 0:
-        lens[li] = int32((base if ri >= 0 else lens[li]) + delta)
 
 
 @cpu_kernel
@@ -345,42 +330,6 @@ def _quantize_head_cuda(x, signs, bounds, centroids, unbiased, bits, t0, codes, 
 
 
 @cuda_kernel
-def _quantize_head_pair_cuda(xk, xv, signs, kbounds, kcents, kbits, vbounds, vcents, vbits, unbiased, t0, kcodes,
-                             knorms, vcodes, vnorms, lens, li, delta, ri):
-    """Both sides of a store in one launch: keys ``xk[r, s]`` into ``kcodes`` / ``knorms`` and
-    values ``xv[r, s]`` into ``vcodes`` / ``vnorms`` at token ``t0 + s``, each with its own
-    codebook and width (a decode step's evicted tokens: one launch instead of two).
-
-    Launch: as :func:`_quantize_head_cuda` over ``2·rows·seq`` vectors (``xk`` and ``xv``
-    have one shape): vector ``v < rows·seq`` is a key, the rest values.  When ``li >= 0``,
-    thread 0 of block 0 also does ``lens[li] += delta`` (a layer's device count of compressed
-    tokens, which the attention then reads: no count argument changing every step, issue 27;
-    nothing else in this launch reads it).  When ``ri >= 0`` the write offset is ``t0 +
-    lens[ri]`` and the update ``lens[li] = lens[ri] + delta`` (``ri != li``: every block reads
-    ``lens[ri]``, none reads ``lens[li]``).
-    """
-    rows, seq, d = xk.shape
-    base = int64(lens[ri]) if ri >= 0 else int64(0)
-    t0 = t0 + base
-    nv = rows * seq
-    t = cuda.shared.array(MAX_HEAD_DIM, dtype=float32)
-    ib = cuda.shared.array(MAX_HEAD_DIM, dtype=uint8)
-    red = cuda.shared.array(1, dtype=float32)
-    for v in range(cuda.blockIdx.x, 2 * nv, cuda.gridDim.x):
-        u = v - nv if v >= nv else v
-        r = u // seq
-        s = u - r * seq
-        if v < nv:  # uniform across the block: one side per vector
-            _quantize_head_vec_dev(xk[r, s], signs, kbounds, kcents, unbiased, kbits, kcodes[r, t0 + s], knorms,
-                                   r, t0 + s, t, ib, red)
-        else:
-            _quantize_head_vec_dev(xv[r, s], signs, vbounds, vcents, unbiased, vbits, vcodes[r, t0 + s], vnorms,
-                                   r, t0 + s, t, ib, red)
-    if li >= 0 and cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
-        lens[li] = int32((base if ri >= 0 else lens[li]) + delta)
-
-
-@cuda_kernel
 def _dequantize_head_cuda(codes, norms, signs, centroids, bits, t0, out):
     """Reconstruct vectors ``out[r, s]`` from ``codes[r, t0 + s]`` / ``norms[r, t0 + s, 0]``.
 
@@ -417,12 +366,11 @@ _QSIG = ("void(float32[:, :, ::1], float32[::1], float32[::1], float32[::1], boo
          "uint8[:, :, ::1], uint16[:, :, ::1])")
 _ROTATE = register("rotate_head", _rotate_head_cpu, _rotate_head_cuda, [ROTATE_SIGNATURE])
 _QUANTIZE = register("quantize_head", _quantize_head_cpu, _quantize_head_cuda, [_QSIG])
-_QPAIR_SIG = ("void(float32[:, :, ::1], float32[:, :, ::1], float32[::1], float32[::1], float32[::1], int64, "
-              "float32[::1], float32[::1], int64, boolean, int64, uint8[:, :, ::1], uint16[:, :, ::1], "
-              "uint8[:, :, ::1], uint16[:, :, ::1], int32[::1], int64, int64, int64)")
-_QUANTIZE_PAIR = register("quantize_head_pair", _quantize_head_pair_cpu, _quantize_head_pair_cuda, [_QPAIR_SIG])
 #: the head quantizer's twin (for fused serial callers such as :mod:`numba_kv.ops.window8`)
 QUANTIZE_HEAD = _QUANTIZE
+#: its block-cooperative per-vector device core (for fused kernels such as
+#: :mod:`numba_kv.ops.headpair`'s)
+QUANTIZE_HEAD_VEC_DEV = _quantize_head_vec_dev
 _DEQUANTIZE = register("dequantize_head", _dequantize_head_cpu, _dequantize_head_cuda, [DEQUANTIZE_SIGNATURE])
 
 
@@ -440,26 +388,6 @@ def quantize_head_into(x3: Any, codes: Any, norms: Any, t0: int, cb: Codebook, u
     cents = _backend.constant(x3, cb.centroids)
     _QUANTIZE.launch(_backend.device_of("x3", x3), rows * seq, x3, signs, bounds, cents, bool(unbiased), cb.bits,
                      int(t0), codes, norms, work=rows * seq * d, coop=(rows * seq, d // 2))
-
-
-def quantize_head_pair_into(xk3: Any, xv3: Any, kcodes: Any, knorms: Any, vcodes: Any, vnorms: Any, t0: int,
-                            kcb: Codebook, vcb: Codebook, unbiased: bool,
-                            add_at: tuple | None = None) -> None:
-    """:func:`quantize_head_into` of keys ``xk3`` and values ``xv3`` (one shape ``[rows, seq,
-    d]``, float32, C-contiguous) in one launch, each side with its codebook (``kcb``,
-    ``vcb``: ``head_codebook(bits, d)``); same bytes as two calls.  Folded into the same
-    launch: ``add_at``, a count update (int32, on the device) as in
-    :func:`~numba_kv.ops.blockquant.quantize_pair_into`."""
-    rows, seq, d = xk3.shape
-    if rows == 0 or seq == 0:
-        return
-    t0 = check_span(t0, xk3.shape[1], kcodes.shape[1], "kcodes")
-    c = _backend.constant
-    _QUANTIZE_PAIR.launch(_backend.device_of("xk3", xk3), 2 * rows * seq, xk3, xv3, c(xk3, head_signs(d)),
-                          c(xk3, kcb.boundaries), c(xk3, kcb.centroids), kcb.bits, c(xk3, vcb.boundaries),
-                          c(xk3, vcb.centroids), vcb.bits, bool(unbiased), int(t0), kcodes, knorms, vcodes, vnorms,
-                          *count_args(xk3, add_at),
-                          work=2 * rows * seq * d, coop=(2 * rows * seq, d // 2))
 
 
 def rotate_head_rows(x2: Any, inverse: bool = False, out: Any = None) -> Any:

@@ -79,8 +79,9 @@ from .headquant import HEAD_DIMS, head_signs
 from .headvq_fit import DATA_PATH, codebook_key
 from .headvq_grid import GRID_PARAMS, search_grid
 
-__all__ = ["GROUP_SIZE", "POINTS", "QUANTIZE_HEADVQ", "quantize_headvq", "dequantize_headvq", "quantize_headvq_into",
-           "dequantize_headvq_into", "headvq_codebook", "headvq_centroids", "packed_dim"]
+__all__ = ["CB_SHARED", "GROUP_SIZE", "LOAD_CODEBOOK_DEV", "POINTS", "QUANTIZE_HEADVQ", "QUANTIZE_HEADVQ_VEC_DEV",
+           "quantize_headvq", "dequantize_headvq", "quantize_headvq_into", "dequantize_headvq_into",
+           "headvq_codebook", "headvq_centroids", "packed_dim"]
 
 #: coordinates per group (codebook dimension ``m``) at each supported width
 GROUP_SIZE = {4: 2, 2: 4}
@@ -526,8 +527,11 @@ _QSIG = (f"void({F32_3D}, float32[::1], {F32_2D}, float32[::1], uint8[::1], int3
 _DQSIG = f"void({U8_3D}, uint16[:, :, ::1], float32[::1], {F32_2D}, int64, {F32_3D})"
 _QUANTIZE = register("quantize_headvq", _quantize_headvq_cpu, _quantize_headvq_cuda, [_QSIG])
 _DEQUANTIZE = register("dequantize_headvq", _dequantize_headvq_cpu, _dequantize_headvq_cuda, [_DQSIG])
-#: the registered quantizer (its ``.cpu.serial`` runs inside other serial CPU cores)
+#: the registered quantizer (its ``.cpu.serial`` runs inside other serial CPU cores), its
+#: block-cooperative per-vector device core and codebook load (for fused kernels such as
+#: :mod:`numba_kv.ops.headpair`'s; the codebook in ``CB_SHARED`` shared floats)
 QUANTIZE_HEADVQ = _QUANTIZE
+QUANTIZE_HEADVQ_VEC_DEV, LOAD_CODEBOOK_DEV, CB_SHARED = _quantize_headvq_vec_dev, _load_codebook_dev, _CB_SHARED
 
 
 # --- internal entry points (no validation: callers validated) ---------------------------

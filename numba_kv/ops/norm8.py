@@ -136,13 +136,10 @@ def norm8_scale_table(base16: int) -> np.ndarray:
 
 
 # --- cores --------------------------------------------------------------------------------
-def _store_vector(src_codes, src_norms, log16, base16, t0, codes, norms8, r, s):
-    """Vector ``(r, s)`` of the scratch planes into token ``t0 + s``: its code bytes copied,
-    its binary16 norm encoded (0 for a zero norm, else the grid code clamped to 1 … 255)."""
-    w = src_codes.shape[2]
-    for j in range(w):
-        codes[r, t0 + s, j] = src_codes[r, s, j]
-    h = int64(src_norms[r, s, 0]) & 0x7FFF
+def _norm8_code(h16, log16, base16):
+    """The grid code of binary16 norm bits ``h16`` (int64): 0 for a zero norm, else the grid
+    code clamped to 1 … 255."""
+    h = h16 & 0x7FFF
     k = int64(0)
     if h != 0:
         # below the grid (256× or more under the first store's median, or 2**12 under its largest
@@ -150,7 +147,19 @@ def _store_vector(src_codes, src_norms, log16, base16, t0, codes, norms8, r, s):
         # above it: clamped to 255, which only a window token's re-rounded copy can reach (the
         # caches reject larger norms before storing)
         k = min(max(int64(log16[h]) - base16, int64(1)), int64(255))
-    norms8[r, t0 + s, 0] = uint8(k)
+    return k
+
+
+norm8_code_cpu, norm8_code_dev = twin(_norm8_code, inline=True)
+
+
+def _store_vector(src_codes, src_norms, log16, base16, t0, codes, norms8, r, s):
+    """Vector ``(r, s)`` of the scratch planes into token ``t0 + s``: its code bytes copied,
+    its binary16 norm encoded (:func:`_norm8_code`)."""
+    w = src_codes.shape[2]
+    for j in range(w):
+        codes[r, t0 + s, j] = src_codes[r, s, j]
+    norms8[r, t0 + s, 0] = uint8(_norm8_code(int64(src_norms[r, s, 0]), log16, base16))
 
 
 def _scale_vector(norms8, table8, t0, out, r, s):

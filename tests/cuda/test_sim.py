@@ -233,11 +233,17 @@ def test_cuda_kernel_matches_cpu_twin(runner):
 @pytest.mark.parametrize("opts", [{"bits": 3}, {"k_bits": 4, "v_bits": 2},
                                   {"k_bits": 4, "v_bits": 3, "rotation": "head", "unbiased": True},
                                   {"k_bits": 5, "v_bits": 4, "rotation": "head", "unbiased": True},
-                                  {"k_bits": 4, "v_bits": 5, "rotation": "head"}],
-                         ids=["pqo3", "pqo-k4v2", "pqo-k4v3-head-eden", "pqo-k5v4-head-eden", "pqo-k4v5-head"])
+                                  {"k_bits": 4, "v_bits": 5, "rotation": "head"},
+                                  {"k_bits": 4, "v_bits": 3, "rotation": "head", "vq": True, "norm_bits": 8,
+                                   "unbiased": True},
+                                  {"k_bits": 3, "v_bits": 2, "rotation": "head", "vq": True}],
+                         ids=["pqo3", "pqo-k4v2", "pqo-k4v3-head-eden", "pqo-k5v4-head-eden", "pqo-k4v5-head",
+                              "pqo-k4v3-head-vq-norm8", "pqo-k3v2-head-vq"])
 def test_windowed_fused_cache_on_device_matches_cpu(opts):
     """Decode steps that flush the window on the device (both sides' evicted tokens quantized
-    in one launch, each side at its width) agree with the CPU cache."""
+    in one launch, each side at its width and code: the VQ code on one side and the scalar
+    code on the other in the last two cases, with 8-bit norms in the first) agree with the
+    CPU cache: the outputs, and the stored bytes bit for bit."""
     from numba_kv import AttendConfig, PolarQuantCache
 
     rng = np.random.default_rng(1)
@@ -257,6 +263,10 @@ def test_windowed_fused_cache_on_device_matches_cpu(opts):
         np.testing.assert_allclose(to_host(bdev), a, rtol=1e-4, atol=1e-5)
     ka, kb = caches[0].seq_len(0), caches[1].seq_len(0)
     assert ka == kb == 11 and caches[0].memory_usage() == caches[1].memory_usage()
+    cpu, dev = caches[0]._layers[0], caches[1]._layers[0]
+    assert cpu.buffers.keys() == dev.buffers.keys() and cpu.meta == dev.meta
+    for key, buf in dev.buffers.items():
+        np.testing.assert_array_equal(to_host(buf), cpu.buffers[key], err_msg=key)
 
 
 @pytest.mark.cuda

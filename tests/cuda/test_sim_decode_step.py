@@ -66,7 +66,7 @@ def no_kernels(monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in cast")  # (the NaN step, quantized)
-@pytest.mark.parametrize("mode", ["kv4", "pqo3"])
+@pytest.mark.parametrize("mode", ["kv3:residual_fraction=0.0", "kv4", "pqo3"])
 def test_skipped_steps_give_the_twins_outputs_and_state(mode):
     rng = np.random.default_rng(71)
     with knobs(growth_min_extra=64):  # (no growth inside the test's steps)

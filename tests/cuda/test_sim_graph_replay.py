@@ -3,7 +3,7 @@
 A captured CUDA graph replays the same kernels with the same arguments, grids and block sizes
 every time: device arrays by address, scalars by value.  Counted in Numba's CUDA simulator by
 wrapping its kernel launch (as ``test_sim_step_budget.py`` does): for consecutive steady-state
-steps of a flat cache (``pqo3``, ``kv4``: the window full, one token flushed into the
+steps of a flat cache (``pqo3``, ``kv4``, ``kv3``: the window full, one token flushed into the
 compressed store per step) with the caller's fixed input and output buffers (``k``, ``v``,
 ``q`` and ``decode(..., out=)``: a graph user copies each step's tokens into the same input
 buffers), every launch's record (kernel, grid, block, dynamic shared memory, the arguments)
@@ -53,8 +53,8 @@ from ..conftest import to_device
 from .test_sim_step_budget import steady_layer
 
 #: per mode and kernel, the arguments that still change from one steady step to the next (may only shrink)
-STEP_VARIANT: dict = {"kv4": {}, "pqo3": {}}
-MODES = ("kv4", "pqo3")
+STEP_VARIANT: dict = {"kv3": {}, "kv4": {}, "pqo3": {}}
+MODES = ("kv3", "kv4", "pqo3")
 WARMUP, STEPS = 2, 3
 
 

@@ -15,7 +15,6 @@ from numba_kv.ops.headquant import (
     packed_dim,
     quantize_head,
     quantize_head_into,
-    quantize_head_pair_into,
     rotate_head,
 )
 
@@ -77,46 +76,7 @@ def _dequantize(rng):
     np.testing.assert_allclose(ref, x3[:, t0:t0 + 3], atol=0.1 * float(np.abs(x3).max()))
 
 
-def _quantize_pair(rng):
-    """Keys and values in one launch: the bytes of two single-side quantizations (on the CPU
-    and on the device), each side at its own width, at a token offset, nothing else written."""
-    for d, kb, vb in ((64, 4, 3), (32, 3, 2), (128, 2, 4)):
-        t0, cap, rows, n = 1, 5, 3, 2
-        xk = rng.standard_normal((rows, n, d)).astype(np.float32) * 3
-        xv = rng.standard_normal((rows, n, d)).astype(np.float32)
-        xk[1, 0] = 0.0  # zero vector: norm stored as 0
-        kcb, vcb = head_codebook(kb, d), head_codebook(vb, d)
-        want = [np.zeros((rows, cap, packed_dim(d, b)), np.uint8) for b in (kb, vb)]
-        want_n = [np.zeros((rows, cap, 1), np.uint16) for _ in range(2)]
-        for x, cb, c, nn in ((xk, kcb, want[0], want_n[0]), (xv, vcb, want[1], want_n[1])):
-            quantize_head_into(x, c, nn, t0, cb, True)
-        for dev in (lambda a: a, to_device):
-            bufs = [dev(np.zeros_like(a)) for a in (want[0], want_n[0], want[1], want_n[1])]
-            quantize_head_pair_into(dev(xk), dev(xv), *bufs, t0, kcb, vcb, True)
-            got = [to_host(b) for b in bufs]
-            for g, w in zip(got, (want[0], want_n[0], want[1], want_n[1])):
-                assert np.array_equal(g, w), (d, kb, vb)
-            # with a count update folded in (a layer's device count of compressed tokens): the
-            # same bytes, and lens[1] += 2 only
-            bufs = [dev(np.zeros_like(a)) for a in (want[0], want_n[0], want[1], want_n[1])]
-            lens = dev(np.array([3, 4, 5], np.int32))
-            quantize_head_pair_into(dev(xk), dev(xv), *bufs, t0, kcb, vcb, True, add_at=(lens, 1, 2))
-            for g, w in zip(bufs, (want[0], want_n[0], want[1], want_n[1])):
-                assert np.array_equal(to_host(g), w), (d, kb, vb)
-            assert to_host(lens).tolist() == [3, 6, 5]
-            # the offset read from a device count (slot 0, t0 there; 0 by value), the new count
-            # written to slot 1 (a layer's step state): the same bytes
-            bufs = [dev(np.zeros_like(a)) for a in (want[0], want_n[0], want[1], want_n[1])]
-            lens = dev(np.array([t0, 7], np.int32))
-            quantize_head_pair_into(dev(xk), dev(xv), *bufs, 0, kcb, vcb, True, add_at=(lens, 1, n, 0))
-            for g, w in zip(bufs, (want[0], want_n[0], want[1], want_n[1])):
-                assert np.array_equal(to_host(g), w), (d, kb, vb)
-            assert to_host(lens).tolist() == [t0, t0 + n]
-        assert want[0][:, t0:t0 + n].any() and not want[0][:, t0 + n:].any()
-
-
-RUNNERS = {"rotate_head": _rotate, "quantize_head": _quantize, "dequantize_head": _dequantize,
-           "quantize_head_pair": _quantize_pair}
+RUNNERS = {"rotate_head": _rotate, "quantize_head": _quantize, "dequantize_head": _dequantize}
 
 
 @pytest.mark.cuda

@@ -18,7 +18,9 @@ returns: asserted too), 3 launches: 1 window store of both sides with the exact 
 positions and the deferred range records of k, v and q folded in (``slide_windows``; for
 kv4's rotated int8 window with its key centering ``slide_windows8``: no CuPy arithmetic
 between launches; no ``range_stats3`` launch; ``test_deferred_checks_ride_in_the_store_launch``), 1 quantization
-of both sides' evicted tokens (``quantize_head_pair`` / ``quantize_blocks_pair``) and the
+of both sides' evicted tokens (``quantize_head_pair`` / ``quantize_blocks_pair``; for kv3's
+VQ codes with 8-bit norms too: ``tests/cuda/test_sim_headpair.py``; before, 6 launches, 4
+allocations and the count's upload) and the
 partition kernel, which rotates the queries in its prologue (``rotate_q``: no ``rotate32`` /
 ``rotate_head`` launch; tests/cuda/test_sim_qrot.py) and whose last block to finish merges
 the partitions (``merge_if_last``: an arrival counter in the plan's workspace;
@@ -44,7 +46,8 @@ from .test_sim_transfers import count_transfers
 
 #: per steady-state step, at most (the issue's target: launches 3, allocations 0, transfers 0)
 BUDGET = {"pqo3": {"launch": 3, "alloc": 0, "transfer": 0},
-          "kv4": {"launch": 3, "alloc": 0, "transfer": 0}}
+          "kv4": {"launch": 3, "alloc": 0, "transfer": 0},
+          "kv3": {"launch": 3, "alloc": 0, "transfer": 0}}
 WARMUP, STEPS = 2, 3
 
 
@@ -77,11 +80,12 @@ def count_device_work():
 
 
 def _caches(mode: str, h: int, d: int):
-    # kv4 as the preset makes it (4-bit keys, 3-bit values, whole-head rotation, key centering,
-    # a rotated int8 window): on Numba device arrays too, the key mean and the centering by
-    # kernels.  pqo3's float16 window is float32 on Numba device arrays (no device-side cast):
+    # kv4 and kv3 as the presets make them (kv4: 4-bit keys, 3-bit values, the scalar head
+    # code; kv3: 4-bit keys, 2-bit values, the head VQ code and 8-bit norms; both: whole-head
+    # rotation, key centering, a rotated int8 window): on Numba device arrays too, the key
+    # mean and the centering by kernels.  pqo3's float16 window is float32 on Numba device arrays (no device-side cast):
     # its CPU twin gets that float32 window explicitly.
-    kw = {} if mode == "kv4" else {"window_dtype": "float32"}
+    kw = {} if mode in ("kv3", "kv4") else {"window_dtype": "float32"}
     return (make_cache(mode, num_layers=1, num_kv_heads=h, head_dim=d),
             make_cache(mode, num_layers=1, num_kv_heads=h, head_dim=d, **kw))
 

@@ -106,7 +106,7 @@ def _step(graph, cache, twin, attend, rng, buffers, *, out=True):
     return res
 
 
-@pytest.mark.parametrize("mode", ["kv4", "pqo3"])
+@pytest.mark.parametrize("mode", ["kv3", "kv4", "pqo3"])
 def test_steady_steps_are_captured_then_replayed(mode, monkeypatch):
     rng = np.random.default_rng(41)
     cache, twin, attend = steady_layer(mode, rng, H, G, D)

@@ -2,7 +2,8 @@
 graph (``cuda.core``) and replayed, with the outputs of the same steps launched one by one
 (bit for bit) and of the CPU twin (float32 round-off).  ``kv4`` as the preset makes it (key
 centering, a rotated int8 window) on both array kinds: its keys are centered in the store's
-launch, so its steps replay too; ``pqo3`` with its float16 window too (its store takes the
+launch, so its steps replay too, and ``kv3``'s (VQ codes, 8-bit norms: the same one-launch store);
+``pqo3`` with its float16 window too (its store takes the
 same bit-pattern views every step).  On a GPU with CuPy and Numba device arrays (the
 simulator's stand-in graph is tested by ``tests/cuda/test_sim_step_graph.py``)."""
 
@@ -21,11 +22,11 @@ SHAPES = ((1, H, 1, D), (1, H, 1, D), (1, H * G, 1, D))
 def _cache(mode, dev):
     if mode == "pqo3-f16":  # the preset's float16 window (CuPy: stored as binary16 bit patterns)
         return make_cache("pqo3", num_layers=1, num_kv_heads=H, head_dim=D)
-    kw = {} if mode == "kv4" else {"window_dtype": "float32"}
+    kw = {} if mode.startswith(("kv3", "kv4")) else {"window_dtype": "float32"}
     return make_cache(mode, num_layers=1, num_kv_heads=H, head_dim=D, **kw)
 
 
-@pytest.mark.parametrize("mode", ["pqo3", "pqo3-f16", "kv4"])
+@pytest.mark.parametrize("mode", ["pqo3", "pqo3-f16", "kv4", "kv3"])
 def test_steady_steps_replay_as_a_graph(dev, mode):
     if _backend.simulator_enabled():
         pytest.skip("a real capture (the simulator's stand-in graph: tests/cuda/test_sim_step_graph.py)")
@@ -65,7 +66,7 @@ def test_steady_steps_replay_as_a_graph(dev, mode):
     assert st["captured"] == 1 and st["replayed"] >= STEPS - 4, st
 
 
-@pytest.mark.parametrize("mode", ["pqo3", "pqo3-f16", "kv4", "tq3"])
+@pytest.mark.parametrize("mode", ["pqo3", "pqo3-f16", "kv4", "kv3:residual_fraction=0.0", "tq3"])
 def test_bound_steps_skip_their_python(dev, mode):
     """``numba_kv.DecodeStep``: from the fifth step on a steady step is one graph launch with the
     layer's counters advanced, and its outputs, buffers and counters are those of the same

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from numba_kv.ops import blockquant, headquant, headvq, norm8, qjl
+from numba_kv.ops import blockquant, headpair, headquant, headvq, norm8, qjl
 from numba_kv.ops.codebook import get_codebook
 from numba_kv.ops.headquant import head_codebook
 from numba_kv.ops.headvq import headvq_centroids
@@ -44,8 +44,8 @@ def _cases(rng):
         ("dequantize_into", lambda t0: blockquant.dequantize_into(codes, scales, t0, cb3, out), (out,)),
         ("quantize_head_into", lambda t0: headquant.quantize_head_into(x, hcodes, hnorms, t0, hcb, False),
          (hcodes, hnorms)),
-        ("quantize_head_pair_into", lambda t0: headquant.quantize_head_pair_into(
-            x, x2, hcodes, hnorms, vhcodes, vhnorms, t0, hcb, hcb, False), (hcodes, vhcodes)),
+        ("quantize_head_pair_into", lambda t0: headpair.quantize_head_pair_into(
+            x, x2, hcodes, hnorms, vhcodes, vhnorms, t0, hcb, cents, False), (hcodes, vhcodes)),
         ("dequantize_head_into", lambda t0: headquant.dequantize_head_into(hcodes, hnorms, t0, hcb, out), (out,)),
         ("quantize_headvq_into", lambda t0: headvq.quantize_headvq_into(x, hcodes, hnorms, t0, cents, True),
          (hcodes, hnorms)),
