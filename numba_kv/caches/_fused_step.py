@@ -40,7 +40,7 @@ from ..ops.headpair import quantize_head_pair_into
 from ..ops.headquant import head_signs, rotate_head_rows
 from ..ops.window8 import window8_head_args, window8_head_step, window8_headvq_args
 from ._layer import LayerState, finite_astype
-from ._window import layer_counts, plan_store
+from ._window import layer_counts, plan_store, window_capacity
 from .protocol import AttendConfig, DecodeOutput, Fused
 
 __all__ = ["FusedDecodeMixin"]
@@ -105,8 +105,10 @@ class FusedDecodeMixin:
     def _steady_regime(self, st: LayerState, n: int) -> Any:
         """What the next fused decode step of ``n`` tokens stores, when it stores the way the
         step before did (:mod:`numba_kv.caches._steady`): on a device, no sliding eviction, room
-        in the codes, and with a window no new sinks and a fixed window that stays full
-        (every step then evicts as many tokens into the codes as it takes in).  The
+        in the codes, and with a window no new sinks and a window that stays full at its
+        capacity (every step then evicts as many tokens into the codes as it takes in).  A
+        window that grows with the history (``residual_fraction``) does so between its growth
+        steps: the step that widens it stores without evicting and is a full one.  The
         :class:`~numba_kv.caches._window.StorePlan` (``True`` without a window), or ``None``."""
         if not self._fused or not st.seq_len or st.window is not None or st.device == _backend.CPU \
                 or self._growing_needed(st, n) > st.capacity:
@@ -114,10 +116,11 @@ class FusedDecodeMixin:
         if not self._windowed:
             return True
         win = self._window
-        if win.ratio[0]:  # a window that grows with the history: its capacity moves
-            return None
         _, _, n_win = layer_counts(st)
-        plan = plan_store(n, st.seq_len, n_win, self._sinks(st), win.residual_length)
+        # the window's capacity after the step, as _store reserves it
+        cap = win.residual_length if not win.ratio[0] else \
+            window_capacity(st.seq_len + st.evicted + n, win.residual_length, win.ratio)
+        plan = plan_store(n, st.seq_len, n_win, self._sinks(st), cap)
         return plan if not plan.sinks and plan.keep_old + plan.keep_new == n_win else None
 
     def _compress_pair(self, st: LayerState, xk3: Any, xv3: Any, t0: int, staged: bool = False) -> None:

@@ -93,6 +93,36 @@ def test_skipped_steps_give_the_twins_outputs_and_state(mode):
         cache.check_inputs()  # ... and its deferred check still saw the NaN
 
 
+def test_a_growing_window_skips_the_steps_between_its_growth_steps():
+    """``kv3``'s window grows with the history (``residual_fraction``): the step that widens it
+    evicts nothing and runs in full, the steps in between store like the one before and skip
+    their Python.  Here the window is ``max(4, t // 8)`` tokens after ``t``: it widens at the
+    steps that bring the history to 40 and 48 tokens.  Every output and byte is the twin's."""
+    rng = np.random.default_rng(74)
+    mode = "kv3:residual_fraction=0.125"
+    with knobs(growth_min_extra=64):  # (no growth of the codes inside the test's steps)
+        cache, twin = _pair(mode, np.random.default_rng(1)), _pair(mode, np.random.default_rng(1), np.asarray)
+        step, bufs = _bound(cache)
+        attend = step.config
+        wins = []
+        for i in range(44):  # the history from 9 to 52 tokens
+            host = _fill(bufs[:3], rng)
+            bound = step.stats()["bound"]
+            np.testing.assert_allclose(to_host(step().out), twin.decode(0, *host, attend).out, rtol=1e-5, atol=1e-6)
+            got, want = cache._layers[0], twin._layers[0]
+            assert (got.seq_len, got.meta, got.live) == (want.seq_len, want.meta, want.live), i
+            wins.append((got.seq_len, got.meta["n_win"], step.stats()["bound"] - bound))
+        for name, buf in got.buffers.items():
+            np.testing.assert_array_equal(to_host(buf), want.buffers[name], err_msg=name)
+    assert [t for t, n_win, _ in wins if n_win != max(4, t // 8)] == []  # the premise: the window grew
+    # in full: the first four steps (launched, launched, captured, replayed: then armed), and
+    # each growth step with the three after it (its launches differ from theirs: the graph is
+    # captured and armed again)
+    full = [t for t, _, skipped in wins if not skipped]
+    assert full == [9, 10, 11, 12, 40, 41, 42, 43, 48, 49, 50, 51], full
+    assert step.stats()["bound"] == 44 - len(full)
+
+
 @pytest.mark.parametrize("mode", ["kv4", "pqo3"])
 def test_verify_holds_across_growth(mode, no_kernels, monkeypatch):
     checked = []
@@ -108,6 +138,28 @@ def test_verify_holds_across_growth(mode, no_kernels, monkeypatch):
             step()
             caps.add(cache._layers[0].capacity)
     assert len(caps) >= 3 and len(checked) >= 6 and step.stats()["bound"] == 0, (caps, checked, step.stats())
+
+
+def test_verify_holds_across_the_windows_growth(no_kernels, monkeypatch):
+    """Armed across the steps that widen ``kv3``'s window (``max(4, t // 8)`` tokens after
+    ``t``: at the history's 40th and 48th tokens), ``verify=True`` finds every step it checks
+    as a skipped step would have left it (a regime blind to the widening fails:
+    :func:`test_verify_catches_a_regime_that_misses_the_windows_growth`)."""
+    checked = []
+    check = step_module.DecodeStep._check
+    monkeypatch.setattr(step_module.DecodeStep, "_check",
+                        lambda self, *a: checked.append(self._cache._layers[0].seq_len) or check(self, *a))
+    rng = np.random.default_rng(72)
+    with knobs(growth_min_extra=64):
+        cache = _pair("kv3:residual_fraction=0.125", rng)
+        step, bufs = _bound(cache, verify=True)
+        for _ in range(44):  # the history from 9 to 52 tokens
+            _fill(bufs[:3], rng)
+            step()
+    assert cache._layers[0].meta["n_win"] == 6 and step.stats()["bound"] == 0
+    # checked: every step while armed (the history after the step), none that widens the window
+    # nor the three after it, which arm the bound step again
+    assert checked == [t for t in range(13, 53) if t not in (40, 41, 42, 43, 48, 49, 50, 51)], checked
 
 
 def test_verify_catches_a_regime_that_misses_growth(no_kernels, monkeypatch):
@@ -129,6 +181,20 @@ def test_verify_catches_a_regime_that_misses_growth(no_kernels, monkeypatch):
         step, bufs = _bound(_pair("kv4", rng), verify=True)
         with pytest.raises(RuntimeError, match=r"DecodeStep\(verify=True\).*(replayed|counters)"):
             for _ in range(12):
+                _fill(bufs[:3], rng)
+                step()
+
+
+def test_verify_catches_a_regime_that_misses_the_windows_growth(no_kernels, monkeypatch):
+    from numba_kv.caches import _fused_step
+
+    # blind to residual_fraction: claims the step that widens the window is steady
+    monkeypatch.setattr(_fused_step, "window_capacity", lambda tokens, residual, ratio: residual)
+    rng = np.random.default_rng(75)
+    with knobs(growth_min_extra=64):
+        step, bufs = _bound(_pair("kv3:residual_fraction=0.25", rng), verify=True)
+        with pytest.raises(RuntimeError, match=r"DecodeStep\(verify=True\).*(replayed|counters)"):
+            for _ in range(16):  # the window widens at the history's 20th token
                 _fill(bufs[:3], rng)
                 step()
 
