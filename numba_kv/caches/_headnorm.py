@@ -16,15 +16,18 @@ octave (:mod:`numba_kv.ops.norm8`) whose base is cache state, fixed at the layer
   quantizers unchanged), then one launch copies the codes into place and encodes the norms
   (:func:`~numba_kv.ops.norm8.norm8_store_into`); the dequantizer reads a plane of unit
   norms and scales its output by the decoded ones; the fused kernels read the byte through
-  the layer's scale table (:func:`~numba_kv.ops.norm8.norm8_scale_table`).
-
-The one-call decode-step stores (both sides in one launch, the serial int8-window step) write
-binary16 planes: a norm8 cache stores op by op instead (same bytes as any store).
+  the layer's scale table (:func:`~numba_kv.ops.norm8.norm8_scale_table`).  The one-call
+  decode-step stores encode the norms in the same call (the serial int8-window step on the
+  CPU, :mod:`numba_kv.ops.headpair`'s launch on a device).
+* the first store quantizes all its tokens in scratch to fix the grid; the tokens it
+  compresses (those that skip the window) are then stored from those scratch codes
+  (:meth:`HeadNormMixin._compressor`) rather than quantized a second time.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -103,11 +106,13 @@ class HeadNormMixin:
         binary16 norms, the plan's own table)."""
         return _backend.constant(like, norm8_scale_table(self._norm8_base16(st))) if self._norm8 else None
 
-    def _scratch_norms(self, st: LayerState, name: str, arr: Any, round_trip: bool = False) -> np.ndarray:
+    def _scratch_norms(self, st: LayerState, name: str, arr: Any, round_trip: bool = False,
+                       keep: dict | None = None) -> np.ndarray:
         """Binary16 norms (host uint16 ``[rows, n, 1]``) of input ``arr`` ``[b, h, n, d]``
         as the layer would store them, computed in scratch (the layer is not touched); with
         ``round_trip``, of its tokens' int8 window round trips (what a token is compressed from
-        when it leaves an int8 window)."""
+        when it leaves an int8 window).  ``keep[name]``: the scratch codes and binary16 norms
+        (on the device of ``arr``), when given."""
         rows, n, d = int(arr.shape[0]) * self.num_kv_heads, int(arr.shape[2]), self.head_dim
         tmp = LayerState(meta=dict(st.meta))
         if self.config.key_center:  # a frozen mean is only read; else this chunk's, in scratch
@@ -118,7 +123,10 @@ class HeadNormMixin:
             x3 = self._window.int8_round_trip(x3)
         width = int(self.layouts[name].width)
         tn = _backend.empty(x3, (rows, n, 1), np.uint16)
-        self._head_quantize(name, x3, _backend.empty(x3, (rows, n, width), np.uint8), tn, 0)
+        tc = _backend.empty(x3, (rows, n, width), np.uint8)
+        self._head_quantize(name, x3, tc, tn, 0)
+        if keep is not None:
+            keep[name] = (tc, tn)
         return _backend.to_host(tn)
 
     def _check_norm8(self, st: LayerState, k: Any, v: Any, stats: Any) -> None:
@@ -133,14 +141,16 @@ class HeadNormMixin:
         round_trips = (False, True) if self._windowed and self._exact_dtype == np.int8 else (False,)
         f16_limit = F16_MAX * (1 - 2.0 ** -10)
         if "norm8_base" not in st.meta:
-            norms = {name: self._scratch_norms(st, name, arr) for name, arr, _ in sides}
+            codes: dict = {}
+            norms = {name: self._scratch_norms(st, name, arr, keep=codes) for name, arr, _ in sides}
             for name, arr, rs in sides:
                 check_stored_f16(name, norms[name], rs.amax, rs.max_norm, self._range_note(st, name))
                 if len(round_trips) == 2 and not self._norms_cleared(st, name, rs, f16_limit):
                     check_stored_f16(name, self._scratch_norms(st, name, arr, True), rs.amax, rs.max_norm,
                                      self._range_note(st, name))
             # (the grid leaves 4 octaves above this call's largest norm: nothing to check)
-            st.scratch["norm8_pending"] = (k, v, norm8_base16(np.concatenate([norms["k"], norms["v"]], axis=1)))
+            st.scratch["norm8_pending"] = (k, v, norm8_base16(np.concatenate([norms["k"], norms["v"]], axis=1)),
+                                           codes)
             return
         base16 = self._norm8_base16(st)
         limit = min(norm8_top(base16), f16_limit)
@@ -166,16 +176,34 @@ class HeadNormMixin:
                 return True
         return False
 
-    def _fix_norm8_base(self, st: LayerState, k: Any, v: Any) -> None:
+    def _fix_norm8_base(self, st: LayerState, k: Any, v: Any) -> dict | None:
         """Fix the layer's grid before its first store (from :meth:`_check_norm8`'s pending
-        base of these very inputs, else computed the same way)."""
+        base of these very inputs, else computed the same way).  Returns the scratch codes of
+        that first store (``{side: (codes, binary16 norms)}``, every token of ``k`` and ``v``
+        quantized as the store would), or ``None`` when the grid was fixed before."""
         if not self._norm8 or "norm8_base" in st.meta:
-            return
+            return None
         pending = st.scratch.pop("norm8_pending", None)
         if pending is None or pending[0] is not k or pending[1] is not v:
-            norms = [self._scratch_norms(st, name, arr) for name, arr in (("k", k), ("v", v))]
-            pending = (k, v, norm8_base16(np.concatenate(norms, axis=1)))
+            codes: dict = {}
+            norms = [self._scratch_norms(st, name, arr, keep=codes) for name, arr in (("k", k), ("v", v))]
+            pending = (k, v, norm8_base16(np.concatenate(norms, axis=1)), codes)
         st.meta["norm8_base"] = pending[2] + BASE_OFFSET
+        return pending[3]
+
+    def _compressor(self, st: LayerState, name: str, pre: dict | None, plan: Any, t0: int) -> Callable[[Any], None]:
+        """The compress step of a store of side ``name`` at token ``t0`` (given the tokens that
+        leave the window, or every new token without a window): the quantizer, or for the
+        layer's first store (``pre``: :meth:`_fix_norm8_base`'s scratch codes of its tokens)
+        a copy of their scratch codes with the norms encoded — a first store compresses only
+        new tokens that skip the window (from the first after its sinks on), which the scratch
+        quantized from the same stored-domain values as the quantizer would."""
+        if pre is None or self.outlier_channels or (plan is not None and plan.evict_old):
+            return lambda ev: self._compress(st, name, ev, t0)
+        tc, tn = pre[name]
+        s0 = 0 if plan is None else plan.sinks
+        return lambda ev: norm8_store_into(tc, tn, self._norm8_base16(st), t0, st.buffers[name + "_codes"],
+                                           st.buffers[name + "_scales"], s0=s0, n=int(ev.shape[1]))
 
     def _check_counters(self, i: int, seq_len: int, meta: dict[str, int], live: dict[str, Any],
                         evicted: int = 0) -> None:

@@ -555,7 +555,7 @@ class PolarQuantCache(PolarQuantFields, HeadNormMixin, FusedDecodeMixin, Windowe
 
     def _store(self, st: LayerState, k: Any, v: Any) -> None:
         n = int(k.shape[2])
-        self._fix_norm8_base(st, k, v)
+        pre = self._fix_norm8_base(st, k, v)  # a first store's scratch codes (8-bit norms)
         n_sink, n_comp, n_win = layer_counts(st)
         S = self._sinks(st)
         # without a window every token is compressed; a growing window's buffers grow first
@@ -577,10 +577,11 @@ class PolarQuantCache(PolarQuantFields, HeadNormMixin, FusedDecodeMixin, Windowe
         for name, arr in (("k", k), ("v", v)):
             x = _backend.ascontiguous_f32(name, arr)
             x3 = self._transform_in(st, name, x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3]))
+            compress = self._compressor(st, name, pre, plan, n_comp)
             if plan is None:
-                self._compress(st, name, x3, n_comp)
+                compress(x3)
             else:
-                self._window.store(st, name, x3, plan, S, lambda ev, nm=name: self._compress(st, nm, ev, n_comp))
+                self._window.store(st, name, x3, plan, S, compress)
         if plan is None:
             st.meta.update(n_comp=n_comp + n, n_sink=n_sink, n_win=0)
         else:

@@ -79,7 +79,7 @@ def _side(x, signs, unbiased, t0, vq, bounds, cents, bits, vcents, gpar, slots, 
         _quantize_headvq_cpu(x, signs, vcents, gpar, slots, goff, gcand, unbiased, 0, tc, tn)
     else:
         _quantize_head_cpu(x, signs, bounds, cents, unbiased, bits, 0, tc, tn)
-    _norm8_store_cpu(tc, tn, log16, base16, t0, codes, norms8)
+    _norm8_store_cpu(tc, tn, log16, base16, 0, seq, t0, codes, norms8)
 
 
 # the side with the twins' parallel CPU kernels, and with their serial compilations (for the

@@ -153,13 +153,13 @@ def _norm8_code(h16, log16, base16):
 norm8_code_cpu, norm8_code_dev = twin(_norm8_code, inline=True)
 
 
-def _store_vector(src_codes, src_norms, log16, base16, t0, codes, norms8, r, s):
-    """Vector ``(r, s)`` of the scratch planes into token ``t0 + s``: its code bytes copied,
-    its binary16 norm encoded (:func:`_norm8_code`)."""
+def _store_vector(src_codes, src_norms, log16, base16, s0, t0, codes, norms8, r, s):
+    """Vector ``(r, s0 + s)`` of the scratch planes into token ``t0 + s``: its code bytes
+    copied, its binary16 norm encoded (:func:`_norm8_code`)."""
     w = src_codes.shape[2]
     for j in range(w):
-        codes[r, t0 + s, j] = src_codes[r, s, j]
-    norms8[r, t0 + s, 0] = uint8(_norm8_code(int64(src_norms[r, s, 0]), log16, base16))
+        codes[r, t0 + s, j] = src_codes[r, s0 + s, j]
+    norms8[r, t0 + s, 0] = uint8(_norm8_code(int64(src_norms[r, s0 + s, 0]), log16, base16))
 
 
 def _scale_vector(norms8, table8, t0, out, r, s):
@@ -174,12 +174,12 @@ scale_vector_cpu, scale_vector_dev = twin(_scale_vector)
 
 
 @cpu_kernel
-def _norm8_store_cpu(src_codes, src_norms, log16, base16, t0, codes, norms8):
+def _norm8_store_cpu(src_codes, src_norms, log16, base16, s0, n, t0, codes, norms8):
     """CPU twin: one ``prange`` iteration stores one (row, token) vector."""
-    rows, n = src_codes.shape[0], src_codes.shape[1]
+    rows = src_codes.shape[0]
     for i in prange(rows * n):
         r = i // n
-        store_vector_cpu(src_codes, src_norms, log16, base16, t0, codes, norms8, r, i - r * n)
+        store_vector_cpu(src_codes, src_norms, log16, base16, s0, t0, codes, norms8, r, i - r * n)
 
 
 @cpu_kernel
@@ -192,13 +192,13 @@ def _norm8_scale_rows_cpu(norms8, table8, t0, out):
 
 
 @cuda_kernel
-def _norm8_store_cuda(src_codes, src_norms, log16, base16, t0, codes, norms8):
+def _norm8_store_cuda(src_codes, src_norms, log16, base16, s0, n, t0, codes, norms8):
     """Launch contract: 1-D grid, any size; thread ``i`` (grid-stride) stores vector
-    ``(i // n, i % n)`` of the scratch planes ``[rows, n, ·]``."""
-    rows, n = src_codes.shape[0], src_codes.shape[1]
+    ``(i // n, s0 + i % n)`` of the scratch planes ``[rows, ·, ·]`` (``n`` tokens a row)."""
+    rows = src_codes.shape[0]
     for i in range(cuda.grid(1), rows * n, cuda.gridsize(1)):
         r = i // n
-        store_vector_dev(src_codes, src_norms, log16, base16, t0, codes, norms8, r, i - r * n)
+        store_vector_dev(src_codes, src_norms, log16, base16, s0, t0, codes, norms8, r, i - r * n)
 
 
 @cuda_kernel
@@ -212,22 +212,24 @@ def _norm8_scale_rows_cuda(norms8, table8, t0, out):
 
 
 _STORE = register("norm8_store", _norm8_store_cpu, _norm8_store_cuda,
-                  ["void(uint8[:, :, ::1], uint16[:, :, ::1], int16[::1], int64, int64, uint8[:, :, ::1], "
-                   "uint8[:, :, ::1])"])
+                  ["void(uint8[:, :, ::1], uint16[:, :, ::1], int16[::1], int64, int64, int64, int64, "
+                   "uint8[:, :, ::1], uint8[:, :, ::1])"])
 #: the registered store (its ``.cpu.serial`` runs inside other serial CPU cores)
 STORE_NORM8 = _STORE
 _SCALE = register("norm8_scale_rows", _norm8_scale_rows_cpu, _norm8_scale_rows_cuda,
                   ["void(uint8[:, :, ::1], float32[::1], int64, float32[:, :, ::1])"])
 
 
-def norm8_store_into(src_codes: Any, src_norms: Any, base16: int, t0: int, codes: Any, norms8: Any) -> None:
+def norm8_store_into(src_codes: Any, src_norms: Any, base16: int, t0: int, codes: Any, norms8: Any,
+                     s0: int = 0, n: int | None = None) -> None:
     """Store scratch-quantized vectors with 8-bit norms (no validation).
 
     Parameters
     ----------
-    src_codes : uint8 array, shape ``(rows, n, width)``, C-contiguous
-        Packed codes of ``n`` vectors per row, copied to ``codes[:, t0 : t0 + n]``.
-    src_norms : uint16 array, shape ``(rows, n, 1)``, C-contiguous
+    src_codes : uint8 array, shape ``(rows, m, width)``, C-contiguous
+        Packed codes of ``m`` vectors per row; tokens ``s0 : s0 + n`` are copied to
+        ``codes[:, t0 : t0 + n]``.
+    src_norms : uint16 array, shape ``(rows, m, 1)``, C-contiguous
         Their binary16 norms, encoded into ``norms8[:, t0 : t0 + n]`` (see the module).
     base16 : int
         The layer's grid base in 1/16 octaves.
@@ -235,12 +237,19 @@ def norm8_store_into(src_codes: Any, src_norms: Any, base16: int, t0: int, codes
         First destination token.
     codes : uint8 array, shape ``(rows, capacity, width)``
     norms8 : uint8 array, shape ``(rows, capacity, 1)``
+    s0, n : int, optional
+        First source token and tokens stored (default: all ``m``).
     """
-    rows, n, w = (int(s) for s in src_codes.shape)
+    rows, m, w = (int(s) for s in src_codes.shape)
+    n = m - int(s0) if n is None else int(n)
     if rows * n:
+        s0 = int(s0)
+        if s0 < 0 or n < 0 or s0 + n > m:
+            raise ValueError(f"s0, n: tokens {s0}..{s0 + n - 1} do not fit src_codes's {m} tokens")
         t0 = check_span(t0, n, codes.shape[1], "codes")
         _STORE.launch(_backend.device_of("src_codes", src_codes), rows * n, src_codes, src_norms,
-                      _backend.constant(src_codes, LOG16), int(base16), int(t0), codes, norms8, work=rows * n * w)
+                      _backend.constant(src_codes, LOG16), int(base16), s0, n, int(t0), codes, norms8,
+                      work=rows * n * w)
 
 
 def norm8_scale_rows_into(norms8: Any, base16: int, t0: int, out: Any) -> None:

@@ -209,7 +209,7 @@ def _head_side8(ev, qsigns, bounds, cents, bits, unbiased, t0, base16, log16, co
     tc = np.empty((ev.shape[0], ev.shape[1], codes.shape[2]), dtype=np.uint8)
     tn = np.empty((ev.shape[0], ev.shape[1], 1), dtype=np.uint16)
     _quantize_head_serial(ev, qsigns, bounds, cents, unbiased, bits, 0, tc, tn)
-    _norm8_store_serial(tc, tn, log16, base16, t0, codes, norms8)
+    _norm8_store_serial(tc, tn, log16, base16, 0, tc.shape[1], t0, codes, norms8)
 
 
 @cpu_serial
@@ -225,7 +225,7 @@ def _headvq_side(ev, qsigns, cents, gpar, slots, goff, gcand, unbiased, t0, norm
     tc = np.empty((ev.shape[0], ev.shape[1], codes.shape[2]), dtype=np.uint8)
     tn = np.empty((ev.shape[0], ev.shape[1], 1), dtype=np.uint16)
     _quantize_headvq_serial(ev, qsigns, cents, gpar, slots, goff, gcand, unbiased, 0, tc, tn)
-    _norm8_store_serial(tc, tn, log16, base16, t0, codes, norms8)
+    _norm8_store_serial(tc, tn, log16, base16, 0, tc.shape[1], t0, codes, norms8)
 
 
 @cpu_serial

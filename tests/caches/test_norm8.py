@@ -367,6 +367,41 @@ def test_ordinary_decode_step_quantizes_each_side_once(monkeypatch):
     assert len(calls) == 10
 
 
+@pytest.mark.parametrize("validate", ["sync", "off"])
+@pytest.mark.parametrize("name, opts", [
+    ("kv3", {}),  # key centering, an int8 window, 16 sinks, VQ codes on both sides
+    ("pqo-k4v3-head-n8", {"residual_length": 8, "sink_tokens": 2, "window_dtype": "float32"}),
+    ("pqo-k4v2-head-eden-vq-n8", {"residual_length": 0, "sink_tokens": 0})])
+def test_first_store_takes_its_compressed_tokens_from_the_scratch_codes(monkeypatch, name, opts, validate):
+    """The first store quantizes every token in scratch to fix the grid (in the range check,
+    or when the check is off in the grid's fixing); the tokens it compresses are then stored
+    from those codes, not quantized again: one quantizer call per side instead of two, and
+    the bytes of quantizing them again."""
+    import numba_kv.caches._headnorm as hn
+
+    calls = []
+    for op in ("quantize_head_into", "quantize_headvq_into"):
+        real = getattr(hn, op)
+        monkeypatch.setattr(hn, op, lambda *a, real=real, **kw: (calls.append(1), real(*a, **kw))[1])
+    rng = np.random.default_rng(12)
+    k, v = _kv(rng, 2, 2, 200, 64, spread=2.0)
+    new, old = (make_cache(name, **opts, **GEO) for _ in range(2))
+    new.validate = old.validate = validate
+    # the reference: every compressed token through the quantizer (as before)
+    old._compressor = lambda st, side, pre, plan, t0: lambda ev: old._compress(st, side, ev, t0)
+    counts = []
+    for c in (new, old):
+        calls.clear()
+        c.prefill(0, k, v)
+        counts.append(len(calls))
+    assert counts == [2, 4], counts
+    (st_new, bufs_new), (st_old, bufs_old) = state_snapshot(new), state_snapshot(old)
+    assert st_new == st_old and bufs_new.keys() == bufs_old.keys()
+    for key in bufs_new:
+        np.testing.assert_array_equal(bufs_new[key], bufs_old[key], err_msg=key)
+    assert new._layers[0].meta["n_comp"] > 100  # the premise: most tokens were compressed
+
+
 def test_first_store_grid_covers_its_window_tokens():
     """The grid is fixed from every token of the first call, the window's too: a large token
     that sits in the window is compressed later without error (and within half a step)."""

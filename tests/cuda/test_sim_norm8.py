@@ -27,6 +27,13 @@ def _store(rng):
     norm8_store_into(to_device(src), to_device(h), -40, 3, dc, dn)
     assert np.array_equal(to_host(dc), want_c) and np.array_equal(to_host(dn), want_n)
     assert want_n[0, 3, 0] == 0 and want_n[:, 4:8].all()
+    # a span of the source (s0, n): tokens 2 … 4 to 0 … 2
+    want_c, want_n = np.zeros((2, 9, 12), np.uint8), np.zeros((2, 9, 1), np.uint8)
+    norm8_store_into(src, h, -40, 0, want_c, want_n, s0=2, n=3)
+    dc, dn = to_device(np.zeros_like(want_c)), to_device(np.zeros_like(want_n))
+    norm8_store_into(to_device(src), to_device(h), -40, 0, dc, dn, s0=2, n=3)
+    assert np.array_equal(to_host(dc), want_c) and np.array_equal(to_host(dn), want_n)
+    assert np.array_equal(want_c[:, :3], src[:, 2:5]) and not want_c[:, 3:].any()
 
 
 def _scale(rng):

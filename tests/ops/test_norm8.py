@@ -46,6 +46,22 @@ def test_store_matches_oracle(rng, base16):
     assert norms8[0, 5, 0] == 0 and norms8[0, 6, 0] == 1
 
 
+def test_store_of_a_source_span(rng):
+    """``s0``, ``n``: tokens ``s0 : s0 + n`` of the scratch planes (a first store's compressed
+    tokens), against the oracle; a span past the source raises and writes nothing."""
+    h = f16_norms(rng, (2, 30, 1), lo=-8, hi=8)
+    src_codes = rng.integers(0, 256, (2, 30, 16)).astype(np.uint8)
+    codes, norms8 = np.zeros((2, 20, 16), np.uint8), np.zeros((2, 20, 1), np.uint8)
+    norm8_store_into(src_codes, h, -20, 4, codes, norms8, s0=11, n=9)
+    np.testing.assert_array_equal(codes[:, 4:13], src_codes[:, 11:20])
+    np.testing.assert_array_equal(norms8[:, 4:13], ref.norm8_encode(f16_values(h[:, 11:20]), -20))
+    assert not codes[:, :4].any() and not codes[:, 13:].any() and not norms8[:, 13:].any()
+    for s0, n in ((25, 9), (-1, 3)):
+        with pytest.raises(ValueError, match="s0, n: tokens"):
+            norm8_store_into(src_codes, h, -20, 0, codes, norms8, s0=s0, n=n)
+    assert not codes[:, 13:].any()
+
+
 def test_log16_table_is_the_rounded_log():
     """Every finite nonzero binary16 magnitude: LOG16 = round(16·log2 h), and no value sits
     within 1e-6 of a rounding tie (so float64 decides every entry)."""
