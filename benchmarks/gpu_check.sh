@@ -14,7 +14,9 @@
 #                              verbose, so that a run cut at its limit still names the tests that failed)
 #   2. decode_step.{txt,json}: `numba-kv bench decode-step --device cuda` (dense/pqo3/kv4 at T 4K..128K, batch 1,
 #                              vs torch SDPA, the fused steps also through a numba_kv.StepGraph: the "graph"
-#                              columns; DECODE_LIMIT=90); decode_step_numba_launch.*: the same at T 4K with
+#                              columns; DECODE_LIMIT=90); decode_step_kv3.*: kv3 at T 4K and 32K (its VQ codes
+#                              run the block kernel; its decode step stores in one launch, as kv4's);
+#                              decode_step_numba_launch.*: the same at T 4K with
 #                              NUMBA_KV_CUDA_PREPARED_LAUNCH=0 (every launch through Numba's typing: the A/B)
 #   3. step_kernels.log:       benchmarks/gpu_step_kernels.py (each launch of a batch-1 step timed alone, a
 #                              DecodeStep's GPU and wall time per step, the tensor-core kernel at partitions of
@@ -36,7 +38,7 @@
 #
 # QUICK=1 runs a short subset instead (about 6 minutes; limits add up to 7), for a lease of 15
 # minutes with time to rerun: the device tests and the tensor-core tests (tests/gpu,
-# tests/cuda/test_sim_mma.py), decode-step at T 4K, the step's kernels at T 4K (pqo3), the
+# tests/cuda/test_sim_mma.py), decode-step at T 4K (kv3 too), the step's kernels at T 4K (pqo3), the
 # tensor-core A/B at T 32K/128K, batch 8/32, 3 bits with GPU times, and Nsight Compute at
 # T 128K, batch 32.
 set -u
@@ -74,8 +76,8 @@ if [ "${QUICK:-0}" = 1 ]; then
         "$py" -m pytest -v -rfE -p no:cacheprovider $xdist $ptimeout -m "cuda or gpu_only" tests/gpu \
         tests/cuda/test_sim_mma.py
     stage "bench decode-step --device cuda (T 4K)" "${DECODE_LIMIT:-60}" "$out/decode_step.txt" \
-        "$py" -m numba_kv.toolkit.cli bench decode-step --device cuda --tokens 4096 --no-progress \
-        --json "$out/decode_step.json"
+        "$py" -m numba_kv.toolkit.cli bench decode-step --device cuda --tokens 4096 --modes dense,pqo3,kv4,kv3 \
+        --no-progress --json "$out/decode_step.json"
     stage "a step's kernels (T 4K, pqo3)" "${KERNELS_LIMIT:-60}" "$out/step_kernels.log" \
         "$py" benchmarks/gpu_step_kernels.py --modes pqo3 --tokens 4096
     stage "tensor-core kernel: accuracy, A/B, torch (quick)" "${MMA_LIMIT:-130}" "$out/mma_check.log" \
@@ -93,6 +95,9 @@ stage "bench decode-step --device cuda" "${DECODE_LIMIT:-90}" "$out/decode_step.
 "$py" -c "import json, sys; from numba_kv.toolkit import bench_step as b; \
 rows = [b.DecodeStepRow(**r) for r in json.load(open(sys.argv[1]))['rows']]; print(b.render(rows))" \
     "$out/decode_step.json" >> "$out/decode_step.txt" 2>&1 && tail -n 25 "$out/decode_step.txt"
+stage "bench decode-step --device cuda, kv3 (T 4K, 32K)" "${DECODE_LIMIT:-90}" "$out/decode_step_kv3.txt" \
+    "$py" -m numba_kv.toolkit.cli bench decode-step --device cuda --tokens 4096,32768 --modes kv3 --no-progress \
+    --json "$out/decode_step_kv3.json"
 stage "bench decode-step --device cuda, every launch through Numba (A/B of prepared launches)" "${DECODE_LIMIT:-90}" \
     "$out/decode_step_numba_launch.txt" env NUMBA_KV_CUDA_PREPARED_LAUNCH=0 \
     "$py" -m numba_kv.toolkit.cli bench decode-step --device cuda --tokens 4096 --no-torch --no-progress \

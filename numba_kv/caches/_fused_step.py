@@ -38,7 +38,7 @@ from ..ops.blockquant import quantize_pair_into
 from ..ops.hadamard import SIGNS32, rotate32_rows
 from ..ops.headpair import quantize_head_pair_into
 from ..ops.headquant import head_signs, rotate_head_rows
-from ..ops.window8 import window8_head_args, window8_head_step, window8_headvq_args
+from ..ops.window8 import window8_codes_args, window8_head_args, window8_head_step
 from ._layer import LayerState, finite_astype
 from ._window import layer_counts, plan_store, window_capacity
 from .protocol import AttendConfig, DecodeOutput, Fused
@@ -178,7 +178,7 @@ class FusedDecodeMixin:
         """The store of a small step (a decode step) in one serial call
         (:func:`~numba_kv.ops.window8.window8_head_step`) when it applies: NumPy float32
         inputs, an int8 window, the whole-head quantizer without channel split (the scalar or
-        the VQ code on both sides, binary16 or 8-bit norms), a key mean already frozen (if
+        the VQ code on either side, binary16 or 8-bit norms), a key mean already frozen (if
         any) and an 8-bit grid already fixed (if any).  The call also writes the exact
         tokens' positions for the attention that follows (:meth:`ExactWindow.positions` then
         finds them current).
@@ -213,9 +213,9 @@ class FusedDecodeMixin:
             windows = (kex, bufs["k_exact_scale"], bufs["v_exact"], bufs["v_exact_scale"], win.rot_code, win.rot_signs,
                        self._head_signs)
             stores = (self.config.unbiased, bufs["k_codes"], bufs["k_scales"], bufs["v_codes"], bufs["v_scales"], pos)
-            static = (window8_headvq_args(*windows, self._vq_cents["k"], self._vq_cents["v"], *stores, self._norm8)
-                      if self._vq_cents else
-                      window8_head_args(*windows, self.codebooks["k"], self.codebooks["v"], *stores, self._norm8))
+            codes = [self._vq_cents.get(name, self.codebooks[name]) for name in ("k", "v")]
+            static = (window8_head_args(*windows, *codes, *stores) if not (self._vq_cents or self._norm8) else
+                      window8_codes_args(*windows, *codes, *stores, self._norm8))
             hit = st.scratch["window8_args"] = (bufs, pos, static)
         window8_head_step(k, v, kmean, plan, sinks, st.seq_len, n_comp, pos_counts, hit[2], self._norm8_base16(st))
         st.scratch["exact_pos_of"] = pos_counts

@@ -261,11 +261,10 @@ class PolarQuantCache(PolarQuantFields, HeadNormMixin, FusedDecodeMixin, Windowe
         self._windowed, self._fused = cfg.windowed, cfg.decode_output == "fused"
         self._window_np_dtype = np.dtype(cfg.window_dtype)
         # a store into an int8 window with the whole-head quantizer can run as one serial call
-        # (_store_window8_head); whether the window is int8 is decided per layer (device); both
-        # sides scalar or both VQ (a mixed pair stores op by op, with the same bytes)
+        # (_store_window8_head); whether the window is int8 is decided per layer (device); either
+        # code on either side
         self._window8_head = (cfg.rotation == "head" and cfg.window_dtype == "int8" and self._windowed
-                              and not cfg.outlier_channels and self._compress.__func__ is PolarQuantCache._compress
-                              and len(self._vq_cents) in (0, 2))
+                              and not cfg.outlier_channels and self._compress.__func__ is PolarQuantCache._compress)
         # both sides of a decode step's evicted tokens in one launch (_compress_pair): this class's
         # quantizer without channel split, any code (TurboQuant adds its QJL stage per side)
         self._pair_quantize = not cfg.outlier_channels and self._compress.__func__ is PolarQuantCache._compress

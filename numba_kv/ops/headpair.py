@@ -51,7 +51,7 @@ from .headvq import (
 from .headvq_grid import search_grid
 from .norm8 import LOG16, STORE_NORM8, norm8_code_dev
 
-__all__ = ["quantize_head_pair_into"]
+__all__ = ["HEAD_SIDE_SERIAL", "head_side_args", "quantize_head_pair_into"]
 
 #: the search's work per value relative to the scalar code's (the CPU twin's parallel threshold)
 _VQ_WORK = 24
@@ -88,6 +88,9 @@ _side_cpu = cpu_serial(_side)
 _side_serial = cpu_serial(specialize(_side, "__serial", _quantize_head_cpu=QUANTIZE_HEAD.cpu.serial,
                                      _quantize_headvq_cpu=QUANTIZE_HEADVQ.cpu.serial,
                                      _norm8_store_cpu=STORE_NORM8.cpu.serial))
+#: one side's store, serial: ``(x, signs, unbiased, t0, *head_side_args(...)[0], norm8, base16,
+#: log16)`` (for fused serial callers: :mod:`numba_kv.ops.window8`'s one-call decode step)
+HEAD_SIDE_SERIAL = _side_serial
 
 
 @cpu_kernel(serial_globals={"_side_cpu": _side_serial})
@@ -195,10 +198,12 @@ _NO_NORMS16 = np.zeros((1, 1, 1), np.uint16)
 _NO_NORMS8 = np.zeros((1, 1, 1), np.uint8)
 
 
-def _side_args(like: Any, code: Any, d: int, codes: Any, norms: Any, norm8: bool) -> tuple[tuple, bool]:
-    """A side's kernel arguments (``vq … norms8``) for ``code`` (a scalar head
-    :class:`~numba_kv.ops.codebook.Codebook` or VQ centroids ``[256, m]``), on the device of
-    ``like``, and whether it is the VQ code."""
+def head_side_args(like: Any, code: Any, d: int, codes: Any, norms: Any, norm8: bool) -> tuple[tuple, bool]:
+    """A side's arguments (``vq … norms8`` of the kernel and of :data:`HEAD_SIDE_SERIAL`) for
+    ``code`` (a scalar head :class:`~numba_kv.ops.codebook.Codebook` or VQ centroids ``[256,
+    m]``) with its ``codes`` and ``norms`` planes (uint16, or uint8 with ``norm8``), on the
+    device of ``like`` (placeholders for what the side does not have), and whether it is
+    the VQ code."""
     c = _backend.constant
     planes = (c(like, _NO_NORMS16), norms) if norm8 else (norms, c(like, _NO_NORMS8))
     if isinstance(code, Codebook):
@@ -247,8 +252,8 @@ def quantize_head_pair_into(xk3: Any, xv3: Any, kcodes: Any, knorms: Any, vcodes
         return
     t0 = check_span(t0, seq, kcodes.shape[1], "kcodes")
     norm8 = base16 is not None
-    kargs, kvq = _side_args(xk3, kcode, d, kcodes, knorms, norm8)
-    vargs, vvq = _side_args(xk3, vcode, d, vcodes, vnorms, norm8)
+    kargs, kvq = head_side_args(xk3, kcode, d, kcodes, knorms, norm8)
+    vargs, vvq = head_side_args(xk3, vcode, d, vcodes, vnorms, norm8)
     c = _backend.constant
     _QUANTIZE_PAIR.launch(_backend.device_of("xk3", xk3), 2 * rows * seq, xk3, xv3, c(xk3, head_signs(d)),
                           bool(unbiased), int(t0), *kargs, *vargs, norm8, int(base16 or 0), c(xk3, LOG16),

@@ -37,14 +37,13 @@ from .absmax8 import dequantize_vector_cpu, quantize_vector_cpu, rint_dev, scale
 from .finite import FOLD_SIG
 from .hadamard import load_rotate_store_cpu
 from .half import f16_bits_to_f32_dev
+from .headpair import HEAD_SIDE_SERIAL, head_side_args
 from .headquant import QUANTIZE_HEAD
-from .headvq import QUANTIZE_HEADVQ
-from .headvq_grid import search_grid
 from .memory import check_store_plan, shift_column_dev, store_launch_args, store_tail_cpu, store_tail_dev
-from .norm8 import LOG16, STORE_NORM8
+from .norm8 import LOG16
 
-__all__ = ["ROT_BLOCK", "ROT_HEAD", "ROT_NONE", "slide_windows8", "window8_head_args", "window8_head_step",
-           "window8_headvq_args", "window8_store"]
+__all__ = ["ROT_BLOCK", "ROT_HEAD", "ROT_NONE", "slide_windows8", "window8_codes_args", "window8_head_args",
+           "window8_head_step", "window8_store"]
 
 #: rotation of the stored int8 vectors: none, whole head, per 32-block
 ROT_NONE, ROT_HEAD, ROT_BLOCK = 0, 1, 2
@@ -165,8 +164,7 @@ _NO_MEAN = np.zeros((1, 1, 1), np.float32)  # the key mean's placeholder without
 # the serial compilations of the head quantizers' and the 8-bit norm store's CPU twins, called
 # from the serial step below (one decode step's few evicted vectors: far below the parallel threshold)
 _quantize_head_serial = QUANTIZE_HEAD.cpu.serial
-_quantize_headvq_serial = QUANTIZE_HEADVQ.cpu.serial
-_norm8_store_serial = STORE_NORM8.cpu.serial
+_head_side_serial = HEAD_SIDE_SERIAL
 
 
 @cpu_serial
@@ -202,33 +200,6 @@ def _windows_store_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, keep_ne
 
 
 @cpu_serial
-def _head_side8(ev, qsigns, bounds, cents, bits, unbiased, t0, base16, log16, codes, norms8):
-    """Serial: the evicted vectors ``ev`` of one side by the scalar head code into ``codes`` at
-    ``t0``, their binary16 norms through scratch into the 8-bit plane ``norms8`` (grid base
-    ``base16``), as the op-by-op store does."""
-    tc = np.empty((ev.shape[0], ev.shape[1], codes.shape[2]), dtype=np.uint8)
-    tn = np.empty((ev.shape[0], ev.shape[1], 1), dtype=np.uint16)
-    _quantize_head_serial(ev, qsigns, bounds, cents, unbiased, bits, 0, tc, tn)
-    _norm8_store_serial(tc, tn, log16, base16, 0, tc.shape[1], t0, codes, norms8)
-
-
-@cpu_serial
-def _headvq_side(ev, qsigns, cents, gpar, slots, goff, gcand, unbiased, t0, norm8, base16, log16, codes, norms16,
-                 norms8):
-    """The evicted vectors ``ev`` of one side by the head VQ code (``cents`` and its candidate
-    grid) into ``codes`` at ``t0``, with binary16 norms into ``norms16``, or with ``norm8`` as
-    :func:`_head_side8` does into ``norms8`` (a serial core types both branches: the plane not
-    written is a placeholder)."""
-    if not norm8:
-        _quantize_headvq_serial(ev, qsigns, cents, gpar, slots, goff, gcand, unbiased, t0, codes, norms16)
-        return
-    tc = np.empty((ev.shape[0], ev.shape[1], codes.shape[2]), dtype=np.uint8)
-    tn = np.empty((ev.shape[0], ev.shape[1], 1), dtype=np.uint16)
-    _quantize_headvq_serial(ev, qsigns, cents, gpar, slots, goff, gcand, unbiased, 0, tc, tn)
-    _norm8_store_serial(tc, tn, log16, base16, 0, tc.shape[1], t0, codes, norms8)
-
-
-@cpu_serial
 def _window8_head_step_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, t0, n_sink,
                            pos_base, n_win, base16, kex, kexs, vex, vexs, rot, rsigns, qsigns, kbounds, kcents, kbits,
                            vbounds, vcents, vbits, unbiased, kcodes, knorms, vcodes, vnorms, pos):
@@ -244,53 +215,33 @@ def _window8_head_step_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, kee
 
 
 @cpu_serial
-def _window8_head8_step_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, t0, n_sink,
-                            pos_base, n_win, base16, kex, kexs, vex, vexs, rot, rsigns, qsigns, kbounds, kcents, kbits,
-                            vbounds, vcents, vbits, unbiased, log16, kcodes, knorms8, vcodes, vnorms8, pos):
-    """Serial: both sides of one store, the scalar head code with 8-bit norms on the grid of
-    base ``base16`` (see :func:`window8_head_step`)."""
+def _window8_codes_step_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, t0, n_sink,
+                            pos_base, n_win, base16, kex, kexs, vex, vexs, rot, rsigns, qsigns, unbiased, kvq,
+                            kbounds, kcents, kbits, kvcents, kgpar, kslots, kgoff, kgcand, kcodes, knorms, knorms8,
+                            vvq, vbounds, vcents, vbits, vvcents, vgpar, vslots, vgoff, vgcand, vcodes, vnorms,
+                            vnorms8, norm8, log16, pos):
+    """Serial: both sides of one store, each with either whole-head code (the scalar code or
+    the VQ code), binary16 norms or 8-bit norms on the grid of base ``base16`` (see
+    :func:`window8_head_step`; a side's arguments as :func:`~numba_kv.ops.headpair.head_side_args`
+    gives them)."""
     ev_own = _windows_store_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, n_sink,
                                 pos_base, n_win, kex, kexs, vex, vexs, rot, rsigns, pos)
     if e_old + e_new:
-        _head_side8(borrowed(ev_own[0]), qsigns, kbounds, kcents, kbits, unbiased, t0, base16, log16, kcodes, knorms8)
-        _head_side8(borrowed(ev_own[1]), qsigns, vbounds, vcents, vbits, unbiased, t0, base16, log16, vcodes, vnorms8)
+        _head_side_serial(borrowed(ev_own[0]), qsigns, unbiased, t0, kvq, kbounds, kcents, kbits, kvcents, kgpar,
+                          kslots, kgoff, kgcand, kcodes, knorms, knorms8, norm8, base16, log16)
+        _head_side_serial(borrowed(ev_own[1]), qsigns, unbiased, t0, vvq, vbounds, vcents, vbits, vvcents, vgpar,
+                          vslots, vgoff, vgcand, vcodes, vnorms, vnorms8, norm8, base16, log16)
     keep_alive(ev_own)
-
-
-@cpu_serial
-def _window8_headvq_step_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, t0, n_sink,
-                             pos_base, n_win, base16, kex, kexs, vex, vexs, rot, rsigns, qsigns, kcents, kgpar,
-                             kslots, kgoff, kgcand, vcents, vgpar, vslots, vgoff, vgcand, unbiased, norm8, log16,
-                             kcodes, knorms, knorms8, vcodes, vnorms, vnorms8, pos):
-    """Serial: both sides of one store, the head VQ code (see :func:`window8_head_step`)."""
-    ev_own = _windows_store_cpu(k4, v4, kmean, center, a, e_old, e_new, keep_old, keep_new, sinks, seq_len, n_sink,
-                                pos_base, n_win, kex, kexs, vex, vexs, rot, rsigns, pos)
-    if e_old + e_new:
-        _headvq_side(borrowed(ev_own[0]), qsigns, kcents, kgpar, kslots, kgoff, kgcand, unbiased, t0, norm8, base16,
-                     log16, kcodes, knorms, knorms8)
-        _headvq_side(borrowed(ev_own[1]), qsigns, vcents, vgpar, vslots, vgoff, vgcand, unbiased, t0, norm8, base16,
-                     log16, vcodes, vnorms, vnorms8)
-    keep_alive(ev_own)
-
-
-_NORMS_NONE16 = np.zeros((1, 1, 1), np.uint16)  # the norm plane a store does not write (never read)
-_NORMS_NONE8 = np.zeros((1, 1, 1), np.uint8)
-
-
-def _norm_planes(knorms: np.ndarray, vnorms: np.ndarray, norm8: bool) -> tuple:
-    """``(norm8, LOG16, knorms16, knorms8, vnorms16, vnorms8)``: the planes the store writes,
-    placeholders for the others (a serial core types both branches)."""
-    if norm8:
-        return True, LOG16, _NORMS_NONE16, knorms, _NORMS_NONE16, vnorms
-    return False, LOG16, knorms, _NORMS_NONE8, vnorms, _NORMS_NONE8
 
 
 def window8_head_args(kex: np.ndarray, kexs: np.ndarray, vex: np.ndarray, vexs: np.ndarray, rot: int,
                       rsigns: np.ndarray, qsigns: np.ndarray, kcb: Any, vcb: Any, unbiased: bool,
                       kcodes: np.ndarray, knorms: np.ndarray, vcodes: np.ndarray, vnorms: np.ndarray,
-                      pos: np.ndarray, norm8: bool = False) -> tuple:
+                      pos: np.ndarray) -> tuple:
     """The arguments of :func:`window8_head_step` that stay the same from step to step while a
-    layer's buffers stay put (a cache builds them once per buffer set).
+    layer's buffers stay put (a cache builds them once per buffer set), for the scalar head
+    code with binary16 norms on both sides (``kv4``; its own step function, whose argument list
+    is the shortest: every argument of a call costs its unboxing, in every decode step).
 
     Parameters
     ----------
@@ -305,26 +256,26 @@ def window8_head_args(kex: np.ndarray, kexs: np.ndarray, vex: np.ndarray, vexs: 
     unbiased : bool
         The EDEN rescale of the stored norms.
     kcodes, knorms, vcodes, vnorms
-        The compressed store (uint8 codes; norms uint16 ``[rows, capacity, 1]``, or uint8 with
-        ``norm8``).
+        The compressed store (uint8 codes; uint16 norms ``[rows, capacity, 1]``).
     pos : int32 array
         The exact tokens' position buffer (long enough for the window and the sinks).
-    norm8 : bool
-        8-bit norms (``norm_bits=8``): the norms are encoded on the grid whose base the step
-        is given (:func:`~numba_kv.ops.norm8.norm8_store_into`).
+
+    Returns
+    -------
+    tuple
+        The ``static`` argument of :func:`window8_head_step`.
     """
-    head = (kex, kexs, vex, vexs, int(rot), rsigns, qsigns, kcb.boundaries, kcb.centroids, int(kcb.bits),
-            vcb.boundaries, vcb.centroids, int(vcb.bits), bool(unbiased))
-    if norm8:
-        return (_window8_head8_step_cpu, *head, LOG16, kcodes, knorms, vcodes, vnorms, pos)
-    return (_window8_head_step_cpu, *head, kcodes, knorms, vcodes, vnorms, pos)
+    return (_window8_head_step_cpu, kex, kexs, vex, vexs, int(rot), rsigns, qsigns, kcb.boundaries, kcb.centroids,
+            int(kcb.bits), vcb.boundaries, vcb.centroids, int(vcb.bits), bool(unbiased), kcodes, knorms, vcodes,
+            vnorms, pos)
 
 
-def window8_headvq_args(kex: np.ndarray, kexs: np.ndarray, vex: np.ndarray, vexs: np.ndarray, rot: int,
-                        rsigns: np.ndarray, qsigns: np.ndarray, kcents: np.ndarray, vcents: np.ndarray,
-                        unbiased: bool, kcodes: np.ndarray, knorms: np.ndarray, vcodes: np.ndarray,
-                        vnorms: np.ndarray, pos: np.ndarray, norm8: bool = False) -> tuple:
-    """:func:`window8_head_args` for a cache whose sides both store the head VQ code.
+def window8_codes_args(kex: np.ndarray, kexs: np.ndarray, vex: np.ndarray, vexs: np.ndarray, rot: int,
+                       rsigns: np.ndarray, qsigns: np.ndarray, kcode: Any, vcode: Any, unbiased: bool,
+                       kcodes: np.ndarray, knorms: np.ndarray, vcodes: np.ndarray, vnorms: np.ndarray,
+                       pos: np.ndarray, norm8: bool = False) -> tuple:
+    """:func:`window8_head_args` for any whole-head code on either side: the scalar code or the
+    head VQ code, binary16 or 8-bit norms (``kv3``: VQ on both sides, 8-bit norms).
 
     Parameters
     ----------
@@ -332,11 +283,17 @@ def window8_headvq_args(kex: np.ndarray, kexs: np.ndarray, vex: np.ndarray, vexs
         As for :func:`window8_head_args`: the int8 windows (int8 ``[rows, S + R, d]``) and
         their binary16 scales (uint16 ``[rows, S + R, 1]``), the window's rotation and signs,
         and ``head_signs(d)``.
-    kcents, vcents : float32 arrays, shape ``(256, m)``
-        :func:`~numba_kv.ops.headvq.headvq_centroids` of each side; their candidate grids
-        (:func:`~numba_kv.ops.headvq_grid.search_grid`) are looked up here.
-    unbiased, kcodes, knorms, vcodes, vnorms, pos, norm8
-        As for :func:`window8_head_args` (codes uint8 ``[rows, capacity, d/m]``).
+    kcode, vcode : Codebook or float32 array, shape ``(256, m)``
+        A side's code: ``head_codebook(bits, d)`` (the scalar code) or
+        :func:`~numba_kv.ops.headvq.headvq_centroids` (the VQ code, whose candidate grid is
+        looked up here).
+    unbiased, kcodes, vcodes, pos
+        As for :func:`window8_head_args` (codes uint8 ``[rows, capacity, width]``).
+    knorms, vnorms : arrays, shape ``(rows, capacity, 1)``
+        uint16 binary16 norms, or with ``norm8`` uint8 grid codes.
+    norm8 : bool
+        8-bit norms (``norm_bits=8``), encoded on the grid whose base the step is given
+        (:func:`window8_head_step`'s ``base16``).
 
     Returns
     -------
@@ -344,11 +301,10 @@ def window8_headvq_args(kex: np.ndarray, kexs: np.ndarray, vex: np.ndarray, vexs
         The ``static`` argument of :func:`window8_head_step`.
     """
     d = int(kex.shape[2])
-    n8, log16, kn16, kn8, vn16, vn8 = _norm_planes(knorms, vnorms, norm8)
-    kg, vg = search_grid(kcents, d), search_grid(vcents, d)
-    return (_window8_headvq_step_cpu, kex, kexs, vex, vexs, int(rot), rsigns, qsigns, kcents, kg[0], kg[3], kg[1],
-            kg[2], vcents, vg[0], vg[3], vg[1], vg[2], bool(unbiased), n8, log16, kcodes, kn16, kn8, vcodes, vn16,
-            vn8, pos)
+    kside, _ = head_side_args(kex, kcode, d, kcodes, knorms, norm8)
+    vside, _ = head_side_args(kex, vcode, d, vcodes, vnorms, norm8)
+    return (_window8_codes_step_cpu, kex, kexs, vex, vexs, int(rot), rsigns, qsigns, bool(unbiased), *kside, *vside,
+            bool(norm8), LOG16, pos)
 
 
 def window8_head_step(k4: np.ndarray, v4: np.ndarray, kmean: np.ndarray | None, plan: Any, sinks: int, seq_len: int,
@@ -357,8 +313,8 @@ def window8_head_step(k4: np.ndarray, v4: np.ndarray, kmean: np.ndarray | None, 
     keys centered on ``kmean`` (when given), both sides stored into their windows by ``plan``
     (:func:`window8_store`), the tokens leaving the windows quantized by the whole-head
     quantizer into the compressed store at ``t0`` (:func:`~numba_kv.ops.headquant.quantize_head_into`,
-    or :func:`~numba_kv.ops.headvq.quantize_headvq_into` with :func:`window8_headvq_args`; with
-    8-bit norms through a scratch plane and :func:`~numba_kv.ops.norm8.norm8_store_into`), and
+    or per side the code :func:`window8_codes_args` gives, as
+    :func:`~numba_kv.ops.headpair.quantize_head_pair_into` stores it), and
     the exact tokens' positions after the store written.
 
     For one decode step's few tokens: done op by op these are two NumPy operations and four
@@ -383,8 +339,8 @@ def window8_head_step(k4: np.ndarray, v4: np.ndarray, kmean: np.ndarray | None, 
     pos_counts : (n_sink, first window position, n_win)
         After the store: ``pos[:n_sink + n_win]`` ← ``0, …, n_sink − 1, first, …, first + n_win − 1``.
     static : tuple
-        :func:`window8_head_args` (scalar code) or :func:`window8_headvq_args` (VQ code) of the
-        layer's buffers.
+        :func:`window8_head_args` (the scalar code, binary16 norms) or
+        :func:`window8_codes_args` (any code, either norm width) of the layer's buffers.
     base16 : int
         The layer's 8-bit norm grid base (1/16 octaves; read only with ``norm8``).
     """

@@ -213,10 +213,11 @@ def test_key_centering_is_exact_for_attention(R, S):
 
 
 @pytest.mark.parametrize("name", ["kv4", "pqo3", "tq3", "kv4:vq=true", "kv3:residual_fraction=0.0,residual_length=8",
-                                  "kv4:norm_bits=8"])
+                                  "kv4:norm_bits=8", "kv4:vq=true,norm_bits=8"])
 def test_bound_decode_step_equals_a_fresh_one_every_step(name):
-    """A layer binds its fused attention step (and, for kv4 and kv3 — the scalar or the VQ code,
-    binary16 or 8-bit norms — the one-call store) once and reuses it; over steps that regrow
+    """A layer binds its fused attention step (and, for kv4 and kv3 — the scalar or the VQ code
+    on either side (``kv4:vq=true``: VQ keys, scalar values), binary16 or 8-bit norms — the
+    one-call store) once and reuses it; over steps that regrow
     the buffers and move the window, outputs and stored bytes equal, bit for bit, a cache that
     takes the op-by-op store and binds afresh every step (its scratch dropped before each
     call).  (``kv3`` with a fixed window: its growing one evicts too rarely to regrow them.)"""

@@ -55,17 +55,20 @@ def test_window8_store_matches_the_op_by_op_path(rotation, n, stored, n_win):
         np.testing.assert_array_equal(states[1].buffers[key], states[0].buffers[key])
 
 
-@pytest.mark.parametrize("code, norm8", [("scalar", False), ("scalar", True), ("vq", False), ("vq", True)])
+@pytest.mark.parametrize("code", ["scalar", "vq", "vq-scalar", "scalar-vq"])  # both sides, or keys-values
+@pytest.mark.parametrize("norm8", [False, True])
 @pytest.mark.parametrize("center", [False, True])
 @pytest.mark.parametrize("n, stored, n_win", [(1, 40, 12), (1, 2, 0), (3, 40, 12), (1, 10, 6)])
 def test_window8_head_step_matches_store_then_quantize(center, n, stored, n_win, code, norm8):
     """The fused store of a head-quantized cache (both sides, key centering, eviction into the
     compressed store, positions) equals window8_store + quantize_head_into (or
-    quantize_headvq_into; with 8-bit norms, into scratch + norm8_store_into), bit for bit."""
+    quantize_headvq_into, per side; with 8-bit norms, into scratch + norm8_store_into), bit for
+    bit: ``window8_head_args`` for the scalar code with binary16 norms, ``window8_codes_args``
+    for every other case."""
     from numba_kv.ops.headquant import head_codebook, head_signs, quantize_head_into
     from numba_kv.ops.headvq import headvq_centroids, quantize_headvq_into
     from numba_kv.ops.norm8 import norm8_store_into
-    from numba_kv.ops.window8 import window8_head_args, window8_head_step, window8_headvq_args
+    from numba_kv.ops.window8 import window8_codes_args, window8_head_args, window8_head_step
 
     d, S, R, b, h = 64, 4, 12, 1, 3
     rows, cap, t0 = b * h, 64, 7
@@ -75,7 +78,8 @@ def test_window8_head_step_matches_store_then_quantize(center, n, stored, n_win,
     plan = plan_store(n, stored, n_win, S, R)
     kcb, vcb = head_codebook(4, d), head_codebook(3, d)
     kvq, vvq = headvq_centroids(4, d), headvq_centroids(2, d)
-    widths = {"k": d * 4 // 8, "v": d * (3 if code == "scalar" else 2) // 8}
+    kinds = dict(zip("kv", code.split("-") * (2 if "-" not in code else 1)))  # side: "scalar" or "vq"
+    widths = {"k": d * 4 // 8, "v": d * (3 if kinds["v"] == "scalar" else 2) // 8}
     base16 = -40
     old = (rng.standard_normal((2, rows, S + R, d)) * 3).astype(np.float32)
     k4, v4 = (rng.standard_normal((2, b, h, n, d)) * 2).astype(np.float32)
@@ -105,7 +109,7 @@ def test_window8_head_step_matches_store_then_quantize(center, n, stored, n_win,
         ev, codes, scales = out[0], ref.buffers[name + "_codes"], ref.buffers[name + "_scales"]
         tc = np.zeros((rows, ev.shape[1], widths[name]), np.uint8) if norm8 else codes
         tn = np.zeros((rows, ev.shape[1], 1), np.uint16) if norm8 else scales
-        if code == "scalar":
+        if kinds[name] == "scalar":
             quantize_head_into(ev, tc, tn, 0 if norm8 else t0, cb, True)
         else:
             quantize_headvq_into(ev, tc, tn, 0 if norm8 else t0, cents, True)
@@ -115,9 +119,10 @@ def test_window8_head_step_matches_store_then_quantize(center, n, stored, n_win,
     bufs = got.buffers
     windows = (bufs["k_exact"], bufs["k_exact_scale"], bufs["v_exact"], bufs["v_exact_scale"], win.rot_code,
                win.rot_signs, head_signs(d))
-    stores = (True, bufs["k_codes"], bufs["k_scales"], bufs["v_codes"], bufs["v_scales"], pos, norm8)
-    static = (window8_head_args(*windows, kcb, vcb, *stores) if code == "scalar" else
-              window8_headvq_args(*windows, kvq, vvq, *stores))
+    stores = (True, bufs["k_codes"], bufs["k_scales"], bufs["v_codes"], bufs["v_scales"], pos)
+    kcode, vcode = (kcb if kinds["k"] == "scalar" else kvq), (vcb if kinds["v"] == "scalar" else vvq)
+    static = (window8_head_args(*windows, kcb, vcb, *stores) if code == "scalar" and not norm8 else
+              window8_codes_args(*windows, kcode, vcode, *stores, norm8))
     n_sink2, n_win2 = n_sink + plan.sinks, plan.keep_old + plan.keep_new
     window8_head_step(k4, v4, kmean, plan, S, stored, t0, (n_sink2, 50, n_win2), static, base16)
     for key in ref.buffers:

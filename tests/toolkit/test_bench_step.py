@@ -110,12 +110,12 @@ def test_cli_user_errors(argv, message, capsys):
 def test_whole_flow_with_numpy_dressed_as_cupy(fake_cupy, tmp_path, capsys):
     """CPU caches behind the fake CuPy: every mode decodes, the history grows by the steps."""
     js = tmp_path / "step.json"
-    assert main(["bench", "decode-step", "--device", "cuda", "--modes", "dense,pqo3,kv4", "--tokens", "48,80",
+    assert main(["bench", "decode-step", "--device", "cuda", "--modes", "dense,pqo3,kv4,kv3", "--tokens", "48,80",
                  "--kv-heads", "2", "--groups", "2", "--head-dim", "64", "--steps", "3", "--warmup", "2",
                  "--no-progress", "--json", str(js)]) == 0
     doc = json.loads(js.read_text())
     rows = [bench_step.DecodeStepRow(**r) for r in doc["rows"]]
-    assert [(r.tokens, r.mode) for r in rows] == [(t, m) for t in (48, 80) for m in ("dense", "pqo3", "kv4")]
+    assert [(r.tokens, r.mode) for r in rows] == [(t, m) for t in (48, 80) for m in ("dense", "pqo3", "kv4", "kv3")]
     for r in rows:
         assert r.note == "" and r.gpu == "Fake GPU" and r.provenance["gpu"] == "Fake GPU"
         assert "cpu_model" in r.provenance and r.provenance["torch"].startswith("not importable")
