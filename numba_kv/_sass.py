@@ -71,6 +71,7 @@ NVDISASM_PACKAGE = "nvidia-cuda-nvdisasm"
 #: * ``decode_attention_mma``: one warp, 16 tokens per iteration (tensor-core tiles).
 TOKENS_PER_ITERATION: dict[str, float] = {
     "decode_attention_warp": 32.0,
+    "decode_attention_warp_vq": 32.0,
     "decode_attention": 4.0,
     "decode_attention_mma": 16.0,
     "paged_decode_attention_mma": 16.0,

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from .. import _backend
-from .._validate import check_int
+from .._validate import check_int, check_layer
 from ..ops.gather import to_like
 from ._format import save_cache
 
@@ -138,6 +138,22 @@ class LifecycleMixin:
 
     def __repr__(self) -> str:
         return cache_repr(self, [st.seq_len for st in getattr(self, "_layers", [])])
+
+    def layer_cache(self: _Cache, layer: int) -> _Cache:
+        """The cache that stores ``layer``: this one (``IndexError`` naming ``layer`` when it
+        is out of range).  As ``MixedCache.layer_cache``, which returns the part."""
+        check_layer(layer, self.num_layers)  # type: ignore[attr-defined]
+        return self
+
+    def empty_layer(self: _Cache, layer: int) -> _Cache:
+        """An empty one-layer cache configured like ``layer``: this cache's constructor
+        arguments (:meth:`config_dict`) with ``num_layers=1`` and that layer's sliding window
+        (``IndexError`` naming ``layer`` when it is out of range).  As
+        ``MixedCache.empty_layer``; the transformers integration builds its layers so."""
+        i = check_layer(layer, self.num_layers)  # type: ignore[attr-defined]
+        cfg = self.config_dict()  # type: ignore[attr-defined]
+        cfg["num_layers"], cfg["sliding_window"] = 1, [self.layer_windows[i]]  # type: ignore[attr-defined]
+        return type(self)(**cfg)
 
     def _all_locks(self) -> contextlib.AbstractContextManager[None]:
         """Every layer's lock, in layer order (none if this thread holds them: :func:`hold_layers`)."""

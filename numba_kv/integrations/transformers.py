@@ -82,7 +82,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
                       "pip install 'numba-kv[hf]'") from exc
 
 from .._launch import launch_stream
-from ..caches.mixed import MixedCache
 from ..caches.protocol import AttendConfig, Fused
 from ..caches.spec import make_cache
 
@@ -258,15 +257,9 @@ def model_geometry(config: Any) -> dict[str, Any]:
 
 def _one_layer_caches(full: Any) -> list[Any]:
     """One single-layer cache per layer of ``full``, each configured like that layer of
-    ``full`` (its part's constructor arguments and its own sliding window)."""
-    if isinstance(full, MixedCache):  # a split layer (head_overrides) gets a one-layer mixed cache
-        return [full.empty_layer(i) for i in range(full.num_layers)]
-    out = []
-    for i in range(full.num_layers):
-        cfg = full.config_dict()
-        cfg["num_layers"], cfg["sliding_window"] = 1, [full.layer_windows[i]]
-        out.append(type(full)(**cfg))
-    return out
+    ``full`` (its part's constructor arguments and its own sliding window; a split layer of a
+    mixed cache, ``head_overrides``, gets a one-layer mixed cache)."""
+    return [full.empty_layer(i) for i in range(full.num_layers)]
 
 
 # -- the layer ---------------------------------------------------------------------------------------

@@ -368,3 +368,34 @@ def test_fork_while_other_threads_decode(name, opts):
     f = forks[0]
     f.decode(0, ks[0, steps + 1], ks[0, steps + 1], q, CFG)
     assert cache.seq_len(0) == steps + 1
+
+
+@pytest.mark.parametrize("name", ["dense", "kv4", "kv3", "tq3", "pqo3"])
+def test_empty_layer_is_a_one_layer_cache_like_that_layer(name):
+    """``empty_layer(i)``: a new, empty one-layer cache of the same class with the whole
+    cache's resolved options (a preset sizes its window on the whole geometry) and layer
+    ``i``'s sliding window; it stores what layer ``i`` stores, byte for byte.
+    ``layer_cache(i)`` is the cache itself (a mixed cache's is the part: ``kv3`` and ``kv4``
+    size each layer's window on its own)."""
+    windows = [None, 24, None]
+    full = make_cache(name, num_layers=3, num_kv_heads=H, head_dim=D, sliding_window=windows)
+    rng = np.random.default_rng(9)
+    k, v = _rand(rng, 1, H, 40, D), _rand(rng, 1, H, 40, D)
+    for i in range(3):
+        full.prefill(i, k, v)
+        one, part = full.empty_layer(i), full.layer_cache(i)
+        assert type(one) is type(part) and one.num_layers == 1 and one.seq_len(0) == 0
+        assert list(one.layer_windows) == [windows[i]]
+        got, want = one.config_dict(), {**part.config_dict(), "num_layers": 1}
+        got.pop("sliding_window", None)  # (left out when no layer slides)
+        want.pop("sliding_window", None)
+        assert got == want
+        one.prefill(0, k, v)
+        for a, b in zip(one.live_arrays(0), full.live_arrays(i), strict=True):
+            np.testing.assert_array_equal(a, b)
+        # the cache itself, or (a preset whose window differs by layer: mixed) its part for i
+        assert part is full or part in full.parts
+    for bad in (3, -1, "0"):
+        for method in (full.empty_layer, full.layer_cache):
+            with pytest.raises((IndexError, TypeError), match="layer"):
+                method(bad)

@@ -55,7 +55,7 @@ def test_attention_kernels_use_shared_memory_not_local(name):
 
 
 @pytest.mark.ptx
-@pytest.mark.parametrize("name", ["decode_attention_warp", "paged_decode_attention_warp"])
+@pytest.mark.parametrize("name", ["decode_attention_warp", "decode_attention_warp_vq", "paged_decode_attention_warp"])
 def test_warp_kernel_reduces_with_shuffles(name):
     """The warp-per-partition kernels sum scores and merge their token slots with warp
     shuffles (xor butterflies), hold their state in registers (no local memory) and have a

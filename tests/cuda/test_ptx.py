@@ -44,6 +44,7 @@ LOCAL_EXCEPTIONS: dict[str, str] = {}
 NOT_BIT_EXACT: dict[str, str] = {
     "decode_attention": "float output compared within tolerance; fast exp, reassociated sums on the CPU",
     "decode_attention_warp": "as decode_attention",
+    "decode_attention_warp_vq": "as decode_attention",
     "decode_attention_mma": "binary16 tensor-core products (mma.sync), compared within tolerance",
     "paged_decode_attention_mma": "as decode_attention_mma",
     "paged_decode_attention_warp": "as decode_attention",
@@ -91,7 +92,8 @@ def inexact_ops(ptx: str) -> list[str]:
 #: kernels that must work block- or warp-cooperatively
 COOPERATIVE = ("rotate_head", "quantize_head", "quantize_head_pair", "dequantize_head", "quantize_headvq",
                "dequantize_headvq", "decode_attention",
-               "decode_attention_warp", "decode_attention_mma", "paged_decode_attention_mma",
+               "decode_attention_warp", "decode_attention_warp_vq", "decode_attention_mma",
+               "paged_decode_attention_mma",
                "paged_decode_attention", "paged_decode_attention_warp", "merge_partitions")
 #: cooperative kernels not there yet, with the reason
 COOPERATIVE_EXCEPTIONS: dict[str, str] = {}

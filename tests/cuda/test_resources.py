@@ -39,7 +39,8 @@ from numba_kv.ops import TWINS
 
 #: kernels that declare shared memory: their launch also depends on the SM's shared memory,
 #: which differs between architectures (100 KiB on 8.6/8.9), so they are checked on all four
-SHARED_MEMORY_KERNELS = ("decode_attention", "decode_attention_warp", "decode_attention_mma", "paged_decode_attention",
+SHARED_MEMORY_KERNELS = ("decode_attention", "decode_attention_warp", "decode_attention_warp_vq",
+                         "decode_attention_mma", "paged_decode_attention",
                          "paged_decode_attention_warp", "paged_decode_attention_mma", "merge_partitions", "rotate_head",
                          "quantize_head", "quantize_head_pair", "dequantize_head", "quantize_headvq",
                          "dequantize_headvq", "slide_windows8")

@@ -110,6 +110,31 @@ def _mixed_layout(rng):
     np.testing.assert_allclose(run(to_device), run(lambda a: a), **TOL)
 
 
+def _head_vq_layouts(rng):
+    """The head VQ code on both sides (``kv3``'s: pairs of 4 bits for K, quads of 2 bits for V;
+    and the other way round) and next to the scalar head code (VQ keys, 3-bit scalar
+    values), one norm per vector, at d = 64 and 128, GQA 2 × q_len 3 causal."""
+    from numba_kv.ops.headquant import head_codebook
+
+    def layout(code, d):
+        kind, bits = code
+        return CodeLayout.head_vq(bits, d) if kind == "vq" else CodeLayout.uniform(head_codebook(bits, d), d, d // 32)
+
+    for d, kcode, vcode in ((64, ("vq", 4), ("vq", 2)), (128, ("vq", 2), ("vq", 4)), (128, ("vq", 4), ("s", 3))):
+        g, rows, T = 2, 6, 37
+        klay, vlay = layout(kcode, d), layout(vcode, d)
+        kc, vc = (rng.integers(0, 256, (g, T, d * code[1] // 8)).astype(np.uint8) for code in (kcode, vcode))
+        ks, vs = (rng.uniform(0.5, 2.0, (g, T, 1)).astype(np.float16).view(np.uint16) for _ in range(2))
+        q = rng.standard_normal((g, rows, d)).astype(np.float32)
+        empty = np.zeros((g, 0, d), np.float32)
+        outs = []
+        for f in (to_device, lambda a: a):
+            outs.append(to_host(fused_attention_rows(f(q), f(q), f(kc), f(ks), f(vc), f(vs), T, 0, f(empty), f(empty),
+                                                     0, f(np.zeros(1, np.int32)), klay, vlay, d ** -0.5, None, T - 3,
+                                                     3, True, part_size=16)))
+        np.testing.assert_allclose(*outs, **TOL, err_msg=f"d={d} {kcode} {vcode}")
+
+
 def _stored_window_dtypes(rng):
     """Exact tokens read in their stored dtype: binary16 bits, and int8 with per-token
     binary16 scales (the caches' windows), several exact partitions after the codes."""
@@ -191,13 +216,15 @@ def _paged_ragged(rng):
 
 RUNNERS = {"decode_attention": _decode_cases, "merge_partitions": _decode_cases,
            "paged_decode_attention": _paged_ragged, "decode_attention_warp": _stored_window_dtypes,
+           "decode_attention_warp_vq": _head_vq_layouts,
            "paged_decode_attention_warp": _paged_ragged}
 
 
-_CASES = [_gqa_causal_window, _row_chunks, _exact_positions_masked, _mixed_layout, _stored_window_dtypes,
-          _head_rotation_qjl, _head_dim_256, _paged_ragged]
+_CASES = [_gqa_causal_window, _row_chunks, _exact_positions_masked, _mixed_layout, _head_vq_layouts,
+          _stored_window_dtypes, _head_rotation_qjl, _head_dim_256, _paged_ragged]
 # the cases without a logit bias or QJL correction at head_dim <= 128: what the warp kernels run
-_WARP_CASES = [_row_chunks, _exact_positions_masked_no_bias, _mixed_layout, _stored_window_dtypes, _paged_ragged]
+_WARP_CASES = [_row_chunks, _exact_positions_masked_no_bias, _mixed_layout, _head_vq_layouts, _stored_window_dtypes,
+               _paged_ragged]
 
 
 @pytest.mark.cuda
@@ -215,7 +242,7 @@ def test_warp_attention_matches_cpu_twin(case, monkeypatch):
     kernel that ran."""
     from numba_kv.ops.attention import kernels
 
-    launched = spy_launches(monkeypatch, (kernels, "DECODE_ATTENTION_WARP"),
+    launched = spy_launches(monkeypatch, (kernels, "DECODE_ATTENTION_WARP"), (kernels, "DECODE_ATTENTION_WARP_VQ"),
                             (kernels, "PAGED_DECODE_ATTENTION_WARP"))
     case(np.random.default_rng(17))
     assert launched, "the warp kernel did not run"

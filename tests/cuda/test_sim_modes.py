@@ -74,9 +74,11 @@ def _public_modes(rng):
 
 
 def _vq_without_bias(rng):
-    """A head VQ cache's fused step on device arrays without a logit bias (where scalar codes
-    would get the warp kernel): the plan picks the block kernel, which matches the CPU twin."""
+    """A head VQ cache's fused step on device arrays without a logit bias: the plan picks the
+    warp kernel's build that decodes the head VQ code (before: the block kernel), which
+    matches the CPU twin."""
     from numba_kv import AttendConfig
+    from numba_kv.ops.attention.kernels import DECODE_ATTENTION_WARP_VQ
 
     opts = dict(num_layers=1, num_kv_heads=2, head_dim=64, residual_length=2, sink_tokens=1, window_dtype="float32")
     host = make_cache("pqo-k4v2-head-eden-vq", **opts)
@@ -91,7 +93,8 @@ def _vq_without_bias(rng):
     q = rng.standard_normal((1, 4, 1, 64)).astype(np.float32)
     want = host.decode(0, k1, v1, q, cfg).out
     got = dev.decode(0, to_device(k1), to_device(v1), to_device(q), cfg).out
-    assert dev._layers[0].scratch["fused_step"].step.plan.variant == "block"
+    plan = dev._layers[0].scratch["fused_step"].step.plan
+    assert plan.variant == "warp" and plan.kernel is DECODE_ATTENTION_WARP_VQ
     np.testing.assert_allclose(to_host(got), want, rtol=2e-5, atol=2e-6)
 
 

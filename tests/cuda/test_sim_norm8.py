@@ -57,13 +57,14 @@ def test_cuda_kernel_matches_cpu_twin(runner):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize(("name", "warp"), [("pqo4-head-n8", 1), ("pqo4-head-n8", 0),
-                                            ("pqo-k4v2-head-eden-vq-n8", 1)],
-                         ids=["scalar-warp", "scalar-block", "vq-block"])
+                                            ("pqo-k4v2-head-eden-vq-n8", 1), ("pqo-k4v2-head-eden-vq-n8", 0)],
+                         ids=["scalar-warp", "scalar-block", "vq-warp", "vq-block"])
 def test_norm8_cache_on_device_matches_cpu(name, warp, monkeypatch):
     """Prefill and decode steps that move tokens out of the window: the stored codes, norm
-    bytes and grid base equal the CPU cache's, the fused outputs agree (the VQ code always
-    runs the block kernel)."""
-    launched = spy_launches(monkeypatch, (kernels, "DECODE_ATTENTION_WARP"))
+    bytes and grid base equal the CPU cache's, the fused outputs agree (the warp kernel
+    decodes the VQ code too)."""
+    launched = spy_launches(monkeypatch, (kernels, "DECODE_ATTENTION_WARP_VQ" if "vq" in name
+                                          else "DECODE_ATTENTION_WARP"))
     rng = np.random.default_rng(2)
     d = 32
     geo = dict(num_layers=1, num_kv_heads=1, head_dim=d, residual_length=2, sink_tokens=1, window_dtype="float32")
@@ -87,7 +88,7 @@ def test_norm8_cache_on_device_matches_cpu(name, warp, monkeypatch):
         n = sc.live_count(buf)
         assert np.array_equal(to_host(sd.buffers[buf])[:, :n], sc.buffers[buf][:, :n]), buf
     assert sd.buffers["k_scales"].dtype == np.uint8
-    assert bool(launched) == (warp == 1 and "vq" not in name)  # the kernel the case names ran
+    assert bool(launched) == (warp == 1)  # the kernel the case names ran
 
 
 @pytest.mark.cuda

@@ -329,7 +329,7 @@ def test_layers_are_one_layer_caches_like_make_cache():
     full = numba_kv.make_cache("kv4", num_layers=2, num_kv_heads=1, head_dim=64, sliding_window=[WINDOW, None])
     for i, layer in enumerate(cache.layers):
         assert isinstance(layer, NumbaKVLayer) and layer.cache.num_layers == 1
-        part = full.layer_cache(i) if hasattr(full, "layer_cache") else full
+        part = full.layer_cache(i)
         assert layer.cache.residual_length == part.residual_length
 
 

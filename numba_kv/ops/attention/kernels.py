@@ -426,10 +426,11 @@ def _partition_warp_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exa
                   tid, cuda.blockDim.x)
 
 
-def _compile(fn, paged, wrap, build=""):
+def _compile(fn, paged, wrap, build="", vq=False):
     """``wrap`` (a decorator) of kernel source ``fn`` with the flat or the paged addressing
     (``build``: a tag for a second build of the same source, e.g. other launch bounds; its
-    own name keeps it apart in Numba's on-disk cache, whose key has no launch bounds)."""
+    own name keeps it apart in Numba's on-disk cache, whose key has no launch bounds;
+    ``vq``: the warp tiles that also decode the head VQ code, :func:`warp_tiles`)."""
     suffix = "_paged" if paged else "_flat"
     # named as the registered twins (_<op>_cpu, _<op>[_<variant>]_cuda; tests/test_conventions.py)
     name = fn.__name__.replace("_block", "").replace("_partition", "_paged_decode_attention" if paged
@@ -437,7 +438,7 @@ def _compile(fn, paged, wrap, build=""):
     if build:
         name = name.replace("_cuda", f"_{build}_cuda")
     return wrap(specialize(fn, suffix, name=name, kv_tile_cpu=_KV_TILE[paged], **addressing(paged),
-                           **warp_tiles(paged)))
+                           **warp_tiles(paged, vq)))
 
 
 # a real call, not inlined into the kernel: inlined, each of its ten array arguments cost an
@@ -461,6 +462,8 @@ _decode_attention_cuda, _paged_decode_attention_cuda = (
 # resources are checked with every kernel's in tests/cuda/test_resources.py.
 _decode_attention_warp_cuda, _paged_decode_attention_warp_cuda = (
     _compile(_partition_warp_cuda, paged, cuda_kernel) for paged in (False, True))
+# ... and its build for head VQ layouts (flat caches only: pools store no head VQ code)
+_decode_attention_warp_vq_cuda = _compile(_partition_warp_cuda, False, cuda_kernel, build="vq", vq=True)
 
 
 def _partition_mma_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exact, exact_pos, kes, ves, exact_kind,
@@ -563,6 +566,10 @@ DECODE_ATTENTION = register("decode_attention", _decode_attention_cpu, _decode_a
 # is the same tile loop), and on tensor cores
 DECODE_ATTENTION_WARP = register("decode_attention_warp", _decode_attention_cpu, _decode_attention_warp_cuda,
                                  _ASIG_N8)
+# the warp kernel's build that also decodes the head VQ code (kv3): its own kernel, so the
+# scalar build's hot loop keeps its SASS size and registers
+DECODE_ATTENTION_WARP_VQ = register("decode_attention_warp_vq", _decode_attention_cpu, _decode_attention_warp_vq_cuda,
+                                    _ASIG_N8)
 DECODE_ATTENTION_MMA = register("decode_attention_mma", _decode_attention_cpu, _decode_attention_mma_cuda, _ASIG_MMA,
                                 cuda_cc={(9, 0): _decode_attention_mma_sm90_cuda})
 PAGED_DECODE_ATTENTION = register("paged_decode_attention", _paged_decode_attention_cpu,

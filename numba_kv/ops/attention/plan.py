@@ -36,6 +36,7 @@ from .kernels import (
     DECODE_ATTENTION,
     DECODE_ATTENTION_MMA,
     DECODE_ATTENTION_WARP,
+    DECODE_ATTENTION_WARP_VQ,
     PAGED_DECODE_ATTENTION,
     PAGED_DECODE_ATTENTION_MMA,
     PAGED_DECODE_ATTENTION_WARP,
@@ -188,13 +189,12 @@ class AttentionPlan:
         self.n_g, self.rows, self.d = int(n_g), int(rows), int(d)
         self.has_bias, self.has_qjl = bool(has_bias), bool(has_qjl)
         # the warp kernel stages each token's packed V bytes: at most VROW per token
-        # (head VQ layouts: the block kernel, whose tile decoder reads them; the warp and
-        # tensor-core kernels decode scalar codes only)
-        vq = compressed and (klayout.group > 1 or vlayout.group > 1)
-        warp = use_warp_kernel(dev, d, has_bias, has_qjl) and (not compressed or v_width <= VROW) and not vq
+        warp = use_warp_kernel(dev, d, has_bias, has_qjl) and (not compressed or v_width <= VROW)
         mma = compressed and warp and use_mma_kernel(dev, d, has_bias, has_qjl, klayout, vlayout)
         self.variant = "mma" if mma else "warp" if warp else "block" if dev == _backend.CUDA else "cpu"
-        self.kernel = _KERNELS[self.paged][self.variant]
+        # head VQ layouts: the warp kernel's build that decodes them (mma: scalar codes only)
+        vq = compressed and not paged and self.variant == "warp" and (klayout.group > 1 or vlayout.group > 1)
+        self.kernel = DECODE_ATTENTION_WARP_VQ if vq else _KERNELS[self.paged][self.variant]
         self._fallback = _KERNELS[self.paged]["warp"]  # an mma step whose arrays give no word views
         self.threads = cuda_block_threads() if dev == _backend.CUDA else 0
         #: the partition kernel's last block merges (CUDA, the ``cuda_merge_last_block`` knob):

@@ -42,8 +42,9 @@ _FLAT = addressing(False)
 __all__ = ["SIMULATED", "TILE", "VPL", "VROW", "VSC", "WARP_PW", "WARP_QS", "WARP_ROWS", "WARP_STATE", "WARP_VALUES",
            "WARP_VRAW", "WARP_VSC", "XBUF", "compressed_tiles", "exact_tiles", "init_state", "lanes_reduce",
            "merge_slots", "publish_weights",
-           "pv_compressed", "pv_exact", "row_limits", "scores_compressed", "scores_exact", "stage_queries",
-           "stage_values", "store_partition", "tile_softmax", "uniform_widths", "warp_geometry", "warp_ok",
+           "pv_compressed", "pv_compressed_vq", "pv_exact", "row_limits", "scores_compressed",
+           "scores_compressed_vq", "scores_exact", "stage_queries",
+           "stage_values", "store_partition", "tile_softmax", "uniform_widths", "vq_group", "warp_geometry", "warp_ok",
            "warp_sync", "warp_tiles"]
 
 #: the simulator build (shared-memory exchanges, block-uniform barriers)
@@ -259,6 +260,53 @@ def _make_scores(nbits: int):
 _SCORES_ANY, _SCORES_3, _SCORES_4 = (_make_scores(n) for n in (0, 3, 4))
 
 
+def _make_scores_vq(m: int):
+    """:func:`_make_scores` for K in the head VQ code of ``m`` coordinates per point
+    (:meth:`~numba_kv.ops.attention.layout.CodeLayout.head_vq`): byte ``i`` of block ``b``
+    (at ``koff[b]``) is the index of the point of coordinates ``32·b + m·i … + m − 1``, whose
+    values are ``kcent[b, m·idx … m·idx + m − 1]`` (every row holds the whole codebook)."""
+
+    def scores(krow, ksrow, kbits, koff, kcent, sshift, table, qs, qo, d, sc):
+        for r in range(WARP_ROWS):
+            sc[r] = float32(0.0)
+        for b in range(d // 32):
+            sa = table[scale_slot_dev(ksrow, ksrow[b >> sshift])]
+            o = koff[b]
+            for i in range(32 // m):
+                p = int64(krow[o + i]) * m
+                for c in range(m):
+                    x = kcent[b, p + c] * sa
+                    jj = qo + b * 32 + i * m + c
+                    for r in range(WARP_ROWS):
+                        sc[r] += qs[jj + r * d] * x
+
+    scores.__name__ = scores.__qualname__ = f"scores_vq{m}"
+    return cuda_device(scores)
+
+
+_SCORES_VQ2, _SCORES_VQ4 = (_make_scores_vq(m) for m in (2, 4))
+
+
+@cuda_device
+def vq_group(cent):
+    """The head VQ code's coordinates per point of a layout with centroid rows ``cent``
+    (``[blocks, 256·m]``), or 0 for a scalar code (rows of ``2**bits <= 32`` values)."""
+    return cent.shape[1] >> 8
+
+
+@cuda_device
+def scores_compressed_vq(uniform, krow, ksrow, kbits, koff, kcent, sshift, table, qs, qo, d, sc):
+    """:func:`scores_compressed` of the warp kernel's build for head VQ layouts: K in the head
+    VQ code (:func:`_make_scores_vq`), or a scalar code (a cache with VQ values only)."""
+    m = vq_group(kcent)
+    if m == 2:
+        _SCORES_VQ2(krow, ksrow, kbits, koff, kcent, sshift, table, qs, qo, d, sc)
+    elif m == 4:
+        _SCORES_VQ4(krow, ksrow, kbits, koff, kcent, sshift, table, qs, qo, d, sc)
+    else:
+        scores_compressed(uniform, krow, ksrow, kbits, koff, kcent, sshift, table, qs, qo, d, sc)
+
+
 @cuda_device
 def scores_compressed(uniform, krow, ksrow, kbits, koff, kcent, sshift, table, qs, qo, d, sc):
     """:func:`_make_scores` with constant widths for uniform 3- and 4-bit K codes (the same
@@ -338,6 +386,30 @@ def publish_weights(sc, valid, pos, lim, softmax_scale, st, tmp, pw, pbase, xbuf
 
 
 # --- value layout: coordinates per lane ---------------------------------------------------
+def _make_pv_vq(m: int):
+    """The ``Σ_u p_u,r · v_u`` part of :func:`pv_compressed` for V in the head VQ code of
+    ``m`` (2 or 4) coordinates per point: this lane's coordinates ``4·sub … 4·sub + 3`` are
+    the ``4 / m`` whole points at staged bytes ``voff[b] + (4 / m)·(sub mod 8) + i``."""
+
+    def pv(n_tok, slot, tpw, sub, voff, vcent, vraw, vbase, vsc, sbase, pw, pbase, acc):
+        b = sub >> 3
+        o = voff[b] + (4 // m) * (sub & 7)
+        for u in range(slot, n_tok, tpw):
+            sa = vsc[sbase + u * VSC + b]
+            for i in range(VPL // m):
+                p = int64(vraw[vbase + u * VROW + o + i]) * m
+                for c in range(m):
+                    y = vcent[b, p + c] * sa
+                    for r in range(WARP_ROWS):
+                        acc[r * VPL + i * m + c] += pw[pbase + r * TILE + u] * y
+
+    pv.__name__ = pv.__qualname__ = f"pv_vq{m}"
+    return cuda_device(pv)
+
+
+_PV_VQ2, _PV_VQ4 = (_make_pv_vq(m) for m in (2, 4))
+
+
 @cuda_device
 def pv_compressed(n_tok, slot, tpw, sub, vbits, voff, vcent, vraw, vbase, vsc, sbase, pw, pbase, st, acc):
     """``acc[r] = alpha_r·acc[r] + Σ_u p_u,r · v_u`` over the tile's staged tokens ``u =
@@ -360,6 +432,23 @@ def pv_compressed(n_tok, slot, tpw, sub, vbits, voff, vcent, vraw, vbase, vsc, s
             y = vcent[b, (w >> (sh + bits * k)) & mask] * sa
             for r in range(WARP_ROWS):
                 acc[r * VPL + k] += pw[pbase + r * TILE + u] * y
+
+
+@cuda_device
+def pv_compressed_vq(n_tok, slot, tpw, sub, vbits, voff, vcent, vraw, vbase, vsc, sbase, pw, pbase, st, acc):
+    """:func:`pv_compressed` of the warp kernel's build for head VQ layouts: V in the head VQ
+    code (:func:`_make_pv_vq`), or a scalar code (a cache with VQ keys only)."""
+    m = vq_group(vcent)
+    if m != 2 and m != 4:
+        pv_compressed(n_tok, slot, tpw, sub, vbits, voff, vcent, vraw, vbase, vsc, sbase, pw, pbase, st, acc)
+        return
+    for r in range(WARP_ROWS):
+        for k in range(VPL):
+            acc[r * VPL + k] = acc[r * VPL + k] * st[4 * r + 2]
+    if m == 2:
+        _PV_VQ2(n_tok, slot, tpw, sub, voff, vcent, vraw, vbase, vsc, sbase, pw, pbase, acc)
+    else:
+        _PV_VQ4(n_tok, slot, tpw, sub, voff, vcent, vraw, vbase, vsc, sbase, pw, pbase, acc)
 
 
 def _pv_exact(n_tok, slot, tpw, sub, ve, ves, exact_kind, addr, t0, table, pw, pbase, st, acc):
@@ -452,22 +541,27 @@ def _exact_tiles(ke, ve, kes, ves, exact_kind, exact_pos, addr, table, t_lo, t_h
         warp_sync()
 
 
-def warp_tiles(paged: bool) -> dict:
+def warp_tiles(paged: bool, vq: bool = False) -> dict:
     """``{"compressed_tiles": …, "exact_tiles": …}``: the tile loops compiled for the flat or
-    the paged addressing (the names the warp kernel's source calls)."""
-    return _TILES[bool(paged)]
+    the paged addressing (the names the warp kernel's source calls); ``vq``: the build whose
+    compressed tiles also decode the head VQ code (:func:`scores_compressed_vq`,
+    :func:`pv_compressed_vq`: a kernel of its own, so the scalar build's hot loop keeps its
+    size and registers)."""
+    return _TILES[bool(paged), bool(vq)]
 
 
-def _tiles(paged):
+def _tiles(paged, vq):
     names = addressing(paged)
-    suffix = "_paged" if paged else "_flat"
+    suffix = ("_paged" if paged else "_flat") + ("_vq" if vq else "")
     pv = cuda_device(specialize(_pv_exact, suffix, **names))
-    return {"compressed_tiles": cuda_device(specialize(_compressed_tiles, suffix, **names)),
+    codes = {"scores_compressed": scores_compressed_vq, "pv_compressed": pv_compressed_vq} if vq else {}
+    return {"compressed_tiles": cuda_device(specialize(_compressed_tiles, suffix, **names, **codes)),
             "exact_tiles": cuda_device(specialize(_exact_tiles, suffix, pv_exact=pv, **names)), "pv_exact": pv}
 
 
-_TILES = {paged: _tiles(paged) for paged in (False, True)}
-compressed_tiles, exact_tiles, pv_exact = (_TILES[False][k] for k in ("compressed_tiles", "exact_tiles", "pv_exact"))
+_TILES = {(paged, vq): _tiles(paged, vq) for paged in (False, True) for vq in (False, True)}
+compressed_tiles, exact_tiles, pv_exact = (_TILES[False, False][k] for k in ("compressed_tiles", "exact_tiles",
+                                                                             "pv_exact"))
 
 
 @cuda_device
