@@ -140,16 +140,40 @@ class LifecycleMixin:
         return cache_repr(self, [st.seq_len for st in getattr(self, "_layers", [])])
 
     def layer_cache(self: _Cache, layer: int) -> _Cache:
-        """The cache that stores ``layer``: this one (``IndexError`` naming ``layer`` when it
-        is out of range).  As ``MixedCache.layer_cache``, which returns the part."""
+        """The cache that stores ``layer``: this one.  As ``MixedCache.layer_cache``, which
+        returns the part.
+
+        Parameters
+        ----------
+        layer : int
+            In ``[0, num_layers)`` (else ``IndexError``, or ``TypeError`` for a non-int, naming
+            ``layer``).
+
+        Returns
+        -------
+        LayeredCache
+            ``self``.
+        """
         check_layer(layer, self.num_layers)  # type: ignore[attr-defined]
         return self
 
     def empty_layer(self: _Cache, layer: int) -> _Cache:
-        """An empty one-layer cache configured like ``layer``: this cache's constructor
-        arguments (:meth:`config_dict`) with ``num_layers=1`` and that layer's sliding window
-        (``IndexError`` naming ``layer`` when it is out of range).  As
-        ``MixedCache.empty_layer``; the transformers integration builds its layers so."""
+        """An empty one-layer cache configured like ``layer``.  As ``MixedCache.empty_layer``;
+        the transformers integration builds its layers so.
+
+        Parameters
+        ----------
+        layer : int
+            In ``[0, num_layers)`` (else ``IndexError``, or ``TypeError`` for a non-int, naming
+            ``layer``).
+
+        Returns
+        -------
+        LayeredCache
+            A new cache of this class: this cache's constructor arguments
+            (:meth:`config_dict`) with ``num_layers=1`` and ``sliding_window=[window of
+            layer]``, holding no tokens; it stores what ``layer`` stores, byte for byte.
+        """
         i = check_layer(layer, self.num_layers)  # type: ignore[attr-defined]
         cfg = self.config_dict()  # type: ignore[attr-defined]
         cfg["num_layers"], cfg["sliding_window"] = 1, [self.layer_windows[i]]  # type: ignore[attr-defined]

@@ -199,11 +199,29 @@ _NO_NORMS8 = np.zeros((1, 1, 1), np.uint8)
 
 
 def head_side_args(like: Any, code: Any, d: int, codes: Any, norms: Any, norm8: bool) -> tuple[tuple, bool]:
-    """A side's arguments (``vq … norms8`` of the kernel and of :data:`HEAD_SIDE_SERIAL`) for
-    ``code`` (a scalar head :class:`~numba_kv.ops.codebook.Codebook` or VQ centroids ``[256,
-    m]``) with its ``codes`` and ``norms`` planes (uint16, or uint8 with ``norm8``), on the
-    device of ``like`` (placeholders for what the side does not have), and whether it is
-    the VQ code."""
+    """A side's arguments (``vq … norms8`` of the kernel and of :data:`HEAD_SIDE_SERIAL`).
+
+    Parameters
+    ----------
+    like : array
+        Any array on the device the arguments go to (NumPy: host arrays).
+    code : Codebook or float32 array, shape ``(256, m)``
+        The scalar head code's ``head_codebook(bits, d)`` or the VQ code's
+        ``headvq_centroids(bits, d)`` (its candidate grid is looked up here).
+    d : int
+        head_dim.
+    codes : uint8 array, shape ``(rows, capacity, width)``
+    norms : array, shape ``(rows, capacity, 1)``
+        uint16 binary16 norms, or with ``norm8`` uint8 grid codes.
+    norm8 : bool
+
+    Returns
+    -------
+    (tuple, bool)
+        ``(vq, bounds, cents, bits, vcents, gpar, slots, goff, gcand, codes, norms16, norms8)``
+        with placeholders (never read) for what the side does not have, and whether it is the
+        VQ code.
+    """
     c = _backend.constant
     planes = (c(like, _NO_NORMS16), norms) if norm8 else (norms, c(like, _NO_NORMS8))
     if isinstance(code, Codebook):
