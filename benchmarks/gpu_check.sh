@@ -15,8 +15,8 @@
 #   2. decode_step.{txt,json}: `numba-kv bench decode-step --device cuda` (dense/pqo3/kv4 at T 4K..128K, batch 1,
 #                              vs torch SDPA, the fused steps also through a numba_kv.StepGraph: the "graph"
 #                              columns; DECODE_LIMIT=90); decode_step_kv3.*: kv3 at T 4K and 32K (its VQ codes
-#                              run decode_attention_warp_vq, never timed before; one store launch, as kv4's),
-#                              decode_step_kv3_block.*: the same on the block kernel (the A/B);
+#                              run decode_attention_mma_vq, never timed before; one store launch, as kv4's),
+#                              decode_step_kv3_warp.*: the same on the warp VQ build (the A/B);
 #                              decode_step_numba_launch.*: the same at T 4K with
 #                              NUMBA_KV_CUDA_PREPARED_LAUNCH=0 (every launch through Numba's typing: the A/B)
 #   3. step_kernels.log:       benchmarks/gpu_step_kernels.py (each launch of a batch-1 step timed alone, a
@@ -99,10 +99,10 @@ rows = [b.DecodeStepRow(**r) for r in json.load(open(sys.argv[1]))['rows']]; pri
 stage "bench decode-step --device cuda, kv3 (T 4K, 32K)" "${DECODE_LIMIT:-90}" "$out/decode_step_kv3.txt" \
     "$py" -m numba_kv.toolkit.cli bench decode-step --device cuda --tokens 4096,32768 --modes kv3 --no-progress \
     --json "$out/decode_step_kv3.json"
-stage "bench decode-step --device cuda, kv3 on the block kernel (A/B of the warp VQ build)" "${DECODE_LIMIT:-90}" \
-    "$out/decode_step_kv3_block.txt" env NUMBA_KV_CUDA_WARP_ATTENTION=0 \
+stage "bench decode-step --device cuda, kv3 on the warp VQ build (A/B of the tensor-core VQ build)" \
+    "${DECODE_LIMIT:-90}" "$out/decode_step_kv3_warp.txt" env NUMBA_KV_CUDA_MMA_ATTENTION=0 \
     "$py" -m numba_kv.toolkit.cli bench decode-step --device cuda --tokens 4096,32768 --modes kv3 --no-torch \
-    --no-progress --json "$out/decode_step_kv3_block.json"
+    --no-progress --json "$out/decode_step_kv3_warp.json"
 stage "bench decode-step --device cuda, every launch through Numba (A/B of prepared launches)" "${DECODE_LIMIT:-90}" \
     "$out/decode_step_numba_launch.txt" env NUMBA_KV_CUDA_PREPARED_LAUNCH=0 \
     "$py" -m numba_kv.toolkit.cli bench decode-step --device cuda --tokens 4096 --no-torch --no-progress \

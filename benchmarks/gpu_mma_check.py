@@ -17,7 +17,10 @@
    older tensor-core kernel is timed as well, swapped into the same registry entry (the
    argument list must be unchanged): the A/B of old and new kernel builds in one process.
    ``mma no-waves`` is the shipped kernel with the partition rule before the wave model (the
-   ``cuda_wave_partitions`` knob off); each line ends with the lengths both rules pick.
+   ``cuda_wave_partitions`` knob off); each line ends with the lengths both rules pick.  A
+   ``kv3 codes`` line per shape: the same K/V as ``kv3``'s head VQ codes (4-bit pairs for K,
+   2-bit quads for V) on the tensor-core VQ build (``decode_attention_mma_vq``) and on the warp
+   kernel's VQ build (``cuda_mma_attention=0``), and their largest difference.
 
     python3 benchmarks/gpu_mma_check.py --tokens 32768,131072 --batch 1,8,32 [--old 2937c4b,95990cf]
 
@@ -52,7 +55,8 @@ from numba_kv.ops.attention.mma import MMA_THREADS, mma_partition_size
 from numba_kv.ops.blockquant import quantize_blocks
 from numba_kv.ops.codebook import get_codebook
 from numba_kv.ops.hadamard import rotate32
-from numba_kv.ops.headquant import quantize_head
+from numba_kv.ops.headquant import head_signs, quantize_head, rotate_head
+from numba_kv.ops.headvq import quantize_headvq
 from numba_kv.toolkit.bench_cuda import packed_bytes, require_cupy, time_cuda_ms
 
 
@@ -180,6 +184,26 @@ def kernel_path(cupy, q, kc, ks, vc, vs, nb):
                                         None, T - 1, 1, True)
 
 
+def vq_path(cupy, q, k, v):
+    """``kv3``'s codes of ``k``, ``v`` (head VQ: 4-bit pairs for K, 2-bit quads for V, unbiased)
+    through the kernel path (``fused_attention_rows``): the tensor-core VQ build
+    (``decode_attention_mma_vq``), or with ``cuda_mma_attention=0`` the warp kernel's VQ build."""
+    b, hq, _, d = q.shape
+    hkv, T = k.shape[1], k.shape[2]
+    g, rows = b * hkv, hq // hkv
+    kc, kn = quantize_headvq(k, 4, unbiased=True)
+    vc, vn = quantize_headvq(v, 2, unbiased=True)
+    q3 = q.reshape(g, rows, d)
+    qr = rotate_head(q3)
+    kc3, vc3, kn3, vn3 = (a.reshape(g, T, -1) for a in (kc, vc, kn, vn))
+    empty = cupy.zeros((g, 0, d), cupy.float32)
+    epos = cupy.zeros(1, cupy.int32)
+    signs = cupy.asarray(head_signs(d))
+    klay, vlay = CodeLayout.head_vq(4, d), CodeLayout.head_vq(2, d)
+    return lambda: fused_attention_rows(qr, q3, kc3, kn3, vc3, vn3, T, 0, empty, empty, 0, epos, klay, vlay,
+                                        d ** -0.5, None, T - 1, 1, True, head_signs=signs)
+
+
 #: the default build (launch bounds of 2 blocks an SM; a GPU of a capability with a build of its
 #: own, sm_90's of 4 blocks, runs that one: ``Twin.build_for``)
 SHIPPED = TWINS["decode_attention_mma"].cuda
@@ -298,6 +322,25 @@ def speed(cupy, tokens, batches, bits, repeat, device_time=False) -> None:
                 print(f"  T={t} batch={b} bits={nb}: " + "  ".join(cols) + f"  {tline}  max|mma-warp|={diff:.1e}",
                       flush=True)
                 del kc, ks, vc, vs, outs
+            # kv3's codes (3.0 bits a value in codes: 4-bit pairs, 2-bit quads) on the tensor-core VQ
+            # build and on the warp VQ build (the A/B), same K/V
+            cols = []
+            vq_outs = {}
+            for name, knob in (("mma vq", 1), ("warp vq", 0)):
+                with knobs(cuda_mma_attention=knob):
+                    fn = vq_path(cupy, q, k, v)
+                    vq_outs[name] = fn()
+                    ms = time_cuda_ms(cupy, fn, repeat)
+                    x = f" x{ref[0] / ms:.2f}" if ref else ""
+                    cols.append(f"{name} {ms:.3f} ms{x}")
+                    if device_time:
+                        dev_ms, ok = device_ms(cupy, fn, repeat)
+                        x = f" x{ref[2] / dev_ms:.2f}" if ref and len(ref) > 2 else ""
+                        cols.append(f"{name} device {dev_ms:.3f} ms{x}{'' if ok else ' (host not hidden)'}")
+            diff = float(cupy.abs(vq_outs["mma vq"] - vq_outs["warp vq"]).max())
+            print(f"  T={t} batch={b} kv3 codes: " + "  ".join(cols) + f"  {tline}  max|mma vq-warp vq|={diff:.1e}",
+                  flush=True)
+            del vq_outs
             del k, v, q
             cupy.get_default_memory_pool().free_all_blocks()
 

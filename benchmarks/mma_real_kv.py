@@ -13,10 +13,12 @@ rows are made 128 wide from its own post-RoPE tensors of one prefill of the eval
   128 coordinates of the head, with the same halves of the queries.
 
 Keys are centered per channel (what the caches' ``key_center`` does; a softmax does not see
-the shift), then coded as the two code layouts of the kernel: 3-bit block codes for keys and
+the shift), then coded as the code layouts of the kernels: 3-bit block codes for keys and
 values (``pqo3``'s layout, ``quantize_blocks``) and whole-head codes, 4-bit keys and 3-bit values
-(``kv4``'s, ``quantize_head``, ``rotation="head"``).  The last ``--queries`` positions of each
-layer attend causally over the ``--tokens`` tokens, through ``decode_attention`` on host arrays
+(``kv4``'s, ``quantize_head``, ``rotation="head"``), and the head VQ code, 4-bit pairs for keys
+and 2-bit quads for values with the unbiased rescale (``kv3``'s, ``quantize_headvq``: the
+kernel's VQ build ``decode_attention_mma_vq``, through ``fused_attention_rows``; binary16 norms).
+The last ``--queries`` positions of each layer attend causally over the ``--tokens`` tokens, through ``decode_attention`` on host arrays
 (the CPU twin) and on CUDA device arrays: the tensor-core kernel, on a GPU, or its Python
 twins under ``NUMBA_ENABLE_CUDASIM=1`` (every ``mma.sync``, ``cvt.rn.f16x2`` and table read as
 the PTX does it; a call takes seconds there).  Reported: the relative L2 error of the outputs
@@ -24,7 +26,7 @@ per layer (min / median / max over the layers) and whether every output was fini
 fails if the tensor-core kernel did not run.
 
     NUMBA_ENABLE_CUDASIM=1 .venv/bin/python benchmarks/mma_real_kv.py [--models smollm2,gemma3-270m]
-        [--tokens 256] [--queries 2] [--json out.json]
+        [--tokens 256] [--queries 2] [--layouts pqo3,kv4,kv3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -43,14 +45,31 @@ from benchmarks.rotation_order import capture  # noqa: E402
 from numba_kv._backend import simulator_enabled, to_host  # noqa: E402
 from numba_kv.info import collect, provenance_line  # noqa: E402
 from numba_kv.ops._registry import Twin  # noqa: E402
-from numba_kv.ops.attention import decode_attention, kernels  # noqa: E402
+from numba_kv.ops.attention import CodeLayout, decode_attention, fused_attention_rows, kernels  # noqa: E402
 from numba_kv.ops.blockquant import quantize_blocks  # noqa: E402
-from numba_kv.ops.headquant import quantize_head  # noqa: E402
+from numba_kv.ops.headquant import head_signs, quantize_head, rotate_head  # noqa: E402
+from numba_kv.ops.headvq import quantize_headvq  # noqa: E402
 
 D = 128
-#: the code layouts the kernel reads: (name, key bits, value bits, quantizer, rotation)
-LAYOUTS = (("block codes K3/V3 (pqo3)", 3, 3, quantize_blocks, "block"),
-           ("head codes K4/V3 (kv4)", 4, 3, quantize_head, "head"))
+#: the code layouts the kernels read: (name, key bits, value bits, quantizer, rotation, short name)
+LAYOUTS = (("block codes K3/V3 (pqo3)", 3, 3, quantize_blocks, "block", "pqo3"),
+           ("head codes K4/V3 (kv4)", 4, 3, quantize_head, "head", "kv4"),
+           ("head VQ codes K4/V2 (kv3)", 4, 2, quantize_headvq, "vq", "kv3"))
+
+
+def _vq_attention(qq: np.ndarray, kq: np.ndarray, ks: np.ndarray, vq: np.ndarray, vs: np.ndarray, scale: float,
+                  kbits: int, vbits: int, to: Any) -> np.ndarray:
+    """The fused attention of the last ``qq.shape[2]`` positions over head VQ codes, through the
+    flat kernels' entry (``decode_attention`` takes scalar codes): arrays moved by ``to``."""
+    b, hq, nq, d = qq.shape
+    g, T = kq.shape[1], kq.shape[2]
+    rows = np.ascontiguousarray(qq.reshape(g, hq // g * nq, d))  # (row: query head of the group, then position)
+    qr = np.ascontiguousarray(rotate_head(rows))
+    empty = np.zeros((g, 0, d), np.float32)
+    out = fused_attention_rows(to(qr), to(rows), *(to(a[0]) for a in (kq, ks, vq, vs)), T, 0, to(empty), to(empty), 0,
+                               to(np.zeros(1, np.int32)), CodeLayout.head_vq(kbits, d), CodeLayout.head_vq(vbits, d),
+                               scale, None, T - nq, nq, True, head_signs=to(head_signs(d)))
+    return np.asarray(to_host(out)).reshape(b, hq, nq, d)
 
 
 def rows_128(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -84,24 +103,33 @@ def kernel_error(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, layo
     device arrays against the CPU twin, keys centered and coded as ``layout``."""
     from numba import cuda
 
-    _, kbits, vbits, quantize, rotation = layout
+    _, kbits, vbits, quantize, rotation, _ = layout
     kc = np.ascontiguousarray(k - k.mean(2, keepdims=True))
-    kq, ks = quantize(kc, kbits)
-    vq, vs = quantize(np.ascontiguousarray(v), vbits)
+    extra = {"unbiased": True} if rotation == "vq" else {}
+    kq, ks = quantize(kc, kbits, **extra)
+    vq, vs = quantize(np.ascontiguousarray(v), vbits, **extra)
     qq = np.ascontiguousarray(q[:, :, -queries:])
     kw = dict(k_bits=kbits, v_bits=vbits, softmax_scale=scale, causal=True, rotation=rotation)
-    ref = decode_attention(qq, kq, ks, vq, vs, **kw)
+    if rotation == "vq":
+        ref = _vq_attention(qq, kq, ks, vq, vs, scale, kbits, vbits, lambda a: a)
+        kernel = kernels.DECODE_ATTENTION_MMA_VQ
+    else:
+        ref = decode_attention(qq, kq, ks, vq, vs, **kw)
+        kernel = kernels.DECODE_ATTENTION_MMA
     launched: list[int] = []
     real = Twin.launch
 
     def spy(self: Twin, device: Any, *args: Any, **kws: Any) -> Any:
-        if self.name == kernels.DECODE_ATTENTION_MMA.name:
+        if self.name == kernel.name:
             launched.append(1)
         return real(self, device, *args, **kws)
 
     Twin.launch = spy
     try:
-        dev = to_host(decode_attention(*(cuda.to_device(a) for a in (qq, kq, ks, vq, vs)), **kw))
+        if rotation == "vq":
+            dev = _vq_attention(qq, kq, ks, vq, vs, scale, kbits, vbits, cuda.to_device)
+        else:
+            dev = to_host(decode_attention(*(cuda.to_device(a) for a in (qq, kq, ks, vq, vs)), **kw))
     finally:
         Twin.launch = real
     ref64 = np.asarray(ref, np.float64)
@@ -118,7 +146,7 @@ def measure(name: str, a: argparse.Namespace) -> list[dict[str, Any]]:
     print("| layout | rel. L2 error, min | median | max | finite | tensor-core launches |")
     print("| --- | --- | --- | --- | --- | --- |")
     records = []
-    for layout in LAYOUTS:
+    for layout in (lay for lay in LAYOUTS if lay[5] in a.layouts.split(",")):
         errs, finite, runs = [], True, 0
         for i, layer in enumerate(layers):
             t0 = time.perf_counter()
@@ -140,6 +168,7 @@ def main() -> None:
     p.add_argument("--models", default="smollm2,gemma3-270m", help="comma-separated model names")
     p.add_argument("--tokens", type=int, default=256, help="tokens of the evaluation text each layer holds")
     p.add_argument("--queries", type=int, default=2, help="last positions that attend (causal), a call each layer")
+    p.add_argument("--layouts", default="pqo3,kv4,kv3", help="comma-separated layouts: pqo3, kv4, kv3")
     p.add_argument("--json", type=pathlib.Path, default=None, help="write the per-layer records here")
     a = p.parse_args()
     print(provenance_line())

@@ -14,7 +14,7 @@ static instructions per pass, per token per KV head (16 tokens a pass), register
 largest instruction classes.  No GPU needed (``nvidia-cuda-nvdisasm``, in the ``test`` extra).
 
     .venv/bin/python benchmarks/sass_one_width.py --bits 3 [--vbits 3] [--scales block|token] [--rev 2937c4b]
-        [--kernel paged_decode_attention_mma]
+        [--kernel paged_decode_attention_mma | --kernel decode_attention_mma_vq --quads k|v|kv]
 """
 
 from __future__ import annotations
@@ -47,18 +47,25 @@ print(json.dumps({"registers": k.resources.registers, "size": loop.size, "per_to
 """
 
 
-def pinned_source(text: str, bits: int, vbits: int | None = None, scales: str | None = None) -> str:
+def pinned_source(text: str, bits: int, vbits: int | None = None, scales: str | None = None,
+                  quads: str = "") -> str:
     """``mma.py`` with the width tests of its tile dispatchers made constant for ``bits`` (K;
-    V: ``vbits``, default ``bits``) and, with ``scales``, its choice of the tile loop."""
+    V: ``vbits``, default ``bits``), with ``scales`` its choice of the tile loop, and the VQ
+    build's quad tests (``VQ_BUILD and kq`` / ``vq``) True for the sides in ``quads``."""
     want = {"kb": bits, "vb": bits if vbits is None else vbits}
     out, n = re.subn(r"\b([kv]b) == ([234])\b", lambda m: "True" if int(m.group(2)) == want[m.group(1)] else "False",
                      text)
     if n < 4:
         raise SystemExit(f"found {n} width tests in mma.py (expected the K and V dispatchers' 4)")
     if scales is not None:
-        out, n = re.subn(r"\bif sshift >= 2:", "if True:" if scales == "token" else "if False:", out)
+        out, n = re.subn(r"\b(el)?if sshift >= 2:",
+                         lambda m: f"{m.group(1) or ''}if {scales == 'token'}:", out)
         if n != 1:
             raise SystemExit(f"found {n} choices of the tile loop in mma.py (expected 1: 'if sshift >= 2:')")
+    for side in "kv":
+        out, n = re.subn(rf"\bVQ_BUILD and {side}q\b", str(side in quads), out)
+        if n != 1 and side in quads:
+            raise SystemExit(f"found {n} quad tests of {side} in mma.py (expected 1)")
     return out
 
 
@@ -81,12 +88,14 @@ def main() -> None:
                     help="the flat kernel's tile loop: block scales or one scale a token (default: as compiled)")
     ap.add_argument("--rev", default=None, help="git revision (default: the working tree)")
     ap.add_argument("--kernel", default="decode_attention_mma")
+    ap.add_argument("--quads", default="", choices=("", "k", "v", "kv"),
+                    help="sides in VQ quads (--kernel decode_attention_mma_vq; VQ pairs are the 4-bit tiles)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="numba_kv_sass_") as tmp:
         dest = pathlib.Path(tmp)
         package(args.rev, dest)
         mma = dest / "numba_kv" / "ops" / "attention" / "mma.py"
-        mma.write_text(pinned_source(mma.read_text(), args.bits, args.vbits, args.scales))
+        mma.write_text(pinned_source(mma.read_text(), args.bits, args.vbits, args.scales, args.quads))
         env = {**os.environ, "PYTHONPATH": str(dest), "NUMBA_CACHE_DIR": str(dest / "numba_cache")}
         # (cwd: ``-c`` puts the current folder first on sys.path, which must not be a checkout)
         run = subprocess.run([sys.executable, "-c", _CHILD, args.kernel, tmp], env=env, cwd=tmp, capture_output=True,
@@ -95,7 +104,7 @@ def main() -> None:
         raise SystemExit(run.stderr.strip().splitlines()[-1] if run.stderr.strip() else "the compile failed")
     r = json.loads(run.stdout.strip().splitlines()[-1])
     vbits = args.bits if args.vbits is None else args.vbits
-    mode = f", {args.scales} scales" if args.scales else ""
+    mode = (f", {args.scales} scales" if args.scales else "") + (f", quads: {args.quads}" if args.quads else "")
     print(f"{args.kernel} at {args.rev or 'working tree'}, {args.bits}-bit K, {vbits}-bit V{mode}, sm_90: "
           f"{r['size']} SASS a pass, "
           f"{r['per_token']:.1f} per token per KV head, {r['registers']} registers; "

@@ -74,6 +74,7 @@ TOKENS_PER_ITERATION: dict[str, float] = {
     "decode_attention_warp_vq": 32.0,
     "decode_attention": 4.0,
     "decode_attention_mma": 16.0,
+    "decode_attention_mma_vq": 16.0,
     "paged_decode_attention_mma": 16.0,
 }
 

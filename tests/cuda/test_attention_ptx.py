@@ -106,3 +106,23 @@ def test_mma_kernel_runs_on_tensor_cores():
     assert len(re.findall(r"\bld\.global\.u16 %rs\d+, \[%rd\d+\];", ptx)) == (4 + 4) + (4 + 2)
     assert local_bytes(ptx) == 0
     assert barriers_before_merge(ptx) == (3, 1)
+
+
+@pytest.mark.ptx
+def test_mma_vq_build_reads_quads_by_two_words_and_norm_bytes():
+    """The tensor-core VQ build's PTX (``decode_attention_mma_vq``, its 8-bit-norm signature):
+    one token loop (one scale a token) whose tiles hold the 3 scalar widths' decoders and the
+    quads' of each side, 8 ``mma.sync`` each a tile; a quad side reads its table entries as
+    two words by one ``ld.shared.v2.u32`` (4 k-step pairs × 2 tokens for the keys, 4 quads ×
+    4 tokens for the values, from 32-bit addresses); the norms are byte loads
+    (``ld.global.u8``: the keys' two a tile and its first tile's two, the values' two); no
+    local memory; the scalar build's barriers."""
+    ptx = kernel_ptx("decode_attention_mma_vq", (9, 0), signature=2)
+    n_mma = len(re.findall(r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16\.f16\.f32\b", ptx))
+    assert n_mma == 4 * (8 + 8), n_mma
+    assert len(re.findall(r"\bld\.shared\.v2\.u32\s+\{%r\d+, %r\d+\}, \[%r\d+\];", ptx)) == 4 * 2 * 2 + 4 * 4
+    assert len(re.findall(r"\bld\.shared\.u32\s+%r\d+, \[%r\d+\];", ptx)) == 3 * (32 + 32)
+    assert len(re.findall(r"\bmul\.rn\.f16x2\b", ptx)) == 0  # (one scale a token: no code is scaled)
+    assert len(re.findall(r"\bld\.global\.u8 %rs\d+, \[%rd\d+\];", ptx)) == 2 + 2 + 2
+    assert local_bytes(ptx) == 0
+    assert barriers_before_merge(ptx) == (3, 1)

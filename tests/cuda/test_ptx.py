@@ -46,6 +46,7 @@ NOT_BIT_EXACT: dict[str, str] = {
     "decode_attention_warp": "as decode_attention",
     "decode_attention_warp_vq": "as decode_attention",
     "decode_attention_mma": "binary16 tensor-core products (mma.sync), compared within tolerance",
+    "decode_attention_mma_vq": "as decode_attention_mma",
     "paged_decode_attention_mma": "as decode_attention_mma",
     "paged_decode_attention_warp": "as decode_attention",
     "paged_decode_attention": "as decode_attention",
@@ -93,7 +94,7 @@ def inexact_ops(ptx: str) -> list[str]:
 COOPERATIVE = ("rotate_head", "quantize_head", "quantize_head_pair", "dequantize_head", "quantize_headvq",
                "dequantize_headvq", "decode_attention",
                "decode_attention_warp", "decode_attention_warp_vq", "decode_attention_mma",
-               "paged_decode_attention_mma",
+               "decode_attention_mma_vq", "paged_decode_attention_mma",
                "paged_decode_attention", "paged_decode_attention_warp", "merge_partitions")
 #: cooperative kernels not there yet, with the reason
 COOPERATIVE_EXCEPTIONS: dict[str, str] = {}

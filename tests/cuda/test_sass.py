@@ -39,12 +39,14 @@ from numba_kv.ops import TWINS
 #: OR-ed addresses 107.5 and 54.1, the first build 182.56).
 #: an instruction class the token loop of a kernel must contain (its arithmetic's own)
 _HALLMARK = {"decode_attention_mma": "mma", "paged_decode_attention_mma": "mma", "decode_attention_warp": "shfl",
-             "decode_attention_warp_vq": "shfl"}
+             "decode_attention_warp_vq": "shfl", "decode_attention_mma_vq": "mma"}
 #: decode_attention_warp_vq (2026-12-02): 129.19 (4134 / 32: the head VQ decoders of K and V,
 #: pairs and quads, next to the scalar ones a cache with one VQ side needs), against the block
-#: kernel's 1516 that head VQ layouts ran before
+#: kernel's 1516 that head VQ layouts ran before.  decode_attention_mma_vq (2026-12-02): 74.25
+#: (1188 / 16: the quad and the three scalar decoders of each side, one scale a token; kv3's
+#: pair: 462 / 16 = 28.9 a token, benchmarks/sass_one_width.py --quads v)
 SASS_BUDGET = {"decode_attention": 1530.0, "decode_attention_warp": 103.0, "decode_attention_warp_vq": 142.0,
-               "decode_attention_mma": 86.0, "paged_decode_attention_mma": 91.0}
+               "decode_attention_mma": 86.0, "paged_decode_attention_mma": 91.0, "decode_attention_mma_vq": 82.0}
 
 # A kernel with a loop nest, a second loop, a divergent-warp slow path that branches back into
 # the loop (not a loop), a called helper, and an unreachable self-branch after EXIT.

@@ -238,13 +238,14 @@ def test_cooperative_attention_matches_cpu_twin(case):
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", _WARP_CASES, ids=lambda f: f.__name__.strip("_"))
 def test_warp_attention_matches_cpu_twin(case, monkeypatch):
-    """The warp kernel (the default where it applies) on the same cases; it must be the
-    kernel that ran."""
+    """The warp kernel (the default where it applies and no tensor-core kernel does: switched
+    off here, tested in test_sim_mma*.py) on the same cases; it must be the kernel that ran."""
     from numba_kv.ops.attention import kernels
 
     launched = spy_launches(monkeypatch, (kernels, "DECODE_ATTENTION_WARP"), (kernels, "DECODE_ATTENTION_WARP_VQ"),
                             (kernels, "PAGED_DECODE_ATTENTION_WARP"))
-    case(np.random.default_rng(17))
+    with knobs(cuda_mma_attention=0):
+        case(np.random.default_rng(17))
     assert launched, "the warp kernel did not run"
 
 

@@ -645,9 +645,10 @@ def test_occupancy_probe_types_like_the_launch(paged, monkeypatch):
 def test_mma_attention_on_real_model_kv():
     """The K, V and queries SmolLM2-135M writes (post-RoPE, one prefill of the evaluation text;
     two KV heads of 64 side by side make the kernel's 128-wide rows, and a query head of each
-    group: ``benchmarks/mma_real_kv.py``), coded as both layouts the kernel reads: within
-    :data:`MMA_RTOL` of the CPU twin and finite, the tensor-core kernel the one that ran (the
-    published run, every layer of both models: 1.8e-4 to 2.1e-3, the Benchmarks page).  The
+    group: ``benchmarks/mma_real_kv.py``), coded as every layout the tensor-core kernels read
+    (``pqo3``'s, ``kv4``'s, and ``kv3``'s head VQ code on the VQ build): within :data:`MMA_RTOL`
+    of the CPU twin and finite, the tensor-core kernel the one that ran (the published runs,
+    every layer of both models: the Benchmarks page).  The
     layer is the one whose keys reach the largest magnitude: real keys carry outlier channels
     that random ones lack, and those set the block scales the binary16 products see."""
     from benchmarks.mma_real_kv import LAYOUTS, capture, kernel_error, rows_128

@@ -61,7 +61,9 @@ from .mma import (
     MMA_THREADS,
     build_tables,
     mma_partition,
+    mma_partition_vq,
 )
+from .mma_vq import VQ_PAIR_COLUMNS, build_tables_vq
 from .qrot import coop_rotate_rows, rotate_rows_cpu
 from .warp import (
     SIMULATED,
@@ -426,11 +428,12 @@ def _partition_warp_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exa
                   tid, cuda.blockDim.x)
 
 
-def _compile(fn, paged, wrap, build="", vq=False):
+def _compile(fn, paged, wrap, build="", vq=False, **names):
     """``wrap`` (a decorator) of kernel source ``fn`` with the flat or the paged addressing
     (``build``: a tag for a second build of the same source, e.g. other launch bounds; its
     own name keeps it apart in Numba's on-disk cache, whose key has no launch bounds;
-    ``vq``: the warp tiles that also decode the head VQ code, :func:`warp_tiles`)."""
+    ``vq``: the warp tiles that also decode the head VQ code, :func:`warp_tiles`; ``names``:
+    further globals rebound, :func:`~numba_kv._jit.specialize`)."""
     suffix = "_paged" if paged else "_flat"
     # named as the registered twins (_<op>_cpu, _<op>[_<variant>]_cuda; tests/test_conventions.py)
     name = fn.__name__.replace("_block", "").replace("_partition", "_paged_decode_attention" if paged
@@ -438,7 +441,7 @@ def _compile(fn, paged, wrap, build="", vq=False):
     if build:
         name = name.replace("_cuda", f"_{build}_cuda")
     return wrap(specialize(fn, suffix, name=name, kv_tile_cpu=_KV_TILE[paged], **addressing(paged),
-                           **warp_tiles(paged, vq)))
+                           **warp_tiles(paged, vq), **names))
 
 
 # a real call, not inlined into the kernel: inlined, each of its ten array arguments cost an
@@ -487,7 +490,11 @@ def _partition_mma_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exac
     partitions (sinks, window) run the warp kernel's tiles; a pool is all codes.  The block
     builds the two pair tables in shared memory once.  With ``merge_last`` the last block of
     each ``(g, c)`` to finish merges its rows into ``out`` (as the block kernel); with
-    ``rotate_q`` it rotates its query rows itself (as the warp kernel).
+    ``rotate_q`` it rotates its query rows itself (as the warp kernel).  The VQ build
+    (``decode_attention_mma_vq``: ``mma_partition_vq``, ``build_tables_vq``) also takes head VQ
+    layouts (pairs at 4 bits, quads at 2; ``kcent``/``vcent`` rows of 512 / 1024 values with
+    every ``|value| <= 1``) and uint8 scale planes (8-bit norms through ``scale_table``), with one
+    scale a token (``sshift`` = 2).
     """
     xbuf = cuda.shared.array(XBUF, dtype=float32)  # the simulator's exchanges only
     qs = cuda.shared.array(WARP_QS, dtype=float32)
@@ -509,9 +516,10 @@ def _partition_mma_cuda(qr, q, kc, ks, vc, vs, n_comp, comp_pos0, ke, ve, n_exac
     stage_queries(qs, qr, q, g, r0, rows, d, tid, rotate_q, n_rot > n_comp_parts, head_rot, hsigns, msigns)
     if PAGED or compressed:
         # (an empty partition past a sequence's end stores m = -inf like the other kernels)
-        mma_partition(kb, vb, kc, ks, vc, vs, g, h, PAGED, kv_indices, first, page_size, t_lo, t_hi,
-                      comp_pos0, pos_q, q_len, causal, sshift, tab, kf, vf, qs, d, rb, r0, softmax_scale, active, p,
-                      part_m, part_l, part_acc, tid & 31)
+        mma_partition(kb, vb, kcent.shape[1] > VQ_PAIR_COLUMNS, vcent.shape[1] > VQ_PAIR_COLUMNS, kc, ks, vc, vs,
+                      g, h, PAGED, kv_indices, first, page_size, t_lo, t_hi, comp_pos0, pos_q, q_len, causal, sshift,
+                      scale_table, tab, kf, vf, qs, d, rb, r0, softmax_scale, active, p, part_m, part_l, part_acc,
+                      tid & 31)
     else:
         st = cuda.local.array(WARP_STATE, dtype=float32)
         acc = cuda.local.array(WARP_VALUES, dtype=float32)
@@ -535,6 +543,12 @@ _decode_attention_mma_cuda, _paged_decode_attention_mma_cuda = (
 _decode_attention_mma_sm90_cuda, _paged_decode_attention_mma_sm90_cuda = (
     _compile(_partition_mma_cuda, paged, cuda_kernel(launch_bounds=(MMA_THREADS, MMA_BLOCKS_PER_SM_SM90)), "sm90")
     for paged in (False, True))
+# ... and the build for the head VQ code and 8-bit norms (kv3; flat caches: pools store neither):
+# its tables and quad tiles (mma_vq), one scale a token; the exact tiles are the warp VQ build's
+_MMA_VQ = dict(vq=True, mma_partition=mma_partition_vq, build_tables=build_tables_vq)
+_decode_attention_mma_vq_cuda, _decode_attention_mma_vq_sm90_cuda = (
+    _compile(_partition_mma_cuda, False, cuda_kernel(launch_bounds=(MMA_THREADS, blocks)), build=build, **_MMA_VQ)
+    for blocks, build in ((MMA_BLOCKS_PER_SM, "vq"), (MMA_BLOCKS_PER_SM_SM90, "vq_sm90")))
 
 
 def _signature(codes: str, exact: str, exact_scales: str, ndim: int, scales: str = "uint16") -> str:
@@ -572,6 +586,11 @@ DECODE_ATTENTION_WARP_VQ = register("decode_attention_warp_vq", _decode_attentio
                                     _ASIG_N8)
 DECODE_ATTENTION_MMA = register("decode_attention_mma", _decode_attention_cpu, _decode_attention_mma_cuda, _ASIG_MMA,
                                 cuda_cc={(9, 0): _decode_attention_mma_sm90_cuda})
+# the tensor-core build for the head VQ code and 8-bit norms (kv3): binary16 or uint8 scales
+DECODE_ATTENTION_MMA_VQ = register(
+    "decode_attention_mma_vq", _decode_attention_cpu, _decode_attention_mma_vq_cuda,
+    [*_ASIG_MMA, _signature("uint32", "int8[:, :, ::1]", "uint16[:, :, ::1]", 4, scales="uint8")],
+    cuda_cc={(9, 0): _decode_attention_mma_vq_sm90_cuda})
 PAGED_DECODE_ATTENTION = register("paged_decode_attention", _paged_decode_attention_cpu,
                                   _paged_decode_attention_cuda, [_PSIG])
 PAGED_DECODE_ATTENTION_WARP = register("paged_decode_attention_warp", _paged_decode_attention_cpu,

@@ -131,16 +131,21 @@ def mma_layout_ok(layout: CodeLayout) -> bool:
     -------
     bool
         Every block of one width in :data:`~numba_kv.ops.attention.mma.MMA_BITS` with one
-        scalar codebook (the kernels build their pair table from row 0 of the centroids; a
-        head VQ layout never).  Cached per layout object."""
+        codebook (the kernels build their table from row 0 of the centroids): a scalar one, or
+        the head VQ code's pairs (4 bits) or quads (2 bits) with every ``|centroid| <= 1``
+        (their tables have no scaling factor; ``decode_attention_mma_vq`` reads them, flat
+        caches only).  Cached per layout object."""
     return _mma_layout_ok(layout)
 
 
 @functools.lru_cache(maxsize=256)  # (layouts hash by identity and are immutable)
 def _mma_layout_ok(layout: CodeLayout) -> bool:
     bits = layout.bits
-    return (layout.group == 1 and len(bits) > 0 and int(bits[0]) in MMA_BITS and bool(np.all(bits == bits[0]))
-            and bool(np.all(layout.centroids == layout.centroids[0])))
+    if len(bits) == 0 or int(bits[0]) not in MMA_BITS or not bool(np.all(bits == bits[0])):
+        return False
+    # (a VQ table holds its centroids unscaled: pairs at 4 bits, quads at 2)
+    vq_ok = layout.group == 1 or (layout.group == 8 // int(bits[0]) and float(np.abs(layout.centroids).max()) <= 1.0)
+    return vq_ok and bool(np.all(layout.centroids == layout.centroids[0]))
 
 
 def code_words(codes: Any) -> Any:
@@ -189,16 +194,19 @@ def unit_axis(a: Any) -> Any:
         return None
 
 
-def mma_operands(kc: Any, ks: Any, vc: Any, vs: Any, flat: bool) -> tuple | None:
+def mma_operands(kc: Any, ks: Any, vc: Any, vs: Any, flat: bool, norm8: bool = False) -> tuple | None:
     """The codes and scales as the tensor-core kernels read them.
 
     Parameters
     ----------
     kc, vc : uint8 array, shape ``(n_g, capacity, width)`` (flat) or ``(pages, num_kv_heads,
         page_size, width)`` (paged)
-    ks, vs : uint16 array, the same leading shape, last axis the stored binary16 scales
+    ks, vs : uint16 array, the same leading shape, last axis the stored binary16 scales (or,
+        with ``norm8``, both uint8: 8-bit norm codes)
     flat : bool
         Flat cache arrays (they get a unit head axis, :func:`unit_axis`).
+    norm8 : bool
+        Accept uint8 scale planes (``decode_attention_mma_vq`` reads them).
 
     Returns
     -------
@@ -206,8 +214,9 @@ def mma_operands(kc: Any, ks: Any, vc: Any, vs: Any, flat: bool) -> tuple | None
         Codes as uint32 words (:func:`code_words`); ``None`` where one array cannot be viewed
         so, a view is not C-contiguous, or its addresses do not fit the kernels' 32-bit
         factors (the caller then runs the warp kernel)."""
-    if np.dtype(ks.dtype) != np.uint16 or np.dtype(vs.dtype) != np.uint16:
-        return None  # 8-bit norms (norm_bits=8): the tensor-core kernels read binary16 scales
+    dt = np.dtype(ks.dtype)
+    if dt != np.dtype(vs.dtype) or not (dt == np.uint16 or (norm8 and dt == np.uint8)):
+        return None  # 8-bit norms (norm_bits=8): only the VQ build reads them
     kw, vw = code_words(kc), code_words(vc)
     out = (kw, ks, vw, vs)
     if flat and kw is not None and vw is not None:

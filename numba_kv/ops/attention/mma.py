@@ -68,6 +68,12 @@ by a power of two that puts their largest magnitude in ``[2**13, 2**14)`` (undon
 float32 scores), codebook values lie in ``[-1, 1]`` and scales are binary16 already, weights
 are in ``[0, 1]``: finite inputs stay finite.
 
+Head VQ code and 8-bit norms: :data:`mma_partition_vq` is :func:`mma_partition` with
+:data:`VQ_BUILD` bound True (kernel ``decode_attention_mma_vq``, flat caches): quad tiles and
+tables of :mod:`numba_kv.ops.attention.mma_vq` on a side that holds VQ quads (VQ pairs read as a
+4-bit pair table), token scales read as binary16 or as 8-bit norm codes
+(:func:`_scale_f32`), the token-scale loop only.  The scalar build compiles none of it.
+
 Flat and paged: :func:`mma_partition` is the whole compressed partition of the one tensor-core
 kernel source, compiled for flat caches (``decode_attention_mma``) and paged pools
 (``paged_decode_attention_mma``); :func:`token_address` is the only place they differ (a flat
@@ -83,21 +89,21 @@ exchange together).
 
 from __future__ import annotations
 
-import functools
-import math
-
 from numba import cuda, float32, int32, int64, uint32, uint64
 
-from ..._jit import cuda_device
-from .cores import NEG_INF
+from ..._jit import cuda_device, specialize
+from .cores import NEG_INF, NORM8_SLOT0
+from .mma_vq import key_tile_quads, quad_slot, value_tile_quads
 from .pairtab import (
     MMA_TAB_SHARED_WORDS,
     MMA_TAB_WORDS,
     TAB_BYTES,
     TAB_SLOTS,
     aligned_table,
+    bits_at,
     build_pair_table,
     build_tables,
+    field,
     pair_table_replicas,
     pair_table_replicas_dev,
 )
@@ -107,6 +113,7 @@ from .ptx import (
     half_f32,
     high_halves,
     hmul2,
+    ldg_u8,
     ldg_u16,
     ldg_u32,
     lds_u32,
@@ -116,12 +123,24 @@ from .ptx import (
     pack_half2,
     shfl_idx_f32,
     shfl_xor_f32,
+    static_itemsize,
+)
+
+# (the wave model of the partition lengths, re-exported: the plan's and the benchmarks' name)
+from .waves import (
+    MERGE_COST_TOKENS,
+    MERGE_PARTS_PER_SQRT_TOKEN,
+    MMA_PART_RANGE,
+    PART_COST_TOKENS,
+    WAVE_WARPS_PER_BLOCK,
+    mma_partition_size,
 )
 
 __all__ = ["LN2", "LOG2E", "MERGE_COST_TOKENS", "MERGE_PARTS_PER_SQRT_TOKEN", "MMA_BITS", "MMA_BLOCKS_PER_SM",
            "MMA_BLOCKS_PER_SM_SM90", "MMA_HEAD_DIM", "MMA_PART_RANGE", "MMA_TAB_SHARED_WORDS", "MMA_TAB_WORDS",
            "MMA_THREADS", "MMA_TILE", "PART_COST_TOKENS", "TAB_BYTES", "TAB_SLOTS", "aligned_table",
-           "build_pair_table", "build_tables", "key_tile", "mma_partition", "mma_partition_size", "mma_tiles",
+           "VQ_BUILD", "build_pair_table", "build_tables", "key_tile", "mma_partition", "mma_partition_size",
+           "mma_partition_vq", "mma_tiles", "mma_tiles_vq",
            "pair_table_replicas", "stage_query_fragments", "store_mma_partition",
            "token_address", "value_tile"]
 
@@ -134,6 +153,7 @@ MMA_TILE = 16
 #: (``tests/cuda/test_resources.py``).  Bounds of 3 blocks would force that but make sm_80
 #: spill; the build timed on an H100 (189 registers by the driver's ptxas) ran 2 blocks
 MMA_THREADS = 128
+assert MMA_THREADS == 32 * WAVE_WARPS_PER_BLOCK  # (the wave model's default)
 MMA_BLOCKS_PER_SM = 2
 #: launch bounds' blocks per SM of the kernels' sm_90 builds (``Twin.cuda_cc``): ptxas holds
 #: both to 128 registers there without a spill, so 4 blocks (16 warps) fit an H100/H200 SM.
@@ -146,103 +166,6 @@ MMA_BLOCKS_PER_SM_SM90 = 4
 MMA_BITS = (2, 3, 4)
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
-
-
-#: at most ``MERGE_PARTS_PER_SQRT_TOKEN · √T`` partitions per KV row: the merge's cost grows
-#: with a row's partitions (its last block reads them all), a partition's with its tokens,
-#: so their sum is least near ``√(a·T/b)`` partitions.  On an H200 (batch 1, T = 4K and 32K,
-#: ``benchmarks/gpu_results/h200-2026-11-30/kernel_times.log``) ``a`` ≈ 0.068 µs a token a
-#: warp and ``b`` ≈ 2.5 µs a partition with the serial merge of then (about 16 dependent L2
-#: round trips a partition, 0.16 µs each); ``merge.py``'s waits for about 0.6, so ``b`` ≈
-#: 0.1 µs and ``√(0.068/0.1) ≈ 0.8``.  Not yet timed (``benchmarks/gpu_step_kernels.py``).
-MERGE_PARTS_PER_SQRT_TOKEN = 0.8
-
-
-#: the wave model of :func:`mma_partition_size`, in tokens of one warp's tile loop: what a
-#: partition costs besides its tokens (the prologue's pair tables and staged queries, the
-#: epilogue's stored row: about two tiles), and what one more partition adds to its row's
-#: merge (``b/a`` of :data:`MERGE_PARTS_PER_SQRT_TOKEN`: 0.1 µs against 0.068 µs a token)
-PART_COST_TOKENS = 32
-MERGE_COST_TOKENS = 1.5
-#: the partition lengths the wave model chooses from: multiples of 64 in this range
-MMA_PART_RANGE = (128, 8192)
-
-
-@functools.lru_cache(maxsize=4096)  # (a step asks each time: the search is 100+ candidates)
-def mma_partition_size(n_tokens: int, n_rows_kv: int, n_exact: int = 0, resident_blocks: int | None = None,
-                       warps_per_block: int = MMA_THREADS // 32) -> int:
-    """Tokens per partition (one warp each) of the tensor-core kernel.
-
-    Parameters
-    ----------
-    n_tokens : int
-        Compressed tokens of a KV row (the longest row's).
-    n_rows_kv : int
-        KV rows times query-row chunks: the grid's blocks per partition group.
-    n_exact : int
-        Exact tokens of a row: their partitions have the same length and share the blocks.
-    resident_blocks : int, optional
-        Blocks of the kernel the GPU holds at once (its occupancy times the SMs:
-        :meth:`AttentionPlan.resident_blocks`).  Without it, the rule before the wave model:
-        about 3,200 warps in all (two waves of an H100's 12 a SM), no more than
-        :data:`MERGE_PARTS_PER_SQRT_TOKEN` ``· √T`` partitions a row, multiples of 64 in
-        [128, 2048].
-    warps_per_block : int
-        Partitions a block runs (one a warp).
-
-    Returns
-    -------
-    int
-        A multiple of 64 in :data:`MMA_PART_RANGE` (no longer than the row rounded up to 64).
-        With ``resident_blocks``, the length ``L`` with the least modelled time ``waves·(L +``
-        :data:`PART_COST_TOKENS` ``) +`` :data:`MERGE_COST_TOKENS` ``· P``, where ``P`` is the
-        row's partitions (compressed and exact), ``waves = ceil(rows·ceil(P/warps) /
-        resident_blocks)``: every wave takes as long as its longest partition, so a grid
-        of 1.2 waves costs two.  The longest of equal costs wins (fewer partitions to
-        merge).  FlashInfer's decode plan (arXiv 2501.01005) splits the KV so that the grid
-        fits one wave of the resident blocks (the driver's occupancy times the SMs); this
-        weighs the lengths of more waves, and the merge, too (the H200 case behind it: the
-        Kernels page, "Partition lengths by whole waves").
-    """
-    n_tokens = max(n_tokens, 1)
-    if resident_blocks is None or resident_blocks <= 0:
-        per = -(-max(n_rows_kv, 1) * n_tokens // 3200)
-        max_parts = max(1, math.ceil(MERGE_PARTS_PER_SQRT_TOKEN * math.sqrt(n_tokens)))
-        per = max(per, -(-n_tokens // max_parts))
-        return int(min(2048, max(128, -(-per // 64) * 64)))
-    lo, hi = MMA_PART_RANGE
-    hi = max(lo, min(hi, -(-n_tokens // 64) * 64))
-    best, best_cost = lo, None
-    for size in range(lo, hi + 1, 64):
-        parts = -(-n_tokens // size) + -(-max(n_exact, 0) // size)
-        waves = -(-max(n_rows_kv, 1) * -(-parts // warps_per_block) // resident_blocks)
-        cost = waves * (size + PART_COST_TOKENS) + MERGE_COST_TOKENS * parts
-        if best_cost is None or cost <= best_cost:
-            best, best_cost = size, cost
-    return int(best)
-
-
-@cuda_device
-def _field(w0, w1, w2, w3, pos, width, at):
-    """Bits ``[pos, pos + width)`` of the little-endian 128-bit word ``w3:w2:w1:w0``, moved to
-    bit ``at`` (``pos``, ``width``, ``at`` constants after unrolling: the selects fold, and
-    the move and the mask become one funnel shift and one mask, where shifting down, masking
-    and shifting up would cost three instructions)."""
-    wi = pos >> 5
-    off = pos & 31
-    lo = w0 if wi == 0 else (w1 if wi == 1 else (w2 if wi == 2 else w3))
-    hi = w1 if wi == 0 else (w2 if wi == 1 else (w3 if wi == 2 else uint32(0)))
-    return _bits_at((uint64(hi) << uint64(32)) | uint64(lo), off, width, at)
-
-
-@cuda_device
-def _bits_at(x, pos, width, at):
-    """Bits ``[pos, pos + width)`` of the ``uint64`` ``x`` at bit ``at`` of a ``uint32``."""
-    if pos >= at:
-        y = x >> uint64(pos - at)
-    else:
-        y = x << uint64(at - pos)
-    return uint32(y) & uint32(((1 << width) - 1) << at)
 
 
 @cuda_device
@@ -316,7 +239,7 @@ def _token_rows(kc32, ks, base, sbase, t):
     """Byte addresses of row ``t`` of a code and its scale array from ``base``, ``sbase``
     (:func:`_tile_rows`, :func:`_tile_slot`): one multiply-add each."""
     return (base + uint64(uint32(t) * uint32(4 * kc32.shape[3])),
-            sbase + uint64(uint32(t) * uint32(2 * ks.shape[3])))
+            sbase + uint64(uint32(t) * uint32(static_itemsize(ks) * ks.shape[3])))
 
 
 @cuda_device
@@ -329,7 +252,7 @@ def _load_key(kc32, ks, ko, so, tig, kb, sshift):
     w1 = ldg_u32(kc32, base + uint64(4)) if kb > 1 else uint32(0)
     w2 = ldg_u32(kc32, base + uint64(8)) if kb > 2 else uint32(0)
     w3 = ldg_u32(kc32, base + uint64(12)) if kb > 3 else uint32(0)
-    return w0, w1, w2, w3, ldg_u16(ks, so + uint64(2 * (tig >> sshift)))
+    return w0, w1, w2, w3, _ldg_scale(ks, so + uint64(static_itemsize(ks) * (tig >> sshift)))
 
 
 @cuda_device
@@ -342,7 +265,7 @@ def _load_value(vc32, vs, vo, so, gid, vb, sshift):
     w0 = ldg_u32(vc32, base)
     w1 = ldg_u32(vc32, base + uint64(4)) if vb > 2 else uint32(0)  # (16 coordinates span two words)
     x = ((uint64(w1) << uint64(32)) | uint64(w0)) >> uint64(start & 31)
-    return x, ldg_u16(vs, so + uint64(2 * ((gid >> 1) >> sshift)))
+    return x, _ldg_scale(vs, so + uint64(static_itemsize(vs) * ((gid >> 1) >> sshift)))
 
 
 @cuda_device
@@ -358,11 +281,32 @@ def _value_at(vc32, vs, vrow, vsrow, t, gid, vb, sshift):
 
 
 @cuda_device
-def _token_scale(vs, vsrow, slot, tok):
-    """``|scale|`` (float32) of the token at row ``slot`` from the scale array's byte address
-    ``vsrow`` if ``tok`` (its one scale), else 1 (a constant at each call: no load)."""
+def _ldg_scale(arr, addr):
+    """The stored scale at byte address ``addr`` of ``arr``: binary16 bits (a uint16 plane) or
+    an 8-bit norm's code (uint8: ``norm_bits=8``; the itemsize is a constant of the type)."""
+    return ldg_u8(arr, addr) if static_itemsize(arr) == 1 else ldg_u16(arr, addr)
+
+
+@cuda_device
+def _scale_f32(arr, raw, table):
+    """A token's one scale as float32 from its stored bits ``raw`` (:func:`_ldg_scale`):
+    :func:`_abs_f32` of binary16 bits, or an 8-bit norm decoded by the layer's scale table at
+    ``NORM8_SLOT0 + code`` (:mod:`numba_kv.ops.norm8`)."""
+    if static_itemsize(arr) == 1:
+        return table[NORM8_SLOT0 + int32(raw)]
+    return _abs_f32(raw)
+
+
+@cuda_device
+def _token_scale(vs, vsrow, slot, tok, table):
+    """``|scale|`` (float32) of the value token at row ``slot`` from the scale array's byte
+    address ``vsrow`` if ``tok`` (its one scale), else 1 (a constant at each call: no load).
+    An 8-bit norm comes halved: it can decode to ``2**16``, past binary16's largest finite
+    number, and ``p·scale`` is rounded to binary16 (:func:`mma_partition` doubles the factor
+    that multiplies the output back)."""
     if tok:
-        return _abs_f32(ldg_u16(vs, vsrow + uint64(uint32(slot) * uint32(2 * vs.shape[3]))))
+        raw = _ldg_scale(vs, vsrow + uint64(uint32(slot) * uint32(static_itemsize(vs) * vs.shape[3])))
+        return _scale_f32(vs, raw, table) * float32(0.5 if static_itemsize(vs) == 1 else 1.0)
     return float32(1.0)
 
 
@@ -383,15 +327,15 @@ def _make_key_tile(kb: int):
         for j in range(0, 8, 2):
             # k-step j: pairs 2j (k-slots 2tig, 2tig+1) and 2j + 1 (2tig+8, 2tig+9) of each
             # token; two accumulator chains (even and odd k-steps) hide the mma latency
-            x0 = _scale2(lds_u32(tab, _field(a0, a1, a2, a3, pb * (2 * j), pb, rsh + 2) | slot), sa, scaled)
-            x1 = _scale2(lds_u32(tab, _field(b0, b1, b2, b3, pb * (2 * j), pb, rsh + 2) | slot), sb, scaled)
-            x2 = _scale2(lds_u32(tab, _field(a0, a1, a2, a3, pb * (2 * j + 1), pb, rsh + 2) | slot), sa, scaled)
-            x3 = _scale2(lds_u32(tab, _field(b0, b1, b2, b3, pb * (2 * j + 1), pb, rsh + 2) | slot), sb, scaled)
+            x0 = _scale2(lds_u32(tab, field(a0, a1, a2, a3, pb * (2 * j), pb, rsh + 2) | slot), sa, scaled)
+            x1 = _scale2(lds_u32(tab, field(b0, b1, b2, b3, pb * (2 * j), pb, rsh + 2) | slot), sb, scaled)
+            x2 = _scale2(lds_u32(tab, field(a0, a1, a2, a3, pb * (2 * j + 1), pb, rsh + 2) | slot), sa, scaled)
+            x3 = _scale2(lds_u32(tab, field(b0, b1, b2, b3, pb * (2 * j + 1), pb, rsh + 2) | slot), sb, scaled)
             c0, c1, c2, c3 = mma_16816(x0, x1, x2, x3, qa[2 * j], qa[2 * j + 1], c0, c1, c2, c3)
-            x0 = _scale2(lds_u32(tab, _field(a0, a1, a2, a3, pb * (2 * j + 2), pb, rsh + 2) | slot), sa, scaled)
-            x1 = _scale2(lds_u32(tab, _field(b0, b1, b2, b3, pb * (2 * j + 2), pb, rsh + 2) | slot), sb, scaled)
-            x2 = _scale2(lds_u32(tab, _field(a0, a1, a2, a3, pb * (2 * j + 3), pb, rsh + 2) | slot), sa, scaled)
-            x3 = _scale2(lds_u32(tab, _field(b0, b1, b2, b3, pb * (2 * j + 3), pb, rsh + 2) | slot), sb, scaled)
+            x0 = _scale2(lds_u32(tab, field(a0, a1, a2, a3, pb * (2 * j + 2), pb, rsh + 2) | slot), sa, scaled)
+            x1 = _scale2(lds_u32(tab, field(b0, b1, b2, b3, pb * (2 * j + 2), pb, rsh + 2) | slot), sb, scaled)
+            x2 = _scale2(lds_u32(tab, field(a0, a1, a2, a3, pb * (2 * j + 3), pb, rsh + 2) | slot), sa, scaled)
+            x3 = _scale2(lds_u32(tab, field(b0, b1, b2, b3, pb * (2 * j + 3), pb, rsh + 2) | slot), sb, scaled)
             e0, e1, e2, e3 = mma_16816(x0, x1, x2, x3, qa[2 * j + 2], qa[2 * j + 3], e0, e1, e2, e3)
         return c0 + e0, c1 + e1, c2 + e2, c3 + e3
 
@@ -433,10 +377,10 @@ def _make_value_tile(vb: int):
 
     def value_tile(xa, xb, xc, xd, sa, sb, sc, sd, slot, tab, pb0, pb1, oacc, scaled):
         for j in range(8):
-            ha = _scale2(lds_u32(tab, _bits_at(xa, pb * j, pb, rsh + 2) | slot), sa, scaled)
-            hb = _scale2(lds_u32(tab, _bits_at(xb, pb * j, pb, rsh + 2) | slot), sb, scaled)
-            hc = _scale2(lds_u32(tab, _bits_at(xc, pb * j, pb, rsh + 2) | slot), sc, scaled)
-            hd = _scale2(lds_u32(tab, _bits_at(xd, pb * j, pb, rsh + 2) | slot), sd, scaled)
+            ha = _scale2(lds_u32(tab, bits_at(xa, pb * j, pb, rsh + 2) | slot), sa, scaled)
+            hb = _scale2(lds_u32(tab, bits_at(xb, pb * j, pb, rsh + 2) | slot), sb, scaled)
+            hc = _scale2(lds_u32(tab, bits_at(xc, pb * j, pb, rsh + 2) | slot), sc, scaled)
+            hd = _scale2(lds_u32(tab, bits_at(xd, pb * j, pb, rsh + 2) | slot), sd, scaled)
             oacc[4 * j], oacc[4 * j + 1], oacc[4 * j + 2], oacc[4 * j + 3] = mma_16816(
                 low_halves(ha, hb), high_halves(ha, hb), low_halves(hc, hd), high_halves(hc, hd),
                 pb0, pb1, oacc[4 * j], oacc[4 * j + 1], oacc[4 * j + 2], oacc[4 * j + 3])
@@ -531,9 +475,13 @@ def _online_softmax(xa, xb, m, lsum):
     return alpha, pa, pb, m_new, lsum * alpha + (pa + pb)
 
 
-@cuda_device
-def mma_tiles(kb, vb, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, page_size, t_lo, t_hi, pos0, lim0, lim1,
-              sshift, tab, qa, inv0, inv1, oacc, lane, tok):
+#: the build for the head VQ code (:data:`mma_partition_vq`: quad tables on either side, 8-bit
+#: norms); False here, so that the scalar build compiles none of it
+VQ_BUILD = False
+
+
+def _mma_tiles(kb, vb, kq, vq, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, page_size, t_lo, t_hi, pos0, lim0,
+               lim1, sshift, tab, qa, inv0, inv1, oacc, lane, table, tok):
     """The 16-token tiles of a compressed partition ``[t_lo, t_hi)`` of KV row ``g`` (layouts in
     the module docstring; token ``t`` sits at position ``pos0 + t`` and lives where
     :func:`token_address` says: KV head ``h`` of a flat cache's row ``g`` or of a paged
@@ -543,7 +491,9 @@ def mma_tiles(kb, vb, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, page_s
     returned ``(m0, m1, l0, l1)`` (base 2; ``l`` this lane's share of the row sums) start from
     an empty state.  ``tok`` (a constant at each call: two loops): one scale a token, which
     multiplies its float32 scores and weights instead of its decoded codes (no ``mul.rn.f16x2``
-    a table read: 64 fewer instructions a tile).
+    a table read: 64 fewer instructions a tile).  In the VQ build (:data:`VQ_BUILD`) ``kq`` /
+    ``vq`` say that a side holds VQ quads (:mod:`numba_kv.ops.attention.mma_vq`), and the
+    scales may be 8-bit norms decoded through ``table``.
 
     Loads run ahead of their use, so that a warp waits for memory at most once per tile: a
     tile's value words are requested before its keys are scored, and the next tile's key
@@ -576,6 +526,9 @@ def mma_tiles(kb, vb, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, page_s
     _, base = aligned_table(tab)
     kslot = ((uint32(lane) & uint32(pair_table_replicas_dev(kb) - 1)) << uint32(2)) | base
     vslot = (((uint32(lane) & uint32(pair_table_replicas_dev(vb) - 1)) | uint32(TAB_SLOTS)) << uint32(2)) | base
+    if VQ_BUILD:
+        kslot = quad_slot(lane, base, False) if kq else kslot
+        vslot = quad_slot(lane, base, True) if vq else vslot
     t_lo32 = int32(t_lo)
     # (tokens clamped to the partition's last share the page of their tile's first, clamped)
     krow, ksrow = _tile_rows(kc32, ks, kb0, ksb0, *addr, min(t_lo32, t_last))
@@ -592,12 +545,15 @@ def mma_tiles(kb, vb, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, page_s
         xc, sc = _value_at(vc32, vs, vrow, vsrow, _tile_slot(*slot_of, min(int32(u + 8), t_last)), gid, vb, sshift)
         xd, sd = _value_at(vc32, vs, vrow, vsrow, _tile_slot(*slot_of, min(int32(u + 9), t_last)), gid, vb, sshift)
         # one scale a token: those of this lane's score tokens ta, ta + 8 (1 with block scales)
-        va = _token_scale(vs, vsrow, _tile_slot(*slot_of, min(ta, t_last)), tok)
-        vb8 = _token_scale(vs, vsrow, _tile_slot(*slot_of, min(int32(ta + 8), t_last)), tok)
-        ka = _abs_f32(as2) if tok else float32(1.0)
-        kb8 = _abs_f32(bs2) if tok else float32(1.0)
-        s00, s01, s10, s11 = key_tile(kb, a0, a1, a2, a3, _abs_half2(as2), b0, b1, b2, b3, _abs_half2(bs2), kslot,
-                                      tab, qa, not tok)
+        va = _token_scale(vs, vsrow, _tile_slot(*slot_of, min(ta, t_last)), tok, table)
+        vb8 = _token_scale(vs, vsrow, _tile_slot(*slot_of, min(int32(ta + 8), t_last)), tok, table)
+        ka = _scale_f32(ks, as2, table) if tok else float32(1.0)
+        kb8 = _scale_f32(ks, bs2, table) if tok else float32(1.0)
+        if VQ_BUILD and kq:
+            s00, s01, s10, s11 = key_tile_quads(a0, a1, b0, b1, kslot, tab, qa)
+        else:
+            s00, s01, s10, s11 = key_tile(kb, a0, a1, a2, a3, _abs_half2(as2), b0, b1, b2, b3, _abs_half2(bs2), kslot,
+                                          tab, qa, not tok)
         krow, ksrow = _tile_rows(kc32, ks, kb0, ksb0, *addr, min(int32(t0 + 16), t_last))
         a0, a1, a2, a3, as2 = _key_at(kc32, ks, krow, ksrow, _tile_slot(*slot_of, min(int32(ta + 16), t_last)),
                                       tig, kb, sshift)
@@ -619,19 +575,24 @@ def mma_tiles(kb, vb, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, page_s
                 oacc[4 * i + 3] *= alpha1
         # the weights (times a token's value scale) as B of P·V: (token gid, rows 2tig, 2tig+1)
         # transposed to (row gid, tokens 2tig, 2tig+1), and the same for tokens 8-15
-        value_tile(vb, xa, xb, xc, xd, _abs_half2(sa), _abs_half2(sb), _abs_half2(sc), _abs_half2(sd), vslot, tab,
-                   movmatrix_trans(pack_half2(p00 * va, p01 * va)),
-                   movmatrix_trans(pack_half2(p10 * vb8, p11 * vb8)), oacc, not tok)
+        if VQ_BUILD and vq:
+            value_tile_quads(xa, xb, xc, xd, vslot, tab, movmatrix_trans(pack_half2(p00 * va, p01 * va)),
+                             movmatrix_trans(pack_half2(p10 * vb8, p11 * vb8)), oacc)
+        else:
+            value_tile(vb, xa, xb, xc, xd, _abs_half2(sa), _abs_half2(sb), _abs_half2(sc), _abs_half2(sd), vslot, tab,
+                       movmatrix_trans(pack_half2(p00 * va, p01 * va)),
+                       movmatrix_trans(pack_half2(p10 * vb8, p11 * vb8)), oacc, not tok)
     return m0, m1, l0, l1
 
 
-@cuda_device
-def mma_partition(kb, vb, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, page_size, t_lo, t_hi, pos0, lim_base,
-                  q_len, causal, sshift, tab, kf, vf, qs, d, rb, r0, softmax_scale, active, p, part_m, part_l,
-                  part_acc, lane):
+def _mma_partition(kb, vb, kq, vq, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, page_size, t_lo, t_hi, pos0,
+                   lim_base, q_len, causal, sshift, table, tab, kf, vf, qs, d, rb, r0, softmax_scale, active, p,
+                   part_m, part_l, part_acc, lane):
     """A compressed partition on tensor cores, from the staged query rows ``qs`` to its stored
     ``(m, l, acc)`` (shared by the flat and the paged kernel; ``lim_base``: the position of the
-    first query row of a causal group, ``kf``/``vf``: the pair tables' factors)."""
+    first query row of a causal group, ``kf``/``vf``: the pair tables' factors, ``kq``/``vq``:
+    VQ quads on a side, ``table``: the layer's scale table; the VQ build reads one scale a
+    token only, the layouts of the head VQ code's)."""
     qa = cuda.local.array(16, dtype=uint32)
     oacc = cuda.local.array(32, dtype=float32)
     gid = lane >> 2
@@ -644,9 +605,12 @@ def mma_partition(kb, vb, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, pa
     if causal:
         lim0 = int32(lim_base + (r0 + 2 * tig) % q_len)
         lim1 = int32(lim_base + (r0 + 2 * tig + 1) % q_len)
-    tiles = (kb, vb, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, page_size, t_lo, t_hi, pos0, lim0, lim1,
-             sshift, tab, qa, inv0, inv1, oacc, lane)
-    if sshift >= 2:  # (head_dim 128: four 32-blocks share a scale, i.e. one a token)
+    tiles = (kb, vb, kq, vq, kc32, ks, vc32, vs, g, h, paged, kv_indices, first, page_size, t_lo, t_hi, pos0, lim0,
+             lim1, sshift, tab, qa, inv0, inv1, oacc, lane, table)
+    if VQ_BUILD:
+        m0, m1, l0, l1 = mma_tiles(*tiles, True)
+        vf = vf * float32(2.0 if static_itemsize(vs) == 1 else 1.0)  # (8-bit norms: halved in the weights)
+    elif sshift >= 2:  # (head_dim 128: four 32-blocks share a scale, i.e. one a token)
         m0, m1, l0, l1 = mma_tiles(*tiles, True)
     else:
         m0, m1, l0, l1 = mma_tiles(*tiles, False)
@@ -672,3 +636,10 @@ def store_mma_partition(m, lsum, oacc, k, vf, active, rb, g, p, r0, lane, part_m
             part_m[g, p, r] = m * float32(LN2) if m != NEG_INF else NEG_INF
             part_l[g, p, r] = lrow
 
+
+mma_tiles = cuda_device(_mma_tiles)
+mma_partition = cuda_device(_mma_partition)
+#: the partition of the head VQ build (``decode_attention_mma_vq``): :data:`VQ_BUILD` bound
+#: True, one scale a token
+mma_tiles_vq = cuda_device(specialize(_mma_tiles, "_vq", VQ_BUILD=True))
+mma_partition_vq = cuda_device(specialize(_mma_partition, "_vq", VQ_BUILD=True, mma_tiles=mma_tiles_vq))

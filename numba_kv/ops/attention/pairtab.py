@@ -13,13 +13,14 @@ read's address is the table base OR-ed with the entry's byte offset and the lane
 
 from __future__ import annotations
 
-from numba import cuda, float32, int32, uint32
+from numba import cuda, float32, int32, uint32, uint64
 
 from ..._jit import cuda_device
 from .ptx import pack_half2, shared_base32
 
-__all__ = ["MMA_TAB_SHARED_WORDS", "MMA_TAB_WORDS", "TAB_BYTES", "TAB_SLOTS", "aligned_table", "build_pair_table",
-           "build_tables", "pair_table_replicas", "pair_table_replicas_dev", "replicate_pair_table"]
+__all__ = ["MMA_TAB_SHARED_WORDS", "MMA_TAB_WORDS", "TAB_BYTES", "TAB_SLOTS", "aligned_table", "bits_at",
+           "build_pair_table", "build_tables", "build_tables_py", "field", "pair_table_replicas",
+           "pair_table_replicas_dev", "replicate_pair_table"]
 
 #: 32-bit words per pair table in shared memory (8 KiB): entries × replicas
 TAB_SLOTS = 2048
@@ -100,17 +101,52 @@ def aligned_table(tab):
 
 
 @cuda_device
-def build_tables(tab, kcent, vcent, kbits, vbits, tid, nth):
+def _replicate_side(tab, o, cent, bits, tid, nth):
+    """:func:`replicate_pair_table` with a side's codebook (the signature the VQ build's tables
+    share: ``numba_kv.ops.attention.mma_vq``)."""
+    replicate_pair_table(tab, o, bits, tid, nth)
+
+
+def build_tables_py(tab, kcent, vcent, kbits, vbits, tid, nth):
     """The block's two pair tables (K at word ``w0``, V at ``w0 +`` :data:`TAB_SLOTS`, ``w0``
     from :func:`aligned_table`) from row 0 of each codebook; returns ``(kb, vb, kf, vf)``: the
     widths and the factors to multiply back (:func:`build_pair_table`).  Every thread of the
-    block calls it (a barrier inside); the caller's next block barrier publishes them."""
+    block calls it (a barrier inside); the caller's next block barrier publishes them.  The
+    source of :func:`build_tables`, and of the VQ build's tables with the two per-side steps
+    rebound (``side_table``, ``side_replicate``)."""
     kb = kbits[0]
     vb = vbits[0]
     w0, _ = aligned_table(tab)
-    kf = build_pair_table(tab, w0, kcent, kb, tid, nth)
-    vf = build_pair_table(tab, int32(w0 + TAB_SLOTS), vcent, vb, tid, nth)
+    kf = side_table(tab, w0, kcent, kb, tid, nth)
+    vf = side_table(tab, int32(w0 + TAB_SLOTS), vcent, vb, tid, nth)
     cuda.syncthreads()
-    replicate_pair_table(tab, w0, kb, tid, nth)
-    replicate_pair_table(tab, int32(w0 + TAB_SLOTS), vb, tid, nth)
+    side_replicate(tab, w0, kcent, kb, tid, nth)
+    side_replicate(tab, int32(w0 + TAB_SLOTS), vcent, vb, tid, nth)
     return kb, vb, kf, vf
+
+
+side_table, side_replicate = build_pair_table, _replicate_side
+build_tables = cuda_device(build_tables_py)
+
+
+@cuda_device
+def field(w0, w1, w2, w3, pos, width, at):
+    """Bits ``[pos, pos + width)`` of the little-endian 128-bit word ``w3:w2:w1:w0``, moved to
+    bit ``at`` (``pos``, ``width``, ``at`` constants after unrolling: the selects fold, and
+    the move and the mask become one funnel shift and one mask, where shifting down, masking
+    and shifting up would cost three instructions)."""
+    wi = pos >> 5
+    off = pos & 31
+    lo = w0 if wi == 0 else (w1 if wi == 1 else (w2 if wi == 2 else w3))
+    hi = w1 if wi == 0 else (w2 if wi == 1 else (w3 if wi == 2 else uint32(0)))
+    return bits_at((uint64(hi) << uint64(32)) | uint64(lo), off, width, at)
+
+
+@cuda_device
+def bits_at(x, pos, width, at):
+    """Bits ``[pos, pos + width)`` of the ``uint64`` ``x`` at bit ``at`` of a ``uint32``."""
+    if pos >= at:
+        y = x >> uint64(pos - at)
+    else:
+        y = x << uint64(at - pos)
+    return uint32(y) & uint32(((1 << width) - 1) << at)

@@ -35,6 +35,7 @@ from .cores import EXACT_F16, EXACT_F32, EXACT_I8
 from .kernels import (
     DECODE_ATTENTION,
     DECODE_ATTENTION_MMA,
+    DECODE_ATTENTION_MMA_VQ,
     DECODE_ATTENTION_WARP,
     DECODE_ATTENTION_WARP_VQ,
     PAGED_DECODE_ATTENTION,
@@ -97,7 +98,8 @@ def use_warp_kernel(dev: str, d: int, has_bias: bool, has_qjl: bool) -> bool:
 
 def use_mma_kernel(dev: str, d: int, has_bias: bool, has_qjl: bool, klayout: CodeLayout,
                    vlayout: CodeLayout) -> bool:
-    """Whether a decode on ``dev`` runs a tensor-core kernel (``decode_attention_mma``, paged too).
+    """Whether a decode on ``dev`` runs a tensor-core kernel (``decode_attention_mma``, paged too,
+    or for head VQ layouts ``decode_attention_mma_vq``).
 
     Parameters
     ----------
@@ -113,7 +115,7 @@ def use_mma_kernel(dev: str, d: int, has_bias: bool, has_qjl: bool, klayout: Cod
     -------
     bool
         The warp kernel would run (:func:`use_warp_kernel`), the ``cuda_mma_attention`` knob
-        is on, ``d`` is 128 and both layouts are uniform with a pair table."""
+        is on, ``d`` is 128 and both layouts are uniform with a pair or VQ table."""
     return (d == MMA_HEAD_DIM and bool(_config.get("cuda_mma_attention"))
             and use_warp_kernel(dev, d, has_bias, has_qjl) and mma_layout_ok(klayout) and mma_layout_ok(vlayout))
 
@@ -122,10 +124,9 @@ def default_partition_size(n_tokens: int, n_rows_kv: int, device: str, warp: boo
     """Tokens per partition: enough partitions to occupy the machine, at least one tile.
 
     ``warp``: for the warp kernels (one warp per partition), about ``n_rows_kv · n_tokens /
-    16384`` tokens per warp (about 16K warps, some 120 queued per SM of an H100) in
-    multiples of 32 between 64 and 1024: much longer partitions would leave SMs idle at
-    small batch, shorter ones make the merge's partial sums a larger share of the bytes
-    read."""
+    16384`` tokens per warp (some 120 warps queued per SM of an H100) in multiples of 32 in
+    [64, 1024]: longer ones would leave SMs idle at small batch, shorter ones make the merge's
+    partial sums a larger share of the bytes read."""
     if device == _backend.CPU:
         want = 4 * numba.get_num_threads()
         per = -(-n_tokens // max(1, -(-want // max(n_rows_kv, 1))))
@@ -139,9 +140,8 @@ def default_partition_size(n_tokens: int, n_rows_kv: int, device: str, warp: boo
 
 
 # Placeholders for the kernel arguments of an absent QJL correction, logit bias, exact-token
-# scales and (paged float32 pools) code layout: never read (the kernels test their flags),
-# put on the plan's device once.  Left writable: the kernels are compiled for the writable
-# array types of the real arguments.
+# scales and (paged float32 pools) code layout: never read (the kernels test their flags), put
+# on the plan's device once; writable: the kernels are compiled for the real arguments' types.
 _NO_QJL = (np.zeros((1, 1, 8), np.float32), np.zeros((1, 1, 1), np.uint8), np.zeros((1, 1), np.uint16))
 _NO_BIAS = np.zeros((1, 1, 1), np.float32)
 _NO_SCALES = np.zeros((1, 1, 1), np.uint16)
@@ -168,8 +168,7 @@ class AttentionPlan:
         KV rows (batch·KV heads, or sequences·KV heads), query rows per KV row (GQA group ×
         q_len) and head_dim.
     variant : {"cpu", "block", "warp", "mma"}
-        The kernel that runs (``mma`` falls back to ``warp`` for a step whose arrays cannot
-        be viewed as 32-bit words).
+        The kernel that runs (``mma`` falls back to ``warp`` where arrays give no word views).
     threads : int
         CUDA threads per block (0 on the CPU).
     rotate_q : bool
@@ -190,12 +189,13 @@ class AttentionPlan:
         self.has_bias, self.has_qjl = bool(has_bias), bool(has_qjl)
         # the warp kernel stages each token's packed V bytes: at most VROW per token
         warp = use_warp_kernel(dev, d, has_bias, has_qjl) and (not compressed or v_width <= VROW)
+        # head VQ layouts (flat: pools store no VQ code) run the warp and tensor-core kernels' VQ builds
+        vq = compressed and not paged and (klayout.group > 1 or vlayout.group > 1)
         mma = compressed and warp and use_mma_kernel(dev, d, has_bias, has_qjl, klayout, vlayout)
         self.variant = "mma" if mma else "warp" if warp else "block" if dev == _backend.CUDA else "cpu"
-        # head VQ layouts: the warp kernel's build that decodes them (mma: scalar codes only)
-        vq = compressed and not paged and self.variant == "warp" and (klayout.group > 1 or vlayout.group > 1)
-        self.kernel = DECODE_ATTENTION_WARP_VQ if vq else _KERNELS[self.paged][self.variant]
-        self._fallback = _KERNELS[self.paged]["warp"]  # an mma step whose arrays give no word views
+        self._fallback = DECODE_ATTENTION_WARP_VQ if vq else _KERNELS[self.paged]["warp"]  # (no word views)
+        self.kernel = ((DECODE_ATTENTION_MMA_VQ if mma else self._fallback) if vq and warp
+                       else _KERNELS[self.paged][self.variant])
         self.threads = cuda_block_threads() if dev == _backend.CUDA else 0
         #: the partition kernel's last block merges (CUDA, the ``cuda_merge_last_block`` knob):
         #: no MERGE_PARTITIONS launch
@@ -240,7 +240,7 @@ class AttentionPlan:
         the ``cuda_wave_partitions`` knob), which :meth:`resident_blocks` counts from the
         arguments ``launch_args()`` returns (called once per plan and kernel)."""
         kernel = kernel or self.kernel
-        if kernel.name.endswith("_mma") and not _backend.simulator_enabled():
+        if "_mma" in kernel.name and not _backend.simulator_enabled():
             chunks = -(-self.rows // WARP_ROWS)
             resident = None
             if self.wave_partitions and launch_args is not None:
@@ -289,7 +289,7 @@ class AttentionPlan:
         if self.device != _backend.CUDA:
             return None
         threads = self.threads
-        if kernel.name.endswith("_mma"):
+        if "_mma" in kernel.name:
             # its launch bounds; in the simulator one warp per block (its simulated warp
             # primitives need every lane of a block together)
             threads = 32 if _backend.simulator_enabled() else MMA_THREADS
@@ -394,8 +394,8 @@ class AttentionPlan:
             else:
                 pools = (*words, *pools[4:])
         kc, ks, vc, vs, kp, vp = pools
-        # the kernels' arguments of a flat cache, with the page table: a pool of codes is all
-        # compressed partitions, a float32 pool is read as exact tokens at positions 0, 1, …
+        # a flat cache's kernel arguments with the page table: a pool of codes is all compressed
+        # partitions, a float32 pool is read as exact tokens at positions 0, 1, …
         sq, qsig, qnorm, qconst = self.no_qjl
 
         def args_for(part_size: int, n_parts: int, parts: tuple) -> tuple:
@@ -482,11 +482,12 @@ class FlatStep:
         #: reads its count on the device cover them all (:meth:`run`)
         self.capacity = int(kc.shape[1])
         if plan.variant == "mma":  # the tensor-core kernel reads the codes as 32-bit words
-            words = mma_operands(kc, ks, vc, vs, flat=True)
+            words = mma_operands(kc, ks, vc, vs, flat=True, norm8=plan.sshift >= 2)
             if words is None:
                 kernel = plan._fallback  # noqa: SLF001 - the plan's own fallback twin
-            else:
+            else:  # (8-bit norms: the VQ build reads them, one scale a token)
                 kc, ks, vc, vs = words
+                kernel = DECODE_ATTENTION_MMA_VQ if np.dtype(ks.dtype) == np.uint8 else kernel
         self._kernel = kernel
         self.comp_pos0 = int(comp_pos0)
         ke, ve, kes, ves, exact_kind = plan._exact_args(ke, ve, exact_scales)  # noqa: SLF001
@@ -569,9 +570,8 @@ class FlatStep:
         kernel = self._kernel
         if n_comp <= 0 and n_exact <= 0:
             raise ValueError("k: expected at least one stored token to attend over, got none")
-        # the compressed token space the partitions cover: the live tokens, or (the count on
-        # the device) every slot of the codes, so that neither the partition count nor the
-        # grid changes when the count crosses a partition boundary (a CUDA graph; issue 27)
+        # the compressed tokens the partitions cover: the live ones, or (count on the device) every
+        # slot, so the partitions and grid stay when the count crosses a boundary (a CUDA graph)
         n_span = n_comp if n_comp_dev is None else max(self.capacity, n_comp)
         n_tok = n_span if n_span > n_exact else n_exact
         last, scale32 = self._scale

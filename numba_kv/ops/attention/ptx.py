@@ -4,8 +4,8 @@ Each primitive exists twice, chosen once at import (``NUMBA_ENABLE_CUDASIM``):
 
 * on a GPU, a Numba ``@intrinsic`` whose code generation calls an llvmlite ``ir.InlineAsm`` of
   one PTX instruction (``mma.sync``, ``movmatrix.sync``, ``cvt.rn.f16x2.f32``,
-  ``mul.rn.f16x2``, ``cvt.f32.f16``, ``prmt.b32``, ``ex2.approx.ftz.f32``, ``ld.shared.u32``, ``ld.global.u32``
-  / ``.u16``, ``cvta.to.global``), or Numba's own ``shfl.sync`` (and :func:`shared_base32`,
+  ``mul.rn.f16x2``, ``cvt.f32.f16``, ``prmt.b32``, ``ex2.approx.ftz.f32``, ``ld.shared.u32`` / ``.v2.u32``,
+  ``ld.global.u32`` / ``.u16`` / ``.u8``, ``cvta.to.global``), or Numba's own ``shfl.sync`` (and :func:`shared_base32`,
   an address cast in LLVM IR);
 * under Numba's CUDA simulator, a plain Python function with the same arguments and results
   bit for bit (binary16 through NumPy; the warp-collective ones exchange their lanes'
@@ -42,8 +42,9 @@ from numba.cuda.extending import intrinsic
 from ... import _backend
 
 __all__ = ["SIMULATED", "SIM_SHARED_BASE", "exp2_ftz", "global_address", "half2_bits", "half_f32", "hmul2",
-           "lds_u32", "ldg_u16", "ldg_u32", "low_halves", "high_halves", "mma_16816", "movmatrix_trans", "pack_half2",
-           "shared_base32", "shfl_idx_f32", "shfl_xor_f32", "shfl_xor_u32", "unpack_half2"]
+           "lds_u32", "lds_u32x2", "ldg_u8", "ldg_u16", "ldg_u32",
+           "low_halves", "high_halves", "mma_16816", "movmatrix_trans", "pack_half2",
+           "shared_base32", "static_itemsize", "shfl_idx_f32", "shfl_xor_f32", "shfl_xor_u32", "unpack_half2"]
 
 #: the simulator build (Python twins of every primitive)
 SIMULATED = _backend.simulator_enabled()
@@ -97,6 +98,16 @@ def _sim_lds_u32(arr, addr):
     return np.uint32(arr[off >> 2])
 
 
+def _sim_lds_u32x2(arr, addr):
+    if (int(addr) - SIM_SHARED_BASE) & 7:
+        raise IndexError(f"shared address {int(addr):#x}: not 8-byte aligned (ld.shared.v2.u32)")
+    return _sim_lds_u32(arr, addr), _sim_lds_u32(arr, np.uint32(int(addr) + 4))
+
+
+def _sim_itemsize(arr):
+    return int(np.dtype(arr.dtype).itemsize)
+
+
 def _sim_root(arr):
     """The simulated device array's NumPy view and the allocation it lies in."""
     a = getattr(arr, "_ary", arr)
@@ -127,6 +138,10 @@ def _sim_ldg_u32(arr, addr):
 
 def _sim_ldg_u16(arr, addr):
     return _sim_load(arr, addr, np.uint16)
+
+
+def _sim_ldg_u8(arr, addr):
+    return _sim_load(arr, addr, np.uint8)
 
 
 def _exchange(value):
@@ -254,6 +269,18 @@ def _gpu_loads():
         return types.uint32(arr, types.uint32), codegen
 
     @intrinsic
+    def lds2(typingctx, arr, addr):
+        def codegen(context, builder, signature, args):
+            a = context.cast(builder, args[1], signature.args[1], types.uint32)
+            # (side_effect: as lds)
+            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([i32, i32]), [i32]),
+                               "ld.shared.v2.u32 {$0, $1}, [$2];", "=r,=r,r", side_effect=True)
+            res = builder.call(asm, [a])
+            return context.make_tuple(builder, signature.return_type, [builder.extract_value(res, i) for i in (0, 1)])
+
+        return types.UniTuple(types.uint32, 2)(arr, types.uint32), codegen
+
+    @intrinsic
     def global_addr(typingctx, arr):
         def codegen(context, builder, signature, args):
             data = cgutils.create_struct_proxy(signature.args[0])(context, builder, value=args[0]).data
@@ -263,21 +290,30 @@ def _gpu_loads():
         return types.uint64(arr), codegen
 
     def ldg(width):
-        ty = ir.IntType(width)
+        ty = ir.IntType(max(width, 16))
 
         def typer(typingctx, arr, addr):
             def codegen(context, builder, signature, args):
                 a = context.cast(builder, args[1], signature.args[1], types.uint64)
                 # (no side effect: the kernels read arrays that nothing writes while they run)
                 asm = ir.InlineAsm(ir.FunctionType(ty, [i64]), f"ld.global.u{width} $0, [$1];",
-                                   "=r,l" if width == 32 else "=h,l")
+                                   "=r,l" if width == 32 else "=h,l")  # (u8: into 16 bits)
                 value = builder.call(asm, [a])
                 return value if width == 32 else builder.zext(value, i32)
 
             return types.uint32(arr, types.uint64), codegen
         return intrinsic(typer)
 
-    return shared_base, lds, global_addr, ldg(32), ldg(16)
+    @intrinsic
+    def itemsize(typingctx, arr):
+        size = arr.dtype.bitwidth // 8
+
+        def codegen(context, builder, signature, args):
+            return context.get_constant(types.intp, size)
+
+        return types.intp(arr), codegen
+
+    return shared_base, lds, lds2, global_addr, ldg(32), ldg(16), ldg(8), itemsize
 
 
 def _gpu_primitives():
@@ -343,11 +379,13 @@ if SIMULATED:
     low_halves, high_halves, exp2_ftz = _sim_low_halves, _sim_high_halves, _sim_exp2_ftz
     shfl_xor_u32 = shfl_xor_f32 = _sim_shfl_xor
     shfl_idx_f32 = _sim_shfl_idx
-    shared_base32, lds_u32 = _sim_shared_base32, _sim_lds_u32
-    global_address, ldg_u32, ldg_u16 = _sim_global_address, _sim_ldg_u32, _sim_ldg_u16
+    shared_base32, lds_u32, lds_u32x2 = _sim_shared_base32, _sim_lds_u32, _sim_lds_u32x2
+    global_address, ldg_u32, ldg_u16, ldg_u8 = _sim_global_address, _sim_ldg_u32, _sim_ldg_u16, _sim_ldg_u8
+    static_itemsize = _sim_itemsize
 else:
     (mma_16816, pack_half2, hmul2, half_f32, movmatrix_trans, low_halves, high_halves, exp2_ftz, shfl_xor_u32,
-     shfl_xor_f32, shfl_idx_f32, shared_base32, lds_u32, global_address, ldg_u32, ldg_u16) = _gpu_primitives()
+     shfl_xor_f32, shfl_idx_f32, shared_base32, lds_u32, lds_u32x2, global_address, ldg_u32, ldg_u16,
+     ldg_u8, static_itemsize) = _gpu_primitives()
 
 mma_16816.__doc__ = """``D = A·B + C`` of one warp (``mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32``):
 ``a0…a3`` and ``b0, b1`` this lane's ``.f16x2`` fragments of A and B, ``c0…c3`` its float32
@@ -413,6 +451,22 @@ Returns
 -------
 uint32
 """
+lds_u32x2.__doc__ = """The two words at a shared-window address (``ld.shared.v2.u32``: one
+instruction where two ``ld.shared.u32`` take two; the tensor-core kernel's VQ quad tables,
+whose entries are two ``.f16x2`` words).
+
+Parameters
+----------
+arr : uint32 shared array
+    As :func:`lds_u32`.
+addr : uint32
+    As :func:`lds_u32`, a multiple of 8 bytes into the array.
+
+Returns
+-------
+tuple of two uint32
+    The word at ``addr`` and the next one.
+"""
 global_address.__doc__ = """The global-space byte address of a device array's element 0
 (``cvta.to.global.u64`` of its data pointer), for :func:`ldg_u32` / :func:`ldg_u16`.
 
@@ -455,4 +509,30 @@ addr : uint64
 Returns
 -------
 uint32
+"""
+ldg_u8.__doc__ = """The ``uint8`` at a global byte address, zero-extended (``ld.global.u8`` into a
+16-bit register: PTX has no 8-bit ones; the tensor-core kernel's 8-bit norms).
+
+Parameters
+----------
+arr : uint8 device array
+    As :func:`ldg_u32`.
+addr : uint64
+    :func:`global_address` of ``arr`` plus a byte offset inside it.
+
+Returns
+-------
+uint32
+"""
+static_itemsize.__doc__ = """An array's element size in bytes as a compile-time constant (from its type:
+``arr.itemsize`` reads the array's descriptor at run time, a load the compiler cannot fold), so
+that a branch on it costs nothing.
+
+Parameters
+----------
+arr : device array, any shape and dtype
+
+Returns
+-------
+int
 """
