@@ -39,9 +39,9 @@
 #
 # QUICK=1 runs a short subset instead (about 6 minutes; limits add up to 7), for a lease of 15
 # minutes with time to rerun: the device tests and the tensor-core tests (tests/gpu,
-# tests/cuda/test_sim_mma.py), decode-step at T 4K (kv3 too), the step's kernels at T 4K (pqo3), the
-# tensor-core A/B at T 32K/128K, batch 8/32, 3 bits with GPU times, and Nsight Compute at
-# T 128K, batch 32.
+# tests/cuda/test_sim_mma.py, test_sim_mma_vq.py), decode-step at T 4K (kv3 too), the step's kernels at T 4K
+# (pqo3), the tensor-core A/B at T 32K/128K, batch 8/32, 3 bits with GPU times (and kv3's codes on the
+# tensor-core and warp VQ builds at 32K), and Nsight Compute at T 128K, batch 32.
 set -u
 out=${1:-benchmarks/results/gpu}
 py=${PYTHON:-python3}
@@ -75,7 +75,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max
 if [ "${QUICK:-0}" = 1 ]; then
     stage "gpu tests (quick)" "${TEST_LIMIT:-130}" "$out/tests_gpu.log" \
         "$py" -m pytest -v -rfE -p no:cacheprovider $xdist $ptimeout -m "cuda or gpu_only" tests/gpu \
-        tests/cuda/test_sim_mma.py
+        tests/cuda/test_sim_mma.py tests/cuda/test_sim_mma_vq.py
     stage "bench decode-step --device cuda (T 4K)" "${DECODE_LIMIT:-60}" "$out/decode_step.txt" \
         "$py" -m numba_kv.toolkit.cli bench decode-step --device cuda --tokens 4096 --modes dense,pqo3,kv4,kv3 \
         --no-progress --json "$out/decode_step.json"

@@ -252,7 +252,7 @@ def load_old_kernels(old: str) -> dict:
     return {f"mma {label}": nk.ops.TWINS["decode_attention_mma"].cuda for label, nk in packages.items()}
 
 
-def speed(cupy, tokens, batches, bits, repeat, device_time=False) -> None:
+def speed(cupy, tokens, batches, bits, repeat, device_time=False, vq_max_tokens=32768) -> None:
     hkv, groups, d = 8, 4, 128
     rng = cupy.random.default_rng(0)
     print("speed (ms, best of repeats; GB/s = packed bytes read; xN = torch ms / ms)", flush=True)
@@ -323,10 +323,10 @@ def speed(cupy, tokens, batches, bits, repeat, device_time=False) -> None:
                       flush=True)
                 del kc, ks, vc, vs, outs
             # kv3's codes (3.0 bits a value in codes: 4-bit pairs, 2-bit quads) on the tensor-core VQ
-            # build and on the warp VQ build (the A/B), same K/V
+            # build and on the warp VQ build (the A/B), same K/V, up to --kv3-max-tokens
             cols = []
             vq_outs = {}
-            for name, knob in (("mma vq", 1), ("warp vq", 0)):
+            for name, knob in (("mma vq", 1), ("warp vq", 0)) if t <= vq_max_tokens else ():
                 with knobs(cuda_mma_attention=knob):
                     fn = vq_path(cupy, q, k, v)
                     vq_outs[name] = fn()
@@ -337,9 +337,10 @@ def speed(cupy, tokens, batches, bits, repeat, device_time=False) -> None:
                         dev_ms, ok = device_ms(cupy, fn, repeat)
                         x = f" x{ref[2] / dev_ms:.2f}" if ref and len(ref) > 2 else ""
                         cols.append(f"{name} device {dev_ms:.3f} ms{x}{'' if ok else ' (host not hidden)'}")
-            diff = float(cupy.abs(vq_outs["mma vq"] - vq_outs["warp vq"]).max())
-            print(f"  T={t} batch={b} kv3 codes: " + "  ".join(cols) + f"  {tline}  max|mma vq-warp vq|={diff:.1e}",
-                  flush=True)
+            if vq_outs:
+                diff = float(cupy.abs(vq_outs["mma vq"] - vq_outs["warp vq"]).max())
+                print(f"  T={t} batch={b} kv3 codes: " + "  ".join(cols) + f"  {tline}  max|mma vq-warp vq|={diff:.1e}",
+                      flush=True)
             del vq_outs
             del k, v, q
             cupy.get_default_memory_pool().free_all_blocks()
@@ -352,6 +353,7 @@ def main() -> None:
     ap.add_argument("--bits", default="3,4")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--kv3-max-tokens", type=int, default=32768, help="time kv3's codes at T up to this (0: never)")
     ap.add_argument("--device-time", action="store_true", help="also time the kernel path and torch with the host's "
                     "launch cost hidden behind a spin kernel (GPU time back to back)")
     ap.add_argument("--old", default=None, help="git revisions (comma-separated) or a folder of numba_kv_ab* packages: "
@@ -368,7 +370,7 @@ def main() -> None:
     if not args.skip_accuracy:
         accuracy(cupy)
     speed(cupy, [int(x) for x in args.tokens.split(",")], [int(x) for x in args.batch.split(",")],
-          [int(x) for x in args.bits.split(",")], args.repeat, args.device_time)
+          [int(x) for x in args.bits.split(",")], args.repeat, args.device_time, args.kv3_max_tokens)
     for name, kern in (("decode_attention_mma (this GPU's build)", running_build()), *VARIANTS.items(),
                        ("decode_attention_warp", TWINS["decode_attention_warp"].cuda)):
         try:

@@ -18,12 +18,12 @@ values (``pqo3``'s layout, ``quantize_blocks``) and whole-head codes, 4-bit keys
 (``kv4``'s, ``quantize_head``, ``rotation="head"``), and the head VQ code, 4-bit pairs for keys
 and 2-bit quads for values with the unbiased rescale (``kv3``'s, ``quantize_headvq``: the
 kernel's VQ build ``decode_attention_mma_vq``, through ``fused_attention_rows``; binary16 norms).
-The last ``--queries`` positions of each layer attend causally over the ``--tokens`` tokens, through ``decode_attention`` on host arrays
-(the CPU twin) and on CUDA device arrays: the tensor-core kernel, on a GPU, or its Python
-twins under ``NUMBA_ENABLE_CUDASIM=1`` (every ``mma.sync``, ``cvt.rn.f16x2`` and table read as
-the PTX does it; a call takes seconds there).  Reported: the relative L2 error of the outputs
-per layer (min / median / max over the layers) and whether every output was finite; the script
-fails if the tensor-core kernel did not run.
+The last ``--queries`` positions of each layer attend causally over the ``--tokens`` tokens,
+through ``decode_attention`` on host arrays (the CPU twin) and on CUDA device arrays: the
+tensor-core kernel, on a GPU, or its Python twins under ``NUMBA_ENABLE_CUDASIM=1`` (every
+``mma.sync``, ``cvt.rn.f16x2`` and table read as the PTX does it; a call takes seconds there).
+Reported: the relative L2 error of the outputs per layer (min / median / max over the layers)
+and whether every output was finite; the script fails if the tensor-core kernel did not run.
 
     NUMBA_ENABLE_CUDASIM=1 .venv/bin/python benchmarks/mma_real_kv.py [--models smollm2,gemma3-270m]
         [--tokens 256] [--queries 2] [--layouts pqo3,kv4,kv3] [--json out.json]
