@@ -14,7 +14,7 @@ static instructions per pass, per token per KV head (16 tokens a pass), register
 largest instruction classes.  No GPU needed (``nvidia-cuda-nvdisasm``, in the ``test`` extra).
 
     .venv/bin/python benchmarks/sass_one_width.py --bits 3 [--vbits 3] [--scales block|token] [--rev 2937c4b]
-        [--kernel paged_decode_attention_mma | --kernel decode_attention_mma_vq --quads k|v|kv]
+        [--kernel paged_decode_attention_mma | --kernel decode_attention_mma_vq --quads k|v|kv|none]
 """
 
 from __future__ import annotations
@@ -48,10 +48,11 @@ print(json.dumps({"registers": k.resources.registers, "size": loop.size, "per_to
 
 
 def pinned_source(text: str, bits: int, vbits: int | None = None, scales: str | None = None,
-                  quads: str = "") -> str:
+                  quads: str | None = None) -> str:
     """``mma.py`` with the width tests of its tile dispatchers made constant for ``bits`` (K;
-    V: ``vbits``, default ``bits``), with ``scales`` its choice of the tile loop, and the VQ
-    build's quad tests (``VQ_BUILD and kq`` / ``vq``) True for the sides in ``quads``."""
+    V: ``vbits``, default ``bits``), with ``scales`` its choice of the tile loop, and with
+    ``quads`` the VQ build's quad tests (``VQ_BUILD and kq`` / ``vq``): True for the sides it
+    names (``"k"``, ``"v"``, ``"kv"``), False for the others (``"none"``: both)."""
     want = {"kb": bits, "vb": bits if vbits is None else vbits}
     out, n = re.subn(r"\b([kv]b) == ([234])\b", lambda m: "True" if int(m.group(2)) == want[m.group(1)] else "False",
                      text)
@@ -62,9 +63,9 @@ def pinned_source(text: str, bits: int, vbits: int | None = None, scales: str | 
                          lambda m: f"{m.group(1) or ''}if {scales == 'token'}:", out)
         if n != 1:
             raise SystemExit(f"found {n} choices of the tile loop in mma.py (expected 1: 'if sshift >= 2:')")
-    for side in "kv":
+    for side in "kv" if quads is not None else "":
         out, n = re.subn(rf"\bVQ_BUILD and {side}q\b", str(side in quads), out)
-        if n != 1 and side in quads:
+        if n != 1:
             raise SystemExit(f"found {n} quad tests of {side} in mma.py (expected 1)")
     return out
 
@@ -88,8 +89,9 @@ def main() -> None:
                     help="the flat kernel's tile loop: block scales or one scale a token (default: as compiled)")
     ap.add_argument("--rev", default=None, help="git revision (default: the working tree)")
     ap.add_argument("--kernel", default="decode_attention_mma")
-    ap.add_argument("--quads", default="", choices=("", "k", "v", "kv"),
-                    help="sides in VQ quads (--kernel decode_attention_mma_vq; VQ pairs are the 4-bit tiles)")
+    ap.add_argument("--quads", default=None, choices=("k", "v", "kv", "none"),
+                    help="sides in VQ quads, the others not (--kernel decode_attention_mma_vq; VQ pairs are the "
+                         "4-bit tiles); default: the quad branches as compiled")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="numba_kv_sass_") as tmp:
         dest = pathlib.Path(tmp)
@@ -105,6 +107,7 @@ def main() -> None:
     r = json.loads(run.stdout.strip().splitlines()[-1])
     vbits = args.bits if args.vbits is None else args.vbits
     mode = (f", {args.scales} scales" if args.scales else "") + (f", quads: {args.quads}" if args.quads else "")
+    # (quads "none": the VQ build with scalar codes on both sides, pairs as the 4-bit tiles)
     print(f"{args.kernel} at {args.rev or 'working tree'}, {args.bits}-bit K, {vbits}-bit V{mode}, sm_90: "
           f"{r['size']} SASS a pass, "
           f"{r['per_token']:.1f} per token per KV head, {r['registers']} registers; "

@@ -35,8 +35,8 @@ DEFAULTS: dict[str, Any] = {
     # bias or QJL correction, head_dim 32/64/128), 0 = always the block kernel
     "cuda_warp_attention": 1,
     # CUDA fused decode attention on tensor cores (mma.sync) where it applies (head_dim 128,
-    # 2-4-bit codes of one width and codebook, no logit bias or QJL correction); 0 = the warp
-    # (or block) kernel
+    # 2-4-bit codes of one width and codebook, the head VQ code too, no logit bias or QJL
+    # correction); 0 = the warp (or block) kernel
     "cuda_mma_attention": 1,
     # CUDA decode attention: 1 = the last partition block to finish merges the partitions
     # (one launch fewer per step), 0 = a separate merge_partitions launch (A/B on a GPU)

@@ -245,6 +245,13 @@ def test_one_width_script_pins_the_tile_dispatch(bits):
     assert mixed.count("if True:") - src.count("if True:") == 2
     assert "if sshift >= 2:" in src and "if sshift >= 2:" not in mixed
     assert pinned_source(src, bits, None, "block").count("if False:") == out.count("if False:") + 1
+    # the VQ build's quad tests: only when asked, True for the sides named
+    assert src.count("VQ_BUILD and kq") == src.count("VQ_BUILD and vq") == 1 and "VQ_BUILD and" in out
+    tok = pinned_source(src, bits, None, "token")
+    vq = pinned_source(src, bits, None, "token", "v")
+    assert "VQ_BUILD and" not in vq
+    assert vq.count("if True:") == tok.count("if True:") + 1 and vq.count("if False:") == tok.count("if False:") + 1
+    assert pinned_source(src, bits, None, "token", "none").count("if False:") == tok.count("if False:") + 2
 
 
 @pytest.mark.ptx
