@@ -55,7 +55,7 @@ import math
 from typing import Any
 
 import numpy as np
-from numba import cuda, float32, int32, int64, prange, uint8, uint16
+from numba import cuda, float32, int64, prange, uint8, uint16
 
 from .. import _backend
 from .._config import MAX_HEAD_DIM
@@ -77,7 +77,7 @@ from .finite import check_finite, range_stats
 from .half import f16_bits_abs_to_f32, f16_bits_abs_to_f32_dev, f32_to_f16_bits, f32_to_f16_bits_sat_dev
 from .headquant import HEAD_DIMS, head_signs
 from .headvq_fit import DATA_PATH, codebook_key
-from .headvq_grid import GRID_PARAMS, search_grid
+from .headvq_grid import grid_nearest_dev, nearest_lanes, search_grid
 
 __all__ = ["CB_SHARED", "GROUP_SIZE", "LOAD_CODEBOOK_DEV", "POINTS", "QUANTIZE_HEADVQ", "QUANTIZE_HEADVQ_VEC_DEV",
            "quantize_headvq", "dequantize_headvq", "quantize_headvq_into", "dequantize_headvq_into",
@@ -89,10 +89,7 @@ GROUP_SIZE = {4: 2, 2: 4}
 POINTS = 256
 _CB_SHARED = 1024  # floats of the CUDA kernels' shared codebook: POINTS * max(m)
 _IB_SHARED = MAX_HEAD_DIM // 2  # bytes of the shared indices: d / min(m)
-_INF32 = np.float32(np.inf)
 #: slots per grid cell of the search (:data:`~numba_kv.ops.headvq_grid.GRID_PARAMS`), pairs and quads
-_SLOTS2 = GRID_PARAMS[2][2]
-_SLOTS4 = GRID_PARAMS[4][2]
 #: scalar operations per value of a quantize call (normalize, rotate, a few candidates per
 #: group), for the CPU's serial/parallel choice (``cpu_parallel_min_work``)
 _SEARCH_WORK = 24
@@ -189,95 +186,11 @@ def _load_normalize_lanes(x, v0, nl, d, L, t):
             tj[l] = np.divide(tj[l], tn[l])  # np.divide: IEEE division, no ZeroDivisionError branch
 
 
-def _dist2(y0, y1, c0, c1):
-    """Squared distance of ``(y0, y1)`` to the point ``(c0, c1)``: ``d₀² + d₁²``, products
-    rounded first (the full search's operations)."""
-    e0 = y0 - c0
-    e1 = y1 - c1
-    return mul_rn(e0, e0) + mul_rn(e1, e1)
-
-
-def _dist4(y0, y1, y2, y3, c0, c1, c2, c3):
-    """:func:`_dist2` of a quad: ``((d₀² + d₁²) + d₂²) + d₃²``."""
-    e2 = y2 - c2
-    e3 = y3 - c3
-    return (_dist2(y0, y1, c0, c1) + mul_rn(e2, e2)) + mul_rn(e3, e3)
-
-
-def _grid_nearest(t, o, stride, m, cf, gpar, slots, goff, gcand):
-    """Index of the point nearest to the group whose coordinates are ``t[o + i·stride]``
-    (``i < m``), among the candidates of its grid cell (``gpar``, ``slots``, ``goff``,
-    ``gcand`` of :func:`~numba_kv.ops.headvq_grid.search_grid`; ``cf`` the codebook flat,
-    ``k·m + i``): the cell's ``P`` slots (a loop of fixed length: no branch to mispredict),
-    then its rare candidates past ``P``, each in increasing index order, keeping a strictly
-    smaller distance — the full search's result bit for bit (ties → the lowest index), as
-    every point that can be nearest in the cell is a candidate."""
-    a = gpar[0]
-    b = gpar[1]
-    gn = int32(gpar[2])
-    y0 = t[o]
-    y1 = t[o + stride]
-    cell = _cell_axis(y0, a, b, gn) * gn + _cell_axis(y1, a, b, gn)
-    best = _INF32
-    bk = int32(0)
-    if m == 2:
-        for e in range(_SLOTS2):
-            k = int32(slots[cell * _SLOTS2 + e])
-            s = _dist2(y0, y1, cf[2 * k], cf[2 * k + 1])
-            less = s < best
-            best = s if less else best
-            bk = k if less else bk
-        for e in range(goff[cell] + _SLOTS2, goff[cell + 1]):
-            k = int32(gcand[e])
-            s = _dist2(y0, y1, cf[2 * k], cf[2 * k + 1])
-            less = s < best
-            best = s if less else best
-            bk = k if less else bk
-        return bk
-    y2 = t[o + 2 * stride]
-    y3 = t[o + 3 * stride]
-    cell = (cell * gn + _cell_axis(y2, a, b, gn)) * gn + _cell_axis(y3, a, b, gn)
-    for e in range(_SLOTS4):
-        k = int32(slots[cell * _SLOTS4 + e])
-        c = 4 * k
-        s = _dist4(y0, y1, y2, y3, cf[c], cf[c + 1], cf[c + 2], cf[c + 3])
-        less = s < best
-        best = s if less else best
-        bk = k if less else bk
-    for e in range(goff[cell] + _SLOTS4, goff[cell + 1]):
-        k = int32(gcand[e])
-        c = 4 * k
-        s = _dist4(y0, y1, y2, y3, cf[c], cf[c + 1], cf[c + 2], cf[c + 3])
-        less = s < best
-        best = s if less else best
-        bk = k if less else bk
-    return bk
-
-
-def _cell_axis(y, a, b, gn):
-    """Cell of coordinate ``y`` along one axis of the candidate grid
-    (:mod:`numba_kv.ops.headvq_grid`): ``clamp(int(y·a + b), 0, G − 1)``, float32 (the
-    product rounded first, in both twins; the grid's margin would cover a fused one too)."""
-    return min(max(int32(mul_rn(y, a) + b), int32(0)), gn - int32(1))
-
-
-def _nearest_lanes(t, d, L, nl, m, cf, gpar, slots, goff, gcand, ib):
-    """``ib[g·L + l]`` = :func:`_grid_nearest` of group ``g`` of lane ``l < nl`` of ``t``, lane
-    by lane (each search keeps its point and distance in registers).  Measured against the
-    full search's branch-free pass over 64 lanes per point (2-vCPU AMD EPYC, d = 128): within
-    ±10 % with AVX-512 for quads, up to 1.7× faster for pairs, 3–5× faster with AVX2 code
-    generation (``benchmarks/ab_headvq.py``), and faster still for the few vectors of a
-    decode step, which do not fill the vector unit."""
-    for g in range(d // m):
-        for l in range(nl):
-            ib[g * L + l] = uint8(_grid_nearest(t, g * m * L + l, L, m, cf, gpar, slots, goff, gcand))
-
-
 def quantize_headvq_lanes(x, v0, nl, d, signs, cents, cf, gpar, slots, goff, gcand, unbiased, t0, codes, norms,
                           L, t, ib, w):
     """Quantize flattened vectors ``v0 .. v0+nl-1`` of ``x`` (``nl <= L``) into ``codes`` /
     ``norms`` at token ``t0 + s``; ``cf`` is ``cents`` flat, ``gpar``, ``slots``, ``goff``,
-    ``gcand`` its candidate grid (:func:`_nearest_lanes`).
+    ``gcand`` its candidate grid (:func:`nearest_lanes`).
 
     Scratch: ``t`` float32[(d+3)·L] (rows ``d .. d+2``: the norms, ``‖y‖²`` and ``⟨y, ĉ⟩``),
     ``ib`` uint8[(d/m)·L] (the indices), ``w`` int64[L] (the binary16 norm bits).
@@ -287,7 +200,8 @@ def quantize_headvq_lanes(x, v0, nl, d, signs, cents, cf, gpar, slots, goff, gca
     S = d * L
     _load_normalize_lanes(x, v0, nl, d, L, t)
     rotate_head_forward_lanes(t, d, L, signs)
-    _nearest_lanes(t, d, L, nl, m, cf, gpar, slots, goff, gcand, ib)
+    # (scratch of the search: w, the cells; row d + 1 of t, the distances — both free until below)
+    nearest_lanes(t, d, L, nl, m, cf, gpar, slots, goff, gcand, ib, w, t[S + L:S + 2 * L])
     tn = t[S:S + L]
     if unbiased:
         tyy = t[S + L:S + 2 * L]
@@ -346,11 +260,6 @@ def dequantize_headvq_lanes(codes, norms, v0, nl, d, signs, cents, t0, out, L, t
 
 
 twin(_load_normalize_lanes)
-twin(_cell_axis, inline=True)
-twin(_dist2, inline=True)
-twin(_dist4, inline=True)
-grid_nearest_cpu, grid_nearest_dev = twin(_grid_nearest)
-twin(_nearest_lanes)
 quantize_headvq_lanes_cpu, _ = twin(quantize_headvq_lanes)
 dequantize_headvq_lanes_cpu, _ = twin(dequantize_headvq_lanes)
 

@@ -14,12 +14,12 @@ from numba_kv._backend import to_host
 from numba_kv.ops.headvq import (
     dequantize_headvq,
     dequantize_headvq_into,
-    grid_nearest_dev,
     headvq_centroids,
     packed_dim,
     quantize_headvq,
     quantize_headvq_into,
 )
+from numba_kv.ops.headvq_grid import grid_nearest_dev
 from numba_kv.reference import head_sign_vector
 from numba_kv.reference.polarquant import hadamard_apply
 

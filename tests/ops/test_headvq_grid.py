@@ -10,7 +10,7 @@ import pytest
 from numba_kv import reference
 from numba_kv.ops import headquant as hq
 from numba_kv.ops import headvq as hv
-from numba_kv.ops.headvq_grid import GRID_PARAMS, search_grid
+from numba_kv.ops.headvq_grid import GRID_PARAMS, grid_nearest_cpu, nearest_lanes_cpu, search_grid
 
 CONFIGS = [(4, 2), (2, 4)]
 
@@ -29,12 +29,12 @@ def full_search(y, cents):
 
 
 def grid_search(y, cents, d):
-    """:func:`numba_kv.ops.headvq._grid_nearest` (CPU twin) on every row of ``y``."""
+    """:func:`numba_kv.ops.headvq_grid._grid_nearest` (CPU twin) on every row of ``y``."""
     gpar, goff, gcand, slots = search_grid(cents, d)
     m = cents.shape[1]
     cf = np.ascontiguousarray(cents).reshape(-1)
     flat = np.ascontiguousarray(y, np.float32).reshape(-1)
-    return np.array([hv.grid_nearest_cpu(flat, r * m, 1, m, cf, gpar, slots, goff, gcand) for r in range(len(y))])
+    return np.array([grid_nearest_cpu(flat, r * m, 1, m, cf, gpar, slots, goff, gcand) for r in range(len(y))])
 
 
 def boundary_groups(rng, cents, d, n):
@@ -84,6 +84,41 @@ def test_grid_search_is_the_full_search(bits, m, d):
     y = np.concatenate(groups)
     want = full_search(y, cents)
     got = grid_search(y, cents, d)
+    bad = np.nonzero(got != want)[0]
+    assert bad.size == 0, (bad[:5], y[bad[:5]], got[bad[:5]], want[bad[:5]])
+
+
+@pytest.mark.parametrize("bits, m", CONFIGS)
+@pytest.mark.parametrize("nl", [64, 37])
+def test_lanes_search_is_the_full_search(bits, m, nl):
+    """The op's search over lanes side by side (``nearest_lanes``: every lane's cell, each
+    slot for every lane, then the cells with more candidates lane by lane) on the same groups
+    as above, laid out as the op's tiles (group ``g`` of lane ``l`` at rows ``g·m … g·m + m −
+    1``, column ``l``), full and partial tiles: the full search's index, every one."""
+    d, L = 128, 64
+    rng = np.random.default_rng(nl * 10 + bits)
+    cents = hv.headvq_centroids(bits, d)
+    u = rng.standard_normal((60, d))
+    u /= np.linalg.norm(u, axis=1, keepdims=True)
+    big = rng.standard_normal((100, m))
+    y = np.concatenate([u.reshape(-1, m)[:600].astype(np.float32),
+                        (big / np.linalg.norm(big, axis=1, keepdims=True)).astype(np.float32),
+                        boundary_groups(rng, cents, d, 100)])
+    want = full_search(y, cents)
+    gpar, goff, gcand, slots = search_grid(cents, d)
+    cf = np.ascontiguousarray(cents).reshape(-1)
+    G = d // m  # groups a lane holds (a vector's)
+    got = []
+    for i0 in range(0, len(y), G * nl):  # one tile: G groups × nl lanes
+        part = y[i0:i0 + G * nl]
+        part = np.concatenate([part, np.zeros((G * nl - len(part), m), np.float32)])
+        t = np.zeros((d + 3) * L, np.float32)
+        t[:d * L].reshape(G, m, L)[:, :, :nl] = part.reshape(nl, G, m).transpose(1, 2, 0)
+        ib = np.full(G * L, 255, np.uint8)
+        nearest_lanes_cpu(t, d, L, nl, m, cf, gpar, slots, goff, gcand, ib, np.zeros(L, np.int64),
+                             np.zeros(L, np.float32))
+        got.append(ib.reshape(G, L)[:, :nl].T.reshape(-1)[:len(y) - i0])
+    got = np.concatenate(got)
     bad = np.nonzero(got != want)[0]
     assert bad.size == 0, (bad[:5], y[bad[:5]], got[bad[:5]], want[bad[:5]])
 
