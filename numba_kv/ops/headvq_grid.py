@@ -265,16 +265,35 @@ def _cell_axis(y, a, b, gn):
 
 
 def nearest_lanes(t, d, L, nl, m, cf, gpar, slots, goff, gcand, ib, cell, best):
-    """``ib[g·L + l]`` = :func:`_grid_nearest` of group ``g`` of lane ``l < nl`` of ``t``.
+    """The nearest point of every group of a CPU tile of vectors: ``ib[g·L + l]`` =
+    :func:`_grid_nearest` of group ``g`` of lane ``l < nl``.
 
-    Pairs: the lanes side by side — per group every lane's cell (``cell``, int64 scratch of
-    ``L``), then each of the cell's ``P`` slots for every lane (a loop over the lanes with
-    gathered points, which vectorizes; the running best in ``best``, float32 scratch of ``L``),
-    then the rare candidates past ``P`` lane by lane.  Per lane the candidates come in the
-    order of :func:`_grid_nearest` and a strictly smaller distance wins: the same index bit
-    for bit.  1.4× the lane-by-lane search natively (2-vCPU AMD EPYC, d = 128,
-    ``benchmarks/ab_headvq.py``).  Quads (12 slots of four gathered coordinates each): lane by
-    lane, each search in registers — the side-by-side loop was 1.9× slower there."""
+    Pairs: the lanes side by side — per group every lane's cell, then each of the cell's ``P``
+    slots for every lane (a loop over the lanes with gathered points, which vectorizes), then
+    the rare candidates past ``P`` lane by lane.  Per lane the candidates come in the order of
+    :func:`_grid_nearest` and a strictly smaller distance wins: the same index bit for bit.
+    About 1.2× the lane-by-lane search's pairs a second, natively and with AVX2 code
+    generation (2-vCPU AMD EPYC, d = 128, ``benchmarks/ab_headvq.py``).  Quads (12 slots of
+    four gathered coordinates each): lane by lane, each search in registers — side by side
+    they ran 1.9× slower.
+
+    Parameters
+    ----------
+    t : float32 array, shape ``((d + 3)·L,)``
+        The tile: coordinate ``j`` of lane ``l`` at ``t[j·L + l]`` (rows past ``d`` unread).
+    d, L, nl, m : int
+        Head dimension, lanes of the tile, live lanes (``nl <= L``), group size (2 or 4).
+    cf : float32 array, shape ``(256·m,)``
+        The codebook flat (point ``k`` at ``cf[k·m : k·m + m]``).
+    gpar, slots, goff, gcand : arrays
+        The candidate grid of :func:`search_grid` for that codebook and ``d``.
+    ib : uint8 array, shape ``(d/m·L,)``
+        Output: the point index of group ``g`` of lane ``l`` at ``ib[g·L + l]``.
+    cell : int64 array, shape ``(L,)``
+        Scratch (pairs): each lane's cell.
+    best : float32 array, shape ``(L,)``
+        Scratch (pairs): each lane's smallest distance so far.
+    """
     if m != 2:
         for g in range(d // m):
             for l in range(nl):
