@@ -8,7 +8,7 @@
 #
 # Stages, in the order they run (the correctness gate first, the figures the issues ask for next, so that a
 # lease cut short keeps what matters), each under its own time limit (seconds, overridable), each log in
-# OUTDIR; about 11 minutes in all by default (the limits add up to 19):
+# OUTDIR; about 12 minutes in all by default (the limits add up to 22):
 #   1. tests_gpu.log:          the gpu_only and cuda tests on the real GPU (CuPy and Numba device arrays,
 #                              StepGraph capture and replay, the transformers cache on CUDA; TEST_LIMIT=200;
 #                              verbose, so that a run cut at its limit still names the tests that failed)
@@ -27,6 +27,9 @@
 #                              warp kernel, launch bounds and the partition rule before the wave model, torch SDPA,
 #                              GPU time of both; MMA_LIMIT=260; OLD=REV[,REV] or a folder
 #                              holding extracted numba_kv_ab* packages adds those builds' tensor-core kernels to the A/B)
+#      bench_cuda_d64.*, bench_cuda_d64_warp.*: `numba-kv bench attention --device cuda --head-dim 64` (the
+#                              tensor-core *_d64 builds vs torch SDPA) and the same on the warp kernel
+#                              (NUMBA_KV_CUDA_MMA_ATTENTION=0: the A/B; D64_LIMIT=90 each)
 #   5. profile_mma.log:        benchmarks/gpu_profile_mma.py --ncu auto (Nsight Compute's counters of the tensor-core
 #                              kernel at T 128K batch 32 and T 32K batch 8: stall reasons, issue slots, occupancy;
 #                              NCU_LIMIT=120; without ncu, the two shapes timed)
@@ -37,11 +40,12 @@
 #   8. attention_ab.log:       benchmarks/gpu_attention_ab.py (block vs warp kernel, launch bounds, copy bandwidth)
 # torch (for the SDPA baseline) is optional: without it the torch columns stay empty.
 #
-# QUICK=1 runs a short subset instead (about 6 minutes; limits add up to 7), for a lease of 15
+# QUICK=1 runs a short subset instead (about 7 minutes; limits add up to 8), for a lease of 15
 # minutes with time to rerun: the device tests and the tensor-core tests (tests/gpu,
-# tests/cuda/test_sim_mma.py, test_sim_mma_vq.py), decode-step at T 4K (kv3 too), the step's kernels at T 4K
-# (pqo3), the tensor-core A/B at T 32K/128K, batch 8/32, 3 bits with GPU times (and kv3's codes on the
-# tensor-core and warp VQ builds at 32K), and Nsight Compute at T 128K, batch 32.
+# tests/cuda/test_sim_mma.py, test_sim_mma_vq.py, test_sim_mma_dims.py), decode-step at T 4K (kv3 too), the
+# step's kernels at T 4K (pqo3), the tensor-core A/B at T 32K/128K, batch 8/32, 3 bits with GPU times (and kv3's
+# codes on the tensor-core and warp VQ builds at 32K), Nsight Compute at T 128K, batch 32, and the head_dim 64
+# builds against torch at T 32K, batch 8/32, 3 bits (bench_cuda_d64.*).
 set -u
 out=${1:-benchmarks/results/gpu}
 py=${PYTHON:-python3}
@@ -75,7 +79,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max
 if [ "${QUICK:-0}" = 1 ]; then
     stage "gpu tests (quick)" "${TEST_LIMIT:-130}" "$out/tests_gpu.log" \
         "$py" -m pytest -v -rfE -p no:cacheprovider $xdist $ptimeout -m "cuda or gpu_only" tests/gpu \
-        tests/cuda/test_sim_mma.py tests/cuda/test_sim_mma_vq.py
+        tests/cuda/test_sim_mma.py tests/cuda/test_sim_mma_vq.py tests/cuda/test_sim_mma_dims.py
     stage "bench decode-step --device cuda (T 4K)" "${DECODE_LIMIT:-60}" "$out/decode_step.txt" \
         "$py" -m numba_kv.toolkit.cli bench decode-step --device cuda --tokens 4096 --modes dense,pqo3,kv4,kv3 \
         --no-progress --json "$out/decode_step.json"
@@ -85,6 +89,9 @@ if [ "${QUICK:-0}" = 1 ]; then
         "$py" benchmarks/gpu_mma_check.py --tokens 32768,131072 --batch 8,32 --bits 3 --device-time
     stage "ncu: the tensor-core kernel's counters (T 128K, batch 32)" "${NCU_LIMIT:-60}" "$out/profile_mma.log" \
         "$py" benchmarks/gpu_profile_mma.py --ncu auto --shapes 131072x32
+    stage "head_dim 64: tensor-core build vs torch (T 32K, 3 bits)" "${D64_LIMIT:-60}" "$out/bench_cuda_d64.txt" \
+        "$py" -m numba_kv.toolkit.cli bench attention --device cuda --head-dim 64 --tokens 32768 --batch 8,32 \
+        --bits 3 --no-progress --json "$out/bench_cuda_d64.json"
     exit $status
 fi
 stage "gpu tests" "${TEST_LIMIT:-200}" "$out/tests_gpu.log" \
@@ -111,6 +118,12 @@ stage "a step's kernels, and the tensor-core partition length" "${KERNELS_LIMIT:
     "$py" benchmarks/gpu_step_kernels.py --modes "${KERNELS_MODES:-pqo3}"
 stage "tensor-core kernel: accuracy, A/B vs warp kernel, torch" "${MMA_LIMIT:-260}" "$out/mma_check.log" \
     "$py" benchmarks/gpu_mma_check.py --tokens 32768,131072 --batch 1,8,32 --bits 3,4 --device-time ${OLD:+--old "$OLD"}
+stage "head_dim 64: the tensor-core *_d64 builds vs torch" "${D64_LIMIT:-90}" "$out/bench_cuda_d64.txt" \
+    "$py" -m numba_kv.toolkit.cli bench attention --device cuda --head-dim 64 --tokens 32768,131072 --batch 1,8,32 \
+    --no-progress --json "$out/bench_cuda_d64.json"
+stage "head_dim 64 on the warp kernel (A/B of the *_d64 builds)" "${D64_LIMIT:-90}" "$out/bench_cuda_d64_warp.txt" \
+    env NUMBA_KV_CUDA_MMA_ATTENTION=0 "$py" -m numba_kv.toolkit.cli bench attention --device cuda --head-dim 64 \
+    --tokens 32768,131072 --batch 1,8,32 --no-torch --no-progress --json "$out/bench_cuda_d64_warp.json"
 stage "ncu: the tensor-core kernel's counters (stall reasons, issue, occupancy)" "${NCU_LIMIT:-120}" \
     "$out/profile_mma.log" "$py" benchmarks/gpu_profile_mma.py --ncu auto
 stage "bench attention --device cuda" "${BENCH_LIMIT:-150}" "$out/bench_cuda.txt" \

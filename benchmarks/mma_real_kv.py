@@ -1,9 +1,11 @@
 """The tensor-core decode kernel against its float32 CPU twin on the K, V and queries real models
 write (issue 27: accuracy "on random and real-model KV").
 
-The kernel takes ``head_dim = 128`` only, and neither shipped model has it, so each model's
-rows are made 128 wide from its own post-RoPE tensors of one prefill of the evaluation text
-(the capture of ``benchmarks/rotation_order.py``):
+The kernel has builds for ``head_dim`` 128 and 64.  With ``--rows native`` a model whose heads
+have one of them runs its own heads (SmolLM2-135M's 64: the ``*_d64`` builds).  By default
+(``--rows 128``), and for Gemma-3-270M's 256 always, each model's rows are made 128 wide from
+its own post-RoPE tensors of one prefill of the evaluation text (the capture of
+``benchmarks/rotation_order.py``):
 
 * SmolLM2-135M (3 KV heads of 64, 9 query heads): three KV rows a layer, the heads ``(0, 1)``,
   ``(1, 2)`` and ``(2, 0)`` side by side; query ``i`` of a row is query head ``i`` of the
@@ -26,7 +28,7 @@ Reported: the relative L2 error of the outputs per layer (min / median / max ove
 and whether every output was finite; the script fails if the tensor-core kernel did not run.
 
     NUMBA_ENABLE_CUDASIM=1 .venv/bin/python benchmarks/mma_real_kv.py [--models smollm2,gemma3-270m]
-        [--tokens 256] [--queries 2] [--layouts pqo3,kv4,kv3] [--json out.json]
+        [--tokens 256] [--queries 2] [--layouts pqo3,kv4,kv3] [--rows 128|native] [--json out.json]
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from numba_kv._backend import simulator_enabled, to_host  # noqa: E402
 from numba_kv.info import collect, provenance_line  # noqa: E402
 from numba_kv.ops._registry import Twin  # noqa: E402
 from numba_kv.ops.attention import CodeLayout, decode_attention, fused_attention_rows, kernels  # noqa: E402
+from numba_kv.ops.attention.mma import MMA_HEAD_DIMS  # noqa: E402
 from numba_kv.ops.blockquant import quantize_blocks  # noqa: E402
 from numba_kv.ops.headquant import head_signs, quantize_head, rotate_head  # noqa: E402
 from numba_kv.ops.headvq import quantize_headvq  # noqa: E402
@@ -96,6 +99,11 @@ def rows_128(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, n
     raise ValueError(f"head_dim {d} with {heads} KV heads: no 128-wide rows")
 
 
+def native_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The layer's own heads where the kernel has a build for their head_dim, else :func:`rows_128`."""
+    return (q[None], k[None], v[None]) if k.shape[-1] in MMA_HEAD_DIMS else rows_128(q, k, v)
+
+
 def kernel_error(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, layout: tuple,
                  queries: int) -> tuple[float, bool, int]:
     """``(relative L2 error, all finite, tensor-core launches)`` of the last ``queries``
@@ -110,12 +118,11 @@ def kernel_error(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, layo
     vq, vs = quantize(np.ascontiguousarray(v), vbits, **extra)
     qq = np.ascontiguousarray(q[:, :, -queries:])
     kw = dict(k_bits=kbits, v_bits=vbits, softmax_scale=scale, causal=True, rotation=rotation)
+    kernel = kernels.MMA_TWINS[int(q.shape[-1]), False, rotation == "vq"]  # (the head_dim's build)
     if rotation == "vq":
         ref = _vq_attention(qq, kq, ks, vq, vs, scale, kbits, vbits, lambda a: a)
-        kernel = kernels.DECODE_ATTENTION_MMA_VQ
     else:
         ref = decode_attention(qq, kq, ks, vq, vs, **kw)
-        kernel = kernels.DECODE_ATTENTION_MMA
     launched: list[int] = []
     real = Twin.launch
 
@@ -140,8 +147,9 @@ def kernel_error(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float, layo
 def measure(name: str, a: argparse.Namespace) -> list[dict[str, Any]]:
     """Every layer of model ``name`` in every layout: one record each, and a table row a layout."""
     layers, scale, _ = capture(name, a.tokens)
-    q0, k0, _ = rows_128(*layers[0])
-    print(f"\n{name}: {len(layers)} layers, {k0.shape[2]} tokens, {k0.shape[1]} rows of 128 a layer, "
+    rows = native_rows if a.rows == "native" else rows_128
+    q0, k0, _ = rows(*layers[0])
+    print(f"\n{name}: {len(layers)} layers, {k0.shape[2]} tokens, {k0.shape[1]} rows of {k0.shape[3]} a layer, "
           f"GQA {q0.shape[1] // k0.shape[1]}, the last {a.queries} positions (causal), softmax scale {scale:.4g}")
     print("| layout | rel. L2 error, min | median | max | finite | tensor-core launches |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -150,11 +158,12 @@ def measure(name: str, a: argparse.Namespace) -> list[dict[str, Any]]:
         errs, finite, runs = [], True, 0
         for i, layer in enumerate(layers):
             t0 = time.perf_counter()
-            rel, fin, n = kernel_error(*rows_128(*layer), scale, layout, a.queries)
+            rel, fin, n = kernel_error(*rows(*layer), scale, layout, a.queries)
             errs.append(rel)
             finite &= fin
             runs += n
-            records.append({"model": name, "layer": i, "layout": layout[0], "rel_l2": rel, "finite": fin,
+            records.append({"model": name, "layer": i, "layout": layout[0], "head_dim": int(k0.shape[3]),
+                            "rel_l2": rel, "finite": fin,
                             "mma_launches": n, "seconds": time.perf_counter() - t0})
         if runs < len(layers):
             raise SystemExit(f"{name} {layout[0]}: the tensor-core kernel ran {runs} times for {len(layers)} layers")
@@ -169,6 +178,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=256, help="tokens of the evaluation text each layer holds")
     p.add_argument("--queries", type=int, default=2, help="last positions that attend (causal), a call each layer")
     p.add_argument("--layouts", default="pqo3,kv4,kv3", help="comma-separated layouts: pqo3, kv4, kv3")
+    p.add_argument("--rows", choices=("128", "native"), default="128",
+                   help="128-wide rows made from the heads (default), or the heads themselves where the kernel "
+                        "has a build for their head_dim (64, 128)")
     p.add_argument("--json", type=pathlib.Path, default=None, help="write the per-layer records here")
     a = p.parse_args()
     print(provenance_line())
@@ -177,6 +189,7 @@ def main() -> None:
     if a.json is not None:
         a.json.write_text(json.dumps({"schema": "numba_kv.mma_real_kv/1", "env": collect(),
                                       "simulator": simulator_enabled(), "tokens": a.tokens, "queries": a.queries,
+                                      "rows": a.rows,
                                       "records": records}, indent=1) + "\n")
         print(f"wrote {a.json}")
 

@@ -59,10 +59,11 @@ def pinned_source(text: str, bits: int, vbits: int | None = None, scales: str | 
     if n < 4:
         raise SystemExit(f"found {n} width tests in mma.py (expected the K and V dispatchers' 4)")
     if scales is not None:
-        out, n = re.subn(r"\b(el)?if sshift >= 2:",
+        out, n = re.subn(r"\b(el)?if \(int32\(1\) << sshift\) >= HEAD_DIM // 32:",
                          lambda m: f"{m.group(1) or ''}if {scales == 'token'}:", out)
         if n != 1:
-            raise SystemExit(f"found {n} choices of the tile loop in mma.py (expected 1: 'if sshift >= 2:')")
+            raise SystemExit(f"found {n} choices of the tile loop in mma.py (expected 1: "
+                             "'if (int32(1) << sshift) >= HEAD_DIM // 32:')")
     for side in "kv" if quads is not None else "":
         out, n = re.subn(rf"\bVQ_BUILD and {side}q\b", str(side in quads), out)
         if n != 1:

@@ -68,7 +68,8 @@ NVDISASM_PACKAGE = "nvidia-cuda-nvdisasm"
 #:   per lane in the score layout); the score, staging and ``p·v`` loops are nested inside;
 #: * ``decode_attention``: a block walks 16 tokens a tile (``_tile_tokens(128)``) and its 4
 #:   warps (128 threads) each pass through the loop once a tile: 4 tokens per warp pass;
-#: * ``decode_attention_mma``: one warp, 16 tokens per iteration (tensor-core tiles).
+#: * ``decode_attention_mma``: one warp, 16 tokens per iteration (tensor-core tiles; the
+#:   ``_d64`` builds too, at head_dim 64).
 TOKENS_PER_ITERATION: dict[str, float] = {
     "decode_attention_warp": 32.0,
     "decode_attention_warp_vq": 32.0,
@@ -76,6 +77,9 @@ TOKENS_PER_ITERATION: dict[str, float] = {
     "decode_attention_mma": 16.0,
     "decode_attention_mma_vq": 16.0,
     "paged_decode_attention_mma": 16.0,
+    "decode_attention_mma_d64": 16.0,
+    "decode_attention_mma_vq_d64": 16.0,
+    "paged_decode_attention_mma_d64": 16.0,
 }
 
 #: instruction classes, in report order (see :func:`classify`)
@@ -403,12 +407,15 @@ def find_loops(func: SassFunction) -> list[Loop]:
     return out
 
 
-def tile_loop(loops: Sequence[Loop], before: int | None = None) -> int | None:
+def tile_loop(loops: Sequence[Loop], before: int | None = None, needs: str | None = None) -> int | None:
     """Index of the hot loop of a kernel: the loop with the most instructions, nested loops
     included (the token-tile loop of the decode attention kernels), among those whose header
-    lies before address ``before`` (default: all; :func:`epilogue_start`); ``None`` without
-    such a loop.  Ties go to the first."""
-    cand = [i for i in range(len(loops)) if before is None or loops[i].header < before]
+    lies before address ``before`` (default: all; :func:`epilogue_start`) and, with ``needs``
+    (a class of :data:`CLASSES`), that hold an instruction of that class; ``None`` without
+    such a loop.  Ties go to the first.  (``needs="mma"``: a tensor-core kernel's tile loop,
+    which at head_dim 64 is smaller than the loop nest of its exact tokens.)"""
+    cand = [i for i in range(len(loops)) if (before is None or loops[i].header < before)
+            and (needs is None or any(classify(ins.opcode) == needs for ins in loops[i].instructions))]
     if not cand:
         return None
     return max(cand, key=lambda i: (loops[i].size, -i))
@@ -549,4 +556,5 @@ def kernel_sass(name: str, cc: tuple[int, int] = (9, 0), signature: int = 0) -> 
     resources = dataclasses.replace(parse_link_log(log), max_threads=ptx_max_threads(ptx))
     function = entry_function(parse_sass(disassemble(cubin, exe)))
     loops = find_loops(function)
-    return KernelSass(name, tuple(cc), resources, function, loops, tile_loop(loops, epilogue_start(function)))
+    hot = tile_loop(loops, epilogue_start(function), "mma" if "_mma" in name else None)
+    return KernelSass(name, tuple(cc), resources, function, loops, hot)

@@ -52,6 +52,20 @@ def rng():
     return np.random.default_rng(1234)
 
 
+@pytest.fixture
+def float32_attention():
+    """The float32 attention kernels on CUDA (the ``cuda_mma_attention`` knob off): for tests
+    that compare a device cache with the CPU twin at float32 round-off, at head_dims where the
+    tensor-core kernels (binary16 operands, about 1e-3 relative error) would run by default
+    (64 and 128).  Those kernels are tested in ``tests/cuda/test_sim_mma*.py``, against the
+    twin within their own bound, and there for the steps' budgets and bytes too.  Use as
+    ``pytestmark = pytest.mark.usefixtures("float32_attention")``."""
+    from numba_kv import knobs
+
+    with knobs(cuda_mma_attention=0):
+        yield
+
+
 def to_device(a):
     """Host array -> CUDA device array (simulator or GPU)."""
     from numba import cuda

@@ -9,6 +9,9 @@ import pytest
 
 from numba_kv import AttendConfig, Dequantized, Fused, PagedKVCache, make_cache
 
+# (device vs CPU twin at float32 round-off: the float32 kernels; the tensor-core ones: test_sim_mma*.py)
+pytestmark = pytest.mark.usefixtures("float32_attention")
+
 H, D, G = 2, 64, 2
 CFG = AttendConfig(0.125, G)
 

@@ -19,6 +19,9 @@ import pytest
 from numba_kv import AttendConfig, Dequantized, Fused, make_cache, reference
 from numba_kv.caches.dense import DenseCache
 
+# (device vs CPU twin at float32 round-off: the float32 kernels; the tensor-core ones: test_sim_mma*.py)
+pytestmark = pytest.mark.usefixtures("float32_attention")
+
 W = 7
 D = 64
 NKV = 2

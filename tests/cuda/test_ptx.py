@@ -48,6 +48,9 @@ NOT_BIT_EXACT: dict[str, str] = {
     "decode_attention_mma": "binary16 tensor-core products (mma.sync), compared within tolerance",
     "decode_attention_mma_vq": "as decode_attention_mma",
     "paged_decode_attention_mma": "as decode_attention_mma",
+    "decode_attention_mma_d64": "as decode_attention_mma",
+    "decode_attention_mma_vq_d64": "as decode_attention_mma",
+    "paged_decode_attention_mma_d64": "as decode_attention_mma",
     "paged_decode_attention_warp": "as decode_attention",
     "paged_decode_attention": "as decode_attention",
     "merge_partitions": "as decode_attention",
@@ -94,7 +97,8 @@ def inexact_ops(ptx: str) -> list[str]:
 COOPERATIVE = ("rotate_head", "quantize_head", "quantize_head_pair", "dequantize_head", "quantize_headvq",
                "dequantize_headvq", "decode_attention",
                "decode_attention_warp", "decode_attention_warp_vq", "decode_attention_mma",
-               "decode_attention_mma_vq", "paged_decode_attention_mma",
+               "decode_attention_mma_vq", "paged_decode_attention_mma", "decode_attention_mma_d64",
+               "decode_attention_mma_vq_d64", "paged_decode_attention_mma_d64",
                "paged_decode_attention", "paged_decode_attention_warp", "merge_partitions")
 #: cooperative kernels not there yet, with the reason
 COOPERATIVE_EXCEPTIONS: dict[str, str] = {}

@@ -43,13 +43,15 @@ SHARED_MEMORY_KERNELS = ("decode_attention", "decode_attention_warp", "decode_at
                          "decode_attention_mma", "decode_attention_mma_vq", "paged_decode_attention",
                          "paged_decode_attention_warp", "paged_decode_attention_mma", "merge_partitions", "rotate_head",
                          "quantize_head", "quantize_head_pair", "dequantize_head", "quantize_headvq",
-                         "dequantize_headvq", "slide_windows8")
+                         "dequantize_headvq", "slide_windows8", "decode_attention_mma_d64",
+                         "decode_attention_mma_vq_d64", "paged_decode_attention_mma_d64")
 #: kernels allowed local memory (spills, stack, local arrays), with the reason
 LOCAL_EXCEPTIONS: dict[str, str] = {}
 #: kernels launched with a block size of their own instead of the ``cuda_threads`` knob (their
 #: launch bounds), with it
 OWN_BLOCK: dict[str, int] = {"decode_attention_mma": 128, "decode_attention_mma_vq": 128,
-                             "paged_decode_attention_mma": 128}
+                             "paged_decode_attention_mma": 128, "decode_attention_mma_d64": 128,
+                             "decode_attention_mma_vq_d64": 128, "paged_decode_attention_mma_d64": 128}
 CASES = [(name, cc) for name in sorted(TWINS) for cc in ((8, 0), (9, 0))]
 CASES += [(name, cc) for name in SHARED_MEMORY_KERNELS for cc in ((8, 6), (8, 9))]
 #: architectures built from the sm_80 PTX with its target changed (see the module docstring)
@@ -189,7 +191,9 @@ def test_every_arch_launches_any_kernel_at_the_knob_maximum():
 
 
 @pytest.mark.ptx
-@pytest.mark.parametrize("name", ["decode_attention_mma", "decode_attention_mma_vq", "paged_decode_attention_mma"])
+@pytest.mark.parametrize("name", ["decode_attention_mma", "decode_attention_mma_vq", "paged_decode_attention_mma",
+                                  "decode_attention_mma_d64", "decode_attention_mma_vq_d64",
+                                  "paged_decode_attention_mma_d64"])
 def test_mma_attention_keeps_four_blocks_per_h100_sm(name):
     """The tensor-core kernels' sm_90 builds (launch bounds: 128 threads, 4 blocks per SM;
     ``Twin.build_for``) fit 128 registers there without a spill, so 4 blocks (16 warps) fit
@@ -202,7 +206,8 @@ def test_mma_attention_keeps_four_blocks_per_h100_sm(name):
 
 
 @pytest.mark.ptx
-@pytest.mark.parametrize("name", ["decode_attention_mma", "paged_decode_attention_mma"])
+@pytest.mark.parametrize("name", ["decode_attention_mma", "paged_decode_attention_mma", "decode_attention_mma_d64",
+                                  "paged_decode_attention_mma_d64"])
 def test_mma_attention_default_build_keeps_three_blocks_per_h100_sm(name):
     """The default build (launch bounds of 2 blocks, for every other capability) holds at most
     168 registers on sm_90 too: 3 blocks an SM on a Hopper GPU that runs it (the A/B builds of

@@ -39,14 +39,20 @@ from numba_kv.ops import TWINS
 #: OR-ed addresses 107.5 and 54.1, the first build 182.56).
 #: an instruction class the token loop of a kernel must contain (its arithmetic's own)
 _HALLMARK = {"decode_attention_mma": "mma", "paged_decode_attention_mma": "mma", "decode_attention_warp": "shfl",
-             "decode_attention_warp_vq": "shfl", "decode_attention_mma_vq": "mma"}
+             "decode_attention_warp_vq": "shfl", "decode_attention_mma_vq": "mma", "decode_attention_mma_d64": "mma",
+             "decode_attention_mma_vq_d64": "mma", "paged_decode_attention_mma_d64": "mma"}
 #: decode_attention_warp_vq (2026-12-02): 129.19 (4134 / 32: the head VQ decoders of K and V,
 #: pairs and quads, next to the scalar ones a cache with one VQ side needs), against the block
 #: kernel's 1516 that head VQ layouts ran before.  decode_attention_mma_vq (2026-12-02): 74.25
 #: (1188 / 16: the quad and the three scalar decoders of each side, one scale a token; kv3's
-#: pair: 462 / 16 = 28.9 a token, benchmarks/sass_one_width.py --quads v)
+#: pair: 462 / 16 = 28.9 a token, benchmarks/sass_one_width.py --quads v).  The head_dim 64
+#: builds (2026-12-02): decode_attention_mma_d64 46.94 (751 / 16; 3-bit K and V alone 351 / 16
+#: = 21.9), decode_attention_mma_vq_d64 55.81 (893 / 16; kv3's pair 284 / 16 = 17.8),
+#: paged_decode_attention_mma_d64 61.5 (984 / 16; 3-bit alone 463 / 16 = 28.9)
 SASS_BUDGET = {"decode_attention": 1530.0, "decode_attention_warp": 103.0, "decode_attention_warp_vq": 142.0,
-               "decode_attention_mma": 86.0, "paged_decode_attention_mma": 91.0, "decode_attention_mma_vq": 82.0}
+               "decode_attention_mma": 86.0, "paged_decode_attention_mma": 91.0, "decode_attention_mma_vq": 82.0,
+               "decode_attention_mma_d64": 52.0, "decode_attention_mma_vq_d64": 62.0,
+               "paged_decode_attention_mma_d64": 68.0}
 
 # A kernel with a loop nest, a second loop, a divergent-warp slow path that branches back into
 # the loop (not a loop), a called helper, and an unreachable self-branch after EXIT.
@@ -243,7 +249,8 @@ def test_one_width_script_pins_the_tile_dispatch(bits):
     # V's width apart from K's, and the flat kernel's tile loop
     mixed = pinned_source(src, bits, 2 if bits != 2 else 3, "token")
     assert mixed.count("if True:") - src.count("if True:") == 2
-    assert "if sshift >= 2:" in src and "if sshift >= 2:" not in mixed
+    choice = "if (int32(1) << sshift) >= HEAD_DIM // 32:"
+    assert choice in src and choice not in mixed
     assert pinned_source(src, bits, None, "block").count("if False:") == out.count("if False:") + 1
     # the VQ build's quad tests: only when asked, True for the sides named
     assert src.count("VQ_BUILD and kq") == src.count("VQ_BUILD and vq") == 1 and "VQ_BUILD and" in out

@@ -23,7 +23,8 @@ from numba_kv.caches import step as step_module
 
 from ..conftest import to_device
 
-pytestmark = pytest.mark.cuda
+# (device vs CPU twin at float32 round-off: the float32 kernels; the tensor-core ones: test_sim_mma*.py)
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("float32_attention")]
 
 H, G, D = 1, 2, 64
 SHAPES = ((1, H, 1, D), (1, H, 1, D), (1, H * G, 1, D))

@@ -52,6 +52,9 @@ from numba_kv._backend import simulator_enabled, to_host
 from ..conftest import to_device
 from .test_sim_step_budget import steady_layer
 
+# (device vs CPU twin at float32 round-off: the float32 kernels; the tensor-core ones: test_sim_mma*.py)
+pytestmark = pytest.mark.usefixtures("float32_attention")
+
 #: per mode and kernel, the arguments that still change from one steady step to the next (may only shrink)
 STEP_VARIANT: dict = {"kv3": {}, "kv4": {}, "pqo3": {}}
 MODES = ("kv3", "kv4", "pqo3")

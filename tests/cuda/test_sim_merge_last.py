@@ -36,7 +36,7 @@ MMA_RTOL = 4e-3
 #: (with their barriers), so each row above the 32 of the first chunk is simulator time: one
 #: is enough for a second chunk (and a second counter slot per KV row).
 VARIANTS = {"block": ("DECODE_ATTENTION", 64, 3, 11, {"cuda_warp_attention": 0}),
-            "warp": ("DECODE_ATTENTION_WARP", 64, 4, 2, {}),
+            "warp": ("DECODE_ATTENTION_WARP", 64, 4, 2, {"cuda_mma_attention": 0}),  # (64: a tensor-core build too)
             "mma": ("DECODE_ATTENTION_MMA", 128, 4, 2, {})}
 
 

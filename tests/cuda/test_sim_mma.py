@@ -472,7 +472,7 @@ def test_mma_dispatch_rules():
     assert not attention.mma_layout_ok(attention.CodeLayout.uniform(cb1, 128))
     assert attention.use_mma_kernel("cuda", 128, False, False, lay3, lay3)
     assert not attention.use_mma_kernel("cpu", 128, False, False, lay3, lay3)
-    assert not attention.use_mma_kernel("cuda", 64, False, False, lay3, lay3)
+    assert not attention.use_mma_kernel("cuda", 96, False, False, lay3, lay3)  # (64 and 128 have builds)
     assert not attention.use_mma_kernel("cuda", 128, True, False, lay3, lay3)
     assert not attention.use_mma_kernel("cuda", 128, False, True, lay3, lay3)
     assert not attention.use_mma_kernel("cuda", 128, False, False, lay3, mixed)
@@ -651,7 +651,18 @@ def test_mma_attention_on_real_model_kv():
     every layer of both models: the Benchmarks page).  The
     layer is the one whose keys reach the largest magnitude: real keys carry outlier channels
     that random ones lack, and those set the block scales the binary16 products see."""
-    from benchmarks.mma_real_kv import LAYOUTS, capture, kernel_error, rows_128
+    from benchmarks.mma_real_kv import rows_128
+
+    rows = smollm2_largest_layer(rows_128)
+    assert rows[1].shape == (1, 3, 32, 128) and rows[0].shape == (1, 9, 32, 128)
+    check_real_model_rows(rows)
+
+
+def smollm2_largest_layer(make_rows):
+    """``make_rows`` (``benchmarks/mma_real_kv.py``) of SmolLM2-135M's layer with the largest
+    keys, 32 tokens of the evaluation text, with the softmax scale appended; skips without the
+    model or its loaders."""
+    from benchmarks.mma_real_kv import capture
     from numba_kv.toolkit.models import ModelNotFoundError, smollm2_path
 
     pytest.importorskip("gguf", reason="needs the 'gguf' package (pip install gguf)")
@@ -661,10 +672,17 @@ def test_mma_attention_on_real_model_kv():
     except ModelNotFoundError as exc:
         pytest.skip(f"SmolLM2 model not installed ({exc})")
     layers, scale, _ = capture("smollm2", 32)
-    rows = rows_128(*max(layers, key=lambda qkv: float(np.abs(qkv[1]).max())))
-    assert rows[1].shape == (1, 3, 32, 128) and rows[0].shape == (1, 9, 32, 128)
+    return (*make_rows(*max(layers, key=lambda qkv: float(np.abs(qkv[1]).max()))), scale)
+
+
+def check_real_model_rows(rows):
+    """Every layout of ``benchmarks/mma_real_kv.py`` on ``rows`` (``q, k, v, scale``): the
+    tensor-core build of their head_dim ran once, within :data:`MMA_RTOL` of the CPU twin,
+    finite, and not the float32 kernel."""
+    from benchmarks.mma_real_kv import LAYOUTS, kernel_error
+
     for layout in LAYOUTS:
-        rel, finite, launches = kernel_error(*rows, scale, layout, 1)
+        rel, finite, launches = kernel_error(*rows, layout, 1)
         assert launches == 1, f"{layout[0]}: the tensor-core kernel did not run"
         assert finite and rel < MMA_RTOL, (layout[0], rel)
         assert rel > 0.0  # binary16 operands: not the float32 kernel

@@ -217,7 +217,7 @@ def test_vq_layout_rules():
     pairs, quads = CodeLayout.head_vq(4, 128), CodeLayout.head_vq(2, 128)
     assert mma_layout_ok(pairs) and mma_layout_ok(quads)
     assert use_mma_kernel("cuda", 128, False, False, pairs, quads)
-    assert not use_mma_kernel("cuda", 64, False, False, CodeLayout.head_vq(4, 64), CodeLayout.head_vq(2, 64))
+    assert use_mma_kernel("cuda", 64, False, False, CodeLayout.head_vq(4, 64), CodeLayout.head_vq(2, 64))
     big = CodeLayout(pairs.bits, pairs.offsets, pairs.centroids * 4.0, pairs.scale_group, pairs.group)
     assert float(np.abs(big.centroids).max()) > 1.0 and not mma_layout_ok(big)
     odd = CodeLayout(quads.bits, quads.offsets, quads.centroids, quads.scale_group, 2)  # quads' table, group 2

@@ -76,8 +76,9 @@ def _public_modes(rng):
 def _vq_without_bias(rng):
     """A head VQ cache's fused step on device arrays without a logit bias: the plan picks the
     warp kernel's build that decodes the head VQ code (before: the block kernel), which
-    matches the CPU twin."""
-    from numba_kv import AttendConfig
+    matches the CPU twin (the tensor-core builds off: at head_dim 64 their VQ build would run,
+    tests/cuda/test_sim_mma_dims.py)."""
+    from numba_kv import AttendConfig, knobs
     from numba_kv.ops.attention.kernels import DECODE_ATTENTION_WARP_VQ
 
     opts = dict(num_layers=1, num_kv_heads=2, head_dim=64, residual_length=2, sink_tokens=1, window_dtype="float32")
@@ -92,7 +93,8 @@ def _vq_without_bias(rng):
     v1 = rng.standard_normal((1, 2, 1, 64)).astype(np.float32)
     q = rng.standard_normal((1, 4, 1, 64)).astype(np.float32)
     want = host.decode(0, k1, v1, q, cfg).out
-    got = dev.decode(0, to_device(k1), to_device(v1), to_device(q), cfg).out
+    with knobs(cuda_mma_attention=0):
+        got = dev.decode(0, to_device(k1), to_device(v1), to_device(q), cfg).out
     plan = dev._layers[0].scratch["fused_step"].step.plan
     assert plan.variant == "warp" and plan.kernel is DECODE_ATTENTION_WARP_VQ
     np.testing.assert_allclose(to_host(got), want, rtol=2e-5, atol=2e-6)

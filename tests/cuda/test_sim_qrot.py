@@ -26,7 +26,7 @@ from ..conftest import spy_launches, to_device
 
 #: variant -> (the twin that must run, head_dim, GQA group, q_len, knobs)
 VARIANTS = {"block": ("DECODE_ATTENTION", 64, 4, 2, {"cuda_warp_attention": 0}),
-            "warp": ("DECODE_ATTENTION_WARP", 64, 4, 2, {}),
+            "warp": ("DECODE_ATTENTION_WARP", 64, 4, 2, {"cuda_mma_attention": 0}),  # (64: a tensor-core build too)
             "mma": ("DECODE_ATTENTION_MMA", 128, 2, 2, {})}
 
 

@@ -44,6 +44,9 @@ from numba_kv._backend import simulator_enabled, to_host
 from ..conftest import runner_params, to_device
 from .test_sim_transfers import count_transfers
 
+# (device vs CPU twin at float32 round-off: the float32 kernels; the tensor-core ones: test_sim_mma*.py)
+pytestmark = pytest.mark.usefixtures("float32_attention")
+
 #: per steady-state step, at most (the issue's target: launches 3, allocations 0, transfers 0)
 BUDGET = {"pqo3": {"launch": 3, "alloc": 0, "transfer": 0},
           "kv4": {"launch": 3, "alloc": 0, "transfer": 0},

@@ -25,7 +25,8 @@ from numba_kv._backend import simulator_enabled, to_host
 from ..conftest import to_device
 from .test_sim_step_budget import steady_layer
 
-pytestmark = pytest.mark.cuda
+# (device vs CPU twin at float32 round-off: the float32 kernels; the tensor-core ones: test_sim_mma*.py)
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("float32_attention")]
 
 H, G, D = 2, 2, 64
 SHAPES = ((1, H, 1, D), (1, H, 1, D), (1, H * G, 1, D))

@@ -22,6 +22,9 @@ from numba_kv._backend import simulator_enabled, to_host
 
 from ..conftest import runner_params, to_device
 
+# (device vs CPU twin at float32 round-off: the float32 kernels; the tensor-core ones: test_sim_mma*.py)
+pytestmark = pytest.mark.usefixtures("float32_attention")
+
 N_STEPS = 3
 
 

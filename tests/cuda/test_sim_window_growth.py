@@ -9,6 +9,9 @@ from numba_kv._backend import to_host
 
 from ..conftest import to_device
 
+# (device vs CPU twin at float32 round-off: the float32 kernels; the tensor-core ones: test_sim_mma*.py)
+pytestmark = pytest.mark.usefixtures("float32_attention")
+
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("opts", [{"bits": 3}, {"k_bits": 4, "v_bits": 3, "rotation": "head", "unbiased": True}],

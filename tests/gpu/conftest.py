@@ -6,7 +6,10 @@ CUDA array the library accepts.
 
 The same assertions hold for both: results stay on the device (for CuPy inputs as CuPy
 arrays) and equal the CPU twin — bit for bit where the CPU twin's integer outputs (codes,
-binary16 scales) are compared, within float32 round-off for floats.
+binary16 scales) are compared, within float32 round-off for floats.  So the attention runs
+the float32 kernels here (every test: the ``float32_attention`` fixture); the tensor-core
+kernels (binary16 operands, by default at head_dim 64 and 128) are checked against the twin
+within their own bound by ``tests/cuda/test_sim_mma*.py``, on a GPU too.
 """
 
 from __future__ import annotations
@@ -61,3 +64,9 @@ class DeviceArrays:
                         pytest.param("numba", marks=pytest.mark.cuda)])
 def dev(request) -> DeviceArrays:
     return DeviceArrays(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _float32_kernels(float32_attention):
+    """Every test here: the float32 attention kernels (the module docstring)."""
+    yield

@@ -46,7 +46,9 @@ def test_launch_runs_the_build_of_the_callers_capability(monkeypatch):
     assert ran == [sm90, default, default]
 
 
-@pytest.mark.parametrize("name", ["decode_attention_mma", "paged_decode_attention_mma"])
+@pytest.mark.parametrize("name", ["decode_attention_mma", "paged_decode_attention_mma", "decode_attention_mma_vq",
+                                  "decode_attention_mma_d64", "decode_attention_mma_vq_d64",
+                                  "paged_decode_attention_mma_d64"])
 def test_tensor_core_kernels_have_sm90_builds_of_four_blocks(name):
     """The tensor-core kernels run a build with launch bounds of 4 blocks (128 threads) on
     sm_90 and one of 2 blocks elsewhere, both of the same source; each build has its own

@@ -18,7 +18,8 @@ Reading order (each module imports only those below it):
   the partition merge;
 * :mod:`.cores` (single-source cores both twins run), :mod:`.cpu` (the CPU twin's SIMD tile
   helpers), :mod:`.warp` (the warp kernel's lane layouts and shuffles), :mod:`.mma` (the
-  tensor-core tiles) and :mod:`.ptx` (their inline-PTX intrinsics with simulator twins).
+  tensor-core tiles; :mod:`.mma_vq` their head VQ tables, :mod:`.mma_dims` their build for
+  each head_dim) and :mod:`.ptx` (their inline-PTX intrinsics with simulator twins).
 
 The math (rotated queries against codebook values, rotated-domain value accumulation,
 flash-decoding partitions merged by log-sum-exp) is described in :mod:`.flat`.

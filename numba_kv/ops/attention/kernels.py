@@ -63,6 +63,7 @@ from .mma import (
     mma_partition,
     mma_partition_vq,
 )
+from .mma_dims import mma_partition_for
 from .mma_vq import VQ_PAIR_COLUMNS, build_tables_vq
 from .qrot import coop_rotate_rows, rotate_rows_cpu
 from .warp import (
@@ -549,6 +550,14 @@ _MMA_VQ = dict(vq=True, mma_partition=mma_partition_vq, build_tables=build_table
 _decode_attention_mma_vq_cuda, _decode_attention_mma_vq_sm90_cuda = (
     _compile(_partition_mma_cuda, False, cuda_kernel(launch_bounds=(MMA_THREADS, blocks)), build=build, **_MMA_VQ)
     for blocks, build in ((MMA_BLOCKS_PER_SM, "vq"), (MMA_BLOCKS_PER_SM_SM90, "vq_sm90")))
+# ... and all of them for head_dim 64 (mma_dims: the same tiles with a lane's share of a head
+# halved), the ops *_d64: (flat, paged, VQ) × (any GPU, sm_90)
+_MMA64 = {(paged, vq, cc90): _compile(_partition_mma_cuda, paged,
+                                      cuda_kernel(launch_bounds=(MMA_THREADS, MMA_BLOCKS_PER_SM_SM90 if cc90
+                                                                 else MMA_BLOCKS_PER_SM)),
+                                      build=("vq_d64" if vq else "d64") + ("_sm90" if cc90 else ""),
+                                      **{**(_MMA_VQ if vq else {}), "mma_partition": mma_partition_for(64, vq)})
+          for paged, vq in ((False, False), (True, False), (False, True)) for cc90 in (False, True)}
 
 
 def _signature(codes: str, exact: str, exact_scales: str, ndim: int, scales: str = "uint16") -> str:
@@ -591,6 +600,11 @@ DECODE_ATTENTION_MMA_VQ = register(
     "decode_attention_mma_vq", _decode_attention_cpu, _decode_attention_mma_vq_cuda,
     [*_ASIG_MMA, _signature("uint32", "int8[:, :, ::1]", "uint16[:, :, ::1]", 4, scales="uint8")],
     cuda_cc={(9, 0): _decode_attention_mma_vq_sm90_cuda})
+# head_dim 64 (the same arguments)
+DECODE_ATTENTION_MMA_D64 = register("decode_attention_mma_d64", _decode_attention_cpu, _MMA64[False, False, False],
+                                    _ASIG_MMA, cuda_cc={(9, 0): _MMA64[False, False, True]})
+DECODE_ATTENTION_MMA_VQ_D64 = register("decode_attention_mma_vq_d64", _decode_attention_cpu, _MMA64[False, True, False],
+                                       DECODE_ATTENTION_MMA_VQ.signatures, cuda_cc={(9, 0): _MMA64[False, True, True]})
 PAGED_DECODE_ATTENTION = register("paged_decode_attention", _paged_decode_attention_cpu,
                                   _paged_decode_attention_cuda, [_PSIG])
 PAGED_DECODE_ATTENTION_WARP = register("paged_decode_attention_warp", _paged_decode_attention_cpu,
@@ -600,3 +614,10 @@ PAGED_DECODE_ATTENTION_MMA = register("paged_decode_attention_mma", _paged_decod
                                       _paged_decode_attention_mma_cuda,
                                       [_signature("uint32", "float32[:, :, :, ::1]", "uint16[:, :, :, ::1]", 4)],
                                       cuda_cc={(9, 0): _paged_decode_attention_mma_sm90_cuda})
+PAGED_DECODE_ATTENTION_MMA_D64 = register("paged_decode_attention_mma_d64", _paged_decode_attention_cpu,
+                                          _MMA64[True, False, False], PAGED_DECODE_ATTENTION_MMA.signatures,
+                                          cuda_cc={(9, 0): _MMA64[True, False, True]})
+#: the tensor-core twins by (head_dim, paged, head VQ build)
+MMA_TWINS = {(128, False, False): DECODE_ATTENTION_MMA, (128, True, False): PAGED_DECODE_ATTENTION_MMA,
+             (128, False, True): DECODE_ATTENTION_MMA_VQ, (64, False, False): DECODE_ATTENTION_MMA_D64,
+             (64, True, False): PAGED_DECODE_ATTENTION_MMA_D64, (64, False, True): DECODE_ATTENTION_MMA_VQ_D64}

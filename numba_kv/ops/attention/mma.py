@@ -137,15 +137,33 @@ from .waves import (
 )
 
 __all__ = ["LN2", "LOG2E", "MERGE_COST_TOKENS", "MERGE_PARTS_PER_SQRT_TOKEN", "MMA_BITS", "MMA_BLOCKS_PER_SM",
-           "MMA_BLOCKS_PER_SM_SM90", "MMA_HEAD_DIM", "MMA_PART_RANGE", "MMA_TAB_SHARED_WORDS", "MMA_TAB_WORDS",
+           "MMA_BLOCKS_PER_SM_SM90", "MMA_HEAD_DIM", "MMA_HEAD_DIMS",
+           "HEAD_DIM", "MMA_PART_RANGE", "MMA_TAB_SHARED_WORDS", "MMA_TAB_WORDS",
            "MMA_THREADS", "MMA_TILE", "PART_COST_TOKENS", "TAB_BYTES", "TAB_SLOTS", "aligned_table",
            "VQ_BUILD", "build_pair_table", "build_tables", "key_tile", "mma_partition", "mma_partition_size",
            "mma_partition_vq", "mma_tiles", "mma_tiles_vq",
-           "pair_table_replicas", "stage_query_fragments", "store_mma_partition",
+           "head_dim_names", "key_at", "load_key", "load_value", "make_key_tile", "make_value_tile",
+           "pair_table_replicas", "stage_query_fragments", "store_mma_partition", "value_at",
            "token_address", "value_tile"]
 
-#: the head_dim of the tensor-core kernel (4 blocks of 32: one per lane of a quad)
+#: the head_dim of the tensor-core kernel's first build (4 blocks of 32: one per lane of a quad)
 MMA_HEAD_DIM = 128
+#: the head_dims with a tensor-core build (:mod:`numba_kv.ops.attention.mma_dims`: the same
+#: source with :data:`HEAD_DIM` bound)
+MMA_HEAD_DIMS = (64, 128)
+#: the head_dim this build's tiles are compiled for (a compile-time constant, rebound by
+#: :func:`~numba_kv._jit.specialize`): a lane of a quad scores ``HEAD_DIM / 4`` coordinates of
+#: a key (``HEAD_DIM / 16`` k-steps), a lane of a column group decodes ``HEAD_DIM / 8`` of a
+#: value (``HEAD_DIM / 16`` products), and holds ``HEAD_DIM / 4`` output sums
+HEAD_DIM = MMA_HEAD_DIM
+#: a lane's query fragment words and output sums at :data:`HEAD_DIM` (local array sizes must be
+#: plain constants: rebound with it, :func:`head_dim_names`)
+_QA_WORDS, _OUT_SUMS = HEAD_DIM // 8, HEAD_DIM // 4
+
+
+def head_dim_names(d: int) -> dict:
+    """The globals that make this module's tiles a build for head_dim ``d``."""
+    return {"HEAD_DIM": d, "_QA_WORDS": d // 8, "_OUT_SUMS": d // 4}
 #: tokens per tile (the A rows of a score product and the k-slots of a value product)
 MMA_TILE = 16
 #: threads per block of the kernel and its launch bounds' blocks per SM: ptxas takes 154 and
@@ -243,10 +261,21 @@ def _token_rows(kc32, ks, base, sbase, t):
 
 
 @cuda_device
-def _load_key(kc32, ks, ko, so, tig, kb, sshift):
-    """Lane ``(·, tig)``'s ``kb`` packed words of block ``tig`` of the token whose rows start at
-    byte addresses ``ko`` (codes) and ``so`` (scales) (the other words 0) and the stored bits
-    of that block's scale."""
+def load_key(kc32, ks, ko, so, tig, kb, sshift):
+    """Lane ``(·, tig)``'s code bits of coordinates ``HEAD_DIM/4 · tig … + HEAD_DIM/4 − 1`` of
+    the token whose rows start at byte addresses ``ko`` (codes) and ``so`` (scales), LSB first
+    in four words (the words past them 0), and the stored bits of their block's scale.  At
+    head_dim 128 that is block ``tig``, its ``kb`` words; at 64 half of block ``tig >> 1``,
+    ``16·kb`` bits from bit ``16·kb·tig`` of the row (two words shifted into place: at 3 bits
+    the half starts mid-word on odd lanes)."""
+    if HEAD_DIM == 64:
+        bit = uint32(16 * kb) * uint32(tig)
+        base = ko + uint64(4 * (bit >> uint32(5)))
+        lo = ldg_u32(kc32, base)
+        hi = ldg_u32(kc32, base + uint64(4)) if kb > 2 else uint32(0)
+        x = ((uint64(hi) << uint64(32)) | uint64(lo)) >> uint64(bit & uint32(31))
+        return (uint32(x & uint64(0xFFFFFFFF)), uint32(x >> uint64(32)), uint32(0), uint32(0),
+                _ldg_scale(ks, so + uint64(static_itemsize(ks) * ((tig >> 1) >> sshift))))
     base = ko + uint64(4 * tig * kb)
     w0 = ldg_u32(kc32, base)
     w1 = ldg_u32(kc32, base + uint64(4)) if kb > 1 else uint32(0)
@@ -256,28 +285,35 @@ def _load_key(kc32, ks, ko, so, tig, kb, sshift):
 
 
 @cuda_device
-def _load_value(vc32, vs, vo, so, gid, vb, sshift):
-    """Lane ``(gid, ·)``'s ``16·vb`` code bits of coordinates ``16·gid … + 15`` of the token whose
-    rows start at byte addresses ``vo`` and ``so`` (LSB first, in a ``uint64``) and the stored
-    bits of their block's scale (a load nothing uses is dropped: the token-scale tiles')."""
-    start = 16 * vb * gid
+def load_value(vc32, vs, vo, so, gid, vb, sshift):
+    """Lane ``(gid, ·)``'s ``s·vb`` code bits of coordinates ``s·gid … + s − 1`` (``s =
+    HEAD_DIM / 8``) of the token whose rows start at byte addresses ``vo`` and ``so`` (LSB
+    first, in a ``uint64``) and the stored bits of their block's scale (a load nothing uses is
+    dropped: the token-scale tiles')."""
+    span = HEAD_DIM // 8
+    start = span * vb * gid
     base = vo + uint64(4 * (start >> 5))
     w0 = ldg_u32(vc32, base)
-    w1 = ldg_u32(vc32, base + uint64(4)) if vb > 2 else uint32(0)  # (16 coordinates span two words)
+    if HEAD_DIM == 64:
+        # (8 coordinates: 16, 24 or 32 bits; at 3 bits a lane whose 24 cross a word reads the
+        # next, the others read theirs again, not past the row's last word)
+        w1 = ldg_u32(vc32, base + (uint64(4) if (start & 31) > 8 else uint64(0))) if vb == 3 else uint32(0)
+    else:  # (16 coordinates span two words above 2 bits)
+        w1 = ldg_u32(vc32, base + uint64(4)) if vb > 2 else uint32(0)
     x = ((uint64(w1) << uint64(32)) | uint64(w0)) >> uint64(start & 31)
-    return x, _ldg_scale(vs, so + uint64(static_itemsize(vs) * ((gid >> 1) >> sshift)))
+    return x, _ldg_scale(vs, so + uint64(static_itemsize(vs) * (((span * gid) >> 5) >> sshift)))
 
 
 @cuda_device
-def _key_at(kc32, ks, krow, ksrow, t, tig, kb, sshift):
+def key_at(kc32, ks, krow, ksrow, t, tig, kb, sshift):
     ko, so = _token_rows(kc32, ks, krow, ksrow, t)
-    return _load_key(kc32, ks, ko, so, tig, kb, sshift)
+    return load_key(kc32, ks, ko, so, tig, kb, sshift)
 
 
 @cuda_device
-def _value_at(vc32, vs, vrow, vsrow, t, gid, vb, sshift):
+def value_at(vc32, vs, vrow, vsrow, t, gid, vb, sshift):
     vo, so = _token_rows(vc32, vs, vrow, vsrow, t)
-    return _load_value(vc32, vs, vo, so, gid, vb, sshift)
+    return load_value(vc32, vs, vo, so, gid, vb, sshift)
 
 
 @cuda_device
@@ -310,13 +346,14 @@ def _token_scale(vs, vsrow, slot, tok, table):
     return float32(1.0)
 
 
-def _make_key_tile(kb: int):
+def make_key_tile(kb: int, d: int = MMA_HEAD_DIM):
     """Scores ``S = K·Qᵀ`` of a 16-token tile: ``A`` = the keys (token ``gid`` in the words
     ``a0…a3`` with block scale ``sa``, token ``gid + 8`` in ``b0…b3`` with ``sb``: block
     ``tig``), ``B`` = the staged query fragments ``qa``.  With ``scaled`` false the codes go
     unscaled (a token's one scale multiplies its scores instead: :func:`_make_tiles`).
     Returns this lane's ``D`` fragment: tokens ``gid`` (rows ``2tig``, ``2tig+1``) and ``gid +
-    8`` (the same rows)."""
+    8`` (the same rows).  ``d``: the head_dim, ``d / 16`` k-steps (the lane's ``d / 4``
+    coordinates, at most 128 bits of ``a0…a3``)."""
     pb = 2 * kb
     rep = min(32, TAB_SLOTS >> pb)
     rsh = rep.bit_length() - 1
@@ -324,7 +361,7 @@ def _make_key_tile(kb: int):
     def key_tile(a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, slot, tab, qa, scaled):
         c0 = c1 = c2 = c3 = float32(0.0)
         e0 = e1 = e2 = e3 = float32(0.0)
-        for j in range(0, 8, 2):
+        for j in range(0, d // 16, 2):
             # k-step j: pairs 2j (k-slots 2tig, 2tig+1) and 2j + 1 (2tig+8, 2tig+9) of each
             # token; two accumulator chains (even and odd k-steps) hide the mma latency
             x0 = _scale2(lds_u32(tab, field(a0, a1, a2, a3, pb * (2 * j), pb, rsh + 2) | slot), sa, scaled)
@@ -339,7 +376,7 @@ def _make_key_tile(kb: int):
             e0, e1, e2, e3 = mma_16816(x0, x1, x2, x3, qa[2 * j + 2], qa[2 * j + 3], e0, e1, e2, e3)
         return c0 + e0, c1 + e1, c2 + e2, c3 + e3
 
-    key_tile.__name__ = key_tile.__qualname__ = f"key_tile_k{kb}"
+    key_tile.__name__ = key_tile.__qualname__ = f"key_tile_k{kb}" + ("" if d == MMA_HEAD_DIM else f"_d{d}")
     return cuda_device(key_tile)
 
 
@@ -350,12 +387,12 @@ def _scale2(x, s, scaled):
     return hmul2(x, s) if scaled else x
 
 
-_KEY_TILE_2, _KEY_TILE_3, _KEY_TILE_4 = (_make_key_tile(kb) for kb in MMA_BITS)
+_KEY_TILE_2, _KEY_TILE_3, _KEY_TILE_4 = (make_key_tile(kb) for kb in MMA_BITS)
 
 
 @cuda_device
 def key_tile(kb, a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, slot, tab, qa, scaled):
-    """:func:`_make_key_tile` for the width ``kb`` (the same branch on every lane)."""
+    """:func:`make_key_tile` for the width ``kb`` (the same branch on every lane)."""
     if kb == 3:
         return _KEY_TILE_3(a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, slot, tab, qa, scaled)
     if kb == 4:
@@ -363,20 +400,21 @@ def key_tile(kb, a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, slot, tab, qa, scaled):
     return _KEY_TILE_2(a0, a1, a2, a3, sa, b0, b1, b2, b3, sb, slot, tab, qa, scaled)
 
 
-def _make_value_tile(vb: int):
+def make_value_tile(vb: int, d: int = MMA_HEAD_DIM):
     """``Oᵀ += Vᵀ·Pᵀ`` over one 16-token tile: ``A`` = the values (lane ``(gid, tig)`` holds the
     code bits of coordinates ``16·gid … + 15`` of tokens ``2tig, 2tig+1`` in ``xa``, ``xb`` and
     ``2tig+8, 2tig+9`` in ``xc``, ``xd``, block scales ``sa … sd``; unscaled with ``scaled``
     false: the weights carry a token's one scale), ``B`` = the weights ``pb0``, ``pb1``.
     Product ``j`` maps row ``gid`` of ``A`` to coordinate ``16·gid + 2j`` and row ``gid + 8``
     to ``16·gid + 2j + 1``: one pair-table entry of a token is both rows, and two tokens'
-    entries regroup into two A registers by a byte permutation."""
+    entries regroup into two A registers by a byte permutation.  ``d``: the head_dim, ``d / 16``
+    products (at 64: rows ``gid``, ``gid + 8`` are coordinates ``8·gid + 2j`` and ``+ 1``)."""
     pb = 2 * vb
     rep = min(32, TAB_SLOTS >> pb)
     rsh = rep.bit_length() - 1
 
     def value_tile(xa, xb, xc, xd, sa, sb, sc, sd, slot, tab, pb0, pb1, oacc, scaled):
-        for j in range(8):
+        for j in range(d // 16):
             ha = _scale2(lds_u32(tab, bits_at(xa, pb * j, pb, rsh + 2) | slot), sa, scaled)
             hb = _scale2(lds_u32(tab, bits_at(xb, pb * j, pb, rsh + 2) | slot), sb, scaled)
             hc = _scale2(lds_u32(tab, bits_at(xc, pb * j, pb, rsh + 2) | slot), sc, scaled)
@@ -385,16 +423,16 @@ def _make_value_tile(vb: int):
                 low_halves(ha, hb), high_halves(ha, hb), low_halves(hc, hd), high_halves(hc, hd),
                 pb0, pb1, oacc[4 * j], oacc[4 * j + 1], oacc[4 * j + 2], oacc[4 * j + 3])
 
-    value_tile.__name__ = value_tile.__qualname__ = f"value_tile_v{vb}"
+    value_tile.__name__ = value_tile.__qualname__ = f"value_tile_v{vb}" + ("" if d == MMA_HEAD_DIM else f"_d{d}")
     return cuda_device(value_tile)
 
 
-_VALUE_TILE_2, _VALUE_TILE_3, _VALUE_TILE_4 = (_make_value_tile(vb) for vb in MMA_BITS)
+_VALUE_TILE_2, _VALUE_TILE_3, _VALUE_TILE_4 = (make_value_tile(vb) for vb in MMA_BITS)
 
 
 @cuda_device
 def value_tile(vb, xa, xb, xc, xd, sa, sb, sc, sd, slot, tab, pb0, pb1, oacc, scaled):
-    """:func:`_make_value_tile` for the width ``vb`` (the same branch on every lane)."""
+    """:func:`make_value_tile` for the width ``vb`` (the same branch on every lane)."""
     if vb == 3:
         _VALUE_TILE_3(xa, xb, xc, xd, sa, sb, sc, sd, slot, tab, pb0, pb1, oacc, scaled)
     elif vb == 4:
@@ -424,16 +462,16 @@ def _column_sum(x):
     return x + shfl_xor_f32(x, 16)
 
 
-@cuda_device
-def stage_query_fragments(qs, d, gid, tig, rb, scale, qa):
-    """This lane's B fragments of the query row ``gid`` (``qs[gid·d + 32·tig + …]``, block
-    ``tig``): ``qa[2s] = (y[4s], y[4s+1])``, ``qa[2s+1] = (y[4s+2], y[4s+3])`` with ``y =
-    q·scale·2**k``, the power of two ``2**k`` of the row putting ``max|y|`` in ``[2**13,
-    2**14)``; zero rows past ``rb``.  Returns ``2**-k`` (multiplies the scores back)."""
-    o = gid * d + 32 * tig
+def _stage_query_fragments(qs, d, gid, tig, rb, scale, qa):
+    """This lane's B fragments of the query row ``gid`` (``qs[gid·d + s·tig + …]``, ``s =
+    HEAD_DIM / 4``: the coordinates of :func:`load_key`): ``qa[2s] = (y[4s], y[4s+1])``,
+    ``qa[2s+1] = (y[4s+2], y[4s+3])`` with ``y = q·scale·2**k``, the power of two ``2**k`` of
+    the row putting ``max|y|`` in ``[2**13, 2**14)``; zero rows past ``rb``.  Returns ``2**-k``
+    (multiplies the scores back)."""
+    o = gid * d + (HEAD_DIM // 4) * tig
     amax = float32(0.0)
     if gid < rb:
-        for j in range(32):
+        for j in range(HEAD_DIM // 4):
             amax = max(amax, abs(qs[o + j]))
     amax = _quad_max(amax) * abs(scale)
     f = float32(1.0)
@@ -444,7 +482,7 @@ def stage_query_fragments(qs, d, gid, tig, rb, scale, qa):
         while amax * f < float32(8192.0) and f < float32(1e30):
             f *= float32(2.0)
     k = scale * f
-    for s in range(8):
+    for s in range(HEAD_DIM // 16):
         if gid < rb:
             qa[2 * s] = pack_half2(qs[o + 4 * s] * k, qs[o + 4 * s + 1] * k)
             qa[2 * s + 1] = pack_half2(qs[o + 4 * s + 2] * k, qs[o + 4 * s + 3] * k)
@@ -501,7 +539,7 @@ def _mma_tiles(kb, vb, kq, vq, kc32, ks, vc32, vs, g, h, paged, kv_indices, firs
     token, whose weights are exact zeros)."""
     gid = lane >> 2
     tig = lane & 3
-    for i in range(32):
+    for i in range(HEAD_DIM // 4):
         oacc[i] = float32(0.0)
     m0 = m1 = NEG_INF
     l0 = l1 = float32(0.0)
@@ -532,18 +570,18 @@ def _mma_tiles(kb, vb, kq, vq, kc32, ks, vc32, vs, g, h, paged, kv_indices, firs
     t_lo32 = int32(t_lo)
     # (tokens clamped to the partition's last share the page of their tile's first, clamped)
     krow, ksrow = _tile_rows(kc32, ks, kb0, ksb0, *addr, min(t_lo32, t_last))
-    a0, a1, a2, a3, as2 = _key_at(kc32, ks, krow, ksrow, _tile_slot(*slot_of, min(int32(t_lo32 + gid), t_last)),
+    a0, a1, a2, a3, as2 = key_at(kc32, ks, krow, ksrow, _tile_slot(*slot_of, min(int32(t_lo32 + gid), t_last)),
                                   tig, kb, sshift)
-    b0, b1, b2, b3, bs2 = _key_at(kc32, ks, krow, ksrow, _tile_slot(*slot_of, min(int32(t_lo32 + 8 + gid), t_last)),
+    b0, b1, b2, b3, bs2 = key_at(kc32, ks, krow, ksrow, _tile_slot(*slot_of, min(int32(t_lo32 + 8 + gid), t_last)),
                                   tig, kb, sshift)
     for t0 in range(t_lo32, t_hi32, int32(16)):
         u = int32(t0 + 2 * tig)
         ta = int32(t0 + gid)
         vrow, vsrow = _tile_rows(vc32, vs, vb0, vsb0, *addr, min(t0, t_last))
-        xa, sa = _value_at(vc32, vs, vrow, vsrow, _tile_slot(*slot_of, min(u, t_last)), gid, vb, sshift)
-        xb, sb = _value_at(vc32, vs, vrow, vsrow, _tile_slot(*slot_of, min(int32(u + 1), t_last)), gid, vb, sshift)
-        xc, sc = _value_at(vc32, vs, vrow, vsrow, _tile_slot(*slot_of, min(int32(u + 8), t_last)), gid, vb, sshift)
-        xd, sd = _value_at(vc32, vs, vrow, vsrow, _tile_slot(*slot_of, min(int32(u + 9), t_last)), gid, vb, sshift)
+        xa, sa = value_at(vc32, vs, vrow, vsrow, _tile_slot(*slot_of, min(u, t_last)), gid, vb, sshift)
+        xb, sb = value_at(vc32, vs, vrow, vsrow, _tile_slot(*slot_of, min(int32(u + 1), t_last)), gid, vb, sshift)
+        xc, sc = value_at(vc32, vs, vrow, vsrow, _tile_slot(*slot_of, min(int32(u + 8), t_last)), gid, vb, sshift)
+        xd, sd = value_at(vc32, vs, vrow, vsrow, _tile_slot(*slot_of, min(int32(u + 9), t_last)), gid, vb, sshift)
         # one scale a token: those of this lane's score tokens ta, ta + 8 (1 with block scales)
         va = _token_scale(vs, vsrow, _tile_slot(*slot_of, min(ta, t_last)), tok, table)
         vb8 = _token_scale(vs, vsrow, _tile_slot(*slot_of, min(int32(ta + 8), t_last)), tok, table)
@@ -555,9 +593,9 @@ def _mma_tiles(kb, vb, kq, vq, kc32, ks, vc32, vs, g, h, paged, kv_indices, firs
             s00, s01, s10, s11 = key_tile(kb, a0, a1, a2, a3, _abs_half2(as2), b0, b1, b2, b3, _abs_half2(bs2), kslot,
                                           tab, qa, not tok)
         krow, ksrow = _tile_rows(kc32, ks, kb0, ksb0, *addr, min(int32(t0 + 16), t_last))
-        a0, a1, a2, a3, as2 = _key_at(kc32, ks, krow, ksrow, _tile_slot(*slot_of, min(int32(ta + 16), t_last)),
+        a0, a1, a2, a3, as2 = key_at(kc32, ks, krow, ksrow, _tile_slot(*slot_of, min(int32(ta + 16), t_last)),
                                       tig, kb, sshift)
-        b0, b1, b2, b3, bs2 = _key_at(kc32, ks, krow, ksrow, _tile_slot(*slot_of, min(int32(ta + 24), t_last)),
+        b0, b1, b2, b3, bs2 = key_at(kc32, ks, krow, ksrow, _tile_slot(*slot_of, min(int32(ta + 24), t_last)),
                                       tig, kb, sshift)
         alpha0, p00, p10, m0, l0 = _online_softmax(_masked(s00 * (inv0 * ka), ta, t_hi32, pos32, lim0),
                                                    _masked(s10 * (inv0 * kb8), int32(ta + 8), t_hi32, pos32, lim0),
@@ -568,7 +606,7 @@ def _mma_tiles(kb, vb, kq, vq, kc32, ks, vc32, vs, g, h, paged, kv_indices, firs
         if alpha0 != float32(1.0) or alpha1 != float32(1.0):
             # (exactly 1 while a row's maximum stands: in a long partition most tiles skip
             # the 32 multiplies; FlashAttention-3's rescaling rule, arXiv 2407.08608 §3)
-            for i in range(8):
+            for i in range(HEAD_DIM // 16):
                 oacc[4 * i] *= alpha0
                 oacc[4 * i + 1] *= alpha1
                 oacc[4 * i + 2] *= alpha0
@@ -593,8 +631,8 @@ def _mma_partition(kb, vb, kq, vq, kc32, ks, vc32, vs, g, h, paged, kv_indices, 
     first query row of a causal group, ``kf``/``vf``: the pair tables' factors, ``kq``/``vq``:
     VQ quads on a side, ``table``: the layer's scale table; the VQ build reads one scale a
     token only, the layouts of the head VQ code's)."""
-    qa = cuda.local.array(16, dtype=uint32)
-    oacc = cuda.local.array(32, dtype=float32)
+    qa = cuda.local.array(_QA_WORDS, dtype=uint32)
+    oacc = cuda.local.array(_OUT_SUMS, dtype=float32)
     gid = lane >> 2
     tig = lane & 3
     inv = stage_query_fragments(qs, d, gid, tig, rb, softmax_scale * float32(LOG2E), qa) * kf
@@ -610,7 +648,7 @@ def _mma_partition(kb, vb, kq, vq, kc32, ks, vc32, vs, g, h, paged, kv_indices, 
     if VQ_BUILD:
         m0, m1, l0, l1 = mma_tiles(*tiles, True)
         vf = vf * float32(2.0 if static_itemsize(vs) == 1 else 1.0)  # (8-bit norms: halved in the weights)
-    elif sshift >= 2:  # (head_dim 128: four 32-blocks share a scale, i.e. one a token)
+    elif (int32(1) << sshift) >= HEAD_DIM // 32:  # (every 32-block shares a scale: one a token)
         m0, m1, l0, l1 = mma_tiles(*tiles, True)
     else:
         m0, m1, l0, l1 = mma_tiles(*tiles, False)
@@ -618,25 +656,27 @@ def _mma_partition(kb, vb, kq, vq, kc32, ks, vc32, vs, g, h, paged, kv_indices, 
     store_mma_partition(m1, l1, oacc, 1, vf, active, rb, g, p, r0, lane, part_m, part_l, part_acc)
 
 
-@cuda_device
-def store_mma_partition(m, lsum, oacc, k, vf, active, rb, g, p, r0, lane, part_m, part_l, part_acc):
+def _store_mma_partition(m, lsum, oacc, k, vf, active, rb, g, p, r0, lane, part_m, part_l, part_acc):
     """Partition ``p``'s ``(m, l, acc)`` of this lane's row ``2tig + k`` (``k`` 0 or 1; ``m``
-    back to natural units, ``acc`` — coordinates ``16·gid + 2j`` and ``+ 1`` at ``oacc[4j +
-    k]``, ``oacc[4j + 2 + k]`` — times ``vf``, the V table's factor) if it is below ``rb``.
+    back to natural units, ``acc`` — coordinates ``s·gid + 2j`` and ``+ 1`` at ``oacc[4j +
+    k]``, ``oacc[4j + 2 + k]``, ``s = HEAD_DIM / 8`` — times ``vf``, the V table's factor) if
+    it is below ``rb``.
     Every lane calls it (the row sum is a shuffle over the lanes of one ``tig``)."""
     gid = lane >> 2
     rr = 2 * (lane & 3) + k
     lrow = _column_sum(lsum)
     if active and rr < rb:
         r = r0 + rr
-        for j in range(8):
-            part_acc[g, p, r, 16 * gid + 2 * j] = oacc[4 * j + k] * vf
-            part_acc[g, p, r, 16 * gid + 2 * j + 1] = oacc[4 * j + 2 + k] * vf
+        for j in range(HEAD_DIM // 16):
+            part_acc[g, p, r, (HEAD_DIM // 8) * gid + 2 * j] = oacc[4 * j + k] * vf
+            part_acc[g, p, r, (HEAD_DIM // 8) * gid + 2 * j + 1] = oacc[4 * j + 2 + k] * vf
         if gid == 0:
             part_m[g, p, r] = m * float32(LN2) if m != NEG_INF else NEG_INF
             part_l[g, p, r] = lrow
 
 
+stage_query_fragments = cuda_device(_stage_query_fragments)
+store_mma_partition = cuda_device(_store_mma_partition)
 mma_tiles = cuda_device(_mma_tiles)
 mma_partition = cuda_device(_mma_partition)
 #: the partition of the head VQ build (``decode_attention_mma_vq``): :data:`VQ_BUILD` bound

@@ -46,6 +46,9 @@ VQ_PAIR_COLUMNS = 512
 VQ_QUAD_COLUMNS = 1024
 #: bit of a table read's address where the entry's index goes (32 bytes an entry)
 _ENTRY_SHIFT = 5
+#: the head_dim the quad tiles are compiled for (:data:`numba_kv.ops.attention.mma.HEAD_DIM`,
+#: rebound with it by :mod:`numba_kv.ops.attention.mma_dims`)
+HEAD_DIM = 128
 
 
 @cuda_device
@@ -105,17 +108,16 @@ def quad_slot(lane, base, v):
     return (off | uint32(4 * TAB_SLOTS)) | base if v else off | base
 
 
-@cuda_device
-def key_tile_quads(a0, a1, b0, b1, slot, tab, qa):
+def _key_tile_quads(a0, a1, b0, b1, slot, tab, qa):
     """:func:`~numba_kv.ops.attention.mma.key_tile` of keys in VQ quads (token ``gid``'s block
     ``tig`` in ``a0, a1``, token ``gid + 8``'s in ``b0, b1``: 8 code bytes each): k-step ``j``
     takes pairs ``2j`` and ``2j + 1`` of a block, which are quad ``j``'s two words — one
-    ``ld.shared.v2.u32`` a token and k-step.  Codes unscaled (a token's one norm multiplies
-    its scores)."""
+    ``ld.shared.v2.u32`` a token and k-step (``HEAD_DIM / 16`` k-steps: at 64 a lane's 4 code
+    bytes in ``a0``, ``b0``).  Codes unscaled (a token's one norm multiplies its scores)."""
     c0 = c1 = c2 = c3 = float32(0.0)
     e0 = e1 = e2 = e3 = float32(0.0)
     z = uint32(0)
-    for j in range(0, 8, 2):
+    for j in range(0, HEAD_DIM // 16, 2):
         x0, x2 = lds_u32x2(tab, field(a0, a1, z, z, 8 * j, 8, _ENTRY_SHIFT) | slot)
         x1, x3 = lds_u32x2(tab, field(b0, b1, z, z, 8 * j, 8, _ENTRY_SHIFT) | slot)
         c0, c1, c2, c3 = mma_16816(x0, x1, x2, x3, qa[2 * j], qa[2 * j + 1], c0, c1, c2, c3)
@@ -125,14 +127,13 @@ def key_tile_quads(a0, a1, b0, b1, slot, tab, qa):
     return c0 + e0, c1 + e1, c2 + e2, c3 + e3
 
 
-@cuda_device
-def value_tile_quads(xa, xb, xc, xd, slot, tab, pb0, pb1, oacc):
+def _value_tile_quads(xa, xb, xc, xd, slot, tab, pb0, pb1, oacc):
     """:func:`~numba_kv.ops.attention.mma.value_tile` of values in VQ quads (each of the four
     tokens' coordinates ``16·gid … + 15``: 4 code bytes at the low bits of ``xa … xd``):
     products ``2i`` and ``2i + 1`` take pairs ``2i`` and ``2i + 1``, quad ``i``'s two words —
-    one ``ld.shared.v2.u32`` a token for two products.  Codes unscaled (the weights carry a
-    token's one norm)."""
-    for i in range(4):
+    one ``ld.shared.v2.u32`` a token for two products (at head_dim 64: coordinates ``8·gid …
+    + 7``, 2 bytes).  Codes unscaled (the weights carry a token's one norm)."""
+    for i in range(HEAD_DIM // 32):
         ha0, ha1 = lds_u32x2(tab, bits_at(xa, 8 * i, 8, _ENTRY_SHIFT) | slot)
         hb0, hb1 = lds_u32x2(tab, bits_at(xb, 8 * i, 8, _ENTRY_SHIFT) | slot)
         hc0, hc1 = lds_u32x2(tab, bits_at(xc, 8 * i, 8, _ENTRY_SHIFT) | slot)
@@ -145,3 +146,7 @@ def value_tile_quads(xa, xb, xc, xd, slot, tab, pb0, pb1, oacc):
         oacc[4 * j], oacc[4 * j + 1], oacc[4 * j + 2], oacc[4 * j + 3] = mma_16816(
             low_halves(ha1, hb1), high_halves(ha1, hb1), low_halves(hc1, hd1), high_halves(hc1, hd1),
             pb0, pb1, oacc[4 * j], oacc[4 * j + 1], oacc[4 * j + 2], oacc[4 * j + 3])
+
+
+key_tile_quads = cuda_device(_key_tile_quads)
+value_tile_quads = cuda_device(_value_tile_quads)

@@ -35,9 +35,9 @@ from .cores import EXACT_F16, EXACT_F32, EXACT_I8
 from .kernels import (
     DECODE_ATTENTION,
     DECODE_ATTENTION_MMA,
-    DECODE_ATTENTION_MMA_VQ,
     DECODE_ATTENTION_WARP,
     DECODE_ATTENTION_WARP_VQ,
+    MMA_TWINS,
     PAGED_DECODE_ATTENTION,
     PAGED_DECODE_ATTENTION_MMA,
     PAGED_DECODE_ATTENTION_WARP,
@@ -45,7 +45,7 @@ from .kernels import (
 )
 from .layout import F16_ABS_TABLE, CodeLayout, mma_layout_ok, mma_operands
 from .merge import MERGE_PARTITIONS
-from .mma import MMA_HEAD_DIM, MMA_THREADS, MMA_TILE, mma_partition_size
+from .mma import MMA_HEAD_DIMS, MMA_THREADS, MMA_TILE, mma_partition_size
 from .step_cpu import ROTATE_HEAD, flat_step_parallel, flat_step_serial
 from .warp import VROW, WARP_ROWS, warp_ok
 
@@ -105,7 +105,7 @@ def use_mma_kernel(dev: str, d: int, has_bias: bool, has_qjl: bool, klayout: Cod
     ----------
     dev : {"cpu", "cuda"}
     d : int
-        head_dim (the kernel takes :data:`~numba_kv.ops.attention.mma.MMA_HEAD_DIM`).
+        head_dim (the kernels take :data:`~numba_kv.ops.attention.mma.MMA_HEAD_DIMS`).
     has_bias, has_qjl : bool
         A logit bias or the QJL correction (only the block kernels apply them).
     klayout, vlayout : CodeLayout
@@ -115,8 +115,8 @@ def use_mma_kernel(dev: str, d: int, has_bias: bool, has_qjl: bool, klayout: Cod
     -------
     bool
         The warp kernel would run (:func:`use_warp_kernel`), the ``cuda_mma_attention`` knob
-        is on, ``d`` is 128 and both layouts are uniform with a pair or VQ table."""
-    return (d == MMA_HEAD_DIM and bool(_config.get("cuda_mma_attention"))
+        is on, ``d`` is 64 or 128 and both layouts are uniform with a pair or VQ table."""
+    return (d in MMA_HEAD_DIMS and bool(_config.get("cuda_mma_attention"))
             and use_warp_kernel(dev, d, has_bias, has_qjl) and mma_layout_ok(klayout) and mma_layout_ok(vlayout))
 
 
@@ -194,7 +194,7 @@ class AttentionPlan:
         mma = compressed and warp and use_mma_kernel(dev, d, has_bias, has_qjl, klayout, vlayout)
         self.variant = "mma" if mma else "warp" if warp else "block" if dev == _backend.CUDA else "cpu"
         self._fallback = DECODE_ATTENTION_WARP_VQ if vq else _KERNELS[self.paged]["warp"]  # (no word views)
-        self.kernel = ((DECODE_ATTENTION_MMA_VQ if mma else self._fallback) if vq and warp
+        self.kernel = (MMA_TWINS[d, self.paged, vq] if mma else self._fallback if vq and warp
                        else _KERNELS[self.paged][self.variant])
         self.threads = cuda_block_threads() if dev == _backend.CUDA else 0
         #: the partition kernel's last block merges (CUDA, the ``cuda_merge_last_block`` knob):
@@ -482,12 +482,12 @@ class FlatStep:
         #: reads its count on the device cover them all (:meth:`run`)
         self.capacity = int(kc.shape[1])
         if plan.variant == "mma":  # the tensor-core kernel reads the codes as 32-bit words
-            words = mma_operands(kc, ks, vc, vs, flat=True, norm8=plan.sshift >= 2)
+            words = mma_operands(kc, ks, vc, vs, flat=True, norm8=(32 << plan.sshift) >= plan.d)
             if words is None:
                 kernel = plan._fallback  # noqa: SLF001 - the plan's own fallback twin
             else:  # (8-bit norms: the VQ build reads them, one scale a token)
                 kc, ks, vc, vs = words
-                kernel = DECODE_ATTENTION_MMA_VQ if np.dtype(ks.dtype) == np.uint8 else kernel
+                kernel = MMA_TWINS[plan.d, False, True] if np.dtype(ks.dtype) == np.uint8 else kernel
         self._kernel = kernel
         self.comp_pos0 = int(comp_pos0)
         ke, ve, kes, ves, exact_kind = plan._exact_args(ke, ve, exact_scales)  # noqa: SLF001
