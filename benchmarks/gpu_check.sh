@@ -8,7 +8,7 @@
 #
 # Stages, in the order they run (the correctness gate first, the figures the issues ask for next, so that a
 # lease cut short keeps what matters), each under its own time limit (seconds, overridable), each log in
-# OUTDIR; about 12 minutes in all by default (the limits add up to 22):
+# OUTDIR; about 12 minutes in all by default (the limits add up to 23):
 #   1. tests_gpu.log:          the gpu_only and cuda tests on the real GPU (CuPy and Numba device arrays,
 #                              StepGraph capture and replay, the transformers cache on CUDA; TEST_LIMIT=200;
 #                              verbose, so that a run cut at its limit still names the tests that failed)
@@ -25,7 +25,8 @@
 #                              KERNELS_LIMIT=90)
 #   4. mma_check.log:          benchmarks/gpu_mma_check.py (tensor-core kernel: accuracy vs the CPU twin, A/B vs the
 #                              warp kernel, launch bounds and the partition rule before the wave model, torch SDPA,
-#                              GPU time of both; MMA_LIMIT=260; OLD=REV[,REV] or a folder
+#                              GPU time of both; the head_dim 64 build vs the warp kernel and torch: --d64;
+#                              MMA_LIMIT=300; OLD=REV[,REV] or a folder
 #                              holding extracted numba_kv_ab* packages adds those builds' tensor-core kernels to the A/B)
 #      bench_cuda_d64.*, bench_cuda_d64_warp.*: `numba-kv bench attention --device cuda --head-dim 64` (the
 #                              tensor-core *_d64 builds vs torch SDPA) and the same on the warp kernel
@@ -40,12 +41,12 @@
 #   8. attention_ab.log:       benchmarks/gpu_attention_ab.py (block vs warp kernel, launch bounds, copy bandwidth)
 # torch (for the SDPA baseline) is optional: without it the torch columns stay empty.
 #
-# QUICK=1 runs a short subset instead (about 7 minutes; limits add up to 8), for a lease of 15
+# QUICK=1 runs a short subset instead (about 6 minutes; limits add up to 8), for a lease of 15
 # minutes with time to rerun: the device tests and the tensor-core tests (tests/gpu,
 # tests/cuda/test_sim_mma.py, test_sim_mma_vq.py, test_sim_mma_dims.py), decode-step at T 4K (kv3 too), the
 # step's kernels at T 4K (pqo3), the tensor-core A/B at T 32K/128K, batch 8/32, 3 bits with GPU times (and kv3's
-# codes on the tensor-core and warp VQ builds at 32K), Nsight Compute at T 128K, batch 32, and the head_dim 64
-# builds against torch at T 32K, batch 8/32, 3 bits (bench_cuda_d64.*).
+# codes on the tensor-core and warp VQ builds at 32K; the head_dim 64 build against the warp kernel and torch:
+# --d64), and Nsight Compute at T 128K, batch 32.
 set -u
 out=${1:-benchmarks/results/gpu}
 py=${PYTHON:-python3}
@@ -85,13 +86,10 @@ if [ "${QUICK:-0}" = 1 ]; then
         --no-progress --json "$out/decode_step.json"
     stage "a step's kernels (T 4K, pqo3)" "${KERNELS_LIMIT:-60}" "$out/step_kernels.log" \
         "$py" benchmarks/gpu_step_kernels.py --modes pqo3 --tokens 4096
-    stage "tensor-core kernel: accuracy, A/B, torch (quick)" "${MMA_LIMIT:-130}" "$out/mma_check.log" \
-        "$py" benchmarks/gpu_mma_check.py --tokens 32768,131072 --batch 8,32 --bits 3 --device-time
+    stage "tensor-core kernel: accuracy, A/B, torch (quick)" "${MMA_LIMIT:-160}" "$out/mma_check.log" \
+        "$py" benchmarks/gpu_mma_check.py --tokens 32768,131072 --batch 8,32 --bits 3 --device-time --d64
     stage "ncu: the tensor-core kernel's counters (T 128K, batch 32)" "${NCU_LIMIT:-60}" "$out/profile_mma.log" \
         "$py" benchmarks/gpu_profile_mma.py --ncu auto --shapes 131072x32
-    stage "head_dim 64: tensor-core build vs torch (T 32K, 3 bits)" "${D64_LIMIT:-60}" "$out/bench_cuda_d64.txt" \
-        "$py" -m numba_kv.toolkit.cli bench attention --device cuda --head-dim 64 --tokens 32768 --batch 8,32 \
-        --bits 3 --no-progress --json "$out/bench_cuda_d64.json"
     exit $status
 fi
 stage "gpu tests" "${TEST_LIMIT:-200}" "$out/tests_gpu.log" \
@@ -116,8 +114,9 @@ stage "bench decode-step --device cuda, every launch through Numba (A/B of prepa
     --json "$out/decode_step_numba_launch.json"
 stage "a step's kernels, and the tensor-core partition length" "${KERNELS_LIMIT:-90}" "$out/step_kernels.log" \
     "$py" benchmarks/gpu_step_kernels.py --modes "${KERNELS_MODES:-pqo3}"
-stage "tensor-core kernel: accuracy, A/B vs warp kernel, torch" "${MMA_LIMIT:-260}" "$out/mma_check.log" \
-    "$py" benchmarks/gpu_mma_check.py --tokens 32768,131072 --batch 1,8,32 --bits 3,4 --device-time ${OLD:+--old "$OLD"}
+stage "tensor-core kernel: accuracy, A/B vs warp kernel, torch" "${MMA_LIMIT:-300}" "$out/mma_check.log" \
+    "$py" benchmarks/gpu_mma_check.py --tokens 32768,131072 --batch 1,8,32 --bits 3,4 --device-time --d64 \
+    ${OLD:+--old "$OLD"}
 stage "head_dim 64: the tensor-core *_d64 builds vs torch" "${D64_LIMIT:-90}" "$out/bench_cuda_d64.txt" \
     "$py" -m numba_kv.toolkit.cli bench attention --device cuda --head-dim 64 --tokens 32768,131072 --batch 1,8,32 \
     --no-progress --json "$out/bench_cuda_d64.json"

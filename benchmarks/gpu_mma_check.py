@@ -20,7 +20,10 @@
    ``cuda_wave_partitions`` knob off); each line ends with the lengths both rules pick.  A
    ``kv3 codes`` line per shape: the same K/V as ``kv3``'s head VQ codes (4-bit pairs for K,
    2-bit quads for V) on the tensor-core VQ build (``decode_attention_mma_vq``) and on the warp
-   kernel's VQ build (``cuda_mma_attention=0``), and their largest difference.
+   kernel's VQ build (``cuda_mma_attention=0``), and their largest difference.  With ``--d64``
+   a ``head_dim 64`` line per shape and width: the same shape at head_dim 64 on the
+   tensor-core ``decode_attention_mma_d64`` build, on the warp kernel (what such heads ran
+   before) and torch SDPA, GPU time too with ``--device-time``.
 
     python3 benchmarks/gpu_mma_check.py --tokens 32768,131072 --batch 1,8,32 [--old 2937c4b,95990cf]
 
@@ -252,7 +255,42 @@ def load_old_kernels(old: str) -> dict:
     return {f"mma {label}": nk.ops.TWINS["decode_attention_mma"].cuda for label, nk in packages.items()}
 
 
-def speed(cupy, tokens, batches, bits, repeat, device_time=False, vq_max_tokens=32768) -> None:
+def d64_line(cupy, t: int, b: int, nb: int, repeat: int, device_time: bool) -> None:
+    """One shape at head_dim 64 (8 KV heads × 4 query heads, ``nb``-bit block codes): the
+    tensor-core ``*_d64`` build and the warp kernel through the kernel path, and torch SDPA."""
+    hkv, groups, d = 8, 4, 64
+    rng = cupy.random.default_rng(1)
+    q = rng.standard_normal((b, hkv * groups, 1, d), dtype=cupy.float32)
+    k = rng.standard_normal((b, hkv, t, d), dtype=cupy.float32)
+    v = rng.standard_normal((b, hkv, t, d), dtype=cupy.float32)
+    ref = None
+    try:
+        ref = torch_sdpa(cupy, q, k.astype(cupy.float16), v.astype(cupy.float16), repeat, device_time)
+    except ImportError:
+        pass
+    kc, ks = quantize_blocks(k, nb)
+    vc, vs = quantize_blocks(v, nb)
+    cols, outs = [], {}
+    for name, knob in (("mma d64", 1), ("warp d64", 0)):
+        with knobs(cuda_mma_attention=knob):
+            fn = kernel_path(cupy, q, kc, ks, vc, vs, nb)
+            outs[name] = fn()
+            ms = time_cuda_ms(cupy, fn, repeat)
+            cols.append(f"{name} {ms:.3f} ms" + (f" x{ref[0] / ms:.2f}" if ref else ""))
+            if device_time:
+                dev_ms, ok = device_ms(cupy, fn, repeat)
+                x = f" x{ref[2] / dev_ms:.2f}" if ref and len(ref) > 2 else ""
+                cols.append(f"{name} device {dev_ms:.3f} ms{x}{'' if ok else ' (host not hidden)'}")
+    tline = f"torch {ref[1]} {ref[0]:.3f} ms" + (f" (device {ref[2]:.3f} ms)" if ref and device_time else "") \
+        if ref else "torch -"
+    diff = float(cupy.abs(outs["mma d64"] - outs["warp d64"]).max())
+    print(f"  T={t} batch={b} bits={nb} head_dim 64: " + "  ".join(cols) + f"  {tline}  max|mma-warp|={diff:.1e}",
+          flush=True)
+    del q, k, v, kc, ks, vc, vs, outs
+    cupy.get_default_memory_pool().free_all_blocks()
+
+
+def speed(cupy, tokens, batches, bits, repeat, device_time=False, vq_max_tokens=32768, d64=False) -> None:
     hkv, groups, d = 8, 4, 128
     rng = cupy.random.default_rng(0)
     print("speed (ms, best of repeats; GB/s = packed bytes read; xN = torch ms / ms)", flush=True)
@@ -344,6 +382,8 @@ def speed(cupy, tokens, batches, bits, repeat, device_time=False, vq_max_tokens=
             del vq_outs
             del k, v, q
             cupy.get_default_memory_pool().free_all_blocks()
+            for nb in bits if d64 else ():
+                d64_line(cupy, t, b, nb, repeat, device_time)
 
 
 def main() -> None:
@@ -356,6 +396,8 @@ def main() -> None:
     ap.add_argument("--kv3-max-tokens", type=int, default=32768, help="time kv3's codes at T up to this (0: never)")
     ap.add_argument("--device-time", action="store_true", help="also time the kernel path and torch with the host's "
                     "launch cost hidden behind a spin kernel (GPU time back to back)")
+    ap.add_argument("--d64", action="store_true", help="also time each shape at head_dim 64 (the *_d64 build, the "
+                    "warp kernel, torch)")
     ap.add_argument("--old", default=None, help="git revisions (comma-separated) or a folder of numba_kv_ab* packages: "
                     "time their mma kernels too")
     args = ap.parse_args()
@@ -370,7 +412,7 @@ def main() -> None:
     if not args.skip_accuracy:
         accuracy(cupy)
     speed(cupy, [int(x) for x in args.tokens.split(",")], [int(x) for x in args.batch.split(",")],
-          [int(x) for x in args.bits.split(",")], args.repeat, args.device_time, args.kv3_max_tokens)
+          [int(x) for x in args.bits.split(",")], args.repeat, args.device_time, args.kv3_max_tokens, args.d64)
     for name, kern in (("decode_attention_mma (this GPU's build)", running_build()), *VARIANTS.items(),
                        ("decode_attention_warp", TWINS["decode_attention_warp"].cuda)):
         try:
