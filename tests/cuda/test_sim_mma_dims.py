@@ -38,14 +38,15 @@ def _both(fn, *arrays, **kw):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("kbits, vbits, T, n_exact, q_len", [
-    (3, 3, 45, 0, 1),   # 3-bit halves mid-word (keys) and values crossing a word on some lanes
-    (4, 2, 37, 9, 2),   # GQA 4 × causal q_len 2, a window of exact tokens
-    (2, 4, 20, 0, 1),
+@pytest.mark.parametrize("kbits, vbits, T, n_exact, q_len, q_scale", [
+    (3, 3, 45, 0, 1, 1.0),   # 3-bit halves mid-word (keys) and values crossing a word on some lanes
+    (4, 2, 37, 9, 2, 1.0),   # GQA 4 × causal q_len 2, a window of exact tokens
+    (2, 4, 3, 0, 1, 3e5),    # 3 tokens (a tile mostly past the end); queries far beyond binary16
 ])
-def test_mma_d64_matches_cpu_twin(kbits, vbits, T, n_exact, q_len, monkeypatch):
-    """32-block codes with a scale per block (two blocks a head), keys spread ×4, 45 tokens in
-    partitions of 32 (a ragged last tile in each)."""
+def test_mma_d64_matches_cpu_twin(kbits, vbits, T, n_exact, q_len, q_scale, monkeypatch):
+    """32-block codes with a scale per block (two blocks a head), keys spread ×4, in partitions
+    of 32 (a ragged last tile in each); logits of a few units whatever ``q_scale`` (the row
+    scaling keeps the binary16 query fragments finite)."""
     launched = spy_launches(monkeypatch, (kernels, "DECODE_ATTENTION_MMA_D64"))
     rng = np.random.default_rng(kbits * 10 + vbits + 640)
     b, hkv, G = 1, 2, 4
@@ -53,8 +54,8 @@ def test_mma_d64_matches_cpu_twin(kbits, vbits, T, n_exact, q_len, monkeypatch):
     v = rng.standard_normal((b, hkv, T, D)).astype(np.float32)
     kc, ks = quantize_blocks(k, kbits)
     vc, vs = quantize_blocks(v, vbits)
-    q = rng.standard_normal((b, hkv * G, q_len, D)).astype(np.float32)
-    kw = dict(k_bits=kbits, v_bits=vbits, partition_size=32, softmax_scale=D ** -0.5)
+    q = (rng.standard_normal((b, hkv * G, q_len, D)) * q_scale).astype(np.float32)
+    kw = dict(k_bits=kbits, v_bits=vbits, partition_size=32, softmax_scale=D ** -0.5 / q_scale)
     if n_exact:
         kw["k_exact"] = rng.standard_normal((b, hkv, n_exact, D)).astype(np.float32)
         kw["v_exact"] = rng.standard_normal((b, hkv, n_exact, D)).astype(np.float32)

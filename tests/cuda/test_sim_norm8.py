@@ -92,13 +92,15 @@ def test_norm8_cache_on_device_matches_cpu(name, warp, monkeypatch):
 
 
 @pytest.mark.cuda
-def test_tensor_core_plan_runs_the_vq_build(monkeypatch):
-    """At head_dim 128 the plan picks the tensor-core kernel, whose scalar build reads binary16
-    scales: a norm8 layer's step runs its VQ build instead, which reads the norm bytes (scalar
-    codes too), and agrees with the CPU cache within binary16 rounding."""
-    launched = spy_launches(monkeypatch, (kernels, "DECODE_ATTENTION_MMA_VQ"))
+@pytest.mark.parametrize("d", [128, 64])
+def test_tensor_core_plan_runs_the_vq_build(d, monkeypatch):
+    """At head_dim 128 and 64 the plan picks the tensor-core kernel, whose scalar build reads
+    binary16 scales: a norm8 layer's step runs the VQ build of its head_dim instead, which
+    reads the norm bytes (scalar codes too; one norm a token: ``scale_shift`` 2 at 128, 1 at
+    64), and agrees with the CPU cache within binary16 rounding."""
+    vq = "decode_attention_mma_vq" + ("" if d == 128 else f"_d{d}")
+    launched = spy_launches(monkeypatch, (kernels, vq.upper()))
     rng = np.random.default_rng(4)
-    d = 128
     geo = dict(num_layers=1, num_kv_heads=1, head_dim=d, residual_length=1, sink_tokens=0, window_dtype="float32")
     cpu, dev = make_cache("pqo4-head-n8", **geo), make_cache("pqo4-head-n8", **geo)
     cfg = AttendConfig(d ** -0.5, 2)
@@ -112,7 +114,7 @@ def test_tensor_core_plan_runs_the_vq_build(monkeypatch):
     a = cpu.decode(0, k1, v1, q, cfg).out
     assert np.linalg.norm(to_host(b) - a) < 1e-3 * np.linalg.norm(a)  # (binary16 operands: ~3e-4)
     step = dev._layers[0].scratch["fused_step"].step
-    assert step.plan.variant == "mma" and step._kernel.name == "decode_attention_mma_vq"  # chosen, then the build
+    assert step.plan.variant == "mma" and step._kernel.name == vq  # chosen, then the build
     assert len(launched) == 1  # the VQ build ran
 
 
