@@ -8,7 +8,7 @@
 #
 # Stages, in the order they run (the correctness gate first, the figures the issues ask for next, so that a
 # lease cut short keeps what matters), each under its own time limit (seconds, overridable), each log in
-# OUTDIR; about 12 minutes in all by default (the limits add up to 23):
+# OUTDIR; about 13 minutes in all by default (the limits add up to 25):
 #   1. tests_gpu.log:          the gpu_only and cuda tests on the real GPU (CuPy and Numba device arrays,
 #                              StepGraph capture and replay, the transformers cache on CUDA; TEST_LIMIT=200;
 #                              verbose, so that a run cut at its limit still names the tests that failed)
@@ -17,6 +17,8 @@
 #                              columns; DECODE_LIMIT=90); decode_step_kv3.*: kv3 at T 4K and 32K (its VQ codes
 #                              run decode_attention_mma_vq, never timed before; one store launch, as kv4's),
 #                              decode_step_kv3_warp.*: the same on the warp VQ build (the A/B);
+#                              decode_step_d64.*: SmolLM2's shape (3 KV heads × 3, head_dim 64: the tensor-core
+#                              *_d64 builds) at T 4K and 32K;
 #                              decode_step_numba_launch.*: the same at T 4K with
 #                              NUMBA_KV_CUDA_PREPARED_LAUNCH=0 (every launch through Numba's typing: the A/B)
 #   3. step_kernels.log:       benchmarks/gpu_step_kernels.py (each launch of a batch-1 step timed alone, a
@@ -108,6 +110,9 @@ stage "bench decode-step --device cuda, kv3 on the warp VQ build (A/B of the ten
     "${DECODE_LIMIT:-90}" "$out/decode_step_kv3_warp.txt" env NUMBA_KV_CUDA_MMA_ATTENTION=0 \
     "$py" -m numba_kv.toolkit.cli bench decode-step --device cuda --tokens 4096,32768 --modes kv3 --no-torch \
     --no-progress --json "$out/decode_step_kv3_warp.json"
+stage "bench decode-step --device cuda, SmolLM2's shape (head_dim 64: the *_d64 builds)" "${DECODE_LIMIT:-90}" \
+    "$out/decode_step_d64.txt" "$py" -m numba_kv.toolkit.cli bench decode-step --device cuda --tokens 4096,32768 \
+    --head-dim 64 --kv-heads 3 --groups 3 --modes dense,pqo3,kv4,kv3 --no-progress --json "$out/decode_step_d64.json"
 stage "bench decode-step --device cuda, every launch through Numba (A/B of prepared launches)" "${DECODE_LIMIT:-90}" \
     "$out/decode_step_numba_launch.txt" env NUMBA_KV_CUDA_PREPARED_LAUNCH=0 \
     "$py" -m numba_kv.toolkit.cli bench decode-step --device cuda --tokens 4096 --no-torch --no-progress \
