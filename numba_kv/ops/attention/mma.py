@@ -160,10 +160,6 @@ HEAD_DIM = MMA_HEAD_DIM
 #: plain constants: rebound with it, :func:`head_dim_names`)
 _QA_WORDS, _OUT_SUMS = HEAD_DIM // 8, HEAD_DIM // 4
 
-
-def head_dim_names(d: int) -> dict:
-    """The globals that make this module's tiles a build for head_dim ``d``."""
-    return {"HEAD_DIM": d, "_QA_WORDS": d // 8, "_OUT_SUMS": d // 4}
 #: tokens per tile (the A rows of a score product and the k-slots of a value product)
 MMA_TILE = 16
 #: threads per block of the kernel and its launch bounds' blocks per SM: ptxas takes 154 and
@@ -184,6 +180,22 @@ MMA_BLOCKS_PER_SM_SM90 = 4
 MMA_BITS = (2, 3, 4)
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+
+
+def head_dim_names(d: int) -> dict:
+    """The globals that make this module's tiles a build for head_dim ``d``.
+
+    Parameters
+    ----------
+    d : int
+        One of :data:`MMA_HEAD_DIMS`.
+
+    Returns
+    -------
+    dict
+        ``{name: value}`` for :func:`~numba_kv._jit.specialize` (:data:`HEAD_DIM` and the
+        local array sizes that follow from it)."""
+    return {"HEAD_DIM": d, "_QA_WORDS": d // 8, "_OUT_SUMS": d // 4}
 
 
 @cuda_device
@@ -306,12 +318,14 @@ def load_value(vc32, vs, vo, so, gid, vb, sshift):
 
 @cuda_device
 def key_at(kc32, ks, krow, ksrow, t, tig, kb, sshift):
+    """:func:`load_key` of the token at row ``t`` from its tile's rows ``krow``, ``ksrow``."""
     ko, so = _token_rows(kc32, ks, krow, ksrow, t)
     return load_key(kc32, ks, ko, so, tig, kb, sshift)
 
 
 @cuda_device
 def value_at(vc32, vs, vrow, vsrow, t, gid, vb, sshift):
+    """:func:`load_value` of the token at row ``t`` from its tile's rows ``vrow``, ``vsrow``."""
     vo, so = _token_rows(vc32, vs, vrow, vsrow, t)
     return load_value(vc32, vs, vo, so, gid, vb, sshift)
 
